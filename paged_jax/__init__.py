@@ -1,0 +1,30 @@
+"""paged-jax: a vLLM-style paged LLM inference engine in JAX.
+
+Public API (imported lazily so `import paged_jax` stays cheap):
+``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "paged_jax.llm",
+    "SamplingParams": "paged_jax.sampling_params",
+    "EngineArgs": "paged_jax.config",
+    "RequestOutput": "paged_jax.outputs",
+    "CompletionOutput": "paged_jax.outputs",
+    "LLMEngine": "paged_jax.engine",
+    "generate": "paged_jax.generate",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

