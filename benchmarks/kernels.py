@@ -1,0 +1,444 @@
+"""Benchmark of ragged paged attention on one GPU (H200): decode bandwidth, prefill/mixed TFLOP/s.
+
+Run on the GPU machine from the repo root:
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 benchmarks/kernels.py --out $OUT
+
+Sections (``--sections``, comma separated): ``ceiling`` (device copy / elementwise / read-only bandwidth and a bf16
+matmul), ``check`` (kernel vs the jnp reference on the GPU, many shapes, before any timing), ``decode`` (Llama-3-8B
+head shape: 32 q heads, 8 kv heads, head_dim 128, bf16, block_size 16; batch x context grid; ours vs the XLA
+reference vs JAX's deprecated ``pallas.ops.gpu.paged_attention``), ``decode_sweep`` and ``prefill_sweep`` (tuning
+variants), ``prefill`` (4k-token prefill, chunked prefill, mixed batch).
+
+Timing: each measured call runs ``n_inner`` attention steps inside one jitted ``fori_loop`` (the output feeds the
+next step's queries, so nothing is hoisted, and the block table rotates over ``R`` disjoint copies of the KV so the
+50 MB L2 cannot serve repeated reads), after a compile call and a warm-up call; median of ``--repeats`` calls with
+``block_until_ready``. Inputs are fresh random normals. Results go to ``<out>/kernels.log`` and ``<out>/kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from paged_jax.ops.ragged_paged_attention import ragged_paged_attention  # noqa: E402
+from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
+from paged_jax.ops.ragged_paged_attention.triton_kernel import default_tuning  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128  # Llama-3-8B attention shape
+BLOCK_SIZE = 16
+DTYPE = jnp.bfloat16
+SM_SCALE = 1.0 / math.sqrt(D)
+L2_DEFEAT_BYTES = 512 << 20  # rotate over this much KV so repeated steps miss the L2
+
+INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke test of this script)
+LOG_LINES: list[str] = []
+RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "prefill": [],
+                 "prefill_sweep": [], "errors": []}
+
+
+def log(msg: str = ""):
+    print(msg, flush=True)
+    LOG_LINES.append(msg)
+
+
+def median_time(fn, args, repeats: int) -> float:
+    """Median seconds of one call of ``fn(*args)`` after a compile call and a warm-up call."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Problem construction
+
+
+def make_batch(key, q_lens, kv_lens, *, num_rotations=1, pad_tokens=0, pad_seqs=0, dtype=DTYPE,
+               hq=HQ, hkv=HKV, d=D, block_size=BLOCK_SIZE):
+    """Random ragged batch. Returns dict with q, k_pages, v_pages, kv_lens, block_tables [R, S, mb], cu_q_lens."""
+    q_lens = np.asarray(list(q_lens) + [0] * pad_seqs, np.int32)
+    kv_lens = np.asarray(list(kv_lens) + [0] * pad_seqs, np.int32)
+    num_seqs = len(q_lens)
+    max_blocks = int(max(1, -(-int(kv_lens.max()) // block_size)))
+    blocks_per_rot = num_seqs * max_blocks
+    num_blocks = 1 + num_rotations * blocks_per_rot
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    perm = rng.permutation(np.arange(1, num_blocks, dtype=np.int32))
+    tables = perm.reshape(num_rotations, num_seqs, max_blocks)
+    # Unused logical blocks of shorter sequences point at the null block, as the engine does.
+    used = np.arange(max_blocks)[None, :] < (-(-kv_lens // block_size))[:, None]
+    tables = np.where(used[None], tables, 0).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + pad_tokens
+    kq, kk, kv = jax.random.split(key, 3)
+    gen = jax.jit(lambda k, shape: jax.random.normal(k, shape, dtype), static_argnums=1)
+    return dict(
+        q=gen(kq, (num_tokens, hq, d)),
+        k_pages=gen(kk, (num_blocks, block_size, hkv, d)),
+        v_pages=gen(kv, (num_blocks, block_size, hkv, d)),
+        kv_lens=jnp.asarray(kv_lens),
+        block_tables=jnp.asarray(tables),
+        cu_q_lens=jnp.asarray(cu),
+        q_lens_np=q_lens,
+        kv_lens_np=kv_lens,
+    )
+
+
+def kv_bytes_read(b):
+    itemsize = jnp.dtype(b["k_pages"].dtype).itemsize
+    _, _, hkv, d = b["k_pages"].shape
+    return int(b["kv_lens_np"].sum()) * hkv * d * 2 * itemsize
+
+
+def io_bytes(b):
+    return kv_bytes_read(b) + 2 * b["q"].size * jnp.dtype(b["q"].dtype).itemsize + b["block_tables"][0].size * 4
+
+
+def attention_flops(b, sliding_window=None):
+    """Useful FLOPs: 2 dots of 2*D FLOPs per (query head, visible key)."""
+    total_visible = 0
+    for ql, kl in zip(b["q_lens_np"], b["kv_lens_np"]):
+        pos = np.arange(kl - ql, kl, dtype=np.int64)
+        vis = pos + 1 if sliding_window is None else np.minimum(pos + 1, sliding_window)
+        total_visible += int(vis.sum())
+    hq, d = b["q"].shape[1], b["q"].shape[2]
+    return 4 * hq * d * total_visible
+
+
+def looped(step_fn, n_inner):
+    """jit(fn) running ``n_inner`` dependent steps; rotates the block table copy each step."""
+
+    @jax.jit
+    def run(q, k_pages, v_pages, kv_lens, tables, cu):
+        rotations = tables.shape[0]
+
+        def body(i, q):
+            bt = lax.dynamic_index_in_dim(tables, i % rotations, keepdims=False)
+            return step_fn(q, k_pages, v_pages, kv_lens, bt, cu).astype(q.dtype)
+
+        return lax.fori_loop(0, n_inner, body, q)
+
+    return run
+
+
+def ours(**tuning):
+    return lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+        q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE, impl="pallas", interpret=INTERPRET, **tuning)
+
+
+def reference_fn(q, kp, vp, kl, bt, cu):
+    return ragged_paged_attention_reference(q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE)
+
+
+def time_step(step_fn, b, est_seconds, repeats):
+    n_inner = int(min(200, max(1, math.ceil(4e-3 / max(est_seconds, 1e-7)))))
+    run = looped(step_fn, n_inner)
+    args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
+    return median_time(run, args, repeats) / n_inner, n_inner
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def section_ceiling(args):
+    log("== ceilings ==")
+    n = (4 << 30) // 2
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: jnp.copy(a))
+    y = copy(x)
+    aliased = y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+    del y
+    t = median_time(copy, (x,), args.repeats)
+    copy_bw = 2 * x.nbytes / t
+    t = median_time(jax.jit(lambda a: a * 1.5 + 1.0), (x,), args.repeats)
+    ew_bw = 2 * x.nbytes / t
+    t = median_time(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (x,), args.repeats)
+    read_bw = x.nbytes / t
+    del x
+    gc.collect()
+    m = 8192
+    a = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    bm = jax.random.normal(jax.random.key(3), (m, m), jnp.bfloat16)
+    t = median_time(jax.jit(lambda u, v: u @ v), (a, bm), args.repeats)
+    mm = 2 * m**3 / t
+    del a, bm
+    RESULTS["ceiling"] = dict(copy_GBps=copy_bw / 1e9, copy_output_aliased_input=bool(aliased),
+                              elementwise_GBps=ew_bw / 1e9, read_sum_GBps=read_bw / 1e9, matmul_TFLOPs=mm / 1e12)
+    log(f"device copy 4 GiB (read+write): {copy_bw/1e9:8.0f} GB/s (aliased={aliased})")
+    log(f"elementwise x*1.5+1 (read+write): {ew_bw/1e9:8.0f} GB/s")
+    log(f"read-only sum:                   {read_bw/1e9:8.0f} GB/s")
+    log(f"bf16 8192^3 matmul:              {mm/1e12:8.1f} TFLOP/s")
+
+
+def section_check(args):
+    """Kernel vs reference on the GPU: relative L2 error and max abs error, every shape family."""
+    log("== correctness on GPU (kernel vs jnp reference, fp32 math) ==")
+    key = jax.random.key(10)
+    cases = [
+        # name, q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning
+        ("decode gqa4 d128 bs16", [1] * 7, [1, 17, 100, 512, 33, 16, 2049], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+        ("decode gqa4 bs16 splits", [1] * 3, [4000, 17, 2500], 32, 8, 128, 16, jnp.bfloat16, None,
+         dict(num_kv_splits=7)),
+        ("prefill gqa4 d128", [300, 77], [300, 77], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+        ("mixed chunked gqa8 d64 bs64", [129, 1, 1, 40], [1000, 64, 700, 40], 16, 2, 64, 64, jnp.bfloat16, None, {}),
+        ("mixed gqa1 d128 bs128", [64, 1, 3], [200, 129, 300], 8, 8, 128, 128, jnp.bfloat16, None, {}),
+        ("prefill gqa4 fp32", [100, 1], [260, 50], 16, 4, 128, 16, jnp.float32, None, {}),
+        ("window 64 mixed", [80, 1, 1], [300, 200, 33], 32, 8, 128, 16, jnp.bfloat16, 64, {}),
+        ("window 128 splits", [1, 1], [3000, 129], 32, 8, 128, 32, jnp.bfloat16, 128, dict(num_kv_splits=4)),
+        ("prefill fp16 bq32", [200], [450], 32, 8, 128, 16, jnp.float16, None, dict(block_q=32, block_k=128)),
+    ]
+    for name, ql, kl, hq, hkv, d, bs, dtype, window, tuning in cases[: args.check_cases]:
+        key, sub = jax.random.split(key)
+        b = make_batch(sub, ql, kl, pad_tokens=5, pad_seqs=2, dtype=dtype, hq=hq, hkv=hkv, d=d, block_size=bs)
+        bt = b["block_tables"][0]
+        scale = 1.0 / math.sqrt(d)
+        try:
+            out = jax.jit(lambda q, kp, vp, kl_, bt_, cu: ragged_paged_attention(
+                q, kp, vp, kl_, bt_, cu, sm_scale=scale, sliding_window=window, impl="pallas", interpret=INTERPRET,
+                **tuning))(
+                b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], bt, b["cu_q_lens"])
+            ref = jax.jit(lambda q, kp, vp, kl_, bt_, cu: ragged_paged_attention_reference(
+                q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), kl_, bt_, cu,
+                sm_scale=scale, sliding_window=window))(
+                b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], bt, b["cu_q_lens"])
+            out = np.asarray(out.astype(jnp.float32))
+            ref = np.asarray(ref)
+            n_real = int(b["cu_q_lens"][-1])
+            rel = float(np.linalg.norm(out[:n_real] - ref[:n_real]) / np.linalg.norm(ref[:n_real]))
+            max_abs = float(np.abs(out - ref).max())
+            pad_zero = bool(np.all(out[n_real:] == 0))
+            finite = bool(np.isfinite(out).all())
+            tol = 1e-4 if dtype == jnp.float32 else 2e-2
+            ok = finite and pad_zero and rel < tol
+            RESULTS["check"].append(dict(case=name, rel_l2=rel, max_abs=max_abs, pad_zero=pad_zero, ok=ok))
+            log(f"{'OK ' if ok else 'BAD'} {name:32s} rel_l2={rel:.2e} max_abs={max_abs:.2e} pad_zero={pad_zero}")
+        except Exception as e:  # keep going: report every failing family
+            RESULTS["check"].append(dict(case=name, ok=False, error=repr(e)[:2000]))
+            log(f"ERR {name}: {e!r}"[:3000])
+            traceback.print_exc()
+
+
+def _jax_paged_attention_step(b):
+    """JAX's deprecated Pallas paged_attention on the same problem, in its own layout (decode only)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+    def step(q, kp_h, vp_h, kl, bt, cu):
+        return jpa.paged_attention(q, kp_h, vp_h, bt, kl, interpret=INTERPRET)
+
+    return step
+
+
+def section_decode(args):
+    log("== decode: Llama-3-8B heads (32q/8kv, d128), bf16, block_size 16; GB/s = (KV + q + out bytes) / time ==")
+    ceiling = RESULTS["ceiling"].get("copy_GBps")
+    key = jax.random.key(20)
+    batches = [int(x) for x in args.decode_batches.split(",")]
+    contexts = [int(x) for x in args.decode_contexts.split(",")]
+    log(f"{'batch':>5} {'ctx':>6} {'tuning':>22} | {'ours us':>9} {'GB/s':>6} {'%ceil':>5} | "
+        f"{'jax_pa us':>9} {'GB/s':>6} | {'xla_ref us':>10} {'GB/s':>6}")
+    for ctx in contexts:
+        for batch in batches:
+            key, sub = jax.random.split(key)
+            case_bytes = batch * ctx * HKV * D * 2 * 2
+            rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
+            row = dict(batch=batch, context=ctx, rotations=rot)
+            try:
+                b = make_batch(sub, [1] * batch, [ctx] * batch, num_rotations=rot)
+                nbytes = io_bytes(b)
+                est = nbytes / 3.0e12
+                tun = default_tuning(batch, batch, HQ, HKV, b["block_tables"].shape[2], BLOCK_SIZE)
+                row["tuning"] = tun
+                t, n_inner = time_step(ours(), b, est, args.repeats)
+                row.update(ours_us=t * 1e6, ours_GBps=nbytes / t / 1e9, bytes=nbytes, n_inner=n_inner)
+                if ceiling:
+                    row["ours_frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+                try:
+                    bj = dict(b)
+                    bj["k_pages"] = jnp.transpose(b["k_pages"], (2, 0, 1, 3))
+                    bj["v_pages"] = jnp.transpose(b["v_pages"], (2, 0, 1, 3))
+                    del b["k_pages"], b["v_pages"]
+                    gc.collect()
+                    tj, _ = time_step(_jax_paged_attention_step(bj), bj, est, args.repeats)
+                    row.update(jax_pa_us=tj * 1e6, jax_pa_GBps=nbytes / tj / 1e9)
+                    b["k_pages"] = jnp.transpose(bj["k_pages"], (1, 2, 0, 3))
+                    b["v_pages"] = jnp.transpose(bj["v_pages"], (1, 2, 0, 3))
+                    del bj
+                except Exception as e:
+                    row["jax_pa_error"] = repr(e)[:500]
+                    if "k_pages" not in b:
+                        b["k_pages"] = jnp.transpose(bj["k_pages"], (1, 2, 0, 3))
+                        b["v_pages"] = jnp.transpose(bj["v_pages"], (1, 2, 0, 3))
+                if batch * ctx <= args.ref_max_tokens:
+                    tr, _ = time_step(reference_fn, b, est * 10, max(3, args.repeats // 2))
+                    row.update(ref_us=tr * 1e6, ref_GBps=nbytes / tr / 1e9)
+                tun_s = f"bq{tun['block_q']} bk{tun['block_k']} s{tun['num_kv_splits']} w{tun['num_warps']}"
+                log(f"{batch:5d} {ctx:6d} {tun_s:>22} | {row['ours_us']:9.1f} {row['ours_GBps']:6.0f} "
+                    f"{100 * row.get('ours_frac_copy_ceiling', float('nan')):5.1f} | "
+                    f"{row.get('jax_pa_us', float('nan')):9.1f} {row.get('jax_pa_GBps', float('nan')):6.0f} | "
+                    f"{row.get('ref_us', float('nan')):10.1f} {row.get('ref_GBps', float('nan')):6.0f}"
+                    + (f"  jax_pa_error={row['jax_pa_error'][:80]}" if "jax_pa_error" in row else ""))
+            except Exception as e:
+                row["error"] = repr(e)[:2000]
+                log(f"ERR decode batch={batch} ctx={ctx}: {e!r}"[:2000])
+                traceback.print_exc()
+            RESULTS["decode"].append(row)
+            b = bj = None
+            gc.collect()
+
+
+def section_decode_sweep(args):
+    log("== decode tuning sweep ==")
+    key = jax.random.key(30)
+    cases = [(32, 2048), (32, 8192), (1, 32768), (256, 2048), (8, 8192)]
+    variants = [
+        {}, dict(block_k=32), dict(block_k=128), dict(num_stages=3), dict(num_stages=4),
+        dict(block_k=128, num_stages=3), dict(num_warps=8), dict(num_warps=2),
+    ]
+    for batch, ctx in cases:
+        key, sub = jax.random.split(key)
+        case_bytes = batch * ctx * HKV * D * 2 * 2
+        rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
+        b = make_batch(sub, [1] * batch, [ctx] * batch, num_rotations=rot)
+        nbytes = io_bytes(b)
+        base = default_tuning(batch, batch, HQ, HKV, b["block_tables"].shape[2], BLOCK_SIZE)
+        more = [dict(num_kv_splits=max(1, base["num_kv_splits"] * 2)),
+                dict(num_kv_splits=max(1, base["num_kv_splits"] // 2))]
+        for var in variants + more:
+            try:
+                t, _ = time_step(ours(**var), b, nbytes / 3e12, args.repeats)
+                RESULTS["decode_sweep"].append(dict(batch=batch, context=ctx, variant=var, us=t * 1e6,
+                                                    GBps=nbytes / t / 1e9))
+                log(f"batch {batch:4d} ctx {ctx:6d} {str(var):40s} {t*1e6:9.1f} us {nbytes/t/1e9:7.0f} GB/s")
+            except Exception as e:
+                RESULTS["decode_sweep"].append(dict(batch=batch, context=ctx, variant=var, error=repr(e)[:500]))
+                log(f"ERR sweep {batch} {ctx} {var}: {e!r}"[:600])
+        b = None
+        gc.collect()
+
+
+def _prefill_cases():
+    return [
+        ("prefill 1x4096", [4096], [4096]),
+        ("prefill 4x1024", [1024] * 4, [1024] * 4),
+        ("chunked 512 over 3584 prefix", [512], [4096]),
+        ("mixed 256-chunk@2048 + 255 decodes@2048", [256] + [1] * 255, [2048] * 256),
+        ("prefill 1x16384", [16384], [16384]),
+    ]
+
+
+def section_prefill(args, variants=None, sweep=False):
+    log("== prefill / mixed: TFLOP/s = 4*Hq*D*(visible keys) / time ==" if not sweep else "== prefill sweep ==")
+    mm = RESULTS["ceiling"].get("matmul_TFLOPs")
+    key = jax.random.key(40 if not sweep else 50)
+    cases = _prefill_cases() if not sweep else _prefill_cases()[:1] + _prefill_cases()[3:4]
+    variants = variants or [{}]
+    for name, ql, kl in cases:
+        key, sub = jax.random.split(key)
+        b = make_batch(sub, ql, kl, num_rotations=1)
+        flops = attention_flops(b)
+        est = flops / 300e12
+        for var in variants:
+            row = dict(case=name, variant=var, flops=flops)
+            try:
+                t, n_inner = time_step(ours(**var), b, est, args.repeats)
+                row.update(ours_us=t * 1e6, ours_TFLOPs=flops / t / 1e12, n_inner=n_inner)
+                if mm:
+                    row["frac_matmul"] = flops / t / 1e12 / mm
+                if not sweep and sum(ql) <= args.ref_max_prefill:
+                    tr, _ = time_step(reference_fn, b, est * 20, 3)
+                    row.update(ref_us=tr * 1e6, ref_TFLOPs=flops / tr / 1e12)
+                log(f"{name:42s} {str(var):48s} {row['ours_us']:9.1f} us {row['ours_TFLOPs']:6.1f} TFLOP/s "
+                    f"({100 * row.get('frac_matmul', float('nan')):4.1f}% of matmul)"
+                    + (f" | xla_ref {row['ref_us']:9.1f} us {row['ref_TFLOPs']:6.1f} TFLOP/s" if "ref_us" in row
+                       else ""))
+            except Exception as e:
+                row["error"] = repr(e)[:2000]
+                log(f"ERR {name} {var}: {e!r}"[:2000])
+            RESULTS["prefill_sweep" if sweep else "prefill"].append(row)
+        b = None
+        gc.collect()
+
+
+PREFILL_VARIANTS = [
+    {}, dict(block_q=16, block_k=64, num_warps=4), dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
+    dict(block_q=16, block_k=128, num_warps=8), dict(block_q=32, block_k=64, num_warps=8),
+    dict(block_q=32, block_k=64, num_warps=8, num_stages=3), dict(block_q=32, block_k=128, num_warps=8),
+    dict(block_q=32, block_k=32, num_warps=4, num_stages=3),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--sections", default="ceiling,check,decode,prefill,decode_sweep,prefill_sweep")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--decode-batches", default="1,8,32,64,128,256")
+    parser.add_argument("--decode-contexts", default="512,2048,8192,32768")
+    parser.add_argument("--ref-max-tokens", type=int, default=64 * 8192, help="skip the XLA reference above this")
+    parser.add_argument("--ref-max-prefill", type=int, default=4096)
+    parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
+    parser.add_argument("--check-cases", type=int, default=100, help="run only the first N correctness cases")
+    args = parser.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    RESULTS["meta"] = dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev)),
+                           backend=jax.default_backend(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                           argv=sys.argv)
+    log(f"jax {jax.__version__} on {RESULTS['meta']['device']} ({jax.default_backend()})")
+    t_start = time.time()
+    sections = args.sections.split(",")
+    for sec in sections:
+        t0 = time.time()
+        try:
+            if sec == "ceiling":
+                section_ceiling(args)
+            elif sec == "check":
+                section_check(args)
+            elif sec == "decode":
+                section_decode(args)
+            elif sec == "decode_sweep":
+                section_decode_sweep(args)
+            elif sec == "prefill":
+                section_prefill(args)
+            elif sec == "prefill_sweep":
+                section_prefill(args, variants=PREFILL_VARIANTS, sweep=True)
+            else:
+                raise ValueError(f"unknown section {sec!r}")
+        except Exception as e:
+            RESULTS["errors"].append(dict(section=sec, error=repr(e)[:2000]))
+            log(f"ERR section {sec}: {e!r}"[:2000])
+            traceback.print_exc()
+        log(f"-- section {sec} took {time.time() - t0:.1f} s")
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+        with open(os.path.join(args.out, "kernels.log"), "w") as f:
+            f.write("\n".join(LOG_LINES) + "\n")
+    log(f"total {time.time() - t_start:.1f} s")
+    with open(os.path.join(args.out, "kernels.log"), "w") as f:
+        f.write("\n".join(LOG_LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Offline throughput of the paged-jax engine on the standard workloads (FACTS.md).
+
+Examples (on the H200, dummy weights in real shapes):
+  python -m benchmarks.throughput --shape qwen3-0.6b --workload nano-vllm --out $OUT/nanovllm.json
+  python -m benchmarks.throughput --shape llama-3.1-8b --workload vllm-default
+  python -m benchmarks.throughput --model /path/to/hf_dir --workload random --input-len 512 --output-len 128
+
+Prints one JSON object: requests/s, total and output tok/s, wall time, and the fraction of the physical floor
+(benchmarks/floors.py). Compilation stays out of the timed region: the engine compiles every bucket at start-up,
+and a short warm-up generate runs before the clock starts.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_PROCESS_START = time.perf_counter()  # before jax is imported: start-up time counts from here
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+
+
+def _versions() -> dict:
+    import flax
+    import jax
+    import jaxlib
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+            "python": platform.python_version(), "device": str(jax.devices()[0].device_kind),
+            "backend": jax.default_backend(), "commit": commit or None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF checkpoint directory")
+    src.add_argument("--shape", help="named shape with dummy weights (models/presets.py)")
+    p.add_argument("--workload", default="nano-vllm", choices=["nano-vllm", "vllm-default", "random"])
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--input-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--startup-only", action="store_true",
+                   help="only measure process start -> first token (run twice: cold, then warm compile cache)")
+    p.add_argument("--out", help="write the JSON result here")
+    args = p.parse_args(argv)
+
+    from benchmarks.floors import workload_floor
+    from benchmarks.workloads import by_name
+    from models.config import ModelConfig
+    from models.presets import preset_config
+    from paged_jax import LLM, SamplingParams
+
+    llm = LLM(model=args.model or args.shape, load_format="dummy" if args.shape else "auto", dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, block_size=args.block_size,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl)
+    first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    t_first_token = time.perf_counter() - _T_PROCESS_START
+    assert len(first[0].outputs[0].token_ids) == 1
+    result: dict = {"startup_to_first_token_s": t_first_token, "versions": _versions(),
+                    "argv": sys.argv[1:] if argv is None else argv}
+    if args.startup_only:
+        print(json.dumps(result, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
+
+    workload = by_name(args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
+                       output_len=args.output_len)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos, max_tokens=r.max_tokens,
+                             seed=i) for i, r in enumerate(workload.requests)]
+    # Warm-up on a few requests of the same workload so lazily created host state is in place.
+    llm.generate(prompts[:4], [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)] * 4,
+                 use_tqdm=False)
+
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert out_tokens == workload.output_tokens, (out_tokens, workload.output_tokens)
+    config = llm.llm_engine.model_config if args.model else preset_config(args.shape)
+    if not isinstance(config, ModelConfig):
+        config = ModelConfig.from_pretrained(args.model)
+    floor = workload_floor(config, workload, args.max_num_seqs)
+    stats = llm.llm_engine.stats()
+    result.update({
+        "workload": workload.name, "num_requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
+        "requests_per_s": len(workload.requests) / elapsed,
+        "total_tok_s": (workload.prompt_tokens + out_tokens) / elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed,
+        "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+    })
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

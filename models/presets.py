@@ -1,0 +1,69 @@
+"""Named model shapes (public config.json figures) for benchmarks with random ("dummy") weights.
+
+No weights are involved: each preset is the HF ``config.json`` dict of a public model, so a benchmark can build the
+real shape with ``load_format="dummy"`` on a machine that has no checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import ModelConfig
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 32768, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The ModelConfig of a named shape; ValueError listing the known names otherwise."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return ModelConfig.from_hf_config(PRESETS[key])
+
+
+def num_params(config: ModelConfig) -> int:
+    """Parameter count of a Llama-family shape (embeddings and LM head included, norms included)."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    attn = h * q + 2 * h * kv + q * h
+    if config.attention_bias:
+        attn += q + 2 * kv
+    if config.qk_norm:
+        attn += 2 * config.head_dim
+    per_layer = attn + 3 * h * i + 2 * h
+    embed = config.vocab_size * h
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return layers * per_layer + embed + head + h
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes

@@ -1,0 +1,333 @@
+"""Paged KV-cache bookkeeping: a device block pool with reference counts, automatic prefix caching, and a host
+(swap) pool. Pure host-side Python; the model runner owns the actual K/V arrays
+(``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer) and moves data when told to.
+
+Block 0 is the reserved null block: it is never handed out (padding tokens write there, padded block-table entries
+point there), so usable device blocks are ``1 .. num_blocks-1``.
+
+Prefix caching
+--------------
+A *full* block (``block_size`` tokens) at index ``i`` of a sequence is identified by
+``hash_i = sha256(hash_{i-1} || tokens of block i)``, so equal hashes mean equal token *prefixes*, not just equal
+block contents, and the block's K/V (which depends on the whole prefix through attention and on the positions) is
+interchangeable. A block is registered in the cache only after its K/V has been computed (``cache_full_blocks``, called
+after the step that wrote it). When its last owner frees it, the block keeps its hash and goes to the free queue; it can
+be revived by a later hit until it is handed out as a new block, at which point its hash entry is dropped (eviction).
+
+Free queue order (evicted from the head): un-hashed blocks are put at the head (their content is worthless), hashed
+blocks at the tail, with each request's blocks appended last-block-first, so the least-recently-used prefixes and,
+within one sequence, the deepest blocks are evicted first (a shorter shared prefix survives longer).
+
+No-leak invariant
+-----------------
+A block handed to a new owner may still hold another request's K/V. This is harmless because attention for a sequence
+only reads positions ``< kv_len`` (its ``num_computed_tokens`` plus the tokens of the current step), and each of those
+positions was either written by this sequence itself (in this step, before attention reads it, or in an earlier step)
+or lies in a block obtained through a prefix-cache hit, whose hash chain proves that it was computed for exactly the
+same token prefix. Positions ``>= kv_len`` of the last block may hold stale data and are masked by kv_len.
+``tests/test_kv_cache_manager.py`` checks this with a simulated pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from paged_jax.request import Request
+
+NULL_BLOCK_ID = 0
+_ROOT_HASH = b""  # parent hash of a sequence's first block
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained block hash: sha256 over the parent block's hash and this block's token ids (int64 bytes).
+
+    Collision resistance matters: a collision would hand one request another's K/V.
+    """
+    digest = hashlib.sha256(parent_hash)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+class KVBlock:
+    """One device block: its id, how many requests hold it, and its prefix-cache hash (None if not cached)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class KVCacheManager:
+    """Device block pool + prefix cache + host swap pool, all as bookkeeping.
+
+    Args:
+      num_blocks: device blocks including the null block 0 (so ``num_blocks - 1`` are usable); >= 2.
+      block_size: tokens per block; >= 1.
+      enable_prefix_caching: register computed full blocks and reuse them across requests.
+      num_host_blocks: size of the host swap pool (host block ids ``0 .. num_host_blocks-1``; no null block there).
+
+    All methods are O(blocks touched); the free queue is an OrderedDict (O(1) pop-front / remove / push).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.num_host_blocks = num_host_blocks
+
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Keys are block ids with ref_cnt == 0, head = next to hand out. Values unused.
+        self._free_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (i, None) for i in range(1, num_blocks))
+        self._cached_block_by_hash: dict[bytes, int] = {}
+        # request_id -> number of leading entries of request.block_ids already registered in (or skipped by) the cache
+        self._num_cached_blocks: dict[str, int] = {}
+        self._free_host_blocks: collections.deque[int] = collections.deque(range(num_host_blocks))
+
+        # Metrics (vLLM semantics: tokens, counted once per successful admission).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_evicted_blocks = 0
+
+    # ------------------------------------------------------------------ pool state
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks that can be handed out now (ref_cnt 0, cached or not)."""
+        return len(self._free_queue)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable device blocks held by some request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix cache (in use or free)."""
+        return len(self._cached_block_by_hash)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ low-level pool ops
+    def _pop_free_block(self) -> int:
+        block_id, _ = self._free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: the content is about to be overwritten by the new owner
+            if self._cached_block_by_hash.get(block.block_hash) == block_id:
+                del self._cached_block_by_hash[block.block_hash]
+            block.block_hash = None
+            self.num_evicted_blocks += 1
+        block.ref_cnt = 1
+        return block_id
+
+    def _touch(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free_queue[block_id]
+            block.ref_cnt += 1
+
+    def _release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; pass blocks in eviction-preference order (first = evict first)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free_queue[block_id] = None  # tail: evicted last
+                if block.block_hash is None:
+                    self._free_queue.move_to_end(block_id, last=False)  # worthless content: reuse first
+
+    # ------------------------------------------------------------------ prefix cache
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its known tokens."""
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        hashes = request.block_hashes
+        if len(hashes) >= num_full:
+            return
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), num_full):
+            parent = hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs))
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks of ``request.all_token_ids``.
+
+        Returns ``(block_ids, num_computed_tokens)`` with ``num_computed_tokens = len(block_ids) * block_size``. At
+        least one known token is always left to compute (the hit is capped at ``num_tokens - 1`` rounded down to a
+        block boundary) so that the step produces logits. Does not take references: pass the result to
+        ``allocate_slots`` in the same scheduling pass. Only meaningful for a request holding no blocks.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_ids: list[int] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block_id = self._cached_block_by_hash.get(block_hash)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        return hit_ids, len(hit_ids) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose K/V is computed (``num_computed_tokens // block_size`` of them).
+
+        Call after the step that computed them. If another block already holds the same hash (the same prefix was
+        computed twice concurrently), this one stays un-hashed and is recycled as a plain block when freed.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        for i in range(start, num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:  # came from a cache hit, or shared with the request that cached it
+                continue
+            block_hash = request.block_hashes[i]
+            if block_hash not in self._cached_block_by_hash:
+                block.block_hash = block_hash
+                self._cached_block_by_hash[block_hash] = block.block_id
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after weights change). Blocks in use stay allocated, just un-hashed."""
+        for block_id in self._cached_block_by_hash.values():
+            self.blocks[block_id].block_hash = None
+        self._cached_block_by_hash.clear()
+        # Free blocks are all worthless now; their relative order no longer matters.
+
+    # ------------------------------------------------------------------ allocation
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens, computed_blocks)`` would succeed."""
+        return self._num_blocks_short(request, num_new_tokens, computed_blocks) <= 0
+
+    def _num_blocks_short(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
+        num_computed = (len(computed_blocks) * self.block_size if computed_blocks
+                        else request.num_computed_tokens)
+        held = len(computed_blocks) if computed_blocks else len(request.block_ids)
+        num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
+        # Touching a hit block with ref_cnt 0 takes it out of the free queue.
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        return num_new_blocks - (self.num_free_blocks - revived)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[int] | None = None) -> bool:
+        """Make ``request.block_ids`` cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        With ``computed_blocks`` (a prefix-cache hit from ``get_computed_blocks``; only for a request holding no
+        blocks), the hit blocks become the head of its block table and ``request.num_computed_tokens`` is set to
+        ``len(computed_blocks) * block_size``; ``num_new_tokens`` counts tokens after the hit. Returns False and changes
+        nothing if the pool is short of blocks.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        computed_blocks = list(computed_blocks or ())
+        if computed_blocks and (request.block_ids or request.num_computed_tokens):
+            raise ValueError("computed_blocks may only be passed for a request that holds no blocks")
+        if self._num_blocks_short(request, num_new_tokens, computed_blocks) > 0:
+            return False
+        is_admission = not request.block_ids
+        if computed_blocks:
+            self._touch(computed_blocks)  # before popping new blocks, so the hits cannot be evicted below
+            request.block_ids = computed_blocks
+            request.num_computed_tokens = len(computed_blocks) * self.block_size
+            # Hit blocks are already hashed; cache_full_blocks starts after them.
+            self._num_cached_blocks[request.request_id] = len(computed_blocks)
+        if is_admission and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        num_new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        for _ in range(num_new_blocks):
+            request.block_ids.append(self._pop_free_block())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's device blocks (last block first into the queue) and its host blocks.
+
+        Leaves ``request.num_computed_tokens`` alone: the scheduler resets it when it means to recompute.
+        """
+        self._release(request.block_ids[::-1])
+        request.block_ids = []
+        self._free_host_blocks.extend(request.host_block_ids)
+        request.host_block_ids = []
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ swap (host pool)
+    def can_swap_out(self, request: Request) -> bool:
+        return self.blocks_needed(request.num_computed_tokens) <= self.num_free_host_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's computed blocks to the host pool (bookkeeping only).
+
+        Returns ``[(device_block, host_block), ...]`` that the runner must copy device -> host *before* this step's
+        forward pass (the device blocks are free again and may be handed to another request in the same step).
+        Blocks past ``num_computed_tokens`` hold nothing and are simply released. Raises RuntimeError if the host pool
+        is too small (check ``can_swap_out``).
+        """
+        num_keep = self.blocks_needed(request.num_computed_tokens)
+        if num_keep > self.num_free_host_blocks:
+            raise RuntimeError(f"host pool has {self.num_free_host_blocks} free blocks, {num_keep} needed")
+        if request.host_block_ids:
+            raise RuntimeError(f"request {request.request_id} is already swapped out")
+        device_ids = request.block_ids[:num_keep]
+        host_ids = [self._free_host_blocks.popleft() for _ in range(num_keep)]
+        self._release(request.block_ids[::-1])  # device content stays valid for prefix hits until evicted
+        request.block_ids = []
+        request.host_block_ids = host_ids
+        self._num_cached_blocks.pop(request.request_id, None)
+        return list(zip(device_ids, host_ids))
+
+    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
+        """Whether the swapped request's blocks plus room for ``num_new_tokens`` more tokens fit on device now."""
+        needed = max(len(request.host_block_ids),
+                     self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        return needed <= self.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request's blocks back to fresh device blocks (bookkeeping only).
+
+        Returns ``[(host_block, device_block), ...]`` for the runner to copy host -> device after this step's
+        swap-out copies and before its forward pass. The new device blocks are re-registered in the prefix cache by
+        the next ``cache_full_blocks``. Raises RuntimeError if the device pool is short (check ``can_swap_in``).
+        """
+        host_ids = request.host_block_ids
+        if len(host_ids) > self.num_free_blocks:
+            raise RuntimeError(f"device pool has {self.num_free_blocks} free blocks, {len(host_ids)} needed")
+        device_ids = [self._pop_free_block() for _ in host_ids]
+        request.block_ids = device_ids
+        request.host_block_ids = []
+        self._free_host_blocks.extend(host_ids)
+        self._num_cached_blocks[request.request_id] = 0
+        return list(zip(host_ids, device_ids))

@@ -1,0 +1,144 @@
+"""One generation request as the scheduler and the KV-cache manager see it (host-side state only).
+
+A request owns a growing token sequence ``prompt_token_ids + output_token_ids``. ``num_computed_tokens`` counts the
+leading tokens of that sequence whose K/V sits in the device pool (in ``block_ids``), so the tokens still to be fed to
+the model are ``all_token_ids[num_computed_tokens:]``: the rest of the prompt while prefilling, the last sampled token
+while decoding, and the whole sequence (prompt and outputs) after a recompute preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle: WAITING -> RUNNING -> (PREEMPTED | SWAPPED -> RUNNING)* -> FINISHED_*."""
+
+    WAITING = enum.auto()  # queued, never scheduled
+    RUNNING = enum.auto()  # admitted: holds device blocks
+    PREEMPTED = enum.auto()  # blocks dropped (recompute mode): back in the waiting queue, re-prefills all its tokens
+    SWAPPED = enum.auto()  # blocks moved to the host pool (swap mode): back in the waiting queue, resumes by swap-in
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()  # aborted by the client
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI/vLLM finish_reason string, ``None`` while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+# finish_reason string -> status, for Scheduler.finish_request(request_id, "stop").
+FINISH_STATUS_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
+
+
+@dataclasses.dataclass(eq=False)  # identity semantics: requests are used as dict keys / compared with `is`
+class Request:
+    """Mutable per-request state.
+
+    ``params`` is duck-typed (``paged_jax.sampling_params.SamplingParams``): the scheduler reads ``max_tokens``
+    (int | None, None = up to max_model_len), ``min_tokens`` (int), ``ignore_eos`` (bool) and ``stop_token_ids``
+    (list[int] | None); missing attributes take those defaults.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any = None
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower value = scheduled earlier / preempted later (policy="priority"), as in vLLM
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # leading tokens of all_token_ids whose K/V is in the device pool
+    block_ids: list[int] = dataclasses.field(default_factory=list)  # device block table
+    host_block_ids: list[int] = dataclasses.field(default_factory=list)  # host block table while SWAPPED
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it (None for EOS/length)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    # Chained hashes of the full blocks of all_token_ids, filled incrementally by the KVCacheManager; valid forever
+    # because the token sequence only ever grows.
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        if not isinstance(self.prompt_token_ids, (list, tuple)) or len(self.prompt_token_ids) == 0:
+            raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {self.prompt_token_ids!r}")
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if min(self.prompt_token_ids) < 0:
+            raise ValueError("prompt_token_ids must be non-negative token ids")
+        if isinstance(self.eos_token_ids, int):
+            self.eos_token_ids = frozenset((self.eos_token_ids,))
+        self.eos_token_ids = frozenset(int(t) for t in (self.eos_token_ids or ()))
+        if not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
+
+    # ---- sampling parameters (duck-typed) ----
+    @property
+    def max_tokens(self) -> int | None:
+        return getattr(self.params, "max_tokens", None)
+
+    @property
+    def min_tokens(self) -> int:
+        return getattr(self.params, "min_tokens", 0) or 0
+
+    @property
+    def ignore_eos(self) -> bool:
+        return bool(getattr(self.params, "ignore_eos", False))
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(getattr(self.params, "stop_token_ids", None) or ())
+
+    # ---- token bookkeeping ----
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the sampled tokens: list[int] of length num_tokens (a fresh list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without copying the whole sequence (hot path: called per step)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:stop - num_prompt]
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - num_prompt]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Known tokens whose K/V is not yet in the pool (the next step's query tokens, before any budget cap)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort", or None while unfinished."""
+        return self.status.finish_reason

@@ -1,0 +1,386 @@
+"""Continuous-batching scheduler (vLLM V1 style): one token budget per step shared by decodes, chunked prefills and
+newly admitted requests; prefix-cache aware admission; preemption by recompute or swap.
+
+Per step the engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
+``update_from_output(output, sampled_token_ids)``. There is no separate prefill/decode phase: a request simply has
+``num_tokens - num_computed_tokens`` tokens left to compute, which is 1 while decoding.
+
+Order of work in ``schedule()``:
+  1. Running requests, in admission order: each gets ``min(tokens left, budget)`` (1 when decoding; a chunk while
+     still prefilling). If the pool is short of blocks, the least important running request (highest
+     ``(priority, arrival)`` with policy="priority", latest arrival with "fcfs") is preempted until the allocation fits;
+     as in vLLM that may be the request being scheduled itself (then it waits and older streams keep going), or one
+     already scheduled in this step (it is un-scheduled and its budget returned).
+  2. Waiting requests (FCFS, or by ``(priority, arrival_time)`` with policy="priority"), unless step 1 preempted
+     anything (the pool is tight; admitting would thrash). Swapped requests resume by swap-in, others start from their
+     longest prefix-cache hit. A prompt longer than the remaining budget is chunked (``enable_chunked_prefill``) so it
+     never stalls the running streams. With policy="priority" a waiting request that does not fit may preempt running
+     requests of strictly lower priority.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    ``token_ids`` (list[int], length ``num_new_tokens``) sit at positions
+    ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``; after writing their K/V the sequence's
+    kv_len is ``num_computed_tokens + num_new_tokens``. ``block_ids`` is the request's block table after allocation
+    (covers kv_len tokens). ``samples`` is True when this step's last token produces the next sampled token (the whole
+    known sequence is computed after this step); otherwise it is a non-final prefill chunk and its logits are unused.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    token_ids: list[int]
+    block_ids: list[int]
+    samples: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def is_last_chunk_of_prompt(self) -> bool:  # vLLM-flavoured alias
+        return self.samples
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What to run this step.
+
+    ``scheduled`` lists single-token sequences (decodes) first, then multi-token ones (prefill chunks), each group in
+    scheduling order; ``num_decode_seqs`` is the length of the first group. The runner must apply ``swap_out``
+    copies (device -> host), then ``swap_in`` copies (host -> device), then run the forward pass.
+    """
+
+    scheduled: list[ScheduledSeq]
+    num_decode_seqs: int
+    num_batched_tokens: int
+    preempted_ids: list[str]
+    swap_out: list[tuple[int, int]]  # (device_block, host_block)
+    swap_in: list[tuple[int, int]]  # (host_block, device_block)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+class Scheduler:
+    """Decides, each step, which requests run with how many tokens, and owns the request life cycle.
+
+    Args:
+      kv_cache_manager: the block pool the scheduled sequences live in.
+      max_num_seqs: most requests running at once (and so per step).
+      max_num_batched_tokens: token budget per step (sum of ``num_new_tokens``).
+      max_model_len: most tokens (prompt + output) per request; reaching it finishes the request with "length".
+      preemption_mode: "recompute" (drop blocks, re-prefill prompt + outputs later) or "swap" (copy blocks to the
+        host pool; falls back to recompute when the host pool is full).
+      policy: "fcfs" or "priority" (lower ``Request.priority`` first, then earlier arrival).
+      enable_chunked_prefill: split prompts across steps to fit the budget; without it a prompt must fit whole
+        (``max_num_batched_tokens >= max_model_len`` is then required).
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, preemption_mode: str = "recompute", policy: str = "fcfs",
+                 enable_chunked_prefill: bool = True) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        # One request of max_model_len tokens must fit alone, or it could never make progress.
+        if kv_cache_manager.blocks_needed(max_model_len) > kv_cache_manager.num_usable_blocks:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs {kv_cache_manager.blocks_needed(max_model_len)} blocks but the "
+                f"KV cache has only {kv_cache_manager.num_usable_blocks}; lower max_model_len or add blocks")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len}) when chunked prefill is disabled")
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: collections.deque[Request] = collections.deque()  # WAITING / PREEMPTED / SWAPPED
+        self.running: list[Request] = []  # admission order
+        self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
+        self._next_seq = 0
+
+        self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+
+    # ------------------------------------------------------------------ request life cycle
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len="
+                             f"{self.max_model_len}")
+        if request.status != RequestStatus.WAITING or request.block_ids or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} must be new (WAITING, no blocks, nothing computed)")
+        self.requests[request.request_id] = request
+        self._arrival_seq[request.request_id] = self._next_seq
+        self._next_seq += 1
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str | RequestStatus) -> Request | None:
+        """Finish an unfinished request in any state and free its blocks; reason "stop" | "length" | "abort" or a
+        FINISHED_* status. Returns the request, or None if the id is unknown / already finished."""
+        status = FINISH_STATUS_BY_REASON.get(reason) if isinstance(reason, str) else reason
+        if not isinstance(status, RequestStatus) or not status.is_finished:
+            raise ValueError(f"reason must be 'stop', 'length', 'abort' or a FINISHED_* status, got {reason!r}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        del self._arrival_seq[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ ordering helpers
+    def _order_key(self, request: Request) -> tuple:
+        seq = self._arrival_seq[request.request_id]
+        if self.policy == "priority":
+            return (request.priority, request.arrival_time, seq)
+        return (request.arrival_time, seq)
+
+    def _peek_waiting(self, skip: set[str]) -> Request | None:
+        if self.policy == "fcfs" and not skip:
+            return self.waiting[0] if self.waiting else None
+        candidates = [r for r in self.waiting if r.request_id not in skip]
+        if not candidates:
+            return None
+        if self.policy == "priority":
+            return min(candidates, key=self._order_key)
+        return candidates[0]  # FCFS queue; preempted requests were put back at the front
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        # request_id -> (request, num_new_tokens); num_computed_tokens is read from the request at the end.
+        planned: dict[str, tuple[Request, int]] = {}
+        preempted: list[str] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+
+        def preempt(victim: Request) -> None:
+            nonlocal budget
+            if victim.request_id in planned:  # un-schedule: its new slots go back with its blocks
+                budget += planned.pop(victim.request_id)[1]
+            self.running.remove(victim)
+            # A swap-out after a swap-in in the same step could reuse the host blocks the swap-in reads: recompute.
+            if self.preemption_mode == "swap" and not swap_in and self.kv.can_swap_out(victim):
+                swap_out.extend(self.kv.swap_out(victim))
+                victim.status = RequestStatus.SWAPPED
+                self.num_swap_outs += 1
+            else:
+                self.kv.free(victim)
+                victim.num_computed_tokens = 0
+                victim.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(victim)
+            preempted.append(victim.request_id)
+            self.num_preemptions += 1
+
+        # 1. Running requests.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens_to_compute, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                # As vLLM: the least important running request goes, which may be this one (then it waits).
+                victim = max(self.running, key=self._order_key)
+                preempt(victim)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                planned[request.request_id] = (request, num_new)
+                budget -= num_new
+
+        # 2. Waiting requests.
+        preempted_while_running = bool(preempted)
+        while not preempted_while_running and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._peek_waiting(set(preempted))  # never re-admit in the step that preempted it
+            if request is None:
+                break
+            if request.status == RequestStatus.SWAPPED:
+                num_new = min(request.num_tokens_to_compute, budget)
+                ok = self.kv.can_swap_in(request, num_new)
+                while not ok and self._preempt_lower_priority(request, preempt, planned):
+                    ok = self.kv.can_swap_in(request, num_new)
+                if not ok:
+                    break
+                swap_in.extend(self.kv.swap_in(request))
+                if not self.kv.allocate_slots(request, num_new):  # guaranteed by can_swap_in
+                    raise RuntimeError("allocation after swap-in failed")
+                self.num_swap_ins += 1
+            else:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break  # head-of-line: keep FCFS/priority order rather than skipping ahead
+                    num_new = budget
+                ok = self.kv.can_allocate(request, num_new, computed_blocks)
+                while not ok and self._preempt_lower_priority(request, preempt, planned):
+                    ok = self.kv.can_allocate(request, num_new, computed_blocks)
+                if not ok:
+                    break
+                first_admission = request.status == RequestStatus.WAITING
+                if not self.kv.allocate_slots(request, num_new, computed_blocks):  # guaranteed by can_allocate
+                    raise RuntimeError("allocation after can_allocate failed")
+                if first_admission:
+                    request.num_cached_prompt_tokens = min(num_hit, request.num_prompt_tokens)
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            planned[request.request_id] = (request, num_new)
+            budget -= num_new
+
+        scheduled = []
+        for request, num_new in planned.values():
+            start = request.num_computed_tokens
+            scheduled.append(ScheduledSeq(
+                request=request,
+                num_computed_tokens=start,
+                num_new_tokens=num_new,
+                token_ids=request.token_ids_slice(start, start + num_new),
+                block_ids=list(request.block_ids),
+                samples=start + num_new == request.num_tokens,
+            ))
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        return SchedulerOutput(
+            scheduled=decodes + prefills,
+            num_decode_seqs=len(decodes),
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            preempted_ids=preempted,
+            swap_out=swap_out,
+            swap_in=swap_in,
+        )
+
+    def _preempt_lower_priority(self, request: Request, preempt, planned) -> bool:
+        """policy="priority": preempt the least important running request if it ranks strictly below ``request``."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._order_key)
+        if victim.priority <= request.priority:
+            return False
+        preempt(victim)
+        return True
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: Mapping[str, int] | Sequence[int | None]) -> list[Request]:
+        """Apply a step's results; returns the requests that produced a token (finished ones included).
+
+        ``sampled_token_ids``: request_id -> token id, or a sequence aligned with ``scheduler_output.scheduled``
+        (entries of non-sampling sequences are ignored). Requests finished or aborted since ``schedule()`` are skipped.
+        """
+        scheduled = scheduler_output.scheduled
+        if not isinstance(sampled_token_ids, Mapping):
+            if len(sampled_token_ids) != len(scheduled):
+                raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
+                                 f"{len(scheduled)} (one per scheduled sequence)")
+            sampled_token_ids = {s.request_id: t for s, t in zip(scheduled, sampled_token_ids)}
+        changed: list[Request] = []
+        for seq in scheduled:
+            request = seq.request
+            if request.status != RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
+                continue
+            if request.num_computed_tokens != seq.num_computed_tokens:
+                raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
+                                   "update_from_output once per schedule(), in order")
+            request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            if not seq.samples:
+                continue
+            token = sampled_token_ids.get(request.request_id)
+            if token is None:
+                raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
+            request.output_token_ids.append(int(token))
+            status = self._check_stop(request)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """Stop conditions for the token just appended. EOS (unless ignore_eos) and stop_token_ids count only once
+        min_tokens tokens precede them; length limits always apply."""
+        token = request.output_token_ids[-1]
+        num_output = request.num_output_tokens
+        if num_output > request.min_tokens:
+            if token in request.eos_token_ids and not request.ignore_eos:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in request.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = request.max_tokens
+        if max_tokens is not None and num_output >= max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            "num_swap_outs": self.num_swap_outs,
+            "num_swap_ins": self.num_swap_ins,
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+        }
