@@ -1,0 +1,191 @@
+"""Incremental detokenization with stop strings (one ``IncrementalDetokenizer`` per output sequence).
+
+Decoding technique (vLLM / HF ``TextStreamer``): keep two offsets into the token ids, ``prefix_offset`` and
+``read_offset``. ``prefix_text = decode(ids[prefix:read])`` is text already emitted; ``new_text =
+decode(ids[prefix:])``. The new characters are ``new_text[len(prefix_text):]``. Decoding with a few tokens of
+left context keeps tokenizers that drop a leading space at the start of a decode (SentencePiece ``Metaspace``)
+correct, and while ``new_text`` ends with U+FFFD the last token(s) end inside a multi-byte UTF-8 character, so
+nothing is emitted until the character is complete. Only the window ``ids[prefix:]`` is kept and decoded, so each
+token costs O(window), not O(output length).
+
+Stop strings: after each token the text is searched (only where a match could end in the new characters) for
+every stop string; the earliest match wins. The text is cut right before it (or right after it with
+``include_stop_str_in_output``). Deltas never contain text past a stop string: the longest tail of the text that
+is a proper prefix of some stop string is held back until the next token decides it (at most
+``max(len(stop)) - 1`` characters, as vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+# Tokens of prompt context decoded before the first output token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+INITIAL_PREFIX_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def make_decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> str`` for a ``tokenizers.Tokenizer`` or a transformers tokenizer.
+
+    For transformers fast tokenizers the Rust ``backend_tokenizer`` is used directly: it is faster and never
+    applies ``clean_up_tokenization_spaces`` (which would make window decodes differ from a full decode).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and hasattr(tokenizer, "decode_batch") and hasattr(tokenizer, "id_to_token"):
+        backend = tokenizer  # already a tokenizers.Tokenizer
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    if not hasattr(tokenizer, "decode"):
+        raise ValueError(f"tokenizer must be a tokenizers.Tokenizer or a transformers tokenizer, got {type(tokenizer)}")
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas, applying stop strings.
+
+    Args:
+      tokenizer: ``tokenizers.Tokenizer`` or transformers tokenizer.
+      prompt_token_ids: the prompt; its last ``INITIAL_PREFIX_TOKENS`` ids are decoding context (not output).
+      skip_special_tokens: drop special tokens from the text.
+      stop: stop strings (non-empty).
+      include_stop_str_in_output: keep the stop string at the end of the text.
+      min_tokens: stop strings are not checked until more than this many output tokens exist (vLLM).
+
+    Attributes:
+      text: full output text so far (cut at the stop string), including a held-back tail not yet in any delta.
+      emitted_text: concatenation of all deltas returned so far (== ``text`` once finished or stopped).
+      stop_reason: the stop string that fired, or None.
+      num_output_tokens: output tokens consumed (tokens after a firing stop string in the same ``append`` call
+        are not consumed).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        stop_strings = list(stop or [])
+        for stop_str in stop_strings:
+            if not isinstance(stop_str, str) or not stop_str:
+                raise ValueError(f"stop must contain non-empty strings, got {stop_str!r}")
+        self._decode = make_decode_fn(tokenizer, skip_special_tokens)
+        self._stop = stop_strings
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        prompt_tail = [int(token_id) for token_id in prompt_token_ids[-INITIAL_PREFIX_TOKENS:]]
+        # The decode window: ids[prefix_offset:] of the conceptual prompt+output sequence; _read_offset is relative.
+        self._window: list[int] = prompt_tail
+        self._read_offset = len(prompt_tail)
+        self._prefix_text: str | None = None  # cache of decode(window[:read_offset])
+        self.text = ""
+        self._emitted_len = 0
+        self.stop_reason: str | None = None
+        self.num_output_tokens = 0
+        self._finished = False
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self._emitted_len]
+
+    @property
+    def finished(self) -> bool:
+        return self._finished or self.stop_reason is not None
+
+    def _decode_new_chars(self, force: bool) -> str:
+        """Characters that the tokens after ``read_offset`` add; "" while they end inside a UTF-8 character."""
+        if self._read_offset == len(self._window):
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._window[: self._read_offset])
+        prefix_text = self._prefix_text
+        new_text = self._decode(self._window)
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not force):
+            return ""
+        new_chars = new_text[len(prefix_text) :]
+        # Slide the window: what was read becomes the new prefix context.
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        self._prefix_text = None
+        return new_chars
+
+    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
+        """Earliest stop string match that ends after ``old_len`` (i.e. involves new characters)."""
+        best: tuple[int, str] | None = None
+        for stop_str in self._stop:
+            index = self.text.find(stop_str, max(0, old_len - len(stop_str) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop_str)
+        return best
+
+    def _add_text(self, new_chars: str) -> None:
+        old_len = len(self.text)
+        self.text += new_chars
+        if not self._stop or self.num_output_tokens <= self._min_tokens:
+            return
+        match = self._find_stop(old_len)
+        if match is not None:
+            index, stop_str = match
+            self.text = self.text[: index + len(stop_str) if self._include_stop else index]
+            self.stop_reason = stop_str
+
+    def _held_back_len(self) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        if self._include_stop or self.finished:
+            return 0
+        held = 0
+        for stop_str in self._stop:
+            for length in range(min(len(stop_str) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop_str[:length]):
+                    held = length
+                    break
+        return held
+
+    def _release(self) -> str:
+        release_to = max(self._emitted_len, len(self.text) - self._held_back_len())
+        delta = self.text[self._emitted_len : release_to]
+        self._emitted_len = release_to
+        return delta
+
+    def append(self, token_ids: Sequence[int], *, finished: bool = False) -> tuple[str, str | None]:
+        """Consume new output tokens.
+
+        Args:
+          token_ids: new output ids (usually one per step).
+          finished: the sequence ends with these tokens (length / EOS / stop id): release everything, including a
+            trailing incomplete UTF-8 character (as U+FFFD, matching a full decode).
+        Returns:
+          (delta_text, stop_str): text to append to what was emitted before, and the stop string if one fired
+          (the sequence is then finished; later calls raise RuntimeError).
+        """
+        if self.finished:
+            raise RuntimeError("append() called on a finished detokenizer")
+        for token_id in token_ids:
+            self._window.append(int(token_id))
+            self.num_output_tokens += 1
+            new_chars = self._decode_new_chars(force=False)
+            if new_chars:
+                self._add_text(new_chars)
+                if self.stop_reason is not None:
+                    break
+        if finished and self.stop_reason is None:
+            self._finish()
+        return self._release(), self.stop_reason
+
+    def _finish(self) -> None:
+        new_chars = self._decode_new_chars(force=True)
+        if new_chars:
+            self._add_text(new_chars)
+        self._finished = True
+
+    def flush(self) -> str:
+        """Finish the sequence (e.g. aborted, or stopped by the engine) and return the held-back text."""
+        if not self.finished:
+            self._finish()
+        return self._release()

@@ -1,0 +1,395 @@
+"""Batched on-device sampling: one jitted computation per step samples a token for every row of the batch.
+
+Every row carries its own parameters (``SamplingTensors``, all with leading dimension S = padded number of rows).
+The host side, ``build_sampling_tensors``, turns per-request ``SamplingParams`` into those arrays and picks the
+cheapest ``SamplingMode`` that serves every row; the mode is a static argument so the model runner can compile
+each variant once at start-up.
+
+Randomness: row i draws Gumbel noise from ``fold_in(key(seeds[i]), steps[i])``; the token therefore depends only on
+(logits row, parameters, seed, step) and never on the batch size, the row's position or the other rows.
+Sampling is Gumbel-max (``argmax(logits / T + Gumbel)``), which draws exactly from ``softmax(logits / T)``
+restricted to the tokens that survive top-k / top-p / min-p.
+
+Order of operations in ``FULL`` mode (vLLM's v1 sampler): min_tokens ban -> penalties -> (greedy rows: argmax)
+-> temperature -> min-p -> top-k -> top-p -> Gumbel-max. Returned logprobs are always those of the *raw* logits
+(vLLM's default ``logprobs_mode="raw_logprobs"``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams
+
+# Width of ``banned_token_ids`` when some row is still below its ``min_tokens``; grows to the next power of two
+# if a request has more stop ids than this (rare: an extra compilation).
+MIN_BANNED_WIDTH = 8
+
+
+class SamplingMode(str, enum.Enum):
+    """Static variant of ``sample``; each is a superset of the previous one.
+
+    GREEDY: every row is greedy (argmax of the raw logits); no random numbers are drawn.
+    GREEDY_OR_TEMPERATURE: greedy rows via argmax, the others via Gumbel-max on logits / temperature.
+    FULL: min_tokens bans, penalties, top-k, top-p, min-p, then greedy / temperature sampling.
+    """
+
+    GREEDY = "greedy"
+    GREEDY_OR_TEMPERATURE = "greedy_or_temperature"
+    FULL = "full"
+
+
+class SamplingTensors(NamedTuple):
+    """Per-row sampling parameters (a pytree; numpy on the host, jax arrays on device). S = padded rows.
+
+    temperature: f32[S]; < SAMPLING_EPS means greedy (padding rows are 0 = greedy).
+    top_k: i32[S]; 0 = off.
+    top_p: f32[S]; 1.0 = off.
+    min_p: f32[S]; 0.0 = off.
+    presence: f32[S]; presence penalty (0 = off).
+    frequency: f32[S]; frequency penalty (0 = off).
+    repetition: f32[S]; repetition penalty (1 = off).
+    seeds: u32[S]; per-request seed.
+    steps: i32[S]; index of the token being sampled within the request's output (0 for the first output token).
+    prev_token_ids: i32[S, L]; prompt ids then output ids, padded with -1; L = 0 when no penalties are applied.
+    prompt_len: i32[S]; how many leading entries of ``prev_token_ids`` are prompt tokens.
+    banned_token_ids: i32[S, B]; ids whose logits are set to -inf (stop ids / EOS of rows that have not reached
+      ``min_tokens``), padded with -1; B = 0 when no row needs it.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+    prev_token_ids: jax.Array
+    prompt_len: jax.Array
+    banned_token_ids: jax.Array
+
+
+class SamplerOutput(NamedTuple):
+    """Result of ``sample``; K = num_logprobs.
+
+    token_ids: i32[S]; the sampled tokens.
+    logprobs: f32[S]; log_softmax(raw logits) at the sampled token.
+    top_ids: i32[S, K]; the K most likely tokens under the raw logits, most likely first (ties: lower id first).
+    top_logprobs: f32[S, K]; their raw logprobs.
+    token_ranks: i32[S]; 1-based rank of the sampled token under the raw logits (1 + number of strictly more
+      likely tokens), vLLM's ``Logprob.rank``.
+    """
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    token_ranks: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------------------
+
+SamplingRow = tuple[SamplingParams, int, int, Sequence[int], Sequence[int]]
+
+
+def seed_to_u32(seed: int) -> int:
+    """Fold an arbitrary Python int seed into 32 bits (both halves of its 64-bit value contribute)."""
+    seed64 = int(seed) % (1 << 64)
+    return (seed64 ^ (seed64 >> 32)) & 0xFFFFFFFF
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _banned_ids_for(params: SamplingParams, step: int, eos_token_ids: Sequence[int]) -> list[int]:
+    """Ids that must not be sampled at output index ``step`` because ``min_tokens`` is not reached yet."""
+    if step >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids or [])
+    if not params.ignore_eos:
+        banned.extend(int(token_id) for token_id in eos_token_ids)
+    return sorted(set(banned))
+
+
+def build_sampling_tensors(
+    rows: Sequence[SamplingRow | None],
+    pad_to: int,
+    need_penalties: bool | None = None,
+    penalty_len: int = 0,
+    *,
+    eos_token_ids: Sequence[int] = (),
+) -> tuple[SamplingTensors, SamplingMode]:
+    """Build the host (numpy) ``SamplingTensors`` for one step and the cheapest mode that serves every row.
+
+    Args:
+      rows: one entry per batch row, ``(params, seed, step, prompt_ids, output_ids)`` or None for a padding row.
+        ``seed`` is the request's seed (user-given or drawn by the engine), ``step`` the index of the token being
+        sampled within the output (== len(output_ids) for normal decoding). ``prompt_ids`` / ``output_ids`` are
+        only read for rows that use penalties.
+      pad_to: S, the padded number of rows (>= len(rows)); rows past ``len(rows)`` are greedy padding.
+      need_penalties: None = auto (penalty arrays are built iff some row uses penalties); True = build them
+        whenever the mode is FULL (stable shapes); False = never (ValueError if a row uses penalties).
+      penalty_len: L, width of ``prev_token_ids`` when penalty arrays are built; must be >= len(prompt) +
+        len(output) of every row that uses penalties.
+      eos_token_ids: the model's EOS ids, banned (with each row's ``stop_token_ids``) while a row is below its
+        ``min_tokens`` unless it sets ``ignore_eos``.
+    Returns:
+      (tensors, mode). ``prev_token_ids`` is i32[S, penalty_len] when penalties are applied in FULL mode, else
+      i32[S, 0]; ``banned_token_ids`` is i32[S, 0] unless a row needs bans (then FULL mode, width >=
+      MIN_BANNED_WIDTH, a power of two).
+    """
+    if pad_to < len(rows):
+        raise ValueError(f"pad_to must be >= the number of rows ({len(rows)}), got {pad_to}")
+    if penalty_len < 0:
+        raise ValueError(f"penalty_len must be non-negative, got {penalty_len}")
+
+    temperature = np.zeros(pad_to, np.float32)
+    top_k = np.zeros(pad_to, np.int32)
+    top_p = np.ones(pad_to, np.float32)
+    min_p = np.zeros(pad_to, np.float32)
+    presence = np.zeros(pad_to, np.float32)
+    frequency = np.zeros(pad_to, np.float32)
+    repetition = np.ones(pad_to, np.float32)
+    seeds = np.zeros(pad_to, np.uint32)
+    steps = np.zeros(pad_to, np.int32)
+    prompt_len = np.zeros(pad_to, np.int32)
+
+    any_random = any_truncation = False
+    penalty_rows: list[int] = []
+    banned_per_row: dict[int, list[int]] = {}
+    for row_index, row in enumerate(rows):
+        if row is None:
+            continue
+        params, seed, step, _, _ = row
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step} for row {row_index}")
+        greedy = params.is_greedy
+        temperature[row_index] = 0.0 if greedy else params.temperature
+        seeds[row_index] = seed_to_u32(seed)
+        steps[row_index] = step
+        if not greedy:
+            any_random = True
+            # Greedy rows ignore truncation entirely (argmax always survives it), so only random rows fill it in.
+            top_k[row_index] = max(params.top_k, 0)
+            top_p[row_index] = params.top_p
+            min_p[row_index] = params.min_p
+            any_truncation |= params.uses_truncation
+        if params.uses_penalties:
+            presence[row_index] = params.presence_penalty
+            frequency[row_index] = params.frequency_penalty
+            repetition[row_index] = params.repetition_penalty
+            penalty_rows.append(row_index)
+        banned = _banned_ids_for(params, step, eos_token_ids)
+        if banned:
+            banned_per_row[row_index] = banned
+
+    if penalty_rows and need_penalties is False:
+        raise ValueError(f"need_penalties=False but row {penalty_rows[0]} uses presence/frequency/repetition penalties")
+
+    if penalty_rows or any_truncation or banned_per_row:
+        mode = SamplingMode.FULL
+    elif any_random:
+        mode = SamplingMode.GREEDY_OR_TEMPERATURE
+    else:
+        mode = SamplingMode.GREEDY
+
+    build_penalties = mode == SamplingMode.FULL and (bool(penalty_rows) or need_penalties is True)
+    prev_width = penalty_len if build_penalties else 0
+    prev_token_ids = np.full((pad_to, prev_width), -1, np.int32)
+    for row_index in penalty_rows:
+        _, _, _, prompt_ids, output_ids = rows[row_index]
+        total = len(prompt_ids) + len(output_ids)
+        if total > penalty_len:
+            raise ValueError(
+                f"penalty_len ({penalty_len}) is smaller than prompt + output length ({total}) of row {row_index}"
+            )
+        prev_token_ids[row_index, : len(prompt_ids)] = prompt_ids
+        prev_token_ids[row_index, len(prompt_ids) : total] = output_ids
+        prompt_len[row_index] = len(prompt_ids)
+
+    if banned_per_row:
+        widest = max(len(ids) for ids in banned_per_row.values())
+        banned_width = max(MIN_BANNED_WIDTH, _next_power_of_two(widest))
+    else:
+        banned_width = 0
+    banned_token_ids = np.full((pad_to, banned_width), -1, np.int32)
+    for row_index, ids in banned_per_row.items():
+        banned_token_ids[row_index, : len(ids)] = ids
+
+    tensors = SamplingTensors(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence=presence, frequency=frequency,
+        repetition=repetition, seeds=seeds, steps=steps, prev_token_ids=prev_token_ids, prompt_len=prompt_len,
+        banned_token_ids=banned_token_ids,
+    )
+    return tensors, mode
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _row_scatter_indices(token_ids: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """(row index i32[S, N], column i32[S, N]) for a per-row scatter; -1 padding maps to column V (dropped)."""
+    num_rows, width = token_ids.shape
+    row_index = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], (num_rows, width))
+    column = jnp.where((token_ids >= 0) & (token_ids < vocab_size), token_ids, vocab_size)
+    return row_index, column
+
+
+def ban_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
+    """Set logits[i, banned_token_ids[i, j]] to -inf (entries < 0 are padding). f32[S, V] -> f32[S, V]."""
+    if banned_token_ids.shape[1] == 0:
+        return logits
+    row_index, column = _row_scatter_indices(banned_token_ids, logits.shape[1])
+    return logits.at[row_index, column].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(
+    logits: jax.Array,
+    prev_token_ids: jax.Array,
+    prompt_len: jax.Array,
+    presence: jax.Array,
+    frequency: jax.Array,
+    repetition: jax.Array,
+) -> jax.Array:
+    """vLLM's penalties. f32[S, V] -> f32[S, V].
+
+    repetition: for tokens seen in prompt or output, logit / rp if logit > 0 else logit * rp.
+    frequency: logit -= frequency * (count of the token in the output).
+    presence: logit -= presence * (token occurs in the output).
+    Rows with neutral parameters (rp = 1, 0, 0) come out bit-identical.
+    """
+    num_rows, vocab_size = logits.shape
+    width = prev_token_ids.shape[1]
+    if width == 0:
+        return logits
+    position = jnp.arange(width, dtype=jnp.int32)[None, :]
+    is_output = (position >= prompt_len[:, None]) & (prev_token_ids >= 0)
+    row_index, column = _row_scatter_indices(prev_token_ids, vocab_size)
+    output_counts = (
+        jnp.zeros((num_rows, vocab_size), jnp.int32).at[row_index, column].add(is_output.astype(jnp.int32), mode="drop")
+    )
+    seen = jnp.zeros((num_rows, vocab_size), jnp.bool_).at[row_index, column].set(True, mode="drop")
+    rep = jnp.where(seen, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - frequency[:, None] * output_counts.astype(logits.dtype)
+    logits = logits - presence[:, None] * (output_counts > 0).astype(logits.dtype)
+    return logits
+
+
+def apply_min_p(scaled_logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p). f32[S, V] -> f32[S, V]."""
+    # log(0) = -inf, so min_p = 0 keeps everything; the top token always survives (0 >= log(min_p) for min_p <= 1).
+    threshold = jnp.max(scaled_logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(scaled_logits >= threshold, scaled_logits, -jnp.inf)
+
+
+def apply_top_k_top_p(scaled_logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p (nucleus) filtering with one descending sort per row. f32[S, V] -> f32[S, V].
+
+    top_k i32[S] (<= 0 = off), top_p f32[S] (>= 1 = off). Top-p keeps the smallest prefix of the descending
+    order (after top-k) whose probability mass is >= top_p; the most likely token always survives. Both are
+    turned into a per-row logit cutoff, so no scatter back from sorted order is needed; tokens tied with the
+    cutoff value are all kept.
+    """
+    vocab_size = scaled_logits.shape[1]
+    # Sorting the negation ascending gives a descending order with -inf last.
+    sorted_desc = -jnp.sort(-scaled_logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab_size), vocab_size)
+    rank = jnp.arange(vocab_size, dtype=jnp.int32)[None, :]
+    in_top_k = rank < k[:, None]
+    top_k_sorted = jnp.where(in_top_k, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(top_k_sorted, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive prefix sum
+    # top_p >= 1 must keep everything: rounding can push the mass before the last tokens slightly above 1.
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)
+    return jnp.where(scaled_logits >= cutoff, scaled_logits, -jnp.inf)
+
+
+def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
+    """Per-row Gumbel(0, 1) noise f32[S, V] from key = fold_in(key(seed), step): independent of the batch."""
+
+    def row_noise(seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+    return jax.vmap(row_noise)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
+
+
+def _raw_logprob_outputs(
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(logprob f32[S], top_ids i32[S, K], top_logprobs f32[S, K], rank i32[S]) under log_softmax(logits)."""
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    sampled_logit = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]
+    sampled_logprob = sampled_logit - log_normalizer
+    rank = 1 + jnp.sum(logits > sampled_logit[:, None], axis=-1, dtype=jnp.int32)
+    if num_logprobs > 0:
+        top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
+        top_logprobs = top_logits - log_normalizer[:, None]
+    else:
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+    return sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, rank
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs"))
+def sample(
+    logits: jax.Array, t: SamplingTensors, *, mode: SamplingMode | str, num_logprobs: int = 0
+) -> SamplerOutput:
+    """Sample one token per row.
+
+    Args:
+      logits: f32[S, V] (other float dtypes are upcast) raw logits of the last position of each row.
+      t: ``SamplingTensors`` with leading dimension S.
+      mode: static ``SamplingMode`` (or its string value); see ``build_sampling_tensors``.
+      num_logprobs: static K >= 0, number of top alternatives to return (the runner uses the max over rows).
+    Returns:
+      ``SamplerOutput``. Greedy rows (temperature < SAMPLING_EPS) get argmax (lowest index on ties) of the raw
+      logits, or of the penalised logits in FULL mode.
+    """
+    mode = SamplingMode(mode)
+    if num_logprobs < 0:
+        raise ValueError(f"num_logprobs must be non-negative, got {num_logprobs}")
+    logits = logits.astype(jnp.float32)
+    vocab_size = logits.shape[1]
+    greedy_rows = t.temperature < SAMPLING_EPS
+
+    if mode == SamplingMode.GREEDY:
+        token_ids = jnp.argmax(logits, axis=-1)
+    else:
+        processed = logits
+        if mode == SamplingMode.FULL:
+            processed = ban_tokens(processed, t.banned_token_ids)
+            processed = apply_penalties(
+                processed, t.prev_token_ids, t.prompt_len, t.presence, t.frequency, t.repetition
+            )
+        greedy_ids = jnp.argmax(processed, axis=-1)
+        # Greedy rows divide by 1 (their sample is discarded) to avoid dividing by zero.
+        safe_temperature = jnp.where(greedy_rows, 1.0, t.temperature)
+        scaled = processed / safe_temperature[:, None]
+        if mode == SamplingMode.FULL:
+            scaled = apply_min_p(scaled, t.min_p)
+            scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
+        sampled_ids = jnp.argmax(scaled + gumbel_noise(t.seeds, t.steps, vocab_size), axis=-1)
+        token_ids = jnp.where(greedy_rows, greedy_ids, sampled_ids)
+
+    token_ids = token_ids.astype(jnp.int32)
+    sampled_logprob, top_ids, top_logprobs, rank = _raw_logprob_outputs(logits, token_ids, num_logprobs)
+    return SamplerOutput(
+        token_ids=token_ids, logprobs=sampled_logprob, top_ids=top_ids, top_logprobs=top_logprobs, token_ranks=rank
+    )

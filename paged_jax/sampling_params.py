@@ -1,0 +1,206 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and validation rules.
+
+``SamplingParams`` is what users pass to ``LLM.generate`` / ``LLMEngine.add_request``. It is validated once, on
+construction, so the engine and the on-device sampler can trust every field. The sampler reads it through
+``paged_jax.sampler.build_sampling_tensors``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+# Below this temperature a request is sampled greedily (argmax), exactly as vLLM's ``_SAMPLING_EPS``.
+SAMPLING_EPS = 1e-5
+# The most top alternatives a request may ask for per generated token (``logprobs``); vLLM's default
+# ``max_logprobs`` is 20 as well. The model runner compiles its logprob variants up to this width.
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    """How a request draws its tokens (vLLM's ``SamplingType``)."""
+
+    GREEDY = 0
+    RANDOM = 1  # random, seed chosen by the engine
+    RANDOM_SEED = 2  # random, seed chosen by the user
+
+
+def _is_int(value) -> bool:
+    # bool is an int subclass but never a meaningful token id / count.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (vLLM's ``SamplingParams``).
+
+    Fields (defaults as vLLM):
+      n: number of output sequences per prompt (>= 1).
+      best_of: accepted for compatibility and ignored.
+      presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the *output*.
+      frequency_penalty: in [-2, 2]; subtracted once per occurrence of the token in the *output*.
+      repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it when positive and
+        multiplied by it otherwise (1.0 = off).
+      temperature: >= 0; below ``SAMPLING_EPS`` the request is greedy.
+      top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability mass is >= top_p.
+      top_k: -1 or 0 = off, else keep the k most likely tokens.
+      min_p: in [0, 1]; drop tokens whose probability is below min_p times the top token's probability.
+      seed: optional int; with a seed the output only depends on (seed, token index), not on the batch.
+      stop: stop strings (a str is normalised to a one-element list); the output text is cut before them.
+      stop_token_ids: extra token ids that end generation (the token is kept in ``token_ids``).
+      ignore_eos: keep generating after the EOS token.
+      max_tokens: >= 1, most output tokens; None = up to the model's maximum length.
+      min_tokens: >= 0, stop tokens / EOS / stop strings are not allowed before this many output tokens.
+      logprobs: None, or the number of top alternatives (0..MAX_LOGPROBS) to return per output token besides
+        the sampled one (0 = only the sampled token's logprob).
+      prompt_logprobs: not supported; must be None.
+      detokenize, skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output: as vLLM.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by __post_init__: the list form of ``stop`` (always a list, possibly empty).
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            stop_list: list[str] = []
+        elif isinstance(self.stop, str):
+            stop_list = [self.stop]
+        else:
+            stop_list = list(self.stop)
+        if self.stop is not None:
+            self.stop = stop_list
+        self._stop_list = stop_list
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+        # Plain ints passed as floats are fine for float fields; normalise so arrays get the right dtype.
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        self._verify_args()
+
+    def _verify_args(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an int >= n ({self.n}), got {self.best_of!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 1e30:  # also rejects nan and inf
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if not 0.0 <= self.temperature <= 1e30:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable), or at least 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported")
+        for stop_str in self._stop_list:
+            if not isinstance(stop_str, str):
+                raise ValueError(f"stop must be a str or a list of str, got element {stop_str!r}")
+            if not stop_str:
+                raise ValueError("stop cannot contain an empty string")
+        if self.stop_token_ids is not None:
+            for token_id in self.stop_token_ids:
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"stop_token_ids must be non-negative ints, got element {token_id!r}")
+        if self.include_stop_str_in_output and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (include_stop_str_in_output was set)")
+        if self._stop_list and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True")
+
+    # ---- derived properties -------------------------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (empty when unset)."""
+        return list(self._stop_list)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def uses_truncation(self) -> bool:
+        """True when top-k, top-p or min-p change the distribution (never for greedy requests)."""
+        if self.is_greedy:
+            return False
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (lists are copied), e.g. for the n sequences of one request."""
+        return dataclasses.replace(
+            self,
+            stop=list(self._stop_list) if self.stop is not None else None,
+            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids is not None else None,
+        )
+
+
+def validate_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:
+    """Raise ValueError naming ``field`` unless every id is an int in [0, vocab_size).
+
+    Args:
+      token_ids: ids to check (e.g. a tokenized prompt, or ``stop_token_ids``).
+      vocab_size: the model's vocabulary size.
+      field: name used in the error message.
+    """
+    for position, token_id in enumerate(token_ids):
+        if not _is_int(token_id):
+            raise ValueError(f"{field} token ids must be ints, got {token_id!r} at position {position}")
+        if not 0 <= int(token_id) < vocab_size:
+            raise ValueError(
+                f"{field} token id {int(token_id)} at position {position} is out of range [0, {vocab_size})"
+            )

@@ -1,0 +1,126 @@
+"""SamplingParams: vLLM defaults, normalisation and validation (each bad field raises ValueError naming it)."""
+
+import numpy as np
+import pytest
+
+from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType, validate_token_ids
+
+
+def test_defaults_match_vllm():
+    params = SamplingParams()
+    assert params.n == 1
+    assert params.best_of is None
+    assert params.presence_penalty == 0.0
+    assert params.frequency_penalty == 0.0
+    assert params.repetition_penalty == 1.0
+    assert params.temperature == 1.0
+    assert params.top_p == 1.0
+    assert params.top_k == 0
+    assert params.min_p == 0.0
+    assert params.seed is None
+    assert params.stop is None and params.stop_strings == []
+    assert params.stop_token_ids is None
+    assert params.ignore_eos is False
+    assert params.max_tokens == 16
+    assert params.min_tokens == 0
+    assert params.logprobs is None
+    assert params.prompt_logprobs is None
+    assert params.skip_special_tokens is True
+    assert params.spaces_between_special_tokens is True
+    assert params.include_stop_str_in_output is False
+    assert params.detokenize is True
+    assert params.sampling_type == SamplingType.RANDOM
+    assert not params.uses_penalties and not params.uses_truncation
+
+
+def test_stop_string_is_normalised_to_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "bc")).stop == ["a", "bc"]
+    assert SamplingParams(stop="###").stop_strings == ["###"]
+
+
+def test_sampling_type_and_greedy_threshold():
+    assert SamplingParams(temperature=0.0).sampling_type == SamplingType.GREEDY
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-4).is_greedy
+    assert SamplingParams(temperature=0.5, seed=3).sampling_type == SamplingType.RANDOM_SEED
+    # Greedy requests never need truncation, whatever top-k/top-p say.
+    assert not SamplingParams(temperature=0.0, top_k=5, top_p=0.5).uses_truncation
+    assert SamplingParams(top_k=5).uses_truncation
+    assert SamplingParams(top_p=0.9).uses_truncation
+    assert SamplingParams(min_p=0.1).uses_truncation
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+
+
+def test_valid_edge_values_are_accepted():
+    SamplingParams(top_k=-1, top_p=1.0, min_p=1.0, presence_penalty=-2, frequency_penalty=2, max_tokens=None,
+                   min_tokens=5, logprobs=0, temperature=0, seed=-7)
+    SamplingParams(logprobs=MAX_LOGPROBS, stop_token_ids=[0, 5], max_tokens=1, min_tokens=1)
+    SamplingParams(max_tokens=None, min_tokens=1000)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field_name",
+    [
+        ({"n": 0}, "n"),
+        ({"best_of": 0}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"seed": 1.5}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": [3]}, "stop"),
+        ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_field_raises_value_error_naming_it(kwargs, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        SamplingParams(**kwargs)
+
+
+def test_error_message_shows_the_value():
+    with pytest.raises(ValueError, match=r"max_tokens must be at least 1, got -1"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+
+
+def test_clone_is_independent():
+    params = SamplingParams(stop=["x"], stop_token_ids=[3], temperature=0.5)
+    copy = params.clone()
+    assert copy == params
+    copy.stop.append("y")
+    copy.stop_token_ids.append(4)
+    assert params.stop == ["x"] and params.stop_token_ids == [3]
+
+
+def test_validate_token_ids():
+    validate_token_ids([0, 5, 9], vocab_size=10)
+    validate_token_ids(np.array([1, 2], np.int32), vocab_size=10)
+    with pytest.raises(ValueError, match=r"prompt token id 10 at position 1 is out of range \[0, 10\)"):
+        validate_token_ids([3, 10], vocab_size=10)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        validate_token_ids([-1], vocab_size=10, field="stop_token_ids")
+    with pytest.raises(ValueError, match="prompt token ids must be ints"):
+        validate_token_ids([1.0], vocab_size=10)
