@@ -1,0 +1,54 @@
+"""Slot-mapped write of new K/V into the paged KV pool."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter the new keys/values of a flat token batch into the paged pool.
+
+    Args:
+      k_pages, v_pages: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools (same shape and dtype).
+      k, v: ``[T, num_kv_heads, head_dim]`` new keys/values (cast to the pool dtype).
+      slot_mapping: ``int32[T]``; token ``t`` goes to ``slot = block * block_size + offset``. Padding tokens use
+        slots of the null block 0 (several may share one slot; which of them lands there is unspecified).
+        Slots outside ``[0, num_blocks * block_size)`` are dropped.
+
+    Returns:
+      ``(k_pages, v_pages)`` with the same shapes/dtypes. Under ``jax.jit`` with the pools donated, XLA performs the
+      scatter in place (the reshapes are free bitcasts), so the step costs O(T) memory traffic, not O(pool).
+    """
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
+    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+    if k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"k must be [T, {num_kv_heads}, {head_dim}] to match the pool, got shape {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}], got shape {slot_mapping.shape}")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping must be an integer array, got dtype {slot_mapping.dtype}")
+
+    num_slots = num_blocks * block_size
+    flat_shape = (num_slots, num_kv_heads, head_dim)
+
+    def scatter(pages, new):
+        flat = pages.reshape(flat_shape)
+        # mode="drop": an out-of-range slot is ignored instead of clamped onto a real slot.
+        flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    return scatter(k_pages, k), scatter(v_pages, v)

@@ -1,0 +1,101 @@
+"""Ragged paged attention: one entry point, a Pallas GPU kernel and a pure-jnp reference behind it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+_IMPLS = ("auto", "reference", "pallas")
+_TUNING_KEYS = ("block_q", "block_k", "num_kv_splits", "num_warps", "num_stages")
+
+
+def _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, impl):
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"k_pages head_dim {kv_head_dim} must equal q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_pages kv heads ({num_kv_heads})")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [S, max_blocks], got shape {block_tables.shape}")
+    num_seqs = block_tables.shape[0]
+    if num_seqs < 1:
+        raise ValueError("block_tables must have at least one sequence row")
+    if kv_lens.shape != (num_seqs,):
+        raise ValueError(f"kv_lens must be [S={num_seqs}], got shape {kv_lens.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be [S+1={num_seqs + 1}], got shape {cu_q_lens.shape}")
+    for name, arr in (("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    impl: str = "auto",
+    interpret: bool = False,
+    **tuning,
+) -> jax.Array:
+    """Attention of a flat ragged token batch against a paged KV cache.
+
+    Args:
+      q: ``[T, Hq, D]`` queries (RoPE applied). ``Hq = group * Hkv``; query head ``h`` uses kv head ``h // group``.
+      k_pages, v_pages: ``[num_blocks, block_size, Hkv, D]`` pools, new K/V already written (see ``write_kv``).
+      kv_lens: ``int32[S]`` context length of each sequence (new tokens included); 0 for padded sequences.
+      block_tables: ``int32[S, max_blocks]`` pool block of each logical block; padded entries point at block 0.
+      cu_q_lens: ``int32[S+1]`` cumulative query lengths; sequence ``i`` owns tokens ``cu_q_lens[i]:cu_q_lens[i+1]``
+        at context positions ``kv_lens[i] - q_len_i .. kv_lens[i] - 1``. Tokens from ``cu_q_lens[S]`` on are padding.
+      sm_scale: static Python float multiplying ``q . k``.
+      sliding_window: if set, the query at position ``p`` sees keys ``p - sliding_window < j <= p`` (else ``j <= p``).
+      impl: ``"pallas"`` (GPU kernel; on CPU only with ``interpret=True``), ``"reference"`` (pure jnp) or ``"auto"``
+        (the kernel when ``jax.default_backend() == "gpu"`` and ``head_dim`` is a power of two >= 16, else the
+        reference).
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+      **tuning: kernel knobs ``block_q``, ``block_k``, ``num_kv_splits``, ``num_warps``, ``num_stages`` (see
+        ``triton_kernel.default_tuning``); ignored by the reference.
+
+    Returns:
+      ``[T, Hq, D]`` in ``q.dtype``; padding tokens are zeros. Jittable: ``T``, ``S``, ``max_blocks`` are static,
+      the index arrays are dynamic.
+    """
+    _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, impl)
+    unknown = set(tuning) - set(_TUNING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown tuning arguments {sorted(unknown)}; expected some of {_TUNING_KEYS}")
+    head_dim = q.shape[-1]
+    if impl == "auto":
+        kernel_ok = head_dim >= 16 and (head_dim & (head_dim - 1)) == 0
+        impl = "pallas" if (jax.default_backend() == "gpu" and kernel_ok) else "reference"
+    if impl == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window
+        )
+    from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
+
+    return ragged_paged_attention_triton(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+        sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, **tuning,
+    )
+
+
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]

@@ -1,0 +1,102 @@
+"""Pure-jnp ragged paged attention: the oracle for the Pallas kernel and the CPU fallback of the engine.
+
+Formulation (token-major): each query token gathers the pages of its own sequence through the block table,
+``[max_blocks * block_size, num_kv_heads, head_dim]``, and attends to them with a causal / sliding-window /
+length mask and an fp32 softmax. Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
+
+Cost: compute and gathered bytes are ``O(T * max_blocks * block_size * num_kv_heads * head_dim)`` (every token looks
+at its sequence's whole padded context, which is also what a dense per-token decode would read); peak extra memory
+is ``O(C * max_blocks * block_size * num_kv_heads * head_dim)`` fp32, with ``C`` chosen so the gathered K and V of one
+chunk stay under ``max_chunk_bytes`` (64 MiB by default). Unlike a sequence-major ``[S, T, context]`` formulation, the
+memory does not grow with ``S * T``, so the engine's CPU buckets (e.g. T=256, S=64, context 2048) stay small.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
+    """Per-token sequence index, context position and validity.
+
+    Args:
+      cu_q_lens: ``int32[S+1]`` cumulative query lengths.
+      kv_lens: ``int32[S]`` context lengths (new tokens included).
+      num_tokens: static ``T``.
+
+    Returns:
+      ``(seq_idx int32[T], position int32[T], valid bool[T])``: ``seq_idx`` is clamped to ``[0, S-1]`` for padding
+      tokens (``valid`` False), ``position`` is the token's position in its sequence's context.
+    """
+    num_seqs = kv_lens.shape[0]
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    # Number of sequences that end at or before token t = index of the sequence owning t (empty ones are skipped).
+    seq_idx = jnp.searchsorted(cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
+    valid = tokens < cu_q_lens[num_seqs]
+    seq_idx = jnp.minimum(seq_idx, num_seqs - 1)
+    q_start = cu_q_lens[seq_idx]
+    q_len = cu_q_lens[seq_idx + 1] - q_start
+    position = kv_lens[seq_idx] - q_len + (tokens - q_start)
+    return seq_idx, position, valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    max_chunk_bytes: int = 64 << 20,
+) -> jax.Array:
+    """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
+
+    Args:
+      q: ``[T, Hq, D]`` queries.
+      k_pages, v_pages: ``[num_blocks, block_size, Hkv, D]``.
+      kv_lens: ``int32[S]``; block_tables: ``int32[S, max_blocks]``; cu_q_lens: ``int32[S+1]``.
+      sm_scale: softmax scale applied to ``q . k``.
+      sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < j <= p``.
+      max_chunk_bytes: bound on the fp32 K+V gathered per chunk of tokens (sets the ``lax.map`` batch size).
+
+    Returns:
+      ``[T, Hq, D]`` in ``q.dtype``; padding tokens (index >= ``cu_q_lens[S]``) are zeros.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pages.shape
+    max_blocks = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    context = max_blocks * block_size
+
+    seq_idx, position, valid = sequence_index_and_position(cu_q_lens, kv_lens, num_tokens)
+    key_pos = jnp.arange(context, dtype=jnp.int32)
+
+    def attend_one_token(args):
+        q_t, s, pos, is_valid = args  # [Hq, D], scalars
+        pages = block_tables[s]  # [max_blocks]
+        k = k_pages[pages].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[pages].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+        q_g = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
+        scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
+        visible = (key_pos <= pos) & (key_pos < kv_lens[s])
+        if sliding_window is not None:
+            visible &= key_pos > pos - sliding_window
+        scores = jnp.where(visible[None, None, :], scores, -jnp.inf)
+        # Padding tokens have no visible key: keep the softmax finite, then zero them below.
+        row_max = jnp.max(scores, axis=-1, keepdims=True)
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        weights = jnp.exp(scores - row_max)
+        denom = jnp.sum(weights, axis=-1, keepdims=True)
+        out = jnp.einsum("hgl,lhd->hgd", weights, v, precision=lax.Precision.HIGHEST)
+        out = out / jnp.where(denom > 0, denom, 1.0)
+        out = jnp.where(is_valid, out, 0.0)
+        return out.reshape(num_q_heads, head_dim).astype(q.dtype)
+
+    bytes_per_token = 2 * context * num_kv_heads * head_dim * 4
+    chunk = int(max(1, min(num_tokens, max_chunk_bytes // max(bytes_per_token, 1))))
+    return lax.map(attend_one_token, (q, seq_idx, position, valid), batch_size=chunk)

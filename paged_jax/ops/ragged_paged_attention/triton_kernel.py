@@ -1,0 +1,358 @@
+"""Ragged paged attention as a Pallas GPU kernel (Triton lowering), runnable on CPU with ``interpret=True``.
+
+Work decomposition
+------------------
+* A *query tile* holds up to ``block_q`` consecutive query tokens of ONE sequence times the ``group = Hq // Hkv``
+  query heads that share one kv head: ``rows = block_q * group`` rows (padded to a power of two >= 16 for the
+  tensor-core dot). Row ``r`` is token ``r // group``, query head ``kv_head * group + r % group``. Decode with GQA 4
+  and ``block_q = 4`` gives a 16-row tile holding 1 real token (4 live rows); KV is read once per kv head.
+* Grid ``(num_tiles, Hkv, num_kv_splits)``. ``num_tiles`` is a static upper bound ``min(T, T // block_q + S)``; the
+  tile -> (sequence, first token) map is computed in jnp before the call (cumulative ``ceil(q_len / block_q)`` +
+  searchsorted) and read from a GMEM ref in the kernel (neither Pallas GPU backend has scalar prefetch). Tiles past
+  the real count exit through ``pl.when``.
+* Flash decoding: the tile's KV range (in ``block_k``-key blocks) is cut into ``num_kv_splits`` contiguous chunks,
+  one per program; with more than one split each program writes unnormalised partial ``(acc, max, sum)`` rows and
+  jnp combines them. With one split the kernel writes the normalised output directly.
+* Keys are read through the block table inside the kernel: key ``j`` of the block lives in pool row
+  ``block_tables[seq, j // block_size] * block_size + j % block_size`` of the ``[num_blocks * block_size, Hkv, D]``
+  view, loaded as a ``[block_k, D]`` gather (each row is ``D`` contiguous elements).
+* Blocks entirely inside every row's visible range run an unmasked body; only the blocks on the causal diagonal,
+  the sliding-window edge or the context end run the masked body.
+* Online softmax in fp32 (``exp2`` with ``log2(e)`` folded into the scale); P is cast to V's dtype for the second
+  dot (bf16/fp16 tensor cores), fp32 inputs use IEEE fp32 dots.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# The compiler-params class was renamed between JAX releases; accept either spelling.
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+_load = getattr(plgpu, "load", None) or pl.load
+_store = getattr(plgpu, "store", None) or pl.store
+_dot = getattr(plgpu, "dot", None) or pl.dot
+
+# Finite "minus infinity": exp2(MASK - real_max) underflows to exactly 0, and a fully masked row never makes
+# NaNs (inf - inf). Same choice as JAX's own Pallas attention kernels.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+LOG2_E = math.log2(math.e)
+
+# Programs wanted in flight to fill an H200 (132 SMs, 2 resident programs each) when choosing kv splits.
+_TARGET_PROGRAMS = 264
+_MAX_KV_SPLITS = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def default_tuning(
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> dict:
+    """Static tuning for one call shape; any argument given explicitly wins.
+
+    * ``block_q`` (tokens per tile): decode-like batches (``T <= 2 S``) use 16-row tiles (``16 // group`` tokens),
+      prefill-heavy batches 64-row tiles.
+    * ``block_k`` (keys per inner step): 64.
+    * ``num_kv_splits``: enough programs to fill the GPU (``ceil(264 / (num_tiles * Hkv))``), at most one split per
+      ``block_k`` keys of the longest possible context and at most 64.
+    * ``num_warps`` 4; ``num_stages`` 2 for 16-row (decode) tiles, 3 for larger (prefill) tiles.
+    """
+    group = num_q_heads // num_kv_heads
+    if block_q is None:
+        rows_wanted = 16 if num_tokens <= 2 * num_seqs else 64
+        block_q = max(1, rows_wanted // group)
+    block_q = int(max(1, min(block_q, num_tokens)))
+    rows = max(16, _next_pow2(block_q * group))
+    if block_k is None:
+        block_k = 64
+    num_tiles = max(1, min(num_tokens, num_tokens // block_q + num_seqs))
+    max_kv_blocks = max(1, -(-(max_blocks * block_size) // block_k))
+    if num_kv_splits is None:
+        programs = num_tiles * num_kv_heads
+        num_kv_splits = max(1, min(_MAX_KV_SPLITS, max_kv_blocks, -(-_TARGET_PROGRAMS // programs)))
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 2 if rows <= 16 else 3
+    return dict(
+        block_q=block_q,
+        rows=rows,
+        block_k=int(block_k),
+        num_tiles=num_tiles,
+        num_kv_splits=int(num_kv_splits),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+    )
+
+
+def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int):
+    """Tile -> (sequence, first token). Tiles beyond the real count get sequence index ``S`` (no work)."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    tiles_per_seq = (q_lens + block_q - 1) // block_q
+    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # inclusive prefix sums
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.searchsorted(tile_end, tiles, side="right").astype(jnp.int32)
+    seq_clamped = jnp.minimum(tile_seq, num_seqs - 1)
+    first_tile_of_seq = tile_end - tiles_per_seq
+    tile_start = cu_q_lens[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
+    return tile_seq, tile_start.astype(jnp.int32)
+
+
+def _kernel(
+    tile_seq_ref,  # int32[num_tiles]
+    tile_start_ref,  # int32[num_tiles]
+    cu_q_lens_ref,  # int32[S+1]
+    kv_lens_ref,  # int32[S]
+    block_tables_ref,  # int32[S, max_blocks]
+    q_ref,  # [T * Hq, D]
+    k_ref,  # [num_blocks * block_size, Hkv, D]
+    v_ref,  # [num_blocks * block_size, Hkv, D]
+    *out_refs,  # split == 1: out [T * Hq, D]; else acc f32[NS, T*Hq, D], m f32[NS, T*Hq], l f32[NS, T*Hq]
+    num_seqs: int,
+    num_q_heads: int,
+    group: int,
+    block_q: int,
+    rows: int,
+    block_k: int,
+    block_size: int,
+    max_blocks: int,
+    num_kv_splits: int,
+    scale_log2: float,
+    sliding_window: int | None,
+    precision,
+):
+    tile = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    split = pl.program_id(2)
+    seq = tile_seq_ref[tile]
+
+    @pl.when(seq < num_seqs)
+    def _():
+        q_start = cu_q_lens_ref[seq]
+        q_end = cu_q_lens_ref[seq + 1]
+        kv_len = kv_lens_ref[seq]
+        tile_start = tile_start_ref[tile]
+        num_tile_tokens = jnp.minimum(block_q, q_end - tile_start)
+        # Context position of the tile's first query token; later tokens follow consecutively.
+        pos_first = kv_len - (q_end - q_start) + (tile_start - q_start)
+        pos_last = pos_first + num_tile_tokens - 1
+
+        row = jnp.arange(rows, dtype=jnp.int32)
+        row_token = row // group
+        row_valid = (row < block_q * group) & (row_token < num_tile_tokens)
+        q_row_index = (tile_start + row_token) * num_q_heads + kv_head * group + row % group
+        head_dim = q_ref.shape[1]
+        dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+        # Only integer-array indexers (no slices) so that the same code runs in interpret mode, where the
+        # discharge rules do not accept mixed array/slice indexing.
+        q_load_row = jnp.where(row_valid, q_row_index, 0)[:, None]
+        row_mask = jnp.broadcast_to(row_valid[:, None], (rows, head_dim))
+        q = _load(q_ref.at[q_load_row, dim], mask=row_mask, other=0.0)  # [rows, D]
+        # Masked-off rows store to an out-of-range row: dropped by the GPU mask and by interpret-mode scatter
+        # (a clamped index could collide with a real row there).
+        q_store_row = jnp.where(row_valid, q_row_index, q_ref.shape[0])
+        # Padded rows act like the last real token so that they never see fewer keys than it (keeps them finite).
+        row_pos = pos_first + jnp.minimum(row_token, num_tile_tokens - 1)
+
+        # Key range of the whole tile, and the sub-range that every row sees in full (no mask needed there).
+        key_hi = pos_last + 1
+        full_hi = pos_first + 1
+        if sliding_window is None:
+            key_lo = 0
+            full_lo = 0
+        else:
+            key_lo = jnp.maximum(pos_first - sliding_window + 1, 0)
+            full_lo = jnp.maximum(pos_last - sliding_window + 1, 0)
+        kb_lo = key_lo // block_k
+        kb_hi = (key_hi + block_k - 1) // block_k
+        unmasked_lo = jnp.maximum((full_lo + block_k - 1) // block_k, kb_lo)
+        unmasked_hi = jnp.maximum(full_hi // block_k, unmasked_lo)
+
+        # This program's share of the key blocks.
+        blocks_per_split = (kb_hi - kb_lo + num_kv_splits - 1) // num_kv_splits
+        split_lo = jnp.minimum(kb_lo + split * blocks_per_split, kb_hi)
+        split_hi = jnp.minimum(split_lo + blocks_per_split, kb_hi)
+        u_lo = jnp.clip(unmasked_lo, split_lo, split_hi)
+        u_hi = jnp.clip(unmasked_hi, split_lo, split_hi)
+        num_lead = u_lo - split_lo  # masked blocks before the unmasked run (sliding-window edge)
+        num_trail = split_hi - u_hi  # masked blocks after it (causal diagonal / context end)
+
+        key_offsets = jnp.arange(block_k, dtype=jnp.int32)
+
+        def load_kv(kb, masked):
+            key_pos = kb * block_k + key_offsets
+            page_slot = key_pos // block_size
+            page = _load(
+                block_tables_ref.at[seq, jnp.minimum(page_slot, max_blocks - 1)],
+                mask=page_slot < max_blocks,
+                other=0,
+            )
+            pool_row = (page * block_size + key_pos % block_size)[:, None]
+            k = k_ref[pool_row, kv_head, dim]  # [block_k, D]
+            if masked:
+                # Past the context end the slots hold stale data; zero V so 0 * garbage cannot make NaN.
+                in_context = jnp.broadcast_to((key_pos < kv_len)[:, None], (block_k, head_dim))
+                v = _load(v_ref.at[pool_row, kv_head, dim], mask=in_context, other=0.0)
+            else:
+                v = v_ref[pool_row, kv_head, dim]
+            return key_pos, k, v
+
+        def step(kb, carry, masked):
+            acc, m_prev, l_prev = carry
+            key_pos, k, v = load_kv(kb, masked)
+            s = _dot(q, k, trans_b=True, precision=precision) * scale_log2  # [rows, block_k] f32
+            if masked:
+                visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
+                if sliding_window is not None:
+                    visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
+                s = jnp.where(visible, s, MASK_VALUE)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            correction = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - m_next[:, None])
+            l_next = l_prev * correction + jnp.sum(p, axis=1)
+            pv = _dot(p.astype(v.dtype), v, precision=precision)
+            acc = acc * correction[:, None] + pv
+            return acc, m_next, l_next
+
+        carry = (
+            jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        )
+        # Unmasked run first, then the masked blocks: the sliding-window edge [split_lo, u_lo) followed by the
+        # causal diagonal / context end [u_hi, split_hi), walked by one loop.
+        carry = lax.fori_loop(u_lo, u_hi, lambda kb, c: step(kb, c, False), carry)
+
+        def masked_body(i, carry):
+            kb = jnp.where(i < num_lead, split_lo + i, u_hi + (i - num_lead))
+            return step(kb, carry, True)
+
+        acc, m_i, l_i = lax.fori_loop(0, num_lead + num_trail, masked_body, carry)
+
+        store_row = q_store_row[:, None]
+        if num_kv_splits == 1:
+            (out_ref,) = out_refs
+            out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+            _store(out_ref.at[store_row, dim], out.astype(out_ref.dtype), mask=row_mask)
+        else:
+            acc_ref, m_ref, l_ref = out_refs
+            _store(acc_ref.at[split, store_row, dim], acc, mask=row_mask)
+            _store(m_ref.at[split, q_store_row], m_i, mask=row_valid)
+            _store(l_ref.at[split, q_store_row], l_i, mask=row_valid)
+
+
+def ragged_paged_attention_triton(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``.
+
+    Requires ``head_dim`` to be a power of two >= 16 (Triton block shapes). Returns ``[T, Hq, D]`` in ``q.dtype``
+    with zeros for padding tokens.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, max_blocks = block_tables.shape
+    if head_dim < 16 or head_dim != _next_pow2(head_dim):
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {head_dim}")
+    group = num_q_heads // num_kv_heads
+    tuning = default_tuning(
+        num_tokens, num_seqs, num_q_heads, num_kv_heads, max_blocks, block_size,
+        block_q=block_q, block_k=block_k, num_kv_splits=num_kv_splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    bk = tuning["block_k"]
+    if bk < 16 or bk != _next_pow2(bk):
+        raise ValueError(f"block_k must be a power of two >= 16, got {bk}")
+    num_splits = tuning["num_kv_splits"]
+    num_tiles = tuning["num_tiles"]
+
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+    tile_seq, tile_start = _tile_map(cu_q_lens, num_tiles, tuning["block_q"])
+
+    q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
+    k_flat = k_pages.reshape(num_blocks * block_size, num_kv_heads, head_dim)
+    v_flat = v_pages.reshape(num_blocks * block_size, num_kv_heads, head_dim)
+
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _kernel,
+        num_seqs=num_seqs,
+        num_q_heads=num_q_heads,
+        group=group,
+        block_q=tuning["block_q"],
+        rows=tuning["rows"],
+        block_k=bk,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        num_kv_splits=num_splits,
+        scale_log2=float(sm_scale) * LOG2_E,
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        precision=precision,
+    )
+    n_rows = num_tokens * num_q_heads
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, n_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, n_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, n_rows), jnp.float32),
+        ]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=tuning["num_warps"], num_stages=tuning["num_stages"]),
+        name=f"ragged_paged_attention_bq{tuning['block_q']}_bk{bk}_s{num_splits}",
+    )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_rows, k_flat, v_flat)
+
+    if num_splits == 1:
+        out = outs[0]
+    else:
+        acc, m, l = outs
+        m_max = jnp.max(m, axis=0)
+        weight = jnp.exp2(m - m_max[None])
+        denom = jnp.sum(l * weight, axis=0)
+        out = jnp.sum(acc * weight[..., None], axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    # Rows of padding tokens were never written (garbage): zero them.
+    token_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs]
+    return jnp.where(token_valid[:, None, None], out.astype(q.dtype), jnp.zeros((), q.dtype))

@@ -1,0 +1,208 @@
+"""Ragged paged attention: Pallas kernel (interpret mode) vs the jnp reference vs a dense per-sequence numpy oracle.
+
+Every case draws a fresh random ragged batch with shuffled, non-contiguous block tables, garbage (large, non-zero)
+values in pool slots no sequence owns, padded sequence slots (q_len 0, kv_len 0) and padding tokens after
+``cu_q_lens[S]`` (whose outputs must be exactly zero).
+"""
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.ops import ragged_paged_attention
+from paged_jax.ops.ragged_paged_attention.triton_kernel import default_tuning
+
+
+def make_batch(seed, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype, pad_seqs=2, pad_tokens=3,
+               spare_blocks=5):
+    """Random batch. kv_lens include the new tokens (q_len <= kv_len)."""
+    rng = np.random.default_rng(seed)
+    q_lens = np.asarray(list(q_lens) + [0] * pad_seqs, np.int32)
+    kv_lens = np.asarray(list(kv_lens) + [0] * pad_seqs, np.int32)
+    assert np.all(q_lens <= kv_lens)
+    blocks_needed = -(-kv_lens // block_size)
+    max_blocks = int(blocks_needed.max()) + 1  # one spare column: padded entries must be ignored
+    num_blocks = 1 + int(blocks_needed.sum()) + spare_blocks
+    free = rng.permutation(np.arange(1, num_blocks)).tolist()
+    block_tables = np.zeros((len(q_lens), max_blocks), np.int32)  # padded entries -> null block 0
+    for s, n in enumerate(blocks_needed):
+        block_tables[s, :n] = [free.pop() for _ in range(n)]
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(cu_q_lens[-1]) + pad_tokens
+    pool_shape = (num_blocks, block_size, hkv, d)
+    # Garbage everywhere first (large values make any leak through the masks obvious), then real context.
+    k_pages = 30.0 * rng.standard_normal(pool_shape)
+    v_pages = 30.0 * rng.standard_normal(pool_shape)
+    for s in range(len(q_lens)):
+        for pos in range(kv_lens[s]):
+            blk, off = block_tables[s, pos // block_size], pos % block_size
+            k_pages[blk, off] = rng.standard_normal((hkv, d))
+            v_pages[blk, off] = rng.standard_normal((hkv, d))
+    q = rng.standard_normal((num_tokens, hq, d))
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return dict(
+        q=cast(q), k_pages=cast(k_pages), v_pages=cast(v_pages), kv_lens=jnp.asarray(kv_lens),
+        block_tables=jnp.asarray(block_tables), cu_q_lens=jnp.asarray(cu_q_lens),
+    )
+
+
+def numpy_oracle(batch, sm_scale, sliding_window=None):
+    """Dense float64 attention, one sequence at a time: gather its context, causal(+window) softmax per token."""
+    q = np.asarray(batch["q"].astype(jnp.float32), np.float64)
+    k_pages = np.asarray(batch["k_pages"].astype(jnp.float32), np.float64)
+    v_pages = np.asarray(batch["v_pages"].astype(jnp.float32), np.float64)
+    kv_lens, tables, cu = (np.asarray(batch[n]) for n in ("kv_lens", "block_tables", "cu_q_lens"))
+    _, block_size, hkv, d = k_pages.shape
+    hq = q.shape[1]
+    group = hq // hkv
+    out = np.zeros_like(q)
+    for s in range(len(kv_lens)):
+        q_len = cu[s + 1] - cu[s]
+        if q_len == 0:
+            continue
+        ctx = kv_lens[s]
+        pos_idx = np.arange(ctx)
+        k = k_pages[tables[s, pos_idx // block_size], pos_idx % block_size]  # [ctx, hkv, d]
+        v = v_pages[tables[s, pos_idx // block_size], pos_idx % block_size]
+        for i in range(q_len):
+            t = cu[s] + i
+            pos = ctx - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(hq):
+                kh = k[lo : pos + 1, h // group]
+                vh = v[lo : pos + 1, h // group]
+                scores = kh @ q[t, h] * sm_scale
+                w = np.exp(scores - scores.max())
+                out[t, h] = (w / w.sum()) @ vh
+    return out
+
+
+def run(batch, impl, sm_scale, sliding_window=None, **tuning):
+    fn = jax.jit(
+        lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+            q, kp, vp, kl, bt, cu, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
+            interpret=(impl == "pallas"), **tuning,
+        )
+    )
+    return fn(batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"], batch["block_tables"],
+              batch["cu_q_lens"])
+
+
+# name: (q_lens, kv_lens, hq, hkv, d, block_size, dtype, sliding_window, kernel tuning)
+CASES = {
+    "decode_only_gqa4_d64": ([1, 1, 1, 1], [5, 16, 33, 70], 8, 2, 64, 16, jnp.float32, None, dict(block_k=16)),
+    "decode_splits_gqa4": ([1, 1], [90, 7], 8, 2, 64, 16, jnp.float32, None, dict(block_k=16, num_kv_splits=3)),
+    "prefill_only_gqa1_d64": ([20, 7], [20, 7], 4, 4, 64, 16, jnp.float32, None, dict(block_k=16)),
+    "mixed_gqa8_d64": ([1, 12, 1, 6], [40, 12, 17, 50], 16, 2, 64, 16, jnp.float32, None, dict(block_k=16)),
+    "chunked_prefill_over_prefix_d128": ([10, 1], [58, 3], 8, 2, 128, 16, jnp.float32, None,
+                                         dict(block_k=16, block_q=4)),
+    "block_boundaries": ([1, 16, 3], [16, 32, 48], 8, 2, 64, 16, jnp.float32, None, dict(block_k=16)),
+    "one_token_sequences": ([1, 1, 1], [1, 1, 2], 8, 2, 64, 16, jnp.float32, None, dict(block_k=16)),
+    "block_size_32_bk16_splits": ([5, 1], [45, 64], 4, 1, 64, 32, jnp.float32, None,
+                                  dict(block_k=16, num_kv_splits=2)),
+    "sliding_window_8": ([9, 1, 1], [40, 30, 5], 8, 2, 64, 16, jnp.float32, 8, dict(block_k=16)),
+    "sliding_window_20_splits": ([1, 6], [70, 33], 8, 2, 64, 16, jnp.float32, 20,
+                                 dict(block_k=16, num_kv_splits=2)),
+    "bf16_mixed_gqa4_d128": ([1, 9, 1], [33, 9, 64], 8, 2, 128, 16, jnp.bfloat16, None, dict(block_k=16)),
+    "bf16_default_tuning": ([1, 7], [20, 40], 8, 2, 64, 16, jnp.bfloat16, None, {}),
+    "window_lead_and_trail_splits": ([3, 1, 12], [50, 70, 12], 8, 2, 64, 16, jnp.float32, 20,
+                                     dict(block_k=16, num_kv_splits=2)),
+    "gqa3_block_size_8": ([1, 9], [77, 9], 9, 3, 64, 8, jnp.float32, None, dict(block_k=16)),
+}
+FP32_TOL = 1e-5
+BF16_TOL = 2e-2
+
+
+def _assert_close(got, want, dtype, n_real):
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
+    tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:n_real], want[:n_real], atol=tol, rtol=tol)
+    np.testing.assert_array_equal(got[n_real:], 0.0)  # padding tokens come out as exact zeros
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_matches_numpy_oracle(name):
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, _ = CASES[name]
+    batch = make_batch(zlib.crc32(name.encode()), q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    got = run(batch, "reference", scale, window)
+    assert got.shape == batch["q"].shape and got.dtype == dtype
+    _assert_close(got, numpy_oracle(batch, scale, window), dtype, int(batch["cu_q_lens"][-1]))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_matches_reference(name):
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES[name]
+    batch = make_batch(1 + zlib.crc32(name.encode()), q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    got = run(batch, "pallas", scale, window, **tuning)
+    want = run(batch, "reference", scale, window)
+    assert got.shape == batch["q"].shape and got.dtype == dtype
+    _assert_close(got, want, dtype, int(batch["cu_q_lens"][-1]))
+
+
+def test_kernel_one_compilation_serves_new_values():
+    """Same static shapes, different ragged layouts and tables: one jitted kernel, both correct."""
+    scale = 0.125
+    fn = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+        q, kp, vp, kl, bt, cu, sm_scale=scale, impl="pallas", interpret=True, block_k=16))
+    # Both batches: 3 sequence slots, 12 tokens, max_blocks 5, 13 pool blocks.
+    layouts = [([1, 8, 1], [30, 8, 60]), ([6, 3, 1], [6, 40, 59])]
+    for seed, (q_lens, kv_lens) in enumerate(layouts):
+        batch = make_batch(100 + seed, q_lens, kv_lens, hq=8, hkv=2, d=64, block_size=16, dtype=jnp.float32,
+                           pad_seqs=0, pad_tokens=12 - sum(q_lens), spare_blocks=13 - 1 - sum(-(-k // 16)
+                                                                                             for k in kv_lens))
+        assert batch["q"].shape[0] == 12 and batch["k_pages"].shape[0] == 13
+        assert batch["block_tables"].shape == (3, 5)
+        got = fn(batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"], batch["block_tables"],
+                 batch["cu_q_lens"])
+        _assert_close(got, numpy_oracle(batch, scale), jnp.float32, sum(q_lens))
+    assert fn._cache_size() == 1
+
+
+def test_auto_uses_reference_on_cpu():
+    batch = make_batch(3, [2, 1], [5, 9], hq=4, hkv=2, d=64, block_size=16, dtype=jnp.float32)
+    auto = run(batch, "auto", 0.1)
+    ref = run(batch, "reference", 0.1)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+
+
+def test_default_tuning_shapes():
+    decode = default_tuning(256, 256, 32, 8, 128, 16)
+    assert decode["rows"] == 16 and decode["block_q"] == 4 and decode["num_kv_splits"] == 1
+    single = default_tuning(1, 1, 32, 8, 2048, 16)
+    assert single["num_tiles"] == 1 and single["num_kv_splits"] > 1  # flash-decoding fills the GPU
+    prefill = default_tuning(4096, 1, 32, 8, 256, 16)
+    assert prefill["rows"] >= 64 and prefill["num_kv_splits"] == 1
+    gqa3 = default_tuning(8, 8, 9, 3, 4, 16)
+    assert gqa3["rows"] == 16 and gqa3["block_q"] * 3 <= 16
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q=jnp.zeros((4, 5, 64))), "multiple of"),
+        (dict(kv_lens=jnp.zeros((3,), jnp.int32)), "kv_lens must be"),
+        (dict(cu_q_lens=jnp.zeros((2,), jnp.int32)), "cu_q_lens must be"),
+        (dict(block_tables=jnp.zeros((2, 3), jnp.float32)), "block_tables must be an integer"),
+        (dict(v_pages=jnp.zeros((5, 16, 4, 64))), "v_pages shape"),
+        (dict(impl="cuda"), "impl must be"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(block_m=16), "unknown tuning"),
+    ],
+)
+def test_bad_input_raises(change, message):
+    args = dict(q=jnp.zeros((4, 8, 64)), k_pages=jnp.zeros((5, 16, 2, 64)), v_pages=jnp.zeros((5, 16, 2, 64)),
+                kv_lens=jnp.zeros((2,), jnp.int32), block_tables=jnp.zeros((2, 3), jnp.int32),
+                cu_q_lens=jnp.zeros((3,), jnp.int32))
+    kwargs = dict(sm_scale=0.1)
+    for k, v in change.items():
+        (args if k in args else kwargs)[k] = v
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*args.values(), **kwargs)
