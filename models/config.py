@@ -89,6 +89,19 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"ModelConfig.rope_scaling (llama3) is missing keys {missing}")
 
+    def __hash__(self):
+        # NNX keeps the config on the module as static graph data, which must be hashable; the dict/list fields are
+        # hashed through immutable views.
+        values = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, dict):
+                value = tuple(sorted(value.items()))
+            elif isinstance(value, list):
+                value = tuple(value)
+            values.append(value)
+        return hash(tuple(values))
+
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads

@@ -54,7 +54,10 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     staging_dir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.building.", dir=cache_root))
     try:
         _build_into(staging_dir)
-        os.chmod(staging_dir, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        # mkdtemp (and safetensors) create private files; the cache is meant to be readable by other users.
+        os.chmod(staging_dir, 0o755)
+        for path in staging_dir.iterdir():
+            os.chmod(path, 0o644)
         try:
             os.rename(staging_dir, model_dir)
         except OSError:

@@ -1,0 +1,55 @@
+"""Cache-free attention for the flat token batch: the reference ``AttentionFn`` used by tests and simple paths."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.llama import AttentionFn
+
+
+def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_window: int | None = None,
+                           positions: jax.Array | None = None) -> AttentionFn:
+    """Causal attention within each segment of a flat batch of T tokens, O(T^2) memory.
+
+    Args:
+      segment_ids: int32[T]; token i attends to token j iff ``segment_ids[i] == segment_ids[j]`` and j <= i
+        (tokens of one segment must be contiguous and in order). Use a negative id for padding: padding tokens
+        only see themselves, so their rows stay finite.
+      sm_scale: softmax scale, usually ``head_dim ** -0.5``.
+      sliding_window: if set, token i only sees tokens j with ``i - j < sliding_window`` (Mistral semantics).
+      positions: optional int32[T]; when given, causality/window use these instead of flat indices (lets a segment
+        be non-contiguous). Defaults to flat token indices.
+    Returns:
+      ``attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)``; kv_layer is
+      returned unchanged. Softmax in float32; GQA by repeating kv heads.
+    """
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    segment_ids = jnp.asarray(segment_ids, dtype=jnp.int32)
+    order = jnp.arange(segment_ids.shape[0], dtype=jnp.int32) if positions is None else jnp.asarray(positions)
+    same_segment = segment_ids[:, None] == segment_ids[None, :]
+    causal = order[:, None] >= order[None, :]
+    mask = same_segment & causal  # [T(query), T(key)]
+    if sliding_window is not None:
+        mask = mask & (order[:, None] - order[None, :] < sliding_window)
+    # A token always sees itself, so every row has at least one unmasked entry (padding included).
+    mask = mask | jnp.eye(segment_ids.shape[0], dtype=bool)
+
+    def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer):
+        num_tokens, num_heads, _ = q.shape
+        num_kv_heads = k.shape[1]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"q heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+        if num_tokens != segment_ids.shape[0]:
+            raise ValueError(f"q has {num_tokens} tokens but segment_ids has {segment_ids.shape[0]}")
+        group = num_heads // num_kv_heads
+        k_rep = jnp.repeat(k, group, axis=1)  # [T, Hq, D]
+        v_rep = jnp.repeat(v, group, axis=1)
+        scores = jnp.einsum("qhd,khd->hqk", q, k_rep, preferred_element_type=jnp.float32) * sm_scale
+        scores = jnp.where(mask[None, :, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v_rep, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype), kv_layer
+
+    return attention

@@ -1,0 +1,243 @@
+"""One Flax NNX decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
+dimension; which token attends to which is entirely the business of the ``AttentionFn`` passed in (see
+``models.attention``), so the same weights serve dense tests, paged prefill and decode.
+
+Parameter paths mirror Hugging Face names so the loader maps them mechanically:
+``model.layers[i].self_attn.q_proj.kernel`` <- ``model.layers.{i}.self_attn.q_proj.weight`` (transposed),
+``*.scale`` <- RMSNorm ``*.weight``, ``model.embed_tokens.embedding`` <- ``model.embed_tokens.weight``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+
+# attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)
+AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+INIT_STD = 0.02
+
+
+def _normal_init(std: float = INIT_STD):
+    return nnx.initializers.normal(stddev=std)
+
+
+@functools.lru_cache(maxsize=32)
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
+    """RoPE inverse frequencies, float32[head_dim // 2], with optional llama3 scaling.
+
+    Computed in float32 the way transformers does, so fp32 logits match it to rounding.
+    ``rope_scaling_items`` is ``tuple(sorted(rope_scaling.items()))`` (hashable for the cache) or None.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+    if rope_scaling_items is None:
+        return inv_freq
+    scaling = dict(rope_scaling_items)
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = ((old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions int32[T] -> (cos, sin), each float32[T, 1, D/2]; computed once per forward, shared by all layers."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x: [T, H, D]`` (HF "rotate_half" layout) in float32 by ``rope_cos_sin`` tables; returns x.dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    # Equivalent to x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with rotate_half(x) = cat(-x2, x1).
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis: normalize in float32, cast back to the compute dtype, then scale (as HF does)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs | None = None):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
+        return self.scale[...].astype(self.dtype) * normed
+
+
+def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs):
+    return nnx.Linear(
+        in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=_normal_init(), bias_init=nnx.initializers.zeros_init(), rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Projections, optional q/k norm and RoPE around an external ``AttentionFn``."""
+
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = _linear(hidden, q_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.k_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.v_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.o_proj = _linear(q_dim, hidden, use_bias=config.o_proj_bias, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def __call__(self, layer_idx: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv_layer,
+                 attention: AttentionFn):
+        """x: [T, hidden], rope: ``rope_cos_sin`` tables -> ([T, hidden], kv_layer)."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, *rope)
+        k = apply_rope(k, *rope)
+        out, kv_layer = attention(layer_idx, q, k, v, kv_layer)
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out), kv_layer
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.up_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = _linear(inter, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, layer_idx, x, rope, kv_layer, attention):
+        attn_out, kv_layer = self.self_attn(layer_idx, self.input_layernorm(x), rope, kv_layer, attention)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_layer
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, decoder layers (a plain list, unrolled under jit) and the final norm."""
+
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
+            embedding_init=_normal_init(), rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+             for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder-only LM for Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 checkpoints.
+
+    Args:
+      config: the model shape.
+      dtype: compute dtype (activations), default bfloat16.
+      param_dtype: storage dtype of the weights; defaults to ``dtype``.
+      rngs: initializer randomness (weights ~ N(0, 0.02), norms = 1, biases = 0).
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
+                                   param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
+                 attention: AttentionFn) -> tuple[jax.Array, list | None]:
+        """Run the decoder on a flat token batch.
+
+        Args:
+          input_ids: int32[T] token ids.
+          positions: int32[T] position of each token within its own sequence (drives RoPE).
+          kv_caches: per-layer KV state handed to ``attention`` (``kv_caches[i]`` for layer i), or None.
+          attention: ``AttentionFn``; decides which tokens see which (segments, pages, windows).
+        Returns:
+          (hidden: dtype[T, hidden_size] after the final norm, kv_caches: list of the layers' returned kv state,
+          or None when ``kv_caches`` was None).
+        """
+        if input_ids.ndim != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be [T]; got {input_ids.shape} and {positions.shape}"
+            )
+        num_layers = len(self.model.layers)
+        if kv_caches is not None and len(kv_caches) != num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {num_layers}")
+        config = self.config
+        inv_freq = rope_inv_freq(
+            config.head_dim, float(config.rope_theta),
+            None if config.rope_scaling is None else tuple(sorted(config.rope_scaling.items())),
+        )
+        rope = rope_cos_sin(positions, inv_freq)
+        x = self.model.embed_tokens(input_ids)
+        new_kv_caches = []
+        for layer_idx, layer in enumerate(self.model.layers):
+            kv_layer = None if kv_caches is None else kv_caches[layer_idx]
+            x, kv_layer = layer(layer_idx, x, rope, kv_layer, attention)
+            new_kv_caches.append(kv_layer)
+        hidden = self.model.norm(x)
+        return hidden, (None if kv_caches is None else new_kv_caches)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden: [N, hidden_size] -> float32[N, vocab_size] (matmul in the compute dtype, fp32 accumulation)."""
+        if self.lm_head is None:
+            weight = self.model.embed_tokens.embedding[...].T  # [hidden, vocab]
+        else:
+            weight = self.lm_head.kernel[...]
+        return jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)

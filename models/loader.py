@@ -1,0 +1,279 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into ``LlamaForCausalLM``.
+
+The model is first built abstractly (``nnx.eval_shape``: shapes only, no memory), then every parameter is read
+tensor by tensor from the checkpoint, checked, cast and placed on the device, so the weights are never held twice.
+Reading uses ``safetensors`` with ``framework="numpy"``; bfloat16 tensors (which numpy lacks) are decoded from the
+raw bytes with ``ml_dtypes``. No torch is needed at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig
+from models.llama import INIT_STD, LlamaForCausalLM
+
+_DTYPES = {
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+    "half": jnp.float16,
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "float": jnp.float32,
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors the model intentionally has no parameter for.
+_IGNORABLE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+# safetensors dtype tag -> numpy dtype, for decoding raw bytes.
+_SAFETENSORS_NUMPY_DTYPES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+}
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    """Map "bfloat16"/"float16"/"float32" (or a jnp dtype) to a jnp dtype; ValueError otherwise."""
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is unsupported; use one of bfloat16, float16, float32")
+        return jnp.dtype(_DTYPES[dtype.lower()])
+    resolved = jnp.dtype(dtype)
+    if resolved not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"dtype {dtype!r} is unsupported; use one of bfloat16, float16, float32")
+    return resolved
+
+
+def load_model(path: str | os.PathLike | None, *, dtype: Any = "bfloat16", load_format: str = "auto", seed: int = 0,
+               config: ModelConfig | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build a ``LlamaForCausalLM`` from a Hugging Face checkpoint directory.
+
+    Args:
+      path: directory with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
+        May be None with ``load_format="dummy"`` and ``config=``.
+      dtype: compute and parameter dtype ("bfloat16", "float16", "float32" or a jnp dtype).
+      load_format: "auto"/"safetensors" read weights; "dummy" initializes randomly (N(0, 0.02)) from the config
+        alone, directly on the device.
+      seed: RNG seed for "dummy".
+      config: use this config instead of reading ``<path>/config.json``.
+    Returns:
+      (model, config).
+    Raises:
+      FileNotFoundError: config.json or weight files missing (the path is named).
+      ValueError: unsupported architecture/dtype/load_format, a tensor with the wrong shape, a missing or
+        unexpected tensor, or an unreadable (e.g. truncated) safetensors file.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is unsupported; use one of {', '.join(LOAD_FORMATS)}")
+    jnp_dtype = resolve_dtype(dtype)
+    if config is None:
+        if path is None:
+            raise ValueError("load_model needs a checkpoint path or config=")
+        config = ModelConfig.from_pretrained(path)
+    if load_format == "dummy":
+        return init_dummy_model(config, dtype=jnp_dtype, seed=seed), config
+    if path is None:
+        raise ValueError(f"load_format={load_format!r} needs a checkpoint path")
+    tensor_files = _checkpoint_tensor_files(Path(path))
+    return _load_safetensors(config, tensor_files, jnp_dtype), config
+
+
+def init_dummy_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights (N(0, 0.02) matrices, norms 1, biases 0) generated directly on the default device.
+
+    Parameters are generated one at a time by a jitted sampler compiled once per distinct (shape, dtype), so even an
+    8B model is created in seconds, never exists on the host, and peaks at its own size plus one tensor.
+    """
+    graphdef, flat_state = _abstract_flat_state(config, dtype)
+    base_key = jax.random.key(seed)
+    for index, (param_path, variable) in enumerate(flat_state):
+        spec = variable.get_value()
+        leaf = str(param_path[-1])
+        if leaf == "scale":
+            value = _constant_array(spec.shape, spec.dtype, 1.0)
+        elif leaf == "bias":
+            value = _constant_array(spec.shape, spec.dtype, 0.0)
+        else:
+            value = _normal_array(jax.random.fold_in(base_key, index), spec.shape, spec.dtype)
+        variable.set_value(value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat_state))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal_array(key, shape, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "fill"))
+def _constant_array(shape, dtype, fill: float) -> jax.Array:
+    return jnp.full(shape, fill, dtype)
+
+
+def _abstract_flat_state(config: ModelConfig, dtype):
+    """(graphdef, flat state of ShapeDtypeStruct variables) of the model: shapes only, no memory."""
+    abstract_model = nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    )
+    graphdef, abstract_state = nnx.split(abstract_model)
+    return graphdef, nnx.to_flat_state(abstract_state)
+
+
+def _checkpoint_tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file for a single-file or sharded checkpoint."""
+    index_path = model_dir / INDEX_FILE
+    single_path = model_dir / SINGLE_FILE
+    if index_path.is_file():
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ValueError(f"{index_path} is not a valid safetensors index (needs 'weight_map'): {exc}") from exc
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"checkpoint shard listed in {index_path} not found: {shard}")
+        return files
+    if single_path.is_file():
+        with _open_safetensors(single_path) as f:
+            return {name: single_path for name in f.keys()}
+    raise FileNotFoundError(f"no weights found: expected {single_path} or {index_path}")
+
+
+class _open_safetensors:
+    """``safe_open(path, framework="numpy")`` that turns header/format errors into ValueError naming the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self._ctx = safe_open(str(self.path), framework="numpy")
+            return self._ctx.__enter__()
+        except Exception as exc:  # safetensors raises SafetensorError (not a ValueError subclass)
+            raise ValueError(f"cannot read safetensors file {self.path}: {exc}") from exc
+
+    def __exit__(self, *exc_info):
+        return self._ctx.__exit__(*exc_info)
+
+
+def _read_tensor(handle, name: str, path: Path) -> np.ndarray:
+    """Read one tensor as numpy; bf16 goes through raw bytes since numpy has no bfloat16."""
+    try:
+        tensor_slice = handle.get_slice(name)
+        dtype_tag = tensor_slice.get_dtype()
+        if dtype_tag == "BF16":
+            shape = tuple(tensor_slice.get_shape())
+            # get_slice()[...] on a numpy handle cannot build bf16; take the bytes via the uint16 view instead.
+            return _read_bf16(path, name, shape)
+        return handle.get_tensor(name)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"cannot read tensor {name!r} from {path}: {exc}") from exc
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    stat = path.stat()
+    return _cached_header(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_header(path: Path, mtime_ns: int, size: int) -> tuple[int, dict]:
+    """(data start offset, header dict); keyed by mtime/size so a rewritten file is re-read."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    return 8 + header_len, header
+
+
+def _read_bf16(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    data_start, header = _safetensors_header(path)
+    begin, end = header[name]["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(data_start + begin)
+        raw = f.read(end - begin)
+    if len(raw) != end - begin:
+        raise ValueError(f"safetensors file {path} is truncated while reading tensor {name!r}")
+    return np.frombuffer(raw, dtype=ml_dtypes.bfloat16).reshape(shape)
+
+
+def hf_name_for(param_path: tuple) -> tuple[str, bool]:
+    """Model parameter path -> (HF tensor name, whether the HF tensor is the transpose of ours)."""
+    *prefix, leaf = (str(p) for p in param_path)
+    if leaf == "kernel":
+        return ".".join(prefix + ["weight"]), True
+    if leaf in ("scale", "embedding"):
+        return ".".join(prefix + ["weight"]), False
+    if leaf == "bias":
+        return ".".join(prefix + ["bias"]), False
+    raise ValueError(f"no checkpoint mapping for model parameter {'.'.join(map(str, param_path))}")
+
+
+def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype) -> LlamaForCausalLM:
+    graphdef, flat_state = _abstract_flat_state(config, dtype)
+
+    wanted: dict[str, tuple[Any, bool]] = {}  # hf name -> (variable, transposed)
+    for param_path, variable in flat_state:
+        hf_name, transposed = hf_name_for(param_path)
+        wanted[hf_name] = (variable, transposed)
+
+    missing = sorted(name for name in wanted if name not in tensor_files)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    unexpected = sorted(
+        name for name in tensor_files
+        if name not in wanted and not _IGNORABLE_TENSOR.search(name)
+        # A tied model may still ship lm_head.weight (a copy of the embedding); it is redundant, not an error.
+        and not (config.tie_word_embeddings and name == "lm_head.weight")
+    )
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+            f"for {config.architecture}"
+        )
+
+    names_by_file: dict[Path, list[str]] = {}
+    for hf_name in wanted:
+        names_by_file.setdefault(tensor_files[hf_name], []).append(hf_name)
+
+    device = jax.devices()[0]
+    with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", leave=False) as progress:
+        for file_path, names in names_by_file.items():
+            with _open_safetensors(file_path) as handle:
+                for hf_name in names:
+                    variable, transposed = wanted[hf_name]
+                    expected = variable.get_value()
+                    expected_hf_shape = tuple(reversed(expected.shape)) if transposed else tuple(expected.shape)
+                    array = _read_tensor(handle, hf_name, file_path)
+                    if tuple(array.shape) != expected_hf_shape:
+                        raise ValueError(
+                            f"tensor {hf_name!r} in {file_path} has shape {tuple(array.shape)} but the model "
+                            f"expects {expected_hf_shape}"
+                        )
+                    # Cast and transpose on the device: host keeps only the one tensor being read.
+                    value = jax.device_put(array, device).astype(expected.dtype)
+                    if transposed:
+                        value = value.T
+                    variable.set_value(value)
+                    progress.update(1)
+    state = nnx.from_flat_state(flat_state)
+    return nnx.merge(graphdef, state)

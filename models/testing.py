@@ -1,0 +1,125 @@
+"""Test helpers: tiny Hugging Face configs and random HF checkpoints written with transformers (test-only deps).
+
+``tiny_config`` needs nothing; ``save_random_hf_checkpoint`` imports torch/transformers lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# Short names accepted by tiny_config, for readability in tests.
+_ALIASES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    """A tiny HF ``config.json`` dict: vocab 256, hidden 64, 2 layers, 4 heads, 2 kv heads, head_dim 16.
+
+    Args:
+      architecture: "LlamaForCausalLM" / "MistralForCausalLM" / "Qwen2ForCausalLM" / "Qwen3ForCausalLM"
+        (or "llama", "mistral", "qwen2", "qwen3").
+      overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
+    """
+    architecture = _ALIASES.get(architecture, architecture)
+    if architecture not in _MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODEL_TYPES)}")
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES[architecture],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "attention_dropout": 0.0,
+    }
+    if architecture == "MistralForCausalLM":
+        config["sliding_window"] = None
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+    config.update(overrides)
+    return config
+
+
+def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathLike, *, shards: int = 1,
+                              seed: int = 0, dtype=None) -> Path:
+    """Build the transformers model for ``hf_config`` with random weights and save it as an HF checkpoint.
+
+    Writes ``config.json`` and ``model.safetensors`` (``shards == 1``) or ``model-0000i-of-0000n.safetensors`` +
+    ``model.safetensors.index.json`` (``shards > 1``). Weights are drawn with std 0.02 (norm weights perturbed
+    around 1 so a wrong norm mapping is visible). ``dtype`` is a torch dtype (default torch.float32).
+    Returns the output directory.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    dtype = torch.float32 if dtype is None else dtype
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    config_dict = dict(hf_config)
+    model_type = config_dict.pop("model_type")
+    torch_config = AutoConfig.for_model(model_type, **config_dict)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        torch_model = AutoModelForCausalLM.from_config(torch_config, dtype=torch.float32)
+        for name, param in torch_model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+    torch_model.eval()
+
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    state_dict = {
+        name: tensor.detach().to(dtype).contiguous().clone()
+        for name, tensor in torch_model.state_dict().items()
+        if not (tied and name == "lm_head.weight") and not name.endswith("rotary_emb.inv_freq")
+    }
+
+    names = list(state_dict)
+    if shards == 1:
+        save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        per_shard = -(-len(names) // shards)
+        for shard_idx in range(shards):
+            shard_names = names[shard_idx * per_shard:(shard_idx + 1) * per_shard]
+            shard_file = f"model-{shard_idx + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({n: state_dict[n] for n in shard_names}, str(out_dir / shard_file), metadata={"format": "pt"})
+            weight_map.update({n: shard_file for n in shard_names})
+        total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    saved_config = dict(hf_config)
+    saved_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(saved_config, indent=2))
+    return out_dir

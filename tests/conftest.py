@@ -1,0 +1,70 @@
+"""Shared pytest setup. JAX runs on CPU with 8 virtual devices (for sharding tests); set before jax is imported."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """Directory of the locally built SmolLM2-135M-Instruct fp32 HF checkpoint (built once, then cached)."""
+    from models.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    """The SmolLM2 HF tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_dir):
+    """transformers fp32 SmolLM2 model in eval mode, shared by all test files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm2_model):
+    """``hf_greedy(prompt_ids, max_new_tokens) -> list[int]``: transformers fp32 greedy continuation of one prompt
+    (stops after EOS id 2, which is included), memoized for the session so engine and LLM tests share it."""
+    import torch
+
+    cache = {}
+
+    def run(prompt_ids, max_new_tokens):
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                out = hf_smollm2_model.generate(
+                    torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                    eos_token_id=2, pad_token_id=2, repetition_penalty=1.0)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def serving_engine(smollm2_dir):
+    """One real LLMEngine (SmolLM2 fp32 on CPU, small settings) shared by the serving test files.
+
+    Settings the serving tests rely on: max_model_len 256, 4 sequences per step. Each test file wraps it in its own
+    app (and engine thread) and shuts that thread down before the next file starts.
+    """
+    from paged_jax.config import EngineArgs
+    from paged_jax.engine import LLMEngine
+
+    return LLMEngine(EngineArgs(model=str(smollm2_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+                                max_num_batched_tokens=64, num_gpu_blocks_override=80, seed=0), use_tqdm=False)
