@@ -181,7 +181,8 @@ def build_sampling_tensors(
         if not greedy:
             any_random = True
             # Greedy rows ignore truncation entirely (argmax always survives it), so only random rows fill it in.
-            top_k[row_index] = max(params.top_k, 0)
+            # Clamp to int32: any k beyond the vocabulary keeps every token, as k = vocab_size would.
+            top_k[row_index] = min(max(params.top_k, 0), np.iinfo(np.int32).max)
             top_p[row_index] = params.top_p
             min_p[row_index] = params.min_p
             any_truncation |= params.uses_truncation

@@ -108,6 +108,14 @@ def test_top_k_1_equals_greedy():
     np.testing.assert_array_equal(out.token_ids, np.argmax(logits, axis=-1))
 
 
+def test_huge_top_k_keeps_every_token():
+    """A top_k beyond int32 (accepted by SamplingParams, as in vLLM) must not overflow: it keeps every token."""
+    logits = _random_logits(2, 4)
+    huge = [_row(SamplingParams(temperature=1.0, top_k=2**40, top_p=0.999), seed=7 + i) for i in range(4)]
+    off = [_row(SamplingParams(temperature=1.0, top_k=0, top_p=0.999), seed=7 + i) for i in range(4)]
+    np.testing.assert_array_equal(_sample(huge, logits)[0].token_ids, _sample(off, logits)[0].token_ids)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Seeded randomness
 # ---------------------------------------------------------------------------------------------------------------
