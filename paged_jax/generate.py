@@ -1,0 +1,477 @@
+"""A jittable ``generate`` for research code: prefill + decode loop as one pure JAX function.
+
+``generate`` takes an NNX model (or its ``(graphdef, state)`` split), a right-padded batch of prompts and a PRNG key,
+and returns fixed-shape arrays. Everything runs on device inside one jit: a paged KV pool is built for exactly this
+batch, all prompts are prefilled as one ragged batch, and a ``lax.while_loop`` decodes one token per row until every
+row has produced EOS or ``max_new_tokens``. It uses the same model code, KV layout (``paged_jax.ops.write_kv``) and
+``ragged_paged_attention`` kernel as the serving engine, so research results match serving.
+
+Composability:
+  * ``jax.jit``: ``generate`` is itself jitted (``max_new_tokens``, ``block_size``, ``eos_token_id``,
+    ``pad_token_id``, ``attention_impl`` and Python-number sampling parameters are static) and can be called inside
+    a user's own ``jax.jit`` / ``nnx.jit``, with the model state as an ordinary traced pytree.
+  * Sharding: nothing is placed on a device explicitly; jit follows the shardings of the inputs, so weights sharded
+    over a mesh stay sharded (no gather of the parameters). Passing the ``paged_jax.sharding.ShardingPlan`` the
+    weights were placed with (``sharding_plan=``) also shards the KV pool over kv heads and runs attention under
+    ``shard_map`` on each device's own heads, as the engine does; without it XLA's sharding propagation decides the
+    KV pool's layout, and a custom-call kernel (the GPU Pallas kernel) runs on replicated q/k/v.
+  * ``jax.vmap`` over ``rng`` (several samples per prompt), over prompts or over sampling parameters: a custom
+    batching rule folds the mapped axis into the batch (``S`` samples of ``B`` prompts run as one batch of
+    ``S * B`` rows), so the paged kernel never sees a vmapped call and the decode loop exits when every row of every
+    sample is done. Mapping over the model parameters themselves falls back to plain vectorization.
+  * No host callbacks and no host synchronization inside: under ``jax.transfer_guard("disallow")`` a call whose
+    inputs already live on device performs no transfer.
+
+Randomness: row ``b`` of a call uses ``row_key = jax.random.split(rng, B)[b]`` and draws the Gumbel noise of output
+token ``i`` from ``fold_in(row_key, i)``; a row's tokens therefore depend on (model, prompt, rng, row index) and not
+on the other rows. Sampling semantics are the engine sampler's (``paged_jax.sampler``): greedy when temperature <
+``SAMPLING_EPS`` (argmax, lowest index on ties), else Gumbel-max on ``logits / temperature`` after top-k then top-p
+(``apply_top_k_top_p``). Returned logprobs are those of the raw model distribution (``log_softmax(logits)`` at
+temperature 1, no truncation), like the engine's default.
+
+Outputs carry no gradient (the parameters enter through ``stop_gradient``), so ``generate`` may run inside a function
+that ``jax.grad`` differentiates; compute training logprobs with a separate forward pass on the returned tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.custom_batching import custom_vmap
+
+from paged_jax.ops import ragged_paged_attention, write_kv
+from paged_jax.sampler import apply_top_k_top_p
+from paged_jax.sampling_params import SAMPLING_EPS
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas")
+
+
+class GenerateOutput(NamedTuple):
+    """Result of ``generate``; B = batch size, N = ``max_new_tokens``.
+
+    tokens: int32[B, N]; generated ids, the EOS token included, ``pad_token_id`` after a row finished.
+    logprobs: float32[B, N]; log_softmax of the raw logits at each generated token, 0.0 after a row finished.
+    lengths: int32[B]; number of generated tokens of each row (EOS included), in [1, N].
+    finished: bool[B]; True when the row stopped on an EOS token, False when it was cut at ``max_new_tokens``.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    finished: jax.Array
+
+
+class _StaticConfig(NamedTuple):
+    """Everything that changes the compiled program (hashable; a jit static argument)."""
+
+    graphdef: Any
+    max_new_tokens: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    attention_impl: str
+    sharding_plan: Any  # paged_jax.sharding.ShardingPlan with dp == 1, or None
+    # Python-number sampling parameters are compiled in (None: the value is a traced argument instead).
+    static_temperature: float | None
+    static_top_k: int | None
+    static_top_p: float | None
+
+
+class _RowParams(NamedTuple):
+    """Per-row sampling parameters, each with leading dimension B (a pytree passed through custom_vmap)."""
+
+    temperature: jax.Array  # float32[B]
+    top_k: jax.Array  # int32[B]; <= 0 = off
+    top_p: jax.Array  # float32[B]; >= 1 = off
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def generate(
+    model,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    max_new_tokens: int,
+    rng=None,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    eos_token_id: int | tuple[int, ...] | list[int] | None = None,
+    pad_token_id: int = 0,
+    block_size: int = 16,
+    attention_impl: str = "auto",
+    sharding_plan=None,
+) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` tokens for every prompt of a batch, entirely on device.
+
+    Args:
+      model: an NNX ``LlamaForCausalLM``, or ``(graphdef, state)`` / ``(graphdef, state, *more_states)`` as returned
+        by ``nnx.split`` (the states may be traced, e.g. inside the caller's ``jax.jit``; sharded arrays stay
+        sharded).
+      prompt_tokens: int32[B, P]; prompts, right-padded (entries at or past a row's length are ignored).
+      prompt_lengths: int32[B]; length of each prompt, in [1, P] (values outside are clipped into that range, since
+        traced values cannot be checked).
+      max_new_tokens: static N >= 1; shape of the outputs and the most tokens a row generates.
+      rng: a JAX PRNG key (``jax.random.key`` or a legacy uint32[2] key). Required unless sampling is statically
+        greedy (``temperature`` given as a Python number below ``SAMPLING_EPS``).
+      temperature: scalar or float[B]; < ``SAMPLING_EPS`` (1e-5) means greedy for that row.
+      top_k: scalar or int[B]; <= 0 disables top-k.
+      top_p: scalar or float[B] in (0, 1]; 1 disables top-p.
+        Python numbers for ``temperature`` / ``top_k`` / ``top_p`` are compiled in (a greedy call has no sampling
+        code at all); pass jax arrays to vary them without recompiling.
+      eos_token_id: static int or tuple of ints; a row stops after generating one of them. None: rows never stop
+        early (pass e.g. ``config.eos_token_ids`` to stop at the model's EOS).
+      pad_token_id: static int written after a row finished.
+      block_size: static KV page size (tokens per block) of the paged pool.
+      attention_impl: "auto" (Pallas kernel on GPU, jnp reference elsewhere), "reference" or "pallas"; passed to
+        ``ragged_paged_attention``.
+      sharding_plan: static ``paged_jax.sharding.ShardingPlan`` (data_parallel_size 1) whose layout the weights
+        have (``plan.shard_model(model)`` / ``load_sharded_model``): the KV pool is sharded over kv heads and
+        attention runs per device under ``shard_map``. None: follow the input shardings (see the module docstring).
+    Returns:
+      ``GenerateOutput(tokens int32[B, N], logprobs float32[B, N], lengths int32[B], finished bool[B])``.
+    Raises:
+      ValueError: bad shapes, dtypes or static arguments (the message names the argument).
+
+    The KV pool holds ``1 + B * ceil((P + N - 1) / block_size)`` blocks per layer (block 0 is the null block):
+    memory grows with the padded prompt length P, so do not over-pad prompts.
+    """
+    graphdef, states = _split_model(model)
+    max_new_tokens = _check_positive_int(max_new_tokens, "max_new_tokens")
+    block_size = _check_positive_int(block_size, "block_size")
+    eos_token_ids = _normalize_eos(eos_token_id)
+    if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool):
+        raise ValueError(f"pad_token_id must be a Python int (it is static), got {pad_token_id!r}")
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {attention_impl!r}")
+    if sharding_plan is not None:
+        from paged_jax.sharding import ShardingPlan
+
+        if not isinstance(sharding_plan, ShardingPlan):
+            raise ValueError(f"sharding_plan must be a paged_jax.sharding.ShardingPlan or None, "
+                             f"got {type(sharding_plan).__name__}")
+        if sharding_plan.data_parallel_size != 1:
+            raise ValueError(f"sharding_plan must have data_parallel_size 1 (split the batch yourself for data "
+                             f"parallelism), got {sharding_plan.data_parallel_size}")
+
+    prompt_tokens = _as_array(prompt_tokens, "prompt_tokens")
+    prompt_lengths = _as_array(prompt_lengths, "prompt_lengths")
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
+        raise ValueError(f"prompt_tokens must be int32[B, P] with B, P >= 1, got shape {prompt_tokens.shape}")
+    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+        raise ValueError(f"prompt_tokens must be an integer array, got dtype {prompt_tokens.dtype}")
+    batch_size, prompt_width = prompt_tokens.shape
+    if prompt_lengths.shape != (batch_size,):
+        raise ValueError(f"prompt_lengths must be int32[B={batch_size}], got shape {prompt_lengths.shape}")
+    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+        raise ValueError(f"prompt_lengths must be an integer array, got dtype {prompt_lengths.dtype}")
+    if isinstance(prompt_lengths, np.ndarray) and (
+        np.any(prompt_lengths < 1) or np.any(prompt_lengths > prompt_width)
+    ):
+        raise ValueError(f"prompt_lengths must lie in [1, P={prompt_width}], got {prompt_lengths.tolist()}")
+
+    static_temperature, dynamic_temperature = _split_param(temperature, "temperature", batch_size, float)
+    static_top_k, dynamic_top_k = _split_param(top_k, "top_k", batch_size, int)
+    static_top_p, dynamic_top_p = _split_param(top_p, "top_p", batch_size, float)
+    if static_temperature is not None and static_temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {static_temperature}")
+    if static_top_p is not None and not 0.0 < static_top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {static_top_p}")
+    statically_greedy = static_temperature is not None and static_temperature < SAMPLING_EPS
+    if rng is None:
+        if not statically_greedy:
+            raise ValueError("rng is required unless temperature is a Python number below SAMPLING_EPS (greedy)")
+    else:
+        _check_key(rng)
+
+    static = _StaticConfig(
+        graphdef=graphdef, max_new_tokens=max_new_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
+        pad_token_id=int(pad_token_id), attention_impl=attention_impl, sharding_plan=sharding_plan,
+        static_temperature=static_temperature,
+        static_top_k=static_top_k, static_top_p=static_top_p,
+    )
+    return _generate_jit(static, states, prompt_tokens, prompt_lengths, rng,
+                         dynamic_temperature, dynamic_top_k, dynamic_top_p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument handling (host side, trace time)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _split_model(model) -> tuple[Any, tuple]:
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        return graphdef, (state,)
+    if isinstance(model, (tuple, list)) and len(model) >= 2 and isinstance(model[0], nnx.GraphDef):
+        return model[0], tuple(model[1:])
+    raise ValueError(
+        f"model must be an nnx.Module or a (graphdef, state, ...) tuple from nnx.split, got {type(model).__name__}"
+    )
+
+
+def _check_positive_int(value, name: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive Python int (it is static), got {value!r}")
+    return int(value)
+
+
+def _normalize_eos(eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    ids = (eos_token_id,) if isinstance(eos_token_id, numbers.Integral) else tuple(eos_token_id)
+    for token_id in ids:
+        if not isinstance(token_id, numbers.Integral) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"eos_token_id must be a non-negative int or a tuple of them, got {eos_token_id!r}")
+    return tuple(sorted({int(token_id) for token_id in ids}))
+
+
+def _as_array(value, name: str):
+    """Host inputs become numpy (checked, transferred once by jit); jax arrays and tracers pass through."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise ValueError(f"{name} must be an array, got {type(value).__name__}") from exc
+
+
+def _split_param(value, name: str, batch_size: int, kind: type):
+    """(static Python value, None) for a Python number, else (None, array broadcastable to [B])."""
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        if kind is int and not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        return kind(value), None
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{name} must be a number or an array, got {value!r}")
+    array = _as_array(value, name)
+    if array.shape not in ((), (batch_size,)):
+        raise ValueError(f"{name} must be a scalar or have shape [B={batch_size}], got shape {array.shape}")
+    if kind is int and not jnp.issubdtype(array.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {array.dtype}")
+    return None, array
+
+
+def _check_key(rng) -> None:
+    if not isinstance(rng, (jax.Array, np.ndarray)):
+        raise ValueError(f"rng must be a jax.random.key or a legacy uint32[2] key, got {type(rng).__name__}")
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(f"rng must be a single PRNG key (shape ()), got shape {rng.shape}; use jax.vmap to map "
+                             f"over several keys")
+    elif rng.shape != (2,) or rng.dtype != jnp.uint32:
+        raise ValueError(f"rng must be a jax.random.key or a legacy uint32[2] key, got {rng.dtype}{list(rng.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _generate_jit(static: _StaticConfig, states, prompt_tokens, prompt_lengths, rng,
+                  dynamic_temperature, dynamic_top_k, dynamic_top_p) -> GenerateOutput:
+    batch_size = prompt_tokens.shape[0]
+    if rng is None:
+        rng = jax.random.key(0)  # statically greedy: the key is never used (a trace-time constant, no transfer)
+    elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+
+    def per_row(static_value, dynamic_value, dtype):
+        value = static_value if dynamic_value is None else dynamic_value
+        return jnp.broadcast_to(jnp.asarray(value, dtype), (batch_size,))
+
+    row_params = _RowParams(
+        temperature=per_row(static.static_temperature, dynamic_temperature, jnp.float32),
+        top_k=per_row(static.static_top_k, dynamic_top_k, jnp.int32),
+        top_p=per_row(static.static_top_p, dynamic_top_p, jnp.float32),
+    )
+    # Generation is not differentiable (custom_vmap has no autodiff rule and sampling is discrete): cutting the
+    # gradient here lets generate sit inside a function that jax.grad traces, with zero gradient through it.
+    states, row_params = jax.lax.stop_gradient((states, row_params))
+    return _batch_folding_generate(static)(
+        states, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), rng, row_params
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_folding_generate(static: _StaticConfig):
+    """``generate_one_key`` wrapped with a vmap rule that folds a mapped axis into the batch dimension."""
+
+    def generate_one_key(states, prompt_tokens, prompt_lengths, rng, row_params):
+        row_keys = jax.random.split(rng, prompt_tokens.shape[0])
+        return _generate_rows(static, states, prompt_tokens, prompt_lengths, row_keys, row_params)
+
+    folded = custom_vmap(generate_one_key)
+
+    @folded.def_vmap
+    def fold_into_batch(axis_size, in_batched, states, prompt_tokens, prompt_lengths, rng, row_params):
+        states_batched, tokens_batched, lengths_batched, rng_batched, params_batched = in_batched
+        output_batched = GenerateOutput(True, True, True, True)
+        if any(jax.tree.leaves(states_batched)):
+            # Mapping over the weights (e.g. an ensemble) cannot share one batch; vectorize the whole program.
+            in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+            return jax.vmap(generate_one_key, in_axes=in_axes)(
+                states, prompt_tokens, prompt_lengths, rng, row_params), output_batched
+
+        num_samples = axis_size
+        batch_size = prompt_tokens.shape[-2]
+
+        def lead(x, batched):
+            """[S, ...] view of an argument: mapped ones already have it, the others are broadcast."""
+            return x if batched else jnp.broadcast_to(x[None], (num_samples,) + x.shape)
+
+        def flatten(x):
+            return x.reshape((num_samples * batch_size,) + x.shape[2:])
+
+        prompt_tokens = lead(prompt_tokens, tokens_batched)
+        prompt_lengths = lead(prompt_lengths, lengths_batched)
+        rng = lead(rng, rng_batched)
+        row_params = jax.tree.map(lead, row_params, params_batched)
+        # Same row keys as S unbatched calls with rng[s]: row (s, b) gets split(rng[s], B)[b].
+        row_keys = jax.vmap(lambda key: jax.random.split(key, batch_size))(rng)
+        outputs = _generate_rows(
+            static, states, flatten(prompt_tokens), flatten(prompt_lengths), flatten(row_keys),
+            jax.tree.map(flatten, row_params),
+        )
+        outputs = jax.tree.map(lambda x: x.reshape((num_samples, batch_size) + x.shape[1:]), outputs)
+        return outputs, output_batched
+
+    return folded
+
+
+def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths, row_keys,
+                   row_params: _RowParams) -> GenerateOutput:
+    """The generation program for B rows with their own keys (row_keys: key[B]); see ``generate``."""
+    model = nnx.merge(static.graphdef, *states)
+    config = model.config
+    batch_size, prompt_width = prompt_tokens.shape
+    max_new_tokens = static.max_new_tokens
+    block_size = static.block_size
+    prompt_lengths = jnp.clip(prompt_lengths, 1, prompt_width)
+
+    # KV pool: row b owns blocks [1 + b * blocks_per_row, 1 + (b + 1) * blocks_per_row); block 0 is the null block.
+    # A row's context never exceeds P + N - 1 tokens: the last generated token is never fed back.
+    blocks_per_row = -(-(prompt_width + max_new_tokens - 1) // block_size)
+    num_blocks = 1 + batch_size * blocks_per_row
+    block_tables = (1 + jnp.arange(batch_size, dtype=jnp.int32)[:, None] * blocks_per_row
+                    + jnp.arange(blocks_per_row, dtype=jnp.int32)[None, :])  # [B, blocks_per_row]
+    row_first_slot = block_tables[:, 0] * block_size  # [B]; contiguous blocks make slot = first slot + position
+    kv_dtype = getattr(model, "dtype", jnp.float32)
+    page_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    plan = static.sharding_plan
+
+    def empty_pages():
+        pages = jnp.zeros(page_shape, kv_dtype)
+        return pages if plan is None else jax.lax.with_sharding_constraint(pages, plan.kv_cache_sharding)
+
+    kv_caches = [(empty_pages(), empty_pages()) for _ in range(config.num_hidden_layers)]
+    sm_scale = config.head_dim ** -0.5
+
+    def compute_logits(hidden):
+        logits = model.compute_logits(hidden)
+        return logits if plan is None else plan.gather_logits(logits)
+
+    def paged_attention(slot_mapping, kv_lens, cu_q_lens):
+        if plan is not None:
+            return plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
+                                        cu_q_lens=cu_q_lens, sm_scale=sm_scale,
+                                        sliding_window=config.sliding_window, impl=static.attention_impl)
+
+        def attention(layer_idx, q, k, v, kv_layer):
+            k_pages, v_pages = write_kv(*kv_layer, k, v, slot_mapping)
+            out = ragged_paged_attention(
+                q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale,
+                sliding_window=config.sliding_window, impl=static.attention_impl,
+            )
+            return out, (k_pages, v_pages)
+
+        return attention
+
+    # Prefill: all prompts as one ragged batch of B * P flat tokens, valid ones first (row-major), padding after.
+    num_flat = batch_size * prompt_width
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(prompt_lengths, dtype=jnp.int32)])
+    flat_index = jnp.arange(num_flat, dtype=jnp.int32)
+    flat_row = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], flat_index, side="right"), batch_size - 1)
+    flat_valid = flat_index < cu_q_lens[batch_size]
+    flat_position = jnp.where(flat_valid, flat_index - cu_q_lens[flat_row], 0).astype(jnp.int32)
+    flat_tokens = jnp.where(flat_valid, prompt_tokens[flat_row, flat_position], 0)
+    # Padding tokens write into the null block 0 (slot 0); their outputs are ignored.
+    flat_slots = jnp.where(flat_valid, row_first_slot[flat_row] + flat_position, 0)
+    hidden, kv_caches = model(flat_tokens, flat_position, kv_caches,
+                              paged_attention(flat_slots, prompt_lengths, cu_q_lens))
+    last_hidden = hidden[cu_q_lens[1:] - 1]  # [B, H]: each prompt's last token
+    first_tokens, first_logprobs = _sample(static, compute_logits(last_hidden), row_keys, 0, row_params)
+
+    eos_ids = jnp.asarray(static.eos_token_ids, jnp.int32)
+
+    def is_eos(tokens):
+        if not static.eos_token_ids:
+            return jnp.zeros(tokens.shape, bool)
+        return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
+
+    out_tokens = jnp.full((batch_size, max_new_tokens), static.pad_token_id, jnp.int32).at[:, 0].set(first_tokens)
+    out_logprobs = jnp.zeros((batch_size, max_new_tokens), jnp.float32).at[:, 0].set(first_logprobs)
+    lengths = jnp.ones((batch_size,), jnp.int32)
+    hit_eos = is_eos(first_tokens)
+    decode_cu_q_lens = jnp.arange(batch_size + 1, dtype=jnp.int32)  # one query token per row
+
+    def not_done(carry):
+        step, _, hit_eos, *_ = carry
+        return (step < max_new_tokens) & ~jnp.all(hit_eos)
+
+    def decode_step(carry):
+        """Feed output token step-1 of every row (position len + step - 1) and sample output token ``step``."""
+        step, last_tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches = carry
+        positions = prompt_lengths + step - 1
+        # Finished rows keep running (static shapes) on their own blocks; their results are discarded.
+        hidden, kv_caches = model(last_tokens, positions, kv_caches,
+                                  paged_attention(row_first_slot + positions, positions + 1, decode_cu_q_lens))
+        tokens, logprobs = _sample(static, compute_logits(hidden), row_keys, step, row_params)
+        tokens = jnp.where(hit_eos, static.pad_token_id, tokens)
+        logprobs = jnp.where(hit_eos, 0.0, logprobs)
+        out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, tokens[:, None], step, axis=1)
+        out_logprobs = jax.lax.dynamic_update_slice_in_dim(out_logprobs, logprobs[:, None], step, axis=1)
+        lengths = lengths + (~hit_eos).astype(jnp.int32)
+        hit_eos = hit_eos | is_eos(tokens)
+        return step + 1, tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches
+
+    carry = (jnp.int32(1), first_tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches)
+    _, _, hit_eos, out_tokens, out_logprobs, lengths, _ = jax.lax.while_loop(not_done, decode_step, carry)
+    return GenerateOutput(tokens=out_tokens, logprobs=out_logprobs, lengths=lengths, finished=hit_eos)
+
+
+def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParams):
+    """One token per row: (int32[B], raw logprob float32[B]); same semantics as ``paged_jax.sampler.sample``."""
+    logits = logits.astype(jnp.float32)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if static.static_temperature is not None and static.static_temperature < SAMPLING_EPS:
+        tokens = greedy_tokens
+    else:
+        greedy_rows = row_params.temperature < SAMPLING_EPS
+        scaled = logits / jnp.where(greedy_rows, 1.0, row_params.temperature)[:, None]
+        truncation_off = (static.static_top_k is not None and static.static_top_k <= 0
+                          and static.static_top_p is not None and static.static_top_p >= 1.0)
+        if not truncation_off:
+            # One sort per row; skipped at run time when no row truncates (traced top_k / top_p).
+            needs_truncation = jnp.any((row_params.top_k > 0) | (row_params.top_p < 1.0))
+            scaled = jax.lax.cond(needs_truncation,
+                                  lambda x: apply_top_k_top_p(x, row_params.top_k, row_params.top_p),
+                                  lambda x: x, scaled)
+        vocab_size = logits.shape[-1]
+        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, step), (vocab_size,), jnp.float32))(
+            row_keys)
+        sampled_tokens = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(greedy_rows, greedy_tokens, sampled_tokens)
+    raw_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+    return tokens, raw_logprobs
