@@ -6,9 +6,22 @@ Run on the GPU machine from the repo root:
 
 Sections (``--sections``, comma separated): ``ceiling`` (device copy / elementwise / read-only bandwidth and a bf16
 matmul), ``check`` (kernel vs the jnp reference on the GPU, many shapes, before any timing), ``decode`` (Llama-3-8B
-head shape: 32 q heads, 8 kv heads, head_dim 128, bf16, block_size 16; batch x context grid; ours vs the XLA
-reference vs JAX's deprecated ``pallas.ops.gpu.paged_attention``), ``decode_sweep`` and ``prefill_sweep`` (tuning
-variants), ``prefill`` (4k-token prefill, chunked prefill, mixed batch).
+head shape: 32 q heads, 8 kv heads, head_dim 128, bf16, block_size 16; full batch x context grid; ours vs the XLA
+reference vs JAX's deprecated ``pallas.ops.gpu.paged_attention``; slow), ``decode_compare`` (the same three on 4
+decode points, with a correctness check of JAX's kernel; ~1 min), ``decode_grid`` (ours only on a sparse grid of 10
+points, batch 1..256 x context 512..32k; ~1 min), ``decode_sweep`` and ``prefill_sweep`` (tuning variants),
+``prefill`` (4k-token prefill, chunked prefill, mixed batch), ``prefill_variants`` (the kernel's prefill tuning
+options on 1x4096, 4x1024 and 512 over a 3584 prefix; each variant checked against the reference first; prints the
+best variant as a recommended prefill default; ~1.5 min).
+
+Quick full run (under 5 minutes of GPU time): each section stops starting new cases after its soft budget
+(``--section-budgets``, default prefill_variants 100 s, decode_compare 60 s, decode_grid 60 s, check 40 s) and the
+whole run after ``--budget-s``; results are flushed after every case, so a timeout loses at most one case:
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD timeout 295 python3 benchmarks/kernels.py --out $OUT --repeats 5 \
+        --budget-s 265 --sections ceiling,prefill_variants,decode_compare,decode_grid,check
+
+CPU smoke test of the plumbing (interpret mode, tiny sizes): ``--interpret --tiny --repeats 1``.
 
 Timing: each measured call runs ``n_inner`` attention steps inside one jitted ``fori_loop`` (the output feeds the
 next step's queries, so nothing is hoisted, and the block table rotates over ``R`` disjoint copies of the KV so the
@@ -46,9 +59,33 @@ SM_SCALE = 1.0 / math.sqrt(D)
 L2_DEFEAT_BYTES = 512 << 20  # rotate over this much KV so repeated steps miss the L2
 
 INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke test of this script)
+TINY = False  # --tiny: prefill_variants / decode_compare / decode_grid on tiny sizes (CPU smoke test)
 LOG_LINES: list[str] = []
 RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "prefill": [],
-                 "prefill_sweep": [], "errors": []}
+                 "prefill_sweep": [], "prefill_variants": [], "prefill_recommendation": {}, "decode_compare": [],
+                 "decode_grid": [], "errors": []}
+OUT_DIR = "bench_out"
+DEADLINE = float("inf")  # time.time() after which sections start no new case (--budget-s)
+SECTION_DEADLINE = float("inf")  # the same for the running section (--section-budgets)
+# Soft time limits (s) per section: a section starts no new variant / case after this; overrun <= one case.
+DEFAULT_SECTION_BUDGETS = "prefill_variants=100,decode_compare=60,decode_grid=60,check=40"
+
+
+def over_budget(what: str) -> bool:
+    """True (and logged) once the run's --budget-s or the section's budget is spent: the caller skips ``what``."""
+    now = time.time()
+    if now < DEADLINE and now < SECTION_DEADLINE:
+        return False
+    log(f"SKIP {what}: {'--budget-s' if now >= DEADLINE else 'section budget'} spent")
+    return True
+
+
+def flush_results():
+    """Write the JSON and the log so far (called after every case: a timeout loses at most one case)."""
+    with open(os.path.join(OUT_DIR, "kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    with open(os.path.join(OUT_DIR, "kernels.log"), "w") as f:
+        f.write("\n".join(LOG_LINES) + "\n")
 
 
 def log(msg: str = ""):
@@ -73,12 +110,20 @@ def median_time(fn, args, repeats: int) -> float:
 
 
 def make_batch(key, q_lens, kv_lens, *, num_rotations=1, pad_tokens=0, pad_seqs=0, dtype=DTYPE,
-               hq=HQ, hkv=HKV, d=D, block_size=BLOCK_SIZE):
-    """Random ragged batch. Returns dict with q, k_pages, v_pages, kv_lens, block_tables [R, S, mb], cu_q_lens."""
+               hq=HQ, hkv=HKV, d=D, block_size=BLOCK_SIZE, max_blocks=None):
+    """Random ragged batch. Returns dict with q, k_pages, v_pages, kv_lens, block_tables [R, S, mb], cu_q_lens.
+
+    ``max_blocks`` (block-table width) defaults to the longest context; a larger value pads the tables with the
+    null block, so that batches of different layouts share static shapes (one compilation).
+    """
     q_lens = np.asarray(list(q_lens) + [0] * pad_seqs, np.int32)
     kv_lens = np.asarray(list(kv_lens) + [0] * pad_seqs, np.int32)
     num_seqs = len(q_lens)
-    max_blocks = int(max(1, -(-int(kv_lens.max()) // block_size)))
+    needed_blocks = int(max(1, -(-int(kv_lens.max()) // block_size)))
+    if max_blocks is None:
+        max_blocks = needed_blocks
+    elif max_blocks < needed_blocks:
+        raise ValueError(f"max_blocks={max_blocks} is below the {needed_blocks} blocks the longest context needs")
     blocks_per_rot = num_seqs * max_blocks
     num_blocks = 1 + num_rotations * blocks_per_rot
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
@@ -149,8 +194,36 @@ def reference_fn(q, kp, vp, kl, bt, cu):
     return ragged_paged_attention_reference(q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE)
 
 
+def looped_dynamic(step_fn):
+    """Like ``looped`` but the step count is a traced argument: one compilation serves a 1-step correctness call
+    and the timed ``n_inner``-step calls."""
+
+    @jax.jit
+    def run(n, q, k_pages, v_pages, kv_lens, tables, cu):
+        rotations = tables.shape[0]
+
+        def body(i, q):
+            bt = lax.dynamic_index_in_dim(tables, i % rotations, keepdims=False)
+            return step_fn(q, k_pages, v_pages, kv_lens, bt, cu).astype(q.dtype)
+
+        return lax.fori_loop(0, n, body, q)
+
+    return run
+
+
+def n_inner_for(est_seconds):
+    """Steps per timed call: about 4 ms of work, at most 200 (2 with --tiny: interpret mode is slow)."""
+    return int(min(2 if TINY else 200, max(1, math.ceil(4e-3 / max(est_seconds, 1e-7)))))
+
+
+def rel_l2(out, ref, n_real):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))[:n_real]
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32))[:n_real]
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)), bool(np.isfinite(out).all())
+
+
 def time_step(step_fn, b, est_seconds, repeats):
-    n_inner = int(min(200, max(1, math.ceil(4e-3 / max(est_seconds, 1e-7)))))
+    n_inner = n_inner_for(est_seconds)
     run = looped(step_fn, n_inner)
     args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
     return median_time(run, args, repeats) / n_inner, n_inner
@@ -190,6 +263,10 @@ def section_ceiling(args):
     log(f"bf16 8192^3 matmul:              {mm/1e12:8.1f} TFLOP/s")
 
 
+ALL_OPTIONS = dict(kv_heads_inner=True, longest_tiles_first=True, prefetch_pages=True, prescale_q=True,
+                   k_transposed=True, zero_padding_in_kernel=True)
+
+
 def section_check(args):
     """Kernel vs reference on the GPU: relative L2 error and max abs error, every shape family."""
     log("== correctness on GPU (kernel vs jnp reference, fp32 math) ==")
@@ -208,8 +285,17 @@ def section_check(args):
         ("prefill fp16 bq32", [200], [450], 32, 8, 128, 16, jnp.float16, None, dict(block_q=32, block_k=128)),
         ("mixed window 256 splits", [70, 1, 1], [900, 300, 5], 32, 8, 128, 16, jnp.bfloat16, 256,
          dict(num_kv_splits=3)),
+        # The prefill tuning options, all on (they change the Triton program: transposed K gather, carried pages).
+        ("all options: prefill gqa4", [300, 77], [300, 77], 32, 8, 128, 16, jnp.bfloat16, None, ALL_OPTIONS),
+        ("all options: window 64 mixed splits", [80, 1, 1], [300, 200, 33], 32, 8, 128, 16, jnp.bfloat16, 64,
+         dict(ALL_OPTIONS, num_kv_splits=3)),
+        ("all options: bq32 bk128 w8 chunked", [200, 1], [700, 64], 32, 8, 128, 16, jnp.bfloat16, None,
+         dict(ALL_OPTIONS, block_q=32, block_k=128, num_warps=8)),
+        ("all options: fp32 prefill", [100, 1], [260, 50], 16, 4, 128, 16, jnp.float32, None, ALL_OPTIONS),
     ]
     for name, ql, kl, hq, hkv, d, bs, dtype, window, tuning in cases[: args.check_cases]:
+        if over_budget(f"check {name}"):
+            break
         key, sub = jax.random.split(key)
         b = make_batch(sub, ql, kl, pad_tokens=5, pad_seqs=2, dtype=dtype, hq=hq, hkv=hkv, d=d, block_size=bs)
         bt = b["block_tables"][0]
@@ -238,6 +324,7 @@ def section_check(args):
             RESULTS["check"].append(dict(case=name, ok=False, error=repr(e)[:2000]))
             log(f"ERR {name}: {e!r}"[:3000])
             traceback.print_exc()
+        flush_results()
 
 
 def _jax_paged_attention_step(b):
@@ -418,6 +505,258 @@ def _dense_prefill_refs(b, flops, est, repeats):
     return row
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Prefill tuning options (triton_kernel module docstring): hi = kv_heads_inner, lf = longest_tiles_first,
+# pp = prefetch_pages, sq = prescale_q, kt = k_transposed, zp = zero_padding_in_kernel. Tile shape
+# "bq16 bk64 w4 s3" (block_q tokens, block_k keys, warps, stages) is the prefill default.
+
+_HI_LF = dict(kv_heads_inner=True, longest_tiles_first=True)
+_HI_LF_SQ = dict(_HI_LF, prescale_q=True)
+_HI_LF_SQ_ZP = dict(_HI_LF_SQ, zero_padding_in_kernel=True)
+PREFILL_OPTION_VARIANTS = [
+    ("default (bq16 bk64 w4 s3)", {}),
+    ("lf", dict(longest_tiles_first=True)),
+    ("hi+lf", _HI_LF),
+    ("hi+lf+sq", _HI_LF_SQ),
+    ("hi+lf+sq+pp", dict(_HI_LF_SQ, prefetch_pages=True)),
+    ("hi+lf+sq+kt", dict(_HI_LF_SQ, k_transposed=True)),
+    ("hi+lf+sq+zp", _HI_LF_SQ_ZP),
+    ("bk128 hi+lf+sq+zp", dict(_HI_LF_SQ_ZP, block_q=16, block_k=128, num_warps=4, num_stages=3)),
+    ("bq32 bk64 w8 s3 hi+lf+sq+zp", dict(_HI_LF_SQ_ZP, block_q=32, block_k=64, num_warps=8, num_stages=3)),
+    ("bq32 bk128 w8 s3 hi+lf+sq+zp", dict(_HI_LF_SQ_ZP, block_q=32, block_k=128, num_warps=8, num_stages=3)),
+    ("bq32 bk128 w8 s2 hi+lf+sq+zp+kt", dict(_HI_LF_SQ_ZP, k_transposed=True, block_q=32, block_k=128,
+                                             num_warps=8, num_stages=2)),
+    ("bq32 bk64 w8 s3 all", dict(ALL_OPTIONS, block_q=32, block_k=64, num_warps=8, num_stages=3)),
+]
+
+
+def _matmul_tflops(repeats):
+    """The same-run bf16 matmul ceiling: from the ``ceiling`` section, else measured here (a few seconds)."""
+    if "matmul_TFLOPs" not in RESULTS["ceiling"]:
+        m = 256 if TINY else 8192
+        a = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+        bm = jax.random.normal(jax.random.key(3), (m, m), jnp.bfloat16)
+        t = median_time(jax.jit(lambda u, v: u @ v), (a, bm), repeats)
+        RESULTS["ceiling"]["matmul_TFLOPs"] = 2 * m**3 / t / 1e12
+        log(f"bf16 8192^3 matmul: {RESULTS['ceiling']['matmul_TFLOPs']:.1f} TFLOP/s")
+    return RESULTS["ceiling"]["matmul_TFLOPs"]
+
+
+def section_prefill_variants(args):
+    """Each prefill tuning variant on three prefill cases: checked against the reference, then timed.
+
+    1x4096 and 4x1024 share static shapes (T 4096, 4 sequence slots, 256-entry tables), so one compilation per
+    variant serves both; the chunked case (T 512) compiles once more. At most ~12 variants x 2 compilations.
+    """
+    log("== prefill variants: Llama-3-8B heads, bf16, block_size 16; TFLOP/s = 4*Hq*D*(visible keys) / time ==")
+    mm = _matmul_tflops(args.repeats)
+    key = jax.random.key(60)
+    cases = [  # name, q_lens, kv_lens, sequence slots, table width: equal shapes share a compilation
+        ("1x4096", [4096], [4096], 4, 256),
+        ("4x1024", [1024] * 4, [1024] * 4, 4, 256),
+        ("512 over 3584", [512], [4096], 1, 256),
+    ]
+    if TINY:  # token counts / 64: 64-token prefill, 4 x 16, 8 over a 56-token prefix
+        cases = [(n, [x // 64 for x in ql], [x // 64 for x in kl], slots, width // 64)
+                 for n, ql, kl, slots, width in cases]
+    batches = {}
+    for name, ql, kl, slots, width in cases:
+        key, sub = jax.random.split(key)
+        b = make_batch(sub, ql, kl, pad_seqs=slots - len(ql), max_blocks=width)
+        ref_fn = jax.jit(lambda q, kp, vp, kl_, bt, cu: ragged_paged_attention_reference(
+            q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), kl_, bt, cu,
+            sm_scale=SM_SCALE, max_chunk_bytes=1 << 30))
+        ref = ref_fn(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"][0], b["cu_q_lens"])
+        batches[name] = (b, np.asarray(ref), attention_flops(b))
+        log(f"case {name}: T={b['q'].shape[0]} S={len(b['q_lens_np'])} tables {tuple(b['block_tables'].shape[1:])}"
+            f" {attention_flops(b) / 1e9:.1f} GFLOP")
+    variants = PREFILL_OPTION_VARIANTS[: args.max_variants]
+    rows = {}
+    for vname, var in variants:
+        if over_budget(f"prefill variant {vname}"):
+            break
+        run = looped_dynamic(ours(**var))
+        for name, *_ in cases:
+            b, ref, flops = batches[name]
+            row = dict(case=name, variant=vname, options=var, flops=flops)
+            try:
+                b_args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
+                row["tuning"] = default_tuning(b["q"].shape[0], len(b["q_lens_np"]), HQ, HKV,
+                                               b["block_tables"].shape[2], BLOCK_SIZE, **var)
+                t0 = time.time()
+                out = jax.block_until_ready(run(jnp.int32(1), *b_args))
+                row["first_call_s"] = time.time() - t0  # compile (first case of the shape group) + one step
+                n_real = int(b["cu_q_lens"][-1])
+                err, finite = rel_l2(out, ref, n_real)
+                row.update(rel_l2=err, finite=finite, ok=finite and err < 2e-2)
+                if row["ok"]:
+                    n_inner = n_inner_for(flops / 300e12)
+                    n = jnp.int32(n_inner)
+                    t = median_time(run, (n, *b_args), args.repeats) / n_inner
+                    row.update(us=t * 1e6, TFLOPs=flops / t / 1e12, frac_matmul=flops / t / 1e12 / mm,
+                               n_inner=n_inner)
+                    log(f"{vname:32s} {name:14s} {t * 1e6:8.1f} us {row['TFLOPs']:6.1f} TFLOP/s "
+                        f"{100 * row['frac_matmul']:5.1f}% of matmul  rel_l2 {err:.1e}")
+                else:
+                    log(f"BAD {vname:28s} {name:14s} rel_l2 {err:.2e} finite={finite}: not timed")
+            except Exception as e:  # a Triton lowering / resource failure of one variant must not end the run
+                row["error"] = repr(e)[:2000]
+                log(f"ERR {vname} {name}: {e!r}"[:1500])
+            RESULTS["prefill_variants"].append(row)
+            rows[(vname, name)] = row
+            flush_results()
+        run = None
+        gc.collect()
+    _prefill_variant_table(variants, [c[0] for c in cases], rows, mm)
+
+
+def _prefill_variant_table(variants, case_names, rows, mm):
+    """Compact table and the recommended prefill default (best geometric-mean TFLOP/s over the cases)."""
+    log(f"-- prefill variants (same-run bf16 matmul ceiling {mm:.0f} TFLOP/s; us / TFLOP/s / % of ceiling) --")
+    log(f"{'variant':32s} " + " | ".join(f"{c:>24s}" for c in case_names) + " | geomean speedup vs default")
+    default_name = variants[0][0]
+    scores = []
+    for vname, var in variants:
+        cells, times = [], []
+        for c in case_names:
+            row = rows.get((vname, c))
+            if row is None:
+                cells.append(f"{'not run':>24s}")
+            elif "us" in row:
+                cells.append(f"{row['us']:8.1f} {row['TFLOPs']:6.1f} {100 * row['frac_matmul']:5.1f}%  ")
+                times.append(row["us"])
+            else:
+                cells.append(f"{'ERR' if 'error' in row else 'BAD':>24s}")
+        speed = ""
+        if len(times) == len(case_names):
+            ref_rows = [rows.get((default_name, c)) for c in case_names]
+            geo_tflops = math.exp(statistics.fmean(
+                math.log(rows[(vname, c)]["TFLOPs"]) for c in case_names))
+            scores.append((geo_tflops, vname, var))
+            if all(r is not None and "us" in r for r in ref_rows):
+                speedup = math.exp(statistics.fmean(math.log(r["us"] / t) for r, t in zip(ref_rows, times)))
+                speed = f"{speedup:5.3f}x"
+        log(f"{vname:32s} " + " | ".join(cells) + f" | {speed}")
+    if not scores:
+        log("no variant ran on every case: no recommendation")
+        return
+    best_geo, best_name, best_var = max(scores)
+    per_case = {}
+    for c in case_names:
+        timed = [(rows[(v, c)]["us"], v) for v, _ in variants if "us" in rows.get((v, c), {})]
+        if timed:
+            per_case[c] = min(timed)
+    RESULTS["prefill_recommendation"] = dict(variant=best_name, options=best_var, geomean_TFLOPs=best_geo,
+                                             best_per_case={c: dict(variant=v, us=t) for c, (t, v) in
+                                                            per_case.items()})
+    log(f"RECOMMENDED prefill tuning (best geomean over the cases, {best_geo:.1f} TFLOP/s): {best_name} = {best_var}")
+    for c, (t, v) in per_case.items():
+        log(f"  best on {c}: {v} ({t:.1f} us)")
+    log("  (the kernel default is unchanged: apply it to default_tuning's prefill branch after review)")
+
+
+DECODE_COMPARE_POINTS = [(8, 2048), (32, 8192), (128, 2048), (1, 32768)]
+DECODE_GRID_POINTS = [(1, 512), (1, 32768), (8, 2048), (8, 32768), (32, 512), (32, 8192), (64, 2048),
+                      (128, 8192), (256, 512), (256, 2048)]
+
+
+def _decode_batch(key, batch, ctx):
+    case_bytes = batch * ctx * HKV * D * 2 * 2
+    rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
+    return make_batch(key, [1] * batch, [ctx] * batch, num_rotations=rot), rot
+
+
+def section_decode_compare(args):
+    """Ours vs JAX's deprecated Pallas ``paged_attention`` (its own [Hkv, pages, page, D] layout, its defaults)
+    vs the XLA reference, on decode points that JAX's kernel supports (pages per sequence divisible by its 16
+    k-splits). JAX's kernel takes no sm_scale: its correctness check feeds it ``q * sm_scale``."""
+    log("== decode compare: ours vs jax pallas paged_attention vs XLA reference (GB/s = KV+q+out bytes / time) ==")
+    ceiling = RESULTS["ceiling"].get("copy_GBps")
+    key = jax.random.key(70)
+    log(f"{'batch':>5} {'ctx':>6} | {'ours us':>8} {'GB/s':>6} {'%copy':>5} | {'jax_pa us':>9} {'GB/s':>6} "
+        f"{'rel_l2':>7} | {'xla_ref us':>10} {'GB/s':>6} | ours speedup vs jax_pa, vs xla")
+    for batch, ctx in [(2, 256), (1, 512)] if TINY else DECODE_COMPARE_POINTS:
+        if over_budget(f"decode_compare {batch}x{ctx}"):
+            break
+        key, sub = jax.random.split(key)
+        row = dict(batch=batch, context=ctx)
+        try:
+            b, rot = _decode_batch(sub, batch, ctx)
+            row["rotations"] = rot
+            nbytes = io_bytes(b)
+            est = nbytes / 3.0e12
+            b_args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
+            run = looped_dynamic(ours())
+            ours_out = np.asarray(run(jnp.int32(1), *b_args).astype(jnp.float32))
+            n_inner = n_inner_for(est)
+            t = median_time(run, (jnp.int32(n_inner), *b_args), args.repeats) / n_inner
+            row.update(ours_us=t * 1e6, ours_GBps=nbytes / t / 1e9, bytes=nbytes)
+            if ceiling:
+                row["ours_frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+            try:
+                kp_h = jnp.transpose(b["k_pages"], (2, 0, 1, 3))
+                vp_h = jnp.transpose(b["v_pages"], (2, 0, 1, 3))
+                run_j = looped_dynamic(_jax_paged_attention_step(None))
+                out_j = run_j(jnp.int32(1), (b["q"].astype(jnp.float32) * SM_SCALE).astype(b["q"].dtype), kp_h,
+                              vp_h, b["kv_lens"], b["block_tables"], b["cu_q_lens"])
+                row["jax_pa_rel_l2_vs_ours"], _ = rel_l2(out_j, ours_out, batch)
+                tj = median_time(run_j, (jnp.int32(n_inner), b["q"], kp_h, vp_h, b["kv_lens"], b["block_tables"],
+                                         b["cu_q_lens"]), args.repeats) / n_inner
+                row.update(jax_pa_us=tj * 1e6, jax_pa_GBps=nbytes / tj / 1e9)
+                del kp_h, vp_h
+            except Exception as e:
+                row["jax_pa_error"] = repr(e)[:1000]
+            if batch * ctx <= args.ref_max_tokens:
+                tr, _ = time_step(reference_fn, b, est * 10, max(3, args.repeats // 2))
+                row.update(ref_us=tr * 1e6, ref_GBps=nbytes / tr / 1e9)
+            nan = float("nan")
+            log(f"{batch:5d} {ctx:6d} | {row['ours_us']:8.1f} {row['ours_GBps']:6.0f} "
+                f"{100 * row.get('ours_frac_copy_ceiling', nan):5.1f} | {row.get('jax_pa_us', nan):9.1f} "
+                f"{row.get('jax_pa_GBps', nan):6.0f} {row.get('jax_pa_rel_l2_vs_ours', nan):7.1e} | "
+                f"{row.get('ref_us', nan):10.1f} {row.get('ref_GBps', nan):6.0f} | "
+                f"{row.get('jax_pa_us', nan) / row['ours_us']:5.2f}x {row.get('ref_us', nan) / row['ours_us']:6.2f}x"
+                + (f"  jax_pa_error={row['jax_pa_error'][:200]}" if "jax_pa_error" in row else ""))
+        except Exception as e:
+            row["error"] = repr(e)[:2000]
+            log(f"ERR decode_compare batch={batch} ctx={ctx}: {e!r}"[:2000])
+        RESULTS["decode_compare"].append(row)
+        flush_results()
+        b = run = None
+        gc.collect()
+
+
+def section_decode_grid(args):
+    """Ours alone (default tuning) on a sparse decode grid, batch 1..256 x context 512..32k."""
+    log("== decode grid: ours, default tuning (GB/s = KV+q+out bytes / time) ==")
+    ceiling = RESULTS["ceiling"].get("copy_GBps")
+    key = jax.random.key(80)
+    log(f"{'batch':>5} {'ctx':>6} {'tuning':>24} | {'us':>8} {'GB/s':>6} {'% of copy':>9}")
+    for batch, ctx in [(1, 64), (3, 100)] if TINY else DECODE_GRID_POINTS:
+        if over_budget(f"decode_grid {batch}x{ctx}"):
+            break
+        key, sub = jax.random.split(key)
+        row = dict(batch=batch, context=ctx)
+        b = None
+        try:
+            b, rot = _decode_batch(sub, batch, ctx)
+            nbytes = io_bytes(b)
+            tun = default_tuning(batch, batch, HQ, HKV, b["block_tables"].shape[2], BLOCK_SIZE)
+            t, n_inner = time_step(ours(), b, nbytes / 3.0e12, args.repeats)
+            row.update(rotations=rot, tuning=tun, us=t * 1e6, GBps=nbytes / t / 1e9, bytes=nbytes, n_inner=n_inner)
+            if ceiling:
+                row["frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+            tun_s = f"bq{tun['block_q']} bk{tun['block_k']} s{tun['num_kv_splits']} w{tun['num_warps']}"
+            log(f"{batch:5d} {ctx:6d} {tun_s:>24s} | {t * 1e6:8.1f} {row['GBps']:6.0f} "
+                f"{100 * row.get('frac_copy_ceiling', float('nan')):8.1f}%")
+        except Exception as e:
+            row["error"] = repr(e)[:2000]
+            log(f"ERR decode_grid batch={batch} ctx={ctx}: {e!r}"[:2000])
+        RESULTS["decode_grid"].append(row)
+        flush_results()
+        b = None
+        gc.collect()
+
+
 # The set measured on 2026-11-29 (benchmarks/RESULTS.md), plus the pre-change default (8 warps, 2 stages).
 PREFILL_VARIANTS = [
     {}, dict(block_q=16, block_k=64, num_warps=8, num_stages=2), dict(block_q=16, block_k=64, num_warps=4),
@@ -438,10 +777,20 @@ def main():
     parser.add_argument("--ref-max-tokens", type=int, default=32 * 8192, help="skip the XLA reference above this")
     parser.add_argument("--ref-max-prefill", type=int, default=4096)
     parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny sizes in prefill_variants / decode_compare / decode_grid (CPU smoke test)")
     parser.add_argument("--check-cases", type=int, default=100, help="run only the first N correctness cases")
+    parser.add_argument("--max-variants", type=int, default=len(PREFILL_OPTION_VARIANTS),
+                        help="prefill_variants: run only the first N variants")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new case after this many seconds (results so far are kept)")
+    parser.add_argument("--section-budgets", default=DEFAULT_SECTION_BUDGETS,
+                        help="comma-separated section=seconds soft limits (sections not named: unlimited)")
     args = parser.parse_args()
-    global INTERPRET
+    global INTERPRET, OUT_DIR, DEADLINE, SECTION_DEADLINE, TINY
     INTERPRET = args.interpret
+    TINY = args.tiny
+    OUT_DIR = args.out
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     RESULTS["meta"] = dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev)),
@@ -449,9 +798,12 @@ def main():
                            argv=sys.argv)
     log(f"jax {jax.__version__} on {RESULTS['meta']['device']} ({jax.default_backend()})")
     t_start = time.time()
+    DEADLINE = t_start + args.budget_s
     sections = args.sections.split(",")
+    section_budgets = {k: float(v) for k, v in (item.split("=") for item in args.section_budgets.split(",") if item)}
     for sec in sections:
         t0 = time.time()
+        SECTION_DEADLINE = t0 + section_budgets.get(sec, float("inf"))
         try:
             if sec == "ceiling":
                 section_ceiling(args)
@@ -465,6 +817,12 @@ def main():
                 section_prefill(args)
             elif sec == "prefill_sweep":
                 section_prefill(args, variants=PREFILL_VARIANTS, sweep=True)
+            elif sec == "prefill_variants":
+                section_prefill_variants(args)
+            elif sec == "decode_compare":
+                section_decode_compare(args)
+            elif sec == "decode_grid":
+                section_decode_grid(args)
             else:
                 raise ValueError(f"unknown section {sec!r}")
         except Exception as e:
@@ -472,13 +830,9 @@ def main():
             log(f"ERR section {sec}: {e!r}"[:2000])
             traceback.print_exc()
         log(f"-- section {sec} took {time.time() - t0:.1f} s")
-        with open(os.path.join(args.out, "kernels.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-        with open(os.path.join(args.out, "kernels.log"), "w") as f:
-            f.write("\n".join(LOG_LINES) + "\n")
+        flush_results()
     log(f"total {time.time() - t_start:.1f} s")
-    with open(os.path.join(args.out, "kernels.log"), "w") as f:
-        f.write("\n".join(LOG_LINES) + "\n")
+    flush_results()
 
 
 if __name__ == "__main__":

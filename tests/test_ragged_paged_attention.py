@@ -112,6 +112,10 @@ CASES = {
     "window_lead_and_trail_splits": ([3, 1, 12], [50, 70, 12], 8, 2, 64, 16, jnp.float32, 20,
                                      dict(block_k=16, num_kv_splits=2)),
     "gqa3_block_size_8": ([1, 9], [77, 9], 9, 3, 64, 8, jnp.float32, None, dict(block_k=16)),
+    # 70-token chunk over a 30-token prefix + a decode: 32-key blocks span two pages; one kv split so that one
+    # program walks several unmasked and several masked blocks (2 masked for the first tile, 2 unmasked for the last).
+    "chunk_bk32_two_pages_per_block": ([70, 1], [100, 40], 8, 2, 64, 16, jnp.bfloat16, None,
+                                       dict(block_q=16, block_k=32, num_kv_splits=1)),
 }
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -145,6 +149,59 @@ def test_kernel_matches_reference(name):
     want = run(batch, "reference", scale, window)
     assert got.shape == batch["q"].shape and got.dtype == dtype
     _assert_close(got, want, dtype, int(batch["cu_q_lens"][-1]))
+
+
+PREFILL_OPTIONS = ("kv_heads_inner", "longest_tiles_first", "prefetch_pages", "prescale_q", "k_transposed",
+                   "zero_padding_in_kernel")
+# Each option alone: several pages per key block and several unmasked and masked blocks per tile (bf16), masked
+# lead + trail blocks with kv splits and a sliding window (fp32, tight tolerance).
+OPTION_CASES = ("chunk_bk32_two_pages_per_block", "window_lead_and_trail_splits")
+# All options together on the remaining shape families (interpret mode is slow: a subset, not every case).
+ALL_OPTIONS_CASES = ("chunked_prefill_over_prefix_d128", "mixed_gqa8_d64", "decode_splits_gqa4", "sliding_window_8",
+                     "gqa3_block_size_8", "bf16_default_tuning", "chunk_bk32_two_pages_per_block")
+
+
+def _kernel_vs_reference(name, seed_offset, **extra_tuning):
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES[name]
+    batch = make_batch(seed_offset + zlib.crc32(name.encode()), q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs,
+                       dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    got = run(batch, "pallas", scale, window, **tuning, **extra_tuning)
+    want = run(batch, "reference", scale, window)
+    assert got.shape == batch["q"].shape and got.dtype == dtype
+    _assert_close(got, want, dtype, int(batch["cu_q_lens"][-1]))
+
+
+@pytest.mark.parametrize("option", PREFILL_OPTIONS)
+@pytest.mark.parametrize("name", OPTION_CASES)
+def test_kernel_prefill_option_matches_reference(name, option):
+    _kernel_vs_reference(name, 7, **{option: True})
+
+
+@pytest.mark.parametrize("name", ALL_OPTIONS_CASES)
+def test_kernel_all_prefill_options_match_reference(name):
+    _kernel_vs_reference(name, 11, **{option: True for option in PREFILL_OPTIONS})
+
+
+def test_longest_tiles_first_orders_by_key_count():
+    from paged_jax.ops.ragged_paged_attention.triton_kernel import _longest_tiles_first, _tile_map
+
+    # Sequences: 10-token prefill, 1 decode at context 50, 7-token chunk over a 30-token prefix, one empty slot.
+    q_lens, kv_lens, block_q = np.array([10, 1, 7, 0]), np.array([10, 51, 37, 0]), 4
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    num_tiles = 8  # 3 + 1 + 2 real tiles, 2 empty
+    tile_seq, tile_start = _tile_map(cu, num_tiles, block_q)
+    seq, start = _longest_tiles_first(tile_seq, tile_start, cu, jnp.asarray(kv_lens, jnp.int32), block_q, None)
+    seq, start = np.asarray(seq), np.asarray(start)
+    # Same set of tiles, empty ones (sequence index S=4) last.
+    assert sorted(zip(seq.tolist(), start.tolist())) == sorted(zip(np.asarray(tile_seq).tolist(),
+                                                                   np.asarray(tile_start).tolist()))
+    assert seq[-2:].tolist() == [4, 4]
+    # Keys read per real tile (pos_last + 1): decode 51, chunk tiles 37 and 34, prefill tiles 10, 8, 4.
+    assert list(zip(seq[:6].tolist(), start[:6].tolist())) == [(1, 10), (2, 15), (2, 11), (0, 8), (0, 4), (0, 0)]
+    # With a sliding window of 5 the cap (window + block_q - 1 = 8) makes the long tiles tie; ties keep map order.
+    seq_w, _ = _longest_tiles_first(tile_seq, tile_start, cu, jnp.asarray(kv_lens, jnp.int32), block_q, 5)
+    assert np.asarray(seq_w)[:6].tolist() == [0, 0, 1, 2, 2, 0]
 
 
 def test_kernel_one_compilation_serves_new_values():

@@ -8,7 +8,11 @@ import jax.numpy as jnp
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 _IMPLS = ("auto", "reference", "pallas")
-_TUNING_KEYS = ("block_q", "block_k", "num_kv_splits", "num_warps", "num_stages")
+_TUNING_KEYS = (
+    "block_q", "block_k", "num_kv_splits", "num_warps", "num_stages",
+    "kv_heads_inner", "longest_tiles_first", "prefetch_pages", "prescale_q", "k_transposed",
+    "zero_padding_in_kernel",
+)
 
 
 def _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, impl):
@@ -72,7 +76,9 @@ def ragged_paged_attention(
         reference).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       **tuning: kernel knobs ``block_q``, ``block_k``, ``num_kv_splits``, ``num_warps``, ``num_stages`` (see
-        ``triton_kernel.default_tuning``); ignored by the reference.
+        ``triton_kernel.default_tuning``) and the boolean prefill options ``kv_heads_inner``,
+        ``longest_tiles_first``, ``prefetch_pages``, ``prescale_q``, ``k_transposed``, ``zero_padding_in_kernel``
+        (default off; see the ``triton_kernel`` module docstring); ignored by the reference.
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; padding tokens are zeros. Jittable: ``T``, ``S``, ``max_blocks`` are static,

@@ -20,6 +20,27 @@ Work decomposition
   the sliding-window edge or the context end run the masked body.
 * Online softmax in fp32 (``exp2`` with ``log2(e)`` folded into the scale); P is cast to V's dtype for the second
   dot (bf16/fp16 tensor cores), fp32 inputs use IEEE fp32 dots.
+
+Prefill tuning options (all off by default: the default kernel is the one measured in ``benchmarks/RESULTS.md``;
+``benchmarks/kernels.py --sections prefill_variants`` times them):
+
+* ``kv_heads_inner``: grid ``(Hkv, num_tiles, num_kv_splits)`` instead of ``(num_tiles, Hkv, num_kv_splits)``.
+  Pallas axis 0 is CUDA's x axis, which the hardware dispatches fastest, so this launches the ``Hkv`` programs of
+  one query tile next to each other.
+* ``longest_tiles_first``: the tile map is sorted by descending key count (stable), so the programs with the most
+  work are dispatched first and the short ones fill the tail (longest-processing-time-first scheduling). Only the
+  two small GMEM tile arrays are permuted; the kernel body is unchanged. Combined with ``kv_heads_inner`` the
+  order is global; without it, it is longest-first within each kv head.
+* ``prefetch_pages``: the loop carries the page numbers of the *next* key block (loaded one step early), so the
+  K/V addresses of a step do not wait on a block-table load issued in the same step.
+* ``prescale_q``: multiply q by ``sm_scale * log2(e)`` once (rounded back to q's dtype) instead of scaling every
+  ``[rows, block_k]`` score tile in fp32. Costs one rounding of the scaled q (relative 2**-8 in bf16).
+* ``k_transposed``: gather K directly as ``[D, block_k]`` (the B operand of ``q @ K^T`` in K-major order, as the
+  Triton flash-attention tutorial loads it) instead of ``[block_k, D]`` plus a transposed dot.
+* ``zero_padding_in_kernel`` (one kv split only): ``ceil(T / block_q) + S`` tiles, enough for the padding tokens
+  too; tiles past the real ones write zeros for the padding rows, so the wrapper drops its ``where`` over the whole
+  output (a separate XLA pass reading and writing ``T * Hq * D`` elements, ~3% of a 4k-token prefill). With several
+  kv splits the ``where`` is fused into the jnp combine anyway and the option has no effect.
 """
 
 from __future__ import annotations
@@ -67,6 +88,12 @@ def default_tuning(
     num_kv_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_heads_inner: bool = False,
+    longest_tiles_first: bool = False,
+    prefetch_pages: bool = False,
+    prescale_q: bool = False,
+    k_transposed: bool = False,
+    zero_padding_in_kernel: bool = False,
 ) -> dict:
     """Static tuning for one call shape; any argument given explicitly wins.
 
@@ -76,6 +103,7 @@ def default_tuning(
     * ``num_kv_splits``: enough programs to fill the GPU (``ceil(264 / (num_tiles * Hkv))``), at most one split per
       ``block_k`` keys of the longest possible context and at most 64.
     * ``num_warps`` 4; ``num_stages`` 2 for 16-row (decode) tiles, 3 for larger (prefill) tiles.
+    * The boolean prefill options (module docstring) are passed through unchanged (default off).
     """
     group = num_q_heads // num_kv_heads
     if block_q is None:
@@ -86,6 +114,9 @@ def default_tuning(
     if block_k is None:
         block_k = 64
     num_tiles = max(1, min(num_tokens, num_tokens // block_q + num_seqs))
+    if zero_padding_in_kernel:
+        # Real tiles sum(ceil(q_len / block_q)) plus ceil(padding / block_q) never exceed this (nor T).
+        num_tiles = max(1, min(num_tokens, -(-num_tokens // block_q) + num_seqs))
     max_kv_blocks = max(1, -(-(max_blocks * block_size) // block_k))
     if num_kv_splits is None:
         programs = num_tiles * num_kv_heads
@@ -94,6 +125,7 @@ def default_tuning(
         num_warps = 4
     if num_stages is None:
         num_stages = 2 if rows <= 16 else 3
+    zero_padding_in_kernel = bool(zero_padding_in_kernel) and int(num_kv_splits) == 1
     return dict(
         block_q=block_q,
         rows=rows,
@@ -102,11 +134,19 @@ def default_tuning(
         num_kv_splits=int(num_kv_splits),
         num_warps=int(num_warps),
         num_stages=int(num_stages),
+        kv_heads_inner=bool(kv_heads_inner),
+        longest_tiles_first=bool(longest_tiles_first),
+        prefetch_pages=bool(prefetch_pages),
+        prescale_q=bool(prescale_q),
+        k_transposed=bool(k_transposed),
+        zero_padding_in_kernel=zero_padding_in_kernel,
     )
 
 
 def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int):
-    """Tile -> (sequence, first token). Tiles beyond the real count get sequence index ``S`` (no work)."""
+    """Tile -> (sequence, first token). Tiles beyond the real count get sequence index ``S`` (no attention work)
+    and, in order, the ``block_q``-token ranges of the padding tokens from ``cu_q_lens[S]`` on (only read by
+    ``zero_padding_in_kernel``)."""
     num_seqs = cu_q_lens.shape[0] - 1
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     tiles_per_seq = (q_lens + block_q - 1) // block_q
@@ -116,7 +156,27 @@ def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int):
     seq_clamped = jnp.minimum(tile_seq, num_seqs - 1)
     first_tile_of_seq = tile_end - tiles_per_seq
     tile_start = cu_q_lens[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
+    padding_start = cu_q_lens[num_seqs] + (tiles - tile_end[num_seqs - 1]) * block_q
+    tile_start = jnp.where(tile_seq < num_seqs, tile_start, padding_start)
     return tile_seq, tile_start.astype(jnp.int32)
+
+
+def _longest_tiles_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: int, sliding_window: int | None):
+    """Permute the tile map so tiles that read the most keys come first (ties keep their order).
+
+    A tile's key count is ``pos_last + 1`` (causal), capped by ``sliding_window + block_q - 1`` with a window;
+    empty tiles (sequence index ``S``) get ``-1`` and stay at the end, where the kernel skips them.
+    """
+    num_seqs = kv_lens.shape[0]
+    seq = jnp.minimum(tile_seq, num_seqs - 1)
+    q_end = cu_q_lens[seq + 1]
+    last_token = jnp.minimum(tile_start + block_q, q_end) - 1
+    keys = kv_lens[seq] - (q_end - last_token) + 1  # = pos_last + 1
+    if sliding_window is not None:
+        keys = jnp.minimum(keys, sliding_window + block_q - 1)
+    keys = jnp.where(tile_seq < num_seqs, keys, -1)
+    order = jnp.argsort(-keys, stable=True)
+    return tile_seq[order], tile_start[order]
 
 
 def _kernel(
@@ -141,11 +201,33 @@ def _kernel(
     scale_log2: float,
     sliding_window: int | None,
     precision,
+    kv_heads_inner: bool,
+    prefetch_pages: bool,
+    prescale_q: bool,
+    k_transposed: bool,
+    zero_padding_in_kernel: bool,
 ):
-    tile = pl.program_id(0)
-    kv_head = pl.program_id(1)
+    if kv_heads_inner:
+        kv_head, tile = pl.program_id(0), pl.program_id(1)
+    else:
+        tile, kv_head = pl.program_id(0), pl.program_id(1)
     split = pl.program_id(2)
     seq = tile_seq_ref[tile]
+
+    if zero_padding_in_kernel:
+
+        @pl.when(seq == num_seqs)
+        def _():
+            # A padding tile: zeros for this kv head's query heads of tokens [tile_start, tile_start + block_q).
+            (out_ref,) = out_refs
+            num_rows, head_dim = out_ref.shape
+            row = jnp.arange(rows, dtype=jnp.int32)
+            token = tile_start_ref[tile] + row // group
+            row_valid = (row < block_q * group) & (token < num_rows // num_q_heads)
+            store_row = jnp.where(row_valid, token * num_q_heads + kv_head * group + row % group, num_rows)
+            dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+            mask = jnp.broadcast_to(row_valid[:, None], (rows, head_dim))
+            _store(out_ref.at[store_row[:, None], dim], jnp.zeros((rows, head_dim), out_ref.dtype), mask=mask)
 
     @pl.when(seq < num_seqs)
     def _():
@@ -164,11 +246,18 @@ def _kernel(
         q_row_index = (tile_start + row_token) * num_q_heads + kv_head * group + row % group
         head_dim = q_ref.shape[1]
         dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+        dim_col = jnp.arange(head_dim, dtype=jnp.int32)[:, None]  # for the transposed K gather
         # Only integer-array indexers (no slices) so that the same code runs in interpret mode, where the
         # discharge rules do not accept mixed array/slice indexing.
         q_load_row = jnp.where(row_valid, q_row_index, 0)[:, None]
         row_mask = jnp.broadcast_to(row_valid[:, None], (rows, head_dim))
         q = _load(q_ref.at[q_load_row, dim], mask=row_mask, other=0.0)  # [rows, D]
+        if prescale_q:
+            # Scores come out of the first dot already in log2 units: no per-step [rows, block_k] multiply.
+            q = (q.astype(jnp.float32) * scale_log2).astype(q.dtype)
+            score_scale = None
+        else:
+            score_scale = scale_log2
         # Masked-off rows store to an out-of-range row: dropped by the GPU mask and by interpret-mode scatter
         # (a clamped index could collide with a real row there).
         q_store_row = jnp.where(row_valid, q_row_index, q_ref.shape[0])
@@ -200,16 +289,24 @@ def _kernel(
 
         key_offsets = jnp.arange(block_k, dtype=jnp.int32)
 
-        def load_kv(kb, masked):
-            key_pos = kb * block_k + key_offsets
-            page_slot = key_pos // block_size
-            page = _load(
+        def load_pages(kb):
+            """int32[block_k]: pool block holding each key of key block ``kb`` (one entry per K/V row, so a
+            block_k tile may span several pages). Slots past the table read entry 0 (never visible)."""
+            page_slot = (kb * block_k + key_offsets) // block_size
+            return _load(
                 block_tables_ref.at[seq, jnp.minimum(page_slot, max_blocks - 1)],
                 mask=page_slot < max_blocks,
                 other=0,
             )
-            pool_row = (page * block_size + key_pos % block_size)[:, None]
-            k = k_ref[pool_row, kv_head, dim]  # [block_k, D]
+
+        def load_kv(kb, page, masked):
+            key_pos = kb * block_k + key_offsets
+            pool_row = page * block_size + key_pos % block_size
+            if k_transposed:
+                k = k_ref[pool_row[None, :], kv_head, dim_col]  # [D, block_k]
+            else:
+                k = k_ref[pool_row[:, None], kv_head, dim]  # [block_k, D]
+            pool_row = pool_row[:, None]
             if masked:
                 # Past the context end the slots hold stale data; zero V so 0 * garbage cannot make NaN.
                 in_context = jnp.broadcast_to((key_pos < kv_len)[:, None], (block_k, head_dim))
@@ -218,10 +315,12 @@ def _kernel(
                 v = v_ref[pool_row, kv_head, dim]
             return key_pos, k, v
 
-        def step(kb, carry, masked):
+        def step(kb, page, carry, masked):
             acc, m_prev, l_prev = carry
-            key_pos, k, v = load_kv(kb, masked)
-            s = _dot(q, k, trans_b=True, precision=precision) * scale_log2  # [rows, block_k] f32
+            key_pos, k, v = load_kv(kb, page, masked)
+            s = _dot(q, k, trans_b=not k_transposed, precision=precision)  # [rows, block_k] f32
+            if score_scale is not None:
+                s = s * score_scale
             if masked:
                 visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
                 if sliding_window is not None:
@@ -242,13 +341,28 @@ def _kernel(
         )
         # Unmasked run first, then the masked blocks: the sliding-window edge [split_lo, u_lo) followed by the
         # causal diagonal / context end [u_hi, split_hi), walked by one loop.
-        carry = lax.fori_loop(u_lo, u_hi, lambda kb, c: step(kb, c, False), carry)
+        def masked_block(i):
+            return jnp.where(i < num_lead, split_lo + i, u_hi + (i - num_lead))
 
-        def masked_body(i, carry):
-            kb = jnp.where(i < num_lead, split_lo + i, u_hi + (i - num_lead))
-            return step(kb, carry, True)
+        num_masked = num_lead + num_trail
+        if prefetch_pages:
+            # Each step loads the next block's page numbers and carries them; the block after the last one is
+            # clamped inside the table (a harmless, unused load).
+            def unmasked_body(kb, c):
+                page, attn = c
+                return load_pages(kb + 1), step(kb, page, attn, False)
 
-        acc, m_i, l_i = lax.fori_loop(0, num_lead + num_trail, masked_body, carry)
+            _, carry = lax.fori_loop(u_lo, u_hi, unmasked_body, (load_pages(u_lo), carry))
+
+            def masked_body(i, c):
+                page, attn = c
+                return load_pages(masked_block(i + 1)), step(masked_block(i), page, attn, True)
+
+            _, (acc, m_i, l_i) = lax.fori_loop(0, num_masked, masked_body, (load_pages(masked_block(0)), carry))
+        else:
+            carry = lax.fori_loop(u_lo, u_hi, lambda kb, c: step(kb, load_pages(kb), c, False), carry)
+            acc, m_i, l_i = lax.fori_loop(
+                0, num_masked, lambda i, c: step(masked_block(i), load_pages(masked_block(i)), c, True), carry)
 
         store_row = q_store_row[:, None]
         if num_kv_splits == 1:
@@ -278,11 +392,17 @@ def ragged_paged_attention_triton(
     num_kv_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_heads_inner: bool = False,
+    longest_tiles_first: bool = False,
+    prefetch_pages: bool = False,
+    prescale_q: bool = False,
+    k_transposed: bool = False,
+    zero_padding_in_kernel: bool = False,
 ) -> jax.Array:
     """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``.
 
     Requires ``head_dim`` to be a power of two >= 16 (Triton block shapes). Returns ``[T, Hq, D]`` in ``q.dtype``
-    with zeros for padding tokens.
+    with zeros for padding tokens. Tuning arguments: see ``default_tuning`` and the module docstring.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
@@ -293,7 +413,9 @@ def ragged_paged_attention_triton(
     tuning = default_tuning(
         num_tokens, num_seqs, num_q_heads, num_kv_heads, max_blocks, block_size,
         block_q=block_q, block_k=block_k, num_kv_splits=num_kv_splits,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, kv_heads_inner=kv_heads_inner,
+        longest_tiles_first=longest_tiles_first, prefetch_pages=prefetch_pages, prescale_q=prescale_q,
+        k_transposed=k_transposed, zero_padding_in_kernel=zero_padding_in_kernel,
     )
     bk = tuning["block_k"]
     if bk < 16 or bk != _next_pow2(bk):
@@ -305,6 +427,10 @@ def ragged_paged_attention_triton(
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     tile_seq, tile_start = _tile_map(cu_q_lens, num_tiles, tuning["block_q"])
+    if tuning["longest_tiles_first"]:
+        tile_seq, tile_start = _longest_tiles_first(
+            tile_seq, tile_start, cu_q_lens, kv_lens, tuning["block_q"],
+            None if sliding_window is None else int(sliding_window))
 
     q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
     k_flat = k_pages.reshape(num_blocks * block_size, num_kv_heads, head_dim)
@@ -325,6 +451,11 @@ def ragged_paged_attention_triton(
         scale_log2=float(sm_scale) * LOG2_E,
         sliding_window=None if sliding_window is None else int(sliding_window),
         precision=precision,
+        kv_heads_inner=tuning["kv_heads_inner"],
+        prefetch_pages=tuning["prefetch_pages"],
+        prescale_q=tuning["prescale_q"],
+        k_transposed=tuning["k_transposed"],
+        zero_padding_in_kernel=tuning["zero_padding_in_kernel"],
     )
     n_rows = num_tokens * num_q_heads
     if num_splits == 1:
@@ -335,13 +466,22 @@ def ragged_paged_attention_triton(
             jax.ShapeDtypeStruct((num_splits, n_rows), jnp.float32),
             jax.ShapeDtypeStruct((num_splits, n_rows), jnp.float32),
         ]
+    if tuning["kv_heads_inner"]:
+        grid = (num_kv_heads, num_tiles, num_splits)
+    else:
+        grid = (num_tiles, num_kv_heads, num_splits)
+    # Kernel name carries the options so profiles tell variants apart.
+    flags = "".join(tag for key, tag in (("kv_heads_inner", "_hi"), ("longest_tiles_first", "_lf"),
+                                         ("prefetch_pages", "_pp"), ("prescale_q", "_sq"), ("k_transposed", "_kt"),
+                                         ("zero_padding_in_kernel", "_zp"))
+                    if tuning[key])
     outs = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads, num_splits),
+        grid=grid,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=tuning["num_warps"], num_stages=tuning["num_stages"]),
-        name=f"ragged_paged_attention_bq{tuning['block_q']}_bk{bk}_s{num_splits}",
+        name=f"ragged_paged_attention_bq{tuning['block_q']}_bk{bk}_s{num_splits}{flags}",
     )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_rows, k_flat, v_flat)
 
     if num_splits == 1:
@@ -353,6 +493,8 @@ def ragged_paged_attention_triton(
         denom = jnp.sum(l * weight, axis=0)
         out = jnp.sum(acc * weight[..., None], axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
     out = out.reshape(num_tokens, num_q_heads, head_dim)
+    if tuning["zero_padding_in_kernel"]:  # the padding tiles wrote the zeros
+        return out
     # Rows of padding tokens were never written (garbage): zero them.
     token_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs]
     return jnp.where(token_valid[:, None, None], out.astype(q.dtype), jnp.zeros((), q.dtype))
