@@ -46,10 +46,17 @@ def hf_greedy(hf_smollm2_model):
     def run(prompt_ids, max_new_tokens):
         key = (tuple(prompt_ids), max_new_tokens)
         if key not in cache:
-            with torch.no_grad():
-                out = hf_smollm2_model.generate(
-                    torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                    eos_token_id=2, pad_token_id=2, repetition_penalty=1.0)
+            # One intra-op thread: on a shared, oversubscribed CPU, OpenMP threads spin-waiting on each other make
+            # torch several times slower than a single thread.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with torch.no_grad():
+                    out = hf_smollm2_model.generate(
+                        torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+                        num_beams=1, eos_token_id=2, pad_token_id=2, repetition_penalty=1.0)
+            finally:
+                torch.set_num_threads(threads)
             cache[key] = out[0, len(prompt_ids):].tolist()
         return cache[key]
 

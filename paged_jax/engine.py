@@ -1,0 +1,573 @@
+"""``LLMEngine``: the synchronous engine loop (vLLM's name and API).
+
+One ``step()`` = schedule (continuous batching, chunked prefill, preemption) -> swap copies -> one bucketed model
+step on device (forward + sampling) -> scheduler update (stop tokens, lengths) -> incremental detokenization (stop
+strings) -> cumulative ``RequestOutput``s of the requests that progressed.
+
+A request with ``SamplingParams.n > 1`` runs as n sequences ("children") in the scheduler. The first child starts
+alone; the others are admitted once its prompt K/V is computed, so their prompts hit the prefix cache and share
+the first child's blocks instead of recomputing them. Child i > 0 samples with its own seed derived from the
+request's seed.
+
+Thread-safety: none; the serving layer drives one engine from one thread (``serving.async_engine``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from paged_jax.config import EngineArgs
+from paged_jax.detokenizer import IncrementalDetokenizer
+from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.model_runner import (BANNED_WIDTH, ModelRunner, PendingStep, SeqInput, determine_num_blocks,
+                                    enable_compilation_cache, num_host_blocks_for)
+from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged_jax.request import Request, RequestStatus
+from paged_jax.sampling_params import SamplingParams, validate_token_ids
+from paged_jax.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_CPU_MAX_NUM_SEQS, _GPU_MAX_NUM_SEQS = 32, 256
+_CPU_MAX_BATCHED_TOKENS, _GPU_MAX_BATCHED_TOKENS = 512, 8192
+_DEFAULT_MAX_MODEL_LEN_CAP = 8192
+_CPU_DEFAULT_MAX_MODEL_LEN_CAP = 2048
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Seed of the ``index``-th sequence of an n > 1 request: the request seed itself for index 0, a well-mixed
+    64-bit function of (seed, index) for the others."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % (1 << 64), index]).generate_state(2, np.uint32).view(np.uint64)[0])
+
+
+# Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
+PLACEHOLDER_TOKEN = -1
+
+
+def _stop_token_reason(request: Request, token: int, num_output: int) -> tuple[str, int | None] | None:
+    """("eos", None) or ("stop_token", token) if ``token`` (the ``num_output``-th output token) ends the request,
+    with the scheduler's rules: only once more than min_tokens outputs exist; EOS unless ignore_eos."""
+    if num_output <= request.min_tokens:
+        return None
+    if token in request.eos_token_ids and not request.ignore_eos:
+        return ("eos", None)
+    if token in request.stop_token_ids:
+        return ("stop_token", token)
+    return None
+
+
+@dataclasses.dataclass
+class _InFlightStep:
+    """A dispatched step whose sampled tokens are still placeholders: ``rows`` = (row, request, output index)."""
+
+    handle: PendingStep
+    rows: list[tuple[int, Request, int]]
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """Engine-side state of one output sequence (one scheduler ``Request``)."""
+
+    index: int
+    request: Request
+    seed: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    admitted: bool = False  # handed to the scheduler
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _RequestState:
+    """Engine-side state of one user request (its n sequences)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.seqs)
+
+
+class LLMEngine:
+    """An inference engine over one model: add requests, call ``step()`` until none are left.
+
+    Args:
+      engine_args: ``EngineArgs`` (vLLM names). ``model=None`` loads the built-in SmolLM2-135M-Instruct.
+      use_tqdm: show progress bars for weight loading / compilation.
+
+    Attributes (read by the serving layer): ``tokenizer`` (None for dummy shapes without one), ``model_config``,
+    ``max_model_len``, ``vocab_size``, ``eos_token_ids``, ``engine_args``, ``model_path``, ``runner``,
+    ``scheduler``.
+    """
+
+    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
+        from models.loader import load_model
+
+        args = engine_args
+        if args.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported by LLMEngine yet "
+                             "(it runs on one device); use paged_jax.generate for sharded generation")
+        self.engine_args = args
+        enable_compilation_cache(args.compilation_cache_dir)
+        device = jax.devices()[0]
+        on_accelerator = device.platform != "cpu"
+
+        model_path, config = self._resolve_model(args)
+        self.model_path = model_path
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
+        model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
+                                   config=config)
+        self.model_config = config
+        self.vocab_size = config.vocab_size
+        self.tokenizer = self._load_tokenizer(args.tokenizer or model_path)
+        self.eos_token_ids = self._eos_token_ids(config, model_path)
+
+        # On CPU the reference attention reads a whole max_model_len context per token, so keep the default short.
+        default_cap = _DEFAULT_MAX_MODEL_LEN_CAP if on_accelerator else _CPU_DEFAULT_MAX_MODEL_LEN_CAP
+        max_model_len = args.max_model_len or min(config.max_position_embeddings, default_cap)
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({config.max_position_embeddings})")
+        self.max_model_len = max_model_len
+        max_num_seqs = args.max_num_seqs or (_GPU_MAX_NUM_SEQS if on_accelerator else _CPU_MAX_NUM_SEQS)
+        max_num_batched_tokens = args.max_num_batched_tokens or (
+            _GPU_MAX_BATCHED_TOKENS if on_accelerator else _CPU_MAX_BATCHED_TOKENS)
+        max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # every scheduled sequence has >= 1 token
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+        num_blocks = determine_num_blocks(
+            config, block_size=args.block_size, dtype=model.dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
+            device=device)
+        num_host_blocks = (num_host_blocks_for(config, block_size=args.block_size, dtype=model.dtype,
+                                               swap_space_gib=args.swap_space)
+                           if args.preemption_mode == "swap" else 0)
+        self.runner = ModelRunner(
+            model, config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
+            device=device)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                               num_host_blocks=num_host_blocks)
+        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                   preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
+                                   enable_chunked_prefill=True)
+        logger.info("KV cache: %d device blocks x %d tokens, %d host blocks; %d step buckets", num_blocks,
+                    args.block_size, num_host_blocks, len(self.runner.buckets))
+        self.runner.warm_up(use_tqdm=use_tqdm)
+
+        self._seed_rng = np.random.default_rng(args.seed)
+        self._requests: dict[str, _RequestState] = {}  # unfinished user requests
+        self._seq_by_id: dict[str, tuple[_RequestState, _Sequence]] = {}  # scheduler request id -> sequence
+        self._waiting_children: dict[str, _RequestState] = {}  # n > 1 requests whose sequences 1.. wait for seq 0
+        self.async_scheduling = bool(args.async_scheduling)
+        self._in_flight: _InFlightStep | None = None
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "LLMEngine":
+        return cls(engine_args, **kwargs)
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _resolve_model(args: EngineArgs):
+        """-> (checkpoint dir or None, ModelConfig or None to read it from the dir)."""
+        if args.model is None:
+            from models.smollm2 import ensure_smollm2
+
+            return str(ensure_smollm2()), None
+        if args.load_format == "dummy" and not os.path.isdir(args.model):
+            from models.presets import preset_config
+
+            return None, preset_config(args.model)
+        if not os.path.isdir(args.model):
+            raise ValueError(f"model {args.model!r} is not a checkpoint directory (downloads are not supported); "
+                             "with load_format='dummy' it may name a known shape")
+        return args.model, None
+
+    @staticmethod
+    def _load_tokenizer(path: str | None):
+        if path is None:
+            return None
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:  # a weights-only directory: token-id prompts only
+            logger.warning("no tokenizer loaded from %s (%s); only token-id prompts are accepted", path, exc)
+            return None
+
+    @staticmethod
+    def _eos_token_ids(config, model_path: str | None) -> list[int]:
+        eos = set(config.eos_token_ids)
+        if model_path is not None:
+            generation_config = Path(model_path) / "generation_config.json"
+            if generation_config.is_file():
+                value = json.loads(generation_config.read_text()).get("eos_token_id")
+                if isinstance(value, int):
+                    eos.add(value)
+                elif isinstance(value, list):
+                    eos.update(int(v) for v in value)
+        return sorted(eos)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | dict, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a request. Everything is validated here, so a bad request never reaches the scheduler.
+
+        Args:
+          request_id: unique among unfinished requests.
+          prompt: text (needs a tokenizer), a list of token ids, or a dict with ``prompt_token_ids`` or ``prompt``.
+          params: ``SamplingParams`` (default ``SamplingParams()``).
+          priority: lower runs earlier with ``scheduling_policy="priority"``.
+          arrival_time: ``time.time()`` of arrival (default now); used for metrics and FCFS order.
+        Raises:
+          ValueError naming the offending field: ``request_id`` (empty / in use), ``params``, ``prompt`` (empty,
+          longer than max_model_len, token ids outside the vocabulary, text without a tokenizer),
+          ``stop_token_ids`` (outside the vocabulary, too many with min_tokens), ``stop`` (without a tokenizer),
+          ``priority``.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests or request_id in self._seq_by_id:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        if params.stop_token_ids:
+            validate_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+            if params.min_tokens > 0 and len(set(params.stop_token_ids) | set(self.eos_token_ids)) > BANNED_WIDTH:
+                raise ValueError(f"stop_token_ids: at most {BANNED_WIDTH - len(self.eos_token_ids)} ids are "
+                                 "supported together with min_tokens > 0")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+
+        arrival = time.time() if arrival_time is None else float(arrival_time)
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
+        state = _RequestState(request_id=request_id, prompt=prompt_text, prompt_token_ids=prompt_token_ids,
+                              params=params, seqs=[], metrics=RequestMetrics(arrival_time=arrival))
+        for index in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}::{index}"
+            if seq_id in self._seq_by_id:
+                raise ValueError(f"request_id {request_id!r} collides with the sequence ids of another request")
+            # The scheduler orders FCFS by arrival_time; it expects time.monotonic()-based values.
+            request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                              eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
+                              arrival_time=time.monotonic() - (time.time() - arrival))
+            detokenizer = None
+            if params.detokenize and self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens)
+            wants_logprobs = params.logprobs is not None
+            state.seqs.append(_Sequence(index=index, request=request, seed=_child_seed(base_seed, index),
+                                        detokenizer=detokenizer, logprobs=[] if wants_logprobs else None,
+                                        cumulative_logprob=0.0 if wants_logprobs else None))
+        # Only now, with everything validated, touch shared state.
+        self._requests[request_id] = state
+        for seq in state.seqs:
+            self._seq_by_id[seq.request.request_id] = (state, seq)
+        self._admit(state.seqs[0])
+        if params.n > 1:
+            self._waiting_children[request_id] = state
+
+    def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have a 'prompt_token_ids' or 'prompt' key")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer and this model has none; pass token ids")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            text, token_ids = None, list(prompt)
+            validate_token_ids(token_ids, self.vocab_size, "prompt")
+            token_ids = [int(t) for t in token_ids]
+        else:
+            raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        return text, token_ids
+
+    def _admit(self, seq: _Sequence) -> None:
+        self.scheduler.add_request(seq.request)
+        seq.admitted = True
+
+    def _admit_waiting_children(self) -> None:
+        """Admit the sequences 1..n-1 of a request once sequence 0's prompt K/V is computed (or it has ended), so
+        their prompts are prefix-cache hits on its blocks."""
+        for request_id, state in list(self._waiting_children.items()):
+            first = state.seqs[0]
+            if first.finished or first.request.num_computed_tokens >= len(state.prompt_token_ids) \
+                    or first.request.num_output_tokens > 0:
+                for seq in state.seqs[1:]:
+                    if not seq.admitted and not seq.finished:
+                        self._admit(seq)
+                del self._waiting_children[request_id]
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed at once. No output is
+        produced for an aborted request."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self._requests.pop(rid, None)
+            if state is None:
+                continue
+            self._waiting_children.pop(rid, None)
+            for seq in state.seqs:
+                if seq.admitted and not seq.finished:
+                    self.scheduler.abort_request(seq.request.request_id)
+                seq.finish_reason = seq.finish_reason or "abort"
+                self._seq_by_id.pop(seq.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the cumulative outputs of the requests that got a new token (finished ones
+        included, with ``finished=True``).
+
+        With ``async_scheduling`` the step's own tokens are reported by the next call: this call schedules and
+        dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop
+        conditions and detokenizes. A call that schedules nothing just reports the step in flight.
+        """
+        self._admit_waiting_children()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._in_flight_needs_tokens():
+            outputs += self._finish_in_flight()
+        scheduler_output = self.scheduler.schedule()
+        handle = self._launch(scheduler_output)
+        if not self.async_scheduling:
+            if handle is not None:
+                outputs += self._finish_sync(scheduler_output, handle)
+            return outputs
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()  # waits for step k while step k+1 runs
+        if handle is not None:
+            self._start_in_flight(scheduler_output, handle)
+        return outputs
+
+    def _launch(self, scheduler_output) -> PendingStep | None:
+        """Swap copies, then dispatch the step's forward + sampling; None when nothing is scheduled."""
+        if scheduler_output.is_empty:
+            return None
+        self.runner.swap(scheduler_output.swap_out, scheduler_output.swap_in)
+        if not scheduler_output.scheduled:
+            return None
+        now = time.time()
+        inputs = []
+        for seq_sched in scheduler_output.scheduled:
+            request = seq_sched.request
+            state, seq = self._seq_by_id[request.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                state.metrics.time_in_queue = now - state.metrics.arrival_time
+            sampling = None
+            if seq_sched.samples:
+                sampling = (request.params, seq.seed, request.num_output_tokens, request.prompt_token_ids,
+                            request.output_token_ids)
+            # A placeholder can only be the single decode token sampled by the step in flight: take it on device.
+            feed = PLACEHOLDER_TOKEN in seq_sched.token_ids
+            if feed and seq_sched.num_new_tokens != 1:
+                raise RuntimeError(f"unresolved sampled token inside a {seq_sched.num_new_tokens}-token chunk of "
+                                   f"{request.request_id!r}")
+            inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
+                                   num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
+                                   sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed))
+        self.num_steps += 1
+        return self.runner.execute(inputs)
+
+    def _finish_sync(self, scheduler_output, handle: PendingStep) -> list[RequestOutput]:
+        """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
+        result = handle.result()
+        scheduled = scheduler_output.scheduled
+        sampled = [int(t) if s.samples else None for t, s in zip(result.sampled_token_ids, scheduled)]
+        progressed = self.scheduler.update_from_output(scheduler_output, sampled)
+        row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
+        now = time.time()
+        touched: dict[str, _RequestState] = {}
+        for request in progressed:
+            state, seq = self._seq_by_id[request.request_id]
+            self._on_token(state, seq, request, request.num_output_tokens - 1, result, row_of[request.request_id],
+                           now)
+            touched[state.request_id] = state
+        return self._collect_outputs(touched.values(), now)
+
+    def _start_in_flight(self, scheduler_output, handle: PendingStep) -> None:
+        """Async path, right after dispatch: advance the scheduler as if the step were done, with a placeholder for
+        each sampled token, so the next step can be scheduled before the tokens are known."""
+        scheduled = scheduler_output.scheduled
+        row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
+        placeholders = [PLACEHOLDER_TOKEN if s.samples else None for s in scheduled]
+        progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
+        rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
+        # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve.
+        self._in_flight = _InFlightStep(handle=handle, rows=rows) if rows else None
+
+    def _in_flight_needs_tokens(self) -> bool:
+        """Penalties need every previous token on the host when the next step is built: no overlap then."""
+        return any(request.params is not None and request.params.uses_penalties
+                   for _, request, _ in self._in_flight.rows)
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Async path: fetch the in-flight step's tokens, replace the placeholders, apply the stop conditions the
+        scheduler could not see (EOS, stop token ids; lengths it already applied), detokenize."""
+        flight, self._in_flight = self._in_flight, None
+        result = flight.handle.result()
+        now = time.time()
+        block_size = self.kv_cache_manager.block_size
+        touched: dict[str, _RequestState] = {}
+        for row, request, output_index in flight.rows:
+            entry = self._seq_by_id.get(request.request_id)
+            if entry is None or entry[1].request is not request or entry[1].finished:
+                continue  # aborted meanwhile
+            state, seq = entry
+            token = int(result.sampled_token_ids[row])
+            request.output_token_ids[output_index] = token
+            # Block hashes covering the placeholder were computed from it: drop them, they are recomputed from the
+            # real tokens before the block is registered in the prefix cache (it is not yet: its K/V is pending).
+            del request.block_hashes[(request.num_prompt_tokens + output_index) // block_size:]
+            stop = _stop_token_reason(request, token, output_index + 1)
+            if stop is not None:
+                if request.is_finished:  # already finished by length at placeholder time: the stop token wins
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.request_id, "stop")
+                request.stop_reason = stop[1]
+            self._on_token(state, seq, request, output_index, result, row, now)
+            touched[state.request_id] = state
+        return self._collect_outputs(touched.values(), now)
+
+    def _collect_outputs(self, states: Iterable[_RequestState], now: float) -> list[RequestOutput]:
+        outputs = []
+        for state in states:
+            if state.finished:
+                state.metrics.finished_time = now
+            outputs.append(self._make_output(state))
+            if state.finished:
+                del self._requests[state.request_id]
+                for seq in state.seqs:
+                    self._seq_by_id.pop(seq.request.request_id, None)
+        return outputs
+
+    def _on_token(self, state: _RequestState, seq: _Sequence, request: Request, output_index: int, result,
+                  row: int, now: float) -> None:
+        """Account, record logprobs and detokenize the output token ``output_index`` of ``request`` (known)."""
+        token = request.output_token_ids[output_index]
+        self.generation_tokens_total += 1
+        if output_index == 0:
+            self.prompt_tokens_total += len(state.prompt_token_ids)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._token_logprobs(state.params, token, result, row))
+            seq.cumulative_logprob += float(result.logprobs[row])
+        finished_by_scheduler = request.is_finished
+        if seq.detokenizer is not None:
+            _, stop_str = seq.detokenizer.append([token], finished=finished_by_scheduler)
+            if stop_str is not None and not finished_by_scheduler:
+                self.scheduler.finish_request(request.request_id, "stop")
+                request.stop_reason = stop_str
+            elif stop_str is not None:  # the same token also ended it by EOS / length: the stop string wins
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop_str
+        if request.is_finished:
+            seq.finish_reason = request.finish_reason
+            seq.stop_reason = request.stop_reason
+
+    def _token_logprobs(self, params: SamplingParams, token: int, result, row: int) -> dict[int, Logprob]:
+        decode = self._decode_one
+        entry = {token: Logprob(logprob=float(result.logprobs[row]), rank=int(result.ranks[row]),
+                                decoded_token=decode(token))}
+        for rank, (top_id, top_lp) in enumerate(zip(result.top_token_ids[row][:params.logprobs],
+                                                     result.top_logprobs[row][:params.logprobs]), start=1):
+            top_id = int(top_id)
+            if top_id not in entry:
+                entry[top_id] = Logprob(logprob=float(top_lp), rank=rank, decoded_token=decode(top_id))
+        return entry
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        for seq in state.seqs:
+            text = seq.detokenizer.emitted_text if seq.detokenizer is not None else ""
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.request.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        first = state.seqs[0].request
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=list(state.prompt_token_ids), outputs=completions,
+                             finished=state.finished, num_cached_tokens=first.num_cached_prompt_tokens,
+                             metrics=dataclasses.replace(state.metrics))
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict[str, float]:
+        """A snapshot for metrics: scheduler gauges and counters plus token totals.
+
+        Keys: num_running, num_waiting (includes n > 1 sequences waiting for their first sibling's prompt),
+        num_unfinished_requests, kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins,
+        prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total, generation_tokens_total,
+        num_steps, num_compiles_since_warmup.
+        """
+        stats = dict(self.scheduler.stats())
+        stats["num_waiting"] += sum(1 for state in self._waiting_children.values() for seq in state.seqs
+                                    if not seq.admitted and not seq.finished)
+        stats["num_unfinished_requests"] = len(self._requests)
+        stats["prompt_tokens_total"] = self.prompt_tokens_total
+        stats["generation_tokens_total"] = self.generation_tokens_total
+        stats["num_steps"] = self.num_steps
+        stats["num_compiles_since_warmup"] = self.runner.num_compiles_since_warmup
+        return stats
+
+    def get_tokenizer(self):
+        return self.tokenizer

@@ -1,0 +1,132 @@
+"""``LLM``: the offline batch API (vLLM's name and signatures).
+
+    llm = LLM()                                    # built-in SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    outs = llm.chat([{"role": "user", "content": "Hi!"}])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from paged_jax.config import EngineArgs
+from paged_jax.engine import LLMEngine
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+
+_ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    """Offline inference over one model.
+
+    Args:
+      model: HF checkpoint directory; None = the built-in SmolLM2-135M-Instruct; with ``load_format="dummy"`` a
+        known shape name.
+      **kwargs: any ``EngineArgs`` field (e.g. ``max_model_len``, ``max_num_seqs``, ``dtype``, ``seed``), plus
+        ``use_tqdm`` (start-up progress bars).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        use_tqdm = kwargs.pop("use_tqdm", True)
+        unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
+        if unknown:
+            raise ValueError(f"{unknown[0]} is not an engine argument (known: {', '.join(sorted(_ENGINE_ARG_NAMES))})")
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns the finished ``RequestOutput``s in input order.
+
+        Args:
+          prompts: a str, a list of str, a list of token-id lists, or (a list of) dicts with ``prompt_token_ids``
+            or ``prompt``.
+          sampling_params: one ``SamplingParams`` for all, one per prompt, or None (defaults).
+          use_tqdm: show a progress bar over finished prompts.
+        Raises:
+          ValueError for a bad prompt or parameter (nothing is left queued in the engine).
+        """
+        prompt_list = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+
+        Args:
+          messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such conversations.
+          add_generation_prompt: end the prompt with the assistant turn header.
+          chat_template_kwargs: extra variables for the template.
+        """
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt,
+                                                              chat_template_kwargs)}
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _normalize_prompts(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise ValueError("prompts: a flat list of ints is ambiguous; pass [token_ids] or "
+                             "[{'prompt_token_ids': token_ids}]")
+        return prompts
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = f"llm-{next(self._request_counter)}"
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)  # all-or-nothing: leave nothing queued
+            raise
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(request_ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the engine has no unfinished requests but some outputs are missing")
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def chat_prompt_token_ids(tokenizer, conversation: Sequence[dict], add_generation_prompt: bool = True,
+                          chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of ``conversation`` rendered by the tokenizer's chat template (no extra special tokens added)."""
+    text = tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+    return list(tokenizer.encode(text, add_special_tokens=False))

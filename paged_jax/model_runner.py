@@ -1,0 +1,651 @@
+"""The model runner: owns the device KV pool and runs one bucketed, jitted, fixed-shape step per engine step.
+
+A step's ragged batch (decodes first, then prefill chunks) is padded to one of a small fixed set of
+``(num_tokens, num_seqs)`` buckets. Every bucket is compiled once at start-up (``warm_up``) and never again; a compile
+after warm-up is a bug and shows up in ``num_compiles_since_warmup``.
+
+Per step the host builds ONE int32 numpy buffer holding all step metadata (token ids, positions, slot mapping,
+cu_q_lens, kv_lens, block tables, logits indices and the per-row sampling vectors, floats bitcast to int32) and sends
+it with one ``jax.device_put`` (plus the penalty token history, only on steps that have a penalty row); the jitted
+step unpacks it by static slicing. Two jitted functions run per step, dispatched back to back without a host sync:
+
+* ``_forward`` (compiled per token/seq bucket): model forward with the paged attention closure (``write_kv`` then
+  ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[S, V]``.
+* ``_sample`` (compiled per seq bucket x ``SamplerVariant``): on-device sampling -> token ids padded to the widest seq
+  bucket (kept on device: the next step may take its decode inputs from them) and logprobs.
+
+Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
+multiplicative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from paged_jax import sampler as sampler_lib
+from paged_jax.ops import ragged_paged_attention, write_kv
+from paged_jax.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0
+_MIN_TOKEN_BUCKET = 16
+_MIN_SEQ_BUCKET = 8
+_SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
+_MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compilation cache
+# ----------------------------------------------------------------------------------------------------------------
+
+def enable_compilation_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache in ``cache_dir`` (None: ``~/.cache/paged_jax/jax_cache``;
+    "" leaves it off). Thresholds are lowered so every executable is cached, small ones included. Returns the dir."""
+    if cache_dir == "":
+        return None
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return cache_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Buckets
+# ----------------------------------------------------------------------------------------------------------------
+
+def _powers_of_two(start: int, stop: int) -> list[int]:
+    values, value = [], start
+    while value < stop:
+        values.append(value)
+        value *= 2
+    values.append(stop)
+    return sorted(set(values))
+
+
+def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The (num_tokens, num_seqs) shapes a step is padded to.
+
+    Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). Seq buckets:
+    8, 32, 128, ... (x4) capped at ``max_num_seqs``; for each token bucket T the seq buckets below T plus
+    ``min(T, max_num_seqs)`` (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens
+    / 16 seqs -> 12 buckets; 2048 / 128 -> 22; 8192 / 256 -> 34.
+    """
+    token_buckets = _powers_of_two(min(_MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
+    seq_growth = []
+    value = min(_MIN_SEQ_BUCKET, max_num_seqs)
+    while value < max_num_seqs:
+        seq_growth.append(value)
+        value *= _SEQ_BUCKET_GROWTH
+    buckets = []
+    for num_tokens in token_buckets:
+        cap = min(num_tokens, max_num_seqs)
+        seqs = sorted({s for s in seq_growth if s < cap} | {cap})
+        buckets.extend((num_tokens, s) for s in seqs)
+    return buckets
+
+
+def _pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """Smallest bucket (by tokens, then seqs) that holds the batch."""
+    for bucket_tokens, bucket_seqs in buckets:  # sorted by tokens then seqs
+        if bucket_tokens >= num_tokens and bucket_seqs >= num_seqs:
+            return bucket_tokens, bucket_seqs
+    raise ValueError(f"a step of {num_tokens} tokens / {num_seqs} seqs exceeds every bucket (largest "
+                     f"{buckets[-1]}); the scheduler must respect max_num_batched_tokens / max_num_seqs")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV pool sizing
+# ----------------------------------------------------------------------------------------------------------------
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return (config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim
+            * jnp.dtype(dtype).itemsize)
+
+
+def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
+                         max_num_batched_tokens: int, gpu_memory_utilization: float,
+                         num_blocks_override: int | None = None, device: jax.Device | None = None,
+                         cpu_pool_cap_bytes: int = 1 << 30) -> int:
+    """Number of device KV blocks (including the null block 0).
+
+    Accelerators: ``bytes_limit * gpu_memory_utilization - bytes_in_use`` (measured after the weights are placed)
+    minus headroom for the largest step's activations and logits, divided by the per-block size. CPU (no memory
+    stats): enough for ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``.
+    """
+    if num_blocks_override is not None:
+        return int(num_blocks_override)
+    device = device or jax.devices()[0]
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    blocks_per_seq = -(-max_model_len // block_size)
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        wanted = max_num_seqs * blocks_per_seq + 1
+        return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
+    itemsize = jnp.dtype(dtype).itemsize
+    # Peak live activations of the widest step, generously: residual + q/k/v + attention out + MLP (gate, up, act),
+    # a few copies each, plus fp32 logits and the sampler's sort buffers for every sequence.
+    per_token = (4 * config.hidden_size + 3 * config.intermediate_size
+                 + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
+    activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
+    logits = 6 * max_num_seqs * config.vocab_size * 4
+    headroom = activations + logits + (512 << 20)
+    budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - headroom
+    num_blocks = int(budget // per_block)
+    if num_blocks < blocks_per_seq + 1:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV blocks of "
+            f"{block_size} tokens, fewer than one max_model_len={max_model_len} sequence needs "
+            f"({blocks_per_seq + 1}); raise gpu_memory_utilization or lower max_model_len / max_num_batched_tokens")
+    return num_blocks
+
+
+def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:
+    """Host swap pool size in blocks for ``swap_space_gib`` GiB."""
+    return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Step input / output
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class SeqInput:
+    """One sequence's share of a step, as the runner needs it.
+
+    Attributes:
+      key: identifies the sequence across steps (the request id); used by ``feed_from_previous``.
+      token_ids: the ``num_new_tokens`` new tokens, at positions ``num_computed_tokens ..``. With
+        ``feed_from_previous`` it is a single placeholder: the token is taken on device from the previous step.
+      num_computed_tokens: tokens of this sequence whose K/V is already in the pool.
+      block_ids: block table covering ``num_computed_tokens + len(token_ids)`` tokens.
+      sample: whether to sample a token after the last new token.
+      sampling: when ``sample``: the sampler's row ``(params, seed, step, prompt_ids, output_ids)`` (see
+        ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties).
+      feed_from_previous: the single input token is the token sampled for ``key`` by the previous step (which must
+        have sampled it); lets the host build a step before the previous one's tokens reached it.
+    """
+
+    key: str
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+    sample: bool
+    sampling: Any = None
+    feed_from_previous: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host-side results of one step, aligned with the step's input rows.
+
+    Attributes:
+      sampled_token_ids: int32[num_rows]; -1 for rows that did not sample.
+      logprobs: float32[num_rows] raw logprob of the sampled token; None unless some row asked for logprobs.
+      ranks: int32[num_rows] 1-based rank of the sampled token; None unless some row asked for logprobs.
+      top_token_ids: int32[num_rows, K] / top_logprobs: float32[num_rows, K]: the K most likely tokens, K = 0 or the
+        compiled width (>= every row's request); None unless some row asked for logprobs.
+    """
+
+    sampled_token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+class PendingStep:
+    """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host."""
+
+    def __init__(self, device_outputs: tuple, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
+        self._device_outputs = device_outputs
+        self._rows_to_packed = rows_to_packed
+        self._sampled_rows = sampled_rows
+        self._result: StepOutput | None = None
+        for array in device_outputs:
+            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
+
+    def result(self) -> StepOutput:
+        if self._result is None:
+            host = [np.asarray(x) for x in jax.device_get(self._device_outputs)]
+            rows = self._rows_to_packed
+            tokens = host[0][rows].astype(np.int32)
+            tokens[~self._sampled_rows] = -1
+            out = StepOutput(sampled_token_ids=tokens)
+            if len(host) > 1:  # (tokens, logprob, top ids, top logprobs, rank)
+                out.logprobs = host[1][rows]
+                out.top_token_ids = host[2][rows]
+                out.top_logprobs = host[3][rows]
+                out.ranks = host[4][rows]
+            self._result = out
+            self._device_outputs = ()
+        return self._result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metadata buffer layout
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks_per_seq: int
+
+    @functools.cached_property
+    def fields(self) -> dict[str, tuple[int, int]]:
+        T, S, B = self.num_tokens, self.num_seqs, self.max_blocks_per_seq
+        sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
+                 ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", S), ("block_tables", S * B),
+                 ("sampling", S * sampling_words_per_seq())]
+        out, offset = {}, 0
+        for name, size in sizes:
+            out[name] = (offset, offset + size)
+            offset += size
+        return out
+
+    @property
+    def size(self) -> int:
+        return self.fields["sampling"][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """One compiled sampler variant: the sampler mode, whether penalty history is passed, the top-logprob width."""
+
+    mode: str
+    penalties: bool
+    num_logprobs: int
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The runner
+# ----------------------------------------------------------------------------------------------------------------
+
+class ModelRunner:
+    """Runs the model on paged KV for a stream of ragged steps.
+
+    Args:
+      model: ``LlamaForCausalLM`` (weights already on ``device``).
+      model_config: its ``ModelConfig``.
+      num_blocks: device KV blocks including the null block 0 (see ``determine_num_blocks``).
+      block_size: tokens per block.
+      max_model_len: most tokens per sequence (sets the block-table width and the penalty-history width).
+      max_num_seqs / max_num_batched_tokens: the largest step (sets the buckets).
+      num_host_blocks: host swap pool blocks (0: no swapping).
+      eos_token_ids: banned (with stop_token_ids) while a row is below its min_tokens.
+      attention_impl: "auto" | "reference" | "pallas", passed to ``ragged_paged_attention``.
+      buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
+      max_logprobs: the top-logprob width of the compiled logprob variants (requests may ask for up to this many).
+      device: where the pool lives (default ``jax.devices()[0]``).
+    """
+
+    def __init__(self, model, model_config: ModelConfig, *, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
+                 eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
+                 buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
+                 device: jax.Device | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.model_config = model_config
+        self.device = device or jax.devices()[0]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.attention_impl = attention_impl
+        self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
+        self.seq_buckets = sorted({s for _, s in self.buckets})
+        self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
+        # Greedy steps get a lean variant without top-k logprobs; the random modes always compute the top
+        # max_logprobs (cheap next to drawing Gumbel noise over the vocabulary), which halves their compiles.
+        greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
+        self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
+            SamplerVariant(mode.value, penalties, self.max_logprobs)
+            for mode in sampler_lib.SamplingMode
+            for penalties in ((False, True) if mode == full else (False,))
+        ]
+        self.dtype = jnp.dtype(model.dtype)
+        self.vocab_size = model_config.vocab_size
+
+        # Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
+        # tracing, so no NNX graph traversal happens per call.
+        graphdef, state = nnx.split(model)
+        param_leaves, state_treedef = jax.tree.flatten(state)
+        self._param_leaves = [jax.device_put(x, self.device) for x in param_leaves]
+        self._graphdef = graphdef
+        self._state_treedef = state_treedef
+
+        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_pool: list[tuple[jax.Array, jax.Array]] = [
+            (jnp.zeros(shape, self.dtype, device=self.device), jnp.zeros(shape, self.dtype, device=self.device))
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        self.num_host_blocks = num_host_blocks
+        # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
+        self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
+                                   dtype=self.dtype) if num_host_blocks else None)
+
+        # Last step's sampled tokens, on device (int32[max seq bucket]), and the packed row each key sampled in.
+        self._max_seq_bucket = self.seq_buckets[-1]
+        self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
+        self._prev_rows: dict[str, int] = {}
+        # Empty penalty history per seq bucket (steps without penalty rows), created once.
+        self._no_history = {s: jax.device_put(np.zeros((s, 0), np.int32), self.device) for s in self.seq_buckets}
+
+        self._build_jitted()
+        self._compiles_at_warmup: int | None = None
+
+    # ------------------------------------------------------------------ jitted functions
+    def _build_jitted(self) -> None:
+        graphdef, state_treedef = self._graphdef, self._state_treedef
+        config = self.model_config
+        sm_scale = config.head_dim ** -0.5
+        sliding_window = config.sliding_window
+        impl = self.attention_impl
+        max_blocks = self.max_blocks_per_seq
+
+        def forward(param_leaves, kv_pool, buf, prev_tokens, *, num_tokens, num_seqs):
+            """-> (kv_pool, logits f32[S, V] at each row's last token, sampling words int32[S * words])."""
+            fields = {name: buf[a:b] for name, (a, b) in _Layout(num_tokens, num_seqs, max_blocks).fields.items()}
+            prev_rows = fields["prev_rows"]
+            # Decode rows continuing from the previous step take their input token from its on-device samples.
+            input_ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], fields["input_ids"])
+            slot_mapping = fields["slot_mapping"]
+            cu_q_lens = fields["cu_q_lens"]
+            kv_lens = fields["kv_lens"]
+            block_tables = fields["block_tables"].reshape(num_seqs, max_blocks)
+
+            def attention(layer_idx, q, k, v, kv_layer):
+                k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, slot_mapping)
+                out = ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                                             sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+                return out, (k_pages, v_pages)
+
+            model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
+            hidden, kv_pool = model(input_ids, fields["positions"], list(kv_pool), attention)
+            logits = model.compute_logits(hidden[fields["logits_indices"]])
+            return kv_pool, logits, fields["sampling"]
+
+        self._forward = jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
+
+        max_seq_bucket = self._max_seq_bucket
+
+        def sample(logits, sampling_words, prev_token_ids, *, mode, num_logprobs):
+            """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
+            num_seqs = logits.shape[0]
+            tensors = _unpack_sampling(sampling_words, prev_token_ids, num_seqs)
+            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs)
+            # Padded to the widest seq bucket so the next forward's input feed always has one shape.
+            padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
+            return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
+
+        self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+
+        def gather_blocks(kv_pool, block_ids):
+            """-> [layers, 2, n, block_size, Hkv, D]."""
+            return jnp.stack([jnp.stack([k[block_ids], v[block_ids]]) for k, v in kv_pool])
+
+        def scatter_blocks(kv_pool, block_ids, data):
+            return [(k.at[block_ids].set(data[i, 0]), v.at[block_ids].set(data[i, 1]))
+                    for i, (k, v) in enumerate(kv_pool)]
+
+        self._gather_blocks = jax.jit(gather_blocks)
+        self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
+
+    def num_compiles(self) -> int:
+        """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
+        return sum(f._cache_size() for f in (self._forward, self._sample, self._gather_blocks, self._scatter_blocks))
+
+    @property
+    def num_compiles_since_warmup(self) -> int:
+        """Compiles after ``warm_up``; anything but 0 means a step hit a shape that was not pre-compiled."""
+        if self._compiles_at_warmup is None:
+            return 0
+        return self.num_compiles() - self._compiles_at_warmup
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self, use_tqdm: bool = True) -> None:
+        """Compile (by running on padding-only inputs) every forward bucket, every (seq bucket, sampler variant) and
+        every swap-copy size, once. Padding tokens only ever write into the null block, so the pool stays clean."""
+        from tqdm.auto import tqdm
+
+        swap_sizes = self._swap_sizes() if self.num_host_blocks else []
+        total = len(self.buckets) + len(self.seq_buckets) * len(self.sampler_variants) + len(swap_sizes)
+        bar = tqdm(total=total, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
+        logits_by_seqs = {}
+        for num_tokens, num_seqs in self.buckets:
+            layout = _Layout(num_tokens, num_seqs, self.max_blocks_per_seq)
+            buf = np.zeros((layout.size,), np.int32)
+            a, b = layout.fields["prev_rows"]
+            buf[a:b] = -1
+            tensors, _ = sampler_lib.build_sampling_tensors([], num_seqs, eos_token_ids=self.eos_token_ids)
+            a, b = layout.fields["sampling"]
+            _pack_sampling(tensors, buf[a:b])
+            self.kv_pool, logits, sampling_words = self._forward(
+                self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
+                num_tokens=num_tokens, num_seqs=num_seqs)
+            logits_by_seqs[num_seqs] = (logits, sampling_words)
+            bar.update(1)
+        outs = None
+        for num_seqs in self.seq_buckets:
+            logits, sampling_words = logits_by_seqs[num_seqs]
+            history = jax.device_put(np.full((num_seqs, self.max_model_len), -1, np.int32), self.device)
+            for variant in self.sampler_variants:
+                outs = self._sample(logits, sampling_words,
+                                    history if variant.penalties else self._no_history[num_seqs],
+                                    mode=variant.mode, num_logprobs=variant.num_logprobs)
+                bar.update(1)
+        for size in swap_sizes:
+            ids = jax.device_put(np.zeros((size,), np.int32), self.device)
+            self.kv_pool = self._scatter_blocks(self.kv_pool, ids, self._gather_blocks(self.kv_pool, ids))
+            bar.update(1)
+        jax.block_until_ready((self.kv_pool, outs))
+        bar.close()
+        self._compiles_at_warmup = self.num_compiles()
+
+    def _swap_sizes(self) -> list[int]:
+        """Padded block counts of one swap copy: powers of two up to min(_MAX_SWAP_CHUNK, usable blocks)."""
+        cap = min(_MAX_SWAP_CHUNK, max(self.num_blocks - 1, 1))
+        return [1 << i for i in range((cap - 1).bit_length() + 1)]
+
+    # ------------------------------------------------------------------ one step
+    def execute(self, seqs: Sequence[SeqInput]) -> PendingStep:
+        """Dispatch one step; nothing here waits for the device. ``.result()`` of the return value fetches outputs.
+
+        ``seqs`` may come in any order; they are packed decodes first. Raises ValueError if the batch exceeds the
+        largest bucket, a block table is too short, or ``feed_from_previous`` names a key the previous step did not
+        sample.
+        """
+        if not seqs:
+            raise ValueError("execute needs at least one sequence")
+        num_rows = len(seqs)
+        # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for.
+        order = sorted(range(num_rows), key=lambda i: seqs[i].num_new_tokens > 1)
+        rows_to_packed = np.empty((num_rows,), np.int64)
+        rows_to_packed[np.asarray(order)] = np.arange(num_rows)
+        num_tokens = sum(s.num_new_tokens for s in seqs)
+        bucket_tokens, bucket_seqs = _pick_bucket(self.buckets, num_tokens, num_rows)
+        layout = _Layout(bucket_tokens, bucket_seqs, self.max_blocks_per_seq)
+        buf = np.zeros((layout.size,), np.int32)
+
+        def view(name):
+            a, b = layout.fields[name]
+            return buf[a:b]
+
+        input_ids, positions, slot_mapping, prev_rows = (view("input_ids"), view("positions"),
+                                                         view("slot_mapping"), view("prev_rows"))
+        cu_q_lens, kv_lens, logits_indices = view("cu_q_lens"), view("kv_lens"), view("logits_indices")
+        block_tables = view("block_tables").reshape(bucket_seqs, self.max_blocks_per_seq)
+        prev_rows[:] = -1
+
+        sampling_rows = [seqs[i].sampling if seqs[i].sample else None for i in order]
+        tensors, mode = sampler_lib.build_sampling_tensors(
+            sampling_rows, bucket_seqs, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        _pack_sampling(tensors, view("sampling"))
+        penalties = tensors.prev_token_ids.shape[1] > 0
+        wants_logprobs = any(row is not None and row[0].logprobs is not None for row in sampling_rows)
+        wants_top = any(row is not None and (row[0].logprobs or 0) > 0 for row in sampling_rows)
+        num_logprobs = self.max_logprobs if (wants_top or mode != sampler_lib.SamplingMode.GREEDY) else 0
+
+        # Per row: a few scalar writes (Python); per token: vectorized numpy over the whole step.
+        packed_seqs = [seqs[i] for i in order]
+        q_lens = np.fromiter((s.num_new_tokens for s in packed_seqs), np.int64, num_rows)
+        starts = np.fromiter((s.num_computed_tokens for s in packed_seqs), np.int64, num_rows)
+        ends = starts + q_lens
+        if q_lens.min() < 1:
+            raise ValueError(f"sequence {packed_seqs[int(np.argmin(q_lens))].key!r} has no new tokens")
+        if ends.max() > self.max_model_len:
+            raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
+                             f"over max_model_len={self.max_model_len}")
+        new_prev_rows: dict[str, int] = {}
+        for packed, seq in enumerate(packed_seqs):
+            table = seq.block_ids
+            if len(table) * self.block_size < ends[packed] or len(table) > self.max_blocks_per_seq:
+                raise ValueError(f"sequence {seq.key!r}: a block table of {len(table)} blocks does not fit "
+                                 f"{int(ends[packed])} tokens within max_model_len={self.max_model_len}")
+            block_tables[packed, :len(table)] = table
+            if seq.sample:
+                new_prev_rows[seq.key] = packed
+        cu = np.cumsum(q_lens)
+        cu_q_lens[1:num_rows + 1] = cu
+        cu_q_lens[num_rows + 1:] = num_tokens  # padded seqs: q_len 0, kv_len 0; padded tokens -> null block slot 0
+        kv_lens[:num_rows] = ends
+        logits_indices[:num_rows] = cu - 1
+        token_rows = np.repeat(np.arange(num_rows), q_lens)
+        token_positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
+        positions[:num_tokens] = token_positions
+        slot_mapping[:num_tokens] = (block_tables[token_rows, token_positions // self.block_size] * self.block_size
+                                     + token_positions % self.block_size)
+        input_ids[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids if not s.feed_from_previous else (0,) for s in packed_seqs),
+            np.int32, num_tokens)
+        for packed, seq in enumerate(packed_seqs):
+            if seq.feed_from_previous:
+                row = self._prev_rows.get(seq.key)
+                if seq.num_new_tokens != 1 or row is None:
+                    raise ValueError(f"sequence {seq.key!r}: feed_from_previous needs one new token and a sample "
+                                     "from the previous step")
+                prev_rows[cu[packed] - 1] = row
+
+        self.kv_pool, logits, sampling_words = self._forward(
+            self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
+            num_tokens=bucket_tokens, num_seqs=bucket_seqs)
+        history = (jax.device_put(tensors.prev_token_ids, self.device) if penalties
+                   else self._no_history[bucket_seqs])
+        outs = self._sample(logits, sampling_words, history, mode=mode.value, num_logprobs=num_logprobs)
+        self._prev_tokens = outs[0]
+        self._prev_rows = new_prev_rows
+        sampled = np.array([s.sample for s in seqs], dtype=bool)
+        fetch = outs if wants_logprobs else outs[:1]
+        return PendingStep(fetch, rows_to_packed, sampled)
+
+    # ------------------------------------------------------------------ swapping
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        """Apply one step's swap copies: ``swap_out = [(device_block, host_block)]`` device -> host, then
+        ``swap_in = [(host_block, device_block)]`` host -> device.
+
+        The swap-in data is read from the host pool before the swap-out data lands there, and the swap-out gather is
+        dispatched before the swap-in scatter, so a block freed by one list and reused by the other within the same
+        step is copied correctly either way. Copies go in chunks of at most ``_MAX_SWAP_CHUNK`` blocks (one
+        transfer each way per chunk), padded to a power of two with the null block.
+        """
+        if not swap_out and not swap_in:
+            return
+        if self.host_pool is None:
+            raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
+        gathered = []
+        for chunk in _chunks(list(swap_out), _MAX_SWAP_CHUNK):
+            device_ids = self._padded_ids([d for d, _ in chunk])
+            gathered.append((chunk, self._gather_blocks(self.kv_pool, device_ids)))
+        for chunk in _chunks(list(swap_in), _MAX_SWAP_CHUNK):
+            host_ids = [h for h, _ in chunk]
+            device_ids = self._padded_ids([d for _, d in chunk])
+            data = np.zeros(self.host_pool.shape[:2] + (device_ids.shape[0],) + self.host_pool.shape[3:],
+                            self.host_pool.dtype)
+            data[:, :, :len(host_ids)] = self.host_pool[:, :, host_ids]
+            # Padding entries write zeros into the null block, which no valid token reads.
+            self.kv_pool = self._scatter_blocks(self.kv_pool, device_ids, jax.device_put(data, self.device))
+        for chunk, device_data in gathered:
+            host = np.asarray(jax.device_get(device_data))
+            self.host_pool[:, :, [h for _, h in chunk]] = host[:, :, :len(chunk)]
+
+    def _padded_ids(self, ids: list[int]) -> jax.Array:
+        size = 1 << max(len(ids) - 1, 0).bit_length()
+        padded = np.full((size,), NULL_BLOCK_ID, np.int32)
+        padded[:len(ids)] = ids
+        return jax.device_put(padded, self.device)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling tensors <-> int32 words
+# ----------------------------------------------------------------------------------------------------------------
+
+# The per-row [S] vectors of ``sampler.SamplingTensors`` that travel in the step buffer (all 4-byte dtypes), then
+# ``banned_token_ids`` at a fixed width. ``prev_token_ids`` (penalty history, [S, max_model_len]) is the one field
+# that does not: it is large and only needed on steps with a penalty row, so it goes as a second transfer then.
+_VECTOR_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence", "frequency", "repetition", "seeds", "steps",
+                  "prompt_len")
+_VECTOR_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "min_p": jnp.float32,
+                  "presence": jnp.float32, "frequency": jnp.float32, "repetition": jnp.float32,
+                  "seeds": jnp.uint32, "steps": jnp.int32, "prompt_len": jnp.int32}
+# Width of the min_tokens ban list (stop_token_ids + EOS ids of a row below its min_tokens). Fixed so the sampler
+# compiles once; the engine rejects requests that would need more (ValueError naming stop_token_ids).
+BANNED_WIDTH = 32
+
+
+def sampling_words_per_seq() -> int:
+    return len(_VECTOR_FIELDS) + BANNED_WIDTH
+
+
+def _pack_sampling(tensors, out: np.ndarray) -> None:
+    """Write ``tensors`` (host ``SamplingTensors`` with S rows) into ``out``: int32[S * sampling_words_per_seq()]."""
+    num_seqs = tensors.temperature.shape[0]
+    for i, name in enumerate(_VECTOR_FIELDS):
+        out[i * num_seqs:(i + 1) * num_seqs] = np.ascontiguousarray(getattr(tensors, name)).view(np.int32)
+    banned = tensors.banned_token_ids
+    if banned.shape[1] > BANNED_WIDTH:
+        raise ValueError(f"a row bans {banned.shape[1]} token ids below min_tokens, more than {BANNED_WIDTH}")
+    banned_words = out[len(_VECTOR_FIELDS) * num_seqs:].reshape(num_seqs, BANNED_WIDTH)
+    banned_words[:] = -1
+    banned_words[:, :banned.shape[1]] = banned
+
+
+def _unpack_sampling(words: jax.Array, prev_token_ids: jax.Array, num_seqs: int):
+    """Inverse of ``_pack_sampling`` inside jit -> ``sampler.SamplingTensors`` (device arrays)."""
+    fields = {}
+    for i, name in enumerate(_VECTOR_FIELDS):
+        fields[name] = jax.lax.bitcast_convert_type(words[i * num_seqs:(i + 1) * num_seqs], _VECTOR_DTYPES[name])
+    banned = words[len(_VECTOR_FIELDS) * num_seqs:].reshape(num_seqs, BANNED_WIDTH)
+    fields["banned_token_ids"] = banned  # -1 entries are dropped by the sampler's scatter
+    fields["prev_token_ids"] = prev_token_ids
+    return sampler_lib.SamplingTensors(**fields)

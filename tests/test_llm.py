@@ -1,0 +1,97 @@
+"""The offline ``LLM`` API on SmolLM2: input forms, input order, chat template, validation, the CLI."""
+
+import pytest
+
+from paged_jax.cli import main as cli_main
+from paged_jax.llm import LLM, chat_prompt_token_ids
+from paged_jax.sampling_params import SamplingParams
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Same shapes as tests/test_engine.py's roomy engine, so the persistent compilation cache serves them.
+    return LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, num_gpu_blocks_override=400,
+               use_tqdm=False)
+
+
+def assert_idle(llm):
+    engine = llm.llm_engine
+    kv = engine.kv_cache_manager
+    assert not engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert engine.runner.num_compiles_since_warmup == 0
+
+
+def test_generate_accepts_every_prompt_form_in_input_order(llm, smollm2_tokenizer, hf_greedy):
+    texts = ["The capital of France is", "Once upon a time, there was a", "1, 2, 3, 4,"]
+    ids = [smollm2_tokenizer.encode(t) for t in texts]
+    # Longest first, so completion order differs from input order.
+    prompts = [texts[1], ids[0], {"prompt_token_ids": ids[2]}, {"prompt": texts[0]}]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == [texts[1], None, None, texts[0]]
+    assert [o.prompt_token_ids for o in outputs] == [ids[1], ids[0], ids[2], ids[0]]
+    for out in outputs:
+        assert out.finished
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_NEW)
+    single = llm.generate(texts[2], GREEDY, use_tqdm=True)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids
+    assert_idle(llm)
+
+
+def test_per_prompt_sampling_params(llm):
+    outs = llm.generate(["Hello", "Hello"], [SamplingParams(temperature=0.0, max_tokens=3),
+                                             SamplingParams(temperature=0.0, max_tokens=7)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
+    assert outs[1].outputs[0].token_ids[:3] == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_chat_applies_template(llm, smollm2_tokenizer, hf_greedy):
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
+    ]
+    outputs = llm.chat(conversations, GREEDY, use_tqdm=False)
+    for conversation, out in zip(conversations, outputs):
+        prompt_ids = chat_prompt_token_ids(smollm2_tokenizer, conversation)
+        assert out.prompt_token_ids == prompt_ids
+        assert out.outputs[0].token_ids == hf_greedy(prompt_ids, MAX_NEW)
+        assert prompt_ids[-1] != smollm2_tokenizer.eos_token_id  # ends with the assistant header
+    one = llm.chat(conversations[0], GREEDY, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert llm.get_tokenizer() is llm.llm_engine.tokenizer
+    assert_idle(llm)
+
+
+def test_bad_prompt_leaves_nothing_queued(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine", [1, 2, 10**9]], GREEDY, use_tqdm=False)
+    assert_idle(llm)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[5] * 300], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="not_an_arg"):
+        LLM(not_an_arg=1)
+    assert llm.generate("still fine", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0].finished
+    assert_idle(llm)
+
+
+def test_cli_generate(capsys):
+    code = cli_main(["generate", "--prompt", "The capital of France is", "--max-tokens", "4",
+                     "--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
+                     "--num-gpu-blocks-override", "400"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "The capital of France is" in printed and "(length)" in printed
+    assert cli_main(["frobnicate"]) == 2
+
+
+def test_cli_serve_dispatches_to_serving(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    assert "paged-jax serve" in capsys.readouterr().out
