@@ -43,6 +43,9 @@ OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("G
 
 
 def _valid_int(value) -> bool:
+    """An int, or an integral float (pydantic coerces 99.0 to 99, so it is a valid size too)."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -53,7 +56,7 @@ def cap_generation_work(body) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         if _valid_int(body.get(key)) and body[key] > MAX_FUZZ_TOKENS:
             body[key] = MAX_FUZZ_TOKENS
-    if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_FUZZ_TOKENS  # chat default is "the rest of the context"
     if _valid_int(body.get("n")) and body["n"] > MAX_FUZZ_N:
         body["n"] = MAX_FUZZ_N
