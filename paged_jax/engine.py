@@ -51,6 +51,14 @@ def _child_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed % (1 << 64), index]).generate_state(2, np.uint32).view(np.uint64)[0])
 
 
+def _snapshot_metrics(metrics: RequestMetrics) -> RequestMetrics:
+    """A shallow copy of ``metrics`` (a plain dataclass of floats), without ``dataclasses.replace``'s per-field
+    overhead: it runs for every progressed request every step."""
+    snapshot = object.__new__(RequestMetrics)
+    snapshot.__dict__.update(metrics.__dict__)
+    return snapshot
+
+
 # Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
 PLACEHOLDER_TOKEN = -1
 
@@ -366,9 +374,10 @@ class LLMEngine:
         return len(self._requests)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; returns the cumulative outputs of the requests that got a new token (finished ones
-        included, with ``finished=True``).
+        included, with ``finished=True``). ``finished_only=True`` returns just the finished ones: a caller that does
+        not stream (``LLM.generate``) then skips building a snapshot of every running request every step.
 
         With ``async_scheduling`` the step's own tokens are reported by the next call: this call schedules and
         dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop
@@ -377,15 +386,15 @@ class LLMEngine:
         self._admit_waiting_children()
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._in_flight_needs_tokens():
-            outputs += self._finish_in_flight()
+            outputs += self._finish_in_flight(finished_only)
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output)
         if not self.async_scheduling:
             if handle is not None:
-                outputs += self._finish_sync(scheduler_output, handle)
+                outputs += self._finish_sync(scheduler_output, handle, finished_only)
             return outputs
         if self._in_flight is not None:
-            outputs += self._finish_in_flight()  # waits for step k while step k+1 runs
+            outputs += self._finish_in_flight(finished_only)  # waits for step k while step k+1 runs
         if handle is not None:
             self._start_in_flight(scheduler_output, handle)
         return outputs
@@ -420,11 +429,11 @@ class LLMEngine:
         self.num_steps += 1
         return self.runner.execute(inputs)
 
-    def _finish_sync(self, scheduler_output, handle: PendingStep) -> list[RequestOutput]:
+    def _finish_sync(self, scheduler_output, handle: PendingStep, finished_only: bool = False) -> list[RequestOutput]:
         """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
         result = handle.result()
         scheduled = scheduler_output.scheduled
-        sampled = [int(t) if s.samples else None for t, s in zip(result.sampled_token_ids, scheduled)]
+        sampled = [t if s.samples else None for t, s in zip(result.sampled_token_ids.tolist(), scheduled)]
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
         now = time.time()
@@ -434,7 +443,7 @@ class LLMEngine:
             self._on_token(state, seq, request, request.num_output_tokens - 1, result, row_of[request.request_id],
                            now)
             touched[state.request_id] = state
-        return self._collect_outputs(touched.values(), now)
+        return self._collect_outputs(touched.values(), now, finished_only)
 
     def _start_in_flight(self, scheduler_output, handle: PendingStep) -> None:
         """Async path, right after dispatch: advance the scheduler as if the step were done, with a placeholder for
@@ -452,11 +461,12 @@ class LLMEngine:
         return any(request.params is not None and request.params.uses_penalties
                    for _, request, _ in self._in_flight.rows)
 
-    def _finish_in_flight(self) -> list[RequestOutput]:
+    def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:
         """Async path: fetch the in-flight step's tokens, replace the placeholders, apply the stop conditions the
         scheduler could not see (EOS, stop token ids; lengths it already applied), detokenize."""
         flight, self._in_flight = self._in_flight, None
         result = flight.handle.result()
+        tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         now = time.time()
         block_size = self.kv_cache_manager.block_size
         touched: dict[str, _RequestState] = {}
@@ -465,7 +475,7 @@ class LLMEngine:
             if entry is None or entry[1].request is not request or entry[1].finished:
                 continue  # aborted meanwhile
             state, seq = entry
-            token = int(result.sampled_token_ids[row])
+            token = tokens[row]
             request.output_token_ids[output_index] = token
             # Block hashes covering the placeholder were computed from it: drop them, they are recomputed from the
             # real tokens before the block is registered in the prefix cache (it is not yet: its K/V is pending).
@@ -479,15 +489,18 @@ class LLMEngine:
                 request.stop_reason = stop[1]
             self._on_token(state, seq, request, output_index, result, row, now)
             touched[state.request_id] = state
-        return self._collect_outputs(touched.values(), now)
+        return self._collect_outputs(touched.values(), now, finished_only)
 
-    def _collect_outputs(self, states: Iterable[_RequestState], now: float) -> list[RequestOutput]:
+    def _collect_outputs(self, states: Iterable[_RequestState], now: float,
+                         finished_only: bool = False) -> list[RequestOutput]:
         outputs = []
         for state in states:
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
-            outputs.append(self._make_output(state))
-            if state.finished:
+            if finished or not finished_only:
+                outputs.append(self._make_output(state, finished))
+            if finished:
                 del self._requests[state.request_id]
                 for seq in state.seqs:
                     self._seq_by_id.pop(seq.request.request_id, None)
@@ -535,20 +548,24 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _make_output(self, state: _RequestState, finished: bool | None = None) -> RequestOutput:
+        """A snapshot of ``state``: it runs for every progressed request every step, so it only does cheap copies.
+        The token-id / logprob lists and the metrics are copied (the engine keeps appending to its own, while a
+        streaming consumer may read the snapshot later); ``prompt_token_ids`` is the request's own list, shared by
+        all its outputs (the engine never mutates it)."""
         completions = []
         for seq in state.seqs:
-            text = seq.detokenizer.emitted_text if seq.detokenizer is not None else ""
+            detokenizer = seq.detokenizer
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.request.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                index=seq.index, text=detokenizer.emitted_text if detokenizer is not None else "",
+                token_ids=seq.request.output_token_ids.copy(), cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs.copy() if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        first = state.seqs[0].request
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=list(state.prompt_token_ids), outputs=completions,
-                             finished=state.finished, num_cached_tokens=first.num_cached_prompt_tokens,
-                             metrics=dataclasses.replace(state.metrics))
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions,
+                             finished=state.finished if finished is None else finished,
+                             num_cached_tokens=state.seqs[0].request.num_cached_prompt_tokens,
+                             metrics=_snapshot_metrics(state.metrics))
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, float]:

@@ -116,7 +116,7 @@ class LLM:
             while len(finished) < len(request_ids):
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine has no unfinished requests but some outputs are missing")
-                for output in engine.step():
+                for output in engine.step(finished_only=True):  # only finished ones are used here
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)

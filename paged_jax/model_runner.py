@@ -10,9 +10,10 @@ it with one ``jax.device_put`` (plus the penalty token history, only on steps th
 step unpacks it by static slicing. Two jitted functions run per step, dispatched back to back without a host sync:
 
 * ``_forward`` (compiled per token/seq bucket): model forward with the paged attention closure (``write_kv`` then
-  ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[S, V]``.
-* ``_sample`` (compiled per seq bucket x ``SamplerVariant``): on-device sampling -> token ids padded to the widest seq
-  bucket (kept on device: the next step may take its decode inputs from them) and logprobs.
+  ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[R, V]``, R =
+  ``sampler_rows_for(S)`` >= S (a coarser set of row counts, so fewer sampler executables).
+* ``_sample`` (compiled per sampler row count R x ``SamplerVariant``): on-device sampling -> token ids padded to the
+  widest seq bucket (kept on device: the next step may take its decode inputs from them) and logprobs.
 
 Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
 multiplicative.
@@ -44,6 +45,7 @@ NULL_BLOCK_ID = 0
 _MIN_TOKEN_BUCKET = 16
 _MIN_SEQ_BUCKET = 8
 _SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
+_NUM_SAMPLER_VARIANTS = 4  # greedy, greedy_or_temperature, full, full + penalties (ModelRunner.sampler_variants)
 _MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 
 
@@ -81,10 +83,11 @@ def _powers_of_two(start: int, stop: int) -> list[int]:
 def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """The (num_tokens, num_seqs) shapes a step is padded to.
 
-    Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). Seq buckets:
-    8, 32, 128, ... (x4) capped at ``max_num_seqs``; for each token bucket T the seq buckets below T plus
-    ``min(T, max_num_seqs)`` (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens
-    / 16 seqs -> 12 buckets; 2048 / 128 -> 22; 8192 / 256 -> 34.
+    Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). A token bucket
+    T >= ``max_num_seqs`` gets the single seq bucket ``max_num_seqs`` (padding sequences cost little: q_len 0, and
+    each extra bucket is a multi-second compile on the GPU); a smaller T gets the seq buckets 8, 32, 128, ... (x4)
+    below T plus T itself (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens /
+    16 seqs -> 6 buckets; 2048 / 256 -> 14; 8192 / 256 -> 16.
     """
     token_buckets = _powers_of_two(min(_MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
     seq_growth = []
@@ -94,10 +97,32 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
         value *= _SEQ_BUCKET_GROWTH
     buckets = []
     for num_tokens in token_buckets:
-        cap = min(num_tokens, max_num_seqs)
-        seqs = sorted({s for s in seq_growth if s < cap} | {cap})
-        buckets.extend((num_tokens, s) for s in seqs)
+        if num_tokens >= max_num_seqs:
+            buckets.append((num_tokens, max_num_seqs))
+        else:
+            buckets.extend((num_tokens, s) for s in sorted({s for s in seq_growth if s < num_tokens} | {num_tokens}))
     return buckets
+
+
+def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
+    """Rows the sampler runs on for a forward seq bucket of ``num_seqs``: the smallest of 8, 32, 128, ... (x4) or
+    ``max_seq_bucket`` that holds it. Sampler executables are compiled per row count x variant, so mapping the
+    forward seq buckets onto this coarser set cuts their compiles; the extra rows are greedy padding."""
+    rows = min(_MIN_SEQ_BUCKET, max_seq_bucket)
+    while rows < num_seqs:
+        rows *= _SEQ_BUCKET_GROWTH
+    return min(rows, max_seq_bucket)
+
+
+def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
+                         num_blocks: int = 1 << 20) -> int:
+    """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
+    (forward buckets + sampler seq buckets x variants + swap-copy sizes when ``swap``)."""
+    buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
+    max_seq_bucket = max(s for _, s in buckets)
+    num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
+    num_swap = len(_swap_sizes_for(num_blocks)) if swap else 0
+    return len(buckets) + num_sampler_buckets * _NUM_SAMPLER_VARIANTS + num_swap
 
 
 def _pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -253,13 +278,14 @@ class _Layout:
     num_tokens: int
     num_seqs: int
     max_blocks_per_seq: int
+    num_sample_rows: int  # R >= S: rows of the logits / sampler (``sampler_rows_for``); rows past S are padding
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
-        T, S, B = self.num_tokens, self.num_seqs, self.max_blocks_per_seq
+        T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
-                 ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", S), ("block_tables", S * B),
-                 ("sampling", S * sampling_words_per_seq())]
+                 ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
+                 ("sampling", R * sampling_words_per_seq())]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)
@@ -321,13 +347,16 @@ class ModelRunner:
         self.attention_impl = attention_impl
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
+        # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
+        self.sampler_seq_buckets = sorted({sampler_rows_for(s, self.seq_buckets[-1]) for s in self.seq_buckets})
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
         # Greedy steps get a lean variant without top-k logprobs; the random modes always compute the top
-        # max_logprobs (cheap next to drawing Gumbel noise over the vocabulary), which halves their compiles.
+        # max_logprobs (cheap next to drawing Gumbel noise over the vocabulary), which halves their compiles. A greedy
+        # step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax).
         greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
         self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
             SamplerVariant(mode.value, penalties, self.max_logprobs)
-            for mode in sampler_lib.SamplingMode
+            for mode in sampler_lib.SamplingMode if mode != greedy
             for penalties in ((False, True) if mode == full else (False,))
         ]
         self.dtype = jnp.dtype(model.dtype)
@@ -352,12 +381,14 @@ class ModelRunner:
                                    dtype=self.dtype) if num_host_blocks else None)
 
         # Last step's sampled tokens, on device (int32[max seq bucket]), and the packed row each key sampled in.
-        self._max_seq_bucket = self.seq_buckets[-1]
+        self._max_seq_bucket = self.sampler_seq_buckets[-1]
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
         self._prev_rows: dict[str, int] = {}
         # Empty penalty history per seq bucket (steps without penalty rows), created once.
-        self._no_history = {s: jax.device_put(np.zeros((s, 0), np.int32), self.device) for s in self.seq_buckets}
+        self._no_history = {r: jax.device_put(np.zeros((r, 0), np.int32), self.device)
+                            for r in self.sampler_seq_buckets}
 
+        self._layouts: dict[tuple[int, int], _Layout] = {}
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
 
@@ -369,10 +400,12 @@ class ModelRunner:
         sliding_window = config.sliding_window
         impl = self.attention_impl
         max_blocks = self.max_blocks_per_seq
+        layout_for = self._layout
 
         def forward(param_leaves, kv_pool, buf, prev_tokens, *, num_tokens, num_seqs):
-            """-> (kv_pool, logits f32[S, V] at each row's last token, sampling words int32[S * words])."""
-            fields = {name: buf[a:b] for name, (a, b) in _Layout(num_tokens, num_seqs, max_blocks).fields.items()}
+            """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words]);
+            R = ``sampler_rows_for(num_seqs)``."""
+            fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
             prev_rows = fields["prev_rows"]
             # Decode rows continuing from the previous step take their input token from its on-device samples.
             input_ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], fields["input_ids"])
@@ -418,6 +451,15 @@ class ModelRunner:
         self._gather_blocks = jax.jit(gather_blocks)
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
 
+    def _layout(self, num_tokens: int, num_seqs: int) -> _Layout:
+        """The buffer layout of a bucket (cached: one per bucket, its field offsets computed once)."""
+        layout = self._layouts.get((num_tokens, num_seqs))
+        if layout is None:
+            layout = _Layout(num_tokens, num_seqs, self.max_blocks_per_seq,
+                             sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]))
+            self._layouts[(num_tokens, num_seqs)] = layout
+        return layout
+
     def num_compiles(self) -> int:
         """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
         return sum(f._cache_size() for f in (self._forward, self._sample, self._gather_blocks, self._scatter_blocks))
@@ -436,29 +478,30 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         swap_sizes = self._swap_sizes() if self.num_host_blocks else []
-        total = len(self.buckets) + len(self.seq_buckets) * len(self.sampler_variants) + len(swap_sizes)
+        total = len(self.buckets) + len(self.sampler_seq_buckets) * len(self.sampler_variants) + len(swap_sizes)
         bar = tqdm(total=total, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
-        logits_by_seqs = {}
+        logits_by_rows = {}
         for num_tokens, num_seqs in self.buckets:
-            layout = _Layout(num_tokens, num_seqs, self.max_blocks_per_seq)
+            layout = self._layout(num_tokens, num_seqs)
             buf = np.zeros((layout.size,), np.int32)
             a, b = layout.fields["prev_rows"]
             buf[a:b] = -1
-            tensors, _ = sampler_lib.build_sampling_tensors([], num_seqs, eos_token_ids=self.eos_token_ids)
+            tensors, _ = sampler_lib.build_sampling_tensors([], layout.num_sample_rows,
+                                                            eos_token_ids=self.eos_token_ids)
             a, b = layout.fields["sampling"]
             _pack_sampling(tensors, buf[a:b])
             self.kv_pool, logits, sampling_words = self._forward(
                 self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
                 num_tokens=num_tokens, num_seqs=num_seqs)
-            logits_by_seqs[num_seqs] = (logits, sampling_words)
+            logits_by_rows[layout.num_sample_rows] = (logits, sampling_words)
             bar.update(1)
         outs = None
-        for num_seqs in self.seq_buckets:
-            logits, sampling_words = logits_by_seqs[num_seqs]
-            history = jax.device_put(np.full((num_seqs, self.max_model_len), -1, np.int32), self.device)
+        for num_rows in self.sampler_seq_buckets:
+            logits, sampling_words = logits_by_rows[num_rows]
+            history = jax.device_put(np.full((num_rows, self.max_model_len), -1, np.int32), self.device)
             for variant in self.sampler_variants:
                 outs = self._sample(logits, sampling_words,
-                                    history if variant.penalties else self._no_history[num_seqs],
+                                    history if variant.penalties else self._no_history[num_rows],
                                     mode=variant.mode, num_logprobs=variant.num_logprobs)
                 bar.update(1)
         for size in swap_sizes:
@@ -470,9 +513,7 @@ class ModelRunner:
         self._compiles_at_warmup = self.num_compiles()
 
     def _swap_sizes(self) -> list[int]:
-        """Padded block counts of one swap copy: powers of two up to min(_MAX_SWAP_CHUNK, usable blocks)."""
-        cap = min(_MAX_SWAP_CHUNK, max(self.num_blocks - 1, 1))
-        return [1 << i for i in range((cap - 1).bit_length() + 1)]
+        return _swap_sizes_for(self.num_blocks)
 
     # ------------------------------------------------------------------ one step
     def execute(self, seqs: Sequence[SeqInput]) -> PendingStep:
@@ -485,13 +526,29 @@ class ModelRunner:
         if not seqs:
             raise ValueError("execute needs at least one sequence")
         num_rows = len(seqs)
+        # Per row only C-speed iteration (fromiter / chain) and whole-array numpy; no per-row numpy calls.
+        q_lens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, num_rows)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_rows)
         # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for.
-        order = sorted(range(num_rows), key=lambda i: seqs[i].num_new_tokens > 1)
-        rows_to_packed = np.empty((num_rows,), np.int64)
-        rows_to_packed[np.asarray(order)] = np.arange(num_rows)
-        num_tokens = sum(s.num_new_tokens for s in seqs)
+        multi = q_lens > 1
+        if multi.any():
+            order = np.argsort(multi, kind="stable")
+            packed_seqs = [seqs[i] for i in order.tolist()]
+            q_lens, starts = q_lens[order], starts[order]
+            rows_to_packed = np.empty((num_rows,), np.int64)
+            rows_to_packed[order] = np.arange(num_rows)
+        else:
+            packed_seqs = list(seqs)
+            rows_to_packed = np.arange(num_rows)
+        ends = starts + q_lens
+        if q_lens.min() < 1:
+            raise ValueError(f"sequence {packed_seqs[int(np.argmin(q_lens))].key!r} has no new tokens")
+        if ends.max() > self.max_model_len:
+            raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
+                             f"over max_model_len={self.max_model_len}")
+        num_tokens = int(q_lens.sum())
         bucket_tokens, bucket_seqs = _pick_bucket(self.buckets, num_tokens, num_rows)
-        layout = _Layout(bucket_tokens, bucket_seqs, self.max_blocks_per_seq)
+        layout = self._layout(bucket_tokens, bucket_seqs)
         buf = np.zeros((layout.size,), np.int32)
 
         def view(name):
@@ -504,47 +561,50 @@ class ModelRunner:
         block_tables = view("block_tables").reshape(bucket_seqs, self.max_blocks_per_seq)
         prev_rows[:] = -1
 
-        sampling_rows = [seqs[i].sampling if seqs[i].sample else None for i in order]
+        sampling_rows = [s.sampling if s.sample else None for s in packed_seqs]
         tensors, mode = sampler_lib.build_sampling_tensors(
-            sampling_rows, bucket_seqs, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+            sampling_rows, layout.num_sample_rows, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
         _pack_sampling(tensors, view("sampling"))
         penalties = tensors.prev_token_ids.shape[1] > 0
-        wants_logprobs = any(row is not None and row[0].logprobs is not None for row in sampling_rows)
-        wants_top = any(row is not None and (row[0].logprobs or 0) > 0 for row in sampling_rows)
-        num_logprobs = self.max_logprobs if (wants_top or mode != sampler_lib.SamplingMode.GREEDY) else 0
+        requested = [row[0].logprobs for row in sampling_rows if row is not None and row[0].logprobs is not None]
+        wants_logprobs = bool(requested)
+        wants_top = any(n > 0 for n in requested)
+        if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
+            mode = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE  # all rows greedy: same argmax, plus top-K
+        num_logprobs = self.max_logprobs if mode != sampler_lib.SamplingMode.GREEDY else 0
 
-        # Per row: a few scalar writes (Python); per token: vectorized numpy over the whole step.
-        packed_seqs = [seqs[i] for i in order]
-        q_lens = np.fromiter((s.num_new_tokens for s in packed_seqs), np.int64, num_rows)
-        starts = np.fromiter((s.num_computed_tokens for s in packed_seqs), np.int64, num_rows)
-        ends = starts + q_lens
-        if q_lens.min() < 1:
-            raise ValueError(f"sequence {packed_seqs[int(np.argmin(q_lens))].key!r} has no new tokens")
-        if ends.max() > self.max_model_len:
-            raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
-                             f"over max_model_len={self.max_model_len}")
-        new_prev_rows: dict[str, int] = {}
-        for packed, seq in enumerate(packed_seqs):
-            table = seq.block_ids
-            if len(table) * self.block_size < ends[packed] or len(table) > self.max_blocks_per_seq:
-                raise ValueError(f"sequence {seq.key!r}: a block table of {len(table)} blocks does not fit "
-                                 f"{int(ends[packed])} tokens within max_model_len={self.max_model_len}")
-            block_tables[packed, :len(table)] = table
-            if seq.sample:
-                new_prev_rows[seq.key] = packed
+        # Block tables: one flat fill of every row's blocks.
+        table_lens = np.fromiter(map(len, (s.block_ids for s in packed_seqs)), np.int64, num_rows)
+        bad = (table_lens * self.block_size < ends) | (table_lens > self.max_blocks_per_seq)
+        if bad.any():
+            packed = int(np.argmax(bad))
+            raise ValueError(f"sequence {packed_seqs[packed].key!r}: a block table of {int(table_lens[packed])} blocks "
+                             f"does not fit {int(ends[packed])} tokens within max_model_len={self.max_model_len}")
+        num_table_entries = int(table_lens.sum())
+        table_starts = np.cumsum(table_lens) - table_lens
+        table_rows = np.repeat(np.arange(num_rows), table_lens)
+        table_cols = np.arange(num_table_entries) - np.repeat(table_starts, table_lens)
+        block_tables[table_rows, table_cols] = np.fromiter(
+            itertools.chain.from_iterable(s.block_ids for s in packed_seqs), np.int32, num_table_entries)
+
         cu = np.cumsum(q_lens)
         cu_q_lens[1:num_rows + 1] = cu
         cu_q_lens[num_rows + 1:] = num_tokens  # padded seqs: q_len 0, kv_len 0; padded tokens -> null block slot 0
         kv_lens[:num_rows] = ends
         logits_indices[:num_rows] = cu - 1
-        token_rows = np.repeat(np.arange(num_rows), q_lens)
-        token_positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
+        if num_tokens == num_rows:  # all decodes: one token per row at position kv_len - 1
+            token_rows = np.arange(num_rows)
+            token_positions = starts
+        else:
+            token_rows = np.repeat(np.arange(num_rows), q_lens)
+            token_positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
         positions[:num_tokens] = token_positions
         slot_mapping[:num_tokens] = (block_tables[token_rows, token_positions // self.block_size] * self.block_size
                                      + token_positions % self.block_size)
         input_ids[:num_tokens] = np.fromiter(
             itertools.chain.from_iterable(s.token_ids if not s.feed_from_previous else (0,) for s in packed_seqs),
             np.int32, num_tokens)
+        new_prev_rows = {s.key: packed for packed, s in enumerate(packed_seqs) if s.sample}
         for packed, seq in enumerate(packed_seqs):
             if seq.feed_from_previous:
                 row = self._prev_rows.get(seq.key)
@@ -557,11 +617,11 @@ class ModelRunner:
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
             num_tokens=bucket_tokens, num_seqs=bucket_seqs)
         history = (jax.device_put(tensors.prev_token_ids, self.device) if penalties
-                   else self._no_history[bucket_seqs])
+                   else self._no_history[layout.num_sample_rows])
         outs = self._sample(logits, sampling_words, history, mode=mode.value, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
         self._prev_rows = new_prev_rows
-        sampled = np.array([s.sample for s in seqs], dtype=bool)
+        sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
         fetch = outs if wants_logprobs else outs[:1]
         return PendingStep(fetch, rows_to_packed, sampled)
 
@@ -600,6 +660,12 @@ class ModelRunner:
         padded = np.full((size,), NULL_BLOCK_ID, np.int32)
         padded[:len(ids)] = ids
         return jax.device_put(padded, self.device)
+
+
+def _swap_sizes_for(num_blocks: int) -> list[int]:
+    """Padded block counts of one swap copy: powers of two up to min(_MAX_SWAP_CHUNK, usable blocks)."""
+    cap = min(_MAX_SWAP_CHUNK, max(num_blocks - 1, 1))
+    return [1 << i for i in range((cap - 1).bit_length() + 1)]
 
 
 def _chunks(items: list, size: int) -> list[list]:

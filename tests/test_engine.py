@@ -349,3 +349,32 @@ def test_min_tokens_defers_eos(engine, tokenizer):
     assert 2 not in held.token_ids[:min_tokens]
     assert held.token_ids[:len(free.token_ids) - 1] == free.token_ids[:-1]
     assert_clean(engine)
+
+
+def test_streamed_outputs_are_snapshots_and_finished_only_agrees(engine, workload, reference):
+    prompts = workload[:4]
+    ids = [f"snap{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, GREEDY)
+    received = {request_id: [] for request_id in ids}  # (output, its token ids / text when it arrived)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            received[output.request_id].append((output, list(output.outputs[0].token_ids), output.outputs[0].text))
+    for i, request_id in enumerate(ids):
+        history = received[request_id]
+        assert [o.finished for o, _, _ in history] == [False] * (len(history) - 1) + [True]
+        for output, tokens_then, text_then in history:  # later steps did not change what a caller already got
+            assert output.outputs[0].token_ids == tokens_then and output.outputs[0].text == text_then
+            assert output.prompt_token_ids == list(prompts[i])
+        lengths = [len(tokens) for _, tokens, _ in history]
+        assert lengths == sorted(lengths) and history[-1][1] == reference[i]
+
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, GREEDY)
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step(finished_only=True):
+            assert output.finished and output.request_id not in final
+            final[output.request_id] = output
+    assert [final[request_id].outputs[0].token_ids for request_id in ids] == reference[:4]
+    assert_clean(engine)

@@ -194,3 +194,42 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
     ]).result()
     assert alone.sampled_token_ids[0] == batched.sampled_token_ids[1]
     assert runner.num_compiles_since_warmup == 0
+
+
+def test_compile_plan_counts():
+    from paged_jax.model_runner import planned_num_compiles, sampler_rows_for
+
+    # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones keep a few seq buckets.
+    assert make_buckets(2048, 256) == [(16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 32), (64, 64),
+                                       (128, 8), (128, 32), (128, 128), (256, 256), (512, 256), (1024, 256),
+                                       (2048, 256)]
+    assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
+        8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
+    assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
+    # forward buckets + sampler row counts {8, 32, 128, 256} x 4 sampler variants
+    assert planned_num_compiles(2048, 256) == 14 + 4 * 4
+    assert planned_num_compiles(8192, 256) == 16 + 4 * 4
+
+
+def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
+    """Greedy with top logprobs, temperature, truncation, penalties and min_tokens bans, alone and in a batch that
+    pads to the next sampler row count: none of them may compile after warm-up."""
+    from paged_jax.model_runner import planned_num_compiles
+
+    model, config = tiny_model
+    runner = make_runner(model, config, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64)
+    assert runner.num_compiles() == planned_num_compiles(64, 32)
+    variants = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_p=0.5, seed=1),
+                SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1),
+                SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])]
+    for params in variants:
+        for num_seqs in (1, 9):
+            seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 5, 7], num_computed_tokens=0, block_ids=[1 + i],
+                             sample=True, sampling=(params, i, 0, [3 + i, 5, 7], [])) for i in range(num_seqs)]
+            out = runner.execute(seqs).result()
+            assert out.sampled_token_ids.shape == (num_seqs,)
+            assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < config.vocab_size)).all()
+            if params.logprobs:
+                assert out.top_token_ids is not None and (out.ranks == 1).all()
+    assert runner.num_compiles_since_warmup == 0

@@ -1,0 +1,150 @@
+"""Host overhead of one engine decode step, with the device wait split out (issue 8).
+
+Builds ``LLMEngine`` on a tiny random Qwen3 config (2 layers, vocab 1024, dummy weights; CPU is fine), fills it with
+``--num-seqs`` running sequences (random prompts, temperature sampling, ignore_eos), runs the prefill steps, then
+times ``--steps`` decode steps. Every phase of a step is timed with ``time.perf_counter``:
+
+* ``wait_ms``: inside ``PendingStep.result()`` (block on the device + device->host copy): device time, not host work.
+* ``schedule_ms``, ``execute_ms`` (host packing + dispatch; ``dispatch_ms`` is the part inside the two jitted calls,
+  ``packing_ms`` the rest), ``update_ms`` (scheduler update), ``outputs_ms``
+  (per-token bookkeeping, detokenization and ``RequestOutput`` construction: everything of the step after the wait
+  except the scheduler update).
+* ``host_ms`` = step time - wait time.
+
+Each is the median over the timed steps (``host_ms_mean`` is the mean), so other processes on a shared machine
+skew it less.
+
+Also reports the number of executables compiled at start-up and, for the given (max_num_batched_tokens,
+max_num_seqs) pairs of ``--plan``, how many ``warm_up`` would compile (from the bucket plan, without compiling).
+
+Example: ``JAX_PLATFORMS=cpu python -m benchmarks.host_overhead --num-seqs 256 --steps 40``. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _timed(owner, name: str, totals: dict[str, float], key: str) -> None:
+    """Replace ``owner.name`` by a wrapper adding its wall time to ``totals[key]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    if hasattr(original, "_cache_size"):  # a jitted function: keep ModelRunner.num_compiles working
+        wrapper._cache_size = original._cache_size
+    setattr(owner, name, wrapper)
+
+
+def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
+    """Executables ``ModelRunner.warm_up`` compiles for this step shape (without building a model)."""
+    from paged_jax import model_runner
+
+    if not hasattr(model_runner, "planned_num_compiles"):  # an older runner (baseline measurements)
+        return -1
+    return model_runner.planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=swap)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-seqs", type=int, default=256, help="running sequences during the timed decode steps")
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--finished-only", action="store_true",
+                   help="call step(finished_only=True), as LLM.generate does (no per-step snapshots of running requests)")
+    p.add_argument("--plan", default="2048x256,8192x256",
+                   help="comma-separated TOKENSxSEQS shapes whose warm-up compile count is reported")
+    args = p.parse_args(argv)
+    if args.num_seqs < 1 or args.steps < 1:
+        raise ValueError("--num-seqs and --steps must be >= 1")
+
+    from models.testing import tiny_config
+    from paged_jax import LLM, SamplingParams
+    from paged_jax import model_runner
+
+    model_dir = tempfile.mkdtemp(prefix="paged_jax_host_overhead_")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=2), f)
+
+    start = time.perf_counter()
+    llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_num_seqs=args.num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              async_scheduling=args.async_scheduling, use_tqdm=False)
+    startup_s = time.perf_counter() - start
+    engine = llm.llm_engine
+    compiles_at_startup = engine.runner.num_compiles()
+
+    rng = random.Random(0)
+    max_tokens = args.steps + 40  # nobody finishes during the timed steps
+    max_prompt = max(8, min(150, args.max_model_len - max_tokens - 1))
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(max_prompt // 3, max_prompt))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, seed=i)
+              for i in range(args.num_seqs)]
+    llm.generate([{"prompt_token_ids": q} for q in prompts[:4]], params[:4], use_tqdm=False)  # untimed warm-up
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params[i])
+    while engine.stats()["num_waiting"] > 0:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    running = engine.stats()["num_running"]
+
+    totals = {key: 0.0 for key in ("wait", "schedule", "execute", "dispatch", "update", "step")}
+    _timed(engine.runner, "_forward", totals, "dispatch")
+    _timed(engine.runner, "_sample", totals, "dispatch")
+    _timed(model_runner.PendingStep, "result", totals, "wait")
+    _timed(engine.scheduler, "schedule", totals, "schedule")
+    _timed(engine.runner, "execute", totals, "execute")
+    _timed(engine.scheduler, "update_from_output", totals, "update")
+    num_steps = num_outputs = 0
+    samples: dict[str, list[float]] = {key: [] for key in totals}
+    while engine.has_unfinished_requests() and num_steps < args.steps:
+        before = dict(totals)
+        step_start = time.perf_counter()
+        num_outputs += len(engine.step(finished_only=args.finished_only))
+        totals["step"] += time.perf_counter() - step_start
+        for key in totals:
+            samples[key].append(totals[key] - before[key])
+        num_steps += 1
+
+    # Medians over the steps: this machine's cores are shared, so means are skewed by other processes.
+    steps = {key: np.asarray(values) for key, values in samples.items()}
+    derived = {
+        "host": steps["step"] - steps["wait"],
+        # Packing = execute minus the jitted calls (on CPU a dispatch may also run part of the computation inline).
+        "packing": steps["execute"] - steps["dispatch"],
+        "outputs": steps["step"] - steps["wait"] - steps["schedule"] - steps["execute"] - steps["update"],
+    }
+    per_step = {f"{key}_ms": round(float(np.median(values)) * 1e3, 3) for key, values in {**steps, **derived}.items()}
+    per_step["host_ms_mean"] = round(float(derived["host"].mean()) * 1e3, 3)
+    plan = {}
+    for shape in filter(None, args.plan.split(",")):
+        tokens, seqs = (int(v) for v in shape.lower().split("x"))
+        plan[shape] = planned_compiles(tokens, seqs)
+    result = {"benchmark": "host_overhead", "num_seqs_running": running, "decode_steps": num_steps,
+              "outputs_per_step": round(num_outputs / num_steps, 1), **per_step,
+              "startup_s": round(startup_s, 2), "compiles_at_startup": compiles_at_startup,
+              "planned_compiles": plan, "async_scheduling": args.async_scheduling,
+              "finished_only": args.finished_only}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
