@@ -1,0 +1,237 @@
+"""One workload through several sharding layouts: throughput, step latency and memory per device.
+
+The workload is model-level (no scheduler): ``--batch`` sequences of ``--prompt-len`` random tokens are prefilled
+as one ragged step on the paged KV pool, then ``--decode-steps`` greedy decode steps run, each feeding the previous
+step's tokens back on device. Every layout runs the same global batch; with dp > 1 each dp group owns
+``batch / dp`` of the sequences and its own part of the KV pool (``paged_jax.sharding``).
+
+Layout names: ``tp<N>`` (N-way tensor parallel, KV pool sharded over kv heads), ``dp<M>xtp<N>``, and a ``-kvrep``
+suffix for the replicated-attention layout (attention weights and the KV pool whole on every tp device, only MLP /
+embedding / LM head split).
+
+Reported per layout: prefill time, median decode-step latency, decode throughput (tokens/s over the whole batch),
+weights and KV bytes held per device (exact, from the arrays' addressable shards), and whether the greedy tokens
+agree with the first layout's (a correctness check; bf16 on GPU may legitimately flip a near-tie).
+
+Examples:
+  # correctness / smoke on 8 fake CPU devices (speed figures are meaningless there)
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m benchmarks.sharding --shape small
+  # real figures (8 GPUs)
+  python -m benchmarks.sharding --shape qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --decode-steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+DEFAULT_LAYOUTS = ("tp1", "tp2", "tp4", "tp8", "dp2xtp4", "dp4xtp2", "dp8xtp1", "tp4-kvrep", "tp8-kvrep")
+
+# A small Qwen3-shaped model for CPU runs: 8 q heads / 4 kv heads (tp = 8 replicates each kv head twice).
+SMALL_SHAPE = {
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def parse_layout(name: str) -> tuple[int, int, str]:
+    """"dp2xtp4-kvrep" -> (dp=2, tp=4, kv_layout="replicated"); ValueError naming the layout otherwise."""
+    match = re.fullmatch(r"(?:dp(\d+)x)?tp(\d+)(-kvrep)?", name)
+    if not match:
+        raise ValueError(f"layout {name!r} is not of the form tp<N>, dp<M>xtp<N> or ...-kvrep")
+    dp, tp = int(match.group(1) or 1), int(match.group(2))
+    if dp < 1 or tp < 1:
+        raise ValueError(f"layout {name!r}: dp and tp must be >= 1")
+    return dp, tp, "replicated" if match.group(3) else "sharded"
+
+
+def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps: int, block_size: int, dtype,
+               impl: str, seed: int = 0, repeats: int = 1) -> dict:
+    """Run the workload under one layout; returns its measurements and greedy tokens (int32[decode_steps+1, B])."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from paged_jax import sharding as sh
+
+    dp, tp, kv_layout = parse_layout(layout)
+    if batch % dp:
+        raise ValueError(f"--batch ({batch}) must be divisible by dp ({dp}) for layout {layout}")
+    if dp * tp > len(jax.devices()):
+        return {"layout": layout, "skipped": f"needs {dp * tp} devices, {len(jax.devices())} available"}
+    plan = sh.ShardingPlan.create(config, sh.make_mesh(tp, dp), kv_layout=kv_layout)
+    model = sh.load_sharded_model(None, plan, dtype=dtype, load_format="dummy", seed=seed)
+    graphdef, state = nnx.split(model)
+
+    seqs_per_group = batch // dp
+    max_len = prompt_len + decode_steps
+    blocks_per_seq = -(-max_len // block_size)
+    blocks_per_group = 1 + seqs_per_group * blocks_per_seq  # local block 0: the group's null block
+    kv_pool = plan.make_kv_caches(blocks_per_group * dp, block_size, dtype)
+    sm_scale = config.head_dim ** -0.5
+
+    # Local block tables, identical for every dp group, stacked: int32[dp * S, blocks_per_seq].
+    local_tables = 1 + np.arange(seqs_per_group * blocks_per_seq, dtype=np.int32).reshape(seqs_per_group, -1)
+    tables = np.tile(local_tables, (dp, 1))
+    prompts = np.random.default_rng(seed).integers(3, config.vocab_size, (batch, prompt_len), dtype=np.int32)
+
+    def tile(x):
+        return np.concatenate([x] * dp)
+
+    # Prefill metadata (host, once): sequence-major flat tokens; each group's tokens are its S sequences.
+    positions = np.tile(np.arange(prompt_len, dtype=np.int32), batch)
+    prefill_slots = (tables[np.repeat(np.arange(batch), prompt_len), positions // block_size] * block_size
+                     + positions % block_size).astype(np.int32)
+    prefill_meta = (prefill_slots, np.full(batch, prompt_len, np.int32), tables,
+                    tile(np.arange(seqs_per_group + 1, dtype=np.int32) * prompt_len))
+    last_token_rows = np.arange(batch) * prompt_len + prompt_len - 1
+    decode_cu = tile(np.arange(seqs_per_group + 1, dtype=np.int32))
+    token_sharding = plan.token_sharding
+
+    def forward(state, kv_pool, tokens, positions, meta, logits_rows):
+        model = nnx.merge(graphdef, state)
+        slots, kv_lens, block_tables, cu = meta
+        attention = plan.paged_attention(slot_mapping=slots, kv_lens=kv_lens, block_tables=block_tables,
+                                         cu_q_lens=cu, sm_scale=sm_scale, sliding_window=config.sliding_window,
+                                         impl=impl)
+        hidden, kv_pool = model(tokens, positions, kv_pool, attention)
+        if logits_rows is not None:
+            hidden = hidden[logits_rows]
+        logits = model.compute_logits(hidden)  # gathered over tp by the tensor-parallel model
+        next_tokens = jax.lax.with_sharding_constraint(jnp.argmax(logits, -1).astype(jnp.int32), token_sharding)
+        return next_tokens, kv_pool
+
+    def prefill(state, kv_pool, tokens, positions, meta, logits_rows):
+        return forward(state, kv_pool, tokens, positions, meta, logits_rows)
+
+    prefill = jax.jit(prefill, donate_argnums=(1,))
+    block_tables_dev = jax.device_put(tables, token_sharding)
+    decode_cu_dev = jax.device_put(decode_cu, token_sharding)
+
+    def decode(state, kv_pool, tokens, step):
+        """tokens int32[B] at position prompt_len + step of every sequence -> (next tokens, kv_pool)."""
+        pos = jnp.full((batch,), prompt_len, jnp.int32) + step
+        slots = (jnp.take_along_axis(block_tables_dev, (pos // block_size)[:, None], axis=1)[:, 0] * block_size
+                 + pos % block_size)
+        meta = (slots, pos + 1, block_tables_dev, decode_cu_dev)
+        return forward(state, kv_pool, tokens, pos, meta, None)
+
+    decode = jax.jit(decode, donate_argnums=(1,))
+    put = lambda x: jax.device_put(x, token_sharding)  # noqa: E731
+    prefill_args = (put(prompts.reshape(-1)), put(positions), tuple(put(m) for m in prefill_meta),
+                    put(last_token_rows.astype(np.int32)))
+
+    def workload(kv_pool):
+        t0 = time.perf_counter()
+        tokens, kv_pool = prefill(state, kv_pool, *prefill_args)
+        tokens.block_until_ready()
+        prefill_s = time.perf_counter() - t0
+        generated, step_times = [tokens], []
+        for step in range(decode_steps):
+            t0 = time.perf_counter()
+            tokens, kv_pool = decode(state, kv_pool, tokens, jnp.int32(step))
+            tokens.block_until_ready()
+            step_times.append(time.perf_counter() - t0)
+            generated.append(tokens)
+        return kv_pool, prefill_s, step_times, generated
+
+    t0 = time.perf_counter()
+    kv_pool, _, _, _ = workload(kv_pool)  # compile + warm-up (overwrites the same slots when timed)
+    compile_s = time.perf_counter() - t0
+    best = None
+    for _ in range(repeats):
+        kv_pool, prefill_s, step_times, generated = workload(kv_pool)
+        if best is None or sum(step_times) < sum(best[1]):
+            best = (prefill_s, step_times, generated)
+    prefill_s, step_times, generated = best
+    step_s = statistics.median(step_times) if step_times else float("nan")
+    weight_bytes = sh.bytes_per_device(state)
+    kv_bytes = sh.bytes_per_device(kv_pool)
+    devices = sorted(weight_bytes, key=lambda d: d.id)
+    return {
+        "layout": layout, "dp": dp, "tp": tp, "kv_layout": kv_layout,
+        "q_heads": plan.model_config.num_attention_heads, "kv_heads": plan.model_config.num_key_value_heads,
+        "compile_and_first_run_s": round(compile_s, 3),
+        "prefill_s": round(prefill_s, 4), "prefill_tok_s": round(batch * prompt_len / prefill_s, 1),
+        "decode_step_ms": round(step_s * 1e3, 3), "decode_tok_s": round(batch / step_s, 1),
+        "weights_mib_per_device": round(max(weight_bytes[d] for d in devices) / 2**20, 2),
+        "kv_mib_per_device": round(max(kv_bytes.get(d, 0) for d in devices) / 2**20, 2),
+        "tokens": np.stack([np.asarray(t) for t in generated]),
+    }
+
+
+def markdown_table(results: list[dict]) -> str:
+    header = ("| layout | dp | tp | KV | q/kv heads | prefill s | prefill tok/s | decode step ms | decode tok/s | "
+              "weights MiB/dev | KV MiB/dev | greedy = first layout |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['layout']} | skipped: {r['skipped']} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {r['layout']} | {r['dp']} | {r['tp']} | {r['kv_layout']} | {r['q_heads']}/{r['kv_heads']} | "
+            f"{r['prefill_s']:.4f} | {r['prefill_tok_s']:,.0f} | {r['decode_step_ms']:.2f} | "
+            f"{r['decode_tok_s']:,.0f} | {r['weights_mib_per_device']:,.2f} | {r['kv_mib_per_device']:,.2f} | "
+            f"{r['agreement']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="small", help="'small' (CPU) or a models/presets.py name")
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma-separated layout names")
+    p.add_argument("--batch", type=int, default=8, help="sequences (divisible by every layout's dp)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
+    p.add_argument("--repeats", type=int, default=2, help="timed repetitions per layout (best is kept)")
+    p.add_argument("--out", help="write the JSON results here")
+    args = p.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from models.config import ModelConfig
+    from models.loader import resolve_dtype
+    from models.presets import preset_config
+
+    config = ModelConfig.from_hf_config(SMALL_SHAPE) if args.shape == "small" else preset_config(args.shape)
+    dtype = resolve_dtype(args.dtype)
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    for name in layouts:
+        parse_layout(name)
+    results, reference_tokens = [], None
+    for name in layouts:
+        result = run_layout(config, name, batch=args.batch, prompt_len=args.prompt_len,
+                            decode_steps=args.decode_steps, block_size=args.block_size, dtype=dtype,
+                            impl=args.attention_impl, repeats=args.repeats)
+        if "tokens" in result:
+            tokens = result.pop("tokens")
+            if reference_tokens is None:
+                reference_tokens = tokens
+            result["agreement"] = f"{float(np.mean(tokens == reference_tokens)):.3f}"
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    device = jax.devices()[0]
+    print(f"\n{args.shape}, {args.dtype}, batch {args.batch} x prompt {args.prompt_len} + {args.decode_steps} decode "
+          f"steps, block {args.block_size}, {len(jax.devices())} x {device.device_kind} ({jax.default_backend()}), "
+          f"jax {jax.__version__}\n")
+    print(markdown_table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "device": device.device_kind, "backend": jax.default_backend(),
+                       "num_devices": len(jax.devices()), "jax": jax.__version__, "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
