@@ -134,9 +134,6 @@ class LLMEngine:
         from models.loader import load_model
 
         args = engine_args
-        if args.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported by LLMEngine yet "
-                             "(it runs on one device); use paged_jax.generate for sharded generation")
         self.engine_args = args
         enable_compilation_cache(args.compilation_cache_dir)
         device = jax.devices()[0]
@@ -145,8 +142,19 @@ class LLMEngine:
         model_path, config = self._resolve_model(args)
         self.model_path = model_path
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
-        model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
-                                   config=config)
+        if args.tensor_parallel_size > 1:
+            from models.config import ModelConfig
+            from paged_jax.sharding import ShardingPlan, load_sharded_model, make_mesh
+
+            config = config or ModelConfig.from_pretrained(model_path)
+            plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size))
+            model = load_sharded_model(model_path, plan, dtype=dtype, load_format=args.load_format, seed=args.seed)
+            # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
+            run_config, memory_config = plan.model_config, plan.per_device_model_config
+        else:
+            model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
+                                       config=config)
+            run_config = memory_config = config
         self.model_config = config
         self.vocab_size = config.vocab_size
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_path)
@@ -167,15 +175,15 @@ class LLMEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
 
         num_blocks = determine_num_blocks(
-            config, block_size=args.block_size, dtype=model.dtype, max_model_len=max_model_len,
+            memory_config, block_size=args.block_size, dtype=model.dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
             device=device)
-        num_host_blocks = (num_host_blocks_for(config, block_size=args.block_size, dtype=model.dtype,
+        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=model.dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
         self.runner = ModelRunner(
-            model, config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
+            model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
             device=device)

@@ -336,7 +336,10 @@ class ModelRunner:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
-        self.device = device or jax.devices()[0]
+        # A tensor-parallel model (paged_jax.sharding) carries its plan: host inputs then go to every device of its
+        # mesh (replicated), the weights stay in their shards and the KV pool is split over kv heads.
+        self.sharding_plan = getattr(model, "sharding_plan", None)
+        self.device = self.sharding_plan.replicated if self.sharding_plan else (device or jax.devices()[0])
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -366,15 +369,17 @@ class ModelRunner:
         # tracing, so no NNX graph traversal happens per call.
         graphdef, state = nnx.split(model)
         param_leaves, state_treedef = jax.tree.flatten(state)
-        self._param_leaves = [jax.device_put(x, self.device) for x in param_leaves]
+        self._param_leaves = (param_leaves if self.sharding_plan else
+                              [jax.device_put(x, self.device) for x in param_leaves])
         self._graphdef = graphdef
         self._state_treedef = state_treedef
 
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_pool: list[tuple[jax.Array, jax.Array]] = [
-            (jnp.zeros(shape, self.dtype, device=self.device), jnp.zeros(shape, self.dtype, device=self.device))
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        self.kv_pool: list[tuple[jax.Array, jax.Array]] = (
+            self.sharding_plan.make_kv_caches(num_blocks, block_size, self.dtype) if self.sharding_plan else [
+                (jnp.zeros(shape, self.dtype, device=self.device), jnp.zeros(shape, self.dtype, device=self.device))
+                for _ in range(model_config.num_hidden_layers)
+            ])
         self.num_host_blocks = num_host_blocks
         # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
         self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
@@ -401,6 +406,7 @@ class ModelRunner:
         impl = self.attention_impl
         max_blocks = self.max_blocks_per_seq
         layout_for = self._layout
+        plan = self.sharding_plan
 
         def forward(param_leaves, kv_pool, buf, prev_tokens, *, num_tokens, num_seqs):
             """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words]);
@@ -419,6 +425,11 @@ class ModelRunner:
                 out = ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                              sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
                 return out, (k_pages, v_pages)
+
+            if plan is not None:  # the same per device on its heads and KV shard (shard_map over tp)
+                attention = plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
+                                                 cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
+                                                 impl=impl)
 
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
             hidden, kv_pool = model(input_ids, fields["positions"], list(kv_pool), attention)
