@@ -654,6 +654,29 @@ class _ChoiceProgress:
     num_tokens: int = 0
     finished: bool = False
 
+    def advance(self, completion) -> tuple[str, list[int], list | None, int] | None:
+        """Move past a cumulative ``CompletionOutput``; returns (new text, new token ids, their logprobs or None,
+        character offset of the new text) or None when there is nothing new to send."""
+        if self.finished:
+            return None
+        delta_text = completion.text[self.num_chars:]
+        new_token_ids = completion.token_ids[self.num_tokens:]
+        finished = completion.finish_reason is not None
+        if not delta_text and not new_token_ids and not finished:
+            return None
+        new_logprobs = None if completion.logprobs is None else completion.logprobs[self.num_tokens:]
+        char_offset = self.num_chars
+        self.num_chars, self.num_tokens, self.finished = len(completion.text), len(completion.token_ids), finished
+        return delta_text, new_token_ids, new_logprobs, char_offset
+
+
+def _usage_sse(response_cls, response_id: str, created: int, model: str, num_prompt_tokens: int,
+               num_completion_tokens: int) -> str:
+    """The final ``stream_options.include_usage`` chunk: usage and no choices, as OpenAI sends it."""
+    usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                      total_tokens=num_prompt_tokens + num_completion_tokens)
+    return sse(response_cls(id=response_id, created=created, model=model, choices=[], usage=usage).model_dump_json())
+
 
 async def _completion_stream(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],
                              response_id: str, created: int, prompt_texts: list[str] | None,
@@ -675,32 +698,22 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, stre
         async for prompt_index, output in merge_streams(streams):
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
-                state = progress.setdefault(index, _ChoiceProgress())
-                if state.finished:
+                delta = progress.setdefault(index, _ChoiceProgress()).advance(completion)
+                if delta is None:
                     continue
-                delta_text = completion.text[state.num_chars:]
-                new_token_ids = completion.token_ids[state.num_tokens:]
-                finished = completion.finish_reason is not None
-                if not delta_text and not new_token_ids and not finished:
-                    continue
+                delta_text, new_token_ids, new_logprobs, char_offset = delta
                 logprobs = None
-                if body.logprobs is not None and completion.logprobs is not None:
-                    offset = state.num_chars + (len(prompt_texts[prompt_index]) if prompt_texts else 0)
-                    logprobs = server.completion_logprobs(new_token_ids, completion.logprobs[state.num_tokens:],
-                                                          body.logprobs, offset)
-                state.num_chars = len(completion.text)
-                state.num_tokens = len(completion.token_ids)
-                state.finished = finished
-                if finished:
+                if body.logprobs is not None and new_logprobs is not None:
+                    offset = char_offset + (len(prompt_texts[prompt_index]) if prompt_texts else 0)
+                    logprobs = server.completion_logprobs(new_token_ids, new_logprobs, body.logprobs, offset)
+                if completion.finish_reason is not None:
                     num_completion_tokens += len(completion.token_ids)
                 yield chunk(CompletionStreamChoice(index=index, text=delta_text, logprobs=logprobs,
                                                    finish_reason=completion.finish_reason,
                                                    stop_reason=completion.stop_reason))
         if include_usage:
-            usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                              total_tokens=num_prompt_tokens + num_completion_tokens)
-            yield sse(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
-                                               usage=usage).model_dump_json())
+            yield _usage_sse(CompletionStreamResponse, response_id, created, model, num_prompt_tokens,
+                             num_completion_tokens)
     except (EngineDeadError, RuntimeError) as exc:
         yield sse_error(engine_error(exc))
     finally:
@@ -725,31 +738,22 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, stream
             yield chunk(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
         async for output in stream:
             for completion in output.outputs:
-                state = progress.setdefault(completion.index, _ChoiceProgress())
-                if state.finished:
+                delta = progress.setdefault(completion.index, _ChoiceProgress()).advance(completion)
+                if delta is None:
                     continue
-                delta_text = completion.text[state.num_chars:]
-                new_token_ids = completion.token_ids[state.num_tokens:]
-                finished = completion.finish_reason is not None
-                if not delta_text and not new_token_ids and not finished:
-                    continue
+                delta_text, new_token_ids, new_logprobs, _ = delta
                 logprobs = None
-                if num_top is not None and completion.logprobs is not None:
-                    logprobs = server.chat_logprobs(new_token_ids, completion.logprobs[state.num_tokens:], num_top)
-                state.num_chars = len(completion.text)
-                state.num_tokens = len(completion.token_ids)
-                state.finished = finished
-                if finished:
+                if num_top is not None and new_logprobs is not None:
+                    logprobs = server.chat_logprobs(new_token_ids, new_logprobs, num_top)
+                if completion.finish_reason is not None:
                     num_completion_tokens += len(completion.token_ids)
                 delta = DeltaMessage(content=delta_text) if delta_text else DeltaMessage()
                 yield chunk(ChatCompletionStreamChoice(index=completion.index, delta=delta, logprobs=logprobs,
                                                        finish_reason=completion.finish_reason,
                                                        stop_reason=completion.stop_reason))
         if include_usage:
-            usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                              total_tokens=num_prompt_tokens + num_completion_tokens)
-            yield sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
-                                                   usage=usage).model_dump_json())
+            yield _usage_sse(ChatCompletionStreamResponse, response_id, created, model, num_prompt_tokens,
+                             num_completion_tokens)
     except (EngineDeadError, RuntimeError) as exc:
         yield sse_error(engine_error(exc))
     finally:
