@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--load-format", help="default: dummy with --shape, auto with --model")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -51,8 +52,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="vLLM's --async-scheduling: build and dispatch step k+1 while step k runs on the device")
     p.add_argument("--startup-only", action="store_true",
                    help="only measure process start -> first token (run twice: cold, then warm compile cache)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the phases of every step (device wait, schedule, packing + dispatch, update); "
+                        "adds a few microseconds per step")
+    p.add_argument("--max-concurrency", type=int,
+                   help="keep at most this many requests in the engine (a new one enters as one finishes), as a "
+                        "server at that many concurrent streams would see them; default: all at once")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
 
@@ -62,11 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
 
-    llm = LLM(model=args.model or args.shape, load_format="dummy" if args.shape else "auto", dtype=args.dtype,
+    llm = LLM(model=args.model or args.shape, load_format=args.load_format or ("dummy" if args.shape else "auto"), dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl)
+              enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
+              async_scheduling=args.async_scheduling)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START
     assert len(first[0].outputs[0].token_ids) == 1
@@ -88,11 +98,53 @@ def main(argv: list[str] | None = None) -> dict:
     llm.generate(prompts[:4], [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)] * 4,
                  use_tqdm=False)
 
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    totals = None
+    if args.breakdown:
+        from benchmarks.host_overhead import _timed
+        from paged_jax import model_runner
 
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        engine = llm.llm_engine
+        totals = {key: 0.0 for key in ("wait", "schedule", "execute", "dispatch", "update")}
+        _timed(engine.runner, "_forward", totals, "dispatch")
+        _timed(engine.runner, "_sample", totals, "dispatch")
+        _timed(model_runner.PendingStep, "result", totals, "wait")
+        _timed(engine.scheduler, "schedule", totals, "schedule")
+        _timed(engine.runner, "execute", totals, "execute")
+        _timed(engine.scheduler, "update_from_output", totals, "update")
+        bucket_counts: dict[str, int] = {}
+        timed_forward = engine.runner._forward
+
+        def counting_forward(*a, **kw):
+            key = f"{kw['num_tokens']}x{kw['num_seqs']}"
+            bucket_counts[key] = bucket_counts.get(key, 0) + 1
+            return timed_forward(*a, **kw)
+
+        counting_forward._cache_size = timed_forward._cache_size
+        engine.runner._forward = counting_forward
+    steps_before = llm.llm_engine.stats().get("num_steps", 0)
+
+    t0 = time.perf_counter()
+    if args.max_concurrency:
+        out_tokens = _run_with_concurrency(llm.llm_engine, prompts, params, args.max_concurrency)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    elapsed = time.perf_counter() - t0
+    if totals is not None:
+        # Seconds over the whole timed run; "other" is per-token bookkeeping, detokenization and outputs.
+        breakdown = {f"{key}_s": round(value, 3) for key, value in totals.items()}
+        if args.async_scheduling:
+            # The dispatch ran on the runner's worker thread, overlapping the main thread's phases: not a part of
+            # "execute" (which is then the main thread's packing and hand-over alone).
+            breakdown["dispatch_on_worker_thread"] = True
+        else:
+            breakdown["packing_s"] = round(totals["execute"] - totals["dispatch"], 3)
+        breakdown["other_s"] = round(elapsed - totals["wait"] - totals["schedule"] - totals["execute"]
+                                     - totals["update"], 3)
+        breakdown["steps"] = llm.llm_engine.stats().get("num_steps", 0) - steps_before
+        breakdown["steps_per_bucket"] = dict(sorted(bucket_counts.items(), key=lambda kv: -kv[1]))
+        result["breakdown"] = breakdown
+
     assert out_tokens == workload.output_tokens, (out_tokens, workload.output_tokens)
     config = llm.llm_engine.model_config if args.model else preset_config(args.shape)
     if not isinstance(config, ModelConfig):
@@ -105,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         "requests_per_s": len(workload.requests) / elapsed,
         "total_tok_s": (workload.prompt_tokens + out_tokens) / elapsed,
         "output_tok_s": out_tokens / elapsed,
-        "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed,
+        "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed, "max_concurrency": args.max_concurrency,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
     })
     print(json.dumps(result, indent=1))
@@ -113,6 +165,21 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _run_with_concurrency(engine, prompts: list, params: list, max_concurrency: int) -> int:
+    """Drive ``engine`` with at most ``max_concurrency`` requests in it; returns the output tokens generated."""
+    next_index = in_engine = out_tokens = 0
+    while next_index < len(prompts) or engine.has_unfinished_requests():
+        while next_index < len(prompts) and in_engine < max_concurrency:
+            engine.add_request(f"c{next_index}", prompts[next_index], params[next_index])
+            next_index += 1
+            in_engine += 1
+        for output in engine.step(finished_only=True):
+            if output.finished:
+                in_engine -= 1
+                out_tokens += len(output.outputs[0].token_ids)
+    return out_tokens
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ class LLMEngine:
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
-            device=device)
+            device=device, dispatch_thread=bool(args.async_scheduling))
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,

@@ -21,6 +21,7 @@ multiplicative.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -45,7 +46,7 @@ NULL_BLOCK_ID = 0
 _MIN_TOKEN_BUCKET = 16
 _MIN_SEQ_BUCKET = 8
 _SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
-_NUM_SAMPLER_VARIANTS = 4  # greedy, greedy_or_temperature, full, full + penalties (ModelRunner.sampler_variants)
+_NUM_SAMPLER_VARIANTS = 7  # greedy; then with and without top-k logprobs: greedy_or_temperature, full, full + penalties
 _MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 
 
@@ -240,19 +241,26 @@ class StepOutput:
 
 
 class PendingStep:
-    """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host."""
+    """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host.
 
-    def __init__(self, device_outputs: tuple, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
+    ``device_outputs`` is the tuple of device arrays to fetch, or a ``concurrent.futures.Future`` of it when the
+    step is dispatched by the runner's dispatch thread.
+    """
+
+    def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
         self._device_outputs = device_outputs
         self._rows_to_packed = rows_to_packed
         self._sampled_rows = sampled_rows
         self._result: StepOutput | None = None
-        for array in device_outputs:
-            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
+        if isinstance(device_outputs, tuple):
+            _start_copies(device_outputs)
 
     def result(self) -> StepOutput:
         if self._result is None:
-            host = [np.asarray(x) for x in jax.device_get(self._device_outputs)]
+            outputs = self._device_outputs
+            if isinstance(outputs, concurrent.futures.Future):
+                outputs = outputs.result()  # the dispatch itself (re-raises its error); the copies are started
+            host = [np.asarray(x) for x in jax.device_get(outputs)]
             rows = self._rows_to_packed
             tokens = host[0][rows].astype(np.int32)
             tokens[~self._sampled_rows] = -1
@@ -265,6 +273,11 @@ class PendingStep:
             self._result = out
             self._device_outputs = ()
         return self._result
+
+
+def _start_copies(device_outputs: tuple) -> None:
+    for array in device_outputs:
+        array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,13 +339,18 @@ class ModelRunner:
       buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
       max_logprobs: the top-logprob width of the compiled logprob variants (requests may ask for up to this many).
       device: where the pool lives (default ``jax.devices()[0]``).
+      dispatch_thread: dispatch each step (the host->device copy of its buffer and the two jitted calls) on a
+        worker thread instead of the caller's. Dispatching a step means launching a few hundred kernels, which takes
+        the host milliseconds with the GIL released; on the worker it overlaps the caller's Python work for the next
+        step (the engine's async scheduling). Steps still run in the order ``execute`` was called: every use of
+        the KV pool and of the previous step's tokens goes through the one worker.
     """
 
     def __init__(self, model, model_config: ModelConfig, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, dispatch_thread: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -353,12 +371,14 @@ class ModelRunner:
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
         self.sampler_seq_buckets = sorted({sampler_rows_for(s, self.seq_buckets[-1]) for s in self.seq_buckets})
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
-        # Greedy steps get a lean variant without top-k logprobs; the random modes always compute the top
-        # max_logprobs (cheap next to drawing Gumbel noise over the vocabulary), which halves their compiles. A greedy
-        # step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax).
+        # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
+        # the random modes also one with the top max_logprobs: a top-k over the whole vocabulary for every row is a
+        # sort-sized cost each step, so it is only paid on steps where some row asked for it. A greedy step that wants
+        # top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax).
         greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
         self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
-            SamplerVariant(mode.value, penalties, self.max_logprobs)
+            SamplerVariant(mode.value, penalties, num_logprobs)
+            for num_logprobs in (0, self.max_logprobs)
             for mode in sampler_lib.SamplingMode if mode != greedy
             for penalties in ((False, True) if mode == full else (False,))
         ]
@@ -394,6 +414,9 @@ class ModelRunner:
                             for r in self.sampler_seq_buckets}
 
         self._layouts: dict[tuple[int, int], _Layout] = {}
+        self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")
+                            if dispatch_thread else None)
+        self._last_dispatch: concurrent.futures.Future | None = None
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
 
@@ -582,7 +605,7 @@ class ModelRunner:
         wants_top = any(n > 0 for n in requested)
         if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
             mode = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE  # all rows greedy: same argmax, plus top-K
-        num_logprobs = self.max_logprobs if mode != sampler_lib.SamplingMode.GREEDY else 0
+        num_logprobs = self.max_logprobs if wants_top else 0
 
         # Block tables: one flat fill of every row's blocks.
         table_lens = np.fromiter(map(len, (s.block_ids for s in packed_seqs)), np.int64, num_rows)
@@ -624,17 +647,41 @@ class ModelRunner:
                                      "from the previous step")
                 prev_rows[cu[packed] - 1] = row
 
-        self.kv_pool, logits, sampling_words = self._forward(
-            self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
-            num_tokens=bucket_tokens, num_seqs=bucket_seqs)
-        history = (jax.device_put(tensors.prev_token_ids, self.device) if penalties
-                   else self._no_history[layout.num_sample_rows])
-        outs = self._sample(logits, sampling_words, history, mode=mode.value, num_logprobs=num_logprobs)
-        self._prev_tokens = outs[0]
+        history = tensors.prev_token_ids if penalties else None
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
+        dispatch = functools.partial(self._dispatch, buf, history, bucket_tokens, bucket_seqs, mode.value,
+                                     num_logprobs, wants_logprobs)
+        if self._dispatcher is None:
+            return PendingStep(dispatch(), rows_to_packed, sampled)
+        self._last_dispatch = self._dispatcher.submit(dispatch)
+        return PendingStep(self._last_dispatch, rows_to_packed, sampled)
+
+    def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, num_tokens: int, num_seqs: int, mode: str,
+                  num_logprobs: int, wants_logprobs: bool) -> tuple:
+        """Send one step's buffer and launch its forward + sampling (on the dispatch thread if there is one).
+        Returns the device outputs to fetch, their host copies already started."""
+        self.kv_pool, logits, sampling_words = self._forward(
+            self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
+            num_tokens=num_tokens, num_seqs=num_seqs)
+        history = (jax.device_put(history, self.device) if history is not None
+                   else self._no_history[logits.shape[0]])
+        outs = self._sample(logits, sampling_words, history, mode=mode, num_logprobs=num_logprobs)
+        self._prev_tokens = outs[0]
         fetch = outs if wants_logprobs else outs[:1]
-        return PendingStep(fetch, rows_to_packed, sampled)
+        _start_copies(fetch)
+        return fetch
+
+    def wait_for_dispatch(self) -> None:
+        """Block until every step handed to the dispatch thread has been dispatched (not computed); re-raises a
+        dispatch error. Anything that uses the KV pool outside ``execute`` calls this first."""
+        if self._last_dispatch is not None:
+            self._last_dispatch.result()
+
+    def close(self) -> None:
+        """Stop the dispatch thread (after the steps already handed to it)."""
+        if self._dispatcher is not None:
+            self._dispatcher.shutdown(wait=True)
 
     # ------------------------------------------------------------------ swapping
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
@@ -648,6 +695,7 @@ class ModelRunner:
         """
         if not swap_out and not swap_in:
             return
+        self.wait_for_dispatch()  # the pool must be the one after every step dispatched so far
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
         gathered = []

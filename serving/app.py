@@ -18,6 +18,7 @@ import asyncio
 import copy
 import dataclasses
 import hmac
+import json
 import logging
 import math
 import os
@@ -313,6 +314,13 @@ class OpenAIServer:
 # ------------------------------------------------------------------------------------------ stream utilities
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
     """Yield ``(stream_index, output)`` from several streams as outputs arrive, until all are finished."""
+    if len(streams) == 1:  # the common case: no task per output, just await the one stream
+        stream = streams[0]
+        while True:
+            output = await stream.next_output()  # re-raises engine errors
+            yield 0, output
+            if stream.finished:
+                return
     pending: dict[asyncio.Task, int] = {}
     try:
         for index, stream in enumerate(streams):
@@ -678,6 +686,24 @@ def _usage_sse(response_cls, response_id: str, created: int, model: str, num_pro
     return sse(response_cls(id=response_id, created=created, model=model, choices=[], usage=usage).model_dump_json())
 
 
+class _CompletionTextChunk:
+    """The SSE line of a completion chunk without logprobs, rendered from a fixed prefix and suffix.
+
+    Per token and stream this replaces building two pydantic models and serializing them (tens of microseconds,
+    on the event loop, under the GIL the engine thread also needs) by one ``json.dumps`` of the text. The JSON is
+    the same document ``CompletionStreamResponse.model_dump_json`` gives (tests compare them)."""
+
+    def __init__(self, response_id: str, created: int, model: str, include_usage: bool):
+        self._prefix = (f'data: {{"id":{json.dumps(response_id)},"object":"text_completion","created":{int(created)},'
+                        f'"model":{json.dumps(model)},"choices":[{{"index":')
+        self._suffix = ',"usage":null}\n\n' if include_usage else '}\n\n'
+
+    def __call__(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> str:
+        return (f'{self._prefix}{int(index)},"text":{json.dumps(text, ensure_ascii=False)},"logprobs":null,'
+                f'"finish_reason":{json.dumps(finish_reason)},"stop_reason":{json.dumps(stop_reason)}}}]'
+                f'{self._suffix}')
+
+
 async def _completion_stream(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],
                              response_id: str, created: int, prompt_texts: list[str] | None,
                              num_prompt_tokens: int) -> AsyncIterator[str]:
@@ -689,6 +715,8 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, stre
     def chunk(choice: CompletionStreamChoice) -> str:
         response = CompletionStreamResponse(id=response_id, created=created, model=model, choices=[choice])
         return sse(response.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+    text_chunk = _CompletionTextChunk(response_id, created, model, include_usage)
 
     try:
         if prompt_texts is not None:
@@ -708,9 +736,12 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, stre
                     logprobs = server.completion_logprobs(new_token_ids, new_logprobs, body.logprobs, offset)
                 if completion.finish_reason is not None:
                     num_completion_tokens += len(completion.token_ids)
-                yield chunk(CompletionStreamChoice(index=index, text=delta_text, logprobs=logprobs,
-                                                   finish_reason=completion.finish_reason,
-                                                   stop_reason=completion.stop_reason))
+                if logprobs is None:
+                    yield text_chunk(index, delta_text, completion.finish_reason, completion.stop_reason)
+                else:
+                    yield chunk(CompletionStreamChoice(index=index, text=delta_text, logprobs=logprobs,
+                                                       finish_reason=completion.finish_reason,
+                                                       stop_reason=completion.stop_reason))
         if include_usage:
             yield _usage_sse(CompletionStreamResponse, response_id, created, model, num_prompt_tokens,
                              num_completion_tokens)

@@ -49,6 +49,8 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                                                             "float"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    engine.add_argument("--async-scheduling", action="store_true",
+                        help="build and dispatch the next step while the current one runs on the device")
     engine.add_argument("--disable-log-stats", action="store_true")
     return parser
 
@@ -78,6 +80,7 @@ def engine_args_from_namespace(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
         disable_log_stats=args.disable_log_stats,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -36,10 +36,11 @@ def dense_greedy(model, prompt, num_new):
     return tokens[len(prompt):]
 
 
-def make_runner(model, config, num_blocks=40, num_host_blocks=0, max_num_seqs=4, max_num_batched_tokens=32):
+def make_runner(model, config, num_blocks=40, num_host_blocks=0, max_num_seqs=4, max_num_batched_tokens=32,
+                dispatch_thread=False):
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         num_host_blocks=num_host_blocks, eos_token_ids=[2])
+                         num_host_blocks=num_host_blocks, eos_token_ids=[2], dispatch_thread=dispatch_thread)
     runner.warm_up(use_tqdm=False)
     return runner
 
@@ -152,9 +153,34 @@ def test_logprobs_match_log_softmax(tiny_model):
     assert out.ranks[0] == 1
 
 
-def test_swap_out_and_in_restores_kv(tiny_model):
+def test_dispatch_thread_pipelined_steps_match_dense_reference(tiny_model):
+    """Steps handed to the dispatch thread back to back, each feeding on the previous step's on-device samples and
+    none waited for until the end, decode exactly what the dense model does."""
     model, config = tiny_model
-    runner = make_runner(model, config, num_blocks=20, num_host_blocks=8)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, config.vocab_size, size=n).tolist() for n in (5, 12, 7)]
+    runner = make_runner(model, config, dispatch_thread=True)
+    greedy = SamplingParams(temperature=0.0)
+    blocks = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
+    pending = [runner.execute([SeqInput(key=f"s{i}", token_ids=p, num_computed_tokens=0, block_ids=blocks[i],
+                                        sample=True, sampling=(greedy, 0, 0, [], []))
+                               for i, p in enumerate(prompts)])]
+    num_new = 6
+    for step in range(1, num_new):
+        pending.append(runner.execute([
+            SeqInput(key=f"s{i}", token_ids=[0], num_computed_tokens=len(p) + step - 1, block_ids=blocks[i],
+                     sample=True, sampling=(greedy, 0, step, [], []), feed_from_previous=True)
+            for i, p in enumerate(prompts)]))
+    tokens = np.stack([handle.result().sampled_token_ids for handle in pending], axis=1)
+    assert tokens.tolist() == [dense_greedy(model, p, num_new) for p in prompts]
+    assert runner.num_compiles_since_warmup == 0
+    runner.close()
+
+
+@pytest.mark.parametrize("dispatch_thread", [False, True])
+def test_swap_out_and_in_restores_kv(tiny_model, dispatch_thread):
+    model, config = tiny_model
+    runner = make_runner(model, config, num_blocks=20, num_host_blocks=8, dispatch_thread=dispatch_thread)
     prompt = list(range(10, 30))  # 20 tokens -> 3 blocks
     greedy = SamplingParams(temperature=0.0)
     first = runner.execute([SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[1, 2, 3],
@@ -164,9 +190,9 @@ def test_swap_out_and_in_restores_kv(tiny_model):
     # Swap blocks 1..3 out, and in the same call bring host blocks back into 5..7 (empty host data this time).
     runner.swap([(1, 4), (2, 5), (3, 6)], [])
     # Clobber the device blocks, as a new owner would, then swap into different device blocks.
-    clobber = runner.execute([SeqInput(key="b", token_ids=list(range(40, 60)), num_computed_tokens=0,
-                                       block_ids=[1, 2, 3], sample=False)])
-    clobber.result()
+    # Not waited for: the swap below must still see the pool after this step (the runner orders them).
+    runner.execute([SeqInput(key="b", token_ids=list(range(40, 60)), num_computed_tokens=0, block_ids=[1, 2, 3],
+                             sample=False)])
     runner.swap([], [(4, 9), (5, 10), (6, 11)])
     after = [np.asarray(k[9:12]) for k, _ in runner.kv_pool]
     for b, a in zip(before, after):
@@ -206,9 +232,10 @@ def test_compile_plan_counts():
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
-    # forward buckets + sampler row counts {8, 32, 128, 256} x 4 sampler variants
-    assert planned_num_compiles(2048, 256) == 14 + 4 * 4
-    assert planned_num_compiles(8192, 256) == 16 + 4 * 4
+    # forward buckets + sampler row counts {8, 32, 128, 256} x 7 sampler variants (greedy; temperature, full and
+    # full + penalties each with and without top-k logprobs)
+    assert planned_num_compiles(2048, 256) == 14 + 4 * 7
+    assert planned_num_compiles(8192, 256) == 16 + 4 * 7
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
@@ -222,7 +249,10 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
     variants = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
                 SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, top_p=0.5, seed=1),
                 SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1),
-                SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])]
+                SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]),
+                SamplingParams(temperature=0.8, seed=1, logprobs=3), SamplingParams(temperature=0.8, top_k=5, logprobs=1),
+                SamplingParams(temperature=0.8, repetition_penalty=1.2, logprobs=0, seed=2),
+                SamplingParams(temperature=0.8, frequency_penalty=0.1, logprobs=5, seed=2)]
     for params in variants:
         for num_seqs in (1, 9):
             seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 5, 7], num_computed_tokens=0, block_ids=[1 + i],
@@ -230,6 +260,10 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
             out = runner.execute(seqs).result()
             assert out.sampled_token_ids.shape == (num_seqs,)
             assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < config.vocab_size)).all()
-            if params.logprobs:
-                assert out.top_token_ids is not None and (out.ranks == 1).all()
+            if params.logprobs is not None:
+                assert out.logprobs is not None and (out.logprobs <= 0).all() and (out.ranks >= 1).all()
+                # Steps that asked for alternatives carry the compiled top width; others none.
+                assert out.top_token_ids.shape == (num_seqs, runner.max_logprobs if params.logprobs else 0)
+            if params.logprobs and params.temperature == 0.0:
+                assert (out.ranks == 1).all()
     assert runner.num_compiles_since_warmup == 0

@@ -464,3 +464,23 @@ def test_engine_failure_answers_500_and_health_503(server, client):
             assert r.status_code == 500  # refused up front: no hanging stream
     finally:
         del engine.step  # the shared engine object is reused by other test files
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_fast_completion_chunk_equals_pydantic(include_usage):
+    """The pre-rendered text chunk is the same JSON document as the pydantic model's, for awkward texts too."""
+    from serving.app import _CompletionTextChunk
+    from serving.protocol import CompletionStreamChoice, CompletionStreamResponse
+
+    render = _CompletionTextChunk('cmpl-"x"\\1', 1764450000, "models/Qwen3 \u00e9", include_usage)
+    texts = ["", "Paris", ' "quoted" \\ back', "line\nbreak\ttab\r", "\u00e9\u4e2d\U0001F600", "\x00\x1f\x7f", "</script>"]
+    for i, text in enumerate(texts):
+        for finish_reason, stop_reason in ((None, None), ("stop", "END"), ("stop", 13), ("length", None)):
+            fast = render(i, text, finish_reason, stop_reason)
+            model = CompletionStreamResponse(
+                id='cmpl-"x"\\1', created=1764450000, model="models/Qwen3 \u00e9",
+                choices=[CompletionStreamChoice(index=i, text=text, finish_reason=finish_reason,
+                                                stop_reason=stop_reason)])
+            want = model.model_dump_json(exclude=None if include_usage else {"usage"})
+            assert fast.startswith("data: ") and fast.endswith("\n\n")
+            assert json.loads(fast[len("data: "):]) == json.loads(want)

@@ -1,0 +1,256 @@
+"""Where the time of one engine step goes, on the device (issue 8).
+
+Builds the model runner for a named shape with dummy weights and a few fixed buckets, then times, for decode batches
+(every sequence at the same context) and prefill batches:
+
+* ``step_ms``: one synchronous step, ``execute(...).result()`` (host packing + dispatch + device + fetch), median.
+* ``pipelined_ms``: ``--inner`` steps dispatched back to back, one wait at the end, per step: what the device needs
+  per step when host work overlaps it.
+* ``execute_ms``: the host side of ``execute`` alone (packing + the two dispatches), median over those calls.
+* ``forward_ms`` / ``sample_ms``: the jitted forward and the jitted sampler alone, each called ``--inner`` times on the
+  same inputs with one wait at the end.
+* ``floor_ms``: weight bytes + KV bytes read, at ``--hbm-gbps``.
+
+Then the sampler alone on random logits [rows, vocab] for each compiled variant (and lax.top_k / Gumbel noise / argmax
+on their own), and the compiled forward's memory analysis (a temp size near the pool size would mean the donated
+pool is copied instead of updated in place).
+
+Example (on the H200): ``python -m benchmarks.step_profile --shape qwen3-0.6b --out $OUT/step_qwen.json``;
+``python -m benchmarks.step_profile --shape llama-3.1-8b --decode 1x1024,32x1024 --prefill '' --out ...``.
+On CPU ``--tiny`` uses a 2-layer random config (for checking the script, not for figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def _parse_cases(text: str) -> list[tuple[int, int]]:
+    """'256x1024,1x2048' -> [(256, 1024), (1, 2048)] (batch x length)."""
+    return [tuple(int(v) for v in item.lower().split("x")) for item in filter(None, text.split(","))]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b", help="named shape (models/presets.py)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer random config instead (CPU check of the script)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--decode", default="256x1024,256x128,64x1024,1x1024",
+                   help="decode cases BATCHxCONTEXT (one new token per sequence after CONTEXT cached tokens)")
+    p.add_argument("--prefill", default="1x2048,8x256", help="prefill cases SEQSxPROMPT_LEN (from an empty cache)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every row (0 = greedy)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--inner", type=int, default=10, help="back-to-back calls per pipelined measurement")
+    p.add_argument("--hbm-gbps", type=float, default=4300.0, help="bandwidth of the floor (FACTS.md: 4.3 TB/s)")
+    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import ModelConfig
+    from models.loader import init_dummy_model
+    from models.presets import kv_bytes_per_token, num_params, preset_config
+    from paged_jax import sampler as sampler_lib
+    from paged_jax.model_runner import ModelRunner, SeqInput, make_buckets
+    from paged_jax.sampling_params import SamplingParams
+
+    if args.tiny:
+        from models.testing import tiny_config
+        config = ModelConfig.from_hf_config(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=2))
+    else:
+        config = preset_config(args.shape)
+    dtype = jnp.dtype(args.dtype)
+    decode_cases, prefill_cases = _parse_cases(args.decode), _parse_cases(args.prefill)
+    bs = args.block_size
+    blocks_needed = 1
+    for batch, length in decode_cases + prefill_cases:
+        blocks_needed = max(blocks_needed, batch * -(-(length + 1) // bs))
+    num_blocks = blocks_needed + 1
+
+    model = init_dummy_model(config, dtype=dtype, seed=0)
+    weight_bytes = num_params(config) * dtype.itemsize
+    all_buckets = make_buckets(args.max_num_batched_tokens, args.max_num_seqs)
+
+    def bucket_for(tokens, seqs):
+        return next(b for b in all_buckets if b[0] >= tokens and b[1] >= seqs)
+
+    buckets = sorted({bucket_for(b, b) for b, _ in decode_cases} | {bucket_for(b * n, b) for b, n in prefill_cases})
+    runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=bs, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         buckets=buckets, attention_impl=args.attention_impl)
+    t0 = time.perf_counter()
+    runner.warm_up(use_tqdm=False)
+    result: dict = {"benchmark": "step_profile", "shape": "tiny" if args.tiny else args.shape, "dtype": args.dtype,
+                    "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "buckets": buckets,
+                    "warm_up_s": round(time.perf_counter() - t0, 2), "num_blocks": num_blocks,
+                    "weight_bytes": weight_bytes, "hbm_gbps_for_floor": args.hbm_gbps, "cases": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "cases"}), flush=True)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=1 << 20)
+
+    def seqs_for(batch, new_tokens, context, step):
+        nb = -(-(context + new_tokens) // bs)
+        return [SeqInput(key=f"s{i}", token_ids=rng.integers(0, min(config.vocab_size, 10000), new_tokens).tolist(),
+                         num_computed_tokens=context, block_ids=list(range(1 + i * nb, 1 + (i + 1) * nb)),
+                         sample=True, sampling=(params, i, step, (), ()))
+                for i in range(batch)]
+
+    def time_case(kind, batch, new_tokens, context):
+        seqs = seqs_for(batch, new_tokens, context, 0)
+        runner.execute(seqs).result()  # first call of this layout: host caches
+        step_ms = _median_ms(lambda: runner.execute(seqs).result(), args.repeats)
+        exec_times, pipelined = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            pending = None
+            for _ in range(args.inner):
+                t = time.perf_counter()
+                pending = runner.execute(seqs)
+                exec_times.append(time.perf_counter() - t)
+            pending.result()
+            pipelined.append((time.perf_counter() - start) / args.inner)
+
+        # The jitted pieces alone: rebuild the exact inputs execute() sends by capturing them once.
+        captured = {}
+        original_forward, original_sample = runner._forward, runner._sample
+
+        def capture_forward(*a, **kw):
+            captured["forward"] = (a, kw)
+            out = original_forward(*a, **kw)
+            captured["forward_out"] = out
+            return out
+
+        def capture_sample(*a, **kw):
+            captured["sample"] = (a, kw)
+            return original_sample(*a, **kw)
+
+        runner._forward, runner._sample = capture_forward, capture_sample
+        try:
+            runner.execute(seqs).result()
+        finally:
+            runner._forward, runner._sample = original_forward, original_sample
+        (f_params, _, f_buf, f_prev), f_kw = captured["forward"]
+
+        def forward_loop():
+            out = None
+            for _ in range(args.inner):
+                runner.kv_pool, logits, words = original_forward(f_params, runner.kv_pool, f_buf, f_prev, **f_kw)
+                out = logits
+            jax.block_until_ready(out)
+
+        forward_ms = _median_ms(forward_loop, args.repeats) / args.inner
+        s_args, s_kw = captured["sample"]
+
+        def sample_loop():
+            out = None
+            for _ in range(args.inner):
+                out = original_sample(*s_args, **s_kw)
+            jax.block_until_ready(out)
+
+        sample_ms = _median_ms(sample_loop, args.repeats) / args.inner
+        kv_read = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype.itemsize)
+        floor_ms = (weight_bytes + kv_read) / (args.hbm_gbps * 1e9) * 1e3
+        row = {"kind": kind, "batch": batch, "new_tokens_per_seq": new_tokens, "context": context,
+               "bucket": list(bucket_for(batch * new_tokens, batch)), "sampler_mode": s_kw.get("mode"),
+               "num_logprobs": s_kw.get("num_logprobs"),
+               "step_ms": round(step_ms, 3), "pipelined_ms": round(float(np.median(pipelined)) * 1e3, 3),
+               "execute_ms": round(float(np.median(exec_times)) * 1e3, 3),
+               "forward_ms": round(forward_ms, 3), "sample_ms": round(sample_ms, 3),
+               "floor_ms": round(floor_ms, 3), "kv_bytes_read": kv_read,
+               "tokens_per_s_pipelined": round(batch * new_tokens / (float(np.median(pipelined)) or 1e-9), 1)}
+        result["cases"].append(row)
+        print(json.dumps(row), flush=True)
+
+    for batch, context in decode_cases:
+        time_case("decode", batch, 1, context)
+    for batch, length in prefill_cases:
+        time_case("prefill", batch, length, 0)
+
+    # Memory analysis of the largest forward: is the donated pool updated in place?
+    try:
+        num_tokens, num_seqs = buckets[-1]
+        layout = runner._layout(num_tokens, num_seqs)
+        buf = jax.device_put(np.zeros((layout.size,), np.int32), runner.device)
+        compiled = runner._forward.lower(runner._param_leaves, runner.kv_pool, buf, runner._prev_tokens,
+                                         num_tokens=num_tokens, num_seqs=num_seqs).compile()
+        mem = compiled.memory_analysis()
+        pool_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_pool)
+        # What the step launches: top-level ops of the optimized entry computation (each a kernel launch or a
+        # command buffer, i.e. a CUDA graph, holding several).
+        text = compiled.as_text() or ""
+        entry = text[text.rfind("ENTRY"):]
+        result["forward_hlo"] = {
+            "entry_fusions": entry.count(" fusion("), "entry_custom_calls": entry.count(" custom-call("),
+            "entry_command_buffers": entry.count("command_buffer"), "entry_instructions": entry.count("\n"),
+            "all_custom_calls": text.count(" custom-call("), "all_fusions": text.count(" fusion(")}
+        print(json.dumps(result["forward_hlo"]), flush=True)
+        result["forward_memory"] = {
+            "bucket": [num_tokens, num_seqs], "pool_bytes": pool_bytes,
+            **{name: int(getattr(mem, name)) for name in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                                           "output_size_in_bytes", "alias_size_in_bytes")
+               if mem is not None and hasattr(mem, name)}}
+        print(json.dumps(result["forward_memory"]), flush=True)
+    except Exception as exc:  # memory analysis is backend-dependent; the timings above stand without it
+        result["forward_memory"] = {"error": repr(exc)}
+
+    # The sampler's pieces on random logits [rows, vocab].
+    rows = runner.sampler_seq_buckets[-1]
+    key = jax.random.key(1)
+    logits = jax.random.normal(key, (rows, config.vocab_size), jnp.float32) * 3
+    temps = np.full(rows, args.temperature if args.temperature > 0 else 0.6, np.float32)
+    tensors, _ = sampler_lib.build_sampling_tensors(
+        [(SamplingParams(temperature=float(t)), i, 0, (), ()) for i, t in enumerate(temps)], rows)
+    tensors = jax.device_put(tensors)
+    pieces = {}
+
+    def time_fn(name, fn, *fn_args):
+        jitted = jax.jit(fn)
+        jax.block_until_ready(jitted(*fn_args))
+
+        def loop():
+            out = None
+            for _ in range(args.inner):
+                out = jitted(*fn_args)
+            jax.block_until_ready(out)
+
+        pieces[name] = round(_median_ms(loop, args.repeats) / args.inner, 3)
+
+    for mode, k in (("greedy", 0), ("greedy_or_temperature", 0), ("greedy_or_temperature", 20), ("full", 0)):
+        time_fn(f"sample[{mode},k={k}]",
+                lambda lg, t, mode=mode, k=k: sampler_lib.sample(lg, t, mode=mode, num_logprobs=k), logits, tensors)
+    time_fn("lax.top_k(k=20)", lambda lg: jax.lax.top_k(lg, 20), logits)
+    time_fn("lax.top_k(k=8)", lambda lg: jax.lax.top_k(lg, 8), logits)
+    time_fn("gumbel_noise", lambda t: sampler_lib.gumbel_noise(t.seeds, t.steps, config.vocab_size), tensors)
+    time_fn("argmax", lambda lg: jnp.argmax(lg, axis=-1), logits)
+    time_fn("logsumexp", lambda lg: jax.nn.logsumexp(lg, axis=-1), logits)
+    result["sampler_pieces_ms"] = {"rows": rows, "vocab": config.vocab_size, **pieces}
+    print(json.dumps(result["sampler_pieces_ms"]), flush=True)
+    result["compiles_after_warm_up"] = runner.num_compiles_since_warmup
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
