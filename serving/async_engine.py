@@ -168,7 +168,10 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._started and self._dead is None and self._thread.is_alive()
+        # An engine in another process also has to be alive (its ``is_alive`` is safe from any thread).
+        engine_alive = getattr(self.engine, "is_alive", None)
+        return (self._started and self._dead is None and self._thread.is_alive()
+                and (engine_alive is None or engine_alive()))
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -230,6 +233,9 @@ class AsyncEngine:
         except EngineDeadError:
             pass
         self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # an engine in another process (serving.engine_process)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------------------------ engine-thread side
     def _run(self) -> None:
@@ -293,6 +299,11 @@ class AsyncEngine:
                     self.engine.add_request(request.request_id, request.prompt, request.params)
                     self._streams[request.request_id] = stream
                     added.append(request.request_id)
+            except EngineDeadError as exc:
+                # Not the request's fault: the engine loop dies (and every client hears of it), this one first.
+                dead = EngineDeadError(f"engine is not running: {exc}")
+                self._call_on_loop(command.loop, _resolve, command.admitted, dead)
+                raise
             except Exception as exc:  # noqa: BLE001 - reported to the submitter; the engine stays usable
                 error = exc
                 self._handle_abort(added)

@@ -49,6 +49,9 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                                                             "float"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
+                             "default off, or PAGED_JAX_ENGINE_PROCESS=1")
     engine.add_argument("--async-scheduling", action="store_true",
                         help="build and dispatch the next step while the current one runs on the device")
     engine.add_argument("--disable-log-stats", action="store_true")
@@ -97,11 +100,15 @@ def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
     from paged_jax.engine import LLMEngine
     from serving.app import create_app
+    from serving.engine_process import EngineProcessClient, engine_process_enabled
 
     engine_args = engine_args_from_namespace(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {args.max_waiting_requests}")
-    engine = LLMEngine(engine_args)
+    if engine_process_enabled(args.engine_process):
+        engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
+    else:
+        engine = LLMEngine(engine_args)
     app = create_app(engine, served_model_name=served_model_name(engine_args), api_key=args.api_key,
                      max_waiting_requests=args.max_waiting_requests)
     return app, engine_args

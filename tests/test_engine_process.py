@@ -1,0 +1,135 @@
+"""The engine in its own process (serving/engine_process.py): same outputs as in-process, errors cross the pipe,
+aborts free blocks, a dead child fails loudly, and the server runs on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from models.testing import tiny_config
+from paged_jax.config import EngineArgs
+from paged_jax.sampling_params import SamplingParams
+
+ENGINE_KWARGS = dict(load_format="dummy", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=128, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=512, max_position_embeddings=256), f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    from serving.engine_process import EngineProcessClient
+
+    client = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
+    yield client
+    client.close()
+
+
+def run_all(engine, requests):
+    """Add ``[(id, prompt, params)]``, step until done; -> {id: final RequestOutput}, number of outputs seen."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    final, seen = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen += 1
+            if output.finished:
+                final[output.request_id] = output
+    return final, seen
+
+
+def test_outputs_equal_the_in_process_engine(client, model_dir):
+    from paged_jax.engine import LLMEngine
+
+    rng = np.random.default_rng(0)
+    requests = [(f"r{i}", {"prompt_token_ids": rng.integers(1, 500, size=n).tolist()}, params)
+                for i, (n, params) in enumerate([
+                    (5, SamplingParams(temperature=0.0, max_tokens=9)),
+                    (23, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)),
+                    (11, SamplingParams(temperature=0.8, seed=3, max_tokens=7, n=2)),
+                    (40, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7]))])]
+    remote, num_outputs = run_all(client, requests)
+    local, _ = run_all(LLMEngine(EngineArgs(model=model_dir, **ENGINE_KWARGS), use_tqdm=False), requests)
+    assert num_outputs > len(requests)  # streamed step by step, not only the final ones
+    assert sorted(remote) == sorted(local)
+    for request_id, want in local.items():
+        got = remote[request_id]
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in got.outputs] == \
+            [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in want.outputs]
+        for g, w in zip(got.outputs, want.outputs):
+            if w.logprobs is not None:
+                assert [sorted(e) for e in g.logprobs] == [sorted(e) for e in w.logprobs]
+                np.testing.assert_allclose([v.logprob for e in g.logprobs for _, v in sorted(e.items())],
+                                           [v.logprob for e in w.logprobs for _, v in sorted(e.items())], rtol=1e-5)
+    assert client.stats()["num_running"] == 0
+
+
+def test_bad_request_raises_and_engine_keeps_serving(client):
+    with pytest.raises(ValueError, match="prompt"):
+        client.add_request("bad", {"prompt_token_ids": [1, 2, 100000]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError):
+        client.add_request("long", {"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=2))
+    final, _ = run_all(client, [("ok", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))])
+    assert len(final["ok"].outputs[0].token_ids) == 3
+
+
+def test_abort_frees_blocks(client):
+    client.add_request("a", {"prompt_token_ids": list(range(1, 30))}, SamplingParams(max_tokens=100, ignore_eos=True))
+    client.add_request("b", {"prompt_token_ids": list(range(1, 9))}, SamplingParams(max_tokens=3))
+    outputs = client.step()
+    assert outputs and not any(o.finished for o in outputs if o.request_id == "a")
+    client.abort_request("a")
+    final, _ = run_all(client, [])
+    assert "a" not in final and not client.has_unfinished_requests()
+    # The child has applied the abort by the time it reports again: run one more request to get fresh stats.
+    run_all(client, [("c", {"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=1))])
+    stats = client.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_bad_engine_args_raise_value_error(model_dir):
+    from serving.engine_process import EngineProcessClient
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineProcessClient(EngineArgs(model=model_dir, **{**ENGINE_KWARGS, "max_model_len": 100000}),
+                            start_timeout=300)
+
+
+def test_server_on_engine_process_and_dead_child(model_dir):
+    """The OpenAI server on a process engine: streamed == non-streamed greedy; killing the child turns /health
+    unhealthy and answers 500 instead of hanging; shutdown reaps the child."""
+    import httpx
+    import openai
+
+    from serving.app import create_app
+    from serving.engine_process import EngineProcessClient
+    from tests.test_serving import ServerThread, wait_until
+
+    engine = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
+    app = create_app(engine, served_model_name="tiny")
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        prompt = [3, 14, 15, 92, 65]
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0.0, stream=True) if chunk.choices)
+        assert whole.usage.completion_tokens == 8
+        assert streamed == whole.choices[0].text
+        assert httpx.get(server.base_url + "/health").status_code == 200
+
+        os.kill(engine.pid, 9)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0)
+        assert wait_until(lambda: httpx.get(server.base_url + "/health").status_code != 200, timeout=30)
+    assert not engine._process.is_alive()
