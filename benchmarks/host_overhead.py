@@ -49,6 +49,24 @@ def _timed(owner, name: str, totals: dict[str, float], key: str) -> None:
     setattr(owner, name, wrapper)
 
 
+PHASES = ("wait", "schedule", "execute", "dispatch", "update")
+
+
+def instrument_phases(engine, totals: dict[str, float]) -> None:
+    """Time the phases of ``engine``'s steps into ``totals`` (seconds, keys ``PHASES``): device wait, scheduling,
+    ``execute`` (packing + dispatch), the jitted dispatch alone, and the scheduler update."""
+    from paged_jax import model_runner
+
+    for key in PHASES:
+        totals.setdefault(key, 0.0)
+    _timed(engine.runner, "_forward", totals, "dispatch")
+    _timed(engine.runner, "_sample", totals, "dispatch")
+    _timed(model_runner.PendingStep, "result", totals, "wait")
+    _timed(engine.scheduler, "schedule", totals, "schedule")
+    _timed(engine.runner, "execute", totals, "execute")
+    _timed(engine.scheduler, "update_from_output", totals, "update")
+
+
 def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape (without building a model)."""
     from paged_jax import model_runner
@@ -75,7 +93,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     from models.testing import tiny_config
     from paged_jax import LLM, SamplingParams
-    from paged_jax import model_runner
 
     model_dir = tempfile.mkdtemp(prefix="paged_jax_host_overhead_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
@@ -105,13 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
         engine.step()
     running = engine.stats()["num_running"]
 
-    totals = {key: 0.0 for key in ("wait", "schedule", "execute", "dispatch", "update", "step")}
-    _timed(engine.runner, "_forward", totals, "dispatch")
-    _timed(engine.runner, "_sample", totals, "dispatch")
-    _timed(model_runner.PendingStep, "result", totals, "wait")
-    _timed(engine.scheduler, "schedule", totals, "schedule")
-    _timed(engine.runner, "execute", totals, "execute")
-    _timed(engine.scheduler, "update_from_output", totals, "update")
+    totals = {"step": 0.0}
+    instrument_phases(engine, totals)
     num_steps = num_outputs = 0
     samples: dict[str, list[float]] = {key: [] for key in totals}
     while engine.has_unfinished_requests() and num_steps < args.steps:

@@ -100,17 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     totals = None
     if args.breakdown:
-        from benchmarks.host_overhead import _timed
-        from paged_jax import model_runner
+        from benchmarks.host_overhead import instrument_phases
 
         engine = llm.llm_engine
-        totals = {key: 0.0 for key in ("wait", "schedule", "execute", "dispatch", "update")}
-        _timed(engine.runner, "_forward", totals, "dispatch")
-        _timed(engine.runner, "_sample", totals, "dispatch")
-        _timed(model_runner.PendingStep, "result", totals, "wait")
-        _timed(engine.scheduler, "schedule", totals, "schedule")
-        _timed(engine.runner, "execute", totals, "execute")
-        _timed(engine.scheduler, "update_from_output", totals, "update")
+        totals = {}
+        instrument_phases(engine, totals)
         bucket_counts: dict[str, int] = {}
         timed_forward = engine.runner._forward
 
