@@ -25,6 +25,37 @@ from models.config import ModelConfig
 # attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
+
+@jax.tree_util.register_pytree_node_class
+class ReusableAttention:
+    """An ``AttentionFn`` whose per-call data is a pytree and whose code is one static function.
+
+    Because it closes over no traced values, ``LlamaForCausalLM`` traces its decoder layer once (a nested jit) and
+    calls that trace for every layer, instead of tracing each of the N layers inline: start-up compiles one
+    executable per step shape, and tracing was most of the time each took. XLA inlines the nested calls, so the
+    compiled program is the same.
+
+    Args:
+      fn: ``fn(metadata, q, k, v, kv_layer) -> (out, kv_layer)``; static (part of the pytree structure, compared by
+        identity), so build it once per forward (e.g. a ``functools.partial`` of a module-level function).
+      metadata: a pytree of arrays (block tables, lengths, ...), the same for every layer of one forward.
+    A reusable attention is called with ``layer_idx=None``: it must not depend on the layer.
+    """
+
+    def __init__(self, fn: Callable, metadata: Any):
+        self.fn = fn
+        self.metadata = metadata
+
+    def __call__(self, layer_idx, q, k, v, kv_layer):
+        return self.fn(self.metadata, q, k, v, kv_layer)
+
+    def tree_flatten(self):
+        return (self.metadata,), self.fn
+
+    @classmethod
+    def tree_unflatten(cls, fn, children):
+        return cls(fn, children[0])
+
 INIT_STD = 0.02
 
 
@@ -163,6 +194,12 @@ class DecoderLayer(nnx.Module):
         return x, kv_layer
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _decoder_layer(graphdef, state, x, rope, kv_layer, attention: ReusableAttention):
+    """One decoder layer as its own jitted function, so equal layers share one trace (see ``ReusableAttention``)."""
+    return nnx.merge(graphdef, state)(None, x, rope, kv_layer, attention)
+
+
 class LlamaModel(nnx.Module):
     """Embedding, decoder layers (a plain list, unrolled under jit) and the final norm."""
 
@@ -227,9 +264,14 @@ class LlamaForCausalLM(nnx.Module):
         rope = rope_cos_sin(positions, inv_freq)
         x = self.model.embed_tokens(input_ids)
         new_kv_caches = []
+        reusable = isinstance(attention, ReusableAttention)
         for layer_idx, layer in enumerate(self.model.layers):
             kv_layer = None if kv_caches is None else kv_caches[layer_idx]
-            x, kv_layer = layer(layer_idx, x, rope, kv_layer, attention)
+            if reusable:  # one trace for all layers (same structure, same shapes)
+                graphdef, state = nnx.split(layer)
+                x, kv_layer = _decoder_layer(graphdef, state, x, rope, kv_layer, attention)
+            else:
+                x, kv_layer = layer(layer_idx, x, rope, kv_layer, attention)
             new_kv_caches.append(kv_layer)
         hidden = self.model.norm(x)
         return hidden, (None if kv_caches is None else new_kv_caches)

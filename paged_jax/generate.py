@@ -45,7 +45,8 @@ import numpy as np
 from flax import nnx
 from jax.custom_batching import custom_vmap
 
-from paged_jax.ops import ragged_paged_attention, write_kv
+from models.llama import ReusableAttention
+from paged_jax.ops import write_and_attend
 from paged_jax.sampler import apply_top_k_top_p
 from paged_jax.sampling_params import SAMPLING_EPS
 
@@ -388,15 +389,10 @@ def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths,
                                         cu_q_lens=cu_q_lens, sm_scale=sm_scale,
                                         sliding_window=config.sliding_window, impl=static.attention_impl)
 
-        def attention(layer_idx, q, k, v, kv_layer):
-            k_pages, v_pages = write_kv(*kv_layer, k, v, slot_mapping)
-            out = ragged_paged_attention(
-                q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale,
-                sliding_window=config.sliding_window, impl=static.attention_impl,
-            )
-            return out, (k_pages, v_pages)
-
-        return attention
+        return ReusableAttention(
+            functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=config.sliding_window,
+                              impl=static.attention_impl),
+            dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens))
 
     # Prefill: all prompts as one ragged batch of B * P flat tokens, valid ones first (row-major), padding after.
     num_flat = batch_size * prompt_width

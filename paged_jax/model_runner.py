@@ -36,8 +36,9 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
-from paged_jax.ops import ragged_paged_attention, write_kv
+from paged_jax.ops import write_and_attend
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -443,12 +444,9 @@ class ModelRunner:
             kv_lens = fields["kv_lens"]
             block_tables = fields["block_tables"].reshape(num_seqs, max_blocks)
 
-            def attention(layer_idx, q, k, v, kv_layer):
-                k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, slot_mapping)
-                out = ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-                                             sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
-                return out, (k_pages, v_pages)
-
+            attention = ReusableAttention(
+                functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl),
+                dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens))
             if plan is not None:  # the same per device on its heads and KV shard (shard_map over tp)
                 attention = plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
                                                  cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,

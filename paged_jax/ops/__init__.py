@@ -7,4 +7,23 @@ Block 0 is the reserved null block: padding tokens write there and padded block-
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
-__all__ = ["write_kv", "ragged_paged_attention"]
+
+def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
+                     impl: str = "auto"):
+    """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
+
+    Args:
+      meta: ``slot_mapping`` int32[T], ``kv_lens`` int32[S], ``block_tables`` int32[S, max_blocks],
+        ``cu_q_lens`` int32[S + 1] (the same for every layer of a step).
+      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)``.
+    Returns:
+      (out [T, Hq, D], (k_pages, v_pages) updated).
+    The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
+    """
+    k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, meta["slot_mapping"])
+    out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
+                                 sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+    return out, (k_pages, v_pages)
+
+
+__all__ = ["write_kv", "ragged_paged_attention", "write_and_attend"]
