@@ -577,16 +577,14 @@ class ShardingPlan:
         ``kv_lens int32[dp*S]``, ``block_tables int32[dp*S, max_blocks]`` (local block ids), ``cu_q_lens
         int32[dp*(S+1)]`` (each group's offsets start at 0). With dp = 1 these are exactly the ops' arguments.
         """
-        from paged_jax.ops import ragged_paged_attention, write_kv
+        from paged_jax.ops import write_and_attend
 
         def local(layer_idx, q, k, v, kv_layer, meta):
-            slots, lens, tables, cu = meta
-            k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, slots)
-            out = ragged_paged_attention(q, k_pages, v_pages, lens, tables, cu, sm_scale=sm_scale,
-                                         sliding_window=sliding_window, impl=impl)
-            return out, (k_pages, v_pages)
+            return write_and_attend(meta, q, k, v, kv_layer, sm_scale=sm_scale, sliding_window=sliding_window,
+                                    impl=impl)
 
-        return self.shard_attention(local, (slot_mapping, kv_lens, block_tables, cu_q_lens))
+        return self.shard_attention(local, dict(slot_mapping=slot_mapping, kv_lens=kv_lens,
+                                                block_tables=block_tables, cu_q_lens=cu_q_lens))
 
 
 # --------------------------------------------------------------------------------------------------------------------
