@@ -9,7 +9,7 @@ cu_q_lens, kv_lens, block tables, logits indices and the per-row sampling vector
 it with one ``jax.device_put`` (plus the penalty token history, only on steps that have a penalty row); the jitted
 step unpacks it by static slicing. Two jitted functions run per step, dispatched back to back without a host sync:
 
-* ``_forward`` (compiled per token/seq bucket): model forward with the paged attention closure (``write_kv`` then
+* ``_forward`` (compiled per token/seq bucket): model forward with paged attention (``write_kv`` then
   ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[R, V]``, R =
   ``sampler_rows_for(S)`` >= S (a coarser set of row counts, so fewer sampler executables).
 * ``_sample`` (compiled per sampler row count R x ``SamplerVariant``): on-device sampling -> token ids padded to the
@@ -444,10 +444,11 @@ class ModelRunner:
             kv_lens = fields["kv_lens"]
             block_tables = fields["block_tables"].reshape(num_seqs, max_blocks)
 
-            attention = ReusableAttention(
-                functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl),
-                dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens))
-            if plan is not None:  # the same per device on its heads and KV shard (shard_map over tp)
+            if plan is None:  # one layer trace shared by every layer (models.llama.ReusableAttention)
+                attention = ReusableAttention(
+                    functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl),
+                    dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens))
+            else:  # the same per device on its heads and KV shard (shard_map over tp)
                 attention = plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
                                                  cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
                                                  impl=impl)
