@@ -127,6 +127,49 @@ def test_kv_caches_are_threaded_through_attention():
     assert caches is None
 
 
+def test_reusable_attention_traces_one_layer_and_matches_the_closure():
+    """With a ReusableAttention the decoder layer is traced once for all layers (its body runs once per trace),
+    and the result equals the same attention passed as a plain closure (one trace per layer)."""
+    import functools
+
+    from models.llama import ReusableAttention
+
+    config = ModelConfig.from_hf_config(tiny_config("qwen3", num_hidden_layers=4))
+    model, _ = load_model(None, config=config, load_format="dummy", dtype="float32")
+    num_tokens = 6
+    segment_ids = jnp.asarray([0, 0, 0, 1, 1, -1], jnp.int32)
+    sm_scale = config.head_dim ** -0.5
+    traces = []
+
+    def fn(meta, q, k, v, kv_layer):
+        traces.append(1)  # Python side effect: runs once per trace
+        out, _ = dense_causal_attention(meta["segment_ids"], sm_scale)(None, q, k, v, None)
+        return out, kv_layer + meta["bump"]
+
+    ids = jnp.asarray([5, 9, 2, 7, 7, 0], jnp.int32)
+    positions = jnp.asarray([0, 1, 2, 0, 1, 0], jnp.int32)
+    caches = [jnp.float32(i) for i in range(config.num_hidden_layers)]
+
+    @jax.jit
+    def run_reusable(segment_ids, caches):
+        attention = ReusableAttention(functools.partial(fn), dict(segment_ids=segment_ids, bump=jnp.float32(1)))
+        return model(ids, positions, caches, attention)
+
+    @jax.jit
+    def run_closure(segment_ids, caches):
+        meta = dict(segment_ids=segment_ids, bump=jnp.float32(1))
+        return model(ids, positions, caches, lambda layer_idx, q, k, v, kv: fn(meta, q, k, v, kv))
+
+    hidden_reusable, caches_reusable = run_reusable(segment_ids, caches)
+    assert len(traces) == 1
+    traces.clear()
+    hidden_closure, caches_closure = run_closure(segment_ids, caches)
+    assert len(traces) == config.num_hidden_layers
+    np.testing.assert_allclose(np.asarray(hidden_reusable), np.asarray(hidden_closure), rtol=1e-6, atol=1e-6)
+    assert [float(c) for c in caches_reusable] == [float(c) for c in caches_closure] == [1.0, 2.0, 3.0, 4.0]
+    assert hidden_reusable.shape == (num_tokens, config.hidden_size)
+
+
 def test_bf16_model_runs_and_tracks_fp32(tmp_path):
     save_random_hf_checkpoint(tiny_config("qwen3"), tmp_path)
     model32, config = load_model(tmp_path, dtype="float32")
