@@ -169,22 +169,6 @@ def attention_flops(b, sliding_window=None):
     return 4 * hq * d * total_visible
 
 
-def looped(step_fn, n_inner):
-    """jit(fn) running ``n_inner`` dependent steps; rotates the block table copy each step."""
-
-    @jax.jit
-    def run(q, k_pages, v_pages, kv_lens, tables, cu):
-        rotations = tables.shape[0]
-
-        def body(i, q):
-            bt = lax.dynamic_index_in_dim(tables, i % rotations, keepdims=False)
-            return step_fn(q, k_pages, v_pages, kv_lens, bt, cu).astype(q.dtype)
-
-        return lax.fori_loop(0, n_inner, body, q)
-
-    return run
-
-
 def ours(**tuning):
     return lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
         q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE, impl="pallas", interpret=INTERPRET, **tuning)
@@ -195,8 +179,8 @@ def reference_fn(q, kp, vp, kl, bt, cu):
 
 
 def looped_dynamic(step_fn):
-    """Like ``looped`` but the step count is a traced argument: one compilation serves a 1-step correctness call
-    and the timed ``n_inner``-step calls."""
+    """jit(fn) running ``n`` (a traced argument) dependent steps, rotating the block table copy each step: one
+    compilation serves a 1-step correctness call and the timed ``n_inner``-step calls."""
 
     @jax.jit
     def run(n, q, k_pages, v_pages, kv_lens, tables, cu):
@@ -224,8 +208,8 @@ def rel_l2(out, ref, n_real):
 
 def time_step(step_fn, b, est_seconds, repeats):
     n_inner = n_inner_for(est_seconds)
-    run = looped(step_fn, n_inner)
-    args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
+    run = looped_dynamic(step_fn)
+    args = (n_inner, b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
     return median_time(run, args, repeats) / n_inner, n_inner
 
 

@@ -244,8 +244,9 @@ class StepOutput:
 class PendingStep:
     """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host.
 
-    ``device_outputs`` is the tuple of device arrays to fetch, or a ``concurrent.futures.Future`` of it when the
-    step is dispatched by the runner's dispatch thread.
+    ``device_outputs`` is the tuple of device arrays to fetch (their host copies already started by
+    ``ModelRunner._dispatch``), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's
+    dispatch thread.
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
@@ -253,14 +254,12 @@ class PendingStep:
         self._rows_to_packed = rows_to_packed
         self._sampled_rows = sampled_rows
         self._result: StepOutput | None = None
-        if isinstance(device_outputs, tuple):
-            _start_copies(device_outputs)
 
     def result(self) -> StepOutput:
         if self._result is None:
             outputs = self._device_outputs
             if isinstance(outputs, concurrent.futures.Future):
-                outputs = outputs.result()  # the dispatch itself (re-raises its error); the copies are started
+                outputs = outputs.result()  # the dispatch itself (re-raises its error)
             host = [np.asarray(x) for x in jax.device_get(outputs)]
             rows = self._rows_to_packed
             tokens = host[0][rows].astype(np.int32)
@@ -274,11 +273,6 @@ class PendingStep:
             self._result = out
             self._device_outputs = ()
         return self._result
-
-
-def _start_copies(device_outputs: tuple) -> None:
-    for array in device_outputs:
-        array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -668,7 +662,8 @@ class ModelRunner:
         outs = self._sample(logits, sampling_words, history, mode=mode, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
         fetch = outs if wants_logprobs else outs[:1]
-        _start_copies(fetch)
+        for array in fetch:
+            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch
 
     def wait_for_dispatch(self) -> None:
