@@ -168,16 +168,18 @@ def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps
 
 def markdown_table(results: list[dict]) -> str:
     header = ("| layout | dp | tp | KV | q/kv heads | prefill s | prefill tok/s | decode step ms | decode tok/s | "
-              "weights MiB/dev | KV MiB/dev | greedy = first layout |")
+              "weights MiB/dev | KV MiB/dev | weight-read floor ms | step / floor | per-GPU tok/s vs first | "
+              "greedy = first layout |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['layout']} | skipped: {r['skipped']} |" + " |" * 10)
+            lines.append(f"| {r['layout']} | skipped: {r['skipped']} |" + " |" * 13)
             continue
         lines.append(
             f"| {r['layout']} | {r['dp']} | {r['tp']} | {r['kv_layout']} | {r['q_heads']}/{r['kv_heads']} | "
             f"{r['prefill_s']:.4f} | {r['prefill_tok_s']:,.0f} | {r['decode_step_ms']:.2f} | "
             f"{r['decode_tok_s']:,.0f} | {r['weights_mib_per_device']:,.2f} | {r['kv_mib_per_device']:,.2f} | "
+            f"{r['weight_read_floor_ms']:.2f} | {r['step_over_floor']:.2f}x | {r['scaling_vs_first']:.2f} | "
             f"{r['agreement']} |"
         )
     return "\n".join(lines)
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     for name in layouts:
         parse_layout(name)
-    results, reference_tokens = [], None
+    from benchmarks.floors import H200_HBM_BYTES_PER_S
+
+    results, reference_tokens, first_per_gpu = [], None, None
     for name in layouts:
         result = run_layout(config, name, batch=args.batch, prompt_len=args.prompt_len,
                             decode_steps=args.decode_steps, block_size=args.block_size, dtype=dtype,
@@ -219,6 +223,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if reference_tokens is None:
                 reference_tokens = tokens
             result["agreement"] = f"{float(np.mean(tokens == reference_tokens)):.3f}"
+            # Decode floor per step: each device streams its own share of the weights once (KV reads excluded,
+            # so this is the batch-1 floor / N of the issue); scaling compares tok/s per GPU with the first layout.
+            floor_ms = result["weights_mib_per_device"] * 2**20 / H200_HBM_BYTES_PER_S * 1e3
+            result["weight_read_floor_ms"] = round(floor_ms, 3)
+            result["step_over_floor"] = round(result["decode_step_ms"] / floor_ms, 3)
+            per_gpu = result["decode_tok_s"] / (result["dp"] * result["tp"])
+            first_per_gpu = first_per_gpu or per_gpu
+            result["scaling_vs_first"] = round(per_gpu / first_per_gpu, 3)
         results.append(result)
         print(json.dumps(result), flush=True)
     device = jax.devices()[0]
