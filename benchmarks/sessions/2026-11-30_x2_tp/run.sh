@@ -1,5 +1,5 @@
 #!/bin/bash
-# Prepared for the next session (not yet run), device kind nvidia-h200-x2 (issue 9). About 8 minutes.
+# Ran 2026-11-30 00:50 UTC on device kind nvidia-h200-x2 (issue 9). About 8 minutes.
 # Greedy equality tp2 vs tp1 in fp32 (full-precision matmuls: no TF32) on both shapes, then Llama-3.1-8B bf16 throughput / latency per layout.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
 T0=$(date +%s); el() { echo $(( $(date +%s)-T0 )); }
