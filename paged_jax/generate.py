@@ -398,7 +398,8 @@ def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths,
     num_flat = batch_size * prompt_width
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(prompt_lengths, dtype=jnp.int32)])
     flat_index = jnp.arange(num_flat, dtype=jnp.int32)
-    flat_row = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], flat_index, side="right"), batch_size - 1)
+    flat_row = jnp.searchsorted(cu_q_lens[1:], flat_index, side="right", method="compare_all")  # no while loop
+    flat_row = jnp.minimum(flat_row, batch_size - 1)
     flat_valid = flat_index < cu_q_lens[batch_size]
     flat_position = jnp.where(flat_valid, flat_index - cu_q_lens[flat_row], 0).astype(jnp.int32)
     flat_tokens = jnp.where(flat_valid, prompt_tokens[flat_row, flat_position], 0)

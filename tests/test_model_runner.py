@@ -267,3 +267,48 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
             if params.logprobs and params.temperature == 0.0:
                 assert (out.ranks == 1).all()
     assert runner.num_compiles_since_warmup == 0
+
+
+def _loop_primitives(jaxpr, found=None):
+    """Names of loop primitives (while / scan) anywhere in ``jaxpr``, not looking inside Pallas kernels (whose
+    loops run on the device). An XLA while loop outside a kernel runs on the GPU as host-driven iterations."""
+    found = set() if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name in ("while", "scan"):
+            found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(inner, "eqns"):
+                    _loop_primitives(inner, found)
+    return found
+
+
+def test_step_has_no_loops_outside_the_kernel(tiny_model):
+    """With the Pallas kernel (the GPU path), every bucket's forward and every sampler variant trace without
+    while/scan outside the kernel (e.g. jnp.searchsorted's default binary search is a while loop: on the GPU that is
+    log2(S) host-driven iterations per attention call, per layer). The jnp reference (CPU fallback) bounds its
+    memory with lax.map and is exempt."""
+    model, config = tiny_model
+    impl = "pallas"
+    runner = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2], attention_impl=impl)
+    assert runner.buckets
+    for num_tokens, num_seqs in runner.buckets:
+        layout = runner._layout(num_tokens, num_seqs)
+        buf = np.zeros((layout.size,), np.int32)
+        traced = runner._forward.trace(runner._param_leaves, runner.kv_pool, buf, runner._prev_tokens,
+                                       num_tokens=num_tokens, num_seqs=num_seqs)
+        assert _loop_primitives(traced.jaxpr.jaxpr) == set(), (impl, num_tokens, num_seqs)
+    num_rows = runner.sampler_seq_buckets[0]
+    layout = next(runner._layout(t, s) for t, s in runner.buckets if runner._layout(t, s).num_sample_rows == num_rows)
+    a, b = layout.fields["sampling"]
+    logits = jnp.zeros((num_rows, config.vocab_size), jnp.float32)
+    words = jnp.zeros((b - a,), jnp.int32)
+    history = jnp.full((num_rows, MAX_MODEL_LEN), -1, jnp.int32)
+    for variant in runner.sampler_variants:
+        traced = runner._sample.trace(logits, words, history if variant.penalties else runner._no_history[num_rows],
+                                      mode=variant.mode, num_logprobs=variant.num_logprobs)
+        assert _loop_primitives(traced.jaxpr.jaxpr) == set(), variant

@@ -33,7 +33,8 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
     num_seqs = kv_lens.shape[0]
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     # Number of sequences that end at or before token t = index of the sequence owning t (empty ones are skipped).
-    seq_idx = jnp.searchsorted(cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
+    # compare_all: a fused comparison instead of the default binary search's XLA while loop.
+    seq_idx = jnp.searchsorted(cu_q_lens[1:], tokens, side="right", method="compare_all").astype(jnp.int32)
     valid = tokens < cu_q_lens[num_seqs]
     seq_idx = jnp.minimum(seq_idx, num_seqs - 1)
     q_start = cu_q_lens[seq_idx]

@@ -8,7 +8,7 @@ Work decomposition
   and ``block_q = 4`` gives a 16-row tile holding 1 real token (4 live rows); KV is read once per kv head.
 * Grid ``(num_tiles, Hkv, num_kv_splits)``. ``num_tiles`` is a static upper bound ``min(T, T // block_q + S)``; the
   tile -> (sequence, first token) map is computed in jnp before the call (cumulative ``ceil(q_len / block_q)`` +
-  searchsorted) and read from a GMEM ref in the kernel (neither Pallas GPU backend has scalar prefetch). Tiles past
+  searchsorted by comparison, no loop) and read from a GMEM ref in the kernel (neither Pallas GPU backend has scalar prefetch). Tiles past
   the real count exit through ``pl.when``.
 * Flash decoding: the tile's KV range (in ``block_k``-key blocks) is cut into ``num_kv_splits`` contiguous chunks,
   one per program; with more than one split each program writes unnormalised partial ``(acc, max, sum)`` rows and
@@ -152,7 +152,9 @@ def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int):
     tiles_per_seq = (q_lens + block_q - 1) // block_q
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # inclusive prefix sums
     tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.searchsorted(tile_end, tiles, side="right").astype(jnp.int32)
+    # compare_all: one fused [num_tiles, S] comparison. The default binary search ("scan") lowers to an XLA
+    # while loop, which on the GPU runs as host-driven iterations (log2(S) round trips per call, per layer).
+    tile_seq = jnp.searchsorted(tile_end, tiles, side="right", method="compare_all").astype(jnp.int32)
     seq_clamped = jnp.minimum(tile_seq, num_seqs - 1)
     first_tile_of_seq = tile_end - tiles_per_seq
     tile_start = cu_q_lens[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
