@@ -51,7 +51,7 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
-                             "default off, or PAGED_JAX_ENGINE_PROCESS=1")
+                             "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
     engine.add_argument("--async-scheduling", action="store_true",
                         help="build and dispatch the next step while the current one runs on the device")
     engine.add_argument("--disable-log-stats", action="store_true")

@@ -133,3 +133,17 @@ def test_server_on_engine_process_and_dead_child(model_dir):
             client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0)
         assert wait_until(lambda: httpx.get(server.base_url + "/health").status_code != 200, timeout=30)
     assert not engine._process.is_alive()
+
+
+def test_engine_process_is_the_default_and_can_be_turned_off(monkeypatch):
+    """The server's measured choice (benchmarks/RESULTS.md): the engine in its own process unless told otherwise."""
+    from serving.cli import build_parser
+    from serving.engine_process import engine_process_enabled
+
+    monkeypatch.delenv("PAGED_JAX_ENGINE_PROCESS", raising=False)
+    parser = build_parser("serve")
+    assert engine_process_enabled(parser.parse_args([]).engine_process) is True
+    assert engine_process_enabled(parser.parse_args(["--no-engine-process"]).engine_process) is False
+    monkeypatch.setenv("PAGED_JAX_ENGINE_PROCESS", "0")
+    assert engine_process_enabled(parser.parse_args([]).engine_process) is False
+    assert engine_process_enabled(parser.parse_args(["--engine-process"]).engine_process) is True
