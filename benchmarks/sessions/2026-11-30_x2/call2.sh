@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device kind nvidia-h200-x2, about 9 minutes. Three tracks, arranged so that no two timed GPU phases share a GPU:
+# Ran 2026-11-30 ~00:51 UTC (code 8641a25). Device kind nvidia-h200-x2, about 9 minutes. Three tracks, arranged so that no two timed GPU phases share a GPU:
 #   S (both GPUs, first ~2.5 min): benchmarks.sharding re-run (pipelined step time) for issue 9.
 #   A (GPU0): Qwen3-0.6B engine. Its cold compile (CPU work, GPU idle) overlaps S; then offline at 64 streams,
 #      the engine on generate's prompts (issue 6), and the server with the engine on a thread and in a process

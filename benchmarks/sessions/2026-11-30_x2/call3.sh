@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device kind nvidia-h200-x2, about 9 minutes: the engine after the searchsorted fix (no while loop per attention
+# Ran 2026-11-30 ~01:01 UTC (code c9bd633). Device kind nvidia-h200-x2, about 9 minutes: the engine after the searchsorted fix (no while loop per attention
 # call). Two single-GPU tracks that never share a GPU:
 #   A (GPU0): Qwen3-0.6B: nano-vllm (cold start + throughput), warm start, engine on generate's prompts at 256 seqs,
 #      step profile, then offline vs server (engine process) at 64 streams.
