@@ -17,6 +17,7 @@ import time
 _T_PROCESS_START = time.perf_counter()  # before jax is imported: start-up time counts from here
 
 import argparse
+import dataclasses
 import json
 import platform
 import subprocess
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-concurrency", type=int,
                    help="keep at most this many requests in the engine (a new one enters as one finishes), as a "
                         "server at that many concurrent streams would see them; default: all at once")
+    p.add_argument("--temperature", type=float,
+                   help="override the workload's sampling temperature (0 = greedy, as benchmarks/generate.py)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
 
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     workload = by_name(args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
                        output_len=args.output_len)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    if args.temperature is not None:
+        workload = dataclasses.replace(workload, temperature=args.temperature)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos, max_tokens=r.max_tokens,
                              seed=i) for i, r in enumerate(workload.requests)]
     # Warm-up on a few requests of the same workload so lazily created host state is in place.
