@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos, max_tokens=r.max_tokens,
                              seed=i) for i, r in enumerate(workload.requests)]
     # Warm-up on a few requests of the same workload so lazily created host state is in place.
-    llm.generate(prompts[:4], [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)] * 4,
-                 use_tqdm=False)
+    warm_prompts = prompts[:4]
+    llm.generate(warm_prompts, [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)]
+                 * len(warm_prompts), use_tqdm=False)
 
     totals = None
     if args.breakdown:
