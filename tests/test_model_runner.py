@@ -312,3 +312,38 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
         traced = runner._sample.trace(logits, words, history if variant.penalties else runner._no_history[num_rows],
                                       mode=variant.mode, num_logprobs=variant.num_logprobs)
         assert _loop_primitives(traced.jaxpr.jaxpr) == set(), variant
+
+
+def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):
+    """A step (no penalty rows) sends its metadata with exactly one explicit ``jax.device_put`` and makes no
+    implicit host-to-device transfer (a numpy array passed straight into a jitted call would be one)."""
+    import paged_jax.model_runner as model_runner_module
+
+    model, config = tiny_model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, config.vocab_size, size=n).tolist() for n in (5, 12)]
+    runner = make_runner(model, config)
+    calls = []
+    real_put = jax.device_put
+
+    def counting_put(x, *args, **kwargs):
+        calls.append(getattr(x, "shape", None))
+        return real_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner_module.jax, "device_put", counting_put)
+    driver = MiniDriver(runner, prompts, num_new=4, chunk=8)
+    steps = []
+    real_execute = runner.execute
+
+    def counting_execute(batch):
+        before = len(calls)
+        with jax.transfer_guard_host_to_device("disallow"):
+            pending = real_execute(batch)
+            result = pending.result()
+        steps.append(len(calls) - before)
+        return type("Done", (), {"result": lambda self: result})()
+
+    runner.execute = counting_execute
+    driver.run()
+    assert len(steps) >= 4
+    assert steps == [1] * len(steps), steps
