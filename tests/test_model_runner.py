@@ -347,3 +347,18 @@ def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):
     driver.run()
     assert len(steps) >= 4
     assert steps == [1] * len(steps), steps
+
+
+def test_step_consumes_the_donated_kv_pool(tiny_model):
+    """The KV pool is donated to every step (updated in place, never copied): after a step the previous pool
+    arrays are deleted and the runner holds new ones of the same shapes."""
+    model, config = tiny_model
+    runner = make_runner(model, config)
+    old_leaves = jax.tree.leaves(runner.kv_pool)
+    shapes = [x.shape for x in old_leaves]
+    prompt = list(range(3, 12))
+    batch = [SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[1, 2], sample=True,
+                      sampling=(SamplingParams(temperature=0.0, max_tokens=2), 0, 0, [], []))]
+    runner.execute(batch).result()
+    assert all(x.is_deleted() for x in old_leaves)
+    assert [x.shape for x in jax.tree.leaves(runner.kv_pool)] == shapes
