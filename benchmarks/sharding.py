@@ -192,7 +192,8 @@ def markdown_table(results: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['layout']} | {r['dp']} | {r['tp']} | {r['kv_layout']} | {r['q_heads']}/{r['kv_heads']} | "
-            f"{r['prefill_s']:.4f} | {r['prefill_tok_s']:,.0f} | {r['sync_decode_step_ms']:.2f} | {r['decode_step_ms']:.2f} | "
+            f"{r['prefill_s']:.4f} | {r['prefill_tok_s']:,.0f} | {r['sync_decode_step_ms']:.2f} | "
+            f"{r['decode_step_ms']:.2f} | "
             f"{r['decode_tok_s']:,.0f} | {r['weights_mib_per_device']:,.2f} | {r['kv_mib_per_device']:,.2f} | "
             f"{r['weight_read_floor_ms']:.2f} | {r['step_over_floor']:.2f}x | {r['scaling_vs_first']:.2f} | "
             f"{r['agreement']} |"

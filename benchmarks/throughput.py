@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
 
-    llm = LLM(model=args.model or args.shape, load_format=args.load_format or ("dummy" if args.shape else "auto"), dtype=args.dtype,
+    load_format = args.load_format or ("dummy" if args.shape else "auto")
+    llm = LLM(model=args.model or args.shape, load_format=load_format, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,

@@ -8,8 +8,8 @@ Work decomposition
   and ``block_q = 4`` gives a 16-row tile holding 1 real token (4 live rows); KV is read once per kv head.
 * Grid ``(num_tiles, Hkv, num_kv_splits)``. ``num_tiles`` is a static upper bound ``min(T, T // block_q + S)``; the
   tile -> (sequence, first token) map is computed in jnp before the call (cumulative ``ceil(q_len / block_q)`` +
-  searchsorted by comparison, no loop) and read from a GMEM ref in the kernel (neither Pallas GPU backend has scalar prefetch). Tiles past
-  the real count exit through ``pl.when``.
+  searchsorted by comparison, no loop) and read from a GMEM ref in the kernel (neither Pallas GPU backend has scalar
+  prefetch). Tiles past the real count exit through ``pl.when``.
 * Flash decoding: the tile's KV range (in ``block_k``-key blocks) is cut into ``num_kv_splits`` contiguous chunks,
   one per program; with more than one split each program writes unnormalised partial ``(acc, max, sum)`` rows and
   jnp combines them. With one split the kernel writes the normalised output directly.
