@@ -21,3 +21,27 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     assert result["output_tok_s"] > 0
     assert json.loads(out.read_text())["output_tokens"] == 5 * num_prompts
     assert "--temperature" in result["argv"]
+
+
+def test_sharding_benchmark_reports_floor_scaling_and_exact_agreement(tmp_path):
+    """benchmarks/sharding.py on the fake CPU devices: fp32 layouts agree exactly with tp1, the pipelined step,
+    floor and per-GPU scaling columns are filled, and each tp device holds half of tp1's weights."""
+    import json
+
+    import jax
+
+    from benchmarks.sharding import main
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest sets 8 fake CPU devices)")
+    results = main(["--shape", "small", "--layouts", "tp1,tp2,dp2xtp1", "--batch", "4", "--prompt-len", "8",
+                    "--decode-steps", "3", "--repeats", "1", "--out", str(tmp_path / "s.json")])
+    by_name = {r["layout"]: r for r in results}
+    assert all(r["agreement"] == "1.000" for r in results)
+    assert by_name["tp1"]["scaling_vs_first"] == 1.0
+    assert by_name["tp2"]["weights_mib_per_device"] < 0.6 * by_name["tp1"]["weights_mib_per_device"]
+    for r in results:
+        assert r["decode_step_ms"] > 0 and r["sync_decode_step_ms"] > 0 and r["weight_read_floor_ms"] > 0
+        expected = r["decode_tok_s"] / (r["dp"] * r["tp"]) / (by_name["tp1"]["decode_tok_s"])
+        assert abs(r["scaling_vs_first"] - expected) < 1e-2
+    assert len(json.loads((tmp_path / "s.json").read_text())["results"]) == 3
