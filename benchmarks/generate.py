@@ -68,12 +68,14 @@ def bench_shape(shape: str, args) -> list[dict]:
     import numpy as np
     from flax import nnx
 
+    from models.llama import fuse_projections
     from models.loader import load_model
     from models.presets import preset_config
     from paged_jax.generate import generate
 
     config = preset_config(shape)
     model, config = load_model(None, load_format="dummy", config=config, dtype=args.dtype, seed=0)
+    fuse_projections(model)  # the engine's layout: one q/k/v matmul and one gate/up matmul per layer
     graphdef, state = nnx.split(model)
     dtype_bytes = jnp.dtype(model.dtype).itemsize
     results = []

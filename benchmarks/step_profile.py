@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--inner", type=int, default=10, help="back-to-back calls per pipelined measurement")
     p.add_argument("--hbm-gbps", type=float, default=4300.0, help="bandwidth of the floor (FACTS.md: 4.3 TB/s)")
     p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--no-fuse-projections", action="store_true",
+                   help="keep q/k/v and gate/up as separate matmuls (the HF layout) instead of the engine's fused one")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -88,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     num_blocks = blocks_needed + 1
 
     model = init_dummy_model(config, dtype=dtype, seed=0)
+    if not args.no_fuse_projections:  # as the engine runs it
+        from models.llama import fuse_projections
+
+        fuse_projections(model)
     weight_bytes = num_params(config) * dtype.itemsize
     all_buckets = make_buckets(args.max_num_batched_tokens, args.max_num_seqs)
 
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"benchmark": "step_profile", "shape": "tiny" if args.tiny else args.shape, "dtype": args.dtype,
                     "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "buckets": buckets,
                     "warm_up_s": round(time.perf_counter() - t0, 2), "num_blocks": num_blocks,
-                    "weight_bytes": weight_bytes, "hbm_gbps_for_floor": args.hbm_gbps, "cases": []}
+                    "weight_bytes": weight_bytes, "hbm_gbps_for_floor": args.hbm_gbps,
+                    "fused_projections": not args.no_fuse_projections, "cases": []}
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}), flush=True)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=1 << 20)
@@ -202,7 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["forward_hlo"] = {
             "entry_fusions": entry.count(" fusion("), "entry_custom_calls": entry.count(" custom-call("),
             "entry_command_buffers": entry.count("command_buffer"), "entry_instructions": entry.count("\n"),
-            "all_custom_calls": text.count(" custom-call("), "all_fusions": text.count(" fusion(")}
+            "all_custom_calls": text.count(" custom-call("), "all_fusions": text.count(" fusion("),
+            # XLA's dot merger turns dots that share an input into one dot over concatenated weights, built at
+            # run time on every call: a weight-sized concatenate here means weights are copied each step.
+            "all_concatenates": text.count(" concatenate("), "all_dots": text.count(" dot(")}
         print(json.dumps(result["forward_hlo"]), flush=True)
         result["forward_memory"] = {
             "bucket": [num_tokens, num_seqs], "pool_bytes": pool_bytes,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -128,8 +128,43 @@ def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param
     )
 
 
+class FusedLinear(nnx.Module):
+    """Several ``nnx.Linear`` layers that read the same input, as one matmul: ``kernel [in, sum(outs)]`` (and bias).
+
+    Computes exactly what the separate layers compute (same dtype promotion as ``nnx.Linear``); callers split the
+    output columns. One matmul reads the weights once per step; left separate, XLA's dot merger may concatenate
+    the small weights at run time on every step (a copy of them per call) to get the same single matmul.
+    """
+
+    def __init__(self, kernel: jax.Array, bias: jax.Array | None, *, dtype):
+        self.kernel = nnx.Param(kernel)
+        self.bias = None if bias is None else nnx.Param(bias)
+        self.dtype = dtype
+
+    @classmethod
+    def concat(cls, layers: Sequence[nnx.Linear]) -> "FusedLinear":
+        """Concatenate the layers' kernels (and biases) along the output axis."""
+        kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
+        has_bias = [layer.bias is not None for layer in layers]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("fused layers must all have a bias or none")
+        bias = jnp.concatenate([layer.bias[...] for layer in layers]) if all(has_bias) else None
+        return cls(kernel, bias, dtype=layers[0].dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., in] -> [..., sum(outs)] in ``dtype``."""
+        bias = None if self.bias is None else self.bias[...]
+        x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return y if bias is None else y + bias
+
+
 class Attention(nnx.Module):
-    """Projections, optional q/k norm and RoPE around an external ``AttentionFn``."""
+    """Projections, optional q/k norm and RoPE around an external ``AttentionFn``.
+
+    q/k/v projections are either three ``nnx.Linear`` (``q_proj``/``k_proj``/``v_proj``, the HF layout, as loaded)
+    or, after ``fuse_projections``, one ``qkv_proj`` (``FusedLinear``) whose output columns are [q | k | v].
+    """
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.num_heads = config.num_attention_heads
@@ -140,6 +175,7 @@ class Attention(nnx.Module):
         self.q_proj = _linear(hidden, q_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.k_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.v_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.qkv_proj: FusedLinear | None = nnx.data(None)  # set by fuse_projections (a data slot, not static)
         self.o_proj = _linear(q_dim, hidden, use_bias=config.o_proj_bias, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
         if config.qk_norm:
@@ -153,9 +189,14 @@ class Attention(nnx.Module):
                  attention: AttentionFn):
         """x: [T, hidden], rope: ``rope_cos_sin`` tables -> ([T, hidden], kv_layer)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = jnp.split(self.qkv_proj(x), [q_dim, q_dim + kv_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -167,16 +208,22 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up either separate (as loaded) or, after
+    ``fuse_projections``, one ``gate_up_proj`` whose output columns are [gate | up]."""
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.up_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_up_proj: FusedLinear | None = nnx.data(None)  # set by fuse_projections
         self.down_proj = _linear(inter, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -283,3 +330,22 @@ class LlamaForCausalLM(nnx.Module):
         else:
             weight = self.lm_head.kernel[...]
         return jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+
+
+def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """In place: each layer's q/k/v projections become one ``qkv_proj`` and gate/up one ``gate_up_proj``.
+
+    For a model on one device (the engine does this after loading; a tensor-parallel model keeps the HF layout,
+    whose per-projection shardings ``paged_jax.sharding`` defines). Same outputs; fewer, larger matmuls. The
+    separate weights are dropped layer by layer, so the peak extra memory is one layer's projections.
+    Returns ``model``. Calling it twice is a no-op.
+    """
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None:
+            attn.qkv_proj = FusedLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.q_proj = attn.k_proj = attn.v_proj = None
+        if mlp.gate_up_proj is None:
+            mlp.gate_up_proj = FusedLinear.concat([mlp.gate_proj, mlp.up_proj])
+            mlp.gate_proj = mlp.up_proj = None
+    return model

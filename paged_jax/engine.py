@@ -131,6 +131,7 @@ class LLMEngine:
     """
 
     def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
+        from models.llama import fuse_projections
         from models.loader import load_model
 
         args = engine_args
@@ -154,6 +155,8 @@ class LLMEngine:
         else:
             model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
                                        config=config)
+            # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
+            fuse_projections(model)
             run_config = memory_config = config
         self.model_config = config
         self.vocab_size = config.vocab_size

@@ -120,6 +120,12 @@ def engine(request):
 
 
 def test_batched_greedy_matches_transformers_then_hits_prefix_cache(engine, workload, reference):
+    # The engine runs the fused-projection layout (one q/k/v matmul, one gate/up matmul per layer).
+    param_paths = {"/".join(map(str, path)) for path, _ in
+                   jax.tree_util.tree_flatten_with_path(engine.runner._state_treedef.unflatten(
+                       engine.runner._param_leaves))[0]}
+    assert any("qkv_proj" in p for p in param_paths) and any("gate_up_proj" in p for p in param_paths)
+    assert not any("['q_proj']" in p or "['gate_proj']" in p for p in param_paths)
     outputs = run_to_completion(engine, workload, GREEDY)
     got = [o.outputs[0].token_ids for o in outputs]
     mismatches = [i for i, (g, r) in enumerate(zip(got, reference)) if g != r]

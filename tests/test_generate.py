@@ -411,3 +411,15 @@ def test_bad_arguments_raise_value_error_naming_the_field(tiny_model, kwargs, fi
     prompt_lengths = call.pop("prompt_lengths")
     with pytest.raises(ValueError, match=field):
         generate(model, prompt_tokens, prompt_lengths, **call)
+
+
+def test_fused_projection_model_generates_the_same_tokens(tiny_greedy):
+    """generate runs the engine's fused layout too (models.llama.fuse_projections): same greedy tokens and
+    logprobs as the HF-layout model."""
+    from models.llama import fuse_projections
+
+    fused = fuse_projections(_tiny_model())  # a fresh copy of the same weights (same seed)
+    assert fused.model.layers[0].self_attn.qkv_proj is not None
+    out = generate(fused, TINY_PROMPTS, TINY_LENGTHS, max_new_tokens=NUM_NEW)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(tiny_greedy.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(tiny_greedy.logprobs), atol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
-from models.llama import rope_inv_freq
+from models.llama import fuse_projections, rope_inv_freq
 from models.loader import load_model
 from models.testing import save_random_hf_checkpoint, tiny_config
 
@@ -72,6 +72,21 @@ def test_logits_match_transformers(case, tmp_path):
         )
     assert np.abs(reference).max() > 0.1  # the comparison is not between two near-zero tensors
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
+
+    # The engine's layout: q/k/v and gate/up fused into one matmul each (same logits, separate weights gone).
+    fuse_projections(model)
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj is None and layer.mlp.gate_proj is None
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    assert layer.self_attn.qkv_proj.kernel[...].shape == (config.hidden_size, q_dim + 2 * kv_dim)
+    assert (layer.self_attn.qkv_proj.bias is not None) == bool(hf_config.get("attention_bias", False)
+                                                               or hf_config["architectures"][0] == "Qwen2ForCausalLM")
+    assert layer.mlp.gate_up_proj.kernel[...].shape == (config.hidden_size, 2 * config.intermediate_size)
+    fused = _our_logits(model, config, input_ids, positions, segment_ids)
+    np.testing.assert_allclose(fused, ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(fused, reference, atol=1e-4, rtol=0)
+    assert fuse_projections(model) is model  # idempotent
 
 
 def test_padding_tokens_do_not_affect_real_tokens(tmp_path):
