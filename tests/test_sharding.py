@@ -184,6 +184,11 @@ def test_param_specs_megatron_rules():
     assert replicated_kv.param_spec(layer + ("mlp", "gate_proj", "kernel"), (64, 128)) == P(None, "tp")
     with pytest.raises(ValueError, match="no sharding rule"):
         plan.param_spec(("model", "mystery", "kernel"), (4, 4))
+    # Fused projections (models.llama.fuse_projections) have no tp rule: refused, never silently replicated.
+    with pytest.raises(ValueError, match="qkv_proj"):
+        plan.param_spec(layer + ("self_attn", "qkv_proj", "kernel"), (64, 256))
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        plan.param_spec(layer + ("mlp", "gate_up_proj", "kernel"), (64, 256))
     with pytest.raises(ValueError, match="kv_layout"):
         sh.ShardingPlan.create(_qwen3_config(), sh.make_mesh(2), kv_layout="striped")
 
