@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran 2026-11-30 ~01:12 UTC, code 2d88287 (results: call5_all.log and benchmarks/RESULTS.md).
 # Llama-3.1-8B decode at batch 1 (issue 8's 1.2x target) under XLA flag variants; one bucket (16 tokens, 1 seq)
 # so each variant compiles in seconds. Device kind nvidia-h200, code after c9bd633.
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran 2026-11-30 ~01:15 UTC, code b65b824: B=256 and 32 ran; B=1 failed (throughput.py warm-up bug, fixed after).
 # Issue 6: the engine's offline throughput on generate's prompt shapes (B random prompts of 128 tokens, 128 new
 # tokens, greedy, EOS ignored) for B = 256, 32, 1; Qwen3-0.6B on GPU0 and Llama-3.1-8B on GPU1 at the same time.
 # Device kind nvidia-h200-x2. Engine defaults (max_num_seqs 256, max_num_batched_tokens 8192), async scheduling.
