@@ -128,42 +128,26 @@ def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param
     )
 
 
-class FusedLinear(nnx.Module):
-    """Several ``nnx.Linear`` layers that read the same input, as one matmul: ``kernel [in, sum(outs)]`` (and bias).
-
-    Computes exactly what the separate layers compute (same dtype promotion as ``nnx.Linear``); callers split the
-    output columns. One matmul reads the weights once per step; left separate, XLA's dot merger may concatenate
-    the small weights at run time on every step (a copy of them per call) to get the same single matmul.
-    """
-
-    def __init__(self, kernel: jax.Array, bias: jax.Array | None, *, dtype):
-        self.kernel = nnx.Param(kernel)
-        self.bias = None if bias is None else nnx.Param(bias)
-        self.dtype = dtype
-
-    @classmethod
-    def concat(cls, layers: Sequence[nnx.Linear]) -> "FusedLinear":
-        """Concatenate the layers' kernels (and biases) along the output axis."""
-        kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
-        has_bias = [layer.bias is not None for layer in layers]
-        if any(has_bias) and not all(has_bias):
-            raise ValueError("fused layers must all have a bias or none")
-        bias = jnp.concatenate([layer.bias[...] for layer in layers]) if all(has_bias) else None
-        return cls(kernel, bias, dtype=layers[0].dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., in] -> [..., sum(outs)] in ``dtype``."""
-        bias = None if self.bias is None else self.bias[...]
-        x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
-        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        return y if bias is None else y + bias
+def _concat_linear(layers: Sequence[nnx.Linear]) -> nnx.Linear:
+    """One ``nnx.Linear`` equal to ``layers`` side by side (kernels and biases concatenated along the outputs), so
+    the inputs they share are multiplied once. Left separate, XLA's dot merger may build that same concatenation at
+    run time, i.e. copy the weights on every call."""
+    first = layers[0]
+    kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
+    has_bias = [layer.bias is not None for layer in layers]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("fused layers must all have a bias or none")
+    bias = jnp.concatenate([layer.bias[...] for layer in layers]) if all(has_bias) else None
+    return nnx.Linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None, dtype=first.dtype,
+                      param_dtype=kernel.dtype, precision=first.precision,
+                      kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
 
 
 class Attention(nnx.Module):
     """Projections, optional q/k norm and RoPE around an external ``AttentionFn``.
 
     q/k/v projections are either three ``nnx.Linear`` (``q_proj``/``k_proj``/``v_proj``, the HF layout, as loaded)
-    or, after ``fuse_projections``, one ``qkv_proj`` (``FusedLinear``) whose output columns are [q | k | v].
+    or, after ``fuse_projections``, one ``qkv_proj`` (an ``nnx.Linear``) whose output columns are [q | k | v].
     """
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -175,7 +159,7 @@ class Attention(nnx.Module):
         self.q_proj = _linear(hidden, q_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.k_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.v_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.qkv_proj: FusedLinear | None = nnx.data(None)  # set by fuse_projections (a data slot, not static)
+        self.qkv_proj: nnx.Linear | None = nnx.data(None)  # set by fuse_projections (a data slot, not static)
         self.o_proj = _linear(q_dim, hidden, use_bias=config.o_proj_bias, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
         if config.qk_norm:
@@ -215,7 +199,7 @@ class MLP(nnx.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.up_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate_up_proj: FusedLinear | None = nnx.data(None)  # set by fuse_projections
+        self.gate_up_proj: nnx.Linear | None = nnx.data(None)  # set by fuse_projections
         self.down_proj = _linear(inter, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -344,9 +328,9 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None:
-            attn.qkv_proj = FusedLinear.concat([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.qkv_proj = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.q_proj = attn.k_proj = attn.v_proj = None
         if mlp.gate_up_proj is None:
-            mlp.gate_up_proj = FusedLinear.concat([mlp.gate_proj, mlp.up_proj])
+            mlp.gate_up_proj = _concat_linear([mlp.gate_proj, mlp.up_proj])
             mlp.gate_proj = mlp.up_proj = None
     return model

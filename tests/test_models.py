@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
@@ -87,6 +88,9 @@ def test_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(fused, ours, atol=1e-5, rtol=0)
     np.testing.assert_allclose(fused, reference, atol=1e-4, rtol=0)
     assert fuse_projections(model) is model  # idempotent
+    # Equal layers keep one graph definition (ReusableAttention then traces the decoder layer once).
+    graphdefs = [nnx.split(layer)[0] for layer in model.model.layers]
+    assert len(graphdefs) > 1 and all(g == graphdefs[0] for g in graphdefs)
 
 
 def test_padding_tokens_do_not_affect_real_tokens(tmp_path):
