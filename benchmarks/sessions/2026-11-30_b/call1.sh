@@ -1,5 +1,5 @@
 #!/bin/bash
-# Prepared for the next session (not yet run). Device kind nvidia-h200-x2, about 6 minutes, two single-GPU tracks.
+# Session 2026-11-30 (b), call 1. Device kind nvidia-h200-x2, about 7 minutes, two single-GPU tracks.
 #   GPU0: the engine at batch 1 on generate's prompt shape (issue 6's missing point), then generate's table again
 #         after the searchsorted fix (benchmarks/generate.py uses the same kernel wrapper).
 #   GPU1: the same for Llama-3.1-8B.
@@ -31,6 +31,18 @@ ab 0 --shape llama-3.1-8b --decode 1x1024,32x1024 --prefill '' --temperature 0 -
  CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m benchmarks.throughput --shape qwen3-0.6b --workload nano-vllm \
    --max-num-batched-tokens 2048 --max-model-len 4096 --async-scheduling --out $OUT/nano.json > /tmp/nano.log 2>&1
  echo "nano rc=$?"; grep -h output_tok_s $OUT/nano.json) & wait
-timeout 150 python3 -m benchmarks.sharding --shape llama-3.1-8b --dtype bfloat16 --layouts tp1,tp2,dp2xtp1 --batch 64 \
-  --prompt-len 512 --decode-steps 64 --repeats 2 --out $OUT/sharding_b64.json > /tmp/sh.log 2>&1
-echo "sharding rc=$? t=$(el)s"; grep '^|' /tmp/sh.log
+# Kernels (GPU0): what other attention kernels reach on the 4k prefill (dense Triton, cuDNN, Mosaic GPU FA3), and
+# the prefill variants after the searchsorted fix. GPU1: nano-vllm again. The device's Mosaic GPU sources come back
+# for reading (jax 0.11.2 is not on PyPI; the CPU machines have 0.10.2).
+(export CUDA_VISIBLE_DEVICES=0; timeout 200 python3 benchmarks/kernels.py --out $OUT --repeats 5 --budget-s 170 \
+   --sections ceiling,prefill_peers,prefill_variants --max-variants 4 > /tmp/kern.log 2>&1; echo "kernels rc=$? t=$(el)s") &
+(CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m benchmarks.throughput --shape qwen3-0.6b --workload nano-vllm \
+   --max-num-batched-tokens 2048 --max-model-len 4096 --async-scheduling --out $OUT/nano2.json > /tmp/nano2.log 2>&1
+ echo "nano2 rc=$?"; grep -h output_tok_s $OUT/nano2.json) & wait
+grep -v "^$" $OUT/kernels.log | tail -40
+J=$(python3 -c "import jax,os;print(os.path.dirname(jax.__file__))")
+tar czf $OUT/mgpu_src.tgz -C $J _src/pallas/mosaic_gpu experimental/pallas/ops/gpu/attention_mgpu.py experimental/pallas/mosaic_gpu.py experimental/mosaic/gpu 2>/dev/null
+echo "total t=$(el)s"
+# Everything in two files (the device tool returns few files safely).
+mkdir -p /tmp/res && cp /tmp/*.log /tmp/sp_*.json /tmp/res/ 2>/dev/null; cp $OUT/*.json $OUT/*.log /tmp/res/
+rm -f $OUT/*.json $OUT/*.log; tar czf $OUT/results.tgz -C /tmp res
