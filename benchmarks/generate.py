@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (traced temperature)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas", "mosaic"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)

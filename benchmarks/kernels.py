@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
+from paged_jax.ops.ragged_paged_attention.mgpu_kernel import default_tuning as mosaic_default_tuning  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.triton_kernel import default_tuning  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B attention shape
@@ -62,7 +63,7 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 TINY = False  # --tiny: prefill_variants / decode_compare / decode_grid on tiny sizes (CPU smoke test)
 LOG_LINES: list[str] = []
 RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "prefill": [],
-                 "prefill_sweep": [], "prefill_variants": [], "prefill_recommendation": {}, "decode_compare": [],
+                 "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {}, "decode_compare": [],
                  "decode_grid": [], "errors": []}
 OUT_DIR = "bench_out"
 DEADLINE = float("inf")  # time.time() after which sections start no new case (--budget-s)
@@ -169,9 +170,9 @@ def attention_flops(b, sliding_window=None):
     return 4 * hq * d * total_visible
 
 
-def ours(**tuning):
+def ours(impl="pallas", **tuning):
     return lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
-        q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE, impl="pallas", interpret=INTERPRET, **tuning)
+        q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE, impl=impl, interpret=INTERPRET, **tuning)
 
 
 def reference_fn(q, kp, vp, kl, bt, cu):
@@ -277,7 +278,34 @@ def section_check(args):
          dict(ALL_OPTIONS, block_q=32, block_k=128, num_warps=8)),
         ("all options: fp32 prefill", [100, 1], [260, 50], 16, 4, 128, 16, jnp.float32, None, ALL_OPTIONS),
     ]
-    for name, ql, kl, hq, hkv, d, bs, dtype, window, tuning in cases[: args.check_cases]:
+    _run_checks(cases[: args.check_cases], "pallas", key)
+
+
+MOSAIC_CHECK_CASES = [
+    # name, q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning (Mosaic GPU prefill kernel)
+    ("mosaic prefill gqa4 d128", [300, 77], [300, 77], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+    ("mosaic chunked over prefix", [200, 129], [1000, 700], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+    ("mosaic ragged with 1-token seqs", [1, 130, 1, 64, 65], [1, 130, 900, 64, 3000], 32, 8, 128, 16,
+     jnp.bfloat16, None, {}),
+    ("mosaic gqa8 d64 bs64", [129, 40], [1000, 40], 16, 2, 64, 64, jnp.bfloat16, None, {}),
+    ("mosaic gqa1 d128 bs128 fp16", [256, 3], [300, 300], 8, 8, 128, 128, jnp.float16, None, {}),
+    ("mosaic bkv64 3 stages", [300, 77], [500, 77], 32, 8, 128, 16, jnp.bfloat16, None,
+     dict(block_kv=64, num_stages=3)),
+    ("mosaic prefill 4096", [4096], [4096], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+    ("mosaic bs32 no longest-first", [333], [2000], 32, 8, 128, 32, jnp.bfloat16, None,
+     dict(longest_tiles_first=False)),
+]
+
+
+def section_check_mosaic(args):
+    """The Mosaic GPU prefill kernel vs the reference on the GPU (ragged, chunked, GQA 1/4/8, d64/d128, block sizes
+    16-128, fp16, 1-token sequences, padding tokens and sequence slots)."""
+    log("== correctness on GPU: Mosaic GPU kernel vs jnp reference ==")
+    _run_checks(MOSAIC_CHECK_CASES[: args.check_cases], "mosaic", jax.random.key(11))
+
+
+def _run_checks(cases, impl, key):
+    for name, ql, kl, hq, hkv, d, bs, dtype, window, tuning in cases:
         if over_budget(f"check {name}"):
             break
         key, sub = jax.random.split(key)
@@ -286,7 +314,7 @@ def section_check(args):
         scale = 1.0 / math.sqrt(d)
         try:
             out = jax.jit(lambda q, kp, vp, kl_, bt_, cu: ragged_paged_attention(
-                q, kp, vp, kl_, bt_, cu, sm_scale=scale, sliding_window=window, impl="pallas", interpret=INTERPRET,
+                q, kp, vp, kl_, bt_, cu, sm_scale=scale, sliding_window=window, impl=impl, interpret=INTERPRET,
                 **tuning))(
                 b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], bt, b["cu_q_lens"])
             ref = jax.jit(lambda q, kp, vp, kl_, bt_, cu: ragged_paged_attention_reference(
@@ -302,10 +330,10 @@ def section_check(args):
             finite = bool(np.isfinite(out).all())
             tol = 1e-4 if dtype == jnp.float32 else 2e-2
             ok = finite and pad_zero and rel < tol
-            RESULTS["check"].append(dict(case=name, rel_l2=rel, max_abs=max_abs, pad_zero=pad_zero, ok=ok))
+            RESULTS["check"].append(dict(case=name, impl=impl, rel_l2=rel, max_abs=max_abs, pad_zero=pad_zero, ok=ok))
             log(f"{'OK ' if ok else 'BAD'} {name:32s} rel_l2={rel:.2e} max_abs={max_abs:.2e} pad_zero={pad_zero}")
         except Exception as e:  # keep going: report every failing family
-            RESULTS["check"].append(dict(case=name, ok=False, error=repr(e)[:2000]))
+            RESULTS["check"].append(dict(case=name, impl=impl, ok=False, error=repr(e)[:2000]))
             log(f"ERR {name}: {e!r}"[:3000])
             traceback.print_exc()
         flush_results()
@@ -489,6 +517,69 @@ def _dense_prefill_refs(b, flops, est, repeats):
     return row
 
 
+def section_prefill_peers(args):
+    """What other attention kernels reach on the same 4k-token causal prefill (Llama-3-8B heads), same run: ours
+    (paged: the Triton kernel with default tuning, and the Mosaic GPU kernel), JAX's Pallas-Triton flash attention (dense, MHA), cuDNN flash attention (dense, GQA,
+    through jax.nn.dot_product_attention) and JAX's Mosaic GPU (Hopper: TMA + wgmma + warp specialization) flash
+    attention ``pallas.ops.gpu.attention_mgpu`` (dense, GQA) in a few tile configurations. Only ours reads a paged
+    pool; the others are the ceilings of each backend on contiguous K/V."""
+    log("== prefill peers: 1 x 4096 causal, TFLOP/s = 4*Hq*D*(visible keys) / time ==")
+    mm = _matmul_tflops(args.repeats)
+    n = 256 if TINY else 4096
+    b = make_batch(jax.random.key(70), [n], [n])
+    flops = attention_flops(b)
+    est = flops / 300e12
+    row = dict(case=f"prefill 1x{n}", flops=flops, matmul_TFLOPs=mm)
+    t, _ = time_step(ours(), b, est, args.repeats)
+    row.update(ours_us=t * 1e6, ours_TFLOPs=flops / t / 1e12)
+    try:
+        t, _ = time_step(ours(impl="mosaic"), b, est, args.repeats)
+        row.update(ours_mosaic_us=t * 1e6, ours_mosaic_TFLOPs=flops / t / 1e12)
+    except Exception as e:
+        row["ours_mosaic_error"] = repr(e)[:500]
+    row.update(_dense_prefill_refs(b, flops, est, args.repeats))
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+        for dtype_name in ("bfloat16", "float16"):
+            dt = jnp.dtype(dtype_name)
+            kd = jax.random.normal(jax.random.key(7), (1, n, HKV, D), dt)
+            vd = jax.random.normal(jax.random.key(8), (1, n, HKV, D), dt)
+            bd = dict(b, q=b["q"].astype(dt), k_pages=kd, v_pages=vd)
+            for bq, bkv, steps in ((64, 128, 2), (64, 64, 2), (64, 128, 3), (64, 256, 2)):
+                name = f"mgpu_{dtype_name}_bq{bq}_bkv{bkv}_st{steps}"
+                if over_budget(name):
+                    break
+                try:
+                    cfg = am.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=steps, causal=True)
+                    # attention_mgpu has no scale argument (softmax(q k^T)); the run time does not depend on it.
+                    step = lambda q, k, v, *_, cfg=cfg: am.attention(q[None], k, v, cfg)[0]  # noqa: E731
+                    tm, _ = time_step(step, bd, est, args.repeats)
+                    row.update({f"{name}_us": tm * 1e6, f"{name}_TFLOPs": flops / tm / 1e12})
+                except Exception as e:
+                    row[f"{name}_error"] = repr(e)[:500]
+    except Exception as e:
+        row["mgpu_error"] = repr(e)[:500]
+    # Empty sequence slots: an engine-like bucket (2048 tokens, 256 slots) holding 2 prompts of 1024. Every slot
+    # adds a tile to the static grid bound; the Mosaic kernel's empty programs each cost a CTA launch.
+    if not TINY:
+        be = make_batch(jax.random.key(71), [1024, 1024], [1024, 1024], pad_seqs=254)
+        fe = attention_flops(be)
+        for nm, fn in (("slots256_triton", ours()), ("slots256_mosaic", ours(impl="mosaic"))):
+            try:
+                te, _ = time_step(fn, be, fe / 300e12, args.repeats)
+                row.update({f"{nm}_us": te * 1e6, f"{nm}_TFLOPs": fe / te / 1e12})
+            except Exception as e:
+                row[f"{nm}_error"] = repr(e)[:500]
+    for k in sorted(row):
+        if k.endswith("_TFLOPs") and k != "matmul_TFLOPs":
+            log(f"  {k[:-7]:34s} {row[k[:-7] + '_us']:9.1f} us {row[k]:6.1f} TFLOP/s {100 * row[k] / mm:5.1f}% of matmul")
+        elif k.endswith("_error"):
+            log(f"  {k:34s} {row[k][:300]}")
+    RESULTS["prefill_peers"].append(row)
+    flush_results()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill tuning options (triton_kernel module docstring): hi = kv_heads_inner, lf = longest_tiles_first,
 # pp = prefetch_pages, sq = prescale_q, kt = k_transposed, zp = zero_padding_in_kernel. Tile shape
@@ -511,6 +602,13 @@ PREFILL_OPTION_VARIANTS = [
     ("bq32 bk128 w8 s2 hi+lf+sq+zp+kt", dict(_HI_LF_SQ_ZP, k_transposed=True, block_q=32, block_k=128,
                                              num_warps=8, num_stages=2)),
     ("bq32 bk64 w8 s3 all", dict(ALL_OPTIONS, block_q=32, block_k=64, num_warps=8, num_stages=3)),
+]
+# The Mosaic GPU kernel (mgpu_kernel): default = 2 x 64-row warpgroups, 128-key steps, 2 ring slots, longest first.
+MOSAIC_VARIANTS = [
+    ("mosaic default (bkv128 st2 lf)", dict(impl="mosaic")),
+    ("mosaic bkv64", dict(impl="mosaic", block_kv=64)),
+    ("mosaic bkv64 st3", dict(impl="mosaic", block_kv=64, num_stages=3)),
+    ("mosaic no lf", dict(impl="mosaic", longest_tiles_first=False)),
 ]
 
 
@@ -555,6 +653,8 @@ def section_prefill_variants(args):
         log(f"case {name}: T={b['q'].shape[0]} S={len(b['q_lens_np'])} tables {tuple(b['block_tables'].shape[1:])}"
             f" {attention_flops(b) / 1e9:.1f} GFLOP")
     variants = PREFILL_OPTION_VARIANTS[: args.max_variants]
+    if args.mosaic_variants:
+        variants = variants + MOSAIC_VARIANTS[: args.mosaic_variants]
     rows = {}
     for vname, var in variants:
         if over_budget(f"prefill variant {vname}"):
@@ -565,8 +665,11 @@ def section_prefill_variants(args):
             row = dict(case=name, variant=vname, options=var, flops=flops)
             try:
                 b_args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
-                row["tuning"] = default_tuning(b["q"].shape[0], len(b["q_lens_np"]), HQ, HKV,
-                                               b["block_tables"].shape[2], BLOCK_SIZE, **var)
+                if var.get("impl") == "mosaic":
+                    row["tuning"] = mosaic_default_tuning(D, BLOCK_SIZE, **{k: v for k, v in var.items() if k != "impl"})
+                else:
+                    row["tuning"] = default_tuning(b["q"].shape[0], len(b["q_lens_np"]), HQ, HKV,
+                                                   b["block_tables"].shape[2], BLOCK_SIZE, **var)
                 t0 = time.time()
                 out = jax.block_until_ready(run(jnp.int32(1), *b_args))
                 row["first_call_s"] = time.time() - t0  # compile (first case of the shape group) + one step
@@ -766,6 +869,8 @@ def main():
     parser.add_argument("--check-cases", type=int, default=100, help="run only the first N correctness cases")
     parser.add_argument("--max-variants", type=int, default=len(PREFILL_OPTION_VARIANTS),
                         help="prefill_variants: run only the first N variants")
+    parser.add_argument("--mosaic-variants", type=int, default=0,
+                        help="prefill_variants: also time the first N Mosaic GPU kernel variants (Hopper)")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new case after this many seconds (results so far are kept)")
     parser.add_argument("--section-budgets", default=DEFAULT_SECTION_BUDGETS,
@@ -803,6 +908,10 @@ def main():
                 section_prefill(args, variants=PREFILL_VARIANTS, sweep=True)
             elif sec == "prefill_variants":
                 section_prefill_variants(args)
+            elif sec == "check_mosaic":
+                section_check_mosaic(args)
+            elif sec == "prefill_peers":
+                section_prefill_peers(args)
             elif sec == "decode_compare":
                 section_decode_compare(args)
             elif sec == "decode_grid":

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"])
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas", "mosaic"])
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions per layout (best is kept)")
     p.add_argument("--out", help="write the JSON results here")
     args = p.parse_args(argv)

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up as separate matmuls (the HF layout) instead of the engine's fused one")
+    p.add_argument("--exact-decode-buckets", action="store_true",
+                   help="compile each decode case at its own size (batch B -> bucket (B, B)) instead of the engine's "
+                        "default buckets (smallest: 16 tokens x 8 seqs); shows what bucket padding costs")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     from models.loader import init_dummy_model
     from models.presets import kv_bytes_per_token, num_params, preset_config
     from paged_jax import sampler as sampler_lib
-    from paged_jax.model_runner import ModelRunner, SeqInput, make_buckets
+    from paged_jax.model_runner import ModelRunner, SeqInput, _pick_bucket, make_buckets
     from paged_jax.sampling_params import SamplingParams
 
     if args.tiny:
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     def bucket_for(tokens, seqs):
         return next(b for b in all_buckets if b[0] >= tokens and b[1] >= seqs)
 
-    buckets = sorted({bucket_for(b, b) for b, _ in decode_cases} | {bucket_for(b * n, b) for b, n in prefill_cases})
+    decode_bucket = (lambda b: (b, b)) if args.exact_decode_buckets else (lambda b: bucket_for(b, b))
+    buckets = sorted({decode_bucket(b) for b, _ in decode_cases} | {bucket_for(b * n, b) for b, n in prefill_cases})
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=bs, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          buckets=buckets, attention_impl=args.attention_impl)
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_read = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype.itemsize)
         floor_ms = (weight_bytes + kv_read) / (args.hbm_gbps * 1e9) * 1e3
         row = {"kind": kind, "batch": batch, "new_tokens_per_seq": new_tokens, "context": context,
-               "bucket": list(bucket_for(batch * new_tokens, batch)), "sampler_mode": s_kw.get("mode"),
+               "bucket": list(_pick_bucket(buckets, batch * new_tokens, batch)), "sampler_mode": s_kw.get("mode"),
                "num_logprobs": s_kw.get("num_logprobs"),
                "step_ms": round(step_ms, 3), "pipelined_ms": round(float(np.median(pipelined)) * 1e3, 3),
                "execute_ms": round(float(np.median(exec_times)) * 1e3, 3),

@@ -33,7 +33,7 @@ class EngineArgs:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
-    attention_impl: Literal["auto", "reference", "pallas"] = "auto"
+    attention_impl: Literal["auto", "reference", "pallas", "mosaic"] = "auto"
     disable_log_stats: bool = False
     # Overlap host scheduling with device compute: step k+1 is dispatched before step k's sampled tokens reach the
     # host (decode inputs are taken from the device), and outputs are reported one step behind. Same outputs as the

@@ -50,7 +50,7 @@ from paged_jax.ops import write_and_attend
 from paged_jax.sampler import apply_top_k_top_p
 from paged_jax.sampling_params import SAMPLING_EPS
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic")
 
 
 class GenerateOutput(NamedTuple):
@@ -134,8 +134,8 @@ def generate(
         early (pass e.g. ``config.eos_token_ids`` to stop at the model's EOS).
       pad_token_id: static int written after a row finished.
       block_size: static KV page size (tokens per block) of the paged pool.
-      attention_impl: "auto" (Pallas kernel on GPU, jnp reference elsewhere), "reference" or "pallas"; passed to
-        ``ragged_paged_attention``.
+      attention_impl: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference", "pallas" (Triton
+        lowering) or "mosaic" (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
       sharding_plan: static ``paged_jax.sharding.ShardingPlan`` (data_parallel_size 1) whose layout the weights
         have (``plan.shard_model(model)`` / ``load_sharded_model``): the KV pool is sharded over kv heads and
         attention runs per device under ``shard_map``. None: follow the input shardings (see the module docstring).

@@ -7,12 +7,36 @@ import jax.numpy as jnp
 
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-_IMPLS = ("auto", "reference", "pallas")
+_IMPLS = ("auto", "reference", "pallas", "mosaic")
 _TUNING_KEYS = (
     "block_q", "block_k", "num_kv_splits", "num_warps", "num_stages",
     "kv_heads_inner", "longest_tiles_first", "prefetch_pages", "prescale_q", "k_transposed",
     "zero_padding_in_kernel",
 )
+_MOSAIC_TUNING_KEYS = ("block_q", "block_kv", "num_stages", "longest_tiles_first")
+# "auto" takes the Mosaic GPU kernel when the batch averages at least this many query tokens per sequence slot: its
+# grid has a program per (head, tile slot) and every sequence slot may add one, so decode-heavy shapes (mostly empty
+# programs, one ~200 KiB-shared-memory CTA per SM each) stay with the Triton kernel.
+MOSAIC_MIN_TOKENS_PER_SEQ = 128
+
+
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
+def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None) -> str:
+    """What ``impl="auto"`` runs for a static call shape: ``"mosaic"`` (Hopper, prefill-heavy, supported shape),
+    ``"pallas"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU)."""
+    head_dim = q_shape[-1]
+    if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
+        return "reference"
+    from paged_jax.ops.ragged_paged_attention import mgpu_kernel
+
+    if (_is_hopper() and q_shape[0] >= MOSAIC_MIN_TOKENS_PER_SEQ * num_seqs
+            and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window) is None):
+        return "mosaic"
+    return "pallas"
 
 
 def _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, impl):
@@ -71,27 +95,37 @@ def ragged_paged_attention(
         at context positions ``kv_lens[i] - q_len_i .. kv_lens[i] - 1``. Tokens from ``cu_q_lens[S]`` on are padding.
       sm_scale: static Python float multiplying ``q . k``.
       sliding_window: if set, the query at position ``p`` sees keys ``p - sliding_window < j <= p`` (else ``j <= p``).
-      impl: ``"pallas"`` (GPU kernel; on CPU only with ``interpret=True``), ``"reference"`` (pure jnp) or ``"auto"``
-        (the kernel when ``jax.default_backend() == "gpu"`` and ``head_dim`` is a power of two >= 16, else the
-        reference).
+      impl: ``"pallas"`` (the Triton-lowered Pallas kernel; on CPU only with ``interpret=True``), ``"mosaic"`` (the
+        Mosaic GPU prefill kernel for Hopper, ``mgpu_kernel``; on CPU only with ``interpret=True``), ``"reference"``
+        (pure jnp) or ``"auto"`` (``choose_impl``: on a GPU, the Mosaic kernel for prefill-heavy shapes on Hopper and
+        the Triton kernel otherwise; the reference on CPU).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       **tuning: kernel knobs ``block_q``, ``block_k``, ``num_kv_splits``, ``num_warps``, ``num_stages`` (see
         ``triton_kernel.default_tuning``) and the boolean prefill options ``kv_heads_inner``,
         ``longest_tiles_first``, ``prefetch_pages``, ``prescale_q``, ``k_transposed``, ``zero_padding_in_kernel``
-        (default off; see the ``triton_kernel`` module docstring); ignored by the reference.
+        (default off; see the ``triton_kernel`` module docstring); for ``"mosaic"``: ``block_q``, ``block_kv``,
+        ``num_stages``, ``longest_tiles_first``; ignored by the reference (and by ``"auto"``).
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; padding tokens are zeros. Jittable: ``T``, ``S``, ``max_blocks`` are static,
       the index arrays are dynamic.
     """
     _validate(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, impl)
-    unknown = set(tuning) - set(_TUNING_KEYS)
+    allowed = _MOSAIC_TUNING_KEYS if impl == "mosaic" else _TUNING_KEYS
+    unknown = set(tuning) - set(allowed)
     if unknown:
-        raise ValueError(f"unknown tuning arguments {sorted(unknown)}; expected some of {_TUNING_KEYS}")
-    head_dim = q.shape[-1]
+        raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of {allowed}")
     if impl == "auto":
-        kernel_ok = head_dim >= 16 and (head_dim & (head_dim - 1)) == 0
-        impl = "pallas" if (jax.default_backend() == "gpu" and kernel_ok) else "reference"
+        impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window)
+        if impl == "mosaic":  # the Triton knobs mean nothing to it
+            tuning = {}
+    if impl == "mosaic":
+        from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
+
+        return ragged_paged_attention_mgpu(
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+            sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, **tuning,
+        )
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window
@@ -104,4 +138,4 @@ def ragged_paged_attention(
     )
 
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["choose_impl", "ragged_paged_attention", "ragged_paged_attention_reference"]
