@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -37,6 +38,53 @@ def _median_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times)) * 1e3
+
+
+def _trace_kernels(loop, steps_per_loop: int, top: int) -> dict:
+    """Run ``loop`` (``steps_per_loop`` forwards) under ``jax.profiler`` and sum device-side events by name.
+
+    Returns ``busy_us_per_step`` (sum of kernel durations), ``span_us_per_step`` (first kernel start to last kernel
+    end, over all device lines), ``kernels_per_step`` and the ``top`` names by time. Device planes are those whose
+    name starts with ``/device:GPU`` (on CPU there are none: empty result)."""
+    import tempfile
+
+    import jax
+
+    from jax.profiler import ProfileData
+
+    loop()  # warm
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            loop()
+        paths = [os.path.join(d, f) for d, _, files in os.walk(tmp) for f in files if f.endswith(".xplane.pb")]
+        if not paths:
+            return {"error": "no xplane.pb written"}
+        data = ProfileData.from_file(paths[0])
+    by_name: dict[str, list[float]] = {}
+    starts, ends = [], []
+    line_names = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            line_names.append(f"{plane.name}: {line.name}")
+            # Kernel lines; XLA op / module annotation lines duplicate the same time under other names.
+            if "XLA Ops" in line.name or "XLA Modules" in line.name or "Steps" in line.name:
+                continue
+            for ev in line.events:
+                by_name.setdefault(ev.name, []).append(ev.duration_ns / 1e3)
+                starts.append(ev.start_ns)
+                ends.append(ev.end_ns)
+    total = sum(sum(v) for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "busy_us_per_step": round(total / steps_per_loop, 1),
+        "span_us_per_step": round((max(ends) - min(starts)) / 1e3 / steps_per_loop, 1) if starts else 0.0,
+        "kernels_per_step": round(sum(len(v) for v in by_name.values()) / steps_per_loop, 1),
+        "lines": line_names,
+        "top": [{"name": n, "us_per_step": round(sum(v) / steps_per_loop, 1),
+                 "count_per_step": round(len(v) / steps_per_loop, 2)} for n, v in ranked[:top]],
+    }
 
 
 def _parse_cases(text: str) -> list[tuple[int, int]]:
@@ -66,6 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--exact-decode-buckets", action="store_true",
                    help="compile each decode case at its own size (batch B -> bucket (B, B)) instead of the engine's "
                         "default buckets (smallest: 16 tokens x 8 seqs); shows what bucket padding costs")
+    p.add_argument("--trace", action="store_true",
+                   help="also profile the forward (jax.profiler) and print GPU kernel time per step by kernel name")
+    p.add_argument("--trace-top", type=int, default=25, help="kernel names listed with --trace")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -170,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
             jax.block_until_ready(out)
 
         forward_ms = _median_ms(forward_loop, args.repeats) / args.inner
+        kernels = _trace_kernels(forward_loop, args.inner, args.trace_top) if args.trace else None
         s_args, s_kw = captured["sample"]
 
         def sample_loop():
@@ -189,8 +241,14 @@ def main(argv: list[str] | None = None) -> dict:
                "forward_ms": round(forward_ms, 3), "sample_ms": round(sample_ms, 3),
                "floor_ms": round(floor_ms, 3), "kv_bytes_read": kv_read,
                "tokens_per_s_pipelined": round(batch * new_tokens / (float(np.median(pipelined)) or 1e-9), 1)}
+        if kernels is not None:
+            row["forward_kernels"] = kernels
         result["cases"].append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "forward_kernels"}), flush=True)
+        if kernels is not None:
+            print(json.dumps({"kind": kind, "batch": batch, **{k: v for k, v in kernels.items() if k != "top"}}))
+            for entry in kernels["top"]:
+                print(f"    {entry['us_per_step']:8.1f} us/step  x{entry['count_per_step']:<5g} {entry['name'][:110]}")
 
     for batch, context in decode_cases:
         time_case("decode", batch, 1, context)

@@ -355,7 +355,9 @@ def ragged_paged_attention_mgpu(
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Lane semantics (per-thread register layouts, as written here): jax 0.11's default (Warpgroup) infers
+        # shared-memory layouts and rejects the store ladder's dynamic row offsets.
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         **kwargs,
     )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_in, k_pages, v_pages)
     out = out[:num_tokens]
