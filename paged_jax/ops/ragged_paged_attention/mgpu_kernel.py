@@ -92,9 +92,11 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
     return None
 
 
-def _kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref,
-            out_ref, scoped, *, num_seqs: int, group: int, block_q: int, block_kv: int, block_size: int,
-            max_blocks: int, num_stages: int, scale_log2: float, interpret: bool):
+def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, num_seqs: int, group: int,
+            block_q: int, block_kv: int, block_size: int, max_blocks: int, num_stages: int, scale_log2: float,
+            interpret: bool):
+    """``meta_ref``: int32 ``[tile_seq (num_tiles) | tile_start (num_tiles) | cu_q_lens (S+1) | kv_lens (S) |
+    block_tables (S * max_blocks, row-major)]``, one freshly built buffer (see the wrapper)."""
     (q_smem2, k_smem, v_smem, o_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     num_tokens = q_ref.shape[0]
     head_dim = q_ref.shape[2]
@@ -103,7 +105,10 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, kv_lens_ref, block_tabl
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
-    seq = tile_seq_ref[tile]
+    cu_off = 2 * num_tiles
+    kv_off = cu_off + num_seqs + 1
+    bt_off = kv_off + num_seqs
+    seq = meta_ref[tile]
 
     # Register layouts are a GPU notion; the CPU interpreter has no rule for them (nor for run_state, below).
     def in_layout(x, layout):
@@ -120,9 +125,9 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, kv_lens_ref, block_tabl
 
     @pl.when(seq < num_seqs)
     def _():
-        q_end = cu_q_lens_ref[seq + 1]
-        kv_len = kv_lens_ref[seq]
-        tile_start = tile_start_ref[tile]
+        q_end = meta_ref[cu_off + seq + 1]
+        kv_len = meta_ref[kv_off + seq]
+        tile_start = meta_ref[num_tiles + tile]
         ctx_off = kv_len - q_end  # context position of token t is t + ctx_off
         tile_last = jnp.minimum(tile_start + COMPUTE_WGS * block_q, q_end) - 1
         tile_steps = (tile_last + ctx_off) // block_kv + 1  # key steps the tile's last token needs
@@ -245,7 +250,7 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, kv_lens_ref, block_tabl
             def load(ref, smem, ready, kv_step, slot):
                 for i in range(pages_per_step):
                     page_slot = jnp.minimum(kv_step * pages_per_step + i, max_blocks - 1)
-                    page = block_tables_ref[seq, page_slot]
+                    page = meta_ref[bt_off + seq * max_blocks + page_slot]
                     plgpu.copy_gmem_to_smem(ref.at[page, :, kv_head], smem.at[slot, pl.ds(i * block_size, block_size)],
                                             ready.at[slot])
 
@@ -315,9 +320,13 @@ def ragged_paged_attention_mgpu(
     if tuning["longest_tiles_first"]:
         tile_seq, tile_start = _longest_tiles_first(tile_seq, tile_start, cu_q_lens, kv_lens, tile_tokens, None)
 
-    q_in = q
-    if num_tokens < bq:  # a q / out box is block_q rows: give tiny batches room (tests; the engine never does this)
-        q_in = jnp.pad(q, ((0, bq - num_tokens), (0, 0), (0, 0)))
+    # The kernel's scalars in ONE int32 buffer built here: Mosaic GPU wants 256-byte-aligned inputs, and the
+    # engine's block tables / lengths are slices of its packed step buffer (XLA passes them as unaligned views).
+    meta = jnp.concatenate([tile_seq, tile_start, cu_q_lens, kv_lens, block_tables.reshape(-1)])
+
+    # TMA wants the token axis a multiple of 8 and at least one block_q box; the engine's buckets already are.
+    padded_tokens = max(bq, -(-num_tokens // 8) * 8)
+    q_in = q if padded_tokens == num_tokens else jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
 
     def entry(*refs):
         tiling = plgpu.TilingTransform((8, 64))
@@ -336,7 +345,8 @@ def ragged_paged_attention_mgpu(
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scoped: _kernel(*refs, scoped, num_seqs=num_seqs, group=num_q_heads // num_kv_heads, block_q=bq,
+            lambda *scoped: _kernel(*refs, scoped, num_tiles=num_tiles, num_seqs=num_seqs,
+                                    group=num_q_heads // num_kv_heads, block_q=bq,
                                     block_kv=bkv, block_size=block_size, max_blocks=max_blocks, num_stages=stages,
                                     scale_log2=float(sm_scale) * LOG2_E, interpret=interpret),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
@@ -359,7 +369,7 @@ def ragged_paged_attention_mgpu(
         # shared-memory layouts and rejects the store ladder's dynamic row offsets.
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         **kwargs,
-    )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_in, k_pages, v_pages)
+    )(meta, q_in, k_pages, v_pages)
     out = out[:num_tokens]
     # Rows of padding tokens were never written (garbage): zero them.
     token_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs]
