@@ -294,6 +294,17 @@ MOSAIC_CHECK_CASES = [
     ("mosaic prefill 4096", [4096], [4096], 32, 8, 128, 16, jnp.bfloat16, None, {}),
     ("mosaic bs32 no longest-first", [333], [2000], 32, 8, 128, 32, jnp.bfloat16, None,
      dict(longest_tiles_first=False)),
+    # Short last tiles of fresh prefills, one at a time: valid rows at the start of the box (offset 0).
+    ("mosaic fresh 44", [44], [44], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+    ("mosaic fresh 300", [300], [300], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+    ("mosaic fresh 77", [77], [77], 32, 8, 128, 16, jnp.bfloat16, None, {}),
+    ("mosaic fresh 300 bkv64", [300], [300], 32, 8, 128, 16, jnp.bfloat16, None, dict(block_kv=64)),
+    ("mosaic fresh 256+44 no padding", [300], [300], 32, 8, 128, 128, jnp.bfloat16, None, {}),
+    # The same fresh-prefill shapes with short last tiles, the empty warpgroup only releasing its slots.
+    ("mosaic prefill gqa4 d128 release-only", [300, 77], [300, 77], 32, 8, 128, 16, jnp.bfloat16, None,
+     dict(empty_wg_computes=False)),
+    ("mosaic 1-token seqs release-only", [1, 130, 1, 64, 65], [1, 130, 900, 64, 3000], 32, 8, 128, 16,
+     jnp.bfloat16, None, dict(empty_wg_computes=False)),
 ]
 
 
@@ -332,6 +343,16 @@ def _run_checks(cases, impl, key):
             ok = finite and pad_zero and rel < tol
             RESULTS["check"].append(dict(case=name, impl=impl, rel_l2=rel, max_abs=max_abs, pad_zero=pad_zero, ok=ok))
             log(f"{'OK ' if ok else 'BAD'} {name:32s} rel_l2={rel:.2e} max_abs={max_abs:.2e} pad_zero={pad_zero}")
+            if not ok:  # where: per sequence, the share of (token, head) rows that are off
+                cu = np.asarray(b["cu_q_lens"])
+                for si in range(len(cu) - 1):
+                    if cu[si + 1] > cu[si]:
+                        d_rows = np.abs(out[cu[si]:cu[si + 1]] - ref[cu[si]:cu[si + 1]]).max(axis=-1)  # [q, H]
+                        bad = d_rows > 0.05
+                        toks = np.nonzero(bad.any(axis=1))[0]
+                        log(f"    seq {si} (q {cu[si + 1] - cu[si]}, kv {int(b['kv_lens_np'][si])}): "
+                            f"{bad.mean():.2f} of rows off; bad tokens {toks[:6].tolist()}..{toks[-3:].tolist()}"
+                            f" heads {np.nonzero(bad.any(axis=0))[0][:8].tolist()}")
         except Exception as e:  # keep going: report every failing family
             RESULTS["check"].append(dict(case=name, impl=impl, ok=False, error=repr(e)[:2000]))
             log(f"ERR {name}: {e!r}"[:3000])

@@ -13,7 +13,7 @@ _TUNING_KEYS = (
     "kv_heads_inner", "longest_tiles_first", "prefetch_pages", "prescale_q", "k_transposed",
     "zero_padding_in_kernel",
 )
-_MOSAIC_TUNING_KEYS = ("block_q", "block_kv", "num_stages", "longest_tiles_first")
+_MOSAIC_TUNING_KEYS = ("block_q", "block_kv", "num_stages", "longest_tiles_first", "empty_wg_computes")
 # "auto" takes the Mosaic GPU kernel when the batch averages at least this many query tokens per sequence slot: its
 # grid has a program per (head, tile slot) and every sequence slot may add one, so decode-heavy shapes (mostly empty
 # programs, one ~200 KiB-shared-memory CTA per SM each) stay with the Triton kernel.

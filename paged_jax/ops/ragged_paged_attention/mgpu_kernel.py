@@ -59,7 +59,8 @@ def _transposed(ref):
 
 
 def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None, block_kv: int | None = None,
-                   num_stages: int | None = None, longest_tiles_first: bool | None = None) -> dict:
+                   num_stages: int | None = None, longest_tiles_first: bool | None = None,
+                   empty_wg_computes: bool | None = None) -> dict:
     """Tile shape: ``block_q`` 64 rows per compute warpgroup (the wgmma M), ``block_kv`` 128 keys per step, 2 ring
     slots (shared memory: (2 q + 2 o) x 64 x D + 2 x 2 slots x 128 x D elements = 192 KiB at D = 128, bf16)."""
     block_q = 64 if block_q is None else int(block_q)
@@ -72,7 +73,9 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
         raise ValueError(f"block_kv ({block_kv}) must be a multiple of 64 and of block_size ({block_size})")
     if num_stages < 2:
         raise ValueError(f"num_stages must be >= 2, got {num_stages}")
-    return dict(block_q=block_q, block_kv=block_kv, num_stages=num_stages, longest_tiles_first=longest_tiles_first)
+    empty_wg_computes = True if empty_wg_computes is None else bool(empty_wg_computes)
+    return dict(block_q=block_q, block_kv=block_kv, num_stages=num_stages, longest_tiles_first=longest_tiles_first,
+                empty_wg_computes=empty_wg_computes)
 
 
 def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
@@ -94,7 +97,7 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, num_seqs: int, group: int,
             block_q: int, block_kv: int, block_size: int, max_blocks: int, num_stages: int, scale_log2: float,
-            interpret: bool):
+            interpret: bool, empty_wg_computes: bool):
     """``meta_ref``: int32 ``[tile_seq (num_tiles) | tile_start (num_tiles) | cu_q_lens (S+1) | kv_lens (S) |
     block_tables (S * max_blocks, row-major)]``, one freshly built buffer (see the wrapper)."""
     (q_smem2, k_smem, v_smem, o_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
@@ -143,7 +146,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
             offset = tok_lo - row_start  # first valid row of the box
             pos_lo = tok_lo + ctx_off
             pos_hi = tok_lo + n_valid - 1 + ctx_off
-            kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, 0)
+            # A warpgroup without valid rows (a short tile) either computes the tile's steps on rows that are
+            # never stored (empty_wg_computes) or only releases the slots.
+            kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps if empty_wg_computes else 0)
             full_steps = jnp.where(n_valid > 0, (pos_lo + 1) // block_kv, 0)  # every valid row sees all keys
 
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row_start, block_q), head], q_smem, q_ready.at[wg])
@@ -294,6 +299,7 @@ def ragged_paged_attention_mgpu(
     block_kv: int | None = None,
     num_stages: int | None = None,
     longest_tiles_first: bool | None = None,
+    empty_wg_computes: bool | None = None,
 ) -> jax.Array:
     """Mosaic GPU ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``, pools
     ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
@@ -308,7 +314,7 @@ def ragged_paged_attention_mgpu(
     _, block_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
     tuning = default_tuning(head_dim, block_size, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-                            longest_tiles_first=longest_tiles_first)
+                            longest_tiles_first=longest_tiles_first, empty_wg_computes=empty_wg_computes)
     bq, bkv, stages = tuning["block_q"], tuning["block_kv"], tuning["num_stages"]
     tile_tokens = COMPUTE_WGS * bq
     num_tiles = max(1, min(num_tokens, num_tokens // tile_tokens + num_seqs))
@@ -348,7 +354,8 @@ def ragged_paged_attention_mgpu(
             lambda *scoped: _kernel(*refs, scoped, num_tiles=num_tiles, num_seqs=num_seqs,
                                     group=num_q_heads // num_kv_heads, block_q=bq,
                                     block_kv=bkv, block_size=block_size, max_blocks=max_blocks, num_stages=stages,
-                                    scale_log2=float(sm_scale) * LOG2_E, interpret=interpret),
+                                    scale_log2=float(sm_scale) * LOG2_E, interpret=interpret,
+                                    empty_wg_computes=tuning["empty_wg_computes"]),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
