@@ -93,3 +93,24 @@ def test_auto_dispatch(monkeypatch):
     # Another GPU generation: the Triton kernel.
     monkeypatch.setattr(rpa, "_is_hopper", lambda: False)
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "pallas"
+
+
+def test_tile_map_aligned_and_covering():
+    """Every tile's first row is a multiple of 8 (the TMA q box must not start mid-tile on the GPU) and the tiles of
+    each sequence cover its tokens exactly once; tiles past the real ones are marked empty (sequence S)."""
+    q_lens = np.array([130, 1, 0, 60, 300, 7], np.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    num_tokens, num_seqs, tile = int(cu[-1]) + 5, len(q_lens), 128
+    num_tiles = (num_tokens + 7 * num_seqs) // tile + num_seqs
+    tile_seq, tile_start = (np.asarray(x) for x in mgpu_kernel._aligned_tile_map(cu, num_tiles, tile))
+    cu = np.asarray(cu)
+    covered = np.zeros(num_tokens, np.int32)
+    for s, start in zip(tile_seq, tile_start):
+        if s == num_seqs:
+            continue
+        assert start % 8 == 0
+        lo, hi = max(start, cu[s]), min(start + tile, cu[s + 1])
+        assert hi > lo  # no tile without a token of its sequence
+        covered[lo:hi] += 1
+    np.testing.assert_array_equal(covered[: cu[-1]], 1)
+    assert (tile_seq == num_seqs).sum() >= 1  # the static bound leaves room

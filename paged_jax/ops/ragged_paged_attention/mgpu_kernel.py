@@ -9,8 +9,9 @@ ragged token batch.
 
 Work decomposition
 ------------------
-* A *tile* is up to ``2 * block_q`` consecutive query tokens of ONE sequence (tile map as in the Triton kernel,
-  computed in jnp before the call; tiles past the real count exit at once). Grid ``(Hq, num_tiles)``: one program
+* A *tile* is ``2 * block_q`` consecutive token rows starting on a multiple of 8, holding query tokens of ONE
+  sequence (the first tile of a sequence may start up to 7 rows early: those rows are computed, never stored). The
+  tile map is computed in jnp before the call; tiles past the real count exit at once. Grid ``(Hq, num_tiles)``: one program
   per (query head, tile); the ``Hq`` programs of a tile are launched next to each other, so the ``group`` query heads
   of one kv head read the same K/V pages while they are in L2.
 * Three warpgroups per program. Two *compute* warpgroups take ``block_q`` tokens each (rows of one head), hold the
@@ -22,8 +23,9 @@ Work decomposition
 * Causal: steps whose keys every row of a warpgroup sees run without a mask; the steps on the diagonal run masked;
   a warpgroup that needs fewer steps than its partner still releases the remaining slots (so the memory warpgroup
   never waits forever).
-* Q is loaded with one TMA box of ``block_q`` rows per warpgroup. A box never leaves ``q`` (its start is clamped to
-  ``T - block_q``; rows of other tokens are computed and dropped), so no out-of-bounds rule is relied on. The output
+* Q is loaded with one TMA box of ``block_q`` rows per warpgroup, starting on a multiple of 8 rows (a box starting
+  mid-tile lands rows in the wrong place in the swizzled buffer on the H200) and never leaving ``q`` (the start is
+  clamped to ``T - block_q``, ``T`` padded to a multiple of 8; rows of other tokens are computed and dropped). The output
   is written through a plain shared-memory buffer with a ladder of TMA stores of 64, 32, ..., 1 rows: exactly the
   warpgroup's valid rows, never a row of another sequence.
 
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from paged_jax.ops.ragged_paged_attention.triton_kernel import LOG2_E, _longest_tiles_first, _tile_map
+from paged_jax.ops.ragged_paged_attention.triton_kernel import LOG2_E, _longest_tiles_first
 
 try:  # Mosaic GPU Pallas (every jax this project supports has it; guarded so that an odd build still imports)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -95,6 +97,23 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
     return None
 
 
+def _aligned_tile_map(cu_q_lens: jax.Array, num_tiles: int, tile_tokens: int):
+    """Tile -> (sequence, first row), rows aligned to 8: sequence ``s``'s tiles start at ``floor8(q_start) + k *
+    tile_tokens`` (a few rows of the previous sequence ride along, never stored). Tiles past the real count get
+    sequence ``S`` (the kernel skips them). Returns ``(tile_seq, tile_start)``, int32 ``[num_tiles]`` each."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
+    first_row = (q_start // 8) * 8
+    tiles_per_seq = jnp.where(q_end > q_start, (q_end - first_row + tile_tokens - 1) // tile_tokens, 0)
+    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    # compare_all: one fused comparison (the default binary search is an XLA while loop, host-driven on GPU).
+    tile_seq = jnp.searchsorted(tile_end, tiles, side="right", method="compare_all").astype(jnp.int32)
+    seq = jnp.minimum(tile_seq, num_seqs - 1)
+    tile_start = first_row[seq] + (tiles - (tile_end - tiles_per_seq)[seq]) * tile_tokens
+    return tile_seq, jnp.where(tile_seq < num_seqs, tile_start, 0).astype(jnp.int32)
+
+
 def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, num_seqs: int, group: int,
             block_q: int, block_kv: int, block_size: int, max_blocks: int, num_stages: int, scale_log2: float,
             interpret: bool, empty_wg_computes: bool):
@@ -128,6 +147,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
 
     @pl.when(seq < num_seqs)
     def _():
+        q_start = meta_ref[cu_off + seq]
         q_end = meta_ref[cu_off + seq + 1]
         kv_len = meta_ref[kv_off + seq]
         tile_start = meta_ref[num_tiles + tile]
@@ -140,12 +160,16 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
             plgpu.set_max_registers(232, action="increase")
             q_smem = q_smem2.at[wg]
             o_smem = o_smem2.at[wg]
-            tok_lo = tile_start + wg * block_q
-            n_valid = jnp.clip(q_end - tok_lo, 0, block_q)
-            row_start = jnp.minimum(tok_lo, num_tokens - block_q)  # the q / out box stays inside the arrays
-            offset = tok_lo - row_start  # first valid row of the box
-            pos_lo = tok_lo + ctx_off
-            pos_hi = tok_lo + n_valid - 1 + ctx_off
+            tok_lo = tile_start + wg * block_q  # a multiple of 8 (tile map)
+            valid_lo = jnp.maximum(tok_lo, q_start)
+            valid_hi = jnp.minimum(tok_lo + block_q, q_end)
+            n_valid = jnp.clip(valid_hi - valid_lo, 0, block_q)
+            # The q box stays inside the arrays and starts on a multiple of 8 rows (T is one too): the TMA copy
+            # into the tiled, swizzled q buffer mis-places rows when the box starts mid-tile (seen on the H200).
+            row_start = jnp.minimum(tok_lo, num_tokens - block_q)
+            offset = valid_lo - row_start  # first valid row of the box
+            pos_lo = valid_lo + ctx_off
+            pos_hi = valid_hi - 1 + ctx_off
             # A warpgroup without valid rows (a short tile) either computes the tile's steps on rows that are
             # never stored (empty_wg_computes) or only releases the slots.
             kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps if empty_wg_computes else 0)
@@ -317,12 +341,14 @@ def ragged_paged_attention_mgpu(
                             longest_tiles_first=longest_tiles_first, empty_wg_computes=empty_wg_computes)
     bq, bkv, stages = tuning["block_q"], tuning["block_kv"], tuning["num_stages"]
     tile_tokens = COMPUTE_WGS * bq
-    num_tiles = max(1, min(num_tokens, num_tokens // tile_tokens + num_seqs))
+    # Each sequence's tiles start at its first token rounded down to 8: sum(ceil((q_len + 7) / tile)) tiles at
+    # most, i.e. below (T + 7 S) / tile + S.
+    num_tiles = max(1, (num_tokens + 7 * num_seqs) // tile_tokens + num_seqs)
 
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
-    tile_seq, tile_start = _tile_map(cu_q_lens, num_tiles, tile_tokens)
+    tile_seq, tile_start = _aligned_tile_map(cu_q_lens, num_tiles, tile_tokens)
     if tuning["longest_tiles_first"]:
         tile_seq, tile_start = _longest_tiles_first(tile_seq, tile_start, cu_q_lens, kv_lens, tile_tokens, None)
 
