@@ -115,7 +115,19 @@ def bench_shape(shape: str, args) -> list[dict]:
                                                      dtype_bytes),
         }
         result["decode_fraction_of_floor"] = result["decode_tok_s"] / result["decode_floor_tok_s"]
-        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_all")}), flush=True)
+        if args.trace:  # device kernels of one whole call, per generated token (the prefill's appear as x0.01)
+            from benchmarks.trace import trace_kernels
+
+            full = run(args.max_new_tokens)
+            result["kernels"] = trace_kernels(lambda: jax.block_until_ready(full()), args.max_new_tokens,
+                                              args.trace_top)
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_all") and k != "kernels"}),
+              flush=True)
+        if args.trace:
+            kern = result["kernels"]
+            print(json.dumps({k: v for k, v in kern.items() if k != "top"}))
+            for entry in kern.get("top", []):
+                print(f"    {entry['us_per_step']:8.1f} us/token x{entry['count_per_step']:<6g} {entry['name'][:110]}")
         results.append(result)
     del model, state
     return results
@@ -133,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas", "mosaic"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--trace", action="store_true",
+                   help="also profile one call (jax.profiler) and print GPU kernel time per generated token by name")
+    p.add_argument("--trace-top", type=int, default=30)
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
     for name in ("prompt_len", "max_new_tokens", "repeats", "block_size"):

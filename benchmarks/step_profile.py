@@ -40,53 +40,6 @@ def _median_ms(fn, repeats: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def _trace_kernels(loop, steps_per_loop: int, top: int) -> dict:
-    """Run ``loop`` (``steps_per_loop`` forwards) under ``jax.profiler`` and sum device-side events by name.
-
-    Returns ``busy_us_per_step`` (sum of kernel durations), ``span_us_per_step`` (first kernel start to last kernel
-    end, over all device lines), ``kernels_per_step`` and the ``top`` names by time. Device planes are those whose
-    name starts with ``/device:GPU`` (on CPU there are none: empty result)."""
-    import tempfile
-
-    import jax
-
-    from jax.profiler import ProfileData
-
-    loop()  # warm
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            loop()
-        paths = [os.path.join(d, f) for d, _, files in os.walk(tmp) for f in files if f.endswith(".xplane.pb")]
-        if not paths:
-            return {"error": "no xplane.pb written"}
-        data = ProfileData.from_file(paths[0])
-    by_name: dict[str, list[float]] = {}
-    starts, ends = [], []
-    line_names = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            line_names.append(f"{plane.name}: {line.name}")
-            # Kernel lines; XLA op / module annotation lines duplicate the same time under other names.
-            if "XLA Ops" in line.name or "XLA Modules" in line.name or "Steps" in line.name:
-                continue
-            for ev in line.events:
-                by_name.setdefault(ev.name, []).append(ev.duration_ns / 1e3)
-                starts.append(ev.start_ns)
-                ends.append(ev.end_ns)
-    total = sum(sum(v) for v in by_name.values())
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    return {
-        "busy_us_per_step": round(total / steps_per_loop, 1),
-        "span_us_per_step": round((max(ends) - min(starts)) / 1e3 / steps_per_loop, 1) if starts else 0.0,
-        "kernels_per_step": round(sum(len(v) for v in by_name.values()) / steps_per_loop, 1),
-        "lines": line_names,
-        "top": [{"name": n, "us_per_step": round(sum(v) / steps_per_loop, 1),
-                 "count_per_step": round(len(v) / steps_per_loop, 2)} for n, v in ranked[:top]],
-    }
-
-
 def _parse_cases(text: str) -> list[tuple[int, int]]:
     """'256x1024,1x2048' -> [(256, 1024), (1, 2048)] (batch x length)."""
     return [tuple(int(v) for v in item.lower().split("x")) for item in filter(None, text.split(","))]
@@ -127,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     from models.loader import init_dummy_model
     from models.presets import kv_bytes_per_token, num_params, preset_config
     from paged_jax import sampler as sampler_lib
+    from benchmarks.trace import trace_kernels
     from paged_jax.model_runner import ModelRunner, SeqInput, _pick_bucket, make_buckets
     from paged_jax.sampling_params import SamplingParams
 
@@ -221,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             jax.block_until_ready(out)
 
         forward_ms = _median_ms(forward_loop, args.repeats) / args.inner
-        kernels = _trace_kernels(forward_loop, args.inner, args.trace_top) if args.trace else None
+        kernels = trace_kernels(forward_loop, args.inner, args.trace_top) if args.trace else None
         s_args, s_kw = captured["sample"]
 
         def sample_loop():
