@@ -87,6 +87,8 @@ def test_auto_dispatch(monkeypatch):
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=32) == "mosaic"
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=33) == "pallas"  # decode-heavy bucket
     assert rpa.choose_impl((2048, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "pallas"
+    assert rpa.choose_impl((1024, 32, 128), pool_shape, jnp.bfloat16, num_seqs=8) == "mosaic"
+    assert rpa.choose_impl((512, 32, 128), pool_shape, jnp.bfloat16, num_seqs=1) == "pallas"  # too few tiles
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4, sliding_window=512) == "pallas"
     assert rpa.choose_impl(q_shape, pool_shape, jnp.float32, num_seqs=4) == "pallas"
     assert rpa.choose_impl((4096, 32, 256), (300, 16, 8, 256), jnp.bfloat16, num_seqs=4) == "pallas"

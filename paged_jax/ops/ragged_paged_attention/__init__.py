@@ -16,8 +16,12 @@ _TUNING_KEYS = (
 _MOSAIC_TUNING_KEYS = ("block_q", "block_kv", "num_stages", "longest_tiles_first", "empty_wg_computes")
 # "auto" takes the Mosaic GPU kernel when the batch averages at least this many query tokens per sequence slot: its
 # grid has a program per (head, tile slot) and every sequence slot may add one, so decode-heavy shapes (mostly empty
-# programs, one ~200 KiB-shared-memory CTA per SM each) stay with the Triton kernel.
+# programs, one ~200 KiB-shared-memory CTA per SM each: 256 empty slots cost ~120 us on the H200) stay with the
+# Triton kernel...
 MOSAIC_MIN_TOKENS_PER_SEQ = 128
+# ...and when the batch has at least this many tokens: 128-token tiles x heads must fill the GPU's 132 SMs (a single
+# 128-token prompt would give 32 programs; the Triton kernel's smaller tiles and kv splits spread it wider).
+MOSAIC_MIN_TOKENS = 1024
 
 
 def _is_hopper() -> bool:
@@ -26,14 +30,15 @@ def _is_hopper() -> bool:
 
 
 def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None) -> str:
-    """What ``impl="auto"`` runs for a static call shape: ``"mosaic"`` (Hopper, prefill-heavy, supported shape),
+    """What ``impl="auto"`` runs for a static call shape: ``"mosaic"`` (Hopper, prefill-heavy: at least 128 tokens
+    per sequence slot and 1024 tokens; supported shape),
     ``"pallas"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU)."""
     head_dim = q_shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
         return "reference"
     from paged_jax.ops.ragged_paged_attention import mgpu_kernel
 
-    if (_is_hopper() and q_shape[0] >= MOSAIC_MIN_TOKENS_PER_SEQ * num_seqs
+    if (_is_hopper() and q_shape[0] >= max(MOSAIC_MIN_TOKENS_PER_SEQ * num_seqs, MOSAIC_MIN_TOKENS)
             and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window) is None):
         return "mosaic"
     return "pallas"
