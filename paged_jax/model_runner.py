@@ -85,11 +85,15 @@ def _powers_of_two(start: int, stop: int) -> list[int]:
 def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """The (num_tokens, num_seqs) shapes a step is padded to.
 
+    A single-sequence decode gets its own bucket (1 token, 1 sequence): padded into 16 rows, the batch-1 step of
+    Llama-3.1-8B's forward took 5.10 ms on the H200 instead of 4.82 ms (benchmarks/RESULTS.md; vLLM likewise
+    captures a CUDA graph for batch size 1). It costs one more compile at start-up.
+
     Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). A token bucket
     T >= ``max_num_seqs`` gets the single seq bucket ``max_num_seqs`` (padding sequences cost little: q_len 0, and
     each extra bucket is a multi-second compile on the GPU); a smaller T gets the seq buckets 8, 32, 128, ... (x4)
     below T plus T itself (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens /
-    16 seqs -> 6 buckets; 2048 / 256 -> 14; 8192 / 256 -> 16.
+    16 seqs -> 7 buckets (with the 1-token one); 2048 / 256 -> 15; 8192 / 256 -> 17.
     """
     token_buckets = _powers_of_two(min(_MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
     seq_growth = []
@@ -97,7 +101,7 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
     while value < max_num_seqs:
         seq_growth.append(value)
         value *= _SEQ_BUCKET_GROWTH
-    buckets = []
+    buckets = [(1, 1)] if max_num_batched_tokens > 1 else []
     for num_tokens in token_buckets:
         if num_tokens >= max_num_seqs:
             buckets.append((num_tokens, max_num_seqs))

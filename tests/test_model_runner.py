@@ -100,6 +100,7 @@ class MiniDriver:
 def test_buckets_are_few_and_cover_every_batch():
     buckets = make_buckets(512, 16)
     assert len(buckets) <= 12
+    assert buckets[0] == (1, 1)  # a single-sequence decode runs unpadded
     assert all(s <= t for t, s in buckets)
     for num_tokens in range(1, 513):
         for num_seqs in (1, 3, 8, 9, 16):
@@ -226,7 +227,7 @@ def test_compile_plan_counts():
     from paged_jax.model_runner import planned_num_compiles, sampler_rows_for
 
     # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones keep a few seq buckets.
-    assert make_buckets(2048, 256) == [(16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 32), (64, 64),
+    assert make_buckets(2048, 256) == [(1, 1), (16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 32), (64, 64),
                                        (128, 8), (128, 32), (128, 128), (256, 256), (512, 256), (1024, 256),
                                        (2048, 256)]
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
@@ -234,8 +235,8 @@ def test_compile_plan_counts():
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
     # forward buckets + sampler row counts {8, 32, 128, 256} x 7 sampler variants (greedy; temperature, full and
     # full + penalties each with and without top-k logprobs)
-    assert planned_num_compiles(2048, 256) == 14 + 4 * 7
-    assert planned_num_compiles(8192, 256) == 16 + 4 * 7
+    assert planned_num_compiles(2048, 256) == 15 + 4 * 7  # 15 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 17 + 4 * 7
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
