@@ -63,7 +63,8 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 TINY = False  # --tiny: prefill_variants / decode_compare / decode_grid on tiny sizes (CPU smoke test)
 LOG_LINES: list[str] = []
 RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "prefill": [],
-                 "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {}, "decode_compare": [],
+                 "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {},
+                 "decode_compare": [],
                  "decode_grid": [], "errors": []}
 OUT_DIR = "bench_out"
 DEADLINE = float("inf")  # time.time() after which sections start no new case (--budget-s)
@@ -540,7 +541,8 @@ def _dense_prefill_refs(b, flops, est, repeats):
 
 def section_prefill_peers(args):
     """What other attention kernels reach on the same 4k-token causal prefill (Llama-3-8B heads), same run: ours
-    (paged: the Triton kernel with default tuning, and the Mosaic GPU kernel), JAX's Pallas-Triton flash attention (dense, MHA), cuDNN flash attention (dense, GQA,
+    (paged: the Triton kernel with default tuning, and the Mosaic GPU kernel), JAX's Pallas-Triton flash attention
+    (dense, MHA), cuDNN flash attention (dense, GQA,
     through jax.nn.dot_product_attention) and JAX's Mosaic GPU (Hopper: TMA + wgmma + warp specialization) flash
     attention ``pallas.ops.gpu.attention_mgpu`` (dense, GQA) in a few tile configurations. Only ours reads a paged
     pool; the others are the ceilings of each backend on contiguous K/V."""
@@ -594,7 +596,8 @@ def section_prefill_peers(args):
                 row[f"{nm}_error"] = repr(e)[:500]
     for k in sorted(row):
         if k.endswith("_TFLOPs") and k != "matmul_TFLOPs":
-            log(f"  {k[:-7]:34s} {row[k[:-7] + '_us']:9.1f} us {row[k]:6.1f} TFLOP/s {100 * row[k] / mm:5.1f}% of matmul")
+            log(f"  {k[:-7]:34s} {row[k[:-7] + '_us']:9.1f} us {row[k]:6.1f} TFLOP/s "
+                f"{100 * row[k] / mm:5.1f}% of matmul")
         elif k.endswith("_error"):
             log(f"  {k:34s} {row[k][:300]}")
     RESULTS["prefill_peers"].append(row)
@@ -687,7 +690,8 @@ def section_prefill_variants(args):
             try:
                 b_args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
                 if var.get("impl") == "mosaic":
-                    row["tuning"] = mosaic_default_tuning(D, BLOCK_SIZE, **{k: v for k, v in var.items() if k != "impl"})
+                    mosaic_var = {k: v for k, v in var.items() if k != "impl"}
+                    row["tuning"] = mosaic_default_tuning(D, BLOCK_SIZE, **mosaic_var)
                 else:
                     row["tuning"] = default_tuning(b["q"].shape[0], len(b["q_lens_np"]), HQ, HKV,
                                                    b["block_tables"].shape[2], BLOCK_SIZE, **var)

@@ -11,9 +11,9 @@ Work decomposition
 ------------------
 * A *tile* is ``2 * block_q`` consecutive token rows starting on a multiple of 8, holding query tokens of ONE
   sequence (the first tile of a sequence may start up to 7 rows early: those rows are computed, never stored). The
-  tile map is computed in jnp before the call; tiles past the real count exit at once. Grid ``(Hq, num_tiles)``: one program
-  per (query head, tile); the ``Hq`` programs of a tile are launched next to each other, so the ``group`` query heads
-  of one kv head read the same K/V pages while they are in L2.
+  tile map is computed in jnp before the call; tiles past the real count exit at once. Grid ``(Hq, num_tiles)``:
+  one program per (query head, tile); the ``Hq`` programs of a tile are launched next to each other, so the
+  ``group`` query heads of one kv head read the same K/V pages while they are in L2.
 * Three warpgroups per program. Two *compute* warpgroups take ``block_q`` tokens each (rows of one head), hold the
   online-softmax state in registers and run ``q @ K^T`` and ``P @ V`` on the tensor cores (``wgmma``); a schedule
   barrier makes them alternate between softmax and matmul. One *memory* warpgroup streams K and V through a ring of
@@ -25,9 +25,9 @@ Work decomposition
   never waits forever).
 * Q is loaded with one TMA box of ``block_q`` rows per warpgroup, starting on a multiple of 8 rows (a box starting
   mid-tile lands rows in the wrong place in the swizzled buffer on the H200) and never leaving ``q`` (the start is
-  clamped to ``T - block_q``, ``T`` padded to a multiple of 8; rows of other tokens are computed and dropped). The output
-  is written through a plain shared-memory buffer with a ladder of TMA stores of 64, 32, ..., 1 rows: exactly the
-  warpgroup's valid rows, never a row of another sequence.
+  clamped to ``T - block_q``, ``T`` padded to a multiple of 8; rows of other tokens are computed and dropped). The
+  output is written through a plain shared-memory buffer with a ladder of TMA stores of 64, 32, ..., 1 rows:
+  exactly the warpgroup's valid rows, never a row of another sequence.
 
 Limits (``supported`` says whether a call qualifies; ``ragged_paged_attention`` falls back to the Triton kernel):
 head_dim 64 or 128, bf16/fp16, no sliding window, ``block_size`` a multiple of 8 dividing ``block_kv``, an sm_90
@@ -37,7 +37,6 @@ head_dim 64 or 128, bf16/fp16, no sliding window, ``block_size`` a multiple of 8
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
