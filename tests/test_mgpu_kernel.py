@@ -35,6 +35,9 @@ CASES = {
     # A 67-token chunk over a 253-token prefix (keys end mid-page), a 3-token prompt; GQA 1, d 128, fp16, 32-token
     # pages (4 per 128-key step); T not a multiple of 8 (the wrapper pads it for the TMA boxes).
     "chunked_gqa1_d128_fp16_bs32": ([67, 3], [320, 3], 2, 2, 128, 32, jnp.float16, {}),
+    # GQA 4 (four query heads read one kv head's pages), a sequence starting mid 8-row group (token 9), 3 ring
+    # slots with 64-key steps over a 250-token context.
+    "gqa4_three_stages": ([9, 70], [9, 250], 4, 1, 64, 16, jnp.bfloat16, dict(block_kv=64, num_stages=3)),
 }
 
 
