@@ -31,8 +31,8 @@ def _is_hopper() -> bool:
 
 def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None) -> str:
     """What ``impl="auto"`` runs for a static call shape: ``"mosaic"`` (Hopper, prefill-heavy: at least 128 tokens
-    per sequence slot and 1024 tokens; supported shape),
-    ``"pallas"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU)."""
+    per sequence slot and 1024 tokens; supported shape), ``"pallas"`` (any other GPU case with a power-of-two
+    head_dim >= 16) or ``"reference"`` (CPU, or any other head_dim)."""
     head_dim = q_shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
         return "reference"
@@ -109,7 +109,9 @@ def ragged_paged_attention(
         ``triton_kernel.default_tuning``) and the boolean prefill options ``kv_heads_inner``,
         ``longest_tiles_first``, ``prefetch_pages``, ``prescale_q``, ``k_transposed``, ``zero_padding_in_kernel``
         (default off; see the ``triton_kernel`` module docstring); for ``"mosaic"``: ``block_q``, ``block_kv``,
-        ``num_stages``, ``longest_tiles_first``; ignored by the reference (and by ``"auto"``).
+        ``num_stages``, ``longest_tiles_first``, ``empty_wg_computes`` (``mgpu_kernel.default_tuning``). Ignored by
+        the reference; with ``"auto"`` the Triton knobs apply when it picks the Triton kernel and are dropped when it
+        picks the Mosaic one.
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; padding tokens are zeros. Jittable: ``T``, ``S``, ``max_blocks`` are static,
