@@ -301,11 +301,6 @@ MOSAIC_CHECK_CASES = [
     ("mosaic fresh 77", [77], [77], 32, 8, 128, 16, jnp.bfloat16, None, {}),
     ("mosaic fresh 300 bkv64", [300], [300], 32, 8, 128, 16, jnp.bfloat16, None, dict(block_kv=64)),
     ("mosaic fresh 256+44 no padding", [300], [300], 32, 8, 128, 128, jnp.bfloat16, None, {}),
-    # The same fresh-prefill shapes with short last tiles, the empty warpgroup only releasing its slots.
-    ("mosaic prefill gqa4 d128 release-only", [300, 77], [300, 77], 32, 8, 128, 16, jnp.bfloat16, None,
-     dict(empty_wg_computes=False)),
-    ("mosaic 1-token seqs release-only", [1, 130, 1, 64, 65], [1, 130, 900, 64, 3000], 32, 8, 128, 16,
-     jnp.bfloat16, None, dict(empty_wg_computes=False)),
 ]
 
 

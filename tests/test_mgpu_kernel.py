@@ -19,6 +19,7 @@ from test_ragged_paged_attention import make_batch, numpy_oracle
 
 from paged_jax.ops import ragged_paged_attention
 from paged_jax.ops.ragged_paged_attention import mgpu_kernel
+from paged_jax.ops.ragged_paged_attention.triton_kernel import _tile_map
 
 # The package (paged_jax.ops re-exports its function under the same name).
 rpa = importlib.import_module("paged_jax.ops.ragged_paged_attention")
@@ -107,7 +108,7 @@ def test_tile_map_aligned_and_covering():
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     num_tokens, num_seqs, tile = int(cu[-1]) + 5, len(q_lens), 128
     num_tiles = (num_tokens + 7 * num_seqs) // tile + num_seqs
-    tile_seq, tile_start = (np.asarray(x) for x in mgpu_kernel._aligned_tile_map(cu, num_tiles, tile))
+    tile_seq, tile_start = (np.asarray(x) for x in _tile_map(cu, num_tiles, tile, align=8))
     cu = np.asarray(cu)
     covered = np.zeros(num_tokens, np.int32)
     for s, start in zip(tile_seq, tile_start):

@@ -13,7 +13,7 @@ _TUNING_KEYS = (
     "kv_heads_inner", "longest_tiles_first", "prefetch_pages", "prescale_q", "k_transposed",
     "zero_padding_in_kernel",
 )
-_MOSAIC_TUNING_KEYS = ("block_q", "block_kv", "num_stages", "longest_tiles_first", "empty_wg_computes")
+_MOSAIC_TUNING_KEYS = ("block_q", "block_kv", "num_stages", "longest_tiles_first")
 # "auto" takes the Mosaic GPU kernel when the batch averages at least this many query tokens per sequence slot: its
 # grid has a program per (head, tile slot) and every sequence slot may add one, so decode-heavy shapes (mostly empty
 # programs, one ~200 KiB-shared-memory CTA per SM each: 256 empty slots cost ~120 us on the H200) stay with the
@@ -109,7 +109,7 @@ def ragged_paged_attention(
         ``triton_kernel.default_tuning``) and the boolean prefill options ``kv_heads_inner``,
         ``longest_tiles_first``, ``prefetch_pages``, ``prescale_q``, ``k_transposed``, ``zero_padding_in_kernel``
         (default off; see the ``triton_kernel`` module docstring); for ``"mosaic"``: ``block_q``, ``block_kv``,
-        ``num_stages``, ``longest_tiles_first``, ``empty_wg_computes`` (``mgpu_kernel.default_tuning``). Ignored by
+        ``num_stages``, ``longest_tiles_first`` (``mgpu_kernel.default_tuning``). Ignored by
         the reference; with ``"auto"`` the Triton knobs apply when it picks the Triton kernel and are dropped when it
         picks the Mosaic one.
 

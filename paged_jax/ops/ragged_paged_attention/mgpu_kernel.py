@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from paged_jax.ops.ragged_paged_attention.triton_kernel import LOG2_E, _longest_tiles_first
+from paged_jax.ops.ragged_paged_attention.triton_kernel import LOG2_E, _longest_tiles_first, _tile_map
 
 try:  # Mosaic GPU Pallas (every jax this project supports has it; guarded so that an odd build still imports)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -60,8 +60,7 @@ def _transposed(ref):
 
 
 def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None, block_kv: int | None = None,
-                   num_stages: int | None = None, longest_tiles_first: bool | None = None,
-                   empty_wg_computes: bool | None = None) -> dict:
+                   num_stages: int | None = None, longest_tiles_first: bool | None = None) -> dict:
     """Tile shape: ``block_q`` 64 rows per compute warpgroup (the wgmma M), ``block_kv`` 128 keys per step, 2 ring
     slots (shared memory: (2 q + 2 o) x 64 x D + 2 x 2 slots x 128 x D elements = 192 KiB at D = 128, bf16)."""
     block_q = 64 if block_q is None else int(block_q)
@@ -74,9 +73,7 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
         raise ValueError(f"block_kv ({block_kv}) must be a multiple of 64 and of block_size ({block_size})")
     if num_stages < 2:
         raise ValueError(f"num_stages must be >= 2, got {num_stages}")
-    empty_wg_computes = True if empty_wg_computes is None else bool(empty_wg_computes)
-    return dict(block_q=block_q, block_kv=block_kv, num_stages=num_stages, longest_tiles_first=longest_tiles_first,
-                empty_wg_computes=empty_wg_computes)
+    return dict(block_q=block_q, block_kv=block_kv, num_stages=num_stages, longest_tiles_first=longest_tiles_first)
 
 
 def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
@@ -96,26 +93,9 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
     return None
 
 
-def _aligned_tile_map(cu_q_lens: jax.Array, num_tiles: int, tile_tokens: int):
-    """Tile -> (sequence, first row), rows aligned to 8: sequence ``s``'s tiles start at ``floor8(q_start) + k *
-    tile_tokens`` (a few rows of the previous sequence ride along, never stored). Tiles past the real count get
-    sequence ``S`` (the kernel skips them). Returns ``(tile_seq, tile_start)``, int32 ``[num_tiles]`` each."""
-    num_seqs = cu_q_lens.shape[0] - 1
-    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
-    first_row = (q_start // 8) * 8
-    tiles_per_seq = jnp.where(q_end > q_start, (q_end - first_row + tile_tokens - 1) // tile_tokens, 0)
-    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)
-    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    # compare_all: one fused comparison (the default binary search is an XLA while loop, host-driven on GPU).
-    tile_seq = jnp.searchsorted(tile_end, tiles, side="right", method="compare_all").astype(jnp.int32)
-    seq = jnp.minimum(tile_seq, num_seqs - 1)
-    tile_start = first_row[seq] + (tiles - (tile_end - tiles_per_seq)[seq]) * tile_tokens
-    return tile_seq, jnp.where(tile_seq < num_seqs, tile_start, 0).astype(jnp.int32)
-
-
 def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, num_seqs: int, group: int,
             block_q: int, block_kv: int, block_size: int, max_blocks: int, num_stages: int, scale_log2: float,
-            interpret: bool, empty_wg_computes: bool):
+            interpret: bool):
     """``meta_ref``: int32 ``[tile_seq (num_tiles) | tile_start (num_tiles) | cu_q_lens (S+1) | kv_lens (S) |
     block_tables (S * max_blocks, row-major)]``, one freshly built buffer (see the wrapper)."""
     (q_smem2, k_smem, v_smem, o_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
@@ -169,9 +149,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
             offset = valid_lo - row_start  # first valid row of the box
             pos_lo = valid_lo + ctx_off
             pos_hi = valid_hi - 1 + ctx_off
-            # A warpgroup without valid rows (a short tile) either computes the tile's steps on rows that are
-            # never stored (empty_wg_computes) or only releases the slots.
-            kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps if empty_wg_computes else 0)
+            # A warpgroup without valid rows (a short tile) runs the tile's steps on rows that are never stored.
+            kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps)
             full_steps = jnp.where(n_valid > 0, (pos_lo + 1) // block_kv, 0)  # every valid row sees all keys
 
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row_start, block_q), head], q_smem, q_ready.at[wg])
@@ -322,7 +301,6 @@ def ragged_paged_attention_mgpu(
     block_kv: int | None = None,
     num_stages: int | None = None,
     longest_tiles_first: bool | None = None,
-    empty_wg_computes: bool | None = None,
 ) -> jax.Array:
     """Mosaic GPU ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``, pools
     ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
@@ -337,7 +315,7 @@ def ragged_paged_attention_mgpu(
     _, block_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
     tuning = default_tuning(head_dim, block_size, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-                            longest_tiles_first=longest_tiles_first, empty_wg_computes=empty_wg_computes)
+                            longest_tiles_first=longest_tiles_first)
     bq, bkv, stages = tuning["block_q"], tuning["block_kv"], tuning["num_stages"]
     tile_tokens = COMPUTE_WGS * bq
     # Each sequence's tiles start at its first token rounded down to 8: sum(ceil((q_len + 7) / tile)) tiles at
@@ -347,7 +325,7 @@ def ragged_paged_attention_mgpu(
     kv_lens = kv_lens.astype(jnp.int32)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
-    tile_seq, tile_start = _aligned_tile_map(cu_q_lens, num_tiles, tile_tokens)
+    tile_seq, tile_start = _tile_map(cu_q_lens, num_tiles, tile_tokens, align=8)
     if tuning["longest_tiles_first"]:
         tile_seq, tile_start = _longest_tiles_first(tile_seq, tile_start, cu_q_lens, kv_lens, tile_tokens, None)
 
@@ -379,8 +357,7 @@ def ragged_paged_attention_mgpu(
             lambda *scoped: _kernel(*refs, scoped, num_tiles=num_tiles, num_seqs=num_seqs,
                                     group=num_q_heads // num_kv_heads, block_q=bq,
                                     block_kv=bkv, block_size=block_size, max_blocks=max_blocks, num_stages=stages,
-                                    scale_log2=float(sm_scale) * LOG2_E, interpret=interpret,
-                                    empty_wg_computes=tuning["empty_wg_computes"]),
+                                    scale_log2=float(sm_scale) * LOG2_E, interpret=interpret),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )

@@ -143,13 +143,18 @@ def default_tuning(
     )
 
 
-def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int):
+def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1):
     """Tile -> (sequence, first token). Tiles beyond the real count get sequence index ``S`` (no attention work)
     and, in order, the ``block_q``-token ranges of the padding tokens from ``cu_q_lens[S]`` on (only read by
-    ``zero_padding_in_kernel``)."""
+    ``zero_padding_in_kernel``).
+
+    ``align > 1``: each sequence's first tile starts at its first token rounded down to a multiple of ``align``
+    (the tile's rows before the sequence belong to the previous one and must not be stored; the Mosaic kernel's TMA
+    boxes need 8-row-aligned starts). At most ``sum(ceil((q_len + align - 1) / block_q))`` real tiles."""
     num_seqs = cu_q_lens.shape[0] - 1
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    tiles_per_seq = (q_lens + block_q - 1) // block_q
+    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
+    first_row = (q_start // align) * align
+    tiles_per_seq = jnp.where(q_end > q_start, (q_end - first_row + block_q - 1) // block_q, 0)
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # inclusive prefix sums
     tiles = jnp.arange(num_tiles, dtype=jnp.int32)
     # compare_all: one fused [num_tiles, S] comparison. The default binary search ("scan") lowers to an XLA
@@ -157,7 +162,7 @@ def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int):
     tile_seq = jnp.searchsorted(tile_end, tiles, side="right", method="compare_all").astype(jnp.int32)
     seq_clamped = jnp.minimum(tile_seq, num_seqs - 1)
     first_tile_of_seq = tile_end - tiles_per_seq
-    tile_start = cu_q_lens[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
+    tile_start = first_row[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
     padding_start = cu_q_lens[num_seqs] + (tiles - tile_end[num_seqs - 1]) * block_q
     tile_start = jnp.where(tile_seq < num_seqs, tile_start, padding_start)
     return tile_seq, tile_start.astype(jnp.int32)
