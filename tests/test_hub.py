@@ -1,0 +1,90 @@
+"""Hub repo ids resolve through huggingface_hub's cache layout (these machines have no network: HF_HUB_OFFLINE)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.hub import resolve_checkpoint
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def make_hub_cache(cache_dir, repo_id, files_by_commit, refs):
+    """Writes huggingface_hub's cache layout: blobs, snapshots/<commit>/<file> links, refs/<name> -> commit."""
+    repo_dir = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "blobs").mkdir(exist_ok=True)
+    for commit, files in files_by_commit.items():
+        snapshot = repo_dir / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for name, content in files.items():
+            blob = repo_dir / "blobs" / f"{commit[:8]}-{name}"
+            blob.write_bytes(content)
+            (snapshot / name).symlink_to(blob)
+    for ref, commit in refs.items():
+        (repo_dir / "refs" / ref).write_text(commit)
+    return repo_dir
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hub"
+    make_hub_cache(cache, "acme/tiny", {
+        COMMIT: {"config.json": json.dumps({"v": 1}).encode(), "model.safetensors": b"w1"},
+        OTHER_COMMIT: {"config.json": json.dumps({"v": 2}).encode(), "model.safetensors": b"w2"},
+    }, {"main": COMMIT, "v2": OTHER_COMMIT})
+    make_hub_cache(cache, "acme/binonly", {COMMIT: {"config.json": b"{}", "tokenizer.json": b"{}"}},
+                   {"main": COMMIT})
+    return cache
+
+
+def test_local_directory_is_returned_as_is(tmp_path):
+    assert resolve_checkpoint(tmp_path) == tmp_path
+
+
+def test_local_directory_with_revision_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="revision"):
+        resolve_checkpoint(tmp_path, revision="main")
+
+
+def test_repo_id_resolves_to_its_snapshot(offline_cache):
+    path = resolve_checkpoint("acme/tiny", download_dir=str(offline_cache))
+    assert path.name == COMMIT
+    assert json.loads((path / "config.json").read_text()) == {"v": 1}
+
+
+def test_revision_selects_the_snapshot(offline_cache):
+    for revision in ("v2", OTHER_COMMIT):
+        path = resolve_checkpoint("acme/tiny", revision=revision, download_dir=str(offline_cache))
+        assert json.loads((path / "config.json").read_text()) == {"v": 2}
+
+
+def test_hf_home_is_the_default_cache(offline_cache):
+    # huggingface_hub reads HF_HOME at import, so resolve in a fresh interpreter.
+    env = {**os.environ, "HF_HOME": str(offline_cache.parent), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", "from models.hub import resolve_checkpoint as r; print(r('acme/tiny'))"],
+                         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
+    assert out.stdout.strip() == str(offline_cache / "models--acme--tiny" / "snapshots" / COMMIT)
+
+
+def test_uncached_repo_offline_names_the_field(offline_cache):
+    with pytest.raises(ValueError, match="tokenizer 'acme/missing'.*HF_HUB_OFFLINE"):
+        resolve_checkpoint("acme/missing", download_dir=str(offline_cache), what="tokenizer", field="tokenizer")
+
+
+def test_repo_without_safetensors_is_refused_for_weights_not_for_tokenizer(offline_cache):
+    with pytest.raises(ValueError, match="no safetensors"):
+        resolve_checkpoint("acme/binonly", download_dir=str(offline_cache))
+    assert resolve_checkpoint("acme/binonly", download_dir=str(offline_cache), what="tokenizer").name == COMMIT
+
+
+def test_nonexistent_path_that_is_no_repo_id(tmp_path):
+    with pytest.raises(ValueError, match="neither a local directory nor"):
+        resolve_checkpoint(str(tmp_path / "a" / "b" / "c"))
