@@ -11,6 +11,7 @@ Parameter paths mirror Hugging Face names so the loader maps them mechanically:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -246,6 +247,15 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 
 
+def matmul_precision(dtype):
+    """Context for tracing a model of compute ``dtype``: float32 models run every matmul at full precision (on GPUs
+    JAX's default for float32 operands is TF32, which changes greedy tokens against a float32 reference); other
+    dtypes keep the caller's setting."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only LM for Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 checkpoints.
 
@@ -284,6 +294,10 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(
                 f"input_ids and positions must both be [T]; got {input_ids.shape} and {positions.shape}"
             )
+        with matmul_precision(self.dtype):
+            return self._forward(input_ids, positions, kv_caches, attention)
+
+    def _forward(self, input_ids, positions, kv_caches, attention):
         num_layers = len(self.model.layers)
         if kv_caches is not None and len(kv_caches) != num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {num_layers}")
@@ -313,7 +327,8 @@ class LlamaForCausalLM(nnx.Module):
             weight = self.model.embed_tokens.embedding[...].T  # [hidden, vocab]
         else:
             weight = self.lm_head.kernel[...]
-        return jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+        with matmul_precision(self.dtype):
+            return jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
 
 
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
