@@ -123,3 +123,29 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
     saved_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(saved_config, indent=2))
     return out_dir
+
+
+def write_hub_cache(cache_dir: str | os.PathLike, repo_id: str, files_by_commit: dict[str, dict[str, Any]],
+                    refs: dict[str, str]) -> Path:
+    """Write huggingface_hub's cache layout for a model repo, as a download would have left it.
+
+    ``<cache_dir>/models--<org>--<name>/``: ``snapshots/<commit>/<file>`` links into ``blobs/``, and ``refs/<ref>``
+    holding a commit hash. ``files_by_commit[commit][file]`` is the file's bytes, or a path whose file becomes the
+    blob (linked, not copied, so real checkpoints cost nothing). Returns the repo's cache directory.
+    """
+    repo_dir = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "blobs").mkdir(exist_ok=True)
+    for commit, files in files_by_commit.items():
+        snapshot = repo_dir / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for name, content in files.items():
+            blob = repo_dir / "blobs" / f"{commit[:12]}-{name}"
+            if isinstance(content, bytes):
+                blob.write_bytes(content)
+            else:
+                blob.symlink_to(Path(content).resolve())
+            (snapshot / name).symlink_to(blob)
+    for ref, commit in refs.items():
+        (repo_dir / "refs" / ref).write_text(commit)
+    return repo_dir

@@ -9,37 +9,21 @@ from pathlib import Path
 import pytest
 
 from models.hub import resolve_checkpoint
+from models.testing import write_hub_cache
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
-
-
-def make_hub_cache(cache_dir, repo_id, files_by_commit, refs):
-    """Writes huggingface_hub's cache layout: blobs, snapshots/<commit>/<file> links, refs/<name> -> commit."""
-    repo_dir = cache_dir / ("models--" + repo_id.replace("/", "--"))
-    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
-    (repo_dir / "blobs").mkdir(exist_ok=True)
-    for commit, files in files_by_commit.items():
-        snapshot = repo_dir / "snapshots" / commit
-        snapshot.mkdir(parents=True)
-        for name, content in files.items():
-            blob = repo_dir / "blobs" / f"{commit[:8]}-{name}"
-            blob.write_bytes(content)
-            (snapshot / name).symlink_to(blob)
-    for ref, commit in refs.items():
-        (repo_dir / "refs" / ref).write_text(commit)
-    return repo_dir
 
 
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache = tmp_path / "hub"
-    make_hub_cache(cache, "acme/tiny", {
+    write_hub_cache(cache, "acme/tiny", {
         COMMIT: {"config.json": json.dumps({"v": 1}).encode(), "model.safetensors": b"w1"},
         OTHER_COMMIT: {"config.json": json.dumps({"v": 2}).encode(), "model.safetensors": b"w2"},
     }, {"main": COMMIT, "v2": OTHER_COMMIT})
-    make_hub_cache(cache, "acme/binonly", {COMMIT: {"config.json": b"{}", "tokenizer.json": b"{}"}},
+    write_hub_cache(cache, "acme/binonly", {COMMIT: {"config.json": b"{}", "tokenizer.json": b"{}"}},
                    {"main": COMMIT})
     return cache
 

@@ -1,0 +1,107 @@
+"""Research entry points beside ``generate``: load a checkpoint for jitted code, and score token sequences.
+
+``load_pretrained`` turns a local checkpoint or Hub repo id into ``(graphdef, state, config, tokenizer)``, the pieces
+``generate`` and ``score_tokens`` take. ``score_tokens`` is the second half of an RL step: the per-token log-probs of
+given sequences under the model, differentiable with respect to the parameters, in one forward pass per row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import dense_causal_attention
+
+
+class Pretrained(NamedTuple):
+    """What ``load_pretrained`` returns: ``generate((graphdef, state), ...)`` and ``score_tokens`` take the first
+    two; ``config`` is the ``models.config.ModelConfig``; ``tokenizer`` the HF tokenizer (None if the checkpoint has
+    none)."""
+
+    graphdef: Any
+    state: Any
+    config: Any
+    tokenizer: Any
+
+
+def load_pretrained(model: str, *, dtype: str = "bfloat16", revision: str | None = None,
+                    download_dir: str | None = None, tokenizer: str | None = None) -> Pretrained:
+    """Load a checkpoint (local directory or Hub repo id) as an NNX split ready for ``jax.jit`` code.
+
+    Args:
+      model: local HF checkpoint directory or Hub repo id (downloaded through ``models.hub``).
+      dtype: "bfloat16", "float16" or "float32" (float32 runs full-precision matmuls).
+      revision, download_dir: Hub revision and cache directory (vLLM's ``--revision`` / ``--download-dir``).
+      tokenizer: another directory or repo id for the tokenizer (default: ``model``'s).
+    Returns:
+      ``Pretrained(graphdef, state, config, tokenizer)``; weights on the default device, HF projection layout.
+    Raises:
+      ValueError naming the argument (unknown path or repo, unsupported dtype or architecture).
+    """
+    from transformers import AutoTokenizer
+
+    from models.hub import resolve_checkpoint
+    from models.loader import load_model
+
+    path = resolve_checkpoint(model, revision=revision, download_dir=download_dir)
+    module, config = load_model(path, dtype=dtype)
+    graphdef, state = nnx.split(module)
+    tokenizer_path = (path if tokenizer is None else
+                      resolve_checkpoint(tokenizer, download_dir=download_dir, what="tokenizer", field="tokenizer"))
+    hf_tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_path))
+                    if any(tokenizer_path.glob("tokenizer*")) else None)
+    return Pretrained(graphdef, state, config, hf_tokenizer)
+
+
+def score_tokens(model, token_ids, lengths) -> jax.Array:
+    """Per-token log-probs of right-padded token sequences: ``out[b, t] = log p(token_ids[b, t] | token_ids[b, :t])``.
+
+    Args:
+      model: an NNX ``LlamaForCausalLM`` or its ``(graphdef, state)`` split (state may be traced: call this inside
+        ``jax.jit`` / ``jax.grad``; gradients flow to the parameters).
+      token_ids: int32[B, T]; each row a prompt followed by its completion, right-padded.
+      lengths: int32[B]; valid tokens per row, in [1, T].
+    Returns:
+      float32[B, T]: 0 at t = 0 (no context) and at t >= lengths[b]; log-probs of the raw model distribution
+      (temperature 1, no truncation), the same quantity ``generate`` and the engine report. Mask with
+      ``t >= prompt_length`` to keep the completion's terms.
+    Memory: attention is dense per row (float32[Hq, T, T] per layer) and the logits are float32[B, T, vocab].
+    """
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+    elif isinstance(model, tuple) and len(model) == 2:
+        graphdef, state = model
+    else:
+        raise ValueError(f"model must be an nnx.Module or (graphdef, state), got {type(model).__name__}")
+    token_ids = jnp.asarray(token_ids)
+    lengths = jnp.asarray(lengths)
+    if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be int32[B, T], got {token_ids.dtype}{list(token_ids.shape)}")
+    if lengths.shape != token_ids.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths must be int32[B={token_ids.shape[0]}], got {lengths.dtype}{list(lengths.shape)}")
+    return _score_jit(graphdef, state, token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _score_jit(graphdef, state, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    model = nnx.merge(graphdef, state)
+    num_tokens = token_ids.shape[1]
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)
+    sm_scale = model.config.head_dim ** -0.5
+
+    def score_row(tokens: jax.Array, length: jax.Array) -> jax.Array:
+        valid = positions < length
+        # Padding tokens form their own (ignored) segments so they never reach a valid token's context.
+        attention = dense_causal_attention(jnp.where(valid, 0, -1), sm_scale)
+        hidden, _ = model(tokens, positions, None, attention)
+        logits = model.compute_logits(hidden[:-1])  # float32[T-1, V]: predicts tokens 1..T-1
+        target = jnp.take_along_axis(logits, tokens[1:, None], axis=-1)[:, 0]
+        logprobs = target - jax.nn.logsumexp(logits, axis=-1)
+        return jnp.where(valid[1:], logprobs, 0.0)
+
+    scored = jax.vmap(score_row)(token_ids, lengths)  # [B, T-1]
+    return jnp.concatenate([jnp.zeros((token_ids.shape[0], 1), jnp.float32), scored], axis=1)
