@@ -1,7 +1,8 @@
 """paged-jax: a vLLM-style paged LLM inference engine in JAX.
 
 Public API (imported lazily so `import paged_jax` stays cheap):
-``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``.
+``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``, and for
+research code ``load_pretrained`` and ``score_tokens``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ _EXPORTS = {
     "CompletionOutput": "paged_jax.outputs",
     "LLMEngine": "paged_jax.engine",
     "generate": "paged_jax.generate",
+    "load_pretrained": "paged_jax.scoring",
+    "score_tokens": "paged_jax.scoring",
 }
 
 __all__ = list(_EXPORTS)
