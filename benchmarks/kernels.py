@@ -876,6 +876,22 @@ PREFILL_VARIANTS = [
 ]
 
 
+# --sections name -> what it runs (each takes the parsed arguments).
+SECTIONS = {
+    "ceiling": section_ceiling,
+    "check": section_check,
+    "decode": section_decode,
+    "decode_sweep": section_decode_sweep,
+    "prefill": section_prefill,
+    "prefill_sweep": lambda args: section_prefill(args, variants=PREFILL_VARIANTS, sweep=True),
+    "prefill_variants": section_prefill_variants,
+    "check_mosaic": section_check_mosaic,
+    "prefill_peers": section_prefill_peers,
+    "decode_compare": section_decode_compare,
+    "decode_grid": section_decode_grid,
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -916,30 +932,9 @@ def main():
         t0 = time.time()
         SECTION_DEADLINE = t0 + section_budgets.get(sec, float("inf"))
         try:
-            if sec == "ceiling":
-                section_ceiling(args)
-            elif sec == "check":
-                section_check(args)
-            elif sec == "decode":
-                section_decode(args)
-            elif sec == "decode_sweep":
-                section_decode_sweep(args)
-            elif sec == "prefill":
-                section_prefill(args)
-            elif sec == "prefill_sweep":
-                section_prefill(args, variants=PREFILL_VARIANTS, sweep=True)
-            elif sec == "prefill_variants":
-                section_prefill_variants(args)
-            elif sec == "check_mosaic":
-                section_check_mosaic(args)
-            elif sec == "prefill_peers":
-                section_prefill_peers(args)
-            elif sec == "decode_compare":
-                section_decode_compare(args)
-            elif sec == "decode_grid":
-                section_decode_grid(args)
-            else:
+            if sec not in SECTIONS:
                 raise ValueError(f"unknown section {sec!r}")
+            SECTIONS[sec](args)
         except Exception as e:
             RESULTS["errors"].append(dict(section=sec, error=repr(e)[:2000]))
             log(f"ERR section {sec}: {e!r}"[:2000])
