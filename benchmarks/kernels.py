@@ -866,7 +866,8 @@ def section_decode_grid(args):
         gc.collect()
 
 
-# The set measured on 2026-11-29 (benchmarks/RESULTS.md), plus the pre-change default (8 warps, 2 stages).
+# Triton prefill tunings timed by ``--sections prefill_sweep``: the default, the previous default (8 warps, 2 stages)
+# and other block / warp / stage choices.
 PREFILL_VARIANTS = [
     {}, dict(block_q=16, block_k=64, num_warps=8, num_stages=2), dict(block_q=16, block_k=64, num_warps=4),
     dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
