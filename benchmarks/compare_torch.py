@@ -15,6 +15,8 @@ import argparse
 import json
 import time
 
+from benchmarks.report import write_json
+
 
 def _hf_model(shape: str, dtype: str, attn: str):
     import torch
@@ -139,9 +141,7 @@ def main(argv=None):
     for r in results:
         if "skipped" not in r:
             print(f"| {r['engine']} | {r['output_tokens']} | {r['elapsed_s']:.1f} | {r['output_tok_s']:.0f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from benchmarks.report import write_json
+
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,9 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
             times.append(time.perf_counter() - start)
         result[f"kernels[{2 * k}]_call_ms"] = round(float(np.median(times)) * 1e3, 4)
     print(json.dumps(result), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

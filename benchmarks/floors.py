@@ -1,4 +1,4 @@
-"""Physical floors: what no engine can beat on a workload, from bytes moved and FLOPs done (FACTS.md).
+"""Physical floors: what no engine can beat on a workload, from bytes moved and FLOPs done.
 
 decode: every step reads all weights once, and every sequence in the batch reads its whole KV context;
 prefill: 2 * params * prompt tokens of matmul work. The floor is the larger of the two times (perfect overlap),
@@ -13,7 +13,7 @@ from benchmarks.workloads import Workload
 from models.config import ModelConfig
 from models.presets import kv_bytes_per_token, num_params
 
-# Ceilings measured on the lent H200 (FACTS.md, 2026-11-29).
+# Ceilings of the H200 measured on 2026-11-29 (benchmarks/RESULTS.md, "How these are measured").
 H200_HBM_BYTES_PER_S = 4.3e12  # device copy through PyTorch
 H200_BF16_FLOPS = 785e12  # 8192^3 bf16 matmul through JAX
 

@@ -16,22 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
-
-def _versions() -> dict:
-    import flax
-    import jax
-    import jaxlib
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-            "python": platform.python_version(), "device": str(jax.devices()[0].device_kind),
-            "backend": jax.default_backend(), "commit": commit or None}
+from benchmarks.report import versions, write_json
 
 
 def _timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -154,12 +143,10 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
-    result = {"versions": _versions(), "argv": sys.argv[1:] if argv is None else argv, "runs": []}
+    result = {"versions": versions(), "argv": sys.argv[1:] if argv is None else argv, "runs": []}
     for shape in args.shapes:
         result["runs"].extend(bench_shape(shape, args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

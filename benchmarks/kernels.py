@@ -866,7 +866,8 @@ def section_decode_grid(args):
         gc.collect()
 
 
-# The set measured on 2026-11-29 (benchmarks/RESULTS.md), plus the pre-change default (8 warps, 2 stages).
+# Triton prefill tunings timed by ``--sections prefill_sweep``: the default, the previous default (8 warps, 2 stages)
+# and other block / warp / stage choices.
 PREFILL_VARIANTS = [
     {}, dict(block_q=16, block_k=64, num_warps=8, num_stages=2), dict(block_q=16, block_k=64, num_warps=4),
     dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
@@ -874,6 +875,22 @@ PREFILL_VARIANTS = [
     dict(block_q=32, block_k=64, num_warps=8, num_stages=3), dict(block_q=32, block_k=128, num_warps=8),
     dict(block_q=32, block_k=32, num_warps=4, num_stages=3),
 ]
+
+
+# --sections name -> what it runs (each takes the parsed arguments).
+SECTIONS = {
+    "ceiling": section_ceiling,
+    "check": section_check,
+    "decode": section_decode,
+    "decode_sweep": section_decode_sweep,
+    "prefill": section_prefill,
+    "prefill_sweep": lambda args: section_prefill(args, variants=PREFILL_VARIANTS, sweep=True),
+    "prefill_variants": section_prefill_variants,
+    "check_mosaic": section_check_mosaic,
+    "prefill_peers": section_prefill_peers,
+    "decode_compare": section_decode_compare,
+    "decode_grid": section_decode_grid,
+}
 
 
 def main():
@@ -916,30 +933,9 @@ def main():
         t0 = time.time()
         SECTION_DEADLINE = t0 + section_budgets.get(sec, float("inf"))
         try:
-            if sec == "ceiling":
-                section_ceiling(args)
-            elif sec == "check":
-                section_check(args)
-            elif sec == "decode":
-                section_decode(args)
-            elif sec == "decode_sweep":
-                section_decode_sweep(args)
-            elif sec == "prefill":
-                section_prefill(args)
-            elif sec == "prefill_sweep":
-                section_prefill(args, variants=PREFILL_VARIANTS, sweep=True)
-            elif sec == "prefill_variants":
-                section_prefill_variants(args)
-            elif sec == "check_mosaic":
-                section_check_mosaic(args)
-            elif sec == "prefill_peers":
-                section_prefill_peers(args)
-            elif sec == "decode_compare":
-                section_decode_compare(args)
-            elif sec == "decode_grid":
-                section_decode_grid(args)
-            else:
+            if sec not in SECTIONS:
                 raise ValueError(f"unknown section {sec!r}")
+            SECTIONS[sec](args)
         except Exception as e:
             RESULTS["errors"].append(dict(section=sec, error=repr(e)[:2000]))
             log(f"ERR section {sec}: {e!r}"[:2000])

@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import httpx  # noqa: E402
 
+from benchmarks.report import write_json  # noqa: E402
 from benchmarks.workloads import Req, Workload, nanovllm, random_fixed  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
@@ -262,9 +263,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         burstiness=args.burstiness, seed=args.seed, temperature=args.temperature, api_key=args.api_key,
         num_warmup=args.num_warmup, endpoint=args.endpoint))
     print(format_report(summary))
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(args.result_file, summary, indent=2)
     return summary
 
 

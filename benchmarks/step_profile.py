@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from benchmarks.report import write_json
+
 
 def _median_ms(fn, repeats: int) -> float:
     times = []
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every row (0 = greedy)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--inner", type=int, default=10, help="back-to-back calls per pipelined measurement")
-    p.add_argument("--hbm-gbps", type=float, default=4300.0, help="bandwidth of the floor (FACTS.md: 4.3 TB/s)")
+    p.add_argument("--hbm-gbps", type=float, default=4300.0,
+                   help="bandwidth of the floor (the H200 figure of benchmarks/floors.py)")
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up as separate matmuls (the HF layout) instead of the engine's fused one")
@@ -271,9 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["sampler_pieces_ms"] = {"rows": rows, "vocab": config.vocab_size, **pieces}
     print(json.dumps(result["sampler_pieces_ms"]), flush=True)
     result["compiles_after_warm_up"] = runner.num_compiles_since_warmup
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

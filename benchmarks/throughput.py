@@ -1,4 +1,4 @@
-"""Offline throughput of the paged-jax engine on the standard workloads (FACTS.md).
+"""Offline throughput of the paged-jax engine on the standard workloads (benchmarks/workloads.py).
 
 Examples (on the H200, dummy weights in real shapes):
   python -m benchmarks.throughput --shape qwen3-0.6b --workload nano-vllm --out $OUT/nanovllm.json
@@ -19,20 +19,9 @@ _T_PROCESS_START = time.perf_counter()  # before jax is imported: start-up time 
 import argparse
 import dataclasses
 import json
-import platform
-import subprocess
 import sys
 
-
-def _versions() -> dict:
-    import flax
-    import jax
-    import jaxlib
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-            "python": platform.python_version(), "device": str(jax.devices()[0].device_kind),
-            "backend": jax.default_backend(), "commit": commit or None}
+from benchmarks.report import versions, write_json
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -84,13 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START
     assert len(first[0].outputs[0].token_ids) == 1
-    result: dict = {"startup_to_first_token_s": t_first_token, "versions": _versions(),
+    result: dict = {"startup_to_first_token_s": t_first_token, "versions": versions(),
                     "argv": sys.argv[1:] if argv is None else argv}
     if args.startup_only:
         print(json.dumps(result, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(args.out, result)
         return result
 
     workload = by_name(args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
@@ -162,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
     })
     print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
     return result
 
 

@@ -1,4 +1,5 @@
-"""The standard workloads (../shared/FACTS.md), built identically for every engine we compare.
+"""The standard workloads (nano-vllm's bench, vLLM's default throughput run, random prompts), built identically
+for every engine we compare.
 
 Each workload is a list of ``Req(prompt_token_ids, max_tokens)`` plus the sampling temperature it prescribes.
 """

@@ -1,0 +1,30 @@
+"""What every benchmark writes beside its figures: the software versions and commit, and the JSON result file.
+
+No jax import at module level: ``benchmarks.throughput`` times start-up from before jax is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from typing import Any
+
+
+def versions() -> dict:
+    """jax / jaxlib / flax / Python versions, the first device's kind, the backend and the short git commit."""
+    import flax
+    import jax
+    import jaxlib
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+            "python": platform.python_version(), "device": str(jax.devices()[0].device_kind),
+            "backend": jax.default_backend(), "commit": commit or None}
+
+
+def write_json(path: str | None, result: Any, indent: int = 1) -> None:
+    """Write ``result`` as JSON to ``path`` (a benchmark's ``--out``); nothing when ``path`` is None or empty."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=indent)
