@@ -3,7 +3,7 @@
 The workload is model-level (no scheduler): ``--batch`` sequences of ``--prompt-len`` random tokens are prefilled
 as one ragged step on the paged KV pool, then ``--decode-steps`` greedy decode steps run, each feeding the previous
 step's tokens back on device. Every layout runs the same global batch; with dp > 1 each dp group owns
-``batch / dp`` of the sequences and its own part of the KV pool (``paged_jax.sharding``).
+``batch / dp`` of the sequences and its own part of the KV pool (``paged_jax.parallel``).
 
 Layout names: ``tp<N>`` (N-way tensor parallel, KV pool sharded over kv heads), ``dp<M>xtp<N>``, and a ``-kvrep``
 suffix for the replicated-attention layout (attention weights and the KV pool whole on every tp device, only MLP /
@@ -52,6 +52,34 @@ def parse_layout(name: str) -> tuple[int, int, str]:
     return dp, tp, "replicated" if match.group(3) else "sharded"
 
 
+def bytes_per_device(tree) -> dict:
+    """Bytes of every jax Array leaf of ``tree`` (a pytree or ``nnx.State``) held on each addressable device:
+    ``{jax.Device: int}``, from the arrays' shards, so it counts exactly what each device stores."""
+    import jax
+    from flax import nnx
+
+    totals: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, nnx.Variable):
+            leaf = leaf.get_value()
+        if not isinstance(leaf, jax.Array):
+            continue
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.size * shard.data.dtype.itemsize
+    return totals
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Count collective ops (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) in HLO text.
+
+    Counts instruction definitions (``= f32[..] all-reduce(``), async starts once (``all-reduce-start``).
+    """
+    counts = {}
+    for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+        counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text))
+    return counts
+
+
 def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps: int, block_size: int, dtype,
                impl: str, seed: int = 0, repeats: int = 1) -> dict:
     """Run the workload under one layout; returns its measurements and greedy tokens (int32[decode_steps+1, B])."""
@@ -60,15 +88,16 @@ def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps
     import numpy as np
     from flax import nnx
 
-    from paged_jax import sharding as sh
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
 
     dp, tp, kv_layout = parse_layout(layout)
     if batch % dp:
         raise ValueError(f"--batch ({batch}) must be divisible by dp ({dp}) for layout {layout}")
     if dp * tp > len(jax.devices()):
         return {"layout": layout, "skipped": f"needs {dp * tp} devices, {len(jax.devices())} available"}
-    plan = sh.ShardingPlan.create(config, sh.make_mesh(tp, dp), kv_layout=kv_layout)
-    model = sh.load_sharded_model(None, plan, dtype=dtype, load_format="dummy", seed=seed)
+    plan = ShardingPlan.create(config, make_mesh(tp, dp), kv_layout=kv_layout)
+    model = load_sharded_model(None, plan, dtype=dtype, load_format="dummy", seed=seed)
     graphdef, state = nnx.split(model)
     # The jitted steps take the weights as a flat list (flattened in C++ on every call) rather than the nnx.State
     # (flattened through Python callbacks), so the synchronous step time is not inflated by pytree handling.
@@ -164,8 +193,8 @@ def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps
             best = (prefill_s, step_times, pipelined_s, generated)
     prefill_s, step_times, pipelined_s, generated = best
     sync_step_s = statistics.median(step_times) if step_times else float("nan")
-    weight_bytes = sh.bytes_per_device(state)
-    kv_bytes = sh.bytes_per_device(kv_pool)
+    weight_bytes = bytes_per_device(state)
+    kv_bytes = bytes_per_device(kv_pool)
     devices = sorted(weight_bytes, key=lambda d: d.id)
     return {
         "layout": layout, "dp": dp, "tp": tp, "kv_layout": kv_layout,

@@ -335,7 +335,7 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """In place: each layer's q/k/v projections become one ``qkv_proj`` and gate/up one ``gate_up_proj``.
 
     For a model on one device (the engine does this after loading; a tensor-parallel model keeps the HF layout,
-    whose per-projection shardings ``paged_jax.sharding`` defines, and a fused model given to a ``ShardingPlan``
+    whose per-projection shardings ``paged_jax.parallel`` defines, and a fused model given to a ``ShardingPlan``
     is refused with a ValueError naming the parameter). Same outputs; fewer, larger matmuls. The
     separate weights are dropped layer by layer, so the peak extra memory is one layer's projections.
     Returns ``model``. Calling it twice is a no-op.

@@ -13,7 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -93,43 +93,46 @@ def load_model(path: str | os.PathLike | None, *, dtype: Any = "bfloat16", load_
         return init_dummy_model(config, dtype=jnp_dtype, seed=seed), config
     if path is None:
         raise ValueError(f"load_format={load_format!r} needs a checkpoint path")
-    tensor_files = _checkpoint_tensor_files(Path(path))
+    tensor_files = checkpoint_tensor_files(Path(path))
     return _load_safetensors(config, tensor_files, jnp_dtype), config
 
 
 def init_dummy_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) -> LlamaForCausalLM:
     """Random weights (N(0, 0.02) matrices, norms 1, biases 0) generated directly on the default device.
 
-    Parameters are generated one at a time by a jitted sampler compiled once per distinct (shape, dtype), so even an
-    8B model is created in seconds, never exists on the host, and peaks at its own size plus one tensor.
+    Parameters are generated one at a time by a jitted sampler compiled once per distinct (shape, dtype, fill), so
+    even an 8B model is created in seconds, never exists on the host, and peaks at its own size plus one tensor.
+    Parameter ``i`` (flat state order) is ``dummy_param_value(fold_in(key(seed), i), ...)``.
     """
-    graphdef, flat_state = _abstract_flat_state(config, dtype)
+    graphdef, flat_state = abstract_flat_state(config, dtype)
     base_key = jax.random.key(seed)
     for index, (param_path, variable) in enumerate(flat_state):
         spec = variable.get_value()
-        leaf = str(param_path[-1])
-        if leaf == "scale":
-            value = _constant_array(spec.shape, spec.dtype, 1.0)
-        elif leaf == "bias":
-            value = _constant_array(spec.shape, spec.dtype, 0.0)
-        else:
-            value = _normal_array(jax.random.fold_in(base_key, index), spec.shape, spec.dtype)
-        variable.set_value(value)
+        variable.set_value(_dummy_param_jit(jax.random.fold_in(base_key, index), spec.shape, spec.dtype,
+                                            dummy_fill(param_path)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat_state))
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal_array(key, shape, dtype):
+def dummy_fill(param_path: tuple) -> float | None:
+    """The constant a "dummy" parameter is filled with (norm scales 1, biases 0), or None for a random one."""
+    leaf = str(param_path[-1])
+    return 1.0 if leaf == "scale" else 0.0 if leaf == "bias" else None
+
+
+def dummy_param_value(key: jax.Array, shape: tuple[int, ...], dtype, fill: float | None) -> jax.Array:
+    """One "dummy" parameter, ``dtype[shape]``: ``fill`` everywhere, or (fill None) ``N(0, INIT_STD)`` drawn in
+    float32 from ``key`` then cast. Traceable, so a sharded loader can generate it inside its own jit."""
+    if fill is not None:
+        return jnp.full(shape, fill, dtype)
     return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "fill"))
-def _constant_array(shape, dtype, fill: float) -> jax.Array:
-    return jnp.full(shape, fill, dtype)
+_dummy_param_jit = jax.jit(dummy_param_value, static_argnames=("shape", "dtype", "fill"))
 
 
-def _abstract_flat_state(config: ModelConfig, dtype):
-    """(graphdef, flat state of ShapeDtypeStruct variables) of the model: shapes only, no memory."""
+def abstract_flat_state(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.FlatState]:
+    """(graphdef, flat state of ShapeDtypeStruct variables) of ``LlamaForCausalLM(config)`` with parameters in
+    ``dtype``: shapes only, no memory."""
     abstract_model = nnx.eval_shape(
         lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     )
@@ -137,8 +140,10 @@ def _abstract_flat_state(config: ModelConfig, dtype):
     return graphdef, nnx.to_flat_state(abstract_state)
 
 
-def _checkpoint_tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Map tensor name -> safetensors file for a single-file or sharded checkpoint."""
+def checkpoint_tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file for a single-file or sharded checkpoint.
+
+    Raises FileNotFoundError (naming the path) when there are no weights or a listed shard is missing."""
     index_path = model_dir / INDEX_FILE
     single_path = model_dir / SINGLE_FILE
     if index_path.is_file():
@@ -228,13 +233,27 @@ def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     raise ValueError(f"no checkpoint mapping for model parameter {'.'.join(map(str, param_path))}")
 
 
-def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype) -> LlamaForCausalLM:
-    graphdef, flat_state = _abstract_flat_state(config, dtype)
+def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
+                           config: ModelConfig) -> Iterator[tuple[tuple, np.ndarray, bool]]:
+    """Read the checkpoint tensor of every model parameter, one at a time, file by file.
 
-    wanted: dict[str, tuple[Any, bool]] = {}  # hf name -> (variable, transposed)
-    for param_path, variable in flat_state:
+    Args:
+      tensor_files: from ``checkpoint_tensor_files``.
+      expected_shapes: model parameter path -> its shape in model layout (``[in, out]`` kernels), e.g. from
+        ``abstract_flat_state``.
+      config: the checkpoint's config (for the error messages and tied embeddings).
+    Yields:
+      ``(param_path, array, transposed)``: the tensor as stored (HF layout, checkpoint dtype, numpy) and whether
+      the model parameter is its transpose. The host holds one tensor at a time.
+    Raises:
+      ValueError: before reading anything, a missing tensor or an unexpected one (other than ignorable ones and a
+        tied model's redundant ``lm_head.weight``); while reading, a tensor whose shape is not the expected one or
+        an unreadable file.
+    """
+    wanted: dict[str, tuple[tuple, bool]] = {}  # hf name -> (param path, transposed)
+    for param_path in expected_shapes:
         hf_name, transposed = hf_name_for(param_path)
-        wanted[hf_name] = (variable, transposed)
+        wanted[hf_name] = (param_path, transposed)
 
     missing = sorted(name for name in wanted if name not in tensor_files)
     if missing:
@@ -254,26 +273,34 @@ def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype)
     names_by_file: dict[Path, list[str]] = {}
     for hf_name in wanted:
         names_by_file.setdefault(tensor_files[hf_name], []).append(hf_name)
+    for file_path, names in names_by_file.items():
+        with _open_safetensors(file_path) as handle:
+            for hf_name in names:
+                param_path, transposed = wanted[hf_name]
+                model_shape = tuple(expected_shapes[param_path])
+                expected_hf_shape = model_shape[::-1] if transposed else model_shape
+                array = _read_tensor(handle, hf_name, file_path)
+                if tuple(array.shape) != expected_hf_shape:
+                    raise ValueError(
+                        f"tensor {hf_name!r} in {file_path} has shape {tuple(array.shape)} but the model "
+                        f"expects {expected_hf_shape}"
+                    )
+                yield param_path, array, transposed
 
+
+def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype) -> LlamaForCausalLM:
+    graphdef, flat_state = abstract_flat_state(config, dtype)
+    variables = dict(flat_state)
+    expected_shapes = {param_path: tuple(variable.get_value().shape) for param_path, variable in flat_state}
     device = jax.devices()[0]
-    with tqdm(total=len(wanted), desc="Loading weights", unit="tensor", leave=False) as progress:
-        for file_path, names in names_by_file.items():
-            with _open_safetensors(file_path) as handle:
-                for hf_name in names:
-                    variable, transposed = wanted[hf_name]
-                    expected = variable.get_value()
-                    expected_hf_shape = tuple(reversed(expected.shape)) if transposed else tuple(expected.shape)
-                    array = _read_tensor(handle, hf_name, file_path)
-                    if tuple(array.shape) != expected_hf_shape:
-                        raise ValueError(
-                            f"tensor {hf_name!r} in {file_path} has shape {tuple(array.shape)} but the model "
-                            f"expects {expected_hf_shape}"
-                        )
-                    # Cast and transpose on the device: host keeps only the one tensor being read.
-                    value = jax.device_put(array, device).astype(expected.dtype)
-                    if transposed:
-                        value = value.T
-                    variable.set_value(value)
-                    progress.update(1)
+    with tqdm(total=len(variables), desc="Loading weights", unit="tensor", leave=False) as progress:
+        for param_path, array, transposed in iter_checkpoint_params(tensor_files, expected_shapes, config):
+            variable = variables[param_path]
+            # Cast and transpose on the device: host keeps only the one tensor being read.
+            value = jax.device_put(array, device).astype(variable.get_value().dtype)
+            if transposed:
+                value = value.T
+            variable.set_value(value)
+            progress.update(1)
     state = nnx.from_flat_state(flat_state)
     return nnx.merge(graphdef, state)

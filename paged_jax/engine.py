@@ -145,7 +145,8 @@ class LLMEngine:
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
         if args.tensor_parallel_size > 1:
             from models.config import ModelConfig
-            from paged_jax.sharding import ShardingPlan, load_sharded_model, make_mesh
+            from models.tensor_parallel import load_sharded_model
+            from paged_jax.parallel import ShardingPlan, make_mesh
 
             config = config or ModelConfig.from_pretrained(model_path)
             plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size))
@@ -153,6 +154,7 @@ class LLMEngine:
             # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
             run_config, memory_config = plan.model_config, plan.per_device_model_config
         else:
+            plan = None
             model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
                                        config=config)
             # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
@@ -189,7 +191,7 @@ class LLMEngine:
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
-            device=device, dispatch_thread=bool(args.async_scheduling))
+            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling))
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,

@@ -11,7 +11,7 @@ Composability:
     ``pad_token_id``, ``attention_impl`` and Python-number sampling parameters are static) and can be called inside
     a user's own ``jax.jit`` / ``nnx.jit``, with the model state as an ordinary traced pytree.
   * Sharding: nothing is placed on a device explicitly; jit follows the shardings of the inputs, so weights sharded
-    over a mesh stay sharded (no gather of the parameters). Passing the ``paged_jax.sharding.ShardingPlan`` the
+    over a mesh stay sharded (no gather of the parameters). Passing the ``paged_jax.parallel.ShardingPlan`` the
     weights were placed with (``sharding_plan=``) also shards the KV pool over kv heads and runs attention under
     ``shard_map`` on each device's own heads, as the engine does; without it XLA's sharding propagation decides the
     KV pool's layout, and a custom-call kernel (the GPU Pallas kernel) runs on replicated q/k/v.
@@ -77,7 +77,7 @@ class _StaticConfig(NamedTuple):
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     attention_impl: str
-    sharding_plan: Any  # paged_jax.sharding.ShardingPlan with dp == 1, or None
+    sharding_plan: Any  # paged_jax.parallel.ShardingPlan with dp == 1, or None
     # Python-number sampling parameters are compiled in (None: the value is a traced argument instead).
     static_temperature: float | None
     static_top_k: int | None
@@ -136,9 +136,10 @@ def generate(
       block_size: static KV page size (tokens per block) of the paged pool.
       attention_impl: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference", "pallas" (Triton
         lowering) or "mosaic" (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
-      sharding_plan: static ``paged_jax.sharding.ShardingPlan`` (data_parallel_size 1) whose layout the weights
-        have (``plan.shard_model(model)`` / ``load_sharded_model``): the KV pool is sharded over kv heads and
-        attention runs per device under ``shard_map``. None: follow the input shardings (see the module docstring).
+      sharding_plan: static ``paged_jax.parallel.ShardingPlan`` (data_parallel_size 1) whose layout the weights
+        have (``models.tensor_parallel.shard_model`` / ``load_sharded_model``): the KV pool is sharded over kv
+        heads and attention runs per device under ``shard_map``. None: follow the input shardings (see the module
+        docstring).
     Returns:
       ``GenerateOutput(tokens int32[B, N], logprobs float32[B, N], lengths int32[B], finished bool[B])``.
     Raises:
@@ -156,10 +157,10 @@ def generate(
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {attention_impl!r}")
     if sharding_plan is not None:
-        from paged_jax.sharding import ShardingPlan
+        from paged_jax.parallel import ShardingPlan
 
         if not isinstance(sharding_plan, ShardingPlan):
-            raise ValueError(f"sharding_plan must be a paged_jax.sharding.ShardingPlan or None, "
+            raise ValueError(f"sharding_plan must be a paged_jax.parallel.ShardingPlan or None, "
                              f"got {type(sharding_plan).__name__}")
         if sharding_plan.data_parallel_size != 1:
             raise ValueError(f"sharding_plan must have data_parallel_size 1 (split the batch yourself for data "

@@ -39,6 +39,7 @@ from models.config import ModelConfig
 from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
 from paged_jax.ops import write_and_attend
+from paged_jax.parallel import ShardingPlan
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -337,7 +338,11 @@ class ModelRunner:
       attention_impl: "auto" | "reference" | "pallas" | "mosaic", passed to ``ragged_paged_attention``.
       buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
       max_logprobs: the top-logprob width of the compiled logprob variants (requests may ask for up to this many).
-      device: where the pool lives (default ``jax.devices()[0]``).
+      device: where the pool lives (default ``jax.devices()[0]``); ignored with ``sharding_plan``.
+      sharding_plan: the ``paged_jax.parallel.ShardingPlan`` (dp = 1) a tensor-parallel ``model`` was built for
+        (``models.tensor_parallel``), or None for a single-device model. With a plan the weights stay in their
+        shards, host inputs go to every device of its mesh (replicated), the KV pool is split over kv heads and
+        attention runs per device under ``shard_map``.
       dispatch_thread: dispatch each step (the host->device copy of its buffer and the two jitted calls) on a
         worker thread instead of the caller's. Dispatching a step means launching a few hundred kernels, which takes
         the host milliseconds with the GIL released; on the worker it overlaps the caller's Python work for the next
@@ -349,13 +354,12 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
-                 device: jax.Device | None = None, dispatch_thread: bool = False):
+                 device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
+                 dispatch_thread: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
-        # A tensor-parallel model (paged_jax.sharding) carries its plan: host inputs then go to every device of its
-        # mesh (replicated), the weights stay in their shards and the KV pool is split over kv heads.
-        self.sharding_plan = getattr(model, "sharding_plan", None)
+        self.sharding_plan = sharding_plan
         self.device = self.sharding_plan.replicated if self.sharding_plan else (device or jax.devices()[0])
         self.block_size = block_size
         self.num_blocks = num_blocks

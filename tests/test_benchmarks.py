@@ -45,3 +45,31 @@ def test_sharding_benchmark_reports_floor_scaling_and_exact_agreement(tmp_path):
         expected = r["decode_tok_s"] / (r["dp"] * r["tp"]) / (by_name["tp1"]["decode_tok_s"])
         assert abs(r["scaling_vs_first"] - expected) < 1e-2
     assert len(json.loads((tmp_path / "s.json").read_text())["results"]) == 3
+
+
+def test_sharding_diagnostics_count_collectives_and_bytes_per_device():
+    """count_collectives counts each collective instruction once (an async start included, its done not);
+    bytes_per_device sums each device's own shards (a split array 1/n per device, a replicated one whole)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from benchmarks.sharding import bytes_per_device, count_collectives
+
+    hlo = "\n".join([
+        "  %ar = f32[4,8]{1,0} all-reduce(f32[4,8]{1,0} %x), replica_groups={{0,1}}",
+        "  %ags = (f32[4], f32[8]) all-gather-start(f32[4] %y), dimensions={0}",
+        "  %agd = f32[8] all-gather-done((f32[4], f32[8]) %ags)",
+        "  %cp = f32[4] collective-permute(f32[4] %z), source_target_pairs={{0,1}}",
+    ])
+    assert count_collectives(hlo) == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                                      "collective-permute": 1}
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest sets 8 fake CPU devices)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    split = jax.device_put(jnp.zeros((8, 4), jnp.float32), NamedSharding(mesh, PartitionSpec("tp")))
+    whole = jax.device_put(jnp.zeros((3,), jnp.int32), NamedSharding(mesh, PartitionSpec()))
+    per_device = bytes_per_device({"split": split, "whole": whole, "not an array": 1.5})
+    assert per_device == {device: 8 * 4 * 4 // 2 + 3 * 4 for device in jax.devices()[:2]}

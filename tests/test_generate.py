@@ -360,11 +360,12 @@ def test_sharded_params_match_unsharded_without_gathering_weights():
 
 
 def test_sharding_plan_runs_attention_per_device(tiny_model):
-    from paged_jax.sharding import ShardingPlan, make_mesh
+    from models.tensor_parallel import shard_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
 
     # 4 q heads / 2 kv heads over tp = 4: the plan replicates each kv head twice, and the KV pool is head-sharded.
     plan = ShardingPlan.create(tiny_model.config, make_mesh(4))
-    sharded_model = plan.shard_model(tiny_model)
+    sharded_model = shard_model(tiny_model, plan)
     kwargs = dict(max_new_tokens=NUM_NEW, rng=jax.random.key(2), **_sampling(temperature=0.7))
     expected = generate(tiny_model, TINY_PROMPTS, TINY_LENGTHS, **kwargs)
     out = generate(sharded_model, TINY_PROMPTS, TINY_LENGTHS, sharding_plan=plan, **kwargs)

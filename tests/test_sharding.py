@@ -1,4 +1,5 @@
-"""paged_jax.sharding: tensor/data parallelism on CPU meshes (8 virtual devices from conftest).
+"""paged_jax.parallel and models.tensor_parallel: tensor/data parallelism on CPU meshes (8 virtual devices from
+conftest).
 
 Every check compares a sharded run with the unsharded (tp = 1) one in float32.
 """
@@ -17,12 +18,15 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.sharding import bytes_per_device, count_collectives
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.loader import init_dummy_model, load_model
+from models.tensor_parallel import load_sharded_model, shard_model
 from models.testing import tiny_config
-from paged_jax import sharding as sh
 from paged_jax.ops import ragged_paged_attention, write_kv
+from paged_jax.parallel import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, TP_AXIS, HeadLayout, ShardingPlan,
+                                initialize_distributed, make_mesh)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +61,7 @@ def _dense_local_attention(sm_scale):
     return local
 
 
-def _forward_fn(plan: sh.ShardingPlan):
+def _forward_fn(plan: ShardingPlan):
     """jitted (model, tokens, positions, segments) -> float32[T, V] logits, gathered."""
     sm_scale = plan.config.head_dim ** -0.5
 
@@ -82,7 +86,7 @@ def _reference_logits(model, tokens=TOKENS, positions=POSITIONS, segments=SEGMEN
     return np.asarray(forward(model, tokens, positions, segments))
 
 
-def _assert_split_evenly(plan: sh.ShardingPlan, model):
+def _assert_split_evenly(plan: ShardingPlan, model):
     """Every parameter with a tp-split spec has shards of 1/tp of it on each device, one per device of the mesh."""
     tp = plan.tensor_parallel_size
     split = 0
@@ -91,7 +95,7 @@ def _assert_split_evenly(plan: sh.ShardingPlan, model):
         spec = array.sharding.spec
         assert spec == plan.param_spec(path, array.shape), path
         shard_shape = array.sharding.shard_shape(array.shape)
-        if sh.TP_AXIS in spec:
+        if TP_AXIS in spec:
             split += 1
             assert np.prod(shard_shape) * tp == array.size, (path, shard_shape, array.shape)
         else:
@@ -107,19 +111,19 @@ def _assert_split_evenly(plan: sh.ShardingPlan, model):
 
 
 def test_make_mesh_axes_and_errors():
-    mesh = sh.make_mesh(4, 2)
+    mesh = make_mesh(4, 2)
     assert mesh.axis_names == ("dp", "tp")
     assert dict(mesh.shape) == {"dp": 2, "tp": 4}
     # tp is the minor axis: a tp group is 4 consecutive devices.
     assert [d.id for d in mesh.devices[0]] == [d.id for d in jax.devices()[:4]]
-    explicit = sh.make_mesh(2, devices=jax.devices()[6:8])
+    explicit = make_mesh(2, devices=jax.devices()[6:8])
     assert list(explicit.devices.flat) == jax.devices()[6:8]
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        sh.make_mesh(0)
+        make_mesh(0)
     with pytest.raises(ValueError, match="16 devices needed"):
-        sh.make_mesh(8, 2)
+        make_mesh(8, 2)
     with pytest.raises(ValueError, match="devices has 3 entries"):
-        sh.make_mesh(2, devices=jax.devices()[:3])
+        make_mesh(2, devices=jax.devices()[:3])
 
 
 @pytest.mark.parametrize(
@@ -133,7 +137,7 @@ def test_make_mesh_axes_and_errors():
     ],
 )
 def test_head_layout(q_heads, kv_heads, tp, expected):
-    layout = sh.HeadLayout.for_heads(q_heads, kv_heads, tp)
+    layout = HeadLayout.for_heads(q_heads, kv_heads, tp)
     replication, q_per_kv, q_padded, kv_padded = expected
     assert (layout.kv_replication, layout.q_heads_per_kv) == (replication, q_per_kv)
     assert (layout.num_q_heads_padded, layout.num_kv_heads_padded) == (q_padded, kv_padded)
@@ -142,13 +146,13 @@ def test_head_layout(q_heads, kv_heads, tp, expected):
 
 def test_head_padding_refused_with_clear_error():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*num_attention_heads=9, num_key_value_heads=3"):
-        sh.HeadLayout.for_heads(9, 3, 2, pad_heads=False)
-    assert sh.HeadLayout.for_heads(9, 3, 3, pad_heads=False).is_identity
+        HeadLayout.for_heads(9, 3, 2, pad_heads=False)
+    assert HeadLayout.for_heads(9, 3, 3, pad_heads=False).is_identity
 
 
 def test_head_rewrite_keeps_the_q_to_kv_mapping():
     """After the rewrite, padded q head j reads kv head j // g' and holds original head (its group, its slot)."""
-    layout = sh.HeadLayout.for_heads(9, 3, 2)  # r = 2, g' = 2
+    layout = HeadLayout.for_heads(9, 3, 2)  # r = 2, g' = 2
     head_dim = 2
     q_ids = np.repeat(np.arange(1, 10), head_dim)[None, :].astype(np.float32)  # column block h holds h + 1
     kv_ids = np.repeat(np.arange(1, 4), head_dim)[None, :].astype(np.float32)
@@ -166,7 +170,7 @@ def test_head_rewrite_keeps_the_q_to_kv_mapping():
 
 
 def test_param_specs_megatron_rules():
-    plan = sh.ShardingPlan.create(_qwen3_config(), sh.make_mesh(4))
+    plan = ShardingPlan.create(_qwen3_config(), make_mesh(4))
     layer = ("model", "layers", 0)
     assert plan.param_spec(layer + ("self_attn", "q_proj", "kernel"), (64, 128)) == P(None, "tp")
     assert plan.param_spec(layer + ("self_attn", "o_proj", "kernel"), (128, 64)) == P("tp", None)
@@ -179,7 +183,7 @@ def test_param_specs_megatron_rules():
     assert plan.param_spec(("lm_head", "kernel"), (64, 250)) == P()
     per_device = plan.per_device_model_config  # what one of the 4 devices stores: for sizing its KV pool
     assert (per_device.num_attention_heads, per_device.num_key_value_heads, per_device.intermediate_size) == (2, 1, 32)
-    replicated_kv = sh.ShardingPlan.create(_qwen3_config(), sh.make_mesh(4), kv_layout="replicated")
+    replicated_kv = ShardingPlan.create(_qwen3_config(), make_mesh(4), kv_layout="replicated")
     assert replicated_kv.param_spec(layer + ("self_attn", "q_proj", "kernel"), (64, 128)) == P()
     assert replicated_kv.param_spec(layer + ("mlp", "gate_proj", "kernel"), (64, 128)) == P(None, "tp")
     with pytest.raises(ValueError, match="no sharding rule"):
@@ -190,7 +194,7 @@ def test_param_specs_megatron_rules():
     with pytest.raises(ValueError, match="gate_up_proj"):
         plan.param_spec(layer + ("mlp", "gate_up_proj", "kernel"), (64, 256))
     with pytest.raises(ValueError, match="kv_layout"):
-        sh.ShardingPlan.create(_qwen3_config(), sh.make_mesh(2), kv_layout="striped")
+        ShardingPlan.create(_qwen3_config(), make_mesh(2), kv_layout="striped")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -201,8 +205,8 @@ def test_param_specs_megatron_rules():
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_qwen3_logits_match_tp1(qwen3_model, tp):
     reference = _reference_logits(qwen3_model)
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(tp))
-    sharded = plan.shard_model(qwen3_model)
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(tp))
+    sharded = shard_model(qwen3_model, plan)
     _assert_split_evenly(plan, sharded)
     logits = _forward_fn(plan)(sharded, TOKENS, POSITIONS, SEGMENTS)
     assert logits.sharding.spec == P("dp", None) or logits.sharding.is_fully_replicated
@@ -216,13 +220,13 @@ def test_dp_by_tp_and_replicated_kv_layouts_match(qwen3_model):
     tokens = np.concatenate([TOKENS[:6], TOKENS[7:], [0]]).astype(np.int32)  # A's first 6 | B (5) + 1 padding
     positions = np.concatenate([POSITIONS[:6], POSITIONS[7:], [0]]).astype(np.int32)
     segments = np.array([0] * 6 + [0] * 5 + [-1], np.int32)  # local segment ids; -1 marks padding
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(4, 2))
-    logits = np.asarray(_forward_fn(plan)(plan.shard_model(qwen3_model), tokens, positions, segments))
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(4, 2))
+    logits = np.asarray(_forward_fn(plan)(shard_model(qwen3_model, plan), tokens, positions, segments))
     np.testing.assert_allclose(logits[:6], reference[:6], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(logits[6:11], reference[7:], rtol=1e-5, atol=1e-5)
 
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(4), kv_layout="replicated")
-    sharded = plan.shard_model(qwen3_model)
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(4), kv_layout="replicated")
+    sharded = shard_model(qwen3_model, plan)
     q_kernel = sharded.model.layers[0].self_attn.q_proj.kernel.get_value()
     assert q_kernel.sharding.is_fully_replicated
     np.testing.assert_allclose(np.asarray(_forward_fn(plan)(sharded, TOKENS, POSITIONS, SEGMENTS)), reference,
@@ -231,10 +235,10 @@ def test_dp_by_tp_and_replicated_kv_layouts_match(qwen3_model):
 
 def test_one_all_reduce_per_attention_block_and_mlp(qwen3_model):
     """XLA inserts exactly 2 all-reduces per layer, 1 for the vocab-parallel embedding and 1 all-gather of logits."""
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(4))
-    sharded = plan.shard_model(qwen3_model)
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(4))
+    sharded = shard_model(qwen3_model, plan)
     hlo = _forward_fn(plan).lower(sharded, TOKENS, POSITIONS, SEGMENTS).compile().as_text()
-    counts = sh.count_collectives(hlo)
+    counts = count_collectives(hlo)
     num_layers = qwen3_model.config.num_hidden_layers
     assert counts["all-reduce"] == 2 * num_layers + 1, counts
     # The only gather is of the [T, V] logits (not of any weight), and nothing else moves.
@@ -245,9 +249,9 @@ def test_one_all_reduce_per_attention_block_and_mlp(qwen3_model):
 
 
 def test_sharded_params_memory_is_one_over_tp(qwen3_model):
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(8))
-    sharded = plan.shard_model(qwen3_model)
-    per_device = sh.bytes_per_device(nnx.state(sharded))
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(8))
+    sharded = shard_model(qwen3_model, plan)
+    per_device = bytes_per_device(nnx.state(sharded))
     assert len(per_device) == 8 and len(set(per_device.values())) == 1
     split_bytes = replicated_bytes = 0
     for path, variable in nnx.to_flat_state(nnx.state(sharded)):
@@ -262,9 +266,9 @@ def test_sharded_params_memory_is_one_over_tp(qwen3_model):
 
 def test_dummy_load_is_sharded_at_creation_and_equals_sharding_afterwards():
     config = _qwen3_config(num_attention_heads=6, num_key_value_heads=3)  # tp = 4: kv copies and 6 zero q heads
-    plan = sh.ShardingPlan.create(config, sh.make_mesh(4))
-    created = sh.load_sharded_model(None, plan, dtype="float32", load_format="dummy", seed=5)
-    afterwards = plan.shard_model(init_dummy_model(config, dtype=jnp.float32, seed=5))
+    plan = ShardingPlan.create(config, make_mesh(4))
+    created = load_sharded_model(None, plan, dtype="float32", load_format="dummy", seed=5)
+    afterwards = shard_model(init_dummy_model(config, dtype=jnp.float32, seed=5), plan)
     _assert_split_evenly(plan, created)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(created)), nnx.to_flat_state(nnx.state(afterwards))):
         assert a.get_value().sharding == b.get_value().sharding, path
@@ -286,9 +290,9 @@ def smollm2_reference(smollm2_dir):
 @pytest.mark.parametrize("tp", [3, 2, 8])
 def test_smollm2_sharded_load_matches_tp1(smollm2_dir, smollm2_reference, tp):
     config, tokens, reference = smollm2_reference
-    plan = sh.ShardingPlan.create(config, sh.make_mesh(tp))
+    plan = ShardingPlan.create(config, make_mesh(tp))
     assert plan.head_layout.is_identity == (tp == 3)
-    model = sh.load_sharded_model(smollm2_dir, plan, dtype="float32")
+    model = load_sharded_model(smollm2_dir, plan, dtype="float32")
     assert model.config.num_attention_heads == plan.head_layout.num_q_heads_padded
     _assert_split_evenly(plan, model)
     logits = np.asarray(_forward_fn(plan)(model, tokens, POSITIONS, SEGMENTS))
@@ -300,7 +304,7 @@ def test_smollm2_sharded_load_matches_tp1(smollm2_dir, smollm2_reference, tp):
 def test_smollm2_without_padding_raises(smollm2_dir):
     config = ModelConfig.from_pretrained(smollm2_dir)
     with pytest.raises(ValueError, match="tensor_parallel_size=4"):
-        sh.ShardingPlan.create(config, sh.make_mesh(4), pad_heads=False)
+        ShardingPlan.create(config, make_mesh(4), pad_heads=False)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -357,8 +361,8 @@ def _paged_prefill_then_decode(model, plan, *, dp_groups: int):
 @pytest.mark.parametrize("tp, dp", [(4, 1), (8, 1), (2, 2)])
 def test_paged_attention_on_sharded_kv_pool_matches_tp1(qwen3_model, tp, dp):
     prefill_ref, decode_ref, _ = _paged_prefill_then_decode(qwen3_model, None, dp_groups=1)
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(tp, dp))
-    prefill, decode, kv = _paged_prefill_then_decode(plan.shard_model(qwen3_model), plan, dp_groups=dp)
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(tp, dp))
+    prefill, decode, kv = _paged_prefill_then_decode(shard_model(qwen3_model, plan), plan, dp_groups=dp)
     for group in range(dp):
         np.testing.assert_allclose(prefill[group], prefill_ref[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(decode[group], decode_ref[0], rtol=1e-5, atol=1e-5)
@@ -378,8 +382,8 @@ def test_paged_attention_on_sharded_kv_pool_matches_tp1(qwen3_model, tp, dp):
 def test_plain_attention_fn_is_run_per_device_by_the_tp_model(qwen3_model):
     """The tensor-parallel model wraps an ordinary single-device AttentionFn (closing over its metadata)."""
     reference = _reference_logits(qwen3_model)
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(4))
-    sharded = plan.shard_model(qwen3_model)
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(4))
+    sharded = shard_model(qwen3_model, plan)
     seen_heads = []
 
     @nnx.jit
@@ -397,7 +401,7 @@ def test_plain_attention_fn_is_run_per_device_by_the_tp_model(qwen3_model):
     # Each device saw its 2 of the 8 q heads and its 1 of the 4 (replicated-twice) kv heads.
     assert set(seen_heads) == {(2, 1)}
     np.testing.assert_allclose(np.asarray(logits), reference, rtol=1e-5, atol=1e-5)
-    dp_plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(2, 2))
+    dp_plan = ShardingPlan.create(qwen3_model.config, make_mesh(2, 2))
     with pytest.raises(ValueError, match="data_parallel_size=2"):
         dp_plan.wrap_attention(lambda *args: args)
 
@@ -410,8 +414,8 @@ def test_generate_on_sharded_qwen3_matches_tp1_without_gathering_weights_or_kv(q
     from paged_jax.generate import generate
 
     reference = generate(qwen3_model, GEN_PROMPTS, GEN_LENGTHS, max_new_tokens=6, attention_impl="reference")
-    plan = sh.ShardingPlan.create(qwen3_model.config, sh.make_mesh(4))
-    sharded = plan.shard_model(qwen3_model)
+    plan = ShardingPlan.create(qwen3_model.config, make_mesh(4))
+    sharded = shard_model(qwen3_model, plan)
     out = generate(sharded, GEN_PROMPTS, GEN_LENGTHS, max_new_tokens=6, attention_impl="reference")
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(reference.logprobs), atol=1e-5)
@@ -423,7 +427,7 @@ def test_generate_on_sharded_qwen3_matches_tp1_without_gathering_weights_or_kv(q
     batch, vocab = GEN_PROMPTS.shape[0], qwen3_model.config.vocab_size
     # Only [B, V] logits are gathered (prefill and decode); never a weight or the KV pool.
     assert gathers and all(f"[{batch},{vocab}]" in line for line in gathers), gathers
-    assert sh.count_collectives(hlo)["all-to-all"] == 0
+    assert count_collectives(hlo)["all-to-all"] == 0
 
 
 def test_generate_on_sharded_smollm2_matches_tp1(smollm2_dir):
@@ -431,8 +435,8 @@ def test_generate_on_sharded_smollm2_matches_tp1(smollm2_dir):
 
     model, config = load_model(smollm2_dir, dtype="float32")
     reference = generate(model, GEN_PROMPTS, GEN_LENGTHS, max_new_tokens=4, attention_impl="reference")
-    plan = sh.ShardingPlan.create(config, sh.make_mesh(2))  # 9 q heads over 2 devices: padded to 12
-    sharded = sh.load_sharded_model(smollm2_dir, plan, dtype="float32")
+    plan = ShardingPlan.create(config, make_mesh(2))  # 9 q heads over 2 devices: padded to 12
+    sharded = load_sharded_model(smollm2_dir, plan, dtype="float32")
     out = generate(sharded, GEN_PROMPTS, GEN_LENGTHS, max_new_tokens=4, attention_impl="reference")
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
 
@@ -443,28 +447,29 @@ def test_generate_on_sharded_smollm2_matches_tp1(smollm2_dir):
 
 
 def test_initialize_distributed_single_process_is_a_no_op(monkeypatch):
-    for name in (sh.ENV_COORDINATOR, sh.ENV_NUM_PROCESSES, sh.ENV_PROCESS_ID, "JAX_COORDINATOR_ADDRESS",
+    for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, "JAX_COORDINATOR_ADDRESS",
                  "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
                  "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(name, raising=False)
-    assert sh.initialize_distributed() is False
-    monkeypatch.setenv(sh.ENV_COORDINATOR, "127.0.0.1:1234")
+    assert initialize_distributed() is False
+    monkeypatch.setenv(ENV_COORDINATOR, "127.0.0.1:1234")
     with pytest.raises(ValueError, match="missing"):
-        sh.initialize_distributed()
+        initialize_distributed()
     with pytest.raises(ValueError, match="process_id"):
-        sh.initialize_distributed("127.0.0.1:1234", 2, 5)
+        initialize_distributed("127.0.0.1:1234", 2, 5)
 
 
 _WORKER = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from paged_jax import sharding as sh
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, initialize_distributed, make_mesh
     from models.attention import dense_causal_attention
     from models.config import ModelConfig
     from models.testing import tiny_config
 
-    assert sh.initialize_distributed(initialization_timeout=60) is True
+    assert initialize_distributed(initialization_timeout=60) is True
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     config = ModelConfig.from_hf_config(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2))
     tokens = np.array([3, 9, 27, 81, 243, 5], np.int32)
@@ -472,7 +477,7 @@ _WORKER = textwrap.dedent("""
     segments = np.zeros(6, np.int32)
 
     def logits_on(plan):
-        model = sh.load_sharded_model(None, plan, dtype="float32", load_format="dummy", seed=1)
+        model = load_sharded_model(None, plan, dtype="float32", load_format="dummy", seed=1)
 
         @nnx.jit
         def forward(model):
@@ -483,8 +488,8 @@ _WORKER = textwrap.dedent("""
 
         return np.asarray(forward(model).addressable_data(0))
 
-    across = logits_on(sh.ShardingPlan.create(config, sh.make_mesh(4)))  # tp = 4 over both processes
-    alone = logits_on(sh.ShardingPlan.create(config, sh.make_mesh(1, devices=jax.local_devices()[:1])))
+    across = logits_on(ShardingPlan.create(config, make_mesh(4)))  # tp = 4 over both processes
+    alone = logits_on(ShardingPlan.create(config, make_mesh(1, devices=jax.local_devices()[:1])))
     np.testing.assert_allclose(across, alone, rtol=1e-5, atol=1e-5)
     print("MULTIPROCESS_OK", jax.process_index(), flush=True)
 """)
@@ -500,8 +505,8 @@ def test_two_process_tensor_parallel_matches_single_device(tmp_path):
     procs = []
     for process_id in range(2):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                   PYTHONPATH=str(REPO_ROOT), **{sh.ENV_COORDINATOR: f"127.0.0.1:{port}",
-                                                  sh.ENV_NUM_PROCESSES: "2", sh.ENV_PROCESS_ID: str(process_id)})
+                   PYTHONPATH=str(REPO_ROOT), **{ENV_COORDINATOR: f"127.0.0.1:{port}",
+                                               ENV_NUM_PROCESSES: "2", ENV_PROCESS_ID: str(process_id)})
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=str(REPO_ROOT),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []

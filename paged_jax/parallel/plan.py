@@ -1,0 +1,318 @@
+"""``ShardingPlan``: how one model runs on a ``(dp, tp)`` mesh (parameter PartitionSpecs, the head rewrite, the
+KV pool's sharding and head-parallel attention under ``shard_map``).
+
+Layout (Megatron-style, over the mesh axis ``"tp"``):
+
+* q/k/v projections and the MLP gate/up projections are column-parallel (output features split over tp), o_proj and
+  down_proj are row-parallel (input features split), so each attention block and each MLP ends in exactly one
+  all-reduce, which XLA's SPMD partitioner inserts from the shardings alone.
+* The embedding table is vocabulary-parallel (``[V/tp, H]`` per device) and so is the LM head (``[H, V/tp]``);
+  logits come out vocabulary-sharded and are gathered (``ShardingPlan.gather_logits``) before sampling.
+* Norm scales and the o_proj bias are replicated.
+* The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
+  ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
+* Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
+  shape is ``ShardingPlan.model_config``: build the model and the KV pool from it.
+
+Data parallelism (mesh axis ``"dp"``): weights are replicated over dp; the flat token batch, the attention metadata and
+the KV pool's block axis are split over dp, so each dp group owns ``num_blocks / dp`` blocks addressed by *local*
+block ids (local block 0 is that group's null block) and its own sequences. This is a model-level layout (used by
+``benchmarks/sharding.py``); the engine runs dp = 1.
+
+The plan implements ``models.tensor_parallel.TensorParallelPlan``: ``models.tensor_parallel`` builds, shards and
+loads the model that runs on it (``TensorParallelLlamaForCausalLM``, ``shard_model``, ``load_sharded_model``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+from models.llama import AttentionFn
+from paged_jax.parallel.head_layout import HeadLayout
+from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
+
+KV_LAYOUTS = ("sharded", "replicated")
+
+
+def _param_kind(path: tuple) -> str:
+    """Classify a model parameter by its nnx path, e.g. ('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel')."""
+    names = [str(p) for p in path]
+    leaf = names[-1]
+    if names[-2:] == ["embed_tokens", "embedding"]:
+        return "embedding"
+    if names[0] == "lm_head" and leaf == "kernel":
+        return "lm_head"
+    if leaf == "scale":
+        return "norm"
+    if len(names) >= 3 and names[-3] in ("self_attn", "mlp") and leaf in ("kernel", "bias"):
+        return f"{names[-2]}.{leaf}"
+    raise ValueError(f"no sharding rule for model parameter {'.'.join(names)}")
+
+
+# Megatron rules: which tensor dim of each parameter kind is split over tp (None = replicated).
+_ATTENTION_KINDS = {"q_proj.kernel": 1, "k_proj.kernel": 1, "v_proj.kernel": 1, "q_proj.bias": 0,
+                    "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None}
+_MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0}
+_OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Everything needed to run one model on a ``(dp, tp)`` mesh; a ``models.tensor_parallel.TensorParallelPlan``.
+
+    Build with ``ShardingPlan.create(config, mesh)``. Fields:
+      mesh: the ``("dp", "tp")`` mesh.
+      config: the checkpoint's model shape.
+      model_config: the shape actually built and run (``config`` with heads rewritten by ``head_layout``); the KV
+        pool has ``model_config.num_key_value_heads`` heads.
+      head_layout: see ``HeadLayout``.
+      kv_layout: "sharded" (attention weights and the KV pool split over kv heads; attention under shard_map) or
+        "replicated" (the whole attention block and the KV pool replicated on every tp device; only the MLP,
+        embedding and LM head are split).
+    """
+
+    mesh: Mesh
+    config: ModelConfig
+    model_config: ModelConfig
+    head_layout: HeadLayout
+    kv_layout: str = "sharded"
+
+    @classmethod
+    def create(cls, config: ModelConfig, mesh: Mesh, *, kv_layout: str = "sharded",
+               pad_heads: bool = True) -> "ShardingPlan":
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
+            raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
+        tp = mesh.shape[TP_AXIS]
+        if kv_layout == "sharded":
+            layout = HeadLayout.for_heads(config.num_attention_heads, config.num_key_value_heads, tp,
+                                          pad_heads=pad_heads)
+        else:  # attention is not split, the heads stay as they are
+            group = config.num_attention_heads // config.num_key_value_heads
+            layout = HeadLayout(tp, config.num_attention_heads, config.num_key_value_heads, 1, group)
+        model_config = dataclasses.replace(
+            config, num_attention_heads=layout.num_q_heads_padded, num_key_value_heads=layout.num_kv_heads_padded
+        )
+        return cls(mesh, config, model_config, layout, kv_layout)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.shape[TP_AXIS]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.shape[DP_AXIS]
+
+    # -- parameters --------------------------------------------------------------------------------------------------
+
+    def param_spec(self, path: tuple, shape: tuple[int, ...]) -> P:
+        """PartitionSpec of one parameter of the (rewritten) model, by its nnx path and shape.
+
+        A dimension that tp does not divide (e.g. an odd vocabulary) is replicated instead of split.
+        Raises ValueError for a parameter no rule covers, so a new parameter is never silently replicated.
+        """
+        kind = _param_kind(path)
+        if kind in _ATTENTION_KINDS:
+            split_dim = _ATTENTION_KINDS[kind] if self.kv_layout == "sharded" else None
+        elif kind in _MLP_KINDS:
+            split_dim = _MLP_KINDS[kind]
+        elif kind in _OTHER_KINDS:
+            split_dim = _OTHER_KINDS[kind]
+        else:
+            raise ValueError(f"no sharding rule for model parameter {'.'.join(map(str, path))} ({kind})")
+        if split_dim is None or shape[split_dim] % self.tensor_parallel_size != 0:
+            return P()
+        return P(*[TP_AXIS if dim == split_dim else None for dim in range(len(shape))])
+
+    def state_shardings(self, state: nnx.State) -> nnx.State:
+        """NamedSharding for every leaf of a model state (concrete or abstract), same tree structure."""
+        flat = nnx.to_flat_state(state)
+        shardings = []
+        for path, leaf in flat:
+            value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+            sharding = NamedSharding(self.mesh, self.param_spec(path, tuple(value.shape)))
+            shardings.append((path, leaf.replace(sharding) if isinstance(leaf, nnx.Variable) else sharding))
+        return nnx.from_flat_state(shardings)
+
+    def rewrite_param(self, path: tuple, value, xp=np):
+        """Apply the head rewrite to one parameter in model layout (``[in, out]`` kernels) of the ``config`` shape:
+        host (``xp=np``) or traced (``xp=jnp``). Depends only on the parameter's kind, never on its layer."""
+        kind = _param_kind(path)
+        if self.head_layout.is_identity:
+            return value
+        head_dim = self.config.head_dim
+        if kind in ("q_proj.kernel", "q_proj.bias"):
+            return self.head_layout.expand_q_columns(value, head_dim, xp)
+        if kind in ("k_proj.kernel", "k_proj.bias", "v_proj.kernel", "v_proj.bias"):
+            return self.head_layout.expand_kv_columns(value, head_dim, xp)
+        if kind == "o_proj.kernel":
+            return self.head_layout.expand_q_rows(value, head_dim, xp)
+        return value
+
+    # -- KV pool, activations ----------------------------------------------------------------------------------------
+
+    @property
+    def kv_cache_spec(self) -> P:
+        """Spec of one ``[num_blocks, block_size, Hkv', D]`` page array: blocks over dp, kv heads over tp."""
+        return P(DP_AXIS, None, TP_AXIS if self.kv_layout == "sharded" else None, None)
+
+    @property
+    def kv_cache_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.kv_cache_spec)
+
+    @property
+    def num_kv_heads_per_device(self) -> int:
+        """KV heads each device stores (the KV pool's per-device head count)."""
+        heads = self.model_config.num_key_value_heads
+        return heads // self.tensor_parallel_size if self.kv_layout == "sharded" else heads
+
+    @property
+    def per_device_model_config(self) -> ModelConfig:
+        """``model_config`` with the per-device head counts and MLP width: what one device stores and computes, for
+        memory accounting (e.g. ``determine_num_blocks(plan.per_device_model_config, ...)`` sizes the KV pool
+        by the bytes each device holds)."""
+        tp = self.tensor_parallel_size
+        if self.kv_layout == "replicated":
+            heads = {}
+        else:
+            heads = {"num_attention_heads": self.model_config.num_attention_heads // tp,
+                     "num_key_value_heads": self.model_config.num_key_value_heads // tp}
+        inter = self.model_config.intermediate_size
+        return dataclasses.replace(self.model_config, intermediate_size=inter // tp if inter % tp == 0 else inter,
+                                   **heads)
+
+    @property
+    def token_sharding(self) -> NamedSharding:
+        """Flat per-token inputs (``input_ids``, ``positions``, metadata with a leading token/sequence axis)."""
+        return NamedSharding(self.mesh, P(DP_AXIS))
+
+    @property
+    def logits_sharding(self) -> NamedSharding:
+        """Logits ``[N, V]`` gathered over tp (rows stay split over dp) so sampling sees the whole vocabulary."""
+        return NamedSharding(self.mesh, P(DP_AXIS, None))
+
+    def gather_logits(self, logits: jax.Array) -> jax.Array:
+        """Call on ``model.compute_logits(hidden)`` inside jit: ``float32[N, V]`` -> the same, gathered over tp.
+
+        The first constraint pins the LM-head matmul's output to vocabulary shards (so each device multiplies by
+        its own ``[H, V/tp]`` slice); the second gathers the ``[N, V]`` logits. Without it XLA may gather the whole
+        ``[H, V]`` LM head instead when N is small.
+        """
+        rows = DP_AXIS if logits.shape[0] % self.data_parallel_size == 0 else None
+        if logits.shape[-1] % self.tensor_parallel_size == 0:  # else the LM head is replicated (param_spec)
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P(rows, TP_AXIS)))
+        return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P(rows, None)))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16) -> list[tuple[jax.Array, jax.Array]]:
+        """Zeroed paged KV pool, one ``(k_pages, v_pages)`` per layer, created directly in its shards.
+
+        ``num_blocks`` is the total over dp groups (each group gets ``num_blocks / dp``, its local block 0 null).
+        """
+        if num_blocks % self.data_parallel_size != 0:
+            raise ValueError(f"num_blocks ({num_blocks}) must be divisible by data_parallel_size "
+                             f"({self.data_parallel_size})")
+        local_shape = (num_blocks // self.data_parallel_size, block_size, self.num_kv_heads_per_device,
+                       self.model_config.head_dim)
+        # Created by a shard_map inside jit, exactly as the attention's shard_map returns the pages, so the pool
+        # has the very sharding a step returns (jax normalizes specs, e.g. drops size-1 axes): feeding a step's
+        # output back never looks like a new input sharding to jit (no recompile).
+        spec = self.kv_cache_spec
+        create = jax.jit(jax.shard_map(lambda: (jnp.zeros(local_shape, dtype), jnp.zeros(local_shape, dtype)),
+                                       mesh=self.mesh, in_specs=(), out_specs=(spec, spec), check_vma=False))
+        return [create() for _ in range(self.model_config.num_hidden_layers)]
+
+    # -- attention ---------------------------------------------------------------------------------------------------
+
+    def shard_attention(self, local_attention: Callable[..., tuple[jax.Array, Any]], metadata: Any = (),
+                        metadata_specs: Any = None) -> AttentionFn:
+        """Wrap a per-device attention into a mesh-wide ``AttentionFn`` (``shard_map`` over dp and tp).
+
+        Args:
+          local_attention: ``(layer_idx, q[T/dp, Hq'/tp, D], k[T/dp, Hkv'/tp, D], v, kv_layer_shard, metadata_shard)
+            -> (out[T/dp, Hq'/tp, D], kv_layer_shard)``: the kernel or reference on one device's heads, tokens and
+            KV shard (with the "replicated" layout, all heads). It sees ordinary local arrays.
+          metadata: pytree of arrays passed to every call (block tables, lengths, slot mapping, segment ids, ...).
+          metadata_specs: their PartitionSpecs; default ``P("dp")`` for every leaf (leading axis split over dp, i.e.
+            each dp group gets its own sequences' metadata; with dp = 1 that is plain replication).
+        Returns:
+          ``attention(layer_idx, q, k, v, kv_layer) -> (out, kv_layer)`` for ``LlamaForCausalLM.__call__``;
+          ``kv_layer`` is None or a pytree of page arrays sharded as ``kv_cache_spec``.
+        """
+        heads = TP_AXIS if self.kv_layout == "sharded" else None
+        token_spec = P(DP_AXIS, heads, None)
+        if metadata_specs is None:
+            metadata_specs = jax.tree.map(lambda _: P(DP_AXIS), metadata)
+        mesh = self.mesh
+        kv_spec = self.kv_cache_spec
+
+        def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer):
+            kv_specs = jax.tree.map(lambda _: kv_spec, kv_layer)
+
+            def per_device(q, k, v, kv_layer, metadata):
+                return local_attention(layer_idx, q, k, v, kv_layer, metadata)
+
+            # check_vma off: kernels (Pallas/Triton) carry no varying-axis annotations; the specs are exact anyway.
+            sharded = jax.shard_map(
+                per_device, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, kv_specs, metadata_specs),
+                out_specs=(token_spec, kv_specs), check_vma=False,
+            )
+            return sharded(q, k, v, kv_layer, metadata)
+
+        attention.runs_on_mesh = mesh  # wrap_attention passes it through unwrapped
+        return attention
+
+    def wrap_attention(self, attention: AttentionFn) -> AttentionFn:
+        """Run an ordinary single-device ``AttentionFn`` on each device's heads (tp only, dp = 1).
+
+        ``attention`` is written for one device (e.g. ``write_kv`` + ``ragged_paged_attention`` closing over its
+        metadata); inside ``shard_map`` it sees ``q[T, Hq'/tp, D]``, ``k, v[T, Hkv'/tp, D]`` and the local KV shard
+        ``[num_blocks, block_size, Hkv'/tp, D]``, and what it closes over (block tables, lengths, slot mapping) is
+        read as replicated. ``TensorParallelLlamaForCausalLM`` applies this automatically, so ``generate`` and other
+        callers need no attention changes.
+
+        Limitation (jax's): the arrays the closure captures must not descend from jit inputs committed to the mesh
+        (``jax.device_put(x, NamedSharding(...))``): jax refuses to index such an array inside ``shard_map``.
+        Pass host metadata uncommitted (numpy, or computed inside the jit), or build the attention with
+        ``paged_attention`` / ``shard_attention``, which take the metadata as explicit ``shard_map`` inputs (the
+        engine's runner does that).
+        Raises ValueError for dp > 1 (the metadata would have to be split; use ``shard_attention``).
+        """
+        if getattr(attention, "runs_on_mesh", None) is not None:
+            return attention
+        if self.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size}: a single-device attention cannot be split over dp; "
+                f"build it with ShardingPlan.shard_attention / paged_attention"
+            )
+        return self.shard_attention(lambda layer_idx, q, k, v, kv_layer, _: attention(layer_idx, q, k, v, kv_layer))
+
+    def paged_attention(self, *, slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
+                        cu_q_lens: jax.Array, sm_scale: float, sliding_window: int | None = None,
+                        impl: str = "auto") -> AttentionFn:
+        """Mesh-wide paged attention: ``write_kv`` then ``ragged_paged_attention`` on each device's heads.
+
+        Metadata shapes are the global ones with the dp groups stacked: ``slot_mapping int32[T]`` (local slots),
+        ``kv_lens int32[dp*S]``, ``block_tables int32[dp*S, max_blocks]`` (local block ids), ``cu_q_lens
+        int32[dp*(S+1)]`` (each group's offsets start at 0). With dp = 1 these are exactly the ops' arguments.
+        """
+        from paged_jax.ops import write_and_attend
+
+        def local(layer_idx, q, k, v, kv_layer, meta):
+            return write_and_attend(meta, q, k, v, kv_layer, sm_scale=sm_scale, sliding_window=sliding_window,
+                                    impl=impl)
+
+        return self.shard_attention(local, dict(slot_mapping=slot_mapping, kv_lens=kv_lens,
+                                                block_tables=block_tables, cu_q_lens=cu_q_lens))
