@@ -33,6 +33,9 @@ class EngineArgs:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
+    # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
+    # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
+    weight_cache: bool = True
     attention_impl: Literal["auto", "reference", "pallas", "mosaic"] = "auto"
     disable_log_stats: bool = False
     # Overlap host scheduling with device compute: step k+1 is dispatched before step k's sampled tokens reach the

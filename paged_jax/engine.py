@@ -131,8 +131,12 @@ class LLMEngine:
     """
 
     def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
-        from models.llama import fuse_projections
-        from models.loader import load_model
+        from flax import nnx
+
+        from models import weight_cache
+        from models.config import ModelConfig
+        from models.llama import LlamaForCausalLM, fuse_projections
+        from models.loader import load_model, resolve_dtype
 
         args = engine_args
         self.engine_args = args
@@ -143,21 +147,40 @@ class LLMEngine:
         model_path, config = self._resolve_model(args)
         self.model_path = model_path
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
+        load_start = time.perf_counter()
+        config = config or ModelConfig.from_pretrained(model_path)
+        jnp_dtype = resolve_dtype(dtype)
+
+        def weight_cache_key(**layout):  # random weights have no checkpoint to key them by
+            use_cache = args.weight_cache and args.load_format != "dummy"
+            return weight_cache.cache_key(model_path, dtype=dtype, layout=layout) if use_cache else None
+
         if args.tensor_parallel_size > 1:
-            from models.config import ModelConfig
             from paged_jax.sharding import ShardingPlan, load_sharded_model, make_mesh
 
-            config = config or ModelConfig.from_pretrained(model_path)
             plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size))
-            model = load_sharded_model(model_path, plan, dtype=dtype, load_format=args.load_format, seed=args.seed)
+            model = weight_cache.load_or_convert(
+                weight_cache_key(kind="tensor_parallel", mesh=dict(plan.mesh.shape), kv_layout=plan.kv_layout,
+                                 head_layout=dataclasses.asdict(plan.head_layout)),
+                lambda: load_sharded_model(model_path, plan, dtype=dtype, load_format=args.load_format,
+                                           seed=args.seed),
+                lambda: plan.abstract_model(jnp_dtype), shardings=plan.state_shardings)
             # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
             run_config, memory_config = plan.model_config, plan.per_device_model_config
         else:
-            model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
-                                       config=config)
-            # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
-            fuse_projections(model)
+            def convert():
+                model, _ = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
+                                      config=config)
+                # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
+                return fuse_projections(model)
+
+            model = weight_cache.load_or_convert(
+                weight_cache_key(kind="fused"), convert,
+                lambda: nnx.eval_shape(lambda: fuse_projections(
+                    LlamaForCausalLM(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0)))))
             run_config = memory_config = config
+        self.model_load_seconds = time.perf_counter() - load_start
+        logger.info("model weights ready in %.2f s", self.model_load_seconds)
         self.model_config = config
         self.vocab_size = config.vocab_size
         self.tokenizer = self._load_tokenizer(args.tokenizer or model_path)
