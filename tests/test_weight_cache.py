@@ -250,3 +250,19 @@ def test_smollm2_engine_restarted_from_the_cache_generates_the_same_tokens(smoll
     assert "weights cache hit" in caplog.text
     assert _greedy(warm, prompts) == cold_tokens
     assert warm.model_load_seconds > 0
+
+
+def test_benchmark_random_checkpoint_loads(tmp_path):
+    """benchmarks.startup's numpy writer (the GPU start-up benchmark's checkpoint): sharded, bf16, loadable."""
+    from benchmarks.startup import write_random_checkpoint
+
+    path = write_random_checkpoint(tiny_config("qwen3", tie_word_embeddings=True), tmp_path / "rand",
+                                   max_shard_bytes=40_000)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    model, config = loader.load_model(path, dtype="bfloat16")
+    assert config.qk_norm and model.lm_head is None
+    np.testing.assert_array_equal(np.asarray(model.model.norm.scale[...], np.float32), 1.0)
+    kernel = np.asarray(model.model.layers[1].mlp.down_proj.kernel[...], np.float32)
+    assert 0.01 < kernel.std() < 0.03 and len(np.unique(kernel)) > 1000
+    assert write_random_checkpoint(tiny_config("qwen3"), path) == path  # complete: reused as is
