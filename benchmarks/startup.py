@@ -169,10 +169,10 @@ def _child(engine_kwargs: dict) -> dict:
     from paged_jax.config import EngineArgs
     from paged_jax.engine import LLMEngine
 
+    logging.basicConfig(format="%(name)s: %(message)s")  # shows the cache's INFO lines below on stderr
     events = _CacheEvents()
     cache_logger = logging.getLogger("models.weight_cache")
     cache_logger.addHandler(events)
-    cache_logger.addHandler(logging.StreamHandler())  # its "weights cache hit ..." lines, on stderr
     cache_logger.setLevel(logging.INFO)
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(**engine_kwargs), use_tqdm=False)

@@ -193,14 +193,23 @@ def _restore(state_dir: Path, abstract_model: Callable[[], nnx.Module],
                           specs, leaf_shardings)
     import orbax.checkpoint as ocp  # imported here: only cached loads pay its import time
 
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(state_dir.absolute(), args=ocp.args.StandardRestore(target))
+    restore_args = jax.tree.map(
+        lambda spec: ocp.ArrayRestoreArgs(sharding=spec.sharding, global_shape=spec.shape, dtype=spec.dtype), target)
+    with _checkpointer(ocp) as checkpointer:
+        restored = checkpointer.restore(state_dir.absolute(),
+                                        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
     for spec, value in zip(jax.tree.leaves(target), jax.tree.leaves(restored)):
         if value.shape != spec.shape or value.dtype != spec.dtype:
             raise ValueError(f"stored leaf {value.shape} {value.dtype} does not match the target {spec.shape} "
                              f"{spec.dtype}")
     nnx.replace_by_pure_dict(abstract_state, restored)
     return nnx.merge(graphdef, abstract_state)
+
+
+def _checkpointer(ocp):
+    """A synchronous orbax checkpointer, zarr3 in OCDBT files, without compression: weights barely compress, and
+    zstd would cost CPU time on every save and restore."""
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False))
 
 
 def _save(entry: Path, key: dict[str, Any], model: nnx.Module) -> None:
@@ -210,9 +219,9 @@ def _save(entry: Path, key: dict[str, Any], model: nnx.Module) -> None:
     try:
         import orbax.checkpoint as ocp
 
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        with _checkpointer(ocp) as checkpointer:
             checkpointer.save(staging.absolute() / STATE_DIR,
-                              args=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))))
+                              args=ocp.args.PyTreeSave(nnx.to_pure_dict(nnx.state(model))))
         (staging / KEY_FILE).write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
         os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the entry from other users of a shared cache
         try:
