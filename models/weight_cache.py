@@ -1,4 +1,4 @@
-"""Converted-weights cache: the first load of a checkpoint in a given layout is saved with orbax, later loads restore it.
+"""Converted-weights cache: a checkpoint's first load in a given layout is saved with orbax, later loads restore it.
 
 Converting an HF safetensors checkpoint into the engine's parameters (parse, transpose, cast, fuse projections or
 rewrite heads and shard) is done once per (checkpoint, dtype, layout). ``load_or_convert`` then saves the resulting
