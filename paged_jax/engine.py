@@ -15,19 +15,18 @@ Thread-safety: none; the serving layer drives one engine from one thread (``serv
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from paged_jax.config import EngineArgs
 from paged_jax.detokenizer import IncrementalDetokenizer
+from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.model_loader import load_engine_model
 from paged_jax.model_runner import (BANNED_WIDTH, ModelRunner, PendingStep, SeqInput, determine_num_blocks,
                                     enable_compilation_cache, num_host_blocks_for)
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -131,39 +130,23 @@ class LLMEngine:
     """
 
     def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
-        from models.llama import fuse_projections
-        from models.loader import load_model
-
         args = engine_args
         self.engine_args = args
+        warn_if_gpu_unused()
         enable_compilation_cache(args.compilation_cache_dir)
         device = jax.devices()[0]
         on_accelerator = device.platform != "cpu"
 
-        model_path, config = self._resolve_model(args)
-        self.model_path = model_path
-        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
-        if args.tensor_parallel_size > 1:
-            from models.config import ModelConfig
-            from models.tensor_parallel import load_sharded_model
-            from paged_jax.parallel import ShardingPlan, make_mesh
-
-            config = config or ModelConfig.from_pretrained(model_path)
-            plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size))
-            model = load_sharded_model(model_path, plan, dtype=dtype, load_format=args.load_format, seed=args.seed)
-            # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
-            run_config, memory_config = plan.model_config, plan.per_device_model_config
-        else:
-            plan = None
-            model, config = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
-                                       config=config)
-            # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
-            fuse_projections(model)
-            run_config = memory_config = config
+        loaded = load_engine_model(args, on_accelerator)
+        model, config, plan = loaded.model, loaded.config, loaded.plan
+        run_config, memory_config = loaded.run_config, loaded.memory_config
+        self.model_path = loaded.model_path
+        self.model_load_seconds = loaded.load_seconds
+        self.generation_config = loaded.generation_config
         self.model_config = config
         self.vocab_size = config.vocab_size
-        self.tokenizer = self._load_tokenizer(args.tokenizer or model_path)
-        self.eos_token_ids = self._eos_token_ids(config, model_path)
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
 
         # On CPU the reference attention reads a whole max_model_len context per token, so keep the default short.
         default_cap = _DEFAULT_MAX_MODEL_LEN_CAP if on_accelerator else _CPU_DEFAULT_MAX_MODEL_LEN_CAP
@@ -216,47 +199,6 @@ class LLMEngine:
         return cls(engine_args, **kwargs)
 
     # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def _resolve_model(args: EngineArgs):
-        """-> (checkpoint dir or None, ModelConfig or None to read it from the dir)."""
-        if args.model is None:
-            from models.smollm2 import ensure_smollm2
-
-            return str(ensure_smollm2()), None
-        if args.load_format == "dummy" and not os.path.isdir(args.model):
-            from models.presets import preset_config
-
-            return None, preset_config(args.model)
-        if not os.path.isdir(args.model):
-            raise ValueError(f"model {args.model!r} is not a checkpoint directory (downloads are not supported); "
-                             "with load_format='dummy' it may name a known shape")
-        return args.model, None
-
-    @staticmethod
-    def _load_tokenizer(path: str | None):
-        if path is None:
-            return None
-        try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as exc:  # a weights-only directory: token-id prompts only
-            logger.warning("no tokenizer loaded from %s (%s); only token-id prompts are accepted", path, exc)
-            return None
-
-    @staticmethod
-    def _eos_token_ids(config, model_path: str | None) -> list[int]:
-        eos = set(config.eos_token_ids)
-        if model_path is not None:
-            generation_config = Path(model_path) / "generation_config.json"
-            if generation_config.is_file():
-                value = json.loads(generation_config.read_text()).get("eos_token_id")
-                if isinstance(value, int):
-                    eos.add(value)
-                elif isinstance(value, list):
-                    eos.update(int(v) for v in value)
-        return sorted(eos)
-
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:

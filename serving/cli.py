@@ -54,6 +54,8 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
     engine.add_argument("--async-scheduling", action="store_true",
                         help="build and dispatch the next step while the current one runs on the device")
+    engine.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="restore converted weights from / save them to the cache (models.weight_cache)")
     engine.add_argument("--disable-log-stats", action="store_true")
     return parser
 
@@ -84,6 +86,7 @@ def engine_args_from_namespace(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         disable_log_stats=args.disable_log_stats,
         async_scheduling=args.async_scheduling,
+        weight_cache=args.weight_cache,
     )
 
 

@@ -1,0 +1,280 @@
+"""Engine start-up with and without the converted-weights cache (models.weight_cache).
+
+Every start is a fresh child process constructing an ``LLMEngine``; three modes, ``--repeats`` times each, in the
+order no_cache, cold, warm:
+  no_cache: ``weight_cache=False`` (safetensors -> conversion, nothing written);
+  cold:     cache on, no entry (conversion, then the orbax save);
+  warm:     cache on, entry present (orbax restore straight into the target shardings, no safetensors read).
+Reported per mode (medians, and every run): ``model_load_s`` (the engine's weight loading, ``model_load_seconds``),
+``engine_init_s`` (the whole ``LLMEngine(...)``: weights, KV pool, compilation of every step bucket) and
+``process_s`` (child start to engine ready, imports included); cold also ``convert_s`` / ``save_s``, warm
+``restore_s``. Before the timed runs one start with dummy weights of the same shape fills JAX's persistent
+compilation cache, so every timed run sees it warm and the modes differ only in how the weights arrive. The OS page
+cache is left as it is: the checkpoint (and the cache entry) are usually in memory after their first read.
+
+With ``--shape`` (a models/presets.py name) there are no real weights: a safetensors checkpoint of random weights in
+that shape is written first (numpy writer, ``--checkpoint-dtype``, shards of at most 5 GB; reused if already there).
+
+Examples (one command each; prints one JSON line):
+  python -m benchmarks.startup --model ~/.cache/paged_jax/SmolLM2-135M-Instruct --repeats 2
+  python -m benchmarks.startup --shape llama-3.1-8b --workdir /tmp/startup   # GPU: writes ~16 GB, then times
+Figures: benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_PROCESS_START = time.perf_counter()  # before jax is imported: a child's process_s counts from here
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("no_cache", "cold", "warm")
+_MAX_SHARD_BYTES = 5 * 1024 ** 3
+_POOL_ELEMENTS = 1 << 22  # distinct random values, cycled through to fill every tensor
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A random checkpoint in a given shape
+# --------------------------------------------------------------------------------------------------------------------
+
+def write_random_checkpoint(hf_config: dict, out_dir: str | os.PathLike, *, dtype: str = "bfloat16",
+                            seed: int = 0, max_shard_bytes: int = _MAX_SHARD_BYTES) -> Path:
+    """Write an HF safetensors checkpoint of ``hf_config``'s shape with random weights, without torch.
+
+    Matrices hold N(0, 0.02) values (a pool of 4M random values cycled from a per-tensor offset, so writing 16 GB is
+    disk-bound, not RNG-bound), norms 1, biases 0. Tensor names and shapes come from the model itself
+    (``models.loader.hf_name_for``), so every supported architecture works. Written into a staging directory and
+    renamed, so an existing ``out_dir`` is always complete (then it is returned as is).
+
+    Args:
+      hf_config: an HF ``config.json`` dict (e.g. ``models.presets.PRESETS[name]``).
+      out_dir: the checkpoint directory.
+      dtype: "bfloat16", "float16" or "float32" (the safetensors dtype).
+      max_shard_bytes: above this total the checkpoint is split into ``model-0000i-of-0000n.safetensors`` + index.
+    Returns:
+      ``out_dir``.
+    """
+    import jax.numpy as jnp
+    import ml_dtypes
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.llama import INIT_STD, LlamaForCausalLM
+    from models.loader import hf_name_for
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    np_dtype, tag = {"bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"), "float16": (np.dtype(np.float16), "F16"),
+                     "float32": (np.dtype(np.float32), "F32")}[dtype]
+    config = ModelConfig.from_hf_config(hf_config)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    tensors = []  # (hf name, hf shape, fill: None = random)
+    for path, variable in nnx.to_flat_state(nnx.state(abstract)):
+        name, transposed = hf_name_for(path)
+        shape = tuple(variable.get_value().shape)
+        leaf = str(path[-1])
+        tensors.append((name, shape[::-1] if transposed else shape,
+                        1.0 if leaf == "scale" else 0.0 if leaf == "bias" else None))
+
+    shards, current, current_bytes = [], [], 0
+    for tensor in tensors:
+        nbytes = int(np.prod(tensor[1])) * np_dtype.itemsize
+        if current and current_bytes + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(tensor)
+        current_bytes += nbytes
+    shards.append(current)
+
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(2 * _POOL_ELEMENTS, dtype=np.float32) * INIT_STD).astype(np_dtype)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.writing-", dir=out_dir.parent))
+    try:
+        weight_map = {}
+        for index, shard in enumerate(shards):
+            file_name = ("model.safetensors" if len(shards) == 1
+                         else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors")
+            _write_safetensors(staging / file_name, shard, np_dtype, tag, pool, rng)
+            weight_map.update({name: file_name for name, _, _ in shard})
+        if len(shards) > 1:
+            (staging / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=1))
+        (staging / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}, indent=1))
+        os.chmod(staging, 0o755)
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_safetensors(path: Path, tensors: list, np_dtype: np.dtype, tag: str, pool: np.ndarray,
+                       rng: np.random.Generator) -> None:
+    """One safetensors file: 8-byte header length, JSON header (padded to 8 bytes), then each tensor's bytes."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in tensors:
+        nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        for name, shape, fill in tensors:
+            remaining = int(np.prod(shape))
+            if fill is not None:
+                f.write(np.full(remaining, fill, np_dtype).tobytes())
+                continue
+            start = int(rng.integers(_POOL_ELEMENTS))
+            while remaining:
+                chunk = min(remaining, _POOL_ELEMENTS)
+                f.write(pool[start:start + chunk].tobytes())
+                remaining -= chunk
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One engine start (child process)
+# --------------------------------------------------------------------------------------------------------------------
+
+class _CacheEvents(logging.Handler):
+    """Collects models.weight_cache's timings from its log records (hit: restore s; miss: convert s, save s)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.timings: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.msg
+        if message.startswith("weights cache hit"):
+            self.timings["restore_s"] = record.args[1]
+        elif message.startswith("weights converted") and "cached to" in message:
+            self.timings["convert_s"], self.timings["save_s"] = record.args[0], record.args[2]
+
+
+def _child(engine_kwargs: dict) -> dict:
+    from paged_jax.config import EngineArgs
+    from paged_jax.engine import LLMEngine
+
+    logging.basicConfig(format="%(name)s: %(message)s")  # shows the cache's INFO lines below on stderr
+    events = _CacheEvents()
+    cache_logger = logging.getLogger("models.weight_cache")
+    cache_logger.addHandler(events)
+    cache_logger.setLevel(logging.INFO)
+    start = time.perf_counter()
+    engine = LLMEngine(EngineArgs(**engine_kwargs), use_tqdm=False)
+    ready = time.perf_counter()
+    return {"model_load_s": engine.model_load_seconds, "engine_init_s": ready - start,
+            "process_s": ready - _T_PROCESS_START, **events.timings}
+
+
+def _run_child(engine_kwargs: dict, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--child", json.dumps(engine_kwargs)],
+                          env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------------------------
+
+def _dir_gib(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1024 ** 3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="HF checkpoint directory (default: the built-in SmolLM2-135M-Instruct)")
+    src.add_argument("--shape", help="models/presets.py name: write a random checkpoint of that shape first")
+    p.add_argument("--workdir", help="holds the random checkpoint and the weights cache (default: a temp dir; the "
+                                     "cache part is always emptied first)")
+    p.add_argument("--checkpoint-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--no-compile-warmup", action="store_true",
+                   help="skip the dummy-weights start that fills the compilation cache")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(json.loads(args.child))))
+        return {}
+
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes must be a subset of {','.join(MODES)}")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="paged_jax_startup_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"argv": sys.argv[1:] if argv is None else argv}
+    if args.shape:
+        from models.presets import PRESETS
+
+        start = time.perf_counter()
+        checkpoint = workdir / f"{args.shape}-random-{args.checkpoint_dtype}"
+        reused = (checkpoint / "config.json").is_file()
+        write_random_checkpoint(PRESETS[args.shape.lower()], checkpoint, dtype=args.checkpoint_dtype)
+        result["checkpoint_write_s"] = None if reused else time.perf_counter() - start
+    elif args.model:
+        checkpoint = Path(args.model)
+    else:
+        from models.smollm2 import ensure_smollm2
+
+        checkpoint = ensure_smollm2()  # resolved before PAGED_JAX_CACHE is pointed at the workdir below
+    result.update({"checkpoint": str(checkpoint), "checkpoint_gib": round(_dir_gib(checkpoint), 3)})
+
+    cache_root = workdir / "cache"
+    shutil.rmtree(cache_root, ignore_errors=True)
+    env = {**os.environ, "PAGED_JAX_CACHE": str(cache_root)}
+    engine_kwargs = {"model": str(checkpoint), "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+                     "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                     "max_num_batched_tokens": args.max_num_batched_tokens}
+    if not args.no_compile_warmup:
+        result["compile_warmup"] = _run_child({**engine_kwargs, "load_format": "dummy"}, env)
+
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    weights_dir = cache_root / "weights"
+    for _ in range(args.repeats):
+        for mode in modes:
+            if mode == "cold":
+                shutil.rmtree(weights_dir, ignore_errors=True)
+            if mode == "warm" and not (weights_dir.is_dir() and any(weights_dir.iterdir())):
+                _run_child({**engine_kwargs, "weight_cache": True}, env)  # warm needs an entry: make one, untimed
+            runs[mode].append(_run_child({**engine_kwargs, "weight_cache": mode != "no_cache"}, env))
+    for mode, mode_runs in runs.items():
+        keys = sorted({k for run in mode_runs for k in run})
+        result[mode] = {**{k: round(statistics.median(run[k] for run in mode_runs), 3) for k in keys},
+                        "runs": mode_runs}
+    if weights_dir.is_dir():
+        result["cache_entry_gib"] = round(_dir_gib(weights_dir), 3)
+
+    from benchmarks.throughput import _versions
+
+    result["versions"] = _versions()
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
