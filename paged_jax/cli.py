@@ -1,11 +1,14 @@
-"""The ``paged-jax`` command.
+"""Engine flags for command lines, and ``paged-jax generate`` (offline generation).
 
-    paged-jax serve [MODEL] [flags]          OpenAI-compatible server (see ``serving.cli``)
     paged-jax generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [--chat] [--max-tokens N] [--temperature T]
-                       [--top-p P] [--top-k K] [--seed S] [engine flags, e.g. --max-model-len 2048]
+                       [--top-p P] [--top-k K] [--sampling-seed S] [engine flags, e.g. --max-model-len 2048]
 
-``generate`` runs offline through ``paged_jax.LLM`` and prints one completion per prompt. Its engine flags are every
-``EngineArgs`` field, spelled as vLLM spells them (``--max-num-seqs``, ``--num-gpu-blocks-override``, ...).
+The ``paged-jax`` console script is ``serving.cli.main``: it runs ``serve`` itself and hands ``generate`` to
+``generate_main`` here (the engine package never imports the server). ``generate`` runs through ``paged_jax.LLM``
+and prints one completion per prompt.
+
+Engine flags are every ``EngineArgs`` field, spelled as vLLM spells them (``--max-num-seqs``,
+``--num-gpu-blocks-override``, ...); ``add_engine_args`` adds them to a parser, for ``generate`` and ``serve`` alike.
 """
 
 from __future__ import annotations
@@ -15,25 +18,52 @@ import dataclasses
 import sys
 import typing
 from collections.abc import Sequence
+from typing import Any
 
 from paged_jax.config import EngineArgs
 
-_USAGE = "usage: paged-jax {serve,generate} ...\n"
+# Extra spellings (vLLM's) and help texts of some engine flags.
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
+_FLAG_HELP = {
+    "model": "HF checkpoint directory (default: the built-in SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "served_model_name": "model id clients use (default: the model directory's name)",
+    "swap_space": "GiB of host memory for swapped-out KV",
+    "async_scheduling": "build and dispatch the next step while the current one runs on the device",
+}
 
 
-def _engine_flag_type(field: dataclasses.Field):
-    """The argparse converter of an ``EngineArgs`` field (its annotation is a string under __future__ annotations)."""
-    hints = typing.get_type_hints(EngineArgs)
-    hint = hints[field.name]
+def _engine_flag_type(field: dataclasses.Field) -> tuple[Any, list | None]:
+    """(argparse converter, choices) of an ``EngineArgs`` field (its annotation is a string under __future__
+    annotations)."""
+    hint = typing.get_type_hints(EngineArgs)[field.name]
     if typing.get_origin(hint) is typing.Literal:
         return str, list(typing.get_args(hint))
     args = [a for a in typing.get_args(hint) if a is not type(None)]  # X | None -> X
     base = args[0] if args else hint
     if typing.get_origin(base) is typing.Literal:
         return str, list(typing.get_args(base))
-    if base is bool:
-        return bool, None
     return base, None
+
+
+def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add one flag per ``EngineArgs`` field to ``parser`` (``--max-model-len`` for ``max_model_len``; booleans
+    get ``--flag`` / ``--no-flag``); each flag's default is the field's. ``engine_kwargs`` reads them back."""
+    for field in dataclasses.fields(EngineArgs):
+        flags = ["--" + field.name.replace("_", "-"), *_FLAG_ALIASES.get(field.name, ())]
+        converter, choices = _engine_flag_type(field)
+        help_text = _FLAG_HELP.get(field.name)
+        if converter is bool:
+            parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
+                                default=field.default, help=help_text)
+        else:
+            parser.add_argument(*flags, dest=field.name, type=converter, choices=choices, default=field.default,
+                                help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineArgs`` fields from flags added by ``add_engine_args``, as keyword arguments."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineArgs)}
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -45,28 +75,21 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
-    engine = parser.add_argument_group("engine (EngineArgs, vLLM names)")
-    for field in dataclasses.fields(EngineArgs):
-        flag = "--" + field.name.replace("_", "-")
-        converter, choices = _engine_flag_type(field)
-        if converter is bool:
-            engine.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            engine.add_argument(flag, dest=field.name, type=converter, choices=choices, default=field.default)
+    add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
 
 def generate_main(argv: Sequence[str]) -> int:
+    """``paged-jax generate``: ``argv`` are the arguments after ``generate``."""
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     parser = build_generate_parser()
     args = parser.parse_args(list(argv))
-    engine_kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed)
-        llm = LLM(**engine_kwargs)
+        llm = LLM(**engine_kwargs(args))
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
@@ -80,21 +103,5 @@ def generate_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        sys.stdout.write(_USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        from serving.cli import main as serve_main
-
-        return serve_main(rest, prog="paged-jax serve")
-    if command == "generate":
-        return generate_main(rest)
-    sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")
-    return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(generate_main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 One ``step()`` = schedule (continuous batching, chunked prefill, preemption) -> swap copies -> one bucketed model
 step on device (forward + sampling) -> scheduler update (stop tokens, lengths) -> incremental detokenization (stop
-strings) -> cumulative ``RequestOutput``s of the requests that progressed.
+strings) -> ``RequestOutput`` deltas (what is new since the last output) of the requests that progressed.
 
 A request with ``SamplingParams.n > 1`` runs as n sequences ("children") in the scheduler. The first child starts
 alone; the others are admitted once its prompt K/V is computed, so their prompts hit the prefix cache and share
@@ -50,14 +50,6 @@ def _child_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed % (1 << 64), index]).generate_state(2, np.uint32).view(np.uint64)[0])
 
 
-def _snapshot_metrics(metrics: RequestMetrics) -> RequestMetrics:
-    """A shallow copy of ``metrics`` (a plain dataclass of floats), without ``dataclasses.replace``'s per-field
-    overhead: it runs for every progressed request every step."""
-    snapshot = object.__new__(RequestMetrics)
-    snapshot.__dict__.update(metrics.__dict__)
-    return snapshot
-
-
 # Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
 PLACEHOLDER_TOKEN = -1
 
@@ -95,6 +87,9 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     admitted: bool = False  # handed to the scheduler
+    num_reported_tokens: int = 0  # what earlier outputs carried: an output is the delta past these
+    num_reported_chars: int = 0
+    finish_reported: bool = False
 
     @property
     def finished(self) -> bool:
@@ -330,9 +325,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one engine step; returns the cumulative outputs of the requests that got a new token (finished ones
-        included, with ``finished=True``). ``finished_only=True`` returns just the finished ones: a caller that does
-        not stream (``LLM.generate``) then skips building a snapshot of every running request every step.
+        """Run one engine step; returns the outputs of the requests that got a new token (finished ones included,
+        with ``finished=True``), each the delta since the request's previous one. ``finished_only=True`` (FINAL_ONLY)
+        returns just the finished ones: a caller asking only those (``LLM.generate``) gets each generation whole.
 
         With ``async_scheduling`` the step's own tokens are reported by the next call: this call schedules and
         dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop
@@ -503,24 +498,28 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(self, state: _RequestState, finished: bool | None = None) -> RequestOutput:
-        """A snapshot of ``state``: it runs for every progressed request every step, so it only does cheap copies.
-        The token-id / logprob lists and the metrics are copied (the engine keeps appending to its own, while a
-        streaming consumer may read the snapshot later); ``prompt_token_ids`` is the request's own list, shared by
-        all its outputs (the engine never mutates it)."""
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        """The delta of ``state`` since its previous output, per sequence with new tokens or an unreported finish: it
+        runs every step, so it only slices the new tails (fresh lists; the engine keeps appending to its own).
+        ``prompt_token_ids`` is shared by all outputs (never mutated); metrics only on the finished one."""
         completions = []
         for seq in state.seqs:
-            detokenizer = seq.detokenizer
+            token_ids = seq.request.output_token_ids
+            start = seq.num_reported_tokens
+            if len(token_ids) == start and (seq.finish_reason is None or seq.finish_reported):
+                continue
+            emitted_text = seq.detokenizer.emitted_text if seq.detokenizer is not None else ""
+            text, seq.num_reported_chars = emitted_text[seq.num_reported_chars:], len(emitted_text)
             completions.append(CompletionOutput(
-                index=seq.index, text=detokenizer.emitted_text if detokenizer is not None else "",
-                token_ids=seq.request.output_token_ids.copy(), cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs.copy() if seq.logprobs is not None else None,
+                index=seq.index, text=text, token_ids=token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            seq.num_reported_tokens = len(token_ids)
+            seq.finish_reported = seq.finish_reason is not None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=completions,
-                             finished=state.finished if finished is None else finished,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              num_cached_tokens=state.seqs[0].request.num_cached_prompt_tokens,
-                             metrics=_snapshot_metrics(state.metrics))
+                             metrics=state.metrics if finished else None)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from paged_jax.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
 from paged_jax.engine import LLMEngine
 from paged_jax.outputs import RequestOutput
@@ -68,10 +69,12 @@ class LLM:
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+        """Apply the tokenizer's chat template to one conversation or a list of them (``paged_jax.chat``), then
+        generate.
 
         Args:
-          messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such conversations.
+          messages: ``[{"role": ..., "content": ...}, ...]`` (OpenAI-style: content may be a list of text parts)
+            or a list of such conversations.
           add_generation_prompt: end the prompt with the assistant turn header.
           chat_template_kwargs: extra variables for the template.
         """
@@ -116,17 +119,11 @@ class LLM:
             while len(finished) < len(request_ids):
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine has no unfinished requests but some outputs are missing")
-                for output in engine.step(finished_only=True):  # only finished ones are used here
+                # Only finished outputs, so each is a request's only output: its whole generation, nothing to
+                # accumulate (and no per-step outputs of running requests are built).
+                for output in engine.step(finished_only=True):
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
 
-
-def chat_prompt_token_ids(tokenizer, conversation: Sequence[dict], add_generation_prompt: bool = True,
-                          chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of ``conversation`` rendered by the tokenizer's chat template (no extra special tokens added)."""
-    text = tokenizer.apply_chat_template(list(conversation), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
-    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,4 +1,11 @@
-"""Output types returned by ``LLMEngine.step`` / ``LLM.generate``, with vLLM's names and fields."""
+"""Output types returned by ``LLMEngine.step`` / ``LLM.generate``, with vLLM's names and fields.
+
+``LLMEngine.step()`` emits *delta* outputs (vLLM's ``RequestOutputKind.DELTA``): each ``RequestOutput`` carries, per
+sequence that progressed, only what is new since the previous output of that request (new token ids, new text, new
+logprobs). The output with ``finished=True`` is the request's last one; it carries the finish reasons and the
+metrics. Callers that need the whole generation accumulate once with ``RequestOutput.add`` (``LLM.generate`` gets
+it whole from ``step(finished_only=True)``, vLLM's ``FINAL_ONLY``).
+"""
 
 from __future__ import annotations
 
@@ -43,10 +50,11 @@ class CompletionOutput:
     """One output sequence of a request (vLLM's ``CompletionOutput``).
 
     index: position among the request's n sequences.
-    text: generated text (cumulative).
-    token_ids: generated token ids (cumulative).
-    cumulative_logprob: sum of the sampled tokens' logprobs (None when logprobs were not requested).
-    logprobs: per generated token, {token_id: Logprob}, when ``SamplingParams.logprobs`` is set.
+    text: generated text new in this output (the whole text once accumulated).
+    token_ids: generated token ids new in this output (all of them once accumulated).
+    cumulative_logprob: sum of the logprobs of all tokens sampled so far, not only the new ones (None when logprobs
+      were not requested).
+    logprobs: per token of ``token_ids``, {token_id: Logprob}, when ``SamplingParams.logprobs`` is set.
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len), "abort", or
       None while running.
     stop_reason: the stop string (str) or stop token id (int) that ended the sequence; None for EOS / length.
@@ -69,9 +77,12 @@ class RequestOutput:
     """Everything the engine reports about one request (vLLM's ``RequestOutput``).
 
     prompt: the prompt text (None when the request was given token ids only).
-    outputs: one ``CompletionOutput`` per sequence (``SamplingParams.n``).
-    finished: all sequences are finished.
+    prompt_token_ids: the prompt; every output of a request shares one list (read it, do not mutate it).
+    outputs: one ``CompletionOutput`` per sequence with something new (new tokens, or its finish), by index; all
+      ``SamplingParams.n`` of them once accumulated.
+    finished: all sequences are finished (this is the request's last output).
     num_cached_tokens: prompt tokens served from the prefix cache.
+    metrics: set on the finished output only.
     prompt_logprobs: always None (prompt logprobs are not supported); kept for vLLM compatibility.
     """
 
@@ -83,3 +94,35 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = field(default=None)
+
+    def add(self, next_output: RequestOutput) -> None:
+        """Append ``next_output``, the next delta of the same request, to this output in place (vLLM's
+        ``RequestOutput.add`` with ``aggregate=True``): texts, token ids and logprobs are extended per sequence index,
+        the finish state and counters are taken from ``next_output``.
+
+        This output takes ownership: its lists are extended in place and ``next_output``'s completions may become
+        part of it, so neither may still be read as the delta it was.
+        """
+        by_index = {completion.index: completion for completion in self.outputs}
+        for new in next_output.outputs:
+            completion = by_index.get(new.index)
+            if completion is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            completion.text += new.text
+            completion.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                if completion.logprobs is None:
+                    completion.logprobs = new.logprobs
+                else:
+                    completion.logprobs.extend(new.logprobs)
+            completion.cumulative_logprob = new.cumulative_logprob
+            completion.finish_reason = new.finish_reason
+            completion.stop_reason = new.stop_reason
+        if len(self.outputs) > 1 and any(a.index > b.index for a, b in zip(self.outputs, self.outputs[1:])):
+            self.outputs.sort(key=lambda completion: completion.index)
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.metrics is not None:
+            self.metrics = next_output.metrics

@@ -2,6 +2,6 @@
 
 import sys
 
-from serving.cli import main
+from serving.cli import serve_main
 
-sys.exit(main(prog="python -m serving"))
+sys.exit(serve_main(prog="python -m serving"))

@@ -9,8 +9,8 @@ Protocol between the two sides:
 * event loop -> engine thread: commands (add a group of requests, abort requests, shut down) go through a
   thread-safe ``queue.SimpleQueue``. The thread blocks on that queue while the engine is idle (no busy spin) and,
   while it has work, drains *all* pending commands before each ``step()`` so a burst of arrivals joins one batch.
-* engine thread -> event loop: after each step, the outputs are grouped by the event loop that owns each request
-  and handed over with one ``loop.call_soon_threadsafe`` per loop, into per-request ``asyncio.Queue`` s.
+* engine thread -> event loop: after each step, the (delta) outputs are grouped by the event loop that owns each
+  request and handed over with one ``loop.call_soon_threadsafe`` per loop, into per-request ``asyncio.Queue`` s.
 
 Failure handling: an exception in ``step()`` (or ``stats()``) kills the engine: every in-flight request receives an
 ``EngineDeadError``, commands already queued are answered with it, and later submissions raise it at once, so no
@@ -26,7 +26,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from serving.engine_client import EngineClient, ProcessEngineClient
+
+if TYPE_CHECKING:
+    from paged_jax.outputs import RequestOutput
+    from paged_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +55,15 @@ class EngineRequest:
 
     request_id: str
     prompt: list[int] | str
-    params: Any
+    params: SamplingParams
 
 
 class RequestStream:
     """The outputs of one engine request, consumed on the event loop that submitted it.
 
-    Outputs are cumulative (each ``RequestOutput`` holds the whole text / token list so far), so a consumer that
-    falls behind loses nothing by skipping to the newest one: ``next_output`` returns the latest queued output.
+    Outputs are deltas (each ``RequestOutput`` holds what is new since the previous one), so a consumer that falls
+    behind must see all of them: ``next_output`` merges every queued output into one delta (fewer, larger chunks
+    for a slow reader, nothing lost).
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -64,17 +71,18 @@ class RequestStream:
         self.loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
-        # Timestamps (time.monotonic) for latency metrics, written on the event loop only.
+        # For metrics, written on the event loop only: timestamps (time.monotonic), the finish reasons of the
+        # choices finished so far.
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        self.num_tokens_seen = 0
+        self.finish_reasons: list[str] = []
 
     def _put(self, item: Any) -> None:  # event loop only
         self._queue.put_nowait(item)
 
-    async def next_output(self):
-        """Wait for the next output and return the newest one queued (a ``RequestOutput``).
+    async def next_output(self) -> RequestOutput:
+        """Wait for the next output; returns every output queued by now merged into one delta.
 
         Raises:
           EngineDeadError (or the exception the engine raised for this request) when the engine failed.
@@ -84,7 +92,11 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         while not isinstance(item, BaseException) and not self._queue.empty():
-            item = self._queue.get_nowait()
+            following = self._queue.get_nowait()
+            if isinstance(following, BaseException):
+                item = following
+            else:
+                item.add(following)  # the queued outputs belong to this stream alone
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -127,8 +139,7 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
 
 
 class AsyncEngine:
-    """Thread-owning wrapper around an ``LLMEngine`` (duck-typed: add_request, abort_request, step,
-    has_unfinished_requests, stats).
+    """Thread-owning wrapper around an ``EngineClient`` (an ``LLMEngine`` or an ``EngineProcessClient``).
 
     Args:
       engine: the engine; after ``start()`` only the engine thread may touch it.
@@ -138,13 +149,15 @@ class AsyncEngine:
         (latency metrics).
     """
 
-    def __init__(self, engine: Any, *, max_waiting_requests: int | None = None,
+    def __init__(self, engine: EngineClient, *, max_waiting_requests: int | None = None,
                  on_stats: Callable[[dict], None] | None = None,
-                 on_output: Callable[[RequestStream, Any, float], None] | None = None) -> None:
+                 on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None) -> None:
         # Every request passes through the waiting queue before its first step, so the bound must admit one.
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 or None, got {max_waiting_requests}")
         self.engine = engine
+        # An engine in another process also has to be alive, and is closed after the engine thread stops.
+        self._process_engine = engine if isinstance(engine, ProcessEngineClient) else None
         self.max_waiting_requests = max_waiting_requests
         self._on_stats = on_stats
         self._on_output = on_output
@@ -168,10 +181,8 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        # An engine in another process also has to be alive (its ``is_alive`` is safe from any thread).
-        engine_alive = getattr(self.engine, "is_alive", None)
         return (self._started and self._dead is None and self._thread.is_alive()
-                and (engine_alive is None or engine_alive()))
+                and (self._process_engine is None or self._process_engine.is_alive()))
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -233,9 +244,8 @@ class AsyncEngine:
         except EngineDeadError:
             pass
         self._thread.join(timeout)
-        close = getattr(self.engine, "close", None)  # an engine in another process (serving.engine_process)
-        if close is not None:
-            close()
+        if self._process_engine is not None:
+            self._process_engine.close()
 
     # ------------------------------------------------------------------------------------ engine-thread side
     def _run(self) -> None:
@@ -321,8 +331,8 @@ class AsyncEngine:
         except RuntimeError:  # that event loop is closed: nobody is listening any more
             return False
 
-    def _dispatch(self, outputs: Sequence[Any]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted meanwhile
@@ -334,7 +344,7 @@ class AsyncEngine:
             if not self._call_on_loop(loop, self._deliver, items):
                 self._handle_abort([stream.request_id for stream, output in items if not output.finished])
 
-    def _deliver(self, items: list[tuple[RequestStream, Any]]) -> None:  # event loop
+    def _deliver(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:  # event loop
         now = time.monotonic()
         for stream, output in items:
             if self._on_output is not None:

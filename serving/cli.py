@@ -1,8 +1,13 @@
-"""``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``: the OpenAI-compatible server, with vLLM's flag names.
+"""The ``paged-jax`` command, and ``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``: the OpenAI-compatible
+server, with vLLM's flag names.
 
-MODEL is an HF checkpoint directory; omitted, the built-in SmolLM2-135M-Instruct is served. Engine flags map one to
-one onto ``paged_jax.config.EngineArgs``; server flags are ``--host``, ``--port``, ``--served-model-name``,
-``--api-key`` (or env ``PAGED_JAX_API_KEY``), ``--max-waiting-requests`` and ``--uvicorn-log-level``.
+    paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
+    paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.cli.generate_main``)
+
+MODEL is an HF checkpoint directory; omitted, the built-in SmolLM2-135M-Instruct is served. Engine flags are
+``paged_jax.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); server flags are
+``--host``, ``--port``, ``--api-key`` (or env ``PAGED_JAX_API_KEY``), ``--max-waiting-requests``,
+``--engine-process`` and ``--uvicorn-log-level``.
 """
 
 from __future__ import annotations
@@ -14,80 +19,39 @@ import sys
 from typing import Sequence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_USAGE = "usage: paged-jax {serve,generate} ...\n"
 
 
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
+    from paged_jax.cli import add_engine_args
+
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF checkpoint directory (default: the built-in SmolLM2-135M-Instruct)")
-    parser.add_argument("--model", default=None, help="same as the positional MODEL")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+                        help="HF checkpoint directory (default: the built-in SmolLM2-135M-Instruct); or --model")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--served-model-name", default=None,
-                        help="model id clients use (default: the model directory's name)")
     server.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (env PAGED_JAX_API_KEY)")
     server.add_argument("--max-waiting-requests", type=int, default=None,
                         help="bound on queued requests; beyond it the server answers 503 with Retry-After")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    engine = parser.add_argument_group("engine (as vLLM)")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV")
-    engine.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    engine.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half",
-                                                            "float"])
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
-    engine.add_argument("--async-scheduling", action="store_true",
-                        help="build and dispatch the next step while the current one runs on the device")
-    engine.add_argument("--weight-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="restore converted weights from / save them to the cache (models.weight_cache)")
-    engine.add_argument("--disable-log-stats", action="store_true")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
 
 def engine_args_from_namespace(args: argparse.Namespace):
     """``EngineArgs`` from parsed flags (raises ValueError naming the bad field)."""
+    from paged_jax.cli import engine_kwargs
     from paged_jax.config import EngineArgs
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"model given twice: positional {args.model_tag!r} and --model {args.model!r}")
-    return EngineArgs(
-        model=args.model_tag or args.model,
-        tokenizer=args.tokenizer,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
-        swap_space=args.swap_space,
-        preemption_mode=args.preemption_mode,
-        scheduling_policy=args.scheduling_policy,
-        tensor_parallel_size=args.tensor_parallel_size,
-        disable_log_stats=args.disable_log_stats,
-        async_scheduling=args.async_scheduling,
-        weight_cache=args.weight_cache,
-    )
+    return EngineArgs(**{**engine_kwargs(args), "model": args.model_tag or args.model})
 
 
 def served_model_name(engine_args) -> str:
@@ -117,7 +81,7 @@ def build_app_from_args(args: argparse.Namespace):
     return app, engine_args
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> int:
+def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> int:
     """Run the server until interrupted.
 
     Args:
@@ -137,3 +101,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> in
     finally:
         app.state.server.engine.shutdown()
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.cli``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(_USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve_main(rest, prog="paged-jax serve")
+    if command == "generate":
+        from paged_jax.cli import generate_main
+
+        return generate_main(rest)
+    sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")
+    return 2

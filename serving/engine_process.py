@@ -8,14 +8,17 @@ apart from the API server for the same reason.
 
 ``EngineProcessClient(engine_args)`` spawns the child, which builds the ``LLMEngine`` and then loops on its own:
 while it has unfinished requests it steps without waiting for anyone, reading commands between steps; idle, it
-blocks on the command pipe. After each step it sends the *deltas* of the step's outputs (new token ids, new text,
-new logprobs, finish state) and the engine's stats; the client rebuilds cumulative ``RequestOutput`` objects (new
-objects each time: the event loop may still read the previous ones).
+blocks on the command pipe. After each step it sends the step's outputs, which are deltas already (new token ids,
+new text, new logprobs, finish state), compactly (the prompt only with a request's first output), and the engine's
+stats; the client turns them back into delta ``RequestOutput`` objects, accumulating nothing.
 
 The client is used exactly like an ``LLMEngine`` by one thread (``serving.async_engine.AsyncEngine``'s engine thread):
 
+It implements ``serving.engine_client.ProcessEngineClient``:
+
 * ``add_request`` sends the request and waits for the child's answer (it raises the child's ValueError);
-* ``step()`` returns the outputs of every step the child finished since the last call, blocking for one if none;
+* ``step()`` returns the outputs of every step the child finished since the last call, blocking for one if none
+  (each step's deltas in order, so several steps' outputs of one request follow each other);
 * ``abort_request`` is fire-and-forget; ``stats()`` is the child's latest, with requests added since counted as
   waiting; ``has_unfinished_requests()`` is the client's own view (added, neither finished nor aborted);
 * a dead child (crash, kill) makes ``step`` / ``add_request`` raise ``EngineProcessDied``; ``close()`` stops it.
@@ -25,15 +28,18 @@ Requests and outputs cross the pipe pickled (``SamplingParams`` and the output d
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
 import threading
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.async_engine import EngineDeadError
+
+if TYPE_CHECKING:
+    from paged_jax.config import EngineArgs
+    from paged_jax.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ def _child_main(engine_args, conn) -> None:  # runs in the spawned process
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                          "model_path": engine.model_path, "tokenizer_path": tokenizer_path,
                          "stats": dict(engine.stats())}))
-    sent: dict[str, list[list[int]]] = {}  # request id -> per completion [tokens sent, chars sent, logprobs sent]
+    prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
     try:
         while True:
             if engine.has_unfinished_requests():
@@ -78,11 +84,10 @@ def _child_main(engine_args, conn) -> None:  # runs in the spawned process
                         conn.send(("added", request_id, None))
                 elif kind == "abort":
                     engine.abort_request(message[1])
-                    for request_id in message[1]:
-                        sent.pop(request_id, None)
+                    prompt_sent.difference_update(message[1])
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                conn.send(("step", [_delta(output, sent) for output in outputs], dict(engine.stats())))
+                conn.send(("step", [_pack(output, prompt_sent) for output in outputs], dict(engine.stats())))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent went away
     except BaseException as exc:  # noqa: BLE001 - the parent turns it into EngineDeadError for every client
@@ -92,24 +97,16 @@ def _child_main(engine_args, conn) -> None:  # runs in the spawned process
             pass
 
 
-def _delta(output, sent: dict) -> tuple:
-    """What is new in ``output`` since the last delta of its request (the whole prompt on the first one)."""
-    state = sent.get(output.request_id)
-    first = state is None
-    if first:
-        state = sent[output.request_id] = [[0, 0, 0] for _ in output.outputs]
-    completions = []
-    for completion, seen in zip(output.outputs, state):
-        new_tokens = completion.token_ids[seen[0]:]
-        new_text = completion.text[seen[1]:]
-        new_logprobs = None if completion.logprobs is None else completion.logprobs[seen[2]:]
-        seen[0], seen[1] = len(completion.token_ids), len(completion.text)
-        seen[2] = 0 if completion.logprobs is None else len(completion.logprobs)
-        completions.append((completion.index, new_text, new_tokens, completion.cumulative_logprob, new_logprobs,
-                            completion.finish_reason, completion.stop_reason))
+def _pack(output: RequestOutput, prompt_sent: set[str]) -> tuple:
+    """A delta ``RequestOutput`` as plain tuples for the pipe; the prompt goes with the request's first output only."""
+    completions = [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+                   for c in output.outputs]
+    head = None
+    if output.request_id not in prompt_sent:
+        head = (output.prompt, output.prompt_token_ids)
+        prompt_sent.add(output.request_id)
     if output.finished:
-        sent.pop(output.request_id, None)
-    head = (output.prompt, output.prompt_token_ids) if first else None
+        prompt_sent.discard(output.request_id)
     return (output.request_id, head, completions, output.finished, output.num_cached_tokens, output.metrics)
 
 
@@ -128,17 +125,9 @@ def _picklable(exc: BaseException) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- parent side
-@dataclasses.dataclass
-class _Accumulated:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    texts: list[str]
-    token_ids: list[list[int]]
-    logprobs: list[list | None]
-
-
 class EngineProcessClient:
-    """``LLMEngine``'s interface over an engine running in a spawned child process (see the module docstring).
+    """``LLMEngine``'s interface (``ProcessEngineClient``) over an engine running in a spawned child process (see
+    the module docstring).
 
     Args:
       engine_args: ``EngineArgs`` for the child's ``LLMEngine``.
@@ -148,7 +137,7 @@ class EngineProcessClient:
       EngineProcessDied: the child failed otherwise or did not start in time.
     """
 
-    def __init__(self, engine_args, *, start_timeout: float | None = None):
+    def __init__(self, engine_args: EngineArgs, *, start_timeout: float | None = None):
         context = multiprocessing.get_context("spawn")  # JAX is not fork-safe
         self._conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(target=_child_main, args=(engine_args, child_conn), daemon=True,
@@ -173,7 +162,8 @@ class EngineProcessClient:
         from paged_jax.engine import LLMEngine
 
         self.tokenizer = LLMEngine._load_tokenizer(info["tokenizer_path"])
-        self._live: dict[str, _Accumulated | None] = {}  # added, neither finished nor aborted
+        # Added, neither finished nor aborted: request id -> (prompt, prompt_token_ids) once its first output came.
+        self._live: dict[str, tuple[str | None, list[int]] | None] = {}
         self._added_since_stats = 0
         self._pending_outputs: list = []
         self._closed = False
@@ -181,6 +171,7 @@ class EngineProcessClient:
 
     # ------------------------------------------------------------------ LLMEngine interface (one thread)
     def add_request(self, request_id: str, prompt: Any, params: Any = None) -> None:
+        """Queue a request in the child; raises the child's ValueError for a bad one."""
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._send(("add", request_id, prompt, params))
@@ -203,7 +194,8 @@ class EngineProcessClient:
             del self._live[r]
         self._send(("abort", request_ids))
 
-    def step(self, *, finished_only: bool = False) -> list:
+    def step(self) -> list[RequestOutput]:
+        """The delta outputs of every step the child finished since the last call (blocks for one if none yet)."""
         while not self._pending_outputs and self._live:
             self._handle(self._recv())
             if not self._pending_outputs and self._stats.get("num_unfinished_requests") == 0:
@@ -212,7 +204,7 @@ class EngineProcessClient:
                 logger.warning("engine process holds none of %d live requests; dropping them", len(self._live))
                 self._live.clear()
         outputs, self._pending_outputs = self._pending_outputs, []
-        return [o for o in outputs if o.finished] if finished_only else outputs
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
@@ -281,34 +273,23 @@ class EngineProcessClient:
             if output is not None:
                 self._pending_outputs.append(output)
 
-    def _rebuild(self, delta):
-        """A fresh cumulative ``RequestOutput`` from the request's accumulated state plus ``delta``; None for a
-        request aborted here meanwhile."""
+    def _rebuild(self, packed: tuple) -> RequestOutput | None:
+        """The delta ``RequestOutput`` that ``_pack`` packed; None for a request aborted here meanwhile."""
         from paged_jax.outputs import CompletionOutput, RequestOutput
 
-        request_id, head, completions, finished, num_cached_tokens, metrics = delta
+        request_id, head, completions, finished, num_cached_tokens, metrics = packed
         if request_id not in self._live:
             return None
-        acc = self._live[request_id]
-        if acc is None:
-            prompt, prompt_token_ids = head if head is not None else (None, [])
-            n = len(completions)
-            acc = self._live[request_id] = _Accumulated(prompt, prompt_token_ids, [""] * n, [[] for _ in range(n)],
-                                                        [None] * n)
-        outs = []
-        for i, (index, new_text, new_tokens, cumulative_logprob, new_logprobs, finish_reason,
-                stop_reason) in enumerate(completions):
-            acc.texts[i] += new_text
-            acc.token_ids[i] = acc.token_ids[i] + list(new_tokens)  # a new list: the last one may still be read
-            if new_logprobs is not None:
-                acc.logprobs[i] = (acc.logprobs[i] or []) + list(new_logprobs)
-            outs.append(CompletionOutput(index=index, text=acc.texts[i], token_ids=acc.token_ids[i],
-                                         cumulative_logprob=cumulative_logprob, logprobs=acc.logprobs[i],
-                                         finish_reason=finish_reason, stop_reason=stop_reason))
+        if head is not None:
+            self._live[request_id] = head
+        prompt, prompt_token_ids = self._live[request_id]
         if finished:
             del self._live[request_id]
-        return RequestOutput(request_id=request_id, prompt=acc.prompt, prompt_token_ids=acc.prompt_token_ids,
-                             outputs=outs, finished=finished, num_cached_tokens=num_cached_tokens, metrics=metrics)
+        outputs = [CompletionOutput(index=index, text=text, token_ids=token_ids, cumulative_logprob=cumulative_logprob,
+                                    logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+                   for index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason in completions]
+        return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                             outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens, metrics=metrics)
 
 
 def engine_process_enabled(flag: bool | None) -> bool:

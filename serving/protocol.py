@@ -62,6 +62,18 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class ResponseFields(OpenAIBaseModel):
+    """The fields of every generation response and stream chunk, in OpenAI's order. Each response narrows
+    ``object`` and ``choices`` (pydantic keeps a redeclared field at its first position, so the order holds)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=unix_time)
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
@@ -119,30 +131,20 @@ class CompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class CompletionResponse(ResponseFields):
     id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=unix_time)
-    model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
 
 
-class CompletionStreamChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class CompletionStreamChoice(CompletionResponseChoice):
+    """A streamed choice: the same fields, ``text`` being the new text of this chunk."""
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class CompletionStreamResponse(ResponseFields):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 # ------------------------------------------------------------------------------------------------------ chat
@@ -198,11 +200,9 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(ResponseFields):
     id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=unix_time)
-    model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
 
@@ -220,13 +220,9 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionStreamResponse(ResponseFields):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- models

@@ -2,6 +2,8 @@
 under batching, chunked prefill, preemption (recompute and swap) and prefix caching; sampling semantics; input
 validation; no block leaks and no compilation after warm-up."""
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -89,22 +91,33 @@ def assert_clean(engine: LLMEngine) -> None:
     assert engine._in_flight is None
 
 
+def accumulate(totals: dict, output) -> None:
+    """Fold the delta ``output`` into ``totals[request_id]`` (a copy of the request's first delta, so the deltas a
+    caller holds stay as they came)."""
+    if output.request_id in totals:
+        totals[output.request_id].add(output)
+    else:
+        totals[output.request_id] = copy.deepcopy(output)
+
+
 def run_to_completion(engine: LLMEngine, prompts, params, prefix="r"):
-    """Submit all prompts at once, step until done; returns the final RequestOutputs in submission order."""
+    """Submit all prompts at once, step until done; returns the accumulated final RequestOutputs in submission
+    order."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for request_id, prompt, p in zip(ids, prompts, params_list):
         engine.add_request(request_id, prompt, p)
-    final = {}
+    totals, finished = {}, set()
     for _ in range(10_000):
         if not engine.has_unfinished_requests():
             break
         for output in engine.step():
-            assert output.request_id not in final, "an output came after the finished one"
+            assert output.request_id not in finished, "an output came after the finished one"
+            accumulate(totals, output)
             if output.finished:
-                final[output.request_id] = output
-    assert set(final) == set(ids)
-    return [final[i] for i in ids]
+                finished.add(output.request_id)
+    assert finished == set(ids)
+    return [totals[i] for i in ids]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
@@ -223,11 +236,10 @@ def test_n2_children_share_prompt_blocks(engine, workload):
     hits_before = kv.prefix_cache_hits
     engine.add_request("fan", prompt, params)
     shared_seen = False
-    final = None
+    totals = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.finished:
-                final = output
+            accumulate(totals, output)
         running = {r.request_id: r for r in engine.scheduler.running}
         if "fan::0" in running and "fan::1" in running:
             first, second = running["fan::0"].block_ids, running["fan::1"].block_ids
@@ -236,6 +248,8 @@ def test_n2_children_share_prompt_blocks(engine, workload):
             assert all(kv.blocks[b].ref_cnt == 2 for b in first[:num_full])
             shared_seen = True
     assert shared_seen
+    final = totals["fan"]
+    assert final.finished
     assert kv.prefix_cache_hits - hits_before >= (len(prompt) // kv.block_size) * kv.block_size
     assert [c.index for c in final.outputs] == [0, 1]
     assert all(len(c.token_ids) == 6 for c in final.outputs)
@@ -295,8 +309,9 @@ def test_invalid_requests_rejected_and_engine_keeps_serving(engine, workload, re
     assert engine.get_num_unfinished_requests() == 1
     final = {}
     while engine.has_unfinished_requests():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
-    assert final["ok-before"].outputs[0].token_ids == reference[0]
+        for output in engine.step():
+            accumulate(final, output)
+    assert final["ok-before"].finished and final["ok-before"].outputs[0].token_ids == reference[0]
     assert_clean(engine)
 
 
@@ -357,7 +372,7 @@ def test_min_tokens_defers_eos(engine, tokenizer):
     assert_clean(engine)
 
 
-def test_streamed_outputs_are_snapshots_and_finished_only_agrees(engine, workload, reference):
+def test_streamed_outputs_are_deltas_and_finished_only_agrees(engine, workload, reference):
     prompts = workload[:4]
     ids = [f"snap{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -372,8 +387,14 @@ def test_streamed_outputs_are_snapshots_and_finished_only_agrees(engine, workloa
         for output, tokens_then, text_then in history:  # later steps did not change what a caller already got
             assert output.outputs[0].token_ids == tokens_then and output.outputs[0].text == text_then
             assert output.prompt_token_ids == list(prompts[i])
-        lengths = [len(tokens) for _, tokens, _ in history]
-        assert lengths == sorted(lengths) and history[-1][1] == reference[i]
+            assert tokens_then  # an output only for a request with new tokens
+            assert (output.metrics is not None) == output.finished  # metrics go with the final output only
+        # The deltas, concatenated, are the whole generation.
+        assert [token for _, tokens, _ in history for token in tokens] == reference[i]
+        whole_text = "".join(text for _, _, text in history)
+        assert whole_text == engine.tokenizer.decode(reference[i], skip_special_tokens=True)
+        assert history[-1][0].outputs[0].finish_reason is not None
+        assert all(o.outputs[0].finish_reason is None for o, _, _ in history[:-1])
 
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, GREEDY)
@@ -382,5 +403,8 @@ def test_streamed_outputs_are_snapshots_and_finished_only_agrees(engine, workloa
         for output in engine.step(finished_only=True):
             assert output.finished and output.request_id not in final
             final[output.request_id] = output
+    # Only finished outputs asked for: each is its request's only output, the whole generation.
     assert [final[request_id].outputs[0].token_ids for request_id in ids] == reference[:4]
+    assert [final[request_id].outputs[0].text for request_id in ids] == \
+        ["".join(text for _, _, text in received[request_id]) for request_id in ids]
     assert_clean(engine)

@@ -36,20 +36,27 @@ def client(model_dir):
 
 
 def run_all(engine, requests):
-    """Add ``[(id, prompt, params)]``, step until done; -> {id: final RequestOutput}, number of outputs seen."""
+    """Add ``[(id, prompt, params)]``, step until done; -> {id: finished RequestOutput, its deltas accumulated},
+    number of outputs seen."""
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
-    final, seen = {}, 0
+    totals, final, seen = {}, {}, 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             seen += 1
+            assert output.request_id not in final, "an output came after the finished one"
+            if output.request_id in totals:
+                totals[output.request_id].add(output)
+            else:
+                totals[output.request_id] = output
             if output.finished:
-                final[output.request_id] = output
+                final[output.request_id] = totals[output.request_id]
     return final, seen
 
 
 def test_outputs_equal_the_in_process_engine(client, model_dir):
     from paged_jax.engine import LLMEngine
+    from serving.engine_client import EngineClient, ProcessEngineClient
 
     rng = np.random.default_rng(0)
     requests = [(f"r{i}", {"prompt_token_ids": rng.integers(1, 500, size=n).tolist()}, params)
@@ -58,8 +65,12 @@ def test_outputs_equal_the_in_process_engine(client, model_dir):
                     (23, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)),
                     (11, SamplingParams(temperature=0.8, seed=3, max_tokens=7, n=2)),
                     (40, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7]))])]
+    local_engine = LLMEngine(EngineArgs(model=model_dir, **ENGINE_KWARGS), use_tqdm=False)
+    # Both implement the server's engine protocol; only the child-process client can die on its own.
+    assert isinstance(client, ProcessEngineClient) and isinstance(local_engine, EngineClient)
+    assert not isinstance(local_engine, ProcessEngineClient)
     remote, num_outputs = run_all(client, requests)
-    local, _ = run_all(LLMEngine(EngineArgs(model=model_dir, **ENGINE_KWARGS), use_tqdm=False), requests)
+    local, _ = run_all(local_engine, requests)
     assert num_outputs > len(requests)  # streamed step by step, not only the final ones
     assert sorted(remote) == sorted(local)
     for request_id, want in local.items():

@@ -2,9 +2,10 @@
 
 import pytest
 
-from paged_jax.cli import main as cli_main
-from paged_jax.llm import LLM, chat_prompt_token_ids
+from paged_jax.chat import ChatTemplateError, chat_prompt_token_ids, normalize_message, render_chat
+from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
+from serving.cli import main as cli_main  # the paged-jax console script
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -68,6 +69,30 @@ def test_chat_applies_template(llm, smollm2_tokenizer, hf_greedy):
     assert_idle(llm)
 
 
+def test_chat_rendering_normalizes_openai_messages(smollm2_tokenizer):
+    """One chat renderer for LLM.chat and the server: OpenAI's text parts, null content and developer role become
+    what HF templates know; the tokenizer's own template does the rest."""
+    assert normalize_message({"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}], "name": None}) == \
+        {"role": "system", "content": "a\nb"}
+    assert normalize_message({"role": "assistant", "content": None, "name": "bot"}) == \
+        {"role": "assistant", "content": "", "name": "bot"}
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    openai_style = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                    {"role": "user", "content": "Hi"}]
+    want = smollm2_tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert render_chat(smollm2_tokenizer, openai_style) == want
+    assert chat_prompt_token_ids(smollm2_tokenizer, openai_style) == \
+        smollm2_tokenizer.encode(want, add_special_tokens=False)
+
+    class RejectingTokenizer:
+        def apply_chat_template(self, *args, **kwargs):
+            raise TypeError("roles must alternate")
+
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_chat(RejectingTokenizer(), plain)
+
+
 def test_bad_prompt_leaves_nothing_queued(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", [1, 2, 10**9]], GREEDY, use_tqdm=False)
@@ -95,3 +120,32 @@ def test_cli_serve_dispatches_to_serving(capsys):
         cli_main(["serve", "--help"])
     assert exit_info.value.code == 0
     assert "paged-jax serve" in capsys.readouterr().out
+
+
+def test_serve_and_generate_share_the_engine_flags():
+    """Both commands take every EngineArgs field as a flag (one builder, paged_jax.cli.add_engine_args), and the
+    engine package never imports the server."""
+    import ast
+    import dataclasses
+    import pathlib
+
+    import paged_jax
+    from paged_jax.cli import build_generate_parser
+    from paged_jax.config import EngineArgs
+    from serving.cli import build_parser, engine_args_from_namespace
+
+    def engine_flags(parser):
+        return {flag for action in parser._actions if action.dest in {f.name for f in dataclasses.fields(EngineArgs)}
+                for flag in action.option_strings}
+
+    assert engine_flags(build_parser()) == engine_flags(build_generate_parser())
+    args = build_parser().parse_args(["/ckpt", "-tp", "2", "--no-enable-prefix-caching", "--attention-impl",
+                                      "reference", "--served-model-name", "m"])
+    assert engine_args_from_namespace(args) == EngineArgs(model="/ckpt", tensor_parallel_size=2,
+                                                          enable_prefix_caching=False, attention_impl="reference",
+                                                          served_model_name="m")
+    for path in pathlib.Path(paged_jax.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.split(".")[0] == "serving" for name in names), path

@@ -469,10 +469,10 @@ def test_engine_failure_answers_500_and_health_503(server, client):
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_fast_completion_chunk_equals_pydantic(include_usage):
     """The pre-rendered text chunk is the same JSON document as the pydantic model's, for awkward texts too."""
-    from serving.app import _CompletionTextChunk
     from serving.protocol import CompletionStreamChoice, CompletionStreamResponse
+    from serving.streaming import CompletionTextChunk
 
-    render = _CompletionTextChunk('cmpl-"x"\\1', 1764450000, "models/Qwen3 \u00e9", include_usage)
+    render = CompletionTextChunk('cmpl-"x"\\1', 1764450000, "models/Qwen3 \u00e9", include_usage)
     texts = ["", "Paris", ' "quoted" \\ back', "line\nbreak\ttab\r", "\u00e9\u4e2d\U0001F600", "\x00\x1f\x7f", "</script>"]
     for i, text in enumerate(texts):
         for finish_reason, stop_reason in ((None, None), ("stop", "END"), ("stop", 13), ("length", None)):

@@ -540,9 +540,8 @@ def _engine_greedy(tp: int, model=None, prompts=None):
         engine.add_request(f"r{i}", prompt, params)
     final = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
+        for out in engine.step(finished_only=True):  # each the request's whole generation
+            final[out.request_id] = out.outputs[0].token_ids
     return [final[f"r{i}"] for i in range(len(prompts))], engine
 
 

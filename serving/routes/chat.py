@@ -1,0 +1,85 @@
+"""``POST /v1/chat/completions``: ``messages`` rendered by the chat template (``paged_jax.chat``), JSON or SSE."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from serving.async_engine import EngineRequest, RequestStream
+from serving.errors import APIError
+from serving.openai_server import OpenAIServer, get_server
+from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
+                              ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
+                              UsageInfo, random_uuid, unix_time)
+from serving.routes import GENERATION_RESPONSES, json_response
+from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
+                                 server: OpenAIServer = Depends(get_server)) -> Response:
+    server.check_model(body.model)
+    if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    text = server.render_chat(body.messages, body.add_generation_prompt)
+    ids = server.encode(text, False, "messages")
+    server.check_prompt_length(len(ids), "messages")
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
+    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases)
+    response_id = f"chatcmpl-{random_uuid()}"
+    streams = await server.submit([EngineRequest(f"{response_id}-0", ids, params)], body, aliases)
+    created = unix_time()
+    if body.stream:
+        return EngineStreamingResponse(_chat_chunks(server, body, streams[0], response_id, created, len(ids)),
+                                       server.engine, streams)
+    finals = await collect_final(server.engine, streams, raw_request)
+    if finals is None:
+        return Response(status_code=499)  # the client left
+    (final,) = finals
+    choices = []
+    for completion in final.outputs:
+        logprobs = None
+        if num_top is not None and completion.logprobs is not None:
+            logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+        choices.append(ChatCompletionResponseChoice(
+            index=completion.index, message=ChatMessage(role="assistant", content=completion.text),
+            logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+    choices.sort(key=lambda choice: choice.index)
+    num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
+    usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion_tokens,
+                      total_tokens=len(ids) + num_completion_tokens)
+    return json_response(ChatCompletionResponse(id=response_id, created=created,
+                                                model=server.info.served_model_name, choices=choices, usage=usage))
+
+
+async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
+                       created: int, num_prompt_tokens: int) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed chat completion: the assistant role per choice, then one chunk per choice and
+    delta output."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.info.served_model_name,
+                       include_usage)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    for index in range(body.n):
+        yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+    num_completion_tokens = 0
+    async for output in stream:
+        for completion in output.outputs:
+            num_completion_tokens += len(completion.token_ids)
+            logprobs = None
+            if num_top is not None and completion.logprobs is not None:
+                logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+            delta = DeltaMessage(content=completion.text) if completion.text else DeltaMessage()
+            yield chunks.choice(ChatCompletionStreamChoice(index=completion.index, delta=delta, logprobs=logprobs,
+                                                           finish_reason=completion.finish_reason,
+                                                           stop_reason=completion.stop_reason))
+    if include_usage:
+        yield chunks.usage(num_prompt_tokens, num_completion_tokens)

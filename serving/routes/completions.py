@@ -1,0 +1,114 @@
+"""``POST /v1/completions``: one or several prompts (texts or token ids), ``n`` choices each, JSON or SSE."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from serving.async_engine import EngineRequest, RequestStream
+from serving.errors import APIError
+from serving.openai_server import OpenAIServer, get_server
+from serving.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
+                              CompletionStreamChoice, CompletionStreamResponse, UsageInfo, random_uuid, unix_time)
+from serving.routes import GENERATION_RESPONSES, json_response
+from serving.streaming import CompletionTextChunk, EngineStreamingResponse, SSEChunks, collect_final, merge_streams
+
+router = APIRouter()
+
+
+def _normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """The request's ``prompt`` as a list of prompts (each a text or a token-id list)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
+async def create_completion(body: CompletionRequest, raw_request: Request,
+                            server: OpenAIServer = Depends(get_server)) -> Response:
+    server.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which this engine does "
+                            "not compute", param="echo")
+    prompts = _normalize_prompts(body.prompt)
+    prompt_token_ids: list[list[int]] = []
+    for prompt in prompts:
+        ids = server.encode(prompt, True, "prompt") if isinstance(prompt, str) else list(prompt)
+        server.check_token_ids(ids, "prompt")
+        server.check_prompt_length(len(ids), "prompt")
+        prompt_token_ids.append(ids)
+    aliases: dict[str, str] = {}
+    requests = []
+    response_id = f"cmpl-{random_uuid()}"
+    for index, ids in enumerate(prompt_token_ids):
+        max_tokens = server.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens")
+        params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases)
+        requests.append(EngineRequest(f"{response_id}-{index}", ids, params))
+    prompt_texts = [p if isinstance(p, str) else server.decode(ids, "echo")
+                    for p, ids in zip(prompts, prompt_token_ids)] if body.echo else None
+    streams = await server.submit(requests, body, aliases)
+    num_prompt_tokens = sum(len(ids) for ids in prompt_token_ids)
+    created = unix_time()
+    if body.stream:
+        return EngineStreamingResponse(
+            _completion_chunks(server, body, streams, response_id, created, prompt_texts, num_prompt_tokens),
+            server.engine, streams)
+    finals = await collect_final(server.engine, streams, raw_request)
+    if finals is None:
+        return Response(status_code=499)  # the client left
+    choices = []
+    num_completion_tokens = 0
+    for prompt_index, output in enumerate(finals):
+        for completion in output.outputs:
+            prefix = prompt_texts[prompt_index] if prompt_texts else ""
+            logprobs = None
+            if body.logprobs is not None and completion.logprobs is not None:
+                logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs,
+                                                      body.logprobs, len(prefix))
+            choices.append(CompletionResponseChoice(
+                index=prompt_index * body.n + completion.index, text=prefix + completion.text, logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+            num_completion_tokens += len(completion.token_ids)
+    choices.sort(key=lambda choice: choice.index)
+    usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                      total_tokens=num_prompt_tokens + num_completion_tokens)
+    return json_response(CompletionResponse(id=response_id, created=created, model=server.info.served_model_name,
+                                            choices=choices, usage=usage))
+
+
+async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],
+                             response_id: str, created: int, prompt_texts: list[str] | None,
+                             num_prompt_tokens: int) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed completion: the echoed prompts, then one chunk per choice and delta output."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    model = server.info.served_model_name
+    chunks = SSEChunks(CompletionStreamResponse, response_id, created, model, include_usage)
+    text_chunk = CompletionTextChunk(response_id, created, model, include_usage)
+    if prompt_texts is not None:
+        for prompt_index, text in enumerate(prompt_texts):
+            for i in range(body.n):
+                yield chunks.choice(CompletionStreamChoice(index=prompt_index * body.n + i, text=text))
+    num_chars_sent: dict[int, int] = {}  # per choice: characters streamed so far (logprobs' text_offset)
+    num_completion_tokens = 0
+    async for prompt_index, output in merge_streams(streams):
+        for completion in output.outputs:
+            index = prompt_index * body.n + completion.index
+            num_completion_tokens += len(completion.token_ids)
+            char_offset = num_chars_sent.get(index, 0)
+            num_chars_sent[index] = char_offset + len(completion.text)
+            if body.logprobs is None or completion.logprobs is None:
+                yield text_chunk(index, completion.text, completion.finish_reason, completion.stop_reason)
+                continue
+            offset = char_offset + (len(prompt_texts[prompt_index]) if prompt_texts else 0)
+            logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs, offset)
+            yield chunks.choice(CompletionStreamChoice(index=index, text=completion.text, logprobs=logprobs,
+                                                       finish_reason=completion.finish_reason,
+                                                       stop_reason=completion.stop_reason))
+    if include_usage:
+        yield chunks.usage(num_prompt_tokens, num_completion_tokens)
