@@ -3,7 +3,7 @@
 Why a process: the engine is host bound on a GPU (every step is Python scheduling plus the launch of a few hundred
 kernels), and a server that streams a chunk per token per client keeps its event loop busy in Python too. In one
 process both share one GIL, and every millisecond the event loop holds it is taken from the engine: on the H200 the
-server reached 65% of the offline engine's tok/s at 64 streams (benchmarks/RESULTS.md). vLLM runs its EngineCore
+server measured well below the offline engine's tok/s at 64 streams (benchmarks/RESULTS.md). vLLM runs its EngineCore
 apart from the API server for the same reason.
 
 ``EngineProcessClient(engine_args)`` spawns the child, which builds the ``LLMEngine`` and then loops on its own:
@@ -293,9 +293,9 @@ class EngineProcessClient:
 
 
 def engine_process_enabled(flag: bool | None) -> bool:
-    """The CLI flag, else ``PAGED_JAX_ENGINE_PROCESS`` (``0`` = a thread); on by default: on the H200 at 64 streams
-    the server reached 11,834 output tok/s with the engine in its own process vs 8,484 on a thread of the server
-    process (offline engine 13,337; benchmarks/RESULTS.md)."""
+    """The CLI flag, else ``PAGED_JAX_ENGINE_PROCESS`` (``0`` = a thread); on by default: the server streams more
+    tokens per second with the engine in its own process than on a thread of the server process
+    (benchmarks/RESULTS.md, "Server")."""
     if flag is not None:
         return bool(flag)
     return os.environ.get("PAGED_JAX_ENGINE_PROCESS", "1") != "0"
