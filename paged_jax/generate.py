@@ -46,11 +46,10 @@ from flax import nnx
 from jax.custom_batching import custom_vmap
 
 from models.llama import ReusableAttention
+from paged_jax.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
 from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
 from paged_jax.sampling_params import SAMPLING_EPS
-
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic")
 
 
 class GenerateOutput(NamedTuple):
@@ -134,8 +133,9 @@ def generate(
         early (pass e.g. ``config.eos_token_ids`` to stop at the model's EOS).
       pad_token_id: static int written after a row finished.
       block_size: static KV page size (tokens per block) of the paged pool.
-      attention_impl: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference", "pallas" (Triton
-        lowering) or "mosaic" (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
+      attention_impl: one of ``paged_jax.attention_impl.ATTENTION_IMPLS``: "auto" (Pallas kernels on GPU, jnp
+        reference elsewhere), "reference", "triton" (Triton lowering; "pallas" is its deprecated name) or "mosaic"
+        (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
       sharding_plan: static ``paged_jax.sharding.ShardingPlan`` (data_parallel_size 1) whose layout the weights
         have (``plan.shard_model(model)`` / ``load_sharded_model``): the KV pool is sharded over kv heads and
         attention runs per device under ``shard_map``. None: follow the input shardings (see the module docstring).
@@ -153,8 +153,7 @@ def generate(
     eos_token_ids = _normalize_eos(eos_token_id)
     if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool):
         raise ValueError(f"pad_token_id must be a Python int (it is static), got {pad_token_id!r}")
-    if attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {attention_impl!r}")
+    attention_impl = resolve_attention_impl(attention_impl, "attention_impl")
     if sharding_plan is not None:
         from paged_jax.sharding import ShardingPlan
 

@@ -335,7 +335,7 @@ class ModelRunner:
       max_num_seqs / max_num_batched_tokens: the largest step (sets the buckets).
       num_host_blocks: host swap pool blocks (0: no swapping).
       eos_token_ids: banned (with stop_token_ids) while a row is below its min_tokens.
-      attention_impl: "auto" | "reference" | "pallas" | "mosaic", passed to ``ragged_paged_attention``.
+      attention_impl: one of ``paged_jax.attention_impl.ATTENTION_IMPLS``, passed to ``ragged_paged_attention``.
       buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
       max_logprobs: the top-logprob width of the compiled logprob variants (requests may ask for up to this many).
       device: where the pool lives (default ``jax.devices()[0]``).
