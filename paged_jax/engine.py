@@ -28,8 +28,8 @@ import numpy as np
 from paged_jax.config import EngineArgs
 from paged_jax.detokenizer import IncrementalDetokenizer
 from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.model_runner import (ModelRunner, PendingStep, SeqInput, determine_num_blocks, enable_compilation_cache,
-                                    num_host_blocks_for)
+from paged_jax.model_runner import (ModelRunner, PendingStep, SeqInput, determine_num_blocks,
+                                    enable_compilation_cache, num_host_blocks_for)
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_jax.request import Request, RequestStatus
 from paged_jax.sampler import BANNED_WIDTH
