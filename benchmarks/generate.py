@@ -21,6 +21,7 @@ import sys
 import time
 
 from benchmarks.report import versions, write_json
+from paged_jax.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
 
 
 def _timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (traced temperature)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas", "mosaic"])
+    p.add_argument("--attention-impl", default="auto", choices=[*ATTENTION_IMPLS, *DEPRECATED_ATTENTION_IMPLS])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--trace", action="store_true",
                    help="also profile one call (jax.profiler) and print GPU kernel time per generated token by name")

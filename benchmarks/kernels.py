@@ -171,7 +171,7 @@ def attention_flops(b, sliding_window=None):
     return 4 * hq * d * total_visible
 
 
-def ours(impl="pallas", **tuning):
+def ours(impl="triton", **tuning):
     return lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
         q, kp, vp, kl, bt, cu, sm_scale=SM_SCALE, impl=impl, interpret=INTERPRET, **tuning)
 
@@ -279,7 +279,7 @@ def section_check(args):
          dict(ALL_OPTIONS, block_q=32, block_k=128, num_warps=8)),
         ("all options: fp32 prefill", [100, 1], [260, 50], 16, 4, 128, 16, jnp.float32, None, ALL_OPTIONS),
     ]
-    _run_checks(cases[: args.check_cases], "pallas", key)
+    _run_checks(cases[: args.check_cases], "triton", key)
 
 
 MOSAIC_CHECK_CASES = [

@@ -30,6 +30,8 @@ import re
 import statistics
 import time
 
+from paged_jax.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
+
 DEFAULT_LAYOUTS = ("tp1", "tp2", "tp4", "tp8", "dp2xtp4", "dp4xtp2", "dp8xtp1", "tp4-kvrep", "tp8-kvrep")
 
 # A small Qwen3-shaped model for CPU runs: 8 q heads / 4 kv heads (tp = 8 replicates each kv head twice).
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas", "mosaic"])
+    p.add_argument("--attention-impl", default="auto", choices=[*ATTENTION_IMPLS, *DEPRECATED_ATTENTION_IMPLS])
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions per layout (best is kept)")
     p.add_argument("--out", help="write the JSON results here")
     args = p.parse_args(argv)

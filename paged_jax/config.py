@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from paged_jax.attention_impl import resolve_attention_impl
+
 
 @dataclasses.dataclass
 class EngineArgs:
@@ -42,7 +44,7 @@ class EngineArgs:
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
     weight_cache: bool = True
-    attention_impl: Literal["auto", "reference", "pallas", "mosaic"] = "auto"
+    attention_impl: str = "auto"  # one of paged_jax.attention_impl.ATTENTION_IMPLS ("pallas": deprecated, = "triton")
     disable_log_stats: bool = False
     # Overlap host scheduling with device compute: step k+1 is dispatched before step k's sampled tokens reach the
     # host (decode inputs are taken from the device), and outputs are reported one step behind. Same outputs as the
@@ -66,3 +68,4 @@ class EngineArgs:
             check(value is None or value >= 1, name, "must be >= 1")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")

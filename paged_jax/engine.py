@@ -27,10 +27,11 @@ from paged_jax.detokenizer import IncrementalDetokenizer
 from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
-from paged_jax.model_runner import (BANNED_WIDTH, ModelRunner, PendingStep, SeqInput, determine_num_blocks,
+from paged_jax.model_runner import (ModelRunner, PendingStep, SeqInput, determine_num_blocks,
                                     enable_compilation_cache, num_host_blocks_for)
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_jax.request import Request, RequestStatus
+from paged_jax.sampler import BANNED_WIDTH
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.scheduler import Scheduler
 
@@ -52,18 +53,6 @@ def _child_seed(seed: int, index: int) -> int:
 
 # Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
 PLACEHOLDER_TOKEN = -1
-
-
-def _stop_token_reason(request: Request, token: int, num_output: int) -> tuple[str, int | None] | None:
-    """("eos", None) or ("stop_token", token) if ``token`` (the ``num_output``-th output token) ends the request,
-    with the scheduler's rules: only once more than min_tokens outputs exist; EOS unless ignore_eos."""
-    if num_output <= request.min_tokens:
-        return None
-    if token in request.eos_token_ids and not request.ignore_eos:
-        return ("eos", None)
-    if token in request.stop_token_ids:
-        return ("stop_token", token)
-    return None
 
 
 @dataclasses.dataclass
@@ -412,31 +401,19 @@ class LLMEngine:
                    for _, request, _ in self._in_flight.rows)
 
     def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Async path: fetch the in-flight step's tokens, replace the placeholders, apply the stop conditions the
-        scheduler could not see (EOS, stop token ids; lengths it already applied), detokenize."""
+        """Async path: fetch the in-flight step's tokens, let the scheduler replace the placeholders (and apply the
+        stop tokens it could not see), detokenize."""
         flight, self._in_flight = self._in_flight, None
         result = flight.handle.result()
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         now = time.time()
-        block_size = self.kv_cache_manager.block_size
         touched: dict[str, _RequestState] = {}
         for row, request, output_index in flight.rows:
             entry = self._seq_by_id.get(request.request_id)
             if entry is None or entry[1].request is not request or entry[1].finished:
                 continue  # aborted meanwhile
             state, seq = entry
-            token = tokens[row]
-            request.output_token_ids[output_index] = token
-            # Block hashes covering the placeholder were computed from it: drop them, they are recomputed from the
-            # real tokens before the block is registered in the prefix cache (it is not yet: its K/V is pending).
-            del request.block_hashes[(request.num_prompt_tokens + output_index) // block_size:]
-            stop = _stop_token_reason(request, token, output_index + 1)
-            if stop is not None:
-                if request.is_finished:  # already finished by length at placeholder time: the stop token wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request.request_id, "stop")
-                request.stop_reason = stop[1]
+            self.scheduler.resolve_placeholder(request, output_index, tokens[row])
             self._on_token(state, seq, request, output_index, result, row, now)
             touched[state.request_id] = state
         return self._collect_outputs(touched.values(), now, finished_only)

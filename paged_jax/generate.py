@@ -24,10 +24,10 @@ Composability:
 
 Randomness: row ``b`` of a call uses ``row_key = jax.random.split(rng, B)[b]`` and draws the Gumbel noise of output
 token ``i`` from ``fold_in(row_key, i)``; a row's tokens therefore depend on (model, prompt, rng, row index) and not
-on the other rows. Sampling semantics are the engine sampler's (``paged_jax.sampler``): greedy when temperature <
-``SAMPLING_EPS`` (argmax, lowest index on ties), else Gumbel-max on ``logits / temperature`` after top-k then top-p
-(``apply_top_k_top_p``). Returned logprobs are those of the raw model distribution (``log_softmax(logits)`` at
-temperature 1, no truncation), like the engine's default.
+on the other rows. Sampling is the engine's sampler itself (``paged_jax.sampler.sample``, with the row keys as its
+per-row keys): greedy when temperature < ``SAMPLING_EPS`` (argmax, lowest index on ties), else Gumbel-max on
+``logits / temperature`` after top-k then top-p. Returned logprobs are those of the raw model distribution
+(``log_softmax(logits)`` at temperature 1, no truncation), like the engine's default.
 
 Outputs carry no gradient (the parameters enter through ``stop_gradient``), so ``generate`` may run inside a function
 that ``jax.grad`` differentiates; compute training logprobs with a separate forward pass on the returned tokens.
@@ -46,11 +46,10 @@ from flax import nnx
 from jax.custom_batching import custom_vmap
 
 from models.llama import ReusableAttention
+from paged_jax.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
-from paged_jax.sampler import apply_top_k_top_p
+from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
 from paged_jax.sampling_params import SAMPLING_EPS
-
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic")
 
 
 class GenerateOutput(NamedTuple):
@@ -134,8 +133,9 @@ def generate(
         early (pass e.g. ``config.eos_token_ids`` to stop at the model's EOS).
       pad_token_id: static int written after a row finished.
       block_size: static KV page size (tokens per block) of the paged pool.
-      attention_impl: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference", "pallas" (Triton
-        lowering) or "mosaic" (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
+      attention_impl: one of ``paged_jax.attention_impl.ATTENTION_IMPLS``: "auto" (Pallas kernels on GPU, jnp
+        reference elsewhere), "reference", "triton" (Triton lowering; "pallas" is its deprecated name) or "mosaic"
+        (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
       sharding_plan: static ``paged_jax.parallel.ShardingPlan`` (data_parallel_size 1) whose layout the weights
         have (``models.tensor_parallel.shard_model`` / ``load_sharded_model``): the KV pool is sharded over kv
         heads and attention runs per device under ``shard_map``. None: follow the input shardings (see the module
@@ -154,8 +154,7 @@ def generate(
     eos_token_ids = _normalize_eos(eos_token_id)
     if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool):
         raise ValueError(f"pad_token_id must be a Python int (it is static), got {pad_token_id!r}")
-    if attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {attention_impl!r}")
+    attention_impl = resolve_attention_impl(attention_impl, "attention_impl")
     if sharding_plan is not None:
         from paged_jax.parallel import ShardingPlan
 
@@ -450,26 +449,22 @@ def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths,
 
 
 def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParams):
-    """One token per row: (int32[B], raw logprob float32[B]); same semantics as ``paged_jax.sampler.sample``."""
-    logits = logits.astype(jnp.float32)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """One token per row by the engine's ``paged_jax.sampler.sample``: (int32[B], raw logprob float32[B])."""
+    batch_size = logits.shape[0]
+    tensors = temperature_top_k_top_p_tensors(row_params.temperature, row_params.top_k, row_params.top_p,
+                                              seeds=row_keys, steps=jnp.full((batch_size,), step, jnp.int32))
+
+    def run(mode: SamplingMode):
+        out = sample(logits, tensors, mode=mode)
+        return out.token_ids, out.logprobs
+
     if static.static_temperature is not None and static.static_temperature < SAMPLING_EPS:
-        tokens = greedy_tokens
-    else:
-        greedy_rows = row_params.temperature < SAMPLING_EPS
-        scaled = logits / jnp.where(greedy_rows, 1.0, row_params.temperature)[:, None]
-        truncation_off = (static.static_top_k is not None and static.static_top_k <= 0
-                          and static.static_top_p is not None and static.static_top_p >= 1.0)
-        if not truncation_off:
-            # One sort per row; skipped at run time when no row truncates (traced top_k / top_p).
-            needs_truncation = jnp.any((row_params.top_k > 0) | (row_params.top_p < 1.0))
-            scaled = jax.lax.cond(needs_truncation,
-                                  lambda x: apply_top_k_top_p(x, row_params.top_k, row_params.top_p),
-                                  lambda x: x, scaled)
-        vocab_size = logits.shape[-1]
-        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, step), (vocab_size,), jnp.float32))(
-            row_keys)
-        sampled_tokens = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-        tokens = jnp.where(greedy_rows, greedy_tokens, sampled_tokens)
-    raw_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
-    return tokens, raw_logprobs
+        return run(SamplingMode.GREEDY)
+    if (static.static_top_k is not None and static.static_top_k <= 0
+            and static.static_top_p is not None and static.static_top_p >= 1.0):
+        return run(SamplingMode.GREEDY_OR_TEMPERATURE)
+    # FULL mode adds the top-k / top-p sort (min-p, penalties and bans are off: no effect); skipped at run time when
+    # no row truncates (traced top_k / top_p).
+    needs_truncation = jnp.any((row_params.top_k > 0) | (row_params.top_p < 1.0))
+    return jax.lax.cond(needs_truncation, lambda: run(SamplingMode.FULL),
+                        lambda: run(SamplingMode.GREEDY_OR_TEMPERATURE))

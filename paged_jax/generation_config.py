@@ -8,7 +8,6 @@ set them (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path

@@ -178,6 +178,13 @@ class KVCacheManager:
             parent = hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)
 
+    def invalidate_block_hashes(self, request: Request, token_index: int) -> None:
+        """The token at ``token_index`` of ``request.all_token_ids`` has changed (async scheduling replaces a
+        placeholder by the sampled token): drop the hashes of its block and of every later one, computed from the
+        old token; they are recomputed on demand. Only for tokens whose K/V is not computed yet, so that no block
+        holding them has been registered in the cache."""
+        del request.block_hashes[token_index // self.block_size:]
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of ``request.all_token_ids``.
 

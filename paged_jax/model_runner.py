@@ -5,9 +5,10 @@ A step's ragged batch (decodes first, then prefill chunks) is padded to one of a
 after warm-up is a bug and shows up in ``num_compiles_since_warmup``.
 
 Per step the host builds ONE int32 numpy buffer holding all step metadata (token ids, positions, slot mapping,
-cu_q_lens, kv_lens, block tables, logits indices and the per-row sampling vectors, floats bitcast to int32) and sends
-it with one ``jax.device_put`` (plus the penalty token history, only on steps that have a penalty row); the jitted
-step unpacks it by static slicing. Two jitted functions run per step, dispatched back to back without a host sync:
+cu_q_lens, kv_lens, block tables, logits indices and the per-row sampling words, ``sampler.pack_sampling_tensors``)
+and sends it with one ``jax.device_put`` (plus the penalty token history, only on steps that have a penalty row);
+the jitted step unpacks it by static slicing. Two jitted functions run per step, dispatched back to back without a
+host sync:
 
 * ``_forward`` (compiled per token/seq bucket): model forward with paged attention (``write_kv`` then
   ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[R, V]``, R =
@@ -298,7 +299,7 @@ class _Layout:
         T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 ("sampling", R * sampling_words_per_seq())]
+                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)
@@ -335,7 +336,7 @@ class ModelRunner:
       max_num_seqs / max_num_batched_tokens: the largest step (sets the buckets).
       num_host_blocks: host swap pool blocks (0: no swapping).
       eos_token_ids: banned (with stop_token_ids) while a row is below its min_tokens.
-      attention_impl: "auto" | "reference" | "pallas" | "mosaic", passed to ``ragged_paged_attention``.
+      attention_impl: one of ``paged_jax.attention_impl.ATTENTION_IMPLS``, passed to ``ragged_paged_attention``.
       buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
       max_logprobs: the top-logprob width of the compiled logprob variants (requests may ask for up to this many).
       device: where the pool lives (default ``jax.devices()[0]``); ignored with ``sharding_plan``.
@@ -467,7 +468,7 @@ class ModelRunner:
         def sample(logits, sampling_words, prev_token_ids, *, mode, num_logprobs):
             """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
             num_seqs = logits.shape[0]
-            tensors = _unpack_sampling(sampling_words, prev_token_ids, num_seqs)
+            tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs)
             out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs)
             # Padded to the widest seq bucket so the next forward's input feed always has one shape.
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
@@ -524,7 +525,7 @@ class ModelRunner:
             tensors, _ = sampler_lib.build_sampling_tensors([], layout.num_sample_rows,
                                                             eos_token_ids=self.eos_token_ids)
             a, b = layout.fields["sampling"]
-            _pack_sampling(tensors, buf[a:b])
+            sampler_lib.pack_sampling_tensors(tensors, buf[a:b])
             self.kv_pool, logits, sampling_words = self._forward(
                 self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
                 num_tokens=num_tokens, num_seqs=num_seqs)
@@ -599,7 +600,7 @@ class ModelRunner:
         sampling_rows = [s.sampling if s.sample else None for s in packed_seqs]
         tensors, mode = sampler_lib.build_sampling_tensors(
             sampling_rows, layout.num_sample_rows, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
-        _pack_sampling(tensors, view("sampling"))
+        sampler_lib.pack_sampling_tensors(tensors, view("sampling"))
         penalties = tensors.prev_token_ids.shape[1] > 0
         requested = [row[0].logprobs for row in sampling_rows if row is not None and row[0].logprobs is not None]
         wants_logprobs = bool(requested)
@@ -731,48 +732,3 @@ def _swap_sizes_for(num_blocks: int) -> list[int]:
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Sampling tensors <-> int32 words
-# ----------------------------------------------------------------------------------------------------------------
-
-# The per-row [S] vectors of ``sampler.SamplingTensors`` that travel in the step buffer (all 4-byte dtypes), then
-# ``banned_token_ids`` at a fixed width. ``prev_token_ids`` (penalty history, [S, max_model_len]) is the one field
-# that does not: it is large and only needed on steps with a penalty row, so it goes as a second transfer then.
-_VECTOR_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence", "frequency", "repetition", "seeds", "steps",
-                  "prompt_len")
-_VECTOR_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "min_p": jnp.float32,
-                  "presence": jnp.float32, "frequency": jnp.float32, "repetition": jnp.float32,
-                  "seeds": jnp.uint32, "steps": jnp.int32, "prompt_len": jnp.int32}
-# Width of the min_tokens ban list (stop_token_ids + EOS ids of a row below its min_tokens). Fixed so the sampler
-# compiles once; the engine rejects requests that would need more (ValueError naming stop_token_ids).
-BANNED_WIDTH = 32
-
-
-def sampling_words_per_seq() -> int:
-    return len(_VECTOR_FIELDS) + BANNED_WIDTH
-
-
-def _pack_sampling(tensors, out: np.ndarray) -> None:
-    """Write ``tensors`` (host ``SamplingTensors`` with S rows) into ``out``: int32[S * sampling_words_per_seq()]."""
-    num_seqs = tensors.temperature.shape[0]
-    for i, name in enumerate(_VECTOR_FIELDS):
-        out[i * num_seqs:(i + 1) * num_seqs] = np.ascontiguousarray(getattr(tensors, name)).view(np.int32)
-    banned = tensors.banned_token_ids
-    if banned.shape[1] > BANNED_WIDTH:
-        raise ValueError(f"a row bans {banned.shape[1]} token ids below min_tokens, more than {BANNED_WIDTH}")
-    banned_words = out[len(_VECTOR_FIELDS) * num_seqs:].reshape(num_seqs, BANNED_WIDTH)
-    banned_words[:] = -1
-    banned_words[:, :banned.shape[1]] = banned
-
-
-def _unpack_sampling(words: jax.Array, prev_token_ids: jax.Array, num_seqs: int):
-    """Inverse of ``_pack_sampling`` inside jit -> ``sampler.SamplingTensors`` (device arrays)."""
-    fields = {}
-    for i, name in enumerate(_VECTOR_FIELDS):
-        fields[name] = jax.lax.bitcast_convert_type(words[i * num_seqs:(i + 1) * num_seqs], _VECTOR_DTYPES[name])
-    banned = words[len(_VECTOR_FIELDS) * num_seqs:].reshape(num_seqs, BANNED_WIDTH)
-    fields["banned_token_ids"] = banned  # -1 entries are dropped by the sampler's scatter
-    fields["prev_token_ids"] = prev_token_ids
-    return sampler_lib.SamplingTensors(**fields)

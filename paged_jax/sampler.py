@@ -27,9 +27,10 @@ import numpy as np
 
 from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams
 
-# Width of ``banned_token_ids`` when some row is still below its ``min_tokens``; grows to the next power of two
-# if a request has more stop ids than this (rare: an extra compilation).
-MIN_BANNED_WIDTH = 8
+# Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens) when some row needs bans.
+# Fixed so that the sampler compiles once; the engine rejects requests that would need more (ValueError naming
+# stop_token_ids).
+BANNED_WIDTH = 32
 
 
 class SamplingMode(str, enum.Enum):
@@ -55,7 +56,8 @@ class SamplingTensors(NamedTuple):
     presence: f32[S]; presence penalty (0 = off).
     frequency: f32[S]; frequency penalty (0 = off).
     repetition: f32[S]; repetition penalty (1 = off).
-    seeds: u32[S]; per-request seed.
+    seeds: u32[S]; per-request seed (the row's key is ``key(seed)``), or key[S]: a typed PRNG key per row, used as
+      is (``generate`` splits the caller's key).
     steps: i32[S]; index of the token being sampled within the request's output (0 for the first output token).
     prev_token_ids: i32[S, L]; prompt ids then output ids, padded with -1; L = 0 when no penalties are applied.
     prompt_len: i32[S]; how many leading entries of ``prev_token_ids`` are prompt tokens.
@@ -111,10 +113,6 @@ def seed_to_u32(seed: int) -> int:
     return (seed64 ^ (seed64 >> 32)) & 0xFFFFFFFF
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
 def _banned_ids_for(params: SamplingParams, step: int, eos_token_ids: Sequence[int]) -> list[int]:
     """Ids that must not be sampled at output index ``step`` because ``min_tokens`` is not reached yet."""
     if step >= params.min_tokens:
@@ -149,8 +147,9 @@ def build_sampling_tensors(
         ``min_tokens`` unless it sets ``ignore_eos``.
     Returns:
       (tensors, mode). ``prev_token_ids`` is i32[S, penalty_len] when penalties are applied in FULL mode, else
-      i32[S, 0]; ``banned_token_ids`` is i32[S, 0] unless a row needs bans (then FULL mode, width >=
-      MIN_BANNED_WIDTH, a power of two).
+      i32[S, 0]; ``banned_token_ids`` is i32[S, 0] unless a row needs bans (then FULL mode, i32[S, BANNED_WIDTH]).
+    Raises:
+      ValueError: bad ``pad_to`` / ``penalty_len`` / ``step``, or a row banning more than BANNED_WIDTH ids.
     """
     if pad_to < len(rows):
         raise ValueError(f"pad_to must be >= the number of rows ({len(rows)}), got {pad_to}")
@@ -195,6 +194,9 @@ def build_sampling_tensors(
             repetition[row_index] = params.repetition_penalty
             penalty_rows.append(row_index)
         banned = _banned_ids_for(params, step, eos_token_ids)
+        if len(banned) > BANNED_WIDTH:
+            raise ValueError(f"stop_token_ids: row {row_index} bans {len(banned)} ids (stop ids + EOS) below "
+                             f"min_tokens, more than {BANNED_WIDTH}")
         if banned:
             banned_per_row[row_index] = banned
 
@@ -222,11 +224,7 @@ def build_sampling_tensors(
         prev_token_ids[row_index, len(prompt_ids) : total] = output_ids
         prompt_len[row_index] = len(prompt_ids)
 
-    if banned_per_row:
-        widest = max(len(ids) for ids in banned_per_row.values())
-        banned_width = max(MIN_BANNED_WIDTH, _next_power_of_two(widest))
-    else:
-        banned_width = 0
+    banned_width = BANNED_WIDTH if banned_per_row else 0
     banned_token_ids = np.full((pad_to, banned_width), -1, np.int32)
     for row_index, ids in banned_per_row.items():
         banned_token_ids[row_index, : len(ids)] = ids
@@ -237,6 +235,57 @@ def build_sampling_tensors(
         banned_token_ids=banned_token_ids,
     )
     return tensors, mode
+
+
+def temperature_top_k_top_p_tensors(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
+                                    steps: jax.Array) -> SamplingTensors:
+    """Device ``SamplingTensors`` for rows that use temperature, top-k and top-p only (min-p, penalties and bans
+    off): temperature f32[S], top_k i32[S], top_p f32[S], seeds u32[S] or key[S], steps i32[S]. Jittable."""
+    num_rows = temperature.shape[0]
+    zeros = jnp.zeros((num_rows,), jnp.float32)
+    no_ids = jnp.zeros((num_rows, 0), jnp.int32)
+    return SamplingTensors(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=zeros, presence=zeros, frequency=zeros,
+        repetition=jnp.ones((num_rows,), jnp.float32), seeds=seeds, steps=steps, prev_token_ids=no_ids,
+        prompt_len=jnp.zeros((num_rows,), jnp.int32), banned_token_ids=no_ids,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wire format: SamplingTensors <-> int32 words of the model runner's step buffer
+# ---------------------------------------------------------------------------------------------------------------
+
+# The per-row [S] vectors that travel in the step buffer (all 4-byte dtypes, floats bitcast), then
+# ``banned_token_ids`` at BANNED_WIDTH. ``prev_token_ids`` (penalty history, [S, max_model_len]) is the one field
+# that does not: it is large and only needed on steps with a penalty row, so the runner sends it apart then.
+_WIRE_VECTOR_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "min_p": jnp.float32,
+                       "presence": jnp.float32, "frequency": jnp.float32, "repetition": jnp.float32,
+                       "seeds": jnp.uint32, "steps": jnp.int32, "prompt_len": jnp.int32}
+SAMPLING_WORDS_PER_ROW = len(_WIRE_VECTOR_DTYPES) + BANNED_WIDTH
+
+
+def pack_sampling_tensors(tensors: SamplingTensors, out: np.ndarray) -> None:
+    """Write host ``tensors`` (S rows, from ``build_sampling_tensors``) into ``out``: int32[S * SAMPLING_WORDS_PER_ROW],
+    each vector field as S words, then the ban list as [S, BANNED_WIDTH] padded with -1."""
+    num_rows = tensors.temperature.shape[0]
+    for i, name in enumerate(_WIRE_VECTOR_DTYPES):
+        out[i * num_rows:(i + 1) * num_rows] = np.ascontiguousarray(getattr(tensors, name)).view(np.int32)
+    banned = tensors.banned_token_ids
+    banned_words = out[len(_WIRE_VECTOR_DTYPES) * num_rows:].reshape(num_rows, BANNED_WIDTH)
+    banned_words[:] = -1
+    banned_words[:, :banned.shape[1]] = banned
+
+
+def unpack_sampling_tensors(words: jax.Array, prev_token_ids: jax.Array, num_rows: int) -> SamplingTensors:
+    """Inverse of ``pack_sampling_tensors`` inside jit: int32[num_rows * SAMPLING_WORDS_PER_ROW] words plus the
+    penalty history i32[num_rows, L] (L = 0 without penalties) -> device ``SamplingTensors``."""
+    fields = {}
+    for i, (name, dtype) in enumerate(_WIRE_VECTOR_DTYPES.items()):
+        fields[name] = jax.lax.bitcast_convert_type(words[i * num_rows:(i + 1) * num_rows], dtype)
+    banned = words[len(_WIRE_VECTOR_DTYPES) * num_rows:].reshape(num_rows, BANNED_WIDTH)
+    fields["banned_token_ids"] = banned  # -1 entries are dropped by ban_tokens' scatter
+    fields["prev_token_ids"] = prev_token_ids
+    return SamplingTensors(**fields)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,13 +374,15 @@ def apply_top_k_top_p(scaled_logits: jax.Array, top_k: jax.Array, top_p: jax.Arr
 
 
 def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
-    """Per-row Gumbel(0, 1) noise f32[S, V] from key = fold_in(key(seed), step): independent of the batch."""
+    """Per-row Gumbel(0, 1) noise f32[S, V] from key = fold_in(key(seed), step) (``seeds`` u32[S]) or
+    fold_in(seeds[i], step) (``seeds`` key[S], typed keys): independent of the batch."""
+    if not jnp.issubdtype(seeds.dtype, jax.dtypes.prng_key):
+        seeds = jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))
 
-    def row_noise(seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+    def row_noise(key, step):
+        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab_size,), jnp.float32)
 
-    return jax.vmap(row_noise)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
+    return jax.vmap(row_noise)(seeds, steps.astype(jnp.uint32))
 
 
 def _raw_logprob_outputs(

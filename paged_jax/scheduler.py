@@ -354,18 +354,26 @@ class Scheduler:
             changed.append(request)
         return changed
 
+    def resolve_placeholder(self, request: Request, output_index: int, token: int) -> None:
+        """Async scheduling: put the real ``token`` in place of the placeholder that ``update_from_output`` appended
+        as output ``output_index`` (its K/V not computed yet), then apply the stop-token rules the placeholder could
+        not trigger (the length limits were applied then). A stop token also wins over a length finish of the same
+        token, as in the synchronous path."""
+        request.output_token_ids[output_index] = token
+        self.kv.invalidate_block_hashes(request, request.num_prompt_tokens + output_index)
+        if not _stops_on_token(request, token, output_index + 1):
+            return
+        if request.is_finished:  # by length, already freed
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
     def _check_stop(self, request: Request) -> RequestStatus | None:
-        """Stop conditions for the token just appended. EOS (unless ignore_eos) and stop_token_ids count only once
-        min_tokens tokens precede them; length limits always apply."""
-        token = request.output_token_ids[-1]
+        """Stop conditions for the token just appended: a stop token (``_stops_on_token``), else the length limits
+        (max_tokens, max_model_len), which always apply."""
         num_output = request.num_output_tokens
-        if num_output > request.min_tokens:
-            if token in request.eos_token_ids and not request.ignore_eos:
-                request.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in request.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+        if _stops_on_token(request, request.output_token_ids[-1], num_output):
+            return RequestStatus.FINISHED_STOPPED
         max_tokens = request.max_tokens
         if max_tokens is not None and num_output >= max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -384,3 +392,18 @@ class Scheduler:
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
         }
+
+
+def _stops_on_token(request: Request, token: int, num_output: int) -> bool:
+    """Whether ``token``, the ``num_output``-th output token of ``request``, ends it: EOS (unless ignore_eos) or one of
+    its stop_token_ids, counted only once more than min_tokens outputs exist. Sets ``request.stop_reason`` when it
+    does (the stop token id; None for EOS)."""
+    if num_output <= request.min_tokens:
+        return False
+    if token in request.eos_token_ids and not request.ignore_eos:
+        request.stop_reason = None
+        return True
+    if token in request.stop_token_ids:
+        request.stop_reason = token
+        return True
+    return False

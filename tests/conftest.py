@@ -1,5 +1,6 @@
 """Shared pytest setup. JAX runs on CPU with 8 virtual devices (for sharding tests); set before jax is imported."""
 
+import contextlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,30 +36,51 @@ def hf_smollm2_model(smollm2_dir):
     return model
 
 
+@contextlib.contextmanager
+def _one_torch_thread():
+    """Run torch with one intra-op thread: on a shared, oversubscribed CPU, OpenMP threads spin-waiting on each other
+    make torch several times slower than a single thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf_greedy(hf_smollm2_model):
-    """``hf_greedy(prompt_ids, max_new_tokens) -> list[int]``: transformers fp32 greedy continuation of one prompt
-    (stops after EOS id 2, which is included), memoized for the session so engine and LLM tests share it."""
+    """``hf_greedy(prompt_ids, max_new_tokens, repetition_penalty=1.0) -> list[int]``: transformers fp32 greedy
+    continuation of one prompt (stops after EOS id 2, which is included), memoized for the session so engine and LLM
+    tests share it."""
     import torch
 
     cache = {}
 
-    def run(prompt_ids, max_new_tokens):
-        key = (tuple(prompt_ids), max_new_tokens)
+    def run(prompt_ids, max_new_tokens, repetition_penalty=1.0):
+        key = (tuple(prompt_ids), max_new_tokens, repetition_penalty)
         if key not in cache:
-            # One intra-op thread: on a shared, oversubscribed CPU, OpenMP threads spin-waiting on each other make
-            # torch several times slower than a single thread.
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                with torch.no_grad():
-                    out = hf_smollm2_model.generate(
-                        torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
-                        num_beams=1, eos_token_id=2, pad_token_id=2, repetition_penalty=1.0)
-            finally:
-                torch.set_num_threads(threads)
+            with _one_torch_thread():
+                out = hf_smollm2_model.generate(
+                    torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens, do_sample=False,
+                    num_beams=1, eos_token_id=2, pad_token_id=2, repetition_penalty=repetition_penalty)
             cache[key] = out[0, len(prompt_ids):].tolist()
         return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def hf_logits(hf_smollm2_model):
+    """``hf_logits(token_ids) -> float32 numpy [len(token_ids), vocab]``: transformers fp32 logits of one sequence."""
+    import torch
+
+    def run(token_ids):
+        with _one_torch_thread():
+            return hf_smollm2_model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
 
     return run
 

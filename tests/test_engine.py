@@ -260,17 +260,11 @@ def test_n2_children_share_prompt_blocks(engine, workload):
     assert_clean(engine)
 
 
-def test_logprobs_match_transformers(engine, workload, hf_smollm2_model):
+def test_logprobs_match_transformers(engine, workload, hf_logits):
     prompt = workload[2]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
     out = run_to_completion(engine, [prompt], params, prefix="lp")[0].outputs[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see conftest.hf_greedy
-    try:
-        with torch.no_grad():
-            logits = hf_smollm2_model(torch.tensor([prompt + out.token_ids])).logits[0].float()
-    finally:
-        torch.set_num_threads(threads)
+    logits = torch.from_numpy(hf_logits(prompt + out.token_ids))
     ref = torch.log_softmax(logits, dim=-1).numpy()[len(prompt) - 1:-1]  # predicts each output token
     assert len(out.logprobs) == len(out.token_ids)
     total = 0.0
@@ -339,19 +333,11 @@ def test_stats_keys(engine):
     assert jax.devices()[0].platform == "cpu"
 
 
-def test_repetition_penalty_matches_transformers(engine, workload, hf_smollm2_model):
+def test_repetition_penalty_matches_transformers(engine, workload, hf_greedy):
     prompt = workload[4]
     params = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=10)
     out = run_to_completion(engine, [prompt], params, prefix="rep")[0].outputs[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see conftest.hf_greedy
-    try:
-        with torch.no_grad():
-            ref = hf_smollm2_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, num_beams=1,
-                                            repetition_penalty=1.3, eos_token_id=2, pad_token_id=2)
-    finally:
-        torch.set_num_threads(threads)
-    assert out.token_ids == ref[0, len(prompt):].tolist()
+    assert out.token_ids == hf_greedy(prompt, 10, repetition_penalty=1.3)
     assert_clean(engine)
 
 

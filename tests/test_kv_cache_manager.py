@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from paged_jax.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager, hash_block_tokens
 from paged_jax.request import Request
 
 
-@dataclasses.dataclass
-class Params:
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-
-
 def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(tokens), params=Params())
+    return Request(request_id=rid, prompt_token_ids=list(tokens))  # the KV-cache manager never reads params
 
 
 def admit_and_compute(kv: KVCacheManager, request: Request) -> int:
@@ -126,6 +116,22 @@ def test_partial_prefix_hit_and_hash_chaining() -> None:
     assert hash_block_tokens(b"x", [5, 6, 7, 8]) != hash_block_tokens(b"y", [5, 6, 7, 8])
     kv.get_computed_blocks(c)  # fills c.block_hashes
     assert c.block_hashes[1] != a.block_hashes[1]
+
+
+def test_invalidate_block_hashes_after_a_replaced_token() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7])
+    a.output_token_ids.append(-1)  # an async-scheduling placeholder completes the second block...
+    a.output_token_ids.append(-1)  # ...and starts a third
+    kv.get_computed_blocks(a)  # fills a.block_hashes from the placeholders
+    assert len(a.block_hashes) == 2
+    a.output_token_ids[0] = 8
+    kv.invalidate_block_hashes(a, a.num_prompt_tokens)
+    assert len(a.block_hashes) == 1  # the first block's hash does not depend on the replaced token
+    kv.get_computed_blocks(a)
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    kv.get_computed_blocks(b)
+    assert a.block_hashes == b.block_hashes[:2]
 
 
 def test_only_computed_full_blocks_are_cached() -> None:

@@ -19,7 +19,7 @@ from test_ragged_paged_attention import make_batch, numpy_oracle
 
 from paged_jax.ops import ragged_paged_attention
 from paged_jax.ops.ragged_paged_attention import mgpu_kernel
-from paged_jax.ops.ragged_paged_attention.triton_kernel import _tile_map
+from paged_jax.ops.ragged_paged_attention.common import tile_map
 
 # The package (paged_jax.ops re-exports its function under the same name).
 rpa = importlib.import_module("paged_jax.ops.ragged_paged_attention")
@@ -89,16 +89,16 @@ def test_auto_dispatch(monkeypatch):
     # Hopper: the Mosaic kernel for prefill-heavy shapes (>= 128 tokens per sequence slot), Triton otherwise.
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "mosaic"
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=32) == "mosaic"
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=33) == "pallas"  # decode-heavy bucket
-    assert rpa.choose_impl((2048, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "pallas"
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=33) == "triton"  # decode-heavy bucket
+    assert rpa.choose_impl((2048, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "triton"
     assert rpa.choose_impl((1024, 32, 128), pool_shape, jnp.bfloat16, num_seqs=8) == "mosaic"
-    assert rpa.choose_impl((512, 32, 128), pool_shape, jnp.bfloat16, num_seqs=1) == "pallas"  # too few tiles
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4, sliding_window=512) == "pallas"
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.float32, num_seqs=4) == "pallas"
-    assert rpa.choose_impl((4096, 32, 256), (300, 16, 8, 256), jnp.bfloat16, num_seqs=4) == "pallas"
+    assert rpa.choose_impl((512, 32, 128), pool_shape, jnp.bfloat16, num_seqs=1) == "triton"  # too few tiles
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4, sliding_window=512) == "triton"
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.float32, num_seqs=4) == "triton"
+    assert rpa.choose_impl((4096, 32, 256), (300, 16, 8, 256), jnp.bfloat16, num_seqs=4) == "triton"
     # Another GPU generation: the Triton kernel.
     monkeypatch.setattr(rpa, "_is_hopper", lambda: False)
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "pallas"
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "triton"
 
 
 def test_tile_map_aligned_and_covering():
@@ -108,7 +108,7 @@ def test_tile_map_aligned_and_covering():
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
     num_tokens, num_seqs, tile = int(cu[-1]) + 5, len(q_lens), 128
     num_tiles = (num_tokens + 7 * num_seqs) // tile + num_seqs
-    tile_seq, tile_start = (np.asarray(x) for x in _tile_map(cu, num_tiles, tile, align=8))
+    tile_seq, tile_start = (np.asarray(x) for x in tile_map(cu, num_tiles, tile, align=8))
     cu = np.asarray(cu)
     covered = np.zeros(num_tokens, np.int32)
     for s, start in zip(tile_seq, tile_start):

@@ -293,7 +293,7 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
     log2(S) host-driven iterations per attention call, per layer). The jnp reference (CPU fallback) bounds its
     memory with lax.map and is exempt."""
     model, config = tiny_model
-    impl = "pallas"
+    impl = "triton"
     runner = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                          max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2], attention_impl=impl)
     assert runner.buckets

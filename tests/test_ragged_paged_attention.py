@@ -85,7 +85,7 @@ def run(batch, impl, sm_scale, sliding_window=None, **tuning):
     fn = jax.jit(
         lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
             q, kp, vp, kl, bt, cu, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
-            interpret=(impl == "pallas"), **tuning,
+            interpret=(impl == "triton"), **tuning,
         )
     )
     return fn(batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"], batch["block_tables"],
@@ -145,7 +145,7 @@ def test_kernel_matches_reference(name):
     q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES[name]
     batch = make_batch(1 + zlib.crc32(name.encode()), q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype)
     scale = 1.0 / math.sqrt(d)
-    got = run(batch, "pallas", scale, window, **tuning)
+    got = run(batch, "triton", scale, window, **tuning)
     want = run(batch, "reference", scale, window)
     assert got.shape == batch["q"].shape and got.dtype == dtype
     _assert_close(got, want, dtype, int(batch["cu_q_lens"][-1]))
@@ -166,7 +166,7 @@ def _kernel_vs_reference(name, seed_offset, **extra_tuning):
     batch = make_batch(seed_offset + zlib.crc32(name.encode()), q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs,
                        dtype=dtype)
     scale = 1.0 / math.sqrt(d)
-    got = run(batch, "pallas", scale, window, **tuning, **extra_tuning)
+    got = run(batch, "triton", scale, window, **tuning, **extra_tuning)
     want = run(batch, "reference", scale, window)
     assert got.shape == batch["q"].shape and got.dtype == dtype
     _assert_close(got, want, dtype, int(batch["cu_q_lens"][-1]))
@@ -184,14 +184,14 @@ def test_kernel_all_prefill_options_match_reference(name):
 
 
 def test_longest_tiles_first_orders_by_key_count():
-    from paged_jax.ops.ragged_paged_attention.triton_kernel import _longest_tiles_first, _tile_map
+    from paged_jax.ops.ragged_paged_attention.common import sort_tiles_longest_first, tile_map
 
     # Sequences: 10-token prefill, 1 decode at context 50, 7-token chunk over a 30-token prefix, one empty slot.
     q_lens, kv_lens, block_q = np.array([10, 1, 7, 0]), np.array([10, 51, 37, 0]), 4
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     num_tiles = 8  # 3 + 1 + 2 real tiles, 2 empty
-    tile_seq, tile_start = _tile_map(cu, num_tiles, block_q)
-    seq, start = _longest_tiles_first(tile_seq, tile_start, cu, jnp.asarray(kv_lens, jnp.int32), block_q, None)
+    tile_seq, tile_start = tile_map(cu, num_tiles, block_q)
+    seq, start = sort_tiles_longest_first(tile_seq, tile_start, cu, jnp.asarray(kv_lens, jnp.int32), block_q, None)
     seq, start = np.asarray(seq), np.asarray(start)
     # Same set of tiles, empty ones (sequence index S=4) last.
     assert sorted(zip(seq.tolist(), start.tolist())) == sorted(zip(np.asarray(tile_seq).tolist(),
@@ -200,7 +200,7 @@ def test_longest_tiles_first_orders_by_key_count():
     # Keys read per real tile (pos_last + 1): decode 51, chunk tiles 37 and 34, prefill tiles 10, 8, 4.
     assert list(zip(seq[:6].tolist(), start[:6].tolist())) == [(1, 10), (2, 15), (2, 11), (0, 8), (0, 4), (0, 0)]
     # With a sliding window of 5 the cap (window + block_q - 1 = 8) makes the long tiles tie; ties keep map order.
-    seq_w, _ = _longest_tiles_first(tile_seq, tile_start, cu, jnp.asarray(kv_lens, jnp.int32), block_q, 5)
+    seq_w, _ = sort_tiles_longest_first(tile_seq, tile_start, cu, jnp.asarray(kv_lens, jnp.int32), block_q, 5)
     assert np.asarray(seq_w)[:6].tolist() == [0, 0, 1, 2, 2, 0]
 
 
@@ -208,7 +208,7 @@ def test_kernel_one_compilation_serves_new_values():
     """Same static shapes, different ragged layouts and tables: one jitted kernel, both correct."""
     scale = 0.125
     fn = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
-        q, kp, vp, kl, bt, cu, sm_scale=scale, impl="pallas", interpret=True, block_k=16))
+        q, kp, vp, kl, bt, cu, sm_scale=scale, impl="triton", interpret=True, block_k=16))
     # Both batches: 3 sequence slots, 12 tokens, max_blocks 5, 13 pool blocks.
     layouts = [([1, 8, 1], [30, 8, 60]), ([6, 3, 1], [6, 40, 59])]
     for seed, (q_lens, kv_lens) in enumerate(layouts):
@@ -263,3 +263,17 @@ def test_bad_input_raises(change, message):
         (args if k in args else kwargs)[k] = v
     with pytest.raises(ValueError, match=message):
         ragged_paged_attention(*args.values(), **kwargs)
+
+
+def test_deprecated_pallas_name_runs_the_triton_kernel():
+    from paged_jax.config import EngineArgs
+
+    batch = make_batch(4, [3, 1], [7, 20], hq=4, hkv=2, d=64, block_size=16, dtype=jnp.float32)
+    want = ragged_paged_attention(*batch.values(), sm_scale=0.1, impl="triton", interpret=True, block_k=16)
+    with pytest.warns(FutureWarning, match="'triton'"):
+        got = ragged_paged_attention(*batch.values(), sm_scale=0.1, impl="pallas", interpret=True, block_k=16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.warns(FutureWarning, match="attention_impl='pallas'"):
+        assert EngineArgs(attention_impl="pallas").attention_impl == "triton"
+    with pytest.raises(ValueError, match="attention_impl must be one of auto, reference, triton, mosaic"):
+        EngineArgs(attention_impl="flash")

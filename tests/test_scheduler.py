@@ -403,6 +403,44 @@ def test_stop_conditions() -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
 
 
+def _generate_with_placeholders(sched, runner, request, tokens: list[int]) -> list[int]:
+    """``_generate`` as async scheduling drives it: each step appends a placeholder (-1) that is resolved to the real
+    token afterwards (before the next step is built, so the fake runner reads real tokens)."""
+    sched.add_request(request)
+    feed = iter(tokens)
+    while not request.is_finished:
+        out = sched.schedule()
+        runner.step(out)
+        for changed in sched.update_from_output(out, {s.request_id: -1 for s in out.scheduled if s.samples}):
+            sched.resolve_placeholder(changed, changed.num_output_tokens - 1, next(feed))
+    return request.output_token_ids
+
+
+@pytest.mark.parametrize("case", ["eos", "min", "ignore", "stop_id", "len", "len_and_stop", "model_len"])
+def test_resolve_placeholder_applies_the_same_stop_rules(case: str) -> None:
+    cases = {
+        "eos": (dict(max_tokens=10, eos={7}), [3, 7, 4]),
+        "min": (dict(max_tokens=10, eos={7}, min_tokens=2), [7, 7, 7, 5]),
+        "ignore": (dict(max_tokens=3, eos={7}, ignore_eos=True), [7, 7, 7, 7]),
+        "stop_id": (dict(max_tokens=10, stop_token_ids=[9], min_tokens=1), [9, 4, 9, 4]),
+        "len": (dict(max_tokens=2), [4, 4, 4]),
+        "len_and_stop": (dict(max_tokens=2, stop_token_ids=[9]), [4, 9, 4]),  # the stop token wins over length
+        "model_len": (dict(max_tokens=None), [4] * 10),
+    }
+    params, tokens = cases[case]
+    prompt = list(range(1, 14)) if case == "model_len" else [1, 2]
+    results = []
+    for generate in (_generate, _generate_with_placeholders):
+        sched, runner = make_scheduler(max_model_len=16)
+        r = make_request(case, prompt, **params)
+        outputs = generate(sched, runner, r, tokens)
+        results.append((outputs, r.finish_reason, r.stop_reason, sched.kv.num_free_blocks))
+        assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+    assert results[0] == results[1]
+    if case == "len_and_stop":
+        assert results[1][1:3] == ("stop", 9)
+
+
 def test_finish_request_for_stop_strings() -> None:
     sched, runner = make_scheduler()
     r = make_request("s", [1, 2, 3], max_tokens=10)

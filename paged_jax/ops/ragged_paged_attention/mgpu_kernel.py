@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from paged_jax.ops.ragged_paged_attention.triton_kernel import LOG2_E, _longest_tiles_first, _tile_map
+from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, int32_metadata, sort_tiles_longest_first, tile_map,
+                                                         zero_padding_tokens)
 
 try:  # Mosaic GPU Pallas (every jax this project supports has it; guarded so that an odd build still imports)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -286,27 +287,14 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
                     plgpu.barrier_wait(v_free.at[slot])
 
 
-def ragged_paged_attention_mgpu(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    interpret: bool = False,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    num_stages: int | None = None,
-    longest_tiles_first: bool | None = None,
-) -> jax.Array:
+def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
+                                sliding_window: int | None = None, interpret: bool = False, **tuning) -> jax.Array:
     """Mosaic GPU ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``, pools
     ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
     ``cu_q_lens int32[S+1]``. Returns ``[T, Hq, D]`` in ``q.dtype`` with zeros for padding tokens.
 
-    Raises ValueError when ``supported`` rejects the call (callers normally check first).
+    ``tuning``: the keyword arguments of ``default_tuning``. Raises ValueError when ``supported`` rejects the call
+    (callers normally check first).
     """
     why = supported(q.shape, k_pages.shape, q.dtype, sliding_window)
     if why is not None:
@@ -314,20 +302,17 @@ def ragged_paged_attention_mgpu(
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
-    tuning = default_tuning(head_dim, block_size, block_q=block_q, block_kv=block_kv, num_stages=num_stages,
-                            longest_tiles_first=longest_tiles_first)
+    tuning = default_tuning(head_dim, block_size, **tuning)
     bq, bkv, stages = tuning["block_q"], tuning["block_kv"], tuning["num_stages"]
     tile_tokens = COMPUTE_WGS * bq
     # Each sequence's tiles start at its first token rounded down to 8: sum(ceil((q_len + 7) / tile)) tiles at
     # most, i.e. below (T + 7 S) / tile + S.
     num_tiles = max(1, (num_tokens + 7 * num_seqs) // tile_tokens + num_seqs)
 
-    kv_lens = kv_lens.astype(jnp.int32)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
-    tile_seq, tile_start = _tile_map(cu_q_lens, num_tiles, tile_tokens, align=8)
+    kv_lens, block_tables, cu_q_lens = int32_metadata(kv_lens, block_tables, cu_q_lens)
+    tile_seq, tile_start = tile_map(cu_q_lens, num_tiles, tile_tokens, align=8)
     if tuning["longest_tiles_first"]:
-        tile_seq, tile_start = _longest_tiles_first(tile_seq, tile_start, cu_q_lens, kv_lens, tile_tokens, None)
+        tile_seq, tile_start = sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, tile_tokens, None)
 
     # The kernel's scalars in ONE int32 buffer built here: Mosaic GPU wants 256-byte-aligned inputs, and the
     # engine's block tables / lengths are slices of its packed step buffer (XLA passes them as unaligned views).
@@ -379,10 +364,7 @@ def ragged_paged_attention_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         **kwargs,
     )(meta, q_in, k_pages, v_pages)
-    out = out[:num_tokens]
-    # Rows of padding tokens were never written (garbage): zero them.
-    token_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs]
-    return jnp.where(token_valid[:, None, None], out, jnp.zeros((), q.dtype))
+    return zero_padding_tokens(out[:num_tokens], cu_q_lens)
 
 
 __all__ = ["ragged_paged_attention_mgpu", "supported", "default_tuning"]

@@ -43,18 +43,8 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
     return seq_idx, position, valid
 
 
-def ragged_paged_attention_reference(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    max_chunk_bytes: int = 64 << 20,
-) -> jax.Array:
+def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
+                                     sliding_window: int | None = None, max_chunk_bytes: int = 64 << 20) -> jax.Array:
     """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
 
     Args:

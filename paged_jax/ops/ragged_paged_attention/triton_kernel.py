@@ -7,9 +7,9 @@ Work decomposition
   tensor-core dot). Row ``r`` is token ``r // group``, query head ``kv_head * group + r % group``. Decode with GQA 4
   and ``block_q = 4`` gives a 16-row tile holding 1 real token (4 live rows); KV is read once per kv head.
 * Grid ``(num_tiles, Hkv, num_kv_splits)``. ``num_tiles`` is a static upper bound ``min(T, T // block_q + S)``; the
-  tile -> (sequence, first token) map is computed in jnp before the call (cumulative ``ceil(q_len / block_q)`` +
-  searchsorted by comparison, no loop) and read from a GMEM ref in the kernel (neither Pallas GPU backend has scalar
-  prefetch). Tiles past the real count exit through ``pl.when``.
+  tile -> (sequence, first token) map (``common.tile_map``) is computed in jnp before the call (cumulative
+  ``ceil(q_len / block_q)`` + searchsorted by comparison, no loop) and read from a GMEM ref in the kernel (neither
+  Pallas GPU backend has scalar prefetch). Tiles past the real count exit through ``pl.when``.
 * Flash decoding: the tile's KV range (in ``block_k``-key blocks) is cut into ``num_kv_splits`` contiguous chunks,
   one per program; with more than one split each program writes unnormalised partial ``(acc, max, sum)`` rows and
   jnp combines them. With one split the kernel writes the normalised output directly.
@@ -46,7 +46,6 @@ Prefill tuning options (all off by default: the default kernel is the one measur
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +53,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, int32_metadata, sort_tiles_longest_first, tile_map,
+                                                         zero_padding_tokens)
 
 # The compiler-params class was renamed between JAX releases; accept either spelling.
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
@@ -64,7 +66,6 @@ _dot = getattr(plgpu, "dot", None) or pl.dot
 # Finite "minus infinity": exp2(MASK - real_max) underflows to exactly 0, and a fully masked row never makes
 # NaNs (inf - inf). Same choice as JAX's own Pallas attention kernels.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-LOG2_E = math.log2(math.e)
 
 # Programs wanted in flight to fill an H200 (132 SMs, 2 resident programs each) when choosing kv splits.
 _TARGET_PROGRAMS = 264
@@ -141,49 +142,6 @@ def default_tuning(
         k_transposed=bool(k_transposed),
         zero_padding_in_kernel=zero_padding_in_kernel,
     )
-
-
-def _tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1):
-    """Tile -> (sequence, first token). Tiles beyond the real count get sequence index ``S`` (no attention work)
-    and, in order, the ``block_q``-token ranges of the padding tokens from ``cu_q_lens[S]`` on (only read by
-    ``zero_padding_in_kernel``).
-
-    ``align > 1``: each sequence's first tile starts at its first token rounded down to a multiple of ``align``
-    (the tile's rows before the sequence belong to the previous one and must not be stored; the Mosaic kernel's TMA
-    boxes need 8-row-aligned starts). At most ``sum(ceil((q_len + align - 1) / block_q))`` real tiles."""
-    num_seqs = cu_q_lens.shape[0] - 1
-    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
-    first_row = (q_start // align) * align
-    tiles_per_seq = jnp.where(q_end > q_start, (q_end - first_row + block_q - 1) // block_q, 0)
-    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # inclusive prefix sums
-    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    # compare_all: one fused [num_tiles, S] comparison. The default binary search ("scan") lowers to an XLA
-    # while loop, which on the GPU runs as host-driven iterations (log2(S) round trips per call, per layer).
-    tile_seq = jnp.searchsorted(tile_end, tiles, side="right", method="compare_all").astype(jnp.int32)
-    seq_clamped = jnp.minimum(tile_seq, num_seqs - 1)
-    first_tile_of_seq = tile_end - tiles_per_seq
-    tile_start = first_row[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
-    padding_start = cu_q_lens[num_seqs] + (tiles - tile_end[num_seqs - 1]) * block_q
-    tile_start = jnp.where(tile_seq < num_seqs, tile_start, padding_start)
-    return tile_seq, tile_start.astype(jnp.int32)
-
-
-def _longest_tiles_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: int, sliding_window: int | None):
-    """Permute the tile map so tiles that read the most keys come first (ties keep their order).
-
-    A tile's key count is ``pos_last + 1`` (causal), capped by ``sliding_window + block_q - 1`` with a window;
-    empty tiles (sequence index ``S``) get ``-1`` and stay at the end, where the kernel skips them.
-    """
-    num_seqs = kv_lens.shape[0]
-    seq = jnp.minimum(tile_seq, num_seqs - 1)
-    q_end = cu_q_lens[seq + 1]
-    last_token = jnp.minimum(tile_start + block_q, q_end) - 1
-    keys = kv_lens[seq] - (q_end - last_token) + 1  # = pos_last + 1
-    if sliding_window is not None:
-        keys = jnp.minimum(keys, sliding_window + block_q - 1)
-    keys = jnp.where(tile_seq < num_seqs, keys, -1)
-    order = jnp.argsort(-keys, stable=True)
-    return tile_seq[order], tile_start[order]
 
 
 def _kernel(
@@ -383,33 +341,14 @@ def _kernel(
             _store(l_ref.at[split, q_store_row], l_i, mask=row_valid)
 
 
-def ragged_paged_attention_triton(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    cu_q_lens: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    interpret: bool = False,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    num_kv_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    kv_heads_inner: bool = False,
-    longest_tiles_first: bool = False,
-    prefetch_pages: bool = False,
-    prescale_q: bool = False,
-    k_transposed: bool = False,
-    zero_padding_in_kernel: bool = False,
-) -> jax.Array:
-    """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``.
+def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
+                                  sliding_window: int | None = None, interpret: bool = False, **tuning) -> jax.Array:
+    """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``,
+    pools ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
+    ``cu_q_lens int32[S+1]``.
 
     Requires ``head_dim`` to be a power of two >= 16 (Triton block shapes). Returns ``[T, Hq, D]`` in ``q.dtype``
-    with zeros for padding tokens. Tuning arguments: see ``default_tuning`` and the module docstring.
+    with zeros for padding tokens. ``tuning``: the keyword arguments of ``default_tuning`` (module docstring).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
@@ -417,25 +356,17 @@ def ragged_paged_attention_triton(
     if head_dim < 16 or head_dim != _next_pow2(head_dim):
         raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {head_dim}")
     group = num_q_heads // num_kv_heads
-    tuning = default_tuning(
-        num_tokens, num_seqs, num_q_heads, num_kv_heads, max_blocks, block_size,
-        block_q=block_q, block_k=block_k, num_kv_splits=num_kv_splits,
-        num_warps=num_warps, num_stages=num_stages, kv_heads_inner=kv_heads_inner,
-        longest_tiles_first=longest_tiles_first, prefetch_pages=prefetch_pages, prescale_q=prescale_q,
-        k_transposed=k_transposed, zero_padding_in_kernel=zero_padding_in_kernel,
-    )
+    tuning = default_tuning(num_tokens, num_seqs, num_q_heads, num_kv_heads, max_blocks, block_size, **tuning)
     bk = tuning["block_k"]
     if bk < 16 or bk != _next_pow2(bk):
         raise ValueError(f"block_k must be a power of two >= 16, got {bk}")
     num_splits = tuning["num_kv_splits"]
     num_tiles = tuning["num_tiles"]
 
-    kv_lens = kv_lens.astype(jnp.int32)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
-    tile_seq, tile_start = _tile_map(cu_q_lens, num_tiles, tuning["block_q"])
+    kv_lens, block_tables, cu_q_lens = int32_metadata(kv_lens, block_tables, cu_q_lens)
+    tile_seq, tile_start = tile_map(cu_q_lens, num_tiles, tuning["block_q"])
     if tuning["longest_tiles_first"]:
-        tile_seq, tile_start = _longest_tiles_first(
+        tile_seq, tile_start = sort_tiles_longest_first(
             tile_seq, tile_start, cu_q_lens, kv_lens, tuning["block_q"],
             None if sliding_window is None else int(sliding_window))
 
@@ -502,6 +433,4 @@ def ragged_paged_attention_triton(
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     if tuning["zero_padding_in_kernel"]:  # the padding tiles wrote the zeros
         return out
-    # Rows of padding tokens were never written (garbage): zero them.
-    token_valid = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs]
-    return jnp.where(token_valid[:, None, None], out.astype(q.dtype), jnp.zeros((), q.dtype))
+    return zero_padding_tokens(out.astype(q.dtype), cu_q_lens)

@@ -1,0 +1,102 @@
+"""What the ragged paged attention implementations share: input validation, int32 metadata, the tile map of the two
+Pallas kernels (``triton_kernel``, ``mgpu_kernel``) and the zeroing of padding tokens.
+
+Shapes, as in ``ragged_paged_attention``: q ``[T, Hq, D]``; pools ``[num_blocks, block_size, Hkv, D]``;
+``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``, ``cu_q_lens int32[S+1]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+LOG2_E = math.log2(math.e)
+
+
+def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window) -> None:
+    """ValueError naming the argument when the shapes, dtypes or ``sliding_window`` do not fit the interface."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"k_pages head_dim {kv_head_dim} must equal q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of k_pages kv heads ({num_kv_heads})")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [S, max_blocks], got shape {block_tables.shape}")
+    num_seqs = block_tables.shape[0]
+    if num_seqs < 1:
+        raise ValueError("block_tables must have at least one sequence row")
+    if kv_lens.shape != (num_seqs,):
+        raise ValueError(f"kv_lens must be [S={num_seqs}], got shape {kv_lens.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be [S+1={num_seqs + 1}], got shape {cu_q_lens.shape}")
+    for name, arr in (("kv_lens", kv_lens), ("block_tables", block_tables), ("cu_q_lens", cu_q_lens)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+
+
+def int32_metadata(kv_lens, block_tables, cu_q_lens) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(kv_lens, block_tables, cu_q_lens)`` as int32 (the kernels index with int32 scalars)."""
+    return kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
+
+
+def tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Query tile -> ``(tile_seq int32[num_tiles], tile_start int32[num_tiles])``: the sequence a tile of ``block_q``
+    consecutive query tokens belongs to, and its first token. Tiles beyond the real count get sequence index ``S``
+    (no attention work) and, in order, the ``block_q``-token ranges of the padding tokens from ``cu_q_lens[S]`` on
+    (only read by the Triton kernel's ``zero_padding_in_kernel``).
+
+    ``align > 1``: each sequence's first tile starts at its first token rounded down to a multiple of ``align``
+    (the tile's rows before the sequence belong to the previous one and must not be stored; the Mosaic kernel's TMA
+    boxes need 8-row-aligned starts). At most ``sum(ceil((q_len + align - 1) / block_q))`` real tiles."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
+    first_row = (q_start // align) * align
+    tiles_per_seq = jnp.where(q_end > q_start, (q_end - first_row + block_q - 1) // block_q, 0)
+    tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # inclusive prefix sums
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    # compare_all: one fused [num_tiles, S] comparison. The default binary search ("scan") lowers to an XLA
+    # while loop, which on the GPU runs as host-driven iterations (log2(S) round trips per call, per layer).
+    tile_seq = jnp.searchsorted(tile_end, tiles, side="right", method="compare_all").astype(jnp.int32)
+    seq_clamped = jnp.minimum(tile_seq, num_seqs - 1)
+    first_tile_of_seq = tile_end - tiles_per_seq
+    tile_start = first_row[seq_clamped] + (tiles - first_tile_of_seq[seq_clamped]) * block_q
+    padding_start = cu_q_lens[num_seqs] + (tiles - tile_end[num_seqs - 1]) * block_q
+    tile_start = jnp.where(tile_seq < num_seqs, tile_start, padding_start)
+    return tile_seq, tile_start.astype(jnp.int32)
+
+
+def sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: int, sliding_window: int | None):
+    """Permute the tile map (``tile_map``'s two int32[num_tiles] arrays) so tiles that read the most keys come
+    first (ties keep their order): longest-processing-time-first dispatch, the short tiles fill the tail.
+
+    A tile's key count is ``pos_last + 1`` (causal), capped by ``sliding_window + block_q - 1`` with a window;
+    empty tiles (sequence index ``S``) get ``-1`` and stay at the end, where the kernels skip them.
+    """
+    num_seqs = kv_lens.shape[0]
+    seq = jnp.minimum(tile_seq, num_seqs - 1)
+    q_end = cu_q_lens[seq + 1]
+    last_token = jnp.minimum(tile_start + block_q, q_end) - 1
+    keys = kv_lens[seq] - (q_end - last_token) + 1  # = pos_last + 1
+    if sliding_window is not None:
+        keys = jnp.minimum(keys, sliding_window + block_q - 1)
+    keys = jnp.where(tile_seq < num_seqs, keys, -1)
+    order = jnp.argsort(-keys, stable=True)
+    return tile_seq[order], tile_start[order]
+
+
+def zero_padding_tokens(out: jax.Array, cu_q_lens: jax.Array) -> jax.Array:
+    """``out`` ``[T, Hq, D]`` with the rows of padding tokens (index >= ``cu_q_lens[S]``), which the kernels never
+    write (garbage), set to zero."""
+    token_valid = jnp.arange(out.shape[0], dtype=jnp.int32) < cu_q_lens[cu_q_lens.shape[0] - 1]
+    return jnp.where(token_valid[:, None, None], out, jnp.zeros((), out.dtype))
