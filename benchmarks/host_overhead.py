@@ -55,13 +55,13 @@ PHASES = ("wait", "schedule", "execute", "dispatch", "update")
 def instrument_phases(engine, totals: dict[str, float]) -> None:
     """Time the phases of ``engine``'s steps into ``totals`` (seconds, keys ``PHASES``): device wait, scheduling,
     ``execute`` (packing + dispatch), the jitted dispatch alone, and the scheduler update."""
-    from paged_jax import model_runner
+    from paged_jax import step_io
 
     for key in PHASES:
         totals.setdefault(key, 0.0)
     _timed(engine.runner, "_forward", totals, "dispatch")
     _timed(engine.runner, "_sample", totals, "dispatch")
-    _timed(model_runner.PendingStep, "result", totals, "wait")
+    _timed(step_io.PendingStep, "result", totals, "wait")
     _timed(engine.scheduler, "schedule", totals, "schedule")
     _timed(engine.runner, "execute", totals, "execute")
     _timed(engine.scheduler, "update_from_output", totals, "update")
@@ -69,11 +69,9 @@ def instrument_phases(engine, totals: dict[str, float]) -> None:
 
 def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape (without building a model)."""
-    from paged_jax import model_runner
+    from paged_jax.buckets import planned_num_compiles
 
-    if not hasattr(model_runner, "planned_num_compiles"):  # an older runner (baseline measurements)
-        return -1
-    return model_runner.planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=swap)
+    return planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=swap)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     from models.presets import kv_bytes_per_token, num_params, preset_config
     from paged_jax import sampler as sampler_lib
     from benchmarks.trace import trace_kernels
-    from paged_jax.model_runner import ModelRunner, SeqInput, _pick_bucket, make_buckets
+    from paged_jax.buckets import make_buckets, pick_bucket
+    from paged_jax.model_runner import ModelRunner
+    from paged_jax.step_io import SeqInput
     from paged_jax.sampling_params import SamplingParams
 
     if args.tiny:
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_read = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype.itemsize)
         floor_ms = (weight_bytes + kv_read) / (args.hbm_gbps * 1e9) * 1e3
         row = {"kind": kind, "batch": batch, "new_tokens_per_seq": new_tokens, "context": context,
-               "bucket": list(_pick_bucket(buckets, batch * new_tokens, batch)), "sampler_mode": s_kw.get("mode"),
+               "bucket": list(pick_bucket(buckets, batch * new_tokens, batch)), "sampler_mode": s_kw.get("mode"),
                "num_logprobs": s_kw.get("num_logprobs"),
                "step_ms": round(step_ms, 3), "pipelined_ms": round(float(np.median(pipelined)) * 1e3, 3),
                "execute_ms": round(float(np.median(exec_times)) * 1e3, 3),

@@ -27,7 +27,8 @@ from paged_jax.detokenizer import IncrementalDetokenizer
 from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
-from paged_jax.model_runner import (ModelRunner, PendingStep, SeqInput, determine_num_blocks,
+from paged_jax.step_io import PendingStep, SeqInput
+from paged_jax.model_runner import (ModelRunner, determine_num_blocks,
                                     enable_compilation_cache, num_host_blocks_for)
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_jax.request import Request, RequestStatus

@@ -23,13 +23,11 @@ multiplicative.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +37,8 @@ from flax import nnx
 from models.config import ModelConfig
 from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
+from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
+from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
 from paged_jax.sampling_params import MAX_LOGPROBS
@@ -46,11 +46,6 @@ from paged_jax.sampling_params import MAX_LOGPROBS
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
-_MIN_TOKEN_BUCKET = 16
-_MIN_SEQ_BUCKET = 8
-_SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
-_NUM_SAMPLER_VARIANTS = 7  # greedy; then with and without top-k logprobs: greedy_or_temperature, full, full + penalties
-_MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,77 +64,6 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return cache_dir
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Buckets
-# ----------------------------------------------------------------------------------------------------------------
-
-def _powers_of_two(start: int, stop: int) -> list[int]:
-    values, value = [], start
-    while value < stop:
-        values.append(value)
-        value *= 2
-    values.append(stop)
-    return sorted(set(values))
-
-
-def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """The (num_tokens, num_seqs) shapes a step is padded to.
-
-    A single-sequence decode gets its own bucket (1 token, 1 sequence): padded into 16 rows, the batch-1 step of
-    Llama-3.1-8B's forward took 5.10 ms on the H200 instead of 4.82 ms (benchmarks/RESULTS.md; vLLM likewise
-    captures a CUDA graph for batch size 1). It costs one more compile at start-up.
-
-    Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). A token bucket
-    T >= ``max_num_seqs`` gets the single seq bucket ``max_num_seqs`` (padding sequences cost little: q_len 0, and
-    each extra bucket is a multi-second compile on the GPU); a smaller T gets the seq buckets 8, 32, 128, ... (x4)
-    below T plus T itself (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens /
-    16 seqs -> 7 buckets (with the 1-token one); 2048 / 256 -> 15; 8192 / 256 -> 17.
-    """
-    token_buckets = _powers_of_two(min(_MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
-    seq_growth = []
-    value = min(_MIN_SEQ_BUCKET, max_num_seqs)
-    while value < max_num_seqs:
-        seq_growth.append(value)
-        value *= _SEQ_BUCKET_GROWTH
-    buckets = [(1, 1)] if max_num_batched_tokens > 1 else []
-    for num_tokens in token_buckets:
-        if num_tokens >= max_num_seqs:
-            buckets.append((num_tokens, max_num_seqs))
-        else:
-            buckets.extend((num_tokens, s) for s in sorted({s for s in seq_growth if s < num_tokens} | {num_tokens}))
-    return buckets
-
-
-def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
-    """Rows the sampler runs on for a forward seq bucket of ``num_seqs``: the smallest of 8, 32, 128, ... (x4) or
-    ``max_seq_bucket`` that holds it. Sampler executables are compiled per row count x variant, so mapping the
-    forward seq buckets onto this coarser set cuts their compiles; the extra rows are greedy padding."""
-    rows = min(_MIN_SEQ_BUCKET, max_seq_bucket)
-    while rows < num_seqs:
-        rows *= _SEQ_BUCKET_GROWTH
-    return min(rows, max_seq_bucket)
-
-
-def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
-                         num_blocks: int = 1 << 20) -> int:
-    """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
-    (forward buckets + sampler seq buckets x variants + swap-copy sizes when ``swap``)."""
-    buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
-    max_seq_bucket = max(s for _, s in buckets)
-    num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
-    num_swap = len(_swap_sizes_for(num_blocks)) if swap else 0
-    return len(buckets) + num_sampler_buckets * _NUM_SAMPLER_VARIANTS + num_swap
-
-
-def _pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
-    """Smallest bucket (by tokens, then seqs) that holds the batch."""
-    for bucket_tokens, bucket_seqs in buckets:  # sorted by tokens then seqs
-        if bucket_tokens >= num_tokens and bucket_seqs >= num_seqs:
-            return bucket_tokens, bucket_seqs
-    raise ValueError(f"a step of {num_tokens} tokens / {num_seqs} seqs exceeds every bucket (largest "
-                     f"{buckets[-1]}); the scheduler must respect max_num_batched_tokens / max_num_seqs")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,132 +116,6 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
 def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:
     """Host swap pool size in blocks for ``swap_space_gib`` GiB."""
     return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Step input / output
-# ----------------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class SeqInput:
-    """One sequence's share of a step, as the runner needs it.
-
-    Attributes:
-      key: identifies the sequence across steps (the request id); used by ``feed_from_previous``.
-      token_ids: the ``num_new_tokens`` new tokens, at positions ``num_computed_tokens ..``. With
-        ``feed_from_previous`` it is a single placeholder: the token is taken on device from the previous step.
-      num_computed_tokens: tokens of this sequence whose K/V is already in the pool.
-      block_ids: block table covering ``num_computed_tokens + len(token_ids)`` tokens.
-      sample: whether to sample a token after the last new token.
-      sampling: when ``sample``: the sampler's row ``(params, seed, step, prompt_ids, output_ids)`` (see
-        ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties).
-      feed_from_previous: the single input token is the token sampled for ``key`` by the previous step (which must
-        have sampled it); lets the host build a step before the previous one's tokens reached it.
-    """
-
-    key: str
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_ids: Sequence[int]
-    sample: bool
-    sampling: Any = None
-    feed_from_previous: bool = False
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """Host-side results of one step, aligned with the step's input rows.
-
-    Attributes:
-      sampled_token_ids: int32[num_rows]; -1 for rows that did not sample.
-      logprobs: float32[num_rows] raw logprob of the sampled token; None unless some row asked for logprobs.
-      ranks: int32[num_rows] 1-based rank of the sampled token; None unless some row asked for logprobs.
-      top_token_ids: int32[num_rows, K] / top_logprobs: float32[num_rows, K]: the K most likely tokens, K = 0 or the
-        compiled width (>= every row's request); None unless some row asked for logprobs.
-    """
-
-    sampled_token_ids: np.ndarray
-    logprobs: np.ndarray | None = None
-    ranks: np.ndarray | None = None
-    top_token_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-
-
-class PendingStep:
-    """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host.
-
-    ``device_outputs`` is the tuple of device arrays to fetch (their host copies already started by
-    ``ModelRunner._dispatch``), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's
-    dispatch thread.
-    """
-
-    def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
-        self._device_outputs = device_outputs
-        self._rows_to_packed = rows_to_packed
-        self._sampled_rows = sampled_rows
-        self._result: StepOutput | None = None
-
-    def result(self) -> StepOutput:
-        if self._result is None:
-            outputs = self._device_outputs
-            if isinstance(outputs, concurrent.futures.Future):
-                outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            host = [np.asarray(x) for x in jax.device_get(outputs)]
-            rows = self._rows_to_packed
-            tokens = host[0][rows].astype(np.int32)
-            tokens[~self._sampled_rows] = -1
-            out = StepOutput(sampled_token_ids=tokens)
-            if len(host) > 1:  # (tokens, logprob, top ids, top logprobs, rank)
-                out.logprobs = host[1][rows]
-                out.top_token_ids = host[2][rows]
-                out.top_logprobs = host[3][rows]
-                out.ranks = host[4][rows]
-            self._result = out
-            self._device_outputs = ()
-        return self._result
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Metadata buffer layout
-# ----------------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket."""
-
-    num_tokens: int
-    num_seqs: int
-    max_blocks_per_seq: int
-    num_sample_rows: int  # R >= S: rows of the logits / sampler (``sampler_rows_for``); rows past S are padding
-
-    @functools.cached_property
-    def fields(self) -> dict[str, tuple[int, int]]:
-        T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
-        sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
-                 ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
-        out, offset = {}, 0
-        for name, size in sizes:
-            out[name] = (offset, offset + size)
-            offset += size
-        return out
-
-    @property
-    def size(self) -> int:
-        return self.fields["sampling"][1]
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerVariant:
-    """One compiled sampler variant: the sampler mode, whether penalty history is passed, the top-logprob width."""
-
-    mode: str
-    penalties: bool
-    num_logprobs: int
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -417,7 +215,7 @@ class ModelRunner:
         self._no_history = {r: jax.device_put(np.zeros((r, 0), np.int32), self.device)
                             for r in self.sampler_seq_buckets}
 
-        self._layouts: dict[tuple[int, int], _Layout] = {}
+        self._layouts: dict[tuple[int, int], StepLayout] = {}
         self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")
                             if dispatch_thread else None)
         self._last_dispatch: concurrent.futures.Future | None = None
@@ -487,11 +285,11 @@ class ModelRunner:
         self._gather_blocks = jax.jit(gather_blocks)
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
 
-    def _layout(self, num_tokens: int, num_seqs: int) -> _Layout:
+    def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         """The buffer layout of a bucket (cached: one per bucket, its field offsets computed once)."""
         layout = self._layouts.get((num_tokens, num_seqs))
         if layout is None:
-            layout = _Layout(num_tokens, num_seqs, self.max_blocks_per_seq,
+            layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
                              sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]))
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
@@ -549,7 +347,7 @@ class ModelRunner:
         self._compiles_at_warmup = self.num_compiles()
 
     def _swap_sizes(self) -> list[int]:
-        return _swap_sizes_for(self.num_blocks)
+        return swap_sizes_for(self.num_blocks)
 
     # ------------------------------------------------------------------ one step
     def execute(self, seqs: Sequence[SeqInput]) -> PendingStep:
@@ -583,7 +381,7 @@ class ModelRunner:
             raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
                              f"over max_model_len={self.max_model_len}")
         num_tokens = int(q_lens.sum())
-        bucket_tokens, bucket_seqs = _pick_bucket(self.buckets, num_tokens, num_rows)
+        bucket_tokens, bucket_seqs = pick_bucket(self.buckets, num_tokens, num_rows)
         layout = self._layout(bucket_tokens, bucket_seqs)
         buf = np.zeros((layout.size,), np.int32)
 
@@ -693,7 +491,7 @@ class ModelRunner:
 
         The swap-in data is read from the host pool before the swap-out data lands there, and the swap-out gather is
         dispatched before the swap-in scatter, so a block freed by one list and reused by the other within the same
-        step is copied correctly either way. Copies go in chunks of at most ``_MAX_SWAP_CHUNK`` blocks (one
+        step is copied correctly either way. Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks (one
         transfer each way per chunk), padded to a power of two with the null block.
         """
         if not swap_out and not swap_in:
@@ -702,10 +500,10 @@ class ModelRunner:
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
         gathered = []
-        for chunk in _chunks(list(swap_out), _MAX_SWAP_CHUNK):
+        for chunk in _chunks(list(swap_out), MAX_SWAP_CHUNK):
             device_ids = self._padded_ids([d for d, _ in chunk])
             gathered.append((chunk, self._gather_blocks(self.kv_pool, device_ids)))
-        for chunk in _chunks(list(swap_in), _MAX_SWAP_CHUNK):
+        for chunk in _chunks(list(swap_in), MAX_SWAP_CHUNK):
             host_ids = [h for h, _ in chunk]
             device_ids = self._padded_ids([d for _, d in chunk])
             data = np.zeros(self.host_pool.shape[:2] + (device_ids.shape[0],) + self.host_pool.shape[3:],
@@ -722,12 +520,6 @@ class ModelRunner:
         padded = np.full((size,), NULL_BLOCK_ID, np.int32)
         padded[:len(ids)] = ids
         return jax.device_put(padded, self.device)
-
-
-def _swap_sizes_for(num_blocks: int) -> list[int]:
-    """Padded block counts of one swap copy: powers of two up to min(_MAX_SWAP_CHUNK, usable blocks)."""
-    cap = min(_MAX_SWAP_CHUNK, max(num_blocks - 1, 1))
-    return [1 << i for i in range((cap - 1).bit_length() + 1)]
 
 
 def _chunks(items: list, size: int) -> list[list]:

@@ -10,7 +10,9 @@ from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.loader import init_dummy_model
 from models.testing import tiny_config
-from paged_jax.model_runner import ModelRunner, SeqInput, enable_compilation_cache, make_buckets
+from paged_jax.buckets import make_buckets
+from paged_jax.model_runner import ModelRunner, enable_compilation_cache
+from paged_jax.step_io import SeqInput
 from paged_jax.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
@@ -224,7 +226,7 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
 
 
 def test_compile_plan_counts():
-    from paged_jax.model_runner import planned_num_compiles, sampler_rows_for
+    from paged_jax.buckets import planned_num_compiles, sampler_rows_for
 
     # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones keep a few seq buckets.
     assert make_buckets(2048, 256) == [(1, 1), (16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 32), (64, 64),
@@ -242,7 +244,7 @@ def test_compile_plan_counts():
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
     """Greedy with top logprobs, temperature, truncation, penalties and min_tokens bans, alone and in a batch that
     pads to the next sampler row count: none of them may compile after warm-up."""
-    from paged_jax.model_runner import planned_num_compiles
+    from paged_jax.buckets import planned_num_compiles
 
     model, config = tiny_model
     runner = make_runner(model, config, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64)

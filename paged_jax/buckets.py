@@ -1,0 +1,87 @@
+"""The fixed shapes the model runner compiles: step buckets, sampler row counts and swap-copy sizes.
+
+A step's ragged batch is padded to the smallest ``(num_tokens, num_seqs)`` bucket that holds it; every shape here is
+compiled once at start-up (``ModelRunner.warm_up``) and never again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
+NUM_SAMPLER_VARIANTS = 7  # greedy; then with and without top-k logprobs: greedy_or_temperature, full, full + penalties
+MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
+
+def _powers_of_two(start: int, stop: int) -> list[int]:
+    values, value = [], start
+    while value < stop:
+        values.append(value)
+        value *= 2
+    values.append(stop)
+    return sorted(set(values))
+
+
+def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The (num_tokens, num_seqs) shapes a step is padded to.
+
+    A single-sequence decode gets its own bucket (1 token, 1 sequence): padded into 16 rows, the batch-1 step is
+    measurably slower (benchmarks/RESULTS.md, "Batch-1 decode latency"; vLLM likewise captures a CUDA graph for
+    batch size 1). It costs one more compile at start-up.
+
+    Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). A token bucket
+    T >= ``max_num_seqs`` gets the single seq bucket ``max_num_seqs`` (padding sequences cost little: q_len 0, and
+    each extra bucket is a multi-second compile on the GPU); a smaller T gets the seq buckets 8, 32, 128, ... (x4)
+    below T plus T itself (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens /
+    16 seqs -> 7 buckets (with the 1-token one); 2048 / 256 -> 15; 8192 / 256 -> 17.
+    """
+    token_buckets = _powers_of_two(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
+    seq_growth = []
+    value = min(MIN_SEQ_BUCKET, max_num_seqs)
+    while value < max_num_seqs:
+        seq_growth.append(value)
+        value *= SEQ_BUCKET_GROWTH
+    buckets = [(1, 1)] if max_num_batched_tokens > 1 else []
+    for num_tokens in token_buckets:
+        if num_tokens >= max_num_seqs:
+            buckets.append((num_tokens, max_num_seqs))
+        else:
+            buckets.extend((num_tokens, s) for s in sorted({s for s in seq_growth if s < num_tokens} | {num_tokens}))
+    return buckets
+
+
+def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
+    """Rows the sampler runs on for a forward seq bucket of ``num_seqs``: the smallest of 8, 32, 128, ... (x4) or
+    ``max_seq_bucket`` that holds it. Sampler executables are compiled per row count x variant, so mapping the
+    forward seq buckets onto this coarser set cuts their compiles; the extra rows are greedy padding."""
+    rows = min(MIN_SEQ_BUCKET, max_seq_bucket)
+    while rows < num_seqs:
+        rows *= SEQ_BUCKET_GROWTH
+    return min(rows, max_seq_bucket)
+
+
+def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
+                         num_blocks: int = 1 << 20) -> int:
+    """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
+    (forward buckets + sampler seq buckets x variants + swap-copy sizes when ``swap``)."""
+    buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
+    max_seq_bucket = max(s for _, s in buckets)
+    num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
+    num_swap = len(swap_sizes_for(num_blocks)) if swap else 0
+    return len(buckets) + num_sampler_buckets * NUM_SAMPLER_VARIANTS + num_swap
+
+
+def pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """Smallest bucket (by tokens, then seqs) that holds the batch."""
+    for bucket_tokens, bucket_seqs in buckets:  # sorted by tokens then seqs
+        if bucket_tokens >= num_tokens and bucket_seqs >= num_seqs:
+            return bucket_tokens, bucket_seqs
+    raise ValueError(f"a step of {num_tokens} tokens / {num_seqs} seqs exceeds every bucket (largest "
+                     f"{buckets[-1]}); the scheduler must respect max_num_batched_tokens / max_num_seqs")
+
+
+def swap_sizes_for(num_blocks: int) -> list[int]:
+    """Padded block counts of one swap copy: powers of two up to min(MAX_SWAP_CHUNK, usable blocks)."""
+    cap = min(MAX_SWAP_CHUNK, max(num_blocks - 1, 1))
+    return [1 << i for i in range((cap - 1).bit_length() + 1)]

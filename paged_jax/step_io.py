@@ -1,0 +1,133 @@
+"""What one model-runner step takes and gives: per-sequence inputs, host-side outputs, the pending (dispatched)
+step, and the static layout of the packed int32 metadata buffer that carries a step's inputs to the device."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from paged_jax import sampler as sampler_lib
+
+@dataclasses.dataclass
+class SeqInput:
+    """One sequence's share of a step, as the runner needs it.
+
+    Attributes:
+      key: identifies the sequence across steps (the request id); used by ``feed_from_previous``.
+      token_ids: the ``num_new_tokens`` new tokens, at positions ``num_computed_tokens ..``. With
+        ``feed_from_previous`` it is a single placeholder: the token is taken on device from the previous step.
+      num_computed_tokens: tokens of this sequence whose K/V is already in the pool.
+      block_ids: block table covering ``num_computed_tokens + len(token_ids)`` tokens.
+      sample: whether to sample a token after the last new token.
+      sampling: when ``sample``: the sampler's row ``(params, seed, step, prompt_ids, output_ids)`` (see
+        ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties).
+      feed_from_previous: the single input token is the token sampled for ``key`` by the previous step (which must
+        have sampled it); lets the host build a step before the previous one's tokens reached it.
+    """
+
+    key: str
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+    sample: bool
+    sampling: Any = None
+    feed_from_previous: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host-side results of one step, aligned with the step's input rows.
+
+    Attributes:
+      sampled_token_ids: int32[num_rows]; -1 for rows that did not sample.
+      logprobs: float32[num_rows] raw logprob of the sampled token; None unless some row asked for logprobs.
+      ranks: int32[num_rows] 1-based rank of the sampled token; None unless some row asked for logprobs.
+      top_token_ids: int32[num_rows, K] / top_logprobs: float32[num_rows, K]: the K most likely tokens, K = 0 or the
+        compiled width (>= every row's request); None unless some row asked for logprobs.
+    """
+
+    sampled_token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+class PendingStep:
+    """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host.
+
+    ``device_outputs`` is the tuple of device arrays to fetch (their host copies already started by
+    ``ModelRunner._dispatch``), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's
+    dispatch thread.
+    """
+
+    def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
+        self._device_outputs = device_outputs
+        self._rows_to_packed = rows_to_packed
+        self._sampled_rows = sampled_rows
+        self._result: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._result is None:
+            outputs = self._device_outputs
+            if isinstance(outputs, concurrent.futures.Future):
+                outputs = outputs.result()  # the dispatch itself (re-raises its error)
+            host = [np.asarray(x) for x in jax.device_get(outputs)]
+            rows = self._rows_to_packed
+            tokens = host[0][rows].astype(np.int32)
+            tokens[~self._sampled_rows] = -1
+            out = StepOutput(sampled_token_ids=tokens)
+            if len(host) > 1:  # (tokens, logprob, top ids, top logprobs, rank)
+                out.logprobs = host[1][rows]
+                out.top_token_ids = host[2][rows]
+                out.top_logprobs = host[3][rows]
+                out.ranks = host[4][rows]
+            self._result = out
+            self._device_outputs = ()
+        return self._result
+
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks_per_seq: int
+    num_sample_rows: int  # R >= S: rows of the logits / sampler (``sampler_rows_for``); rows past S are padding
+
+    @functools.cached_property
+    def fields(self) -> dict[str, tuple[int, int]]:
+        T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
+        sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
+                 ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
+                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
+        out, offset = {}, 0
+        for name, size in sizes:
+            out[name] = (offset, offset + size)
+            offset += size
+        return out
+
+    @property
+    def size(self) -> int:
+        return self.fields["sampling"][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """One compiled sampler variant: the sampler mode, whether penalty history is passed, the top-logprob width."""
+
+    mode: str
+    penalties: bool
+    num_logprobs: int
