@@ -2,10 +2,11 @@
 
 A random-weight checkpoint of a named shape is written as HF safetensors; transformers (float32, TF32 off) and the
 engine (``dtype="float32"``) each generate greedily from the same random prompts; the report counts identical
-sequences and the first divergence of the others. ``--matmul-precision default`` traces the engine at JAX's default
-precision instead of full precision (on GPUs that is TF32), to show what the full-precision rule buys.
+sequences and the first divergence of the others, once per ``--matmul-precision``: ``highest`` is the engine as it
+is (float32 means full-precision matmuls), ``default`` traces it at JAX's default precision (TF32 on GPUs), to show
+what the full-precision rule buys. The engine runs with few buckets (``max_num_seqs`` = the prompt count).
 
-  python -m benchmarks.agreement --shape smollm2-135m --num-prompts 16 --out $OUT/agreement.json
+  python -m benchmarks.agreement --shape smollm2-135m --num-prompts 16 --matmul-precision default,highest
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ def _engine_greedy(checkpoint: str, prompts: list[list[int]], max_tokens: int, p
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
+    full_precision = models.llama.matmul_precision
     if precision == "default":  # trace at JAX's default precision (what float32 meant before the rule)
         models.llama.matmul_precision = lambda dtype: contextlib.nullcontext()
-    llm = LLM(checkpoint, dtype="float32", max_model_len=len(prompts[0]) + max_tokens, seed=0, use_tqdm=False)
+    try:
+        llm = LLM(checkpoint, dtype="float32", max_model_len=len(prompts[0]) + max_tokens, seed=0,
+                  max_num_seqs=len(prompts), max_num_batched_tokens=len(prompts) * len(prompts[0]),
+                  weight_cache=False, use_tqdm=False)
+    finally:
+        models.llama.matmul_precision = full_precision
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
@@ -55,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--matmul-precision", choices=["highest", "default"], default="highest")
+    p.add_argument("--matmul-precision", default="default,highest",
+                   help="comma list of: highest (the engine as it is), default (JAX's default precision)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -68,13 +76,16 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="agreement-") as checkpoint:
         save_random_hf_checkpoint(config, checkpoint, seed=args.seed)
         expected = _transformers_greedy(checkpoint, prompts, args.max_tokens)
-        got = _engine_greedy(checkpoint, prompts, args.max_tokens, args.matmul_precision)
-    divergence = [next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), None) for e, g in zip(expected, got)]
+        got = {precision: _engine_greedy(checkpoint, prompts, args.max_tokens, precision)
+               for precision in args.matmul_precision.split(",")}
     import jax
 
-    result = {"shape": args.shape, "matmul_precision": args.matmul_precision, "device": str(jax.devices()[0]),
-              "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-              "identical": sum(d is None for d in divergence), "first_divergence": divergence}
+    result = {"shape": args.shape, "device": str(jax.devices()[0]), "num_prompts": args.num_prompts,
+              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    for precision, sequences in got.items():
+        divergence = [next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), None)
+                      for e, g in zip(expected, sequences)]
+        result[precision] = {"identical": sum(d is None for d in divergence), "first_divergence": divergence}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
