@@ -69,8 +69,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     config = dict(PRESETS[args.shape])
-    config["model_type"] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                            "Qwen2ForCausalLM": "qwen2"}[config["architectures"][0]]
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(3, config["vocab_size"], (args.num_prompts, args.prompt_len)).tolist()
     with tempfile.TemporaryDirectory(prefix="agreement-") as checkpoint:

@@ -25,8 +25,7 @@ def _hf_model(shape: str, dtype: str, attn: str):
     from models.presets import PRESETS
 
     cfg_dict = dict(PRESETS[shape])
-    model_type = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[
-        cfg_dict["architectures"][0]]
+    model_type = cfg_dict.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **{k: v for k, v in cfg_dict.items() if k != "architectures"})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)

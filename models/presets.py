@@ -12,13 +12,13 @@ from models.config import ModelConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
         "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
         "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
     },
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": 128, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -26,13 +26,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     },
     "qwen2.5-7b": {
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
         "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "max_position_embeddings": 32768, "bos_token_id": 151643, "eos_token_id": 151645,
     },
     "smollm2-135m": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
         "head_dim": 64, "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
         "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2,

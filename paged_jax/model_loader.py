@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from paged_jax import generation_config as gen_config
@@ -74,6 +75,9 @@ def load_tokenizer(args: EngineArgs, model_path: str | None):
         path = str(resolve_checkpoint(args.tokenizer, revision=args.tokenizer_revision,
                                       download_dir=args.download_dir, what="tokenizer", field="tokenizer"))
     if path is None:
+        return None
+    if not any(Path(path).glob("tokenizer*")):  # a weights-only checkpoint: token-id prompts only
+        logger.warning("no tokenizer files in %s; only token-id prompts are accepted", path)
         return None
     try:
         from transformers import AutoTokenizer
