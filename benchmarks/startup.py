@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     if weights_dir.is_dir():
         result["cache_entry_gib"] = round(_dir_gib(weights_dir), 3)
 
-    from benchmarks.throughput import _versions
+    from benchmarks.report import versions as _versions
 
     result["versions"] = _versions()
     line = json.dumps(result)
