@@ -8,7 +8,8 @@ The ``paged-jax`` console script is ``serving.cli.main``: it runs ``serve`` itse
 and prints one completion per prompt.
 
 Engine flags are every ``EngineArgs`` field, spelled as vLLM spells them (``--max-num-seqs``,
-``--num-gpu-blocks-override``, ...); ``add_engine_args`` adds them to a parser, for ``generate`` and ``serve`` alike.
+``--num-gpu-blocks-override``, ...; underscores too, ``normalize_flag_spelling``); ``add_engine_args`` adds them
+to a parser, for ``generate`` and ``serve`` alike. Unknown flags are refused (exit status 2, naming them).
 """
 
 from __future__ import annotations
@@ -25,40 +26,62 @@ from paged_jax.config import EngineArgs
 # Extra spellings (vLLM's) and help texts of some engine flags.
 _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
 _FLAG_HELP = {
-    "model": "HF checkpoint directory (default: the built-in SmolLM2-135M-Instruct)",
-    "tokenizer": "tokenizer directory (default: the model's)",
-    "served_model_name": "model id clients use (default: the model directory's name)",
+    "model": "HF checkpoint directory or Hub repo id (default: the built-in SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory or Hub repo id (default: the model's)",
+    "served_model_name": "model name(s) the API accepts; responses report the first (default: MODEL as given)",
+    "seed": "seeds dummy weights and the sampling of requests that bring no seed of their own",
+    "max_model_len": "model context length (default: the model's max_position_embeddings; 2048 at most on CPU)",
+    "gpu_memory_utilization": "fraction of the device's total memory this engine uses (weights, activations, KV)",
     "swap_space": "GiB of host memory for swapped-out KV",
     "async_scheduling": "build and dispatch the next step while the current one runs on the device",
+    "enable_chunked_prefill": "split long prompts over steps (on by default)",
+    "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",
+    "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
+    "disable_log_stats": "no periodic stats log line (serve)",
 }
 
 
-def _engine_flag_type(field: dataclasses.Field) -> tuple[Any, list | None]:
-    """(argparse converter, choices) of an ``EngineArgs`` field (its annotation is a string under __future__
-    annotations)."""
+def _engine_flag_type(field: dataclasses.Field) -> tuple[Any, list | None, str | None]:
+    """(argparse converter, choices, nargs) of an ``EngineArgs`` field (its annotation is a string under __future__
+    annotations). A ``list[X]`` member of the annotation makes a flag that takes one or more values."""
     hint = typing.get_type_hints(EngineArgs)[field.name]
     if typing.get_origin(hint) is typing.Literal:
-        return str, list(typing.get_args(hint))
+        return str, list(typing.get_args(hint)), None
     args = [a for a in typing.get_args(hint) if a is not type(None)]  # X | None -> X
+    lists = [a for a in args if typing.get_origin(a) is list]
+    if lists:
+        return typing.get_args(lists[0])[0], None, "+"
     base = args[0] if args else hint
     if typing.get_origin(base) is typing.Literal:
-        return str, list(typing.get_args(base))
-    return base, None
+        return str, list(typing.get_args(base)), None
+    return base, None, None
 
 
 def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """Add one flag per ``EngineArgs`` field to ``parser`` (``--max-model-len`` for ``max_model_len``; booleans
-    get ``--flag`` / ``--no-flag``); each flag's default is the field's. ``engine_kwargs`` reads them back."""
+    get ``--flag`` / ``--no-flag``; list fields take several values, ``--served-model-name a b``); each flag's
+    default is the field's. ``engine_kwargs`` reads them back."""
     for field in dataclasses.fields(EngineArgs):
         flags = ["--" + field.name.replace("_", "-"), *_FLAG_ALIASES.get(field.name, ())]
-        converter, choices = _engine_flag_type(field)
+        converter, choices, nargs = _engine_flag_type(field)
         help_text = _FLAG_HELP.get(field.name)
         if converter is bool:
             parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
                                 default=field.default, help=help_text)
         else:
-            parser.add_argument(*flags, dest=field.name, type=converter, choices=choices, default=field.default,
-                                help=help_text)
+            parser.add_argument(*flags, dest=field.name, type=converter, choices=choices, nargs=nargs,
+                                default=field.default, help=help_text)
+
+
+def normalize_flag_spelling(argv: Sequence[str]) -> list[str]:
+    """``--max_model_len=8`` -> ``--max-model-len=8`` (vLLM accepts both spellings); values are untouched."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            key, sep, value = arg.partition("=")
+            arg = key.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,7 +90,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-jax generate", description="Offline generation with paged-jax.")
+    # allow_abbrev=False: an unknown (e.g. vLLM) flag must not be taken as a longer flag it happens to prefix.
+    parser = argparse.ArgumentParser(prog="paged-jax generate", description="Offline generation with paged-jax.",
+                                     allow_abbrev=False)
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -85,7 +110,7 @@ def generate_main(argv: Sequence[str]) -> int:
     from paged_jax.sampling_params import SamplingParams
 
     parser = build_generate_parser()
-    args = parser.parse_args(list(argv))
+    args = parser.parse_args(normalize_flag_spelling(argv))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed)

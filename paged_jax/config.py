@@ -25,11 +25,15 @@ class EngineArgs:
     download_dir: str | None = None  # Hub cache directory (default: huggingface_hub's, i.e. $HF_HOME/hub)
     # Default sampling parameters: "auto" from the model's generation_config.json, "vllm" none, or a directory.
     generation_config: str = "auto"
-    served_model_name: str | None = None
+    # Model names the API accepts (vLLM): the first is reported in responses; None = ``model`` as given.
+    served_model_name: str | list[str] | None = None
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32; auto: bf16 on GPU, fp32 on CPU
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    # vLLM V1's meaning: seeds the random weights of load_format="dummy" and the seed every request without its
+    # own ``seed`` draws, so a restarted engine samples the same outputs for the same requests in the same order.
     seed: int = 0
-    max_model_len: int | None = None  # None: min(config.max_position_embeddings, 8192; 2048 on CPU)
+    # None: the model's max_position_embeddings (vLLM); on the CPU at most 2048 (see LLMEngine, logged).
+    max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: 256 on GPU, 32 on CPU
     max_num_batched_tokens: int | None = None  # None: 8192 on GPU, 512 on CPU
     block_size: int = 16
@@ -39,12 +43,22 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Split long prompts into chunks that share a step's token budget with decodes. Off: a prompt is prefilled whole
+    # in one step (max_num_batched_tokens then defaults to at least max_model_len, as in vLLM).
+    enable_chunked_prefill: bool = True
+    # Accepted for vLLM launch lines, with a log note: JAX compiles every step shape at start-up and there is no
+    # eager mode (nor CUDA graphs) to switch to.
+    enforce_eager: bool = False
+    # Accepted for vLLM launch lines, with a log note: no remote code is ever run, the architectures are built in.
+    trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
     weight_cache: bool = True
     attention_impl: str = "auto"  # one of paged_jax.attention_impl.ATTENTION_IMPLS ("pallas": deprecated, = "triton")
+    # The server's periodic stats log line (throughput, running / waiting requests, KV cache usage, prefix cache
+    # hit rate; serving.server_logs.StatsLogger); True silences it.
     disable_log_stats: bool = False
     # Overlap host scheduling with device compute: step k+1 is dispatched before step k's sampled tokens reach the
     # host (decode inputs are taken from the device), and outputs are reported one step behind. Same outputs as the
@@ -69,3 +83,15 @@ class EngineArgs:
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
+              "served_model_name", "must be a non-empty name or list of non-empty names")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """``served_model_name`` as a list (vLLM: the first is the name responses report); ``[model]`` (as given)
+        when unset, ``[]`` for the built-in model (the server names it)."""
+        if self.served_model_name is not None:
+            return ([self.served_model_name] if isinstance(self.served_model_name, str)
+                    else list(self.served_model_name))
+        return [self.model] if self.model is not None else []

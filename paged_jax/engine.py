@@ -22,26 +22,37 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from paged_jax.buckets import planned_num_compiles
 from paged_jax.config import EngineArgs
 from paged_jax.detokenizer import IncrementalDetokenizer
 from paged_jax.device_check import warn_if_gpu_unused
+from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
-from paged_jax.step_io import PendingStep, SeqInput
-from paged_jax.model_runner import (ModelRunner, determine_num_blocks,
-                                    enable_compilation_cache, num_host_blocks_for)
+from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
+                                    num_host_blocks_for)
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_jax.request import Request, RequestStatus
 from paged_jax.sampler import BANNED_WIDTH
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.scheduler import Scheduler
+from paged_jax.step_io import PendingStep, SeqInput
 
 logger = logging.getLogger(__name__)
 
 _CPU_MAX_NUM_SEQS, _GPU_MAX_NUM_SEQS = 32, 256
 _CPU_MAX_BATCHED_TOKENS, _GPU_MAX_BATCHED_TOKENS = 512, 8192
-_DEFAULT_MAX_MODEL_LEN_CAP = 8192
-_CPU_DEFAULT_MAX_MODEL_LEN_CAP = 2048
+_CPU_DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _log_compatibility_notes(args: EngineArgs) -> None:
+    """One log line for each vLLM flag that is accepted but has nothing to change here."""
+    if args.enforce_eager:
+        logger.info("enforce_eager: nothing to change: JAX compiles every step shape at start-up and runs the "
+                    "compiled executables; there is no eager mode (nor CUDA graphs) to fall back to")
+    if args.trust_remote_code:
+        logger.info("trust_remote_code: nothing to change: no code from a checkpoint is ever run, the supported "
+                    "architectures are built in (models/)")
 
 
 def _child_seed(seed: int, index: int) -> int:
@@ -117,11 +128,17 @@ class LLMEngine:
     def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
         args = engine_args
         self.engine_args = args
+        start = time.perf_counter()
+        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory).
+        reserve_gpu_memory_fraction(args.gpu_memory_utilization)
         warn_if_gpu_unused()
+        _log_compatibility_notes(args)
         enable_compilation_cache(args.compilation_cache_dir)
         device = jax.devices()[0]
         on_accelerator = device.platform != "cpu"
 
+        logger.info("Loading model %s (dtype %s) on %s", args.model or "SmolLM2-135M-Instruct (built-in)", args.dtype,
+                    device)
         loaded = load_engine_model(args, on_accelerator)
         model, config, plan = loaded.model, loaded.config, loaded.plan
         run_config, memory_config = loaded.run_config, loaded.memory_config
@@ -133,16 +150,13 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
 
-        # On CPU the reference attention reads a whole max_model_len context per token, so keep the default short.
-        default_cap = _DEFAULT_MAX_MODEL_LEN_CAP if on_accelerator else _CPU_DEFAULT_MAX_MODEL_LEN_CAP
-        max_model_len = args.max_model_len or min(config.max_position_embeddings, default_cap)
-        if max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({config.max_position_embeddings})")
+        max_model_len = self._max_model_len(args.max_model_len, config.max_position_embeddings, on_accelerator)
         self.max_model_len = max_model_len
         max_num_seqs = args.max_num_seqs or (_GPU_MAX_NUM_SEQS if on_accelerator else _CPU_MAX_NUM_SEQS)
         max_num_batched_tokens = args.max_num_batched_tokens or (
             _GPU_MAX_BATCHED_TOKENS if on_accelerator else _CPU_MAX_BATCHED_TOKENS)
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)  # a whole prompt fits one step (vLLM)
         max_num_seqs = min(max_num_seqs, max_num_batched_tokens)  # every scheduled sequence has >= 1 token
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -164,10 +178,21 @@ class LLMEngine:
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
-                                   enable_chunked_prefill=True)
-        logger.info("KV cache: %d device blocks x %d tokens, %d host blocks; %d step buckets", num_blocks,
-                    args.block_size, num_host_blocks, len(self.runner.buckets))
+                                   enable_chunked_prefill=args.enable_chunked_prefill)
+        kv_tokens = (num_blocks - 1) * args.block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
+                    "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
+                    num_blocks * kv_bytes_per_block(memory_config, args.block_size, model.dtype) / 2**30,
+                    num_host_blocks, max_model_len, kv_tokens / max_model_len)
+        num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
+                                            num_blocks=num_blocks)
+        logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
+                    len(self.runner.buckets), "" if args.compilation_cache_dir == "" else
+                    "; the JAX compilation cache makes later starts faster")
+        compile_start = time.perf_counter()
         self.runner.warm_up(use_tqdm=use_tqdm)
+        logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
+                    time.perf_counter() - start)
 
         self._seed_rng = np.random.default_rng(args.seed)
         self._requests: dict[str, _RequestState] = {}  # unfinished user requests
@@ -182,6 +207,24 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "LLMEngine":
         return cls(engine_args, **kwargs)
+
+    @staticmethod
+    def _max_model_len(requested: int | None, model_max: int, on_accelerator: bool) -> int:
+        """``max_model_len``: the requested one (at most the model's ``max_position_embeddings``), else the model's
+        own (vLLM). On the CPU the default is capped at ``_CPU_DEFAULT_MAX_MODEL_LEN``: the CPU attention (the jnp
+        reference) reads a whole max_model_len context for every token, so the model's full length (8k to 128k)
+        would make every step that many times slower; the note says how to ask for more."""
+        if requested is not None:
+            if requested > model_max:
+                raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
+                                 f"({model_max})")
+            return requested
+        if not on_accelerator and model_max > _CPU_DEFAULT_MAX_MODEL_LEN:
+            logger.info("max_model_len defaults to %d on the CPU (the model supports %d): the CPU attention reads "
+                        "the whole max_model_len context for every token; pass --max-model-len %d (max_model_len=) "
+                        "for the full length", _CPU_DEFAULT_MAX_MODEL_LEN, model_max, model_max)
+            return _CPU_DEFAULT_MAX_MODEL_LEN
+        return model_max
 
     # ------------------------------------------------------------------ construction helpers
     # ------------------------------------------------------------------ requests

@@ -82,15 +82,30 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                          cpu_pool_cap_bytes: int = 1 << 30) -> int:
     """Number of device KV blocks (including the null block 0).
 
-    Accelerators: ``bytes_limit * gpu_memory_utilization - bytes_in_use`` (measured after the weights are placed)
-    minus headroom for the largest step's activations and logits, divided by the per-block size. CPU (no memory
-    stats): enough for ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``.
+    Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
+    ``gpu_memory_utilization * total - bytes_in_use`` (measured after the weights are placed) minus headroom for
+    the largest step's activations and logits, divided by the per-block size; ``total`` and the allocator cap come
+    from ``memory_stats()`` (``paged_jax.device_memory.usable_device_bytes``). CPU (no memory stats): enough for
+    ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``. ``num_blocks_override`` wins.
+
+    Raises:
+      ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
+      of tokens it can hold.
     """
-    if num_blocks_override is not None:
-        return int(num_blocks_override)
-    device = device or jax.devices()[0]
+    from paged_jax.device_memory import usable_device_bytes
+
     per_block = kv_bytes_per_block(config, block_size, dtype)
     blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks_override is not None:
+        num_blocks = int(num_blocks_override)
+        if num_blocks - 1 < blocks_per_seq:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "
+                f"num_gpu_blocks_override={num_blocks} leaves {num_blocks - 1} (block 0 is reserved), i.e. "
+                f"{(num_blocks - 1) * block_size} tokens: lower max_model_len (--max-model-len) to at most "
+                f"{(num_blocks - 1) * block_size} or raise --num-gpu-blocks-override")
+        return num_blocks
+    device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
@@ -103,13 +118,18 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
     logits = 6 * max_num_seqs * config.vocab_size * 4
     headroom = activations + logits + (512 << 20)
-    budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - headroom
+    _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
+    budget = usable - stats["bytes_in_use"] - headroom
     num_blocks = int(budget // per_block)
-    if num_blocks < blocks_per_seq + 1:
+    if num_blocks - 1 < blocks_per_seq:
+        capacity = max(num_blocks - 1, 0) * block_size
         raise ValueError(
-            f"gpu_memory_utilization={gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV blocks of "
-            f"{block_size} tokens, fewer than one max_model_len={max_model_len} sequence needs "
-            f"({blocks_per_seq + 1}); raise gpu_memory_utilization or lower max_model_len / max_num_batched_tokens")
+            f"To serve at least one request with max_model_len={max_model_len}, "
+            f"{blocks_per_seq * per_block / 2**30:.2f} GiB of KV cache is needed, more than the "
+            f"{max(budget, 0) / 2**30:.2f} GiB available at gpu_memory_utilization={gpu_memory_utilization} "
+            f"(weights and activations take the rest): the KV pool can hold {capacity} tokens. Lower "
+            f"max_model_len (--max-model-len {capacity} or less), raise --gpu-memory-utilization, or set "
+            f"--num-gpu-blocks-override")
     return num_blocks
 
 

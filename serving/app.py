@@ -7,16 +7,20 @@ the metrics) and mounts the routers of ``serving.routes``:
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``),
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
 
-Every error answers OpenAI's error body (``serving.errors``).
+Every error answers OpenAI's error body (``serving.errors``). Around the routes, outermost first: CORS (Starlette's
+``CORSMiddleware`` with vLLM's defaults: every origin, method and header, no credentials), then the API key check.
+Behind a proxy that serves the app under a path prefix, the prefix is the ASGI server's ``root_path`` (uvicorn's,
+``--root-path``); routes and the API key check match the path without it.
 """
 
 from __future__ import annotations
 
 import copy
 import hmac
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from paged_jax.outputs import RequestOutput
 from serving.async_engine import AsyncEngine, RequestStream
@@ -25,17 +29,20 @@ from serving.errors import APIError, add_error_handlers
 from serving.metrics import ServingMetrics
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.routes import chat, completions, system, tokenize
+from serving.server_logs import RequestLogger, StatsLogger
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware: every ``/v1`` route needs ``Authorization: Bearer <key>`` (others stay open)."""
+    """Pure ASGI middleware: every ``/v1`` route needs ``Authorization: Bearer <key>`` (others stay open). The
+    route path is the request path without the app's ``root_path`` prefix, as the router matches it, so
+    ``<root_path>/v1/...`` is checked too."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 response = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
@@ -43,6 +50,14 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path the router matches: ``scope["path"]`` without a leading ``root_path`` (Starlette's rule)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
 
 
 def on_output_metrics(metrics: ServingMetrics):
@@ -67,17 +82,24 @@ def on_output_metrics(metrics: ServingMetrics):
     return observe
 
 
-def create_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting_requests: int | None = None, tokenizer: Any = None) -> FastAPI:
+def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] | None = None,
+               api_key: str | None = None, max_waiting_requests: int | None = None, tokenizer: Any = None,
+               allowed_origins: Sequence[str] = ("*",), allowed_methods: Sequence[str] = ("*",),
+               allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
+               log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
       engine: an ``EngineClient`` (``LLMEngine`` or ``EngineProcessClient``). From now on only the engine thread
         may call it.
-      served_model_name: the model id clients send and ``/v1/models`` lists (default: the engine's).
+      served_model_name: the model id(s) clients may send; responses report the first and ``/v1/models`` lists
+        all (default: ``engine.engine_args.served_model_names``).
       api_key: if set, ``/v1`` routes require ``Authorization: Bearer <api_key>``.
       max_waiting_requests: bound on the engine's waiting queue; beyond it requests get 503 + Retry-After.
       tokenizer: the tokenizer for the HTTP layer; default a private copy of ``engine.tokenizer``.
+      allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags and defaults).
+      log_requests, max_log_len: one log line per request (``serving.server_logs.RequestLogger``).
+      log_stats: the periodic stats log line (``serving.server_logs.StatsLogger``), until the engine shuts down.
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -87,9 +109,12 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None, ap
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
     metrics = ServingMetrics(info.served_model_name)
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
-                               on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics))
+                               on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics),
+                               request_logger=RequestLogger(max_log_len).log if log_requests else None)
     server = OpenAIServer(async_engine, tokenizer, info, metrics)
     async_engine.start()
+    if log_stats:
+        StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
 
     # The engine thread's life is not tied to the ASGI lifespan: test clients run a lifespan per request, and the
     # process owner (serving.cli.serve_main, a test fixture) calls ``app.state.server.engine.shutdown()`` at the end.
@@ -97,6 +122,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None, ap
     app.state.server = server
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: preflight requests and 401 answers get the CORS headers too.
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     add_error_handlers(app)
     for module in (system, tokenize, completions, chat):
         app.include_router(module.router)

@@ -147,11 +147,14 @@ class AsyncEngine:
       on_stats: called on the engine thread with ``engine.stats()`` after every loop iteration (metrics).
       on_output: called on the event loop as ``on_output(stream, request_output, now)`` before the output is queued
         (latency metrics).
+      request_logger: called on the event loop as ``request_logger(request_id, prompt, params)`` for every request
+        handed to ``add_requests`` (``serving.server_logs.RequestLogger.log``).
     """
 
     def __init__(self, engine: EngineClient, *, max_waiting_requests: int | None = None,
                  on_stats: Callable[[dict], None] | None = None,
-                 on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None) -> None:
+                 on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None,
+                 request_logger: Callable[[str, Any, SamplingParams], None] | None = None) -> None:
         # Every request passes through the waiting queue before its first step, so the bound must admit one.
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 or None, got {max_waiting_requests}")
@@ -161,6 +164,7 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._on_stats = on_stats
         self._on_output = on_output
+        self._request_logger = request_logger
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Guards `_dead` together with enqueueing, so no command can slip into the queue after the dying thread
         # drained it.
@@ -216,6 +220,9 @@ class AsyncEngine:
             raise EngineDeadError("engine loop was not started")
         loop = asyncio.get_running_loop()
         requests = list(requests)
+        if self._request_logger is not None:
+            for request in requests:
+                self._request_logger(request.request_id, request.prompt, request.params)
         streams = [RequestStream(r.request_id, loop) for r in requests]
         admitted = loop.create_future()
         self._submit(_AddCommand(requests, streams, loop, admitted))

@@ -1,47 +1,110 @@
 """The ``paged-jax`` command, and ``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``: the OpenAI-compatible
-server, with vLLM's flag names.
+server, with vLLM's flag names and meanings.
 
     paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
     paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.cli.generate_main``)
 
-MODEL is an HF checkpoint directory; omitted, the built-in SmolLM2-135M-Instruct is served. Engine flags are
-``paged_jax.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); server flags are
-``--host``, ``--port``, ``--api-key`` (or env ``PAGED_JAX_API_KEY``), ``--max-waiting-requests``,
-``--engine-process`` and ``--uvicorn-log-level``.
+MODEL is an HF checkpoint directory or Hub repo id; omitted, the built-in SmolLM2-135M-Instruct is served. Engine
+flags are ``paged_jax.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); the server
+flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every interface), ``--port``, ``--api-key``
+(or env ``PAGED_JAX_API_KEY``), CORS (``--allowed-origins/--allowed-methods/--allowed-headers`` as JSON lists,
+``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
+``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
+``--uvicorn-log-level``, ``--disable-uvicorn-access-log``; and ours: ``--max-waiting-requests``,
+``--engine-process``. Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
+is refused (exit status 2, "unrecognized arguments: --flag"), never ignored.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
+import ssl
 import sys
 from typing import Sequence
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _USAGE = "usage: paged-jax {serve,generate} ...\n"
+
+
+def json_string_list(flag: str):
+    """argparse type of vLLM's JSON-list flags (``--allowed-origins '["https://a.example"]'``)."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]' ({exc})")
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, got {text!r}")
+        return value
+
+    return parse
 
 
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
 
-    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.")
+    # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
+    parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
+                                     allow_abbrev=False)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="HF checkpoint directory (default: the built-in SmolLM2-135M-Instruct); or --model")
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
+                        help="HF checkpoint directory or Hub repo id (default: the built-in SmolLM2-135M-Instruct); "
+                             "or --model")
+    server = parser.add_argument_group("server (vLLM's frontend flags)")
+    server.add_argument("--host", default=None, help="address to bind (default: every interface, as vLLM)")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (env PAGED_JAX_API_KEY)")
+    server.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
+                        help="CORS allowed origins, a JSON list (default [\"*\"])")
+    server.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
+                        help="CORS allowed methods, a JSON list (default [\"*\"])")
+    server.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
+                        help="CORS allowed headers, a JSON list (default [\"*\"])")
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    server.add_argument("--root-path", default=None,
+                        help="root path when the app is behind a path-based routing proxy (which strips it)")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (client certificates)")
+    server.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                        help="whether a client certificate is required (the ssl module's CERT_* value)")
+    server.add_argument("--enable-log-requests", action="store_true", default=None,
+                        help="log one line per request (its id, sampling params and prompt token ids)")
+    server.add_argument("--disable-log-requests", action="store_true", default=None,
+                        help="do not log requests (vLLM's older flag; the default)")
+    server.add_argument("--max-log-len", type=int, default=None,
+                        help="most prompt token ids (or characters) a request's log line shows (default: all)")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--max-waiting-requests", type=int, default=None,
                         help="bound on queued requests; beyond it the server answers 503 with Retry-After")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
+
+
+def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tuple[argparse.ArgumentParser,
+                                                                                   argparse.Namespace]:
+    """Parse ``serve``'s arguments (exits with status 2 naming any flag it does not know, as argparse does)."""
+    from paged_jax.cli import normalize_flag_spelling
+
+    parser = build_parser(prog)
+    args = parser.parse_args(normalize_flag_spelling(argv))
+    if args.enable_log_requests and args.disable_log_requests:
+        parser.error("--enable-log-requests and --disable-log-requests contradict each other")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    return parser, args
 
 
 def engine_args_from_namespace(args: argparse.Namespace):
@@ -52,15 +115,6 @@ def engine_args_from_namespace(args: argparse.Namespace):
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"model given twice: positional {args.model_tag!r} and --model {args.model!r}")
     return EngineArgs(**{**engine_kwargs(args), "model": args.model_tag or args.model})
-
-
-def served_model_name(engine_args) -> str:
-    """``--served-model-name``, else the model directory's name, else the built-in model's name."""
-    if engine_args.served_model_name:
-        return engine_args.served_model_name
-    if engine_args.model:
-        return os.path.basename(os.path.normpath(str(engine_args.model)))
-    return DEFAULT_MODEL_NAME
 
 
 def build_app_from_args(args: argparse.Namespace):
@@ -76,9 +130,37 @@ def build_app_from_args(args: argparse.Namespace):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
         engine = LLMEngine(engine_args)
-    app = create_app(engine, served_model_name=served_model_name(engine_args), api_key=args.api_key,
-                     max_waiting_requests=args.max_waiting_requests)
-    return app, engine_args
+    return create_app(engine, **app_kwargs(args, engine_args)), engine_args
+
+
+def app_kwargs(args: argparse.Namespace, engine_args) -> dict:
+    """``serving.app.create_app``'s keyword arguments from the parsed flags."""
+    return dict(served_model_name=engine_args.served_model_names or None, api_key=args.api_key,
+                max_waiting_requests=args.max_waiting_requests, allowed_origins=args.allowed_origins,
+                allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+                allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
+                max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats)
+
+
+def bind_socket(host: str | None, port: int) -> socket.socket:
+    """The listening socket, bound before the engine loads (as vLLM does): a port in use fails at once, not after
+    minutes of loading and compiling. ``host`` None or "" = every IPv4 interface."""
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host or "", port))
+    return sock
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """The ``uvicorn.Config`` of ``app`` for the parsed flags (host, port, TLS, root path, log level, access log).
+    ``--root-path`` is the ASGI root_path (FastAPI's is deprecated in its favour): the proxy strips the prefix."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
+                          root_path=args.root_path or "", access_log=not args.disable_uvicorn_access_log,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> int:
@@ -87,19 +169,29 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     Args:
       argv: the arguments after ``serve`` (``paged-jax serve``) or after ``-m serving``; None = ``sys.argv[1:]``.
     """
-    parser = build_parser(prog)
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser, args = parse_serve_args(list(sys.argv[1:] if argv is None else argv), prog)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        parser.error(f"cannot listen on {args.host or '0.0.0.0'}:{args.port} (--host/--port): {exc}")
     try:
         app, _ = build_app_from_args(args)
     except ValueError as exc:
+        sock.close()
         parser.error(str(exc))
     import uvicorn
 
+    scheme = "https" if args.ssl_certfile else "http"
+    logging.getLogger(__name__).info("Starting the API server on %s://%s:%d%s", scheme, args.host or "0.0.0.0",
+                                     sock.getsockname()[1], args.root_path or "")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        uvicorn.Server(uvicorn_config(app, args)).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn has shut down gracefully and re-raises the interrupt (uvicorn.run swallows it too)
     finally:
         app.state.server.engine.shutdown()
+        sock.close()
     return 0
 
 

@@ -24,6 +24,11 @@ It implements ``serving.engine_client.ProcessEngineClient``:
 * a dead child (crash, kill) makes ``step`` / ``add_request`` raise ``EngineProcessDied``; ``close()`` stops it.
 
 Requests and outputs cross the pipe pickled (``SamplingParams`` and the output dataclasses are plain data).
+
+Start-up progress: the child logs to its stderr (inherited from the server) at the parent's log level, each line
+prefixed ``(EngineCore pid=N)`` as vLLM's engine process does: model resolution and loading (Hub download bars,
+weight loading bar or weights-cache restore), the KV pool size, the compile count and a ``Compiling step buckets``
+progress bar (bucket i of N; shown when the level is INFO or lower), then "engine ready".
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import threading
+import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -49,18 +56,21 @@ class EngineProcessDied(EngineDeadError):
 
 
 # ------------------------------------------------------------------------------------------------ child side
-def _child_main(engine_args, conn) -> None:  # runs in the spawned process
+CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s (EngineCore pid=%(process)d) %(name)s: %(message)s"
+
+
+def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  # runs in the spawned process
+    # A spawned process starts without the parent's logging set-up: log start-up progress to the inherited stderr.
+    logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
     try:
         from paged_jax.engine import LLMEngine
 
-        engine = LLMEngine(engine_args, use_tqdm=False)
+        engine = LLMEngine(engine_args, use_tqdm=log_level <= logging.INFO)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return
-    tokenizer_path = engine_args.tokenizer or engine.model_path
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                         "model_path": engine.model_path, "tokenizer_path": tokenizer_path,
-                         "stats": dict(engine.stats())}))
+                         "model_path": engine.model_path, "stats": dict(engine.stats())}))
     prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
     try:
         while True:
@@ -140,9 +150,13 @@ class EngineProcessClient:
     def __init__(self, engine_args: EngineArgs, *, start_timeout: float | None = None):
         context = multiprocessing.get_context("spawn")  # JAX is not fork-safe
         self._conn, child_conn = context.Pipe(duplex=True)
-        self._process = context.Process(target=_child_main, args=(engine_args, child_conn), daemon=True,
+        log_level = logging.getLogger().getEffectiveLevel()  # the child logs start-up progress at the same level
+        self._process = context.Process(target=_child_main, args=(engine_args, child_conn, log_level), daemon=True,
                                         name="paged-jax-engine")
+        started = time.perf_counter()
         self._process.start()
+        logger.info("engine process started (pid %d): loading the model and compiling; its progress follows",
+                    self._process.pid)
         child_conn.close()
         self.engine_args = engine_args
         if not self._conn.poll(start_timeout):
@@ -159,9 +173,11 @@ class EngineProcessClient:
         self.vocab_size = int(info["vocab_size"])
         self.model_path = info["model_path"]
         self._stats: dict = dict(info["stats"])
-        from paged_jax.engine import LLMEngine
+        from paged_jax.model_loader import load_tokenizer
 
-        self.tokenizer = LLMEngine._load_tokenizer(info["tokenizer_path"])
+        # The same tokenizer as the child's (already downloaded by it when it comes from the Hub).
+        self.tokenizer = load_tokenizer(engine_args, self.model_path)
+        logger.info("engine process ready in %.1f s", time.perf_counter() - started)
         # Added, neither finished nor aborted: request id -> (prompt, prompt_token_ids) once its first output came.
         self._live: dict[str, tuple[str | None, list[int]] | None] = {}
         self._added_since_stats = 0

@@ -29,26 +29,42 @@ MIN_LOGPROB = -9999.0
 
 
 # ----------------------------------------------------------------------------------------------- engine facts
+# The name of the built-in model (EngineArgs.model None) in the API.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
 @dataclasses.dataclass
 class ModelInfo:
-    """What the HTTP layer needs to know about the served model."""
+    """What the HTTP layer needs to know about the served model. ``served_model_names``: every name a request's
+    ``model`` may carry (vLLM's ``--served-model-name``); ``served_model_name`` is the first, which responses report."""
 
     served_model_name: str
     root: str | None  # checkpoint directory (None for a named dummy shape)
     max_model_len: int
     vocab_size: int
+    served_model_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            self.served_model_names = (self.served_model_name,)
 
 
-def model_info_from_engine(engine: EngineClient, served_model_name: str | None) -> ModelInfo:
+def model_info_from_engine(engine: EngineClient, served_model_name: str | Sequence[str] | None) -> ModelInfo:
     """The served model's facts from the engine (``max_model_len``, ``vocab_size``, ``model_path``,
-    ``engine_args``)."""
+    ``engine_args``). Names: ``served_model_name``, else ``engine_args.served_model_names`` (vLLM: the model as
+    given), else the checkpoint directory's name (the built-in model: ``DEFAULT_MODEL_NAME``)."""
     engine_args = engine.engine_args
     root = engine.model_path or engine_args.model
-    name = served_model_name or getattr(engine_args, "served_model_name", None)
-    if not name:
-        name = os.path.basename(os.path.normpath(str(root))) if root else "paged-jax"
-    return ModelInfo(served_model_name=str(name), root=str(root) if root is not None else None,
-                     max_model_len=int(engine.max_model_len), vocab_size=int(engine.vocab_size))
+    if served_model_name is not None:
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    else:
+        names = list(getattr(engine_args, "served_model_names", None) or [])
+    if not names:
+        names = [DEFAULT_MODEL_NAME if engine_args.model is None
+                 else os.path.basename(os.path.normpath(str(root))) if root else "paged-jax"]
+    return ModelInfo(served_model_name=str(names[0]), root=str(root) if root is not None else None,
+                     max_model_len=int(engine.max_model_len), vocab_size=int(engine.vocab_size),
+                     served_model_names=tuple(str(n) for n in names))
 
 
 # ------------------------------------------------------------------------------------------- the server state
@@ -63,7 +79,7 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.info.served_model_name, self.info.root):
+        if model is not None and model not in self.info.served_model_names and model != self.info.root:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:

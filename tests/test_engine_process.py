@@ -109,6 +109,38 @@ def test_abort_frees_blocks(client):
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
 
 
+def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
+    """What `serve` prints while the child loads and compiles: model loading, weights, KV pool size, compile count
+    and the bucket progress bar (i of N), then ready; at the parent's log level (INFO here, as serve runs).
+    Without --max-model-len the model's own length (256) is used."""
+    import logging
+    import re
+
+    from serving.engine_process import EngineProcessClient
+
+    caplog.set_level(logging.INFO)
+    kwargs = {k: v for k, v in ENGINE_KWARGS.items() if k != "max_model_len"}
+    client = EngineProcessClient(EngineArgs(model=model_dir, **kwargs), start_timeout=300)
+    try:
+        assert client.max_model_len == 256
+    finally:
+        client.close()
+    err = capfd.readouterr().err
+    stages = [r"\(EngineCore pid=\d+\) paged_jax\.engine: Loading model " + re.escape(model_dir),
+              r"model weights ready in \d+\.\d+ s",
+              r"KV cache: \d+ blocks x 16 tokens = \d+ tokens .*max_model_len 256",
+              r"Compiling \d+ step executables \(\d+ step shapes\)",
+              r"Compiling step buckets: +\d+%.*\| *\d+/\d+ ",
+              r"Compiled in \d+\.\d+ s; engine ready in \d+\.\d+ s"]
+    positions = []
+    for stage in stages:
+        match = re.search(stage, err)
+        assert match, (stage, err)
+        positions.append(match.start())
+    assert positions == sorted(positions), err
+    assert "engine process ready" in caplog.text
+
+
 def test_bad_engine_args_raise_value_error(model_dir):
     from serving.engine_process import EngineProcessClient
 

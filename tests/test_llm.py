@@ -143,7 +143,7 @@ def test_serve_and_generate_share_the_engine_flags():
                                       "reference", "--served-model-name", "m"])
     assert engine_args_from_namespace(args) == EngineArgs(model="/ckpt", tensor_parallel_size=2,
                                                           enable_prefix_caching=False, attention_impl="reference",
-                                                          served_model_name="m")
+                                                          served_model_name=["m"])
     for path in pathlib.Path(paged_jax.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)

@@ -29,6 +29,5 @@ async def metrics_endpoint(server: OpenAIServer = Depends(get_server)) -> Respon
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(server: OpenAIServer = Depends(get_server)) -> Response:
     info = server.info
-    card = ModelCard(id=info.served_model_name, root=info.root or info.served_model_name,
-                     max_model_len=info.max_model_len)
-    return json_response(ModelList(data=[card]))
+    return json_response(ModelList(data=[ModelCard(id=name, root=info.root or name, max_model_len=info.max_model_len)
+                                         for name in info.served_model_names]))

@@ -1,0 +1,64 @@
+"""How much accelerator memory the engine may use: ``gpu_memory_utilization`` as vLLM means it, a fraction of the
+device's TOTAL memory, against JAX's allocator, which by default reserves only 75% of a GPU for itself.
+
+JAX's GPU allocator is capped at ``XLA_CLIENT_MEM_FRACTION`` (formerly ``XLA_PYTHON_CLIENT_MEM_FRACTION``; default
+0.75) of the device memory, read once when the backend starts. So:
+
+* ``reserve_gpu_memory_fraction(u)``, called by ``LLMEngine`` before anything starts a JAX backend, sets that
+  variable to ``u`` when the user has not set it: the engine's process then holds exactly the vLLM share;
+* ``usable_device_bytes(stats, platform, u)`` turns a device's ``memory_stats()`` into ``(total, usable)`` bytes:
+  total = ``bytes_limit`` / the allocator fraction on a GPU (``bytes_limit`` itself elsewhere), usable =
+  ``u * total``, but never more than the allocator's limit (then a warning says which variable to set).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+MEM_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
+DEPRECATED_MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_DEFAULT_GPU_MEM_FRACTION = 0.75  # XLA's GPU client default when neither variable is set
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def allocator_fraction() -> float:
+    """The fraction of GPU memory JAX's allocator is (or will be) capped at, from the environment."""
+    value = os.environ.get(MEM_FRACTION_ENV) or os.environ.get(DEPRECATED_MEM_FRACTION_ENV)
+    return float(value) if value else JAX_DEFAULT_GPU_MEM_FRACTION
+
+
+def reserve_gpu_memory_fraction(gpu_memory_utilization: float) -> bool:
+    """Cap JAX's GPU allocator at ``gpu_memory_utilization`` of the device (instead of its default 75%), if no JAX
+    backend has started yet and the user set neither variable. Returns whether it set the variable."""
+    from jax._src import xla_bridge
+
+    if os.environ.get(MEM_FRACTION_ENV) or os.environ.get(DEPRECATED_MEM_FRACTION_ENV):
+        return False
+    if xla_bridge.backends_are_initialized():
+        return False  # too late: the allocator's cap is fixed; usable_device_bytes warns if it is too small
+    os.environ[MEM_FRACTION_ENV] = repr(float(gpu_memory_utilization))
+    return True
+
+
+def usable_device_bytes(stats: dict, platform: str, gpu_memory_utilization: float) -> tuple[int, int]:
+    """``(total, usable)`` bytes of one device from its ``memory_stats()`` (needs ``bytes_limit``).
+
+    ``usable = gpu_memory_utilization * total``, capped at the allocator's ``bytes_limit`` with a warning naming
+    the variable that would lift the cap.
+    """
+    limit = int(stats["bytes_limit"])
+    fraction = allocator_fraction() if platform in GPU_PLATFORMS else 1.0
+    total = int(limit / fraction)
+    wanted = int(gpu_memory_utilization * total)
+    if wanted <= limit:
+        return total, wanted
+    logger.warning(
+        "gpu_memory_utilization=%s asks for %.2f GiB of the device's %.2f GiB, but JAX's allocator was started "
+        "with a cap of %.2f GiB (%s=%s): using %.2f GiB. Set %s=%s before start-up (it must be set before JAX "
+        "initializes its GPU backend) to use the requested share.", gpu_memory_utilization, wanted / 2**30,
+        total / 2**30, limit / 2**30, MEM_FRACTION_ENV, fraction, limit / 2**30, MEM_FRACTION_ENV,
+        gpu_memory_utilization)
+    return total, limit
