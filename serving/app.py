@@ -18,7 +18,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from paged_jax.generation_config import sampling_defaults
 from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import AsyncEngine, RequestStream
 from serving.engine_client import EngineClient
 from serving.errors import APIError, add_error_handlers
@@ -68,7 +70,8 @@ def on_output_metrics(metrics: ServingMetrics):
 
 
 def create_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting_requests: int | None = None, tokenizer: Any = None) -> FastAPI:
+               max_waiting_requests: int | None = None, tokenizer: Any = None, max_logprobs: int = MAX_LOGPROBS,
+               chat_template: str | None = None, response_role: str = "assistant") -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -78,6 +81,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None, ap
       api_key: if set, ``/v1`` routes require ``Authorization: Bearer <api_key>``.
       max_waiting_requests: bound on the engine's waiting queue; beyond it requests get 503 + Retry-After.
       tokenizer: the tokenizer for the HTTP layer; default a private copy of ``engine.tokenizer``.
+      max_logprobs: most top logprobs a request may ask for (``--max-logprobs``, at most ``MAX_LOGPROBS``).
+      chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
+      response_role: the role of chat replies (``--response-role``).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -88,7 +94,14 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None, ap
     metrics = ServingMetrics(info.served_model_name)
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
                                on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics))
-    server = OpenAIServer(async_engine, tokenizer, info, metrics)
+    if not 0 <= max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
+                         f"{MAX_LOGPROBS} top logprobs), got {max_logprobs}")
+    # Requests leaving a sampling field unset take the checkpoint's generation config default (vLLM).
+    defaults = sampling_defaults(getattr(engine, "generation_config", None) or {})
+    server = OpenAIServer(async_engine, tokenizer, info, metrics, default_sampling_params=defaults,
+                          max_logprobs=max_logprobs, chat_template=chat_template, response_role=response_role,
+                          scheduling_policy=engine.engine_args.scheduling_policy)
     async_engine.start()
 
     # The engine thread's life is not tied to the ASGI lifespan: test clients run a lifespan per request, and the

@@ -7,7 +7,7 @@ server, with vLLM's flag names.
 MODEL is an HF checkpoint directory; omitted, the built-in SmolLM2-135M-Instruct is served. Engine flags are
 ``paged_jax.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); server flags are
 ``--host``, ``--port``, ``--api-key`` (or env ``PAGED_JAX_API_KEY``), ``--max-waiting-requests``,
-``--engine-process`` and ``--uvicorn-log-level``.
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role`` and ``--uvicorn-log-level``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _USAGE = "usage: paged-jax {serve,generate} ...\n"
 
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
+    from paged_jax.sampling_params import MAX_LOGPROBS
 
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -38,6 +39,13 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
+    server.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                        help=f"most log-probabilities a request may ask for per token (logprobs / top_logprobs; "
+                             f"at most {MAX_LOGPROBS}); more is answered 400")
+    server.add_argument("--chat-template", default=None,
+                        help="chat template replacing the tokenizer's: a file path, or the template itself inline")
+    server.add_argument("--response-role", default="assistant",
+                        help="role of the chat replies when the request has add_generation_prompt=true")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
@@ -65,19 +73,29 @@ def served_model_name(engine_args) -> str:
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
+    from paged_jax.chat import load_chat_template
     from paged_jax.engine import LLMEngine
+    from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient, engine_process_enabled
 
     engine_args = engine_args_from_namespace(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {args.max_waiting_requests}")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
+                         f"{MAX_LOGPROBS} top logprobs), got {args.max_logprobs}")
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ValueError as exc:
+        raise ValueError(f"--chat-template: {exc}") from exc
     if engine_process_enabled(args.engine_process):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
         engine = LLMEngine(engine_args)
     app = create_app(engine, served_model_name=served_model_name(engine_args), api_key=args.api_key,
-                     max_waiting_requests=args.max_waiting_requests)
+                     max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
+                     chat_template=chat_template, response_role=args.response_role)
     return app, engine_args
 
 
