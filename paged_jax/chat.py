@@ -92,7 +92,7 @@ def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], add_g
       chat_template: a Jinja template replacing the tokenizer's.
       documents: ``[{"title", "text"}, ...]`` for templates that support retrieval-augmented generation.
     Raises:
-      ChatTemplateError: the template failed on this conversation, there is no template, or the arguments conflict.
+      ChatTemplateError: the template failed on this conversation (or there is none), or the arguments conflict.
       RuntimeError: the template rendered something other than a string.
     """
     kwargs: dict[str, Any] = dict(add_generation_prompt=add_generation_prompt,
@@ -107,9 +107,6 @@ def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], add_g
     kwargs.update(chat_template_kwargs or {})
     if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
         raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    if kwargs.get("chat_template") is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ChatTemplateError("the tokenizer has no chat template; pass one (--chat-template or the request's "
-                                "chat_template)")
     messages = [normalize_message(message) for message in conversation]
     try:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)

@@ -305,8 +305,6 @@ def _chat_error_param(message: str) -> str:
         return "continue_final_message"
     if "chat_template_kwargs" in message:
         return "chat_template_kwargs"
-    if "chat template" in message and "no chat template" in message:
-        return "chat_template"
     return "messages"
 
 
