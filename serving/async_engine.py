@@ -308,7 +308,8 @@ class AsyncEngine:
                 for request, stream in zip(command.requests, command.streams):
                     if request.request_id in self._streams:
                         raise ValueError(f"request_id {request.request_id!r} is already in use")
-                    self.engine.add_request(request.request_id, request.prompt, request.params, priority=request.priority)
+                    self.engine.add_request(request.request_id, request.prompt, request.params,
+                                            priority=request.priority)
                     self._streams[request.request_id] = stream
                     added.append(request.request_id)
             except EngineDeadError as exc:

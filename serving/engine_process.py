@@ -57,10 +57,9 @@ def _child_main(engine_args, conn) -> None:  # runs in the spawned process
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return
-    tokenizer_path = engine_args.tokenizer or engine.model_path
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                          "generation_config": engine.generation_config,
-                         "model_path": engine.model_path, "tokenizer_path": tokenizer_path,
+                         "model_path": engine.model_path,
                          "stats": dict(engine.stats())}))
     prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
     try:
@@ -161,9 +160,10 @@ class EngineProcessClient:
         self.model_path = info["model_path"]
         self.generation_config: dict = dict(info["generation_config"])
         self._stats: dict = dict(info["stats"])
-        from paged_jax.engine import LLMEngine
+        from paged_jax.model_loader import load_tokenizer
 
-        self.tokenizer = LLMEngine._load_tokenizer(info["tokenizer_path"])
+        # The parent's own copy, resolved as the child resolved it (a Hub tokenizer is in the local cache by now).
+        self.tokenizer = load_tokenizer(engine_args, self.model_path)
         # Added, neither finished nor aborted: request id -> (prompt, prompt_token_ids) once its first output came.
         self._live: dict[str, tuple[str | None, list[int]] | None] = {}
         self._added_since_stats = 0

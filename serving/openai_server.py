@@ -121,9 +121,9 @@ class OpenAIServer:
         raise APIError(400, "suffix: this model has no fill-in-the-middle (FIM) support", param="suffix")
 
     def response_id(self, prefix: str, body: SamplingFields, raw_request: Request) -> str:
-        """``{prefix}-{base}``: base is the body's ``request_id``, else the ``X-Request-Id`` header, else random
-        (as vLLM)."""
-        base = body.request_id or raw_request.headers.get("X-Request-Id") or random_uuid()
+        """``{prefix}-{base}``: base is the ``X-Request-Id`` header, else the body's ``request_id``, else random
+        (vLLM's ``_base_request_id``)."""
+        base = raw_request.headers.get("X-Request-Id") or body.request_id or random_uuid()
         return f"{prefix}-{base}"
 
     @staticmethod

@@ -69,7 +69,7 @@ NOT_SUPPORTED: dict[str, Refusal] = {
     "use_beam_search": Refusal(_BEAM, _one_of(False)),
     "length_penalty": Refusal(f"length_penalty only applies to beam search; {_BEAM}", _one_of(1.0)),
     # vLLM V1 refuses best_of > 1 the same way.
-    "best_of": Refusal("best_of > 1 is not supported (as in vLLM V1)", _one_of(1)),
+    "best_of": Refusal("best_of > 1 is not supported (as in vLLM V1)", lambda value: value is None or value <= 1),
     "prompt_embeds": Refusal("prompt embeddings are not supported", _unset),
     "mm_processor_kwargs": Refusal("no multimodal processor: the served models are text-only"),
     "audio": Refusal("audio output is not supported", _unset),

@@ -291,6 +291,18 @@ def test_suffix_and_best_of_refusals_say_why(client):
     assert info.value.body["param"] == "echo"
 
 
+def test_request_id_names_the_response(server, engine):
+    import httpx
+
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        body = {"prompt": PROMPT, "max_tokens": 1, "request_id": "from-body"}
+        assert c.post("/v1/completions", json=body).json()["id"] == "cmpl-from-body"
+        assert engine.added[-1].request_id == "cmpl-from-body-0"
+        r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "request_id": "from-body"},
+                   headers={"X-Request-Id": "from-header"})  # the header wins, as in vLLM
+        assert r.json()["id"] == "chatcmpl-from-header"
+
+
 def test_no_op_values_of_refused_fields_are_accepted(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=2,
                                        tool_choice="none", response_format={"type": "text"},
