@@ -24,22 +24,50 @@ INITIAL_PREFIX_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def make_decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+def make_decode_fn(tokenizer: Any, skip_special_tokens: bool,
+                   spaces_between_special_tokens: bool = True) -> Callable[[list[int]], str]:
     """``ids -> str`` for a ``tokenizers.Tokenizer`` or a transformers tokenizer.
 
     For transformers fast tokenizers the Rust ``backend_tokenizer`` is used directly: it is faster and never
     applies ``clean_up_tokenization_spaces`` (which would make window decodes differ from a full decode).
+    ``spaces_between_special_tokens=False`` (only meaningful when special tokens are kept, as vLLM): added tokens
+    are written as they are, with the text between them decoded separately, and the pieces joined without spaces
+    (vLLM's and transformers' slow-tokenizer rule; decoders that join tokens with spaces would put spaces there).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None and hasattr(tokenizer, "decode_batch") and hasattr(tokenizer, "id_to_token"):
         backend = tokenizer  # already a tokenizers.Tokenizer
     if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    if not hasattr(tokenizer, "decode"):
+        def decode(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    elif hasattr(tokenizer, "decode"):
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    else:
         raise ValueError(f"tokenizer must be a tokenizers.Tokenizer or a transformers tokenizer, got {type(tokenizer)}")
-    return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+    if spaces_between_special_tokens or skip_special_tokens:
+        return decode
+    added_tokens = (backend.get_added_tokens_decoder() if backend is not None
+                    else getattr(tokenizer, "added_tokens_decoder", {}))
+    added = {int(token_id): getattr(token, "content", str(token)) for token_id, token in added_tokens.items()}
+    if not added:
+        return decode
+
+    def decode_without_spaces(ids: list[int]) -> str:
+        pieces, run = [], []
+        for token_id in ids:
+            if token_id in added:
+                if run:
+                    pieces.append(decode(run))
+                    run = []
+                pieces.append(added[token_id])
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(decode(run))
+        return "".join(pieces)
+
+    return decode_without_spaces
 
 
 class IncrementalDetokenizer:
@@ -49,6 +77,7 @@ class IncrementalDetokenizer:
       tokenizer: ``tokenizers.Tokenizer`` or transformers tokenizer.
       prompt_token_ids: the prompt; its last ``INITIAL_PREFIX_TOKENS`` ids are decoding context (not output).
       skip_special_tokens: drop special tokens from the text.
+      spaces_between_special_tokens: False: no spaces around kept added tokens (``make_decode_fn``).
       stop: stop strings (non-empty).
       include_stop_str_in_output: keep the stop string at the end of the text.
       min_tokens: stop strings are not checked until more than this many output tokens exist (vLLM).
@@ -67,6 +96,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
         stop: Sequence[str] | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
@@ -75,7 +105,7 @@ class IncrementalDetokenizer:
         for stop_str in stop_strings:
             if not isinstance(stop_str, str) or not stop_str:
                 raise ValueError(f"stop must contain non-empty strings, got {stop_str!r}")
-        self._decode = make_decode_fn(tokenizer, skip_special_tokens)
+        self._decode = make_decode_fn(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._stop = stop_strings
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens

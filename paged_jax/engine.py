@@ -279,6 +279,7 @@ class LLMEngine:
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens)
             wants_logprobs = params.logprobs is not None

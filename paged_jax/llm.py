@@ -15,6 +15,7 @@ from typing import Any
 from paged_jax.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
 from paged_jax.engine import LLMEngine
+from paged_jax.generation_config import sampling_defaults
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
@@ -38,9 +39,17 @@ class LLM:
             raise ValueError(f"{unknown[0]} is not an engine argument (known: {', '.join(sorted(_ENGINE_ARG_NAMES))})")
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
         self._request_counter = itertools.count()
+        # The generation config's sampling defaults (read once: sampling_defaults logs them).
+        self._sampling_defaults = sampling_defaults(self.llm_engine.generation_config)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with
+        the defaults of the checkpoint's generation config (``--generation-config``; e.g. its temperature, top_p,
+        top_k, and ``max_new_tokens`` as ``max_tokens``)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -50,14 +59,15 @@ class LLM:
         Args:
           prompts: a str, a list of str, a list of token-id lists, or (a list of) dicts with ``prompt_token_ids``
             or ``prompt``.
-          sampling_params: one ``SamplingParams`` for all, one per prompt, or None (defaults).
+          sampling_params: one ``SamplingParams`` for all, one per prompt, or None
+            (``get_default_sampling_params()``).
           use_tqdm: show a progress bar over finished prompts.
         Raises:
           ValueError for a bad prompt or parameter (nothing is left queued in the engine).
         """
         prompt_list = self._normalize_prompts(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -68,7 +78,8 @@ class LLM:
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them (``paged_jax.chat``), then
         generate.
 
@@ -76,16 +87,19 @@ class LLM:
           messages: ``[{"role": ..., "content": ...}, ...]`` (OpenAI-style: content may be a list of text parts)
             or a list of such conversations.
           add_generation_prompt: end the prompt with the assistant turn header.
-          chat_template_kwargs: extra variables for the template.
+          chat_template_kwargs: extra variables for the template (e.g. ``{"enable_thinking": False}``).
+          chat_template: a Jinja template replacing the tokenizer's.
+          continue_final_message: the reply continues the final message (set ``add_generation_prompt=False``).
         """
         tokenizer = self.get_tokenizer()
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("chat needs a tokenizer with a chat template")
+        if tokenizer is None or (chat_template is None and getattr(tokenizer, "chat_template", None) is None):
+            raise ValueError("chat needs a tokenizer with a chat template (or chat_template)")
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt,
-                                                              chat_template_kwargs)}
+        prompts = [{"prompt_token_ids": chat_prompt_token_ids(
+                        tokenizer, conversation, add_generation_prompt, chat_template_kwargs,
+                        chat_template=chat_template, continue_final_message=continue_final_message)}
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

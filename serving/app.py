@@ -22,7 +22,9 @@ from typing import Any, Sequence
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from paged_jax.generation_config import sampling_defaults
 from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import AsyncEngine, RequestStream
 from serving.engine_client import EngineClient
 from serving.errors import APIError, add_error_handlers
@@ -86,7 +88,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                api_key: str | None = None, max_waiting_requests: int | None = None, tokenizer: Any = None,
                allowed_origins: Sequence[str] = ("*",), allowed_methods: Sequence[str] = ("*",),
                allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
-               log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False) -> FastAPI:
+               log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False,
+               max_logprobs: int = MAX_LOGPROBS, chat_template: str | None = None,
+               response_role: str = "assistant") -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -100,10 +104,16 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags and defaults).
       log_requests, max_log_len: one log line per request (``serving.server_logs.RequestLogger``).
       log_stats: the periodic stats log line (``serving.server_logs.StatsLogger``), until the engine shuts down.
+      max_logprobs: most top logprobs a request may ask for (``--max-logprobs``, at most ``MAX_LOGPROBS``).
+      chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
+      response_role: the role of chat replies (``--response-role``).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
     """
+    if not 0 <= max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
+                         f"{MAX_LOGPROBS} top logprobs), got {max_logprobs}")
     info = model_info_from_engine(engine, served_model_name)
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
@@ -111,7 +121,11 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
                                on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics),
                                request_logger=RequestLogger(max_log_len).log if log_requests else None)
-    server = OpenAIServer(async_engine, tokenizer, info, metrics)
+    # Requests leaving a sampling field unset take the checkpoint's generation config default (vLLM).
+    defaults = sampling_defaults(engine.generation_config)
+    server = OpenAIServer(async_engine, tokenizer, info, metrics, default_sampling_params=defaults,
+                          max_logprobs=max_logprobs, chat_template=chat_template, response_role=response_role,
+                          scheduling_policy=engine.engine_args.scheduling_policy)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()

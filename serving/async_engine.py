@@ -51,11 +51,13 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclasses.dataclass
 class EngineRequest:
-    """What ``LLMEngine.add_request`` needs: an id, the prompt (token ids or text), the SamplingParams."""
+    """What ``LLMEngine.add_request`` needs: an id, the prompt (token ids or text), the SamplingParams and the
+    priority (lower runs earlier with ``scheduling_policy="priority"``)."""
 
     request_id: str
     prompt: list[int] | str
     params: SamplingParams
+    priority: int = 0
 
 
 class RequestStream:
@@ -313,7 +315,8 @@ class AsyncEngine:
                 for request, stream in zip(command.requests, command.streams):
                     if request.request_id in self._streams:
                         raise ValueError(f"request_id {request.request_id!r} is already in use")
-                    self.engine.add_request(request.request_id, request.prompt, request.params)
+                    self.engine.add_request(request.request_id, request.prompt, request.params,
+                                            priority=request.priority)
                     self._streams[request.request_id] = stream
                     added.append(request.request_id)
             except EngineDeadError as exc:

@@ -11,7 +11,7 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 ``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
 ``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
 ``--uvicorn-log-level``, ``--disable-uvicorn-access-log``; and ours: ``--max-waiting-requests``,
-``--engine-process``. Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``. Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
 is refused (exit status 2, "unrecognized arguments: --flag"), never ignored.
 """
 
@@ -47,6 +47,7 @@ def json_string_list(flag: str):
 
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
+    from paged_jax.sampling_params import MAX_LOGPROBS
 
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
@@ -87,6 +88,13 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
+    server.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                        help=f"most log-probabilities a request may ask for per token (logprobs / top_logprobs; "
+                             f"at most {MAX_LOGPROBS}); more is answered 400")
+    server.add_argument("--chat-template", default=None,
+                        help="chat template replacing the tokenizer's: a file path, or the template itself inline")
+    server.add_argument("--response-role", default="assistant",
+                        help="role of the chat replies when the request has add_generation_prompt=true")
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
@@ -119,27 +127,38 @@ def engine_args_from_namespace(args: argparse.Namespace):
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
+    from paged_jax.chat import load_chat_template
     from paged_jax.engine import LLMEngine
+    from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient, engine_process_enabled
 
     engine_args = engine_args_from_namespace(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"max_waiting_requests must be >= 1, got {args.max_waiting_requests}")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
+                         f"{MAX_LOGPROBS} top logprobs), got {args.max_logprobs}")
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ValueError as exc:
+        raise ValueError(f"--chat-template: {exc}") from exc
     if engine_process_enabled(args.engine_process):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
         engine = LLMEngine(engine_args)
-    return create_app(engine, **app_kwargs(args, engine_args)), engine_args
+    return create_app(engine, **app_kwargs(args, engine_args, chat_template)), engine_args
 
 
-def app_kwargs(args: argparse.Namespace, engine_args) -> dict:
-    """``serving.app.create_app``'s keyword arguments from the parsed flags."""
+def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None = None) -> dict:
+    """``serving.app.create_app``'s keyword arguments from the parsed flags (``chat_template``: the loaded
+    ``--chat-template``)."""
     return dict(served_model_name=engine_args.served_model_names or None, api_key=args.api_key,
                 max_waiting_requests=args.max_waiting_requests, allowed_origins=args.allowed_origins,
                 allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                 allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
-                max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats)
+                max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats,
+                max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:

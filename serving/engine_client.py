@@ -32,6 +32,8 @@ class EngineClient(Protocol):
       vocab_size: token ids are in ``[0, vocab_size)``.
       model_path: the checkpoint directory (None for a named dummy shape).
       engine_args: the ``EngineArgs`` the engine was built from.
+      generation_config: the checkpoint's generation config (``--generation-config``) as a dict; requests take
+        their default sampling parameters from it.
     """
 
     tokenizer: Any
@@ -39,9 +41,10 @@ class EngineClient(Protocol):
     vocab_size: int
     model_path: str | None
     engine_args: EngineArgs
+    generation_config: dict
 
-    def add_request(self, request_id: str, prompt: list[int] | str | dict, params: SamplingParams | None = None
-                    ) -> None:
+    def add_request(self, request_id: str, prompt: list[int] | str | dict, params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
         """Queue a request; raises ValueError naming the bad field (the request then leaves no state behind)."""
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

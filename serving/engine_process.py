@@ -70,7 +70,9 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                         "model_path": engine.model_path, "stats": dict(engine.stats())}))
+                         "generation_config": engine.generation_config,
+                         "model_path": engine.model_path,
+                         "stats": dict(engine.stats())}))
     prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
     try:
         while True:
@@ -85,9 +87,9 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
                 if kind == "shutdown":
                     return
                 if kind == "add":
-                    _, request_id, prompt, params = message
+                    _, request_id, prompt, params, priority = message
                     try:
-                        engine.add_request(request_id, prompt, params)
+                        engine.add_request(request_id, prompt, params, priority=priority)
                     except Exception as exc:  # noqa: BLE001 - the caller's error (bad request), not the engine's
                         conn.send(("added", request_id, exc if _picklable(exc) else ValueError(str(exc))))
                     else:
@@ -172,6 +174,7 @@ class EngineProcessClient:
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.model_path = info["model_path"]
+        self.generation_config: dict = dict(info["generation_config"])
         self._stats: dict = dict(info["stats"])
         from paged_jax.model_loader import load_tokenizer
 
@@ -186,11 +189,11 @@ class EngineProcessClient:
         self._lock = threading.Lock()  # close() may come from another thread than the engine thread
 
     # ------------------------------------------------------------------ LLMEngine interface (one thread)
-    def add_request(self, request_id: str, prompt: Any, params: Any = None) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
         """Queue a request in the child; raises the child's ValueError for a bad one."""
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._send(("add", request_id, prompt, params))
+        self._send(("add", request_id, prompt, params, priority))
         while True:  # step results may arrive first: keep them for step()
             message = self._recv()
             if message[0] == "added" and message[1] == request_id:

@@ -16,16 +16,20 @@ from typing import Any, Sequence
 from fastapi import Request
 
 from paged_jax.chat import ChatTemplateError, render_chat
+from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
 from serving.engine_client import EngineClient
 from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
-                              ChatMessageParam, CompletionLogProbs, SamplingFields)
+                              ChatMessageParam, CompletionLogProbs, SamplingFields, random_uuid)
+from serving.unsupported_fields import refuse_unsupported
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
 MIN_LOGPROB = -9999.0
+# The first token of a fill-in-the-middle prompt, in the spellings of the FIM-trained tokenizers.
+_FIM_PREFIX_TOKENS = ("<fim_prefix>", "<|fim_prefix|>", "<PRE>", "<\uff5cfim\u2581begin\uff5c>")
 
 
 # ----------------------------------------------------------------------------------------------- engine facts
@@ -69,18 +73,79 @@ def model_info_from_engine(engine: EngineClient, served_model_name: str | Sequen
 
 # ------------------------------------------------------------------------------------------- the server state
 class OpenAIServer:
-    """Request handling shared by the endpoints (tokenization, validation, engine submission, formatting)."""
+    """Request handling shared by the endpoints (tokenization, validation, engine submission, formatting).
 
-    def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics) -> None:
+    Args:
+      async_engine: the engine, on its thread.
+      tokenizer: the HTTP layer's own tokenizer copy (None: token-id prompts only).
+      info: the served model's facts.
+      metrics: the Prometheus metrics.
+      default_sampling_params: ``SamplingParams`` defaults for fields a request leaves unset (the generation
+        config's, ``paged_jax.generation_config.sampling_defaults``).
+      max_logprobs: most top logprobs a request may ask for (``--max-logprobs``).
+      chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
+      response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
+      scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
+    """
+
+    def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
+                 default_sampling_params: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS,
+                 chat_template: str | None = None, response_role: str = "assistant",
+                 scheduling_policy: str = "fcfs") -> None:
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
+        self.default_sampling_params = dict(default_sampling_params or {})
+        self.max_logprobs = max_logprobs
+        self.chat_template = chat_template
+        self.response_role = response_role
+        self.scheduling_policy = scheduling_policy
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.info.served_model_names and model != self.info.root:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def check_request(self, body: SamplingFields) -> None:
+        """The checks every generation request passes before its prompt is built (400 naming the field)."""
+        self.check_model(body.model)
+        refuse_unsupported(body)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+        if body.priority != 0 and self.scheduling_policy != "priority":
+            raise APIError(400, f"priority: got priority {body.priority} but priority scheduling is not enabled "
+                                f"(serve with --scheduling-policy priority)", param="priority")
+        if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > self.info.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens: value ({body.truncate_prompt_tokens}) is greater than "
+                                f"max_model_len ({self.info.max_model_len}). Please, select a smaller truncation "
+                                f"size.", param="truncate_prompt_tokens")
+
+    def check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
+        if num_logprobs is not None and num_logprobs > self.max_logprobs:
+            raise APIError(400, f"{param}: Requested sample logprobs of {num_logprobs}, which is greater than max "
+                                f"allowed: {self.max_logprobs} (--max-logprobs)", param=param)
+
+    def check_suffix(self, suffix: str | None) -> None:
+        """``suffix`` asks for a fill-in-the-middle prompt, which needs the model's FIM tokens."""
+        if not suffix:
+            return
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        if any(token in vocab for token in _FIM_PREFIX_TOKENS):
+            raise APIError(400, "suffix: fill-in-the-middle prompts are not implemented", param="suffix")
+        raise APIError(400, "suffix: this model has no fill-in-the-middle (FIM) support", param="suffix")
+
+    def response_id(self, prefix: str, body: SamplingFields, raw_request: Request) -> str:
+        """``{prefix}-{base}``: base is the ``X-Request-Id`` header, else the body's ``request_id``, else random
+        (vLLM's ``_base_request_id``)."""
+        base = raw_request.headers.get("X-Request-Id") or body.request_id or random_uuid()
+        return f"{prefix}-{base}"
+
+    @staticmethod
+    def truncate(token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` ids (vLLM truncates prompts from the left)."""
+        return token_ids if truncate_prompt_tokens is None else token_ids[-truncate_prompt_tokens:]
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         for position, token_id in enumerate(token_ids):
@@ -104,14 +169,19 @@ class OpenAIServer:
     def decode(self, token_ids: Sequence[int], param: str) -> str:
         return self.require_tokenizer(param).decode(list(token_ids))
 
-    def render_chat(self, messages: Sequence[ChatMessageParam], add_generation_prompt: bool) -> str:
-        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``); a template error is the input's (400)."""
+    def render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
+        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``) with ``body``'s chat options; a template
+        error is the input's (400)."""
         tokenizer = self.require_tokenizer("messages")
+        template = getattr(body, "chat_template", None)
         try:
-            return render_chat(tokenizer, [message.model_dump() for message in messages], add_generation_prompt)
+            return render_chat(tokenizer, [message.model_dump() for message in messages], body.add_generation_prompt,
+                               body.chat_template_kwargs, continue_final_message=body.continue_final_message,
+                               chat_template=template if template is not None else self.chat_template,
+                               documents=getattr(body, "documents", None))
         except ChatTemplateError as exc:  # e.g. an unsupported role order
             raise APIError(400, f"messages: the chat template rejected the conversation ({exc})",
-                           param="messages") from exc
+                           param=_chat_error_param(str(exc))) from exc
         except RuntimeError as exc:  # the template rendered something other than a string: the model's fault
             raise APIError(500, str(exc)) from exc
 
@@ -124,33 +194,44 @@ class OpenAIServer:
                                 f"length of the input.", param=param)
 
     def resolve_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
+        """vLLM's ``get_max_tokens``: the request's value (400 if it does not fit), else the room left in the
+        context; capped by the generation config's ``max_new_tokens``."""
         room = self.info.max_model_len - num_prompt_tokens
-        if requested is None:
-            return room
-        if requested > room:
+        if requested is not None and requested > room:
             raise APIError(400, f"{param}: '{requested}' is too large: the prompt has {num_prompt_tokens} tokens "
                                 f"and this model's maximum context length is {self.info.max_model_len}, so at most "
                                 f"{room} tokens can be generated.", param=param)
-        return requested
+        limits = [room if requested is None else requested, self.default_sampling_params.get("max_tokens")]
+        return min(limit for limit in limits if limit is not None)
 
     def sampling_params(self, body: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         aliases: dict[str, str]):
+        """``SamplingParams`` of ``body``; fields it leaves unset take the generation config's default, else
+        vLLM's."""
         from paged_jax.sampling_params import SamplingParams
 
         if body.stop_token_ids:
             self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        defaults = self.default_sampling_params
+
+        def value(name: str, builtin: Any) -> Any:
+            requested = getattr(body, name)
+            return requested if requested is not None else defaults.get(name, builtin)
+
+        top_k = value("top_k", 0)
         try:
             return SamplingParams(
                 n=body.n,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
+                best_of=body.best_of,
+                temperature=value("temperature", 1.0),
+                top_p=value("top_p", 1.0),
                 # top_k >= vocab keeps every token, i.e. is off; mapping it to 0 also keeps huge values out of
                 # the sampler's int32 tensors.
-                top_k=0 if body.top_k is None or body.top_k >= self.info.vocab_size else body.top_k,
-                min_p=0.0 if body.min_p is None else body.min_p,
+                top_k=0 if top_k >= self.info.vocab_size else top_k,
+                min_p=value("min_p", 0.0),
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                repetition_penalty=value("repetition_penalty", 1.0),
                 seed=body.seed,
                 stop=body.stop,
                 stop_token_ids=body.stop_token_ids,
@@ -160,6 +241,7 @@ class OpenAIServer:
                 logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
             )
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc
@@ -179,7 +261,10 @@ class OpenAIServer:
             raise self.bad_request(exc, body, aliases) from exc
 
     # ---------------------------------------------------------------- logprobs formatting
-    def token_text(self, token_id: int, logprob: Any) -> str:
+    def token_text(self, token_id: int, logprob: Any, as_token_id: bool = False) -> str:
+        """How a logprobs entry shows a token: its text, or ``token_id:N`` (``return_tokens_as_token_ids``)."""
+        if as_token_id:
+            return f"token_id:{token_id}"
         decoded = getattr(logprob, "decoded_token", None)
         if decoded is not None:
             return decoded
@@ -196,37 +281,47 @@ class OpenAIServer:
         return sorted(entries.items(), key=lambda item: (getattr(item[1], "rank", None) or 1 << 30, item[0]))
 
     def completion_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict], num_top: int,
-                            text_offset: int) -> CompletionLogProbs:
-        """Legacy format for generated tokens ``token_ids`` (the sampled token plus the ``num_top`` most likely)."""
+                            text_offset: int, as_token_ids: bool = False) -> CompletionLogProbs:
+        """Legacy format for generated tokens ``token_ids`` (the sampled token plus the ``num_top`` most likely);
+        ``as_token_ids``: tokens shown as ``token_id:N``."""
         result = CompletionLogProbs()
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries.get(token_id)
-            text = self.token_text(token_id, sampled)
+            text = self.token_text(token_id, sampled, as_token_ids)
             result.tokens.append(text)
             result.token_logprobs.append(self.clamp(sampled.logprob) if sampled is not None else None)
             top: dict[str, float] = {}
             for other_id, entry in self._ranked(entries)[:num_top]:
-                top[self.token_text(other_id, entry)] = self.clamp(entry.logprob)
+                top[self.token_text(other_id, entry, as_token_ids)] = self.clamp(entry.logprob)
             if sampled is not None:
                 top.setdefault(text, self.clamp(sampled.logprob))
             result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
-            text_offset += len(text)
+            text_offset += len(text)  # also for token_id:N spellings, as vLLM
         return result
 
-    def chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict], num_top: int
-                      ) -> ChatCompletionLogProbs:
+    def chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict], num_top: int,
+                      as_token_ids: bool = False) -> ChatCompletionLogProbs:
         content = []
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries.get(token_id)
-            text = self.token_text(token_id, sampled)
-            top = [ChatCompletionTopLogprob(token=(t := self.token_text(other_id, entry)),
+            text = self.token_text(token_id, sampled, as_token_ids)
+            top = [ChatCompletionTopLogprob(token=(t := self.token_text(other_id, entry, as_token_ids)),
                                             logprob=self.clamp(entry.logprob), bytes=list(t.encode("utf-8")))
                    for other_id, entry in self._ranked(entries)[:num_top]]
             content.append(ChatCompletionLogProbsContent(
                 token=text, logprob=self.clamp(sampled.logprob) if sampled is not None else MIN_LOGPROB,
                 bytes=list(text.encode("utf-8")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def _chat_error_param(message: str) -> str:
+    """The request field a chat rendering error is about."""
+    if "continue_final_message" in message:
+        return "continue_final_message"
+    if "chat_template_kwargs" in message:
+        return "chat_template_kwargs"
+    return "messages"
 
 
 def get_server(request: Request) -> OpenAIServer:

@@ -1,21 +1,25 @@
 """Request and response models of the OpenAI-compatible API, in OpenAI's wire format (plus vLLM's extras).
 
-Requests are validated by pydantic on arrival; the bounds below are OpenAI's (temperature in [0, 2], n <= 128,
-logprobs <= 20, ...) so a request the schema accepts is one the engine can run. Unknown request fields are ignored,
-as OpenAI's SDKs send new fields before servers know them. Responses serialize with every documented key present
-(``null`` where unset), because OpenAI clients index fields such as ``logprobs`` and ``finish_reason`` directly.
+The generation requests declare every field of OpenAI's schema and of vLLM's (``CompletionRequest`` and
+``ChatCompletionRequest`` in ``vllm/entrypoints/openai/protocol.py``). Each declared field either works as in vLLM
+or is refused with a 400 naming it (``serving.unsupported_fields``, the one list of refusals). A key in neither
+schema is dropped and logged once per name (vLLM logs such "ignored fields"), as OpenAI's SDKs send new fields
+before servers know them. Fields that are refused have loose types, so the refusal (not a type error) answers them.
+Responses serialize with every documented key present (``null`` where unset), because OpenAI clients index fields
+such as ``logprobs`` and ``finish_reason`` directly.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Largest number of top alternatives per token (OpenAI's limit and paged_jax.sampling_params.MAX_LOGPROBS).
-MAX_TOP_LOGPROBS = 20
+logger = logging.getLogger(__name__)
+
 # OpenAI's upper bound on n; it also bounds the work one request can ask for.
 MAX_N = 128
 # Seeds are handed to a 64-bit PRNG key; OpenAI documents seed as int64.
@@ -23,6 +27,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+JSONObject = dict[str, Any]
 
 
 def random_uuid() -> str:
@@ -35,6 +40,26 @@ def unix_time() -> int:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+# (model, key) pairs already logged as ignored: each is logged once per process, not once per request.
+_LOGGED_IGNORED_KEYS: set[tuple[str, str]] = set()
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body (or part of one): keys outside the schema are dropped and logged once per name."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_keys(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            for key in sorted(str(key) for key in data if key not in cls.model_fields):
+                if (cls.__name__, key) not in _LOGGED_IGNORED_KEYS:
+                    _LOGGED_IGNORED_KEYS.add((cls.__name__, key))
+                    logger.warning("%s: the field %r is in neither the OpenAI nor the vLLM schema; it is ignored "
+                                   "(logged once)", cls.__name__, key)
+        return result
 
 
 # --------------------------------------------------------------------------------------------------------- errors
@@ -52,8 +77,11 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
-class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+class StreamOptions(RequestModel):
+    # vLLM's defaults: ``stream_options: {}`` already asks for the usage chunk.
+    include_usage: bool | None = True
+    # vLLM extra: every chunk carries the usage so far.
+    continuous_usage_stats: bool | None = False
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -74,29 +102,55 @@ class ResponseFields(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class SamplingFields(OpenAIBaseModel):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class SamplingFields(RequestModel):
+    """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, then vLLM's sampling extras, then
+    vLLM's other extras. Defaults are vLLM's; ``None`` sampling values take the generation config's default."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM extras.
+    # vLLM sampling extras.
+    use_beam_search: bool = False
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    length_penalty: float = 1.0
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the last k prompt tokens
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    # vLLM extras.
+    response_format: JSONObject | None = None
+    structured_outputs: JSONObject | None = None
+    guided_json: str | JSONObject | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    priority: int = 0  # lower runs earlier with --scheduling-policy priority
+    request_id: str | None = Field(None, min_length=1)  # the response id's suffix (default: X-Request-Id or random)
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
+    cache_salt: str | None = None
+    kv_transfer_params: JSONObject | None = None
+    vllm_xargs: JSONObject | None = None
 
 
 # ----------------------------------------------------------------------------------------------- completions
@@ -108,9 +162,12 @@ class CompletionRequest(SamplingFields):
     token-id lists; every prompt gets ``n`` choices, numbered ``prompt_index * n + i``."""
 
     prompt: CompletionPrompt
+    prompt_embeds: Any = None
+    suffix: str | None = None
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
+    echo: bool = False  # prefix each choice's text with its prompt
+    add_special_tokens: bool = True
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -148,29 +205,70 @@ class CompletionStreamResponse(ResponseFields):
 
 
 # ------------------------------------------------------------------------------------------------------ chat
-class ChatContentPartText(OpenAIBaseModel):
+class ChatContentPartText(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessageParam(OpenAIBaseModel):
-    """One input message. Content is a string or a list of text parts (images/audio are not supported)."""
+class ChatFunctionCall(RequestModel):
+    name: str
+    arguments: str | JSONObject  # OpenAI sends a JSON string; the chat template receives it parsed
+
+
+class ChatToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
+class ChatMessageParam(RequestModel):
+    """One input message. Content is a string or a list of text parts (images/audio are not supported). An
+    assistant message may carry ``tool_calls`` and a ``tool`` message its ``tool_call_id``: both reach the chat
+    template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPartText] | None = None
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    """Body of ``POST /v1/chat/completions``; the prompt is ``messages`` rendered by the tokenizer's chat template."""
+    """Body of ``POST /v1/chat/completions``; the prompt is ``messages`` rendered by the chat template."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # vLLM extra: end the prompt with the assistant turn's opening (False to continue a final assistant message).
+    top_logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[JSONObject] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | JSONObject | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    # OpenAI fields vLLM does not declare.
+    audio: JSONObject | None = None
+    modalities: list[str] | None = None
+    prediction: JSONObject | None = None
+    web_search_options: JSONObject | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None  # only kept with stored completions (store is refused)
+    prompt_cache_key: str | None = None  # a routing hint: the one prefix cache serves every request
+    safety_identifier: str | None = None  # like user: identifies the end user, nothing to do
+    # vLLM extras.
+    echo: bool = False  # prefix the reply with the last message's content when it has the reply's role
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the final (assistant) message
+    add_special_tokens: bool = False  # the chat template already writes the special tokens
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: JSONObject | None = None
+    mm_processor_kwargs: JSONObject | None = None
+    structural_tag: str | None = None
 
 
 class ChatCompletionTopLogprob(OpenAIBaseModel):
@@ -242,19 +340,24 @@ class ModelList(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------------------- tokenize (vLLM's)
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already writes the special tokens
     return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: JSONObject | None = None
+    tools: list[JSONObject] | None = None
+    mm_processor_kwargs: JSONObject | None = None
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -267,7 +370,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from paged_jax.outputs import RequestOutput
 from serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from serving.errors import APIError, engine_error
-from serving.protocol import UsageInfo
+from serving.protocol import StreamOptions, UsageInfo
 
 
 # ------------------------------------------------------------------------------------------------ SSE framing
@@ -31,13 +31,22 @@ def sse_error(error: APIError) -> str:
     return sse(error.body().model_dump_json())
 
 
+def usage_options(stream_options: StreamOptions | None) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)`` of a streamed request (vLLM's ``should_include_usage``): no
+    ``stream_options``, no usage; continuous usage only together with the final usage chunk."""
+    if stream_options is None:
+        return False, False
+    include_usage = bool(stream_options.include_usage)
+    return include_usage, include_usage and bool(stream_options.continuous_usage_stats)
+
+
 class SSEChunks:
     """The SSE lines of one streamed response: every chunk has the same id, creation time and model.
 
     Args:
       response_cls: the chunk model (``CompletionStreamResponse`` or ``ChatCompletionStreamResponse``).
-      include_usage: ``stream_options.include_usage``: chunks carry ``"usage": null`` and a final usage chunk
-        follows (without it, chunks have no ``usage`` key).
+      include_usage: ``stream_options.include_usage``: chunks carry ``"usage"`` (null, or the usage so far with
+        ``continuous_usage_stats``) and a final usage chunk follows (without it, chunks have no ``usage`` key).
     """
 
     def __init__(self, response_cls: type, response_id: str, created: int, model: str, include_usage: bool) -> None:
@@ -45,14 +54,19 @@ class SSEChunks:
         self._header = dict(id=response_id, created=created, model=model)
         self.include_usage = include_usage
 
-    def choice(self, choice: Any) -> str:
-        response = self._response_cls(**self._header, choices=[choice])
+    def choice(self, choice: Any, usage: UsageInfo | None = None) -> str:
+        """One choice's chunk; ``usage``: the usage so far (``continuous_usage_stats``)."""
+        response = self._response_cls(**self._header, choices=[choice], usage=usage)
         return sse(response.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+
+    @staticmethod
+    def usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                         total_tokens=num_prompt_tokens + num_completion_tokens)
 
     def usage(self, num_prompt_tokens: int, num_completion_tokens: int) -> str:
         """The final ``stream_options.include_usage`` chunk: usage and no choices, as OpenAI sends it."""
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                          total_tokens=num_prompt_tokens + num_completion_tokens)
+        usage = self.usage_info(num_prompt_tokens, num_completion_tokens)
         return sse(self._response_cls(**self._header, choices=[], usage=usage).model_dump_json())
 
 

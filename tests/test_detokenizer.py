@@ -212,6 +212,25 @@ def test_special_tokens_skipped_or_kept():
     assert "".join(_stream(kept, output_ids)[0]) == " Hello world<eos>"
 
 
+def test_spaces_between_special_tokens():
+    """A decoder that joins tokens with spaces (WordPiece) puts spaces around kept special tokens unless
+    spaces_between_special_tokens=False (then the pieces are joined as they are, as vLLM); skipped special tokens
+    make the option moot."""
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens(["[A]", "[B]"])
+    a, b = tokenizer.token_to_id("[A]"), tokenizer.token_to_id("[B]")
+    output_ids = [1, a, b, 2]
+
+    def text(**kwargs):
+        return "".join(_stream(IncrementalDetokenizer(tokenizer, [], **kwargs), output_ids)[0])
+
+    assert text(skip_special_tokens=False) == "hello [A] [B] world"
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == "hello[A][B]world"
+    assert text(spaces_between_special_tokens=False) == text() == "hello world"
+
+
 class _CountingTokenizer:
     """A transformers-like tokenizer (only ``decode``) that records how many ids each decode call sees."""
 

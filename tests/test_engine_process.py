@@ -23,6 +23,8 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen3")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=512, max_position_embeddings=256), f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"top_k": 5}, f)  # a sampling default the client side must see too
     return str(path)
 
 
@@ -69,6 +71,7 @@ def test_outputs_equal_the_in_process_engine(client, model_dir):
     # Both implement the server's engine protocol; only the child-process client can die on its own.
     assert isinstance(client, ProcessEngineClient) and isinstance(local_engine, EngineClient)
     assert not isinstance(local_engine, ProcessEngineClient)
+    assert client.generation_config == local_engine.generation_config and client.generation_config["top_k"] == 5
     remote, num_outputs = run_all(client, requests)
     local, _ = run_all(local_engine, requests)
     assert num_outputs > len(requests)  # streamed step by step, not only the final ones
@@ -91,8 +94,12 @@ def test_bad_request_raises_and_engine_keeps_serving(client):
         client.add_request("bad", {"prompt_token_ids": [1, 2, 100000]}, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError):
         client.add_request("long", {"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="priority"):  # the priority reaches the child's add_request
+        client.add_request("bad-priority", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2),
+                           priority="high")
+    client.add_request("prioritized", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), priority=-1)
     final, _ = run_all(client, [("ok", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))])
-    assert len(final["ok"].outputs[0].token_ids) == 3
+    assert len(final["ok"].outputs[0].token_ids) == 3 and len(final["prioritized"].outputs[0].token_ids) == 2
 
 
 def test_abort_frees_blocks(client):
@@ -161,6 +168,7 @@ def test_server_on_engine_process_and_dead_child(model_dir):
 
     engine = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
     app = create_app(engine, served_model_name="tiny")
+    assert app.state.server.default_sampling_params == {"top_k": 5}  # from the child's generation config
     with ServerThread(app) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
         prompt = [3, 14, 15, 92, 65]

@@ -149,3 +149,17 @@ def test_serve_and_generate_share_the_engine_flags():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(name.split(".")[0] == "serving" for name in names), path
+
+
+def test_default_sampling_params_come_from_the_generation_config(llm, monkeypatch):
+    """vLLM's get_default_sampling_params: SamplingParams() plus the generation config's sampling fields (SmolLM2's
+    has none); generate / chat without sampling_params use them."""
+    assert llm.get_default_sampling_params() == SamplingParams()
+    monkeypatch.setattr(llm, "_sampling_defaults", {"temperature": 0.0, "max_tokens": 5})
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    (default,) = llm.generate("The capital of France is", use_tqdm=False)
+    (greedy,) = llm.generate("The capital of France is", GREEDY, use_tqdm=False)
+    assert default.outputs[0].token_ids == greedy.outputs[0].token_ids[:5]
+    (chat,) = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    assert len(chat.outputs[0].token_ids) <= 5
+    assert_idle(llm)

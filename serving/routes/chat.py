@@ -12,9 +12,9 @@ from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                              UsageInfo, random_uuid, unix_time)
+                              UsageInfo, unix_time)
 from serving.routes import GENERATION_RESPONSES, json_response
-from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final
+from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final, usage_options
 
 router = APIRouter()
 
@@ -22,24 +22,28 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
                                  server: OpenAIServer = Depends(get_server)) -> Response:
-    server.check_model(body.model)
+    server.check_request(body)
     if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    text = server.render_chat(body.messages, body.add_generation_prompt)
-    ids = server.encode(text, False, "messages")
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    server.check_num_logprobs(num_top, "top_logprobs")
+    text = server.render_chat(body.messages, body)
+    ids = server.truncate(server.encode(text, body.add_special_tokens, "messages"), body.truncate_prompt_tokens)
     server.check_prompt_length(len(ids), "messages")
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
-    num_top = (body.top_logprobs or 0) if body.logprobs else None
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases)
-    response_id = f"chatcmpl-{random_uuid()}"
-    streams = await server.submit([EngineRequest(f"{response_id}-0", ids, params)], body, aliases)
+    response_id = server.response_id("chatcmpl", body, raw_request)
+    streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority)], body, aliases)
     created = unix_time()
+    # vLLM's get_chat_request_role: the reply continues the last message's role unless a new turn is opened.
+    role = server.response_role if body.add_generation_prompt else body.messages[-1].role
+    echo = _echoed_content(body, role)
     if body.stream:
-        return EngineStreamingResponse(_chat_chunks(server, body, streams[0], response_id, created, len(ids)),
-                                       server.engine, streams)
+        return EngineStreamingResponse(_chat_chunks(server, body, streams[0], response_id, created, len(ids), role,
+                                                    echo), server.engine, streams)
     finals = await collect_final(server.engine, streams, raw_request)
     if finals is None:
         return Response(status_code=499)  # the client left
@@ -48,9 +52,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     for completion in final.outputs:
         logprobs = None
         if num_top is not None and completion.logprobs is not None:
-            logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+            logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top,
+                                            bool(body.return_tokens_as_token_ids))
         choices.append(ChatCompletionResponseChoice(
-            index=completion.index, message=ChatMessage(role="assistant", content=completion.text),
+            index=completion.index, message=ChatMessage(role=role, content=echo + completion.text),
             logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
     choices.sort(key=lambda choice: choice.index)
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
@@ -60,26 +65,42 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                                 model=server.info.served_model_name, choices=choices, usage=usage))
 
 
+def _echoed_content(body: ChatCompletionRequest, role: str) -> str:
+    """``echo``: the last message's content when it has the reply's role (the reply then continues it), else ""."""
+    last = body.messages[-1]
+    if not body.echo or last.role != role or not last.content:
+        return ""
+    return last.content if isinstance(last.content, str) else "\n".join(part.text for part in last.content)
+
+
 async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
-                       created: int, num_prompt_tokens: int) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed chat completion: the assistant role per choice, then one chunk per choice and
-    delta output."""
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                       created: int, num_prompt_tokens: int, role: str, echo: str) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed chat completion: the role per choice, the echoed content per choice, then one
+    chunk per choice and delta output."""
+    include_usage, continuous_usage = usage_options(body.stream_options)
     chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.info.served_model_name,
                        include_usage)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
+    start_usage = chunks.usage_info(num_prompt_tokens, 0) if continuous_usage else None
     for index in range(body.n):
-        yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-    num_completion_tokens = 0
+        yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=role, content="")),
+                            start_usage)
+    if echo:
+        for index in range(body.n):
+            yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo)),
+                                start_usage)
+    num_tokens = [0] * body.n  # per choice: completion tokens so far
     async for output in stream:
         for completion in output.outputs:
-            num_completion_tokens += len(completion.token_ids)
+            num_tokens[completion.index] += len(completion.token_ids)
             logprobs = None
             if num_top is not None and completion.logprobs is not None:
-                logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top)
+                logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top,
+                                                bool(body.return_tokens_as_token_ids))
             delta = DeltaMessage(content=completion.text) if completion.text else DeltaMessage()
+            usage = chunks.usage_info(num_prompt_tokens, num_tokens[completion.index]) if continuous_usage else None
             yield chunks.choice(ChatCompletionStreamChoice(index=completion.index, delta=delta, logprobs=logprobs,
                                                            finish_reason=completion.finish_reason,
-                                                           stop_reason=completion.stop_reason))
+                                                           stop_reason=completion.stop_reason), usage)
     if include_usage:
-        yield chunks.usage(num_prompt_tokens, num_completion_tokens)
+        yield chunks.usage(num_prompt_tokens, sum(num_tokens))

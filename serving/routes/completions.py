@@ -11,9 +11,10 @@ from serving.async_engine import EngineRequest, RequestStream
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                              CompletionStreamChoice, CompletionStreamResponse, UsageInfo, random_uuid, unix_time)
+                              CompletionStreamChoice, CompletionStreamResponse, UsageInfo, unix_time)
 from serving.routes import GENERATION_RESPONSES, json_response
-from serving.streaming import CompletionTextChunk, EngineStreamingResponse, SSEChunks, collect_final, merge_streams
+from serving.streaming import (CompletionTextChunk, EngineStreamingResponse, SSEChunks, collect_final, merge_streams,
+                               usage_options)
 
 router = APIRouter()
 
@@ -32,28 +33,29 @@ def _normalize_prompts(prompt: Any) -> list[str | list[int]]:
 @router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def create_completion(body: CompletionRequest, raw_request: Request,
                             server: OpenAIServer = Depends(get_server)) -> Response:
-    server.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which this engine does "
-                            "not compute", param="echo")
+    server.check_request(body)
+    server.check_suffix(body.suffix)
+    server.check_num_logprobs(body.logprobs, "logprobs")
     prompts = _normalize_prompts(body.prompt)
     prompt_token_ids: list[list[int]] = []
     for prompt in prompts:
-        ids = server.encode(prompt, True, "prompt") if isinstance(prompt, str) else list(prompt)
+        ids = server.encode(prompt, body.add_special_tokens, "prompt") if isinstance(prompt, str) else list(prompt)
         server.check_token_ids(ids, "prompt")
+        ids = server.truncate(ids, body.truncate_prompt_tokens)
         server.check_prompt_length(len(ids), "prompt")
         prompt_token_ids.append(ids)
     aliases: dict[str, str] = {}
     requests = []
-    response_id = f"cmpl-{random_uuid()}"
+    response_id = server.response_id("cmpl", body, raw_request)
     for index, ids in enumerate(prompt_token_ids):
         max_tokens = server.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens")
         params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases)
-        requests.append(EngineRequest(f"{response_id}-{index}", ids, params))
-    prompt_texts = [p if isinstance(p, str) else server.decode(ids, "echo")
+        requests.append(EngineRequest(f"{response_id}-{index}", ids, params, priority=body.priority))
+    # The echoed prompt is the text as sent, or the decoded ids of a token prompt (or of a truncated one).
+    prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None else server.decode(ids, "echo")
                     for p, ids in zip(prompts, prompt_token_ids)] if body.echo else None
     streams = await server.submit(requests, body, aliases)
-    num_prompt_tokens = sum(len(ids) for ids in prompt_token_ids)
+    num_prompt_tokens = [len(ids) for ids in prompt_token_ids]
     created = unix_time()
     if body.stream:
         return EngineStreamingResponse(
@@ -69,46 +71,53 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
             prefix = prompt_texts[prompt_index] if prompt_texts else ""
             logprobs = None
             if body.logprobs is not None and completion.logprobs is not None:
-                logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs,
-                                                      body.logprobs, len(prefix))
+                logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs,
+                                                      len(prefix), bool(body.return_tokens_as_token_ids))
             choices.append(CompletionResponseChoice(
                 index=prompt_index * body.n + completion.index, text=prefix + completion.text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
             num_completion_tokens += len(completion.token_ids)
     choices.sort(key=lambda choice: choice.index)
-    usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                      total_tokens=num_prompt_tokens + num_completion_tokens)
+    usage = UsageInfo(prompt_tokens=sum(num_prompt_tokens), completion_tokens=num_completion_tokens,
+                      total_tokens=sum(num_prompt_tokens) + num_completion_tokens)
     return json_response(CompletionResponse(id=response_id, created=created, model=server.info.served_model_name,
                                             choices=choices, usage=usage))
 
 
 async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],
                              response_id: str, created: int, prompt_texts: list[str] | None,
-                             num_prompt_tokens: int) -> AsyncIterator[str]:
+                             num_prompt_tokens: list[int]) -> AsyncIterator[str]:
     """The SSE chunks of a streamed completion: the echoed prompts, then one chunk per choice and delta output."""
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous_usage = usage_options(body.stream_options)
     model = server.info.served_model_name
     chunks = SSEChunks(CompletionStreamResponse, response_id, created, model, include_usage)
     text_chunk = CompletionTextChunk(response_id, created, model, include_usage)
+    as_token_ids = bool(body.return_tokens_as_token_ids)
+    num_tokens: dict[int, int] = {}  # per choice: completion tokens so far (continuous_usage_stats)
     if prompt_texts is not None:
         for prompt_index, text in enumerate(prompt_texts):
             for i in range(body.n):
-                yield chunks.choice(CompletionStreamChoice(index=prompt_index * body.n + i, text=text))
+                usage = chunks.usage_info(num_prompt_tokens[prompt_index], 0) if continuous_usage else None
+                yield chunks.choice(CompletionStreamChoice(index=prompt_index * body.n + i, text=text), usage)
     num_chars_sent: dict[int, int] = {}  # per choice: characters streamed so far (logprobs' text_offset)
-    num_completion_tokens = 0
     async for prompt_index, output in merge_streams(streams):
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
-            num_completion_tokens += len(completion.token_ids)
+            num_tokens[index] = num_tokens.get(index, 0) + len(completion.token_ids)
             char_offset = num_chars_sent.get(index, 0)
             num_chars_sent[index] = char_offset + len(completion.text)
-            if body.logprobs is None or completion.logprobs is None:
+            if (body.logprobs is None or completion.logprobs is None) and not continuous_usage:
                 yield text_chunk(index, completion.text, completion.finish_reason, completion.stop_reason)
                 continue
-            offset = char_offset + (len(prompt_texts[prompt_index]) if prompt_texts else 0)
-            logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs, offset)
+            logprobs = None
+            if body.logprobs is not None and completion.logprobs is not None:
+                offset = char_offset + (len(prompt_texts[prompt_index]) if prompt_texts else 0)
+                logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs,
+                                                      offset, as_token_ids)
+            usage = chunks.usage_info(num_prompt_tokens[prompt_index], num_tokens[index]) if continuous_usage \
+                else None
             yield chunks.choice(CompletionStreamChoice(index=index, text=completion.text, logprobs=logprobs,
                                                        finish_reason=completion.finish_reason,
-                                                       stop_reason=completion.stop_reason))
+                                                       stop_reason=completion.stop_reason), usage)
     if include_usage:
-        yield chunks.usage(num_prompt_tokens, num_completion_tokens)
+        yield chunks.usage(sum(num_prompt_tokens), sum(num_tokens.values()))

@@ -9,6 +9,7 @@ from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest, TokenizeRequest,
                               TokenizeResponse)
 from serving.routes import ERROR_RESPONSES, json_response
+from serving.unsupported_fields import refuse_unsupported
 
 router = APIRouter()
 
@@ -17,7 +18,8 @@ router = APIRouter()
 async def tokenize(body: TokenizeRequest, server: OpenAIServer = Depends(get_server)) -> Response:
     server.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        text = server.render_chat(body.messages, body.add_generation_prompt)
+        refuse_unsupported(body)
+        text = server.render_chat(body.messages, body)
         token_ids = server.encode(text, body.add_special_tokens, "messages")
     else:
         token_ids = server.encode(body.prompt, body.add_special_tokens, "prompt")

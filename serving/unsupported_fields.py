@@ -1,0 +1,106 @@
+"""The request fields the server refuses (HTTP 400 naming the field), and why: the one list of refusals.
+
+Every field the request models (``serving.protocol``) declare either works as in vLLM or is listed here. A listed
+field is refused only when it asks for something: a value that is unset, empty or the field's no-op (e.g.
+``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``use_beam_search: false``) is accepted, since it
+changes nothing. When a feature lands, its entry is removed here and the route honours the field.
+
+``NEEDS_ENGINE_SUPPORT`` lists what waits for the engine and sampler (prompt log-probs, logit processors of the
+sampler); the other tables are features the server does not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from serving.errors import APIError
+from serving.protocol import CompletionRequest
+
+
+def _unset_or_empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _one_of(*noops: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in noops
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a field is refused, and which of its values ask for nothing (accepted)."""
+
+    reason: str
+    is_noop: Callable[[Any], bool] = _unset_or_empty
+
+
+# Waits for engine and sampler support (prompt log-probs and per-request logit processing).
+NEEDS_ENGINE_SUPPORT: dict[str, Refusal] = {
+    "prompt_logprobs": Refusal("prompt logprobs are not supported yet", _unset),
+    "logit_bias": Refusal("logit_bias is not supported yet"),
+    "allowed_token_ids": Refusal("allowed_token_ids is not supported yet", _unset),
+    "bad_words": Refusal("bad_words is not supported yet"),
+}
+_TOOLS = "tool calling is not supported yet"
+_STRUCTURED = "structured outputs (guided decoding) are not supported yet"
+_BEAM = "beam search is not supported yet"
+# Features this server does not have (tool calling, structured outputs, beam search, ...).
+NOT_SUPPORTED: dict[str, Refusal] = {
+    "tools": Refusal(_TOOLS),
+    "tool_choice": Refusal(_TOOLS, _one_of("none")),
+    "parallel_tool_calls": Refusal(_TOOLS, _one_of(False)),
+    "functions": Refusal(_TOOLS),
+    "function_call": Refusal(_TOOLS, _one_of("none")),
+    "response_format": Refusal(_STRUCTURED, _one_of({"type": "text"})),
+    "structured_outputs": Refusal(_STRUCTURED),
+    "guided_json": Refusal(_STRUCTURED),
+    "guided_regex": Refusal(_STRUCTURED),
+    "guided_choice": Refusal(_STRUCTURED, _unset),
+    "guided_grammar": Refusal(_STRUCTURED),
+    "guided_decoding_backend": Refusal(_STRUCTURED),
+    "guided_whitespace_pattern": Refusal(_STRUCTURED),
+    "structural_tag": Refusal(_STRUCTURED),
+    "use_beam_search": Refusal(_BEAM, _one_of(False)),
+    "length_penalty": Refusal(f"length_penalty only applies to beam search; {_BEAM}", _one_of(1.0)),
+    # vLLM V1 refuses best_of > 1 the same way.
+    "best_of": Refusal("best_of > 1 is not supported (as in vLLM V1)", lambda value: value is None or value <= 1),
+    "prompt_embeds": Refusal("prompt embeddings are not supported", _unset),
+    "mm_processor_kwargs": Refusal("no multimodal processor: the served models are text-only"),
+    "audio": Refusal("audio output is not supported", _unset),
+    "modalities": Refusal("only the text modality is supported", _one_of(["text"])),
+    "prediction": Refusal("predicted outputs are not supported", _unset),
+    "web_search_options": Refusal("web search is not supported", _unset),
+    "verbosity": Refusal("verbosity control is not supported", _unset),
+    "reasoning_effort": Refusal("no reasoning parser is configured", _unset),
+    "include_reasoning": Refusal("no reasoning parser is configured", _one_of(True)),
+    "store": Refusal("stored completions are not supported", _one_of(False)),
+    "service_tier": Refusal("there is one service tier", _one_of("auto", "default")),
+    # vLLM V1 refuses per-request logits processors as well.
+    "logits_processors": Refusal("per-request logits processors are not supported (as in vLLM V1)"),
+    "cache_salt": Refusal("prefix-cache salting is not supported yet", _unset),
+    "kv_transfer_params": Refusal("KV transfer (disaggregated prefill) is not supported"),
+    "vllm_xargs": Refusal("no extension reads vllm_xargs on this server"),
+}
+REFUSED_FIELDS: dict[str, Refusal] = {**NEEDS_ENGINE_SUPPORT, **NOT_SUPPORTED}
+
+
+def refuse_unsupported(body: BaseModel) -> None:
+    """Raise the 400 for the first refused field of ``body`` that asks for something.
+
+    Raises:
+      APIError: 400 naming the field (``param``), the message saying why.
+    """
+    for name in type(body).model_fields:
+        refusal = REFUSED_FIELDS.get(name)
+        if refusal is not None and name in body.model_fields_set and not refusal.is_noop(getattr(body, name)):
+            raise APIError(400, f"{name}: {refusal.reason}", param=name)
+    # Needs engine support too: completions' echo with logprobs returns the prompt tokens' logprobs.
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which are not supported yet",
+                       param="echo")

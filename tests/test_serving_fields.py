@@ -1,0 +1,502 @@
+"""Every request field of /v1/completions and /v1/chat/completions is honoured or refused with a 400 naming it,
+driven by the official ``openai`` client against the real engine (SmolLM2 on CPU, ``serving_engine``).
+
+The engine is wrapped so each test sees what reached ``add_request`` (prompt ids, ``SamplingParams``, priority):
+a sampling field is honoured when it arrives there (the engine tests cover what the engine then does with it);
+fields the server itself implements are checked on the response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable
+
+import openai
+import pytest
+
+from serving.protocol import ChatCompletionRequest, CompletionRequest
+from tests.test_serving import ServerThread
+
+MODEL_NAME = "smollm2-fields"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# A template that shows everything chat rendering passes on (documents, tool calls, tool results, template kwargs).
+SHOW_ALL_TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}|{% endif %}"
+    "{% for d in documents or [] %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}(call {{ c.id }} {{ c.function.name }} city={{ c.function.arguments.city }})"
+    "{% endfor %}{% if m.tool_call_id is defined %}(result of {{ m.tool_call_id }}){% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@dataclasses.dataclass
+class Added:
+    request_id: str
+    prompt: list[int]
+    prompt_text: str  # the prompt ids decoded
+    params: Any
+    priority: int
+
+
+class RecordingEngine:
+    """Delegates to the real engine and records every ``add_request`` (the engine thread calls it)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.added: list[Added] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def add_request(self, request_id, prompt, params=None, priority=0):
+        self._engine.add_request(request_id, prompt, params, priority=priority)
+        text = self._engine.tokenizer.decode(list(prompt))  # on the engine thread, which owns this tokenizer
+        self.added.append(Added(request_id, list(prompt), text, params, priority))
+
+
+@pytest.fixture(scope="module")
+def engine(serving_engine):
+    return RecordingEngine(serving_engine)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from serving.app import create_app
+
+    with ServerThread(create_app(engine, served_model_name=MODEL_NAME)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def state(server):
+    """The app's ``OpenAIServer``; settings a test changes are restored afterwards."""
+    state = server.app.state.server
+    saved = dict(vars(state))
+    yield state
+    vars(state).update(saved)
+
+
+# ------------------------------------------------------------------------------------------ every field
+@dataclasses.dataclass
+class Case:
+    """What a request sends for one field (``body``: that field plus any companions it needs) and how it is
+    honoured (``check(response, added)``); ``check=None``: refused with a 400 naming the field."""
+
+    body: dict
+    check: Callable[[Any, list[Added]], None] | None = None
+
+
+REFUSED = None
+
+
+def _params(name: str, value: Any) -> Callable:
+    def check(response, added):
+        assert getattr(added[-1].params, name) == value
+
+    return check
+
+
+def _streamed(response, added):
+    chunks = list(response)
+    assert chunks and all(chunk.usage is not None for chunk in chunks)  # continuous_usage_stats
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+
+# Fields both endpoints share, with the same meaning.
+COMMON: dict[str, Case] = {
+    "model": Case({"model": MODEL_NAME}, lambda r, a: r.model == MODEL_NAME),
+    "n": Case({"n": 2}, lambda r, a: len(r.choices) == 2),
+    "best_of": Case({"best_of": 2}, REFUSED),
+    "temperature": Case({"temperature": 0.5}, _params("temperature", 0.5)),
+    "top_p": Case({"top_p": 0.5}, _params("top_p", 0.5)),
+    "presence_penalty": Case({"presence_penalty": 0.5}, _params("presence_penalty", 0.5)),
+    "frequency_penalty": Case({"frequency_penalty": 0.5}, _params("frequency_penalty", 0.5)),
+    "logit_bias": Case({"logit_bias": {"42": 5.0}}, REFUSED),
+    "seed": Case({"seed": 7}, _params("seed", 7)),
+    "stop": Case({"stop": ["Paris"]}, _params("stop", ["Paris"])),
+    "stream": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
+    "stream_options": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
+    "user": Case({"user": "user-1"}, lambda r, a: None),  # identifies the end user: nothing to do (as vLLM)
+    "use_beam_search": Case({"use_beam_search": True}, REFUSED),
+    "top_k": Case({"top_k": 3}, _params("top_k", 3)),
+    "min_p": Case({"min_p": 0.2}, _params("min_p", 0.2)),
+    "repetition_penalty": Case({"repetition_penalty": 1.3}, _params("repetition_penalty", 1.3)),
+    "length_penalty": Case({"length_penalty": 0.5}, REFUSED),
+    "stop_token_ids": Case({"stop_token_ids": [13]}, _params("stop_token_ids", [13])),
+    "include_stop_str_in_output": Case({"include_stop_str_in_output": True},
+                                       _params("include_stop_str_in_output", True)),
+    "ignore_eos": Case({"ignore_eos": True}, _params("ignore_eos", True)),
+    "min_tokens": Case({"min_tokens": 2}, _params("min_tokens", 2)),
+    "skip_special_tokens": Case({"skip_special_tokens": False}, _params("skip_special_tokens", False)),
+    "spaces_between_special_tokens": Case({"spaces_between_special_tokens": False},
+                                          _params("spaces_between_special_tokens", False)),
+    "truncate_prompt_tokens": Case({"truncate_prompt_tokens": 2}, lambda r, a: r.usage.prompt_tokens == 2),
+    "allowed_token_ids": Case({"allowed_token_ids": [1, 2]}, REFUSED),
+    "prompt_logprobs": Case({"prompt_logprobs": 1}, REFUSED),
+    "bad_words": Case({"bad_words": ["Paris"]}, REFUSED),
+    "response_format": Case({"response_format": {"type": "json_object"}}, REFUSED),
+    "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, REFUSED),
+    "guided_json": Case({"guided_json": {"type": "object"}}, REFUSED),
+    "guided_regex": Case({"guided_regex": "a+"}, REFUSED),
+    "guided_choice": Case({"guided_choice": ["yes", "no"]}, REFUSED),
+    "guided_grammar": Case({"guided_grammar": 'root ::= "a"'}, REFUSED),
+    "guided_decoding_backend": Case({"guided_decoding_backend": "xgrammar"}, REFUSED),
+    "guided_whitespace_pattern": Case({"guided_whitespace_pattern": " "}, REFUSED),
+    "priority": Case({"priority": 1}, REFUSED),  # this server schedules FCFS; see test_priority_*
+    "request_id": Case({"request_id": "my-id"}, lambda r, a: r.id.endswith("-my-id")),
+    "logits_processors": Case({"logits_processors": ["my.Processor"]}, REFUSED),
+    "cache_salt": Case({"cache_salt": "salt"}, REFUSED),
+    "kv_transfer_params": Case({"kv_transfer_params": {"do_remote_prefill": True}}, REFUSED),
+    "vllm_xargs": Case({"vllm_xargs": {"key": 1}}, REFUSED),
+}
+
+
+def _completion_logprobs_as_ids(response, added):
+    tokens = response.choices[0].logprobs.tokens
+    assert tokens and all(token.startswith("token_id:") for token in tokens)
+
+
+COMPLETION: dict[str, Case] = {
+    "prompt": Case({"prompt": [504, 3575, 282]}, lambda r, a: a[-1].prompt == [504, 3575, 282]),
+    "prompt_embeds": Case({"prompt_embeds": "AAAA"}, REFUSED),
+    "suffix": Case({"suffix": " is the answer."}, REFUSED),
+    "max_tokens": Case({"max_tokens": 2, "ignore_eos": True}, lambda r, a: r.usage.completion_tokens == 2),
+    "logprobs": Case({"logprobs": 2}, lambda r, a: all(len(top) >= 2 for top in r.choices[0].logprobs.top_logprobs)),
+    "echo": Case({"echo": True}, lambda r, a: r.choices[0].text.startswith(PROMPT)),
+    "add_special_tokens": Case({"add_special_tokens": False}, lambda r, a: r.usage.prompt_tokens == len(a[-1].prompt)),
+    "return_tokens_as_token_ids": Case({"return_tokens_as_token_ids": True, "logprobs": 1},
+                                       _completion_logprobs_as_ids),
+}
+
+
+def _rendered_contains(*parts: str) -> Callable:
+    def check(response, added):
+        for part in parts:
+            assert part in added[-1].prompt_text, (part, added[-1].prompt_text)
+
+    return check
+
+
+_PARTIAL = [*CHAT, {"role": "assistant", "content": "The capital of France"}]
+_TOOL_TURN = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Paris is the capital."}]
+
+CHAT_ONLY: dict[str, Case] = {
+    "messages": Case({"messages": _TOOL_TURN, "chat_template": SHOW_ALL_TEMPLATE},
+                     _rendered_contains("(call call_1 lookup city=Paris)", "<tool>Paris is the capital.",
+                                        "(result of call_1)")),
+    "max_tokens": Case({"max_tokens": 2, "max_completion_tokens": None, "ignore_eos": True},
+                       lambda r, a: r.usage.completion_tokens == 2),
+    "max_completion_tokens": Case({"max_completion_tokens": 2, "ignore_eos": True},
+                                  lambda r, a: r.usage.completion_tokens == 2),
+    "logprobs": Case({"logprobs": True}, lambda r, a: len(r.choices[0].logprobs.content) == r.usage.completion_tokens),
+    "top_logprobs": Case({"logprobs": True, "top_logprobs": 2},
+                         lambda r, a: all(len(e.top_logprobs) == 2 for e in r.choices[0].logprobs.content)),
+    "tools": Case({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, REFUSED),
+    "tool_choice": Case({"tool_choice": "auto"}, REFUSED),
+    "parallel_tool_calls": Case({"parallel_tool_calls": True}, REFUSED),
+    "functions": Case({"functions": [{"name": "lookup"}]}, REFUSED),
+    "function_call": Case({"function_call": "auto"}, REFUSED),
+    "reasoning_effort": Case({"reasoning_effort": "low"}, REFUSED),
+    "include_reasoning": Case({"include_reasoning": False}, REFUSED),
+    "audio": Case({"audio": {"voice": "alloy", "format": "wav"}}, REFUSED),
+    "modalities": Case({"modalities": ["text", "audio"]}, REFUSED),
+    "prediction": Case({"prediction": {"type": "content", "content": "Paris"}}, REFUSED),
+    "web_search_options": Case({"web_search_options": {}}, REFUSED),
+    "verbosity": Case({"verbosity": "low"}, REFUSED),
+    "store": Case({"store": True}, REFUSED),
+    "service_tier": Case({"service_tier": "flex"}, REFUSED),
+    "metadata": Case({"metadata": {"team": "a"}}, lambda r, a: None),  # only kept with stored completions
+    "prompt_cache_key": Case({"prompt_cache_key": "k"}, lambda r, a: None),  # one prefix cache serves all
+    "safety_identifier": Case({"safety_identifier": "s"}, lambda r, a: None),  # like user
+    "echo": Case({"echo": True, "messages": _PARTIAL, "add_generation_prompt": False,
+                  "continue_final_message": True},
+                 lambda r, a: r.choices[0].message.content.startswith("The capital of France")),
+    "add_generation_prompt": Case({"add_generation_prompt": False},
+                                  lambda r, a: r.choices[0].message.role == "user"),  # continues the last role
+    "continue_final_message": Case({"messages": _PARTIAL, "add_generation_prompt": False,
+                                    "continue_final_message": True},
+                                   _rendered_contains("assistant\nThe capital of France")),
+    "add_special_tokens": Case({"add_special_tokens": True}, lambda r, a: r.usage.prompt_tokens == len(a[-1].prompt)),
+    "documents": Case({"documents": [{"title": "t", "text": "banana"}], "chat_template": SHOW_ALL_TEMPLATE},
+                      _rendered_contains("[doc t: banana]")),
+    "chat_template": Case({"chat_template": SHOW_ALL_TEMPLATE}, _rendered_contains("<user>What is the capital")),
+    "chat_template_kwargs": Case({"chat_template_kwargs": {"greeting": "Ahoy"}, "chat_template": SHOW_ALL_TEMPLATE},
+                                 _rendered_contains("Ahoy|")),
+    "mm_processor_kwargs": Case({"mm_processor_kwargs": {"num_crops": 4}}, REFUSED),
+    "structural_tag": Case({"structural_tag": "{}"}, REFUSED),
+    "return_tokens_as_token_ids": Case({"return_tokens_as_token_ids": True, "logprobs": True},
+                                       lambda r, a: r.choices[0].logprobs.content[0].token.startswith("token_id:")),
+}
+
+
+def _send(create: Callable, base: dict, body: dict):
+    """``create(**base)`` with ``body``: the client's own parameters as such (``stream`` must be, for the client to
+    read SSE), the rest in ``extra_body``."""
+    own = set(inspect.signature(create).parameters)
+    kwargs = {**base, **{key: value for key, value in body.items() if key in own and key != "extra_body"}}
+    extra = {key: value for key, value in body.items() if key not in own}
+    return create(**kwargs, extra_body=extra or None)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_request_field_is_honoured_or_refused(client, engine, endpoint):
+    if endpoint == "completions":
+        model, own, create = CompletionRequest, COMPLETION, client.completions.create
+        base = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    else:
+        model, own, create = ChatCompletionRequest, CHAT_ONLY, client.chat.completions.create
+        base = dict(model=MODEL_NAME, messages=CHAT, max_completion_tokens=4, temperature=0)
+    cases = {**COMMON, **own}
+    # Enumerated from the schema: a field added to the protocol without a case here fails this test.
+    assert set(cases) == set(model.model_fields), set(cases) ^ set(model.model_fields)
+    for field, case in cases.items():
+        if case.check is REFUSED:
+            with pytest.raises(openai.BadRequestError) as info:
+                _send(create, base, case.body)
+            assert info.value.body["param"] == field, (field, info.value.body)
+        else:
+            response = _send(create, base, case.body)
+            assert case.check(response, engine.added) is not False, field
+
+
+# ---------------------------------------------------------------------------------- fields one by one
+def test_unknown_fields_are_accepted_and_logged_once(client, caplog):
+    with caplog.at_level(logging.WARNING, logger="serving.protocol"):
+        for _ in range(2):
+            r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                          extra_body={"no_such_field_xyz": 1})
+            assert r.usage.completion_tokens >= 1
+    assert sum("no_such_field_xyz" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_suffix_and_best_of_refusals_say_why(client):
+    with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix="!", max_tokens=2)
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, max_tokens=2).choices
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, n=2, max_tokens=2)
+    assert info.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs") as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=2)
+    assert info.value.body["param"] == "echo"
+
+
+def test_request_id_names_the_response(server, engine):
+    import httpx
+
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        body = {"prompt": PROMPT, "max_tokens": 1, "request_id": "from-body"}
+        assert c.post("/v1/completions", json=body).json()["id"] == "cmpl-from-body"
+        assert engine.added[-1].request_id == "cmpl-from-body-0"
+        r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "request_id": "from-body"},
+                   headers={"X-Request-Id": "from-header"})  # the header wins, as in vLLM
+        assert r.json()["id"] == "chatcmpl-from-header"
+
+
+def test_no_op_values_of_refused_fields_are_accepted(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=2,
+                                       tool_choice="none", response_format={"type": "text"},
+                                       extra_body={"use_beam_search": False, "length_penalty": 1.0, "bad_words": []})
+    assert r.usage.completion_tokens >= 1
+
+
+def test_chat_template_kwargs_reach_the_template(client, engine):
+    """Qwen3's enable_thinking switch, as its template spells it."""
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>{% endif %}"
+                "{% endif %}")
+    for thinking in (True, False):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=1,
+                                       extra_body={"chat_template": template,
+                                                   "chat_template_kwargs": {"enable_thinking": thinking}})
+        assert ("<think>" in engine.added[-1].prompt_text) is not thinking
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert info.value.body["param"] == "chat_template_kwargs"
+
+
+def test_continue_final_message_and_chat_echo(client, engine):
+    with pytest.raises(openai.BadRequestError) as info:  # add_generation_prompt defaults to true: exclusive
+        client.chat.completions.create(model=MODEL_NAME, messages=_PARTIAL, max_completion_tokens=4,
+                                       extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+    body = {"continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model=MODEL_NAME, messages=_PARTIAL, max_completion_tokens=4, temperature=0,
+                                       extra_body=body)
+    prompt = engine.added[-1].prompt_text
+    assert prompt.endswith("<|im_start|>assistant\nThe capital of France")  # left open: no <|im_end|>
+    assert r.choices[0].message.role == "assistant"
+    echoed = client.chat.completions.create(model=MODEL_NAME, messages=_PARTIAL, max_completion_tokens=4,
+                                            temperature=0, extra_body={**body, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France" + r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=_PARTIAL, max_completion_tokens=4,
+                                                 temperature=0, stream=True, extra_body={**body, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.choices[0].message.content
+
+
+def test_tool_messages_reach_the_template_intact(server, smollm2_tokenizer):
+    import httpx
+
+    from paged_jax.chat import render_chat
+
+    body = {"messages": _TOOL_TURN, "chat_template": SHOW_ALL_TEMPLATE}
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        tokens = c.post("/tokenize", json=body).json()["tokens"]
+        bad = c.post("/tokenize", json={**body, "messages": [{**_TOOL_TURN[1], "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]})
+    text = smollm2_tokenizer.decode(tokens)
+    assert "(call call_1 lookup city=Paris)" in text and "(result of call_1)" in text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    # The model's own template sees them as well (SmolLM2's ignores tool_calls, but the tool turn is rendered).
+    assert "Paris is the capital." in render_chat(smollm2_tokenizer, _TOOL_TURN)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, engine, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("One two three four five six")
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert engine.added[-1].prompt == ids[-3:] and r.usage.prompt_tokens == 3
+    tail = client.completions.create(model=MODEL_NAME, prompt=ids[-3:], max_tokens=3, temperature=0)
+    assert r.choices[0].text == tail.choices[0].text
+    client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=1,
+                                   extra_body={"truncate_prompt_tokens": 4})
+    assert len(engine.added[-1].prompt) == 4
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3,
+                                  extra_body={"truncate_prompt_tokens": 10**6})
+    assert info.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_priority_reaches_the_engine_with_priority_scheduling(client, engine, state):
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority") as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body={"priority": -3})
+    assert info.value.body["param"] == "priority"
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body={"priority": 0})
+    assert engine.added[-1].priority == 0
+    state.scheduling_policy = "priority"
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body={"priority": -3})
+    assert engine.added[-1].priority == -3
+    client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=1,
+                                   extra_body={"priority": 4})
+    assert engine.added[-1].priority == 4
+
+
+def test_return_tokens_as_token_ids(client):
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1)
+    as_ids = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=4, temperature=0,
+                                          logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(token.split(":")[1]) for token in as_ids.choices[0].logprobs.tokens]
+    assert len(ids) == 4 and all(token.startswith("token_id:") for token in as_ids.choices[0].logprobs.tokens)
+    assert as_ids.choices[0].logprobs.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    assert as_ids.choices[0].text == plain.choices[0].text  # the text itself stays text
+    assert all(entry.token.startswith("token_id:") for entry in chat.choices[0].logprobs.content)
+
+
+def test_special_token_fields_reach_the_text(client):
+    """skip_special_tokens=False keeps <|im_end|> in the text (generated past EOS with ignore_eos); min_tokens
+    holds EOS back; stop_token_ids ends on the given id."""
+    def reply(**extra):
+        return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=24,
+                                              temperature=0, extra_body=extra).choices[0]
+
+    short = reply()
+    assert short.finish_reason == "stop"  # ends with EOS well before 24 tokens
+    assert "<|im_end|>" in reply(ignore_eos=True, skip_special_tokens=False).message.content
+    assert "<|im_end|>" not in reply(ignore_eos=True).message.content
+    held = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=24, temperature=0,
+                                          extra_body={"min_tokens": 20})
+    assert held.usage.completion_tokens >= 20
+    greedy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                       extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    ids = [int(token.split(":")[1]) for token in greedy.choices[0].logprobs.tokens]
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])  # a token not generated before it
+    stopped = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"stop_token_ids": [ids[k]], "ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].stop_reason == ids[k]
+    assert stopped.usage.completion_tokens == k + 1
+
+
+def test_stream_options(client):
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 4  # vLLM: stream_options {} already asks for usage
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_completion_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4 and chunks[-1].usage.total_tokens > 4
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stream_options={})
+    assert info.value.body["param"] == "stream_options"
+
+
+def test_max_logprobs_limit(client, state):
+    state.max_logprobs = 2
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, logprobs=2)
+    for create, kwargs, param in ((client.completions.create, dict(prompt=PROMPT, logprobs=3), "logprobs"),
+                                  (client.chat.completions.create,
+                                   dict(messages=CHAT, logprobs=True, top_logprobs=3), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError, match="max allowed: 2") as info:
+            create(model=MODEL_NAME, max_tokens=1, **kwargs)
+        assert info.value.body["param"] == param
+
+
+def test_response_role(client, state):
+    state.response_role = "narrator"
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=2)
+    assert r.choices[0].message.role == "narrator"
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=2,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "narrator"
+
+
+def test_generation_config_defaults_fill_unset_fields(client, engine, state, serving_engine):
+    from serving.app import create_app
+
+    state.default_sampling_params = {"temperature": 0.0, "top_k": 5, "max_tokens": 3}
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, extra_body={"ignore_eos": True})
+    params = engine.added[-1].params
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 5, 3)  # max_tokens: the smaller (vLLM)
+    assert r.usage.completion_tokens == 3
+    client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0.7, top_p=0.9,
+                                   extra_body={"top_k": 2})
+    params = engine.added[-1].params
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.7, 0.9, 2, 3)
+    # create_app reads them from the engine's generation config (LLMEngine and EngineProcessClient attribute).
+    wrapped = RecordingEngine(serving_engine)
+    wrapped.generation_config = {"temperature": 0.25, "max_new_tokens": 7, "do_sample": True}
+    app = create_app(wrapped, served_model_name="x")
+    try:
+        assert app.state.server.default_sampling_params == {"temperature": 0.25, "max_tokens": 7}
+    finally:
+        app.state.server.engine.shutdown()
+
+
+def test_serve_flags_are_checked_before_loading(capsys, tmp_path):
+    from paged_jax.chat import load_chat_template
+    from serving.cli import build_parser, serve_main
+
+    for argv, flag in ((["--max-logprobs", "50"], "--max-logprobs"),
+                       (["--chat-template", "no/such/template.jinja"], "--chat-template")):
+        with pytest.raises(SystemExit):
+            serve_main(argv)
+        assert flag in capsys.readouterr().err
+    path = tmp_path / "template.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert load_chat_template(str(path)) == "{{ messages[0].content }}"
+    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"  # inline
+    args = build_parser().parse_args(["--response-role", "bot", "--max-logprobs", "5", "--chat-template", str(path)])
+    assert (args.response_role, args.max_logprobs, args.chat_template) == ("bot", 5, str(path))
