@@ -13,7 +13,7 @@ from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attentio
 
 # "auto" takes the Mosaic GPU kernel when the batch averages at least this many query tokens per sequence slot: its
 # grid has a program per (head, tile slot) and every sequence slot may add one, so decode-heavy shapes (mostly empty
-# programs, one ~200 KiB-shared-memory CTA per SM each: 256 empty slots cost ~120 us on the H200) stay with the
+# programs, one ~200 KiB-shared-memory CTA per SM each, and empty slots cost measurable launch time) stay with the
 # Triton kernel...
 MOSAIC_MIN_TOKENS_PER_SEQ = 128
 # ...and when the batch has at least this many tokens: 128-token tiles x heads must fill the GPU's 132 SMs (a single
