@@ -72,3 +72,21 @@ def test_repo_without_safetensors_is_refused_for_weights_not_for_tokenizer(offli
 def test_nonexistent_path_that_is_no_repo_id(tmp_path):
     with pytest.raises(ValueError, match="neither a local directory nor"):
         resolve_checkpoint(str(tmp_path / "a" / "b" / "c"))
+
+
+def test_engine_resolves_hub_ids_and_dummy_shapes(offline_cache):
+    from paged_jax.config import EngineArgs
+    from paged_jax.model_loader import resolve_model
+
+    path, config = resolve_model(EngineArgs(model="acme/tiny", download_dir=str(offline_cache)))
+    assert path.endswith(COMMIT) and config is None
+    path, _ = resolve_model(EngineArgs(model="acme/tiny", revision="v2", download_dir=str(offline_cache)))
+    assert path.endswith(OTHER_COMMIT)
+    # Random weights need no weight files: a repo without safetensors still gives its config.
+    path, _ = resolve_model(EngineArgs(model="acme/binonly", load_format="dummy", download_dir=str(offline_cache)))
+    assert path.endswith(COMMIT)
+    # A named shape needs no checkpoint at all.
+    path, config = resolve_model(EngineArgs(model="qwen3-0.6b", load_format="dummy"))
+    assert path is None and config.hidden_size == 1024
+    with pytest.raises(ValueError, match="model 'acme/missing'"):
+        resolve_model(EngineArgs(model="acme/missing", download_dir=str(offline_cache)))
