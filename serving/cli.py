@@ -26,6 +26,8 @@ import ssl
 import sys
 from typing import Sequence
 
+from serving.server_logs import quiet_library_loggers
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _USAGE = "usage: paged-jax {serve,generate} ...\n"
 
@@ -190,6 +192,7 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     """
     parser, args = parse_serve_args(list(sys.argv[1:] if argv is None else argv), prog)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    quiet_library_loggers()
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -43,6 +43,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from serving.async_engine import EngineDeadError
+from serving.server_logs import quiet_library_loggers
 
 if TYPE_CHECKING:
     from paged_jax.config import EngineArgs
@@ -62,6 +63,7 @@ CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s (EngineCore pid=%(process)d) %(nam
 def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  # runs in the spawned process
     # A spawned process starts without the parent's logging set-up: log start-up progress to the inherited stderr.
     logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
+    quiet_library_loggers()
     try:
         from paged_jax.engine import LLMEngine
 

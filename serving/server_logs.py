@@ -29,6 +29,17 @@ LOG_STATS_INTERVAL_ENV = "PAGED_JAX_LOG_STATS_INTERVAL"
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 
 
+# Libraries that log routine detail at INFO (orbax through absl: every checkpoint step; JAX: backends it did not
+# find); the server's own INFO lines stay readable with these at WARNING.
+CHATTY_LOGGERS = ("absl", "jax._src.xla_bridge")
+
+
+def quiet_library_loggers() -> None:
+    """Raise the chatty libraries' loggers to WARNING (the server's own loggers keep their level)."""
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class RequestLogger:
     """Logs one INFO line per request. ``max_log_len``: most prompt token ids shown (None: all)."""
 
