@@ -11,7 +11,9 @@ from collections.abc import Sequence
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
 SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
-NUM_SAMPLER_VARIANTS = 7  # greedy; then with and without top-k logprobs: greedy_or_temperature, full, full + penalties
+# greedy; then with and without top-k logprobs: greedy_or_temperature, and full with and without each of the penalty
+# history and the bias table (4)
+NUM_SAMPLER_VARIANTS = 11
 MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 
 def _powers_of_two(start: int, stop: int) -> list[int]:

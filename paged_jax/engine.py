@@ -33,7 +33,7 @@ from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_co
                                     num_host_blocks_for)
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_jax.request import Request, RequestStatus
-from paged_jax.sampler import BANNED_WIDTH
+from paged_jax.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.scheduler import Scheduler
 from paged_jax.step_io import PendingStep, SeqInput
@@ -242,7 +242,8 @@ class LLMEngine:
           ValueError naming the offending field: ``request_id`` (empty / in use), ``params``, ``prompt`` (empty,
           longer than max_model_len, token ids outside the vocabulary, text without a tokenizer),
           ``stop_token_ids`` (outside the vocabulary, too many with min_tokens), ``stop`` (without a tokenizer),
-          ``priority``.
+          ``logit_bias`` / ``allowed_token_ids`` (outside the vocabulary, too many biases), ``bad_words`` (without a
+          tokenizer, too many), ``priority``.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -257,9 +258,12 @@ class LLMEngine:
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
         if params.stop_token_ids:
             validate_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
-            if params.min_tokens > 0 and len(set(params.stop_token_ids) | set(self.eos_token_ids)) > BANNED_WIDTH:
-                raise ValueError(f"stop_token_ids: at most {BANNED_WIDTH - len(self.eos_token_ids)} ids are "
-                                 "supported together with min_tokens > 0")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this model has none")
+            params = params.clone()  # as vLLM: the caller's object is left as it was
+            params.update_from_tokenizer(self.tokenizer)
+        check_request_fits(params, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
 
@@ -441,8 +445,9 @@ class LLMEngine:
         self._in_flight = _InFlightStep(handle=handle, rows=rows) if rows else None
 
     def _in_flight_needs_tokens(self) -> bool:
-        """Penalties need every previous token on the host when the next step is built: no overlap then."""
-        return any(request.params is not None and request.params.uses_penalties
+        """Penalties and bad words need every previous token on the host when the next step is built: no overlap
+        then."""
+        return any(request.params is not None and request.params.reads_output_tokens
                    for _, request, _ in self._in_flight.rows)
 
     def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:

@@ -6,9 +6,9 @@ after warm-up is a bug and shows up in ``num_compiles_since_warmup``.
 
 Per step the host builds ONE int32 numpy buffer holding all step metadata (token ids, positions, slot mapping,
 cu_q_lens, kv_lens, block tables, logits indices and the per-row sampling words, ``sampler.pack_sampling_tensors``)
-and sends it with one ``jax.device_put`` (plus the penalty token history, only on steps that have a penalty row);
-the jitted step unpacks it by static slicing. Two jitted functions run per step, dispatched back to back without a
-host sync:
+and sends it with one ``jax.device_put`` (plus the penalty token history and the bias table, each only on steps
+that have a row using it); the jitted step unpacks it by static slicing. Two jitted functions run per step,
+dispatched back to back without a host sync:
 
 * ``_forward`` (compiled per token/seq bucket): model forward with paged attention (``write_kv`` then
   ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[R, V]``, R =
@@ -196,13 +196,15 @@ class ModelRunner:
         # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
         # the random modes also one with the top max_logprobs: a top-k over the whole vocabulary for every row is a
         # sort-sized cost each step, so it is only paid on steps where some row asked for it. A greedy step that wants
-        # top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax).
+        # top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax). Full mode also comes
+        # with and without the penalty history and the bias table, each sent only on steps that need it.
         greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
         self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
-            SamplerVariant(mode.value, penalties, num_logprobs)
+            SamplerVariant(mode.value, penalties, num_logprobs, bias_table)
             for num_logprobs in (0, self.max_logprobs)
             for mode in sampler_lib.SamplingMode if mode != greedy
-            for penalties in ((False, True) if mode == full else (False,))
+            for penalties, bias_table in (itertools.product((False, True), repeat=2) if mode == full
+                                          else [(False, False)])
         ]
         self.dtype = jnp.dtype(model.dtype)
         self.vocab_size = model_config.vocab_size
@@ -231,7 +233,7 @@ class ModelRunner:
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
         self._prev_rows: dict[str, int] = {}
-        # Empty penalty history per seq bucket (steps without penalty rows), created once.
+        # Empty penalty history / bias table per seq bucket (steps without such rows), created once.
         self._no_history = {r: jax.device_put(np.zeros((r, 0), np.int32), self.device)
                             for r in self.sampler_seq_buckets}
 
@@ -283,10 +285,10 @@ class ModelRunner:
 
         max_seq_bucket = self._max_seq_bucket
 
-        def sample(logits, sampling_words, prev_token_ids, *, mode, num_logprobs):
+        def sample(logits, sampling_words, prev_token_ids, bias_table, *, mode, num_logprobs):
             """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
             num_seqs = logits.shape[0]
-            tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs)
+            tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs, bias_table)
             out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs)
             # Padded to the widest seq bucket so the next forward's input feed always has one shape.
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
@@ -353,9 +355,12 @@ class ModelRunner:
         for num_rows in self.sampler_seq_buckets:
             logits, sampling_words = logits_by_rows[num_rows]
             history = jax.device_put(np.full((num_rows, self.max_model_len), -1, np.int32), self.device)
+            bias_table = jax.device_put(np.full((num_rows, sampler_lib.bias_table_width(self.vocab_size)), -1,
+                                                np.int32), self.device)
             for variant in self.sampler_variants:
                 outs = self._sample(logits, sampling_words,
                                     history if variant.penalties else self._no_history[num_rows],
+                                    bias_table if variant.bias_table else self._no_history[num_rows],
                                     mode=variant.mode, num_logprobs=variant.num_logprobs)
                 bar.update(1)
         for size in swap_sizes:
@@ -417,8 +422,10 @@ class ModelRunner:
 
         sampling_rows = [s.sampling if s.sample else None for s in packed_seqs]
         tensors, mode = sampler_lib.build_sampling_tensors(
-            sampling_rows, layout.num_sample_rows, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+            sampling_rows, layout.num_sample_rows, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size)
         sampler_lib.pack_sampling_tensors(tensors, view("sampling"))
+        bias_table = sampler_lib.pack_bias_table(tensors)  # None unless a row uses logit_bias / allowed_token_ids
         penalties = tensors.prev_token_ids.shape[1] > 0
         requested = [row[0].logprobs for row in sampling_rows if row is not None and row[0].logprobs is not None]
         wants_logprobs = bool(requested)
@@ -470,15 +477,15 @@ class ModelRunner:
         history = tensors.prev_token_ids if penalties else None
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
-        dispatch = functools.partial(self._dispatch, buf, history, bucket_tokens, bucket_seqs, mode.value,
-                                     num_logprobs, wants_logprobs)
+        dispatch = functools.partial(self._dispatch, buf, history, bias_table, bucket_tokens, bucket_seqs,
+                                     mode.value, num_logprobs, wants_logprobs)
         if self._dispatcher is None:
             return PendingStep(dispatch(), rows_to_packed, sampled)
         self._last_dispatch = self._dispatcher.submit(dispatch)
         return PendingStep(self._last_dispatch, rows_to_packed, sampled)
 
-    def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, num_tokens: int, num_seqs: int, mode: str,
-                  num_logprobs: int, wants_logprobs: bool) -> tuple:
+    def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, bias_table: np.ndarray | None, num_tokens: int,
+                  num_seqs: int, mode: str, num_logprobs: int, wants_logprobs: bool) -> tuple:
         """Send one step's buffer and launch its forward + sampling (on the dispatch thread if there is one).
         Returns the device outputs to fetch, their host copies already started."""
         self.kv_pool, logits, sampling_words = self._forward(
@@ -486,7 +493,9 @@ class ModelRunner:
             num_tokens=num_tokens, num_seqs=num_seqs)
         history = (jax.device_put(history, self.device) if history is not None
                    else self._no_history[logits.shape[0]])
-        outs = self._sample(logits, sampling_words, history, mode=mode, num_logprobs=num_logprobs)
+        bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None
+                      else self._no_history[logits.shape[0]])
+        outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
         fetch = outs if wants_logprobs else outs[:1]
         for array in fetch:

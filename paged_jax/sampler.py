@@ -10,9 +10,16 @@ Randomness: row i draws Gumbel noise from ``fold_in(key(seeds[i]), steps[i])``; 
 Sampling is Gumbel-max (``argmax(logits / T + Gumbel)``), which draws exactly from ``softmax(logits / T)``
 restricted to the tokens that survive top-k / top-p / min-p.
 
-Order of operations in ``FULL`` mode (vLLM's v1 sampler): min_tokens ban -> penalties -> (greedy rows: argmax)
--> temperature -> min-p -> top-k -> top-p -> Gumbel-max. Returned logprobs are always those of the *raw* logits
-(vLLM's default ``logprobs_mode="raw_logprobs"``).
+Order of operations in ``FULL`` mode (vLLM's v1 sampler): allowed_token_ids mask -> bans (bad words, min_tokens)
+-> logit_bias -> penalties -> (greedy rows: argmax) -> temperature -> min-p -> top-k -> top-p -> Gumbel-max.
+Returned logprobs are always those of the *raw* logits (vLLM's default ``logprobs_mode="raw_logprobs"``).
+
+Per-request logit processing, each in a fixed-width form so that nothing compiles after warm-up and requests that
+do not use it pay nothing:
+* bans (``banned_token_ids``, BANNED_WIDTH ids per row in the step buffer): stop ids / EOS below ``min_tokens``, and
+  ``bad_words``, whose bans the host computes per step from the row's output tail.
+* the bias table (``logit_bias`` pairs and the ``allowed_token_ids`` bitmask, ``bias_table_width(V)`` words per row),
+  a separate transfer sent only on steps where some row uses one of them, like the penalty history.
 """
 
 from __future__ import annotations
@@ -25,12 +32,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams
+from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams, validate_token_ids
 
-# Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens) when some row needs bans.
+# Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens, bad-word tokens) when some
+# row needs bans.
 # Fixed so that the sampler compiles once; the engine rejects requests that would need more (ValueError naming
-# stop_token_ids).
+# stop_token_ids / bad_words, ``check_request_fits``).
 BANNED_WIDTH = 32
+# Most ``logit_bias`` entries per request (the OpenAI API's limit): the bias table's (id, bias) slots per row.
+LOGIT_BIAS_WIDTH = 300
+
+
+def allowed_mask_words(vocab_size: int) -> int:
+    """Int32 words of one row's ``allowed_token_ids`` bitmask: one bit per vocabulary entry."""
+    return -(-vocab_size // 32)
+
+
+def bias_table_width(vocab_size: int) -> int:
+    """Int32 words per row of the bias table: LOGIT_BIAS_WIDTH ids, their biases (f32 bits), the allowed bitmask."""
+    return 2 * LOGIT_BIAS_WIDTH + allowed_mask_words(vocab_size)
 
 
 class SamplingMode(str, enum.Enum):
@@ -38,7 +58,7 @@ class SamplingMode(str, enum.Enum):
 
     GREEDY: every row is greedy (argmax of the raw logits); no random numbers are drawn.
     GREEDY_OR_TEMPERATURE: greedy rows via argmax, the others via Gumbel-max on logits / temperature.
-    FULL: min_tokens bans, penalties, top-k, top-p, min-p, then greedy / temperature sampling.
+    FULL: allowed_token_ids, bans, logit_bias, penalties, top-k, top-p, min-p, then greedy / temperature sampling.
     """
 
     GREEDY = "greedy"
@@ -62,7 +82,12 @@ class SamplingTensors(NamedTuple):
     prev_token_ids: i32[S, L]; prompt ids then output ids, padded with -1; L = 0 when no penalties are applied.
     prompt_len: i32[S]; how many leading entries of ``prev_token_ids`` are prompt tokens.
     banned_token_ids: i32[S, B]; ids whose logits are set to -inf (stop ids / EOS of rows that have not reached
-      ``min_tokens``), padded with -1; B = 0 when no row needs it.
+      ``min_tokens``, bad-word tokens), padded with -1; B = 0 when no row needs it.
+    logit_bias_ids: i32[S, K]; ``logit_bias`` token ids, padded with -1; K = LOGIT_BIAS_WIDTH when some row uses
+      ``logit_bias`` or ``allowed_token_ids`` (the bias table), else 0.
+    logit_bias: f32[S, K]; the biases added to those ids' logits.
+    allowed_token_mask: i32[S, M]; bit v % 32 of word v // 32 is set when token v may be sampled (every bit set
+      for rows without ``allowed_token_ids``); M = ``allowed_mask_words(V)`` with the bias table, else 0.
     """
 
     temperature: jax.Array
@@ -77,6 +102,9 @@ class SamplingTensors(NamedTuple):
     prev_token_ids: jax.Array
     prompt_len: jax.Array
     banned_token_ids: jax.Array
+    logit_bias_ids: jax.Array
+    logit_bias: jax.Array
+    allowed_token_mask: jax.Array
 
 
 class SamplerOutput(NamedTuple):
@@ -113,14 +141,51 @@ def seed_to_u32(seed: int) -> int:
     return (seed64 ^ (seed64 >> 32)) & 0xFFFFFFFF
 
 
-def _banned_ids_for(params: SamplingParams, step: int, eos_token_ids: Sequence[int]) -> list[int]:
-    """Ids that must not be sampled at output index ``step`` because ``min_tokens`` is not reached yet."""
-    if step >= params.min_tokens:
-        return []
-    banned = list(params.stop_token_ids or [])
-    if not params.ignore_eos:
-        banned.extend(int(token_id) for token_id in eos_token_ids)
-    return sorted(set(banned))
+def _banned_ids_for(params: SamplingParams, step: int, eos_token_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> list[int]:
+    """Ids that must not be sampled at output index ``step``: stop ids and EOS while ``min_tokens`` is not reached,
+    and the last token of every bad word whose other tokens end ``output_ids`` (vLLM's bad-words rule)."""
+    banned = set()
+    if step < params.min_tokens:
+        banned.update(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            banned.update(int(token_id) for token_id in eos_token_ids)
+    for word in params.bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len == 0 or (len(output_ids) >= prefix_len and list(output_ids[-prefix_len:]) == word[:-1]):
+            banned.add(word[-1])
+    return sorted(banned)
+
+
+def check_request_fits(params: SamplingParams, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    """Raise ValueError naming the field when a request's token ids fall outside the vocabulary or do not fit the
+    sampler's fixed widths (``logit_bias`` entries, bans of ``bad_words`` plus min_tokens' stop ids and EOS). The
+    engine calls it on ``add_request`` (after ``params.update_from_tokenizer``), so a step never fails on them."""
+    if params.logit_bias:
+        if len(params.logit_bias) > LOGIT_BIAS_WIDTH:
+            raise ValueError(f"logit_bias: at most {LOGIT_BIAS_WIDTH} entries are supported, got "
+                             f"{len(params.logit_bias)}")
+        validate_token_ids(list(params.logit_bias), vocab_size, "logit_bias")
+    if params.allowed_token_ids is not None:
+        validate_token_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
+    for word in params.bad_words_token_ids:
+        validate_token_ids(word, vocab_size, "bad_words")
+    min_tokens_bans = set(params.stop_token_ids or ()) if params.min_tokens > 0 else set()
+    if params.min_tokens > 0 and not params.ignore_eos:
+        min_tokens_bans.update(int(token_id) for token_id in eos_token_ids)
+    bad_word_bans = {word[-1] for word in params.bad_words_token_ids}
+    if len(min_tokens_bans | bad_word_bans) > BANNED_WIDTH:
+        field = "bad_words" if bad_word_bans else "stop_token_ids"
+        raise ValueError(f"{field}: at most {BANNED_WIDTH} distinct banned ids are supported (the last tokens of "
+                         f"bad_words' sequences, plus stop_token_ids and EOS while below min_tokens), this request "
+                         f"needs {len(min_tokens_bans | bad_word_bans)}")
+
+
+def _allowed_mask_row(allowed_token_ids: Sequence[int], num_words: int) -> np.ndarray:
+    """i32[num_words]: bit v % 32 of word v // 32 set for each allowed id v."""
+    bits = np.zeros(num_words * 32, np.bool_)
+    bits[np.fromiter(allowed_token_ids, np.int64, len(allowed_token_ids))] = True
+    return np.packbits(bits, bitorder="little").view("<i4")
 
 
 def build_sampling_tensors(
@@ -130,6 +195,7 @@ def build_sampling_tensors(
     penalty_len: int = 0,
     *,
     eos_token_ids: Sequence[int] = (),
+    vocab_size: int | None = None,
 ) -> tuple[SamplingTensors, SamplingMode]:
     """Build the host (numpy) ``SamplingTensors`` for one step and the cheapest mode that serves every row.
 
@@ -137,7 +203,7 @@ def build_sampling_tensors(
       rows: one entry per batch row, ``(params, seed, step, prompt_ids, output_ids)`` or None for a padding row.
         ``seed`` is the request's seed (user-given or drawn by the engine), ``step`` the index of the token being
         sampled within the output (== len(output_ids) for normal decoding). ``prompt_ids`` / ``output_ids`` are
-        only read for rows that use penalties.
+        only read for rows that use penalties (both) or bad words (``output_ids``).
       pad_to: S, the padded number of rows (>= len(rows)); rows past ``len(rows)`` are greedy padding.
       need_penalties: None = auto (penalty arrays are built iff some row uses penalties); True = build them
         whenever the mode is FULL (stable shapes); False = never (ValueError if a row uses penalties).
@@ -145,11 +211,16 @@ def build_sampling_tensors(
         len(output) of every row that uses penalties.
       eos_token_ids: the model's EOS ids, banned (with each row's ``stop_token_ids``) while a row is below its
         ``min_tokens`` unless it sets ``ignore_eos``.
+      vocab_size: V, needed when a row uses ``logit_bias`` or ``allowed_token_ids`` (the bias table's mask width).
     Returns:
       (tensors, mode). ``prev_token_ids`` is i32[S, penalty_len] when penalties are applied in FULL mode, else
-      i32[S, 0]; ``banned_token_ids`` is i32[S, 0] unless a row needs bans (then FULL mode, i32[S, BANNED_WIDTH]).
+      i32[S, 0]; ``banned_token_ids`` is i32[S, 0] unless a row needs bans (then FULL mode, i32[S, BANNED_WIDTH]);
+      the bias table fields are [S, 0] unless a row uses ``logit_bias`` / ``allowed_token_ids`` (then FULL mode,
+      ``logit_bias_ids`` / ``logit_bias`` [S, LOGIT_BIAS_WIDTH], ``allowed_token_mask`` [S, allowed_mask_words(V)]).
     Raises:
-      ValueError: bad ``pad_to`` / ``penalty_len`` / ``step``, or a row banning more than BANNED_WIDTH ids.
+      ValueError: bad ``pad_to`` / ``penalty_len`` / ``step``, a row banning more than BANNED_WIDTH ids or with more
+      than LOGIT_BIAS_WIDTH ``logit_bias`` entries (``check_request_fits`` rules both out up front), or a bias table
+      without ``vocab_size``.
     """
     if pad_to < len(rows):
         raise ValueError(f"pad_to must be >= the number of rows ({len(rows)}), got {pad_to}")
@@ -169,11 +240,12 @@ def build_sampling_tensors(
 
     any_random = any_truncation = False
     penalty_rows: list[int] = []
+    table_rows: list[int] = []
     banned_per_row: dict[int, list[int]] = {}
     for row_index, row in enumerate(rows):
         if row is None:
             continue
-        params, seed, step, _, _ = row
+        params, seed, step, _, output_ids = row
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step} for row {row_index}")
         greedy = params.is_greedy
@@ -193,17 +265,21 @@ def build_sampling_tensors(
             frequency[row_index] = params.frequency_penalty
             repetition[row_index] = params.repetition_penalty
             penalty_rows.append(row_index)
-        banned = _banned_ids_for(params, step, eos_token_ids)
-        if len(banned) > BANNED_WIDTH:
-            raise ValueError(f"stop_token_ids: row {row_index} bans {len(banned)} ids (stop ids + EOS) below "
-                             f"min_tokens, more than {BANNED_WIDTH}")
-        if banned:
-            banned_per_row[row_index] = banned
+        # Plain attribute checks first: this loop runs per row per step, and most rows use none of these.
+        if params.logit_bias or params.allowed_token_ids is not None:  # params.uses_bias_table
+            table_rows.append(row_index)
+        if step < params.min_tokens or params.bad_words_token_ids:
+            banned = _banned_ids_for(params, step, eos_token_ids, output_ids)
+            if len(banned) > BANNED_WIDTH:
+                raise ValueError(f"stop_token_ids: row {row_index} bans {len(banned)} ids (bad words, stop ids + "
+                                 f"EOS below min_tokens), more than {BANNED_WIDTH}")
+            if banned:
+                banned_per_row[row_index] = banned
 
     if penalty_rows and need_penalties is False:
         raise ValueError(f"need_penalties=False but row {penalty_rows[0]} uses presence/frequency/repetition penalties")
 
-    if penalty_rows or any_truncation or banned_per_row:
+    if penalty_rows or any_truncation or banned_per_row or table_rows:
         mode = SamplingMode.FULL
     elif any_random:
         mode = SamplingMode.GREEDY_OR_TEMPERATURE
@@ -229,25 +305,46 @@ def build_sampling_tensors(
     for row_index, ids in banned_per_row.items():
         banned_token_ids[row_index, : len(ids)] = ids
 
+    if table_rows and vocab_size is None:
+        raise ValueError(f"vocab_size is needed: row {table_rows[0]} uses logit_bias / allowed_token_ids")
+    bias_width = LOGIT_BIAS_WIDTH if table_rows else 0
+    mask_width = allowed_mask_words(vocab_size) if table_rows else 0
+    logit_bias_ids = np.full((pad_to, bias_width), -1, np.int32)
+    logit_bias = np.zeros((pad_to, bias_width), np.float32)
+    allowed_token_mask = np.full((pad_to, mask_width), -1, np.int32)
+    for row_index in table_rows:
+        params = rows[row_index][0]
+        if params.logit_bias:
+            count = len(params.logit_bias)
+            if count > LOGIT_BIAS_WIDTH:
+                raise ValueError(f"logit_bias: row {row_index} has {count} entries, more than {LOGIT_BIAS_WIDTH}")
+            logit_bias_ids[row_index, :count] = list(params.logit_bias)
+            logit_bias[row_index, :count] = list(params.logit_bias.values())
+        if params.allowed_token_ids is not None:
+            allowed_token_mask[row_index] = _allowed_mask_row(params.allowed_token_ids, mask_width)
+
     tensors = SamplingTensors(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence=presence, frequency=frequency,
         repetition=repetition, seeds=seeds, steps=steps, prev_token_ids=prev_token_ids, prompt_len=prompt_len,
-        banned_token_ids=banned_token_ids,
+        banned_token_ids=banned_token_ids, logit_bias_ids=logit_bias_ids, logit_bias=logit_bias,
+        allowed_token_mask=allowed_token_mask,
     )
     return tensors, mode
 
 
 def temperature_top_k_top_p_tensors(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
                                     steps: jax.Array) -> SamplingTensors:
-    """Device ``SamplingTensors`` for rows that use temperature, top-k and top-p only (min-p, penalties and bans
-    off): temperature f32[S], top_k i32[S], top_p f32[S], seeds u32[S] or key[S], steps i32[S]. Jittable."""
+    """Device ``SamplingTensors`` for rows that use temperature, top-k and top-p only (min-p, penalties, bans and
+    the bias table off): temperature f32[S], top_k i32[S], top_p f32[S], seeds u32[S] or key[S], steps i32[S].
+    Jittable."""
     num_rows = temperature.shape[0]
     zeros = jnp.zeros((num_rows,), jnp.float32)
     no_ids = jnp.zeros((num_rows, 0), jnp.int32)
     return SamplingTensors(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=zeros, presence=zeros, frequency=zeros,
         repetition=jnp.ones((num_rows,), jnp.float32), seeds=seeds, steps=steps, prev_token_ids=no_ids,
-        prompt_len=jnp.zeros((num_rows,), jnp.int32), banned_token_ids=no_ids,
+        prompt_len=jnp.zeros((num_rows,), jnp.int32), banned_token_ids=no_ids, logit_bias_ids=no_ids,
+        logit_bias=jnp.zeros((num_rows, 0), jnp.float32), allowed_token_mask=no_ids,
     )
 
 
@@ -256,8 +353,9 @@ def temperature_top_k_top_p_tensors(temperature: jax.Array, top_k: jax.Array, to
 # ---------------------------------------------------------------------------------------------------------------
 
 # The per-row [S] vectors that travel in the step buffer (all 4-byte dtypes, floats bitcast), then
-# ``banned_token_ids`` at BANNED_WIDTH. ``prev_token_ids`` (penalty history, [S, max_model_len]) is the one field
-# that does not: it is large and only needed on steps with a penalty row, so the runner sends it apart then.
+# ``banned_token_ids`` at BANNED_WIDTH. ``prev_token_ids`` (penalty history, [S, max_model_len]) and the bias table
+# (``pack_bias_table``) do not: they are large and only needed on steps with a row that uses them, so the runner
+# sends each apart then.
 _WIRE_VECTOR_DTYPES = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "min_p": jnp.float32,
                        "presence": jnp.float32, "frequency": jnp.float32, "repetition": jnp.float32,
                        "seeds": jnp.uint32, "steps": jnp.int32, "prompt_len": jnp.int32}
@@ -276,15 +374,34 @@ def pack_sampling_tensors(tensors: SamplingTensors, out: np.ndarray) -> None:
     banned_words[:, :banned.shape[1]] = banned
 
 
-def unpack_sampling_tensors(words: jax.Array, prev_token_ids: jax.Array, num_rows: int) -> SamplingTensors:
-    """Inverse of ``pack_sampling_tensors`` inside jit: int32[num_rows * SAMPLING_WORDS_PER_ROW] words plus the
-    penalty history i32[num_rows, L] (L = 0 without penalties) -> device ``SamplingTensors``."""
+def pack_bias_table(tensors: SamplingTensors) -> np.ndarray | None:
+    """The bias table of host ``tensors``: i32[S, bias_table_width(V)] (``logit_bias_ids``, ``logit_bias`` as f32
+    bits, ``allowed_token_mask``), or None when no row uses it (``build_sampling_tensors`` left it zero-width)."""
+    if tensors.logit_bias_ids.shape[1] == 0:
+        return None
+    return np.concatenate([tensors.logit_bias_ids, tensors.logit_bias.view(np.int32), tensors.allowed_token_mask],
+                          axis=1)
+
+
+def unpack_sampling_tensors(words: jax.Array, prev_token_ids: jax.Array, num_rows: int,
+                            bias_table: jax.Array | None = None) -> SamplingTensors:
+    """Inverse of ``pack_sampling_tensors`` (and ``pack_bias_table``) inside jit: int32[num_rows *
+    SAMPLING_WORDS_PER_ROW] words, the penalty history i32[num_rows, L] (L = 0 without penalties) and the bias table
+    i32[num_rows, bias_table_width(V)] (None or width 0 without it) -> device ``SamplingTensors``."""
     fields = {}
     for i, (name, dtype) in enumerate(_WIRE_VECTOR_DTYPES.items()):
         fields[name] = jax.lax.bitcast_convert_type(words[i * num_rows:(i + 1) * num_rows], dtype)
     banned = words[len(_WIRE_VECTOR_DTYPES) * num_rows:].reshape(num_rows, BANNED_WIDTH)
     fields["banned_token_ids"] = banned  # -1 entries are dropped by ban_tokens' scatter
     fields["prev_token_ids"] = prev_token_ids
+    if bias_table is None or bias_table.shape[1] == 0:
+        fields["logit_bias_ids"] = fields["allowed_token_mask"] = jnp.zeros((num_rows, 0), jnp.int32)
+        fields["logit_bias"] = jnp.zeros((num_rows, 0), jnp.float32)
+    else:
+        fields["logit_bias_ids"] = bias_table[:, :LOGIT_BIAS_WIDTH]
+        fields["logit_bias"] = jax.lax.bitcast_convert_type(bias_table[:, LOGIT_BIAS_WIDTH:2 * LOGIT_BIAS_WIDTH],
+                                                            jnp.float32)
+        fields["allowed_token_mask"] = bias_table[:, 2 * LOGIT_BIAS_WIDTH:]
     return SamplingTensors(**fields)
 
 
@@ -307,6 +424,26 @@ def ban_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
         return logits
     row_index, column = _row_scatter_indices(banned_token_ids, logits.shape[1])
     return logits.at[row_index, column].set(-jnp.inf, mode="drop")
+
+
+def apply_allowed_token_mask(logits: jax.Array, allowed_token_mask: jax.Array) -> jax.Array:
+    """-inf for every token whose bit is clear in ``allowed_token_mask`` i32[S, M] (bit v % 32 of word v // 32;
+    M = 0: no-op). f32[S, V] -> f32[S, V]."""
+    num_rows, vocab_size = logits.shape
+    if allowed_token_mask.shape[1] == 0:
+        return logits
+    bits = jnp.right_shift(allowed_token_mask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(num_rows, -1)[:, :vocab_size] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def apply_logit_bias(logits: jax.Array, logit_bias_ids: jax.Array, logit_bias: jax.Array) -> jax.Array:
+    """logits[i, logit_bias_ids[i, j]] += logit_bias[i, j] (ids < 0 are padding; ids are distinct per row).
+    f32[S, V], i32[S, K], f32[S, K] -> f32[S, V]."""
+    if logit_bias_ids.shape[1] == 0:
+        return logits
+    row_index, column = _row_scatter_indices(logit_bias_ids, logits.shape[1])
+    return logits.at[row_index, column].add(logit_bias, mode="drop")
 
 
 def apply_penalties(
@@ -429,7 +566,9 @@ def sample(
     else:
         processed = logits
         if mode == SamplingMode.FULL:
+            processed = apply_allowed_token_mask(processed, t.allowed_token_mask)
             processed = ban_tokens(processed, t.banned_token_ids)
+            processed = apply_logit_bias(processed, t.logit_bias_ids, t.logit_bias)
             processed = apply_penalties(
                 processed, t.prev_token_ids, t.prompt_len, t.presence, t.frequency, t.repetition
             )

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,6 +20,8 @@ SAMPLING_EPS = 1e-5
 # The most top alternatives a request may ask for per generated token (``logprobs``); vLLM's default
 # ``max_logprobs`` is 20 as well. The model runner compiles its logprob variants up to this width.
 MAX_LOGPROBS = 20
+# ``logit_bias`` values are clamped to this range (the OpenAI API's range; vLLM clamps the same way).
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -40,7 +43,7 @@ class SamplingParams:
 
     Fields (defaults as vLLM):
       n: number of output sequences per prompt (>= 1).
-      best_of: accepted for compatibility and ignored.
+      best_of: None or n; anything else is a ValueError (vLLM V1 does not support best_of either).
       presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the *output*.
       frequency_penalty: in [-2, 2]; subtracted once per occurrence of the token in the *output*.
       repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it when positive and
@@ -59,6 +62,12 @@ class SamplingParams:
         the sampled one (0 = only the sampled token's logprob).
       prompt_logprobs: not supported; must be None.
       detokenize, skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output: as vLLM.
+      logit_bias: {token id: bias} added to the logits before sampling (keys may be strings of ints, as in the
+        OpenAI API; biases are clamped to [-100, 100] as vLLM does). The engine checks the ids against the vocab.
+      allowed_token_ids: only these ids may be sampled (non-empty when set).
+      bad_words: words that must not be generated. ``update_from_tokenizer`` (called by the engine) tokenizes each
+        with and without a leading space; a word's last token is banned whenever the output ends with its other
+        tokens (single-token words: always).
     """
 
     n: int = 1
@@ -82,8 +91,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Filled by __post_init__: the list form of ``stop`` (always a list, possibly empty).
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    # Filled by update_from_tokenizer: the token sequences of ``bad_words`` (vLLM's ``_bad_words_token_ids``).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -97,6 +111,14 @@ class SamplingParams:
         self._stop_list = stop_list
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                raise ValueError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         # Plain ints passed as floats are fine for float fields; normalise so arrays get the right dtype.
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             value = getattr(self, name)
@@ -108,8 +130,9 @@ class SamplingParams:
     def _verify_args(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
-            raise ValueError(f"best_of must be an int >= n ({self.n}), got {self.best_of!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            raise ValueError(f"best_of is not supported (as in vLLM V1): leave it unset or equal to n ({self.n}), "
+                             f"got {self.best_of!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -147,6 +170,15 @@ class SamplingParams:
             for token_id in self.stop_token_ids:
                 if not _is_int(token_id) or token_id < 0:
                     raise ValueError(f"stop_token_ids must be non-negative ints, got element {token_id!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty when set")
+            for token_id in self.allowed_token_ids:
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"allowed_token_ids must be non-negative ints, got element {token_id!r}")
+        for word in self.bad_words or ():
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be non-empty strings, got element {word!r}")
         if self.include_stop_str_in_output and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (include_stop_str_in_output was set)")
         if self._stop_list and not self.detokenize:
@@ -180,13 +212,65 @@ class SamplingParams:
             return False
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
+    @property
+    def uses_bias_table(self) -> bool:
+        """True when the sampler needs this request's row of the bias table (``logit_bias``, ``allowed_token_ids``)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """Token sequences of ``bad_words`` (empty until ``update_from_tokenizer``)."""
+        return self._bad_words_token_ids
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """True when sampling the next token reads the values of the previous output tokens (penalties, bad words of
+        several tokens): with async scheduling the previous step's tokens must reach the host first."""
+        # Checked per in-flight row per step: the common case (no bad words) skips building the generator.
+        return self.uses_penalties or (bool(self._bad_words_token_ids)
+                                       and any(len(ids) > 1 for ids in self._bad_words_token_ids))
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize ``bad_words`` (vLLM's ``update_from_tokenizer``): each word without and with a leading space
+        (so it is banned at the start of the text and after a space), no special tokens; duplicates dropped."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or ():
+            for prefix in ("", " "):
+                ids = [int(t) for t in tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)]
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self._bad_words_token_ids = sequences
+
     def clone(self) -> "SamplingParams":
         """A deep copy (lists are copied), e.g. for the n sequences of one request."""
-        return dataclasses.replace(
+        copy = dataclasses.replace(
             self,
             stop=list(self._stop_list) if self.stop is not None else None,
             stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids is not None else None,
+            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=list(self.bad_words) if self.bad_words is not None else None,
         )
+        copy._bad_words_token_ids = [list(ids) for ids in self._bad_words_token_ids]
+        return copy
+
+
+def _normalise_logit_bias(logit_bias: Any) -> dict[int, float]:
+    """{int token id: bias clamped to [-100, 100]}; keys may be ints or strings of ints (the OpenAI wire form)."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    normalised: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key) if not isinstance(key, (bool, float)) else None
+        except ValueError:
+            token_id = None
+        if token_id is None:
+            raise ValueError(f"logit_bias keys must be token ids (ints or strings of ints), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating)) or math.isnan(bias):
+            raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {token_id}")
+        normalised[token_id] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, float(bias)))
+    return normalised
 
 
 def validate_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:

@@ -26,7 +26,7 @@ class SeqInput:
       block_ids: block table covering ``num_computed_tokens + len(token_ids)`` tokens.
       sample: whether to sample a token after the last new token.
       sampling: when ``sample``: the sampler's row ``(params, seed, step, prompt_ids, output_ids)`` (see
-        ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties).
+        ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties or bad words).
       feed_from_previous: the single input token is the token sampled for ``key`` by the previous step (which must
         have sampled it); lets the host build a step before the previous one's tokens reached it.
     """
@@ -126,8 +126,10 @@ class StepLayout:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerVariant:
-    """One compiled sampler variant: the sampler mode, whether penalty history is passed, the top-logprob width."""
+    """One compiled sampler variant: the sampler mode, whether penalty history is passed, the top-logprob width,
+    whether the bias table (``logit_bias`` / ``allowed_token_ids``, ``sampler.pack_bias_table``) is passed."""
 
     mode: str
     penalties: bool
     num_logprobs: int
+    bias_table: bool = False

@@ -242,6 +242,9 @@ class OpenAIServer:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
+                logit_bias=body.logit_bias,
+                allowed_token_ids=body.allowed_token_ids,
+                bad_words=body.bad_words,
             )
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc

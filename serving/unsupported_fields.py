@@ -5,8 +5,8 @@ field is refused only when it asks for something: a value that is unset, empty o
 ``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``use_beam_search: false``) is accepted, since it
 changes nothing. When a feature lands, its entry is removed here and the route honours the field.
 
-``NEEDS_ENGINE_SUPPORT`` lists what waits for the engine and sampler (prompt log-probs, logit processors of the
-sampler); the other tables are features the server does not have.
+``NEEDS_ENGINE_SUPPORT`` lists what waits for the engine (prompt log-probs); the other tables are features the
+server does not have.
 """
 
 from __future__ import annotations
@@ -40,12 +40,9 @@ class Refusal:
     is_noop: Callable[[Any], bool] = _unset_or_empty
 
 
-# Waits for engine and sampler support (prompt log-probs and per-request logit processing).
+# Waits for engine support (prompt log-probs).
 NEEDS_ENGINE_SUPPORT: dict[str, Refusal] = {
     "prompt_logprobs": Refusal("prompt logprobs are not supported yet", _unset),
-    "logit_bias": Refusal("logit_bias is not supported yet"),
-    "allowed_token_ids": Refusal("allowed_token_ids is not supported yet", _unset),
-    "bad_words": Refusal("bad_words is not supported yet"),
 }
 _TOOLS = "tool calling is not supported yet"
 _STRUCTURED = "structured outputs (guided decoding) are not supported yet"

@@ -292,6 +292,12 @@ def test_invalid_requests_rejected_and_engine_keeps_serving(engine, workload, re
         ("prompt", [], GREEDY),
         ("prompt", "", GREEDY),
         ("stop_token_ids", [1, 2, 3], SamplingParams(stop_token_ids=[engine.vocab_size + 5])),
+        ("logit_bias", [1, 2, 3], SamplingParams(logit_bias={engine.vocab_size: 1.0})),
+        ("logit_bias", [1, 2, 3], SamplingParams(logit_bias={i: 1.0 for i in range(301)})),
+        ("allowed_token_ids", [1, 2, 3], SamplingParams(allowed_token_ids=[5, engine.vocab_size])),
+        ("bad_words", [1, 2, 3], SamplingParams(bad_words=("one two three four five six seven eight nine ten "
+                                                           "eleven twelve thirteen fourteen fifteen sixteen "
+                                                           "seventeen eighteen nineteen twenty").split())),
         ("params", [1, 2, 3], {"temperature": 0.0}),
     ]
     engine.add_request("ok-before", workload[0], GREEDY)
@@ -355,6 +361,36 @@ def test_min_tokens_defers_eos(engine, tokenizer):
     assert len(held.token_ids) >= min_tokens
     assert 2 not in held.token_ids[:min_tokens]
     assert held.token_ids[:len(free.token_ids) - 1] == free.token_ids[:-1]
+    assert_clean(engine)
+
+
+def _contains(tokens, sequence) -> bool:
+    return any(tokens[i:i + len(sequence)] == sequence for i in range(len(tokens) - len(sequence) + 1))
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(engine, workload, reference, tokenizer):
+    """In one batch: a -100 bias on the greedy first token moves it, a +100 bias forces a token every step,
+    allowed_token_ids bounds every sampled token, and a bad two-token phrase of the greedy output never appears
+    (nor does its other tokenization), which changes the output."""
+    prompt, greedy = workload[1], reference[1][:8]
+    phrase = next(tokenizer.decode(greedy[i:i + 2]) for i in range(1, 6)
+                  if tokenizer.encode(tokenizer.decode(greedy[i:i + 2]), add_special_tokens=False) == greedy[i:i + 2])
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    allowed = sorted({*greedy[3:6], forced, 11})
+    bad = SamplingParams(temperature=0.0, max_tokens=8, bad_words=[phrase])
+    params = [SamplingParams(temperature=0.0, max_tokens=8, logit_bias={greedy[0]: -100.0}),
+              SamplingParams(temperature=0.0, max_tokens=4, logit_bias={str(forced): 100.0}),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=8, allowed_token_ids=allowed, ignore_eos=True),
+              bad]
+    outs = [o.outputs[0].token_ids for o in run_to_completion(engine, [prompt] * 4, params, prefix="bias")]
+    assert outs[0][0] != greedy[0]
+    assert outs[1] == [forced] * 4
+    assert len(outs[2]) == 8 and set(outs[2]) <= set(allowed)
+    assert bad.bad_words_token_ids == []  # the engine tokenized a copy; the caller's params are untouched
+    tokenized = bad.clone()
+    tokenized.update_from_tokenizer(tokenizer)
+    assert len(tokenized.bad_words_token_ids) == 2 and tokenized.reads_output_tokens
+    assert outs[3] != greedy and not any(_contains(outs[3], word) for word in tokenized.bad_words_token_ids)
     assert_clean(engine)
 
 

@@ -10,6 +10,7 @@ from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.loader import init_dummy_model
 from models.testing import tiny_config
+from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import make_buckets
 from paged_jax.model_runner import ModelRunner, enable_compilation_cache
 from paged_jax.step_io import SeqInput
@@ -235,15 +236,16 @@ def test_compile_plan_counts():
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
-    # forward buckets + sampler row counts {8, 32, 128, 256} x 7 sampler variants (greedy; temperature, full and
-    # full + penalties each with and without top-k logprobs)
-    assert planned_num_compiles(2048, 256) == 15 + 4 * 7  # 15 forward buckets, the 1-token one included
-    assert planned_num_compiles(8192, 256) == 17 + 4 * 7
+    # forward buckets + sampler row counts {8, 32, 128, 256} x 11 sampler variants (greedy; temperature, and full
+    # with and without each of penalties and the bias table, each with and without top-k logprobs)
+    assert planned_num_compiles(2048, 256) == 15 + 4 * 11  # 15 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 17 + 4 * 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
-    """Greedy with top logprobs, temperature, truncation, penalties and min_tokens bans, alone and in a batch that
-    pads to the next sampler row count: none of them may compile after warm-up."""
+    """Greedy with top logprobs, temperature, truncation, penalties, min_tokens bans, logit_bias, allowed_token_ids
+    and bad words, alone and in a batch that pads to the next sampler row count: none of them may compile after
+    warm-up."""
     from paged_jax.buckets import planned_num_compiles
 
     model, config = tiny_model
@@ -255,7 +257,12 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]),
                 SamplingParams(temperature=0.8, seed=1, logprobs=3), SamplingParams(temperature=0.8, top_k=5, logprobs=1),
                 SamplingParams(temperature=0.8, repetition_penalty=1.2, logprobs=0, seed=2),
-                SamplingParams(temperature=0.8, frequency_penalty=0.1, logprobs=5, seed=2)]
+                SamplingParams(temperature=0.8, frequency_penalty=0.1, logprobs=5, seed=2),
+                SamplingParams(temperature=0.0, logit_bias={9: 50.0}),
+                SamplingParams(temperature=0.8, allowed_token_ids=[4, 9], repetition_penalty=1.2, logprobs=2, seed=3),
+                SamplingParams(temperature=0.0, logit_bias={9: -5.0}, allowed_token_ids=[9, 10, 11], bad_words=["x"],
+                               logprobs=1)]
+    variants[-1]._bad_words_token_ids = [[10], [5, 11]]  # what update_from_tokenizer fills in (no tokenizer here)
     for params in variants:
         for num_seqs in (1, 9):
             seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 5, 7], num_computed_tokens=0, block_ids=[1 + i],
@@ -267,8 +274,12 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 assert out.logprobs is not None and (out.logprobs <= 0).all() and (out.ranks >= 1).all()
                 # Steps that asked for alternatives carry the compiled top width; others none.
                 assert out.top_token_ids.shape == (num_seqs, runner.max_logprobs if params.logprobs else 0)
-            if params.logprobs and params.temperature == 0.0:
+            if params.logprobs and params.temperature == 0.0 and not params.uses_bias_table:
                 assert (out.ranks == 1).all()
+            if params.allowed_token_ids is not None:
+                assert set(out.sampled_token_ids.tolist()) <= set(params.allowed_token_ids) - {10}
+            if params.logit_bias == {9: 50.0}:
+                assert (out.sampled_token_ids == 9).all()
     assert runner.num_compiles_since_warmup == 0
 
 
@@ -311,8 +322,10 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
     logits = jnp.zeros((num_rows, config.vocab_size), jnp.float32)
     words = jnp.zeros((b - a,), jnp.int32)
     history = jnp.full((num_rows, MAX_MODEL_LEN), -1, jnp.int32)
+    bias_table = jnp.full((num_rows, sampler_lib.bias_table_width(config.vocab_size)), -1, jnp.int32)
     for variant in runner.sampler_variants:
         traced = runner._sample.trace(logits, words, history if variant.penalties else runner._no_history[num_rows],
+                                      bias_table if variant.bias_table else runner._no_history[num_rows],
                                       mode=variant.mode, num_logprobs=variant.num_logprobs)
         assert _loop_primitives(traced.jaxpr.jaxpr) == set(), variant
 

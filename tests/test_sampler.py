@@ -6,13 +6,24 @@ import numpy as np
 import pytest
 
 from paged_jax.sampler import (
+    BANNED_WIDTH,
+    LOGIT_BIAS_WIDTH,
     SamplingMode,
+    apply_allowed_token_mask,
+    apply_logit_bias,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    bias_table_width,
     build_sampling_tensors,
+    check_request_fits,
+    gumbel_noise,
+    pack_bias_table,
+    pack_sampling_tensors,
     sample,
     seed_to_u32,
+    unpack_sampling_tensors,
+    SAMPLING_WORDS_PER_ROW,
 )
 from paged_jax.sampling_params import SamplingParams
 
@@ -353,3 +364,167 @@ def test_zero_logprobs_gives_empty_alternatives():
     out, _ = _sample([_row(SamplingParams(temperature=0.0))] * 2, logits, num_logprobs=0)
     assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
     np.testing.assert_array_equal(out.token_ranks, [1, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# logit_bias, allowed_token_ids, bad_words
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _with_bad_words(params, *token_sequences):
+    """``params`` with its bad words already tokenized (what the engine's ``update_from_tokenizer`` fills in)."""
+    params._bad_words_token_ids = [list(ids) for ids in token_sequences]
+    return params
+
+
+def _numpy_logit_processing(logits, params, output, eos_token_ids=()):
+    """vLLM's order, written out directly: allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties."""
+    logits = logits.astype(np.float64).copy()
+    if params.allowed_token_ids is not None:
+        disallowed = np.ones(logits.size, bool)
+        disallowed[params.allowed_token_ids] = False
+        logits[disallowed] = -np.inf
+    for word in params.bad_words_token_ids:
+        if len(word) == 1 or list(output[len(output) - (len(word) - 1):]) == word[:-1] and len(output) >= len(word) - 1:
+            logits[word[-1]] = -np.inf
+    if len(output) < params.min_tokens:
+        logits[list(params.stop_token_ids or []) + ([] if params.ignore_eos else list(eos_token_ids))] = -np.inf
+    for token_id, bias in (params.logit_bias or {}).items():
+        logits[token_id] += bias
+    return _numpy_penalties(logits, [1, 2, 3], list(output), params.presence_penalty, params.frequency_penalty,
+                            params.repetition_penalty)
+
+
+LOGIT_PROCESSING_CASES = [
+    # (params, output ids)
+    (SamplingParams(temperature=0.0, logit_bias={5: 30.0, 9: -100.0, 0: 2.5}), []),
+    (SamplingParams(temperature=0.0, allowed_token_ids=[3, 17, 40, 63]), [1]),
+    (SamplingParams(temperature=0.8, allowed_token_ids=[3, 17, 40, 63], logit_bias={17: 4.0}), [2, 2]),
+    (_with_bad_words(SamplingParams(temperature=0.0), [11], [20, 21], [30, 31, 32]), [4, 30, 31]),
+    (_with_bad_words(SamplingParams(temperature=0.9, top_k=10, logit_bias={21: 50.0}), [20, 21], [7]), [20]),
+    (_with_bad_words(SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6]), [20, 21]), [9, 21]),
+    (SamplingParams(temperature=0.0, logit_bias={4: 100.0}, repetition_penalty=1.5, presence_penalty=1.0), [4]),
+    (SamplingParams(temperature=0.7), [1, 2]),  # no processing in the same batch: unchanged
+]
+
+
+def test_logit_bias_allowed_ids_and_bad_words_match_numpy_reference():
+    """Greedy rows follow the argmax of the processed logits, random rows the Gumbel-max over them (the same noise
+    the sampler draws), for each combination of the three fields, penalties and min_tokens, in one batch."""
+    eos = [63]
+    logits = _random_logits(12, len(LOGIT_PROCESSING_CASES) + 1)
+    rows = [_row(params, seed=50 + i, step=len(output), output=output)
+            for i, (params, output) in enumerate(LOGIT_PROCESSING_CASES)] + [None]
+    tensors, mode = build_sampling_tensors(rows, len(rows), penalty_len=16, eos_token_ids=eos, vocab_size=VOCAB)
+    assert mode == SamplingMode.FULL
+    out = jax.tree.map(np.asarray, sample(jnp.asarray(logits), tensors, mode=mode, num_logprobs=3))
+    noise = np.asarray(gumbel_noise(jnp.asarray(tensors.seeds), jnp.asarray(tensors.steps), VOCAB))
+    for i, (params, output) in enumerate(LOGIT_PROCESSING_CASES):
+        processed = _numpy_logit_processing(logits[i], params, output, eos)
+        if params.is_greedy:
+            expected = int(np.argmax(processed))
+        else:
+            scaled = processed / params.temperature
+            if params.top_k:
+                scaled[scaled < np.sort(scaled)[-params.top_k]] = -np.inf
+            expected = int(np.argmax(scaled + noise[i]))
+        assert out.token_ids[i] == expected, (i, params)
+    # The processing moved the choice away from the raw argmax, and logprobs stay those of the raw logits.
+    assert (out.token_ids[:3] != np.argmax(logits[:3], -1)).all()
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_allclose(out.logprobs, raw[np.arange(len(rows)), out.token_ids], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-raw, axis=-1, kind="stable")[:, :3])
+
+
+def test_allowed_token_ids_restrict_every_sample():
+    allowed = [2, 33, 34, 65]  # a vocabulary that is not a multiple of 32: the mask's last word is partial
+    vocab = 70
+    params = SamplingParams(temperature=2.0, allowed_token_ids=allowed)
+    logits = np.broadcast_to(_random_logits(13, 1, vocab=vocab)[0], (64, vocab))
+    rows = [_row(params, seed=seed) for seed in range(64)]
+    tensors, _ = build_sampling_tensors(rows, 64, vocab_size=vocab)
+    assert tensors.allowed_token_mask.shape == (64, 3)
+    tokens = np.asarray(sample(jnp.asarray(logits), tensors, mode=SamplingMode.FULL).token_ids)
+    assert set(tokens.tolist()) == set(allowed)  # every allowed id turns up at temperature 2, nothing else
+
+
+def test_device_helpers_match_numpy():
+    vocab = 70
+    logits = _random_logits(14, 3, vocab=vocab)
+    mask = np.full((3, 3), -1, np.int32)
+    mask[1] = 0
+    mask[1, 0] = np.array([(1 << 31) | 1], np.uint32).view(np.int32)[0]  # ids 0 and 31 (the sign bit)
+    mask[1, 2] = 1 << 1  # id 65
+    masked = np.asarray(apply_allowed_token_mask(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(masked[[0, 2]], logits[[0, 2]])
+    assert np.flatnonzero(np.isfinite(masked[1])).tolist() == [0, 31, 65]
+    ids = np.array([[3, 69, -1], [-1, -1, -1], [0, 1, 2]], np.int32)
+    bias = np.array([[1.5, -2.0, 9.0], [5.0, 5.0, 5.0], [-100.0, 100.0, 0.25]], np.float32)
+    biased = np.asarray(apply_logit_bias(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(bias)))
+    expected = logits.copy()
+    for row in range(3):
+        for token_id, value in zip(ids[row], bias[row]):
+            if token_id >= 0:
+                expected[row, token_id] += value
+    np.testing.assert_allclose(biased, expected, rtol=1e-6)
+
+
+def test_bias_table_shapes_and_wire_round_trip():
+    plain = SamplingParams(temperature=0.0)
+    tensors, mode = build_sampling_tensors([_row(plain)], 2, vocab_size=VOCAB)
+    assert mode == SamplingMode.GREEDY and tensors.logit_bias_ids.shape == (2, 0)
+    assert pack_bias_table(tensors) is None  # steps without such rows send no table
+    rows = [_row(SamplingParams(temperature=0.0, logit_bias={7: -3.5, 60: 1.0})), None,
+            _row(SamplingParams(temperature=0.0, allowed_token_ids=[1, 40]))]
+    tensors, mode = build_sampling_tensors(rows, 4, vocab_size=VOCAB)
+    assert mode == SamplingMode.FULL
+    assert tensors.logit_bias_ids.shape == (4, LOGIT_BIAS_WIDTH) and tensors.allowed_token_mask.shape == (4, 2)
+    np.testing.assert_array_equal(tensors.logit_bias_ids[0, :3], [7, 60, -1])
+    np.testing.assert_array_equal(tensors.allowed_token_mask[[0, 1, 3]], -1)  # rows without allowed ids: all on
+    table = pack_bias_table(tensors)
+    assert table.shape == (4, bias_table_width(VOCAB)) and table.dtype == np.int32
+    words = np.zeros(4 * SAMPLING_WORDS_PER_ROW, np.int32)
+    pack_sampling_tensors(tensors, words)
+    unpacked = unpack_sampling_tensors(jnp.asarray(words), jnp.zeros((4, 0), jnp.int32), 4, jnp.asarray(table))
+    for name in ("logit_bias_ids", "logit_bias", "allowed_token_mask", "temperature"):
+        np.testing.assert_array_equal(np.asarray(getattr(unpacked, name)), getattr(tensors, name), err_msg=name)
+    no_table = unpack_sampling_tensors(jnp.asarray(words), jnp.zeros((4, 0), jnp.int32), 4)
+    assert no_table.logit_bias_ids.shape == (4, 0) and no_table.allowed_token_mask.shape == (4, 0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_sampling_tensors(rows, 4)
+
+
+def test_bad_words_ban_the_last_token_after_the_prefix():
+    params = _with_bad_words(SamplingParams(temperature=0.0), [5], [8, 9], [1, 2, 3])
+    cases = [([], [5]), ([8], [5, 9]), ([4, 8], [5, 9]), ([1, 2], [3, 5]), ([2], [5]), ([1, 2, 4], [5])]
+    for output, banned in cases:
+        tensors, mode = build_sampling_tensors([_row(params, step=len(output), output=output)], 1)
+        assert mode == SamplingMode.FULL
+        assert sorted(set(tensors.banned_token_ids[0].tolist()) - {-1}) == banned, output
+    # Banned only after the prefix: with no single-token word and no match, the step needs no bans at all.
+    params = _with_bad_words(SamplingParams(temperature=0.0), [8, 9])
+    tensors, mode = build_sampling_tensors([_row(params, step=1, output=[4])], 1)
+    assert mode == SamplingMode.GREEDY and tensors.banned_token_ids.shape == (1, 0)
+
+
+def test_check_request_fits():
+    check_request_fits(SamplingParams(logit_bias={i: 1.0 for i in range(LOGIT_BIAS_WIDTH)}), vocab_size=1000,
+                       eos_token_ids=[2])
+    too_many = SamplingParams(logit_bias={i: 1.0 for i in range(LOGIT_BIAS_WIDTH + 1)})
+    with pytest.raises(ValueError, match=f"logit_bias: at most {LOGIT_BIAS_WIDTH}"):
+        check_request_fits(too_many, vocab_size=1000, eos_token_ids=[2])
+    for params, field in ((SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
+                          (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
+                          (SamplingParams(allowed_token_ids=[1, VOCAB]), "allowed_token_ids"),
+                          (_with_bad_words(SamplingParams(), [1, VOCAB + 3]), "bad_words")):
+        with pytest.raises(ValueError, match=f"^{field} token id"):
+            check_request_fits(params, vocab_size=VOCAB, eos_token_ids=[2])
+    # Bans share BANNED_WIDTH with min_tokens' stop ids and EOS.
+    words = [[i] for i in range(10, 10 + BANNED_WIDTH - 1)]
+    check_request_fits(_with_bad_words(SamplingParams(min_tokens=2), *words), vocab_size=VOCAB, eos_token_ids=[2])
+    with pytest.raises(ValueError, match="^bad_words: at most"):
+        check_request_fits(_with_bad_words(SamplingParams(min_tokens=2, stop_token_ids=[3]), *words),
+                           vocab_size=VOCAB, eos_token_ids=[2])
+    with pytest.raises(ValueError, match="^stop_token_ids: at most"):
+        check_request_fits(SamplingParams(min_tokens=1, stop_token_ids=list(range(3, 3 + BANNED_WIDTH))),
+                           vocab_size=VOCAB, eos_token_ids=[2])

@@ -92,6 +92,19 @@ def test_valid_edge_values_are_accepted():
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"best_of": 2}, "best_of"),  # vLLM V1: best_of must be unset or n
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"1.5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: "big"}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1.0]}, "allowed_token_ids"),
+        ({"bad_words": ["ok", ""]}, "bad_words"),
+        ({"bad_words": ["ok", 3]}, "bad_words"),
+        ({"bad_words": "word"}, "bad_words"),
     ],
 )
 def test_invalid_field_raises_value_error_naming_it(kwargs, field_name):
@@ -107,12 +120,55 @@ def test_error_message_shows_the_value():
 
 
 def test_clone_is_independent():
-    params = SamplingParams(stop=["x"], stop_token_ids=[3], temperature=0.5)
+    params = SamplingParams(stop=["x"], stop_token_ids=[3], temperature=0.5, logit_bias={1: 2.0},
+                            allowed_token_ids=[1, 2], bad_words=["no"])
+    params.update_from_tokenizer(_WordTokenizer())
     copy = params.clone()
-    assert copy == params
+    assert copy == params and copy.bad_words_token_ids == params.bad_words_token_ids
     copy.stop.append("y")
     copy.stop_token_ids.append(4)
-    assert params.stop == ["x"] and params.stop_token_ids == [3]
+    copy.logit_bias[5] = 1.0
+    copy.allowed_token_ids.append(3)
+    copy.bad_words.append("never")
+    copy.bad_words_token_ids[0].append(9)
+    assert params.stop == ["x"] and params.stop_token_ids == [3] and params.logit_bias == {1: 2.0}
+    assert params.allowed_token_ids == [1, 2] and params.bad_words == ["no"]
+    assert params.bad_words_token_ids == [[10], [20]]
+
+
+def test_best_of_equal_to_n_is_accepted():
+    assert SamplingParams(n=3, best_of=3).best_of == 3
+
+
+def test_logit_bias_keys_become_ints_and_biases_are_clamped():
+    params = SamplingParams(logit_bias={"42": 5, 7: -250.0, "8": 100.5})
+    assert params.logit_bias == {42: 5.0, 7: -100.0, 8: 100.0}
+    assert params.uses_bias_table and not SamplingParams(logit_bias={}).uses_bias_table
+    assert SamplingParams(allowed_token_ids=[3]).uses_bias_table and not SamplingParams().uses_bias_table
+
+
+class _WordTokenizer:
+    """Each space-separated word is one token; a word with a leading space gets another id (as BPE tokenizers do)."""
+
+    ids = {"no": 10, " no": 20, "bad": 11, " bad": 21, "word": 12, " word": 12}
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens
+        words = text.split(" ")
+        pieces = [words[0]] + [" " + w for w in words[1:]] if words[0] else [" " + w for w in words[1:]]
+        return [self.ids[piece] for piece in pieces]
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space():
+    params = SamplingParams(bad_words=["no", " bad word"])
+    assert params.bad_words_token_ids == [] and not params.reads_output_tokens  # until the engine tokenizes
+    params.update_from_tokenizer(_WordTokenizer())
+    # "bad word" -> [11, 12]; " bad word" -> [21, 12]; duplicates would be dropped.
+    assert params.bad_words_token_ids == [[10], [20], [11, 12], [21, 12]]
+    assert params.reads_output_tokens  # a two-token word: the next ban depends on the last output token
+    single = SamplingParams(bad_words=["no"])
+    single.update_from_tokenizer(_WordTokenizer())
+    assert not single.reads_output_tokens
 
 
 def test_validate_token_ids():

@@ -119,7 +119,7 @@ COMMON: dict[str, Case] = {
     "top_p": Case({"top_p": 0.5}, _params("top_p", 0.5)),
     "presence_penalty": Case({"presence_penalty": 0.5}, _params("presence_penalty", 0.5)),
     "frequency_penalty": Case({"frequency_penalty": 0.5}, _params("frequency_penalty", 0.5)),
-    "logit_bias": Case({"logit_bias": {"42": 5.0}}, REFUSED),
+    "logit_bias": Case({"logit_bias": {"42": 5.0}}, _params("logit_bias", {42: 5.0})),
     "seed": Case({"seed": 7}, _params("seed", 7)),
     "stop": Case({"stop": ["Paris"]}, _params("stop", ["Paris"])),
     "stream": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
@@ -139,9 +139,9 @@ COMMON: dict[str, Case] = {
     "spaces_between_special_tokens": Case({"spaces_between_special_tokens": False},
                                           _params("spaces_between_special_tokens", False)),
     "truncate_prompt_tokens": Case({"truncate_prompt_tokens": 2}, lambda r, a: r.usage.prompt_tokens == 2),
-    "allowed_token_ids": Case({"allowed_token_ids": [1, 2]}, REFUSED),
+    "allowed_token_ids": Case({"allowed_token_ids": [1, 2]}, _params("allowed_token_ids", [1, 2])),
     "prompt_logprobs": Case({"prompt_logprobs": 1}, REFUSED),
-    "bad_words": Case({"bad_words": ["Paris"]}, REFUSED),
+    "bad_words": Case({"bad_words": ["Paris"]}, _params("bad_words", ["Paris"])),
     "response_format": Case({"response_format": {"type": "json_object"}}, REFUSED),
     "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, REFUSED),
     "guided_json": Case({"guided_json": {"type": "object"}}, REFUSED),
@@ -308,6 +308,37 @@ def test_no_op_values_of_refused_fields_are_accepted(client):
                                        tool_choice="none", response_format={"type": "text"},
                                        extra_body={"use_beam_search": False, "length_penalty": 1.0, "bad_words": []})
     assert r.usage.completion_tokens >= 1
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, smollm2_tokenizer):
+    """What the three fields do to the generated tokens (seen as ``token_id:N`` logprob entries), and their 400s."""
+    def generate(**extra):
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                      extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True, **extra})
+        return [int(token.split(":")[1]) for token in r.choices[0].logprobs.tokens]
+
+    greedy = generate()
+    banana = smollm2_tokenizer.encode(" banana", add_special_tokens=False)[0]
+    assert generate(logit_bias={str(banana): 100}) == [banana] * 4
+    assert generate(logit_bias={str(greedy[0]): -100})[0] != greedy[0]
+    allowed = [banana, greedy[1], 13]
+    assert set(generate(allowed_token_ids=allowed, temperature=1.0, seed=3)) <= set(allowed)
+    word = smollm2_tokenizer.decode(greedy[:1]).strip()  # " Paris"
+    without = generate(bad_words=[word])
+    assert without[0] != greedy[0] and greedy[0] not in without
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=3, temperature=0,
+                                          logit_bias={str(banana): 100})
+    assert chat.choices[0].message.content == " banana" * 3
+    vocab = smollm2_tokenizer.vocab_size
+    for extra, param in (({"logit_bias": {str(vocab): 1}}, "logit_bias"),
+                         ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [vocab + 1]}, "allowed_token_ids"),
+                         ({"bad_words": [""]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, (extra, info.value.body)
 
 
 def test_chat_template_kwargs_reach_the_template(client, engine):
