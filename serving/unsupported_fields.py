@@ -5,8 +5,8 @@ field is refused only when it asks for something: a value that is unset, empty o
 ``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``use_beam_search: false``) is accepted, since it
 changes nothing. When a feature lands, its entry is removed here and the route honours the field.
 
-``NEEDS_ENGINE_SUPPORT`` lists what waits for the engine and sampler (prompt log-probs, logit processors of the
-sampler); the other tables are features the server does not have.
+``NEEDS_ENGINE_SUPPORT`` lists what waits for the engine and sampler (logit processors of the sampler); the other
+tables are features the server does not have.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from serving.errors import APIError
-from serving.protocol import CompletionRequest
 
 
 def _unset_or_empty(value: Any) -> bool:
@@ -40,9 +39,8 @@ class Refusal:
     is_noop: Callable[[Any], bool] = _unset_or_empty
 
 
-# Waits for engine and sampler support (prompt log-probs and per-request logit processing).
+# Waits for engine and sampler support (per-request logit processing).
 NEEDS_ENGINE_SUPPORT: dict[str, Refusal] = {
-    "prompt_logprobs": Refusal("prompt logprobs are not supported yet", _unset),
     "logit_bias": Refusal("logit_bias is not supported yet"),
     "allowed_token_ids": Refusal("allowed_token_ids is not supported yet", _unset),
     "bad_words": Refusal("bad_words is not supported yet"),
@@ -100,7 +98,3 @@ def refuse_unsupported(body: BaseModel) -> None:
         refusal = REFUSED_FIELDS.get(name)
         if refusal is not None and name in body.model_fields_set and not refusal.is_noop(getattr(body, name)):
             raise APIError(400, f"{name}: {refusal.reason}", param=name)
-    # Needs engine support too: completions' echo with logprobs returns the prompt tokens' logprobs.
-    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
-        raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which are not supported yet",
-                       param="echo")
