@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         def forward_loop():
             out = None
             for _ in range(args.inner):
-                runner.kv_pool, logits, words = original_forward(f_params, runner.kv_pool, f_buf, f_prev, **f_kw)
+                runner.kv_pool, logits, words, _ = original_forward(f_params, runner.kv_pool, f_buf, f_prev, **f_kw)
                 out = logits
             jax.block_until_ready(out)
 

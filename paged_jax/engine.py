@@ -31,11 +31,12 @@ from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
 from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
                                     num_host_blocks_for)
-from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
+from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
 from paged_jax.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
-from paged_jax.scheduler import Scheduler
+from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.step_io import PendingStep, SeqInput
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,12 @@ PLACEHOLDER_TOKEN = -1
 
 @dataclasses.dataclass
 class _InFlightStep:
-    """A dispatched step whose sampled tokens are still placeholders: ``rows`` = (row, request, output index)."""
+    """A dispatched step whose sampled tokens are still placeholders: ``rows`` = (row, request, output index);
+    ``scheduled``: the step's sequences when some of them asked for prompt logprobs, else None."""
 
     handle: PendingStep
     rows: list[tuple[int, Request, int]]
+    scheduled: list[ScheduledSeq] | None = None
 
 
 @dataclasses.dataclass
@@ -107,6 +110,7 @@ class _RequestState:
     params: SamplingParams
     seqs: list[_Sequence]
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobsCollector | None = None  # computed by sequence 0
 
     @property
     def finished(self) -> bool:
@@ -271,6 +275,9 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
         state = _RequestState(request_id=request_id, prompt=prompt_text, prompt_token_ids=prompt_token_ids,
                               params=params, seqs=[], metrics=RequestMetrics(arrival_time=arrival))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = PromptLogprobsCollector(prompt_token_ids, params.prompt_logprobs,
+                                                            self._decode_one)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}::{index}"
             if seq_id in self._seq_by_id:
@@ -278,7 +285,8 @@ class LLMEngine:
             # The scheduler orders FCFS by arrival_time; it expects time.monotonic()-based values.
             request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
-                              arrival_time=time.monotonic() - (time.time() - arrival))
+                              arrival_time=time.monotonic() - (time.time() - arrival),
+                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state))
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
@@ -411,9 +419,13 @@ class LLMEngine:
             if feed and seq_sched.num_new_tokens != 1:
                 raise RuntimeError(f"unresolved sampled token inside a {seq_sched.num_new_tokens}-token chunk of "
                                    f"{request.request_id!r}")
+            targets = None
+            if seq.index == 0 and not self._prompt_logprobs_done(state):
+                targets = state.prompt_logprobs.targets(seq_sched.num_computed_tokens, seq_sched.num_new_tokens)
             inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
                                    num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
-                                   sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed))
+                                   sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed,
+                                   prompt_logprob_targets=targets))
         self.num_steps += 1
         return self.runner.execute(inputs)
 
@@ -421,6 +433,7 @@ class LLMEngine:
         """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
         result = handle.result()
         scheduled = scheduler_output.scheduled
+        self._record_prompt_logprobs(scheduled, result)
         sampled = [t if s.samples else None for t, s in zip(result.sampled_token_ids.tolist(), scheduled)]
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
@@ -441,8 +454,11 @@ class LLMEngine:
         placeholders = [PLACEHOLDER_TOKEN if s.samples else None for s in scheduled]
         progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
         rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
-        # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve.
-        self._in_flight = _InFlightStep(handle=handle, rows=rows) if rows else None
+        prompt_rows = handle.wants_prompt_logprobs
+        # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
+        # computes prompt logprobs, which must still be recorded).
+        self._in_flight = (_InFlightStep(handle=handle, rows=rows, scheduled=scheduled if prompt_rows else None)
+                           if rows or prompt_rows else None)
 
     def _in_flight_needs_tokens(self) -> bool:
         """Penalties and bad words need every previous token on the host when the next step is built: no overlap
@@ -455,6 +471,8 @@ class LLMEngine:
         stop tokens it could not see), detokenize."""
         flight, self._in_flight = self._in_flight, None
         result = flight.handle.result()
+        if flight.scheduled is not None:
+            self._record_prompt_logprobs(flight.scheduled, result)
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         now = time.time()
         touched: dict[str, _RequestState] = {}
@@ -510,15 +528,27 @@ class LLMEngine:
             seq.stop_reason = request.stop_reason
 
     def _token_logprobs(self, params: SamplingParams, token: int, result, row: int) -> dict[int, Logprob]:
-        decode = self._decode_one
-        entry = {token: Logprob(logprob=float(result.logprobs[row]), rank=int(result.ranks[row]),
-                                decoded_token=decode(token))}
-        for rank, (top_id, top_lp) in enumerate(zip(result.top_token_ids[row][:params.logprobs],
-                                                     result.top_logprobs[row][:params.logprobs]), start=1):
-            top_id = int(top_id)
-            if top_id not in entry:
-                entry[top_id] = Logprob(logprob=float(top_lp), rank=rank, decoded_token=decode(top_id))
-        return entry
+        return make_logprob_dict(token, result.logprobs[row], result.ranks[row],
+                                 result.top_token_ids[row][:params.logprobs], result.top_logprobs[row][:params.logprobs],
+                                 self._decode_one)
+
+    @staticmethod
+    def _prompt_logprobs_done(state: _RequestState) -> bool:
+        """True unless the request asked for prompt logprobs and some are still to compute."""
+        return state.prompt_logprobs is None or state.prompt_logprobs.complete
+
+    def _record_prompt_logprobs(self, scheduled: Sequence[ScheduledSeq], result) -> None:
+        """Record the prompt logprobs a finished step computed (``result.prompt_logprobs``, rows as ``scheduled``)."""
+        if result.prompt_logprobs is None:
+            return
+        for seq_sched, chunk in zip(scheduled, result.prompt_logprobs):
+            entry = self._seq_by_id.get(seq_sched.request.request_id)
+            if chunk is None or entry is None or entry[1].request is not seq_sched.request:
+                continue  # no prompt logprobs in this row, or aborted meanwhile
+            collector = entry[0].prompt_logprobs
+            collector.record(seq_sched.num_computed_tokens, chunk)
+            if collector.complete:
+                seq_sched.request.skip_prefix_cache = False  # a later recompute may take hits again
 
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -546,7 +576,8 @@ class LLMEngine:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              num_cached_tokens=state.seqs[0].request.num_cached_prompt_tokens,
-                             metrics=state.metrics if finished else None)
+                             metrics=state.metrics if finished else None,
+                             prompt_logprobs=state.prompt_logprobs.take() if state.prompt_logprobs else None)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, float]:

@@ -191,9 +191,10 @@ class KVCacheManager:
         Returns ``(block_ids, num_computed_tokens)`` with ``num_computed_tokens = len(block_ids) * block_size``. At
         least one known token is always left to compute (the hit is capped at ``num_tokens - 1`` rounded down to a
         block boundary) so that the step produces logits. Does not take references: pass the result to
-        ``allocate_slots`` in the same scheduling pass. Only meaningful for a request holding no blocks.
+        ``allocate_slots`` in the same scheduling pass. Only meaningful for a request holding no blocks. A request
+        with ``skip_prefix_cache`` gets no hit.
         """
-        if not self.enable_prefix_caching or request.block_ids:
+        if not self.enable_prefix_caching or request.block_ids or request.skip_prefix_cache:
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -16,6 +16,10 @@ dispatched back to back without a host sync:
 * ``_sample`` (compiled per sampler row count R x ``SamplerVariant``): on-device sampling -> token ids padded to the
   widest seq bucket (kept on device: the next step may take its decode inputs from them) and logprobs.
 
+A third, ``_prompt_logprobs`` (compiled per token bucket T), runs only on steps where some chunk asked for prompt
+logprobs (``paged_jax.prompt_logprobs``): it takes the forward's hidden states of all T tokens (the forward always
+returns them; other steps drop them unread) and that step's prompt-logprob targets, a second small transfer.
+
 Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
 multiplicative.
 """
@@ -38,6 +42,7 @@ from models.config import ModelConfig
 from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
+from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
 from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
@@ -256,8 +261,8 @@ class ModelRunner:
         plan = self.sharding_plan
 
         def forward(param_leaves, kv_pool, buf, prev_tokens, *, num_tokens, num_seqs):
-            """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words]);
-            R = ``sampler_rows_for(num_seqs)``."""
+            """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words], final hidden
+            states [T, hidden] of every token, for prompt logprobs); R = ``sampler_rows_for(num_seqs)``."""
             fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
             prev_rows = fields["prev_rows"]
             # Decode rows continuing from the previous step take their input token from its on-device samples.
@@ -279,7 +284,7 @@ class ModelRunner:
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
             hidden, kv_pool = model(input_ids, fields["positions"], list(kv_pool), attention)
             logits = model.compute_logits(hidden[fields["logits_indices"]])
-            return kv_pool, logits, fields["sampling"]
+            return kv_pool, logits, fields["sampling"], hidden
 
         self._forward = jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
 
@@ -295,6 +300,16 @@ class ModelRunner:
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
 
         self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+
+        max_logprobs = self.max_logprobs
+
+        def prompt_logprobs(param_leaves, hidden, targets):
+            """hidden [T, hidden], targets int32[T] -> (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs
+            f32[T, K]), K = max_logprobs."""
+            model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
+            return prompt_logprobs_on_device(model.compute_logits, hidden, targets, num_logprobs=max_logprobs)
+
+        self._prompt_logprobs = jax.jit(prompt_logprobs)
 
         def gather_blocks(kv_pool, block_ids):
             """-> [layers, 2, n, block_size, Hkv, D]."""
@@ -318,7 +333,8 @@ class ModelRunner:
 
     def num_compiles(self) -> int:
         """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
-        return sum(f._cache_size() for f in (self._forward, self._sample, self._gather_blocks, self._scatter_blocks))
+        return sum(f._cache_size() for f in (self._forward, self._sample, self._prompt_logprobs, self._gather_blocks,
+                                             self._scatter_blocks))
 
     @property
     def num_compiles_since_warmup(self) -> int:
@@ -329,14 +345,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     def warm_up(self, use_tqdm: bool = True) -> None:
-        """Compile (by running on padding-only inputs) every forward bucket, every (seq bucket, sampler variant) and
-        every swap-copy size, once. Padding tokens only ever write into the null block, so the pool stays clean."""
+        """Compile (by running on padding-only inputs) every forward bucket, every (seq bucket, sampler variant), the
+        prompt logprobs of every token bucket and every swap-copy size, once. Padding tokens only ever write into the
+        null block, so the pool stays clean."""
         from tqdm.auto import tqdm
 
         swap_sizes = self._swap_sizes() if self.num_host_blocks else []
-        total = len(self.buckets) + len(self.sampler_seq_buckets) * len(self.sampler_variants) + len(swap_sizes)
+        token_buckets = sorted({t for t, _ in self.buckets})
+        total = (len(self.buckets) + len(self.sampler_seq_buckets) * len(self.sampler_variants) + len(token_buckets)
+                 + len(swap_sizes))
         bar = tqdm(total=total, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
-        logits_by_rows = {}
+        logits_by_rows, hidden_by_tokens = {}, {}
         for num_tokens, num_seqs in self.buckets:
             layout = self._layout(num_tokens, num_seqs)
             buf = np.zeros((layout.size,), np.int32)
@@ -346,10 +365,11 @@ class ModelRunner:
                                                             eos_token_ids=self.eos_token_ids)
             a, b = layout.fields["sampling"]
             sampler_lib.pack_sampling_tensors(tensors, buf[a:b])
-            self.kv_pool, logits, sampling_words = self._forward(
+            self.kv_pool, logits, sampling_words, hidden = self._forward(
                 self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
                 num_tokens=num_tokens, num_seqs=num_seqs)
             logits_by_rows[layout.num_sample_rows] = (logits, sampling_words)
+            hidden_by_tokens[num_tokens] = hidden
             bar.update(1)
         outs = None
         for num_rows in self.sampler_seq_buckets:
@@ -363,6 +383,10 @@ class ModelRunner:
                                     bias_table if variant.bias_table else self._no_history[num_rows],
                                     mode=variant.mode, num_logprobs=variant.num_logprobs)
                 bar.update(1)
+        for num_tokens in token_buckets:
+            targets = jax.device_put(np.zeros((num_tokens,), np.int32), self.device)
+            outs = (outs, self._prompt_logprobs(self._param_leaves, hidden_by_tokens[num_tokens], targets))
+            bar.update(1)
         for size in swap_sizes:
             ids = jax.device_put(np.zeros((size,), np.int32), self.device)
             self.kv_pool = self._scatter_blocks(self.kv_pool, ids, self._gather_blocks(self.kv_pool, ids))
@@ -474,21 +498,25 @@ class ModelRunner:
                                      "from the previous step")
                 prev_rows[cu[packed] - 1] = row
 
+        prompt_targets, prompt_spans = pack_prompt_logprob_targets(packed_seqs, q_lens, cu, bucket_tokens,
+                                                                   rows_to_packed)
         history = tensors.prev_token_ids if penalties else None
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
-        dispatch = functools.partial(self._dispatch, buf, history, bias_table, bucket_tokens, bucket_seqs,
-                                     mode.value, num_logprobs, wants_logprobs)
+        dispatch = functools.partial(self._dispatch, buf, history, bias_table, prompt_targets, bucket_tokens,
+                                     bucket_seqs, mode.value, num_logprobs, wants_logprobs)
         if self._dispatcher is None:
-            return PendingStep(dispatch(), rows_to_packed, sampled)
+            return PendingStep(dispatch(), rows_to_packed, sampled, prompt_spans)
         self._last_dispatch = self._dispatcher.submit(dispatch)
-        return PendingStep(self._last_dispatch, rows_to_packed, sampled)
+        return PendingStep(self._last_dispatch, rows_to_packed, sampled, prompt_spans)
 
-    def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, bias_table: np.ndarray | None, num_tokens: int,
-                  num_seqs: int, mode: str, num_logprobs: int, wants_logprobs: bool) -> tuple:
-        """Send one step's buffer and launch its forward + sampling (on the dispatch thread if there is one).
-        Returns the device outputs to fetch, their host copies already started."""
-        self.kv_pool, logits, sampling_words = self._forward(
+    def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, bias_table: np.ndarray | None,
+                  prompt_targets: np.ndarray | None, num_tokens: int, num_seqs: int, mode: str, num_logprobs: int,
+                  wants_logprobs: bool) -> tuple:
+        """Send one step's buffer and launch its forward + sampling, and the prompt logprobs when some row wants them
+        (on the dispatch thread if there is one). Returns the device outputs to fetch (sampler's, prompt logprobs'),
+        their host copies already started."""
+        self.kv_pool, logits, sampling_words, hidden = self._forward(
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
             num_tokens=num_tokens, num_seqs=num_seqs)
         history = (jax.device_put(history, self.device) if history is not None
@@ -498,9 +526,11 @@ class ModelRunner:
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
         fetch = outs if wants_logprobs else outs[:1]
-        for array in fetch:
+        prompt_fetch = () if prompt_targets is None else self._prompt_logprobs(
+            self._param_leaves, hidden, jax.device_put(prompt_targets, self.device))
+        for array in (*fetch, *prompt_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
-        return fetch
+        return fetch, prompt_fetch
 
     def wait_for_dispatch(self) -> None:
         """Block until every step handed to the dispatch thread has been dispatched (not computed); re-raises a

@@ -9,7 +9,8 @@ it whole from ``step(finished_only=True)``, vLLM's ``FINAL_ONLY``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -31,6 +32,21 @@ class Logprob:
 
 # One entry per generated token: {token_id: Logprob} for the sampled token and the requested top alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first, then {token_id: Logprob} for the prompt token and the requested top
+# alternatives (vLLM's ``PromptLogprobs``).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def make_logprob_dict(token_id: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float],
+                      decode: Callable[[int], str | None]) -> dict[int, Logprob]:
+    """One position's ``{token_id: Logprob}``: the token itself (its logprob and rank), then the top alternatives
+    ranked 1, 2, .. in order (one that is the token itself keeps the token's entry)."""
+    entry = {token_id: Logprob(logprob=float(logprob), rank=int(rank), decoded_token=decode(token_id))}
+    for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
+        top_id = int(top_id)
+        if top_id not in entry:
+            entry[top_id] = Logprob(logprob=float(top_logprob), rank=top_rank, decoded_token=decode(top_id))
+    return entry
 
 
 @dataclass
@@ -83,7 +99,8 @@ class RequestOutput:
     finished: all sequences are finished (this is the request's last output).
     num_cached_tokens: prompt tokens served from the prefix cache.
     metrics: set on the finished output only.
-    prompt_logprobs: always None (prompt logprobs are not supported); kept for vLLM compatibility.
+    prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token None (the first) or {token_id:
+      Logprob} (the prompt token and the top alternatives), on the request's first output only (as vLLM); else None.
     """
 
     request_id: str
@@ -93,7 +110,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, next_output: RequestOutput) -> None:
         """Append ``next_output``, the next delta of the same request, to this output in place (vLLM's
@@ -122,6 +139,8 @@ class RequestOutput:
             completion.stop_reason = new.stop_reason
         if len(self.outputs) > 1 and any(a.index > b.index for a, b in zip(self.outputs, self.outputs[1:])):
             self.outputs.sort(key=lambda completion: completion.index)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
         self.finished = next_output.finished
         self.num_cached_tokens = next_output.num_cached_tokens
         if next_output.metrics is not None:

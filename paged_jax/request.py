@@ -67,6 +67,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it (None for EOS/length)
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    # Take no prefix-cache hits (its blocks are still cached for others): prompt logprobs need every prompt position
+    # computed (vLLM skips reading the cache for such requests too).
+    skip_prefix_cache: bool = False
     # Chained hashes of the full blocks of all_token_ids, owned by the KVCacheManager: filled incrementally (the
     # token sequence only grows), cut back when an async-scheduling placeholder is replaced (invalidate_block_hashes).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)

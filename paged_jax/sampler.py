@@ -522,7 +522,7 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Arr
     return jax.vmap(row_noise)(seeds, steps.astype(jnp.uint32))
 
 
-def _raw_logprob_outputs(
+def raw_logprob_outputs(
     logits: jax.Array, token_ids: jax.Array, num_logprobs: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(logprob f32[S], top_ids i32[S, K], top_logprobs f32[S, K], rank i32[S]) under log_softmax(logits)."""
@@ -583,7 +583,7 @@ def sample(
         token_ids = jnp.where(greedy_rows, greedy_ids, sampled_ids)
 
     token_ids = token_ids.astype(jnp.int32)
-    sampled_logprob, top_ids, top_logprobs, rank = _raw_logprob_outputs(logits, token_ids, num_logprobs)
+    sampled_logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(logits, token_ids, num_logprobs)
     return SamplerOutput(
         token_ids=token_ids, logprobs=sampled_logprob, top_ids=top_ids, top_logprobs=top_logprobs, token_ranks=rank
     )

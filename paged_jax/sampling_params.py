@@ -18,7 +18,8 @@ import numpy as np
 # Below this temperature a request is sampled greedily (argmax), exactly as vLLM's ``_SAMPLING_EPS``.
 SAMPLING_EPS = 1e-5
 # The most top alternatives a request may ask for per generated token (``logprobs``); vLLM's default
-# ``max_logprobs`` is 20 as well. The model runner compiles its logprob variants up to this width.
+# ``max_logprobs`` is 20 as well (it bounds ``prompt_logprobs`` too). The model runner compiles its logprob variants
+# and its prompt logprobs up to this width.
 MAX_LOGPROBS = 20
 # ``logit_bias`` values are clamped to this range (the OpenAI API's range; vLLM clamps the same way).
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -60,7 +61,8 @@ class SamplingParams:
       min_tokens: >= 0, stop tokens / EOS / stop strings are not allowed before this many output tokens.
       logprobs: None, or the number of top alternatives (0..MAX_LOGPROBS) to return per output token besides
         the sampled one (0 = only the sampled token's logprob).
-      prompt_logprobs: not supported; must be None.
+      prompt_logprobs: None, or the number of top alternatives (0..MAX_LOGPROBS) to return per prompt token besides
+        the prompt token itself (``RequestOutput.prompt_logprobs``); such a request takes no prefix-cache hits.
       detokenize, skip_special_tokens, spaces_between_special_tokens, include_stop_str_in_output: as vLLM.
       logit_bias: {token id: bias} added to the logits before sampling (keys may be strings of ints, as in the
         OpenAI API; biases are clamped to [-100, 100] as vLLM does). The engine checks the ids against the vocab.
@@ -159,8 +161,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}")
         for stop_str in self._stop_list:
             if not isinstance(stop_str, str):
                 raise ValueError(f"stop must be a str or a list of str, got element {stop_str!r}")

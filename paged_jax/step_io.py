@@ -29,6 +29,8 @@ class SeqInput:
         ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties or bad words).
       feed_from_previous: the single input token is the token sampled for ``key`` by the previous step (which must
         have sampled it); lets the host build a step before the previous one's tokens reached it.
+      prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
+        (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
     """
 
     key: str
@@ -38,10 +40,29 @@ class SeqInput:
     sample: bool
     sampling: Any = None
     feed_from_previous: bool = False
+    prompt_logprob_targets: Sequence[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclasses.dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs of one sequence's chunk, host side: entry i is about the chunk's new token i and its target
+    (``SeqInput.prompt_logprob_targets[i]``), under log_softmax of the raw logits at that position.
+
+    Attributes:
+      logprobs: float32[n] the target's logprob.
+      ranks: int32[n] the target's 1-based rank (1 + number of strictly more likely tokens).
+      top_token_ids: int32[n, K] / top_logprobs: float32[n, K]: the K most likely tokens, K = the runner's
+        ``max_logprobs``.
+    """
+
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclasses.dataclass
@@ -54,6 +75,8 @@ class StepOutput:
       ranks: int32[num_rows] 1-based rank of the sampled token; None unless some row asked for logprobs.
       top_token_ids: int32[num_rows, K] / top_logprobs: float32[num_rows, K]: the K most likely tokens, K = 0 or the
         compiled width (>= every row's request); None unless some row asked for logprobs.
+      prompt_logprobs: per row a ``PromptLogprobsChunk`` (rows that gave prompt-logprob targets) or None; None
+        unless some row gave targets.
     """
 
     sampled_token_ids: np.ndarray
@@ -61,28 +84,38 @@ class StepOutput:
     ranks: np.ndarray | None = None
     top_token_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    prompt_logprobs: list[PromptLogprobsChunk | None] | None = None
 
 
 class PendingStep:
     """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host.
 
-    ``device_outputs`` is the tuple of device arrays to fetch (their host copies already started by
-    ``ModelRunner._dispatch``), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's
-    dispatch thread.
+    ``device_outputs`` is the pair (sampler outputs, prompt-logprob outputs) of tuples of device arrays to fetch (their
+    host copies already started by ``ModelRunner._dispatch``; the second is empty unless some row gave prompt-logprob
+    targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
+    ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None.
     """
 
-    def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray):
+    def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
+                 prompt_spans: list[tuple[int, int] | None] | None = None):
         self._device_outputs = device_outputs
         self._rows_to_packed = rows_to_packed
         self._sampled_rows = sampled_rows
+        self._prompt_spans = prompt_spans
         self._result: StepOutput | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some row of the step computes prompt logprobs."""
+        return self._prompt_spans is not None
 
     def result(self) -> StepOutput:
         if self._result is None:
             outputs = self._device_outputs
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            host = [np.asarray(x) for x in jax.device_get(outputs)]
+            sampler_outputs, prompt_outputs = jax.device_get(outputs)
+            host = [np.asarray(x) for x in sampler_outputs]
             rows = self._rows_to_packed
             tokens = host[0][rows].astype(np.int32)
             tokens[~self._sampled_rows] = -1
@@ -92,6 +125,11 @@ class PendingStep:
                 out.top_token_ids = host[2][rows]
                 out.top_logprobs = host[3][rows]
                 out.ranks = host[4][rows]
+            if prompt_outputs:  # (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs f32[T, K])
+                arrays = [np.asarray(x) for x in prompt_outputs]
+                out.prompt_logprobs = [
+                    None if span is None else PromptLogprobsChunk(*(a[span[0]:span[0] + span[1]] for a in arrays))
+                    for span in self._prompt_spans]
             self._result = out
             self._device_outputs = ()
         return self._result

@@ -121,7 +121,8 @@ def _pack(output: RequestOutput, prompt_sent: set[str]) -> tuple:
         prompt_sent.add(output.request_id)
     if output.finished:
         prompt_sent.discard(output.request_id)
-    return (output.request_id, head, completions, output.finished, output.num_cached_tokens, output.metrics)
+    return (output.request_id, head, completions, output.finished, output.num_cached_tokens, output.metrics,
+            output.prompt_logprobs)
 
 
 def _describe(exc: BaseException) -> str:
@@ -298,7 +299,7 @@ class EngineProcessClient:
         """The delta ``RequestOutput`` that ``_pack`` packed; None for a request aborted here meanwhile."""
         from paged_jax.outputs import CompletionOutput, RequestOutput
 
-        request_id, head, completions, finished, num_cached_tokens, metrics = packed
+        request_id, head, completions, finished, num_cached_tokens, metrics, prompt_logprobs = packed
         if request_id not in self._live:
             return None
         if head is not None:
@@ -310,7 +311,8 @@ class EngineProcessClient:
                                     logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
                    for index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason in completions]
         return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                             outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens, metrics=metrics)
+                             outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens, metrics=metrics,
+                             prompt_logprobs=prompt_logprobs)
 
 
 def engine_process_enabled(flag: bool | None) -> bool:

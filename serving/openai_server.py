@@ -23,7 +23,7 @@ from serving.engine_client import EngineClient
 from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
-                              ChatMessageParam, CompletionLogProbs, SamplingFields, random_uuid)
+                              ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
 from serving.unsupported_fields import refuse_unsupported
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
@@ -122,10 +122,24 @@ class OpenAIServer:
                                 f"max_model_len ({self.info.max_model_len}). Please, select a smaller truncation "
                                 f"size.", param="truncate_prompt_tokens")
 
-    def check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
+    def check_num_logprobs(self, num_logprobs: int | None, param: str, kind: str = "sample") -> None:
         if num_logprobs is not None and num_logprobs > self.max_logprobs:
-            raise APIError(400, f"{param}: Requested sample logprobs of {num_logprobs}, which is greater than max "
+            raise APIError(400, f"{param}: Requested {kind} logprobs of {num_logprobs}, which is greater than max "
                                 f"allowed: {self.max_logprobs} (--max-logprobs)", param=param)
+
+    def check_prompt_logprobs(self, body: SamplingFields) -> None:
+        """vLLM's rules for ``prompt_logprobs``: >= 0, or -1 for the whole vocabulary (which exceeds
+        ``--max-logprobs``), at most ``--max-logprobs``; never with ``stream`` (the chunks have no place for them)."""
+        value = body.prompt_logprobs
+        if value is None:
+            return
+        if value < -1:
+            raise APIError(400, "prompt_logprobs: `prompt_logprobs` must be a non-negative value or -1.",
+                           param="prompt_logprobs")
+        if body.stream:
+            raise APIError(400, "prompt_logprobs: `prompt_logprobs` are not available when `stream=True`.",
+                           param="prompt_logprobs")
+        self.check_num_logprobs(self.info.vocab_size if value == -1 else value, "prompt_logprobs", "prompt")
 
     def check_suffix(self, suffix: str | None) -> None:
         """``suffix`` asks for a fill-in-the-middle prompt, which needs the model's FIM tokens."""
@@ -205,9 +219,9 @@ class OpenAIServer:
         return min(limit for limit in limits if limit is not None)
 
     def sampling_params(self, body: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        aliases: dict[str, str]):
+                        aliases: dict[str, str], prompt_logprobs: int | None = None):
         """``SamplingParams`` of ``body``; fields it leaves unset take the generation config's default, else
-        vLLM's."""
+        vLLM's. ``logprobs`` / ``prompt_logprobs``: as the endpoint reads them from its fields."""
         from paged_jax.sampling_params import SamplingParams
 
         if body.stop_token_ids:
@@ -239,6 +253,7 @@ class OpenAIServer:
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
@@ -283,12 +298,29 @@ class OpenAIServer:
     def _ranked(self, entries: dict) -> list[tuple[int, Any]]:
         return sorted(entries.items(), key=lambda item: (getattr(item[1], "rank", None) or 1 << 30, item[0]))
 
-    def completion_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict], num_top: int,
+    def prompt_logprobs(self, entries: Sequence[dict | None] | None) -> list[dict[int, PromptLogprob] | None] | None:
+        """A ``RequestOutput.prompt_logprobs`` as responses show it (logprobs clamped to JSON numbers, as vLLM)."""
+        if entries is None:
+            return None
+        return [None if entry is None else {token_id: PromptLogprob(logprob=self.clamp(lp.logprob), rank=lp.rank,
+                                                                    decoded_token=lp.decoded_token)
+                                            for token_id, lp in entry.items()}
+                for entry in entries]
+
+    def completion_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict | None], num_top: int,
                             text_offset: int, as_token_ids: bool = False) -> CompletionLogProbs:
-        """Legacy format for generated tokens ``token_ids`` (the sampled token plus the ``num_top`` most likely);
-        ``as_token_ids``: tokens shown as ``token_id:N``."""
+        """Legacy format for tokens ``token_ids`` (the token plus the ``num_top`` most likely); an entry of None (an
+        echoed prompt's first token) has no logprob; ``as_token_ids``: tokens shown as ``token_id:N``."""
         result = CompletionLogProbs()
         for token_id, entries in zip(token_ids, logprobs):
+            if entries is None:
+                text = self.token_text(token_id, None, as_token_ids)
+                result.tokens.append(text)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                result.text_offset.append(text_offset)
+                text_offset += len(text)
+                continue
             sampled = entries.get(token_id)
             text = self.token_text(token_id, sampled, as_token_ids)
             result.tokens.append(text)

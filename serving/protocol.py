@@ -179,7 +179,21 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's ``Logprob`` as its responses show it in ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM extra: per prompt token, null (the first) or {token id: PromptLogprob} for the token and the top alternatives.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
+class CompletionStreamChoice(OpenAIBaseModel):
+    """A streamed choice, ``text`` being the new text of this chunk."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -188,15 +202,18 @@ class CompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
+class CompletionResponseChoice(CompletionStreamChoice):
+    """A choice of a whole response: the streamed fields, plus the prompt's logprobs when asked for
+    (``prompt_logprobs``, or ``echo`` with ``logprobs``)."""
+
+    prompt_logprobs: PromptLogprobsField = None
+
+
 class CompletionResponse(ResponseFields):
     id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
-
-
-class CompletionStreamChoice(CompletionResponseChoice):
-    """A streamed choice: the same fields, ``text`` being the new text of this chunk."""
 
 
 class CompletionStreamResponse(ResponseFields):
@@ -303,6 +320,7 @@ class ChatCompletionResponse(ResponseFields):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None  # vLLM extra, with the request's prompt_logprobs
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -5,8 +5,7 @@ field is refused only when it asks for something: a value that is unset, empty o
 ``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``use_beam_search: false``) is accepted, since it
 changes nothing. When a feature lands, its entry is removed here and the route honours the field.
 
-``NEEDS_ENGINE_SUPPORT`` lists what waits for the engine (prompt log-probs); the other tables are features the
-server does not have.
+The tables list features the server does not have (yet).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from serving.errors import APIError
-from serving.protocol import CompletionRequest
 
 
 def _unset_or_empty(value: Any) -> bool:
@@ -40,10 +38,6 @@ class Refusal:
     is_noop: Callable[[Any], bool] = _unset_or_empty
 
 
-# Waits for engine support (prompt log-probs).
-NEEDS_ENGINE_SUPPORT: dict[str, Refusal] = {
-    "prompt_logprobs": Refusal("prompt logprobs are not supported yet", _unset),
-}
 _TOOLS = "tool calling is not supported yet"
 _STRUCTURED = "structured outputs (guided decoding) are not supported yet"
 _BEAM = "beam search is not supported yet"
@@ -84,7 +78,7 @@ NOT_SUPPORTED: dict[str, Refusal] = {
     "kv_transfer_params": Refusal("KV transfer (disaggregated prefill) is not supported"),
     "vllm_xargs": Refusal("no extension reads vllm_xargs on this server"),
 }
-REFUSED_FIELDS: dict[str, Refusal] = {**NEEDS_ENGINE_SUPPORT, **NOT_SUPPORTED}
+REFUSED_FIELDS: dict[str, Refusal] = dict(NOT_SUPPORTED)
 
 
 def refuse_unsupported(body: BaseModel) -> None:
@@ -97,7 +91,3 @@ def refuse_unsupported(body: BaseModel) -> None:
         refusal = REFUSED_FIELDS.get(name)
         if refusal is not None and name in body.model_fields_set and not refusal.is_noop(getattr(body, name)):
             raise APIError(400, f"{name}: {refusal.reason}", param=name)
-    # Needs engine support too: completions' echo with logprobs returns the prompt tokens' logprobs.
-    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
-        raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which are not supported yet",
-                       param="echo")

@@ -64,7 +64,7 @@ def test_outputs_equal_the_in_process_engine(client, model_dir):
     requests = [(f"r{i}", {"prompt_token_ids": rng.integers(1, 500, size=n).tolist()}, params)
                 for i, (n, params) in enumerate([
                     (5, SamplingParams(temperature=0.0, max_tokens=9)),
-                    (23, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)),
+                    (23, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=3)),
                     (11, SamplingParams(temperature=0.8, seed=3, max_tokens=7, n=2)),
                     (40, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7]))])]
     local_engine = LLMEngine(EngineArgs(model=model_dir, **ENGINE_KWARGS), use_tqdm=False)
@@ -79,6 +79,10 @@ def test_outputs_equal_the_in_process_engine(client, model_dir):
     for request_id, want in local.items():
         got = remote[request_id]
         assert got.prompt_token_ids == want.prompt_token_ids
+        assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
+        if want.prompt_logprobs is not None:  # crossed the pipe
+            assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+            assert [sorted(e) for e in got.prompt_logprobs[1:]] == [sorted(e) for e in want.prompt_logprobs[1:]]
         assert [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in got.outputs] == \
             [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in want.outputs]
         for g, w in zip(got.outputs, want.outputs):

@@ -237,9 +237,10 @@ def test_compile_plan_counts():
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
     # forward buckets + sampler row counts {8, 32, 128, 256} x 11 sampler variants (greedy; temperature, and full
-    # with and without each of penalties and the bias table, each with and without top-k logprobs)
-    assert planned_num_compiles(2048, 256) == 15 + 4 * 11  # 15 forward buckets, the 1-token one included
-    assert planned_num_compiles(8192, 256) == 17 + 4 * 11
+    # with and without each of penalties and the bias table, each with and without top-k logprobs) + prompt logprobs
+    # per token bucket (1, 16, 32, ..)
+    assert planned_num_compiles(2048, 256) == 15 + 4 * 11 + 9  # 15 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 17 + 4 * 11 + 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):

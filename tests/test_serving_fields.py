@@ -110,6 +110,17 @@ def _streamed(response, added):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
 
 
+def _prompt_logprobs(response, added):
+    """One entry per prompt token (None first), each the prompt token plus at most 1 alternative: on the response
+    (chat) or on each choice (completions), as vLLM."""
+    entries = getattr(response, "prompt_logprobs", None) or response.choices[0].prompt_logprobs
+    assert added[-1].params.prompt_logprobs == 1
+    assert entries[0] is None and len(entries) == response.usage.prompt_tokens == len(added[-1].prompt)
+    for token_id, entry in zip(added[-1].prompt[1:], entries[1:]):
+        assert str(token_id) in entry and 1 <= len(entry) <= 2
+        assert all(value["logprob"] <= 0 and value["rank"] >= 1 for value in entry.values())
+
+
 # Fields both endpoints share, with the same meaning.
 COMMON: dict[str, Case] = {
     "model": Case({"model": MODEL_NAME}, lambda r, a: r.model == MODEL_NAME),
@@ -140,7 +151,7 @@ COMMON: dict[str, Case] = {
                                           _params("spaces_between_special_tokens", False)),
     "truncate_prompt_tokens": Case({"truncate_prompt_tokens": 2}, lambda r, a: r.usage.prompt_tokens == 2),
     "allowed_token_ids": Case({"allowed_token_ids": [1, 2]}, _params("allowed_token_ids", [1, 2])),
-    "prompt_logprobs": Case({"prompt_logprobs": 1}, REFUSED),
+    "prompt_logprobs": Case({"prompt_logprobs": 1}, _prompt_logprobs),
     "bad_words": Case({"bad_words": ["Paris"]}, _params("bad_words", ["Paris"])),
     "response_format": Case({"response_format": {"type": "json_object"}}, REFUSED),
     "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, REFUSED),
@@ -286,9 +297,6 @@ def test_suffix_and_best_of_refusals_say_why(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, n=2, max_tokens=2)
     assert info.value.body["param"] == "best_of"
-    with pytest.raises(openai.BadRequestError, match="prompt logprobs") as info:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=2)
-    assert info.value.body["param"] == "echo"
 
 
 def test_request_id_names_the_response(server, engine):
@@ -531,3 +539,56 @@ def test_serve_flags_are_checked_before_loading(capsys, tmp_path):
     assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"  # inline
     args = build_parser().parse_args(["--response-role", "bot", "--max-logprobs", "5", "--chat-template", str(path)])
     assert (args.response_role, args.max_logprobs, args.chat_template) == ("bot", 5, str(path))
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs(client, engine):
+    """vLLM: echo + logprobs asks the engine for prompt logprobs (as many alternatives) and lists the prompt tokens
+    first in the choice's logprobs, the first one without a logprob; streamed, the first chunk carries them."""
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                  echo=True, extra_body={"ignore_eos": True})
+    prompt = engine.added[-1].prompt
+    assert engine.added[-1].params.prompt_logprobs == 2
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT) and len(lp.tokens) == len(prompt) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(value <= 0 for value in lp.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # the 2 most likely, plus the token unless in them
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens[:len(prompt)]) == PROMPT
+    entries = choice.prompt_logprobs  # the raw prompt logprobs come along (vLLM)
+    assert [entries[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i] == pytest.approx(
+        lp.token_logprobs[1:len(prompt)], abs=1e-6)
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    assert lp.token_logprobs[len(prompt):] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0,
+                                            logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert sum((c.logprobs.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.logprobs.token_logprobs for c in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert sum((c.logprobs.text_offset for c in streamed), []) == lp.text_offset
+
+
+def test_prompt_logprobs_rules_and_chat_agrees_with_completions(client, engine):
+    """vLLM's rules (not with stream; >= 0 or -1 = the whole vocabulary, at most --max-logprobs), and the chat
+    prompt's logprobs equal those of the same token ids sent as a completion."""
+    for extra, kwargs in (({"prompt_logprobs": 1}, {"stream": True}), ({"prompt_logprobs": -1}, {}),
+                          ({"prompt_logprobs": -2}, {}), ({"prompt_logprobs": 21}, {})):
+        for create, base in ((client.completions.create, dict(prompt=PROMPT, max_tokens=1)),
+                             (client.chat.completions.create, dict(messages=CHAT, max_completion_tokens=1))):
+            with pytest.raises(openai.BadRequestError) as info:
+                create(model=MODEL_NAME, **base, **kwargs, extra_body=extra)
+            assert info.value.body["param"] == "prompt_logprobs", (extra, kwargs)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=1,
+                                          extra_body={"prompt_logprobs": 3})
+    ids = engine.added[-1].prompt
+    completion = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=1,
+                                           extra_body={"prompt_logprobs": 3})
+    assert chat.prompt_logprobs[0] is None and completion.choices[0].prompt_logprobs[0] is None
+    for got, want in zip(chat.prompt_logprobs[1:], completion.choices[0].prompt_logprobs[1:]):
+        assert sorted(got) == sorted(want)
+        assert [got[k]["logprob"] for k in sorted(got)] == pytest.approx([want[k]["logprob"] for k in sorted(want)],
+                                                                         abs=1e-5)
+        assert [got[k]["rank"] for k in sorted(got)] == [want[k]["rank"] for k in sorted(want)]

@@ -27,6 +27,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     server.check_num_logprobs(num_top, "top_logprobs")
+    server.check_prompt_logprobs(body)
     text = server.render_chat(body.messages, body)
     ids = server.truncate(server.encode(text, body.add_special_tokens, "messages"), body.truncate_prompt_tokens)
     server.check_prompt_length(len(ids), "messages")
@@ -34,7 +35,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
-    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases)
+    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
+                                    prompt_logprobs=body.prompt_logprobs)
     response_id = server.response_id("chatcmpl", body, raw_request)
     streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority)], body, aliases)
     created = unix_time()
@@ -62,7 +64,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion_tokens,
                       total_tokens=len(ids) + num_completion_tokens)
     return json_response(ChatCompletionResponse(id=response_id, created=created,
-                                                model=server.info.served_model_name, choices=choices, usage=usage))
+                                                model=server.info.served_model_name, choices=choices, usage=usage,
+                                                prompt_logprobs=server.prompt_logprobs(final.prompt_logprobs)))
 
 
 def _echoed_content(body: ChatCompletionRequest, role: str) -> str:

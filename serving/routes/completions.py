@@ -36,6 +36,10 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     server.check_request(body)
     server.check_suffix(body.suffix)
     server.check_num_logprobs(body.logprobs, "logprobs")
+    server.check_prompt_logprobs(body)
+    # vLLM: echo with logprobs returns the prompt's logprobs too, with as many alternatives.
+    prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (
+        body.logprobs if body.echo else None)
     prompts = _normalize_prompts(body.prompt)
     prompt_token_ids: list[list[int]] = []
     for prompt in prompts:
@@ -49,7 +53,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     response_id = server.response_id("cmpl", body, raw_request)
     for index, ids in enumerate(prompt_token_ids):
         max_tokens = server.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens")
-        params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases)
+        params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
+                                        prompt_logprobs=prompt_logprobs)
         requests.append(EngineRequest(f"{response_id}-{index}", ids, params, priority=body.priority))
     # The echoed prompt is the text as sent, or the decoded ids of a token prompt (or of a truncated one).
     prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None else server.decode(ids, "echo")
@@ -59,7 +64,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     created = unix_time()
     if body.stream:
         return EngineStreamingResponse(
-            _completion_chunks(server, body, streams, response_id, created, prompt_texts, num_prompt_tokens),
+            _completion_chunks(server, body, streams, response_id, created, prompt_texts, prompt_token_ids),
             server.engine, streams)
     finals = await collect_final(server.engine, streams, raw_request)
     if finals is None:
@@ -67,15 +72,22 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     choices = []
     num_completion_tokens = 0
     for prompt_index, output in enumerate(finals):
+        prompt_logprobs = server.prompt_logprobs(output.prompt_logprobs)
         for completion in output.outputs:
             prefix = prompt_texts[prompt_index] if prompt_texts else ""
             logprobs = None
             if body.logprobs is not None and completion.logprobs is not None:
-                logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs,
-                                                      len(prefix), bool(body.return_tokens_as_token_ids))
+                token_ids, entries = completion.token_ids, completion.logprobs
+                if prompt_texts:  # the echoed prompt's tokens come first, their offsets from 0 (vLLM)
+                    token_ids = [*prompt_token_ids[prompt_index], *token_ids]
+                    entries = [*output.prompt_logprobs, *entries]
+                logprobs = server.completion_logprobs(token_ids, entries, body.logprobs,
+                                                      0 if prompt_texts else len(prefix),
+                                                      bool(body.return_tokens_as_token_ids))
             choices.append(CompletionResponseChoice(
                 index=prompt_index * body.n + completion.index, text=prefix + completion.text, logprobs=logprobs,
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                prompt_logprobs=prompt_logprobs))
             num_completion_tokens += len(completion.token_ids)
     choices.sort(key=lambda choice: choice.index)
     usage = UsageInfo(prompt_tokens=sum(num_prompt_tokens), completion_tokens=num_completion_tokens,
@@ -86,37 +98,41 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
 
 async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],
                              response_id: str, created: int, prompt_texts: list[str] | None,
-                             num_prompt_tokens: list[int]) -> AsyncIterator[str]:
-    """The SSE chunks of a streamed completion: the echoed prompts, then one chunk per choice and delta output."""
+                             prompt_token_ids: list[list[int]]) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed completion: one chunk per choice and delta output; with ``echo`` a choice's first
+    chunk starts with its prompt (and its logprobs with the prompt's, when asked), as vLLM."""
     include_usage, continuous_usage = usage_options(body.stream_options)
     model = server.info.served_model_name
     chunks = SSEChunks(CompletionStreamResponse, response_id, created, model, include_usage)
     text_chunk = CompletionTextChunk(response_id, created, model, include_usage)
     as_token_ids = bool(body.return_tokens_as_token_ids)
+    num_prompt_tokens = [len(ids) for ids in prompt_token_ids]
     num_tokens: dict[int, int] = {}  # per choice: completion tokens so far (continuous_usage_stats)
-    if prompt_texts is not None:
-        for prompt_index, text in enumerate(prompt_texts):
-            for i in range(body.n):
-                usage = chunks.usage_info(num_prompt_tokens[prompt_index], 0) if continuous_usage else None
-                yield chunks.choice(CompletionStreamChoice(index=prompt_index * body.n + i, text=text), usage)
     num_chars_sent: dict[int, int] = {}  # per choice: characters streamed so far (logprobs' text_offset)
+    prompt_logprobs: dict[int, list] = {}  # per prompt: its request's prompt logprobs (on its first output)
     async for prompt_index, output in merge_streams(streams):
+        if output.prompt_logprobs is not None:
+            prompt_logprobs[prompt_index] = output.prompt_logprobs
         for completion in output.outputs:
             index = prompt_index * body.n + completion.index
+            text, token_ids, entries = completion.text, completion.token_ids, completion.logprobs
+            if prompt_texts is not None and index not in num_chars_sent:  # the choice's first chunk: echo
+                text = prompt_texts[prompt_index] + text
+                if body.logprobs is not None and entries is not None:
+                    token_ids = [*prompt_token_ids[prompt_index], *token_ids]
+                    entries = [*prompt_logprobs[prompt_index], *entries]
             num_tokens[index] = num_tokens.get(index, 0) + len(completion.token_ids)
             char_offset = num_chars_sent.get(index, 0)
-            num_chars_sent[index] = char_offset + len(completion.text)
-            if (body.logprobs is None or completion.logprobs is None) and not continuous_usage:
-                yield text_chunk(index, completion.text, completion.finish_reason, completion.stop_reason)
+            num_chars_sent[index] = char_offset + len(text)
+            if (body.logprobs is None or entries is None) and not continuous_usage:
+                yield text_chunk(index, text, completion.finish_reason, completion.stop_reason)
                 continue
             logprobs = None
-            if body.logprobs is not None and completion.logprobs is not None:
-                offset = char_offset + (len(prompt_texts[prompt_index]) if prompt_texts else 0)
-                logprobs = server.completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs,
-                                                      offset, as_token_ids)
+            if body.logprobs is not None and entries is not None:
+                logprobs = server.completion_logprobs(token_ids, entries, body.logprobs, char_offset, as_token_ids)
             usage = chunks.usage_info(num_prompt_tokens[prompt_index], num_tokens[index]) if continuous_usage \
                 else None
-            yield chunks.choice(CompletionStreamChoice(index=index, text=completion.text, logprobs=logprobs,
+            yield chunks.choice(CompletionStreamChoice(index=index, text=text, logprobs=logprobs,
                                                        finish_reason=completion.finish_reason,
                                                        stop_reason=completion.stop_reason), usage)
     if include_usage:

@@ -1,0 +1,130 @@
+"""Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``): for each prompt token after the first, the logprob
+and rank of that token given the ones before it, plus the ``prompt_logprobs`` most likely alternatives.
+
+The device half runs in the model runner as its own jitted function, compiled per token bucket at warm-up and
+dispatched only on steps where some chunk gave prompt-logprob targets (``SeqInput.prompt_logprob_targets``): it
+takes the forward's final hidden states of every token of the step, computes the logits at every position in row
+chunks (``LOGITS_CHUNK_ROWS``, so the f32 ``[rows, vocab]`` logits stay bounded) and gathers each position's
+target logprob, rank and top-K (K fixed at the runner's ``max_logprobs``; requests slice it on the host).
+
+The host half, ``PromptLogprobsCollector``, is the engine's per-request record: the target of a chunk's position p is
+prompt token p + 1, which the host knows even when it falls in the next chunk, so chunked prefill needs nothing
+special; positions already recorded (a prompt recomputed after a preemption) are not asked again. Requests that
+want prompt logprobs never take prefix-cache hits (``Request.skip_prefix_cache``, as vLLM): every prompt position
+has to be computed.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.outputs import PromptLogprobs, make_logprob_dict
+from paged_jax.sampler import raw_logprob_outputs
+from paged_jax.step_io import PromptLogprobsChunk, SeqInput
+
+_TARGETS_OF = operator.attrgetter("prompt_logprob_targets")
+# Rows of float32 logits materialized at once: [512, 128256] f32 is 256 MiB for a Llama-3 vocabulary.
+LOGITS_CHUNK_ROWS = 512
+
+
+def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                              targets: jax.Array, *, num_logprobs: int,
+                              chunk_rows: int = LOGITS_CHUNK_ROWS) -> tuple[jax.Array, ...]:
+    """Target logprobs at every token of a step (traced inside the runner's jitted function).
+
+    Args:
+      compute_logits: ``model.compute_logits``, ``[N, hidden] -> f32[N, V]``.
+      hidden: [T, hidden] the forward's final hidden states (after the final norm).
+      targets: int32[T] the token whose logprob each position gives; < 0 = not wanted (computed, ignored).
+      num_logprobs: K, the top alternatives per position.
+      chunk_rows: positions per logits chunk (a static Python loop, no XLA while loop).
+    Returns:
+      (logprob f32[T], rank i32[T] (1-based), top ids i32[T, K], top logprobs f32[T, K]), all under log_softmax of
+      the raw logits.
+    """
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        logits = compute_logits(hidden[start:start + chunk_rows])
+        chunk_targets = jnp.maximum(targets[start:start + chunk_rows], 0)
+        logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(logits, chunk_targets, num_logprobs)
+        pieces.append((logprob, rank, top_ids, top_logprobs))
+    return tuple(jnp.concatenate(parts) for parts in zip(*pieces))
+
+
+def pack_prompt_logprob_targets(packed_seqs: Sequence[SeqInput], q_lens: np.ndarray, cu: np.ndarray, num_tokens: int,
+                                rows_to_packed: np.ndarray):
+    """The runner's host side for one step: (targets int32[num_tokens] (-1: none) or None, per input row (first packed
+    token, number of targets) or None) of the rows with ``prompt_logprob_targets``; (None, None) when none has any.
+
+    ``packed_seqs`` are the step's sequences in packed order, ``q_lens`` their new-token counts and ``cu`` the
+    cumulative sums of those; ``rows_to_packed`` maps input rows to packed indices."""
+    if not any(map(_TARGETS_OF, packed_seqs)):  # the common step: C-speed iteration only
+        return None, None
+    wanted = [(packed, seq.prompt_logprob_targets) for packed, seq in enumerate(packed_seqs)
+              if seq.prompt_logprob_targets]
+    targets = np.full((num_tokens,), -1, np.int32)
+    spans: list[tuple[int, int] | None] = [None] * len(packed_seqs)
+    for packed, row_targets in wanted:
+        if len(row_targets) > q_lens[packed]:
+            raise ValueError(f"sequence {packed_seqs[packed].key!r}: {len(row_targets)} prompt-logprob targets for "
+                             f"{int(q_lens[packed])} new tokens")
+        start = int(cu[packed] - q_lens[packed])
+        targets[start:start + len(row_targets)] = row_targets
+        spans[packed] = (start, len(row_targets))
+    return targets, [spans[packed] for packed in rows_to_packed.tolist()]
+
+
+class PromptLogprobsCollector:
+    """One request's prompt logprobs, gathered over its prefill chunks.
+
+    Args:
+      prompt_token_ids: the prompt (length P).
+      num_logprobs: alternatives per position (``SamplingParams.prompt_logprobs``), at most the runner's K.
+      decode: ``token id -> text`` for ``Logprob.decoded_token`` (returns None without a tokenizer).
+
+    ``entries`` is vLLM's ``RequestOutput.prompt_logprobs`` as it grows: None for the first token, then per prompt
+    token ``{token_id: Logprob}`` (the token itself, with its rank, and the top ``num_logprobs`` ranked 1..).
+    """
+
+    def __init__(self, prompt_token_ids: Sequence[int], num_logprobs: int, decode: Callable[[int], str | None]):
+        self.prompt_token_ids = prompt_token_ids
+        self.num_logprobs = num_logprobs
+        self._decode = decode
+        self.entries: PromptLogprobs = [None]
+        self.reported = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.entries) == len(self.prompt_token_ids)
+
+    def targets(self, num_computed_tokens: int, num_new_tokens: int) -> list[int] | None:
+        """Targets of a chunk at positions ``num_computed_tokens ..`` (``SeqInput.prompt_logprob_targets``): position
+        p targets prompt token p + 1, for the chunk's positions before the prompt's last. None when the chunk would
+        add no entry that is not recorded yet."""
+        stop = min(num_computed_tokens + num_new_tokens, len(self.prompt_token_ids) - 1)
+        if stop < len(self.entries) or num_computed_tokens >= stop:
+            return None
+        return list(self.prompt_token_ids[num_computed_tokens + 1:stop + 1])
+
+    def record(self, num_computed_tokens: int, chunk: PromptLogprobsChunk) -> None:
+        """Add the entries of a chunk that started at ``num_computed_tokens`` (those not recorded yet)."""
+        logprobs, ranks = chunk.logprobs.tolist(), chunk.ranks.tolist()
+        top_ids = chunk.top_token_ids[:, :self.num_logprobs].tolist()
+        top_logprobs = chunk.top_logprobs[:, :self.num_logprobs].tolist()
+        for i in range(len(logprobs)):
+            index = num_computed_tokens + 1 + i
+            if index == len(self.entries):
+                self.entries.append(make_logprob_dict(self.prompt_token_ids[index], logprobs[i], ranks[i],
+                                                      top_ids[i], top_logprobs[i], self._decode))
+
+    def take(self) -> PromptLogprobs | None:
+        """The entries, once, when complete (they go with the request's first output, as vLLM); else None."""
+        if self.reported or not self.complete:
+            return None
+        self.reported = True
+        return self.entries
