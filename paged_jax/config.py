@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
 
 from paged_jax.attention_impl import resolve_attention_impl
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -95,3 +98,12 @@ class EngineArgs:
             return ([self.served_model_name] if isinstance(self.served_model_name, str)
                     else list(self.served_model_name))
         return [self.model] if self.model is not None else []
+
+    def log_compatibility_notes(self) -> None:
+        """One log line for each vLLM flag that is accepted but has nothing to change here."""
+        if self.enforce_eager:
+            logger.info("enforce_eager: nothing to change: JAX compiles every step shape at start-up and runs the "
+                        "compiled executables; there is no eager mode (nor CUDA graphs) to fall back to")
+        if self.trust_remote_code:
+            logger.info("trust_remote_code: nothing to change: no code from a checkpoint is ever run, the "
+                        "supported architectures are built in (models/)")

@@ -46,16 +46,6 @@ _CPU_MAX_BATCHED_TOKENS, _GPU_MAX_BATCHED_TOKENS = 512, 8192
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048
 
 
-def _log_compatibility_notes(args: EngineArgs) -> None:
-    """One log line for each vLLM flag that is accepted but has nothing to change here."""
-    if args.enforce_eager:
-        logger.info("enforce_eager: nothing to change: JAX compiles every step shape at start-up and runs the "
-                    "compiled executables; there is no eager mode (nor CUDA graphs) to fall back to")
-    if args.trust_remote_code:
-        logger.info("trust_remote_code: nothing to change: no code from a checkpoint is ever run, the supported "
-                    "architectures are built in (models/)")
-
-
 def _child_seed(seed: int, index: int) -> int:
     """Seed of the ``index``-th sequence of an n > 1 request: the request seed itself for index 0, a well-mixed
     64-bit function of (seed, index) for the others."""
@@ -136,7 +126,7 @@ class LLMEngine:
         # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory).
         reserve_gpu_memory_fraction(args.gpu_memory_utilization)
         warn_if_gpu_unused()
-        _log_compatibility_notes(args)
+        args.log_compatibility_notes()
         enable_compilation_cache(args.compilation_cache_dir)
         device = jax.devices()[0]
         on_accelerator = device.platform != "cpu"
@@ -230,7 +220,6 @@ class LLMEngine:
             return _CPU_DEFAULT_MAX_MODEL_LEN
         return model_max
 
-    # ------------------------------------------------------------------ construction helpers
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:

@@ -423,3 +423,13 @@ def test_seed_makes_unseeded_sampling_reproducible(tiny_model_dir):
 
     first, again = sample_twice(3), sample_twice(3)
     assert first == again and first[0] != first[1]
+
+
+def test_accepted_vllm_flags_with_nothing_to_change_say_so(caplog):
+    from paged_jax.config import EngineArgs
+
+    with caplog.at_level(logging.INFO, logger="paged_jax.config"):
+        EngineArgs().log_compatibility_notes()
+        assert caplog.text == ""
+        EngineArgs(enforce_eager=True, trust_remote_code=True).log_compatibility_notes()
+    assert "enforce_eager: nothing to change" in caplog.text and "trust_remote_code: nothing to change" in caplog.text
