@@ -148,7 +148,7 @@ def generate(
     The KV pool holds ``1 + B * ceil((P + N - 1) / block_size)`` blocks per layer (block 0 is the null block):
     memory grows with the padded prompt length P, so do not over-pad prompts.
     """
-    graphdef, states = _split_model(model)
+    graphdef, states = split_model(model)
     max_new_tokens = _check_positive_int(max_new_tokens, "max_new_tokens")
     block_size = _check_positive_int(block_size, "block_size")
     eos_token_ids = _normalize_eos(eos_token_id)
@@ -210,7 +210,9 @@ def generate(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _split_model(model) -> tuple[Any, tuple]:
+def split_model(model) -> tuple[Any, tuple]:
+    """``model`` (an NNX module, or ``(graphdef, state, *more_states)`` from ``nnx.split``) as ``(graphdef,
+    states)``; ValueError naming ``model`` otherwise. Shared by ``generate`` and ``paged_jax.scoring``."""
     if isinstance(model, nnx.Module):
         graphdef, state = nnx.split(model)
         return graphdef, (state,)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import dense_causal_attention
+from paged_jax.generate import split_model
 
 
 class Pretrained(NamedTuple):
@@ -61,7 +62,7 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
     """Per-token log-probs of right-padded token sequences: ``out[b, t] = log p(token_ids[b, t] | token_ids[b, :t])``.
 
     Args:
-      model: an NNX ``LlamaForCausalLM`` or its ``(graphdef, state)`` split (state may be traced: call this inside
+      model: an NNX ``LlamaForCausalLM`` or its ``(graphdef, state, ...)`` split (state may be traced: call this inside
         ``jax.jit`` / ``jax.grad``; gradients flow to the parameters).
       token_ids: int32[B, T]; each row a prompt followed by its completion, right-padded.
       lengths: int32[B]; valid tokens per row, in [1, T].
@@ -71,24 +72,19 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
       ``t >= prompt_length`` to keep the completion's terms.
     Memory: attention is dense per row (float32[Hq, T, T] per layer) and the logits are float32[B, T, vocab].
     """
-    if isinstance(model, nnx.Module):
-        graphdef, state = nnx.split(model)
-    elif isinstance(model, tuple) and len(model) == 2:
-        graphdef, state = model
-    else:
-        raise ValueError(f"model must be an nnx.Module or (graphdef, state), got {type(model).__name__}")
+    graphdef, states = split_model(model)
     token_ids = jnp.asarray(token_ids)
     lengths = jnp.asarray(lengths)
     if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be int32[B, T], got {token_ids.dtype}{list(token_ids.shape)}")
     if lengths.shape != token_ids.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths must be int32[B={token_ids.shape[0]}], got {lengths.dtype}{list(lengths.shape)}")
-    return _score_jit(graphdef, state, token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
+    return _score_jit(graphdef, states, token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score_jit(graphdef, state, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
-    model = nnx.merge(graphdef, state)
+def _score_jit(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    model = nnx.merge(graphdef, *states)
     num_tokens = token_ids.shape[1]
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
     sm_scale = model.config.head_dim ** -0.5
