@@ -19,6 +19,7 @@ _T_PROCESS_START = time.perf_counter()  # before jax is imported: start-up time 
 import argparse
 import dataclasses
 import json
+import random
 import sys
 
 from benchmarks.report import versions, write_json
@@ -54,10 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
                         "server at that many concurrent streams would see them; default: all at once")
     p.add_argument("--temperature", type=float,
                    help="override the workload's sampling temperature (0 = greedy, as benchmarks/generate.py)")
+    p.add_argument("--ceilings", action="store_true",
+                   help="also measure the device's copy bandwidth and matmul rate in this run (benchmarks/floors.py "
+                        "measure_ceilings) and state the result against the floor at those ceilings")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
 
-    from benchmarks.floors import workload_floor
+    from benchmarks.floors import measure_ceilings, workload_floor
     from benchmarks.workloads import by_name
     from models.config import ModelConfig
     from models.presets import preset_config
@@ -87,10 +91,16 @@ def main(argv: list[str] | None = None) -> dict:
         workload = dataclasses.replace(workload, temperature=args.temperature)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos, max_tokens=r.max_tokens,
                              seed=i) for i, r in enumerate(workload.requests)]
-    # Warm-up on a few requests of the same workload so lazily created host state is in place.
-    warm_prompts = prompts[:4]
+    # Warm-up on a few fresh random prompts of the workload's lengths (never its own prompts) so lazily created host
+    # state is in place; then the prefix cache is emptied so the warm-up cannot serve the timed run.
+    warm_rng = random.Random(12345)
+    warm_prompts = [{"prompt_token_ids": [warm_rng.randint(0, 10000) for _ in r.prompt_token_ids]}
+                    for r in workload.requests[:4]]
     llm.generate(warm_prompts, [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)]
                  * len(warm_prompts), use_tqdm=False)
+    llm.reset_prefix_cache()
+    ceilings = measure_ceilings() if args.ceilings else None
+    stats_before = llm.llm_engine.stats()
 
     totals = None
     if args.breakdown:
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         counting_forward._cache_size = timed_forward._cache_size
         engine.runner._forward = counting_forward
-    steps_before = llm.llm_engine.stats().get("num_steps", 0)
+    steps_before = stats_before.get("num_steps", 0)
 
     t0 = time.perf_counter()
     if args.max_concurrency:
@@ -139,6 +149,12 @@ def main(argv: list[str] | None = None) -> dict:
         config = ModelConfig.from_pretrained(args.model)
     floor = workload_floor(config, workload, args.max_num_seqs)
     stats = llm.llm_engine.stats()
+    if ceilings is not None:
+        # The same workload against the ceilings of this run instead of the fixed H200 figures.
+        same_run = workload_floor(config, workload, args.max_num_seqs, hbm=ceilings["copy_GBps"] * 1e9,
+                                  flops=ceilings["matmul_TFLOPs"] * 1e12)
+        result["same_run_ceilings"] = ceilings
+        result["fraction_of_same_run_floor"] = same_run["floor_s"] / elapsed
     result.update({
         "workload": workload.name, "num_requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
@@ -147,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         "output_tok_s": out_tokens / elapsed,
         "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed, "max_concurrency": args.max_concurrency,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+        # Prefix-cache hits inside the timed region only (the warm-up's entries were reset before it).
+        "timed_prefix_cache_hit_tokens": stats["prefix_cache_hits"] - stats_before["prefix_cache_hits"],
     })
     print(json.dumps(result, indent=1))
     write_json(args.out, result)

@@ -45,6 +45,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``): later prompts compute their KV again,
+        e.g. so that a benchmark's warm-up cannot serve its timed run."""
+        self.llm_engine.kv_cache_manager.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with
         the defaults of the checkpoint's generation config (``--generation-config``; e.g. its temperature, top_p,
