@@ -202,16 +202,18 @@ class ServingMetrics:
 
     # --------------------------------------------------------------------- engine thread
     def update_engine_stats(self, stats: Mapping[str, float]) -> None:
-        """The engine's latest snapshot (after a step, or per step from an engine process). When exactly one step
-        passed since the previous snapshot, its tokens go to ``iteration_tokens_total``."""
+        """The engine's latest snapshot: after every engine-loop iteration, and from an engine process after each of
+        its steps. A snapshot that follows one ``step()`` (one more step launched, or none launched but tokens
+        resolved: the last step of overlapped scheduling) observes that step's tokens in ``iteration_tokens_total``;
+        one with no change (no step since) observes nothing."""
         self._engine_stats.update(stats)
         if "num_steps" not in stats:
             return
-        step = (float(stats["num_steps"]),
-                float(stats.get("prompt_tokens_total", 0)) + float(stats.get("generation_tokens_total", 0)))
-        last, self._last_step = self._last_step, step
-        if last is not None and step[0] == last[0] + 1:
-            self.iteration_tokens.observe(step[1] - last[1])
+        steps = float(stats["num_steps"])
+        tokens = float(stats.get("prompt_tokens_total", 0)) + float(stats.get("generation_tokens_total", 0))
+        last, self._last_step = self._last_step, (steps, tokens)
+        if last is not None and (steps == last[0] + 1 or (steps == last[0] and tokens > last[1])):
+            self.iteration_tokens.observe(tokens - last[1])
 
     # --------------------------------------------------------------------- event loop
     def observe_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
