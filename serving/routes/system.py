@@ -24,7 +24,8 @@ async def health(server: OpenAIServer = Depends(get_server)) -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+@router.get("/ping", responses={503: {"model": ErrorResponse}})
+@router.post("/ping", responses={503: {"model": ErrorResponse}})
 async def ping(server: OpenAIServer = Depends(get_server)) -> Response:
     """vLLM's ping (load balancers and SageMaker send GET or POST): 200 while the engine runs, else 503."""
     return await health(server)
