@@ -7,7 +7,8 @@
 # Run: docker run --gpus all -p 8000:8000 -v hf-cache:/cache/huggingface -v paged-jax-cache:/cache/paged_jax \
 #        paged-jax meta-llama/Llama-3.1-8B-Instruct --max-model-len 8192
 # Arguments after the image name are `paged-jax serve`'s (deploy/docker/entrypoint.sh adds --host 0.0.0.0 and
-# the compilation cache directory).
+# the compilation cache directory). The GPU image serves the model it is given (a Hub id or a mounted directory):
+# the built-in SmolLM2 model's builder (torch, gguf) is only in the CPU image.
 # JAX's CUDA wheels bring their own CUDA libraries (cuBLAS, cuDNN, NCCL, ...): the base image provides the OS and
 # the driver hooks of the NVIDIA container runtime, so the small "base" flavour suffices.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04

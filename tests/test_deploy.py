@@ -15,13 +15,14 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from test_serving import ServerThread
+from tests.test_serving import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "smollm2-deploy"
@@ -314,8 +315,6 @@ def test_alert_rules():
 
 
 def test_dockerfile_and_dockerignore():
-    import tomllib
-
     text = (ROOT / "Dockerfile").read_text()
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert re.search(r"^ARG CUDA_EXTRA=(\S+)$", text, re.M).group(1) in extras and "cuda12" in extras
@@ -348,9 +347,8 @@ def test_entrypoint_runs_serve_on_every_interface(tmp_path):
     args = serve_args(argv[5:])
     assert (args.model_tag, args.port, args.host) == ("org/model", 9000, "127.0.0.1")  # later flags win
     # With the console script pyproject.toml installs (the same entry point, run from this checkout): the CLI answers.
-    import tomllib
-
-    module, function = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["paged-jax"].split(":")
+    script = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["paged-jax"]
+    module, function = script.split(":")
     fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; from {module} import {function}; '
                     f'sys.exit({function}())" "$@"\n')
     env["PYTHONPATH"] = str(ROOT)
