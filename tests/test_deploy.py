@@ -215,6 +215,17 @@ def test_iteration_tokens_one_observation_per_engine_step():
     assert value(found, "paged_jax:iteration_tokens_total_bucket", le="8.0") == 2
 
 
+def test_metrics_prefix_flag(capsys):
+    from serving.cli import app_kwargs, engine_args_from_namespace, parse_serve_args
+
+    _, args = parse_serve_args(["--metrics-prefix", "vllm"])
+    assert app_kwargs(args, engine_args_from_namespace(args))["metrics_prefix"] == "vllm"
+    assert parse_serve_args([])[1].metrics_prefix == "paged_jax"
+    with pytest.raises(SystemExit) as info:
+        parse_serve_args(["--metrics-prefix", "vllm:"])  # a name prefix, the colon is added
+    assert info.value.code == 2 and "--metrics-prefix" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------- deployment files
 def serve_args(args: list[str]):
     """The parsed `paged-jax serve` flags of an image's arguments (the entrypoint's own flags first, as it runs)."""
