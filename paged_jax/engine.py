@@ -573,9 +573,9 @@ class LLMEngine:
         """A snapshot for metrics: scheduler gauges and counters plus token totals.
 
         Keys: num_running, num_waiting (includes n > 1 sequences waiting for their first sibling's prompt),
-        num_unfinished_requests, kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins,
-        prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total, generation_tokens_total,
-        num_steps, num_compiles_since_warmup.
+        num_unfinished_requests, kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins, num_gpu_blocks /
+        num_cpu_blocks (KV pool sizes), prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total,
+        generation_tokens_total, num_steps, num_compiles_since_warmup.
         """
         stats = dict(self.scheduler.stats())
         stats["num_waiting"] += sum(1 for state in self._waiting_children.values() for seq in state.seqs

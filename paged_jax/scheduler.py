@@ -391,6 +391,8 @@ class Scheduler:
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_gpu_blocks": self.kv.num_blocks,
+            "num_cpu_blocks": self.kv.num_host_blocks,
         }
 
 

@@ -23,12 +23,12 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from paged_jax.generation_config import sampling_defaults
-from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import MAX_LOGPROBS
-from serving.async_engine import AsyncEngine, RequestStream
+from serving.async_engine import AsyncEngine
 from serving.engine_client import EngineClient
+from serving.engine_process import EngineProcessClient
 from serving.errors import APIError, add_error_handlers
-from serving.metrics import ServingMetrics
+from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.routes import chat, completions, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
@@ -62,35 +62,13 @@ def _route_path(scope) -> str:
     return path
 
 
-def on_output_metrics(metrics: ServingMetrics):
-    """Latency metrics from the (delta) outputs as they reach the event loop (what a client observes)."""
-
-    def observe(stream: RequestStream, output: RequestOutput, now: float) -> None:
-        has_new_tokens = False
-        for completion in output.outputs:
-            has_new_tokens = has_new_tokens or bool(completion.token_ids)
-            if completion.finish_reason is not None:  # a choice's last output
-                stream.finish_reasons.append(completion.finish_reason)
-        if has_new_tokens:
-            if stream.first_token_time is None:
-                stream.first_token_time = now
-                metrics.observe_first_token(now - stream.arrival_time)
-            else:
-                metrics.observe_inter_token(now - stream.last_token_time)
-            stream.last_token_time = now
-        if output.finished:
-            metrics.observe_finished(now - stream.arrival_time, stream.finish_reasons)
-
-    return observe
-
-
 def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, max_waiting_requests: int | None = None, tokenizer: Any = None,
                allowed_origins: Sequence[str] = ("*",), allowed_methods: Sequence[str] = ("*",),
                allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
                log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False,
                max_logprobs: int = MAX_LOGPROBS, chat_template: str | None = None,
-               response_role: str = "assistant") -> FastAPI:
+               response_role: str = "assistant", metrics_prefix: str = NATIVE_PREFIX) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -107,6 +85,7 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       max_logprobs: most top logprobs a request may ask for (``--max-logprobs``, at most ``MAX_LOGPROBS``).
       chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
       response_role: the role of chat replies (``--response-role``).
+      metrics_prefix: the Prometheus names' prefix (``--metrics-prefix``; ``"vllm"`` exports vLLM's names).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -117,9 +96,12 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     info = model_info_from_engine(engine, served_model_name)
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
-    metrics = ServingMetrics(info.served_model_name)
+    metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
+                             cache_config=cache_config_labels(engine.engine_args))
+    if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
+        engine.on_step_stats = metrics.update_engine_stats
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
-                               on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics),
+                               on_stats=metrics.update_engine_stats, on_output=metrics.observe_output,
                                request_logger=RequestLogger(max_log_len).log if log_requests else None)
     # Requests leaving a sampling field unset take the checkpoint's generation config default (vLLM).
     defaults = sampling_defaults(engine.generation_config)

@@ -68,17 +68,19 @@ class RequestStream:
     for a slow reader, nothing lost).
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, params: SamplingParams | None = None) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.params = params  # the request's SamplingParams (metrics: n, max_tokens)
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         # For metrics, written on the event loop only: timestamps (time.monotonic), the finish reasons of the
-        # choices finished so far.
+        # choices finished so far, the tokens received per choice index.
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_reasons: list[str] = []
+        self.num_generation_tokens: dict[int, int] = {}
 
     def _put(self, item: Any) -> None:  # event loop only
         self._queue.put_nowait(item)
@@ -225,7 +227,7 @@ class AsyncEngine:
         if self._request_logger is not None:
             for request in requests:
                 self._request_logger(request.request_id, request.prompt, request.params)
-        streams = [RequestStream(r.request_id, loop) for r in requests]
+        streams = [RequestStream(r.request_id, loop, r.params) for r in requests]
         admitted = loop.create_future()
         self._submit(_AddCommand(requests, streams, loop, admitted))
         try:

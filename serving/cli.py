@@ -11,8 +11,9 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 ``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
 ``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
 ``--uvicorn-log-level``, ``--disable-uvicorn-access-log``; and ours: ``--max-waiting-requests``,
-``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``. Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
-is refused (exit status 2, "unrecognized arguments: --flag"), never ignored.
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``. Flags may
+be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2,
+"unrecognized arguments: --flag"), never ignored.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def json_string_list(flag: str):
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
     from paged_jax.sampling_params import MAX_LOGPROBS
+    from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX
 
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
@@ -97,6 +99,9 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                         help="chat template replacing the tokenizer's: a file path, or the template itself inline")
     server.add_argument("--response-role", default="assistant",
                         help="role of the chat replies when the request has add_generation_prompt=true")
+    server.add_argument("--metrics-prefix", default=NATIVE_PREFIX,
+                        help=f"prefix of the /metrics names (default {NATIVE_PREFIX}: {NATIVE_PREFIX}:<vLLM's name>); "
+                             f"'{VLLM_PREFIX}' exports vLLM's own names, so vLLM dashboards and alerts work unchanged")
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
@@ -105,6 +110,7 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
                                                                                    argparse.Namespace]:
     """Parse ``serve``'s arguments (exits with status 2 naming any flag it does not know, as argparse does)."""
     from paged_jax.cli import normalize_flag_spelling
+    from serving.metrics import check_prefix
 
     parser = build_parser(prog)
     args = parser.parse_args(normalize_flag_spelling(argv))
@@ -114,6 +120,10 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    try:
+        check_prefix(args.metrics_prefix)
+    except ValueError as exc:
+        parser.error(f"--metrics-prefix: {exc}")
     return parser, args
 
 
@@ -160,7 +170,8 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                 allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
                 max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats,
-                max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role)
+                max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role,
+                metrics_prefix=args.metrics_prefix)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:

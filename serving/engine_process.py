@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from serving.async_engine import EngineDeadError
 from serving.server_logs import quiet_library_loggers
@@ -188,6 +188,9 @@ class EngineProcessClient:
         self._live: dict[str, tuple[str | None, list[int]] | None] = {}
         self._added_since_stats = 0
         self._pending_outputs: list = []
+        # Called on the engine thread with each child step's stats, in order (per-step metrics such as tokens per
+        # step: ``step()`` may return several steps' outputs at once).
+        self.on_step_stats: Callable[[dict], None] | None = None
         self._closed = False
         self._lock = threading.Lock()  # close() may come from another thread than the engine thread
 
@@ -290,6 +293,8 @@ class EngineProcessClient:
         _, deltas, stats = message
         self._stats = stats
         self._added_since_stats = 0
+        if self.on_step_stats is not None:
+            self.on_step_stats(stats)
         for delta in deltas:
             output = self._rebuild(delta)
             if output is not None:

@@ -244,9 +244,9 @@ def test_request_and_stats_log_lines(server, caplog):
     assert re.search(r"prompt_token_ids: \[\d+, \d+, \d+\] \(\d+ tokens\)", received[0]), received[0]
     assert "max_tokens=6" in received[0]
 
-    pattern = re.compile(r"Avg prompt throughput: (\d+\.\d) tokens/s, Avg generation throughput: (\d+\.\d) "
-                         r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: \d+\.\d%, "
-                         r"Prefix cache hit rate: \d+\.\d%")
+    pattern = re.compile(r"Engine 000: Avg prompt throughput: (\d+\.\d) tokens/s, "
+                         r"Avg generation throughput: (\d+\.\d) tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, "
+                         r"GPU KV cache usage: \d+\.\d%, Prefix cache hit rate: \d+\.\d%")
 
     def generation_lines():
         return [m for rec in caplog.records if rec.levelno == logging.INFO
@@ -266,13 +266,13 @@ def test_stats_line_arithmetic_and_idle_quiet(caplog):
     stats.update(prompt_tokens_total=600, generation_tokens_total=240, num_running=3, num_waiting=1,
                  kv_cache_usage=0.25, prefix_cache_queries=400, prefix_cache_hits=100)
     assert stats_logger.log(now=10.0) == (
-        "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, Running: 3 reqs, "
-        "Waiting: 1 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
+        "Engine 000: Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
     stats.update(num_running=0, num_waiting=0, kv_cache_usage=0.0)
     stats_logger.log(now=20.0)  # the interval after activity: zeros, still INFO (vLLM)
     stats_logger.log(now=30.0)  # idle: DEBUG only
     assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO, logging.DEBUG]
-    assert caplog.records[1].getMessage().startswith("Avg prompt throughput: 0.0 tokens/s")
+    assert caplog.records[1].getMessage().startswith("Engine 000: Avg prompt throughput: 0.0 tokens/s")
 
 
 # -------------------------------------------------------------------------------------- vLLM's engine defaults

@@ -168,7 +168,7 @@ def test_server_on_engine_process_and_dead_child(model_dir):
 
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient
-    from tests.test_serving import ServerThread, wait_until
+    from tests.test_serving import ServerThread, metric_value, wait_until
 
     engine = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
     app = create_app(engine, served_model_name="tiny")
@@ -182,6 +182,10 @@ def test_server_on_engine_process_and_dead_child(model_dir):
         assert whole.usage.completion_tokens == 8
         assert streamed == whole.choices[0].text
         assert httpx.get(server.base_url + "/health").status_code == 200
+        # Every child step's stats reach the metrics, however the client batches outputs: tokens per step add up.
+        text = httpx.get(server.base_url + "/metrics").text
+        tokens = sum(metric_value(text, f"paged_jax:{kind}_tokens_total") for kind in ("prompt", "generation"))
+        assert metric_value(text, "paged_jax:iteration_tokens_total_sum") == tokens == 2 * (len(prompt) + 8)
 
         os.kill(engine.pid, 9)
         with pytest.raises(openai.InternalServerError):
