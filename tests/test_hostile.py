@@ -265,7 +265,7 @@ NUM_STREAMS, BURST, DISCONNECT_FRACTION = 200, 100, 0.3
 
 
 async def _soak_stream(client: httpx.AsyncClient, index: int, disconnect: bool, rng: random.Random) -> str:
-    max_tokens = rng.randint(1, 4)
+    max_tokens = rng.randint(1, 2)
     body = _completion(prompt=f"Request {index}: count to ten.", max_tokens=max_tokens, ignore_eos=True,
                        stream=True, temperature=0)
     async with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as response:

@@ -164,7 +164,8 @@ COMMON: dict[str, Case] = {
     "priority": Case({"priority": 1}, REFUSED),  # this server schedules FCFS; see test_priority_*
     "request_id": Case({"request_id": "my-id"}, lambda r, a: r.id.endswith("-my-id")),
     "logits_processors": Case({"logits_processors": ["my.Processor"]}, REFUSED),
-    "cache_salt": Case({"cache_salt": "salt"}, REFUSED),
+    # The engine gets vLLM's prompt dict (isolation itself: tests/test_hostile.py).
+    "cache_salt": Case({"cache_salt": "salt"}, lambda r, a: a[-1].prompt["cache_salt"] == "salt"),
     "kv_transfer_params": Case({"kv_transfer_params": {"do_remote_prefill": True}}, REFUSED),
     "vllm_xargs": Case({"vllm_xargs": {"key": 1}}, REFUSED),
 }
