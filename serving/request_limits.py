@@ -23,7 +23,10 @@ class _BodyTooLarge(Exception):
 class BodySizeLimitMiddleware:
     """Pure ASGI middleware: a request body over ``max_bytes`` is answered 413 (OpenAI's error body). A declared
     ``Content-Length`` over the limit is refused before any of the body is read; a chunked body is counted as it
-    arrives and refused once it passes the limit (whatever the app would have answered is dropped)."""
+    arrives and refused once it passes the limit (whatever the app would have answered is dropped).
+
+    Not FastAPI's ``max_body_size``: for a declared ``Content-Length`` over the limit (what clients send) that one
+    replaces every answer, ours included, by a plain-text "Content Too Large", not OpenAI's error body."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         if max_bytes < 1:

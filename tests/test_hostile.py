@@ -99,6 +99,33 @@ def test_cache_salt_isolates_prefix_cache_entries():
         Request("bad", prompt, cache_salt="")
 
 
+def test_cache_salt_offline_prompt_dict(serving_engine):
+    """vLLM's offline form: ``{"prompt_token_ids": ..., "cache_salt": ...}`` (runs before this file's server
+    exists, so this thread alone drives the engine)."""
+    from paged_jax.sampling_params import SamplingParams
+
+    engine = serving_engine
+    ids = [1 + (i * 7919 + hash(uuid.uuid4().hex)) % 40000 for i in range(40)]  # fresh: no earlier cache entry
+    params = SamplingParams(max_tokens=1)
+
+    def hits(request_id, salt):
+        before = engine.stats()["prefix_cache_hits"]
+        prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return engine.stats()["prefix_cache_hits"] - before
+
+    assert hits("salt-a-1", "a") == 0
+    assert hits("salt-b-1", "b") == 0
+    assert hits("salt-a-2", "a") > 0
+    with pytest.raises(ValueError, match="^cache_salt"):
+        engine.add_request("salt-bad", {"prompt_token_ids": ids, "cache_salt": ""}, params)
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="^stop: at most 64"):
+        engine.add_request("stops", ids, SamplingParams(max_tokens=1, stop=["x"] * 65))
+
+
 # ------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(serving_engine):
