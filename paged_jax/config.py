@@ -68,6 +68,10 @@ class EngineArgs:
     # synchronous loop; off by default because a host-bound step (a small model) measured slower with it
     # (benchmarks/RESULTS.md).
     async_scheduling: bool = False
+    # Limits on a request's stop strings (ValueError / HTTP 400 naming ``stop`` beyond them): every stop string is
+    # searched for after every token, so count x length bounds that per-token host work (paged_jax.detokenizer).
+    max_stop_strings: int = 64
+    max_stop_string_len: int = 512
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -80,7 +84,8 @@ class EngineArgs:
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp32", "fp16"),
               "dtype", "must be auto, bfloat16, float16 or float32")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "max_stop_strings", "max_stop_string_len"):
             value = getattr(self, name)
             check(value is None or value >= 1, name, "must be >= 1")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")

@@ -24,7 +24,7 @@ import numpy as np
 
 from paged_jax.buckets import planned_num_compiles
 from paged_jax.config import EngineArgs
-from paged_jax.detokenizer import IncrementalDetokenizer
+from paged_jax.detokenizer import IncrementalDetokenizer, check_stop_strings
 from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
@@ -227,7 +227,8 @@ class LLMEngine:
 
         Args:
           request_id: unique among unfinished requests.
-          prompt: text (needs a tokenizer), a list of token ids, or a dict with ``prompt_token_ids`` or ``prompt``.
+          prompt: text (needs a tokenizer), a list of token ids, or a dict with ``prompt_token_ids`` or ``prompt``
+            (and optionally vLLM's ``cache_salt``: prefix-cache entries are shared only among equal salts).
           params: ``SamplingParams`` (default ``SamplingParams()``).
           priority: lower runs earlier with ``scheduling_policy="priority"``.
           arrival_time: ``time.time()`` of arrival (default now); used for metrics and FCFS order.
@@ -249,6 +250,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an int, got {priority!r}")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt-dict key
         if params.stop_token_ids:
             validate_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         if params.bad_words:
@@ -259,6 +261,8 @@ class LLMEngine:
         check_request_fits(params, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        check_stop_strings(params.stop_strings, max_stop_strings=self.engine_args.max_stop_strings,
+                           max_stop_string_len=self.engine_args.max_stop_string_len)
 
         arrival = time.time() if arrival_time is None else float(arrival_time)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
@@ -275,7 +279,8 @@ class LLMEngine:
             request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
                               arrival_time=time.monotonic() - (time.time() - arrival),
-                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state))
+                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
+                              cache_salt=cache_salt)
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
@@ -554,8 +559,8 @@ class LLMEngine:
             start = seq.num_reported_tokens
             if len(token_ids) == start and (seq.finish_reason is None or seq.finish_reported):
                 continue
-            emitted_text = seq.detokenizer.emitted_text if seq.detokenizer is not None else ""
-            text, seq.num_reported_chars = emitted_text[seq.num_reported_chars:], len(emitted_text)
+            text = seq.detokenizer.emitted_since(seq.num_reported_chars) if seq.detokenizer is not None else ""
+            seq.num_reported_chars += len(text)
             completions.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,

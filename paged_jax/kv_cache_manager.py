@@ -8,7 +8,7 @@ point there), so usable device blocks are ``1 .. num_blocks-1``.
 Prefix caching
 --------------
 A *full* block (``block_size`` tokens) at index ``i`` of a sequence is identified by
-``hash_i = sha256(hash_{i-1} || tokens of block i)``, so equal hashes mean equal token *prefixes*, not just equal
+``hash_i = sha256(hash_{i-1} || tokens of block i)`` (``hash_{-1}`` = ``root_hash(request.cache_salt)``), so equal hashes mean equal token *prefixes*, not just equal
 block contents, and the block's K/V (which depends on the whole prefix through attention and on the positions) is
 interchangeable. A block is registered in the cache only after its K/V has been computed (``cache_full_blocks``, called
 after the step that wrote it). When its last owner frees it, the block keeps its hash and goes to the free queue; it can
@@ -39,7 +39,16 @@ import numpy as np
 from paged_jax.request import Request
 
 NULL_BLOCK_ID = 0
-_ROOT_HASH = b""  # parent hash of a sequence's first block
+_ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """Parent hash of a sequence's first block: with a ``cache_salt`` (vLLM's per-request field) every block hash of
+    the sequence depends on it, so requests only share cached blocks when their salts are equal (tenant isolation:
+    neither hits nor their latency reveal another tenant's prompts)."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -173,7 +182,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)

@@ -70,6 +70,8 @@ class Request:
     # Take no prefix-cache hits (its blocks are still cached for others): prompt logprobs need every prompt position
     # computed (vLLM skips reading the cache for such requests too).
     skip_prefix_cache: bool = False
+    # vLLM's cache_salt: enters the first block's hash, so only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
     # Chained hashes of the full blocks of all_token_ids, owned by the KVCacheManager: filled incrementally (the
     # token sequence only grows), cut back when an async-scheduling placeholder is replaced (invalidate_block_hashes).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
@@ -87,6 +89,8 @@ class Request:
         self.eos_token_ids = frozenset(int(t) for t in (self.eos_token_ids or ()))
         if not isinstance(self.priority, int):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string if provided, got {self.cache_salt!r}")
 
     # ---- sampling parameters (duck-typed) ----
     @property

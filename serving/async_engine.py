@@ -306,8 +306,8 @@ class AsyncEngine:
     def _handle_add(self, command: _AddCommand) -> None:
         error: BaseException | None = None
         if self.max_waiting_requests is not None:
-            waiting = self._num_waiting()
-            if waiting + len(command.requests) > self.max_waiting_requests:
+            waiting = self._num_waiting()  # sequences, as a request's n sequences each wait to be scheduled
+            if waiting + sum(getattr(r.params, "n", 1) for r in command.requests) > self.max_waiting_requests:
                 error = EngineOverloadedError(
                     f"the waiting queue is full ({waiting} waiting, at most {self.max_waiting_requests}); "
                     "retry later")

@@ -10,10 +10,12 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 (or env ``PAGED_JAX_API_KEY``), CORS (``--allowed-origins/--allowed-methods/--allowed-headers`` as JSON lists,
 ``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
 ``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
-``--uvicorn-log-level``, ``--disable-uvicorn-access-log``; and ours: ``--max-waiting-requests``,
-``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``. Flags may
-be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2,
-"unrecognized arguments: --flag"), never ignored.
+``--uvicorn-log-level``, ``--disable-uvicorn-access-log``, ``--shutdown-timeout`` (``serving.lifecycle``); and ours:
+``--max-waiting-requests``, ``--max-seqs-per-request``, ``--max-request-body-size``, ``--api-key-protect-all``,
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``. The server
+exits with status 1 when the engine dies (so an orchestrator restarts it). Flags may be spelled with underscores
+(``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2, "unrecognized arguments: --flag"),
+never ignored.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
     from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX
+    from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE
 
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
@@ -64,6 +67,9 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (env PAGED_JAX_API_KEY)")
+    server.add_argument("--api-key-protect-all", action="store_true",
+                        help="with --api-key, also require the key on /tokenize, /detokenize and /metrics (vLLM's "
+                             "--api-key covers the /v1 routes only; /health always stays open)")
     server.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
                         help="CORS allowed origins, a JSON list (default [\"*\"])")
     server.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
@@ -88,7 +94,17 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="bound on queued requests; beyond it the server answers 503 with Retry-After")
+                        help="bound on queued sequences (a request counts n per prompt); beyond it the server "
+                             "answers 503 with Retry-After, and 400 to a request that alone exceeds it")
+    server.add_argument("--max-seqs-per-request", type=int, default=None,
+                        help="most sequences (prompts x n) one request may ask for; more is answered 400 "
+                             "(default: no cap beyond --max-waiting-requests)")
+    server.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                        help=f"most bytes a request body may have; more is answered 413 "
+                             f"(default {DEFAULT_MAX_REQUEST_BODY_SIZE})")
+    server.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
+                             "ended with an error (vLLM's flag; default 0: at once)")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
@@ -124,6 +140,14 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         check_prefix(args.metrics_prefix)
     except ValueError as exc:
         parser.error(f"--metrics-prefix: {exc}")
+    for flag, value in (("--max-seqs-per-request", args.max_seqs_per_request),
+                        ("--max-request-body-size", args.max_request_body_size)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key_protect_all and not args.api_key:
+        parser.error("--api-key-protect-all needs --api-key")
     return parser, args
 
 
@@ -171,7 +195,9 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
                 max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats,
                 max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role,
-                metrics_prefix=args.metrics_prefix)
+                metrics_prefix=args.metrics_prefix,
+                api_key_protect_all=args.api_key_protect_all, max_request_body_size=args.max_request_body_size,
+                max_seqs_per_request=args.max_seqs_per_request)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:
@@ -196,10 +222,13 @@ def uvicorn_config(app, args: argparse.Namespace):
 
 
 def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> int:
-    """Run the server until interrupted.
+    """Run the server until interrupted (SIGTERM / SIGINT: drained for ``--shutdown-timeout``) or until the engine
+    dies.
 
     Args:
       argv: the arguments after ``serve`` (``paged-jax serve``) or after ``-m serving``; None = ``sys.argv[1:]``.
+    Returns:
+      The exit status: 0 after a shutdown, 1 when the engine died.
     """
     parser, args = parse_serve_args(list(sys.argv[1:] if argv is None else argv), prog)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -213,19 +242,20 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     except ValueError as exc:
         sock.close()
         parser.error(str(exc))
-    import uvicorn
+    from serving.lifecycle import ServingServer
 
     scheme = "https" if args.ssl_certfile else "http"
     logging.getLogger(__name__).info("Starting the API server on %s://%s:%d%s", scheme, args.host or "0.0.0.0",
                                      sock.getsockname()[1], args.root_path or "")
+    server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
     try:
-        uvicorn.Server(uvicorn_config(app, args)).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn has shut down gracefully and re-raises the interrupt (uvicorn.run swallows it too)
     finally:
         app.state.server.engine.shutdown()
         sock.close()
-    return 0
+    return 1 if server.engine_died else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

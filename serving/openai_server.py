@@ -1,16 +1,22 @@
 """``OpenAIServer``: the request handling the routes share, and ``get_server``, the routes' way to reach it.
 
 One ``OpenAIServer`` per app, in ``app.state.server``: it holds the ``AsyncEngine``, the server's own tokenizer
-copy, the served model's facts and the metrics. Prompts are tokenized here, on the event loop, with that copy (HF
-tokenizers are not safe to share with the engine thread), so prompt-length checks and usage counts need no engine
-round trip. Input problems raise ``APIError`` (400 naming the field, 404 for an unknown model).
+copy, the served model's facts and the metrics. Prompts are rendered and tokenized here with that copy (HF tokenizers
+are not safe to share with the engine thread), so prompt-length checks and usage counts need no engine round trip;
+the work runs on one tokenizer thread (vLLM's single-worker executor), never on the event loop, so a long prompt
+cannot stall other connections or ``/health``. A prompt text longer than any prompt of ``max_model_len`` tokens
+can be is refused before tokenization (``serving.request_limits.max_prompt_chars``). Input problems raise
+``APIError`` (400 naming the field, 404 for an unknown model).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from fastapi import Request
@@ -24,6 +30,7 @@ from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
+from serving.request_limits import check_num_seqs, max_prompt_chars
 from serving.unsupported_fields import refuse_unsupported
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
@@ -86,12 +93,13 @@ class OpenAIServer:
       chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
+      max_seqs_per_request: most sequences (prompts x n) one request may ask for (``--max-seqs-per-request``).
     """
 
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
                  default_sampling_params: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS,
                  chat_template: str | None = None, response_role: str = "assistant",
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None) -> None:
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.info = info
@@ -101,6 +109,16 @@ class OpenAIServer:
         self.chat_template = chat_template
         self.response_role = response_role
         self.scheduling_policy = scheduling_policy
+        self.max_seqs_per_request = max_seqs_per_request
+        self.max_prompt_chars = max_prompt_chars(tokenizer, info.max_model_len)
+        # One thread: the tokenizer copy is used by one thread at a time (HF fast tokenizers may refuse concurrent
+        # use), and prompts are tokenized in arrival order.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-tokenizer")
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
@@ -173,20 +191,34 @@ class OpenAIServer:
                            param=param)
         return self.tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, param: str, *, truncating: bool = False) -> list[int]:
+        """The token ids of ``text`` (on the tokenizer thread). Unless the prompt is truncated afterwards
+        (``truncating``), a text too long for any prompt of ``max_model_len`` tokens is refused untokenized."""
         self.require_tokenizer(param)
+        if not truncating and self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{param}: the text has {len(text)} characters, more than any prompt within this "
+                                f"model's maximum context length of {self.info.max_model_len} tokens can have "
+                                f"({self.max_prompt_chars}). Please reduce the length of the input.", param=param)
+        return await self._off_loop(self._encode, text, add_special_tokens, param)
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates the tokenizer cannot encode
             raise APIError(400, f"{param}: cannot tokenize the text ({exc})", param=param) from exc
 
-    def decode(self, token_ids: Sequence[int], param: str) -> str:
-        return self.require_tokenizer(param).decode(list(token_ids))
+    async def decode(self, token_ids: Sequence[int], param: str) -> str:
+        tokenizer = self.require_tokenizer(param)
+        return await self._off_loop(tokenizer.decode, list(token_ids))
 
-    def render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
-        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``) with ``body``'s chat options; a template
-        error is the input's (400)."""
-        tokenizer = self.require_tokenizer("messages")
+    async def render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
+        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``, on the tokenizer thread) with
+        ``body``'s chat options; a template error is the input's (400)."""
+        self.require_tokenizer("messages")
+        return await self._off_loop(self._render_chat, messages, body)
+
+    def _render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
+        tokenizer = self.tokenizer
         template = getattr(body, "chat_template", None)
         try:
             return render_chat(tokenizer, [message.model_dump() for message in messages], body.add_generation_prompt,
@@ -268,7 +300,17 @@ class OpenAIServer:
         known = set(type(body).model_fields) | {"prompt", "messages"}
         return APIError(400, str(exc), param=param_from_message(str(exc), known, aliases))
 
+    def engine_prompt(self, token_ids: list[int], body: Any) -> list[int] | dict:
+        """What the engine gets as the prompt: the ids, with the request's ``cache_salt`` (vLLM's prompt dict)."""
+        salt = getattr(body, "cache_salt", None)
+        return token_ids if salt is None else {"prompt_token_ids": token_ids, "cache_salt": salt}
+
     async def submit(self, requests: list[EngineRequest], body: Any, aliases: dict[str, str]) -> list[RequestStream]:
+        """Admit ``requests`` (one API request's prompts) as a group; a group that could never be admitted is 400,
+        a full waiting queue 503 with Retry-After."""
+        check_num_seqs(sum(request.params.n for request in requests), num_prompts=len(requests), n=body.n,
+                       max_waiting_requests=self.engine.max_waiting_requests,
+                       max_seqs_per_request=self.max_seqs_per_request)
         try:
             return await self.engine.add_requests(requests)
         except EngineOverloadedError as exc:

@@ -55,7 +55,7 @@ class RequestLogger:
             shown = repr(prompt if self.max_log_len is None else prompt[:self.max_log_len])
             logger.info("Received request %s: prompt: %s, params: %s", request_id, shown, params)
             return
-        ids = list(prompt)
+        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)  # a dict: with cache_salt
         shown_ids = ids if self.max_log_len is None else ids[:self.max_log_len]
         logger.info("Received request %s: params: %s, prompt_token_ids: %s (%d tokens)", request_id, params,
                     shown_ids, len(ids))

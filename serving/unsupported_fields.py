@@ -74,7 +74,6 @@ NOT_SUPPORTED: dict[str, Refusal] = {
     "service_tier": Refusal("there is one service tier", _one_of("auto", "default")),
     # vLLM V1 refuses per-request logits processors as well.
     "logits_processors": Refusal("per-request logits processors are not supported (as in vLLM V1)"),
-    "cache_salt": Refusal("prefix-cache salting is not supported yet", _unset),
     "kv_transfer_params": Refusal("KV transfer (disaggregated prefill) is not supported"),
     "vllm_xargs": Refusal("no extension reads vllm_xargs on this server"),
 }

@@ -72,6 +72,9 @@ def test_vllm_defaults_of_the_server_flags():
     assert not app_kwargs(*parse(["--disable-log-stats"]))["log_stats"]
     assert app_kwargs(*parse(["--enable-log-requests", "--max-log-len", "5"]))["log_requests"]
     assert not parse(["--no-enable-chunked-prefill"])[1].enable_chunked_prefill
+    assert args.shutdown_timeout == 0  # vLLM: running requests are ended at once on SIGTERM
+    assert kwargs["max_seqs_per_request"] is None and not kwargs["api_key_protect_all"]
+    assert (parse(["--max-stop-strings", "8"])[1].max_stop_strings, engine_args.max_stop_string_len) == (8, 512)
 
 
 UNSUPPORTED_VLLM_FLAGS = [
@@ -102,6 +105,10 @@ def test_unsupported_flags_exit_2_naming_the_flag(command, flag, capsys):
     (["--enable-log-requests", "--disable-log-requests"], "--disable-log-requests"),
     (["--ssl-keyfile", "key.pem"], "--ssl-certfile"),
     (["--max-log-len", "-1"], "--max-log-len"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--max-seqs-per-request", "0"], "--max-seqs-per-request"),
+    (["--max-request-body-size", "0"], "--max-request-body-size"),
+    (["--api-key-protect-all"], "--api-key"),
 ])
 def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
     from serving.cli import main

@@ -39,6 +39,7 @@ class Added:
     prompt_text: str  # the prompt ids decoded
     params: Any
     priority: int
+    cache_salt: str | None = None
 
 
 class RecordingEngine:
@@ -53,8 +54,10 @@ class RecordingEngine:
 
     def add_request(self, request_id, prompt, params=None, priority=0):
         self._engine.add_request(request_id, prompt, params, priority=priority)
-        text = self._engine.tokenizer.decode(list(prompt))  # on the engine thread, which owns this tokenizer
-        self.added.append(Added(request_id, list(prompt), text, params, priority))
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt dict
+        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+        text = self._engine.tokenizer.decode(ids)  # on the engine thread, which owns this tokenizer
+        self.added.append(Added(request_id, ids, text, params, priority, salt))
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +167,8 @@ COMMON: dict[str, Case] = {
     "priority": Case({"priority": 1}, REFUSED),  # this server schedules FCFS; see test_priority_*
     "request_id": Case({"request_id": "my-id"}, lambda r, a: r.id.endswith("-my-id")),
     "logits_processors": Case({"logits_processors": ["my.Processor"]}, REFUSED),
-    "cache_salt": Case({"cache_salt": "salt"}, REFUSED),
+    # The engine gets vLLM's prompt dict (isolation itself: tests/test_hostile.py).
+    "cache_salt": Case({"cache_salt": "salt"}, lambda r, a: a[-1].cache_salt == "salt"),
     "kv_transfer_params": Case({"kv_transfer_params": {"do_remote_prefill": True}}, REFUSED),
     "vllm_xargs": Case({"vllm_xargs": {"key": 1}}, REFUSED),
 }

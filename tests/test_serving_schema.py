@@ -59,6 +59,8 @@ def cap_generation_work(body) -> None:
             body[key] = MAX_FUZZ_TOKENS
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_FUZZ_TOKENS  # chat default is "the rest of the context"
+    if "prompt" in body and "max_tokens" not in body:
+        body["max_tokens"] = MAX_FUZZ_TOKENS  # completions default: 16
     if _valid_int(body.get("n")) and body["n"] > MAX_FUZZ_N:
         body["n"] = MAX_FUZZ_N
     if _valid_int(body.get("min_tokens")) and body["min_tokens"] > MAX_FUZZ_TOKENS:

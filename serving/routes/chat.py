@@ -28,8 +28,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     server.check_num_logprobs(num_top, "top_logprobs")
     server.check_prompt_logprobs(body)
-    text = server.render_chat(body.messages, body)
-    ids = server.truncate(server.encode(text, body.add_special_tokens, "messages"), body.truncate_prompt_tokens)
+    text = await server.render_chat(body.messages, body)
+    ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
+                                              truncating=body.truncate_prompt_tokens is not None),
+                          body.truncate_prompt_tokens)
     server.check_prompt_length(len(ids), "messages")
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -38,7 +40,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
                                     prompt_logprobs=body.prompt_logprobs)
     response_id = server.response_id("chatcmpl", body, raw_request)
-    streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority)], body, aliases)
+    streams = await server.submit([EngineRequest(response_id, server.engine_prompt(ids, body), params,
+                                                 priority=body.priority)], body, aliases)
     created = unix_time()
     # vLLM's get_chat_request_role: the reply continues the last message's role unless a new turn is opened.
     role = server.response_role if body.add_generation_prompt else body.messages[-1].role
