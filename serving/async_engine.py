@@ -212,6 +212,8 @@ class AsyncEngine:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
             self._commands.put(command)
+        if self._process_engine is not None:
+            self._process_engine.wakeup()  # the engine thread may be waiting for the engine process's next step
 
     async def add_requests(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
         """Admit a group of requests atomically (all or none) and return their output streams.

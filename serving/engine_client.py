@@ -75,6 +75,9 @@ class ProcessEngineClient(EngineClient, Protocol):
     def take_admissions(self) -> list[tuple[int, BaseException | None]]:
         """``(group id, None or the error that refused the whole group)`` for every answer received so far."""
 
+    def wakeup(self) -> None:
+        """Make a ``step()`` blocked waiting for the engine return now (safe from any thread)."""
+
     def is_alive(self) -> bool:
         """Whether the engine is running (safe from any thread: ``/health`` asks it)."""
 

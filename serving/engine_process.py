@@ -43,19 +43,22 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import queue
+import socket
 import sys
 import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Sequence
 
+from paged_jax.outputs import CompletionOutput, RequestOutput
 from serving.async_engine import EngineDeadError
 from serving.server_logs import quiet_library_loggers
 
 if TYPE_CHECKING:
     from paged_jax.config import EngineArgs
-    from paged_jax.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
                          "stats": dict(engine.stats())}))
     prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
     num_commands = 0  # commands applied so far; every message reports it, so the parent knows what it reflects
+    sender = _Sender(conn)
     try:
         while True:
             # Busy: every command that arrived during the last step, without waiting. Idle: sleep until one comes.
@@ -110,18 +114,51 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
             if admissions or (messages and not busy):
                 # Admissions are answered before the step (a client gets its response headers without waiting for
                 # one); commands that leave the engine idle are answered at once, with the stats they produced.
-                conn.send(("state", num_commands, admissions, [], dict(engine.stats())))
+                sender.send(("state", num_commands, admissions, [], dict(engine.stats())))
             if busy:
                 outputs = engine.step()
-                conn.send(("state", num_commands, [], [_pack(output, prompt_sent) for output in outputs],
-                           dict(engine.stats())))
+                sender.send(("state", num_commands, [], [_pack(output, prompt_sent) for output in outputs],
+                             dict(engine.stats())))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent went away
     except BaseException as exc:  # noqa: BLE001 - the parent turns it into EngineDeadError for every client
         try:
-            conn.send(("died", _describe(exc)))
-        except (OSError, ValueError):
+            sender.send(("died", _describe(exc)))
+        except BrokenPipeError:
             pass
+    finally:
+        sender.close()
+
+
+class _Sender:
+    """Sends the child's messages from a thread of its own, in order: the engine loop never waits on the pipe (a
+    parent busy serving HTTP may read late) and pickling overlaps the next step's device time."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BrokenPipeError | None = None
+        self._thread = threading.Thread(target=self._run, name="paged-jax-engine-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, message: tuple) -> None:
+        """Queue ``message``; raises BrokenPipeError once the parent is gone."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(message)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as exc:
+                self._error = BrokenPipeError(f"the parent is gone ({exc})")
+                return
 
 
 def _add_group(engine, requests: list[tuple]) -> BaseException | None:
@@ -219,6 +256,10 @@ class EngineProcessClient:
         self._num_commands_sent = 0
         self._num_commands_applied = 0  # by the child, as of its latest message
         self._pending_outputs: list = []
+        # ``wakeup()`` (any thread) makes a blocked ``step()`` return, so new commands need not wait for a step.
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
         self._closed = False
         self._lock = threading.Lock()  # close() may come from another thread than the engine thread
 
@@ -274,7 +315,7 @@ class EngineProcessClient:
     def step(self) -> list[RequestOutput]:
         """The delta outputs of every step the child finished since the last call. Blocks for the child's next
         message while there are none and requests are live or commands unanswered; returns early (maybe with no
-        outputs) when admissions were answered or the child has applied every command."""
+        outputs) when admissions were answered, the child has applied every command, or ``wakeup()`` was called."""
         while True:
             for _ in range(_MAX_MESSAGES_PER_CALL):  # whatever is already there, without blocking
                 if not self._conn.poll():
@@ -289,9 +330,28 @@ class EngineProcessClient:
                 logger.warning("engine process holds none of %d live requests; dropping them", len(self._live))
                 self._live.clear()
                 break
-            self._handle(self._recv())
+            ready = multiprocessing.connection.wait([self._conn, self._wake_reader])
+            if self._wake_reader in ready:
+                self._take_wakeups()
+                if self._conn not in ready:
+                    break  # the caller has commands to send
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
+
+    def wakeup(self) -> None:
+        """Make a ``step()`` blocked on the child return now (safe from any thread): the caller has queued commands
+        that should reach the child before its next step."""
+        try:
+            self._wake_writer.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already signalled (buffer full) or closed
+
+    def _take_wakeups(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def has_unfinished_requests(self) -> bool:
         """Live requests, or commands the child has not answered yet (after the last abort, ``step()`` returns
@@ -325,6 +385,8 @@ class EngineProcessClient:
             self._process.kill()
             self._process.join(5)
         self._conn.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
 
     def is_alive(self) -> bool:
         """Whether the child process is running (safe from any thread; ``/health`` asks it)."""
@@ -369,8 +431,6 @@ class EngineProcessClient:
 
     def _rebuild(self, packed: tuple) -> RequestOutput | None:
         """The delta ``RequestOutput`` that ``_pack`` packed; None for a request aborted here meanwhile."""
-        from paged_jax.outputs import CompletionOutput, RequestOutput
-
         request_id, head, completions, finished, num_cached_tokens, metrics, prompt_logprobs = packed
         if request_id not in self._live:
             return None
