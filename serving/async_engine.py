@@ -9,6 +9,9 @@ Protocol between the two sides:
 * event loop -> engine thread: commands (add a group of requests, abort requests, shut down) go through a
   thread-safe ``queue.SimpleQueue``. The thread blocks on that queue while the engine is idle (no busy spin) and,
   while it has work, drains *all* pending commands before each ``step()`` so a burst of arrivals joins one batch.
+* with an engine in another process (``ProcessEngineClient``) an add costs no round trip: the group is sent with
+  ``submit_requests`` and its submitter resolved when the answer comes back with a later ``step()``; a command
+  also wakes the engine thread out of its wait for the process's next step (``wakeup``).
 * engine thread -> event loop: after each step, the (delta) outputs are grouped by the event loop that owns each
   request and handed over with one ``loop.call_soon_threadsafe`` per loop, into per-request ``asyncio.Queue`` s.
 
