@@ -9,6 +9,9 @@ Protocol between the two sides:
 * event loop -> engine thread: commands (add a group of requests, abort requests, shut down) go through a
   thread-safe ``queue.SimpleQueue``. The thread blocks on that queue while the engine is idle (no busy spin) and,
   while it has work, drains *all* pending commands before each ``step()`` so a burst of arrivals joins one batch.
+* with an engine in another process (``ProcessEngineClient``) an add costs no round trip: the group is sent with
+  ``submit_requests`` and its submitter resolved when the answer comes back with a later ``step()``; a command
+  also wakes the engine thread out of its wait for the process's next step (``wakeup``).
 * engine thread -> event loop: after each step, the (delta) outputs are grouped by the event loop that owns each
   request and handed over with one ``loop.call_soon_threadsafe`` per loop, into per-request ``asyncio.Queue`` s.
 
@@ -175,6 +178,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        # A process engine admits groups without a round trip per request: group id -> the add command, until the
+        # engine answers (engine thread only).
+        self._admitting: dict[int, _AddCommand] = {}
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
         self._started = False
         self.latest_stats: dict = {}
@@ -211,6 +217,8 @@ class AsyncEngine:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
             self._commands.put(command)
+        if self._process_engine is not None:
+            self._process_engine.wakeup()  # the engine thread may be waiting for the engine process's next step
 
     async def add_requests(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
         """Admit a group of requests atomically (all or none) and return their output streams.
@@ -280,6 +288,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self.num_steps += 1
+                    if self._process_engine is not None:
+                        self._handle_admissions(self._process_engine.take_admissions())
                     self._dispatch(outputs)
                 self._publish_stats()
         except Exception as exc:  # noqa: BLE001 - any engine failure must reach the clients, not kill silently
@@ -311,6 +321,9 @@ class AsyncEngine:
                 error = EngineOverloadedError(
                     f"the waiting queue is full ({waiting} waiting, at most {self.max_waiting_requests}); "
                     "retry later")
+        if error is None and self._process_engine is not None:
+            self._submit_to_process(command)
+            return
         if error is None:
             added: list[str] = []
             try:
@@ -330,6 +343,33 @@ class AsyncEngine:
                 error = exc
                 self._handle_abort(added)
         self._call_on_loop(command.loop, _resolve, command.admitted, error)
+
+    def _submit_to_process(self, command: _AddCommand) -> None:
+        """Send the group to the engine process without waiting; ``_handle_admissions`` resolves it."""
+        try:
+            for request in command.requests:
+                if request.request_id in self._streams:
+                    raise ValueError(f"request_id {request.request_id!r} is already in use")
+            group_id = self._process_engine.submit_requests(
+                [(r.request_id, r.prompt, r.params, r.priority) for r in command.requests])
+        except EngineDeadError as exc:
+            dead = EngineDeadError(f"engine is not running: {exc}")
+            self._call_on_loop(command.loop, _resolve, command.admitted, dead)
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the submitter; the engine stays usable
+            self._call_on_loop(command.loop, _resolve, command.admitted, exc)
+            return
+        self._admitting[group_id] = command
+        for request, stream in zip(command.requests, command.streams):
+            self._streams[request.request_id] = stream
+
+    def _handle_admissions(self, admissions: Sequence[tuple[int, BaseException | None]]) -> None:
+        for group_id, error in admissions:
+            command = self._admitting.pop(group_id)
+            if error is not None:  # the engine refused the whole group: nothing of it runs
+                for request in command.requests:
+                    self._streams.pop(request.request_id, None)
+            self._call_on_loop(command.loop, _resolve, command.admitted, error)
 
     def _handle_abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -373,7 +413,8 @@ class AsyncEngine:
         dead = EngineDeadError(f"engine is not running: {error}")
         dead.__cause__ = error
         pending = self._drain()
-        for command in pending:
+        admitting, self._admitting = list(self._admitting.values()), {}
+        for command in [*admitting, *pending]:
             if isinstance(command, _AddCommand):
                 self._call_on_loop(command.loop, _resolve, command.admitted, dead)
         streams, self._streams = self._streams, {}
