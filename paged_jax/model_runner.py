@@ -42,7 +42,7 @@ from models.config import ModelConfig
 from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
-from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
+from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS, pack_prompt_logprob_targets, prompt_logprobs_on_device
 from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
@@ -121,7 +121,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     per_token = (4 * config.hidden_size + 3 * config.intermediate_size
                  + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
     activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
-    logits = 6 * max_num_seqs * config.vocab_size * 4
+    # The sampler's logits and the prompt-logprobs chunks belong to different executables, never live together.
+    logits = 6 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
     headroom = activations + logits + (512 << 20)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     budget = usable - stats["bytes_in_use"] - headroom
