@@ -239,8 +239,8 @@ def test_compile_plan_counts():
     # forward buckets + sampler row counts {8, 32, 128, 256} x 11 sampler variants (greedy; temperature, and full
     # with and without each of penalties and the bias table, each with and without top-k logprobs) + prompt logprobs
     # per token bucket (1, 16, 32, ..)
-    assert planned_num_compiles(2048, 256) == 15 + 4 * 11 + 9  # 15 forward buckets, the 1-token one included
-    assert planned_num_compiles(8192, 256) == 17 + 4 * 11 + 11
+    assert planned_num_compiles(2048, 256) == 15 + 4 * 12 + 9  # 15 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 17 + 4 * 12 + 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
