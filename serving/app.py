@@ -90,7 +90,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
                log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False,
                max_logprobs: int = MAX_LOGPROBS, chat_template: str | None = None,
-               response_role: str = "assistant") -> FastAPI:
+               response_role: str = "assistant", enable_auto_tool_choice: bool = False,
+               tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -107,6 +108,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       max_logprobs: most top logprobs a request may ask for (``--max-logprobs``, at most ``MAX_LOGPROBS``).
       chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
       response_role: the role of chat replies (``--response-role``).
+      enable_auto_tool_choice, tool_parser, reasoning_parser: ``--enable-auto-tool-choice``,
+        ``--tool-call-parser``, ``--reasoning-parser`` (``OpenAIServer``).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -125,7 +128,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     defaults = sampling_defaults(engine.generation_config)
     server = OpenAIServer(async_engine, tokenizer, info, metrics, default_sampling_params=defaults,
                           max_logprobs=max_logprobs, chat_template=chat_template, response_role=response_role,
-                          scheduling_policy=engine.engine_args.scheduling_policy)
+                          scheduling_policy=engine.engine_args.scheduling_policy,
+                          enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_parser,
+                          reasoning_parser=reasoning_parser)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
