@@ -1,8 +1,8 @@
 """paged-jax: a vLLM-style paged LLM inference engine in JAX.
 
 Public API (imported lazily so `import paged_jax` stays cheap):
-``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``, and for
-research code ``load_pretrained`` and ``score_tokens``.
+``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``,
+``generate``, and for research code ``load_pretrained`` and ``score_tokens``.
 """
 
 from __future__ import annotations

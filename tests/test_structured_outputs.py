@@ -12,6 +12,7 @@ import jsonschema_rs
 import openai
 import pytest
 
+from benchmarks.structured import varied_schemas
 from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.test_serving import ServerThread
 
@@ -30,31 +31,6 @@ def server(serving_engine):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def varied_schemas(count: int) -> list[dict]:
-    """``count`` different schemas: nested objects, enums, arrays, integers and numbers with bounds, booleans,
-    bounded strings, in rotating combinations."""
-    parts = [
-        lambda i: ("color", {"enum": ["red", "green", "blue", f"shade{i}"]}),
-        lambda i: ("age", {"type": "integer", "minimum": i, "maximum": i + 50}),
-        lambda i: ("score", {"type": "number", "minimum": 0, "maximum": 1}),
-        lambda i: ("tags", {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
-                            "maxItems": 1 + i % 3}),
-        lambda i: ("home", {"type": "object", "properties": {"zip": {"type": "string", "pattern": "[0-9]{5}"},
-                                                             "floor": {"type": "integer", "minimum": 0,
-                                                                       "maximum": 9}},
-                            "required": ["zip", "floor"], "additionalProperties": False}),
-        lambda i: ("alive", {"type": "boolean"}),
-        lambda i: ("name", {"type": "string", "minLength": 1, "maxLength": 6 + i % 5}),
-    ]
-    schemas = []
-    for i in range(count):
-        chosen = [parts[(i + k * (1 + i % 3)) % len(parts)](i) for k in range(1 + i % 2)]
-        properties = {"id": {"type": "integer", "minimum": 0, "maximum": 100 + i}, **dict(chosen)}
-        schemas.append({"type": "object", "properties": properties, "required": list(properties),
-                        "additionalProperties": False})
-    return schemas
 
 
 def test_50_varied_json_schemas_all_valid(server, serving_engine):

@@ -14,16 +14,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax.structured_output.manager import SequenceGrammar, mask_words
+from paged_jax.sampler import allowed_mask_words
+from paged_jax.structured_output.manager import SequenceGrammar
 
 
 def fill_step_bitmask(grammars: Sequence[SequenceGrammar | None], num_rows: int,
                       vocab_size: int) -> np.ndarray | None:
-    """i32[num_rows, mask_words(V)]: row i from ``grammars[i]`` (rows without a grammar, and padding rows past
+    """i32[num_rows, allowed_mask_words(V)]: row i from ``grammars[i]`` (rows without a grammar, and padding rows past
     ``len(grammars)``, all ones = every token allowed); None when no row has a grammar (nothing to send)."""
     if all(grammar is None for grammar in grammars):
         return None
-    bitmask = np.full((num_rows, mask_words(vocab_size)), -1, np.int32)
+    bitmask = np.full((num_rows, allowed_mask_words(vocab_size)), -1, np.int32)
     for row, grammar in enumerate(grammars):
         if grammar is not None:
             grammar.fill_bitmask(bitmask, row)

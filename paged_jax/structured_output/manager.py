@@ -22,15 +22,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from paged_jax.sampler import allowed_mask_words
 from paged_jax.sampling_params import StructuredOutputsParams
 from paged_jax.structured_output.backend import XgrammarBackend, parse_grammar, spec_key
 
 logger = logging.getLogger(__name__)
-
-
-def mask_words(vocab_size: int) -> int:
-    """Int32 words of one bitmask row: one bit per vocabulary entry (bit v % 32 of word v // 32, 1 = allowed)."""
-    return -(-vocab_size // 32)
 
 
 class SequenceGrammar:
@@ -76,7 +72,8 @@ class SequenceGrammar:
             logger.warning("structured output: %s; only stop tokens are allowed from here on", self.error)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (i32[rows, mask_words(V)])."""
+        """Write the allowed next tokens into ``bitmask[row]`` (i32[rows, ceil(V / 32)], ``allowed_mask_words``;
+        bit v % 32 of word v // 32 set = token v allowed)."""
         matcher = self._get_matcher()
         if matcher is None or matcher.is_terminated():
             bitmask[row] = self._manager.stop_only_row
@@ -106,7 +103,7 @@ class StructuredOutputManager:
         self._cache_size = cache_size
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
-        stop_bits = np.zeros(mask_words(vocab_size) * 32, np.bool_)
+        stop_bits = np.zeros(allowed_mask_words(vocab_size) * 32, np.bool_)
         stop_bits[[t for t in self.eos_token_ids if 0 <= t < vocab_size]] = True
         self.stop_only_row = np.packbits(stop_bits, bitorder="little").view("<i4")
 
@@ -123,12 +120,18 @@ class StructuredOutputManager:
     def grammar_for(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
         """The compiled grammar of ``spec``: cached, or parsed now and compiled on the pool. Raises ValueError naming
         the spec's field when it does not parse (nothing is cached then)."""
+        if self._tokenizer is None:
+            raise ValueError("structured_outputs: constrained decoding needs a tokenizer, and this model has none")
         key = spec_key(spec)
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)
             return future
-        grammar = parse_grammar(spec)
+        try:
+            grammar = parse_grammar(spec)
+        except ImportError as exc:
+            raise ValueError("structured_outputs: the grammar backend is not installed (pip install "
+                             "'paged-jax[structured]', which brings xgrammar)") from exc
         future = self._executor.submit(self._compile, grammar)
         self._cache[key] = future
         while len(self._cache) > self._cache_size:
