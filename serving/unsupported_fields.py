@@ -79,5 +79,6 @@ def refuse_unsupported(body: BaseModel, allowed: tuple[str, ...] = ()) -> None:
     """
     for name in type(body).model_fields:
         refusal = REFUSED_FIELDS.get(name)
-        if refusal is not None and name not in allowed and name in body.model_fields_set and not refusal.is_noop(getattr(body, name)):
+        if (refusal is not None and name not in allowed and name in body.model_fields_set
+                and not refusal.is_noop(getattr(body, name))):
             raise APIError(400, f"{name}: {refusal.reason}", param=name)
