@@ -38,6 +38,7 @@ from paged_jax.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.step_io import PendingStep, SeqInput
+from paged_jax.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class LLMEngine:
                     time.perf_counter() - start)
 
         self._seed_rng = np.random.default_rng(args.seed)
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}  # unfinished user requests
         self._seq_by_id: dict[str, tuple[_RequestState, _Sequence]] = {}  # scheduler request id -> sequence
         self._waiting_children: dict[str, _RequestState] = {}  # n > 1 requests whose sequences 1.. wait for seq 0
@@ -263,6 +265,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         check_stop_strings(params.stop_strings, max_stop_strings=self.engine_args.max_stop_strings,
                            max_stop_string_len=self.engine_args.max_stop_string_len)
+        # Parsed here (a bad spec is a ValueError naming its field), compiled on the manager's threads meanwhile.
+        grammar = self.structured_outputs.grammar_for(params.structured_outputs) if params.structured_outputs else None
 
         arrival = time.time() if arrival_time is None else float(arrival_time)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
@@ -280,7 +284,8 @@ class LLMEngine:
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
                               arrival_time=time.monotonic() - (time.time() - arrival),
                               skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt,
+                              grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
@@ -419,7 +424,8 @@ class LLMEngine:
             inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
                                    num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
                                    sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed,
-                                   prompt_logprob_targets=targets))
+                                   prompt_logprob_targets=targets,
+                                   grammar=request.grammar if seq_sched.samples else None))
         self.num_steps += 1
         return self.runner.execute(inputs)
 
@@ -455,9 +461,9 @@ class LLMEngine:
                            if rows or prompt_rows else None)
 
     def _in_flight_needs_tokens(self) -> bool:
-        """Penalties and bad words need every previous token on the host when the next step is built: no overlap
-        then."""
-        return any(request.params is not None and request.params.reads_output_tokens
+        """Penalties, bad words and grammars need every previous token on the host when the next step is built: no
+        overlap then."""
+        return any(request.grammar is not None or (request.params is not None and request.params.reads_output_tokens)
                    for _, request, _ in self._in_flight.rows)
 
     def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -499,6 +505,8 @@ class LLMEngine:
                   row: int, now: float) -> None:
         """Account, record logprobs and detokenize the output token ``output_index`` of ``request`` (known)."""
         token = request.output_token_ids[output_index]
+        if request.grammar is not None:
+            request.grammar.accept(token)
         self.generation_tokens_total += 1
         if output_index == 0:
             self.prompt_tokens_total += len(state.prompt_token_ids)

@@ -44,6 +44,7 @@ from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
 from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS, pack_prompt_logprob_targets, prompt_logprobs_on_device
 from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
+from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
 from paged_jax.sampling_params import MAX_LOGPROBS
@@ -301,6 +302,9 @@ class ModelRunner:
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
 
         self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+        # Structured outputs: the grammar bitmask i32[R, ceil(V/32)] masks the logits before the sampler (vLLM's
+        # order), per sampler row count, only on steps with a constrained row (structured_output.bitmask).
+        self._apply_grammar_bitmask = jax.jit(sampler_lib.apply_allowed_token_mask)
 
         max_logprobs = self.max_logprobs
 
@@ -334,8 +338,8 @@ class ModelRunner:
 
     def num_compiles(self) -> int:
         """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
-        return sum(f._cache_size() for f in (self._forward, self._sample, self._prompt_logprobs, self._gather_blocks,
-                                             self._scatter_blocks))
+        return sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
+                                             self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))
 
     @property
     def num_compiles_since_warmup(self) -> int:
@@ -353,8 +357,8 @@ class ModelRunner:
 
         swap_sizes = self._swap_sizes() if self.num_host_blocks else []
         token_buckets = sorted({t for t, _ in self.buckets})
-        total = (len(self.buckets) + len(self.sampler_seq_buckets) * len(self.sampler_variants) + len(token_buckets)
-                 + len(swap_sizes))
+        total = (len(self.buckets) + len(self.sampler_seq_buckets) * (len(self.sampler_variants) + 1)
+                 + len(token_buckets) + len(swap_sizes))
         bar = tqdm(total=total, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
         logits_by_rows, hidden_by_tokens = {}, {}
         for num_tokens, num_seqs in self.buckets:
@@ -375,6 +379,9 @@ class ModelRunner:
         outs = None
         for num_rows in self.sampler_seq_buckets:
             logits, sampling_words = logits_by_rows[num_rows]
+            grammar_bitmask = np.full((num_rows, sampler_lib.allowed_mask_words(self.vocab_size)), -1, np.int32)
+            outs = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
+            bar.update(1)
             history = jax.device_put(np.full((num_rows, self.max_model_len), -1, np.int32), self.device)
             bias_table = jax.device_put(np.full((num_rows, sampler_lib.bias_table_width(self.vocab_size)), -1,
                                                 np.int32), self.device)
@@ -452,6 +459,8 @@ class ModelRunner:
         sampler_lib.pack_sampling_tensors(tensors, view("sampling"))
         bias_table = sampler_lib.pack_bias_table(tensors)  # None unless a row uses logit_bias / allowed_token_ids
         penalties = tensors.prev_token_ids.shape[1] > 0
+        grammar_bitmask = fill_step_bitmask([s.grammar if s.sample else None for s in packed_seqs],
+                                            layout.num_sample_rows, self.vocab_size)  # None: no constrained row
         requested = [row[0].logprobs for row in sampling_rows if row is not None and row[0].logprobs is not None]
         wants_logprobs = bool(requested)
         wants_top = any(n > 0 for n in requested)
@@ -504,22 +513,24 @@ class ModelRunner:
         history = tensors.prev_token_ids if penalties else None
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
-        dispatch = functools.partial(self._dispatch, buf, history, bias_table, prompt_targets, bucket_tokens,
-                                     bucket_seqs, mode.value, num_logprobs, wants_logprobs)
+        dispatch = functools.partial(self._dispatch, buf, history, bias_table, grammar_bitmask, prompt_targets,
+                                     bucket_tokens, bucket_seqs, mode.value, num_logprobs, wants_logprobs)
         if self._dispatcher is None:
             return PendingStep(dispatch(), rows_to_packed, sampled, prompt_spans)
         self._last_dispatch = self._dispatcher.submit(dispatch)
         return PendingStep(self._last_dispatch, rows_to_packed, sampled, prompt_spans)
 
     def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, bias_table: np.ndarray | None,
-                  prompt_targets: np.ndarray | None, num_tokens: int, num_seqs: int, mode: str, num_logprobs: int,
-                  wants_logprobs: bool) -> tuple:
+                  grammar_bitmask: np.ndarray | None, prompt_targets: np.ndarray | None, num_tokens: int,
+                  num_seqs: int, mode: str, num_logprobs: int, wants_logprobs: bool) -> tuple:
         """Send one step's buffer and launch its forward + sampling, and the prompt logprobs when some row wants them
         (on the dispatch thread if there is one). Returns the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies already started."""
         self.kv_pool, logits, sampling_words, hidden = self._forward(
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
             num_tokens=num_tokens, num_seqs=num_seqs)
+        if grammar_bitmask is not None:
+            logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
         history = (jax.device_put(history, self.device) if history is not None
                    else self._no_history[logits.shape[0]])
         bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None

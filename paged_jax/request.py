@@ -75,6 +75,9 @@ class Request:
     # Chained hashes of the full blocks of all_token_ids, owned by the KVCacheManager: filled incrementally (the
     # token sequence only grows), cut back when an async-scheduling placeholder is replaced (invalidate_block_hashes).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    # Structured outputs: this sequence's ``structured_output.SequenceGrammar`` (None = unconstrained); the
+    # scheduler leaves the request waiting until ``grammar.is_ready`` (its grammar compiled).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -80,6 +80,10 @@ class SchedulerOutput:
         return not self.scheduled and not self.swap_out and not self.swap_in
 
 
+def _grammar_ready(request: Request) -> bool:
+    return request.grammar is None or request.grammar.is_ready
+
+
 class Scheduler:
     """Decides, each step, which requests run with how many tokens, and owns the request life cycle.
 
@@ -190,9 +194,10 @@ class Scheduler:
         return (request.arrival_time, seq)
 
     def _peek_waiting(self, skip: set[str]) -> Request | None:
-        if self.policy == "fcfs" and not skip:
+        if self.policy == "fcfs" and not skip and (not self.waiting or _grammar_ready(self.waiting[0])):
             return self.waiting[0] if self.waiting else None
-        candidates = [r for r in self.waiting if r.request_id not in skip]
+        # Requests whose grammar still compiles (structured outputs) wait without blocking those behind them.
+        candidates = [r for r in self.waiting if r.request_id not in skip and _grammar_ready(r)]
         if not candidates:
             return None
         if self.policy == "priority":

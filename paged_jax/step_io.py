@@ -31,6 +31,8 @@ class SeqInput:
         have sampled it); lets the host build a step before the previous one's tokens reached it.
       prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
         (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
+      grammar: when ``sample`` and the request is constrained: its ``structured_output.SequenceGrammar``, which
+        fills the row of the step's grammar bitmask (the tokens allowed next).
     """
 
     key: str
@@ -41,6 +43,7 @@ class SeqInput:
     sampling: Any = None
     feed_from_previous: bool = False
     prompt_logprob_targets: Sequence[int] | None = None
+    grammar: Any = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -87,7 +87,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                response_role: str = "assistant", metrics_prefix: str = NATIVE_PREFIX,
                api_key_protect_all: bool = False,
                max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
-               max_seqs_per_request: int | None = None) -> FastAPI:
+               max_seqs_per_request: int | None = None, enable_auto_tool_choice: bool = False,
+               tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -109,6 +110,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
       response_role: the role of chat replies (``--response-role``).
       metrics_prefix: the Prometheus names' prefix (``--metrics-prefix``; ``"vllm"`` exports vLLM's names).
+      enable_auto_tool_choice, tool_parser, reasoning_parser: ``--enable-auto-tool-choice``,
+        ``--tool-call-parser``, ``--reasoning-parser`` (``OpenAIServer``).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -131,7 +134,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     server = OpenAIServer(async_engine, tokenizer, info, metrics, default_sampling_params=defaults,
                           max_logprobs=max_logprobs, chat_template=chat_template, response_role=response_role,
                           scheduling_policy=engine.engine_args.scheduling_policy,
-                          max_seqs_per_request=max_seqs_per_request)
+                          max_seqs_per_request=max_seqs_per_request,
+                          enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_parser,
+                          reasoning_parser=reasoning_parser)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()

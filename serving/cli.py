@@ -118,6 +118,16 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--metrics-prefix", default=NATIVE_PREFIX,
                         help=f"prefix of the /metrics names (default {NATIVE_PREFIX}: {NATIVE_PREFIX}:<vLLM's name>); "
                              f"'{VLLM_PREFIX}' exports vLLM's own names, so vLLM dashboards and alerts work unchanged")
+    from serving.reasoning_parsers import REASONING_PARSERS
+    from serving.tool_parsers import TOOL_PARSERS
+
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": the model decides when to call tools; needs --tool-call-parser')
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read from replies: hermes (Qwen2/2.5/3, Hermes), llama3_json "
+                             "(Llama 3.x), mistral")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split <think>...</think> into reasoning_content: qwen3, deepseek_r1")
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
@@ -134,6 +144,8 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         parser.error("--enable-log-requests and --disable-log-requests contradict each other")
     if args.max_log_len is not None and args.max_log_len < 0:
         parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     try:
@@ -197,7 +209,9 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role,
                 metrics_prefix=args.metrics_prefix,
                 api_key_protect_all=args.api_key_protect_all, max_request_body_size=args.max_request_body_size,
-                max_seqs_per_request=args.max_seqs_per_request)
+                max_seqs_per_request=args.max_seqs_per_request,
+                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:

@@ -94,12 +94,20 @@ class OpenAIServer:
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
       max_seqs_per_request: most sequences (prompts x n) one request may ask for (``--max-seqs-per-request``).
+      enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
+        ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
+      reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
     """
 
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
                  default_sampling_params: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS,
                  chat_template: str | None = None, response_role: str = "assistant",
-                 scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None) -> None:
+                 scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None,
+                 enable_auto_tool_choice: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        from serving.reasoning_parsers import REASONING_PARSERS
+        from serving.tool_parsers import TOOL_PARSERS
+
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.info = info
@@ -119,6 +127,9 @@ class OpenAIServer:
         """``fn(*args, **kwargs)`` on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
                                                                 functools.partial(fn, *args, **kwargs))
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
@@ -128,7 +139,8 @@ class OpenAIServer:
     def check_request(self, body: SamplingFields) -> None:
         """The checks every generation request passes before its prompt is built (400 naming the field)."""
         self.check_model(body.model)
-        refuse_unsupported(body)
+        # include_reasoning: false is refused only where there is no reasoning to leave out.
+        refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: Stream options can only be defined when `stream=True`.",
                            param="stream_options")
@@ -224,7 +236,7 @@ class OpenAIServer:
             return render_chat(tokenizer, [message.model_dump() for message in messages], body.add_generation_prompt,
                                body.chat_template_kwargs, continue_final_message=body.continue_final_message,
                                chat_template=template if template is not None else self.chat_template,
-                               documents=getattr(body, "documents", None))
+                               documents=getattr(body, "documents", None), tools=getattr(body, "tools", None))
         except ChatTemplateError as exc:  # e.g. an unsupported role order
             raise APIError(400, f"messages: the chat template rejected the conversation ({exc})",
                            param=_chat_error_param(str(exc))) from exc
@@ -251,10 +263,17 @@ class OpenAIServer:
         return min(limit for limit in limits if limit is not None)
 
     def sampling_params(self, body: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        aliases: dict[str, str], prompt_logprobs: int | None = None):
+                        aliases: dict[str, str], prompt_logprobs: int | None = None, tool_schema: dict | None = None,
+                        skip_special_tokens: bool | None = None):
         """``SamplingParams`` of ``body``; fields it leaves unset take the generation config's default, else
-        vLLM's. ``logprobs`` / ``prompt_logprobs``: as the endpoint reads them from its fields."""
+        vLLM's. ``logprobs`` / ``prompt_logprobs``: as the endpoint reads them from its fields. ``tool_schema``:
+        the JSON schema a required / named tool choice constrains the reply to; ``skip_special_tokens``: the tool
+        parser's override. ``aliases`` gains the structured-output spec's field -> the request field."""
         from paged_jax.sampling_params import SamplingParams
+        from serving.structured_outputs import structured_outputs_from_request
+
+        structured_outputs, spec_fields = structured_outputs_from_request(body, tool_schema)
+        aliases.update(spec_fields)
 
         if body.stop_token_ids:
             self.check_token_ids(body.stop_token_ids, "stop_token_ids")
@@ -287,11 +306,13 @@ class OpenAIServer:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens,
+                skip_special_tokens=(body.skip_special_tokens if skip_special_tokens is None
+                                     else skip_special_tokens),
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
                 logit_bias=body.logit_bias,
                 allowed_token_ids=body.allowed_token_ids,
                 bad_words=body.bad_words,
+                structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc

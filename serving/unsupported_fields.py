@@ -38,25 +38,14 @@ class Refusal:
     is_noop: Callable[[Any], bool] = _unset_or_empty
 
 
-_TOOLS = "tool calling is not supported yet"
-_STRUCTURED = "structured outputs (guided decoding) are not supported yet"
+_FUNCTIONS = "the deprecated functions API is not supported; use tools and tool_choice"
 _BEAM = "beam search is not supported yet"
-# Features this server does not have (tool calling, structured outputs, beam search, ...).
+# Features this server does not have (beam search, ...).
 NOT_SUPPORTED: dict[str, Refusal] = {
-    "tools": Refusal(_TOOLS),
-    "tool_choice": Refusal(_TOOLS, _one_of("none")),
-    "parallel_tool_calls": Refusal(_TOOLS, _one_of(False)),
-    "functions": Refusal(_TOOLS),
-    "function_call": Refusal(_TOOLS, _one_of("none")),
-    "response_format": Refusal(_STRUCTURED, _one_of({"type": "text"})),
-    "structured_outputs": Refusal(_STRUCTURED),
-    "guided_json": Refusal(_STRUCTURED),
-    "guided_regex": Refusal(_STRUCTURED),
-    "guided_choice": Refusal(_STRUCTURED, _unset),
-    "guided_grammar": Refusal(_STRUCTURED),
-    "guided_decoding_backend": Refusal(_STRUCTURED),
-    "guided_whitespace_pattern": Refusal(_STRUCTURED),
-    "structural_tag": Refusal(_STRUCTURED),
+    "functions": Refusal(_FUNCTIONS),
+    "function_call": Refusal(_FUNCTIONS, _one_of("none")),
+    "guided_whitespace_pattern": Refusal("the grammar backend (xgrammar) has no whitespace pattern; "
+                                         "structured_outputs.disable_any_whitespace gives compact JSON"),
     "use_beam_search": Refusal(_BEAM, _one_of(False)),
     "length_penalty": Refusal(f"length_penalty only applies to beam search; {_BEAM}", _one_of(1.0)),
     # vLLM V1 refuses best_of > 1 the same way.
@@ -68,7 +57,7 @@ NOT_SUPPORTED: dict[str, Refusal] = {
     "prediction": Refusal("predicted outputs are not supported", _unset),
     "web_search_options": Refusal("web search is not supported", _unset),
     "verbosity": Refusal("verbosity control is not supported", _unset),
-    "reasoning_effort": Refusal("no reasoning parser is configured", _unset),
+    "reasoning_effort": Refusal("reasoning effort control is not supported", _unset),
     "include_reasoning": Refusal("no reasoning parser is configured", _one_of(True)),
     "store": Refusal("stored completions are not supported", _one_of(False)),
     "service_tier": Refusal("there is one service tier", _one_of("auto", "default")),
@@ -80,13 +69,15 @@ NOT_SUPPORTED: dict[str, Refusal] = {
 REFUSED_FIELDS: dict[str, Refusal] = dict(NOT_SUPPORTED)
 
 
-def refuse_unsupported(body: BaseModel) -> None:
-    """Raise the 400 for the first refused field of ``body`` that asks for something.
+def refuse_unsupported(body: BaseModel, allowed: tuple[str, ...] = ()) -> None:
+    """Raise the 400 for the first refused field of ``body`` that asks for something (``allowed``: fields this
+    server's configuration serves although listed, e.g. ``include_reasoning`` with a reasoning parser).
 
     Raises:
       APIError: 400 naming the field (``param``), the message saying why.
     """
     for name in type(body).model_fields:
         refusal = REFUSED_FIELDS.get(name)
-        if refusal is not None and name in body.model_fields_set and not refusal.is_noop(getattr(body, name)):
+        if (refusal is not None and name not in allowed and name in body.model_fields_set
+                and not refusal.is_noop(getattr(body, name))):
             raise APIError(400, f"{name}: {refusal.reason}", param=name)

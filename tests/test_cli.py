@@ -79,8 +79,7 @@ def test_vllm_defaults_of_the_server_flags():
 
 UNSUPPORTED_VLLM_FLAGS = [
     ["--kv-cache-dtype", "fp8"], ["--quantization", "awq"], ["--tokenizer-mode", "mistral"],
-    ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--enable-auto-tool-choice"],
-    ["--tool-call-parser", "hermes"], ["--reasoning-parser", "qwen3"], ["--enable-lora"],
+    ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--enable-lora"],
     ["--max-num-partial-prefills", "2"], ["--distributed-executor-backend", "ray"], ["--config", "serve.yaml"],
     ["--uds", "/tmp/vllm.sock"], ["--disable-custom-all-reduce"], ["--limit-mm-per-prompt", '{"image": 1}'],
     ["--max-model", "64"],  # an abbreviation of --max-model-len: refused, not guessed
@@ -109,6 +108,9 @@ def test_unsupported_flags_exit_2_naming_the_flag(command, flag, capsys):
     (["--max-seqs-per-request", "0"], "--max-seqs-per-request"),
     (["--max-request-body-size", "0"], "--max-request-body-size"),
     (["--api-key-protect-all"], "--api-key"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),  # vLLM: auto tool choice needs a parser
+    (["--tool-call-parser", "no-such-parser"], "--tool-call-parser"),
+    (["--reasoning-parser", "no-such-parser"], "--reasoning-parser"),
 ])
 def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
     from serving.cli import main

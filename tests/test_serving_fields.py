@@ -30,6 +30,7 @@ SHOW_ALL_TEMPLATE = (
     "{% for c in m.tool_calls or [] %}(call {{ c.id }} {{ c.function.name }} city={{ c.function.arguments.city }})"
     "{% endfor %}{% if m.tool_call_id is defined %}(result of {{ m.tool_call_id }}){% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}")
+SHOW_TOOLS_TEMPLATE = "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}" + SHOW_ALL_TEMPLATE
 
 
 @dataclasses.dataclass
@@ -107,6 +108,26 @@ def _params(name: str, value: Any) -> Callable:
     return check
 
 
+def _constraint(name: str, value: Any) -> Callable:
+    def check(response, added):
+        assert getattr(added[-1].params.structured_outputs, name) == value
+
+    return check
+
+
+def _tool_schema(check_schema: Callable[[dict], bool]) -> Callable:
+    def check(response, added):
+        assert check_schema(added[-1].params.structured_outputs.json)
+
+    return check
+
+
+_LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}}}
+_STRUCTURAL_TAG = ('{"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"type": "object"}, '
+                   '"end": "</f>"}], "triggers": ["<f>"]}')
+
+
 def _streamed(response, added):
     chunks = list(response)
     assert chunks and all(chunk.usage is not None for chunk in chunks)  # continuous_usage_stats
@@ -156,13 +177,14 @@ COMMON: dict[str, Case] = {
     "allowed_token_ids": Case({"allowed_token_ids": [1, 2]}, _params("allowed_token_ids", [1, 2])),
     "prompt_logprobs": Case({"prompt_logprobs": 1}, _prompt_logprobs),
     "bad_words": Case({"bad_words": ["Paris"]}, _params("bad_words", ["Paris"])),
-    "response_format": Case({"response_format": {"type": "json_object"}}, REFUSED),
-    "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, REFUSED),
-    "guided_json": Case({"guided_json": {"type": "object"}}, REFUSED),
-    "guided_regex": Case({"guided_regex": "a+"}, REFUSED),
-    "guided_choice": Case({"guided_choice": ["yes", "no"]}, REFUSED),
-    "guided_grammar": Case({"guided_grammar": 'root ::= "a"'}, REFUSED),
-    "guided_decoding_backend": Case({"guided_decoding_backend": "xgrammar"}, REFUSED),
+    "response_format": Case({"response_format": {"type": "json_object"}}, _constraint("json_object", True)),
+    "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, _constraint("regex", "a+")),
+    "guided_json": Case({"guided_json": {"type": "object"}}, _constraint("json", {"type": "object"})),
+    "guided_regex": Case({"guided_regex": "a+"}, _constraint("regex", "a+")),
+    "guided_choice": Case({"guided_choice": ["yes", "no"]}, _constraint("choice", ["yes", "no"])),
+    "guided_grammar": Case({"guided_grammar": 'root ::= "a"'}, _constraint("grammar", 'root ::= "a"')),
+    "guided_decoding_backend": Case({"guided_decoding_backend": "xgrammar", "guided_regex": "a+"},
+                                    _constraint("regex", "a+")),
     "guided_whitespace_pattern": Case({"guided_whitespace_pattern": " "}, REFUSED),
     "priority": Case({"priority": 1}, REFUSED),  # this server schedules FCFS; see test_priority_*
     "request_id": Case({"request_id": "my-id"}, lambda r, a: r.id.endswith("-my-id")),
@@ -216,9 +238,13 @@ CHAT_ONLY: dict[str, Case] = {
     "logprobs": Case({"logprobs": True}, lambda r, a: len(r.choices[0].logprobs.content) == r.usage.completion_tokens),
     "top_logprobs": Case({"logprobs": True, "top_logprobs": 2},
                          lambda r, a: all(len(e.top_logprobs) == 2 for e in r.choices[0].logprobs.content)),
-    "tools": Case({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, REFUSED),
-    "tool_choice": Case({"tool_choice": "auto"}, REFUSED),
-    "parallel_tool_calls": Case({"parallel_tool_calls": True}, REFUSED),
+    # tool_choice "auto" needs --enable-auto-tool-choice (tests/test_tool_calls.py); this server has none.
+    "tools": Case({"tools": [_LOOKUP], "tool_choice": "none", "chat_template": SHOW_TOOLS_TEMPLATE},
+                  _rendered_contains("[tool lookup]")),
+    "tool_choice": Case({"tools": [_LOOKUP], "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+                        _tool_schema(lambda schema: schema == _LOOKUP["function"]["parameters"])),
+    "parallel_tool_calls": Case({"tools": [_LOOKUP], "tool_choice": "required", "parallel_tool_calls": False},
+                                _tool_schema(lambda schema: schema["maxItems"] == 1)),
     "functions": Case({"functions": [{"name": "lookup"}]}, REFUSED),
     "function_call": Case({"function_call": "auto"}, REFUSED),
     "reasoning_effort": Case({"reasoning_effort": "low"}, REFUSED),
@@ -248,7 +274,7 @@ CHAT_ONLY: dict[str, Case] = {
     "chat_template_kwargs": Case({"chat_template_kwargs": {"greeting": "Ahoy"}, "chat_template": SHOW_ALL_TEMPLATE},
                                  _rendered_contains("Ahoy|")),
     "mm_processor_kwargs": Case({"mm_processor_kwargs": {"num_crops": 4}}, REFUSED),
-    "structural_tag": Case({"structural_tag": "{}"}, REFUSED),
+    "structural_tag": Case({"structural_tag": _STRUCTURAL_TAG}, _constraint("structural_tag", _STRUCTURAL_TAG)),
     "return_tokens_as_token_ids": Case({"return_tokens_as_token_ids": True, "logprobs": True},
                                        lambda r, a: r.choices[0].logprobs.content[0].token.startswith("token_id:")),
 }
