@@ -19,9 +19,11 @@ H200_BF16_FLOPS = 785e12  # 8192^3 bf16 matmul through JAX
 
 
 def workload_floor(config: ModelConfig, workload: Workload, max_num_seqs: int, dtype_bytes: int = 2,
-                   hbm: float = H200_HBM_BYTES_PER_S, flops: float = H200_BF16_FLOPS) -> dict:
+                   hbm: float = H200_HBM_BYTES_PER_S, flops: float = H200_BF16_FLOPS,
+                   kv_dtype_bytes: int | None = None) -> dict:
+    """``dtype_bytes``: bytes per weight; ``kv_dtype_bytes``: per KV element (default ``dtype_bytes``)."""
     weight_bytes = num_params(config) * dtype_bytes
-    kv_per_tok = kv_bytes_per_token(config, dtype_bytes)
+    kv_per_tok = kv_bytes_per_token(config, dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
     max_out = max(r.max_tokens for r in workload.requests)
     decode_steps = max(max_out, math.ceil(workload.output_tokens / max_num_seqs))
     # Token t of a request (0-based) attends over prompt_len + t cached tokens.

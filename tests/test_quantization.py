@@ -165,6 +165,12 @@ def test_gptq_matches_format_spec(float_dir, tmp_path, bits, group_size, sym, de
     ref_tokens, ref_logits = _greedy(_dequantized_reference(model))
     assert tokens == ref_tokens
     np.testing.assert_allclose(logits, ref_logits, atol=2e-4, rtol=1e-4)
+    # The jittable research API runs the quantized model through the paged kernels too.
+    from paged_jax.generate import generate
+
+    out = generate(model, jnp.asarray([PROMPT], jnp.int32), jnp.asarray([len(PROMPT)], jnp.int32),
+                   max_new_tokens=NEW_TOKENS)
+    assert np.asarray(out.tokens)[0].tolist() == ref_tokens
 
 
 @pytest.mark.parametrize("strategy,activations", [("tensor", "static"), ("channel", "dynamic_token")])
