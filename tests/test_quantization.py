@@ -14,7 +14,7 @@ import torch
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
-from models.quantization.config import QuantConfig, resolve_quantization
+from models.quantization.config import resolve_quantization
 from models.quantization.load import PROJECTIONS, load_quantized_model
 from models.quantization.testing import save_quantized_checkpoint
 from models.testing import save_random_hf_checkpoint, tiny_config
@@ -79,6 +79,14 @@ def _greedy(model, prompt=PROMPT, n=NEW_TOKENS):
         logits = model.compute_logits(hidden)[len(ids) - 1]
         ids.append(int(jnp.argmax(logits)))
     return ids[len(prompt):], np.asarray(logits)
+
+
+def _logits(model, ids=PROMPT):
+    """float32[len(ids), V] of one dense forward."""
+    t = len(ids)
+    attention = dense_causal_attention(np.zeros((t,), np.int32), model.config.head_dim ** -0.5)
+    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.arange(t, dtype=jnp.int32), None, attention)
+    return np.asarray(model.compute_logits(hidden))
 
 
 # -- detection --------------------------------------------------------------------------------------------------------
@@ -161,15 +169,14 @@ def test_gptq_matches_format_spec(float_dir, tmp_path, bits, group_size, sym, de
                                       _gptq_spec_dequantize(stored, name, bits), err_msg=name)
     if not desc_act:
         return
-    tokens, logits = _greedy(model)
-    ref_tokens, ref_logits = _greedy(_dequantized_reference(model))
-    assert tokens == ref_tokens
-    np.testing.assert_allclose(logits, ref_logits, atol=2e-4, rtol=1e-4)
-    # The jittable research API runs the quantized model through the paged kernels too.
+    reference = _dequantized_reference(model)
+    np.testing.assert_allclose(_logits(model), _logits(reference), atol=2e-4, rtol=1e-4)
+    # Greedy through the jittable research API (paged kernels, one compile) = the dequantized fp32 model's.
     from paged_jax.generate import generate
 
     out = generate(model, jnp.asarray([PROMPT], jnp.int32), jnp.asarray([len(PROMPT)], jnp.int32),
                    max_new_tokens=NEW_TOKENS)
+    ref_tokens, _ = _greedy(reference)
     assert np.asarray(out.tokens)[0].tolist() == ref_tokens
 
 
@@ -212,9 +219,9 @@ PERPLEXITY_TEXT = (
     "reformers spread pamphlets faster than any authority could suppress them.")
 
 
-def test_smollm2_perplexity_int8_fp8_int4(smollm2_dir, smollm2_tokenizer):
-    """Online int8 / fp8 (bf16 compute) lose at most 1% / 2% perplexity against bf16 on a fixed text; int4
-    (round-to-nearest, group 64, zero points: the AWQ layout without AWQ's activation-aware scaling) is reported."""
+def test_smollm2_perplexity_int8_fp8(smollm2_dir, smollm2_tokenizer):
+    """Online int8 / fp8 (bf16 compute) lose at most 1% / 2% perplexity against bf16 on a fixed text (int4 is
+    reported from benchmarks, not tested: a round-to-nearest int4 SmolLM2 says little about AWQ / GPTQ models)."""
     from flax import nnx
 
     from models.loader import load_model
@@ -231,13 +238,11 @@ def test_smollm2_perplexity_int8_fp8_int4(smollm2_dir, smollm2_tokenizer):
 
     bf16, _ = load_model(smollm2_dir, dtype="bfloat16")
     results = {"bf16": perplexity(bf16)}
-    for name, qc in [("int8", resolve_quantization("int8", {})), ("fp8", resolve_quantization("fp8", {})),
-                     ("int4", QuantConfig("awq", "weight_only", False, bits=4, group_size=64, zero_point=True))]:
+    for name, qc in [("int8", resolve_quantization("int8", {})), ("fp8", resolve_quantization("fp8", {}))]:
         results[name] = perplexity(quantize_model(nnx.clone(bf16), qc))
     print("SmolLM2 perplexity:", json.dumps(results))
     assert 0.95 * results["bf16"] < results["int8"] <= 1.01 * results["bf16"]
     assert 0.95 * results["bf16"] < results["fp8"] <= 1.02 * results["bf16"]
-    assert results["int4"] < 2 * results["bf16"]  # reported; a broken int4 path would be far off
 
 
 # -- engine, weights cache, tensor parallelism ------------------------------------------------------------------------
