@@ -52,9 +52,11 @@ def attention_flops(config: ModelConfig, num_keys: int) -> int:
 
 
 def workload_floor(config: ModelConfig, workload: Workload, max_num_seqs: int, dtype_bytes: int = 2,
-                   hbm: float = H200_HBM_BYTES_PER_S, flops: float = H200_BF16_FLOPS) -> dict:
-    """Floor of one offline run of ``workload`` with at most ``max_num_seqs`` sequences per decode step."""
-    kv_per_tok = kv_bytes_per_token(config, dtype_bytes)
+                   hbm: float = H200_HBM_BYTES_PER_S, flops: float = H200_BF16_FLOPS,
+                   kv_dtype_bytes: int | None = None) -> dict:
+    """Floor of one offline run of ``workload`` with at most ``max_num_seqs`` sequences per decode step.
+    ``dtype_bytes``: bytes per weight; ``kv_dtype_bytes``: per KV element (default ``dtype_bytes``)."""
+    kv_per_tok = kv_bytes_per_token(config, dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
     max_out = max(r.max_tokens for r in workload.requests)
     decode_steps = max(max_out, math.ceil(workload.output_tokens / max_num_seqs))
     # Every output token after a request's first is one decode row; rows share the steps' weight reads.

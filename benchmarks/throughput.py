@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ceilings", action="store_true",
                    help="also measure the device's copy bandwidth and matmul rate in this run (benchmarks/floors.py "
                         "measure_ceilings) and state the result against the floor at those ceilings")
+    p.add_argument("--quantization", help="awq | gptq | compressed-tensors | fp8 | int8 (fp8 / int8 quantize dummy "
+                                          "or bf16 weights at load)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
 
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START
     assert len(first[0].outputs[0].token_ids) == 1
@@ -147,12 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
     config = llm.llm_engine.model_config if args.model else preset_config(args.shape)
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_pretrained(args.model)
-    floor = workload_floor(config, workload, args.max_num_seqs)
+    # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, the fp8 KV cache 1.
+    weight_bytes = 1 if args.quantization in ("fp8", "int8", "compressed-tensors") else 2
+    floor = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
+                           kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2)
+    result.update({"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype})
     stats = llm.llm_engine.stats()
     if ceilings is not None:
         # The same workload against the ceilings of this run instead of the fixed H200 figures.
-        same_run = workload_floor(config, workload, args.max_num_seqs, hbm=ceilings["copy_GBps"] * 1e9,
-                                  flops=ceilings["matmul_TFLOPs"] * 1e12)
+        same_run = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
+                                  kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2,
+                                  hbm=ceilings["copy_GBps"] * 1e9, flops=ceilings["matmul_TFLOPs"] * 1e12)
         result["same_run_ceilings"] = ceilings
         result["fraction_of_same_run_floor"] = same_run["floor_s"] / elapsed
     result.update({

@@ -38,6 +38,9 @@ _FLAG_HELP = {
     "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",
     "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
     "disable_log_stats": "no periodic stats log line (serve)",
+    "quantization": "quantized weights: the checkpoint's quantization_config by default; fp8 / int8 also quantize "
+                    "an unquantized checkpoint at load",
+    "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 (e4m3, checkpoint k/v scales or 1.0)",
 }
 
 

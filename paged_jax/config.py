@@ -59,6 +59,12 @@ class EngineArgs:
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
     weight_cache: bool = True
+    # Quantized weights (vLLM's --quantization): awq | gptq | compressed-tensors | fp8 | int8; None = the
+    # checkpoint's quantization_config (if any). fp8 / int8 on an unquantized checkpoint quantize it at load time.
+    quantization: Literal["awq", "gptq", "compressed-tensors", "fp8", "int8"] | None = None
+    # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn
+    # with the checkpoint's per-layer k/v scales (1.0 without them): twice the tokens in the same memory.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     attention_impl: str = "auto"  # one of paged_jax.attention_impl.ATTENTION_IMPLS ("pallas": deprecated, = "triton")
     # The server's periodic stats log line (throughput, running / waiting requests, KV cache usage, prefix cache
     # hit rate; serving.server_logs.StatsLogger); True silences it.
@@ -91,6 +97,11 @@ class EngineArgs:
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
+        from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES
+
+        check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",
+              f"must be one of {', '.join(QUANTIZATION_METHODS)}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
               "served_model_name", "must be a non-empty name or list of non-empty names")

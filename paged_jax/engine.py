@@ -156,19 +156,20 @@ class LLMEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
 
+        kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
         num_blocks = determine_num_blocks(
-            memory_config, block_size=args.block_size, dtype=model.dtype, max_model_len=max_model_len,
+            memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
             device=device)
-        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=model.dtype,
+        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
         self.runner = ModelRunner(
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
-            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling))
+            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
@@ -177,7 +178,7 @@ class LLMEngine:
         kv_tokens = (num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
                     "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
-                    num_blocks * kv_bytes_per_block(memory_config, args.block_size, model.dtype) / 2**30,
+                    num_blocks * kv_bytes_per_block(memory_config, args.block_size, kv_dtype) / 2**30,
                     num_host_blocks, max_model_len, kv_tokens / max_model_len)
         num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
                                             num_blocks=num_blocks)

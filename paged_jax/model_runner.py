@@ -181,7 +181,7 @@ class ModelRunner:
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
-                 dispatch_thread: bool = False):
+                 dispatch_thread: bool = False, kv_cache_dtype=None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -214,6 +214,8 @@ class ModelRunner:
                                           else [(False, False)])
         ]
         self.dtype = jnp.dtype(model.dtype)
+        # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
+        self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
 
         # Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
@@ -227,14 +229,15 @@ class ModelRunner:
 
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_pool: list[tuple[jax.Array, jax.Array]] = (
-            self.sharding_plan.make_kv_caches(num_blocks, block_size, self.dtype) if self.sharding_plan else [
-                (jnp.zeros(shape, self.dtype, device=self.device), jnp.zeros(shape, self.dtype, device=self.device))
+            self.sharding_plan.make_kv_caches(num_blocks, block_size, self.kv_dtype) if self.sharding_plan else [
+                (jnp.zeros(shape, self.kv_dtype, device=self.device),
+                 jnp.zeros(shape, self.kv_dtype, device=self.device))
                 for _ in range(model_config.num_hidden_layers)
             ])
         self.num_host_blocks = num_host_blocks
         # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
         self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
-                                   dtype=self.dtype) if num_host_blocks else None)
+                                   dtype=self.kv_dtype) if num_host_blocks else None)
 
         # Last step's sampled tokens, on device (int32[max seq bucket]), and the packed row each key sampled in.
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
