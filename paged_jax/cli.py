@@ -24,7 +24,7 @@ from typing import Any
 from paged_jax.config import EngineArgs
 
 # Extra spellings (vLLM's) and help texts of some engine flags.
-_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
 _FLAG_HELP = {
     "model": "HF checkpoint directory or Hub repo id (default: the built-in SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory or Hub repo id (default: the model's)",
@@ -38,6 +38,13 @@ _FLAG_HELP = {
     "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",
     "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
     "disable_log_stats": "no periodic stats log line (serve)",
+    "pipeline_parallel_size": "contiguous layer stages, each on its own tp devices",
+    "data_parallel_size": "engine replicas (each pp * tp devices, its own scheduler and KV pool) behind a "
+                          "prefix-aware router",
+    "nnodes": "hosts (processes) of one multi-host engine (jax.distributed)",
+    "node_rank": "this host's rank; rank 0 schedules and serves, the others run the same steps",
+    "master_addr": "address of node 0 (the jax.distributed coordinator)",
+    "master_port": "port of the jax.distributed coordinator on node 0",
 }
 
 

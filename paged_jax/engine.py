@@ -31,6 +31,7 @@ from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
 from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
                                     num_host_blocks_for)
+from paged_jax.parallel.multihost import start_distributed
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
@@ -119,8 +120,11 @@ class LLMEngine:
     ``scheduler``.
     """
 
-    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
+    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None):
         args = engine_args
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: one LLMEngine is one replica; build "
+                             "replicas with paged_jax.create_engine (paged_jax.data_parallel.DataParallelEngine)")
         self.engine_args = args
         start = time.perf_counter()
         # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory).
@@ -128,12 +132,13 @@ class LLMEngine:
         warn_if_gpu_unused()
         args.log_compatibility_notes()
         enable_compilation_cache(args.compilation_cache_dir)
-        device = jax.devices()[0]
+        start_distributed(args)  # multi-host: join the JAX job before any device is looked at
+        device = devices[0] if devices else jax.devices()[0]
         on_accelerator = device.platform != "cpu"
 
         logger.info("Loading model %s (dtype %s) on %s", args.model or "SmolLM2-135M-Instruct (built-in)", args.dtype,
                     device)
-        loaded = load_engine_model(args, on_accelerator)
+        loaded = load_engine_model(args, on_accelerator, devices)
         model, config, plan = loaded.model, loaded.config, loaded.plan
         run_config, memory_config = loaded.run_config, loaded.memory_config
         self.model_path = loaded.model_path

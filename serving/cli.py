@@ -130,7 +130,7 @@ def engine_args_from_namespace(args: argparse.Namespace):
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
     from paged_jax.chat import load_chat_template
-    from paged_jax.engine import LLMEngine
+    from paged_jax.data_parallel import create_engine
     from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient, engine_process_enabled
@@ -148,7 +148,7 @@ def build_app_from_args(args: argparse.Namespace):
     if engine_process_enabled(args.engine_process):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
-        engine = LLMEngine(engine_args)
+        engine = create_engine(engine_args)
     return create_app(engine, **app_kwargs(args, engine_args, chat_template)), engine_args
 
 
