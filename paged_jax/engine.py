@@ -31,7 +31,7 @@ from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
 from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
                                     num_host_blocks_for)
-from paged_jax.parallel.multihost import start_distributed
+from paged_jax.parallel.multihost import leader_channel, start_distributed
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
@@ -127,12 +127,13 @@ class LLMEngine:
                              "replicas with paged_jax.create_engine (paged_jax.data_parallel.DataParallelEngine)")
         self.engine_args = args
         start = time.perf_counter()
-        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory).
+        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory), and
+        # a multi-host job must be joined before (paged_jax.parallel.multihost).
         reserve_gpu_memory_fraction(args.gpu_memory_utilization)
+        start_distributed(args)
         warn_if_gpu_unused()
         args.log_compatibility_notes()
         enable_compilation_cache(args.compilation_cache_dir)
-        start_distributed(args)  # multi-host: join the JAX job before any device is looked at
         device = devices[0] if devices else jax.devices()[0]
         on_accelerator = device.platform != "cpu"
 
@@ -190,6 +191,7 @@ class LLMEngine:
                     "; the JAX compilation cache makes later starts faster")
         compile_start = time.perf_counter()
         self.runner.warm_up(use_tqdm=use_tqdm)
+        self.runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
         logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                     time.perf_counter() - start)
 

@@ -193,6 +193,13 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     parser, args = parse_serve_args(list(sys.argv[1:] if argv is None else argv), prog)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_library_loggers()
+    if args.node_rank > 0:  # multi-host: node 0 serves HTTP and schedules, this node runs the same steps
+        from paged_jax.parallel.multihost import run_follower
+
+        try:
+            return run_follower(engine_args_from_namespace(args))
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,41 @@ def start_distributed(args) -> bool:
     if args.nnodes > 1 and jax.process_count() != args.nnodes:
         raise ValueError(f"nnodes={args.nnodes} but the JAX job has {jax.process_count()} processes")
     return jax.process_count() > 1
+
+
+def local_copies(arrays: Sequence) -> tuple:
+    """Replicated outputs of a step, as arrays this process can fetch: in a multi-process job an array spanning
+    every host's devices cannot be copied to one host, its local replica can."""
+    return tuple(a if a.is_fully_addressable else a.addressable_data(0) for a in arrays)
+
+
+def leader_channel() -> "StepChannel | None":
+    """Node 0 of a multi-process job: the ``StepChannel`` its runner announces its device calls on (and, at exit,
+    ``"shutdown"``, which ends the followers). None in a single-process run."""
+    import atexit
+
+    import jax
+
+    if jax.process_count() == 1 or jax.process_index() != 0:
+        return None
+    channel = StepChannel()
+    atexit.register(channel.publish, "shutdown")  # runs before jax.distributed's own shutdown (registered earlier)
+    return channel
+
+
+def run_follower(engine_args) -> int:
+    """Nodes 1..N-1 (``paged-jax serve/generate --node-rank R``, R > 0): build the same engine as node 0 (its share
+    of the weights and KV pool, the same compiled steps), then replay node 0's steps until it shuts down. Returns
+    the exit status: 0 after node 0's shutdown, 1 when node 0 was lost."""
+    from paged_jax.engine import LLMEngine
+
+    engine = LLMEngine(engine_args)
+    try:
+        follow(engine.runner, StepChannel())
+    except RuntimeError as exc:
+        logger.error("node %d stops: %s", engine_args.node_rank, exc)
+        return 1
+    return 0
 
 
 def is_leader() -> bool:
