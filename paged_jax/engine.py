@@ -29,9 +29,9 @@ from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
-from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
-                                    num_host_blocks_for)
+from paged_jax.model_runner import determine_num_blocks, enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for
 from paged_jax.parallel.multihost import leader_channel, start_distributed
+from paged_jax.pipeline import runner_class
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
@@ -169,7 +169,7 @@ class LLMEngine:
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=model.dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
-        self.runner = ModelRunner(
+        self.runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
