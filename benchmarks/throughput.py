@@ -54,8 +54,14 @@ def main(argv: list[str] | None = None) -> dict:
                         "server at that many concurrent streams would see them; default: all at once")
     p.add_argument("--temperature", type=float,
                    help="override the workload's sampling temperature (0 = greedy, as benchmarks/generate.py)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind the prefix-aware router (paged_jax.data_parallel)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
+    if args.breakdown and args.data_parallel_size > 1:
+        p.error("--breakdown times one engine's steps; it does not combine with --data-parallel-size > 1")
 
     from benchmarks.floors import workload_floor
     from benchmarks.workloads import by_name
@@ -69,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START
     assert len(first[0].outputs[0].token_ids) == 1
@@ -146,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         "total_tok_s": (workload.prompt_tokens + out_tokens) / elapsed,
         "output_tok_s": out_tokens / elapsed,
         "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed, "max_concurrency": args.max_concurrency,
+        # The floor is one device's; with dp / pp / tp this many devices share the work.
+        "devices_used": args.data_parallel_size * args.pipeline_parallel_size * args.tensor_parallel_size,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
     })
     print(json.dumps(result, indent=1))

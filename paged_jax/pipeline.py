@@ -19,7 +19,8 @@ compile after warm-up) is the ``ModelRunner``'s.
 Overlap: every call is dispatched asynchronously, so the host builds the next step while the stages run, and with
 ``async_scheduling`` the next step is dispatched before the current one's tokens are fetched; stages of one step
 still run one after the other (one batch in flight, not vLLM's one scheduled batch per stage). Swap preemption is
-refused (its copies would span the stages' devices; ``EngineArgs`` checks it).
+refused (its copies would span the stages' devices; ``EngineArgs`` checks it), and so are stages on other processes
+(multi-host: use tensor parallelism across hosts).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class PipelinePlan:
     def create(cls, config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int,
                devices: Sequence[jax.Device] | None = None) -> "PipelinePlan":
         mesh = make_pipeline_mesh(pipeline_parallel_size, tensor_parallel_size, devices)
+        if any(device.process_index != jax.process_index() for device in mesh.devices.flat):
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: the stages hand their hidden states "
+                             "over device to device within one process; across hosts use tensor parallelism")
         stage_plans = tuple(
             ShardingPlan.create(config, Mesh(mesh.devices[s][None, :], (DP_AXIS, TP_AXIS)))
             for s in range(pipeline_parallel_size))

@@ -32,16 +32,38 @@ def greedy(engine, prompts, prefix="r"):
     return [final[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
+def transformers_greedy(checkpoint, prompts, max_new_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """The single-device greedy reference, from transformers fp32 (stops after EOS id 2, included): the
+    single-device engine equals it (tests/test_engine.py, test_sharding.py), and it costs no engine build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                               eos_token_id=2, pad_token_id=2)[0, len(p):].tolist() for p in prompts]
+
+
+def qwen3_checkpoint_in(directory) -> str:
+    """A random Qwen3 checkpoint: 8 q / 2 kv heads (tp = 2 splits both), 3 layers (uneven pipeline stages)."""
+    return str(save_random_hf_checkpoint(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2,
+                                                     num_hidden_layers=3), directory / "ckpt"))
+
+
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory):
-    return str(save_random_hf_checkpoint(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2,
-                                                     num_hidden_layers=4),
-                                         tmp_path_factory.mktemp("qwen3") / "ckpt"))
+    return qwen3_checkpoint_in(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
 def qwen3_reference(qwen3_checkpoint):
-    return greedy(LLMEngine(EngineArgs(model=qwen3_checkpoint, **SMALL), use_tqdm=False), QWEN3_PROMPTS)
+    return transformers_greedy(qwen3_checkpoint, QWEN3_PROMPTS)
+
+
+def test_single_device_engine_equals_the_reference_on_random_qwen3(qwen3_checkpoint, qwen3_reference):
+    """What makes transformers the single-device engine's stand-in in these tests (one cheap engine build)."""
+    engine = LLMEngine(EngineArgs(model=qwen3_checkpoint, **SMALL), use_tqdm=False)
+    assert greedy(engine, QWEN3_PROMPTS) == qwen3_reference
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +99,6 @@ def test_dp2_by_tp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoin
 def test_dp2_by_tp2_greedy_matches_single_device_on_smollm2(hf_greedy):
     engine = create_engine(EngineArgs(model=None, data_parallel_size=2, tensor_parallel_size=2, **SMALL),
                            use_tqdm=False)
-    # The single-device engine's greedy output equals transformers' on these prompts (tests/test_engine.py).
     reference = [hf_greedy(p, MAX_TOKENS) for p in SMOLLM2_PROMPTS]
     assert greedy(engine, SMOLLM2_PROMPTS) == reference
     _assert_replicas_apart(engine, 2)

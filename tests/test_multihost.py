@@ -15,30 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from models.testing import save_random_hf_checkpoint, tiny_config
+from tests.test_data_parallel import MAX_TOKENS, qwen3_checkpoint_in, transformers_greedy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
-MAX_TOKENS = 5
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _transformers_greedy(checkpoint: Path) -> list[int]:
-    """The single-device greedy reference: transformers fp32 (the engine matches it on one device,
-    tests/test_engine.py / tests/test_data_parallel.py)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False, num_beams=1,
-                             eos_token_id=2, pad_token_id=2)
-    return out[0, len(PROMPT):].tolist()
 
 
 def _post(url: str, body: dict) -> dict:
@@ -48,9 +34,8 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_two_nodes_tensor_parallel_serve_matches_single_device(tmp_path):
-    checkpoint = save_random_hf_checkpoint(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2),
-                                           tmp_path / "qwen3")
-    reference = _transformers_greedy(checkpoint)
+    checkpoint = qwen3_checkpoint_in(tmp_path)
+    reference = transformers_greedy(checkpoint, [PROMPT])[0]
     coordinator, http_port = _free_port(), _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")

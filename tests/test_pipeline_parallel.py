@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
 from paged_jax.engine import LLMEngine
 from paged_jax.pipeline import PipelineModelRunner, PipelinePlan, stage_layer_ranges
-from tests.test_data_parallel import MAX_TOKENS, QWEN3_PROMPTS, SMALL, SMOLLM2_PROMPTS, greedy
+from tests.test_data_parallel import (MAX_TOKENS, QWEN3_PROMPTS, SMALL, SMOLLM2_PROMPTS, greedy, qwen3_checkpoint_in,
+                                      transformers_greedy)
 
 
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory):
     # 3 layers: the stages are uneven (1 + 2), untied LM head on the last stage.
-    return str(save_random_hf_checkpoint(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2,
-                                                     num_hidden_layers=3),
-                                         tmp_path_factory.mktemp("qwen3pp") / "ckpt"))
+    return qwen3_checkpoint_in(tmp_path_factory.mktemp("qwen3pp"))
 
 
 def _assert_staged(engine: LLMEngine, pp: int, tp: int):
@@ -44,7 +42,7 @@ def test_stage_layer_ranges():
 
 @pytest.fixture(scope="module")
 def qwen3_reference(qwen3_checkpoint):
-    return greedy(LLMEngine(EngineArgs(model=qwen3_checkpoint, **SMALL), use_tqdm=False), QWEN3_PROMPTS)
+    return transformers_greedy(qwen3_checkpoint, QWEN3_PROMPTS)  # = the single-device engine's (test_data_parallel)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
