@@ -107,8 +107,8 @@ class StepChannel:
     """Node 0 -> every other node: the ordered host inputs of the runner's device calls.
 
     Messages are pickled tuples ``(kind, payload)`` under ``paged_jax/step/<n>`` in the coordinator's key-value
-    store. ``timeout_s`` bounds a follower's wait for the next message while idle only through the heartbeat: a
-    follower waits in slices of ``poll_s`` and keeps waiting while the job is alive.
+    store. A follower waits for the next one in slices of ``poll_s`` for as long as the job is alive (node 0 may be
+    idle for hours); a dead node ends the job through JAX's heartbeat, a lost coordinator raises RuntimeError.
     """
 
     def __init__(self, *, poll_s: float = 5.0):
