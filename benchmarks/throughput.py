@@ -61,8 +61,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quantization", help="awq | gptq | compressed-tensors | fp8 | int8 (fp8 / int8 quantize dummy "
                                           "or bf16 weights at load)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind the prefix-aware router (paged_jax.data_parallel)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
+    if args.breakdown and args.data_parallel_size > 1:
+        p.error("--breakdown times one engine's steps; it does not combine with --data-parallel-size > 1")
 
     from benchmarks.floors import measure_ceilings, workload_floor
     from benchmarks.workloads import by_name
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
               async_scheduling=args.async_scheduling, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START
     assert len(first[0].outputs[0].token_ids) == 1
@@ -171,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         "total_tok_s": (workload.prompt_tokens + out_tokens) / elapsed,
         "output_tok_s": out_tokens / elapsed,
         "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed, "max_concurrency": args.max_concurrency,
+        # The floor is one device's; with dp / pp / tp this many devices share the work.
+        "devices_used": args.data_parallel_size * args.pipeline_parallel_size * args.tensor_parallel_size,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
         # Prefix-cache hits inside the timed region only (the warm-up's entries were reset before it).
         "timed_prefix_cache_hit_tokens": stats["prefix_cache_hits"] - stats_before["prefix_cache_hits"],

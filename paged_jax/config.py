@@ -55,6 +55,19 @@ class EngineArgs:
     # Accepted for vLLM launch lines, with a log note: no remote code is ever run, the architectures are built in.
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    # Contiguous layer stages, each on its own devices (with its part of the KV pool); combined with tp a stage
+    # holds tp devices (paged_jax.pipeline).
+    pipeline_parallel_size: int = 1
+    # Engine replicas, each with its own scheduler and KV pool on its own pp * tp devices, behind a prefix-aware
+    # router (paged_jax.data_parallel).
+    data_parallel_size: int = 1
+    # Multi-host (vLLM's names): nnodes processes, one per host, join one JAX job (jax.distributed) whose
+    # coordinator is master_addr:master_port on node 0; node 0 schedules (and serves HTTP), the others run the same
+    # steps (paged_jax.parallel.multihost). nnodes=1 also honours JAX's own JAX_COORDINATOR_ADDRESS / ... variables.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
@@ -87,7 +100,14 @@ class EngineArgs:
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         check(self.swap_space >= 0, "swap_space", "must be >= 0")
-        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
+            check(getattr(self, name) >= 1, name, "must be >= 1")
+        check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes={self.nnodes})")
+        check(0 < self.master_port < 65536, "master_port", "must be a TCP port")
+        check(self.pipeline_parallel_size == 1 or self.preemption_mode == "recompute", "preemption_mode",
+              "must be recompute with pipeline_parallel_size > 1 (swap copies would span the stages' devices)")
+        check(self.data_parallel_size == 1 or self.nnodes == 1, "data_parallel_size",
+              "must be 1 with nnodes > 1 (replicas are on one host; use tensor / pipeline parallelism across hosts)")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp32", "fp16"),
               "dtype", "must be auto, bfloat16, float16 or float32")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",

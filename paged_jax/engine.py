@@ -29,8 +29,10 @@ from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
-from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
+from paged_jax.model_runner import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
                                     num_host_blocks_for)
+from paged_jax.parallel.multihost import leader_channel, start_distributed
+from paged_jax.pipeline import runner_class
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
@@ -120,21 +122,26 @@ class LLMEngine:
     ``scheduler``.
     """
 
-    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
+    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None):
         args = engine_args
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: one LLMEngine is one replica; build "
+                             "replicas with paged_jax.create_engine (paged_jax.data_parallel.DataParallelEngine)")
         self.engine_args = args
         start = time.perf_counter()
-        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory).
+        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory), and
+        # a multi-host job must be joined before (paged_jax.parallel.multihost).
         reserve_gpu_memory_fraction(args.gpu_memory_utilization)
+        start_distributed(args)
         warn_if_gpu_unused()
         args.log_compatibility_notes()
         enable_compilation_cache(args.compilation_cache_dir)
-        device = jax.devices()[0]
+        device = devices[0] if devices else jax.devices()[0]
         on_accelerator = device.platform != "cpu"
 
         logger.info("Loading model %s (dtype %s) on %s", args.model or "SmolLM2-135M-Instruct (built-in)", args.dtype,
                     device)
-        loaded = load_engine_model(args, on_accelerator)
+        loaded = load_engine_model(args, on_accelerator, devices)
         model, config, plan = loaded.model, loaded.config, loaded.plan
         run_config, memory_config = loaded.run_config, loaded.memory_config
         self.model_path = loaded.model_path
@@ -165,7 +172,7 @@ class LLMEngine:
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
-        self.runner = ModelRunner(
+        self.runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
@@ -187,6 +194,7 @@ class LLMEngine:
                     "; the JAX compilation cache makes later starts faster")
         compile_start = time.perf_counter()
         self.runner.warm_up(use_tqdm=use_tqdm)
+        self.runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
         logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                     time.perf_counter() - start)
 

@@ -135,6 +135,11 @@ class KVCacheManager:
         """Blocks currently registered in the prefix cache (in use or free)."""
         return len(self._cached_block_by_hash)
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Read-only prefix-cache query (a data-parallel router's): whether a block with this chained hash
+        (``hash_block_tokens``) is in the cache now. Changes nothing: no reference, no LRU touch."""
+        return self.enable_prefix_caching and block_hash in self._cached_block_by_hash
+
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_blocks)

@@ -14,7 +14,7 @@ from typing import Any
 
 from paged_jax.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
-from paged_jax.engine import LLMEngine
+from paged_jax.data_parallel import create_engine
 from paged_jax.generation_config import sampling_defaults
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -37,7 +37,8 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"{unknown[0]} is not an engine argument (known: {', '.join(sorted(_ENGINE_ARG_NAMES))})")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
+        # An LLMEngine, or a DataParallelEngine of data_parallel_size replicas (paged_jax.data_parallel).
+        self.llm_engine = create_engine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
         self._request_counter = itertools.count()
         # The generation config's sampling defaults (read once: sampling_defaults logs them).
         self._sampling_defaults = sampling_defaults(self.llm_engine.generation_config)

@@ -90,8 +90,10 @@ def load_tokenizer(args: EngineArgs, model_path: str | None):
         return None
 
 
-def load_engine_model(args: EngineArgs, on_accelerator: bool) -> LoadedModel:
-    """Resolve, load (or restore from the weights cache) and lay out the model ``args`` name."""
+def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> LoadedModel:
+    """Resolve, load (or restore from the weights cache) and lay out the model ``args`` name on ``devices`` (the
+    ``pipeline_parallel_size * tensor_parallel_size`` devices of this engine; None: the first ones of
+    ``jax.devices()``)."""
     from models.config import ModelConfig
 
     model_path, config = resolve_model(args)
@@ -99,10 +101,23 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool) -> LoadedModel:
     start = time.perf_counter()
     config = config or ModelConfig.from_pretrained(model_path)
     quant = resolve_engine_quantization(args, model_path)
-    if args.tensor_parallel_size > 1:
-        model, plan, run_config, memory_config = _load_tensor_parallel(args, model_path, config, dtype, quant)
+    if args.pipeline_parallel_size > 1:
+        from paged_jax.pipeline import load_pipeline_model
+
+        if quant.config is not None:
+            raise ValueError(f"quantization={quant.config.method!r} is not supported with pipeline_parallel_size > 1 "
+                             "yet: use tensor_parallel_size")
+        model, plan, run_config, memory_config = load_pipeline_model(
+            args, model_path, config, dtype, devices, _weight_cache_key(
+                args, model_path, dtype, kind="pipeline_parallel", pp=args.pipeline_parallel_size,
+                tp=args.tensor_parallel_size))
+    elif args.tensor_parallel_size > 1:
+        model, plan, run_config, memory_config = _load_tensor_parallel(args, model_path, config, dtype, quant,
+                                                                       devices)
     else:
         model, plan = _load_single_device(args, model_path, config, dtype, quant), None
+        if devices is not None:  # another replica's device: move the weights before the KV pool is sized there
+            _move_to_device(model, devices[0])
         run_config = memory_config = config
     load_seconds = time.perf_counter() - start
     logger.info("model weights ready in %.2f s", load_seconds)
@@ -205,13 +220,21 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
         _weight_cache_key(args, model_path, dtype, kind="fused", **quant.layout()), convert, abstract)
 
 
-def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtype: str, quant: EngineQuantization):
+def _move_to_device(model, device) -> None:
+    import jax
+    from flax import nnx
+
+    nnx.update(model, jax.device_put(nnx.state(model), device))
+
+
+def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtype: str, quant: EngineQuantization,
+                          devices=None):
     from models import weight_cache
     from models.loader import resolve_dtype
     from models.tensor_parallel import TensorParallelLlamaForCausalLM, abstract_model, load_sharded_model
     from paged_jax.parallel import ShardingPlan, make_mesh
 
-    plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size))
+    plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size, devices=devices))
     jnp_dtype = resolve_dtype(dtype)
     if quant.config is not None:
         from flax import nnx

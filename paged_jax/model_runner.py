@@ -47,6 +47,7 @@ from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
 from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
+from paged_jax.parallel.multihost import local_copies
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,8 @@ class ModelRunner:
         self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")
                             if dispatch_thread else None)
         self._last_dispatch: concurrent.futures.Future | None = None
+        # Multi-host node 0: announces each device call to the other processes first (paged_jax.parallel.multihost).
+        self.step_channel = None
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
 
@@ -529,6 +532,9 @@ class ModelRunner:
         """Send one step's buffer and launch its forward + sampling, and the prompt logprobs when some row wants them
         (on the dispatch thread if there is one). Returns the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies already started."""
+        if self.step_channel is not None:
+            self.step_channel.publish("dispatch", (buf, history, bias_table, prompt_targets, num_tokens, num_seqs,
+                                                   mode, num_logprobs, wants_logprobs))
         self.kv_pool, logits, sampling_words, hidden = self._forward(
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
             num_tokens=num_tokens, num_seqs=num_seqs)
@@ -540,9 +546,9 @@ class ModelRunner:
                       else self._no_history[logits.shape[0]])
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
-        fetch = outs if wants_logprobs else outs[:1]
-        prompt_fetch = () if prompt_targets is None else self._prompt_logprobs(
-            self._param_leaves, hidden, jax.device_put(prompt_targets, self.device))
+        fetch = local_copies(outs if wants_logprobs else outs[:1])
+        prompt_fetch = () if prompt_targets is None else local_copies(self._prompt_logprobs(
+            self._param_leaves, hidden, jax.device_put(prompt_targets, self.device)))
         for array in (*fetch, *prompt_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch, prompt_fetch
@@ -571,6 +577,8 @@ class ModelRunner:
         if not swap_out and not swap_in:
             return
         self.wait_for_dispatch()  # the pool must be the one after every step dispatched so far
+        if self.step_channel is not None:
+            self.step_channel.publish("swap", (swap_out, swap_in))
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
         gathered = []

@@ -176,7 +176,7 @@ def engine_args_from_namespace(args: argparse.Namespace):
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
     from paged_jax.chat import load_chat_template
-    from paged_jax.engine import LLMEngine
+    from paged_jax.data_parallel import create_engine
     from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient, engine_process_enabled
@@ -194,7 +194,7 @@ def build_app_from_args(args: argparse.Namespace):
     if engine_process_enabled(args.engine_process):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
-        engine = LLMEngine(engine_args)
+        engine = create_engine(engine_args)
     return create_app(engine, **app_kwargs(args, engine_args, chat_template)), engine_args
 
 
@@ -247,6 +247,13 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     parser, args = parse_serve_args(list(sys.argv[1:] if argv is None else argv), prog)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_library_loggers()
+    if args.node_rank > 0:  # multi-host: node 0 serves HTTP and schedules, this node runs the same steps
+        from paged_jax.parallel.multihost import run_follower
+
+        try:
+            return run_follower(engine_args_from_namespace(args))
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

@@ -80,9 +80,9 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
     logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
     quiet_library_loggers()
     try:
-        from paged_jax.engine import LLMEngine
+        from paged_jax.data_parallel import create_engine
 
-        engine = LLMEngine(engine_args, use_tqdm=log_level <= logging.INFO)
+        engine = create_engine(engine_args, use_tqdm=log_level <= logging.INFO)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return

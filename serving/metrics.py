@@ -115,15 +115,20 @@ class _EngineStatsCollector(Collector):
             stats = dict(self._stats)
         label_names = list(self._labels)
         label_values = list(self._labels.values())
-        for name, key, doc in _ENGINE_GAUGES:
-            family = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=label_names)
-            family.add_metric(label_values, float(stats.get(key, 0.0)))
-            yield family
-        for name, key, doc in _ENGINE_COUNTERS:
-            # CounterMetricFamily appends "_total" itself.
-            family = CounterMetricFamily(f"{self._prefix}:{name}", doc, labels=label_names)
-            family.add_metric(label_values, float(stats.get(key, 0.0)))
-            yield family
+        samples = [(label_values, stats)]
+        if stats.get("replicas"):
+            # A data-parallel engine (paged_jax.data_parallel) reports each replica: one series per replica, labelled
+            # engine="<index>" as vLLM labels its DP engines (the total is their sum; stats() also carries it).
+            at = label_names.index("engine")
+            samples = [(label_values[:at] + [str(index)] + label_values[at + 1:], replica)
+                       for index, replica in enumerate(stats["replicas"])]
+        for family_type, specs in ((GaugeMetricFamily, _ENGINE_GAUGES), (CounterMetricFamily, _ENGINE_COUNTERS)):
+            for name, key, doc in specs:
+                # CounterMetricFamily appends "_total" itself.
+                family = family_type(f"{self._prefix}:{name}", doc, labels=label_names)
+                for values, source in samples:
+                    family.add_metric(values, float(source.get(key, 0.0)))
+                yield family
         # The KV pool's size is known once the engine sized it (its first stats snapshot); vLLM labels it the same.
         info = dict(self._cache_config)
         for key in ("num_gpu_blocks", "num_cpu_blocks"):

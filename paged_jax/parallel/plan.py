@@ -229,8 +229,10 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16) -> list[tuple[jax.Array, jax.Array]]:
-        """Zeroed paged KV pool, one ``(k_pages, v_pages)`` per layer, created directly in its shards.
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16,
+                       num_layers: int | None = None) -> list[tuple[jax.Array, jax.Array]]:
+        """Zeroed paged KV pool, one ``(k_pages, v_pages)`` per layer (``num_layers``, default all of the model's;
+        a pipeline stage holds only its own), created directly in its shards.
 
         ``num_blocks`` is the total over dp groups (each group gets ``num_blocks / dp``, its local block 0 null).
         """
@@ -245,7 +247,7 @@ class ShardingPlan:
         spec = self.kv_cache_spec
         create = jax.jit(jax.shard_map(lambda: (jnp.zeros(local_shape, dtype), jnp.zeros(local_shape, dtype)),
                                        mesh=self.mesh, in_specs=(), out_specs=(spec, spec), check_vma=False))
-        return [create() for _ in range(self.model_config.num_hidden_layers)]
+        return [create() for _ in range(self.model_config.num_hidden_layers if num_layers is None else num_layers)]
 
     # -- attention ---------------------------------------------------------------------------------------------------
 
