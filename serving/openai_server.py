@@ -122,14 +122,14 @@ class OpenAIServer:
         # One thread: the tokenizer copy is used by one thread at a time (HF fast tokenizers may refuse concurrent
         # use), and prompts are tokenized in arrival order.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-tokenizer")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     async def _off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
                                                                 functools.partial(fn, *args, **kwargs))
-        self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
-        self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
