@@ -1,7 +1,7 @@
 """paged-jax: a vLLM-style paged LLM inference engine in JAX.
 
 Public API (imported lazily so `import paged_jax` stays cheap):
-``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``, and for
+``LLM``, ``SamplingParams``, ``BeamSearchParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``, and for
 research code ``load_pretrained`` and ``score_tokens``.
 """
 
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "paged_jax.llm",
     "SamplingParams": "paged_jax.sampling_params",
+    "BeamSearchParams": "paged_jax.beam_search",
     "EngineArgs": "paged_jax.config",
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",

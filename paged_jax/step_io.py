@@ -31,6 +31,9 @@ class SeqInput:
         have sampled it); lets the host build a step before the previous one's tokens reached it.
       prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
         (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
+      sample_from: a fork row (n > 1 / best_of): no new tokens, ``num_computed_tokens`` 0, no block table; it samples
+        (with its own ``sampling`` row) from the logits of the last token of the row keyed ``sample_from`` in the
+        same step.
     """
 
     key: str
@@ -41,6 +44,7 @@ class SeqInput:
     sampling: Any = None
     feed_from_previous: bool = False
     prompt_logprob_targets: Sequence[int] | None = None
+    sample_from: str | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -138,7 +142,11 @@ class PendingStep:
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket."""
+    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket.
+
+    ``copy_src`` / ``copy_dst`` (S each): the step's copy-on-write block copies (at most one per sequence: only the
+    block holding a sequence's first new token can be shared), padded with destination ``num_blocks`` (out of range:
+    the scatter drops it, so padding moves no data)."""
 
     num_tokens: int
     num_seqs: int
@@ -150,7 +158,7 @@ class StepLayout:
         T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
+                 ("copy_src", S), ("copy_dst", S), ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)
@@ -171,3 +179,34 @@ class SamplerVariant:
     penalties: bool
     num_logprobs: int
     bias_table: bool = False
+
+
+def pack_block_copies(copies: Sequence[tuple[int, int]], src: np.ndarray, dst: np.ndarray, num_blocks: int) -> None:
+    """Write a step's copy-on-write ``copies`` ``[(src_block, dst_block)]`` into the layout's ``copy_src`` /
+    ``copy_dst`` views (int32[S] each), padding with the dropped destination ``num_blocks``."""
+    if len(copies) > len(src):
+        raise ValueError(f"{len(copies)} block copies in a step of {len(src)} sequence slots")
+    dst[:] = num_blocks
+    if copies:
+        pairs = np.asarray(copies, np.int32)
+        src[:len(copies)], dst[:len(copies)] = pairs[:, 0], pairs[:, 1]
+
+
+def apply_block_copies(kv_pool: list, src, dst) -> list:
+    """Inside the jitted step, on the donated pool: block ``dst[i]`` of every layer's K and V becomes a copy of block
+    ``src[i]`` (int32[S] each); out-of-range destinations (padding) are dropped."""
+    return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_pool]
+
+
+def point_fork_rows(packed_seqs: Sequence[SeqInput], num_forks: int, cu: np.ndarray, logits_indices: np.ndarray) -> None:
+    """The last ``num_forks`` packed rows are fork rows: point each one's logits index (``logits_indices``, int32[R])
+    at the last token of the row it samples from (``cu``: cumulative new-token counts of the packed rows)."""
+    num_rows = len(packed_seqs)
+    packed_of = {s.key: packed for packed, s in enumerate(packed_seqs[:num_rows - num_forks])}
+    for packed in range(num_rows - num_forks, num_rows):
+        seq = packed_seqs[packed]
+        parent = packed_of.get(seq.sample_from)
+        if parent is None or seq.num_computed_tokens or seq.block_ids or not seq.sample:
+            raise ValueError(f"sequence {seq.key!r} has no new tokens but is no fork row (sample_from a row of the "
+                             "step, sample, no blocks)")
+        logits_indices[packed] = cu[parent] - 1
