@@ -2,10 +2,11 @@
 
 Every field the request models (``serving.protocol``) declare either works as in vLLM or is listed here. A listed
 field is refused only when it asks for something: a value that is unset, empty or the field's no-op (e.g.
-``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``use_beam_search: false``) is accepted, since it
-changes nothing. When a feature lands, its entry is removed here and the route honours the field.
+``tool_choice: "none"``, ``response_format: {"type": "text"}``) is accepted, since it changes nothing. When a feature
+lands, its entry is removed here and the route honours the field.
 
-The tables list features the server does not have (yet).
+The tables list features the server does not have (yet), and (``BEAM_SEARCH_UNUSED``) the sampling fields that beam
+search does not read (refused with ``use_beam_search``, not silently dropped as vLLM does).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ class Refusal:
 
 _TOOLS = "tool calling is not supported yet"
 _STRUCTURED = "structured outputs (guided decoding) are not supported yet"
-_BEAM = "beam search is not supported yet"
-# Features this server does not have (tool calling, structured outputs, beam search, ...).
+# Features this server does not have (tool calling, structured outputs, ...).
 NOT_SUPPORTED: dict[str, Refusal] = {
     "tools": Refusal(_TOOLS),
     "tool_choice": Refusal(_TOOLS, _one_of("none")),
@@ -57,10 +57,6 @@ NOT_SUPPORTED: dict[str, Refusal] = {
     "guided_decoding_backend": Refusal(_STRUCTURED),
     "guided_whitespace_pattern": Refusal(_STRUCTURED),
     "structural_tag": Refusal(_STRUCTURED),
-    "use_beam_search": Refusal(_BEAM, _one_of(False)),
-    "length_penalty": Refusal(f"length_penalty only applies to beam search; {_BEAM}", _one_of(1.0)),
-    # vLLM V1 refuses best_of > 1 the same way.
-    "best_of": Refusal("best_of > 1 is not supported (as in vLLM V1)", lambda value: value is None or value <= 1),
     "prompt_embeds": Refusal("prompt embeddings are not supported", _unset),
     "mm_processor_kwargs": Refusal("no multimodal processor: the served models are text-only"),
     "audio": Refusal("audio output is not supported", _unset),
@@ -80,6 +76,19 @@ NOT_SUPPORTED: dict[str, Refusal] = {
 }
 REFUSED_FIELDS: dict[str, Refusal] = dict(NOT_SUPPORTED)
 
+_UNUSED_BY_BEAM_SEARCH = "is not used by beam search (use_beam_search)"
+# Sampling fields beam search does not read (it reads n = beam width, max_tokens, temperature, ignore_eos,
+# length_penalty, include_stop_str_in_output): refused with use_beam_search unless they ask for nothing.
+BEAM_SEARCH_UNUSED: dict[str, Refusal] = {
+    name: Refusal(_UNUSED_BY_BEAM_SEARCH, noop) for name, noop in (
+        ("best_of", _unset), ("top_p", _one_of(1.0)), ("top_k", _one_of(0, -1)), ("min_p", _one_of(0.0)),
+        ("presence_penalty", _one_of(0.0)), ("frequency_penalty", _one_of(0.0)),
+        ("repetition_penalty", _one_of(1.0)), ("seed", _unset), ("stop", _unset_or_empty),
+        ("stop_token_ids", _unset_or_empty), ("min_tokens", _one_of(0)), ("logit_bias", _unset_or_empty),
+        ("allowed_token_ids", _unset), ("bad_words", _unset_or_empty), ("prompt_logprobs", _unset),
+        ("logprobs", _one_of(False)), ("top_logprobs", _one_of(0)))
+}
+
 
 def refuse_unsupported(body: BaseModel) -> None:
     """Raise the 400 for the first refused field of ``body`` that asks for something.
@@ -87,7 +96,14 @@ def refuse_unsupported(body: BaseModel) -> None:
     Raises:
       APIError: 400 naming the field (``param``), the message saying why.
     """
+    beam_search = bool(getattr(body, "use_beam_search", False))
     for name in type(body).model_fields:
-        refusal = REFUSED_FIELDS.get(name)
+        refusal = REFUSED_FIELDS.get(name) or (BEAM_SEARCH_UNUSED.get(name) if beam_search else None)
         if refusal is not None and name in body.model_fields_set and not refusal.is_noop(getattr(body, name)):
             raise APIError(400, f"{name}: {refusal.reason}", param=name)
+    if not beam_search and getattr(body, "length_penalty", 1.0) != 1.0:
+        raise APIError(400, "length_penalty: only applies to beam search (use_beam_search)", param="length_penalty")
+    best_of, n = getattr(body, "best_of", None), getattr(body, "n", 1)
+    if best_of is not None and best_of > n and getattr(body, "stream", False):
+        raise APIError(400, "best_of: best_of > n cannot be streamed (the best n are known only at the end)",
+                       param="best_of")

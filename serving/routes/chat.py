@@ -35,7 +35,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
-    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
+    params = server.generation_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
                                     prompt_logprobs=body.prompt_logprobs)
     response_id = server.response_id("chatcmpl", body, raw_request)
     streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority)], body, aliases)

@@ -53,7 +53,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     response_id = server.response_id("cmpl", body, raw_request)
     for index, ids in enumerate(prompt_token_ids):
         max_tokens = server.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens")
-        params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
+        params = server.generation_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
                                         prompt_logprobs=prompt_logprobs)
         requests.append(EngineRequest(f"{response_id}-{index}", ids, params, priority=body.priority))
     # The echoed prompt is the text as sent, or the decoded ids of a token prompt (or of a truncated one).
