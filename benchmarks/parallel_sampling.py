@@ -14,8 +14,8 @@ Examples (on the H200, dummy weights in real shapes):
   python -m benchmarks.parallel_sampling --shape llama-3.1-8b --out $OUT/parallel_sampling.json
   python -m benchmarks.parallel_sampling --shape qwen3-0.6b --num-prompts 64 --n 8 --input-len 2048
 CPU smoke test: python -m benchmarks.parallel_sampling --shape smollm2-135m --num-prompts 2 --n 4 --input-len 40 \
-  --output-len 8 --beam-prompts 2 --beam-output-len 4 --max-model-len 128 --max-num-seqs 16 \
-  --max-num-batched-tokens 128 --dtype float32
+  --output-len 8 --beam-prompts 2 --beam-output-len 4 --max-model-len 256 --max-num-seqs 16 \
+  --max-num-batched-tokens 128 --num-gpu-blocks-override 400 --dtype float32
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, help="KV pool size in blocks (default: from memory)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="let separate requests share their prompts through the prefix cache too")
     p.add_argument("--out", help="write the JSON lines' list here")
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     llm = LLM(model=args.model or args.shape, load_format="dummy" if args.shape else "auto", dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              num_gpu_blocks_override=args.num_gpu_blocks_override,
               enable_prefix_caching=args.enable_prefix_caching, use_tqdm=False)
     engine = llm.llm_engine
     config = preset_config(args.shape) if args.shape else ModelConfig.from_pretrained(args.model)

@@ -323,6 +323,16 @@ class KVCacheManager:
         return True
 
     # ------------------------------------------------------------------ forking / copy-on-write
+    @property
+    def num_pending_copies(self) -> int:
+        """Copy-on-write copies recorded in this scheduling pass."""
+        return len(self._pending_copies)
+
+    def needs_copy(self, request: Request) -> bool:
+        """Whether the request's next write goes into a block others hold (allocating would record a copy)."""
+        index = self._shared_write_block(request)
+        return index is not None and request.num_computed_tokens % self.block_size != 0
+
     def _shared_write_block(self, request: Request) -> int | None:
         """Index in ``request.block_ids`` of the block its next token is written into, when other requests hold it
         too (a fork's shared partial last block); else None."""

@@ -34,6 +34,7 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from paged_jax.buckets import MAX_BLOCK_COPIES
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
 
@@ -266,6 +267,8 @@ class Scheduler:
             num_new = min(request.num_tokens_to_compute, budget)
             if num_new <= 0:
                 continue
+            if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
+                continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             while not self.kv.allocate_slots(request, num_new):
                 # As vLLM: the least important running request goes, which may be this one (then it waits).
                 victim = max(self.running, key=self._order_key)

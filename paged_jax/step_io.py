@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from paged_jax import sampler as sampler_lib
+from paged_jax.buckets import MAX_BLOCK_COPIES
 
 @dataclasses.dataclass
 class SeqInput:
@@ -144,9 +145,9 @@ class PendingStep:
 class StepLayout:
     """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket.
 
-    ``copy_src`` / ``copy_dst`` (S each): the step's copy-on-write block copies (at most one per sequence: only the
-    block holding a sequence's first new token can be shared), padded with destination ``num_blocks`` (out of range:
-    the scatter drops it, so padding moves no data)."""
+    ``copy_src`` / ``copy_dst`` (C = min(S, ``MAX_BLOCK_COPIES``) each): the step's copy-on-write block copies (at
+    most one per sequence: only the block holding a sequence's first new token can be shared), padded with
+    destination ``num_blocks`` (out of range: the scatter drops it)."""
 
     num_tokens: int
     num_seqs: int
@@ -156,9 +157,10 @@ class StepLayout:
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
         T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
+        C = min(S, MAX_BLOCK_COPIES)
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 ("copy_src", S), ("copy_dst", S), ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
+                 ("copy_src", C), ("copy_dst", C), ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)
