@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from paged_jax.beam_search import BeamSearchParams, BeamSearchOutput, get_beam_search_score
-from paged_jax.config import EngineArgs
 from paged_jax.engine import LLMEngine
+from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.request import Request
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sequence_group import child_seed
@@ -33,6 +34,60 @@ def long_prompt(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode(TEXT)[:200]
     assert len(ids) == 200
     return ids
+
+
+def _computed(kv: KVCacheManager, request_id: str, num_tokens: int) -> Request:
+    request = Request(request_id, list(range(1, num_tokens + 1)))
+    assert kv.allocate_slots(request, num_tokens)
+    request.num_computed_tokens = num_tokens
+    return request
+
+
+def test_fork_and_copy_on_write_bookkeeping():
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=False, num_host_blocks=4)
+    parent = _computed(kv, "p", 6)  # one full block + a partial one
+    children = [Request(f"c{i}", list(parent.prompt_token_ids)) for i in range(2)]
+    for child in children:
+        kv.fork(parent, child)
+        assert child.block_ids == parent.block_ids and child.num_computed_tokens == 6
+    assert [kv.blocks[b].ref_cnt for b in parent.block_ids] == [3, 3]
+    # The first two writers get copies of the shared partial block; the last one writes in place.
+    for request in (children[0], parent):
+        assert kv.needs_copy(request) and kv.allocate_slots(request, 1)
+    assert not kv.needs_copy(children[1]) and kv.allocate_slots(children[1], 1)
+    shared_full, partial = children[1].block_ids
+    copies = kv.take_block_copies()
+    assert copies == [(partial, children[0].block_ids[1]), (partial, parent.block_ids[1])]
+    assert kv.blocks[shared_full].ref_cnt == 3 and kv.blocks[partial].ref_cnt == 1
+    for request in (parent, *children):
+        kv.free(request)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_copy_sources_and_destinations_freed_within_a_pass():
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=False, num_host_blocks=4)
+    parent = _computed(kv, "p", 6)
+    child = Request("c", list(parent.prompt_token_ids))
+    kv.fork(parent, child)
+    assert kv.allocate_slots(child, 1)  # copy: partial -> child's new block
+    src, dst = parent.block_ids[1], child.block_ids[1]
+    kv.free(parent)  # the copy's source loses its last holder in the same pass: kept out of the free queue
+    assert kv.blocks[src].ref_cnt == 0 and src not in kv._free_queue  # a swap-in of this pass cannot land in it
+    assert kv.take_block_copies() == [(src, dst)]
+    assert src in kv._free_queue
+    kv.free(child)
+    # A destination freed in the same pass drops its copy; a swap-out reads the pending copy's source.
+    parent = _computed(kv, "p2", 6)
+    child = Request("c2", list(parent.prompt_token_ids))
+    kv.fork(parent, child)
+    assert kv.allocate_slots(child, 1)
+    src, dst = parent.block_ids[1], child.block_ids[1]
+    pairs = kv.swap_out(child)
+    assert [device for device, _ in pairs] == [parent.block_ids[0], src]
+    assert kv.take_block_copies() == []
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
 
 
 def _trace_steps(engine: LLMEngine, record: list):
