@@ -176,21 +176,21 @@ def test_aborting_forked_groups_leaks_nothing(engine, long_prompt):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forked_groups_survive_preemption(engine, long_prompt, mode):
-    prompts = [long_prompt[i * 20:i * 20 + 90] for i in range(3)]
-    params = [SamplingParams(n=3, temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(3)]
-    roomy = run_to_completion(engine, prompts, params, prefix="roomy")
+    """Forced preemption (a 39-block pool) of n = 3 groups gives the roomy engine's outputs: greedy under recompute
+    (async scheduling), seeded sampling under swap."""
+    prompts = [long_prompt[i * 20:i * 20 + 90] for i in range(4)]
+    if mode == "recompute":
+        params = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    else:
+        params = [SamplingParams(n=3, temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
+    roomy = run_to_completion(engine, prompts, params, prefix=f"roomy-{mode}")
     tight = make_engine(num_gpu_blocks_override=TIGHT_BLOCKS, preemption_mode=mode, swap_space=0.05,
                         async_scheduling=mode == "recompute")
     outputs = run_to_completion(tight, prompts, params)
     assert tight.stats()["num_preemptions"] > 0
+    if mode == "swap":
+        assert tight.stats()["num_swap_outs"] > 0
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in roomy]
-    assert_clean(tight)
-    # Greedy too (the forked sequences are identical, each through its own blocks after the copies).
-    greedy = SamplingParams(n=3, temperature=0.0, max_tokens=40)
-    tight_greedy = run_to_completion(tight, prompts, greedy, prefix="greedy")
-    roomy_greedy = run_to_completion(engine, prompts, greedy, prefix="greedy")
-    assert [[c.token_ids for c in o.outputs] for o in tight_greedy] == \
-        [[c.token_ids for c in o.outputs] for o in roomy_greedy]
     assert_clean(tight)
 
 
@@ -232,21 +232,21 @@ def test_beam_search_without_eos_equals_transformers(engine, hf_smollm2_model, s
     transformers' agree: same beams, same order."""
     prompts = [smollm2_tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
     llm = _as_llm(engine)
-    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True, length_penalty=0.7)
+    params = BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True, length_penalty=0.7)
     results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert all(isinstance(r, BeamSearchOutput) and len(r.sequences) == 4 for r in results)
     unused_eos = hf_smollm2_model.config.vocab_size - 1
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
             hf = hf_smollm2_model.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4,
-                                           do_sample=False, max_new_tokens=8, length_penalty=0.7,
+                                           do_sample=False, max_new_tokens=6, length_penalty=0.7,
                                            early_stopping=True, eos_token_id=unused_eos, pad_token_id=unused_eos,
                                            output_scores=True, return_dict_in_generate=True)
         assert [s.tokens for s in result.sequences] == hf.sequences.tolist()
         for sequence in result.sequences:
             assert sequence.text == smollm2_tokenizer.decode(sequence.tokens)
-            assert len(sequence.logprobs) == 8 and sequence.finish_reason == "length"
-            total = sum(entry[token].logprob for entry, token in zip(sequence.logprobs, sequence.tokens[-8:]))
+            assert len(sequence.logprobs) == 6 and sequence.finish_reason == "length"
+            total = sum(entry[token].logprob for entry, token in zip(sequence.logprobs, sequence.tokens[-6:]))
             assert math.isclose(sequence.cum_logprob, total, rel_tol=1e-6)
     assert_clean(engine)
 
