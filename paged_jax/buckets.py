@@ -15,6 +15,10 @@ SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0)
 # history and the bias table (4)
 NUM_SAMPLER_VARIANTS = 11
 MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
+# Copy-on-write block copies per step (forks): the step's copy slots are min(num_seqs, this); every slot costs a
+# gather + scatter of one block per layer even as padding, so wide buckets do not get one per sequence. The
+# scheduler defers a sequence's first write into a shared block to the next step when they are used up.
+MAX_BLOCK_COPIES = 64
 
 def _powers_of_two(start: int, stop: int) -> list[int]:
     values, value = [], start

@@ -3,6 +3,7 @@
     llm = LLM()                                    # built-in SmolLM2-135M-Instruct
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
+    beams = llm.beam_search([{"prompt": "The capital of France is"}], BeamSearchParams(beam_width=4, max_tokens=16))
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
 from paged_jax.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
 from paged_jax.data_parallel import create_engine
@@ -109,6 +111,33 @@ class LLM:
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (``paged_jax.beam_search``): per prompt, the best ``params.beam_width``
+        sequences (tokens = prompt + output, ``text`` their decoding), best first.
+
+        Args:
+          prompts: as ``generate`` (vLLM passes ``{"prompt_token_ids": ...}`` / ``{"prompt": ...}`` dicts).
+          params: ``BeamSearchParams``.
+          use_tqdm: a progress bar over finished prompts.
+          concurrency_limit: at most this many prompts searched at once (None: all).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
+        prompt_list = self._normalize_prompts(prompts)
+        tokenizer = self.get_tokenizer()
+        decode = tokenizer.decode if tokenizer is not None else None
+        limit = concurrency_limit or max(len(prompt_list), 1)
+        results = []
+        for start in range(0, len(prompt_list), limit):
+            batch = prompt_list[start:start + limit]
+            for output in self._run(batch, [params] * len(batch), use_tqdm):
+                results.append(to_beam_search_output(output, params, decode))
+        return results
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _normalize_prompts(prompts) -> list:
@@ -120,7 +149,8 @@ class LLM:
                              "[{'prompt_token_ids': token_ids}]")
         return prompts
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params_list: list[SamplingParams | BeamSearchParams],
+             use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         engine = self.llm_engine

@@ -43,7 +43,8 @@ from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
 from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS, pack_prompt_logprob_targets, prompt_logprobs_on_device
-from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
+from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
+                               pack_block_copies, point_fork_rows)
 from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
@@ -289,8 +290,9 @@ class ModelRunner:
                                                  cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
                                                  impl=impl)
 
+            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"])  # before K/V writes
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
-            hidden, kv_pool = model(input_ids, fields["positions"], list(kv_pool), attention)
+            hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention)
             logits = model.compute_logits(hidden[fields["logits_indices"]])
             return kv_pool, logits, fields["sampling"], hidden
 
@@ -413,12 +415,13 @@ class ModelRunner:
         return swap_sizes_for(self.num_blocks)
 
     # ------------------------------------------------------------------ one step
-    def execute(self, seqs: Sequence[SeqInput]) -> PendingStep:
+    def execute(self, seqs: Sequence[SeqInput], block_copies: Sequence[tuple[int, int]] = ()) -> PendingStep:
         """Dispatch one step; nothing here waits for the device. ``.result()`` of the return value fetches outputs.
 
-        ``seqs`` may come in any order; they are packed decodes first. Raises ValueError if the batch exceeds the
-        largest bucket, a block table is too short, or ``feed_from_previous`` names a key the previous step did not
-        sample.
+        ``seqs`` may come in any order; they are packed decodes first, then prefill chunks, then fork rows
+        (``SeqInput.sample_from``). ``block_copies`` ``[(src_block, dst_block)]`` are applied before the step's K/V
+        writes (copy-on-write, at most one per sequence). Raises ValueError if the batch exceeds the largest bucket,
+        a block table is too short, or ``feed_from_previous`` / ``sample_from`` names a key the step cannot serve.
         """
         if not seqs:
             raise ValueError("execute needs at least one sequence")
@@ -426,10 +429,12 @@ class ModelRunner:
         # Per row only C-speed iteration (fromiter / chain) and whole-array numpy; no per-row numpy calls.
         q_lens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, num_rows)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_rows)
-        # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for.
+        # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for; fork rows
+        # (no tokens) last, where the kernels see them as padding sequences (q_len 0, kv_len 0).
         multi = q_lens > 1
-        if multi.any():
-            order = np.argsort(multi, kind="stable")
+        forks = q_lens == 0
+        if multi.any() or forks.any():
+            order = np.argsort(np.where(forks, 2, multi), kind="stable")
             packed_seqs = [seqs[i] for i in order.tolist()]
             q_lens, starts = q_lens[order], starts[order]
             rows_to_packed = np.empty((num_rows,), np.int64)
@@ -438,8 +443,7 @@ class ModelRunner:
             packed_seqs = list(seqs)
             rows_to_packed = np.arange(num_rows)
         ends = starts + q_lens
-        if q_lens.min() < 1:
-            raise ValueError(f"sequence {packed_seqs[int(np.argmin(q_lens))].key!r} has no new tokens")
+        num_forks = int(forks.sum())
         if ends.max() > self.max_model_len:
             raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
                              f"over max_model_len={self.max_model_len}")
@@ -467,7 +471,8 @@ class ModelRunner:
         penalties = tensors.prev_token_ids.shape[1] > 0
         grammar_bitmask = fill_step_bitmask([s.grammar if s.sample else None for s in packed_seqs],
                                             layout.num_sample_rows, self.vocab_size)  # None: no constrained row
-        requested = [row[0].logprobs for row in sampling_rows if row is not None and row[0].logprobs is not None]
+        requested = [row[0].sampled_logprobs for row in sampling_rows
+                     if row is not None and row[0].sampled_logprobs is not None]
         wants_logprobs = bool(requested)
         wants_top = any(n > 0 for n in requested)
         if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
@@ -493,7 +498,10 @@ class ModelRunner:
         cu_q_lens[num_rows + 1:] = num_tokens  # padded seqs: q_len 0, kv_len 0; padded tokens -> null block slot 0
         kv_lens[:num_rows] = ends
         logits_indices[:num_rows] = cu - 1
-        if num_tokens == num_rows:  # all decodes: one token per row at position kv_len - 1
+        if num_forks:
+            point_fork_rows(packed_seqs, num_forks, cu, logits_indices)
+        pack_block_copies(block_copies, view("copy_src"), view("copy_dst"), self.num_blocks)
+        if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
             token_rows = np.arange(num_rows)
             token_positions = starts
         else:

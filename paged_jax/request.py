@@ -78,6 +78,16 @@ class Request:
     # Structured outputs: this sequence's ``structured_output.SequenceGrammar`` (None = unconstrained); the
     # scheduler leaves the request waiting until ``grammar.is_ready`` (its grammar compiled).
     grammar: Any = None
+    # n > 1 / best_of: the other sequences of the request, forked from this one once its prompt is computed (they
+    # share its blocks and sample their first token from its last prompt position's logits, in the same step).
+    pending_forks: list["Request"] = dataclasses.field(default_factory=list)
+    # Extra running-sequence slots this request may fill by forking (pending_forks; beam search's beam width - 1);
+    # admission keeps them free so the forked sequences always fit in max_num_seqs.
+    reserved_seats: int = 0
+    # Beam search: after each sampled token the request is held (not scheduled) until Scheduler.resume, so the beam
+    # search can pick the next beams first.
+    hold_after_sample: bool = False
+    held: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

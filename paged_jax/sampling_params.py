@@ -106,7 +106,8 @@ class SamplingParams:
 
     Fields (defaults as vLLM):
       n: number of output sequences per prompt (>= 1).
-      best_of: None or n; anything else is a ValueError (vLLM V1 does not support best_of either).
+      best_of: None or >= n (vLLM V0's): generate best_of sequences and return the n with the highest cumulative
+        logprob (only once finished: they cannot be streamed); more than n needs random sampling.
       presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the *output*.
       frequency_penalty: in [-2, 2]; subtracted once per occurrence of the token in the *output*.
       repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it when positive and
@@ -200,9 +201,13 @@ class SamplingParams:
     def _verify_args(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
-            raise ValueError(f"best_of is not supported (as in vLLM V1): leave it unset or equal to n ({self.n}), "
-                             f"got {self.best_of!r}")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or self.best_of < self.n:
+                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                 f"best_of={self.best_of!r}")
+            if self.best_of > self.n and self.temperature < SAMPLING_EPS:
+                raise ValueError(f"best_of must equal n when using greedy sampling (every sequence would be the "
+                                 f"same), got n={self.n} and best_of={self.best_of}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -256,6 +261,19 @@ class SamplingParams:
             raise ValueError("stop strings are only supported when detokenize is True")
 
     # ---- derived properties -------------------------------------------------------------------------------------
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the request: ``best_of`` (when set) or ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        """Top alternatives the sampler returns per token: ``logprobs``; 0 when only the sampled token's logprob is
+        needed (``best_of > n`` ranks sequences by cumulative logprob); None when no logprob is needed."""
+        if self.logprobs is None and self.num_sequences > self.n:
+            return 0
+        return self.logprobs
 
     @property
     def is_greedy(self) -> bool:

@@ -317,6 +317,24 @@ class OpenAIServer:
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc
 
+    def generation_params(self, body: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                          aliases: dict[str, str], **sampling_kwargs):
+        """``BeamSearchParams`` for a ``use_beam_search`` request (vLLM's ``to_beam_search_params``: beam width n,
+        temperature default as sampling's), else ``sampling_params(..., **sampling_kwargs)``."""
+        if not body.use_beam_search:
+            return self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, aliases=aliases,
+                                        **sampling_kwargs)
+        from paged_jax.beam_search import BeamSearchParams
+
+        temperature = body.temperature if body.temperature is not None else \
+            self.default_sampling_params.get("temperature", 1.0)
+        try:
+            return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
+                                    temperature=temperature, length_penalty=body.length_penalty,
+                                    include_stop_str_in_output=body.include_stop_str_in_output)
+        except ValueError as exc:
+            raise self.bad_request(exc, body, {**aliases, "beam_width": "n"}) from exc
+
     def bad_request(self, exc: Exception, body: Any, aliases: dict[str, str]) -> APIError:
         known = set(type(body).model_fields) | {"prompt", "messages"}
         return APIError(400, str(exc), param=param_from_message(str(exc), known, aliases))

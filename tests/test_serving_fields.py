@@ -149,7 +149,7 @@ def _prompt_logprobs(response, added):
 COMMON: dict[str, Case] = {
     "model": Case({"model": MODEL_NAME}, lambda r, a: r.model == MODEL_NAME),
     "n": Case({"n": 2}, lambda r, a: len(r.choices) == 2),
-    "best_of": Case({"best_of": 2}, REFUSED),
+    "best_of": Case({"best_of": 2, "temperature": 1.0}, lambda r, a: len(r.choices) == 1 and a[-1].params.best_of == 2),
     "temperature": Case({"temperature": 0.5}, _params("temperature", 0.5)),
     "top_p": Case({"top_p": 0.5}, _params("top_p", 0.5)),
     "presence_penalty": Case({"presence_penalty": 0.5}, _params("presence_penalty", 0.5)),
@@ -160,11 +160,12 @@ COMMON: dict[str, Case] = {
     "stream": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
     "stream_options": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
     "user": Case({"user": "user-1"}, lambda r, a: None),  # identifies the end user: nothing to do (as vLLM)
-    "use_beam_search": Case({"use_beam_search": True}, REFUSED),
+    "use_beam_search": Case({"use_beam_search": True, "n": 2},
+                            lambda r, a: len(r.choices) == 2 and a[-1].params.beam_width == 2),
     "top_k": Case({"top_k": 3}, _params("top_k", 3)),
     "min_p": Case({"min_p": 0.2}, _params("min_p", 0.2)),
     "repetition_penalty": Case({"repetition_penalty": 1.3}, _params("repetition_penalty", 1.3)),
-    "length_penalty": Case({"length_penalty": 0.5}, REFUSED),
+    "length_penalty": Case({"use_beam_search": True, "length_penalty": 0.5}, _params("length_penalty", 0.5)),
     "stop_token_ids": Case({"stop_token_ids": [13]}, _params("stop_token_ids", [13])),
     "include_stop_str_in_output": Case({"include_stop_str_in_output": True},
                                        _params("include_stop_str_in_output", True)),
@@ -324,9 +325,16 @@ def test_suffix_and_best_of_refusals_say_why(client):
     with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix="!", max_tokens=2)
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, max_tokens=2).choices
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, n=2, max_tokens=2)
-    assert info.value.body["param"] == "best_of"
+    for extra in ({"best_of": 1, "n": 2}, {"best_of": 3, "n": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, **extra)
+        assert info.value.body["param"] == "best_of"
+    # Beam search refuses the sampling fields it does not read, and length_penalty needs it.
+    for extra, param in (({"use_beam_search": True, "top_p": 0.5}, "top_p"), ({"length_penalty": 0.5},
+                                                                                "length_penalty")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param
 
 
 def test_request_id_names_the_response(server, engine):

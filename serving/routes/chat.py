@@ -44,9 +44,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     keep_special = tool_choice.mode == "auto" and not server.tool_parser.skip_special_tokens
-    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
-                                    prompt_logprobs=body.prompt_logprobs, tool_schema=tool_choice.schema,
-                                    skip_special_tokens=False if keep_special else None)
+    params = server.generation_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
+                                      prompt_logprobs=body.prompt_logprobs, tool_schema=tool_choice.schema,
+                                      skip_special_tokens=False if keep_special else None)
     response_id = server.response_id("chatcmpl", body, raw_request)
     streams = await server.submit([EngineRequest(response_id, server.engine_prompt(ids, body), params,
                                                  priority=body.priority)], body, aliases)

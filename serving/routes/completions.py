@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     response_id = server.response_id("cmpl", body, raw_request)
     for index, ids in enumerate(prompt_token_ids):
         max_tokens = server.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens")
-        params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
+        params = server.generation_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
                                         prompt_logprobs=prompt_logprobs)
         requests.append(EngineRequest(f"{response_id}-{index}", server.engine_prompt(ids, body), params,
                                       priority=body.priority))
