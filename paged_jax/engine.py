@@ -30,8 +30,8 @@ from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.model_loader import load_engine_model
-from paged_jax.model_runner import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
-                                    num_host_blocks_for)
+from paged_jax.kv_pool_sizing import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
+                                     num_host_blocks_for)
 from paged_jax.parallel.multihost import leader_channel, start_distributed
 from paged_jax.pipeline import runner_class
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict

@@ -303,7 +303,7 @@ TOTAL = 80 * GIB
 def _num_blocks(device, utilization, max_model_len=4096, override=None):
     from models.config import ModelConfig
     from models.testing import tiny_config
-    from paged_jax.model_runner import determine_num_blocks, kv_bytes_per_block
+    from paged_jax.kv_pool_sizing import determine_num_blocks, kv_bytes_per_block
 
     config = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=32, num_attention_heads=32,
                                                     num_key_value_heads=8, head_dim=128,

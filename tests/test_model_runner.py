@@ -12,7 +12,8 @@ from models.loader import init_dummy_model
 from models.testing import tiny_config
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import make_buckets
-from paged_jax.model_runner import ModelRunner, enable_compilation_cache
+from paged_jax.kv_pool_sizing import enable_compilation_cache
+from paged_jax.model_runner import ModelRunner
 from paged_jax.step_io import SeqInput
 from paged_jax.sampling_params import SamplingParams
 
