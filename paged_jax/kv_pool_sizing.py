@@ -85,8 +85,10 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     per_token = (4 * config.hidden_size + 3 * config.intermediate_size
                  + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
     activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
-    # The sampler's logits and the prompt-logprobs chunks belong to different executables, never live together.
-    logits = 6 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
+    # The sampler's logits and the prompt-logprobs chunks belong to different executables, never live together. The
+    # sampler's widest variant (penalties, top-k/top-p sorts with their indices, logprobs) holds about eight
+    # [rows, vocab] f32 buffers at its peak (an H200 warm-up with 256 rows ran out of memory at six).
+    logits = 8 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
     headroom = activations + logits + (512 << 20)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     budget = usable - stats["bytes_in_use"] - headroom
