@@ -1,7 +1,7 @@
 """paged-jax: a vLLM-style paged LLM inference engine in JAX.
 
 Public API (imported lazily so `import paged_jax` stays cheap):
-``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``generate``, and for
+``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``LoRARequest``, ``generate``, and for
 research code ``load_pretrained`` and ``score_tokens``.
 """
 
@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",
     "LLMEngine": "paged_jax.engine",
+    "LoRARequest": "paged_jax.lora.request",
     "generate": "paged_jax.generate",
     "load_pretrained": "paged_jax.scoring",
     "score_tokens": "paged_jax.scoring",

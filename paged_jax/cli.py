@@ -38,6 +38,10 @@ _FLAG_HELP = {
     "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",
     "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
     "disable_log_stats": "no periodic stats log line (serve)",
+    "enable_lora": "serve PEFT LoRA adapters (requests name one; serve: --lora-modules)",
+    "max_loras": "most LoRA adapters in one batch (device slots)",
+    "max_lora_rank": "largest LoRA rank an adapter may have",
+    "max_cpu_loras": "LoRA adapters kept in host memory (default: --max-loras)",
 }
 
 

@@ -68,6 +68,13 @@ class EngineArgs:
     # synchronous loop; off by default because a host-bound step (a small model) measured slower with it
     # (benchmarks/RESULTS.md).
     async_scheduling: bool = False
+    # Multi-LoRA serving (vLLM's names and defaults): requests may name a PEFT LoRA adapter (``LoRARequest``); up to
+    # ``max_loras`` adapters of rank <= ``max_lora_rank`` share a step, ``max_cpu_loras`` (default ``max_loras``)
+    # stay in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -85,6 +92,10 @@ class EngineArgs:
             check(value is None or value >= 1, name, "must be >= 1")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        check(self.max_loras >= 1, "max_loras", "must be >= 1")
+        check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+              f"must be >= max_loras ({self.max_loras})")
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),

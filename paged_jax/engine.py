@@ -28,6 +28,7 @@ from paged_jax.detokenizer import IncrementalDetokenizer
 from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_lora_slots
 from paged_jax.model_loader import load_engine_model
 from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
                                     num_host_blocks_for)
@@ -107,7 +108,7 @@ class _RequestState:
         return all(seq.finished for seq in self.seqs)
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     """An inference engine over one model: add requests, call ``step()`` until none are left.
 
     Args:
@@ -163,16 +164,19 @@ class LLMEngine:
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=model.dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
+        lora_slots = make_lora_slots(args, model, run_config, plan, device)  # None unless enable_lora
         self.runner = ModelRunner(
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
-            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling))
+            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), lora_slots=lora_slots)
+        self.lora_manager = make_lora_manager(args, lora_slots, self.runner)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
-                                   enable_chunked_prefill=args.enable_chunked_prefill)
+                                   enable_chunked_prefill=args.enable_chunked_prefill,
+                                   max_loras=args.max_loras if args.enable_lora else 0)
         kv_tokens = (num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
                     "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
@@ -222,7 +226,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> None:
         """Queue a request. Everything is validated here, so a bad request never reaches the scheduler.
 
         Args:
@@ -231,12 +235,13 @@ class LLMEngine:
           params: ``SamplingParams`` (default ``SamplingParams()``).
           priority: lower runs earlier with ``scheduling_policy="priority"``.
           arrival_time: ``time.time()`` of arrival (default now); used for metrics and FCFS order.
+          lora_request: the ``LoRARequest`` of the adapter to run with (``enable_lora``), or None.
         Raises:
           ValueError naming the offending field: ``request_id`` (empty / in use), ``params``, ``prompt`` (empty,
           longer than max_model_len, token ids outside the vocabulary, text without a tokenizer),
           ``stop_token_ids`` (outside the vocabulary, too many with min_tokens), ``stop`` (without a tokenizer),
           ``logit_bias`` / ``allowed_token_ids`` (outside the vocabulary, too many biases), ``bad_words`` (without a
-          tokenizer, too many), ``priority``.
+          tokenizer, too many), ``priority``, ``lora_request`` (LoRA not enabled, adapter unreadable or unsupported).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -259,6 +264,7 @@ class LLMEngine:
         check_request_fits(params, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        lora = self.resolve_lora(lora_request)
 
         arrival = time.time() if arrival_time is None else float(arrival_time)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
@@ -275,7 +281,7 @@ class LLMEngine:
             request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
                               arrival_time=time.monotonic() - (time.time() - arrival),
-                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state))
+                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state), lora=lora)
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
@@ -393,6 +399,7 @@ class LLMEngine:
             return None
         now = time.time()
         inputs = []
+        lora_slots = self.lora_slots_for_step(scheduler_output.scheduled)
         for seq_sched in scheduler_output.scheduled:
             request = seq_sched.request
             state, seq = self._seq_by_id[request.request_id]
@@ -414,7 +421,7 @@ class LLMEngine:
             inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
                                    num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
                                    sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed,
-                                   prompt_logprob_targets=targets))
+                                   prompt_logprob_targets=targets, lora_slot=lora_slots.get(request.lora_int_id, 0)))
         self.num_steps += 1
         return self.runner.execute(inputs)
 

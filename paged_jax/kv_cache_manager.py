@@ -173,7 +173,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        # A LoRA adapter seeds the chain: K/V computed under one adapter is never a hit for another (or the base).
+        parent = hashes[-1] if hashes else (_ROOT_HASH if request.lora is None else request.lora.cache_key)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)

@@ -31,6 +31,7 @@ class SeqInput:
         have sampled it); lets the host build a step before the previous one's tokens reached it.
       prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
         (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
+      lora_slot: the LoRA adapter slot its tokens use (``paged_jax.lora``); 0 = no adapter.
     """
 
     key: str
@@ -41,6 +42,7 @@ class SeqInput:
     sampling: Any = None
     feed_from_previous: bool = False
     prompt_logprob_targets: Sequence[int] | None = None
+    lora_slot: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -144,13 +146,14 @@ class StepLayout:
     num_seqs: int
     max_blocks_per_seq: int
     num_sample_rows: int  # R >= S: rows of the logits / sampler (``sampler_rows_for``); rows past S are padding
+    lora: bool = False  # with LoRA: each token's adapter slot (int32[T], ``lora_slot_ids``)
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
         T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
+                 *([("lora_slot_ids", T)] if self.lora else []), ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)

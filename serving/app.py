@@ -30,7 +30,8 @@ from serving.engine_client import EngineClient
 from serving.errors import APIError, add_error_handlers
 from serving.metrics import ServingMetrics
 from serving.openai_server import OpenAIServer, model_info_from_engine
-from serving.routes import chat, completions, system, tokenize
+from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
+from serving.routes import chat, completions, lora, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
@@ -90,7 +91,7 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
                log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False,
                max_logprobs: int = MAX_LOGPROBS, chat_template: str | None = None,
-               response_role: str = "assistant") -> FastAPI:
+               response_role: str = "assistant", lora_modules: Sequence[LoRAModulePath] = ()) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -107,6 +108,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       max_logprobs: most top logprobs a request may ask for (``--max-logprobs``, at most ``MAX_LOGPROBS``).
       chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
       response_role: the role of chat replies (``--response-role``).
+      lora_modules: LoRA adapters to serve from the start (``--lora-modules``; the engine needs ``enable_lora``);
+        with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+        are mounted too (``serving.lora``).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -118,6 +122,10 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
     metrics = ServingMetrics(info.served_model_name)
+    loras = None
+    if getattr(engine.engine_args, "enable_lora", False) or lora_modules:
+        loras = LoRARegistry(info.served_model_names)
+        loras.add_static(engine, list(lora_modules))  # before the engine thread starts: called directly
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
                                on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics),
                                request_logger=RequestLogger(max_log_len).log if log_requests else None)
@@ -125,7 +133,7 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     defaults = sampling_defaults(engine.generation_config)
     server = OpenAIServer(async_engine, tokenizer, info, metrics, default_sampling_params=defaults,
                           max_logprobs=max_logprobs, chat_template=chat_template, response_role=response_role,
-                          scheduling_policy=engine.engine_args.scheduling_policy)
+                          scheduling_policy=engine.engine_args.scheduling_policy, loras=loras)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
@@ -142,4 +150,6 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     add_error_handlers(app)
     for module in (system, tokenize, completions, chat):
         app.include_router(module.router)
+    if runtime_lora_updating_allowed():
+        app.include_router(lora.router)
     return app

@@ -11,7 +11,7 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 ``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
 ``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
 ``--uvicorn-log-level``, ``--disable-uvicorn-access-log``; and ours: ``--max-waiting-requests``,
-``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``. Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--lora-modules`` (vLLM's). Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
 is refused (exit status 2, "unrecognized arguments: --flag"), never ignored.
 """
 
@@ -50,6 +50,7 @@ def json_string_list(flag: str):
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
     from paged_jax.sampling_params import MAX_LOGPROBS
+    from serving.lora import parse_lora_module
 
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
@@ -97,6 +98,9 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                         help="chat template replacing the tokenizer's: a file path, or the template itself inline")
     server.add_argument("--response-role", default="assistant",
                         help="role of the chat replies when the request has add_generation_prompt=true")
+    server.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],
+                        help="LoRA adapters to serve (needs --enable-lora): name=path or a JSON object "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; requests pick one by model")
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
@@ -141,6 +145,8 @@ def build_app_from_args(args: argparse.Namespace):
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
                          f"{MAX_LOGPROBS} top logprobs), got {args.max_logprobs}")
+    if args.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     try:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as exc:
@@ -160,7 +166,8 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                 allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
                 max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats,
-                max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role)
+                max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role,
+                lora_modules=args.lora_modules)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:

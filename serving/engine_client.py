@@ -45,7 +45,10 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: list[int] | str | dict, params: SamplingParams | None = None,
                     priority: int = 0) -> None:
-        """Queue a request; raises ValueError naming the bad field (the request then leaves no state behind)."""
+        """Queue a request; raises ValueError naming the bad field (the request then leaves no state behind).
+        An engine with LoRA (``enable_lora``) also takes ``lora_request=`` (a ``LoRARequest``) and has
+        ``add_lora(lora_request) -> bool``, ``remove_lora(lora_id) -> bool`` and ``list_loras() -> set[int]``
+        (called through ``AsyncEngine.call``); only LoRA requests pass the keyword."""
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Drop requests (unknown or finished ids are ignored); an aborted request produces no more outputs."""

@@ -89,9 +89,9 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
                 if kind == "shutdown":
                     return
                 if kind == "add":
-                    _, request_id, prompt, params, priority = message
+                    _, request_id, prompt, params, priority, lora_request = message
                     try:
-                        engine.add_request(request_id, prompt, params, priority=priority)
+                        engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
                     except Exception as exc:  # noqa: BLE001 - the caller's error (bad request), not the engine's
                         conn.send(("added", request_id, exc if _picklable(exc) else ValueError(str(exc))))
                     else:
@@ -99,6 +99,11 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
                 elif kind == "abort":
                     engine.abort_request(message[1])
                     prompt_sent.difference_update(message[1])
+                elif kind == "call":  # an engine method with an answer (add_lora, remove_lora, list_loras)
+                    try:
+                        conn.send(("called", getattr(engine, message[1])(*message[2]), None))
+                    except Exception as exc:  # noqa: BLE001 - the caller's error; the engine stays up
+                        conn.send(("called", None, exc if _picklable(exc) else ValueError(str(exc))))
             if engine.has_unfinished_requests():
                 outputs = engine.step()
                 conn.send(("step", [_pack(output, prompt_sent) for output in outputs], dict(engine.stats())))
@@ -192,11 +197,12 @@ class EngineProcessClient:
         self._lock = threading.Lock()  # close() may come from another thread than the engine thread
 
     # ------------------------------------------------------------------ LLMEngine interface (one thread)
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0,
+                    lora_request: Any = None) -> None:
         """Queue a request in the child; raises the child's ValueError for a bad one."""
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._send(("add", request_id, prompt, params, priority))
+        self._send(("add", request_id, prompt, params, priority, lora_request))
         while True:  # step results may arrive first: keep them for step()
             message = self._recv()
             if message[0] == "added" and message[1] == request_id:
@@ -205,6 +211,26 @@ class EngineProcessClient:
                 self._live[request_id] = None
                 self._added_since_stats += 1
                 return
+            self._handle(message)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """``LLMEngine.add_lora`` in the child (raises its ValueError)."""
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._call("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._call("list_loras")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._send(("call", method, args))
+        while True:  # step results may arrive first: keep them for step()
+            message = self._recv()
+            if message[0] == "called":
+                if message[2] is not None:
+                    raise message[2]
+                return message[1]
             self._handle(message)
 
     def abort_request(self, request_id) -> None:

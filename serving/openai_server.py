@@ -86,12 +86,14 @@ class OpenAIServer:
       chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
+      loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
+        without ``--enable-lora``.
     """
 
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
                  default_sampling_params: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS,
                  chat_template: str | None = None, response_role: str = "assistant",
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", loras: Any = None) -> None:
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.info = info
@@ -101,11 +103,22 @@ class OpenAIServer:
         self.chat_template = chat_template
         self.response_role = response_role
         self.scheduling_policy = scheduling_policy
+        self.loras = loras
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.info.served_model_names and model != self.info.root:
+        if model is not None and model not in self.info.served_model_names and model != self.info.root \
+                and self.lora_request(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def lora_request(self, model: str | None):
+        """The ``LoRARequest`` of the adapter a request's ``model`` names, None for the base model."""
+        return self.loras.get(model) if self.loras is not None else None
+
+    def response_model_name(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name for a LoRA request (vLLM), else the served name."""
+        lora = self.lora_request(model)
+        return lora.lora_name if lora is not None else self.info.served_model_name
 
     def check_request(self, body: SamplingFields) -> None:
         """The checks every generation request passes before its prompt is built (400 naming the field)."""

@@ -38,7 +38,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
                                     prompt_logprobs=body.prompt_logprobs)
     response_id = server.response_id("chatcmpl", body, raw_request)
-    streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority)], body, aliases)
+    streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority,
+                                                  lora_request=server.lora_request(body.model))], body, aliases)
     created = unix_time()
     # vLLM's get_chat_request_role: the reply continues the last message's role unless a new turn is opened.
     role = server.response_role if body.add_generation_prompt else body.messages[-1].role
@@ -64,7 +65,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion_tokens,
                       total_tokens=len(ids) + num_completion_tokens)
     return json_response(ChatCompletionResponse(id=response_id, created=created,
-                                                model=server.info.served_model_name, choices=choices, usage=usage,
+                                                model=server.response_model_name(body.model), choices=choices, usage=usage,
                                                 prompt_logprobs=server.prompt_logprobs(final.prompt_logprobs)))
 
 
@@ -81,7 +82,7 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
     """The SSE chunks of a streamed chat completion: the role per choice, the echoed content per choice, then one
     chunk per choice and delta output."""
     include_usage, continuous_usage = usage_options(body.stream_options)
-    chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.info.served_model_name,
+    chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.response_model_name(body.model),
                        include_usage)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     start_usage = chunks.usage_info(num_prompt_tokens, 0) if continuous_usage else None
