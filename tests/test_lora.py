@@ -227,3 +227,67 @@ def test_lora_modules_flag_forms():
     for bad in ("a", "=/x", '{"name": "a"}', '{"name": "a", "path": "/x", "rank": 4}'):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_lora_module(bad)
+
+
+# ------------------------------------------------------------------------------------------- tensor parallelism
+def test_tensor_parallel_splits_lora_like_the_base_layers():
+    """tp=4 on the fake CPU devices (kv heads replicated: the head rewrite applies to the adapter too): the same
+    logits as one device, B split over outputs for column-parallel layers, A over inputs for row-parallel ones."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.lora import random_adapter
+    from models.attention import dense_causal_attention
+    from models.config import ModelConfig
+    from models.loader import init_dummy_model
+    from models.tensor_parallel import shard_model
+    from models.testing import tiny_config
+    from paged_jax.lora.slots import LoRASlots
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    config = ModelConfig.from_hf_config(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2,
+                                                    hidden_size=64, head_dim=16, intermediate_size=128))
+    model = init_dummy_model(config, dtype=jnp.float32, seed=3)
+    adapter = random_adapter(config, rank=4, seed=1, std=0.2)
+    lora_request = LoRARequest("r", 1, "/random")
+    tokens = np.array([5, 17, 99, 3, 250, 64, 8, 11], np.int32)
+    positions = np.concatenate([np.arange(5), np.arange(3)]).astype(np.int32)
+    segments = np.array([0] * 5 + [1] * 3, np.int32)
+    slot_ids = jnp.asarray(np.array([2] * 5 + [0] * 3, np.int32))  # sequence 0 with the adapter, 1 without
+    sm_scale = config.head_dim ** -0.5
+
+    single = LoRASlots(config, fused=False, max_loras=2, max_lora_rank=8, dtype=jnp.float32)
+    single.write(2, single.to_slot_form(adapter, lora_request))
+
+    @nnx.jit
+    def reference(model, arrays, slot_ids):
+        attention = dense_causal_attention(segments, sm_scale, positions=positions)
+        hidden, _ = model(tokens, positions, None, attention, single.layers(arrays, slot_ids))
+        return model.compute_logits(hidden)
+
+    expected = np.asarray(reference(model, single.arrays, slot_ids))
+    assert not np.allclose(expected[:5], np.asarray(reference(model, single.arrays, slot_ids * 0))[:5], atol=1e-3)
+
+    plan = ShardingPlan.create(config, make_mesh(4))
+    sharded = shard_model(model, plan)
+    slots = LoRASlots(plan.model_config, fused=False, max_loras=2, max_lora_rank=8, dtype=jnp.float32,
+                      sharding_plan=plan)
+    slots.write(2, slots.to_slot_form(adapter, lora_request))
+    layer = slots.arrays[0]
+    assert layer["q_proj"][1].sharding.spec == P(None, None, "tp") and layer["q_proj"][0].sharding.spec == P()
+    assert layer["down_proj"][0].sharding.spec == P("tp", None, None)
+
+    @nnx.jit
+    def tensor_parallel(model, arrays, slot_ids):
+        def local(layer_idx, q, k, v, kv_layer, metadata):
+            return dense_causal_attention(*metadata[:1], sm_scale, positions=metadata[1])(layer_idx, q, k, v,
+                                                                                          kv_layer)
+
+        attention = plan.shard_attention(local, (jnp.asarray(segments), jnp.asarray(positions)))
+        hidden, _ = model(tokens, positions, None, attention, slots.layers(arrays, slot_ids))
+        return model.compute_logits(hidden)
+
+    got = tensor_parallel(sharded, slots.arrays, jax.device_put(slot_ids, plan.replicated))
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
