@@ -39,24 +39,28 @@ def lora_request(name, paths):
 
 @pytest.fixture(scope="module")
 def peft_greedy(adapters, smollm2_tokenizer):
-    """``peft_greedy(name | None, prompt) -> token ids``: transformers + PEFT fp32 greedy continuation."""
+    """``peft_greedy(name | None, prompt (text or ids), max_new=MAX_NEW) -> token ids``: transformers + PEFT fp32
+    greedy continuation (stops after EOS)."""
     import torch
 
     peft_model, _ = adapters
     cache = {}
 
-    def run(name, prompt):
-        if (name, prompt) not in cache:
-            ids = torch.tensor([smollm2_tokenizer.encode(prompt)])
+    def run(name, prompt, max_new=MAX_NEW):
+        key = (name, prompt if isinstance(prompt, str) else tuple(prompt), max_new)
+        if key not in cache:
+            ids = torch.tensor([smollm2_tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)])
             with torch.no_grad():
                 if name is None:
                     with peft_model.disable_adapter():
-                        out = peft_model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2)
+                        out = peft_model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=2,
+                                                  pad_token_id=2)
                 else:
                     peft_model.set_adapter(name)
-                    out = peft_model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2)
-            cache[(name, prompt)] = out[0, ids.shape[1]:].tolist()
-        return cache[(name, prompt)]
+                    out = peft_model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=2,
+                                              pad_token_id=2)
+            cache[key] = out[0, ids.shape[1]:].tolist()
+        return cache[key]
 
     return run
 
@@ -102,6 +106,28 @@ def test_prefix_cache_never_shared_across_adapters(llm, adapters):
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
     assert base.outputs[0].token_ids != lora.outputs[0].token_ids
     assert_idle(llm.llm_engine)
+
+
+def test_preemption_chunked_prefill_and_async_scheduling(llm, adapters, peft_greedy, monkeypatch):
+    """Prompts longer than the step budget (chunked), more KV than the pool holds (recompute preemption), async
+    scheduling: each adapter's rows still match transformers + PEFT."""
+    _, paths = adapters
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    prompts = [list(range(300 + 11 * i, 390 + 11 * i)) for i in range(6)]  # 90 tokens: chunks of a 64-token step
+    names = [None, NAMES[0], NAMES[1]] * 2
+    preemptions = engine.stats()["num_preemptions"]
+    hog = Request("hog", [0])  # holds 44 of the 63 blocks: memory pressure
+    assert engine.kv_cache_manager.allocate_slots(hog, 44 * 16)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24),
+                            lora_request=[None if n is None else lora_request(n, paths) for n in names],
+                            use_tqdm=False)
+    finally:
+        engine.kv_cache_manager.free(hog)
+    assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(n, p, 24) for n, p in zip(names, prompts)]
+    assert engine.stats()["num_preemptions"] > preemptions
+    assert_idle(engine)
 
 
 def _adapter_tensors(rank=4, module="self_attn.q_proj", layer=0, extra=None):
