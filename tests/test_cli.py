@@ -77,7 +77,7 @@ def test_vllm_defaults_of_the_server_flags():
 UNSUPPORTED_VLLM_FLAGS = [
     ["--kv-cache-dtype", "fp8"], ["--quantization", "awq"], ["--tokenizer-mode", "mistral"],
     ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--enable-auto-tool-choice"],
-    ["--tool-call-parser", "hermes"], ["--reasoning-parser", "qwen3"], ["--enable-lora"],
+    ["--tool-call-parser", "hermes"], ["--reasoning-parser", "qwen3"], ["--fully-sharded-loras"],
     ["--max-num-partial-prefills", "2"], ["--distributed-executor-backend", "ray"], ["--config", "serve.yaml"],
     ["--uds", "/tmp/vllm.sock"], ["--disable-custom-all-reduce"], ["--limit-mm-per-prompt", '{"image": 1}'],
     ["--max-model", "64"],  # an abbreviation of --max-model-len: refused, not guessed

@@ -246,7 +246,17 @@ def client_decode(http, token_ids):
 
 
 def test_lora_modules_flag_forms():
+    from serving.cli import app_kwargs, engine_args_from_namespace, parse_serve_args
     from serving.lora import LoRAModulePath, parse_lora_module
+
+    _, args = parse_serve_args(["--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--max-cpu-loras", "5",
+                                "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])
+    engine_args = engine_args_from_namespace(args)
+    assert (engine_args.enable_lora, engine_args.max_loras, engine_args.max_lora_rank,
+            engine_args.max_cpu_loras) == (True, 3, 64, 5)
+    assert app_kwargs(args, engine_args)["lora_modules"] == [LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y")]
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        engine_args_from_namespace(parse_serve_args(["--max-loras", "3", "--max-cpu-loras", "2"])[1])
 
     assert parse_lora_module("a=/x") == LoRAModulePath("a", "/x")
     assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == LoRAModulePath("a", "/x", "m")
