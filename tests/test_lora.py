@@ -28,9 +28,10 @@ def adapters(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm():
-    # Two slots for three adapters: a step mixes two adapters and the base model, the third waits for a slot.
-    return LLM(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_model_len=128, max_num_seqs=8,
-               max_num_batched_tokens=64, num_gpu_blocks_override=64, use_tqdm=False)
+    # Two slots for three adapters: a step mixes two adapters and the base model, the third waits for a slot. The
+    # shapes of tests/test_llm.py's engine: the compilation cache serves the sampler's executables.
+    return LLM(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_model_len=256, max_num_seqs=16,
+               max_num_batched_tokens=128, num_gpu_blocks_override=400, use_tqdm=False)
 
 
 def lora_request(name, paths):
@@ -114,11 +115,11 @@ def test_preemption_chunked_prefill_and_async_scheduling(llm, adapters, peft_gre
     _, paths = adapters
     engine = llm.llm_engine
     monkeypatch.setattr(engine, "async_scheduling", True)
-    prompts = [list(range(300 + 11 * i, 390 + 11 * i)) for i in range(6)]  # 90 tokens: chunks of a 64-token step
+    prompts = [list(range(300 + 11 * i, 440 + 11 * i)) for i in range(6)]  # 140 tokens: chunks of a 128-token step
     names = [None, NAMES[0], NAMES[1]] * 2
     preemptions = engine.stats()["num_preemptions"]
-    hog = Request("hog", [0])  # holds 44 of the 63 blocks: memory pressure
-    assert engine.kv_cache_manager.allocate_slots(hog, 44 * 16)
+    hog = Request("hog", [0])  # leaves 30 of the 399 blocks: memory pressure
+    assert engine.kv_cache_manager.allocate_slots(hog, 369 * 16)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24),
                             lora_request=[None if n is None else lora_request(n, paths) for n in names],
