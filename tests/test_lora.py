@@ -164,6 +164,7 @@ def test_adapter_errors_name_the_problem(llm, tmp_path, adapters):
     _, paths = adapters
     with pytest.raises(ValueError, match="No adapter found"):
         llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("missing", 91, str(tmp_path)), use_tqdm=False)
+    llm.llm_engine.add_lora(lora_request(NAMES[0], paths))
     with pytest.raises(ValueError, match="lora_int_id 1 already names adapter"):
         llm.llm_engine.add_lora(LoRARequest("other", 1, paths[NAMES[1]]))
     with pytest.raises(ValueError, match="enable_lora"):
@@ -204,6 +205,8 @@ def lora_client(llm, adapters, monkeypatch_module):
     from serving.lora import parse_lora_module
 
     _, paths = adapters
+    for lora_int_id in range(1, len(NAMES) + 1):  # the server numbers its adapters from 1 itself
+        llm.llm_engine.remove_lora(lora_int_id)
     monkeypatch_module.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     app = create_app(llm.llm_engine, served_model_name="smollm2",
                      lora_modules=[parse_lora_module(f"static={paths[NAMES[0]]}")])
