@@ -16,6 +16,7 @@ from paged_jax.scheduler import Scheduler
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+SHORT = SamplingParams(temperature=0.0, max_tokens=3)
 PROMPT = "Once upon a time, there was a"
 NAMES = list(ADAPTER_SPECS)
 
@@ -97,14 +98,14 @@ def test_prefix_cache_never_shared_across_adapters(llm, adapters):
     _, paths = adapters
     prompt = list(range(100, 140))  # 40 tokens: two full blocks
     first = lora_request(NAMES[0], paths)
-    base = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    lora = llm.generate([prompt], GREEDY, lora_request=first, use_tqdm=False)[0]
+    base = llm.generate([prompt], SHORT, use_tqdm=False)[0]
+    lora = llm.generate([prompt], SHORT, lora_request=first, use_tqdm=False)[0]
     assert lora.num_cached_tokens == 0  # the base model's blocks are no hit for an adapter
-    other = llm.generate([prompt], GREEDY, lora_request=lora_request(NAMES[1], paths), use_tqdm=False)[0]
+    other = llm.generate([prompt], SHORT, lora_request=lora_request(NAMES[1], paths), use_tqdm=False)[0]
     assert other.num_cached_tokens == 0
-    again = llm.generate([prompt], GREEDY, lora_request=first, use_tqdm=False)[0]
+    again = llm.generate([prompt], SHORT, lora_request=first, use_tqdm=False)[0]
     assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == lora.outputs[0].token_ids
-    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
+    assert llm.generate([prompt], SHORT, use_tqdm=False)[0].num_cached_tokens == 32
     assert base.outputs[0].token_ids != lora.outputs[0].token_ids
     assert_idle(llm.llm_engine)
 
@@ -115,18 +116,19 @@ def test_preemption_chunked_prefill_and_async_scheduling(llm, adapters, peft_gre
     _, paths = adapters
     engine = llm.llm_engine
     monkeypatch.setattr(engine, "async_scheduling", True)
-    prompts = [list(range(300 + 11 * i, 440 + 11 * i)) for i in range(6)]  # 140 tokens: chunks of a 128-token step
-    names = [None, NAMES[0], NAMES[1]] * 2
+    prompts = [list(range(300 + 11 * i, 440 + 11 * i)) for i in range(4)]  # 140 tokens: chunks of a 128-token step
+    names = [None, NAMES[0], NAMES[1], NAMES[0]]
     preemptions = engine.stats()["num_preemptions"]
-    hog = Request("hog", [0])  # leaves 30 of the 399 blocks: memory pressure
-    assert engine.kv_cache_manager.allocate_slots(hog, 369 * 16)
+    # A hog leaves 19 of the 399 blocks: two prompts (9 blocks each) fit, their growth to 10 blocks each does not.
+    hog = Request("hog", [0])
+    assert engine.kv_cache_manager.allocate_slots(hog, 380 * 16)
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24),
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
                             lora_request=[None if n is None else lora_request(n, paths) for n in names],
                             use_tqdm=False)
     finally:
         engine.kv_cache_manager.free(hog)
-    assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(n, p, 24) for n, p in zip(names, prompts)]
+    assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(n, p, 16) for n, p in zip(names, prompts)]
     assert engine.stats()["num_preemptions"] > preemptions
     assert_idle(engine)
 
