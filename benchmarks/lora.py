@@ -143,10 +143,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append(row)
             print(json.dumps(row), flush=True)
         runner.close()
-        del runner
-        gc.collect()
 
     time_runner("base", None, 0)
+    gc.collect()  # the runner's KV pool goes before the next one is built
     for impl in filter(None, args.impls.split(",")):
         slots = LoRASlots(config, fused=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           dtype=dtype, device=device, impl=impl)
