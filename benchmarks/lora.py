@@ -77,10 +77,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from models.presets import kv_bytes_per_token, num_params, preset_config
     from paged_jax.lora.request import LoRARequest
     from paged_jax.lora.slots import LoRASlots
-    from paged_jax.model_runner import ModelRunner
+    from paged_jax.model_runner import ModelRunner, enable_compilation_cache
     from paged_jax.sampling_params import SamplingParams
     from paged_jax.step_io import SeqInput
 
+    enable_compilation_cache(None)  # the three runners share their sampler executables through it
     if args.tiny:
         from models.testing import tiny_config
         config = ModelConfig.from_hf_config(tiny_config("LlamaForCausalLM", vocab_size=1024, num_hidden_layers=2))
