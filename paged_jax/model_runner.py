@@ -262,7 +262,7 @@ class ModelRunner:
         layout_for = self._layout
         plan = self.sharding_plan
 
-        def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays, *, num_tokens, num_seqs):
+        def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
             """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words], final hidden
             states [T, hidden] of every token, for prompt logprobs); R = ``sampler_rows_for(num_seqs)``."""
             fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
