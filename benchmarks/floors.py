@@ -1,8 +1,13 @@
-"""Physical floors: what no engine can beat on a workload, from bytes moved and FLOPs done.
+"""Physical floors: what no engine can beat on a workload, from the bytes it must move and the FLOPs it must do.
 
-decode: every step reads all weights once, and every sequence in the batch reads its whole KV context;
-prefill: 2 * params * prompt tokens of matmul work. The floor is the larger of the two times (perfect overlap),
-so the reported fraction is conservative.
+Only the work a step cannot avoid is charged:
+- a decode step reads every decoder-layer weight and the LM head once, but only the batch's rows of an untied input
+  embedding (a tied embedding is the LM head, read whole anyway), plus every sequence's KV context;
+- compute is 2 x (decoder-layer params) per token, the LM head only for sampled rows (one per output token), and
+  causal attention (QK^T and PV over the keys each query attends to); the input embedding is a gather, no FLOPs.
+A workload's floor is the larger of its memory time and its compute time (perfect overlap), so the fraction of the
+floor that a measurement reaches is conservative. Report figures against both these fixed H200 ceilings and the
+ceilings measured in the same run (`measure_ceilings`).
 """
 
 from __future__ import annotations
@@ -18,21 +23,61 @@ H200_HBM_BYTES_PER_S = 4.3e12  # device copy through PyTorch
 H200_BF16_FLOPS = 785e12  # 8192^3 bf16 matmul through JAX
 
 
+def embedding_params(config: ModelConfig) -> int:
+    """Parameters of the input embedding table (vocab x hidden)."""
+    return config.vocab_size * config.hidden_size
+
+
+def lm_head_params(config: ModelConfig) -> int:
+    """Parameters the LM head multiplies by (the embedding table itself when tied)."""
+    return config.vocab_size * config.hidden_size
+
+
+def body_params(config: ModelConfig) -> int:
+    """Parameters of the decoder layers and the final norm: everything but the input embedding and the LM head."""
+    untied_head = 0 if config.tie_word_embeddings else lm_head_params(config)
+    return num_params(config) - embedding_params(config) - untied_head
+
+
+def decode_weight_bytes(config: ModelConfig, batch: int, dtype_bytes: int = 2) -> int:
+    """Weight bytes one decode step of ``batch`` rows must read: decoder layers + LM head whole, plus ``batch`` rows
+    of an untied input embedding."""
+    embed_rows = 0 if config.tie_word_embeddings else batch * config.hidden_size
+    return (body_params(config) + lm_head_params(config) + embed_rows) * dtype_bytes
+
+
+def attention_flops(config: ModelConfig, num_keys: int) -> int:
+    """FLOPs of one query token attending over ``num_keys`` keys in every layer (QK^T and PV)."""
+    return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * num_keys
+
+
 def workload_floor(config: ModelConfig, workload: Workload, max_num_seqs: int, dtype_bytes: int = 2,
-                   hbm: float = H200_HBM_BYTES_PER_S, flops: float = H200_BF16_FLOPS) -> dict:
-    weight_bytes = num_params(config) * dtype_bytes
-    kv_per_tok = kv_bytes_per_token(config, dtype_bytes)
+                   hbm: float = H200_HBM_BYTES_PER_S, flops: float = H200_BF16_FLOPS,
+                   kv_dtype_bytes: int | None = None) -> dict:
+    """Floor of one offline run of ``workload`` with at most ``max_num_seqs`` sequences per decode step.
+    ``dtype_bytes``: bytes per weight; ``kv_dtype_bytes``: per KV element (default ``dtype_bytes``)."""
+    kv_per_tok = kv_bytes_per_token(config, dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
     max_out = max(r.max_tokens for r in workload.requests)
     decode_steps = max(max_out, math.ceil(workload.output_tokens / max_num_seqs))
-    # Token t of a request (0-based) attends over prompt_len + t cached tokens.
-    kv_read = sum(kv_per_tok * (len(r.prompt_token_ids) * r.max_tokens + r.max_tokens * (r.max_tokens - 1) // 2)
-                  for r in workload.requests)
-    memory_bytes = decode_steps * weight_bytes + kv_read
-    memory_s = memory_bytes / hbm
-    compute_s = 2 * num_params(config) * (workload.prompt_tokens + workload.output_tokens) / flops
+    # Every output token after a request's first is one decode row; rows share the steps' weight reads.
+    decode_rows = workload.output_tokens - len(workload.requests)
+    weight_read = decode_steps * decode_weight_bytes(config, 0, dtype_bytes) + decode_rows * (
+        0 if config.tie_word_embeddings else config.hidden_size * dtype_bytes)
+    # A request's output token t >= 1 is fed back once and reads the prompt_len + t - 1 cached tokens before it
+    # (the first output token comes from the prompt's last row; the last one is never fed back).
+    kv_read = sum(kv_per_tok * ((m - 1) * len(r.prompt_token_ids) + (m - 1) * (m - 2) // 2)
+                  for r in workload.requests for m in [r.max_tokens])
+    memory_s = (weight_read + kv_read) / hbm
+    fed_tokens = workload.prompt_tokens + workload.output_tokens - len(workload.requests)
+    # Prompt token p (0-based) attends over p + 1 keys; fed-back output token t >= 1 over prompt_len + t keys.
+    attn = sum(attention_flops(config, 1) * (n * (n + 1) // 2 + (m - 1) * n + (m - 1) * m // 2)
+               for r in workload.requests for n, m in [(len(r.prompt_token_ids), r.max_tokens)])
+    matmul = 2 * body_params(config) * fed_tokens + 2 * lm_head_params(config) * workload.output_tokens
+    compute_s = (matmul + attn) / flops
     floor_s = max(memory_s, compute_s)
     return {
-        "weight_bytes": weight_bytes, "decode_steps": decode_steps, "kv_read_bytes": kv_read,
+        "weight_read_bytes": weight_read, "decode_steps": decode_steps, "kv_read_bytes": kv_read,
+        "matmul_flops": matmul, "attention_flops": attn, "hbm_bytes_per_s": hbm, "flops_per_s": flops,
         "memory_floor_s": memory_s, "compute_floor_s": compute_s, "floor_s": floor_s,
         "floor_output_tok_s": workload.output_tokens / floor_s,
     }
@@ -40,5 +85,44 @@ def workload_floor(config: ModelConfig, workload: Workload, max_num_seqs: int, d
 
 def decode_step_floor_s(config: ModelConfig, batch: int, context: int, dtype_bytes: int = 2,
                         hbm: float = H200_HBM_BYTES_PER_S) -> float:
-    """One decode step: all weights plus every sequence's KV context, read once."""
-    return (num_params(config) * dtype_bytes + batch * context * kv_bytes_per_token(config, dtype_bytes)) / hbm
+    """One decode step of ``batch`` rows at ``context`` cached tokens each: its weight reads plus every row's KV."""
+    return (decode_weight_bytes(config, batch, dtype_bytes)
+            + batch * context * kv_bytes_per_token(config, dtype_bytes)) / hbm
+
+
+def prefill_flops(config: ModelConfig, num_seqs: int, prompt_len: int) -> int:
+    """Matmul + attention FLOPs of prefilling ``num_seqs`` prompts of ``prompt_len`` tokens, one sampled row each."""
+    return num_seqs * (2 * body_params(config) * prompt_len + 2 * lm_head_params(config)
+                       + attention_flops(config, 1) * prompt_len * (prompt_len + 1) // 2)
+
+
+def measure_ceilings(repeats: int = 5, copy_bytes: int | None = None, matmul_size: int | None = None) -> dict:
+    """Same-run ceilings of the default device: a jitted ``jnp.copy`` of ``copy_bytes`` bf16 (read + write bytes per
+    second) and a bf16 ``matmul_size``^3 matmul (FLOP/s). Fresh random inputs; compilation and one call excluded;
+    median of ``repeats``. Defaults: 4 GiB and 8192 on an accelerator (beyond its caches), 64 MiB and 1024 on the
+    CPU (a smoke test). Returns {"copy_GBps", "matmul_TFLOPs"}."""
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    def median_s(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    on_cpu = jax.default_backend() == "cpu"
+    copy_bytes = copy_bytes or (64 << 20 if on_cpu else 4 << 30)
+    matmul_size = matmul_size or (1024 if on_cpu else 8192)
+    x = jax.random.normal(jax.random.key(1), (copy_bytes // 2,), jnp.bfloat16)
+    copy_s = median_s(jax.jit(jnp.copy), x)
+    del x
+    a = jax.random.normal(jax.random.key(2), (matmul_size, matmul_size), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(3), (matmul_size, matmul_size), jnp.bfloat16)
+    matmul_s = median_s(jax.jit(jnp.matmul), a, b)
+    return {"copy_GBps": 2 * copy_bytes / copy_s / 1e9, "matmul_TFLOPs": 2 * matmul_size ** 3 / matmul_s / 1e12}

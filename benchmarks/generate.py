@@ -9,7 +9,7 @@ For every (shape, batch size): random prompts of ``--prompt-len`` tokens, no EOS
 separately (first call); then ``--repeats`` timed calls, each ended by ``block_until_ready``, and the median is
 reported. A second program with ``max_new_tokens=1`` measures the prefill (plus one sampling step) alone, so the
 decode rate is ``B * (N - 1) / (t_total - t_prefill)``. ``decode_floor_tok_s`` is the HBM-bandwidth bound of the
-decode phase (every step reads all weights once and each row its KV context; benchmarks/floors.py constants).
+decode phase (every step reads the weights a decode step must read once and each row its KV context; benchmarks/floors.py).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def _timed(fn, repeats: int) -> tuple[float, list[float]]:
 
 def decode_floor_tok_s(config, batch_size: int, prompt_len: int, max_new_tokens: int, dtype_bytes: int) -> float:
     """Output tok/s no implementation can beat in the decode phase (weights + KV context read once per step)."""
-    from benchmarks.floors import H200_HBM_BYTES_PER_S
-    from models.presets import kv_bytes_per_token, num_params
+    from benchmarks.floors import H200_HBM_BYTES_PER_S, decode_weight_bytes
+    from models.presets import kv_bytes_per_token
 
-    weight_bytes = num_params(config) * dtype_bytes
+    weight_bytes = decode_weight_bytes(config, batch_size, dtype_bytes)
     steps = max(max_new_tokens - 1, 1)
     # Step i (1-based) of each row reads prompt_len + i cached tokens.
     kv_bytes = batch_size * kv_bytes_per_token(config, dtype_bytes) * sum(prompt_len + i for i in range(1, steps + 1))

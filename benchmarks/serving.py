@@ -15,7 +15,17 @@ Workloads (benchmarks/workloads.py): ``--dataset nano-vllm`` (256 requests, prom
 [0, 10000], max_tokens randint(100, 1024), Python ``random`` seeded 0, temperature 0.6) or ``--dataset random``
 with ``--num-prompts/--random-input-len/--random-output-len``.
 
+Offline vs served in one invocation (``--shape`` or ``--suite``; engine flags after ``--``): the offline engine
+(an ``LLMEngine`` stepped in a loop, at most C requests in it) on nano-vllm's prompts (at least 256 requests, at
+least one per stream), then ``python -m serving`` with the same engine flags and the same workload at C concurrent
+streams, for each C of ``--concurrency``, then admission bursts (``--burst``: N requests sent at once;
+``time_to_admit_all_s`` = from the first send to the last request's response headers, which a streamed response
+sends once the engine has accepted the request). One JSON line per figure; served lines carry
+``fraction_of_offline`` and ``itl_p99_over_median``. The client runs in ``--num-client-processes`` processes.
+
 Examples:
+  python -m benchmarks.serving --shape qwen3-0.6b --concurrency 64 256 512 --burst 256 1024 \\
+      --result-file $OUT/serving.json -- --max-num-batched-tokens 2048 --max-model-len 4096 --async-scheduling
   python -m serving --port 8000 &
   python -m benchmarks.serving --base-url http://127.0.0.1:8000 --dataset nano-vllm --request-rate 8
   python -m benchmarks.serving --dataset random --num-prompts 100 --random-input-len 512 --random-output-len 128 \\
@@ -26,12 +36,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
@@ -44,6 +59,7 @@ from benchmarks.report import write_json  # noqa: E402
 from benchmarks.workloads import Req, Workload, nanovllm, random_fixed  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass
@@ -58,6 +74,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
     start_time: float = 0.0
+    headers_time: float = 0.0  # when the response headers arrived (the server has admitted the request)
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, req: Req, temperature: float,
@@ -73,6 +90,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, req
     last = start
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as response:
+            result.headers_time = time.perf_counter()
             if response.status_code != 200:
                 body = await response.aread()
                 result.error = f"HTTP {response.status_code}: {body[:300]!r}"
@@ -220,6 +238,223 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------ client worker processes
+def _worker_main(base_url: str, model: str, requests: list[Req], temperature: float, ignore_eos: bool,
+                 max_concurrency: int | None, start_at: float, api_key: str | None) -> list[RequestResult]:
+    """One client process: wait until ``start_at`` (``time.perf_counter``, shared by every process on Linux),
+    then stream ``requests`` with at most ``max_concurrency`` in flight."""
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/completions"
+
+    async def drive() -> list[RequestResult]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+            semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+            async def limited(req: Req) -> RequestResult:
+                if semaphore is None:
+                    return await stream_completion(client, url, model, req, temperature, ignore_eos, headers)
+                async with semaphore:
+                    return await stream_completion(client, url, model, req, temperature, ignore_eos, headers)
+
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+            return await asyncio.gather(*[limited(req) for req in requests])
+
+    return run(drive())
+
+
+def run_in_processes(base_url: str, model: str, requests: Sequence[Req], *, temperature: float, ignore_eos: bool,
+                     max_concurrency: int | None, num_processes: int, api_key: str | None = None
+                     ) -> tuple[list[RequestResult], float]:
+    """Stream ``requests`` (all sent at once, at most ``max_concurrency`` in flight in all) from ``num_processes``
+    client processes, so that parsing tens of thousands of SSE chunks a second is not what limits the figures.
+    Requests go round-robin to the processes, each with an equal share of the concurrency. Returns the results in
+    request order and the duration (first send to last byte, seconds)."""
+    import concurrent.futures
+    import multiprocessing
+
+    num_processes = max(1, min(num_processes, len(requests), max_concurrency or len(requests)))
+    shares = [list(requests[i::num_processes]) for i in range(num_processes)]
+    concurrency = [None if max_concurrency is None else
+                   max_concurrency // num_processes + (i < max_concurrency % num_processes)
+                   for i in range(num_processes)]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(num_processes, mp_context=context) as pool:
+        list(pool.map(_ready, range(num_processes)))  # every process started and importing done
+        start_at = time.perf_counter() + 0.5
+        futures = [pool.submit(_worker_main, base_url, model, share, temperature, ignore_eos, limit, start_at,
+                               api_key) for share, limit in zip(shares, concurrency)]
+        per_process = [future.result() for future in futures]
+    results: list[RequestResult] = [None] * len(requests)  # type: ignore[list-item]
+    for i, process_results in enumerate(per_process):
+        results[i::num_processes] = process_results
+    ends = [r.start_time + r.latency for r in results if r.success]
+    duration = (max(ends) if ends else time.perf_counter()) - start_at
+    return results, duration
+
+
+def _ready(_: int) -> bool:
+    return True
+
+
+# ----------------------------------------------------------------------------- offline vs served, in one run
+def _engine_parser() -> argparse.ArgumentParser:
+    from paged_jax.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="engine flags", add_help=False)
+    add_engine_args(parser)
+    return parser
+
+
+def offline_main(concurrencies: Sequence[int], engine_argv: Sequence[str], num_prompts: int,
+                 max_lens: Sequence[int] = (1024, 1024)) -> None:
+    """The offline engine (``LLMEngine`` stepped in a loop, no server) on the served workloads: one JSON line per
+    concurrency (at most that many requests in the engine, a new one entering as one finishes)."""
+    from benchmarks.throughput import _run_with_concurrency
+    from paged_jax.cli import engine_kwargs, normalize_flag_spelling
+    from paged_jax.config import EngineArgs
+    from paged_jax.engine import LLMEngine
+    from paged_jax.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(**engine_kwargs(_engine_parser().parse_args(
+        normalize_flag_spelling(engine_argv)))), use_tqdm=False)
+    warm = nanovllm(4, *max_lens)
+    _run_with_concurrency(engine, [{"prompt_token_ids": r.prompt_token_ids} for r in warm.requests],
+                          [SamplingParams(temperature=warm.temperature, ignore_eos=True, max_tokens=8)] * 4, 4)
+    for concurrency in concurrencies:
+        workload = suite_workload(concurrency, num_prompts, max_lens)
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+        params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos,
+                                 max_tokens=r.max_tokens, seed=i) for i, r in enumerate(workload.requests)]
+        start = time.perf_counter()
+        out_tokens = _run_with_concurrency(engine, prompts, params, concurrency)
+        elapsed = time.perf_counter() - start
+        print(json.dumps({"figure": "offline", "concurrency": concurrency, "num_requests": len(prompts),
+                          "output_tokens": out_tokens, "duration_s": elapsed, "output_throughput": out_tokens / elapsed}),
+              flush=True)
+
+
+def suite_workload(concurrency: int, num_prompts: int, max_lens: Sequence[int] = (1024, 1024)) -> Workload:
+    """The workload at one concurrency: nano-vllm's, at least ``num_prompts`` requests and at least one per
+    stream (``max_lens``: its longest prompt and output)."""
+    return nanovllm(max(num_prompts, concurrency), *max_lens)
+
+
+@contextlib.contextmanager
+def launched_server(engine_argv: Sequence[str], port: int, cwd: str, log_path: str, timeout_s: float):
+    """``python -m serving`` with ``engine_argv`` on ``port``, from ``cwd``; yields its base URL once /health
+    answers 200; stopped with SIGINT (then SIGKILL) at the end."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = cwd + os.pathsep + env.get("PYTHONPATH", "")
+    command = [sys.executable, "-m", "serving", *engine_argv, "--host", "127.0.0.1", "--port", str(port),
+               "--disable-uvicorn-access-log", "--disable-log-stats"]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited with {server.returncode}; see {log_path}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not answer /health within {timeout_s} s; see {log_path}")
+                try:
+                    if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+            yield base_url
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
+
+
+def burst_admission(base_url: str, model: str, num_requests: int, num_processes: int, max_tokens: int,
+                    max_lens: Sequence[int] = (1024, 1024)) -> dict[str, Any]:
+    """Send ``num_requests`` streamed completions at once (nano-vllm prompts, ``max_tokens`` each) and time
+    admission: ``time_to_admit_all_s`` = from the moment every client starts sending to the last response headers
+    (a streamed response's headers leave the server once the engine has accepted the request), plus the time to
+    every first token and to the last byte. Every request must complete (nothing dropped)."""
+    workload = nanovllm(num_requests, *max_lens)
+    requests = [Req(r.prompt_token_ids, max_tokens) for r in workload.requests]
+    results, duration = run_in_processes(base_url, model, requests, temperature=workload.temperature,
+                                         ignore_eos=True, max_concurrency=None, num_processes=num_processes)
+    start = min(r.start_time for r in results)
+    ok = [r for r in results if r.success]
+    headers = [r.headers_time - start for r in ok]
+    first_tokens = [r.start_time + r.ttft - start for r in ok]
+    return {"figure": "burst", "num_requests": num_requests, "max_tokens": max_tokens, "completed": len(ok),
+            "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.success})[:5],
+            "time_to_admit_all_s": max(headers) if headers else float("nan"),
+            "median_time_to_headers_s": statistics.median(headers) if headers else float("nan"),
+            "time_to_all_first_tokens_s": max(first_tokens) if first_tokens else float("nan"),
+            "time_to_all_done_s": duration}
+
+
+def suite_main(args: argparse.Namespace, engine_argv: list[str]) -> dict[str, Any]:
+    """Offline engine, then the server, on one engine configuration: one JSON line per figure."""
+    if args.shape:
+        engine_argv = ["--model", args.shape, "--load-format", "dummy", *engine_argv]
+    repo = _REPO_ROOT  # the engine and the server run from this checkout
+    figures: list[dict[str, Any]] = []
+
+    def emit(figure: dict[str, Any]) -> None:
+        figures.append(figure)
+        print(json.dumps(figure), flush=True)
+
+    offline: dict[int, float] = {}
+    if not args.skip_offline:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+        command = [sys.executable, "-m", "benchmarks.serving", "--offline-only",
+                   "--concurrency", *map(str, args.concurrency), "--num-prompts", str(args.num_prompts or 256),
+                   "--nano-vllm-max-lens", *map(str, args.nano_vllm_max_lens), "--", *engine_argv]
+        run = subprocess.run(command, cwd=repo, env=env, stdout=subprocess.PIPE, text=True)
+        for line in run.stdout.splitlines():
+            if line.startswith("{"):
+                figure = json.loads(line)
+                offline[figure["concurrency"]] = figure["output_throughput"]
+                emit(figure)
+        if run.returncode != 0:
+            raise RuntimeError(f"the offline run failed (exit code {run.returncode})")
+    log_path = args.server_log or os.path.join(tempfile.gettempdir(), f"paged-jax-serve-{os.getpid()}.log")
+    with launched_server(engine_argv, args.port, repo, log_path, args.server_timeout) as base_url:
+        model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        warm = nanovllm(args.num_client_processes, *args.nano_vllm_max_lens)
+        run_in_processes(base_url, model, [Req(r.prompt_token_ids, 8) for r in warm.requests],
+                         temperature=warm.temperature, ignore_eos=True, max_concurrency=None,
+                         num_processes=args.num_client_processes)
+        for concurrency in args.concurrency:
+            workload = suite_workload(concurrency, args.num_prompts or 256, args.nano_vllm_max_lens)
+            results, duration = run_in_processes(base_url, model, workload.requests, temperature=workload.temperature,
+                                                 ignore_eos=workload.ignore_eos, max_concurrency=concurrency,
+                                                 num_processes=args.num_client_processes)
+            summary = summarize(results, duration)
+            figure = {"figure": "served", "concurrency": concurrency, "num_requests": len(workload.requests),
+                      **{k: v for k, v in summary.items() if not k.startswith("mean_")}}
+            if concurrency in offline:
+                figure["offline_output_throughput"] = offline[concurrency]
+                figure["fraction_of_offline"] = summary["output_throughput"] / offline[concurrency]
+            figure["itl_p99_over_median"] = summary["p99_itl_ms"] / summary["median_itl_ms"]
+            emit(figure)
+        for num_requests in args.burst:
+            emit(burst_admission(base_url, model, num_requests, args.num_client_processes, args.burst_max_tokens,
+                                 args.nano_vllm_max_lens))
+    result = {"engine_argv": engine_argv, "figures": figures}
+    write_json(args.result_file, result, indent=2)
+    return result
+
+
 def build_workload(args: argparse.Namespace) -> Workload:
     if args.dataset == "nano-vllm":
         return nanovllm(args.num_prompts or 256)
@@ -245,7 +480,41 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None, help="write the metrics as JSON here")
+    suite = parser.add_argument_group(
+        "offline vs served in one run (engine flags after `--`, given to the offline engine and to the server)")
+    suite.add_argument("--shape", default=None,
+                       help="run the suite on this model shape with dummy weights (models/presets.py); same as "
+                            "`-- --model SHAPE --load-format dummy`")
+    suite.add_argument("--suite", action="store_true", help="run the suite on the engine flags after `--`")
+    suite.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 512],
+                       help="concurrent streams of the served runs (and in-engine requests of the offline ones)")
+    suite.add_argument("--burst", type=int, nargs="*", default=[256, 1024],
+                       help="sizes of the admission bursts (requests sent at once)")
+    suite.add_argument("--burst-max-tokens", type=int, default=16)
+    suite.add_argument("--nano-vllm-max-lens", type=int, nargs=2, default=[1024, 1024], metavar=("INPUT", "OUTPUT"),
+                       help="longest prompt and output of the nano-vllm workload (its own: 1024 1024; smaller for a "
+                            "smoke test on a small --max-model-len)")
+    suite.add_argument("--num-client-processes", type=int, default=4,
+                       help="client processes that send the requests and parse the streams")
+    suite.add_argument("--port", type=int, default=8011)
+    suite.add_argument("--server-log", default=None, help="the server's output (default: a file in the temp dir)")
+    suite.add_argument("--server-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    suite.add_argument("--skip-offline", action="store_true")
+    suite.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)  # the suite's offline part
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_argv: list[str] = []
+    if "--" in argv:
+        argv, engine_argv = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
+    if args.offline_only:
+        offline_main(args.concurrency, engine_argv, args.num_prompts or 256, args.nano_vllm_max_lens)
+        return {}
+    if args.shape or args.suite:
+        if min(args.concurrency) < 1 or any(n < 1 for n in args.burst):
+            parser.error("--concurrency and --burst take positive counts")
+        return suite_main(args, engine_argv)
+    if engine_argv:
+        parser.error("engine flags after `--` need --shape or --suite")
     if not args.request_rate > 0:
         parser.error(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:

@@ -7,7 +7,9 @@ step's tokens back on device. Every layout runs the same global batch; with dp >
 
 Layout names: ``tp<N>`` (N-way tensor parallel, KV pool sharded over kv heads), ``dp<M>xtp<N>``, and a ``-kvrep``
 suffix for the replicated-attention layout (attention weights and the KV pool whole on every tp device, only MLP /
-embedding / LM head split).
+embedding / LM head split). ``pp<K>xtp<N>``: K pipeline stages of N-way tp (``paged_jax.pipeline``), run through
+the engine's model runner (``PipelineModelRunner``; ``pp1xtp<N>`` = the plain tp runner, its baseline): the same
+prefill and greedy decode steps, as runner steps (bucketed, sampler included), the decode steps fed on device.
 
 Reported per layout: prefill time, median decode-step latency with a host sync per step ("sync") and per step of
 the same steps dispatched back to back ("decode step ms", the device-bound figure that throughput, the
@@ -43,11 +45,22 @@ SMALL_SHAPE = {
 }
 
 
+def parse_pipeline_layout(name: str) -> tuple[int, int] | None:
+    """"pp2xtp4" -> (pp=2, tp=4); None for a layout without a pp part."""
+    match = re.fullmatch(r"pp(\d+)xtp(\d+)", name)
+    if not match:
+        return None
+    pp, tp = int(match.group(1)), int(match.group(2))
+    if pp < 1 or tp < 1:
+        raise ValueError(f"layout {name!r}: pp and tp must be >= 1")
+    return pp, tp
+
+
 def parse_layout(name: str) -> tuple[int, int, str]:
     """"dp2xtp4-kvrep" -> (dp=2, tp=4, kv_layout="replicated"); ValueError naming the layout otherwise."""
     match = re.fullmatch(r"(?:dp(\d+)x)?tp(\d+)(-kvrep)?", name)
     if not match:
-        raise ValueError(f"layout {name!r} is not of the form tp<N>, dp<M>xtp<N> or ...-kvrep")
+        raise ValueError(f"layout {name!r} is not of the form tp<N>, dp<M>xtp<N>, ...-kvrep or pp<K>xtp<N>")
     dp, tp = int(match.group(1) or 1), int(match.group(2))
     if dp < 1 or tp < 1:
         raise ValueError(f"layout {name!r}: dp and tp must be >= 1")
@@ -211,6 +224,81 @@ def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps
     }
 
 
+def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps: int, block_size: int,
+                        dtype, impl: str, seed: int = 0, repeats: int = 1) -> dict:
+    """The workload of ``run_layout`` as model-runner steps over ``pp`` stages of ``tp`` devices: one prefill step
+    of every prompt, then greedy decode steps (each fed the previous step's tokens on device); same keys."""
+    import jax
+    import numpy as np
+
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.model_runner import ModelRunner
+    from paged_jax.parallel import ShardingPlan, make_mesh
+    from paged_jax.pipeline import PipelineModelRunner, PipelinePlan
+    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.step_io import SeqInput
+
+    pp, tp = parse_pipeline_layout(layout)
+    if pp * tp > len(jax.devices()):
+        return {"layout": layout, "skipped": f"needs {pp * tp} devices, {len(jax.devices())} available"}
+    if pp > 1:
+        plan, runner_cls = PipelinePlan.create(config, pp, tp), PipelineModelRunner
+    else:
+        plan, runner_cls = ShardingPlan.create(config, make_mesh(tp)), ModelRunner
+    model = load_sharded_model(None, plan, dtype=dtype, load_format="dummy", seed=seed)
+    max_len = prompt_len + decode_steps
+    blocks_per_seq = -(-max_len // block_size)
+    runner = runner_cls(model, plan.model_config, num_blocks=1 + batch * blocks_per_seq, block_size=block_size,
+                        max_model_len=blocks_per_seq * block_size, max_num_seqs=batch,
+                        max_num_batched_tokens=batch * prompt_len, attention_impl=impl, sharding_plan=plan,
+                        buckets=[(batch, batch), (batch * prompt_len, batch)])
+    t0 = time.perf_counter()
+    runner.warm_up(use_tqdm=False)
+    compile_s = time.perf_counter() - t0
+    prompts = np.random.default_rng(seed).integers(3, config.vocab_size, (batch, prompt_len), dtype=np.int32)
+    greedy = SamplingParams(temperature=0.0)
+    tables = [list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)) for b in range(batch)]
+
+    def step(start: int, tokens: list[list[int]], feed: bool):
+        return runner.execute([SeqInput(key=str(b), token_ids=tokens[b], num_computed_tokens=start,
+                                        block_ids=tables[b], sample=True, sampling=(greedy, 0, 0, [], []),
+                                        feed_from_previous=feed) for b in range(batch)])
+
+    best = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        first = step(0, prompts.tolist(), False).result().sampled_token_ids
+        prefill_s = time.perf_counter() - t0
+        generated, step_times = [np.asarray(first)], []
+        for i in range(decode_steps):
+            t0 = time.perf_counter()
+            out = step(prompt_len + i, [[0]] * batch, True).result().sampled_token_ids
+            step_times.append(time.perf_counter() - t0)
+            generated.append(np.asarray(out))
+        step(0, prompts.tolist(), False)
+        t0 = time.perf_counter()
+        for i in range(decode_steps):  # dispatched back to back, one sync at the end
+            handle = step(prompt_len + i, [[0]] * batch, True)
+        handle.result()
+        pipelined_s = (time.perf_counter() - t0) / max(decode_steps, 1)
+        if best is None or pipelined_s < best[2]:
+            best = (prefill_s, step_times, pipelined_s, generated)
+    prefill_s, step_times, pipelined_s, generated = best
+    weight_bytes, kv_bytes = bytes_per_device(runner._param_leaves), bytes_per_device(runner.kv_pool)
+    devices = sorted(weight_bytes, key=lambda d: d.id)
+    return {
+        "layout": layout, "dp": 1, "tp": tp, "pp": pp, "kv_layout": "sharded",
+        "q_heads": plan.model_config.num_attention_heads, "kv_heads": plan.model_config.num_key_value_heads,
+        "compile_and_first_run_s": round(compile_s, 3), "num_compiles_since_warmup": runner.num_compiles_since_warmup,
+        "prefill_s": round(prefill_s, 4), "prefill_tok_s": round(batch * prompt_len / prefill_s, 1),
+        "decode_step_ms": round(pipelined_s * 1e3, 3), "decode_tok_s": round(batch / pipelined_s, 1),
+        "sync_decode_step_ms": round(statistics.median(step_times) * 1e3, 3) if step_times else float("nan"),
+        "weights_mib_per_device": round(max(weight_bytes[d] for d in devices) / 2**20, 2),
+        "kv_mib_per_device": round(max(kv_bytes.get(d, 0) for d in devices) / 2**20, 2),
+        "tokens": np.stack(generated),
+    }
+
+
 def markdown_table(results: list[dict]) -> str:
     header = ("| layout | dp | tp | KV | q/kv heads | prefill s | prefill tok/s | decode step ms (sync) | "
               "decode step ms | decode tok/s | "
@@ -257,14 +345,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = resolve_dtype(args.dtype)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     for name in layouts:
-        parse_layout(name)
+        parse_pipeline_layout(name) or parse_layout(name)
     from benchmarks.floors import H200_HBM_BYTES_PER_S
 
     results, reference_tokens, first_per_gpu = [], None, None
     for name in layouts:
-        result = run_layout(config, name, batch=args.batch, prompt_len=args.prompt_len,
-                            decode_steps=args.decode_steps, block_size=args.block_size, dtype=dtype,
-                            impl=args.attention_impl, repeats=args.repeats)
+        run = run_pipeline_layout if parse_pipeline_layout(name) else run_layout
+        result = run(config, name, batch=args.batch, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
+                     block_size=args.block_size, dtype=dtype, impl=args.attention_impl, repeats=args.repeats)
         if "tokens" in result:
             tokens = result.pop("tokens")
             if reference_tokens is None:
@@ -275,7 +363,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             floor_ms = result["weights_mib_per_device"] * 2**20 / H200_HBM_BYTES_PER_S * 1e3
             result["weight_read_floor_ms"] = round(floor_ms, 3)
             result["step_over_floor"] = round(result["decode_step_ms"] / floor_ms, 3)
-            per_gpu = result["decode_tok_s"] / (result["dp"] * result["tp"])
+            per_gpu = result["decode_tok_s"] / (result["dp"] * result["tp"] * result.get("pp", 1))
             first_per_gpu = first_per_gpu or per_gpu
             result["scaling_vs_first"] = round(per_gpu / first_per_gpu, 3)
         results.append(result)

@@ -9,7 +9,7 @@ Builds the model runner for a named shape with dummy weights and a few fixed buc
 * ``execute_ms``: the host side of ``execute`` alone (packing + the two dispatches), median over those calls.
 * ``forward_ms`` / ``sample_ms``: the jitted forward and the jitted sampler alone, each called ``--inner`` times on the
   same inputs with one wait at the end.
-* ``floor_ms``: weight bytes + KV bytes read, at ``--hbm-gbps``.
+* ``floor_ms``: the weight bytes a step must read (benchmarks/floors.py) + KV bytes read, at ``--hbm-gbps``.
 
 Then the sampler alone on random logits [rows, vocab] for each compiled variant (and lax.top_k / Gumbel noise / argmax
 on their own), and the compiled forward's memory analysis (a temp size near the pool size would mean the donated
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from models.config import ModelConfig
     from models.loader import init_dummy_model
-    from models.presets import kv_bytes_per_token, num_params, preset_config
+    from benchmarks.floors import decode_weight_bytes
+    from models.presets import kv_bytes_per_token, preset_config
     from paged_jax import sampler as sampler_lib
     from benchmarks.trace import trace_kernels
     from paged_jax.buckets import make_buckets, pick_bucket
@@ -106,7 +107,6 @@ def main(argv: list[str] | None = None) -> dict:
         from models.llama import fuse_projections
 
         fuse_projections(model)
-    weight_bytes = num_params(config) * dtype.itemsize
     all_buckets = make_buckets(args.max_num_batched_tokens, args.max_num_seqs)
 
     def bucket_for(tokens, seqs):
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"benchmark": "step_profile", "shape": "tiny" if args.tiny else args.shape, "dtype": args.dtype,
                     "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "buckets": buckets,
                     "warm_up_s": round(time.perf_counter() - t0, 2), "num_blocks": num_blocks,
-                    "weight_bytes": weight_bytes, "hbm_gbps_for_floor": args.hbm_gbps,
+                    "hbm_gbps_for_floor": args.hbm_gbps,
                     "fused_projections": not args.no_fuse_projections, "cases": []}
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}), flush=True)
     rng = np.random.default_rng(0)
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         sample_ms = _median_ms(sample_loop, args.repeats) / args.inner
         kv_read = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype.itemsize)
+        weight_bytes = decode_weight_bytes(config, batch * new_tokens, dtype.itemsize)
         floor_ms = (weight_bytes + kv_read) / (args.hbm_gbps * 1e9) * 1e3
         row = {"kind": kind, "batch": batch, "new_tokens_per_seq": new_tokens, "context": context,
                "bucket": list(pick_bucket(buckets, batch * new_tokens, batch)), "sampler_mode": s_kw.get("mode"),
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
                "step_ms": round(step_ms, 3), "pipelined_ms": round(float(np.median(pipelined)) * 1e3, 3),
                "execute_ms": round(float(np.median(exec_times)) * 1e3, 3),
                "forward_ms": round(forward_ms, 3), "sample_ms": round(sample_ms, 3),
-               "floor_ms": round(floor_ms, 3), "kv_bytes_read": kv_read,
+               "floor_ms": round(floor_ms, 3), "weight_bytes_read": weight_bytes, "kv_bytes_read": kv_read,
                "tokens_per_s_pipelined": round(batch * new_tokens / (float(np.median(pipelined)) or 1e-9), 1)}
         if kernels is not None:
             row["forward_kernels"] = kernels

@@ -19,6 +19,7 @@ _T_PROCESS_START = time.perf_counter()  # before jax is imported: start-up time 
 import argparse
 import dataclasses
 import json
+import random
 import sys
 
 from benchmarks.report import versions, write_json
@@ -54,10 +55,22 @@ def main(argv: list[str] | None = None) -> dict:
                         "server at that many concurrent streams would see them; default: all at once")
     p.add_argument("--temperature", type=float,
                    help="override the workload's sampling temperature (0 = greedy, as benchmarks/generate.py)")
+    p.add_argument("--ceilings", action="store_true",
+                   help="also measure the device's copy bandwidth and matmul rate in this run (benchmarks/floors.py "
+                        "measure_ceilings) and state the result against the floor at those ceilings")
+    p.add_argument("--quantization", help="awq | gptq | compressed-tensors | fp8 | int8 (fp8 / int8 quantize dummy "
+                                          "or bf16 weights at load)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind the prefix-aware router (paged_jax.data_parallel)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
+    if args.breakdown and args.data_parallel_size > 1:
+        p.error("--breakdown times one engine's steps; it does not combine with --data-parallel-size > 1")
 
-    from benchmarks.floors import workload_floor
+    from benchmarks.floors import measure_ceilings, workload_floor
     from benchmarks.workloads import by_name
     from models.config import ModelConfig
     from models.presets import preset_config
@@ -69,7 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START
     assert len(first[0].outputs[0].token_ids) == 1
@@ -87,10 +102,16 @@ def main(argv: list[str] | None = None) -> dict:
         workload = dataclasses.replace(workload, temperature=args.temperature)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos, max_tokens=r.max_tokens,
                              seed=i) for i, r in enumerate(workload.requests)]
-    # Warm-up on a few requests of the same workload so lazily created host state is in place.
-    warm_prompts = prompts[:4]
+    # Warm-up on a few fresh random prompts of the workload's lengths (never its own prompts) so lazily created host
+    # state is in place; then the prefix cache is emptied so the warm-up cannot serve the timed run.
+    warm_rng = random.Random(12345)
+    warm_prompts = [{"prompt_token_ids": [warm_rng.randint(0, 10000) for _ in r.prompt_token_ids]}
+                    for r in workload.requests[:4]]
     llm.generate(warm_prompts, [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)]
                  * len(warm_prompts), use_tqdm=False)
+    llm.reset_prefix_cache()
+    ceilings = measure_ceilings() if args.ceilings else None
+    stats_before = llm.llm_engine.stats()
 
     totals = None
     if args.breakdown:
@@ -109,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         counting_forward._cache_size = timed_forward._cache_size
         engine.runner._forward = counting_forward
-    steps_before = llm.llm_engine.stats().get("num_steps", 0)
+    steps_before = stats_before.get("num_steps", 0)
 
     t0 = time.perf_counter()
     if args.max_concurrency:
@@ -137,8 +158,19 @@ def main(argv: list[str] | None = None) -> dict:
     config = llm.llm_engine.model_config if args.model else preset_config(args.shape)
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_pretrained(args.model)
-    floor = workload_floor(config, workload, args.max_num_seqs)
+    # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, the fp8 KV cache 1.
+    weight_bytes = 1 if args.quantization in ("fp8", "int8", "compressed-tensors") else 2
+    floor = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
+                           kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2)
+    result.update({"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype})
     stats = llm.llm_engine.stats()
+    if ceilings is not None:
+        # The same workload against the ceilings of this run instead of the fixed H200 figures.
+        same_run = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
+                                  kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2,
+                                  hbm=ceilings["copy_GBps"] * 1e9, flops=ceilings["matmul_TFLOPs"] * 1e12)
+        result["same_run_ceilings"] = ceilings
+        result["fraction_of_same_run_floor"] = same_run["floor_s"] / elapsed
     result.update({
         "workload": workload.name, "num_requests": len(workload.requests),
         "prompt_tokens": workload.prompt_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
@@ -146,7 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
         "total_tok_s": (workload.prompt_tokens + out_tokens) / elapsed,
         "output_tok_s": out_tokens / elapsed,
         "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed, "max_concurrency": args.max_concurrency,
+        # The floor is one device's; with dp / pp / tp this many devices share the work.
+        "devices_used": args.data_parallel_size * args.pipeline_parallel_size * args.tensor_parallel_size,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+        # Prefix-cache hits inside the timed region only (the warm-up's entries were reset before it).
+        "timed_prefix_cache_hit_tokens": stats["prefix_cache_hits"] - stats_before["prefix_cache_hits"],
     })
     print(json.dumps(result, indent=1))
     write_json(args.out, result)

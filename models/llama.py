@@ -129,11 +129,15 @@ def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param
     )
 
 
-def _concat_linear(layers: Sequence[nnx.Linear]) -> nnx.Linear:
+def _concat_linear(layers: Sequence[nnx.Module]) -> nnx.Module | None:
     """One ``nnx.Linear`` equal to ``layers`` side by side (kernels and biases concatenated along the outputs), so
     the inputs they share are multiplied once. Left separate, XLA's dot merger may build that same concatenation at
-    run time, i.e. copy the weights on every call."""
+    run time, i.e. copy the weights on every call. Other projection modules (``models.quantization``) concatenate
+    themselves (``type.concat``); None: they cannot share one matmul and stay separate."""
     first = layers[0]
+    if not all(type(layer) is nnx.Linear for layer in layers):
+        same_type = all(type(layer) is type(first) for layer in layers)
+        return type(first).concat(layers) if same_type and hasattr(type(first), "concat") else None
     kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
     has_bias = [layer.bias is not None for layer in layers]
     if any(has_bias) and not all(has_bias):
@@ -161,6 +165,8 @@ class Attention(nnx.Module):
         self.k_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.v_proj = _linear(hidden, kv_dim, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.qkv_proj: nnx.Linear | None = nnx.data(None)  # set by fuse_projections (a data slot, not static)
+        # FP8 KV cache with per-layer scales: float32[2] = (k_scale, v_scale), set by models.quantization.load.
+        self.kv_scale: nnx.Param | None = nnx.data(None)
         self.o_proj = _linear(q_dim, hidden, use_bias=config.o_proj_bias, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
         if config.qk_norm:
@@ -188,7 +194,14 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
+        if self.kv_scale is not None:
+            # The cache holds k / k_scale and v / v_scale: q . k = (q * k_scale) . (k / k_scale), and the
+            # attention output is rescaled by v_scale, so the kernels read the cache with no scales of their own.
+            k_scale, v_scale = self.kv_scale[0], self.kv_scale[1]
+            q, k, v = ((q * k_scale).astype(q.dtype), (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype))
         out, kv_layer = attention(layer_idx, q, k, v, kv_layer)
+        if self.kv_scale is not None:
+            out = (out * v_scale).astype(out.dtype)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return with_lora(lora, "o_proj", out, self.o_proj(out)), kv_layer
 
@@ -353,10 +366,14 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None:
-            attn.qkv_proj = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
-            attn.q_proj = attn.k_proj = attn.v_proj = None
-        if mlp.gate_up_proj is None:
-            mlp.gate_up_proj = _concat_linear([mlp.gate_proj, mlp.up_proj])
-            mlp.gate_proj = mlp.up_proj = None
+        if attn.qkv_proj is None and attn.q_proj is not None:
+            fused = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+            if fused is not None:
+                attn.qkv_proj = fused
+                attn.q_proj = attn.k_proj = attn.v_proj = None
+        if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+            fused = _concat_linear([mlp.gate_proj, mlp.up_proj])
+            if fused is not None:
+                mlp.gate_up_proj = fused
+                mlp.gate_proj = mlp.up_proj = None
     return model

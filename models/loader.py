@@ -51,6 +51,10 @@ _SAFETENSORS_NUMPY_DTYPES = {
 }
 
 
+# Tensor dtypes numpy's safetensors reader cannot build (bf16; FP8 of quantized checkpoints): read as raw bytes.
+_RAW_DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+
+
 def resolve_dtype(dtype: Any) -> jnp.dtype:
     """Map "bfloat16"/"float16"/"float32" (or a jnp dtype) to a jnp dtype; ValueError otherwise."""
     if isinstance(dtype, str):
@@ -185,10 +189,10 @@ def _read_tensor(handle, name: str, path: Path) -> np.ndarray:
     try:
         tensor_slice = handle.get_slice(name)
         dtype_tag = tensor_slice.get_dtype()
-        if dtype_tag == "BF16":
+        if dtype_tag in _RAW_DTYPES:
             shape = tuple(tensor_slice.get_shape())
-            # get_slice()[...] on a numpy handle cannot build bf16; take the bytes via the uint16 view instead.
-            return _read_bf16(path, name, shape)
+            # get_slice()[...] on a numpy handle cannot build bf16 / fp8; decode the raw bytes with ml_dtypes.
+            return _read_raw(path, name, shape, _RAW_DTYPES[dtype_tag])
         return handle.get_tensor(name)
     except ValueError:
         raise
@@ -210,7 +214,7 @@ def _cached_header(path: Path, mtime_ns: int, size: int) -> tuple[int, dict]:
     return 8 + header_len, header
 
 
-def _read_bf16(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     data_start, header = _safetensors_header(path)
     begin, end = header[name]["data_offsets"]
     with open(path, "rb") as f:
@@ -218,7 +222,7 @@ def _read_bf16(path: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
         raw = f.read(end - begin)
     if len(raw) != end - begin:
         raise ValueError(f"safetensors file {path} is truncated while reading tensor {name!r}")
-    return np.frombuffer(raw, dtype=ml_dtypes.bfloat16).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def hf_name_for(param_path: tuple) -> tuple[str, bool]:

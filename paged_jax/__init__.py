@@ -1,8 +1,8 @@
 """paged-jax: a vLLM-style paged LLM inference engine in JAX.
 
 Public API (imported lazily so `import paged_jax` stays cheap):
-``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``, ``LoRARequest``, ``generate``, and for
-research code ``load_pretrained`` and ``score_tokens``.
+``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSearchParams``, ``EngineArgs``, ``RequestOutput``,
+``CompletionOutput``, ``LoRARequest``, ``generate``, and for research code ``load_pretrained`` and ``score_tokens``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "paged_jax.llm",
     "SamplingParams": "paged_jax.sampling_params",
+    "StructuredOutputsParams": "paged_jax.sampling_params",
+    "BeamSearchParams": "paged_jax.beam_search",
     "EngineArgs": "paged_jax.config",
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",

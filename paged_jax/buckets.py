@@ -15,6 +15,10 @@ SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0)
 # history and the bias table (4)
 NUM_SAMPLER_VARIANTS = 11
 MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
+# Copy-on-write block copies per step (forks): the step's copy slots are min(num_seqs, this); every slot costs a
+# gather + scatter of one block per layer even as padding, so wide buckets do not get one per sequence. The
+# scheduler defers a sequence's first write into a shared block to the next step when they are used up.
+MAX_BLOCK_COPIES = 64
 
 def _powers_of_two(start: int, stop: int) -> list[int]:
     values, value = [], start
@@ -66,14 +70,14 @@ def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
 def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
                          num_blocks: int = 1 << 20) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
-    (forward buckets + sampler seq buckets x variants + prompt logprobs per token bucket + swap-copy sizes when
-    ``swap``)."""
+    (forward buckets + sampler seq buckets x (variants + the grammar bitmask) + prompt logprobs per token bucket +
+    swap-copy sizes when ``swap``)."""
     buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
     max_seq_bucket = max(s for _, s in buckets)
     num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
     num_token_buckets = len({t for t, _ in buckets})
     num_swap = len(swap_sizes_for(num_blocks)) if swap else 0
-    return len(buckets) + num_sampler_buckets * NUM_SAMPLER_VARIANTS + num_token_buckets + num_swap
+    return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap
 
 
 def pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:

@@ -78,7 +78,8 @@ def normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                 chat_template_kwargs: Mapping[str, Any] | None = None, *, continue_final_message: bool = False,
-                chat_template: str | None = None, documents: Sequence[Mapping[str, str]] | None = None) -> str:
+                chat_template: str | None = None, documents: Sequence[Mapping[str, str]] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The prompt text of ``conversation`` as the chat template renders it (vLLM's ``apply_hf_chat_template``).
 
     Args:
@@ -91,6 +92,8 @@ def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], add_g
         assistant answer); exclusive with ``add_generation_prompt``.
       chat_template: a Jinja template replacing the tokenizer's.
       documents: ``[{"title", "text"}, ...]`` for templates that support retrieval-augmented generation.
+      tools: OpenAI tool definitions (``[{"type": "function", "function": {...}}]``) for templates that describe
+        tools to the model (Qwen, Llama 3.x, Mistral).
     Raises:
       ChatTemplateError: the template failed on this conversation (or there is none), or the arguments conflict.
       RuntimeError: the template rendered something other than a string.
@@ -101,6 +104,8 @@ def render_chat(tokenizer: Any, conversation: Sequence[Mapping[str, Any]], add_g
         kwargs["chat_template"] = chat_template
     if documents is not None:
         kwargs["documents"] = [dict(document) for document in documents]
+    if tools:
+        kwargs["tools"] = [dict(tool) for tool in tools]
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {}))
     if reserved:
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}")

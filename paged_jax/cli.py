@@ -24,7 +24,7 @@ from typing import Any
 from paged_jax.config import EngineArgs
 
 # Extra spellings (vLLM's) and help texts of some engine flags.
-_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
 _FLAG_HELP = {
     "model": "HF checkpoint directory or Hub repo id (default: the built-in SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory or Hub repo id (default: the model's)",
@@ -38,6 +38,16 @@ _FLAG_HELP = {
     "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",
     "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
     "disable_log_stats": "no periodic stats log line (serve)",
+    "quantization": "quantized weights: the checkpoint's quantization_config by default; fp8 / int8 also quantize "
+                    "an unquantized checkpoint at load",
+    "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 (e4m3, checkpoint k/v scales or 1.0)",
+    "pipeline_parallel_size": "contiguous layer stages, each on its own tp devices",
+    "data_parallel_size": "engine replicas (each pp * tp devices, its own scheduler and KV pool) behind a "
+                          "prefix-aware router",
+    "nnodes": "hosts (processes) of one multi-host engine (jax.distributed)",
+    "node_rank": "this host's rank; rank 0 schedules and serves, the others run the same steps",
+    "master_addr": "address of node 0 (the jax.distributed coordinator)",
+    "master_port": "port of the jax.distributed coordinator on node 0",
     "enable_lora": "serve PEFT LoRA adapters (requests name one; serve: --lora-modules)",
     "max_loras": "most LoRA adapters in one batch (device slots)",
     "max_lora_rank": "largest LoRA rank an adapter may have",
@@ -115,6 +125,10 @@ def generate_main(argv: Sequence[str]) -> int:
 
     parser = build_generate_parser()
     args = parser.parse_args(normalize_flag_spelling(argv))
+    if args.node_rank > 0:  # multi-host: node 0 generates, this node runs the same steps
+        from paged_jax.parallel.multihost import run_follower
+
+        return run_follower(EngineArgs(**engine_kwargs(args)))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed)

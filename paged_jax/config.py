@@ -55,10 +55,29 @@ class EngineArgs:
     # Accepted for vLLM launch lines, with a log note: no remote code is ever run, the architectures are built in.
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    # Contiguous layer stages, each on its own devices (with its part of the KV pool); combined with tp a stage
+    # holds tp devices (paged_jax.pipeline).
+    pipeline_parallel_size: int = 1
+    # Engine replicas, each with its own scheduler and KV pool on its own pp * tp devices, behind a prefix-aware
+    # router (paged_jax.data_parallel).
+    data_parallel_size: int = 1
+    # Multi-host (vLLM's names): nnodes processes, one per host, join one JAX job (jax.distributed) whose
+    # coordinator is master_addr:master_port on node 0; node 0 schedules (and serves HTTP), the others run the same
+    # steps (paged_jax.parallel.multihost). nnodes=1 also honours JAX's own JAX_COORDINATOR_ADDRESS / ... variables.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
     weight_cache: bool = True
+    # Quantized weights (vLLM's --quantization): awq | gptq | compressed-tensors | fp8 | int8; None = the
+    # checkpoint's quantization_config (if any). fp8 / int8 on an unquantized checkpoint quantize it at load time.
+    quantization: Literal["awq", "gptq", "compressed-tensors", "fp8", "int8"] | None = None
+    # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn
+    # with the checkpoint's per-layer k/v scales (1.0 without them): twice the tokens in the same memory.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     attention_impl: str = "auto"  # one of paged_jax.attention_impl.ATTENTION_IMPLS ("pallas": deprecated, = "triton")
     # The server's periodic stats log line (throughput, running / waiting requests, KV cache usage, prefix cache
     # hit rate; serving.server_logs.StatsLogger); True silences it.
@@ -68,6 +87,10 @@ class EngineArgs:
     # synchronous loop; off by default because a host-bound step (a small model) measured slower with it
     # (benchmarks/RESULTS.md).
     async_scheduling: bool = False
+    # Limits on a request's stop strings (ValueError / HTTP 400 naming ``stop`` beyond them): every stop string is
+    # searched for after every token, so count x length bounds that per-token host work (paged_jax.detokenizer).
+    max_stop_strings: int = 64
+    max_stop_string_len: int = 512
     # Multi-LoRA serving (vLLM's names and defaults): requests may name a PEFT LoRA adapter (``LoRARequest``); up to
     # ``max_loras`` adapters of rank <= ``max_lora_rank`` share a step, ``max_cpu_loras`` (default ``max_loras``)
     # stay in host memory.
@@ -84,19 +107,36 @@ class EngineArgs:
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         check(self.swap_space >= 0, "swap_space", "must be >= 0")
-        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
+            check(getattr(self, name) >= 1, name, "must be >= 1")
+        check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes={self.nnodes})")
+        check(0 < self.master_port < 65536, "master_port", "must be a TCP port")
+        check(self.pipeline_parallel_size == 1 or self.preemption_mode == "recompute", "preemption_mode",
+              "must be recompute with pipeline_parallel_size > 1 (swap copies would span the stages' devices)")
+        check(self.data_parallel_size == 1 or self.nnodes == 1, "data_parallel_size",
+              "must be 1 with nnodes > 1 (replicas are on one host; use tensor / pipeline parallelism across hosts)")
         check(self.dtype in ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp32", "fp16"),
               "dtype", "must be auto, bfloat16, float16 or float32")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "max_stop_strings", "max_stop_string_len"):
             value = getattr(self, name)
             check(value is None or value >= 1, name, "must be >= 1")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        # LoRA slots are one engine's step argument: replicas and other hosts would each need the adapter loads,
+        # and the staged pipeline forward does not thread the slots through its stages.
+        check(not self.enable_lora or (self.data_parallel_size == self.pipeline_parallel_size == self.nnodes == 1),
+              "enable_lora", "is not supported with data_parallel_size, pipeline_parallel_size or nnodes > 1")
         check(self.max_loras >= 1, "max_loras", "must be >= 1")
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
               f"must be >= max_loras ({self.max_loras})")
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
+        from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES
+
+        check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",
+              f"must be one of {', '.join(QUANTIZATION_METHODS)}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
               "served_model_name", "must be a non-empty name or list of non-empty names")

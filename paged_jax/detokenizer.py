@@ -8,11 +8,14 @@ correct, and while ``new_text`` ends with U+FFFD the last token(s) end inside a 
 nothing is emitted until the character is complete. Only the window ``ids[prefix:]`` is kept and decoded, so each
 token costs O(window), not O(output length).
 
-Stop strings: after each token the text is searched (only where a match could end in the new characters) for
-every stop string; the earliest match wins. The text is cut right before it (or right after it with
-``include_stop_str_in_output``). Deltas never contain text past a stop string: the longest tail of the text that
-is a proper prefix of some stop string is held back until the next token decides it (at most
-``max(len(stop)) - 1`` characters, as vLLM).
+Stop strings: after each token every stop string is searched for only where a match could end in the new
+characters, i.e. in the new characters plus the ``len(stop) - 1`` before them, so a token costs
+O(number of stop strings x (new characters + longest stop string)), never O(output length); the earliest match
+wins. The text is cut right before it (or right after it with ``include_stop_str_in_output``). Deltas never
+contain text past a stop string: the last ``max(len(stop)) - 1`` characters are held back until the next token
+decides them (vLLM's ``stop_buffer_length``; none with ``include_stop_str_in_output``). ``check_stop_strings``
+bounds the number and length of stop strings a request may carry (``EngineArgs.max_stop_strings`` /
+``max_stop_string_len``), which bounds that per-token cost.
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool,
     return decode_without_spaces
 
 
+def check_stop_strings(stop: Sequence[str], *, max_stop_strings: int, max_stop_string_len: int) -> None:
+    """Refuse stop strings beyond the engine's limits (their per-token search cost grows with count x length).
+
+    Raises:
+      ValueError naming ``stop``: more than ``max_stop_strings`` strings, or one longer than
+        ``max_stop_string_len`` characters.
+    """
+    if len(stop) > max_stop_strings:
+        raise ValueError(f"stop: at most {max_stop_strings} stop strings are allowed, got {len(stop)} "
+                         f"(engine argument max_stop_strings)")
+    longest = max((len(stop_str) for stop_str in stop), default=0)
+    if longest > max_stop_string_len:
+        raise ValueError(f"stop: a stop string may have at most {max_stop_string_len} characters, got one of "
+                         f"{longest} (engine argument max_stop_string_len)")
+
+
 class IncrementalDetokenizer:
     """Turns output token ids into text deltas, applying stop strings.
 
@@ -86,6 +105,8 @@ class IncrementalDetokenizer:
       text: full output text so far (cut at the stop string), including a held-back tail not yet in any delta.
       emitted_text: concatenation of all deltas returned so far (== ``text`` once finished or stopped).
       stop_reason: the stop string that fired, or None.
+      num_stop_chars_searched: characters searched for stop strings so far (work counter: each token adds at most
+        ``len(stop) * (new characters + max(len(stop)) - 1)``).
       num_output_tokens: output tokens consumed (tokens after a firing stop string in the same ``append`` call
         are not consumed).
     """
@@ -107,6 +128,9 @@ class IncrementalDetokenizer:
                 raise ValueError(f"stop must contain non-empty strings, got {stop_str!r}")
         self._decode = make_decode_fn(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._stop = stop_strings
+        # vLLM's stop_buffer_length: characters that may still turn out to start a stop string.
+        self._stop_window = max((len(s) for s in stop_strings), default=1) - 1
+        self.num_stop_chars_searched = 0
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         prompt_tail = [int(token_id) for token_id in prompt_token_ids[-INITIAL_PREFIX_TOKENS:]]
@@ -123,6 +147,10 @@ class IncrementalDetokenizer:
     @property
     def emitted_text(self) -> str:
         return self.text[: self._emitted_len]
+
+    def emitted_since(self, start: int) -> str:
+        """``emitted_text[start:]`` without copying what came before ``start`` (a per-step call)."""
+        return self.text[start:self._emitted_len]
 
     @property
     def finished(self) -> bool:
@@ -148,8 +176,11 @@ class IncrementalDetokenizer:
     def _find_stop(self, old_len: int) -> tuple[int, str] | None:
         """Earliest stop string match that ends after ``old_len`` (i.e. involves new characters)."""
         best: tuple[int, str] | None = None
+        text_len = len(self.text)
         for stop_str in self._stop:
-            index = self.text.find(stop_str, max(0, old_len - len(stop_str) + 1))
+            start = max(0, old_len - len(stop_str) + 1)
+            self.num_stop_chars_searched += text_len - start
+            index = self.text.find(stop_str, start)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop_str)
         return best
@@ -166,16 +197,10 @@ class IncrementalDetokenizer:
             self.stop_reason = stop_str
 
     def _held_back_len(self) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        """Characters at the end of ``text`` not released yet: ``max(len(stop)) - 1`` while unfinished."""
         if self._include_stop or self.finished:
             return 0
-        held = 0
-        for stop_str in self._stop:
-            for length in range(min(len(stop_str) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop_str[:length]):
-                    held = length
-                    break
-        return held
+        return self._stop_window
 
     def _release(self) -> str:
         release_to = max(self._emitted_len, len(self.text) - self._held_back_len())

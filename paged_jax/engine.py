@@ -4,10 +4,10 @@ One ``step()`` = schedule (continuous batching, chunked prefill, preemption) -> 
 step on device (forward + sampling) -> scheduler update (stop tokens, lengths) -> incremental detokenization (stop
 strings) -> ``RequestOutput`` deltas (what is new since the last output) of the requests that progressed.
 
-A request with ``SamplingParams.n > 1`` runs as n sequences ("children") in the scheduler. The first child starts
-alone; the others are admitted once its prompt K/V is computed, so their prompts hit the prefix cache and share
-the first child's blocks instead of recomputing them. Child i > 0 samples with its own seed derived from the
-request's seed.
+A request with ``SamplingParams.n > 1`` (or ``best_of``) runs as several sequences in the scheduler: the first
+computes the prompt once, the others are forked from it with copy-on-write blocks when it samples its first token
+(``paged_jax.sequence_group``). A ``BeamSearchParams`` request runs vLLM's beam search on forked beams
+(``paged_jax.beam_search``).
 
 Thread-safety: none; the serving layer drives one engine from one thread (``serving.async_engine``).
 """
@@ -22,37 +22,34 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from paged_jax.beam_search import BeamSearchParams, BeamSearchState
 from paged_jax.buckets import planned_num_compiles
 from paged_jax.config import EngineArgs
-from paged_jax.detokenizer import IncrementalDetokenizer
+from paged_jax.detokenizer import IncrementalDetokenizer, check_stop_strings
 from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_lora_slots
 from paged_jax.model_loader import load_engine_model
-from paged_jax.model_runner import (ModelRunner, determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
-                                    num_host_blocks_for)
+from paged_jax.kv_pool_sizing import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
+                                     num_host_blocks_for)
+from paged_jax.parallel.multihost import leader_channel, start_distributed
+from paged_jax.pipeline import runner_class
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
+from paged_jax.sequence_group import RequestState, SequenceState, child_seed, reported_sequences
 from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
 from paged_jax.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.step_io import PendingStep, SeqInput
+from paged_jax.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 _CPU_MAX_NUM_SEQS, _GPU_MAX_NUM_SEQS = 32, 256
 _CPU_MAX_BATCHED_TOKENS, _GPU_MAX_BATCHED_TOKENS = 512, 8192
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048
-
-
-def _child_seed(seed: int, index: int) -> int:
-    """Seed of the ``index``-th sequence of an n > 1 request: the request seed itself for index 0, a well-mixed
-    64-bit function of (seed, index) for the others."""
-    if index == 0:
-        return seed
-    return int(np.random.SeedSequence([seed % (1 << 64), index]).generate_state(2, np.uint32).view(np.uint64)[0])
 
 
 # Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
@@ -69,45 +66,6 @@ class _InFlightStep:
     scheduled: list[ScheduledSeq] | None = None
 
 
-@dataclasses.dataclass
-class _Sequence:
-    """Engine-side state of one output sequence (one scheduler ``Request``)."""
-
-    index: int
-    request: Request
-    seed: int
-    detokenizer: IncrementalDetokenizer | None
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    admitted: bool = False  # handed to the scheduler
-    num_reported_tokens: int = 0  # what earlier outputs carried: an output is the delta past these
-    num_reported_chars: int = 0
-    finish_reported: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass
-class _RequestState:
-    """Engine-side state of one user request (its n sequences)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_Sequence]
-    metrics: RequestMetrics
-    prompt_logprobs: PromptLogprobsCollector | None = None  # computed by sequence 0
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.finished for seq in self.seqs)
-
-
 class LLMEngine(LoRAEngineMixin):
     """An inference engine over one model: add requests, call ``step()`` until none are left.
 
@@ -120,21 +78,26 @@ class LLMEngine(LoRAEngineMixin):
     ``scheduler``.
     """
 
-    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True):
+    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None):
         args = engine_args
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: one LLMEngine is one replica; build "
+                             "replicas with paged_jax.create_engine (paged_jax.data_parallel.DataParallelEngine)")
         self.engine_args = args
         start = time.perf_counter()
-        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory).
+        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory), and
+        # a multi-host job must be joined before (paged_jax.parallel.multihost).
         reserve_gpu_memory_fraction(args.gpu_memory_utilization)
+        start_distributed(args)
         warn_if_gpu_unused()
         args.log_compatibility_notes()
         enable_compilation_cache(args.compilation_cache_dir)
-        device = jax.devices()[0]
+        device = devices[0] if devices else jax.devices()[0]
         on_accelerator = device.platform != "cpu"
 
         logger.info("Loading model %s (dtype %s) on %s", args.model or "SmolLM2-135M-Instruct (built-in)", args.dtype,
                     device)
-        loaded = load_engine_model(args, on_accelerator)
+        loaded = load_engine_model(args, on_accelerator, devices)
         model, config, plan = loaded.model, loaded.config, loaded.plan
         run_config, memory_config = loaded.run_config, loaded.memory_config
         self.model_path = loaded.model_path
@@ -156,21 +119,22 @@ class LLMEngine(LoRAEngineMixin):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
 
+        kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
         num_blocks = determine_num_blocks(
-            memory_config, block_size=args.block_size, dtype=model.dtype, max_model_len=max_model_len,
+            memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
             device=device)
-        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=model.dtype,
+        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
-        lora_slots = make_lora_slots(args, model, run_config, plan, device)  # None unless enable_lora
-        self.runner = ModelRunner(
+        self.runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
-            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), lora_slots=lora_slots)
-        self.lora_manager = make_lora_manager(args, lora_slots, self.runner)
+            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
+            lora_slots=make_lora_slots(args, model, run_config, plan, device))  # None unless enable_lora
+        self.lora_manager = make_lora_manager(args, self.runner)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
@@ -180,7 +144,7 @@ class LLMEngine(LoRAEngineMixin):
         kv_tokens = (num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
                     "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
-                    num_blocks * kv_bytes_per_block(memory_config, args.block_size, model.dtype) / 2**30,
+                    num_blocks * kv_bytes_per_block(memory_config, args.block_size, kv_dtype) / 2**30,
                     num_host_blocks, max_model_len, kv_tokens / max_model_len)
         num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
                                             num_blocks=num_blocks)
@@ -189,13 +153,14 @@ class LLMEngine(LoRAEngineMixin):
                     "; the JAX compilation cache makes later starts faster")
         compile_start = time.perf_counter()
         self.runner.warm_up(use_tqdm=use_tqdm)
+        self.runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
         logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                     time.perf_counter() - start)
 
         self._seed_rng = np.random.default_rng(args.seed)
-        self._requests: dict[str, _RequestState] = {}  # unfinished user requests
-        self._seq_by_id: dict[str, tuple[_RequestState, _Sequence]] = {}  # scheduler request id -> sequence
-        self._waiting_children: dict[str, _RequestState] = {}  # n > 1 requests whose sequences 1.. wait for seq 0
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._requests: dict[str, RequestState] = {}  # unfinished user requests
+        self._seq_by_id: dict[str, tuple[RequestState, SequenceState]] = {}  # scheduler request id -> sequence
         self.async_scheduling = bool(args.async_scheduling)
         self._in_flight: _InFlightStep | None = None
         self.prompt_tokens_total = 0
@@ -225,14 +190,17 @@ class LLMEngine(LoRAEngineMixin):
         return model_max
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | Sequence[int] | dict, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> None:
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
+                    params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None, lora_request=None) -> None:
         """Queue a request. Everything is validated here, so a bad request never reaches the scheduler.
 
         Args:
           request_id: unique among unfinished requests.
-          prompt: text (needs a tokenizer), a list of token ids, or a dict with ``prompt_token_ids`` or ``prompt``.
-          params: ``SamplingParams`` (default ``SamplingParams()``).
+          prompt: text (needs a tokenizer), a list of token ids, or a dict with ``prompt_token_ids`` or ``prompt``
+            (and optionally vLLM's ``cache_salt``: prefix-cache entries are shared only among equal salts).
+          params: ``SamplingParams`` (default ``SamplingParams()``), or ``BeamSearchParams`` for a beam search (its
+            one output, when finished, holds the best ``beam_width`` beams).
           priority: lower runs earlier with ``scheduling_policy="priority"``.
           arrival_time: ``time.time()`` of arrival (default now); used for metrics and FCFS order.
           lora_request: the ``LoRARequest`` of the adapter to run with (``enable_lora``), or None.
@@ -241,7 +209,7 @@ class LLMEngine(LoRAEngineMixin):
           longer than max_model_len, token ids outside the vocabulary, text without a tokenizer),
           ``stop_token_ids`` (outside the vocabulary, too many with min_tokens), ``stop`` (without a tokenizer),
           ``logit_bias`` / ``allowed_token_ids`` (outside the vocabulary, too many biases), ``bad_words`` (without a
-          tokenizer, too many), ``priority``, ``lora_request`` (LoRA not enabled, adapter unreadable or unsupported).
+          tokenizer, too many), ``priority``, ``beam_width``, ``lora_request`` (LoRA off, bad adapter, beam search).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -249,11 +217,20 @@ class LLMEngine(LoRAEngineMixin):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if params is None:
             params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an int, got {priority!r}")
         prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt-dict key
+        arrival = time.time() if arrival_time is None else float(arrival_time)
+        # The scheduler orders FCFS by arrival_time; it expects time.monotonic()-based values.
+        monotonic_arrival = time.monotonic() - (time.time() - arrival)
+        lora = self.resolve_lora(lora_request, beam_search=isinstance(params, BeamSearchParams))
+        if isinstance(params, BeamSearchParams):
+            self._add_beam_search(request_id, prompt_text, prompt_token_ids, params, int(priority), arrival,
+                                  monotonic_arrival)
+            return
         if params.stop_token_ids:
             validate_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         if params.bad_words:
@@ -264,24 +241,28 @@ class LLMEngine(LoRAEngineMixin):
         check_request_fits(params, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        lora = self.resolve_lora(lora_request)
+        check_stop_strings(params.stop_strings, max_stop_strings=self.engine_args.max_stop_strings,
+                           max_stop_string_len=self.engine_args.max_stop_string_len)
+        # Parsed here (a bad spec is a ValueError naming its field), compiled on the manager's threads meanwhile.
+        grammar = self.structured_outputs.grammar_for(params.structured_outputs) if params.structured_outputs else None
 
-        arrival = time.time() if arrival_time is None else float(arrival_time)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
-        state = _RequestState(request_id=request_id, prompt=prompt_text, prompt_token_ids=prompt_token_ids,
+        state = RequestState(request_id=request_id, prompt=prompt_text, prompt_token_ids=prompt_token_ids,
                               params=params, seqs=[], metrics=RequestMetrics(arrival_time=arrival))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = PromptLogprobsCollector(prompt_token_ids, params.prompt_logprobs,
                                                             self._decode_one)
-        for index in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}::{index}"
+        num_seqs = params.num_sequences
+        for index in range(num_seqs):
+            seq_id = request_id if num_seqs == 1 else f"{request_id}::{index}"
             if seq_id in self._seq_by_id:
                 raise ValueError(f"request_id {request_id!r} collides with the sequence ids of another request")
-            # The scheduler orders FCFS by arrival_time; it expects time.monotonic()-based values.
             request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
-                              arrival_time=time.monotonic() - (time.time() - arrival),
-                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state), lora=lora)
+                              arrival_time=monotonic_arrival,
+                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
+                              cache_salt=cache_salt, lora=lora,
+                              grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
@@ -289,17 +270,49 @@ class LLMEngine(LoRAEngineMixin):
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens)
-            wants_logprobs = params.logprobs is not None
-            state.seqs.append(_Sequence(index=index, request=request, seed=_child_seed(base_seed, index),
-                                        detokenizer=detokenizer, logprobs=[] if wants_logprobs else None,
-                                        cumulative_logprob=0.0 if wants_logprobs else None))
+            state.seqs.append(SequenceState(index=index, request=request, seed=child_seed(base_seed, index),
+                                            detokenizer=detokenizer,
+                                            logprobs=[] if params.logprobs is not None else None,
+                                            cumulative_logprob=0.0 if params.sampled_logprobs is not None else None))
+        # Sequences 1.. fork from sequence 0 when it samples its first token (as many as max_num_seqs lets run
+        # together; any more start on their own, sharing the prompt only through the prefix cache).
+        first = state.seqs[0].request
+        first.pending_forks = [seq.request for seq in state.seqs[1:self.max_num_seqs]]
+        first.reserved_seats = len(first.pending_forks)
         # Only now, with everything validated, touch shared state.
-        self._requests[request_id] = state
+        self._register(state)
+        for seq in state.seqs:
+            seq.admitted = True
+        for seq in [state.seqs[0], *state.seqs[self.max_num_seqs:]]:
+            self.scheduler.add_request(seq.request)
+
+    def _register(self, state: RequestState) -> None:
+        self._requests[state.request_id] = state
         for seq in state.seqs:
             self._seq_by_id[seq.request.request_id] = (state, seq)
-        self._admit(state.seqs[0])
-        if params.n > 1:
-            self._waiting_children[request_id] = state
+
+    def _add_beam_search(self, request_id: str, prompt_text: str | None, prompt_token_ids: list[int],
+                         params: BeamSearchParams, priority: int, arrival: float, monotonic_arrival: float) -> None:
+        """A beam search request (``paged_jax.beam_search``): its beams are forked scheduler requests."""
+        if params.beam_width > self.max_num_seqs:
+            raise ValueError(f"beam_width ({params.beam_width}) must be at most max_num_seqs ({self.max_num_seqs})")
+        if 2 * params.beam_width > self.runner.max_logprobs:
+            raise ValueError(f"beam_width ({params.beam_width}) needs 2 * beam_width logprobs, more than "
+                             f"max_logprobs ({self.runner.max_logprobs})")
+        num_steps = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        if num_steps < 1:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens: no room left to generate within "
+                             f"max_model_len={self.max_model_len}")
+        state = RequestState(request_id=request_id, prompt=prompt_text, prompt_token_ids=prompt_token_ids,
+                             params=SamplingParams(n=params.beam_width), seqs=[],
+                             metrics=RequestMetrics(arrival_time=arrival))
+        state.beam_search = BeamSearchState(state, params, num_steps, self.eos_token_ids, self.scheduler,
+                                            self._seq_by_id, int(self._seed_rng.integers(0, 1 << 63)), priority,
+                                            monotonic_arrival)
+        if state.seqs[0].request.request_id in self._seq_by_id:
+            raise ValueError(f"request_id {request_id!r} collides with the sequence ids of another request")
+        self._register(state)
+        self.scheduler.add_request(state.seqs[0].request)
 
     def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -327,22 +340,6 @@ class LLMEngine(LoRAEngineMixin):
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
         return text, token_ids
 
-    def _admit(self, seq: _Sequence) -> None:
-        self.scheduler.add_request(seq.request)
-        seq.admitted = True
-
-    def _admit_waiting_children(self) -> None:
-        """Admit the sequences 1..n-1 of a request once sequence 0's prompt K/V is computed (or it has ended), so
-        their prompts are prefix-cache hits on its blocks."""
-        for request_id, state in list(self._waiting_children.items()):
-            first = state.seqs[0]
-            if first.finished or first.request.num_computed_tokens >= len(state.prompt_token_ids) \
-                    or first.request.num_output_tokens > 0:
-                for seq in state.seqs[1:]:
-                    if not seq.admitted and not seq.finished:
-                        self._admit(seq)
-                del self._waiting_children[request_id]
-
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed at once. No output is
         produced for an aborted request."""
@@ -351,7 +348,6 @@ class LLMEngine(LoRAEngineMixin):
             state = self._requests.pop(rid, None)
             if state is None:
                 continue
-            self._waiting_children.pop(rid, None)
             for seq in state.seqs:
                 if seq.admitted and not seq.finished:
                     self.scheduler.abort_request(seq.request.request_id)
@@ -374,7 +370,6 @@ class LLMEngine(LoRAEngineMixin):
         dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop
         conditions and detokenizes. A call that schedules nothing just reports the step in flight.
         """
-        self._admit_waiting_children()
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._in_flight_needs_tokens():
             outputs += self._finish_in_flight(finished_only)
@@ -421,9 +416,11 @@ class LLMEngine(LoRAEngineMixin):
             inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
                                    num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
                                    sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed,
-                                   prompt_logprob_targets=targets, lora_slot=lora_slots.get(request.lora_int_id, 0)))
+                                   prompt_logprob_targets=targets, lora_slot=lora_slots.get(request.lora_int_id, 0),
+                                   grammar=request.grammar if seq_sched.samples else None,
+                                   sample_from=seq_sched.fork_parent.request_id if seq_sched.fork_parent else None))
         self.num_steps += 1
-        return self.runner.execute(inputs)
+        return self.runner.execute(inputs, scheduler_output.block_copies)
 
     def _finish_sync(self, scheduler_output, handle: PendingStep, finished_only: bool = False) -> list[RequestOutput]:
         """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
@@ -434,7 +431,7 @@ class LLMEngine(LoRAEngineMixin):
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
         now = time.time()
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for request in progressed:
             state, seq = self._seq_by_id[request.request_id]
             self._on_token(state, seq, request, request.num_output_tokens - 1, result, row_of[request.request_id],
@@ -457,9 +454,9 @@ class LLMEngine(LoRAEngineMixin):
                            if rows or prompt_rows else None)
 
     def _in_flight_needs_tokens(self) -> bool:
-        """Penalties and bad words need every previous token on the host when the next step is built: no overlap
-        then."""
-        return any(request.params is not None and request.params.reads_output_tokens
+        """Penalties, bad words and grammars need every previous token on the host when the next step is built: no
+        overlap then."""
+        return any(request.grammar is not None or (request.params is not None and request.params.reads_output_tokens)
                    for _, request, _ in self._in_flight.rows)
 
     def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -471,7 +468,7 @@ class LLMEngine(LoRAEngineMixin):
             self._record_prompt_logprobs(flight.scheduled, result)
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         now = time.time()
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for row, request, output_index in flight.rows:
             entry = self._seq_by_id.get(request.request_id)
             if entry is None or entry[1].request is not request or entry[1].finished:
@@ -482,14 +479,16 @@ class LLMEngine(LoRAEngineMixin):
             touched[state.request_id] = state
         return self._collect_outputs(touched.values(), now, finished_only)
 
-    def _collect_outputs(self, states: Iterable[_RequestState], now: float,
+    def _collect_outputs(self, states: Iterable[RequestState], now: float,
                          finished_only: bool = False) -> list[RequestOutput]:
         outputs = []
         for state in states:
+            if state.beam_search is not None:
+                state.beam_search.advance()  # every beam has its token: the next beams
             finished = state.finished
             if finished:
                 state.metrics.finished_time = now
-            if finished or not finished_only:
+            if finished or (not finished_only and state.reports_deltas):
                 outputs.append(self._make_output(state, finished))
             if finished:
                 del self._requests[state.request_id]
@@ -497,10 +496,12 @@ class LLMEngine(LoRAEngineMixin):
                     self._seq_by_id.pop(seq.request.request_id, None)
         return outputs
 
-    def _on_token(self, state: _RequestState, seq: _Sequence, request: Request, output_index: int, result,
+    def _on_token(self, state: RequestState, seq: SequenceState, request: Request, output_index: int, result,
                   row: int, now: float) -> None:
         """Account, record logprobs and detokenize the output token ``output_index`` of ``request`` (known)."""
         token = request.output_token_ids[output_index]
+        if request.grammar is not None:
+            request.grammar.accept(token)
         self.generation_tokens_total += 1
         if output_index == 0:
             self.prompt_tokens_total += len(state.prompt_token_ids)
@@ -508,7 +509,8 @@ class LLMEngine(LoRAEngineMixin):
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
         if seq.logprobs is not None:
-            seq.logprobs.append(self._token_logprobs(state.params, token, result, row))
+            seq.logprobs.append(self._token_logprobs(request.params, token, result, row))
+        if seq.cumulative_logprob is not None:
             seq.cumulative_logprob += float(result.logprobs[row])
         finished_by_scheduler = request.is_finished
         if seq.detokenizer is not None:
@@ -529,7 +531,7 @@ class LLMEngine(LoRAEngineMixin):
                                  self._decode_one)
 
     @staticmethod
-    def _prompt_logprobs_done(state: _RequestState) -> bool:
+    def _prompt_logprobs_done(state: RequestState) -> bool:
         """True unless the request asked for prompt logprobs and some are still to compute."""
         return state.prompt_logprobs is None or state.prompt_logprobs.complete
 
@@ -551,20 +553,22 @@ class LLMEngine(LoRAEngineMixin):
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
         """The delta of ``state`` since its previous output, per sequence with new tokens or an unreported finish: it
         runs every step, so it only slices the new tails (fresh lists; the engine keeps appending to its own).
         ``prompt_token_ids`` is shared by all outputs (never mutated); metrics only on the finished one."""
+        if state.beam_search is not None:
+            return state.beam_search.output(self.tokenizer.decode if self.tokenizer is not None else None)
         completions = []
-        for seq in state.seqs:
+        for index, seq in reported_sequences(state):
             token_ids = seq.request.output_token_ids
             start = seq.num_reported_tokens
             if len(token_ids) == start and (seq.finish_reason is None or seq.finish_reported):
                 continue
-            emitted_text = seq.detokenizer.emitted_text if seq.detokenizer is not None else ""
-            text, seq.num_reported_chars = emitted_text[seq.num_reported_chars:], len(emitted_text)
+            text = seq.detokenizer.emitted_since(seq.num_reported_chars) if seq.detokenizer is not None else ""
+            seq.num_reported_chars += len(text)
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
+                index=index, text=text, token_ids=token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
             seq.num_reported_tokens = len(token_ids)
@@ -580,13 +584,11 @@ class LLMEngine(LoRAEngineMixin):
         """A snapshot for metrics: scheduler gauges and counters plus token totals.
 
         Keys: num_running, num_waiting (includes n > 1 sequences waiting for their first sibling's prompt),
-        num_unfinished_requests, kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins,
-        prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total, generation_tokens_total,
-        num_steps, num_compiles_since_warmup.
+        num_unfinished_requests, kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins, num_gpu_blocks /
+        num_cpu_blocks (KV pool sizes), prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total,
+        generation_tokens_total, num_steps, num_compiles_since_warmup.
         """
         stats = dict(self.scheduler.stats())
-        stats["num_waiting"] += sum(1 for state in self._waiting_children.values() for seq in state.seqs
-                                    if not seq.admitted and not seq.finished)
         stats["num_unfinished_requests"] = len(self._requests)
         stats["prompt_tokens_total"] = self.prompt_tokens_total
         stats["generation_tokens_total"] = self.generation_tokens_total

@@ -8,7 +8,7 @@ point there), so usable device blocks are ``1 .. num_blocks-1``.
 Prefix caching
 --------------
 A *full* block (``block_size`` tokens) at index ``i`` of a sequence is identified by
-``hash_i = sha256(hash_{i-1} || tokens of block i)``, so equal hashes mean equal token *prefixes*, not just equal
+``hash_i = sha256(hash_{i-1} || tokens of block i)`` (``hash_{-1}`` = ``root_hash(request.cache_salt)``), so equal hashes mean equal token *prefixes*, not just equal
 block contents, and the block's K/V (which depends on the whole prefix through attention and on the positions) is
 interchangeable. A block is registered in the cache only after its K/V has been computed (``cache_full_blocks``, called
 after the step that wrote it). When its last owner frees it, the block keeps its hash and goes to the free queue; it can
@@ -26,6 +26,18 @@ positions was either written by this sequence itself (in this step, before atten
 or lies in a block obtained through a prefix-cache hit, whose hash chain proves that it was computed for exactly the
 same token prefix. Positions ``>= kv_len`` of the last block may hold stale data and are masked by kv_len.
 ``tests/test_kv_cache_manager.py`` checks this with a simulated pool.
+
+Forking and copy-on-write
+-------------------------
+``fork(parent, child)`` gives a child (another sequence of an n > 1 / best_of request, a beam) the parent's block
+table, taking one more reference on each block, so the computed tokens are shared, not recomputed. Full blocks are
+never written again; only the block holding position ``num_computed_tokens`` (a partial last block) is. When
+``allocate_slots`` is about to write into a block that others also hold (``ref_cnt > 1``), the writer gets a fresh
+block instead and a ``(src, dst)`` copy is recorded; the scheduler hands the step's copies to the model runner
+(``take_block_copies``), which applies them inside the jitted step before any K/V write of that step. A source freed
+in the same scheduling pass stays out of the free queue until then (a swap-in of this pass could otherwise land in
+it before the copy reads it); a copy whose destination is freed in the same pass (its request preempted) is
+dropped, and a swap-out of such a request reads the source instead of the not-yet-filled destination.
 """
 
 from __future__ import annotations
@@ -39,7 +51,18 @@ import numpy as np
 from paged_jax.request import Request
 
 NULL_BLOCK_ID = 0
-_ROOT_HASH = b""  # parent hash of a sequence's first block
+_ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)
+
+
+def root_hash(cache_salt: str | None, lora_key: bytes | None = None) -> bytes:
+    """Parent hash of a sequence's first block: with a ``cache_salt`` (vLLM's per-request field) every block hash of
+    the sequence depends on it, so requests only share cached blocks when their salts are equal (tenant isolation:
+    neither hits nor their latency reveal another tenant's prompts). ``lora_key`` (the request's adapter
+    ``cache_key``) seeds it likewise: K/V computed under one adapter is never a hit for another or the base model."""
+    if cache_salt is None:
+        return _ROOT_HASH if lora_key is None else lora_key
+    salted = hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return salted if lora_key is None else hashlib.sha256(salted + lora_key).digest()
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -100,6 +123,11 @@ class KVCacheManager:
         # request_id -> number of leading entries of request.block_ids already registered in (or skipped by) the cache
         self._num_cached_blocks: dict[str, int] = {}
         self._free_host_blocks: collections.deque[int] = collections.deque(range(num_host_blocks))
+        # Copy-on-write copies of the current scheduling pass (dst block -> src block), how many of them read each
+        # source, and sources freed meanwhile, kept out of the free queue until take_block_copies.
+        self._pending_copies: dict[int, int] = {}
+        self._copy_source_refs: collections.Counter[int] = collections.Counter()
+        self._deferred_free: list[int] = []
 
         # Metrics (vLLM semantics: tokens, counted once per successful admission).
         self.prefix_cache_queries = 0
@@ -126,6 +154,11 @@ class KVCacheManager:
         """Blocks currently registered in the prefix cache (in use or free)."""
         return len(self._cached_block_by_hash)
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Read-only prefix-cache query (a data-parallel router's): whether a block with this chained hash
+        (``hash_block_tokens``) is in the cache now. Changes nothing: no reference, no LRU touch."""
+        return self.enable_prefix_caching and block_hash in self._cached_block_by_hash
+
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host_blocks)
@@ -150,7 +183,10 @@ class KVCacheManager:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
-                del self._free_queue[block_id]
+                if block_id in self._free_queue:
+                    del self._free_queue[block_id]
+                else:  # a copy source freed in this pass, revived by a prefix-cache hit
+                    self._deferred_free.remove(block_id)
             block.ref_cnt += 1
 
     def _release(self, block_ids: Sequence[int]) -> None:
@@ -161,9 +197,26 @@ class KVCacheManager:
                 raise RuntimeError(f"double free of block {block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free_queue[block_id] = None  # tail: evicted last
-                if block.block_hash is None:
-                    self._free_queue.move_to_end(block_id, last=False)  # worthless content: reuse first
+                src = self._pending_copies.pop(block_id, None)  # a copy into a block nobody holds any more: moot
+                if src is not None:
+                    self._drop_copy_source(src)
+                if self._copy_source_refs.get(block_id):
+                    self._deferred_free.append(block_id)  # read by a copy of this step: free after the pass
+                else:
+                    self._enqueue_free(block_id)
+
+    def _enqueue_free(self, block_id: int) -> None:
+        self._free_queue[block_id] = None  # tail: evicted last
+        if self.blocks[block_id].block_hash is None:
+            self._free_queue.move_to_end(block_id, last=False)  # worthless content: reuse first
+
+    def _drop_copy_source(self, src: int) -> None:
+        self._copy_source_refs[src] -= 1
+        if self._copy_source_refs[src] == 0:
+            del self._copy_source_refs[src]
+            if src in self._deferred_free:
+                self._deferred_free.remove(src)
+                self._enqueue_free(src)
 
     # ------------------------------------------------------------------ prefix cache
     def _update_block_hashes(self, request: Request) -> None:
@@ -173,8 +226,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_full:
             return
-        # A LoRA adapter seeds the chain: K/V computed under one adapter is never a hit for another (or the base).
-        parent = hashes[-1] if hashes else (_ROOT_HASH if request.lora is None else request.lora.cache_key)
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt,
+                                                     None if request.lora is None else request.lora.cache_key)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)
@@ -247,6 +300,8 @@ class KVCacheManager:
                         else request.num_computed_tokens)
         held = len(computed_blocks) if computed_blocks else len(request.block_ids)
         num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
+        if not computed_blocks and self._shared_write_block(request) is not None:
+            num_new_blocks += 1  # copy-on-write of the shared block the step writes into
         # Touching a hit block with ref_cnt 0 takes it out of the free queue.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         return num_new_blocks - (self.num_free_blocks - revived)
@@ -277,10 +332,73 @@ class KVCacheManager:
         if is_admission and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        if not is_admission:
+            self._copy_on_write(request)
         num_new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
         for _ in range(num_new_blocks):
             request.block_ids.append(self._pop_free_block())
         return True
+
+    # ------------------------------------------------------------------ forking / copy-on-write
+    @property
+    def num_pending_copies(self) -> int:
+        """Copy-on-write copies recorded in this scheduling pass."""
+        return len(self._pending_copies)
+
+    def needs_copy(self, request: Request) -> bool:
+        """Whether the request's next write goes into a block others hold (allocating would record a copy)."""
+        index = self._shared_write_block(request)
+        return index is not None and request.num_computed_tokens % self.block_size != 0
+
+    def _shared_write_block(self, request: Request) -> int | None:
+        """Index in ``request.block_ids`` of the block its next token is written into, when other requests hold it
+        too (a fork's shared partial last block); else None."""
+        index = request.num_computed_tokens // self.block_size
+        if index < len(request.block_ids) and self.blocks[request.block_ids[index]].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, request: Request) -> None:
+        """Give ``request`` its own copy of the shared block it is about to write into (see the module docstring)."""
+        index = self._shared_write_block(request)
+        if index is None:
+            return
+        src = request.block_ids[index]
+        dst = self._pop_free_block()
+        request.block_ids[index] = dst
+        if request.num_computed_tokens % self.block_size:  # positions before the write hold the shared prefix
+            self._pending_copies[dst] = src
+            self._copy_source_refs[src] += 1
+        self._release([src])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share ``parent``'s device blocks with ``child`` (one more reference each): the child's computed tokens
+        are the parent's first ``num_computed_tokens`` (the caller guarantees its token ids agree there).
+
+        The child must hold nothing; its prefix-cache bookkeeping follows the parent's. A later write into a shared
+        partial block is copied first (``allocate_slots``).
+        """
+        if child.block_ids or child.host_block_ids or child.num_computed_tokens:
+            raise ValueError(f"fork target {child.request_id!r} must hold no blocks")
+        self._touch(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = parent.block_hashes[:parent.num_computed_tokens // self.block_size]
+        num_cached = self._num_cached_blocks.get(parent.request_id)
+        if num_cached is not None:
+            self._num_cached_blocks[child.request_id] = num_cached
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies of this scheduling pass, ``[(src_block, dst_block), ...]``, for the model runner to
+        apply before the step's K/V writes; sources freed during the pass go to the free queue now. Call once per
+        pass, after allocation."""
+        copies = [(src, dst) for dst, src in self._pending_copies.items()]
+        self._pending_copies.clear()
+        self._copy_source_refs.clear()
+        deferred, self._deferred_free = self._deferred_free, []
+        for block_id in deferred:
+            self._enqueue_free(block_id)
+        return copies
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks (last block first into the queue) and its host blocks.
@@ -310,7 +428,8 @@ class KVCacheManager:
             raise RuntimeError(f"host pool has {self.num_free_host_blocks} free blocks, {num_keep} needed")
         if request.host_block_ids:
             raise RuntimeError(f"request {request.request_id} is already swapped out")
-        device_ids = request.block_ids[:num_keep]
+        # A block still waiting for its copy-on-write copy is read from the copy's source (same computed prefix).
+        device_ids = [self._pending_copies.get(b, b) for b in request.block_ids[:num_keep]]
         host_ids = [self._free_host_blocks.popleft() for _ in range(num_keep)]
         self._release(request.block_ids[::-1])  # device content stays valid for prefix hits until evicted
         request.block_ids = []

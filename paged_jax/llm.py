@@ -3,6 +3,7 @@
     llm = LLM()                                    # built-in SmolLM2-135M-Instruct
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
+    beams = llm.beam_search([{"prompt": "The capital of France is"}], BeamSearchParams(beam_width=4, max_tokens=16))
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
 from paged_jax.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
-from paged_jax.engine import LLMEngine
+from paged_jax.data_parallel import create_engine
 from paged_jax.generation_config import sampling_defaults
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
@@ -38,13 +40,19 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"{unknown[0]} is not an engine argument (known: {', '.join(sorted(_ENGINE_ARG_NAMES))})")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
+        # An LLMEngine, or a DataParallelEngine of data_parallel_size replicas (paged_jax.data_parallel).
+        self.llm_engine = create_engine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
         self._request_counter = itertools.count()
         # The generation config's sampling defaults (read once: sampling_defaults logs them).
         self._sampling_defaults = sampling_defaults(self.llm_engine.generation_config)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``): later prompts compute their KV again,
+        e.g. so that a benchmark's warm-up cannot serve its timed run."""
+        self.llm_engine.kv_cache_manager.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with
@@ -115,6 +123,33 @@ class LLM:
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (``paged_jax.beam_search``): per prompt, the best ``params.beam_width``
+        sequences (tokens = prompt + output, ``text`` their decoding), best first.
+
+        Args:
+          prompts: as ``generate`` (vLLM passes ``{"prompt_token_ids": ...}`` / ``{"prompt": ...}`` dicts).
+          params: ``BeamSearchParams``.
+          use_tqdm: a progress bar over finished prompts.
+          concurrency_limit: at most this many prompts searched at once (None: all).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
+        prompt_list = self._normalize_prompts(prompts)
+        tokenizer = self.get_tokenizer()
+        decode = tokenizer.decode if tokenizer is not None else None
+        limit = concurrency_limit or max(len(prompt_list), 1)
+        results = []
+        for start in range(0, len(prompt_list), limit):
+            batch = prompt_list[start:start + limit]
+            for output in self._run(batch, [params] * len(batch), use_tqdm):
+                results.append(to_beam_search_output(output, params, decode))
+        return results
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _normalize_prompts(prompts) -> list:
@@ -126,14 +161,14 @@ class LLM:
                              "[{'prompt_token_ids': token_ids}]")
         return prompts
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
-             lora_list: list[LoRARequest | None]) -> list[RequestOutput]:
+    def _run(self, prompts: list, params_list: list[SamplingParams | BeamSearchParams], use_tqdm: bool,
+             lora_list: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params, lora_request in zip(prompts, params_list, lora_list):
+            for prompt, params, lora_request in zip(prompts, params_list, lora_list or [None] * len(prompts)):
                 request_id = f"llm-{next(self._request_counter)}"
                 engine.add_request(request_id, prompt, params, lora_request=lora_request)
                 request_ids.append(request_id)

@@ -40,6 +40,8 @@ class LoadedModel:
     eos_token_ids: list[int]
     generation_config: dict
     load_seconds: float
+    quantization: Any = None  # models.quantization.QuantConfig or None
+    kv_cache_dtype: Any = None  # the KV pool's element type (jnp dtype); None = the model dtype
 
 
 def resolve_model(args: EngineArgs) -> tuple[str | None, Any]:
@@ -88,18 +90,34 @@ def load_tokenizer(args: EngineArgs, model_path: str | None):
         return None
 
 
-def load_engine_model(args: EngineArgs, on_accelerator: bool) -> LoadedModel:
-    """Resolve, load (or restore from the weights cache) and lay out the model ``args`` name."""
+def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> LoadedModel:
+    """Resolve, load (or restore from the weights cache) and lay out the model ``args`` name on ``devices`` (the
+    ``pipeline_parallel_size * tensor_parallel_size`` devices of this engine; None: the first ones of
+    ``jax.devices()``)."""
     from models.config import ModelConfig
 
     model_path, config = resolve_model(args)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
     start = time.perf_counter()
     config = config or ModelConfig.from_pretrained(model_path)
-    if args.tensor_parallel_size > 1:
-        model, plan, run_config, memory_config = _load_tensor_parallel(args, model_path, config, dtype)
+    quant = resolve_engine_quantization(args, model_path)
+    if args.pipeline_parallel_size > 1:
+        from paged_jax.pipeline import load_pipeline_model
+
+        if quant.config is not None:
+            raise ValueError(f"quantization={quant.config.method!r} is not supported with pipeline_parallel_size > 1 "
+                             "yet: use tensor_parallel_size")
+        model, plan, run_config, memory_config = load_pipeline_model(
+            args, model_path, config, dtype, devices, _weight_cache_key(
+                args, model_path, dtype, kind="pipeline_parallel", pp=args.pipeline_parallel_size,
+                tp=args.tensor_parallel_size))
+    elif args.tensor_parallel_size > 1:
+        model, plan, run_config, memory_config = _load_tensor_parallel(args, model_path, config, dtype, quant,
+                                                                       devices)
     else:
-        model, plan = _load_single_device(args, model_path, config, dtype), None
+        model, plan = _load_single_device(args, model_path, config, dtype, quant), None
+        if devices is not None:  # another replica's device: move the weights before the KV pool is sized there
+            _move_to_device(model, devices[0])
         run_config = memory_config = config
     load_seconds = time.perf_counter() - start
     logger.info("model weights ready in %.2f s", load_seconds)
@@ -107,7 +125,52 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool) -> LoadedModel:
     eos = sorted(set(config.eos_token_ids) | set(gen_config.eos_token_ids(generation)))
     return LoadedModel(model=model, config=config, model_path=model_path, dtype=dtype, plan=plan,
                        run_config=run_config, memory_config=memory_config, tokenizer=load_tokenizer(args, model_path),
-                       eos_token_ids=eos, generation_config=generation, load_seconds=load_seconds)
+                       eos_token_ids=eos, generation_config=generation, load_seconds=load_seconds,
+                       quantization=quant.config, kv_cache_dtype=quant.kv_cache_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineQuantization:
+    """``config``: the weights' ``QuantConfig`` (None: unquantized); ``kv_cache_dtype``: jnp dtype of the KV pool
+    (None: the model dtype); ``kv_cache_scales``: each attention carries the checkpoint's k/v scales."""
+
+    config: Any
+    kv_cache_dtype: Any
+    kv_cache_scales: bool
+
+    def layout(self) -> dict:
+        """What the weights cache key adds for it (nothing for an unquantized model without KV scales)."""
+        if self.config is None and not self.kv_cache_scales:
+            return {}
+        return {"quantization": None if self.config is None else self.config.to_json(),
+                "kv_cache_scales": self.kv_cache_scales}
+
+
+def resolve_engine_quantization(args: EngineArgs, model_path: str | None) -> EngineQuantization:
+    """``--quantization`` against the checkpoint's ``quantization_config`` (``models.quantization``), and
+    ``--kv-cache-dtype``. Raises the ValueError naming ``quantization`` for an unknown or mismatched method."""
+    import json
+
+    from models.quantization.config import resolve_quantization
+
+    hf_config = {}
+    if model_path is not None and os.path.isfile(os.path.join(model_path, "config.json")):
+        with open(os.path.join(model_path, "config.json")) as f:
+            hf_config = json.load(f)
+    quant = resolve_quantization(args.quantization, hf_config)
+    if quant is not None:
+        logger.info("quantization: %s (%s%s)", quant.method, "checkpoint" if quant.serialized else "at load time",
+                    "" if quant.kind == "fp8" else f", int{quant.bits} weight-only, group size {quant.group_size}")
+    if args.kv_cache_dtype == "auto":
+        return EngineQuantization(quant, None, False)
+    import jax.numpy as jnp
+
+    scales = quant is not None and quant.kv_cache_scheme
+    if not scales:
+        # vLLM's behaviour for a checkpoint without KV scales.
+        logger.warning("kv_cache_dtype=%s: the checkpoint has no k/v scales; using scale 1.0 (values beyond the "
+                       "e4m3 range of +-448 are clipped)", args.kv_cache_dtype)
+    return EngineQuantization(quant, jnp.float8_e4m3fn, scales)
 
 
 def _weight_cache_key(args: EngineArgs, model_path: str | None, dtype: str, **layout) -> dict | None:
@@ -119,7 +182,14 @@ def _weight_cache_key(args: EngineArgs, model_path: str | None, dtype: str, **la
     return weight_cache.cache_key(model_path, dtype=dtype, layout=layout)
 
 
-def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype: str):
+def _load_quantized(args: EngineArgs, model_path: str | None, config, dtype: str, quant: EngineQuantization):
+    from models.quantization.load import load_quantized_model
+
+    return load_quantized_model(model_path, config, quant.config, dtype=dtype, load_format=args.load_format,
+                                seed=args.seed, kv_cache_scales=quant.kv_cache_scales)
+
+
+def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype: str, quant: EngineQuantization):
     from flax import nnx
 
     from models import weight_cache
@@ -129,27 +199,63 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
     jnp_dtype = resolve_dtype(dtype)
 
     def convert():
-        model, _ = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed, config=config)
+        if quant.config is not None:
+            model = _load_quantized(args, model_path, config, dtype, quant)
+        else:
+            model, _ = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
+                                  config=config)
         # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
         return fuse_projections(model)
 
+    def abstract():
+        if quant.config is not None:
+            from models.quantization.load import abstract_quantized_model
+
+            return abstract_quantized_model(config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales,
+                                            transform=fuse_projections)
+        return nnx.eval_shape(lambda: fuse_projections(
+            LlamaForCausalLM(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0))))
+
     return weight_cache.load_or_convert(
-        _weight_cache_key(args, model_path, dtype, kind="fused"), convert,
-        lambda: nnx.eval_shape(lambda: fuse_projections(
-            LlamaForCausalLM(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0)))))
+        _weight_cache_key(args, model_path, dtype, kind="fused", **quant.layout()), convert, abstract)
 
 
-def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtype: str):
+def _move_to_device(model, device) -> None:
+    import jax
+    from flax import nnx
+
+    nnx.update(model, jax.device_put(nnx.state(model), device))
+
+
+def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtype: str, quant: EngineQuantization,
+                          devices=None):
     from models import weight_cache
     from models.loader import resolve_dtype
-    from models.tensor_parallel import abstract_model, load_sharded_model
+    from models.tensor_parallel import TensorParallelLlamaForCausalLM, abstract_model, load_sharded_model
     from paged_jax.parallel import ShardingPlan, make_mesh
 
-    plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size))
+    plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size, devices=devices))
+    jnp_dtype = resolve_dtype(dtype)
+    if quant.config is not None:
+        from flax import nnx
+
+        from models.quantization.load import abstract_quantized_model, shard_quantized_model
+
+        convert = lambda: shard_quantized_model(  # noqa: E731
+            _load_quantized(args, model_path, config, dtype, quant), plan, quant.config,
+            kv_cache_scales=quant.kv_cache_scales)
+        abstract = lambda: abstract_quantized_model(  # noqa: E731
+            plan.model_config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales,
+            make_model=lambda: TensorParallelLlamaForCausalLM(plan, dtype=jnp_dtype, param_dtype=jnp_dtype,
+                                                              rngs=nnx.Rngs(0)))
+    else:
+        convert = lambda: load_sharded_model(model_path, plan, dtype=dtype,  # noqa: E731
+                                             load_format=args.load_format, seed=args.seed)
+        abstract = lambda: abstract_model(plan, jnp_dtype)  # noqa: E731
     model = weight_cache.load_or_convert(
         _weight_cache_key(args, model_path, dtype, kind="tensor_parallel", mesh=dict(plan.mesh.shape),
-                          kv_layout=plan.kv_layout, head_layout=dataclasses.asdict(plan.head_layout)),
-        lambda: load_sharded_model(model_path, plan, dtype=dtype, load_format=args.load_format, seed=args.seed),
-        lambda: abstract_model(plan, resolve_dtype(dtype)), shardings=plan.state_shardings)
+                          kv_layout=plan.kv_layout, head_layout=dataclasses.asdict(plan.head_layout),
+                          **quant.layout()),
+        convert, abstract, shardings=plan.state_shardings)
     # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
     return model, plan, plan.model_config, plan.per_device_model_config

@@ -30,7 +30,6 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 
 import jax
@@ -43,104 +42,17 @@ from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
 from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
-from paged_jax.step_io import PendingStep, SamplerVariant, SeqInput, StepLayout
+from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
+                               pack_block_copies, point_fork_rows)
+from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
+from paged_jax.parallel.multihost import local_copies
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Compilation cache
-# ----------------------------------------------------------------------------------------------------------------
-
-def enable_compilation_cache(cache_dir: str | None) -> str | None:
-    """Turn on JAX's persistent compilation cache in ``cache_dir`` (None: ``~/.cache/paged_jax/jax_cache``;
-    "" leaves it off). Thresholds are lowered so every executable is cached, small ones included. Returns the dir."""
-    if cache_dir == "":
-        return None
-    if cache_dir is None:
-        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache")
-    os.makedirs(cache_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return cache_dir
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# KV pool sizing
-# ----------------------------------------------------------------------------------------------------------------
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    return (config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim
-            * jnp.dtype(dtype).itemsize)
-
-
-def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
-                         max_num_batched_tokens: int, gpu_memory_utilization: float,
-                         num_blocks_override: int | None = None, device: jax.Device | None = None,
-                         cpu_pool_cap_bytes: int = 1 << 30) -> int:
-    """Number of device KV blocks (including the null block 0).
-
-    Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
-    ``gpu_memory_utilization * total - bytes_in_use`` (measured after the weights are placed) minus headroom for
-    the largest step's activations and logits, divided by the per-block size; ``total`` and the allocator cap come
-    from ``memory_stats()`` (``paged_jax.device_memory.usable_device_bytes``). CPU (no memory stats): enough for
-    ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``. ``num_blocks_override`` wins.
-
-    Raises:
-      ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
-      of tokens it can hold.
-    """
-    from paged_jax.device_memory import usable_device_bytes
-
-    per_block = kv_bytes_per_block(config, block_size, dtype)
-    blocks_per_seq = -(-max_model_len // block_size)
-    if num_blocks_override is not None:
-        num_blocks = int(num_blocks_override)
-        if num_blocks - 1 < blocks_per_seq:
-            raise ValueError(
-                f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "
-                f"num_gpu_blocks_override={num_blocks} leaves {num_blocks - 1} (block 0 is reserved), i.e. "
-                f"{(num_blocks - 1) * block_size} tokens: lower max_model_len (--max-model-len) to at most "
-                f"{(num_blocks - 1) * block_size} or raise --num-gpu-blocks-override")
-        return num_blocks
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if not stats or "bytes_limit" not in stats:
-        wanted = max_num_seqs * blocks_per_seq + 1
-        return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    itemsize = jnp.dtype(dtype).itemsize
-    # Peak live activations of the widest step, generously: residual + q/k/v + attention out + MLP (gate, up, act),
-    # a few copies each, plus fp32 logits and the sampler's sort buffers for every sequence.
-    per_token = (4 * config.hidden_size + 3 * config.intermediate_size
-                 + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
-    activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
-    logits = 6 * max_num_seqs * config.vocab_size * 4
-    headroom = activations + logits + (512 << 20)
-    _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
-    budget = usable - stats["bytes_in_use"] - headroom
-    num_blocks = int(budget // per_block)
-    if num_blocks - 1 < blocks_per_seq:
-        capacity = max(num_blocks - 1, 0) * block_size
-        raise ValueError(
-            f"To serve at least one request with max_model_len={max_model_len}, "
-            f"{blocks_per_seq * per_block / 2**30:.2f} GiB of KV cache is needed, more than the "
-            f"{max(budget, 0) / 2**30:.2f} GiB available at gpu_memory_utilization={gpu_memory_utilization} "
-            f"(weights and activations take the rest): the KV pool can hold {capacity} tokens. Lower "
-            f"max_model_len (--max-model-len {capacity} or less), raise --gpu-memory-utilization, or set "
-            f"--num-gpu-blocks-override")
-    return num_blocks
-
-
-def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:
-    """Host swap pool size in blocks for ``swap_space_gib`` GiB."""
-    return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,7 +92,7 @@ class ModelRunner:
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
-                 dispatch_thread: bool = False, lora_slots=None):
+                 dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -214,6 +126,8 @@ class ModelRunner:
                                           else [(False, False)])
         ]
         self.dtype = jnp.dtype(model.dtype)
+        # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
+        self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
 
         # Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
@@ -227,14 +141,15 @@ class ModelRunner:
 
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_pool: list[tuple[jax.Array, jax.Array]] = (
-            self.sharding_plan.make_kv_caches(num_blocks, block_size, self.dtype) if self.sharding_plan else [
-                (jnp.zeros(shape, self.dtype, device=self.device), jnp.zeros(shape, self.dtype, device=self.device))
+            self.sharding_plan.make_kv_caches(num_blocks, block_size, self.kv_dtype) if self.sharding_plan else [
+                (jnp.zeros(shape, self.kv_dtype, device=self.device),
+                 jnp.zeros(shape, self.kv_dtype, device=self.device))
                 for _ in range(model_config.num_hidden_layers)
             ])
         self.num_host_blocks = num_host_blocks
         # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
         self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
-                                   dtype=self.dtype) if num_host_blocks else None)
+                                   dtype=self.kv_dtype) if num_host_blocks else None)
 
         # Last step's sampled tokens, on device (int32[max seq bucket]), and the packed row each key sampled in.
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
@@ -248,6 +163,8 @@ class ModelRunner:
         self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")
                             if dispatch_thread else None)
         self._last_dispatch: concurrent.futures.Future | None = None
+        # Multi-host node 0: announces each device call to the other processes first (paged_jax.parallel.multihost).
+        self.step_channel = None
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
 
@@ -283,9 +200,10 @@ class ModelRunner:
                                                  cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
                                                  impl=impl)
 
+            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"])  # before K/V writes
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
             lora = None if lora_arrays is None else self.lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
-            hidden, kv_pool = model(input_ids, fields["positions"], list(kv_pool), attention, lora)
+            hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention, lora)
             logits = model.compute_logits(hidden[fields["logits_indices"]])
             return kv_pool, logits, fields["sampling"], hidden
 
@@ -303,6 +221,11 @@ class ModelRunner:
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
 
         self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+        # Structured outputs: the grammar bitmask i32[R, ceil(V/32)] masks the logits before the sampler (vLLM's
+        # order), per sampler row count, only on steps with a constrained row (structured_output.bitmask).
+        # A function of this runner's own: jit's executable cache is per function object, so num_compiles counts
+        # only this runner's compiles.
+        self._apply_grammar_bitmask = jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask))
 
         max_logprobs = self.max_logprobs
 
@@ -337,8 +260,8 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
         lora = self.lora_slots.num_compiles() if self.lora_slots else 0
-        return lora + sum(f._cache_size() for f in (self._forward, self._sample, self._prompt_logprobs,
-                                                    self._gather_blocks, self._scatter_blocks))
+        return lora + sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
+                                                    self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))
 
     @property
     def num_compiles_since_warmup(self) -> int:
@@ -356,8 +279,8 @@ class ModelRunner:
 
         swap_sizes = self._swap_sizes() if self.num_host_blocks else []
         token_buckets = sorted({t for t, _ in self.buckets})
-        total = (len(self.buckets) + len(self.sampler_seq_buckets) * len(self.sampler_variants) + len(token_buckets)
-                 + len(swap_sizes))
+        total = (len(self.buckets) + len(self.sampler_seq_buckets) * (len(self.sampler_variants) + 1)
+                 + len(token_buckets) + len(swap_sizes))
         bar = tqdm(total=total, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
         logits_by_rows, hidden_by_tokens = {}, {}
         for num_tokens, num_seqs in self.buckets:
@@ -378,6 +301,9 @@ class ModelRunner:
         outs = None
         for num_rows in self.sampler_seq_buckets:
             logits, sampling_words = logits_by_rows[num_rows]
+            grammar_bitmask = np.full((num_rows, sampler_lib.allowed_mask_words(self.vocab_size)), -1, np.int32)
+            outs = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
+            bar.update(1)
             history = jax.device_put(np.full((num_rows, self.max_model_len), -1, np.int32), self.device)
             bias_table = jax.device_put(np.full((num_rows, sampler_lib.bias_table_width(self.vocab_size)), -1,
                                                 np.int32), self.device)
@@ -405,12 +331,13 @@ class ModelRunner:
         return swap_sizes_for(self.num_blocks)
 
     # ------------------------------------------------------------------ one step
-    def execute(self, seqs: Sequence[SeqInput]) -> PendingStep:
+    def execute(self, seqs: Sequence[SeqInput], block_copies: Sequence[tuple[int, int]] = ()) -> PendingStep:
         """Dispatch one step; nothing here waits for the device. ``.result()`` of the return value fetches outputs.
 
-        ``seqs`` may come in any order; they are packed decodes first. Raises ValueError if the batch exceeds the
-        largest bucket, a block table is too short, or ``feed_from_previous`` names a key the previous step did not
-        sample.
+        ``seqs`` may come in any order; they are packed decodes first, then prefill chunks, then fork rows
+        (``SeqInput.sample_from``). ``block_copies`` ``[(src_block, dst_block)]`` are applied before the step's K/V
+        writes (copy-on-write, at most one per sequence). Raises ValueError if the batch exceeds the largest bucket,
+        a block table is too short, or ``feed_from_previous`` / ``sample_from`` names a key the step cannot serve.
         """
         if not seqs:
             raise ValueError("execute needs at least one sequence")
@@ -418,10 +345,12 @@ class ModelRunner:
         # Per row only C-speed iteration (fromiter / chain) and whole-array numpy; no per-row numpy calls.
         q_lens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, num_rows)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_rows)
-        # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for.
+        # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for; fork rows
+        # (no tokens) last, where the kernels see them as padding sequences (q_len 0, kv_len 0).
         multi = q_lens > 1
-        if multi.any():
-            order = np.argsort(multi, kind="stable")
+        forks = q_lens == 0
+        if multi.any() or forks.any():
+            order = np.argsort(np.where(forks, 2, multi), kind="stable")
             packed_seqs = [seqs[i] for i in order.tolist()]
             q_lens, starts = q_lens[order], starts[order]
             rows_to_packed = np.empty((num_rows,), np.int64)
@@ -430,8 +359,7 @@ class ModelRunner:
             packed_seqs = list(seqs)
             rows_to_packed = np.arange(num_rows)
         ends = starts + q_lens
-        if q_lens.min() < 1:
-            raise ValueError(f"sequence {packed_seqs[int(np.argmin(q_lens))].key!r} has no new tokens")
+        num_forks = int(forks.sum())
         if ends.max() > self.max_model_len:
             raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
                              f"over max_model_len={self.max_model_len}")
@@ -457,7 +385,10 @@ class ModelRunner:
         sampler_lib.pack_sampling_tensors(tensors, view("sampling"))
         bias_table = sampler_lib.pack_bias_table(tensors)  # None unless a row uses logit_bias / allowed_token_ids
         penalties = tensors.prev_token_ids.shape[1] > 0
-        requested = [row[0].logprobs for row in sampling_rows if row is not None and row[0].logprobs is not None]
+        grammar_bitmask = fill_step_bitmask([s.grammar if s.sample else None for s in packed_seqs],
+                                            layout.num_sample_rows, self.vocab_size)  # None: no constrained row
+        requested = [row[0].sampled_logprobs for row in sampling_rows
+                     if row is not None and row[0].sampled_logprobs is not None]
         wants_logprobs = bool(requested)
         wants_top = any(n > 0 for n in requested)
         if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
@@ -483,7 +414,10 @@ class ModelRunner:
         cu_q_lens[num_rows + 1:] = num_tokens  # padded seqs: q_len 0, kv_len 0; padded tokens -> null block slot 0
         kv_lens[:num_rows] = ends
         logits_indices[:num_rows] = cu - 1
-        if num_tokens == num_rows:  # all decodes: one token per row at position kv_len - 1
+        if num_forks:
+            point_fork_rows(packed_seqs, num_forks, cu, logits_indices)
+        pack_block_copies(block_copies, view("copy_src"), view("copy_dst"), self.num_blocks)
+        if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
             token_rows = np.arange(num_rows)
             token_positions = starts
         else:
@@ -512,31 +446,36 @@ class ModelRunner:
         history = tensors.prev_token_ids if penalties else None
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
-        dispatch = functools.partial(self._dispatch, buf, history, bias_table, prompt_targets, bucket_tokens,
-                                     bucket_seqs, mode.value, num_logprobs, wants_logprobs)
+        dispatch = functools.partial(self._dispatch, buf, history, bias_table, grammar_bitmask, prompt_targets,
+                                     bucket_tokens, bucket_seqs, mode.value, num_logprobs, wants_logprobs)
         if self._dispatcher is None:
             return PendingStep(dispatch(), rows_to_packed, sampled, prompt_spans)
         self._last_dispatch = self._dispatcher.submit(dispatch)
         return PendingStep(self._last_dispatch, rows_to_packed, sampled, prompt_spans)
 
     def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, bias_table: np.ndarray | None,
-                  prompt_targets: np.ndarray | None, num_tokens: int, num_seqs: int, mode: str, num_logprobs: int,
-                  wants_logprobs: bool) -> tuple:
+                  grammar_bitmask: np.ndarray | None, prompt_targets: np.ndarray | None, num_tokens: int,
+                  num_seqs: int, mode: str, num_logprobs: int, wants_logprobs: bool) -> tuple:
         """Send one step's buffer and launch its forward + sampling, and the prompt logprobs when some row wants them
         (on the dispatch thread if there is one). Returns the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies already started."""
+        if self.step_channel is not None:
+            self.step_channel.publish("dispatch", (buf, history, bias_table, prompt_targets, num_tokens, num_seqs,
+                                                   mode, num_logprobs, wants_logprobs))
         self.kv_pool, logits, sampling_words, hidden = self._forward(
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
             self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
+        if grammar_bitmask is not None:
+            logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
         history = (jax.device_put(history, self.device) if history is not None
                    else self._no_history[logits.shape[0]])
         bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None
                       else self._no_history[logits.shape[0]])
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
-        fetch = outs if wants_logprobs else outs[:1]
-        prompt_fetch = () if prompt_targets is None else self._prompt_logprobs(
-            self._param_leaves, hidden, jax.device_put(prompt_targets, self.device))
+        fetch = local_copies(outs if wants_logprobs else outs[:1])
+        prompt_fetch = () if prompt_targets is None else local_copies(self._prompt_logprobs(
+            self._param_leaves, hidden, jax.device_put(prompt_targets, self.device)))
         for array in (*fetch, *prompt_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch, prompt_fetch
@@ -571,6 +510,8 @@ class ModelRunner:
         if not swap_out and not swap_in:
             return
         self.wait_for_dispatch()  # the pool must be the one after every step dispatched so far
+        if self.step_channel is not None:
+            self.step_channel.publish("swap", (swap_out, swap_in))
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
         gathered = []

@@ -28,8 +28,8 @@ from paged_jax.sampler import raw_logprob_outputs
 from paged_jax.step_io import PromptLogprobsChunk, SeqInput
 
 _TARGETS_OF = operator.attrgetter("prompt_logprob_targets")
-# Rows of float32 logits materialized at once: [512, 128256] f32 is 256 MiB for a Llama-3 vocabulary.
-LOGITS_CHUNK_ROWS = 512
+# Rows of float32 logits materialized at once (the KV pool's sizing leaves room for a few such chunks).
+LOGITS_CHUNK_ROWS = 256
 
 
 def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
@@ -42,18 +42,30 @@ def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], 
       hidden: [T, hidden] the forward's final hidden states (after the final norm).
       targets: int32[T] the token whose logprob each position gives; < 0 = not wanted (computed, ignored).
       num_logprobs: K, the top alternatives per position.
-      chunk_rows: positions per logits chunk (a static Python loop, no XLA while loop).
+      chunk_rows: positions per logits chunk (chunks run one after another, so at most this many rows of logits
+        are live).
     Returns:
       (logprob f32[T], rank i32[T] (1-based), top ids i32[T, K], top logprobs f32[T, K]), all under log_softmax of
       the raw logits.
     """
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk_rows):
-        logits = compute_logits(hidden[start:start + chunk_rows])
-        chunk_targets = jnp.maximum(targets[start:start + chunk_rows], 0)
-        logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(logits, chunk_targets, num_logprobs)
-        pieces.append((logprob, rank, top_ids, top_logprobs))
-    return tuple(jnp.concatenate(parts) for parts in zip(*pieces))
+    num_tokens = hidden.shape[0]
+    rows = min(chunk_rows, num_tokens)
+    num_chunks = -(-num_tokens // rows)
+    pad = num_chunks * rows - num_tokens
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num_chunks, rows, hidden.shape[-1])
+    targets = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(num_chunks, rows)
+
+    def one_chunk(chunk):
+        chunk_hidden, chunk_targets = chunk
+        logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(compute_logits(chunk_hidden), chunk_targets,
+                                                                   num_logprobs)
+        return logprob, rank, top_ids, top_logprobs
+
+    # A loop over chunks (lax.map), not a Python loop: XLA merges unrolled chunks' LM-head matmuls back into one
+    # [T, V] logits matrix, which is exactly the memory this bound exists to avoid. This executable runs only on
+    # steps that ask for prompt logprobs, so the loop's per-iteration cost stays off the decode hot path.
+    outputs = jax.lax.map(one_chunk, (hidden, targets))
+    return tuple(out.reshape(num_chunks * rows, *out.shape[2:])[:num_tokens] for out in outputs)
 
 
 def pack_prompt_logprob_targets(packed_seqs: Sequence[SeqInput], q_lens: np.ndarray, cu: np.ndarray, num_tokens: int,

@@ -70,11 +70,26 @@ class Request:
     # Take no prefix-cache hits (its blocks are still cached for others): prompt logprobs need every prompt position
     # computed (vLLM skips reading the cache for such requests too).
     skip_prefix_cache: bool = False
+    # vLLM's cache_salt: enters the first block's hash, so only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
     # Chained hashes of the full blocks of all_token_ids, owned by the KVCacheManager: filled incrementally (the
     # token sequence only grows), cut back when an async-scheduling placeholder is replaced (invalidate_block_hashes).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     # The LoRA adapter it runs with (``paged_jax.lora.slots.LoadedLoRA``: ``lora_int_id``, ``cache_key``), or None.
     lora: Any = None
+    # Structured outputs: this sequence's ``structured_output.SequenceGrammar`` (None = unconstrained); the
+    # scheduler leaves the request waiting until ``grammar.is_ready`` (its grammar compiled).
+    grammar: Any = None
+    # n > 1 / best_of: the other sequences of the request, forked from this one once its prompt is computed (they
+    # share its blocks and sample their first token from its last prompt position's logits, in the same step).
+    pending_forks: list["Request"] = dataclasses.field(default_factory=list)
+    # Extra running-sequence slots this request may fill by forking (pending_forks; beam search's beam width - 1);
+    # admission keeps them free so the forked sequences always fit in max_num_seqs.
+    reserved_seats: int = 0
+    # Beam search: after each sampled token the request is held (not scheduled) until Scheduler.resume, so the beam
+    # search can pick the next beams first.
+    hold_after_sample: bool = False
+    held: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -89,6 +104,8 @@ class Request:
         self.eos_token_ids = frozenset(int(t) for t in (self.eos_token_ids or ()))
         if not isinstance(self.priority, int):
             raise ValueError(f"priority must be an int, got {self.priority!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string if provided, got {self.cache_salt!r}")
 
     # ---- sampling parameters (duck-typed) ----
     @property

@@ -38,13 +38,76 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+      json: a JSON schema (dict or JSON text); the output is a JSON value valid against it.
+      regex: the output matches this regular expression.
+      choice: the output is exactly one of these strings.
+      grammar: the output is in the language of this grammar (EBNF in GBNF/xgrammar syntax, or Lark).
+      json_object: True: the output is some JSON object (OpenAI's ``response_format: json_object``).
+      structural_tag: a JSON text: ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
+        "triggers": [...]}`` (free text in which each ``begin`` ... ``end`` span follows its schema) or the grammar
+        engine's own structural-tag format (``{"type": "structural_tag", "format": ...}``).
+
+    Options: ``disable_any_whitespace`` (JSON without free whitespace between tokens: compact separators),
+    ``disable_additional_properties`` (objects of a JSON schema take no properties beyond those listed, unless the
+    schema says otherwise), ``disable_fallback`` (accepted: there is one grammar backend, so nothing falls back).
+    ``whitespace_pattern`` is refused (ValueError naming it): the grammar backend has no such option.
+    The grammar itself is compiled by the engine (``paged_jax.structured_output``), which also rejects a spec that
+    does not parse with a ValueError naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(_CONSTRAINT_FIELDS)} must be given, "
+                             f"got {', '.join(given) or 'none'}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern: not supported by the grammar backend (xgrammar); use "
+                             "disable_any_whitespace for compact JSON")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json: a JSON schema must be a dict or a JSON string, got {type(self.json).__name__}")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name}: must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"choice: must be a non-empty list of strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object: must be True when given, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: one of json, regex, choice, grammar, json_object, structural_tag."""
+        return next(name for name in _CONSTRAINT_FIELDS if getattr(self, name) is not None)
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for one request (vLLM's ``SamplingParams``).
 
     Fields (defaults as vLLM):
       n: number of output sequences per prompt (>= 1).
-      best_of: None or n; anything else is a ValueError (vLLM V1 does not support best_of either).
+      best_of: None or >= n (vLLM V0's): generate best_of sequences and return the n with the highest cumulative
+        logprob (only once finished: they cannot be streamed); more than n needs random sampling.
       presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the *output*.
       frequency_penalty: in [-2, 2]; subtracted once per occurrence of the token in the *output*.
       repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it when positive and
@@ -70,6 +133,8 @@ class SamplingParams:
       bad_words: words that must not be generated. ``update_from_tokenizer`` (called by the engine) tokenizes each
         with and without a leading space; a word's last token is banned whenever the output ends with its other
         tokens (single-token words: always).
+      structured_outputs: a ``StructuredOutputsParams`` constraint (JSON schema, regex, choice, grammar, ...); the
+        engine masks every token that would leave it, and EOS until the constraint is complete.
     """
 
     n: int = 1
@@ -96,6 +161,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by __post_init__: the list form of ``stop`` (always a list, possibly empty).
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
     # Filled by update_from_tokenizer: the token sequences of ``bad_words`` (vLLM's ``_bad_words_token_ids``).
@@ -121,6 +187,9 @@ class SamplingParams:
             if isinstance(self.bad_words, str):
                 raise ValueError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         # Plain ints passed as floats are fine for float fields; normalise so arrays get the right dtype.
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             value = getattr(self, name)
@@ -132,9 +201,13 @@ class SamplingParams:
     def _verify_args(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
-            raise ValueError(f"best_of is not supported (as in vLLM V1): leave it unset or equal to n ({self.n}), "
-                             f"got {self.best_of!r}")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or self.best_of < self.n:
+                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                 f"best_of={self.best_of!r}")
+            if self.best_of > self.n and self.temperature < SAMPLING_EPS:
+                raise ValueError(f"best_of must equal n when using greedy sampling (every sequence would be the "
+                                 f"same), got n={self.n} and best_of={self.best_of}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -188,6 +261,19 @@ class SamplingParams:
             raise ValueError("stop strings are only supported when detokenize is True")
 
     # ---- derived properties -------------------------------------------------------------------------------------
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the request: ``best_of`` (when set) or ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        """Top alternatives the sampler returns per token: ``logprobs``; 0 when only the sampled token's logprob is
+        needed (``best_of > n`` ranks sequences by cumulative logprob); None when no logprob is needed."""
+        if self.logprobs is None and self.num_sequences > self.n:
+            return 0
+        return self.logprobs
 
     @property
     def is_greedy(self) -> bool:
@@ -253,6 +339,8 @@ class SamplingParams:
             logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words) if self.bad_words is not None else None,
+            structured_outputs=(dataclasses.replace(self.structured_outputs) if self.structured_outputs is not None
+                                else None),
         )
         copy._bad_words_token_ids = [list(ids) for ids in self._bad_words_token_ids]
         return copy

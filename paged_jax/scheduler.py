@@ -16,6 +16,16 @@ Order of work in ``schedule()``:
      longest prefix-cache hit. A prompt longer than the remaining budget is chunked (``enable_chunked_prefill``) so it
      never stalls the running streams. With policy="priority" a waiting request that does not fit may preempt running
      requests of strictly lower priority.
+
+Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``): a request's ``pending_forks`` are forked
+from it in the step that samples its first token: that step carries one extra row per child with no new tokens
+(``ScheduledSeq.fork_parent``), which samples the child's first token from the parent's last prompt position, and
+``update_from_output`` then gives the child the parent's blocks. Admission keeps ``reserved_seats`` running slots
+free for them. Beam search holds a request after each sampled token (``Request.hold_after_sample``) until the beam
+search has forked, re-pointed (``replace_last_token``) or dropped it and calls ``resume``.
+Preemption of a forked sequence is that of any request: recompute drops its references (the siblings keep the
+shared blocks) and re-prefills its own prompt + outputs later; swap copies its blocks, shared ones included, to the
+host pool, and it comes back in blocks of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from paged_jax.buckets import MAX_BLOCK_COPIES
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
 
@@ -45,6 +56,8 @@ class ScheduledSeq:
     token_ids: list[int]
     block_ids: list[int]
     samples: bool
+    # A fork row: no new tokens; samples ``request``'s first token from ``fork_parent``'s last token of this step.
+    fork_parent: Request | None = None
 
     @property
     def request_id(self) -> str:
@@ -64,8 +77,9 @@ class SchedulerOutput:
     """What to run this step.
 
     ``scheduled`` lists single-token sequences (decodes) first, then multi-token ones (prefill chunks), each group in
-    scheduling order; ``num_decode_seqs`` is the length of the first group. The runner must apply ``swap_out``
-    copies (device -> host), then ``swap_in`` copies (host -> device), then run the forward pass.
+    scheduling order, then the fork rows; ``num_decode_seqs`` is the length of the first group. The runner must
+    apply ``swap_out`` copies (device -> host), then ``swap_in`` copies (host -> device), then run the forward pass,
+    which applies the copy-on-write ``block_copies`` ``(src_block, dst_block)`` before its K/V writes.
     """
 
     scheduled: list[ScheduledSeq]
@@ -74,10 +88,15 @@ class SchedulerOutput:
     preempted_ids: list[str]
     swap_out: list[tuple[int, int]]  # (device_block, host_block)
     swap_in: list[tuple[int, int]]  # (host_block, device_block)
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src_block, dst_block)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+def _grammar_ready(request: Request) -> bool:
+    return request.grammar is None or request.grammar.is_ready
 
 
 class Scheduler:
@@ -126,6 +145,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: collections.deque[Request] = collections.deque()  # WAITING / PREEMPTED / SWAPPED
         self.running: list[Request] = []  # admission order
+        self._reserving: set[Request] = set()  # running requests with reserved_seats > 0
+        self._num_pending_forks = 0
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
         self._next_seq = 0
 
@@ -142,10 +163,17 @@ class Scheduler:
                              f"{self.max_model_len}")
         if request.status != RequestStatus.WAITING or request.block_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} must be new (WAITING, no blocks, nothing computed)")
+        if request.reserved_seats + 1 > self.max_num_seqs:
+            raise ValueError(f"request {request.request_id!r} needs {request.reserved_seats + 1} sequence slots, more "
+                             f"than max_num_seqs={self.max_num_seqs}")
+        self._register(request)
+        self._num_pending_forks += len(request.pending_forks)
+        self.waiting.append(request)
+
+    def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._arrival_seq[request.request_id] = self._next_seq
         self._next_seq += 1
-        self.waiting.append(request)
 
     def finish_request(self, request_id: str, reason: str | RequestStatus) -> Request | None:
         """Finish an unfinished request in any state and free its blocks; reason "stop" | "length" | "abort" or a
@@ -157,7 +185,7 @@ class Scheduler:
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._leave_running(request)
         else:
             self.waiting.remove(request)
         self._finish(request, status)
@@ -166,8 +194,16 @@ class Scheduler:
     def abort_request(self, request_id: str) -> Request | None:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._reserving.discard(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        # Sequences not forked yet end with their parent (the engine ends a request's sequences together).
+        self._num_pending_forks -= len(request.pending_forks)
+        request.pending_forks = []
+        request.reserved_seats = 0
         self.kv.free(request)
         del self.requests[request.request_id]
         del self._arrival_seq[request.request_id]
@@ -191,9 +227,12 @@ class Scheduler:
         return (request.arrival_time, seq)
 
     def _peek_waiting(self, skip: set[str]) -> Request | None:
-        if self.policy == "fcfs" and not skip:
+        if (self.policy == "fcfs" and not skip
+                and (not self.waiting or (_grammar_ready(self.waiting[0]) and not self.waiting[0].held))):
             return self.waiting[0] if self.waiting else None
-        candidates = [r for r in self.waiting if r.request_id not in skip]
+        # Requests whose grammar still compiles (structured outputs) or that are held (beam search) wait without
+        # blocking those behind them.
+        candidates = [r for r in self.waiting if r.request_id not in skip and not r.held and _grammar_ready(r)]
         if not candidates:
             return None
         if self.policy == "priority":
@@ -213,7 +252,7 @@ class Scheduler:
             nonlocal budget
             if victim.request_id in planned:  # un-schedule: its new slots go back with its blocks
                 budget += planned.pop(victim.request_id)[1]
-            self.running.remove(victim)
+            self._leave_running(victim)
             # A swap-out after a swap-in in the same step could reuse the host blocks the swap-in reads: recompute.
             if self.preemption_mode == "swap" and not swap_in and self.kv.can_swap_out(victim):
                 swap_out.extend(self.kv.swap_out(victim))
@@ -231,11 +270,13 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.held:  # preempted earlier in this loop / held
                 continue
             num_new = min(request.num_tokens_to_compute, budget)
             if num_new <= 0:
                 continue
+            if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
+                continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             while not self.kv.allocate_slots(request, num_new):
                 # As vLLM: the least important running request goes, which may be this one (then it waits).
                 victim = max(self.running, key=self._order_key)
@@ -250,10 +291,14 @@ class Scheduler:
         preempted_while_running = bool(preempted)
         lora_skipped: set[str] = set()  # waiting requests whose adapter would need a slot the running ones hold
         running_loras = {r.lora_int_id for r in self.running} - {0}
-        while not preempted_while_running and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Slots kept free for sequences that running requests will fork.
+        reserved = sum(r.reserved_seats for r in self._reserving) if self.waiting else 0
+        while not preempted_while_running and budget > 0 and len(self.running) + reserved < self.max_num_seqs:
             request = self._peek_waiting(lora_skipped.union(preempted))  # never re-admit what this step preempted
             if request is None:
                 break
+            if len(self.running) + reserved + 1 + request.reserved_seats > self.max_num_seqs:
+                break  # head-of-line: its forks need slots that running requests hold
             if request.lora_int_id and request.lora_int_id not in running_loras \
                     and len(running_loras) >= self.max_loras:
                 lora_skipped.add(request.request_id)
@@ -290,24 +335,34 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_loras |= {request.lora_int_id} - {0}
+            if request.reserved_seats:
+                self._reserving.add(request)
+                reserved += request.reserved_seats
             planned[request.request_id] = (request, num_new)
             budget -= num_new
 
         scheduled = []
+        forks = []
         for request, num_new in planned.values():
             start = request.num_computed_tokens
+            samples = start + num_new == request.num_tokens
             scheduled.append(ScheduledSeq(
                 request=request,
                 num_computed_tokens=start,
                 num_new_tokens=num_new,
                 token_ids=request.token_ids_slice(start, start + num_new),
                 block_ids=list(request.block_ids),
-                samples=start + num_new == request.num_tokens,
+                samples=samples,
             ))
+            if samples and request.pending_forks:
+                forks += [ScheduledSeq(request=child, num_computed_tokens=0, num_new_tokens=0, token_ids=[],
+                                       block_ids=[], samples=True, fork_parent=request)
+                          for child in request.pending_forks]
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         return SchedulerOutput(
-            scheduled=decodes + prefills,
+            block_copies=self.kv.take_block_copies(),
+            scheduled=decodes + prefills + forks,
             num_decode_seqs=len(decodes),
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             preempted_ids=preempted,
@@ -343,24 +398,87 @@ class Scheduler:
         for seq in scheduled:
             request = seq.request
             if request.status != RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
-                continue
-            if request.num_computed_tokens != seq.num_computed_tokens:
-                raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
-                                   "update_from_output once per schedule(), in order")
-            request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
-            self.kv.cache_full_blocks(request)
-            if not seq.samples:
-                continue
+                continue  # (a fork row whose parent ended meanwhile: its child was never forked)
+            if seq.fork_parent is None:
+                if request.num_computed_tokens != seq.num_computed_tokens:
+                    raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
+                                       "update_from_output once per schedule(), in order")
+                request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
+                self.kv.cache_full_blocks(request)
+                if not seq.samples:
+                    continue
+                if request.pending_forks:  # before the parent's own token (and a stop that would free its blocks)
+                    self._fork_pending(request)
             token = sampled_token_ids.get(request.request_id)
             if token is None:
                 raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
             request.output_token_ids.append(int(token))
             status = self._check_stop(request)
             if status is not None:
-                self.running.remove(request)
+                self._leave_running(request)
                 self._finish(request, status)
+            elif request.hold_after_sample:
+                request.held = True
             changed.append(request)
         return changed
+
+    # ------------------------------------------------------------------ forking (n > 1, best_of, beam search)
+    def _fork_pending(self, parent: Request) -> None:
+        """Fork ``parent``'s pending sequences now that its prompt is computed; each takes one of its reserved
+        slots and shares its blocks."""
+        children, parent.pending_forks = parent.pending_forks, []
+        self._num_pending_forks -= len(children)
+        for child in children:
+            self._register(child)
+            self.kv.fork(parent, child)
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self._use_reserved_seat(parent)
+
+    def _use_reserved_seat(self, request: Request) -> None:
+        if request.reserved_seats:
+            request.reserved_seats -= 1
+            if not request.reserved_seats:
+                self._reserving.discard(request)
+
+    def release_reserved_seats(self, request: Request) -> None:
+        """Give back the slots ``request`` reserved and will not fork into."""
+        request.reserved_seats = 0
+        self._reserving.discard(request)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add ``child``, a new request whose tokens equal ``parent``'s except possibly the last (not computed
+        yet), sharing ``parent``'s computed blocks (beam search). A running parent's child runs at once in one of the
+        parent's reserved slots or a free one; otherwise (parent waiting, or no slot free) the child waits and
+        recomputes its tokens like a preempted request."""
+        if self.requests.get(parent.request_id) is not parent:
+            raise ValueError(f"fork_request: {parent.request_id!r} is not an unfinished request")
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already in the scheduler")
+        if child.num_tokens != parent.num_tokens or child.block_ids or child.num_computed_tokens:
+            raise ValueError("fork_request: the child must be new and as long as its parent")
+        self._register(child)
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        reserved = sum(r.reserved_seats for r in self._reserving)
+        if parent.status == RequestStatus.RUNNING and (
+                parent.reserved_seats or len(self.running) + reserved < self.max_num_seqs):
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self._use_reserved_seat(parent)
+        else:
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.append(child)
+
+    def replace_last_token(self, request: Request, token: int) -> None:
+        """Beam search: make ``token`` the request's last output token (its K/V is not computed yet)."""
+        request.output_token_ids[-1] = int(token)
+        self.kv.invalidate_block_hashes(request, request.num_tokens - 1)
+
+    def resume(self, request: Request) -> None:
+        """Let a held request be scheduled again."""
+        request.held = False
 
     def resolve_placeholder(self, request: Request, output_index: int, token: int) -> None:
         """Async scheduling: put the real ``token`` in place of the placeholder that ``update_from_output`` appended
@@ -392,13 +510,15 @@ class Scheduler:
     def stats(self) -> dict[str, float]:
         return {
             "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
+            "num_waiting": self.num_waiting + self._num_pending_forks,
             "num_preemptions": self.num_preemptions,
             "num_swap_outs": self.num_swap_outs,
             "num_swap_ins": self.num_swap_ins,
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_gpu_blocks": self.kv.num_blocks,
+            "num_cpu_blocks": self.kv.num_host_blocks,
         }
 
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from paged_jax import sampler as sampler_lib
+from paged_jax.buckets import MAX_BLOCK_COPIES
 
 @dataclasses.dataclass
 class SeqInput:
@@ -32,6 +33,11 @@ class SeqInput:
       prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
         (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
       lora_slot: the LoRA adapter slot its tokens use (``paged_jax.lora``); 0 = no adapter.
+      grammar: when ``sample`` and the request is constrained: its ``structured_output.SequenceGrammar``, which
+        fills the row of the step's grammar bitmask (the tokens allowed next).
+      sample_from: a fork row (n > 1 / best_of): no new tokens, ``num_computed_tokens`` 0, no block table; it samples
+        (with its own ``sampling`` row) from the logits of the last token of the row keyed ``sample_from`` in the
+        same step.
     """
 
     key: str
@@ -43,6 +49,8 @@ class SeqInput:
     feed_from_previous: bool = False
     prompt_logprob_targets: Sequence[int] | None = None
     lora_slot: int = 0
+    grammar: Any = None
+    sample_from: str | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -140,7 +148,11 @@ class PendingStep:
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket."""
+    """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket.
+
+    ``copy_src`` / ``copy_dst`` (C = min(S, ``MAX_BLOCK_COPIES``) each): the step's copy-on-write block copies (at
+    most one per sequence: only the block holding a sequence's first new token can be shared), padded with
+    destination ``num_blocks`` (out of range: the scatter drops it)."""
 
     num_tokens: int
     num_seqs: int
@@ -151,9 +163,11 @@ class StepLayout:
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
         T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
+        C = min(S, MAX_BLOCK_COPIES)
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 *([("lora_slot_ids", T)] if self.lora else []), ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
+                 *([("lora_slot_ids", T)] if self.lora else []), ("copy_src", C), ("copy_dst", C),
+                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)
@@ -174,3 +188,34 @@ class SamplerVariant:
     penalties: bool
     num_logprobs: int
     bias_table: bool = False
+
+
+def pack_block_copies(copies: Sequence[tuple[int, int]], src: np.ndarray, dst: np.ndarray, num_blocks: int) -> None:
+    """Write a step's copy-on-write ``copies`` ``[(src_block, dst_block)]`` into the layout's ``copy_src`` /
+    ``copy_dst`` views (int32[S] each), padding with the dropped destination ``num_blocks``."""
+    if len(copies) > len(src):
+        raise ValueError(f"{len(copies)} block copies in a step of {len(src)} sequence slots")
+    dst[:] = num_blocks
+    if copies:
+        pairs = np.asarray(copies, np.int32)
+        src[:len(copies)], dst[:len(copies)] = pairs[:, 0], pairs[:, 1]
+
+
+def apply_block_copies(kv_pool: list, src, dst) -> list:
+    """Inside the jitted step, on the donated pool: block ``dst[i]`` of every layer's K and V becomes a copy of block
+    ``src[i]`` (int32[S] each); out-of-range destinations (padding) are dropped."""
+    return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_pool]
+
+
+def point_fork_rows(packed_seqs: Sequence[SeqInput], num_forks: int, cu: np.ndarray, logits_indices: np.ndarray) -> None:
+    """The last ``num_forks`` packed rows are fork rows: point each one's logits index (``logits_indices``, int32[R])
+    at the last token of the row it samples from (``cu``: cumulative new-token counts of the packed rows)."""
+    num_rows = len(packed_seqs)
+    packed_of = {s.key: packed for packed, s in enumerate(packed_seqs[:num_rows - num_forks])}
+    for packed in range(num_rows - num_forks, num_rows):
+        seq = packed_seqs[packed]
+        parent = packed_of.get(seq.sample_from)
+        if parent is None or seq.num_computed_tokens or seq.block_ids or not seq.sample:
+            raise ValueError(f"sequence {seq.key!r} has no new tokens but is no fork row (sample_from a row of the "
+                             "step, sample, no blocks)")
+        logits_indices[packed] = cu[parent] - 1

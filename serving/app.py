@@ -8,7 +8,8 @@ the metrics) and mounts the routers of ``serving.routes``:
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
 
 Every error answers OpenAI's error body (``serving.errors``). Around the routes, outermost first: CORS (Starlette's
-``CORSMiddleware`` with vLLM's defaults: every origin, method and header, no credentials), then the API key check.
+``CORSMiddleware`` with vLLM's defaults: every origin, method and header, no credentials), then the API key check,
+then the request body size limit (``serving.request_limits``).
 Behind a proxy that serves the app under a path prefix, the prefix is the ASGI server's ``root_path`` (uvicorn's,
 ``--root-path``); routes and the API key check match the path without it.
 """
@@ -23,31 +24,46 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from paged_jax.generation_config import sampling_defaults
-from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import MAX_LOGPROBS
-from serving.async_engine import AsyncEngine, RequestStream
+from serving.async_engine import AsyncEngine
 from serving.engine_client import EngineClient
+from serving.engine_process import EngineProcessClient
 from serving.errors import APIError, add_error_handlers
-from serving.metrics import ServingMetrics
+from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
+from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware
 from serving.routes import chat, completions, lora, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
-class APIKeyMiddleware:
-    """Pure ASGI middleware: every ``/v1`` route needs ``Authorization: Bearer <key>`` (others stay open). The
-    route path is the request path without the app's ``root_path`` prefix, as the router matches it, so
-    ``<root_path>/v1/...`` is checked too."""
+# Routes the API key also covers with ``--api-key-protect-all`` (vLLM's --api-key covers /v1 only); /health stays
+# open for probes.
+EXTRA_PROTECTED_ROUTES = ("/tokenize", "/detokenize", "/metrics")
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware: every ``/v1`` route (with ``protect_all`` also ``EXTRA_PROTECTED_ROUTES``) needs
+    ``Authorization: Bearer <key>``, the scheme in any case (vLLM); others stay open. The route path is the request
+    path without the app's ``root_path`` prefix, as the router matches it, so ``<root_path>/v1/...`` is checked
+    too."""
+
+    def __init__(self, app: Any, api_key: str, protect_all: bool = False) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
+        self._protect_all = protect_all
+
+    def _protected(self, path: str) -> bool:
+        return path.startswith("/v1") or (self._protect_all and any(
+            path == route or path.startswith(route + "/") for route in EXTRA_PROTECTED_ROUTES))
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, given = dict(scope.get("headers") or ()).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given, self._expected)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+        if scope["type"] == "http" and self._protected(_route_path(scope)):
+            if not self._authorized(scope):
                 response = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                     headers={"WWW-Authenticate": "Bearer"}).response()
                 await response(scope, receive, send)
@@ -63,35 +79,18 @@ def _route_path(scope) -> str:
     return path
 
 
-def on_output_metrics(metrics: ServingMetrics):
-    """Latency metrics from the (delta) outputs as they reach the event loop (what a client observes)."""
-
-    def observe(stream: RequestStream, output: RequestOutput, now: float) -> None:
-        has_new_tokens = False
-        for completion in output.outputs:
-            has_new_tokens = has_new_tokens or bool(completion.token_ids)
-            if completion.finish_reason is not None:  # a choice's last output
-                stream.finish_reasons.append(completion.finish_reason)
-        if has_new_tokens:
-            if stream.first_token_time is None:
-                stream.first_token_time = now
-                metrics.observe_first_token(now - stream.arrival_time)
-            else:
-                metrics.observe_inter_token(now - stream.last_token_time)
-            stream.last_token_time = now
-        if output.finished:
-            metrics.observe_finished(now - stream.arrival_time, stream.finish_reasons)
-
-    return observe
-
-
 def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, max_waiting_requests: int | None = None, tokenizer: Any = None,
                allowed_origins: Sequence[str] = ("*",), allowed_methods: Sequence[str] = ("*",),
                allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
                log_requests: bool = False, max_log_len: int | None = None, log_stats: bool = False,
                max_logprobs: int = MAX_LOGPROBS, chat_template: str | None = None,
-               response_role: str = "assistant", lora_modules: Sequence[LoRAModulePath] = ()) -> FastAPI:
+               response_role: str = "assistant", metrics_prefix: str = NATIVE_PREFIX,
+               api_key_protect_all: bool = False,
+               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
+               max_seqs_per_request: int | None = None, enable_auto_tool_choice: bool = False,
+               tool_parser: str | None = None, reasoning_parser: str | None = None,
+               lora_modules: Sequence[LoRAModulePath] = ()) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -100,7 +99,11 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       served_model_name: the model id(s) clients may send; responses report the first and ``/v1/models`` lists
         all (default: ``engine.engine_args.served_model_names``).
       api_key: if set, ``/v1`` routes require ``Authorization: Bearer <api_key>``.
-      max_waiting_requests: bound on the engine's waiting queue; beyond it requests get 503 + Retry-After.
+      api_key_protect_all: the key also guards ``/tokenize``, ``/detokenize`` and ``/metrics``.
+      max_waiting_requests: bound on the engine's waiting queue (in sequences); beyond it requests get 503 +
+        Retry-After, and a request with more sequences than the bound gets 400.
+      max_request_body_size: bytes a request body may have (413 beyond; None: no limit).
+      max_seqs_per_request: most sequences (prompts x n) one request may ask for (400 beyond; None: no cap).
       tokenizer: the tokenizer for the HTTP layer; default a private copy of ``engine.tokenizer``.
       allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags and defaults).
       log_requests, max_log_len: one log line per request (``serving.server_logs.RequestLogger``).
@@ -108,6 +111,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       max_logprobs: most top logprobs a request may ask for (``--max-logprobs``, at most ``MAX_LOGPROBS``).
       chat_template: a Jinja chat template replacing the tokenizer's (``--chat-template``, already loaded).
       response_role: the role of chat replies (``--response-role``).
+      metrics_prefix: the Prometheus names' prefix (``--metrics-prefix``; ``"vllm"`` exports vLLM's names).
+      enable_auto_tool_choice, tool_parser, reasoning_parser: ``--enable-auto-tool-choice``,
+        ``--tool-call-parser``, ``--reasoning-parser`` (``OpenAIServer``).
       lora_modules: LoRA adapters to serve from the start (``--lora-modules``; the engine needs ``enable_lora``);
         with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
         are mounted too (``serving.lora``).
@@ -121,19 +127,25 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     info = model_info_from_engine(engine, served_model_name)
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
-    metrics = ServingMetrics(info.served_model_name)
+    metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
+                             cache_config=cache_config_labels(engine.engine_args))
+    if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
+        engine.on_step_stats = metrics.update_engine_stats
     loras = None
     if getattr(engine.engine_args, "enable_lora", False) or lora_modules:
         loras = LoRARegistry(info.served_model_names)
         loras.add_static(engine, list(lora_modules))  # before the engine thread starts: called directly
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
-                               on_stats=metrics.update_engine_stats, on_output=on_output_metrics(metrics),
+                               on_stats=metrics.update_engine_stats, on_output=metrics.observe_output,
                                request_logger=RequestLogger(max_log_len).log if log_requests else None)
     # Requests leaving a sampling field unset take the checkpoint's generation config default (vLLM).
     defaults = sampling_defaults(engine.generation_config)
     server = OpenAIServer(async_engine, tokenizer, info, metrics, default_sampling_params=defaults,
                           max_logprobs=max_logprobs, chat_template=chat_template, response_role=response_role,
-                          scheduling_policy=engine.engine_args.scheduling_policy, loras=loras)
+                          scheduling_policy=engine.engine_args.scheduling_policy,
+                          max_seqs_per_request=max_seqs_per_request,
+                          enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_parser,
+                          reasoning_parser=reasoning_parser, loras=loras)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
@@ -142,8 +154,10 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     # process owner (serving.cli.serve_main, a test fixture) calls ``app.state.server.engine.shutdown()`` at the end.
     app = FastAPI(title="paged-jax OpenAI-compatible server", version="0.1.0")
     app.state.server = server
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if max_request_body_size is not None:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_size)
+    if api_key:  # outside the size limit: an unauthorized body is refused before it is read
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_all=api_key_protect_all)
     # Added last, so outermost: preflight requests and 401 answers get the CORS headers too.
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)

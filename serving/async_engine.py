@@ -9,6 +9,9 @@ Protocol between the two sides:
 * event loop -> engine thread: commands (add a group of requests, abort requests, shut down) go through a
   thread-safe ``queue.SimpleQueue``. The thread blocks on that queue while the engine is idle (no busy spin) and,
   while it has work, drains *all* pending commands before each ``step()`` so a burst of arrivals joins one batch.
+* with an engine in another process (``ProcessEngineClient``) an add costs no round trip: the group is sent with
+  ``submit_requests`` and its submitter resolved when the answer comes back with a later ``step()``; a command
+  also wakes the engine thread out of its wait for the process's next step (``wakeup``).
 * engine thread -> event loop: after each step, the (delta) outputs are grouped by the event loop that owns each
   request and handed over with one ``loop.call_soon_threadsafe`` per loop, into per-request ``asyncio.Queue`` s.
 
@@ -69,17 +72,19 @@ class RequestStream:
     for a slow reader, nothing lost).
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, params: SamplingParams | None = None) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.params = params  # the request's SamplingParams (metrics: n, max_tokens)
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         # For metrics, written on the event loop only: timestamps (time.monotonic), the finish reasons of the
-        # choices finished so far.
+        # choices finished so far, the tokens received per choice index.
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finish_reasons: list[str] = []
+        self.num_generation_tokens: dict[int, int] = {}
 
     def _put(self, item: Any) -> None:  # event loop only
         self._queue.put_nowait(item)
@@ -184,6 +189,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        # A process engine admits groups without a round trip per request: group id -> the add command, until the
+        # engine answers (engine thread only).
+        self._admitting: dict[int, _AddCommand] = {}
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
         self._started = False
         self.latest_stats: dict = {}
@@ -220,6 +228,8 @@ class AsyncEngine:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
             self._commands.put(command)
+        if self._process_engine is not None:
+            self._process_engine.wakeup()  # the engine thread may be waiting for the engine process's next step
 
     async def add_requests(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
         """Admit a group of requests atomically (all or none) and return their output streams.
@@ -236,7 +246,7 @@ class AsyncEngine:
         if self._request_logger is not None:
             for request in requests:
                 self._request_logger(request.request_id, request.prompt, request.params)
-        streams = [RequestStream(r.request_id, loop) for r in requests]
+        streams = [RequestStream(r.request_id, loop, r.params) for r in requests]
         admitted = loop.create_future()
         self._submit(_AddCommand(requests, streams, loop, admitted))
         try:
@@ -301,6 +311,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self.num_steps += 1
+                    if self._process_engine is not None:
+                        self._handle_admissions(self._process_engine.take_admissions())
                     self._dispatch(outputs)
                 self._publish_stats()
         except Exception as exc:  # noqa: BLE001 - any engine failure must reach the clients, not kill silently
@@ -327,11 +339,14 @@ class AsyncEngine:
     def _handle_add(self, command: _AddCommand) -> None:
         error: BaseException | None = None
         if self.max_waiting_requests is not None:
-            waiting = self._num_waiting()
-            if waiting + len(command.requests) > self.max_waiting_requests:
+            waiting = self._num_waiting()  # sequences, as a request's n sequences each wait to be scheduled
+            if waiting + sum(getattr(r.params, "n", 1) for r in command.requests) > self.max_waiting_requests:
                 error = EngineOverloadedError(
                     f"the waiting queue is full ({waiting} waiting, at most {self.max_waiting_requests}); "
                     "retry later")
+        if error is None and self._process_engine is not None:
+            self._submit_to_process(command)
+            return
         if error is None:
             added: list[str] = []
             try:
@@ -367,6 +382,32 @@ class AsyncEngine:
                 future.set_exception(error) if error is not None else future.set_result(result)
 
         self._call_on_loop(command.loop, resolve, command.done)
+    def _submit_to_process(self, command: _AddCommand) -> None:
+        """Send the group to the engine process without waiting; ``_handle_admissions`` resolves it."""
+        try:
+            for request in command.requests:
+                if request.request_id in self._streams:
+                    raise ValueError(f"request_id {request.request_id!r} is already in use")
+            group_id = self._process_engine.submit_requests(
+                [(r.request_id, r.prompt, r.params, r.priority, r.lora_request) for r in command.requests])
+        except EngineDeadError as exc:
+            dead = EngineDeadError(f"engine is not running: {exc}")
+            self._call_on_loop(command.loop, _resolve, command.admitted, dead)
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the submitter; the engine stays usable
+            self._call_on_loop(command.loop, _resolve, command.admitted, exc)
+            return
+        self._admitting[group_id] = command
+        for request, stream in zip(command.requests, command.streams):
+            self._streams[request.request_id] = stream
+
+    def _handle_admissions(self, admissions: Sequence[tuple[int, BaseException | None]]) -> None:
+        for group_id, error in admissions:
+            command = self._admitting.pop(group_id)
+            if error is not None:  # the engine refused the whole group: nothing of it runs
+                for request in command.requests:
+                    self._streams.pop(request.request_id, None)
+            self._call_on_loop(command.loop, _resolve, command.admitted, error)
 
     def _handle_abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -410,7 +451,8 @@ class AsyncEngine:
         dead = EngineDeadError(f"engine is not running: {error}")
         dead.__cause__ = error
         pending = self._drain()
-        for command in pending:
+        admitting, self._admitting = list(self._admitting.values()), {}
+        for command in [*admitting, *pending]:
             if isinstance(command, _AddCommand):
                 self._call_on_loop(command.loop, _resolve, command.admitted, dead)
             elif isinstance(command, _CallCommand):

@@ -10,9 +10,12 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 (or env ``PAGED_JAX_API_KEY``), CORS (``--allowed-origins/--allowed-methods/--allowed-headers`` as JSON lists,
 ``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
 ``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
-``--uvicorn-log-level``, ``--disable-uvicorn-access-log``; and ours: ``--max-waiting-requests``,
-``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--lora-modules`` (vLLM's). Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag
-is refused (exit status 2, "unrecognized arguments: --flag"), never ignored.
+``--uvicorn-log-level``, ``--disable-uvicorn-access-log``, ``--shutdown-timeout`` (``serving.lifecycle``); and ours:
+``--max-waiting-requests``, ``--max-seqs-per-request``, ``--max-request-body-size``, ``--api-key-protect-all``,
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``;
+``--lora-modules`` (vLLM's). The server exits with status 1 when the engine dies (so an orchestrator restarts it).
+Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2,
+"unrecognized arguments: --flag"), never ignored.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
     from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.lora import parse_lora_module
+    from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX
+    from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE
 
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
@@ -63,6 +68,9 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (env PAGED_JAX_API_KEY)")
+    server.add_argument("--api-key-protect-all", action="store_true",
+                        help="with --api-key, also require the key on /tokenize, /detokenize and /metrics (vLLM's "
+                             "--api-key covers the /v1 routes only; /health always stays open)")
     server.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
                         help="CORS allowed origins, a JSON list (default [\"*\"])")
     server.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
@@ -87,7 +95,17 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="bound on queued requests; beyond it the server answers 503 with Retry-After")
+                        help="bound on queued sequences (a request counts n per prompt); beyond it the server "
+                             "answers 503 with Retry-After, and 400 to a request that alone exceeds it")
+    server.add_argument("--max-seqs-per-request", type=int, default=None,
+                        help="most sequences (prompts x n) one request may ask for; more is answered 400 "
+                             "(default: no cap beyond --max-waiting-requests)")
+    server.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                        help=f"most bytes a request body may have; more is answered 413 "
+                             f"(default {DEFAULT_MAX_REQUEST_BODY_SIZE})")
+    server.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
+                             "ended with an error (vLLM's flag; default 0: at once)")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
@@ -101,6 +119,19 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],
                         help="LoRA adapters to serve (needs --enable-lora): name=path or a JSON object "
                              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; requests pick one by model")
+    server.add_argument("--metrics-prefix", default=NATIVE_PREFIX,
+                        help=f"prefix of the /metrics names (default {NATIVE_PREFIX}: {NATIVE_PREFIX}:<vLLM's name>); "
+                             f"'{VLLM_PREFIX}' exports vLLM's own names, so vLLM dashboards and alerts work unchanged")
+    from serving.reasoning_parsers import REASONING_PARSERS
+    from serving.tool_parsers import TOOL_PARSERS
+
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": the model decides when to call tools; needs --tool-call-parser')
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read from replies: hermes (Qwen2/2.5/3, Hermes), llama3_json "
+                             "(Llama 3.x), mistral")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split <think>...</think> into reasoning_content: qwen3, deepseek_r1")
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
 
@@ -109,6 +140,7 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
                                                                                    argparse.Namespace]:
     """Parse ``serve``'s arguments (exits with status 2 naming any flag it does not know, as argparse does)."""
     from paged_jax.cli import normalize_flag_spelling
+    from serving.metrics import check_prefix
 
     parser = build_parser(prog)
     args = parser.parse_args(normalize_flag_spelling(argv))
@@ -116,8 +148,22 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         parser.error("--enable-log-requests and --disable-log-requests contradict each other")
     if args.max_log_len is not None and args.max_log_len < 0:
         parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    try:
+        check_prefix(args.metrics_prefix)
+    except ValueError as exc:
+        parser.error(f"--metrics-prefix: {exc}")
+    for flag, value in (("--max-seqs-per-request", args.max_seqs_per_request),
+                        ("--max-request-body-size", args.max_request_body_size)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key_protect_all and not args.api_key:
+        parser.error("--api-key-protect-all needs --api-key")
     return parser, args
 
 
@@ -134,7 +180,7 @@ def engine_args_from_namespace(args: argparse.Namespace):
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
     from paged_jax.chat import load_chat_template
-    from paged_jax.engine import LLMEngine
+    from paged_jax.data_parallel import create_engine
     from paged_jax.sampling_params import MAX_LOGPROBS
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient, engine_process_enabled
@@ -154,7 +200,7 @@ def build_app_from_args(args: argparse.Namespace):
     if engine_process_enabled(args.engine_process):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
-        engine = LLMEngine(engine_args)
+        engine = create_engine(engine_args)
     return create_app(engine, **app_kwargs(args, engine_args, chat_template)), engine_args
 
 
@@ -167,7 +213,11 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
                 max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats,
                 max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role,
-                lora_modules=args.lora_modules)
+                metrics_prefix=args.metrics_prefix,
+                api_key_protect_all=args.api_key_protect_all, max_request_body_size=args.max_request_body_size,
+                max_seqs_per_request=args.max_seqs_per_request,
+                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:
@@ -192,14 +242,24 @@ def uvicorn_config(app, args: argparse.Namespace):
 
 
 def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> int:
-    """Run the server until interrupted.
+    """Run the server until interrupted (SIGTERM / SIGINT: drained for ``--shutdown-timeout``) or until the engine
+    dies.
 
     Args:
       argv: the arguments after ``serve`` (``paged-jax serve``) or after ``-m serving``; None = ``sys.argv[1:]``.
+    Returns:
+      The exit status: 0 after a shutdown, 1 when the engine died.
     """
     parser, args = parse_serve_args(list(sys.argv[1:] if argv is None else argv), prog)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_library_loggers()
+    if args.node_rank > 0:  # multi-host: node 0 serves HTTP and schedules, this node runs the same steps
+        from paged_jax.parallel.multihost import run_follower
+
+        try:
+            return run_follower(engine_args_from_namespace(args))
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
@@ -209,19 +269,20 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     except ValueError as exc:
         sock.close()
         parser.error(str(exc))
-    import uvicorn
+    from serving.lifecycle import ServingServer
 
     scheme = "https" if args.ssl_certfile else "http"
     logging.getLogger(__name__).info("Starting the API server on %s://%s:%d%s", scheme, args.host or "0.0.0.0",
                                      sock.getsockname()[1], args.root_path or "")
+    server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
     try:
-        uvicorn.Server(uvicorn_config(app, args)).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn has shut down gracefully and re-raises the interrupt (uvicorn.run swallows it too)
     finally:
         app.state.server.engine.shutdown()
         sock.close()
-    return 0
+    return 1 if server.engine_died else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

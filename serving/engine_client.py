@@ -12,7 +12,7 @@ HTTP layer, which accumulates only for non-streaming responses.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -65,7 +65,21 @@ class EngineClient(Protocol):
 
 @runtime_checkable
 class ProcessEngineClient(EngineClient, Protocol):
-    """An ``EngineClient`` whose engine runs elsewhere and can die on its own (``EngineProcessClient``)."""
+    """An ``EngineClient`` whose engine runs elsewhere and can die on its own (``EngineProcessClient``).
+
+    Admission without a round trip per request: ``submit_requests`` sends a group and returns at once; the engine
+    adds the group all or none before its next step, and the answer comes out of ``take_admissions`` after a later
+    ``step()`` (which returns early for it). ``add_request`` remains, waiting for its own answer."""
+
+    def submit_requests(self, requests: Sequence[tuple]) -> int:
+        """Send ``[(request_id, prompt, params, priority[, lora_request])]`` as one group; returns the group's id.
+        Raises ValueError (an id already in use; nothing sent)."""
+
+    def take_admissions(self) -> list[tuple[int, BaseException | None]]:
+        """``(group id, None or the error that refused the whole group)`` for every answer received so far."""
+
+    def wakeup(self) -> None:
+        """Make a ``step()`` blocked waiting for the engine return now (safe from any thread)."""
 
     def is_alive(self) -> bool:
         """Whether the engine is running (safe from any thread: ``/health`` asks it)."""

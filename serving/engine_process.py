@@ -7,20 +7,28 @@ server measured well below the offline engine's tok/s at 64 streams (benchmarks/
 apart from the API server for the same reason.
 
 ``EngineProcessClient(engine_args)`` spawns the child, which builds the ``LLMEngine`` and then loops on its own:
-while it has unfinished requests it steps without waiting for anyone, reading commands between steps; idle, it
-blocks on the command pipe. After each step it sends the step's outputs, which are deltas already (new token ids,
-new text, new logprobs, finish state), compactly (the prompt only with a request's first output), and the engine's
-stats; the client turns them back into delta ``RequestOutput`` objects, accumulating nothing.
+while it has unfinished requests it steps without waiting for anyone, applying every command that arrived during a
+step before the next one (a burst of arrivals joins one step, not one step each); idle, it blocks on the command
+pipe. It sends one message per step: the step's outputs, which are deltas already (new token ids, new text, new
+logprobs, finish state), compactly (the prompt only with a request's first output), the engine's stats and the
+number of commands applied so far. The client turns them back into delta ``RequestOutput`` objects, accumulating
+nothing.
 
-The client is used exactly like an ``LLMEngine`` by one thread (``serving.async_engine.AsyncEngine``'s engine thread):
-
+The client is used exactly like an ``LLMEngine`` by one thread (``serving.async_engine.AsyncEngine``'s engine thread).
 It implements ``serving.engine_client.ProcessEngineClient``:
 
-* ``add_request`` sends the request and waits for the child's answer (it raises the child's ValueError);
+* ``submit_requests([(id, prompt, params, priority[, lora_request])])`` sends a group without waiting; the child
+  adds it all or none and answers before its next step; ``take_admissions()`` hands the answers over after a
+  ``step()``. There is no round trip per request, so the engine keeps stepping (and running streams keep getting
+  their tokens) while requests arrive. ``add_request`` is the same for one request, waiting for its answer (it
+  raises the child's ValueError);
 * ``step()`` returns the outputs of every step the child finished since the last call, blocking for one if none
-  (each step's deltas in order, so several steps' outputs of one request follow each other);
-* ``abort_request`` is fire-and-forget; ``stats()`` is the child's latest, with requests added since counted as
-  waiting; ``has_unfinished_requests()`` is the client's own view (added, neither finished nor aborted);
+  (each step's deltas in order, so several steps' outputs of one request follow each other); it returns early when
+  admissions were answered;
+* ``abort_request`` is fire-and-forget; ``stats()`` is the child's latest, with requests sent but not yet answered
+  counted as waiting; ``has_unfinished_requests()`` is true while requests are live (added, neither finished nor
+  aborted) or commands unanswered. Commands that leave the child idle are answered at once with its stats, so after
+  the last abort one more ``step()`` brings the freed blocks into the metrics without any further request;
 * a dead child (crash, kill) makes ``step`` / ``add_request`` raise ``EngineProcessDied``; ``close()`` stops it.
 
 Requests and outputs cross the pipe pickled (``SamplingParams`` and the output dataclasses are plain data).
@@ -35,21 +43,28 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import queue
+import socket
 import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from paged_jax.outputs import CompletionOutput, RequestOutput
 from serving.async_engine import EngineDeadError
 from serving.server_logs import quiet_library_loggers
 
 if TYPE_CHECKING:
     from paged_jax.config import EngineArgs
-    from paged_jax.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+# Messages ``step()`` handles without blocking before it returns (bounds the call while the child keeps sending).
+_MAX_MESSAGES_PER_CALL = 64
 
 
 class EngineProcessDied(EngineDeadError):
@@ -65,9 +80,9 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
     logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
     quiet_library_loggers()
     try:
-        from paged_jax.engine import LLMEngine
+        from paged_jax.data_parallel import create_engine
 
-        engine = LLMEngine(engine_args, use_tqdm=log_level <= logging.INFO)
+        engine = create_engine(engine_args, use_tqdm=log_level <= logging.INFO)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return
@@ -76,44 +91,94 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
                          "model_path": engine.model_path,
                          "stats": dict(engine.stats())}))
     prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
+    num_commands = 0  # commands applied so far; every message reports it, so the parent knows what it reflects
+    sender = _Sender(conn)
     try:
         while True:
-            if engine.has_unfinished_requests():
-                messages = []
-                while conn.poll():
-                    messages.append(conn.recv())
-            else:
-                messages = [conn.recv()]  # idle: sleep until there is something to do
+            # Busy: every command that arrived during the last step, without waiting. Idle: sleep until one comes.
+            messages = [] if engine.has_unfinished_requests() else [conn.recv()]
+            while conn.poll():
+                messages.append(conn.recv())
+            admissions = []
             for message in messages:
                 kind = message[0]
                 if kind == "shutdown":
                     return
+                num_commands += 1
                 if kind == "add":
-                    _, request_id, prompt, params, priority, lora_request = message
-                    try:
-                        engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
-                    except Exception as exc:  # noqa: BLE001 - the caller's error (bad request), not the engine's
-                        conn.send(("added", request_id, exc if _picklable(exc) else ValueError(str(exc))))
-                    else:
-                        conn.send(("added", request_id, None))
+                    admissions.append((message[1], _add_group(engine, message[2])))
                 elif kind == "abort":
                     engine.abort_request(message[1])
                     prompt_sent.difference_update(message[1])
                 elif kind == "call":  # an engine method with an answer (add_lora, remove_lora, list_loras)
                     try:
-                        conn.send(("called", getattr(engine, message[1])(*message[2]), None))
+                        sender.send(("called", getattr(engine, message[1])(*message[2]), None))
                     except Exception as exc:  # noqa: BLE001 - the caller's error; the engine stays up
-                        conn.send(("called", None, exc if _picklable(exc) else ValueError(str(exc))))
-            if engine.has_unfinished_requests():
+                        sender.send(("called", None, exc if _picklable(exc) else ValueError(str(exc))))
+            busy = engine.has_unfinished_requests()
+            if admissions or (messages and not busy):
+                # Admissions are answered before the step (a client gets its response headers without waiting for
+                # one); commands that leave the engine idle are answered at once, with the stats they produced.
+                sender.send(("state", num_commands, admissions, [], dict(engine.stats())))
+            if busy:
                 outputs = engine.step()
-                conn.send(("step", [_pack(output, prompt_sent) for output in outputs], dict(engine.stats())))
+                sender.send(("state", num_commands, [], [_pack(output, prompt_sent) for output in outputs],
+                             dict(engine.stats())))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent went away
     except BaseException as exc:  # noqa: BLE001 - the parent turns it into EngineDeadError for every client
         try:
-            conn.send(("died", _describe(exc)))
-        except (OSError, ValueError):
+            sender.send(("died", _describe(exc)))
+        except BrokenPipeError:
             pass
+    finally:
+        sender.close()
+
+
+class _Sender:
+    """Sends the child's messages from a thread of its own, in order: the engine loop never waits on the pipe (a
+    parent busy serving HTTP may read late) and pickling overlaps the next step's device time."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BrokenPipeError | None = None
+        self._thread = threading.Thread(target=self._run, name="paged-jax-engine-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, message: tuple) -> None:
+        """Queue ``message``; raises BrokenPipeError once the parent is gone."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(message)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as exc:
+                self._error = BrokenPipeError(f"the parent is gone ({exc})")
+                return
+
+
+def _add_group(engine, requests: list[tuple]) -> BaseException | None:
+    """Add ``[(request_id, prompt, params, priority[, lora_request])]`` all or none: the error of the first bad
+    request (the ones added before it are aborted), or None."""
+    added = []
+    try:
+        for request_id, prompt, params, priority, *lora_request in requests:
+            lora = {"lora_request": lora_request[0]} if lora_request and lora_request[0] is not None else {}
+            engine.add_request(request_id, prompt, params, priority=priority, **lora)
+            added.append(request_id)
+    except Exception as exc:  # noqa: BLE001 - the caller's error (bad request), not the engine's
+        engine.abort_request(added)
+        return exc if _picklable(exc) else ValueError(str(exc))
+    return None
 
 
 def _pack(output: RequestOutput, prompt_sent: set[str]) -> tuple:
@@ -191,27 +256,63 @@ class EngineProcessClient:
         logger.info("engine process ready in %.1f s", time.perf_counter() - started)
         # Added, neither finished nor aborted: request id -> (prompt, prompt_token_ids) once its first output came.
         self._live: dict[str, tuple[str | None, list[int]] | None] = {}
-        self._added_since_stats = 0
+        self._admitting: dict[int, list[str]] = {}  # group id -> its request ids, until the child answers
+        self._admissions: list[tuple[int, BaseException | None]] = []  # answers not yet taken
+        self._next_group_id = 0
+        self._num_commands_sent = 0
+        self._num_commands_applied = 0  # by the child, as of its latest message
         self._pending_outputs: list = []
+        # Called on the engine thread with each child step's stats, in order (per-step metrics such as tokens per
+        # step: ``step()`` may return several steps' outputs at once).
+        self.on_step_stats: Callable[[dict], None] | None = None
+        # ``wakeup()`` (any thread) makes a blocked ``step()`` return, so new commands need not wait for a step.
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
         self._closed = False
         self._lock = threading.Lock()  # close() may come from another thread than the engine thread
 
     # ------------------------------------------------------------------ LLMEngine interface (one thread)
+    def submit_requests(self, requests: Sequence[tuple]) -> int:
+        """Send ``[(request_id, prompt, params, priority[, lora_request])]`` to the child without waiting: the child
+        adds them all or none before its next step and answers through ``take_admissions()``; returns the group's
+        id.
+
+        Raises:
+          ValueError: a request id is already in use (nothing was sent).
+          EngineProcessDied: the child is gone.
+        """
+        request_ids = [request[0] for request in requests]
+        for request_id in request_ids:
+            if request_id in self._live:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        group_id = self._next_group_id
+        self._next_group_id += 1
+        self._send(("add", group_id, [tuple(request) for request in requests]))
+        self._admitting[group_id] = request_ids
+        for request_id in request_ids:
+            self._live[request_id] = None
+        return group_id
+
+    def take_admissions(self) -> list[tuple[int, BaseException | None]]:
+        """The child's answers to ``submit_requests`` received so far: ``(group id, None or the error that refused
+        the whole group)``. A refused group's requests are no longer live; an admitted one's outputs come from
+        ``step()``."""
+        admissions, self._admissions = self._admissions, []
+        return admissions
+
     def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0,
                     lora_request: Any = None) -> None:
-        """Queue a request in the child; raises the child's ValueError for a bad one."""
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self._send(("add", request_id, prompt, params, priority, lora_request))
+        """Queue a request in the child and wait for its answer (raises the child's ValueError)."""
+        group_id = self.submit_requests([(request_id, prompt, params, priority, lora_request)])
         while True:  # step results may arrive first: keep them for step()
-            message = self._recv()
-            if message[0] == "added" and message[1] == request_id:
-                if message[2] is not None:
-                    raise message[2]
-                self._live[request_id] = None
-                self._added_since_stats += 1
-                return
-            self._handle(message)
+            for i, (answered, error) in enumerate(self._admissions):
+                if answered == group_id:
+                    del self._admissions[i]
+                    if error is not None:
+                        raise error
+                    return
+            self._handle(self._recv())
 
     def add_lora(self, lora_request: Any) -> bool:
         """``LLMEngine.add_lora`` in the child (raises its ValueError)."""
@@ -243,19 +344,50 @@ class EngineProcessClient:
         self._send(("abort", request_ids))
 
     def step(self) -> list[RequestOutput]:
-        """The delta outputs of every step the child finished since the last call (blocks for one if none yet)."""
-        while not self._pending_outputs and self._live:
-            self._handle(self._recv())
-            if not self._pending_outputs and self._stats.get("num_unfinished_requests") == 0:
-                # The child holds nothing any more (its stats come after every acknowledged add), so whatever is
-                # still live here ended without an output; never block on a child that will not step again.
+        """The delta outputs of every step the child finished since the last call. Blocks for the child's next
+        message while there are none and requests are live or commands unanswered; returns early (maybe with no
+        outputs) when admissions were answered, the child has applied every command, or ``wakeup()`` was called."""
+        while True:
+            for _ in range(_MAX_MESSAGES_PER_CALL):  # whatever is already there, without blocking
+                if not self._conn.poll():
+                    break
+                self._handle(self._recv())
+            if self._pending_outputs or self._admissions or not self.has_unfinished_requests():
+                break
+            if (self._num_commands_applied == self._num_commands_sent
+                    and self._stats.get("num_unfinished_requests") == 0):
+                # The child has applied every command and holds nothing, so whatever is still live here ended
+                # without an output; never block on a child that will not step again.
                 logger.warning("engine process holds none of %d live requests; dropping them", len(self._live))
                 self._live.clear()
+                break
+            ready = multiprocessing.connection.wait([self._conn, self._wake_reader])
+            if self._wake_reader in ready:
+                self._take_wakeups()
+                if self._conn not in ready:
+                    break  # the caller has commands to send
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
+    def wakeup(self) -> None:
+        """Make a ``step()`` blocked on the child return now (safe from any thread): the caller has queued commands
+        that should reach the child before its next step."""
+        try:
+            self._wake_writer.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already signalled (buffer full) or closed
+
+    def _take_wakeups(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        """Live requests, or commands the child has not answered yet (after the last abort, ``step()`` returns
+        once the child has applied it, with its stats)."""
+        return bool(self._live) or self._num_commands_applied != self._num_commands_sent
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._live)
@@ -265,8 +397,8 @@ class EngineProcessClient:
 
     def stats(self) -> dict:
         stats = dict(self._stats)
-        # Requests added since the child's last report are waiting as far as admission control is concerned.
-        stats["num_waiting"] = int(stats.get("num_waiting", 0)) + self._added_since_stats
+        # Requests sent but not yet answered are waiting as far as admission control is concerned.
+        stats["num_waiting"] = int(stats.get("num_waiting", 0)) + sum(map(len, self._admitting.values()))
         return stats
 
     def close(self, timeout: float = 30.0) -> None:
@@ -284,6 +416,8 @@ class EngineProcessClient:
             self._process.kill()
             self._process.join(5)
         self._conn.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
 
     def is_alive(self) -> bool:
         """Whether the child process is running (safe from any thread; ``/health`` asks it)."""
@@ -299,6 +433,7 @@ class EngineProcessClient:
             self._conn.send(message)
         except (OSError, ValueError) as exc:
             raise EngineProcessDied(f"the engine process is gone ({exc})") from exc
+        self._num_commands_sent += 1
 
     def _recv(self):
         try:
@@ -311,11 +446,17 @@ class EngineProcessClient:
         return message
 
     def _handle(self, message) -> None:
-        if message[0] != "step":
+        if message[0] != "state":
             raise EngineProcessDied(f"unexpected message from the engine process: {message[0]!r}")
-        _, deltas, stats = message
-        self._stats = stats
-        self._added_since_stats = 0
+        _, self._num_commands_applied, admissions, deltas, self._stats = message
+        if self.on_step_stats is not None:
+            self.on_step_stats(self._stats)
+        for group_id, error in admissions:
+            request_ids = self._admitting.pop(group_id)
+            if error is not None:
+                for request_id in request_ids:
+                    self._live.pop(request_id, None)
+            self._admissions.append((group_id, error))
         for delta in deltas:
             output = self._rebuild(delta)
             if output is not None:
@@ -323,8 +464,6 @@ class EngineProcessClient:
 
     def _rebuild(self, packed: tuple) -> RequestOutput | None:
         """The delta ``RequestOutput`` that ``_pack`` packed; None for a request aborted here meanwhile."""
-        from paged_jax.outputs import CompletionOutput, RequestOutput
-
         request_id, head, completions, finished, num_cached_tokens, metrics, prompt_logprobs = packed
         if request_id not in self._live:
             return None

@@ -1,7 +1,7 @@
 """OpenAI's error body for every failure: ``{"error": {"message", "type", "param", "code"}}``.
 
-400 for invalid input (including pydantic validation errors, which FastAPI would answer 422), 401 without the API
-key, 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full, 500 when the engine has
+400 for invalid input (including pydantic validation errors, which FastAPI would answer 422), 413 for a body over
+``--max-request-body-size``, 401 without the API key, 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full, 500 when the engine has
 failed. ``add_error_handlers(app)`` makes the app answer every exception in that shape.
 """
 
@@ -21,7 +21,7 @@ from serving.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+                405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -81,6 +81,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = str(loc[0]) if loc and isinstance(loc[0], str) else "body"
     where = ".".join(str(part) for part in loc) or "body"
     message = f"{where}: {first.get('msg', 'invalid value')}"
+    detail = str(first.get("msg", "")).removeprefix("Value error, ")
+    named = _FIELD_NAME.match(detail)
+    if not loc and named and detail[named.end():].startswith(":"):  # a whole-body check that names the field
+        param, message = named.group(1), detail
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, message, param=param)

@@ -1,55 +1,108 @@
-"""Prometheus metrics of one server, named as vLLM names them (prefix ``paged_jax:`` instead of ``vllm:``).
+"""Prometheus metrics of one server: vLLM's metric set (v1 engine), with vLLM's names, labels and buckets.
+
+Names are ``<prefix>:<vLLM's name>``: the native prefix is ``paged_jax`` (``paged_jax:num_requests_running``);
+``--metrics-prefix vllm`` exports exactly vLLM's names (``vllm:num_requests_running``), so an existing vLLM Grafana
+dashboard or alert rule works unchanged. Every metric carries vLLM's labels ``model_name`` (the served model name)
+and ``engine`` (``"0"``: one engine per server); ``request_success_total`` adds ``finished_reason``.
 
 Each app owns a ``CollectorRegistry`` (never the process-global one), so several servers in one process (tests)
-keep separate counts. Two kinds of metrics:
+keep separate counts. Where each value comes from:
 
-* engine state (running / waiting counts, KV usage, prefix-cache and token counters, preemptions) comes from the
-  latest ``LLMEngine.stats()`` snapshot the engine thread published; a custom collector turns that snapshot into
-  gauges and counters at scrape time, so the engine's own cumulative counters are the single source of truth;
-* per-request latencies (TTFT, inter-token latency, end-to-end) and finished-request counts are observed on the
-  event loop as outputs arrive, i.e. as a client sees them.
+* engine state (running / waiting counts, KV usage, prefix-cache and token counters, preemptions, the cache config)
+  comes from the latest ``LLMEngine.stats()`` snapshot the engine thread published; a custom collector turns it
+  into gauges and counters at scrape time, so the engine's own cumulative counters are the single source of truth.
+  ``iteration_tokens_total`` (tokens per engine step, vLLM's "prompt tokens of requests whose prefill completed
+  plus tokens generated" in the step) is observed from consecutive per-step snapshots (``update_engine_stats``);
+* per-request values are observed on the event loop as outputs arrive (``observe_output``): time to first token and
+  inter-token latency as a client sees them (also exported as vLLM's older name ``time_per_output_token_seconds``),
+  and, once a request finishes, its end-to-end latency and, from the engine's own timestamps
+  (``RequestOutput.metrics``: arrival, first scheduled, first token, last token), the queue, prefill, decode and
+  inference times (vLLM's definitions), its token counts and its ``n`` / ``max_tokens``.
+
+Parallel sampling (``n`` > 1) is one engine request with one set of timestamps: the timing histograms are observed
+once per request; ``request_success``, ``request_prompt_tokens``, ``request_generation_tokens`` and
+``request_params_max_tokens`` once per choice (vLLM counts each of the n sequences as a request of its own);
+``request_params_n`` and ``request_max_num_generation_tokens`` (the longest choice) once per request, as vLLM does.
 """
 
 from __future__ import annotations
 
+import re
 import threading
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-PREFIX = "paged_jax:"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+if TYPE_CHECKING:
+    from paged_jax.outputs import RequestOutput
+    from serving.async_engine import RequestStream
 
-# vLLM's bucket edges (seconds).
+NATIVE_PREFIX = "paged_jax"
+VLLM_PREFIX = "vllm"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE_INDEX = "0"  # vLLM's ``engine`` label: the data-parallel engine index; a server here runs one engine
+LABEL_NAMES = ("model_name", "engine")
+_PREFIX_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+# vLLM's bucket edges.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` (``build_1_2_5_buckets(100)`` =
+    ``[1, 2, 5, 10, 20, 50, 100]``)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it can start a Prometheus metric name (``[a-zA-Z_][a-zA-Z0-9_]*``), else ValueError naming it."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        raise ValueError(f"metrics prefix must match [a-zA-Z_][a-zA-Z0-9_]* (e.g. {NATIVE_PREFIX!r} or "
+                         f"{VLLM_PREFIX!r}), got {prefix!r}")
+    return prefix
+
 
 # (metric name without prefix, engine stats key, documentation)
 _ENGINE_GAUGES = (
     ("num_requests_running", "num_running", "Number of requests in model execution batches."),
     ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
     ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+    # vLLM's name before 0.9, still on its published dashboard: the same value.
+    ("gpu_cache_usage_perc", "kv_cache_usage",
+     "GPU KV-cache usage. 1 means 100 percent usage. Same as kv_cache_usage_perc (vLLM's older name)."),
 )
 _ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
-    ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
+    ("num_preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
     ("prompt_tokens", "prompt_tokens_total", "Number of prefill tokens processed."),
     ("generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),
 )
 
 
 class _EngineStatsCollector(Collector):
-    """Yields gauges/counters from the latest engine stats snapshot (absent keys are skipped, not faked)."""
+    """Yields gauges/counters from the latest engine stats snapshot, and ``cache_config_info`` (vLLM's info gauge,
+    permanently 1, whose labels are the cache configuration)."""
 
-    def __init__(self, labels: Mapping[str, str]) -> None:
+    def __init__(self, prefix: str, labels: Mapping[str, str], cache_config: Mapping[str, object]) -> None:
+        self._prefix = prefix
         self._labels = dict(labels)
+        self._cache_config = {key: str(value) for key, value in cache_config.items()}
         self._lock = threading.Lock()
         self._stats: dict[str, float] = {}
 
@@ -62,61 +115,170 @@ class _EngineStatsCollector(Collector):
             stats = dict(self._stats)
         label_names = list(self._labels)
         label_values = list(self._labels.values())
-        for name, key, doc in _ENGINE_GAUGES:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=label_names)
-            family.add_metric(label_values, float(stats.get(key, 0.0)))
-            yield family
-        for name, key, doc in _ENGINE_COUNTERS:
-            # CounterMetricFamily appends "_total" itself.
-            family = CounterMetricFamily(PREFIX + name, doc, labels=label_names)
-            family.add_metric(label_values, float(stats.get(key, 0.0)))
-            yield family
+        samples = [(label_values, stats)]
+        if stats.get("replicas"):
+            # A data-parallel engine (paged_jax.data_parallel) reports each replica: one series per replica, labelled
+            # engine="<index>" as vLLM labels its DP engines (the total is their sum; stats() also carries it).
+            at = label_names.index("engine")
+            samples = [(label_values[:at] + [str(index)] + label_values[at + 1:], replica)
+                       for index, replica in enumerate(stats["replicas"])]
+        for family_type, specs in ((GaugeMetricFamily, _ENGINE_GAUGES), (CounterMetricFamily, _ENGINE_COUNTERS)):
+            for name, key, doc in specs:
+                # CounterMetricFamily appends "_total" itself.
+                family = family_type(f"{self._prefix}:{name}", doc, labels=label_names)
+                for values, source in samples:
+                    family.add_metric(values, float(source.get(key, 0.0)))
+                yield family
+        # The KV pool's size is known once the engine sized it (its first stats snapshot); vLLM labels it the same.
+        info = dict(self._cache_config)
+        for key in ("num_gpu_blocks", "num_cpu_blocks"):
+            if key in stats:
+                info[key] = str(int(stats[key]))
+        info["engine"] = self._labels["engine"]
+        family = GaugeMetricFamily(f"{self._prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=list(info))
+        family.add_metric(list(info.values()), 1.0)
+        yield family
 
 
 class ServingMetrics:
     """All metrics of one server, in their own registry.
 
     Args:
-      model_name: value of the ``model_name`` label on every metric (as vLLM labels them).
+      model_name: value of the ``model_name`` label on every metric (the first served model name, as vLLM).
+      max_model_len: the engine's; sets the token-count buckets (vLLM's ``build_1_2_5_buckets(max_model_len)``).
+      prefix: the name prefix (``NATIVE_PREFIX`` or ``VLLM_PREFIX``; any ``[a-zA-Z_][a-zA-Z0-9_]*``).
+      cache_config: the labels of ``cache_config_info`` (``cache_config_labels(engine_args)``).
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, max_model_len: int, prefix: str = NATIVE_PREFIX,
+                 cache_config: Mapping[str, object] | None = None) -> None:
+        self.prefix = check_prefix(prefix)
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model_name}
-        self._labels = labels
-        self._engine_stats = _EngineStatsCollector(labels)
+        self._labels = {"model_name": model_name, "engine": ENGINE_INDEX}
+        self._engine_stats = _EngineStatsCollector(self.prefix, self._labels, cache_config or {})
         self.registry.register(self._engine_stats)
-        label_names = list(labels)
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            label_names, buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            label_names, buckets=ITL_BUCKETS, registry=self.registry).labels(**labels)
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-            label_names, buckets=E2E_BUCKETS, registry=self.registry).labels(**labels)
-        self._request_success = Counter(
-            PREFIX + "request_success", "Count of successfully processed requests.",
-            label_names + ["finished_reason"], registry=self.registry)
+        token_buckets = build_1_2_5_buckets(max_model_len)
 
-    # Called from the engine thread after every step.
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"{self.prefix}:{name}", doc, LABEL_NAMES, buckets=buckets,
+                             registry=self.registry).labels(**self._labels)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (vLLM's older name of inter_token_latency_seconds).",
+            ITL_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Histogram of time spent in WAITING phase for request.",
+                                            REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram("request_inference_time_seconds",
+                                                "Histogram of time spent in RUNNING phase for request.",
+                                                REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram("request_prefill_time_seconds",
+                                              "Histogram of time spent in PREFILL phase for request.",
+                                              REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram("request_decode_time_seconds",
+                                             "Histogram of time spent in DECODE phase for request.",
+                                             REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKENS_BUCKETS)
+        self._request_success = Counter(f"{self.prefix}:request_success", "Count of successfully processed requests.",
+                                        list(LABEL_NAMES) + ["finished_reason"], registry=self.registry)
+        self._last_step: tuple[float, float] | None = None  # (num_steps, prompt + generation tokens), engine thread
+
+    # --------------------------------------------------------------------- engine thread
     def update_engine_stats(self, stats: Mapping[str, float]) -> None:
+        """The engine's latest snapshot: after every engine-loop iteration, and from an engine process after each of
+        its steps. A snapshot that follows one ``step()`` (one more step launched, or none launched but tokens
+        resolved: the last step of overlapped scheduling) observes that step's tokens in ``iteration_tokens_total``;
+        one with no change (no step since) observes nothing."""
         self._engine_stats.update(stats)
+        if "num_steps" not in stats:
+            return
+        steps = float(stats["num_steps"])
+        tokens = float(stats.get("prompt_tokens_total", 0)) + float(stats.get("generation_tokens_total", 0))
+        last, self._last_step = self._last_step, (steps, tokens)
+        if last is not None and (steps == last[0] + 1 or (steps == last[0] and tokens > last[1])):
+            self.iteration_tokens.observe(tokens - last[1])
 
-    # Called on the event loop as outputs arrive.
-    def observe_first_token(self, seconds: float) -> None:
-        self.time_to_first_token.observe(seconds)
+    # --------------------------------------------------------------------- event loop
+    def observe_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        """One (delta) output of ``stream`` reaching the event loop at ``now`` (``time.monotonic()``)."""
+        has_new_tokens = False
+        for completion in output.outputs:
+            if completion.token_ids:
+                has_new_tokens = True
+                stream.num_generation_tokens[completion.index] = (
+                    stream.num_generation_tokens.get(completion.index, 0) + len(completion.token_ids))
+            if completion.finish_reason is not None:  # a choice's last output
+                stream.finish_reasons.append(completion.finish_reason)
+        if has_new_tokens:
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                self.time_to_first_token.observe(now - stream.arrival_time)
+            else:
+                self.inter_token_latency.observe(now - stream.last_token_time)
+                self.time_per_output_token.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+        if output.finished:
+            self._observe_finished(stream, output, now)
 
-    def observe_inter_token(self, seconds: float) -> None:
-        self.inter_token_latency.observe(seconds)
-
-    def observe_finished(self, e2e_seconds: float, finish_reasons: Iterable[str | None]) -> None:
-        """One finished engine request: its latency once, and one success count per choice, by finish reason."""
-        self.e2e_request_latency.observe(e2e_seconds)
-        for reason in finish_reasons:
+    def _observe_finished(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        for reason in stream.finish_reasons:
             self._request_success.labels(**self._labels, finished_reason=str(reason)).inc()
+        self.e2e_request_latency.observe(now - stream.arrival_time)
+        params = stream.params
+        n = params.n if params is not None else max(len(stream.finish_reasons), 1)
+        tokens = [stream.num_generation_tokens.get(index, 0) for index in range(n)]
+        for num_tokens in tokens:
+            self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+            self.request_generation_tokens.observe(num_tokens)
+            if params is not None and params.max_tokens:
+                self.request_params_max_tokens.observe(params.max_tokens)
+        self.request_params_n.observe(n)
+        self.request_max_num_generation_tokens.observe(max(tokens))
+        times = output.metrics
+        if times is None or None in (times.first_scheduled_time, times.first_token_time, times.last_token_time):
+            return  # finished before it was ever scheduled (e.g. cut short): no phases to measure
+        decode_time = times.last_token_time - times.first_token_time
+        self.request_queue_time.observe(times.first_scheduled_time - times.arrival_time)
+        self.request_prefill_time.observe(times.first_token_time - times.first_scheduled_time)
+        self.request_decode_time.observe(decode_time)
+        self.request_inference_time.observe(times.last_token_time - times.first_scheduled_time)
+        # vLLM's definition: the first token belongs to the prefill; 0 when there is no second token.
+        longest = max(tokens)
+        self.request_time_per_output_token.observe(decode_time / (longest - 1) if longest > 1 else 0.0)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+
+def cache_config_labels(engine_args) -> dict[str, object]:
+    """The labels of ``cache_config_info`` from ``EngineArgs`` (vLLM's ``CacheConfig`` field names; the KV cache
+    takes the model's dtype, which vLLM calls ``cache_dtype="auto"``). ``num_gpu_blocks`` / ``num_cpu_blocks`` come
+    from the engine's stats once it has sized its pool."""
+    return {"block_size": engine_args.block_size, "cache_dtype": "auto",
+            "enable_prefix_caching": engine_args.enable_prefix_caching,
+            "gpu_memory_utilization": engine_args.gpu_memory_utilization,
+            "num_gpu_blocks_override": engine_args.num_gpu_blocks_override,
+            "swap_space": engine_args.swap_space}

@@ -1,16 +1,22 @@
 """``OpenAIServer``: the request handling the routes share, and ``get_server``, the routes' way to reach it.
 
 One ``OpenAIServer`` per app, in ``app.state.server``: it holds the ``AsyncEngine``, the server's own tokenizer
-copy, the served model's facts and the metrics. Prompts are tokenized here, on the event loop, with that copy (HF
-tokenizers are not safe to share with the engine thread), so prompt-length checks and usage counts need no engine
-round trip. Input problems raise ``APIError`` (400 naming the field, 404 for an unknown model).
+copy, the served model's facts and the metrics. Prompts are rendered and tokenized here with that copy (HF tokenizers
+are not safe to share with the engine thread), so prompt-length checks and usage counts need no engine round trip;
+the work runs on one tokenizer thread (vLLM's single-worker executor), never on the event loop, so a long prompt
+cannot stall other connections or ``/health``. A prompt text longer than any prompt of ``max_model_len`` tokens
+can be is refused before tokenization (``serving.request_limits.max_prompt_chars``). Input problems raise
+``APIError`` (400 naming the field, 404 for an unknown model).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from fastapi import Request
@@ -24,6 +30,7 @@ from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
+from serving.request_limits import check_num_seqs, max_prompt_chars
 from serving.unsupported_fields import refuse_unsupported
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
@@ -86,6 +93,10 @@ class OpenAIServer:
       chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
+      max_seqs_per_request: most sequences (prompts x n) one request may ask for (``--max-seqs-per-request``).
+      enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
+        ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
+      reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
       loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
         without ``--enable-lora``.
     """
@@ -93,7 +104,12 @@ class OpenAIServer:
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
                  default_sampling_params: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS,
                  chat_template: str | None = None, response_role: str = "assistant",
-                 scheduling_policy: str = "fcfs", loras: Any = None) -> None:
+                 scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None,
+                 enable_auto_tool_choice: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None, loras: Any = None) -> None:
+        from serving.reasoning_parsers import REASONING_PARSERS
+        from serving.tool_parsers import TOOL_PARSERS
+
         self.engine = async_engine
         self.tokenizer = tokenizer
         self.info = info
@@ -103,7 +119,20 @@ class OpenAIServer:
         self.chat_template = chat_template
         self.response_role = response_role
         self.scheduling_policy = scheduling_policy
+        self.max_seqs_per_request = max_seqs_per_request
+        self.max_prompt_chars = max_prompt_chars(tokenizer, info.max_model_len)
+        # One thread: the tokenizer copy is used by one thread at a time (HF fast tokenizers may refuse concurrent
+        # use), and prompts are tokenized in arrival order.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-tokenizer")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.loras = loras
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
@@ -123,7 +152,8 @@ class OpenAIServer:
     def check_request(self, body: SamplingFields) -> None:
         """The checks every generation request passes before its prompt is built (400 naming the field)."""
         self.check_model(body.model)
-        refuse_unsupported(body)
+        # include_reasoning: false is refused only where there is no reasoning to leave out.
+        refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: Stream options can only be defined when `stream=True`.",
                            param="stream_options")
@@ -186,26 +216,40 @@ class OpenAIServer:
                            param=param)
         return self.tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, param: str, *, truncating: bool = False) -> list[int]:
+        """The token ids of ``text`` (on the tokenizer thread). Unless the prompt is truncated afterwards
+        (``truncating``), a text too long for any prompt of ``max_model_len`` tokens is refused untokenized."""
         self.require_tokenizer(param)
+        if not truncating and self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{param}: the text has {len(text)} characters, more than any prompt within this "
+                                f"model's maximum context length of {self.info.max_model_len} tokens can have "
+                                f"({self.max_prompt_chars}). Please reduce the length of the input.", param=param)
+        return await self._off_loop(self._encode, text, add_special_tokens, param)
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates the tokenizer cannot encode
             raise APIError(400, f"{param}: cannot tokenize the text ({exc})", param=param) from exc
 
-    def decode(self, token_ids: Sequence[int], param: str) -> str:
-        return self.require_tokenizer(param).decode(list(token_ids))
+    async def decode(self, token_ids: Sequence[int], param: str) -> str:
+        tokenizer = self.require_tokenizer(param)
+        return await self._off_loop(tokenizer.decode, list(token_ids))
 
-    def render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
-        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``) with ``body``'s chat options; a template
-        error is the input's (400)."""
-        tokenizer = self.require_tokenizer("messages")
+    async def render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
+        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``, on the tokenizer thread) with
+        ``body``'s chat options; a template error is the input's (400)."""
+        self.require_tokenizer("messages")
+        return await self._off_loop(self._render_chat, messages, body)
+
+    def _render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
+        tokenizer = self.tokenizer
         template = getattr(body, "chat_template", None)
         try:
             return render_chat(tokenizer, [message.model_dump() for message in messages], body.add_generation_prompt,
                                body.chat_template_kwargs, continue_final_message=body.continue_final_message,
                                chat_template=template if template is not None else self.chat_template,
-                               documents=getattr(body, "documents", None))
+                               documents=getattr(body, "documents", None), tools=getattr(body, "tools", None))
         except ChatTemplateError as exc:  # e.g. an unsupported role order
             raise APIError(400, f"messages: the chat template rejected the conversation ({exc})",
                            param=_chat_error_param(str(exc))) from exc
@@ -232,10 +276,17 @@ class OpenAIServer:
         return min(limit for limit in limits if limit is not None)
 
     def sampling_params(self, body: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        aliases: dict[str, str], prompt_logprobs: int | None = None):
+                        aliases: dict[str, str], prompt_logprobs: int | None = None, tool_schema: dict | None = None,
+                        skip_special_tokens: bool | None = None):
         """``SamplingParams`` of ``body``; fields it leaves unset take the generation config's default, else
-        vLLM's. ``logprobs`` / ``prompt_logprobs``: as the endpoint reads them from its fields."""
+        vLLM's. ``logprobs`` / ``prompt_logprobs``: as the endpoint reads them from its fields. ``tool_schema``:
+        the JSON schema a required / named tool choice constrains the reply to; ``skip_special_tokens``: the tool
+        parser's override. ``aliases`` gains the structured-output spec's field -> the request field."""
         from paged_jax.sampling_params import SamplingParams
+        from serving.structured_outputs import structured_outputs_from_request
+
+        structured_outputs, spec_fields = structured_outputs_from_request(body, tool_schema)
+        aliases.update(spec_fields)
 
         if body.stop_token_ids:
             self.check_token_ids(body.stop_token_ids, "stop_token_ids")
@@ -268,20 +319,50 @@ class OpenAIServer:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens,
+                skip_special_tokens=(body.skip_special_tokens if skip_special_tokens is None
+                                     else skip_special_tokens),
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
                 logit_bias=body.logit_bias,
                 allowed_token_ids=body.allowed_token_ids,
                 bad_words=body.bad_words,
+                structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc
+
+    def generation_params(self, body: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                          aliases: dict[str, str], **sampling_kwargs):
+        """``BeamSearchParams`` for a ``use_beam_search`` request (vLLM's ``to_beam_search_params``: beam width n,
+        temperature default as sampling's), else ``sampling_params(..., **sampling_kwargs)``."""
+        if not body.use_beam_search:
+            return self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, aliases=aliases,
+                                        **sampling_kwargs)
+        from paged_jax.beam_search import BeamSearchParams
+
+        temperature = body.temperature if body.temperature is not None else \
+            self.default_sampling_params.get("temperature", 1.0)
+        try:
+            return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
+                                    temperature=temperature, length_penalty=body.length_penalty,
+                                    include_stop_str_in_output=body.include_stop_str_in_output)
+        except ValueError as exc:
+            raise self.bad_request(exc, body, {**aliases, "beam_width": "n"}) from exc
 
     def bad_request(self, exc: Exception, body: Any, aliases: dict[str, str]) -> APIError:
         known = set(type(body).model_fields) | {"prompt", "messages"}
         return APIError(400, str(exc), param=param_from_message(str(exc), known, aliases))
 
+    def engine_prompt(self, token_ids: list[int], body: Any) -> list[int] | dict:
+        """What the engine gets as the prompt: the ids, with the request's ``cache_salt`` (vLLM's prompt dict)."""
+        salt = getattr(body, "cache_salt", None)
+        return token_ids if salt is None else {"prompt_token_ids": token_ids, "cache_salt": salt}
+
     async def submit(self, requests: list[EngineRequest], body: Any, aliases: dict[str, str]) -> list[RequestStream]:
+        """Admit ``requests`` (one API request's prompts) as a group; a group that could never be admitted is 400,
+        a full waiting queue 503 with Retry-After."""
+        check_num_seqs(sum(request.params.n for request in requests), num_prompts=len(requests), n=body.n,
+                       max_waiting_requests=self.engine.max_waiting_requests,
+                       max_seqs_per_request=self.max_seqs_per_request)
         try:
             return await self.engine.add_requests(requests)
         except EngineOverloadedError as exc:

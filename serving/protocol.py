@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +25,23 @@ MAX_N = 128
 # Seeds are handed to a 64-bit PRNG key; OpenAI documents seed as int64.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+
+
+# Request numbers and flags are typed strictly where JSON has the type (OpenAI's schema): pydantic's lax mode would
+# take ``true`` as the token id 1, ``"5"`` as n = 5 and ``"yes"`` as ``stream: true``. An integral JSON number
+# (``16.0``) stays a valid integer, as JSON Schema's ``integer`` has it, and an integer a valid number.
+def _number(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"must be a JSON number, not {type(value).__name__} {value!r}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(_number)]
+Bool = StrictBool
+# Token ids come in long lists: strict ints (no per-item Python validator); a token id is never written 5.0.
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+Seed = Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]
 JSONObject = dict[str, Any]
 
 
@@ -62,6 +77,43 @@ class RequestModel(OpenAIBaseModel):
         return result
 
 
+class RequestBody(RequestModel):
+    """A whole request body: refused (400) when any of its strings holds a lone UTF-16 surrogate (JSON lets
+    ``"\\ud800"`` through, but it is no Unicode text: it could neither be tokenized nor echoed back in a response)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if not _is_unicode(key) or not _is_unicode(value):
+                    raise ValueError(f"{key if _is_unicode(key) else 'body'}: contains a lone UTF-16 surrogate (an "
+                                     f"unpaired \\ud800-\\udfff escape), which is not valid Unicode text")
+        return data
+
+
+def _is_unicode(value: Any) -> bool:
+    """No string in the JSON value ``value`` holds a surrogate code point (only strings, lists and dicts are
+    visited: a long token-id list costs one cheap pass)."""
+    kind = type(value)
+    if kind is str:
+        if value.isascii():
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if kind is list:
+        return all(_is_unicode(item) for item in value if type(item) in _CONTAINERS)
+    if kind is dict:
+        return all(_is_unicode(key) and _is_unicode(item) for key, item in value.items())
+    return True
+
+
+_CONTAINERS = (str, list, dict)
+
+
 # --------------------------------------------------------------------------------------------------------- errors
 class ErrorInfo(OpenAIBaseModel):
     message: str
@@ -79,9 +131,9 @@ class ErrorResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------------------------------- shared pieces
 class StreamOptions(RequestModel):
     # vLLM's defaults: ``stream_options: {}`` already asks for the usage chunk.
-    include_usage: bool | None = True
+    include_usage: Bool | None = True
     # vLLM extra: every chunk carries the usage so far.
-    continuous_usage_stats: bool | None = False
+    continuous_usage_stats: Bool | None = False
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -102,38 +154,38 @@ class ResponseFields(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class SamplingFields(RequestModel):
+class SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, then vLLM's sampling extras, then
     vLLM's other extras. Defaults are vLLM's; ``None`` sampling values take the generation config's default."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    best_of: Int | None = None
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Float] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM sampling extras.
-    use_beam_search: bool = False
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    length_penalty: float = 1.0
+    use_beam_search: Bool = False
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0, le=100.0)
+    length_penalty: Float = 1.0
     stop_token_ids: list[TokenId] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the last k prompt tokens
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+    include_stop_str_in_output: Bool = False
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(0, ge=0)
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    truncate_prompt_tokens: Int | None = Field(None, ge=1)  # keep the last k prompt tokens
+    allowed_token_ids: list[StrictInt] | None = None
+    prompt_logprobs: Int | None = None
     bad_words: list[str] | None = None
     # vLLM extras.
     response_format: JSONObject | None = None
@@ -144,11 +196,12 @@ class SamplingFields(RequestModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    priority: int = 0  # lower runs earlier with --scheduling-policy priority
+    priority: Int = 0  # lower runs earlier with --scheduling-policy priority
     request_id: str | None = Field(None, min_length=1)  # the response id's suffix (default: X-Request-Id or random)
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
-    cache_salt: str | None = None
+    return_tokens_as_token_ids: Bool | None = None  # logprob tokens as "token_id:N"
+    # vLLM's: prefix-cache entries are shared only among requests with the same salt (tenant isolation).
+    cache_salt: str | None = Field(None, min_length=1)
     kv_transfer_params: JSONObject | None = None
     vllm_xargs: JSONObject | None = None
 
@@ -164,10 +217,10 @@ class CompletionRequest(SamplingFields):
     prompt: CompletionPrompt
     prompt_embeds: Any = None
     suffix: str | None = None
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
-    echo: bool = False  # prefix each choice's text with its prompt
-    add_special_tokens: bool = True
+    max_tokens: Int | None = Field(16, ge=1)
+    logprobs: Int | None = Field(None, ge=0)  # at most the server's --max-logprobs
+    echo: Bool = False  # prefix each choice's text with its prompt
+    add_special_tokens: Bool = True
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -254,33 +307,33 @@ class ChatCompletionRequest(SamplingFields):
     """Body of ``POST /v1/chat/completions``; the prompt is ``messages`` rendered by the chat template."""
 
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)  # at most the server's --max-logprobs
+    max_tokens: Int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = Field(None, ge=0)  # at most the server's --max-logprobs
     tools: list[JSONObject] | None = None
     tool_choice: str | JSONObject | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
     functions: list[JSONObject] | None = None  # OpenAI's deprecated form of tools
     function_call: str | JSONObject | None = None
     reasoning_effort: str | None = None
-    include_reasoning: bool = True
+    include_reasoning: Bool = True
     # OpenAI fields vLLM does not declare.
     audio: JSONObject | None = None
     modalities: list[str] | None = None
     prediction: JSONObject | None = None
     web_search_options: JSONObject | None = None
     verbosity: str | None = None
-    store: bool | None = None
+    store: Bool | None = None
     service_tier: str | None = None
     metadata: dict[str, str] | None = None  # only kept with stored completions (store is refused)
     prompt_cache_key: str | None = None  # a routing hint: the one prefix cache serves every request
     safety_identifier: str | None = None  # like user: identifies the end user, nothing to do
     # vLLM extras.
-    echo: bool = False  # prefix the reply with the last message's content when it has the reply's role
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the reply continues the final (assistant) message
-    add_special_tokens: bool = False  # the chat template already writes the special tokens
+    echo: Bool = False  # prefix the reply with the last message's content when it has the reply's role
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False  # the reply continues the final (assistant) message
+    add_special_tokens: Bool = False  # the chat template already writes the special tokens
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: JSONObject | None = None
@@ -302,9 +355,36 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{random_uuid()}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed piece of tool call ``index``: its first piece carries ``id``, ``type`` and the function's name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # vLLM extra, with --reasoning-parser
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -326,6 +406,8 @@ class ChatCompletionResponse(ResponseFields):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -370,20 +452,20 @@ class UnloadLoRAAdapterRequest(RequestModel):
 
 
 # ----------------------------------------------------------------------------------------- tokenize (vLLM's)
-class TokenizeCompletionRequest(RequestModel):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
 
 
-class TokenizeChatRequest(RequestModel):
+class TokenizeChatRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessageParam] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the chat template already writes the special tokens
-    return_token_strs: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False  # the chat template already writes the special tokens
+    return_token_strs: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: JSONObject | None = None
     tools: list[JSONObject] | None = None
@@ -400,7 +482,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(RequestModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 

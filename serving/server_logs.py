@@ -7,12 +7,14 @@ periodic engine stats line (on unless ``--disable-log-stats``).
 ``StatsLogger`` runs a daemon thread that wakes every ``PAGED_JAX_LOG_STATS_INTERVAL`` seconds (default 10, vLLM's
 ``VLLM_LOG_STATS_INTERVAL``) and, from the latest engine stats the engine thread published, logs
 
-    Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs, Waiting: M reqs,
-    GPU KV cache usage: Z%, Prefix cache hit rate: W%
+    Engine 000: Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
+    Waiting: M reqs, GPU KV cache usage: Z%, Prefix cache hit rate: W%
 
 at INFO while there is activity (tokens in this interval or the previous one, or requests running / waiting) and at
-DEBUG when idle, like vLLM. Throughputs are over the interval; the hit rate is over every prefix-cache query since
-start (tokens). The thread ends with the engine (``AsyncEngine.shutdown``).
+DEBUG when idle, like vLLM ("Engine 000": the engine index, as vLLM's ``engine`` metric label). Throughputs are over
+the interval; the hit rate is over every prefix-cache query since start (tokens; vLLM's is over its last 1000
+requests, which the engine's cumulative counters cannot delimit). The thread ends with the engine
+(``AsyncEngine.shutdown``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 import threading
 import time
 from typing import Any, Callable, Mapping
+
+from serving.metrics import ENGINE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class RequestLogger:
             shown = repr(prompt if self.max_log_len is None else prompt[:self.max_log_len])
             logger.info("Received request %s: prompt: %s, params: %s", request_id, shown, params)
             return
-        ids = list(prompt)
+        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)  # a dict: with cache_salt
         shown_ids = ids if self.max_log_len is None else ids[:self.max_log_len]
         logger.info("Received request %s: params: %s, prompt_token_ids: %s (%d tokens)", request_id, params,
                     shown_ids, len(ids))
@@ -61,7 +65,7 @@ def format_stats_line(stats: Mapping[str, float], prompt_throughput: float, gene
     """vLLM's stats line from an engine ``stats()`` snapshot and the interval's throughputs (tokens/s)."""
     queries = float(stats.get("prefix_cache_queries", 0))
     hit_rate = float(stats.get("prefix_cache_hits", 0)) / queries if queries else 0.0
-    return (f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
+    return (f"Engine {int(ENGINE_INDEX):03d}: Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
             f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
             f"Running: {int(stats.get('num_running', 0))} reqs, Waiting: {int(stats.get('num_waiting', 0))} reqs, "
             f"GPU KV cache usage: {100 * float(stats.get('kv_cache_usage', 0.0)):.1f}%, "

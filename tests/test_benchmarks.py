@@ -73,3 +73,29 @@ def test_sharding_diagnostics_count_collectives_and_bytes_per_device():
     whole = jax.device_put(jnp.zeros((3,), jnp.int32), NamedSharding(mesh, PartitionSpec()))
     per_device = bytes_per_device({"split": split, "whole": whole, "not an array": 1.5})
     assert per_device == {device: 8 * 4 * 4 // 2 + 3 * 4 for device in jax.devices()[:2]}
+
+
+def test_floors_charge_only_the_work_a_step_must_do():
+    """A decode step reads an untied input embedding's batch rows only (the LM head whole); a tied table is read once
+    as the LM head; the compute floor counts the LM head for sampled rows only and adds causal attention."""
+    from benchmarks.floors import decode_step_floor_s, decode_weight_bytes, workload_floor
+    from benchmarks.workloads import Req, Workload
+    from models.presets import num_params, preset_config
+
+    llama = preset_config("llama-3.1-8b")  # untied
+    embed_bytes = llama.vocab_size * llama.hidden_size * 2
+    assert decode_weight_bytes(llama, 1) == num_params(llama) * 2 - embed_bytes + llama.hidden_size * 2
+    assert 3.45e-3 < decode_step_floor_s(llama, 1, 0) < 3.52e-3  # the issue's corrected batch-1 floor
+    qwen = preset_config("qwen3-0.6b")  # tied: the table is the LM head
+    assert decode_weight_bytes(qwen, 64) == num_params(qwen) * 2
+
+    one = Workload("one", [Req(prompt_token_ids=[1] * 10, max_tokens=3)], temperature=0.0,
+                   ignore_eos=True)
+    floor = workload_floor(llama, one, max_num_seqs=1)
+    head = llama.vocab_size * llama.hidden_size
+    body = num_params(llama) - 2 * head
+    assert floor["matmul_flops"] == 2 * body * (10 + 3 - 1) + 2 * head * 3
+    per_key = 4 * llama.num_hidden_layers * llama.num_attention_heads * llama.head_dim
+    assert floor["attention_flops"] == per_key * (55 + 11 + 12)  # prompt 1..10 keys, fed-back tokens 11 and 12
+    kv_per_token = 2 * llama.num_hidden_layers * llama.num_key_value_heads * llama.head_dim * 2
+    assert floor["kv_read_bytes"] == kv_per_token * (10 + 11)  # two fed-back tokens read 10 and 11 cached tokens

@@ -72,12 +72,13 @@ def test_vllm_defaults_of_the_server_flags():
     assert not app_kwargs(*parse(["--disable-log-stats"]))["log_stats"]
     assert app_kwargs(*parse(["--enable-log-requests", "--max-log-len", "5"]))["log_requests"]
     assert not parse(["--no-enable-chunked-prefill"])[1].enable_chunked_prefill
+    assert args.shutdown_timeout == 0  # vLLM: running requests are ended at once on SIGTERM
+    assert kwargs["max_seqs_per_request"] is None and not kwargs["api_key_protect_all"]
+    assert (parse(["--max-stop-strings", "8"])[1].max_stop_strings, engine_args.max_stop_string_len) == (8, 512)
 
 
 UNSUPPORTED_VLLM_FLAGS = [
-    ["--kv-cache-dtype", "fp8"], ["--quantization", "awq"], ["--tokenizer-mode", "mistral"],
-    ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--enable-auto-tool-choice"],
-    ["--tool-call-parser", "hermes"], ["--reasoning-parser", "qwen3"], ["--fully-sharded-loras"],
+    ["--tokenizer-mode", "mistral"], ["--fully-sharded-loras"],
     ["--max-num-partial-prefills", "2"], ["--distributed-executor-backend", "ray"], ["--config", "serve.yaml"],
     ["--uds", "/tmp/vllm.sock"], ["--disable-custom-all-reduce"], ["--limit-mm-per-prompt", '{"image": 1}'],
     ["--max-model", "64"],  # an abbreviation of --max-model-len: refused, not guessed
@@ -102,6 +103,13 @@ def test_unsupported_flags_exit_2_naming_the_flag(command, flag, capsys):
     (["--enable-log-requests", "--disable-log-requests"], "--disable-log-requests"),
     (["--ssl-keyfile", "key.pem"], "--ssl-certfile"),
     (["--max-log-len", "-1"], "--max-log-len"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--max-seqs-per-request", "0"], "--max-seqs-per-request"),
+    (["--max-request-body-size", "0"], "--max-request-body-size"),
+    (["--api-key-protect-all"], "--api-key"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),  # vLLM: auto tool choice needs a parser
+    (["--tool-call-parser", "no-such-parser"], "--tool-call-parser"),
+    (["--reasoning-parser", "no-such-parser"], "--reasoning-parser"),
 ])
 def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
     from serving.cli import main
@@ -244,9 +252,9 @@ def test_request_and_stats_log_lines(server, caplog):
     assert re.search(r"prompt_token_ids: \[\d+, \d+, \d+\] \(\d+ tokens\)", received[0]), received[0]
     assert "max_tokens=6" in received[0]
 
-    pattern = re.compile(r"Avg prompt throughput: (\d+\.\d) tokens/s, Avg generation throughput: (\d+\.\d) "
-                         r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: \d+\.\d%, "
-                         r"Prefix cache hit rate: \d+\.\d%")
+    pattern = re.compile(r"Engine 000: Avg prompt throughput: (\d+\.\d) tokens/s, "
+                         r"Avg generation throughput: (\d+\.\d) tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, "
+                         r"GPU KV cache usage: \d+\.\d%, Prefix cache hit rate: \d+\.\d%")
 
     def generation_lines():
         return [m for rec in caplog.records if rec.levelno == logging.INFO
@@ -266,13 +274,13 @@ def test_stats_line_arithmetic_and_idle_quiet(caplog):
     stats.update(prompt_tokens_total=600, generation_tokens_total=240, num_running=3, num_waiting=1,
                  kv_cache_usage=0.25, prefix_cache_queries=400, prefix_cache_hits=100)
     assert stats_logger.log(now=10.0) == (
-        "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, Running: 3 reqs, "
-        "Waiting: 1 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
+        "Engine 000: Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 1 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
     stats.update(num_running=0, num_waiting=0, kv_cache_usage=0.0)
     stats_logger.log(now=20.0)  # the interval after activity: zeros, still INFO (vLLM)
     stats_logger.log(now=30.0)  # idle: DEBUG only
     assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO, logging.DEBUG]
-    assert caplog.records[1].getMessage().startswith("Avg prompt throughput: 0.0 tokens/s")
+    assert caplog.records[1].getMessage().startswith("Engine 000: Avg prompt throughput: 0.0 tokens/s")
 
 
 # -------------------------------------------------------------------------------------- vLLM's engine defaults
@@ -295,7 +303,7 @@ TOTAL = 80 * GIB
 def _num_blocks(device, utilization, max_model_len=4096, override=None):
     from models.config import ModelConfig
     from models.testing import tiny_config
-    from paged_jax.model_runner import determine_num_blocks, kv_bytes_per_block
+    from paged_jax.kv_pool_sizing import determine_num_blocks, kv_bytes_per_block
 
     config = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=32, num_attention_heads=32,
                                                     num_key_value_heads=8, head_dim=128,

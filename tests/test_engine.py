@@ -233,8 +233,7 @@ def test_n2_children_share_prompt_blocks(engine, workload):
     assert len(prompt) >= 64
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6)
     kv = engine.kv_cache_manager
-    hits_before = kv.prefix_cache_hits
-    engine.add_request("fan", prompt, params)
+    engine.add_request("fan", prompt, params)  # sequence 1 forks from 0 (tests/test_parallel_sampling.py)
     shared_seen = False
     totals = {}
     while engine.has_unfinished_requests():
@@ -250,7 +249,6 @@ def test_n2_children_share_prompt_blocks(engine, workload):
     assert shared_seen
     final = totals["fan"]
     assert final.finished
-    assert kv.prefix_cache_hits - hits_before >= (len(prompt) // kv.block_size) * kv.block_size
     assert [c.index for c in final.outputs] == [0, 1]
     assert all(len(c.token_ids) == 6 for c in final.outputs)
     assert final.outputs[0].token_ids != final.outputs[1].token_ids  # own seeds per child

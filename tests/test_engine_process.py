@@ -3,6 +3,7 @@ aborts free blocks, a dead child fails loudly, and the server runs on it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -114,10 +115,49 @@ def test_abort_frees_blocks(client):
     client.abort_request("a")
     final, _ = run_all(client, [])
     assert "a" not in final and not client.has_unfinished_requests()
-    # The child has applied the abort by the time it reports again: run one more request to get fresh stats.
-    run_all(client, [("c", {"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=1))])
+    # No other request needed: the client keeps stepping until the child has applied the abort and sent its stats.
     stats = client.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_stats_refresh_after_aborting_everything(client):
+    """Clients that all leave: the idle child reports the freed blocks at once (no later step would)."""
+    client.add_request("x", {"prompt_token_ids": list(range(1, 40))}, SamplingParams(max_tokens=100, ignore_eos=True))
+    while not client.step():
+        pass
+    assert client.stats()["kv_cache_usage"] > 0.0
+    client.abort_request("x")
+    assert client.has_unfinished_requests()  # until the child has answered the abort
+    while client.has_unfinished_requests():
+        assert client.step() == []
+    stats = client.stats()
+    assert stats["num_running"] == 0 and stats["num_unfinished_requests"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_burst_is_admitted_within_a_few_steps(client):
+    """A burst of adds while the engine is busy costs the engine no step per request: the child applies every
+    command that arrived during a step before the next one, and admission needs no round trip per request."""
+    busy = SamplingParams(max_tokens=100, ignore_eos=True)
+    client.add_request("busy", {"prompt_token_ids": [1, 2, 3]}, busy)
+    client.step()
+    steps_before = client.stats()["num_steps"]
+    num_requests = 32
+    groups = {client.submit_requests([(f"burst{i}", {"prompt_token_ids": [5, 6, i + 1]}, busy, 0)])
+              for i in range(num_requests)}
+    refused = client.submit_requests([("burst-ok", {"prompt_token_ids": [1]}, busy, 0),
+                                      ("burst-bad", {"prompt_token_ids": [1, 100000]}, busy, 0)])
+    answers = {}
+    while len(answers) < num_requests + 1:
+        client.step()
+        answers.update(client.take_admissions())
+    assert client.stats()["num_steps"] - steps_before <= 4  # one request per step would take 33
+    assert all(answers[group] is None for group in groups)
+    assert isinstance(answers[refused], ValueError) and "prompt" in str(answers[refused])
+    assert client.stats()["num_unfinished_requests"] == num_requests + 1  # the refused group left nothing behind
+    client.abort_request(["busy", *(f"burst{i}" for i in range(num_requests))])
+    while client.has_unfinished_requests():
+        client.step()
+    assert client.stats()["num_unfinished_requests"] == 0 and client.stats()["kv_cache_usage"] == 0.0
 
 
 def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
@@ -168,7 +208,7 @@ def test_server_on_engine_process_and_dead_child(model_dir):
 
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient
-    from tests.test_serving import ServerThread, wait_until
+    from tests.test_serving import ServerThread, metric_value, wait_until
 
     engine = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
     app = create_app(engine, served_model_name="tiny")
@@ -182,12 +222,38 @@ def test_server_on_engine_process_and_dead_child(model_dir):
         assert whole.usage.completion_tokens == 8
         assert streamed == whole.choices[0].text
         assert httpx.get(server.base_url + "/health").status_code == 200
+        # Every child step's stats reach the metrics, however the client batches outputs: tokens per step add up.
+        text = httpx.get(server.base_url + "/metrics").text
+        tokens = sum(metric_value(text, f"paged_jax:{kind}_tokens_total") for kind in ("prompt", "generation"))
+        assert metric_value(text, "paged_jax:iteration_tokens_total_sum") == tokens == 2 * (len(prompt) + 8)
+        # A burst of streams admitted together, one refused by the child (400), every other one complete.
+        texts = asyncio.run(_stream_burst(server.base_url, prompt, 16))
+        assert texts[-1] == 400
+        assert all(text == whole.choices[0].text for text in texts[:-1])
 
         os.kill(engine.pid, 9)
         with pytest.raises(openai.InternalServerError):
             client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0)
         assert wait_until(lambda: httpx.get(server.base_url + "/health").status_code != 200, timeout=30)
     assert not engine._process.is_alive()
+
+
+async def _stream_burst(base_url: str, prompt: list[int], num_streams: int) -> list:
+    """``num_streams`` greedy streamed completions of ``prompt`` at once plus one the engine refuses (a logit_bias
+    id outside the vocabulary): each stream's text, the refused one's HTTP status last."""
+    import httpx
+
+    async def one(client, body):
+        async with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                                   "temperature": 0.0, "stream": True, **body}) as r:
+            if r.status_code != 200:
+                return r.status_code
+            chunks = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
+            return "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"])
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        return await asyncio.gather(*[one(client, {}) for _ in range(num_streams)],
+                                    one(client, {"logit_bias": {"100000": 1.0}}))
 
 
 def test_engine_process_is_the_default_and_can_be_turned_off(monkeypatch):

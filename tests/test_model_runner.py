@@ -12,7 +12,8 @@ from models.loader import init_dummy_model
 from models.testing import tiny_config
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import make_buckets
-from paged_jax.model_runner import ModelRunner, enable_compilation_cache
+from paged_jax.kv_pool_sizing import enable_compilation_cache
+from paged_jax.model_runner import ModelRunner
 from paged_jax.step_io import SeqInput
 from paged_jax.sampling_params import SamplingParams
 
@@ -236,11 +237,11 @@ def test_compile_plan_counts():
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
-    # forward buckets + sampler row counts {8, 32, 128, 256} x 11 sampler variants (greedy; temperature, and full
-    # with and without each of penalties and the bias table, each with and without top-k logprobs) + prompt logprobs
-    # per token bucket (1, 16, 32, ..)
-    assert planned_num_compiles(2048, 256) == 15 + 4 * 11 + 9  # 15 forward buckets, the 1-token one included
-    assert planned_num_compiles(8192, 256) == 17 + 4 * 11 + 11
+    # forward buckets + sampler row counts {8, 32, 128, 256} x (11 sampler variants (greedy; temperature, and full
+    # with and without each of penalties and the bias table, each with and without top-k logprobs) + the grammar
+    # bitmask) + prompt logprobs per token bucket (1, 16, 32, ..)
+    assert planned_num_compiles(2048, 256) == 15 + 4 * 12 + 9  # 15 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 17 + 4 * 12 + 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
@@ -281,6 +282,25 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 assert set(out.sampled_token_ids.tolist()) <= set(params.allowed_token_ids) - {10}
             if params.logit_bias == {9: 50.0}:
                 assert (out.sampled_token_ids == 9).all()
+
+    class OnlyToken:
+        """A structured-output grammar that allows one token (the runner only asks it for its bitmask row)."""
+
+        def __init__(self, token: int):
+            self.token = token
+
+        def fill_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+            bitmask[row, self.token // 32] = 1 << (self.token % 32)
+
+    # Grammar bitmask rows (even rows constrained, odd rows free) with every sampler mode: no compile either.
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1, logprobs=2),
+                   SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.5, seed=2)):
+        seqs = [SeqInput(key=f"g{i}", token_ids=[3 + i, 5], num_computed_tokens=0, block_ids=[1 + i], sample=True,
+                         sampling=(params, i, 0, [3 + i, 5], []), grammar=OnlyToken(40 + i) if i % 2 == 0 else None)
+                for i in range(9)]
+        out = runner.execute(seqs).result()
+        assert out.sampled_token_ids[0::2].tolist() == [40, 42, 44, 46, 48]
     assert runner.num_compiles_since_warmup == 0
 
 

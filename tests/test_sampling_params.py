@@ -93,8 +93,8 @@ def test_valid_edge_values_are_accepted():
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": [True]}, "stop_token_ids"),
-        ({"best_of": 2}, "best_of"),  # vLLM V1: best_of must be unset or n
-        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"best_of": 2, "temperature": 0.0}, "best_of"),  # greedy: every sequence would be the same
+        ({"best_of": 1, "n": 2}, "best_of"),  # vLLM V0: best_of >= n
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"logit_bias": {"1.5": 1.0}}, "logit_bias"),
         ({"logit_bias": {1: "big"}}, "logit_bias"),
@@ -137,8 +137,10 @@ def test_clone_is_independent():
     assert params.bad_words_token_ids == [[10], [20]]
 
 
-def test_best_of_equal_to_n_is_accepted():
+def test_best_of_at_least_n_is_accepted():
     assert SamplingParams(n=3, best_of=3).best_of == 3
+    params = SamplingParams(n=2, best_of=5)
+    assert params.num_sequences == 5 and params.sampled_logprobs == 0  # ranked by cumulative logprob
 
 
 def test_logit_bias_keys_become_ints_and_biases_are_clamped():

@@ -30,6 +30,7 @@ SHOW_ALL_TEMPLATE = (
     "{% for c in m.tool_calls or [] %}(call {{ c.id }} {{ c.function.name }} city={{ c.function.arguments.city }})"
     "{% endfor %}{% if m.tool_call_id is defined %}(result of {{ m.tool_call_id }}){% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}")
+SHOW_TOOLS_TEMPLATE = "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}" + SHOW_ALL_TEMPLATE
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class Added:
     prompt_text: str  # the prompt ids decoded
     params: Any
     priority: int
+    cache_salt: str | None = None
 
 
 class RecordingEngine:
@@ -53,8 +55,10 @@ class RecordingEngine:
 
     def add_request(self, request_id, prompt, params=None, priority=0):
         self._engine.add_request(request_id, prompt, params, priority=priority)
-        text = self._engine.tokenizer.decode(list(prompt))  # on the engine thread, which owns this tokenizer
-        self.added.append(Added(request_id, list(prompt), text, params, priority))
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt dict
+        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+        text = self._engine.tokenizer.decode(ids)  # on the engine thread, which owns this tokenizer
+        self.added.append(Added(request_id, ids, text, params, priority, salt))
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +108,26 @@ def _params(name: str, value: Any) -> Callable:
     return check
 
 
+def _constraint(name: str, value: Any) -> Callable:
+    def check(response, added):
+        assert getattr(added[-1].params.structured_outputs, name) == value
+
+    return check
+
+
+def _tool_schema(check_schema: Callable[[dict], bool]) -> Callable:
+    def check(response, added):
+        assert check_schema(added[-1].params.structured_outputs.json)
+
+    return check
+
+
+_LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}}}
+_STRUCTURAL_TAG = ('{"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"type": "object"}, '
+                   '"end": "</f>"}], "triggers": ["<f>"]}')
+
+
 def _streamed(response, added):
     chunks = list(response)
     assert chunks and all(chunk.usage is not None for chunk in chunks)  # continuous_usage_stats
@@ -125,7 +149,7 @@ def _prompt_logprobs(response, added):
 COMMON: dict[str, Case] = {
     "model": Case({"model": MODEL_NAME}, lambda r, a: r.model == MODEL_NAME),
     "n": Case({"n": 2}, lambda r, a: len(r.choices) == 2),
-    "best_of": Case({"best_of": 2}, REFUSED),
+    "best_of": Case({"best_of": 2, "temperature": 1.0}, lambda r, a: len(r.choices) == 1 and a[-1].params.best_of == 2),
     "temperature": Case({"temperature": 0.5}, _params("temperature", 0.5)),
     "top_p": Case({"top_p": 0.5}, _params("top_p", 0.5)),
     "presence_penalty": Case({"presence_penalty": 0.5}, _params("presence_penalty", 0.5)),
@@ -136,11 +160,12 @@ COMMON: dict[str, Case] = {
     "stream": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
     "stream_options": Case({"stream": True, "stream_options": {"continuous_usage_stats": True}}, _streamed),
     "user": Case({"user": "user-1"}, lambda r, a: None),  # identifies the end user: nothing to do (as vLLM)
-    "use_beam_search": Case({"use_beam_search": True}, REFUSED),
+    "use_beam_search": Case({"use_beam_search": True, "n": 2},
+                            lambda r, a: len(r.choices) == 2 and a[-1].params.beam_width == 2),
     "top_k": Case({"top_k": 3}, _params("top_k", 3)),
     "min_p": Case({"min_p": 0.2}, _params("min_p", 0.2)),
     "repetition_penalty": Case({"repetition_penalty": 1.3}, _params("repetition_penalty", 1.3)),
-    "length_penalty": Case({"length_penalty": 0.5}, REFUSED),
+    "length_penalty": Case({"use_beam_search": True, "length_penalty": 0.5}, _params("length_penalty", 0.5)),
     "stop_token_ids": Case({"stop_token_ids": [13]}, _params("stop_token_ids", [13])),
     "include_stop_str_in_output": Case({"include_stop_str_in_output": True},
                                        _params("include_stop_str_in_output", True)),
@@ -153,18 +178,20 @@ COMMON: dict[str, Case] = {
     "allowed_token_ids": Case({"allowed_token_ids": [1, 2]}, _params("allowed_token_ids", [1, 2])),
     "prompt_logprobs": Case({"prompt_logprobs": 1}, _prompt_logprobs),
     "bad_words": Case({"bad_words": ["Paris"]}, _params("bad_words", ["Paris"])),
-    "response_format": Case({"response_format": {"type": "json_object"}}, REFUSED),
-    "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, REFUSED),
-    "guided_json": Case({"guided_json": {"type": "object"}}, REFUSED),
-    "guided_regex": Case({"guided_regex": "a+"}, REFUSED),
-    "guided_choice": Case({"guided_choice": ["yes", "no"]}, REFUSED),
-    "guided_grammar": Case({"guided_grammar": 'root ::= "a"'}, REFUSED),
-    "guided_decoding_backend": Case({"guided_decoding_backend": "xgrammar"}, REFUSED),
+    "response_format": Case({"response_format": {"type": "json_object"}}, _constraint("json_object", True)),
+    "structured_outputs": Case({"structured_outputs": {"regex": "a+"}}, _constraint("regex", "a+")),
+    "guided_json": Case({"guided_json": {"type": "object"}}, _constraint("json", {"type": "object"})),
+    "guided_regex": Case({"guided_regex": "a+"}, _constraint("regex", "a+")),
+    "guided_choice": Case({"guided_choice": ["yes", "no"]}, _constraint("choice", ["yes", "no"])),
+    "guided_grammar": Case({"guided_grammar": 'root ::= "a"'}, _constraint("grammar", 'root ::= "a"')),
+    "guided_decoding_backend": Case({"guided_decoding_backend": "xgrammar", "guided_regex": "a+"},
+                                    _constraint("regex", "a+")),
     "guided_whitespace_pattern": Case({"guided_whitespace_pattern": " "}, REFUSED),
     "priority": Case({"priority": 1}, REFUSED),  # this server schedules FCFS; see test_priority_*
     "request_id": Case({"request_id": "my-id"}, lambda r, a: r.id.endswith("-my-id")),
     "logits_processors": Case({"logits_processors": ["my.Processor"]}, REFUSED),
-    "cache_salt": Case({"cache_salt": "salt"}, REFUSED),
+    # The engine gets vLLM's prompt dict (isolation itself: tests/test_hostile.py).
+    "cache_salt": Case({"cache_salt": "salt"}, lambda r, a: a[-1].cache_salt == "salt"),
     "kv_transfer_params": Case({"kv_transfer_params": {"do_remote_prefill": True}}, REFUSED),
     "vllm_xargs": Case({"vllm_xargs": {"key": 1}}, REFUSED),
 }
@@ -212,9 +239,13 @@ CHAT_ONLY: dict[str, Case] = {
     "logprobs": Case({"logprobs": True}, lambda r, a: len(r.choices[0].logprobs.content) == r.usage.completion_tokens),
     "top_logprobs": Case({"logprobs": True, "top_logprobs": 2},
                          lambda r, a: all(len(e.top_logprobs) == 2 for e in r.choices[0].logprobs.content)),
-    "tools": Case({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, REFUSED),
-    "tool_choice": Case({"tool_choice": "auto"}, REFUSED),
-    "parallel_tool_calls": Case({"parallel_tool_calls": True}, REFUSED),
+    # tool_choice "auto" needs --enable-auto-tool-choice (tests/test_tool_calls.py); this server has none.
+    "tools": Case({"tools": [_LOOKUP], "tool_choice": "none", "chat_template": SHOW_TOOLS_TEMPLATE},
+                  _rendered_contains("[tool lookup]")),
+    "tool_choice": Case({"tools": [_LOOKUP], "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+                        _tool_schema(lambda schema: schema == _LOOKUP["function"]["parameters"])),
+    "parallel_tool_calls": Case({"tools": [_LOOKUP], "tool_choice": "required", "parallel_tool_calls": False},
+                                _tool_schema(lambda schema: schema["maxItems"] == 1)),
     "functions": Case({"functions": [{"name": "lookup"}]}, REFUSED),
     "function_call": Case({"function_call": "auto"}, REFUSED),
     "reasoning_effort": Case({"reasoning_effort": "low"}, REFUSED),
@@ -244,7 +275,7 @@ CHAT_ONLY: dict[str, Case] = {
     "chat_template_kwargs": Case({"chat_template_kwargs": {"greeting": "Ahoy"}, "chat_template": SHOW_ALL_TEMPLATE},
                                  _rendered_contains("Ahoy|")),
     "mm_processor_kwargs": Case({"mm_processor_kwargs": {"num_crops": 4}}, REFUSED),
-    "structural_tag": Case({"structural_tag": "{}"}, REFUSED),
+    "structural_tag": Case({"structural_tag": _STRUCTURAL_TAG}, _constraint("structural_tag", _STRUCTURAL_TAG)),
     "return_tokens_as_token_ids": Case({"return_tokens_as_token_ids": True, "logprobs": True},
                                        lambda r, a: r.choices[0].logprobs.content[0].token.startswith("token_id:")),
 }
@@ -294,9 +325,16 @@ def test_suffix_and_best_of_refusals_say_why(client):
     with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix="!", max_tokens=2)
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, max_tokens=2).choices
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, best_of=1, n=2, max_tokens=2)
-    assert info.value.body["param"] == "best_of"
+    for extra in ({"best_of": 1, "n": 2}, {"best_of": 3, "n": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, **extra)
+        assert info.value.body["param"] == "best_of"
+    # Beam search refuses the sampling fields it does not read, and length_penalty needs it.
+    for extra, param in (({"use_beam_search": True, "top_p": 0.5}, "top_p"), ({"length_penalty": 0.5},
+                                                                                "length_penalty")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param
 
 
 def test_request_id_names_the_response(server, engine):

@@ -39,7 +39,8 @@ def api_schema(schema_app):
 
 # Every operation the app serves (checked against the schema below, so a new route cannot go unfuzzed).
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
+              ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version")]
 
 
 def _valid_int(value) -> bool:
@@ -58,6 +59,8 @@ def cap_generation_work(body) -> None:
             body[key] = MAX_FUZZ_TOKENS
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_FUZZ_TOKENS  # chat default is "the rest of the context"
+    if "prompt" in body and "max_tokens" not in body:
+        body["max_tokens"] = MAX_FUZZ_TOKENS  # completions default: 16
     if _valid_int(body.get("n")) and body["n"] > MAX_FUZZ_N:
         body["n"] = MAX_FUZZ_N
     if _valid_int(body.get("min_tokens")) and body["min_tokens"] > MAX_FUZZ_TOKENS:
@@ -75,8 +78,9 @@ def test_schema_lists_every_operation(api_schema):
 # schemathesis' own pytest plugin (schema.parametrize / from_fixture) does not run under pytest 9, so each
 # operation's hypothesis strategy is driven directly.
 # Negative cases (schema-violating bodies) exist only for operations that take a body.
+NO_BODY = {("POST", "/ping")}
 CASES = [(method, path, mode) for method, path in OPERATIONS for mode in GenerationMode
-         if mode is GenerationMode.POSITIVE or method == "POST"]
+         if mode is GenerationMode.POSITIVE or (method == "POST" and (method, path) not in NO_BODY)]
 
 
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])

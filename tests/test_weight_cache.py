@@ -36,7 +36,7 @@ def no_safetensors(monkeypatch):
 
         monkeypatch.setattr(loader, "safe_open", refuse)
         monkeypatch.setattr(loader, "_read_tensor", refuse)
-        monkeypatch.setattr(loader, "_read_bf16", refuse)
+        monkeypatch.setattr(loader, "_read_raw", refuse)
     return forbid
 
 

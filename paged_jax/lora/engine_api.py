@@ -19,7 +19,9 @@ def make_lora_slots(engine_args, model, run_config, plan, device) -> LoRASlots |
                      max_lora_rank=engine_args.max_lora_rank, dtype=model.dtype, device=device, sharding_plan=plan)
 
 
-def make_lora_manager(engine_args, slots: LoRASlots | None, runner) -> LoRAManager | None:
+def make_lora_manager(engine_args, runner) -> LoRAManager | None:
+    """The adapter cache over the runner's device slots (``runner.lora_slots``; None without ``enable_lora``)."""
+    slots = runner.lora_slots
     if slots is None:
         return None
     return LoRAManager(slots, runner.write_lora_slot, max_loras=engine_args.max_loras,
@@ -37,8 +39,11 @@ class LoRAEngineMixin:
             raise ValueError(f"{field}: LoRA is not enabled; start the engine with enable_lora=True (--enable-lora)")
         return self.lora_manager
 
-    def resolve_lora(self, lora_request: LoRARequest | None) -> LoadedLoRA | None:
-        """The adapter a new request runs with (read and checked now; ValueError naming ``lora_request``)."""
+    def resolve_lora(self, lora_request: LoRARequest | None, beam_search: bool = False) -> LoadedLoRA | None:
+        """The adapter a new request runs with (read and checked now; ValueError naming ``lora_request``). Beam
+        search (``beam_search=True``) forks its beams outside the adapter plumbing, so it is refused with one."""
+        if lora_request is not None and beam_search:
+            raise ValueError("lora_request is not supported with beam search (BeamSearchParams)")
         return None if lora_request is None else self._require_lora().get(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -17,7 +17,8 @@ def write_kv(
 
     Args:
       k_pages, v_pages: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools (same shape and dtype).
-      k, v: ``[T, num_kv_heads, head_dim]`` new keys/values (cast to the pool dtype).
+      k, v: ``[T, num_kv_heads, head_dim]`` new keys/values (cast to the pool dtype; an FP8 pool saturates at its
+        largest finite value).
       slot_mapping: ``int32[T]``; token ``t`` goes to ``slot = block * block_size + offset``. Padding tokens use
         slots of the null block 0 (several may share one slot; which of them lands there is unspecified).
         Slots outside ``[0, num_blocks * block_size)`` are dropped.
@@ -45,8 +46,12 @@ def write_kv(
     num_slots = num_blocks * block_size
     flat_shape = (num_slots, num_kv_heads, head_dim)
 
+    fp8_max = float(jnp.finfo(k_pages.dtype).max) if jnp.dtype(k_pages.dtype).itemsize == 1 else None
+
     def scatter(pages, new):
         flat = pages.reshape(flat_shape)
+        if fp8_max is not None:  # an FP8 pool (--kv-cache-dtype fp8): saturate instead of casting to NaN
+            new = jnp.clip(new.astype(jnp.float32), -fp8_max, fp8_max)
         # mode="drop": an out-of-range slot is ignored instead of clamped onto a real slot.
         flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
         return flat.reshape(pages.shape)

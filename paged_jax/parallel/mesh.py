@@ -71,7 +71,7 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1,
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, *, local_device_ids: Sequence[int] | None = None,
-                           initialization_timeout: int = 300) -> bool:
+                           initialization_timeout: int = 300, heartbeat_timeout_seconds: int | None = None) -> bool:
     """Join a multi-process (multi-host) JAX job; call once per process before any other JAX call.
 
     Settings come from the arguments, else from ``PAGED_JAX_COORDINATOR`` ("host:port" of process 0),
@@ -80,6 +80,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     without arguments. With none of these it is a single-process run and nothing happens.
 
     On CPU the cross-process collectives use gloo (set before the backend starts).
+
+    ``heartbeat_timeout_seconds`` (None: JAX's default, 100 s): when a process stops sending heartbeats for that
+    long, JAX's coordination service reports it dead to every other process, which then terminates with "Terminating
+    process because the JAX distributed service detected fatal errors" (so no rank hangs in a collective forever).
 
     Example (two hosts): on each host ``PAGED_JAX_COORDINATOR=host0:1234 PAGED_JAX_NUM_PROCESSES=2
     PAGED_JAX_PROCESS_ID=<0|1> python serve.py``; then ``make_mesh(tp)`` sees all processes' devices.
@@ -116,6 +120,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     kwargs: dict[str, Any] = {"initialization_timeout": initialization_timeout}
     if local_device_ids is not None:
         kwargs["local_device_ids"] = list(local_device_ids)
+    if heartbeat_timeout_seconds is not None:
+        kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_seconds)
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
     return True
 

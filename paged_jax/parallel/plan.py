@@ -52,8 +52,10 @@ def _param_kind(path: tuple) -> str:
         return "lm_head"
     if leaf == "scale":
         return "norm"
-    if len(names) >= 3 and names[-3] in ("self_attn", "mlp") and leaf in ("kernel", "bias"):
+    if len(names) >= 3 and names[-3] in ("self_attn", "mlp") and leaf in ("kernel", "bias", *_QUANT_LEAF_DIMS):
         return f"{names[-2]}.{leaf}"
+    if names[-2:] == ["self_attn", "kv_scale"]:
+        return "norm"  # per-layer FP8 KV-cache scales: replicated
     raise ValueError(f"no sharding rule for model parameter {'.'.join(names)}")
 
 
@@ -62,6 +64,12 @@ _ATTENTION_KINDS = {"q_proj.kernel": 1, "k_proj.kernel": 1, "v_proj.kernel": 1, 
                     "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None}
 _MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0}
 _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
+# Quantized projections (models.quantization.linear): the split dim of each leaf in a column-parallel (output split)
+# and a row-parallel (input split) layer. Packed integer weights are packed along the inputs, so rows stay
+# contiguous; scales / zero points of a row-parallel layer are replicated (act-order groups scatter over rows).
+_QUANT_LEAF_DIMS = {"qweight": (1, 0), "scales": (1, None), "zeros": (1, None), "g_idx": (None, 0),
+                    "weight": (1, 0), "weight_scale": (0, None), "input_scale": (None, None)}
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +129,12 @@ class ShardingPlan:
         Raises ValueError for a parameter no rule covers, so a new parameter is never silently replicated.
         """
         kind = _param_kind(path)
-        if kind in _ATTENTION_KINDS:
+        proj, _, leaf = kind.partition(".")
+        if leaf in _QUANT_LEAF_DIMS:
+            split_dim = _QUANT_LEAF_DIMS[leaf][0 if proj in _COLUMN_PARALLEL else 1]
+            if self.kv_layout != "sharded" and proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                split_dim = None
+        elif kind in _ATTENTION_KINDS:
             split_dim = _ATTENTION_KINDS[kind] if self.kv_layout == "sharded" else None
         elif kind in _MLP_KINDS:
             split_dim = _MLP_KINDS[kind]
@@ -216,8 +229,10 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16) -> list[tuple[jax.Array, jax.Array]]:
-        """Zeroed paged KV pool, one ``(k_pages, v_pages)`` per layer, created directly in its shards.
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16,
+                       num_layers: int | None = None) -> list[tuple[jax.Array, jax.Array]]:
+        """Zeroed paged KV pool, one ``(k_pages, v_pages)`` per layer (``num_layers``, default all of the model's;
+        a pipeline stage holds only its own), created directly in its shards.
 
         ``num_blocks`` is the total over dp groups (each group gets ``num_blocks / dp``, its local block 0 null).
         """
@@ -232,7 +247,7 @@ class ShardingPlan:
         spec = self.kv_cache_spec
         create = jax.jit(jax.shard_map(lambda: (jnp.zeros(local_shape, dtype), jnp.zeros(local_shape, dtype)),
                                        mesh=self.mesh, in_specs=(), out_specs=(spec, spec), check_vma=False))
-        return [create() for _ in range(self.model_config.num_hidden_layers)]
+        return [create() for _ in range(self.model_config.num_hidden_layers if num_layers is None else num_layers)]
 
     # -- attention ---------------------------------------------------------------------------------------------------
 

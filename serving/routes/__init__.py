@@ -1,7 +1,7 @@
 """The HTTP routes, one ``APIRouter`` per module: ``completions`` (``POST /v1/completions``), ``chat``
 (``POST /v1/chat/completions``), ``tokenize`` (``POST /tokenize``, ``POST /detokenize``) and ``system``
-(``GET /health``, ``GET /metrics``, ``GET /v1/models``). Routes reach the app's ``OpenAIServer`` through the
-``serving.openai_server.get_server`` dependency.
+(``GET /health``, ``GET|POST /ping``, ``GET /version``, ``GET /metrics``, ``GET /v1/models``). Routes reach the
+app's ``OpenAIServer`` through the ``serving.openai_server.get_server`` dependency.
 """
 
 from __future__ import annotations

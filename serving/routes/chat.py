@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: ``messages`` rendered by the chat template (``paged_jax.chat``), JSON or SSE."""
+"""``POST /v1/chat/completions``: ``messages`` (and ``tools``) rendered by the chat template (``paged_jax.chat``),
+JSON or SSE; each choice's text becomes reasoning, tool calls and content (``serving.chat_output``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from serving.async_engine import EngineRequest, RequestStream
+from serving.chat_output import ChoiceOutput
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -15,6 +17,7 @@ from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, Cha
                               UsageInfo, unix_time)
 from serving.routes import GENERATION_RESPONSES, json_response
 from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final, usage_options
+from serving.tool_parsers.tool_choice import ToolChoice, resolve_tool_choice
 
 router = APIRouter()
 
@@ -28,25 +31,33 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     server.check_num_logprobs(num_top, "top_logprobs")
     server.check_prompt_logprobs(body)
-    text = server.render_chat(body.messages, body)
-    ids = server.truncate(server.encode(text, body.add_special_tokens, "messages"), body.truncate_prompt_tokens)
+    tool_choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                      enable_auto_tool_choice=server.enable_auto_tool_choice,
+                                      tool_parser=server.tool_parser.name if server.tool_parser else None)
+    text = await server.render_chat(body.messages, body)
+    ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
+                                              truncating=body.truncate_prompt_tokens is not None),
+                          body.truncate_prompt_tokens)
     server.check_prompt_length(len(ids), "messages")
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
-    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
-                                    prompt_logprobs=body.prompt_logprobs)
+    keep_special = tool_choice.mode == "auto" and not server.tool_parser.skip_special_tokens
+    params = server.generation_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
+                                      prompt_logprobs=body.prompt_logprobs, tool_schema=tool_choice.schema,
+                                      skip_special_tokens=False if keep_special else None)
     response_id = server.response_id("chatcmpl", body, raw_request)
-    streams = await server.submit([EngineRequest(response_id, ids, params, priority=body.priority,
-                                                  lora_request=server.lora_request(body.model))], body, aliases)
+    streams = await server.submit([EngineRequest(response_id, server.engine_prompt(ids, body), params,
+                                                 priority=body.priority, lora_request=server.lora_request(body.model))],
+                                  body, aliases)
     created = unix_time()
     # vLLM's get_chat_request_role: the reply continues the last message's role unless a new turn is opened.
     role = server.response_role if body.add_generation_prompt else body.messages[-1].role
     echo = _echoed_content(body, role)
     if body.stream:
         return EngineStreamingResponse(_chat_chunks(server, body, streams[0], response_id, created, len(ids), role,
-                                                    echo), server.engine, streams)
+                                                    echo, tool_choice, text), server.engine, streams)
     finals = await collect_final(server.engine, streams, raw_request)
     if finals is None:
         return Response(status_code=499)  # the client left
@@ -57,16 +68,27 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         if num_top is not None and completion.logprobs is not None:
             logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top,
                                             bool(body.return_tokens_as_token_ids))
+        output = _choice_output(server, body, tool_choice, text)
+        content, reasoning, tool_calls = output.whole(completion.text)
+        content = echo + content if echo else content
         choices.append(ChatCompletionResponseChoice(
-            index=completion.index, message=ChatMessage(role=role, content=echo + completion.text),
-            logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+            index=completion.index, message=ChatMessage(role=role, content=content, tool_calls=tool_calls,
+                                                        reasoning_content=reasoning),
+            logprobs=logprobs, finish_reason=output.finish_reason(completion.finish_reason),
+            stop_reason=completion.stop_reason))
     choices.sort(key=lambda choice: choice.index)
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
     usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion_tokens,
                       total_tokens=len(ids) + num_completion_tokens)
     return json_response(ChatCompletionResponse(id=response_id, created=created,
-                                                model=server.response_model_name(body.model), choices=choices, usage=usage,
+                                                model=server.response_model_name(body.model), choices=choices,
+                                                usage=usage,
                                                 prompt_logprobs=server.prompt_logprobs(final.prompt_logprobs)))
+
+
+def _choice_output(server: OpenAIServer, body: ChatCompletionRequest, tool_choice: ToolChoice,
+                   prompt: str) -> ChoiceOutput:
+    return ChoiceOutput(tool_choice, server.tool_parser, server.reasoning_parser, prompt, body.include_reasoning)
 
 
 def _echoed_content(body: ChatCompletionRequest, role: str) -> str:
@@ -78,7 +100,8 @@ def _echoed_content(body: ChatCompletionRequest, role: str) -> str:
 
 
 async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
-                       created: int, num_prompt_tokens: int, role: str, echo: str) -> AsyncIterator[str]:
+                       created: int, num_prompt_tokens: int, role: str, echo: str, tool_choice: ToolChoice,
+                       prompt: str) -> AsyncIterator[str]:
     """The SSE chunks of a streamed chat completion: the role per choice, the echoed content per choice, then one
     chunk per choice and delta output."""
     include_usage, continuous_usage = usage_options(body.stream_options)
@@ -94,6 +117,7 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
             yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo)),
                                 start_usage)
     num_tokens = [0] * body.n  # per choice: completion tokens so far
+    outputs = [_choice_output(server, body, tool_choice, prompt) for _ in range(body.n)]
     async for output in stream:
         for completion in output.outputs:
             num_tokens[completion.index] += len(completion.token_ids)
@@ -101,10 +125,15 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
             if num_top is not None and completion.logprobs is not None:
                 logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top,
                                                 bool(body.return_tokens_as_token_ids))
-            delta = DeltaMessage(content=completion.text) if completion.text else DeltaMessage()
+            output = outputs[completion.index]
+            finished = completion.finish_reason is not None
+            delta = output.feed(completion.text, final=finished)
+            if delta is None and not finished and logprobs is None:
+                continue  # held back (a possible marker, a tool call not complete yet): nothing to send
             usage = chunks.usage_info(num_prompt_tokens, num_tokens[completion.index]) if continuous_usage else None
-            yield chunks.choice(ChatCompletionStreamChoice(index=completion.index, delta=delta, logprobs=logprobs,
-                                                           finish_reason=completion.finish_reason,
+            yield chunks.choice(ChatCompletionStreamChoice(index=completion.index, delta=delta or DeltaMessage(),
+                                                           logprobs=logprobs,
+                                                           finish_reason=output.finish_reason(completion.finish_reason),
                                                            stop_reason=completion.stop_reason), usage)
     if include_usage:
         yield chunks.usage(num_prompt_tokens, sum(num_tokens))

@@ -43,7 +43,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     prompts = _normalize_prompts(body.prompt)
     prompt_token_ids: list[list[int]] = []
     for prompt in prompts:
-        ids = server.encode(prompt, body.add_special_tokens, "prompt") if isinstance(prompt, str) else list(prompt)
+        ids = (await server.encode(prompt, body.add_special_tokens, "prompt",
+                                   truncating=body.truncate_prompt_tokens is not None)
+               if isinstance(prompt, str) else list(prompt))
         server.check_token_ids(ids, "prompt")
         ids = server.truncate(ids, body.truncate_prompt_tokens)
         server.check_prompt_length(len(ids), "prompt")
@@ -53,12 +55,13 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     response_id = server.response_id("cmpl", body, raw_request)
     for index, ids in enumerate(prompt_token_ids):
         max_tokens = server.resolve_max_tokens(body.max_tokens, len(ids), "max_tokens")
-        params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
+        params = server.generation_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
                                         prompt_logprobs=prompt_logprobs)
-        requests.append(EngineRequest(f"{response_id}-{index}", ids, params, priority=body.priority,
-                                      lora_request=server.lora_request(body.model)))
+        requests.append(EngineRequest(f"{response_id}-{index}", server.engine_prompt(ids, body), params,
+                                      priority=body.priority, lora_request=server.lora_request(body.model)))
     # The echoed prompt is the text as sent, or the decoded ids of a token prompt (or of a truncated one).
-    prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None else server.decode(ids, "echo")
+    prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                    else await server.decode(ids, "echo")
                     for p, ids in zip(prompts, prompt_token_ids)] if body.echo else None
     streams = await server.submit(requests, body, aliases)
     num_prompt_tokens = [len(ids) for ids in prompt_token_ids]
@@ -93,8 +96,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     choices.sort(key=lambda choice: choice.index)
     usage = UsageInfo(prompt_tokens=sum(num_prompt_tokens), completion_tokens=num_completion_tokens,
                       total_tokens=sum(num_prompt_tokens) + num_completion_tokens)
-    return json_response(CompletionResponse(id=response_id, created=created, model=server.response_model_name(body.model),
-                                            choices=choices, usage=usage))
+    return json_response(CompletionResponse(id=response_id, created=created,
+                                            model=server.response_model_name(body.model), choices=choices,
+                                            usage=usage))
 
 
 async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],

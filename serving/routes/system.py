@@ -1,9 +1,12 @@
-"""``GET /health``, ``GET /metrics`` (Prometheus text) and ``GET /v1/models``."""
+"""``GET /health``, ``GET|POST /ping`` (vLLM's: the same answer as /health), ``GET /version``, ``GET /metrics``
+(Prometheus text) and ``GET /v1/models``."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from fastapi import APIRouter, Depends
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from serving.errors import APIError
 from serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -19,6 +22,19 @@ async def health(server: OpenAIServer = Depends(get_server)) -> Response:
     if not server.engine.is_healthy:
         return APIError(503, f"engine is not running: {server.engine.dead_error}").response()
     return Response(status_code=200)
+
+
+@router.get("/ping", responses={503: {"model": ErrorResponse}})
+@router.post("/ping", responses={503: {"model": ErrorResponse}})
+async def ping(server: OpenAIServer = Depends(get_server)) -> Response:
+    """vLLM's ping (load balancers and SageMaker send GET or POST): 200 while the engine runs, else 503."""
+    return await health(server)
+
+
+@router.get("/version")
+async def version() -> Response:
+    """``{"version": <the installed paged-jax package's version>}`` (vLLM answers its own version here)."""
+    return JSONResponse({"version": importlib.metadata.version("paged-jax")})
 
 
 @router.get("/metrics")

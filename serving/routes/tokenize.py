@@ -19,10 +19,10 @@ async def tokenize(body: TokenizeRequest, server: OpenAIServer = Depends(get_ser
     server.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
         refuse_unsupported(body)
-        text = server.render_chat(body.messages, body)
-        token_ids = server.encode(text, body.add_special_tokens, "messages")
+        text = await server.render_chat(body.messages, body)
+        token_ids = await server.encode(text, body.add_special_tokens, "messages")
     else:
-        token_ids = server.encode(body.prompt, body.add_special_tokens, "prompt")
+        token_ids = await server.encode(body.prompt, body.add_special_tokens, "prompt")
     token_strs = server.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
     return json_response(TokenizeResponse(count=len(token_ids), max_model_len=server.info.max_model_len,
                                           tokens=token_ids, token_strs=token_strs))
@@ -32,4 +32,4 @@ async def tokenize(body: TokenizeRequest, server: OpenAIServer = Depends(get_ser
 async def detokenize(body: DetokenizeRequest, server: OpenAIServer = Depends(get_server)) -> Response:
     server.check_model(body.model)
     server.check_token_ids(body.tokens, "tokens")
-    return json_response(DetokenizeResponse(prompt=server.decode(body.tokens, "tokens")))
+    return json_response(DetokenizeResponse(prompt=await server.decode(body.tokens, "tokens")))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import jax
+import jax.numpy as jnp
 
 from paged_jax.attention_impl import ATTENTION_IMPLS, resolve_attention_impl
 from paged_jax.ops.ragged_paged_attention.common import validate_inputs
@@ -100,8 +101,13 @@ def ragged_paged_attention(
         if unknown:
             raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
                              f"{allowed}")
+    fp8_pages = jnp.dtype(k_pages.dtype).itemsize == 1
+    if impl == "mosaic" and fp8_pages:
+        raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
     if impl == "auto":
         impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window)
+        if impl == "mosaic" and fp8_pages:  # its TMA/wgmma pipeline reads pages of q's dtype only
+            impl, tuning = "triton", {}
         if impl == "mosaic":  # the Triton knobs mean nothing to it
             tuning = {}
     if impl == "mosaic":

@@ -278,7 +278,9 @@ def _kernel(
                 v = _load(v_ref.at[pool_row, kv_head, dim], mask=in_context, other=0.0)
             else:
                 v = v_ref[pool_row, kv_head, dim]
-            return key_pos, k, v
+            # An FP8 pool (--kv-cache-dtype fp8) is dequantized on load (its scales are folded into q / the output
+            # by the model); a no-op for a pool of q's dtype.
+            return key_pos, k.astype(q_ref.dtype), v.astype(q_ref.dtype)
 
         def step(kb, page, carry, masked):
             acc, m_prev, l_prev = carry

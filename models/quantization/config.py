@@ -1,0 +1,216 @@
+"""What a quantized model is: ``QuantConfig``, resolved from ``--quantization`` and config.json's
+``quantization_config`` the way vLLM resolves them. JAX-free (``EngineArgs`` validates its flag with it).
+
+Methods (vLLM's names):
+  * ``awq``: AutoAWQ GEMM checkpoints, 4-bit, group sizes 32/64/128, zero points.
+  * ``gptq``: GPTQ checkpoints (AutoGPTQ / GPTQModel / optimum), 4- and 8-bit, sym and asym, ``desc_act`` with
+    ``g_idx``; checkpoint_format ``gptq`` (v1: stored zero = zero - 1) and ``gptq_v2``.
+  * ``compressed-tensors``: llm-compressor checkpoints in the ``float-quantized`` / ``naive-quantized`` FP8 format
+    (weights per tensor or per channel; input activations static per tensor, dynamic per token or tensor, or none),
+    optionally an FP8 KV cache scheme (per-layer ``k_scale`` / ``v_scale``).
+  * ``fp8``: a checkpoint whose ``quant_method`` is ``fp8`` (per-tensor weight scales, ``activation_scheme`` static
+    or dynamic), or, for an unquantized checkpoint, online FP8: every projection quantized at load (per-channel
+    weight scales, dynamic per-token activation scales).
+  * ``int8``: online weight-only int8 (per-channel, symmetric), quantized at load.
+Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings, norms and the LM head stay in the
+model dtype (vLLM's defaults for these methods; a checkpoint that quantizes the LM head is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "int8")
+# --kv-cache-dtype values (vLLM's names); fp8 = fp8_e4m3 (float8_e4m3fn).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Methods that need a quantized checkpoint; the others may also quantize an unquantized one at load.
+_CHECKPOINT_ONLY = ("awq", "gptq", "compressed-tensors")
+_AWQ_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How the projections of one model are quantized (frozen, JSON-able via ``to_json`` for cache keys).
+
+    Fields:
+      method: one of ``QUANTIZATION_METHODS``.
+      kind: ``"weight_only"`` (int4/int8 integers, dequantized to the compute dtype) or ``"fp8"`` (float8_e4m3fn
+        weights; XLA float8 dots when activations are quantized too).
+      serialized: True when the checkpoint stores quantized weights; False = quantize a float checkpoint at load.
+      bits: weight bits (4 or 8).
+      group_size: input rows sharing one scale / zero point; -1 = one group over all inputs (per channel).
+      zero_point: weight-only: asymmetric (a zero point per group and column); False = symmetric.
+      desc_act: GPTQ act-order: each input row's group is ``g_idx[row]``.
+      gptq_zero_offset: GPTQ v1 stores ``zero - 1`` (1); v2 stores the zero point itself (0).
+      weight_strategy: fp8: ``"tensor"`` or ``"channel"`` weight scales.
+      activation_scheme: fp8: ``"static"`` (one scale per tensor from the checkpoint), ``"dynamic_token"``,
+        ``"dynamic_tensor"`` or None (weight-only fp8: weights upcast, activations untouched).
+      ignore: module names (or ``re:`` patterns) left unquantized; ``ignore_substrings``: AWQ/GPTQ-style
+        substrings (``modules_to_not_convert``).
+      kv_cache_scheme: the checkpoint declares an FP8 KV cache (its ``k_scale`` / ``v_scale`` are then read).
+    """
+
+    method: str
+    kind: str
+    serialized: bool
+    bits: int = 8
+    group_size: int = -1
+    zero_point: bool = False
+    desc_act: bool = False
+    gptq_zero_offset: int = 0
+    weight_strategy: str = "channel"
+    activation_scheme: str | None = None
+    ignore: tuple[str, ...] = ()
+    ignore_substrings: tuple[str, ...] = ()
+    kv_cache_scheme: bool = False
+
+    def is_quantized(self, module_name: str) -> bool:
+        """Whether the projection ``module_name`` (HF name, e.g. ``model.layers.0.mlp.down_proj``) is quantized."""
+        if any(s and s in module_name for s in self.ignore_substrings):
+            return False
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return False
+            elif module_name == pattern or module_name.endswith("." + pattern):
+                return False
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def _online(method: str) -> QuantConfig:
+    if method == "int8":
+        return QuantConfig("int8", "weight_only", serialized=False, bits=8, group_size=-1, zero_point=False)
+    return QuantConfig("fp8", "fp8", serialized=False, bits=8, weight_strategy="channel",
+                       activation_scheme="dynamic_token")
+
+
+def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:
+    """The quantization of a model: ``--quantization`` (``flag``) checked against config.json's
+    ``quantization_config`` (vLLM: the flag may be omitted; when both are given they must name the same method).
+
+    Returns None for an unquantized model without the flag. Raises ValueError naming ``quantization`` for an unknown
+    method, a flag that contradicts the checkpoint, a checkpoint-only method (awq, gptq, compressed-tensors) without
+    a quantized checkpoint, and for checkpoint settings this engine does not run (naming the setting).
+    """
+    if flag is not None:
+        flag = flag.lower()
+        if flag not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: unknown quantization method {flag!r}; must be one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+    quant_cfg = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    if quant_cfg is None:
+        if flag is None:
+            return None
+        if flag in _CHECKPOINT_ONLY:
+            raise ValueError(f"quantization={flag!r} needs a checkpoint quantized with {flag} (config.json has no "
+                             f"quantization_config); for load-time quantization use fp8 or int8")
+        return _online(flag)
+    method = str(quant_cfg.get("quant_method", "")).lower()
+    if method not in QUANTIZATION_METHODS or method == "int8":
+        raise ValueError(f"quantization: the checkpoint's quantization_config.quant_method {method!r} is not "
+                         f"supported; supported checkpoint methods: awq, gptq, compressed-tensors, fp8")
+    if flag is not None and flag != method:
+        raise ValueError(f"quantization: the method in the model config ({method}) does not match the method "
+                         f"given by the quantization argument ({flag})")
+    if method == "awq":
+        return _awq(quant_cfg)
+    if method == "gptq":
+        return _gptq(quant_cfg)
+    if method == "fp8":
+        return _fp8_checkpoint(quant_cfg)
+    return _compressed_tensors(quant_cfg)
+
+
+def _unsupported(method: str, what: str) -> ValueError:
+    return ValueError(f"quantization: {method} checkpoint with {what} is not supported")
+
+
+def _awq(cfg: dict) -> QuantConfig:
+    bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
+    group_size = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
+    version = str(cfg.get("version", "gemm")).lower()
+    if bits != 4:
+        raise _unsupported("awq", f"bits={bits} (only 4)")
+    if group_size not in _AWQ_GROUP_SIZES:
+        raise _unsupported("awq", f"group_size={group_size} (32, 64 or 128)")
+    if version != "gemm":
+        raise _unsupported("awq", f"version={version!r} (only the GEMM packing)")
+    if not cfg.get("zero_point", True):
+        raise _unsupported("awq", "zero_point=false")
+    return QuantConfig("awq", "weight_only", serialized=True, bits=4, group_size=group_size,
+                       zero_point=True,
+                       ignore_substrings=tuple(cfg.get("modules_to_not_convert") or ()))
+
+
+def _gptq(cfg: dict) -> QuantConfig:
+    bits = int(cfg.get("bits", 4))
+    if bits not in (4, 8):
+        raise _unsupported("gptq", f"bits={bits} (4 or 8)")
+    fmt = str(cfg.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _unsupported("gptq", f"checkpoint_format={fmt!r} (gptq or gptq_v2)")
+    if cfg.get("lm_head"):
+        raise _unsupported("gptq", "a quantized lm_head")
+    return QuantConfig("gptq", "weight_only", serialized=True, bits=bits, group_size=int(cfg.get("group_size", 128)),
+                       zero_point=not bool(cfg.get("sym", True)), desc_act=bool(cfg.get("desc_act", False)),
+                       gptq_zero_offset=1 if fmt == "gptq" else 0,
+                       ignore_substrings=tuple(cfg.get("modules_to_not_convert") or ()))
+
+
+def _fp8_checkpoint(cfg: dict) -> QuantConfig:
+    if cfg.get("weight_block_size"):
+        raise _unsupported("fp8", f"weight_block_size={cfg['weight_block_size']} (per-tensor weight scales only)")
+    scheme = str(cfg.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("static", "dynamic"):
+        raise _unsupported("fp8", f"activation_scheme={scheme!r}")
+    return QuantConfig("fp8", "fp8", serialized=True, bits=8, weight_strategy="tensor",
+                       activation_scheme="static" if scheme == "static" else "dynamic_tensor",
+                       ignore=tuple(cfg.get("ignored_layers") or ()) + ("lm_head",),
+                       kv_cache_scheme=bool(cfg.get("kv_cache_quant_method") or cfg.get("kv_cache_scheme")))
+
+
+def _compressed_tensors(cfg: dict) -> QuantConfig:
+    groups = list((cfg.get("config_groups") or {}).values())
+    if not groups:
+        raise _unsupported("compressed-tensors", "no config_groups")
+    if any(g != groups[0] for g in groups[1:]):
+        raise _unsupported("compressed-tensors", "several different config_groups")
+    group = groups[0]
+    fmt = str(group.get("format") or cfg.get("format") or "").lower()
+    weights = group.get("weights") or {}
+    acts = group.get("input_activations")
+    is_fp8 = weights.get("type") == "float" and int(weights.get("num_bits", 0)) == 8
+    if not is_fp8 or fmt not in ("float-quantized", "naive-quantized"):
+        raise _unsupported("compressed-tensors", f"format={fmt!r} and weights {weights.get('type')}"
+                           f"{weights.get('num_bits')} (only FP8 float-quantized)")
+    strategy = str(weights.get("strategy", "tensor")).lower()
+    if strategy not in ("tensor", "channel") or weights.get("dynamic"):
+        raise _unsupported("compressed-tensors", f"weight strategy={strategy!r} (static tensor or channel)")
+    if acts is None:
+        activation = None
+    else:
+        if acts.get("type") != "float" or int(acts.get("num_bits", 0)) != 8:
+            raise _unsupported("compressed-tensors", "non-FP8 input activations")
+        act_strategy = str(acts.get("strategy", "tensor")).lower()
+        if acts.get("dynamic"):
+            if act_strategy not in ("token", "tensor"):
+                raise _unsupported("compressed-tensors", f"dynamic activation strategy={act_strategy!r}")
+            activation = f"dynamic_{act_strategy}"
+        elif act_strategy == "tensor":
+            activation = "static"
+        else:
+            raise _unsupported("compressed-tensors", f"static activation strategy={act_strategy!r}")
+    targets = [str(t) for t in group.get("targets") or ["Linear"]]
+    if not any(t == "Linear" or "proj" in t for t in targets):
+        raise _unsupported("compressed-tensors", f"targets={targets}")
+    ignore = tuple(cfg.get("ignore") or ())
+    if "lm_head" not in ignore:
+        raise _unsupported("compressed-tensors", "a quantized lm_head (not in ignore)")
+    return QuantConfig("compressed-tensors", "fp8", serialized=True, bits=8, weight_strategy=strategy,
+                       activation_scheme=activation, ignore=ignore,
+                       kv_cache_scheme=cfg.get("kv_cache_scheme") is not None)

@@ -1,0 +1,255 @@
+"""Quantized projections: NNX modules with ``nnx.Linear``'s call contract (``x[..., in] -> y[..., out]`` in the
+compute dtype), swapped in for the decoder's projections by ``models.quantization.load``.
+
+``WeightOnlyLinear`` (AWQ, GPTQ, int8): the canonical layout every weight-only format is converted to is GPTQ's
+  * ``qweight int32[in * bits / 32, out]``: ``pack = 32 / bits`` input rows per word; bits ``j*bits .. j*bits+bits-1``
+    of word ``[r, c]`` hold the unsigned integer of input row ``pack * r + j``, column ``c``;
+  * ``scales [G, out]`` and ``zeros [G, out]`` (compute dtype; ``zeros`` the real zero point, integers);
+  * ``g_idx int32[in]`` (GPTQ act-order only, else None): the group of each input row; without it row ``k`` is in
+    group ``k // group_size`` (``group_size = in``: one group, per-channel scales);
+  * weight ``w[k, c] = (q[k, c] - zeros[g(k), c]) * scales[g(k), c]``.
+  Packing along the inputs keeps the output axis whole, so column-parallel shards split ``qweight``, ``scales`` and
+  ``zeros`` on axis 1, and row-parallel shards split ``qweight`` and ``g_idx`` on axis 0 (contiguous input rows:
+  ``(in / tp) % pack == 0``) with the scales and zeros replicated (act-order groups are scattered over the rows).
+
+``Fp8Linear`` (FP8 checkpoints, online ``fp8``): ``weight float8_e4m3fn[in, out]``, ``weight_scale float32[out]``
+  (per channel) or ``[1]`` (per tensor), optional static ``input_scale float32[1]``; activations are quantized to
+  e4m3 per token (dynamic), per tensor (dynamic or static), and multiplied by XLA's float8 dot
+  (``preferred_element_type=float32``) then rescaled; or, without activation quantization, the weights are upcast.
+
+The Pallas weight-only kernel lives in ``paged_jax.ops.quantized_matmul``; it registers itself here
+(``register_weight_only_matmul("pallas", fn)``) so ``models`` never imports ``paged_jax``. The default
+``matmul_impl`` is ``"xla"`` (``weight_only_matmul_reference``: dequantize + dot, fused by XLA as it can).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+# Smallest dynamic activation scale (vLLM's): an all-zero row still divides by something finite.
+_MIN_ACTIVATION_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+_WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
+
+
+def register_weight_only_matmul(name: str, fn: Callable) -> None:
+    """Make ``fn(x, qweight, scales, zeros, g_idx, *, bits, group_size) -> y`` selectable as ``matmul_impl``."""
+    _WEIGHT_ONLY_MATMULS[name] = fn
+
+
+def unpack_int32(qweight: jax.Array, bits: int) -> jax.Array:
+    """``int32[R, C]`` packed along rows -> ``int32[R * 32/bits, C]`` unsigned values (row ``pack*r + j`` from bits
+    ``j*bits..``)."""
+    pack = 32 // bits
+    shifts = jnp.arange(pack, dtype=jnp.int32) * bits
+    values = jnp.right_shift(qweight[:, None, :], shifts[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(qweight.shape[0] * pack, qweight.shape[1])
+
+
+def group_index(in_features: int, group_size: int) -> np.ndarray:
+    """``int32[in]``: the group of each input row when groups are contiguous."""
+    return (np.arange(in_features, dtype=np.int32) // group_size).astype(np.int32)
+
+
+def dequantize_weight_only(qweight, scales, zeros, g_idx, *, bits: int, group_size: int, dtype) -> jax.Array:
+    """The canonical weight-only arrays -> ``dtype[in, out]`` weights ``(q - zeros[g]) * scales[g]``."""
+    q = unpack_int32(qweight, bits)
+    in_features, out = q.shape
+    if g_idx is None:  # contiguous groups: a broadcast instead of a gather, which XLA can fuse into the dot
+        groups = scales.shape[0]
+        q = q.reshape(groups, in_features // groups, out).astype(dtype)
+        w = (q - zeros.astype(dtype)[:, None, :]) * scales.astype(dtype)[:, None, :]
+        return w.reshape(in_features, out)
+    return (q.astype(dtype) - zeros.astype(dtype)[g_idx]) * scales.astype(dtype)[g_idx]
+
+
+def weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, *, bits: int, group_size: int) -> jax.Array:
+    """``x[M, in] @ dequantized w -> [M, out]`` in ``x.dtype`` (fp32 accumulation); the jnp oracle of the Pallas
+    kernel and the engine's default path (XLA fuses what it can of the dequantization into the dot)."""
+    w = dequantize_weight_only(qweight, scales, zeros, g_idx, bits=bits, group_size=group_size, dtype=x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+register_weight_only_matmul("xla", weight_only_matmul_reference)
+
+
+def _param(value):
+    return None if value is None else nnx.Param(value)
+
+
+class WeightOnlyLinear(nnx.Module):
+    """int4 / int8 weight-only projection in the canonical layout (module docstring). Shapes: ``qweight
+    int32[in*bits/32, out]``, ``scales, zeros dtype[G, out]``, ``g_idx int32[in] | None``, ``bias dtype[out] | None``.
+    ``matmul_impl``: a name given to ``register_weight_only_matmul`` ("xla" default, "pallas")."""
+
+    def __init__(self, qweight, scales, zeros, g_idx=None, bias=None, *, bits: int, group_size: int, dtype,
+                 matmul_impl: str = "xla"):
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        self.qweight = nnx.Param(qweight)
+        self.scales = nnx.Param(scales)
+        self.zeros = nnx.Param(zeros)
+        self.g_idx = _param(g_idx)
+        self.bias = _param(bias)
+        self.bits = bits
+        self.group_size = group_size
+        self.in_features = qweight.shape[0] * (32 // bits)
+        self.out_features = qweight.shape[1]
+        self.dtype = dtype
+        self.matmul_impl = matmul_impl
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        fn = _WEIGHT_ONLY_MATMULS[self.matmul_impl]
+        g_idx = None if self.g_idx is None else self.g_idx[...]
+        y = fn(x2, self.qweight[...], self.scales[...], self.zeros[...], g_idx, bits=self.bits,
+               group_size=self.group_size)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
+        """``dtype[in, out]``: the weights this layer multiplies by."""
+        g_idx = None if self.g_idx is None else self.g_idx[...]
+        return dequantize_weight_only(self.qweight[...], self.scales[...], self.zeros[...], g_idx, bits=self.bits,
+                                      group_size=self.group_size, dtype=dtype)
+
+    @staticmethod
+    def concat(layers: Sequence["WeightOnlyLinear"]) -> "WeightOnlyLinear | None":
+        """One layer equal to ``layers`` side by side (output columns concatenated), or None when they cannot share
+        one matmul (act-order ``g_idx``: each layer orders its rows differently; other bits / groups / dtype)."""
+        first = layers[0]
+        if any(layer.g_idx is not None for layer in layers) or any(
+                (layer.bits, layer.group_size, layer.dtype, layer.bias is None)
+                != (first.bits, first.group_size, first.dtype, first.bias is None) for layer in layers):
+            return None
+        cat = lambda name: jnp.concatenate([getattr(layer, name)[...] for layer in layers], axis=-1)  # noqa: E731
+        return WeightOnlyLinear(cat("qweight"), cat("scales"), cat("zeros"), None,
+                                None if first.bias is None else cat("bias"), bits=first.bits,
+                                group_size=first.group_size, dtype=first.dtype, matmul_impl=first.matmul_impl)
+
+
+def quantize_weight_only(kernel: jax.Array, *, bits: int, group_size: int, zero_point: bool, dtype):
+    """Round-to-nearest quantization of ``kernel [in, out]`` into the canonical layout:
+    ``(qweight int32[in*bits/32, out], scales dtype[G, out], zeros dtype[G, out])``; ``group_size=-1``: one group.
+
+    Symmetric: ``scale = max|w| / (2^(bits-1) - 1)``, zero ``2^(bits-1)`` (int8 online: vLLM's per-channel
+    symmetric int8). Asymmetric: ``scale = (max - min) / (2^bits - 1)``, zero ``round(-min / scale)``.
+    Traceable (the loader jits it per shape).
+    """
+    in_features, out = kernel.shape
+    group_size = in_features if group_size == -1 else group_size
+    groups = in_features // group_size
+    w = kernel.astype(jnp.float32).reshape(groups, group_size, out)
+    qmax = (1 << bits) - 1
+    if zero_point:
+        lo = jnp.minimum(w.min(axis=1), 0.0)
+        hi = jnp.maximum(w.max(axis=1), 0.0)
+        scales = jnp.maximum(hi - lo, 1e-8) / qmax
+        zeros = jnp.clip(jnp.round(-lo / scales), 0, qmax)
+    else:
+        half = 1 << (bits - 1)
+        scales = jnp.maximum(jnp.abs(w).max(axis=1), 1e-8) / (half - 1)
+        zeros = jnp.full_like(scales, half)
+    scales = scales.astype(dtype)
+    s32 = scales.astype(jnp.float32)
+    q = jnp.clip(jnp.round(w / s32[:, None, :]) + zeros[:, None, :], 0, qmax).astype(jnp.int32)
+    return pack_int32(q.reshape(in_features, out), bits), scales, zeros.astype(dtype)
+
+
+def pack_int32(values: jax.Array, bits: int) -> jax.Array:
+    """``int[in, out]`` unsigned values -> ``int32[in*bits/32, out]`` packed along rows (inverse of
+    ``unpack_int32``)."""
+    pack = 32 // bits
+    in_features, out = values.shape
+    v = values.astype(jnp.uint32).reshape(in_features // pack, pack, out)
+    shifts = (jnp.arange(pack, dtype=jnp.uint32) * bits)[None, :, None]
+    return jax.lax.bitcast_convert_type(jnp.sum(v << shifts, axis=1, dtype=jnp.uint32), jnp.int32)
+
+
+class Fp8Linear(nnx.Module):
+    """FP8 projection. ``weight float8_e4m3fn[in, out]``, ``weight_scale float32[out] | [1]``, ``input_scale
+    float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in ``QuantConfig``."""
+
+    def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype):
+        if activation_scheme not in (None, "static", "dynamic_token", "dynamic_tensor"):
+            raise ValueError(f"unknown activation_scheme {activation_scheme!r}")
+        if (activation_scheme == "static") != (input_scale is not None):
+            raise ValueError("the static activation scheme needs input_scale (and only it)")
+        self.weight = nnx.Param(weight)
+        self.weight_scale = nnx.Param(weight_scale)
+        self.input_scale = _param(input_scale)
+        self.bias = _param(bias)
+        self.activation_scheme = activation_scheme
+        self.out_features = weight.shape[1]
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        w_scale = self.weight_scale[...].astype(jnp.float32)
+        if self.activation_scheme is None:
+            w = (self.weight[...].astype(jnp.float32) * w_scale).astype(self.dtype)
+            y = jnp.dot(x2.astype(self.dtype), w, preferred_element_type=jnp.float32)
+        else:
+            x_q, x_scale = quantize_activations_fp8(
+                x2, self.activation_scheme, None if self.input_scale is None else self.input_scale[...])
+            y = jax.lax.dot_general(x_q, self.weight[...], (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            y = y * x_scale * w_scale
+        y = y.astype(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
+        return (self.weight[...].astype(jnp.float32) * self.weight_scale[...].astype(jnp.float32)).astype(dtype)
+
+    @staticmethod
+    def concat(layers: Sequence["Fp8Linear"]) -> "Fp8Linear | None":
+        """Side by side (per-tensor scales become per-channel), or None for static input scales (each layer
+        quantizes the shared input with its own scale) or differing schemes."""
+        first = layers[0]
+        if first.activation_scheme == "static" or any(
+                (layer.activation_scheme, layer.dtype, layer.bias is None)
+                != (first.activation_scheme, first.dtype, first.bias is None) for layer in layers):
+            return None
+        scales = [jnp.broadcast_to(layer.weight_scale[...], (layer.out_features,)) for layer in layers]
+        bias = None if first.bias is None else jnp.concatenate([layer.bias[...] for layer in layers])
+        return Fp8Linear(jnp.concatenate([layer.weight[...] for layer in layers], axis=1),
+                         jnp.concatenate(scales), None, bias, activation_scheme=first.activation_scheme,
+                         dtype=first.dtype)
+
+
+def quantize_activations_fp8(x: jax.Array, scheme: str, input_scale=None) -> tuple[jax.Array, jax.Array]:
+    """``x[M, K]`` -> ``(float8_e4m3fn[M, K], float32 scale [M, 1] (per token) or [1, 1])`` with
+    ``x ~ q * scale``; ``scale = max|x| / 448`` over each row (``dynamic_token``) or the tensor
+    (``dynamic_tensor``), or ``input_scale`` (``static``)."""
+    x32 = x.astype(jnp.float32)
+    if scheme == "static":
+        scale = input_scale.astype(jnp.float32).reshape(1, 1)
+    else:
+        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+        if scheme == "dynamic_tensor":
+            amax = jnp.max(amax, keepdims=True)
+        scale = jnp.maximum(amax / FP8_MAX, _MIN_ACTIVATION_SCALE)
+    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+def quantize_weight_fp8(kernel: jax.Array, strategy: str = "channel") -> tuple[jax.Array, jax.Array]:
+    """``kernel [in, out]`` -> ``(float8_e4m3fn[in, out], float32 scale [out] (channel) or [1] (tensor))``."""
+    w = kernel.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=0) if strategy == "channel" else jnp.max(jnp.abs(w)).reshape(1)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    return jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+QUANTIZED_LINEAR_TYPES = (WeightOnlyLinear, Fp8Linear)

@@ -1,0 +1,108 @@
+"""Where the KV pool's size comes from, and JAX's persistent compilation cache that the engine turns on before it
+builds the runner: both are settled once, at engine start-up, before the first executable compiles.
+
+``determine_num_blocks`` sizes the device pool (vLLM's ``gpu_memory_utilization``: a fraction of the device's
+total memory, after the weights and headroom for the widest step's activations and logits), ``num_host_blocks_for``
+the host swap pool, ``kv_bytes_per_block`` the bytes of one block across all layers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compilation cache
+# ----------------------------------------------------------------------------------------------------------------
+
+def enable_compilation_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache in ``cache_dir`` (None: ``~/.cache/paged_jax/jax_cache``;
+    "" leaves it off). Thresholds are lowered so every executable is cached, small ones included. Returns the dir."""
+    if cache_dir == "":
+        return None
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return cache_dir
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV pool sizing
+# ----------------------------------------------------------------------------------------------------------------
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return (config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim
+            * jnp.dtype(dtype).itemsize)
+
+
+def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
+                         max_num_batched_tokens: int, gpu_memory_utilization: float,
+                         num_blocks_override: int | None = None, device: jax.Device | None = None,
+                         cpu_pool_cap_bytes: int = 1 << 30) -> int:
+    """Number of device KV blocks (including the null block 0).
+
+    Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
+    ``gpu_memory_utilization * total - bytes_in_use`` (measured after the weights are placed) minus headroom for
+    the largest step's activations and logits, divided by the per-block size; ``total`` and the allocator cap come
+    from ``memory_stats()`` (``paged_jax.device_memory.usable_device_bytes``). CPU (no memory stats): enough for
+    ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``. ``num_blocks_override`` wins.
+
+    Raises:
+      ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
+      of tokens it can hold.
+    """
+    from paged_jax.device_memory import usable_device_bytes
+
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks_override is not None:
+        num_blocks = int(num_blocks_override)
+        if num_blocks - 1 < blocks_per_seq:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "
+                f"num_gpu_blocks_override={num_blocks} leaves {num_blocks - 1} (block 0 is reserved), i.e. "
+                f"{(num_blocks - 1) * block_size} tokens: lower max_model_len (--max-model-len) to at most "
+                f"{(num_blocks - 1) * block_size} or raise --num-gpu-blocks-override")
+        return num_blocks
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        wanted = max_num_seqs * blocks_per_seq + 1
+        return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
+    itemsize = jnp.dtype(dtype).itemsize
+    # Peak live activations of the widest step, generously: residual + q/k/v + attention out + MLP (gate, up, act),
+    # a few copies each, plus fp32 logits and the sampler's sort buffers for every sequence.
+    per_token = (4 * config.hidden_size + 3 * config.intermediate_size
+                 + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
+    activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
+    # The sampler's logits and the prompt-logprobs chunks belong to different executables, never live together.
+    logits = 6 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
+    headroom = activations + logits + (512 << 20)
+    _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
+    budget = usable - stats["bytes_in_use"] - headroom
+    num_blocks = int(budget // per_block)
+    if num_blocks - 1 < blocks_per_seq:
+        capacity = max(num_blocks - 1, 0) * block_size
+        raise ValueError(
+            f"To serve at least one request with max_model_len={max_model_len}, "
+            f"{blocks_per_seq * per_block / 2**30:.2f} GiB of KV cache is needed, more than the "
+            f"{max(budget, 0) / 2**30:.2f} GiB available at gpu_memory_utilization={gpu_memory_utilization} "
+            f"(weights and activations take the rest): the KV pool can hold {capacity} tokens. Lower "
+            f"max_model_len (--max-model-len {capacity} or less), raise --gpu-memory-utilization, or set "
+            f"--num-gpu-blocks-override")
+    return num_blocks
+
+
+def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:
+    """Host swap pool size in blocks for ``swap_space_gib`` GiB."""
+    return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype))

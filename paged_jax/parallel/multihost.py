@@ -1,0 +1,167 @@
+"""One engine over several hosts (``--nnodes N --node-rank R --master-addr A --master-port P``, vLLM's names).
+
+Every host runs one process of one JAX job (``jax.distributed``; the coordinator is node 0 at ``A:P``), so the
+meshes span all hosts' devices and every jitted step is one multi-controller SPMD program: each process must call
+the same jitted functions, in the same order, with the same global shapes and the same host inputs. Node 0 owns the
+engine loop (scheduler, KV-cache manager, detokenizer, HTTP); the others own no requests and only replay node 0's
+device work:
+
+* ``StepChannel``: node 0 publishes, before it launches them, the host inputs of each device call its runner makes
+  after warm-up (a step's metadata buffer and the sampler's extra tables; swap copies), numbered, through the
+  coordinator's key-value store (``jax.distributed``'s own client: small messages over its gRPC connection, no
+  device collective, so nothing compiles for them). Warm-up needs no messages: every process compiles and runs the
+  same fixed sequence.
+* ``follow(runner, channel)``: the loop of nodes 1..N-1: take the next message, make the same runner call; a
+  ``"shutdown"`` message ends it.
+
+A dead process: JAX's coordination service notices the missing heartbeats (``heartbeat_timeout_seconds``, here
+``PAGED_JAX_HEARTBEAT_TIMEOUT``, default 30 s) and terminates every other process with "Terminating process because
+the JAX distributed service detected fatal errors" (a rank blocked in a collective would otherwise wait forever);
+a follower that loses the coordinator (node 0 gone) exits with an error naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_HEARTBEAT_TIMEOUT = "PAGED_JAX_HEARTBEAT_TIMEOUT"
+_DEFAULT_HEARTBEAT_TIMEOUT = 30
+_KEY_PREFIX = "paged_jax/step/"
+# A follower cannot fall more than a step or two behind (every step is a collective it takes part in), so keys
+# this far back have been read by everyone and are deleted.
+_KEEP_MESSAGES = 64
+
+
+def start_distributed(args) -> bool:
+    """Join the multi-host JAX job ``args`` describe (``EngineArgs.nnodes`` > 1: coordinator
+    ``master_addr:master_port``, ``num_processes=nnodes``, ``process_id=node_rank``), or one that
+    ``paged_jax.parallel.initialize_distributed`` finds in the environment. Idempotent; True in a multi-process job.
+
+    Raises:
+      ValueError: the job's process count disagrees with ``nnodes``.
+    """
+    import jax
+
+    from paged_jax.parallel.mesh import initialize_distributed
+
+    heartbeat = int(os.environ.get(ENV_HEARTBEAT_TIMEOUT, _DEFAULT_HEARTBEAT_TIMEOUT))
+    if args.nnodes > 1:
+        initialize_distributed(f"{args.master_addr}:{args.master_port}", args.nnodes, args.node_rank,
+                               heartbeat_timeout_seconds=heartbeat)
+    else:
+        initialize_distributed(heartbeat_timeout_seconds=heartbeat)
+    if args.nnodes > 1 and jax.process_count() != args.nnodes:
+        raise ValueError(f"nnodes={args.nnodes} but the JAX job has {jax.process_count()} processes")
+    return jax.process_count() > 1
+
+
+def local_copies(arrays: Sequence) -> tuple:
+    """Replicated outputs of a step, as arrays this process can fetch: in a multi-process job an array spanning
+    every host's devices cannot be copied to one host, its local replica can."""
+    return tuple(a if a.is_fully_addressable else a.addressable_data(0) for a in arrays)
+
+
+def leader_channel() -> "StepChannel | None":
+    """Node 0 of a multi-process job: the ``StepChannel`` its runner announces its device calls on (and, at exit,
+    ``"shutdown"``, which ends the followers). None in a single-process run."""
+    import atexit
+
+    import jax
+
+    if jax.process_count() == 1 or jax.process_index() != 0:
+        return None
+    channel = StepChannel()
+    atexit.register(channel.publish, "shutdown")  # runs before jax.distributed's own shutdown (registered earlier)
+    return channel
+
+
+def run_follower(engine_args) -> int:
+    """Nodes 1..N-1 (``paged-jax serve/generate --node-rank R``, R > 0): build the same engine as node 0 (its share
+    of the weights and KV pool, the same compiled steps), then replay node 0's steps until it shuts down. Returns
+    the exit status: 0 after node 0's shutdown, 1 when node 0 was lost."""
+    from paged_jax.engine import LLMEngine
+
+    engine = LLMEngine(engine_args)
+    try:
+        follow(engine.runner, StepChannel())
+    except RuntimeError as exc:
+        logger.error("node %d stops: %s", engine_args.node_rank, exc)
+        return 1
+    return 0
+
+
+def is_leader() -> bool:
+    """Whether this process schedules (node 0, or the only process)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+class StepChannel:
+    """Node 0 -> every other node: the ordered host inputs of the runner's device calls.
+
+    Messages are pickled tuples ``(kind, payload)`` under ``paged_jax/step/<n>`` in the coordinator's key-value
+    store. A follower waits for the next one in slices of ``poll_s`` for as long as the job is alive (node 0 may be
+    idle for hours); a dead node ends the job through JAX's heartbeat, a lost coordinator raises RuntimeError.
+    """
+
+    def __init__(self, *, poll_s: float = 5.0):
+        from jax._src.distributed import global_state  # jax.distributed's client (no public accessor)
+
+        if global_state.client is None:
+            raise RuntimeError("StepChannel needs jax.distributed to be initialized (start_distributed)")
+        self._client = global_state.client
+        self._next = 0
+        self._poll_ms = int(poll_s * 1000)
+
+    def publish(self, kind: str, payload: Any = None) -> None:
+        """Node 0: send the next message (before making the device call it describes)."""
+        self._client.key_value_set_bytes(f"{_KEY_PREFIX}{self._next}", pickle.dumps((kind, payload), protocol=5))
+        if self._next >= _KEEP_MESSAGES:
+            self._client.key_value_delete(f"{_KEY_PREFIX}{self._next - _KEEP_MESSAGES}")
+        self._next += 1
+
+    def receive(self) -> tuple[str, Any]:
+        """Nodes 1..N-1: the next message (blocks while node 0 is idle)."""
+        key = f"{_KEY_PREFIX}{self._next}"
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(key, self._poll_ms)
+                break
+            except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
+                if "DEADLINE_EXCEEDED" in str(exc):
+                    continue  # node 0 is idle; a dead node is the heartbeat's business
+                raise RuntimeError(f"lost the coordinator (node 0) while waiting for step message {self._next}: "
+                                   f"{exc}") from exc
+        self._next += 1
+        return pickle.loads(data)
+
+
+def follow(runner, channel: StepChannel) -> None:
+    """Nodes 1..N-1: replay node 0's device calls on this process's ``runner`` (built and warmed up exactly as node
+    0's) until node 0 sends ``"shutdown"``. Returns normally on shutdown; raises when node 0 is lost."""
+    import jax
+
+    logger.info("node %d ready: following node 0's steps", jax.process_index())
+    pending = None
+    while True:
+        kind, payload = channel.receive()
+        if kind == "shutdown":
+            logger.info("node 0 shut down; node %d exits", jax.process_index())
+            return
+        if kind == "dispatch":
+            outputs = runner._dispatch(*payload)
+            # Nothing reads a follower's outputs; keeping the last one bounds how far its queue runs ahead.
+            if pending is not None:
+                jax.block_until_ready(pending)
+            pending = outputs
+        elif kind == "swap":
+            runner.swap(*payload)
+        else:
+            raise RuntimeError(f"unknown step message {kind!r} from node 0")

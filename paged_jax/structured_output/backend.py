@@ -1,0 +1,107 @@
+"""The grammar backend: xgrammar. Turns a ``StructuredOutputsParams`` into an ``xgrammar.Grammar`` (parsing only:
+milliseconds, and where an invalid spec is caught, as a ValueError naming its field), compiles grammars against the
+tokenizer (the expensive part, run on the manager's thread pool) and makes matchers.
+
+Why xgrammar (over llguidance, also maintained and installed): its per-token mask is computed from a token-mask
+cache built at compile time, so filling a row of the bitmask, which happens on the step's critical path for every
+constrained row, is a few microseconds; llguidance compiles lazily (much faster compiles) but pays for it in the
+per-token mask, with long tails. Compiles are cached and run off the critical path, masks are not.
+benchmarks/RESULTS.md has the measurements.
+
+Spec -> grammar, as vLLM's xgrammar backend: ``json`` (``any_whitespace`` unless ``disable_any_whitespace``; strict
+mode: no properties beyond the listed ones unless the schema allows them), ``json_object`` (any JSON object),
+``regex``, ``choice`` (an EBNF alternation of the quoted strings), ``grammar`` (EBNF with ``::=``, else Lark),
+``structural_tag`` (vLLM's ``{"structures", "triggers"}`` form or xgrammar's own).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from paged_jax.sampling_params import StructuredOutputsParams
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the useful message.
+_CPP_ERROR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def _clean_error(exc: Exception) -> str:
+    return _CPP_ERROR_PREFIX.sub("", str(exc)).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """The cache key of a spec: its constraint and the options that change the grammar, as canonical JSON."""
+    value: Any = getattr(spec, spec.kind)
+    if spec.kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass  # parse_grammar reports it
+    return json.dumps([spec.kind, value, spec.disable_any_whitespace], sort_keys=True, default=str)
+
+
+def _choice_ebnf(choices: Sequence[str]) -> str:
+    """``root ::= "a" | "b"`` with the strings escaped for EBNF (JSON string escapes are xgrammar's)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def parse_grammar(spec: StructuredOutputsParams):
+    """-> ``xgrammar.Grammar`` for ``spec``. Raises ValueError naming the spec's field (``json``, ``regex``,
+    ``choice``, ``grammar``, ``structural_tag``) when it does not parse."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    value = getattr(spec, kind)
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(value if isinstance(value, str) else json.dumps(value),
+                                                any_whitespace=not spec.disable_any_whitespace)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(_choice_ebnf(value))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(value) if "::=" in value else xgr.Grammar.from_lark(value)
+        tag = json.loads(value)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's form
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, list(tag.get("triggers", ())))
+        return xgr.Grammar.from_structural_tag(value)
+    except Exception as exc:  # xgrammar raises RuntimeError / its own errors / KeyError, TypeError on bad shapes
+        raise ValueError(f"{kind}: cannot be compiled into a grammar: {_clean_error(exc)}") from exc
+
+
+class XgrammarBackend:
+    """Compiles grammars for one tokenizer and vocabulary.
+
+    Args:
+      tokenizer: the engine's HF tokenizer.
+      vocab_size: V, the model's vocabulary (>= the tokenizer's; ids past the tokenizer's are never allowed).
+      stop_token_ids: the engine's EOS ids: allowed only where the grammar may end, and then the only ones allowed.
+      max_threads: xgrammar's threads per compile.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 1):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=self.stop_token_ids or None)
+        # Our own cache (StructuredOutputManager) keeps compiled grammars by spec; xgrammar's would be a second copy.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, grammar):
+        """``xgrammar.Grammar`` -> ``xgrammar.CompiledGrammar`` (the slow part: builds its token-mask cache)."""
+        return self._compiler.compile_grammar(grammar)
+
+    @staticmethod
+    def new_matcher(compiled):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)

@@ -1,0 +1,168 @@
+"""Structured outputs end to end: ``response_format`` / ``structured_outputs`` / ``guided_*`` through the official
+``openai`` client against the real engine (SmolLM2 on CPU, the shared ``serving_engine``), and offline
+``SamplingParams(structured_outputs=StructuredOutputsParams(...))`` under preemption and async scheduling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema_rs
+import openai
+import pytest
+
+from benchmarks.structured import varied_schemas
+from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.test_serving import ServerThread
+
+MODEL_NAME = "smollm2-structured"
+CHAT = [{"role": "user", "content": "Describe a fictional person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(serving_engine):
+    from serving.app import create_app
+
+    with ServerThread(create_app(serving_engine, served_model_name=MODEL_NAME)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_50_varied_json_schemas_all_valid(server, serving_engine):
+    schemas = varied_schemas(50)
+    assert len({json.dumps(s, sort_keys=True) for s in schemas}) == 50
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+        async with client:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model=MODEL_NAME, messages=CHAT, temperature=0, max_completion_tokens=120,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                        "strict": True}})
+                for i, schema in enumerate(schemas)))
+
+    responses = asyncio.run(run_all())
+    for schema, response in zip(schemas, responses):
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert jsonschema_rs.validator_for(schema).is_valid(json.loads(choice.message.content)), (
+            schema, choice.message.content)
+    assert serving_engine.stats()["num_compiles_since_warmup"] == 0
+
+
+def test_regex_choice_grammar_and_json_object(client):
+    def chat(**extra):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_completion_tokens=40,
+                                           extra_body=extra)
+        return r.choices[0].message.content
+
+    name_age = r"[A-Z][a-z]{2,6} is [1-9][0-9]"
+    assert re.fullmatch(name_age, chat(structured_outputs={"regex": name_age}))
+    assert re.fullmatch(r"\d{3}-\d{4}", chat(guided_regex=r"\d{3}-\d{4}", guided_decoding_backend="xgrammar"))
+    assert chat(guided_choice=["cat", "dog", "fish"]) in ("cat", "dog", "fish")
+    assert chat(structured_outputs={"choice": ["yes", "no"]}) in ("yes", "no")
+    grammar = 'root ::= ("red" | "green") " " digit digit?\ndigit ::= [0-9]'
+    assert re.fullmatch(r"(red|green) [0-9][0-9]?", chat(guided_grammar=grammar))
+    assert re.fullmatch(r"(red|green) [0-9][0-9]?", chat(structured_outputs={"grammar": grammar}))
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_completion_tokens=60,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # any object: it may run past the token budget, but it starts as one
+    assert text.lstrip().startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text),
+                                                                                                   dict))
+    completion = client.completions.create(model=MODEL_NAME, prompt="My phone number is", max_tokens=20,
+                                           temperature=0, extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert re.fullmatch(r" \d{3}-\d{4}", completion.choices[0].text)
+    # n > 1: one matcher per sequence.
+    r = client.completions.create(model=MODEL_NAME, prompt="Pick one:", max_tokens=5, n=3, temperature=1.0,
+                                  seed=5, extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    assert len(r.choices) == 3 and all(c.text in ("alpha", "beta", "gamma") for c in r.choices)
+
+
+def test_streamed_json_schema_is_valid(client):
+    schema = varied_schemas(3)[2]
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, temperature=0, max_completion_tokens=120, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert jsonschema_rs.validator_for(schema).is_valid(json.loads(text))
+
+
+def test_specs_that_cannot_compile_are_400_naming_the_field(server, client):
+    async def run():
+        client_async = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                                          timeout=300)
+        async with client_async:
+            # A request in flight meanwhile finishes normally.
+            in_flight = asyncio.ensure_future(client_async.completions.create(
+                model=MODEL_NAME, prompt="Count: one, two,", max_tokens=12, temperature=0, extra_body={
+                    "ignore_eos": True, "guided_regex": r"( [a-z]+,){3}.*"}))
+            cases = [({"guided_regex": "a(b"}, "guided_regex"),
+                     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+                     ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+                     ({"guided_json": {"type": "not-a-type"}}, "guided_json"),
+                     ({"response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+                      "response_format"),
+                     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+                     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+                     ({"guided_whitespace_pattern": " ", "guided_json": {}}, "guided_whitespace_pattern")]
+            for extra, field in cases:
+                with pytest.raises(openai.BadRequestError) as info:
+                    await client_async.chat.completions.create(model=MODEL_NAME, messages=CHAT,
+                                                               max_completion_tokens=4, extra_body=extra)
+                assert info.value.body["param"] == field, (extra, info.value.body)
+            return await in_flight
+
+    done = asyncio.run(run())
+    assert re.fullmatch(r"( [a-z]+,){3}.*", done.choices[0].text) and done.usage.completion_tokens == 12
+
+
+# ------------------------------------------------------------------------------------------------ offline
+def test_offline_constrained_batch_same_under_preemption_and_async(serving_engine, smollm2_tokenizer):
+    """A constrained batch (JSON schemas, regex, choice; n = 2) on a KV pool too small for it (recompute
+    preemptions), with async scheduling and without, gives the synchronous roomy run's outputs."""
+    from paged_jax.config import EngineArgs
+    from paged_jax.engine import LLMEngine
+    from tests.test_engine import TEXT, run_to_completion
+
+    text_ids = smollm2_tokenizer.encode(TEXT)
+    schemas = varied_schemas(6)
+    specs = ([StructuredOutputsParams(json=s) for s in schemas]
+             + [StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){3,6}\."), StructuredOutputsParams(choice=["x", "y"]),
+                StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ")"', disable_any_whitespace=True)])
+    specs = (specs * 2)[:12]
+    prompts = [text_ids[i * 7: i * 7 + 90 + (i * 13) % 60] for i in range(len(specs))]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec, n=1 + (i == 3)) for i, spec
+              in enumerate(specs)]
+    reference = run_to_completion(serving_engine, prompts, params, prefix="ref")
+    # The shapes of tests/test_engine.py's tight engine (compiled once for both files).
+    engine = LLMEngine(EngineArgs(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128,
+                                  num_gpu_blocks_override=40, seed=0, async_scheduling=True), use_tqdm=False)
+    expected = [[c.token_ids for c in o.outputs] for o in reference]
+    for async_scheduling in (True, False):
+        engine.async_scheduling = async_scheduling  # the dispatch thread serves the synchronous loop as well
+        outputs = run_to_completion(engine, prompts, params, prefix=f"a{async_scheduling}")
+        assert [[c.token_ids for c in o.outputs] for o in outputs] == expected, async_scheduling
+    assert engine.stats()["num_preemptions"] > 0 and engine.runner.num_compiles_since_warmup == 0
+    for spec, out in zip(specs, reference):
+        for completion in out.outputs:
+            if spec.json is not None and completion.finish_reason == "stop":
+                assert jsonschema_rs.validator_for(spec.json).is_valid(json.loads(completion.text))
+
+
+def test_invalid_offline_specs_raise_value_errors_naming_the_field(serving_engine):
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="^whitespace_pattern"):
+        StructuredOutputsParams(json={}, whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="^regex: cannot be compiled"):
+        serving_engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(
+            regex="a(b")))
+    assert not serving_engine.has_unfinished_requests()
