@@ -169,12 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
             runner.execute(seqs).result()
         finally:
             runner._forward, runner._sample = original_forward, original_sample
-        (f_params, _, f_buf, f_prev), f_kw = captured["forward"]
+        (f_params, _, f_buf, f_prev, f_lora), f_kw = captured["forward"]
 
         def forward_loop():
             out = None
             for _ in range(args.inner):
-                runner.kv_pool, logits, words, _ = original_forward(f_params, runner.kv_pool, f_buf, f_prev, **f_kw)
+                runner.kv_pool, logits, words, _ = original_forward(f_params, runner.kv_pool, f_buf, f_prev, f_lora,
+                                                                    **f_kw)
                 out = logits
             jax.block_until_ready(out)
 

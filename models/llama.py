@@ -177,14 +177,15 @@ class Attention(nnx.Module):
             self.k_norm = None
 
     def __call__(self, layer_idx: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv_layer,
-                 attention: AttentionFn):
-        """x: [T, hidden], rope: ``rope_cos_sin`` tables -> ([T, hidden], kv_layer)."""
+                 attention: AttentionFn, lora=None):
+        """x: [T, hidden], rope: ``rope_cos_sin`` tables -> ([T, hidden], kv_layer). ``lora``: see ``with_lora``."""
         num_tokens = x.shape[0]
         if self.qkv_proj is not None:
             q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = jnp.split(self.qkv_proj(x), [q_dim, q_dim + kv_dim], axis=-1)
+            qkv = with_lora(lora, "qkv_proj", x, self.qkv_proj(x))
+            q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (with_lora(lora, name, x, getattr(self, name)(x)) for name in ("q_proj", "k_proj", "v_proj"))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -202,7 +203,7 @@ class Attention(nnx.Module):
         if self.kv_scale is not None:
             out = (out * v_scale).astype(out.dtype)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        return self.o_proj(out), kv_layer
+        return with_lora(lora, "o_proj", out, self.o_proj(out)), kv_layer
 
 
 class MLP(nnx.Module):
@@ -216,12 +217,13 @@ class MLP(nnx.Module):
         self.gate_up_proj: nnx.Linear | None = nnx.data(None)  # set by fuse_projections
         self.down_proj = _linear(inter, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora=None) -> jax.Array:
         if self.gate_up_proj is not None:
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            gate, up = jnp.split(with_lora(lora, "gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+            gate, up = (with_lora(lora, name, x, getattr(self, name)(x)) for name in ("gate_proj", "up_proj"))
+        act = jax.nn.silu(gate) * up
+        return with_lora(lora, "down_proj", act, self.down_proj(act))
 
 
 class DecoderLayer(nnx.Module):
@@ -232,17 +234,24 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, layer_idx, x, rope, kv_layer, attention):
-        attn_out, kv_layer = self.self_attn(layer_idx, self.input_layernorm(x), rope, kv_layer, attention)
+    def __call__(self, layer_idx, x, rope, kv_layer, attention, lora=None):
+        attn_out, kv_layer = self.self_attn(layer_idx, self.input_layernorm(x), rope, kv_layer, attention, lora)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
         return x, kv_layer
 
 
+def with_lora(lora, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The LoRA hook of one projection: ``y = proj(x)`` plus the layer's low-rank update of projection ``name``
+    (e.g. "qkv_proj", "o_proj") when ``lora`` (duck-typed ``lora.add(name, x, y)``, e.g.
+    ``paged_jax.lora.layers.LoRALayer``) is given; ``y`` itself when ``lora`` is None."""
+    return y if lora is None else lora.add(name, x, y)
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _decoder_layer(graphdef, state, x, rope, kv_layer, attention: ReusableAttention):
+def _decoder_layer(graphdef, state, x, rope, kv_layer, attention: ReusableAttention, lora=None):
     """One decoder layer as its own jitted function, so equal layers share one trace (see ``ReusableAttention``)."""
-    return nnx.merge(graphdef, state)(None, x, rope, kv_layer, attention)
+    return nnx.merge(graphdef, state)(None, x, rope, kv_layer, attention, lora)
 
 
 class LlamaModel(nnx.Module):
@@ -291,7 +300,7 @@ class LlamaForCausalLM(nnx.Module):
                                    param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
-                 attention: AttentionFn) -> tuple[jax.Array, list | None]:
+                 attention: AttentionFn, lora: Sequence | None = None) -> tuple[jax.Array, list | None]:
         """Run the decoder on a flat token batch.
 
         Args:
@@ -299,6 +308,7 @@ class LlamaForCausalLM(nnx.Module):
           positions: int32[T] position of each token within its own sequence (drives RoPE).
           kv_caches: per-layer KV state handed to ``attention`` (``kv_caches[i]`` for layer i), or None.
           attention: ``AttentionFn``; decides which tokens see which (segments, pages, windows).
+          lora: None, or per layer the LoRA state its projections add (``with_lora``; multi-LoRA serving).
         Returns:
           (hidden: dtype[T, hidden_size] after the final norm, kv_caches: list of the layers' returned kv state,
           or None when ``kv_caches`` was None).
@@ -308,9 +318,9 @@ class LlamaForCausalLM(nnx.Module):
                 f"input_ids and positions must both be [T]; got {input_ids.shape} and {positions.shape}"
             )
         with matmul_precision(self.dtype):
-            return self._forward(input_ids, positions, kv_caches, attention)
+            return self._forward(input_ids, positions, kv_caches, attention, lora)
 
-    def _forward(self, input_ids, positions, kv_caches, attention):
+    def _forward(self, input_ids, positions, kv_caches, attention, lora=None):
         num_layers = len(self.model.layers)
         if kv_caches is not None and len(kv_caches) != num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {num_layers}")
@@ -325,11 +335,12 @@ class LlamaForCausalLM(nnx.Module):
         reusable = isinstance(attention, ReusableAttention)
         for layer_idx, layer in enumerate(self.model.layers):
             kv_layer = None if kv_caches is None else kv_caches[layer_idx]
+            lora_layer = None if lora is None else lora[layer_idx]
             if reusable:  # one trace for all layers (same structure, same shapes)
                 graphdef, state = nnx.split(layer)
-                x, kv_layer = _decoder_layer(graphdef, state, x, rope, kv_layer, attention)
+                x, kv_layer = _decoder_layer(graphdef, state, x, rope, kv_layer, attention, lora_layer)
             else:
-                x, kv_layer = layer(layer_idx, x, rope, kv_layer, attention)
+                x, kv_layer = layer(layer_idx, x, rope, kv_layer, attention, lora_layer)
             new_kv_caches.append(kv_layer)
         hidden = self.model.norm(x)
         return hidden, (None if kv_caches is None else new_kv_caches)

@@ -68,8 +68,8 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         self.sharding_plan = plan
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
-                 attention: AttentionFn) -> tuple[jax.Array, list | None]:
-        return super().__call__(input_ids, positions, kv_caches, self.sharding_plan.wrap_attention(attention))
+                 attention: AttentionFn, lora=None) -> tuple[jax.Array, list | None]:
+        return super().__call__(input_ids, positions, kv_caches, self.sharding_plan.wrap_attention(attention), lora)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         return self.sharding_plan.gather_logits(super().compute_logits(hidden))

@@ -2,7 +2,7 @@
 
 Public API (imported lazily so `import paged_jax` stays cheap):
 ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSearchParams``, ``EngineArgs``, ``RequestOutput``,
-``CompletionOutput``, ``generate``, and for research code ``load_pretrained`` and ``score_tokens``.
+``CompletionOutput``, ``LoRARequest``, ``generate``, and for research code ``load_pretrained`` and ``score_tokens``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",
     "LLMEngine": "paged_jax.engine",
+    "LoRARequest": "paged_jax.lora.request",
     "generate": "paged_jax.generate",
     "load_pretrained": "paged_jax.scoring",
     "score_tokens": "paged_jax.scoring",

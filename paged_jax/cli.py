@@ -48,6 +48,10 @@ _FLAG_HELP = {
     "node_rank": "this host's rank; rank 0 schedules and serves, the others run the same steps",
     "master_addr": "address of node 0 (the jax.distributed coordinator)",
     "master_port": "port of the jax.distributed coordinator on node 0",
+    "enable_lora": "serve PEFT LoRA adapters (requests name one; serve: --lora-modules)",
+    "max_loras": "most LoRA adapters in one batch (device slots)",
+    "max_lora_rank": "largest LoRA rank an adapter may have",
+    "max_cpu_loras": "LoRA adapters kept in host memory (default: --max-loras)",
 }
 
 

@@ -91,6 +91,13 @@ class EngineArgs:
     # searched for after every token, so count x length bounds that per-token host work (paged_jax.detokenizer).
     max_stop_strings: int = 64
     max_stop_string_len: int = 512
+    # Multi-LoRA serving (vLLM's names and defaults): requests may name a PEFT LoRA adapter (``LoRARequest``); up to
+    # ``max_loras`` adapters of rank <= ``max_lora_rank`` share a step, ``max_cpu_loras`` (default ``max_loras``)
+    # stay in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -116,6 +123,14 @@ class EngineArgs:
             check(value is None or value >= 1, name, "must be >= 1")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
+        # LoRA slots are one engine's step argument: replicas and other hosts would each need the adapter loads,
+        # and the staged pipeline forward does not thread the slots through its stages.
+        check(not self.enable_lora or (self.data_parallel_size == self.pipeline_parallel_size == self.nnodes == 1),
+              "enable_lora", "is not supported with data_parallel_size, pipeline_parallel_size or nnodes > 1")
+        check(self.max_loras >= 1, "max_loras", "must be >= 1")
+        check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+              f"must be >= max_loras ({self.max_loras})")
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
         from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES
 

@@ -123,14 +123,16 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------ EngineClient
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Route and queue a request (``LLMEngine.add_request``'s arguments and ValueErrors)."""
+                    priority: int = 0, arrival_time: float | None = None, lora_request=None) -> None:
+        """Route and queue a request (``LLMEngine.add_request``'s arguments and ValueErrors; ``enable_lora`` is
+        refused with data parallelism, so a ``lora_request`` gets the replica's "LoRA is not enabled" error)."""
         if isinstance(request_id, str) and request_id in self._replica_of:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         # The router needs the ids; the replica tokenizes again so its outputs carry the prompt text as given.
         _, token_ids = self.engines[0]._tokenize_prompt(prompt)
         replica = self.route(token_ids)
-        self.engines[replica].add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
+        self.engines[replica].add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
+                                          lora_request=lora_request)
         self._replica_of[request_id] = replica
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

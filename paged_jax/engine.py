@@ -29,6 +29,7 @@ from paged_jax.detokenizer import IncrementalDetokenizer, check_stop_strings
 from paged_jax.device_check import warn_if_gpu_unused
 from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_lora_slots
 from paged_jax.model_loader import load_engine_model
 from paged_jax.kv_pool_sizing import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
                                      num_host_blocks_for)
@@ -65,7 +66,7 @@ class _InFlightStep:
     scheduled: list[ScheduledSeq] | None = None
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     """An inference engine over one model: add requests, call ``step()`` until none are left.
 
     Args:
@@ -131,12 +132,15 @@ class LLMEngine:
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_host_blocks=num_host_blocks, eos_token_ids=self.eos_token_ids, attention_impl=args.attention_impl,
-            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype)
+            device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
+            lora_slots=make_lora_slots(args, model, run_config, plan, device))  # None unless enable_lora
+        self.lora_manager = make_lora_manager(args, self.runner)
         self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                                num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
-                                   enable_chunked_prefill=args.enable_chunked_prefill)
+                                   enable_chunked_prefill=args.enable_chunked_prefill,
+                                   max_loras=args.max_loras if args.enable_lora else 0)
         kv_tokens = (num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
                     "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
@@ -188,7 +192,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int] | dict,
                     params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request=None) -> None:
         """Queue a request. Everything is validated here, so a bad request never reaches the scheduler.
 
         Args:
@@ -199,12 +203,13 @@ class LLMEngine:
             one output, when finished, holds the best ``beam_width`` beams).
           priority: lower runs earlier with ``scheduling_policy="priority"``.
           arrival_time: ``time.time()`` of arrival (default now); used for metrics and FCFS order.
+          lora_request: the ``LoRARequest`` of the adapter to run with (``enable_lora``), or None.
         Raises:
           ValueError naming the offending field: ``request_id`` (empty / in use), ``params``, ``prompt`` (empty,
           longer than max_model_len, token ids outside the vocabulary, text without a tokenizer),
           ``stop_token_ids`` (outside the vocabulary, too many with min_tokens), ``stop`` (without a tokenizer),
           ``logit_bias`` / ``allowed_token_ids`` (outside the vocabulary, too many biases), ``bad_words`` (without a
-          tokenizer, too many), ``priority``, ``beam_width``.
+          tokenizer, too many), ``priority``, ``beam_width``, ``lora_request`` (LoRA off, bad adapter, beam search).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -221,6 +226,7 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else float(arrival_time)
         # The scheduler orders FCFS by arrival_time; it expects time.monotonic()-based values.
         monotonic_arrival = time.monotonic() - (time.time() - arrival)
+        lora = self.resolve_lora(lora_request, beam_search=isinstance(params, BeamSearchParams))
         if isinstance(params, BeamSearchParams):
             self._add_beam_search(request_id, prompt_text, prompt_token_ids, params, int(priority), arrival,
                                   monotonic_arrival)
@@ -255,7 +261,7 @@ class LLMEngine:
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
                               arrival_time=monotonic_arrival,
                               skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
-                              cache_salt=cache_salt,
+                              cache_salt=cache_salt, lora=lora,
                               grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
@@ -388,6 +394,7 @@ class LLMEngine:
             return None
         now = time.time()
         inputs = []
+        lora_slots = self.lora_slots_for_step(scheduler_output.scheduled)
         for seq_sched in scheduler_output.scheduled:
             request = seq_sched.request
             state, seq = self._seq_by_id[request.request_id]
@@ -409,7 +416,7 @@ class LLMEngine:
             inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
                                    num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
                                    sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed,
-                                   prompt_logprob_targets=targets,
+                                   prompt_logprob_targets=targets, lora_slot=lora_slots.get(request.lora_int_id, 0),
                                    grammar=request.grammar if seq_sched.samples else None,
                                    sample_from=seq_sched.fork_parent.request_id if seq_sched.fork_parent else None))
         self.num_steps += 1

@@ -54,13 +54,15 @@ NULL_BLOCK_ID = 0
 _ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def root_hash(cache_salt: str | None, lora_key: bytes | None = None) -> bytes:
     """Parent hash of a sequence's first block: with a ``cache_salt`` (vLLM's per-request field) every block hash of
     the sequence depends on it, so requests only share cached blocks when their salts are equal (tenant isolation:
-    neither hits nor their latency reveal another tenant's prompts)."""
+    neither hits nor their latency reveal another tenant's prompts). ``lora_key`` (the request's adapter
+    ``cache_key``) seeds it likewise: K/V computed under one adapter is never a hit for another or the base model."""
     if cache_salt is None:
-        return _ROOT_HASH
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+        return _ROOT_HASH if lora_key is None else lora_key
+    salted = hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return salted if lora_key is None else hashlib.sha256(salted + lora_key).digest()
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -224,7 +226,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt,
+                                                     None if request.lora is None else request.lora.cache_key)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)

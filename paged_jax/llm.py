@@ -18,6 +18,7 @@ from paged_jax.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
 from paged_jax.data_parallel import create_engine
 from paged_jax.generation_config import sampling_defaults
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
@@ -61,7 +62,8 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; returns the finished ``RequestOutput``s in input order.
 
         Args:
@@ -70,6 +72,8 @@ class LLM:
           sampling_params: one ``SamplingParams`` for all, one per prompt, or None
             (``get_default_sampling_params()``).
           use_tqdm: show a progress bar over finished prompts.
+          lora_request: the LoRA adapter (``LoRARequest``; needs ``enable_lora=True``) for all prompts, one per
+            prompt (None = the base model), or None.
         Raises:
           ValueError for a bad prompt or parameter (nothing is left queued in the engine).
         """
@@ -82,12 +86,19 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"lora_request has {len(lora_list)} entries for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, use_tqdm, lora_list)
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, continue_final_message: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them (``paged_jax.chat``), then
         generate.
 
@@ -98,6 +109,7 @@ class LLM:
           chat_template_kwargs: extra variables for the template (e.g. ``{"enable_thinking": False}``).
           chat_template: a Jinja template replacing the tokenizer's.
           continue_final_message: the reply continues the final message (set ``add_generation_prompt=False``).
+          lora_request: as in ``generate``.
         """
         tokenizer = self.get_tokenizer()
         if tokenizer is None or (chat_template is None and getattr(tokenizer, "chat_template", None) is None):
@@ -109,7 +121,7 @@ class LLM:
                         tokenizer, conversation, add_generation_prompt, chat_template_kwargs,
                         chat_template=chat_template, continue_final_message=continue_final_message)}
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
                     params: BeamSearchParams, use_tqdm: bool = False,
@@ -149,16 +161,16 @@ class LLM:
                              "[{'prompt_token_ids': token_ids}]")
         return prompts
 
-    def _run(self, prompts: list, params_list: list[SamplingParams | BeamSearchParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params_list: list[SamplingParams | BeamSearchParams], use_tqdm: bool,
+             lora_list: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora_request in zip(prompts, params_list, lora_list or [None] * len(prompts)):
                 request_id = f"llm-{next(self._request_counter)}"
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora_request)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)  # all-or-nothing: leave nothing queued

@@ -84,6 +84,7 @@ class ModelRunner:
         the host milliseconds with the GIL released; on the worker it overlaps the caller's Python work for the next
         step (the engine's async scheduling). Steps still run in the order ``execute`` was called: every use of
         the KV pool and of the previous step's tokens goes through the one worker.
+      lora_slots: ``paged_jax.lora.slots.LoRASlots`` (multi-LoRA; a step argument, written by ``write_lora_slot``).
     """
 
     def __init__(self, model, model_config: ModelConfig, *, num_blocks: int, block_size: int, max_model_len: int,
@@ -91,11 +92,12 @@ class ModelRunner:
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
-                 dispatch_thread: bool = False, kv_cache_dtype=None):
+                 dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
         self.sharding_plan = sharding_plan
+        self.lora_slots = lora_slots
         self.device = self.sharding_plan.replicated if self.sharding_plan else (device or jax.devices()[0])
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -177,7 +179,7 @@ class ModelRunner:
         layout_for = self._layout
         plan = self.sharding_plan
 
-        def forward(param_leaves, kv_pool, buf, prev_tokens, *, num_tokens, num_seqs):
+        def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
             """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words], final hidden
             states [T, hidden] of every token, for prompt logprobs); R = ``sampler_rows_for(num_seqs)``."""
             fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
@@ -200,7 +202,8 @@ class ModelRunner:
 
             kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"])  # before K/V writes
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
-            hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention)
+            lora = None if lora_arrays is None else self.lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
+            hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention, lora)
             logits = model.compute_logits(hidden[fields["logits_indices"]])
             return kv_pool, logits, fields["sampling"], hidden
 
@@ -220,7 +223,9 @@ class ModelRunner:
         self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
         # Structured outputs: the grammar bitmask i32[R, ceil(V/32)] masks the logits before the sampler (vLLM's
         # order), per sampler row count, only on steps with a constrained row (structured_output.bitmask).
-        self._apply_grammar_bitmask = jax.jit(sampler_lib.apply_allowed_token_mask)
+        # A function of this runner's own: jit's executable cache is per function object, so num_compiles counts
+        # only this runner's compiles.
+        self._apply_grammar_bitmask = jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask))
 
         max_logprobs = self.max_logprobs
 
@@ -248,14 +253,15 @@ class ModelRunner:
         layout = self._layouts.get((num_tokens, num_seqs))
         if layout is None:
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
-                             sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]))
+                                sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]), self.lora_slots is not None)
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
 
     def num_compiles(self) -> int:
         """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
-        return sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
-                                             self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))
+        lora = self.lora_slots.num_compiles() if self.lora_slots else 0
+        return lora + sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
+                                                    self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))
 
     @property
     def num_compiles_since_warmup(self) -> int:
@@ -288,7 +294,7 @@ class ModelRunner:
             sampler_lib.pack_sampling_tensors(tensors, buf[a:b])
             self.kv_pool, logits, sampling_words, hidden = self._forward(
                 self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
-                num_tokens=num_tokens, num_seqs=num_seqs)
+                self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
             logits_by_rows[layout.num_sample_rows] = (logits, sampling_words)
             hidden_by_tokens[num_tokens] = hidden
             bar.update(1)
@@ -315,6 +321,8 @@ class ModelRunner:
             ids = jax.device_put(np.zeros((size,), np.int32), self.device)
             self.kv_pool = self._scatter_blocks(self.kv_pool, ids, self._gather_blocks(self.kv_pool, ids))
             bar.update(1)
+        if self.lora_slots is not None:
+            self.lora_slots.write(0, None)  # compiles the slot write (slot 0, no adapter, stays zeros)
         jax.block_until_ready((self.kv_pool, outs))
         bar.close()
         self._compiles_at_warmup = self.num_compiles()
@@ -418,6 +426,9 @@ class ModelRunner:
         positions[:num_tokens] = token_positions
         slot_mapping[:num_tokens] = (block_tables[token_rows, token_positions // self.block_size] * self.block_size
                                      + token_positions % self.block_size)
+        if self.lora_slots is not None:
+            view("lora_slot_ids")[:num_tokens] = np.repeat(np.fromiter((s.lora_slot for s in packed_seqs), np.int32,
+                                                                       num_rows), q_lens)
         input_ids[:num_tokens] = np.fromiter(
             itertools.chain.from_iterable(s.token_ids if not s.feed_from_previous else (0,) for s in packed_seqs),
             np.int32, num_tokens)
@@ -453,7 +464,7 @@ class ModelRunner:
                                                    mode, num_logprobs, wants_logprobs))
         self.kv_pool, logits, sampling_words, hidden = self._forward(
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
-            num_tokens=num_tokens, num_seqs=num_seqs)
+            self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
         if grammar_bitmask is not None:
             logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
         history = (jax.device_put(history, self.device) if history is not None
@@ -468,6 +479,12 @@ class ModelRunner:
         for array in (*fetch, *prompt_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch, prompt_fetch
+
+    def write_lora_slot(self, slot: int, loaded) -> None:
+        """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""
+        if self._dispatcher is None:
+            return self.lora_slots.write(slot, loaded)
+        self._last_dispatch = self._dispatcher.submit(self.lora_slots.write, slot, loaded)
 
     def wait_for_dispatch(self) -> None:
         """Block until every step handed to the dispatch thread has been dispatched (not computed); re-raises a

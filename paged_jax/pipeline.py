@@ -266,9 +266,10 @@ class PipelineModelRunner(ModelRunner):
                      for _ in stages]
         shardings = [stage_plan.replicated for stage_plan in plan.stage_plans]
 
-        def forward(param_leaves, kv_pool, buf, prev_tokens, *, num_tokens, num_seqs):
+        def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
             # param_leaves: the whole model's, unused (each stage passes its own); buf and prev_tokens are on the
-            # last stage (the runner's device), copied to the others device to device.
+            # last stage (the runner's device), copied to the others device to device. lora_arrays: always None
+            # (EngineArgs refuses enable_lora with pipeline_parallel_size > 1).
             new_pool, carry = [], jax.device_put(prev_tokens, shardings[0])
             for s, (start, stop) in enumerate(plan.layer_ranges):
                 stage_buf = buf if s == last else jax.device_put(buf, shardings[s])

@@ -75,6 +75,8 @@ class Request:
     # Chained hashes of the full blocks of all_token_ids, owned by the KVCacheManager: filled incrementally (the
     # token sequence only grows), cut back when an async-scheduling placeholder is replaced (invalidate_block_hashes).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    # The LoRA adapter it runs with (``paged_jax.lora.slots.LoadedLoRA``: ``lora_int_id``, ``cache_key``), or None.
+    lora: Any = None
     # Structured outputs: this sequence's ``structured_output.SequenceGrammar`` (None = unconstrained); the
     # scheduler leaves the request waiting until ``grammar.is_ready`` (its grammar compiled).
     grammar: Any = None
@@ -121,6 +123,11 @@ class Request:
     @property
     def stop_token_ids(self) -> list[int]:
         return list(getattr(self.params, "stop_token_ids", None) or ())
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its LoRA adapter's id; 0 = the base model."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     # ---- token bookkeeping ----
     @property

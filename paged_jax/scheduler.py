@@ -116,7 +116,7 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", policy: str = "fcfs",
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, max_loras: int = 0) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
@@ -140,6 +140,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # > 0: at most this many distinct LoRA adapters in the running batch (vLLM)
 
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: collections.deque[Request] = collections.deque()  # WAITING / PREEMPTED / SWAPPED
@@ -288,14 +289,20 @@ class Scheduler:
 
         # 2. Waiting requests.
         preempted_while_running = bool(preempted)
+        lora_skipped: set[str] = set()  # waiting requests whose adapter would need a slot the running ones hold
+        running_loras = {r.lora_int_id for r in self.running} - {0}
         # Slots kept free for sequences that running requests will fork.
         reserved = sum(r.reserved_seats for r in self._reserving) if self.waiting else 0
         while not preempted_while_running and budget > 0 and len(self.running) + reserved < self.max_num_seqs:
-            request = self._peek_waiting(set(preempted))  # never re-admit in the step that preempted it
+            request = self._peek_waiting(lora_skipped.union(preempted))  # never re-admit what this step preempted
             if request is None:
                 break
             if len(self.running) + reserved + 1 + request.reserved_seats > self.max_num_seqs:
                 break  # head-of-line: its forks need slots that running requests hold
+            if request.lora_int_id and request.lora_int_id not in running_loras \
+                    and len(running_loras) >= self.max_loras:
+                lora_skipped.add(request.request_id)
+                continue
             if request.status == RequestStatus.SWAPPED:
                 num_new = min(request.num_tokens_to_compute, budget)
                 ok = self.kv.can_swap_in(request, num_new)
@@ -327,6 +334,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            running_loras |= {request.lora_int_id} - {0}
             if request.reserved_seats:
                 self._reserving.add(request)
                 reserved += request.reserved_seats

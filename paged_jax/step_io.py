@@ -32,6 +32,7 @@ class SeqInput:
         have sampled it); lets the host build a step before the previous one's tokens reached it.
       prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
         (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
+      lora_slot: the LoRA adapter slot its tokens use (``paged_jax.lora``); 0 = no adapter.
       grammar: when ``sample`` and the request is constrained: its ``structured_output.SequenceGrammar``, which
         fills the row of the step's grammar bitmask (the tokens allowed next).
       sample_from: a fork row (n > 1 / best_of): no new tokens, ``num_computed_tokens`` 0, no block table; it samples
@@ -47,6 +48,7 @@ class SeqInput:
     sampling: Any = None
     feed_from_previous: bool = False
     prompt_logprob_targets: Sequence[int] | None = None
+    lora_slot: int = 0
     grammar: Any = None
     sample_from: str | None = None
 
@@ -156,6 +158,7 @@ class StepLayout:
     num_seqs: int
     max_blocks_per_seq: int
     num_sample_rows: int  # R >= S: rows of the logits / sampler (``sampler_rows_for``); rows past S are padding
+    lora: bool = False  # with LoRA: each token's adapter slot (int32[T], ``lora_slot_ids``)
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
@@ -163,7 +166,8 @@ class StepLayout:
         C = min(S, MAX_BLOCK_COPIES)
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
-                 ("copy_src", C), ("copy_dst", C), ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
+                 *([("lora_slot_ids", T)] if self.lora else []), ("copy_src", C), ("copy_dst", C),
+                 ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
             out[name] = (offset, offset + size)

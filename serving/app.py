@@ -31,8 +31,9 @@ from serving.engine_process import EngineProcessClient
 from serving.errors import APIError, add_error_handlers
 from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
+from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
 from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware
-from serving.routes import chat, completions, system, tokenize
+from serving.routes import chat, completions, lora, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
@@ -88,7 +89,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                api_key_protect_all: bool = False,
                max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
                max_seqs_per_request: int | None = None, enable_auto_tool_choice: bool = False,
-               tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_parser: str | None = None, reasoning_parser: str | None = None,
+               lora_modules: Sequence[LoRAModulePath] = ()) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -112,6 +114,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       metrics_prefix: the Prometheus names' prefix (``--metrics-prefix``; ``"vllm"`` exports vLLM's names).
       enable_auto_tool_choice, tool_parser, reasoning_parser: ``--enable-auto-tool-choice``,
         ``--tool-call-parser``, ``--reasoning-parser`` (``OpenAIServer``).
+      lora_modules: LoRA adapters to serve from the start (``--lora-modules``; the engine needs ``enable_lora``);
+        with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+        are mounted too (``serving.lora``).
     Returns:
       The FastAPI app; ``app.state.server`` holds the ``OpenAIServer`` (``.engine`` is the AsyncEngine, whose
       ``shutdown()`` the caller runs when done serving).
@@ -126,6 +131,10 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                              cache_config=cache_config_labels(engine.engine_args))
     if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
         engine.on_step_stats = metrics.update_engine_stats
+    loras = None
+    if getattr(engine.engine_args, "enable_lora", False) or lora_modules:
+        loras = LoRARegistry(info.served_model_names)
+        loras.add_static(engine, list(lora_modules))  # before the engine thread starts: called directly
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
                                on_stats=metrics.update_engine_stats, on_output=metrics.observe_output,
                                request_logger=RequestLogger(max_log_len).log if log_requests else None)
@@ -136,7 +145,7 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                           scheduling_policy=engine.engine_args.scheduling_policy,
                           max_seqs_per_request=max_seqs_per_request,
                           enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_parser,
-                          reasoning_parser=reasoning_parser)
+                          reasoning_parser=reasoning_parser, loras=loras)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
@@ -155,4 +164,6 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     add_error_handlers(app)
     for module in (system, tokenize, completions, chat):
         app.include_router(module.router)
+    if runtime_lora_updating_allowed():
+        app.include_router(lora.router)
     return app

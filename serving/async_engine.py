@@ -54,13 +54,14 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclasses.dataclass
 class EngineRequest:
-    """What ``LLMEngine.add_request`` needs: an id, the prompt (token ids or text), the SamplingParams and the
-    priority (lower runs earlier with ``scheduling_policy="priority"``)."""
+    """What ``LLMEngine.add_request`` needs: an id, the prompt (token ids or text), the SamplingParams, the
+    priority (lower runs earlier with ``scheduling_policy="priority"``) and the LoRA adapter (a ``LoRARequest``)."""
 
     request_id: str
     prompt: list[int] | str
     params: SamplingParams
     priority: int = 0
+    lora_request: Any = None
 
 
 class RequestStream:
@@ -134,6 +135,16 @@ class _AbortCommand:
 @dataclasses.dataclass
 class _ShutdownCommand:
     pass
+
+
+@dataclasses.dataclass
+class _CallCommand:
+    """Run ``engine.<method>(*args)`` on the engine thread (e.g. ``add_lora``); the result resolves ``done``."""
+
+    method: str
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -247,6 +258,16 @@ class AsyncEngine:
             raise
         return streams
 
+    async def call(self, method: str, *args: Any) -> Any:
+        """``engine.<method>(*args)`` run on the engine thread between steps (e.g. ``add_lora``, ``remove_lora``);
+        returns its result or raises its exception (EngineDeadError when the engine is not running)."""
+        if not self._started:
+            raise EngineDeadError("engine loop was not started")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(_CallCommand(method, args, loop, done))
+        return await done
+
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); never raises, even if the engine died."""
         try:
@@ -285,6 +306,8 @@ class AsyncEngine:
                         self._handle_add(command)
                     elif isinstance(command, _AbortCommand):
                         self._handle_abort(command.request_ids)
+                    elif isinstance(command, _CallCommand):
+                        self._handle_call(command)
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self.num_steps += 1
@@ -330,8 +353,9 @@ class AsyncEngine:
                 for request, stream in zip(command.requests, command.streams):
                     if request.request_id in self._streams:
                         raise ValueError(f"request_id {request.request_id!r} is already in use")
+                    lora = {} if request.lora_request is None else {"lora_request": request.lora_request}
                     self.engine.add_request(request.request_id, request.prompt, request.params,
-                                            priority=request.priority)
+                                            priority=request.priority, **lora)
                     self._streams[request.request_id] = stream
                     added.append(request.request_id)
             except EngineDeadError as exc:
@@ -344,6 +368,20 @@ class AsyncEngine:
                 self._handle_abort(added)
         self._call_on_loop(command.loop, _resolve, command.admitted, error)
 
+    def _handle_call(self, command: _CallCommand) -> None:
+        try:
+            result, error = getattr(self.engine, command.method)(*command.args), None
+        except EngineDeadError as exc:  # the engine loop dies (every client hears of it), this caller first
+            self._call_on_loop(command.loop, _resolve, command.done, EngineDeadError(f"engine is not running: {exc}"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - the caller's error (e.g. a bad adapter); the engine stays up
+            result, error = None, exc
+
+        def resolve(future: asyncio.Future) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        self._call_on_loop(command.loop, resolve, command.done)
     def _submit_to_process(self, command: _AddCommand) -> None:
         """Send the group to the engine process without waiting; ``_handle_admissions`` resolves it."""
         try:
@@ -351,7 +389,7 @@ class AsyncEngine:
                 if request.request_id in self._streams:
                     raise ValueError(f"request_id {request.request_id!r} is already in use")
             group_id = self._process_engine.submit_requests(
-                [(r.request_id, r.prompt, r.params, r.priority) for r in command.requests])
+                [(r.request_id, r.prompt, r.params, r.priority, r.lora_request) for r in command.requests])
         except EngineDeadError as exc:
             dead = EngineDeadError(f"engine is not running: {exc}")
             self._call_on_loop(command.loop, _resolve, command.admitted, dead)
@@ -417,6 +455,8 @@ class AsyncEngine:
         for command in [*admitting, *pending]:
             if isinstance(command, _AddCommand):
                 self._call_on_loop(command.loop, _resolve, command.admitted, dead)
+            elif isinstance(command, _CallCommand):
+                self._call_on_loop(command.loop, _resolve, command.done, dead)
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             self._call_on_loop(stream.loop, stream._put, dead)

@@ -12,10 +12,10 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 ``--enable-log-requests`` (``--disable-log-requests``, vLLM's older spelling, keeps them off), ``--max-log-len``,
 ``--uvicorn-log-level``, ``--disable-uvicorn-access-log``, ``--shutdown-timeout`` (``serving.lifecycle``); and ours:
 ``--max-waiting-requests``, ``--max-seqs-per-request``, ``--max-request-body-size``, ``--api-key-protect-all``,
-``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``. The server
-exits with status 1 when the engine dies (so an orchestrator restarts it). Flags may be spelled with underscores
-(``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2, "unrecognized arguments: --flag"),
-never ignored.
+``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``;
+``--lora-modules`` (vLLM's). The server exits with status 1 when the engine dies (so an orchestrator restarts it).
+Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2,
+"unrecognized arguments: --flag"), never ignored.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def json_string_list(flag: str):
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     from paged_jax.cli import add_engine_args
     from paged_jax.sampling_params import MAX_LOGPROBS
+    from serving.lora import parse_lora_module
     from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX
     from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE
 
@@ -115,6 +116,9 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                         help="chat template replacing the tokenizer's: a file path, or the template itself inline")
     server.add_argument("--response-role", default="assistant",
                         help="role of the chat replies when the request has add_generation_prompt=true")
+    server.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],
+                        help="LoRA adapters to serve (needs --enable-lora): name=path or a JSON object "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; requests pick one by model")
     server.add_argument("--metrics-prefix", default=NATIVE_PREFIX,
                         help=f"prefix of the /metrics names (default {NATIVE_PREFIX}: {NATIVE_PREFIX}:<vLLM's name>); "
                              f"'{VLLM_PREFIX}' exports vLLM's own names, so vLLM dashboards and alerts work unchanged")
@@ -187,6 +191,8 @@ def build_app_from_args(args: argparse.Namespace):
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
                          f"{MAX_LOGPROBS} top logprobs), got {args.max_logprobs}")
+    if args.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     try:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as exc:
@@ -211,7 +217,7 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 api_key_protect_all=args.api_key_protect_all, max_request_body_size=args.max_request_body_size,
                 max_seqs_per_request=args.max_seqs_per_request,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser)
+                reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules)
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:

@@ -45,7 +45,10 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: list[int] | str | dict, params: SamplingParams | None = None,
                     priority: int = 0) -> None:
-        """Queue a request; raises ValueError naming the bad field (the request then leaves no state behind)."""
+        """Queue a request; raises ValueError naming the bad field (the request then leaves no state behind).
+        An engine with LoRA (``enable_lora``) also takes ``lora_request=`` (a ``LoRARequest``) and has
+        ``add_lora(lora_request) -> bool``, ``remove_lora(lora_id) -> bool`` and ``list_loras() -> set[int]``
+        (called through ``AsyncEngine.call``); only LoRA requests pass the keyword."""
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Drop requests (unknown or finished ids are ignored); an aborted request produces no more outputs."""
@@ -68,9 +71,9 @@ class ProcessEngineClient(EngineClient, Protocol):
     adds the group all or none before its next step, and the answer comes out of ``take_admissions`` after a later
     ``step()`` (which returns early for it). ``add_request`` remains, waiting for its own answer."""
 
-    def submit_requests(self, requests: Sequence[tuple[str, Any, Any, int]]) -> int:
-        """Send ``[(request_id, prompt, params, priority)]`` as one group; returns the group's id. Raises
-        ValueError (an id already in use; nothing sent)."""
+    def submit_requests(self, requests: Sequence[tuple]) -> int:
+        """Send ``[(request_id, prompt, params, priority[, lora_request])]`` as one group; returns the group's id.
+        Raises ValueError (an id already in use; nothing sent)."""
 
     def take_admissions(self) -> list[tuple[int, BaseException | None]]:
         """``(group id, None or the error that refused the whole group)`` for every answer received so far."""

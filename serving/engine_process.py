@@ -17,11 +17,11 @@ nothing.
 The client is used exactly like an ``LLMEngine`` by one thread (``serving.async_engine.AsyncEngine``'s engine thread).
 It implements ``serving.engine_client.ProcessEngineClient``:
 
-* ``submit_requests([(id, prompt, params, priority)])`` sends a group without waiting; the child adds it all or none
-  and answers before its next step; ``take_admissions()`` hands the answers over after a ``step()``. There is no
-  round trip per request, so the engine keeps stepping (and running streams keep getting their tokens) while
-  requests arrive. ``add_request`` is the same for one request, waiting for its answer (it raises the child's
-  ValueError);
+* ``submit_requests([(id, prompt, params, priority[, lora_request])])`` sends a group without waiting; the child
+  adds it all or none and answers before its next step; ``take_admissions()`` hands the answers over after a
+  ``step()``. There is no round trip per request, so the engine keeps stepping (and running streams keep getting
+  their tokens) while requests arrive. ``add_request`` is the same for one request, waiting for its answer (it
+  raises the child's ValueError);
 * ``step()`` returns the outputs of every step the child finished since the last call, blocking for one if none
   (each step's deltas in order, so several steps' outputs of one request follow each other); it returns early when
   admissions were answered;
@@ -110,6 +110,11 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  #
                 elif kind == "abort":
                     engine.abort_request(message[1])
                     prompt_sent.difference_update(message[1])
+                elif kind == "call":  # an engine method with an answer (add_lora, remove_lora, list_loras)
+                    try:
+                        sender.send(("called", getattr(engine, message[1])(*message[2]), None))
+                    except Exception as exc:  # noqa: BLE001 - the caller's error; the engine stays up
+                        sender.send(("called", None, exc if _picklable(exc) else ValueError(str(exc))))
             busy = engine.has_unfinished_requests()
             if admissions or (messages and not busy):
                 # Admissions are answered before the step (a client gets its response headers without waiting for
@@ -162,12 +167,13 @@ class _Sender:
 
 
 def _add_group(engine, requests: list[tuple]) -> BaseException | None:
-    """Add ``[(request_id, prompt, params, priority)]`` all or none: the error of the first bad request (the ones
-    added before it are aborted), or None."""
+    """Add ``[(request_id, prompt, params, priority[, lora_request])]`` all or none: the error of the first bad
+    request (the ones added before it are aborted), or None."""
     added = []
     try:
-        for request_id, prompt, params, priority in requests:
-            engine.add_request(request_id, prompt, params, priority=priority)
+        for request_id, prompt, params, priority, *lora_request in requests:
+            lora = {"lora_request": lora_request[0]} if lora_request and lora_request[0] is not None else {}
+            engine.add_request(request_id, prompt, params, priority=priority, **lora)
             added.append(request_id)
     except Exception as exc:  # noqa: BLE001 - the caller's error (bad request), not the engine's
         engine.abort_request(added)
@@ -267,9 +273,10 @@ class EngineProcessClient:
         self._lock = threading.Lock()  # close() may come from another thread than the engine thread
 
     # ------------------------------------------------------------------ LLMEngine interface (one thread)
-    def submit_requests(self, requests: Sequence[tuple[str, Any, Any, int]]) -> int:
-        """Send ``[(request_id, prompt, params, priority)]`` to the child without waiting: the child adds them all
-        or none before its next step and answers through ``take_admissions()``; returns the group's id.
+    def submit_requests(self, requests: Sequence[tuple]) -> int:
+        """Send ``[(request_id, prompt, params, priority[, lora_request])]`` to the child without waiting: the child
+        adds them all or none before its next step and answers through ``take_admissions()``; returns the group's
+        id.
 
         Raises:
           ValueError: a request id is already in use (nothing was sent).
@@ -294,9 +301,10 @@ class EngineProcessClient:
         admissions, self._admissions = self._admissions, []
         return admissions
 
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0,
+                    lora_request: Any = None) -> None:
         """Queue a request in the child and wait for its answer (raises the child's ValueError)."""
-        group_id = self.submit_requests([(request_id, prompt, params, priority)])
+        group_id = self.submit_requests([(request_id, prompt, params, priority, lora_request)])
         while True:  # step results may arrive first: keep them for step()
             for i, (answered, error) in enumerate(self._admissions):
                 if answered == group_id:
@@ -305,6 +313,26 @@ class EngineProcessClient:
                         raise error
                     return
             self._handle(self._recv())
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """``LLMEngine.add_lora`` in the child (raises its ValueError)."""
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._call("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._call("list_loras")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._send(("call", method, args))
+        while True:  # step results may arrive first: keep them for step()
+            message = self._recv()
+            if message[0] == "called":
+                if message[2] is not None:
+                    raise message[2]
+                return message[1]
+            self._handle(message)
 
     def abort_request(self, request_id) -> None:
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -97,6 +97,8 @@ class OpenAIServer:
       enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
         ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
       reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
+      loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
+        without ``--enable-lora``.
     """
 
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
@@ -104,7 +106,7 @@ class OpenAIServer:
                  chat_template: str | None = None, response_role: str = "assistant",
                  scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None,
                  enable_auto_tool_choice: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, loras: Any = None) -> None:
         from serving.reasoning_parsers import REASONING_PARSERS
         from serving.tool_parsers import TOOL_PARSERS
 
@@ -125,6 +127,7 @@ class OpenAIServer:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+        self.loras = loras
 
     async def _off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the tokenizer thread."""
@@ -133,8 +136,18 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- input handling
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.info.served_model_names and model != self.info.root:
+        if model is not None and model not in self.info.served_model_names and model != self.info.root \
+                and self.lora_request(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    def lora_request(self, model: str | None):
+        """The ``LoRARequest`` of the adapter a request's ``model`` names, None for the base model."""
+        return self.loras.get(model) if self.loras is not None else None
+
+    def response_model_name(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name for a LoRA request (vLLM), else the served name."""
+        lora = self.lora_request(model)
+        return lora.lora_name if lora is not None else self.info.served_model_name
 
     def check_request(self, body: SamplingFields) -> None:
         """The checks every generation request passes before its prompt is built (400 naming the field)."""

@@ -439,6 +439,18 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+# --------------------------------------------------------------------------- LoRA adapters at run time (vLLM's)
+class LoadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace the adapter of that name if it is loaded
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ----------------------------------------------------------------------------------------- tokenize (vLLM's)
 class TokenizeCompletionRequest(RequestBody):
     model: str | None = None

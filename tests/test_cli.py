@@ -78,7 +78,7 @@ def test_vllm_defaults_of_the_server_flags():
 
 
 UNSUPPORTED_VLLM_FLAGS = [
-    ["--tokenizer-mode", "mistral"], ["--enable-lora"],
+    ["--tokenizer-mode", "mistral"], ["--fully-sharded-loras"],
     ["--max-num-partial-prefills", "2"], ["--distributed-executor-backend", "ray"], ["--config", "serve.yaml"],
     ["--uds", "/tmp/vllm.sock"], ["--disable-custom-all-reduce"], ["--limit-mm-per-prompt", '{"image": 1}'],
     ["--max-model", "64"],  # an abbreviation of --max-model-len: refused, not guessed

@@ -49,7 +49,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                       skip_special_tokens=False if keep_special else None)
     response_id = server.response_id("chatcmpl", body, raw_request)
     streams = await server.submit([EngineRequest(response_id, server.engine_prompt(ids, body), params,
-                                                 priority=body.priority)], body, aliases)
+                                                 priority=body.priority, lora_request=server.lora_request(body.model))],
+                                  body, aliases)
     created = unix_time()
     # vLLM's get_chat_request_role: the reply continues the last message's role unless a new turn is opened.
     role = server.response_role if body.add_generation_prompt else body.messages[-1].role
@@ -80,7 +81,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion_tokens,
                       total_tokens=len(ids) + num_completion_tokens)
     return json_response(ChatCompletionResponse(id=response_id, created=created,
-                                                model=server.info.served_model_name, choices=choices, usage=usage,
+                                                model=server.response_model_name(body.model), choices=choices,
+                                                usage=usage,
                                                 prompt_logprobs=server.prompt_logprobs(final.prompt_logprobs)))
 
 
@@ -103,7 +105,7 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
     """The SSE chunks of a streamed chat completion: the role per choice, the echoed content per choice, then one
     chunk per choice and delta output."""
     include_usage, continuous_usage = usage_options(body.stream_options)
-    chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.info.served_model_name,
+    chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.response_model_name(body.model),
                        include_usage)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     start_usage = chunks.usage_info(num_prompt_tokens, 0) if continuous_usage else None

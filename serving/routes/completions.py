@@ -58,7 +58,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
         params = server.generation_params(body, max_tokens=max_tokens, logprobs=body.logprobs, aliases=aliases,
                                         prompt_logprobs=prompt_logprobs)
         requests.append(EngineRequest(f"{response_id}-{index}", server.engine_prompt(ids, body), params,
-                                      priority=body.priority))
+                                      priority=body.priority, lora_request=server.lora_request(body.model)))
     # The echoed prompt is the text as sent, or the decoded ids of a token prompt (or of a truncated one).
     prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
                     else await server.decode(ids, "echo")
@@ -96,8 +96,9 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     choices.sort(key=lambda choice: choice.index)
     usage = UsageInfo(prompt_tokens=sum(num_prompt_tokens), completion_tokens=num_completion_tokens,
                       total_tokens=sum(num_prompt_tokens) + num_completion_tokens)
-    return json_response(CompletionResponse(id=response_id, created=created, model=server.info.served_model_name,
-                                            choices=choices, usage=usage))
+    return json_response(CompletionResponse(id=response_id, created=created,
+                                            model=server.response_model_name(body.model), choices=choices,
+                                            usage=usage))
 
 
 async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, streams: list[RequestStream],
@@ -106,7 +107,7 @@ async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, stre
     """The SSE chunks of a streamed completion: one chunk per choice and delta output; with ``echo`` a choice's first
     chunk starts with its prompt (and its logprobs with the prompt's, when asked), as vLLM."""
     include_usage, continuous_usage = usage_options(body.stream_options)
-    model = server.info.served_model_name
+    model = server.response_model_name(body.model)
     chunks = SSEChunks(CompletionStreamResponse, response_id, created, model, include_usage)
     text_chunk = CompletionTextChunk(response_id, created, model, include_usage)
     as_token_ids = bool(body.return_tokens_as_token_ids)

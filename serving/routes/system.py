@@ -45,5 +45,8 @@ async def metrics_endpoint(server: OpenAIServer = Depends(get_server)) -> Respon
 @router.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
 async def list_models(server: OpenAIServer = Depends(get_server)) -> Response:
     info = server.info
-    return json_response(ModelList(data=[ModelCard(id=name, root=info.root or name, max_model_len=info.max_model_len)
-                                         for name in info.served_model_names]))
+    cards = [ModelCard(id=name, root=info.root or name, max_model_len=info.max_model_len)
+             for name in info.served_model_names]
+    cards += [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or info.served_model_name)
+              for lora in (server.loras or ())]  # LoRA adapters, as vLLM lists them
+    return json_response(ModelList(data=cards))
