@@ -460,8 +460,8 @@ class ModelRunner:
         (on the dispatch thread if there is one). Returns the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies already started."""
         if self.step_channel is not None:
-            self.step_channel.publish("dispatch", (buf, history, bias_table, prompt_targets, num_tokens, num_seqs,
-                                                   mode, num_logprobs, wants_logprobs))
+            self.step_channel.publish("dispatch", (buf, history, bias_table, grammar_bitmask, prompt_targets,
+                                                   num_tokens, num_seqs, mode, num_logprobs, wants_logprobs))
         self.kv_pool, logits, sampling_words, hidden = self._forward(
             self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
             self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
