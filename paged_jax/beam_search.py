@@ -57,6 +57,16 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
 
+    @property
+    def n(self) -> int:
+        """Sequences the request returns (the beam width), under ``SamplingParams``' name for it."""
+        return self.beam_width
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once (the beam width)."""
+        return self.beam_width
+
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)

@@ -150,7 +150,7 @@ def test_duplicate_request_id_and_lone_replica_refused(qwen3_dp2):
 def test_metrics_label_each_replica(qwen3_dp2):
     from serving.metrics import ServingMetrics
 
-    metrics = ServingMetrics("m")
+    metrics = ServingMetrics("m", max_model_len=256)
     metrics.update_engine_stats(qwen3_dp2.stats())
     text = metrics.render().decode()
     assert 'paged_jax:num_requests_running{engine="0",model_name="m"}' in text
