@@ -16,7 +16,7 @@ TEST_EXTRAS := test$(if $(CUDA),$(comma)$(CUDA))
 SERVE_STAMP := $(VENV)/.installed-$(SERVE_EXTRAS)
 TEST_STAMP := $(VENV)/.installed-$(TEST_EXTRAS)
 
-.PHONY: venv model test serve clean
+.PHONY: venv model test test-all serve clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ model: $(SERVE_STAMP)
 	$(PY) -m models.smollm2
 
 test: $(TEST_STAMP)
+	$(PY) -m models.smollm2
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+
+# Every test, the long ones (marker `slow`) included.
+test-all: $(TEST_STAMP)
 	$(PY) -m models.smollm2
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 

@@ -430,6 +430,7 @@ def test_generate_on_sharded_qwen3_matches_tp1_without_gathering_weights_or_kv(q
     assert count_collectives(hlo)["all-to-all"] == 0
 
 
+@pytest.mark.slow  # `make test-all`; CI: generate on sharded Qwen3 and the tp engines below cover the same path
 def test_generate_on_sharded_smollm2_matches_tp1(smollm2_dir):
     from paged_jax.generate import generate
 
@@ -554,6 +555,7 @@ def _assert_engine_on_mesh(engine, tp: int):
     assert k_pages.sharding.shard_shape(k_pages.shape)[2] == plan.num_kv_heads_per_device
 
 
+@pytest.mark.slow  # `make test-all`; CI: tp4 on random Qwen3 here, dp2 x tp2 and pp2 x tp2 on SmolLM2 elsewhere
 def test_engine_greedy_at_tp2_matches_tp1_on_smollm2():
     # Three prompts of different lengths, several steps (chunked prefill with a 32-token budget, then decode).
     prompts = [[1, 504, 3458, 282, 4055, 314, 216, 1345], [1, 9519, 28],
