@@ -5,6 +5,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# transformers references run on torch: one intra-op thread each (xdist runs a worker per core; torch's OpenMP threads
+# spin-waiting on an oversubscribed CPU make it several times slower than one thread). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

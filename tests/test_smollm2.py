@@ -17,7 +17,7 @@ from models.loader import load_model
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-MAX_NEW_TOKENS = 64
+MAX_NEW_TOKENS = 32
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
