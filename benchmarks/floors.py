@@ -101,20 +101,13 @@ def measure_ceilings(repeats: int = 5, copy_bytes: int | None = None, matmul_siz
     second) and a bf16 ``matmul_size``^3 matmul (FLOP/s). Fresh random inputs; compilation and one call excluded;
     median of ``repeats``. Defaults: 4 GiB and 8192 on an accelerator (beyond its caches), 64 MiB and 1024 on the
     CPU (a smoke test). Returns {"copy_GBps", "matmul_TFLOPs"}."""
-    import statistics
-    import time
-
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.report import median_seconds
+
     def median_s(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(lambda: fn(*args), repeats)
 
     on_cpu = jax.default_backend() == "cpu"
     copy_bytes = copy_bytes or (64 << 20 if on_cpu else 4 << 30)

@@ -48,6 +48,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import median_seconds  # noqa: E402
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.mgpu_kernel import default_tuning as mosaic_default_tuning  # noqa: E402
@@ -97,14 +98,7 @@ def log(msg: str = ""):
 
 def median_time(fn, args, repeats: int) -> float:
     """Median seconds of one call of ``fn(*args)`` after a compile call and a warm-up call."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: fn(*args), repeats, warmup=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

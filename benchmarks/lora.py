@@ -19,20 +19,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import time
 
 import numpy as np
 
-from benchmarks.report import write_json
+from benchmarks.report import median_seconds, write_json
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    """Median milliseconds of ``fn()`` (which waits for its own results) over ``repeats`` calls, none untimed."""
+    return median_seconds(fn, repeats, warmup=0) * 1e3
 
 
 def random_adapter(config, rank: int, seed: int, std: float = 0.02):

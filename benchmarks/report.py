@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import subprocess
+import time
 from typing import Any
+from collections.abc import Callable
 
 
 def versions() -> dict:
@@ -28,3 +31,19 @@ def write_json(path: str | None, result: Any, indent: int = 1) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=indent)
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, *, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` timed calls, after ``warmup`` untimed ones (compilation and
+    first-call effects stay out). Each call's result is waited for (``jax.block_until_ready``), so ``fn`` may
+    return device arrays, a pytree of them, or anything else."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -29,16 +29,12 @@ import time
 
 import numpy as np
 
-from benchmarks.report import write_json
+from benchmarks.report import median_seconds, write_json
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    """Median milliseconds of ``fn()`` (which waits for its own results) over ``repeats`` calls, none untimed."""
+    return median_seconds(fn, repeats, warmup=0) * 1e3
 
 
 def _parse_cases(text: str) -> list[tuple[int, int]]:
