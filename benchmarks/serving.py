@@ -2,7 +2,7 @@
 
 Requests arrive as a Poisson process at ``--request-rate`` requests/s (``inf``: all at once), optionally capped at
 ``--max-concurrency`` in flight; each one streams ``/v1/completions`` (token-id prompt, ``ignore_eos``,
-``stream_options.include_usage``) over httpx. Per request we record:
+``stream_options.include_usage``) with ``benchmarks.sse_client`` (httptools). Per request we record:
 
 * TTFT: time from sending the request to the first streamed chunk with a choice,
 * ITL: the gaps between successive such chunks,
@@ -56,6 +56,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import httpx  # noqa: E402
 
 from benchmarks.report import write_json  # noqa: E402
+from benchmarks.sse_client import post_sse  # noqa: E402
 from benchmarks.workloads import Req, Workload, nanovllm, random_fixed  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
@@ -77,9 +78,10 @@ class RequestResult:
     headers_time: float = 0.0  # when the response headers arrived (the server has admitted the request)
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, model: str, req: Req, temperature: float,
-                            ignore_eos: bool, headers: dict[str, str]) -> RequestResult:
-    """Send one streaming completion and time its chunks."""
+async def stream_completion(url: str, model: str, req: Req, temperature: float, ignore_eos: bool,
+                            headers: dict[str, str]) -> RequestResult:
+    """Send one streaming completion and time its chunks (``benchmarks.sse_client``: the client must read every
+    event of every stream without becoming the bottleneck)."""
     payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
                "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
                "stream_options": {"include_usage": True}}
@@ -88,36 +90,37 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, req
     start = time.perf_counter()
     result.start_time = start
     last = start
+
+    def on_event(event: bytes, now: float) -> bool:
+        nonlocal num_chunks, last
+        if not event.startswith(b"data:"):
+            return True
+        data = event[len(b"data:"):].strip()
+        if data == b"[DONE]":
+            return False
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = str(chunk["error"])
+            return False
+        # Every chunk with a choice is a token arrival (as vLLM's bench counts them): text may be empty while the
+        # detokenizer holds back an incomplete character, or for a model without tokenizer; a chunk may carry
+        # several tokens when the server merged the deltas of a stream that fell behind.
+        if chunk.get("choices"):
+            if num_chunks == 0:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+            num_chunks += 1
+        usage = chunk.get("usage")
+        if usage:
+            result.output_tokens = int(usage.get("completion_tokens") or 0)
+        return True
+
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as response:
-            result.headers_time = time.perf_counter()
-            if response.status_code != 200:
-                body = await response.aread()
-                result.error = f"HTTP {response.status_code}: {body[:300]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = str(chunk["error"])
-                    return result
-                now = time.perf_counter()
-                # Every chunk with a choice is a token arrival (as vLLM's bench counts them): text may be empty
-                # while the detokenizer holds back an incomplete character, or for a model without tokenizer.
-                if chunk.get("choices"):
-                    if num_chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    num_chunks += 1
-                usage = chunk.get("usage")
-                if usage:
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+        result.headers_time = await post_sse(url, payload, on_event, headers)
+        if result.error:
+            return result
         result.latency = time.perf_counter() - start
         if result.output_tokens == 0:  # server without usage in streams: count one token per chunk
             result.output_tokens = num_chunks
@@ -146,30 +149,28 @@ async def run_benchmark(base_url: str, model: str, workload: Workload, *, reques
     url = base_url.rstrip("/") + endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     temp = workload.temperature if temperature is None else temperature
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        for req in workload.requests[:num_warmup]:  # compile / warm caches outside the clock
-            warm = await stream_completion(client, url, model, Req(req.prompt_token_ids, min(req.max_tokens, 8)),
-                                           temp, workload.ignore_eos, headers)
-            if not warm.success:
-                raise RuntimeError(f"warm-up request failed: {warm.error}")
-        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    for req in workload.requests[:num_warmup]:  # compile / warm caches outside the clock
+        warm = await stream_completion(url, model, Req(req.prompt_token_ids, min(req.max_tokens, 8)), temp,
+                                       workload.ignore_eos, headers)
+        if not warm.success:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-        async def limited(req: Req) -> RequestResult:
-            if semaphore is None:
-                return await stream_completion(client, url, model, req, temp, workload.ignore_eos, headers)
-            async with semaphore:
-                return await stream_completion(client, url, model, req, temp, workload.ignore_eos, headers)
+    async def limited(req: Req) -> RequestResult:
+        if semaphore is None:
+            return await stream_completion(url, model, req, temp, workload.ignore_eos, headers)
+        async with semaphore:
+            return await stream_completion(url, model, req, temp, workload.ignore_eos, headers)
 
-        tasks = []
-        start = time.perf_counter()
-        for req, delay in zip(workload.requests, arrival_delays(len(workload.requests), request_rate, burstiness,
-                                                                 seed)):
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(limited(req)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    tasks = []
+    start = time.perf_counter()
+    for req, delay in zip(workload.requests, arrival_delays(len(workload.requests), request_rate, burstiness,
+                                                             seed)):
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(req)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
     summary = summarize(results, duration)
     summary.update({"base_url": base_url, "endpoint": endpoint, "model": model, "dataset": workload.name,
                     "request_rate": request_rate, "max_concurrency": max_concurrency, "burstiness": burstiness,
@@ -252,18 +253,16 @@ def _worker_main(base_url: str, model: str, requests: list[Req], temperature: fl
     url = base_url.rstrip("/") + "/v1/completions"
 
     async def drive() -> list[RequestResult]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-            semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-            async def limited(req: Req) -> RequestResult:
-                if semaphore is None:
-                    return await stream_completion(client, url, model, req, temperature, ignore_eos, headers)
-                async with semaphore:
-                    return await stream_completion(client, url, model, req, temperature, ignore_eos, headers)
+        async def limited(req: Req) -> RequestResult:
+            if semaphore is None:
+                return await stream_completion(url, model, req, temperature, ignore_eos, headers)
+            async with semaphore:
+                return await stream_completion(url, model, req, temperature, ignore_eos, headers)
 
-            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-            return await asyncio.gather(*[limited(req) for req in requests])
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        return await asyncio.gather(*[limited(req) for req in requests])
 
     return run(drive())
 

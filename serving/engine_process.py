@@ -75,14 +75,16 @@ class EngineProcessDied(EngineDeadError):
 CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s (EngineCore pid=%(process)d) %(name)s: %(message)s"
 
 
-def _child_main(engine_args, conn, log_level: int = logging.WARNING) -> None:  # runs in the spawned process
+def _child_main(engine_args, conn, log_level: int = logging.WARNING,
+                engine_factory: Callable | None = None) -> None:  # runs in the spawned process
     # A spawned process starts without the parent's logging set-up: log start-up progress to the inherited stderr.
     logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
     quiet_library_loggers()
     try:
-        from paged_jax.data_parallel import create_engine
+        if engine_factory is None:
+            from paged_jax.data_parallel import create_engine as engine_factory
 
-        engine = create_engine(engine_args, use_tqdm=log_level <= logging.INFO)
+        engine = engine_factory(engine_args, use_tqdm=log_level <= logging.INFO)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return
@@ -217,17 +219,21 @@ class EngineProcessClient:
     Args:
       engine_args: ``EngineArgs`` for the child's ``LLMEngine``.
       start_timeout: seconds to wait for the child to load the model and compile (None: no limit).
+      engine_factory: builds the child's engine as ``engine_factory(engine_args, use_tqdm=bool)``; a picklable
+        module-level callable (default ``paged_jax.data_parallel.create_engine``; benchmarks/serving_host.py passes
+        a model-free engine to measure the serving path alone).
     Raises:
       ValueError: the child rejected ``engine_args`` (its message).
       EngineProcessDied: the child failed otherwise or did not start in time.
     """
 
-    def __init__(self, engine_args: EngineArgs, *, start_timeout: float | None = None):
+    def __init__(self, engine_args: EngineArgs, *, start_timeout: float | None = None,
+                 engine_factory: Callable | None = None):
         context = multiprocessing.get_context("spawn")  # JAX is not fork-safe
         self._conn, child_conn = context.Pipe(duplex=True)
         log_level = logging.getLogger().getEffectiveLevel()  # the child logs start-up progress at the same level
-        self._process = context.Process(target=_child_main, args=(engine_args, child_conn, log_level), daemon=True,
-                                        name="paged-jax-engine")
+        self._process = context.Process(target=_child_main, args=(engine_args, child_conn, log_level, engine_factory),
+                                        daemon=True, name="paged-jax-engine")
         started = time.perf_counter()
         self._process.start()
         logger.info("engine process started (pid %d): loading the model and compiling; its progress follows",

@@ -382,6 +382,46 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
     assert _successes(server) == successes_before  # it was aborted, not run to completion
 
 
+def test_lagging_stream_gets_merged_multi_token_chunks(server, client):
+    """A stream whose consumer falls behind the engine gets the deltas queued meanwhile merged into one chunk
+    (fewer, larger chunks, nothing lost): text, token ids / logprobs and usage stay exact."""
+    assert wait_until(lambda: _engine_idle(server), timeout=60)
+    async_engine = server.async_engine
+    deliver = async_engine._deliver
+    stalled = []
+
+    def stalling_deliver(items):  # on the event loop: block it once while the engine takes 3 more steps
+        deliver(items)
+        if not stalled:
+            stalled.append(True)
+            steps = async_engine.num_steps
+            wait_until(lambda: async_engine.num_steps >= steps + 3, timeout=60, interval=0.02)
+
+    kwargs = dict(model=MODEL_NAME, prompt="Count to ten:", max_tokens=24, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    async_engine._deliver = stalling_deliver
+    try:
+        chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **kwargs)]
+    finally:
+        del async_engine._deliver
+    whole = client.completions.create(**kwargs).choices[0]
+    *text_chunks, usage_chunk = chunks
+    tokens_per_chunk = [len(c.choices[0].logprobs.tokens) for c in text_chunks]
+    assert max(tokens_per_chunk) > 1 and sum(tokens_per_chunk) == 24, tokens_per_chunk
+    assert usage_chunk.usage.completion_tokens == 24
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.text
+    streamed = [(c.choices[0].logprobs, c.choices[0].text) for c in text_chunks]
+    assert [t for lp, _ in streamed for t in lp.tokens] == whole.logprobs.tokens
+    assert [x for lp, _ in streamed for x in lp.token_logprobs] == pytest.approx(whole.logprobs.token_logprobs)
+    sent = 0  # a chunk's offsets start at the characters streamed before it (vLLM's initial_text_offset)
+    for lp, text in streamed:
+        assert lp.text_offset[0] == sent and lp.text_offset == sorted(lp.text_offset)
+        sent += len(text)
+    assert all(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) for lp, _ in streamed)
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_overload_answers_503_with_retry_after(server, client):
     assert wait_until(lambda: _engine_idle(server), timeout=60)
     body = {"model": MODEL_NAME, "prompt": "Count to one hundred:", "max_tokens": 48, "ignore_eos": True}

@@ -1,0 +1,301 @@
+"""The serving path's host cost without a model: can the server (and the benchmark client) carry the offline engine's
+token rate?
+
+A model-free engine (``ModelFreeEngine``: one token per running request per step, at a fixed step rate) runs in the
+engine process behind the real ``EngineProcessClient`` pipe, the real app (``serving.app.create_app``) and uvicorn as
+``paged-jax serve`` configures it; benchmarks/serving.py's client streams ``/v1/completions`` from
+``--num-client-processes`` processes. At C concurrent streams and R steps/s the engine offers C x R tokens/s; the
+figure is how many of them reach the clients, and the CPU seconds per 1,000 delivered tokens of each process (the
+server's event-loop thread and its other threads, i.e. the engine-client thread, the engine process, the clients).
+A process near one CPU second per wall second is the bottleneck. Runs on CPU; no accelerator is used.
+
+One JSON line per concurrency:
+  {"figure": "serving_host", "concurrency", "steps_per_s", "offered_tokens_per_s", "output_throughput",
+   "fraction_of_offered", "median_itl_ms", "p99_itl_ms", "cpu_ms_per_1k_tokens": {...}, "cpu_util": {...}}
+
+Example:
+  python -m benchmarks.serving_host --concurrency 256 512 --steps-per-s 90 --max-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workloads import Req  # noqa: E402
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ModelFreeEngine:
+    """``LLMEngine``'s serving interface without a model, for measuring the serving path alone.
+
+    Each ``step()`` waits for the next tick of a fixed step rate (a slower caller just gets the next step at once),
+    moves waiting requests into the running set (at most ``engine_args.max_num_seqs``, first come first served) and
+    gives every running request one token (id ``token_id``, text ``token_text``) as a delta ``RequestOutput``; a
+    request finishes with "length" after ``params.max_tokens`` tokens. No tokenizer: token-id prompts only.
+    """
+
+    def __init__(self, engine_args: Any, use_tqdm: bool = False, *, steps_per_s: float,
+                 token_text: str = " tok", token_id: int = 1000) -> None:
+        from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+        self._types = (CompletionOutput, RequestMetrics, RequestOutput)
+        self.engine_args = engine_args
+        self.max_model_len = engine_args.max_model_len or 4096
+        self.vocab_size = 32000
+        self.generation_config: dict = {}
+        self.model_path = None
+        self.tokenizer = None
+        self._period = 1.0 / steps_per_s
+        self._token_text = token_text
+        self._token_id = token_id
+        self._max_running = engine_args.max_num_seqs
+        self._waiting: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self._running: dict[str, list] = {}
+        self._next_step = time.perf_counter()
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt: token ids only (the model-free engine has no tokenizer)")
+        if request_id in self._waiting or request_id in self._running:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = params.max_tokens if params is not None and params.max_tokens else 16
+        metrics = self._types[1](arrival_time=time.time() if arrival_time is None else arrival_time)
+        self._waiting[request_id] = [ids, max_tokens, 0, metrics]  # prompt ids, max tokens, generated, metrics
+
+    def abort_request(self, request_id: Any) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._waiting.pop(rid, None)
+            self._running.pop(rid, None)
+
+    def step(self) -> list:
+        now = time.perf_counter()
+        if now < self._next_step:
+            time.sleep(self._next_step - now)
+        self._next_step = max(self._next_step + self._period, time.perf_counter())
+        completion_cls, _, output_cls = self._types
+        wall = time.time()
+        while self._waiting and len(self._running) < self._max_running:
+            request_id, state = self._waiting.popitem(last=False)
+            state[3].first_scheduled_time = wall
+            self.prompt_tokens_total += len(state[0])
+            self._running[request_id] = state
+        outputs = []
+        for request_id, state in list(self._running.items()):
+            state[2] += 1
+            finished = state[2] >= state[1]
+            metrics = state[3]
+            if metrics.first_token_time is None:
+                metrics.first_token_time = wall
+            metrics.last_token_time = wall
+            if finished:
+                metrics.finished_time = wall
+                del self._running[request_id]
+            outputs.append(output_cls(
+                request_id=request_id, prompt=None, prompt_token_ids=state[0],
+                outputs=[completion_cls(index=0, text=self._token_text, token_ids=[self._token_id],
+                                        cumulative_logprob=None, logprobs=None,
+                                        finish_reason="length" if finished else None)],
+                finished=finished, metrics=metrics if finished else None))
+        self.num_steps += 1
+        self.generation_tokens_total += len(outputs)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def get_tokenizer(self):
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self._running), "num_waiting": len(self._waiting),
+                "num_unfinished_requests": self.get_num_unfinished_requests(), "kv_cache_usage": 0.0,
+                "num_preemptions": 0, "num_swap_outs": 0, "num_swap_ins": 0, "num_gpu_blocks": 1, "num_cpu_blocks": 0,
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total, "num_steps": self.num_steps,
+                "num_compiles_since_warmup": 0}
+
+
+# ------------------------------------------------------------------------------------------------ the server
+def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_argv: Sequence[str] = ()) -> None:
+    """The real app and uvicorn (``paged-jax serve``'s configuration) over a ``ModelFreeEngine`` in the engine
+    process; runs until SIGINT."""
+    import logging
+
+    from paged_jax.config import EngineArgs
+    from serving.app import create_app
+    from serving.cli import bind_socket, uvicorn_config
+    from serving.engine_process import EngineProcessClient
+    from serving.lifecycle import ServingServer
+
+    logging.basicConfig(level=logging.WARNING)
+    engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=max_num_seqs, max_model_len=4096)
+    engine = EngineProcessClient(engine_args, start_timeout=120,
+                                 engine_factory=functools.partial(ModelFreeEngine, steps_per_s=steps_per_s))
+    app = create_app(engine)
+    args = argparse.Namespace(host="127.0.0.1", port=port, uvicorn_log_level="warning", root_path="",
+                              disable_uvicorn_access_log=True, ssl_keyfile=None, ssl_certfile=None,
+                              ssl_ca_certs=None, ssl_cert_reqs=0)
+    sock = bind_socket("127.0.0.1", port)
+    server = ServingServer(uvicorn_config(app, args), app.state.server.engine, 5.0)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.state.server.engine.shutdown()
+        sock.close()
+
+
+# ------------------------------------------------------------------------------------------------ CPU accounting
+def _cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by thread id (``/proc``; Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _server_cpu(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far: the server's event-loop (main) thread, its other threads, and its child processes
+    (the engine process; its own threads included)."""
+    threads = _cpu_seconds(server_pid)
+    engine = sum(sum(_cpu_seconds(child).values()) for child in _children(server_pid))
+    return {"server_event_loop": threads.get(server_pid, 0.0),
+            "server_other_threads": sum(v for tid, v in threads.items() if tid != server_pid),
+            "engine_process": engine}
+
+
+def _timed_worker(*args: Any) -> tuple[list, float]:
+    from benchmarks.serving import _worker_main
+
+    start = time.process_time()
+    results = _worker_main(*args)
+    return results, time.process_time() - start
+
+
+def run_clients(base_url: str, requests: Sequence[Req], concurrency: int, num_processes: int
+                ) -> tuple[list, float, float]:
+    """benchmarks/serving.py's client in ``num_processes`` processes: (results, duration s, client CPU s)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from benchmarks.serving import _ready
+
+    shares = [list(requests[i::num_processes]) for i in range(num_processes)]
+    limits = [concurrency // num_processes + (i < concurrency % num_processes) for i in range(num_processes)]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(num_processes, mp_context=context) as pool:
+        list(pool.map(_ready, range(num_processes)))
+        start_at = time.perf_counter() + 0.5
+        futures = [pool.submit(_timed_worker, base_url, "model-free", share, 0.0, True, limit, start_at, None)
+                   for share, limit in zip(shares, limits)]
+        per_process = [future.result() for future in futures]
+    results = [r for process_results, _ in per_process for r in process_results]
+    ends = [r.start_time + r.latency for r in results if r.success]
+    duration = (max(ends) if ends else time.perf_counter()) - start_at
+    return results, duration, sum(cpu for _, cpu in per_process)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--steps-per-s", type=float, default=90.0, help="the model-free engine's step rate")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
+    parser.add_argument("--requests-per-stream", type=int, default=1, help="requests = concurrency x this")
+    parser.add_argument("--num-client-processes", type=int, default=4)
+    parser.add_argument("--port", type=int, default=8021)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.port, args.steps_per_s, max(args.concurrency))
+        return []
+    import signal
+    import subprocess
+
+    import httpx
+
+    env = dict(os.environ, PYTHONPATH=_REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "benchmarks.serving_host", "--serve", "--port", str(args.port),
+               "--steps-per-s", str(args.steps_per_s), "--concurrency", *map(str, args.concurrency)]
+    server = subprocess.Popen(command, cwd=_REPO_ROOT, env=env)
+    base_url = f"http://127.0.0.1:{args.port}"
+    figures = []
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the model-free server did not start")
+            try:
+                if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        run_clients(base_url, [Req(list(range(1, 33)), 8)] * args.num_client_processes, args.num_client_processes,
+                    args.num_client_processes)  # warm-up
+        for concurrency in args.concurrency:
+            requests = [Req(list(range(1, 65)), args.max_tokens)] * (concurrency * args.requests_per_stream)
+            before, wall = _server_cpu(server.pid), time.perf_counter()
+            results, duration, client_cpu = run_clients(base_url, requests, concurrency, args.num_client_processes)
+            after, wall = _server_cpu(server.pid), time.perf_counter() - wall
+            from benchmarks.serving import summarize
+
+            summary = summarize(results, duration)
+            tokens = summary["total_output_tokens"]
+            cpu = {name: after[name] - before[name] for name in after}
+            cpu["clients"] = client_cpu
+            figure = {"figure": "serving_host", "concurrency": concurrency, "steps_per_s": args.steps_per_s,
+                      "offered_tokens_per_s": concurrency * args.steps_per_s,
+                      "output_throughput": summary["output_throughput"],
+                      "fraction_of_offered": summary["output_throughput"] / (concurrency * args.steps_per_s),
+                      "completed": summary["completed"], "failed": summary["failed"],
+                      "num_chunks_per_token": sum(len(r.itl) + 1 for r in results if r.success) / max(tokens, 1),
+                      "median_itl_ms": summary["median_itl_ms"], "p99_itl_ms": summary["p99_itl_ms"],
+                      "cpu_ms_per_1k_tokens": {k: round(1e6 * v / max(tokens, 1), 1) for k, v in cpu.items()},
+                      "cpu_util": {k: round(v / wall, 2) for k, v in cpu.items()}}
+            figures.append(figure)
+            print(json.dumps(figure), flush=True)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return figures
+
+
+if __name__ == "__main__":
+    main()
