@@ -11,13 +11,22 @@ Sections (``--sections``, comma-separated; one JSON line per figure on stdout, a
   (packed weights + scales + zeros, or bf16 weights) / time, against ``ceiling``.
 * ``decode``: one batch-1 decode step (context ``--context``) of the model runner, bf16 vs fp8 (online: per-channel
   weights, per-token activations) vs AWQ-layout int4 (random weights quantized with group 128 and zero points),
-  each with ``matmul_impl`` xla and, for int4, pallas; ``floor_ms`` = bytes of every parameter a decode step reads
+  each with ``matmul_impl`` xla and auto (the engine's default: the Pallas kernels at batch 1 on the GPU;
+  pallas with ``--tiny``); ``floor_ms`` = bytes of every parameter a decode step reads
   (all but the embedding table, of which it reads one row) + the KV context, at the measured copy bandwidth.
 
-The GPU's choice between the Pallas kernel and XLA's fused dequantization is made from ``matmul`` and ``decode``.
+* ``sweep``: the tuning grid of the skinny-M Pallas kernels (``paged_jax.ops.quantized_matmul``): for each format
+  (int4 g128, int8 per channel, fp8 per channel), M in ``--batches`` and Llama-3.1-8B projection, <= 8 configurations
+  (each compiled once) and XLA's path (int: dequantize + dot; fp8: the float8 dot on per-token quantized
+  activations); GB/s and fraction of copy per configuration, then ``sweep_best`` lines: the best configuration per
+  (format, M, shape) and per (format, M bucket), printed as ``quantized_matmul_tuning.TUNING`` entries to paste,
+  with the speed-up over XLA that sets ``PALLAS_MAX_M``.
+
+The GPU's choice between the Pallas kernels and XLA is made from ``sweep``, ``matmul`` and ``decode``.
 
 Examples (H200): ``python -m benchmarks.quantization --sections check`` (kernel lowering, a minute);
-``python -m benchmarks.quantization --out $OUT/quant.json`` (everything, Llama-3.1-8B shape).
+``python -m benchmarks.quantization --out $OUT/quant.json`` (everything but the sweep, Llama-3.1-8B shape);
+``python -m benchmarks.quantization --sections ceiling,sweep`` (tuning, about two minutes).
 CPU check of the script: ``python -m benchmarks.quantization --tiny`` (tiny shapes, interpret-mode kernel).
 """
 
@@ -93,6 +102,17 @@ def section_check(args, results):
         rel = float(np.linalg.norm(got32 - np.asarray(want)) / (np.linalg.norm(np.asarray(want)) + 1e-12))
         _emit(results, {"section": "check", "m": m, "k": k, "n": n, "bits": bits, "group_size": group_size,
                         "act_order": act_order, "rel_l2_vs_fp32_reference": rel, "ok": rel < 1e-2})
+    from models.quantization.linear import fp8_weight_only_matmul_reference, quantize_weight_fp8
+    from paged_jax.ops.quantized_matmul import fp8_weight_only_matmul_pallas
+
+    for m, k, n in ([(1, 256, 384), (5, 200, 72)] if args.tiny else [(1, 4096, 6144), (16, 14336, 4096)]):
+        weight, scale = quantize_weight_fp8(jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02)
+        x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+        want = np.asarray(fp8_weight_only_matmul_reference(x.astype(jnp.float32), weight, scale))
+        got = np.asarray(fp8_weight_only_matmul_pallas(x, weight, scale, interpret=args.interpret), np.float32)
+        rel = float(np.linalg.norm(got - want) / (np.linalg.norm(want) + 1e-12))
+        _emit(results, {"section": "check", "m": m, "k": k, "n": n, "format": "fp8",
+                        "rel_l2_vs_fp32_reference": rel, "ok": rel < 1e-2})
 
 
 def section_ceiling(args, results) -> float:
@@ -190,11 +210,11 @@ def section_decode(args, results, copy_gbps: float):
                                                         num_attention_heads=8, num_key_value_heads=4))
     else:
         config = preset_config(args.shape)
+    awq = QuantConfig("awq", "weight_only", False, bits=4, group_size=128, zero_point=True)
+    fast = "pallas" if args.tiny else "auto"  # auto = the Pallas kernels at batch 1 on the GPU, XLA on CPU
     variants = [("bf16", None, "xla"), ("fp8", resolve_quantization("fp8", {}), "xla"),
-                ("awq-int4-g128", QuantConfig("awq", "weight_only", False, bits=4, group_size=128, zero_point=True),
-                 "xla"),
-                ("awq-int4-g128", QuantConfig("awq", "weight_only", False, bits=4, group_size=128, zero_point=True),
-                 "pallas")]
+                ("fp8", resolve_quantization("fp8", {}), fast), ("awq-int4-g128", awq, "xla"),
+                ("awq-int4-g128", awq, fast), ("int8", resolve_quantization("int8", {}), fast)]
     kv_read = args.context * kv_bytes_per_token(config, 2)
     for name, qc, impl in variants:
         model = init_dummy_model(config, dtype=jnp.bfloat16, seed=0)
@@ -205,9 +225,10 @@ def section_decode(args, results, copy_gbps: float):
             import functools
 
             from models.quantization import linear
-            from paged_jax.ops.quantized_matmul import weight_only_matmul_pallas
+            from paged_jax.ops.quantized_matmul import fp8_weight_only_matmul_pallas, weight_only_matmul_pallas
             linear.register_weight_only_matmul("pallas", functools.partial(weight_only_matmul_pallas,
                                                                           interpret=True))
+            linear.register_fp8_matmul("pallas", functools.partial(fp8_weight_only_matmul_pallas, interpret=True))
         step_ms, weight_read = _decode_step_ms(model, config, args)
         floor_ms = (weight_read + kv_read) / (copy_gbps * 1e9) * 1e3
         _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "batch": 1,
@@ -226,6 +247,7 @@ def main(argv: list[str] | None = None) -> list:
     p.add_argument("--context", type=int, default=1024, help="decode: cached tokens of the one sequence")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--inner", type=int, default=10)
+    p.add_argument("--formats", default="int4,int8,fp8", help="sweep: kernel formats")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -237,9 +259,13 @@ def main(argv: list[str] | None = None) -> list:
     results: list = []
     if "check" in sections:
         section_check(args, results)
-    copy_gbps = section_ceiling(args, results) if {"ceiling", "matmul", "decode"} & set(sections) else None
+    copy_gbps = (section_ceiling(args, results) if {"ceiling", "matmul", "decode", "sweep"} & set(sections)
+                 else None)
     if "matmul" in sections:
         section_matmul(args, results, copy_gbps)
+    if "sweep" in sections:
+        from benchmarks.quantization_sweep import section_sweep
+        section_sweep(args, results, copy_gbps, _median_s, _emit, _weights)
     if "decode" in sections:
         section_decode(args, results, copy_gbps)
     write_json(args.out, {"benchmark": "quantization", "results": results})

@@ -245,7 +245,7 @@ def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtyp
             _load_quantized(args, model_path, config, dtype, quant), plan, quant.config,
             kv_cache_scales=quant.kv_cache_scales)
         abstract = lambda: abstract_quantized_model(  # noqa: E731
-            plan.model_config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales,
+            plan.model_config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales, matmul_impl="xla",
             make_model=lambda: TensorParallelLlamaForCausalLM(plan, dtype=jnp_dtype, param_dtype=jnp_dtype,
                                                               rngs=nnx.Rngs(0)))
     else:

@@ -1,5 +1,6 @@
-"""Quantized kernels on CPU: the Pallas weight-only int4/int8 matmul (interpret mode) against its jnp reference on
-fresh random ragged shapes, and the FP8 KV cache (write, the jnp reference and the Triton kernel reading e4m3 pages,
+"""Quantized kernels on CPU: the Pallas weight-only int4/int8 and FP8 matmuls (interpret mode; GEMV and dot paths)
+against their jnp references on fresh random ragged shapes, their tuning and "auto" selection, their Triton
+lowering, and the FP8 KV cache (write, the jnp reference and the Triton kernel reading e4m3 pages,
 the per-layer k/v scales folded into the model)."""
 
 import time
@@ -8,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.quantization.linear import pack_int32, weight_only_matmul_reference
+from models.quantization.linear import (fp8_weight_only_matmul_reference, pack_int32, quantize_weight_fp8,
+                                        weight_only_matmul_reference)
 from paged_jax.ops import ragged_paged_attention, write_kv
-from paged_jax.ops.quantized_matmul import default_tuning, weight_only_matmul_pallas
+from paged_jax.ops.quantized_matmul import (default_tuning, fp8_weight_only_matmul_pallas,
+                                            weight_only_matmul_pallas)
 from tests.test_ragged_paged_attention import make_batch, numpy_oracle
 
 
@@ -24,35 +27,115 @@ def _random_weight_only(rng, k, n, bits, group_size, act_order, dtype):
     return pack_int32(jnp.asarray(q), bits), scales, zeros, g_idx
 
 
-@pytest.mark.parametrize("bits,dtype,act_order", [(4, jnp.float32, True), (8, jnp.bfloat16, False)])
-def test_pallas_weight_only_matmul_matches_reference(bits, dtype, act_order):
+@pytest.mark.parametrize("bits,dtype,act_order,block_m", [(4, jnp.float32, True, None), (8, jnp.bfloat16, False, None),
+                                                      (4, jnp.bfloat16, False, 1), (4, jnp.float32, False, 16)])
+def test_pallas_weight_only_matmul_matches_reference(bits, dtype, act_order, block_m):
     """Fresh ragged shapes every run (seeded by the clock, printed): M not a multiple of the row tile, N not of the
-    column tile, K ending in a partial tile; int4 with act-order groups smaller than a tile (the gather path),
-    int8 per-channel in bf16 (one scale row per tile)."""
+    column tile; int4 act-order (gathered scales; the table's path for M), int8 per channel in bf16 with K ending in
+    a partial step, the GEMV path (block_m 1, several rows, post-scaled groups of 32 / 64 / 128) and the dot path
+    (block_m 16: groups of 128 post-scaled, 32 / 64 dequantized per weight)."""
     seed = time.time_ns() % (1 << 31)
     rng = np.random.default_rng(seed)
-    pack = 32 // bits
-    m = int(rng.integers(1, 20))
+    m = int(rng.integers(1, 4 if block_m == 1 else 20))
     n = int(rng.choice([24, 40, 72]))
     k = 192 if bits == 4 else 128 * int(rng.integers(1, 3)) + 64
-    group_size = 32 if act_order else k
+    group_size = int(rng.choice([32, 64, 128])) if bits == 4 and not act_order else 32 if act_order else k
+    k = k if k % group_size == 0 else 256
     qweight, scales, zeros, g_idx = _random_weight_only(rng, k, n, bits, group_size, act_order, dtype)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     want = weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, bits=bits, group_size=group_size)
     got = weight_only_matmul_pallas(x, qweight, scales, zeros, g_idx, bits=bits, group_size=group_size,
-                                    interpret=True, split_k=2)
+                                    interpret=True, split_k=2, block_m=block_m)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     scale = float(jnp.max(jnp.abs(want.astype(jnp.float32)))) + 1e-6
     np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
-                               atol=tol, err_msg=f"seed={seed} m={m} n={n} k={k} pack={pack}")
+                               atol=tol, err_msg=f"seed={seed} m={m} n={n} k={k} g={group_size}")
 
 
-def test_default_tuning_fills_the_gpu_at_batch_one():
-    t = default_tuning(1, 4096, 4096, 4)
-    assert t["block_m"] == 16 and t["block_kp"] * 8 == 128
-    assert (4096 // t["block_n"]) * t["split_k"] >= 128
-    assert default_tuning(64, 4096, 4096, 8)["split_k"] >= 1
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_pallas_fp8_weight_only_matmul_matches_reference(block_m):
+    """FP8 weights upcast in the kernel (GEMV and dot paths), per-channel and per-tensor scales, ragged M / N / K."""
+    rng = np.random.default_rng(time.time_ns() % (1 << 31))
+    m, k, n = (2, 200, 40) if block_m == 1 else (5, 72, 24)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    for strategy in ("channel", "tensor"):
+        weight, weight_scale = quantize_weight_fp8(w, strategy)
+        want = fp8_weight_only_matmul_reference(x, weight, weight_scale)
+        got = fp8_weight_only_matmul_pallas(x, weight, weight_scale, interpret=True, block_m=block_m, split_k=2)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_default_tuning_paths_and_split():
+    t = default_tuning("int4", 1, 4096, 4096, group_size=128)
+    assert t["block_m"] == 1 and t["post_scale"] and t["block_k"] <= 128
+    assert -(-4096 // t["block_n"]) * t["split_k"] >= 128  # batch 1 fills the GPU through split-K
+    small = default_tuning("int4", 1, 4096, 4096, group_size=32)  # the step shrinks to a group, steps grow
+    assert small["post_scale"] and small["block_k"] == 32 and small["steps"] >= 2
+    assert not default_tuning("int4", 1, 4096, 4096, group_size=128, act_order=True)["post_scale"]
+    dot = default_tuning("int4", 16, 4096, 4096, group_size=32)  # a dot needs 16 packed rows: 32 rows dequantize
+    assert dot["block_m"] == 16 and dot["block_k"] >= 128 and not dot["post_scale"]
+    assert default_tuning("int8", 64, 4096, 14336, group_size=-1)["post_scale"]
+    assert "post_scale" not in default_tuning("fp8", 1, 4096, 4096)
+    with pytest.raises(ValueError, match="knobs"):
+        default_tuning("fp8", 1, 64, 64, block_q=4)
+
+
+def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
+    """"auto": the Pallas kernels up to the measured M threshold on the GPU only; per call by the static row count
+    (a compiled step never switches); FP8 at small M runs weight-only, at large M the float8 dot."""
+    from models.quantization import linear
+    from paged_jax.ops import quantized_matmul_tuning as table
+    from paged_jax.ops.quantized_matmul import select_matmul_impl
+
+    assert table.use_pallas("int4", 1, "gpu") and table.use_pallas("int8", 64, "gpu")
+    assert not table.use_pallas("int4", table.PALLAS_MAX_M["int4"] + 1, "gpu")
+    assert not table.use_pallas("fp8", table.PALLAS_MAX_M["fp8"] + 1, "gpu")
+    assert not table.use_pallas("int4", 1, "cpu") and select_matmul_impl("int4", 1) == "xla"  # tests run on CPU
+    calls = []
+    monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: "pallas" if m <= 2 else "xla"])
+    monkeypatch.setitem(linear._WEIGHT_ONLY_MATMULS, "pallas",
+                        lambda *a, **kw: calls.append("int") or linear.weight_only_matmul_reference(*a, **kw))
+    monkeypatch.setitem(linear._FP8_MATMULS, "pallas",
+                        lambda *a: calls.append("fp8") or linear.fp8_weight_only_matmul_reference(*a))
+    rng = np.random.default_rng(0)
+    qweight, scales, zeros, _ = _random_weight_only(rng, 64, 16, 4, 32, False, jnp.float32)
+    layer = linear.WeightOnlyLinear(qweight, scales, zeros, bits=4, group_size=32, dtype=jnp.float32)
+    weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32))
+    fp8 = linear.Fp8Linear(weight, weight_scale, activation_scheme="dynamic_token", dtype=jnp.float32)
+    for rows, expect in ((2, ["int", "fp8"]), (3, [])):
+        calls.clear()
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        layer(x)
+        got = fp8(x)
+        assert calls == expect
+        exact = linear.fp8_weight_only_matmul_reference(x, weight, weight_scale)
+        err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
+        assert (err < 1e-6) == (rows == 2)  # weight-only at small M; quantized activations above
+    with pytest.raises(ValueError, match="matmul_impl"):
+        linear.WeightOnlyLinear(qweight, scales, zeros, bits=4, group_size=32, dtype=jnp.float32, matmul_impl="x")
+
+
+def test_kernels_lower_to_triton_on_cpu():
+    """Each kernel path lowers to Triton IR for the GPU (Hopper) from a CPU-only jaxlib: an unsupported primitive in
+    a kernel fails here, not first on the GPU."""
+    import jax
+    from jax import export
+
+    spec = jax.ShapeDtypeStruct
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    k, n = 512, 256
+    for m, bits, group_size, act_order in ((1, 4, 128, False), (16, 4, 32, True), (16, 8, k, False)):
+        args = [spec((m, k), jnp.bfloat16), spec((k * bits // 32, n), jnp.int32), spec((k // group_size, n),
+                jnp.bfloat16), spec((k // group_size, n), jnp.bfloat16), spec((k,), jnp.int32) if act_order else None]
+        fn = jax.jit(lambda x, q, s, z, g, bits=bits, group_size=group_size: weight_only_matmul_pallas(
+            x, q, s, z, g, bits=bits, group_size=group_size))
+        module = export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        assert "xla.gpu.triton" in module
+    for m in (1, 16):
+        export.export(jax.jit(fp8_weight_only_matmul_pallas), platforms=["cuda"], disabled_checks=checks)(
+            spec((m, k), jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn), spec((n,), jnp.float32))
 
 
 def test_fp8_kv_pool_write_saturates():

@@ -17,9 +17,12 @@ compute dtype), swapped in for the decoder's projections by ``models.quantizatio
   e4m3 per token (dynamic), per tensor (dynamic or static), and multiplied by XLA's float8 dot
   (``preferred_element_type=float32``) then rescaled; or, without activation quantization, the weights are upcast.
 
-The Pallas weight-only kernel lives in ``paged_jax.ops.quantized_matmul``; it registers itself here
-(``register_weight_only_matmul("pallas", fn)``) so ``models`` never imports ``paged_jax``. The default
-``matmul_impl`` is ``"xla"`` (``weight_only_matmul_reference``: dequantize + dot, fused by XLA as it can).
+``matmul_impl`` of both modules: ``"xla"`` (int: ``weight_only_matmul_reference``, dequantize + dot fused by XLA
+as it can; fp8: the float8 dot above), ``"pallas"`` (the skinny-M Pallas kernels of ``paged_jax.ops.quantized_matmul``:
+weight-only, fp8 activations not quantized) or ``"auto"`` (default: chosen per call by the static row count M,
+``resolve_matmul_impl``). The kernels and the selector register themselves here (``register_weight_only_matmul``,
+``register_fp8_matmul``, ``register_matmul_selector``) when ``paged_jax.ops`` is imported, so ``models`` never
+imports ``paged_jax``; without a selector ``"auto"`` is ``"xla"``.
 """
 
 from __future__ import annotations
@@ -36,12 +39,40 @@ FP8_MAX = 448.0
 # Smallest dynamic activation scale (vLLM's): an all-zero row still divides by something finite.
 _MIN_ACTIVATION_SCALE = 1.0 / (FP8_MAX * 512.0)
 
+MATMUL_IMPLS = ("auto", "xla", "pallas")
+
 _WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
+_FP8_MATMULS: dict[str, Callable] = {}
+_MATMUL_SELECTOR: list[Callable[[str, int], str]] = []
 
 
 def register_weight_only_matmul(name: str, fn: Callable) -> None:
     """Make ``fn(x, qweight, scales, zeros, g_idx, *, bits, group_size) -> y`` selectable as ``matmul_impl``."""
     _WEIGHT_ONLY_MATMULS[name] = fn
+
+
+def register_fp8_matmul(name: str, fn: Callable) -> None:
+    """Make ``fn(x[M, K], weight float8_e4m3fn[K, N], weight_scale f32[N] | [1]) -> y[M, N]`` (weight-only: the
+    activations are not quantized) an ``Fp8Linear`` ``matmul_impl``."""
+    _FP8_MATMULS[name] = fn
+
+
+def register_matmul_selector(fn: Callable[[str, int], str]) -> None:
+    """``fn(format "int4" | "int8" | "fp8", rows M) -> "xla" | "pallas"`` decides ``matmul_impl="auto"``."""
+    _MATMUL_SELECTOR[:] = [fn]
+
+
+def resolve_matmul_impl(matmul_impl: str, fmt: str, m: int) -> str:
+    """The implementation a layer of ``matmul_impl`` runs for ``m`` rows (static shape: no recompile at run time);
+    "auto" asks the registered selector ("xla" without one)."""
+    if matmul_impl != "auto":
+        return matmul_impl
+    return _MATMUL_SELECTOR[0](fmt, m) if _MATMUL_SELECTOR else "xla"
+
+
+def _check_matmul_impl(matmul_impl: str) -> None:
+    if matmul_impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
 
 
 def unpack_int32(qweight: jax.Array, bits: int) -> jax.Array:
@@ -80,6 +111,13 @@ def weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, *, bits: int,
 register_weight_only_matmul("xla", weight_only_matmul_reference)
 
 
+def fp8_weight_only_matmul_reference(x, weight, weight_scale) -> jax.Array:
+    """``x[M, K] @ (weight float8_e4m3fn[K, N] * weight_scale f32[N] | [1])`` -> ``[M, N]`` in ``x.dtype`` (the
+    weights upcast to ``x.dtype``, fp32 accumulation): the oracle of the Pallas FP8 weight-only kernel."""
+    w = (weight.astype(jnp.float32) * weight_scale.astype(jnp.float32)).astype(x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _param(value):
     return None if value is None else nnx.Param(value)
 
@@ -87,12 +125,13 @@ def _param(value):
 class WeightOnlyLinear(nnx.Module):
     """int4 / int8 weight-only projection in the canonical layout (module docstring). Shapes: ``qweight
     int32[in*bits/32, out]``, ``scales, zeros dtype[G, out]``, ``g_idx int32[in] | None``, ``bias dtype[out] | None``.
-    ``matmul_impl``: a name given to ``register_weight_only_matmul`` ("xla" default, "pallas")."""
+    ``matmul_impl``: "auto" (default), "xla" or "pallas" (module docstring)."""
 
     def __init__(self, qweight, scales, zeros, g_idx=None, bias=None, *, bits: int, group_size: int, dtype,
-                 matmul_impl: str = "xla"):
+                 matmul_impl: str = "auto"):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
+        _check_matmul_impl(matmul_impl)
         self.qweight = nnx.Param(qweight)
         self.scales = nnx.Param(scales)
         self.zeros = nnx.Param(zeros)
@@ -108,7 +147,7 @@ class WeightOnlyLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        fn = _WEIGHT_ONLY_MATMULS[self.matmul_impl]
+        fn = _WEIGHT_ONLY_MATMULS[resolve_matmul_impl(self.matmul_impl, f"int{self.bits}", x2.shape[0])]
         g_idx = None if self.g_idx is None else self.g_idx[...]
         y = fn(x2, self.qweight[...], self.scales[...], self.zeros[...], g_idx, bits=self.bits,
                group_size=self.group_size)
@@ -177,11 +216,16 @@ def pack_int32(values: jax.Array, bits: int) -> jax.Array:
 
 class Fp8Linear(nnx.Module):
     """FP8 projection. ``weight float8_e4m3fn[in, out]``, ``weight_scale float32[out] | [1]``, ``input_scale
-    float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in ``QuantConfig``."""
+    float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in ``QuantConfig``.
+    ``matmul_impl`` "pallas" (or "auto" at small M on the GPU) runs the weight-only kernel: the activations are not
+    quantized (exact up to the bf16 product), whatever the scheme; larger M keep the float8 dot."""
 
-    def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype):
+    def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype,
+                 matmul_impl: str = "auto"):
         if activation_scheme not in (None, "static", "dynamic_token", "dynamic_tensor"):
             raise ValueError(f"unknown activation_scheme {activation_scheme!r}")
+        _check_matmul_impl(matmul_impl)
+        self.matmul_impl = matmul_impl
         if (activation_scheme == "static") != (input_scale is not None):
             raise ValueError("the static activation scheme needs input_scale (and only it)")
         self.weight = nnx.Param(weight)
@@ -196,7 +240,9 @@ class Fp8Linear(nnx.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         w_scale = self.weight_scale[...].astype(jnp.float32)
-        if self.activation_scheme is None:
+        if resolve_matmul_impl(self.matmul_impl, "fp8", x2.shape[0]) == "pallas":
+            y = _FP8_MATMULS["pallas"](x2.astype(self.dtype), self.weight[...], w_scale)
+        elif self.activation_scheme is None:
             w = (self.weight[...].astype(jnp.float32) * w_scale).astype(self.dtype)
             y = jnp.dot(x2.astype(self.dtype), w, preferred_element_type=jnp.float32)
         else:
@@ -226,7 +272,7 @@ class Fp8Linear(nnx.Module):
         bias = None if first.bias is None else jnp.concatenate([layer.bias[...] for layer in layers])
         return Fp8Linear(jnp.concatenate([layer.weight[...] for layer in layers], axis=1),
                          jnp.concatenate(scales), None, bias, activation_scheme=first.activation_scheme,
-                         dtype=first.dtype)
+                         dtype=first.dtype, matmul_impl=first.matmul_impl)
 
 
 def quantize_activations_fp8(x: jax.Array, scheme: str, input_scale=None) -> tuple[jax.Array, jax.Array]:

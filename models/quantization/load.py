@@ -63,7 +63,7 @@ def _empty_module(qc: QuantConfig, linear: nnx.Linear, dtype, matmul_impl: str) 
         scale_len = out_features if qc.weight_strategy == "channel" else 1
         return Fp8Linear(jnp.zeros((in_features, out_features), FP8_DTYPE), jnp.zeros((scale_len,), jnp.float32),
                          jnp.zeros((1,), jnp.float32) if qc.activation_scheme == "static" else None, _bias(linear),
-                         activation_scheme=qc.activation_scheme, dtype=dtype)
+                         activation_scheme=qc.activation_scheme, dtype=dtype, matmul_impl=matmul_impl)
     group_size = in_features if qc.group_size == -1 else qc.group_size
     groups = in_features // group_size
     return WeightOnlyLinear(
@@ -72,7 +72,7 @@ def _empty_module(qc: QuantConfig, linear: nnx.Linear, dtype, matmul_impl: str) 
         _bias(linear), bits=qc.bits, group_size=group_size, dtype=dtype, matmul_impl=matmul_impl)
 
 
-def quantize_structure(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str = "xla",
+def quantize_structure(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str = "auto",
                        kv_cache_scales: bool = False) -> LlamaForCausalLM:
     """In place: every quantized projection becomes a zero-filled quantized module (for ``nnx.eval_shape``); with
     ``kv_cache_scales``, every attention gets its ``kv_scale``."""
@@ -85,20 +85,21 @@ def quantize_structure(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl:
 
 def abstract_quantized_model(config: ModelConfig, qc: QuantConfig, dtype, *, kv_cache_scales: bool = False,
                              make_model: Callable[[], LlamaForCausalLM] | None = None,
-                             transform: Callable | None = None):
+                             transform: Callable | None = None, matmul_impl: str = "auto"):
     """The quantized model with shapes only; ``make_model`` builds the float model (default a
-    ``LlamaForCausalLM(config)``), ``transform`` is applied last (e.g. ``fuse_projections``)."""
+    ``LlamaForCausalLM(config)``), ``transform`` is applied last (e.g. ``fuse_projections``); ``matmul_impl`` of
+    its quantized modules ("xla" for a tensor-parallel model: the Pallas kernels run on one device's arrays)."""
     dtype = loader.resolve_dtype(dtype)
     make_model = make_model or (lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
 
     def build():
-        model = quantize_structure(make_model(), qc, kv_cache_scales=kv_cache_scales)
+        model = quantize_structure(make_model(), qc, kv_cache_scales=kv_cache_scales, matmul_impl=matmul_impl)
         return transform(model) if transform is not None else model
 
     return nnx.eval_shape(build)
 
 
-def quantize_model(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str = "xla") -> LlamaForCausalLM:
+def quantize_model(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str = "auto") -> LlamaForCausalLM:
     """In place: quantize every projection ``qc`` names from the model's float weights (online ``fp8`` / ``int8``,
     or random weights in a serialized method's scheme: round-to-nearest with its bits, groups and zero points)."""
     dtype = model.dtype
@@ -109,7 +110,7 @@ def quantize_model(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str
             weight, scale = quant(linear.kernel[...], strategy=qc.weight_strategy)
             input_scale = jnp.full((1,), 0.05, jnp.float32) if qc.activation_scheme == "static" else None
             return Fp8Linear(weight, scale, input_scale, _bias(linear), activation_scheme=qc.activation_scheme,
-                             dtype=dtype)
+                             dtype=dtype, matmul_impl=matmul_impl)
     else:
         quant = jax.jit(quantize_weight_only, static_argnames=("bits", "group_size", "zero_point", "dtype"))
 
@@ -126,7 +127,7 @@ def quantize_model(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str
 
 def load_quantized_model(path: str | os.PathLike | None, config: ModelConfig, qc: QuantConfig, *,
                          dtype: Any = "bfloat16", load_format: str = "auto", seed: int = 0,
-                         kv_cache_scales: bool = False, matmul_impl: str = "xla") -> LlamaForCausalLM:
+                         kv_cache_scales: bool = False, matmul_impl: str = "auto") -> LlamaForCausalLM:
     """A quantized ``LlamaForCausalLM`` on ``jax.devices()[0]`` (HF projection layout, not fused).
 
     Args:
@@ -236,7 +237,7 @@ def _load_serialized(path: Path, config: ModelConfig, qc: QuantConfig, dtype, ma
         if converted["kind"] == "fp8":
             return Fp8Linear(put(converted["weight"]), put(converted["weight_scale"]),
                              put(converted["input_scale"]), bias, activation_scheme=qc.activation_scheme,
-                             dtype=dtype)
+                             dtype=dtype, matmul_impl=matmul_impl)
         g_idx = converted["g_idx"]
         if _has_g_idx(qc) and g_idx is None:  # act-order checkpoint whose order is the plain one
             g_idx = np.arange(in_features, dtype=np.int32) // converted["group_size"]
@@ -277,7 +278,7 @@ def shard_quantized_model(model: LlamaForCausalLM, plan, qc: QuantConfig, *, kv_
                          f"kv) must divide the tensor-parallel size")
     dtype = model.dtype
     abstract = abstract_quantized_model(
-        plan.model_config, qc, dtype, kv_cache_scales=kv_cache_scales,
+        plan.model_config, qc, dtype, kv_cache_scales=kv_cache_scales, matmul_impl="xla",
         make_model=lambda: TensorParallelLlamaForCausalLM(plan, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     targets = dict(nnx.to_flat_state(plan.state_shardings(abstract_state)))

@@ -4,6 +4,7 @@ KV pool layout (per layer): ``(k_pages, v_pages)``, each ``[num_blocks, block_si
 Block 0 is the reserved null block: padding tokens write there and padded block-table entries point there.
 """
 
+from paged_jax.ops import quantized_matmul  # noqa: F401  (registers matmul_impl "pallas" / "auto" of the models)
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
