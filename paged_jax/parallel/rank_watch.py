@@ -160,9 +160,9 @@ class RankWatch:
         while True:
             time.sleep(self.timeout_s / 4)
             with self._lock:
-                if self._dead_reported:
-                    return
                 peers = [(rank, sock) for rank, sock in self._peers.items() if rank not in self._finished]
+                if self._dead_reported or self._closing or not peers:
+                    return
             for _, sock in peers:
                 _send_line(sock, "ping")  # a failed send shows up as the reader's error
 
