@@ -48,6 +48,8 @@ _FLAG_HELP = {
     "node_rank": "this host's rank; rank 0 schedules and serves, the others run the same steps",
     "master_addr": "address of node 0 (the jax.distributed coordinator)",
     "master_port": "port of the jax.distributed coordinator on node 0",
+    "distributed_timeout_seconds": "multi-host: seconds a node may be silent before the others declare it dead and "
+                                   "exit with status 1 (an exited node is noticed at once; default 10)",
     "enable_lora": "serve PEFT LoRA adapters (requests name one; serve: --lora-modules)",
     "max_loras": "most LoRA adapters in one batch (device slots)",
     "max_lora_rank": "largest LoRA rank an adapter may have",

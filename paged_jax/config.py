@@ -68,6 +68,9 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    # Multi-host: seconds a node may be silent before the others declare it dead, log it and exit with status 1
+    # (a node whose process ends is noticed at once; paged_jax.parallel.rank_watch). None: 10 s.
+    distributed_timeout_seconds: int | None = None
     compilation_cache_dir: str | None = None  # None: ~/.cache/paged_jax/jax_cache ("" disables)
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
@@ -111,6 +114,8 @@ class EngineArgs:
             check(getattr(self, name) >= 1, name, "must be >= 1")
         check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes={self.nnodes})")
         check(0 < self.master_port < 65536, "master_port", "must be a TCP port")
+        check(self.distributed_timeout_seconds is None or self.distributed_timeout_seconds >= 1,
+              "distributed_timeout_seconds", "must be >= 1")
         check(self.pipeline_parallel_size == 1 or self.preemption_mode == "recompute", "preemption_mode",
               "must be recompute with pipeline_parallel_size > 1 (swap copies would span the stages' devices)")
         check(self.data_parallel_size == 1 or self.nnodes == 1, "data_parallel_size",

@@ -264,11 +264,17 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         parser.error(f"cannot listen on {args.host or '0.0.0.0'}:{args.port} (--host/--port): {exc}")
+    from serving.async_engine import EngineDeadError
+
     try:
         app, _ = build_app_from_args(args)
     except ValueError as exc:
         sock.close()
         parser.error(str(exc))
+    except EngineDeadError as exc:  # e.g. a multi-host node died while the engine process was starting
+        sock.close()
+        logging.getLogger(__name__).error("the engine did not start: %s", exc)
+        return 1
     from serving.lifecycle import ServingServer
 
     scheme = "https" if args.ssl_certfile else "http"

@@ -410,9 +410,13 @@ class EngineProcessClient:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the child (after its current step) and reap it."""
         with self._lock:
-            if getattr(self, "_closed", False):
-                return
+            closed_elsewhere = getattr(self, "_closed", False)
             self._closed = True
+        if closed_elsewhere:
+            # Return once the child has exited, so that the server does not exit before its engine (a multi-host
+            # node 0 still shuts the other nodes down at its exit).
+            self._process.join(timeout)
+            return
         try:
             self._conn.send(("shutdown",))
         except (OSError, ValueError):

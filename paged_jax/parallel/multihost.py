@@ -14,10 +14,9 @@ device work:
 * ``follow(runner, channel)``: the loop of nodes 1..N-1: take the next message, make the same runner call; a
   ``"shutdown"`` message ends it.
 
-A dead process: JAX's coordination service notices the missing heartbeats (``heartbeat_timeout_seconds``, here
-``PAGED_JAX_HEARTBEAT_TIMEOUT``, default 30 s) and terminates every other process with "Terminating process because
-the JAX distributed service detected fatal errors" (a rank blocked in a collective would otherwise wait forever);
-a follower that loses the coordinator (node 0 gone) exits with an error naming it.
+A dead node: every node notices within seconds (``EngineArgs.distributed_timeout_seconds``,
+``--distributed-timeout-seconds``), logs an error naming it and exits with status 1 (``paged_jax.parallel.rank_watch``);
+followers run their engine in a child process for that (``run_follower``).
 """
 
 from __future__ import annotations
@@ -25,13 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ENV_HEARTBEAT_TIMEOUT = "PAGED_JAX_HEARTBEAT_TIMEOUT"
-_DEFAULT_HEARTBEAT_TIMEOUT = 30
 _KEY_PREFIX = "paged_jax/step/"
 # A follower cannot fall more than a step or two behind (every step is a collective it takes part in), so keys
 # this far back have been read by everyone and are deleted.
@@ -41,16 +39,20 @@ _KEEP_MESSAGES = 64
 def start_distributed(args) -> bool:
     """Join the multi-host JAX job ``args`` describe (``EngineArgs.nnodes`` > 1: coordinator
     ``master_addr:master_port``, ``num_processes=nnodes``, ``process_id=node_rank``), or one that
-    ``paged_jax.parallel.initialize_distributed`` finds in the environment. Idempotent; True in a multi-process job.
+    ``paged_jax.parallel.initialize_distributed`` finds in the environment, and start watching the other nodes
+    (``rank_watch``: a dead one makes this process exit with status 1). Idempotent; True in a multi-process job.
 
     Raises:
       ValueError: the job's process count disagrees with ``nnodes``.
     """
     import jax
+    from jax._src.distributed import global_state  # jax.distributed's client (no public accessor)
 
+    from paged_jax.parallel import rank_watch
     from paged_jax.parallel.mesh import initialize_distributed
 
-    heartbeat = int(os.environ.get(ENV_HEARTBEAT_TIMEOUT, _DEFAULT_HEARTBEAT_TIMEOUT))
+    timeout = args.distributed_timeout_seconds or rank_watch.DEFAULT_TIMEOUT_S
+    heartbeat = rank_watch.JAX_HEARTBEAT_FACTOR * timeout
     if args.nnodes > 1:
         initialize_distributed(f"{args.master_addr}:{args.master_port}", args.nnodes, args.node_rank,
                                heartbeat_timeout_seconds=heartbeat)
@@ -58,7 +60,11 @@ def start_distributed(args) -> bool:
         initialize_distributed(heartbeat_timeout_seconds=heartbeat)
     if args.nnodes > 1 and jax.process_count() != args.nnodes:
         raise ValueError(f"nnodes={args.nnodes} but the JAX job has {jax.process_count()} processes")
-    return jax.process_count() > 1
+    if jax.process_count() == 1:
+        return False
+    rank_watch.start_watch(global_state.client, jax.process_index(), jax.process_count(),
+                           global_state.coordinator_address, timeout)
+    return True
 
 
 def local_copies(arrays: Sequence) -> tuple:
@@ -77,22 +83,54 @@ def leader_channel() -> "StepChannel | None":
     if jax.process_count() == 1 or jax.process_index() != 0:
         return None
     channel = StepChannel()
-    atexit.register(channel.publish, "shutdown")  # runs before jax.distributed's own shutdown (registered earlier)
+    atexit.register(_shut_down_followers, channel)  # runs before jax.distributed's own shutdown (registered earlier)
     return channel
 
 
-def run_follower(engine_args) -> int:
-    """Nodes 1..N-1 (``paged-jax serve/generate --node-rank R``, R > 0): build the same engine as node 0 (its share
-    of the weights and KV pool, the same compiled steps), then replay node 0's steps until it shuts down. Returns
-    the exit status: 0 after node 0's shutdown, 1 when node 0 was lost."""
-    from paged_jax.engine import LLMEngine
+def _shut_down_followers(channel: "StepChannel") -> None:
+    from paged_jax.parallel.rank_watch import close_watch
 
-    engine = LLMEngine(engine_args)
+    close_watch()  # first, so that the followers' exits are not reported as deaths
+    channel.publish("shutdown")
+
+
+def run_follower(engine_args) -> int:
+    """Nodes 1..N-1 (``paged-jax serve/generate --node-rank R``, R > 0): in a child process (``rank_watch.
+    run_supervised``), build the same engine as node 0 (its share of the weights and KV pool, the same compiled
+    steps), then replay node 0's steps until it shuts down. Returns the exit status: 0 after node 0's shutdown (or
+    SIGTERM), 1 when a node is gone (logged, naming it)."""
+    from paged_jax.parallel.rank_watch import run_supervised
+
+    if engine_args.nnodes > 1:
+        coordinator = f"{engine_args.master_addr}:{engine_args.master_port}"
+    else:
+        coordinator = os.environ.get("PAGED_JAX_COORDINATOR") or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    return run_supervised(_follow_here, (engine_args, logging.getLogger().getEffectiveLevel()), coordinator,
+                          engine_args.node_rank)
+
+
+# The follower's engine process logs to the inherited stderr, each line naming its node (as the engine process of
+# ``paged-jax serve`` names itself EngineCore).
+_FOLLOWER_LOG_FORMAT = "%(asctime)s %(levelname)s (node {rank} pid=%(process)d) %(name)s: %(message)s"
+
+
+def _follow_here(engine_args, log_level: int) -> int:
+    """``run_follower``'s child: the engine and ``follow``; its exit status."""
+    from paged_jax.engine import LLMEngine
+    from paged_jax.parallel.rank_watch import close_watch
+
+    logging.basicConfig(level=log_level, format=_FOLLOWER_LOG_FORMAT.format(rank=engine_args.node_rank),
+                        stream=sys.stderr, force=True)
     try:
+        engine = LLMEngine(engine_args)
         follow(engine.runner, StepChannel())
+    except ValueError as exc:
+        logger.error("node %d cannot start: %s", engine_args.node_rank, exc)
+        return 2
     except RuntimeError as exc:
         logger.error("node %d stops: %s", engine_args.node_rank, exc)
         return 1
+    close_watch()
     return 0
 
 
@@ -108,7 +146,7 @@ class StepChannel:
 
     Messages are pickled tuples ``(kind, payload)`` under ``paged_jax/step/<n>`` in the coordinator's key-value
     store. A follower waits for the next one in slices of ``poll_s`` for as long as the job is alive (node 0 may be
-    idle for hours); a dead node ends the job through JAX's heartbeat, a lost coordinator raises RuntimeError.
+    idle for hours); a dead node ends the job through ``rank_watch``, a lost coordinator raises RuntimeError.
     """
 
     def __init__(self, *, poll_s: float = 5.0):
@@ -136,9 +174,9 @@ class StepChannel:
                 break
             except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
                 if "DEADLINE_EXCEEDED" in str(exc):
-                    continue  # node 0 is idle; a dead node is the heartbeat's business
-                raise RuntimeError(f"lost the coordinator (node 0) while waiting for step message {self._next}: "
-                                   f"{exc}") from exc
+                    continue  # node 0 is idle; a dead node is rank_watch's business
+                raise RuntimeError(f"node 0 is gone: lost the coordinator while waiting for step message "
+                                   f"{self._next}: {exc}") from exc
         self._next += 1
         return pickle.loads(data)
 
