@@ -57,7 +57,8 @@ def compile_threads() -> int:
 
 
 def num_warm_up_executables(runner) -> int:
-    """Executables ``warm_up`` compiles (the progress bar's total; the LoRA slot write not counted)."""
+    """Steps of ``warm_up``'s progress bar: the executables it compiles, a swap size's gather and scatter as one,
+    the LoRA slot write not counted."""
     return (len(runner.buckets) + len(runner.sampler_seq_buckets) * (len(runner.sampler_variants) + 1)
             + len({t for t, _ in runner.buckets}) + len(_swap_sizes(runner)))
 
