@@ -23,7 +23,8 @@ Every start also reports per phase: ``model_load_s``, ``warm_up_compile_s`` (the
 ``kv_pool_s``, ``warm_up_run_s`` (one run of each executable; the compiles themselves with 1 thread),
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
 start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
-``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed).
+``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed)
+and ``num_gpu_blocks`` (the KV pool's block count, a compiled shape).
 
 Examples (one command each; prints one JSON line):
   python -m benchmarks.startup --model ~/.cache/paged_jax/SmolLM2-135M-Instruct --repeats 2
@@ -230,6 +231,7 @@ def _child(engine_kwargs: dict) -> dict:
             "warm_up_run_s": warm_up.get("run_s"), "first_token_s": first_token - ready,
             "process_s": ready - _T_PROCESS_START, "process_to_first_token_s": first_token - _T_PROCESS_START,
             "compile_threads": warm_up.get("threads"), "num_compiles": runner.num_compiles(),
+            "num_gpu_blocks": runner.num_blocks,  # a compiled shape: must be the same on every start
             "num_compiles_since_warmup": runner.num_compiles_since_warmup,
             "compile_cache_requests": compile_cache.requests, "compile_cache_hits": compile_cache.hits,
             "compile_cache_misses": compile_cache.requests - compile_cache.hits,
