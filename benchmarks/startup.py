@@ -15,9 +15,22 @@ cache is left as it is: the checkpoint (and the cache entry) are usually in memo
 With ``--shape`` (a models/presets.py name) there are no real weights: a safetensors checkpoint of random weights in
 that shape is written first (numpy writer, ``--checkpoint-dtype``, shards of at most 5 GB; reused if already there).
 
+Two more modes time JAX's persistent compilation cache (the weights cache warm in both):
+  compile_cold: an empty compilation cache of its own (every executable compiles, ``PAGED_JAX_COMPILE_THREADS``
+                at a time);
+  compile_warm: the shared compilation cache, filled by the starts before (every executable a cache load).
+Every start also reports per phase: ``model_load_s``, ``warm_up_compile_s`` (the concurrent compiles),
+``kv_pool_s``, ``warm_up_run_s`` (one run of each executable; the compiles themselves with 1 thread),
+``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
+start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
+``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed)
+and ``num_gpu_blocks`` (the KV pool's block count, a compiled shape).
+
 Examples (one command each; prints one JSON line):
   python -m benchmarks.startup --model ~/.cache/paged_jax/SmolLM2-135M-Instruct --repeats 2
   python -m benchmarks.startup --shape llama-3.1-8b --workdir /tmp/startup   # GPU: writes ~16 GB, then times
+  python -m benchmarks.startup --shape qwen3-0.6b --modes compile_cold,compile_warm --repeats 3 \
+      --max-num-batched-tokens 2048 --max-model-len 4096
 Figures: benchmarks/RESULTS.md.
 """
 
@@ -40,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("no_cache", "cold", "warm")
+MODES = ("no_cache", "cold", "warm", "compile_cold", "compile_warm")
 _MAX_SHARD_BYTES = 5 * 1024 ** 3
 _POOL_ELEMENTS = 1 << 22  # distinct random values, cycled through to fill every tensor
 
@@ -165,20 +178,64 @@ class _CacheEvents(logging.Handler):
             self.timings["convert_s"], self.timings["save_s"] = record.args[0], record.args[2]
 
 
+class _CompileCacheEvents(logging.Handler):
+    """Counts JAX's persistent compilation cache requests and hits (jax.monitoring events) and collects the names
+    of the executables that missed it (jax._src.compiler's DEBUG line written on a miss)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.requests = self.hits = 0
+        self.missed: list[str] = []
+
+    def on_event(self, name: str, **_) -> None:
+        if name == "/jax/compilation_cache/compile_requests_use_cache":
+            self.requests += 1
+        elif name == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("PERSISTENT COMPILATION CACHE MISS"):
+            self.missed.append(str(record.args[0]) if record.args else record.getMessage())
+
+
 def _child(engine_kwargs: dict) -> dict:
+    from jax import monitoring
+
     from paged_jax.config import EngineArgs
     from paged_jax.engine import LLMEngine
+    from paged_jax.sampling_params import SamplingParams
 
     logging.basicConfig(format="%(name)s: %(message)s")  # shows the cache's INFO lines below on stderr
     events = _CacheEvents()
     cache_logger = logging.getLogger("models.weight_cache")
     cache_logger.addHandler(events)
     cache_logger.setLevel(logging.INFO)
+    compile_cache = _CompileCacheEvents()
+    monitoring.register_event_listener(compile_cache.on_event)
+    compiler_logger = logging.getLogger("jax._src.compiler")
+    compiler_logger.addHandler(compile_cache)
+    compiler_logger.setLevel(logging.DEBUG)
+    compiler_logger.propagate = False
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(**engine_kwargs), use_tqdm=False)
     ready = time.perf_counter()
+    # The first token: one greedy request of a few prompt tokens, to its first output.
+    engine.add_request("first-token", [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=1))
+    while not engine.step():
+        pass
+    first_token = time.perf_counter()
+    runner = engine.runner
+    warm_up = runner.warm_up_timings
     return {"model_load_s": engine.model_load_seconds, "engine_init_s": ready - start,
-            "process_s": ready - _T_PROCESS_START, **events.timings}
+            "warm_up_compile_s": warm_up.get("compile_s"), "kv_pool_s": warm_up.get("kv_pool_s"),
+            "warm_up_run_s": warm_up.get("run_s"), "first_token_s": first_token - ready,
+            "process_s": ready - _T_PROCESS_START, "process_to_first_token_s": first_token - _T_PROCESS_START,
+            "compile_threads": warm_up.get("threads"), "num_compiles": runner.num_compiles(),
+            "num_gpu_blocks": runner.num_blocks,  # a compiled shape: must be the same on every start
+            "num_compiles_since_warmup": runner.num_compiles_since_warmup,
+            "compile_cache_requests": compile_cache.requests, "compile_cache_hits": compile_cache.hits,
+            "compile_cache_misses": compile_cache.requests - compile_cache.hits,
+            "compile_cache_missed": compile_cache.missed, **events.timings}
 
 
 def _run_child(engine_kwargs: dict, env: dict) -> dict:
@@ -209,6 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile-warmup", action="store_true",
                    help="skip the dummy-weights start that fills the compilation cache")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--tokenizer", help="tokenizer directory or repo id (default: the checkpoint's)")
+    p.add_argument("--compile-threads", type=int,
+                   help="PAGED_JAX_COMPILE_THREADS for every start (default: the engine's, from the CPU count)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
@@ -244,23 +304,33 @@ def main(argv: list[str] | None = None) -> dict:
     cache_root = workdir / "cache"
     shutil.rmtree(cache_root, ignore_errors=True)
     env = {**os.environ, "PAGED_JAX_CACHE": str(cache_root)}
+    if args.compile_threads is not None:
+        env["PAGED_JAX_COMPILE_THREADS"] = str(args.compile_threads)
+    compile_cache = cache_root / "jax_cache"  # shared by every start but compile_cold's
     engine_kwargs = {"model": str(checkpoint), "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
                      "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                     "max_num_batched_tokens": args.max_num_batched_tokens}
-    if not args.no_compile_warmup:
-        result["compile_warmup"] = _run_child({**engine_kwargs, "load_format": "dummy"}, env)
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "tokenizer": args.tokenizer,
+                     "compilation_cache_dir": str(compile_cache)}
+    if not args.no_compile_warmup and set(modes) - {"compile_cold"}:
+        # Dummy weights unless only the compilation cache is timed: then this start fills the weights cache too.
+        result["compile_warmup"] = _run_child({**engine_kwargs, "load_format": "dummy"} if set(modes) & {
+            "no_cache", "cold", "warm"} else {**engine_kwargs, "weight_cache": True}, env)
 
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     weights_dir = cache_root / "weights"
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for mode in modes:
+            kwargs = {**engine_kwargs, "weight_cache": mode != "no_cache"}
             if mode == "cold":
                 shutil.rmtree(weights_dir, ignore_errors=True)
-            if mode == "warm" and not (weights_dir.is_dir() and any(weights_dir.iterdir())):
-                _run_child({**engine_kwargs, "weight_cache": True}, env)  # warm needs an entry: make one, untimed
-            runs[mode].append(_run_child({**engine_kwargs, "weight_cache": mode != "no_cache"}, env))
+            if mode == "compile_cold":  # an empty compilation cache of its own: every executable compiles
+                kwargs["compilation_cache_dir"] = str(cache_root / f"jax_cache_cold_{repeat}")
+                shutil.rmtree(kwargs["compilation_cache_dir"], ignore_errors=True)
+            if mode != "cold" and kwargs["weight_cache"] and not (weights_dir.is_dir() and any(weights_dir.iterdir())):
+                _run_child(kwargs, env)  # a warm weights cache needs an entry: make one, untimed
+            runs[mode].append(_run_child(kwargs, env))
     for mode, mode_runs in runs.items():
-        keys = sorted({k for run in mode_runs for k in run})
+        keys = sorted({k for run in mode_runs for k, v in run.items() if isinstance(v, (int, float))})
         result[mode] = {**{k: round(statistics.median(run[k] for run in mode_runs), 3) for k in keys},
                         "runs": mode_runs}
     if weights_dir.is_dir():

@@ -71,12 +71,12 @@ def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap
                          num_blocks: int = 1 << 20) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
     (forward buckets + sampler seq buckets x (variants + the grammar bitmask) + prompt logprobs per token bucket +
-    swap-copy sizes when ``swap``)."""
+    a gather and a scatter per swap-copy size when ``swap``)."""
     buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
     max_seq_bucket = max(s for _, s in buckets)
     num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
     num_token_buckets = len({t for t, _ in buckets})
-    num_swap = len(swap_sizes_for(num_blocks)) if swap else 0
+    num_swap = 2 * len(swap_sizes_for(num_blocks)) if swap else 0
     return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap
 
 

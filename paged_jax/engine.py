@@ -32,7 +32,7 @@ from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_lora_slots
 from paged_jax.model_loader import load_engine_model
 from paged_jax.kv_pool_sizing import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
-                                     num_host_blocks_for)
+                                     device_bytes, num_host_blocks_for)
 from paged_jax.parallel.multihost import leader_channel, start_distributed
 from paged_jax.pipeline import runner_class
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
@@ -124,7 +124,7 @@ class LLMEngine(LoRAEngineMixin):
             memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-            device=device)
+            device=device, weight_bytes=device_bytes(model, device))
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)

@@ -48,7 +48,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
 def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
                          max_num_batched_tokens: int, gpu_memory_utilization: float,
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
-                         cpu_pool_cap_bytes: int = 1 << 30) -> int:
+                         cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None) -> int:
     """Number of device KV blocks (including the null block 0).
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
@@ -56,6 +56,12 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     the largest step's activations and logits, divided by the per-block size; ``total`` and the allocator cap come
     from ``memory_stats()`` (``paged_jax.device_memory.usable_device_bytes``). CPU (no memory stats): enough for
     ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``. ``num_blocks_override`` wins.
+
+    ``weight_bytes`` (the loaded weights' bytes on ``device``, ``device_bytes(model, device)``) replaces the
+    allocator's ``bytes_in_use``, which also counts buffers left over from loading (a converted load leaves others
+    than a weights-cache restore) and so varies from start to start: the block count is a compiled shape (the KV
+    pool is a step argument), and a start with another count misses the persistent compilation cache for every
+    step executable.
 
     Raises:
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
@@ -91,7 +97,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     logits = 8 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
     headroom = activations + logits + (512 << 20)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
-    budget = usable - stats["bytes_in_use"] - headroom
+    budget = usable - (stats["bytes_in_use"] if weight_bytes is None else weight_bytes) - headroom
     num_blocks = int(budget // per_block)
     if num_blocks - 1 < blocks_per_seq:
         capacity = max(num_blocks - 1, 0) * block_size
@@ -103,6 +109,17 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
             f"max_model_len (--max-model-len {capacity} or less), raise --gpu-memory-utilization, or set "
             f"--num-gpu-blocks-override")
     return num_blocks
+
+
+def device_bytes(tree, device: jax.Device) -> int:
+    """Bytes the arrays of ``tree`` (an NNX module or any pytree; other leaves ignored) hold on ``device`` (of a
+    sharded array, its shards there)."""
+    from flax import nnx
+
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)
+               for shard in leaf.addressable_shards if shard.device == device)
 
 
 def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:

@@ -40,6 +40,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
+from paged_jax import warm_up as warm_up_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
 from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
 from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
@@ -140,12 +141,10 @@ class ModelRunner:
         self._state_treedef = state_treedef
 
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_pool: list[tuple[jax.Array, jax.Array]] = (
-            self.sharding_plan.make_kv_caches(num_blocks, block_size, self.kv_dtype) if self.sharding_plan else [
-                (jnp.zeros(shape, self.kv_dtype, device=self.device),
-                 jnp.zeros(shape, self.kv_dtype, device=self.device))
-                for _ in range(model_config.num_hidden_layers)
-            ])
+        self._kv_block_shape = shape
+        # Allocated on first use (the ``kv_pool`` property): warm-up compiles before it exists, so the compilers'
+        # scratch memory (GPU autotuning, several compiles at once) never competes with it.
+        self._kv_pool: list[tuple[jax.Array, jax.Array]] | None = None
         self.num_host_blocks = num_host_blocks
         # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
         self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
@@ -167,6 +166,7 @@ class ModelRunner:
         self.step_channel = None
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
+        self.warm_up_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ jitted functions
     def _build_jitted(self) -> None:
@@ -248,6 +248,37 @@ class ModelRunner:
         self._gather_blocks = jax.jit(gather_blocks)
         self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
 
+    @property
+    def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:
+        """The device KV pool, one ``(k_pages, v_pages)`` ``[num_blocks, block_size, Hkv, D]`` per layer (zeros
+        when first used)."""
+        if self._kv_pool is None:
+            self._kv_pool = (
+                self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype)
+                if self.sharding_plan else [(jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device),
+                                             jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device))
+                                            for _ in range(self.model_config.num_hidden_layers)])
+        return self._kv_pool
+
+    @kv_pool.setter
+    def kv_pool(self, value: list[tuple[jax.Array, jax.Array]]) -> None:
+        self._kv_pool = value
+
+    def abstract_kv_pool(self) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+        """The pool's shapes, dtypes and shardings, without allocating it on a single device (a sharded pool's
+        sharding is the one its creation returns, so that one is allocated)."""
+        if self.sharding_plan is not None or self._kv_pool is not None:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
+        page = jax.ShapeDtypeStruct(self._kv_block_shape, self.kv_dtype, sharding=self.input_sharding())
+        return [(page, page) for _ in range(self.model_config.num_hidden_layers)]
+
+    def input_sharding(self) -> jax.sharding.Sharding:
+        """Where ``jax.device_put(host_array, self.device)`` puts a step input (the runner's device or the plan's
+        replicated sharding)."""
+        if isinstance(self.device, jax.sharding.Sharding):
+            return self.device
+        return jax.sharding.SingleDeviceSharding(self.device)
+
     def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         """The buffer layout of a bucket (cached: one per bucket, its field offsets computed once)."""
         layout = self._layouts.get((num_tokens, num_seqs))
@@ -271,60 +302,12 @@ class ModelRunner:
         return self.num_compiles() - self._compiles_at_warmup
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, use_tqdm: bool = True) -> None:
-        """Compile (by running on padding-only inputs) every forward bucket, every (seq bucket, sampler variant), the
-        prompt logprobs of every token bucket and every swap-copy size, once. Padding tokens only ever write into the
-        null block, so the pool stays clean."""
-        from tqdm.auto import tqdm
-
-        swap_sizes = self._swap_sizes() if self.num_host_blocks else []
-        token_buckets = sorted({t for t, _ in self.buckets})
-        total = (len(self.buckets) + len(self.sampler_seq_buckets) * (len(self.sampler_variants) + 1)
-                 + len(token_buckets) + len(swap_sizes))
-        bar = tqdm(total=total, desc="Compiling step buckets", disable=not use_tqdm, leave=False)
-        logits_by_rows, hidden_by_tokens = {}, {}
-        for num_tokens, num_seqs in self.buckets:
-            layout = self._layout(num_tokens, num_seqs)
-            buf = np.zeros((layout.size,), np.int32)
-            a, b = layout.fields["prev_rows"]
-            buf[a:b] = -1
-            tensors, _ = sampler_lib.build_sampling_tensors([], layout.num_sample_rows,
-                                                            eos_token_ids=self.eos_token_ids)
-            a, b = layout.fields["sampling"]
-            sampler_lib.pack_sampling_tensors(tensors, buf[a:b])
-            self.kv_pool, logits, sampling_words, hidden = self._forward(
-                self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
-                self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
-            logits_by_rows[layout.num_sample_rows] = (logits, sampling_words)
-            hidden_by_tokens[num_tokens] = hidden
-            bar.update(1)
-        outs = None
-        for num_rows in self.sampler_seq_buckets:
-            logits, sampling_words = logits_by_rows[num_rows]
-            grammar_bitmask = np.full((num_rows, sampler_lib.allowed_mask_words(self.vocab_size)), -1, np.int32)
-            outs = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
-            bar.update(1)
-            history = jax.device_put(np.full((num_rows, self.max_model_len), -1, np.int32), self.device)
-            bias_table = jax.device_put(np.full((num_rows, sampler_lib.bias_table_width(self.vocab_size)), -1,
-                                                np.int32), self.device)
-            for variant in self.sampler_variants:
-                outs = self._sample(logits, sampling_words,
-                                    history if variant.penalties else self._no_history[num_rows],
-                                    bias_table if variant.bias_table else self._no_history[num_rows],
-                                    mode=variant.mode, num_logprobs=variant.num_logprobs)
-                bar.update(1)
-        for num_tokens in token_buckets:
-            targets = jax.device_put(np.zeros((num_tokens,), np.int32), self.device)
-            outs = (outs, self._prompt_logprobs(self._param_leaves, hidden_by_tokens[num_tokens], targets))
-            bar.update(1)
-        for size in swap_sizes:
-            ids = jax.device_put(np.zeros((size,), np.int32), self.device)
-            self.kv_pool = self._scatter_blocks(self.kv_pool, ids, self._gather_blocks(self.kv_pool, ids))
-            bar.update(1)
-        if self.lora_slots is not None:
-            self.lora_slots.write(0, None)  # compiles the slot write (slot 0, no adapter, stays zeros)
-        jax.block_until_ready((self.kv_pool, outs))
-        bar.close()
+    def warm_up(self, use_tqdm: bool = True, threads: int | None = None) -> None:
+        """Compile every executable once (``paged_jax.warm_up``: concurrently on ``threads`` threads, default
+        ``$PAGED_JAX_COMPILE_THREADS`` or the CPU count, then one padding-only run of each); afterwards nothing
+        compiles again (``num_compiles_since_warmup``). ``warm_up_timings``: seconds per phase and the thread count
+        (``paged_jax.warm_up.warm_up``)."""
+        self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
         self._compiles_at_warmup = self.num_compiles()
 
     def _swap_sizes(self) -> list[int]:

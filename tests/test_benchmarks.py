@@ -99,3 +99,24 @@ def test_floors_charge_only_the_work_a_step_must_do():
     assert floor["attention_flops"] == per_key * (55 + 11 + 12)  # prompt 1..10 keys, fed-back tokens 11 and 12
     kv_per_token = 2 * llama.num_hidden_layers * llama.num_key_value_heads * llama.head_dim * 2
     assert floor["kv_read_bytes"] == kv_per_token * (10 + 11)  # two fed-back tokens read 10 and 11 cached tokens
+
+
+@pytest.mark.slow  # two engine processes, the first compiling every executable: over the CI budget on 2 cores
+def test_second_start_loads_every_executable_from_the_compilation_cache(tmp_path):
+    """benchmarks/startup.py's compile_warm mode: a first engine start (its own process) fills the persistent
+    compilation cache, a second start in a fresh process with the same cache dir misses it for nothing (the step
+    executables' cache keys are the same on every start), compiles nothing after warm-up and reports each phase."""
+    from benchmarks.startup import main
+    from models.testing import save_random_hf_checkpoint, tiny_config
+
+    checkpoint = save_random_hf_checkpoint(tiny_config("qwen3", vocab_size=256), tmp_path / "ckpt")
+    result = main(["--model", str(checkpoint), "--workdir", str(tmp_path / "work"), "--modes", "compile_warm",
+                   "--repeats", "1", "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--max-model-len", "32",
+                   "--dtype", "float32", "--compile-threads", "2"])
+    first, second = result["compile_warmup"], result["compile_warm"]["runs"][0]
+    assert first["compile_cache_misses"] > 0 and first["compile_threads"] == 2
+    assert second["compile_cache_misses"] == 0, second["compile_cache_missed"]
+    assert second["compile_cache_hits"] >= second["num_compiles"] > 0
+    assert second["num_compiles_since_warmup"] == 0
+    for phase in ("model_load_s", "warm_up_compile_s", "kv_pool_s", "warm_up_run_s", "first_token_s"):
+        assert second[phase] >= 0

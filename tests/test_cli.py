@@ -300,7 +300,7 @@ GIB = 1 << 30
 TOTAL = 80 * GIB
 
 
-def _num_blocks(device, utilization, max_model_len=4096, override=None):
+def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_bytes=None):
     from models.config import ModelConfig
     from models.testing import tiny_config
     from paged_jax.kv_pool_sizing import determine_num_blocks, kv_bytes_per_block
@@ -310,8 +310,26 @@ def _num_blocks(device, utilization, max_model_len=4096, override=None):
                                                     max_position_embeddings=131072))
     blocks = determine_num_blocks(config, block_size=16, dtype="bfloat16", max_model_len=max_model_len,
                                   max_num_seqs=8, max_num_batched_tokens=64, gpu_memory_utilization=utilization,
-                                  num_blocks_override=override, device=device)
+                                  num_blocks_override=override, device=device, weight_bytes=weight_bytes)
     return blocks, kv_bytes_per_block(config, 16, "bfloat16")
+
+
+def test_pool_size_counts_the_weights_not_loading_leftovers():
+    """With the weights' own bytes the block count (a compiled shape) is the same on every start, whatever buffers
+    loading left in the allocator; device_bytes counts a pytree's arrays on one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.kv_pool_sizing import device_bytes
+
+    weights = 16 * GIB
+    counts = {_num_blocks(FakeGpu(int(0.9 * TOTAL), weights + leftover), 0.9, weight_bytes=weights)[0]
+              for leftover in (0, 300 << 20, 2 * GIB)}
+    assert len(counts) == 1 and counts == {_num_blocks(FakeGpu(int(0.9 * TOTAL), weights), 0.9)[0]}
+    device = jax.devices()[0]
+    tree = {"a": jnp.zeros((4, 8), jnp.bfloat16, device=device), "b": [jnp.ones(3, jnp.float32, device=device)],
+            "c": None}
+    assert device_bytes(tree, device) == 4 * 8 * 2 + 3 * 4
 
 
 @pytest.fixture

@@ -41,11 +41,11 @@ def dense_greedy(model, prompt, num_new):
 
 
 def make_runner(model, config, num_blocks=40, num_host_blocks=0, max_num_seqs=4, max_num_batched_tokens=32,
-                dispatch_thread=False):
+                dispatch_thread=False, threads=1):
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          num_host_blocks=num_host_blocks, eos_token_ids=[2], dispatch_thread=dispatch_thread)
-    runner.warm_up(use_tqdm=False)
+    runner.warm_up(use_tqdm=False, threads=threads)
     return runner
 
 
@@ -301,6 +301,48 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 for i in range(9)]
         out = runner.execute(seqs).result()
         assert out.sampled_token_ids[0::2].tolist() == [40, 42, 44, 46, 48]
+    assert runner.num_compiles_since_warmup == 0
+
+
+def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatch):
+    """Warm-up on 2 threads: each executable is compiled (or loaded from the persistent cache) exactly once, the run
+    phase reusing the ahead-of-time compiles; afterwards steps of every bucket (swaps included) compile nothing and
+    sample what the sequentially warmed runner samples."""
+    from jax import monitoring
+
+    from paged_jax.buckets import planned_num_compiles
+    from paged_jax.warm_up import COMPILE_THREADS_ENV, compile_threads
+
+    model, config = tiny_model
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "0")
+    with pytest.raises(ValueError, match=COMPILE_THREADS_ENV):
+        compile_threads()
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "2")
+    assert compile_threads() == 2
+    requests = []
+    monitoring.register_event_listener(
+        lambda name, **_: requests.append(name) if name == "/jax/compilation_cache/compile_requests_use_cache" else 0)
+    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, num_host_blocks=4, eos_token_ids=[2])
+    requests.clear()
+    runner.warm_up(use_tqdm=False)  # threads from the environment
+    num_executables = planned_num_compiles(32, 4, swap=True, num_blocks=20)
+    assert runner.warm_up_timings["threads"] == 2 and runner.num_compiles() == num_executables
+    # One XLA compile (or cache load) per executable; two more are the pool's zeros (one per distinct shape/dtype).
+    assert len(requests) <= num_executables + 2
+    sequential = make_runner(model, config, num_blocks=20, num_host_blocks=4, threads=1)
+    rng = np.random.default_rng(4)
+    params = SamplingParams(temperature=0.8, seed=5, logprobs=1)
+    for num_tokens, num_seqs in runner.buckets:  # one step filling each bucket
+        lens = [1] * num_seqs
+        lens[-1] += num_tokens - num_seqs
+        seqs = [SeqInput(key=f"b{num_tokens}.{i}", token_ids=rng.integers(3, config.vocab_size, size=n).tolist(),
+                         num_computed_tokens=0, block_ids=[1 + 4 * i + j for j in range(4)], sample=True,
+                         sampling=(params, i, 0, [], [])) for i, n in enumerate(lens)]
+        got, want = runner.execute(seqs).result(), sequential.execute(seqs).result()
+        np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+    runner.swap([(1, 0), (2, 1)], [(0, 3)])
     assert runner.num_compiles_since_warmup == 0
 
 

@@ -1,0 +1,255 @@
+"""Start-up compilation of the model runner's executables (``ModelRunner.warm_up``): every forward bucket, every
+(sampler row count, sampler variant) and grammar bitmask, the prompt logprobs of every token bucket and every
+swap-copy size, compiled once, none of them afterwards.
+
+Two phases:
+
+1. Compile (``PAGED_JAX_COMPILE_THREADS`` > 1): each executable is traced, lowered and compiled ahead of time
+   (``jitted.lower(...).compile()``) on a thread pool, from abstract inputs (``jax.ShapeDtypeStruct`` with the very
+   shardings the real inputs have). XLA compiles release the GIL, so they overlap; tracing and lowering (Python) take
+   turns on it. This runs before the KV pool is allocated (the runner allocates it on first use), so XLA's
+   autotuning scratch memory in N concurrent GPU compiles does not compete with the pool. An input that is an output
+   of another executable (the sampler's logits, the prompt logprobs' hidden states, the swap-in data) takes its
+   shape and sharding from that executable once it is compiled.
+2. Run: every executable is called once on padding-only inputs, in order (the sequential warm-up of old, and all of
+   it with 1 thread). This fills jit's dispatch cache, which ``ModelRunner.num_compiles`` counts. In jax a call whose
+   trace, shardings and donation equal those of an earlier ``lower(...).compile()`` reuses that compile in memory
+   (``_pjit_lower`` and the computation's executable are cached), so phase 2 compiles nothing after phase 1.
+   Padding tokens only ever write into the null block, so the pool stays clean.
+
+The pipeline-parallel runner's forward runs stage by stage (no single jitted function to lower): it warms up with
+phase 2 only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from paged_jax import sampler as sampler_lib
+
+logger = logging.getLogger(__name__)
+
+COMPILE_THREADS_ENV = "PAGED_JAX_COMPILE_THREADS"
+# More threads than this stop paying: tracing and lowering share one GIL, and each XLA compile is multi-threaded too.
+MAX_DEFAULT_COMPILE_THREADS = 16
+
+
+def compile_threads() -> int:
+    """Threads that compile at warm-up: ``$PAGED_JAX_COMPILE_THREADS``, else ``os.cpu_count()`` capped at
+    ``MAX_DEFAULT_COMPILE_THREADS``. 1 compiles one executable after another. Raises ValueError naming the
+    variable for anything but a positive integer."""
+    value = os.environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not value:
+        return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_COMPILE_THREADS))
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: expected a positive integer (1 = sequential compiles)")
+    return threads
+
+
+def num_warm_up_executables(runner) -> int:
+    """Steps of ``warm_up``'s progress bar: the executables it compiles, a swap size's gather and scatter as one,
+    the LoRA slot write not counted."""
+    return (len(runner.buckets) + len(runner.sampler_seq_buckets) * (len(runner.sampler_variants) + 1)
+            + len({t for t, _ in runner.buckets}) + len(_swap_sizes(runner)))
+
+
+def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[str, float]:
+    """Compile every executable of ``runner`` (a ``ModelRunner``) and run each once; ``threads`` (default
+    ``compile_threads()``) compile concurrently first. Returns seconds per phase: ``compile_s`` (the concurrent
+    compiles; 0.0 when sequential), ``kv_pool_s`` (allocating the KV pool), ``run_s`` (the run phase; with 1 thread
+    it holds the compiles), and ``threads`` (used; 1 for the pipeline-parallel runner)."""
+    from tqdm.auto import tqdm
+
+    threads = compile_threads() if threads is None else threads
+    concurrent_ok = threads > 1 and hasattr(runner._forward, "lower")
+    bar = tqdm(total=num_warm_up_executables(runner), desc="Compiling step executables", disable=not use_tqdm,
+               leave=False)
+    timings = {"threads": threads if concurrent_ok else 1, "compile_s": 0.0}
+    start = time.perf_counter()
+    if concurrent_ok:
+        _compile_concurrently(runner, threads, bar)
+        timings["compile_s"] = time.perf_counter() - start
+        logger.info("Compiled %d executables on %d threads in %.1f s", bar.n, threads, timings["compile_s"])
+    start = time.perf_counter()
+    jax.block_until_ready(runner.kv_pool)  # allocated here, after the compiles (its first use)
+    timings["kv_pool_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    _run_every_executable(runner, bar if not concurrent_ok else None)
+    timings["run_s"] = time.perf_counter() - start
+    bar.close()
+    return timings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs, shared by both phases: host arrays the run phase puts on the device and the compile phase describes
+# ----------------------------------------------------------------------------------------------------------------
+
+def _swap_sizes(runner) -> list[int]:
+    return runner._swap_sizes() if runner.num_host_blocks else []
+
+
+def _padding_step_buffer(runner, num_tokens: int, num_seqs: int) -> np.ndarray:
+    """int32[layout size]: a step of padding only (no previous-step feed, every sampler row greedy)."""
+    layout = runner._layout(num_tokens, num_seqs)
+    buf = np.zeros((layout.size,), np.int32)
+    a, b = layout.fields["prev_rows"]
+    buf[a:b] = -1
+    tensors, _ = sampler_lib.build_sampling_tensors([], layout.num_sample_rows, eos_token_ids=runner.eos_token_ids)
+    a, b = layout.fields["sampling"]
+    sampler_lib.pack_sampling_tensors(tensors, buf[a:b])
+    return buf
+
+
+def _grammar_bitmask(runner, num_rows: int) -> np.ndarray:
+    return np.full((num_rows, sampler_lib.allowed_mask_words(runner.vocab_size)), -1, np.int32)
+
+
+def _penalty_history(runner, num_rows: int) -> np.ndarray:
+    return np.full((num_rows, runner.max_model_len), -1, np.int32)
+
+
+def _bias_table(runner, num_rows: int) -> np.ndarray:
+    return np.full((num_rows, sampler_lib.bias_table_width(runner.vocab_size)), -1, np.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Phase 1: concurrent ahead-of-time compiles
+# ----------------------------------------------------------------------------------------------------------------
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
+    """The outputs of a ``Compiled`` as abstract values with the shardings its results will have."""
+    infos = jax.tree.leaves(compiled.out_info)
+    return [jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+            for info, sharding in zip(infos, jax.tree.leaves(compiled.output_shardings))]
+
+
+def _compile_concurrently(runner, threads: int, bar) -> None:
+    """Lower and compile every executable on ``threads`` threads, with the exact input avals and shardings of the
+    run phase (phase 2 then reuses each compile)."""
+    host_input = runner.input_sharding()
+
+    def host(x: np.ndarray) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host_input)
+
+    params = [_abstract(x) for x in runner._param_leaves]
+    kv_pool = runner.abstract_kv_pool()
+    prev_tokens = _abstract(runner._prev_tokens)
+    lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
+
+    def compile_forward(num_tokens, num_seqs):
+        buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
+        return runner._forward.lower(params, kv_pool, buf, prev_tokens, lora, num_tokens=num_tokens,
+                                     num_seqs=num_seqs).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
+        # Forward buckets first (smallest first): the first bucket of each sampler row count / token count is what
+        # the sampler / prompt-logprobs compiles below wait for.
+        forwards = {bucket: pool.submit(compile_forward, *bucket) for bucket in runner.buckets}
+        by_rows, by_tokens = {}, {}
+        for num_tokens, num_seqs in runner.buckets:
+            by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
+            by_tokens.setdefault(num_tokens, forwards[num_tokens, num_seqs])
+        jobs = list(forwards.values())
+
+        def forward_outputs(future):
+            _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
+            return logits, sampling_words, hidden
+
+        def compile_bitmask(num_rows):
+            logits, _, _ = forward_outputs(by_rows[num_rows])
+            return runner._apply_grammar_bitmask.lower(logits, host(_grammar_bitmask(runner, num_rows))).compile()
+
+        def compile_sampler(num_rows, variant):
+            logits, sampling_words, _ = forward_outputs(by_rows[num_rows])
+            empty = _abstract(runner._no_history[num_rows])
+            history = host(_penalty_history(runner, num_rows)) if variant.penalties else empty
+            bias_table = host(_bias_table(runner, num_rows)) if variant.bias_table else empty
+            return runner._sample.lower(logits, sampling_words, history, bias_table, mode=variant.mode,
+                                        num_logprobs=variant.num_logprobs).compile()
+
+        def compile_prompt_logprobs(num_tokens):
+            _, _, hidden = forward_outputs(by_tokens[num_tokens])
+            targets = host(np.zeros((num_tokens,), np.int32))
+            return runner._prompt_logprobs.lower(params, hidden, targets).compile()
+
+        def compile_swap(size):
+            ids = host(np.zeros((size,), np.int32))
+            gathered = runner._gather_blocks.lower(kv_pool, ids).compile()
+            data = _compiled_outputs(gathered)[0]
+            return runner._scatter_blocks.lower(kv_pool, ids, data).compile()
+
+        for num_rows in runner.sampler_seq_buckets:
+            jobs.append(pool.submit(compile_bitmask, num_rows))
+            jobs += [pool.submit(compile_sampler, num_rows, variant) for variant in runner.sampler_variants]
+        jobs += [pool.submit(compile_prompt_logprobs, t) for t in sorted(by_tokens)]
+        jobs += [pool.submit(compile_swap, size) for size in _swap_sizes(runner)]
+        for done in concurrent.futures.as_completed(jobs):
+            done.result()  # re-raises a failed compile
+            bar.update(1)
+
+
+def _split_forward_outputs(outputs: list) -> tuple[list, object, object, object]:
+    """The forward's flat outputs -> (kv pool leaves, logits, sampling words, hidden)."""
+    return outputs[:-3], outputs[-3], outputs[-2], outputs[-1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Phase 2: run every executable once
+# ----------------------------------------------------------------------------------------------------------------
+
+def _run_every_executable(runner, bar) -> None:
+    """Call each executable on padding-only inputs (compiling it unless phase 1 did); ``bar`` (or None) counts
+    them."""
+    device = runner.device
+
+    def done():
+        if bar is not None:
+            bar.update(1)
+
+    logits_by_rows, hidden_by_tokens = {}, {}
+    for num_tokens, num_seqs in runner.buckets:
+        buf = _padding_step_buffer(runner, num_tokens, num_seqs)
+        runner.kv_pool, logits, sampling_words, hidden = runner._forward(
+            runner._param_leaves, runner.kv_pool, jax.device_put(buf, device), runner._prev_tokens,
+            runner.lora_slots and runner.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
+        logits_by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, (logits, sampling_words))
+        hidden_by_tokens.setdefault(num_tokens, hidden)
+        done()
+    outs = None
+    for num_rows in runner.sampler_seq_buckets:
+        logits, sampling_words = logits_by_rows[num_rows]
+        outs = runner._apply_grammar_bitmask(logits, jax.device_put(_grammar_bitmask(runner, num_rows), device))
+        done()
+        history = jax.device_put(_penalty_history(runner, num_rows), device)
+        bias_table = jax.device_put(_bias_table(runner, num_rows), device)
+        for variant in runner.sampler_variants:
+            outs = runner._sample(logits, sampling_words,
+                                  history if variant.penalties else runner._no_history[num_rows],
+                                  bias_table if variant.bias_table else runner._no_history[num_rows],
+                                  mode=variant.mode, num_logprobs=variant.num_logprobs)
+            done()
+    for num_tokens in sorted(hidden_by_tokens):
+        targets = jax.device_put(np.zeros((num_tokens,), np.int32), device)
+        outs = (outs, runner._prompt_logprobs(runner._param_leaves, hidden_by_tokens[num_tokens], targets))
+        done()
+    for size in _swap_sizes(runner):
+        ids = jax.device_put(np.zeros((size,), np.int32), device)
+        runner.kv_pool = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
+        done()
+    if runner.lora_slots is not None:
+        runner.lora_slots.write(0, None)  # compiles the slot write (slot 0, no adapter, stays zeros)
+    jax.block_until_ready((runner.kv_pool, outs))
