@@ -10,9 +10,10 @@ earlier stages taking one fewer when they do not divide (``stage_layer_ranges``)
 ``PipelinePlan`` is the layout: it places every parameter on its stage's mesh at load time (it implements the
 ``models.tensor_parallel.TensorParallelPlan`` protocol, so ``load_sharded_model`` and the weights cache put each
 tensor straight into its stage's shards) and creates the staged KV pool. ``PipelineModelRunner`` is the
-``ModelRunner`` whose forward runs stage by stage: one jitted function per stage, bucket and micro-batch (embedding
-+ its layers on stage 0, its layers in between, its layers + norm + logits on the last), the hidden states
-``[T / M, hidden]`` of M micro-batches copied device to device between stages, the step's metadata buffer copied from the last stage (where the runner puts it,
+``ModelRunner`` whose forward runs stage by stage: one jitted function per stage and bucket, shared by the bucket's
+micro-batches (embedding + its layers on stage 0, its layers in between, its layers + norm on the last), then the LM
+head on the last stage; the hidden states ``[T / M, hidden]`` of M micro-batches copied device to device between
+stages, the step's metadata buffer copied from the last stage (where the runner puts it,
 beside the sampler) to the others. Everything else (buckets, sampler, warm-up of every shape, donated KV pools, no
 compile after warm-up) is the ``ModelRunner``'s.
 
@@ -242,8 +243,8 @@ def pipeline_schedule(num_stages: int, num_microbatches: int) -> list[tuple[int,
             for stage in range(num_stages) if 0 <= wave - stage < num_microbatches]
 
 
-def microbatch_attention_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, start: int, stop: int):
-    """A step's sequences seen from its tokens ``[start, stop)`` (static): ``(cu_q_lens int32[S + 1] from 0,
+def microbatch_attention_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, start, stop):
+    """A step's sequences seen from its tokens ``[start, stop)`` (ints or traced int32[]): ``(cu_q_lens int32[S + 1] from 0,
     kv_lens int32[S])``. A sequence keeps its tokens in the range (a prefill chunk split by the boundary becomes two
     consecutive chunks: the first attends to what it wrote, the second also to the first's K/V, written by the
     earlier micro-batch on the same stage); every other sequence gets q_len 0 and kv_len 0 (the ops' padding)."""
@@ -305,35 +306,38 @@ class PipelineModelRunner(ModelRunner):
                                  else tuple(sorted(config.rope_scaling.items())))
         layout_for = self._layout
 
-        def stage_forward(leaves, kv_pool, buf, carry, earlier, *, num_tokens, num_seqs, stage, microbatch,
-                          num_microbatches):
-            """One stage on one micro-batch, tokens ``[lo, hi)`` = the micro-batch's ``num_tokens /
-            num_microbatches`` of the step's T. Stage 0: carry = the previous step's sampled tokens; others: the
-            micro-batch's hidden states [T / M, hidden]. ``earlier``: on the last stage's last micro-batch the
-            earlier micro-batches' normed hidden states, else ().
-            -> (kv_pool, hidden [T / M, hidden]) or, on the last stage's last micro-batch, (kv_pool, logits
-            f32[R, V], sampling words, final hidden states [T, hidden]) as ``ModelRunner``'s forward."""
+        num_blocks = self.num_blocks
+
+        def stage_forward(leaves, kv_pool, buf, carry, microbatch, *, num_tokens, num_seqs, stage, num_microbatches):
+            """One stage on one micro-batch: tokens ``[lo, lo + T / M)``, ``lo = microbatch * T / M`` (``microbatch``
+            int32[] on the stage's devices: traced, so every micro-batch runs the same executable). Stage 0: carry =
+            the previous step's sampled tokens; others: the micro-batch's hidden states [T / M, hidden].
+            -> (kv_pool, hidden [T / M, hidden]), normed on the last stage."""
             graphdef, treedef, _ = stages[stage]
             modules = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
             fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
             size = num_tokens // num_microbatches
-            lo, hi = microbatch * size, (microbatch + 1) * size
-            if microbatch == 0:  # copy-on-write copies before the step's first K/V write into these layers
-                kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"])
+            lo = microbatch * size
+
+            def tokens(name):
+                return jax.lax.dynamic_slice_in_dim(fields[name], lo, size)
+
+            # Copy-on-write copies before the step's first K/V write into these layers: micro-batch 0 only (later
+            # ones drop them: a copy after micro-batch 0's writes would undo them).
+            copy_dst = jnp.where(microbatch == 0, fields["copy_dst"], num_blocks)
+            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], copy_dst)
             cu_q_lens, kv_lens = fields["cu_q_lens"], fields["kv_lens"]
             if num_microbatches > 1:
-                cu_q_lens, kv_lens = microbatch_attention_metadata(cu_q_lens, kv_lens, lo, hi)
+                cu_q_lens, kv_lens = microbatch_attention_metadata(cu_q_lens, kv_lens, lo, lo + size)
             with matmul_precision(dtype):
                 if stage == 0:  # decode rows continuing from the previous step take their input token from it
-                    prev_rows = fields["prev_rows"][lo:hi]
-                    input_ids = jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)],
-                                          fields["input_ids"][lo:hi])
-                    x = modules.embed(input_ids)
+                    prev_rows = tokens("prev_rows")
+                    x = modules.embed(jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], tokens("input_ids")))
                 else:
                     x = carry
-                rope = rope_cos_sin(fields["positions"][lo:hi], inv_freq)
+                rope = rope_cos_sin(tokens("positions"), inv_freq)
                 attention = plan.stage_plans[stage].paged_attention(
-                    slot_mapping=fields["slot_mapping"][lo:hi], kv_lens=kv_lens,
+                    slot_mapping=tokens("slot_mapping"), kv_lens=kv_lens,
                     block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=cu_q_lens,
                     sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)
                 start = plan.layer_ranges[stage][0]
@@ -341,20 +345,28 @@ class PipelineModelRunner(ModelRunner):
                 for j, layer in enumerate(modules.layers):
                     x, kv_layer = layer(start + j, x, rope, kv_pool[j], attention)
                     new_pool.append(kv_layer)
-                if stage != last:
-                    return new_pool, x
-                hidden = modules.norm(x)
-                if microbatch != num_microbatches - 1:
-                    return new_pool, hidden
-                hidden = jnp.concatenate([*earlier, hidden]) if earlier else hidden
-                logits = _logits(modules, hidden[fields["logits_indices"]], dtype)
-            return new_pool, plan.gather_logits(logits), fields["sampling"], hidden
+                return new_pool, (modules.norm(x) if stage == last else x)
 
-        static = ("num_tokens", "num_seqs", "stage", "microbatch", "num_microbatches")
+        def head(leaves, buf, hiddens, *, num_tokens, num_seqs):
+            """The last stage's micro-batches' normed hidden states joined -> (logits f32[R, V] at each row's last
+            token, sampling words, final hidden states [T, hidden]) as ``ModelRunner``'s forward."""
+            modules = nnx.merge(stages[last][0], jax.tree.unflatten(stages[last][1], leaves))
+            fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
+            hidden = jnp.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0]
+            with matmul_precision(dtype):
+                logits = _logits(modules, hidden[fields["logits_indices"]], dtype)
+            return plan.gather_logits(logits), fields["sampling"], hidden
+
+        static = ("num_tokens", "num_seqs", "stage", "num_microbatches")
         stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,)) for _ in stages]
+        head_fn = jax.jit(head, static_argnames=("num_tokens", "num_seqs"))
         # Looked up per step (not closed over), so a test can wrap them to record the dispatch order.
         self._stage_fns = list(stage_fns)
         shardings = [stage_plan.replicated for stage_plan in plan.stage_plans]
+        # Micro-batch indices, int32[] on each stage's devices, created once (no per-step transfer).
+        max_microbatches = max(self.num_microbatches.values())
+        microbatch_ids = [[jax.device_put(np.int32(m), sharding) for m in range(max_microbatches)]
+                          for sharding in shardings]
 
         def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
             # param_leaves: the whole model's, unused (each stage passes its own); buf and prev_tokens are on the
@@ -365,23 +377,20 @@ class PipelineModelRunner(ModelRunner):
             bufs = [buf if s == last else jax.device_put(buf, shardings[s]) for s in range(len(stages))]
             pools = [list(kv_pool[start:stop]) for start, stop in plan.layer_ranges]
             first_carry = jax.device_put(prev_tokens, shardings[0])
-            handed_on, finished = {}, []  # (stage, micro-batch) -> hidden; the last stage's earlier micro-batches
+            handed_on, finished = {}, []  # (stage, micro-batch) -> hidden; the last stage's outputs in order
             for s, m in pipeline_schedule(len(stages), num_microbatches):
                 carry = first_carry if s == 0 else jax.device_put(handed_on.pop((s - 1, m)), shardings[s])
-                final = s == last and m == num_microbatches - 1
-                out = self._stage_fns[s](stages[s][2], pools[s], bufs[s], carry, tuple(finished) if final else (),
-                                         num_tokens=num_tokens, num_seqs=num_seqs, stage=s, microbatch=m,
-                                         num_microbatches=num_microbatches)
-                pools[s] = out[0]
-                if final:
-                    result = tuple(out[1:])
-                elif s == last:
-                    finished.append(out[1])
+                pools[s], hidden = self._stage_fns[s](stages[s][2], pools[s], bufs[s], carry, microbatch_ids[s][m],
+                                                      num_tokens=num_tokens, num_seqs=num_seqs, stage=s,
+                                                      num_microbatches=num_microbatches)
+                if s == last:
+                    finished.append(hidden)
                 else:
-                    handed_on[(s, m)] = out[1]
-            return ([kv for pool in pools for kv in pool],) + result
+                    handed_on[(s, m)] = hidden
+            outs = head_fn(stages[last][2], buf, tuple(finished), num_tokens=num_tokens, num_seqs=num_seqs)
+            return ([kv for pool in pools for kv in pool],) + tuple(outs)
 
-        self._forward = _Staged(forward, stage_fns)
+        self._forward = _Staged(forward, [*stage_fns, head_fn])
         from paged_jax.prompt_logprobs import prompt_logprobs_on_device
 
         max_logprobs = self.max_logprobs
