@@ -10,6 +10,10 @@ suffix for the replicated-attention layout (attention weights and the KV pool wh
 embedding / LM head split). ``pp<K>xtp<N>``: K pipeline stages of N-way tp (``paged_jax.pipeline``), run through
 the engine's model runner (``PipelineModelRunner``; ``pp1xtp<N>`` = the plain tp runner, its baseline): the same
 prefill and greedy decode steps, as runner steps (bucketed, sampler included), the decode steps fed on device.
+A pp layout splits a step into pp overlapping micro-batches when it has at least ``--pipeline-microbatch-min-tokens``
+per micro-batch (``paged_jax.pipeline``); ``--compare-unpipelined`` runs it again with every step one batch, stage
+after stage, and reports both step times, the speedup and its ideal, and the prefill compute floors (all stages busy
+vs one stage at a time).
 
 Reported per layout: prefill time, median decode-step latency with a host sync per step ("sync") and per step of
 the same steps dispatched back to back ("decode step ms", the device-bound figure that throughput, the
@@ -20,6 +24,9 @@ agree with the first layout's (a correctness check; bf16 on GPU may legitimately
 Examples:
   # correctness / smoke on 8 fake CPU devices (speed figures are meaningless there)
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m benchmarks.sharding --shape small
+  # pipelined (micro-batched) vs stage-after-stage pp steps
+  python -m benchmarks.sharding --shape llama-3.1-8b --dtype bfloat16 --layouts pp1xtp1,pp2xtp1,pp4xtp1,pp2xtp2 \
+      --batch 16 --prompt-len 512 --decode-steps 32 --compare-unpipelined
   # real figures (8 GPUs)
   python -m benchmarks.sharding --shape qwen3-0.6b --dtype bfloat16 --batch 64 --prompt-len 512 --decode-steps 64
 """
@@ -34,6 +41,7 @@ import time
 
 from paged_jax.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
 
+PREFILL_STEPS_BACK_TO_BACK = 4  # prefill steps timed together for the device-bound prefill step time
 DEFAULT_LAYOUTS = ("tp1", "tp2", "tp4", "tp8", "dp2xtp4", "dp4xtp2", "dp8xtp1", "tp4-kvrep", "tp8-kvrep")
 
 # A small Qwen3-shaped model for CPU runs: 8 q heads / 4 kv heads (tp = 8 replicates each kv head twice).
@@ -225,11 +233,20 @@ def run_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps
 
 
 def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, decode_steps: int, block_size: int,
-                        dtype, impl: str, seed: int = 0, repeats: int = 1) -> dict:
+                        dtype, impl: str, seed: int = 0, repeats: int = 1, min_microbatch_tokens: int | None = None,
+                        compare_unpipelined: bool = False) -> dict:
     """The workload of ``run_layout`` as model-runner steps over ``pp`` stages of ``tp`` devices: one prefill step
-    of every prompt, then greedy decode steps (each fed the previous step's tokens on device); same keys."""
+    of every prompt, then greedy decode steps (each fed the previous step's tokens on device); same keys, plus
+    ``microbatches`` (of the prefill and decode steps: ``PipelineModelRunner.num_microbatches``, whose threshold
+    ``min_microbatch_tokens`` overrides), ``prefill_step_ms`` (prefill steps back to back, device-bound) and its
+    compute floors on H200s: ``prefill_compute_floor_ms`` (every device of every stage busy: what overlapping stages
+    can reach) and ``prefill_serial_floor_ms`` (one stage at a time).
+    With ``compare_unpipelined`` (pp > 1) the same runs again with every step one batch, stage after stage:
+    ``unpipelined_*`` figures, the speedups of the micro-batched run over it, and ``unpipelined_agreement``."""
     import jax
     import numpy as np
+
+    from benchmarks.floors import H200_BF16_FLOPS, prefill_flops
 
     from models.tensor_parallel import load_sharded_model
     from paged_jax.model_runner import ModelRunner
@@ -248,10 +265,15 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
     model = load_sharded_model(None, plan, dtype=dtype, load_format="dummy", seed=seed)
     max_len = prompt_len + decode_steps
     blocks_per_seq = -(-max_len // block_size)
-    runner = runner_cls(model, plan.model_config, num_blocks=1 + batch * blocks_per_seq, block_size=block_size,
-                        max_model_len=blocks_per_seq * block_size, max_num_seqs=batch,
-                        max_num_batched_tokens=batch * prompt_len, attention_impl=impl, sharding_plan=plan,
-                        buckets=[(batch, batch), (batch * prompt_len, batch)])
+
+    def make_runner(min_tokens):
+        extra = {} if pp == 1 else {"min_microbatch_tokens": min_tokens}
+        return runner_cls(model, plan.model_config, num_blocks=1 + batch * blocks_per_seq, block_size=block_size,
+                          max_model_len=blocks_per_seq * block_size, max_num_seqs=batch,
+                          max_num_batched_tokens=batch * prompt_len, attention_impl=impl, sharding_plan=plan,
+                          buckets=[(batch, batch), (batch * prompt_len, batch)], **extra)
+
+    runner = make_runner(min_microbatch_tokens)
     t0 = time.perf_counter()
     runner.warm_up(use_tqdm=False)
     compile_s = time.perf_counter() - t0
@@ -259,44 +281,77 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
     greedy = SamplingParams(temperature=0.0)
     tables = [list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)) for b in range(batch)]
 
-    def step(start: int, tokens: list[list[int]], feed: bool):
-        return runner.execute([SeqInput(key=str(b), token_ids=tokens[b], num_computed_tokens=start,
-                                        block_ids=tables[b], sample=True, sampling=(greedy, 0, 0, [], []),
-                                        feed_from_previous=feed) for b in range(batch)])
+    def measure(runner):
+        """-> (prefill s, sync decode step times, back-to-back decode step s, greedy tokens), best of repeats."""
+        def step(start: int, tokens: list[list[int]], feed: bool):
+            return runner.execute([SeqInput(key=str(b), token_ids=tokens[b], num_computed_tokens=start,
+                                            block_ids=tables[b], sample=True, sampling=(greedy, 0, 0, [], []),
+                                            feed_from_previous=feed) for b in range(batch)])
 
-    best = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        first = step(0, prompts.tolist(), False).result().sampled_token_ids
-        prefill_s = time.perf_counter() - t0
-        generated, step_times = [np.asarray(first)], []
-        for i in range(decode_steps):
+        best = None
+        for _ in range(repeats):
             t0 = time.perf_counter()
-            out = step(prompt_len + i, [[0]] * batch, True).result().sampled_token_ids
-            step_times.append(time.perf_counter() - t0)
-            generated.append(np.asarray(out))
-        step(0, prompts.tolist(), False)
-        t0 = time.perf_counter()
-        for i in range(decode_steps):  # dispatched back to back, one sync at the end
-            handle = step(prompt_len + i, [[0]] * batch, True)
-        handle.result()
-        pipelined_s = (time.perf_counter() - t0) / max(decode_steps, 1)
-        if best is None or pipelined_s < best[2]:
-            best = (prefill_s, step_times, pipelined_s, generated)
-    prefill_s, step_times, pipelined_s, generated = best
+            first = step(0, prompts.tolist(), False).result().sampled_token_ids
+            prefill_s = time.perf_counter() - t0
+            generated, step_times = [np.asarray(first)], []
+            for i in range(decode_steps):
+                t0 = time.perf_counter()
+                out = step(prompt_len + i, [[0]] * batch, True).result().sampled_token_ids
+                step_times.append(time.perf_counter() - t0)
+                generated.append(np.asarray(out))
+            t0 = time.perf_counter()
+            for _ in range(PREFILL_STEPS_BACK_TO_BACK):  # the same prefill again (same slots), one sync at the end
+                handle = step(0, prompts.tolist(), False)
+            handle.result()
+            prefill_step_s = (time.perf_counter() - t0) / PREFILL_STEPS_BACK_TO_BACK
+            t0 = time.perf_counter()
+            for i in range(decode_steps):  # dispatched back to back, one sync at the end
+                handle = step(prompt_len + i, [[0]] * batch, True)
+            handle.result()
+            pipelined_s = (time.perf_counter() - t0) / max(decode_steps, 1)
+            if best is None or pipelined_s < best[2]:
+                best = [prefill_s, step_times, pipelined_s, generated, prefill_step_s]
+            best[4] = min(best[4], prefill_step_s)
+        return best
+
+    prefill_s, step_times, pipelined_s, generated, prefill_step_s = measure(runner)
     weight_bytes, kv_bytes = bytes_per_device(runner._param_leaves), bytes_per_device(runner.kv_pool)
     devices = sorted(weight_bytes, key=lambda d: d.id)
-    return {
+    flops = prefill_flops(plan.model_config, batch, prompt_len)
+    result = {
         "layout": layout, "dp": 1, "tp": tp, "pp": pp, "kv_layout": "sharded",
         "q_heads": plan.model_config.num_attention_heads, "kv_heads": plan.model_config.num_key_value_heads,
         "compile_and_first_run_s": round(compile_s, 3), "num_compiles_since_warmup": runner.num_compiles_since_warmup,
+        "microbatches": {"prefill": getattr(runner, "num_microbatches", {}).get(batch * prompt_len, 1),
+                         "decode": getattr(runner, "num_microbatches", {}).get(batch, 1)},
         "prefill_s": round(prefill_s, 4), "prefill_tok_s": round(batch * prompt_len / prefill_s, 1),
+        "prefill_step_ms": round(prefill_step_s * 1e3, 3),
+        "prefill_compute_floor_ms": round(flops / (pp * tp * H200_BF16_FLOPS) * 1e3, 4),
+        "prefill_serial_floor_ms": round(flops / (tp * H200_BF16_FLOPS) * 1e3, 4),
         "decode_step_ms": round(pipelined_s * 1e3, 3), "decode_tok_s": round(batch / pipelined_s, 1),
         "sync_decode_step_ms": round(statistics.median(step_times) * 1e3, 3) if step_times else float("nan"),
         "weights_mib_per_device": round(max(weight_bytes[d] for d in devices) / 2**20, 2),
         "kv_mib_per_device": round(max(kv_bytes.get(d, 0) for d in devices) / 2**20, 2),
         "tokens": np.stack(generated),
     }
+    if compare_unpipelined and pp > 1:
+        runner.close()
+        del runner
+        serial = make_runner(1 << 62)  # no bucket splits: every step one batch, stage after stage
+        serial.warm_up(use_tqdm=False)
+        s_prefill_s, _, s_decode_s, s_generated, s_prefill_step_s = measure(serial)
+        result.update({
+            "unpipelined_prefill_s": round(s_prefill_s, 4),
+            "unpipelined_prefill_step_ms": round(s_prefill_step_s * 1e3, 3),
+            "unpipelined_decode_step_ms": round(s_decode_s * 1e3, 3),
+            "prefill_overlap_speedup": round(s_prefill_step_s / prefill_step_s, 3),
+            "decode_overlap_speedup": round(s_decode_s / pipelined_s, 3),
+            # What M micro-batches over pp compute-bound stages can give: pp stage times -> (M + pp - 1) / M.
+            "ideal_prefill_overlap_speedup": round(pp * result["microbatches"]["prefill"]
+                                                   / (result["microbatches"]["prefill"] + pp - 1), 3),
+            "unpipelined_agreement": f"{float(np.mean(np.stack(s_generated) == result['tokens'])):.3f}",
+        })
+    return result
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -331,6 +386,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention-impl", default="auto", choices=[*ATTENTION_IMPLS, *DEPRECATED_ATTENTION_IMPLS])
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions per layout (best is kept)")
+    p.add_argument("--pipeline-microbatch-min-tokens", type=int, default=None,
+                   help="pp layouts: fewest tokens per micro-batch for a step to be split into pp overlapping "
+                        "micro-batches (default: paged_jax.pipeline.MIN_MICROBATCH_TOKENS)")
+    p.add_argument("--compare-unpipelined", action="store_true",
+                   help="pp layouts: also run every step as one batch, stage after stage, and report the "
+                        "micro-batched (overlapping) step times against it")
     p.add_argument("--out", help="write the JSON results here")
     args = p.parse_args(argv)
 
@@ -350,9 +411,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     results, reference_tokens, first_per_gpu = [], None, None
     for name in layouts:
-        run = run_pipeline_layout if parse_pipeline_layout(name) else run_layout
+        run, extra = run_layout, {}
+        if parse_pipeline_layout(name):
+            run, extra = run_pipeline_layout, dict(min_microbatch_tokens=args.pipeline_microbatch_min_tokens,
+                                                   compare_unpipelined=args.compare_unpipelined)
         result = run(config, name, batch=args.batch, prompt_len=args.prompt_len, decode_steps=args.decode_steps,
-                     block_size=args.block_size, dtype=dtype, impl=args.attention_impl, repeats=args.repeats)
+                     block_size=args.block_size, dtype=dtype, impl=args.attention_impl, repeats=args.repeats, **extra)
         if "tokens" in result:
             tokens = result.pop("tokens")
             if reference_tokens is None:

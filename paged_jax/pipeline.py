@@ -10,17 +10,39 @@ earlier stages taking one fewer when they do not divide (``stage_layer_ranges``)
 ``PipelinePlan`` is the layout: it places every parameter on its stage's mesh at load time (it implements the
 ``models.tensor_parallel.TensorParallelPlan`` protocol, so ``load_sharded_model`` and the weights cache put each
 tensor straight into its stage's shards) and creates the staged KV pool. ``PipelineModelRunner`` is the
-``ModelRunner`` whose forward runs stage by stage: one jitted function per stage and bucket (embedding + its layers
-on stage 0, its layers in between, its layers + norm + logits on the last), the hidden states ``[T, hidden]`` copied
-device to device between stages, the step's metadata buffer copied from the last stage (where the runner puts it,
+``ModelRunner`` whose forward runs stage by stage: one jitted function per stage and bucket, shared by the bucket's
+micro-batches (embedding + its layers on stage 0, its layers in between, its layers + norm on the last), then the LM
+head on the last stage; the hidden states ``[T / M, hidden]`` of M micro-batches copied device to device between
+stages, the step's metadata buffer copied from the last stage (where the runner puts it,
 beside the sampler) to the others. Everything else (buckets, sampler, warm-up of every shape, donated KV pools, no
 compile after warm-up) is the ``ModelRunner``'s.
 
-Overlap: every call is dispatched asynchronously, so the host builds the next step while the stages run, and with
-``async_scheduling`` the next step is dispatched before the current one's tokens are fetched; stages of one step
-still run one after the other (one batch in flight, not vLLM's one scheduled batch per stage). Swap preemption is
-refused (its copies would span the stages' devices; ``EngineArgs`` checks it), and so are stages on other processes
-(multi-host: use tensor parallelism across hosts).
+Overlap (micro-batches within a step): a step whose token bucket splits into ``pp`` token ranges of at least
+``min_microbatch_tokens`` each (``num_microbatches_for``; fixed per bucket, so warm-up compiles every shape) runs as
+``pp`` micro-batches dispatched wavefront by wavefront (``pipeline_schedule``): stage 0 gets micro-batch 1 queued
+before stage 1 is handed micro-batch 0, and with JAX's asynchronous dispatch each stage's devices run their own
+queue, so stage s + 1 works on micro-batch m while stage s works on m + 1, with no host sync anywhere in the step.
+The split is by token range of the packed step (``microbatch_attention_metadata`` re-expresses each sequence's part
+inside the range on device; a prefill chunk cut by the boundary becomes two consecutive chunks, the second reading
+the first's K/V that the earlier micro-batch wrote on the same stage), so the host packing, the buffer, the sampler
+and the scheduler are the ``ModelRunner``'s unchanged; the last stage joins the micro-batches' hidden states and runs
+the LM head on them at once, and sampling follows on the merged logits. A step then takes ``(M + pp - 1) / M`` stage
+times instead of ``pp`` when its stages are bound by their matmuls; steps too small to be (decodes of modest batches,
+``MIN_MICROBATCH_TOKENS``) run as one batch, stage after stage, since each micro-batch reads the stage's weights
+again. Every call is dispatched asynchronously either way, so the host builds the next step while the stages run.
+
+Why not vLLM's way (as many scheduled batches of disjoint requests in flight as stages, each step of batch b
+dispatched while batch b - 1's later stages run): it needs the scheduler to hold ``pp`` batches in flight and skip
+their requests, the engine to keep ``pp`` pending steps and their outputs in order, and the runner ``pp`` decode feeds;
+every one of those is a change to the shared engine loop. Micro-batches give the same stage overlap for the steps
+that can gain from it (compute-bound ones: a memory-bound stage reads all its weights once per batch, so for it one
+bigger batch gains as much as overlapping smaller ones) inside this module, with greedy output identical to pp = 1 by
+construction (the same tokens, positions and K/V, only cut at a token boundary). What it does not give is vLLM's
+cross-step overlap: a step's first micro-batch still waits for the previous step's tokens (a fill and drain of the
+pipe per step).
+
+Swap preemption is refused (its copies would span the stages' devices; ``EngineArgs`` checks it), and so are stages
+on other processes (multi-host: use tensor parallelism across hosts).
 """
 
 from __future__ import annotations
@@ -39,6 +61,7 @@ from models.llama import matmul_precision, rope_cos_sin, rope_inv_freq
 from paged_jax.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan
+from paged_jax.step_io import apply_block_copies
 
 PP_AXIS = "pp"
 
@@ -202,15 +225,66 @@ class _Staged:
         return sum(fn._cache_size() for fn in self._jitted)
 
 
+def num_microbatches_for(num_tokens: int, pipeline_parallel_size: int, min_microbatch_tokens: int) -> int:
+    """Micro-batches of a token bucket: ``pipeline_parallel_size`` equal token ranges when the bucket divides into
+    that many of at least ``min_microbatch_tokens`` each, else 1 (the stages run the whole batch one after the
+    other)."""
+    parts = pipeline_parallel_size
+    if parts > 1 and num_tokens % parts == 0 and num_tokens // parts >= min_microbatch_tokens:
+        return parts
+    return 1
+
+
+def pipeline_schedule(num_stages: int, num_microbatches: int) -> list[tuple[int, int]]:
+    """The dispatch order ``[(stage, micro-batch)]`` of one step: wavefront by wavefront (``stage + micro-batch``
+    constant), the upstream stage first within one, so stage s already has micro-batch m + 1 queued when stage s + 1
+    is handed micro-batch m. Each stage gets its micro-batches in order (its KV slices thread through them)."""
+    return [(stage, wave - stage) for wave in range(num_stages + num_microbatches - 1)
+            for stage in range(num_stages) if 0 <= wave - stage < num_microbatches]
+
+
+def microbatch_attention_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, start, stop):
+    """A step's sequences seen from its tokens ``[start, stop)`` (ints or traced int32[]): ``(cu_q_lens
+    int32[S + 1] from 0, kv_lens int32[S])``. A sequence keeps its tokens in the range (a prefill chunk split by the boundary becomes two
+    consecutive chunks: the first attends to what it wrote, the second also to the first's K/V, written by the
+    earlier micro-batch on the same stage); every other sequence gets q_len 0 and kv_len 0 (the ops' padding)."""
+    seq_start = jnp.clip(cu_q_lens[:-1], start, stop)
+    seq_stop = jnp.clip(cu_q_lens[1:], start, stop)
+    q_lens = seq_stop - seq_start
+    # Tokens of the sequence after this range are not in its context yet.
+    kv = jnp.where(q_lens > 0, kv_lens - (cu_q_lens[1:] - seq_stop), 0)
+    cu = jnp.concatenate([jnp.zeros((1,), cu_q_lens.dtype), jnp.cumsum(q_lens).astype(cu_q_lens.dtype)])
+    return cu, kv.astype(kv_lens.dtype)
+
+
+# Fewest tokens per micro-batch: below this a stage's forward is bound by reading its weights rather than by its
+# matmuls (about the peak-FLOP/s over HBM-bytes/s ratio of current GPUs in 16-bit), so splitting it would read every
+# weight once more per micro-batch and lengthen the step instead of overlapping the stages. Decode steps of modest
+# batches therefore stay one batch; prefill and large mixed steps are split.
+MIN_MICROBATCH_TOKENS = 256
+
+
 class PipelineModelRunner(ModelRunner):
     """A ``ModelRunner`` over a ``PipelinePlan``-loaded model (``sharding_plan=plan``): its forward and prompt
-    logprobs run stage by stage (see the module docstring); everything else is inherited."""
+    logprobs run stage by stage, a large step as micro-batches that overlap across stages (see the module
+    docstring); everything else is inherited.
+
+    Extra argument: ``min_microbatch_tokens`` (default ``MIN_MICROBATCH_TOKENS``): a token bucket is split into
+    ``pipeline_parallel_size`` micro-batches when each gets at least this many tokens (``num_microbatches_for``).
+    ``num_microbatches``: ``{token bucket: micro-batches}``, fixed at construction (warm-up compiles them all).
+    """
+
+    def __init__(self, *args, min_microbatch_tokens: int | None = None, **kwargs):
+        self.min_microbatch_tokens = MIN_MICROBATCH_TOKENS if min_microbatch_tokens is None else min_microbatch_tokens
+        super().__init__(*args, **kwargs)
 
     def _build_jitted(self) -> None:
         super()._build_jitted()  # the sampler and the rest; the forward and prompt logprobs are replaced below
         plan: PipelinePlan = self.sharding_plan
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._state_treedef, self._param_leaves))
         last = plan.pipeline_parallel_size - 1
+        self.num_microbatches = {t: num_microbatches_for(t, plan.pipeline_parallel_size, self.min_microbatch_tokens)
+                                 for t, _ in self.buckets}
         stages = []
         for s, (start, stop) in enumerate(plan.layer_ranges):
             head = tied = None
@@ -232,56 +306,91 @@ class PipelineModelRunner(ModelRunner):
                                  else tuple(sorted(config.rope_scaling.items())))
         layout_for = self._layout
 
-        def stage_forward(leaves, kv_pool, buf, carry, *, num_tokens, num_seqs, stage):
-            """Stage 0: carry = the previous step's sampled tokens; others: the hidden states [T, hidden].
-            -> (kv_pool, hidden [T, hidden]) or, on the last stage, (kv_pool, logits f32[R, V], sampling words,
-            final hidden states [T, hidden]) as ``ModelRunner``'s forward."""
+        num_blocks = self.num_blocks
+
+        def stage_forward(leaves, kv_pool, buf, carry, microbatch, *, num_tokens, num_seqs, stage, num_microbatches):
+            """One stage on one micro-batch: tokens ``[lo, lo + T / M)``, ``lo = microbatch * T / M`` (``microbatch``
+            int32[] on the stage's devices: traced, so every micro-batch runs the same executable). Stage 0: carry =
+            the previous step's sampled tokens; others: the micro-batch's hidden states [T / M, hidden].
+            -> (kv_pool, hidden [T / M, hidden]), normed on the last stage."""
             graphdef, treedef, _ = stages[stage]
             modules = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
             fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
+            size = num_tokens // num_microbatches
+            lo = microbatch * size
+
+            def tokens(name):
+                return jax.lax.dynamic_slice_in_dim(fields[name], lo, size)
+
+            # Copy-on-write copies before the step's first K/V write into these layers: micro-batch 0 only (later
+            # ones drop them: a copy after micro-batch 0's writes would undo them).
+            copy_dst = jnp.where(microbatch == 0, fields["copy_dst"], num_blocks)
+            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], copy_dst)
+            cu_q_lens, kv_lens = fields["cu_q_lens"], fields["kv_lens"]
+            if num_microbatches > 1:
+                cu_q_lens, kv_lens = microbatch_attention_metadata(cu_q_lens, kv_lens, lo, lo + size)
             with matmul_precision(dtype):
                 if stage == 0:  # decode rows continuing from the previous step take their input token from it
-                    prev_rows = fields["prev_rows"]
-                    input_ids = jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], fields["input_ids"])
-                    x = modules.embed(input_ids)
+                    prev_rows = tokens("prev_rows")
+                    x = modules.embed(jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], tokens("input_ids")))
                 else:
                     x = carry
-                rope = rope_cos_sin(fields["positions"], inv_freq)
+                rope = rope_cos_sin(tokens("positions"), inv_freq)
                 attention = plan.stage_plans[stage].paged_attention(
-                    slot_mapping=fields["slot_mapping"], kv_lens=fields["kv_lens"],
-                    block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=fields["cu_q_lens"],
+                    slot_mapping=tokens("slot_mapping"), kv_lens=kv_lens,
+                    block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=cu_q_lens,
                     sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)
                 start = plan.layer_ranges[stage][0]
                 new_pool = []
                 for j, layer in enumerate(modules.layers):
                     x, kv_layer = layer(start + j, x, rope, kv_pool[j], attention)
                     new_pool.append(kv_layer)
-                if stage != last:
-                    return new_pool, x
-                hidden = modules.norm(x)
-                logits = _logits(modules, hidden[fields["logits_indices"]], dtype)
-            return new_pool, plan.gather_logits(logits), fields["sampling"], hidden
+                return new_pool, (modules.norm(x) if stage == last else x)
 
-        stage_fns = [jax.jit(stage_forward, static_argnames=("num_tokens", "num_seqs", "stage"), donate_argnums=(1,))
-                     for _ in stages]
+        def head(leaves, buf, hiddens, *, num_tokens, num_seqs):
+            """The last stage's micro-batches' normed hidden states joined -> (logits f32[R, V] at each row's last
+            token, sampling words, final hidden states [T, hidden]) as ``ModelRunner``'s forward."""
+            modules = nnx.merge(stages[last][0], jax.tree.unflatten(stages[last][1], leaves))
+            fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
+            hidden = jnp.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0]
+            with matmul_precision(dtype):
+                logits = _logits(modules, hidden[fields["logits_indices"]], dtype)
+            return plan.gather_logits(logits), fields["sampling"], hidden
+
+        static = ("num_tokens", "num_seqs", "stage", "num_microbatches")
+        stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,)) for _ in stages]
+        head_fn = jax.jit(head, static_argnames=("num_tokens", "num_seqs"))
+        # Looked up per step (not closed over), so a test can wrap them to record the dispatch order.
+        self._stage_fns = list(stage_fns)
         shardings = [stage_plan.replicated for stage_plan in plan.stage_plans]
+        # Micro-batch indices, int32[] on each stage's devices, created once (no per-step transfer).
+        max_microbatches = max(self.num_microbatches.values())
+        microbatch_ids = [[jax.device_put(np.int32(m), sharding) for m in range(max_microbatches)]
+                          for sharding in shardings]
 
         def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
             # param_leaves: the whole model's, unused (each stage passes its own); buf and prev_tokens are on the
-            # last stage (the runner's device), copied to the others device to device. lora_arrays: always None
-            # (EngineArgs refuses enable_lora with pipeline_parallel_size > 1).
-            new_pool, carry = [], jax.device_put(prev_tokens, shardings[0])
-            for s, (start, stop) in enumerate(plan.layer_ranges):
-                stage_buf = buf if s == last else jax.device_put(buf, shardings[s])
-                if s > 0:
-                    carry = jax.device_put(carry, shardings[s])
-                out = stage_fns[s](stages[s][2], kv_pool[start:stop], stage_buf, carry, num_tokens=num_tokens,
-                                   num_seqs=num_seqs, stage=s)
-                new_pool += out[0]
-                carry = out[1]
-            return (new_pool,) + tuple(out[1:])
+            # last stage (the runner's device), copied to the others device to device, once per step. lora_arrays:
+            # always None (EngineArgs refuses enable_lora with pipeline_parallel_size > 1). Nothing here waits for
+            # a device: every call and copy is queued on its stage's devices, which run their queues concurrently.
+            num_microbatches = self.num_microbatches[num_tokens]
+            bufs = [buf if s == last else jax.device_put(buf, shardings[s]) for s in range(len(stages))]
+            pools = [list(kv_pool[start:stop]) for start, stop in plan.layer_ranges]
+            first_carry = jax.device_put(prev_tokens, shardings[0])
+            handed_on, finished = {}, []  # (stage, micro-batch) -> hidden; the last stage's outputs in order
+            for s, m in pipeline_schedule(len(stages), num_microbatches):
+                carry = first_carry if s == 0 else jax.device_put(handed_on.pop((s - 1, m)), shardings[s])
+                pools[s], hidden = self._stage_fns[s](stages[s][2], pools[s], bufs[s], carry, microbatch_ids[s][m],
+                                                      num_tokens=num_tokens, num_seqs=num_seqs, stage=s,
+                                                      num_microbatches=num_microbatches)
+                if s == last:
+                    finished.append(hidden)
+                else:
+                    handed_on[(s, m)] = hidden
+            outs = head_fn(stages[last][2], buf, tuple(finished), num_tokens=num_tokens, num_seqs=num_seqs)
+            return ([kv for pool in pools for kv in pool],) + tuple(outs)
 
-        self._forward = _Staged(forward, stage_fns)
+        self._forward = _Staged(forward, [*stage_fns, head_fn])
         from paged_jax.prompt_logprobs import prompt_logprobs_on_device
 
         max_logprobs = self.max_logprobs
