@@ -166,3 +166,49 @@ def test_invalid_offline_specs_raise_value_errors_naming_the_field(serving_engin
         serving_engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(
             regex="a(b")))
     assert not serving_engine.has_unfinished_requests()
+
+
+def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenizer, monkeypatch):
+    """Async scheduling with constrained requests in flight: each step's forward is dispatched before the previous
+    step's tokens are fetched; the grammars advance with them, then the bitmask goes with the sampling. Outputs
+    equal the synchronous run's."""
+    from paged_jax.step_io import PendingStep
+    from paged_jax.structured_output.manager import SequenceGrammar
+    from tests.test_engine import run_to_completion
+
+    engine, runner = serving_engine, serving_engine.runner
+    events: list[str] = []
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name, attr in (("forward", "_dispatch_forward"), ("sample", "_dispatch_sampling"), ("whole", "_dispatch")):
+        monkeypatch.setattr(runner, attr, record(name, getattr(runner, attr)))
+    monkeypatch.setattr(PendingStep, "result", record("fetch", PendingStep.result))
+    monkeypatch.setattr(SequenceGrammar, "accept", record("accept", SequenceGrammar.accept))
+    prompts = [smollm2_tokenizer.encode(text) for text in ("A person as JSON:", "Three words:", "Once upon a time")]
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(json=varied_schemas(1)[0])),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){2}\.")),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10)]
+    outputs = {}
+    try:
+        for async_scheduling in (False, True):
+            engine.async_scheduling = async_scheduling
+            events.clear()
+            done = run_to_completion(engine, prompts, params, prefix=f"ov{async_scheduling}")
+            outputs[async_scheduling] = [[c.token_ids for c in o.outputs] for o in done]
+    finally:
+        engine.async_scheduling = False
+    assert outputs[True] == outputs[False]
+    # Collapse each run of accepts: async steps with grammar rows read forward, fetch, accept, sample.
+    steps = [e for i, e in enumerate(events) if e != "accept" or events[i - 1] != "accept"]
+    deferred = [i for i, e in enumerate(steps) if e == "forward"]
+    assert len(deferred) >= 8, steps
+    for i in deferred:
+        assert steps[i:i + 4] == ["forward", "fetch", "accept", "sample"], steps
+    assert engine.stats()["num_compiles_since_warmup"] == 0 and not engine.has_unfinished_requests()

@@ -16,12 +16,18 @@ mode: no properties beyond the listed ones unless the schema allows them), ``jso
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from paged_jax.sampling_params import StructuredOutputsParams
+
+# Rows from which the bitmask fill fans out over threads (vLLM's threshold for its parallel fill): below it one
+# thread filling every row in one call beats waking workers for a few microseconds of work each.
+PARALLEL_FILL_MIN_ROWS = 128
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the useful message.
 _CPP_ERROR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -105,3 +111,18 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+
+@functools.lru_cache(maxsize=2)
+def _batch_matcher(max_threads: int):
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads=max_threads)
+
+
+def fill_bitmask_rows(matchers: Sequence, bitmask, rows: Sequence[int]) -> None:
+    """Write the allowed next tokens of each of ``matchers`` into its row ``rows[i]`` of ``bitmask``
+    (i32[R, ceil(V / 32)], numpy) in one xgrammar call (``BatchGrammarMatcher``: one Python -> C++ crossing for the
+    whole step instead of one per row; from ``PARALLEL_FILL_MIN_ROWS`` rows on, over up to 8 threads)."""
+    threads = 1 if len(matchers) < PARALLEL_FILL_MIN_ROWS else max(1, min(8, (os.cpu_count() or 2) // 2))
+    _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paged_jax.sampler import allowed_mask_words
+from paged_jax.structured_output.backend import fill_bitmask_rows
 from paged_jax.structured_output.manager import SequenceGrammar
 
 
@@ -25,7 +26,16 @@ def fill_step_bitmask(grammars: Sequence[SequenceGrammar | None], num_rows: int,
     if all(grammar is None for grammar in grammars):
         return None
     bitmask = np.full((num_rows, allowed_mask_words(vocab_size)), -1, np.int32)
+    matchers, rows = [], []
     for row, grammar in enumerate(grammars):
-        if grammar is not None:
-            grammar.fill_bitmask(bitmask, row)
+        if grammar is None:
+            continue
+        matcher = grammar.live_matcher()
+        if matcher is None:  # ended or failed: stop tokens only
+            bitmask[row] = grammar.stop_only_row
+        else:
+            matchers.append(matcher)
+            rows.append(row)
+    if matchers:
+        fill_bitmask_rows(matchers, bitmask, rows)
     return bitmask

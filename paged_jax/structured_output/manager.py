@@ -71,12 +71,24 @@ class SequenceGrammar:
             self._matcher = None
             logger.warning("structured output: %s; only stop tokens are allowed from here on", self.error)
 
+    def live_matcher(self):
+        """The xgrammar matcher that decides the next token, or None once the grammar has ended or failed (then
+        only the stop tokens are allowed: ``stop_only_row``)."""
+        matcher = self._get_matcher()
+        return None if matcher is None or matcher.is_terminated() else matcher
+
+    @property
+    def stop_only_row(self) -> np.ndarray:
+        """i32[ceil(V / 32)]: the bitmask row allowing only the engine's stop tokens."""
+        return self._manager.stop_only_row
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (i32[rows, ceil(V / 32)], ``allowed_mask_words``;
-        bit v % 32 of word v // 32 set = token v allowed)."""
-        matcher = self._get_matcher()
-        if matcher is None or matcher.is_terminated():
-            bitmask[row] = self._manager.stop_only_row
+        bit v % 32 of word v // 32 set = token v allowed). A step fills all its rows at once instead
+        (``bitmask.fill_step_bitmask``)."""
+        matcher = self.live_matcher()
+        if matcher is None:
+            bitmask[row] = self.stop_only_row
         else:
             matcher.fill_next_token_bitmask(bitmask, row)
 
