@@ -45,7 +45,6 @@ from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logpro
 from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
 from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
                                pack_block_copies, point_fork_rows)
-from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
 from paged_jax.sampling_params import MAX_LOGPROBS
@@ -341,10 +340,11 @@ class ModelRunner(StepDispatchMixin):
         writes (copy-on-write, at most one per sequence). Raises ValueError if the batch exceeds the largest bucket,
         a block table is too short, or ``feed_from_previous`` / ``sample_from`` names a key the step cannot serve.
 
-        ``defer_sampling`` (async scheduling with grammars): when some sampling row has a grammar, only the forward
-        is dispatched now; the caller then advances the grammars with the previous step's tokens (which it fetches
-        while this forward runs) and calls ``dispatch_sampling(handle)``, which fills the grammar bitmask and
-        dispatches mask + sampler. Without a grammar row the whole step is dispatched here as usual.
+        A step with grammar rows goes in two halves (``paged_jax.step_dispatch``): the forward, then, while it runs,
+        the grammar bitmask is filled and mask + sampler are dispatched. ``defer_sampling`` (async scheduling)
+        returns after the forward: the caller first advances the grammars with the previous step's tokens (fetched
+        while this forward runs), then calls ``dispatch_sampling(handle)``. Without a grammar row the whole step is
+        dispatched at once and ``defer_sampling`` changes nothing.
         """
         if not seqs:
             raise ValueError("execute needs at least one sequence")
@@ -395,9 +395,7 @@ class ModelRunner(StepDispatchMixin):
         bias_table = sampler_lib.pack_bias_table(tensors)  # None unless a row uses logit_bias / allowed_token_ids
         penalties = tensors.prev_token_ids.shape[1] > 0
         grammars = [s.grammar if s.sample else None for s in packed_seqs]
-        defer = defer_sampling and any(grammar is not None for grammar in grammars)
-        grammar_bitmask = None if defer else fill_step_bitmask(grammars, layout.num_sample_rows,
-                                                               self.vocab_size)  # None: no constrained row
+        constrained = any(grammar is not None for grammar in grammars)
         requested = [row[0].sampled_logprobs for row in sampling_rows
                      if row is not None and row[0].sampled_logprobs is not None]
         wants_logprobs = bool(requested)
@@ -458,15 +456,18 @@ class ModelRunner(StepDispatchMixin):
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
         handle = PendingStep(None, rows_to_packed, sampled, prompt_spans)
-        if defer:
-            forward = self._submit(self._dispatch_forward, buf, bucket_tokens, bucket_seqs)
-            self._deferred = DeferredSampling(handle, forward, grammars, layout.num_sample_rows,
-                                               (history, bias_table, prompt_targets, mode.value, num_logprobs,
-                                                wants_logprobs))
-        else:
+        if not constrained:
             handle.set_device_outputs(self._submit(
-                self._dispatch, buf, history, bias_table, grammar_bitmask, prompt_targets, bucket_tokens,
-                bucket_seqs, mode.value, num_logprobs, wants_logprobs))
+                self._dispatch, buf, history, bias_table, None, prompt_targets, bucket_tokens, bucket_seqs,
+                mode.value, num_logprobs, wants_logprobs))
+            return handle
+        # Grammar rows: the forward first, the bitmask is filled while it runs (only the sampling needs it).
+        forward = self._submit(self._dispatch_forward, buf, bucket_tokens, bucket_seqs)
+        self._deferred = DeferredSampling(handle, forward, grammars, layout.num_sample_rows,
+                                          (history, bias_table, prompt_targets, mode.value, num_logprobs,
+                                           wants_logprobs))
+        if not defer_sampling:
+            self.dispatch_sampling(handle)
         return handle
 
     # ------------------------------------------------------------------ swapping

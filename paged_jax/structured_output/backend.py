@@ -23,6 +23,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from paged_jax.sampling_params import StructuredOutputsParams
 
 # Rows from which the bitmask fill fans out over threads (vLLM's threshold for its parallel fill): below it one
@@ -96,8 +98,13 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        # The grammars' vocabulary: the tokenizer's ids only. Ids past them (the model's padding rows, e.g. a vocab
+        # padded to a multiple of 128) can never continue a grammar; xgrammar would treat each as a special token
+        # and scan that list on every accepted token, so they stay out of it and the step bitmask bans them
+        # (``fill_rows``).
+        self.grammar_vocab_size = min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < self.grammar_vocab_size})
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.grammar_vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         # Our own cache (StructuredOutputManager) keeps compiled grammars by spec; xgrammar's would be a second copy.
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
@@ -113,16 +120,24 @@ class XgrammarBackend:
         return xgr.GrammarMatcher(compiled)
 
 
+    def fill_rows(self, matchers: Sequence, bitmask: np.ndarray, rows: Sequence[int]) -> None:
+        """Write the allowed next tokens of each of ``matchers`` into its row ``rows[i]`` of the step's ``bitmask``
+        (i32[R, ceil(V / 32)]) in one xgrammar call (``BatchGrammarMatcher``: one Python -> C++ crossing for the
+        whole step instead of one per row; from ``PARALLEL_FILL_MIN_ROWS`` rows on, over up to 8 threads). Ids past
+        ``grammar_vocab_size`` are banned."""
+        threads = 1 if len(matchers) < PARALLEL_FILL_MIN_ROWS else max(1, min(8, (os.cpu_count() or 2) // 2))
+        words = -(-self.grammar_vocab_size // 32)
+        if words == bitmask.shape[1]:
+            _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+            return
+        narrow = np.empty((len(matchers), words), np.int32)  # xgrammar fills whole C-contiguous rows only
+        _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), narrow)
+        bitmask[rows, :words] = narrow
+        bitmask[rows, words:] = 0
+
+
 @functools.lru_cache(maxsize=2)
 def _batch_matcher(max_threads: int):
     import xgrammar as xgr
 
     return xgr.BatchGrammarMatcher(max_threads=max_threads)
-
-
-def fill_bitmask_rows(matchers: Sequence, bitmask, rows: Sequence[int]) -> None:
-    """Write the allowed next tokens of each of ``matchers`` into its row ``rows[i]`` of ``bitmask``
-    (i32[R, ceil(V / 32)], numpy) in one xgrammar call (``BatchGrammarMatcher``: one Python -> C++ crossing for the
-    whole step instead of one per row; from ``PARALLEL_FILL_MIN_ROWS`` rows on, over up to 8 threads)."""
-    threads = 1 if len(matchers) < PARALLEL_FILL_MIN_ROWS else max(1, min(8, (os.cpu_count() or 2) // 2))
-    _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from paged_jax.sampler import allowed_mask_words
-from paged_jax.structured_output.backend import fill_bitmask_rows
 from paged_jax.structured_output.manager import SequenceGrammar
 
 
@@ -26,7 +25,7 @@ def fill_step_bitmask(grammars: Sequence[SequenceGrammar | None], num_rows: int,
     if all(grammar is None for grammar in grammars):
         return None
     bitmask = np.full((num_rows, allowed_mask_words(vocab_size)), -1, np.int32)
-    matchers, rows = [], []
+    matchers, rows, backend = [], [], None
     for row, grammar in enumerate(grammars):
         if grammar is None:
             continue
@@ -36,6 +35,7 @@ def fill_step_bitmask(grammars: Sequence[SequenceGrammar | None], num_rows: int,
         else:
             matchers.append(matcher)
             rows.append(row)
+            backend = grammar.backend
     if matchers:
-        fill_bitmask_rows(matchers, bitmask, rows)
+        backend.fill_rows(matchers, bitmask, rows)
     return bitmask
