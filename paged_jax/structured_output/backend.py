@@ -98,12 +98,11 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        # The grammars' vocabulary: the tokenizer's ids only. Ids past them (the model's padding rows, e.g. a vocab
-        # padded to a multiple of 128) can never continue a grammar; xgrammar would treat each as a special token
-        # and scan that list on every accepted token, so they stay out of it and the step bitmask bans them
-        # (``fill_rows``).
-        self.grammar_vocab_size = min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
-        self.stop_token_ids = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < self.grammar_vocab_size})
+        # The grammars' vocabulary: the tokenizer's ids (and the stop ids). Ids past them (the model's padding rows,
+        # e.g. a vocabulary padded to a multiple of 128) never continue a grammar; xgrammar would count each as a
+        # special token, a list it scans on every accepted token, so they stay out and ``fill_rows`` bans them.
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size})
+        self.grammar_vocab_size = min(vocab_size, max([*tokenizer.get_vocab().values(), *self.stop_token_ids]) + 1)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.grammar_vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         # Our own cache (StructuredOutputManager) keeps compiled grammars by spec; xgrammar's would be a second copy.
