@@ -3,21 +3,29 @@ run unconstrained (same process, same prompts, same lengths), and grammar compil
 
 Example (on the H200; dummy weights in a real shape, the grammar built over the SmolLM2 tokenizer padded to the
 shape's vocabulary, since the GPU machine has no other tokenizer):
-  python -m benchmarks.structured --shape qwen3-0.6b --max-concurrency 64 --out $OUT/structured.json
+  python -m benchmarks.structured --shape qwen3-0.6b --max-concurrency 64 --async-scheduling --out $OUT/structured.json
+
+The model is the shape with the tokenizer's own BOS / EOS ids (a config.json in a temporary directory, dummy
+weights), as a real checkpoint pairs them: with the shape's EOS (151645 for Qwen3) past the SmolLM2 tokenizer's
+49,152 ids, the grammars' vocabulary would have to reach it, and xgrammar would count the 100k ids between as special
+tokens, scanned on every accepted token (a cost no real checkpoint has: Qwen3's own tokenizer leaves 267 padding ids).
 
 Offline engine mode (``LLMEngine`` driven at ``--max-concurrency`` streams, as a server at that many concurrent
 streams would see them). Every request sets ``ignore_eos``: once a constrained reply's grammar has ended only EOS is
 allowed, so each request still runs to its workload length and both runs generate the same tokens.
 Prints one JSON line per figure: ``grammar_compile_ms`` (p50 / p99 over the schemas, each compiled cold),
-``throughput`` (per run: output tok/s and the physical floor's fraction), ``constrained_over_unconstrained``
-(the throughput ratio; target >= 0.85).
+``grammar_host_us`` (host work per step for ``max_num_seqs / 2`` constrained rows: the bitmask fill and the matcher
+advance, per row and per step), ``throughput`` (per run: output tok/s and the physical floor's fraction),
+``constrained_over_unconstrained`` (the throughput ratio; target >= 0.85).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 
 
@@ -44,6 +52,53 @@ def varied_schemas(count: int) -> list[dict]:
         schemas.append({"type": "object", "properties": properties, "required": list(properties),
                         "additionalProperties": False})
     return schemas
+
+
+def _shape_with_tokenizer_ids(shape: str, tokenizer_dir: str, model_dir: str) -> str:
+    """Write ``model_dir/config.json``: the shape's HF config with the tokenizer's BOS / EOS ids; returns the dir."""
+    from transformers import AutoTokenizer
+
+    from models.presets import PRESETS
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = dict(PRESETS[shape.lower()], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return model_dir
+
+
+def _grammar_host_us(engine, schemas: list[dict], num_rows: int, num_steps: int = 24) -> dict:
+    """Host time of the grammar work of a step with ``num_rows`` constrained rows (one per schema in turn): the
+    step's bitmask fill (``fill_step_bitmask``, rows of twice as many) and the matcher advance (``accept``) with a
+    token the mask allows, as the engine does them; medians over ``num_steps`` steps."""
+    import numpy as np
+
+    from paged_jax import StructuredOutputsParams
+    from paged_jax.structured_output import fill_step_bitmask
+
+    manager = engine.structured_outputs
+    compiled = [manager.grammar_for(StructuredOutputsParams(json=schema)) for schema in schemas]
+    grammars = [manager.new_sequence(compiled[i % len(compiled)]) for i in range(num_rows)]
+    rng = np.random.default_rng(0)
+    fill_s, accept_s = [], []
+    for _ in range(num_steps):
+        for i, grammar in enumerate(grammars):  # an ended grammar starts over (waits for the compile once)
+            if grammar.live_matcher() is None:
+                grammars[i] = manager.new_sequence(compiled[i % len(compiled)])
+                grammars[i].live_matcher()
+        start = time.perf_counter()
+        bitmask = fill_step_bitmask(grammars, 2 * num_rows, engine.vocab_size)
+        fill_s.append(time.perf_counter() - start)
+        bits = np.unpackbits(bitmask[:num_rows].view(np.uint8), axis=1, bitorder="little")
+        tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+        start = time.perf_counter()
+        for grammar, token in zip(grammars, tokens):
+            grammar.accept(token)
+        accept_s.append(time.perf_counter() - start)
+    fill, accept = 1e6 * float(np.median(fill_s)), 1e6 * float(np.median(accept_s))
+    return {"figure": "grammar_host_us", "rows": num_rows, "fill_per_step": fill, "fill_per_row": fill / num_rows,
+            "accept_per_step": accept, "accept_per_row": accept / num_rows,
+            "grammar_vocab_size": grammars[0].backend.grammar_vocab_size}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -79,9 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     from paged_jax.structured_output.backend import XgrammarBackend, parse_grammar
 
     tokenizer = args.tokenizer or str(ensure_smollm2())
-    llm = LLM(model=args.shape, load_format="dummy", tokenizer=tokenizer, dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, async_scheduling=args.async_scheduling)
+    model_dir = tempfile.mkdtemp(prefix="structured-model-")
+    llm = LLM(model=_shape_with_tokenizer_ids(args.shape, tokenizer, model_dir), load_format="dummy",
+              tokenizer=tokenizer, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     results: dict = {"versions": versions(), "argv": sys.argv[1:] if argv is None else argv}
 
@@ -100,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      "max": max(compile_ms), "tokenizer_info_s": tokenizer_info_s,
                                      "vocab_size": engine.vocab_size}
     print(json.dumps(results["grammar_compile_ms"]), flush=True)
+    results["grammar_host_us"] = _grammar_host_us(engine, schemas, max(1, args.max_num_seqs // 2))
+    print(json.dumps(results["grammar_host_us"]), flush=True)
 
     workload = nanovllm(args.num_prompts, args.max_input_len, args.max_output_len)
     requests = workload.requests

@@ -14,7 +14,6 @@ Thread-safety: none; the serving layer drives one engine from one thread (``serv
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -22,6 +21,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from paged_jax.async_scheduling import PLACEHOLDER_TOKEN, AsyncSchedulingMixin, InFlightStep
 from paged_jax.beam_search import BeamSearchParams, BeamSearchState
 from paged_jax.buckets import planned_num_compiles
 from paged_jax.config import EngineArgs
@@ -52,21 +52,7 @@ _CPU_MAX_BATCHED_TOKENS, _GPU_MAX_BATCHED_TOKENS = 512, 8192
 _CPU_DEFAULT_MAX_MODEL_LEN = 2048
 
 
-# Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
-PLACEHOLDER_TOKEN = -1
-
-
-@dataclasses.dataclass
-class _InFlightStep:
-    """A dispatched step whose sampled tokens are still placeholders: ``rows`` = (row, request, output index);
-    ``scheduled``: the step's sequences when some of them asked for prompt logprobs, else None."""
-
-    handle: PendingStep
-    rows: list[tuple[int, Request, int]]
-    scheduled: list[ScheduledSeq] | None = None
-
-
-class LLMEngine(LoRAEngineMixin):
+class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
     """An inference engine over one model: add requests, call ``step()`` until none are left.
 
     Args:
@@ -162,7 +148,7 @@ class LLMEngine(LoRAEngineMixin):
         self._requests: dict[str, RequestState] = {}  # unfinished user requests
         self._seq_by_id: dict[str, tuple[RequestState, SequenceState]] = {}  # scheduler request id -> sequence
         self.async_scheduling = bool(args.async_scheduling)
-        self._in_flight: _InFlightStep | None = None
+        self._in_flight: InFlightStep | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -370,23 +356,19 @@ class LLMEngine(LoRAEngineMixin):
         dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop
         conditions and detokenizes. A call that schedules nothing just reports the step in flight.
         """
-        outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self._in_flight_needs_tokens():
-            outputs += self._finish_in_flight(finished_only)
+        if self.async_scheduling:
+            return self._step_async(finished_only)
+        # A step left in flight by async scheduling just turned off is reported first.
+        outputs = self._finish_in_flight(finished_only) if self._in_flight is not None else []
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output)
-        if not self.async_scheduling:
-            if handle is not None:
-                outputs += self._finish_sync(scheduler_output, handle, finished_only)
-            return outputs
-        if self._in_flight is not None:
-            outputs += self._finish_in_flight(finished_only)  # waits for step k while step k+1 runs
         if handle is not None:
-            self._start_in_flight(scheduler_output, handle)
+            outputs += self._finish_sync(scheduler_output, handle, finished_only)
         return outputs
 
-    def _launch(self, scheduler_output) -> PendingStep | None:
-        """Swap copies, then dispatch the step's forward + sampling; None when nothing is scheduled."""
+    def _launch(self, scheduler_output, defer_sampling: bool = False) -> PendingStep | None:
+        """Swap copies, then dispatch the step's forward + sampling (``defer_sampling``: only the forward when a row
+        has a grammar, ``ModelRunner.execute``); None when nothing is scheduled."""
         if scheduler_output.is_empty:
             return None
         self.runner.swap(scheduler_output.swap_out, scheduler_output.swap_in)
@@ -420,7 +402,7 @@ class LLMEngine(LoRAEngineMixin):
                                    grammar=request.grammar if seq_sched.samples else None,
                                    sample_from=seq_sched.fork_parent.request_id if seq_sched.fork_parent else None))
         self.num_steps += 1
-        return self.runner.execute(inputs, scheduler_output.block_copies)
+        return self.runner.execute(inputs, scheduler_output.block_copies, defer_sampling=defer_sampling)
 
     def _finish_sync(self, scheduler_output, handle: PendingStep, finished_only: bool = False) -> list[RequestOutput]:
         """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
@@ -436,46 +418,6 @@ class LLMEngine(LoRAEngineMixin):
             state, seq = self._seq_by_id[request.request_id]
             self._on_token(state, seq, request, request.num_output_tokens - 1, result, row_of[request.request_id],
                            now)
-            touched[state.request_id] = state
-        return self._collect_outputs(touched.values(), now, finished_only)
-
-    def _start_in_flight(self, scheduler_output, handle: PendingStep) -> None:
-        """Async path, right after dispatch: advance the scheduler as if the step were done, with a placeholder for
-        each sampled token, so the next step can be scheduled before the tokens are known."""
-        scheduled = scheduler_output.scheduled
-        row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
-        placeholders = [PLACEHOLDER_TOKEN if s.samples else None for s in scheduled]
-        progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
-        rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
-        prompt_rows = handle.wants_prompt_logprobs
-        # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
-        # computes prompt logprobs, which must still be recorded).
-        self._in_flight = (_InFlightStep(handle=handle, rows=rows, scheduled=scheduled if prompt_rows else None)
-                           if rows or prompt_rows else None)
-
-    def _in_flight_needs_tokens(self) -> bool:
-        """Penalties, bad words and grammars need every previous token on the host when the next step is built: no
-        overlap then."""
-        return any(request.grammar is not None or (request.params is not None and request.params.reads_output_tokens)
-                   for _, request, _ in self._in_flight.rows)
-
-    def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Async path: fetch the in-flight step's tokens, let the scheduler replace the placeholders (and apply the
-        stop tokens it could not see), detokenize."""
-        flight, self._in_flight = self._in_flight, None
-        result = flight.handle.result()
-        if flight.scheduled is not None:
-            self._record_prompt_logprobs(flight.scheduled, result)
-        tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
-        now = time.time()
-        touched: dict[str, RequestState] = {}
-        for row, request, output_index in flight.rows:
-            entry = self._seq_by_id.get(request.request_id)
-            if entry is None or entry[1].request is not request or entry[1].finished:
-                continue  # aborted meanwhile
-            state, seq = entry
-            self.scheduler.resolve_placeholder(request, output_index, tokens[row])
-            self._on_token(state, seq, request, output_index, result, row, now)
             touched[state.request_id] = state
         return self._collect_outputs(touched.values(), now, finished_only)
 

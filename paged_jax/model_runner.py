@@ -43,12 +43,11 @@ from paged_jax import sampler as sampler_lib
 from paged_jax import warm_up as warm_up_lib
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
 from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
+from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
 from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
                                pack_block_copies, point_fork_rows)
-from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel import ShardingPlan
-from paged_jax.parallel.multihost import local_copies
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ NULL_BLOCK_ID = 0
 # The runner
 # ----------------------------------------------------------------------------------------------------------------
 
-class ModelRunner:
+class ModelRunner(StepDispatchMixin):
     """Runs the model on paged KV for a stream of ragged steps.
 
     Args:
@@ -162,6 +161,7 @@ class ModelRunner:
         self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")
                             if dispatch_thread else None)
         self._last_dispatch: concurrent.futures.Future | None = None
+        self._deferred: DeferredSampling | None = None  # a step whose sampling waits for dispatch_sampling
         # Multi-host node 0: announces each device call to the other processes first (paged_jax.parallel.multihost).
         self.step_channel = None
         self._build_jitted()
@@ -314,16 +314,25 @@ class ModelRunner:
         return swap_sizes_for(self.num_blocks)
 
     # ------------------------------------------------------------------ one step
-    def execute(self, seqs: Sequence[SeqInput], block_copies: Sequence[tuple[int, int]] = ()) -> PendingStep:
+    def execute(self, seqs: Sequence[SeqInput], block_copies: Sequence[tuple[int, int]] = (), *,
+                defer_sampling: bool = False) -> PendingStep:
         """Dispatch one step; nothing here waits for the device. ``.result()`` of the return value fetches outputs.
 
         ``seqs`` may come in any order; they are packed decodes first, then prefill chunks, then fork rows
         (``SeqInput.sample_from``). ``block_copies`` ``[(src_block, dst_block)]`` are applied before the step's K/V
         writes (copy-on-write, at most one per sequence). Raises ValueError if the batch exceeds the largest bucket,
         a block table is too short, or ``feed_from_previous`` / ``sample_from`` names a key the step cannot serve.
+
+        A step with grammar rows goes in two halves (``paged_jax.step_dispatch``): the forward, then, while it runs,
+        the grammar bitmask is filled and mask + sampler are dispatched. ``defer_sampling`` (async scheduling)
+        returns after the forward: the caller first advances the grammars with the previous step's tokens (fetched
+        while this forward runs), then calls ``dispatch_sampling(handle)``. Without a grammar row the whole step is
+        dispatched at once and ``defer_sampling`` changes nothing.
         """
         if not seqs:
             raise ValueError("execute needs at least one sequence")
+        if self._deferred is not None:
+            raise RuntimeError("execute: the previous step's sampling was never dispatched (dispatch_sampling)")
         num_rows = len(seqs)
         # Per row only C-speed iteration (fromiter / chain) and whole-array numpy; no per-row numpy calls.
         q_lens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, num_rows)
@@ -368,8 +377,8 @@ class ModelRunner:
         sampler_lib.pack_sampling_tensors(tensors, view("sampling"))
         bias_table = sampler_lib.pack_bias_table(tensors)  # None unless a row uses logit_bias / allowed_token_ids
         penalties = tensors.prev_token_ids.shape[1] > 0
-        grammar_bitmask = fill_step_bitmask([s.grammar if s.sample else None for s in packed_seqs],
-                                            layout.num_sample_rows, self.vocab_size)  # None: no constrained row
+        grammars = [s.grammar if s.sample else None for s in packed_seqs]
+        constrained = any(grammar is not None for grammar in grammars)
         requested = [row[0].sampled_logprobs for row in sampling_rows
                      if row is not None and row[0].sampled_logprobs is not None]
         wants_logprobs = bool(requested)
@@ -429,56 +438,20 @@ class ModelRunner:
         history = tensors.prev_token_ids if penalties else None
         self._prev_rows = new_prev_rows
         sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
-        dispatch = functools.partial(self._dispatch, buf, history, bias_table, grammar_bitmask, prompt_targets,
-                                     bucket_tokens, bucket_seqs, mode.value, num_logprobs, wants_logprobs)
-        if self._dispatcher is None:
-            return PendingStep(dispatch(), rows_to_packed, sampled, prompt_spans)
-        self._last_dispatch = self._dispatcher.submit(dispatch)
-        return PendingStep(self._last_dispatch, rows_to_packed, sampled, prompt_spans)
-
-    def _dispatch(self, buf: np.ndarray, history: np.ndarray | None, bias_table: np.ndarray | None,
-                  grammar_bitmask: np.ndarray | None, prompt_targets: np.ndarray | None, num_tokens: int,
-                  num_seqs: int, mode: str, num_logprobs: int, wants_logprobs: bool) -> tuple:
-        """Send one step's buffer and launch its forward + sampling, and the prompt logprobs when some row wants them
-        (on the dispatch thread if there is one). Returns the device outputs to fetch (sampler's, prompt logprobs'),
-        their host copies already started."""
-        if self.step_channel is not None:
-            self.step_channel.publish("dispatch", (buf, history, bias_table, grammar_bitmask, prompt_targets,
-                                                   num_tokens, num_seqs, mode, num_logprobs, wants_logprobs))
-        self.kv_pool, logits, sampling_words, hidden = self._forward(
-            self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
-            self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
-        if grammar_bitmask is not None:
-            logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
-        history = (jax.device_put(history, self.device) if history is not None
-                   else self._no_history[logits.shape[0]])
-        bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None
-                      else self._no_history[logits.shape[0]])
-        outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
-        self._prev_tokens = outs[0]
-        fetch = local_copies(outs if wants_logprobs else outs[:1])
-        prompt_fetch = () if prompt_targets is None else local_copies(self._prompt_logprobs(
-            self._param_leaves, hidden, jax.device_put(prompt_targets, self.device)))
-        for array in (*fetch, *prompt_fetch):
-            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
-        return fetch, prompt_fetch
-
-    def write_lora_slot(self, slot: int, loaded) -> None:
-        """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""
-        if self._dispatcher is None:
-            return self.lora_slots.write(slot, loaded)
-        self._last_dispatch = self._dispatcher.submit(self.lora_slots.write, slot, loaded)
-
-    def wait_for_dispatch(self) -> None:
-        """Block until every step handed to the dispatch thread has been dispatched (not computed); re-raises a
-        dispatch error. Anything that uses the KV pool outside ``execute`` calls this first."""
-        if self._last_dispatch is not None:
-            self._last_dispatch.result()
-
-    def close(self) -> None:
-        """Stop the dispatch thread (after the steps already handed to it)."""
-        if self._dispatcher is not None:
-            self._dispatcher.shutdown(wait=True)
+        handle = PendingStep(None, rows_to_packed, sampled, prompt_spans)
+        if not constrained:
+            handle.set_device_outputs(self._submit(
+                self._dispatch, buf, history, bias_table, None, prompt_targets, bucket_tokens, bucket_seqs,
+                mode.value, num_logprobs, wants_logprobs))
+            return handle
+        # Grammar rows: the forward first, the bitmask is filled while it runs (only the sampling needs it).
+        forward = self._submit(self._dispatch_forward, buf, bucket_tokens, bucket_seqs)
+        self._deferred = DeferredSampling(handle, forward, grammars, layout.num_sample_rows,
+                                          (history, bias_table, prompt_targets, mode.value, num_logprobs,
+                                           wants_logprobs))
+        if not defer_sampling:
+            self.dispatch_sampling(handle)
+        return handle
 
     # ------------------------------------------------------------------ swapping
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:

@@ -114,6 +114,10 @@ class PendingStep:
         self._prompt_spans = prompt_spans
         self._result: StepOutput | None = None
 
+    def set_device_outputs(self, device_outputs) -> None:
+        """The runner's device outputs of a step created before its sampling was dispatched (deferred sampling)."""
+        self._device_outputs = device_outputs
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Some row of the step computes prompt logprobs."""
@@ -122,6 +126,9 @@ class PendingStep:
     def result(self) -> StepOutput:
         if self._result is None:
             outputs = self._device_outputs
+            if outputs is None:
+                raise RuntimeError("result() of a step whose sampling was never dispatched "
+                                   "(ModelRunner.dispatch_sampling)")
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
             sampler_outputs, prompt_outputs = jax.device_get(outputs)

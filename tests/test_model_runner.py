@@ -284,14 +284,15 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 assert (out.sampled_token_ids == 9).all()
 
     class OnlyToken:
-        """A structured-output grammar that allows one token (the runner only asks it for its bitmask row)."""
+        """A structured-output grammar that allows one token: as a grammar that has ended allows only its stop
+        row (``SequenceGrammar.live_matcher`` None, ``stop_only_row``), here with the one token as the stop token."""
 
         def __init__(self, token: int):
-            self.token = token
+            self.stop_only_row = np.zeros((sampler_lib.allowed_mask_words(config.vocab_size),), np.int32)
+            self.stop_only_row[token // 32] = 1 << (token % 32)
 
-        def fill_bitmask(self, bitmask, row):
-            bitmask[row] = 0
-            bitmask[row, self.token // 32] = 1 << (self.token % 32)
+        def live_matcher(self):
+            return None
 
     # Grammar bitmask rows (even rows constrained, odd rows free) with every sampler mode: no compile either.
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1, logprobs=2),
@@ -301,6 +302,13 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 for i in range(9)]
         out = runner.execute(seqs).result()
         assert out.sampled_token_ids[0::2].tolist() == [40, 42, 44, 46, 48]
+        # The same step in two halves (async scheduling's deferred sampling): the forward alone, then the bitmask
+        # and the sampler; a second step cannot start in between.
+        handle = runner.execute(seqs, defer_sampling=True)
+        with pytest.raises(RuntimeError, match="never dispatched"):
+            runner.execute(seqs)
+        runner.dispatch_sampling(handle)
+        assert handle.result().sampled_token_ids.tolist() == out.sampled_token_ids.tolist()
     assert runner.num_compiles_since_warmup == 0
 
 

@@ -166,3 +166,81 @@ def test_invalid_offline_specs_raise_value_errors_naming_the_field(serving_engin
         serving_engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(
             regex="a(b")))
     assert not serving_engine.has_unfinished_requests()
+
+
+def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenizer, monkeypatch):
+    """Async scheduling with constrained requests in flight: each step's forward is dispatched before the previous
+    step's tokens are fetched; the grammars advance with them, then the bitmask goes with the sampling. Outputs
+    equal the synchronous run's."""
+    from paged_jax.step_io import PendingStep
+    from paged_jax.structured_output.manager import SequenceGrammar
+    from tests.test_engine import run_to_completion
+
+    engine, runner = serving_engine, serving_engine.runner
+    events: list[str] = []
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name, attr in (("forward", "_dispatch_forward"), ("sample", "_dispatch_sampling"), ("whole", "_dispatch")):
+        monkeypatch.setattr(runner, attr, record(name, getattr(runner, attr)))
+    monkeypatch.setattr(PendingStep, "result", record("fetch", PendingStep.result))
+    monkeypatch.setattr(SequenceGrammar, "accept", record("accept", SequenceGrammar.accept))
+    prompts = [smollm2_tokenizer.encode(text) for text in ("A person as JSON:", "Three words:", "Once upon a time")]
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(json=varied_schemas(1)[0])),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){2}\.")),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10)]
+    outputs = {}
+    try:
+        for async_scheduling in (False, True):
+            engine.async_scheduling = async_scheduling
+            events.clear()
+            done = run_to_completion(engine, prompts, params, prefix=f"ov{async_scheduling}")
+            outputs[async_scheduling] = [[c.token_ids for c in o.outputs] for o in done]
+    finally:
+        engine.async_scheduling = False
+    assert outputs[True] == outputs[False]
+    # Collapse each run of accepts. A step with grammar rows is dispatched in two halves; with a step in flight
+    # (async) the previous step's tokens are fetched and accepted between them.
+    steps = [e for i, e in enumerate(events) if e != "accept" or events[i - 1] != "accept"]
+    halves = [steps[i:i + 4] for i, e in enumerate(steps) if e == "forward"]
+    assert all(h[1] == "sample" or h == ["forward", "fetch", "accept", "sample"] for h in halves), steps
+    assert sum(h[1] == "fetch" for h in halves) >= 8, steps
+    assert engine.stats()["num_compiles_since_warmup"] == 0 and not engine.has_unfinished_requests()
+
+
+def test_padded_vocabulary_bitmask_equals_xgrammars_own(smollm2_tokenizer):
+    """A model vocabulary padded past the tokenizer's ids: the grammars use the tokenizer's ids only (xgrammar would
+    count every padding id as a special token), and the step bitmask equals the one xgrammar fills over the whole
+    padded vocabulary: the padding ids banned, the same tokens allowed."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from paged_jax.structured_output import StructuredOutputManager, fill_step_bitmask
+
+    vocab_size, eos = len(smollm2_tokenizer) + 1000, smollm2_tokenizer.eos_token_id
+    manager = StructuredOutputManager(smollm2_tokenizer, vocab_size, [eos])
+    specs = [StructuredOutputsParams(json=varied_schemas(2)[1]), StructuredOutputsParams(regex=r"[a-z]{2,4} [0-9]+")]
+    info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
+    reference_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    grammars = [manager.new_sequence(manager.grammar_for(spec)) for spec in specs]
+    references = [xgr.GrammarMatcher(reference_compiler.compile_json_schema(json.dumps(specs[0].json))),
+                  xgr.GrammarMatcher(reference_compiler.compile_regex(specs[1].regex))]
+    assert grammars[0].backend.grammar_vocab_size == len(smollm2_tokenizer)
+    for _ in range(6):
+        bitmask = fill_step_bitmask([None, *grammars], 4, vocab_size)
+        expected = np.full_like(bitmask, -1)
+        for row, matcher in enumerate(references, start=1):
+            matcher.fill_next_token_bitmask(expected, row)
+        np.testing.assert_array_equal(bitmask, expected)
+        for grammar, matcher, row in zip(grammars, references, (1, 2)):
+            allowed = np.flatnonzero(np.unpackbits(bitmask[row].view(np.uint8), bitorder="little"))
+            assert allowed.max() < len(smollm2_tokenizer)
+            grammar.accept(int(allowed[len(allowed) // 2]))
+            assert matcher.accept_token(int(allowed[len(allowed) // 2]))
+    manager.close()

@@ -11,8 +11,9 @@ device work:
   coordinator's key-value store (``jax.distributed``'s own client: small messages over its gRPC connection, no
   device collective, so nothing compiles for them). Warm-up needs no messages: every process compiles and runs the
   same fixed sequence.
-* ``follow(runner, channel)``: the loop of nodes 1..N-1: take the next message, make the same runner call; a
-  ``"shutdown"`` message ends it.
+* ``follow(runner, channel)``: the loop of nodes 1..N-1: take the next message, make the same runner call
+  (``"dispatch"``: a whole step; ``"forward"`` then ``"sample"``: a step in two halves, ``paged_jax.step_dispatch``;
+  ``"swap"``); a ``"shutdown"`` message ends it.
 
 A dead node: every node notices within seconds (``EngineArgs.distributed_timeout_seconds``,
 ``--distributed-timeout-seconds``), logs an error naming it and exits with status 1 (``paged_jax.parallel.rank_watch``);
@@ -187,14 +188,19 @@ def follow(runner, channel: StepChannel) -> None:
     import jax
 
     logger.info("node %d ready: following node 0's steps", jax.process_index())
-    pending = None
+    pending = forward = None
     while True:
         kind, payload = channel.receive()
         if kind == "shutdown":
             logger.info("node 0 shut down; node %d exits", jax.process_index())
             return
-        if kind == "dispatch":
-            outputs = runner._dispatch(*payload)
+        if kind == "forward":  # a step in two halves (paged_jax.step_dispatch): its "sample" comes next
+            forward = runner._dispatch_forward(*payload)
+        elif kind in ("dispatch", "sample"):
+            if kind == "dispatch":
+                outputs = runner._dispatch(*payload)
+            else:
+                outputs, forward = runner._dispatch_sampling(forward, *payload), None
             # Nothing reads a follower's outputs; keeping the last one bounds how far its queue runs ahead.
             if pending is not None:
                 jax.block_until_ready(pending)

@@ -16,12 +16,20 @@ mode: no properties beyond the listed ones unless the schema allows them), ``jso
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from paged_jax.sampling_params import StructuredOutputsParams
+
+# Rows from which the bitmask fill fans out over threads (vLLM's threshold for its parallel fill): below it one
+# thread filling every row in one call beats waking workers for a few microseconds of work each.
+PARALLEL_FILL_MIN_ROWS = 128
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the useful message.
 _CPP_ERROR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -90,8 +98,12 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        # The grammars' vocabulary: the tokenizer's ids (and the stop ids). Ids past them (the model's padding rows,
+        # e.g. a vocabulary padded to a multiple of 128) never continue a grammar; xgrammar would count each as a
+        # special token, a list it scans on every accepted token, so they stay out and ``fill_rows`` bans them.
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size})
+        self.grammar_vocab_size = min(vocab_size, max([*tokenizer.get_vocab().values(), *self.stop_token_ids]) + 1)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.grammar_vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         # Our own cache (StructuredOutputManager) keeps compiled grammars by spec; xgrammar's would be a second copy.
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
@@ -105,3 +117,26 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+
+    def fill_rows(self, matchers: Sequence, bitmask: np.ndarray, rows: Sequence[int]) -> None:
+        """Write the allowed next tokens of each of ``matchers`` into its row ``rows[i]`` of the step's ``bitmask``
+        (i32[R, ceil(V / 32)]) in one xgrammar call (``BatchGrammarMatcher``: one Python -> C++ crossing for the
+        whole step instead of one per row; from ``PARALLEL_FILL_MIN_ROWS`` rows on, over up to 8 threads). Ids past
+        ``grammar_vocab_size`` are banned."""
+        threads = 1 if len(matchers) < PARALLEL_FILL_MIN_ROWS else max(1, min(8, (os.cpu_count() or 2) // 2))
+        words = -(-self.grammar_vocab_size // 32)
+        if words == bitmask.shape[1]:
+            _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
+            return
+        narrow = np.empty((len(matchers), words), np.int32)  # xgrammar fills whole C-contiguous rows only
+        _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), narrow)
+        bitmask[rows, :words] = narrow
+        bitmask[rows, words:] = 0
+
+
+@functools.lru_cache(maxsize=2)
+def _batch_matcher(max_threads: int):
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads=max_threads)

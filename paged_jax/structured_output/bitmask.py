@@ -25,7 +25,17 @@ def fill_step_bitmask(grammars: Sequence[SequenceGrammar | None], num_rows: int,
     if all(grammar is None for grammar in grammars):
         return None
     bitmask = np.full((num_rows, allowed_mask_words(vocab_size)), -1, np.int32)
+    matchers, rows, backend = [], [], None
     for row, grammar in enumerate(grammars):
-        if grammar is not None:
-            grammar.fill_bitmask(bitmask, row)
+        if grammar is None:
+            continue
+        matcher = grammar.live_matcher()
+        if matcher is None:  # ended or failed: stop tokens only
+            bitmask[row] = grammar.stop_only_row
+        else:
+            matchers.append(matcher)
+            rows.append(row)
+            backend = grammar.backend
+    if matchers:
+        backend.fill_rows(matchers, bitmask, rows)
     return bitmask

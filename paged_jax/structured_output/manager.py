@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class SequenceGrammar:
-    """The grammar state of one output sequence. ``is_ready`` once its grammar is compiled; then ``fill_bitmask``
-    writes the allowed next tokens and ``accept`` advances with the sampled token. After the grammar has ended (the
+    """The grammar state of one output sequence. ``is_ready`` once its grammar is compiled; then ``live_matcher``
+    decides the allowed next tokens (``bitmask.fill_step_bitmask``) and ``accept`` advances with the sampled token. After the grammar has ended (the
     matcher accepted a stop token) or failed, only the stop tokens are allowed."""
 
     def __init__(self, compiled: concurrent.futures.Future, manager: "StructuredOutputManager"):
@@ -71,14 +71,21 @@ class SequenceGrammar:
             self._matcher = None
             logger.warning("structured output: %s; only stop tokens are allowed from here on", self.error)
 
-    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (i32[rows, ceil(V / 32)], ``allowed_mask_words``;
-        bit v % 32 of word v // 32 set = token v allowed)."""
+    def live_matcher(self):
+        """The xgrammar matcher that decides the next token, or None once the grammar has ended or failed (then
+        only the stop tokens are allowed: ``stop_only_row``)."""
         matcher = self._get_matcher()
-        if matcher is None or matcher.is_terminated():
-            bitmask[row] = self._manager.stop_only_row
-        else:
-            matcher.fill_next_token_bitmask(bitmask, row)
+        return None if matcher is None or matcher.is_terminated() else matcher
+
+    @property
+    def stop_only_row(self) -> np.ndarray:
+        """i32[ceil(V / 32)]: the bitmask row allowing only the engine's stop tokens."""
+        return self._manager.stop_only_row
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        """The engine's grammar backend (built by the first compile, so it exists once the grammar is ready)."""
+        return self._manager.backend
 
 
 class StructuredOutputManager:
@@ -106,6 +113,10 @@ class StructuredOutputManager:
         stop_bits = np.zeros(allowed_mask_words(vocab_size) * 32, np.bool_)
         stop_bits[[t for t in self.eos_token_ids if 0 <= t < vocab_size]] = True
         self.stop_only_row = np.packbits(stop_bits, bitorder="little").view("<i4")
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        return self._get_backend()
 
     def _get_backend(self) -> XgrammarBackend:
         # Built on the first compile, on a pool thread: the tokenizer's vocabulary scan takes a noticeable moment.
