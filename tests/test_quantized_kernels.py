@@ -89,7 +89,7 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
     from paged_jax.ops import quantized_matmul_tuning as table
     from paged_jax.ops.quantized_matmul import select_matmul_impl
 
-    assert table.use_pallas("int4", 1, "gpu") and table.use_pallas("int8", 64, "gpu")
+    assert table.use_pallas("int4", 1, "gpu") and table.use_pallas("int8", table.PALLAS_MAX_M["int8"], "gpu")
     assert not table.use_pallas("int4", table.PALLAS_MAX_M["int4"] + 1, "gpu")
     assert not table.use_pallas("fp8", table.PALLAS_MAX_M["fp8"] + 1, "gpu")
     assert not table.use_pallas("int4", 1, "cpu") and select_matmul_impl("int4", 1) == "xla"  # tests run on CPU

@@ -26,20 +26,38 @@ FORMATS = ("int4", "int8", "fp8")
 TARGET_PROGRAMS = 264
 
 # matmul_impl="auto": the Pallas kernel for M <= this (the GPU only), XLA above (int: dequantize + dot; fp8: the
-# float8 dot with activations quantized per token). From the sweep / matmul sections against XLA.
-PALLAS_MAX_M = {"int4": 64, "int8": 64, "fp8": 16}
+# float8 dot with activations quantized per token). The sweep measured the kernels ahead of XLA at M 1 and 16 (int4,
+# fp8); M = 64 is not measured with these kernels, so it stays on XLA.
+PALLAS_MAX_M = {"int4": 16, "int8": 16, "fp8": 16}
 
-# Best guesses before the GPU sweep; the lead replaces them with the sweep's output.
+# Bucket entries for int4 / fp8 at M 1 and 16 and the shape entries (Llama-3.1-8B projections) are the H200 sweep's
+# best (benchmarks/RESULTS.md, quantized matmul sweep); int8 and the M = 64 buckets are unswept guesses.
 TUNING: dict[tuple, dict] = {
-    ("int4", 1): dict(block_m=1, block_n=256, block_k=256, steps=2, split_k=None, num_warps=4, num_stages=2),
-    ("int4", 16): dict(block_m=16, block_n=128, block_k=256, steps=1, split_k=None, num_warps=4, num_stages=3),
+    ("int4", 1): dict(block_m=1, block_n=128, block_k=256, steps=2, split_k=None, num_warps=8, num_stages=2),
+    ("int4", 16): dict(block_m=16, block_n=128, block_k=256, steps=1, split_k=None, num_warps=8, num_stages=3),
     ("int4", 64): dict(block_m=64, block_n=128, block_k=128, steps=1, split_k=None, num_warps=8, num_stages=3),
     ("int8", 1): dict(block_m=1, block_n=256, block_k=64, steps=2, split_k=None, num_warps=4, num_stages=2),
     ("int8", 16): dict(block_m=16, block_n=128, block_k=128, steps=1, split_k=None, num_warps=4, num_stages=3),
     ("int8", 64): dict(block_m=64, block_n=128, block_k=64, steps=1, split_k=None, num_warps=8, num_stages=3),
-    ("fp8", 1): dict(block_m=1, block_n=256, block_k=64, steps=2, split_k=None, num_warps=4, num_stages=2),
-    ("fp8", 16): dict(block_m=16, block_n=128, block_k=128, steps=1, split_k=None, num_warps=4, num_stages=3),
+    ("fp8", 1): dict(block_m=1, block_n=256, block_k=64, steps=2, split_k=None, num_warps=8, num_stages=2),
+    ("fp8", 16): dict(block_m=16, block_n=64, block_k=128, steps=1, split_k=None, num_warps=8, num_stages=3),
     ("fp8", 64): dict(block_m=64, block_n=128, block_k=64, steps=1, split_k=None, num_warps=8, num_stages=3),
+    ('int4', 1, 4096, 6144): dict(block_m=1, block_n=128, block_k=128, steps=4, split_k=4, num_warps=8, num_stages=2),
+    ('int4', 1, 4096, 4096): dict(block_m=1, block_n=128, block_k=128, steps=4, split_k=8, num_warps=8, num_stages=2),
+    ('int4', 1, 4096, 28672): dict(block_m=1, block_n=256, block_k=128, steps=4, split_k=2, num_warps=8, num_stages=2),
+    ('int4', 1, 14336, 4096): dict(block_m=1, block_n=128, block_k=128, steps=2, split_k=8, num_warps=8, num_stages=2),
+    ('int4', 16, 4096, 6144): dict(block_m=16, block_n=128, block_k=128, steps=2, split_k=4, num_warps=8, num_stages=3),
+    ('int4', 16, 4096, 4096): dict(block_m=16, block_n=128, block_k=128, steps=1, split_k=8, num_warps=8, num_stages=3),
+    ('int4', 16, 4096, 28672): dict(block_m=16, block_n=128, block_k=128, steps=1, split_k=1, num_warps=4, num_stages=3),
+    ('int4', 16, 14336, 4096): dict(block_m=16, block_n=128, block_k=128, steps=2, split_k=8, num_warps=4, num_stages=3),
+    ('fp8', 1, 4096, 6144): dict(block_m=1, block_n=128, block_k=64, steps=2, split_k=4, num_warps=8, num_stages=2),
+    ('fp8', 1, 4096, 4096): dict(block_m=1, block_n=256, block_k=128, steps=2, split_k=16, num_warps=8, num_stages=2),
+    ('fp8', 1, 4096, 28672): dict(block_m=1, block_n=256, block_k=64, steps=2, split_k=2, num_warps=8, num_stages=2),
+    ('fp8', 1, 14336, 4096): dict(block_m=1, block_n=128, block_k=64, steps=2, split_k=8, num_warps=8, num_stages=2),
+    ('fp8', 16, 4096, 6144): dict(block_m=16, block_n=64, block_k=128, steps=1, split_k=2, num_warps=8, num_stages=3),
+    ('fp8', 16, 4096, 4096): dict(block_m=16, block_n=64, block_k=64, steps=1, split_k=4, num_warps=8, num_stages=3),
+    ('fp8', 16, 4096, 28672): dict(block_m=16, block_n=64, block_k=64, steps=1, split_k=1, num_warps=4, num_stages=3),
+    ('fp8', 16, 14336, 4096): dict(block_m=16, block_n=128, block_k=64, steps=1, split_k=8, num_warps=8, num_stages=3),
 }
 
 KNOBS = ("block_m", "block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
