@@ -35,7 +35,7 @@ Requests and outputs cross the pipe pickled (``SamplingParams`` and the output d
 
 Start-up progress: the child logs to its stderr (inherited from the server) at the parent's log level, each line
 prefixed ``(EngineCore pid=N)`` as vLLM's engine process does: model resolution and loading (Hub download bars,
-weight loading bar or weights-cache restore), the KV pool size, the compile count and a ``Compiling step buckets``
+weight loading bar or weights-cache restore), the KV pool size, the compile count and a ``Compiling step executables``
 progress bar (bucket i of N; shown when the level is INFO or lower), then "engine ready".
 """
 

@@ -181,7 +181,7 @@ def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
               r"model weights ready in \d+\.\d+ s",
               r"KV cache: \d+ blocks x 16 tokens = \d+ tokens .*max_model_len 256",
               r"Compiling \d+ step executables \(\d+ step shapes\)",
-              r"Compiling step buckets: +\d+%.*\| *\d+/\d+ ",
+              r"Compiling step executables: +\d+%.*\| *\d+/\d+ ",
               r"Compiled in \d+\.\d+ s; engine ready in \d+\.\d+ s"]
     positions = []
     for stage in stages:

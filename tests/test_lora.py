@@ -80,7 +80,8 @@ def test_mixed_batch_matches_transformers_peft(llm, adapters, peft_greedy, monke
     step_slots = []
     execute = engine.runner.execute
     monkeypatch.setattr(engine.runner, "execute",
-                        lambda seqs, *rest: step_slots.append({s.lora_slot for s in seqs}) or execute(seqs, *rest))
+                        lambda seqs, *rest, **kw: step_slots.append({s.lora_slot for s in seqs})
+                        or execute(seqs, *rest, **kw))
     names = [None, *NAMES, None]
     prompts = [PROMPT] * 4 + ["The capital of France is"]
     outs = llm.generate(prompts, GREEDY, lora_request=[None if n is None else lora_request(n, paths) for n in names],
