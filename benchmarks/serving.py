@@ -344,6 +344,23 @@ def suite_workload(concurrency: int, num_prompts: int, max_lens: Sequence[int] =
     return nanovllm(max(num_prompts, concurrency), *max_lens)
 
 
+def wait_for_health(server: subprocess.Popen, base_url: str, timeout_s: float, hint: str = "") -> None:
+    """Return once ``base_url``/health answers 200; RuntimeError (with ``hint``) if ``server`` exits or
+    ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}; {hint}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not answer /health within {timeout_s} s; {hint}")
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def launched_server(engine_argv: Sequence[str], port: int, cwd: str, log_path: str, timeout_s: float):
     """``python -m serving`` with ``engine_argv`` on ``port``, from ``cwd``; yields its base URL once /health
@@ -356,18 +373,7 @@ def launched_server(engine_argv: Sequence[str], port: int, cwd: str, log_path: s
         server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         base_url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"the server exited with {server.returncode}; see {log_path}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not answer /health within {timeout_s} s; see {log_path}")
-                try:
-                    if httpx.get(base_url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
+            wait_for_health(server, base_url, timeout_s, f"see {log_path}")
             yield base_url
         finally:
             server.send_signal(signal.SIGINT)

@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     import signal
     import subprocess
 
-    import httpx
+    from benchmarks.serving import wait_for_health
 
     env = dict(os.environ, PYTHONPATH=_REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-m", "benchmarks.serving_host", "--serve", "--port", str(args.port),
@@ -254,16 +254,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     base_url = f"http://127.0.0.1:{args.port}"
     figures = []
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the model-free server did not start")
-            try:
-                if httpx.get(base_url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_for_health(server, base_url, 180, "the model-free server did not start")
         run_clients(base_url, [Req(list(range(1, 33)), 8)] * args.num_client_processes, args.num_client_processes,
                     args.num_client_processes)  # warm-up
         for concurrency in args.concurrency:
