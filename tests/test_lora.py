@@ -334,3 +334,28 @@ def test_tensor_parallel_splits_lora_like_the_base_layers():
 
     got = tensor_parallel(sharded, slots.arrays, jax.device_put(slot_ids, plan.replicated))
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # its own engine process with LoRA slots compiles every executable again: over CI's budget
+def test_engine_process_serves_adapters_like_peft(adapters, peft_greedy, smollm2_dir):
+    """The default serving mode (the engine in a child process): adapters cross the pipe with their requests, and a
+    batch mixing two adapters and the base model gives transformers + PEFT's greedy tokens for each."""
+    from paged_jax.config import EngineArgs
+    from serving.engine_process import EngineProcessClient
+
+    _, paths = adapters
+    client = EngineProcessClient(EngineArgs(model=str(smollm2_dir), dtype="float32", enable_lora=True, max_loras=2,
+                                            max_lora_rank=16, max_model_len=256, max_num_seqs=4,
+                                            max_num_batched_tokens=64, num_gpu_blocks_override=80, seed=0))
+    try:
+        names = [NAMES[0], None, NAMES[1]]
+        client.submit_requests([(f"r{i}", PROMPT, GREEDY, 0, name and lora_request(name, paths))
+                                for i, name in enumerate(names)])
+        tokens = {f"r{i}": [] for i in range(len(names))}
+        while client.has_unfinished_requests():
+            for output in client.step():
+                tokens[output.request_id] += output.outputs[0].token_ids
+        assert [tokens[f"r{i}"] for i in range(len(names))] == [peft_greedy(name, PROMPT) for name in names]
+        assert len({tuple(t) for t in tokens.values()}) == len(names)  # each adapter changes the output
+    finally:
+        client.close()
