@@ -25,7 +25,10 @@ runs them (``step(finished_only=True)``: outputs of finished requests only), the
 process (serving/engine_process.py) ran them before (a ``RequestOutput`` per stream: ``request_outputs``) and as it
 runs them now (plain streams' deltas as ``paged_jax.step_outputs.StreamDeltas`` columns: ``columns``). Parts:
 ``host_us`` (step time minus the device wait), ``outputs_us`` (inside it: building the step's outputs),
-``pack_us`` (the wire message), ``pickle_us``, ``write_us`` (the pipe write; a thread here drains the other end).
+``pack_us`` (the wire message), ``pickle_us``, ``write_us`` (the pipe write; a thread here drains the other end),
+``gc_us_mean`` (garbage collection during the step, a mean: collections are rare and long); ``full_gc_ms``: one
+full collection before and after ``serving.engine_process.freeze_gc_heap`` (run before the ``columns`` steps, as
+the engine process runs it before serving).
 The tokenizer is the built-in SmolLM2's (``--tokenizer``), so texts are detokenized and streamed as served. One JSON
 line: ``{"benchmark": "stream_outputs", "offline": {...}, "request_outputs": {...}, "columns": {...}, ...}``.
 """
@@ -33,6 +36,7 @@ line: ``{"benchmark": "stream_outputs", "offline": {...}, "request_outputs": {..
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -102,13 +106,22 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
 
     drainer = threading.Thread(target=drain, daemon=True)
     drainer.start()
-    totals: dict[str, float] = {"outputs": 0.0}
+    totals: dict[str, float] = {"outputs": 0.0, "gc": 0.0}
+    gc_started = [0.0]
+
+    def time_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            totals["gc"] += time.perf_counter() - gc_started[0]
+
+    gc.callbacks.append(time_gc)
     instrument_phases(engine, totals)
     _timed(engine, "_collect_outputs", totals, "outputs")  # per-stream output work (+ beam / finish bookkeeping)
     prompt_sent: set[str] = set()
 
     def run(mode: str) -> dict[str, float]:
-        parts: dict[str, list[float]] = {"host": [], "outputs": [], "pack": [], "pickle": [], "write": []}
+        parts: dict[str, list[float]] = {"host": [], "outputs": [], "gc": [], "pack": [], "pickle": [], "write": []}
         sizes, streams = [], []
         for _ in range(num_steps):
             before, start = dict(totals), time.perf_counter()
@@ -117,6 +130,7 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
             packed_at = time.perf_counter()
             parts["host"].append(packed_at - start - (totals["wait"] - before["wait"]))
             parts["outputs"].append(totals["outputs"] - before["outputs"])
+            parts["gc"].append(totals["gc"] - before["gc"])
             streams.append(max(len(outputs) + len(columns or ()), 1) if mode != "offline" else engine.stats()[
                 "num_running"])
             if mode == "offline":
@@ -133,17 +147,30 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
             sizes.append(len(payload) / streams[-1])
         per_stream = np.asarray(streams, dtype=np.float64)
         figures = {f"{key}_us": round(float(np.median(np.asarray(values) / per_stream)) * 1e6, 2)
-                   for key, values in parts.items() if values}
+                   for key, values in parts.items() if values and key != "gc"}
+        figures["gc_us_mean"] = round(float(np.mean(np.asarray(parts["gc"]) / per_stream)) * 1e6, 2)  # rare, long
         if sizes:
             figures["engine_process_us"] = round(sum(figures[f"{k}_us"] for k in ("outputs", "pack", "pickle",
                                                                                    "write")), 2)
             figures["message_bytes_per_stream"] = round(float(np.median(sizes)), 1)
         return figures
 
-    result = {"offline": run("offline")}
+    result: dict[str, Any] = {"offline": run("offline")}
     engine_process.pack_step(engine.step(), prompt_sent)  # untimed: the offline steps' tokens, the prompts
     result["request_outputs"] = run("request_outputs")
+    # The engine process freezes its start-up heap before serving (engine_process.freeze_gc_heap); what one full
+    # collection (a pause of every stream) costs without and with that.
+    def full_gc_ms() -> float:
+        start = time.perf_counter()
+        gc.collect()
+        return round((time.perf_counter() - start) * 1e3, 2)
+
+    result["full_gc_ms"] = {"unfrozen": full_gc_ms()}
+    engine_process.freeze_gc_heap()
     result["columns"] = run("columns")
+    result["full_gc_ms"]["frozen"] = full_gc_ms()  # what the columns steps left, less what froze
+    gc.unfreeze()
+    gc.callbacks.remove(time_gc)
     writer.send_bytes(b"")
     drainer.join(10)
     return result
