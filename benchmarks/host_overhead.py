@@ -27,7 +27,7 @@ runs them now (plain streams' deltas as ``paged_jax.step_outputs.StreamDeltas`` 
 ``host_us`` (step time minus the device wait), ``outputs_us`` (inside it: building the step's outputs),
 ``pack_us`` (the wire message), ``pickle_us``, ``write_us`` (the pipe write; a thread here drains the other end),
 ``gc_us_mean`` (garbage collection during the step, a mean: collections are rare and long); ``full_gc_ms``: one
-full collection before and after ``serving.engine_process.freeze_gc_heap`` (run before the ``columns`` steps, as
+full collection before and after ``serving.lifecycle.freeze_gc_heap`` (run before the ``columns`` steps, as
 the engine process runs it before serving).
 The tokenizer is the built-in SmolLM2's (``--tokenizer``), so texts are detokenized and streamed as served. One JSON
 line: ``{"benchmark": "stream_outputs", "offline": {...}, "request_outputs": {...}, "columns": {...}, ...}``.
@@ -94,6 +94,7 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
 
     from paged_jax.step_outputs import StreamDeltas
     from serving import engine_process
+    from serving.lifecycle import freeze_gc_heap
 
     reader, writer = multiprocessing.Pipe(duplex=False)
 
@@ -158,7 +159,7 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
     result: dict[str, Any] = {"offline": run("offline")}
     engine_process.pack_step(engine.step(), prompt_sent)  # untimed: the offline steps' tokens, the prompts
     result["request_outputs"] = run("request_outputs")
-    # The engine process freezes its start-up heap before serving (engine_process.freeze_gc_heap); what one full
+    # The engine process freezes its start-up heap before serving (serving.lifecycle.freeze_gc_heap); what one full
     # collection (a pause of every stream) costs without and with that.
     def full_gc_ms() -> float:
         start = time.perf_counter()
@@ -166,7 +167,7 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
         return round((time.perf_counter() - start) * 1e3, 2)
 
     result["full_gc_ms"] = {"unfrozen": full_gc_ms()}
-    engine_process.freeze_gc_heap()
+    freeze_gc_heap()
     result["columns"] = run("columns")
     result["full_gc_ms"]["frozen"] = full_gc_ms()  # what the columns steps left, less what froze
     gc.unfreeze()

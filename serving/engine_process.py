@@ -42,7 +42,6 @@ progress bar (bucket i of N; shown when the level is INFO or lower), then "engin
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -58,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.step_outputs import StreamDeltas
 from serving.async_engine import EngineDeadError
+from serving.lifecycle import freeze_gc_heap
 from serving.server_logs import quiet_library_loggers
 
 if TYPE_CHECKING:
@@ -140,14 +140,6 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING,
             pass
     finally:
         sender.close()
-
-
-def freeze_gc_heap() -> None:
-    """Collect, then move every object alive now (model, executables, tokenizer, imports: hundreds of thousands)
-    to the GC's permanent generation: a later full collection walks only what serving allocates, instead of
-    pausing every stream for a walk of the whole start-up heap (vLLM's engine core does the same)."""
-    gc.collect()
-    gc.freeze()
 
 
 class _Sender:
