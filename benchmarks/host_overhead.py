@@ -18,17 +18,32 @@ Also reports the number of executables compiled at start-up and, for the given (
 max_num_seqs) pairs of ``--plan``, how many ``warm_up`` would compile (from the bucket plan, without compiling).
 
 Example: ``JAX_PLATFORMS=cpu python -m benchmarks.host_overhead --num-seqs 256 --steps 40``. Prints one JSON line.
+
+``--stream-outputs`` (issue 21) measures instead what streaming every running request's delta costs the engine
+process per step, in microseconds per running stream per step (medians): ``--steps`` steps as ``LLM.generate``
+runs them (``step(finished_only=True)``: outputs of finished requests only), then ``--steps`` steps as the engine
+process (serving/engine_process.py) ran them before (a ``RequestOutput`` per stream: ``request_outputs``) and as it
+runs them now (plain streams' deltas as ``paged_jax.step_outputs.StreamDeltas`` columns: ``columns``). Parts:
+``host_us`` (step time minus the device wait), ``outputs_us`` (inside it: building the step's outputs),
+``pack_us`` (the wire message), ``pickle_us``, ``write_us`` (the pipe write; a thread here drains the other end),
+``gc_us_mean`` (garbage collection during the step, a mean: collections are rare and long); ``full_gc_ms``: one
+full collection before and after ``serving.lifecycle.freeze_gc_heap`` (run before the ``columns`` steps, as
+the engine process runs it before serving).
+The tokenizer is the built-in SmolLM2's (``--tokenizer``), so texts are detokenized and streamed as served. One JSON
+line: ``{"benchmark": "stream_outputs", "offline": {...}, "request_outputs": {...}, "columns": {...}, ...}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +82,101 @@ def instrument_phases(engine, totals: dict[str, float]) -> None:
     _timed(engine.scheduler, "update_from_output", totals, "update")
 
 
+def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
+    """On an engine whose requests all keep running: ``num_steps`` steps with ``finished_only=True`` (offline), then
+    ``num_steps`` as the engine process ran them before issue 21 (a ``RequestOutput`` per stream, each packed), then
+    ``num_steps`` as it runs them now (plain streams' deltas as ``StreamDeltas`` columns); microseconds per running
+    stream per step (medians) of each part, and the message size."""
+    import multiprocessing
+    import threading
+
+    from multiprocessing.reduction import ForkingPickler
+
+    from paged_jax.step_outputs import StreamDeltas
+    from serving import engine_process
+    from serving.lifecycle import freeze_gc_heap
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+
+    def drain() -> None:
+        try:
+            while reader.recv_bytes():
+                pass
+        except EOFError:
+            pass
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    totals: dict[str, float] = {"outputs": 0.0, "gc": 0.0}
+    gc_started = [0.0]
+
+    def time_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            totals["gc"] += time.perf_counter() - gc_started[0]
+
+    gc.callbacks.append(time_gc)
+    instrument_phases(engine, totals)
+    _timed(engine, "_collect_outputs", totals, "outputs")  # per-stream output work (+ beam / finish bookkeeping)
+    prompt_sent: set[str] = set()
+
+    def run(mode: str) -> dict[str, float]:
+        parts: dict[str, list[float]] = {"host": [], "outputs": [], "gc": [], "pack": [], "pickle": [], "write": []}
+        sizes, streams = [], []
+        for _ in range(num_steps):
+            before, start = dict(totals), time.perf_counter()
+            columns = StreamDeltas() if mode == "columns" else None
+            outputs = engine.step(finished_only=mode == "offline", stream_deltas=columns)
+            packed_at = time.perf_counter()
+            parts["host"].append(packed_at - start - (totals["wait"] - before["wait"]))
+            parts["outputs"].append(totals["outputs"] - before["outputs"])
+            parts["gc"].append(totals["gc"] - before["gc"])
+            streams.append(max(len(outputs) + len(columns or ()), 1) if mode != "offline" else engine.stats()[
+                "num_running"])
+            if mode == "offline":
+                continue
+            message = ("state", 0, [], engine_process.pack_step(outputs, prompt_sent), dict(engine.stats()),
+                       columns.to_wire() if columns else None)
+            pickled_at = time.perf_counter()
+            payload = ForkingPickler.dumps(message)
+            written_at = time.perf_counter()
+            writer.send_bytes(payload)
+            parts["pack"].append(pickled_at - packed_at)
+            parts["pickle"].append(written_at - pickled_at)
+            parts["write"].append(time.perf_counter() - written_at)
+            sizes.append(len(payload) / streams[-1])
+        per_stream = np.asarray(streams, dtype=np.float64)
+        figures = {f"{key}_us": round(float(np.median(np.asarray(values) / per_stream)) * 1e6, 2)
+                   for key, values in parts.items() if values and key != "gc"}
+        figures["gc_us_mean"] = round(float(np.mean(np.asarray(parts["gc"]) / per_stream)) * 1e6, 2)  # rare, long
+        if sizes:
+            figures["engine_process_us"] = round(sum(figures[f"{k}_us"] for k in ("outputs", "pack", "pickle",
+                                                                                   "write")), 2)
+            figures["message_bytes_per_stream"] = round(float(np.median(sizes)), 1)
+        return figures
+
+    result: dict[str, Any] = {"offline": run("offline")}
+    engine_process.pack_step(engine.step(), prompt_sent)  # untimed: the offline steps' tokens, the prompts
+    result["request_outputs"] = run("request_outputs")
+    # The engine process freezes its start-up heap before serving (serving.lifecycle.freeze_gc_heap); what one full
+    # collection (a pause of every stream) costs without and with that.
+    def full_gc_ms() -> float:
+        start = time.perf_counter()
+        gc.collect()
+        return round((time.perf_counter() - start) * 1e3, 2)
+
+    result["full_gc_ms"] = {"unfrozen": full_gc_ms()}
+    freeze_gc_heap()
+    result["columns"] = run("columns")
+    result["full_gc_ms"]["frozen"] = full_gc_ms()  # what the columns steps left, less what froze
+    gc.unfreeze()
+    gc.callbacks.remove(time_gc)
+    writer.send_bytes(b"")
+    drainer.join(10)
+    return result
+
+
 def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape (without building a model)."""
     from paged_jax.buckets import planned_num_compiles
@@ -83,6 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--finished-only", action="store_true",
                    help="call step(finished_only=True), as LLM.generate does (no per-step snapshots of running requests)")
+    p.add_argument("--stream-outputs", action="store_true",
+                   help="measure the engine process's per-step cost of streaming outputs (see above)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer for --stream-outputs (default: the built-in SmolLM2's; 'none': token ids only)")
     p.add_argument("--plan", default="2048x256,8192x256",
                    help="comma-separated TOKENSxSEQS shapes whose warm-up compile count is reported")
     args = p.parse_args(argv)
@@ -96,16 +210,21 @@ def main(argv: list[str] | None = None) -> dict:
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=2), f)
 
+    tokenizer = None
+    if args.stream_outputs and args.tokenizer != "none":
+        from models.smollm2 import ensure_smollm2
+
+        tokenizer = args.tokenizer or str(ensure_smollm2())
     start = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_num_seqs=args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              async_scheduling=args.async_scheduling, use_tqdm=False)
+              async_scheduling=args.async_scheduling, use_tqdm=False, tokenizer=tokenizer)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     compiles_at_startup = engine.runner.num_compiles()
 
     rng = random.Random(0)
-    max_tokens = args.steps + 40  # nobody finishes during the timed steps
+    max_tokens = args.steps * (4 if args.stream_outputs else 1) + 40  # nobody finishes during the timed steps
     max_prompt = max(8, min(150, args.max_model_len - max_tokens - 1))
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(max_prompt // 3, max_prompt))]
                for _ in range(args.num_seqs)]
@@ -119,6 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(3):
         engine.step()
     running = engine.stats()["num_running"]
+    if args.stream_outputs:
+        result = {"benchmark": "stream_outputs", "num_seqs_running": running, "decode_steps": args.steps,
+                  **measure_stream_outputs(engine, args.steps), "async_scheduling": args.async_scheduling,
+                  "tokenizer": tokenizer}
+        print(json.dumps(result))
+        return result
 
     totals = {"step": 0.0}
     instrument_phases(engine, totals)

@@ -83,7 +83,9 @@ class ModelFreeEngine:
             self._waiting.pop(rid, None)
             self._running.pop(rid, None)
 
-    def step(self) -> list:
+    def step(self, *, stream_deltas: Any = None) -> list:
+        """``stream_deltas``: as ``LLMEngine.step``'s, a running request's output after its first goes there as a
+        ``paged_jax.step_outputs.StreamDeltas`` row."""
         now = time.perf_counter()
         if now < self._next_step:
             time.sleep(self._next_step - now)
@@ -96,6 +98,7 @@ class ModelFreeEngine:
             self.prompt_tokens_total += len(state[0])
             self._running[request_id] = state
         outputs = []
+        self.generation_tokens_total += len(self._running)  # one token each
         for request_id, state in list(self._running.items()):
             state[2] += 1
             finished = state[2] >= state[1]
@@ -106,6 +109,12 @@ class ModelFreeEngine:
             if finished:
                 metrics.finished_time = wall
                 del self._running[request_id]
+            elif stream_deltas is not None and state[2] > 1:
+                stream_deltas.request_ids.append(request_id)
+                stream_deltas.token_ids.append([self._token_id])
+                stream_deltas.texts.append(self._token_text)
+                stream_deltas.num_cached_tokens.append(0)
+                continue
             outputs.append(output_cls(
                 request_id=request_id, prompt=None, prompt_token_ids=state[0],
                 outputs=[completion_cls(index=0, text=self._token_text, token_ids=[self._token_id],
@@ -113,7 +122,6 @@ class ModelFreeEngine:
                                         finish_reason="length" if finished else None)],
                 finished=finished, metrics=metrics if finished else None))
         self.num_steps += 1
-        self.generation_tokens_total += len(outputs)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

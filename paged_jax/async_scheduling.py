@@ -41,17 +41,17 @@ class AsyncSchedulingMixin:
 
     _in_flight: InFlightStep | None
 
-    def _step_async(self, finished_only: bool) -> list[RequestOutput]:
+    def _step_async(self, finished_only: bool, stream_deltas=None) -> list[RequestOutput]:
         """Schedule and dispatch step k+1, then (while the device runs it) bring step k's tokens to the host, check
         stop conditions and detokenize; a step with grammar rows gets its sampling dispatched once their matchers
         have seen step k's tokens. A call that schedules nothing just reports the step in flight."""
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self._in_flight_needs_tokens():
-            outputs += self._finish_in_flight(finished_only)
+            outputs += self._finish_in_flight(finished_only, stream_deltas)
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output, defer_sampling=self._in_flight is not None)
         if self._in_flight is not None:
-            outputs += self._finish_in_flight(finished_only)  # waits for step k while step k+1 runs
+            outputs += self._finish_in_flight(finished_only, stream_deltas)  # waits for step k while step k+1 runs
         if handle is not None:
             self.runner.dispatch_sampling(handle)  # a no-op unless only the forward went (grammar rows)
             self._start_in_flight(scheduler_output, handle)
@@ -77,7 +77,7 @@ class AsyncSchedulingMixin:
         return any(request.params is not None and request.params.reads_output_tokens
                    for _, request, _ in self._in_flight.rows)
 
-    def _finish_in_flight(self, finished_only: bool = False) -> list[RequestOutput]:
+    def _finish_in_flight(self, finished_only: bool = False, stream_deltas=None) -> list[RequestOutput]:
         """Fetch the in-flight step's tokens, let the scheduler replace the placeholders (and apply the stop tokens it
         could not see), advance the grammars, detokenize."""
         flight, self._in_flight = self._in_flight, None
@@ -95,4 +95,4 @@ class AsyncSchedulingMixin:
             self.scheduler.resolve_placeholder(request, output_index, tokens[row])
             self._on_token(state, seq, request, output_index, result, row, now)
             touched[state.request_id] = state
-        return self._collect_outputs(touched.values(), now, finished_only)
+        return self._collect_outputs(touched.values(), now, finished_only, stream_deltas)

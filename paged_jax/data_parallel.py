@@ -4,7 +4,8 @@
 ``pipeline_parallel_size * tensor_parallel_size`` (replica r gets ``jax.devices()[r * g:(r + 1) * g]``) and builds one
 ``LLMEngine`` per group: each replica has its own scheduler, KV-cache manager and KV pool, and its mesh spans only
 its own group. It implements the interface the server and ``LLM`` drive (``serving.engine_client.EngineClient``, plus
-``step(finished_only=)``), so both use it unchanged; ``create_engine(args)`` picks it when ``data_parallel_size > 1``.
+``step(finished_only=, stream_deltas=)``), so both use it unchanged; ``create_engine(args)`` picks it when
+``data_parallel_size > 1``.
 
 Routing (``DataParallelEngine.route``), once per request at ``add_request``: the replica whose prefix cache holds the
 longest run of the prompt's leading full blocks (asked through ``KVCacheManager.is_cached`` on the prompt's chained
@@ -33,6 +34,7 @@ from paged_jax.config import EngineArgs
 from paged_jax.kv_cache_manager import hash_block_tokens
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.step_outputs import StreamDeltas
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +147,22 @@ class DataParallelEngine:
         for replica, rids in by_replica.items():
             self.engines[replica].abort_request(rids)
 
-    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
-        """One step of every replica with unfinished requests (concurrently); their outputs, replica by replica."""
+    def step(self, *, finished_only: bool = False, stream_deltas: StreamDeltas | None = None
+             ) -> list[RequestOutput]:
+        """One step of every replica with unfinished requests (concurrently); their outputs, replica by replica
+        (``stream_deltas``: as ``LLMEngine.step``'s, each replica's rows in turn)."""
         busy = [engine for engine in self.engines if engine.has_unfinished_requests()]
         if len(busy) == 1:
-            results = [busy[0].step(finished_only=finished_only)]
+            results = [busy[0].step(finished_only=finished_only, stream_deltas=stream_deltas)]
         else:
-            futures = [self._pool.submit(engine.step, finished_only=finished_only) for engine in busy]
+            # One column set per replica (their threads append concurrently), merged in replica order.
+            columns = [None if stream_deltas is None else StreamDeltas() for _ in busy]
+            futures = [self._pool.submit(engine.step, finished_only=finished_only, stream_deltas=replica_columns)
+                       for engine, replica_columns in zip(busy, columns)]
             results = [future.result() for future in futures]
+            if stream_deltas is not None:
+                for replica_columns in columns:
+                    stream_deltas.extend(replica_columns)
         outputs = [output for result in results for output in result]
         for output in outputs:
             if output.finished:

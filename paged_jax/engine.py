@@ -35,14 +35,15 @@ from paged_jax.kv_pool_sizing import (determine_num_blocks, enable_compilation_c
                                      device_bytes, num_host_blocks_for)
 from paged_jax.parallel.multihost import leader_channel, start_distributed
 from paged_jax.pipeline import runner_class
-from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
-from paged_jax.sequence_group import RequestState, SequenceState, child_seed, reported_sequences
+from paged_jax.outputs import Logprob, RequestMetrics, RequestOutput, make_logprob_dict
+from paged_jax.sequence_group import RequestState, SequenceState, child_seed
 from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
 from paged_jax.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.step_io import PendingStep, SeqInput
+from paged_jax.step_outputs import StreamDeltas, make_delta_output
 from paged_jax.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -347,23 +348,25 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         return len(self._requests)
 
     # ------------------------------------------------------------------ the loop
-    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False, stream_deltas: StreamDeltas | None = None) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that got a new token (finished ones included,
         with ``finished=True``), each the delta since the request's previous one. ``finished_only=True`` (FINAL_ONLY)
         returns just the finished ones: a caller asking only those (``LLM.generate``) gets each generation whole.
+        ``stream_deltas``: plain running streams' deltas are appended to these columns instead of being returned
+        (``paged_jax.step_outputs``; the engine process's wire message).
 
         With ``async_scheduling`` the step's own tokens are reported by the next call: this call schedules and
         dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop
         conditions and detokenizes. A call that schedules nothing just reports the step in flight.
         """
         if self.async_scheduling:
-            return self._step_async(finished_only)
+            return self._step_async(finished_only, stream_deltas)
         # A step left in flight by async scheduling just turned off is reported first.
-        outputs = self._finish_in_flight(finished_only) if self._in_flight is not None else []
+        outputs = self._finish_in_flight(finished_only, stream_deltas) if self._in_flight is not None else []
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output)
         if handle is not None:
-            outputs += self._finish_sync(scheduler_output, handle, finished_only)
+            outputs += self._finish_sync(scheduler_output, handle, finished_only, stream_deltas)
         return outputs
 
     def _launch(self, scheduler_output, defer_sampling: bool = False) -> PendingStep | None:
@@ -404,7 +407,8 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         self.num_steps += 1
         return self.runner.execute(inputs, scheduler_output.block_copies, defer_sampling=defer_sampling)
 
-    def _finish_sync(self, scheduler_output, handle: PendingStep, finished_only: bool = False) -> list[RequestOutput]:
+    def _finish_sync(self, scheduler_output, handle: PendingStep, finished_only: bool = False,
+                     stream_deltas: StreamDeltas | None = None) -> list[RequestOutput]:
         """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
         result = handle.result()
         scheduled = scheduler_output.scheduled
@@ -419,10 +423,10 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             self._on_token(state, seq, request, request.num_output_tokens - 1, result, row_of[request.request_id],
                            now)
             touched[state.request_id] = state
-        return self._collect_outputs(touched.values(), now, finished_only)
+        return self._collect_outputs(touched.values(), now, finished_only, stream_deltas)
 
-    def _collect_outputs(self, states: Iterable[RequestState], now: float,
-                         finished_only: bool = False) -> list[RequestOutput]:
+    def _collect_outputs(self, states: Iterable[RequestState], now: float, finished_only: bool = False,
+                         stream_deltas: StreamDeltas | None = None) -> list[RequestOutput]:
         outputs = []
         for state in states:
             if state.beam_search is not None:
@@ -431,7 +435,8 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             if finished:
                 state.metrics.finished_time = now
             if finished or (not finished_only and state.reports_deltas):
-                outputs.append(self._make_output(state, finished))
+                if finished or stream_deltas is None or not stream_deltas.take(state):
+                    outputs.append(make_delta_output(state, finished, self._decode_text))
             if finished:
                 del self._requests[state.request_id]
                 for seq in state.seqs:
@@ -490,36 +495,13 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             if collector.complete:
                 seq_sched.request.skip_prefix_cache = False  # a later recompute may take hits again
 
+    def _decode_text(self, token_ids: list[int]) -> str | None:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([token_id])
-
-    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
-        """The delta of ``state`` since its previous output, per sequence with new tokens or an unreported finish: it
-        runs every step, so it only slices the new tails (fresh lists; the engine keeps appending to its own).
-        ``prompt_token_ids`` is shared by all outputs (never mutated); metrics only on the finished one."""
-        if state.beam_search is not None:
-            return state.beam_search.output(self.tokenizer.decode if self.tokenizer is not None else None)
-        completions = []
-        for index, seq in reported_sequences(state):
-            token_ids = seq.request.output_token_ids
-            start = seq.num_reported_tokens
-            if len(token_ids) == start and (seq.finish_reason is None or seq.finish_reported):
-                continue
-            text = seq.detokenizer.emitted_since(seq.num_reported_chars) if seq.detokenizer is not None else ""
-            seq.num_reported_chars += len(text)
-            completions.append(CompletionOutput(
-                index=index, text=text, token_ids=token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            seq.num_reported_tokens = len(token_ids)
-            seq.finish_reported = seq.finish_reason is not None
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
-                             num_cached_tokens=state.seqs[0].request.num_cached_prompt_tokens,
-                             metrics=state.metrics if finished else None,
-                             prompt_logprobs=state.prompt_logprobs.take() if state.prompt_logprobs else None)
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict[str, float]:

@@ -11,6 +11,7 @@ the highest cumulative logprob are returned, numbered 0..n-1 best first (``repor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -72,12 +73,24 @@ class RequestState:
     def finished(self) -> bool:
         if self.beam_search is not None:
             return self.beam_search.done
-        return all(seq.finished for seq in self.seqs)
+        for seq in self.seqs:  # a loop, not all(<genexpr>): read for every running request every step
+            if seq.finish_reason is None:
+                return False
+        return True
 
-    @property
+    @functools.cached_property
     def reports_deltas(self) -> bool:
         """Whether outputs go out as the tokens come (else only the finished output: best_of > n, beam search)."""
         return self.beam_search is None and self.params.num_sequences == self.params.n
+
+    @functools.cached_property
+    def plain_stream(self) -> bool:
+        """One sequence and nothing per token but its ids and text (no logprobs, prompt logprobs, beam search): its
+        running deltas can go as ``paged_jax.step_outputs.StreamDeltas`` rows. Fixed once the request is added."""
+        if self.beam_search is not None or self.prompt_logprobs is not None or self.params.num_sequences != 1:
+            return False
+        seq = self.seqs[0]
+        return seq.logprobs is None and seq.cumulative_logprob is None
 
 
 def reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:

@@ -10,7 +10,8 @@ apart from the API server for the same reason.
 while it has unfinished requests it steps without waiting for anyone, applying every command that arrived during a
 step before the next one (a burst of arrivals joins one step, not one step each); idle, it blocks on the command
 pipe. It sends one message per step: the step's outputs, which are deltas already (new token ids, new text, new
-logprobs, finish state), compactly (the prompt only with a request's first output), the engine's stats and the
+logprobs, finish state), compactly (the prompt only with a request's first output; plain running streams' deltas
+as ``paged_jax.step_outputs.StreamDeltas`` columns, not one ``RequestOutput`` each), the engine's stats and the
 number of commands applied so far. The client turns them back into delta ``RequestOutput`` objects, accumulating
 nothing.
 
@@ -54,7 +55,9 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.step_outputs import StreamDeltas
 from serving.async_engine import EngineDeadError
+from serving.lifecycle import freeze_gc_heap
 from serving.server_logs import quiet_library_loggers
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING,
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
         return
+    freeze_gc_heap()
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                          "generation_config": engine.generation_config,
                          "model_path": engine.model_path,
@@ -121,11 +125,12 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING,
             if admissions or (messages and not busy):
                 # Admissions are answered before the step (a client gets its response headers without waiting for
                 # one); commands that leave the engine idle are answered at once, with the stats they produced.
-                sender.send(("state", num_commands, admissions, [], dict(engine.stats())))
+                sender.send(("state", num_commands, admissions, [], dict(engine.stats()), None))
             if busy:
-                outputs = engine.step()
-                sender.send(("state", num_commands, [], [_pack(output, prompt_sent) for output in outputs],
-                             dict(engine.stats())))
+                stream_deltas = StreamDeltas()
+                outputs = engine.step(stream_deltas=stream_deltas)
+                sender.send(("state", num_commands, [], pack_step(outputs, prompt_sent), dict(engine.stats()),
+                             stream_deltas.to_wire() if stream_deltas else None))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent went away
     except BaseException as exc:  # noqa: BLE001 - the parent turns it into EngineDeadError for every client
@@ -181,6 +186,11 @@ def _add_group(engine, requests: list[tuple]) -> BaseException | None:
         engine.abort_request(added)
         return exc if _picklable(exc) else ValueError(str(exc))
     return None
+
+
+def pack_step(outputs: list[RequestOutput], prompt_sent: set[str]) -> list[tuple]:
+    """One step's delta outputs as the wire message carries them (``_pack`` each)."""
+    return [_pack(output, prompt_sent) for output in outputs]
 
 
 def _pack(output: RequestOutput, prompt_sent: set[str]) -> tuple:
@@ -458,7 +468,7 @@ class EngineProcessClient:
     def _handle(self, message) -> None:
         if message[0] != "state":
             raise EngineProcessDied(f"unexpected message from the engine process: {message[0]!r}")
-        _, self._num_commands_applied, admissions, deltas, self._stats = message
+        _, self._num_commands_applied, admissions, deltas, self._stats, stream_deltas = message
         if self.on_step_stats is not None:
             self.on_step_stats(self._stats)
         for group_id, error in admissions:
@@ -471,6 +481,8 @@ class EngineProcessClient:
             output = self._rebuild(delta)
             if output is not None:
                 self._pending_outputs.append(output)
+        if stream_deltas is not None:  # rows of requests whose first output came earlier: their prompt is known
+            self._pending_outputs += StreamDeltas.from_wire(stream_deltas).request_outputs(self._live)
 
     def _rebuild(self, packed: tuple) -> RequestOutput | None:
         """The delta ``RequestOutput`` that ``_pack`` packed; None for a request aborted here meanwhile."""

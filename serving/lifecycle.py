@@ -6,6 +6,8 @@ default) and a non-zero exit when the engine dies, so that an orchestrator resta
 * on shutdown stops accepting connections (uvicorn), lets the running requests finish for up to
   ``shutdown_timeout`` seconds (0, the default: none), then shuts the engine down: every request still running
   ends at once, a stream with an error event and ``data: [DONE]``, a whole response with a 500;
+* freezes its start-up heap once it serves (``freeze_gc_heap``: no full garbage collection walks it while serving;
+  unfrozen when ``serve`` returns);
 * watches the engine on uvicorn's 0.1 s tick: when it has died (a step failed, the engine process is gone), the
   server shuts down by itself and ``engine_died`` is set (``serve_main`` then exits with status 1; ``/health`` has
   answered 503 since the death).
@@ -14,6 +16,7 @@ default) and a non-zero exit when the engine dies, so that an orchestrator resta
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import Any
 
@@ -24,6 +27,16 @@ logger = logging.getLogger(__name__)
 # Beyond the drain, how long uvicorn waits for connections that still do not close (a client that reads nothing)
 # before it cancels their tasks.
 _CONNECTION_GRACE_S = 5.0
+
+
+def freeze_gc_heap() -> None:
+    """Collect, then move every object alive now to the GC's permanent generation. Called once a process is up
+    (the server when it starts serving; the engine process once its engine is built): the start-up heap (imports,
+    tokenizer, model, compiled executables: hundreds of thousands of objects) is never freed, and a full collection
+    that walks it pauses every stream at once (vLLM freezes its heaps too). Later full collections walk only what
+    serving allocates."""
+    gc.collect()
+    gc.freeze()
 
 
 class ServingServer(uvicorn.Server):
@@ -43,6 +56,16 @@ class ServingServer(uvicorn.Server):
         self.async_engine = async_engine
         self.shutdown_timeout = shutdown_timeout
         self.engine_died = False
+
+    async def serve(self, sockets=None) -> None:
+        try:
+            await super().serve(sockets)
+        finally:
+            gc.unfreeze()  # a process that goes on after serving (tests) collects its whole heap again
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        freeze_gc_heap()  # the app, tokenizer and imports are up: nothing later frees them while serving
 
     async def on_tick(self, counter: int) -> bool:
         if not self.engine_died and self.async_engine.dead_error is None and self.async_engine.is_healthy:

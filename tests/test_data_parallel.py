@@ -13,6 +13,7 @@ from paged_jax.config import EngineArgs
 from paged_jax.data_parallel import DataParallelEngine, create_engine
 from paged_jax.engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.step_outputs import StreamDeltas
 
 SMALL = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=24, block_size=8,
              seed=0)
@@ -30,6 +31,24 @@ def greedy(engine, prompts, prefix="r"):
         for out in engine.step(finished_only=True):
             final[out.request_id] = out.outputs[0].token_ids
     return [final[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def greedy_streamed(engine, prompts, prefix="s"):
+    """``greedy`` as the engine process steps: every delta, plain running streams' as ``StreamDeltas`` rows."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", prompt, params)
+    tokens = {f"{prefix}{i}": [] for i in range(len(prompts))}
+    num_rows = 0
+    while engine.has_unfinished_requests():
+        columns = StreamDeltas()
+        for out in engine.step(stream_deltas=columns):
+            tokens[out.request_id] += out.outputs[0].token_ids
+        for request_id, row_tokens in zip(columns.request_ids, columns.token_ids):
+            tokens[request_id] += row_tokens
+        num_rows += len(columns)
+    assert num_rows > 0
+    return [tokens[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
 def transformers_greedy(checkpoint, prompts, max_new_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -84,6 +103,7 @@ def _assert_replicas_apart(engine: DataParallelEngine, group: int):
 def test_dp2_greedy_matches_single_device_on_random_qwen3(qwen3_dp2, qwen3_reference):
     assert isinstance(qwen3_dp2, DataParallelEngine) and len(qwen3_dp2.engines) == 2
     assert greedy(qwen3_dp2, QWEN3_PROMPTS) == qwen3_reference
+    assert greedy_streamed(qwen3_dp2, QWEN3_PROMPTS) == qwen3_reference  # both replicas' columns merged
     # Three requests over two idle replicas: the least loaded one took each, so both ran some.
     assert all(replica.num_steps > 0 for replica in qwen3_dp2.engines)
     _assert_replicas_apart(qwen3_dp2, 1)

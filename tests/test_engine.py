@@ -12,6 +12,7 @@ import torch
 from paged_jax.config import EngineArgs
 from paged_jax.engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.step_outputs import StreamDeltas
 
 MAX_NEW_TOKENS = 20
 MAX_MODEL_LEN = 256
@@ -427,4 +428,31 @@ def test_streamed_outputs_are_deltas_and_finished_only_agrees(engine, workload, 
     assert [final[request_id].outputs[0].token_ids for request_id in ids] == reference[:4]
     assert [final[request_id].outputs[0].text for request_id in ids] == \
         ["".join(text for _, _, text in received[request_id]) for request_id in ids]
+    assert_clean(engine)
+
+    # The engine process's path: plain running streams' deltas as columns (one request with logprobs stays a
+    # RequestOutput), rebuilt into the same deltas the first pass got.
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=1)]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    via_columns = {request_id: [] for request_id in ids}
+    num_rows = 0
+    while engine.has_unfinished_requests():
+        columns = StreamDeltas()
+        outputs = engine.step(stream_deltas=columns)
+        assert "snap3" not in columns.request_ids and not {o.request_id for o in outputs} & set(columns.request_ids)
+        num_rows += len(columns)
+        wire = StreamDeltas.from_wire(columns.to_wire())
+        assert wire == columns
+        for output in outputs + wire.request_outputs({i: (None, list(q)) for i, q in zip(ids, prompts)}):
+            completion = output.outputs[0]
+            assert output.prompt_token_ids == list(prompts[ids.index(output.request_id)])
+            assert completion.index == 0 and (completion.logprobs is not None) == (output.request_id == "snap3")
+            via_columns[output.request_id].append((completion.token_ids, completion.text, output.finished,
+                                                   output.num_cached_tokens))
+    assert num_rows > 0
+    for request_id in ids:
+        assert [entry[:3] for entry in via_columns[request_id]] == \
+            [(tokens, text, o.finished) for o, tokens, text in received[request_id]]
+        assert len({entry[3] for entry in via_columns[request_id]}) == 1  # the same cached-prompt count throughout
     assert_clean(engine)
