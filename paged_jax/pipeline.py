@@ -245,9 +245,10 @@ def pipeline_schedule(num_stages: int, num_microbatches: int) -> list[tuple[int,
 
 def microbatch_attention_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, start, stop):
     """A step's sequences seen from its tokens ``[start, stop)`` (ints or traced int32[]): ``(cu_q_lens
-    int32[S + 1] from 0, kv_lens int32[S])``. A sequence keeps its tokens in the range (a prefill chunk split by the boundary becomes two
-    consecutive chunks: the first attends to what it wrote, the second also to the first's K/V, written by the
-    earlier micro-batch on the same stage); every other sequence gets q_len 0 and kv_len 0 (the ops' padding)."""
+    int32[S + 1] from 0, kv_lens int32[S])``. A sequence keeps its tokens in the range (a prefill chunk split by the
+    boundary becomes two consecutive chunks: the first attends to what it wrote, the second also to the first's K/V,
+    written by the earlier micro-batch on the same stage); every other sequence gets q_len 0 and kv_len 0 (the ops'
+    padding)."""
     seq_start = jnp.clip(cu_q_lens[:-1], start, stop)
     seq_stop = jnp.clip(cu_q_lens[1:], start, stop)
     q_lens = seq_stop - seq_start

@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 class SequenceGrammar:
     """The grammar state of one output sequence. ``is_ready`` once its grammar is compiled; then ``live_matcher``
-    decides the allowed next tokens (``bitmask.fill_step_bitmask``) and ``accept`` advances with the sampled token. After the grammar has ended (the
-    matcher accepted a stop token) or failed, only the stop tokens are allowed."""
+    decides the allowed next tokens (``bitmask.fill_step_bitmask``) and ``accept`` advances with the sampled token.
+    After the grammar has ended (the matcher accepted a stop token) or failed, only the stop tokens are allowed."""
 
     def __init__(self, compiled: concurrent.futures.Future, manager: "StructuredOutputManager"):
         self._compiled = compiled
