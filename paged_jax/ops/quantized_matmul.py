@@ -119,10 +119,11 @@ def _to_float(q):
     return lax.bitcast_convert_type(q | _MAGIC, jnp.float32) - _TWO_23
 
 
-def _tile_columns(pid_n, block_n, n_total):
-    cols = pid_n * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    col_ok = cols < n_total
-    return cols, col_ok, jnp.where(col_ok, cols, 0)
+def _tile_indices(pid, block, total):
+    """Rows or columns ``pid * block + [0, block)`` of a tile: ``(indices, in range, indices clamped to 0)``."""
+    indices = pid * block + jnp.arange(block, dtype=jnp.int32)
+    ok = indices < total
+    return indices, ok, jnp.where(ok, indices, 0)
 
 
 def _split_range(split, iters_per_split, iters):
@@ -140,13 +141,11 @@ def _int_kernel(x_ref, xs_ref, w_ref, s_ref, z_ref, g_ref, out_ref, *, bits, blo
     n_total = w_ref.shape[1]
     num_groups = s_ref.shape[0]
     pid_m, pid_n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols, col_ok, cols_c = _tile_columns(pid_n, block_n, n_total)
+    cols, col_ok, cols_c = _tile_indices(pid_n, block_n, n_total)
     if gemv:
         row = pid_m
     else:
-        rows = pid_m * block_m + jnp.arange(block_m, dtype=jnp.int32)
-        row_ok = rows < m_total
-        rows_c = jnp.where(row_ok, rows, 0)
+        rows, row_ok, rows_c = _tile_indices(pid_m, block_m, m_total)
     k_steps = (kp_total + block_kp - 1) // block_kp
     it_lo, it_hi = _split_range(split, iters_per_split, (k_steps + steps - 1) // steps)
     offsets = jnp.arange(block_kp, dtype=jnp.int32)
@@ -232,13 +231,11 @@ def _fp8_kernel(x_ref, w_ref, s_ref, out_ref, *, block_m, block_n, block_k, step
     m_total, k_total = x_ref.shape
     n_total = w_ref.shape[1]
     pid_m, pid_n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols, col_ok, cols_c = _tile_columns(pid_n, block_n, n_total)
+    cols, col_ok, cols_c = _tile_indices(pid_n, block_n, n_total)
     if gemv:
         row = pid_m
     else:
-        rows = pid_m * block_m + jnp.arange(block_m, dtype=jnp.int32)
-        row_ok = rows < m_total
-        rows_c = jnp.where(row_ok, rows, 0)
+        rows, row_ok, rows_c = _tile_indices(pid_m, block_m, m_total)
     k_steps = (k_total + block_k - 1) // block_k
     it_lo, it_hi = _split_range(split, iters_per_split, (k_steps + steps - 1) // steps)
     offsets = jnp.arange(block_k, dtype=jnp.int32)
