@@ -31,8 +31,6 @@ def read_generation_config(mode: str, model_path: str | os.PathLike | None) -> d
     Raises:
       ValueError naming ``generation_config`` when ``mode`` is a directory without the file, or the file is invalid.
     """
-    from transformers import GenerationConfig
-
     if mode == "vllm":
         return {}
     if mode == "auto":
@@ -44,6 +42,8 @@ def read_generation_config(mode: str, model_path: str | os.PathLike | None) -> d
         if not (directory / FILE_NAME).is_file():
             raise ValueError(f"generation_config {mode!r} must be 'auto', 'vllm' or a directory containing "
                              f"{FILE_NAME}")
+    from transformers import GenerationConfig  # only with a file: importing transformers takes seconds
+
     try:
         return GenerationConfig.from_pretrained(str(directory)).to_diff_dict()
     except (OSError, ValueError) as exc:
