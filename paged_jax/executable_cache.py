@@ -89,6 +89,9 @@ class AheadOfTimeFunction:
     def lower(self, *args, **static):
         return self.jitted.lower(*args, **static)
 
+    def trace(self, *args, **static):
+        return self.jitted.trace(*args, **static)
+
     def _cache_size(self) -> int:
         """Executables this function holds: its table's and those jit compiled on calls outside the table."""
         return len(self.executables) + self.jitted._cache_size()
