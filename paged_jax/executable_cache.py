@@ -112,7 +112,11 @@ class ExecutableCache:
         root = jax.config.jax_compilation_cache_dir
         if not root or jax.process_count() > 1:
             return None
-        fingerprint = runner_fingerprint(runner)
+        try:
+            fingerprint = runner_fingerprint(runner)
+        except Exception as exc:  # e.g. a JAX without one of the APIs it reads: compile as without the cache
+            logger.warning("executable cache off: no fingerprint (%s: %s)", type(exc).__name__, exc)
+            return None
         directory = Path(root) / CACHE_SUBDIR / fingerprint
         try:
             directory.mkdir(parents=True, exist_ok=True)
