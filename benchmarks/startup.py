@@ -18,9 +18,13 @@ that shape is written first (numpy writer, ``--checkpoint-dtype``, shards of at 
 Two more modes time JAX's persistent compilation cache (the weights cache warm in both):
   compile_cold: an empty compilation cache of its own (every executable compiles, ``PAGED_JAX_COMPILE_THREADS``
                 at a time);
-  compile_warm: the shared compilation cache, filled by the starts before (every executable a cache load).
-Every start also reports per phase: ``model_load_s``, ``warm_up_compile_s`` (the concurrent compiles),
-``kv_pool_s``, ``warm_up_run_s`` (one run of each executable; the compiles themselves with 1 thread),
+  compile_warm: the shared compilation cache, filled by the starts before (every executable loaded from the
+                runner's executable cache, ``paged_jax.executable_cache``, or else from JAX's cache).
+Every start also reports per phase: ``imports_s`` (child start to ``LLMEngine(...)``), the engine's stages
+(``engine_backend_s``, ``engine_load_s``, ``engine_kv_sizing_s``, ``engine_runner_init_s``, ``engine_warm_up_s``,
+``engine_other_s`` the rest; ``LLMEngine.startup_timings``), ``model_load_s``, ``warm_up_compile_s`` (the
+concurrent compiles, or loads: ``executables_loaded`` of them came from the executable cache),
+``kv_pool_s``, ``warm_up_run_s`` (one run of each executable),
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
 start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
 ``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed)
@@ -219,6 +223,7 @@ def _child(engine_kwargs: dict) -> dict:
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(**engine_kwargs), use_tqdm=False)
     ready = time.perf_counter()
+    stages = engine.startup_timings
     # The first token: one greedy request of a few prompt tokens, to its first output.
     engine.add_request("first-token", [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=1))
     while not engine.step():
@@ -227,7 +232,10 @@ def _child(engine_kwargs: dict) -> dict:
     runner = engine.runner
     warm_up = runner.warm_up_timings
     return {"model_load_s": engine.model_load_seconds, "engine_init_s": ready - start,
+            "imports_s": start - _T_PROCESS_START, **{f"engine_{k}": v for k, v in stages.items()},
+            "engine_other_s": ready - start - sum(stages.values()),
             "warm_up_compile_s": warm_up.get("compile_s"), "kv_pool_s": warm_up.get("kv_pool_s"),
+            "executables_loaded": warm_up.get("executables_loaded"),
             "warm_up_run_s": warm_up.get("run_s"), "first_token_s": first_token - ready,
             "process_s": ready - _T_PROCESS_START, "process_to_first_token_s": first_token - _T_PROCESS_START,
             "compile_threads": warm_up.get("threads"), "num_compiles": runner.num_compiles(),

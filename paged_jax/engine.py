@@ -62,7 +62,8 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
 
     Attributes (read by the serving layer): ``tokenizer`` (None for dummy shapes without one), ``model_config``,
     ``max_model_len``, ``vocab_size``, ``eos_token_ids``, ``engine_args``, ``model_path``, ``runner``,
-    ``scheduler``.
+    ``scheduler``; ``startup_timings``: seconds of each start-up stage (``backend_s``: to the first device,
+    ``load_s``: weights, tokenizer and generation config, ``kv_sizing_s``, ``runner_init_s``, ``warm_up_s``).
     """
 
     def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None):
@@ -81,10 +82,14 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         enable_compilation_cache(args.compilation_cache_dir)
         device = devices[0] if devices else jax.devices()[0]
         on_accelerator = device.platform != "cpu"
+        # Seconds of each start-up stage (benchmarks/startup.py reports them); warm-up's own phases are the runner's.
+        self.startup_timings = {"backend_s": time.perf_counter() - start}
+        stage_start = time.perf_counter()
 
         logger.info("Loading model %s (dtype %s) on %s", args.model or "SmolLM2-135M-Instruct (built-in)", args.dtype,
                     device)
         loaded = load_engine_model(args, on_accelerator, devices)
+        self.startup_timings["load_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
         model, config, plan = loaded.model, loaded.config, loaded.plan
         run_config, memory_config = loaded.run_config, loaded.memory_config
         self.model_path = loaded.model_path
@@ -115,6 +120,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)
+        self.startup_timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
         self.runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -139,7 +145,9 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
                     len(self.runner.buckets), "" if args.compilation_cache_dir == "" else
                     "; the JAX compilation cache makes later starts faster")
         compile_start = time.perf_counter()
+        self.startup_timings["runner_init_s"] = compile_start - stage_start
         self.runner.warm_up(use_tqdm=use_tqdm)
+        self.startup_timings["warm_up_s"] = time.perf_counter() - compile_start
         self.runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
         logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                     time.perf_counter() - start)

@@ -41,6 +41,7 @@ from models.config import ModelConfig
 from models.llama import ReusableAttention
 from paged_jax import sampler as sampler_lib
 from paged_jax import warm_up as warm_up_lib
+from paged_jax.executable_cache import AheadOfTimeFunction
 from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
 from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
 from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
@@ -207,7 +208,10 @@ class ModelRunner(StepDispatchMixin):
             logits = model.compute_logits(hidden[fields["logits_indices"]])
             return kv_pool, logits, fields["sampling"], hidden
 
-        self._forward = jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
+        # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.executable_cache),
+        # keyed by its static arguments and the shapes of the arguments listed.
+        self._forward = AheadOfTimeFunction(
+            "forward", jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,)))
 
         max_seq_bucket = self._max_seq_bucket
 
@@ -220,12 +224,15 @@ class ModelRunner(StepDispatchMixin):
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
 
-        self._sample = jax.jit(sample, static_argnames=("mode", "num_logprobs"))
+        self._sample = AheadOfTimeFunction("sample", jax.jit(sample, static_argnames=("mode", "num_logprobs")),
+                                           shape_args=(0, 2, 3))
         # Structured outputs: the grammar bitmask i32[R, ceil(V/32)] masks the logits before the sampler (vLLM's
         # order), per sampler row count, only on steps with a constrained row (structured_output.bitmask).
         # A function of this runner's own: jit's executable cache is per function object, so num_compiles counts
         # only this runner's compiles.
-        self._apply_grammar_bitmask = jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask))
+        self._apply_grammar_bitmask = AheadOfTimeFunction(
+            "grammar_bitmask", jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask)),
+            shape_args=(1,))
 
         max_logprobs = self.max_logprobs
 
@@ -235,7 +242,7 @@ class ModelRunner(StepDispatchMixin):
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
             return prompt_logprobs_on_device(model.compute_logits, hidden, targets, num_logprobs=max_logprobs)
 
-        self._prompt_logprobs = jax.jit(prompt_logprobs)
+        self._prompt_logprobs = AheadOfTimeFunction("prompt_logprobs", jax.jit(prompt_logprobs), shape_args=(2,))
 
         def gather_blocks(kv_pool, block_ids):
             """-> [layers, 2, n, block_size, Hkv, D]."""
@@ -245,8 +252,9 @@ class ModelRunner(StepDispatchMixin):
             return [(k.at[block_ids].set(data[i, 0]), v.at[block_ids].set(data[i, 1]))
                     for i, (k, v) in enumerate(kv_pool)]
 
-        self._gather_blocks = jax.jit(gather_blocks)
-        self._scatter_blocks = jax.jit(scatter_blocks, donate_argnums=(0,))
+        self._gather_blocks = AheadOfTimeFunction("gather_blocks", jax.jit(gather_blocks), shape_args=(1,))
+        self._scatter_blocks = AheadOfTimeFunction("scatter_blocks", jax.jit(scatter_blocks, donate_argnums=(0,)),
+                                                   shape_args=(1,))
 
     @property
     def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:
@@ -289,7 +297,8 @@ class ModelRunner(StepDispatchMixin):
         return layout
 
     def num_compiles(self) -> int:
-        """Executables compiled so far by this runner's jitted functions (their dispatch-cache entries)."""
+        """Executables compiled (or loaded) so far for this runner's jitted functions: those warm-up put into their
+        tables plus jit's dispatch-cache entries of any other call."""
         lora = self.lora_slots.num_compiles() if self.lora_slots else 0
         return lora + sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
                                                     self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))

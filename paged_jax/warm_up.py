@@ -4,21 +4,20 @@ swap-copy size, compiled once, none of them afterwards.
 
 Two phases:
 
-1. Compile (``PAGED_JAX_COMPILE_THREADS`` > 1): each executable is traced, lowered and compiled ahead of time
-   (``jitted.lower(...).compile()``) on a thread pool, from abstract inputs (``jax.ShapeDtypeStruct`` with the very
-   shardings the real inputs have). XLA compiles release the GIL, so they overlap; tracing and lowering (Python) take
-   turns on it. This runs before the KV pool is allocated (the runner allocates it on first use), so XLA's
-   autotuning scratch memory in N concurrent GPU compiles does not compete with the pool. An input that is an output
-   of another executable (the sampler's logits, the prompt logprobs' hidden states, the swap-in data) takes its
-   shape and sharding from that executable once it is compiled.
-2. Run: every executable is called once on padding-only inputs, in order (the sequential warm-up of old, and all of
-   it with 1 thread). This fills jit's dispatch cache, which ``ModelRunner.num_compiles`` counts. In jax a call whose
-   trace, shardings and donation equal those of an earlier ``lower(...).compile()`` reuses that compile in memory
-   (``_pjit_lower`` and the computation's executable are cached), so phase 2 compiles nothing after phase 1.
-   Padding tokens only ever write into the null block, so the pool stays clean.
+1. Compile or load, on ``PAGED_JAX_COMPILE_THREADS`` threads: each executable is loaded from the executable cache
+   (``paged_jax.executable_cache``: a warm start neither traces nor lowers) or traced, lowered and compiled ahead of
+   time (``jitted.lower(...).compile()``, then saved there) from abstract inputs (``jax.ShapeDtypeStruct`` with the
+   very shardings the real inputs have), and put into its ``AheadOfTimeFunction``'s table, which the runner's calls
+   use. XLA compiles release the GIL, so they overlap; tracing and lowering (Python) take turns on it. This runs
+   before the KV pool is allocated (the runner allocates it on first use), so XLA's autotuning scratch memory in N
+   concurrent GPU compiles does not compete with the pool. An input that is an output of another executable (the
+   sampler's logits, the prompt logprobs' hidden states, the swap-in data) takes its shape and sharding from that
+   executable once it is compiled.
+2. Run: every executable is called once on padding-only inputs, in order (each call finds its executable in the
+   table: nothing compiles). Padding tokens only ever write into the null block, so the pool stays clean.
 
 The pipeline-parallel runner's forward runs stage by stage (no single jitted function to lower): it warms up with
-phase 2 only.
+phase 2 only, which compiles through jit on each first call.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 
 from paged_jax import sampler as sampler_lib
+from paged_jax.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
 
 logger = logging.getLogger(__name__)
 
@@ -64,27 +64,31 @@ def num_warm_up_executables(runner) -> int:
 
 
 def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[str, float]:
-    """Compile every executable of ``runner`` (a ``ModelRunner``) and run each once; ``threads`` (default
-    ``compile_threads()``) compile concurrently first. Returns seconds per phase: ``compile_s`` (the concurrent
-    compiles; 0.0 when sequential), ``kv_pool_s`` (allocating the KV pool), ``run_s`` (the run phase; with 1 thread
-    it holds the compiles), and ``threads`` (used; 1 for the pipeline-parallel runner)."""
+    """Compile (or load) every executable of ``runner`` (a ``ModelRunner``) on ``threads`` threads (default
+    ``compile_threads()``), then run each once. Returns seconds per phase: ``compile_s`` (phase 1, the executable
+    cache's fingerprint included), ``kv_pool_s`` (allocating the KV pool), ``run_s`` (the run phase; for the
+    pipeline-parallel runner it holds the compiles); ``threads`` (used; 1 for the pipeline-parallel runner) and
+    ``executables_loaded`` (from the executable cache)."""
     from tqdm.auto import tqdm
 
     threads = compile_threads() if threads is None else threads
-    concurrent_ok = threads > 1 and hasattr(runner._forward, "lower")
+    ahead_of_time = isinstance(runner._forward, AheadOfTimeFunction)
     bar = tqdm(total=num_warm_up_executables(runner), desc="Compiling step executables", disable=not use_tqdm,
                leave=False)
-    timings = {"threads": threads if concurrent_ok else 1, "compile_s": 0.0}
+    timings = {"threads": threads if ahead_of_time else 1, "compile_s": 0.0, "executables_loaded": 0}
     start = time.perf_counter()
-    if concurrent_ok:
-        _compile_concurrently(runner, threads, bar)
+    if ahead_of_time:
+        cache = ExecutableCache.for_runner(runner)
+        _compile_concurrently(runner, threads, bar, cache)
         timings["compile_s"] = time.perf_counter() - start
-        logger.info("Compiled %d executables on %d threads in %.1f s", bar.n, threads, timings["compile_s"])
+        timings["executables_loaded"] = cache.hits if cache else 0
+        logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", bar.n, threads,
+                    timings["compile_s"], timings["executables_loaded"], cache and cache.directory)
     start = time.perf_counter()
     jax.block_until_ready(runner.kv_pool)  # allocated here, after the compiles (its first use)
     timings["kv_pool_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    _run_every_executable(runner, bar if not concurrent_ok else None)
+    _run_every_executable(runner, bar if not ahead_of_time else None)
     timings["run_s"] = time.perf_counter() - start
     bar.close()
     return timings
@@ -123,7 +127,7 @@ def _bias_table(runner, num_rows: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Phase 1: concurrent ahead-of-time compiles
+# Phase 1: concurrent ahead-of-time compiles (or executable cache loads)
 # ----------------------------------------------------------------------------------------------------------------
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -137,9 +141,9 @@ def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
             for info, sharding in zip(infos, jax.tree.leaves(compiled.output_shardings))]
 
 
-def _compile_concurrently(runner, threads: int, bar) -> None:
-    """Lower and compile every executable on ``threads`` threads, with the exact input avals and shardings of the
-    run phase (phase 2 then reuses each compile)."""
+def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> None:
+    """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
+    avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables."""
     host_input = runner.input_sharding()
 
     def host(x: np.ndarray) -> jax.ShapeDtypeStruct:
@@ -152,8 +156,8 @@ def _compile_concurrently(runner, threads: int, bar) -> None:
 
     def compile_forward(num_tokens, num_seqs):
         buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
-        return runner._forward.lower(params, kv_pool, buf, prev_tokens, lora, num_tokens=num_tokens,
-                                     num_seqs=num_seqs).compile()
+        return load_or_compile(cache, runner._forward, (params, kv_pool, buf, prev_tokens, lora),
+                               {"num_tokens": num_tokens, "num_seqs": num_seqs})
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
         # Forward buckets first (smallest first): the first bucket of each sampler row count / token count is what
@@ -171,26 +175,27 @@ def _compile_concurrently(runner, threads: int, bar) -> None:
 
         def compile_bitmask(num_rows):
             logits, _, _ = forward_outputs(by_rows[num_rows])
-            return runner._apply_grammar_bitmask.lower(logits, host(_grammar_bitmask(runner, num_rows))).compile()
+            return load_or_compile(cache, runner._apply_grammar_bitmask,
+                                   (logits, host(_grammar_bitmask(runner, num_rows))))
 
         def compile_sampler(num_rows, variant):
             logits, sampling_words, _ = forward_outputs(by_rows[num_rows])
             empty = _abstract(runner._no_history[num_rows])
             history = host(_penalty_history(runner, num_rows)) if variant.penalties else empty
             bias_table = host(_bias_table(runner, num_rows)) if variant.bias_table else empty
-            return runner._sample.lower(logits, sampling_words, history, bias_table, mode=variant.mode,
-                                        num_logprobs=variant.num_logprobs).compile()
+            return load_or_compile(cache, runner._sample, (logits, sampling_words, history, bias_table),
+                                   {"mode": variant.mode, "num_logprobs": variant.num_logprobs})
 
         def compile_prompt_logprobs(num_tokens):
             _, _, hidden = forward_outputs(by_tokens[num_tokens])
             targets = host(np.zeros((num_tokens,), np.int32))
-            return runner._prompt_logprobs.lower(params, hidden, targets).compile()
+            return load_or_compile(cache, runner._prompt_logprobs, (params, hidden, targets))
 
         def compile_swap(size):
             ids = host(np.zeros((size,), np.int32))
-            gathered = runner._gather_blocks.lower(kv_pool, ids).compile()
+            gathered = load_or_compile(cache, runner._gather_blocks, (kv_pool, ids))
             data = _compiled_outputs(gathered)[0]
-            return runner._scatter_blocks.lower(kv_pool, ids, data).compile()
+            return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data))
 
         for num_rows in runner.sampler_seq_buckets:
             jobs.append(pool.submit(compile_bitmask, num_rows))
@@ -212,8 +217,8 @@ def _split_forward_outputs(outputs: list) -> tuple[list, object, object, object]
 # ----------------------------------------------------------------------------------------------------------------
 
 def _run_every_executable(runner, bar) -> None:
-    """Call each executable on padding-only inputs (compiling it unless phase 1 did); ``bar`` (or None) counts
-    them."""
+    """Call each executable on padding-only inputs (compiling it unless phase 1 did: the pipeline-parallel
+    runner); ``bar`` (or None) counts them."""
     device = runner.device
 
     def done():

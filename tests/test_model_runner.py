@@ -354,6 +354,47 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     assert runner.num_compiles_since_warmup == 0
 
 
+def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_model, tmp_path):
+    """paged_jax.executable_cache: a runner's fresh compiles are saved; a second runner of the same configuration
+    loads every executable (nothing traced: jit's own caches stay empty), samples what the first samples and compiles
+    nothing after warm-up; an unreadable file is compiled again; another configuration has another fingerprint."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from paged_jax.executable_cache import runner_fingerprint
+
+    model, config = tiny_model
+    previous_dir = jax.config.jax_compilation_cache_dir
+    compilation_cache.reset_cache()  # JAX's cache empty too: the first runner compiles fresh (only those are saved)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        small = dict(num_blocks=12, max_num_seqs=2, max_num_batched_tokens=8, threads=2)
+        first = make_runner(model, config, **small)
+        assert first.warm_up_timings["executables_loaded"] == 0
+        second = make_runner(model, config, **small)
+        num_executables = second.num_compiles()
+        assert second.warm_up_timings["executables_loaded"] == num_executables > 0
+        assert second._forward.jitted._cache_size() == 0 and second._sample.jitted._cache_size() == 0
+        seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 7, 9], num_computed_tokens=0, block_ids=[1 + i],
+                         sample=True, sampling=(SamplingParams(temperature=0.7, seed=i, logprobs=2), i, 0, [], []))
+                for i in range(2)]
+        got, want = second.execute(seqs).result(), first.execute(seqs).result()
+        np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+        assert second.num_compiles_since_warmup == 0
+
+        cache_dir = tmp_path / "paged_jax_executables" / runner_fingerprint(second)
+        next(cache_dir.glob("forward-*.bin")).write_bytes(b"not an executable")
+        third = make_runner(model, config, **small)
+        assert third.warm_up_timings["executables_loaded"] == num_executables - 1
+        assert third.num_compiles() == num_executables
+        other = ModelRunner(model, config, num_blocks=12, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                            max_num_seqs=2, max_num_batched_tokens=8, eos_token_ids=[2], max_logprobs=3)
+        assert runner_fingerprint(other) != runner_fingerprint(second)
+    finally:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", previous_dir)
+
+
 def _loop_primitives(jaxpr, found=None):
     """Names of loop primitives (while / scan) anywhere in ``jaxpr``, not looking inside Pallas kernels (whose
     loops run on the device). An XLA while loop outside a kernel runs on the GPU as host-driven iterations."""
