@@ -75,6 +75,7 @@ def _grammar_host_us(engine, schemas: list[dict], num_rows: int, num_steps: int 
 
     from paged_jax import StructuredOutputsParams
     from paged_jax.structured_output import fill_step_bitmask
+    from paged_jax.structured_output.backend import fill_threads
 
     manager = engine.structured_outputs
     compiled = [manager.grammar_for(StructuredOutputsParams(json=schema)) for schema in schemas]
@@ -98,7 +99,33 @@ def _grammar_host_us(engine, schemas: list[dict], num_rows: int, num_steps: int 
     fill, accept = 1e6 * float(np.median(fill_s)), 1e6 * float(np.median(accept_s))
     return {"figure": "grammar_host_us", "rows": num_rows, "fill_per_step": fill, "fill_per_row": fill / num_rows,
             "accept_per_step": accept, "accept_per_row": accept / num_rows,
+            "fill_threads": fill_threads(num_rows), "fill_per_step_by_threads": _fill_us_by_threads(grammars, engine),
             "grammar_vocab_size": grammars[0].backend.grammar_vocab_size}
+
+
+def _fill_us_by_threads(grammars: list, engine, repeats: int = 24) -> dict:
+    """Median microseconds of one step's bitmask fill for ``grammars`` (their current states) on one thread and on
+    the threads the engine uses from ``PARALLEL_FILL_MIN_ROWS`` rows on: the measurement behind that threshold."""
+    import numpy as np
+
+    from paged_jax.structured_output import backend as backend_module
+    from paged_jax.structured_output import fill_step_bitmask
+    from paged_jax.structured_output.backend import fill_threads
+
+    threshold = backend_module.PARALLEL_FILL_MIN_ROWS
+    medians = {}
+    try:
+        for label, min_rows in (("1", len(grammars) + 1), (str(fill_threads(1 << 30)), 1)):
+            backend_module.PARALLEL_FILL_MIN_ROWS = min_rows
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fill_step_bitmask(grammars, 2 * len(grammars), engine.vocab_size)
+                times.append(time.perf_counter() - start)
+            medians[label] = 1e6 * float(np.median(times))
+    finally:
+        backend_module.PARALLEL_FILL_MIN_ROWS = threshold
+    return medians
 
 
 def _percentile(values: list[float], q: float) -> float:

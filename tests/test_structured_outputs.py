@@ -214,14 +214,15 @@ def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenize
     assert engine.stats()["num_compiles_since_warmup"] == 0 and not engine.has_unfinished_requests()
 
 
-def test_padded_vocabulary_bitmask_equals_xgrammars_own(smollm2_tokenizer):
+def test_padded_vocabulary_bitmask_equals_xgrammars_own(smollm2_tokenizer, monkeypatch):
     """A model vocabulary padded past the tokenizer's ids: the grammars use the tokenizer's ids only (xgrammar would
     count every padding id as a special token), and the step bitmask equals the one xgrammar fills over the whole
-    padded vocabulary: the padding ids banned, the same tokens allowed."""
+    padded vocabulary: the padding ids banned, the same tokens allowed; the threaded fill (many grammar rows on a
+    multi-core host) writes the same rows as one thread."""
     import numpy as np
     import xgrammar as xgr
 
-    from paged_jax.structured_output import StructuredOutputManager, fill_step_bitmask
+    from paged_jax.structured_output import StructuredOutputManager, backend, fill_step_bitmask
 
     vocab_size, eos = len(smollm2_tokenizer) + 1000, smollm2_tokenizer.eos_token_id
     manager = StructuredOutputManager(smollm2_tokenizer, vocab_size, [eos])
@@ -238,6 +239,9 @@ def test_padded_vocabulary_bitmask_equals_xgrammars_own(smollm2_tokenizer):
         for row, matcher in enumerate(references, start=1):
             matcher.fill_next_token_bitmask(expected, row)
         np.testing.assert_array_equal(bitmask, expected)
+        with monkeypatch.context() as threaded:
+            threaded.setattr(backend, "fill_threads", lambda num_rows: 2)
+            np.testing.assert_array_equal(fill_step_bitmask([None, *grammars], 4, vocab_size), expected)
         for grammar, matcher, row in zip(grammars, references, (1, 2)):
             allowed = np.flatnonzero(np.unpackbits(bitmask[row].view(np.uint8), bitorder="little"))
             assert allowed.max() < len(smollm2_tokenizer)

@@ -27,9 +27,11 @@ import numpy as np
 
 from paged_jax.sampling_params import StructuredOutputsParams
 
-# Rows from which the bitmask fill fans out over threads (vLLM's threshold for its parallel fill): below it one
-# thread filling every row in one call beats waking workers for a few microseconds of work each.
-PARALLEL_FILL_MIN_ROWS = 128
+# Rows from which the bitmask fill fans out over threads. A row's fill walks the grammar's token-mask cache and is
+# tens of microseconds (far above a worker's wake-up), and under async scheduling the fill is on the host's critical
+# path at moderate batch sizes, so threads pay off well below vLLM's 128 rows (benchmarks/structured.py measures
+# one thread against the threads at the run's row count).
+PARALLEL_FILL_MIN_ROWS = 16
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the useful message.
 _CPP_ERROR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -124,7 +126,7 @@ class XgrammarBackend:
         (i32[R, ceil(V / 32)]) in one xgrammar call (``BatchGrammarMatcher``: one Python -> C++ crossing for the
         whole step instead of one per row; from ``PARALLEL_FILL_MIN_ROWS`` rows on, over up to 8 threads). Ids past
         ``grammar_vocab_size`` are banned."""
-        threads = 1 if len(matchers) < PARALLEL_FILL_MIN_ROWS else max(1, min(8, (os.cpu_count() or 2) // 2))
+        threads = fill_threads(len(matchers))
         words = -(-self.grammar_vocab_size // 32)
         if words == bitmask.shape[1]:
             _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
@@ -133,6 +135,12 @@ class XgrammarBackend:
         _batch_matcher(threads).batch_fill_next_token_bitmask(list(matchers), narrow)
         bitmask[rows, :words] = narrow
         bitmask[rows, words:] = 0
+
+
+def fill_threads(num_rows: int) -> int:
+    """xgrammar threads for a step's fill of ``num_rows`` grammar rows: one below ``PARALLEL_FILL_MIN_ROWS``, else up
+    to 8 (half the host's cores: the engine loop and the device runtime keep theirs)."""
+    return 1 if num_rows < PARALLEL_FILL_MIN_ROWS else max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 @functools.lru_cache(maxsize=2)
