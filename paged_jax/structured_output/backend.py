@@ -27,11 +27,10 @@ import numpy as np
 
 from paged_jax.sampling_params import StructuredOutputsParams
 
-# Rows from which the bitmask fill fans out over threads. A row's fill walks the grammar's token-mask cache and is
-# tens of microseconds (far above a worker's wake-up), and under async scheduling the fill is on the host's critical
-# path at moderate batch sizes, so threads pay off well below vLLM's 128 rows (benchmarks/structured.py measures
-# one thread against the threads at the run's row count).
-PARALLEL_FILL_MIN_ROWS = 16
+# Rows from which the bitmask fill fans out over threads (vLLM's threshold). Below it one thread is faster: on the
+# GPU host xgrammar's threaded fill of a few dozen rows took longer than one thread's (benchmarks/structured.py
+# times both at the run's row count; RESULTS.md).
+PARALLEL_FILL_MIN_ROWS = 128
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the useful message.
 _CPP_ERROR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
