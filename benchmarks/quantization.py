@@ -11,22 +11,21 @@ Sections (``--sections``, comma-separated; one JSON line per figure on stdout, a
   (packed weights + scales + zeros, or bf16 weights) / time, against ``ceiling``.
 * ``decode``: one batch-1 decode step (context ``--context``) of the model runner, bf16 vs fp8 (online: per-channel
   weights, per-token activations) vs AWQ-layout int4 (random weights quantized with group 128 and zero points),
-  each with ``matmul_impl`` xla and auto (the engine's default: the Pallas kernels at batch 1 on the GPU;
-  pallas with ``--tiny``); ``floor_ms`` = bytes of every parameter a decode step reads
+  int8 per channel, each with every ``matmul_impl`` of ``--decode-impls`` (default xla and auto, the engine's
+  default; auto = pallas with ``--tiny``; ``xla_native_grouped`` is skipped for fp8); ``floor_ms`` = bytes of
+  every parameter a decode step reads
   (all but the embedding table, of which it reads one row) + the KV context, at the measured copy bandwidth.
 
-* ``sweep``: the tuning grid of the skinny-M Pallas kernels (``paged_jax.ops.quantized_matmul``): for each format
-  (int4 g128, int8 per channel, fp8 per channel), M in ``--batches`` and Llama-3.1-8B projection, <= 8 configurations
-  (each compiled once) and XLA's path (int: dequantize + dot; fp8: the float8 dot on per-token quantized
-  activations); GB/s and fraction of copy per configuration, then ``sweep_best`` lines: the best configuration per
-  (format, M, shape) and per (format, M bucket), printed as ``quantized_matmul_tuning.TUNING`` entries to paste,
-  with the speed-up over XLA that sets ``PALLAS_MAX_M``.
+* ``sweep``: every ``matmul_impl`` side by side per (format, M in ``--batches``, Llama-3.1-8B projection), the
+  blocked GEMV's tuning grid at M = 1, and the ``AUTO_IMPL`` / ``BLOCKED_TUNING`` entries to paste
+  (``benchmarks/quantization_sweep.py`` documents its harness and its lines).
 
 The GPU's choice between the Pallas kernels and XLA is made from ``sweep``, ``matmul`` and ``decode``.
 
 Examples (H200): ``python -m benchmarks.quantization --sections check`` (kernel lowering, a minute);
 ``python -m benchmarks.quantization --out $OUT/quant.json`` (everything but the sweep, Llama-3.1-8B shape);
-``python -m benchmarks.quantization --sections ceiling,sweep`` (tuning, about two minutes).
+``python -m benchmarks.quantization --sections ceiling,sweep --batches 1,16 --formats int4,fp8`` (tuning, about
+three minutes).
 CPU check of the script: ``python -m benchmarks.quantization --tiny`` (tiny shapes, interpret-mode kernel).
 """
 
@@ -163,13 +162,17 @@ def _decode_step_ms(model, config, args) -> tuple[float, int]:
     """Pipelined batch-1 decode step (ms) of a ModelRunner on ``model``, and the bytes of the parameters a decode
     step reads (all but the embedding table)."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from paged_jax.model_runner import ModelRunner
     from paged_jax.sampling_params import SamplingParams
     from paged_jax.step_io import SeqInput
 
-    read = sum(int(v.get_value().nbytes) for path, v in nnx.to_flat_state(nnx.state(model))
+    def nbytes(a):  # int4 arrays: two per byte on the GPU (jax's nbytes counts a byte each)
+        return a.size // 2 if a.dtype == jnp.int4 else int(a.nbytes)
+
+    read = sum(nbytes(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))
                if "embed_tokens" not in [str(p) for p in path] or config.tie_word_embeddings)
     bs = 16
     blocks = -(-(args.context + 1) // bs)
@@ -202,7 +205,7 @@ def section_decode(args, results, copy_gbps: float):
     from models.presets import kv_bytes_per_token, preset_config
     from models.quantization.config import QuantConfig, resolve_quantization
     from models.quantization.load import quantize_model
-    import paged_jax.ops.quantized_matmul  # noqa: F401  (registers matmul_impl "pallas")
+    import paged_jax.ops  # noqa: F401  (registers matmul_impl "pallas", "pallas_blocked" and "auto")
 
     if args.tiny:
         from models.testing import tiny_config
@@ -211,25 +214,34 @@ def section_decode(args, results, copy_gbps: float):
     else:
         config = preset_config(args.shape)
     awq = QuantConfig("awq", "weight_only", False, bits=4, group_size=128, zero_point=True)
-    fast = "pallas" if args.tiny else "auto"  # auto = the Pallas kernels at batch 1 on the GPU, XLA on CPU
-    variants = [("bf16", None, "xla"), ("fp8", resolve_quantization("fp8", {}), "xla"),
-                ("fp8", resolve_quantization("fp8", {}), fast), ("awq-int4-g128", awq, "xla"),
-                ("awq-int4-g128", awq, fast), ("int8", resolve_quantization("int8", {}), fast)]
+    # auto = the tuning table's choice on the GPU, XLA on CPU: the tiny CPU check runs the Pallas kernels instead
+    impls = ["pallas" if args.tiny and impl == "auto" else impl for impl in args.decode_impls.split(",") if impl]
+    quantized = [("fp8", resolve_quantization("fp8", {})), ("awq-int4-g128", awq),
+                 ("int8", resolve_quantization("int8", {}))]
+    variants = [("bf16", None, "xla")] + [(name, qc, impl) for name, qc in quantized for impl in impls
+                                          if not (qc.kind == "fp8" and impl == "xla_native_grouped")]
     kv_read = args.context * kv_bytes_per_token(config, 2)
+    if args.interpret:
+        import functools
+
+        from models.quantization import linear
+        from paged_jax.ops.quantized_gemv import fp8_gemv_blocked, weight_only_gemv_blocked
+        from paged_jax.ops.quantized_matmul import fp8_weight_only_matmul_pallas, weight_only_matmul_pallas
+        for impl, int_fn, fp8_fn in (("pallas", weight_only_matmul_pallas, fp8_weight_only_matmul_pallas),
+                                     ("pallas_blocked", weight_only_gemv_blocked, fp8_gemv_blocked)):
+            linear.register_weight_only_matmul(impl, functools.partial(int_fn, interpret=True))
+            linear.register_fp8_matmul(impl, functools.partial(fp8_fn, interpret=True))
     for name, qc, impl in variants:
         model = init_dummy_model(config, dtype=jnp.bfloat16, seed=0)
         if qc is not None:
             quantize_model(model, qc, matmul_impl=impl)
         fuse_projections(model)
-        if impl == "pallas" and args.interpret:
-            import functools
-
-            from models.quantization import linear
-            from paged_jax.ops.quantized_matmul import fp8_weight_only_matmul_pallas, weight_only_matmul_pallas
-            linear.register_weight_only_matmul("pallas", functools.partial(weight_only_matmul_pallas,
-                                                                          interpret=True))
-            linear.register_fp8_matmul("pallas", functools.partial(fp8_weight_only_matmul_pallas, interpret=True))
-        step_ms, weight_read = _decode_step_ms(model, config, args)
+        try:
+            step_ms, weight_read = _decode_step_ms(model, config, args)
+        except Exception as exc:  # one variant that does not run must not cost the others' figures
+            _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "error": repr(exc)[:400]})
+            del model
+            continue
         floor_ms = (weight_read + kv_read) / (copy_gbps * 1e9) * 1e3
         _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "batch": 1,
                         "context": args.context, "step_ms": step_ms, "weight_bytes_read": weight_read,
@@ -247,7 +259,15 @@ def main(argv: list[str] | None = None) -> list:
     p.add_argument("--context", type=int, default=1024, help="decode: cached tokens of the one sequence")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--inner", type=int, default=10)
-    p.add_argument("--formats", default="int4,int8,fp8", help="sweep: kernel formats")
+    p.add_argument("--formats", default="int4,int8,fp8", help="sweep: weight formats")
+    p.add_argument("--sweep-configs", type=int, default=8, help="sweep: blocked GEMV configurations per cell")
+    p.add_argument("--no-sweep-bf16", dest="sweep_bf16", action="store_false",
+                   help="sweep: leave out the bf16 dot reference")
+    p.add_argument("--compile-threads", type=int, default=8, help="sweep: concurrent compiles per cell")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="sweep: no new cell starts after this many seconds (reported as skipped)")
+    p.add_argument("--decode-impls", default="xla,auto",
+                   help="decode: matmul_impl values of the quantized models (models.quantization.linear)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -265,7 +285,7 @@ def main(argv: list[str] | None = None) -> list:
         section_matmul(args, results, copy_gbps)
     if "sweep" in sections:
         from benchmarks.quantization_sweep import section_sweep
-        section_sweep(args, results, copy_gbps, _median_s, _emit, _weights)
+        section_sweep(args, results, copy_gbps, _emit)
     if "decode" in sections:
         section_decode(args, results, copy_gbps)
     write_json(args.out, {"benchmark": "quantization", "results": results})

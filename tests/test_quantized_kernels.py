@@ -83,16 +83,26 @@ def test_default_tuning_paths_and_split():
 
 
 def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
-    """"auto": the Pallas kernels up to the measured M threshold on the GPU only; per call by the static row count
-    (a compiled step never switches); FP8 at small M runs weight-only, at large M the float8 dot."""
+    """"auto": the tuning table's implementation per (format, M bucket) on the GPU only (XLA elsewhere, in the
+    storage the table implies); per call by the static row count (a compiled step never switches); FP8 at small M
+    runs weight-only, at large M the float8 dot."""
     from models.quantization import linear
     from paged_jax.ops import quantized_matmul_tuning as table
     from paged_jax.ops.quantized_matmul import select_matmul_impl
 
-    assert table.use_pallas("int4", 1, "gpu") and table.use_pallas("int8", table.PALLAS_MAX_M["int8"], "gpu")
-    assert not table.use_pallas("int4", table.PALLAS_MAX_M["int4"] + 1, "gpu")
-    assert not table.use_pallas("fp8", table.PALLAS_MAX_M["fp8"] + 1, "gpu")
-    assert not table.use_pallas("int4", 1, "cpu") and select_matmul_impl("int4", 1) == "xla"  # tests run on CPU
+    for (fmt, bucket), impl in table.AUTO_IMPL.items():
+        assert table.auto_impl(fmt, bucket, "gpu") == impl and impl in linear.MATMUL_IMPLS
+        assert fmt != "fp8" or impl in linear.FP8_IMPLS
+        assert table.storage(fmt) == linear.weight_storage("auto", fmt)  # one storage per format, registered
+    assert table.auto_impl("int4", 17, "gpu") == table.AUTO_IMPL[("int4", 64)]
+    assert select_matmul_impl("int4", 1) == "xla"  # tests run on CPU
+    with monkeypatch.context() as patch:
+        patch.setitem(table.AUTO_IMPL, ("int4", 1), "xla_native")
+        with pytest.raises(ValueError, match="mixes"):
+            table.storage("int4")
+        for bucket in table.M_BUCKETS:
+            patch.setitem(table.AUTO_IMPL, ("int4", bucket), "xla_native_grouped")
+        assert table.storage("int4") == "native" and table.auto_impl("int4", 1, "cpu") == "xla_native"
     calls = []
     monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: "pallas" if m <= 2 else "xla"])
     monkeypatch.setitem(linear._WEIGHT_ONLY_MATMULS, "pallas",
@@ -115,6 +125,84 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
         assert (err < 1e-6) == (rows == 2)  # weight-only at small M; quantized activations above
     with pytest.raises(ValueError, match="matmul_impl"):
         linear.WeightOnlyLinear(qweight, scales, zeros, bits=4, group_size=32, dtype=jnp.float32, matmul_impl="x")
+    with pytest.raises(ValueError, match="matmul_impl"):
+        linear.Fp8Linear(weight, weight_scale, activation_scheme=None, dtype=jnp.float32,
+                         matmul_impl="xla_native_grouped")
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 32, False), (4, 64, True), (8, -1, False)])
+def test_native_storage_matmuls_match_reference(bits, group_size, act_order):
+    """Native int4 / int8 storage (``xla_native``: dequantized in the dot's operand; ``xla_native_grouped``: a dot
+    per group, scaled after) against the packed layout's reference; the storage converts both ways exactly, the
+    layer's dequantized kernel and ``concat`` (fused projections) keep their meaning; FP8 upcast in XLA."""
+    from models.quantization import linear, native
+
+    rng = np.random.default_rng(time.time_ns() % (1 << 31))
+    k, n = 256, 40
+    gs = k if group_size == -1 else group_size
+    qweight, scales, zeros, g_idx = _random_weight_only(rng, k, n, bits, gs, act_order, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+    want = weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, bits=bits, group_size=gs)
+    assert bool((native.native_to_packed(native.packed_to_native(qweight, bits), bits) == qweight).all())
+    for impl in ("xla_native", "xla_native_grouped"):
+        layer = linear.WeightOnlyLinear(qweight, scales, zeros, g_idx, bits=bits, group_size=gs, dtype=jnp.float32,
+                                        matmul_impl=impl)
+        assert layer.storage == "native" and layer.qweight.dtype == native.NATIVE_DTYPES[bits]
+        assert layer.in_features == k
+        np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()))
+        np.testing.assert_array_equal(np.asarray(layer.dequantized_kernel()),
+                                      np.asarray(linear.dequantize_weight_only(qweight, scales, zeros, g_idx,
+                                                                               bits=bits, group_size=gs,
+                                                                               dtype=jnp.float32)))
+        fused = linear.WeightOnlyLinear.concat([layer, layer])
+        if fused is not None:
+            assert fused.storage == "native"
+            np.testing.assert_allclose(np.asarray(fused(x)[:, n:]), np.asarray(want),
+                                       atol=1e-5 * float(jnp.abs(want).max()))
+        packed = linear.WeightOnlyLinear(layer.qweight[...], scales, zeros, g_idx, bits=bits, group_size=gs,
+                                         dtype=jnp.float32, matmul_impl="xla")
+        np.testing.assert_array_equal(np.asarray(packed.qweight[...]), np.asarray(qweight))
+    weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32))
+    fp8 = linear.Fp8Linear(weight, weight_scale, activation_scheme="dynamic_token", dtype=jnp.float32,
+                           matmul_impl="xla_native")
+    exact = fp8_weight_only_matmul_reference(x, weight, weight_scale)
+    np.testing.assert_allclose(np.asarray(fp8(x)), np.asarray(exact), rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_gemv_matches_reference():
+    """The block-sliced M = 1 GEMV (interpret mode): int4 with groups 32 / 64 / 128 and zero points, K shares
+    (split_k) and a remainder step after the unrolled loop; int8 per channel; FP8 (a per-tensor scale); and
+    the fallback to the "pallas" kernel (a shape that does not tile; M > 1 and act-order g_idx take the same
+    branch) with the same results."""
+    from paged_jax.ops.quantized_gemv import blocked_tuning, fp8_gemv_blocked, weight_only_gemv_blocked
+
+    seed = time.time_ns() % (1 << 31)
+    rng = np.random.default_rng(seed)
+
+    def check(got, want, what):
+        scale = float(jnp.max(jnp.abs(want))) + 1e-6
+        np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want, np.float32) / scale,
+                                   atol=1e-5, err_msg=f"seed={seed} {what}")
+
+    for bits, group_size, k, n, m, act_order, knobs in (
+            (4, int(rng.choice([32, 64, 128])), 512, 64, 1, False, dict(block_n=32, block_k=64, steps=3, split_k=2)),
+            (8, -1, 256, 32, 1, False, dict(block_n=16, block_k=32, steps=2, split_k=4)),
+            (4, 32, 256, 40, 1, False, dict(block_n=32, block_k=32))):  # 40 columns do not tile: fallback
+        gs = k if group_size == -1 else group_size
+        qweight, scales, zeros, g_idx = _random_weight_only(rng, k, n, bits, gs, act_order, jnp.float32)
+        tiles = blocked_tuning(f"int{bits}", n, k, group_size=gs, **knobs) is not None
+        assert tiles == (n % 32 == 0 and m == 1 and not act_order)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        want = weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, bits=bits, group_size=gs)
+        got = weight_only_gemv_blocked(x, qweight, scales, zeros, g_idx, bits=bits, group_size=gs, interpret=True,
+                                       **knobs)
+        assert got.shape == (m, n)
+        check(got, want, f"int{bits} g{gs} n={n} m={m}")
+    w = jnp.asarray(rng.standard_normal((256, 64)) * 0.02, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, 256)), jnp.float32)
+    weight, weight_scale = quantize_weight_fp8(w, "tensor")  # [1] scale: broadcast like a per-channel one
+    got = fp8_gemv_blocked(x, weight, weight_scale, interpret=True, block_n=32, block_k=32, steps=3, split_k=2)
+    check(got, fp8_weight_only_matmul_reference(x, weight, weight_scale), "fp8")
 
 
 def test_kernels_lower_to_triton_on_cpu():
@@ -136,6 +224,18 @@ def test_kernels_lower_to_triton_on_cpu():
     for m in (1, 16):
         export.export(jax.jit(fp8_weight_only_matmul_pallas), platforms=["cuda"], disabled_checks=checks)(
             spec((m, k), jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn), spec((n,), jnp.float32))
+    from paged_jax.ops.quantized_gemv import fp8_gemv_blocked, weight_only_gemv_blocked
+
+    for bits, group_size in ((4, 128), (8, k)):  # grouped and per-channel blocked GEMV
+        fn = jax.jit(lambda x, q, s, z, bits=bits, group_size=group_size: weight_only_gemv_blocked(
+            x, q, s, z, bits=bits, group_size=group_size))
+        module = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            spec((1, k), jnp.bfloat16), spec((k * bits // 32, n), jnp.int32), spec((k // group_size, n), jnp.bfloat16),
+            spec((k // group_size, n), jnp.bfloat16)).mlir_module()
+        assert "gemv_blocked" in module
+    module = export.export(jax.jit(fp8_gemv_blocked), platforms=["cuda"], disabled_checks=checks)(
+        spec((1, k), jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn), spec((n,), jnp.float32)).mlir_module()
+    assert "gemv_blocked" in module
 
 
 def test_fp8_kv_pool_write_saturates():

@@ -17,12 +17,19 @@ compute dtype), swapped in for the decoder's projections by ``models.quantizatio
   e4m3 per token (dynamic), per tensor (dynamic or static), and multiplied by XLA's float8 dot
   (``preferred_element_type=float32``) then rescaled; or, without activation quantization, the weights are upcast.
 
-``matmul_impl`` of both modules: ``"xla"`` (int: ``weight_only_matmul_reference``, dequantize + dot fused by XLA
-as it can; fp8: the float8 dot above), ``"pallas"`` (the skinny-M Pallas kernels of ``paged_jax.ops.quantized_matmul``:
-weight-only, fp8 activations not quantized) or ``"auto"`` (default: chosen per call by the static row count M,
-``resolve_matmul_impl``). The kernels and the selector register themselves here (``register_weight_only_matmul``,
+``matmul_impl`` of both modules (``MATMUL_IMPLS``): ``"xla"`` (int: ``weight_only_matmul_reference``, dequantize +
+dot fused by XLA as it can; fp8: the float8 dot above), ``"xla_native"`` (int: native ``int4`` / ``int8`` storage,
+dequantized in the dot's operand; fp8: the weights upcast in the dot's operand, the scale applied after),
+``"xla_native_grouped"`` (int only: native storage, a dot per group on the raw integers, scaled after; see
+``models.quantization.native``), ``"pallas"`` (the skinny-M Pallas kernels of ``paged_jax.ops.quantized_matmul``:
+weight-only, fp8 activations not quantized), ``"pallas_blocked"`` (the block-sliced M = 1 GEMV kernels of
+``paged_jax.ops.quantized_gemv``, "pallas" for other M or shapes it does not take) or ``"auto"`` (default: chosen
+per call by the static row count M, ``resolve_matmul_impl``). The storage of a weight-only module follows its
+``matmul_impl`` (``IMPL_STORAGE``; "auto": the registered selector's storage): ``"packed"`` = the canonical int32
+layout above, ``"native"`` = ``int4`` / ``int8 [in, out]`` (``models.quantization.native``); the constructor takes
+either and converts. The kernels and the selector register themselves here (``register_weight_only_matmul``,
 ``register_fp8_matmul``, ``register_matmul_selector``) when ``paged_jax.ops`` is imported, so ``models`` never
-imports ``paged_jax``; without a selector ``"auto"`` is ``"xla"``.
+imports ``paged_jax``; without a selector ``"auto"`` is ``"xla"`` on packed storage.
 """
 
 from __future__ import annotations
@@ -34,16 +41,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.quantization import native
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 # Smallest dynamic activation scale (vLLM's): an all-zero row still divides by something finite.
 _MIN_ACTIVATION_SCALE = 1.0 / (FP8_MAX * 512.0)
 
-MATMUL_IMPLS = ("auto", "xla", "pallas")
+MATMUL_IMPLS = ("auto", "xla", "xla_native", "xla_native_grouped", "pallas", "pallas_blocked")
+# The weight-only storage each implementation reads ("packed": int32 words; "native": int4 / int8 [in, out]).
+IMPL_STORAGE = {"xla": "packed", "pallas": "packed", "pallas_blocked": "packed", "xla_native": "native",
+                "xla_native_grouped": "native"}
+FP8_IMPLS = ("auto", "xla", "xla_native", "pallas", "pallas_blocked")
 
 _WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
 _FP8_MATMULS: dict[str, Callable] = {}
 _MATMUL_SELECTOR: list[Callable[[str, int], str]] = []
+_AUTO_STORAGE: list[Callable[[str], str]] = []
 
 
 def register_weight_only_matmul(name: str, fn: Callable) -> None:
@@ -57,9 +71,19 @@ def register_fp8_matmul(name: str, fn: Callable) -> None:
     _FP8_MATMULS[name] = fn
 
 
-def register_matmul_selector(fn: Callable[[str, int], str]) -> None:
-    """``fn(format "int4" | "int8" | "fp8", rows M) -> "xla" | "pallas"`` decides ``matmul_impl="auto"``."""
+def register_matmul_selector(fn: Callable[[str, int], str], storage: Callable[[str], str] | None = None) -> None:
+    """``fn(format "int4" | "int8" | "fp8", rows M) -> implementation name`` decides ``matmul_impl="auto"``;
+    ``storage(format) -> "packed" | "native"`` is the weight-only storage of "auto" modules (every name ``fn``
+    returns for that format must read it; None = "packed")."""
     _MATMUL_SELECTOR[:] = [fn]
+    _AUTO_STORAGE[:] = [storage] if storage is not None else []
+
+
+def weight_storage(matmul_impl: str, fmt: str) -> str:
+    """``"packed"`` | ``"native"``: the storage a weight-only module of ``matmul_impl`` holds."""
+    if matmul_impl == "auto":
+        return _AUTO_STORAGE[0](fmt) if _AUTO_STORAGE else "packed"
+    return IMPL_STORAGE[matmul_impl]
 
 
 def resolve_matmul_impl(matmul_impl: str, fmt: str, m: int) -> str:
@@ -109,6 +133,8 @@ def weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, *, bits: int,
 
 
 register_weight_only_matmul("xla", weight_only_matmul_reference)
+register_weight_only_matmul("xla_native", native.native_matmul)
+register_weight_only_matmul("xla_native_grouped", native.native_grouped_matmul)
 
 
 def fp8_weight_only_matmul_reference(x, weight, weight_scale) -> jax.Array:
@@ -124,14 +150,21 @@ def _param(value):
 
 class WeightOnlyLinear(nnx.Module):
     """int4 / int8 weight-only projection in the canonical layout (module docstring). Shapes: ``qweight
-    int32[in*bits/32, out]``, ``scales, zeros dtype[G, out]``, ``g_idx int32[in] | None``, ``bias dtype[out] | None``.
-    ``matmul_impl``: "auto" (default), "xla" or "pallas" (module docstring)."""
+    int32[in*bits/32, out]`` (packed storage) or ``int4 | int8 [in, out]`` (native storage: ``matmul_impl``
+    "xla_native*"; either is accepted and converted to the storage of ``matmul_impl``), ``scales, zeros dtype[G,
+    out]``, ``g_idx int32[in] | None``, ``bias dtype[out] | None``. ``matmul_impl``: one of ``MATMUL_IMPLS``
+    (module docstring; default "auto")."""
 
     def __init__(self, qweight, scales, zeros, g_idx=None, bias=None, *, bits: int, group_size: int, dtype,
                  matmul_impl: str = "auto"):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         _check_matmul_impl(matmul_impl)
+        self.storage = weight_storage(matmul_impl, f"int{bits}")
+        if native.is_native(qweight) and self.storage == "packed":
+            qweight = native.native_to_packed(qweight, bits)
+        elif not native.is_native(qweight) and self.storage == "native":
+            qweight = native.packed_to_native(qweight, bits)
         self.qweight = nnx.Param(qweight)
         self.scales = nnx.Param(scales)
         self.zeros = nnx.Param(zeros)
@@ -139,7 +172,7 @@ class WeightOnlyLinear(nnx.Module):
         self.bias = _param(bias)
         self.bits = bits
         self.group_size = group_size
-        self.in_features = qweight.shape[0] * (32 // bits)
+        self.in_features = qweight.shape[0] * (1 if self.storage == "native" else 32 // bits)
         self.out_features = qweight.shape[1]
         self.dtype = dtype
         self.matmul_impl = matmul_impl
@@ -147,7 +180,11 @@ class WeightOnlyLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        fn = _WEIGHT_ONLY_MATMULS[resolve_matmul_impl(self.matmul_impl, f"int{self.bits}", x2.shape[0])]
+        impl = resolve_matmul_impl(self.matmul_impl, f"int{self.bits}", x2.shape[0])
+        if IMPL_STORAGE[impl] != self.storage:
+            raise ValueError(f"matmul_impl {impl!r} reads {IMPL_STORAGE[impl]} weights; this layer holds "
+                             f"{self.storage} ones (the 'auto' selector's storage disagrees with its choice)")
+        fn = _WEIGHT_ONLY_MATMULS[impl]
         g_idx = None if self.g_idx is None else self.g_idx[...]
         y = fn(x2, self.qweight[...], self.scales[...], self.zeros[...], g_idx, bits=self.bits,
                group_size=self.group_size)
@@ -158,6 +195,9 @@ class WeightOnlyLinear(nnx.Module):
     def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
         """``dtype[in, out]``: the weights this layer multiplies by."""
         g_idx = None if self.g_idx is None else self.g_idx[...]
+        if self.storage == "native":
+            return native.dequantize_native(self.qweight[...], self.scales[...], self.zeros[...], g_idx,
+                                            bits=self.bits, dtype=dtype)
         return dequantize_weight_only(self.qweight[...], self.scales[...], self.zeros[...], g_idx, bits=self.bits,
                                       group_size=self.group_size, dtype=dtype)
 
@@ -217,14 +257,16 @@ def pack_int32(values: jax.Array, bits: int) -> jax.Array:
 class Fp8Linear(nnx.Module):
     """FP8 projection. ``weight float8_e4m3fn[in, out]``, ``weight_scale float32[out] | [1]``, ``input_scale
     float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in ``QuantConfig``.
-    ``matmul_impl`` "pallas" (or "auto" at small M on the GPU) runs the weight-only kernel: the activations are not
-    quantized (exact up to the bf16 product), whatever the scheme; larger M keep the float8 dot."""
+    ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" (or "auto" choosing one of them at
+    small M on the GPU) run weight-only: the activations are not quantized (exact up to the bf16 product), whatever
+    the scheme; "xla" (and "auto" at larger M) keeps the float8 dot."""
 
     def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype,
                  matmul_impl: str = "auto"):
         if activation_scheme not in (None, "static", "dynamic_token", "dynamic_tensor"):
             raise ValueError(f"unknown activation_scheme {activation_scheme!r}")
-        _check_matmul_impl(matmul_impl)
+        if matmul_impl not in FP8_IMPLS:
+            raise ValueError(f"matmul_impl of an FP8 layer must be one of {FP8_IMPLS}, got {matmul_impl!r}")
         self.matmul_impl = matmul_impl
         if (activation_scheme == "static") != (input_scale is not None):
             raise ValueError("the static activation scheme needs input_scale (and only it)")
@@ -240,8 +282,9 @@ class Fp8Linear(nnx.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         w_scale = self.weight_scale[...].astype(jnp.float32)
-        if resolve_matmul_impl(self.matmul_impl, "fp8", x2.shape[0]) == "pallas":
-            y = _FP8_MATMULS["pallas"](x2.astype(self.dtype), self.weight[...], w_scale)
+        impl = resolve_matmul_impl(self.matmul_impl, "fp8", x2.shape[0])
+        if impl != "xla":  # weight-only
+            y = _FP8_MATMULS[impl](x2.astype(self.dtype), self.weight[...], w_scale)
         elif self.activation_scheme is None:
             w = (self.weight[...].astype(jnp.float32) * w_scale).astype(self.dtype)
             y = jnp.dot(x2.astype(self.dtype), w, preferred_element_type=jnp.float32)
@@ -297,5 +340,7 @@ def quantize_weight_fp8(kernel: jax.Array, strategy: str = "channel") -> tuple[j
     scale = jnp.maximum(amax, 1e-12) / FP8_MAX
     return jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
 
+
+register_fp8_matmul("xla_native", native.fp8_upcast_matmul)
 
 QUANTIZED_LINEAR_TYPES = (WeightOnlyLinear, Fp8Linear)

@@ -355,14 +355,14 @@ def fp8_weight_only_matmul_pallas(x, weight, weight_scale, *, interpret: bool = 
 
 
 def select_matmul_impl(fmt: str, m: int) -> str:
-    """``matmul_impl="auto"`` for ``m`` rows (static) in ``fmt``: "pallas" on the GPU up to the measured threshold
-    (``quantized_matmul_tuning.PALLAS_MAX_M``), else "xla"."""
-    return "pallas" if tuning_table.use_pallas(fmt, m, jax.default_backend()) else "xla"
+    """``matmul_impl="auto"`` for ``m`` rows (static) in ``fmt``: the tuning table's choice on the GPU
+    (``quantized_matmul_tuning.AUTO_IMPL``), XLA elsewhere."""
+    return tuning_table.auto_impl(fmt, m, jax.default_backend())
 
 
 register_weight_only_matmul("pallas", weight_only_matmul_pallas)
 register_fp8_matmul("pallas", fp8_weight_only_matmul_pallas)
-register_matmul_selector(select_matmul_impl)
+register_matmul_selector(select_matmul_impl, tuning_table.storage)
 
 __all__ = ["default_tuning", "fp8_weight_only_matmul_pallas", "fp8_weight_only_matmul_reference",
            "select_matmul_impl", "weight_only_matmul_pallas", "weight_only_matmul_reference"]

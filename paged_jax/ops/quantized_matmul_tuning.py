@@ -1,5 +1,6 @@
-"""Tuning of the quantized matmul kernels (``paged_jax.ops.quantized_matmul``): the measured table, the default
-configuration it yields for a shape, and the M threshold below which ``matmul_impl="auto"`` runs the Pallas kernels.
+"""Tuning of the quantized matmul kernels (``paged_jax.ops.quantized_matmul``, ``paged_jax.ops.quantized_gemv``):
+the measured tables, the default configuration they yield for a shape, and the implementation ``matmul_impl="auto"``
+runs per (format, M bucket) on the GPU (``AUTO_IMPL``).
 
 Formats: ``"int4"`` (AWQ / GPTQ 4-bit, any group), ``"int8"`` (per channel or grouped), ``"fp8"`` (float8_e4m3fn
 weights, per-channel or per-tensor scale, weight-only upcast). M buckets: the smallest of ``M_BUCKETS`` >= M.
@@ -15,6 +16,9 @@ shape-specific override; both are filled from ``python -m benchmarks.quantizatio
   * ``split_k``: K shares (programs along K, fp32 partials summed by XLA); None = enough shares for
     ``TARGET_PROGRAMS`` programs;
   * ``num_warps``, ``num_stages``: Triton's.
+
+``BLOCKED_TUNING`` holds the knobs of the block-sliced M = 1 GEMV kernels (``quantized_gemv``; no ``block_m``), keyed
+``(format,)`` and ``(format, k, n)``, from the same sweep.
 """
 
 from __future__ import annotations
@@ -25,10 +29,17 @@ FORMATS = ("int4", "int8", "fp8")
 # Programs wanted in flight on an H200 (132 SMs, 2 resident programs each) when split_k is not given.
 TARGET_PROGRAMS = 264
 
-# matmul_impl="auto": the Pallas kernel for M <= this (the GPU only), XLA above (int: dequantize + dot; fp8: the
-# float8 dot with activations quantized per token). The sweep measured the kernels ahead of XLA at M 1 and 16 (int4,
-# fp8); M = 64 is not measured with these kernels, so it stays on XLA.
-PALLAS_MAX_M = {"int4": 16, "int8": 16, "fp8": 16}
+# matmul_impl="auto" on the GPU: the implementation (``models.quantization.linear.MATMUL_IMPLS``) per (format,
+# M bucket); off the GPU "auto" is "xla" (or "xla_native" for a native-storage format). The sweep measured the Pallas
+# kernels ahead of XLA's dequantize + dot (int) and float8 dot (fp8) at M 1 and 16 (int4, fp8); M = 64 is not
+# measured with these kernels, so it stays on XLA. A weight-only format's entries must all read one storage
+# (``STORAGE``): its modules hold one layout whatever M a step has.
+AUTO_IMPL = {
+    ("int4", 1): "pallas", ("int4", 16): "pallas", ("int4", 64): "xla",
+    ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
+    ("fp8", 1): "pallas", ("fp8", 16): "pallas", ("fp8", 64): "xla",
+}
+NATIVE_IMPLS = ("xla_native", "xla_native_grouped")
 
 # Bucket entries for int4 / fp8 at M 1 and 16 and the shape entries (Llama-3.1-8B projections) are the H200 sweep's
 # best (benchmarks/RESULTS.md, quantized matmul sweep); int8 and the M = 64 buckets are unswept guesses.
@@ -61,6 +72,14 @@ TUNING: dict[tuple, dict] = {
 }
 
 KNOBS = ("block_m", "block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
+BLOCKED_KNOBS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
+
+# Unswept starting points (16-byte loads along N, a few K steps in flight per program).
+BLOCKED_TUNING: dict[tuple, dict] = {
+    ("int4",): dict(block_n=128, block_k=128, steps=2, split_k=None, num_warps=4, num_stages=3),
+    ("int8",): dict(block_n=128, block_k=64, steps=2, split_k=None, num_warps=4, num_stages=3),
+    ("fp8",): dict(block_n=256, block_k=32, steps=2, split_k=None, num_warps=4, num_stages=3),
+}
 
 
 def m_bucket(m: int) -> int:
@@ -79,6 +98,21 @@ def tuned(fmt: str, m: int, k: int, n: int) -> dict:
     return dict(TUNING.get((fmt, bucket, k, n)) or TUNING[(fmt, bucket)])
 
 
-def use_pallas(fmt: str, m: int, backend: str) -> bool:
-    """``matmul_impl="auto"``: whether ``m`` rows in ``fmt`` run the Pallas kernel on ``backend``."""
-    return backend == "gpu" and m <= PALLAS_MAX_M[fmt]
+def blocked_tuned(fmt: str, k: int, n: int) -> dict:
+    """``BLOCKED_TUNING``'s knobs for ``x[1, k] @ w[k, n]`` in ``fmt``: the shape entry if there is one."""
+    return dict(BLOCKED_TUNING.get((fmt, k, n)) or BLOCKED_TUNING[(fmt,)])
+
+
+def storage(fmt: str) -> str:
+    """The weight-only storage ("packed" | "native") of ``matmul_impl="auto"`` modules in ``fmt``."""
+    native = {AUTO_IMPL[(fmt, b)] in NATIVE_IMPLS for b in M_BUCKETS}
+    if len(native) != 1:
+        raise ValueError(f"AUTO_IMPL mixes native and packed implementations for {fmt}")
+    return "native" if native.pop() else "packed"
+
+
+def auto_impl(fmt: str, m: int, backend: str) -> str:
+    """``matmul_impl="auto"``: the implementation ``m`` rows (static) in ``fmt`` run on ``backend``."""
+    if backend == "gpu":
+        return AUTO_IMPL[(fmt, m_bucket(m))]
+    return "xla_native" if fmt != "fp8" and storage(fmt) == "native" else "xla"

@@ -1,0 +1,260 @@
+"""Batch-1 quantized GEMV in Pallas (Triton lowering) on block-sliced refs: ``matmul_impl="pallas_blocked"``.
+
+The second formulation of the M = 1 path of ``paged_jax.ops.quantized_matmul`` (same operands, same results; that
+module's GEMV stays selectable as "pallas"). Here every operand reaches the kernel through a ``BlockSpec`` and is
+read with static-size ``pl.ds`` slices at ``multiple_of`` offsets and no masks, so Triton sees ``base + arange``
+pointers it can prove contiguous and aligned (16-byte vector loads along N, pipelined over the K loop by
+``num_stages``), instead of the gathered, masked pointers of integer-array indexers. The price: the shape must tile
+exactly (``blocked_tuning`` returns None otherwise and the call falls back to the "pallas" kernel, as it does for
+M > 1 and act-order ``g_idx``).
+
+Grid ``(N / block_n, split_k)``: program ``(j, s)`` owns columns ``[j * block_n, (j + 1) * block_n)`` and the ``s``-th
+of ``split_k`` equal K shares, and writes an fp32 partial row ``[block_n]`` that XLA sums over the shares.
+
+* int4 / int8 (packed storage, ``qweight int32[K / pack, N]``): a K step is one ``[block_k / pack, block_n]`` tile
+  of words; plane ``j`` of the words (input rows ``pack * r + j``) is masked in place (``word & (mask << bits*j)``,
+  upper half on ``word >> 16``) and turned into floats by the ``2**23`` mantissa trick (see ``quantized_matmul``), its
+  activations ``x_planes[j]`` pre-multiplied by ``2**-(bits * (j mod pack/2))``. The products of a step are summed
+  over planes into a ``[block_k / pack, block_n]`` tile, multiplied by the step's group scale row and added to a
+  2-D fp32 accumulator, which is reduced along K once, at the end (no cross-thread reduction per step). The zero
+  point's term ``scale * zero * sum(x over the step)`` (the sums precomputed by XLA) goes to a ``[block_n]``
+  accumulator. Per-channel weights (one group) apply the scale and zero point once, at the end.
+  Needs ``block_k | group_size`` (a step inside one group) and groups not straddling K shares.
+* fp8 (``weight float8_e4m3fn[K, N]``): a K step is one ``[block_k, block_n]`` tile upcast in registers and
+  multiplied by ``x[block_k]`` into a 2-D fp32 accumulator, reduced and scaled per column at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from models.quantization.linear import register_fp8_matmul, register_weight_only_matmul
+from paged_jax.ops import quantized_matmul_tuning as tuning_table
+from paged_jax.ops.quantized_matmul import (_MAGIC, _TWO_23, _CompilerParams, _pow2_floor,
+                                            fp8_weight_only_matmul_pallas, weight_only_matmul_pallas)
+
+_MIN_BLOCK_N = 16
+
+
+def blocked_tuning(fmt: str, n: int, k: int, *, group_size: int | None = None, **overrides) -> dict | None:
+    """Knobs of the blocked GEMV for ``x[1, k] @ w[k, n]`` in ``fmt`` ("int4" | "int8" | "fp8"):
+    ``BLOCKED_TUNING``'s entry with ``overrides`` (None = the table's), made to tile the shape exactly, or None
+    when it cannot (the caller falls back). ``block_k`` shrinks to fit a group (``steps`` grows by as much);
+    ``split_k`` None = the largest power of two that tiles K (whole groups per share) with about
+    ``TARGET_PROGRAMS`` programs; a given ``split_k`` that does not tile K is halved until it does."""
+    t = tuning_table.blocked_tuned(fmt, k, n)
+    t.update({key: v for key, v in overrides.items() if v is not None})
+    unknown = set(t) - set(tuning_table.BLOCKED_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown tuning knobs {sorted(unknown)}")
+    pack = 1 if fmt == "fp8" else 32 // int(fmt[3:])
+    block_n = max(_MIN_BLOCK_N, _pow2_floor(t["block_n"]))
+    block_k = max(pack, _pow2_floor(t["block_k"]))
+    steps = max(1, int(t["steps"]))
+    group = k if fmt == "fp8" or group_size in (None, -1) else int(group_size)
+    while block_k > pack and group % block_k:
+        block_k //= 2
+        steps *= 2
+    if n % block_n or k % block_k or group % block_k or k % group:
+        return None
+    per_channel = group == k
+    share_unit = block_k if per_channel else group  # a K share holds whole steps and whole groups
+
+    def tiles(split):
+        return k % (split * share_unit) == 0
+
+    split_k = t["split_k"]
+    if split_k is None:
+        split_k = 1
+        while tiles(split_k * 2) and (n // block_n) * split_k * 2 <= tuning_table.TARGET_PROGRAMS:
+            split_k *= 2
+    split_k = max(1, _pow2_floor(int(split_k)))
+    while split_k > 1 and not tiles(split_k):
+        split_k //= 2
+    if not tiles(split_k):
+        return None
+    steps = min(steps, k // split_k // block_k)
+    return dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=int(t["num_warps"]),
+                num_stages=int(t["num_stages"]))
+
+
+def _to_float(q):
+    return lax.bitcast_convert_type(q | _MAGIC, jnp.float32) - _TWO_23
+
+
+def _aligned(offset, multiple: int):
+    return offset if isinstance(offset, int) else pl.multiple_of(offset, multiple)
+
+
+def _k_loop(num_steps: int, steps: int, load, compute, carry):
+    """``compute(load(t), carry)`` for K steps ``t`` in ``[0, num_steps)``: ``steps`` loads issued together per
+    loop iteration, the remainder unrolled after the loop."""
+    def body(it, c):
+        tiles = [load(it * steps + u) for u in range(steps)]
+        for tile in tiles:
+            c = compute(tile, c)
+        return c
+
+    iters = num_steps // steps
+    carry = lax.fori_loop(0, iters, body, carry)
+    for t in range(iters * steps, num_steps):
+        carry = compute(load(t), carry)
+    return carry
+
+
+def _int_gemv_kernel(xp_ref, xs_ref, w_ref, s_ref, z_ref, out_ref, *, bits, block_kp, steps, group_steps,
+                     per_channel):
+    """``xp_ref f32[pack, Kp share]`` (pre-scaled planes), ``xs_ref f32[1, steps per share]`` (sum of x per step;
+    per channel ``[1, 1]``: over the share),
+    ``w_ref int32[Kp share, block_n]``, ``s_ref / z_ref [groups per share | 1, block_n]``, ``out_ref f32[1,
+    block_n]``."""
+    pack = 32 // bits
+    half = pack // 2
+    mask = (1 << bits) - 1
+    block_n = w_ref.shape[1]
+    num_steps = w_ref.shape[0] // block_kp
+
+    def load(t):
+        r0 = _aligned(t * block_kp, block_kp)
+        return t, w_ref[pl.ds(r0, block_kp), :], [xp_ref[j, pl.ds(r0, block_kp)] for j in range(pack)]
+
+    def compute(tile, carry):
+        t, words, xp = tile
+        acc, zacc = carry
+        hi = jnp.right_shift(words, 16)
+        prod = None
+        for j in range(pack):
+            src, shift = (words, bits * j) if j < half else (hi, bits * (j - half))
+            term = xp[j][:, None] * _to_float(src & (mask << shift))
+            prod = term if prod is None else prod + term
+        if per_channel:
+            return acc + prod, zacc
+        g = t // group_steps
+        scale = s_ref[g, :].astype(jnp.float32)
+        zero = z_ref[g, :].astype(jnp.float32)
+        return acc + prod * scale[None, :], zacc + (scale * zero) * xs_ref[0, t]
+
+    acc, zacc = _k_loop(num_steps, steps, load, compute,
+                        (jnp.zeros((block_kp, block_n), jnp.float32), jnp.zeros((block_n,), jnp.float32)))
+    raw = jnp.sum(acc, axis=0)
+    if per_channel:
+        scale = s_ref[0, :].astype(jnp.float32)
+        zero = z_ref[0, :].astype(jnp.float32)
+        out_ref[0, :] = scale * (raw - zero * xs_ref[0, 0])
+    else:
+        out_ref[0, :] = raw - zacc
+
+
+def _fp8_gemv_kernel(x_ref, w_ref, s_ref, out_ref, *, block_k, steps):
+    """``x_ref [1, K share]``, ``w_ref float8_e4m3fn[K share, block_n]``, ``s_ref f32[1, block_n]``, ``out_ref
+    f32[1, block_n]``."""
+    block_n = w_ref.shape[1]
+
+    def load(t):
+        k0 = _aligned(t * block_k, block_k)
+        return w_ref[pl.ds(k0, block_k), :], x_ref[0, pl.ds(k0, block_k)]
+
+    def compute(tile, acc):
+        w, x = tile
+        return acc + x.astype(jnp.float32)[:, None] * w.astype(jnp.float32)
+
+    acc = _k_loop(w_ref.shape[0] // block_k, steps, load, compute, jnp.zeros((block_k, block_n), jnp.float32))
+    out_ref[0, :] = jnp.sum(acc, axis=0) * s_ref[0, :]
+
+
+_KNOB_ARGS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "interpret") + _KNOB_ARGS)
+def weight_only_gemv_blocked(x, qweight, scales, zeros, g_idx=None, *, bits: int, group_size: int,
+                             interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
+                             steps: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                             num_stages: int | None = None) -> jax.Array:
+    """``x[M, K] @ dequantized(qweight int32[K*bits/32, N], scales [G, N], zeros [G, N])`` -> ``[M, N]`` in
+    ``x.dtype``: the blocked GEMV at M = 1 when the shape tiles (``blocked_tuning``), else (M > 1, ``g_idx``, a
+    shape that does not tile) ``weight_only_matmul_pallas`` with its table's knobs. Same contract as
+    ``weight_only_matmul_reference``."""
+    m, k = x.shape
+    pack = 32 // bits
+    n = qweight.shape[1]
+    t = None
+    if m == 1 and g_idx is None and qweight.shape[0] * pack == k:
+        t = blocked_tuning(f"int{bits}", n, k, group_size=group_size, block_n=block_n, block_k=block_k,
+                           steps=steps, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    if t is None:
+        return weight_only_matmul_pallas(x, qweight, scales, zeros, g_idx, bits=bits, group_size=group_size,
+                                         interpret=interpret)
+    splits, bn, bk = t["split_k"], t["block_n"], t["block_k"]
+    kp_share = k // pack // splits
+    steps_share = k // splits // bk
+    groups = scales.shape[0]
+    per_channel = groups == 1
+    groups_share = 1 if per_channel else groups // splits
+    shifts = (jnp.arange(pack) % (pack // 2)) * bits
+    x_planes = x.astype(jnp.float32).reshape(k // pack, pack).T * jnp.exp2(-shifts.astype(jnp.float32))[:, None]
+    x_sums = x.astype(jnp.float32).reshape(splits, steps_share, bk).sum(-1)  # [split_k, steps per share]
+    if per_channel:
+        x_sums = x_sums.sum(-1, keepdims=True)  # [split_k, 1]: the scale and zero point apply once per share
+    sz_index = (lambda j, s: (0, j)) if per_channel else (lambda j, s: (s, j))
+    kernel = functools.partial(_int_gemv_kernel, bits=bits, block_kp=bk // pack, steps=t["steps"],
+                               group_steps=max(1, group_size // bk), per_channel=per_channel)
+    partial_sums = pl.pallas_call(
+        kernel,
+        grid=(n // bn, splits),
+        in_specs=[pl.BlockSpec((pack, kp_share), lambda j, s: (0, s)),
+                  pl.BlockSpec((1, x_sums.shape[1]), lambda j, s: (s, 0)),
+                  pl.BlockSpec((kp_share, bn), lambda j, s: (s, j)),
+                  pl.BlockSpec((groups_share, bn), sz_index),
+                  pl.BlockSpec((groups_share, bn), sz_index)],
+        out_specs=pl.BlockSpec((1, bn), lambda j, s: (s, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"]),
+        name=f"int{bits}_gemv_blocked_bn{bn}_bk{bk}_st{t['steps']}_s{splits}",
+    )(x_planes, x_sums, qweight, scales, zeros)
+    return jnp.sum(partial_sums, axis=0, keepdims=True).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",) + _KNOB_ARGS)
+def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_n: int | None = None,
+                     block_k: int | None = None, steps: int | None = None, split_k: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+    """``x[M, K] @ (weight float8_e4m3fn[K, N] * weight_scale f32[N] | [1])`` -> ``[M, N]`` in ``x.dtype``: the
+    blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same contract as
+    ``fp8_weight_only_matmul_reference``."""
+    m, k = x.shape
+    n = weight.shape[1]
+    t = None
+    if m == 1 and weight.shape[0] == k:
+        t = blocked_tuning("fp8", n, k, block_n=block_n, block_k=block_k, steps=steps, split_k=split_k,
+                           num_warps=num_warps, num_stages=num_stages)
+    if t is None:
+        return fp8_weight_only_matmul_pallas(x, weight, weight_scale, interpret=interpret)
+    splits, bn, bk = t["split_k"], t["block_n"], t["block_k"]
+    k_share = k // splits
+    scale = jnp.broadcast_to(weight_scale.astype(jnp.float32).reshape(1, -1), (1, n))
+    partial_sums = pl.pallas_call(
+        functools.partial(_fp8_gemv_kernel, block_k=bk, steps=t["steps"]),
+        grid=(n // bn, splits),
+        in_specs=[pl.BlockSpec((1, k_share), lambda j, s: (0, s)),
+                  pl.BlockSpec((k_share, bn), lambda j, s: (s, j)),
+                  pl.BlockSpec((1, bn), lambda j, s: (0, j))],
+        out_specs=pl.BlockSpec((1, bn), lambda j, s: (s, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"]),
+        name=f"fp8_gemv_blocked_bn{bn}_bk{bk}_st{t['steps']}_s{splits}",
+    )(x, weight, scale)
+    return jnp.sum(partial_sums, axis=0, keepdims=True).astype(x.dtype)
+
+
+register_weight_only_matmul("pallas_blocked", weight_only_gemv_blocked)
+register_fp8_matmul("pallas_blocked", fp8_gemv_blocked)
+
+__all__ = ["blocked_tuning", "fp8_gemv_blocked", "weight_only_gemv_blocked"]
