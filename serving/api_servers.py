@@ -169,7 +169,10 @@ def _supervise(engine, servers: list, shutdown_timeout: float) -> int:
         logger.info("%s: shutting down %d API servers (--shutdown-timeout %.1f s)", stop, len(servers),
                     shutdown_timeout)
         _stop_all(servers, shutdown_timeout)
-        failed = [s for s in servers if s.exitcode]
+        # uvicorn re-raises the SIGTERM it handled once it has shut down: -SIGTERM is a clean exit too.
+        failed = [s for s in servers if s.exitcode not in (0, -signal.SIGTERM)]
+        if failed:
+            logger.error("API servers exited with status %s", [server.exitcode for server in servers])
         return 1 if failed else 0
     if engine.sentinel in ready:
         engine.join(1)
@@ -177,6 +180,7 @@ def _supervise(engine, servers: list, shutdown_timeout: float) -> int:
                      engine.exitcode)
         # They see it themselves within a tick; give them that before stopping them.
         _wait_for_exit(servers, _STOP_GRACE_S)
+        logger.error("API servers exited with status %s", [server.exitcode for server in servers])
         return 1
     for server in servers:
         if server.sentinel in ready:
