@@ -120,7 +120,7 @@ def run_api_servers(args: argparse.Namespace, engine_args: Any, sock: socket.soc
     options = EngineOptions(max_waiting_requests=args.max_waiting_requests, metrics_prefix=args.metrics_prefix,
                             log_stats=not engine_args.disable_log_stats)
     previous_handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    engine = None
+    engine = ready_info = None
     servers: list = []
     with multiprocess_dir():  # before any process starts: they inherit PROMETHEUS_MULTIPROC_DIR
         control, engine_control = context.Pipe()
@@ -155,7 +155,7 @@ def run_api_servers(args: argparse.Namespace, engine_args: Any, sock: socket.soc
             return 0
         finally:
             _stop_all(servers, args.shutdown_timeout)
-            _stop_engine(engine, control)
+            _stop_engine(engine, control, started=ready_info is not None)
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
 
@@ -212,12 +212,14 @@ def _stop_all(servers: list, shutdown_timeout: float) -> None:
             server.join(5)
 
 
-def _stop_engine(engine, control) -> None:
+def _stop_engine(engine, control, started: bool) -> None:
+    """Ask the engine process to exit (it does after its current step); one still loading is killed."""
     if engine is None:
         return
     try:
-        control.send(("shutdown",))
-        engine.join(30)
+        if started:
+            control.send(("shutdown",))
+            engine.join(30)
     except (OSError, ValueError):
         pass
     except _StopRequested:

@@ -13,6 +13,7 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 ``--uvicorn-log-level``, ``--disable-uvicorn-access-log``, ``--shutdown-timeout`` (``serving.lifecycle``); and ours:
 ``--max-waiting-requests``, ``--max-seqs-per-request``, ``--max-request-body-size``, ``--api-key-protect-all``,
 ``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``;
+``--api-server-count`` (vLLM's: several API server processes over one engine process, ``serving.api_servers``);
 ``--lora-modules`` (vLLM's). The server exits with status 1 when the engine dies (so an orchestrator restarts it).
 Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2,
 "unrecognized arguments: --flag"), never ignored.

@@ -439,3 +439,53 @@ def test_api_servers_exit_1_when_a_process_dies(victim, tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_multi_client_engine_keeps_each_clients_requests_apart():
+    """The multi-client engine loop (in-process, model-free engine, two clients): both may use the same request id,
+    each gets only its own outputs; --max-waiting-requests is enforced by the engine for every client; a client
+    that detaches has its requests aborted."""
+    import multiprocessing
+    import threading
+
+    from benchmarks.serving_host import ModelFreeEngine
+    from serving.async_engine import EngineOverloadedError
+    from serving.multi_client_engine import AttachedEngineClient, EngineOptions, _MultiClientLoop
+    from tests.test_serving import wait_until
+
+    engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=4, max_model_len=64)
+    engine = ModelFreeEngine(engine_args, steps_per_s=2000)
+    control, engine_control = multiprocessing.Pipe()
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    loop = _MultiClientLoop(engine, engine_control, [child for _, child in pipes], EngineOptions(max_waiting_requests=3))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    info = {"max_model_len": 64, "vocab_size": 32000, "generation_config": {}, "model_path": None,
+            "stats": engine.stats()}
+    first, second = [AttachedEngineClient(engine_args, conn, info, os.getpid()) for conn, _ in pipes]
+    try:
+        first.add_request("same", [1, 2], SamplingParams(max_tokens=3))
+        second.add_request("same", [1, 2, 3], SamplingParams(max_tokens=5))
+        tokens = {first: 0, second: 0}
+        while first.has_unfinished_requests() or second.has_unfinished_requests():
+            for client in (first, second):
+                if client.has_unfinished_requests():
+                    for output in client.step():
+                        assert output.request_id == "same"
+                        tokens[client] += len(output.outputs[0].token_ids) if output.outputs else 0
+        assert tokens == {first: 3, second: 5}
+
+        too_many = [(f"r{i}", [1], SamplingParams(max_tokens=2), 0) for i in range(4)]  # 4 sequences > 3
+        group = first.submit_requests(too_many)
+        while not (answers := dict(first.take_admissions())):
+            first.step()
+        assert isinstance(answers[group], EngineOverloadedError) and not first.has_unfinished_requests()
+
+        second.add_request("long", [1], SamplingParams(max_tokens=10_000))
+        assert second.step() or second.step()
+        second.close()  # its API server leaves: the engine aborts what it had
+        assert wait_until(lambda: not engine.has_unfinished_requests(), timeout=10)
+    finally:
+        control.send(("shutdown",))
+        thread.join(10)
+        first.close()
