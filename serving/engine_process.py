@@ -130,8 +130,9 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING,
 
 
 def start_child_engine(engine_args, conn, log_level: int, engine_factory: Callable | None):
-    """In a spawned engine process: set up logging, build the engine and send ``("ready", ready_info(engine))`` on
-    ``conn``; on failure send ``("failed", description, is_value_error)`` instead and return None."""
+    """In a spawned engine process: set up logging, build the engine and send ``("ready", info)`` on ``conn`` (info:
+    max_model_len, vocab_size, generation_config, model_path, stats), and return it; on failure send ``("failed",
+    description, is_value_error)`` instead and return None."""
     # A spawned process starts without the parent's logging set-up: log start-up progress to the inherited stderr.
     logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
     quiet_library_loggers()

@@ -457,7 +457,8 @@ def test_multi_client_engine_keeps_each_clients_requests_apart():
     engine = ModelFreeEngine(engine_args, steps_per_s=2000)
     control, engine_control = multiprocessing.Pipe()
     pipes = [multiprocessing.Pipe() for _ in range(2)]
-    loop = _MultiClientLoop(engine, engine_control, [child for _, child in pipes], EngineOptions(max_waiting_requests=3))
+    loop = _MultiClientLoop(engine, engine_control, [child for _, child in pipes],
+                            EngineOptions(max_waiting_requests=3))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     info = {"max_model_len": 64, "vocab_size": 32000, "generation_config": {}, "model_path": None,
