@@ -302,26 +302,17 @@ def _ready(_: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- offline vs served, in one run
-def _engine_parser() -> argparse.ArgumentParser:
-    from paged_jax.cli import add_engine_args
-
-    parser = argparse.ArgumentParser(prog="engine flags", add_help=False)
-    add_engine_args(parser)
-    return parser
-
-
 def offline_main(concurrencies: Sequence[int], engine_argv: Sequence[str], num_prompts: int,
                  max_lens: Sequence[int] = (1024, 1024)) -> None:
     """The offline engine (``LLMEngine`` stepped in a loop, no server) on the served workloads: one JSON line per
     concurrency (at most that many requests in the engine, a new one entering as one finishes)."""
     from benchmarks.throughput import _run_with_concurrency
-    from paged_jax.cli import engine_kwargs, normalize_flag_spelling
-    from paged_jax.config import EngineArgs
     from paged_jax.engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
+    from serving.cli import engine_args_from_namespace, parse_serve_args
 
-    engine = LLMEngine(EngineArgs(**engine_kwargs(_engine_parser().parse_args(
-        normalize_flag_spelling(engine_argv)))), use_tqdm=False)
+    # The flags after `--` are serve's: the server-only ones (e.g. --api-server-count) leave the engine as it is.
+    engine = LLMEngine(engine_args_from_namespace(parse_serve_args(engine_argv, "engine flags")[1]), use_tqdm=False)
     warm = nanovllm(4, *max_lens)
     _run_with_concurrency(engine, [{"prompt_token_ids": r.prompt_token_ids} for r in warm.requests],
                           [SamplingParams(temperature=warm.temperature, ignore_eos=True, max_tokens=8)] * 4, 4)

@@ -8,13 +8,17 @@ engine process behind the real ``EngineProcessClient`` pipe, the real app (``ser
 figure is how many of them reach the clients, and the CPU seconds per 1,000 delivered tokens of each process (the
 server's event-loop thread and its other threads, i.e. the engine-client thread, the engine process, the clients).
 A process near one CPU second per wall second is the bottleneck. Runs on CPU; no accelerator is used.
+``--api-server-count N`` puts N API server processes in front of the engine process (serve's flag,
+``serving.api_servers``); ``server_event_loop`` is then the sum over the servers and ``server_<i>_event_loop`` each
+one's.
 
 One JSON line per concurrency:
-  {"figure": "serving_host", "concurrency", "steps_per_s", "offered_tokens_per_s", "output_throughput",
-   "fraction_of_offered", "median_itl_ms", "p99_itl_ms", "cpu_ms_per_1k_tokens": {...}, "cpu_util": {...}}
+  {"figure": "serving_host", "concurrency", "api_server_count", "steps_per_s", "offered_tokens_per_s",
+   "output_throughput", "fraction_of_offered", "median_itl_ms", "p99_itl_ms", "cpu_ms_per_1k_tokens": {...},
+   "cpu_util": {...}}
 
 Example:
-  python -m benchmarks.serving_host --concurrency 256 512 --steps-per-s 90 --max-tokens 256
+  python -m benchmarks.serving_host --concurrency 256 512 --steps-per-s 90 --max-tokens 256 --api-server-count 2
 """
 
 from __future__ import annotations
@@ -143,27 +147,45 @@ class ModelFreeEngine:
 
 
 # ------------------------------------------------------------------------------------------------ the server
-def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_argv: Sequence[str] = ()) -> None:
+def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_count: int = 1,
+          pid_file: str | None = None) -> int:
     """The real app and uvicorn (``paged-jax serve``'s configuration) over a ``ModelFreeEngine`` in the engine
-    process; runs until SIGINT."""
+    process, with ``api_server_count`` API server processes (``--api-server-count``; 1: the server in this process);
+    runs until SIGINT. ``pid_file``: where to write ``{"servers": [pid, ...], "engine": pid}`` once started."""
     import logging
 
     from paged_jax.config import EngineArgs
     from serving.app import create_app
-    from serving.cli import bind_socket, uvicorn_config
+    from serving.cli import bind_socket, parse_serve_args, uvicorn_config
     from serving.engine_process import EngineProcessClient
     from serving.lifecycle import ServingServer
 
     logging.basicConfig(level=logging.WARNING)
-    engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=max_num_seqs, max_model_len=4096)
-    engine = EngineProcessClient(engine_args, start_timeout=120,
-                                 engine_factory=functools.partial(ModelFreeEngine, steps_per_s=steps_per_s))
-    app = create_app(engine)
-    args = argparse.Namespace(host="127.0.0.1", port=port, uvicorn_log_level="warning", root_path="",
-                              disable_uvicorn_access_log=True, ssl_keyfile=None, ssl_certfile=None,
-                              ssl_ca_certs=None, ssl_cert_reqs=0)
+    engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=max_num_seqs, max_model_len=4096,
+                             disable_log_stats=True)
+    engine_factory = functools.partial(ModelFreeEngine, steps_per_s=steps_per_s)
+    _, args = parse_serve_args(["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
+                                "--disable-uvicorn-access-log", "--shutdown-timeout", "5",
+                                "--api-server-count", str(api_server_count)])
+
+    def write_pids(engine_pid: int, server_pids: list[int]) -> None:
+        if pid_file:
+            with open(pid_file, "w") as f:
+                json.dump({"servers": server_pids, "engine": engine_pid}, f)
+
     sock = bind_socket("127.0.0.1", port)
-    server = ServingServer(uvicorn_config(app, args), app.state.server.engine, 5.0)
+    if api_server_count > 1:
+        from serving.api_servers import run_api_servers
+
+        try:
+            return run_api_servers(args, engine_args, sock, engine_factory=engine_factory, start_timeout=120,
+                                   on_started=write_pids)
+        finally:
+            sock.close()
+    engine = EngineProcessClient(engine_args, start_timeout=120, engine_factory=engine_factory)
+    app = create_app(engine)
+    server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
+    write_pids(engine.pid, [os.getpid()])
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -171,6 +193,7 @@ def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_argv: Seq
     finally:
         app.state.server.engine.shutdown()
         sock.close()
+    return 1 if server.engine_died else 0
 
 
 # ------------------------------------------------------------------------------------------------ CPU accounting
@@ -188,22 +211,17 @@ def _cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def _server_cpu(server_pid: int) -> dict[str, float]:
-    """CPU seconds so far: the server's event-loop (main) thread, its other threads, and its child processes
-    (the engine process; its own threads included)."""
-    threads = _cpu_seconds(server_pid)
-    engine = sum(sum(_cpu_seconds(child).values()) for child in _children(server_pid))
-    return {"server_event_loop": threads.get(server_pid, 0.0),
-            "server_other_threads": sum(v for tid, v in threads.items() if tid != server_pid),
-            "engine_process": engine}
+def _server_cpu(pids: dict) -> dict[str, float]:
+    """CPU seconds so far: the API servers' event-loop (main) threads, their other threads, and the engine process
+    (its threads included); ``pids``: ``serve``'s pid file."""
+    servers = [_cpu_seconds(pid) for pid in pids["servers"]]
+    out = {"server_event_loop": sum(threads.get(pid, 0.0) for pid, threads in zip(pids["servers"], servers)),
+           "server_other_threads": sum(v for pid, threads in zip(pids["servers"], servers)
+                                       for tid, v in threads.items() if tid != pid),
+           "engine_process": sum(_cpu_seconds(pids["engine"]).values())}
+    for index, (pid, threads) in enumerate(zip(pids["servers"], servers)):
+        out[f"server_{index}_event_loop"] = threads.get(pid, 0.0)
+    return out
 
 
 def _timed_worker(*args: Any) -> tuple[list, float]:
@@ -245,38 +263,47 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--requests-per-stream", type=int, default=1, help="requests = concurrency x this")
     parser.add_argument("--num-client-processes", type=int, default=4)
     parser.add_argument("--port", type=int, default=8021)
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API server processes in front of the engine process (serve's --api-server-count)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
+    parser.add_argument("--pid-file", default=None, help=argparse.SUPPRESS)  # where --serve writes its pids
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.port, args.steps_per_s, max(args.concurrency))
-        return []
+        sys.exit(serve(args.port, args.steps_per_s, max(args.concurrency), args.api_server_count, args.pid_file))
     import signal
     import subprocess
 
     from benchmarks.serving import wait_for_health
 
     env = dict(os.environ, PYTHONPATH=_REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    import tempfile
+
+    pid_file = os.path.join(tempfile.mkdtemp(prefix="serving-host-"), "pids.json")
     command = [sys.executable, "-m", "benchmarks.serving_host", "--serve", "--port", str(args.port),
-               "--steps-per-s", str(args.steps_per_s), "--concurrency", *map(str, args.concurrency)]
+               "--steps-per-s", str(args.steps_per_s), "--concurrency", *map(str, args.concurrency),
+               "--api-server-count", str(args.api_server_count), "--pid-file", pid_file]
     server = subprocess.Popen(command, cwd=_REPO_ROOT, env=env)
     base_url = f"http://127.0.0.1:{args.port}"
     figures = []
     try:
         wait_for_health(server, base_url, 180, "the model-free server did not start")
+        with open(pid_file) as f:
+            pids = json.load(f)
         run_clients(base_url, [Req(list(range(1, 33)), 8)] * args.num_client_processes, args.num_client_processes,
                     args.num_client_processes)  # warm-up
         for concurrency in args.concurrency:
             requests = [Req(list(range(1, 65)), args.max_tokens)] * (concurrency * args.requests_per_stream)
-            before, wall = _server_cpu(server.pid), time.perf_counter()
+            before, wall = _server_cpu(pids), time.perf_counter()
             results, duration, client_cpu = run_clients(base_url, requests, concurrency, args.num_client_processes)
-            after, wall = _server_cpu(server.pid), time.perf_counter() - wall
+            after, wall = _server_cpu(pids), time.perf_counter() - wall
             from benchmarks.serving import summarize
 
             summary = summarize(results, duration)
             tokens = summary["total_output_tokens"]
             cpu = {name: after[name] - before[name] for name in after}
             cpu["clients"] = client_cpu
-            figure = {"figure": "serving_host", "concurrency": concurrency, "steps_per_s": args.steps_per_s,
+            figure = {"figure": "serving_host", "concurrency": concurrency, "api_server_count": args.api_server_count,
+                      "steps_per_s": args.steps_per_s,
                       "offered_tokens_per_s": concurrency * args.steps_per_s,
                       "output_throughput": summary["output_throughput"],
                       "fraction_of_offered": summary["output_throughput"] / (concurrency * args.steps_per_s),

@@ -127,8 +127,10 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     info = model_info_from_engine(engine, served_model_name)
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
+    # One of several API servers over one engine process: metrics of every process (serving.multiprocess_metrics).
     metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
-                             cache_config=cache_config_labels(engine.engine_args))
+                             cache_config=cache_config_labels(engine.engine_args),
+                             multiprocess=getattr(engine, "shared_engine_process", False))
     if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
         engine.on_step_stats = metrics.update_engine_stats
     loras = None

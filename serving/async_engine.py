@@ -52,6 +52,14 @@ class EngineOverloadedError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+def waiting_bound_error(num_waiting: int, num_seqs: int, max_waiting_requests: int) -> EngineOverloadedError | None:
+    """The error refusing a group of ``num_seqs`` sequences while ``num_waiting`` wait, if that passes the bound."""
+    if num_waiting + num_seqs <= max_waiting_requests:
+        return None
+    return EngineOverloadedError(f"the waiting queue is full ({num_waiting} waiting, at most {max_waiting_requests}); "
+                                 "retry later")
+
+
 @dataclasses.dataclass
 class EngineRequest:
     """What ``LLMEngine.add_request`` needs: an id, the prompt (token ids or text), the SamplingParams, the
@@ -353,12 +361,11 @@ class AsyncEngine:
 
     def _handle_add(self, command: _AddCommand) -> None:
         error: BaseException | None = None
-        if self.max_waiting_requests is not None:
-            waiting = self._num_waiting()  # sequences, as a request's n sequences each wait to be scheduled
-            if waiting + sum(getattr(r.params, "n", 1) for r in command.requests) > self.max_waiting_requests:
-                error = EngineOverloadedError(
-                    f"the waiting queue is full ({waiting} waiting, at most {self.max_waiting_requests}); "
-                    "retry later")
+        # An engine process shared by several API servers checks the bound itself, on its exact waiting count.
+        if self.max_waiting_requests is not None and not getattr(self.engine, "shared_engine_process", False):
+            # Sequences, as a request's n sequences each wait to be scheduled.
+            error = waiting_bound_error(self._num_waiting(), sum(getattr(r.params, "n", 1) for r in command.requests),
+                                        self.max_waiting_requests)
         if error is None and self._process_engine is not None:
             self._submit_to_process(command)
             return

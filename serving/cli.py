@@ -13,6 +13,7 @@ flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every i
 ``--uvicorn-log-level``, ``--disable-uvicorn-access-log``, ``--shutdown-timeout`` (``serving.lifecycle``); and ours:
 ``--max-waiting-requests``, ``--max-seqs-per-request``, ``--max-request-body-size``, ``--api-key-protect-all``,
 ``--engine-process``, ``--max-logprobs``, ``--chat-template``, ``--response-role``, ``--metrics-prefix``;
+``--api-server-count`` (vLLM's: several API server processes over one engine process, ``serving.api_servers``);
 ``--lora-modules`` (vLLM's). The server exits with status 1 when the engine dies (so an orchestrator restarts it).
 Flags may be spelled with underscores (``--max_model_len``), as vLLM allows; any other flag is refused (exit status 2,
 "unrecognized arguments: --flag"), never ignored.
@@ -106,6 +107,10 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
                              "ended with an error (vLLM's flag; default 0: at once)")
+    server.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="API server processes (vLLM's flag): each runs the app on the one listening socket "
+                             "(the kernel spreads connections over them) in front of the one engine process, so "
+                             "HTTP, SSE and per-stream work use several cores (default 1)")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
                              "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
@@ -164,6 +169,11 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key_protect_all and not args.api_key:
         parser.error("--api-key-protect-all needs --api-key")
+    from serving.api_servers import api_server_count_error
+
+    error = api_server_count_error(args)
+    if error:
+        parser.error(error)
     return parser, args
 
 
@@ -177,13 +187,11 @@ def engine_args_from_namespace(args: argparse.Namespace):
     return EngineArgs(**{**engine_kwargs(args), "model": args.model_tag or args.model})
 
 
-def build_app_from_args(args: argparse.Namespace):
-    """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
+def server_settings(args: argparse.Namespace) -> tuple:
+    """``(EngineArgs, the loaded --chat-template or None)`` from the parsed flags, checked before anything loads
+    (raises ValueError naming the bad flag)."""
     from paged_jax.chat import load_chat_template
-    from paged_jax.data_parallel import create_engine
     from paged_jax.sampling_params import MAX_LOGPROBS
-    from serving.app import create_app
-    from serving.engine_process import EngineProcessClient, engine_process_enabled
 
     engine_args = engine_args_from_namespace(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
@@ -197,6 +205,16 @@ def build_app_from_args(args: argparse.Namespace):
         chat_template = load_chat_template(args.chat_template)
     except ValueError as exc:
         raise ValueError(f"--chat-template: {exc}") from exc
+    return engine_args, chat_template
+
+
+def build_app_from_args(args: argparse.Namespace):
+    """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
+    from paged_jax.data_parallel import create_engine
+    from serving.app import create_app
+    from serving.engine_process import EngineProcessClient, engine_process_enabled
+
+    engine_args, chat_template = server_settings(args)
     if engine_process_enabled(args.engine_process):
         engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
     else:
@@ -264,6 +282,10 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         parser.error(f"cannot listen on {args.host or '0.0.0.0'}:{args.port} (--host/--port): {exc}")
+    if args.api_server_count > 1:
+        from serving.api_servers import serve_api_servers
+
+        return serve_api_servers(parser, args, sock)
     from serving.async_engine import EngineDeadError
 
     try:

@@ -80,22 +80,9 @@ CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s (EngineCore pid=%(process)d) %(nam
 
 def _child_main(engine_args, conn, log_level: int = logging.WARNING,
                 engine_factory: Callable | None = None) -> None:  # runs in the spawned process
-    # A spawned process starts without the parent's logging set-up: log start-up progress to the inherited stderr.
-    logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
-    quiet_library_loggers()
-    try:
-        if engine_factory is None:
-            from paged_jax.data_parallel import create_engine as engine_factory
-
-        engine = engine_factory(engine_args, use_tqdm=log_level <= logging.INFO)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
+    engine = start_child_engine(engine_args, conn, log_level, engine_factory)
+    if engine is None:
         return
-    freeze_gc_heap()
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                         "generation_config": engine.generation_config,
-                         "model_path": engine.model_path,
-                         "stats": dict(engine.stats())}))
     prompt_sent: set[str] = set()  # unfinished requests whose prompt went with an earlier output
     num_commands = 0  # commands applied so far; every message reports it, so the parent knows what it reflects
     sender = _Sender(conn)
@@ -140,6 +127,50 @@ def _child_main(engine_args, conn, log_level: int = logging.WARNING,
             pass
     finally:
         sender.close()
+
+
+def start_child_engine(engine_args, conn, log_level: int, engine_factory: Callable | None):
+    """In a spawned engine process: set up logging, build the engine and send ``("ready", info)`` on ``conn`` (info:
+    max_model_len, vocab_size, generation_config, model_path, stats), and return it; on failure send ``("failed",
+    description, is_value_error)`` instead and return None."""
+    # A spawned process starts without the parent's logging set-up: log start-up progress to the inherited stderr.
+    logging.basicConfig(level=log_level, format=CHILD_LOG_FORMAT, stream=sys.stderr, force=True)
+    quiet_library_loggers()
+    try:
+        if engine_factory is None:
+            from paged_jax.data_parallel import create_engine as engine_factory
+
+        engine = engine_factory(engine_args, use_tqdm=log_level <= logging.INFO)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("failed", _describe(exc), isinstance(exc, ValueError)))
+        return None
+    freeze_gc_heap()
+    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                         "generation_config": engine.generation_config,
+                         "model_path": engine.model_path,
+                         "stats": dict(engine.stats())}))
+    return engine
+
+
+def wait_until_ready(conn, process, start_timeout: float | None) -> dict:
+    """The ready info ``start_child_engine`` sends on ``conn`` (the parent's end). Raises ValueError (the engine
+    arguments were rejected: the child's message) or ``EngineProcessDied`` (another failure, a child that exited,
+    or none within ``start_timeout`` s; the child is then killed)."""
+    try:
+        if not conn.poll(start_timeout):
+            process.kill()
+            process.join(5)
+            raise EngineProcessDied(f"the engine process did not start within {start_timeout} s")
+        message = conn.recv()
+    except (EOFError, OSError) as exc:
+        process.join(5)
+        raise EngineProcessDied(f"the engine process exited while starting (exit code {process.exitcode})") from exc
+    if message[0] == "failed":
+        process.join(10)
+        if message[2]:
+            raise ValueError(message[1].split(": ", 1)[-1])
+        raise EngineProcessDied(f"the engine process failed to start: {message[1]}")
+    return message[1]
 
 
 class _Sender:
@@ -249,17 +280,17 @@ class EngineProcessClient:
         logger.info("engine process started (pid %d): loading the model and compiling; its progress follows",
                     self._process.pid)
         child_conn.close()
+        try:
+            info = wait_until_ready(self._conn, self._process, start_timeout)
+        except BaseException:
+            self._conn.close()
+            raise
+        self._setup(engine_args, info)
+        logger.info("engine process ready in %.1f s", time.perf_counter() - started)
+
+    def _setup(self, engine_args: EngineArgs, info: dict) -> None:
+        """The client's state once the engine is ready (``info``: ``start_child_engine``'s ready info)."""
         self.engine_args = engine_args
-        if not self._conn.poll(start_timeout):
-            self.close()
-            raise EngineProcessDied(f"the engine process did not start within {start_timeout} s")
-        message = self._recv()
-        if message[0] == "failed":
-            self._process.join(10)
-            if message[2]:
-                raise ValueError(message[1].split(": ", 1)[-1])
-            raise EngineProcessDied(f"the engine process failed to start: {message[1]}")
-        info = message[1]
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info["vocab_size"])
         self.model_path = info["model_path"]
@@ -269,7 +300,6 @@ class EngineProcessClient:
 
         # The same tokenizer as the child's (already downloaded by it when it comes from the Hub).
         self.tokenizer = load_tokenizer(engine_args, self.model_path)
-        logger.info("engine process ready in %.1f s", time.perf_counter() - started)
         # Added, neither finished nor aborted: request id -> (prompt, prompt_token_ids) once its first output came.
         self._live: dict[str, tuple[str | None, list[int]] | None] = {}
         self._admitting: dict[int, list[str]] = {}  # group id -> its request ids, until the child answers
@@ -447,6 +477,9 @@ class EngineProcessClient:
     def pid(self) -> int | None:
         return self._process.pid
 
+    def _exit_code(self) -> int | None:
+        return self._process.exitcode
+
     # ------------------------------------------------------------------ internals
     def _send(self, message) -> None:
         try:
@@ -459,8 +492,7 @@ class EngineProcessClient:
         try:
             message = self._conn.recv()
         except (EOFError, OSError) as exc:
-            code = self._process.exitcode
-            raise EngineProcessDied(f"the engine process exited (exit code {code})") from exc
+            raise EngineProcessDied(f"the engine process exited (exit code {self._exit_code()})") from exc
         if message[0] == "died":
             raise EngineProcessDied(f"the engine process failed: {message[1]}")
         return message

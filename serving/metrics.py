@@ -55,6 +55,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_TOKENS = ("iteration_tokens_total", "Histogram of number of tokens per engine_step.")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -114,14 +115,7 @@ class _EngineStatsCollector(Collector):
         with self._lock:
             stats = dict(self._stats)
         label_names = list(self._labels)
-        label_values = list(self._labels.values())
-        samples = [(label_values, stats)]
-        if stats.get("replicas"):
-            # A data-parallel engine (paged_jax.data_parallel) reports each replica: one series per replica, labelled
-            # engine="<index>" as vLLM labels its DP engines (the total is their sum; stats() also carries it).
-            at = label_names.index("engine")
-            samples = [(label_values[:at] + [str(index)] + label_values[at + 1:], replica)
-                       for index, replica in enumerate(stats["replicas"])]
+        samples = [(list(labels.values()), source) for labels, source in engine_series(self._labels, stats)]
         for family_type, specs in ((GaugeMetricFamily, _ENGINE_GAUGES), (CounterMetricFamily, _ENGINE_COUNTERS)):
             for name, key, doc in specs:
                 # CounterMetricFamily appends "_total" itself.
@@ -129,16 +123,52 @@ class _EngineStatsCollector(Collector):
                 for values, source in samples:
                     family.add_metric(values, float(source.get(key, 0.0)))
                 yield family
-        # The KV pool's size is known once the engine sized it (its first stats snapshot); vLLM labels it the same.
-        info = dict(self._cache_config)
-        for key in ("num_gpu_blocks", "num_cpu_blocks"):
-            if key in stats:
-                info[key] = str(int(stats[key]))
-        info["engine"] = self._labels["engine"]
-        family = GaugeMetricFamily(f"{self._prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                   labels=list(info))
+        info = cache_config_info_labels(self._cache_config, stats, self._labels["engine"])
+        family = GaugeMetricFamily(f"{self._prefix}:cache_config_info", CACHE_CONFIG_INFO_DOC, labels=list(info))
         family.add_metric(list(info.values()), 1.0)
         yield family
+
+
+CACHE_CONFIG_INFO_DOC = "Information of the LLMEngine CacheConfig"
+
+
+def engine_series(labels: Mapping[str, str], stats: Mapping) -> list[tuple[dict[str, str], Mapping]]:
+    """``(labels, stats)`` of every engine a stats snapshot describes: the engine itself, or, for a data-parallel
+    engine (``paged_jax.data_parallel``, whose ``stats()`` has ``replicas``), each replica labelled
+    ``engine="<index>"`` as vLLM labels its DP engines (the total is their sum; ``stats()`` also carries it)."""
+    if not stats.get("replicas"):
+        return [(dict(labels), stats)]
+    return [({**labels, "engine": str(index)}, replica) for index, replica in enumerate(stats["replicas"])]
+
+
+def cache_config_info_labels(cache_config: Mapping[str, object], stats: Mapping, engine: str) -> dict[str, str]:
+    """The labels of ``cache_config_info``: the cache configuration, and the KV pool's size once the engine sized
+    it (its first stats snapshot has it); vLLM labels it the same."""
+    info = {key: str(value) for key, value in cache_config.items()}
+    for key in ("num_gpu_blocks", "num_cpu_blocks"):
+        if key in stats:
+            info[key] = str(int(stats[key]))
+    info["engine"] = engine
+    return info
+
+
+class StepTokens:
+    """The tokens of each engine step (``iteration_tokens_total``) from consecutive stats snapshots: a snapshot
+    that follows one ``step()`` (one more step launched, or none launched but tokens resolved: the last step of
+    overlapped scheduling) gives that step's prompt + generation tokens; one with no change gives None."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None  # (num_steps, prompt + generation tokens)
+
+    def step_tokens(self, stats: Mapping[str, float]) -> float | None:
+        if "num_steps" not in stats:
+            return None
+        steps = float(stats["num_steps"])
+        tokens = float(stats.get("prompt_tokens_total", 0)) + float(stats.get("generation_tokens_total", 0))
+        last, self._last = self._last, (steps, tokens)
+        if last is not None and (steps == last[0] + 1 or (steps == last[0] and tokens > last[1])):
+            return tokens - last[1]
+        return None
 
 
 class ServingMetrics:
@@ -149,15 +179,22 @@ class ServingMetrics:
       max_model_len: the engine's; sets the token-count buckets (vLLM's ``build_1_2_5_buckets(max_model_len)``).
       prefix: the name prefix (``NATIVE_PREFIX`` or ``VLLM_PREFIX``; any ``[a-zA-Z_][a-zA-Z0-9_]*``).
       cache_config: the labels of ``cache_config_info`` (``cache_config_labels(engine_args)``).
+      multiprocess: this server is one of several API server processes over one engine process
+        (``--api-server-count`` > 1, ``serving.api_servers``): its request-level metrics are written to
+        ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, set up before this process started),
+        the engine process records the engine-level ones there (``serving.multiprocess_metrics``), and ``render``
+        reports every process's, summed.
     """
 
     def __init__(self, model_name: str, *, max_model_len: int, prefix: str = NATIVE_PREFIX,
-                 cache_config: Mapping[str, object] | None = None) -> None:
+                 cache_config: Mapping[str, object] | None = None, multiprocess: bool = False) -> None:
         self.prefix = check_prefix(prefix)
+        self.multiprocess = multiprocess
         self.registry = CollectorRegistry(auto_describe=True)
         self._labels = {"model_name": model_name, "engine": ENGINE_INDEX}
         self._engine_stats = _EngineStatsCollector(self.prefix, self._labels, cache_config or {})
-        self.registry.register(self._engine_stats)
+        if not multiprocess:
+            self.registry.register(self._engine_stats)
         token_buckets = build_1_2_5_buckets(max_model_len)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
@@ -199,26 +236,22 @@ class ServingMetrics:
         self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
         self.request_params_max_tokens = histogram("request_params_max_tokens",
                                                    "Histogram of the max_tokens request parameter.", token_buckets)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                          ITERATION_TOKENS_BUCKETS)
+        self.iteration_tokens = None if multiprocess else histogram(*ITERATION_TOKENS, ITERATION_TOKENS_BUCKETS)
         self._request_success = Counter(f"{self.prefix}:request_success", "Count of successfully processed requests.",
                                         list(LABEL_NAMES) + ["finished_reason"], registry=self.registry)
-        self._last_step: tuple[float, float] | None = None  # (num_steps, prompt + generation tokens), engine thread
+        self._step_tokens = StepTokens()  # engine thread
 
     # --------------------------------------------------------------------- engine thread
     def update_engine_stats(self, stats: Mapping[str, float]) -> None:
         """The engine's latest snapshot: after every engine-loop iteration, and from an engine process after each of
-        its steps. A snapshot that follows one ``step()`` (one more step launched, or none launched but tokens
-        resolved: the last step of overlapped scheduling) observes that step's tokens in ``iteration_tokens_total``;
-        one with no change (no step since) observes nothing."""
-        self._engine_stats.update(stats)
-        if "num_steps" not in stats:
+        its steps; each step's tokens go to ``iteration_tokens_total`` (``StepTokens``). With ``multiprocess`` the
+        engine process records these itself: nothing to do."""
+        if self.multiprocess:
             return
-        steps = float(stats["num_steps"])
-        tokens = float(stats.get("prompt_tokens_total", 0)) + float(stats.get("generation_tokens_total", 0))
-        last, self._last_step = self._last_step, (steps, tokens)
-        if last is not None and (steps == last[0] + 1 or (steps == last[0] and tokens > last[1])):
-            self.iteration_tokens.observe(tokens - last[1])
+        self._engine_stats.update(stats)
+        tokens = self._step_tokens.step_tokens(stats)
+        if tokens is not None:
+            self.iteration_tokens.observe(tokens)
 
     # --------------------------------------------------------------------- event loop
     def observe_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
@@ -269,7 +302,11 @@ class ServingMetrics:
         self.request_time_per_output_token.observe(decode_time / (longest - 1) if longest > 1 else 0.0)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
+        """The Prometheus text exposition of this registry (``multiprocess``: of every process's metrics)."""
+        if self.multiprocess:
+            from serving.multiprocess_metrics import render_multiprocess
+
+            return render_multiprocess()
         return generate_latest(self.registry)
 
 

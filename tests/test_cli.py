@@ -110,6 +110,9 @@ def test_unsupported_flags_exit_2_naming_the_flag(command, flag, capsys):
     (["--enable-auto-tool-choice"], "--tool-call-parser"),  # vLLM: auto tool choice needs a parser
     (["--tool-call-parser", "no-such-parser"], "--tool-call-parser"),
     (["--reasoning-parser", "no-such-parser"], "--reasoning-parser"),
+    (["--api-server-count", "0"], "--api-server-count"),
+    (["-asc", "2", "--no-engine-process"], "--no-engine-process"),  # several servers share one engine process
+    (["--api-server-count", "2", "--nnodes", "2"], "--nnodes"),
 ])
 def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
     from serving.cli import main
@@ -117,6 +120,17 @@ def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_api_server_count_refuses_runtime_lora_updating(monkeypatch, capsys):
+    """An adapter loaded through one API server would be unknown to the others: refused naming both (vLLM too)."""
+    from serving.cli import main
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--api-server-count", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--api-server-count" in err and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in err
 
 
 def test_port_in_use_fails_before_loading_the_model(capsys):

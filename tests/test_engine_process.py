@@ -268,3 +268,225 @@ def test_engine_process_is_the_default_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PAGED_JAX_ENGINE_PROCESS", "0")
     assert engine_process_enabled(parser.parse_args([]).engine_process) is False
     assert engine_process_enabled(parser.parse_args(["--engine-process"]).engine_process) is True
+
+
+# ------------------------------------------------------------------------------- --api-server-count (api_servers)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start(argv: list[str], log_path, env: dict | None = None):
+    """``python <argv>`` from the repository root with its output in ``log_path``."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": repo, **(env or {})}
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, *argv], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_healthy(process, base_url: str, log_path) -> None:
+    import httpx
+
+    from tests.test_serving import wait_until
+
+    def healthy() -> bool:
+        assert process.poll() is None, open(log_path).read()
+        try:
+            return httpx.get(base_url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_until(healthy, timeout=240, interval=0.25), open(log_path).read()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has exited
+    except OSError:
+        return True
+
+
+def _successes_by_process(metrics_dir) -> dict[int, float]:
+    """request_success_total per API server process, from each process's own metrics file."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    counts = {}
+    for name in os.listdir(metrics_dir):
+        if name.startswith("counter_"):
+            values = MmapedDict.read_all_values_from_file(os.path.join(metrics_dir, name))
+            total = sum(value for key, value, *_ in values if json.loads(key)[1] == "paged_jax:request_success_total")
+            if total:
+                counts[int(name[len("counter_"):-len(".db")])] = total
+    return counts
+
+
+async def _completions(base_url: str, prompt: list[int], num_each: int) -> list[list[int]]:
+    """``num_each`` streamed and ``num_each`` whole greedy completions at once, each on a new connection: the token
+    ids of each."""
+    import httpx
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+
+    def ids(tokens: list[str]) -> list[int]:
+        return [int(token.removeprefix("token_id:")) for token in tokens]
+
+    async def one(client, stream: bool) -> list[int]:
+        if not stream:
+            response = await client.post("/v1/completions", json=body)
+            return ids(response.json()["choices"][0]["logprobs"]["tokens"])
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            chunks = [json.loads(line[6:]) async for line in response.aiter_lines() if line.startswith("data: {")]
+        return ids([t for chunk in chunks if chunk["choices"] for t in chunk["choices"][0]["logprobs"]["tokens"]])
+
+    limits = httpx.Limits(max_keepalive_connections=0)  # every request on a connection of its own
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+        return await asyncio.gather(*[one(client, stream) for stream in (True, False) for _ in range(num_each)])
+
+
+def test_api_server_count_2_over_one_engine_process(model_dir, client, tmp_path):
+    """`serve --api-server-count 2`: connections land on both API servers (each process's own metrics file), greedy
+    outputs equal the single engine process's, streamed and whole; a dropped stream is aborted and frees its blocks;
+    /metrics on either server reports both servers' requests and the engine's counters; SIGTERM stops every process
+    (exit status 0)."""
+    import re
+    import signal
+
+    import httpx
+
+    from tests.test_serving import metric_value, wait_until
+
+    prompt = [3, 14, 15, 92, 65]
+    reference, _ = run_all(client, [("ref", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0,
+                                                                                         max_tokens=8))])
+    want = reference["ref"].outputs[0].token_ids
+    metrics_dir, log_path, port = tmp_path / "metrics", tmp_path / "serve.log", _free_port()
+    metrics_dir.mkdir()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_KWARGS.items()]
+    launcher = _start(["-m", "serving", model_dir, *flags, "--served-model-name", "tiny", "--api-server-count", "2",
+                       "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"], log_path,
+                      {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(launcher, base_url, log_path)
+        log = open(log_path).read()
+        pids = [int(p) for p in re.search(r"Started 2 API servers \(pids (\d+), (\d+)\)", log).groups()]
+        engine_pid = int(re.search(r"engine process started \(pid (\d+)\)", log).group(1))
+        num_requests = 0
+        for _ in range(10):  # the kernel picks the server of each connection: until both have had some
+            results = asyncio.run(_completions(base_url, prompt, 4))
+            num_requests += len(results)
+            assert all(tokens == want for tokens in results)
+            if len(_successes_by_process(metrics_dir)) == 2:
+                break
+        assert set(_successes_by_process(metrics_dir)) == set(pids)
+
+        # A stream that its client leaves is aborted in the engine: blocks freed, never counted a success.
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert next(line for line in response.iter_lines() if line.startswith("data: {"))
+
+        def engine_idle() -> bool:
+            text = httpx.get(base_url + "/metrics").text
+            return (metric_value(text, "paged_jax:num_requests_running") == 0
+                    and metric_value(text, "paged_jax:kv_cache_usage_perc") == 0.0)
+
+        assert wait_until(engine_idle, timeout=60)
+        for _ in range(4):  # whichever server answers reports the whole system
+            text = httpx.get(base_url + "/metrics").text
+            assert metric_value(text, "paged_jax:request_success_total") == num_requests
+            assert metric_value(text, "paged_jax:e2e_request_latency_seconds_count") == num_requests
+            generated = metric_value(text, "paged_jax:generation_tokens_total")
+            assert 8 * num_requests < generated < 8 * num_requests + 120  # the abandoned stream stopped early
+            tokens = generated + metric_value(text, "paged_jax:prompt_tokens_total")
+            assert metric_value(text, "paged_jax:iteration_tokens_total_sum") == tokens
+
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0, open(log_path).read()
+        assert all(_gone(pid) for pid in [*pids, engine_pid])
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+# The engine-death case is marked slow (CI budget): the same supervision, and the servers' own engine watch is the
+# single-server one (test_server_on_engine_process_and_dead_child).
+@pytest.mark.parametrize("victim", ["api_server", pytest.param("engine", marks=pytest.mark.slow)])
+def test_api_servers_exit_1_when_a_process_dies(victim, tmp_path):
+    """A dead API server: the launcher stops the others and exits 1; a dead engine process: every API server exits
+    1, then the launcher (model-free engine: benchmarks/serving_host.py)."""
+    import signal
+
+    port, log_path, pid_file = _free_port(), tmp_path / "serve.log", tmp_path / "pids.json"
+    launcher = _start(["-m", "benchmarks.serving_host", "--serve", "--api-server-count", "2", "--port", str(port),
+                       "--concurrency", "4", "--pid-file", str(pid_file)], log_path)
+    try:
+        _wait_healthy(launcher, f"http://127.0.0.1:{port}", log_path)
+        pids = json.loads(pid_file.read_text())
+        os.kill(pids["servers"][0] if victim == "api_server" else pids["engine"], signal.SIGKILL)
+        assert launcher.wait(60) == 1, open(log_path).read()
+        assert all(_gone(pid) for pid in [*pids["servers"], pids["engine"]])
+        if victim == "engine":
+            assert "API servers exited with status [1, 1]" in open(log_path).read()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_multi_client_engine_keeps_each_clients_requests_apart():
+    """The multi-client engine loop (in-process, model-free engine, two clients): both may use the same request id,
+    each gets only its own outputs; --max-waiting-requests is enforced by the engine for every client; a client
+    that detaches has its requests aborted."""
+    import multiprocessing
+    import threading
+
+    from benchmarks.serving_host import ModelFreeEngine
+    from serving.async_engine import EngineOverloadedError
+    from serving.multi_client_engine import AttachedEngineClient, EngineOptions, _MultiClientLoop
+    from tests.test_serving import wait_until
+
+    engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=4, max_model_len=64)
+    engine = ModelFreeEngine(engine_args, steps_per_s=2000)
+    control, engine_control = multiprocessing.Pipe()
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    loop = _MultiClientLoop(engine, engine_control, [child for _, child in pipes],
+                            EngineOptions(max_waiting_requests=3))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    info = {"max_model_len": 64, "vocab_size": 32000, "generation_config": {}, "model_path": None,
+            "stats": engine.stats()}
+    first, second = [AttachedEngineClient(engine_args, conn, info, os.getpid()) for conn, _ in pipes]
+    try:
+        first.add_request("same", [1, 2], SamplingParams(max_tokens=3))
+        second.add_request("same", [1, 2, 3], SamplingParams(max_tokens=5))
+        tokens = {first: 0, second: 0}
+        while first.has_unfinished_requests() or second.has_unfinished_requests():
+            for client in (first, second):
+                if client.has_unfinished_requests():
+                    for output in client.step():
+                        assert output.request_id == "same"
+                        tokens[client] += len(output.outputs[0].token_ids) if output.outputs else 0
+        assert tokens == {first: 3, second: 5}
+
+        too_many = [(f"r{i}", [1], SamplingParams(max_tokens=2), 0) for i in range(4)]  # 4 sequences > 3
+        group = first.submit_requests(too_many)
+        while not (answers := dict(first.take_admissions())):
+            first.step()
+        assert isinstance(answers[group], EngineOverloadedError) and not first.has_unfinished_requests()
+
+        second.add_request("long", [1], SamplingParams(max_tokens=10_000))
+        assert second.step() or second.step()
+        second.close()  # its API server leaves: the engine aborts what it had
+        assert wait_until(lambda: not engine.has_unfinished_requests(), timeout=10)
+    finally:
+        control.send(("shutdown",))
+        thread.join(10)
+        first.close()
