@@ -30,14 +30,16 @@ FORMATS = ("int4", "int8", "fp8")
 TARGET_PROGRAMS = 264
 
 # matmul_impl="auto" on the GPU: the implementation (``models.quantization.linear.MATMUL_IMPLS``) per (format,
-# M bucket); off the GPU "auto" is "xla" (or "xla_native" for a native-storage format). The sweep measured the Pallas
-# kernels ahead of XLA's dequantize + dot (int) and float8 dot (fp8) at M 1 and 16 (int4, fp8); M = 64 is not
-# measured with these kernels, so it stays on XLA. A weight-only format's entries must all read one storage
+# M bucket); off the GPU "auto" is "xla" (or "xla_native" for a native-storage format). The H200 sweep's winners
+# (RESULTS.md): int4 the block-sliced GEMV at M = 1 and the packed Pallas kernel at 16 (the grouped native dot was
+# faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 XLA's dot on the
+# upcast weights (its convert fuses into the GEMM's operand load) at 1 and 16. M = 64 is not measured with these
+# paths, so it stays on XLA. A weight-only format's entries must all read one storage
 # (``STORAGE``): its modules hold one layout whatever M a step has.
 AUTO_IMPL = {
-    ("int4", 1): "pallas", ("int4", 16): "pallas", ("int4", 64): "xla",
+    ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
-    ("fp8", 1): "pallas", ("fp8", 16): "pallas", ("fp8", 64): "xla",
+    ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla",
 }
 NATIVE_IMPLS = ("xla_native", "xla_native_grouped")
 
@@ -74,11 +76,19 @@ TUNING: dict[tuple, dict] = {
 KNOBS = ("block_m", "block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
 BLOCKED_KNOBS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
 
-# Unswept starting points (16-byte loads along N, a few K steps in flight per program).
+# int4 / fp8: the H200 sweep's best (bucket entries and the Llama-3.1-8B projections); int8 is an unswept guess.
 BLOCKED_TUNING: dict[tuple, dict] = {
-    ("int4",): dict(block_n=128, block_k=128, steps=2, split_k=None, num_warps=4, num_stages=3),
+    ("int4",): dict(block_n=256, block_k=128, steps=2, split_k=None, num_warps=8, num_stages=3),
     ("int8",): dict(block_n=128, block_k=64, steps=2, split_k=None, num_warps=4, num_stages=3),
-    ("fp8",): dict(block_n=256, block_k=32, steps=2, split_k=None, num_warps=4, num_stages=3),
+    ("fp8",): dict(block_n=128, block_k=128, steps=1, split_k=None, num_warps=8, num_stages=3),
+    ('int4', 4096, 6144): dict(block_n=128, block_k=128, steps=4, split_k=4, num_warps=8, num_stages=2),
+    ('int4', 4096, 4096): dict(block_n=256, block_k=128, steps=2, split_k=16, num_warps=8, num_stages=3),
+    ('int4', 4096, 28672): dict(block_n=128, block_k=128, steps=4, split_k=1, num_warps=8, num_stages=2),
+    ('int4', 14336, 4096): dict(block_n=256, block_k=64, steps=2, split_k=16, num_warps=4, num_stages=3),
+    ('fp8', 4096, 6144): dict(block_n=256, block_k=32, steps=4, split_k=8, num_warps=8, num_stages=2),
+    ('fp8', 4096, 4096): dict(block_n=128, block_k=128, steps=1, split_k=8, num_warps=8, num_stages=3),
+    ('fp8', 4096, 28672): dict(block_n=128, block_k=128, steps=1, split_k=1, num_warps=8, num_stages=3),
+    ('fp8', 14336, 4096): dict(block_n=128, block_k=128, steps=1, split_k=8, num_warps=8, num_stages=3),
 }
 
 
@@ -104,7 +114,10 @@ def blocked_tuned(fmt: str, k: int, n: int) -> dict:
 
 
 def storage(fmt: str) -> str:
-    """The weight-only storage ("packed" | "native") of ``matmul_impl="auto"`` modules in ``fmt``."""
+    """The weight-only storage ("packed" | "native") of ``matmul_impl="auto"`` modules in ``fmt``. FP8 weights have
+    one layout (float8 [K, N]) under every implementation: "packed", i.e. nothing to convert."""
+    if fmt == "fp8":
+        return "packed"
     native = {AUTO_IMPL[(fmt, b)] in NATIVE_IMPLS for b in M_BUCKETS}
     if len(native) != 1:
         raise ValueError(f"AUTO_IMPL mixes native and packed implementations for {fmt}")
