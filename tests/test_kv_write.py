@@ -96,6 +96,25 @@ def test_write_kv_casts_to_pool_dtype_and_drops_out_of_range_slots():
     np.testing.assert_array_equal(np.asarray(k_out.astype(jnp.float32)).reshape(-1, HKV, D), expected)
 
 
+@pytest.mark.parametrize("slot", [0, 9, NUM_BLOCKS * BLOCK_SIZE - 1, NUM_BLOCKS * BLOCK_SIZE, 10_000, -1, -5])
+def test_write_kv_single_token_lands_or_goes_to_the_null_block(slot):
+    """T == 1 (batch-1 decode) takes the dynamic_update_slice path: an in-range slot lands exactly; an out-of-range
+    one (too large or negative) lands in null-block slot 0, never in a real block (a plain dynamic_update_slice
+    would clamp it onto the last slot)."""
+    rng = np.random.default_rng(3)
+    k_pool, v_pool = _random_pool(rng)
+    k_new = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    v_new = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    step = jax.jit(write_kv, donate_argnums=(0, 1))
+    k_out, v_out = step(jnp.asarray(k_pool) + 0, jnp.asarray(v_pool) + 0, jnp.asarray(k_new), jnp.asarray(v_new),
+                        jnp.asarray([slot], np.int32))
+    target = slot if 0 <= slot < NUM_BLOCKS * BLOCK_SIZE else 0
+    for got, pool, new in ((k_out, k_pool, k_new), (v_out, v_pool, v_new)):
+        expected = pool.reshape(-1, HKV, D).copy()
+        expected[target] = new[0]
+        np.testing.assert_array_equal(np.asarray(got).reshape(-1, HKV, D), expected)
+
+
 @pytest.mark.parametrize(
     "bad, field",
     [
