@@ -1,5 +1,7 @@
 """write_kv: every new K/V lands exactly at its slot, nothing else in the pool changes, also under jit donation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +137,25 @@ def test_write_kv_rejects_bad_input(bad, field):
     args.update(bad)
     with pytest.raises(ValueError, match=field):
         write_kv(*(jnp.asarray(args[n]) for n in ("k_pages", "v_pages", "k", "v", "slot_mapping")))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_copy_blocks_one_kernel_equals_per_pool_scatters(dtype):
+    """copy_blocks: the one-launch Pallas kernel (interpret mode, pools aliased in place) = the per-pool XLA
+    scatters: every layer's K and V block dst[i] becomes block src[i]; padding slots (dst = num_blocks) and
+    everything else untouched."""
+    from paged_jax.ops.block_copy import copy_blocks
+    rng = np.random.default_rng(4)
+    pools = [tuple(jnp.asarray(p, dtype) for p in _random_pool(rng)) for _ in range(3)]
+    src = np.array([2, 7, 0, 0], np.int32)
+    dst = np.array([9, 4, NUM_BLOCKS, NUM_BLOCKS], np.int32)  # two copies, two padding slots
+    step = jax.jit(functools.partial(copy_blocks, impl="pallas", interpret=True), donate_argnums=(0,))
+    got = step([(k + 0, v + 0) for k, v in pools], jnp.asarray(src), jnp.asarray(dst))
+    want = copy_blocks(pools, jnp.asarray(src), jnp.asarray(dst), impl="xla")
+    for (gk, gv), (wk, wv), (k, v) in zip(got, want, pools):
+        for g, w, old in ((gk, wk, k), (gv, wv, v)):
+            assert g.dtype == old.dtype and g.shape == old.shape
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+            expected = np.asarray(old.astype(jnp.float32)).copy()
+            expected[[9, 4]] = expected[[2, 7]]
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), expected)
