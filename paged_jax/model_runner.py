@@ -201,7 +201,8 @@ class ModelRunner(StepDispatchMixin):
                                                  cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
                                                  impl=impl)
 
-            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"])  # before K/V writes
+            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"],  # before K/V writes
+                                         impl="auto" if plan is None else "xla")  # one kernel on one GPU
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
             lora = None if lora_arrays is None else self.lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
             hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention, lora)

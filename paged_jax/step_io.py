@@ -14,6 +14,7 @@ import numpy as np
 
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_BLOCK_COPIES
+from paged_jax.ops.block_copy import copy_blocks
 
 @dataclasses.dataclass
 class SeqInput:
@@ -208,10 +209,11 @@ def pack_block_copies(copies: Sequence[tuple[int, int]], src: np.ndarray, dst: n
         src[:len(copies)], dst[:len(copies)] = pairs[:, 0], pairs[:, 1]
 
 
-def apply_block_copies(kv_pool: list, src, dst) -> list:
+def apply_block_copies(kv_pool: list, src, dst, *, impl: str = "xla") -> list:
     """Inside the jitted step, on the donated pool: block ``dst[i]`` of every layer's K and V becomes a copy of block
-    ``src[i]`` (int32[S] each); out-of-range destinations (padding) are dropped."""
-    return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_pool]
+    ``src[i]`` (int32[C] each); out-of-range destinations (padding) are dropped. ``impl``: see
+    ``paged_jax.ops.block_copy.copy_blocks`` ("auto" only for a pool on one device)."""
+    return copy_blocks(kv_pool, src, dst, impl=impl)
 
 
 def point_fork_rows(packed_seqs: Sequence[SeqInput], num_forks: int, cu: np.ndarray, logits_indices: np.ndarray) -> None:

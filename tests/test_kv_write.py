@@ -1,5 +1,7 @@
 """write_kv: every new K/V lands exactly at its slot, nothing else in the pool changes, also under jit donation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +98,25 @@ def test_write_kv_casts_to_pool_dtype_and_drops_out_of_range_slots():
     np.testing.assert_array_equal(np.asarray(k_out.astype(jnp.float32)).reshape(-1, HKV, D), expected)
 
 
+@pytest.mark.parametrize("slot", [0, 9, NUM_BLOCKS * BLOCK_SIZE - 1, NUM_BLOCKS * BLOCK_SIZE, 10_000, -1, -5])
+def test_write_kv_single_token_lands_or_goes_to_the_null_block(slot):
+    """T == 1 (batch-1 decode) takes the dynamic_update_slice path: an in-range slot lands exactly; an out-of-range
+    one (too large or negative) lands in null-block slot 0, never in a real block (a plain dynamic_update_slice
+    would clamp it onto the last slot)."""
+    rng = np.random.default_rng(3)
+    k_pool, v_pool = _random_pool(rng)
+    k_new = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    v_new = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    step = jax.jit(write_kv, donate_argnums=(0, 1))
+    k_out, v_out = step(jnp.asarray(k_pool) + 0, jnp.asarray(v_pool) + 0, jnp.asarray(k_new), jnp.asarray(v_new),
+                        jnp.asarray([slot], np.int32))
+    target = slot if 0 <= slot < NUM_BLOCKS * BLOCK_SIZE else 0
+    for got, pool, new in ((k_out, k_pool, k_new), (v_out, v_pool, v_new)):
+        expected = pool.reshape(-1, HKV, D).copy()
+        expected[target] = new[0]
+        np.testing.assert_array_equal(np.asarray(got).reshape(-1, HKV, D), expected)
+
+
 @pytest.mark.parametrize(
     "bad, field",
     [
@@ -116,3 +137,25 @@ def test_write_kv_rejects_bad_input(bad, field):
     args.update(bad)
     with pytest.raises(ValueError, match=field):
         write_kv(*(jnp.asarray(args[n]) for n in ("k_pages", "v_pages", "k", "v", "slot_mapping")))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_copy_blocks_one_kernel_equals_per_pool_scatters(dtype):
+    """copy_blocks: the one-launch Pallas kernel (interpret mode, pools aliased in place) = the per-pool XLA
+    scatters: every layer's K and V block dst[i] becomes block src[i]; padding slots (dst = num_blocks) and
+    everything else untouched."""
+    from paged_jax.ops.block_copy import copy_blocks
+    rng = np.random.default_rng(4)
+    pools = [tuple(jnp.asarray(p, dtype) for p in _random_pool(rng)) for _ in range(3)]
+    src = np.array([2, 7, 0, 0], np.int32)
+    dst = np.array([9, 4, NUM_BLOCKS, NUM_BLOCKS], np.int32)  # two copies, two padding slots
+    step = jax.jit(functools.partial(copy_blocks, impl="pallas", interpret=True), donate_argnums=(0,))
+    got = step([(k + 0, v + 0) for k, v in pools], jnp.asarray(src), jnp.asarray(dst))
+    want = copy_blocks(pools, jnp.asarray(src), jnp.asarray(dst), impl="xla")
+    for (gk, gv), (wk, wv), (k, v) in zip(got, want, pools):
+        for g, w, old in ((gk, wk, k), (gv, wv, v)):
+            assert g.dtype == old.dtype and g.shape == old.shape
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+            expected = np.asarray(old.astype(jnp.float32)).copy()
+            expected[[9, 4]] = expected[[2, 7]]
+            np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), expected)

@@ -277,3 +277,28 @@ def test_deprecated_pallas_name_runs_the_triton_kernel():
         assert EngineArgs(attention_impl="pallas").attention_impl == "triton"
     with pytest.raises(ValueError, match="attention_impl must be one of auto, reference, triton, mosaic"):
         EngineArgs(attention_impl="flash")
+
+
+@pytest.mark.parametrize("num_splits, num_tokens, num_real, hq, d", [(33, 1, 1, 4, 16), (3, 5, 3, 2, 32)])
+def test_combine_kernel_matches_jnp_combine(num_splits, num_tokens, num_real, hq, d):
+    """The one-kernel split combine (interpret mode) = the jnp form: empty splits (m = MASK_VALUE, l = 0, acc = 0),
+    a non-power-of-two split count, rows of padding tokens holding NaN garbage (must come out as exact zeros)."""
+    from paged_jax.ops.ragged_paged_attention.combine import combine_kv_splits, combine_kv_splits_reference
+    from paged_jax.ops.ragged_paged_attention.common import MASK_VALUE
+    rng = np.random.default_rng(num_splits)
+    rows = num_tokens * hq
+    acc = rng.standard_normal((num_splits, rows, d)).astype(np.float32)
+    m = (3.0 * rng.standard_normal((num_splits, rows))).astype(np.float32)
+    l = rng.uniform(0.5, 4.0, (num_splits, rows)).astype(np.float32)
+    empty = rng.random((num_splits, rows)) < 0.3
+    empty[:, 0] = True  # a row whose splits are all empty: zero output, no NaN
+    m[empty], l[empty], acc[empty] = MASK_VALUE, 0.0, 0.0
+    acc[:, num_real * hq:], m[:, num_real * hq:], l[:, num_real * hq:] = np.nan, np.nan, np.nan
+    cu_q_lens = jnp.asarray([0, num_real], jnp.int32)
+    args = (jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), cu_q_lens, hq, jnp.float32)
+    got = np.asarray(combine_kv_splits(*args, interpret=True))
+    want = np.asarray(combine_kv_splits_reference(*args))
+    assert got.shape == (rows, d)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_array_equal(got[num_real * hq:], 0.0)

@@ -48,12 +48,27 @@ def write_kv(
 
     fp8_max = float(jnp.finfo(k_pages.dtype).max) if jnp.dtype(k_pages.dtype).itemsize == 1 else None
 
+    if k.shape[0] == 1:
+        # One token (batch-1 decode): a dynamic_update_slice at a sanitised slot. XLA rewrites a one-index scatter
+        # into a dynamic_update_slice too, but to keep the scatter's skip-out-of-range meaning it then selects
+        # between the new row and a read of the old one, a separate kernel (the read of the buffer being updated
+        # keeps the select out of the in-place update). Redirecting a bad slot to the null block instead leaves
+        # only scalar index math, which fuses into the in-place update together with the row's own producers
+        # (split-K reduce, RoPE): one kernel per pool.
+        slot = slot_mapping[0].astype(jnp.int32)
+        slot = jnp.where((slot >= 0) & (slot < num_slots), slot, 0)
+        zero = jnp.zeros((), jnp.int32)
+        start = (slot, zero, zero)
+
     def scatter(pages, new):
         flat = pages.reshape(flat_shape)
         if fp8_max is not None:  # an FP8 pool (--kv-cache-dtype fp8): saturate instead of casting to NaN
             new = jnp.clip(new.astype(jnp.float32), -fp8_max, fp8_max)
-        # mode="drop": an out-of-range slot is ignored instead of clamped onto a real slot.
-        flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
+        new = new.astype(pages.dtype)
+        if new.shape[0] == 1:
+            flat = jax.lax.dynamic_update_slice(flat, new, start, allow_negative_indices=False)
+        else:  # mode="drop": an out-of-range slot is ignored instead of clamped onto a real slot.
+            flat = flat.at[slot_mapping].set(new, mode="drop")
         return flat.reshape(pages.shape)
 
     return scatter(k_pages, k), scatter(v_pages, v)

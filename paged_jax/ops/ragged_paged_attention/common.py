@@ -11,8 +11,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOG2_E = math.log2(math.e)
+# Finite "minus infinity": exp2(MASK - real_max) underflows to exactly 0, and a fully masked row never makes
+# NaNs (inf - inf). Same choice as JAX's own Pallas attention kernels.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window) -> None:

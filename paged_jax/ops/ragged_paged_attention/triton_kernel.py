@@ -12,7 +12,7 @@ Work decomposition
   Pallas GPU backend has scalar prefetch). Tiles past the real count exit through ``pl.when``.
 * Flash decoding: the tile's KV range (in ``block_k``-key blocks) is cut into ``num_kv_splits`` contiguous chunks,
   one per program; with more than one split each program writes unnormalised partial ``(acc, max, sum)`` rows and
-  jnp combines them. With one split the kernel writes the normalised output directly.
+  a second small kernel combines them (``combine``). With one split the kernel writes the normalised output directly.
 * Keys are read through the block table inside the kernel: key ``j`` of the block lives in pool row
   ``block_tables[seq, j // block_size] * block_size + j % block_size`` of the ``[num_blocks * block_size, Hkv, D]``
   view, loaded as a ``[block_k, D]`` gather (each row is ``D`` contiguous elements).
@@ -40,7 +40,7 @@ Prefill tuning options (all off by default: the default kernel is the one measur
 * ``zero_padding_in_kernel`` (one kv split only): ``ceil(T / block_q) + S`` tiles, enough for the padding tokens
   too; tiles past the real ones write zeros for the padding rows, so the wrapper drops its ``where`` over the whole
   output (a separate XLA pass reading and writing ``T * Hq * D`` elements). With several
-  kv splits the ``where`` is fused into the jnp combine anyway and the option has no effect.
+  kv splits the combine kernel zeroes the padding rows anyway and the option has no effect.
 """
 
 from __future__ import annotations
@@ -49,23 +49,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, int32_metadata, sort_tiles_longest_first, tile_map,
-                                                         zero_padding_tokens)
+from paged_jax.ops.ragged_paged_attention.combine import combine_kv_splits
+from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, sort_tiles_longest_first,
+                                                         tile_map, zero_padding_tokens)
 
 # The compiler-params class was renamed between JAX releases; accept either spelling.
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 _load = getattr(plgpu, "load", None) or pl.load
 _store = getattr(plgpu, "store", None) or pl.store
 _dot = getattr(plgpu, "dot", None) or pl.dot
-
-# Finite "minus infinity": exp2(MASK - real_max) underflows to exactly 0, and a fully masked row never makes
-# NaNs (inf - inf). Same choice as JAX's own Pallas attention kernels.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 # Programs wanted in flight to fill an H200 (132 SMs, 2 resident programs each) when choosing kv splits.
 _TARGET_PROGRAMS = 264
@@ -424,15 +420,10 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
         name=f"ragged_paged_attention_bq{tuning['block_q']}_bk{bk}_s{num_splits}{flags}",
     )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_rows, k_flat, v_flat)
 
-    if num_splits == 1:
-        out = outs[0]
-    else:
-        acc, m, l = outs
-        m_max = jnp.max(m, axis=0)
-        weight = jnp.exp2(m - m_max[None])
-        denom = jnp.sum(l * weight, axis=0)
-        out = jnp.sum(acc * weight[..., None], axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
-    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    if num_splits > 1:  # one kernel: the weighted sum over splits, normalised, padding rows zeroed
+        return combine_kv_splits(*outs, cu_q_lens, num_q_heads, q.dtype, interpret=interpret).reshape(
+            num_tokens, num_q_heads, head_dim)
+    out = outs[0].reshape(num_tokens, num_q_heads, head_dim)
     if tuning["zero_padding_in_kernel"]:  # the padding tiles wrote the zeros
         return out
-    return zero_padding_tokens(out.astype(q.dtype), cu_q_lens)
+    return zero_padding_tokens(out, cu_q_lens)
