@@ -186,14 +186,7 @@ def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_count: in
     app = create_app(engine)
     server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
     write_pids(engine.pid, [os.getpid()])
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        app.state.server.engine.shutdown()
-        sock.close()
-    return 1 if server.engine_died else 0
+    return server.serve_on_socket(sock)
 
 
 # ------------------------------------------------------------------------------------------------ CPU accounting

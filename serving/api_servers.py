@@ -256,11 +256,4 @@ def api_server_main(index: int, args: argparse.Namespace, engine_args: Any, chat
         engine.close()
         sys.exit(2)
     server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        app.state.server.engine.shutdown()
-        sock.close()
-    sys.exit(1 if server.engine_died else 0)
+    sys.exit(server.serve_on_socket(sock))

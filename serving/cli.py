@@ -303,14 +303,7 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     logging.getLogger(__name__).info("Starting the API server on %s://%s:%d%s", scheme, args.host or "0.0.0.0",
                                      sock.getsockname()[1], args.root_path or "")
     server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass  # uvicorn has shut down gracefully and re-raises the interrupt (uvicorn.run swallows it too)
-    finally:
-        app.state.server.engine.shutdown()
-        sock.close()
-    return 1 if server.engine_died else 0
+    return server.serve_on_socket(sock)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,6 +57,18 @@ class ServingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.engine_died = False
 
+    def serve_on_socket(self, sock) -> int:
+        """Serve on the bound ``sock`` until shutdown (a signal, or the engine's death); then shut the engine client
+        down and close ``sock``. Returns the exit status: 1 when the engine died, else 0."""
+        try:
+            self.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass  # uvicorn has shut down gracefully and re-raises the interrupt (uvicorn.run swallows it too)
+        finally:
+            self.async_engine.shutdown()
+            sock.close()
+        return 1 if self.engine_died else 0
+
     async def serve(self, sockets=None) -> None:
         try:
             await super().serve(sockets)

@@ -26,21 +26,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from paged_jax.ops.ragged_paged_attention.common import MASK_VALUE
-
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-_load = getattr(plgpu, "load", None) or pl.load
-_store = getattr(plgpu, "store", None) or pl.store
+from paged_jax.ops.ragged_paged_attention.common import MASK_VALUE, TRITON_COMPILER_PARAMS as _CompilerParams
+from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
+from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
 
 # Elements of one [splits_pad, block_cols] f32 tile: 32 KB, 64 registers a thread at 4 warps.
 _TILE_ELEMENTS = 8192
 _MAX_BLOCK_COLS = 1024
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def combine_kv_splits_reference(acc: jax.Array, m: jax.Array, l: jax.Array, cu_q_lens: jax.Array, num_q_heads: int,

@@ -12,11 +12,23 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 LOG2_E = math.log2(math.e)
 # Finite "minus infinity": exp2(MASK - real_max) underflows to exactly 0, and a fully masked row never makes
 # NaNs (inf - inf). Same choice as JAX's own Pallas attention kernels.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# The Triton lowering's names moved between JAX releases (the kernels here run on either spelling).
+TRITON_COMPILER_PARAMS = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+triton_load = getattr(plgpu, "load", None) or pl.load
+triton_store = getattr(plgpu, "store", None) or pl.store
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x`` <= 1): Triton tiles have power-of-two sides."""
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window) -> None:

@@ -56,20 +56,15 @@ from jax.experimental.pallas import triton as plgpu
 from paged_jax.ops.ragged_paged_attention.combine import combine_kv_splits
 from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, sort_tiles_longest_first,
                                                          tile_map, zero_padding_tokens)
+from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
+from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
+from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
 
-# The compiler-params class was renamed between JAX releases; accept either spelling.
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-_load = getattr(plgpu, "load", None) or pl.load
-_store = getattr(plgpu, "store", None) or pl.store
 _dot = getattr(plgpu, "dot", None) or pl.dot
 
 # Programs wanted in flight to fill an H200 (132 SMs, 2 resident programs each) when choosing kv splits.
 _TARGET_PROGRAMS = 264
 _MAX_KV_SPLITS = 64
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def default_tuning(
