@@ -1,8 +1,8 @@
 """Host overhead of one engine decode step, with the device wait split out (issue 8).
 
-Builds ``LLMEngine`` on a tiny random Qwen3 config (2 layers, vocab 1024, dummy weights; CPU is fine), fills it with
-``--num-seqs`` running sequences (random prompts, temperature sampling, ignore_eos), runs the prefill steps, then
-times ``--steps`` decode steps. Every phase of a step is timed with ``time.perf_counter``:
+Builds ``LLMEngine`` on a tiny random Qwen3 config (``--num-layers``, default 2; vocab 1024, dummy weights; CPU is
+fine), fills it with ``--num-seqs`` running sequences (random prompts, temperature sampling, ignore_eos), runs the
+prefill steps, then times ``--steps`` decode steps. Every phase of a step is timed with ``time.perf_counter``:
 
 * ``wait_ms``: inside ``PendingStep.result()`` (block on the device + device->host copy): device time, not host work.
 * ``schedule_ms``, ``execute_ms`` (host packing + dispatch; ``dispatch_ms`` is the part inside the two jitted calls,
@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=40, help="timed decode steps")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=2,
+                   help="decoder layers of the tiny model (28 = Qwen3-0.6B's count: the forward's dispatch handles "
+                        "every layer's weights and KV arrays, so dispatch_ms grows with it)")
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--isolate-host", action="store_true",
                    help="wait for each step's device work right after its dispatch (counted as wait_ms), so that on a "
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = tempfile.mkdtemp(prefix="paged_jax_host_overhead_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=2), f)
+        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=args.num_layers), f)
 
     tokenizer = None
     if args.stream_outputs and args.tokenizer != "none":
