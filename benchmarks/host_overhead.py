@@ -1,8 +1,8 @@
 """Host overhead of one engine decode step, with the device wait split out (issue 8).
 
-Builds ``LLMEngine`` on a tiny random Qwen3 config (2 layers, vocab 1024, dummy weights; CPU is fine), fills it with
-``--num-seqs`` running sequences (random prompts, temperature sampling, ignore_eos), runs the prefill steps, then
-times ``--steps`` decode steps. Every phase of a step is timed with ``time.perf_counter``:
+Builds ``LLMEngine`` on a tiny random Qwen3 config (``--num-layers``, default 2; vocab 1024, dummy weights; CPU is
+fine), fills it with ``--num-seqs`` running sequences (random prompts, temperature sampling, ignore_eos), runs the
+prefill steps, then times ``--steps`` decode steps. Every phase of a step is timed with ``time.perf_counter``:
 
 * ``wait_ms``: inside ``PendingStep.result()`` (block on the device + device->host copy): device time, not host work.
 * ``schedule_ms``, ``execute_ms`` (host packing + dispatch; ``dispatch_ms`` is the part inside the two jitted calls,
@@ -18,6 +18,9 @@ Also reports the number of executables compiled at start-up and, for the given (
 max_num_seqs) pairs of ``--plan``, how many ``warm_up`` would compile (from the bucket plan, without compiling).
 
 Example: ``JAX_PLATFORMS=cpu python -m benchmarks.host_overhead --num-seqs 256 --steps 40``. Prints one JSON line.
+On a CPU backend add ``--isolate-host`` (``isolate_host``): the step's computation otherwise runs on the same cores
+while the host phases are timed and inflates them; with it the phases are the host work alone, as an accelerator
+host sees it (``--finished-only`` is how ``LLM.generate`` and benchmarks/throughput.py step the engine).
 
 ``--stream-outputs`` (issue 21) measures instead what streaming every running request's delta costs the engine
 process per step, in microseconds per running stream per step (medians): ``--steps`` steps as ``LLM.generate``
@@ -177,6 +180,29 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
     return result
 
 
+def isolate_host(engine, totals: dict[str, float]) -> None:
+    """Make every ``runner.execute`` (after ``instrument_phases``) wait until its step's device work is done, that wait
+    counted as ``totals["wait"]``: on a CPU backend the model's computation then never runs while the host phases
+    are timed (there it competes with them for the same cores; an accelerator runs it beside them)."""
+    import concurrent.futures
+
+    import jax
+
+    execute = engine.runner.execute
+
+    def execute_then_wait(*args, **kwargs):
+        handle = execute(*args, **kwargs)
+        start = time.perf_counter()
+        outputs = handle._device_outputs  # None while a deferred (grammar) step's sampling is not dispatched
+        if isinstance(outputs, concurrent.futures.Future):
+            outputs = outputs.result()
+        jax.block_until_ready(outputs if outputs is not None else engine.runner.kv_pool)
+        totals["wait"] += time.perf_counter() - start
+        return handle
+
+    engine.runner.execute = execute_then_wait
+
+
 def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape (without building a model)."""
     from paged_jax.buckets import planned_num_compiles
@@ -190,7 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=40, help="timed decode steps")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=2,
+                   help="decoder layers of the tiny model (28 = Qwen3-0.6B's count: the forward's dispatch handles "
+                        "every layer's weights and KV arrays, so dispatch_ms grows with it)")
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--isolate-host", action="store_true",
+                   help="wait for each step's device work right after its dispatch (counted as wait_ms), so that on a "
+                        "CPU backend the computation does not slow the timed host phases (isolate_host)")
     p.add_argument("--finished-only", action="store_true",
                    help="call step(finished_only=True), as LLM.generate does (no per-step snapshots of running requests)")
     p.add_argument("--stream-outputs", action="store_true",
@@ -208,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = tempfile.mkdtemp(prefix="paged_jax_host_overhead_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=2), f)
+        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=args.num_layers), f)
 
     tokenizer = None
     if args.stream_outputs and args.tokenizer != "none":
@@ -247,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     totals = {"step": 0.0}
     instrument_phases(engine, totals)
+    if args.isolate_host:
+        isolate_host(engine, totals)
     num_steps = num_outputs = 0
     samples: dict[str, list[float]] = {key: [] for key in totals}
     while engine.has_unfinished_requests() and num_steps < args.steps:
@@ -276,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
               "outputs_per_step": round(num_outputs / num_steps, 1), **per_step,
               "startup_s": round(startup_s, 2), "compiles_at_startup": compiles_at_startup,
               "planned_compiles": plan, "async_scheduling": args.async_scheduling,
-              "finished_only": args.finished_only}
+              "finished_only": args.finished_only, "isolate_host": args.isolate_host}
     print(json.dumps(result))
     return result
 

@@ -87,12 +87,13 @@ class AsyncSchedulingMixin:
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         now = time.time()
         touched = {}
-        for row, request, output_index in flight.rows:
-            entry = self._seq_by_id.get(request.request_id)
-            if entry is None or entry[1].request is not request or entry[1].finished:
+        seq_by_id, resolve_placeholder, on_token = self._seq_by_id, self.scheduler.resolve_placeholder, self._on_token
+        for row, request, output_index in flight.rows:  # every running sequence, every step: kept lean
+            entry = seq_by_id.get(request.request_id)
+            if entry is None or entry[1].request is not request or entry[1].finish_reason is not None:
                 continue  # aborted meanwhile
             state, seq = entry
-            self.scheduler.resolve_placeholder(request, output_index, tokens[row])
-            self._on_token(state, seq, request, output_index, result, row, now)
+            resolve_placeholder(request, output_index, tokens[row])
+            on_token(state, seq, request, output_index, result, row, now)
             touched[state.request_id] = state
         return self._collect_outputs(touched.values(), now, finished_only, stream_deltas)

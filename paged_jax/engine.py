@@ -388,30 +388,35 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         now = time.time()
         inputs = []
         lora_slots = self.lora_slots_for_step(scheduler_output.scheduled)
-        for seq_sched in scheduler_output.scheduled:
+        seq_by_id = self._seq_by_id
+        for seq_sched in scheduler_output.scheduled:  # every running sequence, every step: kept lean
             request = seq_sched.request
-            state, seq = self._seq_by_id[request.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-                state.metrics.time_in_queue = now - state.metrics.arrival_time
-            sampling = None
-            if seq_sched.samples:
-                sampling = (request.params, seq.seed, request.num_output_tokens, request.prompt_token_ids,
-                            request.output_token_ids)
+            request_id = request.request_id
+            state, seq = seq_by_id[request_id]
+            metrics = state.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.time_in_queue = now - metrics.arrival_time
+            token_ids, samples = seq_sched.token_ids, seq_sched.samples
+            sampling = grammar = None
+            if samples:
+                output_token_ids = request.output_token_ids
+                sampling = (request.params, seq.seed, len(output_token_ids), request.prompt_token_ids,
+                            output_token_ids)
+                grammar = request.grammar
             # A placeholder can only be the single decode token sampled by the step in flight: take it on device.
-            feed = PLACEHOLDER_TOKEN in seq_sched.token_ids
-            if feed and seq_sched.num_new_tokens != 1:
+            feed = PLACEHOLDER_TOKEN in token_ids
+            if feed and len(token_ids) != 1:
                 raise RuntimeError(f"unresolved sampled token inside a {seq_sched.num_new_tokens}-token chunk of "
-                                   f"{request.request_id!r}")
+                                   f"{request_id!r}")
             targets = None
-            if seq.index == 0 and not self._prompt_logprobs_done(state):
+            if state.prompt_logprobs is not None and seq.index == 0 and not state.prompt_logprobs.complete:
                 targets = state.prompt_logprobs.targets(seq_sched.num_computed_tokens, seq_sched.num_new_tokens)
-            inputs.append(SeqInput(key=request.request_id, token_ids=seq_sched.token_ids,
-                                   num_computed_tokens=seq_sched.num_computed_tokens, block_ids=seq_sched.block_ids,
-                                   sample=seq_sched.samples, sampling=sampling, feed_from_previous=feed,
-                                   prompt_logprob_targets=targets, lora_slot=lora_slots.get(request.lora_int_id, 0),
-                                   grammar=request.grammar if seq_sched.samples else None,
-                                   sample_from=seq_sched.fork_parent.request_id if seq_sched.fork_parent else None))
+            fork_parent = seq_sched.fork_parent
+            inputs.append(SeqInput(request_id, token_ids, seq_sched.num_computed_tokens, seq_sched.block_ids,
+                                   samples, sampling, feed, targets,
+                                   lora_slots.get(request.lora_int_id, 0) if lora_slots else 0, grammar,
+                                   fork_parent.request_id if fork_parent is not None else None))
         self.num_steps += 1
         return self.runner.execute(inputs, scheduler_output.block_copies, defer_sampling=defer_sampling)
 
@@ -460,23 +465,25 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         self.generation_tokens_total += 1
         if output_index == 0:
             self.prompt_tokens_total += len(state.prompt_token_ids)
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.last_token_time = now
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         if seq.logprobs is not None:
             seq.logprobs.append(self._token_logprobs(request.params, token, result, row))
         if seq.cumulative_logprob is not None:
             seq.cumulative_logprob += float(result.logprobs[row])
-        finished_by_scheduler = request.is_finished
+        finished = request.is_finished
         if seq.detokenizer is not None:
-            _, stop_str = seq.detokenizer.append([token], finished=finished_by_scheduler)
-            if stop_str is not None and not finished_by_scheduler:
+            _, stop_str = seq.detokenizer.append([token], finished=finished)
+            if stop_str is not None and not finished:
                 self.scheduler.finish_request(request.request_id, "stop")
                 request.stop_reason = stop_str
+                finished = request.is_finished
             elif stop_str is not None:  # the same token also ended it by EOS / length: the stop string wins
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = stop_str
-        if request.is_finished:
+        if finished:
             seq.finish_reason = request.finish_reason
             seq.stop_reason = request.stop_reason
 

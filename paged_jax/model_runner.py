@@ -389,8 +389,7 @@ class ModelRunner(StepDispatchMixin):
         penalties = tensors.prev_token_ids.shape[1] > 0
         grammars = [s.grammar if s.sample else None for s in packed_seqs]
         constrained = any(grammar is not None for grammar in grammars)
-        requested = [row[0].sampled_logprobs for row in sampling_rows
-                     if row is not None and row[0].sampled_logprobs is not None]
+        requested = [n for n in (row[0].sampled_logprobs for row in sampling_rows if row is not None) if n is not None]
         wants_logprobs = bool(requested)
         wants_top = any(n > 0 for n in requested)
         if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
@@ -435,13 +434,16 @@ class ModelRunner(StepDispatchMixin):
             itertools.chain.from_iterable(s.token_ids if not s.feed_from_previous else (0,) for s in packed_seqs),
             np.int32, num_tokens)
         new_prev_rows = {s.key: packed for packed, s in enumerate(packed_seqs) if s.sample}
-        for packed, seq in enumerate(packed_seqs):
-            if seq.feed_from_previous:
-                row = self._prev_rows.get(seq.key)
-                if seq.num_new_tokens != 1 or row is None:
-                    raise ValueError(f"sequence {seq.key!r}: feed_from_previous needs one new token and a sample "
-                                     "from the previous step")
-                prev_rows[cu[packed] - 1] = row
+        feed_packed = [packed for packed, s in enumerate(packed_seqs) if s.feed_from_previous]
+        if feed_packed:  # (async scheduling: every decode row)
+            previous = self._prev_rows
+            feed_rows = np.fromiter((previous.get(packed_seqs[packed].key, -1) for packed in feed_packed), np.int64,
+                                    len(feed_packed))
+            bad = (q_lens[feed_packed] != 1) | (feed_rows < 0)
+            if bad.any():
+                raise ValueError(f"sequence {packed_seqs[feed_packed[int(np.argmax(bad))]].key!r}: feed_from_previous "
+                                 "needs one new token and a sample from the previous step")
+            prev_rows[cu[feed_packed] - 1] = feed_rows
 
         prompt_targets, prompt_spans = pack_prompt_logprob_targets(packed_seqs, q_lens, cu, bucket_tokens,
                                                                    rows_to_packed)

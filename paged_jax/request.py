@@ -51,7 +51,8 @@ class Request:
 
     ``params`` is duck-typed (``paged_jax.sampling_params.SamplingParams``): the scheduler reads ``max_tokens``
     (int | None, None = up to max_model_len), ``min_tokens`` (int), ``ignore_eos`` (bool) and ``stop_token_ids``
-    (list[int] | None); missing attributes take those defaults.
+    (list[int] | None); missing attributes take those defaults. They are read once, at construction, into the
+    request's attributes of the same names (and ``eos_stop_ids``, ``stop_token_id_set``).
     """
 
     request_id: str
@@ -107,22 +108,20 @@ class Request:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string if provided, got {self.cache_salt!r}")
 
+        self._read_stop_rule()
+
     # ---- sampling parameters (duck-typed) ----
-    @property
-    def max_tokens(self) -> int | None:
-        return getattr(self.params, "max_tokens", None)
-
-    @property
-    def min_tokens(self) -> int:
-        return getattr(self.params, "min_tokens", 0) or 0
-
-    @property
-    def ignore_eos(self) -> bool:
-        return bool(getattr(self.params, "ignore_eos", False))
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return list(getattr(self.params, "stop_token_ids", None) or ())
+    def _read_stop_rule(self) -> None:
+        """Read the stop rule's constants from ``params`` once: the scheduler checks them for every sampled token
+        (``params`` is fixed once the request exists)."""
+        params = self.params
+        self.max_tokens: int | None = getattr(params, "max_tokens", None)
+        self.min_tokens: int = getattr(params, "min_tokens", 0) or 0
+        self.ignore_eos: bool = bool(getattr(params, "ignore_eos", False))
+        self.stop_token_ids: list[int] = list(getattr(params, "stop_token_ids", None) or ())
+        # Token ids that finish it once past min_tokens: EOS ids (none with ignore_eos), then stop_token_ids.
+        self.eos_stop_ids: frozenset[int] = frozenset() if self.ignore_eos else self.eos_token_ids
+        self.stop_token_id_set: frozenset[int] = frozenset(self.stop_token_ids)
 
     @property
     def lora_int_id(self) -> int:

@@ -267,23 +267,26 @@ class Scheduler:
             self.num_preemptions += 1
 
         # 1. Running requests.
+        running_status = RequestStatus.RUNNING
+        allocate_slots = self.kv.allocate_slots
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING or request.held:  # preempted earlier in this loop / held
+            if request.status != running_status or request.held:  # preempted earlier in this loop / held
                 continue
-            num_new = min(request.num_tokens_to_compute, budget)
+            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
+                          - request.num_computed_tokens, budget)  # request.num_tokens_to_compute, inlined
             if num_new <= 0:
                 continue
             if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
-            while not self.kv.allocate_slots(request, num_new):
+            while not allocate_slots(request, num_new):
                 # As vLLM: the least important running request goes, which may be this one (then it waits).
                 victim = max(self.running, key=self._order_key)
                 preempt(victim)
                 if victim is request:
                     break
-            if request.status == RequestStatus.RUNNING:
+            if request.status == running_status:
                 planned[request.request_id] = (request, num_new)
                 budget -= num_new
 
@@ -341,30 +344,31 @@ class Scheduler:
             planned[request.request_id] = (request, num_new)
             budget -= num_new
 
-        scheduled = []
-        forks = []
+        decodes, prefills, forks = [], [], []
+        num_batched_tokens = 0
         for request, num_new in planned.values():
             start = request.num_computed_tokens
-            samples = start + num_new == request.num_tokens
-            scheduled.append(ScheduledSeq(
-                request=request,
-                num_computed_tokens=start,
-                num_new_tokens=num_new,
-                token_ids=request.token_ids_slice(start, start + num_new),
-                block_ids=list(request.block_ids),
-                samples=samples,
-            ))
+            num_prompt = len(request.prompt_token_ids)
+            samples = start + num_new == num_prompt + len(request.output_token_ids)
+            if num_new == 1 and start >= num_prompt:  # a decode: its one token is the last output token
+                token_ids = [request.output_token_ids[start - num_prompt]]
+            else:
+                token_ids = request.token_ids_slice(start, start + num_new)
+            seq = ScheduledSeq(request, start, num_new, token_ids, list(request.block_ids), samples)
+            if num_new == 1:
+                decodes.append(seq)
+            elif num_new > 1:
+                prefills.append(seq)
+            num_batched_tokens += num_new
             if samples and request.pending_forks:
                 forks += [ScheduledSeq(request=child, num_computed_tokens=0, num_new_tokens=0, token_ids=[],
                                        block_ids=[], samples=True, fork_parent=request)
                           for child in request.pending_forks]
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
         return SchedulerOutput(
             block_copies=self.kv.take_block_copies(),
             scheduled=decodes + prefills + forks,
             num_decode_seqs=len(decodes),
-            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_batched_tokens=num_batched_tokens,
             preempted_ids=preempted,
             swap_out=swap_out,
             swap_in=swap_in,
@@ -389,27 +393,31 @@ class Scheduler:
         (entries of non-sampling sequences are ignored). Requests finished or aborted since ``schedule()`` are skipped.
         """
         scheduled = scheduler_output.scheduled
-        if not isinstance(sampled_token_ids, Mapping):
+        if isinstance(sampled_token_ids, Mapping):
+            tokens = [sampled_token_ids.get(s.request.request_id) for s in scheduled]
+        else:
             if len(sampled_token_ids) != len(scheduled):
                 raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
                                  f"{len(scheduled)} (one per scheduled sequence)")
-            sampled_token_ids = {s.request_id: t for s, t in zip(scheduled, sampled_token_ids)}
+            tokens = sampled_token_ids
         changed: list[Request] = []
-        for seq in scheduled:
+        running_status = RequestStatus.RUNNING
+        requests = self.requests
+        cache_full_blocks = self.kv.cache_full_blocks
+        for seq, token in zip(scheduled, tokens):
             request = seq.request
-            if request.status != RequestStatus.RUNNING or self.requests.get(request.request_id) is not request:
+            if request.status != running_status or requests.get(request.request_id) is not request:
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if seq.fork_parent is None:
                 if request.num_computed_tokens != seq.num_computed_tokens:
                     raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
                                        "update_from_output once per schedule(), in order")
                 request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
-                self.kv.cache_full_blocks(request)
+                cache_full_blocks(request)
                 if not seq.samples:
                     continue
                 if request.pending_forks:  # before the parent's own token (and a stop that would free its blocks)
                     self._fork_pending(request)
-            token = sampled_token_ids.get(request.request_id)
             if token is None:
                 raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
             request.output_token_ids.append(int(token))
@@ -495,15 +503,18 @@ class Scheduler:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
-        """Stop conditions for the token just appended: a stop token (``_stops_on_token``), else the length limits
-        (max_tokens, max_model_len), which always apply."""
-        num_output = request.num_output_tokens
-        if _stops_on_token(request, request.output_token_ids[-1], num_output):
+        """Stop conditions for the token just appended: a stop token (``_stops_on_token``; never a placeholder,
+        whose stop rule ``resolve_placeholder`` applies), else the length limits (max_tokens, max_model_len), which
+        always apply."""
+        output_token_ids = request.output_token_ids
+        num_output = len(output_token_ids)
+        token = output_token_ids[-1]
+        if token >= 0 and _stops_on_token(request, token, num_output):
             return RequestStatus.FINISHED_STOPPED
         max_tokens = request.max_tokens
         if max_tokens is not None and num_output >= max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -528,10 +539,10 @@ def _stops_on_token(request: Request, token: int, num_output: int) -> bool:
     does (the stop token id; None for EOS)."""
     if num_output <= request.min_tokens:
         return False
-    if token in request.eos_token_ids and not request.ignore_eos:
+    if token in request.eos_stop_ids:
         request.stop_reason = None
         return True
-    if token in request.stop_token_ids:
+    if token in request.stop_token_id_set:
         request.stop_reason = token
         return True
     return False
