@@ -3,7 +3,8 @@
 import pytest
 
 
-@pytest.mark.parametrize("num_prompts", [1, 3])
+# Three prompts (batching in the benchmark) run with `make test-all` (marker `slow`): CI time.
+@pytest.mark.parametrize("num_prompts", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, num_prompts):
     """A single-prompt workload works (the warm-up once asked for 4 prompts' params), --temperature overrides the
     workload's, and the JSON counts exactly the requested output tokens."""
