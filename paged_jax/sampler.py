@@ -238,44 +238,36 @@ def build_sampling_tensors(
     steps = np.zeros(pad_to, np.int32)
     prompt_len = np.zeros(pad_to, np.int32)
 
-    # Per live row only list comprehensions and whole-array numpy (this runs for every row of every step).
-    live = [row_index for row_index, row in enumerate(rows) if row is not None]
-    live_rows = [rows[row_index] for row_index in live]
-    live_params = [row[0] for row in live_rows]
-    live_index = np.asarray(live, np.int64)
-    live_steps = np.asarray([row[2] for row in live_rows], np.int64)
-    if (live_steps < 0).any():
-        first = int(np.argmax(live_steps < 0))
-        raise ValueError(f"step must be non-negative, got {int(live_steps[first])} for row {live[first]}")
-    live_temperature = np.asarray([params.temperature for params in live_params], np.float64)
-    is_random = ~(live_temperature < SAMPLING_EPS)  # not params.is_greedy
-    temperature[live_index] = np.where(is_random, live_temperature, 0.0)
-    seeds64 = np.asarray([int(row[1]) % (1 << 64) for row in live_rows], np.uint64)  # seed_to_u32, vectorized
-    seeds[live_index] = (seeds64 ^ (seeds64 >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
-    steps[live_index] = live_steps
-    any_random = bool(is_random.any())
-    any_truncation = False
-    if any_random:
-        # Greedy rows ignore truncation entirely (argmax always survives it), so only random rows fill it in.
-        # Clamp to int32: any k beyond the vocabulary keeps every token, as k = vocab_size would.
-        random_params = [params for params, r in zip(live_params, is_random.tolist()) if r]
-        random_index = live_index[is_random]
-        row_top_k = np.asarray([min(max(params.top_k, 0), _INT32_MAX) for params in random_params], np.int64)
-        row_top_p = np.asarray([params.top_p for params in random_params], np.float64)
-        row_min_p = np.asarray([params.min_p for params in random_params], np.float64)
-        top_k[random_index], top_p[random_index], min_p[random_index] = row_top_k, row_top_p, row_min_p
-        any_truncation = bool(((row_top_k > 0) | (row_top_p < 1.0) | (row_min_p > 0.0)).any())  # uses_truncation
-    penalty_rows = [row_index for row_index, params in zip(live, live_params) if params.uses_penalties]
-    for row_index in penalty_rows:
-        params = rows[row_index][0]
-        presence[row_index] = params.presence_penalty
-        frequency[row_index] = params.frequency_penalty
-        repetition[row_index] = params.repetition_penalty
-    # Plain attribute checks: most rows use none of these.
-    table_rows = [row_index for row_index, params in zip(live, live_params)
-                  if params.logit_bias or params.allowed_token_ids is not None]  # params.uses_bias_table
+    any_random = any_truncation = False
+    penalty_rows: list[int] = []
+    table_rows: list[int] = []
     banned_per_row: dict[int, list[int]] = {}
-    for row_index, (params, _, step, _, output_ids) in zip(live, live_rows):
+    for row_index, row in enumerate(rows):
+        if row is None:
+            continue
+        params, seed, step, _, output_ids = row
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step} for row {row_index}")
+        greedy = params.is_greedy
+        temperature[row_index] = 0.0 if greedy else params.temperature
+        seeds[row_index] = seed_to_u32(seed)
+        steps[row_index] = step
+        if not greedy:
+            any_random = True
+            # Greedy rows ignore truncation entirely (argmax always survives it), so only random rows fill it in.
+            # Clamp to int32: any k beyond the vocabulary keeps every token, as k = vocab_size would.
+            top_k[row_index] = min(max(params.top_k, 0), _INT32_MAX)
+            top_p[row_index] = params.top_p
+            min_p[row_index] = params.min_p
+            any_truncation |= params.uses_truncation
+        if params.uses_penalties:
+            presence[row_index] = params.presence_penalty
+            frequency[row_index] = params.frequency_penalty
+            repetition[row_index] = params.repetition_penalty
+            penalty_rows.append(row_index)
+        # Plain attribute checks first: this loop runs per row per step, and most rows use none of these.
+        if params.logit_bias or params.allowed_token_ids is not None:  # params.uses_bias_table
+            table_rows.append(row_index)
         if step < params.min_tokens or params.bad_words_token_ids:
             banned = _banned_ids_for(params, step, eos_token_ids, output_ids)
             if len(banned) > BANNED_WIDTH:
