@@ -441,6 +441,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
     def _collect_outputs(self, states: Iterable[RequestState], now: float, finished_only: bool = False,
                          stream_deltas: StreamDeltas | None = None) -> list[RequestOutput]:
         outputs = []
+        decode = self.tokenizer.decode if self.tokenizer is not None else None  # beam search's texts
         for state in states:
             if state.beam_search is not None:
                 state.beam_search.advance()  # every beam has its token: the next beams
@@ -449,7 +450,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
                 state.metrics.finished_time = now
             if finished or (not finished_only and state.reports_deltas):
                 if finished or stream_deltas is None or not stream_deltas.take(state):
-                    outputs.append(make_delta_output(state, finished, self._decode_text))
+                    outputs.append(make_delta_output(state, finished, decode))
             if finished:
                 del self._requests[state.request_id]
                 for seq in state.seqs:
@@ -509,9 +510,6 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             collector.record(seq_sched.num_computed_tokens, chunk)
             if collector.complete:
                 seq_sched.request.skip_prefix_cache = False  # a later recompute may take hits again
-
-    def _decode_text(self, token_ids: list[int]) -> str | None:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
 
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:

@@ -316,19 +316,16 @@ class KVCacheManager:
         nothing if the pool is short of blocks.
         """
         block_ids = request.block_ids
-        if block_ids and not computed_blocks and num_new_tokens > 0:
-            # A running request (every running request, every step): unless its write block is shared (a copy
-            # first, below), it just needs the blocks past those it holds.
-            bs = self.block_size
-            num_computed = request.num_computed_tokens
-            index = num_computed // bs
-            if index >= len(block_ids) or self.blocks[block_ids[index]].ref_cnt == 1:
-                num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - len(block_ids)
-                if num_new_blocks > len(self._free_queue):
-                    return False
-                for _ in range(num_new_blocks):
-                    block_ids.append(self._pop_free_block())
-                return True
+        if (block_ids and not computed_blocks and num_new_tokens > 0
+                and self._shared_write_block(request) is None):
+            # A running request writing into its own blocks (every running request, every step): the general path
+            # below reduces to appending the blocks past those it holds.
+            num_new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(block_ids)
+            if num_new_blocks > self.num_free_blocks:
+                return False
+            for _ in range(num_new_blocks):
+                block_ids.append(self._pop_free_block())
+            return True
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         computed_blocks = list(computed_blocks or ())

@@ -162,7 +162,7 @@ def run_api_servers(args: argparse.Namespace, engine_args: Any, sock: socket.soc
 
 def _supervise(engine, servers: list, shutdown_timeout: float) -> int:
     """Block until a signal (-> 0 once the servers have drained; 1 if one of them failed) or until a process exits
-    by itself (-> 1)."""
+    by itself (-> 1; 2 when a server exited 2: an argument it refused, as one server's serve would)."""
     try:
         ready = multiprocessing.connection.wait([engine.sentinel, *(s.sentinel for s in servers)])
     except _StopRequested as stop:
@@ -182,12 +182,14 @@ def _supervise(engine, servers: list, shutdown_timeout: float) -> int:
         _wait_for_exit(servers, _STOP_GRACE_S)
         logger.error("API servers exited with status %s", [server.exitcode for server in servers])
         return 1
+    status = 1
     for server in servers:
         if server.sentinel in ready:
             server.join()
+            status = 2 if server.exitcode == 2 else status  # a bad argument (e.g. --lora-modules): as one server
             logger.error("API server %s (pid %d) exited with status %s: shutting every process down (exit status "
-                         "1)", server.name, server.pid, server.exitcode)
-    return 1
+                         "%d)", server.name, server.pid, server.exitcode, 2 if server.exitcode == 2 else 1)
+    return status
 
 
 def _wait_for_exit(processes: list, timeout: float) -> None:

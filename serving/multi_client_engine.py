@@ -211,10 +211,10 @@ class _MultiClientLoop:
             engaged = [c for c in self.clients if c.attached and (c.owned or c.num_commands != c.num_reported)]
             packed, rows = self._split(outputs, stream_deltas)
             stats = dict(engine.stats())
-            self._publish(stats)
             for client in self.clients:
                 if client.attached and (client in packed or client in rows or client in engaged):
                     self._send_state(client, [], packed.get(client, []), rows.get(client), stats)
+            self._publish(stats)  # after the sends: the streams' tokens do not wait for the metrics files
 
 
 def multi_client_main(engine_args: EngineArgs, control_conn, client_conns: list, log_level: int,

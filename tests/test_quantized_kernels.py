@@ -187,11 +187,13 @@ def test_blocked_gemv_matches_reference():
     for bits, group_size, k, n, m, act_order, knobs in (
             (4, int(rng.choice([32, 64, 128])), 512, 64, 1, False, dict(block_n=32, block_k=64, steps=3, split_k=2)),
             (8, -1, 256, 32, 1, False, dict(block_n=16, block_k=32, steps=2, split_k=4)),
-            (4, 32, 256, 40, 1, False, dict(block_n=32, block_k=32))):  # 40 columns do not tile: fallback
+            (4, 32, 256, 40, 1, False, dict(block_n=32, block_k=32)),  # 40 columns do not tile: fallback
+            (4, 32, 256, 64, 2, False, dict(block_n=32, block_k=32)),  # M > 1: fallback
+            (4, 32, 256, 64, 1, True, dict(block_n=32, block_k=32))):  # act-order g_idx: fallback
         gs = k if group_size == -1 else group_size
         qweight, scales, zeros, g_idx = _random_weight_only(rng, k, n, bits, gs, act_order, jnp.float32)
         tiles = blocked_tuning(f"int{bits}", n, k, group_size=gs, **knobs) is not None
-        assert tiles == (n % 32 == 0 and m == 1 and not act_order)
+        assert tiles == (n % 32 == 0)  # the shape's test; M and g_idx are the kernel entry's
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         want = weight_only_matmul_reference(x, qweight, scales, zeros, g_idx, bits=bits, group_size=gs)
         got = weight_only_gemv_blocked(x, qweight, scales, zeros, g_idx, bits=bits, group_size=gs, interpret=True,

@@ -82,7 +82,9 @@ def native_grouped_matmul(x, qweight, scales, zeros, g_idx, *, bits: int, group_
     s = scales.astype(jnp.float32)
     zn = zeros.astype(jnp.float32) - _offset(bits)
     x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [M, G]
-    y = jnp.einsum("mgn,gn->mn", partial, s) - jnp.dot(x_sums, s * zn, precision=jax.lax.Precision.HIGHEST)
+    # Both contractions in full fp32 (the GPU's default dot precision would round them to TF32).
+    y = (jnp.einsum("mgn,gn->mn", partial, s, precision=jax.lax.Precision.HIGHEST)
+         - jnp.dot(x_sums, s * zn, precision=jax.lax.Precision.HIGHEST))
     return y.astype(x.dtype)
 
 

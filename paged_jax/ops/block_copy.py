@@ -15,19 +15,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-_load = getattr(plgpu, "load", None) or pl.load
-_store = getattr(plgpu, "store", None) or pl.store
+from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
+from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
+from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
 
 BLOCK_COPY_IMPLS = ("auto", "xla", "pallas")
 # Elements of one block each program moves per pool array (a 1D tile: 32 per thread at 4 warps).
 _MAX_TILE = 4096
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _copy_kernel(src_ref, dst_ref, *refs, num_arrays: int, num_blocks: int, block_elems: int, tile: int):

@@ -21,7 +21,8 @@ def write_kv(
         largest finite value).
       slot_mapping: ``int32[T]``; token ``t`` goes to ``slot = block * block_size + offset``. Padding tokens use
         slots of the null block 0 (several may share one slot; which of them lands there is unspecified).
-        Slots outside ``[0, num_blocks * block_size)`` are dropped.
+        Slots outside ``[0, num_blocks * block_size)`` are dropped (one token, T == 1: written to slot 0 of the null
+        block instead, which no request reads).
 
     Returns:
       ``(k_pages, v_pages)`` with the same shapes/dtypes. Under ``jax.jit`` with the pools donated, XLA performs the

@@ -23,6 +23,8 @@ shape-specific override; both are filled from ``python -m benchmarks.quantizatio
 
 from __future__ import annotations
 
+from models.quantization.linear import IMPL_STORAGE
+
 M_BUCKETS = (1, 16, 64)
 FORMATS = ("int4", "int8", "fp8")
 
@@ -41,7 +43,7 @@ AUTO_IMPL = {
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
     ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla",
 }
-NATIVE_IMPLS = ("xla_native", "xla_native_grouped")
+NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "native")
 
 # Bucket entries for int4 / fp8 at M 1 and 16 and the shape entries (Llama-3.1-8B projections) are the H200 sweep's
 # best (benchmarks/RESULTS.md, quantized matmul sweep); int8 and the M = 64 buckets are unswept guesses.
