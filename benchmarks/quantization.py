@@ -158,9 +158,9 @@ def section_matmul(args, results, copy_gbps: float):
                                     "fraction_of_copy": read / t / 1e9 / copy_gbps})
 
 
-def _decode_step_ms(model, config, args) -> tuple[float, int]:
-    """Pipelined batch-1 decode step (ms) of a ModelRunner on ``model``, and the bytes of the parameters a decode
-    step reads (all but the embedding table)."""
+def _decode_step_ms(model, config, args) -> tuple[float, int, dict | None]:
+    """Pipelined batch-1 decode step (ms) of a ModelRunner on ``model``, the bytes of the parameters a decode
+    step reads (all but the embedding table), and with ``--trace`` the step's GPU kernels (``benchmarks.trace``)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -191,9 +191,20 @@ def _decode_step_ms(model, config, args) -> tuple[float, int]:
             pending = runner.execute(seqs)
         pending.result()
         times.append((time.perf_counter() - start) / args.inner)
+    trace = None
+    if args.trace:
+        from benchmarks.trace import trace_kernels
+
+        def loop():
+            pending = None
+            for _ in range(args.inner):
+                pending = runner.execute(seqs)
+            pending.result()
+
+        trace = trace_kernels(loop, args.inner, args.trace)
     del runner
     jax.clear_caches()
-    return float(np.median(times)) * 1e3, read
+    return float(np.median(times)) * 1e3, read, trace
 
 
 def section_decode(args, results, copy_gbps: float):
@@ -237,7 +248,7 @@ def section_decode(args, results, copy_gbps: float):
             quantize_model(model, qc, matmul_impl=impl)
         fuse_projections(model)
         try:
-            step_ms, weight_read = _decode_step_ms(model, config, args)
+            step_ms, weight_read, trace = _decode_step_ms(model, config, args)
         except Exception as exc:  # one variant that does not run must not cost the others' figures
             _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "error": repr(exc)[:400]})
             del model
@@ -246,7 +257,7 @@ def section_decode(args, results, copy_gbps: float):
         _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "batch": 1,
                         "context": args.context, "step_ms": step_ms, "weight_bytes_read": weight_read,
                         "kv_bytes_read": kv_read, "floor_ms": floor_ms, "step_over_floor": step_ms / floor_ms,
-                        "copy_GBps": copy_gbps})
+                        "copy_GBps": copy_gbps, **({"trace": trace} if trace else {})})
         del model
 
 
@@ -268,6 +279,8 @@ def main(argv: list[str] | None = None) -> list:
                    help="sweep: no new cell starts after this many seconds (reported as skipped)")
     p.add_argument("--decode-impls", default="xla,auto",
                    help="decode: matmul_impl values of the quantized models (models.quantization.linear)")
+    p.add_argument("--trace", type=int, metavar="TOP", default=0,
+                   help="decode: also trace the steps and list the TOP kernels by GPU time (benchmarks.trace)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]

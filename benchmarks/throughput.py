@@ -17,6 +17,7 @@ import time
 _T_PROCESS_START = time.perf_counter()  # before jax is imported: start-up time counts from here
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import random
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
                    help="engine replicas behind the prefix-aware router (paged_jax.data_parallel)")
+    p.add_argument("--trace", type=int, metavar="TOP", default=0,
+                   help="trace the timed run with jax.profiler and report GPU busy time and the TOP kernels by time "
+                        "(the profiler slows the host: a diagnostic run, not a throughput figure)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
     if args.breakdown and args.data_parallel_size > 1:
@@ -135,13 +139,19 @@ def main(argv: list[str] | None = None) -> dict:
         engine.runner._forward = counting_forward
     steps_before = stats_before.get("num_steps", 0)
 
-    t0 = time.perf_counter()
-    if args.max_concurrency:
-        out_tokens = _run_with_concurrency(llm.llm_engine, prompts, params, args.max_concurrency)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    elapsed = time.perf_counter() - t0
+    from benchmarks.trace import kernel_trace
+
+    with kernel_trace(1, args.trace) if args.trace else contextlib.nullcontext() as trace:
+        t0 = time.perf_counter()
+        if args.max_concurrency:
+            out_tokens = _run_with_concurrency(llm.llm_engine, prompts, params, args.max_concurrency)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        elapsed = time.perf_counter() - t0
+    if trace is not None:
+        # Busy = the sum of kernel durations over the run: 1 - busy / wall is the time the GPU sat idle.
+        result["trace"] = {**trace, "gpu_busy_fraction": trace.get("busy_us_per_step", 0) / 1e6 / elapsed}
     if totals is not None:
         # Seconds over the whole timed run; "other" is per-token bookkeeping, detokenization and outputs.
         breakdown = {f"{key}_s": round(value, 3) for key, value in totals.items()}

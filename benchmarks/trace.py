@@ -6,6 +6,7 @@ temporary directory, read back with ``jax.profiler.ProfileData`` and summed per 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -15,20 +16,34 @@ def trace_kernels(loop, steps_per_loop: int, top: int) -> dict:
     Returns ``busy_us_per_step`` (sum of kernel durations), ``span_us_per_step`` (first kernel start to last kernel
     end, over all device lines), ``kernels_per_step`` and the ``top`` names by time. Device planes are those whose
     name starts with ``/device:GPU`` (on CPU there are none: empty result)."""
+    loop()  # warm
+    with kernel_trace(steps_per_loop, top) as summary:
+        loop()
+    return summary
+
+
+@contextlib.contextmanager
+def kernel_trace(steps: int, top: int):
+    """Trace the ``with`` body under ``jax.profiler``; on exit the yielded dict holds ``trace_kernels``' summary of
+    the device kernels it ran, per ``steps`` (1: totals over the body)."""
     import tempfile
 
     import jax
 
-    from jax.profiler import ProfileData
-
-    loop()  # warm
+    summary: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            loop()
-        paths = [os.path.join(d, f) for d, _, files in os.walk(tmp) for f in files if f.endswith(".xplane.pb")]
-        if not paths:
-            return {"error": "no xplane.pb written"}
-        data = ProfileData.from_file(paths[0])
+            yield summary
+        summary.update(_summarize(tmp, steps, top))
+
+
+def _summarize(trace_dir: str, steps: int, top: int) -> dict:
+    from jax.profiler import ProfileData
+
+    paths = [os.path.join(d, f) for d, _, files in os.walk(trace_dir) for f in files if f.endswith(".xplane.pb")]
+    if not paths:
+        return {"error": "no xplane.pb written"}
+    data = ProfileData.from_file(paths[0])
     by_name: dict[str, list[float]] = {}
     starts, ends = [], []
     line_names = []
@@ -47,10 +62,10 @@ def trace_kernels(loop, steps_per_loop: int, top: int) -> dict:
     total = sum(sum(v) for v in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     return {
-        "busy_us_per_step": round(total / steps_per_loop, 1),
-        "span_us_per_step": round((max(ends) - min(starts)) / 1e3 / steps_per_loop, 1) if starts else 0.0,
-        "kernels_per_step": round(sum(len(v) for v in by_name.values()) / steps_per_loop, 1),
+        "busy_us_per_step": round(total / steps, 1),
+        "span_us_per_step": round((max(ends) - min(starts)) / 1e3 / steps, 1) if starts else 0.0,
+        "kernels_per_step": round(sum(len(v) for v in by_name.values()) / steps, 1),
         "lines": line_names,
-        "top": [{"name": n, "us_per_step": round(sum(v) / steps_per_loop, 1),
-                 "count_per_step": round(len(v) / steps_per_loop, 2)} for n, v in ranked[:top]],
+        "top": [{"name": n, "us_per_step": round(sum(v) / steps, 1),
+                 "count_per_step": round(len(v) / steps, 2)} for n, v in ranked[:top]],
     }
