@@ -138,12 +138,20 @@ class EngineQuantization:
     kv_cache_dtype: Any
     kv_cache_scales: bool
 
-    def layout(self) -> dict:
-        """What the weights cache key adds for it (nothing for an unquantized model without KV scales)."""
+    def layout(self, matmul_impl: str = "auto") -> dict:
+        """What the weights cache key adds for it (nothing for an unquantized model without KV scales): the method,
+        the KV scales and, for integer weights, the storage the modules of ``matmul_impl`` hold (packed words or
+        native int4 / int8: "auto" follows the tuning table, so an entry written under another table is not
+        restored into the wrong layout)."""
         if self.config is None and not self.kv_cache_scales:
             return {}
-        return {"quantization": None if self.config is None else self.config.to_json(),
-                "kv_cache_scales": self.kv_cache_scales}
+        layout = {"quantization": None if self.config is None else self.config.to_json(),
+                  "kv_cache_scales": self.kv_cache_scales}
+        if self.config is not None and self.config.kind == "weight_only":
+            from models.quantization.linear import weight_storage
+
+            layout["weight_storage"] = weight_storage(matmul_impl, f"int{self.config.bits}")
+        return layout
 
 
 def resolve_engine_quantization(args: EngineArgs, model_path: str | None) -> EngineQuantization:
@@ -255,7 +263,7 @@ def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtyp
     model = weight_cache.load_or_convert(
         _weight_cache_key(args, model_path, dtype, kind="tensor_parallel", mesh=dict(plan.mesh.shape),
                           kv_layout=plan.kv_layout, head_layout=dataclasses.asdict(plan.head_layout),
-                          **quant.layout()),
+                          **quant.layout(matmul_impl="xla")),
         convert, abstract, shardings=plan.state_shardings)
     # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
     return model, plan, plan.model_config, plan.per_device_model_config

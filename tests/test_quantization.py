@@ -285,6 +285,13 @@ def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(converted)), nnx.to_flat_state(nnx.state(restored))):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
     assert list(tmp_path.glob("weights/*"))  # an entry was written (the second load restored it)
+    # The key names the storage "auto" modules hold: another tuning table's storage is another entry.
+    from models.quantization import linear
+
+    assert quant.layout()["weight_storage"] == linear.weight_storage("auto", "int4")
+    other = "native" if quant.layout()["weight_storage"] == "packed" else "packed"
+    monkeypatch.setattr(linear, "weight_storage", lambda impl, fmt: other)
+    assert quant.layout()["weight_storage"] == other
 
 
 @pytest.mark.parametrize("method", ["gptq"])
