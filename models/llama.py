@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+# RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
+from models.qk_transform import QKTransform, apply_qk_transform, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401
 
-# attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)
+# attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer). One whose attribute
+# ``fuses_qk_transform`` is true is called with the un-normed, un-rotated q/k and ``qk_transform=QKTransform`` and
+# applies the transform itself (models.qk_transform); the model applies it before any other attention.
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -40,71 +42,34 @@ class ReusableAttention:
       fn: ``fn(metadata, q, k, v, kv_layer) -> (out, kv_layer)``; static (part of the pytree structure, compared by
         identity), so build it once per forward (e.g. a ``functools.partial`` of a module-level function).
       metadata: a pytree of arrays (block tables, lengths, ...), the same for every layer of one forward.
+      fuses_qk_transform: ``fn`` takes a ``qk_transform=`` keyword (``models.qk_transform.QKTransform``) and
+        applies it to q/k itself (see ``AttentionFn``); static.
     A reusable attention is called with ``layer_idx=None``: it must not depend on the layer.
     """
 
-    def __init__(self, fn: Callable, metadata: Any):
+    def __init__(self, fn: Callable, metadata: Any, *, fuses_qk_transform: bool = False):
         self.fn = fn
         self.metadata = metadata
+        self.fuses_qk_transform = fuses_qk_transform
 
-    def __call__(self, layer_idx, q, k, v, kv_layer):
-        return self.fn(self.metadata, q, k, v, kv_layer)
+    def __call__(self, layer_idx, q, k, v, kv_layer, qk_transform: QKTransform | None = None):
+        if qk_transform is None:
+            return self.fn(self.metadata, q, k, v, kv_layer)
+        return self.fn(self.metadata, q, k, v, kv_layer, qk_transform=qk_transform)
 
     def tree_flatten(self):
-        return (self.metadata,), self.fn
+        return (self.metadata,), (self.fn, self.fuses_qk_transform)
 
     @classmethod
-    def tree_unflatten(cls, fn, children):
-        return cls(fn, children[0])
+    def tree_unflatten(cls, static, children):
+        fn, fuses_qk_transform = static
+        return cls(fn, children[0], fuses_qk_transform=fuses_qk_transform)
 
 INIT_STD = 0.02
 
 
 def _normal_init(std: float = INIT_STD):
     return nnx.initializers.normal(stddev=std)
-
-
-@functools.lru_cache(maxsize=32)
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
-    """RoPE inverse frequencies, float32[head_dim // 2], with optional llama3 scaling.
-
-    Computed in float32 the way transformers does, so fp32 logits match it to rounding.
-    ``rope_scaling_items`` is ``tuple(sorted(rope_scaling.items()))`` (hashable for the cache) or None.
-    """
-    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
-    if rope_scaling_items is None:
-        return inv_freq
-    scaling = dict(rope_scaling_items)
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
-    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
-    smooth = ((old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).astype(np.float32)
-    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions int32[T] -> (cos, sin), each float32[T, 1, D/2]; computed once per forward, shared by all layers."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x: [T, H, D]`` (HF "rotate_half" layout) in float32 by ``rope_cos_sin`` tables; returns x.dtype."""
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = x32[..., :half], x32[..., half:]
-    # Equivalent to x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with rotate_half(x) = cat(-x2, x1).
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -189,19 +154,21 @@ class Attention(nnx.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, *rope)
-        k = apply_rope(k, *rope)
+        transform = QKTransform(
+            cos=rope[0], sin=rope[1],
+            q_norm_weight=None if self.q_norm is None else self.q_norm.scale[...],
+            k_norm_weight=None if self.k_norm is None else self.k_norm.scale[...],
+            kv_scale=None if self.kv_scale is None else self.kv_scale[...],
+            norm_eps=None if self.q_norm is None else self.q_norm.eps,
+            dtype=None if self.q_norm is None else self.q_norm.dtype)
+        if getattr(attention, "fuses_qk_transform", False):  # e.g. one kernel with the KV write (paged_jax.ops)
+            out, kv_layer = attention(layer_idx, q, k, v, kv_layer, qk_transform=transform)
+        else:
+            q, k, v = apply_qk_transform(transform, q, k, v)
+            out, kv_layer = attention(layer_idx, q, k, v, kv_layer)
         if self.kv_scale is not None:
-            # The cache holds k / k_scale and v / v_scale: q . k = (q * k_scale) . (k / k_scale), and the
-            # attention output is rescaled by v_scale, so the kernels read the cache with no scales of their own.
-            k_scale, v_scale = self.kv_scale[0], self.kv_scale[1]
-            q, k, v = ((q * k_scale).astype(q.dtype), (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype))
-        out, kv_layer = attention(layer_idx, q, k, v, kv_layer)
-        if self.kv_scale is not None:
-            out = (out * v_scale).astype(out.dtype)
+            # The cache holds k / k_scale and v / v_scale (apply_qk_transform): rescale the output by v_scale.
+            out = (out * self.kv_scale[1]).astype(out.dtype)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return with_lora(lora, "o_proj", out, self.o_proj(out)), kv_layer
 

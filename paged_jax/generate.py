@@ -394,7 +394,8 @@ def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths,
         return ReusableAttention(
             functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=config.sliding_window,
                               impl=static.attention_impl),
-            dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens))
+            dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
+            fuses_qk_transform=True)
 
     # Prefill: all prompts as one ragged batch of B * P flat tokens, valid ones first (row-major), padding after.
     num_flat = batch_size * prompt_width

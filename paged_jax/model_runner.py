@@ -195,7 +195,8 @@ class ModelRunner(StepDispatchMixin):
             if plan is None:  # one layer trace shared by every layer (models.llama.ReusableAttention)
                 attention = ReusableAttention(
                     functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl),
-                    dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens))
+                    dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
+                    fuses_qk_transform=True)  # q/k norm + RoPE + KV write: one kernel on a GPU (ops.qk_prepare)
             else:  # the same per device on its heads and KV shard (shard_map over tp)
                 attention = plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
                                                  cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,

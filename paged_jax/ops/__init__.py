@@ -1,4 +1,4 @@
-"""Paged-attention ops: the slot-mapped KV write and ragged paged attention.
+"""Paged-attention ops: the slot-mapped KV write (alone or fused with the q/k transform) and ragged paged attention.
 
 KV pool layout (per layer): ``(k_pages, v_pages)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 Block 0 is the reserved null block: padding tokens write there and padded block-table entries point there.
@@ -7,25 +7,33 @@ Block 0 is the reserved null block: padding tokens write there and padded block-
 from paged_jax.ops import quantized_matmul  # noqa: F401  (registers matmul_impl "pallas" / "auto" of the models)
 from paged_jax.ops import quantized_gemv  # noqa: F401  (registers matmul_impl "pallas_blocked")
 from paged_jax.ops.kv_write import write_kv
+from paged_jax.ops.qk_prepare import qk_prepare
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
 
 def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
-                     impl: str = "auto"):
+                     impl: str = "auto", qk_transform=None, qk_prepare_impl: str = "auto"):
     """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
 
     Args:
       meta: ``slot_mapping`` int32[T], ``kv_lens`` int32[S], ``block_tables`` int32[S, max_blocks],
         ``cu_q_lens`` int32[S + 1] (the same for every layer of a step).
       q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)``.
+      qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the
+        un-normed, un-rotated q/k: then ``qk_prepare`` (impl ``qk_prepare_impl``) transforms them and writes K/V,
+        one kernel on a GPU. Build it as ``ReusableAttention(..., fuses_qk_transform=True)`` so the model passes it.
     Returns:
       (out [T, Hq, D], (k_pages, v_pages) updated).
     The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
     """
-    k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, meta["slot_mapping"])
+    if qk_transform is None:
+        k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, meta["slot_mapping"])
+    else:
+        q, k_pages, v_pages = qk_prepare(q, k, v, kv_layer[0], kv_layer[1], meta["slot_mapping"], qk_transform,
+                                         impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
                                  sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
     return out, (k_pages, v_pages)
 
 
-__all__ = ["write_kv", "ragged_paged_attention", "write_and_attend"]
+__all__ = ["write_kv", "qk_prepare", "ragged_paged_attention", "write_and_attend"]

@@ -1,0 +1,124 @@
+"""What happens to q and k between the q/k/v projections and attention: RoPE, Qwen3's per-head q/k RMSNorm and the
+FP8 KV cache's scaling, described by one small pytree (``QKTransform``) and applied by ``apply_qk_transform``.
+
+The model builds a ``QKTransform`` per layer and either applies it itself (jnp, the reference math) or hands it,
+with the un-normed, un-rotated q/k, to an ``AttentionFn`` that declares ``fuses_qk_transform`` (e.g. the paged
+attention of ``paged_jax.ops``, which runs the transform and the KV write as one kernel on a GPU). Both give the
+same q, k, v: ``apply_qk_transform`` is the one definition of the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.lru_cache(maxsize=32)
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
+    """RoPE inverse frequencies, float32[head_dim // 2], with optional llama3 scaling.
+
+    Computed in float32 the way transformers does, so fp32 logits match it to rounding.
+    ``rope_scaling_items`` is ``tuple(sorted(rope_scaling.items()))`` (hashable for the cache) or None.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+    if rope_scaling_items is None:
+        return inv_freq
+    scaling = dict(rope_scaling_items)
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = ((old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions int32[T] -> (cos, sin), each float32[T, 1, D/2]; computed once per forward, shared by all layers."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x: [T, H, D]`` (HF "rotate_half" layout) in float32 by ``rope_cos_sin`` tables; returns x.dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    # Equivalent to x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with rotate_half(x) = cat(-x2, x1).
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, dtype: Any) -> jax.Array:
+    """RMSNorm over the last axis of ``x`` as ``models.llama.RMSNorm`` computes it: normalize in float32, cast to
+    ``dtype``, then multiply by ``weight`` (cast to ``dtype``) in ``dtype``. ``weight``: [x.shape[-1]]."""
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
+    return weight.astype(dtype) * normed
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["cos", "sin", "q_norm_weight", "k_norm_weight", "kv_scale"],
+                   meta_fields=["norm_eps", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class QKTransform:
+    """One layer's q/k transform for a flat batch of T tokens (a pytree: arrays are leaves, the rest static).
+
+    Fields:
+      cos, sin: ``rope_cos_sin`` tables, float32[T, 1, D/2] (shared by all layers of a forward).
+      q_norm_weight, k_norm_weight: the per-head RMSNorm weights, [D] (param dtype), or None (no q/k norm;
+        both or neither).
+      kv_scale: float32[2] = (k_scale, v_scale) of an FP8 KV cache with scales, or None.
+      norm_eps: the q/k norms' epsilon (None without them).
+      dtype: the compute dtype the q/k norms cast to (None without them).
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+    q_norm_weight: jax.Array | None = None
+    k_norm_weight: jax.Array | None = None
+    kv_scale: jax.Array | None = None
+    norm_eps: float | None = None
+    dtype: Any = None
+
+    def __post_init__(self):
+        if (self.q_norm_weight is None) != (self.k_norm_weight is None):
+            raise ValueError("q_norm_weight and k_norm_weight must both be given or both be None")
+        if self.q_norm_weight is not None and self.norm_eps is None:
+            raise ValueError("norm_eps is required with q/k norm weights")
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.q_norm_weight is not None
+
+
+def apply_qk_transform(transform: QKTransform, q: jax.Array, k: jax.Array, v: jax.Array):
+    """The reference (jnp) transform: q [T, Hq, D], k / v [T, Hkv, D] -> (q, k, v), same shapes and dtypes.
+
+    q/k norm (if any) -> RoPE on q and k (float32 math, cast back) -> with ``kv_scale`` q * k_scale, k / k_scale,
+    v / v_scale (float32 math, cast back): the cache then holds k / k_scale and v / v_scale, q . k is unchanged, and
+    the model rescales the attention output by v_scale, so attention kernels read the cache without scales.
+    """
+    if transform.has_qk_norm:
+        q = rms_norm(q, transform.q_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
+        k = rms_norm(k, transform.k_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
+    q = apply_rope(q, transform.cos, transform.sin)
+    k = apply_rope(k, transform.cos, transform.sin)
+    if transform.kv_scale is not None:
+        k_scale, v_scale = transform.kv_scale[0], transform.kv_scale[1]
+        q, k, v = ((q * k_scale).astype(q.dtype), (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype))
+    return q, k, v

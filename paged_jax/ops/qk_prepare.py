@@ -1,0 +1,204 @@
+"""Everything between the qkv projection and paged attention as one kernel: the optional per-head q/k RMSNorm
+(Qwen3), RoPE on q and k, the optional FP8 KV scaling, and the write of K and V into the paged pool.
+
+In XLA that chain is several small kernels per decoder layer (norm reduce + multiply for q and for k, RoPE
+concatenates, one KV write per pool; at T > 1 two scatters), each paid at its launch cost whatever the batch.
+``qk_prepare(impl="pallas")`` is one Pallas Triton kernel instead: program ``(t, h)`` of the grid ``(T, Hq + Hkv)``
+transforms head ``h`` of token ``t``'s q (``h < Hq``, stored to the returned q) or K head ``h - Hq`` (stored to the
+K pool at the token's slot, with V head ``h - Hq`` beside it), both pools aliased in place. The math is
+``models.qk_transform.apply_qk_transform`` then ``paged_jax.ops.kv_write.write_kv`` (``qk_prepare_reference``),
+op for op: RoPE's rotate-half is a second load of each row at the partner columns, so no value is ever sliced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from models.qk_transform import QKTransform, apply_qk_transform
+from paged_jax.ops.kv_write import write_kv
+from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
+from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
+
+QK_PREPARE_IMPLS = ("auto", "xla", "pallas")
+
+
+def qk_prepare_reference(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform):
+    """The jnp oracle (and ``impl="xla"``): ``apply_qk_transform``, then ``write_kv``. Same contract as
+    ``qk_prepare``."""
+    q, k, v = apply_qk_transform(transform, q, k, v)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping)
+    return q, k_pages, v_pages
+
+
+def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv_heads: int, num_slots: int,
+            drop_out_of_range: bool, has_qk_norm: bool, has_kv_scale: bool, norm_eps, norm_dtype, fp8_max):
+    """slot_ref int32[T]; qkv_ref [T, Hq + 2 Hkv, D] (q heads, then K, then V); cos_ref / sin_ref float32[T, D/2];
+    then, if present, the q and k norm weights [D] and kv_scale float32[2]; then the K / V pools
+    [num_slots, Hkv, D] (inputs, aliased to the outputs), then the outputs q [T, Hq, D], K pool, V pool."""
+    refs = list(refs)
+    q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_qk_norm else (None, None)
+    kv_scale_ref = refs.pop(0) if has_kv_scale else None
+    _, _, q_out_ref, k_out_ref, v_out_ref = refs
+    token = pl.program_id(0)  # outside pl.when: interpret mode resolves program ids at the top level
+    head = pl.program_id(1)
+    head_dim = qkv_ref.shape[2]
+    half = head_dim // 2
+    compute_dtype = qkv_ref.dtype
+    # Only integer-array indexers (no slices): the same code then runs in interpret mode (see triton_kernel.py).
+    dim = jnp.arange(head_dim, dtype=jnp.int32)
+    first_half = dim < half
+    partner = jnp.where(first_half, dim + half, dim - half)  # rotate_half's source column
+    freq = jnp.where(first_half, dim, dim - half)
+    cos = _load(cos_ref.at[token, freq])  # float32[D]: cat(cos, cos)
+    sin = _load(sin_ref.at[token, freq])
+    sign = jnp.where(first_half, -1.0, 1.0).astype(jnp.float32)  # rotate_half(x) = cat(-x2, x1)
+
+    def transformed(row, norm_ref):
+        """Head ``row`` of this token: q/k norm (optional) and RoPE, as apply_qk_transform; [D] compute dtype."""
+        x = _load(qkv_ref.at[token, row, dim])
+        x_partner = _load(qkv_ref.at[token, row, partner])
+        if norm_ref is not None:
+            # models.qk_transform.rms_norm; the partner columns share the head's mean square.
+            x32 = x.astype(jnp.float32)
+            inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + norm_eps)
+            x = _load(norm_ref.at[dim]).astype(norm_dtype) * (x32 * inv_rms).astype(norm_dtype)
+            x_partner = (_load(norm_ref.at[partner]).astype(norm_dtype)
+                         * (x_partner.astype(jnp.float32) * inv_rms).astype(norm_dtype))
+        # models.qk_transform.apply_rope: x1 * cos - x2 * sin | x2 * cos + x1 * sin, in float32.
+        rotated = x.astype(jnp.float32) * cos + (sign * x_partner.astype(jnp.float32)) * sin
+        return rotated.astype(x.dtype)
+
+    def to_pool(x, pool_dtype):
+        if fp8_max is not None:  # as write_kv: an FP8 pool saturates instead of casting to NaN
+            x = jnp.clip(x.astype(jnp.float32), -fp8_max, fp8_max)
+        return x.astype(pool_dtype)
+
+    @pl.when(head < num_q_heads)
+    def _():
+        q = transformed(head, q_norm_ref)
+        if kv_scale_ref is not None:
+            q = (q.astype(jnp.float32) * _load(kv_scale_ref.at[jnp.zeros((), jnp.int32)])).astype(compute_dtype)
+        _store(q_out_ref.at[token, head, dim], q)
+
+    @pl.when(head >= num_q_heads)
+    def _():
+        kv_head = head - num_q_heads
+        k = transformed(head, k_norm_ref)
+        v = _load(qkv_ref.at[token, num_q_heads + num_kv_heads + kv_head, dim])
+        if kv_scale_ref is not None:
+            k = (k.astype(jnp.float32) / _load(kv_scale_ref.at[jnp.zeros((), jnp.int32)])).astype(compute_dtype)
+            v = (v.astype(jnp.float32) / _load(kv_scale_ref.at[jnp.ones((), jnp.int32)])).astype(compute_dtype)
+        slot = _load(slot_ref.at[token])
+        in_range = (slot >= 0) & (slot < num_slots)
+        if drop_out_of_range:  # write_kv's scatter (T > 1): an out-of-range slot is dropped
+            row = jnp.where(in_range, slot, num_slots)  # masked off; out of range for interpret mode too
+            mask = jnp.broadcast_to(in_range, (head_dim,))
+        else:  # write_kv's T == 1 path: an out-of-range slot goes to slot 0 of the null block
+            row = jnp.where(in_range, slot, 0)
+            mask = None
+        _store(k_out_ref.at[row, kv_head, dim], to_pool(k, k_out_ref.dtype), mask=mask)
+        _store(v_out_ref.at[row, kv_head, dim], to_pool(v, v_out_ref.dtype), mask=mask)
+
+
+def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, *, interpret: bool):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_blocks, block_size = k_pages.shape[:2]
+    num_slots = num_blocks * block_size
+    # One [T, Hq + 2 Hkv, D] operand. When q, k, v are the column split of one fused qkv projection (the engine's
+    # layout), XLA folds this concatenate of its adjacent slices back into that projection's output: no copy.
+    qkv = jnp.concatenate([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)],
+                          axis=1).reshape(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim)
+    cos = transform.cos.reshape(num_tokens, head_dim // 2).astype(jnp.float32)
+    sin = transform.sin.reshape(num_tokens, head_dim // 2).astype(jnp.float32)
+    extra = []
+    if transform.has_qk_norm:
+        extra += [transform.q_norm_weight, transform.k_norm_weight]
+    if transform.kv_scale is not None:
+        extra.append(transform.kv_scale.astype(jnp.float32))
+    pool_shape = (num_slots, num_kv_heads, head_dim)
+    pool_dtype = k_pages.dtype
+    fp8_max = float(jnp.finfo(pool_dtype).max) if jnp.dtype(pool_dtype).itemsize == 1 else None
+    kernel = functools.partial(
+        _kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_slots=num_slots,
+        drop_out_of_range=num_tokens > 1, has_qk_norm=transform.has_qk_norm,
+        has_kv_scale=transform.kv_scale is not None, norm_eps=transform.norm_eps,
+        norm_dtype=transform.dtype, fp8_max=fp8_max)
+    inputs = [slot_mapping.astype(jnp.int32), qkv, cos, sin, *extra,
+              k_pages.reshape(pool_shape), v_pages.reshape(pool_shape)]
+    num_inputs = len(inputs)
+    q_out, k_flat, v_flat = pl.pallas_call(
+        kernel,
+        grid=(num_tokens, num_q_heads + num_kv_heads),
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(pool_shape, pool_dtype),
+                   jax.ShapeDtypeStruct(pool_shape, pool_dtype)],
+        input_output_aliases={num_inputs - 2: 1, num_inputs - 1: 2},
+        interpret=interpret,
+        # One head row (D elements) per program: a single warp covers it.
+        compiler_params=_CompilerParams(num_warps=1, num_stages=1),
+        name="qk_prepare",
+    )(*inputs)
+    return q_out, k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+
+def resolve_qk_prepare_impl(impl: str, q, k_pages, transform: QKTransform) -> str:
+    """``impl`` -> "xla" or "pallas". "auto": the kernel on a GPU when the head dim is a power of two >= 16 (Triton
+    tiles), the q/k norms (if any) cast to q's dtype and, for an FP8 pool, the device converts to float8 (sm_89+);
+    XLA otherwise. ValueError naming ``impl`` for an unknown name."""
+    if impl not in QK_PREPARE_IMPLS:
+        raise ValueError(f"qk_prepare impl must be one of {', '.join(QK_PREPARE_IMPLS)}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    head_dim = q.shape[-1]
+    if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
+        return "xla"
+    if transform.has_qk_norm and jnp.dtype(transform.dtype) != q.dtype:
+        return "xla"
+    if jnp.dtype(k_pages.dtype).itemsize == 1:
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        if capability is None or tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 9):
+            return "xla"
+    return "pallas"
+
+
+def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, *, impl: str = "auto",
+               interpret: bool = False):
+    """Transform q/k (``QKTransform``: q/k norm, RoPE, FP8 KV scaling) and write K/V into the paged pool.
+
+    Args:
+      q: [T, Hq, D]; k, v: [T, Hkv, D] in the compute dtype: the projections' outputs, not yet normed or rotated.
+      k_pages, v_pages: one layer's pools ``[num_blocks, block_size, Hkv, D]`` (donated by the caller's jit, so
+        the kernel writes them in place).
+      slot_mapping: int32[T], as ``write_kv``: padding tokens write slots of the null block 0; an out-of-range slot
+        is dropped when T > 1 and written to slot 0 of the null block when T == 1.
+      transform: the layer's ``QKTransform`` (cos / sin float32[T, 1, D/2]).
+      impl: "xla" (``qk_prepare_reference``), "pallas" (one Pallas Triton kernel; one device: a pallas_call is not
+        partitioned over a mesh; head dim a power of two) or "auto" (``resolve_qk_prepare_impl``).
+      interpret: run the Pallas kernel in interpret mode (CPU tests).
+    Returns:
+      (q [T, Hq, D] ready for attention, k_pages, v_pages updated), q in its input dtype.
+    """
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [T, Hq, D] and k, v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
+    head_dim = q.shape[2]
+    rope_shape = (q.shape[0], 1, head_dim // 2)
+    if head_dim % 2 or transform.cos.shape != rope_shape or transform.sin.shape != rope_shape:
+        raise ValueError(f"transform.cos / sin must be [T={q.shape[0]}, 1, {head_dim // 2}], got "
+                         f"{transform.cos.shape} / {transform.sin.shape}")
+    impl = resolve_qk_prepare_impl(impl, q, k_pages, transform)
+    if impl == "xla" or q.shape[0] == 0:
+        return qk_prepare_reference(q, k, v, k_pages, v_pages, slot_mapping, transform)
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape or k_pages.shape[2:] != k.shape[1:]:
+        raise ValueError(f"k_pages / v_pages must be [num_blocks, block_size, {k.shape[1]}, {head_dim}], got "
+                         f"{k_pages.shape} / {v_pages.shape}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
+    if slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={q.shape[0]}], got shape {slot_mapping.shape}")
+    if q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform, interpret=interpret)
