@@ -12,7 +12,9 @@ decode points, with a correctness check of JAX's kernel; ~1 min), ``decode_grid`
 points, batch 1..256 x context 512..32k; ~1 min), ``decode_sweep`` and ``prefill_sweep`` (tuning variants),
 ``prefill`` (4k-token prefill, chunked prefill, mixed batch), ``prefill_variants`` (the kernel's prefill tuning
 options on 1x4096, 4x1024 and 512 over a 3584 prefix; each variant checked against the reference first; prints the
-best variant as a recommended prefill default; ~1.5 min).
+best variant as a recommended prefill default; ~1.5 min), ``qk_prepare`` (the fused q/k norm + RoPE + KV write
+kernel vs its XLA reference on Qwen3-0.6B / Llama-3.1-8B shapes at T = 1 and 256: check, then time and kernels per
+step; ``benchmarks/qk_prepare_kernel.py``).
 
 Quick full run (under 5 minutes of GPU time): each section stops starting new cases after its soft budget
 (``--section-budgets``, default prefill_variants 100 s, decode_compare 60 s, decode_grid 60 s, check 40 s) and the
@@ -66,7 +68,7 @@ LOG_LINES: list[str] = []
 RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "prefill": [],
                  "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {},
                  "decode_compare": [],
-                 "decode_grid": [], "errors": []}
+                 "decode_grid": [], "qk_prepare": [], "errors": []}
 OUT_DIR = "bench_out"
 DEADLINE = float("inf")  # time.time() after which sections start no new case (--budget-s)
 SECTION_DEADLINE = float("inf")  # the same for the running section (--section-budgets)
@@ -871,6 +873,13 @@ PREFILL_VARIANTS = [
 ]
 
 
+def section_qk_prepare(args):
+    from benchmarks.qk_prepare_kernel import run_section
+
+    run_section(args.repeats, log=log, results=RESULTS["qk_prepare"], interpret=INTERPRET, tiny=TINY,
+                over_budget=over_budget, flush=flush_results)
+
+
 # --sections name -> what it runs (each takes the parsed arguments).
 SECTIONS = {
     "ceiling": section_ceiling,
@@ -884,6 +893,7 @@ SECTIONS = {
     "prefill_peers": section_prefill_peers,
     "decode_compare": section_decode_compare,
     "decode_grid": section_decode_grid,
+    "qk_prepare": section_qk_prepare,
 }
 
 

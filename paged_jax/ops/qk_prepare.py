@@ -64,7 +64,7 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
         if norm_ref is not None:
             # models.qk_transform.rms_norm; the partner columns share the head's mean square.
             x32 = x.astype(jnp.float32)
-            inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + norm_eps)
+            inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32)) + norm_eps)  # a scalar: one head row
             x = _load(norm_ref.at[dim]).astype(norm_dtype) * (x32 * inv_rms).astype(norm_dtype)
             x_partner = (_load(norm_ref.at[partner]).astype(norm_dtype)
                          * (x_partner.astype(jnp.float32) * inv_rms).astype(norm_dtype))
@@ -199,6 +199,8 @@ def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, 
         raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
     if slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"slot_mapping must be [T={q.shape[0]}], got shape {slot_mapping.shape}")
+    if not interpret and head_dim & (head_dim - 1):
+        raise ValueError(f"qk_prepare impl='pallas' needs a power-of-two head_dim (Triton tiles), got {head_dim}")
     if q.dtype != k.dtype or v.dtype != k.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     return _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform, interpret=interpret)
