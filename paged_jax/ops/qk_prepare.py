@@ -3,9 +3,10 @@
 
 In XLA that chain is several small kernels per decoder layer (norm reduce + multiply for q and for k, RoPE
 concatenates, one KV write per pool; at T > 1 two scatters), each paid at its launch cost whatever the batch.
-``qk_prepare(impl="pallas")`` is one Pallas Triton kernel instead: program ``(t, h)`` of the grid ``(T, Hq + Hkv)``
-transforms head ``h`` of token ``t``'s q (``h < Hq``, stored to the returned q) or K head ``h - Hq`` (stored to the
-K pool at the token's slot, with V head ``h - Hq`` beside it), both pools aliased in place. The math is
+``qk_prepare(impl="pallas")`` is one Pallas Triton kernel instead: program ``(i, h)`` of the grid
+``(ceil(T / BT), Hq + Hkv)`` transforms head ``h`` of tokens ``i * BT ... (i + 1) * BT - 1`` (``BT`` =
+``MAX_BLOCK_TOKENS`` or fewer): q head ``h < Hq`` (stored to the returned q) or K head ``h - Hq`` (stored to the K
+pool at each token's slot, with V head ``h - Hq`` beside it), both pools aliased in place. The math is
 ``models.qk_transform.apply_qk_transform`` then ``paged_jax.ops.kv_write.write_kv`` (``qk_prepare_reference``),
 op for op: RoPE's rotate-half is a second load of each row at the partner columns, so no value is ever sliced.
 """
@@ -21,9 +22,11 @@ from jax.experimental import pallas as pl
 from models.qk_transform import QKTransform, apply_qk_transform
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
+from paged_jax.ops.ragged_paged_attention.common import next_pow2
 from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
 
 QK_PREPARE_IMPLS = ("auto", "xla", "pallas")
+MAX_BLOCK_TOKENS = 16  # tokens per program (a [16, D] tile per head)
 
 
 def qk_prepare_reference(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform):
@@ -35,36 +38,43 @@ def qk_prepare_reference(q, k, v, k_pages, v_pages, slot_mapping, transform: QKT
 
 
 def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv_heads: int, num_slots: int,
-            drop_out_of_range: bool, has_qk_norm: bool, has_kv_scale: bool, norm_eps, norm_dtype, fp8_max):
+            block_tokens: int, drop_out_of_range: bool, has_qk_norm: bool, has_kv_scale: bool, norm_eps, norm_dtype,
+            fp8_max):
     """slot_ref int32[T]; qkv_ref [T, Hq + 2 Hkv, D] (q heads, then K, then V); cos_ref / sin_ref float32[T, D/2];
     then, if present, the q and k norm weights [D] and kv_scale float32[2]; then the K / V pools
-    [num_slots, Hkv, D] (inputs, aliased to the outputs), then the outputs q [T, Hq, D], K pool, V pool."""
+    [num_slots, Hkv, D] (inputs, aliased to the outputs), then the outputs q [T, Hq, D], K pool, V pool.
+    Program (i, h) does head h (q head, or K head h - Hq with V beside it) of tokens i * block_tokens ...; each
+    token row is transformed on its own, so the block only amortizes the launch and the index math."""
     refs = list(refs)
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if has_qk_norm else (None, None)
     kv_scale_ref = refs.pop(0) if has_kv_scale else None
     _, _, q_out_ref, k_out_ref, v_out_ref = refs
-    token = pl.program_id(0)  # outside pl.when: interpret mode resolves program ids at the top level
+    first_token = pl.program_id(0) * block_tokens  # outside pl.when: interpret mode resolves program ids here
     head = pl.program_id(1)
-    head_dim = qkv_ref.shape[2]
+    num_tokens, _, head_dim = qkv_ref.shape
     half = head_dim // 2
     compute_dtype = qkv_ref.dtype
     # Only integer-array indexers (no slices): the same code then runs in interpret mode (see triton_kernel.py).
-    dim = jnp.arange(head_dim, dtype=jnp.int32)
+    token = first_token + jnp.arange(block_tokens, dtype=jnp.int32)
+    token_valid = token < num_tokens
+    load_token = jnp.where(token_valid, token, 0)[:, None]  # [BT, 1]; rows past T are masked off
+    valid = jnp.broadcast_to(token_valid[:, None], (block_tokens, head_dim))
+    dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, D]
     first_half = dim < half
     partner = jnp.where(first_half, dim + half, dim - half)  # rotate_half's source column
     freq = jnp.where(first_half, dim, dim - half)
-    cos = _load(cos_ref.at[token, freq])  # float32[D]: cat(cos, cos)
-    sin = _load(sin_ref.at[token, freq])
+    cos = _load(cos_ref.at[load_token, freq], mask=valid, other=0.0)  # float32[BT, D]: cat(cos, cos)
+    sin = _load(sin_ref.at[load_token, freq], mask=valid, other=0.0)
     sign = jnp.where(first_half, -1.0, 1.0).astype(jnp.float32)  # rotate_half(x) = cat(-x2, x1)
 
     def transformed(row, norm_ref):
-        """Head ``row`` of this token: q/k norm (optional) and RoPE, as apply_qk_transform; [D] compute dtype."""
-        x = _load(qkv_ref.at[token, row, dim])
-        x_partner = _load(qkv_ref.at[token, row, partner])
+        """Head ``row`` of the block's tokens: q/k norm (optional), then RoPE, as apply_qk_transform; [BT, D]."""
+        x = _load(qkv_ref.at[load_token, row, dim], mask=valid, other=0.0)
+        x_partner = _load(qkv_ref.at[load_token, row, partner], mask=valid, other=0.0)
         if norm_ref is not None:
-            # models.qk_transform.rms_norm; the partner columns share the head's mean square.
+            # models.qk_transform.rms_norm per token; the partner columns share their row's mean square.
             x32 = x.astype(jnp.float32)
-            inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32)) + norm_eps)  # a scalar: one head row
+            inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=1) + norm_eps)[:, None]
             x = _load(norm_ref.at[dim]).astype(norm_dtype) * (x32 * inv_rms).astype(norm_dtype)
             x_partner = (_load(norm_ref.at[partner]).astype(norm_dtype)
                          * (x_partner.astype(jnp.float32) * inv_rms).astype(norm_dtype))
@@ -82,26 +92,28 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
         q = transformed(head, q_norm_ref)
         if kv_scale_ref is not None:
             q = (q.astype(jnp.float32) * _load(kv_scale_ref.at[jnp.zeros((), jnp.int32)])).astype(compute_dtype)
-        _store(q_out_ref.at[token, head, dim], q)
+        store_token = jnp.where(token_valid, token, num_tokens)[:, None]  # masked off; out of range when interpreted
+        _store(q_out_ref.at[store_token, head, dim], q, mask=valid)
 
     @pl.when(head >= num_q_heads)
     def _():
         kv_head = head - num_q_heads
         k = transformed(head, k_norm_ref)
-        v = _load(qkv_ref.at[token, num_q_heads + num_kv_heads + kv_head, dim])
+        v = _load(qkv_ref.at[load_token, num_q_heads + num_kv_heads + kv_head, dim], mask=valid, other=0.0)
         if kv_scale_ref is not None:
             k = (k.astype(jnp.float32) / _load(kv_scale_ref.at[jnp.zeros((), jnp.int32)])).astype(compute_dtype)
             v = (v.astype(jnp.float32) / _load(kv_scale_ref.at[jnp.ones((), jnp.int32)])).astype(compute_dtype)
-        slot = _load(slot_ref.at[token])
+        slot = _load(slot_ref.at[load_token[:, 0]], mask=token_valid, other=0)  # int32[BT]
         in_range = (slot >= 0) & (slot < num_slots)
         if drop_out_of_range:  # write_kv's scatter (T > 1): an out-of-range slot is dropped
-            row = jnp.where(in_range, slot, num_slots)  # masked off; out of range for interpret mode too
-            mask = jnp.broadcast_to(in_range, (head_dim,))
+            keep = token_valid & in_range
+            row = jnp.where(keep, slot, num_slots)  # masked off; out of range for interpret mode too
         else:  # write_kv's T == 1 path: an out-of-range slot goes to slot 0 of the null block
+            keep = token_valid
             row = jnp.where(in_range, slot, 0)
-            mask = None
-        _store(k_out_ref.at[row, kv_head, dim], to_pool(k, k_out_ref.dtype), mask=mask)
-        _store(v_out_ref.at[row, kv_head, dim], to_pool(v, v_out_ref.dtype), mask=mask)
+        mask = jnp.broadcast_to(keep[:, None], (block_tokens, head_dim))
+        _store(k_out_ref.at[row[:, None], kv_head, dim], to_pool(k, k_out_ref.dtype), mask=mask)
+        _store(v_out_ref.at[row[:, None], kv_head, dim], to_pool(v, v_out_ref.dtype), mask=mask)
 
 
 def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, *, interpret: bool):
@@ -123,8 +135,11 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
     pool_shape = (num_slots, num_kv_heads, head_dim)
     pool_dtype = k_pages.dtype
     fp8_max = float(jnp.finfo(pool_dtype).max) if jnp.dtype(pool_dtype).itemsize == 1 else None
+    # Tokens per program: one head row each is a single warp's work, so a large batch would be a grid of tiny
+    # programs (their launch rate, not the bytes, would bound it); a block of rows amortizes that.
+    block_tokens = min(MAX_BLOCK_TOKENS, next_pow2(num_tokens))
     kernel = functools.partial(
-        _kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_slots=num_slots,
+        _kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_slots=num_slots, block_tokens=block_tokens,
         drop_out_of_range=num_tokens > 1, has_qk_norm=transform.has_qk_norm,
         has_kv_scale=transform.kv_scale is not None, norm_eps=transform.norm_eps,
         norm_dtype=transform.dtype, fp8_max=fp8_max)
@@ -133,13 +148,12 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
     num_inputs = len(inputs)
     q_out, k_flat, v_flat = pl.pallas_call(
         kernel,
-        grid=(num_tokens, num_q_heads + num_kv_heads),
+        grid=(pl.cdiv(num_tokens, block_tokens), num_q_heads + num_kv_heads),
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(pool_shape, pool_dtype),
                    jax.ShapeDtypeStruct(pool_shape, pool_dtype)],
         input_output_aliases={num_inputs - 2: 1, num_inputs - 1: 2},
         interpret=interpret,
-        # One head row (D elements) per program: a single warp covers it.
-        compiler_params=_CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=_CompilerParams(num_warps=max(1, min(4, block_tokens * head_dim // 512)), num_stages=1),
         name="qk_prepare",
     )(*inputs)
     return q_out, k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
