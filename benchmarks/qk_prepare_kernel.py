@@ -1,6 +1,6 @@
-"""``benchmarks/kernels.py --sections qk_prepare``: the one-kernel q/k transform + KV write (``paged_jax.ops.qk_prepare``,
-``impl="pallas"``) against its XLA reference (``impl="xla"``: ``apply_qk_transform`` + ``write_kv``) on model
-shapes (``models.presets``).
+"""``benchmarks/kernels.py --sections qk_prepare``: the one-kernel q/k transform + KV write
+(``paged_jax.ops.qk_prepare``, ``impl="pallas"``) against its XLA reference (``impl="xla"``: ``apply_qk_transform``
++ ``write_kv``) on model shapes (``models.presets``).
 
 Per case (preset, T tokens, pool dtype): first the check on the device, one layer, fresh random inputs: max abs
 difference of q, of the written K rows and of the written V rows (float32), the fraction of elements that differ,
