@@ -107,6 +107,33 @@ def rms_norm_pallas(x: jax.Array, weight: jax.Array, residual: jax.Array | None 
     return (outs[0], outs[1]) if has_residual else outs[0]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _differentiable(x, weight, residual, eps, dtype, interpret):
+    return rms_norm_pallas(x, weight, residual, eps=eps, dtype=dtype, interpret=interpret)
+
+
+def _differentiable_fwd(x, weight, residual, eps, dtype, interpret):
+    return _differentiable(x, weight, residual, eps, dtype, interpret), (x, weight, residual)
+
+
+def _differentiable_bwd(eps, dtype, interpret, saved, cotangent):
+    # The reference's gradient, recomputed: the kernel has no autodiff rule of its own.
+    _, vjp = jax.vjp(lambda x, w, r: rms_norm_reference(x, w, r, eps=eps, dtype=dtype), *saved)
+    return vjp(cotangent)
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+def rms_norm_pallas_differentiable(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *,
+                                   eps: float, dtype=None, interpret: bool = False):
+    """``rms_norm_pallas`` with reverse-mode gradients (those of ``rms_norm_reference``), so a model on the kernel
+    stays differentiable (``paged_jax.scoring.score_tokens`` under ``jax.grad``). What ``rms_norm_impl="pallas"``
+    runs."""
+    dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+    return _differentiable(x, weight, residual, float(eps), dtype, interpret)
+
+
 def auto_impl(num_rows: int, hidden: int, dtype) -> str:
     """``rms_norm_impl="auto"`` for a static ``[num_rows, hidden]`` batch: the kernel on a GPU for its dtypes and
     rows up to ``AUTO_MAX_HIDDEN`` wide, else "xla"."""
@@ -116,7 +143,7 @@ def auto_impl(num_rows: int, hidden: int, dtype) -> str:
     return "xla"
 
 
-register_rms_norm("pallas", rms_norm_pallas)
+register_rms_norm("pallas", rms_norm_pallas_differentiable)
 register_rms_norm_selector(auto_impl)
 
-__all__ = ["AUTO_MAX_HIDDEN", "KERNEL_DTYPES", "auto_impl", "rms_norm_pallas"]
+__all__ = ["AUTO_MAX_HIDDEN", "KERNEL_DTYPES", "auto_impl", "rms_norm_pallas", "rms_norm_pallas_differentiable"]
