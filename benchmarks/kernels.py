@@ -12,9 +12,10 @@ decode points, with a correctness check of JAX's kernel; ~1 min), ``decode_grid`
 points, batch 1..256 x context 512..32k; ~1 min), ``decode_sweep`` and ``prefill_sweep`` (tuning variants),
 ``prefill`` (4k-token prefill, chunked prefill, mixed batch), ``prefill_variants`` (the kernel's prefill tuning
 options on 1x4096, 4x1024 and 512 over a 3584 prefix; each variant checked against the reference first; prints the
-best variant as a recommended prefill default; ~1.5 min), ``qk_prepare`` (the fused q/k norm + RoPE + KV write
-kernel vs its XLA reference on Qwen3-0.6B / Llama-3.1-8B shapes at T = 1 and 256: check, then time and kernels per
-step; ``benchmarks/qk_prepare_kernel.py``).
+best variant as a recommended prefill default; ~1.5 min), ``rms_norm`` (the fused residual add + RMSNorm kernel vs
+XLA's fusion of the jnp reference: max abs difference, microseconds per norm; ~20 s), ``qk_prepare`` (the fused q/k
+norm + RoPE + KV write kernel vs its XLA reference on Qwen3-0.6B / Llama-3.1-8B shapes at T = 1 and 256: check, then
+time and kernels per step; ``benchmarks/qk_prepare_kernel.py``).
 
 Quick full run (under 5 minutes of GPU time): each section stops starting new cases after its soft budget
 (``--section-budgets``, default prefill_variants 100 s, decode_compare 60 s, decode_grid 60 s, check 40 s) and the
@@ -862,6 +863,61 @@ def section_decode_grid(args):
         gc.collect()
 
 
+RMS_NORM_SHAPES = ((1, 4096), (256, 1024), (2048, 4096), (1, 8192))  # (rows, hidden): decode and prefill rows
+RMS_NORM_CHAIN = 64  # norms per timed call: a Llama-3.1-8B step has 64 (two per layer)
+
+
+def section_rms_norm(args):
+    """The fused residual add + RMSNorm (``paged_jax.ops.rms_norm``) vs XLA's fusion of the jnp reference (the add,
+    the sum of squares, the scaling), bf16: max abs difference on the GPU, then time per norm. Each timed call runs
+    a chain of ``RMS_NORM_CHAIN`` dependent norms (the normed rows and the new residual feed the next), with an
+    optimization barrier between links so XLA cannot fuse one norm's scaling into the next one's add (in the model
+    a matmul sits there); time per norm = median call / chain length. ``floor_us``: the bytes one norm moves (x and
+    residual in, normed and residual out, the weight) at ``--hbm-gbps``."""
+    from models.norm import rms_norm_reference
+    from paged_jax.ops.rms_norm import rms_norm_pallas
+
+    log("== fused residual add + RMSNorm (bf16) ==")
+    RESULTS["rms_norm"] = []
+    for rows, hidden in ((8, 64), (3, 1000)) if TINY else RMS_NORM_SHAPES:
+        if over_budget(f"rms_norm {rows}x{hidden}"):
+            break
+        kx, kr, kw = jax.random.split(jax.random.key(rows * 7919 + hidden), 3)
+        x = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
+        residual = jax.random.normal(kr, (rows, hidden), jnp.bfloat16)
+        weight = (1.0 + 0.1 * jax.random.normal(kw, (hidden,), jnp.float32)).astype(jnp.bfloat16)
+        eps = 1e-5
+        kernel = jax.jit(lambda a, r, w: rms_norm_pallas(a, w, r, eps=eps, interpret=INTERPRET))
+        reference = jax.jit(lambda a, r, w: rms_norm_reference(a, w, r, eps=eps))
+        (got, got_res), (want, want_res) = kernel(x, residual, weight), reference(x, residual, weight)
+        max_abs = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        residual_equal = bool(jnp.array_equal(got_res, want_res))
+
+        def chain(norm):
+            def run(a, r, w):
+                for _ in range(RMS_NORM_CHAIN):
+                    a, r = lax.optimization_barrier(norm(a, r, w))
+                return a, r
+
+            return jax.jit(run)
+
+        chain_len = 2 if TINY else RMS_NORM_CHAIN
+        times = {}
+        for name, norm in (("pallas", lambda a, r, w: rms_norm_pallas(a, w, r, eps=eps, interpret=INTERPRET)),
+                           ("xla", lambda a, r, w: rms_norm_reference(a, w, r, eps=eps))):
+            run = chain(norm) if not TINY else jax.jit(lambda a, r, w, norm=norm: norm(*norm(a, r, w), w))
+            times[name] = median_time(run, (x, residual, weight), args.repeats) / chain_len * 1e6
+        floor_us = (4 * rows * hidden + hidden) * 2 / (args.hbm_gbps * 1e9) * 1e6
+        record = dict(figure="rms_norm", rows=rows, hidden=hidden, dtype="bfloat16", max_abs_diff=max_abs,
+                      residual_bit_equal=residual_equal, pallas_us=times["pallas"], xla_us=times["xla"],
+                      floor_us=floor_us, chain=chain_len)
+        RESULTS["rms_norm"].append(record)
+        print(json.dumps(record), flush=True)
+        log(f"{rows:5d} x {hidden:5d}: max|diff| {max_abs:.3g} residual equal {residual_equal}  pallas "
+            f"{times['pallas']:7.2f} us  xla {times['xla']:7.2f} us  floor {floor_us:6.2f} us")
+        flush_results()
+
+
 # Triton prefill tunings timed by ``--sections prefill_sweep``: the default, the previous default (8 warps, 2 stages)
 # and other block / warp / stage choices.
 PREFILL_VARIANTS = [
@@ -893,6 +949,7 @@ SECTIONS = {
     "prefill_peers": section_prefill_peers,
     "decode_compare": section_decode_compare,
     "decode_grid": section_decode_grid,
+    "rms_norm": section_rms_norm,
     "qk_prepare": section_qk_prepare,
 }
 
@@ -914,6 +971,7 @@ def main():
                         help="prefill_variants: run only the first N variants")
     parser.add_argument("--mosaic-variants", type=int, default=0,
                         help="prefill_variants: also time the first N Mosaic GPU kernel variants (Hopper)")
+    parser.add_argument("--hbm-gbps", type=float, default=4800.0, help="rms_norm: bandwidth of the floor")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new case after this many seconds (results so far are kept)")
     parser.add_argument("--section-budgets", default=DEFAULT_SECTION_BUDGETS,

@@ -12,7 +12,8 @@ Sections (``--sections``, comma-separated; one JSON line per figure on stdout, a
 * ``decode``: one batch-1 decode step (context ``--context``) of the model runner, bf16 vs fp8 (online: per-channel
   weights, per-token activations) vs AWQ-layout int4 (random weights quantized with group 128 and zero points),
   int8 per channel, each with every ``matmul_impl`` of ``--decode-impls`` (default xla and auto, the engine's
-  default; auto = pallas with ``--tiny``; ``xla_native_grouped`` is skipped for fp8); ``floor_ms`` = bytes of
+  default; auto = pallas with ``--tiny``; ``xla_native_grouped`` is skipped for fp8) and every ``rms_norm_impl`` of
+  ``--rms-norm-impls`` (default auto: the fused residual add + RMSNorm kernel on a GPU); ``floor_ms`` = bytes of
   every parameter a decode step reads
   (all but the embedding table, of which it reads one row) + the KV context, at the measured copy bandwidth.
 
@@ -32,6 +33,7 @@ CPU check of the script: ``python -m benchmarks.quantization --tiny`` (tiny shap
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -242,20 +244,26 @@ def section_decode(args, results, copy_gbps: float):
                                      ("pallas_blocked", weight_only_gemv_blocked, fp8_gemv_blocked)):
             linear.register_weight_only_matmul(impl, functools.partial(int_fn, interpret=True))
             linear.register_fp8_matmul(impl, functools.partial(fp8_fn, interpret=True))
-    for name, qc, impl in variants:
+        from models import norm
+        from paged_jax.ops.rms_norm import rms_norm_pallas_differentiable
+        norm.register_rms_norm("pallas", functools.partial(rms_norm_pallas_differentiable, interpret=True))
+    from models.llama import set_rms_norm_impl
+    for (name, qc, impl), norm_impl in itertools.product(variants, args.rms_norm_impls.split(",")):
         model = init_dummy_model(config, dtype=jnp.bfloat16, seed=0)
         if qc is not None:
             quantize_model(model, qc, matmul_impl=impl)
         fuse_projections(model)
+        set_rms_norm_impl(model, norm_impl)
         try:
             step_ms, weight_read, trace = _decode_step_ms(model, config, args)
         except Exception as exc:  # one variant that does not run must not cost the others' figures
-            _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "error": repr(exc)[:400]})
+            _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "rms_norm_impl": norm_impl,
+                            "error": repr(exc)[:400]})
             del model
             continue
         floor_ms = (weight_read + kv_read) / (copy_gbps * 1e9) * 1e3
-        _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "batch": 1,
-                        "context": args.context, "step_ms": step_ms, "weight_bytes_read": weight_read,
+        _emit(results, {"section": "decode", "weights": name, "matmul_impl": impl, "rms_norm_impl": norm_impl,
+                        "batch": 1, "context": args.context, "step_ms": step_ms, "weight_bytes_read": weight_read,
                         "kv_bytes_read": kv_read, "floor_ms": floor_ms, "step_over_floor": step_ms / floor_ms,
                         "copy_GBps": copy_gbps, **({"trace": trace} if trace else {})})
         del model
@@ -281,6 +289,8 @@ def main(argv: list[str] | None = None) -> list:
                    help="decode: matmul_impl values of the quantized models (models.quantization.linear)")
     p.add_argument("--trace", type=int, metavar="TOP", default=0,
                    help="decode: also trace the steps and list the TOP kernels by GPU time (benchmarks.trace)")
+    p.add_argument("--rms-norm-impls", default="auto",
+                   help="decode: rms_norm_impl values of each model (models.norm.RMS_NORM_IMPLS), e.g. xla,pallas")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]

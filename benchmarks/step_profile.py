@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hbm-gbps", type=float, default=4300.0,
                    help="bandwidth of the floor (the H200 figure of benchmarks/floors.py)")
     p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--rms-norm-impl", default="auto", choices=("auto", "xla", "pallas"),
+                   help="the decoder norms (residual add fused in): models.norm.RMS_NORM_IMPLS; 'xla' = XLA's fusions "
+                        "of the jnp form, 'pallas' = paged_jax.ops.rms_norm's kernel ('auto': that on a GPU)")
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up as separate matmuls (the HF layout) instead of the engine's fused one")
     p.add_argument("--exact-decode-buckets", action="store_true",
@@ -99,6 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     num_blocks = blocks_needed + 1
 
     model = init_dummy_model(config, dtype=dtype, seed=0)
+    import paged_jax.ops  # noqa: F401  (registers rms_norm_impl "pallas")
+    from models.llama import set_rms_norm_impl
+
+    set_rms_norm_impl(model, args.rms_norm_impl)
     if not args.no_fuse_projections:  # as the engine runs it
         from models.llama import fuse_projections
 
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "buckets": buckets,
                     "warm_up_s": round(time.perf_counter() - t0, 2), "num_blocks": num_blocks,
                     "hbm_gbps_for_floor": args.hbm_gbps,
-                    "fused_projections": not args.no_fuse_projections, "cases": []}
+                    "fused_projections": not args.no_fuse_projections, "rms_norm_impl": args.rms_norm_impl, "cases": []}
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}), flush=True)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=1 << 20)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
 from models.qk_transform import QKTransform, apply_qk_transform, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401
 
@@ -72,21 +73,6 @@ def _normal_init(std: float = INIT_STD):
     return nnx.initializers.normal(stddev=std)
 
 
-class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis: normalize in float32, cast back to the compute dtype, then scale (as HF does)."""
-
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs | None = None):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
-        self.eps = eps
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
-        return self.scale[...].astype(self.dtype) * normed
-
-
 def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs):
     return nnx.Linear(
         in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
@@ -135,8 +121,12 @@ class Attention(nnx.Module):
         self.o_proj = _linear(q_dim, hidden, use_bias=config.o_proj_bias, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            # Per head ([T, H, D]), applied through the layer's QKTransform: the jnp form (apply_qk_transform), or
+            # fused with RoPE and the KV write by an attention that fuses it (paged_jax.ops.qk_prepare).
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                                  impl="xla")
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                                  impl="xla")
         else:
             self.q_norm = None
             self.k_norm = None
@@ -194,6 +184,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
+    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``)."""
+
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
@@ -201,11 +194,19 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, layer_idx, x, rope, kv_layer, attention, lora=None):
-        attn_out, kv_layer = self.self_attn(layer_idx, self.input_layernorm(x), rope, kv_layer, attention, lora)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), lora)
-        return x, kv_layer
+    def __call__(self, layer_idx, x, residual, rope, kv_layer, attention, lora=None):
+        """x: [T, hidden], the previous layer's MLP output (the embedding for the first layer); residual: [T,
+        hidden], the residual stream that x is still to be added to, or None for the first layer.
+        -> (mlp_out [T, hidden], residual [T, hidden], kv_layer); the layer's output is ``mlp_out + residual``,
+        added by the next norm (the same bf16 sums, in the same order, as adding at the end of each block)."""
+        if residual is None:
+            residual = x
+            hidden = self.input_layernorm(x)
+        else:
+            hidden, residual = self.input_layernorm(x, residual)
+        attn_out, kv_layer = self.self_attn(layer_idx, hidden, rope, kv_layer, attention, lora)
+        hidden, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(hidden, lora), residual, kv_layer
 
 
 def with_lora(lora, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -216,9 +217,31 @@ def with_lora(lora, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _decoder_layer(graphdef, state, x, rope, kv_layer, attention: ReusableAttention, lora=None):
-    """One decoder layer as its own jitted function, so equal layers share one trace (see ``ReusableAttention``)."""
-    return nnx.merge(graphdef, state)(None, x, rope, kv_layer, attention, lora)
+def _decoder_layer(graphdef, state, x, residual, rope, kv_layer, attention: ReusableAttention, lora=None):
+    """One decoder layer as its own jitted function, so equal layers share one trace (see ``ReusableAttention``):
+    the first layer (``residual`` None) has a trace of its own, layers 1.. share the other."""
+    return nnx.merge(graphdef, state)(None, x, residual, rope, kv_layer, attention, lora)
+
+
+def run_decoder_layers(layers, x, residual, rope, kv_caches, attention: AttentionFn, lora=None, *,
+                       first_layer_idx: int = 0):
+    """Run ``layers`` (a sequence of ``DecoderLayer``) on ``(x, residual)`` (``residual`` None: ``x`` is the
+    embedding). ``kv_caches``: per layer its kv state, or None; ``lora``: per layer or None. A
+    ``ReusableAttention`` runs each layer through the nested jit ``_decoder_layer``, other attentions inline.
+    Returns ``(x, residual, new kv states: list)``; the hidden state is ``x + residual`` (the final norm adds it)."""
+    new_kv = []
+    reusable = isinstance(attention, ReusableAttention)
+    for j, layer in enumerate(layers):
+        kv_layer = None if kv_caches is None else kv_caches[j]
+        lora_layer = None if lora is None else lora[j]
+        if reusable:  # one trace for layers 1.. (same structure, same shapes), one for the first
+            graphdef, state = nnx.split(layer)
+            x, residual, kv_layer = _decoder_layer(graphdef, state, x, residual, rope, kv_layer, attention,
+                                                   lora_layer)
+        else:
+            x, residual, kv_layer = layer(first_layer_idx + j, x, residual, rope, kv_layer, attention, lora_layer)
+        new_kv.append(kv_layer)
+    return x, residual, new_kv
 
 
 class LlamaModel(nnx.Module):
@@ -253,9 +276,11 @@ class LlamaForCausalLM(nnx.Module):
       dtype: compute dtype (activations), default bfloat16.
       param_dtype: storage dtype of the weights; defaults to ``dtype``.
       rngs: initializer randomness (weights ~ N(0, 0.02), norms = 1, biases = 0).
+      rms_norm_impl: the decoder norms' implementation (``models.norm.RMS_NORM_IMPLS``; see ``set_rms_norm_impl``).
     """
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs,
+                 rms_norm_impl: str = "auto"):
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
@@ -265,6 +290,7 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
+        set_rms_norm_impl(self, rms_norm_impl)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
                  attention: AttentionFn, lora: Sequence | None = None) -> tuple[jax.Array, list | None]:
@@ -298,18 +324,8 @@ class LlamaForCausalLM(nnx.Module):
         )
         rope = rope_cos_sin(positions, inv_freq)
         x = self.model.embed_tokens(input_ids)
-        new_kv_caches = []
-        reusable = isinstance(attention, ReusableAttention)
-        for layer_idx, layer in enumerate(self.model.layers):
-            kv_layer = None if kv_caches is None else kv_caches[layer_idx]
-            lora_layer = None if lora is None else lora[layer_idx]
-            if reusable:  # one trace for all layers (same structure, same shapes)
-                graphdef, state = nnx.split(layer)
-                x, kv_layer = _decoder_layer(graphdef, state, x, rope, kv_layer, attention, lora_layer)
-            else:
-                x, kv_layer = layer(layer_idx, x, rope, kv_layer, attention, lora_layer)
-            new_kv_caches.append(kv_layer)
-        hidden = self.model.norm(x)
+        x, residual, new_kv_caches = run_decoder_layers(self.model.layers, x, None, rope, kv_caches, attention, lora)
+        hidden, _ = self.model.norm(x, residual)
         return hidden, (None if kv_caches is None else new_kv_caches)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -320,6 +336,20 @@ class LlamaForCausalLM(nnx.Module):
             weight = self.lm_head.kernel[...]
         with matmul_precision(self.dtype):
             return jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+
+
+def set_rms_norm_impl(model: LlamaForCausalLM, impl: str) -> LlamaForCausalLM:
+    """In place: the implementation (``models.norm.RMS_NORM_IMPLS``) of every decoder-layer norm and the final norm,
+    each a residual add fused with an RMSNorm (Qwen3's per-head q/k norms stay "xla"). A static choice: set it
+    before tracing. "auto" (default): the Pallas kernel on one GPU once ``paged_jax.ops`` is imported, else XLA;
+    a model whose hidden states are split over a mesh runs "xla" (``TensorParallelLlamaForCausalLM``). Returns
+    ``model``."""
+    check_rms_norm_impl(impl)
+    for layer in model.model.layers:
+        layer.input_layernorm.impl = impl
+        layer.post_attention_layernorm.impl = impl
+    model.model.norm.impl = impl
+    return model
 
 
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:

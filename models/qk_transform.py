@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.norm import rms_norm_reference
+
 
 @functools.lru_cache(maxsize=32)
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
@@ -62,15 +64,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, dtype: Any) -> jax.Array:
-    """RMSNorm over the last axis of ``x`` as ``models.llama.RMSNorm`` computes it: normalize in float32, cast to
-    ``dtype``, then multiply by ``weight`` (cast to ``dtype``) in ``dtype``. ``weight``: [x.shape[-1]]."""
-    x32 = x.astype(jnp.float32)
-    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
-    return weight.astype(dtype) * normed
-
-
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["cos", "sin", "q_norm_weight", "k_norm_weight", "kv_scale"],
                    meta_fields=["norm_eps", "dtype"])
@@ -109,13 +102,13 @@ class QKTransform:
 def apply_qk_transform(transform: QKTransform, q: jax.Array, k: jax.Array, v: jax.Array):
     """The reference (jnp) transform: q [T, Hq, D], k / v [T, Hkv, D] -> (q, k, v), same shapes and dtypes.
 
-    q/k norm (if any) -> RoPE on q and k (float32 math, cast back) -> with ``kv_scale`` q * k_scale, k / k_scale,
+    q/k norm (if any; ``models.norm.rms_norm_reference``) -> RoPE on q and k (float32 math, cast back) -> with ``kv_scale`` q * k_scale, k / k_scale,
     v / v_scale (float32 math, cast back): the cache then holds k / k_scale and v / v_scale, q . k is unchanged, and
     the model rescales the attention output by v_scale, so attention kernels read the cache without scales.
     """
     if transform.has_qk_norm:
-        q = rms_norm(q, transform.q_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
-        k = rms_norm(k, transform.k_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
+        q = rms_norm_reference(q, transform.q_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
+        k = rms_norm_reference(k, transform.k_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
     q = apply_rope(q, transform.cos, transform.sin)
     k = apply_rope(k, transform.cos, transform.sin)
     if transform.kv_scale is not None:

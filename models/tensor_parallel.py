@@ -59,12 +59,14 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         already is mesh-wide (e.g. built by ``ShardingPlan.shard_attention`` / ``paged_attention``, which dp > 1
         requires);
       * ``compute_logits`` returns logits gathered over tp (``plan.gather_logits``), so sampling sees the whole
-        vocabulary and the LM head is never gathered.
+        vocabulary and the LM head is never gathered;
+      * its norms run the jnp RMSNorm (``rms_norm_impl="xla"``): a Pallas call is not partitioned over a mesh,
+        while XLA fuses the norms into the sharded program as it does on one device.
     The plan is static module data (hashable), so it lives in the graphdef and survives ``nnx.split``/``merge``.
     """
 
     def __init__(self, plan: TensorParallelPlan, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
-        super().__init__(plan.model_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        super().__init__(plan.model_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rms_norm_impl="xla")
         self.sharding_plan = plan
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,

@@ -57,7 +57,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
-from models.llama import matmul_precision, rope_cos_sin, rope_inv_freq
+from models.llama import matmul_precision, rope_cos_sin, rope_inv_freq, run_decoder_layers
 from paged_jax.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan
@@ -342,11 +342,11 @@ class PipelineModelRunner(ModelRunner):
                     block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=cu_q_lens,
                     sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)
                 start = plan.layer_ranges[stage][0]
-                new_pool = []
-                for j, layer in enumerate(modules.layers):
-                    x, kv_layer = layer(start + j, x, rope, kv_pool[j], attention)
-                    new_pool.append(kv_layer)
-                return new_pool, (modules.norm(x) if stage == last else x)
+                x, residual, new_pool = run_decoder_layers(modules.layers, x, None, rope, kv_pool, attention,
+                                                           first_layer_idx=start)
+                # The residual stream is folded back at the stage boundary (one array handed on; the next stage's
+                # first layer starts it again, as layer 0 does): the same sums as one device.
+                return new_pool, (modules.norm(x, residual)[0] if stage == last else x + residual)
 
         def head(leaves, buf, hiddens, *, num_tokens, num_seqs):
             """The last stage's micro-batches' normed hidden states joined -> (logits f32[R, V] at each row's last

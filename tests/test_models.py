@@ -147,8 +147,8 @@ def test_kv_caches_are_threaded_through_attention():
 
 
 def test_reusable_attention_traces_one_layer_and_matches_the_closure():
-    """With a ReusableAttention the decoder layer is traced once for all layers (its body runs once per trace),
-    and the result equals the same attention passed as a plain closure (one trace per layer)."""
+    """With a ReusableAttention the decoder layer is traced once for the first layer (which starts the residual
+    stream) and once for all the others (its body runs once per trace), and the result equals the same attention passed as a plain closure (one trace per layer)."""
     import functools
 
     from models.llama import ReusableAttention
@@ -180,7 +180,7 @@ def test_reusable_attention_traces_one_layer_and_matches_the_closure():
         return model(ids, positions, caches, lambda layer_idx, q, k, v, kv: fn(meta, q, k, v, kv))
 
     hidden_reusable, caches_reusable = run_reusable(segment_ids, caches)
-    assert len(traces) == 1
+    assert len(traces) == 2
     traces.clear()
     hidden_closure, caches_closure = run_closure(segment_ids, caches)
     assert len(traces) == config.num_hidden_layers

@@ -6,6 +6,7 @@ Block 0 is the reserved null block: padding tokens write there and padded block-
 
 from paged_jax.ops import quantized_matmul  # noqa: F401  (registers matmul_impl "pallas" / "auto" of the models)
 from paged_jax.ops import quantized_gemv  # noqa: F401  (registers matmul_impl "pallas_blocked")
+from paged_jax.ops import rms_norm  # noqa: F401  (registers rms_norm_impl "pallas" / "auto" of the models)
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.qk_prepare import qk_prepare
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention

@@ -72,7 +72,7 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
         x = _load(qkv_ref.at[load_token, row, dim], mask=valid, other=0.0)
         x_partner = _load(qkv_ref.at[load_token, row, partner], mask=valid, other=0.0)
         if norm_ref is not None:
-            # models.qk_transform.rms_norm per token; the partner columns share their row's mean square.
+            # models.norm.rms_norm_reference per token; the partner columns share their row's mean square.
             x32 = x.astype(jnp.float32)
             inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=1) + norm_eps)[:, None]
             x = _load(norm_ref.at[dim]).astype(norm_dtype) * (x32 * inv_rms).astype(norm_dtype)
