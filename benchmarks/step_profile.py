@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rms-norm-impl", default="auto", choices=("auto", "xla", "pallas"),
                    help="the decoder norms (residual add fused in): models.norm.RMS_NORM_IMPLS; 'xla' = XLA's fusions "
                         "of the jnp form, 'pallas' = paged_jax.ops.rms_norm's kernel ('auto': that on a GPU)")
+    p.add_argument("--qk-prepare-impl", default="auto", choices=("auto", "xla", "pallas"),
+                   help="q/k norm + RoPE + KV write: paged_jax.ops.qk_prepare ('pallas' = one kernel per layer, "
+                        "'xla' = XLA's fusions of the jnp form, 'auto': the kernel on a GPU)")
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep q/k/v and gate/up as separate matmuls (the HF layout) instead of the engine's fused one")
     p.add_argument("--exact-decode-buckets", action="store_true",
@@ -119,14 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
     buckets = sorted({decode_bucket(b) for b, _ in decode_cases} | {bucket_for(b * n, b) for b, n in prefill_cases})
     runner = ModelRunner(model, config, num_blocks=num_blocks, block_size=bs, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         buckets=buckets, attention_impl=args.attention_impl)
+                         buckets=buckets, attention_impl=args.attention_impl, qk_prepare_impl=args.qk_prepare_impl)
     t0 = time.perf_counter()
     runner.warm_up(use_tqdm=False)
     result: dict = {"benchmark": "step_profile", "shape": "tiny" if args.tiny else args.shape, "dtype": args.dtype,
                     "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "buckets": buckets,
                     "warm_up_s": round(time.perf_counter() - t0, 2), "num_blocks": num_blocks,
                     "hbm_gbps_for_floor": args.hbm_gbps,
-                    "fused_projections": not args.no_fuse_projections, "rms_norm_impl": args.rms_norm_impl, "cases": []}
+                    "fused_projections": not args.no_fuse_projections, "rms_norm_impl": args.rms_norm_impl,
+                    "qk_prepare_impl": args.qk_prepare_impl, "cases": []}
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}), flush=True)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=1 << 20)

@@ -48,6 +48,7 @@ from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
 from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
                                pack_block_copies, point_fork_rows)
 from paged_jax.ops import write_and_attend
+from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
 from paged_jax.sampling_params import MAX_LOGPROBS
 
@@ -93,7 +94,7 @@ class ModelRunner(StepDispatchMixin):
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
-                 dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None):
+                 dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto"):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -108,6 +109,7 @@ class ModelRunner(StepDispatchMixin):
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.attention_impl = attention_impl
+        self.qk_prepare_impl = check_qk_prepare_impl(qk_prepare_impl)  # paged_jax.ops.qk_prepare (benchmarks' A/B)
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
@@ -194,7 +196,8 @@ class ModelRunner(StepDispatchMixin):
 
             if plan is None:  # one layer trace shared by every layer (models.llama.ReusableAttention)
                 attention = ReusableAttention(
-                    functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl),
+                    functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
+                                      qk_prepare_impl=self.qk_prepare_impl),
                     dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
                     fuses_qk_transform=True)  # q/k norm + RoPE + KV write: one kernel on a GPU (ops.qk_prepare)
             else:  # the same per device on its heads and KV shard (shard_map over tp)

@@ -108,7 +108,7 @@ def test_impl_resolution_and_errors():
     args, _ = _inputs(3, 5, 64, jnp.float32, jnp.float32, False, False)
     q, k_pages, transform = args[0], args[3], args[6]
     assert resolve_qk_prepare_impl("auto", q, k_pages, transform) == "xla"  # CPU
-    with pytest.raises(ValueError, match="qk_prepare impl"):
+    with pytest.raises(ValueError, match="qk_prepare_impl"):
         qk_prepare(*args, impl="triton")
     with pytest.raises(ValueError, match="transform.cos"):
         qk_prepare(*args[:6], QKTransform(transform.cos[:3], transform.sin[:3]), impl="pallas", interpret=True)

@@ -159,13 +159,18 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
     return q_out, k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 
+def check_qk_prepare_impl(impl: str) -> str:
+    """``impl`` itself, or a ValueError naming ``qk_prepare_impl``."""
+    if impl not in QK_PREPARE_IMPLS:
+        raise ValueError(f"qk_prepare_impl must be one of {', '.join(QK_PREPARE_IMPLS)}, got {impl!r}")
+    return impl
+
+
 def resolve_qk_prepare_impl(impl: str, q, k_pages, transform: QKTransform) -> str:
     """``impl`` -> "xla" or "pallas". "auto": the kernel on a GPU when the head dim is a power of two >= 16 (Triton
     tiles), the q/k norms (if any) cast to q's dtype and, for an FP8 pool, the device converts to float8 (sm_89+);
     XLA otherwise. ValueError naming ``impl`` for an unknown name."""
-    if impl not in QK_PREPARE_IMPLS:
-        raise ValueError(f"qk_prepare impl must be one of {', '.join(QK_PREPARE_IMPLS)}, got {impl!r}")
-    if impl != "auto":
+    if check_qk_prepare_impl(impl) != "auto":
         return impl
     head_dim = q.shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
