@@ -227,7 +227,7 @@ def _blocked_config(fmt: str, k: int, n: int, cfg: dict) -> dict | None:
 
 
 def _copies_for(fmt: str, k: int, n: int, args) -> int:
-    per_copy = {"bf16": 2 * k * n, "fp8": k * n}.get(fmt, k * n * int(fmt[3:]) // 8)
+    per_copy = {"bf16": 2 * k * n, "fp8": k * n}[fmt] if fmt in ("bf16", "fp8") else k * n * int(fmt[3:]) // 8
     return _copies(per_copy, args.tiny)
 
 
