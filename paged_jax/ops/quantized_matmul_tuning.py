@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from models.quantization.linear import IMPL_STORAGE
 
-M_BUCKETS = (1, 16, 64, 256, 1024)
+M_BUCKETS = (1, 16, 64)
 FORMATS = ("int4", "int8", "fp8")
 
 # Programs wanted in flight on an H200 (132 SMs, 2 resident programs each) when split_k is not given.
@@ -35,17 +35,13 @@ TARGET_PROGRAMS = 264
 # M bucket); off the GPU "auto" is "xla" (or "xla_native" for a native-storage format). The H200 sweep's winners
 # (RESULTS.md): int4 the block-sliced GEMV at M = 1 and the packed Pallas kernel at 16 (the grouped native dot was
 # faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 XLA's dot on the
-# upcast weights (its convert fuses into the GEMM's operand load) at 1 and 16, and through decode batches (64, 256):
-# the float8 dot's per-token activation quantization adds kernels to every projection of a memory-bound step; the
-# float8 dot from 1024 rows on (prefill buckets), where the GEMMs are compute-bound and FP8 tensor cores pay. Integer
-# formats above 16 rows: XLA (dequantize + dot). A weight-only format's entries must all read one storage
+# upcast weights (its convert fuses into the GEMM's operand load) at 1 and 16. M = 64 is not measured with these
+# paths, so it stays on XLA. A weight-only format's entries must all read one storage
 # (``STORAGE``): its modules hold one layout whatever M a step has.
 AUTO_IMPL = {
-    ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla", ("int4", 256): "xla",
-    ("int4", 1024): "xla",
-    ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla", ("int8", 256): "xla", ("int8", 1024): "xla",
-    ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla_native", ("fp8", 256): "xla_native",
-    ("fp8", 1024): "xla",
+    ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
+    ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
+    ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla",
 }
 NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "native")
 
@@ -111,9 +107,7 @@ def format_name(bits: int | None) -> str:
 def tuned(fmt: str, m: int, k: int, n: int) -> dict:
     """The table's knobs for ``x[m, k] @ w[k, n]`` in ``fmt``: the shape entry if there is one, else the bucket's."""
     bucket = m_bucket(m)
-    # Buckets above the largest tuned one (the Pallas kernels are not the auto choice there) take its knobs.
-    tuned_bucket = max(b for b in M_BUCKETS if b <= bucket and (fmt, b) in TUNING)
-    return dict(TUNING.get((fmt, bucket, k, n)) or TUNING[(fmt, tuned_bucket)])
+    return dict(TUNING.get((fmt, bucket, k, n)) or TUNING[(fmt, bucket)])
 
 
 def blocked_tuned(fmt: str, k: int, n: int) -> dict:
