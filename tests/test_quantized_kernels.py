@@ -84,8 +84,8 @@ def test_default_tuning_paths_and_split():
 
 def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
     """"auto": the tuning table's implementation per (format, M bucket) on the GPU only (XLA elsewhere, in the
-    storage the table implies); per call by the static row count (a compiled step never switches); FP8 at small M
-    runs weight-only, at large M the float8 dot."""
+    storage the table implies); per call by the static row count (a compiled step never switches); an FP8 layer
+    runs weight-only where the selector names a weight-only path, the float8 dot where it names "xla"."""
     from models.quantization import linear
     from paged_jax.ops import quantized_matmul_tuning as table
     from paged_jax.ops.quantized_matmul import select_matmul_impl

@@ -35,13 +35,14 @@ TARGET_PROGRAMS = 264
 # M bucket); off the GPU "auto" is "xla" (or "xla_native" for a native-storage format). The H200 sweep's winners
 # (RESULTS.md): int4 the block-sliced GEMV at M = 1 and the packed Pallas kernel at 16 (the grouped native dot was
 # faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 XLA's dot on the
-# upcast weights (its convert fuses into the GEMM's operand load) at 1 and 16. M = 64 is not measured with these
-# paths, so it stays on XLA. A weight-only format's entries must all read one storage
+# upcast weights (its convert fuses into the GEMM's operand load) at every M: it also beat the float8 dot (per-token
+# activation quantization + an FP8 GEMM) at 64, 256 and 2048 rows. Integer formats above 16 rows: XLA (dequantize +
+# dot; no int4 path is bandwidth-bound there). A weight-only format's entries must all read one storage
 # (``STORAGE``): its modules hold one layout whatever M a step has.
 AUTO_IMPL = {
     ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
-    ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla",
+    ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla_native",
 }
 NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "native")
 
