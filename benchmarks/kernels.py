@@ -51,6 +51,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.floors import H200_HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.report import median_seconds  # noqa: E402
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
@@ -971,7 +972,8 @@ def main():
                         help="prefill_variants: run only the first N variants")
     parser.add_argument("--mosaic-variants", type=int, default=0,
                         help="prefill_variants: also time the first N Mosaic GPU kernel variants (Hopper)")
-    parser.add_argument("--hbm-gbps", type=float, default=4800.0, help="rms_norm: bandwidth of the floor")
+    parser.add_argument("--hbm-gbps", type=float, default=H200_HBM_BYTES_PER_S / 1e9,
+                        help="rms_norm: bandwidth of the floor (benchmarks/floors.py's H200 figure)")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new case after this many seconds (results so far are kept)")
     parser.add_argument("--section-budgets", default=DEFAULT_SECTION_BUDGETS,

@@ -293,6 +293,11 @@ def main(argv: list[str] | None = None) -> list:
                    help="decode: rms_norm_impl values of each model (models.norm.RMS_NORM_IMPLS), e.g. xla,pallas")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    from models.norm import RMS_NORM_IMPLS
+
+    unknown = set(args.rms_norm_impls.split(",")) - set(RMS_NORM_IMPLS)
+    if unknown:  # before any variant spends device time
+        p.error(f"--rms-norm-impls: unknown {sorted(unknown)}; choose from {RMS_NORM_IMPLS}")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.interpret = args.tiny
     if args.tiny:

@@ -43,6 +43,9 @@ def _parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from models.norm import RMS_NORM_IMPLS
+    from paged_jax.ops.qk_prepare import QK_PREPARE_IMPLS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b", help="named shape (models/presets.py)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer random config instead (CPU check of the script)")
@@ -60,10 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hbm-gbps", type=float, default=4300.0,
                    help="bandwidth of the floor (the H200 figure of benchmarks/floors.py)")
     p.add_argument("--attention-impl", default="auto")
-    p.add_argument("--rms-norm-impl", default="auto", choices=("auto", "xla", "pallas"),
+    p.add_argument("--rms-norm-impl", default="auto", choices=RMS_NORM_IMPLS,
                    help="the decoder norms (residual add fused in): models.norm.RMS_NORM_IMPLS; 'xla' = XLA's fusions "
                         "of the jnp form, 'pallas' = paged_jax.ops.rms_norm's kernel ('auto': that on a GPU)")
-    p.add_argument("--qk-prepare-impl", default="auto", choices=("auto", "xla", "pallas"),
+    p.add_argument("--qk-prepare-impl", default="auto", choices=QK_PREPARE_IMPLS,
                    help="q/k norm + RoPE + KV write: paged_jax.ops.qk_prepare ('pallas' = one kernel per layer, "
                         "'xla' = XLA's fusions of the jnp form, 'auto': the kernel on a GPU)")
     p.add_argument("--no-fuse-projections", action="store_true",

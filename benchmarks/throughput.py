@@ -150,8 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         elapsed = time.perf_counter() - t0
     if trace is not None:
-        # Busy = the sum of kernel durations over the run: 1 - busy / wall is the time the GPU sat idle.
-        result["trace"] = {**trace, "gpu_busy_fraction": trace.get("busy_us_per_step", 0) / 1e6 / elapsed}
+        # Busy = the sum of kernel durations over the run (all devices' lines): 1 - busy / (wall x devices) is the
+        # time the GPUs sat idle. Figures of a traced run are diagnostic: the profiler slows the host.
+        devices = args.data_parallel_size * args.pipeline_parallel_size * args.tensor_parallel_size
+        result["trace"] = {**trace, "diagnostic_run_under_profiler": True,
+                           "gpu_busy_fraction": trace.get("busy_us_per_step", 0) / 1e6 / elapsed / devices}
     if totals is not None:
         # Seconds over the whole timed run; "other" is per-token bookkeeping, detokenization and outputs.
         breakdown = {f"{key}_s": round(value, 3) for key, value in totals.items()}

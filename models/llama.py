@@ -325,7 +325,7 @@ class LlamaForCausalLM(nnx.Module):
         rope = rope_cos_sin(positions, inv_freq)
         x = self.model.embed_tokens(input_ids)
         x, residual, new_kv_caches = run_decoder_layers(self.model.layers, x, None, rope, kv_caches, attention, lora)
-        hidden, _ = self.model.norm(x, residual)
+        hidden = self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]  # None: no layers
         return hidden, (None if kv_caches is None else new_kv_caches)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -340,11 +340,13 @@ class LlamaForCausalLM(nnx.Module):
 
 def set_rms_norm_impl(model: LlamaForCausalLM, impl: str) -> LlamaForCausalLM:
     """In place: the implementation (``models.norm.RMS_NORM_IMPLS``) of every decoder-layer norm and the final norm,
-    each a residual add fused with an RMSNorm (Qwen3's per-head q/k norms stay "xla"). A static choice: set it
-    before tracing. "auto" (default): the Pallas kernel on one GPU once ``paged_jax.ops`` is imported, else XLA;
-    a model whose hidden states are split over a mesh runs "xla" (``TensorParallelLlamaForCausalLM``). Returns
-    ``model``."""
+    each a residual add fused with an RMSNorm (Qwen3's per-head q/k norms are part of the q/k transform,
+    ``models.qk_transform``). A static choice: set it before tracing. "auto" (default): the Pallas kernel on one GPU
+    once ``paged_jax.ops`` is imported, else XLA. A model on a mesh (``TensorParallelLlamaForCausalLM``: a pallas_call
+    is not partitioned) runs "xla" only: ValueError for anything else. Returns ``model``."""
     check_rms_norm_impl(impl)
+    if getattr(model, "sharding_plan", None) is not None and impl != "xla":
+        raise ValueError(f"rms_norm_impl={impl!r}: a model on a mesh (tensor or pipeline parallel) runs 'xla' norms")
     for layer in model.model.layers:
         layer.input_layernorm.impl = impl
         layer.post_attention_layernorm.impl = impl

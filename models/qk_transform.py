@@ -102,8 +102,8 @@ class QKTransform:
 def apply_qk_transform(transform: QKTransform, q: jax.Array, k: jax.Array, v: jax.Array):
     """The reference (jnp) transform: q [T, Hq, D], k / v [T, Hkv, D] -> (q, k, v), same shapes and dtypes.
 
-    q/k norm (if any; ``models.norm.rms_norm_reference``) -> RoPE on q and k (float32 math, cast back) -> with ``kv_scale`` q * k_scale, k / k_scale,
-    v / v_scale (float32 math, cast back): the cache then holds k / k_scale and v / v_scale, q . k is unchanged, and
+    q/k norm (if any; ``models.norm.rms_norm_reference``) -> RoPE on q and k (float32 math, cast back) -> with
+    ``kv_scale`` q * k_scale, k / k_scale, v / v_scale (float32 math, cast back): the cache then holds k / k_scale and v / v_scale, q . k is unchanged, and
     the model rescales the attention output by v_scale, so attention kernels read the cache without scales.
     """
     if transform.has_qk_norm:

@@ -110,6 +110,10 @@ class ModelRunner(StepDispatchMixin):
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.attention_impl = attention_impl
         self.qk_prepare_impl = check_qk_prepare_impl(qk_prepare_impl)  # paged_jax.ops.qk_prepare (benchmarks' A/B)
+        if sharding_plan is not None and qk_prepare_impl != "auto":
+            # Sharded steps attend under shard_map with the model applying q/k norm + RoPE itself (XLA).
+            raise ValueError(f"qk_prepare_impl={qk_prepare_impl!r} applies to one device; a sharding plan (tensor or "
+                             "pipeline parallel) runs the q/k transform in XLA: leave qk_prepare_impl='auto'")
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).

@@ -57,7 +57,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
-from models.llama import matmul_precision, rope_cos_sin, rope_inv_freq, run_decoder_layers
+from models.llama import matmul_precision, run_decoder_layers
+from models.qk_transform import rope_cos_sin, rope_inv_freq
 from paged_jax.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan

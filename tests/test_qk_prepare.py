@@ -114,6 +114,20 @@ def test_impl_resolution_and_errors():
         qk_prepare(*args[:6], QKTransform(transform.cos[:3], transform.sin[:3]), impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="both"):
         QKTransform(transform.cos, transform.sin, q_norm_weight=jnp.ones((64,)), norm_eps=1e-6)
+    # A sharded runner's attention applies the q/k transform in XLA: an explicit impl is refused, not ignored.
+    from types import SimpleNamespace
+
+    from paged_jax.model_runner import ModelRunner
+
+    with pytest.raises(ValueError, match="qk_prepare_impl='pallas'"):
+        ModelRunner(None, None, num_blocks=4, block_size=16, max_model_len=64, max_num_seqs=2,
+                    max_num_batched_tokens=16, sharding_plan=SimpleNamespace(replicated=None),
+                    qk_prepare_impl="pallas")
+    # What "auto" routes to XLA, an explicit "pallas" refuses by name (never a silent dtype change).
+    norms = dict(q_norm_weight=jnp.ones((64,)), k_norm_weight=jnp.ones((64,)), norm_eps=1e-6)
+    with pytest.raises(ValueError, match="transform.dtype"):
+        qk_prepare(*args[:6], QKTransform(transform.cos, transform.sin, dtype=jnp.bfloat16, **norms), impl="pallas",
+                   interpret=True)
 
 
 def _fused_paged_attention(meta, q, k, v, kv_layer, qk_transform=None, *, sm_scale):

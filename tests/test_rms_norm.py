@@ -88,7 +88,8 @@ def test_kernel_edge_cases():
 
 
 def test_kernel_gradients_are_the_reference_gradients():
-    """What rms_norm_impl="pallas" runs is differentiable (score_tokens under jax.grad): the reference's VJP."""
+    """What rms_norm_impl="pallas" runs is differentiable (score_tokens under jax.grad; jax.jvp): the reference's
+    derivatives."""
     from paged_jax.ops.rms_norm import rms_norm_pallas_differentiable
 
     x, residual, weight = _inputs(3, 3, 64, jnp.float32)
@@ -102,6 +103,15 @@ def test_kernel_gradients_are_the_reference_gradients():
     want = jax.grad(functools.partial(loss, rms_norm_reference), argnums=(0, 1, 2))(x, weight, residual)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    # Forward mode too (jax.jvp / jacfwd), and the norm without a residual.
+    tangents = tuple(jnp.sin(a) for a in (x, weight, residual))
+    got = jax.jvp(lambda *a: kernel(*a, eps=EPS), (x, weight, residual), tangents)[1]
+    want = jax.jvp(lambda *a: rms_norm_reference(*a, eps=EPS), (x, weight, residual), tangents)[1]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    got = jax.grad(lambda x: jnp.sum(jnp.cos(kernel(x, weight, eps=EPS))))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.cos(rms_norm_reference(x, weight, eps=EPS))))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _old_formula_hidden(model, input_ids, positions, attention):
@@ -192,4 +202,9 @@ def test_model_on_the_kernel_matches_xla(monkeypatch):
     assert len(calls) == 2 * config.num_hidden_layers + 1
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert model.model.layers[0].input_layernorm.impl == "pallas"
-    assert model.model.layers[0].self_attn.q_norm is None  # (llama: no q/k norms; Qwen3's stay "xla")
+    assert model.model.layers[0].self_attn.q_norm is None  # llama: no q/k norms (Qwen3: in the q/k transform)
+    # A model on a mesh keeps XLA norms (a pallas_call is not partitioned): refused by name, not silently run.
+    model.sharding_plan = "plan"  # what TensorParallelLlamaForCausalLM carries
+    with pytest.raises(ValueError, match="mesh"):
+        set_rms_norm_impl(model, "auto")
+    set_rms_norm_impl(model, "xla")

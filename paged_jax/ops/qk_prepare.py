@@ -172,16 +172,24 @@ def resolve_qk_prepare_impl(impl: str, q, k_pages, transform: QKTransform) -> st
     XLA otherwise. ValueError naming ``impl`` for an unknown name."""
     if check_qk_prepare_impl(impl) != "auto":
         return impl
+    if jax.default_backend() != "gpu" or _kernel_unsupported(q, k_pages, transform, check_device=True):
+        return "xla"
+    return "pallas"
+
+
+def _kernel_unsupported(q, k_pages, transform: QKTransform, *, check_device: bool) -> str | None:
+    """Why the Pallas kernel cannot run these operands (None: it can): its Triton tiles need a power-of-two head dim
+    >= 16, it returns the q/k norms' output in q's dtype, and an FP8 pool needs a device that converts to float8."""
     head_dim = q.shape[-1]
-    if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
-        return "xla"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
     if transform.has_qk_norm and jnp.dtype(transform.dtype) != q.dtype:
-        return "xla"
-    if jnp.dtype(k_pages.dtype).itemsize == 1:
+        return f"transform.dtype {jnp.dtype(transform.dtype)} differs from q's dtype {q.dtype}"
+    if check_device and jnp.dtype(k_pages.dtype).itemsize == 1:
         capability = getattr(jax.devices()[0], "compute_capability", None)
         if capability is None or tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 9):
-            return "xla"
-    return "pallas"
+            return f"a {jnp.dtype(k_pages.dtype)} pool needs a GPU of compute capability >= 8.9"
+    return None
 
 
 def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, *, impl: str = "auto",
@@ -218,8 +226,9 @@ def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, 
         raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
     if slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"slot_mapping must be [T={q.shape[0]}], got shape {slot_mapping.shape}")
-    if not interpret and head_dim & (head_dim - 1):
-        raise ValueError(f"qk_prepare impl='pallas' needs a power-of-two head_dim (Triton tiles), got {head_dim}")
+    reason = _kernel_unsupported(q, k_pages, transform, check_device=not interpret)
+    if reason is not None:
+        raise ValueError(f"qk_prepare impl='pallas': {reason}; use impl='auto' or 'xla'")
     if q.dtype != k.dtype or v.dtype != k.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     return _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform, interpret=interpret)

@@ -107,28 +107,24 @@ def rms_norm_pallas(x: jax.Array, weight: jax.Array, residual: jax.Array | None 
     return (outs[0], outs[1]) if has_residual else outs[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _differentiable(x, weight, residual, eps, dtype, interpret):
     return rms_norm_pallas(x, weight, residual, eps=eps, dtype=dtype, interpret=interpret)
 
 
-def _differentiable_fwd(x, weight, residual, eps, dtype, interpret):
-    return _differentiable(x, weight, residual, eps, dtype, interpret), (x, weight, residual)
-
-
-def _differentiable_bwd(eps, dtype, interpret, saved, cotangent):
-    # The reference's gradient, recomputed: the kernel has no autodiff rule of its own.
-    _, vjp = jax.vjp(lambda x, w, r: rms_norm_reference(x, w, r, eps=eps, dtype=dtype), *saved)
-    return vjp(cotangent)
-
-
-_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+@_differentiable.defjvp
+def _differentiable_jvp(eps, dtype, interpret, primals, tangents):
+    # The reference's derivative, recomputed: the kernel has no autodiff rule of its own. A JVP rule (linear in the
+    # tangents) serves forward mode (jax.jvp) and, transposed by JAX, reverse mode (jax.grad) alike.
+    out = _differentiable(*primals, eps, dtype, interpret)
+    _, tangent_out = jax.jvp(lambda x, w, r: rms_norm_reference(x, w, r, eps=eps, dtype=dtype), primals, tangents)
+    return out, tangent_out
 
 
 def rms_norm_pallas_differentiable(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *,
                                    eps: float, dtype=None, interpret: bool = False):
-    """``rms_norm_pallas`` with reverse-mode gradients (those of ``rms_norm_reference``), so a model on the kernel
-    stays differentiable (``paged_jax.scoring.score_tokens`` under ``jax.grad``). What ``rms_norm_impl="pallas"``
+    """``rms_norm_pallas`` with the derivatives of ``rms_norm_reference`` (forward and reverse mode), so a model on the
+    kernel stays differentiable (``paged_jax.scoring.score_tokens`` under ``jax.grad``). What ``rms_norm_impl="pallas"``
     runs."""
     dtype = x.dtype if dtype is None else jnp.dtype(dtype)
     return _differentiable(x, weight, residual, float(eps), dtype, interpret)
