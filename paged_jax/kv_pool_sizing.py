@@ -8,6 +8,7 @@ the host swap pool, ``kv_bytes_per_block`` the bytes of one block across all lay
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS
+
+logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -45,6 +48,19 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
             * jnp.dtype(dtype).itemsize)
 
 
+def max_addressable_blocks(config: ModelConfig, block_size: int, dtype) -> int | None:
+    """The most blocks one layer's K (or V) pool may hold for the Pallas Triton kernels to address it (None: any).
+
+    Pallas' Triton lowering computes element offsets in 32 signed bits for arrays of at most 2**32 bytes and in 64
+    bits above: a pool of 1-byte elements (FP8) between 2**31 and 2**32 elements would wrap its offsets past element
+    2**31 and read or write outside the array, i.e. another layer's or another request's KV. Wider dtypes pass 2**32
+    bytes before they pass 2**31 elements."""
+    if jnp.dtype(dtype).itemsize != 1:
+        return None
+    elements_per_block = block_size * config.num_key_value_heads * config.head_dim
+    return (2 ** 31 - 1) // elements_per_block
+
+
 def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
                          max_num_batched_tokens: int, gpu_memory_utilization: float,
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
@@ -63,9 +79,11 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     pool is a step argument), and a start with another count misses the persistent compilation cache for every
     step executable.
 
+    An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
+
     Raises:
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
-      of tokens it can hold.
+      of tokens it can hold; ValueError naming ``num_gpu_blocks_override`` above ``max_addressable_blocks``.
     """
     from paged_jax.device_memory import usable_device_bytes
 
@@ -79,6 +97,11 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                 f"num_gpu_blocks_override={num_blocks} leaves {num_blocks - 1} (block 0 is reserved), i.e. "
                 f"{(num_blocks - 1) * block_size} tokens: lower max_model_len (--max-model-len) to at most "
                 f"{(num_blocks - 1) * block_size} or raise --num-gpu-blocks-override")
+        limit = max_addressable_blocks(config, block_size, dtype)
+        if limit is not None and num_blocks > limit:
+            raise ValueError(f"num_gpu_blocks_override={num_blocks} makes each layer's {jnp.dtype(dtype)} KV pool "
+                             f"hold 2**31 elements or more, which the attention kernels cannot address: at most "
+                             f"{limit} blocks of {block_size} tokens")
         return num_blocks
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
@@ -108,6 +131,11 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
             f"(weights and activations take the rest): the KV pool can hold {capacity} tokens. Lower "
             f"max_model_len (--max-model-len {capacity} or less), raise --gpu-memory-utilization, or set "
             f"--num-gpu-blocks-override")
+    limit = max_addressable_blocks(config, block_size, dtype)
+    if limit is not None and num_blocks > limit:
+        logger.warning("KV pool capped at %d blocks (memory for %d): one layer's %s pool must stay under 2**31 "
+                       "elements for the attention kernels to address it", limit, num_blocks, jnp.dtype(dtype))
+        num_blocks = limit
     return num_blocks
 
 

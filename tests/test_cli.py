@@ -328,6 +328,27 @@ def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_b
     return blocks, kv_bytes_per_block(config, 16, "bfloat16")
 
 
+def test_fp8_pool_stays_addressable(caplog):
+    """One layer's FP8 pool stays under 2**31 elements (the Pallas kernels' 32-bit offsets below 2**32 bytes): the
+    sized pool is capped with a warning, an override above the cap is refused by name; bf16 pools are not capped."""
+    from models.config import ModelConfig
+    from models.testing import tiny_config
+    from paged_jax.kv_pool_sizing import determine_num_blocks, max_addressable_blocks
+
+    config = ModelConfig.from_hf_config(tiny_config("qwen3", num_hidden_layers=2, num_attention_heads=16,
+                                                    num_key_value_heads=8, head_dim=128))
+    limit = max_addressable_blocks(config, 16, "float8_e4m3fn")
+    assert limit == (2 ** 31 - 1) // (16 * 8 * 128) and max_addressable_blocks(config, 16, "bfloat16") is None
+    kwargs = dict(block_size=16, max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=64,
+                  gpu_memory_utilization=0.9, device=FakeGpu(int(0.9 * TOTAL), GIB), weight_bytes=GIB)
+    with caplog.at_level("WARNING"):
+        assert determine_num_blocks(config, dtype="float8_e4m3fn", **kwargs) == limit
+    assert "capped" in caplog.text
+    assert determine_num_blocks(config, dtype="bfloat16", **kwargs) > limit // 2  # memory-bound, uncapped
+    with pytest.raises(ValueError, match="num_gpu_blocks_override"):
+        determine_num_blocks(config, dtype="float8_e4m3fn", num_blocks_override=limit + 1, **kwargs)
+
+
 def test_pool_size_counts_the_weights_not_loading_leftovers():
     """With the weights' own bytes the block count (a compiled shape) is the same on every start, whatever buffers
     loading left in the allocator; device_bytes counts a pytree's arrays on one device."""
