@@ -218,8 +218,8 @@ def with_lora(lora, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decoder_layer(graphdef, state, x, residual, rope, kv_layer, attention: ReusableAttention, lora=None):
-    """One decoder layer as its own jitted function, so equal layers share one trace (see ``ReusableAttention``):
-    the first layer (``residual`` None) has a trace of its own, layers 1.. share the other."""
+    """One decoder layer as its own jitted function, so equal layers share one trace (see ``ReusableAttention``;
+    ``run_decoder_layers`` hands the first layer a zero residual so that it shares it too)."""
     return nnx.merge(graphdef, state)(None, x, residual, rope, kv_layer, attention, lora)
 
 
@@ -231,10 +231,14 @@ def run_decoder_layers(layers, x, residual, rope, kv_caches, attention: Attentio
     Returns ``(x, residual, new kv states: list)``; the hidden state is ``x + residual`` (the final norm adds it)."""
     new_kv = []
     reusable = isinstance(attention, ReusableAttention)
+    if reusable and residual is None and len(layers) > 1:
+        # x + 0 == x exactly, so the first layer can take the same (x, residual) form as the others: one trace for
+        # every layer (a fill kernel per step) instead of a second trace of the layer per step shape at start-up.
+        residual = jnp.zeros_like(x)
     for j, layer in enumerate(layers):
         kv_layer = None if kv_caches is None else kv_caches[j]
         lora_layer = None if lora is None else lora[j]
-        if reusable:  # one trace for layers 1.. (same structure, same shapes), one for the first
+        if reusable:  # one trace for all layers (same structure, same shapes)
             graphdef, state = nnx.split(layer)
             x, residual, kv_layer = _decoder_layer(graphdef, state, x, residual, rope, kv_layer, attention,
                                                    lora_layer)

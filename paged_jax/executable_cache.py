@@ -13,8 +13,8 @@ program depends on, and a later start deserializes it without tracing at all:
   compiles ``num_compiles`` still counts, so a compile after warm-up shows in ``num_compiles_since_warmup``.
 * ``ExecutableCache``: one file per executable under ``<jax_compilation_cache_dir>/paged_jax_executables/<runner
   fingerprint>/``. The fingerprint (``runner_fingerprint``) covers the source of ``paged_jax`` and ``models``
-  (every file), the versions of jax / jaxlib / flax / numpy / ml_dtypes, the devices (platform, kind, id, platform
-  version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` / ``TPU_*`` environment variables, the
+  (every file), the versions of jax / jaxlib / flax / numpy / ml_dtypes and of the GPU plugin packages, the
+  devices (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` / ``TPU_*`` environment variables, the
   model's modules and their static attributes, the parameter tree, and the runner's configuration; each file's name
   adds the function, its static arguments and its abstract inputs (shapes, dtypes, shardings). A loaded executable
   whose input shapes, dtypes or shardings differ from those asked for, or an unreadable file, is ignored (compiled
@@ -225,8 +225,17 @@ def _versions() -> dict[str, str]:
     import jaxlib
     import ml_dtypes
 
-    return {"python": sys.version, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "flax": flax.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__}
+    versions = {"python": sys.version, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                "flax": flax.__version__, "numpy": np.__version__, "ml_dtypes": ml_dtypes.__version__}
+    # The GPU backend ships as plugin packages (jax-cuda13-plugin / -pjrt, ...) versioned apart from jaxlib (the
+    # CUDA runtime it reports is keyed with the devices).
+    from importlib import metadata
+
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith(("jax-cuda", "jax-rocm")):
+            versions[name] = dist.version
+    return versions
 
 
 def describe(value: Any) -> str | None:

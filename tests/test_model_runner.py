@@ -1,6 +1,9 @@
 """ModelRunner on a tiny random model: paged, bucketed steps must reproduce dense (cache-free) attention exactly,
 compile nothing after warm-up, feed decode tokens from the device, and swap blocks to host and back losslessly."""
 
+import types
+import unittest.mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -392,6 +395,15 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
         other = ModelRunner(model, config, num_blocks=12, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                             max_num_seqs=2, max_num_batched_tokens=8, eos_token_ids=[2], max_logprobs=3)
         assert runner_fingerprint(other) != runner_fingerprint(second)
+        # Another GPU plugin (versioned apart from jaxlib) is another fingerprint.
+        from importlib import metadata
+
+        from paged_jax import executable_cache
+
+        plugin = types.SimpleNamespace(metadata={"Name": "jax_cuda13_plugin"}, version="0.0.1")
+        with unittest.mock.patch.object(metadata, "distributions", lambda: [plugin]):
+            assert executable_cache._versions()["jax-cuda13-plugin"] == "0.0.1"
+            assert runner_fingerprint(second) != cache_dir.name
     finally:
         compilation_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", previous_dir)

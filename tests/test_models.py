@@ -180,7 +180,7 @@ def test_reusable_attention_traces_one_layer_and_matches_the_closure():
         return model(ids, positions, caches, lambda layer_idx, q, k, v, kv: fn(meta, q, k, v, kv))
 
     hidden_reusable, caches_reusable = run_reusable(segment_ids, caches)
-    assert len(traces) == 2
+    assert len(traces) == 1
     traces.clear()
     hidden_closure, caches_closure = run_closure(segment_ids, caches)
     assert len(traces) == config.num_hidden_layers
