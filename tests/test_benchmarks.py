@@ -14,7 +14,7 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
 
     out = tmp_path / "t.json"
     result = main(["--model", str(smollm2_dir), "--workload", "random", "--num-prompts", str(num_prompts),
-                   "--input-len", "12", "--output-len", "5", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
+                   "--input-len", "12", "--output-len", "5", "--max-num-batched-tokens", "16", "--max-num-seqs", "2",
                    "--max-model-len", "128", "--dtype", "float32", "--temperature", "0", "--out", str(out)])
     assert result["num_requests"] == num_prompts
     assert result["output_tokens"] == 5 * num_prompts
