@@ -123,10 +123,9 @@ class Attention(nnx.Module):
         if config.qk_norm:
             # Per head ([T, H, D]), applied through the layer's QKTransform: the jnp form (apply_qk_transform), or
             # fused with RoPE and the KV write by an attention that fuses it (paged_jax.ops.qk_prepare).
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                                  impl="xla")
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                                  impl="xla")
+            # These modules hold the weights (HF names) and eps; they are never called themselves.
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         else:
             self.q_norm = None
             self.k_norm = None

@@ -186,9 +186,10 @@ def _supervise(engine, servers: list, shutdown_timeout: float) -> int:
     for server in servers:
         if server.sentinel in ready:
             server.join()
-            status = 2 if server.exitcode == 2 else status  # a bad argument (e.g. --lora-modules): as one server
+            if server.exitcode == 2:  # a bad argument (e.g. --lora-modules): exit as one server would
+                status = 2
             logger.error("API server %s (pid %d) exited with status %s: shutting every process down (exit status "
-                         "%d)", server.name, server.pid, server.exitcode, 2 if server.exitcode == 2 else 1)
+                         "%d)", server.name, server.pid, server.exitcode, status)
     return status
 
 

@@ -490,3 +490,33 @@ def test_multi_client_engine_keeps_each_clients_requests_apart():
         control.send(("shutdown",))
         thread.join(10)
         first.close()
+
+
+def _sleep_then_exit(seconds: float, code: int) -> None:
+    import sys
+    import time
+
+    time.sleep(seconds)
+    sys.exit(code)
+
+
+def test_supervisor_exits_as_the_api_server_that_refused_its_arguments():
+    """--api-server-count > 1: a server that exits 2 (an argument refused) makes the whole command exit 2, as one
+    server's serve does; any other server exit is 1."""
+    import multiprocessing
+
+    from serving.api_servers import _supervise
+
+    context = multiprocessing.get_context("spawn")
+    for server_code, want in ((2, 2), (3, 1)):
+        engine = context.Process(target=_sleep_then_exit, args=(30.0, 0), daemon=True)
+        servers = [context.Process(target=_sleep_then_exit, args=(30.0, 0), daemon=True),
+                   context.Process(target=_sleep_then_exit, args=(0.0, server_code), daemon=True)]
+        for process in (engine, *servers):
+            process.start()
+        try:
+            assert _supervise(engine, servers, shutdown_timeout=1.0) == want
+        finally:
+            for process in (engine, *servers):
+                process.kill()
+                process.join()

@@ -6,6 +6,12 @@ import jax
 import jax.numpy as jnp
 
 
+def pool_saturation_max(pool_dtype) -> float | None:
+    """The magnitude new K/V values are clipped to before the cast into a pool of ``pool_dtype``: an FP8 pool's
+    largest finite value (a plain cast would give NaN past it), None for wider pools (cast as is)."""
+    return float(jnp.finfo(pool_dtype).max) if jnp.dtype(pool_dtype).itemsize == 1 else None
+
+
 def write_kv(
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -47,7 +53,7 @@ def write_kv(
     num_slots = num_blocks * block_size
     flat_shape = (num_slots, num_kv_heads, head_dim)
 
-    fp8_max = float(jnp.finfo(k_pages.dtype).max) if jnp.dtype(k_pages.dtype).itemsize == 1 else None
+    fp8_max = pool_saturation_max(k_pages.dtype)
 
     if k.shape[0] == 1:
         # One token (batch-1 decode): a dynamic_update_slice at a sanitised slot. XLA rewrites a one-index scatter

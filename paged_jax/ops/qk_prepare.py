@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from models.qk_transform import QKTransform, apply_qk_transform
-from paged_jax.ops.kv_write import write_kv
+from paged_jax.ops.kv_write import pool_saturation_max, write_kv
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
 from paged_jax.ops.ragged_paged_attention.common import next_pow2
 from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
@@ -134,7 +134,7 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
         extra.append(transform.kv_scale.astype(jnp.float32))
     pool_shape = (num_slots, num_kv_heads, head_dim)
     pool_dtype = k_pages.dtype
-    fp8_max = float(jnp.finfo(pool_dtype).max) if jnp.dtype(pool_dtype).itemsize == 1 else None
+    fp8_max = pool_saturation_max(pool_dtype)
     # Tokens per program: one head row each is a single warp's work, so a large batch would be a grid of tiny
     # programs (their launch rate, not the bytes, would bound it); a block of rows amortizes that.
     block_tokens = min(MAX_BLOCK_TOKENS, next_pow2(num_tokens))
