@@ -10,6 +10,7 @@ head shape: 32 q heads, 8 kv heads, head_dim 128, bf16, block_size 16; full batc
 reference vs JAX's deprecated ``pallas.ops.gpu.paged_attention``; slow), ``decode_compare`` (the same three on 4
 decode points, with a correctness check of JAX's kernel; ~1 min), ``decode_grid`` (ours only on a sparse grid of 10
 points, batch 1..256 x context 512..32k; ~1 min), ``decode_sweep`` and ``prefill_sweep`` (tuning variants),
+``decode_kv_dtype`` (bf16 pool vs an FP8 pool under several tunings, each FP8 variant checked first),
 ``prefill`` (4k-token prefill, chunked prefill, mixed batch), ``prefill_variants`` (the kernel's prefill tuning
 options on 1x4096, 4x1024 and 512 over a 3584 prefix; each variant checked against the reference first; prints the
 best variant as a recommended prefill default; ~1.5 min), ``rms_norm`` (the fused residual add + RMSNorm kernel vs
@@ -67,7 +68,7 @@ L2_DEFEAT_BYTES = 512 << 20  # rotate over this much KV so repeated steps miss t
 INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke test of this script)
 TINY = False  # --tiny: prefill_variants / decode_compare / decode_grid on tiny sizes (CPU smoke test)
 LOG_LINES: list[str] = []
-RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "prefill": [],
+RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "decode_kv_dtype": [], "prefill": [],
                  "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {},
                  "decode_compare": [],
                  "decode_grid": [], "qk_prepare": [], "errors": []}
@@ -449,6 +450,56 @@ def section_decode_sweep(args):
                 RESULTS["decode_sweep"].append(dict(batch=batch, context=ctx, variant=var, error=repr(e)[:500]))
                 log(f"ERR sweep {batch} {ctx} {var}: {e!r}"[:600])
         b = None
+        gc.collect()
+
+
+# ``--sections decode_kv_dtype``: (batch, context) points and the Triton kernel tunings timed on an FP8 pool beside
+# the bf16 pool's default (the engine's ``--kv-cache-dtype fp8`` decode).
+DECODE_KV_DTYPE_CASES = [(256, 1024), (64, 2048), (32, 8192), (1, 32768)]
+DECODE_FP8_VARIANTS = [{}, dict(block_k=128), dict(block_k=128, num_stages=3), dict(block_k=256),
+                       dict(block_k=128, num_warps=8)]
+
+
+def section_decode_kv_dtype(args):
+    """Decode on a bf16 pool (default tuning) vs an FP8 (e4m3) pool (``DECODE_FP8_VARIANTS``): each FP8 variant
+    checked against the reference on the same FP8 pool first; GB/s counts the bytes each pool's dtype makes the
+    kernel read, against the same-run copy ceiling."""
+    log("== decode: bf16 vs FP8 KV pool ==")
+    ceiling = RESULTS["ceiling"].get("copy_GBps")
+    key = jax.random.key(31)
+    cases = [(2, 64), (1, 256)] if TINY else DECODE_KV_DTYPE_CASES
+    for batch, ctx in cases:
+        if over_budget(f"decode_kv_dtype {batch}x{ctx}"):
+            break
+        key, sub = jax.random.split(key)
+        case_bytes = batch * ctx * HKV * D * 2 * 2
+        rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
+        b16 = make_batch(sub, [1] * batch, [ctx] * batch, num_rotations=rot)
+        b8 = dict(b16, k_pages=b16["k_pages"].astype(jnp.float8_e4m3fn),
+                  v_pages=b16["v_pages"].astype(jnp.float8_e4m3fn))
+        ref = reference_fn(b8["q"], b8["k_pages"], b8["v_pages"], b8["kv_lens"], b8["block_tables"][0],
+                           b8["cu_q_lens"])
+        for pool, b, variants in (("bf16", b16, [{}]), ("fp8", b8, DECODE_FP8_VARIANTS)):
+            nbytes = io_bytes(b)
+            for var in variants:
+                row = dict(batch=batch, context=ctx, pool=pool, variant=var, bytes=nbytes)
+                try:
+                    if pool == "fp8":
+                        out = jax.jit(ours(**var))(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"],
+                                                   b["block_tables"][0], b["cu_q_lens"])
+                        row["rel_l2_vs_reference"], row["finite"] = rel_l2(out, ref, b["q"].shape[0])
+                    t, _ = time_step(ours(**var), b, nbytes / 3e12, args.repeats)
+                    row.update(us=t * 1e6, GBps=nbytes / t / 1e9)
+                    if ceiling:
+                        row["frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+                    log(f"batch {batch:4d} ctx {ctx:6d} {pool:4s} {str(var):40s} {t*1e6:9.1f} us "
+                        f"{nbytes/t/1e9:7.0f} GB/s  rel_l2 {row.get('rel_l2_vs_reference', float('nan')):.2e}")
+                except Exception as e:
+                    row["error"] = repr(e)[:500]
+                    log(f"ERR decode_kv_dtype {batch} {ctx} {pool} {var}: {e!r}"[:600])
+                RESULTS["decode_kv_dtype"].append(row)
+                flush_results()
+        b16 = b8 = ref = None
         gc.collect()
 
 
@@ -943,6 +994,7 @@ SECTIONS = {
     "check": section_check,
     "decode": section_decode,
     "decode_sweep": section_decode_sweep,
+    "decode_kv_dtype": section_decode_kv_dtype,
     "prefill": section_prefill,
     "prefill_sweep": lambda args: section_prefill(args, variants=PREFILL_VARIANTS, sweep=True),
     "prefill_variants": section_prefill_variants,

@@ -231,8 +231,13 @@ def section_decode(args, results, copy_gbps: float):
     impls = ["pallas" if args.tiny and impl == "auto" else impl for impl in args.decode_impls.split(",") if impl]
     quantized = [("fp8", resolve_quantization("fp8", {})), ("awq-int4-g128", awq),
                  ("int8", resolve_quantization("int8", {}))]
+    formats = set(args.decode_formats.split(","))
+    unknown = formats - {"bf16"} - {name for name, _ in quantized}
+    if unknown:
+        raise ValueError(f"--decode-formats: unknown {sorted(unknown)}")
     variants = [("bf16", None, "xla")] + [(name, qc, impl) for name, qc in quantized for impl in impls
                                           if not (qc.kind == "fp8" and impl == "xla_native_grouped")]
+    variants = [v for v in variants if v[0] in formats]
     kv_read = args.context * kv_bytes_per_token(config, 2)
     if args.interpret:
         import functools
@@ -287,6 +292,8 @@ def main(argv: list[str] | None = None) -> list:
                    help="sweep: no new cell starts after this many seconds (reported as skipped)")
     p.add_argument("--decode-impls", default="xla,auto",
                    help="decode: matmul_impl values of the quantized models (models.quantization.linear)")
+    p.add_argument("--decode-formats", default="bf16,fp8,awq-int4-g128,int8",
+                   help="decode: the weight formats stepped (bf16 is the unquantized reference)")
     p.add_argument("--trace", type=int, metavar="TOP", default=0,
                    help="decode: also trace the steps and list the TOP kernels by GPU time (benchmarks.trace)")
     p.add_argument("--rms-norm-impls", default="auto",
