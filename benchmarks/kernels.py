@@ -456,8 +456,8 @@ def section_decode_sweep(args):
 # ``--sections decode_kv_dtype``: (batch, context) points and the Triton kernel tunings timed on an FP8 pool beside
 # the bf16 pool's default (the engine's ``--kv-cache-dtype fp8`` decode).
 DECODE_KV_DTYPE_CASES = [(256, 1024), (64, 2048), (32, 8192), (1, 32768)]
-DECODE_FP8_VARIANTS = [{}, dict(block_k=128), dict(block_k=128, num_stages=3), dict(block_k=256),
-                       dict(block_k=128, num_warps=8)]
+DECODE_FP8_VARIANTS = [{}, dict(fp8_dots_in_fp16=False), dict(fp8_dots_in_fp16=False, block_k=64),
+                       dict(block_k=64), dict(num_stages=3), dict(block_k=256)]
 
 
 def section_decode_kv_dtype(args):

@@ -139,7 +139,7 @@ def test_write_kv_rejects_bad_input(bad, field):
         write_kv(*(jnp.asarray(args[n]) for n in ("k_pages", "v_pages", "k", "v", "slot_mapping")))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, jnp.float8_e4m3fn])
 def test_copy_blocks_one_kernel_equals_per_pool_scatters(dtype):
     """copy_blocks: the one-launch Pallas kernel (interpret mode, pools aliased in place) = the per-pool XLA
     scatters: every layer's K and V block dst[i] becomes block src[i]; padding slots (dst = num_blocks) and

@@ -248,21 +248,48 @@ def test_fp8_kv_pool_write_saturates():
     assert not bool(jnp.isnan(k_pages.astype(jnp.float32)).any())
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_attention_reads_fp8_pages(impl):
-    """Both the jnp reference and the Triton kernel (interpret) read an e4m3 pool, against a float64 oracle of the
-    same (dequantized) pages; q in bf16 as on the GPU."""
+@pytest.mark.parametrize("impl,tuning", [("reference", {}), ("triton", {}),
+                                         ("triton", dict(fp8_dots_in_fp16=False, block_k=32))])
+def test_attention_reads_fp8_pages(impl, tuning):
+    """Both the jnp reference and the Triton kernel (interpret; its default fp16 dots, and dots in q's dtype) read an
+    e4m3 pool, against a float64 oracle of the same (dequantized) pages; q in bf16 as on the GPU."""
     batch = make_batch(11, [1, 5, 1], [9, 21, 33], hq=4, hkv=2, d=32, block_size=8, dtype=jnp.float32)
     batch["k_pages"] = batch["k_pages"].astype(jnp.float8_e4m3fn)
     batch["v_pages"] = batch["v_pages"].astype(jnp.float8_e4m3fn)
     batch["q"] = batch["q"].astype(jnp.bfloat16)
     sm_scale = 32 ** -0.5
     want = numpy_oracle(batch, sm_scale)
-    got = ragged_paged_attention(**batch, sm_scale=sm_scale, impl=impl, interpret=impl == "triton")
+    got = ragged_paged_attention(**batch, sm_scale=sm_scale, impl=impl, interpret=impl == "triton", **tuning)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="mosaic"):
         ragged_paged_attention(**batch, sm_scale=sm_scale, impl="mosaic", interpret=True)
+
+
+def test_fp8_pool_fp16_dots_clip_q_and_need_an_fp8_pool():
+    """The fp16 dots of an FP8 pool stay finite for a query beyond float16's range (q is clipped to it; the result
+    is the softmax's hard max: V of the key with the largest clipped score); asking for them on a bf16 pool is refused by name."""
+    from paged_jax.ops.ragged_paged_attention.triton_kernel import default_tuning
+
+    assert default_tuning(8, 8, 4, 2, 4, 8, 1)["block_k"] == 128 and default_tuning(8, 8, 4, 2, 4, 8, 1)[
+        "fp8_dots_in_fp16"]
+    assert default_tuning(8, 8, 4, 2, 4, 8)["block_k"] == 64 and not default_tuning(8, 8, 4, 2, 4, 8)[
+        "fp8_dots_in_fp16"]
+    batch = make_batch(12, [1], [20], hq=2, hkv=1, d=16, block_size=8, dtype=jnp.float32)
+    batch["k_pages"] = batch["k_pages"].astype(jnp.float8_e4m3fn)
+    batch["v_pages"] = batch["v_pages"].astype(jnp.float8_e4m3fn)
+    batch["q"] = (batch["q"] * 1e6).astype(jnp.bfloat16)
+    got = np.asarray(ragged_paged_attention(**batch, sm_scale=0.25, impl="triton", interpret=True), np.float32)
+    assert np.isfinite(got).all()
+    pages = np.asarray(batch["k_pages"].astype(jnp.float32)), np.asarray(batch["v_pages"].astype(jnp.float32))
+    block_ids = np.asarray(batch["block_tables"])[0, :3]
+    keys = pages[0][block_ids].reshape(-1, 16)[:20]
+    values = pages[1][block_ids].reshape(-1, 16)[:20]
+    q = np.clip(np.asarray(batch["q"].astype(jnp.float32))[0], -65504, 65504)  # what the kernel's dots see
+    np.testing.assert_allclose(got[0], values[np.argmax(q @ keys.T, axis=1)], atol=0.07, rtol=0.07)
+    bf16 = dict(batch, k_pages=batch["k_pages"].astype(jnp.bfloat16), v_pages=batch["v_pages"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="fp8_dots_in_fp16"):
+        ragged_paged_attention(**bf16, sm_scale=0.25, impl="triton", interpret=True, fp8_dots_in_fp16=True)
 
 
 def test_kv_scales_fold_into_q_and_output():

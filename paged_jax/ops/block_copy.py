@@ -77,8 +77,7 @@ def copy_blocks(kv_pool: list, src: jax.Array, dst: jax.Array, *, impl: str = "x
       src, dst: int32[C]. A destination is never also a source in the same call (copy-on-write copies into fresh
         blocks), so the order of the copies does not matter.
       impl: "xla" (per-pool scatters; any device layout), "pallas" (one Pallas Triton kernel for every pool; one
-        device: a pallas_call is not partitioned over a mesh) or "auto" ("pallas" on a GPU for pools of 2- or
-        4-byte elements, else "xla").
+        device: a pallas_call is not partitioned over a mesh) or "auto" ("pallas" on a GPU, else "xla").
       interpret: run the Pallas kernel in interpret mode (CPU tests).
     Returns:
       the pools, same structure, shapes and dtypes.
@@ -86,8 +85,7 @@ def copy_blocks(kv_pool: list, src: jax.Array, dst: jax.Array, *, impl: str = "x
     if impl not in BLOCK_COPY_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(BLOCK_COPY_IMPLS)}, got {impl!r}")
     if impl == "auto":
-        itemsize = jnp.dtype(kv_pool[0][0].dtype).itemsize if kv_pool else 0
-        impl = "pallas" if jax.default_backend() == "gpu" and itemsize in (2, 4) else "xla"
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl == "pallas" and kv_pool:
         return _copy_blocks_pallas(kv_pool, src, dst, interpret=interpret)
     return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_pool]

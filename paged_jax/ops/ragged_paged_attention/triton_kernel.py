@@ -61,6 +61,7 @@ from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
 from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
 
 _dot = getattr(plgpu, "dot", None) or pl.dot
+_FP16_MAX = float(jnp.finfo(jnp.float16).max)
 
 # Programs wanted in flight to fill an H200 (132 SMs, 2 resident programs each) when choosing kv splits.
 _TARGET_PROGRAMS = 264
@@ -74,6 +75,7 @@ def default_tuning(
     num_kv_heads: int,
     max_blocks: int,
     block_size: int,
+    kv_itemsize: int = 2,
     *,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -86,12 +88,18 @@ def default_tuning(
     prescale_q: bool = False,
     k_transposed: bool = False,
     zero_padding_in_kernel: bool = False,
+    fp8_dots_in_fp16: bool | None = None,
 ) -> dict:
     """Static tuning for one call shape; any argument given explicitly wins.
 
     * ``block_q`` (tokens per tile): decode-like batches (``T <= 2 S``) use 16-row tiles (``16 // group`` tokens),
       prefill-heavy batches 64-row tiles.
-    * ``block_k`` (keys per inner step): 64.
+    * ``block_k`` (keys per inner step): 64 for 2- and 4-byte pools, 128 for a 1-byte (FP8) pool
+      (``kv_itemsize``): the same bytes in flight per step.
+    * ``fp8_dots_in_fp16`` (1-byte pools with 16-bit queries only; default on): the FP8 K / V tiles are upcast to
+      float16 (one hardware conversion per two elements on sm_89+, where bfloat16 takes three) and both dots run
+      in float16 (q clipped to float16's range first; fp32 accumulation either way). Off: the tiles are upcast to
+      q's dtype.
     * ``num_kv_splits``: enough programs to fill the GPU (``ceil(264 / (num_tiles * Hkv))``), at most one split per
       ``block_k`` keys of the longest possible context and at most 64.
     * ``num_warps`` 4; ``num_stages`` 2 for 16-row (decode) tiles, 3 for larger (prefill) tiles.
@@ -104,7 +112,9 @@ def default_tuning(
     block_q = int(max(1, min(block_q, num_tokens)))
     rows = max(16, _next_pow2(block_q * group))
     if block_k is None:
-        block_k = 64
+        block_k = 128 if kv_itemsize == 1 else 64
+    if fp8_dots_in_fp16 is None:
+        fp8_dots_in_fp16 = kv_itemsize == 1
     num_tiles = max(1, min(num_tokens, num_tokens // block_q + num_seqs))
     if zero_padding_in_kernel:
         # Real tiles sum(ceil(q_len / block_q)) plus ceil(padding / block_q) never exceed this (nor T).
@@ -132,6 +142,7 @@ def default_tuning(
         prescale_q=bool(prescale_q),
         k_transposed=bool(k_transposed),
         zero_padding_in_kernel=zero_padding_in_kernel,
+        fp8_dots_in_fp16=bool(fp8_dots_in_fp16),
     )
 
 
@@ -162,6 +173,7 @@ def _kernel(
     prescale_q: bool,
     k_transposed: bool,
     zero_padding_in_kernel: bool,
+    fp8_dots_in_fp16: bool,
 ):
     if kv_heads_inner:
         kv_head, tile = pl.program_id(0), pl.program_id(1)
@@ -214,6 +226,10 @@ def _kernel(
             score_scale = None
         else:
             score_scale = scale_log2
+        # The dtype K / V tiles are upcast to and the dots run in (see ``default_tuning``).
+        dot_dtype = jnp.float16 if fp8_dots_in_fp16 else q_ref.dtype
+        if fp8_dots_in_fp16:
+            q = jnp.clip(q.astype(jnp.float32), -_FP16_MAX, _FP16_MAX).astype(jnp.float16)
         # Masked-off rows store to an out-of-range row: dropped by the GPU mask and by interpret-mode scatter
         # (a clamped index could collide with a real row there).
         q_store_row = jnp.where(row_valid, q_row_index, q_ref.shape[0])
@@ -271,7 +287,7 @@ def _kernel(
                 v = v_ref[pool_row, kv_head, dim]
             # An FP8 pool (--kv-cache-dtype fp8) is dequantized on load (its scales are folded into q / the output
             # by the model); a no-op for a pool of q's dtype.
-            return key_pos, k.astype(q_ref.dtype), v.astype(q_ref.dtype)
+            return key_pos, k.astype(dot_dtype), v.astype(dot_dtype)
 
         def step(kb, page, carry, masked):
             acc, m_prev, l_prev = carry
@@ -349,7 +365,15 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     if head_dim < 16 or head_dim != _next_pow2(head_dim):
         raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {head_dim}")
     group = num_q_heads // num_kv_heads
-    tuning = default_tuning(num_tokens, num_seqs, num_q_heads, num_kv_heads, max_blocks, block_size, **tuning)
+    kv_itemsize = jnp.dtype(k_pages.dtype).itemsize
+    fp8_dots_possible = kv_itemsize == 1 and jnp.dtype(q.dtype).itemsize == 2
+    if tuning.get("fp8_dots_in_fp16") and not fp8_dots_possible:
+        raise ValueError(f"fp8_dots_in_fp16 needs a 1-byte KV pool and 16-bit queries, got {k_pages.dtype} pools "
+                         f"and {q.dtype} queries")
+    tuning = default_tuning(num_tokens, num_seqs, num_q_heads, num_kv_heads, max_blocks, block_size, kv_itemsize,
+                            **tuning)
+    if not fp8_dots_possible:
+        tuning["fp8_dots_in_fp16"] = False
     bk = tuning["block_k"]
     if bk < 16 or bk != _next_pow2(bk):
         raise ValueError(f"block_k must be a power of two >= 16, got {bk}")
@@ -387,6 +411,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
         prescale_q=tuning["prescale_q"],
         k_transposed=tuning["k_transposed"],
         zero_padding_in_kernel=tuning["zero_padding_in_kernel"],
+        fp8_dots_in_fp16=tuning["fp8_dots_in_fp16"],
     )
     n_rows = num_tokens * num_q_heads
     if num_splits == 1:
@@ -404,7 +429,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     # Kernel name carries the options so profiles tell variants apart.
     flags = "".join(tag for key, tag in (("kv_heads_inner", "_hi"), ("longest_tiles_first", "_lf"),
                                          ("prefetch_pages", "_pp"), ("prescale_q", "_sq"), ("k_transposed", "_kt"),
-                                         ("zero_padding_in_kernel", "_zp"))
+                                         ("zero_padding_in_kernel", "_zp"), ("fp8_dots_in_fp16", "_f16"))
                     if tuning[key])
     outs = pl.pallas_call(
         kernel,
