@@ -40,8 +40,8 @@ def ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu
     ``cu_q_lens int32[S+1]`` -> ``[T, Hq, D]`` in ``q.dtype``, zeros for padding tokens.
 
     ``min_q_len`` (static; None = ``MOSAIC_MIN_Q_LEN``), the split itself dynamic (from ``cu_q_lens``).
-    ``mosaic_tuning`` / ``triton_tuning``: keyword arguments of the kernels' ``default_tuning``. No sliding window; the pools must be of
-    q's dtype (the Mosaic kernel's ``supported``).
+    ``mosaic_tuning`` / ``triton_tuning``: keyword arguments of the kernels' ``default_tuning``. No sliding
+    window; the pools must be of q's dtype (the Mosaic kernel's ``supported``).
     """
     min_q_len = MOSAIC_MIN_Q_LEN if min_q_len is None else int(min_q_len)
     if min_q_len < 2:
