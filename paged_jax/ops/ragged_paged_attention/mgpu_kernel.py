@@ -12,9 +12,14 @@ Work decomposition
 ------------------
 * A *tile* is ``2 * block_q`` consecutive token rows starting on a multiple of 8, holding query tokens of ONE
   sequence (the first tile of a sequence may start up to 7 rows early: those rows are computed, never stored). The
-  tile map is computed in jnp before the call; tiles past the real count exit at once. Grid ``(Hq, num_tiles)``:
-  one program per (query head, tile); the ``Hq`` programs of a tile are launched next to each other, so the
-  ``group`` query heads of one kv head read the same K/V pages while they are in L2.
+  tile map is computed in jnp before the call (longest first by default); a *work item* is one (query head, real tile)
+  pair, and their count (real tiles x ``Hq``) goes into the metadata buffer too.
+* Persistent grid: ``num_programs`` programs (about one per SM; each holds ~200 KiB of shared memory, so one runs
+  per SM) whatever the batch; program ``p`` takes items ``p, p + num_programs, ...``. Item ``w`` is query head
+  ``w % Hq`` of tile ``w // Hq``: the ``Hq`` items of a tile run at the same time on neighbouring programs, so the
+  ``group`` query heads of one kv head read the same K/V pages while they are in L2. The static tile bound (every
+  sequence slot may add a tile) no longer sizes the launch: an engine bucket's hundreds of empty slots cost nothing
+  but their entries in the jnp tile map.
 * Three warpgroups per program. Two *compute* warpgroups take ``block_q`` tokens each (rows of one head), hold the
   online-softmax state in registers and run ``q @ K^T`` and ``P @ V`` on the tensor cores (``wgmma``); a schedule
   barrier makes them alternate between softmax and matmul. One *memory* warpgroup streams K and V through a ring of
@@ -28,7 +33,13 @@ Work decomposition
   mid-tile lands rows in the wrong place in the swizzled buffer on the H200) and never leaving ``q`` (the start is
   clamped to ``T - block_q``, ``T`` padded to a multiple of 8; rows of other tokens are computed and dropped). The
   output is written through a plain shared-memory buffer with a ladder of TMA stores of 64, 32, ..., 1 rows:
-  exactly the warpgroup's valid rows, never a row of another sequence.
+  exactly the warpgroup's valid rows, never a row of another sequence (so the kernel can write into another
+  kernel's output: ``out=``, the hybrid path). The buffer is refilled for the next item only after those stores
+  have read it.
+* Across items the K/V ring runs on (slot = the program's running step count mod ``num_stages``): the memory
+  warpgroup fetches the next item's first pages while the compute warpgroups finish the current one; each barrier
+  phase is waited exactly once by every thread that tracks it (the last free phases after the memory
+  warpgroup's loop), as the CPU interpreter checks.
 
 Limits (``supported`` says whether a call qualifies; ``ragged_paged_attention`` falls back to the Triton kernel):
 head_dim 64 or 128, bf16/fp16, no sliding window, ``block_size`` a multiple of 8 dividing ``block_kv``, an sm_90
