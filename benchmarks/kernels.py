@@ -579,7 +579,8 @@ def section_prefill_peers(args):
     except Exception as e:
         row["mgpu_error"] = repr(e)[:500]
     # Empty sequence slots: an engine-like bucket (2048 tokens, 256 slots) holding 2 prompts of 1024. Every slot
-    # adds a tile to the static grid bound; the Mosaic kernel's empty programs each cost a CTA launch.
+    # adds a tile to the static tile bound (the Triton kernel's grid; the Mosaic kernel's persistent grid does not
+    # grow with it). The prefill_buckets section covers more bucket cases.
     if not TINY:
         be = make_batch(jax.random.key(71), [1024, 1024], [1024, 1024], pad_seqs=254)
         fe = attention_flops(be)
