@@ -299,6 +299,12 @@ MOSAIC_CHECK_CASES = [
     ("mosaic fresh 77", [77], [77], 32, 8, 128, 16, jnp.bfloat16, None, {}),
     ("mosaic fresh 300 bkv64", [300], [300], 32, 8, 128, 16, jnp.bfloat16, None, dict(block_kv=64)),
     ("mosaic fresh 256+44 no padding", [300], [300], 32, 8, 128, 128, jnp.bfloat16, None, {}),
+    # The persistent grid with few programs: many work items per program, the K/V ring and the output buffer
+    # carried from item to item (items of 1 to 24 key steps), GQA 4 and 8.
+    ("mosaic 7 programs ragged", [1, 130, 1, 64, 300], [1, 130, 900, 64, 3000], 32, 8, 128, 16, jnp.bfloat16,
+     None, dict(num_programs=7)),
+    ("mosaic 3 programs gqa8 bkv64 3 stages", [129, 40, 500], [1000, 40, 700], 16, 2, 64, 16, jnp.bfloat16, None,
+     dict(num_programs=3, block_kv=64, num_stages=3)),
 ]
 
 
