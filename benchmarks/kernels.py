@@ -71,7 +71,7 @@ LOG_LINES: list[str] = []
 RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "decode_kv_dtype": [], "prefill": [],
                  "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {},
                  "decode_compare": [],
-                 "decode_grid": [], "qk_prepare": [], "errors": []}
+                 "decode_grid": [], "qk_prepare": [], "prefill_buckets": [], "errors": []}
 OUT_DIR = "bench_out"
 DEADLINE = float("inf")  # time.time() after which sections start no new case (--budget-s)
 SECTION_DEADLINE = float("inf")  # the same for the running section (--section-budgets)
@@ -300,6 +300,12 @@ MOSAIC_CHECK_CASES = [
     ("mosaic fresh 77", [77], [77], 32, 8, 128, 16, jnp.bfloat16, None, {}),
     ("mosaic fresh 300 bkv64", [300], [300], 32, 8, 128, 16, jnp.bfloat16, None, dict(block_kv=64)),
     ("mosaic fresh 256+44 no padding", [300], [300], 32, 8, 128, 128, jnp.bfloat16, None, {}),
+    # The persistent grid with few programs: many work items per program, the K/V ring and the output buffer
+    # carried from item to item (items of 1 to 24 key steps), GQA 4 and 8.
+    ("mosaic 7 programs ragged", [1, 130, 1, 64, 300], [1, 130, 900, 64, 3000], 32, 8, 128, 16, jnp.bfloat16,
+     None, dict(num_programs=7)),
+    ("mosaic 3 programs gqa8 bkv64 3 stages", [129, 40, 500], [1000, 40, 700], 16, 2, 64, 16, jnp.bfloat16, None,
+     dict(num_programs=3, block_kv=64, num_stages=3)),
 ]
 
 
@@ -630,7 +636,8 @@ def section_prefill_peers(args):
     except Exception as e:
         row["mgpu_error"] = repr(e)[:500]
     # Empty sequence slots: an engine-like bucket (2048 tokens, 256 slots) holding 2 prompts of 1024. Every slot
-    # adds a tile to the static grid bound; the Mosaic kernel's empty programs each cost a CTA launch.
+    # adds a tile to the static tile bound (the Triton kernel's grid; the Mosaic kernel's persistent grid does not
+    # grow with it). The prefill_buckets section covers more bucket cases.
     if not TINY:
         be = make_batch(jax.random.key(71), [1024, 1024], [1024, 1024], pad_seqs=254)
         fe = attention_flops(be)
@@ -811,6 +818,137 @@ def _prefill_variant_table(variants, case_names, rows, mm):
     for c, (t, v) in per_case.items():
         log(f"  best on {c}: {v} ({t:.1f} us)")
     log("  (the kernel default is unchanged: apply it to default_tuning's prefill branch after review)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine's prefill-sized buckets: T tokens x 256 sequence slots (most of them padding), as a step of the engine
+# pads them; one pool size and one table width per T, so each implementation compiles once per T.
+
+BUCKET_SLOTS = 256
+# (name, q_lens, kv_lens, bucket tokens T). Groups of equal T share static shapes. T 512 / 1024: the buckets on
+# either side of choose_impl's MOSAIC_MIN_TOKENS (where "auto" switches from the Triton kernel to the hybrid path).
+PREFILL_BUCKET_CASES = [
+    ("1x2048", [2048], [2048], 2048),
+    ("2x1024", [1024] * 2, [1024] * 2, 2048),
+    ("8x256", [256] * 8, [256] * 8, 2048),
+    ("mixed 200 decodes@1024 + 1800 chunk", [1] * 200 + [1800], [1024] * 200 + [1800], 2048),
+    ("1x4096", [4096], [4096], 4096),
+    ("512 over 3584", [512], [4096], 4096),
+    ("512 over 3584 (T 512)", [512], [4096], 512),
+    ("1x1024 (T 1024)", [1024], [1024], 1024),
+]
+# --tiny (CPU smoke test in interpret mode): 2 query heads, 8 slots, a few dozen tokens; the Mosaic kernel on 2
+# persistent programs and the hybrid's split at 8 query tokens (the interpreter's cost is per program).
+PREFILL_BUCKET_CASES_TINY = [
+    ("1x32", [32], [32], 32),
+    ("mixed 3 decodes@16 + 24 chunk", [1, 1, 1, 24], [16, 16, 16, 24], 32),
+    ("8 over 56", [8], [64], 64),
+]
+
+
+def _bucket_batch(key, q_lens, kv_lens, num_tokens, num_slots, num_blocks, width, hq, hkv):
+    """A bucket-shaped batch: the real sequences' pages drawn without repeat from a pool of ``num_blocks`` blocks,
+    the other slots padding (q_len 0, kv_len 0, tables on the null block), tokens past the real ones padding.
+    Same dict layout as ``make_batch`` (block tables ``[1, S, width]``)."""
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    q_np = np.zeros(num_slots, np.int32)
+    kv_np = np.zeros(num_slots, np.int32)
+    q_np[: len(q_lens)], kv_np[: len(kv_lens)] = q_lens, kv_lens
+    needed = -(-kv_np // BLOCK_SIZE)
+    free = rng.permutation(np.arange(1, num_blocks, dtype=np.int32))
+    tables = np.zeros((1, num_slots, width), np.int32)
+    used = 0
+    for s, n in enumerate(needed):
+        tables[0, s, :n] = free[used: used + n]
+        used += n
+    cu = np.concatenate([[0], np.cumsum(q_np)]).astype(np.int32)
+    kq, kk, kv = jax.random.split(key, 3)
+    gen = jax.jit(lambda k, shape: jax.random.normal(k, shape, DTYPE), static_argnums=1)
+    return dict(q=gen(kq, (num_tokens, hq, D)), k_pages=gen(kk, (num_blocks, BLOCK_SIZE, hkv, D)),
+                v_pages=gen(kv, (num_blocks, BLOCK_SIZE, hkv, D)), kv_lens=jnp.asarray(kv_np),
+                block_tables=jnp.asarray(tables), cu_q_lens=jnp.asarray(cu), q_lens_np=q_np, kv_lens_np=kv_np)
+
+
+def section_prefill_buckets(args):
+    """Prefill-sized engine buckets (T = 2048 / 4096 tokens x 256 sequence slots; probes at T 512 / 1024): what
+    ``impl="auto"`` picks (on Hopper: the hybrid path at T >= MOSAIC_MIN_TOKENS) vs the Triton kernel alone vs
+    the Mosaic kernel alone (persistent grid) vs the hybrid path forced; every implementation checked against the
+    jnp reference (fp32) on each case first, then timed. TFLOP/s = useful causal FLOPs (4*Hq*D*visible keys) /
+    time, and the share of the same-run bf16 matmul rate (the ``ceiling`` section's, else measured here)."""
+    from paged_jax.ops.ragged_paged_attention import choose_impl
+    from paged_jax.ops.ragged_paged_attention.hybrid import ragged_paged_attention_hybrid
+
+    log("== prefill buckets: T tokens x sequence slots, Llama-3-8B heads, bf16, block_size 16; "
+        "TFLOP/s = 4*Hq*D*(visible keys) / time ==")
+    mm = _matmul_tflops(args.repeats)
+    hq, hkv = (2, 1) if TINY else (HQ, HKV)
+    slots = 8 if TINY else BUCKET_SLOTS
+    cases = PREFILL_BUCKET_CASES_TINY if TINY else PREFILL_BUCKET_CASES
+    mosaic_tuning = dict(num_programs=2) if TINY else {}
+    split_at = 8 if TINY else None  # None: the hybrid's MOSAIC_MIN_Q_LEN
+    scale = 1.0 / math.sqrt(D)
+
+    def hybrid(q, kp, vp, kl, bt, cu):
+        return ragged_paged_attention_hybrid(q, kp, vp, kl, bt, cu, sm_scale=scale, interpret=INTERPRET,
+                                             min_q_len=split_at, mosaic_tuning=mosaic_tuning)
+
+    impls = [("auto", ours("auto")), ("triton", ours("triton")), ("mosaic", ours("mosaic", **mosaic_tuning)),
+             ("hybrid", hybrid)]
+    # One pool for every case (static shapes shared within a T group): the largest case's pages plus the null block.
+    num_blocks = 1 + max(int(sum(-(-k // BLOCK_SIZE) for k in kl)) for _, _, kl, _ in cases)
+    widths = {}
+    for _, _, kl, t in cases:
+        widths[t] = max(widths.get(t, 1), -(-max(kl) // BLOCK_SIZE))
+    key = jax.random.key(80)
+    runs = {}  # (impl, T) -> one jitted looped function (compiled once per group)
+    summary = {}
+    for name, ql, kl, t in cases:
+        if over_budget(f"prefill bucket {name}"):
+            break
+        key, sub = jax.random.split(key)
+        b = _bucket_batch(sub, ql, kl, t, slots, num_blocks, widths[t], hq, hkv)
+        b_args = (b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"], b["cu_q_lens"])
+        flops = attention_flops(b)
+        ref = np.asarray(jax.jit(lambda q, kp, vp, kl_, bt, cu: ragged_paged_attention_reference(
+            q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), kl_, bt, cu, sm_scale=scale,
+            max_chunk_bytes=1 << 30))(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"][0],
+                                      b["cu_q_lens"]))
+        auto_pick = choose_impl(b["q"].shape, b["k_pages"].shape, b["q"].dtype, slots)
+        n_real = int(b["cu_q_lens"][-1])
+        log(f"case {name}: T={t} S={slots} real tokens {n_real} {flops / 1e9:.1f} GFLOP; auto -> {auto_pick}")
+        for impl, fn in impls:
+            row = dict(case=name, impl=impl, bucket_tokens=t, slots=slots, flops=flops, auto_pick=auto_pick)
+            try:
+                run = runs.setdefault((impl, t), looped_dynamic(fn))
+                out = jax.block_until_ready(run(jnp.int32(1), *b_args))
+                err, finite = rel_l2(out, ref, n_real)
+                pad_zero = bool(np.all(np.asarray(out[n_real:].astype(jnp.float32)) == 0))
+                row.update(rel_l2=err, finite=finite, pad_zero=pad_zero, ok=finite and pad_zero and err < 2e-2)
+                if row["ok"]:
+                    n_inner = n_inner_for(flops / 300e12)
+                    tm = median_time(run, (jnp.int32(n_inner), *b_args), args.repeats) / n_inner
+                    row.update(us=tm * 1e6, TFLOPs=flops / tm / 1e12, frac_matmul=flops / tm / 1e12 / mm,
+                               matmul_TFLOPs=mm, n_inner=n_inner)
+                    summary[(name, impl)] = tm
+                    log(f"  {impl:7s} {tm * 1e6:9.1f} us {row['TFLOPs']:6.1f} TFLOP/s "
+                        f"{100 * row['frac_matmul']:5.1f}% of matmul  rel_l2 {err:.1e}")
+                else:
+                    log(f"  BAD {impl:7s} rel_l2 {err:.2e} finite={finite} pad_zero={pad_zero}: not timed")
+            except Exception as e:  # one implementation failing must not end the section
+                row["error"] = repr(e)[:2000]
+                log(f"  ERR {impl}: {e!r}"[:1500])
+            RESULTS["prefill_buckets"].append(row)
+            log(json.dumps({k: v for k, v in row.items() if k != "error"}, default=str))
+            flush_results()
+        b = None
+        gc.collect()
+    log(f"-- prefill buckets: time vs the Triton kernel alone (same-run bf16 matmul {mm:.0f} TFLOP/s) --")
+    for name, *_ in cases:
+        base = summary.get((name, "triton"))
+        cells = [f"{impl} {base / summary[(name, impl)]:5.2f}x" for impl, _ in impls
+                 if base and (name, impl) in summary and impl != "triton"]
+        if cells:
+            log(f"  {name:40s} " + "  ".join(cells))
 
 
 DECODE_COMPARE_POINTS = [(8, 2048), (32, 8192), (128, 2048), (1, 32768)]
@@ -1000,6 +1138,7 @@ SECTIONS = {
     "prefill_variants": section_prefill_variants,
     "check_mosaic": section_check_mosaic,
     "prefill_peers": section_prefill_peers,
+    "prefill_buckets": section_prefill_buckets,
     "decode_compare": section_decode_compare,
     "decode_grid": section_decode_grid,
     "rms_norm": section_rms_norm,

@@ -26,19 +26,28 @@ rpa = importlib.import_module("paged_jax.ops.ragged_paged_attention")
 
 pytestmark = pytest.mark.skipif(mgpu_kernel.plgpu is None, reason="no Mosaic GPU Pallas in this jax")
 
-# name: (q_lens, kv_lens, hq, hkv, d, block_size, dtype, tuning)
+# name: (q_lens, kv_lens, hq, hkv, d, block_size, dtype, tuning). The persistent grid's cost in the interpreter is
+# mostly per program (each runs its three warpgroups as threads), so every case names a small ``num_programs``.
 CASES = {
     # 130-token prompt: two 128-token tiles, the second with 2 valid rows (its second warpgroup has none); a
     # 1-token chunk over a 700-token prefix (11 key steps, the last partly past the context); a 60-token prompt
     # (one tile, the second warpgroup empty); padding tokens and padded sequence slots; GQA 2, d 64, 16-token
-    # pages (4 TMA page copies per 64-key step).
-    "ragged_gqa2_d64_bs16": ([130, 1, 60], [130, 700, 60], 4, 2, 64, 16, jnp.bfloat16, dict(block_kv=64)),
+    # pages (4 TMA page copies per 64-key step). One program takes all 8 work items: the K/V ring runs on across
+    # items of different step counts.
+    "ragged_gqa2_d64_bs16": ([130, 1, 60], [130, 700, 60], 4, 2, 64, 16, jnp.bfloat16,
+                             dict(block_kv=64, num_programs=1)),
     # A 67-token chunk over a 253-token prefix (keys end mid-page), a 3-token prompt; GQA 1, d 128, fp16, 32-token
-    # pages (4 per 128-key step); T not a multiple of 8 (the wrapper pads it for the TMA boxes).
-    "chunked_gqa1_d128_fp16_bs32": ([67, 3], [320, 3], 2, 2, 128, 32, jnp.float16, {}),
+    # pages (4 per 128-key step); T not a multiple of 8 (the wrapper pads it for the TMA boxes). 4 work items on
+    # 2 programs: several items per program, the output buffer reused after its stores.
+    "chunked_gqa1_d128_fp16_bs32": ([67, 3], [320, 3], 2, 2, 128, 32, jnp.float16, dict(num_programs=2)),
     # GQA 4 (four query heads read one kv head's pages), a sequence starting mid 8-row group (token 9), 3 ring
-    # slots with 64-key steps over a 250-token context.
-    "gqa4_three_stages": ([9, 70], [9, 250], 4, 1, 64, 16, jnp.bfloat16, dict(block_kv=64, num_stages=3)),
+    # slots with 64-key steps over a 250-token context; 8 items on 2 programs.
+    "gqa4_three_stages": ([9, 70], [9, 250], 4, 1, 64, 16, jnp.bfloat16,
+                          dict(block_kv=64, num_stages=3, num_programs=2)),
+    # GQA 8, many 1-token sequences and few real tiles among many sequence slots (the static tile bound is large,
+    # the work list short), tiles in map order (no sort): 32 items on 3 programs.
+    "gqa8_one_token_rows": ([1, 1, 200, 1], [33, 1, 300, 64], 8, 1, 64, 16, jnp.bfloat16,
+                            dict(block_kv=64, num_programs=3, longest_tiles_first=False)),
 }
 
 
@@ -49,9 +58,9 @@ def _run(batch, sm_scale, **tuning):
               batch["cu_q_lens"])
 
 
-# Interpretation of the Mosaic kernel is slow: the two largest cases run with `make test-all` (marker `slow`); CI runs
-# the chunked fp16 case, which goes through the same tiles, pages and ring.
-_SLOW_CASES = {"ragged_gqa2_d64_bs16", "gqa4_three_stages"}
+# Interpretation of the Mosaic kernel is slow: the larger cases run with `make test-all` (marker `slow`); CI runs the
+# chunked fp16 case, which goes through the same tiles, pages and ring (and the hybrid test below).
+_SLOW_CASES = {"ragged_gqa2_d64_bs16", "gqa4_three_stages", "gqa8_one_token_rows"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in _SLOW_CASES else name
@@ -92,19 +101,63 @@ def test_auto_dispatch(monkeypatch):
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(rpa, "_is_hopper", lambda: True)
-    # Hopper: the Mosaic kernel for prefill-heavy shapes (>= 128 tokens per sequence slot), Triton otherwise.
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "mosaic"
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=32) == "mosaic"
-    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=33) == "triton"  # decode-heavy bucket
-    assert rpa.choose_impl((2048, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "triton"
-    assert rpa.choose_impl((1024, 32, 128), pool_shape, jnp.bfloat16, num_seqs=8) == "mosaic"
-    assert rpa.choose_impl((512, 32, 128), pool_shape, jnp.bfloat16, num_seqs=1) == "triton"  # too few tiles
+    # Hopper: the hybrid path for calls of >= MOSAIC_MIN_TOKENS tokens, whatever the sequence slots (the engine's
+    # prefill buckets: 2048 or 4096 tokens x 256 slots), the Triton kernel below.
+    assert rpa.MOSAIC_MIN_TOKENS == 1024
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "hybrid"
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=256) == "hybrid"
+    assert rpa.choose_impl((2048, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "hybrid"
+    assert rpa.choose_impl((1024, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "hybrid"
+    assert rpa.choose_impl((512, 32, 128), pool_shape, jnp.bfloat16, num_seqs=1) == "triton"
+    assert rpa.choose_impl((256, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "triton"  # decode bucket
+    # What the Mosaic kernel does not support stays on the Triton kernel alone.
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4, sliding_window=512) == "triton"
     assert rpa.choose_impl(q_shape, pool_shape, jnp.float32, num_seqs=4) == "triton"
     assert rpa.choose_impl((4096, 32, 256), (300, 16, 8, 256), jnp.bfloat16, num_seqs=4) == "triton"
     # Another GPU generation: the Triton kernel.
     monkeypatch.setattr(rpa, "_is_hopper", lambda: False)
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4) == "triton"
+
+
+def test_auto_runs_hybrid_split_on_hopper(monkeypatch):
+    """``impl="auto"`` on a (simulated) Hopper bucket runs the hybrid path: the 40-token chunk (>= min_q_len) on the
+    Mosaic kernel, written in place into the Triton kernel's output, which holds the decode rows, the 5-token
+    prompt and the padding zeros; GQA 2, padded sequence slots. The Mosaic part's 2 work items on 3 persistent
+    programs: one program gets no item. An FP8 pool in the same call shape goes to the Triton kernel alone."""
+    from paged_jax.ops.ragged_paged_attention import hybrid
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(rpa, "_is_hopper", lambda: True)
+    monkeypatch.setattr(rpa, "MOSAIC_MIN_TOKENS", 16)
+    monkeypatch.setattr(hybrid, "MOSAIC_MIN_Q_LEN", 16)
+    monkeypatch.setattr(mgpu_kernel, "default_num_programs", lambda: 3)
+    mosaic_calls = []
+
+    def spy(*args, **kwargs):
+        mosaic_calls.append(kwargs)
+        return mgpu_kernel.ragged_paged_attention_mgpu(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "ragged_paged_attention_mgpu", spy)
+    batch = make_batch(5, [1, 40, 5, 1], [50, 100, 5, 20], hq=2, hkv=1, d=64, block_size=16, dtype=jnp.bfloat16,
+                       pad_seqs=3, pad_tokens=5)
+    assert rpa.choose_impl(batch["q"].shape, batch["k_pages"].shape, jnp.bfloat16, 7) == "hybrid"
+    sm_scale = 0.125
+    fn = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+        q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl="auto", interpret=True))
+    args = [batch[k] for k in ("q", "k_pages", "v_pages", "kv_lens", "block_tables", "cu_q_lens")]
+    got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
+    want = numpy_oracle(batch, sm_scale)
+    n_real = int(batch["cu_q_lens"][-1])
+    np.testing.assert_allclose(got[:n_real], want[:n_real], atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(got[n_real:], 0.0)
+    assert [(c["min_q_len"], c["out"] is not None) for c in mosaic_calls] == [(16, True)]
+
+    fp8 = [args[0], args[1].astype(jnp.float8_e4m3fn), args[2].astype(jnp.float8_e4m3fn), *args[3:]]
+    triton = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+        q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl="triton", interpret=True))
+    np.testing.assert_array_equal(np.asarray(fn(*fp8).astype(jnp.float32)),
+                                  np.asarray(triton(*fp8).astype(jnp.float32)))
+    assert len(mosaic_calls) == 1
 
 
 def test_tile_map_aligned_and_covering():
@@ -126,3 +179,9 @@ def test_tile_map_aligned_and_covering():
         covered[lo:hi] += 1
     np.testing.assert_array_equal(covered[: cu[-1]], 1)
     assert (tile_seq == num_seqs).sum() >= 1  # the static bound leaves room
+    # include (the hybrid split): only the selected sequences get tiles, the real ones still first.
+    include = jnp.asarray(q_lens >= 60)
+    tile_seq, _ = (np.asarray(x) for x in tile_map(jnp.asarray(cu), num_tiles, tile, align=8, include=include))
+    real = tile_seq[tile_seq < num_seqs]
+    assert sorted(set(real.tolist())) == [0, 3, 4] and len(real) == 2 + 1 + 3
+    assert np.all(tile_seq[len(real):] == num_seqs)

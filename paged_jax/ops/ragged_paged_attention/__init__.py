@@ -12,13 +12,12 @@ from paged_jax.attention_impl import ATTENTION_IMPLS, resolve_attention_impl
 from paged_jax.ops.ragged_paged_attention.common import validate_inputs
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-# "auto" takes the Mosaic GPU kernel when the batch averages at least this many query tokens per sequence slot: its
-# grid has a program per (head, tile slot) and every sequence slot may add one, so decode-heavy shapes (mostly empty
-# programs, one ~200 KiB-shared-memory CTA per SM each, and empty slots cost measurable launch time) stay with the
-# Triton kernel...
-MOSAIC_MIN_TOKENS_PER_SEQ = 128
-# ...and when the batch has at least this many tokens: 128-token tiles x heads must fill the GPU's 132 SMs (a single
-# 128-token prompt would give 32 programs; the Triton kernel's smaller tiles and kv splits spread it wider).
+# "auto" takes the hybrid path (hybrid.py: the sequences of >= 128 query tokens on the Mosaic GPU kernel, the others
+# on the Triton kernel, split on the device) on Hopper for call shapes of at least this many tokens: the engine's
+# prefill-sized buckets. A smaller bucket holds at most a few 128-row tiles per head (1024 tokens: 8 tiles x the
+# query heads, about two rounds of the persistent grid on 132 SMs), where the second kernel launch and the Mosaic
+# kernel's 128-row granularity outweigh its faster tiles. ``benchmarks/kernels.py --sections prefill_buckets``
+# times buckets on both sides of it.
 MOSAIC_MIN_TOKENS = 1024
 
 
@@ -28,17 +27,20 @@ def _is_hopper() -> bool:
 
 
 def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None) -> str:
-    """What ``impl="auto"`` runs for a static call shape: ``"mosaic"`` (Hopper, prefill-heavy: at least 128 tokens
-    per sequence slot and 1024 tokens; supported shape), ``"triton"`` (any other GPU case with a power-of-two
-    head_dim >= 16) or ``"reference"`` (CPU, or any other head_dim)."""
+    """What ``impl="auto"`` runs for a static call shape: ``"hybrid"`` (Hopper, at least ``MOSAIC_MIN_TOKENS``
+    tokens, a shape the Mosaic kernel supports: long sequences on it, short ones on the Triton kernel; ``hybrid``),
+    ``"triton"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU, or any other
+    head_dim). ``num_seqs`` (the sequence slots) does not matter: the split is by each sequence's query length, on
+    the device."""
+    del num_seqs
     head_dim = q_shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
         return "reference"
     from paged_jax.ops.ragged_paged_attention import mgpu_kernel
 
-    if (_is_hopper() and q_shape[0] >= max(MOSAIC_MIN_TOKENS_PER_SEQ * num_seqs, MOSAIC_MIN_TOKENS)
+    if (_is_hopper() and q_shape[0] >= MOSAIC_MIN_TOKENS
             and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window) is None):
-        return "mosaic"
+        return "hybrid"
     return "triton"
 
 
@@ -79,15 +81,17 @@ def ragged_paged_attention(
       sliding_window: if set, the query at position ``p`` sees keys ``p - sliding_window < j <= p`` (else ``j <= p``).
       impl: one of ``ATTENTION_IMPLS``: ``"triton"`` (the Triton-lowered Pallas kernel, ``triton_kernel``; on CPU
         only with ``interpret=True``), ``"mosaic"`` (the Mosaic GPU prefill kernel for Hopper, ``mgpu_kernel``; on
-        CPU only with ``interpret=True``), ``"reference"`` (pure jnp) or ``"auto"`` (``choose_impl``: on a GPU, the
-        Mosaic kernel for prefill-heavy shapes on Hopper and the Triton kernel otherwise; the reference on CPU).
+        CPU only with ``interpret=True``), ``"reference"`` (pure jnp) or ``"auto"`` (``choose_impl``: on a GPU,
+        for calls of at least ``MOSAIC_MIN_TOKENS`` tokens on Hopper the hybrid path (``hybrid``: sequences of
+        >= 128 query tokens on the Mosaic kernel, the others on the Triton kernel), else the Triton kernel; the
+        reference on CPU).
         The old name ``"pallas"`` still means ``"triton"`` (FutureWarning).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
-        reference; with ``"auto"`` the Triton knobs apply when it picks the Triton kernel and are dropped when it
-        picks the Mosaic one.
+        reference; with ``"auto"`` they are the Triton kernel's (alone, or the short sequences' part of the
+        hybrid path).
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; padding tokens are zeros. Jittable: ``T``, ``S``, ``max_blocks`` are static,
@@ -106,10 +110,13 @@ def ragged_paged_attention(
         raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
     if impl == "auto":
         impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window)
-        if impl == "mosaic" and fp8_pages:  # its TMA/wgmma pipeline reads pages of q's dtype only
-            impl, tuning = "triton", {}
-        if impl == "mosaic":  # the Triton knobs mean nothing to it
-            tuning = {}
+        if impl == "hybrid" and fp8_pages:  # the Mosaic kernel's TMA/wgmma pipeline reads pages of q's dtype only
+            impl = "triton"
+        if impl == "hybrid":  # the Triton knobs go to its Triton part (the short sequences)
+            from paged_jax.ops.ragged_paged_attention.hybrid import ragged_paged_attention_hybrid
+
+            return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
+                                                 sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 
@@ -129,4 +136,5 @@ def ragged_paged_attention(
     )
 
 
-__all__ = ["ATTENTION_IMPLS", "choose_impl", "ragged_paged_attention", "ragged_paged_attention_reference"]
+__all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
+           "ragged_paged_attention_reference"]

@@ -66,7 +66,8 @@ def int32_metadata(kv_lens, block_tables, cu_q_lens) -> tuple[jax.Array, jax.Arr
     return kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
 
 
-def tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1) -> tuple[jax.Array, jax.Array]:
+def tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1,
+             include: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Query tile -> ``(tile_seq int32[num_tiles], tile_start int32[num_tiles])``: the sequence a tile of ``block_q``
     consecutive query tokens belongs to, and its first token. Tiles beyond the real count get sequence index ``S``
     (no attention work) and, in order, the ``block_q``-token ranges of the padding tokens from ``cu_q_lens[S]`` on
@@ -74,11 +75,15 @@ def tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1)
 
     ``align > 1``: each sequence's first tile starts at its first token rounded down to a multiple of ``align``
     (the tile's rows before the sequence belong to the previous one and must not be stored; the Mosaic kernel's TMA
-    boxes need 8-row-aligned starts). At most ``sum(ceil((q_len + align - 1) / block_q))`` real tiles."""
+    boxes need 8-row-aligned starts). At most ``sum(ceil((q_len + align - 1) / block_q))`` real tiles.
+
+    ``include``: None, or ``bool[S]``: only those sequences get tiles (the others' rows are left to another kernel:
+    the hybrid dispatch splits a batch by query length, on the device)."""
     num_seqs = cu_q_lens.shape[0] - 1
     q_start, q_end = cu_q_lens[:-1], cu_q_lens[1:]
     first_row = (q_start // align) * align
-    tiles_per_seq = jnp.where(q_end > q_start, (q_end - first_row + block_q - 1) // block_q, 0)
+    has_tiles = q_end > q_start if include is None else (q_end > q_start) & include
+    tiles_per_seq = jnp.where(has_tiles, (q_end - first_row + block_q - 1) // block_q, 0)
     tile_end = jnp.cumsum(tiles_per_seq).astype(jnp.int32)  # inclusive prefix sums
     tiles = jnp.arange(num_tiles, dtype=jnp.int32)
     # compare_all: one fused [num_tiles, S] comparison. The default binary search ("scan") lowers to an XLA

@@ -12,9 +12,14 @@ Work decomposition
 ------------------
 * A *tile* is ``2 * block_q`` consecutive token rows starting on a multiple of 8, holding query tokens of ONE
   sequence (the first tile of a sequence may start up to 7 rows early: those rows are computed, never stored). The
-  tile map is computed in jnp before the call; tiles past the real count exit at once. Grid ``(Hq, num_tiles)``:
-  one program per (query head, tile); the ``Hq`` programs of a tile are launched next to each other, so the
-  ``group`` query heads of one kv head read the same K/V pages while they are in L2.
+  tile map is computed in jnp before the call (longest first by default); a *work item* is one (query head, real tile)
+  pair, and their count (real tiles x ``Hq``) goes into the metadata buffer too.
+* Persistent grid: ``num_programs`` programs (about one per SM; each holds ~200 KiB of shared memory, so one runs
+  per SM) whatever the batch; program ``p`` takes items ``p, p + num_programs, ...``. Item ``w`` is query head
+  ``w % Hq`` of tile ``w // Hq``: the ``Hq`` items of a tile run at the same time on neighbouring programs, so the
+  ``group`` query heads of one kv head read the same K/V pages while they are in L2. The static tile bound (every
+  sequence slot may add a tile) no longer sizes the launch: an engine bucket's hundreds of empty slots cost nothing
+  but their entries in the jnp tile map.
 * Three warpgroups per program. Two *compute* warpgroups take ``block_q`` tokens each (rows of one head), hold the
   online-softmax state in registers and run ``q @ K^T`` and ``P @ V`` on the tensor cores (``wgmma``); a schedule
   barrier makes them alternate between softmax and matmul. One *memory* warpgroup streams K and V through a ring of
@@ -28,7 +33,13 @@ Work decomposition
   mid-tile lands rows in the wrong place in the swizzled buffer on the H200) and never leaving ``q`` (the start is
   clamped to ``T - block_q``, ``T`` padded to a multiple of 8; rows of other tokens are computed and dropped). The
   output is written through a plain shared-memory buffer with a ladder of TMA stores of 64, 32, ..., 1 rows:
-  exactly the warpgroup's valid rows, never a row of another sequence.
+  exactly the warpgroup's valid rows, never a row of another sequence (so the kernel can write into another
+  kernel's output: ``out=``, the hybrid path). The buffer is refilled for the next item only after those stores
+  have read it.
+* Across items the K/V ring runs on (slot = the program's running step count mod ``num_stages``): the memory
+  warpgroup fetches the next item's first pages while the compute warpgroups finish the current one; each barrier
+  phase is waited exactly once by every thread that tracks it (the last free phases after the memory
+  warpgroup's loop), as the CPU interpreter checks.
 
 Limits (``supported`` says whether a call qualifies; ``ragged_paged_attention`` falls back to the Triton kernel):
 head_dim 64 or 128, bf16/fp16, no sliding window, ``block_size`` a multiple of 8 dividing ``block_kv``, an sm_90
@@ -62,20 +73,27 @@ def _transposed(ref):
 
 
 def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None, block_kv: int | None = None,
-                   num_stages: int | None = None, longest_tiles_first: bool | None = None) -> dict:
+                   num_stages: int | None = None, longest_tiles_first: bool | None = None,
+                   num_programs: int | None = None) -> dict:
     """Tile shape: ``block_q`` 64 rows per compute warpgroup (the wgmma M), ``block_kv`` 128 keys per step, 2 ring
-    slots (shared memory: (2 q + 2 o) x 64 x D + 2 x 2 slots x 128 x D elements = 192 KiB at D = 128, bf16)."""
+    slots (shared memory: (2 q + 2 o) x 64 x D + 2 x 2 slots x 128 x D elements = 192 KiB at D = 128, bf16), so one
+    program per SM; ``num_programs`` persistent programs (default ``default_num_programs()``: the SM count);
+    tiles longest first."""
     block_q = 64 if block_q is None else int(block_q)
     block_kv = 128 if block_kv is None else int(block_kv)
     num_stages = 2 if num_stages is None else int(num_stages)
     longest_tiles_first = True if longest_tiles_first is None else bool(longest_tiles_first)
+    num_programs = default_num_programs() if num_programs is None else int(num_programs)
     if block_q != 64:
         raise ValueError(f"block_q must be 64 (one wgmma M per warpgroup), got {block_q}")
     if block_kv % 64 or block_kv % block_size:
         raise ValueError(f"block_kv ({block_kv}) must be a multiple of 64 and of block_size ({block_size})")
     if num_stages < 2:
         raise ValueError(f"num_stages must be >= 2, got {num_stages}")
-    return dict(block_q=block_q, block_kv=block_kv, num_stages=num_stages, longest_tiles_first=longest_tiles_first)
+    if num_programs < 1:
+        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+    return dict(block_q=block_q, block_kv=block_kv, num_stages=num_stages, longest_tiles_first=longest_tiles_first,
+                num_programs=num_programs)
 
 
 def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
@@ -95,23 +113,42 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
     return None
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, num_seqs: int, group: int,
-            block_q: int, block_kv: int, block_size: int, max_blocks: int, num_stages: int, scale_log2: float,
-            interpret: bool):
-    """``meta_ref``: int32 ``[tile_seq (num_tiles) | tile_start (num_tiles) | cu_q_lens (S+1) | kv_lens (S) |
-    block_tables (S * max_blocks, row-major)]``, one freshly built buffer (see the wrapper)."""
+def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_programs: int, num_tiles: int, num_seqs: int,
+            group: int, block_q: int, block_kv: int, block_size: int, max_blocks: int, num_stages: int,
+            scale_log2: float, interpret: bool):
+    """One persistent program: the work items ``program, program + num_programs, ...`` below ``num_work``.
+
+    ``meta_ref``: int32 ``[num_work (1) | tile_seq (num_tiles) | tile_start (num_tiles) | cu_q_lens (S+1) |
+    kv_lens (S) | block_tables (S * max_blocks, row-major)]``, one freshly built buffer (see the wrapper). Work item
+    ``w`` is query head ``w % Hq`` of tile ``w // Hq``: the ``Hq`` items of a tile (and so the ``group`` heads that
+    read one kv head's pages) are neighbours in the order the programs take them."""
     (q_smem2, k_smem, v_smem, o_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
-    num_tokens = q_ref.shape[0]
-    head_dim = q_ref.shape[2]
+    num_tokens, num_q_heads, head_dim = q_ref.shape
     dtype = q_ref.dtype
     pages_per_step = block_kv // block_size
-    head = lax.axis_index("heads")
-    tile = lax.axis_index("tiles")
+    program = lax.axis_index("programs")
     wg = lax.axis_index("wg")
-    cu_off = 2 * num_tiles
+    start_off = 1 + num_tiles
+    cu_off = 1 + 2 * num_tiles
     kv_off = cu_off + num_seqs + 1
     bt_off = kv_off + num_seqs
-    seq = meta_ref[tile]
+    num_work = meta_ref[0]
+    num_items = lax.div(jnp.maximum(num_work - program + num_programs - 1, 0), jnp.int32(num_programs))
+
+    def work_item(i):
+        """The i-th item of this program: (query head, sequence, tile start, q_start, q_end, context offset,
+        key steps of the tile). Every item is a real tile (``num_work`` counts only those)."""
+        w = program + i * num_programs
+        tile = lax.div(w, jnp.int32(num_q_heads))
+        head = lax.rem(w, jnp.int32(num_q_heads))
+        seq = meta_ref[1 + tile]
+        q_start = meta_ref[cu_off + seq]
+        q_end = meta_ref[cu_off + seq + 1]
+        ctx_off = meta_ref[kv_off + seq] - q_end  # context position of token t is t + ctx_off
+        tile_start = meta_ref[start_off + tile]
+        tile_last = jnp.minimum(tile_start + COMPUTE_WGS * block_q, q_end) - 1
+        tile_steps = (tile_last + ctx_off) // block_kv + 1  # key steps the tile's last token needs
+        return head, seq, tile_start, q_start, q_end, ctx_off, tile_steps
 
     # Register layouts are a GPU notion; the CPU interpreter has no rule for them (nor for run_state, below).
     def in_layout(x, layout):
@@ -126,21 +163,19 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    @pl.when(seq < num_seqs)
-    def _():
-        q_start = meta_ref[cu_off + seq]
-        q_end = meta_ref[cu_off + seq + 1]
-        kv_len = meta_ref[kv_off + seq]
-        tile_start = meta_ref[num_tiles + tile]
-        ctx_off = kv_len - q_end  # context position of token t is t + ctx_off
-        tile_last = jnp.minimum(tile_start + COMPUTE_WGS * block_q, q_end) - 1
-        tile_steps = (tile_last + ctx_off) // block_kv + 1  # key steps the tile's last token needs
+    # The K/V ring runs on across a program's items: step s of an item whose predecessors took ``base`` steps
+    # uses slot (base + s) % num_stages, so the memory warpgroup fetches the next item's first pages while the
+    # compute warpgroups finish the current one. Every barrier phase is still waited once by each thread that
+    # tracks it: ready phases by both compute warpgroups, free phases by the memory warpgroup (the last ones after
+    # its loop).
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem = q_smem2.at[wg]
+        o_smem = o_smem2.at[wg]
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            q_smem = q_smem2.at[wg]
-            o_smem = o_smem2.at[wg]
+        def item_body(i, base):
+            head, _, tile_start, q_start, q_end, ctx_off, tile_steps = work_item(i)
             tok_lo = tile_start + wg * block_q  # a multiple of 8 (tile map)
             valid_lo = jnp.maximum(tok_lo, q_start)
             valid_hi = jnp.minimum(tok_lo + block_q, q_end)
@@ -155,6 +190,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
             kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps)
             full_steps = jnp.where(n_valid > 0, (pos_lo + 1) // block_kv, 0)  # every valid row sees all keys
 
+            def slot_of(kv_step):
+                return lax.rem(base + kv_step, num_stages)
+
+            # The previous item's q reads are done (its dots were waited on): the buffer can be refilled.
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row_start, block_q), head], q_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             m_i = in_layout(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -163,13 +202,13 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
 
             @pl.when(kv_steps > 0)
             def _():
-                plgpu.barrier_wait(k_ready.at[0])
+                plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
             pl.when(wg == 1)(schedule_barrier)
 
             def step(kv_step, carry, masked: bool):
                 acc, m_i, l_i = carry
-                slot = lax.rem(kv_step, num_stages)
+                slot = slot_of(kv_step)
 
                 def qk_scope(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, _transposed(k_smem.at[slot]))
@@ -204,7 +243,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
 
                     @pl.when(nxt < kv_steps)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, num_stages)])
+                        plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
 
                 if not interpret:  # wgmma accumulates onto the rescaled acc (GPU)
                     def pv(acc_ref):
@@ -223,7 +262,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
 
             @pl.loop(kv_steps, tile_steps)
             def _release(kv_step):  # steps only the partner needs: free the slots, keep the schedule in step
-                slot = lax.rem(kv_step, num_stages)
+                slot = slot_of(kv_step)
                 # Waiting for data this warpgroup does not use keeps every barrier phase observed by both compute
                 # warpgroups (the phase parity each thread tracks stays right; the CPU interpreter checks it).
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -236,7 +275,11 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
             pl.when(wg == 0)(schedule_barrier)
 
             l_safe = jnp.where(l_i > 0, l_i, 1.0)
-            o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            # The previous item's stores must have read o_smem before it is overwritten (the writes to GMEM may
+            # still be in flight; the kernel's last wait covers them).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = out
             plgpu.commit_smem()
             # Exactly rows [offset, offset + n_valid) go out: a ladder of 64, 32, ..., 1-row TMA stores.
             start = offset
@@ -249,51 +292,70 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_tiles: int, n
 
                 start = start + (n_valid & size)
                 size //= 2
-            plgpu.wait_smem_to_gmem(0)
+            return base + tile_steps
 
-        @pl.when(wg == COMPUTE_WGS)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+        lax.fori_loop(0, num_items, item_body, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def item_body(i, base):
+            head, seq, *_, tile_steps = work_item(i)
             kv_head = lax.div(head, jnp.int32(group))
 
             def load(ref, smem, ready, kv_step, slot):
-                for i in range(pages_per_step):
-                    page_slot = jnp.minimum(kv_step * pages_per_step + i, max_blocks - 1)
+                for j in range(pages_per_step):
+                    page_slot = jnp.minimum(kv_step * pages_per_step + j, max_blocks - 1)
                     page = meta_ref[bt_off + seq * max_blocks + page_slot]
-                    plgpu.copy_gmem_to_smem(ref.at[page, :, kv_head], smem.at[slot, pl.ds(i * block_size, block_size)],
-                                            ready.at[slot])
+                    plgpu.copy_gmem_to_smem(ref.at[page, :, kv_head],
+                                            smem.at[slot, pl.ds(j * block_size, block_size)], ready.at[slot])
 
-            for i in range(num_stages):
-                @pl.when(i < tile_steps)
-                def _(i=i):
-                    load(k_ref, k_smem, k_ready, i, i)
-                    load(v_ref, v_smem, v_ready, i, i)
-
-            @pl.loop(num_stages, jnp.maximum(tile_steps, num_stages))
+            @pl.loop(0, tile_steps)
             def _(kv_step):
-                slot = lax.rem(kv_step, num_stages)
-                plgpu.barrier_wait(k_free.at[slot])
+                ring_step = base + kv_step
+                slot = lax.rem(ring_step, num_stages)
+                reused = ring_step >= num_stages  # the slot held an earlier step: wait until both released it
+
+                @pl.when(reused)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
                 load(k_ref, k_smem, k_ready, kv_step, slot)
-                plgpu.barrier_wait(v_free.at[slot])
+
+                @pl.when(reused)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
                 load(v_ref, v_smem, v_ready, kv_step, slot)
 
-            # Observe the last slots' releases too (every phase of every barrier gets waited on once).
-            for j in range(num_stages):
-                kv_step = tile_steps - num_stages + j
+            return base + tile_steps
 
-                @pl.when(kv_step >= 0)
-                def _(kv_step=kv_step):
-                    slot = lax.rem(kv_step, num_stages)
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
+        ring_steps = lax.fori_loop(0, num_items, item_body, jnp.int32(0))
+        # Observe the last slots' releases too (every phase of every barrier gets waited on once).
+        for j in range(num_stages):
+            ring_step = ring_steps - num_stages + j
+
+            @pl.when(ring_step >= 0)
+            def _(ring_step=ring_step):
+                slot = lax.rem(ring_step, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
 
 
 def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
-                                sliding_window: int | None = None, interpret: bool = False, **tuning) -> jax.Array:
+                                sliding_window: int | None = None, interpret: bool = False, min_q_len: int = 1,
+                                out: jax.Array | None = None, **tuning) -> jax.Array:
     """Mosaic GPU ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``, pools
     ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
     ``cu_q_lens int32[S+1]``. Returns ``[T, Hq, D]`` in ``q.dtype`` with zeros for padding tokens.
 
+    ``min_q_len`` (static): attend only the sequences with at least this many query tokens (decided on the device
+    from ``cu_q_lens``); it also bounds the static tile count (at most ``T // min_q_len`` such sequences).
+    ``out``: None, or a ``[T, Hq, D]`` array of ``q.dtype`` that the kernel writes its rows into in place (aliased
+    through a ``jax.Ref``): every other row (the other sequences', the padding tokens') comes back as it was in
+    ``out``; the zeroing of padding tokens is then the caller's (``hybrid`` passes the Triton kernel's output).
     ``tuning``: the keyword arguments of ``default_tuning``. Raises ValueError when ``supported`` rejects the call
     (callers normally check first).
     """
@@ -303,25 +365,37 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.shape} {q.dtype} like q, got {out.shape} {out.dtype}")
+    if int(min_q_len) < 1:
+        raise ValueError(f"min_q_len must be >= 1, got {min_q_len}")
     tuning = default_tuning(head_dim, block_size, **tuning)
     bq, bkv, stages = tuning["block_q"], tuning["block_kv"], tuning["num_stages"]
     tile_tokens = COMPUTE_WGS * bq
-    # Each sequence's tiles start at its first token rounded down to 8: sum(ceil((q_len + 7) / tile)) tiles at
-    # most, i.e. below (T + 7 S) / tile + S.
-    num_tiles = max(1, (num_tokens + 7 * num_seqs) // tile_tokens + num_seqs)
+    # Each attended sequence's tiles start at its first token rounded down to 8: sum(ceil((q_len + 7) / tile))
+    # tiles at most, i.e. below (T + 7 S') / tile + S' for S' attended sequences (S' <= T // min_q_len).
+    attended = min(num_seqs, num_tokens // int(min_q_len))
+    num_tiles = max(1, (num_tokens + 7 * attended) // tile_tokens + attended)
+    # Persistent grid: never more programs than work items can exist.
+    num_programs = max(1, min(tuning["num_programs"], num_tiles * num_q_heads))
 
     kv_lens, block_tables, cu_q_lens = int32_metadata(kv_lens, block_tables, cu_q_lens)
-    tile_seq, tile_start = tile_map(cu_q_lens, num_tiles, tile_tokens, align=8)
+    include = None if min_q_len == 1 else (cu_q_lens[1:] - cu_q_lens[:-1]) >= min_q_len
+    tile_seq, tile_start = tile_map(cu_q_lens, num_tiles, tile_tokens, align=8, include=include)
     if tuning["longest_tiles_first"]:
         tile_seq, tile_start = sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, tile_tokens, None)
+    # Work items (query head, tile) of the real tiles only; both tile orders keep the real tiles first.
+    num_work = (jnp.sum(tile_seq < num_seqs, dtype=jnp.int32) * num_q_heads)[None]
 
     # The kernel's scalars in ONE int32 buffer built here: Mosaic GPU wants 256-byte-aligned inputs, and the
     # engine's block tables / lengths are slices of its packed step buffer (XLA passes them as unaligned views).
-    meta = jnp.concatenate([tile_seq, tile_start, cu_q_lens, kv_lens, block_tables.reshape(-1)])
+    meta = jnp.concatenate([num_work, tile_seq, tile_start, cu_q_lens, kv_lens, block_tables.reshape(-1)])
 
     # TMA wants the token axis a multiple of 8 and at least one block_q box; the engine's buckets already are.
     padded_tokens = max(bq, -(-num_tokens // 8) * 8)
-    q_in = q if padded_tokens == num_tokens else jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+
+    def pad_tokens(x):
+        return x if padded_tokens == num_tokens else jnp.pad(x, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
 
     def entry(*refs):
         tiling = plgpu.TilingTransform((8, 64))
@@ -340,32 +414,45 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scoped: _kernel(*refs, scoped, num_tiles=num_tiles, num_seqs=num_seqs,
-                                    group=num_q_heads // num_kv_heads, block_q=bq,
+            lambda *scoped: _kernel(*refs, scoped, num_programs=num_programs, num_tiles=num_tiles,
+                                    num_seqs=num_seqs, group=num_q_heads // num_kv_heads, block_q=bq,
                                     block_kv=bkv, block_size=block_size, max_blocks=max_blocks, num_stages=stages,
                                     scale_log2=float(sm_scale) * LOG2_E, interpret=interpret),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
-    kwargs = {}
+    interpret_params = False
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-        kwargs["interpret"] = InterpretGPUParams()
-    out = plgpu.kernel(
+        interpret_params = InterpretGPUParams()
+    # pl.kernel rather than plgpu.kernel: the latter's custom_vmap wrapper does not take the aliased Ref below.
+    kernel = pl.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(q_in.shape, q.dtype),
-        grid=(num_q_heads, num_tiles),
-        grid_names=("heads", "tiles"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
+        out_type=() if out is not None else jax.ShapeDtypeStruct((padded_tokens, num_q_heads, head_dim), q.dtype),
+        mesh=plgpu.Mesh(grid=(num_programs,), grid_names=("programs",), num_threads=COMPUTE_WGS + 1,
+                        thread_name="wg"),
         # Lane semantics (per-thread register layouts, as written here): jax 0.11's default (Warpgroup) infers
         # shared-memory layouts and rejects the store ladder's dynamic row offsets.
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-        **kwargs,
-    )(meta, q_in, k_pages, v_pages)
-    return zero_padding_tokens(out[:num_tokens], cu_q_lens)
+        interpret=interpret_params,
+        name="ragged_paged_attention_mgpu",
+    )
+    args = (meta, pad_tokens(q), k_pages, v_pages)
+    if out is None:
+        return zero_padding_tokens(kernel(*args)[:num_tokens], cu_q_lens)
+    out_ref = jax.new_ref(pad_tokens(out), memory_space=plgpu.GMEM)
+    kernel(*args, out_ref)
+    return out_ref[...][:num_tokens]
 
 
-__all__ = ["ragged_paged_attention_mgpu", "supported", "default_tuning"]
+def default_num_programs() -> int:
+    """The persistent grid's default size: one program per SM of the first device (its ``core_count`` on a GPU),
+    else 132 (an H100 / H200)."""
+    dev = jax.devices()[0]
+    count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return int(count) if count else 132
+
+
+__all__ = ["ragged_paged_attention_mgpu", "supported", "default_tuning", "default_num_programs"]

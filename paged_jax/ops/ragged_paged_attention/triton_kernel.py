@@ -351,13 +351,17 @@ def _kernel(
 
 
 def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
-                                  sliding_window: int | None = None, interpret: bool = False, **tuning) -> jax.Array:
+                                  sliding_window: int | None = None, interpret: bool = False,
+                                  max_q_len: int | None = None, **tuning) -> jax.Array:
     """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``,
     pools ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
     ``cu_q_lens int32[S+1]``.
 
     Requires ``head_dim`` to be a power of two >= 16 (Triton block shapes). Returns ``[T, Hq, D]`` in ``q.dtype``
     with zeros for padding tokens. ``tuning``: the keyword arguments of ``default_tuning`` (module docstring).
+    ``max_q_len`` (static; None = every sequence): attend only the sequences with at most this many query tokens
+    (decided on the device from ``cu_q_lens``); the rows of the others are left unwritten (the hybrid dispatch
+    hands them to the Mosaic kernel, which writes them into this output).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
@@ -381,7 +385,8 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     num_tiles = tuning["num_tiles"]
 
     kv_lens, block_tables, cu_q_lens = int32_metadata(kv_lens, block_tables, cu_q_lens)
-    tile_seq, tile_start = tile_map(cu_q_lens, num_tiles, tuning["block_q"])
+    include = None if max_q_len is None else (cu_q_lens[1:] - cu_q_lens[:-1]) <= max_q_len
+    tile_seq, tile_start = tile_map(cu_q_lens, num_tiles, tuning["block_q"], include=include)
     if tuning["longest_tiles_first"]:
         tile_seq, tile_start = sort_tiles_longest_first(
             tile_seq, tile_start, cu_q_lens, kv_lens, tuning["block_q"],
