@@ -913,7 +913,7 @@ def section_prefill_buckets(args):
             q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), kl_, bt, cu, sm_scale=scale,
             max_chunk_bytes=1 << 30))(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["block_tables"][0],
                                       b["cu_q_lens"]))
-        auto_pick = choose_impl(b["q"].shape, b["k_pages"].shape, b["q"].dtype, slots)
+        auto_pick = choose_impl(b["q"].shape, b["k_pages"].shape, b["q"].dtype, slots, kv_dtype=b["k_pages"].dtype)
         n_real = int(b["cu_q_lens"][-1])
         log(f"case {name}: T={t} S={slots} real tokens {n_real} {flops / 1e9:.1f} GFLOP; auto -> {auto_pick}")
         for impl, fn in impls:

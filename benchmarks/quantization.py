@@ -43,6 +43,8 @@ from benchmarks.report import write_json
 
 # Llama-3.1-8B projections as the engine runs them (fused q/k/v and gate/up): (name, K, N).
 LLAMA8B_MATMULS = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
+# --decode-formats: the unquantized reference first, then the quantized weight formats the decode section steps.
+DECODE_FORMATS = ("bf16", "fp8", "awq-int4-g128", "int8")
 TINY_MATMULS = [("qkv", 256, 384), ("down", 512, 256)]
 
 
@@ -229,12 +231,8 @@ def section_decode(args, results, copy_gbps: float):
     awq = QuantConfig("awq", "weight_only", False, bits=4, group_size=128, zero_point=True)
     # auto = the tuning table's choice on the GPU, XLA on CPU: the tiny CPU check runs the Pallas kernels instead
     impls = ["pallas" if args.tiny and impl == "auto" else impl for impl in args.decode_impls.split(",") if impl]
-    quantized = [("fp8", resolve_quantization("fp8", {})), ("awq-int4-g128", awq),
-                 ("int8", resolve_quantization("int8", {}))]
+    quantized = list(zip(DECODE_FORMATS[1:], (resolve_quantization("fp8", {}), awq, resolve_quantization("int8", {}))))
     formats = set(args.decode_formats.split(","))
-    unknown = formats - {"bf16"} - {name for name, _ in quantized}
-    if unknown:
-        raise ValueError(f"--decode-formats: unknown {sorted(unknown)}")
     variants = [("bf16", None, "xla")] + [(name, qc, impl) for name, qc in quantized for impl in impls
                                           if not (qc.kind == "fp8" and impl == "xla_native_grouped")]
     variants = [v for v in variants if v[0] in formats]
@@ -292,7 +290,7 @@ def main(argv: list[str] | None = None) -> list:
                    help="sweep: no new cell starts after this many seconds (reported as skipped)")
     p.add_argument("--decode-impls", default="xla,auto",
                    help="decode: matmul_impl values of the quantized models (models.quantization.linear)")
-    p.add_argument("--decode-formats", default="bf16,fp8,awq-int4-g128,int8",
+    p.add_argument("--decode-formats", default=",".join(DECODE_FORMATS),
                    help="decode: the weight formats stepped (bf16 is the unquantized reference)")
     p.add_argument("--trace", type=int, metavar="TOP", default=0,
                    help="decode: also trace the steps and list the TOP kernels by GPU time (benchmarks.trace)")
@@ -305,6 +303,9 @@ def main(argv: list[str] | None = None) -> list:
     unknown = set(args.rms_norm_impls.split(",")) - set(RMS_NORM_IMPLS)
     if unknown:  # before any variant spends device time
         p.error(f"--rms-norm-impls: unknown {sorted(unknown)}; choose from {RMS_NORM_IMPLS}")
+    unknown = set(args.decode_formats.split(",")) - set(DECODE_FORMATS)
+    if unknown:
+        p.error(f"--decode-formats: unknown {sorted(unknown)}; choose from {DECODE_FORMATS}")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.interpret = args.tiny
     if args.tiny:

@@ -44,8 +44,7 @@ CASES = {
     # slots with 64-key steps over a 250-token context; 8 items on 2 programs.
     "gqa4_three_stages": ([9, 70], [9, 250], 4, 1, 64, 16, jnp.bfloat16,
                           dict(block_kv=64, num_stages=3, num_programs=2)),
-    # GQA 8, many 1-token sequences and few real tiles among many sequence slots (the static tile bound is large,
-    # the work list short), tiles in map order (no sort): 32 items on 3 programs.
+    # GQA 8, 1-token sequences beside a long one, tiles in map order (no sort): 32 items on 3 programs.
     "gqa8_one_token_rows": ([1, 1, 200, 1], [33, 1, 300, 64], 8, 1, 64, 16, jnp.bfloat16,
                             dict(block_kv=64, num_programs=3, longest_tiles_first=False)),
 }
@@ -83,6 +82,7 @@ def test_supported_and_tuning_errors():
     assert "sliding window" in mgpu_kernel.supported((256, 8, 128), (10, 16, 2, 128), jnp.bfloat16, 64)
     assert "head_dim" in mgpu_kernel.supported((256, 8, 96), (10, 16, 2, 96), jnp.bfloat16, None)
     assert "dtype" in mgpu_kernel.supported((256, 8, 128), (10, 16, 2, 128), jnp.float32, None)
+    assert "KV pool dtype" in mgpu_kernel.supported((256, 8, 128), (10, 16, 2, 128), jnp.bfloat16, None, jnp.float16)
     assert "block_size" in mgpu_kernel.supported((256, 8, 128), (10, 12, 2, 128), jnp.bfloat16, None)
     with pytest.raises(ValueError, match="block_q"):
         mgpu_kernel.default_tuning(128, 16, block_q=32)
@@ -120,10 +120,11 @@ def test_auto_dispatch(monkeypatch):
 
 
 def test_auto_runs_hybrid_split_on_hopper(monkeypatch):
-    """``impl="auto"`` on a (simulated) Hopper bucket runs the hybrid path: the 40-token chunk (>= min_q_len) on the
-    Mosaic kernel, written in place into the Triton kernel's output, which holds the decode rows, the 5-token
-    prompt and the padding zeros; GQA 2, padded sequence slots. The Mosaic part's 2 work items on 3 persistent
-    programs: one program gets no item. An FP8 pool in the same call shape goes to the Triton kernel alone."""
+    """``impl="auto"`` on a (simulated) Hopper bucket runs the hybrid path, split at ``min_q_len`` = 16: the 16-token
+    chunk on the Mosaic kernel, written in place into the Triton kernel's output, which holds the decode rows, the
+    15-token prompt, a 0-token slot and the padding zeros; GQA 2, padded sequence slots. The Mosaic part's 2 work
+    items on 3 persistent programs: one program gets no item. An FP8 pool (or a pool of another 16-bit dtype) in
+    the same call shape goes to the Triton kernel alone."""
     from paged_jax.ops.ragged_paged_attention import hybrid
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -138,9 +139,10 @@ def test_auto_runs_hybrid_split_on_hopper(monkeypatch):
         return mgpu_kernel.ragged_paged_attention_mgpu(*args, **kwargs)
 
     monkeypatch.setattr(hybrid, "ragged_paged_attention_mgpu", spy)
-    batch = make_batch(5, [1, 40, 5, 1], [50, 100, 5, 20], hq=2, hkv=1, d=64, block_size=16, dtype=jnp.bfloat16,
-                       pad_seqs=3, pad_tokens=5)
-    assert rpa.choose_impl(batch["q"].shape, batch["k_pages"].shape, jnp.bfloat16, 7) == "hybrid"
+    batch = make_batch(5, [1, 16, 15, 0, 1], [50, 100, 15, 7, 20], hq=2, hkv=1, d=64, block_size=16,
+                       dtype=jnp.bfloat16, pad_seqs=3, pad_tokens=5)
+    assert rpa.choose_impl(batch["q"].shape, batch["k_pages"].shape, jnp.bfloat16, 8) == "hybrid"
+    assert rpa.choose_impl(batch["q"].shape, batch["k_pages"].shape, jnp.bfloat16, 8, kv_dtype=jnp.float16) == "triton"
     sm_scale = 0.125
     fn = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
         q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl="auto", interpret=True))
@@ -185,3 +187,17 @@ def test_tile_map_aligned_and_covering():
     real = tile_seq[tile_seq < num_seqs]
     assert sorted(set(real.tolist())) == [0, 3, 4] and len(real) == 2 + 1 + 3
     assert np.all(tile_seq[len(real):] == num_seqs)
+
+
+@pytest.mark.slow
+def test_malformed_sequence_spoils_only_its_own_rows():
+    """A sequence with kv_len < q_len (outside the contract) must not derail the persistent program's later work
+    items (negative key-step counts would move its K/V ring backwards): the valid sequence's rows equal the Triton
+    kernel's, and the call finishes (one program takes every item, longest first)."""
+    batch = make_batch(9, [300, 20], [300, 20], hq=2, hkv=1, d=64, block_size=16, dtype=jnp.bfloat16)
+    kv_lens = batch["kv_lens"].at[0].set(10)  # the first sequence: 300 query tokens, a 10-token context
+    args = (batch["q"], batch["k_pages"], batch["v_pages"], kv_lens, batch["block_tables"], batch["cu_q_lens"])
+    got = ragged_paged_attention(*args, sm_scale=0.125, impl="mosaic", interpret=True, num_programs=1)
+    want = ragged_paged_attention(*args, sm_scale=0.125, impl="triton", interpret=True)
+    np.testing.assert_allclose(np.asarray(got[300:320], np.float32), np.asarray(want[300:320], np.float32),
+                               atol=2e-2, rtol=2e-2)

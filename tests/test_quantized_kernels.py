@@ -275,6 +275,7 @@ def test_fp8_pool_fp16_dots_clip_q_and_need_an_fp8_pool():
         "fp8_dots_in_fp16"]
     assert default_tuning(8, 8, 4, 2, 4, 8)["block_k"] == 64 and not default_tuning(8, 8, 4, 2, 4, 8)[
         "fp8_dots_in_fp16"]
+    assert default_tuning(256, 2, 4, 2, 64, 8, 1)["block_k"] == 64  # prefill tiles of an FP8 pool keep 64 keys
     batch = make_batch(12, [1], [20], hq=2, hkv=1, d=16, block_size=8, dtype=jnp.float32)
     batch["k_pages"] = batch["k_pages"].astype(jnp.float8_e4m3fn)
     batch["v_pages"] = batch["v_pages"].astype(jnp.float8_e4m3fn)

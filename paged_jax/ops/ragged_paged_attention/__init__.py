@@ -14,10 +14,10 @@ from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attentio
 
 # "auto" takes the hybrid path (hybrid.py: the sequences of >= 128 query tokens on the Mosaic GPU kernel, the others
 # on the Triton kernel, split on the device) on Hopper for call shapes of at least this many tokens: the engine's
-# prefill-sized buckets. A smaller bucket holds at most a few 128-row tiles per head (1024 tokens: 8 tiles x the
-# query heads, about two rounds of the persistent grid on 132 SMs), where the second kernel launch and the Mosaic
-# kernel's 128-row granularity outweigh its faster tiles. ``benchmarks/kernels.py --sections prefill_buckets``
-# times buckets on both sides of it.
+# prefill-sized buckets. The value is not tuned: the one smaller bucket timed on the H200 (a 512-token chunk over a
+# cached prefix in a 512-token bucket) ran faster on the hybrid, but mixed decode + chunk steps were timed only at
+# 2048 tokens (``benchmarks/kernels.py --sections prefill_buckets``; RESULTS.md), and every bucket above the
+# threshold adds a Mosaic kernel to compile at start-up.
 MOSAIC_MIN_TOKENS = 1024
 
 
@@ -26,12 +26,13 @@ def _is_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
-def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None) -> str:
+def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None, kv_dtype=None) -> str:
     """What ``impl="auto"`` runs for a static call shape: ``"hybrid"`` (Hopper, at least ``MOSAIC_MIN_TOKENS``
     tokens, a shape the Mosaic kernel supports: long sequences on it, short ones on the Triton kernel; ``hybrid``),
     ``"triton"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU, or any other
     head_dim). ``num_seqs`` (the sequence slots) does not matter: the split is by each sequence's query length, on
-    the device."""
+    the device. ``kv_dtype``: the pools' element type (None: q's); a pool of another dtype (FP8) keeps the Triton
+    kernel."""
     del num_seqs
     head_dim = q_shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
@@ -39,7 +40,7 @@ def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=Non
     from paged_jax.ops.ragged_paged_attention import mgpu_kernel
 
     if (_is_hopper() and q_shape[0] >= MOSAIC_MIN_TOKENS
-            and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window) is None):
+            and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype) is None):
         return "hybrid"
     return "triton"
 
@@ -109,9 +110,7 @@ def ragged_paged_attention(
     if impl == "mosaic" and fp8_pages:
         raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
     if impl == "auto":
-        impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window)
-        if impl == "hybrid" and fp8_pages:  # the Mosaic kernel's TMA/wgmma pipeline reads pages of q's dtype only
-            impl = "triton"
+        impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window, k_pages.dtype)
         if impl == "hybrid":  # the Triton knobs go to its Triton part (the short sequences)
             from paged_jax.ops.ragged_paged_attention.hybrid import ragged_paged_attention_hybrid
 

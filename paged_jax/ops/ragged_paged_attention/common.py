@@ -111,7 +111,8 @@ def sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: 
     keys = kv_lens[seq] - (q_end - last_token) + 1  # = pos_last + 1
     if sliding_window is not None:
         keys = jnp.minimum(keys, sliding_window + block_q - 1)
-    keys = jnp.where(tile_seq < num_seqs, keys, -1)
+    # Real tiles sort before the empty ones even when a malformed sequence (kv_len < q_len) gives a negative count.
+    keys = jnp.where(tile_seq < num_seqs, jnp.maximum(keys, 0), -1)
     order = jnp.argsort(-keys, stable=True)
     return tile_seq[order], tile_start[order]
 

@@ -46,7 +46,8 @@ def ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu
     min_q_len = MOSAIC_MIN_Q_LEN if min_q_len is None else int(min_q_len)
     if min_q_len < 2:
         raise ValueError(f"min_q_len must be >= 2 (the Triton kernel takes the shorter sequences), got {min_q_len}")
-    # One kv split only: then the Triton kernel writes the padding tokens' zeros itself (no pass over the output).
+    # Padding tokens' zeros written by the Triton kernel itself when its split heuristic picks one kv split (no pass
+    # over the output); with several splits the combine kernel zeroes them.
     triton_tuning = dict(dict(zero_padding_in_kernel=True), **(triton_tuning or {}))
     out = ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale,
                                         interpret=interpret, max_q_len=min_q_len - 1, **triton_tuning)

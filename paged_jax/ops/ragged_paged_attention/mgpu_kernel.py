@@ -77,7 +77,8 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
                    num_programs: int | None = None) -> dict:
     """Tile shape: ``block_q`` 64 rows per compute warpgroup (the wgmma M), ``block_kv`` 128 keys per step, 2 ring
     slots (shared memory: (2 q + 2 o) x 64 x D + 2 x 2 slots x 128 x D elements = 192 KiB at D = 128, bf16), so one
-    program per SM; ``num_programs`` persistent programs (default ``default_num_programs()``: the SM count);
+    program per SM; ``num_programs`` persistent programs (default ``default_num_programs()``: the SM count; a call launches at most its
+    possible work items, Hq x tiles, whatever is asked);
     tiles longest first."""
     block_q = 64 if block_q is None else int(block_q)
     block_kv = 128 if block_kv is None else int(block_kv)
@@ -96,8 +97,9 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
                 num_programs=num_programs)
 
 
-def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
-    """None when the kernel handles this call, else the reason it does not."""
+def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None) -> str | None:
+    """None when the kernel handles this call, else the reason it does not. ``kv_dtype``: the pools' element type
+    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only."""
     _, _, head_dim = q_shape
     _, block_size, _, _ = k_pages_shape
     if plgpu is None:
@@ -106,6 +108,8 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window) -> str | None:
         return f"head_dim {head_dim} (needs 64 or 128)"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype)} (needs bfloat16 or float16)"
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        return f"KV pool dtype {jnp.dtype(kv_dtype)} differs from q's {jnp.dtype(dtype)}"
     if sliding_window is not None:
         return "sliding window"
     if block_size % 8 or 128 % block_size:
@@ -147,7 +151,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_programs: int
         ctx_off = meta_ref[kv_off + seq] - q_end  # context position of token t is t + ctx_off
         tile_start = meta_ref[start_off + tile]
         tile_last = jnp.minimum(tile_start + COMPUTE_WGS * block_q, q_end) - 1
-        tile_steps = (tile_last + ctx_off) // block_kv + 1  # key steps the tile's last token needs
+        # Key steps the tile's last token needs; never negative, so a malformed sequence (kv_len < q_len, outside
+        # the contract) cannot move the ring's running step count backwards for the program's later items.
+        tile_steps = jnp.maximum((tile_last + ctx_off) // block_kv + 1, 0)
         return head, seq, tile_start, q_start, q_end, ctx_off, tile_steps
 
     # Register layouts are a GPU notion; the CPU interpreter has no rule for them (nor for run_state, below).
@@ -187,8 +193,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_programs: int
             pos_lo = valid_lo + ctx_off
             pos_hi = valid_hi - 1 + ctx_off
             # A warpgroup without valid rows (a short tile) runs the tile's steps on rows that are never stored.
-            kv_steps = jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps)
-            full_steps = jnp.where(n_valid > 0, (pos_lo + 1) // block_kv, 0)  # every valid row sees all keys
+            # Clipped to [0, tile_steps] (a no-op within the contract): a malformed sequence (kv_len < q_len) has
+            # negative positions, and a step outside what the memory warpgroup loads would wait forever.
+            kv_steps = jnp.clip(jnp.where(n_valid > 0, pos_hi // block_kv + 1, tile_steps), 0, tile_steps)
+            full_steps = jnp.clip(jnp.where(n_valid > 0, (pos_lo + 1) // block_kv, 0), 0, kv_steps)  # all keys seen
 
             def slot_of(kv_step):
                 return lax.rem(base + kv_step, num_stages)
@@ -359,7 +367,7 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q
     ``tuning``: the keyword arguments of ``default_tuning``. Raises ValueError when ``supported`` rejects the call
     (callers normally check first).
     """
-    why = supported(q.shape, k_pages.shape, q.dtype, sliding_window)
+    why = supported(q.shape, k_pages.shape, q.dtype, sliding_window, k_pages.dtype)
     if why is not None:
         raise ValueError(f"the Mosaic GPU kernel does not handle this call: {why}")
     num_tokens, num_q_heads, head_dim = q.shape

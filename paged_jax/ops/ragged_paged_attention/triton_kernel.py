@@ -94,8 +94,8 @@ def default_tuning(
 
     * ``block_q`` (tokens per tile): decode-like batches (``T <= 2 S``) use 16-row tiles (``16 // group`` tokens),
       prefill-heavy batches 64-row tiles.
-    * ``block_k`` (keys per inner step): 64 for 2- and 4-byte pools, 128 for a 1-byte (FP8) pool
-      (``kv_itemsize``): the same bytes in flight per step.
+    * ``block_k`` (keys per inner step): 64; 128 for a 1-byte (FP8) pool (``kv_itemsize``) with decode-like
+      16-row tiles (the same bytes in flight per step as a 2-byte pool's 64; prefill tiles keep 64, untimed).
     * ``fp8_dots_in_fp16`` (1-byte pools with 16-bit queries only; default on): the FP8 K / V tiles are upcast to
       float16 (one hardware conversion per two elements on sm_89+, where bfloat16 takes three) and both dots run
       in float16 (q clipped to float16's range first; fp32 accumulation either way). Off: the tiles are upcast to
@@ -112,7 +112,7 @@ def default_tuning(
     block_q = int(max(1, min(block_q, num_tokens)))
     rows = max(16, _next_pow2(block_q * group))
     if block_k is None:
-        block_k = 128 if kv_itemsize == 1 else 64
+        block_k = 128 if kv_itemsize == 1 and rows <= 16 else 64
     if fp8_dots_in_fp16 is None:
         fp8_dots_in_fp16 = kv_itemsize == 1
     num_tiles = max(1, min(num_tokens, num_tokens // block_q + num_seqs))
