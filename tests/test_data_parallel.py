@@ -116,6 +116,7 @@ def test_dp2_by_tp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoin
     _assert_replicas_apart(engine, 2)
 
 
+@pytest.mark.slow  # `make test-all`; CI: dp2 x tp2 on random Qwen3 above, pp2 x tp2 on SmolLM2 (test_pipeline_parallel)
 def test_dp2_by_tp2_greedy_matches_single_device_on_smollm2(hf_greedy):
     engine = create_engine(EngineArgs(model=None, data_parallel_size=2, tensor_parallel_size=2, **SMALL),
                            use_tqdm=False)

@@ -122,16 +122,16 @@ def test_auto_dispatch(monkeypatch):
 def test_auto_runs_hybrid_split_on_hopper(monkeypatch):
     """``impl="auto"`` on a (simulated) Hopper bucket runs the hybrid path, split at ``min_q_len`` = 16: the 16-token
     chunk on the Mosaic kernel, written in place into the Triton kernel's output, which holds the decode rows, the
-    15-token prompt, a 0-token slot and the padding zeros; GQA 2, padded sequence slots. The Mosaic part's 2 work
-    items on 3 persistent programs: one program gets no item. An FP8 pool (or a pool of another 16-bit dtype) in
-    the same call shape goes to the Triton kernel alone."""
+    15-token prompt, a 0-token slot and the padding zeros; one query head, padded sequence slots. The Mosaic part's
+    one work item on 2 persistent programs: one program gets no item. An FP8 pool (or a pool of another 16-bit
+    dtype) in the same call shape goes to the Triton kernel alone (traced, not run)."""
     from paged_jax.ops.ragged_paged_attention import hybrid
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(rpa, "_is_hopper", lambda: True)
     monkeypatch.setattr(rpa, "MOSAIC_MIN_TOKENS", 16)
     monkeypatch.setattr(hybrid, "MOSAIC_MIN_Q_LEN", 16)
-    monkeypatch.setattr(mgpu_kernel, "default_num_programs", lambda: 3)
+    monkeypatch.setattr(mgpu_kernel, "default_num_programs", lambda: 2)
     mosaic_calls = []
 
     def spy(*args, **kwargs):
@@ -139,7 +139,7 @@ def test_auto_runs_hybrid_split_on_hopper(monkeypatch):
         return mgpu_kernel.ragged_paged_attention_mgpu(*args, **kwargs)
 
     monkeypatch.setattr(hybrid, "ragged_paged_attention_mgpu", spy)
-    batch = make_batch(5, [1, 16, 15, 0, 1], [50, 100, 15, 7, 20], hq=2, hkv=1, d=64, block_size=16,
+    batch = make_batch(5, [1, 16, 15, 0, 1], [50, 100, 15, 7, 20], hq=1, hkv=1, d=64, block_size=16,
                        dtype=jnp.bfloat16, pad_seqs=3, pad_tokens=5)
     assert rpa.choose_impl(batch["q"].shape, batch["k_pages"].shape, jnp.bfloat16, 8) == "hybrid"
     assert rpa.choose_impl(batch["q"].shape, batch["k_pages"].shape, jnp.bfloat16, 8, kv_dtype=jnp.float16) == "triton"
@@ -155,10 +155,7 @@ def test_auto_runs_hybrid_split_on_hopper(monkeypatch):
     assert [(c["min_q_len"], c["out"] is not None) for c in mosaic_calls] == [(16, True)]
 
     fp8 = [args[0], args[1].astype(jnp.float8_e4m3fn), args[2].astype(jnp.float8_e4m3fn), *args[3:]]
-    triton = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
-        q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl="triton", interpret=True))
-    np.testing.assert_array_equal(np.asarray(fn(*fp8).astype(jnp.float32)),
-                                  np.asarray(triton(*fp8).astype(jnp.float32)))
+    jax.eval_shape(fn, *fp8)  # the dispatch happens while tracing: no Mosaic call for an FP8 pool
     assert len(mosaic_calls) == 1
 
 

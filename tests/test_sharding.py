@@ -555,7 +555,7 @@ def _assert_engine_on_mesh(engine, tp: int):
     assert k_pages.sharding.shard_shape(k_pages.shape)[2] == plan.num_kv_heads_per_device
 
 
-@pytest.mark.slow  # `make test-all`; CI: tp4 on random Qwen3 here, dp2 x tp2 and pp2 x tp2 on SmolLM2 elsewhere
+@pytest.mark.slow  # `make test-all`; CI: tp4 on random Qwen3 here, pp2 x tp2 on SmolLM2 and dp2 x tp2 on Qwen3 elsewhere
 def test_engine_greedy_at_tp2_matches_tp1_on_smollm2():
     # Three prompts of different lengths, several steps (chunked prefill with a 32-token budget, then decode).
     prompts = [[1, 504, 3458, 282, 4055, 314, 216, 1345], [1, 9519, 28],
