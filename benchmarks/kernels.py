@@ -68,8 +68,8 @@ L2_DEFEAT_BYTES = 512 << 20  # rotate over this much KV so repeated steps miss t
 INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke test of this script)
 TINY = False  # --tiny: prefill_variants / decode_compare / decode_grid on tiny sizes (CPU smoke test)
 LOG_LINES: list[str] = []
-RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "decode_kv_dtype": [], "prefill": [],
-                 "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {},
+RESULTS: dict = {"meta": {}, "ceiling": {}, "check": [], "decode": [], "decode_sweep": [], "decode_kv_dtype": [],
+                 "prefill": [], "prefill_sweep": [], "prefill_variants": [], "prefill_peers": [], "prefill_recommendation": {},
                  "decode_compare": [],
                  "decode_grid": [], "qk_prepare": [], "prefill_buckets": [], "errors": []}
 OUT_DIR = "bench_out"
@@ -147,6 +147,24 @@ def make_batch(key, q_lens, kv_lens, *, num_rotations=1, pad_tokens=0, pad_seqs=
         q_lens_np=q_lens,
         kv_lens_np=kv_lens,
     )
+
+
+def _decode_batch(key, batch, ctx):
+    """``batch`` one-token decode rows over ``ctx`` keys each (bf16 pools), with enough rotated copies of the KV
+    that repeated steps miss the L2. Returns ``(make_batch(...), rotations)``."""
+    case_bytes = batch * ctx * HKV * D * 2 * 2
+    rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
+    return make_batch(key, [1] * batch, [ctx] * batch, num_rotations=rot), rot
+
+
+def bandwidth_fields(seconds: float, nbytes: int, ceiling_gbps: float | None, prefix: str = "") -> dict:
+    """A timed memory-bound call's row fields: ``us``, ``GBps`` and, when the same-run copy ceiling is known,
+    ``frac_copy_ceiling``; each name behind ``prefix``."""
+    gbps = nbytes / seconds / 1e9
+    fields = {f"{prefix}us": seconds * 1e6, f"{prefix}GBps": gbps}
+    if ceiling_gbps:
+        fields[f"{prefix}frac_copy_ceiling"] = gbps / ceiling_gbps
+    return fields
 
 
 def kv_bytes_read(b):
@@ -382,19 +400,15 @@ def section_decode(args):
     for ctx in contexts:
         for batch in batches:
             key, sub = jax.random.split(key)
-            case_bytes = batch * ctx * HKV * D * 2 * 2
-            rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
-            row = dict(batch=batch, context=ctx, rotations=rot)
+            row = dict(batch=batch, context=ctx)
             try:
-                b = make_batch(sub, [1] * batch, [ctx] * batch, num_rotations=rot)
+                b, row["rotations"] = _decode_batch(sub, batch, ctx)
                 nbytes = io_bytes(b)
                 est = nbytes / 3.0e12
                 tun = default_tuning(batch, batch, HQ, HKV, b["block_tables"].shape[2], BLOCK_SIZE)
                 row["tuning"] = tun
                 t, n_inner = time_step(ours(), b, est, args.repeats)
-                row.update(ours_us=t * 1e6, ours_GBps=nbytes / t / 1e9, bytes=nbytes, n_inner=n_inner)
-                if ceiling:
-                    row["ours_frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+                row.update(bytes=nbytes, n_inner=n_inner, **bandwidth_fields(t, nbytes, ceiling, "ours_"))
                 try:
                     bj = dict(b)
                     bj["k_pages"] = jnp.transpose(b["k_pages"], (2, 0, 1, 3))
@@ -439,9 +453,7 @@ def section_decode_sweep(args):
     ]
     for batch, ctx in cases:
         key, sub = jax.random.split(key)
-        case_bytes = batch * ctx * HKV * D * 2 * 2
-        rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
-        b = make_batch(sub, [1] * batch, [ctx] * batch, num_rotations=rot)
+        b, _ = _decode_batch(sub, batch, ctx)
         nbytes = io_bytes(b)
         base = default_tuning(batch, batch, HQ, HKV, b["block_tables"].shape[2], BLOCK_SIZE)
         more = [dict(num_kv_splits=max(1, base["num_kv_splits"] * 2)),
@@ -478,9 +490,7 @@ def section_decode_kv_dtype(args):
         if over_budget(f"decode_kv_dtype {batch}x{ctx}"):
             break
         key, sub = jax.random.split(key)
-        case_bytes = batch * ctx * HKV * D * 2 * 2
-        rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
-        b16 = make_batch(sub, [1] * batch, [ctx] * batch, num_rotations=rot)
+        b16, _ = _decode_batch(sub, batch, ctx)
         b8 = dict(b16, k_pages=b16["k_pages"].astype(jnp.float8_e4m3fn),
                   v_pages=b16["v_pages"].astype(jnp.float8_e4m3fn))
         ref = reference_fn(b8["q"], b8["k_pages"], b8["v_pages"], b8["kv_lens"], b8["block_tables"][0],
@@ -495,9 +505,7 @@ def section_decode_kv_dtype(args):
                                                    b["block_tables"][0], b["cu_q_lens"])
                         row["rel_l2_vs_reference"], row["finite"] = rel_l2(out, ref, b["q"].shape[0])
                     t, _ = time_step(ours(**var), b, nbytes / 3e12, args.repeats)
-                    row.update(us=t * 1e6, GBps=nbytes / t / 1e9)
-                    if ceiling:
-                        row["frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+                    row.update(bandwidth_fields(t, nbytes, ceiling))
                     log(f"batch {batch:4d} ctx {ctx:6d} {pool:4s} {str(var):40s} {t*1e6:9.1f} us "
                         f"{nbytes/t/1e9:7.0f} GB/s  rel_l2 {row.get('rel_l2_vs_reference', float('nan')):.2e}")
                 except Exception as e:
@@ -956,12 +964,6 @@ DECODE_GRID_POINTS = [(1, 512), (1, 32768), (8, 2048), (8, 32768), (32, 512), (3
                       (128, 8192), (256, 512), (256, 2048)]
 
 
-def _decode_batch(key, batch, ctx):
-    case_bytes = batch * ctx * HKV * D * 2 * 2
-    rot = int(max(1, min(64, math.ceil(L2_DEFEAT_BYTES / case_bytes))))
-    return make_batch(key, [1] * batch, [ctx] * batch, num_rotations=rot), rot
-
-
 def section_decode_compare(args):
     """Ours vs JAX's deprecated Pallas ``paged_attention`` (its own [Hkv, pages, page, D] layout, its defaults)
     vs the XLA reference, on decode points that JAX's kernel supports (pages per sequence divisible by its 16
@@ -986,9 +988,7 @@ def section_decode_compare(args):
             ours_out = np.asarray(run(jnp.int32(1), *b_args).astype(jnp.float32))
             n_inner = n_inner_for(est)
             t = median_time(run, (jnp.int32(n_inner), *b_args), args.repeats) / n_inner
-            row.update(ours_us=t * 1e6, ours_GBps=nbytes / t / 1e9, bytes=nbytes)
-            if ceiling:
-                row["ours_frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+            row.update(bytes=nbytes, **bandwidth_fields(t, nbytes, ceiling, "ours_"))
             try:
                 kp_h = jnp.transpose(b["k_pages"], (2, 0, 1, 3))
                 vp_h = jnp.transpose(b["v_pages"], (2, 0, 1, 3))
@@ -1038,9 +1038,7 @@ def section_decode_grid(args):
             nbytes = io_bytes(b)
             tun = default_tuning(batch, batch, HQ, HKV, b["block_tables"].shape[2], BLOCK_SIZE)
             t, n_inner = time_step(ours(), b, nbytes / 3.0e12, args.repeats)
-            row.update(rotations=rot, tuning=tun, us=t * 1e6, GBps=nbytes / t / 1e9, bytes=nbytes, n_inner=n_inner)
-            if ceiling:
-                row["frac_copy_ceiling"] = nbytes / t / 1e9 / ceiling
+            row.update(rotations=rot, tuning=tun, bytes=nbytes, n_inner=n_inner, **bandwidth_fields(t, nbytes, ceiling))
             tun_s = f"bq{tun['block_q']} bk{tun['block_k']} s{tun['num_kv_splits']} w{tun['num_warps']}"
             log(f"{batch:5d} {ctx:6d} {tun_s:>24s} | {t * 1e6:8.1f} {row['GBps']:6.0f} "
                 f"{100 * row.get('frac_copy_ceiling', float('nan')):8.1f}%")

@@ -14,8 +14,8 @@ program depends on, and a later start deserializes it without tracing at all:
 * ``ExecutableCache``: one file per executable under ``<jax_compilation_cache_dir>/paged_jax_executables/<runner
   fingerprint>/``. The fingerprint (``runner_fingerprint``) covers the source of ``paged_jax`` and ``models``
   (every file), the versions of jax / jaxlib / flax / numpy / ml_dtypes and of the GPU plugin packages, the
-  devices (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` / ``TPU_*`` environment variables, the
-  model's modules and their static attributes, the parameter tree, and the runner's configuration; each file's name
+  devices (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` /
+  ``TPU_*`` environment variables, the model's modules and their static attributes, the parameter tree, and the runner's configuration; each file's name
   adds the function, its static arguments and its abstract inputs (shapes, dtypes, shardings). A loaded executable
   whose input shapes, dtypes or shardings differ from those asked for, or an unreadable file, is ignored (compiled
   instead). Only fresh compiles are saved: an executable JAX itself loaded from its persistent cache is not (the

@@ -268,7 +268,8 @@ def test_attention_reads_fp8_pages(impl, tuning):
 
 def test_fp8_pool_fp16_dots_clip_q_and_need_an_fp8_pool():
     """The fp16 dots of an FP8 pool stay finite for a query beyond float16's range (q is clipped to it; the result
-    is the softmax's hard max: V of the key with the largest clipped score); asking for them on a bf16 pool is refused by name."""
+    is the softmax's hard max: V of the key with the largest clipped score); asking for them on a bf16 pool is
+    refused by name."""
     from paged_jax.ops.ragged_paged_attention.triton_kernel import default_tuning
 
     assert default_tuning(8, 8, 4, 2, 4, 8, 1)["block_k"] == 128 and default_tuning(8, 8, 4, 2, 4, 8, 1)[

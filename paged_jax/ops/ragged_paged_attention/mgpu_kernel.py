@@ -77,9 +77,8 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
                    num_programs: int | None = None) -> dict:
     """Tile shape: ``block_q`` 64 rows per compute warpgroup (the wgmma M), ``block_kv`` 128 keys per step, 2 ring
     slots (shared memory: (2 q + 2 o) x 64 x D + 2 x 2 slots x 128 x D elements = 192 KiB at D = 128, bf16), so one
-    program per SM; ``num_programs`` persistent programs (default ``default_num_programs()``: the SM count; a call launches at most its
-    possible work items, Hq x tiles, whatever is asked);
-    tiles longest first."""
+    program per SM; ``num_programs`` persistent programs (default ``default_num_programs()``: the SM count; a call
+    launches at most its possible work items, Hq x tiles, whatever is asked); tiles longest first."""
     block_q = 64 if block_q is None else int(block_q)
     block_kv = 128 if block_kv is None else int(block_kv)
     num_stages = 2 if num_stages is None else int(num_stages)
