@@ -37,19 +37,24 @@ def blocked_grid(fmt: str, limit: int) -> list[dict]:
     """<= ``limit`` configurations of the blocked GEMV (``split_k`` left to ``blocked_tuning``)."""
     keys = ("block_n", "block_k", "steps", "num_warps", "num_stages")
     if fmt == "fp8":
-        combos = [(256, 32, 2, 4, 3), (256, 64, 1, 8, 3), (128, 64, 2, 4, 3), (512, 16, 2, 4, 3),
-                  (256, 32, 4, 8, 2), (128, 32, 4, 4, 4), (256, 16, 4, 4, 4), (128, 128, 1, 8, 3)]
-    else:
-        scale = 1 if fmt == "int4" else 2  # int8 words hold 4 rows: half the rows for the same bytes per step
-        combos = [(bn, bk // scale, st, w, s) for bn, bk, st, w, s in (
-            (128, 128, 2, 4, 3), (128, 128, 1, 4, 4), (256, 128, 2, 8, 3), (64, 128, 2, 2, 3),
-            (128, 64, 4, 4, 3), (256, 64, 2, 4, 3), (128, 128, 4, 8, 2), (64, 64, 4, 2, 4))]
+        # The tensor-core path (dot_rows 16) at 4 warps over tiles x K shares (None: the table's), then the CUDA-core
+        # path (dot_rows 0); ordered so that any limit tries both paths.
+        tiles = [(64, 256, 1, 4, 3), (128, 256, 1, 4, 3), (256, 256, 1, 4, 4), (64, 256, 2, 4, 3),
+                 (128, 128, 2, 4, 3), (256, 128, 1, 4, 4)]
+        dot = [dict(zip(keys, tile), split_k=split, dot_rows=16) for split in (None, 4) for tile in tiles]
+        cuda_cores = [dict(zip(keys, c), dot_rows=0) for c in ((16, 512, 2, 4, 3), (32, 256, 2, 4, 3))]
+        return (dot[:2] + cuda_cores + dot[2:])[:limit]
+    scale = 1 if fmt == "int4" else 2  # int8 words hold 4 rows: half the rows for the same bytes per step
+    combos = [(bn, bk // scale, st, w, s) for bn, bk, st, w, s in (
+        (128, 128, 2, 4, 3), (128, 128, 1, 4, 4), (256, 128, 2, 8, 3), (64, 128, 2, 2, 3),
+        (128, 64, 4, 4, 3), (256, 64, 2, 4, 3), (128, 128, 4, 8, 2), (64, 64, 4, 2, 4))]
     return [dict(zip(keys, c)) for c in combos[:limit]]
 
 
 def _entry(key: tuple, config: dict) -> str:
-    knobs = ", ".join(f"{k}={config.get(k)!r}" for k in ("block_n", "block_k", "steps", "split_k", "num_warps",
-                                                           "num_stages"))
+    names = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages") + (
+        ("dot_rows",) if "dot_rows" in config else ())
+    knobs = ", ".join(f"{k}={config.get(k)!r}" for k in names)
     return f"{key!r}: dict({knobs}),"
 
 
@@ -61,7 +66,8 @@ def _copies(bytes_per_copy: int, tiny: bool) -> int:
 
 def _make_weights(fmt: str, k: int, n: int, copies: int, seed: int):
     """``copies`` random weight sets of ``fmt`` on the device: ``(packed, native, bytes read per matmul)``; every
-    integer value, scale and zero point random (int), N(0, 1) values cast to e4m3 (fp8), N(0, 1) (bf16)."""
+    integer value, scale and zero point random (int), N(0, 1) values cast to e4m3 in ``Fp8Linear``'s [N, K]
+    layout (fp8), N(0, 1) (bf16)."""
     import jax
     import jax.numpy as jnp
 
@@ -73,7 +79,7 @@ def _make_weights(fmt: str, k: int, n: int, copies: int, seed: int):
         weights = [(make(key),) for key in keys]
         return weights, None, k * n * 2
     if fmt == "fp8":
-        make = jax.jit(lambda key: (jax.random.normal(key, (k, n), jnp.float32).astype(jnp.float8_e4m3fn),
+        make = jax.jit(lambda key: (jax.random.normal(key, (n, k), jnp.float32).astype(jnp.float8_e4m3fn),
                                     jax.random.uniform(key, (n,), jnp.float32, 1e-3, 2e-2)))
         weights = [make(key) for key in keys]
         return weights, weights, k * n + n * 4
@@ -115,7 +121,7 @@ def _variants(fmt: str, m: int, k: int, args) -> list[tuple[str, dict | None, ob
     if fmt == "fp8":
         def float8_dot(x, w, s):
             x_q, x_scale = quantize_activations_fp8(x, "dynamic_token")
-            y = jax.lax.dot_general(x_q, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            y = jax.lax.dot_general(x_q, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             return (y * x_scale * s).astype(x.dtype)
 
         out = [("xla", None, float8_dot, "packed"), ("xla_native", None, native.fp8_upcast_matmul, "packed"),

@@ -43,7 +43,7 @@ from models.smollm2 import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: FP8 projections stored [out, in]
 KEY_FILE = "key.json"
 STATE_DIR = "state"
 _STAGING_MARK = ".staging-"

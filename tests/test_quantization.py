@@ -294,7 +294,7 @@ def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
     assert quant.layout()["weight_storage"] == other
 
 
-@pytest.mark.parametrize("method", ["gptq"])
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
 def test_tensor_parallel_matches_single_device(float_dir, tmp_path, method):
     from models.quantization.load import shard_quantized_model
     from paged_jax.parallel import ShardingPlan, make_mesh
@@ -306,8 +306,9 @@ def test_tensor_parallel_matches_single_device(float_dir, tmp_path, method):
     sharded = shard_quantized_model(model, plan, resolve_quantization(None, json.loads(
         (path / "config.json").read_text())))
     qweight = sharded.model.layers[0].mlp.down_proj
-    leaf = qweight.qweight if method == "gptq" else qweight.weight
-    assert leaf[...].sharding.spec[0] == "tp"  # row-parallel: split along the (packed) inputs
+    # row-parallel: split along the (packed) inputs: axis 0 of qweight [in / pack, out], axis 1 of FP8's [out, in]
+    leaf, in_axis = (qweight.qweight, 0) if method == "gptq" else (qweight.weight, 1)
+    assert leaf[...].sharding.spec[in_axis] == "tp" and leaf[...].sharding.spec[1 - in_axis] is None
     t = len(PROMPT)
     ids, pos = jnp.asarray(PROMPT, jnp.int32), jnp.arange(t, dtype=jnp.int32)
     attention = dense_causal_attention(np.zeros((t,), np.int32), model.config.head_dim ** -0.5)

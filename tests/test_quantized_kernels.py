@@ -3,6 +3,7 @@ against their jnp references on fresh random ragged shapes, their tuning and "au
 lowering, and the FP8 KV cache (write, the jnp reference and the Triton kernel reading e4m3 pages,
 the per-layer k/v scales folded into the model)."""
 
+import functools
 import time
 
 import jax.numpy as jnp
@@ -203,8 +204,21 @@ def test_blocked_gemv_matches_reference():
     w = jnp.asarray(rng.standard_normal((256, 64)) * 0.02, jnp.float32)
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.float32)
     weight, weight_scale = quantize_weight_fp8(w, "tensor")  # [1] scale: broadcast like a per-channel one
-    got = fp8_gemv_blocked(x, weight, weight_scale, interpret=True, block_n=32, block_k=32, steps=3, split_k=2)
-    check(got, fp8_weight_only_matmul_reference(x, weight, weight_scale), "fp8")
+    assert weight.shape == (64, 256)  # [out, in]
+    for dot_rows in (0, 16):  # CUDA-core products; tensor-core dot (float32 activations: a float32 dot)
+        got = fp8_gemv_blocked(x, weight, weight_scale, interpret=True, block_n=32, block_k=32, steps=3, split_k=2,
+                               dot_rows=dot_rows)
+        check(got, fp8_weight_only_matmul_reference(x, weight, weight_scale), f"fp8 dot_rows={dot_rows}")
+    # bf16 activations on the tensor-core path run a float16 dot: values beyond float16's range are clipped to it.
+    big = x.at[0, 7].set(1e6).astype(jnp.bfloat16)
+    got = fp8_gemv_blocked(big, weight, weight_scale, interpret=True, block_n=32, block_k=64, dot_rows=16)
+    want = fp8_weight_only_matmul_reference(jnp.clip(big.astype(jnp.float32), -65504.0, 65504.0), weight,
+                                            weight_scale)
+    scale = float(jnp.max(jnp.abs(want)))  # bf16 output: compare at its precision (unclipped would be ~15x off)
+    np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want) / scale, atol=1e-2,
+                               err_msg=f"seed={seed} fp8 clip")
+    with pytest.raises(ValueError, match="dot_rows"):
+        blocked_tuning("int4", 64, 512, group_size=128, dot_rows=16)
 
 
 def test_kernels_lower_to_triton_on_cpu():
@@ -225,7 +239,7 @@ def test_kernels_lower_to_triton_on_cpu():
         assert "xla.gpu.triton" in module
     for m in (1, 16):
         export.export(jax.jit(fp8_weight_only_matmul_pallas), platforms=["cuda"], disabled_checks=checks)(
-            spec((m, k), jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn), spec((n,), jnp.float32))
+            spec((m, k), jnp.bfloat16), spec((n, k), jnp.float8_e4m3fn), spec((n,), jnp.float32))
     from paged_jax.ops.quantized_gemv import fp8_gemv_blocked, weight_only_gemv_blocked
 
     for bits, group_size in ((4, 128), (8, k)):  # grouped and per-channel blocked GEMV
@@ -235,9 +249,11 @@ def test_kernels_lower_to_triton_on_cpu():
             spec((1, k), jnp.bfloat16), spec((k * bits // 32, n), jnp.int32), spec((k // group_size, n), jnp.bfloat16),
             spec((k // group_size, n), jnp.bfloat16)).mlir_module()
         assert "gemv_blocked" in module
-    module = export.export(jax.jit(fp8_gemv_blocked), platforms=["cuda"], disabled_checks=checks)(
-        spec((1, k), jnp.bfloat16), spec((k, n), jnp.float8_e4m3fn), spec((n,), jnp.float32)).mlir_module()
-    assert "gemv_blocked" in module
+    for dot_rows in (0, 16):
+        module = export.export(jax.jit(functools.partial(fp8_gemv_blocked, dot_rows=dot_rows)), platforms=["cuda"],
+                               disabled_checks=checks)(
+            spec((1, k), jnp.bfloat16), spec((n, k), jnp.float8_e4m3fn), spec((n,), jnp.float32)).mlir_module()
+        assert "gemv_blocked" in module
 
 
 def test_fp8_kv_pool_write_saturates():

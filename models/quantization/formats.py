@@ -137,4 +137,4 @@ def _convert_fp8(qc, module, tensors, in_features, out_features) -> dict:
         if input_scale.size != 1:
             raise ValueError(f"tensor {module}.input_scale has shape {input_scale.shape}: expected one scale")
         input_scale = input_scale.reshape(1)
-    return dict(kind="fp8", weight=np.ascontiguousarray(weight.T), weight_scale=scale, input_scale=input_scale)
+    return dict(kind="fp8", weight=weight, weight_scale=scale, input_scale=input_scale)  # [out, in], as stored

@@ -12,7 +12,8 @@ compute dtype), swapped in for the decoder's projections by ``models.quantizatio
   ``zeros`` on axis 1, and row-parallel shards split ``qweight`` and ``g_idx`` on axis 0 (contiguous input rows:
   ``(in / tp) % pack == 0``) with the scales and zeros replicated (act-order groups are scattered over the rows).
 
-``Fp8Linear`` (FP8 checkpoints, online ``fp8``): ``weight float8_e4m3fn[in, out]``, ``weight_scale float32[out]``
+``Fp8Linear`` (FP8 checkpoints, online ``fp8``): ``weight float8_e4m3fn[out, in]`` (the checkpoint's layout; column-
+  parallel shards split axis 0, row-parallel ones axis 1), ``weight_scale float32[out]``
   (per channel) or ``[1]`` (per tensor), optional static ``input_scale float32[1]``; activations are quantized to
   e4m3 per token (dynamic), per tensor (dynamic or static), and multiplied by XLA's float8 dot
   (``preferred_element_type=float32``) then rescaled; or, without activation quantization, the weights are upcast.
@@ -66,8 +67,8 @@ def register_weight_only_matmul(name: str, fn: Callable) -> None:
 
 
 def register_fp8_matmul(name: str, fn: Callable) -> None:
-    """Make ``fn(x[M, K], weight float8_e4m3fn[K, N], weight_scale f32[N] | [1]) -> y[M, N]`` (weight-only: the
-    activations are not quantized) an ``Fp8Linear`` ``matmul_impl``."""
+    """Make ``fn(x[M, K], weight float8_e4m3fn[N, K], weight_scale f32[N] | [1]) -> y[M, N]`` (weight-only: the
+    activations are not quantized; weights as ``Fp8Linear`` stores them) an ``Fp8Linear`` ``matmul_impl``."""
     _FP8_MATMULS[name] = fn
 
 
@@ -138,10 +139,10 @@ register_weight_only_matmul("xla_native_grouped", native.native_grouped_matmul)
 
 
 def fp8_weight_only_matmul_reference(x, weight, weight_scale) -> jax.Array:
-    """``x[M, K] @ (weight float8_e4m3fn[K, N] * weight_scale f32[N] | [1])`` -> ``[M, N]`` in ``x.dtype`` (the
-    weights upcast to ``x.dtype``, fp32 accumulation): the oracle of the Pallas FP8 weight-only kernel."""
-    w = (weight.astype(jnp.float32) * weight_scale.astype(jnp.float32)).astype(x.dtype)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    """``x[M, K] @ (weight float8_e4m3fn[N, K] * weight_scale f32[N, 1] | [1]).T`` -> ``[M, N]`` in ``x.dtype`` (the
+    weights upcast to ``x.dtype``, fp32 accumulation): the oracle of the Pallas FP8 weight-only kernels."""
+    w = (weight.astype(jnp.float32) * weight_scale.astype(jnp.float32).reshape(-1, 1)).astype(x.dtype)
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _param(value):
@@ -255,7 +256,8 @@ def pack_int32(values: jax.Array, bits: int) -> jax.Array:
 
 
 class Fp8Linear(nnx.Module):
-    """FP8 projection. ``weight float8_e4m3fn[in, out]``, ``weight_scale float32[out] | [1]``, ``input_scale
+    """FP8 projection. ``weight float8_e4m3fn[out, in]`` (the checkpoint's layout, inputs contiguous: Hopper's tensor
+    cores read 8-bit operands K-major, and the GEMV reads whole K runs), ``weight_scale float32[out] | [1]``, ``input_scale
     float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in ``QuantConfig``.
     ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" (or "auto" choosing one of them per
     M, on the GPU) run weight-only: the activations are not quantized (exact up to the bf16 product), whatever the
@@ -275,7 +277,7 @@ class Fp8Linear(nnx.Module):
         self.input_scale = _param(input_scale)
         self.bias = _param(bias)
         self.activation_scheme = activation_scheme
-        self.out_features = weight.shape[1]
+        self.out_features = weight.shape[0]
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -286,12 +288,11 @@ class Fp8Linear(nnx.Module):
         if impl != "xla":  # weight-only
             y = _FP8_MATMULS[impl](x2.astype(self.dtype), self.weight[...], w_scale)
         elif self.activation_scheme is None:
-            w = (self.weight[...].astype(jnp.float32) * w_scale).astype(self.dtype)
-            y = jnp.dot(x2.astype(self.dtype), w, preferred_element_type=jnp.float32)
+            y = fp8_weight_only_matmul_reference(x2.astype(self.dtype), self.weight[...], w_scale)
         else:
             x_q, x_scale = quantize_activations_fp8(
                 x2, self.activation_scheme, None if self.input_scale is None else self.input_scale[...])
-            y = jax.lax.dot_general(x_q, self.weight[...], (((1,), (0,)), ((), ())),
+            y = jax.lax.dot_general(x_q, self.weight[...], (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
             y = y * x_scale * w_scale
         y = y.astype(self.dtype)
@@ -300,7 +301,9 @@ class Fp8Linear(nnx.Module):
         return y.reshape(*lead, self.out_features)
 
     def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
-        return (self.weight[...].astype(jnp.float32) * self.weight_scale[...].astype(jnp.float32)).astype(dtype)
+        """``dtype[in, out]``, like ``nnx.Linear.kernel``."""
+        scale = self.weight_scale[...].astype(jnp.float32).reshape(-1, 1)
+        return (self.weight[...].astype(jnp.float32) * scale).T.astype(dtype)
 
     @staticmethod
     def concat(layers: Sequence["Fp8Linear"]) -> "Fp8Linear | None":
@@ -313,7 +316,7 @@ class Fp8Linear(nnx.Module):
             return None
         scales = [jnp.broadcast_to(layer.weight_scale[...], (layer.out_features,)) for layer in layers]
         bias = None if first.bias is None else jnp.concatenate([layer.bias[...] for layer in layers])
-        return Fp8Linear(jnp.concatenate([layer.weight[...] for layer in layers], axis=1),
+        return Fp8Linear(jnp.concatenate([layer.weight[...] for layer in layers], axis=0),
                          jnp.concatenate(scales), None, bias, activation_scheme=first.activation_scheme,
                          dtype=first.dtype, matmul_impl=first.matmul_impl)
 
@@ -334,11 +337,12 @@ def quantize_activations_fp8(x: jax.Array, scheme: str, input_scale=None) -> tup
 
 
 def quantize_weight_fp8(kernel: jax.Array, strategy: str = "channel") -> tuple[jax.Array, jax.Array]:
-    """``kernel [in, out]`` -> ``(float8_e4m3fn[in, out], float32 scale [out] (channel) or [1] (tensor))``."""
-    w = kernel.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=0) if strategy == "channel" else jnp.max(jnp.abs(w)).reshape(1)
+    """``kernel [in, out]`` -> ``(float8_e4m3fn[out, in]`` (``Fp8Linear``'s layout), ``float32 scale [out]`` (channel)
+    or ``[1]`` (tensor)``)``."""
+    w = kernel.astype(jnp.float32).T
+    amax = jnp.max(jnp.abs(w), axis=1) if strategy == "channel" else jnp.max(jnp.abs(w)).reshape(1)
     scale = jnp.maximum(amax, 1e-12) / FP8_MAX
-    return jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+    return jnp.clip(w / scale.reshape(-1, 1), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
 
 
 register_fp8_matmul("xla_native", native.fp8_upcast_matmul)

@@ -61,7 +61,7 @@ def _empty_module(qc: QuantConfig, linear: nnx.Linear, dtype, matmul_impl: str) 
     in_features, out_features = linear.kernel.shape
     if qc.kind == "fp8":
         scale_len = out_features if qc.weight_strategy == "channel" else 1
-        return Fp8Linear(jnp.zeros((in_features, out_features), FP8_DTYPE), jnp.zeros((scale_len,), jnp.float32),
+        return Fp8Linear(jnp.zeros((out_features, in_features), FP8_DTYPE), jnp.zeros((scale_len,), jnp.float32),
                          jnp.zeros((1,), jnp.float32) if qc.activation_scheme == "static" else None, _bias(linear),
                          activation_scheme=qc.activation_scheme, dtype=dtype, matmul_impl=matmul_impl)
     group_size = in_features if qc.group_size == -1 else qc.group_size

@@ -89,7 +89,7 @@ def native_grouped_matmul(x, qweight, scales, zeros, g_idx, *, bits: int, group_
 
 
 def fp8_upcast_matmul(x, weight, weight_scale) -> jax.Array:
-    """FP8 weight-only in XLA: ``(x[M, K] @ weight.astype(x.dtype)) * weight_scale`` -> ``[M, N]`` in ``x.dtype``
-    (the upcast written in the dot's operand for XLA to fuse; the scale applied to the fp32 product)."""
-    y = jnp.dot(x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    """FP8 weight-only in XLA: ``(x[M, K] @ weight[N, K].astype(x.dtype).T) * weight_scale`` -> ``[M, N]`` in
+    ``x.dtype`` (the upcast written in the dot's operand for XLA to fuse; the scale applied to the fp32 product)."""
+    y = jax.lax.dot_general(x, weight.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return (y * weight_scale.astype(jnp.float32).reshape(1, -1)).astype(x.dtype)

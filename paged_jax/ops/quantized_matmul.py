@@ -28,7 +28,8 @@ code on CPU; the knobs and their table: ``paged_jax.ops.quantized_matmul_tuning`
     planes' mask-in-place trick below saves a shift per weight), >= 16 = ``dot`` on the tensor cores.
     GEMV post-scaled planes: plane ``j < pack/2`` is ``word & (mask << bits*j)`` = ``q * 2**(bits*j)`` exactly, the
     upper half the same on ``word >> 16``; the activations of plane ``j`` come pre-multiplied by ``2**-(bits*j')``.
-FP8: the same grid and paths on ``weight float8_e4m3fn[K, N]``; the per-column scale multiplies the sum at the end.
+FP8: the same grid and paths on ``weight float8_e4m3fn[N, K]`` (``Fp8Linear``'s layout; a ``[block_k, block_n]``
+tile is gathered from it transposed); the per-column scale multiplies the sum at the end.
 
 ``weight_only_matmul_reference`` / ``fp8_weight_only_matmul_reference`` are the jnp oracles. Importing this module
 registers the kernels as ``matmul_impl="pallas"`` and the M threshold of ``"auto"`` (``models.quantization.linear``).
@@ -229,7 +230,7 @@ def _store_tile(out_ref, split, acc, cols, col_ok, n_total, row, rows_info):
 def _fp8_kernel(x_ref, w_ref, s_ref, out_ref, *, block_m, block_n, block_k, steps, iters_per_split, precision):
     gemv = block_m == 1
     m_total, k_total = x_ref.shape
-    n_total = w_ref.shape[1]
+    n_total = w_ref.shape[0]
     pid_m, pid_n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols, col_ok, cols_c = _tile_indices(pid_n, block_n, n_total)
     if gemv:
@@ -246,7 +247,7 @@ def _fp8_kernel(x_ref, w_ref, s_ref, out_ref, *, block_m, block_n, block_k, step
             kr = (it * steps + u) * block_k + offsets
             k_ok = kr < k_total
             kr_c = jnp.where(k_ok, kr, 0)
-            w = _load(w_ref.at[kr_c[:, None], cols_c[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w = _load(w_ref.at[cols_c[None, :], kr_c[:, None]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             loaded.append((w, kr_c, k_ok))
         for w, kr_c, k_ok in loaded:
             if gemv:  # acc: [block_k, block_n] products, reduced along K once at the end
@@ -327,13 +328,13 @@ def fp8_weight_only_matmul_pallas(x, weight, weight_scale, *, interpret: bool = 
                                   block_n: int | None = None, block_k: int | None = None, steps: int | None = None,
                                   split_k: int | None = None, num_warps: int | None = None,
                                   num_stages: int | None = None) -> jax.Array:
-    """``x[M, K] @ (weight float8_e4m3fn[K, N] * weight_scale f32[N] | [1])`` -> ``[M, N]`` in ``x.dtype``; the
+    """``x[M, K] @ (weight float8_e4m3fn[N, K] * weight_scale f32[N, 1] | [1]).T`` -> ``[M, N]`` in ``x.dtype``; the
     weights are upcast in registers, the activations stay in ``x.dtype`` (fp32 accumulation). Same contract as
     ``fp8_weight_only_matmul_reference``."""
     m, k = x.shape
-    n = weight.shape[1]
-    if weight.shape[0] != k:
-        raise ValueError(f"weight {weight.shape} has {weight.shape[0]} input rows, x has {k}")
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {weight.shape} (out, in) has {weight.shape[1]} inputs, x has {k}")
     t = default_tuning("fp8", m, n, k, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps,
                        split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     k_steps = -(-k // t["block_k"])

@@ -34,15 +34,16 @@ TARGET_PROGRAMS = 264
 # matmul_impl="auto" on the GPU: the implementation (``models.quantization.linear.MATMUL_IMPLS``) per (format,
 # M bucket); off the GPU "auto" is "xla" (or "xla_native" for a native-storage format). The H200 sweep's winners
 # (RESULTS.md): int4 the block-sliced GEMV at M = 1 and the packed Pallas kernel at 16 (the grouped native dot was
-# faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 XLA's dot on the
-# upcast weights (its convert fuses into the GEMM's operand load) at every M: it also beat the float8 dot (per-token
-# activation quantization + an FP8 GEMM) at 64, 256 and 2048 rows. Integer formats above 16 rows: XLA (dequantize +
+# faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 the block-sliced
+# GEMV's tensor-core path at M = 1 and XLA's dot on the upcast weights (its convert fuses into the GEMM's operand
+# load) above: that also beat the float8 dot (per-token activation quantization + an FP8 GEMM) at 64, 256 and 2048
+# rows. Integer formats above 16 rows: XLA (dequantize +
 # dot; no int4 path is bandwidth-bound there). A weight-only format's entries must all read one storage
 # (``STORAGE``): its modules hold one layout whatever M a step has.
 AUTO_IMPL = {
     ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
-    ("fp8", 1): "xla_native", ("fp8", 16): "xla_native", ("fp8", 64): "xla_native",
+    ("fp8", 1): "pallas_blocked", ("fp8", 16): "xla_native", ("fp8", 64): "xla_native",
 }
 NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "native")
 
@@ -77,21 +78,22 @@ TUNING: dict[tuple, dict] = {
 }
 
 KNOBS = ("block_m", "block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
-BLOCKED_KNOBS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
+BLOCKED_KNOBS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages", "dot_rows")
 
-# int4 / fp8: the H200 sweep's best (bucket entries and the Llama-3.1-8B projections); int8 is an unswept guess.
+# int4: the H200 sweep's best (bucket entry and the Llama-3.1-8B projections); fp8: the best of the [N, K] (K
+# contiguous) layout's sweep, tensor-core path (dot_rows 16); int8 is an unswept guess.
 BLOCKED_TUNING: dict[tuple, dict] = {
     ("int4",): dict(block_n=256, block_k=128, steps=2, split_k=None, num_warps=8, num_stages=3),
     ("int8",): dict(block_n=128, block_k=64, steps=2, split_k=None, num_warps=4, num_stages=3),
-    ("fp8",): dict(block_n=128, block_k=128, steps=1, split_k=None, num_warps=8, num_stages=3),
+    ("fp8",): dict(block_n=64, block_k=256, steps=1, split_k=None, num_warps=4, num_stages=3, dot_rows=16),
     ('int4', 4096, 6144): dict(block_n=128, block_k=128, steps=4, split_k=4, num_warps=8, num_stages=2),
     ('int4', 4096, 4096): dict(block_n=256, block_k=128, steps=2, split_k=16, num_warps=8, num_stages=3),
     ('int4', 4096, 28672): dict(block_n=128, block_k=128, steps=4, split_k=1, num_warps=8, num_stages=2),
     ('int4', 14336, 4096): dict(block_n=256, block_k=64, steps=2, split_k=16, num_warps=4, num_stages=3),
-    ('fp8', 4096, 6144): dict(block_n=256, block_k=32, steps=4, split_k=8, num_warps=8, num_stages=2),
-    ('fp8', 4096, 4096): dict(block_n=128, block_k=128, steps=1, split_k=8, num_warps=8, num_stages=3),
-    ('fp8', 4096, 28672): dict(block_n=128, block_k=128, steps=1, split_k=1, num_warps=8, num_stages=3),
-    ('fp8', 14336, 4096): dict(block_n=128, block_k=128, steps=1, split_k=8, num_warps=8, num_stages=3),
+    ('fp8', 4096, 6144): dict(block_n=256, block_k=256, steps=1, split_k=8, num_warps=4, num_stages=4, dot_rows=16),
+    ('fp8', 4096, 4096): dict(block_n=64, block_k=256, steps=2, split_k=8, num_warps=4, num_stages=3, dot_rows=16),
+    ('fp8', 4096, 28672): dict(block_n=64, block_k=256, steps=1, split_k=1, num_warps=4, num_stages=3, dot_rows=16),
+    ('fp8', 14336, 4096): dict(block_n=64, block_k=256, steps=1, split_k=8, num_warps=4, num_stages=3, dot_rows=16),
 }
 
 

@@ -67,8 +67,9 @@ _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
 # Quantized projections (models.quantization.linear): the split dim of each leaf in a column-parallel (output split)
 # and a row-parallel (input split) layer. Packed integer weights are packed along the inputs, so rows stay
 # contiguous; scales / zero points of a row-parallel layer are replicated (act-order groups scatter over rows).
+# FP8 weights are stored [out, in] (models.quantization.linear.Fp8Linear).
 _QUANT_LEAF_DIMS = {"qweight": (1, 0), "scales": (1, None), "zeros": (1, None), "g_idx": (None, 0),
-                    "weight": (1, 0), "weight_scale": (0, None), "input_scale": (None, None)}
+                    "weight": (0, 1), "weight_scale": (0, None), "input_scale": (None, None)}
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
