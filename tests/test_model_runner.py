@@ -409,6 +409,24 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
         jax.config.update("jax_compilation_cache_dir", previous_dir)
 
 
+def test_executable_cache_makes_the_mosaic_gpu_runtime_findable_first(tmp_path, monkeypatch):
+    """A cached executable holding a Mosaic GPU kernel is loaded only after jax's Mosaic GPU module is imported (it
+    tells the custom call where the runtime library is; without it the kernel fails to link and the cache misses)."""
+    import pickle
+
+    from paged_jax import executable_cache
+
+    cache = executable_cache.ExecutableCache(tmp_path, "fingerprint")
+    calls = []
+    monkeypatch.setattr(executable_cache, "_load_mosaic_gpu_runtime", lambda: calls.append("runtime"))
+    args = (jnp.zeros((2,), jnp.float32),)
+    for payload, expect in ((b"..ragged_paged_attention_mgpu_mosaic_gpu..", ["runtime"]), (b"plain", [])):
+        calls.clear()
+        cache._path("step", args, {}).write_bytes(pickle.dumps((payload, None, None)))
+        assert cache.load("step", args, {}) is None  # not a real executable: a miss, after the runtime hook
+        assert calls == expect
+
+
 def _loop_primitives(jaxpr, found=None):
     """Names of loop primitives (while / scan) anywhere in ``jaxpr``, not looking inside Pallas kernels (whose
     loops run on the device). An XLA while loop outside a kernel runs on the GPU as host-driven iterations."""
