@@ -34,7 +34,7 @@ L2_BYTES = 60 * 1024 * 1024
 
 
 def blocked_grid(fmt: str, limit: int) -> list[dict]:
-    """<= ``limit`` configurations of the blocked GEMV (``split_k`` left to ``blocked_tuning``)."""
+    """<= ``limit`` configurations of the blocked GEMV (``split_k`` None = ``blocked_tuning``'s)."""
     keys = ("block_n", "block_k", "steps", "num_warps", "num_stages")
     if fmt == "fp8":
         # The tensor-core path (dot_rows 16) at 4 warps over tiles x K shares (None: the table's), then the CUDA-core

@@ -117,6 +117,8 @@ class ExecutableCache:
         except Exception as exc:  # e.g. a JAX without one of the APIs it reads: compile as without the cache
             logger.warning("executable cache off: no fingerprint (%s: %s)", type(exc).__name__, exc)
             return None
+        if jax.default_backend() == "gpu":  # here, before warm-up loads executables on several threads
+            _load_mosaic_gpu_runtime()
         directory = Path(root) / CACHE_SUBDIR / fingerprint
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -170,17 +172,25 @@ class ExecutableCache:
 
 # Mosaic GPU kernels (the hybrid prefill attention) in a serialized executable name their runtime's entry points.
 _MOSAIC_GPU_MARK = b"mosaic_gpu"
+_MOSAIC_IMPORT_FAILED: list = []
 
 
 def _load_mosaic_gpu_runtime() -> None:
     """Make the Mosaic GPU runtime findable before an executable holding a Mosaic GPU kernel is loaded: importing
     jax's Mosaic GPU module tells the custom call where the runtime library is (an environment variable it sets),
     which a fresh process that only deserializes executables would otherwise never do (its kernel fails to link:
-    "Symbols not found: mosaic_gpu_launch_kernel")."""
+    "Symbols not found: mosaic_gpu_launch_kernel"). ``for_runner`` calls it once on a GPU, before warm-up's loading
+    threads start (the import sets an environment variable); ``load`` calls it again for such an executable, a
+    no-op once the module is imported."""
     try:
         import jax.experimental.mosaic.gpu  # noqa: F401
     except ImportError:  # a jax without Mosaic GPU cannot have written such an executable
         pass
+    except Exception as exc:  # a broken runtime: its executables will miss and compile; say why, once
+        if not _MOSAIC_IMPORT_FAILED:
+            _MOSAIC_IMPORT_FAILED.append(exc)
+            logger.warning("Mosaic GPU runtime not importable (%s: %s): executables holding Mosaic GPU kernels "
+                           "will be compiled, not loaded", type(exc).__name__, exc)
 
 
 def _abstract_repr(x) -> str:

@@ -168,6 +168,17 @@ def test_native_storage_matmuls_match_reference(bits, group_size, act_order):
                            matmul_impl="xla_native")
     exact = fp8_weight_only_matmul_reference(x, weight, weight_scale)
     np.testing.assert_allclose(np.asarray(fp8(x)), np.asarray(exact), rtol=1e-5, atol=1e-6)
+    # Fused projections (q/k/v, gate/up): FP8 weights [out, in] side by side along the outputs, unequal widths,
+    # a per-tensor scale made per-channel.
+    other_w, other_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((k, 24)) * 0.02, jnp.float32), "tensor")
+    other = linear.Fp8Linear(other_w, other_scale, activation_scheme="dynamic_token", dtype=jnp.float32,
+                             matmul_impl="xla_native")
+    fused = linear.Fp8Linear.concat([fp8, other])
+    assert fused.weight.shape == (n + 24, k) and fused.out_features == n + 24
+    side_by_side = np.concatenate([np.asarray(fp8(x)), np.asarray(other(x))], 1)
+    np.testing.assert_allclose(np.asarray(fused(x)), side_by_side, atol=1e-5 * float(np.abs(side_by_side).max()))
+    np.testing.assert_array_equal(np.asarray(fused.dequantized_kernel()),
+                                  np.concatenate([fp8.dequantized_kernel(), other.dequantized_kernel()], 1))
 
 
 def test_blocked_gemv_matches_reference():
@@ -219,6 +230,16 @@ def test_blocked_gemv_matches_reference():
                                err_msg=f"seed={seed} fp8 clip")
     with pytest.raises(ValueError, match="dot_rows"):
         blocked_tuning("int4", 64, 512, group_size=128, dot_rows=16)
+    # The tensor-core path needs K steps of >= 16 (a dot's side): 200 inputs (8 | 200) do not tile it, 40 outputs
+    # do not tile block_n 32; both fall back to the "pallas" kernel, here with per-channel scales.
+    assert blocked_tuning("fp8", 64, 200, block_k=64, dot_rows=16) is None
+    assert blocked_tuning("fp8", 64, 200, block_k=64, dot_rows=0)["block_k"] == 8
+    for k, n in ((200, 64), (256, 40)):
+        weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32))
+        assert blocked_tuning("fp8", n, k, block_n=32, block_k=64, dot_rows=16) is None
+        x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
+        got = fp8_gemv_blocked(x, weight, weight_scale, interpret=True, block_n=32, block_k=64, dot_rows=16)
+        check(got, fp8_weight_only_matmul_reference(x, weight, weight_scale), f"fp8 fallback k={k} n={n}")
 
 
 def test_kernels_lower_to_triton_on_cpu():

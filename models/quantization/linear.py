@@ -256,9 +256,10 @@ def pack_int32(values: jax.Array, bits: int) -> jax.Array:
 
 
 class Fp8Linear(nnx.Module):
-    """FP8 projection. ``weight float8_e4m3fn[out, in]`` (the checkpoint's layout, inputs contiguous: Hopper's tensor
-    cores read 8-bit operands K-major, and the GEMV reads whole K runs), ``weight_scale float32[out] | [1]``, ``input_scale
-    float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in ``QuantConfig``.
+    """FP8 projection. ``weight float8_e4m3fn[out, in]`` (the checkpoint's layout, inputs contiguous: Hopper's
+    tensor cores read 8-bit operands K-major, and the GEMV reads whole K runs), ``weight_scale float32[out] | [1]``,
+    ``input_scale float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in
+    ``QuantConfig``.
     ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" (or "auto" choosing one of them per
     M, on the GPU) run weight-only: the activations are not quantized (exact up to the bf16 product), whatever the
     scheme; "xla" (and "auto" off the GPU) keeps the float8 dot."""

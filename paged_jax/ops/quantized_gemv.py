@@ -4,9 +4,9 @@ The second formulation of the M = 1 path of ``paged_jax.ops.quantized_matmul`` (
 module's GEMV stays selectable as "pallas"). Here every operand reaches the kernel through a ``BlockSpec`` and is
 read with static-size ``pl.ds`` slices at ``multiple_of`` offsets and no masks, so Triton sees ``base + arange``
 pointers it can prove contiguous and aligned (16-byte vector loads along the contiguous axis, pipelined over the K
-loop by ``num_stages``), instead of the gathered, masked pointers of integer-array indexers. The price: the shape must tile
-exactly (``blocked_tuning`` returns None otherwise and the call falls back to the "pallas" kernel, as it does for
-M > 1 and act-order ``g_idx``).
+loop by ``num_stages``), instead of the gathered, masked pointers of integer-array indexers. The price: the shape
+must tile exactly (``blocked_tuning`` returns None otherwise and the call falls back to the "pallas" kernel, as it
+does for M > 1 and act-order ``g_idx``).
 
 Grid ``(N / block_n, split_k)``: program ``(j, s)`` owns columns ``[j * block_n, (j + 1) * block_n)`` and the ``s``-th
 of ``split_k`` equal K shares, and writes an fp32 partial row ``[block_n]`` that XLA sums over the shares.
@@ -51,7 +51,7 @@ _MIN_BLOCK_N = 16
 
 
 def blocked_tuning(fmt: str, n: int, k: int, *, group_size: int | None = None, **overrides) -> dict | None:
-    """Knobs of the blocked GEMV for ``x[1, k] @ w[k, n]`` in ``fmt`` ("int4" | "int8" | "fp8"):
+    """Knobs of the blocked GEMV for ``x[1, k] @ w`` (``[k, n]`` unpacked; fp8 stores ``[n, k]``) in ``fmt``:
     ``BLOCKED_TUNING``'s entry with ``overrides`` (None = the table's), made to tile the shape exactly, or None
     when it cannot (the caller falls back). ``block_k`` shrinks to fit a group (``steps`` grows by as much);
     ``split_k`` None = the largest power of two that tiles K (whole groups per share) with about
@@ -66,10 +66,11 @@ def blocked_tuning(fmt: str, n: int, k: int, *, group_size: int | None = None, *
     if dot_rows not in (0, _MIN_DOT) or (dot_rows and fmt != "fp8"):
         raise ValueError(f"dot_rows={dot_rows}: 0, or {_MIN_DOT} for fp8 (the tensor-core path)")
     block_n = max(_MIN_BLOCK_N, _pow2_floor(t["block_n"]))
-    block_k = max(_MIN_DOT if dot_rows else pack, _pow2_floor(t["block_k"]))
+    min_k = _MIN_DOT if dot_rows else pack  # a dot's K side, or one packed row
+    block_k = max(min_k, _pow2_floor(t["block_k"]))
     steps = max(1, int(t["steps"]))
     group = k if fmt == "fp8" or group_size in (None, -1) else int(group_size)
-    while block_k > pack and group % block_k:
+    while block_k > min_k and group % block_k:
         block_k //= 2
         steps *= 2
     if n % block_n or k % block_k or group % block_k or k % group:

@@ -14,7 +14,8 @@ code on CPU; the knobs and their table: ``paged_jax.ops.quantized_matmul_tuning`
     the ``s``-th share of the K steps, and writes an fp32 partial sum that XLA adds up (``split_k`` > 1 fills the
     132 SMs at batch 1, where M gives a single row of tiles);
   * a K step = ``block_k`` input rows = one ``[block_k / pack, block_n]`` load of packed words (columns contiguous:
-    coalesced along N); ``steps`` K steps are loaded together per loop iteration (bytes in flight);
+    coalesced along N; FP8's ``[N, K]`` weights along K); ``steps`` K steps are loaded together per loop iteration
+    (bytes in flight);
   * plane ``j`` of a word holds input rows ``pack * r + j``; their activations are one contiguous load from
     ``x_planes = x.reshape(M, K / pack, pack)`` transposed to ``[pack, M, K / pack]`` (a cheap shuffle by XLA);
   * integers become floats without a conversion instruction: ``bitcast(q | 0x4B000000) - 2**23`` is ``q`` exactly
@@ -70,8 +71,9 @@ def _pow2_ceil(v: int) -> int:
 
 def default_tuning(fmt: str, m: int, n: int, k: int, *, group_size: int | None = None, act_order: bool = False,
                    **overrides) -> dict:
-    """Knobs for ``x[m, k] @ w[k, n]`` in ``fmt`` ("int4" | "int8" | "fp8"): the tuning table's entry
-    (``quantized_matmul_tuning.tuned``) with ``overrides`` (None = the table's), made valid for the shape:
+    """Knobs for ``x[m, k] @ w`` (``[k, n]`` unpacked; fp8 stores ``[n, k]``) in ``fmt`` ("int4" | "int8" | "fp8"):
+    the tuning table's entry (``quantized_matmul_tuning.tuned``) with ``overrides`` (None = the table's), made valid
+    for the shape:
     ``block_m`` 1 (GEMV) or a power of two >= 16 no larger than M needs, ``block_n`` / ``block_k`` powers of two
     no larger than the shape needs, ``block_k`` shrunk to fit a group when that keeps the post-scaled path (with
     ``steps`` scaled up by as much, so the bytes in flight stay), ``split_k`` so that about

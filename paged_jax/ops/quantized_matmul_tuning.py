@@ -48,7 +48,8 @@ AUTO_IMPL = {
 NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "native")
 
 # Bucket entries for int4 / fp8 at M 1 and 16 and the shape entries (Llama-3.1-8B projections) are the H200 sweep's
-# best (benchmarks/RESULTS.md, quantized matmul sweep); int8 and the M = 64 buckets are unswept guesses.
+# best (benchmarks/RESULTS.md, quantized matmul sweep; fp8's from when its weights were stored [K, N], not re-swept on
+# [N, K]); int8 and the M = 64 buckets are unswept guesses.
 TUNING: dict[tuple, dict] = {
     ("int4", 1): dict(block_m=1, block_n=128, block_k=256, steps=2, split_k=None, num_warps=8, num_stages=2),
     ("int4", 16): dict(block_m=16, block_n=128, block_k=256, steps=1, split_k=None, num_warps=8, num_stages=3),
@@ -108,19 +109,21 @@ def format_name(bits: int | None) -> str:
 
 
 def tuned(fmt: str, m: int, k: int, n: int) -> dict:
-    """The table's knobs for ``x[m, k] @ w[k, n]`` in ``fmt``: the shape entry if there is one, else the bucket's."""
+    """The table's knobs for ``x[m, k] @ w`` (``[k, n]`` unpacked; fp8 stores ``[n, k]``) in ``fmt``: the shape
+    entry if there is one, else the bucket's."""
     bucket = m_bucket(m)
     return dict(TUNING.get((fmt, bucket, k, n)) or TUNING[(fmt, bucket)])
 
 
 def blocked_tuned(fmt: str, k: int, n: int) -> dict:
-    """``BLOCKED_TUNING``'s knobs for ``x[1, k] @ w[k, n]`` in ``fmt``: the shape entry if there is one."""
+    """``BLOCKED_TUNING``'s knobs for ``x[1, k] @ w`` (``[k, n]`` unpacked; fp8 stores ``[n, k]``) in ``fmt``: the
+    shape entry if there is one."""
     return dict(BLOCKED_TUNING.get((fmt, k, n)) or BLOCKED_TUNING[(fmt,)])
 
 
 def storage(fmt: str) -> str:
     """The weight-only storage ("packed" | "native") of ``matmul_impl="auto"`` modules in ``fmt``. FP8 weights have
-    one layout (float8 [K, N]) under every implementation: "packed", i.e. nothing to convert."""
+    one layout (float8 [N, K]) under every implementation: "packed", i.e. nothing to convert."""
     if fmt == "fp8":
         return "packed"
     native = {AUTO_IMPL[(fmt, b)] in NATIVE_IMPLS for b in M_BUCKETS}
