@@ -41,7 +41,7 @@ def blocked_grid(fmt: str, limit: int) -> list[dict]:
         # path (dot_rows 0); ordered so that any limit tries both paths.
         tiles = [(64, 256, 1, 4, 3), (128, 256, 1, 4, 3), (256, 256, 1, 4, 4), (64, 256, 2, 4, 3),
                  (128, 128, 2, 4, 3), (256, 128, 1, 4, 4)]
-        dot = [dict(zip(keys, tile), split_k=split, dot_rows=16) for split in (None, 4) for tile in tiles]
+        dot = [dict(zip(keys, tile), split_k=split, dot_rows=16) for split in (None, 4, 16) for tile in tiles]
         cuda_cores = [dict(zip(keys, c), dot_rows=0) for c in ((16, 512, 2, 4, 3), (32, 256, 2, 4, 3))]
         return (dot[:2] + cuda_cores + dot[2:])[:limit]
     scale = 1 if fmt == "int4" else 2  # int8 words hold 4 rows: half the rows for the same bytes per step
