@@ -144,8 +144,6 @@ class ExecutableCache:
             from jax.experimental.serialize_executable import deserialize_and_load
 
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            if _MOSAIC_GPU_MARK in payload:
-                _load_mosaic_gpu_runtime()
             compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=_devices_of(args))
             _check_inputs(compiled, args)
         except Exception as exc:  # a stale, truncated or foreign file: compile instead
@@ -170,18 +168,15 @@ class ExecutableCache:
             logger.warning("executable cache: %s not saved (%s: %s)", path.name, type(exc).__name__, exc)
 
 
-# Mosaic GPU kernels (the hybrid prefill attention) in a serialized executable name their runtime's entry points.
-_MOSAIC_GPU_MARK = b"mosaic_gpu"
 _MOSAIC_IMPORT_FAILED: list = []
 
 
 def _load_mosaic_gpu_runtime() -> None:
-    """Make the Mosaic GPU runtime findable before an executable holding a Mosaic GPU kernel is loaded: importing
-    jax's Mosaic GPU module tells the custom call where the runtime library is (an environment variable it sets),
-    which a fresh process that only deserializes executables would otherwise never do (its kernel fails to link:
-    "Symbols not found: mosaic_gpu_launch_kernel"). ``for_runner`` calls it once on a GPU, before warm-up's loading
-    threads start (the import sets an environment variable); ``load`` calls it again for such an executable, a
-    no-op once the module is imported."""
+    """Make the Mosaic GPU runtime findable before an executable holding a Mosaic GPU kernel (the hybrid prefill
+    attention) is loaded: importing jax's Mosaic GPU module tells the custom call where the runtime library is (an
+    environment variable it sets), which a fresh process that only deserializes executables would otherwise never do
+    (its kernel fails to link: "Symbols not found: mosaic_gpu_launch_kernel"). ``for_runner`` calls it on a GPU,
+    before warm-up's loading threads start (setting the variable while they read the environment would race)."""
     try:
         import jax.experimental.mosaic.gpu  # noqa: F401
     except ImportError:  # a jax without Mosaic GPU cannot have written such an executable

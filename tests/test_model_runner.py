@@ -410,21 +410,25 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
 
 
 def test_executable_cache_makes_the_mosaic_gpu_runtime_findable_first(tmp_path, monkeypatch):
-    """A cached executable holding a Mosaic GPU kernel is loaded only after jax's Mosaic GPU module is imported (it
-    tells the custom call where the runtime library is; without it the kernel fails to link and the cache misses)."""
-    import pickle
-
+    """On a GPU, the runner's executable cache imports jax's Mosaic GPU module before warm-up loads anything (it
+    tells the custom call where its runtime library is; without it a cached executable holding a Mosaic kernel fails
+    to link and the cache misses); elsewhere it does not."""
     from paged_jax import executable_cache
 
-    cache = executable_cache.ExecutableCache(tmp_path, "fingerprint")
     calls = []
     monkeypatch.setattr(executable_cache, "_load_mosaic_gpu_runtime", lambda: calls.append("runtime"))
-    args = (jnp.zeros((2,), jnp.float32),)
-    for payload, expect in ((b"..ragged_paged_attention_mgpu_mosaic_gpu..", ["runtime"]), (b"plain", [])):
-        calls.clear()
-        cache._path("step", args, {}).write_bytes(pickle.dumps((payload, None, None)))
-        assert cache.load("step", args, {}) is None  # not a real executable: a miss, after the runtime hook
-        assert calls == expect
+    monkeypatch.setattr(executable_cache, "runner_fingerprint", lambda runner: "fingerprint")
+    previous_dir = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        for backend, expect in (("gpu", ["runtime"]), ("cpu", [])):
+            calls.clear()
+            monkeypatch.setattr(executable_cache.jax, "default_backend", lambda backend=backend: backend)
+            cache = executable_cache.ExecutableCache.for_runner(object())
+            assert cache is not None and cache.fingerprint == "fingerprint"
+            assert calls == expect
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous_dir)
 
 
 def _loop_primitives(jaxpr, found=None):

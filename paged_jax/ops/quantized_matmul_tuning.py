@@ -37,9 +37,8 @@ TARGET_PROGRAMS = 264
 # faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 the block-sliced
 # GEMV's tensor-core path at M = 1 and XLA's dot on the upcast weights (its convert fuses into the GEMM's operand
 # load) above: that also beat the float8 dot (per-token activation quantization + an FP8 GEMM) at 64, 256 and 2048
-# rows. Integer formats above 16 rows: XLA (dequantize +
-# dot; no int4 path is bandwidth-bound there). A weight-only format's entries must all read one storage
-# (``STORAGE``): its modules hold one layout whatever M a step has.
+# rows. Integer formats above 16 rows: XLA (dequantize + dot; no int4 path is bandwidth-bound there). A weight-only
+# format's entries must all read one storage (``STORAGE``): its modules hold one layout whatever M a step has.
 AUTO_IMPL = {
     ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
