@@ -241,12 +241,19 @@ def section_decode(args, results, copy_gbps: float):
         import functools
 
         from models.quantization import linear
-        from paged_jax.ops.quantized_gemv import fp8_gemv_blocked, weight_only_gemv_blocked
+        from paged_jax.ops import quantized_gemv as gemv
         from paged_jax.ops.quantized_matmul import fp8_weight_only_matmul_pallas, weight_only_matmul_pallas
-        for impl, int_fn, fp8_fn in (("pallas", weight_only_matmul_pallas, fp8_weight_only_matmul_pallas),
-                                     ("pallas_blocked", weight_only_gemv_blocked, fp8_gemv_blocked)):
-            linear.register_weight_only_matmul(impl, functools.partial(int_fn, interpret=True))
-            linear.register_fp8_matmul(impl, functools.partial(fp8_fn, interpret=True))
+
+        def interpret(fn):
+            return None if fn is None else functools.partial(fn, interpret=True)
+
+        for impl, int_fn, fp8_fns in (
+                ("pallas", weight_only_matmul_pallas, (fp8_weight_only_matmul_pallas, None, None)),
+                ("pallas_blocked", gemv.weight_only_gemv_blocked,
+                 (gemv.fp8_gemv_blocked, gemv.fp8_rms_norm_gemv_blocked, gemv.fp8_silu_mul_gemv_blocked))):
+            linear.register_weight_only_matmul(impl, interpret(int_fn))
+            fp8_fn, rms_norm_fn, silu_mul_fn = map(interpret, fp8_fns)
+            linear.register_fp8_matmul(impl, fp8_fn, rms_norm=rms_norm_fn, silu_mul=silu_mul_fn)
         from models import norm
         from paged_jax.ops.rms_norm import rms_norm_pallas_differentiable
         norm.register_rms_norm("pallas", functools.partial(rms_norm_pallas_differentiable, interpret=True))

@@ -133,13 +133,23 @@ class Attention(nnx.Module):
     def __call__(self, layer_idx: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv_layer,
                  attention: AttentionFn, lora=None):
         """x: [T, hidden], rope: ``rope_cos_sin`` tables -> ([T, hidden], kv_layer). ``lora``: see ``with_lora``."""
-        num_tokens = x.shape[0]
+        return self.attend(layer_idx, *self.project(x, lora), rope, kv_layer, attention, lora)
+
+    def project(self, x: jax.Array, lora=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [T, hidden] -> (q [T, Hq * D], k [T, Hkv * D], v [T, Hkv * D]), LoRA updates included."""
         if self.qkv_proj is not None:
-            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = with_lora(lora, "qkv_proj", x, self.qkv_proj(x))
-            q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
-        else:
-            q, k, v = (with_lora(lora, name, x, getattr(self, name)(x)) for name in ("q_proj", "k_proj", "v_proj"))
+            return self.split_qkv(with_lora(lora, "qkv_proj", x, self.qkv_proj(x)))
+        return tuple(with_lora(lora, name, x, getattr(self, name)(x)) for name in ("q_proj", "k_proj", "v_proj"))
+
+    def split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The fused projection's output [T, (Hq + 2 Hkv) * D] -> (q, k, v) as ``project`` returns them."""
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return tuple(jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1))
+
+    def attend(self, layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, rope: tuple[jax.Array, jax.Array],
+               kv_layer, attention: AttentionFn, lora=None):
+        """``project``'s (q, k, v) -> ([T, hidden], kv_layer): the q/k transform, ``attention`` and ``o_proj``."""
+        num_tokens = q.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -174,10 +184,23 @@ class MLP(nnx.Module):
         self.down_proj = _linear(inter, hidden, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:
+        """x: [T, hidden] -> [T, hidden]."""
         if self.gate_up_proj is not None:
-            gate, up = jnp.split(with_lora(lora, "gate_up_proj", x, self.gate_up_proj(x)), 2, axis=-1)
-        else:
-            gate, up = (with_lora(lora, name, x, getattr(self, name)(x)) for name in ("gate_proj", "up_proj"))
+            return self.down(with_lora(lora, "gate_up_proj", x, self.gate_up_proj(x)), lora)
+        gate, up = (with_lora(lora, name, x, getattr(self, name)(x)) for name in ("gate_proj", "up_proj"))
+        act = jax.nn.silu(gate) * up
+        return with_lora(lora, "down_proj", act, self.down_proj(act))
+
+    def down(self, gate_up: jax.Array, lora=None) -> jax.Array:
+        """The fused projection's output [T, 2 * inter] = [gate | up] -> ``down_proj(silu(gate) * up)`` [T, hidden]:
+        one kernel when ``down_proj`` has a fused form for the shape (``silu_mul_matmul``, e.g. the FP8 GEMV) and
+        no LoRA update reads the activation."""
+        fused = getattr(self.down_proj, "silu_mul_matmul", None)
+        if fused is not None and lora is None:
+            out = fused(gate_up)
+            if out is not None:
+                return out
+        gate, up = jnp.split(gate_up, 2, axis=-1)
         act = jax.nn.silu(gate) * up
         return with_lora(lora, "down_proj", act, self.down_proj(act))
 
@@ -198,14 +221,37 @@ class DecoderLayer(nnx.Module):
         hidden], the residual stream that x is still to be added to, or None for the first layer.
         -> (mlp_out [T, hidden], residual [T, hidden], kv_layer); the layer's output is ``mlp_out + residual``,
         added by the next norm (the same bf16 sums, in the same order, as adding at the end of each block)."""
+        attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual = x
-            hidden = self.input_layernorm(x)
+            q, k, v = attn.project(self.input_layernorm(x), lora)
+        elif attn.qkv_proj is not None:
+            qkv, residual = norm_then_project(self.input_layernorm, attn.qkv_proj, "qkv_proj", x, residual, lora)
+            q, k, v = attn.split_qkv(qkv)
         else:
             hidden, residual = self.input_layernorm(x, residual)
-        attn_out, kv_layer = self.self_attn(layer_idx, hidden, rope, kv_layer, attention, lora)
-        hidden, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(hidden, lora), residual, kv_layer
+            q, k, v = attn.project(hidden, lora)
+        attn_out, kv_layer = attn.attend(layer_idx, q, k, v, rope, kv_layer, attention, lora)
+        if mlp.gate_up_proj is None:
+            hidden, residual = self.post_attention_layernorm(attn_out, residual)
+            return mlp(hidden, lora), residual, kv_layer
+        gate_up, residual = norm_then_project(self.post_attention_layernorm, mlp.gate_up_proj, "gate_up_proj",
+                                              attn_out, residual, lora)
+        return mlp.down(gate_up, lora), residual, kv_layer
+
+
+def norm_then_project(norm: RMSNorm, proj, name: str, x: jax.Array, residual: jax.Array, lora=None):
+    """``(with_lora(lora, name, h, proj(h)), new_residual)`` for ``h, new_residual = norm(x, residual)`` (x, residual:
+    [T, in]): one kernel when ``proj`` has a fused form for the shape (``rms_norm_matmul``, e.g. the FP8 GEMV), the
+    norm itself runs as a kernel (``RMSNorm.runs_kernel``: not on a mesh or under XLA) and no LoRA update reads
+    ``h``; the norm, then the projection, otherwise."""
+    fused = getattr(proj, "rms_norm_matmul", None)
+    if fused is not None and lora is None and norm.runs_kernel(x):
+        out = fused(x, residual, norm.scale[...], eps=norm.eps, norm_dtype=norm.dtype)
+        if out is not None:
+            return out
+    hidden, residual = norm(x, residual)
+    return with_lora(lora, name, hidden, proj(hidden)), residual
 
 
 def with_lora(lora, name: str, x: jax.Array, y: jax.Array) -> jax.Array:

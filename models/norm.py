@@ -124,5 +124,11 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
         self.impl = check_rms_norm_impl(impl)
 
+    def runs_kernel(self, x: jax.Array) -> bool:
+        """Whether this norm runs as a kernel (not ``"xla"``) on ``x [..., H]``'s static shape; a projection may then
+        take it into its own kernel (``models.llama.norm_then_project``)."""
+        rows = x.size // x.shape[-1] if x.shape[-1] else 0
+        return resolve_rms_norm_impl(self.impl, rows, x.shape[-1], self.dtype) != "xla"
+
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         return rms_norm(x, self.scale[...], residual, eps=self.eps, dtype=self.dtype, impl=self.impl)

@@ -6,6 +6,7 @@ the per-layer k/v scales folded into the model)."""
 import functools
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -275,6 +276,14 @@ def test_kernels_lower_to_triton_on_cpu():
                                disabled_checks=checks)(
             spec((1, k), jnp.bfloat16), spec((n, k), jnp.float8_e4m3fn), spec((n,), jnp.float32)).mlir_module()
         assert "gemv_blocked" in module
+    from paged_jax.ops.quantized_gemv import fp8_rms_norm_gemv_blocked, fp8_silu_mul_gemv_blocked
+
+    row, w, s = spec((1, k), jnp.bfloat16), spec((n, k), jnp.float8_e4m3fn), spec((n,), jnp.float32)
+    fused = [(functools.partial(fp8_rms_norm_gemv_blocked, eps=1e-6), (row, row, spec((k,), jnp.bfloat16), w, s)),
+             (fp8_silu_mul_gemv_blocked, (spec((1, 2 * k), jnp.bfloat16), w, s))]
+    for fn, args in fused:  # the prologues (a when-guarded store, the sigmoid's exp)
+        module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+        assert "gemv_blocked" in module
 
 
 def test_fp8_kv_pool_write_saturates():
@@ -357,3 +366,82 @@ def test_kv_scales_fold_into_q_and_output():
     got = model(ids, positions, None, attention)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(stored[1]) * 4.0, np.asarray(stored[0]), rtol=1e-6)  # cache: k / 4
+
+
+def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
+    """The blocked FP8 GEMV's prologues (interpret mode): the residual add + RMSNorm inside the qkv / gate_up GEMVs
+    and SwiGLU's activation inside the down GEMV give the unfused kernels' results (new residual bit for bit), fall
+    back (None) where the GEMV does not tile; and a decoder on them at one token takes the fused forms in every
+    layer with a residual and equals the same model with the fusions refused."""
+    from flax import nnx
+
+    from models import norm as norm_lib
+    from models.attention import dense_causal_attention
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM, fuse_projections, set_rms_norm_impl
+    from models.norm import rms_norm_reference
+    from models.quantization import linear as linear_lib
+    from models.quantization.config import resolve_quantization
+    from models.quantization.load import quantize_model
+    from models.testing import tiny_config
+    from paged_jax.ops.quantized_gemv import (fp8_gemv_blocked, fp8_rms_norm_gemv_blocked,
+                                              fp8_silu_mul_gemv_blocked)
+    from paged_jax.ops.rms_norm import rms_norm_pallas
+
+    seed = time.time_ns() % (1 << 31)
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16  # the engine's; float32 activations take the same code with a float32 dot
+    knobs = dict(interpret=True, block_n=16, block_k=16, steps=2, split_k=2, dot_rows=16)
+    k, n = 96, 48  # K = 3 * 32: the norm's row loads run in 32-wide chunks
+    weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32))
+    x, residual = (jnp.asarray(rng.standard_normal((1, k)) * 4, dtype) for _ in range(2))
+    norm_weight = jnp.asarray(rng.standard_normal(k), dtype)
+    tol = 1e-2
+    y, new_residual = fp8_rms_norm_gemv_blocked(x, residual, norm_weight, weight, weight_scale, eps=1e-5, **knobs)
+    normed, want_residual = rms_norm_reference(x, norm_weight, residual, eps=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_residual, np.float32), np.asarray(want_residual, np.float32))
+    want = fp8_gemv_blocked(normed, weight, weight_scale, **knobs)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=tol * 4, rtol=tol,
+                               err_msg=f"seed={seed} rms_norm prologue")
+    gate_up = jnp.asarray(rng.standard_normal((1, 2 * k)) * 2, dtype)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    want = fp8_gemv_blocked(jax.nn.silu(gate) * up, weight, weight_scale, **knobs)
+    np.testing.assert_allclose(np.asarray(fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **knobs),
+                                          np.float32), np.asarray(want, np.float32), atol=tol * 4, rtol=tol,
+                               err_msg=f"seed={seed} silu_mul prologue")
+    # Shapes the blocked GEMV does not take: the fused forms decline and the caller runs the two apart.
+    two_rows = jnp.concatenate([x, x])
+    assert fp8_rms_norm_gemv_blocked(two_rows, two_rows, norm_weight, weight, weight_scale, eps=1e-5, **knobs) is None
+    assert fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **{**knobs, "block_n": 64}) is None
+
+    # A decoder whose FP8 projections run the blocked GEMV and whose norms run the kernel, both in interpret mode.
+    calls = {"rms_norm": 0, "silu_mul": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls[name] += out is not None
+            return out
+        return run
+
+    monkeypatch.setitem(norm_lib._IMPLS, "pallas", functools.partial(rms_norm_pallas, interpret=True))
+    monkeypatch.setitem(linear_lib._FP8_MATMULS, "pallas_blocked", functools.partial(fp8_gemv_blocked, **knobs))
+    config = ModelConfig.from_hf_config(tiny_config("llama"))
+    model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed % 1000))
+    quantize_model(model, resolve_quantization("fp8", {}), matmul_impl="pallas_blocked")
+    set_rms_norm_impl(fuse_projections(model), "pallas")
+    attention = dense_causal_attention(jnp.zeros((1,), jnp.int32), sm_scale=0.25)
+
+    def hidden(fused: bool):
+        for table, name, fn in ((linear_lib._FP8_RMS_NORM_MATMULS, "rms_norm", fp8_rms_norm_gemv_blocked),
+                                (linear_lib._FP8_SILU_MUL_MATMULS, "silu_mul", fp8_silu_mul_gemv_blocked)):
+            fn = functools.partial(fn, **knobs)
+            monkeypatch.setitem(table, "pallas_blocked", counted(name, fn) if fused else lambda *a, **kw: None)
+        out, _ = model(jnp.asarray([7], jnp.int32), jnp.asarray([3], jnp.int32), None, attention)
+        return np.asarray(out, np.float32)
+
+    fused = hidden(True)
+    # The first layer's input norm has no residual to add (it runs alone); its second norm and both of the second
+    # layer's fuse, and both layers' SwiGLU activations.
+    assert calls == {"rms_norm": 3, "silu_mul": 2}
+    np.testing.assert_allclose(fused, hidden(False), atol=tol * 10, rtol=tol * 10, err_msg=f"seed={seed} model")

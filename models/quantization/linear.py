@@ -57,6 +57,8 @@ FP8_IMPLS = ("auto", "xla", "xla_native", "pallas", "pallas_blocked")
 
 _WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
 _FP8_MATMULS: dict[str, Callable] = {}
+_FP8_RMS_NORM_MATMULS: dict[str, Callable] = {}
+_FP8_SILU_MUL_MATMULS: dict[str, Callable] = {}
 _MATMUL_SELECTOR: list[Callable[[str, int], str]] = []
 _AUTO_STORAGE: list[Callable[[str], str]] = []
 
@@ -66,10 +68,21 @@ def register_weight_only_matmul(name: str, fn: Callable) -> None:
     _WEIGHT_ONLY_MATMULS[name] = fn
 
 
-def register_fp8_matmul(name: str, fn: Callable) -> None:
+def register_fp8_matmul(name: str, fn: Callable, *, rms_norm: Callable | None = None,
+                        silu_mul: Callable | None = None) -> None:
     """Make ``fn(x[M, K], weight float8_e4m3fn[N, K], weight_scale f32[N] | [1]) -> y[M, N]`` (weight-only: the
-    activations are not quantized; weights as ``Fp8Linear`` stores them) an ``Fp8Linear`` ``matmul_impl``."""
+    activations are not quantized; weights as ``Fp8Linear`` stores them) an ``Fp8Linear`` ``matmul_impl``.
+
+    Optional fused forms of the same matmul, each returning None (at trace time) for a shape it does not take:
+    ``rms_norm(x, residual, norm_weight, weight, weight_scale, *, eps, norm_dtype) -> (y, new_residual)`` with the
+    fused residual add + RMSNorm of ``models.norm`` before it (``Fp8Linear.rms_norm_matmul``); ``silu_mul(gate_up,
+    weight, weight_scale) -> y`` with SwiGLU's ``silu(gate) * up`` before it (``Fp8Linear.silu_mul_matmul``)."""
     _FP8_MATMULS[name] = fn
+    for table, fused in ((_FP8_RMS_NORM_MATMULS, rms_norm), (_FP8_SILU_MUL_MATMULS, silu_mul)):
+        if fused is None:
+            table.pop(name, None)
+        else:
+            table[name] = fused
 
 
 def register_matmul_selector(fn: Callable[[str, int], str], storage: Callable[[str], str] | None = None) -> None:
@@ -296,10 +309,46 @@ class Fp8Linear(nnx.Module):
             y = jax.lax.dot_general(x_q, self.weight[...], (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
             y = y * x_scale * w_scale
+        return self._finish(y, lead)
+
+    def _fused(self, table: dict, rows: int) -> Callable | None:
+        return table.get(resolve_matmul_impl(self.matmul_impl, "fp8", rows))
+
+    def _finish(self, y: jax.Array, lead: tuple) -> jax.Array:
         y = y.astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def rms_norm_matmul(self, x: jax.Array, residual: jax.Array, norm_weight: jax.Array, *, eps: float,
+                        norm_dtype) -> tuple[jax.Array, jax.Array] | None:
+        """``(self(normed), new_residual)`` for ``normed, new_residual = models.norm.rms_norm_reference(x,
+        norm_weight, residual, eps=eps, dtype=norm_dtype)`` (``x, residual [..., in]``), as one kernel when this
+        layer's implementation has a fused form for x's static shape (``register_fp8_matmul(rms_norm=)``); None
+        otherwise: the caller runs the norm and the matmul apart."""
+        lead = x.shape[:-1]
+        x2, res2 = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
+        fused = self._fused(_FP8_RMS_NORM_MATMULS, x2.shape[0])
+        if fused is None or jnp.dtype(norm_dtype) != jnp.dtype(self.dtype):
+            return None
+        out = fused(x2, res2, norm_weight, self.weight[...], self.weight_scale[...].astype(jnp.float32), eps=eps,
+                    norm_dtype=jnp.dtype(norm_dtype))
+        if out is None:
+            return None
+        y, new_residual = out
+        return self._finish(y, lead), new_residual.reshape(residual.shape)
+
+    def silu_mul_matmul(self, gate_up: jax.Array) -> jax.Array | None:
+        """``self(jax.nn.silu(gate) * up)`` for ``gate_up [..., 2 * in]`` = [gate | up], as one kernel when this
+        layer's implementation has a fused form for the static shape (``register_fp8_matmul(silu_mul=)``); None
+        otherwise."""
+        lead = gate_up.shape[:-1]
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        fused = self._fused(_FP8_SILU_MUL_MATMULS, rows.shape[0])
+        if fused is None or rows.dtype != jnp.dtype(self.dtype):
+            return None
+        y = fused(rows, self.weight[...], self.weight_scale[...].astype(jnp.float32))
+        return None if y is None else self._finish(y, lead)
 
     def dequantized_kernel(self, dtype=jnp.float32) -> jax.Array:
         """``dtype[in, out]``, like ``nnx.Linear.kernel``."""

@@ -9,7 +9,8 @@ must tile exactly (``blocked_tuning`` returns None otherwise and the call falls 
 does for M > 1 and act-order ``g_idx``).
 
 Grid ``(N / block_n, split_k)``: program ``(j, s)`` owns columns ``[j * block_n, (j + 1) * block_n)`` and the ``s``-th
-of ``split_k`` equal K shares, and writes an fp32 partial row ``[block_n]`` that XLA sums over the shares.
+of ``split_k`` equal K shares, and writes an fp32 partial row ``[block_n]`` that XLA sums over the shares (fp8 with
+one share: the output row itself, in the activations' dtype).
 
 * int4 / int8 (packed storage, ``qweight int32[K / pack, N]``): a K step is one ``[block_k / pack, block_n]`` tile
   of words; plane ``j`` of the words (input rows ``pack * r + j``) is masked in place (``word & (mask << bits*j)``,
@@ -30,6 +31,11 @@ of ``split_k`` equal K shares, and writes an fp32 partial row ``[block_n]`` that
     block_n]`` in fp32; row sums give ``x @ w`` exactly (the other rows add zeros). float32 activations keep a
     float32 dot at full precision. The K-contiguous tile is the layout Hopper's tensor cores take 8-bit operands in:
     with ``[K, N]`` weights the same kernel ran at about two thirds of the speed.
+  - Prologues: the fp8 GEMV can also compute its activations from the kernels before it, so that at batch 1 they
+    are not launches of their own: ``fp8_rms_norm_gemv_blocked`` (vLLM's ``fused_add_rms_norm``: every program
+    reduces the whole row's sum of squares, then normalizes the K steps it reads; program (0, 0) stores the new
+    residual) and ``fp8_silu_mul_gemv_blocked`` (SwiGLU's ``silu(gate) * up``, from this program's shares of the two
+    halves). ``models.llama.norm_then_project`` and ``MLP.down`` call them through ``Fp8Linear``.
 """
 
 from __future__ import annotations
@@ -166,17 +172,81 @@ def _int_gemv_kernel(xp_ref, xs_ref, w_ref, s_ref, z_ref, out_ref, *, bits, bloc
         out_ref[0, :] = raw - zacc
 
 
-def _fp8_gemv_kernel(x_ref, w_ref, s_ref, out_ref, *, block_k, steps, dot_rows):
-    """``x_ref [1, K share]``, ``w_ref float8_e4m3fn[block_n, K share]``, ``s_ref f32[1, block_n]``, ``out_ref
-    f32[1, block_n]``; ``dot_rows`` 0 (CUDA-core products) or 16 (tensor-core dot, see the module docstring)."""
+def _rms_norm_prologue(x_ref, res_ref, nw_ref, new_res_ref, *, k_share, block_k, eps, act_dtype):
+    """The ``x_tile(k0)`` of the rms_norm prologue (refs: full rows ``[1, K]``): ``rms_norm_reference(x,
+    norm_weight, residual)``'s normed row, K step ``k0`` of this program's share, with its rounding steps (the
+    residual add in x's dtype, the normalization in float32 rounded to ``act_dtype``, the weight product rounded
+    once). Every program reduces the whole row's sum of squares itself (the row is a few kilobytes, read from L2:
+    cheaper than a launch); program (0, 0) stores the new residual row."""
+    k = x_ref.shape[1]
+    base = pl.program_id(1) * k_share
+    chunk = k & -k  # the largest power of two dividing K (Triton loads power-of-two shapes)
+    while chunk > 4096:
+        chunk //= 2
+
+    def summed(k0, size):
+        total = x_ref[0, pl.ds(k0, size)].astype(jnp.float32) + res_ref[0, pl.ds(k0, size)].astype(jnp.float32)
+        return total.astype(x_ref.dtype)
+
+    rows = [summed(c * chunk, chunk) for c in range(k // chunk)]  # unrolled: the loads are issued together
+    sum_sq = functools.reduce(lambda a, b: a + b, [jnp.sum(jnp.square(r.astype(jnp.float32))) for r in rows])
+    rstd = lax.rsqrt(sum_sq / k + eps)
+
+    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    def _():
+        for c, r in enumerate(rows):
+            new_res_ref[0, pl.ds(c * chunk, chunk)] = r
+
+    def x_tile(k0):
+        g0 = _aligned(base + k0, block_k)
+        normed = (summed(g0, block_k).astype(jnp.float32) * rstd).astype(act_dtype)
+        weight = nw_ref[0, pl.ds(g0, block_k)].astype(act_dtype)
+        return (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(act_dtype)
+
+    return x_tile
+
+
+def _silu_mul_prologue(gate_ref, up_ref, *, block_k, act_dtype):
+    """The ``x_tile(k0)`` of the silu_mul prologue (refs: this program's shares of the gate and up halves):
+    ``silu(gate) * up`` with ``jax.nn.silu``'s rounding steps in ``act_dtype`` (the sigmoid, its product with
+    gate, the product with up, each rounded)."""
+    def x_tile(k0):
+        gate = gate_ref[0, pl.ds(k0, block_k)].astype(jnp.float32)
+        up = up_ref[0, pl.ds(k0, block_k)].astype(jnp.float32)
+        sigmoid = (1.0 / (1.0 + jnp.exp(-gate))).astype(act_dtype).astype(jnp.float32)
+        silu = (gate * sigmoid).astype(act_dtype).astype(jnp.float32)
+        return (silu * up).astype(act_dtype)
+
+    return x_tile
+
+
+def _fp8_gemv_kernel(*refs, block_k, steps, dot_rows, prologue, eps, act_dtype):
+    """``w_ref float8_e4m3fn[block_n, K share]``, ``s_ref f32[1, block_n]``, ``out_ref f32[1, block_n]``; the
+    activations by ``prologue``: None: ``x_ref [1, K share]``; "rms_norm": ``x_ref``, ``res_ref``, ``nw_ref``
+    (full rows ``[1, K]``) and the output ``new_res_ref [1, K]``; "silu_mul": ``gate_ref``, ``up_ref [1, K
+    share]``. ``dot_rows`` 0 (CUDA-core products) or 16 (tensor-core dot, see the module docstring)."""
+    if prologue == "rms_norm":
+        x_ref, res_ref, nw_ref, w_ref, s_ref, out_ref, new_res_ref = refs
+    elif prologue == "silu_mul":
+        gate_ref, up_ref, w_ref, s_ref, out_ref = refs
+    else:
+        x_ref, w_ref, s_ref, out_ref = refs
     block_n, k_share = w_ref.shape
+    if prologue == "rms_norm":
+        x_tile = _rms_norm_prologue(x_ref, res_ref, nw_ref, new_res_ref, k_share=k_share, block_k=block_k,
+                                    eps=eps, act_dtype=act_dtype)
+    elif prologue == "silu_mul":
+        x_tile = _silu_mul_prologue(gate_ref, up_ref, block_k=block_k, act_dtype=act_dtype)
+    else:
+        def x_tile(k0):
+            return x_ref[0, pl.ds(k0, block_k)]
 
     def load(t):
         k0 = _aligned(t * block_k, block_k)
-        return w_ref[:, pl.ds(k0, block_k)], x_ref[0, pl.ds(k0, block_k)]
+        return w_ref[:, pl.ds(k0, block_k)], x_tile(k0)
 
     if dot_rows:
-        dot_dtype = jnp.float32 if x_ref.dtype == jnp.float32 else jnp.float16
+        dot_dtype = jnp.float32 if act_dtype == jnp.float32 else jnp.float16
         first_row = lax.broadcasted_iota(jnp.int32, (dot_rows, block_k), 0) == 0
         limit = float(jnp.finfo(dot_dtype).max)
 
@@ -195,7 +265,7 @@ def _fp8_gemv_kernel(x_ref, w_ref, s_ref, out_ref, *, block_k, steps, dot_rows):
 
         acc_shape, reduce_axis = (block_n, block_k), 1
     acc = _k_loop(k_share // block_k, steps, load, compute, jnp.zeros(acc_shape, jnp.float32))
-    out_ref[0, :] = jnp.sum(acc, axis=reduce_axis) * s_ref[0, :]
+    out_ref[0, :] = (jnp.sum(acc, axis=reduce_axis) * s_ref[0, :]).astype(out_ref.dtype)
 
 
 _KNOB_ARGS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")
@@ -251,6 +321,49 @@ def weight_only_gemv_blocked(x, qweight, scales, zeros, g_idx=None, *, bits: int
     return jnp.sum(partial_sums, axis=0, keepdims=True).astype(x.dtype)
 
 
+def _fp8_tuning(m: int, n: int, k: int, knobs: dict) -> dict | None:
+    return blocked_tuning("fp8", n, k, **knobs) if m == 1 else None
+
+
+def _fp8_gemv_call(prologue: str | None, activations: tuple, weight, weight_scale, t: dict, *, act_dtype,
+                   eps: float | None, interpret: bool):
+    """The blocked FP8 GEMV's ``pallas_call`` with knobs ``t``: ``(y act_dtype[1, N], new residual or None)``. With
+    K shares the kernel writes fp32 partial rows that XLA sums (its reduce fusion rounds them); with one share it
+    writes ``act_dtype`` itself, so no lone convert kernel follows when the consumer is another kernel."""
+    splits, bn, bk = t["split_k"], t["block_n"], t["block_k"]
+    n, k = weight.shape
+    k_share = k // splits
+    scale = jnp.broadcast_to(weight_scale.astype(jnp.float32).reshape(1, -1), (1, n))
+    share = pl.BlockSpec((1, k_share), lambda j, s: (0, s))
+    out_shape = [jax.ShapeDtypeStruct((splits, n), jnp.float32 if splits > 1 else act_dtype)]
+    out_specs = [pl.BlockSpec((1, bn), lambda j, s: (s, j))]
+    if prologue == "rms_norm":
+        row = pl.BlockSpec((1, k), lambda j, s: (0, 0))
+        in_specs = [row, row, row]
+        out_shape.append(jax.ShapeDtypeStruct((1, k), activations[0].dtype))
+        out_specs.append(row)
+    elif prologue == "silu_mul":  # one [1, 2K] array, read as its gate half and its up half
+        in_specs = [share, pl.BlockSpec((1, k_share), lambda j, s: (0, s + splits))]
+    else:
+        in_specs = [share]
+    name = (f"fp8_gemv_blocked_bn{bn}_bk{bk}_st{t['steps']}_s{splits}{'_dot' if t['dot_rows'] else ''}"
+            f"{'_' + prologue if prologue else ''}")
+    outs = pl.pallas_call(
+        functools.partial(_fp8_gemv_kernel, block_k=bk, steps=t["steps"], dot_rows=t["dot_rows"],
+                          prologue=prologue, eps=eps, act_dtype=act_dtype),
+        grid=(n // bn, splits),
+        in_specs=in_specs + [pl.BlockSpec((bn, k_share), lambda j, s: (j, s)),
+                             pl.BlockSpec((1, bn), lambda j, s: (0, j))],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"]),
+        name=name,
+    )(*activations, weight, scale)
+    y = jnp.sum(outs[0], axis=0, keepdims=True).astype(act_dtype) if splits > 1 else outs[0]
+    return y, (outs[1] if prologue == "rms_norm" else None)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "dot_rows") + _KNOB_ARGS)
 def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_n: int | None = None,
                      block_k: int | None = None, steps: int | None = None, split_k: int | None = None,
@@ -260,34 +373,67 @@ def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_
     blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same contract as
     ``fp8_weight_only_matmul_reference``, except that on the tensor-core path (``dot_rows`` 16) 16-bit
     activations beyond float16's range are clipped to it."""
-    m, k = x.shape
-    n = weight.shape[0]
-    t = None
-    if m == 1 and weight.shape[1] == k:
-        t = blocked_tuning("fp8", n, k, block_n=block_n, block_k=block_k, steps=steps, split_k=split_k,
-                           num_warps=num_warps, num_stages=num_stages, dot_rows=dot_rows)
+    knobs = dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages, dot_rows=dot_rows)
+    t = _fp8_tuning(x.shape[0], weight.shape[0], x.shape[1], knobs) if weight.shape[1] == x.shape[1] else None
     if t is None:
         return fp8_weight_only_matmul_pallas(x, weight, weight_scale, interpret=interpret)
-    splits, bn, bk = t["split_k"], t["block_n"], t["block_k"]
-    k_share = k // splits
-    scale = jnp.broadcast_to(weight_scale.astype(jnp.float32).reshape(1, -1), (1, n))
-    partial_sums = pl.pallas_call(
-        functools.partial(_fp8_gemv_kernel, block_k=bk, steps=t["steps"], dot_rows=t["dot_rows"]),
-        grid=(n // bn, splits),
-        in_specs=[pl.BlockSpec((1, k_share), lambda j, s: (0, s)),
-                  pl.BlockSpec((bn, k_share), lambda j, s: (j, s)),
-                  pl.BlockSpec((1, bn), lambda j, s: (0, j))],
-        out_specs=pl.BlockSpec((1, bn), lambda j, s: (s, j)),
-        out_shape=jax.ShapeDtypeStruct((splits, n), jnp.float32),
-        interpret=interpret,
-        compiler_params=_CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"]),
-        name=(f"fp8_gemv_blocked_bn{bn}_bk{bk}_st{t['steps']}_s{splits}"
-              f"{'_dot' if t['dot_rows'] else ''}"),
-    )(x, weight, scale)
-    return jnp.sum(partial_sums, axis=0, keepdims=True).astype(x.dtype)
+    y, _ = _fp8_gemv_call(None, (x,), weight, weight_scale, t, act_dtype=x.dtype, eps=None, interpret=interpret)
+    return y
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "norm_dtype", "interpret", "dot_rows") + _KNOB_ARGS)
+def fp8_rms_norm_gemv_blocked(x, residual, norm_weight, weight, weight_scale, *, eps: float, norm_dtype=None,
+                              interpret: bool = False, block_n: int | None = None, block_k: int | None = None,
+                              steps: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                              num_stages: int | None = None, dot_rows: int | None = None):
+    """vLLM's ``fused_add_rms_norm`` and the FP8 GEMV after it, in one kernel: with ``normed, new_residual =
+    models.norm.rms_norm_reference(x, norm_weight, residual, eps=eps, dtype=norm_dtype)``, returns
+    ``(fp8_gemv_blocked(normed, weight, weight_scale) norm_dtype[1, N], new_residual x.dtype[1, K])``.
+
+    x, residual: ``[1, K]`` (16- or 32-bit float, the same dtype); norm_weight: ``[K]``; weight / weight_scale as
+    ``fp8_gemv_blocked``; norm_dtype: the normed row's dtype (default x's). Returns None (at trace time) when the
+    shape does not tile the blocked GEMV (M > 1, or the knobs' ``blocked_tuning`` is None): the caller runs the
+    norm and the matmul apart."""
+    norm_dtype = x.dtype if norm_dtype is None else jnp.dtype(norm_dtype)
+    m, k = x.shape
+    knobs = dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages, dot_rows=dot_rows)
+    if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (k,):
+        raise ValueError(f"residual must match x {x.shape} {x.dtype} and norm_weight be [{k}]; got "
+                         f"{residual.shape} {residual.dtype}, {norm_weight.shape}")
+    t = _fp8_tuning(m, weight.shape[0], k, knobs) if weight.shape[1] == k else None
+    if t is None:
+        return None
+    y, new_residual = _fp8_gemv_call("rms_norm", (x, residual, norm_weight.reshape(1, k)), weight, weight_scale,
+                                     t, act_dtype=norm_dtype, eps=float(eps), interpret=interpret)
+    return y, new_residual
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "dot_rows") + _KNOB_ARGS)
+def fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, *, interpret: bool = False, block_n: int | None = None,
+                              block_k: int | None = None, steps: int | None = None, split_k: int | None = None,
+                              num_warps: int | None = None, num_stages: int | None = None,
+                              dot_rows: int | None = None):
+    """SwiGLU's activation and the FP8 GEMV after it, in one kernel: ``gate_up [1, 2K]`` = [gate | up] ->
+    ``fp8_gemv_blocked(jax.nn.silu(gate) * up, weight, weight_scale)`` (``gate_up.dtype[1, N]``). Returns None (at
+    trace time) when the shape does not tile the blocked GEMV: the caller runs the two apart."""
+    m, two_k = gate_up.shape
+    knobs = dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages, dot_rows=dot_rows)
+    t = None
+    if two_k % 2 == 0 and weight.shape[1] == two_k // 2:
+        t = _fp8_tuning(m, weight.shape[0], two_k // 2, knobs)
+    if t is None:
+        return None
+    y, _ = _fp8_gemv_call("silu_mul", (gate_up, gate_up), weight, weight_scale, t, act_dtype=gate_up.dtype,
+                          eps=None, interpret=interpret)
+    return y
 
 
 register_weight_only_matmul("pallas_blocked", weight_only_gemv_blocked)
-register_fp8_matmul("pallas_blocked", fp8_gemv_blocked)
+register_fp8_matmul("pallas_blocked", fp8_gemv_blocked, rms_norm=fp8_rms_norm_gemv_blocked,
+                    silu_mul=fp8_silu_mul_gemv_blocked)
 
-__all__ = ["blocked_tuning", "fp8_gemv_blocked", "weight_only_gemv_blocked"]
+__all__ = ["blocked_tuning", "fp8_gemv_blocked", "fp8_rms_norm_gemv_blocked", "fp8_silu_mul_gemv_blocked",
+           "weight_only_gemv_blocked"]
