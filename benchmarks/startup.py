@@ -27,7 +27,8 @@ concurrent compiles, or loads: ``executables_loaded`` of them came from the exec
 ``kv_pool_s``, ``warm_up_run_s`` (one run of each executable),
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
 start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
-``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed)
+``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed),
+``compile_jobs`` (every warm-up compile job, ``[label, start s, seconds]`` by end time: a cold start's critical path)
 and ``num_gpu_blocks`` (the KV pool's block count, a compiled shape).
 
 Examples (one command each; prints one JSON line):
@@ -239,6 +240,7 @@ def _child(engine_kwargs: dict) -> dict:
             "warm_up_run_s": warm_up.get("run_s"), "first_token_s": first_token - ready,
             "process_s": ready - _T_PROCESS_START, "process_to_first_token_s": first_token - _T_PROCESS_START,
             "compile_threads": warm_up.get("threads"), "num_compiles": runner.num_compiles(),
+            "compile_jobs": warm_up.get("compile_jobs"),
             "num_gpu_blocks": runner.num_blocks,  # a compiled shape: must be the same on every start
             "num_compiles_since_warmup": runner.num_compiles_since_warmup,
             "compile_cache_requests": compile_cache.requests, "compile_cache_hits": compile_cache.hits,
@@ -336,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
                 shutil.rmtree(kwargs["compilation_cache_dir"], ignore_errors=True)
             if mode != "cold" and kwargs["weight_cache"] and not (weights_dir.is_dir() and any(weights_dir.iterdir())):
                 _run_child(kwargs, env)  # a warm weights cache needs an entry: make one, untimed
+                if mode == "compile_cold":  # ... without leaving its executables to the timed start
+                    shutil.rmtree(kwargs["compilation_cache_dir"], ignore_errors=True)
             runs[mode].append(_run_child(kwargs, env))
     for mode, mode_runs in runs.items():
         keys = sorted({k for run in mode_runs for k, v in run.items() if isinstance(v, (int, float))})

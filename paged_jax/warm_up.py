@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 COMPILE_THREADS_ENV = "PAGED_JAX_COMPILE_THREADS"
 # More threads than this stop paying: tracing and lowering share one GIL, and each XLA compile is multi-threaded too.
 MAX_DEFAULT_COMPILE_THREADS = 16
+# Compile jobs that ended last, named in warm_up's debug log line (the critical path of a cold start).
+LAST_COMPILES_LOGGED = 6
 
 
 def compile_threads() -> int:
@@ -68,7 +70,9 @@ def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[s
     ``compile_threads()``), then run each once. Returns seconds per phase: ``compile_s`` (phase 1, the executable
     cache's fingerprint included), ``kv_pool_s`` (allocating the KV pool), ``run_s`` (the run phase; for the
     pipeline-parallel runner it holds the compiles); ``threads`` (used; 1 for the pipeline-parallel runner) and
-    ``executables_loaded`` (from the executable cache)."""
+    ``executables_loaded`` (from the executable cache); ``compile_jobs``: every compile or load job as ``[label,
+    start s, seconds]``, by end time (the last ones are a cold start's critical path; a logged debug line names
+    them)."""
     from tqdm.auto import tqdm
 
     threads = compile_threads() if threads is None else threads
@@ -79,8 +83,11 @@ def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[s
     start = time.perf_counter()
     if ahead_of_time:
         cache = ExecutableCache.for_runner(runner)
-        _compile_concurrently(runner, threads, bar, cache)
+        spans = _compile_concurrently(runner, threads, bar, cache)
         timings["compile_s"] = time.perf_counter() - start
+        timings["compile_jobs"] = sorted(spans, key=lambda span: span[1] + span[2])
+        logger.debug("compile jobs that ended last ([label, start s, seconds]): %s",
+                     timings["compile_jobs"][-LAST_COMPILES_LOGGED:])
         timings["executables_loaded"] = cache.hits if cache else 0
         logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", bar.n, threads,
                     timings["compile_s"], timings["executables_loaded"], cache and cache.directory)
@@ -141,10 +148,22 @@ def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
             for info, sharding in zip(infos, jax.tree.leaves(compiled.output_shardings))]
 
 
-def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> None:
+def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
     """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
-    avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables."""
+    avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
+    ``[label, start s, seconds]`` (a job that needs a forward's outputs includes its wait for that forward)."""
     host_input = runner.input_sharding()
+    started = time.perf_counter()
+    spans: list[list] = []
+
+    def timed(label: str, fn, *args):
+        def job():
+            begin = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spans.append([label, round(begin - started, 2), round(time.perf_counter() - begin, 2)])
+        return job
 
     def host(x: np.ndarray) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host_input)
@@ -162,7 +181,8 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
         # Forward buckets first (smallest first): the first bucket of each sampler row count / token count is what
         # the sampler / prompt-logprobs compiles below wait for.
-        forwards = {bucket: pool.submit(compile_forward, *bucket) for bucket in runner.buckets}
+        forwards = {bucket: pool.submit(timed(f"forward{list(bucket)}", compile_forward, *bucket))
+                    for bucket in runner.buckets}
         by_rows, by_tokens = {}, {}
         for num_tokens, num_seqs in runner.buckets:
             by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
@@ -198,13 +218,15 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data))
 
         for num_rows in runner.sampler_seq_buckets:
-            jobs.append(pool.submit(compile_bitmask, num_rows))
-            jobs += [pool.submit(compile_sampler, num_rows, variant) for variant in runner.sampler_variants]
-        jobs += [pool.submit(compile_prompt_logprobs, t) for t in sorted(by_tokens)]
-        jobs += [pool.submit(compile_swap, size) for size in _swap_sizes(runner)]
+            jobs.append(pool.submit(timed(f"bitmask[{num_rows}]", compile_bitmask, num_rows)))
+            jobs += [pool.submit(timed(f"sampler[{num_rows}]", compile_sampler, num_rows, variant))
+                     for variant in runner.sampler_variants]
+        jobs += [pool.submit(timed(f"prompt_logprobs[{t}]", compile_prompt_logprobs, t)) for t in sorted(by_tokens)]
+        jobs += [pool.submit(timed(f"swap[{size}]", compile_swap, size)) for size in _swap_sizes(runner)]
         for done in concurrent.futures.as_completed(jobs):
             done.result()  # re-raises a failed compile
             bar.update(1)
+    return spans
 
 
 def _split_forward_outputs(outputs: list) -> tuple[list, object, object, object]:

@@ -1,6 +1,7 @@
 """ModelRunner on a tiny random model: paged, bucketed steps must reproduce dense (cache-free) attention exactly,
 compile nothing after warm-up, feed decode tokens from the device, and swap blocks to host and back losslessly."""
 
+import collections
 import types
 import unittest.mock
 
@@ -324,7 +325,7 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     from jax import monitoring
 
     from paged_jax.buckets import planned_num_compiles
-    from paged_jax.warm_up import COMPILE_THREADS_ENV, compile_threads
+    from paged_jax.warm_up import COMPILE_THREADS_ENV, compile_threads, num_warm_up_executables
 
     model, config = tiny_model
     monkeypatch.setenv(COMPILE_THREADS_ENV, "0")
@@ -341,6 +342,12 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     runner.warm_up(use_tqdm=False)  # threads from the environment
     num_executables = planned_num_compiles(32, 4, swap=True, num_blocks=20)
     assert runner.warm_up_timings["threads"] == 2 and runner.num_compiles() == num_executables
+    jobs = runner.warm_up_timings["compile_jobs"]  # [label, start s, seconds], by end time
+    assert len(jobs) == num_warm_up_executables(runner) and all(start >= 0 and took >= 0 for _, start, took in jobs)
+    assert [a[1] + a[2] for a in jobs] == sorted(a[1] + a[2] for a in jobs)
+    labels = collections.Counter(label.split("[")[0] for label, _, _ in jobs)
+    assert labels["forward"] == len(runner.buckets) and set(labels) == {"forward", "bitmask", "sampler",
+                                                                        "prompt_logprobs", "swap"}
     # One XLA compile (or cache load) per executable; two more are the pool's zeros (one per distinct shape/dtype).
     assert len(requests) <= num_executables + 2
     sequential = make_runner(model, config, num_blocks=20, num_host_blocks=4, threads=1)
