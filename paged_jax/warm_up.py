@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import queue
 import time
 
 import jax
@@ -151,7 +152,7 @@ def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
 def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
     """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
     avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
-    ``[label, start s, seconds]`` (a job that needs a forward's outputs includes its wait for that forward)."""
+    ``[label, start s, seconds]``. A job that takes a forward's outputs is queued when that forward has ended."""
     host_input = runner.input_sharding()
     started = time.perf_counter()
     spans: list[list] = []
@@ -178,16 +179,32 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
         return load_or_compile(cache, runner._forward, (params, kv_pool, buf, prev_tokens, lora),
                                {"num_tokens": num_tokens, "num_seqs": num_seqs})
 
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
-        # Forward buckets first (smallest first): the first bucket of each sampler row count / token count is what
-        # the sampler / prompt-logprobs compiles below wait for.
-        forwards = {bucket: pool.submit(timed(f"forward{list(bucket)}", compile_forward, *bucket))
-                    for bucket in runner.buckets}
+
+        def submit(label: str, fn, *args):
+            future = pool.submit(timed(label, fn, *args))
+            future.add_done_callback(finished.put)
+            return future
+
+        def submit_after(dependency, label: str, fn, *args):
+            # Queued once ``dependency`` (a forward whose outputs it takes) has ended, so that no thread sits
+            # blocked on another job while compiles wait for a thread.
+            def ready(_):
+                try:
+                    submit(label, fn, *args)
+                except RuntimeError:  # the pool is shutting down after an earlier failure, which is re-raised
+                    finished.put(None)
+            dependency.add_done_callback(ready)
+
+        # The forwards first, largest first (the longest compiles start while threads are free); each row count's
+        # / token count's smallest bucket is the one its sampler / prompt-logprobs compiles take outputs from.
+        forwards = {bucket: submit(f"forward{list(bucket)}", compile_forward, *bucket)
+                    for bucket in sorted(runner.buckets, reverse=True)}
         by_rows, by_tokens = {}, {}
         for num_tokens, num_seqs in runner.buckets:
             by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
             by_tokens.setdefault(num_tokens, forwards[num_tokens, num_seqs])
-        jobs = list(forwards.values())
 
         def forward_outputs(future):
             _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
@@ -217,15 +234,27 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             data = _compiled_outputs(gathered)[0]
             return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data))
 
+        num_jobs = len(forwards)
+        for size in _swap_sizes(runner):
+            submit(f"swap[{size}]", compile_swap, size)
+            num_jobs += 1
         for num_rows in runner.sampler_seq_buckets:
-            jobs.append(pool.submit(timed(f"bitmask[{num_rows}]", compile_bitmask, num_rows)))
-            jobs += [pool.submit(timed(f"sampler[{num_rows}]", compile_sampler, num_rows, variant))
-                     for variant in runner.sampler_variants]
-        jobs += [pool.submit(timed(f"prompt_logprobs[{t}]", compile_prompt_logprobs, t)) for t in sorted(by_tokens)]
-        jobs += [pool.submit(timed(f"swap[{size}]", compile_swap, size)) for size in _swap_sizes(runner)]
-        for done in concurrent.futures.as_completed(jobs):
-            done.result()  # re-raises a failed compile
-            bar.update(1)
+            submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", compile_bitmask, num_rows)
+            for variant in runner.sampler_variants:
+                submit_after(by_rows[num_rows], f"sampler[{num_rows}]", compile_sampler, num_rows, variant)
+            num_jobs += 1 + len(runner.sampler_variants)
+        for t in sorted(by_tokens):
+            submit_after(by_tokens[t], f"prompt_logprobs[{t}]", compile_prompt_logprobs, t)
+            num_jobs += 1
+        try:
+            for _ in range(num_jobs):
+                done = finished.get()
+                if done is not None:
+                    done.result()  # re-raises a failed compile
+                    bar.update(1)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are not wanted any more
+            raise
     return spans
 
 

@@ -366,6 +366,39 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     assert runner.num_compiles_since_warmup == 0
 
 
+
+def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
+    """A forward that fails to compile fails warm-up with its error (its dependent sampler compiles, queued after
+    it, fail too and the queued rest is cancelled): no hang, no half-warm runner reported ready."""
+    import threading
+
+    from paged_jax import warm_up as warm_up_lib
+
+    model, config = tiny_model
+    compile_ = warm_up_lib.load_or_compile
+
+    def failing(cache, fn, args, static=None):
+        if fn is runner._forward and static["num_tokens"] == runner.buckets[0][0]:
+            raise RuntimeError("compile failed on purpose")
+        return compile_(cache, fn, args, static)
+
+    monkeypatch.setattr(warm_up_lib, "load_or_compile", failing)
+    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2])
+    errors = []
+
+    def run():
+        try:
+            runner.warm_up(use_tqdm=False, threads=2)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and len(errors) == 1 and "on purpose" in str(errors[0])
+
+
 def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_model, tmp_path):
     """paged_jax.executable_cache: a runner's fresh compiles are saved; a second runner of the same configuration
     loads every executable (nothing traced: jit's own caches stay empty), samples what the first samples and compiles
