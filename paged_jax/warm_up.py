@@ -26,6 +26,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import threading
 import time
 
 import jax
@@ -180,6 +181,9 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
                                {"num_tokens": num_tokens, "num_seqs": num_seqs})
 
     finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
+    # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs their
+    # callbacks under the pool's lock, so a callback must not submit then (pool.submit would wait on that lock).
+    stopping = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
 
         def submit(label: str, fn, *args):
@@ -190,7 +194,10 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
         def submit_after(dependency, label: str, fn, *args):
             # Queued once ``dependency`` (a forward whose outputs it takes) has ended, so that no thread sits
             # blocked on another job while compiles wait for a thread.
-            def ready(_):
+            def ready(done):
+                if stopping.is_set() or done.cancelled():
+                    finished.put(None)
+                    return
                 try:
                     submit(label, fn, *args)
                 except RuntimeError:  # the pool is shutting down after an earlier failure, which is re-raised
@@ -241,7 +248,8 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
         for num_rows in runner.sampler_seq_buckets:
             submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", compile_bitmask, num_rows)
             for variant in runner.sampler_variants:
-                submit_after(by_rows[num_rows], f"sampler[{num_rows}]", compile_sampler, num_rows, variant)
+                submit_after(by_rows[num_rows], f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}]",
+                             compile_sampler, num_rows, variant)
             num_jobs += 1 + len(runner.sampler_variants)
         for t in sorted(by_tokens):
             submit_after(by_tokens[t], f"prompt_logprobs[{t}]", compile_prompt_logprobs, t)
@@ -253,6 +261,7 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
                     done.result()  # re-raises a failed compile
                     bar.update(1)
         except BaseException:
+            stopping.set()
             pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are not wanted any more
             raise
     return spans

@@ -390,39 +390,48 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
 
     seed = time.time_ns() % (1 << 31)
     rng = np.random.default_rng(seed)
-    dtype = jnp.bfloat16  # the engine's; float32 activations take the same code with a float32 dot
-    knobs = dict(interpret=True, block_n=16, block_k=16, steps=2, split_k=2, dot_rows=16)
     k, n = 96, 48  # K = 3 * 32: the norm's row loads run in 32-wide chunks
     weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32))
-    x, residual = (jnp.asarray(rng.standard_normal((1, k)) * 4, dtype) for _ in range(2))
-    norm_weight = jnp.asarray(rng.standard_normal(k), dtype)
-    tol = 1e-2
-    y, new_residual = fp8_rms_norm_gemv_blocked(x, residual, norm_weight, weight, weight_scale, eps=1e-5, **knobs)
-    normed, want_residual = rms_norm_reference(x, norm_weight, residual, eps=1e-5)
-    np.testing.assert_array_equal(np.asarray(new_residual, np.float32), np.asarray(want_residual, np.float32))
-    want = fp8_gemv_blocked(normed, weight, weight_scale, **knobs)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=tol * 4, rtol=tol,
-                               err_msg=f"seed={seed} rms_norm prologue")
-    gate_up = jnp.asarray(rng.standard_normal((1, 2 * k)) * 2, dtype)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    want = fp8_gemv_blocked(jax.nn.silu(gate) * up, weight, weight_scale, **knobs)
-    np.testing.assert_allclose(np.asarray(fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **knobs),
-                                          np.float32), np.asarray(want, np.float32), atol=tol * 4, rtol=tol,
-                               err_msg=f"seed={seed} silu_mul prologue")
+    # Two K shares (fp32 partial rows summed by XLA) and one (the kernel writes the output dtype); the tensor-core
+    # dot on bf16 activations (the engine's) and the CUDA-core products on float32 ones.
+    for dtype, split_k, dot_rows in ((jnp.bfloat16, 2, 16), (jnp.bfloat16, 1, 16), (jnp.float32, 2, 0)):
+        knobs = dict(interpret=True, block_n=16, block_k=16, steps=2, split_k=split_k, dot_rows=dot_rows)
+        what = f"seed={seed} {jnp.dtype(dtype).name} split_k={split_k} dot_rows={dot_rows}"
+        tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+        x, residual = (jnp.asarray(rng.standard_normal((1, k)) * 4, dtype) for _ in range(2))
+        norm_weight = jnp.asarray(rng.standard_normal(k), dtype)
+        y, new_residual = fp8_rms_norm_gemv_blocked(x, residual, norm_weight, weight, weight_scale, eps=1e-5,
+                                                    **knobs)
+        normed, want_residual = rms_norm_reference(x, norm_weight, residual, eps=1e-5)
+        assert y.dtype == dtype and new_residual.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(new_residual, np.float32), np.asarray(want_residual, np.float32))
+        want = fp8_gemv_blocked(normed, weight, weight_scale, **knobs)
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=tol * 4, rtol=tol,
+                                   err_msg=f"{what} rms_norm prologue")
+        gate_up = jnp.asarray(rng.standard_normal((1, 2 * k)) * 2, dtype)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        got = fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **knobs)
+        assert got.dtype == dtype
+        want = fp8_gemv_blocked(jax.nn.silu(gate) * up, weight, weight_scale, **knobs)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol * 4,
+                                   rtol=tol, err_msg=f"{what} silu_mul prologue")
     # Shapes the blocked GEMV does not take: the fused forms decline and the caller runs the two apart.
     two_rows = jnp.concatenate([x, x])
     assert fp8_rms_norm_gemv_blocked(two_rows, two_rows, norm_weight, weight, weight_scale, eps=1e-5, **knobs) is None
     assert fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **{**knobs, "block_n": 64}) is None
 
     # A decoder whose FP8 projections run the blocked GEMV and whose norms run the kernel, both in interpret mode.
-    calls = {"rms_norm": 0, "silu_mul": 0}
+    calls = {"rms_norm": 0, "silu_mul": 0, "refused": 0}
 
     def counted(name, fn):
         def run(*args, **kwargs):
             out = fn(*args, **kwargs)
-            calls[name] += out is not None
+            calls[name] += 1
             return out
         return run
+
+    def refuse(*args, **kwargs):
+        return None
 
     monkeypatch.setitem(norm_lib._IMPLS, "pallas", functools.partial(rms_norm_pallas, interpret=True))
     monkeypatch.setitem(linear_lib._FP8_MATMULS, "pallas_blocked", functools.partial(fp8_gemv_blocked, **knobs))
@@ -431,18 +440,21 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
     quantize_model(model, resolve_quantization("fp8", {}), matmul_impl="pallas_blocked")
     set_rms_norm_impl(fuse_projections(model), "pallas")
     dense = dense_causal_attention(jnp.zeros((1,), jnp.int32), sm_scale=0.25)
-    # Reusable, as the engine's: the layers share one trace under their nested jit (traced once: counted once) and
-    # the first gets a zero residual, so both norms have a residual to add.
-    attention = ReusableAttention(lambda metadata, q, k, v, kv_layer: dense(None, q, k, v, kv_layer), None)
 
     def hidden(fused: bool):
         for table, name, fn in ((linear_lib._FP8_RMS_NORM_MATMULS, "rms_norm", fp8_rms_norm_gemv_blocked),
                                 (linear_lib._FP8_SILU_MUL_MATMULS, "silu_mul", fp8_silu_mul_gemv_blocked)):
             fn = functools.partial(fn, **knobs)
-            monkeypatch.setitem(table, "pallas_blocked", counted(name, fn) if fused else lambda *a, **kw: None)
+            monkeypatch.setitem(table, "pallas_blocked", counted(name, fn) if fused else counted("refused", refuse))
+        # Reusable, as the engine's: the layers share one trace under their nested jit (traced once: counted once)
+        # and the first gets a zero residual, so both norms have a residual to add. A new one per call: the nested
+        # jit's cache is keyed by it, so the second call traces again with the other table.
+        attention = ReusableAttention(lambda metadata, q, k, v, kv_layer: dense(None, q, k, v, kv_layer), None)
         out, _ = model(jnp.asarray([7], jnp.int32), jnp.asarray([3], jnp.int32), None, attention)
         return np.asarray(out, np.float32)
 
     fused = hidden(True)
-    assert calls == {"rms_norm": 2, "silu_mul": 1}  # qkv and gate_up take their norm; down its activation
-    np.testing.assert_allclose(fused, hidden(False), atol=tol * 10, rtol=tol * 10, err_msg=f"seed={seed} model")
+    assert calls == {"rms_norm": 2, "silu_mul": 1, "refused": 0}  # qkv and gate_up take their norm; down its activation
+    unfused = hidden(False)
+    assert calls == {"rms_norm": 2, "silu_mul": 1, "refused": 3}  # traced again: all three declined
+    np.testing.assert_allclose(fused, unfused, atol=tol * 10, rtol=tol * 10, err_msg=f"seed={seed} model")

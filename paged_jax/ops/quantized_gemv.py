@@ -221,7 +221,8 @@ def _silu_mul_prologue(gate_ref, up_ref, *, block_k, act_dtype):
 
 
 def _fp8_gemv_kernel(*refs, block_k, steps, dot_rows, prologue, eps, act_dtype):
-    """``w_ref float8_e4m3fn[block_n, K share]``, ``s_ref f32[1, block_n]``, ``out_ref f32[1, block_n]``; the
+    """``w_ref float8_e4m3fn[block_n, K share]``, ``s_ref f32[1, block_n]``, ``out_ref [1, block_n]`` (an fp32
+    partial row, or with one K share the output row in the activations' dtype); the
     activations by ``prologue``: None: ``x_ref [1, K share]``; "rms_norm": ``x_ref``, ``res_ref``, ``nw_ref``
     (full rows ``[1, K]``) and the output ``new_res_ref [1, K]``; "silu_mul": ``gate_ref``, ``up_ref [1, K
     share]``. ``dot_rows`` 0 (CUDA-core products) or 16 (tensor-core dot, see the module docstring)."""
@@ -321,6 +322,12 @@ def weight_only_gemv_blocked(x, qweight, scales, zeros, g_idx=None, *, bits: int
     return jnp.sum(partial_sums, axis=0, keepdims=True).astype(x.dtype)
 
 
+def _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows) -> dict:
+    """The FP8 entry points' knob arguments as ``blocked_tuning`` overrides."""
+    return dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
+                num_stages=num_stages, dot_rows=dot_rows)
+
+
 def _fp8_tuning(m: int, n: int, k: int, knobs: dict) -> dict | None:
     return blocked_tuning("fp8", n, k, **knobs) if m == 1 else None
 
@@ -373,8 +380,7 @@ def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_
     blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same contract as
     ``fp8_weight_only_matmul_reference``, except that on the tensor-core path (``dot_rows`` 16) 16-bit
     activations beyond float16's range are clipped to it."""
-    knobs = dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, dot_rows=dot_rows)
+    knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
     t = _fp8_tuning(x.shape[0], weight.shape[0], x.shape[1], knobs) if weight.shape[1] == x.shape[1] else None
     if t is None:
         return fp8_weight_only_matmul_pallas(x, weight, weight_scale, interpret=interpret)
@@ -397,8 +403,7 @@ def fp8_rms_norm_gemv_blocked(x, residual, norm_weight, weight, weight_scale, *,
     norm and the matmul apart."""
     norm_dtype = x.dtype if norm_dtype is None else jnp.dtype(norm_dtype)
     m, k = x.shape
-    knobs = dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, dot_rows=dot_rows)
+    knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (k,):
         raise ValueError(f"residual must match x {x.shape} {x.dtype} and norm_weight be [{k}]; got "
                          f"{residual.shape} {residual.dtype}, {norm_weight.shape}")
@@ -419,8 +424,7 @@ def fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, *, interpret: bool 
     ``fp8_gemv_blocked(jax.nn.silu(gate) * up, weight, weight_scale)`` (``gate_up.dtype[1, N]``). Returns None (at
     trace time) when the shape does not tile the blocked GEMV: the caller runs the two apart."""
     m, two_k = gate_up.shape
-    knobs = dict(block_n=block_n, block_k=block_k, steps=steps, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, dot_rows=dot_rows)
+    knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
     t = None
     if two_k % 2 == 0 and weight.shape[1] == two_k // 2:
         t = _fp8_tuning(m, weight.shape[0], two_k // 2, knobs)
