@@ -349,7 +349,7 @@ def test_kv_scales_fold_into_q_and_output():
     from models.llama import LlamaForCausalLM
     from models.testing import tiny_config
 
-    config = ModelConfig.from_hf_config(tiny_config("llama"))
+    config = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=1))
     model = LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
     ids = jnp.asarray([3, 9, 27, 81, 243], jnp.int32)
     positions = jnp.arange(5, dtype=jnp.int32)
