@@ -419,6 +419,11 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
     two_rows = jnp.concatenate([x, x])
     assert fp8_rms_norm_gemv_blocked(two_rows, two_rows, norm_weight, weight, weight_scale, eps=1e-5, **knobs) is None
     assert fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **{**knobs, "block_n": 64}) is None
+    # K = 264 tiles 8-wide CUDA-core steps but its row load would take 33 chunks of 8: declined.
+    odd_weight, odd_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((264, n)) * 0.05, jnp.float32))
+    odd = jnp.asarray(rng.standard_normal((1, 264)), dtype)
+    assert fp8_rms_norm_gemv_blocked(odd, odd, jnp.ones((264,), dtype), odd_weight, odd_scale, eps=1e-5,
+                                     **{**knobs, "block_k": 8}) is None
 
     # A decoder whose FP8 projections run the blocked GEMV and whose norms run the kernel, both in interpret mode.
     calls = {"rms_norm": 0, "silu_mul": 0, "refused": 0}

@@ -172,6 +172,19 @@ def _int_gemv_kernel(xp_ref, xs_ref, w_ref, s_ref, z_ref, out_ref, *, bits, bloc
         out_ref[0, :] = raw - zacc
 
 
+# The rms_norm prologue loads the whole row in power-of-two chunks (Triton's load shapes), unrolled; a K whose
+# largest power-of-two divisor needs more chunks than this is declined (the norm and the GEMV then run apart).
+_MAX_ROW_CHUNKS = 32
+
+
+def _row_chunk(k: int) -> int:
+    """The largest power of two dividing ``k``, at most 4096: the rms_norm prologue's row load size."""
+    chunk = k & -k
+    while chunk > 4096:
+        chunk //= 2
+    return chunk
+
+
 def _rms_norm_prologue(x_ref, res_ref, nw_ref, new_res_ref, *, k_share, block_k, eps, act_dtype):
     """The ``x_tile(k0)`` of the rms_norm prologue (refs: full rows ``[1, K]``): ``rms_norm_reference(x,
     norm_weight, residual)``'s normed row, K step ``k0`` of this program's share, with its rounding steps (the
@@ -180,9 +193,7 @@ def _rms_norm_prologue(x_ref, res_ref, nw_ref, new_res_ref, *, k_share, block_k,
     cheaper than a launch); program (0, 0) stores the new residual row."""
     k = x_ref.shape[1]
     base = pl.program_id(1) * k_share
-    chunk = k & -k  # the largest power of two dividing K (Triton loads power-of-two shapes)
-    while chunk > 4096:
-        chunk //= 2
+    chunk = _row_chunk(k)
 
     def summed(k0, size):
         total = x_ref[0, pl.ds(k0, size)].astype(jnp.float32) + res_ref[0, pl.ds(k0, size)].astype(jnp.float32)
@@ -328,8 +339,12 @@ def _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows) ->
                 num_stages=num_stages, dot_rows=dot_rows)
 
 
-def _fp8_tuning(m: int, n: int, k: int, knobs: dict) -> dict | None:
-    return blocked_tuning("fp8", n, k, **knobs) if m == 1 else None
+def _fp8_tuning(m: int, k: int, weight, knobs: dict) -> dict | None:
+    """The blocked GEMV's knobs for ``[m, k]`` activations on ``weight [N, K]``, or None (M > 1, K not the weight's,
+    a shape that does not tile)."""
+    if m != 1 or weight.shape[1] != k:
+        return None
+    return blocked_tuning("fp8", weight.shape[0], k, **knobs)
 
 
 def _fp8_gemv_call(prologue: str | None, activations: tuple, weight, weight_scale, t: dict, *, act_dtype,
@@ -381,7 +396,7 @@ def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_
     ``fp8_weight_only_matmul_reference``, except that on the tensor-core path (``dot_rows`` 16) 16-bit
     activations beyond float16's range are clipped to it."""
     knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
-    t = _fp8_tuning(x.shape[0], weight.shape[0], x.shape[1], knobs) if weight.shape[1] == x.shape[1] else None
+    t = _fp8_tuning(x.shape[0], x.shape[1], weight, knobs)
     if t is None:
         return fp8_weight_only_matmul_pallas(x, weight, weight_scale, interpret=interpret)
     y, _ = _fp8_gemv_call(None, (x,), weight, weight_scale, t, act_dtype=x.dtype, eps=None, interpret=interpret)
@@ -399,16 +414,16 @@ def fp8_rms_norm_gemv_blocked(x, residual, norm_weight, weight, weight_scale, *,
 
     x, residual: ``[1, K]`` (16- or 32-bit float, the same dtype); norm_weight: ``[K]``; weight / weight_scale as
     ``fp8_gemv_blocked``; norm_dtype: the normed row's dtype (default x's). Returns None (at trace time) when the
-    shape does not tile the blocked GEMV (M > 1, or the knobs' ``blocked_tuning`` is None): the caller runs the
-    norm and the matmul apart."""
+    shape does not tile the blocked GEMV (M > 1, or the knobs' ``blocked_tuning`` is None) or K would take the
+    row load more than ``_MAX_ROW_CHUNKS`` chunks: the caller runs the norm and the matmul apart."""
     norm_dtype = x.dtype if norm_dtype is None else jnp.dtype(norm_dtype)
     m, k = x.shape
     knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.shape != (k,):
         raise ValueError(f"residual must match x {x.shape} {x.dtype} and norm_weight be [{k}]; got "
                          f"{residual.shape} {residual.dtype}, {norm_weight.shape}")
-    t = _fp8_tuning(m, weight.shape[0], k, knobs) if weight.shape[1] == k else None
-    if t is None:
+    t = _fp8_tuning(m, k, weight, knobs)
+    if t is None or k // _row_chunk(k) > _MAX_ROW_CHUNKS:
         return None
     y, new_residual = _fp8_gemv_call("rms_norm", (x, residual, norm_weight.reshape(1, k)), weight, weight_scale,
                                      t, act_dtype=norm_dtype, eps=float(eps), interpret=interpret)
@@ -425,9 +440,7 @@ def fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, *, interpret: bool 
     trace time) when the shape does not tile the blocked GEMV: the caller runs the two apart."""
     m, two_k = gate_up.shape
     knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
-    t = None
-    if two_k % 2 == 0 and weight.shape[1] == two_k // 2:
-        t = _fp8_tuning(m, weight.shape[0], two_k // 2, knobs)
+    t = _fp8_tuning(m, two_k // 2, weight, knobs) if two_k % 2 == 0 else None
     if t is None:
         return None
     y, _ = _fp8_gemv_call("silu_mul", (gate_up, gate_up), weight, weight_scale, t, act_dtype=gate_up.dtype,
