@@ -10,10 +10,12 @@ from collections.abc import Sequence
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
-SEQ_BUCKET_GROWTH = 4  # seq buckets grow by 4x: padding seqs is cheap (q_len 0), compiles are not
-# greedy; then with and without top-k logprobs: greedy_or_temperature, and full with and without each of the penalty
-# history and the bias table (4)
-NUM_SAMPLER_VARIANTS = 11
+SEQ_BUCKET_GROWTH = 4  # sampler row counts grow by 4x: padding rows is cheap, compiles are not
+# A token bucket below max_num_seqs whose sampler would run on more rows than this also gets a MIN_SEQ_BUCKET bucket.
+FEW_SEQS_SAMPLER_ROWS = 32
+# greedy; then with and without top-k logprobs: greedy_or_temperature, and full without and with the penalty history
+# and the bias table (together: ModelRunner.sampler_variants)
+NUM_SAMPLER_VARIANTS = 7
 MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 # Copy-on-write block copies per step (forks): the step's copy slots are min(num_seqs, this); every slot costs a
 # gather + scatter of one block per layer even as padding, so wide buckets do not get one per sequence. The
@@ -38,22 +40,22 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
 
     Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). A token bucket
     T >= ``max_num_seqs`` gets the single seq bucket ``max_num_seqs`` (padding sequences cost little: q_len 0, and
-    each extra bucket is a multi-second compile on the GPU); a smaller T gets the seq buckets 8, 32, 128, ... (x4)
-    below T plus T itself (a step never has more sequences than tokens, so that one always fits). E.g. 512 tokens /
-    16 seqs -> 7 buckets (with the 1-token one); 2048 / 256 -> 15; 8192 / 256 -> 17.
+    each extra bucket is a multi-second compile on the GPU, the bulk of a cold start's CPU work); a smaller T gets T
+    itself (a step never has more sequences than tokens, so that one always fits) and, where T's sampler would run
+    on more than ``FEW_SEQS_SAMPLER_ROWS`` rows, also ``MIN_SEQ_BUCKET``: a step of a few long prefill chunks then
+    samples 8 rows instead of a whole vocabulary for every one of T slots. E.g. 512 tokens / 16 seqs -> 7 buckets
+    (with the 1-token one); 2048 / 256 -> 11; 8192 / 256 -> 13.
     """
     token_buckets = _powers_of_two(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
-    seq_growth = []
-    value = min(MIN_SEQ_BUCKET, max_num_seqs)
-    while value < max_num_seqs:
-        seq_growth.append(value)
-        value *= SEQ_BUCKET_GROWTH
+    few_seqs = min(MIN_SEQ_BUCKET, max_num_seqs)
     buckets = [(1, 1)] if max_num_batched_tokens > 1 else []
     for num_tokens in token_buckets:
         if num_tokens >= max_num_seqs:
             buckets.append((num_tokens, max_num_seqs))
-        else:
-            buckets.extend((num_tokens, s) for s in sorted({s for s in seq_growth if s < num_tokens} | {num_tokens}))
+            continue
+        if few_seqs < num_tokens and sampler_rows_for(num_tokens, max_num_seqs) > FEW_SEQS_SAMPLER_ROWS:
+            buckets.append((num_tokens, few_seqs))
+        buckets.append((num_tokens, num_tokens))
     return buckets
 
 

@@ -383,6 +383,15 @@ def pack_bias_table(tensors: SamplingTensors) -> np.ndarray | None:
                           axis=1)
 
 
+def neutral_bias_table(num_rows: int, vocab_size: int) -> np.ndarray:
+    """A bias table (``pack_bias_table``'s layout, i32[num_rows, bias_table_width(vocab_size)]) that changes nothing:
+    no ``logit_bias`` entries (ids -1, biases 0.0) and every token allowed (mask bits all set)."""
+    ids = np.full((num_rows, LOGIT_BIAS_WIDTH), -1, np.int32)
+    biases = np.zeros((num_rows, LOGIT_BIAS_WIDTH), np.float32).view(np.int32)
+    mask = np.full((num_rows, allowed_mask_words(vocab_size)), -1, np.int32)
+    return np.concatenate([ids, biases, mask], axis=1)
+
+
 def unpack_sampling_tensors(words: jax.Array, prev_token_ids: jax.Array, num_rows: int,
                             bias_table: jax.Array | None = None) -> SamplingTensors:
     """Inverse of ``pack_sampling_tensors`` (and ``pack_bias_table``) inside jit: int32[num_rows *

@@ -236,18 +236,20 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
 def test_compile_plan_counts():
     from paged_jax.buckets import planned_num_compiles, sampler_rows_for
 
-    # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones keep a few seq buckets.
-    assert make_buckets(2048, 256) == [(1, 1), (16, 8), (16, 16), (32, 8), (32, 32), (64, 8), (64, 32), (64, 64),
-                                       (128, 8), (128, 32), (128, 128), (256, 256), (512, 256), (1024, 256),
-                                       (2048, 256)]
+    # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones T itself, and 8 too where T
+    # slots would sample more than 32 rows.
+    assert make_buckets(2048, 256) == [(1, 1), (16, 16), (32, 32), (64, 8), (64, 64), (128, 8), (128, 128),
+                                       (256, 256), (512, 256), (1024, 256), (2048, 256)]
+    assert make_buckets(512, 16) == [(1, 1), (16, 16), (32, 16), (64, 16), (128, 16), (256, 16), (512, 16)]
+    assert make_buckets(4096, 1024)[7:11] == [(256, 8), (256, 256), (512, 8), (512, 512)]
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
-    # forward buckets + sampler row counts {8, 32, 128, 256} x (11 sampler variants (greedy; temperature, and full
-    # with and without each of penalties and the bias table, each with and without top-k logprobs) + the grammar
-    # bitmask) + prompt logprobs per token bucket (1, 16, 32, ..)
-    assert planned_num_compiles(2048, 256) == 15 + 4 * 12 + 9  # 15 forward buckets, the 1-token one included
-    assert planned_num_compiles(8192, 256) == 17 + 4 * 12 + 11
+    # forward buckets + sampler row counts {8, 32, 128, 256} x (7 sampler variants (greedy; temperature, and full
+    # without and with the penalty history and bias table together, each with and without top-k logprobs) + the
+    # grammar bitmask) + prompt logprobs per token bucket (1, 16, 32, ..)
+    assert planned_num_compiles(2048, 256) == 11 + 4 * 8 + 9  # 11 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 13 + 4 * 8 + 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
