@@ -28,7 +28,8 @@ concurrent compiles, or loads: ``executables_loaded`` of them came from the exec
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
 start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
 ``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed),
-``compile_jobs`` (every warm-up compile job, ``[label, start s, seconds]`` by end time: a cold start's critical path)
+``compile_jobs`` (every warm-up compile job, ``[label, start s, seconds, lowering s]`` by end time: a cold start's
+critical path)
 and ``num_gpu_blocks`` (the KV pool's block count, a compiled shape).
 
 Examples (one command each; prints one JSON line):

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="keep q/k/v and gate/up as separate matmuls (the HF layout) instead of the engine's fused one")
     p.add_argument("--exact-decode-buckets", action="store_true",
                    help="compile each decode case at its own size (batch B -> bucket (B, B)) instead of the engine's "
-                        "default buckets (smallest: 16 tokens x 8 seqs); shows what bucket padding costs")
+                        "default buckets (smallest: 16 tokens x 8 seqs, then 16 x 16); shows what bucket padding costs")
     p.add_argument("--trace", action="store_true",
                    help="also profile the forward (jax.profiler) and print GPU kernel time per step by kernel name")
     p.add_argument("--trace-top", type=int, default=25, help="kernel names listed with --trace")

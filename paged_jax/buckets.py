@@ -13,9 +13,9 @@ MIN_SEQ_BUCKET = 8
 SEQ_BUCKET_GROWTH = 4  # sampler row counts grow by 4x: padding rows is cheap, compiles are not
 # A token bucket below max_num_seqs whose sampler would run on more rows than this also gets a MIN_SEQ_BUCKET bucket.
 FEW_SEQS_SAMPLER_ROWS = 32
-# greedy; then with and without top-k logprobs: greedy_or_temperature, and full without and with the penalty history
-# and the bias table (together: ModelRunner.sampler_variants)
-NUM_SAMPLER_VARIANTS = 7
+# greedy; then with and without top-k logprobs: greedy_or_temperature, and full without extras, with the bias table,
+# with the penalty history and the bias table (ModelRunner.sampler_variants)
+NUM_SAMPLER_VARIANTS = 9
 MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 # Copy-on-write block copies per step (forks): the step's copy slots are min(num_seqs, this); every slot costs a
 # gather + scatter of one block per layer even as padding, so wide buckets do not get one per sequence. The
@@ -41,10 +41,11 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
     Token buckets: powers of two from 16 up to ``max_num_batched_tokens`` (which is always included). A token bucket
     T >= ``max_num_seqs`` gets the single seq bucket ``max_num_seqs`` (padding sequences cost little: q_len 0, and
     each extra bucket is a multi-second compile on the GPU, the bulk of a cold start's CPU work); a smaller T gets T
-    itself (a step never has more sequences than tokens, so that one always fits) and, where T's sampler would run
-    on more than ``FEW_SEQS_SAMPLER_ROWS`` rows, also ``MIN_SEQ_BUCKET``: a step of a few long prefill chunks then
-    samples 8 rows instead of a whole vocabulary for every one of T slots. E.g. 512 tokens / 16 seqs -> 7 buckets
-    (with the 1-token one); 2048 / 256 -> 11; 8192 / 256 -> 13.
+    itself (a step never has more sequences than tokens, so that one always fits) and also ``MIN_SEQ_BUCKET`` when
+    T is the smallest token bucket (decodes of a few sequences, where latency counts) or T's sampler would run on
+    more than ``FEW_SEQS_SAMPLER_ROWS`` rows (a step of a few long prefill chunks then samples 8 rows instead of a
+    whole vocabulary for every one of T slots). E.g. 512 tokens / 16 seqs -> 7 buckets (with the 1-token one);
+    2048 / 256 -> 12; 8192 / 256 -> 14.
     """
     token_buckets = _powers_of_two(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
     few_seqs = min(MIN_SEQ_BUCKET, max_num_seqs)
@@ -53,7 +54,8 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
         if num_tokens >= max_num_seqs:
             buckets.append((num_tokens, max_num_seqs))
             continue
-        if few_seqs < num_tokens and sampler_rows_for(num_tokens, max_num_seqs) > FEW_SEQS_SAMPLER_ROWS:
+        if few_seqs < num_tokens and (num_tokens == token_buckets[0]
+                                      or sampler_rows_for(num_tokens, max_num_seqs) > FEW_SEQS_SAMPLER_ROWS):
             buckets.append((num_tokens, few_seqs))
         buckets.append((num_tokens, num_tokens))
     return buckets

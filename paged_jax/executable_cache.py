@@ -38,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -344,16 +345,21 @@ def _count_persistent_cache_hits() -> None:
 
 
 def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction, args: Sequence,
-                    static: dict | None = None):
+                    static: dict | None = None, seconds: dict | None = None):
     """``function``'s executable for abstract inputs ``args`` and ``static`` keywords: loaded from ``cache``, else
     lowered and compiled (and saved unless JAX loaded it from its persistent cache); put into ``function``'s table
-    and returned."""
+    and returned. ``seconds`` (optional): its ``"lower"`` entry grows by the time spent tracing and lowering
+    (Python, under the GIL: what concurrent compiles cannot overlap)."""
     static = static or {}
     compiled = cache.load(function.name, args, static) if cache is not None else None
     if compiled is None:
         _count_persistent_cache_hits()
         hits_before = _hits.count
-        compiled = function.lower(*args, **static).compile()
+        start = time.perf_counter()
+        lowered = function.lower(*args, **static)
+        if seconds is not None:
+            seconds["lower"] = seconds.get("lower", 0.0) + time.perf_counter() - start
+        compiled = lowered.compile()
         if cache is not None and _hits.count == hits_before:
             cache.save(function.name, args, static, compiled)
     function.executables[function.key(args, static)] = compiled

@@ -123,15 +123,18 @@ class ModelRunner(StepDispatchMixin):
         # the random modes also one with the top max_logprobs: a top-k over the whole vocabulary for every row is a
         # sort-sized cost each step, so it is only paid on steps where some row asked for it. A greedy step that wants
         # top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax). Full mode also comes
-        # with the penalty history and the bias table, sent only on steps that need one of them; a step that needs
-        # one gets a neutral stand-in for the other (``_run_sampling``): one executable for both instead of three
-        # (sampler compiles are a large share of a cold start's CPU work, and the stand-in costs little).
+        # with the bias table, and with the penalty history plus the bias table, each sent only on steps that need
+        # them; a step with penalties but no bias-table row gets a neutral bias table (``_run_sampling``; a few
+        # words per vocabulary entry and row): one executable fewer per row count and logprob width (sampler
+        # compiles are a large share of a cold start's CPU work). The other way round a neutral history would cost
+        # rows x max_model_len entries of device memory and two scatters per step, so bias-only steps keep theirs.
         greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
         self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
-            SamplerVariant(mode.value, extras, num_logprobs, extras)
+            SamplerVariant(mode.value, penalties, num_logprobs, bias_table)
             for num_logprobs in (0, self.max_logprobs)
             for mode in sampler_lib.SamplingMode if mode != greedy
-            for extras in ((False, True) if mode == full else (False,))
+            for penalties, bias_table in (((False, False), (False, True), (True, True)) if mode == full
+                                          else ((False, False),))
         ]
         self.dtype = jnp.dtype(model.dtype)
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
@@ -161,11 +164,11 @@ class ModelRunner(StepDispatchMixin):
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
         self._prev_rows: dict[str, int] = {}
-        # Empty penalty history / bias table per seq bucket (steps without such rows), created once; their neutral
-        # full-width stand-ins (a step that sends only the other one), created on first use.
+        # Empty penalty history / bias table per seq bucket (steps without such rows), created once; the neutral
+        # bias table of a step with penalties but no bias-table row, per row count, created on first use.
         self._no_history = {r: jax.device_put(np.zeros((r, 0), np.int32), self.device)
                             for r in self.sampler_seq_buckets}
-        self._neutral_extras: dict[tuple[str, int], jax.Array] = {}
+        self._neutral_bias_tables: dict[int, jax.Array] = {}
 
         self._layouts: dict[tuple[int, int], StepLayout] = {}
         self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")

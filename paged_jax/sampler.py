@@ -19,7 +19,8 @@ do not use it pay nothing:
 * bans (``banned_token_ids``, BANNED_WIDTH ids per row in the step buffer): stop ids / EOS below ``min_tokens``, and
   ``bad_words``, whose bans the host computes per step from the row's output tail.
 * the bias table (``logit_bias`` pairs and the ``allowed_token_ids`` bitmask, ``bias_table_width(V)`` words per row),
-  a separate transfer sent only on steps where some row uses one of them, like the penalty history.
+  a separate transfer sent only on steps where some row uses one of them, like the penalty history (a step with
+  penalties but no such row applies a device-resident ``neutral_bias_table`` instead: one compiled variant fewer).
 """
 
 from __future__ import annotations

@@ -111,14 +111,12 @@ class StepDispatchMixin:
         num_rows = logits.shape[0]
         if grammar_bitmask is not None:
             logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
-        # Full mode's variant takes both or neither (ModelRunner.sampler_variants): one alone gets the other's
-        # neutral stand-in (an all-padding history, a bias table without entries that allows every token).
-        history = (jax.device_put(history, self.device) if history is not None
-                   else self._neutral_extra("history", num_rows) if bias_table is not None
-                   else self._no_history[num_rows])
+        # Full mode's penalty variant also takes the bias table (ModelRunner.sampler_variants): without a row that
+        # uses it, a neutral one (no logit_bias entries, every token allowed).
         bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None
-                      else self._neutral_extra("bias_table", num_rows) if history.shape[1]
+                      else self._neutral_bias_table(num_rows) if history is not None
                       else self._no_history[num_rows])
+        history = jax.device_put(history, self.device) if history is not None else self._no_history[num_rows]
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
         self._prev_tokens = outs[0]
         fetch = local_copies(outs if wants_logprobs else outs[:1])
@@ -128,15 +126,13 @@ class StepDispatchMixin:
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch, prompt_fetch
 
-    def _neutral_extra(self, name: str, num_rows: int) -> jax.Array:
-        """The device-resident neutral penalty history (``name`` "history": i32[R, max_model_len] of -1, padding) or
-        bias table ("bias_table": ``sampler.neutral_bias_table``) for ``num_rows`` sampler rows, made once."""
-        key = (name, num_rows)
-        if key not in self._neutral_extras:
-            host = (np.full((num_rows, self.max_model_len), -1, np.int32) if name == "history"
-                    else sampler_lib.neutral_bias_table(num_rows, self.vocab_size))
-            self._neutral_extras[key] = jax.device_put(host, self.device)
-        return self._neutral_extras[key]
+    def _neutral_bias_table(self, num_rows: int) -> jax.Array:
+        """``sampler.neutral_bias_table`` for ``num_rows`` sampler rows on the device (i32[R, bias_table_width(V)]),
+        made once per row count."""
+        if num_rows not in self._neutral_bias_tables:
+            self._neutral_bias_tables[num_rows] = jax.device_put(
+                sampler_lib.neutral_bias_table(num_rows, self.vocab_size), self.device)
+        return self._neutral_bias_tables[num_rows]
 
     def write_lora_slot(self, slot: int, loaded) -> None:
         """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""

@@ -73,8 +73,8 @@ def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[s
     cache's fingerprint included), ``kv_pool_s`` (allocating the KV pool), ``run_s`` (the run phase; for the
     pipeline-parallel runner it holds the compiles); ``threads`` (used; 1 for the pipeline-parallel runner) and
     ``executables_loaded`` (from the executable cache); ``compile_jobs``: every compile or load job as ``[label,
-    start s, seconds]``, by end time (the last ones are a cold start's critical path; a logged debug line names
-    them)."""
+    start s, seconds, lowering s]`` (lowering: tracing and lowering, Python under the GIL; 0 for a load), by end time
+    (the last ones are a cold start's critical path; a logged debug line names them)."""
     from tqdm.auto import tqdm
 
     threads = compile_threads() if threads is None else threads
@@ -88,7 +88,7 @@ def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[s
         spans = _compile_concurrently(runner, threads, bar, cache)
         timings["compile_s"] = time.perf_counter() - start
         timings["compile_jobs"] = sorted(spans, key=lambda span: span[1] + span[2])
-        logger.debug("compile jobs that ended last ([label, start s, seconds]): %s",
+        logger.debug("compile jobs that ended last ([label, start s, seconds, lowering s]): %s",
                      timings["compile_jobs"][-LAST_COMPILES_LOGGED:])
         timings["executables_loaded"] = cache.hits if cache else 0
         logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", bar.n, threads,
@@ -153,7 +153,8 @@ def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
 def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
     """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
     avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
-    ``[label, start s, seconds]``. A job that takes a forward's outputs is queued when that forward has ended."""
+    ``[label, start s, seconds, lowering s]``. A job that takes a forward's outputs is queued when that forward has
+    ended."""
     host_input = runner.input_sharding()
     started = time.perf_counter()
     spans: list[list] = []
@@ -161,10 +162,12 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     def timed(label: str, fn, *args):
         def job():
             begin = time.perf_counter()
+            seconds: dict = {}  # load_or_compile's lowering time
             try:
-                return fn(*args)
+                return fn(*args, seconds=seconds)
             finally:
-                spans.append([label, round(begin - started, 2), round(time.perf_counter() - begin, 2)])
+                spans.append([label, round(begin - started, 4), round(time.perf_counter() - begin, 4),
+                              round(seconds.get("lower", 0.0), 4)])
         return job
 
     def host(x: np.ndarray) -> jax.ShapeDtypeStruct:
@@ -175,10 +178,10 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     prev_tokens = _abstract(runner._prev_tokens)
     lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
 
-    def compile_forward(num_tokens, num_seqs):
+    def compile_forward(num_tokens, num_seqs, seconds):
         buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
         return load_or_compile(cache, runner._forward, (params, kv_pool, buf, prev_tokens, lora),
-                               {"num_tokens": num_tokens, "num_seqs": num_seqs})
+                               {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds)
 
     finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
     # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs their
@@ -217,29 +220,29 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
             return logits, sampling_words, hidden
 
-        def compile_bitmask(num_rows):
+        def compile_bitmask(num_rows, seconds):
             logits, _, _ = forward_outputs(by_rows[num_rows])
             return load_or_compile(cache, runner._apply_grammar_bitmask,
-                                   (logits, host(_grammar_bitmask(runner, num_rows))))
+                                   (logits, host(_grammar_bitmask(runner, num_rows))), None, seconds)
 
-        def compile_sampler(num_rows, variant):
+        def compile_sampler(num_rows, variant, seconds):
             logits, sampling_words, _ = forward_outputs(by_rows[num_rows])
             empty = _abstract(runner._no_history[num_rows])
             history = host(_penalty_history(runner, num_rows)) if variant.penalties else empty
             bias_table = host(_bias_table(runner, num_rows)) if variant.bias_table else empty
             return load_or_compile(cache, runner._sample, (logits, sampling_words, history, bias_table),
-                                   {"mode": variant.mode, "num_logprobs": variant.num_logprobs})
+                                   {"mode": variant.mode, "num_logprobs": variant.num_logprobs}, seconds)
 
-        def compile_prompt_logprobs(num_tokens):
+        def compile_prompt_logprobs(num_tokens, seconds):
             _, _, hidden = forward_outputs(by_tokens[num_tokens])
             targets = host(np.zeros((num_tokens,), np.int32))
-            return load_or_compile(cache, runner._prompt_logprobs, (params, hidden, targets))
+            return load_or_compile(cache, runner._prompt_logprobs, (params, hidden, targets), None, seconds)
 
-        def compile_swap(size):
+        def compile_swap(size, seconds):
             ids = host(np.zeros((size,), np.int32))
-            gathered = load_or_compile(cache, runner._gather_blocks, (kv_pool, ids))
+            gathered = load_or_compile(cache, runner._gather_blocks, (kv_pool, ids), None, seconds)
             data = _compiled_outputs(gathered)[0]
-            return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data))
+            return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data), None, seconds)
 
         num_jobs = len(forwards)
         for size in _swap_sizes(runner):

@@ -236,20 +236,20 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
 def test_compile_plan_counts():
     from paged_jax.buckets import planned_num_compiles, sampler_rows_for
 
-    # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones T itself, and 8 too where T
-    # slots would sample more than 32 rows.
-    assert make_buckets(2048, 256) == [(1, 1), (16, 16), (32, 32), (64, 8), (64, 64), (128, 8), (128, 128),
+    # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones T itself, and 8 too for the
+    # smallest T (decodes of a few sequences) and where T slots would sample more than 32 rows.
+    assert make_buckets(2048, 256) == [(1, 1), (16, 8), (16, 16), (32, 32), (64, 8), (64, 64), (128, 8), (128, 128),
                                        (256, 256), (512, 256), (1024, 256), (2048, 256)]
     assert make_buckets(512, 16) == [(1, 1), (16, 16), (32, 16), (64, 16), (128, 16), (256, 16), (512, 16)]
-    assert make_buckets(4096, 1024)[7:11] == [(256, 8), (256, 256), (512, 8), (512, 512)]
+    assert make_buckets(4096, 1024)[8:12] == [(256, 8), (256, 256), (512, 8), (512, 512)]
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
-    # forward buckets + sampler row counts {8, 32, 128, 256} x (7 sampler variants (greedy; temperature, and full
-    # without and with the penalty history and bias table together, each with and without top-k logprobs) + the
-    # grammar bitmask) + prompt logprobs per token bucket (1, 16, 32, ..)
-    assert planned_num_compiles(2048, 256) == 11 + 4 * 8 + 9  # 11 forward buckets, the 1-token one included
-    assert planned_num_compiles(8192, 256) == 13 + 4 * 8 + 11
+    # forward buckets + sampler row counts {8, 32, 128, 256} x (9 sampler variants (greedy; temperature, and full
+    # without extras, with the bias table, with the penalty history and the bias table, each with and without top-k
+    # logprobs) + the grammar bitmask) + prompt logprobs per token bucket (1, 16, 32, ..)
+    assert planned_num_compiles(2048, 256) == 12 + 4 * 10 + 9  # 12 forward buckets, the 1-token one included
+    assert planned_num_compiles(8192, 256) == 14 + 4 * 10 + 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
@@ -344,10 +344,14 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     runner.warm_up(use_tqdm=False)  # threads from the environment
     num_executables = planned_num_compiles(32, 4, swap=True, num_blocks=20)
     assert runner.warm_up_timings["threads"] == 2 and runner.num_compiles() == num_executables
-    jobs = runner.warm_up_timings["compile_jobs"]  # [label, start s, seconds], by end time
-    assert len(jobs) == num_warm_up_executables(runner) and all(start >= 0 and took >= 0 for _, start, took in jobs)
+    jobs = runner.warm_up_timings["compile_jobs"]  # [label, start s, seconds, lowering s], by end time
+    assert len(jobs) == num_warm_up_executables(runner)
+    assert all(start >= 0 and took >= lowering >= 0 for _, start, took, lowering in jobs)
+    # A compiled job traced and lowered first; a job loaded from the executable cache (an earlier run's) did not.
+    loaded = runner.warm_up_timings["executables_loaded"]
+    assert sum(lowering > 0 for *_, lowering in jobs) >= len(jobs) - loaded
     assert [a[1] + a[2] for a in jobs] == sorted(a[1] + a[2] for a in jobs)
-    labels = collections.Counter(label.split("[")[0] for label, _, _ in jobs)
+    labels = collections.Counter(label.split("[")[0] for label, *_ in jobs)
     assert labels["forward"] == len(runner.buckets) and set(labels) == {"forward", "bitmask", "sampler",
                                                                         "prompt_logprobs", "swap"}
     # One XLA compile (or cache load) per executable; two more are the pool's zeros (one per distinct shape/dtype).
@@ -379,10 +383,10 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     model, config = tiny_model
     compile_ = warm_up_lib.load_or_compile
 
-    def failing(cache, fn, args, static=None):
+    def failing(cache, fn, args, static=None, seconds=None):
         if fn is runner._forward and (static["num_tokens"], static["num_seqs"]) == max(runner.buckets):
             raise RuntimeError("compile failed on purpose")
-        return compile_(cache, fn, args, static)
+        return compile_(cache, fn, args, static, seconds)
 
     monkeypatch.setattr(warm_up_lib, "load_or_compile", failing)
     runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -519,6 +523,35 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
                                       bias_table if variant.bias_table else runner._no_history[num_rows],
                                       mode=variant.mode, num_logprobs=variant.num_logprobs)
         assert _loop_primitives(traced.jaxpr.jaxpr) == set(), variant
+
+
+def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
+    """A full-mode step with penalties but no logit_bias / allowed_token_ids row runs the compiled penalties + bias
+    table variant with the runner's neutral bias table (``_run_sampling``): its tokens, logprobs and top alternatives
+    equal ``sampler.sample`` on the same logits without any table, and nothing compiles."""
+    model, config = tiny_model
+    runner = make_runner(model, config, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=16)
+    num_rows = runner.sampler_seq_buckets[0]
+    rows = [(SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.7, seed=4, logprobs=2), 4, 1,
+             [3, 5, 7], [9, 9]), (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, 0, [4, 6], [6]), None]
+    tensors, mode = sampler_lib.build_sampling_tensors(rows, num_rows, penalty_len=runner.max_model_len,
+                                                       eos_token_ids=runner.eos_token_ids,
+                                                       vocab_size=config.vocab_size)
+    assert mode == sampler_lib.SamplingMode.FULL and sampler_lib.pack_bias_table(tensors) is None
+    layout = next(runner._layout(t, s) for t, s in runner.buckets if runner._layout(t, s).num_sample_rows == num_rows)
+    a, b = layout.fields["sampling"]
+    words = np.zeros((b - a,), np.int32)
+    sampler_lib.pack_sampling_tensors(tensors, words)
+    logits = jnp.asarray(np.random.default_rng(8).standard_normal((num_rows, config.vocab_size)) * 3, jnp.float32)
+    compiles = runner.num_compiles_since_warmup
+    got = runner._sample(logits, jax.device_put(words, runner.device), jax.device_put(tensors.prev_token_ids,
+                         runner.device), runner._neutral_bias_table(num_rows), mode=mode.value,
+                         num_logprobs=runner.max_logprobs)
+    assert runner.num_compiles_since_warmup == compiles  # the penalties + bias table variant was precompiled
+    want = sampler_lib.sample(logits, sampler_lib.unpack_sampling_tensors(
+        jnp.asarray(words), jnp.asarray(tensors.prev_token_ids), num_rows), mode=mode, num_logprobs=runner.max_logprobs)
+    for name, w, g in zip(want._fields, want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
 def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):

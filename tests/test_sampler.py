@@ -495,31 +495,27 @@ def test_bias_table_shapes_and_wire_round_trip():
         build_sampling_tensors(rows, 4)
 
 
-def test_neutral_stand_ins_change_nothing():
-    """Full mode's one executable takes the penalty history and the bias table together: a step that needs only one
-    gets a neutral stand-in for the other (``neutral_bias_table``, an all-padding history). Tokens and logprobs are
-    then exactly those of the step without it, for penalty rows, bias rows and plain rows."""
+def test_neutral_bias_table_changes_nothing():
+    """Full mode's penalty variant always takes a bias table: a step with penalties but no logit_bias /
+    allowed_token_ids row gets ``neutral_bias_table``. Tokens, logprobs and ranks are then exactly those of the step
+    without a table, for penalty rows, plain rows and padding rows."""
     penalised = SamplingParams(temperature=0.8, presence_penalty=1.5, repetition_penalty=1.3, seed=5)
-    biased = SamplingParams(temperature=0.8, logit_bias={7: 4.0, 30: -2.0}, allowed_token_ids=[3, 7, 30, 41], seed=6)
+    greedy_penalised = SamplingParams(temperature=0.0, frequency_penalty=0.4)
     plain = SamplingParams(temperature=0.9, top_p=0.8, seed=7)
     logits = jnp.asarray(_random_logits(11, 4))
-    for rows, keep in (([_row(penalised, output=(7, 7, 9)), _row(plain), None], "history"),
-                       ([_row(biased), _row(plain), None], "bias")):
-        tensors, mode = build_sampling_tensors(rows, 4, penalty_len=32, vocab_size=VOCAB)
-        assert mode == SamplingMode.FULL
-        words = np.zeros(4 * SAMPLING_WORDS_PER_ROW, np.int32)
-        pack_sampling_tensors(tensors, words)
-        table = pack_bias_table(tensors)
-        history = np.full((4, 32), -1, np.int32) if keep == "bias" else tensors.prev_token_ids
-        table = neutral_bias_table(4, VOCAB) if keep == "history" else table
-        assert (keep == "history") == (pack_bias_table(tensors) is None)
-        alone = unpack_sampling_tensors(jnp.asarray(words), jnp.asarray(tensors.prev_token_ids), 4,
-                                        None if keep == "history" else jnp.asarray(table))
-        both = unpack_sampling_tensors(jnp.asarray(words), jnp.asarray(history), 4, jnp.asarray(table))
-        want = sample(logits, alone, mode=mode, num_logprobs=3)
-        got = sample(logits, both, mode=mode, num_logprobs=3)
-        for name, a, b in zip(want._fields, want, got):
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{keep}: {name}")
+    rows = [_row(penalised, output=(7, 7, 9)), _row(plain), _row(greedy_penalised, output=(3,)), None]
+    tensors, mode = build_sampling_tensors(rows, 4, penalty_len=32, vocab_size=VOCAB)
+    assert mode == SamplingMode.FULL and pack_bias_table(tensors) is None
+    words = np.zeros(4 * SAMPLING_WORDS_PER_ROW, np.int32)
+    pack_sampling_tensors(tensors, words)
+    history = jnp.asarray(tensors.prev_token_ids)
+    without = unpack_sampling_tensors(jnp.asarray(words), history, 4)
+    neutral = unpack_sampling_tensors(jnp.asarray(words), history, 4, jnp.asarray(neutral_bias_table(4, VOCAB)))
+    assert neutral.logit_bias_ids.shape == (4, LOGIT_BIAS_WIDTH)
+    want = sample(logits, without, mode=mode, num_logprobs=3)
+    got = sample(logits, neutral, mode=mode, num_logprobs=3)
+    for name, a, b in zip(want._fields, want, got):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
 
 
 def test_bad_words_ban_the_last_token_after_the_prefix():
