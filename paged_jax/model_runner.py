@@ -124,10 +124,11 @@ class ModelRunner(StepDispatchMixin):
         # sort-sized cost each step, so it is only paid on steps where some row asked for it. A greedy step that wants
         # top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax). Full mode also comes
         # with the bias table, and with the penalty history plus the bias table, each sent only on steps that need
-        # them; a step with penalties but no bias-table row gets a neutral bias table (``_run_sampling``; a few
-        # words per vocabulary entry and row): one executable fewer per row count and logprob width (sampler
-        # compiles are a large share of a cold start's CPU work). The other way round a neutral history would cost
-        # rows x max_model_len entries of device memory and two scatters per step, so bias-only steps keep theirs.
+        # them; a step with penalties but no bias-table row gets a neutral bias table (``_run_sampling``; one bit per
+        # vocabulary entry and row, plus the logit_bias slots): one executable fewer per row count and logprob
+        # width (sampler compiles are a large share of a cold start's CPU work). The other way round a neutral
+        # history would cost rows x max_model_len entries of device memory and two scatters that size per step, so
+        # bias-only steps keep their variant.
         greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
         self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
             SamplerVariant(mode.value, penalties, num_logprobs, bias_table)

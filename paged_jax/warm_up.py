@@ -251,7 +251,8 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
         for num_rows in runner.sampler_seq_buckets:
             submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", compile_bitmask, num_rows)
             for variant in runner.sampler_variants:
-                submit_after(by_rows[num_rows], f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}]",
+                submit_after(by_rows[num_rows], (f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}"
+                              f"{',penalties' if variant.penalties else ''}{',bias' if variant.bias_table else ''}]"),
                              compile_sampler, num_rows, variant)
             num_jobs += 1 + len(runner.sampler_variants)
         for t in sorted(by_tokens):

@@ -527,11 +527,25 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
 
 def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
     """A full-mode step with penalties but no logit_bias / allowed_token_ids row runs the compiled penalties + bias
-    table variant with the runner's neutral bias table (``_run_sampling``): its tokens, logprobs and top alternatives
-    equal ``sampler.sample`` on the same logits without any table, and nothing compiles."""
+    table variant with the runner's neutral bias table: ``execute`` hands ``_sample`` that table (``_run_sampling``),
+    and on the same logits the compiled variant with it gives the tokens, logprobs and top alternatives of
+    ``sampler.sample`` without any table; nothing compiles."""
     model, config = tiny_model
     runner = make_runner(model, config, num_blocks=20, max_num_seqs=8, max_num_batched_tokens=16)
     num_rows = runner.sampler_seq_buckets[0]
+    compiled_sample, tables = runner._sample, []
+
+    def recording_sample(logits, words, history, bias_table, **kwargs):
+        tables.append((history.shape, bias_table))
+        return compiled_sample(logits, words, history, bias_table, **kwargs)
+
+    runner._sample = recording_sample
+    penalised = SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4)
+    runner.execute([SeqInput(key="p", token_ids=[3, 5, 7], num_computed_tokens=0, block_ids=[1], sample=True,
+                             sampling=(penalised, 4, 0, [3, 5, 7], []))]).result()
+    runner._sample = compiled_sample
+    (history_shape, table), = tables
+    assert history_shape == (num_rows, runner.max_model_len) and table is runner._neutral_bias_table(num_rows)
     rows = [(SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.7, seed=4, logprobs=2), 4, 1,
              [3, 5, 7], [9, 9]), (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, 0, [4, 6], [6]), None]
     tensors, mode = sampler_lib.build_sampling_tensors(rows, num_rows, penalty_len=runner.max_model_len,
