@@ -165,11 +165,13 @@ class ModelRunner(StepDispatchMixin):
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
         self._prev_rows: dict[str, int] = {}
-        # Empty penalty history / bias table per seq bucket (steps without such rows), created once; the neutral
-        # bias table of a step with penalties but no bias-table row, per row count, created on first use.
+        # Empty penalty history / bias table per seq bucket (steps without such rows), and the neutral bias table of
+        # a step with penalties but no bias-table row (i32[R, bias_table_width(V)]: a few MB, inside the KV pool
+        # sizing's headroom), created once at start-up: no step pays their transfer.
         self._no_history = {r: jax.device_put(np.zeros((r, 0), np.int32), self.device)
                             for r in self.sampler_seq_buckets}
-        self._neutral_bias_tables: dict[int, jax.Array] = {}
+        self._neutral_bias_tables = {r: jax.device_put(sampler_lib.neutral_bias_table(r, self.vocab_size), self.device)
+                                     for r in self.sampler_seq_buckets}
 
         self._layouts: dict[tuple[int, int], StepLayout] = {}
         self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")

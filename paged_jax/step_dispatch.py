@@ -22,7 +22,6 @@ import dataclasses
 import jax
 import numpy as np
 
-from paged_jax import sampler as sampler_lib
 from paged_jax.parallel.multihost import local_copies
 from paged_jax.step_io import PendingStep
 from paged_jax.structured_output import fill_step_bitmask
@@ -114,7 +113,7 @@ class StepDispatchMixin:
         # Full mode's penalty variant also takes the bias table (ModelRunner.sampler_variants): without a row that
         # uses it, a neutral one (no logit_bias entries, every token allowed).
         bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None
-                      else self._neutral_bias_table(num_rows) if history is not None
+                      else self._neutral_bias_tables[num_rows] if history is not None
                       else self._no_history[num_rows])
         history = jax.device_put(history, self.device) if history is not None else self._no_history[num_rows]
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)
@@ -125,14 +124,6 @@ class StepDispatchMixin:
         for array in (*fetch, *prompt_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch, prompt_fetch
-
-    def _neutral_bias_table(self, num_rows: int) -> jax.Array:
-        """``sampler.neutral_bias_table`` for ``num_rows`` sampler rows on the device (i32[R, bias_table_width(V)]),
-        made once per row count."""
-        if num_rows not in self._neutral_bias_tables:
-            self._neutral_bias_tables[num_rows] = jax.device_put(
-                sampler_lib.neutral_bias_table(num_rows, self.vocab_size), self.device)
-        return self._neutral_bias_tables[num_rows]
 
     def write_lora_slot(self, slot: int, loaded) -> None:
         """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""

@@ -545,7 +545,7 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
                              sampling=(penalised, 4, 0, [3, 5, 7], []))]).result()
     runner._sample = compiled_sample
     (history_shape, table), = tables
-    assert history_shape == (num_rows, runner.max_model_len) and table is runner._neutral_bias_table(num_rows)
+    assert history_shape == (num_rows, runner.max_model_len) and table is runner._neutral_bias_tables[num_rows]
     rows = [(SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.7, seed=4, logprobs=2), 4, 1,
              [3, 5, 7], [9, 9]), (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, 0, [4, 6], [6]), None]
     tensors, mode = sampler_lib.build_sampling_tensors(rows, num_rows, penalty_len=runner.max_model_len,
@@ -559,7 +559,7 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
     logits = jnp.asarray(np.random.default_rng(8).standard_normal((num_rows, config.vocab_size)) * 3, jnp.float32)
     compiles = runner.num_compiles_since_warmup
     got = runner._sample(logits, jax.device_put(words, runner.device), jax.device_put(tensors.prev_token_ids,
-                         runner.device), runner._neutral_bias_table(num_rows), mode=mode.value,
+                         runner.device), runner._neutral_bias_tables[num_rows], mode=mode.value,
                          num_logprobs=runner.max_logprobs)
     assert runner.num_compiles_since_warmup == compiles  # the penalties + bias table variant was precompiled
     want = sampler_lib.sample(logits, sampler_lib.unpack_sampling_tensors(
