@@ -27,6 +27,7 @@ program depends on, and a later start deserializes it without tracing at all:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -345,20 +346,23 @@ def _count_persistent_cache_hits() -> None:
 
 
 def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction, args: Sequence,
-                    static: dict | None = None, seconds: dict | None = None):
+                    static: dict | None = None, seconds: dict | None = None, lowering_turn=None):
     """``function``'s executable for abstract inputs ``args`` and ``static`` keywords: loaded from ``cache``, else
     lowered and compiled (and saved unless JAX loaded it from its persistent cache); put into ``function``'s table
     and returned. ``seconds`` (optional): its ``"lower"`` entry grows by the time spent tracing and lowering
-    (Python, under the GIL: what concurrent compiles cannot overlap)."""
+    (Python, under the GIL: what concurrent compiles cannot overlap). ``lowering_turn`` (optional): a context
+    manager entered around tracing and lowering only (e.g. ``paged_jax.warm_up``'s turn of one thread at a time);
+    the time waiting for it is not counted in ``seconds``."""
     static = static or {}
     compiled = cache.load(function.name, args, static) if cache is not None else None
     if compiled is None:
         _count_persistent_cache_hits()
         hits_before = _hits.count
-        start = time.perf_counter()
-        lowered = function.lower(*args, **static)
-        if seconds is not None:
-            seconds["lower"] = seconds.get("lower", 0.0) + time.perf_counter() - start
+        with lowering_turn if lowering_turn is not None else contextlib.nullcontext():
+            start = time.perf_counter()
+            lowered = function.lower(*args, **static)
+            if seconds is not None:
+                seconds["lower"] = seconds.get("lower", 0.0) + time.perf_counter() - start
         compiled = lowered.compile()
         if cache is not None and _hits.count == hits_before:
             cache.save(function.name, args, static, compiled)

@@ -8,7 +8,8 @@ Two phases:
    (``paged_jax.executable_cache``: a warm start neither traces nor lowers) or traced, lowered and compiled ahead of
    time (``jitted.lower(...).compile()``, then saved there) from abstract inputs (``jax.ShapeDtypeStruct`` with the
    very shardings the real inputs have), and put into its ``AheadOfTimeFunction``'s table, which the runner's calls
-   use. XLA compiles release the GIL, so they overlap; tracing and lowering (Python) take turns on it. This runs
+   use. XLA compiles release the GIL, so they overlap; tracing and lowering (Python) run one job at a time,
+   in submission order (``_LoweringTurns``: the largest forwards first). This runs
    before the KV pool is allocated (the runner allocates it on first use), so XLA's autotuning scratch memory in N
    concurrent GPU compiles does not compete with the pool. An input that is an output of another executable (the
    sampler's logits, the prompt logprobs' hidden states, the swap-in data) takes its shape and sharding from that
@@ -23,6 +24,7 @@ phase 2 only, which compiles through jit on each first call.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import logging
 import os
 import queue
@@ -150,21 +152,67 @@ def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
             for info, sharding in zip(infos, jax.tree.leaves(compiled.output_shardings))]
 
 
+class _LoweringTurns:
+    """Tracing and lowering run one job at a time, the job submitted first (lowest ``priority``) first.
+
+    Both are Python under the GIL: N jobs lowering at once each take about N times as long and end together, so the
+    first XLA compile (which releases the GIL) starts only when nearly all lowering is done. In turns, the largest
+    forwards (submitted first) reach XLA after their own lowering and their compiles overlap the lowering of the
+    rest. A cold start stays bound by the CPU work of XLA's compiles (benchmarks/RESULTS.md, "Start-up to first
+    token"): the forwards end earlier, and the sampler compiles of the smallest buckets, lowered last, end it."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._waiting: list[int] = []  # a heap of the waiting jobs' priorities
+        self._busy = False
+
+    def turn(self, priority: int) -> "_LoweringTurn":
+        """A reusable context manager holding the turn for job ``priority`` (unique per job)."""
+        return _LoweringTurn(self, priority)
+
+    def _acquire(self, priority: int) -> None:
+        with self._changed:
+            heapq.heappush(self._waiting, priority)
+            self._changed.wait_for(lambda: not self._busy and self._waiting[0] == priority)
+            heapq.heappop(self._waiting)
+            self._busy = True
+
+    def _release(self) -> None:
+        with self._changed:
+            self._busy = False
+            self._changed.notify_all()
+
+
+class _LoweringTurn:
+    def __init__(self, turns: _LoweringTurns, priority: int):
+        self._turns, self._priority = turns, priority
+
+    def __enter__(self):
+        self._turns._acquire(self._priority)
+
+    def __exit__(self, *exc):
+        self._turns._release()
+
+
 def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
     """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
     avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
     ``[label, start s, seconds, lowering s]``. A job that takes a forward's outputs is queued when that forward has
-    ended."""
+    ended. Jobs trace and lower in turns, in the order they were submitted (``_LoweringTurns``)."""
     host_input = runner.input_sharding()
     started = time.perf_counter()
     spans: list[list] = []
+    turns = _LoweringTurns()
+    submitted = iter(range(1 << 62))  # each job's lowering priority: its submission order
 
     def timed(label: str, fn, *args):
+        turn = turns.turn(next(submitted))
+
         def job():
             begin = time.perf_counter()
             seconds: dict = {}  # load_or_compile's lowering time
             try:
-                return fn(*args, seconds=seconds)
+                return fn(*args, seconds=seconds, turn=turn)
             finally:
                 spans.append([label, round(begin - started, 4), round(time.perf_counter() - begin, 4),
                               round(seconds.get("lower", 0.0), 4)])
@@ -178,10 +226,10 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     prev_tokens = _abstract(runner._prev_tokens)
     lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
 
-    def compile_forward(num_tokens, num_seqs, seconds):
+    def compile_forward(num_tokens, num_seqs, seconds, turn):
         buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
         return load_or_compile(cache, runner._forward, (params, kv_pool, buf, prev_tokens, lora),
-                               {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds)
+                               {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds, turn)
 
     finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
     # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs their
@@ -220,29 +268,29 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
             return logits, sampling_words, hidden
 
-        def compile_bitmask(num_rows, seconds):
+        def compile_bitmask(num_rows, seconds, turn):
             logits, _, _ = forward_outputs(by_rows[num_rows])
             return load_or_compile(cache, runner._apply_grammar_bitmask,
-                                   (logits, host(_grammar_bitmask(runner, num_rows))), None, seconds)
+                                   (logits, host(_grammar_bitmask(runner, num_rows))), None, seconds, turn)
 
-        def compile_sampler(num_rows, variant, seconds):
+        def compile_sampler(num_rows, variant, seconds, turn):
             logits, sampling_words, _ = forward_outputs(by_rows[num_rows])
             empty = _abstract(runner._no_history[num_rows])
             history = host(_penalty_history(runner, num_rows)) if variant.penalties else empty
             bias_table = host(_bias_table(runner, num_rows)) if variant.bias_table else empty
             return load_or_compile(cache, runner._sample, (logits, sampling_words, history, bias_table),
-                                   {"mode": variant.mode, "num_logprobs": variant.num_logprobs}, seconds)
+                                   {"mode": variant.mode, "num_logprobs": variant.num_logprobs}, seconds, turn)
 
-        def compile_prompt_logprobs(num_tokens, seconds):
+        def compile_prompt_logprobs(num_tokens, seconds, turn):
             _, _, hidden = forward_outputs(by_tokens[num_tokens])
             targets = host(np.zeros((num_tokens,), np.int32))
-            return load_or_compile(cache, runner._prompt_logprobs, (params, hidden, targets), None, seconds)
+            return load_or_compile(cache, runner._prompt_logprobs, (params, hidden, targets), None, seconds, turn)
 
-        def compile_swap(size, seconds):
+        def compile_swap(size, seconds, turn):
             ids = host(np.zeros((size,), np.int32))
-            gathered = load_or_compile(cache, runner._gather_blocks, (kv_pool, ids), None, seconds)
+            gathered = load_or_compile(cache, runner._gather_blocks, (kv_pool, ids), None, seconds, turn)
             data = _compiled_outputs(gathered)[0]
-            return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data), None, seconds)
+            return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data), None, seconds, turn)
 
         num_jobs = len(forwards)
         for size in _swap_sizes(runner):

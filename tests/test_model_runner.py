@@ -383,10 +383,11 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     model, config = tiny_model
     compile_ = warm_up_lib.load_or_compile
 
-    def failing(cache, fn, args, static=None, seconds=None):
+    def failing(cache, fn, args, static=None, seconds=None, lowering_turn=None):
         if fn is runner._forward and (static["num_tokens"], static["num_seqs"]) == max(runner.buckets):
-            raise RuntimeError("compile failed on purpose")
-        return compile_(cache, fn, args, static, seconds)
+            with lowering_turn:  # a failure inside the turn must hand it on
+                raise RuntimeError("compile failed on purpose")
+        return compile_(cache, fn, args, static, seconds, lowering_turn)
 
     monkeypatch.setattr(warm_up_lib, "load_or_compile", failing)
     runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -404,6 +405,46 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     thread.start()
     thread.join(timeout=300)
     assert not thread.is_alive() and len(errors) == 1 and "on purpose" in str(errors[0])
+
+
+def test_lowering_turns_run_one_job_at_a_time_lowest_priority_first():
+    """warm_up's lowering turns: while one job holds the turn, the waiting jobs get it one at a time in priority
+    order (not in the order they started waiting), and a job that raises inside its turn hands it on."""
+    import threading
+    import time
+
+    from paged_jax.warm_up import _LoweringTurns
+
+    turns = _LoweringTurns()
+    order, inside = [], []
+    holder = turns.turn(0)
+    holder.__enter__()
+
+    def job(priority):
+        turn = turns.turn(priority)
+        try:
+            with turn:
+                inside.append(priority)
+                assert len(inside) == 1  # nobody else holds the turn
+                order.append(priority)
+                time.sleep(0.01)
+                inside.remove(priority)
+                if priority == 3:
+                    raise RuntimeError("lowering failed")
+        except RuntimeError:
+            pass
+
+    threads = [threading.Thread(target=job, args=(p,)) for p in (5, 2, 4, 1, 3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(turns._waiting) < len(threads) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sorted(turns._waiting) == [1, 2, 3, 4, 5]
+    holder.__exit__(None, None, None)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert order == [1, 2, 3, 4, 5] and not turns._busy and not turns._waiting
 
 
 def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_model, tmp_path):
