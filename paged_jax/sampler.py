@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams, validate_token_ids
+from paged_jax.top_k import vocab_top_k
 
 # Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens, bad-word tokens) when some
 # row needs bans.
@@ -541,7 +542,7 @@ def raw_logprob_outputs(
     sampled_logprob = sampled_logit - log_normalizer
     rank = 1 + jnp.sum(logits > sampled_logit[:, None], axis=-1, dtype=jnp.int32)
     if num_logprobs > 0:
-        top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
+        top_logits, top_ids = vocab_top_k(logits, num_logprobs)
         top_logprobs = top_logits - log_normalizer[:, None]
     else:
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
