@@ -211,38 +211,20 @@ def test_fp8_matches_compressed_tensors_and_transformers(float_dir, tmp_path, st
     np.testing.assert_allclose(logits, hf_out.logits[-1][0].numpy(), atol=2e-3, rtol=1e-3)
 
 
-PERPLEXITY_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
-    "metal type, oil-based ink and a wooden press adapted from those used to make wine. Within a few decades "
-    "printers were working in more than two hundred cities across Europe, and the price of books fell so far that "
-    "ordinary merchants could afford them. Scholars exchanged corrected editions, governments printed laws, and "
-    "reformers spread pamphlets faster than any authority could suppress them.")
+def test_smollm2_perplexity_int8_fp8(smollm2_dir, smollm2_tokenizer, tmp_path):
+    """Online int8 / fp8 (bf16 compute) lose at most 1% / 2% perplexity against bf16 on a fixed text, fp8 both as the
+    float8 dot with per-token activation scales (off the GPU) and weight-only (on the GPU). The 4-bit formats are
+    reported by benchmarks/perplexity.py, not tested: a round-to-nearest int4 SmolLM2 says little about AWQ / GPTQ
+    models."""
+    from benchmarks.perplexity import TEXT, model_for, perplexity
 
-
-def test_smollm2_perplexity_int8_fp8(smollm2_dir, smollm2_tokenizer):
-    """Online int8 / fp8 (bf16 compute) lose at most 1% / 2% perplexity against bf16 on a fixed text (int4 is
-    reported from benchmarks, not tested: a round-to-nearest int4 SmolLM2 says little about AWQ / GPTQ models)."""
-    from flax import nnx
-
-    from models.loader import load_model
-    from models.quantization.load import quantize_model
-
-    ids = jnp.asarray(smollm2_tokenizer.encode(PERPLEXITY_TEXT), jnp.int32)
-    t = ids.shape[0]
-
-    def perplexity(model):
-        attention = dense_causal_attention(np.zeros((t,), np.int32), model.config.head_dim ** -0.5)
-        hidden, _ = model(ids, jnp.arange(t, dtype=jnp.int32), None, attention)
-        logprobs = jax.nn.log_softmax(model.compute_logits(hidden[:-1]), axis=-1)
-        return float(jnp.exp(-jnp.mean(jnp.take_along_axis(logprobs, ids[1:, None], axis=1))))
-
-    bf16, _ = load_model(smollm2_dir, dtype="bfloat16")
-    results = {"bf16": perplexity(bf16)}
-    for name, qc in [("int8", resolve_quantization("int8", {})), ("fp8", resolve_quantization("fp8", {}))]:
-        results[name] = perplexity(quantize_model(nnx.clone(bf16), qc))
+    ids = smollm2_tokenizer.encode(TEXT)
+    results = {name: perplexity(model_for(name, smollm2_dir, tmp_path), ids)
+               for name in ("bf16", "int8", "fp8", "fp8-weight-only")}
     print("SmolLM2 perplexity:", json.dumps(results))
     assert 0.95 * results["bf16"] < results["int8"] <= 1.01 * results["bf16"]
     assert 0.95 * results["bf16"] < results["fp8"] <= 1.02 * results["bf16"]
+    assert 0.95 * results["bf16"] < results["fp8-weight-only"] <= 1.02 * results["bf16"]
 
 
 # -- engine, weights cache, tensor parallelism ------------------------------------------------------------------------
