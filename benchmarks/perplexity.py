@@ -4,8 +4,9 @@ Formats, all from the same bf16 checkpoint and computed in bf16 (fp32 logits):
   * ``bf16``: the checkpoint itself, the reference;
   * ``int8``, ``fp8``: quantized at load (``--quantization int8|fp8``: per-channel weights). ``fp8`` runs XLA's
     float8 dot with dynamic per-token activation scales (W8A8: ``matmul_impl="xla"``, what ``auto`` runs off the GPU);
-    ``fp8-weight-only`` the same weights against bf16 activations (what ``auto`` runs on the GPU: the GEMV at one row,
-    the dot on upcast weights above it);
+    ``fp8-weight-only`` the same weights against bf16 activations (``matmul_impl="xla_native"``, the dot on upcast
+    weights: the same products as what ``auto`` runs on one GPU, the GEMV at one row and that dot above it; a
+    tensor-parallel FP8 model runs W8A8);
   * ``awq-int4-g64``, ``gptq-int4-g64``, ``gptq-int8-g64``: checkpoints written in AutoAWQ's / AutoGPTQ's on-disk
     packing (``models.quantization.testing``, group size 64: SmolLM2's hidden size 576 is not a multiple of 128) and
     loaded as a user's would be. Their weights are rounded to nearest (min / max per group), with none of the
@@ -33,7 +34,8 @@ TEXT = (
     "printers were working in more than two hundred cities across Europe, and the price of books fell so far that "
     "ordinary merchants could afford them. Scholars exchanged corrected editions, governments printed laws, and "
     "reformers spread pamphlets faster than any authority could suppress them.")
-# More text for the benchmark's figure (the test keeps the paragraph above: its thresholds were set on it).
+# The rest of the text (tests/test_quantization.py checks the W8A8 float8 dot on TEXT alone: it loses more over the
+# whole text, benchmarks/RESULTS.md).
 MORE_TEXT = (
     " Paper mills multiplied along the rivers that could turn their wheels, and the trade in rags became a business "
     "of its own. Typefounders learned to cast letters that wore evenly, so that a page printed at the end of a long "

@@ -3,7 +3,8 @@
 XLA rewrites ``lax.top_k`` into its TopK kernel for k <= ``TOP_K_KERNEL_MAX_K`` only; for a larger k (the OpenAI API's
 20 top logprobs, beam search's 2 x beam width) it sorts every row of the vocabulary instead, several times slower
 (benchmarks/RESULTS.md, "One-off measurements": the sampler on 256 rows). ``vocab_top_k`` takes the top
-``TOP_K_KERNEL_MAX_K`` at a time and drops them before the next round: the same result as ``lax.top_k``.
+``TOP_K_KERNEL_MAX_K`` at a time and drops them before the next round: the same ids and values as ``lax.top_k``
+(tests/test_top_k.py, on the CPU; XLA's GPU kernel also puts equal values by lower index first).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def vocab_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     rounds see -inf logits (e.g. tokens a grammar forbids) as the lowest finite float32, which only orders them
     differently against a logit of exactly that value (by id instead of after it). The values returned are the
     logits themselves."""
+    if k > logits.shape[-1]:
+        raise ValueError(f"top-k: k={k} is more than the {logits.shape[-1]} entries of a row")
     if k <= TOP_K_KERNEL_MAX_K:
         return jax.lax.top_k(logits, k)
     lowest = jnp.finfo(logits.dtype).min

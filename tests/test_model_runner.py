@@ -434,7 +434,7 @@ def test_lowering_turns_run_one_job_at_a_time_lowest_priority_first():
         except RuntimeError:
             pass
 
-    threads = [threading.Thread(target=job, args=(p,)) for p in (5, 2, 4, 1, 3)]
+    threads = [threading.Thread(target=job, args=(p,), daemon=True) for p in (5, 2, 4, 1, 3)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 30

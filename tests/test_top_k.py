@@ -28,3 +28,9 @@ def test_vocab_top_k_equals_lax_top_k(k):
     np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
     np.testing.assert_array_equal(np.asarray(got_values), np.asarray(want_values))
     assert got_ids.dtype == want_ids.dtype and got_values.shape == (rows, k)
+
+
+def test_vocab_top_k_refuses_more_than_a_row():
+    """Rounds past the row would return ids twice; lax.top_k refuses too."""
+    with pytest.raises(ValueError, match="k=40"):
+        vocab_top_k(jnp.zeros((2, 30)), 40)
