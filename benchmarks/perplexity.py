@@ -5,8 +5,8 @@ Formats, all from the same bf16 checkpoint and computed in bf16 (fp32 logits):
   * ``int8``, ``fp8``: quantized at load (``--quantization int8|fp8``: per-channel weights). ``fp8`` runs XLA's
     float8 dot with dynamic per-token activation scales (W8A8: ``matmul_impl="xla"``, what ``auto`` runs off the GPU);
     ``fp8-weight-only`` the same weights against bf16 activations (``matmul_impl="xla_native"``, the dot on upcast
-    weights: the same products as what ``auto`` runs on one GPU, the GEMV at one row and that dot above it; a
-    tensor-parallel FP8 model runs W8A8);
+    weights: the same products as what ``auto`` runs on one GPU, the GEMV at one row and that dot above it, and
+    what a tensor-parallel FP8 model runs);
   * ``awq-int4-g64``, ``gptq-int4-g64``, ``gptq-int8-g64``: checkpoints written in AutoAWQ's / AutoGPTQ's on-disk
     packing (``models.quantization.testing``, group size 64: SmolLM2's hidden size 576 is not a multiple of 128) and
     loaded as a user's would be. Their weights are rounded to nearest (min / max per group), with none of the

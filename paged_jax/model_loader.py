@@ -244,16 +244,20 @@ def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtyp
 
     plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size, devices=devices))
     jnp_dtype = resolve_dtype(dtype)
+    matmul_impl = "xla"  # of quantized modules: an XLA form (the Pallas kernels run on one device's arrays)
     if quant.config is not None:
         from flax import nnx
 
-        from models.quantization.load import abstract_quantized_model, shard_quantized_model
+        from models.quantization.load import (abstract_quantized_model, shard_quantized_model,
+                                              tensor_parallel_matmul_impl)
 
+        matmul_impl = tensor_parallel_matmul_impl(quant.config)
         convert = lambda: shard_quantized_model(  # noqa: E731
             _load_quantized(args, model_path, config, dtype, quant), plan, quant.config,
             kv_cache_scales=quant.kv_cache_scales)
         abstract = lambda: abstract_quantized_model(  # noqa: E731
-            plan.model_config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales, matmul_impl="xla",
+            plan.model_config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales,
+            matmul_impl=matmul_impl,
             make_model=lambda: TensorParallelLlamaForCausalLM(plan, dtype=jnp_dtype, param_dtype=jnp_dtype,
                                                               rngs=nnx.Rngs(0)))
     else:
@@ -263,7 +267,7 @@ def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtyp
     model = weight_cache.load_or_convert(
         _weight_cache_key(args, model_path, dtype, kind="tensor_parallel", mesh=dict(plan.mesh.shape),
                           kv_layout=plan.kv_layout, head_layout=dataclasses.asdict(plan.head_layout),
-                          **quant.layout(matmul_impl="xla")),
+                          **quant.layout(matmul_impl=matmul_impl)),
         convert, abstract, shardings=plan.state_shardings)
     # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.
     return model, plan, plan.model_config, plan.per_device_model_config

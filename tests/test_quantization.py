@@ -213,8 +213,8 @@ def test_fp8_matches_compressed_tensors_and_transformers(float_dir, tmp_path, st
 
 def test_smollm2_perplexity_int8_fp8(smollm2_dir, smollm2_tokenizer, tmp_path):
     """Online int8 / fp8 (bf16 compute) lose at most 1% / 2% perplexity against bf16: int8 and fp8 weight-only (what
-    one GPU runs) on the benchmark's whole text; fp8 as the float8 dot with per-token activation scales (W8A8: off the
-    GPU and tensor-parallel) on its first paragraph only: over the whole text it loses more (benchmarks/RESULTS.md,
+    one GPU and tensor parallelism run) on the benchmark's whole text; fp8 as the float8 dot with per-token
+    activation scales (W8A8: off the GPU) on its first paragraph only: over the whole text it loses more (benchmarks/RESULTS.md,
     "Perplexity per weight format"). The 4-bit formats are reported by
     benchmarks/perplexity.py, not tested: a round-to-nearest int4 SmolLM2 says little about AWQ / GPTQ models."""
     from benchmarks.perplexity import MORE_TEXT, TEXT, model_for, perplexity
@@ -252,6 +252,43 @@ def test_engine_awq_greedy_equals_dequantized_fp32(awq_dir, tmp_path, monkeypatc
     assert engine.runner.num_compiles_since_warmup == 0
 
 
+def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkeypatch):
+    """``--quantization fp8`` with ``tensor_parallel_size=2`` (the engine's loader, 2 CPU devices): every FP8 module
+    runs the weight-only XLA dot (``tensor_parallel_matmul_impl``), converted or restored from the weights cache, and
+    greedy output equals one device's weight-only FP8 model, token for token, with nothing compiled after warm-up."""
+    from flax import nnx
+
+    from models.loader import load_model
+    from models.quantization import load
+    from models.quantization.load import quantize_model
+    from paged_jax.config import EngineArgs
+    from paged_jax.llm import LLM
+    from paged_jax.model_loader import _load_tensor_parallel, resolve_engine_quantization
+    from paged_jax.sampling_params import SamplingParams
+
+    def fp8_impls(model):
+        return {m.matmul_impl for _, m in nnx.iter_graph(model) if type(m).__name__ == "Fp8Linear"}
+
+    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
+    llm = LLM(model=str(float_dir), quantization="fp8", tensor_parallel_size=2, dtype="float32", max_model_len=64,
+              max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
+    engine = llm.llm_engine
+    runner = engine.runner
+    model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
+    assert fp8_impls(model) == {"xla_native"}
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    single, _ = load_model(float_dir, dtype="float32")
+    single = quantize_model(single, resolve_quantization("fp8", {}), matmul_impl="xla_native")
+    assert out[0].outputs[0].token_ids == _greedy(single)[0]
+    assert runner.num_compiles_since_warmup == 0
+    # A second load restores the weights the engine cached (it must not convert) into the same modules.
+    monkeypatch.setattr(load, "load_quantized_model", None)
+    args = EngineArgs(model=str(float_dir), quantization="fp8", tensor_parallel_size=2, dtype="float32")
+    restored, *_ = _load_tensor_parallel(args, str(float_dir), ModelConfig.from_pretrained(float_dir), "float32",
+                                         resolve_engine_quantization(args, str(float_dir)))
+    assert fp8_impls(restored) == {"xla_native"}
+
+
 def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
     from paged_jax.config import EngineArgs
     from paged_jax.model_loader import _load_single_device, resolve_engine_quantization
@@ -282,16 +319,21 @@ def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("method", ["gptq", "fp8"])
 def test_tensor_parallel_matches_single_device(float_dir, tmp_path, method):
-    from models.quantization.load import shard_quantized_model
+    """A quantized model on a 2-device mesh computes what the same model computes on one device with the
+    implementation tensor parallelism runs: an XLA form, weight-only for FP8 (its activations are not quantized)."""
+    from models.quantization.load import shard_quantized_model, tensor_parallel_matmul_impl
     from paged_jax.parallel import ShardingPlan, make_mesh
 
     kwargs = dict(bits=4, group_size=32, desc_act=True) if method == "gptq" else dict(activations="dynamic_token")
     path = save_quantized_checkpoint(float_dir, tmp_path / method, method, **kwargs)
-    model = _load(path)
+    qc = resolve_quantization(None, json.loads((path / "config.json").read_text()))
+    impl = tensor_parallel_matmul_impl(qc)
+    assert impl == ("xla_native" if method == "fp8" else "xla")
+    model = _load(path, matmul_impl=impl)
     plan = ShardingPlan.create(model.config, make_mesh(2))
-    sharded = shard_quantized_model(model, plan, resolve_quantization(None, json.loads(
-        (path / "config.json").read_text())))
+    sharded = shard_quantized_model(model, plan, qc)
     qweight = sharded.model.layers[0].mlp.down_proj
+    assert qweight.matmul_impl == impl
     # row-parallel: split along the (packed) inputs: axis 0 of qweight [in / pack, out], axis 1 of FP8's [out, in]
     leaf, in_axis = (qweight.qweight, 0) if method == "gptq" else (qweight.weight, 1)
     assert leaf[...].sharding.spec[in_axis] == "tp" and leaf[...].sharding.spec[1 - in_axis] is None
