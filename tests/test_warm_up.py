@@ -1,0 +1,215 @@
+"""Warm-up (paged_jax/warm_up.py) and the executable cache (paged_jax/executable_cache.py) on the tiny random model
+of tests/test_model_runner.py: concurrent compiles (each executable once, in lowering turns), a failed compile,
+and a second runner loading what the first compiled."""
+
+import collections
+import types
+import unittest.mock
+
+import jax
+import numpy as np
+import pytest
+
+from paged_jax.model_runner import ModelRunner
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.step_io import SeqInput
+from tests.test_model_runner import BLOCK_SIZE, MAX_MODEL_LEN, make_runner, tiny_model  # noqa: F401 (a fixture)
+
+
+def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatch):
+    """Warm-up on 2 threads: each executable is compiled (or loaded from the persistent cache) exactly once, the run
+    phase reusing the ahead-of-time compiles; afterwards steps of every bucket (swaps included) compile nothing and
+    sample what the sequentially warmed runner samples."""
+    from jax import monitoring
+
+    from paged_jax.buckets import planned_num_compiles
+    from paged_jax.warm_up import COMPILE_THREADS_ENV, compile_threads, num_warm_up_executables
+
+    model, config = tiny_model
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "0")
+    with pytest.raises(ValueError, match=COMPILE_THREADS_ENV):
+        compile_threads()
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "2")
+    assert compile_threads() == 2
+    requests = []
+    monitoring.register_event_listener(
+        lambda name, **_: requests.append(name) if name == "/jax/compilation_cache/compile_requests_use_cache" else 0)
+    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, num_host_blocks=4, eos_token_ids=[2])
+    requests.clear()
+    runner.warm_up(use_tqdm=False)  # threads from the environment
+    num_executables = planned_num_compiles(32, 4, swap=True, num_blocks=20)
+    assert runner.warm_up_timings["threads"] == 2 and runner.num_compiles() == num_executables
+    jobs = runner.warm_up_timings["compile_jobs"]  # [label, start s, seconds, lowering s], by end time
+    assert len(jobs) == num_warm_up_executables(runner)
+    assert all(start >= 0 and took >= lowering >= 0 for _, start, took, lowering in jobs)
+    # A compiled job traced and lowered first; a job loaded from the executable cache (an earlier run's) did not.
+    loaded = runner.warm_up_timings["executables_loaded"]
+    assert sum(lowering > 0 for *_, lowering in jobs) >= len(jobs) - loaded
+    assert [a[1] + a[2] for a in jobs] == sorted(a[1] + a[2] for a in jobs)
+    labels = collections.Counter(label.split("[")[0] for label, *_ in jobs)
+    assert labels["forward"] == len(runner.buckets) and set(labels) == {"forward", "bitmask", "sampler",
+                                                                        "prompt_logprobs", "swap"}
+    # One XLA compile (or cache load) per executable; two more are the pool's zeros (one per distinct shape/dtype).
+    assert len(requests) <= num_executables + 2
+    sequential = make_runner(model, config, num_blocks=20, num_host_blocks=4, threads=1)
+    rng = np.random.default_rng(4)
+    params = SamplingParams(temperature=0.8, seed=5, logprobs=1)
+    for num_tokens, num_seqs in runner.buckets:  # one step filling each bucket
+        lens = [1] * num_seqs
+        lens[-1] += num_tokens - num_seqs
+        seqs = [SeqInput(key=f"b{num_tokens}.{i}", token_ids=rng.integers(3, config.vocab_size, size=n).tolist(),
+                         num_computed_tokens=0, block_ids=[1 + 4 * i + j for j in range(4)], sample=True,
+                         sampling=(params, i, 0, [], [])) for i, n in enumerate(lens)]
+        got, want = runner.execute(seqs).result(), sequential.execute(seqs).result()
+        np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+    runner.swap([(1, 0), (2, 1)], [(0, 3)])
+    assert runner.num_compiles_since_warmup == 0
+
+
+def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
+    """A forward that fails to compile fails warm-up with its error, with no hang: on one thread the failing forward
+    is the first (largest) one and the smaller forwards, on which the sampler compiles wait, are still queued when
+    the pool is shut down (cancelling them runs their callbacks, which must not queue anything then)."""
+    import threading
+
+    from paged_jax import warm_up as warm_up_lib
+
+    model, config = tiny_model
+    compile_ = warm_up_lib.load_or_compile
+
+    def failing(cache, fn, args, static=None, seconds=None, lowering_turn=None):
+        if fn is runner._forward and (static["num_tokens"], static["num_seqs"]) == max(runner.buckets):
+            with lowering_turn:  # a failure inside the turn must hand it on
+                raise RuntimeError("compile failed on purpose")
+        return compile_(cache, fn, args, static, seconds, lowering_turn)
+
+    monkeypatch.setattr(warm_up_lib, "load_or_compile", failing)
+    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2])
+    assert len(runner.buckets) > 1
+    errors = []
+
+    def run():
+        try:
+            runner.warm_up(use_tqdm=False, threads=1)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and len(errors) == 1 and "on purpose" in str(errors[0])
+
+
+def test_lowering_turns_run_one_job_at_a_time_lowest_priority_first():
+    """warm_up's lowering turns: while one job holds the turn, the waiting jobs get it one at a time in priority
+    order (not in the order they started waiting), and a job that raises inside its turn hands it on."""
+    import threading
+    import time
+
+    from paged_jax.warm_up import _LoweringTurns
+
+    turns = _LoweringTurns()
+    order, inside = [], []
+    holder = turns.turn(0)
+    holder.__enter__()
+
+    def job(priority):
+        turn = turns.turn(priority)
+        try:
+            with turn:
+                inside.append(priority)
+                assert len(inside) == 1  # nobody else holds the turn
+                order.append(priority)
+                time.sleep(0.01)
+                inside.remove(priority)
+                if priority == 3:
+                    raise RuntimeError("lowering failed")
+        except RuntimeError:
+            pass
+
+    threads = [threading.Thread(target=job, args=(p,), daemon=True) for p in (5, 2, 4, 1, 3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(turns._waiting) < len(threads) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sorted(turns._waiting) == [1, 2, 3, 4, 5]
+    holder.__exit__(None, None, None)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert order == [1, 2, 3, 4, 5] and not turns._busy and not turns._waiting
+
+
+def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_model, tmp_path):
+    """paged_jax.executable_cache: a runner's fresh compiles are saved; a second runner of the same configuration
+    loads every executable (nothing traced: jit's own caches stay empty), samples what the first samples and compiles
+    nothing after warm-up; an unreadable file is compiled again; another configuration has another fingerprint."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from paged_jax.executable_cache import runner_fingerprint
+
+    model, config = tiny_model
+    previous_dir = jax.config.jax_compilation_cache_dir
+    compilation_cache.reset_cache()  # JAX's cache empty too: the first runner compiles fresh (only those are saved)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        small = dict(num_blocks=12, max_num_seqs=2, max_num_batched_tokens=8, threads=2)
+        first = make_runner(model, config, **small)
+        assert first.warm_up_timings["executables_loaded"] == 0
+        second = make_runner(model, config, **small)
+        num_executables = second.num_compiles()
+        assert second.warm_up_timings["executables_loaded"] == num_executables > 0
+        assert second._forward.jitted._cache_size() == 0 and second._sample.jitted._cache_size() == 0
+        seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 7, 9], num_computed_tokens=0, block_ids=[1 + i],
+                         sample=True, sampling=(SamplingParams(temperature=0.7, seed=i, logprobs=2), i, 0, [], []))
+                for i in range(2)]
+        got, want = second.execute(seqs).result(), first.execute(seqs).result()
+        np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+        assert second.num_compiles_since_warmup == 0
+
+        cache_dir = tmp_path / "paged_jax_executables" / runner_fingerprint(second)
+        next(cache_dir.glob("forward-*.bin")).write_bytes(b"not an executable")
+        third = make_runner(model, config, **small)
+        assert third.warm_up_timings["executables_loaded"] == num_executables - 1
+        assert third.num_compiles() == num_executables
+        other = ModelRunner(model, config, num_blocks=12, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                            max_num_seqs=2, max_num_batched_tokens=8, eos_token_ids=[2], max_logprobs=3)
+        assert runner_fingerprint(other) != runner_fingerprint(second)
+        # Another GPU plugin (versioned apart from jaxlib) is another fingerprint.
+        from importlib import metadata
+
+        from paged_jax import executable_cache
+
+        plugin = types.SimpleNamespace(metadata={"Name": "jax_cuda13_plugin"}, version="0.0.1")
+        with unittest.mock.patch.object(metadata, "distributions", lambda: [plugin]):
+            assert executable_cache._versions()["jax-cuda13-plugin"] == "0.0.1"
+            assert runner_fingerprint(second) != cache_dir.name
+    finally:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", previous_dir)
+
+
+def test_executable_cache_makes_the_mosaic_gpu_runtime_findable_first(tmp_path, monkeypatch):
+    """On a GPU, the runner's executable cache imports jax's Mosaic GPU module before warm-up loads anything (it
+    tells the custom call where its runtime library is; without it a cached executable holding a Mosaic kernel fails
+    to link and the cache misses); elsewhere it does not."""
+    from paged_jax import executable_cache
+
+    calls = []
+    monkeypatch.setattr(executable_cache, "_load_mosaic_gpu_runtime", lambda: calls.append("runtime"))
+    monkeypatch.setattr(executable_cache, "runner_fingerprint", lambda runner: "fingerprint")
+    previous_dir = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        for backend, expect in (("gpu", ["runtime"]), ("cpu", [])):
+            calls.clear()
+            monkeypatch.setattr(executable_cache.jax, "default_backend", lambda backend=backend: backend)
+            cache = executable_cache.ExecutableCache.for_runner(object())
+            assert cache is not None and cache.fingerprint == "fingerprint"
+            assert calls == expect
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous_dir)
