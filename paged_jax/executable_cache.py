@@ -346,19 +346,20 @@ def _count_persistent_cache_hits() -> None:
 
 
 def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction, args: Sequence,
-                    static: dict | None = None, seconds: dict | None = None, lowering_turn=None):
+                    static: dict | None = None, seconds: dict | None = None,
+                    lowering_turn=contextlib.nullcontext()):
     """``function``'s executable for abstract inputs ``args`` and ``static`` keywords: loaded from ``cache``, else
     lowered and compiled (and saved unless JAX loaded it from its persistent cache); put into ``function``'s table
     and returned. ``seconds`` (optional): its ``"lower"`` entry grows by the time spent tracing and lowering
     (Python, under the GIL: what concurrent compiles cannot overlap). ``lowering_turn`` (optional): a context
-    manager entered around tracing and lowering only (e.g. ``paged_jax.warm_up``'s turn of one thread at a time);
+    manager (reusable) entered around tracing and lowering only (e.g. ``paged_jax.warm_up``'s turn of one thread at a time);
     the time waiting for it is not counted in ``seconds``."""
     static = static or {}
     compiled = cache.load(function.name, args, static) if cache is not None else None
     if compiled is None:
         _count_persistent_cache_hits()
         hits_before = _hits.count
-        with lowering_turn if lowering_turn is not None else contextlib.nullcontext():
+        with lowering_turn:
             start = time.perf_counter()
             lowered = function.lower(*args, **static)
             if seconds is not None:

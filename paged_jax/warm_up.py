@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import heapq
+import itertools
 import logging
 import os
 import queue
@@ -203,7 +204,7 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     started = time.perf_counter()
     spans: list[list] = []
     turns = _LoweringTurns()
-    submitted = iter(range(1 << 62))  # each job's lowering priority: its submission order
+    submitted = itertools.count()  # each job's lowering priority: its submission order
 
     def timed(label: str, fn, *args):
         turn = turns.turn(next(submitted))

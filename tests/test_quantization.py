@@ -214,8 +214,8 @@ def test_fp8_matches_compressed_tensors_and_transformers(float_dir, tmp_path, st
 def test_smollm2_perplexity_int8_fp8(smollm2_dir, smollm2_tokenizer, tmp_path):
     """Online int8 / fp8 (bf16 compute) lose at most 1% / 2% perplexity against bf16: int8 and fp8 weight-only (what
     one GPU and tensor parallelism run) on the benchmark's whole text; fp8 as the float8 dot with per-token
-    activation scales (W8A8: off the GPU) on its first paragraph only: over the whole text it loses more (benchmarks/RESULTS.md,
-    "Perplexity per weight format"). The 4-bit formats are reported by
+    activation scales (W8A8: off the GPU) on its first paragraph only: over the whole text it loses more
+    (benchmarks/RESULTS.md, "Perplexity per weight format"). The 4-bit formats are reported by
     benchmarks/perplexity.py, not tested: a round-to-nearest int4 SmolLM2 says little about AWQ / GPTQ models."""
     from benchmarks.perplexity import MORE_TEXT, TEXT, model_for, perplexity
 
