@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     from benchmarks.floors import decode_weight_bytes
     from models.presets import kv_bytes_per_token, preset_config
     from paged_jax import sampler as sampler_lib
-    from paged_jax.top_k import vocab_top_k
+    from paged_jax.top_k import TOP_K_CANDIDATES, vocab_top_k
     from benchmarks.trace import trace_kernels
     from paged_jax.buckets import make_buckets, pick_bucket
     from paged_jax.model_runner import ModelRunner
@@ -282,7 +282,16 @@ def main(argv: list[str] | None = None) -> dict:
                     ("full", 20)):
         time_fn(f"sample[{mode},k={k}]",
                 lambda lg, t, mode=mode, k=k: sampler_lib.sample(lg, t, mode=mode, num_logprobs=k), logits, tensors)
+    # Qwen3's generation config on every row: top_k mode (top-k / top-p from the candidates) against the sort.
+    qwen3_tensors, qwen3_mode = sampler_lib.build_sampling_tensors(
+        [(SamplingParams(temperature=float(t), top_k=20, top_p=0.95), i, 0, (), ()) for i, t in enumerate(temps)],
+        rows, vocab_size=config.vocab_size)
+    qwen3_tensors = jax.device_put(qwen3_tensors)
+    for mode in (qwen3_mode.value, "full"):
+        time_fn(f"sample[{mode},k=0,top_k=20,top_p=0.95]",
+                lambda lg, t, mode=mode: sampler_lib.sample(lg, t, mode=mode), logits, qwen3_tensors)
     time_fn("vocab_top_k(k=20)", lambda lg: vocab_top_k(lg, 20), logits)  # the sampler's: rounds of <= 16
+    time_fn(f"vocab_top_k(k={TOP_K_CANDIDATES})", lambda lg: vocab_top_k(lg, TOP_K_CANDIDATES), logits)
     for k in (20, 16, 8):
         time_fn(f"lax.top_k(k={k})", lambda lg, k=k: jax.lax.top_k(lg, k), logits)
     time_fn("gumbel_noise", lambda t: sampler_lib.gumbel_noise(t.seeds, t.steps, config.vocab_size), tensors)

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "server at that many concurrent streams would see them; default: all at once")
     p.add_argument("--temperature", type=float,
                    help="override the workload's sampling temperature (0 = greedy, as benchmarks/generate.py)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="every request's top_k (0 = off; 20 with --top-p 0.95 is Qwen3's generation config)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1 = off)")
     p.add_argument("--ceilings", action="store_true",
                    help="also measure the device's copy bandwidth and matmul rate in this run (benchmarks/floors.py "
                         "measure_ceilings) and state the result against the floor at those ceilings")
@@ -108,14 +111,16 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     if args.temperature is not None:
         workload = dataclasses.replace(workload, temperature=args.temperature)
+    truncation = dict(top_k=args.top_k, top_p=args.top_p)
     params = [SamplingParams(temperature=workload.temperature, ignore_eos=workload.ignore_eos, max_tokens=r.max_tokens,
-                             seed=i) for i, r in enumerate(workload.requests)]
+                             seed=i, **truncation) for i, r in enumerate(workload.requests)]
     # Warm-up on a few fresh random prompts of the workload's lengths (never its own prompts) so lazily created host
     # state is in place; then the prefix cache is emptied so the warm-up cannot serve the timed run.
     warm_rng = random.Random(12345)
     warm_prompts = [{"prompt_token_ids": [warm_rng.randint(0, 10000) for _ in r.prompt_token_ids]}
                     for r in workload.requests[:4]]
-    llm.generate(warm_prompts, [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8)]
+    llm.generate(warm_prompts, [SamplingParams(temperature=workload.temperature, ignore_eos=True, max_tokens=8,
+                                               **truncation)]
                  * len(warm_prompts), use_tqdm=False)
     llm.reset_prefix_cache()
     stats_before = llm.llm_engine.stats()

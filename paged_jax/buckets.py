@@ -13,8 +13,8 @@ MIN_SEQ_BUCKET = 8
 SEQ_BUCKET_GROWTH = 4  # sampler row counts grow by 4x: padding rows is cheap, compiles are not
 # A token bucket below max_num_seqs whose sampler would run on more rows than this also gets a MIN_SEQ_BUCKET bucket.
 FEW_SEQS_SAMPLER_ROWS = 32
-# greedy; then with and without top-k logprobs: greedy_or_temperature, and full without extras, with the bias table,
-# with the penalty history and the bias table (ModelRunner.sampler_variants)
+# greedy; then with and without top-k logprobs: greedy_or_temperature, top_k, and full with the bias table, with the
+# penalty history and the bias table (ModelRunner.sampler_variants)
 NUM_SAMPLER_VARIANTS = 9
 MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 # Copy-on-write block copies per step (forks): the step's copy slots are min(num_seqs, this); every slot costs a

@@ -120,22 +120,22 @@ class ModelRunner(StepDispatchMixin):
         self.sampler_seq_buckets = sorted({sampler_rows_for(s, self.seq_buckets[-1]) for s in self.seq_buckets})
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
         # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
-        # the random modes also one with the top max_logprobs: a top-k over the whole vocabulary for every row is a
-        # sort-sized cost each step, so it is only paid on steps where some row asked for it. A greedy step that wants
-        # top logprobs runs the greedy_or_temperature variant (all rows greedy: the same argmax). Full mode also comes
-        # with the bias table, and with the penalty history plus the bias table, each sent only on steps that need
-        # them; a step with penalties but no bias-table row gets a neutral bias table (``_run_sampling``; one bit per
-        # vocabulary entry and row, plus the logit_bias slots): one executable fewer per row count and logprob
-        # width (sampler compiles are a large share of a cold start's CPU work). The other way round a neutral
-        # history would cost rows x max_model_len entries of device memory and two scatters that size per step, so
-        # bias-only steps keep their variant.
+        # the random modes also one with the top max_logprobs, paid only on steps where some row asked for it. A
+        # greedy step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same
+        # argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows allow
+        # it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
+        # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a
+        # neutral table (``_run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
+        # pass over rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row
+        # count and logprob width (sampler compiles are a large share of a cold start's CPU work). The other way
+        # round a neutral history would cost rows x max_model_len entries of device memory and two scatters that
+        # size per step, so the variant without penalties stays.
         greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
         self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
             SamplerVariant(mode.value, penalties, num_logprobs, bias_table)
             for num_logprobs in (0, self.max_logprobs)
             for mode in sampler_lib.SamplingMode if mode != greedy
-            for penalties, bias_table in (((False, False), (False, True), (True, True)) if mode == full
-                                          else ((False, False),))
+            for penalties, bias_table in (((False, True), (True, True)) if mode == full else ((False, False),))
         ]
         self.dtype = jnp.dtype(model.dtype)
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
@@ -166,7 +166,7 @@ class ModelRunner(StepDispatchMixin):
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
         self._prev_rows: dict[str, int] = {}
         # Empty penalty history / bias table per seq bucket (steps without such rows), and the neutral bias table of
-        # a step with penalties but no bias-table row (i32[R, bias_table_width(V)]: a few MB, inside the KV pool
+        # a full-mode step without a bias-table row (i32[R, bias_table_width(V)]: a few MB, inside the KV pool
         # sizing's headroom), created once at start-up: no step pays their transfer.
         self._no_history = {r: jax.device_put(np.zeros((r, 0), np.int32), self.device)
                             for r in self.sampler_seq_buckets}

@@ -12,6 +12,8 @@ restricted to the tokens that survive top-k / top-p / min-p.
 
 Order of operations in ``FULL`` mode (vLLM's v1 sampler): allowed_token_ids mask -> bans (bad words, min_tokens)
 -> logit_bias -> penalties -> (greedy rows: argmax) -> temperature -> min-p -> top-k -> top-p -> Gumbel-max.
+``TOP_K`` mode is the same from temperature on, without the sort (``paged_jax.top_k``), for steps whose rows need
+none of the steps before temperature and whose top-k / top-p the candidates serve.
 Returned logprobs are always those of the *raw* logits (vLLM's default ``logprobs_mode="raw_logprobs"``).
 
 Per-request logit processing, each in a fixed-width form so that nothing compiles after warm-up and requests that
@@ -19,8 +21,8 @@ do not use it pay nothing:
 * bans (``banned_token_ids``, BANNED_WIDTH ids per row in the step buffer): stop ids / EOS below ``min_tokens``, and
   ``bad_words``, whose bans the host computes per step from the row's output tail.
 * the bias table (``logit_bias`` pairs and the ``allowed_token_ids`` bitmask, ``bias_table_width(V)`` words per row),
-  a separate transfer sent only on steps where some row uses one of them, like the penalty history (a step with
-  penalties but no such row applies a device-resident ``neutral_bias_table`` instead: one compiled variant fewer).
+  a separate transfer sent only on steps where some row uses one of them, like the penalty history (a FULL step
+  without such a row applies a device-resident ``neutral_bias_table`` instead: fewer compiled variants).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams, validate_token_ids
-from paged_jax.top_k import vocab_top_k
+from paged_jax.top_k import (candidates_suffice, top_k_top_p_by_sort, top_k_top_p_from_candidates,
+                             vocab_top_k)
 
 # Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens, bad-word tokens) when some
 # row needs bans.
@@ -60,11 +63,14 @@ class SamplingMode(str, enum.Enum):
 
     GREEDY: every row is greedy (argmax of the raw logits); no random numbers are drawn.
     GREEDY_OR_TEMPERATURE: greedy rows via argmax, the others via Gumbel-max on logits / temperature.
+    TOP_K: as GREEDY_OR_TEMPERATURE after min-p, top-k and top-p, for steps where every row's top-k / top-p
+      ``candidates_suffice`` (``paged_jax.top_k``: no sort of the vocabulary).
     FULL: allowed_token_ids, bans, logit_bias, penalties, top-k, top-p, min-p, then greedy / temperature sampling.
     """
 
     GREEDY = "greedy"
     GREEDY_OR_TEMPERATURE = "greedy_or_temperature"
+    TOP_K = "top_k"
     FULL = "full"
 
 
@@ -213,7 +219,8 @@ def build_sampling_tensors(
         len(output) of every row that uses penalties.
       eos_token_ids: the model's EOS ids, banned (with each row's ``stop_token_ids``) while a row is below its
         ``min_tokens`` unless it sets ``ignore_eos``.
-      vocab_size: V, needed when a row uses ``logit_bias`` or ``allowed_token_ids`` (the bias table's mask width).
+      vocab_size: V, needed when a row uses ``logit_bias`` or ``allowed_token_ids`` (the bias table's mask width);
+        without it a top_k of V or more counts as a top-k that needs the sort (FULL) rather than as off.
     Returns:
       (tensors, mode). ``prev_token_ids`` is i32[S, penalty_len] when penalties are applied in FULL mode, else
       i32[S, 0]; ``banned_token_ids`` is i32[S, 0] unless a row needs bans (then FULL mode, i32[S, BANNED_WIDTH]);
@@ -240,7 +247,7 @@ def build_sampling_tensors(
     steps = np.zeros(pad_to, np.int32)
     prompt_len = np.zeros(pad_to, np.int32)
 
-    any_random = any_truncation = False
+    any_random = any_truncation = needs_sort = False
     penalty_rows: list[int] = []
     table_rows: list[int] = []
     banned_per_row: dict[int, list[int]] = {}
@@ -261,7 +268,9 @@ def build_sampling_tensors(
             top_k[row_index] = min(max(params.top_k, 0), _INT32_MAX)
             top_p[row_index] = params.top_p
             min_p[row_index] = params.min_p
-            any_truncation |= params.uses_truncation
+            if params.uses_truncation:
+                any_truncation = True
+                needs_sort = needs_sort or not candidates_suffice(params.top_k, params.top_p, vocab_size)
         if params.uses_penalties:
             presence[row_index] = params.presence_penalty
             frequency[row_index] = params.frequency_penalty
@@ -281,8 +290,10 @@ def build_sampling_tensors(
     if penalty_rows and need_penalties is False:
         raise ValueError(f"need_penalties=False but row {penalty_rows[0]} uses presence/frequency/repetition penalties")
 
-    if penalty_rows or any_truncation or banned_per_row or table_rows:
+    if penalty_rows or needs_sort or banned_per_row or table_rows:
         mode = SamplingMode.FULL
+    elif any_truncation:
+        mode = SamplingMode.TOP_K
     elif any_random:
         mode = SamplingMode.GREEDY_OR_TEMPERATURE
     else:
@@ -497,30 +508,6 @@ def apply_min_p(scaled_logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(scaled_logits >= threshold, scaled_logits, -jnp.inf)
 
 
-def apply_top_k_top_p(scaled_logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Top-k then top-p (nucleus) filtering with one descending sort per row. f32[S, V] -> f32[S, V].
-
-    top_k i32[S] (<= 0 = off), top_p f32[S] (>= 1 = off). Top-p keeps the smallest prefix of the descending
-    order (after top-k) whose probability mass is >= top_p; the most likely token always survives. Both are
-    turned into a per-row logit cutoff, so no scatter back from sorted order is needed; tokens tied with the
-    cutoff value are all kept.
-    """
-    vocab_size = scaled_logits.shape[1]
-    # Sorting the negation ascending gives a descending order with -inf last.
-    sorted_desc = -jnp.sort(-scaled_logits, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab_size), vocab_size)
-    rank = jnp.arange(vocab_size, dtype=jnp.int32)[None, :]
-    in_top_k = rank < k[:, None]
-    top_k_sorted = jnp.where(in_top_k, sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(top_k_sorted, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive prefix sum
-    # top_p >= 1 must keep everything: rounding can push the mass before the last tokens slightly above 1.
-    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)
-    return jnp.where(scaled_logits >= cutoff, scaled_logits, -jnp.inf)
-
-
 def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
     """Per-row Gumbel(0, 1) noise f32[S, V] from key = fold_in(key(seed), step) (``seeds`` u32[S]) or
     fold_in(seeds[i], step) (``seeds`` key[S], typed keys): independent of the batch."""
@@ -587,9 +574,10 @@ def sample(
         # Greedy rows divide by 1 (their sample is discarded) to avoid dividing by zero.
         safe_temperature = jnp.where(greedy_rows, 1.0, t.temperature)
         scaled = processed / safe_temperature[:, None]
-        if mode == SamplingMode.FULL:
+        if mode in (SamplingMode.TOP_K, SamplingMode.FULL):
             scaled = apply_min_p(scaled, t.min_p)
-            scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
+            filtered = top_k_top_p_by_sort if mode == SamplingMode.FULL else top_k_top_p_from_candidates
+            scaled = filtered(scaled, t.top_k, t.top_p)
         sampled_ids = jnp.argmax(scaled + gumbel_noise(t.seeds, t.steps, vocab_size), axis=-1)
         token_ids = jnp.where(greedy_rows, greedy_ids, sampled_ids)
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from paged_jax.parallel.multihost import local_copies
+from paged_jax.sampler import SamplingMode
 from paged_jax.step_io import PendingStep
 from paged_jax.structured_output import fill_step_bitmask
 
@@ -110,10 +111,10 @@ class StepDispatchMixin:
         num_rows = logits.shape[0]
         if grammar_bitmask is not None:
             logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
-        # Full mode's penalty variant also takes the bias table (ModelRunner.sampler_variants): without a row that
-        # uses it, a neutral one (no logit_bias entries, every token allowed).
+        # Full mode's variants all take the bias table (ModelRunner.sampler_variants): without a row that uses it,
+        # a neutral one (no logit_bias entries, every token allowed).
         bias_table = (jax.device_put(bias_table, self.device) if bias_table is not None
-                      else self._neutral_bias_tables[num_rows] if history is not None
+                      else self._neutral_bias_tables[num_rows] if mode == SamplingMode.FULL.value
                       else self._no_history[num_rows])
         history = jax.device_put(history, self.device) if history is not None else self._no_history[num_rows]
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=num_logprobs)

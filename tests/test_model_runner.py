@@ -241,15 +241,15 @@ def test_compile_plan_counts():
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
-    # forward buckets + sampler row counts {8, 32, 128, 256} x (9 sampler variants (greedy; temperature, and full
-    # without extras, with the bias table, with the penalty history and the bias table, each with and without top-k
-    # logprobs) + the grammar bitmask) + prompt logprobs per token bucket (1, 16, 32, ..)
+    # forward buckets + sampler row counts {8, 32, 128, 256} x (9 sampler variants (greedy; temperature, top-k /
+    # top-p from the candidates, and full with the bias table, with the penalty history and the bias table, each
+    # with and without top-k logprobs) + the grammar bitmask) + prompt logprobs per token bucket
     assert planned_num_compiles(2048, 256) == 12 + 4 * 10 + 9  # 12 forward buckets, the 1-token one included
     assert planned_num_compiles(8192, 256) == 14 + 4 * 10 + 11
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
-    """Greedy with top logprobs, temperature, truncation, penalties, min_tokens bans, logit_bias, allowed_token_ids
+    """Greedy with top logprobs, temperature, truncation (top-k / top-p with and without the sort), penalties, min_tokens bans, logit_bias, allowed_token_ids
     and bad words, alone and in a batch that pads to the next sampler row count: none of them may compile after
     warm-up."""
     from paged_jax.buckets import planned_num_compiles
@@ -262,6 +262,7 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 SamplingParams(temperature=0.8, presence_penalty=0.5, seed=1),
                 SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]),
                 SamplingParams(temperature=0.8, seed=1, logprobs=3), SamplingParams(temperature=0.8, top_k=5, logprobs=1),
+                SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=4),
                 SamplingParams(temperature=0.8, repetition_penalty=1.2, logprobs=0, seed=2),
                 SamplingParams(temperature=0.8, frequency_penalty=0.1, logprobs=5, seed=2),
                 SamplingParams(temperature=0.0, logit_bias={9: 50.0}),
@@ -365,7 +366,8 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
 
 def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
     """A full-mode step with penalties but no logit_bias / allowed_token_ids row runs the compiled penalties + bias
-    table variant with the runner's neutral bias table: ``execute`` hands ``_sample`` that table (``_run_sampling``),
+    table variant with the runner's neutral bias table (and a full-mode step without penalties the bias table
+    variant with it): ``execute`` hands ``_sample`` that table (``_run_sampling``),
     and on the same logits the compiled variant with it gives the tokens, logprobs and top alternatives of
     ``sampler.sample`` without any table; nothing compiles."""
     model, config = tiny_model
@@ -381,9 +383,14 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
     penalised = SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4)
     runner.execute([SeqInput(key="p", token_ids=[3, 5, 7], num_computed_tokens=0, block_ids=[1], sample=True,
                              sampling=(penalised, 4, 0, [3, 5, 7], []))]).result()
+    top_p_only = SamplingParams(temperature=0.8, top_p=0.9, seed=4)  # full mode (the sort), no penalties
+    runner.execute([SeqInput(key="q", token_ids=[3, 5, 7], num_computed_tokens=0, block_ids=[2], sample=True,
+                             sampling=(top_p_only, 4, 0, [3, 5, 7], []))]).result()
     runner._sample = compiled_sample
-    (history_shape, table), = tables
+    (history_shape, table), (top_p_history_shape, top_p_table) = tables
     assert history_shape == (num_rows, runner.max_model_len) and table is runner._neutral_bias_tables[num_rows]
+    assert top_p_history_shape == (num_rows, 0) and top_p_table is runner._neutral_bias_tables[num_rows]
+    assert runner.num_compiles_since_warmup == 0
     rows = [(SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.7, seed=4, logprobs=2), 4, 1,
              [3, 5, 7], [9, 9]), (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, 0, [4, 6], [6]), None]
     tensors, mode = sampler_lib.build_sampling_tensors(rows, num_rows, penalty_len=runner.max_model_len,

@@ -13,7 +13,6 @@ from paged_jax.sampler import (
     apply_logit_bias,
     apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
     bias_table_width,
     build_sampling_tensors,
     check_request_fits,
@@ -27,6 +26,7 @@ from paged_jax.sampler import (
     SAMPLING_WORDS_PER_ROW,
 )
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.top_k import TOP_K_CANDIDATES, top_k_top_p_by_sort
 
 VOCAB = 64
 
@@ -64,10 +64,27 @@ def test_mode_selection_and_padding():
     # Truncation on a greedy row does not matter, so it does not force FULL.
     _, mode = build_sampling_tensors([_row(SamplingParams(temperature=0.0, top_k=3, top_p=0.5))], pad_to=1)
     assert mode == SamplingMode.GREEDY
-    for params in (SamplingParams(top_k=3), SamplingParams(top_p=0.9), SamplingParams(min_p=0.1)):
-        tensors, mode = build_sampling_tensors([_row(params)], pad_to=2, penalty_len=8)
-        assert mode == SamplingMode.FULL and tensors.prev_token_ids.shape == (2, 0)
-    tensors, mode = build_sampling_tensors([_row(SamplingParams(top_k=3))], pad_to=2, need_penalties=True,
+    # Top-k / top-p that the candidates serve (paged_jax.top_k.candidates_suffice) run without the sort: TOP_K.
+    vocab = 1000
+    expected = [(SamplingParams(top_k=3), SamplingMode.TOP_K), (SamplingParams(min_p=0.1), SamplingMode.TOP_K),
+                (SamplingParams(top_k=20, top_p=0.95), SamplingMode.TOP_K),
+                (SamplingParams(top_k=TOP_K_CANDIDATES, top_p=0.5), SamplingMode.TOP_K),
+                (SamplingParams(top_k=vocab, min_p=0.2), SamplingMode.TOP_K),  # top_k >= V is off
+                (SamplingParams(top_p=0.9), SamplingMode.FULL),  # top-p alone can need any number of tokens
+                (SamplingParams(top_k=TOP_K_CANDIDATES + 1), SamplingMode.FULL),
+                (SamplingParams(top_k=vocab, top_p=0.9), SamplingMode.FULL)]
+    for params, want in expected:
+        tensors, mode = build_sampling_tensors([_row(params)], pad_to=2, penalty_len=8, vocab_size=vocab)
+        assert mode == want, params
+        assert tensors.prev_token_ids.shape == (2, 0)
+    # One row that needs the sort makes the whole step FULL.
+    _, mode = build_sampling_tensors([_row(SamplingParams(top_k=3)), _row(SamplingParams(top_p=0.9))], pad_to=2,
+                                     vocab_size=vocab)
+    assert mode == SamplingMode.FULL
+    # Without vocab_size a top_k past the candidates needs the sort, even one that would cover the vocabulary.
+    _, mode = build_sampling_tensors([_row(SamplingParams(top_k=vocab, min_p=0.2))], pad_to=2)
+    assert mode == SamplingMode.FULL
+    tensors, mode = build_sampling_tensors([_row(SamplingParams(top_p=0.9))], pad_to=2, need_penalties=True,
                                            penalty_len=8)
     assert tensors.prev_token_ids.shape == (2, 8)
 
@@ -116,7 +133,7 @@ def test_top_k_1_equals_greedy():
     logits = _random_logits(1, 8)
     rows = [_row(SamplingParams(temperature=1.5, top_k=1), seed=100 + i, step=i) for i in range(8)]
     out, mode = _sample(rows, logits)
-    assert mode == SamplingMode.FULL
+    assert mode == SamplingMode.TOP_K
     np.testing.assert_array_equal(out.token_ids, np.argmax(logits, axis=-1))
 
 
@@ -154,6 +171,25 @@ def test_seeded_sampling_independent_of_batch_and_position(params):
     # Re-running is reproducible.
     again, _ = _sample([_row(params, seed=1234, step=0)], batch_a_logits, pad_to=2)
     assert int(again.token_ids[0]) == tokens_a[0]
+
+
+def test_top_k_mode_draws_what_full_mode_draws():
+    """Rows the candidates serve (top_k 1..TOP_K_CANDIDATES with or without top_p, min_p alone, top_k past the
+    vocabulary) draw the same tokens from the same seeds in TOP_K mode (no sort) as in FULL mode (the sort), on a
+    vocabulary larger than the candidates, with top logprobs. Greedy and padding rows included."""
+    vocab = 5 * TOP_K_CANDIDATES
+    logits = _random_logits(11, 24, vocab=vocab, scale=1.5)
+    params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.2, top_k=TOP_K_CANDIDATES, top_p=0.8),
+              SamplingParams(temperature=0.9, min_p=0.05), SamplingParams(temperature=1.0, top_k=vocab + 7),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.3, min_p=0.1), SamplingParams(temperature=0.0)]
+    rows = [_row(params[i % len(params)], seed=31 * i, step=i) for i in range(22)] + [None, None]
+    out_top_k, mode = _sample(rows, logits, vocab_size=vocab, num_logprobs=3)
+    assert mode == SamplingMode.TOP_K
+    out_full, _ = _sample(rows, logits, vocab_size=vocab, num_logprobs=3, mode=SamplingMode.FULL)
+    for field in out_full._fields:
+        np.testing.assert_array_equal(getattr(out_top_k, field), getattr(out_full, field), err_msg=field)
+    assert len(set(out_full.token_ids[:22].tolist())) > 10, "the rows must not all draw their argmax"
 
 
 def test_temperature_only_modes_agree():
@@ -239,7 +275,7 @@ def test_top_k_top_p_mask_matches_numpy_reference():
     rng = np.random.default_rng(6)
     top_k = rng.choice([0, 1, 5, 50, 200, 300], size=rows).astype(np.int32)
     top_p = rng.choice([1.0, 0.9, 0.5, 0.1, 0.99], size=rows).astype(np.float32)
-    masked = np.asarray(jax.jit(apply_top_k_top_p)(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    masked = np.asarray(jax.jit(top_k_top_p_by_sort)(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
     np.testing.assert_array_equal(np.isfinite(masked), _numpy_top_k_top_p_mask(logits, top_k, top_p))
     kept = np.isfinite(masked)
     np.testing.assert_array_equal(masked[kept], logits[kept])
