@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in (qwen3_mode.value, "full"):
         time_fn(f"sample[{mode},k=0,top_k=20,top_p=0.95]",
                 lambda lg, t, mode=mode: sampler_lib.sample(lg, t, mode=mode), logits, qwen3_tensors)
-    time_fn("vocab_top_k(k=20)", lambda lg: vocab_top_k(lg, 20), logits)  # the sampler's: rounds of <= 16
+    time_fn("vocab_top_k(k=20)", lambda lg: vocab_top_k(lg, 20), logits)  # the sampler's top-20 logprobs (two stages)
     time_fn(f"vocab_top_k(k={TOP_K_CANDIDATES})", lambda lg: vocab_top_k(lg, TOP_K_CANDIDATES), logits)
     for k in (20, 16, 8):
         time_fn(f"lax.top_k(k={k})", lambda lg, k=k: jax.lax.top_k(lg, k), logits)

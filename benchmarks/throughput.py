@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         "requests_per_s": len(workload.requests) / elapsed,
         "total_tok_s": (workload.prompt_tokens + out_tokens) / elapsed,
         "output_tok_s": out_tokens / elapsed,
+        "sampling": {"temperature": workload.temperature, **truncation},
         "floor": floor, "fraction_of_floor": floor["floor_s"] / elapsed, "max_concurrency": args.max_concurrency,
         # The floor is one device's; with dp / pp / tp this many devices share the work.
         "devices_used": args.data_parallel_size * args.pipeline_parallel_size * args.tensor_parallel_size,

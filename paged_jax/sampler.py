@@ -65,7 +65,7 @@ class SamplingMode(str, enum.Enum):
     GREEDY_OR_TEMPERATURE: greedy rows via argmax, the others via Gumbel-max on logits / temperature.
     TOP_K: as GREEDY_OR_TEMPERATURE after min-p, top-k and top-p, for steps where every row's top-k / top-p
       ``candidates_suffice`` (``paged_jax.top_k``: no sort of the vocabulary).
-    FULL: allowed_token_ids, bans, logit_bias, penalties, top-k, top-p, min-p, then greedy / temperature sampling.
+    FULL: allowed_token_ids, bans, logit_bias, penalties, min-p, top-k, top-p, then greedy / temperature sampling.
     """
 
     GREEDY = "greedy"

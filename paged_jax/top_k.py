@@ -2,7 +2,7 @@
 
 ``vocab_top_k``: ``lax.top_k`` over a vocabulary row in two small stages instead of one large one. On the GPU XLA
 either sorts every row (k > 16) or runs its TopK kernel, whose time grows with k (benchmarks/RESULTS.md, "Sampler":
-on 256 rows of Qwen3's vocabulary, k = 16 took 0.63 ms and a sort 2.5-2.9 ms). Here each row is cut into blocks,
+on 256 rows of Qwen3's vocabulary, k = 16 took 0.66 ms and a sort 2.6 ms). Here each row is cut into blocks,
 the k blocks with the largest maxima are kept, and the top k of their entries is the row's: ``k x block`` entries
 per row instead of V, and a reduction over the row.
 
@@ -40,7 +40,7 @@ def vocab_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(logits, k)``: f32[S, V] -> (values f32[S, k], ids i32[S, k]), each row in descending order,
     equal values by lower id first.
 
-    Exact, ties included: an entry of the row's top k (by value, then lower id) lies in one of the k blocks with the
+    Exact for logits without NaN, ties included (+0.0 and -0.0 count as equal, as ``jnp.max`` sees them): an entry of the row's top k (by value, then lower id) lies in one of the k blocks with the
     largest maxima (by value, then lower block), since otherwise the k maxima of those blocks would all come before
     it. The kept blocks are gathered in id order, so ``lax.top_k``'s lower position first is lower id first. A row
     that does not fill its last block is padded with -inf entries, after every real one in that order."""

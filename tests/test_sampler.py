@@ -26,7 +26,7 @@ from paged_jax.sampler import (
     SAMPLING_WORDS_PER_ROW,
 )
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.top_k import TOP_K_CANDIDATES, top_k_top_p_by_sort
+from paged_jax.top_k import TOP_K_CANDIDATES, top_k_block_size, top_k_top_p_by_sort
 
 VOCAB = 64
 
@@ -130,9 +130,9 @@ def test_greedy_is_argmax_with_lowest_index_on_ties(mode):
 
 
 def test_top_k_1_equals_greedy():
-    logits = _random_logits(1, 8)
+    logits = _random_logits(1, 8, vocab=4001)  # past the candidates: top_k mode's own path
     rows = [_row(SamplingParams(temperature=1.5, top_k=1), seed=100 + i, step=i) for i in range(8)]
-    out, mode = _sample(rows, logits)
+    out, mode = _sample(rows, logits, vocab_size=4001)
     assert mode == SamplingMode.TOP_K
     np.testing.assert_array_equal(out.token_ids, np.argmax(logits, axis=-1))
 
@@ -177,7 +177,8 @@ def test_top_k_mode_draws_what_full_mode_draws():
     """Rows the candidates serve (top_k 1..TOP_K_CANDIDATES with or without top_p, min_p alone, top_k past the
     vocabulary) draw the same tokens from the same seeds in TOP_K mode (no sort) as in FULL mode (the sort), on a
     vocabulary larger than the candidates, with top logprobs. Greedy and padding rows included."""
-    vocab = 5 * TOP_K_CANDIDATES
+    vocab = 4001
+    assert top_k_block_size(vocab, TOP_K_CANDIDATES), "the candidates' two-stage top-k must run"
     logits = _random_logits(11, 24, vocab=vocab, scale=1.5)
     params = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=1.2, top_k=TOP_K_CANDIDATES, top_p=0.8),
