@@ -50,6 +50,7 @@ from paged_jax.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
 from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
 from paged_jax.sampling_params import SAMPLING_EPS
+from paged_jax.top_k import candidates_suffice
 
 
 class GenerateOutput(NamedTuple):
@@ -461,13 +462,19 @@ def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParam
         out = sample(logits, tensors, mode=mode)
         return out.token_ids, out.logprobs
 
+    vocab_size = logits.shape[1]
     if static.static_temperature is not None and static.static_temperature < SAMPLING_EPS:
         return run(SamplingMode.GREEDY)
-    if (static.static_top_k is not None and static.static_top_k <= 0
-            and static.static_top_p is not None and static.static_top_p >= 1.0):
-        return run(SamplingMode.GREEDY_OR_TEMPERATURE)
-    # FULL mode adds the top-k / top-p sort (min-p, penalties and bans are off: no effect); skipped at run time when
-    # no row truncates (traced top_k / top_p).
+    if static.static_top_k is not None and static.static_top_p is not None:
+        if static.static_top_k <= 0 and static.static_top_p >= 1.0:
+            return run(SamplingMode.GREEDY_OR_TEMPERATURE)
+        suffice = candidates_suffice(static.static_top_k, static.static_top_p, vocab_size)
+        return run(SamplingMode.TOP_K if suffice else SamplingMode.FULL)
+    # Traced top_k / top_p: the mode the engine's host side would pick, chosen at run time. TOP_K finds top-k /
+    # top-p among each row's largest logits; FULL sorts every row (min-p, penalties and bans are off there: no
+    # effect).
     needs_truncation = jnp.any((row_params.top_k > 0) | (row_params.top_p < 1.0))
-    return jax.lax.cond(needs_truncation, lambda: run(SamplingMode.FULL),
-                        lambda: run(SamplingMode.GREEDY_OR_TEMPERATURE))
+    all_suffice = jnp.all(candidates_suffice(row_params.top_k, row_params.top_p, vocab_size))
+    branch = jnp.where(needs_truncation, jnp.where(all_suffice, 1, 2), 0)
+    return jax.lax.switch(branch, [lambda: run(SamplingMode.GREEDY_OR_TEMPERATURE), lambda: run(SamplingMode.TOP_K),
+                                   lambda: run(SamplingMode.FULL)])

@@ -61,11 +61,14 @@ def vocab_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, ids.astype(jnp.int32)
 
 
-def candidates_suffice(top_k: int, top_p: float, vocab_size: int | None = None) -> bool:
-    """Whether ``top_k_top_p_from_candidates`` serves a row with these parameters exactly (host side; top_k <= 0 =
-    off, top_p >= 1 = off; a top_k of at least ``vocab_size`` keeps every token, as off)."""
-    top_k_off = top_k <= 0 or (vocab_size is not None and top_k >= vocab_size)
-    return (top_k_off and top_p >= 1.0) or 0 < top_k <= TOP_K_CANDIDATES
+def candidates_suffice(top_k, top_p, vocab_size: int | None = None):
+    """Whether ``top_k_top_p_from_candidates`` serves a row with these parameters exactly: Python numbers (the host
+    side, per row) -> bool, or arrays i32[S], f32[S] -> bool[S] (``generate``, traced). top_k <= 0 = off, top_p >= 1
+    = off; a top_k of at least ``vocab_size`` keeps every token, as off."""
+    top_k_off = top_k <= 0
+    if vocab_size is not None:
+        top_k_off = top_k_off | (top_k >= vocab_size)
+    return (top_k_off & (top_p >= 1.0)) | ((top_k > 0) & (top_k <= TOP_K_CANDIDATES))
 
 
 def _kept_prefix(sorted_desc: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
