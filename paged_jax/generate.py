@@ -24,7 +24,9 @@ Composability:
 
 Randomness: row ``b`` of a call uses ``row_key = jax.random.split(rng, B)[b]`` and draws the Gumbel noise of output
 token ``i`` from ``fold_in(row_key, i)``; a row's tokens therefore depend on (model, prompt, rng, row index) and not
-on the other rows. Sampling is the engine's sampler itself (``paged_jax.sampler.sample``, with the row keys as its
+on the other rows (but for one thing: the other rows' top_k / top_p decide whether a step finds the top-k / top-p
+cutoffs among the candidates or by the sort, which can differ by one token where top_p is within float32 rounding
+of a prefix's mass). Sampling is the engine's sampler itself (``paged_jax.sampler.sample``, with the row keys as its
 per-row keys): greedy when temperature < ``SAMPLING_EPS`` (argmax, lowest index on ties), else Gumbel-max on
 ``logits / temperature`` after top-k then top-p. Returned logprobs are those of the raw model distribution
 (``log_softmax(logits)`` at temperature 1, no truncation), like the engine's default.
@@ -470,11 +472,12 @@ def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParam
             return run(SamplingMode.GREEDY_OR_TEMPERATURE)
         suffice = candidates_suffice(static.static_top_k, static.static_top_p, vocab_size)
         return run(SamplingMode.TOP_K if suffice else SamplingMode.FULL)
-    # Traced top_k / top_p: the mode the engine's host side would pick, chosen at run time. TOP_K finds top-k /
-    # top-p among each row's largest logits; FULL sorts every row (min-p, penalties and bans are off there: no
-    # effect).
-    needs_truncation = jnp.any((row_params.top_k > 0) | (row_params.top_p < 1.0))
-    all_suffice = jnp.all(candidates_suffice(row_params.top_k, row_params.top_p, vocab_size))
+    # Traced top_k / top_p: the mode the engine's host side would pick (greedy rows ignore truncation), chosen at
+    # run time. TOP_K finds top-k / top-p among each row's largest logits; FULL sorts every row (min-p, penalties
+    # and bans are off there: no effect).
+    random_rows = row_params.temperature >= SAMPLING_EPS
+    needs_truncation = jnp.any(random_rows & ((row_params.top_k > 0) | (row_params.top_p < 1.0)))
+    all_suffice = jnp.all(~random_rows | candidates_suffice(row_params.top_k, row_params.top_p, vocab_size))
     branch = jnp.where(needs_truncation, jnp.where(all_suffice, 1, 2), 0)
     return jax.lax.switch(branch, [lambda: run(SamplingMode.GREEDY_OR_TEMPERATURE), lambda: run(SamplingMode.TOP_K),
                                    lambda: run(SamplingMode.FULL)])

@@ -40,9 +40,9 @@ def vocab_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(logits, k)``: f32[S, V] -> (values f32[S, k], ids i32[S, k]), each row in descending order,
     equal values by lower id first.
 
-    Exact for logits without NaN, ties included (+0.0 and -0.0 count as equal, as ``jnp.max`` sees them): an entry of the row's top k (by value, then lower id) lies in one of the k blocks with the
-    largest maxima (by value, then lower block), since otherwise the k maxima of those blocks would all come before
-    it. The kept blocks are gathered in id order, so ``lax.top_k``'s lower position first is lower id first. A row
+    Exact for logits without NaN, ties included (+0.0 and -0.0 count as equal, as ``jnp.max`` sees them): an entry
+    of the row's top k (by value, then lower id) lies in one of the k blocks with the largest maxima (by value, then
+    lower block), since otherwise the k maxima of those blocks would all come before it. The kept blocks are gathered in id order, so ``lax.top_k``'s lower position first is lower id first. A row
     that does not fill its last block is padded with -inf entries, after every real one in that order."""
     num_rows, vocab_size = logits.shape
     if k > vocab_size:

@@ -13,8 +13,8 @@ from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 from models.testing import tiny_config
-from paged_jax.sampler import SamplingMode
 from paged_jax.generate import GenerateOutput, generate
+from paged_jax.sampler import SamplingMode
 
 # Ragged, right-padded prompts for the tiny models (vocab 256); lengths 5, 2, 1, 7.
 TINY_PROMPTS = np.array(
@@ -186,31 +186,35 @@ def test_seeded_sampling_is_reproducible(tiny_model):
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_top_k_mode_draws_what_the_sort_draws(tiny_model, monkeypatch, traced):
-    """top_k 1..64 with any top_p runs the sampler's TOP_K mode (no sort), static or per-row traced parameters;
-    the tokens and logprobs equal those of FULL mode (forced by refusing the candidates), from the same key."""
+    """top_k 1..64 with any top_p runs the sampler's TOP_K mode (no sort), static or per-row traced parameters
+    (then chosen at run time: the branch that ran is recorded); the tokens and logprobs equal those of FULL mode
+    (forced by refusing the candidates), from the same key."""
     import paged_jax.generate as generate_module
 
-    top_k, top_p = ([20, 1, 5, 64], [0.9, 1.0, 0.5, 0.8]) if traced else (20, 0.9)
-    params = _sampling(temperature=0.8, top_k=top_k, top_p=top_p) if traced else dict(temperature=0.8, top_k=top_k,
-                                                                                      top_p=top_p)
-    modes, real_sample = [], generate_module.sample
+    if traced:  # row 2 is greedy: its top-p alone does not call for the sort (the engine ignores it too)
+        params = _sampling(temperature=[0.8, 0.8, 0.0, 0.8], top_k=[20, 1, 0, 64], top_p=[0.9, 1.0, 0.5, 0.8])
+    else:
+        params = dict(temperature=0.8, top_k=20, top_p=0.9)
+    ran, real_sample = [], generate_module.sample
 
     def recording_sample(logits, tensors, *, mode, **kwargs):
-        modes.append(SamplingMode(mode))
+        jax.debug.callback(lambda: ran.append(SamplingMode(mode)))  # fires for the branch that runs only
         return real_sample(logits, tensors, mode=mode, **kwargs)
 
-    monkeypatch.setattr(generate_module, "sample", recording_sample)
     outs = []
-    for refuse in (False, True):
-        if refuse:
-            monkeypatch.setattr(generate_module, "candidates_suffice", 
-                                lambda k, p, v: False if isinstance(k, int) else jnp.zeros_like(k, bool))
-        jax.clear_caches()  # the patches are not part of jit's cache key
-        modes.clear()
-        outs.append(generate(tiny_model, TINY_PROMPTS, TINY_LENGTHS, max_new_tokens=NUM_NEW,
-                             rng=jax.random.key(3), **params))
-        if not traced:  # traced parameters trace every branch of the run-time switch
-            assert modes == [SamplingMode.FULL if refuse else SamplingMode.TOP_K] * len(modes) and modes
+    with monkeypatch.context() as patch:
+        patch.setattr(generate_module, "sample", recording_sample)
+        for refuse in (False, True):
+            if refuse:
+                patch.setattr(generate_module, "candidates_suffice",
+                              lambda k, p, v: False if isinstance(k, int) else jnp.zeros_like(k, bool))
+            generate_module._generate_jit.clear_cache()  # the patches are not part of jit's cache key
+            ran.clear()
+            outs.append(jax.block_until_ready(generate(tiny_model, TINY_PROMPTS, TINY_LENGTHS,
+                                                       max_new_tokens=NUM_NEW, rng=jax.random.key(3), **params)))
+            jax.effects_barrier()
+            assert ran and set(ran) == {SamplingMode.FULL if refuse else SamplingMode.TOP_K}
+    generate_module._generate_jit.clear_cache()  # later tests compile the real functions again
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
     np.testing.assert_array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
     assert len(set(np.asarray(outs[0].tokens).ravel().tolist())) > 4
