@@ -352,8 +352,8 @@ def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction
     lowered and compiled (and saved unless JAX loaded it from its persistent cache); put into ``function``'s table
     and returned. ``seconds`` (optional): its ``"lower"`` entry grows by the time spent tracing and lowering
     (Python, under the GIL: what concurrent compiles cannot overlap). ``lowering_turn`` (optional): a context
-    manager (reusable) entered around tracing and lowering only (e.g. ``paged_jax.warm_up``'s turn of one thread at a time);
-    the time waiting for it is not counted in ``seconds``."""
+    manager (reusable) entered around tracing and lowering only (e.g. ``paged_jax.warm_up``'s turn of one thread at
+    a time); the time waiting for it is not counted in ``seconds``."""
     static = static or {}
     compiled = cache.load(function.name, args, static) if cache is not None else None
     if compiled is None:

@@ -42,8 +42,9 @@ def vocab_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     Exact for logits without NaN, ties included (+0.0 and -0.0 count as equal, as ``jnp.max`` sees them): an entry
     of the row's top k (by value, then lower id) lies in one of the k blocks with the largest maxima (by value, then
-    lower block), since otherwise the k maxima of those blocks would all come before it. The kept blocks are gathered in id order, so ``lax.top_k``'s lower position first is lower id first. A row
-    that does not fill its last block is padded with -inf entries, after every real one in that order."""
+    lower block), since otherwise the k maxima of those blocks would all come before it. The kept blocks are
+    gathered in id order, so ``lax.top_k``'s lower position first is lower id first. A row that does not fill its
+    last block is padded with -inf entries, after every real one in that order."""
     num_rows, vocab_size = logits.shape
     if k > vocab_size:
         raise ValueError(f"top-k: k={k} is more than the {vocab_size} entries of a row")
@@ -61,14 +62,19 @@ def vocab_top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, ids.astype(jnp.int32)
 
 
+def _filters_off(top_k, top_p, vocab_size: int | None):
+    """Neither filter changes the row: top_k <= 0 (or, given ``vocab_size``, >= it) and top_p >= 1."""
+    top_k_off = top_k <= 0
+    if vocab_size is not None:
+        top_k_off = top_k_off | (top_k >= vocab_size)
+    return top_k_off & (top_p >= 1.0)
+
+
 def candidates_suffice(top_k, top_p, vocab_size: int | None = None):
     """Whether ``top_k_top_p_from_candidates`` serves a row with these parameters exactly: Python numbers (the host
     side, per row) -> bool, or arrays i32[S], f32[S] -> bool[S] (``generate``, traced). top_k <= 0 = off, top_p >= 1
     = off; a top_k of at least ``vocab_size`` keeps every token, as off."""
-    top_k_off = top_k <= 0
-    if vocab_size is not None:
-        top_k_off = top_k_off | (top_k >= vocab_size)
-    return (top_k_off & (top_p >= 1.0)) | ((top_k > 0) & (top_k <= TOP_K_CANDIDATES))
+    return _filters_off(top_k, top_p, vocab_size) | ((top_k > 0) & (top_k <= TOP_K_CANDIDATES))
 
 
 def _kept_prefix(sorted_desc: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -117,5 +123,4 @@ def top_k_top_p_from_candidates(scaled_logits: jax.Array, top_k: jax.Array, top_
     k = jnp.where((top_k > 0) & (top_k <= TOP_K_CANDIDATES), top_k, TOP_K_CANDIDATES)
     num_kept = _kept_prefix(candidates, k, top_p)
     cutoff = jnp.take_along_axis(candidates, (num_kept - 1)[:, None], axis=-1)
-    unfiltered = ((top_k <= 0) | (top_k >= vocab_size)) & (top_p >= 1.0)
-    return _above(scaled_logits, jnp.where(unfiltered[:, None], -jnp.inf, cutoff))
+    return _above(scaled_logits, jnp.where(_filters_off(top_k, top_p, vocab_size)[:, None], -jnp.inf, cutoff))
