@@ -54,6 +54,8 @@ from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tens
 from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.top_k import candidates_suffice
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 class GenerateOutput(NamedTuple):
     """Result of ``generate``; B = batch size, N = ``max_new_tokens``.
@@ -187,6 +189,9 @@ def generate(
     static_temperature, dynamic_temperature = _split_param(temperature, "temperature", batch_size, float)
     static_top_k, dynamic_top_k = _split_param(top_k, "top_k", batch_size, int)
     static_top_p, dynamic_top_p = _split_param(top_p, "top_p", batch_size, float)
+    if static_top_k is not None:
+        # Any top_k >= the vocabulary keeps every token, as <= 0 does: clamped into int32 as the engine's rows are.
+        static_top_k = min(max(static_top_k, 0), _INT32_MAX)
     if static_temperature is not None and static_temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {static_temperature}")
     if static_top_p is not None and not 0.0 < static_top_p <= 1.0:

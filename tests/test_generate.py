@@ -142,6 +142,18 @@ def test_logprobs_are_raw_model_logprobs(tiny_model):
         np.testing.assert_allclose(np.asarray(out.logprobs[row]), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_python_top_k_beyond_int32_is_off(tiny_model):
+    """A Python top_k past int32 (as past the vocabulary) keeps every token, as top_k 0 does, instead of failing
+    to convert; a very negative one is off too."""
+    def tokens(top_k):
+        return generate(tiny_model, TINY_PROMPTS, TINY_LENGTHS, max_new_tokens=4, rng=jax.random.key(5),
+                        temperature=1.0, top_k=top_k).tokens
+
+    off = np.asarray(tokens(0))
+    np.testing.assert_array_equal(np.asarray(tokens(2 ** 40)), off)
+    np.testing.assert_array_equal(np.asarray(tokens(-(2 ** 40))), off)
+
+
 def test_eos_stops_rows_and_pads(tiny_model, tiny_greedy):
     tokens = np.asarray(tiny_greedy.tokens)
     # Choose EOS ids that the greedy continuations hit at known steps: row 0 at step 2, row 3 at step 0.
