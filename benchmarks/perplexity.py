@@ -3,10 +3,12 @@
 Formats, all from the same bf16 checkpoint and computed in bf16 (fp32 logits):
   * ``bf16``: the checkpoint itself, the reference;
   * ``int8``, ``fp8``: quantized at load (``--quantization int8|fp8``: per-channel weights). ``fp8`` runs XLA's
-    float8 dot with dynamic per-token activation scales (W8A8: ``matmul_impl="xla"``, what ``auto`` runs off the GPU);
-    ``fp8-weight-only`` the same weights against bf16 activations (``matmul_impl="xla_native"``, the dot on upcast
-    weights: the same products as what ``auto`` runs on one GPU, the GEMV at one row and that dot above it, and
-    what a tensor-parallel FP8 model runs);
+    float8 dot with dynamic per-token activation scales on the q/k/v and gate/up inputs and o_proj / down_proj
+    weight-only (``matmul_impl="xla"``: what ``auto`` runs off the GPU, and on one GPU from
+    ``FP8_DOT_MIN_ROWS`` rows); ``fp8-weight-only`` the same weights against bf16 activations
+    (``matmul_impl="xla_native"``, the dot on upcast weights: the products ``auto`` runs on one GPU below that many
+    rows, and what a tensor-parallel FP8 model runs); ``fp8-w8a8-all`` the float8 dot on every projection (what an
+    FP8 checkpoint declaring dynamic activations runs);
   * ``awq-int4-g64``, ``gptq-int4-g64``, ``gptq-int8-g64``: checkpoints written in AutoAWQ's / AutoGPTQ's on-disk
     packing (``models.quantization.testing``, group size 64: SmolLM2's hidden size 576 is not a multiple of 128) and
     loaded as a user's would be. Their weights are rounded to nearest (min / max per group), with none of the
@@ -24,6 +26,7 @@ Prints one JSON object: per format the perplexity and its change against bf16. F
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -34,8 +37,8 @@ TEXT = (
     "printers were working in more than two hundred cities across Europe, and the price of books fell so far that "
     "ordinary merchants could afford them. Scholars exchanged corrected editions, governments printed laws, and "
     "reformers spread pamphlets faster than any authority could suppress them.")
-# The rest of the text (tests/test_quantization.py checks the W8A8 float8 dot on TEXT alone: it loses more over the
-# whole text, benchmarks/RESULTS.md).
+# The rest of the text: with it the W8A8 float8 dot on every projection loses more than on TEXT alone
+# (benchmarks/RESULTS.md).
 MORE_TEXT = (
     " Paper mills multiplied along the rivers that could turn their wheels, and the trade in rags became a business "
     "of its own. Typefounders learned to cast letters that wore evenly, so that a page printed at the end of a long "
@@ -51,8 +54,8 @@ MORE_TEXT = (
     "novels in weekly parts, libraries lent books to readers who could not buy them, and the number of people who "
     "could read rose in every country that built schools.")
 
-FORMATS = ("bf16", "int8", "fp8", "fp8-weight-only", "awq-int4-g64", "gptq-int4-g64", "gptq-int8-g64",
-           "fp8-checkpoint")
+FORMATS = ("bf16", "int8", "fp8", "fp8-weight-only", "fp8-w8a8-all", "awq-int4-g64", "gptq-int4-g64",
+           "gptq-int8-g64", "fp8-checkpoint")
 
 
 def perplexity(model, token_ids) -> float:
@@ -91,12 +94,16 @@ def model_for(name: str, smollm2_dir: Path, workdir: Path):
     from models.quantization.config import resolve_quantization
     from models.quantization.load import load_quantized_model, quantize_model
 
-    if name in ("bf16", "int8", "fp8", "fp8-weight-only"):
+    if name in ("bf16", "int8", "fp8", "fp8-weight-only", "fp8-w8a8-all"):
         model, _ = load_model(smollm2_dir, dtype="bfloat16")
         if name == "bf16":
             return model
-        method, impl = {"int8": ("int8", "auto"), "fp8": ("fp8", "xla"), "fp8-weight-only": ("fp8", "xla_native")}[name]
-        return quantize_model(nnx.clone(model), resolve_quantization(method, {}), matmul_impl=impl)
+        method, impl = {"int8": ("int8", "auto"), "fp8": ("fp8", "xla"), "fp8-weight-only": ("fp8", "xla_native"),
+                        "fp8-w8a8-all": ("fp8", "xla")}[name]
+        qc = resolve_quantization(method, {})
+        if name == "fp8-w8a8-all":
+            qc = dataclasses.replace(qc, activation_projections=None)
+        return quantize_model(nnx.clone(model), qc, matmul_impl=impl)
     path = _checkpoint(smollm2_dir, workdir, name)
     hf_config = json.loads((path / "config.json").read_text())
     return load_quantized_model(path, ModelConfig.from_pretrained(path), resolve_quantization(None, hf_config),

@@ -97,6 +97,15 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
         assert fmt != "fp8" or impl in linear.FP8_IMPLS
         assert table.storage(fmt) == linear.weight_storage("auto", fmt)  # one storage per format, registered
     assert table.auto_impl("int4", 17, "gpu") == table.AUTO_IMPL[("int4", 64)]
+    # FP8 layers that quantize their activations: the weight-only entries below FP8_DOT_MIN_ROWS, the float8 dot
+    # from it; a weight-only FP8 layer never gets the float8 dot; off the GPU both ask for "xla".
+    threshold = table.FP8_DOT_MIN_ROWS
+    for rows in (1, 16, threshold - 1):
+        assert table.auto_impl(linear.FP8_W8A8, rows, "gpu") == table.auto_impl("fp8", rows, "gpu") != "xla"
+    for rows in (threshold, 2048):
+        assert table.auto_impl(linear.FP8_W8A8, rows, "gpu") == "xla"
+        assert table.auto_impl("fp8", rows, "gpu") == table.AUTO_IMPL[("fp8", 64)]
+    assert table.auto_impl(linear.FP8_W8A8, 1, "cpu") == table.auto_impl("fp8", 1, "cpu") == "xla"
     assert select_matmul_impl("int4", 1) == "xla"  # tests run on CPU
     with monkeypatch.context() as patch:
         patch.setitem(table.AUTO_IMPL, ("int4", 1), "xla_native")
@@ -116,6 +125,10 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
     layer = linear.WeightOnlyLinear(qweight, scales, zeros, bits=4, group_size=32, dtype=jnp.float32)
     weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32))
     fp8 = linear.Fp8Linear(weight, weight_scale, activation_scheme="dynamic_token", dtype=jnp.float32)
+    fp8_weight_only = linear.Fp8Linear(weight, weight_scale, activation_scheme=None, dtype=jnp.float32)
+    asked = []
+    selector = linear._MATMUL_SELECTOR[0]
+    monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: asked.append(fmt) or selector(fmt, m)])
     for rows, expect in ((2, ["int", "fp8"]), (3, [])):
         calls.clear()
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
@@ -125,6 +138,13 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
         exact = linear.fp8_weight_only_matmul_reference(x, weight, weight_scale)
         err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
         assert (err < 1e-6) == (rows == 2)  # weight-only at small M; quantized activations above
+        # A weight-only FP8 layer asks as "fp8" and stays exact up to the product whatever "xla" means above.
+        asked.clear()
+        np.testing.assert_allclose(np.asarray(fp8_weight_only(x)), np.asarray(exact), rtol=1e-6, atol=1e-6)
+        assert asked == ["fp8"]
+        asked.clear()
+        fp8(x)
+        assert asked == [linear.FP8_W8A8]
     with pytest.raises(ValueError, match="matmul_impl"):
         linear.WeightOnlyLinear(qweight, scales, zeros, bits=4, group_size=32, dtype=jnp.float32, matmul_impl="x")
     with pytest.raises(ValueError, match="matmul_impl"):

@@ -23,6 +23,10 @@ import re
 from typing import Any
 
 QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "int8")
+# Online fp8 quantizes the inputs of these projections (W8A8) and runs o_proj and down_proj weight-only: their
+# inputs (the attention output, SwiGLU's product) carry the outlier channels that cost W8A8 most of its loss
+# (SmolLM2's perplexity, benchmarks/RESULTS.md: +4.3% with every input quantized, +1.7% with these only).
+ONLINE_FP8_ACTIVATION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 # --kv-cache-dtype values (vLLM's names); fp8 = fp8_e4m3 (float8_e4m3fn).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Methods that need a quantized checkpoint; the others may also quantize an unquantized one at load.
@@ -47,6 +51,9 @@ class QuantConfig:
       weight_strategy: fp8: ``"tensor"`` or ``"channel"`` weight scales.
       activation_scheme: fp8: ``"static"`` (one scale per tensor from the checkpoint), ``"dynamic_token"``,
         ``"dynamic_tensor"`` or None (weight-only fp8: weights upcast, activations untouched).
+      activation_projections: fp8: the projections (HF names, e.g. ``"q_proj"``) whose inputs are quantized with
+        ``activation_scheme``, the others weight-only; None = every projection (a checkpoint's declared scheme).
+        Online ``fp8`` quantizes the inputs of q/k/v and gate/up only (``ONLINE_FP8_ACTIVATION_PROJECTIONS``).
       ignore: module names (or ``re:`` patterns) left unquantized; ``ignore_substrings``: AWQ/GPTQ-style
         substrings (``modules_to_not_convert``).
       kv_cache_scheme: the checkpoint declares an FP8 KV cache (its ``k_scale`` / ``v_scale`` are then read).
@@ -62,6 +69,7 @@ class QuantConfig:
     gptq_zero_offset: int = 0
     weight_strategy: str = "channel"
     activation_scheme: str | None = None
+    activation_projections: tuple[str, ...] | None = None
     ignore: tuple[str, ...] = ()
     ignore_substrings: tuple[str, ...] = ()
     kv_cache_scheme: bool = False
@@ -78,6 +86,13 @@ class QuantConfig:
                 return False
         return True
 
+    def activation_scheme_for(self, projection: str) -> str | None:
+        """The activation scheme of projection ``projection`` (HF name, e.g. ``"o_proj"``): ``activation_scheme``,
+        or None (weight-only) for a projection outside ``activation_projections``."""
+        if self.activation_projections is not None and projection not in self.activation_projections:
+            return None
+        return self.activation_scheme
+
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
@@ -86,7 +101,7 @@ def _online(method: str) -> QuantConfig:
     if method == "int8":
         return QuantConfig("int8", "weight_only", serialized=False, bits=8, group_size=-1, zero_point=False)
     return QuantConfig("fp8", "fp8", serialized=False, bits=8, weight_strategy="channel",
-                       activation_scheme="dynamic_token")
+                       activation_scheme="dynamic_token", activation_projections=ONLINE_FP8_ACTIVATION_PROJECTIONS)
 
 
 def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:

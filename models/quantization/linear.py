@@ -54,6 +54,10 @@ MATMUL_IMPLS = ("auto", "xla", "xla_native", "xla_native_grouped", "pallas", "pa
 IMPL_STORAGE = {"xla": "packed", "pallas": "packed", "pallas_blocked": "packed", "xla_native": "native",
                 "xla_native_grouped": "native"}
 FP8_IMPLS = ("auto", "xla", "xla_native", "pallas", "pallas_blocked")
+# The format an FP8 layer that quantizes its activations asks the "auto" selector about (``resolve_matmul_impl``):
+# "auto" may give it the float8 dot ("xla") where that beats the weight-only paths; a weight-only FP8 layer asks as
+# "fp8" and never gets it.
+FP8_W8A8 = "fp8_w8a8"
 
 _WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
 _FP8_MATMULS: dict[str, Callable] = {}
@@ -86,9 +90,9 @@ def register_fp8_matmul(name: str, fn: Callable, *, rms_norm: Callable | None = 
 
 
 def register_matmul_selector(fn: Callable[[str, int], str], storage: Callable[[str], str] | None = None) -> None:
-    """``fn(format "int4" | "int8" | "fp8", rows M) -> implementation name`` decides ``matmul_impl="auto"``;
-    ``storage(format) -> "packed" | "native"`` is the weight-only storage of "auto" modules (every name ``fn``
-    returns for that format must read it; None = "packed")."""
+    """``fn(format "int4" | "int8" | "fp8" | FP8_W8A8, rows M) -> implementation name`` decides
+    ``matmul_impl="auto"``; ``storage(format) -> "packed" | "native"`` is the weight-only storage of "auto" modules
+    (every name ``fn`` returns for that format must read it; None = "packed")."""
     _MATMUL_SELECTOR[:] = [fn]
     _AUTO_STORAGE[:] = [storage] if storage is not None else []
 
@@ -273,9 +277,11 @@ class Fp8Linear(nnx.Module):
     tensor cores read 8-bit operands K-major, and the GEMV reads whole K runs), ``weight_scale float32[out] | [1]``,
     ``input_scale float32[1] | None`` (static scheme), ``bias dtype[out] | None``; ``activation_scheme`` as in
     ``QuantConfig``.
-    ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" (or "auto" choosing one of them per
-    M, on the GPU) run weight-only: the activations are not quantized (exact up to the bf16 product), whatever the
-    scheme; "xla" (and "auto" off the GPU) keeps the float8 dot."""
+    ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" run weight-only: the activations are
+    not quantized (exact up to the bf16 product), whatever the scheme; "xla" keeps the float8 dot (without an
+    ``activation_scheme``: the upcast weights in XLA's dot, as "xla_native"); "auto" asks the selector per M as format ``FP8_W8A8`` when
+    activations are quantized, else "fp8" (on the GPU: weight-only kernels at small M, the float8 dot above;
+    elsewhere "xla")."""
 
     def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype,
                  matmul_impl: str = "auto"):
@@ -294,15 +300,18 @@ class Fp8Linear(nnx.Module):
         self.out_features = weight.shape[0]
         self.dtype = dtype
 
+    @property
+    def selector_format(self) -> str:
+        """The format ``resolve_matmul_impl`` is asked about: ``FP8_W8A8`` when activations are quantized."""
+        return "fp8" if self.activation_scheme is None else FP8_W8A8
+
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         w_scale = self.weight_scale[...].astype(jnp.float32)
-        impl = resolve_matmul_impl(self.matmul_impl, "fp8", x2.shape[0])
-        if impl != "xla":  # weight-only
-            y = _FP8_MATMULS[impl](x2.astype(self.dtype), self.weight[...], w_scale)
-        elif self.activation_scheme is None:
-            y = fp8_weight_only_matmul_reference(x2.astype(self.dtype), self.weight[...], w_scale)
+        impl = resolve_matmul_impl(self.matmul_impl, self.selector_format, x2.shape[0])
+        if impl != "xla" or self.activation_scheme is None:  # weight-only ("xla": the upcast in XLA's dot)
+            y = _FP8_MATMULS["xla_native" if impl == "xla" else impl](x2.astype(self.dtype), self.weight[...], w_scale)
         else:
             x_q, x_scale = quantize_activations_fp8(
                 x2, self.activation_scheme, None if self.input_scale is None else self.input_scale[...])
@@ -312,7 +321,7 @@ class Fp8Linear(nnx.Module):
         return self._finish(y, lead)
 
     def _fused(self, table: dict, rows: int) -> Callable | None:
-        return table.get(resolve_matmul_impl(self.matmul_impl, "fp8", rows))
+        return table.get(resolve_matmul_impl(self.matmul_impl, self.selector_format, rows))
 
     def _finish(self, y: jax.Array, lead: tuple) -> jax.Array:
         y = y.astype(self.dtype)

@@ -56,14 +56,16 @@ def _bias(linear: nnx.Linear):
     return None if linear.bias is None else linear.bias[...]
 
 
-def _empty_module(qc: QuantConfig, linear: nnx.Linear, dtype, matmul_impl: str) -> nnx.Module:
-    """A quantized module of ``linear``'s shape, zero-filled (built under ``nnx.eval_shape``: shapes only)."""
+def _empty_module(qc: QuantConfig, name: str, linear: nnx.Linear, dtype, matmul_impl: str) -> nnx.Module:
+    """A quantized module of projection ``name``, ``linear``'s shape, zero-filled (built under ``nnx.eval_shape``:
+    shapes only)."""
     in_features, out_features = linear.kernel.shape
     if qc.kind == "fp8":
         scale_len = out_features if qc.weight_strategy == "channel" else 1
+        scheme = qc.activation_scheme_for(name)
         return Fp8Linear(jnp.zeros((out_features, in_features), FP8_DTYPE), jnp.zeros((scale_len,), jnp.float32),
-                         jnp.zeros((1,), jnp.float32) if qc.activation_scheme == "static" else None, _bias(linear),
-                         activation_scheme=qc.activation_scheme, dtype=dtype, matmul_impl=matmul_impl)
+                         jnp.zeros((1,), jnp.float32) if scheme == "static" else None, _bias(linear),
+                         activation_scheme=scheme, dtype=dtype, matmul_impl=matmul_impl)
     group_size = in_features if qc.group_size == -1 else qc.group_size
     groups = in_features // group_size
     return WeightOnlyLinear(
@@ -76,7 +78,7 @@ def quantize_structure(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl:
                        kv_cache_scales: bool = False) -> LlamaForCausalLM:
     """In place: every quantized projection becomes a zero-filled quantized module (for ``nnx.eval_shape``); with
     ``kv_cache_scales``, every attention gets its ``kv_scale``."""
-    _swap(model, qc, lambda i, p, n, linear: _empty_module(qc, linear, model.dtype, matmul_impl))
+    _swap(model, qc, lambda i, p, n, linear: _empty_module(qc, n, linear, model.dtype, matmul_impl))
     if kv_cache_scales:
         for layer in model.model.layers:
             layer.self_attn.kv_scale = nnx.Param(jnp.ones((2,), jnp.float32))
@@ -108,9 +110,10 @@ def quantize_model(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str
 
         def make(i, parent, name, linear):
             weight, scale = quant(linear.kernel[...], strategy=qc.weight_strategy)
-            input_scale = jnp.full((1,), 0.05, jnp.float32) if qc.activation_scheme == "static" else None
-            return Fp8Linear(weight, scale, input_scale, _bias(linear), activation_scheme=qc.activation_scheme,
-                             dtype=dtype, matmul_impl=matmul_impl)
+            scheme = qc.activation_scheme_for(name)
+            input_scale = jnp.full((1,), 0.05, jnp.float32) if scheme == "static" else None
+            return Fp8Linear(weight, scale, input_scale, _bias(linear), activation_scheme=scheme, dtype=dtype,
+                             matmul_impl=matmul_impl)
     else:
         quant = jax.jit(quantize_weight_only, static_argnames=("bits", "group_size", "zero_point", "dtype"))
 
@@ -235,9 +238,10 @@ def _load_serialized(path: Path, config: ModelConfig, qc: QuantConfig, dtype, ma
             a if dt is None else np.asarray(a).astype(dt), device)
         bias = _bias(linear)
         if converted["kind"] == "fp8":
+            scheme = qc.activation_scheme_for(proj)
             return Fp8Linear(put(converted["weight"]), put(converted["weight_scale"]),
-                             put(converted["input_scale"]), bias, activation_scheme=qc.activation_scheme,
-                             dtype=dtype, matmul_impl=matmul_impl)
+                             put(converted["input_scale"]) if scheme == "static" else None, bias,
+                             activation_scheme=scheme, dtype=dtype, matmul_impl=matmul_impl)
         g_idx = converted["g_idx"]
         if _has_g_idx(qc) and g_idx is None:  # act-order checkpoint whose order is the plain one
             g_idx = np.arange(in_features, dtype=np.int32) // converted["group_size"]

@@ -3,7 +3,8 @@ the measured tables, the default configuration they yield for a shape, and the i
 runs per (format, M bucket) on the GPU (``AUTO_IMPL``).
 
 Formats: ``"int4"`` (AWQ / GPTQ 4-bit, any group), ``"int8"`` (per channel or grouped), ``"fp8"`` (float8_e4m3fn
-weights, per-channel or per-tensor scale, weight-only upcast). M buckets: the smallest of ``M_BUCKETS`` >= M.
+weights, per-channel or per-tensor scale, weight-only upcast); FP8 layers that quantize their activations ask as
+``FP8_W8A8`` (``FP8_DOT_MIN_ROWS``). M buckets: the smallest of ``M_BUCKETS`` >= M.
 
 ``TUNING`` maps ``(format, m_bucket)`` to the knobs of that bucket, and ``(format, m_bucket, k, n)`` to a
 shape-specific override; both are filled from ``python -m benchmarks.quantization --sections sweep`` on the GPU
@@ -23,7 +24,7 @@ shape-specific override; both are filled from ``python -m benchmarks.quantizatio
 
 from __future__ import annotations
 
-from models.quantization.linear import IMPL_STORAGE
+from models.quantization.linear import FP8_W8A8, IMPL_STORAGE
 
 M_BUCKETS = (1, 16, 64)
 FORMATS = ("int4", "int8", "fp8")
@@ -36,15 +37,22 @@ TARGET_PROGRAMS = 264
 # (RESULTS.md): int4 the block-sliced GEMV at M = 1 and the packed Pallas kernel at 16 (the grouped native dot was
 # faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 the block-sliced
 # GEMV's tensor-core path at M = 1 and XLA's dot on the upcast weights (its convert fuses into the GEMM's operand
-# load) above: that also beat the float8 dot (per-token activation quantization + an FP8 GEMM) at 64, 256 and 2048
-# rows. Integer formats above 16 rows: XLA (dequantize + dot; no int4 path is bandwidth-bound there). A weight-only
-# format's entries must all read one storage (``STORAGE``): its modules hold one layout whatever M a step has.
+# load) above, for weight-only layers at every M and for layers that quantize their activations up to
+# ``FP8_DOT_MIN_ROWS``. Integer formats above 16 rows: XLA (dequantize + dot; no int4 path is bandwidth-bound
+# there). A weight-only format's entries must all read one storage (``STORAGE``): its modules hold one layout
+# whatever M a step has.
 AUTO_IMPL = {
     ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
     ("fp8", 1): "pallas_blocked", ("fp8", 16): "xla_native", ("fp8", 64): "xla_native",
 }
 NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "native")
+# FP8 layers that quantize their activations (format ``FP8_W8A8``): from this many rows on the GPU "auto" runs XLA's
+# float8 dot (per-token activation quantization, then an FP8 GEMM on the [N, K] weights), below it the weight-only
+# entries of "fp8". The H200 sweep on [N, K] weights (RESULTS.md, "FP8 at larger M"): the weight-only dot on upcast
+# weights wins at 16 and 64 rows on all four Llama-3.1-8B projections, the float8 dot wins on qkv and down at 128
+# rows and on all four from 256.
+FP8_DOT_MIN_ROWS = 128
 
 # Bucket entries for int4 / fp8 at M 1 and 16 and the shape entries (Llama-3.1-8B projections) are the H200 sweep's
 # best (benchmarks/RESULTS.md, quantized matmul sweep; fp8's from when its weights were stored [K, N], not re-swept on
@@ -134,7 +142,12 @@ def storage(fmt: str) -> str:
 
 
 def auto_impl(fmt: str, m: int, backend: str) -> str:
-    """``matmul_impl="auto"``: the implementation ``m`` rows (static) in ``fmt`` run on ``backend``."""
+    """``matmul_impl="auto"``: the implementation ``m`` rows (static) in ``fmt`` (``FORMATS`` or ``FP8_W8A8``) run on
+    ``backend``."""
+    if fmt == FP8_W8A8:
+        if backend == "gpu" and m < FP8_DOT_MIN_ROWS:
+            return AUTO_IMPL[("fp8", m_bucket(m))]
+        return "xla"
     if backend == "gpu":
         return AUTO_IMPL[(fmt, m_bucket(m))]
     return "xla_native" if fmt != "fp8" and storage(fmt) == "native" else "xla"
