@@ -14,7 +14,7 @@ Formats, all from the same bf16 checkpoint and computed in bf16 (fp32 logits):
     loaded as a user's would be. Their weights are rounded to nearest (min / max per group), with none of the
     calibration real AWQ / GPTQ checkpoints get, so these are upper bounds on what those methods lose;
   * ``fp8-checkpoint``: a compressed-tensors float-quantized checkpoint (per-channel weights, dynamic per-token
-    activations), written by the compressed-tensors library, run W8A8 like ``fp8``.
+    activations), written by the compressed-tensors library, run W8A8 on every projection, like ``fp8-w8a8-all``.
 Perplexity = exp(mean negative log-likelihood of each token of ``TEXT`` given the ones before it), one causal forward
 over the whole text. Runs on the CPU in about two minutes (needs the test extras: torch, compressed-tensors).
 

@@ -254,7 +254,10 @@ def _median_per_matmul(exe, xs, ws, copies: int, repeats: int, inner: int) -> fl
 
 
 def _auto_table(results, emit, best_times, formats, batches, shapes, buckets, native_impls, m_bucket):
-    """``sweep_auto`` per (format, M) and the ``AUTO_IMPL`` / ``BLOCKED_TUNING`` bucket entries."""
+    """``sweep_auto`` per (format, M) and the ``AUTO_IMPL`` / ``BLOCKED_TUNING`` bucket entries. The fp8 entries also
+    serve weight-only layers, whose "xla" is the upcast dot, so they name weight-only paths only; the float8 dot
+    ("xla", timed with quantized activations) gets its own suggestion, ``FP8_DOT_MIN_ROWS``: the smallest swept M from
+    which it beats the best weight-only path at every swept M (None: nowhere)."""
     from paged_jax.ops.quantized_matmul_tuning import AUTO_IMPL as current_auto
 
     entries = []
@@ -276,7 +279,9 @@ def _auto_table(results, emit, best_times, formats, batches, shapes, buckets, na
         storages = ["packed"] if fmt == "fp8" else ["packed", "native"]
 
         def in_storage(impl, storage):
-            return fmt == "fp8" or (impl in native_impls) == (storage == "native")
+            if fmt == "fp8":
+                return impl != "xla"
+            return (impl in native_impls) == (storage == "native")
 
         def storage_total(storage):
             return sum(min((t for i, t in totals[m].items() if in_storage(i, storage)), default=math.inf)
@@ -291,8 +296,13 @@ def _auto_table(results, emit, best_times, formats, batches, shapes, buckets, na
             else:  # not swept: the table's current choice when it reads the chosen storage, else XLA in it
                 impl = current_auto.get((fmt, bucket), "xla")
                 if not in_storage(impl, storage):
-                    impl = "xla_native" if storage == "native" else "xla"
+                    impl = "xla_native" if storage == "native" or fmt == "fp8" else "xla"
             entries.append(f"({fmt!r}, {bucket}): {impl!r},")
+        if fmt == "fp8":
+            dot_wins = [m for m in measured if "xla" in totals[m] and totals[m]["xla"] < min(
+                (t for i, t in totals[m].items() if i != "xla"), default=math.inf)]
+            since = [m for m in measured if all(x in dot_wins for x in measured if x >= m)]
+            emit(results, {"section": "sweep_auto_table", "FP8_DOT_MIN_ROWS": min(since) if since else None})
         # BLOCKED_TUNING bucket entry: the raw grid configuration with the smallest summed time over projections.
         by_cfg: dict = {}
         for name, _, _ in shapes:

@@ -189,9 +189,12 @@ def generate(
     static_temperature, dynamic_temperature = _split_param(temperature, "temperature", batch_size, float)
     static_top_k, dynamic_top_k = _split_param(top_k, "top_k", batch_size, int)
     static_top_p, dynamic_top_p = _split_param(top_p, "top_p", batch_size, float)
+    # Any top_k >= the vocabulary keeps every token, as <= 0 does: clamped into int32 as the engine's rows are (a
+    # host int64 array would otherwise wrap when cast).
     if static_top_k is not None:
-        # Any top_k >= the vocabulary keeps every token, as <= 0 does: clamped into int32 as the engine's rows are.
         static_top_k = min(max(static_top_k, 0), _INT32_MAX)
+    elif isinstance(dynamic_top_k, np.ndarray) and dynamic_top_k.dtype.itemsize > 4:
+        dynamic_top_k = np.clip(dynamic_top_k, 0, _INT32_MAX).astype(np.int32)
     if static_temperature is not None and static_temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {static_temperature}")
     if static_top_p is not None and not 0.0 < static_top_p <= 1.0:

@@ -126,3 +126,26 @@ def test_second_start_loads_every_executable_from_the_compilation_cache(tmp_path
                   "engine_backend_s", "engine_load_s", "engine_kv_sizing_s", "engine_runner_init_s",
                   "engine_warm_up_s"):
         assert second[phase] >= 0
+
+
+def test_quantization_sweep_table_keeps_the_float8_dot_out_of_the_fp8_buckets():
+    """The sweep's ``AUTO_IMPL`` suggestions for fp8 name weight-only paths only (the entries also serve weight-only
+    FP8 layers, whose "xla" is the upcast dot); the float8 dot's own suggestion is the smallest swept M from which it
+    wins at every swept M."""
+    from benchmarks.quantization_sweep import _auto_table
+    from paged_jax.ops.quantized_matmul_tuning import M_BUCKETS, NATIVE_IMPLS, m_bucket
+
+    shapes = [("qkv", 8, 8), ("o", 8, 8)]
+    # Seconds per projection: the float8 dot wins at 1, loses at 16, wins at 64 and 256 (so it wins "from 64").
+    per_m = {1: {"xla": 1.0, "xla_native": 2.0, "pallas": 3.0}, 16: {"xla": 3.0, "xla_native": 1.0, "pallas": 2.0},
+             64: {"xla": 1.0, "xla_native": 2.0, "pallas": 3.0}, 256: {"xla": 1.0, "xla_native": 2.0}}
+    best_times = {("fp8", m, name): {impl: (t, None, None) for impl, t in times.items()}
+                  for m, times in per_m.items() for name, _, _ in shapes}
+    results = []
+    _auto_table(results, lambda res, row: res.append(row), best_times, ["fp8"], list(per_m), shapes, M_BUCKETS,
+                NATIVE_IMPLS, m_bucket)
+    rows = [r for r in results if r["section"] == "sweep_auto_table"]
+    entries = next(r["AUTO_IMPL_entries"] for r in rows if "AUTO_IMPL_entries" in r)
+    assert entries and all("'xla'" not in e for e in entries)
+    assert entries == ["('fp8', 1): 'xla_native',", "('fp8', 16): 'xla_native',", "('fp8', 64): 'xla_native',"]
+    assert next(r["FP8_DOT_MIN_ROWS"] for r in rows if "FP8_DOT_MIN_ROWS" in r) == 64

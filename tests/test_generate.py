@@ -144,7 +144,7 @@ def test_logprobs_are_raw_model_logprobs(tiny_model):
 
 def test_python_top_k_beyond_int32_is_off(tiny_model):
     """A Python top_k past int32 (as past the vocabulary) keeps every token, as top_k 0 does, instead of failing
-    to convert; a very negative one is off too."""
+    to convert; a very negative one is off too, and so is a host int64 array's entry past int32 (not wrapped)."""
     def tokens(top_k):
         return generate(tiny_model, TINY_PROMPTS, TINY_LENGTHS, max_new_tokens=4, rng=jax.random.key(5),
                         temperature=1.0, top_k=top_k).tokens
@@ -152,6 +152,8 @@ def test_python_top_k_beyond_int32_is_off(tiny_model):
     off = np.asarray(tokens(0))
     np.testing.assert_array_equal(np.asarray(tokens(2 ** 40)), off)
     np.testing.assert_array_equal(np.asarray(tokens(-(2 ** 40))), off)
+    wrapping = np.full((len(TINY_LENGTHS),), 2 ** 32 + 1, np.int64)  # int32 of it is 1: greedy
+    np.testing.assert_array_equal(np.asarray(tokens(wrapping)), np.asarray(tokens(np.zeros_like(wrapping))))
 
 
 def test_eos_stops_rows_and_pads(tiny_model, tiny_greedy):

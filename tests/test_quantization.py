@@ -279,6 +279,13 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
     def fp8_impls(model):
         return {m.matmul_impl for _, m in nnx.iter_graph(model) if type(m).__name__ == "Fp8Linear"}
 
+    def fp8_schemes(model):  # online fp8: quantized activations on the q/k/v and gate/up inputs only
+        return {(path[-1], m.activation_scheme) for path, m in nnx.iter_graph(model)
+                if type(m).__name__ == "Fp8Linear"}
+
+    online_schemes = {(p, "dynamic_token") for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")} | {
+        ("o_proj", None), ("down_proj", None)}
+
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     llm = LLM(model=str(float_dir), quantization="fp8", tensor_parallel_size=2, dtype="float32", max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
@@ -286,6 +293,7 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
     runner = engine.runner
     model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
     assert fp8_impls(model) == {"xla_native"}
+    assert fp8_schemes(model) == online_schemes
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
     single, _ = load_model(float_dir, dtype="float32")
     single = quantize_model(single, resolve_quantization("fp8", {}), matmul_impl="xla_native")
@@ -297,6 +305,7 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
     restored, *_ = _load_tensor_parallel(args, str(float_dir), ModelConfig.from_pretrained(float_dir), "float32",
                                          resolve_engine_quantization(args, str(float_dir)))
     assert fp8_impls(restored) == {"xla_native"}
+    assert fp8_schemes(restored) == online_schemes
 
 
 def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):

@@ -126,6 +126,8 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
     weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32))
     fp8 = linear.Fp8Linear(weight, weight_scale, activation_scheme="dynamic_token", dtype=jnp.float32)
     fp8_weight_only = linear.Fp8Linear(weight, weight_scale, activation_scheme=None, dtype=jnp.float32)
+    upcast = linear._FP8_MATMULS["xla_native"]
+    monkeypatch.setitem(linear._FP8_MATMULS, "xla_native", lambda *a: calls.append("upcast") or upcast(*a))
     asked = []
     selector = linear._MATMUL_SELECTOR[0]
     monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: asked.append(fmt) or selector(fmt, m)])
@@ -138,10 +140,11 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
         exact = linear.fp8_weight_only_matmul_reference(x, weight, weight_scale)
         err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
         assert (err < 1e-6) == (rows == 2)  # weight-only at small M; quantized activations above
-        # A weight-only FP8 layer asks as "fp8" and stays exact up to the product whatever "xla" means above.
+        # A weight-only FP8 layer asks as "fp8" and stays exact up to the product: its "xla" is the upcast dot.
         asked.clear()
+        calls.clear()
         np.testing.assert_allclose(np.asarray(fp8_weight_only(x)), np.asarray(exact), rtol=1e-6, atol=1e-6)
-        assert asked == ["fp8"]
+        assert asked == ["fp8"] and calls == (["fp8"] if rows == 2 else ["upcast"])
         asked.clear()
         fp8(x)
         assert asked == [linear.FP8_W8A8]

@@ -10,7 +10,8 @@ Methods (vLLM's names):
     optionally an FP8 KV cache scheme (per-layer ``k_scale`` / ``v_scale``).
   * ``fp8``: a checkpoint whose ``quant_method`` is ``fp8`` (per-tensor weight scales, ``activation_scheme`` static
     or dynamic), or, for an unquantized checkpoint, online FP8: every projection quantized at load (per-channel
-    weight scales, dynamic per-token activation scales).
+    weight scales; dynamic per-token activation scales on the q/k/v and gate/up inputs, o_proj and down_proj
+    weight-only: ``ONLINE_FP8_ACTIVATION_PROJECTIONS``).
   * ``int8``: online weight-only int8 (per-channel, symmetric), quantized at load.
 Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings, norms and the LM head stay in the
 model dtype (vLLM's defaults for these methods; a checkpoint that quantizes the LM head is refused).

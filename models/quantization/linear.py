@@ -16,10 +16,12 @@ compute dtype), swapped in for the decoder's projections by ``models.quantizatio
   parallel shards split axis 0, row-parallel ones axis 1), ``weight_scale float32[out]``
   (per channel) or ``[1]`` (per tensor), optional static ``input_scale float32[1]``; activations are quantized to
   e4m3 per token (dynamic), per tensor (dynamic or static), and multiplied by XLA's float8 dot
-  (``preferred_element_type=float32``) then rescaled; or, without activation quantization, the weights are upcast.
+  (``preferred_element_type=float32``) then rescaled; or, without activation quantization (``activation_scheme``
+  None: a weight-only checkpoint, or online fp8's o_proj / down_proj), the weights are upcast.
 
 ``matmul_impl`` of both modules (``MATMUL_IMPLS``): ``"xla"`` (int: ``weight_only_matmul_reference``, dequantize +
-dot fused by XLA as it can; fp8: the float8 dot above), ``"xla_native"`` (int: native ``int4`` / ``int8`` storage,
+dot fused by XLA as it can; fp8: the float8 dot above, or the upcast dot for a layer without activation
+quantization), ``"xla_native"`` (int: native ``int4`` / ``int8`` storage,
 dequantized in the dot's operand; fp8: the weights upcast in the dot's operand, the scale applied after),
 ``"xla_native_grouped"`` (int only: native storage, a dot per group on the raw integers, scaled after; see
 ``models.quantization.native``), ``"pallas"`` (the skinny-M Pallas kernels of ``paged_jax.ops.quantized_matmul``:
@@ -279,9 +281,9 @@ class Fp8Linear(nnx.Module):
     ``QuantConfig``.
     ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" run weight-only: the activations are
     not quantized (exact up to the bf16 product), whatever the scheme; "xla" keeps the float8 dot (without an
-    ``activation_scheme``: the upcast weights in XLA's dot, as "xla_native"); "auto" asks the selector per M as format ``FP8_W8A8`` when
-    activations are quantized, else "fp8" (on the GPU: weight-only kernels at small M, the float8 dot above;
-    elsewhere "xla")."""
+    ``activation_scheme``: the upcast weights in XLA's dot, as "xla_native"); "auto" asks the selector per M as
+    format ``FP8_W8A8`` when activations are quantized (on the GPU: weight-only kernels at small M, the float8 dot
+    from ``FP8_DOT_MIN_ROWS``; elsewhere "xla"), else as "fp8" (weight-only at every M)."""
 
     def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype,
                  matmul_impl: str = "auto"):

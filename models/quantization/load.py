@@ -269,9 +269,10 @@ def _proj_shape(config: ModelConfig, name: str) -> tuple[int, int]:
 
 def tensor_parallel_matmul_impl(qc: QuantConfig) -> str:
     """The ``matmul_impl`` of a tensor-parallel model's quantized modules: an XLA form, which the partitioner splits
-    (the Pallas kernels run on one device's arrays). FP8: the dot on the upcast weights ("xla_native", weight-only as
-    on one GPU: faster than the float8 dot at every batch size measured on the H200, and without rounding the
-    activations to e4m3); integer weights: dequantize + dot ("xla", on their packed storage)."""
+    (the Pallas kernels run on one device's arrays). FP8: the dot on the upcast weights ("xla_native", weight-only at
+    every batch size: one GPU runs it up to 127 rows and the float8 dot above, where it is faster on the H200; the
+    tensor-parallel float8 dot is not measured, and weight-only does not round the activations to e4m3); integer
+    weights: dequantize + dot ("xla", on their packed storage)."""
     return "xla_native" if qc.kind == "fp8" else "xla"
 
 
