@@ -48,6 +48,7 @@ from flax import nnx
 from jax.custom_batching import custom_vmap
 
 from models.llama import ReusableAttention
+from models.quantization import compiler_options
 from paged_jax.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
 from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
@@ -212,13 +213,20 @@ def generate(
         static_temperature=static_temperature,
         static_top_k=static_top_k, static_top_p=static_top_p,
     )
-    return _generate_jit(static, states, prompt_tokens, prompt_lengths, rng,
-                         dynamic_temperature, dynamic_top_k, dynamic_top_p)
+    return _generate_jit(model_compiler_options(graphdef, states))(
+        static, states, prompt_tokens, prompt_lengths, rng, dynamic_temperature, dynamic_top_k, dynamic_top_p)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Argument handling (host side, trace time)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def model_compiler_options(graphdef, states: tuple) -> tuple[tuple[str, Any], ...]:
+    """``models.quantization.compiler_options`` of the model ``(graphdef, states)``, as sorted (name, value) pairs
+    (hashable: the key of the jitted function compiled with them). Applied by jit at the top level only: a caller's
+    own ``jax.jit`` around ``generate`` compiles with the caller's options."""
+    return tuple(sorted(compiler_options(nnx.merge(graphdef, *states)).items()))
 
 
 def split_model(model) -> tuple[Any, tuple]:
@@ -292,9 +300,14 @@ def _check_key(rng) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _generate_jit(static: _StaticConfig, states, prompt_tokens, prompt_lengths, rng,
-                  dynamic_temperature, dynamic_top_k, dynamic_top_p) -> GenerateOutput:
+@functools.cache
+def _generate_jit(options: tuple[tuple[str, Any], ...]):
+    """``_generate_on_device`` jitted with the XLA ``options`` (``model_compiler_options``)."""
+    return jax.jit(_generate_on_device, static_argnums=0, compiler_options=dict(options) or None)
+
+
+def _generate_on_device(static: _StaticConfig, states, prompt_tokens, prompt_lengths, rng,
+                        dynamic_temperature, dynamic_top_k, dynamic_top_p) -> GenerateOutput:
     batch_size = prompt_tokens.shape[0]
     if rng is None:
         rng = jax.random.key(0)  # statically greedy: the key is never used (a trace-time constant, no transfer)

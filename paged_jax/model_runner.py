@@ -39,6 +39,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.llama import ReusableAttention
+from models.quantization import compiler_options
 from paged_jax import sampler as sampler_lib
 from paged_jax import warm_up as warm_up_lib
 from paged_jax.executable_cache import AheadOfTimeFunction
@@ -150,6 +151,8 @@ class ModelRunner(StepDispatchMixin):
                               [jax.device_put(x, self.device) for x in param_leaves])
         self._graphdef = graphdef
         self._state_treedef = state_treedef
+        # XLA options of the programs that run the model's layers (the forwards): models.quantization.
+        self.compiler_options = compiler_options(model)
 
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self._kv_block_shape = shape
@@ -229,7 +232,8 @@ class ModelRunner(StepDispatchMixin):
         # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.executable_cache),
         # keyed by its static arguments and the shapes of the arguments listed.
         self._forward = AheadOfTimeFunction(
-            "forward", jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,)))
+            "forward", jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,),
+                               compiler_options=self.compiler_options or None))
 
         max_seq_bucket = self._max_seq_bucket
 

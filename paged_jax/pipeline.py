@@ -360,7 +360,8 @@ class PipelineModelRunner(ModelRunner):
             return plan.gather_logits(logits), fields["sampling"], hidden
 
         static = ("num_tokens", "num_seqs", "stage", "num_microbatches")
-        stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,)) for _ in stages]
+        stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,),
+                             compiler_options=self.compiler_options or None) for _ in stages]
         head_fn = jax.jit(head, static_argnames=("num_tokens", "num_seqs"))
         # Looked up per step (not closed over), so a test can wrap them to record the dispatch order.
         self._stage_fns = list(stage_fns)

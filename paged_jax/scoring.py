@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import dense_causal_attention
-from paged_jax.generate import split_model
+from paged_jax.generate import model_compiler_options, split_model
 
 
 class Pretrained(NamedTuple):
@@ -79,11 +79,17 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
         raise ValueError(f"token_ids must be int32[B, T], got {token_ids.dtype}{list(token_ids.shape)}")
     if lengths.shape != token_ids.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths must be int32[B={token_ids.shape[0]}], got {lengths.dtype}{list(lengths.shape)}")
-    return _score_jit(graphdef, states, token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
+    return _score_jit(model_compiler_options(graphdef, states))(
+        graphdef, states, token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score_jit(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+@functools.cache
+def _score_jit(options: tuple[tuple[str, Any], ...]):
+    """``_score_on_device`` jitted with the XLA ``options`` (``paged_jax.generate.model_compiler_options``)."""
+    return jax.jit(_score_on_device, static_argnames=("graphdef",), compiler_options=dict(options) or None)
+
+
+def _score_on_device(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
     model = nnx.merge(graphdef, *states)
     num_tokens = token_ids.shape[1]
     positions = jnp.arange(num_tokens, dtype=jnp.int32)

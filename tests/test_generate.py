@@ -222,13 +222,13 @@ def test_top_k_mode_draws_what_the_sort_draws(tiny_model, monkeypatch, traced):
             if refuse:
                 patch.setattr(generate_module, "candidates_suffice",
                               lambda k, p, v: False if isinstance(k, int) else jnp.zeros_like(k, bool))
-            generate_module._generate_jit.clear_cache()  # the patches are not part of jit's cache key
+            generate_module._generate_jit(()).clear_cache()  # the patches are not part of jit's cache key
             ran.clear()
             outs.append(jax.block_until_ready(generate(tiny_model, TINY_PROMPTS, TINY_LENGTHS,
                                                        max_new_tokens=NUM_NEW, rng=jax.random.key(3), **params)))
             jax.effects_barrier()
             assert ran and set(ran) == {SamplingMode.FULL if refuse else SamplingMode.TOP_K}
-    generate_module._generate_jit.clear_cache()  # later tests compile the real functions again
+    generate_module._generate_jit(()).clear_cache()  # later tests compile the real functions again
     np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
     np.testing.assert_array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
     assert len(set(np.asarray(outs[0].tokens).ravel().tolist())) > 4

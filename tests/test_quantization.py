@@ -362,3 +362,45 @@ def test_tensor_parallel_matches_single_device(float_dir, tmp_path, method):
     expected = model.compute_logits(model(ids, pos, None, attention)[0])
     got = sharded.compute_logits(sharded(ids, pos, None, attention)[0])
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-4, rtol=1e-4)
+
+
+def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float_dir, monkeypatch):
+    """XLA's GEMM autotuner spends minutes sorting out Triton's and cuBLASLt's float8 dots disagreeing at its
+    default tolerance: a model with float8 dots (online fp8: W8A8 on q/k/v and gate/up, ``matmul_impl`` auto) is
+    compiled with ``compiler_options``' wider tolerance by the engine's forward, ``generate`` and ``score_tokens``;
+    a bf16 or weight-only FP8 model with none."""
+    from models.loader import load_model
+    from models.quantization.linear import FLOAT8_DOT_AUTOTUNE_RTOL, compiler_options
+    from models.quantization.load import quantize_model
+    from paged_jax.generate import generate
+    from paged_jax.model_runner import ModelRunner
+    from paged_jax.scoring import score_tokens
+
+    def fresh(**kw):
+        model, config = load_model(float_dir, dtype="float32")
+        return (model if kw.get("matmul_impl") is None else
+                quantize_model(model, resolve_quantization("fp8", {}), matmul_impl=kw["matmul_impl"])), config
+
+    w8a8, config = fresh(matmul_impl="auto")
+    wide = {"xla_gpu_autotune_gemm_rtol": FLOAT8_DOT_AUTOTUNE_RTOL}
+    assert compiler_options(w8a8) == wide
+    assert compiler_options(fresh()[0]) == {}
+    assert compiler_options(fresh(matmul_impl="xla_native")[0]) == {}
+
+    jitted, real_jit = [], jax.jit
+
+    def recording_jit(fun, *args, **kwargs):
+        jitted.append((getattr(fun, "__name__", ""), kwargs.get("compiler_options")))
+        return real_jit(fun, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    out = generate(w8a8, np.asarray([PROMPT], np.int32), np.asarray([len(PROMPT)], np.int32), max_new_tokens=2,
+                   temperature=0.0)
+    assert out.tokens.shape == (1, 2)
+    scores = score_tokens(w8a8, np.asarray([PROMPT], np.int32), np.asarray([len(PROMPT)], np.int32))
+    assert np.isfinite(np.asarray(scores)).all()
+    ModelRunner(w8a8, config, num_blocks=8, block_size=16, max_model_len=64, max_num_seqs=2,
+                max_num_batched_tokens=32, eos_token_ids=[2])
+    assert {"_generate_on_device", "_score_on_device", "forward"} <= {name for name, options in jitted
+                                                                      if options == wide}
+    assert all(options in (None, wide) for _, options in jitted)

@@ -61,6 +61,13 @@ FP8_IMPLS = ("auto", "xla", "xla_native", "pallas", "pallas_blocked")
 # "fp8" and never gets it.
 FP8_W8A8 = "fp8_w8a8"
 
+# XLA's GEMM autotuner checks each candidate kernel's output against the others at a relative tolerance
+# (``xla_gpu_autotune_gemm_rtol``, default 0.01). On its random inputs the float8 dots of its Triton and cuBLASLt
+# backends differ by more than that on outputs near zero (FP8 rounding, not broken kernels), and sorting out that
+# disagreement costs seconds per GEMM, growing with the rows: minutes for the forwards of a large engine. This
+# tolerance admits the rounding and still rejects a broken kernel.
+FLOAT8_DOT_AUTOTUNE_RTOL = 0.2
+
 _WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
 _FP8_MATMULS: dict[str, Callable] = {}
 _FP8_RMS_NORM_MATMULS: dict[str, Callable] = {}
@@ -380,6 +387,17 @@ class Fp8Linear(nnx.Module):
         return Fp8Linear(jnp.concatenate([layer.weight[...] for layer in layers], axis=0),
                          jnp.concatenate(scales), None, bias, activation_scheme=first.activation_scheme,
                          dtype=first.dtype, matmul_impl=first.matmul_impl)
+
+
+def compiler_options(model: nnx.Module) -> dict[str, float]:
+    """XLA options (``jax.jit(..., compiler_options=)``) for the programs that run ``model``: empty, unless it holds
+    a float8 dot (an ``Fp8Linear`` that quantizes its activations, with ``matmul_impl`` "xla" or "auto"), which
+    widens the GEMM autotuner's tolerance to ``FLOAT8_DOT_AUTOTUNE_RTOL``. Ignored by backends without GEMM
+    autotuning (CPU)."""
+    if any(isinstance(node, Fp8Linear) and node.activation_scheme is not None and node.matmul_impl in ("auto", "xla")
+           for _, node in nnx.iter_graph(model)):
+        return {"xla_gpu_autotune_gemm_rtol": FLOAT8_DOT_AUTOTUNE_RTOL}
+    return {}
 
 
 def quantize_activations_fp8(x: jax.Array, scheme: str, input_scale=None) -> tuple[jax.Array, jax.Array]:
