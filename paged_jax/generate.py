@@ -9,7 +9,9 @@ row has produced EOS or ``max_new_tokens``. It uses the same model code, KV layo
 Composability:
   * ``jax.jit``: ``generate`` is itself jitted (``max_new_tokens``, ``block_size``, ``eos_token_id``,
     ``pad_token_id``, ``attention_impl`` and Python-number sampling parameters are static) and can be called inside
-    a user's own ``jax.jit`` / ``nnx.jit``, with the model state as an ordinary traced pytree.
+    a user's own ``jax.jit`` / ``nnx.jit``, with the model state as an ordinary traced pytree. Called directly it
+    compiles with the model's XLA options (``models.quantization.compiler_options``: FP8 models with float8 dots);
+    inside a user's jit, those are the user's to pass.
   * Sharding: nothing is placed on a device explicitly; jit follows the shardings of the inputs, so weights sharded
     over a mesh stay sharded (no gather of the parameters). Passing the ``paged_jax.parallel.ShardingPlan`` the
     weights were placed with (``sharding_plan=``) also shards the KV pool over kv heads and runs attention under
