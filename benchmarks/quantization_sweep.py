@@ -149,6 +149,7 @@ def section_sweep(args, results, copy_gbps, emit):
     import jax.numpy as jnp
 
     from benchmarks.quantization import LLAMA8B_MATMULS, TINY_MATMULS
+    from models.quantization.linear import FLOAT8_DOT_COMPILER_OPTIONS
     from paged_jax.ops.quantized_matmul_tuning import M_BUCKETS, NATIVE_IMPLS, m_bucket
 
     shapes = TINY_MATMULS if args.tiny else LLAMA8B_MATMULS
@@ -175,8 +176,9 @@ def section_sweep(args, results, copy_gbps, emit):
         copies = len(packed)
         xs = tuple(jax.random.normal(jax.random.key(100 + i), (m, k), jnp.bfloat16) for i in range(copies))
 
-        def many(matmul):
-            return jax.jit(lambda xs, ws: tuple(matmul(x, *w) for x, w in zip(xs, ws)))
+        def many(matmul):  # FP8 programs compile as the engine compiles a model with float8 dots
+            return jax.jit(lambda xs, ws: tuple(matmul(x, *w) for x, w in zip(xs, ws)),
+                           compiler_options=FLOAT8_DOT_COMPILER_OPTIONS if fmt == "fp8" else None)
 
         lowered = []
         for impl, cfg, matmul, kind in variants:

@@ -67,6 +67,7 @@ FP8_W8A8 = "fp8_w8a8"
 # disagreement costs seconds per GEMM, growing with the rows: minutes for the forwards of a large engine. This
 # tolerance admits the rounding and still rejects a broken kernel.
 FLOAT8_DOT_AUTOTUNE_RTOL = 0.2
+FLOAT8_DOT_COMPILER_OPTIONS = {"xla_gpu_autotune_gemm_rtol": FLOAT8_DOT_AUTOTUNE_RTOL}
 
 _WEIGHT_ONLY_MATMULS: dict[str, Callable] = {}
 _FP8_MATMULS: dict[str, Callable] = {}
@@ -391,12 +392,12 @@ class Fp8Linear(nnx.Module):
 
 def compiler_options(model: nnx.Module) -> dict[str, float]:
     """XLA options (``jax.jit(..., compiler_options=)``) for the programs that run ``model``: empty, unless it holds
-    a float8 dot (an ``Fp8Linear`` that quantizes its activations, with ``matmul_impl`` "xla" or "auto"), which
-    widens the GEMM autotuner's tolerance to ``FLOAT8_DOT_AUTOTUNE_RTOL``. Ignored by backends without GEMM
-    autotuning (CPU)."""
+    a float8 dot (an ``Fp8Linear`` that quantizes its activations, with ``matmul_impl`` "xla" or "auto"):
+    ``FLOAT8_DOT_COMPILER_OPTIONS``, the GEMM autotuner's tolerance widened to ``FLOAT8_DOT_AUTOTUNE_RTOL``.
+    Ignored by backends without GEMM autotuning (CPU)."""
     if any(isinstance(node, Fp8Linear) and node.activation_scheme is not None and node.matmul_impl in ("auto", "xla")
            for _, node in nnx.iter_graph(model)):
-        return {"xla_gpu_autotune_gemm_rtol": FLOAT8_DOT_AUTOTUNE_RTOL}
+        return dict(FLOAT8_DOT_COMPILER_OPTIONS)
     return {}
 
 
