@@ -176,7 +176,7 @@ def section_sweep(args, results, copy_gbps, emit):
         copies = len(packed)
         xs = tuple(jax.random.normal(jax.random.key(100 + i), (m, k), jnp.bfloat16) for i in range(copies))
 
-        def many(matmul):  # FP8 programs compile as the engine compiles a model with float8 dots
+        def many(matmul):  # FP8 programs compile as the engine compiles a model with float8 dots (upcast dots too)
             return jax.jit(lambda xs, ws: tuple(matmul(x, *w) for x, w in zip(xs, ws)),
                            compiler_options=FLOAT8_DOT_COMPILER_OPTIONS if fmt == "fp8" else None)
 

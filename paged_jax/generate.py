@@ -11,7 +11,7 @@ Composability:
     ``pad_token_id``, ``attention_impl`` and Python-number sampling parameters are static) and can be called inside
     a user's own ``jax.jit`` / ``nnx.jit``, with the model state as an ordinary traced pytree. Called directly it
     compiles with the model's XLA options (``models.quantization.compiler_options``: FP8 models with float8 dots);
-    inside a user's jit, those are the user's to pass.
+    inside a user's jit, that jit's own options apply (pass the model's there to get them).
   * Sharding: nothing is placed on a device explicitly; jit follows the shardings of the inputs, so weights sharded
     over a mesh stay sharded (no gather of the parameters). Passing the ``paged_jax.parallel.ShardingPlan`` the
     weights were placed with (``sharding_plan=``) also shards the KV pool over kv heads and runs attention under
@@ -215,8 +215,8 @@ def generate(
         static_temperature=static_temperature,
         static_top_k=static_top_k, static_top_p=static_top_p,
     )
-    return _generate_jit(model_compiler_options(graphdef, states))(
-        static, states, prompt_tokens, prompt_lengths, rng, dynamic_temperature, dynamic_top_k, dynamic_top_p)
+    return call_with_model_compiler_options(_generate_jit, graphdef, states, static, states, prompt_tokens,
+                                            prompt_lengths, rng, dynamic_temperature, dynamic_top_k, dynamic_top_p)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,11 +224,34 @@ def generate(
 # ---------------------------------------------------------------------------------------------------------------
 
 
+_COMPILER_OPTIONS_BY_GRAPHDEF: dict[Any, tuple[tuple[str, Any], ...]] = {}
+
+
 def model_compiler_options(graphdef, states: tuple) -> tuple[tuple[str, Any], ...]:
     """``models.quantization.compiler_options`` of the model ``(graphdef, states)``, as sorted (name, value) pairs
-    (hashable: the key of the jitted function compiled with them). Applied by jit at the top level only: a caller's
-    own ``jax.jit`` around ``generate`` compiles with the caller's options."""
-    return tuple(sorted(compiler_options(nnx.merge(graphdef, *states)).items()))
+    (hashable: the key of the jitted function compiled with them). They follow from the graphdef's static
+    attributes alone, so they are kept per graphdef (the module is rebuilt once, not per call)."""
+    options = _COMPILER_OPTIONS_BY_GRAPHDEF.get(graphdef)
+    if options is None:
+        if len(_COMPILER_OPTIONS_BY_GRAPHDEF) >= 64:  # research code may build many models
+            _COMPILER_OPTIONS_BY_GRAPHDEF.clear()
+        options = tuple(sorted(compiler_options(nnx.merge(graphdef, *states)).items()))
+        _COMPILER_OPTIONS_BY_GRAPHDEF[graphdef] = options
+    return options
+
+
+def call_with_model_compiler_options(jitted_with, graphdef, states: tuple, *args):
+    """``jitted_with(options)(*args)`` with the model's compiler options, which jit accepts at the top level only:
+    called inside another trace (a caller's ``jax.jit``, ``jax.grad``), the program is part of the caller's and
+    ``jitted_with(())`` runs without them (the caller's own jit decides its options)."""
+    options = model_compiler_options(graphdef, states)
+    if options:
+        try:
+            return jitted_with(options)(*args)
+        except ValueError as exc:
+            if "compiler_options" not in str(exc):
+                raise
+    return jitted_with(())(*args)
 
 
 def split_model(model) -> tuple[Any, tuple]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import dense_causal_attention
-from paged_jax.generate import model_compiler_options, split_model
+from paged_jax.generate import call_with_model_compiler_options, split_model
 
 
 class Pretrained(NamedTuple):
@@ -79,8 +79,8 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
         raise ValueError(f"token_ids must be int32[B, T], got {token_ids.dtype}{list(token_ids.shape)}")
     if lengths.shape != token_ids.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths must be int32[B={token_ids.shape[0]}], got {lengths.dtype}{list(lengths.shape)}")
-    return _score_jit(model_compiler_options(graphdef, states))(
-        graphdef, states, token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
+    return call_with_model_compiler_options(_score_jit, graphdef, states, graphdef, states,
+                                            token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
 
 
 @functools.cache

@@ -387,6 +387,11 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     assert compiler_options(fresh()[0]) == {}
     assert compiler_options(fresh(matmul_impl="xla_native")[0]) == {}
 
+    import paged_jax.generate as generate_module
+    import paged_jax.scoring as scoring_module
+
+    generate_module._generate_jit.cache_clear()  # each factory makes its jit again, through the recording jit
+    scoring_module._score_jit.cache_clear()
     jitted, real_jit = [], jax.jit
 
     def recording_jit(fun, *args, **kwargs):
@@ -404,3 +409,15 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     assert {"_generate_on_device", "_score_on_device", "forward"} <= {name for name, options in jitted
                                                                       if options == wide}
     assert all(options in (None, wide) for _, options in jitted)
+
+    # Inside a caller's trace jit takes no compiler options: generate and score_tokens run there without them.
+    from flax import nnx
+
+    graphdef, state = nnx.split(w8a8)
+    prompts, lengths = np.asarray([PROMPT], np.int32), np.asarray([len(PROMPT)], np.int32)
+    in_user_jit = jax.jit(lambda st: generate((graphdef, st), prompts, lengths, max_new_tokens=2,
+                                              temperature=0.0).tokens)(state)
+    np.testing.assert_array_equal(np.asarray(in_user_jit), np.asarray(out.tokens))
+    grads = jax.grad(lambda st: score_tokens((graphdef, st), prompts, lengths).sum())(state)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads)
+               if jnp.issubdtype(g.dtype, jnp.floating))

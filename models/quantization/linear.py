@@ -62,10 +62,10 @@ FP8_IMPLS = ("auto", "xla", "xla_native", "pallas", "pallas_blocked")
 FP8_W8A8 = "fp8_w8a8"
 
 # XLA's GEMM autotuner checks each candidate kernel's output against the others at a relative tolerance
-# (``xla_gpu_autotune_gemm_rtol``, default 0.01). On its random inputs the float8 dots of its Triton and cuBLASLt
-# backends differ by more than that on outputs near zero (FP8 rounding, not broken kernels), and sorting out that
-# disagreement costs seconds per GEMM, growing with the rows: minutes for the forwards of a large engine. This
-# tolerance admits the rounding and still rejects a broken kernel.
+# (``xla_gpu_autotune_gemm_rtol``). At its default, the float8 dots of its Triton and cuBLASLt backends disagree on
+# its random inputs' outputs near zero (FP8 rounding, not broken kernels), and sorting out that disagreement costs
+# seconds per GEMM, growing with the rows: minutes for the forwards of a large engine. This tolerance is meant to
+# admit the rounding while a broken kernel, off by far more, still fails the check.
 FLOAT8_DOT_AUTOTUNE_RTOL = 0.2
 FLOAT8_DOT_COMPILER_OPTIONS = {"xla_gpu_autotune_gemm_rtol": FLOAT8_DOT_AUTOTUNE_RTOL}
 
@@ -393,8 +393,8 @@ class Fp8Linear(nnx.Module):
 def compiler_options(model: nnx.Module) -> dict[str, float]:
     """XLA options (``jax.jit(..., compiler_options=)``) for the programs that run ``model``: empty, unless it holds
     a float8 dot (an ``Fp8Linear`` that quantizes its activations, with ``matmul_impl`` "xla" or "auto"):
-    ``FLOAT8_DOT_COMPILER_OPTIONS``, the GEMM autotuner's tolerance widened to ``FLOAT8_DOT_AUTOTUNE_RTOL``.
-    Ignored by backends without GEMM autotuning (CPU)."""
+    ``FLOAT8_DOT_COMPILER_OPTIONS``, the GEMM autotuner's tolerance widened to ``FLOAT8_DOT_AUTOTUNE_RTOL`` (for
+    every GEMM of the program: XLA takes it per compile). Ignored by backends without GEMM autotuning (CPU)."""
     if any(isinstance(node, Fp8Linear) and node.activation_scheme is not None and node.matmul_impl in ("auto", "xla")
            for _, node in nnx.iter_graph(model)):
         return dict(FLOAT8_DOT_COMPILER_OPTIONS)
