@@ -31,8 +31,8 @@ from paged_jax.device_memory import reserve_gpu_memory_fraction
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_lora_slots
 from paged_jax.model_loader import load_engine_model
-from paged_jax.kv_pool_sizing import (determine_num_blocks, enable_compilation_cache, kv_bytes_per_block,
-                                     device_bytes, num_host_blocks_for)
+from paged_jax.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
+                                     enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
 from paged_jax.parallel.multihost import leader_channel, start_distributed
 from paged_jax.pipeline import runner_class
 from paged_jax.outputs import Logprob, RequestMetrics, RequestOutput, make_logprob_dict
@@ -112,11 +112,16 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         self.max_num_batched_tokens = max_num_batched_tokens
 
         kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
+        dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
+        if dequantization_bytes and on_accelerator:
+            logger.info("KV cache sizing leaves %.2f GiB for weights XLA dequantizes in the wider steps (weight-only "
+                        "quantized layers)", dequantization_bytes / 2**30)
         num_blocks = determine_num_blocks(
             memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-            device=device, weight_bytes=device_bytes(model, device))
+            device=device, weight_bytes=device_bytes(model, device),
+            dequantization_bytes=dequantization_bytes)
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)

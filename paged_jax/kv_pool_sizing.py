@@ -64,7 +64,8 @@ def max_addressable_blocks(config: ModelConfig, block_size: int, dtype) -> int |
 def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
                          max_num_batched_tokens: int, gpu_memory_utilization: float,
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
-                         cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None) -> int:
+                         cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None,
+                         dequantization_bytes: int = 0) -> int:
     """Number of device KV blocks (including the null block 0).
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
@@ -78,6 +79,9 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     than a weights-cache restore) and so varies from start to start: the block count is a compiled shape (the KV
     pool is a step argument), and a start with another count misses the persistent compilation cache for every
     step executable.
+
+    ``dequantization_bytes`` (``dequantized_weight_bytes``) joins the headroom: weight-only quantized layers whose
+    matmul dequantizes in XLA need that scratch beside the activations.
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
@@ -118,7 +122,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     # sampler's widest variant (penalties, top-k/top-p sorts with their indices, logprobs) holds about eight
     # [rows, vocab] f32 buffers at its peak (an H200 warm-up with 256 rows ran out of memory at six).
     logits = 8 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
-    headroom = activations + logits + (512 << 20)
+    headroom = activations + logits + int(dequantization_bytes) + (512 << 20)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     budget = usable - (stats["bytes_in_use"] if weight_bytes is None else weight_bytes) - headroom
     num_blocks = int(budget // per_block)
@@ -148,6 +152,25 @@ def device_bytes(tree, device: jax.Device) -> int:
         tree = nnx.state(tree)
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)
                for shard in leaf.addressable_shards if shard.device == device)
+
+
+def dequantized_weight_bytes(model, rows: int, device: jax.Device) -> int:
+    """Bytes of ``model``'s weight-only quantized projections (their shards on ``device``) in the compute dtype, over
+    the layers whose matmul of ``rows`` rows dequantizes in XLA (``XLA_DEQUANTIZING_IMPLS``): a bound on the
+    forward's scratch for dequantized weights, which XLA may hold for several layers at once. 0 without such layers."""
+    from flax import nnx
+
+    from models.quantization.linear import XLA_DEQUANTIZING_IMPLS, WeightOnlyLinear, resolve_matmul_impl
+
+    total = 0
+    for _, layer in nnx.iter_graph(model):
+        if not isinstance(layer, WeightOnlyLinear) or resolve_matmul_impl(
+                layer.matmul_impl, f"int{layer.bits}", rows) not in XLA_DEQUANTIZING_IMPLS:
+            continue
+        per_element = jnp.dtype(layer.dtype).itemsize * (32 // layer.bits if layer.storage == "packed" else 1)
+        total += sum(shard.data.size * per_element for shard in layer.qweight[...].addressable_shards
+                     if shard.device == device)
+    return total
 
 
 def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:

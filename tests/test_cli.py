@@ -314,7 +314,7 @@ GIB = 1 << 30
 TOTAL = 80 * GIB
 
 
-def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_bytes=None):
+def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_bytes=None, dequantization_bytes=0):
     from models.config import ModelConfig
     from models.testing import tiny_config
     from paged_jax.kv_pool_sizing import determine_num_blocks, kv_bytes_per_block
@@ -324,7 +324,8 @@ def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_b
                                                     max_position_embeddings=131072))
     blocks = determine_num_blocks(config, block_size=16, dtype="bfloat16", max_model_len=max_model_len,
                                   max_num_seqs=8, max_num_batched_tokens=64, gpu_memory_utilization=utilization,
-                                  num_blocks_override=override, device=device, weight_bytes=weight_bytes)
+                                  num_blocks_override=override, device=device, weight_bytes=weight_bytes,
+                                  dequantization_bytes=dequantization_bytes)
     return blocks, kv_bytes_per_block(config, 16, "bfloat16")
 
 
@@ -365,6 +366,42 @@ def test_pool_size_counts_the_weights_not_loading_leftovers():
     tree = {"a": jnp.zeros((4, 8), jnp.bfloat16, device=device), "b": [jnp.ones(3, jnp.float32, device=device)],
             "c": None}
     assert device_bytes(tree, device) == 4 * 8 * 2 + 3 * 4
+
+
+def test_pool_leaves_room_for_weights_xla_dequantizes():
+    """A weight-only quantized model whose matmuls dequantize in XLA (an H200 start of Llama-3.1-8B with int8 weights
+    ran out of memory in its first forward: XLA held several layers' dequantized weights) gets its dequantized
+    weights' bytes as headroom; the Pallas kernels (packed tiles dequantized in registers) need none."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.quantization.linear import WeightOnlyLinear, quantize_weight_only
+    from paged_jax.kv_pool_sizing import dequantized_weight_bytes
+
+    weights = 8 * GIB
+    plain, per_block = _num_blocks(FakeGpu(int(0.9 * TOTAL), weights), 0.9, weight_bytes=weights)
+    scratch = 13 * GIB
+    with_scratch, _ = _num_blocks(FakeGpu(int(0.9 * TOTAL), weights), 0.9, weight_bytes=weights,
+                                  dequantization_bytes=scratch)
+    assert plain - with_scratch in (scratch // per_block, scratch // per_block + 1)
+
+    class TwoProjections(nnx.Module):
+        def __init__(self, matmul_impl):
+            def linear(k, n, bits):
+                w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32)
+                q, sc, z = quantize_weight_only(w, bits=bits, group_size=32, zero_point=True, dtype=jnp.bfloat16)
+                return WeightOnlyLinear(q, sc, z, bits=bits, group_size=32, dtype=jnp.bfloat16,
+                                        matmul_impl=matmul_impl)
+            self.up = linear(64, 96, 4)
+            self.down = linear(96, 64, 8)
+
+    device = jax.devices()[0]
+    bf16_bytes = (64 * 96 + 96 * 64) * 2
+    for impl in ("xla", "xla_native", "xla_native_grouped"):
+        assert dequantized_weight_bytes(TwoProjections(impl), 64, device) == bf16_bytes, impl
+    assert dequantized_weight_bytes(TwoProjections("pallas"), 64, device) == 0
+    assert dequantized_weight_bytes(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), 64, device) == 0
 
 
 @pytest.fixture

@@ -55,6 +55,10 @@ MATMUL_IMPLS = ("auto", "xla", "xla_native", "xla_native_grouped", "pallas", "pa
 # The weight-only storage each implementation reads ("packed": int32 words; "native": int4 / int8 [in, out]).
 IMPL_STORAGE = {"xla": "packed", "pallas": "packed", "pallas_blocked": "packed", "xla_native": "native",
                 "xla_native_grouped": "native"}
+# The weight-only implementations whose dot multiplies by weights XLA dequantizes into a buffer (the Pallas kernels
+# dequantize tiles in registers). XLA schedules such a dequantization once its parameters are ready, ahead of its dot,
+# so a forward may hold several layers' dequantized weights at once.
+XLA_DEQUANTIZING_IMPLS = ("xla", "xla_native", "xla_native_grouped")
 FP8_IMPLS = ("auto", "xla", "xla_native", "pallas", "pallas_blocked")
 # The format an FP8 layer that quantizes its activations asks the "auto" selector about (``resolve_matmul_impl``):
 # "auto" may give it the float8 dot ("xla") where that beats the weight-only paths; a weight-only FP8 layer asks as
