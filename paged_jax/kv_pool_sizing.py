@@ -132,7 +132,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
             f"To serve at least one request with max_model_len={max_model_len}, "
             f"{blocks_per_seq * per_block / 2**30:.2f} GiB of KV cache is needed, more than the "
             f"{max(budget, 0) / 2**30:.2f} GiB available at gpu_memory_utilization={gpu_memory_utilization} "
-            f"(weights and activations take the rest): the KV pool can hold {capacity} tokens. Lower "
+            f"(weights, activations and weights dequantized for the wider steps take the rest): the KV pool can hold "
+            f"{capacity} tokens. Lower "
             f"max_model_len (--max-model-len {capacity} or less), raise --gpu-memory-utilization, or set "
             f"--num-gpu-blocks-override")
     limit = max_addressable_blocks(config, block_size, dtype)
@@ -168,8 +169,10 @@ def dequantized_weight_bytes(model, rows: int, device: jax.Device) -> int:
                 layer.matmul_impl, f"int{layer.bits}", rows) not in XLA_DEQUANTIZING_IMPLS:
             continue
         per_element = jnp.dtype(layer.dtype).itemsize * (32 // layer.bits if layer.storage == "packed" else 1)
-        total += sum(shard.data.size * per_element for shard in layer.qweight[...].addressable_shards
-                     if shard.device == device)
+        qweight = layer.qweight[...]
+        if isinstance(qweight, jax.Array):
+            total += sum(shard.data.size * per_element for shard in qweight.addressable_shards
+                         if shard.device == device)
     return total
 
 

@@ -368,7 +368,7 @@ def test_pool_size_counts_the_weights_not_loading_leftovers():
     assert device_bytes(tree, device) == 4 * 8 * 2 + 3 * 4
 
 
-def test_pool_leaves_room_for_weights_xla_dequantizes():
+def test_pool_leaves_room_for_weights_xla_dequantizes(monkeypatch):
     """A weight-only quantized model whose matmuls dequantize in XLA (an H200 start of Llama-3.1-8B with int8 weights
     ran out of memory in its first forward: XLA held several layers' dequantized weights) gets its dequantized
     weights' bytes as headroom; the Pallas kernels (packed tiles dequantized in registers) need none."""
@@ -402,6 +402,13 @@ def test_pool_leaves_room_for_weights_xla_dequantizes():
         assert dequantized_weight_bytes(TwoProjections(impl), 64, device) == bf16_bytes, impl
     assert dequantized_weight_bytes(TwoProjections("pallas"), 64, device) == 0
     assert dequantized_weight_bytes(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), 64, device) == 0
+    # "auto" asks the selector at the widest step's rows (a GPU's: the Pallas kernels up to 16 rows, XLA above).
+    from models.quantization import linear
+
+    gpu_like = TwoProjections("auto")
+    monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: "pallas" if m <= 16 else "xla"])
+    assert dequantized_weight_bytes(gpu_like, 16, device) == 0
+    assert dequantized_weight_bytes(gpu_like, 8192, device) == bf16_bytes
 
 
 @pytest.fixture

@@ -421,3 +421,28 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     grads = jax.grad(lambda st: score_tokens((graphdef, st), prompts, lengths).sum())(state)
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads)
                if jnp.issubdtype(g.dtype, jnp.floating))
+
+
+def test_engine_leaves_room_for_the_weights_xla_dequantizes(float_dir, tmp_path, monkeypatch):
+    """The engine sizes its KV pool with the bytes of the int8 weights XLA dequantizes in its widest step (on CPU
+    every int8 matmul is XLA's dequantize + dot): each projection's in x out in the compute dtype."""
+    import paged_jax.engine as engine_module
+    from models.quantization.linear import WeightOnlyLinear
+    from paged_jax.llm import LLM
+
+    sizing, real_sizing = {}, engine_module.determine_num_blocks
+
+    def recording_sizing(*args, **kwargs):
+        sizing.update(kwargs)
+        return real_sizing(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "determine_num_blocks", recording_sizing)
+    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
+    llm = LLM(model=str(float_dir), quantization="int8", dtype="float32", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
+    runner = llm.llm_engine.runner
+    from flax import nnx
+
+    model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, WeightOnlyLinear)]
+    assert layers and sizing["dequantization_bytes"] == sum(m.in_features * m.out_features * 4 for m in layers)

@@ -135,6 +135,27 @@ def _follow_here(engine_args, log_level: int) -> int:
     return 0
 
 
+def node_zero_value(name: str, value: int, *, wait_s: float = 900.0) -> int:
+    """``value`` as node 0 computed it, on every process of a multi-process job (node 0 publishes it under
+    ``paged_jax/agree/<name>`` in the coordinator's key-value store, the others wait up to ``wait_s`` for it);
+    ``value`` itself in a single-process run. For start-up quantities that are compiled shapes and must agree
+    although each host computes them from its own devices (the KV pool's block count)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return int(value)
+    from jax._src.distributed import global_state  # jax.distributed's client (no public accessor)
+
+    key = f"paged_jax/agree/{name}"
+    if jax.process_index() == 0:
+        global_state.client.key_value_set(key, str(int(value)))
+        return int(value)
+    agreed = int(global_state.client.blocking_key_value_get(key, int(wait_s * 1000)))
+    if agreed != int(value):
+        logger.warning("%s: node %d computed %d, node 0 %d; using node 0's", name, jax.process_index(), value, agreed)
+    return agreed
+
+
 def is_leader() -> bool:
     """Whether this process schedules (node 0, or the only process)."""
     import jax
