@@ -33,7 +33,7 @@ from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_l
 from paged_jax.model_loader import load_engine_model
 from paged_jax.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
                                      enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
-from paged_jax.parallel.multihost import leader_channel, node_zero_value, start_distributed
+from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
 from paged_jax.pipeline import runner_class
 from paged_jax.outputs import Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.sequence_group import RequestState, SequenceState, child_seed
@@ -122,7 +122,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
             device=device, weight_bytes=device_bytes(model, device),
             dequantization_bytes=dequantization_bytes)
-        num_blocks = node_zero_value("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
+        num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
         num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
                                                swap_space_gib=args.swap_space)
                            if args.preemption_mode == "swap" else 0)

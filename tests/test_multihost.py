@@ -234,3 +234,32 @@ def test_a_follower_aborted_by_jax_reports_node_0_gone(caplog):
     with caplog.at_level("ERROR"):
         assert run_supervised(os.abort, (), f"127.0.0.1:{closed_port}", 1) == 1
     assert f"node 0 is gone: the coordinator at 127.0.0.1:{closed_port} does not answer" in caplog.text
+
+
+_AGREE_SCRIPT = """
+import sys
+import jax
+rank, port = int(sys.argv[1]), sys.argv[2]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+from paged_jax.parallel.multihost import agree_on_smallest
+if rank == 1:
+    import time
+    time.sleep(2)  # node 0 waits for the late node's value
+print(agree_on_smallest("num_gpu_blocks", 100 + 10 * rank), agree_on_smallest("num_gpu_blocks", 50 - rank),
+      flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_nodes_agree_on_the_smallest_block_count():
+    """Each node sizes its KV pool from its own devices; the block count is a compiled shape, so every node takes
+    the smallest (which fits them all), once per call, whichever node computes first."""
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    nodes = [subprocess.Popen([sys.executable, "-c", _AGREE_SCRIPT, str(rank), str(port)], env=env,
+                              cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [out.split() for out, _ in outputs] == [["100", "49"], ["100", "49"]]
+    assert "using the smallest" in outputs[1][1] and "using the smallest" in outputs[0][1]

@@ -135,25 +135,39 @@ def _follow_here(engine_args, log_level: int) -> int:
     return 0
 
 
-def node_zero_value(name: str, value: int, *, wait_s: float = 900.0) -> int:
-    """``value`` as node 0 computed it, on every process of a multi-process job (node 0 publishes it under
-    ``paged_jax/agree/<name>`` in the coordinator's key-value store, the others wait up to ``wait_s`` for it);
-    ``value`` itself in a single-process run. For start-up quantities that are compiled shapes and must agree
-    although each host computes them from its own devices (the KV pool's block count)."""
+_agreements = 0  # calls of agree_on_smallest in this process: every process makes them in the same order
+
+
+def agree_on_smallest(name: str, value: int, *, poll_s: float = 5.0) -> int:
+    """The smallest of every process's ``value`` in a multi-process job (each publishes its own under
+    ``paged_jax/agree/<n>/<name>/<rank>`` in the coordinator's key-value store, ``n`` counting this process's calls,
+    and reads the others', waiting in slices of ``poll_s`` for as long as the job is alive: a dead node is
+    ``rank_watch``'s business); ``value`` itself in a single-process run. For start-up quantities that are compiled
+    shapes and must agree although each host computes them from its own devices (the KV pool's block count: the
+    smallest fits every node)."""
     import jax
 
+    global _agreements
     if jax.process_count() == 1:
         return int(value)
     from jax._src.distributed import global_state  # jax.distributed's client (no public accessor)
 
-    key = f"paged_jax/agree/{name}"
-    if jax.process_index() == 0:
-        global_state.client.key_value_set(key, str(int(value)))
-        return int(value)
-    agreed = int(global_state.client.blocking_key_value_get(key, int(wait_s * 1000)))
-    if agreed != int(value):
-        logger.warning("%s: node %d computed %d, node 0 %d; using node 0's", name, jax.process_index(), value, agreed)
-    return agreed
+    prefix = f"paged_jax/agree/{_agreements}/{name}/"
+    _agreements += 1
+    client = global_state.client
+    client.key_value_set(f"{prefix}{jax.process_index()}", str(int(value)))
+    values = []
+    for rank in range(jax.process_count()):
+        while True:
+            try:
+                values.append(int(client.blocking_key_value_get(f"{prefix}{rank}", int(poll_s * 1000))))
+                break
+            except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
+                if "DEADLINE_EXCEEDED" not in str(exc):
+                    raise RuntimeError(f"lost the coordinator while agreeing on {name}: {exc}") from exc
+    if min(values) != int(value):
+        logger.warning("%s: this node computed %d, the nodes %s; using the smallest", name, value, values)
+    return min(values)
 
 
 def is_leader() -> bool:
