@@ -155,16 +155,9 @@ def agree_on_smallest(name: str, value: int, *, poll_s: float = 5.0) -> int:
     prefix = f"paged_jax/agree/{_agreements}/{name}/"
     _agreements += 1
     client = global_state.client
-    client.key_value_set(f"{prefix}{jax.process_index()}", str(int(value)))
-    values = []
-    for rank in range(jax.process_count()):
-        while True:
-            try:
-                values.append(int(client.blocking_key_value_get(f"{prefix}{rank}", int(poll_s * 1000))))
-                break
-            except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
-                if "DEADLINE_EXCEEDED" not in str(exc):
-                    raise RuntimeError(f"lost the coordinator while agreeing on {name}: {exc}") from exc
+    client.key_value_set_bytes(f"{prefix}{jax.process_index()}", str(int(value)).encode())
+    values = [int(_wait_for_key(client, f"{prefix}{rank}", int(poll_s * 1000), f"agreeing on {name}"))
+              for rank in range(jax.process_count())]
     if min(values) != int(value):
         logger.warning("%s: this node computed %d, the nodes %s; using the smallest", name, value, values)
     return min(values)
@@ -203,18 +196,22 @@ class StepChannel:
 
     def receive(self) -> tuple[str, Any]:
         """Nodes 1..N-1: the next message (blocks while node 0 is idle)."""
-        key = f"{_KEY_PREFIX}{self._next}"
-        while True:
-            try:
-                data = self._client.blocking_key_value_get_bytes(key, self._poll_ms)
-                break
-            except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
-                if "DEADLINE_EXCEEDED" in str(exc):
-                    continue  # node 0 is idle; a dead node is rank_watch's business
-                raise RuntimeError(f"node 0 is gone: lost the coordinator while waiting for step message "
-                                   f"{self._next}: {exc}") from exc
+        data = _wait_for_key(self._client, f"{_KEY_PREFIX}{self._next}", self._poll_ms,
+                             f"waiting for step message {self._next}")
         self._next += 1
         return pickle.loads(data)
+
+
+def _wait_for_key(client, key: str, poll_ms: int, what: str) -> bytes:
+    """The bytes under ``key`` in the coordinator's key-value store, waited for in slices of ``poll_ms`` for as long
+    as the job is alive (the writer may be idle or still starting; a dead node is ``rank_watch``'s business).
+    RuntimeError naming ``what`` when the coordinator is lost."""
+    while True:
+        try:
+            return client.blocking_key_value_get_bytes(key, poll_ms)
+        except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
+            if "DEADLINE_EXCEEDED" not in str(exc):
+                raise RuntimeError(f"node 0 is gone: lost the coordinator while {what}: {exc}") from exc
 
 
 def follow(runner, channel: StepChannel) -> None:
