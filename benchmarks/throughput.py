@@ -26,6 +26,34 @@ import sys
 from benchmarks.report import versions, write_json
 
 
+# The quantization_config of a typical Hub checkpoint per checkpoint-only method (4-bit, group 128), for dummy weights
+# in a named shape: the loader quantizes random weights into that method's layout.
+CHECKPOINT_QUANTIZATION_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+}
+
+
+def _quantized_shape_dir(shape: str, method: str) -> str:
+    """A directory holding only the config.json of ``shape`` quantized with ``method`` (for ``load_format=dummy``)."""
+    import tempfile
+
+    from models.presets import PRESETS
+
+    directory = tempfile.mkdtemp(prefix=f"paged_jax_{shape}_{method}_")
+    hf_config = {**PRESETS[shape.lower()], "quantization_config": CHECKPOINT_QUANTIZATION_CONFIGS[method]}
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(hf_config, f)
+    return directory
+
+
+def startup_breakdown(engine) -> dict:
+    """Where the start went: ``LLMEngine.startup_timings`` and the runner's warm-up timings (``compile_jobs``: a
+    cold start's compile timeline); empty for engines without them (data parallel)."""
+    timings = getattr(engine, "startup_timings", None)
+    warm_up = getattr(getattr(engine, "runner", None), "warm_up_timings", None)
+    return {"startup_stages": timings, "warm_up": warm_up} if timings is not None else {}
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -88,7 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
     ceilings = measure_ceilings() if args.ceilings else None
     ceilings_s = time.perf_counter() - ceilings_start  # not start-up: taken out of startup_to_first_token_s
     load_format = args.load_format or ("dummy" if args.shape else "auto")
-    llm = LLM(model=args.model or args.shape, load_format=load_format, dtype=args.dtype,
+    model = args.model or args.shape
+    if args.shape and args.quantization in CHECKPOINT_QUANTIZATION_CONFIGS:
+        model = _quantized_shape_dir(args.shape, args.quantization)
+    llm = LLM(model=model, load_format=load_format, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
@@ -100,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_first_token = time.perf_counter() - _T_PROCESS_START - ceilings_s
     assert len(first[0].outputs[0].token_ids) == 1
     result: dict = {"startup_to_first_token_s": t_first_token, "versions": versions(),
-                    "argv": sys.argv[1:] if argv is None else argv}
+                    "argv": sys.argv[1:] if argv is None else argv, **startup_breakdown(llm.llm_engine)}
     if args.startup_only:
         print(json.dumps(result, indent=1))
         write_json(args.out, result)
@@ -180,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_pretrained(args.model)
     # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, the fp8 KV cache 1.
-    weight_bytes = 1 if args.quantization in ("fp8", "int8", "compressed-tensors") else 2
+    weight_bytes = {"fp8": 1, "int8": 1, "compressed-tensors": 1, "awq": 0.5, "gptq": 0.5}.get(args.quantization, 2)
     floor = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
                            kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2)
     result.update({"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype})

@@ -116,6 +116,10 @@ def test_resolve_quantization_as_vllm():
     ]:
         with pytest.raises(ValueError, match=match):
             resolve_quantization(flag, cfg)
+    from models.quantization.linear import quantize_weight_only
+
+    with pytest.raises(ValueError, match="group_size 128 does not divide a layer's 576 input features"):
+        quantize_weight_only(jnp.ones((576, 8)), bits=4, group_size=128, zero_point=True, dtype=jnp.bfloat16)
     from paged_jax.config import EngineArgs
 
     with pytest.raises(ValueError, match="quantization"):

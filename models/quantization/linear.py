@@ -258,6 +258,9 @@ def quantize_weight_only(kernel: jax.Array, *, bits: int, group_size: int, zero_
     """
     in_features, out = kernel.shape
     group_size = in_features if group_size == -1 else group_size
+    if in_features % group_size:
+        raise ValueError(f"quantization: group_size {group_size} does not divide a layer's {in_features} input "
+                         f"features")
     groups = in_features // group_size
     w = kernel.astype(jnp.float32).reshape(groups, group_size, out)
     qmax = (1 << bits) - 1
