@@ -110,8 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
     from models.config import ModelConfig
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
+    from paged_jax.device_memory import reserve_gpu_memory_fraction
 
-    # Before the engine: its KV pool takes the memory the copy ceiling's buffers need.
+    # Before the engine: its KV pool takes the memory the copy ceiling's buffers need. Measuring them starts JAX's
+    # backend, so the engine's allocator cap (gpu_memory_utilization) is set first.
+    reserve_gpu_memory_fraction(args.gpu_memory_utilization)
     ceilings_start = time.perf_counter()
     ceilings = measure_ceilings() if args.ceilings else None
     ceilings_s = time.perf_counter() - ceilings_start  # not start-up: taken out of startup_to_first_token_s

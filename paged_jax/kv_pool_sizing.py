@@ -156,24 +156,28 @@ def device_bytes(tree, device: jax.Device) -> int:
 
 
 def dequantized_weight_bytes(model, rows: int, device: jax.Device) -> int:
-    """Bytes of ``model``'s weight-only quantized projections (their shards on ``device``) in the compute dtype, over
-    the layers whose matmul of ``rows`` rows dequantizes in XLA (``XLA_DEQUANTIZING_IMPLS``): a bound on the
-    forward's scratch for dequantized weights, which XLA may hold for several layers at once. 0 without such layers."""
+    """Bytes of the dequantized weights a forward of ``rows`` rows holds at once: the weight-only quantized projections
+    whose matmul dequantizes in XLA (``XLA_DEQUANTIZING_IMPLS``), in the compute dtype, their shards on ``device``,
+    summed per decoder layer (the projections under one list entry of the module tree), largest layer. Each such
+    matmul ties its weights to its input (``WeightOnlyLinear``), so XLA dequantizes a layer's weights only once the
+    layer runs; a layer's projections that share an input may be dequantized together. 0 without such layers."""
     from flax import nnx
 
     from models.quantization.linear import XLA_DEQUANTIZING_IMPLS, WeightOnlyLinear, resolve_matmul_impl
 
-    total = 0
-    for _, layer in nnx.iter_graph(model):
+    per_layer: dict[tuple, int] = {}
+    for path, layer in nnx.iter_graph(model):
         if not isinstance(layer, WeightOnlyLinear) or resolve_matmul_impl(
                 layer.matmul_impl, f"int{layer.bits}", rows) not in XLA_DEQUANTIZING_IMPLS:
             continue
         per_element = jnp.dtype(layer.dtype).itemsize * (32 // layer.bits if layer.storage == "packed" else 1)
         qweight = layer.qweight[...]
         if isinstance(qweight, jax.Array):
-            total += sum(shard.data.size * per_element for shard in qweight.addressable_shards
-                         if shard.device == device)
-    return total
+            index = next((k for k, key in enumerate(path) if isinstance(key, int)), len(path) - 1)
+            layer_path = tuple(path[:index + 1])
+            per_layer[layer_path] = per_layer.get(layer_path, 0) + sum(
+                shard.data.size * per_element for shard in qweight.addressable_shards if shard.device == device)
+    return max(per_layer.values(), default=0)
 
 
 def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:

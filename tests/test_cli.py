@@ -370,8 +370,9 @@ def test_pool_size_counts_the_weights_not_loading_leftovers():
 
 def test_pool_leaves_room_for_weights_xla_dequantizes(monkeypatch):
     """A weight-only quantized model whose matmuls dequantize in XLA (an H200 start of Llama-3.1-8B with int8 weights
-    ran out of memory in its first forward: XLA held several layers' dequantized weights) gets its dequantized
-    weights' bytes as headroom; the Pallas kernels (packed tiles dequantized in registers) need none."""
+    ran out of memory in its first forward: XLA held several layers' dequantized weights) gets the dequantized bytes
+    of its largest decoder layer as headroom (each matmul ties its weights to its input, so one layer's are live at
+    a time); the Pallas kernels (packed tiles dequantized in registers) need none."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -386,29 +387,35 @@ def test_pool_leaves_room_for_weights_xla_dequantizes(monkeypatch):
                                   dequantization_bytes=scratch)
     assert plain - with_scratch in (scratch // per_block, scratch // per_block + 1)
 
-    class TwoProjections(nnx.Module):
+    def linear(k, n, bits, matmul_impl):
+        w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32)
+        q, sc, z = quantize_weight_only(w, bits=bits, group_size=32, zero_point=True, dtype=jnp.bfloat16)
+        return WeightOnlyLinear(q, sc, z, bits=bits, group_size=32, dtype=jnp.bfloat16, matmul_impl=matmul_impl)
+
+    class Layer(nnx.Module):
+        def __init__(self, width, matmul_impl):
+            self.up = linear(64, width, 4, matmul_impl)
+            self.down = linear(width, 64, 8, matmul_impl)
+
+    class Model(nnx.Module):
         def __init__(self, matmul_impl):
-            def linear(k, n, bits):
-                w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32)
-                q, sc, z = quantize_weight_only(w, bits=bits, group_size=32, zero_point=True, dtype=jnp.bfloat16)
-                return WeightOnlyLinear(q, sc, z, bits=bits, group_size=32, dtype=jnp.bfloat16,
-                                        matmul_impl=matmul_impl)
-            self.up = linear(64, 96, 4)
-            self.down = linear(96, 64, 8)
+            self.layers = nnx.List([Layer(width, matmul_impl) for width in (96, 160, 64)])
 
     device = jax.devices()[0]
-    bf16_bytes = (64 * 96 + 96 * 64) * 2
+    widest_layer_bytes = (64 * 160 + 160 * 64) * 2
     for impl in ("xla", "xla_native", "xla_native_grouped"):
-        assert dequantized_weight_bytes(TwoProjections(impl), 64, device) == bf16_bytes, impl
-    assert dequantized_weight_bytes(TwoProjections("pallas"), 64, device) == 0
+        assert dequantized_weight_bytes(Model(impl), 64, device) == widest_layer_bytes, impl
+    # Projections outside a list of layers count one by one.
+    assert dequantized_weight_bytes(Layer(96, "xla"), 64, device) == 64 * 96 * 2
+    assert dequantized_weight_bytes(Model("pallas"), 64, device) == 0
     assert dequantized_weight_bytes(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), 64, device) == 0
     # "auto" asks the selector at the widest step's rows (a GPU's: the Pallas kernels up to 16 rows, XLA above).
-    from models.quantization import linear
+    from models.quantization import linear as linear_module
 
-    gpu_like = TwoProjections("auto")
-    monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: "pallas" if m <= 16 else "xla"])
+    gpu_like = Model("auto")
+    monkeypatch.setattr(linear_module, "_MATMUL_SELECTOR", [lambda fmt, m: "pallas" if m <= 16 else "xla"])
     assert dequantized_weight_bytes(gpu_like, 16, device) == 0
-    assert dequantized_weight_bytes(gpu_like, 8192, device) == bf16_bytes
+    assert dequantized_weight_bytes(gpu_like, 8192, device) == widest_layer_bytes
 
 
 @pytest.fixture

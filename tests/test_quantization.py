@@ -448,5 +448,32 @@ def test_engine_leaves_room_for_the_weights_xla_dequantizes(float_dir, tmp_path,
     from flax import nnx
 
     model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
-    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, WeightOnlyLinear)]
-    assert layers and sizing["dequantization_bytes"] == sum(m.in_features * m.out_features * 4 for m in layers)
+    per_layer = {}
+    for path, m in nnx.iter_graph(model):
+        if isinstance(m, WeightOnlyLinear):
+            assert path[:2] == ("model", "layers")
+            per_layer[path[2]] = per_layer.get(path[2], 0) + m.in_features * m.out_features * 4
+    assert len(per_layer) == model.config.num_hidden_layers
+    assert sizing["dequantization_bytes"] == max(per_layer.values()) > 0
+
+
+def test_xla_dequantization_waits_for_the_layer_input():
+    """The XLA matmul paths pass the activations and the quantized weights through one optimization barrier, so the
+    weights cannot be dequantized before the layer's input exists (the GPU scheduler hoisted every layer's
+    dequantization to the start of the forward); the Pallas kernels dequantize tiles in registers and need none."""
+    import paged_jax.ops.quantized_matmul  # noqa: F401  (registers "pallas")
+    from models.quantization.linear import WeightOnlyLinear, quantize_weight_only
+
+    w = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
+    q, sc, z = quantize_weight_only(w, bits=4, group_size=32, zero_point=True, dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (16, 64), jnp.float32)
+    for impl, barrier in (("xla", True), ("xla_native", True), ("xla_native_grouped", True), ("pallas", False)):
+        layer = WeightOnlyLinear(q, sc, z, bits=4, group_size=32, dtype=jnp.float32, matmul_impl=impl)
+        jaxpr = jax.make_jaxpr(lambda x, layer=layer: layer(x))(x).jaxpr
+        barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+        assert len(barriers) == int(barrier), impl
+        if barrier:  # the activations with the weights, scales and zero points
+            assert [v.aval.shape for v in barriers[0].invars] == [
+                (16, 64), layer.qweight.shape, layer.scales.shape, layer.zeros.shape], impl
+            np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(x @ layer.dequantized_kernel()), rtol=2e-5,
+                                       atol=2e-5)

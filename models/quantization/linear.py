@@ -218,8 +218,13 @@ class WeightOnlyLinear(nnx.Module):
                              f"{self.storage} ones (the 'auto' selector's storage disagrees with its choice)")
         fn = _WEIGHT_ONLY_MATMULS[impl]
         g_idx = None if self.g_idx is None else self.g_idx[...]
-        y = fn(x2, self.qweight[...], self.scales[...], self.zeros[...], g_idx, bits=self.bits,
-               group_size=self.group_size)
+        qweight, scales, zeros = self.qweight[...], self.scales[...], self.zeros[...]
+        if impl in XLA_DEQUANTIZING_IMPLS:
+            # Ties the weights to this layer's input: XLA cannot dequantize them before the input exists, so a
+            # forward holds one projection's dequantized weights at a time instead of hoisting every layer's
+            # dequantization to the start (``dequantized_weight_bytes`` sizes the KV pool on this).
+            x2, qweight, scales, zeros = jax.lax.optimization_barrier((x2, qweight, scales, zeros))
+        y = fn(x2, qweight, scales, zeros, g_idx, bits=self.bits, group_size=self.group_size)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y.reshape(*lead, self.out_features)
