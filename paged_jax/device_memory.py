@@ -62,3 +62,23 @@ def usable_device_bytes(stats: dict, platform: str, gpu_memory_utilization: floa
         total / 2**30, limit / 2**30, MEM_FRACTION_ENV, fraction, limit / 2**30, MEM_FRACTION_ENV,
         gpu_memory_utilization)
     return total, limit
+
+
+def place_contiguously(model) -> None:
+    """Copy ``model``'s (an NNX module) device arrays to the host, free them, and put them back, in order.
+
+    Quantizing weights on the device at load (online ``int8`` / ``fp8``, dummy weights in a checkpoint method's
+    layout) frees each full-precision weight after its quantized copy is made: the freed buffers lie between the
+    quantized ones, and the allocator cannot join them into one region. Placed again from the host, the weights
+    sit side by side and the free memory the KV sizing counts is one region."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    state = nnx.state(model)
+    on_host = jax.tree.map(lambda x: (np.asarray(x), x.sharding) if isinstance(x, jax.Array) else x, state)
+    for x in jax.tree.leaves(state):
+        if isinstance(x, jax.Array):
+            x.delete()
+    nnx.update(model, jax.tree.map(lambda leaf: jax.device_put(*leaf) if isinstance(leaf, tuple) else leaf, on_host,
+                                   is_leaf=lambda leaf: isinstance(leaf, tuple)))

@@ -213,7 +213,12 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
             model, _ = load_model(model_path, dtype=dtype, load_format=args.load_format, seed=args.seed,
                                   config=config)
         # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
-        return fuse_projections(model)
+        model = fuse_projections(model)
+        if quant.config is not None and (not quant.config.serialized or args.load_format == "dummy"):
+            from paged_jax.device_memory import place_contiguously
+
+            place_contiguously(model)  # quantized on the device: the freed full-precision buffers split free memory
+        return model
 
     def abstract():
         if quant.config is not None:

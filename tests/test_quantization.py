@@ -477,3 +477,24 @@ def test_xla_dequantization_waits_for_the_layer_input():
                 (16, 64), layer.qweight.shape, layer.scales.shape, layer.zeros.shape], impl
             np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(x @ layer.dequantized_kernel()), rtol=2e-5,
                                        atol=2e-5)
+
+
+def test_weights_quantized_on_the_device_are_placed_again():
+    """``place_contiguously`` (run after load-time quantization) frees every device array of the model and puts equal
+    copies back with the same shardings, so the module computes the same thing from new buffers."""
+    from flax import nnx
+
+    from models.quantization.linear import WeightOnlyLinear, quantize_weight_only
+    from paged_jax.device_memory import place_contiguously
+
+    w = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
+    q, sc, z = quantize_weight_only(w, bits=8, group_size=-1, zero_point=False, dtype=jnp.float32)
+    layer = WeightOnlyLinear(q, sc, z, bits=8, group_size=-1, dtype=jnp.float32, matmul_impl="xla")
+    x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
+    before = np.asarray(layer(x))
+    old = [a for a in jax.tree.leaves(nnx.state(layer)) if isinstance(a, jax.Array)]
+    place_contiguously(layer)
+    new = [a for a in jax.tree.leaves(nnx.state(layer)) if isinstance(a, jax.Array)]
+    assert len(new) == len(old) == 3 and all(a.is_deleted() for a in old) and not any(a.is_deleted() for a in new)
+    assert [a.sharding for a in new] == [a.sharding for a in old]
+    np.testing.assert_array_equal(np.asarray(layer(x)), before)
