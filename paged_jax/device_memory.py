@@ -8,7 +8,9 @@ JAX's GPU allocator is capped at ``XLA_CLIENT_MEM_FRACTION`` (formerly ``XLA_PYT
   variable to ``u`` when the user has not set it: the engine's process then holds exactly the vLLM share;
 * ``usable_device_bytes(stats, platform, u)`` turns a device's ``memory_stats()`` into ``(total, usable)`` bytes:
   total = ``bytes_limit`` / the allocator fraction on a GPU (``bytes_limit`` itself elsewhere), usable =
-  ``u * total``, but never more than the allocator's limit (then a warning says which variable to set).
+  ``u * total``, but never more than the allocator's limit (then a warning says which variable to set);
+* ``place_contiguously(model)`` re-places weights quantized on the device at load, so that the free memory the KV
+  sizing counts is not split by the buffers they replaced.
 """
 
 from __future__ import annotations
