@@ -54,6 +54,7 @@ def startup_breakdown(engine) -> dict:
     warm_up = getattr(getattr(engine, "runner", None), "warm_up_timings", None)
     return {"startup_stages": timings, "warm_up": warm_up} if timings is not None else {}
 
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = llm.llm_engine.model_config if args.model else preset_config(args.shape)
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_pretrained(args.model)
-    # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, the fp8 KV cache 1.
+    # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, 4-bit weights 0.5 (their scales and the
+    # bf16 LM head charged at that width too: a lower bound), the fp8 KV cache 1.
     weight_bytes = {"fp8": 1, "int8": 1, "compressed-tensors": 1, "awq": 0.5, "gptq": 0.5}.get(args.quantization, 2)
     floor = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
                            kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2)

@@ -441,6 +441,11 @@ def test_engine_leaves_room_for_the_weights_xla_dequantizes(float_dir, tmp_path,
         return real_sizing(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "determine_num_blocks", recording_sizing)
+    from paged_jax import device_memory
+
+    placed, real_place = [], device_memory.place_contiguously
+    # Quantized on the device at load: the weights are placed again before the sizing counts free memory.
+    monkeypatch.setattr(device_memory, "place_contiguously", lambda model: (placed.append(model), real_place(model)))
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     llm = LLM(model=str(float_dir), quantization="int8", dtype="float32", max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
@@ -455,6 +460,7 @@ def test_engine_leaves_room_for_the_weights_xla_dequantizes(float_dir, tmp_path,
             per_layer[path[2]] = per_layer.get(path[2], 0) + m.in_features * m.out_features * 4
     assert len(per_layer) == model.config.num_hidden_layers
     assert sizing["dequantization_bytes"] == max(per_layer.values()) > 0
+    assert len(placed) == 1
 
 
 def test_xla_dequantization_waits_for_the_layer_input():
