@@ -234,7 +234,7 @@ def section_decode(args, results, copy_gbps: float):
     quantized = list(zip(DECODE_FORMATS[1:], (resolve_quantization("fp8", {}), awq, resolve_quantization("int8", {}))))
     formats = set(args.decode_formats.split(","))
     variants = [("bf16", None, "xla")] + [(name, qc, impl) for name, qc in quantized for impl in impls
-                                          if not (qc.kind == "fp8" and impl == "xla_native_grouped")]
+                                          if not (qc.kind in ("fp8", "int8") and impl == "xla_native_grouped")]
     variants = [v for v in variants if v[0] in formats]
     kv_read = args.context * kv_bytes_per_token(config, 2)
     if args.interpret:

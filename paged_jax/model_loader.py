@@ -168,7 +168,8 @@ def resolve_engine_quantization(args: EngineArgs, model_path: str | None) -> Eng
     quant = resolve_quantization(args.quantization, hf_config)
     if quant is not None:
         logger.info("quantization: %s (%s%s)", quant.method, "checkpoint" if quant.serialized else "at load time",
-                    "" if quant.kind == "fp8" else f", int{quant.bits} weight-only, group size {quant.group_size}")
+                    {"fp8": "", "int8": ", int8 weight-only per channel"}.get(
+                        quant.kind, f", int{quant.bits} weight-only, group size {quant.group_size}"))
     if args.kv_cache_dtype == "auto":
         return EngineQuantization(quant, None, False)
     import jax.numpy as jnp

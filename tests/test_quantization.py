@@ -252,11 +252,42 @@ def awq_dir(float_dir, tmp_path_factory):
     return save_quantized_checkpoint(float_dir, tmp_path_factory.mktemp("awq"), "awq", group_size=64)
 
 
+def _engine_model(llm):
+    from flax import nnx
+
+    runner = llm.llm_engine.runner
+    return nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
+
+
+def _record_engine_loading(monkeypatch, tmp_path) -> tuple[dict, list]:
+    """(the KV sizing's keyword arguments, the models ``place_contiguously`` placed) of the next engine built."""
+    import paged_jax.engine as engine_module
+    from paged_jax import device_memory
+
+    sizing, real_sizing = {}, engine_module.determine_num_blocks
+
+    def recording_sizing(*args, **kwargs):
+        sizing.update(kwargs)
+        return real_sizing(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "determine_num_blocks", recording_sizing)
+    placed, real_place = [], device_memory.place_contiguously
+    monkeypatch.setattr(device_memory, "place_contiguously", lambda model: (placed.append(model), real_place(model)))
+    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
+    return sizing, placed
+
+
 def test_engine_awq_greedy_equals_dequantized_fp32(awq_dir, tmp_path, monkeypatch):
+    """The AWQ engine decodes the dequantized fp32 model's greedy tokens; its KV sizing leaves free the bytes XLA
+    dequantizes in the widest decoder layer (on CPU every int4 matmul is XLA's dequantize + dot: each projection's
+    in x out in the compute dtype); a serialized checkpoint is not placed again."""
+    from flax import nnx
+
+    from models.quantization.linear import WeightOnlyLinear
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
-    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
+    sizing, placed = _record_engine_loading(monkeypatch, tmp_path)
     llm = LLM(model=str(awq_dir), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
               num_gpu_blocks_override=16, use_tqdm=False)
     engine = llm.llm_engine
@@ -264,6 +295,40 @@ def test_engine_awq_greedy_equals_dequantized_fp32(awq_dir, tmp_path, monkeypatc
     reference = _dequantized_reference(_load(awq_dir))
     assert out[0].outputs[0].token_ids == _greedy(reference)[0]
     assert engine.runner.num_compiles_since_warmup == 0
+    per_layer = {}
+    for path, m in nnx.iter_graph(_engine_model(llm)):
+        if isinstance(m, WeightOnlyLinear):
+            assert path[:2] == ("model", "layers")
+            per_layer[path[2]] = per_layer.get(path[2], 0) + m.in_features * m.out_features * 4
+    assert len(per_layer) == reference.config.num_hidden_layers
+    assert sizing["dequantization_bytes"] == max(per_layer.values()) > 0
+    assert placed == []
+
+
+def test_engine_int8_greedy_equals_dequantized_fp32(float_dir, tmp_path, monkeypatch):
+    """``quantization="int8"``: every projection (fused as the engine runs them) is an ``Int8Linear`` (int8 [out, in],
+    a float32 scale per output channel); the engine decodes the greedy tokens of the fp32 model with the same
+    dequantized weights; the weights quantized on the device at load are placed again before the KV sizing, which
+    leaves no dequantization headroom (no XLA dequantize + dot)."""
+    from flax import nnx
+
+    from models.quantization.linear import Int8Linear, WeightOnlyLinear
+    from paged_jax.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    sizing, placed = _record_engine_loading(monkeypatch, tmp_path)
+    llm = LLM(model=str(float_dir), quantization="int8", dtype="float32", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    model = _engine_model(llm)
+    modules = [m for _, m in nnx.iter_graph(model) if isinstance(m, (Int8Linear, WeightOnlyLinear))]
+    assert modules and all(type(m) is Int8Linear and m.weight.dtype == jnp.int8 for m in modules)
+    assert len(modules) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down: q/k/v and gate/up fused
+    reference = _dequantized_reference(_load(float_dir, resolve_quantization("int8", {})))
+    assert out[0].outputs[0].token_ids == _greedy(reference)[0]
+    assert llm.llm_engine.runner.num_compiles_since_warmup == 0
+    assert sizing["dequantization_bytes"] == 0
+    assert len(placed) == 1
 
 
 def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkeypatch):
@@ -340,19 +405,23 @@ def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
     assert quant.layout()["weight_storage"] == other
 
 
-@pytest.mark.parametrize("method", ["gptq", "fp8"])
+@pytest.mark.parametrize("method", ["gptq", "fp8", "int8"])
 def test_tensor_parallel_matches_single_device(float_dir, tmp_path, method):
     """A quantized model on a 2-device mesh computes what the same model computes on one device with the
-    implementation tensor parallelism runs: an XLA form, weight-only for FP8 (its activations are not quantized)."""
+    implementation tensor parallelism runs: an XLA form, weight-only for FP8 (its activations are not quantized);
+    online int8 is FP8's layout and path on int8 weights."""
     from models.quantization.load import shard_quantized_model, tensor_parallel_matmul_impl
     from paged_jax.parallel import ShardingPlan, make_mesh
 
-    kwargs = dict(bits=4, group_size=32, desc_act=True) if method == "gptq" else dict(activations="dynamic_token")
-    path = save_quantized_checkpoint(float_dir, tmp_path / method, method, **kwargs)
-    qc = resolve_quantization(None, json.loads((path / "config.json").read_text()))
+    if method == "int8":  # online: the float checkpoint quantized at load
+        path, qc = float_dir, resolve_quantization("int8", {})
+    else:
+        kwargs = dict(bits=4, group_size=32, desc_act=True) if method == "gptq" else dict(activations="dynamic_token")
+        path = save_quantized_checkpoint(float_dir, tmp_path / method, method, **kwargs)
+        qc = resolve_quantization(None, json.loads((path / "config.json").read_text()))
     impl = tensor_parallel_matmul_impl(qc)
-    assert impl == ("xla_native" if method == "fp8" else "xla")
-    model = _load(path, matmul_impl=impl)
+    assert impl == ("xla" if method == "gptq" else "xla_native")
+    model = _load(path, qc, matmul_impl=impl)
     plan = ShardingPlan.create(model.config, make_mesh(2))
     sharded = shard_quantized_model(model, plan, qc)
     qweight = sharded.model.layers[0].mlp.down_proj
@@ -425,42 +494,6 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     grads = jax.grad(lambda st: score_tokens((graphdef, st), prompts, lengths).sum())(state)
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads)
                if jnp.issubdtype(g.dtype, jnp.floating))
-
-
-def test_engine_leaves_room_for_the_weights_xla_dequantizes(float_dir, tmp_path, monkeypatch):
-    """The engine sizes its KV pool with the bytes of the int8 weights XLA dequantizes in its widest step (on CPU
-    every int8 matmul is XLA's dequantize + dot): each projection's in x out in the compute dtype."""
-    import paged_jax.engine as engine_module
-    from models.quantization.linear import WeightOnlyLinear
-    from paged_jax.llm import LLM
-
-    sizing, real_sizing = {}, engine_module.determine_num_blocks
-
-    def recording_sizing(*args, **kwargs):
-        sizing.update(kwargs)
-        return real_sizing(*args, **kwargs)
-
-    monkeypatch.setattr(engine_module, "determine_num_blocks", recording_sizing)
-    from paged_jax import device_memory
-
-    placed, real_place = [], device_memory.place_contiguously
-    # Quantized on the device at load: the weights are placed again before the sizing counts free memory.
-    monkeypatch.setattr(device_memory, "place_contiguously", lambda model: (placed.append(model), real_place(model)))
-    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
-    llm = LLM(model=str(float_dir), quantization="int8", dtype="float32", max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
-    runner = llm.llm_engine.runner
-    from flax import nnx
-
-    model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
-    per_layer = {}
-    for path, m in nnx.iter_graph(model):
-        if isinstance(m, WeightOnlyLinear):
-            assert path[:2] == ("model", "layers")
-            per_layer[path[2]] = per_layer.get(path[2], 0) + m.in_features * m.out_features * 4
-    assert len(per_layer) == model.config.num_hidden_layers
-    assert sizing["dequantization_bytes"] == max(per_layer.values()) > 0
-    assert len(placed) == 1
 
 
 def test_xla_dequantization_waits_for_the_layer_input():

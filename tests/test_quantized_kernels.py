@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models.quantization.linear import (fp8_weight_only_matmul_reference, pack_int32, quantize_weight_fp8,
-                                        weight_only_matmul_reference)
+                                        quantize_weight_int8, weight_only_matmul_reference)
 from paged_jax.ops import ragged_paged_attention, write_kv
 from paged_jax.ops.quantized_matmul import (default_tuning, fp8_weight_only_matmul_pallas,
                                             weight_only_matmul_pallas)
@@ -57,13 +57,14 @@ def test_pallas_weight_only_matmul_matches_reference(bits, dtype, act_order, blo
 
 @pytest.mark.parametrize("block_m", [1, 16])
 def test_pallas_fp8_weight_only_matmul_matches_reference(block_m):
-    """FP8 weights upcast in the kernel (GEMV and dot paths), per-channel and per-tensor scales, ragged M / N / K."""
+    """FP8 weights upcast in the kernel (GEMV and dot paths), per-channel and per-tensor scales, and online int8's
+    int8 weights in the same layout; ragged M / N / K."""
     rng = np.random.default_rng(time.time_ns() % (1 << 31))
     m, k, n = (2, 200, 40) if block_m == 1 else (5, 72, 24)
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    for strategy in ("channel", "tensor"):
-        weight, weight_scale = quantize_weight_fp8(w, strategy)
+    for strategy in ("channel", "tensor", "int8"):
+        weight, weight_scale = quantize_weight_int8(w) if strategy == "int8" else quantize_weight_fp8(w, strategy)
         want = fp8_weight_only_matmul_reference(x, weight, weight_scale)
         got = fp8_weight_only_matmul_pallas(x, weight, weight_scale, interpret=True, block_m=block_m, split_k=2)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.max(jnp.abs(want))))
@@ -244,6 +245,19 @@ def test_blocked_gemv_matches_reference():
         got = fp8_gemv_blocked(x, weight, weight_scale, interpret=True, block_n=32, block_k=32, steps=3, split_k=2,
                                dot_rows=dot_rows)
         check(got, fp8_weight_only_matmul_reference(x, weight, weight_scale), f"fp8 dot_rows={dot_rows}")
+    # Online int8's int8 [out, in] weights: upcast through float16's bits (every value -127..127 and the edges of the
+    # bias trick at -128 / 127 reached), CUDA-core and tensor-core paths, float32 and bf16 activations.
+    q = jnp.asarray(rng.integers(-128, 128, size=(64, 256)), jnp.int8).at[0, :2].set(jnp.asarray([-128, 127], jnp.int8))
+    q_scale = jnp.asarray(rng.uniform(1e-3, 2e-2, size=64), jnp.float32)
+    for act_dtype, dot_rows in ((jnp.float32, 0), (jnp.float32, 16), (jnp.bfloat16, 16)):
+        xa = x.astype(act_dtype)
+        got = fp8_gemv_blocked(xa, q, q_scale, interpret=True, block_n=32, block_k=32, steps=3, split_k=2,
+                               dot_rows=dot_rows)
+        want = fp8_weight_only_matmul_reference(xa.astype(jnp.float32), q, q_scale)
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got, np.float32) / scale, np.asarray(want) / scale,
+                                   atol=1e-5 if act_dtype == jnp.float32 else 1e-2,
+                                   err_msg=f"seed={seed} int8 {jnp.dtype(act_dtype).name} dot_rows={dot_rows}")
     # bf16 activations on the tensor-core path run a float16 dot: values beyond float16's range are clipped to it.
     big = x.at[0, 7].set(1e6).astype(jnp.bfloat16)
     got = fp8_gemv_blocked(big, weight, weight_scale, interpret=True, block_n=32, block_k=64, dot_rows=16)
@@ -294,10 +308,10 @@ def test_kernels_lower_to_triton_on_cpu():
             spec((1, k), jnp.bfloat16), spec((k * bits // 32, n), jnp.int32), spec((k // group_size, n), jnp.bfloat16),
             spec((k // group_size, n), jnp.bfloat16)).mlir_module()
         assert "gemv_blocked" in module
-    for dot_rows in (0, 16):
+    for dot_rows, weight_dtype in ((0, jnp.float8_e4m3fn), (16, jnp.float8_e4m3fn), (16, jnp.int8)):
         module = export.export(jax.jit(functools.partial(fp8_gemv_blocked, dot_rows=dot_rows)), platforms=["cuda"],
                                disabled_checks=checks)(
-            spec((1, k), jnp.bfloat16), spec((n, k), jnp.float8_e4m3fn), spec((n,), jnp.float32)).mlir_module()
+            spec((1, k), jnp.bfloat16), spec((n, k), weight_dtype), spec((n,), jnp.float32)).mlir_module()
         assert "gemv_blocked" in module
     from paged_jax.ops.quantized_gemv import fp8_rms_norm_gemv_blocked, fp8_silu_mul_gemv_blocked
 
@@ -391,11 +405,13 @@ def test_kv_scales_fold_into_q_and_output():
     np.testing.assert_allclose(np.asarray(stored[1]) * 4.0, np.asarray(stored[0]), rtol=1e-6)  # cache: k / 4
 
 
-def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
-    """The blocked FP8 GEMV's prologues (interpret mode): the residual add + RMSNorm inside the qkv / gate_up GEMVs
-    and SwiGLU's activation inside the down GEMV give the unfused kernels' results (new residual bit for bit), fall
-    back (None) where the GEMV does not tile; and a decoder layer on them at one token, run as the engine runs it,
-    takes all three fused forms and equals the same model with the fusions refused."""
+@pytest.mark.parametrize("weights", ["fp8", "int8"])
+def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch, weights):
+    """The blocked 8-bit GEMV's prologues (interpret mode; FP8 weights, and online int8's): the residual add + RMSNorm
+    inside the qkv / gate_up GEMVs and SwiGLU's activation inside the down GEMV give the unfused kernels' results
+    (new residual bit for bit), fall back (None) where the GEMV does not tile; and a decoder layer on them at one
+    token, run as the engine runs it, takes all three fused forms and equals the same model with the fusions
+    refused."""
     from flax import nnx
 
     from models import norm as norm_lib
@@ -414,7 +430,8 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
     seed = time.time_ns() % (1 << 31)
     rng = np.random.default_rng(seed)
     k, n = 96, 48  # K = 3 * 32: the norm's row loads run in 32-wide chunks
-    weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32))
+    quantize = quantize_weight_int8 if weights == "int8" else quantize_weight_fp8
+    weight, weight_scale = quantize(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32))
     # Two K shares (fp32 partial rows summed by XLA) and one (the kernel writes the output dtype); the tensor-core
     # dot on bf16 activations (the engine's) and the CUDA-core products on float32 ones.
     for dtype, split_k, dot_rows in ((jnp.bfloat16, 2, 16), (jnp.bfloat16, 1, 16), (jnp.float32, 2, 0)):
@@ -443,7 +460,7 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
     assert fp8_rms_norm_gemv_blocked(two_rows, two_rows, norm_weight, weight, weight_scale, eps=1e-5, **knobs) is None
     assert fp8_silu_mul_gemv_blocked(gate_up, weight, weight_scale, **{**knobs, "block_n": 64}) is None
     # K = 264 tiles 8-wide CUDA-core steps but its row load would take 33 chunks of 8: declined.
-    odd_weight, odd_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((264, n)) * 0.05, jnp.float32))
+    odd_weight, odd_scale = quantize(jnp.asarray(rng.standard_normal((264, n)) * 0.05, jnp.float32))
     odd = jnp.asarray(rng.standard_normal((1, 264)), dtype)
     assert fp8_rms_norm_gemv_blocked(odd, odd, jnp.ones((264,), dtype), odd_weight, odd_scale, eps=1e-5,
                                      **{**knobs, "block_k": 8}) is None
@@ -465,7 +482,7 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch):
     monkeypatch.setitem(linear_lib._FP8_MATMULS, "pallas_blocked", functools.partial(fp8_gemv_blocked, **knobs))
     config = ModelConfig.from_hf_config(tiny_config("llama"))
     model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed % 1000))
-    quantize_model(model, resolve_quantization("fp8", {}), matmul_impl="pallas_blocked")
+    quantize_model(model, resolve_quantization(weights, {}), matmul_impl="pallas_blocked")
     set_rms_norm_impl(fuse_projections(model), "pallas")
     dense = dense_causal_attention(jnp.zeros((1,), jnp.int32), sm_scale=0.25)
 

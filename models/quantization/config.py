@@ -41,8 +41,9 @@ class QuantConfig:
 
     Fields:
       method: one of ``QUANTIZATION_METHODS``.
-      kind: ``"weight_only"`` (int4/int8 integers, dequantized to the compute dtype) or ``"fp8"`` (float8_e4m3fn
-        weights; XLA float8 dots when activations are quantized too).
+      kind: ``"weight_only"`` (AWQ / GPTQ int4 / int8 integers, dequantized to the compute dtype), ``"fp8"``
+        (float8_e4m3fn weights; XLA float8 dots when activations are quantized too) or ``"int8"`` (online int8:
+        int8 weights per output channel, symmetric, in FP8's layout, ``Int8Linear``).
       serialized: True when the checkpoint stores quantized weights; False = quantize a float checkpoint at load.
       bits: weight bits (4 or 8).
       group_size: input rows sharing one scale / zero point; -1 = one group over all inputs (per channel).
@@ -100,7 +101,7 @@ class QuantConfig:
 
 def _online(method: str) -> QuantConfig:
     if method == "int8":
-        return QuantConfig("int8", "weight_only", serialized=False, bits=8, group_size=-1, zero_point=False)
+        return QuantConfig("int8", "int8", serialized=False, bits=8, group_size=-1, zero_point=False)
     return QuantConfig("fp8", "fp8", serialized=False, bits=8, weight_strategy="channel",
                        activation_scheme="dynamic_token", activation_projections=ONLINE_FP8_ACTIVATION_PROJECTIONS)
 

@@ -1,7 +1,7 @@
 """Quantized projections: NNX modules with ``nnx.Linear``'s call contract (``x[..., in] -> y[..., out]`` in the
 compute dtype), swapped in for the decoder's projections by ``models.quantization.load``.
 
-``WeightOnlyLinear`` (AWQ, GPTQ, int8): the canonical layout every weight-only format is converted to is GPTQ's
+``WeightOnlyLinear`` (AWQ, GPTQ): the canonical layout every weight-only format is converted to is GPTQ's
   * ``qweight int32[in * bits / 32, out]``: ``pack = 32 / bits`` input rows per word; bits ``j*bits .. j*bits+bits-1``
     of word ``[r, c]`` hold the unsigned integer of input row ``pack * r + j``, column ``c``;
   * ``scales [G, out]`` and ``zeros [G, out]`` (compute dtype; ``zeros`` the real zero point, integers);
@@ -18,6 +18,10 @@ compute dtype), swapped in for the decoder's projections by ``models.quantizatio
   e4m3 per token (dynamic), per tensor (dynamic or static), and multiplied by XLA's float8 dot
   (``preferred_element_type=float32``) then rescaled; or, without activation quantization (``activation_scheme``
   None: a weight-only checkpoint, or online fp8's o_proj / down_proj), the weights are upcast.
+
+``Int8Linear`` (online ``int8``): ``Fp8Linear`` weight-only with ``weight int8[out, in]`` (symmetric, -127..127) and
+  ``weight_scale float32[out]``: the same layout, bytes per weight and kernels (each upcasts a tile of either element
+  type exactly), so it asks the selector as weight-only ``"fp8"`` and runs FP8's weight-only entries.
 
 ``matmul_impl`` of both modules (``MATMUL_IMPLS``): ``"xla"`` (int: ``weight_only_matmul_reference``, dequantize +
 dot fused by XLA as it can; fp8: the float8 dot above, or the upcast dot for a layer without activation
@@ -305,6 +309,8 @@ class Fp8Linear(nnx.Module):
     format ``FP8_W8A8`` when activations are quantized (on the GPU: weight-only kernels at small M, the float8 dot
     from ``FP8_DOT_MIN_ROWS``; elsewhere "xla"), else as "fp8" (weight-only at every M)."""
 
+    WEIGHT_DTYPE = FP8_DTYPE
+
     def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None, dtype,
                  matmul_impl: str = "auto"):
         if activation_scheme not in (None, "static", "dynamic_token", "dynamic_tensor"):
@@ -314,6 +320,9 @@ class Fp8Linear(nnx.Module):
         self.matmul_impl = matmul_impl
         if (activation_scheme == "static") != (input_scale is not None):
             raise ValueError("the static activation scheme needs input_scale (and only it)")
+        if jnp.dtype(weight.dtype) != jnp.dtype(self.WEIGHT_DTYPE):
+            raise ValueError(f"{type(self).__name__} weights must be {jnp.dtype(self.WEIGHT_DTYPE).name}, got "
+                             f"{jnp.dtype(weight.dtype).name}")
         self.weight = nnx.Param(weight)
         self.weight_scale = nnx.Param(weight_scale)
         self.input_scale = _param(input_scale)
@@ -397,9 +406,25 @@ class Fp8Linear(nnx.Module):
             return None
         scales = [jnp.broadcast_to(layer.weight_scale[...], (layer.out_features,)) for layer in layers]
         bias = None if first.bias is None else jnp.concatenate([layer.bias[...] for layer in layers])
-        return Fp8Linear(jnp.concatenate([layer.weight[...] for layer in layers], axis=0),
+        return type(first)(jnp.concatenate([layer.weight[...] for layer in layers], axis=0),
                          jnp.concatenate(scales), None, bias, activation_scheme=first.activation_scheme,
                          dtype=first.dtype, matmul_impl=first.matmul_impl)
+
+
+class Int8Linear(Fp8Linear):
+    """Online int8 projection: ``weight int8[out, in]`` (symmetric: ``w = q * weight_scale``, ``q`` in -127..127),
+    ``weight_scale float32[out]``, ``bias dtype[out] | None``; weight-only (``activation_scheme`` None). It runs
+    ``Fp8Linear``'s weight-only paths: XLA's dot on the upcast weights, and the 8-bit ``[N, K]`` Pallas kernels,
+    which upcast an int8 tile exactly as they do an e4m3 one."""
+
+    WEIGHT_DTYPE = jnp.int8
+
+    def __init__(self, weight, weight_scale, input_scale=None, bias=None, *, activation_scheme: str | None = None,
+                 dtype, matmul_impl: str = "auto"):
+        if activation_scheme is not None or input_scale is not None:
+            raise ValueError("Int8Linear is weight-only: activation_scheme and input_scale must be None")
+        super().__init__(weight, weight_scale, None, bias, activation_scheme=None, dtype=dtype,
+                         matmul_impl=matmul_impl)
 
 
 def compiler_options(model: nnx.Module) -> dict[str, float]:
@@ -437,6 +462,14 @@ def quantize_weight_fp8(kernel: jax.Array, strategy: str = "channel") -> tuple[j
     return jnp.clip(w / scale.reshape(-1, 1), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
 
 
+def quantize_weight_int8(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``kernel [in, out]`` -> ``(int8[out, in]`` (``Int8Linear``'s layout), ``float32 scale [out]``)``: symmetric
+    per output channel, ``scale = max|w| / 127``, round to nearest."""
+    w = kernel.astype(jnp.float32).T
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1), 1e-12) / 127.0
+    return jnp.clip(jnp.round(w / scale[:, None]), -127, 127).astype(jnp.int8), scale
+
+
 register_fp8_matmul("xla_native", native.fp8_upcast_matmul)
 
-QUANTIZED_LINEAR_TYPES = (WeightOnlyLinear, Fp8Linear)
+QUANTIZED_LINEAR_TYPES = (WeightOnlyLinear, Fp8Linear)  # Int8Linear is an Fp8Linear

@@ -1,7 +1,7 @@
 """Building and loading quantized ``LlamaForCausalLM`` models.
 
 The model is the ordinary one with each quantized projection (an ``nnx.Linear`` attribute of ``self_attn`` / ``mlp``)
-replaced by a ``WeightOnlyLinear`` or ``Fp8Linear`` (same call contract); everything else (embeddings, norms, biases,
+replaced by a ``WeightOnlyLinear``, ``Fp8Linear`` or ``Int8Linear`` (same call contract); everything else (embeddings, norms, biases,
 the LM head, unquantized projections) is read by ``models.loader`` as usual. The structure depends only on the
 ``QuantConfig`` and the model shape (act-order ``g_idx`` exactly when ``desc_act``, as vLLM), so the weights cache
 can restore into ``abstract_quantized_model`` without reading the checkpoint.
@@ -29,8 +29,8 @@ from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 from models.quantization.config import QuantConfig
 from models.quantization.formats import KV_SCALE_NAMES, convert_projection, projection_tensor_names
-from models.quantization.linear import (FP8_DTYPE, Fp8Linear, WeightOnlyLinear, quantize_weight_fp8,
-                                        quantize_weight_only)
+from models.quantization.linear import (FP8_DTYPE, Fp8Linear, Int8Linear, WeightOnlyLinear, quantize_weight_fp8,
+                                        quantize_weight_int8, quantize_weight_only)
 
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -60,6 +60,9 @@ def _empty_module(qc: QuantConfig, name: str, linear: nnx.Linear, dtype, matmul_
     """A quantized module of projection ``name``, ``linear``'s shape, zero-filled (built under ``nnx.eval_shape``:
     shapes only)."""
     in_features, out_features = linear.kernel.shape
+    if qc.kind == "int8":
+        return Int8Linear(jnp.zeros((out_features, in_features), jnp.int8), jnp.zeros((out_features,), jnp.float32),
+                          bias=_bias(linear), dtype=dtype, matmul_impl=matmul_impl)
     if qc.kind == "fp8":
         scale_len = out_features if qc.weight_strategy == "channel" else 1
         scheme = qc.activation_scheme_for(name)
@@ -105,7 +108,13 @@ def quantize_model(model: LlamaForCausalLM, qc: QuantConfig, *, matmul_impl: str
     """In place: quantize every projection ``qc`` names from the model's float weights (online ``fp8`` / ``int8``,
     or random weights in a serialized method's scheme: round-to-nearest with its bits, groups and zero points)."""
     dtype = model.dtype
-    if qc.kind == "fp8":
+    if qc.kind == "int8":
+        quant = jax.jit(quantize_weight_int8)
+
+        def make(i, parent, name, linear):
+            weight, scale = quant(linear.kernel[...])
+            return Int8Linear(weight, scale, bias=_bias(linear), dtype=dtype, matmul_impl=matmul_impl)
+    elif qc.kind == "fp8":
         quant = jax.jit(quantize_weight_fp8, static_argnames="strategy")
 
         def make(i, parent, name, linear):
@@ -271,9 +280,9 @@ def tensor_parallel_matmul_impl(qc: QuantConfig) -> str:
     """The ``matmul_impl`` of a tensor-parallel model's quantized modules: an XLA form, which the partitioner splits
     (the Pallas kernels run on one device's arrays). FP8: the dot on the upcast weights ("xla_native", weight-only at
     every batch size: one GPU runs it up to 127 rows and the float8 dot above, where it is faster on the H200; the
-    tensor-parallel float8 dot is not measured, and weight-only does not round the activations to e4m3); integer
-    weights: dequantize + dot ("xla", on their packed storage)."""
-    return "xla_native" if qc.kind == "fp8" else "xla"
+    tensor-parallel float8 dot is not measured, and weight-only does not round the activations to e4m3); online int8
+    (FP8's layout) the same; AWQ / GPTQ integer weights: dequantize + dot ("xla", on their packed storage)."""
+    return "xla" if qc.kind == "weight_only" else "xla_native"
 
 
 def shard_quantized_model(model: LlamaForCausalLM, plan, qc: QuantConfig, *, kv_cache_scales: bool = False):

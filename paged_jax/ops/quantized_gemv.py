@@ -21,8 +21,9 @@ one share: the output row itself, in the activations' dtype).
   point's term ``scale * zero * sum(x over the step)`` (the sums precomputed by XLA) goes to a ``[block_n]``
   accumulator. Per-channel weights (one group) apply the scale and zero point once, at the end.
   Needs ``block_k | group_size`` (a step inside one group) and groups not straddling K shares.
-* fp8 (``weight float8_e4m3fn[N, K]``, ``Fp8Linear``'s layout: K contiguous): a K step is one ``[block_n,
-  block_k]`` tile upcast in registers, in one of two ways (knob ``dot_rows``):
+* fp8 (``weight float8_e4m3fn[N, K]``, ``Fp8Linear``'s layout: K contiguous; or ``Int8Linear``'s int8 in the same
+  layout, which takes the fp8 tuning entries): a K step is one ``[block_n, block_k]`` tile upcast in registers
+  (int8 through float16's bits, not a conversion instruction per weight), in one of two ways (knob ``dot_rows``):
   - 0: upcast to float32 and multiplied by ``x[block_k]`` into a 2-D fp32 accumulator, reduced and scaled per column
     at the end (every weight costs conversions to float32 on the CUDA cores);
   - 16: upcast to float16 (e4m3 -> f16 is one conversion per two weights on sm_90; e4m3 -> bf16 and -> f32 take
@@ -107,6 +108,21 @@ def blocked_tuning(fmt: str, n: int, k: int, *, group_size: int | None = None, *
 
 def _to_float(q):
     return lax.bitcast_convert_type(q | _MAGIC, jnp.float32) - _TWO_23
+
+
+# int8 -> float16 without an integer-to-float conversion (a quarter-rate instruction on the GPU, which bound the int8
+# GEMV): the sign-extended q plus these bits is the float16 of 1152 + q (1024..1279, where float16 steps by 1).
+_INT8_F16_BITS = 0x6480
+_INT8_F16_OFFSET = 1152.0
+
+
+def _upcast_weights(w, dtype):
+    """A weight tile (float8_e4m3fn, or ``Int8Linear``'s int8) as ``dtype`` for the products, exactly: e4m3 values
+    are float16 values; int8 goes through float16 by its bits (``_INT8_F16_BITS``)."""
+    if w.dtype == jnp.int8:
+        biased = lax.bitcast_convert_type(w.astype(jnp.int16) + jnp.int16(_INT8_F16_BITS), jnp.float16)
+        return (biased - jnp.float16(_INT8_F16_OFFSET)).astype(dtype)
+    return w.astype(dtype)
 
 
 def _aligned(offset, multiple: int):
@@ -267,13 +283,13 @@ def _fp8_gemv_kernel(*refs, block_k, steps, dot_rows, prologue, eps, act_dtype):
             x = jnp.clip(x.astype(jnp.float32), -limit, limit).astype(dot_dtype)
             x_rows = jnp.where(first_row, x[None, :], jnp.zeros((), dot_dtype))
             precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-            return acc + _dot(x_rows, w.astype(dot_dtype), trans_b=True, precision=precision)
+            return acc + _dot(x_rows, _upcast_weights(w, dot_dtype), trans_b=True, precision=precision)
 
         acc_shape, reduce_axis = (dot_rows, block_n), 0
     else:
         def compute(tile, acc):
             w, x = tile
-            return acc + x.astype(jnp.float32)[None, :] * w.astype(jnp.float32)
+            return acc + x.astype(jnp.float32)[None, :] * _upcast_weights(w, jnp.float32)
 
         acc_shape, reduce_axis = (block_n, block_k), 1
     acc = _k_loop(k_share // block_k, steps, load, compute, jnp.zeros(acc_shape, jnp.float32))
@@ -391,8 +407,8 @@ def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_
                      block_k: int | None = None, steps: int | None = None, split_k: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      dot_rows: int | None = None) -> jax.Array:
-    """``x[M, K] @ (weight float8_e4m3fn[N, K] * weight_scale f32[N, 1] | [1]).T`` -> ``[M, N]`` in ``x.dtype``: the
-    blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same contract as
+    """``x[M, K] @ (weight float8_e4m3fn | int8 [N, K] * weight_scale f32[N, 1] | [1]).T`` -> ``[M, N]`` in
+    ``x.dtype``: the blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same contract as
     ``fp8_weight_only_matmul_reference``, except that on the tensor-core path (``dot_rows`` 16) 16-bit
     activations beyond float16's range are clipped to it."""
     knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)

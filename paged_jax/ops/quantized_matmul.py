@@ -1,7 +1,7 @@
 """Skinny-M quantized matmuls (decode: M <= 64) in Pallas (Triton lowering), built for memory bandwidth: the
 packed int4 / int8 weight-only matmul (AWQ / GPTQ layout, any group size, zero points, act-order ``g_idx``) and the
-FP8 weight-only matmul (float8_e4m3fn weights upcast in registers, per-channel or per-tensor scale; activations are
-not quantized).
+FP8 weight-only matmul (float8_e4m3fn weights, or ``Int8Linear``'s int8, upcast in registers, per-channel or
+per-tensor scale; activations are not quantized).
 
 Int formats: ``y[M, N] = x[M, K] @ w``, ``w[k, n] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]``, ``q`` packed as
 in ``models.quantization.linear`` (``qweight int32[K * bits / 32, N]``; bits ``j*bits..`` of word ``[r, n]`` hold
