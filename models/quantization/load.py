@@ -1,10 +1,10 @@
 """Building and loading quantized ``LlamaForCausalLM`` models.
 
 The model is the ordinary one with each quantized projection (an ``nnx.Linear`` attribute of ``self_attn`` / ``mlp``)
-replaced by a ``WeightOnlyLinear``, ``Fp8Linear`` or ``Int8Linear`` (same call contract); everything else (embeddings, norms, biases,
-the LM head, unquantized projections) is read by ``models.loader`` as usual. The structure depends only on the
-``QuantConfig`` and the model shape (act-order ``g_idx`` exactly when ``desc_act``, as vLLM), so the weights cache
-can restore into ``abstract_quantized_model`` without reading the checkpoint.
+replaced by a ``WeightOnlyLinear``, ``Fp8Linear`` or ``Int8Linear`` (same call contract); everything else
+(embeddings, norms, biases, the LM head, unquantized projections) is read by ``models.loader`` as usual. The
+structure depends only on the ``QuantConfig`` and the model shape (act-order ``g_idx`` exactly when ``desc_act``,
+as vLLM), so the weights cache can restore into ``abstract_quantized_model`` without reading the checkpoint.
 
   * ``load_quantized_model(path, config, qc, ...)``: one device. Serialized checkpoints are converted tensor by
     tensor (``formats``); online methods (and random weights of a serialized method) quantize the float model

@@ -408,8 +408,8 @@ def fp8_gemv_blocked(x, weight, weight_scale, *, interpret: bool = False, block_
                      num_warps: int | None = None, num_stages: int | None = None,
                      dot_rows: int | None = None) -> jax.Array:
     """``x[M, K] @ (weight float8_e4m3fn | int8 [N, K] * weight_scale f32[N, 1] | [1]).T`` -> ``[M, N]`` in
-    ``x.dtype``: the blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same contract as
-    ``fp8_weight_only_matmul_reference``, except that on the tensor-core path (``dot_rows`` 16) 16-bit
+    ``x.dtype``: the blocked GEMV at M = 1 when the shape tiles, else ``fp8_weight_only_matmul_pallas``. Same
+    contract as ``fp8_weight_only_matmul_reference``, except that on the tensor-core path (``dot_rows`` 16) 16-bit
     activations beyond float16's range are clipped to it."""
     knobs = _knobs(block_n, block_k, steps, split_k, num_warps, num_stages, dot_rows)
     t = _fp8_tuning(x.shape[0], x.shape[1], weight, knobs)
