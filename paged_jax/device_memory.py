@@ -78,12 +78,9 @@ def place_contiguously(model) -> None:
     from flax import nnx
 
     state = nnx.state(model)
-    arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-    for x in arrays:  # every copy in flight before the first wait, not one array's round trip at a time
-        x.copy_to_host_async()
-    on_host = [np.asarray(x) for x in arrays]
-    shardings = [x.sharding for x in arrays]
-    for x in arrays:
-        x.delete()
-    placed = iter(jax.device_put(on_host, shardings))  # one call: the transfers are issued together
-    nnx.update(model, jax.tree.map(lambda x: next(placed) if isinstance(x, jax.Array) else x, state))
+    on_host = jax.tree.map(lambda x: (np.asarray(x), x.sharding) if isinstance(x, jax.Array) else x, state)
+    for x in jax.tree.leaves(state):
+        if isinstance(x, jax.Array):
+            x.delete()
+    nnx.update(model, jax.tree.map(lambda leaf: jax.device_put(*leaf) if isinstance(leaf, tuple) else leaf, on_host,
+                                   is_leaf=lambda leaf: isinstance(leaf, tuple)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -156,39 +155,23 @@ def device_bytes(tree, device: jax.Device) -> int:
                for shard in leaf.addressable_shards if shard.device == device)
 
 
-def _xla_dequantized(layer, rows: int) -> tuple[Any, int] | None:
-    """``(stored weights, dequantized bytes per stored element)`` of a quantized projection whose matmul of ``rows``
-    rows dequantizes its weights into a buffer in XLA; None for other modules and paths (the Pallas kernels
-    dequantize tiles in registers; the float8 dot and the fused upcast hold no dequantized copy)."""
-    from models.quantization.linear import (XLA_DEQUANTIZING_IMPLS, Fp8Linear, WeightOnlyLinear,
-                                            resolve_matmul_impl)
-
-    itemsize = jnp.dtype(getattr(layer, "dtype", jnp.float32)).itemsize
-    if isinstance(layer, WeightOnlyLinear):
-        if resolve_matmul_impl(layer.matmul_impl, f"int{layer.bits}", rows) not in XLA_DEQUANTIZING_IMPLS:
-            return None
-        return layer.qweight[...], itemsize * (32 // layer.bits if layer.storage == "packed" else 1)
-    if isinstance(layer, Fp8Linear) and layer.activation_scheme is None and resolve_matmul_impl(
-            layer.matmul_impl, layer.selector_format, rows) == "xla":  # fp8_dequantized_matmul
-        return layer.weight[...], itemsize
-    return None
-
-
 def dequantized_weight_bytes(model, rows: int, device: jax.Device) -> int:
-    """Bytes of the dequantized weights a forward of ``rows`` rows holds at once: the quantized projections whose
-    matmul dequantizes into a buffer in XLA (``WeightOnlyLinear`` on ``XLA_DEQUANTIZING_IMPLS``, weight-only
-    ``Fp8Linear`` / ``Int8Linear`` on "xla"), in the compute dtype, their shards on ``device``, summed per decoder
-    layer (the projections under one list entry of the module tree), largest layer. Each such matmul ties its
-    weights to its input, so XLA dequantizes a layer's weights only once the layer runs; a layer's projections that
-    share an input may be dequantized together. 0 without such layers."""
+    """Bytes of the dequantized weights a forward of ``rows`` rows holds at once: the weight-only quantized projections
+    whose matmul dequantizes in XLA (``XLA_DEQUANTIZING_IMPLS``), in the compute dtype, their shards on ``device``,
+    summed per decoder layer (the projections under one list entry of the module tree), largest layer. Each such
+    matmul ties its weights to its input (``WeightOnlyLinear``), so XLA dequantizes a layer's weights only once the
+    layer runs; a layer's projections that share an input may be dequantized together. 0 without such layers."""
     from flax import nnx
+
+    from models.quantization.linear import XLA_DEQUANTIZING_IMPLS, WeightOnlyLinear, resolve_matmul_impl
 
     per_layer: dict[tuple, int] = {}
     for path, layer in nnx.iter_graph(model):
-        found = _xla_dequantized(layer, rows)
-        if found is None:
+        if not isinstance(layer, WeightOnlyLinear) or resolve_matmul_impl(
+                layer.matmul_impl, f"int{layer.bits}", rows) not in XLA_DEQUANTIZING_IMPLS:
             continue
-        qweight, per_element = found
+        per_element = jnp.dtype(layer.dtype).itemsize * (32 // layer.bits if layer.storage == "packed" else 1)
+        qweight = layer.qweight[...]
         if isinstance(qweight, jax.Array):
             index = next((k for k, key in enumerate(path) if isinstance(key, int)), len(path) - 1)
             layer_path = tuple(path[:index + 1])

@@ -416,17 +416,6 @@ def test_pool_leaves_room_for_weights_xla_dequantizes(monkeypatch):
     monkeypatch.setattr(linear_module, "_MATMUL_SELECTOR", [lambda fmt, m: "pallas" if m <= 16 else "xla"])
     assert dequantized_weight_bytes(gpu_like, 16, device) == 0
     assert dequantized_weight_bytes(gpu_like, 8192, device) == widest_layer_bytes
-    # Weight-only 8-bit [out, in] layers (online int8, weight-only FP8) hold a converted copy on "xla" (the
-    # dequantize-then-dot of many rows) and none on the fused upcast or the float8 dot (quantized activations).
-    w = jax.random.normal(jax.random.key(0), (64, 96), jnp.float32)
-    int8 = linear_module.Int8Linear(*linear_module.quantize_weight_int8(w), dtype=jnp.bfloat16, matmul_impl="auto")
-    fp8_w8a8 = linear_module.Fp8Linear(*linear_module.quantize_weight_fp8(w), activation_scheme="dynamic_token",
-                                       dtype=jnp.bfloat16, matmul_impl="auto")
-    assert dequantized_weight_bytes(int8, 8192, device) == 64 * 96 * 2
-    assert dequantized_weight_bytes(int8, 16, device) == dequantized_weight_bytes(fp8_w8a8, 8192, device) == 0
-    fused_upcast = linear_module.Int8Linear(*linear_module.quantize_weight_int8(w), dtype=jnp.bfloat16,
-                                            matmul_impl="xla_native")
-    assert dequantized_weight_bytes(fused_upcast, 8192, device) == 0
 
 
 @pytest.fixture

@@ -105,11 +105,7 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
         assert table.auto_impl(linear.FP8_W8A8, rows, "gpu") == table.auto_impl("fp8", rows, "gpu") != "xla"
     for rows in (threshold, 2048):
         assert table.auto_impl(linear.FP8_W8A8, rows, "gpu") == "xla"
-    # Weight-only 8-bit layers: the fused upcast up to WEIGHT_ONLY_DEQUANTIZE_MIN_ROWS, dequantize-then-dot from it.
-    dequantize_from = table.WEIGHT_ONLY_DEQUANTIZE_MIN_ROWS
-    assert table.auto_impl("fp8", threshold, "gpu") == table.auto_impl("fp8", dequantize_from - 1, "gpu") == (
-        table.AUTO_IMPL[("fp8", 64)]) != "xla"
-    assert table.auto_impl("fp8", dequantize_from, "gpu") == table.auto_impl("fp8", 8192, "gpu") == "xla"
+        assert table.auto_impl("fp8", rows, "gpu") == table.AUTO_IMPL[("fp8", 64)]
     assert table.auto_impl(linear.FP8_W8A8, 1, "cpu") == table.auto_impl("fp8", 1, "cpu") == "xla"
     assert select_matmul_impl("int4", 1) == "xla"  # tests run on CPU
     with monkeypatch.context() as patch:
@@ -131,8 +127,8 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
     weight, weight_scale = quantize_weight_fp8(jnp.asarray(rng.standard_normal((64, 16)), jnp.float32))
     fp8 = linear.Fp8Linear(weight, weight_scale, activation_scheme="dynamic_token", dtype=jnp.float32)
     fp8_weight_only = linear.Fp8Linear(weight, weight_scale, activation_scheme=None, dtype=jnp.float32)
-    dequantized = linear._FP8_MATMULS["xla"]
-    monkeypatch.setitem(linear._FP8_MATMULS, "xla", lambda *a: calls.append("dequantized") or dequantized(*a))
+    upcast = linear._FP8_MATMULS["xla_native"]
+    monkeypatch.setitem(linear._FP8_MATMULS, "xla_native", lambda *a: calls.append("upcast") or upcast(*a))
     asked = []
     selector = linear._MATMUL_SELECTOR[0]
     monkeypatch.setattr(linear, "_MATMUL_SELECTOR", [lambda fmt, m: asked.append(fmt) or selector(fmt, m)])
@@ -145,12 +141,11 @@ def test_matmul_impl_auto_selects_by_static_rows(monkeypatch):
         exact = linear.fp8_weight_only_matmul_reference(x, weight, weight_scale)
         err = float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
         assert (err < 1e-6) == (rows == 2)  # weight-only at small M; quantized activations above
-        # A weight-only FP8 layer asks as "fp8" and stays exact up to the product: its "xla" is the weights
-        # converted into a buffer, then the dot.
+        # A weight-only FP8 layer asks as "fp8" and stays exact up to the product: its "xla" is the upcast dot.
         asked.clear()
         calls.clear()
         np.testing.assert_allclose(np.asarray(fp8_weight_only(x)), np.asarray(exact), rtol=1e-6, atol=1e-6)
-        assert asked == ["fp8"] and calls == (["fp8"] if rows == 2 else ["dequantized"])
+        assert asked == ["fp8"] and calls == (["fp8"] if rows == 2 else ["upcast"])
         asked.clear()
         fp8(x)
         assert asked == [linear.FP8_W8A8]

@@ -24,10 +24,10 @@ compute dtype), swapped in for the decoder's projections by ``models.quantizatio
   type exactly), so it asks the selector as weight-only ``"fp8"`` and runs FP8's weight-only entries.
 
 ``matmul_impl`` of both modules (``MATMUL_IMPLS``): ``"xla"`` (int: ``weight_only_matmul_reference``, dequantize +
-dot fused by XLA as it can; fp8: the float8 dot above, or for a layer without activation quantization the weights
-converted into a buffer, then the dot, ``fp8_dequantized_matmul``), ``"xla_native"`` (int: native ``int4`` /
-``int8`` storage, dequantized in the dot's operand; fp8: the weights upcast in the dot's operand, the scale applied
-after), ``"xla_native_grouped"`` (int only: native storage, a dot per group on the raw integers, scaled after; see
+dot fused by XLA as it can; fp8: the float8 dot above, or the upcast dot for a layer without activation
+quantization), ``"xla_native"`` (int: native ``int4`` / ``int8`` storage,
+dequantized in the dot's operand; fp8: the weights upcast in the dot's operand, the scale applied after),
+``"xla_native_grouped"`` (int only: native storage, a dot per group on the raw integers, scaled after; see
 ``models.quantization.native``), ``"pallas"`` (the skinny-M Pallas kernels of ``paged_jax.ops.quantized_matmul``:
 weight-only, fp8 activations not quantized), ``"pallas_blocked"`` (the block-sliced M = 1 GEMV kernels of
 ``paged_jax.ops.quantized_gemv``, "pallas" for other M or shapes it does not take) or ``"auto"`` (default: chosen
@@ -305,7 +305,7 @@ class Fp8Linear(nnx.Module):
     ``QuantConfig``.
     ``matmul_impl`` (``FP8_IMPLS``) "pallas" / "pallas_blocked" / "xla_native" run weight-only: the activations are
     not quantized (exact up to the bf16 product), whatever the scheme; "xla" keeps the float8 dot (without an
-    ``activation_scheme``: the weights converted into a buffer, then XLA's dot); "auto" asks the selector per M as
+    ``activation_scheme``: the upcast weights in XLA's dot, as "xla_native"); "auto" asks the selector per M as
     format ``FP8_W8A8`` when activations are quantized (on the GPU: weight-only kernels at small M, the float8 dot
     from ``FP8_DOT_MIN_ROWS``; elsewhere "xla"), else as "fp8" (weight-only at every M)."""
 
@@ -341,8 +341,8 @@ class Fp8Linear(nnx.Module):
         x2 = x.reshape(-1, x.shape[-1])
         w_scale = self.weight_scale[...].astype(jnp.float32)
         impl = resolve_matmul_impl(self.matmul_impl, self.selector_format, x2.shape[0])
-        if impl != "xla" or self.activation_scheme is None:  # weight-only ("xla": dequantize, then XLA's dot)
-            y = _FP8_MATMULS[impl](x2.astype(self.dtype), self.weight[...], w_scale)
+        if impl != "xla" or self.activation_scheme is None:  # weight-only ("xla": the upcast in XLA's dot)
+            y = _FP8_MATMULS["xla_native" if impl == "xla" else impl](x2.astype(self.dtype), self.weight[...], w_scale)
         else:
             x_q, x_scale = quantize_activations_fp8(
                 x2, self.activation_scheme, None if self.input_scale is None else self.input_scale[...])
@@ -470,21 +470,6 @@ def quantize_weight_int8(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(w / scale[:, None]), -127, 127).astype(jnp.int8), scale
 
 
-def fp8_dequantized_matmul(x, weight, weight_scale) -> jax.Array:
-    """Weight-only 8-bit ``[N, K]`` weights in XLA, for many rows: ``weight`` (float8_e4m3fn or int8) converted to
-    ``x.dtype`` into a buffer, then XLA's dot on it, the scale on the fp32 product; ``[M, N]`` in ``x.dtype``, the
-    math of ``native.fp8_upcast_matmul``. A convert fused into the GEMM's operand load runs every program's weight
-    tiles through it, so the fused GEMM falls behind the 16-bit one as M grows; converted once, the weights cost a
-    pass over their bytes. Two barriers: the first ties the weights to the layer's input (XLA would otherwise
-    convert every layer's weights at the start of the forward and hold them all), the second keeps the convert out
-    of the dot's fusion."""
-    x, weight = jax.lax.optimization_barrier((x, weight))
-    x, w = jax.lax.optimization_barrier((x, weight.astype(x.dtype)))
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * weight_scale.astype(jnp.float32).reshape(1, -1)).astype(x.dtype)
-
-
-register_fp8_matmul("xla", fp8_dequantized_matmul)
 register_fp8_matmul("xla_native", native.fp8_upcast_matmul)
 
 QUANTIZED_LINEAR_TYPES = (WeightOnlyLinear, Fp8Linear)  # Int8Linear is an Fp8Linear

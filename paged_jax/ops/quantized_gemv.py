@@ -116,19 +116,12 @@ _INT8_F16_BITS = 0x6480
 _INT8_F16_OFFSET = 1152.0
 
 
-_FOLD_INT8_BIAS = True
-
-
-def _int8_biased_f16(w):
-    """``int8`` tile -> float16 ``1152 + q`` (exact), from the bits."""
-    return lax.bitcast_convert_type(w.astype(jnp.int16) + jnp.int16(_INT8_F16_BITS), jnp.float16)
-
-
 def _upcast_weights(w, dtype):
     """A weight tile (float8_e4m3fn, or ``Int8Linear``'s int8) as ``dtype`` for the products, exactly: e4m3 values
     are float16 values; int8 goes through float16 by its bits (``_INT8_F16_BITS``)."""
     if w.dtype == jnp.int8:
-        return (_int8_biased_f16(w) - jnp.float16(_INT8_F16_OFFSET)).astype(dtype)
+        biased = lax.bitcast_convert_type(w.astype(jnp.int16) + jnp.int16(_INT8_F16_BITS), jnp.float16)
+        return (biased - jnp.float16(_INT8_F16_OFFSET)).astype(dtype)
     return w.astype(dtype)
 
 
@@ -285,34 +278,22 @@ def _fp8_gemv_kernel(*refs, block_k, steps, dot_rows, prologue, eps, act_dtype):
         first_row = lax.broadcasted_iota(jnp.int32, (dot_rows, block_k), 0) == 0
         limit = float(jnp.finfo(dot_dtype).max)
 
-        # int8 tiles multiply as their biased float16 (1152 + q, no subtraction per weight); the bias' share,
-        # 1152 * sum(x), comes off once at the end.
-        biased = _FOLD_INT8_BIAS and w_ref.dtype == jnp.int8
-
-        def compute(tile, carry):
+        def compute(tile, acc):
             w, x = tile
-            acc, x_sum = carry
             x = jnp.clip(x.astype(jnp.float32), -limit, limit).astype(dot_dtype)
             x_rows = jnp.where(first_row, x[None, :], jnp.zeros((), dot_dtype))
             precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-            if biased:
-                w_up = _int8_biased_f16(w).astype(dot_dtype)
-                x_sum = x_sum + jnp.sum(x.astype(jnp.float32))
-            else:
-                w_up = _upcast_weights(w, dot_dtype)
-            return acc + _dot(x_rows, w_up, trans_b=True, precision=precision), x_sum
+            return acc + _dot(x_rows, _upcast_weights(w, dot_dtype), trans_b=True, precision=precision)
 
-        acc, x_sum = _k_loop(k_share // block_k, steps, load, compute,
-                             (jnp.zeros((dot_rows, block_n), jnp.float32), jnp.zeros((), jnp.float32)))
-        raw = jnp.sum(acc, axis=0) - (_INT8_F16_OFFSET * x_sum if biased else 0.0)
+        acc_shape, reduce_axis = (dot_rows, block_n), 0
     else:
         def compute(tile, acc):
             w, x = tile
             return acc + x.astype(jnp.float32)[None, :] * _upcast_weights(w, jnp.float32)
 
-        acc = _k_loop(k_share // block_k, steps, load, compute, jnp.zeros((block_n, block_k), jnp.float32))
-        raw = jnp.sum(acc, axis=1)
-    out_ref[0, :] = (raw * s_ref[0, :]).astype(out_ref.dtype)
+        acc_shape, reduce_axis = (block_n, block_k), 1
+    acc = _k_loop(k_share // block_k, steps, load, compute, jnp.zeros(acc_shape, jnp.float32))
+    out_ref[0, :] = (jnp.sum(acc, axis=reduce_axis) * s_ref[0, :]).astype(out_ref.dtype)
 
 
 _KNOB_ARGS = ("block_n", "block_k", "steps", "split_k", "num_warps", "num_stages")

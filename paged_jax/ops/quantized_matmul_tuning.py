@@ -37,11 +37,11 @@ TARGET_PROGRAMS = 264
 # (RESULTS.md): int4 the block-sliced GEMV at M = 1 and the packed Pallas kernel at 16 (the grouped native dot was
 # faster there, but a format keeps one storage and packed wins the sum over both buckets); fp8 the block-sliced
 # GEMV's tensor-core path at M = 1 and XLA's dot on the upcast weights (its convert fuses into the GEMM's operand
-# load) above, for weight-only layers up to ``WEIGHT_ONLY_DEQUANTIZE_MIN_ROWS`` and for layers that quantize their
-# activations up to ``FP8_DOT_MIN_ROWS``; online int8 (``Int8Linear``: FP8's layout on int8) asks as "fp8". The
-# packed "int8" entries serve GPTQ 8-bit. Integer formats above 16 rows: XLA (dequantize + dot; no int4 path is
-# bandwidth-bound there). A weight-only format's entries must all read one storage (``STORAGE``): its modules hold
-# one layout whatever M a step has.
+# load) above, for weight-only layers at every M and for layers that quantize their activations up to
+# ``FP8_DOT_MIN_ROWS``; online int8 (``Int8Linear``: FP8's layout on int8) asks as "fp8". The packed "int8" entries
+# serve GPTQ 8-bit. Integer formats above 16 rows: XLA (dequantize + dot; no int4 path is bandwidth-bound there). A
+# weight-only format's entries must all read one storage (``STORAGE``): its modules hold one layout whatever M a
+# step has.
 AUTO_IMPL = {
     ("int4", 1): "pallas_blocked", ("int4", 16): "pallas", ("int4", 64): "xla",
     ("int8", 1): "pallas", ("int8", 16): "pallas", ("int8", 64): "xla",
@@ -55,12 +55,6 @@ NATIVE_IMPLS = tuple(impl for impl, kind in IMPL_STORAGE.items() if kind == "nat
 # gate_up (online fp8's quantized pair: ahead on qkv, behind on gate_up) and wins on down; from 256 it wins on all
 # four.
 FP8_DOT_MIN_ROWS = 128
-# Weight-only 8-bit layers (format "fp8": FP8 without activation quantization, online int8): from this many rows on
-# the GPU "auto" converts the weights into a 16-bit buffer and runs XLA's 16-bit GEMM on it ("xla",
-# ``fp8_dequantized_matmul``) instead of the GEMM with the convert fused into its operand load ("xla_native"). The
-# H200 sweep (RESULTS.md, "online int8"): at 2048 rows the fused GEMMs of the four Llama-3.1-8B projections take
-# 1.16-1.32x the bf16 GEMM's time, more than a pass over the weights costs; at 256 rows the pass costs more.
-WEIGHT_ONLY_DEQUANTIZE_MIN_ROWS = 2048
 
 # Bucket entries for int4 / fp8 at M 1 and 16 and the shape entries (Llama-3.1-8B projections) are the H200 sweep's
 # best (benchmarks/RESULTS.md, quantized matmul sweep; fp8's from when its weights were stored [K, N], not re-swept on
@@ -155,8 +149,6 @@ def auto_impl(fmt: str, m: int, backend: str) -> str:
     if fmt == FP8_W8A8:
         if backend == "gpu" and m < FP8_DOT_MIN_ROWS:
             return AUTO_IMPL[("fp8", m_bucket(m))]
-        return "xla"
-    if backend == "gpu" and fmt == "fp8" and m >= WEIGHT_ONLY_DEQUANTIZE_MIN_ROWS:
         return "xla"
     if backend == "gpu":
         return AUTO_IMPL[(fmt, m_bucket(m))]
