@@ -405,6 +405,30 @@ def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
     assert quant.layout()["weight_storage"] == other
 
 
+def test_weight_cache_restores_online_int8(float_dir, tmp_path, monkeypatch):
+    """Online int8's converted weights (``Int8Linear``: int8 [out, in] and float32 scales, fused) are cached and
+    restored without quantizing again, dtypes included."""
+    from flax import nnx
+
+    from models.quantization import load
+    from models.quantization.linear import Int8Linear
+    from paged_jax.config import EngineArgs
+    from paged_jax.model_loader import _load_single_device, resolve_engine_quantization
+
+    monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
+    args = EngineArgs(model=str(float_dir), dtype="float32", quantization="int8")
+    config = ModelConfig.from_pretrained(float_dir)
+    quant = resolve_engine_quantization(args, str(float_dir))
+    converted = _load_single_device(args, str(float_dir), config, "float32", quant)
+    assert type(converted.model.layers[0].mlp.gate_up_proj) is Int8Linear
+    monkeypatch.setattr(load, "load_quantized_model", None)  # a cache hit never converts
+    restored = _load_single_device(args, str(float_dir), config, "float32", quant)
+    assert type(restored.model.layers[0].mlp.gate_up_proj) is Int8Linear
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(converted)), nnx.to_flat_state(nnx.state(restored))):
+        assert a.get_value().dtype == b.get_value().dtype, path
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+
+
 @pytest.mark.parametrize("method", ["gptq", "fp8", "int8"])
 def test_tensor_parallel_matches_single_device(float_dir, tmp_path, method):
     """A quantized model on a 2-device mesh computes what the same model computes on one device with the
