@@ -329,6 +329,16 @@ def test_engine_int8_greedy_equals_dequantized_fp32(float_dir, tmp_path, monkeyp
     assert llm.llm_engine.runner.num_compiles_since_warmup == 0
     assert sizing["dequantization_bytes"] == 0
     assert len(placed) == 1
+    # Each 8-bit class holds its own element type only; int8 is weight-only.
+    from models.quantization.linear import Fp8Linear, quantize_weight_fp8, quantize_weight_int8
+
+    w = jax.random.normal(jax.random.key(0), (32, 16), jnp.float32)
+    with pytest.raises(ValueError, match="Int8Linear weights must be int8"):
+        Int8Linear(*quantize_weight_fp8(w), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="Fp8Linear weights must be float8_e4m3fn"):
+        Fp8Linear(*quantize_weight_int8(w), activation_scheme=None, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="weight-only"):
+        Int8Linear(*quantize_weight_int8(w), activation_scheme="dynamic_token", dtype=jnp.float32)
 
 
 def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkeypatch):
@@ -358,9 +368,8 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     llm = LLM(model=str(float_dir), quantization="fp8", tensor_parallel_size=2, dtype="float32", max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
-    engine = llm.llm_engine
-    runner = engine.runner
-    model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
+    runner = llm.llm_engine.runner
+    model = _engine_model(llm)
     assert fp8_impls(model) == {"xla_native"}
     assert fp8_schemes(model) == online_schemes
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
