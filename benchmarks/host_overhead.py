@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = tempfile.mkdtemp(prefix="paged_jax_host_overhead_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=args.num_layers), f)
+        json.dump(tiny_config("Qwen3ForCausalLM", vocab_size=1024, num_hidden_layers=args.num_layers,
+                              max_position_embeddings=max(512, args.max_model_len)), f)  # room for --max-model-len
 
     tokenizer = None
     if args.stream_outputs and args.tokenizer != "none":

@@ -213,3 +213,89 @@ def test_executable_cache_makes_the_mosaic_gpu_runtime_findable_first(tmp_path, 
             assert calls == expect
     finally:
         jax.config.update("jax_compilation_cache_dir", previous_dir)
+
+
+def test_mosaic_kernels_compile_first_and_only_for_forwards_that_compile(tiny_model, tmp_path, monkeypatch):
+    """A forward whose attention holds a Mosaic GPU kernel gets a job compiling that call alone
+    (``ModelRunner.mosaic_attention_program``), submitted before every forward (jaxlib compiles such kernels under
+    LLVM options of their own, waiting for concurrent XLA compiles to leave LLVM); it is no executable of the
+    runner's, and a start that loads the forward from the executable cache skips it. On the CPU no call holds the
+    kernel, so the predicate is patched to claim one for the largest bucket."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from paged_jax import model_runner as model_runner_lib
+    from paged_jax.buckets import make_buckets
+    from paged_jax.ops.ragged_paged_attention import holds_mosaic_kernel
+    from paged_jax.warm_up import num_warm_up_executables
+
+    q, pages = (64, 4, 16), (12, 4, 2, 16)
+    assert not holds_mosaic_kernel("auto", q, pages, np.float32, 2)  # CPU: the reference
+    assert not holds_mosaic_kernel("triton", q, pages, np.float32, 2)
+    assert holds_mosaic_kernel("mosaic", q, pages, np.float32, 2)
+
+    model, config = tiny_model
+    small = dict(num_blocks=12, max_num_seqs=2, max_num_batched_tokens=8, threads=1)
+    largest = max(make_buckets(8, 2))
+    monkeypatch.setattr(model_runner_lib, "holds_mosaic_kernel",
+                        lambda impl, q_shape, *args: q_shape[0] == largest[0])
+    previous_dir = jax.config.jax_compilation_cache_dir
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        runner = make_runner(model, config, **small)
+        assert runner.mosaic_attention_program(*largest) is not None
+        assert all(runner.mosaic_attention_program(*b) is None for b in runner.buckets if b[0] != largest[0])
+        jobs = runner.warm_up_timings["compile_jobs"]
+        starts = {label: start for label, start, *_ in jobs}
+        kernel_job = f"mosaic_kernel{list(largest)}"
+        assert kernel_job in starts and len(jobs) == num_warm_up_executables(runner) + 1
+        assert starts[kernel_job] <= min(s for label, s in starts.items() if label.startswith("forward"))
+        assert runner.warm_up_timings["executables_loaded"] == 0 and runner.num_compiles_since_warmup == 0
+        again = make_runner(model, config, **small)  # every forward loaded: no kernel to compile
+        assert again.warm_up_timings["executables_loaded"] == again.num_compiles()
+        assert not any(label.startswith("mosaic_kernel") for label, *_ in again.warm_up_timings["compile_jobs"])
+    finally:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", previous_dir)
+
+
+def test_a_forward_asks_for_the_mosaic_kernel_its_warm_up_job_compiled():
+    """The premise of warm-up's Mosaic kernel jobs, checked by lowering for CUDA on the CPU: jaxlib keys compiled
+    Mosaic GPU kernels by their module, and under warm-up's lowering context (one source frame per location) the
+    forward's attention kernel is the very module ``mosaic_attention_program`` lowers; with full tracebacks in the
+    locations (JAX's default) the calling program changes the module, and the forward's kernel would compile again."""
+    import jax.numpy as jnp
+
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+    from models.config import ModelConfig
+    from models.loader import init_dummy_model
+    from models.testing import tiny_config
+    from paged_jax import warm_up as warm_up_lib
+
+    config = ModelConfig.from_hf_config(tiny_config("llama", vocab_size=128, hidden_size=256, num_attention_heads=2,
+                                                    num_key_value_heads=1, head_dim=128, num_hidden_layers=1))
+    model = init_dummy_model(config, dtype=jnp.bfloat16, seed=3)
+    runner = ModelRunner(model, config, num_blocks=12, block_size=16, max_model_len=128, max_num_seqs=2,
+                         max_num_batched_tokens=64, eos_token_ids=[2], attention_impl="mosaic")
+    bucket = max(runner.buckets)
+    jitted, args = runner.mosaic_attention_program(*bucket)
+    layout = runner._layout(*bucket)
+    forward_args = ([warm_up_lib._abstract(x) for x in runner._param_leaves], runner.abstract_kv_pool(),
+                    jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=runner.input_sharding()),
+                    warm_up_lib._abstract(runner._prev_tokens), None)
+
+    def kernels_added(lower):
+        before = set(mosaic_core.KNOWN_KERNELS)
+        lower()
+        return set(mosaic_core.KNOWN_KERNELS) - before
+
+    def lower_forward():
+        runner._forward.jitted.trace(*forward_args, num_tokens=bucket[0], num_seqs=bucket[1]).lower(
+            lowering_platforms=("cuda",))
+
+    with warm_up_lib._locations_without_caller_frames():
+        program_kernels = kernels_added(lambda: jitted.trace(*args).lower(lowering_platforms=("cuda",)))
+        assert len(program_kernels) == 1
+        assert not kernels_added(lower_forward)  # the forward's kernel: the one already compiled
+    jax.clear_caches()  # lower again (jit's caches do not key on the location option)
+    assert len(kernels_added(lower_forward)) == 1  # with whole tracebacks: a kernel of its own
