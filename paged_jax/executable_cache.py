@@ -135,10 +135,6 @@ class ExecutableCache:
         text = repr((name, sorted(static.items()), [_abstract_repr(x) for x in jax.tree.leaves(args)]))
         return self.directory / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
 
-    def has(self, name: str, args: Sequence, static: dict) -> bool:
-        """Whether an executable is saved for these inputs (``load`` may still reject a stale file)."""
-        return self._path(name, args, static).is_file()
-
     def load(self, name: str, args: Sequence, static: dict):
         """The executable saved for ``name`` on abstract inputs ``args`` with ``static`` keywords, or None."""
         path = self._path(name, args, static)

@@ -48,8 +48,7 @@ from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logpro
 from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
 from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
                                pack_block_copies, point_fork_rows)
-from paged_jax.ops import ragged_paged_attention, write_and_attend
-from paged_jax.ops.ragged_paged_attention import holds_mosaic_kernel
+from paged_jax.ops import write_and_attend
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
 from paged_jax.sampling_params import MAX_LOGPROBS
@@ -192,7 +191,7 @@ class ModelRunner(StepDispatchMixin):
     def _build_jitted(self) -> None:
         graphdef, state_treedef = self._graphdef, self._state_treedef
         config = self.model_config
-        sm_scale = self.attention_scale
+        sm_scale = config.head_dim ** -0.5
         sliding_window = config.sliding_window
         impl = self.attention_impl
         max_blocks = self.max_blocks_per_seq
@@ -302,34 +301,6 @@ class ModelRunner(StepDispatchMixin):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
         page = jax.ShapeDtypeStruct(self._kv_block_shape, self.kv_dtype, sharding=self.input_sharding())
         return [(page, page) for _ in range(self.model_config.num_hidden_layers)]
-
-    @property
-    def attention_scale(self) -> float:
-        """The softmax scale of every attention call: ``head_dim ** -0.5``."""
-        return self.model_config.head_dim ** -0.5
-
-    def mosaic_attention_program(self, num_tokens: int, num_seqs: int):
-        """``(jitted, abstract args)``: one layer's ``ragged_paged_attention`` call of bucket ``(num_tokens,
-        num_seqs)`` exactly as the forward makes it (shapes, dtypes, scale, impl), when that call holds a Mosaic GPU
-        kernel; else None (also with a sharding plan: its attention runs under shard_map). Compiling it leaves the
-        kernel in jaxlib's in-process kernel cache, keyed by the kernel's module (its shapes and options, not the
-        program around it), where the forward's compile finds it (``paged_jax.warm_up``)."""
-        if self.sharding_plan is not None:
-            return None
-        config = self.model_config
-        page = self.abstract_kv_pool()[0][0]
-        q = jax.ShapeDtypeStruct((num_tokens, config.num_attention_heads, config.head_dim), self.dtype,
-                                 sharding=page.sharding)
-        if not holds_mosaic_kernel(self.attention_impl, q.shape, page.shape, q.dtype, num_seqs,
-                                   config.sliding_window, page.dtype):
-            return None
-
-        def ints(*shape):
-            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=page.sharding)
-
-        attend = jax.jit(functools.partial(ragged_paged_attention, sm_scale=self.attention_scale,
-                                           sliding_window=config.sliding_window, impl=self.attention_impl))
-        return attend, (q, page, page, ints(num_seqs), ints(num_seqs, self.max_blocks_per_seq), ints(num_seqs + 1))
 
     def input_sharding(self) -> jax.sharding.Sharding:
         """Where ``jax.device_put(host_array, self.device)`` puts a step input (the runner's device or the plan's

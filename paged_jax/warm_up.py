@@ -24,7 +24,6 @@ phase 2 only, which compiles through jit on each first call.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import heapq
 import itertools
 import logging
@@ -214,8 +213,7 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             begin = time.perf_counter()
             seconds: dict = {}  # load_or_compile's lowering time
             try:
-                with _locations_without_caller_frames():
-                    return fn(*args, seconds=seconds, turn=turn)
+                return fn(*args, seconds=seconds, turn=turn)
             finally:
                 spans.append([label, round(begin - started, 4), round(time.perf_counter() - begin, 4),
                               round(seconds.get("lower", 0.0), 4)])
@@ -229,19 +227,10 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     prev_tokens = _abstract(runner._prev_tokens)
     lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
 
-    def forward_inputs(num_tokens, num_seqs):
-        buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
-        return (params, kv_pool, buf, prev_tokens, lora), {"num_tokens": num_tokens, "num_seqs": num_seqs}
-
     def compile_forward(num_tokens, num_seqs, seconds, turn):
-        return load_or_compile(cache, runner._forward, *forward_inputs(num_tokens, num_seqs), seconds, turn)
-
-    def compile_mosaic_kernel(jitted, args, seconds, turn):
-        with turn:
-            start = time.perf_counter()
-            lowered = jitted.lower(*args)
-            seconds["lower"] = time.perf_counter() - start
-        lowered.compile()  # for its kernel, left in jaxlib's cache; the executable itself is not kept
+        buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
+        return load_or_compile(cache, runner._forward, (params, kv_pool, buf, prev_tokens, lora),
+                               {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds, turn)
 
     finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
     # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs their
@@ -267,18 +256,6 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
                     finished.put(None)
             dependency.add_done_callback(ready)
 
-        # Before the forwards: the Mosaic GPU kernels of the forwards that will compile (not load), each in a
-        # program of its own (``ModelRunner.mosaic_attention_program``). jaxlib compiles such a kernel one at a time
-        # under LLVM options of its own, which must wait until no XLA compile is inside LLVM; inside the forwards,
-        # compiled beside everything else, those kernels waited for nearly all the other compiles and ended the
-        # phase. Compiled first they meet little XLA work, and the forwards then find them in jaxlib's cache.
-        mosaic_jobs = 0
-        for bucket in sorted(runner.buckets, reverse=True):
-            program = runner.mosaic_attention_program(*bucket)
-            if program is not None and not (cache is not None and cache.has(runner._forward.name,
-                                                                            *forward_inputs(*bucket))):
-                submit(f"mosaic_kernel{list(bucket)}", compile_mosaic_kernel, *program)
-                mosaic_jobs += 1
         # The forwards first, largest first (the longest compiles start while threads are free); each row count's
         # / token count's smallest bucket is the one its sampler / prompt-logprobs compiles take outputs from.
         forwards = {bucket: submit(f"forward{list(bucket)}", compile_forward, *bucket)
@@ -316,7 +293,7 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             data = _compiled_outputs(gathered)[0]
             return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data), None, seconds, turn)
 
-        num_jobs = len(forwards) + mosaic_jobs
+        num_jobs = len(forwards)
         for size in _swap_sizes(runner):
             submit(f"swap[{size}]", compile_swap, size)
             num_jobs += 1
@@ -333,25 +310,14 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
         try:
             for _ in range(num_jobs):
                 done = finished.get()
-                if done is not None and done.result() is not None:  # result() re-raises a failed compile
-                    bar.update(1)  # an executable (a Mosaic kernel's job returns None: not one of the bar's)
+                if done is not None:
+                    done.result()  # re-raises a failed compile
+                    bar.update(1)
         except BaseException:
             stopping.set()
             pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are not wanted any more
             raise
     return spans
-
-
-def _locations_without_caller_frames():
-    """This thread's lowerings with one source frame per op in their MLIR locations instead of the whole traceback
-    (``jax_include_full_tracebacks_in_locations`` off). A Mosaic GPU kernel's module, which jaxlib's kernel cache is
-    keyed by, then names no frame of the program calling it: the kernel compiled alone at warm-up is the one each
-    forward asks for (with full tracebacks every calling program made another kernel)."""
-    try:
-        from jax._src import config
-        return config.include_full_tracebacks_in_locations(False)
-    except (ImportError, AttributeError):  # a jax without the option: kernels compile inside the forwards again
-        return contextlib.nullcontext()
 
 
 def _split_forward_outputs(outputs: list) -> tuple[list, object, object, object]:

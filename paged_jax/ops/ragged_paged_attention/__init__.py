@@ -45,18 +45,6 @@ def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=Non
     return "triton"
 
 
-def holds_mosaic_kernel(impl: str, q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None,
-                        kv_dtype=None) -> bool:
-    """Whether ``ragged_paged_attention(impl=impl)`` on these static shapes runs the Mosaic GPU kernel (``"mosaic"``,
-    or ``"auto"`` choosing the hybrid path). Start-up compiles such calls apart (``paged_jax.warm_up``): jaxlib
-    compiles a Mosaic GPU kernel under LLVM options of its own, which wait for every concurrent XLA compile to leave
-    LLVM, so inside a forward compiled beside others it is among the last to finish."""
-    impl = resolve_attention_impl(impl)
-    if impl == "auto":
-        impl = choose_impl(q_shape, k_pages_shape, dtype, num_seqs, sliding_window, kv_dtype)
-    return impl in ("mosaic", "hybrid")
-
-
 def _tuning_keys(impl: str) -> tuple[str, ...]:
     """The tuning knobs of a kernel: the keyword-only arguments of its ``default_tuning``."""
     if impl == "mosaic":
@@ -147,5 +135,5 @@ def ragged_paged_attention(
     )
 
 
-__all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "holds_mosaic_kernel", "ragged_paged_attention",
+__all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
            "ragged_paged_attention_reference"]
