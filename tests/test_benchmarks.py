@@ -149,3 +149,24 @@ def test_quantization_sweep_table_keeps_the_float8_dot_out_of_the_fp8_buckets():
     assert entries and all("'xla'" not in e for e in entries)
     assert entries == ["('fp8', 1): 'xla_native',", "('fp8', 16): 'xla_native',", "('fp8', 64): 'xla_native',"]
     assert next(r["FP8_DOT_MIN_ROWS"] for r in rows if "FP8_DOT_MIN_ROWS" in r) == 64
+
+
+def test_schedule_benchmark_counts_the_steps_of_a_workload():
+    """benchmarks.schedule: the scheduler alone on a small random workload (8 requests of 40 prompt and 6 output
+    tokens, 4 slots, 64 tokens a step): every token is scheduled exactly once, each step fits its bucket, and the
+    decode-only steps' bytes are their rows' whole contexts plus the weights once a step."""
+    from benchmarks.schedule import simulate, summarize
+    from benchmarks.workloads import random_fixed
+
+    steps = simulate(random_fixed(num_prompts=8, input_len=40, output_len=6), max_num_seqs=4,
+                     max_num_batched_tokens=64, max_model_len=128, num_blocks=64, block_size=8)
+    summary = summarize(steps, weight_bytes=1000, kv_bytes_per_token=10, hbm_bytes_per_s=1e3)
+    # Prompt tokens once each, then one token per decode step after a request's first sampled token.
+    assert summary["tokens"] == 8 * 40 + 8 * 5
+    assert all(bucket[0] >= tokens for tokens, *_, bucket in steps)
+    decode_only = [s for s in steps if s[2] == 0]
+    assert summary["decode_only_steps"] == len(decode_only) > 0
+    assert all(kv >= rows * 41 for _, rows, _, kv, _ in decode_only)  # each row: its prompt and >= 1 output token
+    expected_bytes = sum(kv for *_, kv, _ in decode_only) * 10 + len(decode_only) * 1000
+    assert summary["decode_only_bytes"] == expected_bytes and summary["decode_only_floor_s"] == expected_bytes / 1e3
+    assert summary["steps"] == summary["decode_only_steps"] + summary["prefill_steps"]
