@@ -9,8 +9,9 @@ what a phase-by-phase bound needs (benchmarks/RESULTS.md, "What the 75% target a
 
     python -m benchmarks.schedule --workload vllm-default --shape llama-3.1-8b
 
-One JSON line. The KV pool is sized so that no request is preempted (``--num-blocks``); the engine's own run may take
-a few more steps (async scheduling's placeholders), not a different mix.
+One JSON line. The KV pool is sized so that no request is preempted (``--num-blocks``). The engine's own run may take a
+few more steps (async scheduling's placeholders: 551 on the H200 against 542 here for vLLM's default workload); its
+step mix on the GPU is not recorded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import types
 
 def simulate(workload, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_blocks: int,
              block_size: int) -> list[tuple[int, int, int, int, tuple[int, int]]]:
-    """Steps as ``(batched tokens, decode rows, prompt tokens, decode rows' KV tokens, bucket)``."""
+    """Steps as ``(batched tokens, decode rows, prompt tokens, decode rows' KV tokens, bucket)``: a decode row is one
+    whose new tokens are all past its prompt (a one-token last piece of a chunked prompt is prompt work); a row's KV
+    tokens are its context after the step (the keys its attention reads); the bucket is the ``(tokens, seqs)`` shape
+    the engine pads the step to."""
     from paged_jax.buckets import make_buckets, pick_bucket
     from paged_jax.kv_cache_manager import KVCacheManager
     from paged_jax.request import Request
@@ -43,18 +47,27 @@ def simulate(workload, *, max_num_seqs: int, max_num_batched_tokens: int, max_mo
         out = scheduler.schedule()
         if out.is_empty:
             raise RuntimeError("the scheduler made an empty step with requests left (KV pool too small?)")
-        decode = out.num_decode_seqs
-        kv_tokens = sum(s.num_computed_tokens + s.num_new_tokens for s in out.scheduled[:decode])
-        steps.append((out.num_batched_tokens, decode, out.num_batched_tokens - decode, kv_tokens,
+        prompt_tokens, decode_rows, kv_tokens = 0, 0, 0
+        for seq in out.scheduled:
+            end = seq.num_computed_tokens + seq.num_new_tokens
+            in_prompt = max(0, min(end, len(seq.request.prompt_token_ids)) - seq.num_computed_tokens)
+            prompt_tokens += in_prompt
+            if in_prompt == 0 and seq.num_new_tokens:
+                decode_rows += 1
+                kv_tokens += end
+        steps.append((out.num_batched_tokens, decode_rows, prompt_tokens, kv_tokens,
                       pick_bucket(buckets, out.num_batched_tokens, len(out.scheduled))))
         scheduler.update_from_output(out, [1] * len(out.scheduled))  # any token: EOS is ignored
     return steps
 
 
-def summarize(steps, *, weight_bytes: int, kv_bytes_per_token: int, hbm_bytes_per_s: float) -> dict:
+def summarize(steps, *, weight_bytes, kv_bytes_per_token: int, hbm_bytes_per_s: float) -> dict:
+    """The step mix of ``simulate``'s ``steps``. ``weight_bytes(rows)``: the weight bytes a decode step of that many
+    rows reads (int); ``kv_bytes_per_token``: KV bytes per token of context (all layers); ``hbm_bytes_per_s``: the
+    bandwidth of ``decode_only_floor_s`` (the decode-only steps' bytes at that rate)."""
     decode_only = [s for s in steps if s[2] == 0]
     prefill = [s for s in steps if s[2] > 0]
-    decode_bytes = sum(s[3] for s in decode_only) * kv_bytes_per_token + len(decode_only) * weight_bytes
+    decode_bytes = sum(s[3] * kv_bytes_per_token + weight_bytes(s[1]) for s in decode_only)
     return {
         "steps": len(steps),
         "decode_only_steps": len(decode_only),
@@ -90,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                      num_blocks=args.num_blocks, block_size=args.block_size)
     result = {"benchmark": "schedule", "workload": args.workload, "shape": args.shape,
-              **summarize(steps, weight_bytes=decode_weight_bytes(config, 1, 2),
+              **summarize(steps, weight_bytes=lambda rows: decode_weight_bytes(config, rows, 2),
                           kv_bytes_per_token=kv_bytes_per_token(config, 2), hbm_bytes_per_s=H200_HBM_BYTES_PER_S)}
     print(json.dumps(result))
     return result

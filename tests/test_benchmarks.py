@@ -152,21 +152,27 @@ def test_quantization_sweep_table_keeps_the_float8_dot_out_of_the_fp8_buckets():
 
 
 def test_schedule_benchmark_counts_the_steps_of_a_workload():
-    """benchmarks.schedule: the scheduler alone on a small random workload (8 requests of 40 prompt and 6 output
-    tokens, 4 slots, 64 tokens a step): every token is scheduled exactly once, each step fits its bucket, and the
-    decode-only steps' bytes are their rows' whole contexts plus the weights once a step."""
+    """benchmarks.schedule on two workloads small enough to schedule by hand: (a) two prompts of 4 tokens, 3 output
+    tokens each, 2 slots, 8 tokens a step: one prefill step, then two decode-only steps whose rows read 5 and then 6
+    keys each; (b) one prompt of 9 tokens in steps of 8: the prompt's one-token last piece is prompt work, not a
+    decode, so only the step after it is decode-only (10 keys)."""
     from benchmarks.schedule import simulate, summarize
     from benchmarks.workloads import random_fixed
 
-    steps = simulate(random_fixed(num_prompts=8, input_len=40, output_len=6), max_num_seqs=4,
-                     max_num_batched_tokens=64, max_model_len=128, num_blocks=64, block_size=8)
-    summary = summarize(steps, weight_bytes=1000, kv_bytes_per_token=10, hbm_bytes_per_s=1e3)
-    # Prompt tokens once each, then one token per decode step after a request's first sampled token.
-    assert summary["tokens"] == 8 * 40 + 8 * 5
-    assert all(bucket[0] >= tokens for tokens, *_, bucket in steps)
-    decode_only = [s for s in steps if s[2] == 0]
-    assert summary["decode_only_steps"] == len(decode_only) > 0
-    assert all(kv >= rows * 41 for _, rows, _, kv, _ in decode_only)  # each row: its prompt and >= 1 output token
-    expected_bytes = sum(kv for *_, kv, _ in decode_only) * 10 + len(decode_only) * 1000
-    assert summary["decode_only_bytes"] == expected_bytes and summary["decode_only_floor_s"] == expected_bytes / 1e3
-    assert summary["steps"] == summary["decode_only_steps"] + summary["prefill_steps"]
+    def run(num_prompts, input_len, output_len):
+        steps = simulate(random_fixed(num_prompts=num_prompts, input_len=input_len, output_len=output_len),
+                         max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32, num_blocks=16, block_size=4)
+        return steps, summarize(steps, weight_bytes=lambda rows: 1000 + rows, kv_bytes_per_token=10,
+                                hbm_bytes_per_s=1e3)
+
+    steps, summary = run(2, 4, 3)
+    assert [(tokens, rows, prompt, kv) for tokens, rows, prompt, kv, _ in steps] == [
+        (8, 0, 8, 0), (2, 2, 0, 10), (2, 2, 0, 12)]
+    assert summary["steps"] == 3 and summary["decode_only_steps"] == 2 and summary["prefill_steps"] == 1
+    assert summary["decode_only_bytes"] == 22 * 10 + 2 * 1002 and summary["decode_only_floor_s"] == 2.224
+    assert summary["decode_only_mean_context"] == 5.5 and summary["tokens"] == 12
+
+    steps, summary = run(1, 9, 2)
+    assert [(tokens, rows, prompt, kv) for tokens, rows, prompt, kv, _ in steps] == [
+        (8, 0, 8, 0), (1, 0, 1, 0), (1, 1, 0, 10)]
+    assert summary["decode_only_steps"] == 1 and summary["decode_only_bytes"] == 10 * 10 + 1001
