@@ -1,6 +1,6 @@
 """Async scheduling on the engine side (``EngineArgs.async_scheduling``): step k+1 is scheduled and dispatched
 before step k's tokens reach the host. The scheduler is advanced with a placeholder for each token still on the
-device (decode inputs are taken on the device, ``SeqInput.feed_from_previous``); the next ``step()`` call resolves
+device (the runner feeds a ``PLACEHOLDER_TOKEN`` from the previous step's on-device samples); the next ``step()`` call resolves
 the placeholders, applies the stop rules and detokenizes while the device runs the step after.
 
 Structured outputs overlap too: a grammar row's bitmask needs step k's token, but only at sampling. So with a
@@ -16,23 +16,20 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.outputs import RequestOutput
 from paged_jax.request import Request
-from paged_jax.scheduler import ScheduledSeq
 from paged_jax.step_io import PendingStep
-
-# Stands for a sampled token still on the device (async scheduling); real token ids are >= 0.
-PLACEHOLDER_TOKEN = -1
 
 
 @dataclasses.dataclass
 class InFlightStep:
     """A dispatched step whose sampled tokens are still placeholders: ``rows`` = (row, request, output index);
-    ``scheduled``: the step's sequences when some of them asked for prompt logprobs, else None."""
+    ``scheduler_output``: the step, when some of its rows asked for prompt logprobs, else None."""
 
     handle: PendingStep
     rows: list[tuple[int, Request, int]]
-    scheduled: list[ScheduledSeq] | None = None
+    scheduler_output: SchedulerOutput | None = None
 
 
 class AsyncSchedulingMixin:
@@ -60,15 +57,15 @@ class AsyncSchedulingMixin:
     def _start_in_flight(self, scheduler_output, handle: PendingStep) -> None:
         """Right after dispatch: advance the scheduler as if the step were done, with a placeholder for each sampled
         token, so the next step can be scheduled before the tokens are known."""
-        scheduled = scheduler_output.scheduled
-        row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
-        placeholders = [PLACEHOLDER_TOKEN if s.samples else None for s in scheduled]
+        row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
+        placeholders = [PLACEHOLDER_TOKEN if samples else None for samples in scheduler_output.samples]
         progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
         rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
         prompt_rows = handle.wants_prompt_logprobs
         # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
         # computes prompt logprobs, which must still be recorded).
-        self._in_flight = (InFlightStep(handle=handle, rows=rows, scheduled=scheduled if prompt_rows else None)
+        self._in_flight = (InFlightStep(handle=handle, rows=rows,
+                                        scheduler_output=scheduler_output if prompt_rows else None)
                            if rows or prompt_rows else None)
 
     def _in_flight_needs_tokens(self) -> bool:
@@ -82,8 +79,8 @@ class AsyncSchedulingMixin:
         could not see), advance the grammars, detokenize."""
         flight, self._in_flight = self._in_flight, None
         result = flight.handle.result()
-        if flight.scheduled is not None:
-            self._record_prompt_logprobs(flight.scheduled, result)
+        if flight.scheduler_output is not None:
+            self._record_prompt_logprobs(flight.scheduler_output, result)
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         now = time.time()
         touched = {}

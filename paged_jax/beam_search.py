@@ -166,8 +166,9 @@ class BeamSearchState:
         request = Request(request_id=f"{self.request_state.request_id}::beam{index}",
                           prompt_token_ids=prompt_token_ids, params=self.sampling,
                           eos_token_ids=self.eos_token_ids, priority=self.priority, arrival_time=self.arrival_time,
-                          output_token_ids=output_token_ids, hold_after_sample=True)
-        return SequenceState(index=index, request=request, seed=child_seed(self.base_seed, index), detokenizer=None,
+                          output_token_ids=output_token_ids, hold_after_sample=True,
+                          seed=child_seed(self.base_seed, index))
+        return SequenceState(index=index, request=request, detokenizer=None,
                              logprobs=[], cumulative_logprob=0.0, admitted=True)
 
     def advance(self) -> None:

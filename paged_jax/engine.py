@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from paged_jax.async_scheduling import PLACEHOLDER_TOKEN, AsyncSchedulingMixin, InFlightStep
+from paged_jax.async_scheduling import AsyncSchedulingMixin, InFlightStep
 from paged_jax.beam_search import BeamSearchParams, BeamSearchState
 from paged_jax.buckets import planned_num_compiles
 from paged_jax.config import EngineArgs
@@ -41,8 +41,9 @@ from paged_jax.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.request import Request, RequestStatus
 from paged_jax.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
-from paged_jax.scheduler import ScheduledSeq, Scheduler
-from paged_jax.step_io import PendingStep, SeqInput
+from paged_jax.core.sched_output import SchedulerOutput
+from paged_jax.scheduler import Scheduler
+from paged_jax.step_io import PendingStep
 from paged_jax.step_outputs import StreamDeltas, make_delta_output
 from paged_jax.structured_output import StructuredOutputManager
 
@@ -262,7 +263,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
                               eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
                               arrival_time=monotonic_arrival,
                               skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
-                              cache_salt=cache_salt, lora=lora,
+                              cache_salt=cache_salt, lora=lora, seed=child_seed(base_seed, index),
                               grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
             detokenizer = None
             if params.detokenize and self.tokenizer is not None:
@@ -271,8 +272,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens)
-            state.seqs.append(SequenceState(index=index, request=request, seed=child_seed(base_seed, index),
-                                            detokenizer=detokenizer,
+            state.seqs.append(SequenceState(index=index, request=request, detokenizer=detokenizer,
                                             logprobs=[] if params.logprobs is not None else None,
                                             cumulative_logprob=0.0 if params.sampled_logprobs is not None else None))
         # Sequences 1.. fork from sequence 0 when it samples its first token (as many as max_num_seqs lets run
@@ -383,58 +383,32 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             outputs += self._finish_sync(scheduler_output, handle, finished_only, stream_deltas)
         return outputs
 
-    def _launch(self, scheduler_output, defer_sampling: bool = False) -> PendingStep | None:
-        """Swap copies, then dispatch the step's forward + sampling (``defer_sampling``: only the forward when a row
-        has a grammar, ``ModelRunner.execute``); None when nothing is scheduled."""
+    def _launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> PendingStep | None:
+        """Hand the step to the runner (its diff, swap copies, then forward + sampling; ``defer_sampling``: only
+        the forward when a row has a grammar, ``ModelRunner.execute``); None when it has no rows."""
         if scheduler_output.is_empty:
             return None
-        self.runner.swap(scheduler_output.swap_out, scheduler_output.swap_in)
-        if not scheduler_output.scheduled:
-            return None
-        now = time.time()
-        inputs = []
-        lora_slots = self.lora_slots_for_step(scheduler_output.scheduled)
-        seq_by_id = self._seq_by_id
-        for seq_sched in scheduler_output.scheduled:  # every running sequence, every step: kept lean
-            request = seq_sched.request
-            request_id = request.request_id
-            state, seq = seq_by_id[request_id]
-            metrics = state.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-                metrics.time_in_queue = now - metrics.arrival_time
-            token_ids, samples = seq_sched.token_ids, seq_sched.samples
-            sampling = grammar = None
-            if samples:
-                output_token_ids = request.output_token_ids
-                sampling = (request.params, seq.seed, len(output_token_ids), request.prompt_token_ids,
-                            output_token_ids)
-                grammar = request.grammar
-            # A placeholder can only be the single decode token sampled by the step in flight: take it on device.
-            feed = PLACEHOLDER_TOKEN in token_ids
-            if feed and len(token_ids) != 1:
-                raise RuntimeError(f"unresolved sampled token inside a {seq_sched.num_new_tokens}-token chunk of "
-                                   f"{request_id!r}")
-            targets = None
-            if state.prompt_logprobs is not None and seq.index == 0 and not state.prompt_logprobs.complete:
-                targets = state.prompt_logprobs.targets(seq_sched.num_computed_tokens, seq_sched.num_new_tokens)
-            fork_parent = seq_sched.fork_parent
-            inputs.append(SeqInput(request_id, token_ids, seq_sched.num_computed_tokens, seq_sched.block_ids,
-                                   samples, sampling, feed, targets,
-                                   lora_slots.get(request.lora_int_id, 0) if lora_slots else 0, grammar,
-                                   fork_parent.request_id if fork_parent is not None else None))
-        self.num_steps += 1
-        return self.runner.execute(inputs, scheduler_output.block_copies, defer_sampling=defer_sampling)
+        if scheduler_output.scheduled_new_reqs:
+            now = time.time()
+            for new in scheduler_output.scheduled_new_reqs:
+                metrics = self._seq_by_id[new.req_id][0].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+                    metrics.time_in_queue = now - metrics.arrival_time
+        lora_slots = self.lora_slots_for_step(scheduler_output.requests)
+        handle = self.runner.execute(scheduler_output, lora_slots, defer_sampling=defer_sampling)
+        if handle is not None:
+            self.num_steps += 1
+        return handle
 
-    def _finish_sync(self, scheduler_output, handle: PendingStep, finished_only: bool = False,
+    def _finish_sync(self, scheduler_output: SchedulerOutput, handle: PendingStep, finished_only: bool = False,
                      stream_deltas: StreamDeltas | None = None) -> list[RequestOutput]:
         """Synchronous path: wait for the tokens, let the scheduler apply them (stop tokens, lengths)."""
         result = handle.result()
-        scheduled = scheduler_output.scheduled
-        self._record_prompt_logprobs(scheduled, result)
-        sampled = [t if s.samples else None for t, s in zip(result.sampled_token_ids.tolist(), scheduled)]
-        progressed = self.scheduler.update_from_output(scheduler_output, sampled)
-        row_of = {s.request.request_id: i for i, s in enumerate(scheduled)}
+        self._record_prompt_logprobs(scheduler_output, result)
+        requests = scheduler_output.requests
+        progressed = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids.tolist())
+        row_of = {r.request_id: i for i, r in enumerate(requests)} if progressed else {}
         now = time.time()
         touched: dict[str, RequestState] = {}
         for request in progressed:
@@ -504,18 +478,19 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         """True unless the request asked for prompt logprobs and some are still to compute."""
         return state.prompt_logprobs is None or state.prompt_logprobs.complete
 
-    def _record_prompt_logprobs(self, scheduled: Sequence[ScheduledSeq], result) -> None:
-        """Record the prompt logprobs a finished step computed (``result.prompt_logprobs``, rows as ``scheduled``)."""
+    def _record_prompt_logprobs(self, scheduler_output: SchedulerOutput, result) -> None:
+        """Record the prompt logprobs a finished step computed (``result.prompt_logprobs``, one per row)."""
         if result.prompt_logprobs is None:
             return
-        for seq_sched, chunk in zip(scheduled, result.prompt_logprobs):
-            entry = self._seq_by_id.get(seq_sched.request.request_id)
-            if chunk is None or entry is None or entry[1].request is not seq_sched.request:
+        starts = scheduler_output.row_num_computed_tokens()
+        for request, start, chunk in zip(scheduler_output.requests, starts, result.prompt_logprobs):
+            entry = self._seq_by_id.get(request.request_id)
+            if chunk is None or entry is None or entry[1].request is not request:
                 continue  # no prompt logprobs in this row, or aborted meanwhile
             collector = entry[0].prompt_logprobs
-            collector.record(seq_sched.num_computed_tokens, chunk)
+            collector.record(start, chunk)
             if collector.complete:
-                seq_sched.request.skip_prefix_cache = False  # a later recompute may take hits again
+                request.skip_prefix_cache = False  # a later recompute may take hits again
 
     def _decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:

@@ -377,6 +377,7 @@ class KVCacheManager:
         src = request.block_ids[index]
         dst = self._pop_free_block()
         request.block_ids[index] = dst
+        request.runner_num_blocks = min(request.runner_num_blocks, index)  # the runner's copy changes from here
         if request.num_computed_tokens % self.block_size:  # positions before the write hold the shared prefix
             self._pending_copies[dst] = src
             self._copy_source_refs[src] += 1

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -43,11 +42,13 @@ from models.quantization import compiler_options
 from paged_jax import sampler as sampler_lib
 from paged_jax import warm_up as warm_up_lib
 from paged_jax.executable_cache import AheadOfTimeFunction
-from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, pick_bucket, sampler_rows_for, swap_sizes_for
-from paged_jax.prompt_logprobs import pack_prompt_logprob_targets, prompt_logprobs_on_device
+from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, sampler_rows_for, swap_sizes_for
+from paged_jax.prompt_logprobs import prompt_logprobs_on_device
 from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
-from paged_jax.step_io import (PendingStep, SamplerVariant, SeqInput, StepLayout, apply_block_copies,
-                               pack_block_copies, point_fork_rows)
+from paged_jax.core.sched_output import SchedulerOutput
+from paged_jax.step_io import PendingStep, SamplerVariant, StepLayout, apply_block_copies
+from paged_jax.worker.input_batch import InputBatch
+from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops import write_and_attend
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
@@ -167,7 +168,9 @@ class ModelRunner(StepDispatchMixin):
         # Last step's sampled tokens, on device (int32[max seq bucket]), and the packed row each key sampled in.
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
-        self._prev_rows: dict[str, int] = {}
+        # The requests it holds, one persistent row each (updated by each step's diff).
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq,
+                                      eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size)
         # Empty penalty history / bias table per seq bucket (steps without such rows), and the neutral bias table of
         # a full-mode step without a bias-table row (i32[R, bias_table_width(V)]: a few MB, inside the KV pool
         # sizing's headroom), created once at start-up: no step pays their transfer.
@@ -345,14 +348,15 @@ class ModelRunner(StepDispatchMixin):
         return swap_sizes_for(self.num_blocks)
 
     # ------------------------------------------------------------------ one step
-    def execute(self, seqs: Sequence[SeqInput], block_copies: Sequence[tuple[int, int]] = (), *,
-                defer_sampling: bool = False) -> PendingStep:
-        """Dispatch one step; nothing here waits for the device. ``.result()`` of the return value fetches outputs.
+    def execute(self, scheduler_output: SchedulerOutput, lora_slots: dict[int, int] | None = None, *,
+                defer_sampling: bool = False) -> PendingStep | None:
+        """Apply a step's diff to the persistent batch, run its swap copies, then dispatch it; nothing here waits for
+        the device. Returns the step's handle (``.result()``: a ``StepOutput`` aligned with the step's rows), or
+        None when the step has no rows.
 
-        ``seqs`` may come in any order; they are packed decodes first, then prefill chunks, then fork rows
-        (``SeqInput.sample_from``). ``block_copies`` ``[(src_block, dst_block)]`` are applied before the step's K/V
-        writes (copy-on-write, at most one per sequence). Raises ValueError if the batch exceeds the largest bucket,
-        a block table is too short, or ``feed_from_previous`` / ``sample_from`` names a key the step cannot serve.
+        ``lora_slots``: ``{lora_int_id: slot}`` of the step's adapters (``paged_jax.lora``). Raises ValueError when
+        a row's block table does not cover its tokens, the step exceeds the largest bucket, or a diff names a request
+        the batch cannot serve.
 
         A step with grammar rows goes in two halves (``paged_jax.step_dispatch``): the forward, then, while it runs,
         the grammar bitmask is filled and mask + sampler are dispatched. ``defer_sampling`` (async scheduling)
@@ -360,131 +364,73 @@ class ModelRunner(StepDispatchMixin):
         while this forward runs), then calls ``dispatch_sampling(handle)``. Without a grammar row the whole step is
         dispatched at once and ``defer_sampling`` changes nothing.
         """
-        if not seqs:
-            raise ValueError("execute needs at least one sequence")
         if self._deferred is not None:
             raise RuntimeError("execute: the previous step's sampling was never dispatched (dispatch_sampling)")
-        num_rows = len(seqs)
-        # Per row only C-speed iteration (fromiter / chain) and whole-array numpy; no per-row numpy calls.
-        q_lens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, num_rows)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_rows)
-        # Decodes first (stable), then multi-token chunks: the layout the attention kernel is tuned for; fork rows
-        # (no tokens) last, where the kernels see them as padding sequences (q_len 0, kv_len 0).
-        multi = q_lens > 1
-        forks = q_lens == 0
-        if multi.any() or forks.any():
-            order = np.argsort(np.where(forks, 2, multi), kind="stable")
-            packed_seqs = [seqs[i] for i in order.tolist()]
-            q_lens, starts = q_lens[order], starts[order]
-            rows_to_packed = np.empty((num_rows,), np.int64)
-            rows_to_packed[order] = np.arange(num_rows)
-        else:
-            packed_seqs = list(seqs)
-            rows_to_packed = np.arange(num_rows)
-        ends = starts + q_lens
-        num_forks = int(forks.sum())
-        if ends.max() > self.max_model_len:
-            raise ValueError(f"sequence {packed_seqs[int(np.argmax(ends))].key!r} reaches {int(ends.max())} tokens, "
-                             f"over max_model_len={self.max_model_len}")
-        num_tokens = int(q_lens.sum())
-        bucket_tokens, bucket_seqs = pick_bucket(self.buckets, num_tokens, num_rows)
-        layout = self._layout(bucket_tokens, bucket_seqs)
-        buf = np.zeros((layout.size,), np.int32)
-
-        def view(name):
-            a, b = layout.fields[name]
-            return buf[a:b]
-
-        input_ids, positions, slot_mapping, prev_rows = (view("input_ids"), view("positions"),
-                                                         view("slot_mapping"), view("prev_rows"))
-        cu_q_lens, kv_lens, logits_indices = view("cu_q_lens"), view("kv_lens"), view("logits_indices")
-        block_tables = view("block_tables").reshape(bucket_seqs, self.max_blocks_per_seq)
-        prev_rows[:] = -1
-
-        sampling_rows = [s.sampling if s.sample else None for s in packed_seqs]
-        tensors, mode = sampler_lib.build_sampling_tensors(
-            sampling_rows, layout.num_sample_rows, penalty_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size)
-        sampler_lib.pack_sampling_tensors(tensors, view("sampling"))
-        bias_table = sampler_lib.pack_bias_table(tensors)  # None unless a row uses logit_bias / allowed_token_ids
-        penalties = tensors.prev_token_ids.shape[1] > 0
-        grammars = [s.grammar if s.sample else None for s in packed_seqs]
-        constrained = any(grammar is not None for grammar in grammars)
-        requested = [n for n in (row[0].sampled_logprobs for row in sampling_rows if row is not None) if n is not None]
-        wants_logprobs = bool(requested)
-        wants_top = any(n > 0 for n in requested)
-        if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
-            mode = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE  # all rows greedy: same argmax, plus top-K
-        num_logprobs = self.max_logprobs if wants_top else 0
-
-        # Block tables: one flat fill of every row's blocks.
-        table_lens = np.fromiter(map(len, (s.block_ids for s in packed_seqs)), np.int64, num_rows)
-        bad = (table_lens * self.block_size < ends) | (table_lens > self.max_blocks_per_seq)
-        if bad.any():
-            packed = int(np.argmax(bad))
-            raise ValueError(f"sequence {packed_seqs[packed].key!r}: a block table of {int(table_lens[packed])} blocks "
-                             f"does not fit {int(ends[packed])} tokens within max_model_len={self.max_model_len}")
-        num_table_entries = int(table_lens.sum())
-        table_starts = np.cumsum(table_lens) - table_lens
-        table_rows = np.repeat(np.arange(num_rows), table_lens)
-        table_cols = np.arange(num_table_entries) - np.repeat(table_starts, table_lens)
-        block_tables[table_rows, table_cols] = np.fromiter(
-            itertools.chain.from_iterable(s.block_ids for s in packed_seqs), np.int32, num_table_entries)
-
-        cu = np.cumsum(q_lens)
-        cu_q_lens[1:num_rows + 1] = cu
-        cu_q_lens[num_rows + 1:] = num_tokens  # padded seqs: q_len 0, kv_len 0; padded tokens -> null block slot 0
-        kv_lens[:num_rows] = ends
-        logits_indices[:num_rows] = cu - 1
-        if num_forks:
-            point_fork_rows(packed_seqs, num_forks, cu, logits_indices)
-        pack_block_copies(block_copies, view("copy_src"), view("copy_dst"), self.num_blocks)
-        if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
-            token_rows = np.arange(num_rows)
-            token_positions = starts
-        else:
-            token_rows = np.repeat(np.arange(num_rows), q_lens)
-            token_positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
-        positions[:num_tokens] = token_positions
-        slot_mapping[:num_tokens] = (block_tables[token_rows, token_positions // self.block_size] * self.block_size
-                                     + token_positions % self.block_size)
-        if self.lora_slots is not None:
-            view("lora_slot_ids")[:num_tokens] = np.repeat(np.fromiter((s.lora_slot for s in packed_seqs), np.int32,
-                                                                       num_rows), q_lens)
-        input_ids[:num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids if not s.feed_from_previous else (0,) for s in packed_seqs),
-            np.int32, num_tokens)
-        new_prev_rows = {s.key: packed for packed, s in enumerate(packed_seqs) if s.sample}
-        feed_packed = [packed for packed, s in enumerate(packed_seqs) if s.feed_from_previous]
-        if feed_packed:  # (async scheduling: every decode row)
-            previous = self._prev_rows
-            feed_rows = np.fromiter((previous.get(packed_seqs[packed].key, -1) for packed in feed_packed), np.int64,
-                                    len(feed_packed))
-            bad = (q_lens[feed_packed] != 1) | (feed_rows < 0)
-            if bad.any():
-                raise ValueError(f"sequence {packed_seqs[feed_packed[int(np.argmax(bad))]].key!r}: feed_from_previous "
-                                 "needs one new token and a sample from the previous step")
-            prev_rows[cu[feed_packed] - 1] = feed_rows
-
-        prompt_targets, prompt_spans = pack_prompt_logprob_targets(packed_seqs, q_lens, cu, bucket_tokens,
-                                                                   rows_to_packed)
-        history = tensors.prev_token_ids if penalties else None
-        self._prev_rows = new_prev_rows
-        sampled = np.fromiter((s.sample for s in seqs), bool, num_rows)
-        handle = PendingStep(None, rows_to_packed, sampled, prompt_spans)
-        if not constrained:
+        rows = self._update_batch(scheduler_output)
+        self.swap(scheduler_output.swap_out, scheduler_output.swap_in)
+        if rows is None:
+            return None
+        batch = self.input_batch
+        packed = pack_step(batch, rows, buckets=self.buckets, layout_for=self._layout, block_size=self.block_size,
+                           num_blocks=self.num_blocks, max_logprobs=self.max_logprobs,
+                           block_copies=scheduler_output.block_copies, lora_slots=lora_slots,
+                           lora=self.lora_slots is not None)
+        batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
+        batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
+        handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans)
+        layout = packed.layout
+        sampling_args = (packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
+                         packed.num_logprobs, packed.wants_logprobs)
+        grammars = self._step_grammars(scheduler_output.grammars, packed)
+        if grammars is None:
             handle.set_device_outputs(self._submit(
-                self._dispatch, buf, history, bias_table, None, prompt_targets, bucket_tokens, bucket_seqs,
-                mode.value, num_logprobs, wants_logprobs))
+                self._dispatch, packed.buf, packed.history, packed.bias_table, None, packed.prompt_targets,
+                layout.num_tokens, layout.num_seqs, packed.mode.value, packed.num_logprobs, packed.wants_logprobs))
             return handle
         # Grammar rows: the forward first, the bitmask is filled while it runs (only the sampling needs it).
-        forward = self._submit(self._dispatch_forward, buf, bucket_tokens, bucket_seqs)
-        self._deferred = DeferredSampling(handle, forward, grammars, layout.num_sample_rows,
-                                          (history, bias_table, prompt_targets, mode.value, num_logprobs,
-                                           wants_logprobs))
+        forward = self._submit(self._dispatch_forward, packed.buf, layout.num_tokens, layout.num_seqs)
+        self._deferred = DeferredSampling(handle, forward, grammars, layout.num_sample_rows, sampling_args)
         if not defer_sampling:
             self.dispatch_sampling(handle)
         return handle
+
+    def _update_batch(self, scheduler_output: SchedulerOutput) -> StepRows | None:
+        """Drop finished and preempted rows, apply the running rows' diffs, make the new and fork rows; returns the
+        step's rows (None: no rows)."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            batch.remove(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            batch.remove(req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        cached_rows = batch.apply_cached(cached)
+        new_reqs = scheduler_output.scheduled_new_reqs
+        new_rows = [batch.add(new) for new in new_reqs]
+        fork_rows = [batch.add(child) for child, _ in scheduler_output.fork_rows]
+        if not scheduler_output.has_rows:
+            return None
+        num_forks = len(fork_rows)
+        fork_parents: list[int] = []
+        if num_forks:
+            step_row_of = {req_id: i for i, req_id in enumerate(scheduler_output.row_req_ids())}
+            fork_parents = [step_row_of[parent] for _, parent in scheduler_output.fork_rows]
+        batch_rows = np.concatenate([cached_rows, np.asarray(new_rows + fork_rows, np.int64)])
+        num_new = np.asarray(scheduler_output.num_scheduled_tokens + [0] * num_forks, np.int64)
+        starts = np.asarray(cached.num_computed_tokens + [new.num_computed_tokens for new in new_reqs]
+                            + [0] * num_forks, np.int64)
+        if int((starts + num_new).max()) > self.max_model_len:
+            raise ValueError(f"a step reaches {int((starts + num_new).max())} tokens, over max_model_len="
+                             f"{self.max_model_len}")
+        return StepRows(batch_rows, num_new, starts, fork_parents)
+
+    def _step_grammars(self, grammars: dict, packed) -> list | None:
+        """The grammar of each packed row that samples (None: unconstrained), or None when no row has one."""
+        if not grammars:
+            return None
+        req_ids = self.input_batch.req_ids
+        out = [grammars.get(req_ids[row]) if sampled else None
+               for row, sampled in zip(packed.packed_batch_rows.tolist(), packed.packed_sampled.tolist())]
+        return out if any(g is not None for g in out) else None
 
     # ------------------------------------------------------------------ swapping
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:

@@ -2,32 +2,29 @@
 and rank of that token given the ones before it, plus the ``prompt_logprobs`` most likely alternatives.
 
 The device half runs in the model runner as its own jitted function, compiled per token bucket at warm-up and
-dispatched only on steps where some chunk gave prompt-logprob targets (``SeqInput.prompt_logprob_targets``): it
+dispatched only on steps where some prompt chunk computes them (``NewRequestData.prompt_logprobs``): it
 takes the forward's final hidden states of every token of the step, computes the logits at every position in row
 chunks (``LOGITS_CHUNK_ROWS``, so the f32 ``[rows, vocab]`` logits stay bounded) and gathers each position's
 target logprob, rank and top-K (K fixed at the runner's ``max_logprobs``; requests slice it on the host).
 
-The host half, ``PromptLogprobsCollector``, is the engine's per-request record: the target of a chunk's position p is
-prompt token p + 1, which the host knows even when it falls in the next chunk, so chunked prefill needs nothing
-special; positions already recorded (a prompt recomputed after a preemption) are not asked again. Requests that
+The runner targets each prompt chunk's position p at prompt token p + 1 (its batch row holds the whole prompt, so
+chunked prefill needs nothing special). The host half, ``PromptLogprobsCollector``, is the engine's per-request
+record; positions already recorded (a prompt recomputed after a preemption) are not recorded again. Requests that
 want prompt logprobs never take prefix-cache hits (``Request.skip_prefix_cache``, as vLLM): every prompt position
 has to be computed.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from paged_jax.outputs import PromptLogprobs, make_logprob_dict
 from paged_jax.sampler import raw_logprob_outputs
-from paged_jax.step_io import PromptLogprobsChunk, SeqInput
+from paged_jax.step_io import PromptLogprobsChunk
 
-_TARGETS_OF = operator.attrgetter("prompt_logprob_targets")
 # Rows of float32 logits materialized at once (the KV pool's sizing leaves room for a few such chunks).
 LOGITS_CHUNK_ROWS = 256
 
@@ -68,29 +65,6 @@ def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], 
     return tuple(out.reshape(num_chunks * rows, *out.shape[2:])[:num_tokens] for out in outputs)
 
 
-def pack_prompt_logprob_targets(packed_seqs: Sequence[SeqInput], q_lens: np.ndarray, cu: np.ndarray, num_tokens: int,
-                                rows_to_packed: np.ndarray):
-    """The runner's host side for one step: (targets int32[num_tokens] (-1: none) or None, per input row (first packed
-    token, number of targets) or None) of the rows with ``prompt_logprob_targets``; (None, None) when none has any.
-
-    ``packed_seqs`` are the step's sequences in packed order, ``q_lens`` their new-token counts and ``cu`` the
-    cumulative sums of those; ``rows_to_packed`` maps input rows to packed indices."""
-    if not any(map(_TARGETS_OF, packed_seqs)):  # the common step: C-speed iteration only
-        return None, None
-    wanted = [(packed, seq.prompt_logprob_targets) for packed, seq in enumerate(packed_seqs)
-              if seq.prompt_logprob_targets]
-    targets = np.full((num_tokens,), -1, np.int32)
-    spans: list[tuple[int, int] | None] = [None] * len(packed_seqs)
-    for packed, row_targets in wanted:
-        if len(row_targets) > q_lens[packed]:
-            raise ValueError(f"sequence {packed_seqs[packed].key!r}: {len(row_targets)} prompt-logprob targets for "
-                             f"{int(q_lens[packed])} new tokens")
-        start = int(cu[packed] - q_lens[packed])
-        targets[start:start + len(row_targets)] = row_targets
-        spans[packed] = (start, len(row_targets))
-    return targets, [spans[packed] for packed in rows_to_packed.tolist()]
-
-
 class PromptLogprobsCollector:
     """One request's prompt logprobs, gathered over its prefill chunks.
 
@@ -113,15 +87,6 @@ class PromptLogprobsCollector:
     @property
     def complete(self) -> bool:
         return len(self.entries) == len(self.prompt_token_ids)
-
-    def targets(self, num_computed_tokens: int, num_new_tokens: int) -> list[int] | None:
-        """Targets of a chunk at positions ``num_computed_tokens ..`` (``SeqInput.prompt_logprob_targets``): position
-        p targets prompt token p + 1, for the chunk's positions before the prompt's last. None when the chunk would
-        add no entry that is not recorded yet."""
-        stop = min(num_computed_tokens + num_new_tokens, len(self.prompt_token_ids) - 1)
-        if stop < len(self.entries) or num_computed_tokens >= stop:
-            return None
-        return list(self.prompt_token_ids[num_computed_tokens + 1:stop + 1])
 
     def record(self, num_computed_tokens: int, chunk: PromptLogprobsChunk) -> None:
         """Add the entries of a chunk that started at ``num_computed_tokens`` (those not recorded yet)."""

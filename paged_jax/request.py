@@ -91,6 +91,12 @@ class Request:
     # search can pick the next beams first.
     hold_after_sample: bool = False
     held: bool = False
+    # The seed of its sampling row (the engine's, per sequence; ``sampler.seed_to_u32`` folds it).
+    seed: int = 0
+    # What the model runner's persistent row holds of it (``paged_jax.core.sched_output``): its first tokens
+    # (-1: no row) and its first block ids; the scheduler sends the rest as a diff.
+    runner_num_tokens: int = -1
+    runner_num_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

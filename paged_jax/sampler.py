@@ -405,6 +405,47 @@ def neutral_bias_table(num_rows: int, vocab_size: int) -> np.ndarray:
     return np.concatenate([ids, biases, mask], axis=1)
 
 
+# Index of each field in a row of ``sampling_row_words``; the row order of ``SamplingMode`` (each a superset).
+SAMPLING_WIRE_FIELDS = tuple(_WIRE_VECTOR_DTYPES)
+_STEPS_FIELD = SAMPLING_WIRE_FIELDS.index("steps")
+MODE_ORDER = tuple(SamplingMode)
+
+
+def sampling_row_words(params: SamplingParams, seed: int, num_prompt_tokens: int, *, eos_token_ids: Sequence[int],
+                       vocab_size: int) -> tuple[np.ndarray, int, bool]:
+    """A request's sampling row, computed once when the runner's batch takes it: (int32[len(SAMPLING_WIRE_FIELDS)]
+    its vector words (``steps`` left 0: set per step), the index in ``MODE_ORDER`` of the cheapest mode serving it,
+    whether some steps need the general ``build_sampling_tensors`` (penalty history, bans, the bias table))."""
+    tensors, mode = build_sampling_tensors([(params, seed, params.min_tokens, (), ())], 1,
+                                           eos_token_ids=eos_token_ids, vocab_size=vocab_size)
+    words = np.array([np.asarray(getattr(tensors, name))[:1].view(np.int32)[0] for name in SAMPLING_WIRE_FIELDS],
+                     np.int32)
+    words[SAMPLING_WIRE_FIELDS.index("prompt_len")] = num_prompt_tokens
+    needs_general = (params.uses_penalties or params.uses_bias_table or params.min_tokens > 0
+                     or bool(params.bad_words_token_ids))
+    return words, MODE_ORDER.index(mode), needs_general
+
+
+def padding_row_words() -> np.ndarray:
+    """The vector words of a padding row (greedy, every filter off): int32[len(SAMPLING_WIRE_FIELDS)]."""
+    tensors, _ = build_sampling_tensors([], 1)
+    return np.array([np.asarray(getattr(tensors, name))[:1].view(np.int32)[0] for name in SAMPLING_WIRE_FIELDS],
+                    np.int32)
+
+
+def pack_sampling_rows(row_words: np.ndarray, steps: np.ndarray, padding_words: np.ndarray, out: np.ndarray) -> None:
+    """``pack_sampling_tensors`` for rows whose words were computed once (``sampling_row_words``) and that need no
+    bans: row_words int32[n, F] (F = len(SAMPLING_WIRE_FIELDS)), steps int32[n] (each row's output index being
+    sampled), padding_words int32[F]; ``out`` int32[R * SAMPLING_WORDS_PER_ROW], R >= n."""
+    num_rows = len(row_words)
+    num_padded = len(out) // SAMPLING_WORDS_PER_ROW
+    vectors = out[:len(SAMPLING_WIRE_FIELDS) * num_padded].reshape(len(SAMPLING_WIRE_FIELDS), num_padded)
+    vectors[:, :num_rows] = row_words.T
+    vectors[_STEPS_FIELD, :num_rows] = steps
+    vectors[:, num_rows:] = padding_words[:, None]
+    out[len(SAMPLING_WIRE_FIELDS) * num_padded:] = -1  # no bans
+
+
 def unpack_sampling_tensors(words: jax.Array, prev_token_ids: jax.Array, num_rows: int,
                             bias_table: jax.Array | None = None) -> SamplingTensors:
     """Inverse of ``pack_sampling_tensors`` (and ``pack_bias_table``) inside jit: int32[num_rows *

@@ -19,7 +19,7 @@ Order of work in ``schedule()``:
 
 Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``): a request's ``pending_forks`` are forked
 from it in the step that samples its first token: that step carries one extra row per child with no new tokens
-(``ScheduledSeq.fork_parent``), which samples the child's first token from the parent's last prompt position, and
+(``SchedulerOutput.fork_rows``), which samples the child's first token from the parent's last prompt position, and
 ``update_from_output`` then gives the child the parent's blocks. Admission keeps ``reserved_seats`` running slots
 free for them. Beam search holds a request after each sampled token (``Request.hold_after_sample``) until the beam
 search has forked, re-pointed (``replace_last_token``) or dropped it and calls ``resume``.
@@ -35,64 +35,22 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from paged_jax.buckets import MAX_BLOCK_COPIES
+from paged_jax.core.sched_output import (CachedRequestData, NewRequestData, SchedulerOutput, append_cached_request,
+                                         new_request_data)
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
 
 
 @dataclasses.dataclass
-class ScheduledSeq:
-    """One sequence's share of a step.
+class _StepPlan:
+    """One ``schedule()`` call's working state: the budget left, the planned ``request_id -> (request, new
+    tokens)``, what it preempted and the swap copies it queued."""
 
-    ``token_ids`` (list[int], length ``num_new_tokens``) sit at positions
-    ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``; after writing their K/V the sequence's
-    kv_len is ``num_computed_tokens + num_new_tokens``. ``block_ids`` is the request's block table after allocation
-    (covers kv_len tokens). ``samples`` is True when this step's last token produces the next sampled token (the whole
-    known sequence is computed after this step); otherwise it is a non-final prefill chunk and its logits are unused.
-    """
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-    token_ids: list[int]
-    block_ids: list[int]
-    samples: bool
-    # A fork row: no new tokens; samples ``request``'s first token from ``fork_parent``'s last token of this step.
-    fork_parent: Request | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def kv_len(self) -> int:
-        return self.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def is_last_chunk_of_prompt(self) -> bool:  # vLLM-flavoured alias
-        return self.samples
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """What to run this step.
-
-    ``scheduled`` lists single-token sequences (decodes) first, then multi-token ones (prefill chunks), each group in
-    scheduling order, then the fork rows; ``num_decode_seqs`` is the length of the first group. The runner must
-    apply ``swap_out`` copies (device -> host), then ``swap_in`` copies (host -> device), then run the forward pass,
-    which applies the copy-on-write ``block_copies`` ``(src_block, dst_block)`` before its K/V writes.
-    """
-
-    scheduled: list[ScheduledSeq]
-    num_decode_seqs: int
-    num_batched_tokens: int
-    preempted_ids: list[str]
-    swap_out: list[tuple[int, int]]  # (device_block, host_block)
-    swap_in: list[tuple[int, int]]  # (host_block, device_block)
-    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src_block, dst_block)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
+    budget: int
+    planned: dict[str, tuple[Request, int]] = dataclasses.field(default_factory=dict)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def _grammar_ready(request: Request) -> bool:
@@ -149,6 +107,7 @@ class Scheduler:
         self._num_pending_forks = 0
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
         self._next_seq = 0
+        self._finished_rows: list[str] = []  # finished since the last schedule(), with a row in the runner
 
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -200,6 +159,11 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        # Its row, and those of children a fork row of the last step made but that were never forked, leave the batch.
+        for held in (request, *request.pending_forks):
+            if held.runner_num_tokens >= 0:
+                self._finished_rows.append(held.request_id)
+                held.runner_num_tokens = -1
         # Sequences not forked yet end with their parent (the engine ends a request's sequences together).
         self._num_pending_forks -= len(request.pending_forks)
         request.pending_forks = []
@@ -241,63 +205,68 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        # request_id -> (request, num_new_tokens); num_computed_tokens is read from the request at the end.
-        planned: dict[str, tuple[Request, int]] = {}
-        preempted: list[str] = []
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
+        """Plan one step: running requests first, then admissions (see the module docstring); returns the step as a
+        diff of the runner's batch (``paged_jax.core.sched_output``)."""
+        step = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # the pool is tight after a preemption: admitting would thrash
+            self._schedule_waiting(step)
+        return self._build_output(step)
 
-        def preempt(victim: Request) -> None:
-            nonlocal budget
-            if victim.request_id in planned:  # un-schedule: its new slots go back with its blocks
-                budget += planned.pop(victim.request_id)[1]
-            self._leave_running(victim)
-            # A swap-out after a swap-in in the same step could reuse the host blocks the swap-in reads: recompute.
-            if self.preemption_mode == "swap" and not swap_in and self.kv.can_swap_out(victim):
-                swap_out.extend(self.kv.swap_out(victim))
-                victim.status = RequestStatus.SWAPPED
-                self.num_swap_outs += 1
-            else:
-                self.kv.free(victim)
-                victim.num_computed_tokens = 0
-                victim.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(victim)
-            preempted.append(victim.request_id)
-            self.num_preemptions += 1
+    def _preempt(self, victim: Request, step: "_StepPlan") -> None:
+        """Take ``victim`` out of the running set (swap its blocks out, or drop them for a recompute); a victim
+        already planned in ``step`` is un-scheduled and its budget returned."""
+        planned = step.planned.pop(victim.request_id, None)
+        if planned is not None:
+            step.budget += planned[1]
+        self._leave_running(victim)
+        # A swap-out after a swap-in in the same step could reuse the host blocks the swap-in reads: recompute.
+        if self.preemption_mode == "swap" and not step.swap_in and self.kv.can_swap_out(victim):
+            step.swap_out.extend(self.kv.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            self.num_swap_outs += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+        victim.runner_num_tokens = -1  # its row leaves the runner's batch (preempted_req_ids)
+        self.waiting.appendleft(victim)
+        step.preempted.append(victim.request_id)
+        self.num_preemptions += 1
 
-        # 1. Running requests.
+    def _schedule_running(self, step: "_StepPlan") -> None:
+        """Give each running request its tokens (1 when decoding), preempting the least important running request
+        while the pool is short (as vLLM: possibly the request itself, which then waits)."""
         running_status = RequestStatus.RUNNING
         allocate_slots = self.kv.allocate_slots
         for request in list(self.running):
-            if budget == 0:
+            if step.budget == 0:
                 break
             if request.status != running_status or request.held:  # preempted earlier in this loop / held
                 continue
             num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
-                          - request.num_computed_tokens, budget)  # request.num_tokens_to_compute, inlined
+                          - request.num_computed_tokens, step.budget)  # request.num_tokens_to_compute, inlined
             if num_new <= 0:
                 continue
             if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             while not allocate_slots(request, num_new):
-                # As vLLM: the least important running request goes, which may be this one (then it waits).
                 victim = max(self.running, key=self._order_key)
-                preempt(victim)
+                self._preempt(victim, step)
                 if victim is request:
                     break
             if request.status == running_status:
-                planned[request.request_id] = (request, num_new)
-                budget -= num_new
+                step.planned[request.request_id] = (request, num_new)
+                step.budget -= num_new
 
-        # 2. Waiting requests.
-        preempted_while_running = bool(preempted)
+    def _schedule_waiting(self, step: "_StepPlan") -> None:
+        """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow."""
         lora_skipped: set[str] = set()  # waiting requests whose adapter would need a slot the running ones hold
         running_loras = {r.lora_int_id for r in self.running} - {0}
         # Slots kept free for sequences that running requests will fork.
         reserved = sum(r.reserved_seats for r in self._reserving) if self.waiting else 0
-        while not preempted_while_running and budget > 0 and len(self.running) + reserved < self.max_num_seqs:
-            request = self._peek_waiting(lora_skipped.union(preempted))  # never re-admit what this step preempted
+        while step.budget > 0 and len(self.running) + reserved < self.max_num_seqs:
+            request = self._peek_waiting(lora_skipped.union(step.preempted))  # never re-admit what this step preempted
             if request is None:
                 break
             if len(self.running) + reserved + 1 + request.reserved_seats > self.max_num_seqs:
@@ -306,34 +275,9 @@ class Scheduler:
                     and len(running_loras) >= self.max_loras:
                 lora_skipped.add(request.request_id)
                 continue
-            if request.status == RequestStatus.SWAPPED:
-                num_new = min(request.num_tokens_to_compute, budget)
-                ok = self.kv.can_swap_in(request, num_new)
-                while not ok and self._preempt_lower_priority(request, preempt, planned):
-                    ok = self.kv.can_swap_in(request, num_new)
-                if not ok:
-                    break
-                swap_in.extend(self.kv.swap_in(request))
-                if not self.kv.allocate_slots(request, num_new):  # guaranteed by can_swap_in
-                    raise RuntimeError("allocation after swap-in failed")
-                self.num_swap_ins += 1
-            else:
-                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
-                if num_new > budget:
-                    if not self.enable_chunked_prefill:
-                        break  # head-of-line: keep FCFS/priority order rather than skipping ahead
-                    num_new = budget
-                ok = self.kv.can_allocate(request, num_new, computed_blocks)
-                while not ok and self._preempt_lower_priority(request, preempt, planned):
-                    ok = self.kv.can_allocate(request, num_new, computed_blocks)
-                if not ok:
-                    break
-                first_admission = request.status == RequestStatus.WAITING
-                if not self.kv.allocate_slots(request, num_new, computed_blocks):  # guaranteed by can_allocate
-                    raise RuntimeError("allocation after can_allocate failed")
-                if first_admission:
-                    request.num_cached_prompt_tokens = min(num_hit, request.num_prompt_tokens)
+            num_new = self._admit(request, step)
+            if num_new is None:
+                break
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -341,47 +285,84 @@ class Scheduler:
             if request.reserved_seats:
                 self._reserving.add(request)
                 reserved += request.reserved_seats
-            planned[request.request_id] = (request, num_new)
-            budget -= num_new
+            step.planned[request.request_id] = (request, num_new)
+            step.budget -= num_new
 
-        decodes, prefills, forks = [], [], []
-        num_batched_tokens = 0
-        for request, num_new in planned.values():
+    def _admit(self, request: Request, step: "_StepPlan") -> int | None:
+        """Allocate a waiting request's blocks (swap-in, or its prefix-cache hit plus new blocks), preempting lower
+        priorities if the policy allows; returns its new-token count, or None when it cannot start now."""
+        if request.status == RequestStatus.SWAPPED:
+            num_new = min(request.num_tokens_to_compute, step.budget)
+            ok = self.kv.can_swap_in(request, num_new)
+            while not ok and self._preempt_lower_priority(request, step):
+                ok = self.kv.can_swap_in(request, num_new)
+            if not ok:
+                return None
+            step.swap_in.extend(self.kv.swap_in(request))
+            if not self.kv.allocate_slots(request, num_new):  # guaranteed by can_swap_in
+                raise RuntimeError("allocation after swap-in failed")
+            self.num_swap_ins += 1
+            return num_new
+        computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if num_new > step.budget:
+            if not self.enable_chunked_prefill:
+                return None  # head-of-line: keep FCFS/priority order rather than skipping ahead
+            num_new = step.budget
+        ok = self.kv.can_allocate(request, num_new, computed_blocks)
+        while not ok and self._preempt_lower_priority(request, step):
+            ok = self.kv.can_allocate(request, num_new, computed_blocks)
+        if not ok:
+            return None
+        first_admission = request.status == RequestStatus.WAITING
+        if not self.kv.allocate_slots(request, num_new, computed_blocks):  # guaranteed by can_allocate
+            raise RuntimeError("allocation after can_allocate failed")
+        if first_admission:
+            request.num_cached_prompt_tokens = min(num_hit, request.num_prompt_tokens)
+        return num_new
+
+    def _build_output(self, step: "_StepPlan") -> SchedulerOutput:
+        """The step as the runner's diff: decodes, then prefill chunks, then fork rows; each request's row is sent
+        whole the first time, later only the tokens and block ids it lacks."""
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        rows: list[tuple[Request, int, bool]] = []  # (request, new tokens, samples): cached rows first
+        new_rows: list[tuple[Request, int, bool]] = []
+        forks: list[tuple[NewRequestData, str]] = []
+        fork_requests: list[Request] = []
+        for request, num_new in step.planned.values():
             start = request.num_computed_tokens
-            num_prompt = len(request.prompt_token_ids)
-            samples = start + num_new == num_prompt + len(request.output_token_ids)
-            if num_new == 1 and start >= num_prompt:  # a decode: its one token is the last output token
-                token_ids = [request.output_token_ids[start - num_prompt]]
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            samples = start + num_new == num_tokens
+            if request.runner_num_tokens < 0:
+                new_reqs.append(new_request_data(request))
+                new_rows.append((request, num_new, samples))
             else:
-                token_ids = request.token_ids_slice(start, start + num_new)
-            seq = ScheduledSeq(request, start, num_new, token_ids, list(request.block_ids), samples)
-            if num_new == 1:
-                decodes.append(seq)
-            elif num_new > 1:
-                prefills.append(seq)
-            num_batched_tokens += num_new
+                append_cached_request(cached, request, num_tokens)
+                rows.append((request, num_new, samples))
             if samples and request.pending_forks:
-                forks += [ScheduledSeq(request=child, num_computed_tokens=0, num_new_tokens=0, token_ids=[],
-                                       block_ids=[], samples=True, fork_parent=request)
-                          for child in request.pending_forks]
+                for child in request.pending_forks:
+                    forks.append((new_request_data(child), request.request_id))
+                    fork_requests.append(child)
+        rows += new_rows
+        grammars = {r.request_id: r.grammar for r, _, _ in rows if r.grammar is not None}
+        finished, self._finished_rows = self._finished_rows, []
         return SchedulerOutput(
-            block_copies=self.kv.take_block_copies(),
-            scheduled=decodes + prefills + forks,
-            num_decode_seqs=len(decodes),
-            num_batched_tokens=num_batched_tokens,
-            preempted_ids=preempted,
-            swap_out=swap_out,
-            swap_in=swap_in,
-        )
+            scheduled_cached_reqs=cached, scheduled_new_reqs=new_reqs,
+            num_scheduled_tokens=[num_new for _, num_new, _ in rows], fork_rows=forks,
+            finished_req_ids=finished, preempted_req_ids=step.preempted,
+            block_copies=self.kv.take_block_copies(), swap_out=step.swap_out, swap_in=step.swap_in,
+            grammars=grammars, requests=[r for r, _, _ in rows] + fork_requests,
+            samples=[s for _, _, s in rows] + [True] * len(forks))
 
-    def _preempt_lower_priority(self, request: Request, preempt, planned) -> bool:
+    def _preempt_lower_priority(self, request: Request, step: "_StepPlan") -> bool:
         """policy="priority": preempt the least important running request if it ranks strictly below ``request``."""
         if self.policy != "priority" or not self.running:
             return False
         victim = max(self.running, key=self._order_key)
         if victim.priority <= request.priority:
             return False
-        preempt(victim)
+        self._preempt(victim, step)
         return True
 
     # ------------------------------------------------------------------ results
@@ -389,32 +370,31 @@ class Scheduler:
                            sampled_token_ids: Mapping[str, int] | Sequence[int | None]) -> list[Request]:
         """Apply a step's results; returns the requests that produced a token (finished ones included).
 
-        ``sampled_token_ids``: request_id -> token id, or a sequence aligned with ``scheduler_output.scheduled``
-        (entries of non-sampling sequences are ignored). Requests finished or aborted since ``schedule()`` are skipped.
+        ``sampled_token_ids``: request_id -> token id, or a sequence aligned with the step's rows (the runner's
+        ``StepOutput.sampled_token_ids``; entries of rows that do not sample are ignored). Requests finished or
+        aborted since ``schedule()`` are skipped.
         """
-        scheduled = scheduler_output.scheduled
+        requests_of_rows = scheduler_output.requests
         if isinstance(sampled_token_ids, Mapping):
-            tokens = [sampled_token_ids.get(s.request.request_id) for s in scheduled]
+            tokens = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
         else:
-            if len(sampled_token_ids) != len(scheduled):
+            if len(sampled_token_ids) != len(requests_of_rows):
                 raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
-                                 f"{len(scheduled)} (one per scheduled sequence)")
+                                 f"{len(requests_of_rows)} (one per row of the step)")
             tokens = sampled_token_ids
+        num_forks = len(scheduler_output.fork_rows)
+        first_fork = len(requests_of_rows) - num_forks
         changed: list[Request] = []
         running_status = RequestStatus.RUNNING
         requests = self.requests
         cache_full_blocks = self.kv.cache_full_blocks
-        for seq, token in zip(scheduled, tokens):
-            request = seq.request
+        for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
             if request.status != running_status or requests.get(request.request_id) is not request:
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
-            if seq.fork_parent is None:
-                if request.num_computed_tokens != seq.num_computed_tokens:
-                    raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
-                                       "update_from_output once per schedule(), in order")
-                request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
+            if row < first_fork:
+                request.num_computed_tokens += scheduler_output.num_scheduled_tokens[row]
                 cache_full_blocks(request)
-                if not seq.samples:
+                if not samples:
                     continue
                 if request.pending_forks:  # before the parent's own token (and a stop that would free its blocks)
                     self._fork_pending(request)
@@ -482,6 +462,7 @@ class Scheduler:
     def replace_last_token(self, request: Request, token: int) -> None:
         """Beam search: make ``token`` the request's last output token (its K/V is not computed yet)."""
         request.output_token_ids[-1] = int(token)
+        request.runner_num_tokens = min(request.runner_num_tokens, request.num_tokens - 1)
         self.kv.invalidate_block_hashes(request, request.num_tokens - 1)
 
     def resume(self, request: Request) -> None:

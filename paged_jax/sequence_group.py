@@ -40,7 +40,6 @@ class SequenceState:
 
     index: int
     request: Request
-    seed: int
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None

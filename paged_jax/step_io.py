@@ -1,5 +1,5 @@
-"""What one model-runner step takes and gives: per-sequence inputs, host-side outputs, the pending (dispatched)
-step, and the static layout of the packed int32 metadata buffer that carries a step's inputs to the device."""
+"""What one model-runner step gives back (host-side outputs, the pending dispatched step) and the static layout of
+the packed int32 metadata buffer that carries a step's inputs to the device."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -15,48 +14,6 @@ import numpy as np
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_BLOCK_COPIES
 from paged_jax.ops.block_copy import copy_blocks
-
-@dataclasses.dataclass
-class SeqInput:
-    """One sequence's share of a step, as the runner needs it.
-
-    Attributes:
-      key: identifies the sequence across steps (the request id); used by ``feed_from_previous``.
-      token_ids: the ``num_new_tokens`` new tokens, at positions ``num_computed_tokens ..``. With
-        ``feed_from_previous`` it is a single placeholder: the token is taken on device from the previous step.
-      num_computed_tokens: tokens of this sequence whose K/V is already in the pool.
-      block_ids: block table covering ``num_computed_tokens + len(token_ids)`` tokens.
-      sample: whether to sample a token after the last new token.
-      sampling: when ``sample``: the sampler's row ``(params, seed, step, prompt_ids, output_ids)`` (see
-        ``sampler.build_sampling_tensors``; the id lists are only read for rows with penalties or bad words).
-      feed_from_previous: the single input token is the token sampled for ``key`` by the previous step (which must
-        have sampled it); lets the host build a step before the previous one's tokens reached it.
-      prompt_logprob_targets: prompt logprobs wanted for this chunk: the target token of each leading new token
-        (the prompt token after it), at most ``num_new_tokens`` of them; None (or empty) = none wanted.
-      lora_slot: the LoRA adapter slot its tokens use (``paged_jax.lora``); 0 = no adapter.
-      grammar: when ``sample`` and the request is constrained: its ``structured_output.SequenceGrammar``, which
-        fills the row of the step's grammar bitmask (the tokens allowed next).
-      sample_from: a fork row (n > 1 / best_of): no new tokens, ``num_computed_tokens`` 0, no block table; it samples
-        (with its own ``sampling`` row) from the logits of the last token of the row keyed ``sample_from`` in the
-        same step.
-    """
-
-    key: str
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_ids: Sequence[int]
-    sample: bool
-    sampling: Any = None
-    feed_from_previous: bool = False
-    prompt_logprob_targets: Sequence[int] | None = None
-    lora_slot: int = 0
-    grammar: Any = None
-    sample_from: str | None = None
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
 
 @dataclasses.dataclass
 class PromptLogprobsChunk:
@@ -78,7 +35,7 @@ class PromptLogprobsChunk:
 
 @dataclasses.dataclass
 class StepOutput:
-    """Host-side results of one step, aligned with the step's input rows.
+    """Host-side results of one step, aligned with the step's rows (``SchedulerOutput``'s row order).
 
     Attributes:
       sampled_token_ids: int32[num_rows]; -1 for rows that did not sample.
@@ -86,8 +43,8 @@ class StepOutput:
       ranks: int32[num_rows] 1-based rank of the sampled token; None unless some row asked for logprobs.
       top_token_ids: int32[num_rows, K] / top_logprobs: float32[num_rows, K]: the K most likely tokens, K = 0 or the
         compiled width (>= every row's request); None unless some row asked for logprobs.
-      prompt_logprobs: per row a ``PromptLogprobsChunk`` (rows that gave prompt-logprob targets) or None; None
-        unless some row gave targets.
+      prompt_logprobs: per row a ``PromptLogprobsChunk`` (rows computing prompt logprobs) or None; None unless some
+        row computes them.
     """
 
     sampled_token_ids: np.ndarray
@@ -214,17 +171,3 @@ def apply_block_copies(kv_pool: list, src, dst, *, impl: str = "xla") -> list:
     ``src[i]`` (int32[C] each); out-of-range destinations (padding) are dropped. ``impl``: see
     ``paged_jax.ops.block_copy.copy_blocks`` ("auto" only for a pool on one device)."""
     return copy_blocks(kv_pool, src, dst, impl=impl)
-
-
-def point_fork_rows(packed_seqs: Sequence[SeqInput], num_forks: int, cu: np.ndarray, logits_indices: np.ndarray) -> None:
-    """The last ``num_forks`` packed rows are fork rows: point each one's logits index (``logits_indices``, int32[R])
-    at the last token of the row it samples from (``cu``: cumulative new-token counts of the packed rows)."""
-    num_rows = len(packed_seqs)
-    packed_of = {s.key: packed for packed, s in enumerate(packed_seqs[:num_rows - num_forks])}
-    for packed in range(num_rows - num_forks, num_rows):
-        seq = packed_seqs[packed]
-        parent = packed_of.get(seq.sample_from)
-        if parent is None or seq.num_computed_tokens or seq.block_ids or not seq.sample:
-            raise ValueError(f"sequence {seq.key!r} has no new tokens but is no fork row (sample_from a row of the "
-                             "step, sample, no blocks)")
-        logits_indices[packed] = cu[parent] - 1

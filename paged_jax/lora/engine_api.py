@@ -59,8 +59,8 @@ class LoRAEngineMixin:
         """Ids of the adapters in host memory."""
         return self._require_lora().list_loras() if self.lora_manager is not None else set()
 
-    def lora_slots_for_step(self, scheduled) -> dict[int, int]:
-        """``{lora_int_id: device slot}`` for the adapters of a step's scheduled sequences (``{}`` without LoRA)."""
+    def lora_slots_for_step(self, requests) -> dict[int, int]:
+        """``{lora_int_id: device slot}`` for the adapters of a step's requests (``{}`` without LoRA)."""
         if self.lora_manager is None:
             return {}
-        return self.lora_manager.slots_for_step(s.request.lora for s in scheduled if s.request.lora is not None)
+        return self.lora_manager.slots_for_step(r.lora for r in requests if r.lora is not None)

@@ -1,0 +1,187 @@
+"""The step contract between the scheduler and the model runner: what one step runs, as a diff of the runner's
+persistent batch (vLLM V1's ``SchedulerOutput``).
+
+A request enters the runner's batch once, as ``NewRequestData`` (everything its row needs: tokens, sampling
+parameters, seed, block table, adapter); while it keeps running, each step carries only what changed for it
+(``CachedRequestData``: new token ids, new block ids, where it stands). Finished and preempted requests leave the
+batch by id; a preempted request that runs again comes back as new. The runner never reads the scheduler's
+``Request`` objects.
+
+Rows of a step, in this order: the cached requests, then the new ones, then the fork rows (``fork_rows``). The
+runner's ``StepOutput`` is aligned with that order, and so is ``Scheduler.update_from_output``'s input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from paged_jax.request import Request
+
+# Stands for a sampled token still on the device (async scheduling): the runner feeds the row from the previous
+# step's on-device sample instead. Real token ids are >= 0.
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    """A request the runner has no row for (first admission, or running again after a preemption).
+
+    Attributes:
+      req_id: the request id (the row's key).
+      prompt_token_ids: list[int] the prompt (P tokens).
+      output_token_ids: list[int] outputs already sampled (recompute after preemption, forked beams), fed after the
+        prompt.
+      params: its ``SamplingParams`` (read once, when the row is made).
+      seed: the seed of its sampling row (``sampler.seed_to_u32`` folds it).
+      block_ids: list[int] its device block table, covering the tokens computed after this step.
+      num_computed_tokens: leading tokens whose K/V is already in the pool (prefix-cache hits).
+      lora_int_id: its LoRA adapter's id (0: the base model).
+      prompt_logprobs: compute prompt logprobs for its prompt chunks.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: Any
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_int_id: int = 0
+    prompt_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    """The running requests of a step that the runner already holds, as columns (one entry per request).
+
+    Attributes:
+      req_ids: list[str].
+      new_token_ids: list[list[int]] tokens the row does not hold yet, appended to it (a decode: the token sampled
+        last, or ``PLACEHOLDER_TOKEN`` while it is on the device).
+      new_block_ids: list[list[int]] block ids written into the row's table from ``block_starts[i]`` on (appended
+        blocks, or a copy-on-write block replacing a shared one and those after it).
+      block_starts: list[int].
+      num_computed_tokens: list[int] tokens already in the pool before this step.
+    """
+
+    req_ids: list[str] = dataclasses.field(default_factory=list)
+    new_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    block_starts: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """A read-only view of one row of a step (``SchedulerOutput.scheduled_rows``), for inspection (tests,
+    ``benchmarks.schedule``): its scheduler ``Request``, where it starts, how many tokens it computes, whether it
+    samples, and for a fork row the parent's id."""
+
+    request: Any
+    num_computed_tokens: int
+    num_new_tokens: int
+    samples: bool
+    fork_parent: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What to run this step.
+
+    Attributes:
+      scheduled_cached_reqs / scheduled_new_reqs: the step's requests (see the module docstring for the row order).
+      num_scheduled_tokens: list[int] new tokens per row, cached then new (fork rows compute none).
+      fork_rows: ``(child, parent req_id)`` per fork row (n > 1, best_of): the child's row is made (no blocks yet) and
+        samples its first token from the logits of the parent's last token of this step.
+      finished_req_ids / preempted_req_ids: rows to drop before this step's rows are applied.
+      block_copies: copy-on-write ``(src_block, dst_block)`` pairs applied before the step's K/V writes.
+      swap_out / swap_in: ``(device_block, host_block)`` / ``(host_block, device_block)`` copies, applied before the
+        step (out first).
+      grammars: req_id -> ``structured_output.SequenceGrammar`` of the step's constrained requests (their sampling
+        rows are masked by it).
+      requests / samples: the scheduler's own view of the rows (its ``Request`` per row and whether the row samples),
+        read back by ``update_from_output``; the runner does not read them.
+    """
+
+    scheduled_cached_reqs: CachedRequestData
+    scheduled_new_reqs: list[NewRequestData]
+    num_scheduled_tokens: list[int]
+    fork_rows: list[tuple[NewRequestData, str]]
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+    block_copies: list[tuple[int, int]]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    grammars: dict[str, Any]
+    requests: list[Any]
+    samples: list[bool]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def has_rows(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the runner to do (no rows, copies or ids to drop)."""
+        return not (self.requests or self.swap_out or self.swap_in or self.finished_req_ids
+                    or self.preempted_req_ids)
+
+    def row_num_computed_tokens(self) -> list[int]:
+        """Tokens in the pool before this step, per row (fork rows: 0)."""
+        return (self.scheduled_cached_reqs.num_computed_tokens
+                + [new.num_computed_tokens for new in self.scheduled_new_reqs] + [0] * len(self.fork_rows))
+
+    def scheduled_rows(self) -> list[ScheduledRow]:
+        """Every row of the step, in row order (see ``ScheduledRow``)."""
+        num_new = self.num_scheduled_tokens + [0] * len(self.fork_rows)
+        parents = [None] * (self.num_rows - len(self.fork_rows)) + [parent for _, parent in self.fork_rows]
+        return [ScheduledRow(*row) for row in zip(self.requests, self.row_num_computed_tokens(), num_new,
+                                                  self.samples, parents)]
+
+    def row_req_ids(self) -> list[str]:
+        """The request id of each row, in row order."""
+        return (self.scheduled_cached_reqs.req_ids + [new.req_id for new in self.scheduled_new_reqs]
+                + [child.req_id for child, _ in self.fork_rows])
+
+
+def new_request_data(request: Request) -> NewRequestData:
+    """The whole row of a request the runner does not hold; from now on it holds its tokens and blocks."""
+    request.runner_num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+    request.runner_num_blocks = len(request.block_ids)
+    return NewRequestData(
+        req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=list(request.output_token_ids), params=request.params, seed=request.seed,
+        block_ids=list(request.block_ids), num_computed_tokens=request.num_computed_tokens,
+        lora_int_id=request.lora_int_id, prompt_logprobs=request.skip_prefix_cache)
+
+
+def append_cached_request(cached: CachedRequestData, request: Request, num_tokens: int) -> None:
+    """Add a held request's diff to ``cached``: the tokens and block ids its row lacks."""
+    held_tokens = request.runner_num_tokens
+    num_prompt = len(request.prompt_token_ids)
+    if held_tokens >= num_prompt:  # a decode: the outputs sampled since (one, usually)
+        new_tokens = request.output_token_ids[held_tokens - num_prompt:]
+    else:
+        new_tokens = request.token_ids_slice(held_tokens, num_tokens)
+    block_ids = request.block_ids
+    held_blocks = request.runner_num_blocks
+    cached.req_ids.append(request.request_id)
+    cached.new_token_ids.append(new_tokens)
+    cached.new_block_ids.append(block_ids[held_blocks:] if len(block_ids) > held_blocks else [])
+    cached.block_starts.append(held_blocks)
+    cached.num_computed_tokens.append(request.num_computed_tokens)
+    request.runner_num_tokens = num_tokens
+    request.runner_num_blocks = len(block_ids)

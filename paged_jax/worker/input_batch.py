@@ -1,0 +1,165 @@
+"""The model runner's persistent batch (vLLM V1's ``InputBatch``): one row per request the runner holds, in
+preallocated host arrays updated in place from each step's ``SchedulerOutput`` diff; a finished row is filled by
+the last row (rows stay dense), so nothing is rebuilt per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from paged_jax import sampler as sampler_lib
+from paged_jax.core.sched_output import CachedRequestData, NewRequestData
+
+
+class InputBatch:
+    """Rows of the requests the runner holds.
+
+    Args:
+      max_num_reqs: rows (the scheduler never runs more requests at once).
+      max_model_len: tokens per row.
+      max_blocks_per_seq: block-table entries per row.
+      eos_token_ids / vocab_size: for each row's sampling words (``sampler.sampling_row_words``).
+
+    Per row (arrays of ``max_num_reqs`` rows; ``num_rows`` leading rows are in use):
+      token_ids: int32[N, max_model_len] the prompt, then the outputs fed so far (``PLACEHOLDER_TOKEN`` where a
+        token was still on the device when it was fed); num_tokens int32[N] how many; num_prompt_tokens int32[N].
+      block_table: int32[N, max_blocks_per_seq]; num_blocks int32[N].
+      sampling_words: int32[N, len(SAMPLING_WIRE_FIELDS)]; mode_rank int8[N] (index in ``sampler.MODE_ORDER``);
+      general_sampling: bool[N] (rows whose steps may need ``build_sampling_tensors``); min_tokens int32[N];
+      num_logprobs: int32[N] top logprobs wanted (-1: no logprob at all).
+      lora_int_id: int32[N]; prompt_logprobs: bool[N].
+      prev_sample: int32[N] the packed row of the previous step that sampled this row's token (-1: none).
+      params / seeds: the rows' ``SamplingParams`` and seeds (lists, for the general sampling path).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int, *,
+                 eos_token_ids: Sequence[int], vocab_size: int):
+        n = max_num_reqs
+        self.max_num_reqs = n
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.req_ids: list[str] = []
+        self.row_of: dict[str, int] = {}
+        self.token_ids = np.zeros((n, max_model_len), np.int32)
+        self.num_tokens = np.zeros((n,), np.int64)
+        self.num_prompt_tokens = np.zeros((n,), np.int64)
+        self.block_table = np.zeros((n, max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros((n,), np.int64)
+        self.sampling_words = np.zeros((n, len(sampler_lib.SAMPLING_WIRE_FIELDS)), np.int32)
+        self.mode_rank = np.zeros((n,), np.int8)
+        self.general_sampling = np.zeros((n,), bool)
+        self.min_tokens = np.zeros((n,), np.int64)
+        self.num_logprobs = np.full((n,), -1, np.int32)
+        self.lora_int_id = np.zeros((n,), np.int32)
+        self.prompt_logprobs = np.zeros((n,), bool)
+        self.prev_sample = np.full((n,), -1, np.int32)
+        self.params: list = [None] * n
+        self.seeds: list[int] = [0] * n
+        self._per_row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.sampling_words,
+                                self.mode_rank, self.general_sampling, self.min_tokens, self.num_logprobs,
+                                self.lora_int_id, self.prompt_logprobs, self.prev_sample)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, new: NewRequestData) -> int:
+        """Make ``new``'s row (its tokens, blocks and sampling words); returns the row."""
+        if new.req_id in self.row_of:
+            raise ValueError(f"request {new.req_id!r} already has a row in the runner's batch")
+        if self.num_rows == self.max_num_reqs:
+            raise ValueError(f"the runner's batch is full ({self.max_num_reqs} rows): request {new.req_id!r}")
+        num_prompt, num_tokens = len(new.prompt_token_ids), len(new.prompt_token_ids) + len(new.output_token_ids)
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {new.req_id!r} has {num_tokens} tokens, over max_model_len="
+                             f"{self.max_model_len}")
+        row = self.num_rows
+        self.req_ids.append(new.req_id)
+        self.row_of[new.req_id] = row
+        self.token_ids[row, :num_prompt] = new.prompt_token_ids
+        self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
+        self.num_tokens[row], self.num_prompt_tokens[row] = num_tokens, num_prompt
+        self.set_blocks(row, 0, new.block_ids)
+        params = new.params
+        self.params[row], self.seeds[row] = params, new.seed
+        if params is not None:
+            words, rank, general = sampler_lib.sampling_row_words(
+                params, new.seed, num_prompt, eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size)
+            self.sampling_words[row], self.mode_rank[row], self.general_sampling[row] = words, rank, general
+            self.min_tokens[row] = params.min_tokens
+            logprobs = params.sampled_logprobs
+            self.num_logprobs[row] = -1 if logprobs is None else logprobs
+        else:  # rows that never sample with parameters of their own: greedy
+            self.sampling_words[row] = sampler_lib.padding_row_words()
+            self.mode_rank[row], self.general_sampling[row], self.min_tokens[row] = 0, False, 0
+            self.num_logprobs[row] = -1
+        self.lora_int_id[row] = new.lora_int_id
+        self.prompt_logprobs[row] = new.prompt_logprobs
+        self.prev_sample[row] = -1
+        return row
+
+    def remove(self, req_id: str) -> None:
+        """Drop ``req_id``'s row (if it has one): the last row moves into its place."""
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_rows - 1
+        moved_id = self.req_ids.pop()
+        if row == last:
+            return
+        self.req_ids[row] = moved_id
+        self.row_of[moved_id] = row
+        num_tokens, num_blocks = int(self.num_tokens[last]), int(self.num_blocks[last])
+        self.token_ids[row, :num_tokens] = self.token_ids[last, :num_tokens]
+        self.block_table[row, :num_blocks] = self.block_table[last, :num_blocks]
+        for array in self._per_row_arrays:
+            array[row] = array[last]
+        self.params[row], self.seeds[row] = self.params[last], self.seeds[last]
+
+    def set_blocks(self, row: int, start: int, block_ids: Sequence[int]) -> None:
+        """Write ``block_ids`` into the row's table from entry ``start``; the table ends after them."""
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise ValueError(f"request {self.req_ids[row]!r}: a block table of {end} blocks, over the "
+                             f"{self.block_table.shape[1]} of max_model_len={self.max_model_len}")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def apply_cached(self, cached: CachedRequestData) -> np.ndarray:
+        """Apply the running requests' diffs (new tokens appended, new block ids written); returns their rows
+        int64[len(cached.req_ids)]."""
+        num = len(cached.req_ids)
+        try:
+            rows = np.fromiter(map(self.row_of.__getitem__, cached.req_ids), np.int64, num)
+        except KeyError as e:
+            raise ValueError(f"request {e.args[0]!r} is scheduled as running but has no row in the runner's batch "
+                             "(send it as new)") from None
+        lens = np.fromiter(map(len, cached.new_token_ids), np.int64, num)
+        total = int(lens.sum())
+        if total:
+            starts = self.num_tokens[rows]
+            if int((starts + lens).max()) > self.max_model_len:
+                raise ValueError(f"a running request grows past max_model_len={self.max_model_len}")
+            if total == num:  # one token per row (decodes): a plain scatter
+                self.token_ids[rows, starts] = np.fromiter(
+                    itertools.chain.from_iterable(cached.new_token_ids), np.int32, num)
+            else:
+                offsets = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+                self.token_ids[np.repeat(rows, lens), np.repeat(starts, lens) + offsets] = np.fromiter(
+                    itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
+            self.num_tokens[rows] = starts + lens
+        new_block_ids = cached.new_block_ids
+        for i in [i for i, ids in enumerate(new_block_ids) if ids]:  # rows that crossed into a new block
+            self.set_blocks(int(rows[i]), cached.block_starts[i], new_block_ids[i])
+        return rows
+
+    def output_token_ids(self, row: int) -> list[int]:
+        """The row's outputs fed so far."""
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]].tolist()
+
+    def prompt_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, :self.num_prompt_tokens[row]].tolist()

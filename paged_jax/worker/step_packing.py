@@ -1,0 +1,237 @@
+"""One step's packed inputs, built from the persistent batch (``InputBatch``) and the step's rows: the int32 step
+buffer (``StepLayout``), the optional penalty history and bias table, the sampler variant, and what the step's
+``PendingStep`` needs to give its outputs back in row order.
+
+Rows are packed decodes first, then multi-token chunks (the layout the attention kernels are tuned for), then fork
+rows (no new tokens; the kernels see them as padding sequences). Everything per row is whole-array numpy over the
+batch's arrays; only rare rows (fork rows, prompt logprobs, the general sampling path) take Python loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from paged_jax import sampler as sampler_lib
+from paged_jax.buckets import pick_bucket
+from paged_jax.step_io import StepLayout, pack_block_copies
+from paged_jax.worker.input_batch import InputBatch
+
+_GREEDY_RANK = sampler_lib.MODE_ORDER.index(sampler_lib.SamplingMode.GREEDY)
+_GREEDY_OR_TEMPERATURE = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE
+
+
+@dataclasses.dataclass
+class StepRows:
+    """A step's rows in step order: batch rows int64[n], new tokens int64[n], tokens in the pool before the step
+    int64[n], and ``fork_parents``: per fork row (the last ones) the step row of the row it samples from."""
+
+    batch_rows: np.ndarray
+    num_new: np.ndarray
+    starts: np.ndarray
+    fork_parents: list[int]
+
+
+@dataclasses.dataclass
+class PackedStep:
+    """A step ready to dispatch.
+
+    Attributes:
+      buf: int32[layout.size] the step buffer; bucket_tokens / bucket_seqs: its bucket.
+      history: int32[R, max_model_len] penalty history, or None; bias_table: int32[R, W], or None.
+      mode / num_logprobs / wants_logprobs: the sampler variant.
+      rows_to_packed: int64[n] packed index of each step row; sampled: bool[n] rows that sample.
+      prompt_targets: int32[T] prompt-logprob targets, or None; prompt_spans: per step row ``(first packed token,
+        count)`` or None.
+      sample_rows: batch rows of the sampling rows in packed order (-1 elsewhere), int64[n].
+    """
+
+    buf: np.ndarray
+    layout: StepLayout
+    history: np.ndarray | None
+    bias_table: np.ndarray | None
+    mode: sampler_lib.SamplingMode
+    num_logprobs: int
+    wants_logprobs: bool
+    rows_to_packed: np.ndarray
+    sampled: np.ndarray
+    prompt_targets: np.ndarray | None
+    prompt_spans: list | None
+    packed_batch_rows: np.ndarray
+    packed_sampled: np.ndarray
+
+
+def pack_order(num_new: np.ndarray, num_forks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order int64[n]: the step rows in packed order, rows_to_packed int64[n]: its inverse)."""
+    n = len(num_new)
+    kind = (num_new > 1).astype(np.int8)
+    if num_forks:
+        kind[n - num_forks:] = 2
+    if not kind.any():
+        identity = np.arange(n)
+        return identity, identity
+    order = np.argsort(kind, kind="stable")
+    inverse = np.empty((n,), np.int64)
+    inverse[order] = np.arange(n)
+    return order, inverse
+
+
+def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_size: int, num_blocks: int,
+              max_logprobs: int, block_copies: Sequence[tuple[int, int]], lora_slots: dict[int, int] | None,
+              lora: bool) -> PackedStep:
+    """Pack one step (see the module docstring). Raises ValueError when a row's block table does not cover its
+    tokens or the step exceeds the largest bucket."""
+    num_forks = len(rows.fork_parents)
+    order, rows_to_packed = pack_order(rows.num_new, num_forks)
+    batch_rows, q_lens, starts = rows.batch_rows[order], rows.num_new[order], rows.starts[order]
+    num_rows = len(batch_rows)
+    ends = starts + q_lens
+    sampled = ends == batch.num_tokens[batch_rows]
+    if num_forks:
+        sampled[num_rows - num_forks:] = True
+    num_tokens = int(q_lens.sum())
+    bucket_tokens, bucket_seqs = pick_bucket(buckets, num_tokens, num_rows)
+    layout = layout_for(bucket_tokens, bucket_seqs)
+    buf = np.zeros((layout.size,), np.int32)
+    views = {name: buf[a:b] for name, (a, b) in layout.fields.items()}
+
+    table_lens = batch.num_blocks[batch_rows]
+    bad = table_lens * block_size < ends
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"request {batch.req_ids[batch_rows[i]]!r}: a block table of {int(table_lens[i])} blocks "
+                         f"does not cover {int(ends[i])} tokens")
+    width = int(table_lens.max()) if num_rows else 0
+    block_tables = views["block_tables"].reshape(bucket_seqs, -1)
+    block_tables[:num_rows, :width] = batch.block_table[batch_rows, :width]
+
+    cu = np.cumsum(q_lens)
+    views["cu_q_lens"][1:num_rows + 1] = cu
+    views["cu_q_lens"][num_rows + 1:] = num_tokens  # padding seqs: q_len 0, kv_len 0; their tokens -> null slot
+    views["kv_lens"][:num_rows] = np.where(q_lens > 0, ends, 0)
+    logits_indices = views["logits_indices"]
+    logits_indices[:num_rows] = cu - 1
+    for fork_row, parent in enumerate(rows.fork_parents):
+        logits_indices[num_rows - num_forks + fork_row] = cu[rows_to_packed[parent]] - 1
+    pack_block_copies(block_copies, views["copy_src"], views["copy_dst"], num_blocks)
+
+    if num_tokens == num_rows:  # all decodes: one token per row at position kv_len - 1
+        token_rows, token_batch_rows, positions = np.arange(num_rows), batch_rows, starts
+    else:
+        token_rows = np.repeat(np.arange(num_rows), q_lens)
+        token_batch_rows = batch_rows[token_rows]
+        positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
+    views["positions"][:num_tokens] = positions
+    views["slot_mapping"][:num_tokens] = (block_tables[token_rows, positions // block_size] * block_size
+                                          + positions % block_size)
+    input_ids = batch.token_ids[token_batch_rows, positions]
+    views["input_ids"][:num_tokens] = input_ids
+    _feed_placeholders(batch, input_ids, token_batch_rows, q_lens, token_rows, views["prev_rows"])
+    if lora:
+        views["lora_slot_ids"][:num_tokens] = _lora_slots(batch, batch_rows, lora_slots)[token_rows]
+
+    sampling = _pack_sampling(batch, batch_rows, sampled, ends, views["sampling"], layout.num_sample_rows,
+                              max_logprobs)
+    prompt_targets, prompt_spans = _prompt_logprob_targets(batch, batch_rows, starts, q_lens, cu, bucket_tokens,
+                                                           rows_to_packed)
+    return PackedStep(buf=buf, layout=layout, **sampling, rows_to_packed=rows_to_packed,
+                      sampled=sampled[rows_to_packed], prompt_targets=prompt_targets, prompt_spans=prompt_spans,
+                      packed_batch_rows=batch_rows, packed_sampled=sampled)
+
+
+def _feed_placeholders(batch: InputBatch, input_ids: np.ndarray, token_batch_rows: np.ndarray, q_lens: np.ndarray,
+                       token_rows: np.ndarray, prev_rows: np.ndarray) -> None:
+    """Tokens fed while still on the device (async scheduling) come from the previous step's samples: point their
+    ``prev_rows`` entry (int32[T], -1 elsewhere) at the packed row that sampled them."""
+    prev_rows[:] = -1
+    placeholders = np.flatnonzero(input_ids < 0)
+    if not len(placeholders):
+        return
+    rows = token_batch_rows[placeholders]
+    sources = batch.prev_sample[rows]
+    bad = (q_lens[token_rows[placeholders]] != 1) | (sources < 0)
+    if bad.any():
+        raise ValueError(f"request {batch.req_ids[rows[int(np.argmax(bad))]]!r}: a token still on the device can "
+                         "only be fed alone, by the step after the one that sampled it")
+    prev_rows[placeholders] = sources
+
+
+def _lora_slots(batch: InputBatch, batch_rows: np.ndarray, lora_slots: dict[int, int] | None) -> np.ndarray:
+    """int32[n] each packed row's adapter slot (0: none)."""
+    ids = batch.lora_int_id[batch_rows]
+    slots = np.zeros((len(batch_rows),), np.int32)
+    for lora_int_id, slot in (lora_slots or {}).items():
+        slots[ids == lora_int_id] = slot
+    missing = (ids != 0) & (slots == 0)
+    if missing.any():
+        raise ValueError(f"request {batch.req_ids[batch_rows[int(np.argmax(missing))]]!r}: its LoRA adapter "
+                         f"{int(ids[np.argmax(missing)])} has no slot in this step")
+    return slots
+
+
+def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarray, ends: np.ndarray,
+                   out: np.ndarray, num_sample_rows: int, max_logprobs: int) -> dict:
+    """Sampling words of the packed rows into ``out`` and the sampler variant: rows' precomputed words unless some
+    sampling row needs the general path this step (penalties, bans, the bias table)."""
+    steps = ends - batch.num_prompt_tokens[batch_rows]
+    steps[~sampled] = 0
+    steps = np.maximum(steps, 0)  # fork rows: their first token
+    sample_rows = batch_rows[sampled]
+    wanted = batch.num_logprobs[sample_rows]
+    wants_logprobs = bool((wanted >= 0).any())
+    wants_top = bool((wanted > 0).any())
+    general = batch.general_sampling[sample_rows]
+    history = bias_table = None
+    if general.any():
+        rows = [_general_row(batch, int(row), int(step)) if s else None
+                for row, step, s in zip(batch_rows.tolist(), steps.tolist(), sampled.tolist())]
+        tensors, mode = sampler_lib.build_sampling_tensors(
+            rows, num_sample_rows, penalty_len=batch.max_model_len, eos_token_ids=batch.eos_token_ids,
+            vocab_size=batch.vocab_size)
+        sampler_lib.pack_sampling_tensors(tensors, out)
+        bias_table = sampler_lib.pack_bias_table(tensors)
+        history = tensors.prev_token_ids if tensors.prev_token_ids.shape[1] > 0 else None
+    else:
+        words = batch.sampling_words[batch_rows]
+        sampler_lib.pack_sampling_rows(words, steps.astype(np.int32), _PADDING_WORDS, out)
+        if not sampled.all():  # rows that do not sample stay greedy padding
+            vectors = out[:len(_PADDING_WORDS) * num_sample_rows].reshape(len(_PADDING_WORDS), num_sample_rows)
+            vectors[:, np.flatnonzero(~sampled)] = _PADDING_WORDS[:, None]
+        rank = int(batch.mode_rank[sample_rows].max()) if len(sample_rows) else _GREEDY_RANK
+        mode = sampler_lib.MODE_ORDER[rank]
+    if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
+        mode = _GREEDY_OR_TEMPERATURE  # all rows greedy: the same argmax, plus the top-K
+    return dict(history=history, bias_table=bias_table, mode=mode,
+                num_logprobs=max_logprobs if wants_top else 0, wants_logprobs=wants_logprobs)
+
+
+def _general_row(batch: InputBatch, row: int, step: int):
+    """``build_sampling_tensors``' row tuple of a batch row sampling its output ``step``."""
+    return (batch.params[row], batch.seeds[row], step, batch.prompt_token_ids(row), batch.output_token_ids(row))
+
+
+_PADDING_WORDS = sampler_lib.padding_row_words()
+
+
+def _prompt_logprob_targets(batch: InputBatch, batch_rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
+                            cu: np.ndarray, num_tokens: int, rows_to_packed: np.ndarray):
+    """(targets int32[num_tokens] (-1: none) or None, per step row ``(first packed token, count)`` or None) for the
+    rows computing prompt logprobs: position p of a prompt chunk targets prompt token p + 1."""
+    wanted = np.flatnonzero(batch.prompt_logprobs[batch_rows] & (q_lens > 0))
+    if not len(wanted):
+        return None, None
+    targets = np.full((num_tokens,), -1, np.int32)
+    spans: list[tuple[int, int] | None] = [None] * len(batch_rows)
+    for packed in wanted.tolist():
+        row, start = int(batch_rows[packed]), int(starts[packed])
+        stop = min(start + int(q_lens[packed]), int(batch.num_prompt_tokens[row]) - 1)
+        if stop <= start:
+            continue
+        first = int(cu[packed] - q_lens[packed])
+        targets[first:first + stop - start] = batch.token_ids[row, start + 1:stop + 1]
+        spans[packed] = (first, stop - start)
+    if not any(spans):
+        return None, None
+    return targets, [spans[packed] for packed in rows_to_packed.tolist()]
