@@ -128,7 +128,7 @@ def generate_main(argv: Sequence[str]) -> int:
     parser = build_generate_parser()
     args = parser.parse_args(normalize_flag_spelling(argv))
     if args.node_rank > 0:  # multi-host: node 0 generates, this node runs the same steps
-        from paged_jax.parallel.multihost import run_follower
+        from paged_jax.parallel.follower import run_follower
 
         return run_follower(EngineArgs(**engine_kwargs(args)))
     try:

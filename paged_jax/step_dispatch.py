@@ -10,7 +10,7 @@ its bitmask while the forward runs, too). Device order is unchanged: forward k+1
 follows forward k+1, and the next forward reads sampling k+1's tokens; a second ``execute`` before the deferred
 sampling was dispatched is a RuntimeError.
 
-Multi-host messages (``paged_jax.parallel.multihost.follow`` replays them): ``"dispatch"`` (a whole step),
+Multi-host messages (``paged_jax.parallel.follower.follow`` replays them): ``"dispatch"`` (a whole step),
 ``"forward"`` and ``"sample"`` (the two halves, in that order).
 """
 

@@ -272,7 +272,7 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_library_loggers()
     if args.node_rank > 0:  # multi-host: node 0 serves HTTP and schedules, this node runs the same steps
-        from paged_jax.parallel.multihost import run_follower
+        from paged_jax.parallel.follower import run_follower
 
         try:
             return run_follower(engine_args_from_namespace(args))

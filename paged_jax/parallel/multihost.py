@@ -11,21 +11,16 @@ device work:
   coordinator's key-value store (``jax.distributed``'s own client: small messages over its gRPC connection, no
   device collective, so nothing compiles for them). Warm-up needs no messages: every process compiles and runs the
   same fixed sequence.
-* ``follow(runner, channel)``: the loop of nodes 1..N-1: take the next message, make the same runner call
-  (``"dispatch"``: a whole step; ``"forward"`` then ``"sample"``: a step in two halves, ``paged_jax.step_dispatch``;
-  ``"swap"``); a ``"shutdown"`` message ends it.
+* The followers' loop (``paged_jax.parallel.follower``) replays them.
 
 A dead node: every node notices within seconds (``EngineArgs.distributed_timeout_seconds``,
-``--distributed-timeout-seconds``), logs an error naming it and exits with status 1 (``paged_jax.parallel.rank_watch``);
-followers run their engine in a child process for that (``run_follower``).
+``--distributed-timeout-seconds``), logs an error naming it and exits with status 1 (``paged_jax.parallel.rank_watch``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,46 +88,6 @@ def _shut_down_followers(channel: "StepChannel") -> None:
 
     close_watch()  # first, so that the followers' exits are not reported as deaths
     channel.publish("shutdown")
-
-
-def run_follower(engine_args) -> int:
-    """Nodes 1..N-1 (``paged-jax serve/generate --node-rank R``, R > 0): in a child process (``rank_watch.
-    run_supervised``), build the same engine as node 0 (its share of the weights and KV pool, the same compiled
-    steps), then replay node 0's steps until it shuts down. Returns the exit status: 0 after node 0's shutdown (or
-    SIGTERM), 1 when a node is gone (logged, naming it)."""
-    from paged_jax.parallel.rank_watch import run_supervised
-
-    if engine_args.nnodes > 1:
-        coordinator = f"{engine_args.master_addr}:{engine_args.master_port}"
-    else:
-        coordinator = os.environ.get("PAGED_JAX_COORDINATOR") or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    return run_supervised(_follow_here, (engine_args, logging.getLogger().getEffectiveLevel()), coordinator,
-                          engine_args.node_rank)
-
-
-# The follower's engine process logs to the inherited stderr, each line naming its node (as the engine process of
-# ``paged-jax serve`` names itself EngineCore).
-_FOLLOWER_LOG_FORMAT = "%(asctime)s %(levelname)s (node {rank} pid=%(process)d) %(name)s: %(message)s"
-
-
-def _follow_here(engine_args, log_level: int) -> int:
-    """``run_follower``'s child: the engine and ``follow``; its exit status."""
-    from paged_jax.engine import LLMEngine
-    from paged_jax.parallel.rank_watch import close_watch
-
-    logging.basicConfig(level=log_level, format=_FOLLOWER_LOG_FORMAT.format(rank=engine_args.node_rank),
-                        stream=sys.stderr, force=True)
-    try:
-        engine = LLMEngine(engine_args)
-        follow(engine.runner, StepChannel())
-    except ValueError as exc:
-        logger.error("node %d cannot start: %s", engine_args.node_rank, exc)
-        return 2
-    except RuntimeError as exc:
-        logger.error("node %d stops: %s", engine_args.node_rank, exc)
-        return 1
-    close_watch()
-    return 0
 
 
 _agreements = 0  # calls of agree_on_smallest in this process: every process makes them in the same order
@@ -212,32 +167,3 @@ def _wait_for_key(client, key: str, poll_ms: int, what: str) -> bytes:
         except Exception as exc:  # noqa: BLE001 - jax raises JaxRuntimeError for both cases
             if "DEADLINE_EXCEEDED" not in str(exc):
                 raise RuntimeError(f"node 0 is gone: lost the coordinator while {what}: {exc}") from exc
-
-
-def follow(runner, channel: StepChannel) -> None:
-    """Nodes 1..N-1: replay node 0's device calls on this process's ``runner`` (built and warmed up exactly as node
-    0's) until node 0 sends ``"shutdown"``. Returns normally on shutdown; raises when node 0 is lost."""
-    import jax
-
-    logger.info("node %d ready: following node 0's steps", jax.process_index())
-    pending = forward = None
-    while True:
-        kind, payload = channel.receive()
-        if kind == "shutdown":
-            logger.info("node 0 shut down; node %d exits", jax.process_index())
-            return
-        if kind == "forward":  # a step in two halves (paged_jax.step_dispatch): its "sample" comes next
-            forward = runner._dispatch_forward(*payload)
-        elif kind in ("dispatch", "sample"):
-            if kind == "dispatch":
-                outputs = runner._dispatch(*payload)
-            else:
-                outputs, forward = runner._dispatch_sampling(forward, *payload), None
-            # Nothing reads a follower's outputs; keeping the last one bounds how far its queue runs ahead.
-            if pending is not None:
-                jax.block_until_ready(pending)
-            pending = outputs
-        elif kind == "swap":
-            runner.swap(*payload)
-        else:
-            raise RuntimeError(f"unknown step message {kind!r} from node 0")

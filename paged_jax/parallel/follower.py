@@ -1,0 +1,81 @@
+"""Nodes 1..N-1 of a multi-host engine (``paged_jax.parallel.multihost``): build the same engine as node 0, then
+replay node 0's device calls from the ``StepChannel`` until it shuts down: ``"dispatch"`` (a whole step),
+``"forward"`` then ``"sample"`` (a step in two halves, ``paged_jax.step_dispatch``), ``"swap"``; ``"shutdown"`` ends
+the loop. The engine runs in a child process (``rank_watch.run_supervised``), so that a dead node ends the job."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import jax
+
+from paged_jax.engine import LLMEngine
+from paged_jax.parallel.multihost import StepChannel
+from paged_jax.parallel.rank_watch import close_watch, run_supervised
+
+logger = logging.getLogger(__name__)
+
+
+def run_follower(engine_args) -> int:
+    """Nodes 1..N-1 (``paged-jax serve/generate --node-rank R``, R > 0): in a child process (``rank_watch.
+    run_supervised``), build the same engine as node 0 (its share of the weights and KV pool, the same compiled
+    steps), then replay node 0's steps until it shuts down. Returns the exit status: 0 after node 0's shutdown (or
+    SIGTERM), 1 when a node is gone (logged, naming it)."""
+    if engine_args.nnodes > 1:
+        coordinator = f"{engine_args.master_addr}:{engine_args.master_port}"
+    else:
+        coordinator = os.environ.get("PAGED_JAX_COORDINATOR") or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    return run_supervised(_follow_here, (engine_args, logging.getLogger().getEffectiveLevel()), coordinator,
+                          engine_args.node_rank)
+
+
+# The follower's engine process logs to the inherited stderr, each line naming its node (as the engine process of
+# ``paged-jax serve`` names itself EngineCore).
+_FOLLOWER_LOG_FORMAT = "%(asctime)s %(levelname)s (node {rank} pid=%(process)d) %(name)s: %(message)s"
+
+
+def _follow_here(engine_args, log_level: int) -> int:
+    """``run_follower``'s child: the engine and ``follow``; its exit status."""
+    logging.basicConfig(level=log_level, format=_FOLLOWER_LOG_FORMAT.format(rank=engine_args.node_rank),
+                        stream=sys.stderr, force=True)
+    try:
+        engine = LLMEngine(engine_args)
+        follow(engine.runner, StepChannel())
+    except ValueError as exc:
+        logger.error("node %d cannot start: %s", engine_args.node_rank, exc)
+        return 2
+    except RuntimeError as exc:
+        logger.error("node %d stops: %s", engine_args.node_rank, exc)
+        return 1
+    close_watch()
+    return 0
+
+
+
+def follow(runner, channel: StepChannel) -> None:
+    """Nodes 1..N-1: replay node 0's device calls on this process's ``runner`` (built and warmed up exactly as node
+    0's) until node 0 sends ``"shutdown"``. Returns normally on shutdown; raises when node 0 is lost."""
+    logger.info("node %d ready: following node 0's steps", jax.process_index())
+    pending = forward = None
+    while True:
+        kind, payload = channel.receive()
+        if kind == "shutdown":
+            logger.info("node 0 shut down; node %d exits", jax.process_index())
+            return
+        if kind == "forward":  # a step in two halves (paged_jax.step_dispatch): its "sample" comes next
+            forward = runner._dispatch_forward(*payload)
+        elif kind in ("dispatch", "sample"):
+            if kind == "dispatch":
+                outputs = runner._dispatch(*payload)
+            else:
+                outputs, forward = runner._dispatch_sampling(forward, *payload), None
+            # Nothing reads a follower's outputs; keeping the last one bounds how far its queue runs ahead.
+            if pending is not None:
+                jax.block_until_ready(pending)
+            pending = outputs
+        elif kind == "swap":
+            runner.swap(*payload)
+        else:
+            raise RuntimeError(f"unknown step message {kind!r} from node 0")
