@@ -113,20 +113,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         self.max_num_batched_tokens = max_num_batched_tokens
 
         kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
-        dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
-        if dequantization_bytes and on_accelerator:
-            logger.info("KV cache sizing leaves %.2f GiB for weights XLA dequantizes in the wider steps (weight-only "
-                        "quantized layers)", dequantization_bytes / 2**30)
-        num_blocks = determine_num_blocks(
-            memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-            device=device, weight_bytes=device_bytes(model, device),
-            dequantization_bytes=dequantization_bytes)
-        num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
-        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
-                                               swap_space_gib=args.swap_space)
-                           if args.preemption_mode == "swap" else 0)
+        num_blocks, num_host_blocks = self._size_kv_pool(loaded, kv_dtype, device)
         self.startup_timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
         self.runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
             model, run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
@@ -141,10 +128,28 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
                                    preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
                                    enable_chunked_prefill=args.enable_chunked_prefill,
                                    max_loras=args.max_loras if args.enable_lora else 0)
+        self._warm_up(num_blocks, num_host_blocks, kv_bytes_per_block(memory_config, args.block_size, kv_dtype),
+                      use_tqdm, stage_start, start)
+
+        self._seed_rng = np.random.default_rng(args.seed)
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._requests: dict[str, RequestState] = {}  # unfinished user requests
+        self._seq_by_id: dict[str, tuple[RequestState, SequenceState]] = {}  # scheduler request id -> sequence
+        self.async_scheduling = bool(args.async_scheduling)
+        self._in_flight: InFlightStep | None = None
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    def _warm_up(self, num_blocks: int, num_host_blocks: int, block_bytes: int, use_tqdm: bool,
+                 stage_start: float, start: float) -> None:
+        """Log the KV pool, then compile (or load) every step executable (``ModelRunner.warm_up``)."""
+        args, max_model_len = self.engine_args, self.max_model_len
+        max_num_batched_tokens, max_num_seqs = self.max_num_batched_tokens, self.max_num_seqs
         kv_tokens = (num_blocks - 1) * args.block_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
                     "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
-                    num_blocks * kv_bytes_per_block(memory_config, args.block_size, kv_dtype) / 2**30,
+                    num_blocks * block_bytes / 2**30,
                     num_host_blocks, max_model_len, kv_tokens / max_model_len)
         num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
                                             num_blocks=num_blocks)
@@ -159,15 +164,28 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                     time.perf_counter() - start)
 
-        self._seed_rng = np.random.default_rng(args.seed)
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self._requests: dict[str, RequestState] = {}  # unfinished user requests
-        self._seq_by_id: dict[str, tuple[RequestState, SequenceState]] = {}  # scheduler request id -> sequence
-        self.async_scheduling = bool(args.async_scheduling)
-        self._in_flight: InFlightStep | None = None
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_steps = 0
+    def _size_kv_pool(self, loaded, kv_dtype, device) -> tuple[int, int]:
+        """(device KV blocks, host swap blocks) for the loaded model and this engine's limits: what the device's
+        memory leaves after the weights (``kv_pool_sizing``), the same count on every node of a multi-host job."""
+        args, model = self.engine_args, loaded.model
+        max_model_len, max_num_seqs = self.max_model_len, self.max_num_seqs
+        max_num_batched_tokens = self.max_num_batched_tokens
+        memory_config, run_config = loaded.memory_config, loaded.run_config
+        dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
+        if dequantization_bytes and device.platform != "cpu":
+            logger.info("KV cache sizing leaves %.2f GiB for weights XLA dequantizes in the wider steps (weight-only "
+                        "quantized layers)", dequantization_bytes / 2**30)
+        num_blocks = determine_num_blocks(
+            memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
+            device=device, weight_bytes=device_bytes(model, device),
+            dequantization_bytes=dequantization_bytes)
+        num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
+        num_host_blocks = (num_host_blocks_for(run_config, block_size=args.block_size, dtype=kv_dtype,
+                                               swap_space_gib=args.swap_space)
+                           if args.preemption_mode == "swap" else 0)
+        return num_blocks, num_host_blocks
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "LLMEngine":
@@ -233,18 +251,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             self._add_beam_search(request_id, prompt_text, prompt_token_ids, params, int(priority), arrival,
                                   monotonic_arrival)
             return
-        if params.stop_token_ids:
-            validate_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer, and this model has none")
-            params = params.clone()  # as vLLM: the caller's object is left as it was
-            params.update_from_tokenizer(self.tokenizer)
-        check_request_fits(params, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none")
-        check_stop_strings(params.stop_strings, max_stop_strings=self.engine_args.max_stop_strings,
-                           max_stop_string_len=self.engine_args.max_stop_string_len)
+        params = self._checked_sampling_params(params)
         # Parsed here (a bad spec is a ValueError naming its field), compiled on the manager's threads meanwhile.
         grammar = self.structured_outputs.grammar_for(params.structured_outputs) if params.structured_outputs else None
 
@@ -259,22 +266,8 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             seq_id = request_id if num_seqs == 1 else f"{request_id}::{index}"
             if seq_id in self._seq_by_id:
                 raise ValueError(f"request_id {request_id!r} collides with the sequence ids of another request")
-            request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                              eos_token_ids=frozenset(self.eos_token_ids), priority=int(priority),
-                              arrival_time=monotonic_arrival,
-                              skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
-                              cache_salt=cache_salt, lora=lora, seed=child_seed(base_seed, index),
-                              grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
-            detokenizer = None
-            if params.detokenize and self.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens)
-            state.seqs.append(SequenceState(index=index, request=request, detokenizer=detokenizer,
-                                            logprobs=[] if params.logprobs is not None else None,
-                                            cumulative_logprob=0.0 if params.sampled_logprobs is not None else None))
+            state.seqs.append(self._new_sequence(state, index, seq_id, grammar, lora, cache_salt, int(priority),
+                                                 monotonic_arrival, base_seed))
         # Sequences 1.. fork from sequence 0 when it samples its first token (as many as max_num_seqs lets run
         # together; any more start on their own, sharing the prompt only through the prefix cache).
         first = state.seqs[0].request
@@ -286,6 +279,45 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
             seq.admitted = True
         for seq in [state.seqs[0], *state.seqs[self.max_num_seqs:]]:
             self.scheduler.add_request(seq.request)
+
+    def _new_sequence(self, state: RequestState, index: int, seq_id: str, grammar, lora, cache_salt: str | None,
+                      priority: int, monotonic_arrival: float, base_seed: int) -> SequenceState:
+        """Sequence ``index`` of a new request: its scheduler ``Request`` and its detokenizer."""
+        params, prompt_token_ids = state.params, state.prompt_token_ids
+        request = Request(request_id=seq_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                          eos_token_ids=frozenset(self.eos_token_ids), priority=priority,
+                          arrival_time=monotonic_arrival,
+                          skip_prefix_cache=index == 0 and not self._prompt_logprobs_done(state),
+                          cache_salt=cache_salt, lora=lora, seed=child_seed(base_seed, index),
+                          grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
+        detokenizer = None
+        if params.detokenize and self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
+        return SequenceState(index=index, request=request, detokenizer=detokenizer,
+                             logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.sampled_logprobs is not None else None)
+
+    def _checked_sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """Check what the request's parameters ask of this model (token ids in the vocabulary, the sampler's fixed
+        widths, a tokenizer for stop strings and bad words); returns them with ``bad_words`` tokenized (a copy, as
+        vLLM leaves the caller's object as it was). ValueError naming the field."""
+        if params.stop_token_ids:
+            validate_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this model has none")
+            params = params.clone()  # as vLLM: the caller's object is left as it was
+            params.update_from_tokenizer(self.tokenizer)
+        check_request_fits(params, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+        check_stop_strings(params.stop_strings, max_stop_strings=self.engine_args.max_stop_strings,
+                           max_stop_string_len=self.engine_args.max_stop_string_len)
+        return params
 
     def _register(self, state: RequestState) -> None:
         self._requests[state.request_id] = state

@@ -121,39 +121,13 @@ class ModelRunner(StepDispatchMixin):
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
         self.sampler_seq_buckets = sorted({sampler_rows_for(s, self.seq_buckets[-1]) for s in self.seq_buckets})
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
-        # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
-        # the random modes also one with the top max_logprobs, paid only on steps where some row asked for it. A
-        # greedy step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same
-        # argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows allow
-        # it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
-        # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a
-        # neutral table (``_run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
-        # pass over rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row
-        # count and logprob width (sampler compiles are a large share of a cold start's CPU work). The other way
-        # round a neutral history would cost rows x max_model_len entries of device memory and two scatters that
-        # size per step, so the variant without penalties stays.
-        greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
-        self.sampler_variants = [SamplerVariant(greedy.value, False, 0)] + [
-            SamplerVariant(mode.value, penalties, num_logprobs, bias_table)
-            for num_logprobs in (0, self.max_logprobs)
-            for mode in sampler_lib.SamplingMode if mode != greedy
-            for penalties, bias_table in (((False, True), (True, True)) if mode == full else ((False, False),))
-        ]
+        self.sampler_variants = _sampler_variants(self.max_logprobs)
         self.dtype = jnp.dtype(model.dtype)
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
 
-        # Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
-        # tracing, so no NNX graph traversal happens per call.
-        graphdef, state = nnx.split(model)
-        param_leaves, state_treedef = jax.tree.flatten(state)
-        self._param_leaves = (param_leaves if self.sharding_plan else
-                              [jax.device_put(x, self.device) for x in param_leaves])
-        self._graphdef = graphdef
-        self._state_treedef = state_treedef
-        # XLA options of the programs that run the model's layers (the forwards): models.quantization.
-        self.compiler_options = compiler_options(model)
+        self._split_model(model)
 
         shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self._kv_block_shape = shape
@@ -165,7 +139,7 @@ class ModelRunner(StepDispatchMixin):
         self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
                                    dtype=self.kv_dtype) if num_host_blocks else None)
 
-        # Last step's sampled tokens, on device (int32[max seq bucket]), and the packed row each key sampled in.
+        # Last step's sampled tokens, on device (int32[max seq bucket]).
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
         self._prev_tokens = jnp.zeros((self._max_seq_bucket,), jnp.int32, device=self.device)
         # The requests it holds, one persistent row each (updated by each step's diff).
@@ -190,8 +164,21 @@ class ModelRunner(StepDispatchMixin):
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
 
+    def _split_model(self, model) -> None:
+        """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
+        tracing, so no NNX graph traversal happens per call."""
+        graphdef, state = nnx.split(model)
+        param_leaves, state_treedef = jax.tree.flatten(state)
+        self._param_leaves = (param_leaves if self.sharding_plan else
+                              [jax.device_put(x, self.device) for x in param_leaves])
+        self._graphdef = graphdef
+        self._state_treedef = state_treedef
+        # XLA options of the programs that run the model's layers (the forwards): models.quantization.
+        self.compiler_options = compiler_options(model)
+
     # ------------------------------------------------------------------ jitted functions
-    def _build_jitted(self) -> None:
+    def _forward_fn(self):
+        """The step's forward (traced per bucket; see ``_build_jitted``)."""
         graphdef, state_treedef = self._graphdef, self._state_treedef
         config = self.model_config
         sm_scale = config.head_dim ** -0.5
@@ -232,10 +219,14 @@ class ModelRunner(StepDispatchMixin):
             logits = model.compute_logits(hidden[fields["logits_indices"]])
             return kv_pool, logits, fields["sampling"], hidden
 
+        return forward
+
+    def _build_jitted(self) -> None:
+        graphdef, state_treedef = self._graphdef, self._state_treedef
         # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.executable_cache),
         # keyed by its static arguments and the shapes of the arguments listed.
         self._forward = AheadOfTimeFunction(
-            "forward", jax.jit(forward, static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,),
+            "forward", jax.jit(self._forward_fn(), static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,),
                                compiler_options=self.compiler_options or None))
 
         max_seq_bucket = self._max_seq_bucket
@@ -474,3 +465,25 @@ class ModelRunner(StepDispatchMixin):
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _sampler_variants(max_logprobs: int) -> list[SamplerVariant]:
+    """The compiled sampler variants."""
+    # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
+    # the random modes also one with the top max_logprobs, paid only on steps where some row asked for it. A
+    # greedy step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same
+    # argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows allow
+    # it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
+    # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a
+    # neutral table (``_run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
+    # pass over rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row
+    # count and logprob width (sampler compiles are a large share of a cold start's CPU work). The other way
+    # round a neutral history would cost rows x max_model_len entries of device memory and two scatters that
+    # size per step, so the variant without penalties stays.
+    greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
+    return [SamplerVariant(greedy.value, False, 0)] + [
+        SamplerVariant(mode.value, penalties, num_logprobs, bias_table)
+        for num_logprobs in (0, max_logprobs)
+        for mode in sampler_lib.SamplingMode if mode != greedy
+        for penalties, bias_table in (((False, True), (True, True)) if mode == full else ((False, False),))
+    ]

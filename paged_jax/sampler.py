@@ -27,6 +27,7 @@ do not use it pay nothing:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from typing import NamedTuple, Sequence
@@ -235,22 +236,65 @@ def build_sampling_tensors(
         raise ValueError(f"pad_to must be >= the number of rows ({len(rows)}), got {pad_to}")
     if penalty_len < 0:
         raise ValueError(f"penalty_len must be non-negative, got {penalty_len}")
+    vectors = _RowVectors(pad_to)
+    usage = _fill_row_vectors(vectors, rows, eos_token_ids, vocab_size)
+    if usage.penalty_rows and need_penalties is False:
+        raise ValueError(f"need_penalties=False but row {usage.penalty_rows[0]} uses presence/frequency/repetition "
+                         "penalties")
+    if usage.penalty_rows or usage.needs_sort or usage.banned_per_row or usage.table_rows:
+        mode = SamplingMode.FULL
+    elif usage.any_truncation:
+        mode = SamplingMode.TOP_K
+    elif usage.any_random:
+        mode = SamplingMode.GREEDY_OR_TEMPERATURE
+    else:
+        mode = SamplingMode.GREEDY
+    build_penalties = mode == SamplingMode.FULL and (bool(usage.penalty_rows) or need_penalties is True)
+    prev_token_ids = _penalty_history(rows, usage.penalty_rows, vectors.prompt_len, pad_to,
+                                      penalty_len if build_penalties else 0, penalty_len)
+    banned_width = BANNED_WIDTH if usage.banned_per_row else 0
+    banned_token_ids = np.full((pad_to, banned_width), -1, np.int32)
+    for row_index, ids in usage.banned_per_row.items():
+        banned_token_ids[row_index, : len(ids)] = ids
+    logit_bias_ids, logit_bias, allowed_token_mask = _bias_table_fields(rows, usage.table_rows, pad_to, vocab_size)
+    tensors = SamplingTensors(
+        **vars(vectors), prev_token_ids=prev_token_ids, banned_token_ids=banned_token_ids,
+        logit_bias_ids=logit_bias_ids, logit_bias=logit_bias, allowed_token_mask=allowed_token_mask)
+    return tensors, mode
 
-    temperature = np.zeros(pad_to, np.float32)
-    top_k = np.zeros(pad_to, np.int32)
-    top_p = np.ones(pad_to, np.float32)
-    min_p = np.zeros(pad_to, np.float32)
-    presence = np.zeros(pad_to, np.float32)
-    frequency = np.zeros(pad_to, np.float32)
-    repetition = np.ones(pad_to, np.float32)
-    seeds = np.zeros(pad_to, np.uint32)
-    steps = np.zeros(pad_to, np.int32)
-    prompt_len = np.zeros(pad_to, np.int32)
 
-    any_random = any_truncation = needs_sort = False
-    penalty_rows: list[int] = []
-    table_rows: list[int] = []
-    banned_per_row: dict[int, list[int]] = {}
+class _RowVectors:
+    """The per-row [S] vectors of ``SamplingTensors``, at their neutral values (greedy, filters off)."""
+
+    def __init__(self, pad_to: int):
+        self.temperature = np.zeros(pad_to, np.float32)
+        self.top_k = np.zeros(pad_to, np.int32)
+        self.top_p = np.ones(pad_to, np.float32)
+        self.min_p = np.zeros(pad_to, np.float32)
+        self.presence = np.zeros(pad_to, np.float32)
+        self.frequency = np.zeros(pad_to, np.float32)
+        self.repetition = np.ones(pad_to, np.float32)
+        self.seeds = np.zeros(pad_to, np.uint32)
+        self.steps = np.zeros(pad_to, np.int32)
+        self.prompt_len = np.zeros(pad_to, np.int32)
+
+
+@dataclasses.dataclass
+class _RowUsage:
+    """What a step's rows use: which sampler features, and the rows needing penalties, bans or the bias table."""
+
+    any_random: bool = False
+    any_truncation: bool = False
+    needs_sort: bool = False
+    penalty_rows: list = dataclasses.field(default_factory=list)
+    table_rows: list = dataclasses.field(default_factory=list)
+    banned_per_row: dict = dataclasses.field(default_factory=dict)
+
+
+def _fill_row_vectors(vectors: _RowVectors, rows: Sequence[SamplingRow | None], eos_token_ids: Sequence[int],
+                      vocab_size: int | None) -> _RowUsage:
+    """Write each row's parameters into ``vectors``; returns what the rows use."""
+    usage = _RowUsage()
     for row_index, row in enumerate(rows):
         if row is None:
             continue
@@ -258,50 +302,42 @@ def build_sampling_tensors(
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step} for row {row_index}")
         greedy = params.is_greedy
-        temperature[row_index] = 0.0 if greedy else params.temperature
-        seeds[row_index] = seed_to_u32(seed)
-        steps[row_index] = step
+        vectors.temperature[row_index] = 0.0 if greedy else params.temperature
+        vectors.seeds[row_index] = seed_to_u32(seed)
+        vectors.steps[row_index] = step
         if not greedy:
-            any_random = True
+            usage.any_random = True
             # Greedy rows ignore truncation entirely (argmax always survives it), so only random rows fill it in.
             # Clamp to int32: any k beyond the vocabulary keeps every token, as k = vocab_size would.
-            top_k[row_index] = min(max(params.top_k, 0), _INT32_MAX)
-            top_p[row_index] = params.top_p
-            min_p[row_index] = params.min_p
+            vectors.top_k[row_index] = min(max(params.top_k, 0), _INT32_MAX)
+            vectors.top_p[row_index] = params.top_p
+            vectors.min_p[row_index] = params.min_p
             if params.uses_truncation:
-                any_truncation = True
-                needs_sort = needs_sort or not candidates_suffice(params.top_k, params.top_p, vocab_size)
+                usage.any_truncation = True
+                usage.needs_sort = usage.needs_sort or not candidates_suffice(params.top_k, params.top_p, vocab_size)
         if params.uses_penalties:
-            presence[row_index] = params.presence_penalty
-            frequency[row_index] = params.frequency_penalty
-            repetition[row_index] = params.repetition_penalty
-            penalty_rows.append(row_index)
-        # Plain attribute checks first: this loop runs per row per step, and most rows use none of these.
+            vectors.presence[row_index] = params.presence_penalty
+            vectors.frequency[row_index] = params.frequency_penalty
+            vectors.repetition[row_index] = params.repetition_penalty
+            usage.penalty_rows.append(row_index)
+        # Plain attribute checks first: this loop runs per row of the general path, and most rows use none of these.
         if params.logit_bias or params.allowed_token_ids is not None:  # params.uses_bias_table
-            table_rows.append(row_index)
+            usage.table_rows.append(row_index)
         if step < params.min_tokens or params.bad_words_token_ids:
             banned = _banned_ids_for(params, step, eos_token_ids, output_ids)
             if len(banned) > BANNED_WIDTH:
                 raise ValueError(f"stop_token_ids: row {row_index} bans {len(banned)} ids (bad words, stop ids + "
                                  f"EOS below min_tokens), more than {BANNED_WIDTH}")
             if banned:
-                banned_per_row[row_index] = banned
+                usage.banned_per_row[row_index] = banned
+    return usage
 
-    if penalty_rows and need_penalties is False:
-        raise ValueError(f"need_penalties=False but row {penalty_rows[0]} uses presence/frequency/repetition penalties")
 
-    if penalty_rows or needs_sort or banned_per_row or table_rows:
-        mode = SamplingMode.FULL
-    elif any_truncation:
-        mode = SamplingMode.TOP_K
-    elif any_random:
-        mode = SamplingMode.GREEDY_OR_TEMPERATURE
-    else:
-        mode = SamplingMode.GREEDY
-
-    build_penalties = mode == SamplingMode.FULL and (bool(penalty_rows) or need_penalties is True)
-    prev_width = penalty_len if build_penalties else 0
-    prev_token_ids = np.full((pad_to, prev_width), -1, np.int32)
+def _penalty_history(rows: Sequence[SamplingRow | None], penalty_rows: list[int], prompt_len: np.ndarray,
+                     pad_to: int, width: int, penalty_len: int) -> np.ndarray:
+    """i32[pad_to, width] each penalty row's prompt then outputs, padded with -1 (width 0: no history); sets those
+    rows' ``prompt_len``."""
+    prev_token_ids = np.full((pad_to, width), -1, np.int32)
     for row_index in penalty_rows:
         _, _, _, prompt_ids, output_ids = rows[row_index]
         total = len(prompt_ids) + len(output_ids)
@@ -312,12 +348,13 @@ def build_sampling_tensors(
         prev_token_ids[row_index, : len(prompt_ids)] = prompt_ids
         prev_token_ids[row_index, len(prompt_ids) : total] = output_ids
         prompt_len[row_index] = len(prompt_ids)
+    return prev_token_ids
 
-    banned_width = BANNED_WIDTH if banned_per_row else 0
-    banned_token_ids = np.full((pad_to, banned_width), -1, np.int32)
-    for row_index, ids in banned_per_row.items():
-        banned_token_ids[row_index, : len(ids)] = ids
 
+def _bias_table_fields(rows: Sequence[SamplingRow | None], table_rows: list[int], pad_to: int,
+                       vocab_size: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logit_bias_ids i32[S, K], logit_bias f32[S, K], allowed_token_mask i32[S, M]) of the rows using the bias
+    table; K = M = 0 when none does."""
     if table_rows and vocab_size is None:
         raise ValueError(f"vocab_size is needed: row {table_rows[0]} uses logit_bias / allowed_token_ids")
     bias_width = LOGIT_BIAS_WIDTH if table_rows else 0
@@ -335,14 +372,7 @@ def build_sampling_tensors(
             logit_bias[row_index, :count] = list(params.logit_bias.values())
         if params.allowed_token_ids is not None:
             allowed_token_mask[row_index] = _allowed_mask_row(params.allowed_token_ids, mask_width)
-
-    tensors = SamplingTensors(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence=presence, frequency=frequency,
-        repetition=repetition, seeds=seeds, steps=steps, prev_token_ids=prev_token_ids, prompt_len=prompt_len,
-        banned_token_ids=banned_token_ids, logit_bias_ids=logit_bias_ids, logit_bias=logit_bias,
-        allowed_token_mask=allowed_token_mask,
-    )
-    return tensors, mode
+    return logit_bias_ids, logit_bias, allowed_token_mask
 
 
 def temperature_top_k_top_p_tensors(temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
