@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from benchmarks.quantization_sweep import section_sweep
 from benchmarks.report import write_json
 
 # Llama-3.1-8B projections as the engine runs them (fused q/k/v and gate/up): (name, K, N).
@@ -61,6 +62,12 @@ def _median_s(fn, repeats: int, inner: int) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / inner)
     return float(np.median(times))
+
+
+def _matmul_shapes(args) -> list:
+    """The ``(name, K, N)`` projections the matmul sections run: ``TINY_MATMULS`` with ``--tiny``, else
+    ``LLAMA8B_MATMULS``."""
+    return TINY_MATMULS if args.tiny else LLAMA8B_MATMULS
 
 
 def _emit(results: list, row: dict) -> None:
@@ -138,7 +145,7 @@ def section_matmul(args, results, copy_gbps: float):
     from models.quantization.linear import weight_only_matmul_reference
     from paged_jax.ops.quantized_matmul import weight_only_matmul_pallas
 
-    shapes = TINY_MATMULS if args.tiny else LLAMA8B_MATMULS
+    shapes = _matmul_shapes(args)
     for m in args.batches:
         for name, k, n in shapes:
             x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
@@ -327,8 +334,7 @@ def main(argv: list[str] | None = None) -> list:
     if "matmul" in sections:
         section_matmul(args, results, copy_gbps)
     if "sweep" in sections:
-        from benchmarks.quantization_sweep import section_sweep
-        section_sweep(args, results, copy_gbps, _emit)
+        section_sweep(args, results, copy_gbps, _emit, _matmul_shapes(args))
     if "decode" in sections:
         section_decode(args, results, copy_gbps)
     write_json(args.out, {"benchmark": "quantization", "results": results})

@@ -144,15 +144,15 @@ def _variants(fmt: str, m: int, k: int, args) -> list[tuple[str, dict | None, ob
     return out
 
 
-def section_sweep(args, results, copy_gbps, emit):
+def section_sweep(args, results, copy_gbps, emit, shapes):
+    """The ``sweep`` section over ``shapes`` (``(name, K, N)`` projections); ``emit(results, row)`` prints and
+    keeps each JSON row."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.quantization import LLAMA8B_MATMULS, TINY_MATMULS
     from models.quantization.linear import FLOAT8_DOT_COMPILER_OPTIONS
     from paged_jax.ops.quantized_matmul_tuning import M_BUCKETS, NATIVE_IMPLS, m_bucket
 
-    shapes = TINY_MATMULS if args.tiny else LLAMA8B_MATMULS
     formats = [f for f in args.formats.split(",") if f] + (["bf16"] if args.sweep_bf16 else [])
     # M = 1 first (the batch-1 decode target), then larger M; formats in the order given.
     cells = [(m, fmt, shape) for m in args.batches for fmt in formats for shape in shapes]

@@ -309,7 +309,8 @@ def offline_main(concurrencies: Sequence[int], engine_argv: Sequence[str], num_p
     from benchmarks.throughput import _run_with_concurrency
     from paged_jax.engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
-    from serving.cli import engine_args_from_namespace, parse_serve_args
+    from serving.cli import parse_serve_args
+    from serving.settings import engine_args_from_namespace
 
     # The flags after `--` are serve's: the server-only ones (e.g. --api-server-count) leave the engine as it is.
     engine = LLMEngine(engine_args_from_namespace(parse_serve_args(engine_argv, "engine flags")[1]), use_tqdm=False)

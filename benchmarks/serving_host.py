@@ -156,9 +156,10 @@ def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_count: in
 
     from paged_jax.config import EngineArgs
     from serving.app import create_app
-    from serving.cli import bind_socket, parse_serve_args, uvicorn_config
+    from serving.cli import bind_socket, parse_serve_args
     from serving.engine_process import EngineProcessClient
     from serving.lifecycle import ServingServer
+    from serving.settings import uvicorn_config
 
     logging.basicConfig(level=logging.WARNING)
     engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=max_num_seqs, max_model_len=4096,

@@ -53,6 +53,7 @@ from models.llama import ReusableAttention
 from models.quantization import compiler_options
 from paged_jax.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
+from paged_jax.parallel.plan import ShardingPlan
 from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
 from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.top_k import candidates_suffice
@@ -163,51 +164,11 @@ def generate(
     if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool):
         raise ValueError(f"pad_token_id must be a Python int (it is static), got {pad_token_id!r}")
     attention_impl = resolve_attention_impl(attention_impl, "attention_impl")
-    if sharding_plan is not None:
-        from paged_jax.parallel import ShardingPlan
-
-        if not isinstance(sharding_plan, ShardingPlan):
-            raise ValueError(f"sharding_plan must be a paged_jax.parallel.ShardingPlan or None, "
-                             f"got {type(sharding_plan).__name__}")
-        if sharding_plan.data_parallel_size != 1:
-            raise ValueError(f"sharding_plan must have data_parallel_size 1 (split the batch yourself for data "
-                             f"parallelism), got {sharding_plan.data_parallel_size}")
-
-    prompt_tokens = _as_array(prompt_tokens, "prompt_tokens")
-    prompt_lengths = _as_array(prompt_lengths, "prompt_lengths")
-    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
-        raise ValueError(f"prompt_tokens must be int32[B, P] with B, P >= 1, got shape {prompt_tokens.shape}")
-    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-        raise ValueError(f"prompt_tokens must be an integer array, got dtype {prompt_tokens.dtype}")
-    batch_size, prompt_width = prompt_tokens.shape
-    if prompt_lengths.shape != (batch_size,):
-        raise ValueError(f"prompt_lengths must be int32[B={batch_size}], got shape {prompt_lengths.shape}")
-    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
-        raise ValueError(f"prompt_lengths must be an integer array, got dtype {prompt_lengths.dtype}")
-    if isinstance(prompt_lengths, np.ndarray) and (
-        np.any(prompt_lengths < 1) or np.any(prompt_lengths > prompt_width)
-    ):
-        raise ValueError(f"prompt_lengths must lie in [1, P={prompt_width}], got {prompt_lengths.tolist()}")
-
-    static_temperature, dynamic_temperature = _split_param(temperature, "temperature", batch_size, float)
-    static_top_k, dynamic_top_k = _split_param(top_k, "top_k", batch_size, int)
-    static_top_p, dynamic_top_p = _split_param(top_p, "top_p", batch_size, float)
-    # Any top_k >= the vocabulary keeps every token, as <= 0 does: clamped into int32 as the engine's rows are (a
-    # host int64 array would otherwise wrap when cast).
-    if static_top_k is not None:
-        static_top_k = min(max(static_top_k, 0), _INT32_MAX)
-    elif isinstance(dynamic_top_k, np.ndarray) and dynamic_top_k.dtype.itemsize > 4:
-        dynamic_top_k = np.clip(dynamic_top_k, 0, _INT32_MAX).astype(np.int32)
-    if static_temperature is not None and static_temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {static_temperature}")
-    if static_top_p is not None and not 0.0 < static_top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {static_top_p}")
-    statically_greedy = static_temperature is not None and static_temperature < SAMPLING_EPS
-    if rng is None:
-        if not statically_greedy:
-            raise ValueError("rng is required unless temperature is a Python number below SAMPLING_EPS (greedy)")
-    else:
-        _check_key(rng)
+    _check_sharding_plan(sharding_plan)
+    prompt_tokens, prompt_lengths = _check_prompts(prompt_tokens, prompt_lengths)
+    static_params, dynamic_params = _sampling_params(temperature, top_k, top_p, prompt_tokens.shape[0])
+    static_temperature, static_top_k, static_top_p = static_params
+    _check_rng(rng, statically_greedy=static_temperature is not None and static_temperature < SAMPLING_EPS)
 
     static = _StaticConfig(
         graphdef=graphdef, max_new_tokens=max_new_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
@@ -216,7 +177,7 @@ def generate(
         static_top_k=static_top_k, static_top_p=static_top_p,
     )
     return call_with_model_compiler_options(_generate_jit, graphdef, states, static, states, prompt_tokens,
-                                            prompt_lengths, rng, dynamic_temperature, dynamic_top_k, dynamic_top_p)
+                                            prompt_lengths, rng, *dynamic_params)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,6 +281,69 @@ def _check_key(rng) -> None:
         raise ValueError(f"rng must be a jax.random.key or a legacy uint32[2] key, got {rng.dtype}{list(rng.shape)}")
 
 
+def _check_sharding_plan(sharding_plan) -> None:
+    """ValueError unless ``sharding_plan`` is None or a ``ShardingPlan`` with data_parallel_size 1."""
+    if sharding_plan is None:
+        return
+    if not isinstance(sharding_plan, ShardingPlan):
+        raise ValueError(f"sharding_plan must be a paged_jax.parallel.ShardingPlan or None, "
+                         f"got {type(sharding_plan).__name__}")
+    if sharding_plan.data_parallel_size != 1:
+        raise ValueError(f"sharding_plan must have data_parallel_size 1 (split the batch yourself for data "
+                         f"parallelism), got {sharding_plan.data_parallel_size}")
+
+
+def _check_prompts(prompt_tokens, prompt_lengths) -> tuple:
+    """``(prompt_tokens int[B, P], prompt_lengths int[B])`` as arrays (``_as_array``), checked: B, P >= 1, integer
+    dtypes, and host lengths in [1, P] (traced ones are clipped on device); ValueError naming the argument."""
+    prompt_tokens = _as_array(prompt_tokens, "prompt_tokens")
+    prompt_lengths = _as_array(prompt_lengths, "prompt_lengths")
+    if prompt_tokens.ndim != 2 or prompt_tokens.shape[0] < 1 or prompt_tokens.shape[1] < 1:
+        raise ValueError(f"prompt_tokens must be int32[B, P] with B, P >= 1, got shape {prompt_tokens.shape}")
+    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+        raise ValueError(f"prompt_tokens must be an integer array, got dtype {prompt_tokens.dtype}")
+    batch_size, prompt_width = prompt_tokens.shape
+    if prompt_lengths.shape != (batch_size,):
+        raise ValueError(f"prompt_lengths must be int32[B={batch_size}], got shape {prompt_lengths.shape}")
+    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+        raise ValueError(f"prompt_lengths must be an integer array, got dtype {prompt_lengths.dtype}")
+    if isinstance(prompt_lengths, np.ndarray) and (
+        np.any(prompt_lengths < 1) or np.any(prompt_lengths > prompt_width)
+    ):
+        raise ValueError(f"prompt_lengths must lie in [1, P={prompt_width}], got {prompt_lengths.tolist()}")
+    return prompt_tokens, prompt_lengths
+
+
+def _sampling_params(temperature, top_k, top_p, batch_size: int) -> tuple[tuple, tuple]:
+    """``((static temperature, top_k, top_p), (dynamic temperature, top_k, top_p))``: each parameter is either a
+    static Python number (compiled in; its dynamic entry None) or an array broadcastable to ``[B]`` (its static
+    entry None); see ``_split_param``. top_k is clamped into int32; ValueError for a static temperature < 0 or
+    top_p outside (0, 1]."""
+    static_temperature, dynamic_temperature = _split_param(temperature, "temperature", batch_size, float)
+    static_top_k, dynamic_top_k = _split_param(top_k, "top_k", batch_size, int)
+    static_top_p, dynamic_top_p = _split_param(top_p, "top_p", batch_size, float)
+    # Any top_k >= the vocabulary keeps every token, as <= 0 does: clamped into int32 as the engine's rows are (a
+    # host int64 array would otherwise wrap when cast).
+    if static_top_k is not None:
+        static_top_k = min(max(static_top_k, 0), _INT32_MAX)
+    elif isinstance(dynamic_top_k, np.ndarray) and dynamic_top_k.dtype.itemsize > 4:
+        dynamic_top_k = np.clip(dynamic_top_k, 0, _INT32_MAX).astype(np.int32)
+    if static_temperature is not None and static_temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {static_temperature}")
+    if static_top_p is not None and not 0.0 < static_top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {static_top_p}")
+    return (static_temperature, static_top_k, static_top_p), (dynamic_temperature, dynamic_top_k, dynamic_top_p)
+
+
+def _check_rng(rng, *, statically_greedy: bool) -> None:
+    """``rng`` may be None only for a statically greedy call; else it must be one PRNG key (``_check_key``)."""
+    if rng is None:
+        if not statically_greedy:
+            raise ValueError("rng is required unless temperature is a Python number below SAMPLING_EPS (greedy)")
+    else:
+        _check_key(rng)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Device side
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,98 +430,131 @@ def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths,
                    row_params: _RowParams) -> GenerateOutput:
     """The generation program for B rows with their own keys (row_keys: key[B]); see ``generate``."""
     model = nnx.merge(static.graphdef, *states)
-    config = model.config
-    batch_size, prompt_width = prompt_tokens.shape
-    max_new_tokens = static.max_new_tokens
-    block_size = static.block_size
-    prompt_lengths = jnp.clip(prompt_lengths, 1, prompt_width)
+    prompt_width = prompt_tokens.shape[1]
+    rows = _Rows(static, model, jnp.clip(prompt_lengths, 1, prompt_width), prompt_width, row_keys, row_params)
+    last_hidden, kv_caches = rows.prefill(prompt_tokens, rows.empty_kv_caches())
+    first_tokens, first_logprobs = rows.sample(last_hidden, 0)
+    return rows.decode(first_tokens, first_logprobs, kv_caches)
 
-    # KV pool: row b owns blocks [1 + b * blocks_per_row, 1 + (b + 1) * blocks_per_row); block 0 is the null block.
-    # A row's context never exceeds P + N - 1 tokens: the last generated token is never fed back.
-    blocks_per_row = -(-(prompt_width + max_new_tokens - 1) // block_size)
-    num_blocks = 1 + batch_size * blocks_per_row
-    block_tables = (1 + jnp.arange(batch_size, dtype=jnp.int32)[:, None] * blocks_per_row
-                    + jnp.arange(blocks_per_row, dtype=jnp.int32)[None, :])  # [B, blocks_per_row]
-    row_first_slot = block_tables[:, 0] * block_size  # [B]; contiguous blocks make slot = first slot + position
-    kv_dtype = getattr(model, "dtype", jnp.float32)
-    page_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    plan = static.sharding_plan
 
-    def empty_pages():
-        pages = jnp.zeros(page_shape, kv_dtype)
-        return pages if plan is None else jax.lax.with_sharding_constraint(pages, plan.kv_cache_sharding)
+class _Rows:
+    """B rows of one ``_generate_rows`` trace over their own paged KV pool: the model and the rows' lengths, keys and
+    sampling parameters, with the pieces of the program (prefill, sampling, the decode loop) as methods.
 
-    kv_caches = [(empty_pages(), empty_pages()) for _ in range(config.num_hidden_layers)]
-    sm_scale = config.head_dim ** -0.5
+    KV pool: row b owns blocks ``[1 + b * blocks_per_row, 1 + (b + 1) * blocks_per_row)``; block 0 is the null
+    block. A row's context never exceeds ``P + N - 1`` tokens (the last generated token is never fed back), so
+    ``blocks_per_row = ceil((P + N - 1) / block_size)``. ``block_tables int32[B, blocks_per_row]``;
+    ``row_first_slot int32[B]`` (contiguous blocks make a token's slot ``row_first_slot[b] + position``).
+    ``prompt_lengths int32[B]`` are already clipped into ``[1, P]``."""
 
-    def compute_logits(hidden):
-        logits = model.compute_logits(hidden)
-        return logits if plan is None else plan.gather_logits(logits)
+    def __init__(self, static: _StaticConfig, model, prompt_lengths, prompt_width: int, row_keys,
+                 row_params: _RowParams):
+        self.static, self.model, self.config = static, model, model.config
+        self.prompt_lengths, self.row_keys, self.row_params = prompt_lengths, row_keys, row_params
+        self.batch_size = batch_size = prompt_lengths.shape[0]
+        blocks_per_row = -(-(prompt_width + static.max_new_tokens - 1) // static.block_size)
+        self.num_blocks = 1 + batch_size * blocks_per_row
+        self.block_tables = (1 + jnp.arange(batch_size, dtype=jnp.int32)[:, None] * blocks_per_row
+                             + jnp.arange(blocks_per_row, dtype=jnp.int32)[None, :])  # [B, blocks_per_row]
+        self.row_first_slot = self.block_tables[:, 0] * static.block_size  # [B]
+        self.sm_scale = self.config.head_dim ** -0.5
 
-    def paged_attention(slot_mapping, kv_lens, cu_q_lens):
-        if plan is not None:
-            return plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
-                                        cu_q_lens=cu_q_lens, sm_scale=sm_scale,
-                                        sliding_window=config.sliding_window, impl=static.attention_impl)
+    def empty_kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
+        """Per layer ``(k, v)`` pages ``[num_blocks, block_size, kv heads, head_dim]`` of zeros in the model's dtype
+        (sharded over kv heads under a sharding plan)."""
+        config, plan = self.config, self.static.sharding_plan
+        kv_dtype = getattr(self.model, "dtype", jnp.float32)
+        page_shape = (self.num_blocks, self.static.block_size, config.num_key_value_heads, config.head_dim)
+
+        def empty_pages():
+            pages = jnp.zeros(page_shape, kv_dtype)
+            return pages if plan is None else jax.lax.with_sharding_constraint(pages, plan.kv_cache_sharding)
+
+        return [(empty_pages(), empty_pages()) for _ in range(config.num_hidden_layers)]
+
+    def attention(self, slot_mapping, kv_lens, cu_q_lens):
+        """The model's attention for one forward: write the new k/v at ``slot_mapping`` and attend over the rows'
+        blocks (``kv_lens int32[B]``, ``cu_q_lens int32[B + 1]``); per device under the sharding plan."""
+        static, config = self.static, self.config
+        if static.sharding_plan is not None:
+            return static.sharding_plan.paged_attention(
+                slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=self.block_tables, cu_q_lens=cu_q_lens,
+                sm_scale=self.sm_scale, sliding_window=config.sliding_window, impl=static.attention_impl)
 
         return ReusableAttention(
-            functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=config.sliding_window,
+            functools.partial(write_and_attend, sm_scale=self.sm_scale, sliding_window=config.sliding_window,
                               impl=static.attention_impl),
-            dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
+            dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=self.block_tables, cu_q_lens=cu_q_lens),
             fuses_qk_transform=True)
 
-    # Prefill: all prompts as one ragged batch of B * P flat tokens, valid ones first (row-major), padding after.
-    num_flat = batch_size * prompt_width
-    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(prompt_lengths, dtype=jnp.int32)])
-    flat_index = jnp.arange(num_flat, dtype=jnp.int32)
-    flat_row = jnp.searchsorted(cu_q_lens[1:], flat_index, side="right", method="compare_all")  # no while loop
-    flat_row = jnp.minimum(flat_row, batch_size - 1)
-    flat_valid = flat_index < cu_q_lens[batch_size]
-    flat_position = jnp.where(flat_valid, flat_index - cu_q_lens[flat_row], 0).astype(jnp.int32)
-    flat_tokens = jnp.where(flat_valid, prompt_tokens[flat_row, flat_position], 0)
-    # Padding tokens write into the null block 0 (slot 0); their outputs are ignored.
-    flat_slots = jnp.where(flat_valid, row_first_slot[flat_row] + flat_position, 0)
-    hidden, kv_caches = model(flat_tokens, flat_position, kv_caches,
-                              paged_attention(flat_slots, prompt_lengths, cu_q_lens))
-    last_hidden = hidden[cu_q_lens[1:] - 1]  # [B, H]: each prompt's last token
-    first_tokens, first_logprobs = _sample(static, compute_logits(last_hidden), row_keys, 0, row_params)
+    def sample(self, hidden, step):
+        """One token per row from ``hidden [B, H]`` (output token ``step``): ``(int32[B], raw logprob
+        float32[B])``."""
+        logits = self.model.compute_logits(hidden)
+        plan = self.static.sharding_plan
+        logits = logits if plan is None else plan.gather_logits(logits)
+        return _sample(self.static, logits, self.row_keys, step, self.row_params)
 
-    eos_ids = jnp.asarray(static.eos_token_ids, jnp.int32)
+    def prefill(self, prompt_tokens, kv_caches) -> tuple[jax.Array, list]:
+        """All prompts (``int32[B, P]``) as one ragged batch of ``B * P`` flat tokens, valid ones first (row-major),
+        padding after: ``(each prompt's last hidden state [B, H], kv_caches)``."""
+        batch_size, prompt_width = prompt_tokens.shape
+        prompt_lengths = self.prompt_lengths
+        num_flat = batch_size * prompt_width
+        cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(prompt_lengths, dtype=jnp.int32)])
+        flat_index = jnp.arange(num_flat, dtype=jnp.int32)
+        flat_row = jnp.searchsorted(cu_q_lens[1:], flat_index, side="right", method="compare_all")  # no while loop
+        flat_row = jnp.minimum(flat_row, batch_size - 1)
+        flat_valid = flat_index < cu_q_lens[batch_size]
+        flat_position = jnp.where(flat_valid, flat_index - cu_q_lens[flat_row], 0).astype(jnp.int32)
+        flat_tokens = jnp.where(flat_valid, prompt_tokens[flat_row, flat_position], 0)
+        # Padding tokens write into the null block 0 (slot 0); their outputs are ignored.
+        flat_slots = jnp.where(flat_valid, self.row_first_slot[flat_row] + flat_position, 0)
+        hidden, kv_caches = self.model(flat_tokens, flat_position, kv_caches,
+                                       self.attention(flat_slots, prompt_lengths, cu_q_lens))
+        return hidden[cu_q_lens[1:] - 1], kv_caches
 
-    def is_eos(tokens):
-        if not static.eos_token_ids:
+    def is_eos(self, tokens, eos_ids):
+        """bool[B]: whether each of ``tokens int32[B]`` is one of ``eos_ids`` (the static EOS ids as an array)."""
+        if not self.static.eos_token_ids:
             return jnp.zeros(tokens.shape, bool)
         return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
 
-    out_tokens = jnp.full((batch_size, max_new_tokens), static.pad_token_id, jnp.int32).at[:, 0].set(first_tokens)
-    out_logprobs = jnp.zeros((batch_size, max_new_tokens), jnp.float32).at[:, 0].set(first_logprobs)
-    lengths = jnp.ones((batch_size,), jnp.int32)
-    hit_eos = is_eos(first_tokens)
-    decode_cu_q_lens = jnp.arange(batch_size + 1, dtype=jnp.int32)  # one query token per row
+    def decode(self, first_tokens, first_logprobs, kv_caches) -> GenerateOutput:
+        """From each row's first output token, a ``lax.while_loop`` of one token per row until every row hit EOS or
+        ``max_new_tokens`` tokens are out."""
+        static, batch_size, max_new_tokens = self.static, self.batch_size, self.static.max_new_tokens
+        eos_ids = jnp.asarray(static.eos_token_ids, jnp.int32)
+        out_tokens = jnp.full((batch_size, max_new_tokens), static.pad_token_id, jnp.int32).at[:, 0].set(first_tokens)
+        out_logprobs = jnp.zeros((batch_size, max_new_tokens), jnp.float32).at[:, 0].set(first_logprobs)
+        lengths = jnp.ones((batch_size,), jnp.int32)
+        hit_eos = self.is_eos(first_tokens, eos_ids)
+        decode_cu_q_lens = jnp.arange(batch_size + 1, dtype=jnp.int32)  # one query token per row
 
-    def not_done(carry):
-        step, _, hit_eos, *_ = carry
-        return (step < max_new_tokens) & ~jnp.all(hit_eos)
+        def not_done(carry):
+            step, _, hit_eos, *_ = carry
+            return (step < max_new_tokens) & ~jnp.all(hit_eos)
 
-    def decode_step(carry):
-        """Feed output token step-1 of every row (position len + step - 1) and sample output token ``step``."""
-        step, last_tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches = carry
-        positions = prompt_lengths + step - 1
-        # Finished rows keep running (static shapes) on their own blocks; their results are discarded.
-        hidden, kv_caches = model(last_tokens, positions, kv_caches,
-                                  paged_attention(row_first_slot + positions, positions + 1, decode_cu_q_lens))
-        tokens, logprobs = _sample(static, compute_logits(hidden), row_keys, step, row_params)
-        tokens = jnp.where(hit_eos, static.pad_token_id, tokens)
-        logprobs = jnp.where(hit_eos, 0.0, logprobs)
-        out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, tokens[:, None], step, axis=1)
-        out_logprobs = jax.lax.dynamic_update_slice_in_dim(out_logprobs, logprobs[:, None], step, axis=1)
-        lengths = lengths + (~hit_eos).astype(jnp.int32)
-        hit_eos = hit_eos | is_eos(tokens)
-        return step + 1, tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches
+        def decode_step(carry):
+            """Feed output token step-1 of every row (position len + step - 1) and sample output token ``step``."""
+            step, last_tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches = carry
+            positions = self.prompt_lengths + step - 1
+            # Finished rows keep running (static shapes) on their own blocks; their results are discarded.
+            hidden, kv_caches = self.model(last_tokens, positions, kv_caches,
+                                           self.attention(self.row_first_slot + positions, positions + 1,
+                                                          decode_cu_q_lens))
+            tokens, logprobs = self.sample(hidden, step)
+            tokens = jnp.where(hit_eos, static.pad_token_id, tokens)
+            logprobs = jnp.where(hit_eos, 0.0, logprobs)
+            out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, tokens[:, None], step, axis=1)
+            out_logprobs = jax.lax.dynamic_update_slice_in_dim(out_logprobs, logprobs[:, None], step, axis=1)
+            lengths = lengths + (~hit_eos).astype(jnp.int32)
+            hit_eos = hit_eos | self.is_eos(tokens, eos_ids)
+            return step + 1, tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches
 
-    carry = (jnp.int32(1), first_tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches)
-    _, _, hit_eos, out_tokens, out_logprobs, lengths, _ = jax.lax.while_loop(not_done, decode_step, carry)
-    return GenerateOutput(tokens=out_tokens, logprobs=out_logprobs, lengths=lengths, finished=hit_eos)
+        carry = (jnp.int32(1), first_tokens, hit_eos, out_tokens, out_logprobs, lengths, kv_caches)
+        _, _, hit_eos, out_tokens, out_logprobs, lengths, _ = jax.lax.while_loop(not_done, decode_step, carry)
+        return GenerateOutput(tokens=out_tokens, logprobs=out_logprobs, lengths=lengths, finished=hit_eos)
 
 
 def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParams):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from paged_jax.device_memory import usable_device_bytes
 from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS
 
 logger = logging.getLogger(__name__)
@@ -89,40 +90,19 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
       of tokens it can hold; ValueError naming ``num_gpu_blocks_override`` above ``max_addressable_blocks``.
     """
-    from paged_jax.device_memory import usable_device_bytes
-
     per_block = kv_bytes_per_block(config, block_size, dtype)
     blocks_per_seq = -(-max_model_len // block_size)
     if num_blocks_override is not None:
-        num_blocks = int(num_blocks_override)
-        if num_blocks - 1 < blocks_per_seq:
-            raise ValueError(
-                f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "
-                f"num_gpu_blocks_override={num_blocks} leaves {num_blocks - 1} (block 0 is reserved), i.e. "
-                f"{(num_blocks - 1) * block_size} tokens: lower max_model_len (--max-model-len) to at most "
-                f"{(num_blocks - 1) * block_size} or raise --num-gpu-blocks-override")
-        limit = max_addressable_blocks(config, block_size, dtype)
-        if limit is not None and num_blocks > limit:
-            raise ValueError(f"num_gpu_blocks_override={num_blocks} makes each layer's {jnp.dtype(dtype)} KV pool "
-                             f"hold 2**31 elements or more, which the attention kernels cannot address: at most "
-                             f"{limit} blocks of {block_size} tokens")
-        return num_blocks
+        return _checked_override(config, int(num_blocks_override), block_size=block_size, dtype=dtype,
+                                 max_model_len=max_model_len)
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    itemsize = jnp.dtype(dtype).itemsize
-    # Peak live activations of the widest step, generously: residual + q/k/v + attention out + MLP (gate, up, act),
-    # a few copies each, plus fp32 logits and the sampler's sort buffers for every sequence.
-    per_token = (4 * config.hidden_size + 3 * config.intermediate_size
-                 + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
-    activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
-    # The sampler's logits and the prompt-logprobs chunks belong to different executables, never live together. The
-    # sampler's widest variant (penalties, top-k/top-p sorts with their indices, logprobs) holds about eight
-    # [rows, vocab] f32 buffers at its peak (an H200 warm-up with 256 rows ran out of memory at six).
-    logits = 8 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
-    headroom = activations + logits + int(dequantization_bytes) + (512 << 20)
+    headroom = _step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    dequantization_bytes=dequantization_bytes)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     budget = usable - (stats["bytes_in_use"] if weight_bytes is None else weight_bytes) - headroom
     num_blocks = int(budget // per_block)
@@ -142,6 +122,41 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                        "elements for the attention kernels to address it", limit, num_blocks, jnp.dtype(dtype))
         num_blocks = limit
     return num_blocks
+
+
+def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, max_model_len: int) -> int:
+    """``num_gpu_blocks_override`` as given, once checked: ValueError when it cannot hold one ``max_model_len``
+    sequence (block 0 is reserved) or passes ``max_addressable_blocks``."""
+    blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks - 1 < blocks_per_seq:
+        raise ValueError(
+            f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "
+            f"num_gpu_blocks_override={num_blocks} leaves {num_blocks - 1} (block 0 is reserved), i.e. "
+            f"{(num_blocks - 1) * block_size} tokens: lower max_model_len (--max-model-len) to at most "
+            f"{(num_blocks - 1) * block_size} or raise --num-gpu-blocks-override")
+    limit = max_addressable_blocks(config, block_size, dtype)
+    if limit is not None and num_blocks > limit:
+        raise ValueError(f"num_gpu_blocks_override={num_blocks} makes each layer's {jnp.dtype(dtype)} KV pool "
+                         f"hold 2**31 elements or more, which the attention kernels cannot address: at most "
+                         f"{limit} blocks of {block_size} tokens")
+    return num_blocks
+
+
+def _step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
+                         dequantization_bytes: int) -> int:
+    """Device bytes kept free of the KV pool for the widest step: its activations, the sampler's logits (or the
+    prompt-logprobs chunks), ``dequantization_bytes`` and 512 MiB."""
+    itemsize = jnp.dtype(dtype).itemsize
+    # Peak live activations of the widest step, generously: residual + q/k/v + attention out + MLP (gate, up, act),
+    # a few copies each, plus fp32 logits and the sampler's sort buffers for every sequence.
+    per_token = (4 * config.hidden_size + 3 * config.intermediate_size
+                 + (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim)
+    activations = 4 * max_num_batched_tokens * per_token * max(itemsize, 4)
+    # The sampler's logits and the prompt-logprobs chunks belong to different executables, never live together. The
+    # sampler's widest variant (penalties, top-k/top-p sorts with their indices, logprobs) holds about eight
+    # [rows, vocab] f32 buffers at its peak (an H200 warm-up with 256 rows ran out of memory at six).
+    logits = 8 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
+    return activations + logits + int(dequantization_bytes) + (512 << 20)
 
 
 def device_bytes(tree, device: jax.Device) -> int:

@@ -62,6 +62,7 @@ from models.qk_transform import rope_cos_sin, rope_inv_freq
 from paged_jax.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan
+from paged_jax.prompt_logprobs import prompt_logprobs_on_device
 from paged_jax.step_io import apply_block_copies
 
 PP_AXIS = "pp"
@@ -284,87 +285,25 @@ class PipelineModelRunner(ModelRunner):
         super()._build_jitted()  # the sampler and the rest; the forward and prompt logprobs are replaced below
         plan: PipelinePlan = self.sharding_plan
         model = nnx.merge(self._graphdef, jax.tree.unflatten(self._state_treedef, self._param_leaves))
-        last = plan.pipeline_parallel_size - 1
         self.num_microbatches = {t: num_microbatches_for(t, plan.pipeline_parallel_size, self.min_microbatch_tokens)
                                  for t, _ in self.buckets}
-        stages = []
-        for s, (start, stop) in enumerate(plan.layer_ranges):
-            head = tied = None
-            if s == last and model.lm_head is not None:
-                head = model.lm_head.kernel
-            elif s == last:  # tied: the LM head is the embedding, which lives on stage 0
-                embedding = model.model.embed_tokens.embedding
-                tied = nnx.Param(jax.device_put(embedding[...], NamedSharding(
-                    plan.stage_plans[s].mesh, plan.stage_plans[s].param_spec(("model", "embed_tokens", "embedding"),
-                                                                            tuple(embedding.shape)))))
-            stage = _Stage([model.model.layers[i] for i in range(start, stop)],
-                           embed=model.model.embed_tokens if s == 0 else None,
-                           norm=model.model.norm if s == last else None, head_kernel=head, tied_embedding=tied)
-            graphdef, state = nnx.split(stage)
-            leaves, treedef = jax.tree.flatten(state)
-            stages.append((graphdef, treedef, leaves))
-        config, dtype, max_blocks, impl = self.model_config, self.dtype, self.max_blocks_per_seq, self.attention_impl
-        inv_freq = rope_inv_freq(config.head_dim, float(config.rope_theta), None if config.rope_scaling is None
-                                 else tuple(sorted(config.rope_scaling.items())))
-        layout_for = self._layout
-
-        num_blocks = self.num_blocks
-
-        def stage_forward(leaves, kv_pool, buf, carry, microbatch, *, num_tokens, num_seqs, stage, num_microbatches):
-            """One stage on one micro-batch: tokens ``[lo, lo + T / M)``, ``lo = microbatch * T / M`` (``microbatch``
-            int32[] on the stage's devices: traced, so every micro-batch runs the same executable). Stage 0: carry =
-            the previous step's sampled tokens; others: the micro-batch's hidden states [T / M, hidden].
-            -> (kv_pool, hidden [T / M, hidden]), normed on the last stage."""
-            graphdef, treedef, _ = stages[stage]
-            modules = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
-            size = num_tokens // num_microbatches
-            lo = microbatch * size
-
-            def tokens(name):
-                return jax.lax.dynamic_slice_in_dim(fields[name], lo, size)
-
-            # Copy-on-write copies before the step's first K/V write into these layers: micro-batch 0 only (later
-            # ones drop them: a copy after micro-batch 0's writes would undo them).
-            copy_dst = jnp.where(microbatch == 0, fields["copy_dst"], num_blocks)
-            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], copy_dst)
-            cu_q_lens, kv_lens = fields["cu_q_lens"], fields["kv_lens"]
-            if num_microbatches > 1:
-                cu_q_lens, kv_lens = microbatch_attention_metadata(cu_q_lens, kv_lens, lo, lo + size)
-            with matmul_precision(dtype):
-                if stage == 0:  # decode rows continuing from the previous step take their input token from it
-                    prev_rows = tokens("prev_rows")
-                    x = modules.embed(jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], tokens("input_ids")))
-                else:
-                    x = carry
-                rope = rope_cos_sin(tokens("positions"), inv_freq)
-                attention = plan.stage_plans[stage].paged_attention(
-                    slot_mapping=tokens("slot_mapping"), kv_lens=kv_lens,
-                    block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=cu_q_lens,
-                    sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)
-                start = plan.layer_ranges[stage][0]
-                x, residual, new_pool = run_decoder_layers(modules.layers, x, None, rope, kv_pool, attention,
-                                                           first_layer_idx=start)
-                # The residual stream is folded back at the stage boundary (one array handed on; the next stage's
-                # first layer starts it again, as layer 0 does): the same sums as one device.
-                return new_pool, (modules.norm(x, residual)[0] if stage == last else x + residual)
-
-        def head(leaves, buf, hiddens, *, num_tokens, num_seqs):
-            """The last stage's micro-batches' normed hidden states joined -> (logits f32[R, V] at each row's last
-            token, sampling words, final hidden states [T, hidden]) as ``ModelRunner``'s forward."""
-            modules = nnx.merge(stages[last][0], jax.tree.unflatten(stages[last][1], leaves))
-            fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
-            hidden = jnp.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0]
-            with matmul_precision(dtype):
-                logits = _logits(modules, hidden[fields["logits_indices"]], dtype)
-            return plan.gather_logits(logits), fields["sampling"], hidden
-
+        stages = _split_stages(model, plan)
+        stage_forward = _stage_forward_fn(self, plan, stages)
+        head = _head_fn(plan, stages, self._layout, self.dtype)
         static = ("num_tokens", "num_seqs", "stage", "num_microbatches")
         stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,),
                              compiler_options=self.compiler_options or None) for _ in stages]
         head_fn = jax.jit(head, static_argnames=("num_tokens", "num_seqs"))
         # Looked up per step (not closed over), so a test can wrap them to record the dispatch order.
         self._stage_fns = list(stage_fns)
+        self._forward = _Staged(self._pipelined_forward(plan, stages, head_fn), [*stage_fns, head_fn])
+        self._prompt_logprobs = _staged_prompt_logprobs(plan, stages, self.dtype, self.max_logprobs)
+
+    def _pipelined_forward(self, plan: PipelinePlan, stages: list, head_fn):
+        """The runner's forward over the stages: ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays,
+        *, num_tokens, num_seqs) -> (kv_pool leaves, logits, sampling words, hidden)`` as ``ModelRunner``'s, each
+        step's micro-batches dispatched in ``pipeline_schedule`` order to ``self._stage_fns``, then ``head_fn``."""
+        last = plan.pipeline_parallel_size - 1
         shardings = [stage_plan.replicated for stage_plan in plan.stage_plans]
         # Micro-batch indices, int32[] on each stage's devices, created once (no per-step transfer).
         max_microbatches = max(self.num_microbatches.values())
@@ -393,20 +332,117 @@ class PipelineModelRunner(ModelRunner):
             outs = head_fn(stages[last][2], buf, tuple(finished), num_tokens=num_tokens, num_seqs=num_seqs)
             return ([kv for pool in pools for kv in pool],) + tuple(outs)
 
-        self._forward = _Staged(forward, [*stage_fns, head_fn])
-        from paged_jax.prompt_logprobs import prompt_logprobs_on_device
+        return forward
 
-        max_logprobs = self.max_logprobs
 
-        def prompt_logprobs(leaves, hidden, targets):
-            modules = nnx.merge(stages[last][0], jax.tree.unflatten(stages[last][1], leaves))
-            with matmul_precision(dtype):
-                return prompt_logprobs_on_device(lambda h: plan.gather_logits(_logits(modules, h, dtype)), hidden,
-                                                 targets, num_logprobs=max_logprobs)
+def _split_stages(model, plan: PipelinePlan) -> list[tuple]:
+    """Per stage ``(graphdef, state treedef, state leaves)`` of its ``_Stage``: its layers, the embedding (stage 0),
+    the final norm and the LM head (last; a tied head is a copy of the embedding put on the last stage's
+    devices)."""
+    last = plan.pipeline_parallel_size - 1
+    stages = []
+    for s, (start, stop) in enumerate(plan.layer_ranges):
+        head = tied = None
+        if s == last and model.lm_head is not None:
+            head = model.lm_head.kernel
+        elif s == last:  # tied: the LM head is the embedding, which lives on stage 0
+            embedding = model.model.embed_tokens.embedding
+            tied = nnx.Param(jax.device_put(embedding[...], NamedSharding(
+                plan.stage_plans[s].mesh, plan.stage_plans[s].param_spec(("model", "embed_tokens", "embedding"),
+                                                                        tuple(embedding.shape)))))
+        stage = _Stage([model.model.layers[i] for i in range(start, stop)],
+                       embed=model.model.embed_tokens if s == 0 else None,
+                       norm=model.model.norm if s == last else None, head_kernel=head, tied_embedding=tied)
+        graphdef, state = nnx.split(stage)
+        leaves, treedef = jax.tree.flatten(state)
+        stages.append((graphdef, treedef, leaves))
+    return stages
 
-        jitted = jax.jit(prompt_logprobs)
-        self._prompt_logprobs = _Staged(lambda _param_leaves, hidden, targets: jitted(stages[last][2], hidden,
-                                                                                      targets), [jitted])
+
+def _stage_forward_fn(runner: PipelineModelRunner, plan: PipelinePlan, stages: list):
+    """``stage_forward``, the function each stage's jit traces (one stage on one micro-batch), closing over the
+    runner's model config, dtype, layout, pool size and attention implementation as they are now."""
+    last = plan.pipeline_parallel_size - 1
+    config, dtype = runner.model_config, runner.dtype
+    max_blocks, impl = runner.max_blocks_per_seq, runner.attention_impl
+    inv_freq = rope_inv_freq(config.head_dim, float(config.rope_theta), None if config.rope_scaling is None
+                             else tuple(sorted(config.rope_scaling.items())))
+    layout_for = runner._layout
+
+    num_blocks = runner.num_blocks
+
+    def stage_forward(leaves, kv_pool, buf, carry, microbatch, *, num_tokens, num_seqs, stage, num_microbatches):
+        """One stage on one micro-batch: tokens ``[lo, lo + T / M)``, ``lo = microbatch * T / M`` (``microbatch``
+        int32[] on the stage's devices: traced, so every micro-batch runs the same executable). Stage 0: carry =
+        the previous step's sampled tokens; others: the micro-batch's hidden states [T / M, hidden].
+        -> (kv_pool, hidden [T / M, hidden]), normed on the last stage."""
+        graphdef, treedef, _ = stages[stage]
+        modules = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
+        size = num_tokens // num_microbatches
+        lo = microbatch * size
+
+        def tokens(name):
+            return jax.lax.dynamic_slice_in_dim(fields[name], lo, size)
+
+        # Copy-on-write copies before the step's first K/V write into these layers: micro-batch 0 only (later
+        # ones drop them: a copy after micro-batch 0's writes would undo them).
+        copy_dst = jnp.where(microbatch == 0, fields["copy_dst"], num_blocks)
+        kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], copy_dst)
+        cu_q_lens, kv_lens = fields["cu_q_lens"], fields["kv_lens"]
+        if num_microbatches > 1:
+            cu_q_lens, kv_lens = microbatch_attention_metadata(cu_q_lens, kv_lens, lo, lo + size)
+        with matmul_precision(dtype):
+            if stage == 0:  # decode rows continuing from the previous step take their input token from it
+                prev_rows = tokens("prev_rows")
+                x = modules.embed(jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], tokens("input_ids")))
+            else:
+                x = carry
+            rope = rope_cos_sin(tokens("positions"), inv_freq)
+            attention = plan.stage_plans[stage].paged_attention(
+                slot_mapping=tokens("slot_mapping"), kv_lens=kv_lens,
+                block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=cu_q_lens,
+                sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window, impl=impl)
+            start = plan.layer_ranges[stage][0]
+            x, residual, new_pool = run_decoder_layers(modules.layers, x, None, rope, kv_pool, attention,
+                                                       first_layer_idx=start)
+            # The residual stream is folded back at the stage boundary (one array handed on; the next stage's
+            # first layer starts it again, as layer 0 does): the same sums as one device.
+            return new_pool, (modules.norm(x, residual)[0] if stage == last else x + residual)
+
+    return stage_forward
+
+
+def _head_fn(plan: PipelinePlan, stages: list, layout_for, dtype):
+    """``head``, the function the head's jit traces (the LM head on the last stage's joined micro-batches)."""
+    last = plan.pipeline_parallel_size - 1
+
+    def head(leaves, buf, hiddens, *, num_tokens, num_seqs):
+        """The last stage's micro-batches' normed hidden states joined -> (logits f32[R, V] at each row's last
+        token, sampling words, final hidden states [T, hidden]) as ``ModelRunner``'s forward."""
+        modules = nnx.merge(stages[last][0], jax.tree.unflatten(stages[last][1], leaves))
+        fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
+        hidden = jnp.concatenate(hiddens) if len(hiddens) > 1 else hiddens[0]
+        with matmul_precision(dtype):
+            logits = _logits(modules, hidden[fields["logits_indices"]], dtype)
+        return plan.gather_logits(logits), fields["sampling"], hidden
+
+    return head
+
+
+def _staged_prompt_logprobs(plan: PipelinePlan, stages: list, dtype, max_logprobs: int) -> _Staged:
+    """The runner's prompt logprobs on the last stage: ``(param_leaves (unused), hidden [T, hidden], targets) ->``
+    as ``ModelRunner``'s, jitted over the last stage's own weights."""
+    last = plan.pipeline_parallel_size - 1
+
+    def prompt_logprobs(leaves, hidden, targets):
+        modules = nnx.merge(stages[last][0], jax.tree.unflatten(stages[last][1], leaves))
+        with matmul_precision(dtype):
+            return prompt_logprobs_on_device(lambda h: plan.gather_logits(_logits(modules, h, dtype)), hidden,
+                                             targets, num_logprobs=max_logprobs)
+
+    jitted = jax.jit(prompt_logprobs)
+    return _Staged(lambda _param_leaves, hidden, targets: jitted(stages[last][2], hidden, targets), [jitted])
 
 
 def _logits(stage: _Stage, hidden: jax.Array, dtype) -> jax.Array:

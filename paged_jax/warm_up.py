@@ -195,19 +195,89 @@ class _LoweringTurn:
         self._turns._release()
 
 
-def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
-    """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
-    avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
-    ``[label, start s, seconds, lowering s]``. A job that takes a forward's outputs is queued when that forward has
-    ended. Jobs trace and lower in turns, in the order they were submitted (``_LoweringTurns``)."""
-    host_input = runner.input_sharding()
-    started = time.perf_counter()
-    spans: list[list] = []
-    turns = _LoweringTurns()
-    submitted = itertools.count()  # each job's lowering priority: its submission order
+class _CompileJobs:
+    """The compile (or load) job of each executable of ``runner``, from abstract inputs with the avals and shardings
+    the run phase's inputs have. Each job is ``fn(..., seconds, turn)`` for ``load_or_compile`` (``seconds``: where
+    it records its lowering time; ``turn``: the lowering turn it traces and lowers in) and returns the ``Compiled``.
+    A job that takes a forward's outputs gets that forward's ended future first."""
 
-    def timed(label: str, fn, *args):
-        turn = turns.turn(next(submitted))
+    def __init__(self, runner, cache: ExecutableCache | None):
+        self.runner, self.cache = runner, cache
+        self._host_input = runner.input_sharding()
+        self.params = [_abstract(x) for x in runner._param_leaves]
+        self.kv_pool = runner.abstract_kv_pool()
+        self.prev_tokens = _abstract(runner._prev_tokens)
+        self.lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
+
+    def _host(self, x: np.ndarray) -> jax.ShapeDtypeStruct:
+        """A host array as the run phase puts it on the device (the runner's input sharding)."""
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._host_input)
+
+    def compile_forward(self, num_tokens, num_seqs, seconds, turn):
+        """The forward of bucket ``(num_tokens, num_seqs)`` on a padding-only step buffer."""
+        buf = self._host(_padding_step_buffer(self.runner, num_tokens, num_seqs))
+        return load_or_compile(self.cache, self.runner._forward, (self.params, self.kv_pool, buf, self.prev_tokens,
+                                                                   self.lora),
+                               {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds, turn)
+
+    def compile_bitmask(self, forward, num_rows, seconds, turn):
+        """The grammar bitmask of ``num_rows`` sampler rows, on the logits of ``forward`` (an ended future)."""
+        logits, _, _ = _forward_outputs(forward)
+        return load_or_compile(self.cache, self.runner._apply_grammar_bitmask,
+                               (logits, self._host(_grammar_bitmask(self.runner, num_rows))), None, seconds, turn)
+
+    def compile_sampler(self, forward, num_rows, variant, seconds, turn):
+        """The sampler of ``num_rows`` rows and ``variant``, on the logits and sampling words of ``forward``."""
+        logits, sampling_words, _ = _forward_outputs(forward)
+        empty = _abstract(self.runner._no_history[num_rows])
+        history = self._host(_penalty_history(self.runner, num_rows)) if variant.penalties else empty
+        bias_table = self._host(_bias_table(self.runner, num_rows)) if variant.bias_table else empty
+        return load_or_compile(self.cache, self.runner._sample, (logits, sampling_words, history, bias_table),
+                               {"mode": variant.mode, "num_logprobs": variant.num_logprobs}, seconds, turn)
+
+    def compile_prompt_logprobs(self, forward, num_tokens, seconds, turn):
+        """The prompt logprobs of ``num_tokens`` tokens, on the hidden states of ``forward``."""
+        _, _, hidden = _forward_outputs(forward)
+        targets = self._host(np.zeros((num_tokens,), np.int32))
+        return load_or_compile(self.cache, self.runner._prompt_logprobs, (self.params, hidden, targets), None,
+                               seconds, turn)
+
+    def compile_swap(self, size, seconds, turn):
+        """The gather and the scatter of ``size`` swapped blocks (the scatter takes the gather's output)."""
+        ids = self._host(np.zeros((size,), np.int32))
+        gathered = load_or_compile(self.cache, self.runner._gather_blocks, (self.kv_pool, ids), None, seconds, turn)
+        data = _compiled_outputs(gathered)[0]
+        return load_or_compile(self.cache, self.runner._scatter_blocks, (self.kv_pool, ids, data), None, seconds,
+                               turn)
+
+
+def _forward_outputs(future) -> tuple:
+    """A compiled forward's (ended ``future``'s) abstract outputs the other executables take: ``(logits, sampling
+    words, hidden)``."""
+    _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
+    return logits, sampling_words, hidden
+
+
+class _JobQueue:
+    """Compile jobs on ``pool``: each timed (``spans``: ``[label, start s since ``started``, seconds, lowering s]``),
+    lowering in turns in submission order (``_LoweringTurns``); a job that takes a forward's outputs is queued only
+    once that forward has ended, so that no thread sits blocked on another job while compiles wait for a thread."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, started: float):
+        self._pool, self._started = pool, started
+        self.spans: list[list] = []
+        self._turns = _LoweringTurns()
+        self._submitted = itertools.count()  # each job's lowering priority: its submission order
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
+        # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs
+        # their callbacks under the pool's lock, so a callback must not submit then (pool.submit would wait on that
+        # lock).
+        self._stopping = threading.Event()
+        self._num_jobs = 0
+
+    def _timed(self, label: str, fn, *args):
+        """``fn(*args, seconds=, turn=)`` as a pool job that records its span."""
+        turn = self._turns.turn(next(self._submitted))
 
         def job():
             begin = time.perf_counter()
@@ -215,109 +285,83 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             try:
                 return fn(*args, seconds=seconds, turn=turn)
             finally:
-                spans.append([label, round(begin - started, 4), round(time.perf_counter() - begin, 4),
-                              round(seconds.get("lower", 0.0), 4)])
+                self.spans.append([label, round(begin - self._started, 4), round(time.perf_counter() - begin, 4),
+                                   round(seconds.get("lower", 0.0), 4)])
         return job
 
-    def host(x: np.ndarray) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host_input)
+    def _submit(self, label: str, fn, *args) -> concurrent.futures.Future:
+        future = self._pool.submit(self._timed(label, fn, *args))
+        future.add_done_callback(self._finished.put)
+        return future
 
-    params = [_abstract(x) for x in runner._param_leaves]
-    kv_pool = runner.abstract_kv_pool()
-    prev_tokens = _abstract(runner._prev_tokens)
-    lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
+    def submit(self, label: str, fn, *args) -> concurrent.futures.Future:
+        """Queue ``fn(*args, seconds, turn)`` now; its future."""
+        self._num_jobs += 1
+        return self._submit(label, fn, *args)
 
-    def compile_forward(num_tokens, num_seqs, seconds, turn):
-        buf = host(_padding_step_buffer(runner, num_tokens, num_seqs))
-        return load_or_compile(cache, runner._forward, (params, kv_pool, buf, prev_tokens, lora),
-                               {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds, turn)
+    def submit_after(self, dependency: concurrent.futures.Future, label: str, fn, *args) -> None:
+        """Queue ``fn(dependency, *args, seconds, turn)`` once ``dependency`` (a forward whose outputs it takes) has
+        ended."""
+        self._num_jobs += 1
 
-    finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
-    # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs their
-    # callbacks under the pool's lock, so a callback must not submit then (pool.submit would wait on that lock).
-    stopping = threading.Event()
+        def ready(done):
+            if self._stopping.is_set() or done.cancelled():
+                self._finished.put(None)
+                return
+            try:
+                self._submit(label, fn, done, *args)
+            except RuntimeError:  # the pool is shutting down after an earlier failure, which is re-raised
+                self._finished.put(None)
+        dependency.add_done_callback(ready)
+
+    def wait(self, bar) -> None:
+        """Wait for every job submitted (``bar`` advanced per job); the first failure is re-raised once the pool has
+        dropped the queued jobs."""
+        try:
+            for _ in range(self._num_jobs):
+                done = self._finished.get()
+                if done is not None:
+                    done.result()  # re-raises a failed compile
+                    bar.update(1)
+        except BaseException:
+            self._stopping.set()
+            self._pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are not wanted any more
+            raise
+
+
+def _sampler_label(num_rows: int, variant) -> str:
+    return (f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}"
+            f"{',penalties' if variant.penalties else ''}{',bias' if variant.bias_table else ''}]")
+
+
+def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
+    """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
+    avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
+    ``[label, start s, seconds, lowering s]``. A job that takes a forward's outputs is queued when that forward has
+    ended. Jobs trace and lower in turns, in the order they were submitted (``_LoweringTurns``)."""
+    started = time.perf_counter()
+    jobs = _CompileJobs(runner, cache)
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
-
-        def submit(label: str, fn, *args):
-            future = pool.submit(timed(label, fn, *args))
-            future.add_done_callback(finished.put)
-            return future
-
-        def submit_after(dependency, label: str, fn, *args):
-            # Queued once ``dependency`` (a forward whose outputs it takes) has ended, so that no thread sits
-            # blocked on another job while compiles wait for a thread.
-            def ready(done):
-                if stopping.is_set() or done.cancelled():
-                    finished.put(None)
-                    return
-                try:
-                    submit(label, fn, *args)
-                except RuntimeError:  # the pool is shutting down after an earlier failure, which is re-raised
-                    finished.put(None)
-            dependency.add_done_callback(ready)
-
+        work = _JobQueue(pool, started)
         # The forwards first, largest first (the longest compiles start while threads are free); each row count's
         # / token count's smallest bucket is the one its sampler / prompt-logprobs compiles take outputs from.
-        forwards = {bucket: submit(f"forward{list(bucket)}", compile_forward, *bucket)
+        forwards = {bucket: work.submit(f"forward{list(bucket)}", jobs.compile_forward, *bucket)
                     for bucket in sorted(runner.buckets, reverse=True)}
         by_rows, by_tokens = {}, {}
         for num_tokens, num_seqs in runner.buckets:
             by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
             by_tokens.setdefault(num_tokens, forwards[num_tokens, num_seqs])
-
-        def forward_outputs(future):
-            _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
-            return logits, sampling_words, hidden
-
-        def compile_bitmask(num_rows, seconds, turn):
-            logits, _, _ = forward_outputs(by_rows[num_rows])
-            return load_or_compile(cache, runner._apply_grammar_bitmask,
-                                   (logits, host(_grammar_bitmask(runner, num_rows))), None, seconds, turn)
-
-        def compile_sampler(num_rows, variant, seconds, turn):
-            logits, sampling_words, _ = forward_outputs(by_rows[num_rows])
-            empty = _abstract(runner._no_history[num_rows])
-            history = host(_penalty_history(runner, num_rows)) if variant.penalties else empty
-            bias_table = host(_bias_table(runner, num_rows)) if variant.bias_table else empty
-            return load_or_compile(cache, runner._sample, (logits, sampling_words, history, bias_table),
-                                   {"mode": variant.mode, "num_logprobs": variant.num_logprobs}, seconds, turn)
-
-        def compile_prompt_logprobs(num_tokens, seconds, turn):
-            _, _, hidden = forward_outputs(by_tokens[num_tokens])
-            targets = host(np.zeros((num_tokens,), np.int32))
-            return load_or_compile(cache, runner._prompt_logprobs, (params, hidden, targets), None, seconds, turn)
-
-        def compile_swap(size, seconds, turn):
-            ids = host(np.zeros((size,), np.int32))
-            gathered = load_or_compile(cache, runner._gather_blocks, (kv_pool, ids), None, seconds, turn)
-            data = _compiled_outputs(gathered)[0]
-            return load_or_compile(cache, runner._scatter_blocks, (kv_pool, ids, data), None, seconds, turn)
-
-        num_jobs = len(forwards)
         for size in _swap_sizes(runner):
-            submit(f"swap[{size}]", compile_swap, size)
-            num_jobs += 1
+            work.submit(f"swap[{size}]", jobs.compile_swap, size)
         for num_rows in runner.sampler_seq_buckets:
-            submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", compile_bitmask, num_rows)
+            work.submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", jobs.compile_bitmask, num_rows)
             for variant in runner.sampler_variants:
-                submit_after(by_rows[num_rows], (f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}"
-                              f"{',penalties' if variant.penalties else ''}{',bias' if variant.bias_table else ''}]"),
-                             compile_sampler, num_rows, variant)
-            num_jobs += 1 + len(runner.sampler_variants)
+                work.submit_after(by_rows[num_rows], _sampler_label(num_rows, variant), jobs.compile_sampler,
+                                  num_rows, variant)
         for t in sorted(by_tokens):
-            submit_after(by_tokens[t], f"prompt_logprobs[{t}]", compile_prompt_logprobs, t)
-            num_jobs += 1
-        try:
-            for _ in range(num_jobs):
-                done = finished.get()
-                if done is not None:
-                    done.result()  # re-raises a failed compile
-                    bar.update(1)
-        except BaseException:
-            stopping.set()
-            pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are not wanted any more
-            raise
-    return spans
+            work.submit_after(by_tokens[t], f"prompt_logprobs[{t}]", jobs.compile_prompt_logprobs, t)
+        work.wait(bar)
+    return work.spans
 
 
 def _split_forward_outputs(outputs: list) -> tuple[list, object, object, object]:

@@ -41,6 +41,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from serving.settings import app_kwargs, server_settings, uvicorn_config
+
 logger = logging.getLogger(__name__)
 
 SERVER_LOG_FORMAT = "%(asctime)s %(levelname)s (APIServer pid=%(process)d) %(name)s: %(message)s"
@@ -82,7 +84,6 @@ def _raise_stop(signum, frame) -> None:
 def serve_api_servers(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socket.socket) -> int:
     """``serve_main`` with ``--api-server-count`` > 1: returns the exit status (0 after SIGTERM / SIGINT, 1 when an
     API server or the engine died); a bad engine argument exits through ``parser.error`` (status 2)."""
-    from serving.cli import server_settings
     from serving.engine_process import EngineProcessDied
 
     try:
@@ -243,7 +244,6 @@ def api_server_main(index: int, args: argparse.Namespace, engine_args: Any, chat
 
     quiet_library_loggers()
     from serving.app import create_app
-    from serving.cli import app_kwargs, uvicorn_config
     from serving.lifecycle import ServingServer
     from serving.multi_client_engine import AttachedEngineClient
     from serving.multiprocess_metrics import check_multiprocess_mode

@@ -127,16 +127,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     info = model_info_from_engine(engine, served_model_name)
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
-    # One of several API servers over one engine process: metrics of every process (serving.multiprocess_metrics).
-    metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
-                             cache_config=cache_config_labels(engine.engine_args),
-                             multiprocess=getattr(engine, "shared_engine_process", False))
-    if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
-        engine.on_step_stats = metrics.update_engine_stats
-    loras = None
-    if getattr(engine.engine_args, "enable_lora", False) or lora_modules:
-        loras = LoRARegistry(info.served_model_names)
-        loras.add_static(engine, list(lora_modules))  # before the engine thread starts: called directly
+    metrics = _serving_metrics(engine, info, metrics_prefix)
+    loras = _lora_registry(engine, info, lora_modules)
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
                                on_stats=metrics.update_engine_stats, on_output=metrics.observe_output,
                                request_logger=RequestLogger(max_log_len).log if log_requests else None)
@@ -152,6 +144,39 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
 
+    return _fastapi_app(server, api_key=api_key, api_key_protect_all=api_key_protect_all,
+                        max_request_body_size=max_request_body_size, allowed_origins=allowed_origins,
+                        allowed_methods=allowed_methods, allowed_headers=allowed_headers,
+                        allow_credentials=allow_credentials)
+
+
+def _serving_metrics(engine: EngineClient, info, metrics_prefix: str) -> ServingMetrics:
+    """The app's ``ServingMetrics`` for the model ``info`` (``model_info_from_engine``); an ``EngineProcessClient``
+    hands it each step's stats."""
+    # One of several API servers over one engine process: metrics of every process (serving.multiprocess_metrics).
+    metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
+                             cache_config=cache_config_labels(engine.engine_args),
+                             multiprocess=getattr(engine, "shared_engine_process", False))
+    if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
+        engine.on_step_stats = metrics.update_engine_stats
+    return metrics
+
+
+def _lora_registry(engine: EngineClient, info, lora_modules: Sequence[LoRAModulePath]) -> LoRARegistry | None:
+    """The adapters served by name (``lora_modules`` loaded into ``engine`` now, before its thread starts), or None
+    when the engine runs without LoRA and none is given."""
+    if not (getattr(engine.engine_args, "enable_lora", False) or lora_modules):
+        return None
+    loras = LoRARegistry(info.served_model_names)
+    loras.add_static(engine, list(lora_modules))  # before the engine thread starts: called directly
+    return loras
+
+
+def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_all: bool,
+                 max_request_body_size: int | None, allowed_origins: Sequence[str], allowed_methods: Sequence[str],
+                 allowed_headers: Sequence[str], allow_credentials: bool) -> FastAPI:
+    """The FastAPI app over ``server`` (``app.state.server``): the middleware (CORS outermost, then the API key
+    check, then the body size limit; see the module docstring), the error handlers and the routers."""
     # The engine thread's life is not tied to the ASGI lifespan: test clients run a lifespan per request, and the
     # process owner (serving.cli.serve_main, a test fixture) calls ``app.state.server.engine.shutdown()`` at the end.
     app = FastAPI(title="paged-jax OpenAI-compatible server", version="0.1.0")

@@ -30,7 +30,16 @@ import ssl
 import sys
 from typing import Sequence
 
+from paged_jax.cli import add_engine_args, normalize_flag_spelling
+from paged_jax.sampling_params import MAX_LOGPROBS
+from serving.api_servers import api_server_count_error, serve_api_servers
+from serving.lora import parse_lora_module
+from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX, check_prefix
+from serving.reasoning_parsers import REASONING_PARSERS
+from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE
 from serving.server_logs import quiet_library_loggers
+from serving.tool_parsers import TOOL_PARSERS
+from serving.settings import app_kwargs, engine_args_from_namespace, server_settings, uvicorn_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _USAGE = "usage: paged-jax {serve,generate} ...\n"
@@ -52,12 +61,8 @@ def json_string_list(flag: str):
 
 
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
-    from paged_jax.cli import add_engine_args
-    from paged_jax.sampling_params import MAX_LOGPROBS
-    from serving.lora import parse_lora_module
-    from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX
-    from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE
-
+    """The full ``serve`` argument parser: MODEL, the server flags (one group, vLLM's frontend flags and ours) and the
+    engine flags (``paged_jax.cli.add_engine_args``)."""
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
                                      allow_abbrev=False)
@@ -65,88 +70,103 @@ def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
                         help="HF checkpoint directory or Hub repo id (default: the built-in SmolLM2-135M-Instruct); "
                              "or --model")
     server = parser.add_argument_group("server (vLLM's frontend flags)")
-    server.add_argument("--host", default=None, help="address to bind (default: every interface, as vLLM)")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 routes (env PAGED_JAX_API_KEY)")
-    server.add_argument("--api-key-protect-all", action="store_true",
-                        help="with --api-key, also require the key on /tokenize, /detokenize and /metrics (vLLM's "
-                             "--api-key covers the /v1 routes only; /health always stays open)")
-    server.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
-                        help="CORS allowed origins, a JSON list (default [\"*\"])")
-    server.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
-                        help="CORS allowed methods, a JSON list (default [\"*\"])")
-    server.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
-                        help="CORS allowed headers, a JSON list (default [\"*\"])")
-    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    server.add_argument("--root-path", default=None,
-                        help="root path when the app is behind a path-based routing proxy (which strips it)")
-    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
-    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
-    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (client certificates)")
-    server.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
-                        help="whether a client certificate is required (the ssl module's CERT_* value)")
-    server.add_argument("--enable-log-requests", action="store_true", default=None,
-                        help="log one line per request (its id, sampling params and prompt token ids)")
-    server.add_argument("--disable-log-requests", action="store_true", default=None,
-                        help="do not log requests (vLLM's older flag; the default)")
-    server.add_argument("--max-log-len", type=int, default=None,
-                        help="most prompt token ids (or characters) a request's log line shows (default: all)")
-    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    server.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="bound on queued sequences (a request counts n per prompt); beyond it the server "
-                             "answers 503 with Retry-After, and 400 to a request that alone exceeds it")
-    server.add_argument("--max-seqs-per-request", type=int, default=None,
-                        help="most sequences (prompts x n) one request may ask for; more is answered 400 "
-                             "(default: no cap beyond --max-waiting-requests)")
-    server.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
-                        help=f"most bytes a request body may have; more is answered 413 "
-                             f"(default {DEFAULT_MAX_REQUEST_BODY_SIZE})")
-    server.add_argument("--shutdown-timeout", type=float, default=0.0,
-                        help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
-                             "ended with an error (vLLM's flag; default 0: at once)")
-    server.add_argument("--api-server-count", "-asc", type=int, default=1,
-                        help="API server processes (vLLM's flag): each runs the app on the one listening socket "
-                             "(the kernel spreads connections over them) in front of the one engine process, so "
-                             "HTTP, SSE and per-stream work use several cores (default 1)")
-    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                        help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
-                             "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
-    server.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
-                        help=f"most log-probabilities a request may ask for per token (logprobs / top_logprobs; "
-                             f"at most {MAX_LOGPROBS}); more is answered 400")
-    server.add_argument("--chat-template", default=None,
-                        help="chat template replacing the tokenizer's: a file path, or the template itself inline")
-    server.add_argument("--response-role", default="assistant",
-                        help="role of the chat replies when the request has add_generation_prompt=true")
-    server.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],
-                        help="LoRA adapters to serve (needs --enable-lora): name=path or a JSON object "
-                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; requests pick one by model")
-    server.add_argument("--metrics-prefix", default=NATIVE_PREFIX,
-                        help=f"prefix of the /metrics names (default {NATIVE_PREFIX}: {NATIVE_PREFIX}:<vLLM's name>); "
-                             f"'{VLLM_PREFIX}' exports vLLM's own names, so vLLM dashboards and alerts work unchanged")
-    from serving.reasoning_parsers import REASONING_PARSERS
-    from serving.tool_parsers import TOOL_PARSERS
-
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='tool_choice "auto": the model decides when to call tools; needs --tool-call-parser')
-    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="how tool calls are read from replies: hermes (Qwen2/2.5/3, Hermes), llama3_json "
-                             "(Llama 3.x), mistral")
-    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                        help="split <think>...</think> into reasoning_content: qwen3, deepseek_r1")
+    _add_http_args(server)
+    _add_logging_args(server)
+    _add_limit_args(server)
+    _add_openai_args(server)
     add_engine_args(parser.add_argument_group("engine (EngineArgs, vLLM names)"))
     return parser
+
+
+def _add_http_args(group) -> None:
+    """Where and how the server listens: address, API key, CORS, root path, TLS."""
+    group.add_argument("--host", default=None, help="address to bind (default: every interface, as vLLM)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (env PAGED_JAX_API_KEY)")
+    group.add_argument("--api-key-protect-all", action="store_true",
+                       help="with --api-key, also require the key on /tokenize, /detokenize and /metrics (vLLM's "
+                            "--api-key covers the /v1 routes only; /health always stays open)")
+    group.add_argument("--allowed-origins", type=json_string_list("--allowed-origins"), default=["*"],
+                       help="CORS allowed origins, a JSON list (default [\"*\"])")
+    group.add_argument("--allowed-methods", type=json_string_list("--allowed-methods"), default=["*"],
+                       help="CORS allowed methods, a JSON list (default [\"*\"])")
+    group.add_argument("--allowed-headers", type=json_string_list("--allowed-headers"), default=["*"],
+                       help="CORS allowed headers, a JSON list (default [\"*\"])")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument("--root-path", default=None,
+                       help="root path when the app is behind a path-based routing proxy (which strips it)")
+    group.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (client certificates)")
+    group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                       help="whether a client certificate is required (the ssl module's CERT_* value)")
+
+
+def _add_logging_args(group) -> None:
+    """Request and uvicorn log lines."""
+    group.add_argument("--enable-log-requests", action="store_true", default=None,
+                       help="log one line per request (its id, sampling params and prompt token ids)")
+    group.add_argument("--disable-log-requests", action="store_true", default=None,
+                       help="do not log requests (vLLM's older flag; the default)")
+    group.add_argument("--max-log-len", type=int, default=None,
+                       help="most prompt token ids (or characters) a request's log line shows (default: all)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _add_limit_args(group) -> None:
+    """Admission limits, shutdown, API server processes and where the engine runs."""
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="bound on queued sequences (a request counts n per prompt); beyond it the server "
+                            "answers 503 with Retry-After, and 400 to a request that alone exceeds it")
+    group.add_argument("--max-seqs-per-request", type=int, default=None,
+                       help="most sequences (prompts x n) one request may ask for; more is answered 400 "
+                            "(default: no cap beyond --max-waiting-requests)")
+    group.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                       help=f"most bytes a request body may have; more is answered 413 "
+                            f"(default {DEFAULT_MAX_REQUEST_BODY_SIZE})")
+    group.add_argument("--shutdown-timeout", type=float, default=0.0,
+                       help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
+                            "ended with an error (vLLM's flag; default 0: at once)")
+    group.add_argument("--api-server-count", "-asc", type=int, default=1,
+                       help="API server processes (vLLM's flag): each runs the app on the one listening socket "
+                            "(the kernel spreads connections over them) in front of the one engine process, so "
+                            "HTTP, SSE and per-stream work use several cores (default 1)")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the engine in its own process, apart from the HTTP event loop (no shared GIL); "
+                            "default on (--no-engine-process or PAGED_JAX_ENGINE_PROCESS=0: a thread instead)")
+
+
+def _add_openai_args(group) -> None:
+    """The OpenAI API's behaviour: logprobs, chat template and role, LoRA adapters, metric names, tool calls and
+    reasoning."""
+    group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                       help=f"most log-probabilities a request may ask for per token (logprobs / top_logprobs; "
+                            f"at most {MAX_LOGPROBS}); more is answered 400")
+    group.add_argument("--chat-template", default=None,
+                       help="chat template replacing the tokenizer's: a file path, or the template itself inline")
+    group.add_argument("--response-role", default="assistant",
+                       help="role of the chat replies when the request has add_generation_prompt=true")
+    group.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],
+                       help="LoRA adapters to serve (needs --enable-lora): name=path or a JSON object "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; requests pick one by model")
+    group.add_argument("--metrics-prefix", default=NATIVE_PREFIX,
+                       help=f"prefix of the /metrics names (default {NATIVE_PREFIX}: {NATIVE_PREFIX}:<vLLM's name>); "
+                            f"'{VLLM_PREFIX}' exports vLLM's own names, so vLLM dashboards and alerts work unchanged")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": the model decides when to call tools; needs --tool-call-parser')
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are read from replies: hermes (Qwen2/2.5/3, Hermes), llama3_json "
+                            "(Llama 3.x), mistral")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think>...</think> into reasoning_content: qwen3, deepseek_r1")
 
 
 def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tuple[argparse.ArgumentParser,
                                                                                    argparse.Namespace]:
     """Parse ``serve``'s arguments (exits with status 2 naming any flag it does not know, as argparse does)."""
-    from paged_jax.cli import normalize_flag_spelling
-    from serving.metrics import check_prefix
-
     parser = build_parser(prog)
     args = parser.parse_args(normalize_flag_spelling(argv))
     if args.enable_log_requests and args.disable_log_requests:
@@ -169,43 +189,10 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         parser.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key_protect_all and not args.api_key:
         parser.error("--api-key-protect-all needs --api-key")
-    from serving.api_servers import api_server_count_error
-
     error = api_server_count_error(args)
     if error:
         parser.error(error)
     return parser, args
-
-
-def engine_args_from_namespace(args: argparse.Namespace):
-    """``EngineArgs`` from parsed flags (raises ValueError naming the bad field)."""
-    from paged_jax.cli import engine_kwargs
-    from paged_jax.config import EngineArgs
-
-    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        raise ValueError(f"model given twice: positional {args.model_tag!r} and --model {args.model!r}")
-    return EngineArgs(**{**engine_kwargs(args), "model": args.model_tag or args.model})
-
-
-def server_settings(args: argparse.Namespace) -> tuple:
-    """``(EngineArgs, the loaded --chat-template or None)`` from the parsed flags, checked before anything loads
-    (raises ValueError naming the bad flag)."""
-    from paged_jax.chat import load_chat_template
-    from paged_jax.sampling_params import MAX_LOGPROBS
-
-    engine_args = engine_args_from_namespace(args)
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise ValueError(f"max_waiting_requests must be >= 1, got {args.max_waiting_requests}")
-    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine computes at most "
-                         f"{MAX_LOGPROBS} top logprobs), got {args.max_logprobs}")
-    if args.lora_modules and not engine_args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
-    try:
-        chat_template = load_chat_template(args.chat_template)
-    except ValueError as exc:
-        raise ValueError(f"--chat-template: {exc}") from exc
-    return engine_args, chat_template
 
 
 def build_app_from_args(args: argparse.Namespace):
@@ -222,22 +209,6 @@ def build_app_from_args(args: argparse.Namespace):
     return create_app(engine, **app_kwargs(args, engine_args, chat_template)), engine_args
 
 
-def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None = None) -> dict:
-    """``serving.app.create_app``'s keyword arguments from the parsed flags (``chat_template``: the loaded
-    ``--chat-template``)."""
-    return dict(served_model_name=engine_args.served_model_names or None, api_key=args.api_key,
-                max_waiting_requests=args.max_waiting_requests, allowed_origins=args.allowed_origins,
-                allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-                allow_credentials=args.allow_credentials, log_requests=bool(args.enable_log_requests),
-                max_log_len=args.max_log_len, log_stats=not engine_args.disable_log_stats,
-                max_logprobs=args.max_logprobs, chat_template=chat_template, response_role=args.response_role,
-                metrics_prefix=args.metrics_prefix,
-                api_key_protect_all=args.api_key_protect_all, max_request_body_size=args.max_request_body_size,
-                max_seqs_per_request=args.max_seqs_per_request,
-                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules)
-
-
 def bind_socket(host: str | None, port: int) -> socket.socket:
     """The listening socket, bound before the engine loads (as vLLM does): a port in use fails at once, not after
     minutes of loading and compiling. ``host`` None or "" = every IPv4 interface."""
@@ -246,17 +217,6 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host or "", port))
     return sock
-
-
-def uvicorn_config(app, args: argparse.Namespace):
-    """The ``uvicorn.Config`` of ``app`` for the parsed flags (host, port, TLS, root path, log level, access log).
-    ``--root-path`` is the ASGI root_path (FastAPI's is deprecated in its favour): the proxy strips the prefix."""
-    import uvicorn
-
-    return uvicorn.Config(app, host=args.host or "0.0.0.0", port=args.port, log_level=args.uvicorn_log_level,
-                          root_path=args.root_path or "", access_log=not args.disable_uvicorn_access_log,
-                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve") -> int:
@@ -283,8 +243,6 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     except OSError as exc:
         parser.error(f"cannot listen on {args.host or '0.0.0.0'}:{args.port} (--host/--port): {exc}")
     if args.api_server_count > 1:
-        from serving.api_servers import serve_api_servers
-
         return serve_api_servers(parser, args, sock)
     from serving.async_engine import EngineDeadError
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -304,10 +305,16 @@ class ServingMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry (``multiprocess``: of every process's metrics)."""
         if self.multiprocess:
-            from serving.multiprocess_metrics import render_multiprocess
-
             return render_multiprocess()
         return generate_latest(self.registry)
+
+
+def render_multiprocess() -> bytes:
+    """The Prometheus text exposition of every process's metrics in ``PROMETHEUS_MULTIPROC_DIR``, merged
+    (prometheus_client's multiprocess mode, ``serving.multiprocess_metrics``)."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return generate_latest(registry)
 
 
 def cache_config_labels(engine_args) -> dict[str, object]:

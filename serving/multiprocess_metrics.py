@@ -4,7 +4,8 @@ server reports the whole system, with the same names as one server (``serving.me
 vLLM's way: prometheus_client's multiprocess mode. The launcher (``serving.api_servers``) points
 ``PROMETHEUS_MULTIPROC_DIR`` at a fresh temporary directory (or keeps the user's own) before it starts any process,
 so every process it starts writes its metric values to memory-mapped files there (one file per process and metric
-type), and ``/metrics`` on any server merges them all (``MultiProcessCollector``: histograms and counters summed):
+type), and ``/metrics`` on any server merges them all (``serving.metrics.render_multiprocess``: histograms and counters
+summed):
 
 * request-level metrics (TTFT, inter-token latency, e2e latency, the phase times, token counts, ``request_success``)
   are each API server's own (``ServingMetrics(multiprocess=True)``), observed as its event loop sees its streams;
@@ -25,6 +26,8 @@ import os
 import tempfile
 from typing import Iterator, Mapping
 
+from prometheus_client import Counter, Gauge, Histogram, values
+
 from serving.metrics import (_ENGINE_COUNTERS, _ENGINE_GAUGES, CACHE_CONFIG_INFO_DOC, ENGINE_INDEX, ITERATION_TOKENS,
                              ITERATION_TOKENS_BUCKETS, LABEL_NAMES, StepTokens, cache_config_info_labels,
                              check_prefix, engine_series)
@@ -38,8 +41,6 @@ def check_multiprocess_mode() -> None:
     """RuntimeError unless prometheus_client writes this process's values to ``PROMETHEUS_MULTIPROC_DIR`` (the
     variable must be set before prometheus_client is first imported: the launcher sets it before it starts a
     process)."""
-    from prometheus_client import values
-
     if not os.environ.get(MULTIPROC_DIR_ENV) or values.ValueClass.__name__ != "MmapedValue":
         raise RuntimeError(f"metrics of several API servers need {MULTIPROC_DIR_ENV} set before prometheus_client "
                            "is imported (serving.api_servers sets it before it starts the processes)")
@@ -66,16 +67,6 @@ def multiprocess_dir() -> Iterator[str]:
             os.environ.pop(MULTIPROC_DIR_ENV, None)
 
 
-def render_multiprocess() -> bytes:
-    """The Prometheus text exposition of every process's metrics in ``PROMETHEUS_MULTIPROC_DIR``, merged."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    return generate_latest(registry)
-
-
 class EngineProcessMetrics:
     """The engine-level metrics, recorded by the engine process from its stats after each step (multiprocess mode).
 
@@ -86,8 +77,6 @@ class EngineProcessMetrics:
     """
 
     def __init__(self, model_name: str, *, prefix: str, cache_config: Mapping[str, object]) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
-
         check_multiprocess_mode()
         self._prefix = check_prefix(prefix)
         self._labels = {"model_name": model_name, "engine": ENGINE_INDEX}
@@ -119,8 +108,6 @@ class EngineProcessMetrics:
         if tokens is not None:
             self._iteration_tokens.observe(tokens)
         if not self._info_set and "num_gpu_blocks" in stats:  # the engine is built: its pool size is final
-            from prometheus_client import Gauge
-
             info = cache_config_info_labels(self._cache_config, stats, self._labels["engine"])
             Gauge(f"{self._prefix}:cache_config_info", CACHE_CONFIG_INFO_DOC, list(info),
                   multiprocess_mode="mostrecent", registry=None).labels(**info).set(1.0)

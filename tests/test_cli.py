@@ -30,7 +30,8 @@ ORIGIN = "https://allowed.example"
 
 # ------------------------------------------------------------------------------------------------- the parser
 def parse(argv):
-    from serving.cli import engine_args_from_namespace, parse_serve_args
+    from serving.cli import parse_serve_args
+    from serving.settings import engine_args_from_namespace
 
     _, args = parse_serve_args(argv)
     return args, engine_args_from_namespace(args)
@@ -57,7 +58,8 @@ def test_vllm_launch_line_parses_into_engine_and_server_settings():
 
 
 def test_vllm_defaults_of_the_server_flags():
-    from serving.cli import app_kwargs, bind_socket, uvicorn_config
+    from serving.cli import bind_socket
+    from serving.settings import app_kwargs, uvicorn_config
 
     args, engine_args = parse([])
     assert args.host is None and uvicorn_config(None, args).host == "0.0.0.0"  # vLLM: every interface
@@ -153,7 +155,8 @@ class TLSServer:
     def __init__(self, app, args) -> None:
         import uvicorn
 
-        from serving.cli import bind_socket, uvicorn_config
+        from serving.cli import bind_socket
+        from serving.settings import uvicorn_config
 
         self.socket = bind_socket("127.0.0.1", 0)
         self.base_url = f"https://127.0.0.1:{self.socket.getsockname()[1]}"
@@ -194,7 +197,7 @@ def tls_files(tmp_path_factory):
 def server(serving_engine, tls_files):
     """A vLLM-style launch line's app over HTTPS, with the stats line every 0.3 s."""
     from serving.app import create_app
-    from serving.cli import app_kwargs
+    from serving.settings import app_kwargs
 
     key, cert = tls_files
     args, engine_args = parse([

@@ -216,7 +216,8 @@ def test_iteration_tokens_one_observation_per_engine_step():
 
 
 def test_metrics_prefix_flag(capsys):
-    from serving.cli import app_kwargs, engine_args_from_namespace, parse_serve_args
+    from serving.cli import parse_serve_args
+    from serving.settings import app_kwargs, engine_args_from_namespace
 
     _, args = parse_serve_args(["--metrics-prefix", "vllm"])
     assert app_kwargs(args, engine_args_from_namespace(args))["metrics_prefix"] == "vllm"

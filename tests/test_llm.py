@@ -132,7 +132,8 @@ def test_serve_and_generate_share_the_engine_flags():
     import paged_jax
     from paged_jax.cli import build_generate_parser
     from paged_jax.config import EngineArgs
-    from serving.cli import build_parser, engine_args_from_namespace
+    from serving.cli import build_parser
+    from serving.settings import engine_args_from_namespace
 
     def engine_flags(parser):
         return {flag for action in parser._actions if action.dest in {f.name for f in dataclasses.fields(EngineArgs)}

@@ -253,8 +253,9 @@ def client_decode(http, token_ids):
 
 
 def test_lora_modules_flag_forms():
-    from serving.cli import app_kwargs, engine_args_from_namespace, parse_serve_args
+    from serving.cli import parse_serve_args
     from serving.lora import LoRAModulePath, parse_lora_module
+    from serving.settings import app_kwargs, engine_args_from_namespace
 
     _, args = parse_serve_args(["--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--max-cpu-loras", "5",
                                 "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.quantization.linear import (fp8_weight_only_matmul_reference, pack_int32, quantize_weight_fp8,
-                                        quantize_weight_int8, weight_only_matmul_reference)
+from models.quantization.linear import (fp8_weight_only_matmul_reference, quantize_weight_fp8, quantize_weight_int8,
+                                        weight_only_matmul_reference)
+from models.quantization.packing import pack_int32
 from paged_jax.ops import ragged_paged_attention, write_kv
 from paged_jax.ops.quantized_matmul import (default_tuning, fp8_weight_only_matmul_pallas,
                                             weight_only_matmul_pallas)

@@ -7,6 +7,8 @@ float-quantized, vLLM's ``fp8``), and online ``fp8`` / ``int8`` quantization of 
   ``WeightOnlyLinear`` (packed int4/int8 + group scales and zero points, AWQ / GPTQ), ``Fp8Linear`` (float8_e4m3fn
   weights, XLA float8 dots) and ``Int8Linear`` (online int8: ``Fp8Linear``'s layout and kernels on int8); their jnp
   matmuls and the online quantizers; ``compiler_options``, the XLA options of programs that run such a model.
+* ``packing``: the canonical packed ``int32`` layout of weight-only integers (``pack_int32`` / ``unpack_int32``).
+* ``native``: native ``int4`` / ``int8`` weight storage and XLA's matmuls on it.
 * ``formats``: the on-disk layouts (AWQ GEMM, GPTQ v1/v2, FP8) -> the modules' canonical arrays.
 * ``load``: building / loading a quantized ``LlamaForCausalLM`` (one device or sharded).
 * ``paged_jax/ops/quantized_matmul``: the Pallas weight-only matmul (dequantization inside the kernel).

@@ -49,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 from models.quantization import native
+from models.quantization.packing import pack_int32, unpack_int32
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -133,15 +134,6 @@ def resolve_matmul_impl(matmul_impl: str, fmt: str, m: int) -> str:
 def _check_matmul_impl(matmul_impl: str) -> None:
     if matmul_impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
-
-
-def unpack_int32(qweight: jax.Array, bits: int) -> jax.Array:
-    """``int32[R, C]`` packed along rows -> ``int32[R * 32/bits, C]`` unsigned values (row ``pack*r + j`` from bits
-    ``j*bits..``)."""
-    pack = 32 // bits
-    shifts = jnp.arange(pack, dtype=jnp.int32) * bits
-    values = jnp.right_shift(qweight[:, None, :], shifts[None, :, None]) & ((1 << bits) - 1)
-    return values.reshape(qweight.shape[0] * pack, qweight.shape[1])
 
 
 def group_index(in_features: int, group_size: int) -> np.ndarray:
@@ -286,16 +278,6 @@ def quantize_weight_only(kernel: jax.Array, *, bits: int, group_size: int, zero_
     s32 = scales.astype(jnp.float32)
     q = jnp.clip(jnp.round(w / s32[:, None, :]) + zeros[:, None, :], 0, qmax).astype(jnp.int32)
     return pack_int32(q.reshape(in_features, out), bits), scales, zeros.astype(dtype)
-
-
-def pack_int32(values: jax.Array, bits: int) -> jax.Array:
-    """``int[in, out]`` unsigned values -> ``int32[in*bits/32, out]`` packed along rows (inverse of
-    ``unpack_int32``)."""
-    pack = 32 // bits
-    in_features, out = values.shape
-    v = values.astype(jnp.uint32).reshape(in_features // pack, pack, out)
-    shifts = (jnp.arange(pack, dtype=jnp.uint32) * bits)[None, :, None]
-    return jax.lax.bitcast_convert_type(jnp.sum(v << shifts, axis=1, dtype=jnp.uint32), jnp.int32)
 
 
 class Fp8Linear(nnx.Module):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.quantization.packing import pack_int32, unpack_int32
+
 NATIVE_DTYPES = {4: jnp.int4, 8: jnp.int8}
 
 
@@ -35,16 +37,12 @@ def is_native(qweight) -> bool:
 
 def packed_to_native(qweight: jax.Array, bits: int) -> jax.Array:
     """Canonical ``int32[in * bits / 32, out]`` -> native ``int4 | int8 [in, out]`` (values ``q - 2**(bits-1)``)."""
-    from models.quantization.linear import unpack_int32
-
     return (unpack_int32(qweight, bits) - _offset(bits)).astype(NATIVE_DTYPES[bits])
 
 
 def native_to_packed(qweight: jax.Array, bits: int) -> jax.Array:
     """Native ``int4 | int8 [in, out]`` -> canonical ``int32[in * bits / 32, out]`` (inverse of
     ``packed_to_native``)."""
-    from models.quantization.linear import pack_int32
-
     return pack_int32(qweight.astype(jnp.int32) + _offset(bits), bits)
 
 

@@ -73,11 +73,19 @@ def load_peft_adapter(lora_request, config: ModelConfig, max_lora_rank: int) -> 
       ValueError starting with ``lora_request`` and naming the problem: no adapter at the path ("No adapter
       found"), an unsupported feature or module, a rank above ``max_lora_rank``, shapes that do not fit ``config``.
     """
-    from models.loader import _read_tensor  # the checkpoint reader (bf16 via raw bytes); no torch
-    from safetensors import safe_open
-
     path = Path(lora_request.lora_path)
     where = f"{lora_request.lora_name!r} at {str(path)!r}"
+    config_path, weights_path = _adapter_files(path, where)
+    alpha, rslora = _read_adapter_config(config_path, where)
+    tensors = _read_lora_tensors(weights_path, config, where)
+    weights, max_rank = _scaled_weights(tensors, config, max_lora_rank, alpha, rslora, where)
+    return LoRAAdapter(lora_int_id=lora_request.lora_int_id, lora_name=lora_request.lora_name,
+                       lora_path=str(path), rank=max_rank, weights=weights)
+
+
+def _adapter_files(path: Path, where: str) -> tuple[Path, Path]:
+    """``(adapter_config.json, adapter_model.safetensors)`` of the adapter directory ``path``; ValueError ("No
+    adapter found") when either is missing, or naming a pickled ``adapter_model.bin``."""
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"lora_request: No adapter found at {str(path)!r} ({CONFIG_FILE} is missing)")
@@ -87,6 +95,12 @@ def load_peft_adapter(lora_request, config: ModelConfig, max_lora_rank: int) -> 
             raise _refuse(where, "adapter_model.bin (a pickle) is not read; save the adapter with "
                                  "safe_serialization=True (adapter_model.safetensors)")
         raise ValueError(f"lora_request: No adapter found at {str(path)!r} ({WEIGHTS_FILE} is missing)")
+    return config_path, weights_path
+
+
+def _read_adapter_config(config_path: Path, where: str) -> tuple[float, bool]:
+    """``(lora_alpha, use_rslora)`` of ``adapter_config.json``; ValueError naming any setting the engine does not
+    apply (module docstring) or a missing ``r`` / ``lora_alpha``."""
     try:
         adapter_config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -110,8 +124,15 @@ def load_peft_adapter(lora_request, config: ModelConfig, max_lora_rank: int) -> 
         raise _refuse(where, f"alpha_pattern {adapter_config['alpha_pattern']!r} is not supported")
     if "r" not in adapter_config or "lora_alpha" not in adapter_config:
         raise _refuse(where, f"{CONFIG_FILE} lacks r / lora_alpha")
-    alpha = float(adapter_config["lora_alpha"])
-    rslora = bool(adapter_config.get("use_rslora", False))
+    return float(adapter_config["lora_alpha"]), bool(adapter_config.get("use_rslora", False))
+
+
+def _read_lora_tensors(weights_path: Path, config: ModelConfig, where: str) -> dict[tuple[int, str], dict]:
+    """``{(layer, module): {"A": lora_A [r, in], "B": lora_B [out, r]}}`` (PEFT's torch layout, as stored) from
+    ``adapter_model.safetensors``; ValueError naming a tensor that is not a LoRA weight of a supported module of a
+    layer ``config`` has, or an unreadable file."""
+    from models.loader import _read_tensor  # the checkpoint reader (bf16 via raw bytes); no torch
+    from safetensors import safe_open
 
     tensors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     try:
@@ -120,23 +141,38 @@ def load_peft_adapter(lora_request, config: ModelConfig, max_lora_rank: int) -> 
         raise _refuse(where, f"cannot read {WEIGHTS_FILE} ({exc})") from exc
     with handle_cm as handle:
         for name in handle.keys():
-            match = _TENSOR_NAME.match(name)
-            if match is None:
-                if "lora_embedding" in name:
-                    raise _refuse(where, f"embedding LoRA ({name}) is not supported")
-                if "lora_magnitude_vector" in name:
-                    raise _refuse(where, f"DoRA ({name}) is not supported")
-                raise _refuse(where, f"tensor {name} is not a LoRA weight of a supported module (LoRA applies "
-                                     f"to {', '.join(SUPPORTED_MODULES)})")
-            layer, parent, module, side = int(match[1]), match[2], match[3], match[4]
-            if module not in SUPPORTED_MODULES or _MODULE_PARENT[module] != parent:
-                raise _refuse(where, f"module {parent}.{module} ({name}) is not supported (LoRA applies to "
-                                     f"{', '.join(SUPPORTED_MODULES)})")
-            if layer >= config.num_hidden_layers:
-                raise _refuse(where, f"layer {layer} ({name}) does not exist: the model has "
-                                     f"{config.num_hidden_layers} layers")
-            tensors.setdefault((layer, module), {})[side] = _read_tensor(handle, name, weights_path)
+            key, side = _lora_tensor_key(name, config, where)
+            tensors.setdefault(key, {})[side] = _read_tensor(handle, name, weights_path)
+    return tensors
 
+
+def _lora_tensor_key(name: str, config: ModelConfig, where: str) -> tuple[tuple[int, str], str]:
+    """``((layer, module), "A" | "B")`` of the safetensors tensor ``name``
+    (``base_model.model.model.layers.{layer}.{parent}.{module}.lora_{A|B}.weight``); ValueError naming what the
+    engine does not apply (embedding LoRA, DoRA, another module or layer)."""
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        if "lora_embedding" in name:
+            raise _refuse(where, f"embedding LoRA ({name}) is not supported")
+        if "lora_magnitude_vector" in name:
+            raise _refuse(where, f"DoRA ({name}) is not supported")
+        raise _refuse(where, f"tensor {name} is not a LoRA weight of a supported module (LoRA applies "
+                             f"to {', '.join(SUPPORTED_MODULES)})")
+    layer, parent, module, side = int(match[1]), match[2], match[3], match[4]
+    if module not in SUPPORTED_MODULES or _MODULE_PARENT[module] != parent:
+        raise _refuse(where, f"module {parent}.{module} ({name}) is not supported (LoRA applies to "
+                             f"{', '.join(SUPPORTED_MODULES)})")
+    if layer >= config.num_hidden_layers:
+        raise _refuse(where, f"layer {layer} ({name}) does not exist: the model has "
+                             f"{config.num_hidden_layers} layers")
+    return (layer, module), side
+
+
+def _scaled_weights(tensors: dict, config: ModelConfig, max_lora_rank: int, alpha: float, rslora: bool,
+                    where: str) -> tuple[dict, int]:
+    """``(LoRAAdapter.weights, largest rank)`` from ``_read_lora_tensors``'s pairs: each checked (both sides present,
+    shapes fitting ``config``, rank <= ``max_lora_rank``), transposed to matmul layout (A ``float32[in, r]``, B
+    ``float32[r, out]``) with the scaling folded into B."""
     if not tensors:
         raise _refuse(where, f"{WEIGHTS_FILE} holds no LoRA weights")
     weights, max_rank = {}, 0
@@ -157,5 +193,4 @@ def load_peft_adapter(lora_request, config: ModelConfig, max_lora_rank: int) -> 
         weights[(layer, module)] = (np.ascontiguousarray(lora_a.astype(np.float32).T),
                                     np.ascontiguousarray(lora_b.astype(np.float32).T * np.float32(scale)))
         max_rank = max(max_rank, rank)
-    return LoRAAdapter(lora_int_id=lora_request.lora_int_id, lora_name=lora_request.lora_name,
-                       lora_path=str(path), rank=max_rank, weights=weights)
+    return weights, max_rank
