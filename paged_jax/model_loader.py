@@ -16,6 +16,7 @@ from typing import Any
 
 from paged_jax import generation_config as gen_config
 from paged_jax.config import EngineArgs
+from paged_jax.pipeline import load_pipeline_model
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,6 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     config = config or ModelConfig.from_pretrained(model_path)
     quant = resolve_engine_quantization(args, model_path)
     if args.pipeline_parallel_size > 1:
-        from paged_jax.pipeline import load_pipeline_model
-
         if quant.config is not None:
             raise ValueError(f"quantization={quant.config.method!r} is not supported with pipeline_parallel_size > 1 "
                              "yet: use tensor_parallel_size")
