@@ -144,7 +144,7 @@ class InputBatch:
             starts = self.num_tokens[rows]
             if int((starts + lens).max()) > self.max_model_len:
                 raise ValueError(f"a running request grows past max_model_len={self.max_model_len}")
-            if total == num:  # one token per row (decodes): a plain scatter
+            if total == num and int(lens.min()) == 1:  # one token per row (decodes): a plain scatter
                 self.token_ids[rows, starts] = np.fromiter(
                     itertools.chain.from_iterable(cached.new_token_ids), np.int32, num)
             else:

@@ -1,0 +1,123 @@
+"""The runner's persistent batch (InputBatch) and the step packing's sampling fast path, on the host alone: rows
+made, updated by diffs and compacted on removal must hold exactly what a from-scratch rebuild would; the
+precomputed sampling words must pack exactly as the general path packs them."""
+
+import random
+
+import numpy as np
+import pytest
+
+from paged_jax import sampler as sampler_lib
+from paged_jax.core.sched_output import CachedRequestData, NewRequestData
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.input_batch import InputBatch
+
+MAX_LEN, MAX_BLOCKS, VOCAB = 64, 8, 1000
+
+
+def new_request(req_id, rng, **params):
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
+    outputs = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))]
+    blocks = [rng.randrange(1, 100) for _ in range(rng.randint(0, 4))]
+    return NewRequestData(req_id=req_id, prompt_token_ids=prompt, output_token_ids=outputs,
+                          params=SamplingParams(**params), seed=rng.randrange(1 << 40), block_ids=blocks,
+                          num_computed_tokens=0, lora_int_id=rng.randrange(3), prompt_logprobs=rng.random() < 0.3)
+
+
+def test_rows_follow_diffs_and_stay_dense_on_removal():
+    rng = random.Random(1)
+    batch = InputBatch(8, MAX_LEN, MAX_BLOCKS, eos_token_ids=[2], vocab_size=VOCAB)
+    truth = {}  # req_id -> (tokens, blocks, lora, prompt_logprobs)
+    for step in range(60):
+        for req_id in rng.sample(sorted(truth), k=min(len(truth), rng.randint(0, 2))):
+            batch.remove(req_id)
+            del truth[req_id]
+        while batch.num_rows < 8 and rng.random() < 0.5:
+            new = new_request(f"r{step}-{batch.num_rows}", rng, temperature=rng.choice([0.0, 0.7]))
+            batch.add(new)
+            truth[new.req_id] = (new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                                 new.lora_int_id, new.prompt_logprobs)
+        cached = CachedRequestData()
+        for req_id, (tokens, blocks, _, _) in truth.items():
+            if rng.random() < 0.3:
+                continue
+            new_tokens = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 1, 3]))]
+            if len(tokens) + len(new_tokens) > MAX_LEN:
+                new_tokens = []
+            start = rng.randint(0, len(blocks)) if rng.random() < 0.2 else len(blocks)  # a copy-on-write rewrite
+            new_blocks = [rng.randrange(1, 100) for _ in range(rng.randint(0 if start == len(blocks) else 1, 2))]
+            if start + len(new_blocks) > MAX_BLOCKS:
+                start, new_blocks = len(blocks), []
+            cached.req_ids.append(req_id)
+            cached.new_token_ids.append(new_tokens)
+            cached.new_block_ids.append(new_blocks)
+            cached.block_starts.append(start)
+            cached.num_computed_tokens.append(0)
+            tokens += new_tokens
+            if new_blocks:
+                del blocks[start:]
+                blocks += new_blocks
+        rows = batch.apply_cached(cached)
+        assert [batch.req_ids[r] for r in rows] == cached.req_ids
+        assert sorted(batch.req_ids) == sorted(truth) and len(batch.row_of) == batch.num_rows
+        for req_id, (tokens, blocks, lora, prompt_logprobs) in truth.items():
+            row = batch.row_of[req_id]
+            assert batch.req_ids[row] == req_id
+            assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == tokens
+            assert batch.block_table[row, :batch.num_blocks[row]].tolist() == blocks
+            assert (batch.lora_int_id[row], batch.prompt_logprobs[row]) == (lora, prompt_logprobs)
+
+
+def test_bad_diffs_are_refused_by_name():
+    rng = random.Random(2)
+    batch = InputBatch(1, MAX_LEN, MAX_BLOCKS, eos_token_ids=[2], vocab_size=VOCAB)
+    batch.add(new_request("a", rng))
+    with pytest.raises(ValueError, match="'a' already has a row"):
+        batch.add(new_request("a", rng))
+    with pytest.raises(ValueError, match="batch is full"):
+        batch.add(new_request("b", rng))
+    with pytest.raises(ValueError, match="'ghost' is scheduled as running but has no row"):
+        batch.apply_cached(CachedRequestData(["ghost"], [[1]], [[]], [0], [0]))
+    with pytest.raises(ValueError, match="block table of 9 blocks"):
+        batch.apply_cached(CachedRequestData(["a"], [[]], [list(range(9))], [0], [0]))
+    batch.remove("nobody")  # ids without a row are nothing to drop
+    assert batch.req_ids == ["a"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_precomputed_sampling_words_pack_as_the_general_path(seed):
+    """Rows without bans: ``pack_sampling_rows`` over ``sampling_row_words`` == ``pack_sampling_tensors`` over
+    ``build_sampling_tensors``, and the mode the rows' ranks give is the general path's."""
+    rng = random.Random(seed)
+    rows, words, ranks = [], [], []
+    for _ in range(rng.randint(1, 7)):
+        params = SamplingParams(temperature=rng.choice([0.0, 0.5, 1.3]), top_k=rng.choice([0, 5, 40, 5000]),
+                                top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
+                                logprobs=rng.choice([None, 0, 3]))
+        seed_value, prompt_len = rng.randrange(1 << 62), rng.randint(1, 30)
+        step = rng.randint(0, 20)
+        rows.append((params, seed_value, step, [0] * prompt_len, [0] * step))
+        row_words, rank, general = sampler_lib.sampling_row_words(params, seed_value, prompt_len, eos_token_ids=[2],
+                                                                 vocab_size=VOCAB)
+        assert not general
+        words.append(row_words)
+        ranks.append(rank)
+    num_padded = len(rows) + rng.randint(0, 3)
+    tensors, mode = sampler_lib.build_sampling_tensors(rows, num_padded, eos_token_ids=[2], vocab_size=VOCAB)
+    # The general path leaves prompt_len 0 for rows without penalties; the sampler reads it only with penalties.
+    tensors = tensors._replace(prompt_len=np.asarray([len(r[3]) for r in rows] + [0] * (num_padded - len(rows)),
+                                                     np.int32))
+    expected = np.zeros(num_padded * sampler_lib.SAMPLING_WORDS_PER_ROW, np.int32)
+    sampler_lib.pack_sampling_tensors(tensors, expected)
+    fast = np.full_like(expected, 12345)
+    steps = np.asarray([r[2] for r in rows], np.int32)
+    sampler_lib.pack_sampling_rows(np.stack(words), steps, sampler_lib.padding_row_words(), fast)
+    np.testing.assert_array_equal(fast, expected)
+    assert sampler_lib.MODE_ORDER[max(ranks)] == mode
+
+
+def test_rows_with_bans_penalties_or_bias_take_the_general_path():
+    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=3),
+                   SamplingParams(logit_bias={5: 1.0}), SamplingParams(allowed_token_ids=[1, 2])):
+        _, rank, general = sampler_lib.sampling_row_words(params, 0, 4, eos_token_ids=[2], vocab_size=VOCAB)
+        assert general, params
