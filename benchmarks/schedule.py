@@ -5,7 +5,7 @@ sampled token fed back at once, EOS ignored as the workloads prescribe) and repo
 (no prompt token in them), prefill-bearing steps, the buckets they pad to, and the bytes the decode-only steps must
 read (weights once per step, plus each sequence's KV context). A throughput figure's floor counts compute and
 memory over the whole run as if they overlapped; decode-only steps hold no prefill FLOP to overlap with, so this is
-what a phase-by-phase bound needs (benchmarks/RESULTS.md, "What the 75% target asks").
+what a phase-by-phase bound needs (benchmarks/RESULTS.md, "vLLM default throughput workload").
 
     python -m benchmarks.schedule --workload vllm-default --shape llama-3.1-8b
 

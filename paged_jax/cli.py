@@ -28,6 +28,31 @@ _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-
 _FLAG_HELP = {
     "model": "HF checkpoint directory or Hub repo id (default: the built-in SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer directory or Hub repo id (default: the model's)",
+    "revision": "Hub branch, tag or commit of the model",
+    "tokenizer_revision": "Hub branch, tag or commit of the tokenizer",
+    "download_dir": "Hub cache directory (default: huggingface_hub's, $HF_HOME/hub)",
+    "generation_config": "default sampling parameters: auto (the model's generation_config.json), vllm (none), or "
+                         "a directory holding a generation_config.json",
+    "dtype": "weights and activations: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32 (float32 "
+             "runs every matmul at full precision)",
+    "load_format": "auto / safetensors: read the checkpoint; dummy: random weights in its shapes (or a named "
+                   "shape's, e.g. qwen3-0.6b)",
+    "max_num_seqs": "most sequences in one step (default: 256 on GPU, 32 on CPU)",
+    "max_num_batched_tokens": "most tokens in one step (default: 8192 on GPU, 512 on CPU)",
+    "block_size": "tokens per KV-cache block: 8, 16, 32, 64 or 128",
+    "num_gpu_blocks_override": "KV-cache blocks to allocate, instead of sizing the pool from "
+                               "--gpu-memory-utilization",
+    "enable_prefix_caching": "reuse the KV blocks of a shared prompt prefix across requests",
+    "preemption_mode": "what happens to a preempted sequence's KV: recompute it later, or swap it to host memory "
+                       "(--swap-space)",
+    "scheduling_policy": "fcfs, or priority (a request's priority field; lower runs first)",
+    "tensor_parallel_size": "devices each layer's weights and KV heads are split over",
+    "compilation_cache_dir": "JAX's persistent compilation cache and the saved step executables (default: "
+                             "~/.cache/paged_jax/jax_cache; \"\" turns both off)",
+    "weight_cache": "save the converted weights with orbax on the first start and restore them on later ones",
+    "attention_impl": "paged attention implementation: auto, triton, mosaic (Hopper prefill) or reference (jnp)",
+    "max_stop_strings": "most stop strings one request may give",
+    "max_stop_string_len": "most characters in one stop string",
     "served_model_name": "model name(s) the API accepts; responses report the first (default: MODEL as given)",
     "seed": "seeds dummy weights and the sampling of requests that bring no seed of their own",
     "max_model_len": "model context length (default: the model's max_position_embeddings; 2048 at most on CPU)",

@@ -4,7 +4,7 @@ Same interface and result as ``triton_kernel.ragged_paged_attention_triton`` (an
 machinery: TMA copies into swizzled shared memory, ``wgmma`` tensor-core dots and warp specialization, in the manner
 of FlashAttention-3 (JAX's dense ``pallas.ops.gpu.attention_mgpu`` reaches a clearly larger share of the H200's
 bf16 matmul rate on a 4k causal prefill than the Triton lowering's dense flash attention; benchmarks/RESULTS.md,
-"Prefill peers"). This
+"Prefill in the engine's buckets"). This
 kernel adds what the engine needs on top of that design: a paged KV pool read through the block table, and a
 ragged token batch.
 
