@@ -322,38 +322,43 @@ class Scheduler:
         return num_new
 
     def _build_output(self, step: "_StepPlan") -> SchedulerOutput:
-        """The step as the runner's diff: decodes, then prefill chunks, then fork rows; each request's row is sent
+        """The step as the runner's diff: the rows it holds, then new rows, then fork rows; a request's row is sent
         whole the first time, later only the tokens and block ids it lacks."""
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
-        rows: list[tuple[Request, int, bool]] = []  # (request, new tokens, samples): cached rows first
-        new_rows: list[tuple[Request, int, bool]] = []
+        # Columns of the cached rows, then of the new ones: (request, new tokens, samples).
+        requests, num_scheduled, samples_of = [], [], []
+        new_requests, new_num_scheduled, new_samples = [], [], []
         forks: list[tuple[NewRequestData, str]] = []
         fork_requests: list[Request] = []
+        grammars = {}
         for request, num_new in step.planned.values():
-            start = request.num_computed_tokens
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            samples = start + num_new == num_tokens
+            samples = request.num_computed_tokens + num_new == num_tokens
             if request.runner_num_tokens < 0:
                 new_reqs.append(new_request_data(request))
-                new_rows.append((request, num_new, samples))
+                new_requests.append(request)
+                new_num_scheduled.append(num_new)
+                new_samples.append(samples)
             else:
                 append_cached_request(cached, request, num_tokens)
-                rows.append((request, num_new, samples))
+                requests.append(request)
+                num_scheduled.append(num_new)
+                samples_of.append(samples)
+            if request.grammar is not None:
+                grammars[request.request_id] = request.grammar
             if samples and request.pending_forks:
                 for child in request.pending_forks:
                     forks.append((new_request_data(child), request.request_id))
                     fork_requests.append(child)
-        rows += new_rows
-        grammars = {r.request_id: r.grammar for r, _, _ in rows if r.grammar is not None}
         finished, self._finished_rows = self._finished_rows, []
         return SchedulerOutput(
             scheduled_cached_reqs=cached, scheduled_new_reqs=new_reqs,
-            num_scheduled_tokens=[num_new for _, num_new, _ in rows], fork_rows=forks,
+            num_scheduled_tokens=num_scheduled + new_num_scheduled, fork_rows=forks,
             finished_req_ids=finished, preempted_req_ids=step.preempted,
             block_copies=self.kv.take_block_copies(), swap_out=step.swap_out, swap_in=step.swap_in,
-            grammars=grammars, requests=[r for r, _, _ in rows] + fork_requests,
-            samples=[s for _, _, s in rows] + [True] * len(forks))
+            grammars=grammars, requests=requests + new_requests + fork_requests,
+            samples=samples_of + new_samples + [True] * len(forks))
 
     def _preempt_lower_priority(self, request: Request, step: "_StepPlan") -> bool:
         """policy="priority": preempt the least important running request if it ranks strictly below ``request``."""
