@@ -190,8 +190,10 @@ def isolate_host(engine, totals: dict[str, float]) -> None:
 
     execute = engine.runner.execute
 
-    def execute_then_wait(*args, **kwargs):
-        handle = execute(*args, **kwargs)
+    def execute_then_wait(scheduler_output, *args, **kwargs):
+        handle = execute(scheduler_output, *args, **kwargs)
+        if handle is None:  # a step without rows (swap copies or dropped rows only): nothing dispatched
+            return None
         start = time.perf_counter()
         outputs = handle._device_outputs  # None while a deferred (grammar) step's sampling is not dispatched
         if isinstance(outputs, concurrent.futures.Future):

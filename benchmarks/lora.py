@@ -8,7 +8,8 @@ runner at a time holds a KV pool.
 
 Per (batch, runner) one JSON line: ``step_ms`` (``--inner`` steps dispatched back to back, one wait, per step: the
 device's step time when the host overlaps it), ``sync_step_ms`` (one ``execute(...).result()``), the ratio to the base
-model's, and the memory floor (weights + KV read + the LoRA slot weights, at ``--hbm-gbps``).
+model's, and the memory floor (weights + KV read + the LoRA slot weights, at ``--hbm-gbps``). The rows are made once;
+each timed step runs the same decode again (its diff carrying nothing new: the rows already hold their tokens).
 
 On the H200: ``python -m benchmarks.lora --shape llama-3.1-8b --batches 32,256 --context 1024 --out $OUT/lora.json``.
 On CPU ``--tiny`` uses a 2-layer random config (checks the script, not for figures).
@@ -72,9 +73,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from models.presets import kv_bytes_per_token, num_params, preset_config
     from paged_jax.lora.request import LoRARequest
     from paged_jax.lora.slots import LoRASlots
-    from paged_jax.model_runner import ModelRunner, enable_compilation_cache
+    from paged_jax.kv_pool_sizing import enable_compilation_cache
+    from paged_jax.model_runner import ModelRunner
+    from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
-    from paged_jax.step_io import SeqInput
 
     enable_compilation_cache(None)  # the three runners share their sampler executables through it
     if args.tiny:
@@ -103,25 +105,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              max_num_seqs=max(batches), max_num_batched_tokens=max(batches), buckets=buckets,
                              lora_slots=lora_slots)
         runner.warm_up(use_tqdm=False)
+        adapters = []  # the request-side adapter of each slot 1.. (its lora_int_id)
         if lora_slots is not None:
             for slot in range(1, args.num_adapters + 1):
                 adapter = random_adapter(config, args.rank, seed=slot)
                 runner.write_lora_slot(slot, lora_slots.to_slot_form(
                     adapter, LoRARequest(adapter.lora_name, adapter.lora_int_id, "random")))
+                adapters.append(adapter)
+        slot_of = {adapter.lora_int_id: slot for slot, adapter in enumerate(adapters, 1)}
+        hand = HandScheduler()
         for batch in batches:
-            seqs = [SeqInput(key=f"s{i}", token_ids=[int(rng.integers(0, min(config.vocab_size, 10000)))],
-                             num_computed_tokens=args.context,
-                             block_ids=list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
-                             sample=True, sampling=(params, i, 0, (), ()),
-                             lora_slot=0 if lora_slots is None else 1 + i % args.num_adapters)
-                    for i in range(batch)]
-            runner.execute(seqs).result()
-            sync_ms = _median_ms(lambda: runner.execute(seqs).result(), args.repeats)
+            for req_id in list(hand.requests):  # the previous batch's rows leave the runner's batch
+                hand.finish(req_id)
+            for i in range(batch):
+                prompt = rng.integers(0, min(config.vocab_size, 10000), args.context + 1).tolist()
+                hand.add(f"s{i}", prompt, list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
+                         params=params, seed=i, num_computed_tokens=args.context,
+                         lora=adapters[i % len(adapters)] if adapters else None)
+            plan = {f"s{i}": 1 for i in range(batch)}
+            runner.execute(hand.step(plan), slot_of).result()
+            step = hand.step(plan)  # not updated: the same decode again, a diff with nothing new
+            runner.execute(step, slot_of).result()
+            sync_ms = _median_ms(lambda: runner.execute(step, slot_of).result(), args.repeats)
 
             def pipelined():
                 pending = None
                 for _ in range(args.inner):
-                    pending = runner.execute(seqs)
+                    pending = runner.execute(step, slot_of)
                 pending.result()
 
             step_ms = _median_ms(pipelined, args.repeats) / args.inner

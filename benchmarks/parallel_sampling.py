@@ -36,7 +36,7 @@ def _drive(engine, add_requests) -> tuple[float, int, int]:
     def counting_schedule():
         nonlocal scheduled_tokens
         out = schedule()
-        scheduled_tokens += out.num_batched_tokens
+        scheduled_tokens += out.total_num_scheduled_tokens
         return out
 
     engine.scheduler.schedule = counting_schedule

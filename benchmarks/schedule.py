@@ -45,19 +45,20 @@ def simulate(workload, *, max_num_seqs: int, max_num_batched_tokens: int, max_mo
     steps = []
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        if out.is_empty:
+        if not (out.has_rows or out.swap_out or out.swap_in):
             raise RuntimeError("the scheduler made an empty step with requests left (KV pool too small?)")
         prompt_tokens, decode_rows, kv_tokens = 0, 0, 0
-        for seq in out.scheduled:
+        for seq in out.scheduled_rows():
             end = seq.num_computed_tokens + seq.num_new_tokens
             in_prompt = max(0, min(end, len(seq.request.prompt_token_ids)) - seq.num_computed_tokens)
             prompt_tokens += in_prompt
             if in_prompt == 0 and seq.num_new_tokens:
                 decode_rows += 1
                 kv_tokens += end
-        steps.append((out.num_batched_tokens, decode_rows, prompt_tokens, kv_tokens,
-                      pick_bucket(buckets, out.num_batched_tokens, len(out.scheduled))))
-        scheduler.update_from_output(out, [1] * len(out.scheduled))  # any token: EOS is ignored
+        num_tokens = out.total_num_scheduled_tokens
+        steps.append((num_tokens, decode_rows, prompt_tokens, kv_tokens,
+                      pick_bucket(buckets, num_tokens, out.num_rows)))
+        scheduler.update_from_output(out, [1] * out.num_rows)  # any token: EOS is ignored
     return steps
 
 

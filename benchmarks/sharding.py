@@ -252,8 +252,8 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
     from paged_jax.model_runner import ModelRunner
     from paged_jax.parallel import ShardingPlan, make_mesh
     from paged_jax.pipeline import PipelineModelRunner, PipelinePlan
+    from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
-    from paged_jax.step_io import SeqInput
 
     pp, tp = parse_pipeline_layout(layout)
     if pp * tp > len(jax.devices()):
@@ -283,30 +283,45 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
 
     def measure(runner):
         """-> (prefill s, sync decode step times, back-to-back decode step s, greedy tokens), best of repeats."""
-        def step(start: int, tokens: list[list[int]], feed: bool):
-            return runner.execute([SeqInput(key=str(b), token_ids=tokens[b], num_computed_tokens=start,
-                                            block_ids=tables[b], sample=True, sampling=(greedy, 0, 0, [], []),
-                                            feed_from_previous=feed) for b in range(batch)])
+        hand = HandScheduler()
+        keys = [str(b) for b in range(batch)]
+
+        def prefill():
+            """Every prompt from position 0, as fresh rows (the previous ones leave the runner's batch)."""
+            for key in list(hand.requests):
+                hand.finish(key)
+            for b, key in enumerate(keys):
+                hand.add(key, prompts[b].tolist(), tables[b], params=greedy)
+            return step({key: prompt_len for key in keys})
+
+        def step(num_new: dict[str, int]):
+            out = hand.step(num_new)
+            handle = runner.execute(out)
+            hand.update(out, None)  # the sampled tokens stay on the device: the next step feeds on them
+            return handle
+
+        def decode():
+            return step({key: 1 for key in keys})
 
         best = None
         for _ in range(repeats):
             t0 = time.perf_counter()
-            first = step(0, prompts.tolist(), False).result().sampled_token_ids
+            first = prefill().result().sampled_token_ids
             prefill_s = time.perf_counter() - t0
             generated, step_times = [np.asarray(first)], []
             for i in range(decode_steps):
                 t0 = time.perf_counter()
-                out = step(prompt_len + i, [[0]] * batch, True).result().sampled_token_ids
+                out = decode().result().sampled_token_ids
                 step_times.append(time.perf_counter() - t0)
                 generated.append(np.asarray(out))
             t0 = time.perf_counter()
             for _ in range(PREFILL_STEPS_BACK_TO_BACK):  # the same prefill again (same slots), one sync at the end
-                handle = step(0, prompts.tolist(), False)
+                handle = prefill()
             handle.result()
             prefill_step_s = (time.perf_counter() - t0) / PREFILL_STEPS_BACK_TO_BACK
             t0 = time.perf_counter()
             for i in range(decode_steps):  # dispatched back to back, one sync at the end
-                handle = step(prompt_len + i, [[0]] * batch, True)
+                handle = decode()
             handle.result()
             pipelined_s = (time.perf_counter() - t0) / max(decode_steps, 1)
             if best is None or pipelined_s < best[2]:

@@ -393,10 +393,14 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         requests = self.requests
         cache_full_blocks = self.kv.cache_full_blocks
+        starts = scheduler_output.row_num_computed_tokens()
         for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
             if request.status != running_status or requests.get(request.request_id) is not request:
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if row < first_fork:
+                if request.num_computed_tokens != starts[row]:
+                    raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
+                                       "update_from_output once per schedule(), in order")
                 request.num_computed_tokens += scheduler_output.num_scheduled_tokens[row]
                 cache_full_blocks(request)
                 if not samples:

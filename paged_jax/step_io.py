@@ -15,10 +15,11 @@ from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import MAX_BLOCK_COPIES
 from paged_jax.ops.block_copy import copy_blocks
 
+
 @dataclasses.dataclass
 class PromptLogprobsChunk:
-    """Prompt logprobs of one sequence's chunk, host side: entry i is about the chunk's new token i and its target
-    (``SeqInput.prompt_logprob_targets[i]``), under log_softmax of the raw logits at that position.
+    """Prompt logprobs of one sequence's chunk, host side: entry i is about the chunk's new token i (position p) and
+    its target, prompt token p + 1, under log_softmax of the raw logits at that position.
 
     Attributes:
       logprobs: float32[n] the target's logprob.

@@ -79,9 +79,16 @@ def test_mixed_batch_matches_transformers_peft(llm, adapters, peft_greedy, monke
     engine = llm.llm_engine
     step_slots = []
     execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute",
-                        lambda seqs, *rest, **kw: step_slots.append({s.lora_slot for s in seqs})
-                        or execute(seqs, *rest, **kw))
+
+    def recording_execute(scheduler_output, lora_slots=None, *rest, **kw):
+        """Record the adapter slots of each step's rows, as the runner's batch holds them."""
+        handle = execute(scheduler_output, lora_slots, *rest, **kw)
+        batch = engine.runner.input_batch
+        lora_ids = [int(batch.lora_int_id[batch.row_of[req_id]]) for req_id in scheduler_output.row_req_ids()]
+        step_slots.append({(lora_slots or {}).get(lora_int_id, 0) for lora_int_id in lora_ids})
+        return handle
+
+    monkeypatch.setattr(engine.runner, "execute", recording_execute)
     names = [None, *NAMES, None]
     prompts = [PROMPT] * 4 + ["The capital of France is"]
     outs = llm.generate(prompts, GREEDY, lora_request=[None if n is None else lora_request(n, paths) for n in names],
@@ -189,11 +196,11 @@ def test_scheduler_admits_at_most_max_loras_adapters():
     requests = [Request(f"r{i}", [1, 2, 3], lora=lora) for i, lora in enumerate([loras[0], loras[1], None, loras[0]])]
     for request in requests:
         scheduler.add_request(request)
-    first = {s.request.request_id for s in scheduler.schedule().scheduled}
+    first = {s.request.request_id for s in scheduler.schedule().scheduled_rows()}
     assert first == {"r0", "r2", "r3"}  # adapter 2 waits for the slot adapter 1 holds; the base row joins
     for request_id in ("r0", "r3"):
         scheduler.finish_request(request_id, "stop")
-    assert "r1" in {s.request.request_id for s in scheduler.schedule().scheduled}
+    assert "r1" in {s.request.request_id for s in scheduler.schedule().scheduled_rows()}
 
 
 # ------------------------------------------------------------------------------------------------------- server

@@ -12,9 +12,10 @@ from models.loader import init_dummy_model
 from models.testing import tiny_config
 from paged_jax import sampler as sampler_lib
 from paged_jax.buckets import make_buckets
+from paged_jax.core.hand_steps import HandScheduler
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN
 from paged_jax.kv_pool_sizing import enable_compilation_cache
 from paged_jax.model_runner import ModelRunner
-from paged_jax.step_io import SeqInput
 from paged_jax.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
@@ -50,55 +51,86 @@ def make_runner(model, config, num_blocks=40, num_host_blocks=0, max_num_seqs=4,
 
 
 class MiniDriver:
-    """Just enough scheduling to drive the runner: fixed block tables, prompts chunked by ``chunk``."""
+    """Just enough scheduling to drive the runner (``HandScheduler``): fixed block tables, prompts chunked by
+    ``chunk``, finished sequences dropped from the runner's batch.
+
+    With ``feed_from_device`` it runs as async scheduling does: each step is built and dispatched before the previous
+    step's tokens reach the host, so the runner's rows hold only placeholders for them and every decode must be fed
+    from the previous step's on-device samples (``num_fed_from_device`` counts those)."""
 
     def __init__(self, runner, prompts, num_new, chunk, first_block=1, feed_from_device=False):
         self.runner = runner
-        self.seqs = []
+        self.hs = HandScheduler()
+        params = SamplingParams(temperature=0.0, max_tokens=num_new)
         next_block = first_block
         blocks_per_seq = MAX_MODEL_LEN // BLOCK_SIZE
+        self.requests = []
         for i, prompt in enumerate(prompts):
-            self.seqs.append(dict(key=f"s{i}", tokens=list(prompt), prompt_len=len(prompt), computed=0,
-                                  blocks=list(range(next_block, next_block + blocks_per_seq))))
+            blocks = list(range(next_block, next_block + blocks_per_seq))
+            self.requests.append(self.hs.add(f"s{i}", prompt, blocks, params=params, seed=0))
             next_block += blocks_per_seq
         self.num_new = num_new
         self.chunk = chunk
         self.feed_from_device = feed_from_device
-        self.params = SamplingParams(temperature=0.0, max_tokens=num_new)
+        self.num_fed_from_device = 0
+
+    def _plan(self, budget):
+        plan, left = {}, budget
+        for req_id, request in list(self.hs.requests.items()):
+            if request.num_output_tokens >= self.num_new:
+                self.hs.finish(req_id)
+                continue
+            if left == 0:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, self.chunk, left)
+            left -= n
+            plan[req_id] = n
+        return plan
+
+    def _check(self, out, result):
+        for token, samples in zip(result.sampled_token_ids.tolist(), out.samples):
+            assert token >= 0 if samples else token == -1
 
     def run(self, budget=32):
-        fed_last_step = set()
+        pending = None  # feed_from_device: (step, handle, placeholder index per row) not fetched yet
         while True:
-            batch = []
-            left = budget
-            for seq in self.seqs:
-                if len(seq["tokens"]) - seq["prompt_len"] >= self.num_new or left == 0:
-                    continue
-                todo = len(seq["tokens"]) - seq["computed"]
-                n = min(todo, self.chunk, left)
-                left -= n
-                samples = seq["computed"] + n == len(seq["tokens"])
-                feed = self.feed_from_device and n == 1 and seq["key"] in fed_last_step
-                batch.append(SeqInput(
-                    key=seq["key"], token_ids=seq["tokens"][seq["computed"]:seq["computed"] + n],
-                    num_computed_tokens=seq["computed"], block_ids=seq["blocks"], sample=samples,
-                    sampling=(self.params, 0, len(seq["tokens"]) - seq["prompt_len"], [], []) if samples else None,
-                    feed_from_previous=feed))
-            if not batch:
-                return [seq["tokens"][seq["prompt_len"]:] for seq in self.seqs]
-            if self.feed_from_device:  # poison the host copy: the device feed must be used
-                batch = [SeqInput(**{**b.__dict__, "token_ids": [0]}) if b.feed_from_previous else b for b in batch]
-            out = self.runner.execute(batch).result()
-            fed_last_step = set()
-            for seq_input, token in zip(batch, out.sampled_token_ids):
-                seq = next(s for s in self.seqs if s["key"] == seq_input.key)
-                seq["computed"] += seq_input.num_new_tokens
-                if seq_input.sample:
-                    assert token >= 0
-                    seq["tokens"].append(int(token))
-                    fed_last_step.add(seq["key"])
-                else:
-                    assert token == -1
+            plan = self._plan(budget)
+            if not plan:
+                break
+            out = self.hs.step(plan)
+            handle = self.runner.execute(out)
+            if not self.feed_from_device:
+                result = handle.result()
+                self._check(out, result)
+                self.hs.update(out, result.sampled_token_ids)
+                continue
+            self.num_fed_from_device += sum(ids == [PLACEHOLDER_TOKEN]
+                                            for ids in out.scheduled_cached_reqs.new_token_ids)
+            if pending is not None:  # the previous step's tokens reach the host only now
+                self._resolve(*pending)
+            self.hs.update(out, None)  # placeholders: the runner's next step feeds them from the device
+            pending = (out, handle, [r.num_output_tokens - 1 if s else None for r, s in zip(out.requests, out.samples)])
+        if pending is not None:
+            self._resolve(*pending)
+        return [list(r.output_token_ids) for r in self.requests]
+
+    def _resolve(self, out, handle, indices):
+        result = handle.result()
+        self._check(out, result)
+        for request, index, token in zip(out.requests, indices, result.sampled_token_ids.tolist()):
+            if index is not None:
+                assert request.output_token_ids[index] == PLACEHOLDER_TOKEN
+                request.output_token_ids[index] = token
+
+
+def fresh_step(hs, rows, **step_kwargs):
+    """A step of whole prompts for fresh requests: ``rows`` = [(req_id, prompt, block_ids, params, seed)]; the
+    requests ``hs`` held before leave the runner's batch with it."""
+    for req_id in list(hs.requests):
+        hs.finish(req_id)
+    for req_id, prompt, block_ids, params, seed in rows:
+        hs.add(req_id, prompt, block_ids, params=params, seed=seed)
+    return hs.step({req_id: len(prompt) for req_id, prompt, *_ in rows}, **step_kwargs)
 
 
 def test_buckets_are_few_and_cover_every_batch():
@@ -134,11 +166,15 @@ def test_decode_input_fed_from_device_samples(tiny_model):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, config.vocab_size, size=n).tolist() for n in (4, 11)]
     runner = make_runner(model, config)
-    got = MiniDriver(runner, prompts, num_new=5, chunk=64, feed_from_device=True).run()
+    driver = MiniDriver(runner, prompts, num_new=5, chunk=64, feed_from_device=True)
+    got = driver.run()
     assert got == [dense_greedy(model, p, 5) for p in prompts]
-    with pytest.raises(ValueError, match="feed_from_previous"):
-        runner.execute([SeqInput(key="unknown", token_ids=[0], num_computed_tokens=3, block_ids=[1],
-                                 sample=False, feed_from_previous=True)])
+    assert driver.num_fed_from_device == 2 * 4  # every decode: the host never had the token it fed
+    # A token still on the device that no previous step of this row sampled cannot be fed.
+    hs = HandScheduler()
+    hs.add("unknown", [5, 6, 7], [1], output_token_ids=[PLACEHOLDER_TOKEN], num_computed_tokens=3)
+    with pytest.raises(ValueError, match="still on the device"):
+        runner.execute(hs.step({"unknown": 1}))
 
 
 def test_logprobs_match_log_softmax(tiny_model):
@@ -146,8 +182,7 @@ def test_logprobs_match_log_softmax(tiny_model):
     runner = make_runner(model, config)
     prompt = [5, 9, 13, 21, 7]
     params = SamplingParams(temperature=0.0, logprobs=3)
-    out = runner.execute([SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[1], sample=True,
-                                   sampling=(params, 0, 0, [], []))]).result()
+    out = runner.execute(fresh_step(HandScheduler(), [("a", prompt, [1], params, 0)])).result()
     attention = dense_causal_attention(jnp.zeros(len(prompt), jnp.int32), config.head_dim ** -0.5)
     hidden, _ = model(jnp.asarray(prompt, jnp.int32), jnp.arange(len(prompt), dtype=jnp.int32), None, attention)
     ref = np.asarray(jax.nn.log_softmax(model.compute_logits(hidden[-1:])[0]))
@@ -169,15 +204,16 @@ def test_dispatch_thread_pipelined_steps_match_dense_reference(tiny_model):
     runner = make_runner(model, config, dispatch_thread=True)
     greedy = SamplingParams(temperature=0.0)
     blocks = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
-    pending = [runner.execute([SeqInput(key=f"s{i}", token_ids=p, num_computed_tokens=0, block_ids=blocks[i],
-                                        sample=True, sampling=(greedy, 0, 0, [], []))
-                               for i, p in enumerate(prompts)])]
+    hs = HandScheduler()
+    out = fresh_step(hs, [(f"s{i}", p, blocks[i], greedy, 0) for i, p in enumerate(prompts)])
+    pending = [runner.execute(out)]
+    hs.update(out, None)  # the tokens stay on the device: each step feeds on the previous one's samples
     num_new = 6
     for step in range(1, num_new):
-        pending.append(runner.execute([
-            SeqInput(key=f"s{i}", token_ids=[0], num_computed_tokens=len(p) + step - 1, block_ids=blocks[i],
-                     sample=True, sampling=(greedy, 0, step, [], []), feed_from_previous=True)
-            for i, p in enumerate(prompts)]))
+        out = hs.step({f"s{i}": 1 for i in range(len(prompts))})
+        assert out.scheduled_cached_reqs.new_token_ids == [[PLACEHOLDER_TOKEN]] * len(prompts)
+        pending.append(runner.execute(out))
+        hs.update(out, None)
     tokens = np.stack([handle.result().sampled_token_ids for handle in pending], axis=1)
     assert tokens.tolist() == [dense_greedy(model, p, num_new) for p in prompts]
     assert runner.num_compiles_since_warmup == 0
@@ -190,23 +226,26 @@ def test_swap_out_and_in_restores_kv(tiny_model, dispatch_thread):
     runner = make_runner(model, config, num_blocks=20, num_host_blocks=8, dispatch_thread=dispatch_thread)
     prompt = list(range(10, 30))  # 20 tokens -> 3 blocks
     greedy = SamplingParams(temperature=0.0)
-    first = runner.execute([SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[1, 2, 3],
-                                     sample=True, sampling=(greedy, 0, 0, [], []))]).result()
+    hs = HandScheduler()
+    first = runner.execute(out := fresh_step(hs, [("a", prompt, [1, 2, 3], greedy, 0)])).result()
     token = int(first.sampled_token_ids[0])
+    hs.update(out, first.sampled_token_ids)
     before = [np.asarray(k[1:4]) for k, _ in runner.kv_pool]
-    # Swap blocks 1..3 out, and in the same call bring host blocks back into 5..7 (empty host data this time).
-    runner.swap([(1, 4), (2, 5), (3, 6)], [])
+    # "a" is swapped out (a step without rows: its row leaves the batch, the runner swaps blocks 1..3 to the host).
+    hs.finish("a")
+    assert runner.execute(hs.step({}, swap_out=[(1, 4), (2, 5), (3, 6)])) is None
     # Clobber the device blocks, as a new owner would, then swap into different device blocks.
     # Not waited for: the swap below must still see the pool after this step (the runner orders them).
-    runner.execute([SeqInput(key="b", token_ids=list(range(40, 60)), num_computed_tokens=0, block_ids=[1, 2, 3],
-                             sample=False)])
-    runner.swap([], [(4, 9), (5, 10), (6, 11)])
+    hs.add("b", list(range(40, 60)), [1, 2, 3], params=greedy)
+    runner.execute(hs.step({"b": 20}))
+    # "a" comes back (as the scheduler resumes a swapped request: a new row, its computed tokens in new blocks).
+    hs.add("a", prompt, [9, 10, 11], params=greedy, output_token_ids=[token], num_computed_tokens=20)
+    assert runner.execute(hs.step({}, swap_in=[(4, 9), (5, 10), (6, 11)])) is None
     after = [np.asarray(k[9:12]) for k, _ in runner.kv_pool]
     for b, a in zip(before, after):
         np.testing.assert_array_equal(b, a)
     # Decoding from the swapped-in blocks continues exactly like the dense reference.
-    out = runner.execute([SeqInput(key="a", token_ids=[token], num_computed_tokens=20, block_ids=[9, 10, 11],
-                                   sample=True, sampling=(greedy, 0, 1, [], []))]).result()
+    out = runner.execute(hs.step({"a": 1})).result()
     assert [token, int(out.sampled_token_ids[0])] == dense_greedy(model, prompt, 2)
     assert runner.num_compiles_since_warmup == 0
 
@@ -216,15 +255,11 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
     runner = make_runner(model, config)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     prompt = [3, 4, 5, 6]
-    alone = runner.execute([SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[1], sample=True,
-                                     sampling=(params, 7, 0, [], []))]).result()
+    hs = HandScheduler()
+    alone = runner.execute(fresh_step(hs, [("a", prompt, [1], params, 7)])).result()
     other = SamplingParams(temperature=0.0)
-    batched = runner.execute([
-        SeqInput(key="x", token_ids=[9, 9, 9, 9, 9, 9, 9], num_computed_tokens=0, block_ids=[2], sample=True,
-                 sampling=(other, 0, 0, [], [])),
-        SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[3], sample=True,
-                 sampling=(params, 7, 0, [], [])),
-    ]).result()
+    batched = runner.execute(fresh_step(hs, [("x", [9, 9, 9, 9, 9, 9, 9], [2], other, 0),
+                                             ("a", prompt, [3], params, 7)])).result()
     assert alone.sampled_token_ids[0] == batched.sampled_token_ids[1]
     assert runner.num_compiles_since_warmup == 0
 
@@ -270,11 +305,11 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
                 SamplingParams(temperature=0.0, logit_bias={9: -5.0}, allowed_token_ids=[9, 10, 11], bad_words=["x"],
                                logprobs=1)]
     variants[-1]._bad_words_token_ids = [[10], [5, 11]]  # what update_from_tokenizer fills in (no tokenizer here)
+    hs = HandScheduler()
     for params in variants:
         for num_seqs in (1, 9):
-            seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 5, 7], num_computed_tokens=0, block_ids=[1 + i],
-                             sample=True, sampling=(params, i, 0, [3 + i, 5, 7], [])) for i in range(num_seqs)]
-            out = runner.execute(seqs).result()
+            step = fresh_step(hs, [(f"s{i}", [3 + i, 5, 7], [1 + i], params, i) for i in range(num_seqs)])
+            out = runner.execute(step).result()
             assert out.sampled_token_ids.shape == (num_seqs,)
             assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < config.vocab_size)).all()
             if params.logprobs is not None:
@@ -302,16 +337,16 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
     # Grammar bitmask rows (even rows constrained, odd rows free) with every sampler mode: no compile either.
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1, logprobs=2),
                    SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.5, seed=2)):
-        seqs = [SeqInput(key=f"g{i}", token_ids=[3 + i, 5], num_computed_tokens=0, block_ids=[1 + i], sample=True,
-                         sampling=(params, i, 0, [3 + i, 5], []), grammar=OnlyToken(40 + i) if i % 2 == 0 else None)
-                for i in range(9)]
-        out = runner.execute(seqs).result()
+        rows = [(f"g{i}", [3 + i, 5], [1 + i], params, i) for i in range(9)]
+        grammars = {f"g{i}": OnlyToken(40 + i) for i in range(0, 9, 2)}
+        out = runner.execute(fresh_step(hs, rows, grammars=grammars)).result()
         assert out.sampled_token_ids[0::2].tolist() == [40, 42, 44, 46, 48]
         # The same step in two halves (async scheduling's deferred sampling): the forward alone, then the bitmask
         # and the sampler; a second step cannot start in between.
-        handle = runner.execute(seqs, defer_sampling=True)
+        step = fresh_step(hs, rows, grammars=grammars)
+        handle = runner.execute(step, defer_sampling=True)
         with pytest.raises(RuntimeError, match="never dispatched"):
-            runner.execute(seqs)
+            runner.execute(step)
         runner.dispatch_sampling(handle)
         assert handle.result().sampled_token_ids.tolist() == out.sampled_token_ids.tolist()
     assert runner.num_compiles_since_warmup == 0
@@ -381,11 +416,10 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
 
     runner._sample = recording_sample
     penalised = SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=4)
-    runner.execute([SeqInput(key="p", token_ids=[3, 5, 7], num_computed_tokens=0, block_ids=[1], sample=True,
-                             sampling=(penalised, 4, 0, [3, 5, 7], []))]).result()
+    hs = HandScheduler()
+    runner.execute(fresh_step(hs, [("p", [3, 5, 7], [1], penalised, 4)])).result()
     top_p_only = SamplingParams(temperature=0.8, top_p=0.9, seed=4)  # full mode (the sort), no penalties
-    runner.execute([SeqInput(key="q", token_ids=[3, 5, 7], num_computed_tokens=0, block_ids=[2], sample=True,
-                             sampling=(top_p_only, 4, 0, [3, 5, 7], []))]).result()
+    runner.execute(fresh_step(hs, [("q", [3, 5, 7], [2], top_p_only, 4)])).result()
     runner._sample = compiled_sample
     (history_shape, table), (top_p_history_shape, top_p_table) = tables
     assert history_shape == (num_rows, runner.max_model_len) and table is runner._neutral_bias_tables[num_rows]
@@ -434,10 +468,10 @@ def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):
     steps = []
     real_execute = runner.execute
 
-    def counting_execute(batch):
+    def counting_execute(scheduler_output, *args, **kwargs):
         before = len(calls)
         with jax.transfer_guard_host_to_device("disallow"):
-            pending = real_execute(batch)
+            pending = real_execute(scheduler_output, *args, **kwargs)
             result = pending.result()
         steps.append(len(calls) - before)
         return type("Done", (), {"result": lambda self: result})()
@@ -456,8 +490,7 @@ def test_step_consumes_the_donated_kv_pool(tiny_model):
     old_leaves = jax.tree.leaves(runner.kv_pool)
     shapes = [x.shape for x in old_leaves]
     prompt = list(range(3, 12))
-    batch = [SeqInput(key="a", token_ids=prompt, num_computed_tokens=0, block_ids=[1, 2], sample=True,
-                      sampling=(SamplingParams(temperature=0.0, max_tokens=2), 0, 0, [], []))]
-    runner.execute(batch).result()
+    step = fresh_step(HandScheduler(), [("a", prompt, [1, 2], SamplingParams(temperature=0.0, max_tokens=2), 0)])
+    runner.execute(step).result()
     assert all(x.is_deleted() for x in old_leaves)
     assert [x.shape for x in jax.tree.leaves(runner.kv_pool)] == shapes

@@ -120,10 +120,10 @@ def test_n8_computes_the_prompt_once_and_shares_its_blocks(engine, long_prompt):
     finally:
         engine.scheduler.schedule = schedule
     # One prefill: the prompt's tokens are scheduled once in all.
-    prompt_tokens = sum(s.num_new_tokens for out in steps for s in out.scheduled
+    prompt_tokens = sum(s.num_new_tokens for out in steps for s in out.scheduled_rows()
                         if s.num_computed_tokens < len(long_prompt))
     assert prompt_tokens == len(long_prompt)
-    assert sum(1 for out in steps for s in out.scheduled if s.fork_parent is not None) == n - 1  # fork rows
+    assert sum(1 for out in steps for s in out.scheduled_rows() if s.fork_parent is not None) == n - 1  # fork rows
     # KV held: the prompt's full blocks once, then per sequence its copy of the partial block and its own blocks.
     shared = len(long_prompt) // bs
     per_sequence = kv.blocks_needed(len(long_prompt) + num_tokens) - shared

@@ -98,7 +98,7 @@ def test_parallel_samples_and_final_only_output(engine, prompt, hf_logits):
 
 
 def test_collector_records_each_position_once():
-    """Targets per chunk (position p -> prompt token p + 1, none for the last prompt token), and a chunk computed
+    """Entries per chunk (position p -> prompt token p + 1, none for the last prompt token), and a chunk computed
     again after a recompute preemption adds nothing."""
     prompt = [10, 11, 12, 13, 14]
     collector = PromptLogprobsCollector(prompt, 1, decode=lambda token: None)
@@ -108,14 +108,51 @@ def test_collector_records_each_position_once():
         return PromptLogprobsChunk(np.full(n, -1.0, np.float32), np.arange(1, n + 1, dtype=np.int32),
                                    np.array([[t, 0] for t in targets], np.int32), np.full((n, 2), -1.0, np.float32))
 
-    assert collector.targets(0, 2) == [11, 12]
     collector.record(0, chunk([11, 12]))
-    assert collector.targets(0, 2) is None  # recomputed: nothing new
-    assert collector.targets(2, 3) == [13, 14]  # the chunk's last position is the prompt's last: no target
+    assert len(collector.entries) == 3
+    collector.record(0, chunk([11, 12]))  # recomputed: nothing new
+    assert len(collector.entries) == 3
     assert collector.take() is None  # not complete yet
     collector.record(2, chunk([13, 14]))
-    assert collector.complete and collector.targets(0, 5) is None
+    assert collector.complete
     entries = collector.take()
     assert entries[0] is None and [sorted(e) for e in entries[1:]] == [[11], [12], [13], [14]]
     assert [e[t].rank for e, t in zip(entries[1:], prompt[1:])] == [1, 2, 1, 2]
     assert collector.take() is None  # once
+
+
+def test_runner_targets_each_prompt_chunk_position_at_the_next_prompt_token():
+    """The runner's host side (``step_packing``): a prompt chunk of a row computing prompt logprobs targets position
+    p at prompt token p + 1 (from its batch row, so a chunk needs nothing from the next one), none for the prompt's
+    last token, none for decodes or rows without prompt logprobs; spans come back in step-row order."""
+    from paged_jax.core.sched_output import NewRequestData
+    from paged_jax.worker.input_batch import InputBatch
+    from paged_jax.worker.step_packing import _prompt_logprob_targets
+
+    batch = InputBatch(4, 32, 4, eos_token_ids=[2], vocab_size=64)
+    prompt = [10, 11, 12, 13, 14]
+    for req_id, wants in (("p", True), ("plain", False)):
+        batch.add(NewRequestData(req_id=req_id, prompt_token_ids=prompt, output_token_ids=[20], params=None, seed=0,
+                                 block_ids=[1], num_computed_tokens=0, prompt_logprobs=wants))
+    p, plain = batch.row_of["p"], batch.row_of["plain"]
+
+    def targets(rows, num_tokens=8, rows_to_packed=None):
+        """rows: [(batch row, start, new tokens)] in packed order."""
+        batch_rows, starts, q_lens = (np.array(column, np.int64) for column in zip(*rows))
+        cu = np.cumsum(q_lens)
+        order = np.arange(len(rows)) if rows_to_packed is None else np.array(rows_to_packed)
+        return _prompt_logprob_targets(batch, batch_rows, starts, q_lens, cu, num_tokens, order)
+
+    got, spans = targets([(p, 0, 2)])
+    assert got.tolist() == [11, 12] + [-1] * 6 and spans == [(0, 2)]
+    got, spans = targets([(p, 2, 3)])  # the chunk's last position is the prompt's last: no target
+    assert got.tolist() == [13, 14] + [-1] * 6 and spans == [(0, 2)]
+    got, spans = targets([(p, 0, 2)])  # computed again (a recompute): the same targets; the collector skips them
+    assert got.tolist()[:2] == [11, 12]
+    assert targets([(p, 4, 1)]) == (None, None)  # only the prompt's last token
+    assert targets([(p, 5, 1)]) == (None, None)  # a decode
+    assert targets([(plain, 0, 5)]) == (None, None)  # no prompt logprobs asked
+    # Two rows, packed in another order than the step's (step row 0 is packed second).
+    got, spans = targets([(plain, 5, 1), (p, 1, 3)], rows_to_packed=[1, 0])
+    assert got.tolist() == [-1, 12, 13, 14] + [-1] * 4
+    assert spans == [(1, 3), None]

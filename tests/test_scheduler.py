@@ -38,46 +38,108 @@ def prefix_states(tokens: list[int]) -> list[int]:
 class FakeRunner:
     """Plays the model runner: a device pool ``[num_blocks, block_size]`` and a host pool of int64 "K/V" entries.
 
-    Each step it applies swap copies in the documented order, writes the entries of the new tokens (derived from the
-    token ids the scheduler hands over, at the positions it says), reads back every position < kv_len through the
-    block table and checks it against the true prefix state, and samples a token that depends only on what it read.
-    So a request's outputs are a pure function of its prompt iff the bookkeeping is right.
+    Like the real runner it sees only the step's diff (``SchedulerOutput``): it keeps a mirror of each request's row
+    (the tokens and block table the diffs built), and checks that mirror against the scheduler's ``Request`` (so the
+    diff contract itself is checked). Each step it drops finished and preempted rows, applies the diff, applies swap
+    and block copies in the documented order, writes the entries of the new tokens (derived from the mirrored token
+    ids, at the positions the step says), reads back every position < kv_len through the mirrored block table and
+    checks it against the true prefix state, and samples a token that depends only on what it read. So a request's
+    outputs are a pure function of its prompt iff the bookkeeping is right.
     """
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int) -> None:
         self.block_size = kv.block_size
+        self.max_num_seqs = max_num_seqs
         self.device = np.full((kv.num_blocks, kv.block_size), -1, dtype=np.int64)
         self.host = np.full((max(kv.num_host_blocks, 1), kv.block_size), -1, dtype=np.int64)
         self.max_seqs_seen = 0
+        self.tokens: dict[str, list[int]] = {}  # the runner's rows: tokens and block table per request id
+        self.tables: dict[str, list[int]] = {}
+
+    def _add_row(self, new) -> None:
+        assert new.req_id not in self.tokens, f"{new.req_id} sent as new but the runner holds its row"
+        self.tokens[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
+        self.tables[new.req_id] = list(new.block_ids)
+
+    def apply_diff(self, out: SchedulerOutput) -> None:
+        """What ``InputBatch`` does with a step's diff."""
+        for req_id in out.finished_req_ids:
+            assert req_id in self.tokens, f"{req_id} finished but the runner holds no row for it"
+            del self.tokens[req_id], self.tables[req_id]
+        for req_id in out.preempted_req_ids:  # (a request admitted and preempted in one step holds none)
+            self.tokens.pop(req_id, None)
+            self.tables.pop(req_id, None)
+        cached = out.scheduled_cached_reqs
+        for req_id, new_tokens, new_blocks, block_start in zip(cached.req_ids, cached.new_token_ids,
+                                                               cached.new_block_ids, cached.block_starts):
+            assert req_id in self.tokens, f"{req_id} sent as running but the runner holds no row for it"
+            self.tokens[req_id] += new_tokens
+            if new_blocks:
+                table = self.tables[req_id]
+                assert block_start <= len(table)
+                self.tables[req_id] = table[:block_start] + list(new_blocks)
+        for new in out.scheduled_new_reqs:
+            self._add_row(new)
+        for child, _ in out.fork_rows:
+            self._add_row(child)
+        assert len(self.tokens) <= self.max_num_seqs, "more rows than the runner's batch holds"
 
     def step(self, out: SchedulerOutput) -> dict[str, int]:
+        self.apply_diff(out)
         for dev, host in out.swap_out:
             self.host[host] = self.device[dev]
         for host, dev in out.swap_in:
             self.device[dev] = self.host[host]
-        assert out.scheduled[:out.num_decode_seqs] == [s for s in out.scheduled if s.num_new_tokens == 1]
-        assert all(s.num_new_tokens > 1 for s in out.scheduled[out.num_decode_seqs:])
-        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-        self.max_seqs_seen = max(self.max_seqs_seen, len(out.scheduled))
+        for src, dst in out.block_copies:
+            self.device[dst] = self.device[src]
+        cached = out.scheduled_cached_reqs
+        rows = out.scheduled_rows()
+        num_forks = len(out.fork_rows)
+        # Row order: the cached requests, then the new ones, then the fork rows.
+        assert [r.request_id for r in rows] == out.row_req_ids()
+        num_request_rows = len(cached.req_ids) + len(out.scheduled_new_reqs)
+        assert len(out.num_scheduled_tokens) == num_request_rows == len(rows) - num_forks
+        assert all(n >= 1 for n in out.num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(r.num_new_tokens for r in rows)
+        assert [r.request_id for r in rows[len(rows) - num_forks:]] == [child.req_id for child, _ in out.fork_rows]
+        assert all(r.num_new_tokens == 0 and r.num_computed_tokens == 0 and r.samples
+                   for r in rows[len(rows) - num_forks:])
+        self.max_seqs_seen = max(self.max_seqs_seen, len(rows))
         bs = self.block_size
+        # The rows as the runner sees them match the scheduler's requests.
+        for r in rows:
+            known = r.request.all_token_ids
+            tokens, table = self.tokens[r.request_id], self.tables[r.request_id]
+            assert tokens == known, f"{r.request_id}: the runner's tokens {tokens} are not the request's {known}"
+            if not r.request.is_finished:  # (aborted between schedule() and the step: its blocks are freed)
+                assert table == r.request.block_ids, f"{r.request_id}: the runner's block table is not the request's"
+            kv_len = r.num_computed_tokens + r.num_new_tokens
+            if r.fork_parent is None:  # the runner samples a row whose step reaches the end of its tokens
+                assert r.samples == (kv_len == len(tokens)), r.request_id
+            assert NULL_BLOCK_ID not in table
+            assert len(table) >= -(-kv_len // bs)
         # Write every sequence's new K/V first (as a forward pass does, layer by layer), then read.
-        for s in out.scheduled:
-            assert NULL_BLOCK_ID not in s.block_ids
-            assert len(s.block_ids) >= -(-s.kv_len // bs)
-            known = s.request.all_token_ids
-            assert s.token_ids == known[s.num_computed_tokens:s.kv_len]
+        for r in rows:
+            kv_len = r.num_computed_tokens + r.num_new_tokens
+            table = self.tables[r.request_id]
             # The entry at p depends on tokens[0..p]; tokens before num_computed_tokens come from the request's own
             # history, which the pool must already hold (checked below).
-            states = prefix_states(known[:s.kv_len])
-            for p in range(s.num_computed_tokens, s.kv_len):
-                self.device[s.block_ids[p // bs], p % bs] = states[p]
-        sampled = {}
-        for s in out.scheduled:
-            states = prefix_states(s.request.all_token_ids[:s.kv_len])
-            read = [int(self.device[s.block_ids[p // bs], p % bs]) for p in range(s.kv_len)]
-            assert read == states, f"{s.request_id} read K/V that is not its own"
-            if s.samples:
-                sampled[s.request_id] = read[-1] % VOCAB
+            states = prefix_states(self.tokens[r.request_id][:kv_len])
+            for p in range(r.num_computed_tokens, kv_len):
+                self.device[table[p // bs], p % bs] = states[p]
+        sampled, last_read = {}, {}
+        for r in rows:
+            if r.fork_parent is not None:  # samples from its parent's last position of this step
+                sampled[r.request_id] = last_read[r.fork_parent] % VOCAB
+                continue
+            kv_len = r.num_computed_tokens + r.num_new_tokens
+            table = self.tables[r.request_id]
+            states = prefix_states(r.request.all_token_ids[:kv_len])
+            read = [int(self.device[table[p // bs], p % bs]) for p in range(kv_len)]
+            assert read == states, f"{r.request_id} read K/V that is not its own"
+            last_read[r.request_id] = read[-1]
+            if r.samples:
+                sampled[r.request_id] = read[-1] % VOCAB
         return sampled
 
 
@@ -90,19 +152,27 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, 
         for r in arrivals.pop(step, []):
             sched.add_request(r)
         out = sched.schedule()
-        assert out.num_batched_tokens <= sched.max_num_batched_tokens
-        assert len(out.scheduled) <= sched.max_num_seqs
-        sched.update_from_output(out, runner.step(out))
+        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert out.num_rows <= sched.max_num_seqs
+        sampled = runner.step(out)
+        # Every row the runner holds is an unfinished request's (or a child forked this step).
+        assert set(runner.tokens) <= set(sched.requests) | {child.req_id for child, _ in out.fork_rows}
+        sched.update_from_output(out, sampled)
         outputs.append(out)
         step += 1
         assert step < max_steps, "no progress"
+    # The next step drops the rows of the requests that finished last: the runner's batch ends empty.
+    out = sched.schedule()
+    assert not out.has_rows
+    runner.step(out)
+    assert not runner.tokens
     return outputs
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
                    num_host_blocks=0, prefix=True, **kw) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, num_host_blocks=num_host_blocks)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, **kw), FakeRunner(kv)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, **kw), FakeRunner(kv, max_num_seqs)
 
 
 def make_request(rid, prompt, max_tokens=8, priority=0, arrival=None, eos=(), **params) -> Request:
@@ -150,7 +220,8 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [("a", 3, True), ("b", 3, True)]
+    assert [(s.request_id, s.num_new_tokens, s.samples) for s in out.scheduled_rows()] == [("a", 3, True),
+                                                                                           ("b", 3, True)]
     sched.update_from_output(out, runner.step(out))
     long_prompt = make_request("long", range(100, 130), max_tokens=2)  # 30 tokens, budget 10
     sched.add_request(long_prompt)
@@ -158,9 +229,11 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
     while long_prompt.num_output_tokens == 0:
         out = sched.schedule()
         # The two running streams decode every step and come first; the long prompt gets the rest of the budget.
-        assert [s.request_id for s in out.scheduled] == ["a", "b", "long"]
-        chunk = out.scheduled[2]
-        assert out.num_decode_seqs == 2 and out.num_batched_tokens == 2 + chunk.num_new_tokens <= 10
+        rows = out.scheduled_rows()
+        assert [s.request_id for s in rows] == ["a", "b", "long"]
+        chunk = rows[2]
+        assert sum(s.num_new_tokens == 1 for s in rows) == 2
+        assert out.total_num_scheduled_tokens == 2 + chunk.num_new_tokens <= 10
         chunks.append((chunk.num_computed_tokens, chunk.num_new_tokens, chunk.samples))
         sched.update_from_output(out, runner.step(out))
     assert chunks == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
@@ -173,10 +246,10 @@ def test_no_chunked_prefill_is_head_of_line() -> None:
     sched.add_request(make_request("a", range(40), max_tokens=3))
     sched.add_request(make_request("b", range(100, 130), max_tokens=3))  # 40 + 30 > 64: waits whole
     out = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 40)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled_rows()] == [("a", 40)]
     sched.update_from_output(out, runner.step(out))
     out = sched.schedule()
-    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 30)]
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled_rows()] == [("a", 1), ("b", 30)]
 
 
 def test_max_num_seqs() -> None:
@@ -198,7 +271,7 @@ def test_prefix_cache_admission_and_sharing() -> None:
     b = make_request("b", prompt, max_tokens=5)  # e.g. the second of n=2 samples
     sched.add_request(b)
     out = sched.schedule()
-    seq_b = next(s for s in out.scheduled if s.request_id == "b")
+    seq_b = next(s for s in out.scheduled_rows() if s.request_id == "b")
     assert (seq_b.num_computed_tokens, seq_b.num_new_tokens) == (8, 2)
     assert b.num_cached_prompt_tokens == 8
     assert b.block_ids[:2] == a.block_ids[:2]
@@ -273,7 +346,7 @@ def test_priority_policy_order() -> None:
             make_request("mid", [1, 5], priority=1, arrival=0.5, max_tokens=1)]
     for r in reqs:
         sched.add_request(r)
-    order = [o.scheduled[0].request_id for o in run_to_completion(sched, runner)]
+    order = [o.scheduled_rows()[0].request_id for o in run_to_completion(sched, runner)]
     assert order == ["high_early", "high_late", "mid", "low"]
 
 
@@ -281,7 +354,7 @@ def test_fcfs_policy_ignores_priority() -> None:
     sched, runner = make_scheduler(max_num_seqs=1, policy="fcfs")
     for rid, prio in (("first", 9), ("second", 0)):
         sched.add_request(make_request(rid, [1, 2], priority=prio, max_tokens=1))
-    assert [o.scheduled[0].request_id for o in run_to_completion(sched, runner)] == ["first", "second"]
+    assert [o.scheduled_rows()[0].request_id for o in run_to_completion(sched, runner)] == ["first", "second"]
 
 
 def test_preemption_victim_is_least_important() -> None:
@@ -293,10 +366,10 @@ def test_preemption_victim_is_least_important() -> None:
         sched.update_from_output(out := sched.schedule(), runner.step(out))
         assert sched.kv.num_free_blocks == 0
         out = sched.schedule()  # each decode (position 4) needs a new block
-        assert out.preempted_ids[0] == expected_victim
+        assert out.preempted_req_ids[0] == expected_victim
         assert sched.requests[expected_victim].status == RequestStatus.PREEMPTED
         assert sched.requests[expected_victim].num_computed_tokens == 0
-        assert expected_victim not in [s.request_id for s in out.scheduled]
+        assert expected_victim not in [s.request_id for s in out.scheduled_rows()]
         sched.update_from_output(out, runner.step(out))
         run_to_completion(sched, runner)
 
@@ -309,7 +382,7 @@ def test_priority_preempts_lower_priority_running_for_waiting() -> None:
     high = make_request("high", [6, 7, 8, 9, 10], priority=0, max_tokens=3)  # 3 blocks; only 1 free
     sched.add_request(high)
     out = sched.schedule()
-    assert out.preempted_ids == ["low"] and [s.request_id for s in out.scheduled] == ["high"]
+    assert out.preempted_req_ids == ["low"] and [s.request_id for s in out.scheduled_rows()] == ["high"]
     sched.update_from_output(out, runner.step(out))
     run_to_completion(sched, runner)
     assert high.num_output_tokens == 3 and low.num_output_tokens == 3
@@ -372,7 +445,7 @@ def _generate(sched, runner, request, tokens: list[int]) -> list[int]:
     while not request.is_finished:
         out = sched.schedule()
         runner.step(out)
-        sched.update_from_output(out, {s.request_id: next(feed) for s in out.scheduled if s.samples})
+        sched.update_from_output(out, {s.request_id: next(feed) for s in out.scheduled_rows() if s.samples})
     return request.output_token_ids
 
 
@@ -411,7 +484,7 @@ def _generate_with_placeholders(sched, runner, request, tokens: list[int]) -> li
     while not request.is_finished:
         out = sched.schedule()
         runner.step(out)
-        for changed in sched.update_from_output(out, {s.request_id: -1 for s in out.scheduled if s.samples}):
+        for changed in sched.update_from_output(out, {s.request_id: -1 for s in out.scheduled_rows() if s.samples}):
             sched.resolve_placeholder(changed, changed.num_output_tokens - 1, next(feed))
     return request.output_token_ids
 

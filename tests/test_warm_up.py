@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 
+from paged_jax.core.hand_steps import HandScheduler
 from paged_jax.model_runner import ModelRunner
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.step_io import SeqInput
-from tests.test_model_runner import BLOCK_SIZE, MAX_MODEL_LEN, make_runner, tiny_model  # noqa: F401 (a fixture)
+from tests.test_model_runner import BLOCK_SIZE, MAX_MODEL_LEN, fresh_step, make_runner
+from tests.test_model_runner import tiny_model  # noqa: F401 (a fixture)
 
 
 def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatch):
@@ -55,16 +56,17 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     sequential = make_runner(model, config, num_blocks=20, num_host_blocks=4, threads=1)
     rng = np.random.default_rng(4)
     params = SamplingParams(temperature=0.8, seed=5, logprobs=1)
+    hs = HandScheduler()  # both runners get the same steps (the same diffs of their batches)
     for num_tokens, num_seqs in runner.buckets:  # one step filling each bucket
         lens = [1] * num_seqs
         lens[-1] += num_tokens - num_seqs
-        seqs = [SeqInput(key=f"b{num_tokens}.{i}", token_ids=rng.integers(3, config.vocab_size, size=n).tolist(),
-                         num_computed_tokens=0, block_ids=[1 + 4 * i + j for j in range(4)], sample=True,
-                         sampling=(params, i, 0, [], [])) for i, n in enumerate(lens)]
-        got, want = runner.execute(seqs).result(), sequential.execute(seqs).result()
+        step = fresh_step(hs, [(f"b{num_tokens}.{i}", rng.integers(3, config.vocab_size, size=n).tolist(),
+                                [1 + 4 * i + j for j in range(4)], params, i) for i, n in enumerate(lens)])
+        assert step.total_num_scheduled_tokens == num_tokens and step.num_rows == num_seqs
+        got, want = runner.execute(step).result(), sequential.execute(step).result()
         np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
-    runner.swap([(1, 0), (2, 1)], [(0, 3)])
+    assert runner.execute(hs.step({}, swap_out=[(1, 0), (2, 1)], swap_in=[(0, 3)])) is None  # the swap copies
     assert runner.num_compiles_since_warmup == 0
 
 
@@ -163,10 +165,9 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
         num_executables = second.num_compiles()
         assert second.warm_up_timings["executables_loaded"] == num_executables > 0
         assert second._forward.jitted._cache_size() == 0 and second._sample.jitted._cache_size() == 0
-        seqs = [SeqInput(key=f"s{i}", token_ids=[3 + i, 7, 9], num_computed_tokens=0, block_ids=[1 + i],
-                         sample=True, sampling=(SamplingParams(temperature=0.7, seed=i, logprobs=2), i, 0, [], []))
-                for i in range(2)]
-        got, want = second.execute(seqs).result(), first.execute(seqs).result()
+        step = fresh_step(HandScheduler(), [(f"s{i}", [3 + i, 7, 9], [1 + i],
+                                             SamplingParams(temperature=0.7, seed=i, logprobs=2), i) for i in range(2)])
+        got, want = second.execute(step).result(), first.execute(step).result()
         np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
         assert second.num_compiles_since_warmup == 0
