@@ -36,7 +36,7 @@ def _transformers_greedy(checkpoint: str, prompts: list[list[int]], max_tokens: 
 
 def _engine_greedy(checkpoint: str, prompts: list[list[int]], max_tokens: int, precision: str) -> list[list[int]]:
     import models.llama
-    from paged_jax.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     full_precision = models.llama.matmul_precision

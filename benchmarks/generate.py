@@ -1,4 +1,4 @@
-"""Throughput of the jittable research API ``paged_jax.generate`` (one jitted prefill + decode loop per call).
+"""Throughput of the jittable research API ``paged_jax.research.generate`` (one jitted prefill + decode loop per call).
 
 Example (on the H200, dummy weights in real shapes):
   python -m benchmarks.generate --out $OUT/generate.json
@@ -21,7 +21,7 @@ import sys
 import time
 
 from benchmarks.report import versions, write_json
-from paged_jax.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
+from paged_jax.worker.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
 
 
 def _timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -61,7 +61,7 @@ def bench_shape(shape: str, args) -> list[dict]:
     from models.llama import fuse_projections
     from models.loader import load_model
     from models.presets import preset_config
-    from paged_jax.generate import generate
+    from paged_jax.research.generate import generate
 
     config = preset_config(shape)
     model, config = load_model(None, load_format="dummy", config=config, dtype=args.dtype, seed=0)

@@ -26,7 +26,7 @@ host sees it (``--finished-only`` is how ``LLM.generate`` and benchmarks/through
 process per step, in microseconds per running stream per step (medians): ``--steps`` steps as ``LLM.generate``
 runs them (``step(finished_only=True)``: outputs of finished requests only), then ``--steps`` steps as the engine
 process (serving/engine_process.py) ran them before (a ``RequestOutput`` per stream: ``request_outputs``) and as it
-runs them now (plain streams' deltas as ``paged_jax.step_outputs.StreamDeltas`` columns: ``columns``). Parts:
+runs them now (plain streams' deltas as ``paged_jax.engine.step_outputs.StreamDeltas`` columns: ``columns``). Parts:
 ``host_us`` (step time minus the device wait), ``outputs_us`` (inside it: building the step's outputs),
 ``pack_us`` (the wire message), ``pickle_us``, ``write_us`` (the pipe write; a thread here drains the other end),
 ``gc_us_mean`` (garbage collection during the step, a mean: collections are rare and long); ``full_gc_ms``: one
@@ -73,7 +73,7 @@ PHASES = ("wait", "schedule", "execute", "dispatch", "update")
 def instrument_phases(engine, totals: dict[str, float]) -> None:
     """Time the phases of ``engine``'s steps into ``totals`` (seconds, keys ``PHASES``): device wait, scheduling,
     ``execute`` (packing + dispatch), the jitted dispatch alone, and the scheduler update."""
-    from paged_jax import step_io
+    from paged_jax.worker import step_io
 
     for key in PHASES:
         totals.setdefault(key, 0.0)
@@ -95,7 +95,7 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
 
     from multiprocessing.reduction import ForkingPickler
 
-    from paged_jax.step_outputs import StreamDeltas
+    from paged_jax.engine.step_outputs import StreamDeltas
     from serving import engine_process
     from serving.lifecycle import freeze_gc_heap
 
@@ -207,7 +207,7 @@ def isolate_host(engine, totals: dict[str, float]) -> None:
 
 def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape (without building a model)."""
-    from paged_jax.buckets import planned_num_compiles
+    from paged_jax.worker.buckets import planned_num_compiles
 
     return planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=swap)
 

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from models.presets import kv_bytes_per_token, num_params, preset_config
     from paged_jax.lora.request import LoRARequest
     from paged_jax.lora.slots import LoRASlots
-    from paged_jax.kv_pool_sizing import enable_compilation_cache
-    from paged_jax.model_runner import ModelRunner
+    from paged_jax.worker.kv_pool_sizing import enable_compilation_cache
+    from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
 

@@ -178,7 +178,7 @@ def _decode_step_ms(model, config, args) -> tuple[float, int, dict | None]:
     from flax import nnx
 
     from paged_jax.core.hand_steps import HandScheduler
-    from paged_jax.model_runner import ModelRunner
+    from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.sampling_params import SamplingParams
 
     def nbytes(a):  # int4 arrays: two per byte on the GPU (jax's nbytes counts a byte each)

@@ -1,6 +1,6 @@
 """What the engine's steps hold on a standard workload: the scheduler alone, no model (CPU, seconds).
 
-Runs ``paged_jax.scheduler.Scheduler`` over a workload of ``benchmarks.workloads`` as the engine would (every step's
+Runs ``paged_jax.core.scheduler.Scheduler`` over a workload of ``benchmarks.workloads`` as the engine would (every step's
 sampled token fed back at once, EOS ignored as the workloads prescribe) and reports the step mix: decode-only steps
 (no prompt token in them), prefill-bearing steps, the buckets they pad to, and the bytes the decode-only steps must
 read (weights once per step, plus each sequence's KV context). A throughput figure's floor counts compute and
@@ -28,10 +28,10 @@ def simulate(workload, *, max_num_seqs: int, max_num_batched_tokens: int, max_mo
     whose new tokens are all past its prompt (a one-token last piece of a chunked prompt is prompt work); a row's KV
     tokens are its context after the step (the keys its attention reads); the bucket is the ``(tokens, seqs)`` shape
     the engine pads the step to."""
-    from paged_jax.buckets import make_buckets, pick_bucket
-    from paged_jax.kv_cache_manager import KVCacheManager
-    from paged_jax.request import Request
-    from paged_jax.scheduler import Scheduler
+    from paged_jax.worker.buckets import make_buckets, pick_bucket
+    from paged_jax.core.kv_cache_manager import KVCacheManager
+    from paged_jax.core.request import Request
+    from paged_jax.core.scheduler import Scheduler
 
     kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True)
     scheduler = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -307,7 +307,7 @@ def offline_main(concurrencies: Sequence[int], engine_argv: Sequence[str], num_p
     """The offline engine (``LLMEngine`` stepped in a loop, no server) on the served workloads: one JSON line per
     concurrency (at most that many requests in the engine, a new one entering as one finishes)."""
     from benchmarks.throughput import _run_with_concurrency
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
     from serving.cli import parse_serve_args
     from serving.settings import engine_args_from_namespace

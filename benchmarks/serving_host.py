@@ -89,7 +89,7 @@ class ModelFreeEngine:
 
     def step(self, *, stream_deltas: Any = None) -> list:
         """``stream_deltas``: as ``LLMEngine.step``'s, a running request's output after its first goes there as a
-        ``paged_jax.step_outputs.StreamDeltas`` row."""
+        ``paged_jax.engine.step_outputs.StreamDeltas`` row."""
         now = time.perf_counter()
         if now < self._next_step:
             time.sleep(self._next_step - now)

@@ -7,11 +7,11 @@ step's tokens back on device. Every layout runs the same global batch; with dp >
 
 Layout names: ``tp<N>`` (N-way tensor parallel, KV pool sharded over kv heads), ``dp<M>xtp<N>``, and a ``-kvrep``
 suffix for the replicated-attention layout (attention weights and the KV pool whole on every tp device, only MLP /
-embedding / LM head split). ``pp<K>xtp<N>``: K pipeline stages of N-way tp (``paged_jax.pipeline``), run through
+embedding / LM head split). ``pp<K>xtp<N>``: K pipeline stages of N-way tp (``paged_jax.parallel.pipeline``), run through
 the engine's model runner (``PipelineModelRunner``; ``pp1xtp<N>`` = the plain tp runner, its baseline): the same
 prefill and greedy decode steps, as runner steps (bucketed, sampler included), the decode steps fed on device.
 A pp layout splits a step into pp overlapping micro-batches when it has at least ``--pipeline-microbatch-min-tokens``
-per micro-batch (``paged_jax.pipeline``); ``--compare-unpipelined`` runs it again with every step one batch, stage
+per micro-batch (``paged_jax.parallel.pipeline``); ``--compare-unpipelined`` runs it again with every step one batch, stage
 after stage, and reports both step times, the speedup and its ideal, and the prefill compute floors (all stages busy
 vs one stage at a time).
 
@@ -39,7 +39,7 @@ import re
 import statistics
 import time
 
-from paged_jax.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
+from paged_jax.worker.attention_impl import ATTENTION_IMPLS, DEPRECATED_ATTENTION_IMPLS
 
 PREFILL_STEPS_BACK_TO_BACK = 4  # prefill steps timed together for the device-bound prefill step time
 DEFAULT_LAYOUTS = ("tp1", "tp2", "tp4", "tp8", "dp2xtp4", "dp4xtp2", "dp8xtp1", "tp4-kvrep", "tp8-kvrep")
@@ -249,9 +249,9 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
     from benchmarks.floors import H200_BF16_FLOPS, prefill_flops
 
     from models.tensor_parallel import load_sharded_model
-    from paged_jax.model_runner import ModelRunner
+    from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.parallel import ShardingPlan, make_mesh
-    from paged_jax.pipeline import PipelineModelRunner, PipelinePlan
+    from paged_jax.parallel.pipeline import PipelineModelRunner, PipelinePlan
     from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
 
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions per layout (best is kept)")
     p.add_argument("--pipeline-microbatch-min-tokens", type=int, default=None,
                    help="pp layouts: fewest tokens per micro-batch for a step to be split into pp overlapping "
-                        "micro-batches (default: paged_jax.pipeline.MIN_MICROBATCH_TOKENS)")
+                        "micro-batches (default: paged_jax.parallel.pipeline.MIN_MICROBATCH_TOKENS)")
     p.add_argument("--compare-unpipelined", action="store_true",
                    help="pp layouts: also run every step as one batch, stage after stage, and report the "
                         "micro-batched (overlapping) step times against it")

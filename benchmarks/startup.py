@@ -19,7 +19,7 @@ Two more modes time JAX's persistent compilation cache (the weights cache warm i
   compile_cold: an empty compilation cache of its own (every executable compiles, ``PAGED_JAX_COMPILE_THREADS``
                 at a time);
   compile_warm: the shared compilation cache, filled by the starts before (every executable loaded from the
-                runner's executable cache, ``paged_jax.executable_cache``, or else from JAX's cache).
+                runner's executable cache, ``paged_jax.worker.executable_cache``, or else from JAX's cache).
 Every start also reports per phase: ``imports_s`` (child start to ``LLMEngine(...)``), the engine's stages
 (``engine_backend_s``, ``engine_load_s``, ``engine_kv_sizing_s``, ``engine_runner_init_s``, ``engine_warm_up_s``,
 ``engine_other_s`` the rest; ``LLMEngine.startup_timings``), ``model_load_s``, ``warm_up_compile_s`` (the
@@ -208,7 +208,7 @@ def _child(engine_kwargs: dict) -> dict:
     from jax import monitoring
 
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
 
     logging.basicConfig(format="%(name)s: %(message)s")  # shows the cache's INFO lines below on stderr

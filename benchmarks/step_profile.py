@@ -90,11 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     from models.loader import init_dummy_model
     from benchmarks.floors import decode_weight_bytes
     from models.presets import kv_bytes_per_token, preset_config
-    from paged_jax import sampler as sampler_lib
-    from paged_jax.top_k import TOP_K_CANDIDATES, vocab_top_k
+    from paged_jax.worker import sampler as sampler_lib
+    from paged_jax.worker.top_k import TOP_K_CANDIDATES, vocab_top_k
     from benchmarks.trace import trace_kernels
-    from paged_jax.buckets import make_buckets, pick_bucket
-    from paged_jax.model_runner import ModelRunner
+    from paged_jax.worker.buckets import make_buckets, pick_bucket
+    from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
 

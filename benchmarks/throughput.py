@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
-                   help="engine replicas behind the prefix-aware router (paged_jax.data_parallel)")
+                   help="engine replicas behind the prefix-aware router (paged_jax.parallel.data_parallel)")
     p.add_argument("--trace", type=int, metavar="TOP", default=0,
                    help="trace the timed run with jax.profiler and report GPU busy time and the TOP kernels by time "
                         "(the profiler slows the host: a diagnostic run, not a throughput figure)")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     from models.config import ModelConfig
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
-    from paged_jax.device_memory import reserve_gpu_memory_fraction
+    from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 
     # Before the engine: its KV pool takes the memory the copy ceiling's buffers need. Measuring them starts JAX's
     # backend, so the engine's allocator cap (gpu_memory_utilization) is set first.

@@ -1,4 +1,4 @@
-"""Sampling rollouts from a jitted, training-style step with ``paged_jax.generate``.
+"""Sampling rollouts from a jitted, training-style step with ``paged_jax.research.generate``.
 
 The step takes the model *state* as an ordinary pytree argument (as a training loop holding ``nnx.state(model)``
 would), draws ``--samples`` completions per prompt by ``jax.vmap`` over PRNG keys, and reduces them to per-sample
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from paged_jax.generate import generate
+from paged_jax.research.generate import generate
 
 QUESTIONS = [
     "What is the capital of France?",

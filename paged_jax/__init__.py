@@ -12,18 +12,18 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "paged_jax.llm",
+    "LLM": "paged_jax.entrypoints.llm",
     "SamplingParams": "paged_jax.sampling_params",
     "StructuredOutputsParams": "paged_jax.sampling_params",
-    "BeamSearchParams": "paged_jax.beam_search",
+    "BeamSearchParams": "paged_jax.engine.beam_search",
     "EngineArgs": "paged_jax.config",
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",
-    "LLMEngine": "paged_jax.engine",
+    "LLMEngine": "paged_jax.engine.llm_engine",
     "LoRARequest": "paged_jax.lora.request",
-    "generate": "paged_jax.generate",
-    "load_pretrained": "paged_jax.scoring",
-    "score_tokens": "paged_jax.scoring",
+    "generate": "paged_jax.research.generate",
+    "load_pretrained": "paged_jax.research.scoring",
+    "score_tokens": "paged_jax.research.scoring",
 }
 
 __all__ = list(_EXPORTS)

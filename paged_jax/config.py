@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from typing import Literal
 
-from paged_jax.attention_impl import resolve_attention_impl
+from paged_jax.worker.attention_impl import resolve_attention_impl
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,10 @@ class EngineArgs:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     # Contiguous layer stages, each on its own devices (with its part of the KV pool); combined with tp a stage
-    # holds tp devices (paged_jax.pipeline).
+    # holds tp devices (paged_jax.parallel.pipeline).
     pipeline_parallel_size: int = 1
     # Engine replicas, each with its own scheduler and KV pool on its own pp * tp devices, behind a prefix-aware
-    # router (paged_jax.data_parallel).
+    # router (paged_jax.parallel.data_parallel).
     data_parallel_size: int = 1
     # Multi-host (vLLM's names): nnodes processes, one per host, join one JAX job (jax.distributed) whose
     # coordinator is master_addr:master_port on node 0; node 0 schedules (and serves HTTP), the others run the same
@@ -81,7 +81,7 @@ class EngineArgs:
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn
     # with the checkpoint's per-layer k/v scales (1.0 without them): twice the tokens in the same memory.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
-    attention_impl: str = "auto"  # one of paged_jax.attention_impl.ATTENTION_IMPLS ("pallas": deprecated, = "triton")
+    attention_impl: str = "auto"  # one of paged_jax.worker.attention_impl.ATTENTION_IMPLS ("pallas": deprecated, = "triton")
     # The server's periodic stats log line (throughput, running / waiting requests, KV cache usage, prefix cache
     # hit rate; serving.server_logs.StatsLogger); True silences it.
     disable_log_stats: bool = False
@@ -91,7 +91,7 @@ class EngineArgs:
     # (benchmarks/RESULTS.md).
     async_scheduling: bool = False
     # Limits on a request's stop strings (ValueError / HTTP 400 naming ``stop`` beyond them): every stop string is
-    # searched for after every token, so count x length bounds that per-token host work (paged_jax.detokenizer).
+    # searched for after every token, so count x length bounds that per-token host work (paged_jax.engine.detokenizer).
     max_stop_strings: int = 64
     max_stop_string_len: int = 512
     # Multi-LoRA serving (vLLM's names and defaults): requests may name a PEFT LoRA adapter (``LoRARequest``); up to

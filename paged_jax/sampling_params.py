@@ -2,7 +2,7 @@
 
 ``SamplingParams`` is what users pass to ``LLM.generate`` / ``LLMEngine.add_request``. It is validated once, on
 construction, so the engine and the on-device sampler can trust every field. The sampler reads it through
-``paged_jax.sampler.build_sampling_tensors``.
+``paged_jax.worker.sampler.build_sampling_tensors``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from paged_jax.generation_config import sampling_defaults
+from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import AsyncEngine
 from serving.engine_client import EngineClient

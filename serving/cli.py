@@ -2,10 +2,10 @@
 server, with vLLM's flag names and meanings.
 
     paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
-    paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.cli.generate_main``)
+    paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.entrypoints.cli.generate_main``)
 
 MODEL is an HF checkpoint directory or Hub repo id; omitted, the built-in SmolLM2-135M-Instruct is served. Engine
-flags are ``paged_jax.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); the server
+flags are ``paged_jax.entrypoints.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); the server
 flags (``build_parser``) are vLLM's frontend flags: ``--host`` (default: every interface), ``--port``, ``--api-key``
 (or env ``PAGED_JAX_API_KEY``), CORS (``--allowed-origins/--allowed-methods/--allowed-headers`` as JSON lists,
 ``--allow-credentials``), ``--root-path``, TLS (``--ssl-keyfile/--ssl-certfile/--ssl-ca-certs/--ssl-cert-reqs``),
@@ -30,7 +30,7 @@ import ssl
 import sys
 from typing import Sequence
 
-from paged_jax.cli import add_engine_args, normalize_flag_spelling
+from paged_jax.entrypoints.cli import add_engine_args, normalize_flag_spelling
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.api_servers import api_server_count_error, serve_api_servers
 from serving.lora import parse_lora_module
@@ -62,7 +62,7 @@ def json_string_list(flag: str):
 
 def build_parser(prog: str = "paged-jax serve") -> argparse.ArgumentParser:
     """The full ``serve`` argument parser: MODEL, the server flags (one group, vLLM's frontend flags and ours) and the
-    engine flags (``paged_jax.cli.add_engine_args``)."""
+    engine flags (``paged_jax.entrypoints.cli.add_engine_args``)."""
     # allow_abbrev=False: a vLLM flag we lack must not be taken as a longer flag of ours it happens to prefix.
     parser = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for paged-jax.",
                                      allow_abbrev=False)
@@ -197,7 +197,7 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
-    from paged_jax.data_parallel import create_engine
+    from paged_jax.parallel.data_parallel import create_engine
     from serving.app import create_app
     from serving.engine_process import EngineProcessClient, engine_process_enabled
 
@@ -265,7 +265,7 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.cli``."""
+    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.entrypoints.cli``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(_USAGE)
@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return serve_main(rest, prog="paged-jax serve")
     if command == "generate":
-        from paged_jax.cli import generate_main
+        from paged_jax.entrypoints.cli import generate_main
 
         return generate_main(rest)
     sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")

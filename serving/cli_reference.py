@@ -4,7 +4,7 @@
 
 ``cli_reference()`` returns the Markdown. It reads only what argparse records of each flag (option strings, metavar,
 nargs, default, choices, help) and the parsers' argument groups, from the functions that build the full parsers:
-``serving.cli.build_parser`` (``paged-jax serve``) and ``paged_jax.cli.build_generate_parser`` (``paged-jax
+``serving.cli.build_parser`` (``paged-jax serve``) and ``paged_jax.entrypoints.cli.build_generate_parser`` (``paged-jax
 generate``). Defaults are shown as they are in an environment without ``PAGED_JAX_*`` variables (some defaults
 read one), so the text does not depend on the machine. tests/test_cli_reference.py fails when docs/cli.md differs.
 """
@@ -42,7 +42,7 @@ def _without_paged_jax_environment() -> Iterator[None]:
 
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    from paged_jax.cli import build_generate_parser
+    from paged_jax.entrypoints.cli import build_generate_parser
     from serving.cli import build_parser
 
     with _without_paged_jax_environment():

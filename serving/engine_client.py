@@ -1,6 +1,6 @@
 """``EngineClient``: the engine interface the server drives, as a ``typing.Protocol``.
 
-Two implementations: ``paged_jax.engine.LLMEngine`` itself (the engine on a thread of the server process) and
+Two implementations: ``paged_jax.engine.llm_engine.LLMEngine`` itself (the engine on a thread of the server process) and
 ``serving.engine_process.EngineProcessClient`` (the engine in a child process, the default). The server hands
 either to ``serving.async_engine.AsyncEngine``, whose one engine thread makes every call; nothing here is
 thread-safe.

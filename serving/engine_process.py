@@ -11,7 +11,7 @@ while it has unfinished requests it steps without waiting for anyone, applying e
 step before the next one (a burst of arrivals joins one step, not one step each); idle, it blocks on the command
 pipe. It sends one message per step: the step's outputs, which are deltas already (new token ids, new text, new
 logprobs, finish state), compactly (the prompt only with a request's first output; plain running streams' deltas
-as ``paged_jax.step_outputs.StreamDeltas`` columns, not one ``RequestOutput`` each), the engine's stats and the
+as ``paged_jax.engine.step_outputs.StreamDeltas`` columns, not one ``RequestOutput`` each), the engine's stats and the
 number of commands applied so far. The client turns them back into delta ``RequestOutput`` objects, accumulating
 nothing.
 
@@ -55,7 +55,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.step_outputs import StreamDeltas
+from paged_jax.engine.step_outputs import StreamDeltas
 from serving.async_engine import EngineDeadError
 from serving.lifecycle import freeze_gc_heap
 from serving.server_logs import quiet_library_loggers
@@ -138,7 +138,7 @@ def start_child_engine(engine_args, conn, log_level: int, engine_factory: Callab
     quiet_library_loggers()
     try:
         if engine_factory is None:
-            from paged_jax.data_parallel import create_engine as engine_factory
+            from paged_jax.parallel.data_parallel import create_engine as engine_factory
 
         engine = engine_factory(engine_args, use_tqdm=log_level <= logging.INFO)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -261,7 +261,7 @@ class EngineProcessClient:
       engine_args: ``EngineArgs`` for the child's ``LLMEngine``.
       start_timeout: seconds to wait for the child to load the model and compile (None: no limit).
       engine_factory: builds the child's engine as ``engine_factory(engine_args, use_tqdm=bool)``; a picklable
-        module-level callable (default ``paged_jax.data_parallel.create_engine``; benchmarks/serving_host.py passes
+        module-level callable (default ``paged_jax.parallel.data_parallel.create_engine``; benchmarks/serving_host.py passes
         a model-free engine to measure the serving path alone).
     Raises:
       ValueError: the child rejected ``engine_args`` (its message).
@@ -296,7 +296,7 @@ class EngineProcessClient:
         self.model_path = info["model_path"]
         self.generation_config: dict = dict(info["generation_config"])
         self._stats: dict = dict(info["stats"])
-        from paged_jax.model_loader import load_tokenizer
+        from paged_jax.worker.model_loader import load_tokenizer
 
         # The same tokenizer as the child's (already downloaded by it when it comes from the Hub).
         self.tokenizer = load_tokenizer(engine_args, self.model_path)

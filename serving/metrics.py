@@ -135,7 +135,7 @@ CACHE_CONFIG_INFO_DOC = "Information of the LLMEngine CacheConfig"
 
 def engine_series(labels: Mapping[str, str], stats: Mapping) -> list[tuple[dict[str, str], Mapping]]:
     """``(labels, stats)`` of every engine a stats snapshot describes: the engine itself, or, for a data-parallel
-    engine (``paged_jax.data_parallel``, whose ``stats()`` has ``replicas``), each replica labelled
+    engine (``paged_jax.parallel.data_parallel``, whose ``stats()`` has ``replicas``), each replica labelled
     ``engine="<index>"`` as vLLM labels its DP engines (the total is their sum; ``stats()`` also carries it)."""
     if not stats.get("replicas"):
         return [(dict(labels), stats)]

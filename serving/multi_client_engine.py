@@ -34,7 +34,7 @@ import os
 import select
 from typing import TYPE_CHECKING, Any, Callable
 
-from paged_jax.step_outputs import StreamDeltas
+from paged_jax.engine.step_outputs import StreamDeltas
 from serving.async_engine import waiting_bound_error
 from serving.engine_process import (EngineProcessClient, _add_group, _describe, _pack, _picklable, _Sender,
                                     start_child_engine)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from fastapi import Request
 
-from paged_jax.chat import ChatTemplateError, render_chat
+from paged_jax.entrypoints.chat import ChatTemplateError, render_chat
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
@@ -88,7 +88,7 @@ class OpenAIServer:
       info: the served model's facts.
       metrics: the Prometheus metrics.
       default_sampling_params: ``SamplingParams`` defaults for fields a request leaves unset (the generation
-        config's, ``paged_jax.generation_config.sampling_defaults``).
+        config's, ``paged_jax.engine.generation_config.sampling_defaults``).
       max_logprobs: most top logprobs a request may ask for (``--max-logprobs``).
       chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
@@ -237,7 +237,7 @@ class OpenAIServer:
         return await self._off_loop(tokenizer.decode, list(token_ids))
 
     async def render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
-        """The prompt text of ``messages`` (``paged_jax.chat.render_chat``, on the tokenizer thread) with
+        """The prompt text of ``messages`` (``paged_jax.entrypoints.chat.render_chat``, on the tokenizer thread) with
         ``body``'s chat options; a template error is the input's (400)."""
         self.require_tokenizer("messages")
         return await self._off_loop(self._render_chat, messages, body)
@@ -337,7 +337,7 @@ class OpenAIServer:
         if not body.use_beam_search:
             return self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, aliases=aliases,
                                         **sampling_kwargs)
-        from paged_jax.beam_search import BeamSearchParams
+        from paged_jax.engine.beam_search import BeamSearchParams
 
         temperature = body.temperature if body.temperature is not None else \
             self.default_sampling_params.get("temperature", 1.0)

@@ -11,8 +11,8 @@ import argparse
 
 import uvicorn
 
-from paged_jax.chat import load_chat_template
-from paged_jax.cli import engine_kwargs
+from paged_jax.entrypoints.chat import load_chat_template
+from paged_jax.entrypoints.cli import engine_kwargs
 from paged_jax.config import EngineArgs
 from paged_jax.sampling_params import MAX_LOGPROBS
 

@@ -96,7 +96,7 @@ def serving_engine(smollm2_dir):
     app (and engine thread) and shuts that thread down before the next file starts.
     """
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=str(smollm2_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
                                 max_num_batched_tokens=64, num_gpu_blocks_override=80, seed=0), use_tqdm=False)

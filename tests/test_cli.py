@@ -320,7 +320,7 @@ TOTAL = 80 * GIB
 def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_bytes=None, dequantization_bytes=0):
     from models.config import ModelConfig
     from models.testing import tiny_config
-    from paged_jax.kv_pool_sizing import determine_num_blocks, kv_bytes_per_block
+    from paged_jax.worker.kv_pool_sizing import determine_num_blocks, kv_bytes_per_block
 
     config = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=32, num_attention_heads=32,
                                                     num_key_value_heads=8, head_dim=128,
@@ -337,7 +337,7 @@ def test_fp8_pool_stays_addressable(caplog):
     sized pool is capped with a warning, an override above the cap is refused by name; bf16 pools are not capped."""
     from models.config import ModelConfig
     from models.testing import tiny_config
-    from paged_jax.kv_pool_sizing import determine_num_blocks, max_addressable_blocks
+    from paged_jax.worker.kv_pool_sizing import determine_num_blocks, max_addressable_blocks
 
     config = ModelConfig.from_hf_config(tiny_config("qwen3", num_hidden_layers=2, num_attention_heads=16,
                                                     num_key_value_heads=8, head_dim=128))
@@ -359,7 +359,7 @@ def test_pool_size_counts_the_weights_not_loading_leftovers():
     import jax
     import jax.numpy as jnp
 
-    from paged_jax.kv_pool_sizing import device_bytes
+    from paged_jax.worker.kv_pool_sizing import device_bytes
 
     weights = 16 * GIB
     counts = {_num_blocks(FakeGpu(int(0.9 * TOTAL), weights + leftover), 0.9, weight_bytes=weights)[0]
@@ -381,7 +381,7 @@ def test_pool_leaves_room_for_weights_xla_dequantizes(monkeypatch):
     from flax import nnx
 
     from models.quantization.linear import WeightOnlyLinear, quantize_weight_only
-    from paged_jax.kv_pool_sizing import dequantized_weight_bytes
+    from paged_jax.worker.kv_pool_sizing import dequantized_weight_bytes
 
     weights = 8 * GIB
     plain, per_block = _num_blocks(FakeGpu(int(0.9 * TOTAL), weights), 0.9, weight_bytes=weights)
@@ -424,14 +424,14 @@ def test_pool_leaves_room_for_weights_xla_dequantizes(monkeypatch):
 @pytest.fixture
 def jax_default_fraction(monkeypatch):
     """Neither allocator-fraction variable set: JAX's GPU allocator holds its default 75%."""
-    from paged_jax import device_memory
+    from paged_jax.worker import device_memory
 
     monkeypatch.delenv(device_memory.MEM_FRACTION_ENV, raising=False)
     monkeypatch.delenv(device_memory.DEPRECATED_MEM_FRACTION_ENV, raising=False)
 
 
 def test_gpu_memory_utilization_is_a_fraction_of_total_memory(jax_default_fraction, monkeypatch, caplog):
-    from paged_jax import device_memory
+    from paged_jax.worker import device_memory
 
     weights = 16 * GIB
     # JAX's default cap (75% of the device): 0.5 of the TOTAL fits under it.
@@ -439,7 +439,7 @@ def test_gpu_memory_utilization_is_a_fraction_of_total_memory(jax_default_fracti
     kv = blocks * per_block
     assert 0.5 * TOTAL - weights - 2 * GIB < kv <= 0.5 * TOTAL - weights  # headroom for activations: < 2 GiB here
     # 0.9 of the total exceeds JAX's cap: the cap is used, with a warning naming the variable to set.
-    with caplog.at_level(logging.WARNING, logger="paged_jax.device_memory"):
+    with caplog.at_level(logging.WARNING, logger="paged_jax.worker.device_memory"):
         blocks, _ = _num_blocks(FakeGpu(int(0.75 * TOTAL), weights), 0.9)
     assert blocks * per_block <= 0.75 * TOTAL - weights
     assert "XLA_CLIENT_MEM_FRACTION=0.9" in caplog.text
@@ -456,7 +456,7 @@ def test_reserve_gpu_memory_fraction_only_before_jax_starts(jax_default_fraction
     import jax
     from jax._src import xla_bridge
 
-    from paged_jax import device_memory
+    from paged_jax.worker import device_memory
 
     jax.devices()  # the test session's CPU backend is running
     assert xla_bridge.backends_are_initialized()
@@ -482,11 +482,11 @@ def test_kv_pool_too_small_for_max_model_len_is_a_clear_error(jax_default_fracti
 
 
 def test_max_model_len_defaults_to_the_models_own(caplog):
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
 
     assert LLMEngine._max_model_len(None, 131072, on_accelerator=True) == 131072  # no 8192 cap (vLLM)
     assert LLMEngine._max_model_len(None, 1024, on_accelerator=False) == 1024
-    with caplog.at_level(logging.INFO, logger="paged_jax.engine"):
+    with caplog.at_level(logging.INFO, logger="paged_jax.engine.llm_engine"):
         assert LLMEngine._max_model_len(None, 8192, on_accelerator=False) == 2048
     assert "--max-model-len 8192" in caplog.text  # the CPU cap is logged with the flag that lifts it
     assert LLMEngine._max_model_len(8192, 8192, on_accelerator=False) == 8192
@@ -506,7 +506,7 @@ def test_no_enable_chunked_prefill_reaches_the_scheduler(tiny_model_dir):
     """--no-enable-chunked-prefill works (a prompt is prefilled whole), so a step budget below max_model_len is
     refused, as vLLM refuses it."""
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_model_len \(128\) when "
                                          r"chunked prefill is disabled"):
@@ -518,7 +518,7 @@ def test_seed_makes_unseeded_sampling_reproducible(tiny_model_dir):
     """vLLM V1's --seed: a fresh engine with the same seed samples the same outputs for the same unseeded requests
     in the same order, while requests within a run still differ."""
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
 
     def sample_twice(seed):

@@ -20,7 +20,7 @@ def test_docs_cli_md_matches_the_parsers():
 
 
 def test_reference_lists_every_flag_of_both_commands():
-    from paged_jax.cli import build_generate_parser
+    from paged_jax.entrypoints.cli import build_generate_parser
     from serving.cli import build_parser
 
     text = cli_reference()

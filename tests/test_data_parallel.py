@@ -1,4 +1,4 @@
-"""Data parallelism (paged_jax.data_parallel): replicas on their own devices give the single-device engine's greedy
+"""Data parallelism (paged_jax.parallel.data_parallel): replicas on their own devices give the single-device engine's greedy
 output, the router sends a repeated prefix to the replica that caches it, stats and metrics per replica.
 
 Small settings (few tokens, 2 sequences per step) keep the engine builds cheap; the CPU has 8 fake devices
@@ -10,10 +10,10 @@ import pytest
 
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
-from paged_jax.data_parallel import DataParallelEngine, create_engine
-from paged_jax.engine import LLMEngine
+from paged_jax.parallel.data_parallel import DataParallelEngine, create_engine
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.step_outputs import StreamDeltas
+from paged_jax.engine.step_outputs import StreamDeltas
 
 SMALL = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=24, block_size=8,
              seed=0)

@@ -230,7 +230,7 @@ def test_metrics_prefix_flag(capsys):
 # ------------------------------------------------------------------------------------------- deployment files
 def serve_args(args: list[str]):
     """The parsed `paged-jax serve` flags of an image's arguments (the entrypoint's own flags first, as it runs)."""
-    from paged_jax.cli import normalize_flag_spelling
+    from paged_jax.entrypoints.cli import normalize_flag_spelling
     from serving.cli import build_parser
 
     argv = ["--host", "0.0.0.0", "--compilation-cache-dir", "/cache/paged_jax/jax_cache", *args]

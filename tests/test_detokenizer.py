@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from paged_jax.detokenizer import IncrementalDetokenizer
+from paged_jax.engine.detokenizer import IncrementalDetokenizer
 
 SMOLLM2_DIR = Path.home() / ".cache" / "paged_jax" / "SmolLM2-135M-Instruct"
 CORPUS = [

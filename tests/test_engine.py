@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from paged_jax.config import EngineArgs
-from paged_jax.engine import LLMEngine
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.step_outputs import StreamDeltas
+from paged_jax.engine.step_outputs import StreamDeltas
 
 MAX_NEW_TOKENS = 20
 MAX_MODEL_LEN = 256

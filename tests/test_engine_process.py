@@ -58,7 +58,7 @@ def run_all(engine, requests):
 
 
 def test_outputs_equal_the_in_process_engine(client, model_dir):
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
     from serving.engine_client import EngineClient, ProcessEngineClient
 
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""paged_jax.generate: the jittable research API (CPU; 8 virtual devices from conftest for the sharding test)."""
+"""paged_jax.research.generate: the jittable research API (CPU; 8 virtual devices from conftest for the sharding test)."""
 
 import re
 
@@ -13,8 +13,8 @@ from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 from models.testing import tiny_config
-from paged_jax.generate import GenerateOutput, generate
-from paged_jax.sampler import SamplingMode
+from paged_jax.research.generate import GenerateOutput, generate
+from paged_jax.worker.sampler import SamplingMode
 
 # Ragged, right-padded prompts for the tiny models (vocab 256); lengths 5, 2, 1, 7.
 TINY_PROMPTS = np.array(
@@ -203,7 +203,7 @@ def test_top_k_mode_draws_what_the_sort_draws(tiny_model, monkeypatch, traced):
     """top_k 1..64 with any top_p runs the sampler's TOP_K mode (no sort), static or per-row traced parameters
     (then chosen at run time: the branch that ran is recorded); the tokens and logprobs equal those of FULL mode
     (forced by refusing the candidates), from the same key."""
-    import paged_jax.generate as generate_module
+    import paged_jax.research.generate as generate_module
 
     if traced:  # row 2 is greedy: its top-p alone does not call for the sort (the engine ignores it too)
         params = _sampling(temperature=[0.8, 0.8, 0.0, 0.8], top_k=[20, 1, 0, 64], top_p=[0.9, 1.0, 0.5, 0.8])

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from paged_jax.generation_config import eos_token_ids, read_generation_config, sampling_defaults
+from paged_jax.engine.generation_config import eos_token_ids, read_generation_config, sampling_defaults
 
 
 def write(directory, config):

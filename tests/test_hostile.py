@@ -22,9 +22,9 @@ import httpx
 import pytest
 from test_serving import ServerThread, wait_until
 
-from paged_jax.detokenizer import IncrementalDetokenizer, check_stop_strings
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request
+from paged_jax.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
 
 MODEL_NAME = "smollm2-hostile"
 API_KEY = "hostile-key"

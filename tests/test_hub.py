@@ -76,7 +76,7 @@ def test_nonexistent_path_that_is_no_repo_id(tmp_path):
 
 def test_engine_resolves_hub_ids_and_dummy_shapes(offline_cache):
     from paged_jax.config import EngineArgs
-    from paged_jax.model_loader import resolve_model
+    from paged_jax.worker.model_loader import resolve_model
 
     path, config = resolve_model(EngineArgs(model="acme/tiny", download_dir=str(offline_cache)))
     assert path.endswith(COMMIT) and config is None

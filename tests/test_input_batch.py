@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from paged_jax import sampler as sampler_lib
+from paged_jax.worker import sampler as sampler_lib
 from paged_jax.core.sched_output import CachedRequestData, NewRequestData
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch

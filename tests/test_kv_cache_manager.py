@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_jax.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager, hash_block_tokens
-from paged_jax.request import Request
+from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager, hash_block_tokens
+from paged_jax.core.request import Request
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:

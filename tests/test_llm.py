@@ -2,8 +2,8 @@
 
 import pytest
 
-from paged_jax.chat import ChatTemplateError, chat_prompt_token_ids, normalize_message, render_chat
-from paged_jax.llm import LLM
+from paged_jax.entrypoints.chat import ChatTemplateError, chat_prompt_token_ids, normalize_message, render_chat
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from serving.cli import main as cli_main  # the paged-jax console script
 
@@ -123,14 +123,14 @@ def test_cli_serve_dispatches_to_serving(capsys):
 
 
 def test_serve_and_generate_share_the_engine_flags():
-    """Both commands take every EngineArgs field as a flag (one builder, paged_jax.cli.add_engine_args), and the
+    """Both commands take every EngineArgs field as a flag (one builder, paged_jax.entrypoints.cli.add_engine_args), and the
     engine package never imports the server."""
     import ast
     import dataclasses
     import pathlib
 
     import paged_jax
-    from paged_jax.cli import build_generate_parser
+    from paged_jax.entrypoints.cli import build_generate_parser
     from paged_jax.config import EngineArgs
     from serving.cli import build_parser
     from serving.settings import engine_args_from_namespace

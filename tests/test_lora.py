@@ -9,10 +9,10 @@ import pytest
 
 from lora_adapters import ADAPTER_SPECS, make_peft_model, write_adapter
 from paged_jax import LLM, LoRARequest, SamplingParams
-from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.lora.engine_api import LoRAEngineMixin
-from paged_jax.request import Request
-from paged_jax.scheduler import Scheduler
+from paged_jax.core.request import Request
+from paged_jax.core.scheduler import Scheduler
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)

@@ -10,12 +10,12 @@ from models.attention import dense_causal_attention
 from models.config import ModelConfig
 from models.loader import init_dummy_model
 from models.testing import tiny_config
-from paged_jax import sampler as sampler_lib
-from paged_jax.buckets import make_buckets
+from paged_jax.worker import sampler as sampler_lib
+from paged_jax.worker.buckets import make_buckets
 from paged_jax.core.hand_steps import HandScheduler
 from paged_jax.core.sched_output import PLACEHOLDER_TOKEN
-from paged_jax.kv_pool_sizing import enable_compilation_cache
-from paged_jax.model_runner import ModelRunner
+from paged_jax.worker.kv_pool_sizing import enable_compilation_cache
+from paged_jax.worker.model_runner import ModelRunner
 from paged_jax.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
@@ -265,7 +265,7 @@ def test_seeded_sampling_independent_of_batch(tiny_model):
 
 
 def test_compile_plan_counts():
-    from paged_jax.buckets import planned_num_compiles, sampler_rows_for
+    from paged_jax.worker.buckets import planned_num_compiles, sampler_rows_for
 
     # Token buckets >= max_num_seqs get only the max_num_seqs seq bucket; smaller ones T itself, and 8 too for the
     # smallest T (decodes of a few sequences) and where T slots would sample more than 32 rows.
@@ -287,7 +287,7 @@ def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
     """Greedy with top logprobs, temperature, truncation (top-k / top-p with and without the sort), penalties, min_tokens bans, logit_bias, allowed_token_ids
     and bad words, alone and in a batch that pads to the next sampler row count: none of them may compile after
     warm-up."""
-    from paged_jax.buckets import planned_num_compiles
+    from paged_jax.worker.buckets import planned_num_compiles
 
     model, config = tiny_model
     runner = make_runner(model, config, num_blocks=40, max_num_seqs=32, max_num_batched_tokens=64)
@@ -450,7 +450,7 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
 def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):
     """A step (no penalty rows) sends its metadata with exactly one explicit ``jax.device_put`` and makes no
     implicit host-to-device transfer (a numpy array passed straight into a jitted call would be one)."""
-    import paged_jax.model_runner as model_runner_module
+    import paged_jax.worker.model_runner as model_runner_module
 
     model, config = tiny_model
     rng = np.random.default_rng(4)

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from paged_jax.beam_search import BeamSearchParams, BeamSearchOutput, get_beam_search_score
-from paged_jax.engine import LLMEngine
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request
-from paged_jax.llm import LLM
+from paged_jax.engine.beam_search import BeamSearchParams, BeamSearchOutput, get_beam_search_score
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
+from paged_jax.entrypoints.llm import LLM
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.sequence_group import child_seed
+from paged_jax.engine.sequence_group import child_seed
 from tests.test_engine import TEXT, TIGHT_BLOCKS, assert_clean, make_engine, run_to_completion
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (paged_jax.pipeline): layer stages on their own devices give the single-device engine's greedy
+"""Pipeline parallelism (paged_jax.parallel.pipeline): layer stages on their own devices give the single-device engine's greedy
 output, alone and with tp inside each stage, with steps split into overlapping micro-batches and not; weights and KV
 pool split by stage; no compile after warm-up."""
 
@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import pipeline
+from paged_jax.parallel import pipeline
 from paged_jax.config import EngineArgs
-from paged_jax.engine import LLMEngine
-from paged_jax.pipeline import (PipelineModelRunner, PipelinePlan, microbatch_attention_metadata, pipeline_schedule,
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.parallel.pipeline import (PipelineModelRunner, PipelinePlan, microbatch_attention_metadata, pipeline_schedule,
                                 stage_layer_ranges)
 from paged_jax.sampling_params import SamplingParams
 from tests.test_data_parallel import (MAX_TOKENS, QWEN3_PROMPTS, SMALL, SMOLLM2_PROMPTS, greedy, qwen3_checkpoint_in,

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from paged_jax.config import EngineArgs
-from paged_jax.engine import LLMEngine
-from paged_jax.prompt_logprobs import PromptLogprobsCollector
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.worker.prompt_logprobs import PromptLogprobsCollector
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.step_io import PromptLogprobsChunk
+from paged_jax.worker.step_io import PromptLogprobsChunk
 from tests.test_engine import TEXT, assert_clean, run_to_completion
 
 MAX_BATCHED_TOKENS = 32  # prompts below are longer: they are computed in several chunks

@@ -117,7 +117,7 @@ def test_impl_resolution_and_errors():
     # A sharded runner's attention applies the q/k transform in XLA: an explicit impl is refused, not ignored.
     from types import SimpleNamespace
 
-    from paged_jax.model_runner import ModelRunner
+    from paged_jax.worker.model_runner import ModelRunner
 
     with pytest.raises(ValueError, match="qk_prepare_impl='pallas'"):
         ModelRunner(None, None, num_blocks=4, block_size=16, max_model_len=64, max_num_seqs=2,

@@ -180,7 +180,7 @@ def test_gptq_matches_format_spec(float_dir, tmp_path, bits, group_size, sym, de
     reference = _dequantized_reference(model)
     np.testing.assert_allclose(_logits(model), _logits(reference), atol=2e-4, rtol=1e-4)
     # Greedy through the jittable research API (paged kernels, one compile) = the dequantized fp32 model's.
-    from paged_jax.generate import generate
+    from paged_jax.research.generate import generate
 
     out = generate(model, jnp.asarray([PROMPT], jnp.int32), jnp.asarray([len(PROMPT)], jnp.int32),
                    max_new_tokens=NEW_TOKENS)
@@ -261,8 +261,8 @@ def _engine_model(llm):
 
 def _record_engine_loading(monkeypatch, tmp_path) -> tuple[dict, list]:
     """(the KV sizing's keyword arguments, the models ``place_contiguously`` placed) of the next engine built."""
-    import paged_jax.engine as engine_module
-    from paged_jax import device_memory
+    import paged_jax.engine.llm_engine as engine_module
+    from paged_jax.worker import device_memory
 
     sizing, real_sizing = {}, engine_module.determine_num_blocks
 
@@ -284,7 +284,7 @@ def test_engine_awq_greedy_equals_dequantized_fp32(awq_dir, tmp_path, monkeypatc
     from flax import nnx
 
     from models.quantization.linear import WeightOnlyLinear
-    from paged_jax.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     sizing, placed = _record_engine_loading(monkeypatch, tmp_path)
@@ -313,7 +313,7 @@ def test_engine_int8_greedy_equals_dequantized_fp32(float_dir, tmp_path, monkeyp
     from flax import nnx
 
     from models.quantization.linear import Int8Linear, WeightOnlyLinear
-    from paged_jax.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     sizing, placed = _record_engine_loading(monkeypatch, tmp_path)
@@ -351,8 +351,8 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
     from models.quantization import load
     from models.quantization.load import quantize_model
     from paged_jax.config import EngineArgs
-    from paged_jax.llm import LLM
-    from paged_jax.model_loader import _load_tensor_parallel, resolve_engine_quantization
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.worker.model_loader import _load_tensor_parallel, resolve_engine_quantization
     from paged_jax.sampling_params import SamplingParams
 
     def fp8_impls(model):
@@ -388,7 +388,7 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
 
 def test_weight_cache_restores_quantized_layout(awq_dir, tmp_path, monkeypatch):
     from paged_jax.config import EngineArgs
-    from paged_jax.model_loader import _load_single_device, resolve_engine_quantization
+    from paged_jax.worker.model_loader import _load_single_device, resolve_engine_quantization
 
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     args = EngineArgs(model=str(awq_dir), dtype="float32")
@@ -422,7 +422,7 @@ def test_weight_cache_restores_online_int8(float_dir, tmp_path, monkeypatch):
     from models.quantization import load
     from models.quantization.linear import Int8Linear
     from paged_jax.config import EngineArgs
-    from paged_jax.model_loader import _load_single_device, resolve_engine_quantization
+    from paged_jax.worker.model_loader import _load_single_device, resolve_engine_quantization
 
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     args = EngineArgs(model=str(float_dir), dtype="float32", quantization="int8")
@@ -478,9 +478,9 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     from models.loader import load_model
     from models.quantization.linear import FLOAT8_DOT_AUTOTUNE_RTOL, compiler_options
     from models.quantization.load import quantize_model
-    from paged_jax.generate import generate
-    from paged_jax.model_runner import ModelRunner
-    from paged_jax.scoring import score_tokens
+    from paged_jax.research.generate import generate
+    from paged_jax.worker.model_runner import ModelRunner
+    from paged_jax.research.scoring import score_tokens
 
     def fresh(**kw):
         model, config = load_model(float_dir, dtype="float32")
@@ -493,8 +493,8 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     assert compiler_options(fresh()[0]) == {}
     assert compiler_options(fresh(matmul_impl="xla_native")[0]) == {}
 
-    import paged_jax.generate as generate_module
-    import paged_jax.scoring as scoring_module
+    import paged_jax.research.generate as generate_module
+    import paged_jax.research.scoring as scoring_module
 
     generate_module._generate_jit.cache_clear()  # each factory makes its jit again, through the recording jit
     scoring_module._score_jit.cache_clear()
@@ -557,7 +557,7 @@ def test_weights_quantized_on_the_device_are_placed_again():
     from flax import nnx
 
     from models.quantization.linear import WeightOnlyLinear, quantize_weight_only
-    from paged_jax.device_memory import place_contiguously
+    from paged_jax.worker.device_memory import place_contiguously
 
     w = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
     q, sc, z = quantize_weight_only(w, bits=8, group_size=-1, zero_point=False, dtype=jnp.float32)

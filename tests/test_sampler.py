@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.sampler import (
+from paged_jax.worker.sampler import (
     BANNED_WIDTH,
     LOGIT_BIAS_WIDTH,
     SamplingMode,
@@ -26,7 +26,7 @@ from paged_jax.sampler import (
     SAMPLING_WORDS_PER_ROW,
 )
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.top_k import TOP_K_CANDIDATES, top_k_block_size, top_k_top_p_by_sort
+from paged_jax.worker.top_k import TOP_K_CANDIDATES, top_k_block_size, top_k_top_p_by_sort
 
 VOCAB = 64
 
@@ -64,7 +64,7 @@ def test_mode_selection_and_padding():
     # Truncation on a greedy row does not matter, so it does not force FULL.
     _, mode = build_sampling_tensors([_row(SamplingParams(temperature=0.0, top_k=3, top_p=0.5))], pad_to=1)
     assert mode == SamplingMode.GREEDY
-    # Top-k / top-p that the candidates serve (paged_jax.top_k.candidates_suffice) run without the sort: TOP_K.
+    # Top-k / top-p that the candidates serve (paged_jax.worker.top_k.candidates_suffice) run without the sort: TOP_K.
     vocab = 1000
     expected = [(SamplingParams(top_k=3), SamplingMode.TOP_K), (SamplingParams(min_p=0.1), SamplingMode.TOP_K),
                 (SamplingParams(top_k=20, top_p=0.95), SamplingMode.TOP_K),

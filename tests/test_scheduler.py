@@ -10,9 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from paged_jax.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
-from paged_jax.request import Request, RequestStatus
-from paged_jax.scheduler import Scheduler, SchedulerOutput
+from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from paged_jax.core.request import Request, RequestStatus
+from paged_jax.core.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50
 _MOD = (1 << 61) - 1

@@ -9,8 +9,8 @@ from flax import nnx
 from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 from models.testing import tiny_config, write_hub_cache
-from paged_jax.generate import generate
-from paged_jax.scoring import load_pretrained, score_tokens
+from paged_jax.research.generate import generate
+from paged_jax.research.scoring import load_pretrained, score_tokens
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 

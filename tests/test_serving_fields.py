@@ -209,7 +209,7 @@ def test_continue_final_message_and_chat_echo(client, engine):
 def test_tool_messages_reach_the_template_intact(server, smollm2_tokenizer):
     import httpx
 
-    from paged_jax.chat import render_chat
+    from paged_jax.entrypoints.chat import render_chat
 
     body = {"messages": TOOL_TURN, "chat_template": SHOW_ALL_TEMPLATE}
     with httpx.Client(base_url=server.base_url, timeout=60) as c:
@@ -347,7 +347,7 @@ def test_generation_config_defaults_fill_unset_fields(client, engine, state, ser
 
 
 def test_serve_flags_are_checked_before_loading(capsys, tmp_path):
-    from paged_jax.chat import load_chat_template
+    from paged_jax.entrypoints.chat import load_chat_template
     from serving.cli import build_parser, serve_main
 
     for argv, flag in ((["--max-logprobs", "50"], "--max-logprobs"),

@@ -411,7 +411,7 @@ GEN_LENGTHS = np.array([6, 4], np.int32)
 
 
 def test_generate_on_sharded_qwen3_matches_tp1_without_gathering_weights_or_kv(qwen3_model):
-    from paged_jax.generate import generate
+    from paged_jax.research.generate import generate
 
     reference = generate(qwen3_model, GEN_PROMPTS, GEN_LENGTHS, max_new_tokens=6, attention_impl="reference")
     plan = ShardingPlan.create(qwen3_model.config, make_mesh(4))
@@ -432,7 +432,7 @@ def test_generate_on_sharded_qwen3_matches_tp1_without_gathering_weights_or_kv(q
 
 @pytest.mark.slow  # `make test-all`; CI: generate on sharded Qwen3 and the tp engines below cover the same path
 def test_generate_on_sharded_smollm2_matches_tp1(smollm2_dir):
-    from paged_jax.generate import generate
+    from paged_jax.research.generate import generate
 
     model, config = load_model(smollm2_dir, dtype="float32")
     reference = generate(model, GEN_PROMPTS, GEN_LENGTHS, max_new_tokens=4, attention_impl="reference")
@@ -531,7 +531,7 @@ def test_two_process_tensor_parallel_matches_single_device(tmp_path):
 def _engine_greedy(tp: int, model=None, prompts=None):
     """Greedy outputs of an LLMEngine at tensor_parallel_size=tp, and the engine."""
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
     from paged_jax.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=model, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,

@@ -129,7 +129,7 @@ def test_offline_constrained_batch_same_under_preemption_and_async(serving_engin
     """A constrained batch (JSON schemas, regex, choice; n = 2) on a KV pool too small for it (recompute
     preemptions) with async scheduling gives the synchronous roomy run's outputs."""
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
     from tests.test_engine import TEXT, run_to_completion
 
     text_ids = smollm2_tokenizer.encode(TEXT)
@@ -170,7 +170,7 @@ def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenize
     """Async scheduling with constrained requests in flight: each step's forward is dispatched before the previous
     step's tokens are fetched; the grammars advance with them, then the bitmask goes with the sampling. Outputs
     equal the synchronous run's."""
-    from paged_jax.step_io import PendingStep
+    from paged_jax.worker.step_io import PendingStep
     from paged_jax.structured_output.manager import SequenceGrammar
     from tests.test_engine import run_to_completion
 

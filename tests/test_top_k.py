@@ -1,4 +1,4 @@
-"""paged_jax.top_k: the blocked top-k against lax.top_k itself; the top-k / top-p cutoffs from
+"""paged_jax.worker.top_k: the blocked top-k against lax.top_k itself; the top-k / top-p cutoffs from
 the candidates against the sort."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.top_k import (TOP_K_CANDIDATES, candidates_suffice, top_k_block_size, top_k_top_p_by_sort,
+from paged_jax.worker.top_k import (TOP_K_CANDIDATES, candidates_suffice, top_k_block_size, top_k_top_p_by_sort,
                              top_k_top_p_from_candidates, vocab_top_k)
 
 

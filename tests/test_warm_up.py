@@ -1,4 +1,4 @@
-"""Warm-up (paged_jax/warm_up.py) and the executable cache (paged_jax/executable_cache.py) on the tiny random model
+"""Warm-up (paged_jax/worker/warm_up.py) and the executable cache (paged_jax/worker/executable_cache.py) on the tiny random model
 of tests/test_model_runner.py: concurrent compiles (each executable once, in lowering turns), a failed compile,
 and a second runner loading what the first compiled."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged_jax.core.hand_steps import HandScheduler
-from paged_jax.model_runner import ModelRunner
+from paged_jax.worker.model_runner import ModelRunner
 from paged_jax.sampling_params import SamplingParams
 from tests.test_model_runner import BLOCK_SIZE, MAX_MODEL_LEN, fresh_step, make_runner
 from tests.test_model_runner import tiny_model  # noqa: F401 (a fixture)
@@ -23,8 +23,8 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
     sample what the sequentially warmed runner samples."""
     from jax import monitoring
 
-    from paged_jax.buckets import planned_num_compiles
-    from paged_jax.warm_up import COMPILE_THREADS_ENV, compile_threads, num_warm_up_executables
+    from paged_jax.worker.buckets import planned_num_compiles
+    from paged_jax.worker.warm_up import COMPILE_THREADS_ENV, compile_threads, num_warm_up_executables
 
     model, config = tiny_model
     monkeypatch.setenv(COMPILE_THREADS_ENV, "0")
@@ -76,7 +76,7 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     the pool is shut down (cancelling them runs their callbacks, which must not queue anything then)."""
     import threading
 
-    from paged_jax import warm_up as warm_up_lib
+    from paged_jax.worker import warm_up as warm_up_lib
 
     model, config = tiny_model
     compile_ = warm_up_lib.load_or_compile
@@ -111,7 +111,7 @@ def test_lowering_turns_run_one_job_at_a_time_lowest_priority_first():
     import threading
     import time
 
-    from paged_jax.warm_up import _LoweringTurns
+    from paged_jax.worker.warm_up import _LoweringTurns
 
     turns = _LoweringTurns()
     order, inside = [], []
@@ -146,12 +146,12 @@ def test_lowering_turns_run_one_job_at_a_time_lowest_priority_first():
 
 
 def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_model, tmp_path):
-    """paged_jax.executable_cache: a runner's fresh compiles are saved; a second runner of the same configuration
+    """paged_jax.worker.executable_cache: a runner's fresh compiles are saved; a second runner of the same configuration
     loads every executable (nothing traced: jit's own caches stay empty), samples what the first samples and compiles
     nothing after warm-up; an unreadable file is compiled again; another configuration has another fingerprint."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    from paged_jax.executable_cache import runner_fingerprint
+    from paged_jax.worker.executable_cache import runner_fingerprint
 
     model, config = tiny_model
     previous_dir = jax.config.jax_compilation_cache_dir
@@ -183,7 +183,7 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
         # Another GPU plugin (versioned apart from jaxlib) is another fingerprint.
         from importlib import metadata
 
-        from paged_jax import executable_cache
+        from paged_jax.worker import executable_cache
 
         plugin = types.SimpleNamespace(metadata={"Name": "jax_cuda13_plugin"}, version="0.0.1")
         with unittest.mock.patch.object(metadata, "distributions", lambda: [plugin]):
@@ -198,7 +198,7 @@ def test_executable_cache_makes_the_mosaic_gpu_runtime_findable_first(tmp_path, 
     """On a GPU, the runner's executable cache imports jax's Mosaic GPU module before warm-up loads anything (it
     tells the custom call where its runtime library is; without it a cached executable holding a Mosaic kernel fails
     to link and the cache misses); elsewhere it does not."""
-    from paged_jax import executable_cache
+    from paged_jax.worker import executable_cache
 
     calls = []
     monkeypatch.setattr(executable_cache, "_load_mosaic_gpu_runtime", lambda: calls.append("runtime"))

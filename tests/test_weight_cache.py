@@ -207,7 +207,7 @@ def test_sharded_restore_lands_in_the_target_shardings(tmp_path, no_safetensors)
 
 def _engine(model, **overrides):
     from paged_jax.config import EngineArgs
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
 
     settings = dict(model=str(model), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                     num_gpu_blocks_override=16)

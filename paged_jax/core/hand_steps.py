@@ -10,7 +10,7 @@ from typing import Any
 
 from paged_jax.core.sched_output import (PLACEHOLDER_TOKEN, CachedRequestData, SchedulerOutput,
                                          append_cached_request, new_request_data)
-from paged_jax.request import Request
+from paged_jax.core.request import Request
 
 
 class HandScheduler:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from paged_jax.request import Request
+from paged_jax.core.request import Request
 
 # Stands for a sampled token still on the device (async scheduling): the runner feeds the row from the previous
 # step's on-device sample instead. Real token ids are >= 0.

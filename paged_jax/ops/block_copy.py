@@ -1,7 +1,7 @@
 """Copy-on-write block copies inside the jitted step: block ``dst[i]`` of every layer's K and V pool becomes a copy
 of block ``src[i]``.
 
-The step carries a fixed number of copy slots (``paged_jax.step_io.StepLayout``), almost always all padding. In
+The step carries a fixed number of copy slots (``paged_jax.worker.step_io.StepLayout``), almost always all padding. In
 XLA (``impl="xla"``) each layer's K and V copy is its own in-place ``dynamic_update_slice`` kernel (plus a select
 keeping a padding destination out), paid on every step: two launches per layer at batch-1 decode. The Pallas
 kernel (``impl="pallas"``, GPU) copies every layer's K and V in ONE launch, the pools aliased in place; its programs

@@ -124,7 +124,7 @@ def _differentiable_jvp(eps, dtype, interpret, primals, tangents):
 def rms_norm_pallas_differentiable(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *,
                                    eps: float, dtype=None, interpret: bool = False):
     """``rms_norm_pallas`` with the derivatives of ``rms_norm_reference`` (forward and reverse mode), so a model on the
-    kernel stays differentiable (``paged_jax.scoring.score_tokens`` under ``jax.grad``). What ``rms_norm_impl="pallas"``
+    kernel stays differentiable (``paged_jax.research.scoring.score_tokens`` under ``jax.grad``). What ``rms_norm_impl="pallas"``
     runs."""
     dtype = x.dtype if dtype is None else jnp.dtype(dtype)
     return _differentiable(x, weight, residual, float(eps), dtype, interpret)

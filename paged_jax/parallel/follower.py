@@ -1,6 +1,6 @@
 """Nodes 1..N-1 of a multi-host engine (``paged_jax.parallel.multihost``): build the same engine as node 0, then
 replay node 0's device calls from the ``StepChannel`` until it shuts down: ``"dispatch"`` (a whole step),
-``"forward"`` then ``"sample"`` (a step in two halves, ``paged_jax.step_dispatch``), ``"swap"``; ``"shutdown"`` ends
+``"forward"`` then ``"sample"`` (a step in two halves, ``paged_jax.worker.step_dispatch``), ``"swap"``; ``"shutdown"`` ends
 the loop. The engine runs in a child process (``rank_watch.run_supervised``), so that a dead node ends the job."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import jax
 
-from paged_jax.engine import LLMEngine
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.parallel.multihost import StepChannel
 from paged_jax.parallel.rank_watch import close_watch, run_supervised
 
@@ -64,7 +64,7 @@ def follow(runner, channel: StepChannel) -> None:
         if kind == "shutdown":
             logger.info("node 0 shut down; node %d exits", jax.process_index())
             return
-        if kind == "forward":  # a step in two halves (paged_jax.step_dispatch): its "sample" comes next
+        if kind == "forward":  # a step in two halves (paged_jax.worker.step_dispatch): its "sample" comes next
             forward = runner._dispatch_forward(*payload)
         elif kind in ("dispatch", "sample"):
             if kind == "dispatch":

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax.sampler import allowed_mask_words
+from paged_jax.worker.sampler import allowed_mask_words
 from paged_jax.structured_output.manager import SequenceGrammar
 
 

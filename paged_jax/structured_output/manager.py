@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax.sampler import allowed_mask_words
+from paged_jax.worker.sampler import allowed_mask_words
 from paged_jax.sampling_params import StructuredOutputsParams
 from paged_jax.structured_output.backend import XgrammarBackend, parse_grammar, spec_key
 

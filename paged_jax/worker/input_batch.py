@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax import sampler as sampler_lib
+from paged_jax.worker import sampler as sampler_lib
 from paged_jax.core.sched_output import CachedRequestData, NewRequestData
 
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax import sampler as sampler_lib
-from paged_jax.buckets import pick_bucket
-from paged_jax.step_io import StepLayout, pack_block_copies
+from paged_jax.worker import sampler as sampler_lib
+from paged_jax.worker.buckets import pick_bucket
+from paged_jax.worker.step_io import StepLayout, pack_block_copies
 from paged_jax.worker.input_batch import InputBatch
 
 _GREEDY_RANK = sampler_lib.MODE_ORDER.index(sampler_lib.SamplingMode.GREEDY)

@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``: ``messages`` (and ``tools``) rendered by the chat template (``paged_jax.chat``),
+"""``POST /v1/chat/completions``: ``messages`` (and ``tools``) rendered by the chat template (``paged_jax.entrypoints.chat``),
 JSON or SSE; each choice's text becomes reasoning, tool calls and content (``serving.chat_output``)."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from paged_jax.attention_impl import ATTENTION_IMPLS, resolve_attention_impl
+from paged_jax.worker.attention_impl import ATTENTION_IMPLS, resolve_attention_impl
 from paged_jax.ops.ragged_paged_attention.common import validate_inputs
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
 

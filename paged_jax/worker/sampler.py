@@ -12,7 +12,7 @@ restricted to the tokens that survive top-k / top-p / min-p.
 
 Order of operations in ``FULL`` mode (vLLM's v1 sampler): allowed_token_ids mask -> bans (bad words, min_tokens)
 -> logit_bias -> penalties -> (greedy rows: argmax) -> temperature -> min-p -> top-k -> top-p -> Gumbel-max.
-``TOP_K`` mode is the same from temperature on, without the sort (``paged_jax.top_k``), for steps whose rows need
+``TOP_K`` mode is the same from temperature on, without the sort (``paged_jax.worker.top_k``), for steps whose rows need
 none of the steps before temperature and whose top-k / top-p the candidates serve.
 Returned logprobs are always those of the *raw* logits (vLLM's default ``logprobs_mode="raw_logprobs"``).
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams, validate_token_ids
-from paged_jax.top_k import (candidates_suffice, top_k_top_p_by_sort, top_k_top_p_from_candidates,
+from paged_jax.worker.top_k import (candidates_suffice, top_k_top_p_by_sort, top_k_top_p_from_candidates,
                              vocab_top_k)
 
 # Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens, bad-word tokens) when some
@@ -65,7 +65,7 @@ class SamplingMode(str, enum.Enum):
     GREEDY: every row is greedy (argmax of the raw logits); no random numbers are drawn.
     GREEDY_OR_TEMPERATURE: greedy rows via argmax, the others via Gumbel-max on logits / temperature.
     TOP_K: as GREEDY_OR_TEMPERATURE after min-p, top-k and top-p, for steps where every row's top-k / top-p
-      ``candidates_suffice`` (``paged_jax.top_k``: no sort of the vocabulary).
+      ``candidates_suffice`` (``paged_jax.worker.top_k``: no sort of the vocabulary).
     FULL: allowed_token_ids, bans, logit_bias, penalties, min-p, top-k, top-p, then greedy / temperature sampling.
     """
 

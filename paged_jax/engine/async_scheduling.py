@@ -18,8 +18,8 @@ import time
 
 from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.outputs import RequestOutput
-from paged_jax.request import Request
-from paged_jax.step_io import PendingStep
+from paged_jax.core.request import Request
+from paged_jax.worker.step_io import PendingStep
 
 
 @dataclasses.dataclass

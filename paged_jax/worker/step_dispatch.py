@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from paged_jax.parallel.multihost import local_copies
-from paged_jax.sampler import SamplingMode
-from paged_jax.step_io import PendingStep
+from paged_jax.worker.sampler import SamplingMode
+from paged_jax.worker.step_io import PendingStep
 from paged_jax.structured_output import fill_step_bitmask
 
 

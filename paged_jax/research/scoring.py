@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import dense_causal_attention
-from paged_jax.generate import call_with_model_compiler_options, split_model
+from paged_jax.research.generate import call_with_model_compiler_options, split_model
 
 
 class Pretrained(NamedTuple):
@@ -85,7 +85,7 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
 
 @functools.cache
 def _score_jit(options: tuple[tuple[str, Any], ...]):
-    """``_score_on_device`` jitted with the XLA ``options`` (``paged_jax.generate.model_compiler_options``)."""
+    """``_score_on_device`` jitted with the XLA ``options`` (``paged_jax.research.generate.model_compiler_options``)."""
     return jax.jit(_score_on_device, static_argnames=("graphdef",), compiler_options=dict(options) or None)
 
 

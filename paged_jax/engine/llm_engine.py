@@ -6,8 +6,8 @@ strings) -> ``RequestOutput`` deltas (what is new since the last output) of the 
 
 A request with ``SamplingParams.n > 1`` (or ``best_of``) runs as several sequences in the scheduler: the first
 computes the prompt once, the others are forked from it with copy-on-write blocks when it samples its first token
-(``paged_jax.sequence_group``). A ``BeamSearchParams`` request runs vLLM's beam search on forked beams
-(``paged_jax.beam_search``).
+(``paged_jax.engine.sequence_group``). A ``BeamSearchParams`` request runs vLLM's beam search on forked beams
+(``paged_jax.engine.beam_search``).
 
 Thread-safety: none; the serving layer drives one engine from one thread (``serving.async_engine``).
 """
@@ -21,30 +21,30 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from paged_jax.async_scheduling import AsyncSchedulingMixin, InFlightStep
-from paged_jax.beam_search import BeamSearchParams, BeamSearchState
-from paged_jax.buckets import planned_num_compiles
+from paged_jax.engine.async_scheduling import AsyncSchedulingMixin, InFlightStep
+from paged_jax.engine.beam_search import BeamSearchParams, BeamSearchState
+from paged_jax.worker.buckets import planned_num_compiles
 from paged_jax.config import EngineArgs
-from paged_jax.detokenizer import IncrementalDetokenizer, check_stop_strings
-from paged_jax.device_check import warn_if_gpu_unused
-from paged_jax.device_memory import reserve_gpu_memory_fraction
-from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from paged_jax.worker.device_check import warn_if_gpu_unused
+from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
+from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.lora.engine_api import LoRAEngineMixin, make_lora_manager, make_lora_slots
-from paged_jax.model_loader import load_engine_model
-from paged_jax.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
+from paged_jax.worker.model_loader import load_engine_model
+from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
                                      enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
-from paged_jax.pipeline import runner_class
+from paged_jax.parallel.pipeline import runner_class
 from paged_jax.outputs import Logprob, RequestMetrics, RequestOutput, make_logprob_dict
-from paged_jax.sequence_group import RequestState, SequenceState, child_seed
-from paged_jax.prompt_logprobs import PromptLogprobsCollector
-from paged_jax.request import Request, RequestStatus
-from paged_jax.sampler import check_request_fits
+from paged_jax.engine.sequence_group import RequestState, SequenceState, child_seed
+from paged_jax.worker.prompt_logprobs import PromptLogprobsCollector
+from paged_jax.core.request import Request, RequestStatus
+from paged_jax.worker.sampler import check_request_fits
 from paged_jax.sampling_params import SamplingParams, validate_token_ids
 from paged_jax.core.sched_output import SchedulerOutput
-from paged_jax.scheduler import Scheduler
-from paged_jax.step_io import PendingStep
-from paged_jax.step_outputs import StreamDeltas, make_delta_output
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.worker.step_io import PendingStep
+from paged_jax.engine.step_outputs import StreamDeltas, make_delta_output
 from paged_jax.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,10 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         args = engine_args
         if args.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={args.data_parallel_size}: one LLMEngine is one replica; build "
-                             "replicas with paged_jax.create_engine (paged_jax.data_parallel.DataParallelEngine)")
+                             "replicas with paged_jax.create_engine (paged_jax.parallel.data_parallel.DataParallelEngine)")
         self.engine_args = args
         start = time.perf_counter()
-        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.device_memory), and
+        # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.worker.device_memory), and
         # a multi-host job must be joined before (paged_jax.parallel.multihost).
         reserve_gpu_memory_fraction(args.gpu_memory_utilization)
         start_distributed(args)
@@ -326,7 +326,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
 
     def _add_beam_search(self, request_id: str, prompt_text: str | None, prompt_token_ids: list[int],
                          params: BeamSearchParams, priority: int, arrival: float, monotonic_arrival: float) -> None:
-        """A beam search request (``paged_jax.beam_search``): its beams are forked scheduler requests."""
+        """A beam search request (``paged_jax.engine.beam_search``): its beams are forked scheduler requests."""
         if params.beam_width > self.max_num_seqs:
             raise ValueError(f"beam_width ({params.beam_width}) must be at most max_num_seqs ({self.max_num_seqs})")
         if 2 * params.beam_width > self.runner.max_logprobs:
@@ -399,7 +399,7 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         with ``finished=True``), each the delta since the request's previous one. ``finished_only=True`` (FINAL_ONLY)
         returns just the finished ones: a caller asking only those (``LLM.generate``) gets each generation whole.
         ``stream_deltas``: plain running streams' deltas are appended to these columns instead of being returned
-        (``paged_jax.step_outputs``; the engine process's wire message).
+        (``paged_jax.engine.step_outputs``; the engine process's wire message).
 
         With ``async_scheduling`` the step's own tokens are reported by the next call: this call schedules and
         dispatches step k+1, then (while the device runs it) brings step k's tokens to the host, checks stop

@@ -147,7 +147,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
 
 def generate_main(argv: Sequence[str]) -> int:
     """``paged-jax generate``: ``argv`` are the arguments after ``generate``."""
-    from paged_jax.llm import LLM
+    from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     parser = build_generate_parser()

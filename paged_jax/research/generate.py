@@ -28,7 +28,7 @@ Randomness: row ``b`` of a call uses ``row_key = jax.random.split(rng, B)[b]`` a
 token ``i`` from ``fold_in(row_key, i)``; a row's tokens therefore depend on (model, prompt, rng, row index) and not
 on the other rows (but for one thing: the other rows' top_k / top_p decide whether a step finds the top-k / top-p
 cutoffs among the candidates or by the sort, which can differ by one token where top_p is within float32 rounding
-of a prefix's mass). Sampling is the engine's sampler itself (``paged_jax.sampler.sample``, with the row keys as its
+of a prefix's mass). Sampling is the engine's sampler itself (``paged_jax.worker.sampler.sample``, with the row keys as its
 per-row keys): greedy when temperature < ``SAMPLING_EPS`` (argmax, lowest index on ties), else Gumbel-max on
 ``logits / temperature`` after top-k then top-p. Returned logprobs are those of the raw model distribution
 (``log_softmax(logits)`` at temperature 1, no truncation), like the engine's default.
@@ -51,12 +51,12 @@ from jax.custom_batching import custom_vmap
 
 from models.llama import ReusableAttention
 from models.quantization import compiler_options
-from paged_jax.attention_impl import resolve_attention_impl
+from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel.plan import ShardingPlan
-from paged_jax.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
+from paged_jax.worker.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
 from paged_jax.sampling_params import SAMPLING_EPS
-from paged_jax.top_k import candidates_suffice
+from paged_jax.worker.top_k import candidates_suffice
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -142,7 +142,7 @@ def generate(
         early (pass e.g. ``config.eos_token_ids`` to stop at the model's EOS).
       pad_token_id: static int written after a row finished.
       block_size: static KV page size (tokens per block) of the paged pool.
-      attention_impl: one of ``paged_jax.attention_impl.ATTENTION_IMPLS``: "auto" (Pallas kernels on GPU, jnp
+      attention_impl: one of ``paged_jax.worker.attention_impl.ATTENTION_IMPLS``: "auto" (Pallas kernels on GPU, jnp
         reference elsewhere), "reference", "triton" (Triton lowering; "pallas" is its deprecated name) or "mosaic"
         (Mosaic GPU prefill kernel, Hopper); passed to ``ragged_paged_attention``.
       sharding_plan: static ``paged_jax.parallel.ShardingPlan`` (data_parallel_size 1) whose layout the weights
@@ -217,7 +217,7 @@ def call_with_model_compiler_options(jitted_with, graphdef, states: tuple, *args
 
 def split_model(model) -> tuple[Any, tuple]:
     """``model`` (an NNX module, or ``(graphdef, state, *more_states)`` from ``nnx.split``) as ``(graphdef,
-    states)``; ValueError naming ``model`` otherwise. Shared by ``generate`` and ``paged_jax.scoring``."""
+    states)``; ValueError naming ``model`` otherwise. Shared by ``generate`` and ``paged_jax.research.scoring``."""
     if isinstance(model, nnx.Module):
         graphdef, state = nnx.split(model)
         return graphdef, (state,)
@@ -558,7 +558,7 @@ class _Rows:
 
 
 def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParams):
-    """One token per row by the engine's ``paged_jax.sampler.sample``: (int32[B], raw logprob float32[B])."""
+    """One token per row by the engine's ``paged_jax.worker.sampler.sample``: (int32[B], raw logprob float32[B])."""
     batch_size = logits.shape[0]
     tensors = temperature_top_k_top_p_tensors(row_params.temperature, row_params.top_k, row_params.top_p,
                                               seeds=row_keys, steps=jnp.full((batch_size,), step, jnp.int32))

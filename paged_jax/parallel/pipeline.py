@@ -59,11 +59,11 @@ from jax.sharding import Mesh, NamedSharding
 from models.config import ModelConfig
 from models.llama import matmul_precision, run_decoder_layers
 from models.qk_transform import rope_cos_sin, rope_inv_freq
-from paged_jax.model_runner import ModelRunner
+from paged_jax.worker.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan
-from paged_jax.prompt_logprobs import prompt_logprobs_on_device
-from paged_jax.step_io import apply_block_copies
+from paged_jax.worker.prompt_logprobs import prompt_logprobs_on_device
+from paged_jax.worker.step_io import apply_block_copies
 
 PP_AXIS = "pp"
 
@@ -163,7 +163,7 @@ class PipelinePlan:
         return self.stage_plans[0].rewrite_param(path, value, xp)  # every stage has the same head layout
 
     def wrap_attention(self, attention):
-        raise ValueError("a pipeline-parallel model runs stage by stage (paged_jax.pipeline.PipelineModelRunner), "
+        raise ValueError("a pipeline-parallel model runs stage by stage (paged_jax.parallel.pipeline.PipelineModelRunner), "
                          "not as one call")
 
     def gather_logits(self, logits):
@@ -182,7 +182,7 @@ class PipelinePlan:
 
 
 def load_pipeline_model(args, model_path: str | None, config: ModelConfig, dtype: str, devices, cache_key):
-    """``(model, plan, run_config, memory_config)`` for ``paged_jax.model_loader``: every weight loaded (or restored
+    """``(model, plan, run_config, memory_config)`` for ``paged_jax.worker.model_loader``: every weight loaded (or restored
     from the weights cache under ``cache_key``) straight into its stage's shards."""
     from models import weight_cache
     from models.loader import resolve_dtype

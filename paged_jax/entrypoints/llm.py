@@ -13,11 +13,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
-from paged_jax.chat import chat_prompt_token_ids
+from paged_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
+from paged_jax.entrypoints.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
-from paged_jax.data_parallel import create_engine
-from paged_jax.generation_config import sampling_defaults
+from paged_jax.parallel.data_parallel import create_engine
+from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"{unknown[0]} is not an engine argument (known: {', '.join(sorted(_ENGINE_ARG_NAMES))})")
-        # An LLMEngine, or a DataParallelEngine of data_parallel_size replicas (paged_jax.data_parallel).
+        # An LLMEngine, or a DataParallelEngine of data_parallel_size replicas (paged_jax.parallel.data_parallel).
         self.llm_engine = create_engine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
         self._request_counter = itertools.count()
         # The generation config's sampling defaults (read once: sampling_defaults logs them).
@@ -99,7 +99,7 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
              chat_template: str | None = None, continue_final_message: bool = False,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them (``paged_jax.chat``), then
+        """Apply the tokenizer's chat template to one conversation or a list of them (``paged_jax.entrypoints.chat``), then
         generate.
 
         Args:
@@ -126,7 +126,7 @@ class LLM:
     def beam_search(self, prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict] | dict,
                     params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-        """vLLM's ``LLM.beam_search`` (``paged_jax.beam_search``): per prompt, the best ``params.beam_width``
+        """vLLM's ``LLM.beam_search`` (``paged_jax.engine.beam_search``): per prompt, the best ``params.beam_width``
         sequences (tokens = prompt + output, ``text`` their decoding), best first.
 
         Args:

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paged_jax.detokenizer import IncrementalDetokenizer
+from paged_jax.engine.detokenizer import IncrementalDetokenizer
 from paged_jax.outputs import Logprob, RequestMetrics
-from paged_jax.prompt_logprobs import PromptLogprobsCollector
-from paged_jax.request import Request
+from paged_jax.worker.prompt_logprobs import PromptLogprobsCollector
+from paged_jax.core.request import Request
 from paged_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from paged_jax.beam_search import BeamSearchState
+    from paged_jax.engine.beam_search import BeamSearchState
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -85,7 +85,7 @@ class RequestState:
     @functools.cached_property
     def plain_stream(self) -> bool:
         """One sequence and nothing per token but its ids and text (no logprobs, prompt logprobs, beam search): its
-        running deltas can go as ``paged_jax.step_outputs.StreamDeltas`` rows. Fixed once the request is added."""
+        running deltas can go as ``paged_jax.engine.step_outputs.StreamDeltas`` rows. Fixed once the request is added."""
         if self.beam_search is not None or self.prompt_logprobs is not None or self.params.num_sequences != 1:
             return False
         seq = self.seqs[0]

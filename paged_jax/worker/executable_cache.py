@@ -6,7 +6,7 @@ executable (Python, one at a time under the GIL) just to look it up; for the ste
 (``jax.experimental.serialize_executable``) next to JAX's cache, keyed by a fingerprint of everything the traced
 program depends on, and a later start deserializes it without tracing at all:
 
-* ``AheadOfTimeFunction`` wraps one of the runner's ``jax.jit`` functions. The warm-up (``paged_jax.warm_up``) puts
+* ``AheadOfTimeFunction`` wraps one of the runner's ``jax.jit`` functions. The warm-up (``paged_jax.worker.warm_up``) puts
   every executable it compiles or loads into its table, keyed by the static arguments and the shapes of the
   arguments whose shape varies; a call with a key in the table runs that executable (``jax.stages.Compiled``: the
   same C++ dispatch path, donation and shardings as ``jax.jit``), any other call goes to the jitted function, whose
@@ -352,7 +352,7 @@ def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction
     lowered and compiled (and saved unless JAX loaded it from its persistent cache); put into ``function``'s table
     and returned. ``seconds`` (optional): its ``"lower"`` entry grows by the time spent tracing and lowering
     (Python, under the GIL: what concurrent compiles cannot overlap). ``lowering_turn`` (optional): a context
-    manager (reusable) entered around tracing and lowering only (e.g. ``paged_jax.warm_up``'s turn of one thread at
+    manager (reusable) entered around tracing and lowering only (e.g. ``paged_jax.worker.warm_up``'s turn of one thread at
     a time); the time waiting for it is not counted in ``seconds``."""
     static = static or {}
     compiled = cache.load(function.name, args, static) if cache is not None else None

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from paged_jax import sampler as sampler_lib
-from paged_jax.buckets import MAX_BLOCK_COPIES
+from paged_jax.worker import sampler as sampler_lib
+from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.ops.block_copy import copy_blocks
 
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.outputs import PromptLogprobs, make_logprob_dict
-from paged_jax.sampler import raw_logprob_outputs
-from paged_jax.step_io import PromptLogprobsChunk
+from paged_jax.worker.sampler import raw_logprob_outputs
+from paged_jax.worker.step_io import PromptLogprobsChunk
 
 # Rows of float32 logits materialized at once (the KV pool's sizing leaves room for a few such chunks).
 LOGITS_CHUNK_ROWS = 256

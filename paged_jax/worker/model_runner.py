@@ -17,7 +17,7 @@ dispatched back to back without a host sync:
   widest seq bucket (kept on device: the next step may take its decode inputs from them) and logprobs.
 
 A third, ``_prompt_logprobs`` (compiled per token bucket T), runs only on steps where some chunk asked for prompt
-logprobs (``paged_jax.prompt_logprobs``): it takes the forward's hidden states of all T tokens (the forward always
+logprobs (``paged_jax.worker.prompt_logprobs``): it takes the forward's hidden states of all T tokens (the forward always
 returns them; other steps drop them unread) and that step's prompt-logprob targets, a second small transfer.
 
 Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
@@ -39,14 +39,14 @@ from flax import nnx
 from models.config import ModelConfig
 from models.llama import ReusableAttention
 from models.quantization import compiler_options
-from paged_jax import sampler as sampler_lib
-from paged_jax import warm_up as warm_up_lib
-from paged_jax.executable_cache import AheadOfTimeFunction
-from paged_jax.buckets import MAX_SWAP_CHUNK, make_buckets, sampler_rows_for, swap_sizes_for
-from paged_jax.prompt_logprobs import prompt_logprobs_on_device
-from paged_jax.step_dispatch import StepDispatchMixin, DeferredSampling
+from paged_jax.worker import sampler as sampler_lib
+from paged_jax.worker import warm_up as warm_up_lib
+from paged_jax.worker.executable_cache import AheadOfTimeFunction
+from paged_jax.worker.buckets import MAX_SWAP_CHUNK, make_buckets, sampler_rows_for, swap_sizes_for
+from paged_jax.worker.prompt_logprobs import prompt_logprobs_on_device
+from paged_jax.worker.step_dispatch import StepDispatchMixin, DeferredSampling
 from paged_jax.core.sched_output import SchedulerOutput
-from paged_jax.step_io import PendingStep, SamplerVariant, StepLayout, apply_block_copies
+from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout, apply_block_copies
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops import write_and_attend
@@ -75,7 +75,7 @@ class ModelRunner(StepDispatchMixin):
       max_num_seqs / max_num_batched_tokens: the largest step (sets the buckets).
       num_host_blocks: host swap pool blocks (0: no swapping).
       eos_token_ids: banned (with stop_token_ids) while a row is below its min_tokens.
-      attention_impl: one of ``paged_jax.attention_impl.ATTENTION_IMPLS``, passed to ``ragged_paged_attention``.
+      attention_impl: one of ``paged_jax.worker.attention_impl.ATTENTION_IMPLS``, passed to ``ragged_paged_attention``.
       buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
       max_logprobs: the top-logprob width of the compiled logprob variants (requests may ask for up to this many).
       device: where the pool lives (default ``jax.devices()[0]``); ignored with ``sharding_plan``.
@@ -223,7 +223,7 @@ class ModelRunner(StepDispatchMixin):
 
     def _build_jitted(self) -> None:
         graphdef, state_treedef = self._graphdef, self._state_treedef
-        # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.executable_cache),
+        # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.worker.executable_cache),
         # keyed by its static arguments and the shapes of the arguments listed.
         self._forward = AheadOfTimeFunction(
             "forward", jax.jit(self._forward_fn(), static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,),
@@ -328,10 +328,10 @@ class ModelRunner(StepDispatchMixin):
 
     # ------------------------------------------------------------------ warm-up
     def warm_up(self, use_tqdm: bool = True, threads: int | None = None) -> None:
-        """Compile every executable once (``paged_jax.warm_up``: concurrently on ``threads`` threads, default
+        """Compile every executable once (``paged_jax.worker.warm_up``: concurrently on ``threads`` threads, default
         ``$PAGED_JAX_COMPILE_THREADS`` or the CPU count, then one padding-only run of each); afterwards nothing
         compiles again (``num_compiles_since_warmup``). ``warm_up_timings``: seconds per phase and the thread count
-        (``paged_jax.warm_up.warm_up``)."""
+        (``paged_jax.worker.warm_up.warm_up``)."""
         self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
         self._compiles_at_warmup = self.num_compiles()
 
@@ -349,7 +349,7 @@ class ModelRunner(StepDispatchMixin):
         a row's block table does not cover its tokens, the step exceeds the largest bucket, or a diff names a request
         the batch cannot serve.
 
-        A step with grammar rows goes in two halves (``paged_jax.step_dispatch``): the forward, then, while it runs,
+        A step with grammar rows goes in two halves (``paged_jax.worker.step_dispatch``): the forward, then, while it runs,
         the grammar bitmask is filled and mask + sampler are dispatched. ``defer_sampling`` (async scheduling)
         returns after the forward: the caller first advances the grammars with the previous step's tokens (fetched
         while this forward runs), then calls ``dispatch_sampling(handle)``. Without a grammar row the whole step is

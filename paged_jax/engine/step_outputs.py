@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.sequence_group import RequestState, SequenceState, reported_sequences
+from paged_jax.engine.sequence_group import RequestState, SequenceState, reported_sequences
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(tuple[list[str], list[list[int]], list[str], list[int]])

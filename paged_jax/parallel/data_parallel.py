@@ -31,10 +31,10 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from paged_jax.config import EngineArgs
-from paged_jax.kv_cache_manager import hash_block_tokens
+from paged_jax.core.kv_cache_manager import hash_block_tokens
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.step_outputs import StreamDeltas
+from paged_jax.engine.step_outputs import StreamDeltas
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def create_engine(engine_args: EngineArgs, *, use_tqdm: bool = True):
     ``data_parallel_size > 1``."""
     if engine_args.data_parallel_size > 1:
         return DataParallelEngine(engine_args, use_tqdm=use_tqdm)
-    from paged_jax.engine import LLMEngine
+    from paged_jax.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_args, use_tqdm=use_tqdm)
 
@@ -79,7 +79,7 @@ class DataParallelEngine:
     """
 
     def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None):
-        from paged_jax.engine import LLMEngine
+        from paged_jax.engine.llm_engine import LLMEngine
         from paged_jax.parallel.multihost import start_distributed
 
         if start_distributed(engine_args):

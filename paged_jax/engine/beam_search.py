@@ -33,9 +33,9 @@ import math
 from collections.abc import Callable, Collection
 
 from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.request import Request
+from paged_jax.core.request import Request
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
-from paged_jax.sequence_group import RequestState, SequenceState, child_seed
+from paged_jax.engine.sequence_group import RequestState, SequenceState, child_seed
 
 
 @dataclasses.dataclass

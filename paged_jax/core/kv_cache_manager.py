@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from paged_jax.request import Request
+from paged_jax.core.request import Request
 
 NULL_BLOCK_ID = 0
 _ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)

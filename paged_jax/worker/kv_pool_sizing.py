@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from paged_jax.device_memory import usable_device_bytes
-from paged_jax.prompt_logprobs import LOGITS_CHUNK_ROWS
+from paged_jax.worker.device_memory import usable_device_bytes
+from paged_jax.worker.prompt_logprobs import LOGITS_CHUNK_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
     ``gpu_memory_utilization * total - bytes_in_use`` (measured after the weights are placed) minus headroom for
     the largest step's activations and logits, divided by the per-block size; ``total`` and the allocator cap come
-    from ``memory_stats()`` (``paged_jax.device_memory.usable_device_bytes``). CPU (no memory stats): enough for
+    from ``memory_stats()`` (``paged_jax.worker.device_memory.usable_device_bytes``). CPU (no memory stats): enough for
     ``max_num_seqs`` full-length sequences, capped at ``cpu_pool_cap_bytes``. ``num_blocks_override`` wins.
 
     ``weight_bytes`` (the loaded weights' bytes on ``device``, ``device_bytes(model, device)``) replaces the

@@ -5,7 +5,7 @@ swap-copy size, compiled once, none of them afterwards.
 Two phases:
 
 1. Compile or load, on ``PAGED_JAX_COMPILE_THREADS`` threads: each executable is loaded from the executable cache
-   (``paged_jax.executable_cache``: a warm start neither traces nor lowers) or traced, lowered and compiled ahead of
+   (``paged_jax.worker.executable_cache``: a warm start neither traces nor lowers) or traced, lowered and compiled ahead of
    time (``jitted.lower(...).compile()``, then saved there) from abstract inputs (``jax.ShapeDtypeStruct`` with the
    very shardings the real inputs have), and put into its ``AheadOfTimeFunction``'s table, which the runner's calls
    use. XLA compiles release the GIL, so they overlap; tracing and lowering (Python) run one job at a time,
@@ -35,8 +35,8 @@ import time
 import jax
 import numpy as np
 
-from paged_jax import sampler as sampler_lib
-from paged_jax.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
+from paged_jax.worker import sampler as sampler_lib
+from paged_jax.worker.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
 
 logger = logging.getLogger(__name__)
 

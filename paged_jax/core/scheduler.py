@@ -34,11 +34,11 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from paged_jax.buckets import MAX_BLOCK_COPIES
+from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.core.sched_output import (CachedRequestData, NewRequestData, SchedulerOutput, append_cached_request,
                                          new_request_data)
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
 
 
 @dataclasses.dataclass

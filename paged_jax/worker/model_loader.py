@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paged_jax import generation_config as gen_config
+from paged_jax.engine import generation_config as gen_config
 from paged_jax.config import EngineArgs
-from paged_jax.pipeline import load_pipeline_model
+from paged_jax.parallel.pipeline import load_pipeline_model
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
         # One matmul for q/k/v and one for gate/up per layer (before the KV pool is sized from free memory).
         model = fuse_projections(model)
         if quant.config is not None and (not quant.config.serialized or args.load_format == "dummy"):
-            from paged_jax.device_memory import place_contiguously
+            from paged_jax.worker.device_memory import place_contiguously
 
             place_contiguously(model)  # quantized on the device: the freed full-precision buffers split free memory
         return model
