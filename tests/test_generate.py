@@ -475,3 +475,15 @@ def test_fused_projection_model_generates_the_same_tokens(tiny_greedy):
     out = generate(fused, TINY_PROMPTS, TINY_LENGTHS, max_new_tokens=NUM_NEW)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(tiny_greedy.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(tiny_greedy.logprobs), atol=1e-5)
+
+
+def test_package_exports_the_generate_function():
+    """``from paged_jax import generate`` is the function, also once its module has been imported."""
+    import importlib
+
+    import paged_jax
+
+    module = importlib.import_module("paged_jax.research.generate")
+    from paged_jax import generate as exported
+
+    assert callable(exported) and exported is module.generate and paged_jax.generate is module.generate
