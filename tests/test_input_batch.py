@@ -11,6 +11,7 @@ from paged_jax.worker import sampler as sampler_lib
 from paged_jax.core.sched_output import CachedRequestData, NewRequestData
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
+from paged_jax.worker.step_packing import _pack_sampling
 
 MAX_LEN, MAX_BLOCKS, VOCAB = 64, 8, 1000
 
@@ -116,8 +117,31 @@ def test_precomputed_sampling_words_pack_as_the_general_path(seed):
     assert sampler_lib.MODE_ORDER[max(ranks)] == mode
 
 
-def test_rows_with_bans_penalties_or_bias_take_the_general_path():
-    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=3),
-                   SamplingParams(logit_bias={5: 1.0}), SamplingParams(allowed_token_ids=[1, 2])):
+def test_rows_with_penalties_or_bias_take_the_general_path():
+    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(logit_bias={5: 1.0}),
+                   SamplingParams(allowed_token_ids=[1, 2])):
         _, rank, general = sampler_lib.sampling_row_words(params, 0, 4, eos_token_ids=[2], vocab_size=VOCAB)
         assert general, params
+
+
+def test_min_tokens_bans_eos_only_below_it():
+    """A min_tokens row takes the general path (EOS and stop ids banned) while below min_tokens, the fast path after;
+    the other rows' words are the same either way."""
+    rng = random.Random(3)
+    batch = InputBatch(4, MAX_LEN, MAX_BLOCKS, eos_token_ids=[2], vocab_size=VOCAB)
+    for req_id, params in (("a", SamplingParams(temperature=0.7, min_tokens=2, stop_token_ids=[7])),
+                           ("b", SamplingParams(temperature=0.0))):
+        new = new_request(req_id, rng)
+        new.params, new.output_token_ids = params, []
+        batch.add(new)
+    rows = np.arange(2)
+    sampled = np.ones(2, bool)
+    for num_outputs, banned in ((0, [2, 7]), (1, [2, 7]), (2, []), (5, [])):
+        ends = batch.num_prompt_tokens[rows] + num_outputs
+        out = np.zeros(2 * sampler_lib.SAMPLING_WORDS_PER_ROW, np.int32)
+        packed = _pack_sampling(batch, rows, sampled, ends, out, 2, max_logprobs=5)
+        bans = out[len(sampler_lib.SAMPLING_WIRE_FIELDS) * 2:].reshape(2, sampler_lib.BANNED_WIDTH)
+        assert sorted(b for b in bans[0].tolist() if b >= 0) == banned
+        assert (bans[1] == -1).all()
+        assert packed["mode"] == (sampler_lib.SamplingMode.FULL if banned
+                                  else sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE)

@@ -139,6 +139,18 @@ def test_n8_computes_the_prompt_once_and_shares_its_blocks(engine, long_prompt):
     assert_clean(engine)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_fork_step_whose_tokens_equal_its_rows_feeds_every_prompt_token(engine, long_prompt, n):
+    """A prompt of n tokens forks n - 1 children in the step that computes it: that step has as many tokens as rows
+    (the fork rows carry none), yet it is no all-decode step. Greedy, every sequence equals the n = 1 output."""
+    prompt = long_prompt[:n]
+    alone = run_to_completion(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                              prefix=f"alone{n}-")[0]
+    forked = run_to_completion(engine, [prompt], SamplingParams(n=n, temperature=0.0, max_tokens=6, ignore_eos=True),
+                               prefix=f"forked{n}-")[0]
+    assert [list(c.token_ids) for c in forked.outputs] == [list(alone.outputs[0].token_ids)] * n
+
+
 def test_best_of_returns_the_top_cumulative_logprobs(engine, long_prompt):
     prompt = long_prompt[:40]
     all_four = run_to_completion(engine, [prompt], SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6,

@@ -351,6 +351,8 @@ class Scheduler:
                 for child in request.pending_forks:
                     forks.append((new_request_data(child), request.request_id))
                     fork_requests.append(child)
+                    if child.grammar is not None:  # its first token is sampled in this step
+                        grammars[child.request_id] = child.grammar
         finished, self._finished_rows = self._finished_rows, []
         return SchedulerOutput(
             scheduled_cached_reqs=cached, scheduled_new_reqs=new_reqs,
@@ -470,8 +472,9 @@ class Scheduler:
 
     def replace_last_token(self, request: Request, token: int) -> None:
         """Beam search: make ``token`` the request's last output token (its K/V is not computed yet)."""
+        if request.runner_num_tokens >= request.num_tokens:  # the runner appends tokens; it must not have it yet
+            raise RuntimeError(f"replace_last_token: the last token of {request.request_id!r} was already sent")
         request.output_token_ids[-1] = int(token)
-        request.runner_num_tokens = min(request.runner_num_tokens, request.num_tokens - 1)
         self.kv.invalidate_block_hashes(request, request.num_tokens - 1)
 
     def resume(self, request: Request) -> None:

@@ -25,10 +25,13 @@ class InputBatch:
 
     Per row (arrays of ``max_num_reqs`` rows; ``num_rows`` leading rows are in use):
       token_ids: int32[N, max_model_len] the prompt, then the outputs fed so far (``PLACEHOLDER_TOKEN`` where a
-        token was still on the device when it was fed); num_tokens int32[N] how many; num_prompt_tokens int32[N].
-      block_table: int32[N, max_blocks_per_seq]; num_blocks int32[N].
+        token was still on the device when it was fed, and stays so: rows whose sampling reads their outputs
+        (penalties, bad words) are always fed real tokens, the engine waits for them); num_tokens int64[N] how
+        many; num_prompt_tokens int64[N].
+      block_table: int32[N, max_blocks_per_seq]; num_blocks int64[N].
       sampling_words: int32[N, len(SAMPLING_WIRE_FIELDS)]; mode_rank int8[N] (index in ``sampler.MODE_ORDER``);
-      general_sampling: bool[N] (rows whose steps may need ``build_sampling_tensors``); min_tokens int32[N];
+      general_sampling: bool[N] (rows whose steps need ``build_sampling_tensors``); min_tokens int64[N] (below it
+      a step needs it too);
       num_logprobs: int32[N] top logprobs wanted (-1: no logprob at all).
       lora_int_id: int32[N]; prompt_logprobs: bool[N].
       prev_sample: int32[N] the packed row of the previous step that sampled this row's token (-1: none).

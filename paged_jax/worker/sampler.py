@@ -445,14 +445,14 @@ def sampling_row_words(params: SamplingParams, seed: int, num_prompt_tokens: int
                        vocab_size: int) -> tuple[np.ndarray, int, bool]:
     """A request's sampling row, computed once when the runner's batch takes it: (int32[len(SAMPLING_WIRE_FIELDS)]
     its vector words (``steps`` left 0: set per step), the index in ``MODE_ORDER`` of the cheapest mode serving it,
-    whether some steps need the general ``build_sampling_tensors`` (penalty history, bans, the bias table))."""
+    whether its steps need the general ``build_sampling_tensors`` (penalty history, bad words, the bias table; the
+    steps below ``min_tokens`` need it too, which the caller checks per step))."""
     tensors, mode = build_sampling_tensors([(params, seed, params.min_tokens, (), ())], 1,
                                            eos_token_ids=eos_token_ids, vocab_size=vocab_size)
     words = np.array([np.asarray(getattr(tensors, name))[:1].view(np.int32)[0] for name in SAMPLING_WIRE_FIELDS],
                      np.int32)
     words[SAMPLING_WIRE_FIELDS.index("prompt_len")] = num_prompt_tokens
-    needs_general = (params.uses_penalties or params.uses_bias_table or params.min_tokens > 0
-                     or bool(params.bad_words_token_ids))
+    needs_general = params.uses_penalties or params.uses_bias_table or bool(params.bad_words_token_ids)
     return words, MODE_ORDER.index(mode), needs_general
 
 

@@ -42,10 +42,10 @@ class PackedStep:
       buf: int32[layout.size] the step buffer; bucket_tokens / bucket_seqs: its bucket.
       history: int32[R, max_model_len] penalty history, or None; bias_table: int32[R, W], or None.
       mode / num_logprobs / wants_logprobs: the sampler variant.
-      rows_to_packed: int64[n] packed index of each step row; sampled: bool[n] rows that sample.
+      rows_to_packed: int64[n] packed index of each step row; sampled: bool[n] rows that sample (step order).
       prompt_targets: int32[T] prompt-logprob targets, or None; prompt_spans: per step row ``(first packed token,
         count)`` or None.
-      sample_rows: batch rows of the sampling rows in packed order (-1 elsewhere), int64[n].
+      packed_batch_rows: int64[n] the batch row of each packed row; packed_sampled: bool[n] whether it samples.
     """
 
     buf: np.ndarray
@@ -117,7 +117,7 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
         logits_indices[num_rows - num_forks + fork_row] = cu[rows_to_packed[parent]] - 1
     pack_block_copies(block_copies, views["copy_src"], views["copy_dst"], num_blocks)
 
-    if num_tokens == num_rows:  # all decodes: one token per row at position kv_len - 1
+    if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
         token_rows, token_batch_rows, positions = np.arange(num_rows), batch_rows, starts
     else:
         token_rows = np.repeat(np.arange(num_rows), q_lens)
@@ -182,7 +182,8 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
     wanted = batch.num_logprobs[sample_rows]
     wants_logprobs = bool((wanted >= 0).any())
     wants_top = bool((wanted > 0).any())
-    general = batch.general_sampling[sample_rows]
+    # Rows below their min_tokens ban stop ids and EOS; others that need the general path need it every step.
+    general = batch.general_sampling[sample_rows] | (steps[sampled] < batch.min_tokens[sample_rows])
     history = bias_table = None
     if general.any():
         rows = [_general_row(batch, int(row), int(step)) if s else None
@@ -208,8 +209,15 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
 
 
 def _general_row(batch: InputBatch, row: int, step: int):
-    """``build_sampling_tensors``' row tuple of a batch row sampling its output ``step``."""
-    return (batch.params[row], batch.seeds[row], step, batch.prompt_token_ids(row), batch.output_token_ids(row))
+    """``build_sampling_tensors``' row tuple of a batch row sampling its output ``step``; its tokens only when the
+    sampler reads them (penalties read the prompt and outputs, bad words the outputs)."""
+    params = batch.params[row]
+    if params is None:  # a row without parameters of its own samples greedily, as padding does
+        return None
+    if params.uses_penalties:
+        return params, batch.seeds[row], step, batch.prompt_token_ids(row), batch.output_token_ids(row)
+    outputs = batch.output_token_ids(row) if params.bad_words_token_ids else ()
+    return params, batch.seeds[row], step, (), outputs
 
 
 _PADDING_WORDS = sampler_lib.padding_row_words()
