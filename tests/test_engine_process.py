@@ -177,7 +177,7 @@ def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
     finally:
         client.close()
     err = capfd.readouterr().err
-    stages = [r"\(EngineCore pid=\d+\) paged_jax\.engine: Loading model " + re.escape(model_dir),
+    stages = [r"\(EngineCore pid=\d+\) paged_jax\.engine\.llm_engine: Loading model " + re.escape(model_dir),
               r"model weights ready in \d+\.\d+ s",
               r"KV cache: \d+ blocks x 16 tokens = \d+ tokens .*max_model_len 256",
               r"Compiling \d+ step executables \(\d+ step shapes\)",
