@@ -1,15 +1,13 @@
 """Steps built by hand for a ``ModelRunner`` driven without the scheduler (tests, kernels-in-the-engine benchmarks):
 requests keep the block tables they are given, each step names how many new tokens each request computes, and the
-``SchedulerOutput`` diffs come from the same builders the scheduler uses (``new_request_data``,
-``append_cached_request``)."""
+``SchedulerOutput`` diffs come from the scheduler's own builder (``StepBuilder``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from paged_jax.core.sched_output import (PLACEHOLDER_TOKEN, CachedRequestData, SchedulerOutput,
-                                         append_cached_request, new_request_data)
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput, StepBuilder
 from paged_jax.core.request import Request
 
 
@@ -42,30 +40,19 @@ class HandScheduler:
         """The step computing ``num_new_tokens[req_id]`` tokens of each named request (in this order; held rows
         first, as the scheduler orders them); ``forks``: parent -> ids of children (added before) whose first token
         is sampled from the parent's last token of this step."""
-        cached, new_reqs, rows, new_rows = CachedRequestData(), [], [], []
+        builder = StepBuilder()
         for req_id, num_new in num_new_tokens.items():
             request = self.requests[req_id]
-            num_tokens = request.num_tokens
-            if request.num_computed_tokens + num_new > num_tokens:
-                raise ValueError(f"{req_id!r}: {num_new} new tokens, but only {num_tokens} are known")
-            samples = request.num_computed_tokens + num_new == num_tokens
-            if request.runner_num_tokens < 0:
-                new_reqs.append(new_request_data(request))
-                new_rows.append((request, num_new, samples))
-            else:
-                append_cached_request(cached, request, num_tokens)
-                rows.append((request, num_new, samples))
-        rows += new_rows
-        fork_rows = [(new_request_data(self.requests[child]), parent)
-                     for parent, children in (forks or {}).items() for child in children]
+            if request.num_computed_tokens + num_new > request.num_tokens:
+                raise ValueError(f"{req_id!r}: {num_new} new tokens, but only {request.num_tokens} are known")
+            builder.add(request, num_new)
+        for parent, children in (forks or {}).items():
+            for child in children:
+                builder.add_fork(self.requests[child], parent)
+        builder.grammars.update(grammars or {})
         finished, self._finished = self._finished, []
-        return SchedulerOutput(
-            scheduled_cached_reqs=cached, scheduled_new_reqs=new_reqs,
-            num_scheduled_tokens=[n for _, n, _ in rows], fork_rows=fork_rows, finished_req_ids=finished,
-            preempted_req_ids=[], block_copies=list(block_copies), swap_out=list(swap_out), swap_in=list(swap_in),
-            grammars=dict(grammars or {}), requests=[r for r, _, _ in rows] + [
-                self.requests[child.req_id] for child, _ in fork_rows],
-            samples=[s for _, _, s in rows] + [True] * len(fork_rows))
+        return builder.build(finished_req_ids=finished, preempted_req_ids=[], block_copies=list(block_copies),
+                             swap_out=list(swap_out), swap_in=list(swap_in))
 
     def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int] | None) -> None:
         """Advance each row's computed tokens and append its sampled token (``PLACEHOLDER_TOKEN`` for each when

@@ -185,3 +185,56 @@ def append_cached_request(cached: CachedRequestData, request: Request, num_token
     cached.num_computed_tokens.append(request.num_computed_tokens)
     request.runner_num_tokens = num_tokens
     request.runner_num_blocks = len(block_ids)
+
+
+class StepBuilder:
+    """Builds one step's ``SchedulerOutput`` row by row (the scheduler's, and ``hand_steps``' for tests and
+    benchmarks): a request's whole row the first time, afterwards only what its row lacks; rows come out as the
+    runner's, then new ones, then fork rows."""
+
+    def __init__(self) -> None:
+        self.cached = CachedRequestData()
+        self.new_reqs: list[NewRequestData] = []
+        self._cached_columns: tuple[list, list, list] = ([], [], [])  # requests, new tokens, samples
+        self._new_columns: tuple[list, list, list] = ([], [], [])
+        self.forks: list[tuple[NewRequestData, str]] = []
+        self._fork_requests: list[Request] = []
+        self.grammars: dict[str, Any] = {}
+
+    def add(self, request: Request, num_new: int) -> bool:
+        """Add ``request`` computing ``num_new`` tokens from its ``num_computed_tokens``; returns whether the row
+        samples (the step reaches the end of its known tokens)."""
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        samples = request.num_computed_tokens + num_new == num_tokens
+        if request.runner_num_tokens < 0:
+            self.new_reqs.append(new_request_data(request))
+            columns = self._new_columns
+        else:
+            append_cached_request(self.cached, request, num_tokens)
+            columns = self._cached_columns
+        columns[0].append(request)
+        columns[1].append(num_new)
+        columns[2].append(samples)
+        if request.grammar is not None:
+            self.grammars[request.request_id] = request.grammar
+        return samples
+
+    def add_fork(self, child: Request, parent_id: str) -> None:
+        """A fork row: ``child``'s row is made and samples its first token from ``parent_id``'s last token."""
+        self.forks.append((new_request_data(child), parent_id))
+        self._fork_requests.append(child)
+        if child.grammar is not None:  # its first token is sampled in this step
+            self.grammars[child.request_id] = child.grammar
+
+    def build(self, *, finished_req_ids: list[str], preempted_req_ids: list[str],
+              block_copies: list[tuple[int, int]], swap_out: list[tuple[int, int]],
+              swap_in: list[tuple[int, int]]) -> SchedulerOutput:
+        """The step, with what the builder's caller collected besides its rows."""
+        (requests, num_new, samples), (new_requests, new_num_new, new_samples) = (self._cached_columns,
+                                                                                  self._new_columns)
+        return SchedulerOutput(
+            scheduled_cached_reqs=self.cached, scheduled_new_reqs=self.new_reqs,
+            num_scheduled_tokens=num_new + new_num_new, fork_rows=self.forks, finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids, block_copies=block_copies, swap_out=swap_out, swap_in=swap_in,
+            grammars=self.grammars, requests=requests + new_requests + self._fork_requests,
+            samples=samples + new_samples + [True] * len(self.forks))

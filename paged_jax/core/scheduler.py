@@ -35,8 +35,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from paged_jax.worker.buckets import MAX_BLOCK_COPIES
-from paged_jax.core.sched_output import (CachedRequestData, NewRequestData, SchedulerOutput, append_cached_request,
-                                         new_request_data)
+from paged_jax.core.sched_output import SchedulerOutput, StepBuilder
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
 
@@ -322,45 +321,16 @@ class Scheduler:
         return num_new
 
     def _build_output(self, step: "_StepPlan") -> SchedulerOutput:
-        """The step as the runner's diff: the rows it holds, then new rows, then fork rows; a request's row is sent
-        whole the first time, later only the tokens and block ids it lacks."""
-        cached = CachedRequestData()
-        new_reqs: list[NewRequestData] = []
-        # Columns of the cached rows, then of the new ones: (request, new tokens, samples).
-        requests, num_scheduled, samples_of = [], [], []
-        new_requests, new_num_scheduled, new_samples = [], [], []
-        forks: list[tuple[NewRequestData, str]] = []
-        fork_requests: list[Request] = []
-        grammars = {}
+        """The step as the runner's diff (``StepBuilder``), fork rows after the request that samples its first
+        token."""
+        builder = StepBuilder()
         for request, num_new in step.planned.values():
-            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            samples = request.num_computed_tokens + num_new == num_tokens
-            if request.runner_num_tokens < 0:
-                new_reqs.append(new_request_data(request))
-                new_requests.append(request)
-                new_num_scheduled.append(num_new)
-                new_samples.append(samples)
-            else:
-                append_cached_request(cached, request, num_tokens)
-                requests.append(request)
-                num_scheduled.append(num_new)
-                samples_of.append(samples)
-            if request.grammar is not None:
-                grammars[request.request_id] = request.grammar
-            if samples and request.pending_forks:
+            if builder.add(request, num_new) and request.pending_forks:
                 for child in request.pending_forks:
-                    forks.append((new_request_data(child), request.request_id))
-                    fork_requests.append(child)
-                    if child.grammar is not None:  # its first token is sampled in this step
-                        grammars[child.request_id] = child.grammar
+                    builder.add_fork(child, request.request_id)
         finished, self._finished_rows = self._finished_rows, []
-        return SchedulerOutput(
-            scheduled_cached_reqs=cached, scheduled_new_reqs=new_reqs,
-            num_scheduled_tokens=num_scheduled + new_num_scheduled, fork_rows=forks,
-            finished_req_ids=finished, preempted_req_ids=step.preempted,
-            block_copies=self.kv.take_block_copies(), swap_out=step.swap_out, swap_in=step.swap_in,
-            grammars=grammars, requests=requests + new_requests + fork_requests,
-            samples=samples_of + new_samples + [True] * len(forks))
+        return builder.build(finished_req_ids=finished, preempted_req_ids=step.preempted,
+                             block_copies=self.kv.take_block_copies(), swap_out=step.swap_out, swap_in=step.swap_in)
 
     def _preempt_lower_priority(self, request: Request, step: "_StepPlan") -> bool:
         """policy="priority": preempt the least important running request if it ranks strictly below ``request``."""
