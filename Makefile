@@ -45,8 +45,9 @@ test-all: $(TEST_STAMP)
 	$(PY) -m models.smollm2
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
+# `make serve ARGS="--port 9000 --max-model-len 1024"`: flags of `paged-jax serve` (later ones win).
 serve: model
-	$(PY) -m serving --host 127.0.0.1 --port 8000
+	$(PY) -m serving --host 127.0.0.1 --port 8000 $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -367,3 +367,15 @@ def test_entrypoint_runs_serve_on_every_interface(tmp_path):
     run = subprocess.run(["sh", str(entrypoint), "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "usage: paged-jax serve" in run.stdout and "--metrics-prefix" in run.stdout
+
+
+def test_make_serve_passes_args_to_the_server():
+    """``make serve ARGS=...`` hands the flags to ``python -m serving`` after the defaults (argparse: the last wins)."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    dry_run = subprocess.run(["make", "-n", "-C", str(root), "serve", "ARGS=--port 9000 --max-model-len 1024"],
+                             capture_output=True, text=True, check=True).stdout
+    serve_line = next(line for line in dry_run.splitlines() if "-m serving" in line)
+    assert serve_line.rstrip().endswith("--port 8000 --port 9000 --max-model-len 1024")
