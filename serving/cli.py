@@ -42,7 +42,14 @@ from serving.tool_parsers import TOOL_PARSERS
 from serving.settings import app_kwargs, engine_args_from_namespace, server_settings, uvicorn_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_USAGE = "usage: paged-jax {serve,generate} ...\n"
+_USAGE = """usage: paged-jax {serve,generate} ...
+
+commands:
+  serve [MODEL] [flags]   the OpenAI-compatible server (vLLM's `vllm serve`); `paged-jax serve --help` for flags
+  generate [flags]        complete prompts offline and print them; `paged-jax generate --help` for flags
+
+docs/cli.md lists every flag with its default.
+"""
 
 
 def json_string_list(flag: str):

@@ -548,3 +548,18 @@ def test_accepted_vllm_flags_with_nothing_to_change_say_so(caplog):
         assert caplog.text == ""
         EngineArgs(enforce_eager=True, trust_remote_code=True).log_compatibility_notes()
     assert "enforce_eager: nothing to change" in caplog.text and "trust_remote_code: nothing to change" in caplog.text
+
+
+def test_top_level_help_lists_each_command():
+    """``paged-jax --help`` names every subcommand with a line saying what it does."""
+    import contextlib
+    import io
+
+    from serving.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--help"]) == 0
+    lines = out.getvalue().splitlines()
+    for command in ("serve", "generate"):
+        assert any(line.strip().startswith(command + " ") and len(line.split()) > 3 for line in lines), command
