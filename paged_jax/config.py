@@ -155,8 +155,17 @@ class EngineArgs:
                     else list(self.served_model_name))
         return [self.model] if self.model is not None else []
 
-    def log_compatibility_notes(self) -> None:
-        """One log line for each vLLM flag that is accepted but has nothing to change here."""
+    def log_compatibility_notes(self, on_accelerator: bool = True) -> None:
+        """One log line for each vLLM flag that is accepted but has nothing to change here, and one warning for each
+        flag set to a value that cannot act in this setting (``on_accelerator``: the engine runs on a GPU)."""
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        if not on_accelerator and self.gpu_memory_utilization != defaults["gpu_memory_utilization"]:
+            logger.warning("gpu_memory_utilization=%s has no effect on the CPU: the KV pool there holds max_num_seqs "
+                           "full-length sequences, at most 1 GiB (num_gpu_blocks_override sets it)",
+                           self.gpu_memory_utilization)
+        if self.swap_space != defaults["swap_space"] and self.preemption_mode != "swap":
+            logger.warning("swap_space=%s has no effect with preemption_mode=%r: host swap space is used only with "
+                           "preemption_mode='swap' (--preemption-mode swap)", self.swap_space, self.preemption_mode)
         if self.enforce_eager:
             logger.info("enforce_eager: nothing to change: JAX compiles every step shape at start-up and runs the "
                         "compiled executables; there is no eager mode (nor CUDA graphs) to fall back to")

@@ -550,6 +550,23 @@ def test_accepted_vllm_flags_with_nothing_to_change_say_so(caplog):
     assert "enforce_eager: nothing to change" in caplog.text and "trust_remote_code: nothing to change" in caplog.text
 
 
+def test_flags_that_cannot_act_here_warn_once_each(caplog):
+    """GPU memory on the CPU, swap space without swap preemption: a warning naming the flag; none by default or
+    where the flag acts."""
+    from paged_jax.config import EngineArgs
+
+    with caplog.at_level(logging.INFO, logger="paged_jax.config"):
+        EngineArgs().log_compatibility_notes(on_accelerator=False)
+        EngineArgs(gpu_memory_utilization=0.5).log_compatibility_notes(on_accelerator=True)
+        EngineArgs(swap_space=8, preemption_mode="swap").log_compatibility_notes(on_accelerator=False)
+        assert caplog.text == ""
+        EngineArgs(gpu_memory_utilization=0.5, swap_space=8).log_compatibility_notes(on_accelerator=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert warnings[0].startswith("gpu_memory_utilization=0.5 has no effect on the CPU")
+    assert warnings[1].startswith("swap_space=8 has no effect with preemption_mode='recompute'")
+
+
 def test_top_level_help_lists_each_command():
     """``paged-jax --help`` names every subcommand with a line saying what it does."""
     import contextlib

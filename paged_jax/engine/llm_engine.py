@@ -79,10 +79,10 @@ class LLMEngine(AsyncSchedulingMixin, LoRAEngineMixin):
         reserve_gpu_memory_fraction(args.gpu_memory_utilization)
         start_distributed(args)
         warn_if_gpu_unused()
-        args.log_compatibility_notes()
         enable_compilation_cache(args.compilation_cache_dir)
         device = devices[0] if devices else jax.local_devices()[0]  # a follower node sizes for its own devices
         on_accelerator = device.platform != "cpu"
+        args.log_compatibility_notes(on_accelerator)
         # Seconds of each start-up stage (benchmarks/startup.py reports them); warm-up's own phases are the runner's.
         self.startup_timings = {"backend_s": time.perf_counter() - start}
         stage_start = time.perf_counter()
