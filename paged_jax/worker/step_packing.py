@@ -110,7 +110,7 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     cu = np.cumsum(q_lens)
     views["cu_q_lens"][1:num_rows + 1] = cu
     views["cu_q_lens"][num_rows + 1:] = num_tokens  # padding seqs: q_len 0, kv_len 0; their tokens -> null slot
-    views["kv_lens"][:num_rows] = np.where(q_lens > 0, ends, 0)
+    views["kv_lens"][:num_rows] = ends  # fork rows: 0 (no tokens, no blocks)
     logits_indices = views["logits_indices"]
     logits_indices[:num_rows] = cu - 1
     for fork_row, parent in enumerate(rows.fork_parents):
