@@ -77,12 +77,12 @@ def instrument_phases(engine, totals: dict[str, float]) -> None:
 
     for key in PHASES:
         totals.setdefault(key, 0.0)
-    _timed(engine.runner, "_forward", totals, "dispatch")
-    _timed(engine.runner, "_sample", totals, "dispatch")
+    _timed(engine.engine_core.runner, "_forward", totals, "dispatch")
+    _timed(engine.engine_core.runner, "_sample", totals, "dispatch")
     _timed(step_io.PendingStep, "result", totals, "wait")
-    _timed(engine.scheduler, "schedule", totals, "schedule")
-    _timed(engine.runner, "execute", totals, "execute")
-    _timed(engine.scheduler, "update_from_output", totals, "update")
+    _timed(engine.engine_core.scheduler, "schedule", totals, "schedule")
+    _timed(engine.engine_core.runner, "execute", totals, "execute")
+    _timed(engine.engine_core.scheduler, "update_from_output", totals, "update")
 
 
 def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
@@ -188,7 +188,7 @@ def isolate_host(engine, totals: dict[str, float]) -> None:
 
     import jax
 
-    execute = engine.runner.execute
+    execute = engine.engine_core.runner.execute
 
     def execute_then_wait(scheduler_output, *args, **kwargs):
         handle = execute(scheduler_output, *args, **kwargs)
@@ -198,11 +198,11 @@ def isolate_host(engine, totals: dict[str, float]) -> None:
         outputs = handle._device_outputs  # None while a deferred (grammar) step's sampling is not dispatched
         if isinstance(outputs, concurrent.futures.Future):
             outputs = outputs.result()
-        jax.block_until_ready(outputs if outputs is not None else engine.runner.kv_pool)
+        jax.block_until_ready(outputs if outputs is not None else engine.engine_core.runner.kv_pool)
         totals["wait"] += time.perf_counter() - start
         return handle
 
-    engine.runner.execute = execute_then_wait
+    engine.engine_core.runner.execute = execute_then_wait
 
 
 def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool = False) -> int:
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
               async_scheduling=args.async_scheduling, use_tqdm=False, tokenizer=tokenizer)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
-    compiles_at_startup = engine.runner.num_compiles()
+    compiles_at_startup = engine.engine_core.runner.num_compiles()
 
     rng = random.Random(0)
     max_tokens = args.steps * (4 if args.stream_outputs else 1) + 40  # nobody finishes during the timed steps

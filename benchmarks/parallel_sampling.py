@@ -29,8 +29,8 @@ from benchmarks.report import versions, write_json
 
 def _drive(engine, add_requests) -> tuple[float, int, int]:
     """Add the requests, step to the end; returns (seconds, peak KV blocks in use, tokens scheduled)."""
-    kv = engine.kv_cache_manager
-    schedule = engine.scheduler.schedule
+    kv = engine.engine_core.kv_cache_manager
+    schedule = engine.engine_core.scheduler.schedule
     scheduled_tokens = 0
 
     def counting_schedule():
@@ -39,7 +39,7 @@ def _drive(engine, add_requests) -> tuple[float, int, int]:
         scheduled_tokens += out.total_num_scheduled_tokens
         return out
 
-    engine.scheduler.schedule = counting_schedule
+    engine.engine_core.scheduler.schedule = counting_schedule
     try:
         start = time.perf_counter()
         add_requests()
@@ -49,7 +49,7 @@ def _drive(engine, add_requests) -> tuple[float, int, int]:
             peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
         return time.perf_counter() - start, peak, scheduled_tokens
     finally:
-        engine.scheduler.schedule = schedule
+        engine.engine_core.scheduler.schedule = schedule
 
 
 def _floor(config, *, prompt_tokens: int, num_seqs: int, input_len: int, output_len: int, max_num_seqs: int) -> dict:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from models.config import ModelConfig
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
-    from paged_jax.engine.beam_search import BeamSearchParams
+    from paged_jax.sampling_params import BeamSearchParams
     from paged_jax.engine.sequence_group import child_seed
 
     llm = LLM(model=args.model or args.shape, load_format="dummy" if args.shape else "auto", dtype=args.dtype,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = [r.prompt_token_ids for r in random_fixed(args.num_prompts, args.input_len, 1, vocab=vocab).requests]
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(n=2, max_tokens=4), use_tqdm=False)  # warm
     common = {"versions": versions(), "shape": args.shape or args.model, "num_usable_blocks":
-              engine.kv_cache_manager.num_usable_blocks, "block_size": engine.kv_cache_manager.block_size,
+              engine.engine_core.kv_cache_manager.num_usable_blocks, "block_size": engine.engine_core.kv_cache_manager.block_size,
               "prefix_caching": args.enable_prefix_caching}
     results = []
     num_seqs = args.n * args.num_prompts

@@ -1,8 +1,8 @@
 """The serving path's host cost without a model: can the server (and the benchmark client) carry the offline engine's
 token rate?
 
-A model-free engine (``ModelFreeEngine``: one token per running request per step, at a fixed step rate) runs in the
-engine process behind the real ``EngineProcessClient`` pipe, the real app (``serving.app.create_app``) and uvicorn as
+A model-free core (``ModelFreeCore``: one token per running request per step, at a fixed step rate) runs in the
+engine process behind the real core client pipe (``serving.engine_process.start_engine_process``), the real app (``serving.app.create_app``) and uvicorn as
 ``paged-jax serve`` configures it; benchmarks/serving.py's client streams ``/v1/completions`` from
 ``--num-client-processes`` processes. At C concurrent streams and R steps/s the engine offers C x R tokens/s; the
 figure is how many of them reach the clients, and the CPU seconds per 1,000 delivered tokens of each process (the
@@ -40,30 +40,28 @@ from benchmarks.workloads import Req  # noqa: E402
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class ModelFreeEngine:
-    """``LLMEngine``'s serving interface without a model, for measuring the serving path alone.
+class ModelFreeCore:
+    """``EngineCore``'s interface without a model, for measuring the serving path alone.
 
     Each ``step()`` waits for the next tick of a fixed step rate (a slower caller just gets the next step at once),
     moves waiting requests into the running set (at most ``engine_args.max_num_seqs``, first come first served) and
-    gives every running request one token (id ``token_id``, text ``token_text``) as a delta ``RequestOutput``; a
-    request finishes with "length" after ``params.max_tokens`` tokens. No tokenizer: token-id prompts only.
+    gives every running request one token (id ``token_id``) as an ``EngineCoreOutput``; a request finishes with
+    "length" after ``params.max_tokens`` tokens. No tokenizer: token-id prompts only, outputs without text.
     """
 
-    def __init__(self, engine_args: Any, use_tqdm: bool = False, *, steps_per_s: float,
-                 token_text: str = " tok", token_id: int = 1000) -> None:
-        from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    def __init__(self, engine_args: Any, use_tqdm: bool = False, *, steps_per_s: float, token_id: int = 1000) -> None:
+        from paged_jax.engine.messages import EngineCoreInfo, EngineCoreOutput
 
-        self._types = (CompletionOutput, RequestMetrics, RequestOutput)
+        self._output_cls = EngineCoreOutput
         self.engine_args = engine_args
-        self.max_model_len = engine_args.max_model_len or 4096
-        self.vocab_size = 32000
-        self.generation_config: dict = {}
-        self.model_path = None
+        self.info = EngineCoreInfo(max_model_len=engine_args.max_model_len or 4096, vocab_size=32000,
+                                   eos_token_ids=[], max_num_seqs=engine_args.max_num_seqs or 256,
+                                   max_num_batched_tokens=8192, max_logprobs=20, model_path=None,
+                                   generation_config={})
         self.tokenizer = None
         self._period = 1.0 / steps_per_s
-        self._token_text = token_text
         self._token_id = token_id
-        self._max_running = engine_args.max_num_seqs
+        self._max_running = self.info.max_num_seqs
         self._waiting: collections.OrderedDict[str, list] = collections.OrderedDict()
         self._running: dict[str, list] = {}
         self._next_step = time.perf_counter()
@@ -71,71 +69,50 @@ class ModelFreeEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-        if not isinstance(ids, list) or not ids:
-            raise ValueError("prompt: token ids only (the model-free engine has no tokenizer)")
-        if request_id in self._waiting or request_id in self._running:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        max_tokens = params.max_tokens if params is not None and params.max_tokens else 16
-        metrics = self._types[1](arrival_time=time.time() if arrival_time is None else arrival_time)
-        self._waiting[request_id] = [ids, max_tokens, 0, metrics]  # prompt ids, max tokens, generated, metrics
+    def add_requests(self, requests) -> None:
+        for request in requests:
+            if request.request_id in self._waiting or request.request_id in self._running:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            max_tokens = request.sampling_params.max_tokens or 16
+            self._waiting[request.request_id] = [len(request.prompt_token_ids), max_tokens, 0]
 
-    def abort_request(self, request_id: Any) -> None:
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            self._waiting.pop(rid, None)
-            self._running.pop(rid, None)
+    def abort_requests(self, request_ids=(), sequences=()) -> None:
+        for request_id in [*request_ids, *(r for r, _ in sequences)]:
+            self._waiting.pop(request_id, None)
+            self._running.pop(request_id, None)
 
-    def step(self, *, stream_deltas: Any = None) -> list:
-        """``stream_deltas``: as ``LLMEngine.step``'s, a running request's output after its first goes there as a
-        ``paged_jax.engine.step_outputs.StreamDeltas`` row."""
+    def step(self) -> list:
         now = time.perf_counter()
         if now < self._next_step:
             time.sleep(self._next_step - now)
         self._next_step = max(self._next_step + self._period, time.perf_counter())
-        completion_cls, _, output_cls = self._types
         wall = time.time()
+        first = set()
         while self._waiting and len(self._running) < self._max_running:
             request_id, state = self._waiting.popitem(last=False)
-            state[3].first_scheduled_time = wall
-            self.prompt_tokens_total += len(state[0])
+            self.prompt_tokens_total += state[0]
             self._running[request_id] = state
+            first.add(request_id)
         outputs = []
         self.generation_tokens_total += len(self._running)  # one token each
         for request_id, state in list(self._running.items()):
             state[2] += 1
             finished = state[2] >= state[1]
-            metrics = state[3]
-            if metrics.first_token_time is None:
-                metrics.first_token_time = wall
-            metrics.last_token_time = wall
             if finished:
-                metrics.finished_time = wall
                 del self._running[request_id]
-            elif stream_deltas is not None and state[2] > 1:
-                stream_deltas.request_ids.append(request_id)
-                stream_deltas.token_ids.append([self._token_id])
-                stream_deltas.texts.append(self._token_text)
-                stream_deltas.num_cached_tokens.append(0)
-                continue
-            outputs.append(output_cls(
-                request_id=request_id, prompt=None, prompt_token_ids=state[0],
-                outputs=[completion_cls(index=0, text=self._token_text, token_ids=[self._token_id],
-                                        cumulative_logprob=None, logprobs=None,
-                                        finish_reason="length" if finished else None)],
-                finished=finished, metrics=metrics if finished else None))
+            outputs.append(self._output_cls(request_id, 0, [self._token_id], "length" if finished else None,
+                                            scheduled_time=wall if request_id in first else None))
         self.num_steps += 1
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._waiting or request_id in self._running
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._waiting) + len(self._running)
-
-    def get_tokenizer(self):
-        return None
 
     def stats(self) -> dict[str, float]:
         return {"num_running": len(self._running), "num_waiting": len(self._waiting),
@@ -149,7 +126,7 @@ class ModelFreeEngine:
 # ------------------------------------------------------------------------------------------------ the server
 def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_count: int = 1,
           pid_file: str | None = None) -> int:
-    """The real app and uvicorn (``paged-jax serve``'s configuration) over a ``ModelFreeEngine`` in the engine
+    """The real app and uvicorn (``paged-jax serve``'s configuration) over a ``ModelFreeCore`` in the engine
     process, with ``api_server_count`` API server processes (``--api-server-count``; 1: the server in this process);
     runs until SIGINT. ``pid_file``: where to write ``{"servers": [pid, ...], "engine": pid}`` once started."""
     import logging
@@ -157,14 +134,14 @@ def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_count: in
     from paged_jax.config import EngineArgs
     from serving.app import create_app
     from serving.cli import bind_socket, parse_serve_args
-    from serving.engine_process import EngineProcessClient
+    from serving.engine_process import start_engine_process
     from serving.lifecycle import ServingServer
     from serving.settings import uvicorn_config
 
     logging.basicConfig(level=logging.WARNING)
     engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=max_num_seqs, max_model_len=4096,
                              disable_log_stats=True)
-    engine_factory = functools.partial(ModelFreeEngine, steps_per_s=steps_per_s)
+    core_factory = functools.partial(ModelFreeCore, steps_per_s=steps_per_s)
     _, args = parse_serve_args(["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
                                 "--disable-uvicorn-access-log", "--shutdown-timeout", "5",
                                 "--api-server-count", str(api_server_count)])
@@ -179,11 +156,11 @@ def serve(port: int, steps_per_s: float, max_num_seqs: int, api_server_count: in
         from serving.api_servers import run_api_servers
 
         try:
-            return run_api_servers(args, engine_args, sock, engine_factory=engine_factory, start_timeout=120,
+            return run_api_servers(args, engine_args, sock, core_factory=core_factory, start_timeout=120,
                                    on_started=write_pids)
         finally:
             sock.close()
-    engine = EngineProcessClient(engine_args, start_timeout=120, engine_factory=engine_factory)
+    engine = start_engine_process(engine_args, start_timeout=120, core_factory=core_factory)
     app = create_app(engine)
     server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
     write_pids(engine.pid, [os.getpid()])

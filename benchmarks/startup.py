@@ -231,7 +231,7 @@ def _child(engine_kwargs: dict) -> dict:
     while not engine.step():
         pass
     first_token = time.perf_counter()
-    runner = engine.runner
+    runner = engine.engine_core.runner
     warm_up = runner.warm_up_timings
     return {"model_load_s": engine.model_load_seconds, "engine_init_s": ready - start,
             "imports_s": start - _T_PROCESS_START, **{f"engine_{k}": v for k, v in stages.items()},

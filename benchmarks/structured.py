@@ -77,7 +77,7 @@ def _grammar_host_us(engine, schemas: list[dict], num_rows: int, num_steps: int 
     from paged_jax.structured_output import fill_step_bitmask
     from paged_jax.structured_output.backend import fill_threads
 
-    manager = engine.structured_outputs
+    manager = engine.engine_core.structured_outputs
     compiled = [manager.grammar_for(StructuredOutputsParams(json=schema)) for schema in schemas]
     grammars = [manager.new_sequence(compiled[i % len(compiled)]) for i in range(num_rows)]
     rng = np.random.default_rng(0)

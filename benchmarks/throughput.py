@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         totals = {}
         instrument_phases(engine, totals)
         bucket_counts: dict[str, int] = {}
-        timed_forward = engine.runner._forward
+        timed_forward = engine.engine_core.runner._forward
 
         def counting_forward(*a, **kw):
             key = f"{kw['num_tokens']}x{kw['num_seqs']}"
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
             return timed_forward(*a, **kw)
 
         counting_forward._cache_size = timed_forward._cache_size
-        engine.runner._forward = counting_forward
+        engine.engine_core.runner._forward = counting_forward
     steps_before = stats_before.get("num_steps", 0)
 
     from benchmarks.trace import kernel_trace

@@ -15,7 +15,7 @@ _EXPORTS = {
     "LLM": "paged_jax.entrypoints.llm",
     "SamplingParams": "paged_jax.sampling_params",
     "StructuredOutputsParams": "paged_jax.sampling_params",
-    "BeamSearchParams": "paged_jax.engine.beam_search",
+    "BeamSearchParams": "paged_jax.sampling_params",
     "EngineArgs": "paged_jax.config",
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",

@@ -379,3 +379,46 @@ def validate_token_ids(token_ids: Sequence[int], vocab_size: int, field: str = "
             raise ValueError(
                 f"{field} token id {int(token_id)} at position {position} is out of range [0, {vocab_size})"
             )
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``.
+
+    beam_width: beams kept per step (>= 1; 2 * beam_width logprobs per step, so at most ``MAX_LOGPROBS / 2``).
+    max_tokens: most generated tokens (>= 1).
+    ignore_eos: EOS is a token like any other (beams never complete early).
+    temperature: the sampled token joins the candidates (0: the most likely, already among them).
+    length_penalty: scores are ``cumulative logprob / length ** length_penalty``.
+    include_stop_str_in_output: the server's output keeps a completed beam's EOS token in ``token_ids``.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    @property
+    def n(self) -> int:
+        """Sequences the request returns (the beam width), under ``SamplingParams``' name for it."""
+        return self.beam_width
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once (the beam width)."""
+        return self.beam_width
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if 2 * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step reads the 2 * beam_width "
+                             f"most likely tokens, at most max_logprobs={MAX_LOGPROBS}), got {self.beam_width}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 1e30:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

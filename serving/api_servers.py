@@ -10,10 +10,10 @@ The layout (``serve_api_servers``, in the process that ran ``serve``, the launch
 * the launcher binds the listening socket once (before the engine loads, as with one server) and hands it to every
   API server (pickled to the spawned process: the same socket); each runs uvicorn on it, so the kernel spreads
   accepted connections over the servers;
-* it starts the engine process (``serving.multi_client_engine.multi_client_main``) with one pipe per API server and
+* it starts the engine process (``serving.engine_process.multi_client_main``) with one pipe per API server and
   a control pipe of its own, waits for the engine to be ready (a bad engine argument: exit status 2 naming it, as
   with one server), then starts the servers (``api_server_main``), each with the same app (``create_app``) over an
-  ``AttachedEngineClient`` on its pipe. Each server has its own tokenizer copy; adapters from ``--lora-modules``
+  an ``LLMEngine`` attached to its pipe (``serving.engine_process.attach_engine``). Each server has its own tokenizer copy; adapters from ``--lora-modules``
   are loaded by every server under the same ids (the engine loads each once);
 * metrics: ``PROMETHEUS_MULTIPROC_DIR`` (``serving.multiprocess_metrics``): ``/metrics`` on any server reports the
   whole system;
@@ -21,7 +21,7 @@ The layout (``serve_api_servers``, in the process that ran ``serve``, the launch
   Ctrl-C reaches the launcher only) -> every server gets one SIGTERM and drains for ``--shutdown-timeout`` (as one
   server does), then the engine process is stopped; exit status 0. An API server that exits by itself -> the others
   are stopped the same way and the launcher exits with status 1. The engine process dying -> every server sees it
-  (``AttachedEngineClient.is_alive``) and exits with status 1, and so does the launcher.
+  (``LLMEngine.is_alive``) and exits with status 1, and so does the launcher.
 
 Not supported with N > 1 (refused naming the flags, ``api_server_count_error``): ``--no-engine-process`` (there is
 no engine process to share), run-time LoRA updates (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: an adapter loaded through
@@ -41,6 +41,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from paged_jax.engine.messages import Shutdown, encode
 from serving.settings import app_kwargs, server_settings, uvicorn_config
 
 logger = logging.getLogger(__name__)
@@ -103,16 +104,15 @@ def serve_api_servers(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def run_api_servers(args: argparse.Namespace, engine_args: Any, sock: socket.socket, *,
-                    chat_template: str | None = None, engine_factory: Callable | None = None,
+                    chat_template: str | None = None, core_factory: Callable | None = None,
                     start_timeout: float | None = None,
                     on_started: Callable[[int, list[int]], None] | None = None) -> int:
     """Start the engine process and ``args.api_server_count`` API servers on ``sock``, and supervise them until a
-    signal or a death (see the module docstring). ``engine_factory``: as ``EngineProcessClient``'s (the model-free
-    engine of benchmarks/serving_host.py); ``on_started(engine_pid, server_pids)`` is called once all are started
+    signal or a death (see the module docstring). ``core_factory``: builds the core in the engine process (the
+    model-free core of benchmarks/serving_host.py); ``on_started(engine_pid, server_pids)`` is called once all are started
     (benchmarks/serving_host.py accounts CPU time by process). Raises ValueError / ``EngineProcessDied`` when the
     engine does not start."""
-    from serving.engine_process import wait_until_ready
-    from serving.multi_client_engine import EngineOptions, multi_client_main
+    from serving.engine_process import EngineOptions, multi_client_main, wait_until_ready
     from serving.multiprocess_metrics import multiprocess_dir
 
     count = args.api_server_count
@@ -129,7 +129,7 @@ def run_api_servers(args: argparse.Namespace, engine_args: Any, sock: socket.soc
         try:
             engine = context.Process(target=multi_client_main, name="paged-jax-engine", daemon=True,
                                      args=(engine_args, engine_control, [child for _, child in pipes], log_level,
-                                           engine_factory, options))
+                                           core_factory, options))
             engine.start()
             logger.info("engine process started (pid %d) for %d API servers: loading the model and compiling",
                         engine.pid, count)
@@ -222,7 +222,7 @@ def _stop_engine(engine, control, started: bool) -> None:
         return
     try:
         if started:
-            control.send(("shutdown",))
+            control.send_bytes(encode(Shutdown()))
             engine.join(30)
     except (OSError, ValueError):
         pass
@@ -235,8 +235,8 @@ def _stop_engine(engine, control, started: bool) -> None:
 
 
 def api_server_main(index: int, args: argparse.Namespace, engine_args: Any, chat_template: str | None, conn,
-                    sock: socket.socket, ready_info: dict, engine_pid: int, log_level: int) -> None:
-    """One API server process: the app over an ``AttachedEngineClient``, uvicorn on the shared socket. Exits with
+                    sock: socket.socket, ready_info, engine_pid: int, log_level: int) -> None:
+    """One API server process: the app over an ``LLMEngine`` attached to the core process, uvicorn on the shared socket. Exits with
     status 1 when the engine died, 2 when the app could not be built (e.g. a bad ``--lora-modules`` adapter)."""
     os.setpgrp()  # signals come from the launcher (one SIGTERM), not from the terminal too
     logging.basicConfig(level=log_level, format=SERVER_LOG_FORMAT, stream=sys.stderr, force=True)
@@ -245,11 +245,11 @@ def api_server_main(index: int, args: argparse.Namespace, engine_args: Any, chat
     quiet_library_loggers()
     from serving.app import create_app
     from serving.lifecycle import ServingServer
-    from serving.multi_client_engine import AttachedEngineClient
+    from serving.engine_process import attach_engine
     from serving.multiprocess_metrics import check_multiprocess_mode
 
     check_multiprocess_mode()
-    engine = AttachedEngineClient(engine_args, conn, ready_info, engine_pid)
+    engine = attach_engine(engine_args, conn, ready_info, engine_pid)
     # The engine process logs the periodic stats line (each server's view of the engine is partial).
     kwargs = dict(app_kwargs(args, engine_args, chat_template), log_stats=False)
     try:

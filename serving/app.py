@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible completions and chat completions over an engine (``EngineClient``).
+"""The FastAPI app: OpenAI-compatible completions and chat completions over an engine (``LLMEngine``).
 
 ``create_app(engine, ...)`` wraps the engine in an ``AsyncEngine`` (engine loop on its own thread), builds the
 per-app state (``app.state.server``, an ``OpenAIServer``: the AsyncEngine, the tokenizer copy, the model's facts,
@@ -26,8 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import AsyncEngine
-from serving.engine_client import EngineClient
-from serving.engine_process import EngineProcessClient
+from paged_jax.engine.llm_engine import LLMEngine
 from serving.errors import APIError, add_error_handlers
 from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
@@ -79,7 +78,7 @@ def _route_path(scope) -> str:
     return path
 
 
-def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] | None = None,
+def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | None = None,
                api_key: str | None = None, max_waiting_requests: int | None = None, tokenizer: Any = None,
                allowed_origins: Sequence[str] = ("*",), allowed_methods: Sequence[str] = ("*",),
                allowed_headers: Sequence[str] = ("*",), allow_credentials: bool = False,
@@ -94,7 +93,7 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
-      engine: an ``EngineClient`` (``LLMEngine`` or ``EngineProcessClient``). From now on only the engine thread
+      engine: an ``LLMEngine`` (its core in this process or in its own). From now on only the engine thread
         may call it.
       served_model_name: the model id(s) clients may send; responses report the first and ``/v1/models`` lists
         all (default: ``engine.engine_args.served_model_names``).
@@ -150,19 +149,18 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                         allow_credentials=allow_credentials)
 
 
-def _serving_metrics(engine: EngineClient, info, metrics_prefix: str) -> ServingMetrics:
-    """The app's ``ServingMetrics`` for the model ``info`` (``model_info_from_engine``); an ``EngineProcessClient``
-    hands it each step's stats."""
+def _serving_metrics(engine: LLMEngine, info, metrics_prefix: str) -> ServingMetrics:
+    """The app's ``ServingMetrics`` for the model ``info`` (``model_info_from_engine``); a core in another process
+    hands it each of its steps' stats."""
     # One of several API servers over one engine process: metrics of every process (serving.multiprocess_metrics).
     metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
                              cache_config=cache_config_labels(engine.engine_args),
-                             multiprocess=getattr(engine, "shared_engine_process", False))
-    if isinstance(engine, EngineProcessClient):  # its step() may return several steps: take each step's stats
-        engine.on_step_stats = metrics.update_engine_stats
+                             multiprocess=engine.shared_engine_process)
+    engine.set_step_stats_callback(metrics.update_engine_stats)
     return metrics
 
 
-def _lora_registry(engine: EngineClient, info, lora_modules: Sequence[LoRAModulePath]) -> LoRARegistry | None:
+def _lora_registry(engine: LLMEngine, info, lora_modules: Sequence[LoRAModulePath]) -> LoRARegistry | None:
     """The adapters served by name (``lora_modules`` loaded into ``engine`` now, before its thread starts), or None
     when the engine runs without LoRA and none is given."""
     if not (getattr(engine.engine_args, "enable_lora", False) or lora_modules):

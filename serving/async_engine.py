@@ -9,9 +9,10 @@ Protocol between the two sides:
 * event loop -> engine thread: commands (add a group of requests, abort requests, shut down) go through a
   thread-safe ``queue.SimpleQueue``. The thread blocks on that queue while the engine is idle (no busy spin) and,
   while it has work, drains *all* pending commands before each ``step()`` so a burst of arrivals joins one batch.
-* with an engine in another process (``ProcessEngineClient``) an add costs no round trip: the group is sent with
-  ``submit_requests`` and its submitter resolved when the answer comes back with a later ``step()``; a command
-  also wakes the engine thread out of its wait for the process's next step (``wakeup``).
+* an add costs no round trip to a core in another process: the group is validated and tokenized here (the engine's
+  input processor), sent with ``submit_requests``, and its submitter resolved when the core's answer comes back
+  with a later ``step()`` (at once for a core in this process); a command also wakes the engine thread out of its
+  wait for the core's next step (``wakeup``).
 * engine thread -> event loop: after each step, the (delta) outputs are grouped by the event loop that owns each
   request and handed over with one ``loop.call_soon_threadsafe`` per loop, into per-request ``asyncio.Queue`` s.
 
@@ -31,33 +32,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from serving.engine_client import EngineClient, ProcessEngineClient
+from paged_jax.engine.exceptions import EngineDeadError, EngineOverloadedError, waiting_bound_error
+from paged_jax.engine.llm_engine import LLMEngine
 
 if TYPE_CHECKING:
     from paged_jax.outputs import RequestOutput
     from paged_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step failed or the engine was shut down); no request can be served."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The bounded waiting queue is full; retry after ``retry_after_s`` seconds."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-def waiting_bound_error(num_waiting: int, num_seqs: int, max_waiting_requests: int) -> EngineOverloadedError | None:
-    """The error refusing a group of ``num_seqs`` sequences while ``num_waiting`` wait, if that passes the bound."""
-    if num_waiting + num_seqs <= max_waiting_requests:
-        return None
-    return EngineOverloadedError(f"the waiting queue is full ({num_waiting} waiting, at most {max_waiting_requests}); "
-                                 "retry later")
 
 
 @dataclasses.dataclass
@@ -180,7 +162,7 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
 
 
 class AsyncEngine:
-    """Thread-owning wrapper around an ``EngineClient`` (an ``LLMEngine`` or an ``EngineProcessClient``).
+    """Thread-owning wrapper around an ``LLMEngine`` (its core in this process or in its own).
 
     Args:
       engine: the engine; after ``start()`` only the engine thread may touch it.
@@ -192,7 +174,7 @@ class AsyncEngine:
         handed to ``add_requests`` (``serving.server_logs.RequestLogger.log``).
     """
 
-    def __init__(self, engine: EngineClient, *, max_waiting_requests: int | None = None,
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
                  on_stats: Callable[[dict], None] | None = None,
                  on_output: Callable[[RequestStream, RequestOutput, float], None] | None = None,
                  request_logger: Callable[[str, Any, SamplingParams], None] | None = None) -> None:
@@ -200,8 +182,8 @@ class AsyncEngine:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 or None, got {max_waiting_requests}")
         self.engine = engine
-        # An engine in another process also has to be alive, and is closed after the engine thread stops.
-        self._process_engine = engine if isinstance(engine, ProcessEngineClient) else None
+        # A core in another process also has to be alive, and is closed after the engine thread stops.
+        self._process_engine = None if engine.core_in_process else engine
         self.max_waiting_requests = max_waiting_requests
         self._on_stats = on_stats
         self._on_output = on_output
@@ -212,8 +194,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        # A process engine admits groups without a round trip per request: group id -> the add command, until the
-        # engine answers (engine thread only).
+        # Groups are admitted without a round trip per request: group id -> the add command, until the engine
+        # answers (engine thread only).
         self._admitting: dict[int, _AddCommand] = {}
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
         self._started = False
@@ -334,8 +316,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self.num_steps += 1
-                    if self._process_engine is not None:
-                        self._handle_admissions(self._process_engine.take_admissions())
+                    self._handle_admissions(self.engine.take_admissions())
                     self._dispatch(outputs)
                 self._publish_stats()
         except Exception as exc:  # noqa: BLE001 - any engine failure must reach the clients, not kill silently
@@ -360,35 +341,17 @@ class AsyncEngine:
         return int(self.engine.stats().get("num_waiting", 0))
 
     def _handle_add(self, command: _AddCommand) -> None:
-        error: BaseException | None = None
-        # An engine process shared by several API servers checks the bound itself, on its exact waiting count.
-        if self.max_waiting_requests is not None and not getattr(self.engine, "shared_engine_process", False):
+        # A core process shared by several API servers checks the bound itself, on its exact waiting count.
+        if self.max_waiting_requests is not None and not self.engine.shared_engine_process:
             # Sequences, as a request's n sequences each wait to be scheduled.
-            error = waiting_bound_error(self._num_waiting(), sum(getattr(r.params, "n", 1) for r in command.requests),
+            error = waiting_bound_error(self._num_waiting(),
+                                        sum(getattr(r.params, "num_sequences", 1) for r in command.requests),
                                         self.max_waiting_requests)
-        if error is None and self._process_engine is not None:
-            self._submit_to_process(command)
-            return
-        if error is None:
-            added: list[str] = []
-            try:
-                for request, stream in zip(command.requests, command.streams):
-                    if request.request_id in self._streams:
-                        raise ValueError(f"request_id {request.request_id!r} is already in use")
-                    lora = {} if request.lora_request is None else {"lora_request": request.lora_request}
-                    self.engine.add_request(request.request_id, request.prompt, request.params,
-                                            priority=request.priority, **lora)
-                    self._streams[request.request_id] = stream
-                    added.append(request.request_id)
-            except EngineDeadError as exc:
-                # Not the request's fault: the engine loop dies (and every client hears of it), this one first.
-                dead = EngineDeadError(f"engine is not running: {exc}")
-                self._call_on_loop(command.loop, _resolve, command.admitted, dead)
-                raise
-            except Exception as exc:  # noqa: BLE001 - reported to the submitter; the engine stays usable
-                error = exc
-                self._handle_abort(added)
-        self._call_on_loop(command.loop, _resolve, command.admitted, error)
+            if error is not None:
+                self._call_on_loop(command.loop, _resolve, command.admitted, error)
+                return
+        self._submit_group(command)
+        self._handle_admissions(self.engine.take_admissions())  # a core in this process answers at once
 
     def _handle_call(self, command: _CallCommand) -> None:
         try:
@@ -404,13 +367,13 @@ class AsyncEngine:
                 future.set_exception(error) if error is not None else future.set_result(result)
 
         self._call_on_loop(command.loop, resolve, command.done)
-    def _submit_to_process(self, command: _AddCommand) -> None:
-        """Send the group to the engine process without waiting; ``_handle_admissions`` resolves it."""
+    def _submit_group(self, command: _AddCommand) -> None:
+        """Hand the group to the engine without waiting; ``_handle_admissions`` resolves it."""
         try:
             for request in command.requests:
                 if request.request_id in self._streams:
                     raise ValueError(f"request_id {request.request_id!r} is already in use")
-            group_id = self._process_engine.submit_requests(
+            group_id = self.engine.submit_requests(
                 [(r.request_id, r.prompt, r.params, r.priority, r.lora_request) for r in command.requests])
         except EngineDeadError as exc:
             dead = EngineDeadError(f"engine is not running: {exc}")

@@ -204,15 +204,15 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the engine and build the app (no server started): returns ``(app, engine_args)``."""
-    from paged_jax.parallel.data_parallel import create_engine
+    from paged_jax.engine.llm_engine import LLMEngine
     from serving.app import create_app
-    from serving.engine_process import EngineProcessClient, engine_process_enabled
+    from serving.engine_process import engine_process_enabled, start_engine_process
 
     engine_args, chat_template = server_settings(args)
     if engine_process_enabled(args.engine_process):
-        engine = EngineProcessClient(engine_args)  # loads the model and compiles in the child
+        engine = start_engine_process(engine_args)  # the core loads the model and compiles in its process
     else:
-        engine = create_engine(engine_args)
+        engine = LLMEngine(engine_args)
     return create_app(engine, **app_kwargs(args, engine_args, chat_template)), engine_args
 
 

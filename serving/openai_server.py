@@ -25,7 +25,6 @@ from paged_jax.entrypoints.chat import ChatTemplateError, render_chat
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
-from serving.engine_client import EngineClient
 from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
@@ -60,7 +59,7 @@ class ModelInfo:
             self.served_model_names = (self.served_model_name,)
 
 
-def model_info_from_engine(engine: EngineClient, served_model_name: str | Sequence[str] | None) -> ModelInfo:
+def model_info_from_engine(engine, served_model_name: str | Sequence[str] | None) -> ModelInfo:
     """The served model's facts from the engine (``max_model_len``, ``vocab_size``, ``model_path``,
     ``engine_args``). Names: ``served_model_name``, else ``engine_args.served_model_names`` (vLLM: the model as
     given), else the checkpoint directory's name (the built-in model: ``DEFAULT_MODEL_NAME``)."""
@@ -337,7 +336,7 @@ class OpenAIServer:
         if not body.use_beam_search:
             return self.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, aliases=aliases,
                                         **sampling_kwargs)
-        from paged_jax.engine.beam_search import BeamSearchParams
+        from paged_jax.sampling_params import BeamSearchParams
 
         temperature = body.temperature if body.temperature is not None else \
             self.default_sampling_params.get("temperature", 1.0)

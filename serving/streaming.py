@@ -1,7 +1,7 @@
 """Serving engine request streams over HTTP: SSE framing, merging several request streams, client disconnects, and
 aborting whatever a response leaves unfinished.
 
-The streams carry delta outputs (``serving.engine_client``). A streamed response sends each delta as an SSE chunk
+The streams carry delta outputs (``paged_jax.engine.output_processor``). A streamed response sends each delta as an SSE chunk
 as it comes; a non-streamed one accumulates each stream's deltas into its whole output (``collect_final``), the
 only place the server accumulates.
 """

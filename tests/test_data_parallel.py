@@ -10,10 +10,10 @@ import pytest
 
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
-from paged_jax.parallel.data_parallel import DataParallelEngine, create_engine
+from paged_jax.engine.core import EngineCore
 from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.parallel.data_parallel import DataParallelCore
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.engine.step_outputs import StreamDeltas
 
 SMALL = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=24, block_size=8,
              seed=0)
@@ -34,20 +34,14 @@ def greedy(engine, prompts, prefix="r"):
 
 
 def greedy_streamed(engine, prompts, prefix="s"):
-    """``greedy`` as the engine process steps: every delta, plain running streams' as ``StreamDeltas`` rows."""
+    """``greedy`` as a server steps: every delta of every step."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{prefix}{i}", prompt, params)
     tokens = {f"{prefix}{i}": [] for i in range(len(prompts))}
-    num_rows = 0
     while engine.has_unfinished_requests():
-        columns = StreamDeltas()
-        for out in engine.step(stream_deltas=columns):
+        for out in engine.step():
             tokens[out.request_id] += out.outputs[0].token_ids
-        for request_id, row_tokens in zip(columns.request_ids, columns.token_ids):
-            tokens[request_id] += row_tokens
-        num_rows += len(columns)
-    assert num_rows > 0
     return [tokens[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
@@ -87,13 +81,13 @@ def test_single_device_engine_equals_the_reference_on_random_qwen3(qwen3_checkpo
 
 @pytest.fixture(scope="module")
 def qwen3_dp2(qwen3_checkpoint):
-    return create_engine(EngineArgs(model=qwen3_checkpoint, data_parallel_size=2, **SMALL), use_tqdm=False)
+    return LLMEngine(EngineArgs(model=qwen3_checkpoint, data_parallel_size=2, **SMALL), use_tqdm=False)
 
 
-def _assert_replicas_apart(engine: DataParallelEngine, group: int):
+def _assert_replicas_apart(engine: LLMEngine, group: int):
     """Each replica's KV pool lives on its own devices only; nothing compiled after warm-up."""
     seen = set()
-    for index, replica in enumerate(engine.engines):
+    for index, replica in enumerate(engine.engine_core.cores):
         devices = set(replica.runner.kv_pool[0][0].sharding.device_set)
         assert len(devices) == group and not devices & seen, f"replica {index} on {devices}"
         seen |= devices
@@ -101,16 +95,16 @@ def _assert_replicas_apart(engine: DataParallelEngine, group: int):
 
 
 def test_dp2_greedy_matches_single_device_on_random_qwen3(qwen3_dp2, qwen3_reference):
-    assert isinstance(qwen3_dp2, DataParallelEngine) and len(qwen3_dp2.engines) == 2
+    assert isinstance(qwen3_dp2.engine_core, DataParallelCore) and len(qwen3_dp2.engine_core.cores) == 2
     assert greedy(qwen3_dp2, QWEN3_PROMPTS) == qwen3_reference
-    assert greedy_streamed(qwen3_dp2, QWEN3_PROMPTS) == qwen3_reference  # both replicas' columns merged
+    assert greedy_streamed(qwen3_dp2, QWEN3_PROMPTS) == qwen3_reference  # both replicas' outputs merged
     # Three requests over two idle replicas: the least loaded one took each, so both ran some.
-    assert all(replica.num_steps > 0 for replica in qwen3_dp2.engines)
+    assert all(replica.num_steps > 0 for replica in qwen3_dp2.engine_core.cores)
     _assert_replicas_apart(qwen3_dp2, 1)
 
 
 def test_dp2_by_tp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen3_reference):
-    engine = create_engine(EngineArgs(model=qwen3_checkpoint, data_parallel_size=2, tensor_parallel_size=2,
+    engine = LLMEngine(EngineArgs(model=qwen3_checkpoint, data_parallel_size=2, tensor_parallel_size=2,
                                       **SMALL), use_tqdm=False)
     assert greedy(engine, QWEN3_PROMPTS) == qwen3_reference
     _assert_replicas_apart(engine, 2)
@@ -118,7 +112,7 @@ def test_dp2_by_tp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoin
 
 @pytest.mark.slow  # `make test-all`; CI: dp2 x tp2 on random Qwen3 above, pp2 x tp2 on SmolLM2 (test_pipeline_parallel)
 def test_dp2_by_tp2_greedy_matches_single_device_on_smollm2(hf_greedy):
-    engine = create_engine(EngineArgs(model=None, data_parallel_size=2, tensor_parallel_size=2, **SMALL),
+    engine = LLMEngine(EngineArgs(model=None, data_parallel_size=2, tensor_parallel_size=2, **SMALL),
                            use_tqdm=False)
     reference = [hf_greedy(p, MAX_TOKENS) for p in SMOLLM2_PROMPTS]
     assert greedy(engine, SMOLLM2_PROMPTS) == reference
@@ -131,30 +125,31 @@ def test_repeated_prefix_goes_to_the_replica_that_caches_it(qwen3_dp2):
     long_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine.add_request("busy", [7] * 9, long_params)  # idle replicas: replica 0 takes it
     engine.add_request("first", prefix + [1], SamplingParams(temperature=0.0, max_tokens=2))
-    first_replica = engine.replica_of("first")
-    assert (engine.replica_of("busy"), first_replica) == (0, 1)  # least loaded
-    while engine.replica_of("first") is not None:
+    first_replica = engine.engine_core.replica_of("first")
+    assert (engine.engine_core.replica_of("busy"), first_replica) == (0, 1)  # least loaded
+    while engine.engine_core.replica_of("first") is not None:
         engine.step()
     # Make the replica holding the prefix the busier one; the prefix still wins over the load.
+    cores = engine.engine_core.cores
     for name in ("filler", "filler2"):
-        engine.engines[first_replica].add_request(name, [9] * 9, long_params)
-    assert engine.engines[first_replica].get_num_unfinished_requests() > engine.engines[0].get_num_unfinished_requests()
+        cores[first_replica].add_request(engine.input_processor.process(name, [9] * 9, long_params)[0])
+    assert cores[first_replica].get_num_unfinished_requests() > cores[0].get_num_unfinished_requests()
     engine.add_request("again", prefix + [2, 3], SamplingParams(temperature=0.0, max_tokens=2))
-    assert engine.replica_of("again") == first_replica
+    assert engine.engine_core.replica_of("again") == first_replica
     engine.add_request("other", [50 + i for i in range(20)], SamplingParams(temperature=0.0, max_tokens=2))
-    assert engine.replica_of("other") == 0  # no cached prefix anywhere: the less loaded one
+    assert engine.engine_core.replica_of("other") == 0  # no cached prefix anywhere: the less loaded one
     # Per-replica and total stats; the prefix hit shows on the replica that served "again".
     stats = engine.stats()
     assert len(stats["replicas"]) == 2
     assert stats["num_running"] + stats["num_waiting"] == sum(
         r["num_running"] + r["num_waiting"] for r in stats["replicas"])
     engine.abort_request(["busy", "filler", "again", "other"])
-    engine.engines[first_replica].abort_request(["filler", "filler2"])
+    cores[first_replica].abort_requests(["filler", "filler2"])
     assert not engine.has_unfinished_requests()
     hits_before = engine.stats()["replicas"][first_replica]["prefix_cache_hits"]
     greedy(engine, [prefix + [4]], prefix="hit")
     assert engine.stats()["replicas"][first_replica]["prefix_cache_hits"] >= hits_before + 24
-    assert all(replica.runner.num_compiles_since_warmup == 0 for replica in engine.engines)
+    assert all(replica.runner.num_compiles_since_warmup == 0 for replica in cores)
 
 
 def test_duplicate_request_id_and_lone_replica_refused(qwen3_dp2):
@@ -163,9 +158,9 @@ def test_duplicate_request_id_and_lone_replica_refused(qwen3_dp2):
         qwen3_dp2.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=1))
     qwen3_dp2.abort_request("dup")
     with pytest.raises(ValueError, match="data_parallel_size"):
-        LLMEngine(EngineArgs(data_parallel_size=2))
+        EngineCore(EngineArgs(data_parallel_size=2))
     with pytest.raises(ValueError, match="data_parallel_size"):
-        create_engine(EngineArgs(data_parallel_size=3, tensor_parallel_size=4))  # 12 devices of 8
+        LLMEngine(EngineArgs(data_parallel_size=3, tensor_parallel_size=4))  # 12 devices of 8
 
 
 def test_metrics_label_each_replica(qwen3_dp2):

@@ -13,7 +13,9 @@ import torch
 from paged_jax.config import EngineArgs
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.engine.step_outputs import StreamDeltas
+from paged_jax.engine.messages import (CLIENT_MESSAGE_DECODER, CORE_MESSAGE_DECODER, AddRequests, EngineCoreOutputs,
+                                       encode)
+from paged_jax.engine.output_processor import OutputProcessor
 
 MAX_NEW_TOKENS = 20
 MAX_MODEL_LEN = 256
@@ -84,13 +86,13 @@ def make_engine(**overrides) -> LLMEngine:
 def assert_clean(engine: LLMEngine) -> None:
     """No unfinished request, every device and host block free, nothing compiled since warm-up."""
     assert not engine.has_unfinished_requests()
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
     assert all(block.ref_cnt == 0 for block in kv.blocks)
     assert kv.num_free_host_blocks == kv.num_host_blocks
-    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
-    assert engine.runner.num_compiles_since_warmup == 0
-    assert engine._in_flight is None
+    assert engine.engine_core.scheduler.num_running == 0 and engine.engine_core.scheduler.num_waiting == 0
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0
+    assert not engine.engine_core._batch_queue
 
 
 def accumulate(totals: dict, output) -> None:
@@ -137,8 +139,8 @@ def engine(request):
 def test_batched_greedy_matches_transformers_then_hits_prefix_cache(engine, workload, reference):
     # The engine runs the fused-projection layout (one q/k/v matmul, one gate/up matmul per layer).
     param_paths = {"/".join(map(str, path)) for path, _ in
-                   jax.tree_util.tree_flatten_with_path(engine.runner._state_treedef.unflatten(
-                       engine.runner._param_leaves))[0]}
+                   jax.tree_util.tree_flatten_with_path(engine.engine_core.runner._state_treedef.unflatten(
+                       engine.engine_core.runner._param_leaves))[0]}
     assert any("qkv_proj" in p for p in param_paths) and any("gate_up_proj" in p for p in param_paths)
     assert not any("['q_proj']" in p or "['gate_proj']" in p for p in param_paths)
     outputs = run_to_completion(engine, workload, GREEDY)
@@ -230,14 +232,14 @@ def test_n2_children_share_prompt_blocks(engine, workload):
     prompt = workload[10]  # > 3 full blocks
     assert len(prompt) >= 64
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6)
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     engine.add_request("fan", prompt, params)  # sequence 1 forks from 0 (tests/test_parallel_sampling.py)
     shared_seen = False
     totals = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             accumulate(totals, output)
-        running = {r.request_id: r for r in engine.scheduler.running}
+        running = {r.request_id: r for r in engine.engine_core.scheduler.running}
         if "fan::0" in running and "fan::1" in running:
             first, second = running["fan::0"].block_ids, running["fan::1"].block_ids
             num_full = len(prompt) // kv.block_size
@@ -316,7 +318,7 @@ def test_abort_frees_blocks(engine, workload):
         engine.add_request(f"abort{i}", workload[i + 8], SamplingParams(temperature=0.0, max_tokens=50))
     for _ in range(3):
         engine.step()
-    assert engine.kv_cache_manager.num_free_blocks < engine.kv_cache_manager.num_usable_blocks
+    assert engine.engine_core.kv_cache_manager.num_free_blocks < engine.engine_core.kv_cache_manager.num_usable_blocks
     engine.abort_request(["abort0", "abort1"])
     engine.abort_request("abort2")
     assert engine.get_num_unfinished_requests() == 1
@@ -427,29 +429,31 @@ def test_streamed_outputs_are_deltas_and_finished_only_agrees(engine, workload, 
         ["".join(text for _, _, text in received[request_id]) for request_id in ids]
     assert_clean(engine)
 
-    # The engine process's path: plain running streams' deltas as columns (one request with logprobs stays a
-    # RequestOutput), rebuilt into the same deltas the first pass got.
+    # A process core's path: the core's outputs cross the wire (msgspec) each step and a second output processor
+    # rebuilds the same deltas the first pass got (one request with logprobs too).
     params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=1)]
+    remote = OutputProcessor(engine.tokenizer)
     for request_id, prompt, p in zip(ids, prompts, params):
-        engine.add_request(request_id, prompt, p)
-    via_columns = {request_id: [] for request_id in ids}
-    num_rows = 0
-    while engine.has_unfinished_requests():
-        columns = StreamDeltas()
-        outputs = engine.step(stream_deltas=columns)
-        assert "snap3" not in columns.request_ids and not {o.request_id for o in outputs} & set(columns.request_ids)
-        num_rows += len(columns)
-        wire = StreamDeltas.from_wire(columns.to_wire())
-        assert wire == columns
-        for output in outputs + wire.request_outputs({i: (None, list(q)) for i, q in zip(ids, prompts)}):
+        request, text = engine.input_processor.process(request_id, prompt, p)
+        engine.engine_core.add_request(request)
+        wired = CLIENT_MESSAGE_DECODER.decode(encode(AddRequests(0, [request]))).requests[0]
+        assert wired == request
+        remote.add_request(wired, text)
+    via_wire = {request_id: [] for request_id in ids}
+    while engine.engine_core.has_unfinished_requests():
+        message = EngineCoreOutputs(engine.engine_core.step())
+        wire = CORE_MESSAGE_DECODER.decode(encode(message))
+        assert wire == message
+        outputs, stopped = remote.process_outputs(wire.outputs)
+        assert not stopped
+        for output in outputs:
             completion = output.outputs[0]
             assert output.prompt_token_ids == list(prompts[ids.index(output.request_id)])
             assert completion.index == 0 and (completion.logprobs is not None) == (output.request_id == "snap3")
-            via_columns[output.request_id].append((completion.token_ids, completion.text, output.finished,
-                                                   output.num_cached_tokens))
-    assert num_rows > 0
+            via_wire[output.request_id].append((completion.token_ids, completion.text, output.finished,
+                                                output.num_cached_tokens))
     for request_id in ids:
-        assert [entry[:3] for entry in via_columns[request_id]] == \
+        assert [entry[:3] for entry in via_wire[request_id]] == \
             [(tokens, text, o.finished) for o, tokens, text in received[request_id]]
-        assert len({entry[3] for entry in via_columns[request_id]}) == 1  # the same cached-prompt count throughout
+        assert len({entry[3] for entry in via_wire[request_id]}) == 1  # the same cached-prompt count throughout
     assert_clean(engine)

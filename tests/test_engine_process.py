@@ -31,9 +31,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(model_dir):
-    from serving.engine_process import EngineProcessClient
+    from serving.engine_process import start_engine_process
 
-    client = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
+    client = start_engine_process(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
     yield client
     client.close()
 
@@ -59,7 +59,6 @@ def run_all(engine, requests):
 
 def test_outputs_equal_the_in_process_engine(client, model_dir):
     from paged_jax.engine.llm_engine import LLMEngine
-    from serving.engine_client import EngineClient, ProcessEngineClient
 
     rng = np.random.default_rng(0)
     requests = [(f"r{i}", {"prompt_token_ids": rng.integers(1, 500, size=n).tolist()}, params)
@@ -69,9 +68,8 @@ def test_outputs_equal_the_in_process_engine(client, model_dir):
                     (11, SamplingParams(temperature=0.8, seed=3, max_tokens=7, n=2)),
                     (40, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7]))])]
     local_engine = LLMEngine(EngineArgs(model=model_dir, **ENGINE_KWARGS), use_tqdm=False)
-    # Both implement the server's engine protocol; only the child-process client can die on its own.
-    assert isinstance(client, ProcessEngineClient) and isinstance(local_engine, EngineClient)
-    assert not isinstance(local_engine, ProcessEngineClient)
+    # The same LLMEngine; only the one over a core process can die on its own.
+    assert not client.core_in_process and local_engine.core_in_process
     assert client.generation_config == local_engine.generation_config and client.generation_config["top_k"] == 5
     remote, num_outputs = run_all(client, requests)
     local, _ = run_all(local_engine, requests)
@@ -167,11 +165,11 @@ def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
     import logging
     import re
 
-    from serving.engine_process import EngineProcessClient
+    from serving.engine_process import start_engine_process
 
     caplog.set_level(logging.INFO)
     kwargs = {k: v for k, v in ENGINE_KWARGS.items() if k != "max_model_len"}
-    client = EngineProcessClient(EngineArgs(model=model_dir, **kwargs), start_timeout=300)
+    client = start_engine_process(EngineArgs(model=model_dir, **kwargs), start_timeout=300)
     try:
         assert client.max_model_len == 256
     finally:
@@ -193,10 +191,10 @@ def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
 
 
 def test_bad_engine_args_raise_value_error(model_dir):
-    from serving.engine_process import EngineProcessClient
+    from serving.engine_process import start_engine_process
 
     with pytest.raises(ValueError, match="max_model_len"):
-        EngineProcessClient(EngineArgs(model=model_dir, **{**ENGINE_KWARGS, "max_model_len": 100000}),
+        start_engine_process(EngineArgs(model=model_dir, **{**ENGINE_KWARGS, "max_model_len": 100000}),
                             start_timeout=300)
 
 
@@ -207,10 +205,10 @@ def test_server_on_engine_process_and_dead_child(model_dir):
     import openai
 
     from serving.app import create_app
-    from serving.engine_process import EngineProcessClient
+    from serving.engine_process import start_engine_process
     from tests.test_serving import ServerThread, metric_value, wait_until
 
-    engine = EngineProcessClient(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
+    engine = start_engine_process(EngineArgs(model=model_dir, **ENGINE_KWARGS), start_timeout=300)
     app = create_app(engine, served_model_name="tiny")
     assert app.state.server.default_sampling_params == {"top_k": 5}  # from the child's generation config
     with ServerThread(app) as server:
@@ -453,22 +451,22 @@ def test_multi_client_engine_keeps_each_clients_requests_apart():
     import multiprocessing
     import threading
 
-    from benchmarks.serving_host import ModelFreeEngine
+    from benchmarks.serving_host import ModelFreeCore
+    from paged_jax.engine.core_proc import EngineCoreProc
+    from paged_jax.engine.messages import Shutdown, encode
     from serving.async_engine import EngineOverloadedError
-    from serving.multi_client_engine import AttachedEngineClient, EngineOptions, _MultiClientLoop
+    from serving.engine_process import EngineOptions, _admission_check, attach_engine
     from tests.test_serving import wait_until
 
     engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=4, max_model_len=64)
-    engine = ModelFreeEngine(engine_args, steps_per_s=2000)
+    engine = ModelFreeCore(engine_args, steps_per_s=2000)
     control, engine_control = multiprocessing.Pipe()
     pipes = [multiprocessing.Pipe() for _ in range(2)]
-    loop = _MultiClientLoop(engine, engine_control, [child for _, child in pipes],
-                            EngineOptions(max_waiting_requests=3))
+    loop = EngineCoreProc(engine, [child for _, child in pipes], engine_control,
+                          admission_check=_admission_check(EngineOptions(max_waiting_requests=3)))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
-    info = {"max_model_len": 64, "vocab_size": 32000, "generation_config": {}, "model_path": None,
-            "stats": engine.stats()}
-    first, second = [AttachedEngineClient(engine_args, conn, info, os.getpid()) for conn, _ in pipes]
+    first, second = [attach_engine(engine_args, conn, engine.info, os.getpid()) for conn, _ in pipes]
     try:
         first.add_request("same", [1, 2], SamplingParams(max_tokens=3))
         second.add_request("same", [1, 2, 3], SamplingParams(max_tokens=5))
@@ -492,7 +490,7 @@ def test_multi_client_engine_keeps_each_clients_requests_apart():
         second.close()  # its API server leaves: the engine aborts what it had
         assert wait_until(lambda: not engine.has_unfinished_requests(), timeout=10)
     finally:
-        control.send(("shutdown",))
+        control.send_bytes(encode(Shutdown()))
         thread.join(10)
         first.close()
 

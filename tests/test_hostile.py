@@ -350,7 +350,7 @@ def test_soak_streams_with_disconnects_and_a_burst(server, serving_engine):
                 and stats["kv_cache_usage"] == 0)
 
     assert wait_until(idle, timeout=2.0, interval=0.05), async_engine.latest_stats
-    kv = serving_engine.kv_cache_manager  # the engine thread is idle now
+    kv = serving_engine.engine_core.kv_cache_manager  # the engine thread is idle now
     assert kv.num_free_blocks == kv.num_usable_blocks
     assert all(block.ref_cnt == 0 for block in kv.blocks)
     assert not serving_engine.has_unfinished_requests()

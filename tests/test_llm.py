@@ -20,10 +20,10 @@ def llm():
 
 def assert_idle(llm):
     engine = llm.llm_engine
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert not engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_usable_blocks
-    assert engine.runner.num_compiles_since_warmup == 0
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0
 
 
 def test_generate_accepts_every_prompt_form_in_input_order(llm, smollm2_tokenizer, hf_greedy):

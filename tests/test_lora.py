@@ -68,27 +68,27 @@ def peft_greedy(adapters, smollm2_tokenizer):
 
 
 def assert_idle(engine):
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     assert not engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_usable_blocks
-    assert engine.runner.num_compiles_since_warmup == 0  # slot writes and swaps never recompile
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0  # slot writes and swaps never recompile
 
 
 def test_mixed_batch_matches_transformers_peft(llm, adapters, peft_greedy, monkeypatch):
     _, paths = adapters
     engine = llm.llm_engine
     step_slots = []
-    execute = engine.runner.execute
+    execute = engine.engine_core.runner.execute
 
     def recording_execute(scheduler_output, lora_slots=None, *rest, **kw):
         """Record the adapter slots of each step's rows, as the runner's batch holds them."""
         handle = execute(scheduler_output, lora_slots, *rest, **kw)
-        batch = engine.runner.input_batch
+        batch = engine.engine_core.runner.input_batch
         lora_ids = [int(batch.lora_int_id[batch.row_of[req_id]]) for req_id in scheduler_output.row_req_ids()]
         step_slots.append({(lora_slots or {}).get(lora_int_id, 0) for lora_int_id in lora_ids})
         return handle
 
-    monkeypatch.setattr(engine.runner, "execute", recording_execute)
+    monkeypatch.setattr(engine.engine_core.runner, "execute", recording_execute)
     names = [None, *NAMES, None]
     prompts = [PROMPT] * 4 + ["The capital of France is"]
     outs = llm.generate(prompts, GREEDY, lora_request=[None if n is None else lora_request(n, paths) for n in names],
@@ -129,13 +129,13 @@ def test_preemption_chunked_prefill_and_async_scheduling(llm, adapters, peft_gre
     preemptions = engine.stats()["num_preemptions"]
     # A hog leaves 19 of the 399 blocks: two prompts (9 blocks each) fit, their growth to 10 blocks each does not.
     hog = Request("hog", [0])
-    assert engine.kv_cache_manager.allocate_slots(hog, 380 * 16)
+    assert engine.engine_core.kv_cache_manager.allocate_slots(hog, 380 * 16)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
                             lora_request=[None if n is None else lora_request(n, paths) for n in names],
                             use_tqdm=False)
     finally:
-        engine.kv_cache_manager.free(hog)
+        engine.engine_core.kv_cache_manager.free(hog)
     assert [o.outputs[0].token_ids for o in outs] == [peft_greedy(n, p, 16) for n, p in zip(names, prompts)]
     assert engine.stats()["num_preemptions"] > preemptions
     assert_idle(engine)
@@ -349,10 +349,10 @@ def test_engine_process_serves_adapters_like_peft(adapters, peft_greedy, smollm2
     """The default serving mode (the engine in a child process): adapters cross the pipe with their requests, and a
     batch mixing two adapters and the base model gives transformers + PEFT's greedy tokens for each."""
     from paged_jax.config import EngineArgs
-    from serving.engine_process import EngineProcessClient
+    from serving.engine_process import start_engine_process
 
     _, paths = adapters
-    client = EngineProcessClient(EngineArgs(model=str(smollm2_dir), dtype="float32", enable_lora=True, max_loras=2,
+    client = start_engine_process(EngineArgs(model=str(smollm2_dir), dtype="float32", enable_lora=True, max_loras=2,
                                             max_lora_rank=16, max_model_len=256, max_num_seqs=4,
                                             max_num_batched_tokens=64, num_gpu_blocks_override=80, seed=0))
     try:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from paged_jax.engine.beam_search import BeamSearchParams, BeamSearchOutput, get_beam_search_score
+from paged_jax.engine.beam_search import BeamSearchOutput, get_beam_search_score
+from paged_jax.sampling_params import BeamSearchParams
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request
@@ -91,20 +92,20 @@ def test_copy_sources_and_destinations_freed_within_a_pass():
 
 
 def _trace_steps(engine: LLMEngine, record: list):
-    """Wrap ``engine.scheduler.schedule`` to record every SchedulerOutput."""
-    schedule = engine.scheduler.schedule
+    """Wrap ``engine.engine_core.scheduler.schedule`` to record every SchedulerOutput."""
+    schedule = engine.engine_core.scheduler.schedule
 
     def traced():
         out = schedule()
         record.append(out)
         return out
 
-    engine.scheduler.schedule = traced
+    engine.engine_core.scheduler.schedule = traced
     return schedule
 
 
 def test_n8_computes_the_prompt_once_and_shares_its_blocks(engine, long_prompt):
-    kv = engine.kv_cache_manager
+    kv = engine.engine_core.kv_cache_manager
     bs = kv.block_size
     num_tokens, n, seed = 24, 8, 11
     params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=num_tokens, ignore_eos=True)
@@ -118,7 +119,7 @@ def test_n8_computes_the_prompt_once_and_shares_its_blocks(engine, long_prompt):
                 totals = output if totals is None else (totals.add(output) or totals)
             peak = max(peak, kv.num_usable_blocks - kv.num_free_blocks)
     finally:
-        engine.scheduler.schedule = schedule
+        engine.engine_core.scheduler.schedule = schedule
     # One prefill: the prompt's tokens are scheduled once in all.
     prompt_tokens = sum(s.num_new_tokens for out in steps for s in out.scheduled_rows()
                         if s.num_computed_tokens < len(long_prompt))
@@ -178,9 +179,9 @@ def test_aborting_forked_groups_leaks_nothing(engine, long_prompt):
     engine.add_request("beams", long_prompt[:50], BeamSearchParams(beam_width=3, max_tokens=30))
     for _ in range(6):
         engine.step()
-    running = {r.request_id for r in engine.scheduler.running}
+    running = {r.request_id for r in engine.engine_core.scheduler.running}
     assert {"forked::0", "forked::4"} <= running and sum("beams::" in r for r in running) == 3
-    assert any(block.ref_cnt > 1 for block in engine.kv_cache_manager.blocks)  # sharing in progress
+    assert any(block.ref_cnt > 1 for block in engine.engine_core.kv_cache_manager.blocks)  # sharing in progress
     engine.abort_request(["forked", "beams"])
     assert engine.step() == []
     assert_clean(engine)

@@ -77,7 +77,7 @@ def _n2_greedy(engine: LLMEngine, prompt: list[int]) -> list[list[int]]:
 
 
 def _assert_staged(engine: LLMEngine, pp: int, tp: int):
-    runner = engine.runner
+    runner = engine.engine_core.runner
     assert isinstance(runner, PipelineModelRunner) and runner.num_compiles_since_warmup == 0
     plan: PipelinePlan = runner.sharding_plan
     assert plan.pipeline_parallel_size == pp and dict(plan.mesh.shape) == {"pp": pp, "tp": tp}
@@ -122,8 +122,8 @@ def test_pp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen
     reference = qwen3_reference
     engine = LLMEngine(EngineArgs(model=qwen3_checkpoint, pipeline_parallel_size=2, tensor_parallel_size=tp,
                                   **SMALL), use_tqdm=False)
-    assert engine.runner.num_microbatches == {1: 1, 16: 2}
-    steps = _record_dispatches(engine.runner)
+    assert engine.engine_core.runner.num_microbatches == {1: 1, 16: 2}
+    steps = _record_dispatches(engine.engine_core.runner)
     assert greedy(engine, QWEN3_PROMPTS) == reference
     _assert_overlapped(steps)
     assert _n2_greedy(engine, QWEN3_PROMPTS[0]) == [reference[0]] * 2

@@ -63,7 +63,7 @@ def test_chunked_prompt_logprobs_match_transformers(engine, prompt, hf_logits):
     # prompt_logprobs=0: only the prompt token's own entry.
     out = run_to_completion(engine, [prompt[:40]], SamplingParams(max_tokens=1, prompt_logprobs=0), prefix="zero")[0]
     check_against_transformers(out.prompt_logprobs, prompt[:40], 0, hf_logits)
-    assert engine.runner.num_compiles_since_warmup == 0
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0
 
 
 def test_cached_prefix_is_recomputed_for_prompt_logprobs(engine, prompt, hf_logits):

@@ -255,7 +255,7 @@ def awq_dir(float_dir, tmp_path_factory):
 def _engine_model(llm):
     from flax import nnx
 
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     return nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
 
 
@@ -294,7 +294,7 @@ def test_engine_awq_greedy_equals_dequantized_fp32(awq_dir, tmp_path, monkeypatc
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
     reference = _dequantized_reference(_load(awq_dir))
     assert out[0].outputs[0].token_ids == _greedy(reference)[0]
-    assert engine.runner.num_compiles_since_warmup == 0
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0
     per_layer = {}
     for path, m in nnx.iter_graph(_engine_model(llm)):
         if isinstance(m, WeightOnlyLinear):
@@ -326,7 +326,7 @@ def test_engine_int8_greedy_equals_dequantized_fp32(float_dir, tmp_path, monkeyp
     assert len(modules) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down: q/k/v and gate/up fused
     reference = _dequantized_reference(_load(float_dir, resolve_quantization("int8", {})))
     assert out[0].outputs[0].token_ids == _greedy(reference)[0]
-    assert llm.llm_engine.runner.num_compiles_since_warmup == 0
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
     assert sizing["dequantization_bytes"] == 0
     assert len(placed) == 1
     # Each 8-bit class holds its own element type only; int8 is weight-only.
@@ -368,7 +368,7 @@ def test_engine_tensor_parallel_fp8_runs_weight_only(float_dir, tmp_path, monkey
     monkeypatch.setenv("PAGED_JAX_CACHE", str(tmp_path))
     llm = LLM(model=str(float_dir), quantization="fp8", tensor_parallel_size=2, dtype="float32", max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.engine_core.runner
     model = _engine_model(llm)
     assert fp8_impls(model) == {"xla_native"}
     assert fp8_schemes(model) == online_schemes

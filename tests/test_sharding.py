@@ -547,9 +547,9 @@ def _engine_greedy(tp: int, model=None, prompts=None):
 
 
 def _assert_engine_on_mesh(engine, tp: int):
-    assert engine.runner.num_compiles_since_warmup == 0
-    k_pages = engine.runner.kv_pool[0][0]
-    plan = engine.runner.sharding_plan
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0
+    k_pages = engine.engine_core.runner.kv_pool[0][0]
+    plan = engine.engine_core.runner.sharding_plan
     assert plan.tensor_parallel_size == tp
     assert k_pages.sharding.is_equivalent_to(plan.kv_cache_sharding, k_pages.ndim)
     assert k_pages.sharding.shard_shape(k_pages.shape)[2] == plan.num_kv_heads_per_device

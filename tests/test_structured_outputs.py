@@ -148,7 +148,7 @@ def test_offline_constrained_batch_same_under_preemption_and_async(serving_engin
     expected = [[c.token_ids for c in o.outputs] for o in reference]
     outputs = run_to_completion(engine, prompts, params, prefix="tight")
     assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
-    assert engine.stats()["num_preemptions"] > 0 and engine.runner.num_compiles_since_warmup == 0
+    assert engine.stats()["num_preemptions"] > 0 and engine.engine_core.runner.num_compiles_since_warmup == 0
     for spec, out in zip(specs, reference):
         for completion in out.outputs:
             if spec.json is not None and completion.finish_reason == "stop":
@@ -174,7 +174,7 @@ def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenize
     from paged_jax.structured_output.manager import SequenceGrammar
     from tests.test_engine import run_to_completion
 
-    engine, runner = serving_engine, serving_engine.runner
+    engine, runner = serving_engine, serving_engine.engine_core.runner
     events: list[str] = []
 
     def record(name, fn):

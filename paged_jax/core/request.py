@@ -13,6 +13,8 @@ import enum
 import time
 from typing import Any
 
+import numpy as np
+
 
 class RequestStatus(enum.IntEnum):
     """Life cycle: WAITING -> RUNNING -> (PREEMPTED | SWAPPED -> RUNNING)* -> FINISHED_*."""
@@ -174,3 +176,11 @@ class Request:
     def finish_reason(self) -> str | None:
         """"stop" | "length" | "abort", or None while unfinished."""
         return self.status.finish_reason
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of the ``index``-th sequence of a request (n > 1, best_of, beams): the request seed itself for index 0,
+    a well-mixed 64-bit function of (seed, index) for the others."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % (1 << 64), index]).generate_state(2, np.uint32).view(np.uint64)[0])

@@ -1,6 +1,8 @@
-"""The engine: ``LLMEngine`` (``llm_engine``) takes requests, validates them once against the model's limits,
-steps the core (scheduler -> model runner) and turns sampled tokens into vLLM's ``RequestOutput``s. Around it:
-async scheduling (``async_scheduling``: step k+1 dispatched before step k's tokens reach the host), a request's
-sequences for ``n`` / ``best_of`` (``sequence_group``) and beam search above them (``beam_search``), incremental
-detokenization with stop strings (``detokenizer``), the engine process's per-step stream deltas
-(``step_outputs``) and the checkpoint's default sampling parameters (``generation_config``)."""
+"""The engine: three stages with one named type at each boundary (vLLM V1's layout).
+
+``input_processor`` (validate once, tokenize -> ``EngineCoreRequest``) -> ``core`` (``EngineCore``: scheduler, KV-cache
+manager and model runner stepped as one loop -> ``EngineCoreOutput`` s; in this process, or in its own through
+``core_proc`` / ``core_client``) -> ``output_processor`` (detokenize, stop strings, logprobs, n / best_of / beam search
+as the user sees them -> ``RequestOutput``). ``llm_engine.LLMEngine`` composes them; ``messages`` is the one wire
+schema (msgspec); ``beam_search`` is the core's beam policy; ``core_setup`` builds a core; ``detokenizer`` and
+``generation_config`` serve the output and input sides."""

@@ -29,56 +29,12 @@ write), then resumes them. The request reports one output, when it is finished: 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Collection
 
-from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_jax.core.request import Request
-from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
-from paged_jax.engine.sequence_group import RequestState, SequenceState, child_seed
-
-
-@dataclasses.dataclass
-class BeamSearchParams:
-    """vLLM's ``BeamSearchParams``.
-
-    beam_width: beams kept per step (>= 1; 2 * beam_width logprobs per step, so at most ``MAX_LOGPROBS / 2``).
-    max_tokens: most generated tokens (>= 1).
-    ignore_eos: EOS is a token like any other (beams never complete early).
-    temperature: the sampled token joins the candidates (0: the most likely, already among them).
-    length_penalty: scores are ``cumulative logprob / length ** length_penalty``.
-    include_stop_str_in_output: the server's output keeps a completed beam's EOS token in ``token_ids``.
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    @property
-    def n(self) -> int:
-        """Sequences the request returns (the beam width), under ``SamplingParams``' name for it."""
-        return self.beam_width
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences the request runs at once (the beam width)."""
-        return self.beam_width
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if 2 * self.beam_width > MAX_LOGPROBS:
-            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2} (each step reads the 2 * beam_width "
-                             f"most likely tokens, at most max_logprobs={MAX_LOGPROBS}), got {self.beam_width}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 1e30:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+from paged_jax.core.request import Request, child_seed
+from paged_jax.engine.messages import EngineCoreOutput
+from paged_jax.outputs import Logprob, RequestOutput
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclasses.dataclass
@@ -113,33 +69,37 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
 @dataclasses.dataclass
 class _Beam:
     sequence: BeamSearchSequence
-    state: SequenceState  # its scheduler request and the engine's record of its last token's logprobs
+    request: Request  # its scheduler request
+    entry: dict[int, Logprob] | None = None  # its last sampled token's candidates, until the next advance
 
 
 class BeamSearchState:
-    """The engine-side beam search of one request (see the module docstring).
+    """The engine core's beam search of one request (see the module docstring).
 
     Args:
-      state: the request's engine state; its ``seqs`` are kept equal to the live beams' sequences.
+      request_id: the user request's id (the beams' scheduler ids derive from it).
+      prompt_token_ids: list[int] the prompt.
       params: the request's ``BeamSearchParams``.
       num_steps: steps to run (``max_tokens`` capped by the room left in ``max_model_len``).
       eos_token_ids: what completes a beam.
-      scheduler: the engine's scheduler (beams are its requests).
-      registry: the engine's scheduler request id -> (request state, sequence) map, kept current.
+      scheduler: the core's scheduler (beams are its requests).
+      on_new_beam / on_dropped_beam: called with a beam's ``Request`` when it is made / dropped (the core keeps its
+        request registry with them).
       base_seed: the beams' seeds derive from it (temperature > 0).
     """
 
-    def __init__(self, state: RequestState, params: BeamSearchParams, num_steps: int, eos_token_ids: Collection[int],
-                 scheduler, registry: dict, base_seed: int, priority: int, arrival_time: float):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, num_steps: int,
+                 eos_token_ids: Collection[int], scheduler, on_new_beam: Callable[[Request], None],
+                 on_dropped_beam: Callable[[Request], None], base_seed: int, priority: int, arrival_time: float):
+        self.request_id = request_id
         self.params = params
         self.num_steps = num_steps
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = scheduler
-        self.registry = registry
+        self._on_new_beam, self._on_dropped_beam = on_new_beam, on_dropped_beam
         self.base_seed = base_seed
         self.priority = priority
         self.arrival_time = arrival_time
-        self.request_state = state
         # What each beam's request samples with: its logprobs entry holds the candidates.
         self.sampling = SamplingParams(temperature=params.temperature, logprobs=2 * params.beam_width,
                                        max_tokens=num_steps, ignore_eos=True, detokenize=False)
@@ -147,37 +107,50 @@ class BeamSearchState:
         self.completed: list[BeamSearchSequence] = []
         self.final: list[BeamSearchSequence] | None = None
         self._num_beams_made = 0
-        root = self._new_sequence(list(state.prompt_token_ids), [])
-        root.request.reserved_seats = params.beam_width - 1  # its first step forks that many beams
-        self.beams = [_Beam(BeamSearchSequence(list(state.prompt_token_ids), []), root)]
-        state.seqs = [root]
+        root = self._new_request(list(prompt_token_ids), [])
+        root.reserved_seats = params.beam_width - 1  # its first step forks that many beams
+        self.beams = [_Beam(BeamSearchSequence(list(prompt_token_ids), []), root)]
+
+    @property
+    def root(self) -> Request:
+        """The first beam's request (the one the core hands to the scheduler)."""
+        return self.beams[0].request
 
     @property
     def done(self) -> bool:
         return self.final is not None
 
+    def live_requests(self) -> list[Request]:
+        return [beam.request for beam in self.beams]
+
     def _score(self, sequence: BeamSearchSequence) -> float:
         return get_beam_search_score(sequence.tokens, sequence.cum_logprob, self.eos_token_ids,
                                      self.params.length_penalty)
 
-    def _new_sequence(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> SequenceState:
+    def _new_request(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> Request:
         index = self._num_beams_made
         self._num_beams_made += 1
-        request = Request(request_id=f"{self.request_state.request_id}::beam{index}",
-                          prompt_token_ids=prompt_token_ids, params=self.sampling,
-                          eos_token_ids=self.eos_token_ids, priority=self.priority, arrival_time=self.arrival_time,
-                          output_token_ids=output_token_ids, hold_after_sample=True,
-                          seed=child_seed(self.base_seed, index))
-        return SequenceState(index=index, request=request, detokenizer=None,
-                             logprobs=[], cumulative_logprob=0.0, admitted=True)
+        request = Request(request_id=f"{self.request_id}::beam{index}", prompt_token_ids=prompt_token_ids,
+                          params=self.sampling, eos_token_ids=self.eos_token_ids, priority=self.priority,
+                          arrival_time=self.arrival_time, output_token_ids=output_token_ids,
+                          hold_after_sample=True, seed=child_seed(self.base_seed, index))
+        self._on_new_beam(request)
+        return request
+
+    def record(self, request: Request, entry: dict[int, Logprob]) -> None:
+        """The candidates (``{token_id: Logprob}``) of the token ``request`` (a live beam) just sampled."""
+        for beam in self.beams:
+            if beam.request is request:
+                beam.entry = entry
+                return
 
     def advance(self) -> None:
-        """Run the beam-search step once every live beam has its next token's logprobs (else do nothing)."""
-        if self.done or any(not beam.state.logprobs for beam in self.beams):
+        """Run the beam-search step once every live beam has its next token's candidates (else do nothing)."""
+        if self.done or any(beam.entry is None for beam in self.beams):
             return
         candidates: list[tuple[BeamSearchSequence, _Beam]] = []
         for beam in self.beams:
-            entry = beam.state.logprobs.pop()
+            entry, beam.entry = beam.entry, None
             for token, logprob in entry.items():
                 current = beam.sequence
                 new = BeamSearchSequence(current.tokens + [token], current.logprobs + [entry],
@@ -193,61 +166,59 @@ class BeamSearchState:
         if self.num_done_steps >= self.num_steps or not kept:
             self._finish([new for new, _ in kept])
             return
+        self._next_beams(kept)
+
+    def _next_beams(self, kept: list[tuple[BeamSearchSequence, _Beam]]) -> None:
+        """Make the kept candidates the live beams: a parent's first successor reuses its request, the others fork
+        it; parents without a successor are dropped first (their blocks are nobody's)."""
         successors: dict[int, list[BeamSearchSequence]] = {id(beam): [] for beam in self.beams}
         for new, parent in kept:
             successors[id(parent)].append(new)
-        for beam in self.beams:  # beams without a successor go first: their blocks are nobody's
+        for beam in self.beams:
             if not successors[id(beam)]:
-                self._drop(beam.state)
+                self._drop(beam.request)
         next_beams = []
         for beam in self.beams:
             news = successors[id(beam)]
             if not news:
                 continue
-            parent = beam.state.request
+            parent = beam.request
             for new in news[1:]:
-                state = self._new_sequence(parent.prompt_token_ids,
-                                           parent.output_token_ids[:-1] + [new.tokens[-1]])
-                self.scheduler.fork_request(parent, state.request)
-                self.registry[state.request.request_id] = (self.request_state, state)
-                next_beams.append(_Beam(new, state))
+                child = self._new_request(parent.prompt_token_ids, parent.output_token_ids[:-1] + [new.tokens[-1]])
+                self.scheduler.fork_request(parent, child)
+                next_beams.append(_Beam(new, child))
             self.scheduler.replace_last_token(parent, news[0].tokens[-1])
             self.scheduler.release_reserved_seats(parent)
-            next_beams.append(_Beam(news[0], beam.state))
+            next_beams.append(_Beam(news[0], parent))
         self.beams = next_beams
-        self.request_state.seqs = [beam.state for beam in next_beams]
         for beam in next_beams:
-            self.scheduler.resume(beam.state.request)
+            self.scheduler.resume(beam.request)
 
-    def _drop(self, state: SequenceState) -> None:
-        self.scheduler.abort_request(state.request.request_id)  # no-op once the scheduler finished it
-        self.registry.pop(state.request.request_id, None)
+    def _drop(self, request: Request) -> None:
+        self.scheduler.abort_request(request.request_id)  # no-op once the scheduler finished it
+        self._on_dropped_beam(request)
+
+    def abort(self) -> None:
+        """Drop every live beam (the request was aborted)."""
+        for beam in self.beams:
+            self._drop(beam.request)
+        self.beams = []
 
     def _finish(self, live: list[BeamSearchSequence]) -> None:
-        for beam in self.beams:
-            self._drop(beam.state)
-        self.beams = []
+        self.abort()
         self.final = sorted(self.completed + live, key=self._score, reverse=True)[:self.params.beam_width]
-        self.request_state.seqs = []
 
-    def output(self, decode: Callable[[list[int]], str] | None) -> RequestOutput:
-        """The finished request's output (as vLLM's server builds it): per returned beam, the generated tokens (a
-        final EOS only with ``include_stop_str_in_output``), their text (never the EOS), the cumulative logprob and
-        the logprobs entries; ``finish_reason`` "stop" (EOS, ``stop_reason`` = its id) or "length"."""
-        state = self.request_state
-        num_prompt = len(state.prompt_token_ids)
+    def outputs(self) -> list[EngineCoreOutput]:
+        """The finished search's result: per returned beam (best first) its generated tokens (a final EOS
+        included), candidates per token, cumulative logprob and finish ("stop" with the EOS id, or "length")."""
         outputs = []
         for index, beam in enumerate(self.final):
-            generated = beam.tokens[num_prompt:]
-            text_tokens = generated[:-1] if beam.finish_reason == "stop" else generated
-            token_ids = generated if beam.finish_reason != "stop" or self.params.include_stop_str_in_output \
-                else text_tokens
-            outputs.append(CompletionOutput(
-                index=index, text=decode(text_tokens) if decode is not None else "", token_ids=token_ids,
-                cumulative_logprob=beam.cum_logprob, logprobs=beam.logprobs,
-                finish_reason=beam.finish_reason or "length", stop_reason=beam.stop_reason))
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-                             outputs=outputs, finished=True, metrics=state.metrics)
+            generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]  # one candidates entry per token
+            outputs.append(EngineCoreOutput(
+                request_id=self.request_id, index=index, new_token_ids=generated, cumulative_logprob=beam.cum_logprob,
+                beam_logprobs=beam.logprobs, finish_reason=beam.finish_reason or "length",
+                stop_reason=beam.stop_reason))
+        return outputs
 
 
 def to_beam_search_output(output: RequestOutput, params: BeamSearchParams,

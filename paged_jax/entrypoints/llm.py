@@ -13,14 +13,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from paged_jax.engine.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
+from paged_jax.engine.beam_search import BeamSearchOutput, to_beam_search_output
 from paged_jax.entrypoints.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
-from paged_jax.parallel.data_parallel import create_engine
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
@@ -40,8 +40,8 @@ class LLM:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise ValueError(f"{unknown[0]} is not an engine argument (known: {', '.join(sorted(_ENGINE_ARG_NAMES))})")
-        # An LLMEngine, or a DataParallelEngine of data_parallel_size replicas (paged_jax.parallel.data_parallel).
-        self.llm_engine = create_engine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
+        # Its core is an EngineCore, or a DataParallelCore of data_parallel_size replicas.
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), use_tqdm=use_tqdm)
         self._request_counter = itertools.count()
         # The generation config's sampling defaults (read once: sampling_defaults logs them).
         self._sampling_defaults = sampling_defaults(self.llm_engine.generation_config)
@@ -52,7 +52,7 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``): later prompts compute their KV again,
         e.g. so that a benchmark's warm-up cannot serve its timed run."""
-        self.llm_engine.kv_cache_manager.reset_prefix_cache()
+        self.llm_engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with

@@ -1,0 +1,427 @@
+"""``EngineCore``: the scheduler, the KV-cache manager and the model runner of one model, stepped as one loop.
+
+Takes ``EngineCoreRequest`` s (validated and tokenized by the input processor) and returns, per step, a list of
+``EngineCoreOutput`` (token ids, logprobs, finishes; no text). The same object runs in the caller's process (the
+offline ``LLM``, an ``LLMEngine`` on a server thread) and in an engine process (``paged_jax.engine.core_proc``).
+
+One step: ``Scheduler.schedule()`` -> ``ModelRunner.execute`` (the step as a diff of the runner's persistent batch)
+-> ``Scheduler.update_from_output`` -> one output per sequence that got a token. The request state inside the core is
+the scheduler's ``Request``, one per sequence; a request's sequences form a group:
+
+* n > 1 / best_of: sequence 0 computes the prompt; the others are forked from it (copy-on-write blocks) in the step
+  that samples its first token, each sampling with its own seed (``child_seed``). Which of them the user sees (best_of)
+  is the output processor's.
+* beam search: ``paged_jax.engine.beam_search.BeamSearchState`` forks and prunes beams between steps; the group
+  reports once, when the search ends.
+
+Async scheduling (``EngineArgs.async_scheduling``) is a batch queue of depth 2: step k+1 is scheduled with a
+placeholder for each token still on the device and dispatched before step k's tokens reach the host; each call returns
+the outputs of the step that completed. A step with grammar rows dispatches its forward first and its sampling once
+the grammars have seen step k's tokens (``ModelRunner.execute(defer_sampling=True)`` / ``dispatch_sampling``). Rows
+whose sampler reads previous tokens (penalties, bad words) make the next step wait for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from paged_jax.config import EngineArgs
+from paged_jax.core.request import Request, child_seed
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
+from paged_jax.engine.beam_search import BeamSearchState
+from paged_jax.engine.core_setup import build_core_parts
+from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
+from paged_jax.outputs import make_logprob_dict
+from paged_jax.structured_output import StructuredOutputManager
+from paged_jax.worker.step_io import PendingStep, StepOutput
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """The sequences of one request inside the core.
+
+    ``seqs``: index -> its live ``Request`` (finished and aborted ones leave); ``cumulative_logprobs``: per index
+    (when the request needs them); ``reported_start``: its first output (scheduling time, cached tokens) went."""
+
+    request_id: str
+    seqs: dict[int, Request]
+    num_prompt_tokens: int
+    cumulative_logprobs: list[float] | None = None
+    beam_search: BeamSearchState | None = None
+    scheduled_time: float | None = None
+    reported_start: bool = False
+
+
+@dataclasses.dataclass
+class _InFlightStep:
+    """A dispatched step of the batch queue: ``rows`` = (row, request, output index) of its placeholders;
+    ``scheduler_output`` kept when some row computes prompt logprobs."""
+
+    handle: PendingStep
+    rows: list[tuple[int, Request, int]]
+    scheduler_output: SchedulerOutput | None = None
+
+
+class EngineCore:
+    """The engine core of one model (see the module docstring).
+
+    Args:
+      engine_args: ``EngineArgs`` (vLLM names).
+      use_tqdm: progress bars while loading and compiling.
+      devices: this core's devices (a data-parallel replica's; default the first local ones).
+
+    Attributes: ``info`` (``EngineCoreInfo``: limits and model facts for clients), ``tokenizer``, ``model_config``,
+    ``scheduler``, ``kv_cache_manager``, ``runner``, ``lora_manager`` (None without ``enable_lora``),
+    ``startup_timings``.
+    """
+
+    def __init__(self, engine_args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None):
+        if engine_args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={engine_args.data_parallel_size}: one EngineCore is one replica; "
+                             "build replicas with paged_jax.parallel.data_parallel.DataParallelCore")
+        self.engine_args = engine_args
+        parts = build_core_parts(engine_args, use_tqdm=use_tqdm, devices=devices)
+        self.info = parts.info
+        self.startup_timings = parts.info.startup_timings
+        self.tokenizer = parts.loaded.tokenizer
+        self.model_config = parts.loaded.config
+        self.runner, self.scheduler = parts.runner, parts.scheduler
+        self.kv_cache_manager, self.lora_manager = parts.kv_cache_manager, parts.lora_manager
+        self.max_num_seqs = parts.info.max_num_seqs
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.info.vocab_size,
+                                                          self.info.eos_token_ids)
+        self._eos_token_ids = frozenset(self.info.eos_token_ids)
+        self._seed_rng = np.random.default_rng(engine_args.seed)
+        self._groups: dict[str, _Group] = {}  # unfinished requests
+        self._seq_of: dict[str, tuple[_Group, int]] = {}  # scheduler request id -> (group, sequence index)
+        self.async_scheduling = bool(engine_args.async_scheduling)
+        self._batch_queue: collections.deque[_InFlightStep] = collections.deque()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (its fields were validated by the input processor). ValueError naming the field for what
+        only the core can check: an id in use, the adapter (``lora_request``), the grammar (``structured_outputs``)."""
+        request_id = request.request_id
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        lora = self._resolve_lora(request)
+        # The scheduler orders FCFS by arrival; it expects time.monotonic()-based values.
+        monotonic_arrival = time.monotonic() - (time.time() - request.arrival_time)
+        if request.beam_search_params is not None:
+            self._add_beam_search(request, monotonic_arrival)
+            return
+        params = request.sampling_params
+        # Parsed here (a bad spec is a ValueError naming its field), compiled on the manager's threads meanwhile.
+        grammar = self.structured_outputs.grammar_for(params.structured_outputs) if params.structured_outputs else None
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
+        num_seqs = params.num_sequences
+        group = _Group(request_id, {}, len(request.prompt_token_ids),
+                       cumulative_logprobs=[0.0] * num_seqs if params.sampled_logprobs is not None else None)
+        for index in range(num_seqs):
+            seq_id = request_id if num_seqs == 1 else f"{request_id}::{index}"
+            if seq_id in self._seq_of:
+                raise ValueError(f"request_id {request_id!r} collides with the sequence ids of another request")
+            group.seqs[index] = Request(
+                request_id=seq_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+                eos_token_ids=self._eos_token_ids, priority=request.priority, arrival_time=monotonic_arrival,
+                skip_prefix_cache=index == 0 and params.prompt_logprobs is not None, cache_salt=request.cache_salt,
+                lora=lora, seed=child_seed(base_seed, index),
+                grammar=self.structured_outputs.new_sequence(grammar) if grammar else None)
+        # Sequences 1.. fork from sequence 0 when it samples its first token (as many as max_num_seqs lets run
+        # together; any more start on their own, sharing the prompt only through the prefix cache).
+        first = group.seqs[0]
+        first.pending_forks = [group.seqs[i] for i in range(1, min(num_seqs, self.max_num_seqs))]
+        first.reserved_seats = len(first.pending_forks)
+        self._groups[request_id] = group
+        for index, seq in group.seqs.items():
+            self._seq_of[seq.request_id] = (group, index)
+        for index in [0, *range(self.max_num_seqs, num_seqs)]:
+            self.scheduler.add_request(group.seqs[index])
+
+    def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        """Add a group of requests all or none: the first ValueError aborts the ones added before it."""
+        added = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
+    def _resolve_lora(self, request: EngineCoreRequest):
+        if request.lora_request is None:
+            return None
+        if self.lora_manager is None:
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        return self.lora_manager.get(request.lora_request)
+
+    def _add_beam_search(self, request: EngineCoreRequest, monotonic_arrival: float) -> None:
+        params = request.beam_search_params
+        group = _Group(request.request_id, {}, len(request.prompt_token_ids))
+        num_steps = min(params.max_tokens, self.info.max_model_len - len(request.prompt_token_ids))
+
+        def on_new_beam(beam: Request) -> None:
+            if beam.request_id in self._seq_of:
+                raise ValueError(f"request_id {request.request_id!r} collides with the sequence ids of another "
+                                 "request")
+            self._seq_of[beam.request_id] = (group, 0)
+
+        group.beam_search = BeamSearchState(
+            request.request_id, list(request.prompt_token_ids), params, num_steps, self._eos_token_ids,
+            self.scheduler, on_new_beam, lambda beam: self._seq_of.pop(beam.request_id, None),
+            int(self._seed_rng.integers(0, 1 << 63)), request.priority, monotonic_arrival)
+        self._groups[request.request_id] = group
+        self.scheduler.add_request(group.beam_search.root)
+
+    def abort_requests(self, request_ids: Iterable[str] = (), sequences: Iterable[tuple[str, int]] = ()) -> None:
+        """Abort whole requests and single sequences (``(request_id, index)``, e.g. one that hit a stop string);
+        unknown or finished ones are ignored. Their blocks are freed at once; they produce no more outputs."""
+        for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            if group.beam_search is not None:
+                group.beam_search.abort()
+            for seq in group.seqs.values():
+                self.scheduler.abort_request(seq.request_id)  # a pending fork is dropped with its parent
+                self._seq_of.pop(seq.request_id, None)
+        for request_id, index in sequences:
+            group = self._groups.get(request_id)
+            seq = group.seqs.get(index) if group is not None else None
+            if seq is not None:
+                self.scheduler.finish_request(seq.request_id, "stop")
+                self._sequence_done(group, seq, index)
+
+    def _sequence_done(self, group: _Group, seq: Request, index: int) -> None:
+        del group.seqs[index]
+        self._seq_of.pop(seq.request_id, None)
+        if not group.seqs and group.beam_search is None:
+            del self._groups[group.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is unfinished here."""
+        return request_id in self._groups
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step; returns the outputs of the sequences that progressed (with async scheduling, of the step
+        that completed during this call; a call that schedules nothing just completes the step in flight)."""
+        if self.async_scheduling:
+            return self._step_async()
+        # A step left in flight by async scheduling just turned off completes first.
+        outputs = self._complete_oldest() if self._batch_queue else []
+        scheduler_output = self.scheduler.schedule()
+        handle = self._launch(scheduler_output)
+        if handle is None:
+            return outputs
+        result = handle.result()
+        outputs += self._prompt_logprob_outputs(scheduler_output, result)
+        progressed = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids.tolist())
+        if progressed:
+            row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
+            self._token_outputs(((row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed), result,
+                                outputs)
+        return outputs
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        if self._batch_queue and self._needs_tokens_first(self._batch_queue[0]):
+            outputs += self._complete_oldest()
+        scheduler_output = self.scheduler.schedule()
+        handle = self._launch(scheduler_output, defer_sampling=bool(self._batch_queue))
+        if self._batch_queue:
+            outputs += self._complete_oldest()  # waits for step k while step k+1 runs
+        if handle is not None:
+            self.runner.dispatch_sampling(handle)  # a no-op unless only the forward went (grammar rows)
+            self._enqueue(scheduler_output, handle)
+        return outputs
+
+    def _launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> PendingStep | None:
+        """Hand the step to the runner; None when it has no rows."""
+        if scheduler_output.is_empty:
+            return None
+        if scheduler_output.scheduled_new_reqs:
+            now = time.time()
+            for new in scheduler_output.scheduled_new_reqs:
+                entry = self._seq_of.get(new.req_id)
+                if entry is not None and entry[0].scheduled_time is None:
+                    entry[0].scheduled_time = now
+        lora_slots = ({} if self.lora_manager is None else
+                      self.lora_manager.slots_for_step(r.lora for r in scheduler_output.requests if r.lora is not None))
+        handle = self.runner.execute(scheduler_output, lora_slots, defer_sampling=defer_sampling)
+        if handle is not None:
+            self.num_steps += 1
+        return handle
+
+    def _enqueue(self, scheduler_output: SchedulerOutput, handle: PendingStep) -> None:
+        """Right after dispatch: advance the scheduler as if the step were done, with a placeholder for each sampled
+        token, so the next step can be scheduled before the tokens are known."""
+        row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
+        placeholders = [PLACEHOLDER_TOKEN if samples else None for samples in scheduler_output.samples]
+        progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
+        rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
+        prompt_rows = handle.wants_prompt_logprobs
+        # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
+        # computes prompt logprobs, which must still be reported).
+        if rows or prompt_rows:
+            self._batch_queue.append(_InFlightStep(handle, rows, scheduler_output if prompt_rows else None))
+
+    @staticmethod
+    def _needs_tokens_first(flight: _InFlightStep) -> bool:
+        """Penalties and bad words read every previous token in the sampler when the next step is built: no overlap
+        then (grammars only need them at sampling: ``_step_async``)."""
+        return any(request.params is not None and request.params.reads_output_tokens for _, request, _ in flight.rows)
+
+    def _complete_oldest(self) -> list[EngineCoreOutput]:
+        """Fetch the oldest in-flight step's tokens, put them in place of its placeholders (applying the stop tokens
+        the scheduler could not see then) and report them."""
+        flight = self._batch_queue.popleft()
+        result = flight.handle.result()
+        outputs = (self._prompt_logprob_outputs(flight.scheduler_output, result)
+                   if flight.scheduler_output is not None else [])
+        tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
+        seq_of, resolve_placeholder = self._seq_of, self.scheduler.resolve_placeholder
+        rows = []
+        for row, request, output_index in flight.rows:  # every running sequence, every step: kept lean
+            entry = seq_of.get(request.request_id)
+            if entry is None or entry[0].seqs.get(entry[1], request) is not request:
+                continue  # aborted or finished meanwhile
+            resolve_placeholder(request, output_index, tokens[row])
+            rows.append((row, request, output_index))
+        self._token_outputs(rows, result, outputs)
+        return outputs
+
+    # ------------------------------------------------------------------ outputs
+    def _token_outputs(self, rows: Iterable[tuple[int, Request, int]], result: StepOutput,
+                       outputs: list[EngineCoreOutput]) -> None:
+        """Append the output of each ``(row, request, output index)`` whose token is known; advance the beam
+        searches that got every beam's token."""
+        seq_of = self._seq_of
+        beam_groups = []
+        for row, request, output_index in rows:
+            group, index = seq_of[request.request_id]
+            token = request.output_token_ids[output_index]
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            self.generation_tokens_total += 1
+            if output_index == 0 and index == 0:
+                self.prompt_tokens_total += group.num_prompt_tokens
+            if group.beam_search is not None:
+                group.beam_search.record(request, make_logprob_dict(
+                    token, result.logprobs[row], result.ranks[row],
+                    result.top_token_ids[row][:2 * group.beam_search.params.beam_width],
+                    result.top_logprobs[row][:2 * group.beam_search.params.beam_width], _no_text))
+                beam_groups.append(group)
+                continue
+            outputs.append(self._token_output(group, index, request, token, result, row))
+            if request.is_finished:
+                self._sequence_done(group, request, index)
+        for group in beam_groups:
+            search = group.beam_search
+            if not search.done:
+                search.advance()  # a no-op until every beam has its token
+                if search.done:
+                    outputs += search.outputs()
+                    del self._groups[group.request_id]
+
+    def _token_output(self, group: _Group, index: int, request: Request, token: int, result: StepOutput,
+                      row: int) -> EngineCoreOutput:
+        params = request.params
+        output = EngineCoreOutput(group.request_id, index, [token])
+        if params.logprobs is not None:
+            k = params.logprobs
+            output.new_logprobs = [TokenLogprobs(token, float(result.logprobs[row]), int(result.ranks[row]),
+                                                 result.top_token_ids[row][:k].tolist(),
+                                                 result.top_logprobs[row][:k].tolist())]
+        if group.cumulative_logprobs is not None:
+            group.cumulative_logprobs[index] += float(result.logprobs[row])
+            output.cumulative_logprob = group.cumulative_logprobs[index]
+        if not group.reported_start:
+            group.reported_start = True
+            output.scheduled_time = group.scheduled_time
+            output.num_cached_tokens = request.num_cached_prompt_tokens
+        if request.is_finished:
+            output.finish_reason = request.finish_reason
+            output.stop_reason = request.stop_reason
+        return output
+
+    def _prompt_logprob_outputs(self, scheduler_output: SchedulerOutput, result: StepOutput) -> list[EngineCoreOutput]:
+        """The prompt logprobs a finished step computed (``result.prompt_logprobs``, one chunk per row)."""
+        if result.prompt_logprobs is None:
+            return []
+        outputs = []
+        starts = scheduler_output.row_num_computed_tokens()
+        for request, start, chunk in zip(scheduler_output.requests, starts, result.prompt_logprobs):
+            entry = self._seq_of.get(request.request_id)
+            if chunk is None or entry is None or entry[0].seqs.get(entry[1]) is not request:
+                continue  # no prompt logprobs in this row, or aborted meanwhile
+            k = request.params.prompt_logprobs
+            part = PromptLogprobsPart(start, chunk.logprobs.tolist(), chunk.ranks.tolist(),
+                                      chunk.top_token_ids[:, :k].tolist(), chunk.top_logprobs[:, :k].tolist())
+            outputs.append(EngineCoreOutput(entry[0].request_id, entry[1], prompt_logprobs=part))
+            if start + len(part.logprobs) + 1 >= request.num_prompt_tokens:
+                request.skip_prefix_cache = False  # every position computed: a later recompute may take hits
+        return outputs
+
+    # ------------------------------------------------------------------ utilities (also callable remotely)
+    def stats(self) -> dict[str, float]:
+        """Scheduler gauges and counters plus token totals. Keys: num_running, num_waiting, num_unfinished_requests,
+        kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins, num_gpu_blocks / num_cpu_blocks,
+        prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total, generation_tokens_total, num_steps,
+        num_compiles_since_warmup."""
+        stats = dict(self.scheduler.stats())
+        stats["num_unfinished_requests"] = len(self._groups)
+        stats["prompt_tokens_total"] = self.prompt_tokens_total
+        stats["generation_tokens_total"] = self.generation_tokens_total
+        stats["num_steps"] = self.num_steps
+        stats["num_compiles_since_warmup"] = self.runner.num_compiles_since_warmup
+        return stats
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into host memory ahead of its requests (ValueError if it cannot be served). True if it
+        was not loaded yet."""
+        return self._require_lora("lora_request").add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` (requests already using it finish with it). True if it was loaded."""
+        return self._require_lora("lora_id").remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters in host memory."""
+        return set() if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def _require_lora(self, field: str):
+        if self.lora_manager is None:
+            raise ValueError(f"{field}: LoRA is not enabled; start the engine with enable_lora=True (--enable-lora)")
+        return self.lora_manager
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block no request holds (vLLM's ``reset_prefix_cache``); True when done."""
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
+    def close(self) -> None:
+        """Stop the runner's threads and the grammar compiler's."""
+        self.structured_outputs.close()
+        self.runner.close()
+
+
+def _no_text(token_id: int) -> None:
+    """Token text inside the core: none (the output processor decodes)."""
+    return None

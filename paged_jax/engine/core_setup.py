@@ -1,0 +1,172 @@
+"""Building an engine core from ``EngineArgs``: the model, the step limits, the KV pool's size, the runner, the KV-cache
+manager and the scheduler, then compiling (or loading) every step executable.
+
+``build_core_parts`` returns ``CoreParts``: what ``EngineCore`` runs, and its ``EngineCoreInfo`` (what a client of the
+core needs to know of the model and the limits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from paged_jax.config import EngineArgs
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.engine.messages import EngineCoreInfo
+from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
+from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
+from paged_jax.parallel.pipeline import runner_class
+from paged_jax.worker.buckets import planned_num_compiles
+from paged_jax.worker.device_check import warn_if_gpu_unused
+from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
+from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
+                                             enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
+from paged_jax.worker.model_loader import LoadedModel, load_engine_model
+
+logger = logging.getLogger(__name__)
+
+_CPU_MAX_NUM_SEQS, _GPU_MAX_NUM_SEQS = 32, 256
+_CPU_MAX_BATCHED_TOKENS, _GPU_MAX_BATCHED_TOKENS = 512, 8192
+_CPU_DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclasses.dataclass
+class CoreParts:
+    """An engine core's parts: the loaded model (``loaded``: tokenizer, config, ...), ``runner``, ``scheduler``,
+    ``kv_cache_manager``, ``lora_manager`` (None without ``enable_lora``) and ``info``."""
+
+    loaded: LoadedModel
+    runner: Any
+    scheduler: Scheduler
+    kv_cache_manager: KVCacheManager
+    lora_manager: Any
+    info: EngineCoreInfo
+
+
+def default_max_model_len(requested: int | None, model_max: int, on_accelerator: bool) -> int:
+    """``max_model_len``: the requested one (at most the model's ``max_position_embeddings``), else the model's
+    own (vLLM). On the CPU the default is capped at ``_CPU_DEFAULT_MAX_MODEL_LEN``: the CPU attention (the jnp
+    reference) reads a whole max_model_len context for every token, so the model's full length would make every step
+    that many times slower; the note says how to ask for more."""
+    if requested is not None:
+        if requested > model_max:
+            raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
+                             f"({model_max})")
+        return requested
+    if not on_accelerator and model_max > _CPU_DEFAULT_MAX_MODEL_LEN:
+        logger.info("max_model_len defaults to %d on the CPU (the model supports %d): the CPU attention reads "
+                    "the whole max_model_len context for every token; pass --max-model-len %d (max_model_len=) "
+                    "for the full length", _CPU_DEFAULT_MAX_MODEL_LEN, model_max, model_max)
+        return _CPU_DEFAULT_MAX_MODEL_LEN
+    return model_max
+
+
+def step_limits(args: EngineArgs, max_model_len: int, on_accelerator: bool) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)``: the flags, else vLLM's defaults for the platform; without chunked
+    prefill a whole prompt fits one step; every scheduled sequence has >= 1 token."""
+    max_num_seqs = args.max_num_seqs or (_GPU_MAX_NUM_SEQS if on_accelerator else _CPU_MAX_NUM_SEQS)
+    max_num_batched_tokens = args.max_num_batched_tokens or (
+        _GPU_MAX_BATCHED_TOKENS if on_accelerator else _CPU_MAX_BATCHED_TOKENS)
+    if not args.enable_chunked_prefill and args.max_num_batched_tokens is None:
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+    return min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens
+
+
+def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> tuple[int, int]:
+    """(device KV blocks, host swap blocks) for the loaded model and the limits: what the device's memory leaves after
+    the weights (``kv_pool_sizing``), the same count on every node of a multi-host job."""
+    model = loaded.model
+    dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
+    if dequantization_bytes and device.platform != "cpu":
+        logger.info("KV cache sizing leaves %.2f GiB for weights XLA dequantizes in the wider steps (weight-only "
+                    "quantized layers)", dequantization_bytes / 2**30)
+    num_blocks = determine_num_blocks(
+        loaded.memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
+        device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes)
+    num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
+    num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
+                                           swap_space_gib=args.swap_space)
+                       if args.preemption_mode == "swap" else 0)
+    return num_blocks, num_host_blocks
+
+
+def _log_pool_and_compiles(args: EngineArgs, runner, num_blocks: int, num_host_blocks: int, block_bytes: int,
+                           max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    kv_tokens = (num_blocks - 1) * args.block_size
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
+                "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
+                num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, kv_tokens / max_model_len)
+    num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
+                                        num_blocks=num_blocks)
+    logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
+                len(runner.buckets), "" if args.compilation_cache_dir == "" else
+                "; the JAX compilation cache makes later starts faster")
+
+
+def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None) -> CoreParts:
+    """Load the model, size the KV pool, build the runner, the KV-cache manager and the scheduler, and warm the runner
+    up (every step executable compiled or loaded). ``devices``: this core's devices (default: the first local
+    ones)."""
+    start = time.perf_counter()
+    # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.worker.device_memory), and
+    # a multi-host job must be joined before (paged_jax.parallel.multihost).
+    reserve_gpu_memory_fraction(args.gpu_memory_utilization)
+    start_distributed(args)
+    warn_if_gpu_unused()
+    enable_compilation_cache(args.compilation_cache_dir)
+    device = devices[0] if devices else jax.local_devices()[0]  # a follower node sizes for its own devices
+    on_accelerator = device.platform != "cpu"
+    args.log_compatibility_notes(on_accelerator)
+    timings = {"backend_s": time.perf_counter() - start}
+    stage_start = time.perf_counter()
+
+    logger.info("Loading model %s (dtype %s) on %s", args.model or "SmolLM2-135M-Instruct (built-in)", args.dtype,
+                device)
+    loaded = load_engine_model(args, on_accelerator, devices)
+    timings["load_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
+    model, config, plan = loaded.model, loaded.config, loaded.plan
+    max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, on_accelerator)
+    max_num_seqs, max_num_batched_tokens = step_limits(args, max_model_len, on_accelerator)
+
+    kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
+    num_blocks, num_host_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len, max_num_seqs,
+                                                max_num_batched_tokens)
+    timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
+    runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
+        model, loaded.run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        num_host_blocks=num_host_blocks, eos_token_ids=loaded.eos_token_ids, attention_impl=args.attention_impl,
+        device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
+        lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device))  # None unless enable_lora
+    kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                      num_host_blocks=num_host_blocks)
+    scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                          preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
+                          enable_chunked_prefill=args.enable_chunked_prefill,
+                          max_loras=args.max_loras if args.enable_lora else 0)
+    _log_pool_and_compiles(args, runner, num_blocks, num_host_blocks,
+                           kv_bytes_per_block(loaded.memory_config, args.block_size, kv_dtype), max_model_len,
+                           max_num_seqs, max_num_batched_tokens)
+    compile_start = time.perf_counter()
+    timings["runner_init_s"] = compile_start - stage_start
+    runner.warm_up(use_tqdm=use_tqdm)
+    timings["warm_up_s"] = time.perf_counter() - compile_start
+    runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
+    logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
+                time.perf_counter() - start)
+    info = EngineCoreInfo(max_model_len=max_model_len, vocab_size=config.vocab_size,
+                          eos_token_ids=list(loaded.eos_token_ids), max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_logprobs=runner.max_logprobs,
+                          model_path=loaded.model_path, generation_config=dict(loaded.generation_config),
+                          startup_timings=timings)
+    return CoreParts(loaded=loaded, runner=runner, scheduler=scheduler, kv_cache_manager=kv_cache_manager,
+                     lora_manager=make_lora_manager(args, runner), info=info)

@@ -1,0 +1,278 @@
+"""The output processor: engine-core outputs (token ids, logprobs) -> ``RequestOutput`` (vLLM V1's name).
+
+Holds one ``RequestState`` per unfinished request: its sequences' tokens, detokenizers (text, stop strings), logprob
+dicts, what earlier outputs already reported, and the request's group policy as the user sees it: with n > 1 every
+sequence reports under its own index; with best_of > n nothing is reported until every sequence has finished, then
+the n with the highest cumulative logprob, best first; a beam search reports its beams once, when it ends.
+
+A stop string ends a sequence here; ``process_outputs`` returns those sequences so the caller aborts them in the core
+(which may have computed a token or two more meanwhile: they are dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterable
+
+from paged_jax.engine.detokenizer import IncrementalDetokenizer
+from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
+from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """One output sequence of a request as outputs report it."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_reported_tokens: int = 0  # what earlier outputs carried: an output is the delta past these
+    num_reported_chars: int = 0
+    finish_reported: bool = False
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One unfinished request: its prompt, parameters, sequences, metrics, prompt logprobs (``prompt_logprobs``:
+    None unless asked, then per prompt token None (the first) or ``{token_id: Logprob}`` as they come) and, for a beam
+    search, its result once finished (``beams``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    seqs: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    prompt_logprobs_reported: bool = False
+    num_cached_tokens: int = 0
+    beams: list[EngineCoreOutput] | None = None
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def finished(self) -> bool:
+        if self.is_beam_search:
+            return self.beams is not None
+        for seq in self.seqs:  # a loop, not all(<genexpr>): read for every running request every step
+            if seq.finish_reason is None:
+                return False
+        return True
+
+    @functools.cached_property
+    def reports_deltas(self) -> bool:
+        """Whether outputs go out as the tokens come (else only the finished output: best_of > n, beam search)."""
+        return not self.is_beam_search and self.params.num_sequences == self.params.n
+
+
+class OutputProcessor:
+    """Turns ``EngineCoreOutput`` s into delta ``RequestOutput`` s (see the module docstring).
+
+    Args:
+      tokenizer: the HF tokenizer (None: no text, token ids only).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, RequestState] = {}
+
+    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+        """Start tracking ``request`` (already accepted by the input processor); ``prompt``: its text, if given."""
+        params = request.sampling_params or request.beam_search_params
+        state = RequestState(request.request_id, prompt, request.prompt_token_ids, params, [],
+                             RequestMetrics(arrival_time=request.arrival_time))
+        if request.sampling_params is not None:
+            if params.prompt_logprobs is not None:
+                state.prompt_logprobs = [None]
+            state.seqs = [self._new_sequence(index, request) for index in range(params.num_sequences)]
+        self._states[request.request_id] = state
+
+    def _new_sequence(self, index: int, request: EngineCoreRequest) -> SequenceState:
+        params = request.sampling_params
+        detokenizer = None
+        if params.detokenize and self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
+        return SequenceState(index=index, detokenizer=detokenizer,
+                             logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.sampled_logprobs is not None else None)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget requests (unknown ids are ignored): they produce no more outputs."""
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput], finished_only: bool = False
+                        ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one or more core steps' outputs (in step order).
+
+        Returns ``(request outputs, sequences to abort in the core)``: the delta ``RequestOutput`` of every request
+        that got something new (finished ones included, with ``finished=True``; only those with ``finished_only``,
+        each then whole), and the ``(request_id, index)`` of the sequences a stop string just ended."""
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        stopped: list[tuple[str, int]] = []
+        states = self._states
+        for output in outputs:
+            state = states.get(output.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            if output.scheduled_time is not None:
+                state.metrics.first_scheduled_time = output.scheduled_time
+                state.metrics.time_in_queue = output.scheduled_time - state.metrics.arrival_time
+            if output.num_cached_tokens:
+                state.num_cached_tokens = output.num_cached_tokens
+            if output.prompt_logprobs is not None:
+                self._record_prompt_logprobs(state, output.prompt_logprobs)
+            if output.beam_logprobs is not None:
+                state.beams = (state.beams or []) + [output]
+            elif output.new_token_ids or output.finish_reason is not None:
+                if self._apply_tokens(state, output, now):
+                    stopped.append((output.request_id, output.index))
+            else:
+                continue
+            touched[output.request_id] = state
+        return self._request_outputs(touched.values(), now, finished_only), stopped
+
+    def _apply_tokens(self, state: RequestState, output: EngineCoreOutput, now: float) -> bool:
+        """Append a sequence's new tokens (logprobs, text); True when a stop string ended it here."""
+        seq = state.seqs[output.index]
+        if seq.finish_reason is not None:
+            return False  # tokens the core made after a stop string ended the sequence
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        num_new = len(output.new_token_ids)
+        core_finished = output.finish_reason is not None
+        for i, token in enumerate(output.new_token_ids):
+            seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._token_logprobs(output.new_logprobs[i]))
+            if seq.detokenizer is None:
+                continue
+            last = i == num_new - 1
+            _, stop_str = seq.detokenizer.append((token,), finished=last and core_finished)
+            if stop_str is not None:  # wins over an EOS / length finish of the same token
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                if output.cumulative_logprob is not None:
+                    seq.cumulative_logprob = output.cumulative_logprob
+                return not (last and core_finished)
+        if output.cumulative_logprob is not None:
+            seq.cumulative_logprob = output.cumulative_logprob
+        if core_finished:
+            seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
+        return False
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _token_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        return make_logprob_dict(entry.token_id, entry.logprob, entry.rank, entry.top_token_ids, entry.top_logprobs,
+                                 self._decode_one)
+
+    def _record_prompt_logprobs(self, state: RequestState, part: PromptLogprobsPart) -> None:
+        """Add the entries of a prefill chunk that started at ``part.start`` (those not recorded yet)."""
+        entries, prompt = state.prompt_logprobs, state.prompt_token_ids
+        for i, (logprob, rank) in enumerate(zip(part.logprobs, part.ranks)):
+            index = part.start + 1 + i
+            if index == len(entries):
+                entries.append(make_logprob_dict(prompt[index], logprob, rank, part.top_token_ids[i],
+                                                 part.top_logprobs[i], self._decode_one))
+
+    def _request_outputs(self, states: Iterable[RequestState], now: float, finished_only: bool) -> list[RequestOutput]:
+        outputs = []
+        for state in states:
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del self._states[state.request_id]
+            if finished or (not finished_only and state.reports_deltas):
+                outputs.append(self._beam_output(state) if state.is_beam_search else self._delta_output(state,
+                                                                                                        finished))
+        return outputs
+
+    def _delta_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        """The delta of ``state`` since its previous output, per sequence with new tokens or an unreported finish.
+        ``prompt_token_ids`` is shared by all outputs (never mutated); metrics only on the finished one."""
+        completions = []
+        for index, seq in _reported_sequences(state):
+            start = seq.num_reported_tokens
+            if len(seq.token_ids) == start and (seq.finish_reason is None or seq.finish_reported):
+                continue
+            text = seq.detokenizer.emitted_since(seq.num_reported_chars) if seq.detokenizer is not None else ""
+            seq.num_reported_chars += len(text)
+            seq.num_reported_tokens = len(seq.token_ids)
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=seq.token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            seq.finish_reported = seq.finish_reason is not None
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics if finished else None,
+                             prompt_logprobs=self._take_prompt_logprobs(state))
+
+    @staticmethod
+    def _take_prompt_logprobs(state: RequestState) -> list | None:
+        """The prompt logprobs, once, when complete (they go with the request's first output, as vLLM)."""
+        entries = state.prompt_logprobs
+        if entries is None or state.prompt_logprobs_reported or len(entries) < len(state.prompt_token_ids):
+            return None
+        state.prompt_logprobs_reported = True
+        return entries
+
+    def _beam_output(self, state: RequestState) -> RequestOutput:
+        """A finished beam search's output (as vLLM's server builds it): per returned beam, the generated tokens (a
+        final EOS only with ``include_stop_str_in_output``), their text (never the EOS), the cumulative logprob and
+        the candidates per token; ``finish_reason`` "stop" (EOS, ``stop_reason`` = its id) or "length"."""
+        params: BeamSearchParams = state.params
+        outputs = []
+        for beam in state.beams:
+            generated = beam.new_token_ids
+            text_tokens = generated[:-1] if beam.finish_reason == "stop" else generated
+            token_ids = generated if beam.finish_reason != "stop" or params.include_stop_str_in_output \
+                else text_tokens
+            logprobs = [{token: dataclasses.replace(logprob, decoded_token=self._decode_one(token))
+                         for token, logprob in entry.items()} for entry in beam.beam_logprobs]
+            outputs.append(CompletionOutput(
+                index=beam.index, text=self._decode(text_tokens), token_ids=token_ids,
+                cumulative_logprob=beam.cumulative_logprob, logprobs=logprobs, finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason))
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                             outputs=outputs, finished=True, metrics=state.metrics)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+
+def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
+    """``(output index, sequence)`` of what a request reports: every sequence under its own index; with
+    ``best_of > n`` (finished) the n with the highest cumulative logprob, best first, numbered 0..n-1."""
+    params = state.params
+    if params.num_sequences == params.n:
+        return [(seq.index, seq) for seq in state.seqs]
+    ranked = sorted(state.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
+    return list(enumerate(ranked[:params.n]))
+
