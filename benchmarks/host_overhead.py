@@ -22,18 +22,16 @@ On a CPU backend add ``--isolate-host`` (``isolate_host``): the step's computati
 while the host phases are timed and inflates them; with it the phases are the host work alone, as an accelerator
 host sees it (``--finished-only`` is how ``LLM.generate`` and benchmarks/throughput.py step the engine).
 
-``--stream-outputs`` (issue 21) measures instead what streaming every running request's delta costs the engine
-process per step, in microseconds per running stream per step (medians): ``--steps`` steps as ``LLM.generate``
-runs them (``step(finished_only=True)``: outputs of finished requests only), then ``--steps`` steps as the engine
-process (serving/engine_process.py) ran them before (a ``RequestOutput`` per stream: ``request_outputs``) and as it
-runs them now (plain streams' deltas as ``paged_jax.engine.step_outputs.StreamDeltas`` columns: ``columns``). Parts:
-``host_us`` (step time minus the device wait), ``outputs_us`` (inside it: building the step's outputs),
-``pack_us`` (the wire message), ``pickle_us``, ``write_us`` (the pipe write; a thread here drains the other end),
-``gc_us_mean`` (garbage collection during the step, a mean: collections are rare and long); ``full_gc_ms``: one
-full collection before and after ``serving.lifecycle.freeze_gc_heap`` (run before the ``columns`` steps, as
-the engine process runs it before serving).
+``--stream-outputs`` measures instead what streaming every running request's delta costs per step, in microseconds
+per running stream per step (medians): ``--steps`` steps as ``LLM.generate`` runs them (``step(finished_only=True)``:
+``offline``), then ``--steps`` steps as a server with its core in another process runs them (``core_process``):
+``host_us`` (the core step minus the device wait), ``encode_us`` and ``write_us`` (the ``EngineCoreOutputs``
+message and the pipe write; a thread here drains the other end): ``core_process_us``; ``decode_us`` and
+``outputs_us`` (the output processor's delta ``RequestOutput`` s): ``api_server_us``; ``gc_us_mean`` (garbage
+collection during the step, a mean: collections are rare and long); ``full_gc_ms``: one full collection before and
+after ``serving.lifecycle.freeze_gc_heap`` (run before the ``core_process`` steps, as the core process runs it).
 The tokenizer is the built-in SmolLM2's (``--tokenizer``), so texts are detokenized and streamed as served. One JSON
-line: ``{"benchmark": "stream_outputs", "offline": {...}, "request_outputs": {...}, "columns": {...}, ...}``.
+line: ``{"benchmark": "stream_outputs", "offline": {...}, "core_process": {...}, ...}``.
 """
 
 from __future__ import annotations
@@ -87,30 +85,29 @@ def instrument_phases(engine, totals: dict[str, float]) -> None:
 
 def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
     """On an engine whose requests all keep running: ``num_steps`` steps with ``finished_only=True`` (offline), then
-    ``num_steps`` as the engine process ran them before issue 21 (a ``RequestOutput`` per stream, each packed), then
-    ``num_steps`` as it runs them now (plain streams' deltas as ``StreamDeltas`` columns); microseconds per running
-    stream per step (medians) of each part, and the message size."""
+    ``num_steps`` as a server with its core in another process runs them: the core's step and its
+    ``EngineCoreOutputs`` encoded and written to a pipe (the core process's work), then decoded and turned into delta
+    ``RequestOutput`` s by the output processor (the API server's work); microseconds per running stream per step
+    (medians) of each part, and the message size."""
     import multiprocessing
     import threading
 
-    from multiprocessing.reduction import ForkingPickler
-
-    from paged_jax.engine.step_outputs import StreamDeltas
-    from serving import engine_process
+    from paged_jax.engine.messages import CORE_MESSAGE_DECODER, EngineCoreOutputs, encode
     from serving.lifecycle import freeze_gc_heap
 
     reader, writer = multiprocessing.Pipe(duplex=False)
+    received: list[bytes] = []
 
     def drain() -> None:
         try:
-            while reader.recv_bytes():
-                pass
+            while data := reader.recv_bytes():
+                received.append(data)
         except EOFError:
             pass
 
     drainer = threading.Thread(target=drain, daemon=True)
     drainer.start()
-    totals: dict[str, float] = {"outputs": 0.0, "gc": 0.0}
+    totals: dict[str, float] = {"gc": 0.0}
     gc_started = [0.0]
 
     def time_gc(phase: str, info: dict) -> None:
@@ -121,48 +118,50 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
 
     gc.callbacks.append(time_gc)
     instrument_phases(engine, totals)
-    _timed(engine, "_collect_outputs", totals, "outputs")  # per-stream output work (+ beam / finish bookkeeping)
-    prompt_sent: set[str] = set()
+    core = engine.engine_core
 
     def run(mode: str) -> dict[str, float]:
-        parts: dict[str, list[float]] = {"host": [], "outputs": [], "gc": [], "pack": [], "pickle": [], "write": []}
+        parts: dict[str, list[float]] = {"host": [], "gc": [], "encode": [], "write": [], "decode": [],
+                                         "outputs": []}
         sizes, streams = [], []
         for _ in range(num_steps):
             before, start = dict(totals), time.perf_counter()
-            columns = StreamDeltas() if mode == "columns" else None
-            outputs = engine.step(finished_only=mode == "offline", stream_deltas=columns)
-            packed_at = time.perf_counter()
-            parts["host"].append(packed_at - start - (totals["wait"] - before["wait"]))
-            parts["outputs"].append(totals["outputs"] - before["outputs"])
-            parts["gc"].append(totals["gc"] - before["gc"])
-            streams.append(max(len(outputs) + len(columns or ()), 1) if mode != "offline" else engine.stats()[
-                "num_running"])
             if mode == "offline":
+                engine.step(finished_only=True)
+                parts["host"].append(time.perf_counter() - start - (totals["wait"] - before["wait"]))
+                parts["gc"].append(totals["gc"] - before["gc"])
+                streams.append(max(engine.stats()["num_running"], 1))
                 continue
-            message = ("state", 0, [], engine_process.pack_step(outputs, prompt_sent), dict(engine.stats()),
-                       columns.to_wire() if columns else None)
-            pickled_at = time.perf_counter()
-            payload = ForkingPickler.dumps(message)
-            written_at = time.perf_counter()
+            core_outputs = core.step()
+            stepped_at = time.perf_counter()
+            payload = encode(EngineCoreOutputs(core_outputs, dict(core.stats())))
+            encoded_at = time.perf_counter()
             writer.send_bytes(payload)
-            parts["pack"].append(pickled_at - packed_at)
-            parts["pickle"].append(written_at - pickled_at)
-            parts["write"].append(time.perf_counter() - written_at)
+            written_at = time.perf_counter()
+            message = CORE_MESSAGE_DECODER.decode(payload)
+            decoded_at = time.perf_counter()
+            engine.output_processor.process_outputs(message.outputs)
+            parts["host"].append(stepped_at - start - (totals["wait"] - before["wait"]))
+            parts["gc"].append(totals["gc"] - before["gc"])
+            parts["encode"].append(encoded_at - stepped_at)
+            parts["write"].append(written_at - encoded_at)
+            parts["decode"].append(decoded_at - written_at)
+            parts["outputs"].append(time.perf_counter() - decoded_at)
+            streams.append(max(len(core_outputs), 1))
             sizes.append(len(payload) / streams[-1])
         per_stream = np.asarray(streams, dtype=np.float64)
         figures = {f"{key}_us": round(float(np.median(np.asarray(values) / per_stream)) * 1e6, 2)
                    for key, values in parts.items() if values and key != "gc"}
         figures["gc_us_mean"] = round(float(np.mean(np.asarray(parts["gc"]) / per_stream)) * 1e6, 2)  # rare, long
         if sizes:
-            figures["engine_process_us"] = round(sum(figures[f"{k}_us"] for k in ("outputs", "pack", "pickle",
-                                                                                   "write")), 2)
+            figures["core_process_us"] = round(figures["encode_us"] + figures["write_us"], 2)
+            figures["api_server_us"] = round(figures["decode_us"] + figures["outputs_us"], 2)
             figures["message_bytes_per_stream"] = round(float(np.median(sizes)), 1)
         return figures
 
     result: dict[str, Any] = {"offline": run("offline")}
-    engine_process.pack_step(engine.step(), prompt_sent)  # untimed: the offline steps' tokens, the prompts
-    result["request_outputs"] = run("request_outputs")
-    # The engine process freezes its start-up heap before serving (serving.lifecycle.freeze_gc_heap); what one full
+
+    # The core process freezes its start-up heap before serving (serving.lifecycle.freeze_gc_heap); what one full
     # collection (a pause of every stream) costs without and with that.
     def full_gc_ms() -> float:
         start = time.perf_counter()
@@ -171,8 +170,8 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
 
     result["full_gc_ms"] = {"unfrozen": full_gc_ms()}
     freeze_gc_heap()
-    result["columns"] = run("columns")
-    result["full_gc_ms"]["frozen"] = full_gc_ms()  # what the columns steps left, less what froze
+    result["core_process"] = run("core_process")
+    result["full_gc_ms"]["frozen"] = full_gc_ms()  # what the core-process steps left, less what froze
     gc.unfreeze()
     gc.callbacks.remove(time_gc)
     writer.send_bytes(b"")

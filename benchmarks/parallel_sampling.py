@@ -1,4 +1,4 @@
-"""Parallel sampling and beam search on copy-on-write blocks (paged_jax/engine/sequence_group.py, paged_jax/engine/beam_search.py).
+"""Parallel sampling and beam search on copy-on-write blocks (paged_jax/engine/core.py, paged_jax/engine/beam_search.py).
 
 Modes (one JSON line each):
   n         --num-prompts prompts, each one request with SamplingParams(n=N): the prompt is computed once and the N
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
     from paged_jax.sampling_params import BeamSearchParams
-    from paged_jax.engine.sequence_group import child_seed
+    from paged_jax.core.request import child_seed
 
     llm = LLM(model=args.model or args.shape, load_format="dummy" if args.shape else "auto", dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

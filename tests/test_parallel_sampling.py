@@ -15,7 +15,7 @@ from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request
 from paged_jax.entrypoints.llm import LLM
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.engine.sequence_group import child_seed
+from paged_jax.core.request import child_seed
 from tests.test_engine import TEXT, TIGHT_BLOCKS, assert_clean, make_engine, run_to_completion
 
 EOS = 2

@@ -148,14 +148,7 @@ class EngineCore:
 
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         """Add a group of requests all or none: the first ValueError aborts the ones added before it."""
-        added = []
-        try:
-            for request in requests:
-                self.add_request(request)
-                added.append(request.request_id)
-        except Exception:
-            self.abort_requests(added)
-            raise
+        add_all_or_none(self, requests)
 
     def _resolve_lora(self, request: EngineCoreRequest):
         if request.lora_request is None:
@@ -425,3 +418,15 @@ class EngineCore:
 def _no_text(token_id: int) -> None:
     """Token text inside the core: none (the output processor decodes)."""
     return None
+
+
+def add_all_or_none(core, requests: Iterable[EngineCoreRequest]) -> None:
+    """``core.add_request`` each request; on the first error abort the ones added before it and raise it."""
+    added = []
+    try:
+        for request in requests:
+            core.add_request(request)
+            added.append(request.request_id)
+    except Exception:
+        core.abort_requests(added)
+        raise

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import hash_block_tokens
-from paged_jax.engine.core import EngineCore
+from paged_jax.engine.core import EngineCore, add_all_or_none
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest
 from paged_jax.parallel.multihost import start_distributed
 
@@ -122,14 +122,7 @@ class DataParallelCore:
 
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         """All or none, as ``EngineCore.add_requests``."""
-        added = []
-        try:
-            for request in requests:
-                self.add_request(request)
-                added.append(request.request_id)
-        except Exception:
-            self.abort_requests(added)
-            raise
+        add_all_or_none(self, requests)
 
     def abort_requests(self, request_ids: Iterable[str] = (), sequences: Iterable[tuple[str, int]] = ()) -> None:
         by_replica: dict[int, tuple[list, list]] = {}

@@ -11,7 +11,7 @@ import sys
 
 import jax
 
-from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.engine.core import EngineCore
 from paged_jax.parallel.multihost import StepChannel
 from paged_jax.parallel.rank_watch import close_watch, run_supervised
 
@@ -41,8 +41,8 @@ def _follow_here(engine_args, log_level: int) -> int:
     logging.basicConfig(level=log_level, format=_FOLLOWER_LOG_FORMAT.format(rank=engine_args.node_rank),
                         stream=sys.stderr, force=True)
     try:
-        engine = LLMEngine(engine_args)
-        follow(engine.runner, StepChannel())
+        core = EngineCore(engine_args)
+        follow(core.runner, StepChannel())
     except ValueError as exc:
         logger.error("node %d cannot start: %s", engine_args.node_rank, exc)
         return 2
