@@ -523,3 +523,32 @@ def test_supervisor_exits_as_the_api_server_that_refused_its_arguments():
             for process in (engine, *servers):
                 process.kill()
                 process.join()
+
+
+def test_core_loop_forgets_a_request_whose_last_sequence_is_stopped_by_the_client():
+    """A stop string ends a sequence in the client's output processor, which aborts that sequence in the core; when
+    it was the request's last, no core output says so, and the loop must still stop counting it as the client's."""
+    import multiprocessing
+    import threading
+
+    from benchmarks.serving_host import ModelFreeCore
+    from paged_jax.engine.core_proc import EngineCoreProc
+    from paged_jax.engine.messages import AbortRequests, AddRequests, EngineCoreRequest, Shutdown, encode
+    from tests.test_serving import wait_until
+
+    engine_args = EngineArgs(model="model-free", load_format="dummy", max_num_seqs=4, max_model_len=64)
+    core = ModelFreeCore(engine_args, steps_per_s=200)
+    client_end, core_end = multiprocessing.Pipe()
+    loop = EngineCoreProc(core, [core_end])
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        request = EngineCoreRequest("a", [1, 2], SamplingParams(max_tokens=10_000))
+        client_end.send_bytes(encode(AddRequests(0, [request])))
+        assert wait_until(lambda: loop.clients[0].owned == {"a": "a"}, timeout=10)
+        client_end.send_bytes(encode(AbortRequests(sequences=[("a", 0)])))
+        assert wait_until(lambda: not loop.clients[0].owned and not core.has_unfinished_requests(), timeout=10)
+        assert not loop.owner
+    finally:
+        client_end.send_bytes(encode(Shutdown()))
+        thread.join(10)

@@ -155,7 +155,12 @@ class EngineCoreProc:
         core_ids = [client.owned.pop(r) for r in request_ids if r in client.owned]
         for core_id in core_ids:
             del self.owner[core_id]
-        self.core.abort_requests(core_ids, [(self._core_id(client, r), i) for r, i in sequences])
+        sequences = [(r, self._core_id(client, r), i) for r, i in sequences if r in client.owned]
+        self.core.abort_requests(core_ids, [(core_id, i) for _, core_id, i in sequences])
+        for client_id, core_id, _ in sequences:
+            if not self.core.has_request(core_id):  # its last live sequence: no output will say it ended
+                del client.owned[client_id]
+                self.owner.pop(core_id, None)
 
     def _detach(self, client: _Client) -> None:
         """The client left (``Shutdown``) or is gone: its requests end, their blocks are freed."""

@@ -73,10 +73,12 @@ class LLMEngine:
         ValueError naming the field). With a core in another process this waits for the core's answer."""
         group_id = self.submit_requests([(request_id, prompt, params, priority, lora_request, arrival_time)])
         if self._process_core is None:
+            self._admissions = [(g, e) for g, e in self._admissions if g != group_id]
             return
         error = self._process_core.wait_for_admission(group_id)
-        self._admissions = [(g, e) for g, e in self._admissions if g != group_id]
+        del self._admitting[group_id]
         if error is not None:
+            self.output_processor.abort_requests([request_id])
             raise error
 
     def submit_requests(self, requests: Sequence[tuple]) -> int:
