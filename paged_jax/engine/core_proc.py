@@ -229,16 +229,20 @@ class EngineCoreProc:
         outputs = self.core.step()
         by_client: dict[_Client, list[EngineCoreOutput]] = {}
         owner, has_request = self.owner, self.core.has_request
+        ended = []
         for output in outputs:
             entry = owner.get(output.request_id)
             if entry is None:
                 continue  # its client detached meanwhile
             client, client_id = entry
             if output.finish_reason is not None and not has_request(output.request_id):
-                del client.owned[client_id]  # its last output: the core holds it no more
-                del owner[output.request_id]
+                ended.append(output.request_id)  # the core holds it no more (several sequences may end together)
             output.request_id = client_id
             by_client.setdefault(client, []).append(output)
+        for core_id in ended:
+            entry = owner.pop(core_id, None)
+            if entry is not None:
+                del entry[0].owned[entry[1]]
         stats = dict(self.core.stats())
         for client in self.clients:
             if client.attached and (client in by_client or client.owned or client.num_messages != client.num_reported):

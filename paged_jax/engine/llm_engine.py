@@ -12,6 +12,7 @@ Thread-safety: none; one thread drives an engine (the offline ``LLM``, or ``serv
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 
 from paged_jax.config import EngineArgs
@@ -22,6 +23,8 @@ from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.outputs import RequestOutput
 from paged_jax.parallel.data_parallel import create_engine_core
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -145,10 +148,21 @@ class LLMEngine:
         generation whole. With a process core: the outputs of every core step finished since the last call
         (blocking for one while none came and requests are live; returning early on admissions or ``wakeup``)."""
         core_outputs = self.engine_core.step()
+        if not core_outputs and self._process_core is not None and self._process_core.core_is_idle():
+            self._drop_lost_requests()
         outputs, stopped = self.output_processor.process_outputs(core_outputs, finished_only)
         if stopped:
             self.engine_core.abort_requests((), stopped)
         return outputs
+
+    def _drop_lost_requests(self) -> None:
+        """The process core has applied every message and holds none of this client's requests, so the ones still
+        tracked here ended without a last output: drop them rather than wait for outputs that never come."""
+        admitting = {r for ids in self._admitting.values() for r in ids}
+        lost = [r for r in self.output_processor.request_ids() if r not in admitting]
+        if lost:
+            logger.warning("the engine core holds none of %d live requests; dropping them", len(lost))
+            self.output_processor.abort_requests(lost)
 
     # ------------------------------------------------------------------ the core's utilities
     def stats(self) -> dict[str, float]:

@@ -120,6 +120,10 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self._states)
 
+    def request_ids(self) -> list[str]:
+        """Ids of the unfinished requests."""
+        return list(self._states)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
 
