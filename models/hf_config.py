@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROPE_TYPES = ("default", "llama3", "linear", "longrope")
@@ -33,11 +34,15 @@ def family_default(architecture: str, hf_config: dict, key: str, default: Any) -
 def layer_windows(architecture: str, hf_config: dict, num_layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window in tokens (None: full causal attention), as transformers builds the layers.
 
-    Mistral / Phi-3 / Llama / Granite: ``sliding_window`` (if set) on every layer. Qwen2 / Qwen3: only with
+    Mistral / Phi-3: ``sliding_window`` (if set) on every layer; Llama / Granite have none (transformers ignores
+    the field there: a non-null one is refused). Qwen2 / Qwen3: only with
     ``use_sliding_window``, on layers ``i >= max_window_layers`` (or as ``layer_types`` says). Gemma 2: even layers
     slide; Gemma 3: every layer but each ``sliding_window_pattern``-th (default 6); ``layer_types`` overrides both.
     """
     window = family_default(architecture, hf_config, "sliding_window", None)
+    if window is not None and architecture in _NO_WINDOW:
+        raise ValueError(f"config field 'sliding_window' = {window!r} is unsupported for {architecture} "
+                         "(transformers' model of it has no window)")
     if architecture.startswith("Qwen") and not hf_config.get("use_sliding_window", False):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):

@@ -317,12 +317,14 @@ class LlamaModel(nnx.Module):
                             unit_offset=config.norm_unit_offset)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
-        """int32[T] -> [T, hidden]: the embedding rows, times ``embedding_multiplier`` (Gemma's sqrt(hidden),
-        Granite's) rounded to the compute dtype first, as transformers multiplies by a tensor of that dtype."""
-        x = self.embed_tokens(input_ids)
-        if self.embedding_multiplier is None:
-            return x
-        return x * jnp.asarray(self.embedding_multiplier, x.dtype)
+        """int32[T] -> [T, hidden]: ``scale_embedding`` of the embedding rows."""
+        return scale_embedding(self.embedding_multiplier, self.embed_tokens(input_ids))
+
+
+def scale_embedding(multiplier: float | None, x: jax.Array) -> jax.Array:
+    """Embedding rows [T, hidden] times ``ModelConfig.embedding_multiplier`` (Gemma's sqrt(hidden), Granite's),
+    rounded to the compute dtype first as transformers multiplies by a tensor of that dtype; ``x`` for None."""
+    return x if multiplier is None else x * jnp.asarray(multiplier, x.dtype)
 
 
 def matmul_precision(dtype):
