@@ -6,8 +6,9 @@ The math is Hugging Face's Llama RMSNorm, with its rounding steps: for ``x, resi
     s = float32(new_residual)
     normed = weight.astype(dtype) * (s * rsqrt(mean(s * s) + eps)).astype(dtype)
 
-and, with ``unit_offset`` (Gemma's norm), ``normed = (s * rsqrt(mean(s * s) + eps) * (1 + float32(weight))).astype(dtype)``:
-the weight is stored as an offset from 1 and the product rounds once.
+and, with ``unit_offset`` (Gemma's norm: the weight is stored as an offset from 1, the product rounds once)
+
+    normed = (s * rsqrt(mean(s * s) + eps) * (1 + float32(weight))).astype(dtype)
 
 ``rms_norm_reference`` is that, in jnp: the ``"xla"`` implementation (XLA fuses it as it can) and the oracle of any
 other. Other implementations register themselves here (``register_rms_norm``; the Pallas kernel of
@@ -27,7 +28,8 @@ from flax import nnx
 
 RMS_NORM_IMPLS = ("auto", "xla", "pallas")
 
-# name -> fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype, unit_offset) -> normed | (normed, new_residual)
+# name -> fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype, unit_offset)
+#   -> normed | (normed, new_residual)
 _IMPLS: dict[str, Callable] = {}
 # fn(num_rows, hidden, dtype) -> implementation name, for impl="auto"
 _SELECTOR: list[Callable[[int, int, jnp.dtype], str]] = []

@@ -122,27 +122,18 @@ def ragged_paged_attention(
 
             return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                                  sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 
-        return ragged_paged_attention_mgpu(
-            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-            sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, interpret=interpret,
-            **tuning,
-        )
+        return ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+                                           interpret=interpret, **tuning)
     if impl == "reference":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap,
-        )
+        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
-    return ragged_paged_attention_triton(
-        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
-        sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, interpret=interpret,
-        **tuning,
-    )
-
+    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+                                         interpret=interpret, **tuning)
 
 __all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
            "ragged_paged_attention_reference"]

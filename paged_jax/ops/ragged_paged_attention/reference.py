@@ -2,7 +2,8 @@
 
 Formulation (token-major): each query token gathers the pages of its own sequence through the block table,
 ``[max_blocks * block_size, num_kv_heads, head_dim]``, and attends to them with a causal / sliding-window /
-length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask). Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
+length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask).
+Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
 
 Cost: compute and gathered bytes are ``O(T * max_blocks * block_size * num_kv_heads * head_dim)`` (every token looks
 at its sequence's whole padded context, which is also what a dense per-token decode would read); peak extra memory
