@@ -41,6 +41,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors the model intentionally has no parameter for.
 _IGNORABLE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Checkpoint tensors that hold several model parameters stacked along their rows (HF's output dim), per
+# architecture: fused name suffix -> its parts' name suffixes, in row order. The loader splits them, so the model
+# keeps one layout (the engine fuses projections itself, after loading: models.llama.fuse_projections).
+_FUSED_CHECKPOINT_TENSORS = {
+    "Phi3ForCausalLM": {
+        "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    },
+}
 
 # safetensors dtype tag -> numpy dtype, for decoding raw bytes.
 _SAFETENSORS_NUMPY_DTYPES = {
@@ -113,14 +122,17 @@ def init_dummy_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) 
     for index, (param_path, variable) in enumerate(flat_state):
         spec = variable.get_value()
         variable.set_value(_dummy_param_jit(jax.random.fold_in(base_key, index), spec.shape, spec.dtype,
-                                            dummy_fill(param_path)))
+                                            dummy_fill(param_path, config)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat_state))
 
 
-def dummy_fill(param_path: tuple) -> float | None:
-    """The constant a "dummy" parameter is filled with (norm scales 1, biases 0), or None for a random one."""
+def dummy_fill(param_path: tuple, config: ModelConfig) -> float | None:
+    """The constant a "dummy" parameter is filled with (norm scales 1, or 0 for Gemma's norms, which scale by
+    1 + weight; biases 0), or None for a random one."""
     leaf = str(param_path[-1])
-    return 1.0 if leaf == "scale" else 0.0 if leaf == "bias" else None
+    if leaf == "scale":
+        return 0.0 if config.norm_unit_offset else 1.0
+    return 0.0 if leaf == "bias" else None
 
 
 def dummy_param_value(key: jax.Array, shape: tuple[int, ...], dtype, fill: float | None) -> jax.Array:
@@ -258,13 +270,15 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
     for param_path in expected_shapes:
         hf_name, transposed = hf_name_for(param_path)
         wanted[hf_name] = (param_path, transposed)
+    fused = _fused_sources(config.architecture, wanted, tensor_files)
 
-    missing = sorted(name for name in wanted if name not in tensor_files)
+    missing = sorted(name for name in wanted
+                     if name not in tensor_files and not any(name in parts for parts in fused.values()))
     if missing:
         raise ValueError(f"checkpoint is missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     unexpected = sorted(
         name for name in tensor_files
-        if name not in wanted and not _IGNORABLE_TENSOR.search(name)
+        if name not in wanted and name not in fused and not _IGNORABLE_TENSOR.search(name)
         # A tied model may still ship lm_head.weight (a copy of the embedding); it is redundant, not an error.
         and not (config.tie_word_embeddings and name == "lm_head.weight")
     )
@@ -274,22 +288,45 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
             f"for {config.architecture}"
         )
 
+    def hf_shape(hf_name: str) -> tuple[int, ...]:
+        param_path, transposed = wanted[hf_name]
+        model_shape = tuple(expected_shapes[param_path])
+        return model_shape[::-1] if transposed else model_shape
+
     names_by_file: dict[Path, list[str]] = {}
-    for hf_name in wanted:
+    for hf_name in [*(name for name in wanted if name in tensor_files), *fused]:
         names_by_file.setdefault(tensor_files[hf_name], []).append(hf_name)
     for file_path, names in names_by_file.items():
         with _open_safetensors(file_path) as handle:
             for hf_name in names:
-                param_path, transposed = wanted[hf_name]
-                model_shape = tuple(expected_shapes[param_path])
-                expected_hf_shape = model_shape[::-1] if transposed else model_shape
+                parts = fused.get(hf_name, (hf_name,))
+                shapes = [hf_shape(part) for part in parts]
+                expected = (sum(shape[0] for shape in shapes), *shapes[0][1:])
                 array = _read_tensor(handle, hf_name, file_path)
-                if tuple(array.shape) != expected_hf_shape:
+                if tuple(array.shape) != expected:
                     raise ValueError(
                         f"tensor {hf_name!r} in {file_path} has shape {tuple(array.shape)} but the model "
-                        f"expects {expected_hf_shape}"
+                        f"expects {expected}"
                     )
-                yield param_path, array, transposed
+                offsets = np.cumsum([shape[0] for shape in shapes])[:-1]
+                for part, piece in zip(parts, np.split(array, offsets, axis=0)):
+                    yield wanted[part][0], piece, wanted[part][1]
+
+
+def _fused_sources(architecture: str, wanted: dict[str, Any], tensor_files: dict[str, Path]
+                   ) -> dict[str, tuple[str, ...]]:
+    """Fused checkpoint tensor -> the wanted tensors it holds, in row order (``_FUSED_CHECKPOINT_TENSORS``), for
+    each fused tensor the checkpoint has and whose parts it lacks."""
+    sources = {}
+    for fused_suffix, part_suffixes in _FUSED_CHECKPOINT_TENSORS.get(architecture, {}).items():
+        for name in tensor_files:
+            if not name.endswith("." + fused_suffix):
+                continue
+            prefix = name[:-len(fused_suffix)]
+            parts = tuple(prefix + suffix for suffix in part_suffixes)
+            if all(part in wanted and part not in tensor_files for part in parts):
+                sources[name] = parts
+    return sources
 
 
 def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype) -> LlamaForCausalLM:

@@ -168,7 +168,7 @@ def _init_dummy_sharded(plan: TensorParallelPlan, checkpoint_state: nnx.FlatStat
     for index, (path, variable) in enumerate(checkpoint_state):
         spec = variable.get_value()
         make = _dummy_param_fn(plan, _role_of(path), tuple(spec.shape), jnp.dtype(spec.dtype),
-                               loader.dummy_fill(path), targets[path].get_value())
+                               loader.dummy_fill(path, plan.config), targets[path].get_value())
         created.append((path, targets[path].replace(make(jax.random.fold_in(base_key, index)))))
     return created
 

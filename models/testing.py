@@ -15,6 +15,10 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
 }
 
 # Short names accepted by tiny_config, for readability in tests.
@@ -23,6 +27,25 @@ _ALIASES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+}
+
+# Each family's own fields in a tiny config: windows, scales and caps small enough to matter at this size (a cap
+# of 30 would never bend the tiny model's logits), rope bases that differ per layer kind.
+_FAMILY_FIELDS = {
+    "Gemma2ForCausalLM": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                          "sliding_window": 8, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.3,
+                          "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+    "Gemma3ForCausalLM": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                          "sliding_window": 8, "sliding_window_pattern": 3, "rope_local_base_freq": 100.0,
+                          "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+                          "pad_token_id": 0, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "Phi3ForCausalLM": {"original_max_position_embeddings": 16, "pad_token_id": 0, "sliding_window": None},
+    "GraniteForCausalLM": {"embedding_multiplier": 12.0, "attention_multiplier": 0.1, "residual_multiplier": 0.3,
+                           "logits_scaling": 4.0},
 }
 
 
@@ -30,8 +53,9 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     """A tiny HF ``config.json`` dict: vocab 256, hidden 64, 2 layers, 4 heads, 2 kv heads, head_dim 16.
 
     Args:
-      architecture: "LlamaForCausalLM" / "MistralForCausalLM" / "Qwen2ForCausalLM" / "Qwen3ForCausalLM"
-        (or "llama", "mistral", "qwen2", "qwen3").
+      architecture: one of ``models.config.SUPPORTED_ARCHITECTURES`` or its short name ("llama", "mistral",
+        "qwen2", "qwen3", "gemma2", "gemma3" (the text model), "phi3", "granite"); a family's own fields get small
+        values that make them matter (``_FAMILY_FIELDS``).
       overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
     """
     architecture = _ALIASES.get(architecture, architecture)
@@ -61,6 +85,9 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
+    if architecture.startswith("Gemma"):
+        del config["hidden_act"]  # Gemma reads hidden_activation
+    config.update(_FAMILY_FIELDS.get(architecture, {}))
     config.update(overrides)
     return config
 

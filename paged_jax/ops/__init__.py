@@ -13,7 +13,8 @@ from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
 
 def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
-                     impl: str = "auto", qk_transform=None, qk_prepare_impl: str = "auto"):
+                     logit_soft_cap: float | None = None, impl: str = "auto", qk_transform=None,
+                     qk_prepare_impl: str = "auto"):
     """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
 
     Args:
@@ -23,6 +24,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
       qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the
         un-normed, un-rotated q/k: then ``qk_prepare`` (impl ``qk_prepare_impl``) transforms them and writes K/V,
         one kernel on a GPU. Build it as ``ReusableAttention(..., fuses_qk_transform=True)`` so the model passes it.
+      sm_scale, sliding_window, logit_soft_cap: the layer's attention (``ragged_paged_attention``); a model whose
+        layers differ passes its own per layer (``models.attention_fn.LayerAttention``), over the bound ones.
     Returns:
       (out [T, Hq, D], (k_pages, v_pages) updated).
     The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
@@ -33,7 +36,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
         q, k_pages, v_pages = qk_prepare(q, k, v, kv_layer[0], kv_layer[1], meta["slot_mapping"], qk_transform,
                                          impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
-                                 sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+                                 sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                                 impl=impl)
     return out, (k_pages, v_pages)
 
 

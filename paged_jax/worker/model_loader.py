@@ -101,6 +101,8 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
     start = time.perf_counter()
     config = config or ModelConfig.from_pretrained(model_path)
+    if args.max_model_len is not None:  # LongRoPE picks its factors by the engine's length, as vLLM does
+        config = config.for_max_model_len(args.max_model_len)
     quant = resolve_engine_quantization(args, model_path)
     if args.pipeline_parallel_size > 1:
         if quant.config is not None:
