@@ -1,4 +1,5 @@
-"""Model configuration for the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3).
+"""Model configuration for the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) and its mixture-of-experts
+relatives (Qwen3-MoE, Mixtral).
 
 ``ModelConfig`` is the one description of a model shape that the rest of paged-jax uses; it is built from a Hugging
 Face ``config.json`` dict (transformers 4.x or 5.x layout).
@@ -17,7 +18,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 # model_type -> architecture, for configs that omit "architectures".
 _MODEL_TYPE_TO_ARCHITECTURE = {
@@ -25,9 +29,43 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model (HF field names).
+
+    Each token's router logits (``[num_experts]``) go through a float32 softmax; the ``num_experts_per_tok`` largest
+    probabilities pick the experts, renormalized to sum to 1 when ``norm_topk_prob``; the layer's output is their
+    weighted sum of the experts' SwiGLU MLPs (``moe_intermediate_size`` wide). Layer ``i`` is sparse when
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`` (Qwen3-MoE), else a dense MLP of the model's
+    ``intermediate_size``.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config field 'num_experts_per_tok' ({self.num_experts_per_tok}) must be at most "
+                             f"num_experts ({self.num_experts})")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (global index) runs the experts rather than a dense MLP."""
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +78,7 @@ class ModelConfig:
     ``o_proj_bias`` means the output projection does too (Llama/Qwen3 ``attention_bias=True``).
     ``qk_norm`` is Qwen3's per-head RMSNorm on q and k before RoPE.
     ``sliding_window`` is the attention window in tokens, or None for full causal attention.
+    ``moe`` is the sparse MLP of a mixture-of-experts architecture (``MOE_ARCHITECTURES``), None for dense ones.
     """
 
     architecture: str
@@ -61,6 +100,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     o_proj_bias: bool = False
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +117,14 @@ class ModelConfig:
                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"ModelConfig.moe must be set exactly for the mixture-of-experts architectures "
+                             f"({', '.join(MOE_ARCHITECTURES)}); {self.architecture} has moe={self.moe!r}")
+        if self.moe is not None:
+            bad = [i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(f"config field 'mlp_only_layers' names layers {bad} outside the model's "
+                                 f"{self.num_hidden_layers} layers")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
@@ -162,7 +210,7 @@ class ModelConfig:
             attention_bias, o_proj_bias = configured_bias, configured_bias
 
         sliding_window = hf_config.get("sliding_window")
-        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             # Qwen only applies the window when use_sliding_window is set; per-layer windows are not supported.
             if not hf_config.get("use_sliding_window", False):
                 sliding_window = None
@@ -184,12 +232,13 @@ class ModelConfig:
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=int(hf_config.get("max_position_embeddings") or 4096),
             sliding_window=sliding_window,
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
             o_proj_bias=o_proj_bias,
+            moe=_parse_moe(architecture, hf_config),
         )
 
     @classmethod
@@ -232,6 +281,41 @@ def _parse_rope(hf_config: dict[str, Any]) -> tuple[float, dict | None]:
         rope_scaling[key] = float(scaling_source[key])
     rope_scaling["original_max_position_embeddings"] = int(scaling_source["original_max_position_embeddings"])
     return rope_theta, rope_scaling
+
+
+def _parse_moe(architecture: str, hf_config: dict[str, Any]) -> MoeConfig | None:
+    """The ``MoeConfig`` of a mixture-of-experts config (None for a dense architecture); ValueError naming a field
+    the experts do not implement."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    # Hub checkpoints name the expert count "num_experts" (Qwen3-MoE) or "num_local_experts" (Mixtral, and
+    # transformers 5 for both).
+    num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError("config is missing required field 'num_experts' (or 'num_local_experts')")
+    if hf_config.get("num_experts_per_tok") is None:
+        raise ValueError("config is missing required field 'num_experts_per_tok'")
+    if architecture == "MixtralForCausalLM":
+        # Mixtral: every layer sparse, experts as wide as intermediate_size, top-k weights always renormalized
+        # (router_jitter_noise only applies in training).
+        return MoeConfig(num_experts=int(num_experts), num_experts_per_tok=int(hf_config["num_experts_per_tok"]),
+                         moe_intermediate_size=int(hf_config["intermediate_size"]), norm_topk_prob=True)
+    for field in ("shared_expert_intermediate_size", "num_shared_experts", "n_shared_experts"):
+        if hf_config.get(field):
+            raise ValueError(f"config field {field!r} = {hf_config[field]!r} is unsupported (no shared experts)")
+    if hf_config.get("moe_intermediate_size") is None:
+        raise ValueError("config is missing required field 'moe_intermediate_size'")
+    mlp_only_layers = hf_config.get("mlp_only_layers") or []
+    if not isinstance(mlp_only_layers, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in mlp_only_layers):
+        raise ValueError(f"config field 'mlp_only_layers' must be a list of layer indices, got {mlp_only_layers!r}")
+    sparse_step = hf_config.get("decoder_sparse_step", 1)
+    if not isinstance(sparse_step, int) or isinstance(sparse_step, bool) or sparse_step <= 0:
+        raise ValueError(f"config field 'decoder_sparse_step' must be a positive int, got {sparse_step!r}")
+    return MoeConfig(num_experts=int(num_experts), num_experts_per_tok=int(hf_config["num_experts_per_tok"]),
+                     moe_intermediate_size=int(hf_config["moe_intermediate_size"]),
+                     norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+                     decoder_sparse_step=sparse_step, mlp_only_layers=tuple(sorted(set(mlp_only_layers))))
 
 
 def _rope_type(params: dict) -> str | None:

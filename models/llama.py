@@ -1,4 +1,5 @@
-"""One Flax NNX decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""One Flax NNX decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), and
+with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral.
 
 The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
 dimension; which token attends to which is entirely the business of the ``AttentionFn`` passed in (see
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.moe import SparseMoeBlock, set_moe_impl
 from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
 from models.qk_transform import QKTransform, apply_qk_transform, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401
@@ -207,14 +209,18 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
-    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``)."""
+    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``). ``mlp`` is the dense ``MLP``, or for a
+    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``."""
 
-    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, layer_idx: int = 0):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
         self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
-        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if config.moe is not None and config.moe.is_sparse(layer_idx):
+            self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
+        else:
+            self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, layer_idx, x, residual, rope, kv_layer, attention, lora=None):
         """x: [T, hidden], the previous layer's MLP output (the embedding for the first layer); residual: [T,
@@ -232,7 +238,7 @@ class DecoderLayer(nnx.Module):
             hidden, residual = self.input_layernorm(x, residual)
             q, k, v = attn.project(hidden, lora)
         attn_out, kv_layer = attn.attend(layer_idx, q, k, v, rope, kv_layer, attention, lora)
-        if mlp.gate_up_proj is None:
+        if not isinstance(mlp, MLP) or mlp.gate_up_proj is None:
             hidden, residual = self.post_attention_layernorm(attn_out, residual)
             return mlp(hidden, lora), residual, kv_layer
         gate_up, residual = norm_then_project(self.post_attention_layernorm, mlp.gate_up_proj, "gate_up_proj",
@@ -302,8 +308,8 @@ class LlamaModel(nnx.Module):
             embedding_init=_normal_init(), rngs=rngs,
         )
         self.layers = nnx.List(
-            [DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-             for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, layer_idx=i)
+             for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 
@@ -318,7 +324,8 @@ def matmul_precision(dtype):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder-only LM for Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 checkpoints.
+    """Decoder-only LM for Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 checkpoints, and the base of the
+    mixture-of-experts ones (``models.architectures``).
 
     Args:
       config: the model shape.
@@ -326,10 +333,11 @@ class LlamaForCausalLM(nnx.Module):
       param_dtype: storage dtype of the weights; defaults to ``dtype``.
       rngs: initializer randomness (weights ~ N(0, 0.02), norms = 1, biases = 0).
       rms_norm_impl: the decoder norms' implementation (``models.norm.RMS_NORM_IMPLS``; see ``set_rms_norm_impl``).
+      moe_impl: the sparse layers' grouped matmuls (``models.moe.MOE_IMPLS``; see ``models.moe.set_moe_impl``).
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs,
-                 rms_norm_impl: str = "auto"):
+                 rms_norm_impl: str = "auto", moe_impl: str = "auto"):
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
@@ -340,6 +348,7 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
         set_rms_norm_impl(self, rms_norm_impl)
+        set_moe_impl(self, moe_impl)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
                  attention: AttentionFn, lora: Sequence | None = None) -> tuple[jax.Array, list | None]:
@@ -404,7 +413,8 @@ def set_rms_norm_impl(model: LlamaForCausalLM, impl: str) -> LlamaForCausalLM:
 
 
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """In place: each layer's q/k/v projections become one ``qkv_proj`` and gate/up one ``gate_up_proj``.
+    """In place: each layer's q/k/v projections become one ``qkv_proj`` and a dense MLP's gate/up one
+    ``gate_up_proj`` (the experts of a sparse layer keep theirs: the grouped matmul reads both in one pass).
 
     For a model on one device (the engine does this after loading; a tensor-parallel model keeps the HF layout,
     whose per-projection shardings ``paged_jax.parallel`` defines, and a fused model given to a ``ShardingPlan``
@@ -419,7 +429,7 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
             if fused is not None:
                 attn.qkv_proj = fused
                 attn.q_proj = attn.k_proj = attn.v_proj = None
-        if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+        if isinstance(mlp, MLP) and mlp.gate_up_proj is None and mlp.gate_proj is not None:
             fused = _concat_linear([mlp.gate_proj, mlp.up_proj])
             if fused is not None:
                 mlp.gate_up_proj = fused

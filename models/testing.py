@@ -15,6 +15,8 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 # Short names accepted by tiny_config, for readability in tests.
@@ -23,6 +25,8 @@ _ALIASES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -30,8 +34,9 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     """A tiny HF ``config.json`` dict: vocab 256, hidden 64, 2 layers, 4 heads, 2 kv heads, head_dim 16.
 
     Args:
-      architecture: "LlamaForCausalLM" / "MistralForCausalLM" / "Qwen2ForCausalLM" / "Qwen3ForCausalLM"
-        (or "llama", "mistral", "qwen2", "qwen3").
+      architecture: "LlamaForCausalLM" / "MistralForCausalLM" / "Qwen2ForCausalLM" / "Qwen3ForCausalLM" /
+        "Qwen3MoeForCausalLM" / "MixtralForCausalLM" (or "llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+        "mixtral"). The mixture-of-experts ones get 8 experts, 2 per token (Qwen3-MoE: 32 wide, renormalized).
       overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
     """
     architecture = _ALIASES.get(architecture, architecture)
@@ -56,9 +61,15 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
         "eos_token_id": 2,
         "attention_dropout": 0.0,
     }
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         config["sliding_window"] = None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture == "MixtralForCausalLM":
+        config.update(num_local_experts=8, num_experts_per_tok=2)
+    if architecture == "Qwen3MoeForCausalLM":
+        # As published (Qwen3-30B-A3B's config.json): "num_experts", a dense intermediate_size beside the experts'.
+        config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
     config.update(overrides)
@@ -71,12 +82,15 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
 
     Writes ``config.json`` and ``model.safetensors`` (``shards == 1``) or ``model-0000i-of-0000n.safetensors`` +
     ``model.safetensors.index.json`` (``shards > 1``). Weights are drawn with std 0.02 (norm weights perturbed
-    around 1 so a wrong norm mapping is visible). ``dtype`` is a torch dtype (default torch.float32).
+    around 1 so a wrong norm mapping is visible; mixture-of-experts routers with std 1, so each token's experts are
+    chosen by clear margins). ``dtype`` is a torch dtype (default torch.float32). Tensors are named as published
+    checkpoints name them (transformers' own reverse conversion: one tensor per expert and projection).
     Returns the output directory.
     """
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -93,6 +107,8 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
         for name, param in torch_model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("mlp.gate.weight"):  # a mixture-of-experts router
+                param.copy_(torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
     torch_model.eval()
@@ -100,7 +116,7 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
     tied = bool(hf_config.get("tie_word_embeddings", False))
     state_dict = {
         name: tensor.detach().to(dtype).contiguous().clone()
-        for name, tensor in torch_model.state_dict().items()
+        for name, tensor in revert_weight_conversion(torch_model, torch_model.state_dict()).items()
         if not (tied and name == "lm_head.weight") and not name.endswith("rotary_emb.inv_freq")
     }
 
