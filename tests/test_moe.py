@@ -183,3 +183,61 @@ def test_engine_greedy_equals_transformers_with_prefix_caching(arch, tmp_path):
     assert [list(o.outputs[0].token_ids) for o in second] == expected
     assert [o.num_cached_tokens for o in second][:2] == [32, 32]
     assert llm.llm_engine.runner.num_compiles_since_warmup == 0
+
+
+def test_tensor_parallel_experts_on_8_devices_equal_one_device(tmp_path):
+    """tp = 8 on the CPU mesh: every expert's gate/up split over its width, down over its inputs, the router
+    replicated; one all-reduce per attention block and per MLP (sparse or dense), no weight gathered; logits equal
+    one device's."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.sharding import count_collectives
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    hf_config = tiny_config("qwen3_moe", num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3,
+                            mlp_only_layers=[1])
+    save_random_hf_checkpoint(hf_config, tmp_path, seed=11)
+    model, config = load_model(tmp_path, dtype="float32")
+    seqs = [np.random.default_rng(2).integers(3, config.vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
+    reference = _logits(model, config, seqs)
+
+    plan = ShardingPlan.create(config, make_mesh(8))
+    sharded = load_sharded_model(tmp_path, plan, dtype="float32")
+    experts = sharded.model.layers[0].mlp.experts
+    assert experts.gate_proj.get_value().sharding.spec == P(None, None, "tp")
+    assert experts.down_proj.get_value().sharding.spec == P(None, "tp", None)
+    assert experts.up_proj.get_value().sharding.shard_shape(experts.up_proj.get_value().shape) == (8, 64, 4)
+    assert sharded.model.layers[0].mlp.gate.kernel.get_value().sharding.is_fully_replicated
+    assert all(layer.mlp.impl == "xla" for layer in sharded.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+
+    input_ids = np.concatenate(seqs)
+    positions = np.concatenate([np.arange(len(s), dtype=np.int32) for s in seqs])
+    segment_ids = np.concatenate([np.full(len(s), i, dtype=np.int32) for i, s in enumerate(seqs)])
+
+    @nnx.jit
+    def forward(model, ids):
+        attention = dense_causal_attention(segment_ids, config.head_dim ** -0.5, positions=positions)
+        hidden, _ = model(ids, jnp.asarray(positions), None, attention)
+        return model.compute_logits(hidden)
+
+    np.testing.assert_allclose(np.asarray(forward(sharded, input_ids)), reference, atol=1e-5, rtol=0)
+    counts = count_collectives(forward.lower(sharded, input_ids).compile().as_text())
+    assert counts["all-reduce"] == 2 * config.num_hidden_layers + 1, counts
+    assert counts["all-gather"] == 1, counts  # the logits only
+
+
+def test_engine_tensor_parallel_greedy_equals_transformers(tmp_path):
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    save_random_hf_checkpoint(tiny_config("mixtral", num_hidden_layers=2, eos_token_id=None), tmp_path, seed=5)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
+    expected = _hf_greedy(tmp_path, prompts, 6)
+    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in out] == expected
