@@ -123,13 +123,20 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     Returns:
       ``dtype[T, H]``: ``sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t])``, the sum in float32.
     """
+    name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype)
+    return moe_experts_with(_IMPLS[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
+
+
+def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                     topk_weights: jax.Array, topk_ids: jax.Array) -> jax.Array:
+    """``moe_experts`` on a given grouped matmul (``grouped_matmul_reference``'s contract; e.g. a kernel in
+    interpret mode): sort, gate/up with the SwiGLU, down, then the weighted top-k sum. Same arguments and result."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w_gate.shape[0]
     if w_up.shape != w_gate.shape or w_down.shape != (num_experts, w_gate.shape[2], hidden):
         raise ValueError(f"expert weights must be gate/up [E, {hidden}, I] and down [E, I, {hidden}]; got "
                          f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
-    grouped_matmul = _IMPLS[resolve_moe_impl(impl, num_tokens * top_k, hidden, x.dtype)]
     order, group_sizes = sort_by_expert(topk_ids, num_experts)
     dtype = x.dtype
     act = grouped_matmul(x, w_gate.astype(dtype), group_sizes, row_index=order // top_k,

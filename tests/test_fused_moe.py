@@ -10,7 +10,7 @@ import pytest
 
 from models.moe import resolve_moe_impl, route_top_k
 from paged_jax.ops.fused_moe import (grouped_matmul_pallas, grouped_matmul_pallas_differentiable,
-                                     grouped_matmul_reference, moe_experts, moe_experts_reference, tile_schedule)
+                                     grouped_matmul_reference, moe_experts_reference, moe_experts_with, tile_schedule)
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -89,8 +89,7 @@ def _per_token_moe(x, w_gate, w_up, w_down, weights, ids):
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, dtype", [
     (1, 8, 1, jnp.bfloat16), (13, 8, 2, jnp.float32), (6, 8, 8, jnp.bfloat16), (40, 16, 2, jnp.bfloat16)])
-def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, request,
-                                                                  monkeypatch):
+def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, request):
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
     hidden, inter = 32, 48
     x = _random(rng, (num_tokens, hidden), dtype)
@@ -102,7 +101,7 @@ def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, nu
     weights, ids = route_top_k(logits, top_k, norm_topk_prob=True)
     expected = _per_token_moe(x, w_gate, w_up, w_down, weights, ids)
     reference = jax.jit(moe_experts_reference)(x, w_gate, w_up, w_down, weights, ids)
-    kernel = _moe_experts_interpreted(monkeypatch, x, w_gate, w_up, w_down, weights, ids)
+    kernel = _moe_experts_interpreted(x, w_gate, w_up, w_down, weights, ids)
     scale = max(np.abs(expected).max(), 1.0)
     for out in (reference, kernel):
         assert out.shape == x.shape and out.dtype == dtype
@@ -111,13 +110,10 @@ def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, nu
                                atol=TOLERANCE[dtype] * scale, rtol=0)
 
 
-def _moe_experts_interpreted(monkeypatch, *args):
+def _moe_experts_interpreted(*args):
     """``moe_experts`` with ``impl="pallas"``, the kernel in interpret mode."""
-    from models import moe
-
-    monkeypatch.setitem(moe._IMPLS, "pallas", functools.partial(grouped_matmul_pallas_differentiable,
-                                                               interpret=True))
-    return jax.jit(functools.partial(moe_experts, impl="pallas"))(*args)
+    kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
+    return jax.jit(functools.partial(moe_experts_with, kernel))(*args)
 
 
 def test_route_top_k_renormalizes_only_when_asked():

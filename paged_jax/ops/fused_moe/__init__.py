@@ -2,7 +2,8 @@
 activation) and down, and the weighted top-k combine (vLLM's ``fused_moe``).
 
 ``moe_experts(x, w_gate, w_up, w_down, topk_weights, topk_ids, impl=...)`` is the op (``models.moe``, where the
-model's sparse layers call it); its grouped matmuls are, by ``impl``:
+model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul itself); its grouped matmuls are, by
+``impl``:
 
 * ``"xla"``: ``grouped_matmul_reference`` (``lax.ragged_dot``), the jnp reference, and ``moe_experts_reference``
   the whole op on it;
@@ -21,8 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, register_grouped_matmul,
-                        register_moe_selector)
+from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
+                        register_grouped_matmul, register_moe_selector)
 from paged_jax.ops.fused_moe.kernel import KERNEL_DTYPES, grouped_matmul_pallas, tile_schedule
 
 
@@ -62,4 +63,4 @@ register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
 register_moe_selector(auto_impl)
 
 __all__ = ["auto_impl", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable", "grouped_matmul_reference",
-           "moe_experts", "moe_experts_reference", "tile_schedule"]
+           "moe_experts", "moe_experts_reference", "moe_experts_with", "tile_schedule"]
