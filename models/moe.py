@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.impl_registry import ImplRegistry
 
 MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -33,39 +34,29 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 # name -> grouped_matmul(lhs [R, K], rhs [E, K, N], group_sizes int32[E], *, row_index int32[M] | None,
-#                        up_rhs [E, K, N] | None) -> dtype[M, N]; see grouped_matmul_reference.
-_IMPLS: dict[str, Callable] = {}
-# fn(num_rows, hidden, dtype) -> implementation name, for impl="auto"
-_SELECTOR: list[Callable[[int, int, jnp.dtype], str]] = []
+#                        up_rhs [E, K, N] | None) -> dtype[M, N] (grouped_matmul_reference's contract); "auto" selector
+# fn(num_rows, hidden, dtype) -> implementation name
+_REGISTRY = ImplRegistry("moe_impl", MOE_IMPLS)
 
 
 def register_grouped_matmul(name: str, fn: Callable) -> None:
     """Make ``fn`` (``grouped_matmul_reference``'s contract) the implementation ``name`` (one of ``MOE_IMPLS``)."""
-    if name not in MOE_IMPLS or name == "auto":
-        raise ValueError(f"moe implementation name must be one of {MOE_IMPLS[1:]}, got {name!r}")
-    _IMPLS[name] = fn
+    _REGISTRY.register(name, fn)
 
 
 def register_moe_selector(fn: Callable[[int, int, jnp.dtype], str]) -> None:
     """``fn(num_rows, hidden, dtype) -> name`` decides ``impl="auto"`` from static shapes."""
-    _SELECTOR[:] = [fn]
+    _REGISTRY.register_selector(fn)
 
 
 def check_moe_impl(impl: str) -> str:
     """``impl`` itself, or a ValueError naming ``moe_impl``."""
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"moe_impl must be one of {', '.join(MOE_IMPLS)}, got {impl!r}")
-    return impl
+    return _REGISTRY.check(impl)
 
 
 def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
     """The grouped-matmul implementation ``impl`` runs for ``num_rows`` sorted (token, expert) rows of ``hidden``."""
-    check_moe_impl(impl)
-    if impl == "auto":
-        impl = _SELECTOR[0](num_rows, hidden, jnp.dtype(dtype)) if _SELECTOR else "xla"
-    if impl not in _IMPLS:
-        raise ValueError(f"moe_impl {impl!r} is not available: import paged_jax.ops to register it")
-    return impl
+    return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
 
 
 def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -124,7 +115,7 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
       ``dtype[T, H]``: ``sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t])``, the sum in float32.
     """
     name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype)
-    return moe_experts_with(_IMPLS[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
+    return moe_experts_with(_REGISTRY[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
 
 
 def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
