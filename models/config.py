@@ -120,11 +120,6 @@ class ModelConfig:
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"ModelConfig.moe must be set exactly for the mixture-of-experts architectures "
                              f"({', '.join(MOE_ARCHITECTURES)}); {self.architecture} has moe={self.moe!r}")
-        if self.moe is not None:
-            bad = [i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
-            if bad:
-                raise ValueError(f"config field 'mlp_only_layers' names layers {bad} outside the model's "
-                                 f"{self.num_hidden_layers} layers")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
@@ -309,6 +304,10 @@ def _parse_moe(architecture: str, hf_config: dict[str, Any]) -> MoeConfig | None
     if not isinstance(mlp_only_layers, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in mlp_only_layers):
         raise ValueError(f"config field 'mlp_only_layers' must be a list of layer indices, got {mlp_only_layers!r}")
+    num_layers = int(hf_config["num_hidden_layers"])
+    outside = [i for i in mlp_only_layers if not 0 <= i < num_layers]
+    if outside:
+        raise ValueError(f"config field 'mlp_only_layers' names layers {outside} outside the model's {num_layers}")
     sparse_step = hf_config.get("decoder_sparse_step", 1)
     if not isinstance(sparse_step, int) or isinstance(sparse_step, bool) or sparse_step <= 0:
         raise ValueError(f"config field 'decoder_sparse_step' must be a positive int, got {sparse_step!r}")

@@ -228,16 +228,22 @@ def test_tensor_parallel_experts_on_8_devices_equal_one_device(tmp_path):
     assert counts["all-gather"] == 1, counts  # the logits only
 
 
-def test_engine_tensor_parallel_greedy_equals_transformers(tmp_path):
+@pytest.mark.parametrize("arch, layout", [
+    ("mixtral", dict(tensor_parallel_size=2)),
+    # 4 layers over 2 stages, the dense layer (mlp_only_layers) on the second: layers keep their global index.
+    ("qwen3_moe", dict(pipeline_parallel_size=2)),
+])
+def test_engine_tensor_and_pipeline_parallel_greedy_equals_transformers(arch, layout, tmp_path):
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
-    save_random_hf_checkpoint(tiny_config("mixtral", num_hidden_layers=2, eos_token_id=None), tmp_path, seed=5)
+    overrides = dict(num_hidden_layers=4, mlp_only_layers=[2]) if arch == "qwen3_moe" else dict(num_hidden_layers=2)
+    save_random_hf_checkpoint(tiny_config(arch, eos_token_id=None, **overrides), tmp_path, seed=5)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
     expected = _hf_greedy(tmp_path, prompts, 6)
-    llm = LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32, num_gpu_blocks_override=16, use_tqdm=False)
+    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              num_gpu_blocks_override=16, use_tqdm=False, **layout)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in out] == expected
