@@ -159,9 +159,10 @@ def _hf_greedy(path, prompts, max_new_tokens):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_engine_greedy_equals_transformers_with_prefix_caching(arch, tmp_path):
+def test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption(arch, tmp_path):
     """Several prompts in one continuous batch, twice: the second pass reads the shared prefixes (two full
-    16-token blocks) from the prefix cache; every continuation equals transformers' greedy one."""
+    16-token blocks) from the prefix cache; then on a pool too small for them all (preemption). Every continuation
+    equals transformers' greedy one."""
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
@@ -183,6 +184,14 @@ def test_engine_greedy_equals_transformers_with_prefix_caching(arch, tmp_path):
     assert [list(o.outputs[0].token_ids) for o in second] == expected
     assert [o.num_cached_tokens for o in second][:2] == [32, 32]
     assert llm.llm_engine.runner.num_compiles_since_warmup == 0
+
+    # A pool too small for the batch: requests are preempted (recompute) and resumed, same tokens.
+    # 8-token blocks: the prompts take 11 of the 12 usable blocks (the shared prefix once), their 8 new tokens 4 more.
+    tight = LLM(model=str(tmp_path), dtype="float32", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=64,
+                block_size=8, num_gpu_blocks_override=13, enable_prefix_caching=True, use_tqdm=False)
+    preempted = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in preempted] == expected
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
 
 
 def test_tensor_parallel_experts_on_8_devices_equal_one_device(tmp_path):
