@@ -242,6 +242,17 @@ def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     raise ValueError(f"no checkpoint mapping for model parameter {'.'.join(map(str, param_path))}")
 
 
+def checkpoint_tensor_shapes(config: ModelConfig, param_path: tuple,
+                             shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors ``(name, shape as stored)`` that the model parameter ``param_path`` (of model-layout
+    ``shape``) is read from: one, or one ``[out, in]`` tensor per expert of stacked experts."""
+    expert_names = expert_checkpoint_names(config, param_path)
+    if expert_names is not None:
+        return [(name, tuple(shape[1:][::-1])) for name in expert_names]
+    name, transposed = hf_name_for(param_path)
+    return [(checkpoint_prefix(config, name), tuple(shape[::-1]) if transposed else tuple(shape))]
+
+
 def to_model_layout(array, transposed: bool):
     """A tensor as ``iter_checkpoint_params`` yields it -> model layout: its last two axes swapped when
     ``transposed`` (a ``[out, in]`` weight, or ``[E, out, in]`` stacked experts, -> ``[..., in, out]``)."""

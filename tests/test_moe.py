@@ -256,3 +256,24 @@ def test_engine_tensor_and_pipeline_parallel_greedy_equals_transformers(arch, la
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in out] == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_torch_free_random_checkpoints_name_experts_as_published(arch, tmp_path):
+    """benchmarks.startup.write_random_checkpoint (the start-up benchmark's checkpoints) writes the per-expert
+    tensors transformers writes, and they load."""
+    from safetensors import safe_open
+
+    from benchmarks.startup import write_random_checkpoint
+
+    hf_config = tiny_config(arch, num_hidden_layers=1)
+    ours = write_random_checkpoint(hf_config, tmp_path / "ours", dtype="float32")
+    theirs = save_random_hf_checkpoint(hf_config, tmp_path / "theirs")
+
+    def shapes(path):
+        with safe_open(str(path / "model.safetensors"), "np") as f:
+            return {name: f.get_slice(name).get_shape() for name in f.keys()}
+
+    assert shapes(ours) == shapes(theirs)
+    model, _ = load_model(ours, dtype="float32")
+    assert type(model) is model_class(ModelConfig.from_hf_config(hf_config))
