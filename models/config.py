@@ -1,5 +1,5 @@
 """Model configuration for the Llama family and its relatives (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 2,
-Gemma 3 text, Phi-3 / Phi-4, Granite).
+Gemma 3 text, Phi-3 / Phi-4, Granite) and its mixture-of-experts relatives (Qwen3-MoE, Mixtral).
 
 ``ModelConfig`` is the one description of a model shape that the rest of paged-jax uses; it is built from a Hugging
 Face ``config.json`` dict (transformers 4.x or 5.x layout; each family's fields read in ``models.hf_config``).
@@ -24,7 +24,10 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
     "GraniteForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = hf.MOE_ARCHITECTURES
 
 # model_type -> architecture, for configs that omit "architectures".
 _MODEL_TYPE_TO_ARCHITECTURE = {
@@ -36,11 +39,45 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # Checkpoints whose text model is supported only inside a multimodal wrapper we do not load.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 'gemma3_text')",
                "gemma3": "Gemma3ForCausalLM (model_type 'gemma3_text')"}
 HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model (HF field names).
+
+    Each token's router logits (``[num_experts]``) go through a float32 softmax; the ``num_experts_per_tok`` largest
+    probabilities pick the experts, renormalized to sum to 1 when ``norm_topk_prob``; the layer's output is their
+    weighted sum of the experts' SwiGLU MLPs (``moe_intermediate_size`` wide). Layer ``i`` is sparse when
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`` (Qwen3-MoE), else a dense MLP of the model's
+    ``intermediate_size``.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config field 'num_experts_per_tok' ({self.num_experts_per_tok}) must be at most "
+                             f"num_experts ({self.num_experts})")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (global index) runs the experts rather than a dense MLP."""
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +90,7 @@ class ModelConfig:
     scaling cos and sin, ``use_long_factors``: which factors run, fixed per engine as vLLM does).
     ``attention_bias`` means q/k/v projections carry a bias (Qwen2 always; Llama/Qwen3 when configured);
     ``o_proj_bias`` means the output projection does too (Llama/Qwen3 ``attention_bias=True``).
-    ``qk_norm`` is the per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3).
+    ``qk_norm`` is the per-head RMSNorm on q and k before RoPE (Qwen3, Qwen3-MoE, Gemma 3).
     Attention kinds per layer: ``sliding_window`` is the window in tokens of every layer (None: full causal
     attention); ``layer_sliding_windows`` instead gives each layer's window (None entries: full attention) when the
     layers differ (Qwen2 with ``max_window_layers``, Gemma), and ``sliding_window`` is then None. The sliding layers
@@ -66,6 +103,7 @@ class ModelConfig:
     ``hidden_act``: the gated MLP's activation (``HIDDEN_ACTS``). ``embedding_multiplier`` (in the model dtype),
     ``residual_multiplier`` on each block's output and ``logits_scaling`` (logits divided by it): Gemma's
     ``sqrt(hidden_size)`` and Granite's multipliers; None: 1.
+    ``moe`` is the sparse MLP of a mixture-of-experts architecture (``MOE_ARCHITECTURES``), None for dense ones.
     """
 
     architecture: str
@@ -99,6 +137,7 @@ class ModelConfig:
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -115,6 +154,9 @@ class ModelConfig:
                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"ModelConfig.moe must be set exactly for the mixture-of-experts architectures "
+                             f"({', '.join(MOE_ARCHITECTURES)}); {self.architecture} has moe={self.moe!r}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         self._check_windows()
@@ -217,6 +259,7 @@ class ModelConfig:
 
         windows = hf.layer_windows(architecture, hf_config, num_layers)
         uniform = len(set(windows)) <= 1
+        moe_fields = hf.moe_fields(architecture, hf_config, num_layers)
         return cls(
             architecture=architecture,
             vocab_size=int(required("vocab_size")),
@@ -230,7 +273,7 @@ class ModelConfig:
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.family_default(architecture, hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             max_position_embeddings=int(hf_config.get("max_position_embeddings") or 4096),
             sliding_window=windows[0] if uniform else None,
             layer_sliding_windows=None if uniform else windows,
@@ -238,6 +281,7 @@ class ModelConfig:
             eos_token_id=hf_config.get("eos_token_id"),
             o_proj_bias=o_proj_bias,
             **hf.family_options(architecture, hf_config),
+            moe=None if moe_fields is None else MoeConfig(**moe_fields),
         )
 
     @classmethod

@@ -1,6 +1,7 @@
 """How a Hugging Face ``config.json`` describes the math of each supported family, read the way transformers reads
 it (4.x and 5.x layouts): which layers slide and by how much, the RoPE of each layer kind, and each family's
-multipliers, soft-caps and norms. ``models.config.ModelConfig.from_hf_config`` is the one caller.
+multipliers, soft-caps and norms, and the experts of the mixture-of-experts families.
+``models.config.ModelConfig.from_hf_config`` is the one caller.
 
 A field that changes the math and that paged-jax does not implement is refused with a ValueError naming it.
 """
@@ -11,6 +12,7 @@ import math
 from typing import Any
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -43,6 +45,8 @@ def layer_windows(architecture: str, hf_config: dict, num_layers: int) -> tuple[
     if window is not None and architecture in _NO_WINDOW:
         raise ValueError(f"config field 'sliding_window' = {window!r} is unsupported for {architecture} "
                          "(transformers' model of it has no window)")
+    if architecture == "Qwen3MoeForCausalLM" and hf_config.get("use_sliding_window", False):
+        raise ValueError(f"config field 'use_sliding_window' = True is unsupported for {architecture}")
     if architecture.startswith("Qwen") and not hf_config.get("use_sliding_window", False):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
@@ -203,3 +207,43 @@ def _refuse_foreign_fields(architecture: str, hf_config: dict) -> None:
         value = hf_config.get(key, neutral)
         if value is not None and value != neutral:
             raise ValueError(f"config field {key!r} = {value!r} is unsupported for {architecture}")
+
+
+def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str, Any] | None:
+    """The fields of ``models.config.MoeConfig`` of a mixture-of-experts config (None for a dense family);
+    ValueError naming a field the experts do not implement."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    # Hub checkpoints name the expert count "num_experts" (Qwen3-MoE) or "num_local_experts" (Mixtral, and
+    # transformers 5 for both).
+    num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError("config is missing required field 'num_experts' (or 'num_local_experts')")
+    if hf_config.get("num_experts_per_tok") is None:
+        raise ValueError("config is missing required field 'num_experts_per_tok'")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config field 'hidden_act' = {hf_config['hidden_act']!r} is unsupported for {architecture} "
+                         "(the experts run SwiGLU)")
+    fields = {"num_experts": int(num_experts), "num_experts_per_tok": int(hf_config["num_experts_per_tok"])}
+    if architecture == "MixtralForCausalLM":
+        # Mixtral: every layer sparse, experts as wide as intermediate_size, top-k weights always renormalized
+        # (router_jitter_noise only applies in training).
+        return {**fields, "moe_intermediate_size": int(hf_config["intermediate_size"]), "norm_topk_prob": True}
+    for field in ("shared_expert_intermediate_size", "num_shared_experts", "n_shared_experts"):
+        if hf_config.get(field):
+            raise ValueError(f"config field {field!r} = {hf_config[field]!r} is unsupported (no shared experts)")
+    if hf_config.get("moe_intermediate_size") is None:
+        raise ValueError("config is missing required field 'moe_intermediate_size'")
+    mlp_only_layers = hf_config.get("mlp_only_layers") or []
+    if not isinstance(mlp_only_layers, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in mlp_only_layers):
+        raise ValueError(f"config field 'mlp_only_layers' must be a list of layer indices, got {mlp_only_layers!r}")
+    outside = [i for i in mlp_only_layers if not 0 <= i < num_layers]
+    if outside:
+        raise ValueError(f"config field 'mlp_only_layers' names layers {outside} outside the model's {num_layers}")
+    sparse_step = hf_config.get("decoder_sparse_step", 1)
+    if not isinstance(sparse_step, int) or isinstance(sparse_step, bool) or sparse_step <= 0:
+        raise ValueError(f"config field 'decoder_sparse_step' must be a positive int, got {sparse_step!r}")
+    return {**fields, "moe_intermediate_size": int(hf_config["moe_intermediate_size"]),
+            "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)), "decoder_sparse_step": sparse_step,
+            "mlp_only_layers": tuple(sorted(set(mlp_only_layers)))}

@@ -1,7 +1,8 @@
 """One Flax NNX decoder for the Llama family and its relatives: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3
 (q/k norm), Gemma 2 / Gemma 3 (per-layer windows and RoPE, soft-capping, (1 + w) norms around each block, scaled
-embeddings, GELU), Phi-3 / Phi-4 (LongRoPE, partial rotary; fused checkpoint projections split by the loader) and
-Granite (multipliers). Each difference is a ``ModelConfig`` field read by the one decoder below.
+embeddings, GELU), Phi-3 / Phi-4 (LongRoPE, partial rotary; fused checkpoint projections split by the loader),
+Granite (multipliers), and with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral.
+Each difference is a ``ModelConfig`` field read by the one decoder below.
 
 The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
 dimension; which token attends to which is entirely the business of the ``AttentionFn`` passed in (see
@@ -26,6 +27,7 @@ from flax import nnx
 from models.attention_fn import (AttentionFn, LayerAttention, ReusableAttention,  # noqa: F401
                                  check_takes_layer_attention, needs_layer_attention)
 from models.config import ModelConfig
+from models.moe import SparseMoeBlock, set_moe_impl
 from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
 from models.qk_transform import (QKTransform, apply_qk_transform, apply_rope, rope_cos_sin,  # noqa: F401
@@ -185,7 +187,8 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
-    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``).
+    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``). ``mlp`` is the dense ``MLP``, or for a
+    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``.
 
     Gemma (``sandwich_norms``): ``post_attention_layernorm`` norms the attention output before its residual add,
     ``pre_feedforward_layernorm`` is the norm fused with that add, ``post_feedforward_layernorm`` norms the MLP
@@ -198,7 +201,10 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_idx, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if config.moe is not None and config.moe.is_sparse(layer_idx):
+            self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
+        else:
+            self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         sandwich = config.sandwich_norms
         self.pre_feedforward_layernorm = nnx.data(norm() if sandwich else None)
         self.post_feedforward_layernorm = nnx.data(norm() if sandwich else None)
@@ -230,7 +236,7 @@ class DecoderLayer(nnx.Module):
         if self.pre_feedforward_layernorm is not None:
             attn_out, ffn_norm = self.post_attention_layernorm(attn_out), self.pre_feedforward_layernorm
         attn_out = self._scale_block_output(attn_out)
-        if mlp.gate_up_proj is None:
+        if not isinstance(mlp, MLP) or mlp.gate_up_proj is None:
             hidden, residual = ffn_norm(attn_out, residual)
             out = mlp(hidden, lora)
         else:
@@ -338,7 +344,8 @@ def matmul_precision(dtype):
 
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only LM for the architectures of ``models.config.SUPPORTED_ARCHITECTURES`` (Llama 2/3/3.1, Mistral,
-    Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3 / Phi-4, Granite).
+    Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3 / Phi-4, Granite), and the base of the mixture-of-experts ones
+    (``models.architectures``).
 
     Args:
       config: the model shape.
@@ -346,10 +353,11 @@ class LlamaForCausalLM(nnx.Module):
       param_dtype: storage dtype of the weights; defaults to ``dtype``.
       rngs: initializer randomness (weights ~ N(0, 0.02), norms = 1, biases = 0).
       rms_norm_impl: the decoder norms' implementation (``models.norm.RMS_NORM_IMPLS``; see ``set_rms_norm_impl``).
+      moe_impl: the sparse layers' grouped matmuls (``models.moe.MOE_IMPLS``; see ``models.moe.set_moe_impl``).
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs,
-                 rms_norm_impl: str = "auto"):
+                 rms_norm_impl: str = "auto", moe_impl: str = "auto"):
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
@@ -360,6 +368,7 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
         set_rms_norm_impl(self, rms_norm_impl)
+        set_moe_impl(self, moe_impl)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
                  attention: AttentionFn, lora: Sequence | None = None) -> tuple[jax.Array, list | None]:
@@ -435,7 +444,8 @@ def set_rms_norm_impl(model: LlamaForCausalLM, impl: str) -> LlamaForCausalLM:
 
 
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """In place: each layer's q/k/v projections become one ``qkv_proj`` and gate/up one ``gate_up_proj``.
+    """In place: each layer's q/k/v projections become one ``qkv_proj`` and a dense MLP's gate/up one
+    ``gate_up_proj`` (the experts of a sparse layer keep theirs: the grouped matmul reads both in one pass).
 
     For a model on one device (the engine does this after loading; a tensor-parallel model keeps the HF layout,
     whose per-projection shardings ``paged_jax.parallel`` defines, and a fused model given to a ``ShardingPlan``
@@ -450,7 +460,7 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
             if fused is not None:
                 attn.qkv_proj = fused
                 attn.q_proj = attn.k_proj = attn.v_proj = None
-        if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+        if isinstance(mlp, MLP) and mlp.gate_up_proj is None and mlp.gate_proj is not None:
             fused = _concat_linear([mlp.gate_proj, mlp.up_proj])
             if fused is not None:
                 mlp.gate_up_proj = fused

@@ -26,44 +26,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.impl_registry import ImplRegistry
+
 RMS_NORM_IMPLS = ("auto", "xla", "pallas")
 
-# name -> fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype, unit_offset)
-#   -> normed | (normed, new_residual)
-_IMPLS: dict[str, Callable] = {}
-# fn(num_rows, hidden, dtype) -> implementation name, for impl="auto"
-_SELECTOR: list[Callable[[int, int, jnp.dtype], str]] = []
+# fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype, unit_offset) -> normed | (normed, new_residual);
+# "auto" selector fn(num_rows, hidden, dtype) -> implementation name
+_REGISTRY = ImplRegistry("rms_norm_impl", RMS_NORM_IMPLS)
 
 
 def register_rms_norm(name: str, fn: Callable) -> None:
     """Make ``fn(x [N, H], weight [H], residual [N, H] | None, *, eps: float, dtype, unit_offset: bool) -> normed
     dtype[N, H] | (normed, new_residual x.dtype[N, H])`` the implementation ``name`` (one of ``RMS_NORM_IMPLS``)."""
-    if name not in RMS_NORM_IMPLS or name == "auto":
-        raise ValueError(f"rms_norm implementation name must be one of {RMS_NORM_IMPLS[1:]}, got {name!r}")
-    _IMPLS[name] = fn
+    _REGISTRY.register(name, fn)
 
 
 def register_rms_norm_selector(fn: Callable[[int, int, jnp.dtype], str]) -> None:
     """``fn(num_rows, hidden, dtype) -> name`` decides ``impl="auto"`` from static shapes (no recompile at run
     time)."""
-    _SELECTOR[:] = [fn]
+    _REGISTRY.register_selector(fn)
 
 
 def check_rms_norm_impl(impl: str) -> str:
     """``impl`` itself, or a ValueError naming ``rms_norm_impl``."""
-    if impl not in RMS_NORM_IMPLS:
-        raise ValueError(f"rms_norm_impl must be one of {', '.join(RMS_NORM_IMPLS)}, got {impl!r}")
-    return impl
+    return _REGISTRY.check(impl)
 
 
 def resolve_rms_norm_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
     """The implementation ``impl`` runs for a static ``[num_rows, hidden]`` batch of ``dtype``."""
-    check_rms_norm_impl(impl)
-    if impl == "auto":
-        impl = _SELECTOR[0](num_rows, hidden, jnp.dtype(dtype)) if _SELECTOR else "xla"
-    if impl not in _IMPLS:
-        raise ValueError(f"rms_norm_impl {impl!r} is not available: import paged_jax.ops to register it")
-    return impl
+    return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *, eps: float,
@@ -112,7 +103,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None,
     if name == "xla":  # no reshape: XLA fuses the jnp form with its neighbours as it likes
         return rms_norm_reference(x, weight, residual, eps=eps, dtype=dtype, unit_offset=unit_offset)
     res_rows = None if residual is None else residual.reshape(-1, hidden)
-    out = _IMPLS[name](rows, weight, res_rows, eps=eps, dtype=dtype, unit_offset=unit_offset)
+    out = _REGISTRY[name](rows, weight, res_rows, eps=eps, dtype=dtype, unit_offset=unit_offset)
     if residual is None:
         return out.reshape(x.shape)
     normed, new_residual = out

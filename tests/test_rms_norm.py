@@ -198,7 +198,7 @@ def test_model_on_the_kernel_matches_xla(monkeypatch):
         calls.append(1)  # at trace time: once per norm in the traced forward
         return rms_norm_pallas(*args, interpret=True, **kwargs)
 
-    monkeypatch.setitem(norm_lib._IMPLS, "pallas", kernel)
+    monkeypatch.setitem(norm_lib._REGISTRY._impls, "pallas", kernel)
     config = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=2))
     model, _ = load_model(None, config=config, load_format="dummy", dtype="float32")
     ids = jnp.asarray([3, 1, 4, 1, 5], jnp.int32)

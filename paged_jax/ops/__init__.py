@@ -1,4 +1,5 @@
-"""Paged-attention ops: the slot-mapped KV write (alone or fused with the q/k transform) and ragged paged attention.
+"""Paged-attention ops: the slot-mapped KV write (alone or fused with the q/k transform) and ragged paged attention;
+importing the package registers the models' other kernels (RMSNorm, quantized matmuls, the fused MoE grouped matmul).
 
 KV pool layout (per layer): ``(k_pages, v_pages)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 Block 0 is the reserved null block: padding tokens write there and padded block-table entries point there.
@@ -7,6 +8,7 @@ Block 0 is the reserved null block: padding tokens write there and padded block-
 from paged_jax.ops import quantized_matmul  # noqa: F401  (registers matmul_impl "pallas" / "auto" of the models)
 from paged_jax.ops import quantized_gemv  # noqa: F401  (registers matmul_impl "pallas_blocked")
 from paged_jax.ops import rms_norm  # noqa: F401  (registers rms_norm_impl "pallas" / "auto" of the models)
+from paged_jax.ops import fused_moe  # noqa: F401  (registers moe_impl "pallas" / "auto" of the models)
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.qk_prepare import qk_prepare
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention

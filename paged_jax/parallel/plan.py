@@ -9,6 +9,8 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * The embedding table is vocabulary-parallel (``[V/tp, H]`` per device) and so is the LM head (``[H, V/tp]``);
   logits come out vocabulary-sharded and are gathered (``ShardingPlan.gather_logits``) before sampling.
 * Norm scales and the o_proj bias are replicated.
+* Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
+  (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
   ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
 * Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
@@ -54,6 +56,8 @@ def _param_kind(path: tuple) -> str:
         return "norm"
     if len(names) >= 3 and names[-3] in ("self_attn", "mlp") and leaf in ("kernel", "bias", *_QUANT_LEAF_DIMS):
         return f"{names[-2]}.{leaf}"
+    if len(names) >= 3 and names[-3:-1] == ["mlp", "experts"]:
+        return f"experts.{leaf}"
     if names[-2:] == ["self_attn", "kv_scale"]:
         return "norm"  # per-layer FP8 KV-cache scales: replicated
     raise ValueError(f"no sharding rule for model parameter {'.'.join(names)}")
@@ -62,7 +66,9 @@ def _param_kind(path: tuple) -> str:
 # Megatron rules: which tensor dim of each parameter kind is split over tp (None = replicated).
 _ATTENTION_KINDS = {"q_proj.kernel": 1, "k_proj.kernel": 1, "v_proj.kernel": 1, "q_proj.bias": 0,
                     "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None}
-_MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0}
+_MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0,
+              # a sparse layer: its router, and its experts stacked [E, in, out] (models.moe)
+              "gate.kernel": None, "experts.gate_proj": 2, "experts.up_proj": 2, "experts.down_proj": 1}
 _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
 # Quantized projections (models.quantization.linear): the split dim of each leaf in a column-parallel (output split)
 # and a row-parallel (input split) layer. Packed integer weights are packed along the inputs, so rows stay

@@ -203,7 +203,8 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
     from flax import nnx
 
     from models import weight_cache
-    from models.llama import LlamaForCausalLM, fuse_projections
+    from models.architectures import model_class
+    from models.llama import fuse_projections
     from models.loader import load_model, resolve_dtype
 
     jnp_dtype = resolve_dtype(dtype)
@@ -229,7 +230,7 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
             return abstract_quantized_model(config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales,
                                             transform=fuse_projections)
         return nnx.eval_shape(lambda: fuse_projections(
-            LlamaForCausalLM(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0))))
+            model_class(config)(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0))))
 
     return weight_cache.load_or_convert(
         _weight_cache_key(args, model_path, dtype, kind="fused", **quant.layout()), convert, abstract)
