@@ -192,3 +192,20 @@ def test_engine_greedy_matches_transformers(checkpoint):
     assert shared.num_cached_tokens == 16  # the whole blocks of the shared prefix
     ours = [list(out.outputs[0].token_ids) for out in [*first, shared]]
     assert ours == [_hf_greedy(hf_model, p, max_tokens) for p in prompts]
+
+
+def test_torch_free_random_checkpoint_of_gemma_has_unit_offset_norms(tmp_path):
+    """benchmarks.startup.write_random_checkpoint writes transformers' tensor names and shapes for Gemma 2, its
+    norm weights 0 (Gemma scales by 1 + weight, so 0 is the identity scale), and the checkpoint loads."""
+    from safetensors.numpy import load_file
+
+    from benchmarks.startup import write_random_checkpoint
+
+    hf_config = tiny_config("gemma2", num_hidden_layers=1)
+    ours = load_file(write_random_checkpoint(hf_config, tmp_path / "ours", dtype="float32") / "model.safetensors")
+    theirs = load_file(save_random_hf_checkpoint(hf_config, tmp_path / "theirs") / "model.safetensors")
+    assert {name: t.shape for name, t in ours.items()} == {name: t.shape for name, t in theirs.items()}
+    norms = [name for name in ours if name.endswith("norm.weight")]
+    assert len(norms) == 5 and not any(ours[name].any() for name in norms)  # 4 per layer + the final norm
+    model, _ = load_model(tmp_path / "ours", dtype="float32")
+    assert not np.asarray(model.model.norm.scale[...]).any()

@@ -113,6 +113,7 @@ def test_missing_expert_tensor_is_named(tmp_path):
     (dict(shared_expert_intermediate_size=64), "'shared_expert_intermediate_size'"),
     (dict(use_sliding_window=True), "'use_sliding_window'"),
     (dict(hidden_act="gelu"), "'hidden_act'"),
+    (dict(hidden_act="gelu_pytorch_tanh"), "'hidden_act'"),  # a dense family's activation: the experts run SwiGLU
     (dict(moe_intermediate_size=None), "'moe_intermediate_size'"),
 ])
 def test_unsupported_qwen3_moe_configs_are_refused_naming_the_field(overrides, message):
