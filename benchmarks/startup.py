@@ -73,9 +73,10 @@ def write_random_checkpoint(hf_config: dict, out_dir: str | os.PathLike, *, dtyp
     """Write an HF safetensors checkpoint of ``hf_config``'s shape with random weights, without torch.
 
     Matrices hold N(0, 0.02) values (a pool of 4M random values cycled from a per-tensor offset, so writing 16 GB is
-    disk-bound, not RNG-bound), norms 1, biases 0. Tensor names and shapes come from the model itself
-    (``models.loader.hf_name_for``), so every supported architecture works. Written into a staging directory and
-    renamed, so an existing ``out_dir`` is always complete (then it is returned as is).
+    disk-bound, not RNG-bound), norms and biases the loader's dummy constants (``models.loader.dummy_fill``: norms 1,
+    or 0 where they scale by 1 + weight; biases 0). Tensor names and shapes come from the model itself
+    (``models.loader.checkpoint_tensor_shapes``), so every supported architecture works. Written into a staging
+    directory and renamed, so an existing ``out_dir`` is always complete (then it is returned as is).
 
     Args:
       hf_config: an HF ``config.json`` dict (e.g. ``models.presets.PRESETS[name]``).
@@ -89,9 +90,10 @@ def write_random_checkpoint(hf_config: dict, out_dir: str | os.PathLike, *, dtyp
     import ml_dtypes
     from flax import nnx
 
+    from models.architectures import model_class
     from models.config import ModelConfig
-    from models.llama import INIT_STD, LlamaForCausalLM
-    from models.loader import hf_name_for
+    from models.llama import INIT_STD
+    from models.loader import checkpoint_tensor_shapes, dummy_fill
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
@@ -99,14 +101,12 @@ def write_random_checkpoint(hf_config: dict, out_dir: str | os.PathLike, *, dtyp
     np_dtype, tag = {"bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16"), "float16": (np.dtype(np.float16), "F16"),
                      "float32": (np.dtype(np.float32), "F32")}[dtype]
     config = ModelConfig.from_hf_config(hf_config)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     tensors = []  # (hf name, hf shape, fill: None = random)
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
-        name, transposed = hf_name_for(path)
-        shape = tuple(variable.get_value().shape)
-        leaf = str(path[-1])
-        tensors.append((name, shape[::-1] if transposed else shape,
-                        1.0 if leaf == "scale" else 0.0 if leaf == "bias" else None))
+        fill = dummy_fill(path, config)
+        tensors += [(name, shape, fill)
+                    for name, shape in checkpoint_tensor_shapes(config, path, tuple(variable.get_value().shape))]
 
     shards, current, current_bytes = [], [], 0
     for tensor in tensors:

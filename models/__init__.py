@@ -1,4 +1,5 @@
-"""Flax NNX models of the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) and their checkpoint loader.
+"""Flax NNX models of the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3), the mixture-of-experts Qwen3-MoE and
+Mixtral, and their checkpoint loader.
 
 Public names are imported lazily so ``python -m models.smollm2`` and config-only users don't pay for jax/flax.
 """
@@ -8,6 +9,9 @@ import importlib
 _EXPORTS = {
     "ModelConfig": "models.config",
     "LlamaForCausalLM": "models.llama",
+    "Qwen3MoeForCausalLM": "models.architectures",
+    "MixtralForCausalLM": "models.architectures",
+    "model_class": "models.architectures",
     "AttentionFn": "models.llama",
     "dense_causal_attention": "models.attention",
     "load_model": "models.loader",

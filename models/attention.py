@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.llama import AttentionFn
+from models.attention_fn import AttentionFn
 
 
 def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_window: int | None = None,
@@ -22,7 +22,9 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
         be non-contiguous). Defaults to flat token indices.
     Returns:
       ``attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)``; kv_layer is
-      returned unchanged. Softmax in float32; GQA by repeating kv heads.
+      returned unchanged. Softmax in float32; GQA by repeating kv heads. It takes a layer's own options
+      (``takes_layer_attention``): ``sm_scale=, sliding_window=, logit_soft_cap=`` keywords override the ones
+      given here (``logit_soft_cap``: ``cap * tanh(s / cap)`` on the scaled scores).
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -30,13 +32,17 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
     order = jnp.arange(segment_ids.shape[0], dtype=jnp.int32) if positions is None else jnp.asarray(positions)
     same_segment = segment_ids[:, None] == segment_ids[None, :]
     causal = order[:, None] >= order[None, :]
-    mask = same_segment & causal  # [T(query), T(key)]
-    if sliding_window is not None:
-        mask = mask & (order[:, None] - order[None, :] < sliding_window)
+    causal_mask = same_segment & causal  # [T(query), T(key)]
+    distance = order[:, None] - order[None, :]
     # A token always sees itself, so every row has at least one unmasked entry (padding included).
-    mask = mask | jnp.eye(segment_ids.shape[0], dtype=bool)
+    itself = jnp.eye(segment_ids.shape[0], dtype=bool)
+    default_scale, default_window = sm_scale, sliding_window
 
-    def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer):
+    def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, *, sm_scale: float = None,
+                  sliding_window: int | None = default_window, logit_soft_cap: float | None = None):
+        sm_scale = default_scale if sm_scale is None else sm_scale
+        mask = causal_mask if sliding_window is None else causal_mask & (distance < sliding_window)
+        mask = mask | itself
         num_tokens, num_heads, _ = q.shape
         num_kv_heads = k.shape[1]
         if num_heads % num_kv_heads != 0:
@@ -47,9 +53,12 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
         k_rep = jnp.repeat(k, group, axis=1)  # [T, Hq, D]
         v_rep = jnp.repeat(v, group, axis=1)
         scores = jnp.einsum("qhd,khd->hqk", q, k_rep, preferred_element_type=jnp.float32) * sm_scale
+        if logit_soft_cap is not None:
+            scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
         scores = jnp.where(mask[None, :, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v_rep, preferred_element_type=jnp.float32)
         return out.astype(q.dtype), kv_layer
 
+    attention.takes_layer_attention = True
     return attention

@@ -1,7 +1,8 @@
-"""Model configuration for the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3).
+"""Model configuration for the Llama family and its relatives (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 2,
+Gemma 3 text, Phi-3 / Phi-4, Granite) and its mixture-of-experts relatives (Qwen3-MoE, Mixtral).
 
 ``ModelConfig`` is the one description of a model shape that the rest of paged-jax uses; it is built from a Hugging
-Face ``config.json`` dict (transformers 4.x or 5.x layout).
+Face ``config.json`` dict (transformers 4.x or 5.x layout; each family's fields read in ``models.hf_config``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+from models import hf_config as hf
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "GraniteForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = hf.MOE_ARCHITECTURES
 
 # model_type -> architecture, for configs that omit "architectures".
 _MODEL_TYPE_TO_ARCHITECTURE = {
@@ -25,21 +35,75 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# Checkpoints whose text model is supported only inside a multimodal wrapper we do not load.
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 'gemma3_text')",
+               "gemma3": "Gemma3ForCausalLM (model_type 'gemma3_text')"}
+HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
 
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model (HF field names).
+
+    Each token's router logits (``[num_experts]``) go through a float32 softmax; the ``num_experts_per_tok`` largest
+    probabilities pick the experts, renormalized to sum to 1 when ``norm_topk_prob``; the layer's output is their
+    weighted sum of the experts' SwiGLU MLPs (``moe_intermediate_size`` wide). Layer ``i`` is sparse when
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`` (Qwen3-MoE), else a dense MLP of the model's
+    ``intermediate_size``.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config field 'num_experts_per_tok' ({self.num_experts_per_tok}) must be at most "
+                             f"num_experts ({self.num_experts})")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (global index) runs the experts rather than a dense MLP."""
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of one decoder-only model.
 
-    ``rope_scaling`` is None (plain RoPE) or a dict with ``rope_type == "llama3"`` and the keys
-    ``factor, low_freq_factor, high_freq_factor, original_max_position_embeddings``.
+    ``rope_scaling`` is None (plain RoPE) or a dict by ``rope_type``: "llama3" (``factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings``), "linear" (``factor``) or "longrope" (``short_factor,
+    long_factor`` tuples of ``rotary_dim // 2`` floats, ``original_max_position_embeddings``, ``attention_factor``
+    scaling cos and sin, ``use_long_factors``: which factors run, fixed per engine as vLLM does).
     ``attention_bias`` means q/k/v projections carry a bias (Qwen2 always; Llama/Qwen3 when configured);
     ``o_proj_bias`` means the output projection does too (Llama/Qwen3 ``attention_bias=True``).
-    ``qk_norm`` is Qwen3's per-head RMSNorm on q and k before RoPE.
-    ``sliding_window`` is the attention window in tokens, or None for full causal attention.
+    ``qk_norm`` is the per-head RMSNorm on q and k before RoPE (Qwen3, Qwen3-MoE, Gemma 3).
+    Attention kinds per layer: ``sliding_window`` is the window in tokens of every layer (None: full causal
+    attention); ``layer_sliding_windows`` instead gives each layer's window (None entries: full attention) when the
+    layers differ (Qwen2 with ``max_window_layers``, Gemma), and ``sliding_window`` is then None. The sliding layers
+    rotate with ``local_rope_theta`` (Gemma 3; None: ``rope_theta`` and ``rope_scaling``). ``rotary_dim``: RoPE on
+    the first ``rotary_dim`` dims of each head only (Phi-4's ``partial_rotary_factor``; None: all).
+    ``attention_scale`` multiplies ``q . k`` (None: ``head_dim ** -0.5``); ``attn_logit_softcapping`` /
+    ``final_logit_softcapping``: ``cap * tanh(x / cap)`` on the attention scores / the logits (Gemma 2).
+    ``norm_unit_offset``: every RMSNorm scales by ``1 + weight`` in float32 (Gemma); ``sandwich_norms``: Gemma's
+    post-attention norm on the attention output and pre-/post-feedforward norms around the MLP.
+    ``hidden_act``: the gated MLP's activation (``HIDDEN_ACTS``). ``embedding_multiplier`` (in the model dtype),
+    ``residual_multiplier`` on each block's output and ``logits_scaling`` (logits divided by it): Gemma's
+    ``sqrt(hidden_size)`` and Granite's multipliers; None: 1.
+    ``moe`` is the sparse MLP of a mixture-of-experts architecture (``MOE_ARCHITECTURES``), None for dense ones.
     """
 
     architecture: str
@@ -61,6 +125,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     o_proj_bias: bool = False
+    layer_sliding_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    rotary_dim: int | None = None
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,17 +154,32 @@ class ModelConfig:
                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"ModelConfig.moe must be set exactly for the mixture-of-experts architectures "
+                             f"({', '.join(MOE_ARCHITECTURES)}); {self.architecture} has moe={self.moe!r}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
-            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        self._check_windows()
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"ModelConfig.rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
-            if rope_type != "llama3":
-                raise ValueError(f"ModelConfig.rope_scaling: unsupported rope_type {rope_type!r} (only 'llama3')")
-            missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
-            if missing:
-                raise ValueError(f"ModelConfig.rope_scaling (llama3) is missing keys {missing}")
+            if rope_type not in hf.ROPE_TYPES[1:]:
+                raise ValueError(f"ModelConfig.rope_scaling: unsupported rope_type {rope_type!r} (one of "
+                                 f"{hf.ROPE_TYPES[1:]})")
+
+    def _check_windows(self):
+        for window in (self.sliding_window, *(self.layer_sliding_windows or ())):
+            if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+                raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {window!r}")
+        if self.layer_sliding_windows is not None:
+            if len(self.layer_sliding_windows) != self.num_hidden_layers:
+                raise ValueError(f"ModelConfig.layer_sliding_windows has {len(self.layer_sliding_windows)} entries "
+                                 f"for {self.num_hidden_layers} layers")
+            if self.sliding_window is not None:
+                raise ValueError("ModelConfig.sliding_window must be None when layer_sliding_windows is given")
 
     def __hash__(self):
         # NNX keeps the config on the module as static graph data, which must be hashable; the dict/list fields are
@@ -107,6 +199,18 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (None: full causal attention), ``num_hidden_layers`` entries."""
+        if self.layer_sliding_windows is not None:
+            return self.layer_sliding_windows
+        return (self.sliding_window,) * self.num_hidden_layers
+
+    @property
+    def softmax_scale(self) -> float:
+        """The factor on ``q . k`` of every layer."""
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (empty when unknown)."""
         if self.eos_token_id is None:
@@ -115,45 +219,37 @@ class ModelConfig:
             return [self.eos_token_id]
         return list(self.eos_token_id)
 
+    def for_max_model_len(self, max_model_len: int) -> "ModelConfig":
+        """This config for an engine of ``max_model_len`` tokens: LongRoPE runs its long factors when
+        ``max_model_len`` exceeds ``original_max_position_embeddings`` (vLLM's rule), else its short ones; other
+        configs are returned as they are."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return self
+        use_long = max_model_len > scaling["original_max_position_embeddings"]
+        return dataclasses.replace(self, rope_scaling={**scaling, "use_long_factors": use_long})
+
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict (transformers 4 ``rope_scaling``/``rope_theta`` or
-        transformers 5 ``rope_parameters`` layout)."""
-        architectures = hf_config.get("architectures") or []
-        if architectures:
-            architecture = architectures[0]
-        else:
-            model_type = hf_config.get("model_type")
-            if model_type not in _MODEL_TYPE_TO_ARCHITECTURE:
-                raise ValueError(
-                    f"unsupported architecture: config has no 'architectures' and model_type {model_type!r}; "
-                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-                )
-            architecture = _MODEL_TYPE_TO_ARCHITECTURE[model_type]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        transformers 5 ``rope_parameters`` layout). ValueError naming the field for what is not implemented."""
+        architecture = _architecture(hf_config)
 
         def required(key: str):
             if hf_config.get(key) is None:
                 raise ValueError(f"config is missing required field {key!r}")
             return hf_config[key]
 
-        hidden_act = hf_config.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"config field 'hidden_act' = {hidden_act!r} is unsupported (only 'silu')")
         if hf_config.get("mlp_bias"):
             raise ValueError("config field 'mlp_bias' = True is unsupported")
 
         hidden_size = int(required("hidden_size"))
         num_heads = int(required("num_attention_heads"))
+        num_layers = int(required("num_hidden_layers"))
         num_kv_heads = hf_config.get("num_key_value_heads")
         num_kv_heads = num_heads if num_kv_heads is None else int(num_kv_heads)
         head_dim = hf_config.get("head_dim")
         head_dim = hidden_size // num_heads if head_dim is None else int(head_dim)
-
-        rope_theta, rope_scaling = _parse_rope(hf_config)
 
         configured_bias = bool(hf_config.get("attention_bias", False))
         if architecture == "Qwen2ForCausalLM":
@@ -161,35 +257,31 @@ class ModelConfig:
         else:
             attention_bias, o_proj_bias = configured_bias, configured_bias
 
-        sliding_window = hf_config.get("sliding_window")
-        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            # Qwen only applies the window when use_sliding_window is set; per-layer windows are not supported.
-            if not hf_config.get("use_sliding_window", False):
-                sliding_window = None
-            else:
-                raise ValueError("config field 'use_sliding_window' = True is unsupported for Qwen models")
-        sliding_window = None if sliding_window is None else int(sliding_window)
-
+        windows = hf.layer_windows(architecture, hf_config, num_layers)
+        uniform = len(set(windows)) <= 1
+        moe_fields = hf.moe_fields(architecture, hf_config, num_layers)
         return cls(
             architecture=architecture,
             vocab_size=int(required("vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(required("intermediate_size")),
-            num_hidden_layers=int(required("num_hidden_layers")),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            **hf.parse_rope(hf_config, architecture, head_dim),
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.family_default(architecture, hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             max_position_embeddings=int(hf_config.get("max_position_embeddings") or 4096),
-            sliding_window=sliding_window,
+            sliding_window=windows[0] if uniform else None,
+            layer_sliding_windows=None if uniform else windows,
             bos_token_id=hf_config.get("bos_token_id"),
             eos_token_id=hf_config.get("eos_token_id"),
             o_proj_bias=o_proj_bias,
+            **hf.family_options(architecture, hf_config),
+            moe=None if moe_fields is None else MoeConfig(**moe_fields),
         )
 
     @classmethod
@@ -202,37 +294,19 @@ class ModelConfig:
             return cls.from_hf_config(json.load(f))
 
 
-def _parse_rope(hf_config: dict[str, Any]) -> tuple[float, dict | None]:
-    """Return (rope_theta, rope_scaling or None) from either config layout."""
-    rope_parameters = hf_config.get("rope_parameters")
-    rope_scaling_raw = hf_config.get("rope_scaling")
-    rope_theta = hf_config.get("rope_theta")
-    scaling_source = None
-    if isinstance(rope_parameters, dict):
-        if rope_theta is None:
-            rope_theta = rope_parameters.get("rope_theta")
-        scaling_source = rope_parameters
-    if isinstance(rope_scaling_raw, dict) and (scaling_source is None or
-                                               _rope_type(scaling_source) in (None, "default")):
-        scaling_source = rope_scaling_raw
-    rope_theta = 10000.0 if rope_theta is None else float(rope_theta)
-
-    if scaling_source is None:
-        return rope_theta, None
-    rope_type = _rope_type(scaling_source)
-    if rope_type in (None, "default"):
-        return rope_theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"config rope scaling type {rope_type!r} is unsupported (only 'llama3' and default)")
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling_source]
-    if missing:
-        raise ValueError(f"config llama3 rope scaling is missing keys {missing}")
-    rope_scaling = {"rope_type": "llama3"}
-    for key in _LLAMA3_ROPE_KEYS:
-        rope_scaling[key] = float(scaling_source[key])
-    rope_scaling["original_max_position_embeddings"] = int(scaling_source["original_max_position_embeddings"])
-    return rope_theta, rope_scaling
-
-
-def _rope_type(params: dict) -> str | None:
-    return params.get("rope_type", params.get("type"))
+def _architecture(hf_config: dict[str, Any]) -> str:
+    """The config's architecture (its first "architectures" entry, else from model_type); ValueError naming it when
+    unsupported, and for a multimodal checkpoint naming the text-only architecture to use instead."""
+    architectures = hf_config.get("architectures") or []
+    key = architectures[0] if architectures else hf_config.get("model_type")
+    if key in _MULTIMODAL:
+        raise ValueError(f"unsupported architecture {key!r}: the multimodal checkpoint is not loaded (its text part "
+                         f"neither); use a {_MULTIMODAL[key]} checkpoint")
+    if not architectures:
+        if key not in _MODEL_TYPE_TO_ARCHITECTURE:
+            raise ValueError(f"unsupported architecture: config has no 'architectures' and model_type {key!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        return _MODEL_TYPE_TO_ARCHITECTURE[key]
+    if key not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {key!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return key

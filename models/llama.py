@@ -1,4 +1,8 @@
-"""One Flax NNX decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""One Flax NNX decoder for the Llama family and its relatives: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3
+(q/k norm), Gemma 2 / Gemma 3 (per-layer windows and RoPE, soft-capping, (1 + w) norms around each block, scaled
+embeddings, GELU), Phi-3 / Phi-4 (LongRoPE, partial rotary; fused checkpoint projections split by the loader),
+Granite (multipliers), and with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral.
+Each difference is a ``ModelConfig`` field read by the one decoder below.
 
 The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
 dimension; which token attends to which is entirely the business of the ``AttentionFn`` passed in (see
@@ -13,58 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# The attention contract lives in models.attention_fn; re-exported for existing importers.
+from models.attention_fn import (AttentionFn, LayerAttention, ReusableAttention,  # noqa: F401
+                                 check_takes_layer_attention, needs_layer_attention)
 from models.config import ModelConfig
+from models.moe import SparseMoeBlock, set_moe_impl
 from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
-from models.qk_transform import QKTransform, apply_qk_transform, apply_rope, rope_cos_sin, rope_inv_freq  # noqa: F401
-
-# attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer). One whose attribute
-# ``fuses_qk_transform`` is true is called with the un-normed, un-rotated q/k and ``qk_transform=QKTransform`` and
-# applies the transform itself (models.qk_transform); the model applies it before any other attention.
-AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-
-
-@jax.tree_util.register_pytree_node_class
-class ReusableAttention:
-    """An ``AttentionFn`` whose per-call data is a pytree and whose code is one static function.
-
-    Because it closes over no traced values, ``LlamaForCausalLM`` traces its decoder layer once (a nested jit) and
-    calls that trace for every layer, instead of tracing each of the N layers inline: start-up compiles one
-    executable per step shape, and tracing was most of the time each took. XLA inlines the nested calls, so the
-    compiled program is the same.
-
-    Args:
-      fn: ``fn(metadata, q, k, v, kv_layer) -> (out, kv_layer)``; static (part of the pytree structure, compared by
-        identity), so build it once per forward (e.g. a ``functools.partial`` of a module-level function).
-      metadata: a pytree of arrays (block tables, lengths, ...), the same for every layer of one forward.
-      fuses_qk_transform: ``fn`` takes a ``qk_transform=`` keyword (``models.qk_transform.QKTransform``) and
-        applies it to q/k itself (see ``AttentionFn``); static.
-    A reusable attention is called with ``layer_idx=None``: it must not depend on the layer.
-    """
-
-    def __init__(self, fn: Callable, metadata: Any, *, fuses_qk_transform: bool = False):
-        self.fn = fn
-        self.metadata = metadata
-        self.fuses_qk_transform = fuses_qk_transform
-
-    def __call__(self, layer_idx, q, k, v, kv_layer, qk_transform: QKTransform | None = None):
-        if qk_transform is None:
-            return self.fn(self.metadata, q, k, v, kv_layer)
-        return self.fn(self.metadata, q, k, v, kv_layer, qk_transform=qk_transform)
-
-    def tree_flatten(self):
-        return (self.metadata,), (self.fn, self.fuses_qk_transform)
-
-    @classmethod
-    def tree_unflatten(cls, static, children):
-        fn, fuses_qk_transform = static
-        return cls(fn, children[0], fuses_qk_transform=fuses_qk_transform)
+from models.qk_transform import (QKTransform, apply_qk_transform, apply_rope, rope_cos_sin,  # noqa: F401
+                                 rope_inv_freq, rope_table_index, rope_tables)
 
 INIT_STD = 0.02
 
@@ -106,7 +73,7 @@ class Attention(nnx.Module):
     or, after ``fuse_projections``, one ``qkv_proj`` (an ``nnx.Linear``) whose output columns are [q | k | v].
     """
 
-    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -124,15 +91,19 @@ class Attention(nnx.Module):
             # Per head ([T, H, D]), applied through the layer's QKTransform: the jnp form (apply_qk_transform), or
             # fused with RoPE and the KV write by an attention that fuses it (paged_jax.ops.qk_prepare).
             # These modules hold the weights (HF names) and eps; they are never called themselves.
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.q_norm, self.k_norm = (
+                RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                        unit_offset=config.norm_unit_offset) for _ in range(2))
         else:
             self.q_norm = None
             self.k_norm = None
+        # Static per-layer choices: which RoPE table (Gemma 3's sliding layers have their own), and the layer's
+        # attention options, passed only when some layer of the model differs from the attention's defaults.
+        self.rope_table = rope_table_index(config, layer_idx)
+        self.layer_attention = LayerAttention.for_layer(config, layer_idx) if needs_layer_attention(config) else None
 
-    def __call__(self, layer_idx: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv_layer,
-                 attention: AttentionFn, lora=None):
-        """x: [T, hidden], rope: ``rope_cos_sin`` tables -> ([T, hidden], kv_layer). ``lora``: see ``with_lora``."""
+    def __call__(self, layer_idx: int, x: jax.Array, rope: tuple, kv_layer, attention: AttentionFn, lora=None):
+        """x: [T, hidden], rope: ``rope_tables`` -> ([T, hidden], kv_layer). ``lora``: see ``with_lora``."""
         return self.attend(layer_idx, *self.project(x, lora), rope, kv_layer, attention, lora)
 
     def project(self, x: jax.Array, lora=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -146,25 +117,29 @@ class Attention(nnx.Module):
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return tuple(jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1))
 
-    def attend(self, layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, rope: tuple[jax.Array, jax.Array],
-               kv_layer, attention: AttentionFn, lora=None):
-        """``project``'s (q, k, v) -> ([T, hidden], kv_layer): the q/k transform, ``attention`` and ``o_proj``."""
+    def attend(self, layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, rope: tuple, kv_layer,
+               attention: AttentionFn, lora=None):
+        """``project``'s (q, k, v) and the forward's ``rope_tables`` -> ([T, hidden], kv_layer): the q/k transform,
+        ``attention`` (with the layer's own options, if the model has them) and ``o_proj``."""
         num_tokens = q.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope[self.rope_table]
+        options = {} if self.layer_attention is None else self.layer_attention.as_kwargs()
         transform = QKTransform(
-            cos=rope[0], sin=rope[1],
+            cos=cos, sin=sin,
             q_norm_weight=None if self.q_norm is None else self.q_norm.scale[...],
             k_norm_weight=None if self.k_norm is None else self.k_norm.scale[...],
             kv_scale=None if self.kv_scale is None else self.kv_scale[...],
             norm_eps=None if self.q_norm is None else self.q_norm.eps,
-            dtype=None if self.q_norm is None else self.q_norm.dtype)
+            dtype=None if self.q_norm is None else self.q_norm.dtype,
+            norm_unit_offset=self.q_norm is not None and self.q_norm.unit_offset)
         if getattr(attention, "fuses_qk_transform", False):  # e.g. one kernel with the KV write (paged_jax.ops)
-            out, kv_layer = attention(layer_idx, q, k, v, kv_layer, qk_transform=transform)
+            out, kv_layer = attention(layer_idx, q, k, v, kv_layer, qk_transform=transform, **options)
         else:
             q, k, v = apply_qk_transform(transform, q, k, v)
-            out, kv_layer = attention(layer_idx, q, k, v, kv_layer)
+            out, kv_layer = attention(layer_idx, q, k, v, kv_layer, **options)
         if self.kv_scale is not None:
             # The cache holds k / k_scale and v / v_scale (apply_qk_transform): rescale the output by v_scale.
             out = (out * self.kv_scale[1]).astype(out.dtype)
@@ -172,12 +147,17 @@ class Attention(nnx.Module):
         return with_lora(lora, "o_proj", out, self.o_proj(out)), kv_layer
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up either separate (as loaded) or, after
-    ``fuse_projections``, one ``gate_up_proj`` whose output columns are [gate | up]."""
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU;
+    ``ModelConfig.hidden_act``); gate and up either separate (as loaded) or, after ``fuse_projections``, one
+    ``gate_up_proj`` whose output columns are [gate | up]."""
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         hidden, inter = config.hidden_size, config.intermediate_size
+        self.hidden_act = config.hidden_act
         self.gate_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.up_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate_up_proj: nnx.Linear | None = nnx.data(None)  # set by fuse_projections
@@ -188,39 +168,59 @@ class MLP(nnx.Module):
         if self.gate_up_proj is not None:
             return self.down(with_lora(lora, "gate_up_proj", x, self.gate_up_proj(x)), lora)
         gate, up = (with_lora(lora, name, x, getattr(self, name)(x)) for name in ("gate_proj", "up_proj"))
-        act = jax.nn.silu(gate) * up
+        act = _ACTIVATIONS[self.hidden_act](gate) * up
         return with_lora(lora, "down_proj", act, self.down_proj(act))
 
     def down(self, gate_up: jax.Array, lora=None) -> jax.Array:
-        """The fused projection's output [T, 2 * inter] = [gate | up] -> ``down_proj(silu(gate) * up)`` [T, hidden]:
-        one kernel when ``down_proj`` has a fused form for the shape (``silu_mul_matmul``, e.g. the FP8 GEMV) and
-        no LoRA update reads the activation."""
+        """The fused projection's output [T, 2 * inter] = [gate | up] -> ``down_proj(act(gate) * up)`` [T, hidden]:
+        one kernel when ``down_proj`` has a fused form for the shape (``silu_mul_matmul``, e.g. the FP8 GEMV), the
+        activation is SiLU and no LoRA update reads the activation."""
         fused = getattr(self.down_proj, "silu_mul_matmul", None)
-        if fused is not None and lora is None:
+        if fused is not None and lora is None and self.hidden_act == "silu":
             out = fused(gate_up)
             if out is not None:
                 return out
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        act = jax.nn.silu(gate) * up
+        act = _ACTIVATIONS[self.hidden_act](gate) * up
         return with_lora(lora, "down_proj", act, self.down_proj(act))
 
 
 class DecoderLayer(nnx.Module):
     """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
-    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``)."""
+    is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``). ``mlp`` is the dense ``MLP``, or for a
+    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``.
 
-    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
-        self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype, param_dtype=param_dtype)
-        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    Gemma (``sandwich_norms``): ``post_attention_layernorm`` norms the attention output before its residual add,
+    ``pre_feedforward_layernorm`` is the norm fused with that add, ``post_feedforward_layernorm`` norms the MLP
+    output. Granite's ``residual_multiplier`` scales each block's output before its add (float32 math, as torch's
+    tensor-times-scalar)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, *, dtype, param_dtype, rngs: nnx.Rngs):
+        norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
+                                 param_dtype=param_dtype, unit_offset=config.norm_unit_offset)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, layer_idx, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = norm()
+        if config.moe is not None and config.moe.is_sparse(layer_idx):
+            self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
+        else:
+            self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = nnx.data(norm() if sandwich else None)
+        self.post_feedforward_layernorm = nnx.data(norm() if sandwich else None)
+        self.residual_multiplier = config.residual_multiplier
+
+    def norms(self) -> list[RMSNorm]:
+        """The layer's hidden-size norms (Gemma's four, else two)."""
+        return [norm for norm in (self.input_layernorm, self.post_attention_layernorm,
+                                  self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if norm is not None]
 
     def __call__(self, layer_idx, x, residual, rope, kv_layer, attention, lora=None):
         """x: [T, hidden], the previous layer's MLP output (the embedding for the first layer); residual: [T,
-        hidden], the residual stream that x is still to be added to, or None for the first layer.
-        -> (mlp_out [T, hidden], residual [T, hidden], kv_layer); the layer's output is ``mlp_out + residual``,
-        added by the next norm (the same bf16 sums, in the same order, as adding at the end of each block)."""
+        hidden], the residual stream that x is still to be added to, or None for the first layer; rope: the
+        forward's ``rope_tables``. -> (mlp_out [T, hidden], residual [T, hidden], kv_layer); the layer's output is
+        ``mlp_out + residual``, added by the next norm (the same sums, in the same order, as adding at the end of
+        each block)."""
         attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual = x
@@ -232,21 +232,34 @@ class DecoderLayer(nnx.Module):
             hidden, residual = self.input_layernorm(x, residual)
             q, k, v = attn.project(hidden, lora)
         attn_out, kv_layer = attn.attend(layer_idx, q, k, v, rope, kv_layer, attention, lora)
-        if mlp.gate_up_proj is None:
-            hidden, residual = self.post_attention_layernorm(attn_out, residual)
-            return mlp(hidden, lora), residual, kv_layer
-        gate_up, residual = norm_then_project(self.post_attention_layernorm, mlp.gate_up_proj, "gate_up_proj",
-                                              attn_out, residual, lora)
-        return mlp.down(gate_up, lora), residual, kv_layer
+        ffn_norm = self.post_attention_layernorm
+        if self.pre_feedforward_layernorm is not None:
+            attn_out, ffn_norm = self.post_attention_layernorm(attn_out), self.pre_feedforward_layernorm
+        attn_out = self._scale_block_output(attn_out)
+        if not isinstance(mlp, MLP) or mlp.gate_up_proj is None:
+            hidden, residual = ffn_norm(attn_out, residual)
+            out = mlp(hidden, lora)
+        else:
+            gate_up, residual = norm_then_project(ffn_norm, mlp.gate_up_proj, "gate_up_proj", attn_out, residual, lora)
+            out = mlp.down(gate_up, lora)
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_feedforward_layernorm(out)
+        return self._scale_block_output(out), residual, kv_layer
+
+    def _scale_block_output(self, x: jax.Array) -> jax.Array:
+        if self.residual_multiplier is None:
+            return x
+        return (x.astype(jnp.float32) * self.residual_multiplier).astype(x.dtype)
 
 
 def norm_then_project(norm: RMSNorm, proj, name: str, x: jax.Array, residual: jax.Array, lora=None):
     """``(with_lora(lora, name, h, proj(h)), new_residual)`` for ``h, new_residual = norm(x, residual)`` (x, residual:
     [T, in]): one kernel when ``proj`` has a fused form for the shape (``rms_norm_matmul``, e.g. the FP8 GEMV), the
     norm itself runs as a kernel (``RMSNorm.runs_kernel``: not on a mesh or under XLA) and no LoRA update reads
-    ``h``; the norm, then the projection, otherwise."""
+    ``h`` (the fused forms implement Llama's norm, not Gemma's unit offset); the norm, then the projection,
+    otherwise."""
     fused = getattr(proj, "rms_norm_matmul", None)
-    if fused is not None and lora is None and norm.runs_kernel(x):
+    if fused is not None and lora is None and not norm.unit_offset and norm.runs_kernel(x):
         out = fused(x, residual, norm.scale[...], eps=norm.eps, norm_dtype=norm.dtype)
         if out is not None:
             return out
@@ -301,11 +314,23 @@ class LlamaModel(nnx.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
             embedding_init=_normal_init(), rngs=rngs,
         )
+        self.embedding_multiplier = config.embedding_multiplier
         self.layers = nnx.List(
-            [DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-             for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+             for i in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                            unit_offset=config.norm_unit_offset)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """int32[T] -> [T, hidden]: ``scale_embedding`` of the embedding rows."""
+        return scale_embedding(self.embedding_multiplier, self.embed_tokens(input_ids))
+
+
+def scale_embedding(multiplier: float | None, x: jax.Array) -> jax.Array:
+    """Embedding rows [T, hidden] times ``ModelConfig.embedding_multiplier`` (Gemma's sqrt(hidden), Granite's),
+    rounded to the compute dtype first as transformers multiplies by a tensor of that dtype; ``x`` for None."""
+    return x if multiplier is None else x * jnp.asarray(multiplier, x.dtype)
 
 
 def matmul_precision(dtype):
@@ -318,7 +343,9 @@ def matmul_precision(dtype):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder-only LM for Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 checkpoints.
+    """Decoder-only LM for the architectures of ``models.config.SUPPORTED_ARCHITECTURES`` (Llama 2/3/3.1, Mistral,
+    Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3 / Phi-4, Granite), and the base of the mixture-of-experts ones
+    (``models.architectures``).
 
     Args:
       config: the model shape.
@@ -326,10 +353,11 @@ class LlamaForCausalLM(nnx.Module):
       param_dtype: storage dtype of the weights; defaults to ``dtype``.
       rngs: initializer randomness (weights ~ N(0, 0.02), norms = 1, biases = 0).
       rms_norm_impl: the decoder norms' implementation (``models.norm.RMS_NORM_IMPLS``; see ``set_rms_norm_impl``).
+      moe_impl: the sparse layers' grouped matmuls (``models.moe.MOE_IMPLS``; see ``models.moe.set_moe_impl``).
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs,
-                 rms_norm_impl: str = "auto"):
+                 rms_norm_impl: str = "auto", moe_impl: str = "auto"):
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
@@ -340,6 +368,7 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
         set_rms_norm_impl(self, rms_norm_impl)
+        set_moe_impl(self, moe_impl)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
                  attention: AttentionFn, lora: Sequence | None = None) -> tuple[jax.Array, list | None]:
@@ -349,7 +378,9 @@ class LlamaForCausalLM(nnx.Module):
           input_ids: int32[T] token ids.
           positions: int32[T] position of each token within its own sequence (drives RoPE).
           kv_caches: per-layer KV state handed to ``attention`` (``kv_caches[i]`` for layer i), or None.
-          attention: ``AttentionFn``; decides which tokens see which (segments, pages, windows).
+          attention: ``AttentionFn``; decides which tokens see which (segments, pages, windows). A model whose layers
+            attend differently (``models.attention_fn.needs_layer_attention``) needs one that takes each layer's
+            options (``takes_layer_attention``): ValueError otherwise.
           lora: None, or per layer the LoRA state its projections add (``with_lora``; multi-LoRA serving).
         Returns:
           (hidden: dtype[T, hidden_size] after the final norm, kv_caches: list of the layers' returned kv state,
@@ -366,25 +397,34 @@ class LlamaForCausalLM(nnx.Module):
         num_layers = len(self.model.layers)
         if kv_caches is not None and len(kv_caches) != num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {num_layers}")
-        config = self.config
-        inv_freq = rope_inv_freq(
-            config.head_dim, float(config.rope_theta),
-            None if config.rope_scaling is None else tuple(sorted(config.rope_scaling.items())),
-        )
-        rope = rope_cos_sin(positions, inv_freq)
-        x = self.model.embed_tokens(input_ids)
+        check_takes_layer_attention(self.config, attention)
+        rope = rope_tables(self.config, positions)
+        x = self.model.embed(input_ids)
         x, residual, new_kv_caches = run_decoder_layers(self.model.layers, x, None, rope, kv_caches, attention, lora)
         hidden = self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]  # None: no layers
         return hidden, (None if kv_caches is None else new_kv_caches)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden: [N, hidden_size] -> float32[N, vocab_size] (matmul in the compute dtype, fp32 accumulation)."""
+        """hidden: [N, hidden_size] -> float32[N, vocab_size] (matmul in the compute dtype, fp32 accumulation), then
+        Granite's ``logits_scaling`` and Gemma 2's final soft-cap (float32)."""
         if self.lm_head is None:
             weight = self.model.embed_tokens.embedding[...].T  # [hidden, vocab]
         else:
             weight = self.lm_head.kernel[...]
         with matmul_precision(self.dtype):
-            return jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+            logits = jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+        return scale_logits(self.config, logits)
+
+
+def scale_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:
+    """float32[N, V] LM-head outputs -> the model's logits: divided by ``logits_scaling`` (Granite), then
+    ``cap * tanh(logits / cap)`` with ``final_logit_softcapping`` (Gemma 2); unchanged for other models."""
+    if config.logits_scaling is not None:
+        logits = logits / config.logits_scaling
+    cap = config.final_logit_softcapping
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 def set_rms_norm_impl(model: LlamaForCausalLM, impl: str) -> LlamaForCausalLM:
@@ -397,14 +437,15 @@ def set_rms_norm_impl(model: LlamaForCausalLM, impl: str) -> LlamaForCausalLM:
     if getattr(model, "sharding_plan", None) is not None and impl != "xla":
         raise ValueError(f"rms_norm_impl={impl!r}: a model on a mesh (tensor or pipeline parallel) runs 'xla' norms")
     for layer in model.model.layers:
-        layer.input_layernorm.impl = impl
-        layer.post_attention_layernorm.impl = impl
+        for norm in layer.norms():
+            norm.impl = impl
     model.model.norm.impl = impl
     return model
 
 
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """In place: each layer's q/k/v projections become one ``qkv_proj`` and gate/up one ``gate_up_proj``.
+    """In place: each layer's q/k/v projections become one ``qkv_proj`` and a dense MLP's gate/up one
+    ``gate_up_proj`` (the experts of a sparse layer keep theirs: the grouped matmul reads both in one pass).
 
     For a model on one device (the engine does this after loading; a tensor-parallel model keeps the HF layout,
     whose per-projection shardings ``paged_jax.parallel`` defines, and a fused model given to a ``ShardingPlan``
@@ -419,7 +460,7 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
             if fused is not None:
                 attn.qkv_proj = fused
                 attn.q_proj = attn.k_proj = attn.v_proj = None
-        if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+        if isinstance(mlp, MLP) and mlp.gate_up_proj is None and mlp.gate_proj is not None:
             fused = _concat_linear([mlp.gate_proj, mlp.up_proj])
             if fused is not None:
                 mlp.gate_up_proj = fused

@@ -1,13 +1,16 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded) into ``LlamaForCausalLM``.
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into the model class of their architecture
+(``models.architectures``).
 
 The model is first built abstractly (``nnx.eval_shape``: shapes only, no memory), then every parameter is read
 tensor by tensor from the checkpoint, checked, cast and placed on the device, so the weights are never held twice.
 Reading uses ``safetensors`` with ``framework="numpy"``; bfloat16 tensors (which numpy lacks) are decoded from the
-raw bytes with ``ml_dtypes``. No torch is needed at run time.
+raw bytes with ``ml_dtypes``. No torch is needed at run time. A mixture-of-experts checkpoint stores each expert's
+projections as its own tensor (as published on the Hub); they are stacked into one ``[E, in, out]`` parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,8 +26,10 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from models.architectures import model_class
 from models.config import ModelConfig
 from models.llama import INIT_STD, LlamaForCausalLM
+from models.moe import checkpoint_prefix, expert_checkpoint_names
 
 _DTYPES = {
     "bfloat16": jnp.bfloat16,
@@ -41,6 +46,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors the model intentionally has no parameter for.
 _IGNORABLE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Checkpoint tensors that hold several model parameters stacked along their rows (HF's output dim), per
+# architecture: fused name suffix -> its parts' name suffixes, in row order. The loader splits them, so the model
+# keeps one layout (the engine fuses projections itself, after loading: models.llama.fuse_projections).
+_FUSED_CHECKPOINT_TENSORS = {
+    "Phi3ForCausalLM": {
+        "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    },
+}
 
 # safetensors dtype tag -> numpy dtype, for decoding raw bytes.
 _SAFETENSORS_NUMPY_DTYPES = {
@@ -69,7 +83,8 @@ def resolve_dtype(dtype: Any) -> jnp.dtype:
 
 def load_model(path: str | os.PathLike | None, *, dtype: Any = "bfloat16", load_format: str = "auto", seed: int = 0,
                config: ModelConfig | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build a ``LlamaForCausalLM`` from a Hugging Face checkpoint directory.
+    """Build the model of a Hugging Face checkpoint directory (``models.architectures.model_class``: a
+    ``LlamaForCausalLM`` or a subclass).
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
@@ -113,14 +128,17 @@ def init_dummy_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) 
     for index, (param_path, variable) in enumerate(flat_state):
         spec = variable.get_value()
         variable.set_value(_dummy_param_jit(jax.random.fold_in(base_key, index), spec.shape, spec.dtype,
-                                            dummy_fill(param_path)))
+                                            dummy_fill(param_path, config)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat_state))
 
 
-def dummy_fill(param_path: tuple) -> float | None:
-    """The constant a "dummy" parameter is filled with (norm scales 1, biases 0), or None for a random one."""
+def dummy_fill(param_path: tuple, config: ModelConfig) -> float | None:
+    """The constant a "dummy" parameter is filled with (norm scales 1, or 0 for Gemma's norms, which scale by
+    1 + weight; biases 0), or None for a random one."""
     leaf = str(param_path[-1])
-    return 1.0 if leaf == "scale" else 0.0 if leaf == "bias" else None
+    if leaf == "scale":
+        return 0.0 if config.norm_unit_offset else 1.0
+    return 0.0 if leaf == "bias" else None
 
 
 def dummy_param_value(key: jax.Array, shape: tuple[int, ...], dtype, fill: float | None) -> jax.Array:
@@ -135,11 +153,10 @@ _dummy_param_jit = jax.jit(dummy_param_value, static_argnames=("shape", "dtype",
 
 
 def abstract_flat_state(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.FlatState]:
-    """(graphdef, flat state of ShapeDtypeStruct variables) of ``LlamaForCausalLM(config)`` with parameters in
+    """(graphdef, flat state of ShapeDtypeStruct variables) of ``model_class(config)(config)`` with parameters in
     ``dtype``: shapes only, no memory."""
-    abstract_model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    )
+    cls = model_class(config)
+    abstract_model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract_model)
     return graphdef, nnx.to_flat_state(abstract_state)
 
@@ -237,6 +254,23 @@ def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     raise ValueError(f"no checkpoint mapping for model parameter {'.'.join(map(str, param_path))}")
 
 
+def checkpoint_tensor_shapes(config: ModelConfig, param_path: tuple,
+                             shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors ``(name, shape as stored)`` that the model parameter ``param_path`` (of model-layout
+    ``shape``) is read from: one, or one ``[out, in]`` tensor per expert of stacked experts."""
+    expert_names = expert_checkpoint_names(config, param_path)
+    if expert_names is not None:
+        return [(name, tuple(shape[1:][::-1])) for name in expert_names]
+    name, transposed = hf_name_for(param_path)
+    return [(checkpoint_prefix(config, name), tuple(shape[::-1]) if transposed else tuple(shape))]
+
+
+def to_model_layout(array, transposed: bool):
+    """A tensor as ``iter_checkpoint_params`` yields it -> model layout: its last two axes swapped when
+    ``transposed`` (a ``[out, in]`` weight, or ``[E, out, in]`` stacked experts, -> ``[..., in, out]``)."""
+    return array.swapaxes(-1, -2) if transposed else array
+
+
 def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
                            config: ModelConfig) -> Iterator[tuple[tuple, np.ndarray, bool]]:
     """Read the checkpoint tensor of every model parameter, one at a time, file by file.
@@ -245,26 +279,43 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
       tensor_files: from ``checkpoint_tensor_files``.
       expected_shapes: model parameter path -> its shape in model layout (``[in, out]`` kernels), e.g. from
         ``abstract_flat_state``.
-      config: the checkpoint's config (for the error messages and tied embeddings).
+      config: the checkpoint's config (for the error messages, tied embeddings and expert names).
     Yields:
       ``(param_path, array, transposed)``: the tensor as stored (HF layout, checkpoint dtype, numpy) and whether
-      the model parameter is its transpose. The host holds one tensor at a time.
+      the model parameter is its transpose (``to_model_layout``). Stacked experts come as ``[E, out, in]``, the
+      experts' tensors stacked. The host holds one tensor (one stack) at a time.
     Raises:
       ValueError: before reading anything, a missing tensor or an unexpected one (other than ignorable ones and a
         tied model's redundant ``lm_head.weight``); while reading, a tensor whose shape is not the expected one or
         an unreadable file.
     """
-    wanted: dict[str, tuple[tuple, bool]] = {}  # hf name -> (param path, transposed)
+    wanted: dict[str, tuple[tuple, bool]] = {}  # hf name -> (param path, transposed), one tensor per parameter
+    stacks: dict[tuple, list[str]] = {}  # param path -> its experts' hf names (stacked, each transposed)
     for param_path in expected_shapes:
-        hf_name, transposed = hf_name_for(param_path)
-        wanted[hf_name] = (param_path, transposed)
+        expert_names = expert_checkpoint_names(config, param_path)
+        if expert_names is not None:
+            stacks[param_path] = expert_names
+        else:
+            hf_name, transposed = hf_name_for(param_path)
+            wanted[checkpoint_prefix(config, hf_name)] = (param_path, transposed)
+    fused = _fused_sources(config.architecture, wanted, tensor_files)
+    _check_tensor_names(tensor_files, set(wanted).union(*stacks.values()), fused, config)
+    yield from _read_tensors(tensor_files, expected_shapes, wanted, fused)
+    yield from _read_expert_stacks(tensor_files, expected_shapes, stacks)
 
-    missing = sorted(name for name in wanted if name not in tensor_files)
+
+def _check_tensor_names(tensor_files: dict[str, Path], wanted: set[str], fused: dict[str, tuple[str, ...]],
+                        config: ModelConfig) -> None:
+    """ValueError naming the tensors the model needs and the checkpoint lacks (neither alone nor in a ``fused``
+    tensor), or those it has and the model does not read (other than ignorable ones and a tied model's redundant
+    ``lm_head.weight``)."""
+    missing = sorted(name for name in wanted
+                     if name not in tensor_files and not any(name in parts for parts in fused.values()))
     if missing:
         raise ValueError(f"checkpoint is missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     unexpected = sorted(
         name for name in tensor_files
-        if name not in wanted and not _IGNORABLE_TENSOR.search(name)
+        if name not in wanted and name not in fused and not _IGNORABLE_TENSOR.search(name)
         # A tied model may still ship lm_head.weight (a copy of the embedding); it is redundant, not an error.
         and not (config.tie_word_embeddings and name == "lm_head.weight")
     )
@@ -274,22 +325,72 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
             f"for {config.architecture}"
         )
 
+
+def _read_tensors(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
+                  wanted: dict[str, tuple[tuple, bool]], fused: dict[str, tuple[str, ...]]
+                  ) -> Iterator[tuple[tuple, np.ndarray, bool]]:
+    """``iter_checkpoint_params``'s one-tensor parameters, file by file: each ``wanted`` tensor the checkpoint has,
+    and each ``fused`` tensor split into the wanted tensors it holds."""
+    def hf_shape(hf_name: str) -> tuple[int, ...]:
+        param_path, transposed = wanted[hf_name]
+        model_shape = tuple(expected_shapes[param_path])
+        return model_shape[::-1] if transposed else model_shape
+
     names_by_file: dict[Path, list[str]] = {}
-    for hf_name in wanted:
+    for hf_name in [*(name for name in wanted if name in tensor_files), *fused]:
         names_by_file.setdefault(tensor_files[hf_name], []).append(hf_name)
     for file_path, names in names_by_file.items():
         with _open_safetensors(file_path) as handle:
             for hf_name in names:
-                param_path, transposed = wanted[hf_name]
-                model_shape = tuple(expected_shapes[param_path])
-                expected_hf_shape = model_shape[::-1] if transposed else model_shape
-                array = _read_tensor(handle, hf_name, file_path)
-                if tuple(array.shape) != expected_hf_shape:
-                    raise ValueError(
-                        f"tensor {hf_name!r} in {file_path} has shape {tuple(array.shape)} but the model "
-                        f"expects {expected_hf_shape}"
-                    )
-                yield param_path, array, transposed
+                parts = fused.get(hf_name, (hf_name,))
+                shapes = [hf_shape(part) for part in parts]
+                expected = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+                array = _read_checked(handle, hf_name, file_path, expected)
+                offsets = np.cumsum([shape[0] for shape in shapes])[:-1]
+                for part, piece in zip(parts, np.split(array, offsets, axis=0)):
+                    yield wanted[part][0], piece, wanted[part][1]
+
+
+def _fused_sources(architecture: str, wanted: dict[str, Any], tensor_files: dict[str, Path]
+                   ) -> dict[str, tuple[str, ...]]:
+    """Fused checkpoint tensor -> the wanted tensors it holds, in row order (``_FUSED_CHECKPOINT_TENSORS``), for
+    each fused tensor the checkpoint has and whose parts it lacks."""
+    sources = {}
+    for fused_suffix, part_suffixes in _FUSED_CHECKPOINT_TENSORS.get(architecture, {}).items():
+        for name in tensor_files:
+            if not name.endswith("." + fused_suffix):
+                continue
+            prefix = name[:-len(fused_suffix)]
+            parts = tuple(prefix + suffix for suffix in part_suffixes)
+            if all(part in wanted and part not in tensor_files for part in parts):
+                sources[name] = parts
+    return sources
+
+
+def _read_expert_stacks(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
+                        stacks: dict[tuple, list[str]]) -> Iterator[tuple[tuple, np.ndarray, bool]]:
+    """``iter_checkpoint_params``'s stacked experts: each parameter's per-expert ``[out, in]`` tensors stacked into
+    ``[E, out, in]`` (transposed), the files opened once."""
+    with contextlib.ExitStack() as open_files:
+        handles: dict[Path, Any] = {}
+        for param_path, names in stacks.items():
+            expert_shape = tuple(expected_shapes[param_path])[1:][::-1]  # each expert's [out, in]
+            experts = []
+            for hf_name in names:
+                file_path = tensor_files[hf_name]
+                if file_path not in handles:
+                    handles[file_path] = open_files.enter_context(_open_safetensors(file_path))
+                experts.append(_read_checked(handles[file_path], hf_name, file_path, expert_shape))
+            yield param_path, np.stack(experts), True
+
+
+def _read_checked(handle, hf_name: str, file_path: Path, expected_shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor, or a ValueError when its shape is not ``expected_shape``."""
+    array = _read_tensor(handle, hf_name, file_path)
+    if tuple(array.shape) != expected_shape:
+        raise ValueError(f"tensor {hf_name!r} in {file_path} has shape {tuple(array.shape)} but the model "
+                         f"expects {expected_shape}")
+    return array
 
 
 def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype) -> LlamaForCausalLM:
@@ -302,9 +403,7 @@ def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype)
             variable = variables[param_path]
             # Cast and transpose on the device: host keeps only the one tensor being read.
             value = jax.device_put(array, device).astype(variable.get_value().dtype)
-            if transposed:
-                value = value.T
-            variable.set_value(value)
+            variable.set_value(to_model_layout(value, transposed))
             progress.update(1)
     state = nnx.from_flat_state(flat_state)
     return nnx.merge(graphdef, state)

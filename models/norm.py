@@ -6,6 +6,10 @@ The math is Hugging Face's Llama RMSNorm, with its rounding steps: for ``x, resi
     s = float32(new_residual)
     normed = weight.astype(dtype) * (s * rsqrt(mean(s * s) + eps)).astype(dtype)
 
+and, with ``unit_offset`` (Gemma's norm: the weight is stored as an offset from 1, the product rounds once)
+
+    normed = (s * rsqrt(mean(s * s) + eps) * (1 + float32(weight))).astype(dtype)
+
 ``rms_norm_reference`` is that, in jnp: the ``"xla"`` implementation (XLA fuses it as it can) and the oracle of any
 other. Other implementations register themselves here (``register_rms_norm``; the Pallas kernel of
 ``paged_jax.ops.rms_norm`` does when ``paged_jax.ops`` is imported, and with it the selector of ``"auto"``), so
@@ -22,47 +26,39 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.impl_registry import ImplRegistry
+
 RMS_NORM_IMPLS = ("auto", "xla", "pallas")
 
-# name -> fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype) -> normed | (normed, new_residual)
-_IMPLS: dict[str, Callable] = {}
-# fn(num_rows, hidden, dtype) -> implementation name, for impl="auto"
-_SELECTOR: list[Callable[[int, int, jnp.dtype], str]] = []
+# fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype, unit_offset) -> normed | (normed, new_residual);
+# "auto" selector fn(num_rows, hidden, dtype) -> implementation name
+_REGISTRY = ImplRegistry("rms_norm_impl", RMS_NORM_IMPLS)
 
 
 def register_rms_norm(name: str, fn: Callable) -> None:
-    """Make ``fn(x [N, H], weight [H], residual [N, H] | None, *, eps: float, dtype) -> normed dtype[N, H] |
-    (normed, new_residual x.dtype[N, H])`` the implementation ``name`` (one of ``RMS_NORM_IMPLS``)."""
-    if name not in RMS_NORM_IMPLS or name == "auto":
-        raise ValueError(f"rms_norm implementation name must be one of {RMS_NORM_IMPLS[1:]}, got {name!r}")
-    _IMPLS[name] = fn
+    """Make ``fn(x [N, H], weight [H], residual [N, H] | None, *, eps: float, dtype, unit_offset: bool) -> normed
+    dtype[N, H] | (normed, new_residual x.dtype[N, H])`` the implementation ``name`` (one of ``RMS_NORM_IMPLS``)."""
+    _REGISTRY.register(name, fn)
 
 
 def register_rms_norm_selector(fn: Callable[[int, int, jnp.dtype], str]) -> None:
     """``fn(num_rows, hidden, dtype) -> name`` decides ``impl="auto"`` from static shapes (no recompile at run
     time)."""
-    _SELECTOR[:] = [fn]
+    _REGISTRY.register_selector(fn)
 
 
 def check_rms_norm_impl(impl: str) -> str:
     """``impl`` itself, or a ValueError naming ``rms_norm_impl``."""
-    if impl not in RMS_NORM_IMPLS:
-        raise ValueError(f"rms_norm_impl must be one of {', '.join(RMS_NORM_IMPLS)}, got {impl!r}")
-    return impl
+    return _REGISTRY.check(impl)
 
 
 def resolve_rms_norm_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
     """The implementation ``impl`` runs for a static ``[num_rows, hidden]`` batch of ``dtype``."""
-    check_rms_norm_impl(impl)
-    if impl == "auto":
-        impl = _SELECTOR[0](num_rows, hidden, jnp.dtype(dtype)) if _SELECTOR else "xla"
-    if impl not in _IMPLS:
-        raise ValueError(f"rms_norm_impl {impl!r} is not available: import paged_jax.ops to register it")
-    return impl
+    return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *, eps: float,
-                       dtype=None):
+                       dtype=None, unit_offset: bool = False):
     """The jnp RMSNorm (see the module docstring) over the last axis.
 
     Args:
@@ -70,6 +66,7 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, residual: jax.Array | No
       weight: ``[H]`` (any float dtype; cast to ``dtype``).
       eps: the variance epsilon (``ModelConfig.rms_norm_eps``).
       dtype: the compute dtype of the output (default ``x.dtype``).
+      unit_offset: scale by ``1 + weight`` in float32 (Gemma's RMSNorm) instead of by ``weight`` in ``dtype``.
     Returns:
       ``normed dtype[..., H]`` without a residual; with one ``(normed, new_residual x.dtype[..., H])``, where
       ``new_residual = x + residual`` is also what was normalized.
@@ -79,7 +76,10 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, residual: jax.Array | No
         x = x + residual
     x32 = x.astype(jnp.float32)
     variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = weight.astype(dtype) * (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
+    if unit_offset:
+        normed = (x32 * jax.lax.rsqrt(variance + eps) * (1.0 + weight.astype(jnp.float32))).astype(dtype)
+    else:
+        normed = weight.astype(dtype) * (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
     return normed if residual is None else (normed, x)
 
 
@@ -87,7 +87,7 @@ register_rms_norm("xla", rms_norm_reference)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *, eps: float, dtype=None,
-             impl: str = "auto"):
+             impl: str = "auto", unit_offset: bool = False):
     """RMSNorm of ``x`` (``[..., H]``), fused with ``x + residual`` when ``residual`` is given, by implementation
     ``impl`` (``RMS_NORM_IMPLS``; "auto": the registered selector's choice for the static shape, else "xla").
     Same arguments and results as ``rms_norm_reference``."""
@@ -101,9 +101,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None,
     num_rows = rows.shape[0]
     name = resolve_rms_norm_impl(impl, num_rows, hidden, dtype)
     if name == "xla":  # no reshape: XLA fuses the jnp form with its neighbours as it likes
-        return rms_norm_reference(x, weight, residual, eps=eps, dtype=dtype)
+        return rms_norm_reference(x, weight, residual, eps=eps, dtype=dtype, unit_offset=unit_offset)
     res_rows = None if residual is None else residual.reshape(-1, hidden)
-    out = _IMPLS[name](rows, weight, res_rows, eps=eps, dtype=dtype)
+    out = _REGISTRY[name](rows, weight, res_rows, eps=eps, dtype=dtype, unit_offset=unit_offset)
     if residual is None:
         return out.reshape(x.shape)
     normed, new_residual = out
@@ -115,11 +115,14 @@ class RMSNorm(nnx.Module):
     before it: ``norm(x)`` -> normed; ``norm(x, residual)`` -> ``(normed, x + residual)`` (vLLM's layer contract).
 
     ``impl`` (static, one of ``RMS_NORM_IMPLS``) picks the implementation; ``models.llama.set_rms_norm_impl`` sets it
-    on a model's decoder norms.
+    on a model's decoder norms. ``unit_offset`` (static): Gemma's norm, which scales by ``1 + scale`` (its weights,
+    and so its initial ``scale``, are 0).
     """
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, impl: str = "auto", rngs: nnx.Rngs | None = None):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, impl: str = "auto", rngs: nnx.Rngs | None = None,
+                 unit_offset: bool = False):
+        self.scale = nnx.Param(jnp.full((dim,), 0.0 if unit_offset else 1.0, dtype=param_dtype))
+        self.unit_offset = unit_offset
         self.eps = eps
         self.dtype = dtype
         self.impl = check_rms_norm_impl(impl)
@@ -131,4 +134,5 @@ class RMSNorm(nnx.Module):
         return resolve_rms_norm_impl(self.impl, rows, x.shape[-1], self.dtype) != "xla"
 
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        return rms_norm(x, self.scale[...], residual, eps=self.eps, dtype=self.dtype, impl=self.impl)
+        return rms_norm(x, self.scale[...], residual, eps=self.eps, dtype=self.dtype, impl=self.impl,
+                        unit_offset=self.unit_offset)

@@ -23,16 +23,22 @@ from models.norm import rms_norm_reference
 
 @functools.lru_cache(maxsize=32)
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
-    """RoPE inverse frequencies, float32[head_dim // 2], with optional llama3 scaling.
+    """RoPE inverse frequencies, float32[head_dim // 2], plain or scaled (``ModelConfig.rope_scaling``: llama3,
+    linear, longrope). ``head_dim``: the rotated dims (``ModelConfig.rotary_dim`` when only part of a head rotates).
 
     Computed in float32 the way transformers does, so fp32 logits match it to rounding.
     ``rope_scaling_items`` is ``tuple(sorted(rope_scaling.items()))`` (hashable for the cache) or None.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
     if rope_scaling_items is None:
-        return inv_freq
+        return (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
     scaling = dict(rope_scaling_items)
+    if scaling["rope_type"] == "longrope":  # per-frequency factors: 1 / (factor * theta ** (2i / d))
+        factors = np.asarray(scaling["long_factor" if scaling["use_long_factors"] else "short_factor"], np.float32)
+        return (np.float32(1.0) / (factors * np.float32(rope_theta) ** exponents)).astype(np.float32)
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
     high_freq_factor = scaling["high_freq_factor"]
@@ -48,36 +54,65 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | 
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions int32[T] -> (cos, sin), each float32[T, 1, D/2]; computed once per forward, shared by all layers."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+    """positions int32[T] -> (cos, sin), each float32[T, 1, R/2] for ``inv_freq`` float32[R/2], both multiplied by
+    ``attention_factor`` (LongRoPE's; 1 otherwise); computed once per forward, shared by the layers using it."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, R/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * np.float32(attention_factor), sin * np.float32(attention_factor)
+    return cos, sin
+
+
+def rope_tables(config, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """The ``rope_cos_sin`` tables of a forward over ``positions`` int32[T] for a ``models.config.ModelConfig``:
+    the model's RoPE first, then (Gemma 3, ``local_rope_theta``) the sliding layers' own; ``rope_table_index``
+    says which one a layer uses."""
+    rotary_dim = config.rotary_dim or config.head_dim
+    scaling = config.rope_scaling
+    inv_freq = rope_inv_freq(rotary_dim, float(config.rope_theta),
+                             None if scaling is None else tuple(sorted(scaling.items())))
+    factor = 1.0 if scaling is None else scaling.get("attention_factor", 1.0)
+    tables = [rope_cos_sin(positions, inv_freq, factor)]
+    if config.local_rope_theta is not None:
+        tables.append(rope_cos_sin(positions, rope_inv_freq(rotary_dim, float(config.local_rope_theta), None)))
+    return tuple(tables)
+
+
+def rope_table_index(config, layer_idx: int) -> int:
+    """Which of ``rope_tables(config, ...)`` layer ``layer_idx`` rotates with."""
+    return int(config.local_rope_theta is not None and config.layer_windows[layer_idx] is not None)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x: [T, H, D]`` (HF "rotate_half" layout) in float32 by ``rope_cos_sin`` tables; returns x.dtype."""
+    """Rotate ``x: [T, H, D]`` (HF "rotate_half" layout) in float32 by ``rope_cos_sin`` tables of ``R/2`` frequencies:
+    the first ``R`` dims rotate, the rest pass through (partial rotary); returns x.dtype."""
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = x32[..., :half], x32[..., half:]
+    rotary_dim = 2 * cos.shape[-1]
+    half = rotary_dim // 2
+    x1, x2 = x32[..., :half], x32[..., half:rotary_dim]
     # Equivalent to x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with rotate_half(x) = cat(-x2, x1).
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary_dim:]], axis=-1)
     return out.astype(x.dtype)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["cos", "sin", "q_norm_weight", "k_norm_weight", "kv_scale"],
-                   meta_fields=["norm_eps", "dtype"])
+                   meta_fields=["norm_eps", "dtype", "norm_unit_offset"])
 @dataclasses.dataclass(frozen=True)
 class QKTransform:
     """One layer's q/k transform for a flat batch of T tokens (a pytree: arrays are leaves, the rest static).
 
     Fields:
-      cos, sin: ``rope_cos_sin`` tables, float32[T, 1, D/2] (shared by all layers of a forward).
+      cos, sin: ``rope_cos_sin`` tables, float32[T, 1, R/2] (shared by the layers of a forward using them); R < D
+        (partial rotary) rotates the first R dims of each head only.
       q_norm_weight, k_norm_weight: the per-head RMSNorm weights, [D] (param dtype), or None (no q/k norm;
         both or neither).
       kv_scale: float32[2] = (k_scale, v_scale) of an FP8 KV cache with scales, or None.
       norm_eps: the q/k norms' epsilon (None without them).
       dtype: the compute dtype the q/k norms cast to (None without them).
+      norm_unit_offset: the q/k norms scale by ``1 + weight`` (Gemma 3; ``models.norm.rms_norm_reference``).
     """
 
     cos: jax.Array
@@ -87,6 +122,7 @@ class QKTransform:
     kv_scale: jax.Array | None = None
     norm_eps: float | None = None
     dtype: Any = None
+    norm_unit_offset: bool = False
 
     def __post_init__(self):
         if (self.q_norm_weight is None) != (self.k_norm_weight is None):
@@ -107,8 +143,11 @@ def apply_qk_transform(transform: QKTransform, q: jax.Array, k: jax.Array, v: ja
     the model rescales the attention output by v_scale, so attention kernels read the cache without scales.
     """
     if transform.has_qk_norm:
-        q = rms_norm_reference(q, transform.q_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
-        k = rms_norm_reference(k, transform.k_norm_weight, eps=transform.norm_eps, dtype=transform.dtype)
+        offset = transform.norm_unit_offset
+        q = rms_norm_reference(q, transform.q_norm_weight, eps=transform.norm_eps, dtype=transform.dtype,
+                               unit_offset=offset)
+        k = rms_norm_reference(k, transform.k_norm_weight, eps=transform.norm_eps, dtype=transform.dtype,
+                               unit_offset=offset)
     q = apply_rope(q, transform.cos, transform.sin)
     k = apply_rope(k, transform.cos, transform.sin)
     if transform.kv_scale is not None:

@@ -66,7 +66,8 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
     """
 
     def __init__(self, plan: TensorParallelPlan, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
-        super().__init__(plan.model_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rms_norm_impl="xla")
+        super().__init__(plan.model_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rms_norm_impl="xla",
+                         moe_impl="xla")
         self.sharding_plan = plan
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
@@ -147,7 +148,7 @@ def load_sharded_model(path, plan: TensorParallelPlan, *, dtype: Any = "bfloat16
     loaded = []
     for param_path, array, transposed in loader.iter_checkpoint_params(tensor_files, expected_shapes, plan.config):
         # Host-side: transpose to model layout, cast, rewrite heads; then only each shard is sent.
-        array = array.T if transposed else array
+        array = loader.to_model_layout(array, transposed)
         array = np.ascontiguousarray(plan.rewrite_param(param_path, array.astype(np_dtype), np))
         target = targets[param_path]
         loaded.append((param_path, target.replace(jax.device_put(array, target.get_value()))))
@@ -168,7 +169,7 @@ def _init_dummy_sharded(plan: TensorParallelPlan, checkpoint_state: nnx.FlatStat
     for index, (path, variable) in enumerate(checkpoint_state):
         spec = variable.get_value()
         make = _dummy_param_fn(plan, _role_of(path), tuple(spec.shape), jnp.dtype(spec.dtype),
-                               loader.dummy_fill(path), targets[path].get_value())
+                               loader.dummy_fill(path, plan.config), targets[path].get_value())
         created.append((path, targets[path].replace(make(jax.random.fold_in(base_key, index)))))
     return created
 

@@ -15,6 +15,12 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 # Short names accepted by tiny_config, for readability in tests.
@@ -23,6 +29,33 @@ _ALIASES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+# Each family's own fields in a tiny config: windows, scales and caps small enough to matter at this size (a cap
+# of 30 would never bend the tiny model's logits), rope bases that differ per layer kind; the mixture-of-experts
+# ones get 8 experts, 2 per token (Qwen3-MoE as published in Qwen3-30B-A3B's config.json: "num_experts", a dense
+# intermediate_size beside the experts' 32, renormalized).
+_FAMILY_FIELDS = {
+    "Gemma2ForCausalLM": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                          "sliding_window": 8, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.3,
+                          "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+    "Gemma3ForCausalLM": {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24,
+                          "sliding_window": 8, "sliding_window_pattern": 3, "rope_local_base_freq": 100.0,
+                          "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+                          "pad_token_id": 0, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "Phi3ForCausalLM": {"original_max_position_embeddings": 16, "pad_token_id": 0, "sliding_window": None},
+    "GraniteForCausalLM": {"embedding_multiplier": 12.0, "attention_multiplier": 0.1, "residual_multiplier": 0.3,
+                           "logits_scaling": 4.0},
+    "MixtralForCausalLM": {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "Qwen3MoeForCausalLM": {"use_sliding_window": False, "sliding_window": None, "num_experts": 8,
+                            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                            "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 
 
@@ -30,8 +63,9 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     """A tiny HF ``config.json`` dict: vocab 256, hidden 64, 2 layers, 4 heads, 2 kv heads, head_dim 16.
 
     Args:
-      architecture: "LlamaForCausalLM" / "MistralForCausalLM" / "Qwen2ForCausalLM" / "Qwen3ForCausalLM"
-        (or "llama", "mistral", "qwen2", "qwen3").
+      architecture: one of ``models.config.SUPPORTED_ARCHITECTURES`` or its short name ("llama", "mistral",
+        "qwen2", "qwen3", "gemma2", "gemma3" (the text model), "phi3", "granite", "qwen3_moe", "mixtral"); a family's
+        own fields get small values that make them matter (``_FAMILY_FIELDS``).
       overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
     """
     architecture = _ALIASES.get(architecture, architecture)
@@ -61,6 +95,9 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
+    if architecture.startswith("Gemma"):
+        del config["hidden_act"]  # Gemma reads hidden_activation
+    config.update(_FAMILY_FIELDS.get(architecture, {}))
     config.update(overrides)
     return config
 
@@ -71,12 +108,15 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
 
     Writes ``config.json`` and ``model.safetensors`` (``shards == 1``) or ``model-0000i-of-0000n.safetensors`` +
     ``model.safetensors.index.json`` (``shards > 1``). Weights are drawn with std 0.02 (norm weights perturbed
-    around 1 so a wrong norm mapping is visible). ``dtype`` is a torch dtype (default torch.float32).
+    around 1 so a wrong norm mapping is visible; mixture-of-experts routers with std 1, so each token's experts are
+    chosen by clear margins). ``dtype`` is a torch dtype (default torch.float32). Tensors are named as published
+    checkpoints name them (transformers' own reverse conversion: one tensor per expert and projection).
     Returns the output directory.
     """
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -93,6 +133,8 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
         for name, param in torch_model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("mlp.gate.weight"):  # a mixture-of-experts router
+                param.copy_(torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
     torch_model.eval()
@@ -100,7 +142,7 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
     tied = bool(hf_config.get("tie_word_embeddings", False))
     state_dict = {
         name: tensor.detach().to(dtype).contiguous().clone()
-        for name, tensor in torch_model.state_dict().items()
+        for name, tensor in revert_weight_conversion(torch_model, torch_model.state_dict()).items()
         if not (tied and name == "lm_head.weight") and not name.endswith("rotary_emb.inv_freq")
     }
 

@@ -176,3 +176,24 @@ def test_schedule_benchmark_counts_the_steps_of_a_workload():
     assert [(tokens, rows, prompt, kv) for tokens, rows, prompt, kv, _ in steps] == [
         (8, 0, 8, 0), (1, 0, 1, 0), (1, 1, 0, 10)]
     assert summary["decode_only_steps"] == 1 and summary["decode_only_bytes"] == 10 * 10 + 1001
+
+
+def test_moe_kernel_benchmark_checks_times_and_floors_every_token_count(tmp_path):
+    """benchmarks/moe_kernel.py on a tiny shape with the kernel interpreted: every implementation agrees with the
+    reference, every token count is timed, and the floor counts only the experts the tokens route to."""
+    import json
+
+    from benchmarks.moe_kernel import floor_bytes, main
+
+    out = tmp_path / "moe.json"
+    results = main(["--tokens", "1,9", "--hidden", "32", "--inter", "16", "--experts", "8", "--top-k", "2",
+                    "--repeats", "1", "--interpret", "--out", str(out)])
+    assert [r["tokens"] for r in results] == [1, 9]
+    for r in results:
+        assert r["check"]["kernel_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+        assert r["check"]["fused_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+        assert all(r[f"{name}_us"] > 0 for name in ("pallas", "ragged_dot", "ragged_dot_fused"))
+    assert results[0]["experts_touched"] == 2  # one token, top 2
+    assert 2 <= results[1]["experts_touched"] <= 8
+    assert floor_bytes(1, 32, 16, 2, 2) == 2 * (2 * 3 * 32 * 16 + 32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
+    assert len(json.loads(out.read_text())["results"]) == 2

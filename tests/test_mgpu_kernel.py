@@ -84,6 +84,8 @@ def test_supported_and_tuning_errors():
     assert "dtype" in mgpu_kernel.supported((256, 8, 128), (10, 16, 2, 128), jnp.float32, None)
     assert "KV pool dtype" in mgpu_kernel.supported((256, 8, 128), (10, 16, 2, 128), jnp.bfloat16, None, jnp.float16)
     assert "block_size" in mgpu_kernel.supported((256, 8, 128), (10, 12, 2, 128), jnp.bfloat16, None)
+    assert "soft-capping" in mgpu_kernel.supported((256, 8, 128), (10, 16, 2, 128), jnp.bfloat16, None,
+                                                   logit_soft_cap=50.0)
     with pytest.raises(ValueError, match="block_q"):
         mgpu_kernel.default_tuning(128, 16, block_q=32)
     with pytest.raises(ValueError, match="block_kv"):
@@ -112,6 +114,7 @@ def test_auto_dispatch(monkeypatch):
     assert rpa.choose_impl((256, 32, 128), pool_shape, jnp.bfloat16, num_seqs=256) == "triton"  # decode bucket
     # What the Mosaic kernel does not support stays on the Triton kernel alone.
     assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4, sliding_window=512) == "triton"
+    assert rpa.choose_impl(q_shape, pool_shape, jnp.bfloat16, num_seqs=4, logit_soft_cap=50.0) == "triton"
     assert rpa.choose_impl(q_shape, pool_shape, jnp.float32, num_seqs=4) == "triton"
     assert rpa.choose_impl((4096, 32, 256), (300, 16, 8, 256), jnp.bfloat16, num_seqs=4) == "triton"
     # Another GPU generation: the Triton kernel.

@@ -128,6 +128,16 @@ def test_impl_resolution_and_errors():
     with pytest.raises(ValueError, match="transform.dtype"):
         qk_prepare(*args[:6], QKTransform(transform.cos, transform.sin, dtype=jnp.bfloat16, **norms), impl="pallas",
                    interpret=True)
+    # Partial rotary (Phi-4) and Gemma 3's (1 + w) q/k norms run in the reference only: "pallas" refuses them.
+    partial = QKTransform(transform.cos[..., :16], transform.sin[..., :16])
+    with pytest.raises(ValueError, match="partial rotary"):
+        qk_prepare(*args[:6], partial, impl="pallas", interpret=True)
+    gemma = QKTransform(transform.cos, transform.sin, dtype=jnp.float32, norm_unit_offset=True, **norms)
+    with pytest.raises(ValueError, match="unit offset"):
+        qk_prepare(*args[:6], gemma, impl="pallas", interpret=True)
+    q_out, _, _ = qk_prepare(*args[:6], partial, impl="auto")  # the reference: the last 32 dims pass through
+    np.testing.assert_array_equal(np.asarray(q_out[..., 32:]), np.asarray(q[..., 32:]))
+    assert not np.allclose(np.asarray(q_out[..., :32]), np.asarray(q[..., :32]))
 
 
 def _fused_paged_attention(meta, q, k, v, kv_layer, qk_transform=None, *, sm_scale):

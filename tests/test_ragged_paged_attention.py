@@ -50,8 +50,9 @@ def make_batch(seed, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype, pad_seqs
     )
 
 
-def numpy_oracle(batch, sm_scale, sliding_window=None):
-    """Dense float64 attention, one sequence at a time: gather its context, causal(+window) softmax per token."""
+def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None):
+    """Dense float64 attention, one sequence at a time: gather its context, causal(+window) softmax per token
+    (scores soft-capped first when ``logit_soft_cap`` is set)."""
     q = np.asarray(batch["q"].astype(jnp.float32), np.float64)
     k_pages = np.asarray(batch["k_pages"].astype(jnp.float32), np.float64)
     v_pages = np.asarray(batch["v_pages"].astype(jnp.float32), np.float64)
@@ -76,16 +77,18 @@ def numpy_oracle(batch, sm_scale, sliding_window=None):
                 kh = k[lo : pos + 1, h // group]
                 vh = v[lo : pos + 1, h // group]
                 scores = kh @ q[t, h] * sm_scale
+                if logit_soft_cap is not None:
+                    scores = logit_soft_cap * np.tanh(scores / logit_soft_cap)
                 w = np.exp(scores - scores.max())
                 out[t, h] = (w / w.sum()) @ vh
     return out
 
 
-def run(batch, impl, sm_scale, sliding_window=None, **tuning):
+def run(batch, impl, sm_scale, sliding_window=None, logit_soft_cap=None, **tuning):
     fn = jax.jit(
         lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
-            q, kp, vp, kl, bt, cu, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
-            interpret=(impl == "triton"), **tuning,
+            q, kp, vp, kl, bt, cu, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+            impl=impl, interpret=(impl == "triton"), **tuning,
         )
     )
     return fn(batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"], batch["block_tables"],
@@ -183,6 +186,36 @@ def test_kernel_all_prefill_options_match_reference(name):
     _kernel_vs_reference(name, 11, **{option: True for option in PREFILL_OPTIONS})
 
 
+# Logit soft-capping (Gemma 2): cases of CASES with a cap small enough that tanh bends most scores (q . k / sqrt(d)
+# is about N(0, 1) here), alone, with a window, kv splits, bf16, and under the kernel's prefill options.
+SOFT_CAP = 0.7
+SOFT_CAP_CASES = ("mixed_gqa8_d64", "window_lead_and_trail_splits", "decode_splits_gqa4", "bf16_mixed_gqa4_d128",
+                  "one_token_sequences", "chunk_bk32_two_pages_per_block")
+
+
+@pytest.mark.parametrize("name", SOFT_CAP_CASES)
+def test_soft_cap_reference_and_kernel(name):
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES[name]
+    batch = make_batch(3 + zlib.crc32(name.encode()), q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs,
+                       dtype=dtype)
+    scale, n_real = 1.0 / math.sqrt(d), int(batch["cu_q_lens"][-1])
+    want = run(batch, "reference", scale, window, SOFT_CAP)
+    _assert_close(want, numpy_oracle(batch, scale, window, SOFT_CAP), dtype, n_real)
+    _assert_close(run(batch, "triton", scale, window, SOFT_CAP, **tuning), want, dtype, n_real)
+    # The cap changes the result, so the comparisons above exercise it.
+    uncapped = np.asarray(run(batch, "reference", scale, window).astype(jnp.float32))
+    assert np.abs(uncapped[:n_real] - np.asarray(want.astype(jnp.float32))[:n_real]).max() > 0.05
+
+
+def test_soft_cap_kernel_with_prefill_options():
+    options = dict(prescale_q=True, k_transposed=True, longest_tiles_first=True)
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES["window_lead_and_trail_splits"]
+    batch = make_batch(17, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    _assert_close(run(batch, "triton", scale, window, SOFT_CAP, **tuning, **options),
+                  run(batch, "reference", scale, window, SOFT_CAP), dtype, int(batch["cu_q_lens"][-1]))
+
+
 def test_longest_tiles_first_orders_by_key_count():
     from paged_jax.ops.ragged_paged_attention.common import sort_tiles_longest_first, tile_map
 
@@ -251,6 +284,7 @@ def test_default_tuning_shapes():
         (dict(v_pages=jnp.zeros((5, 16, 4, 64))), "v_pages shape"),
         (dict(impl="cuda"), "impl must be"),
         (dict(sliding_window=0), "sliding_window"),
+        (dict(logit_soft_cap=0.0), "logit_soft_cap"),
         (dict(block_m=16), "unknown tuning"),
     ],
 )

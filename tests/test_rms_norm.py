@@ -55,6 +55,23 @@ def test_kernel_matches_reference_on_random_rows():
             _assert_normed_close(alone, rms_norm_reference(x, weight, eps=EPS), dtype)
 
 
+def test_kernel_unit_offset_matches_reference():
+    """Gemma's norm (scale by 1 + weight in float32, one rounding) on the kernel and the reference."""
+    for seed, (num_rows, hidden, dtype) in enumerate(KERNEL_CASES):
+        x, residual, weight = _inputs(20 + seed, num_rows, hidden, dtype)
+        offset = (weight.astype(jnp.float32) - 1.0).astype(dtype)  # Gemma's weights sit near 0
+        normed, new_residual = rms_norm_pallas(x, offset, residual, eps=EPS, unit_offset=True, interpret=True)
+        want_normed, want_residual = rms_norm_reference(x, offset, residual, eps=EPS, unit_offset=True)
+        np.testing.assert_array_equal(np.asarray(new_residual), np.asarray(want_residual))
+        _assert_normed_close(normed, want_normed, dtype)
+        # The same as Llama's norm with weight 1 + offset, up to where the rounding happens.
+        llama = rms_norm_reference(x, 1.0 + offset.astype(jnp.float32), residual, eps=EPS, dtype=dtype)[0]
+        np.testing.assert_allclose(np.asarray(want_normed, np.float32), np.asarray(llama, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+        alone = rms_norm(x, offset, eps=EPS, unit_offset=True, impl="xla")
+        _assert_normed_close(alone, rms_norm_reference(x, offset, eps=EPS, unit_offset=True), dtype)
+
+
 def test_kernel_edge_cases():
     # Large magnitudes, one batch: rows near 1e4 (the float32 sum without overflow) and rows near 1e30 (the float32
     # sum of squares overflows to inf in both, so those rows norm to 0).
@@ -123,7 +140,7 @@ def _old_formula_hidden(model, input_ids, positions, attention):
         return rms_norm_reference(x, module.scale[...], eps=module.eps, dtype=module.dtype)
 
     from models.llama import rope_cos_sin, rope_inv_freq
-    rope = rope_cos_sin(positions, rope_inv_freq(config.head_dim, float(config.rope_theta), None))
+    rope = (rope_cos_sin(positions, rope_inv_freq(config.head_dim, float(config.rope_theta), None)),)
     x = model.model.embed_tokens(input_ids)
     for i, layer in enumerate(model.model.layers):
         attn_out, _ = layer.self_attn(i, norm(layer.input_layernorm, x), rope, None, attention)
@@ -181,7 +198,7 @@ def test_model_on_the_kernel_matches_xla(monkeypatch):
         calls.append(1)  # at trace time: once per norm in the traced forward
         return rms_norm_pallas(*args, interpret=True, **kwargs)
 
-    monkeypatch.setitem(norm_lib._IMPLS, "pallas", kernel)
+    monkeypatch.setitem(norm_lib._REGISTRY._impls, "pallas", kernel)
     config = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=2))
     model, _ = load_model(None, config=config, load_format="dummy", dtype="float32")
     ids = jnp.asarray([3, 1, 4, 1, 5], jnp.int32)

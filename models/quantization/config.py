@@ -23,6 +23,8 @@ import dataclasses
 import re
 from typing import Any
 
+from models.config import MOE_ARCHITECTURES
+
 QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "int8")
 # Online fp8 quantizes the inputs of these projections (W8A8) and runs o_proj and down_proj weight-only: their
 # inputs (the attention output, SwiGLU's product) carry the outlier channels that cost W8A8 most of its loss
@@ -120,6 +122,11 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantCo
             raise ValueError(f"quantization: unknown quantization method {flag!r}; must be one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
     quant_cfg = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    architecture = (hf_config.get("architectures") or [None])[0]
+    if architecture in MOE_ARCHITECTURES and (flag is not None or quant_cfg is not None):
+        method = flag or str(quant_cfg.get("quant_method", "")).lower()
+        raise ValueError(f"quantization: {method} is not supported for {architecture} (mixture-of-experts models "
+                         f"run unquantized bf16 / fp16 / fp32 experts)")
     if quant_cfg is None:
         if flag is None:
             return None

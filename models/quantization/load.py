@@ -216,7 +216,7 @@ def _load_serialized(path: Path, config: ModelConfig, qc: QuantConfig, dtype, ma
     device = jax.devices()[0]
     for param_path, array, transposed in loader.iter_checkpoint_params(float_files, expected, config):
         value = jax.device_put(array, device).astype(variables[param_path].get_value().dtype)
-        variables[param_path].set_value(value.T if transposed else value)
+        variables[param_path].set_value(loader.to_model_layout(value, transposed))
     for param_path in quantized_kernels:  # replaced below; a placeholder keeps nnx.merge happy
         variables[param_path].set_value(jnp.zeros((0,), dtype))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat_state))

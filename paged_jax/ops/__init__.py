@@ -1,4 +1,5 @@
-"""Paged-attention ops: the slot-mapped KV write (alone or fused with the q/k transform) and ragged paged attention.
+"""Paged-attention ops: the slot-mapped KV write (alone or fused with the q/k transform) and ragged paged attention;
+importing the package registers the models' other kernels (RMSNorm, quantized matmuls, the fused MoE grouped matmul).
 
 KV pool layout (per layer): ``(k_pages, v_pages)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 Block 0 is the reserved null block: padding tokens write there and padded block-table entries point there.
@@ -7,13 +8,15 @@ Block 0 is the reserved null block: padding tokens write there and padded block-
 from paged_jax.ops import quantized_matmul  # noqa: F401  (registers matmul_impl "pallas" / "auto" of the models)
 from paged_jax.ops import quantized_gemv  # noqa: F401  (registers matmul_impl "pallas_blocked")
 from paged_jax.ops import rms_norm  # noqa: F401  (registers rms_norm_impl "pallas" / "auto" of the models)
+from paged_jax.ops import fused_moe  # noqa: F401  (registers moe_impl "pallas" / "auto" of the models)
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.qk_prepare import qk_prepare
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
 
 def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
-                     impl: str = "auto", qk_transform=None, qk_prepare_impl: str = "auto"):
+                     logit_soft_cap: float | None = None, impl: str = "auto", qk_transform=None,
+                     qk_prepare_impl: str = "auto"):
     """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
 
     Args:
@@ -23,6 +26,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
       qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the
         un-normed, un-rotated q/k: then ``qk_prepare`` (impl ``qk_prepare_impl``) transforms them and writes K/V,
         one kernel on a GPU. Build it as ``ReusableAttention(..., fuses_qk_transform=True)`` so the model passes it.
+      sm_scale, sliding_window, logit_soft_cap: the layer's attention (``ragged_paged_attention``); a model whose
+        layers differ passes its own per layer (``models.attention_fn.LayerAttention``), over the bound ones.
     Returns:
       (out [T, Hq, D], (k_pages, v_pages) updated).
     The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
@@ -33,7 +38,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
         q, k_pages, v_pages = qk_prepare(q, k, v, kv_layer[0], kv_layer[1], meta["slot_mapping"], qk_transform,
                                          impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
-                                 sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+                                 sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                                 impl=impl)
     return out, (k_pages, v_pages)
 
 

@@ -179,10 +179,15 @@ def resolve_qk_prepare_impl(impl: str, q, k_pages, transform: QKTransform) -> st
 
 def _kernel_unsupported(q, k_pages, transform: QKTransform, *, check_device: bool) -> str | None:
     """Why the Pallas kernel cannot run these operands (None: it can): its Triton tiles need a power-of-two head dim
-    >= 16, it returns the q/k norms' output in q's dtype, and an FP8 pool needs a device that converts to float8."""
+    >= 16, it rotates whole heads, its q/k norms are Llama's (not Gemma's 1 + weight) and return q's dtype, and an
+    FP8 pool needs a device that converts to float8."""
     head_dim = q.shape[-1]
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
+    if 2 * transform.cos.shape[-1] != head_dim:
+        return f"partial rotary ({2 * transform.cos.shape[-1]} of {head_dim} dims)"
+    if transform.has_qk_norm and transform.norm_unit_offset:
+        return "q/k norms with a unit offset (Gemma)"
     if transform.has_qk_norm and jnp.dtype(transform.dtype) != q.dtype:
         return f"transform.dtype {jnp.dtype(transform.dtype)} differs from q's dtype {q.dtype}"
     if check_device and jnp.dtype(k_pages.dtype).itemsize == 1:
@@ -202,7 +207,7 @@ def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, 
         the kernel writes them in place).
       slot_mapping: int32[T], as ``write_kv``: padding tokens write slots of the null block 0; an out-of-range slot
         is dropped when T > 1 and written to slot 0 of the null block when T == 1.
-      transform: the layer's ``QKTransform`` (cos / sin float32[T, 1, D/2]).
+      transform: the layer's ``QKTransform`` (cos / sin float32[T, 1, R/2], R <= D the rotated dims).
       impl: "xla" (``qk_prepare_reference``), "pallas" (one Pallas Triton kernel; one device: a pallas_call is not
         partitioned over a mesh; head dim a power of two) or "auto" (``resolve_qk_prepare_impl``).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
@@ -212,9 +217,10 @@ def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, 
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] and k, v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
     head_dim = q.shape[2]
-    rope_shape = (q.shape[0], 1, head_dim // 2)
-    if head_dim % 2 or transform.cos.shape != rope_shape or transform.sin.shape != rope_shape:
-        raise ValueError(f"transform.cos / sin must be [T={q.shape[0]}, 1, {head_dim // 2}], got "
+    rope_shape = (q.shape[0], 1, transform.cos.shape[-1])
+    if (head_dim % 2 or transform.cos.shape != rope_shape or transform.sin.shape != rope_shape
+            or not 0 < rope_shape[2] <= head_dim // 2):
+        raise ValueError(f"transform.cos / sin must be [T={q.shape[0]}, 1, R/2 <= {head_dim // 2}], got "
                          f"{transform.cos.shape} / {transform.sin.shape}")
     impl = resolve_qk_prepare_impl(impl, q, k_pages, transform)
     if impl == "xla" or q.shape[0] == 0:

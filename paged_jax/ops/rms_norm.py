@@ -35,7 +35,7 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.
 AUTO_MAX_HIDDEN = 8192
 
 
-def _rms_norm_kernel(*refs, hidden: int, tile: int, eps: float, has_residual: bool, dtype):
+def _rms_norm_kernel(*refs, hidden: int, tile: int, eps: float, has_residual: bool, dtype, unit_offset: bool):
     """Program i: row i. refs: x [N, H], (residual [N, H]), weight [H], then out [N, H], (new_residual [N, H])."""
     if has_residual:
         x_ref, res_ref, w_ref, out_ref, new_res_ref = refs
@@ -54,6 +54,11 @@ def _rms_norm_kernel(*refs, hidden: int, tile: int, eps: float, has_residual: bo
         _store(new_res_ref.at[row, store_col], x, mask=in_range)
     x32 = jnp.where(in_range, x.astype(jnp.float32), 0.0)
     variance = jnp.sum(x32 * x32) / hidden
+    if unit_offset:  # Gemma: scale by 1 + weight in float32, one rounding
+        weight32 = _load(w_ref.at[load_col], mask=in_range).astype(jnp.float32)
+        out = (x32 * jax.lax.rsqrt(variance + eps) * (1.0 + weight32)).astype(dtype)
+        _store(out_ref.at[row, store_col], out, mask=in_range)
+        return
     normed = (x32 * jax.lax.rsqrt(variance + eps)).astype(dtype)
     weight = _load(w_ref.at[load_col], mask=in_range).astype(dtype)
     # The product of two values of the compute dtype, formed in float32 and rounded once (exact for 16-bit).
@@ -62,13 +67,14 @@ def _rms_norm_kernel(*refs, hidden: int, tile: int, eps: float, has_residual: bo
 
 
 def rms_norm_pallas(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *, eps: float, dtype=None,
-                    interpret: bool = False):
+                    unit_offset: bool = False, interpret: bool = False):
     """``models.norm.rms_norm_reference`` on rows, as one Pallas Triton kernel (one program per row).
 
     Args:
       x: ``[N, H]`` bf16 / fp16 / fp32; residual: None or ``[N, H]`` of ``x``'s dtype.
       weight: ``[H]``, any float dtype (cast to ``dtype``).
       eps: variance epsilon; dtype: compute dtype of the normed rows (default ``x.dtype``).
+      unit_offset: scale by ``1 + weight`` in float32 (Gemma's norm; see ``rms_norm_reference``).
       interpret: run in Pallas interpret mode (CPU tests).
     Returns:
       ``normed dtype[N, H]``, or with a residual ``(normed, x + residual)`` (``x.dtype[N, H]``).
@@ -86,11 +92,11 @@ def rms_norm_pallas(x: jax.Array, weight: jax.Array, residual: jax.Array | None 
                          f"dtype {dtype}")
     num_rows, hidden = x.shape
     if num_rows == 0:
-        return rms_norm_reference(x, weight, residual, eps=eps, dtype=dtype)
+        return rms_norm_reference(x, weight, residual, eps=eps, dtype=dtype, unit_offset=unit_offset)
     tile = _next_pow2(hidden)
     has_residual = residual is not None
     kernel = functools.partial(_rms_norm_kernel, hidden=hidden, tile=tile, eps=float(eps),
-                               has_residual=has_residual, dtype=dtype)
+                               has_residual=has_residual, dtype=dtype, unit_offset=bool(unit_offset))
     out_shape = [jax.ShapeDtypeStruct((num_rows, hidden), dtype)]
     if has_residual:
         out_shape.append(jax.ShapeDtypeStruct((num_rows, hidden), x.dtype))
@@ -107,27 +113,28 @@ def rms_norm_pallas(x: jax.Array, weight: jax.Array, residual: jax.Array | None 
     return (outs[0], outs[1]) if has_residual else outs[0]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _differentiable(x, weight, residual, eps, dtype, interpret):
-    return rms_norm_pallas(x, weight, residual, eps=eps, dtype=dtype, interpret=interpret)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
+def _differentiable(x, weight, residual, eps, dtype, unit_offset, interpret):
+    return rms_norm_pallas(x, weight, residual, eps=eps, dtype=dtype, unit_offset=unit_offset, interpret=interpret)
 
 
 @_differentiable.defjvp
-def _differentiable_jvp(eps, dtype, interpret, primals, tangents):
+def _differentiable_jvp(eps, dtype, unit_offset, interpret, primals, tangents):
     # The reference's derivative, recomputed: the kernel has no autodiff rule of its own. A JVP rule (linear in the
     # tangents) serves forward mode (jax.jvp) and, transposed by JAX, reverse mode (jax.grad) alike.
-    out = _differentiable(*primals, eps, dtype, interpret)
-    _, tangent_out = jax.jvp(lambda x, w, r: rms_norm_reference(x, w, r, eps=eps, dtype=dtype), primals, tangents)
+    out = _differentiable(*primals, eps, dtype, unit_offset, interpret)
+    _, tangent_out = jax.jvp(lambda x, w, r: rms_norm_reference(x, w, r, eps=eps, dtype=dtype,
+                                                                unit_offset=unit_offset), primals, tangents)
     return out, tangent_out
 
 
 def rms_norm_pallas_differentiable(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *,
-                                   eps: float, dtype=None, interpret: bool = False):
+                                   eps: float, dtype=None, unit_offset: bool = False, interpret: bool = False):
     """``rms_norm_pallas`` with the derivatives of ``rms_norm_reference`` (forward and reverse mode), so a model on the
     kernel stays differentiable (``paged_jax.research.scoring.score_tokens`` under ``jax.grad``). What ``rms_norm_impl="pallas"``
     runs."""
     dtype = x.dtype if dtype is None else jnp.dtype(dtype)
-    return _differentiable(x, weight, residual, float(eps), dtype, interpret)
+    return _differentiable(x, weight, residual, float(eps), dtype, bool(unit_offset), interpret)
 
 
 def auto_impl(num_rows: int, hidden: int, dtype) -> str:

@@ -57,8 +57,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
-from models.llama import matmul_precision, run_decoder_layers
-from models.qk_transform import rope_cos_sin, rope_inv_freq
+from models.llama import matmul_precision, run_decoder_layers, scale_embedding, scale_logits
+from models.qk_transform import rope_tables
 from paged_jax.worker.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan
@@ -203,9 +203,11 @@ def runner_class(plan) -> type[ModelRunner]:
 
 class _Stage(nnx.Module):
     """One stage's modules (shared with the loaded model, nothing copied but a tied LM head): ``embed`` (stage 0),
-    ``layers``, ``norm`` and ``head_kernel`` ``[hidden, vocab]`` or ``embedding`` ``[vocab, hidden]`` (last)."""
+    ``layers``, ``norm`` and ``head_kernel`` ``[hidden, vocab]`` or ``embedding`` ``[vocab, hidden]`` (last);
+    ``config`` (static) for the embedding multiplier and the logits' scaling."""
 
-    def __init__(self, layers, embed=None, norm=None, head_kernel=None, tied_embedding=None):
+    def __init__(self, config: ModelConfig, layers, embed=None, norm=None, head_kernel=None, tied_embedding=None):
+        self.config = config
         self.layers = nnx.List(layers)
         self.embed = embed
         self.norm = norm
@@ -350,7 +352,7 @@ def _split_stages(model, plan: PipelinePlan) -> list[tuple]:
             tied = nnx.Param(jax.device_put(embedding[...], NamedSharding(
                 plan.stage_plans[s].mesh, plan.stage_plans[s].param_spec(("model", "embed_tokens", "embedding"),
                                                                         tuple(embedding.shape)))))
-        stage = _Stage([model.model.layers[i] for i in range(start, stop)],
+        stage = _Stage(model.config, [model.model.layers[i] for i in range(start, stop)],
                        embed=model.model.embed_tokens if s == 0 else None,
                        norm=model.model.norm if s == last else None, head_kernel=head, tied_embedding=tied)
         graphdef, state = nnx.split(stage)
@@ -365,8 +367,6 @@ def _stage_forward_fn(runner: PipelineModelRunner, plan: PipelinePlan, stages: l
     last = plan.pipeline_parallel_size - 1
     config, dtype = runner.model_config, runner.dtype
     max_blocks, impl = runner.max_blocks_per_seq, runner.attention_impl
-    inv_freq = rope_inv_freq(config.head_dim, float(config.rope_theta), None if config.rope_scaling is None
-                             else tuple(sorted(config.rope_scaling.items())))
     layout_for = runner._layout
 
     num_blocks = runner.num_blocks
@@ -395,10 +395,11 @@ def _stage_forward_fn(runner: PipelineModelRunner, plan: PipelinePlan, stages: l
         with matmul_precision(dtype):
             if stage == 0:  # decode rows continuing from the previous step take their input token from it
                 prev_rows = tokens("prev_rows")
-                x = modules.embed(jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], tokens("input_ids")))
+                x = scale_embedding(config.embedding_multiplier, modules.embed(
+                    jnp.where(prev_rows >= 0, carry[jnp.maximum(prev_rows, 0)], tokens("input_ids"))))
             else:
                 x = carry
-            rope = rope_cos_sin(tokens("positions"), inv_freq)
+            rope = rope_tables(config, tokens("positions"))
             attention = plan.stage_plans[stage].paged_attention(
                 slot_mapping=tokens("slot_mapping"), kv_lens=kv_lens,
                 block_tables=fields["block_tables"].reshape(num_seqs, max_blocks), cu_q_lens=cu_q_lens,
@@ -448,4 +449,5 @@ def _staged_prompt_logprobs(plan: PipelinePlan, stages: list, dtype, max_logprob
 def _logits(stage: _Stage, hidden: jax.Array, dtype) -> jax.Array:
     """The LM head on the last stage: ``LlamaForCausalLM.compute_logits`` (tied or untied) on its own weights."""
     weight = stage.head_kernel[...] if stage.head_kernel is not None else stage.tied_embedding[...].T
-    return jnp.dot(hidden.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32)
+    return scale_logits(stage.config, jnp.dot(hidden.astype(dtype), weight.astype(dtype),
+                                               preferred_element_type=jnp.float32))

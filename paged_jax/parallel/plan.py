@@ -9,6 +9,8 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * The embedding table is vocabulary-parallel (``[V/tp, H]`` per device) and so is the LM head (``[H, V/tp]``);
   logits come out vocabulary-sharded and are gathered (``ShardingPlan.gather_logits``) before sampling.
 * Norm scales and the o_proj bias are replicated.
+* Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
+  (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
   ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
 * Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
@@ -54,6 +56,8 @@ def _param_kind(path: tuple) -> str:
         return "norm"
     if len(names) >= 3 and names[-3] in ("self_attn", "mlp") and leaf in ("kernel", "bias", *_QUANT_LEAF_DIMS):
         return f"{names[-2]}.{leaf}"
+    if len(names) >= 3 and names[-3:-1] == ["mlp", "experts"]:
+        return f"experts.{leaf}"
     if names[-2:] == ["self_attn", "kv_scale"]:
         return "norm"  # per-layer FP8 KV-cache scales: replicated
     raise ValueError(f"no sharding rule for model parameter {'.'.join(names)}")
@@ -62,7 +66,9 @@ def _param_kind(path: tuple) -> str:
 # Megatron rules: which tensor dim of each parameter kind is split over tp (None = replicated).
 _ATTENTION_KINDS = {"q_proj.kernel": 1, "k_proj.kernel": 1, "v_proj.kernel": 1, "q_proj.bias": 0,
                     "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None}
-_MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0}
+_MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0,
+              # a sparse layer: its router, and its experts stacked [E, in, out] (models.moe)
+              "gate.kernel": None, "experts.gate_proj": 2, "experts.up_proj": 2, "experts.down_proj": 1}
 _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
 # Quantized projections (models.quantization.linear): the split dim of each leaf in a column-parallel (output split)
 # and a row-parallel (input split) layer. Packed integer weights are packed along the inputs, so rows stay
@@ -259,13 +265,16 @@ class ShardingPlan:
         Args:
           local_attention: ``(layer_idx, q[T/dp, Hq'/tp, D], k[T/dp, Hkv'/tp, D], v, kv_layer_shard, metadata_shard)
             -> (out[T/dp, Hq'/tp, D], kv_layer_shard)``: the kernel or reference on one device's heads, tokens and
-            KV shard (with the "replicated" layout, all heads). It sees ordinary local arrays.
+            KV shard (with the "replicated" layout, all heads). It sees ordinary local arrays. For a model whose
+            layers attend differently it also gets the layer's ``sm_scale=, sliding_window=, logit_soft_cap=``
+            keywords (``models.attention_fn.LayerAttention``).
           metadata: pytree of arrays passed to every call (block tables, lengths, slot mapping, segment ids, ...).
           metadata_specs: their PartitionSpecs; default ``P("dp")`` for every leaf (leading axis split over dp, i.e.
             each dp group gets its own sequences' metadata; with dp = 1 that is plain replication).
         Returns:
-          ``attention(layer_idx, q, k, v, kv_layer) -> (out, kv_layer)`` for ``LlamaForCausalLM.__call__``;
-          ``kv_layer`` is None or a pytree of page arrays sharded as ``kv_cache_spec``.
+          ``attention(layer_idx, q, k, v, kv_layer, **layer_attention) -> (out, kv_layer)`` for
+          ``LlamaForCausalLM.__call__`` (``takes_layer_attention``); ``kv_layer`` is None or a pytree of page arrays
+          sharded as ``kv_cache_spec``.
         """
         heads = TP_AXIS if self.kv_layout == "sharded" else None
         token_spec = P(DP_AXIS, heads, None)
@@ -274,11 +283,11 @@ class ShardingPlan:
         mesh = self.mesh
         kv_spec = self.kv_cache_spec
 
-        def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer):
+        def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, **layer_attention):
             kv_specs = jax.tree.map(lambda _: kv_spec, kv_layer)
 
             def per_device(q, k, v, kv_layer, metadata):
-                return local_attention(layer_idx, q, k, v, kv_layer, metadata)
+                return local_attention(layer_idx, q, k, v, kv_layer, metadata, **layer_attention)
 
             # check_vma off: kernels (Pallas/Triton) carry no varying-axis annotations; the specs are exact anyway.
             sharded = jax.shard_map(
@@ -288,6 +297,7 @@ class ShardingPlan:
             return sharded(q, k, v, kv_layer, metadata)
 
         attention.runs_on_mesh = mesh  # wrap_attention passes it through unwrapped
+        attention.takes_layer_attention = True
         return attention
 
     def wrap_attention(self, attention: AttentionFn) -> AttentionFn:
@@ -313,7 +323,11 @@ class ShardingPlan:
                 f"data_parallel_size={self.data_parallel_size}: a single-device attention cannot be split over dp; "
                 f"build it with ShardingPlan.shard_attention / paged_attention"
             )
-        return self.shard_attention(lambda layer_idx, q, k, v, kv_layer, _: attention(layer_idx, q, k, v, kv_layer))
+        wrapped = self.shard_attention(lambda layer_idx, q, k, v, kv_layer, _, **options: attention(
+            layer_idx, q, k, v, kv_layer, **options))
+        # The options reach ``attention`` as given: it takes them only if it declares so.
+        wrapped.takes_layer_attention = getattr(attention, "takes_layer_attention", False)
+        return wrapped
 
     def paged_attention(self, *, slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
                         cu_q_lens: jax.Array, sm_scale: float, sliding_window: int | None = None,
@@ -326,9 +340,9 @@ class ShardingPlan:
         """
         from paged_jax.ops import write_and_attend
 
-        def local(layer_idx, q, k, v, kv_layer, meta):
-            return write_and_attend(meta, q, k, v, kv_layer, sm_scale=sm_scale, sliding_window=sliding_window,
-                                    impl=impl)
+        def local(layer_idx, q, k, v, kv_layer, meta, **layer_attention):
+            options = dict(dict(sm_scale=sm_scale, sliding_window=sliding_window), **layer_attention)
+            return write_and_attend(meta, q, k, v, kv_layer, impl=impl, **options)
 
         return self.shard_attention(local, dict(slot_mapping=slot_mapping, kv_lens=kv_lens,
                                                 block_tables=block_tables, cu_q_lens=cu_q_lens))

@@ -101,6 +101,8 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
     start = time.perf_counter()
     config = config or ModelConfig.from_pretrained(model_path)
+    if args.max_model_len is not None:  # LongRoPE picks its factors by the engine's length, as vLLM does
+        config = config.for_max_model_len(args.max_model_len)
     quant = resolve_engine_quantization(args, model_path)
     if args.pipeline_parallel_size > 1:
         if quant.config is not None:
@@ -201,7 +203,8 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
     from flax import nnx
 
     from models import weight_cache
-    from models.llama import LlamaForCausalLM, fuse_projections
+    from models.architectures import model_class
+    from models.llama import fuse_projections
     from models.loader import load_model, resolve_dtype
 
     jnp_dtype = resolve_dtype(dtype)
@@ -227,7 +230,7 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
             return abstract_quantized_model(config, quant.config, jnp_dtype, kv_cache_scales=quant.kv_cache_scales,
                                             transform=fuse_projections)
         return nnx.eval_shape(lambda: fuse_projections(
-            LlamaForCausalLM(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0))))
+            model_class(config)(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0))))
 
     return weight_cache.load_or_convert(
         _weight_cache_key(args, model_path, dtype, kind="fused", **quant.layout()), convert, abstract)

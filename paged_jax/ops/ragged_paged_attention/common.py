@@ -31,8 +31,10 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window) -> None:
-    """ValueError naming the argument when the shapes, dtypes or ``sliding_window`` do not fit the interface."""
+def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window,
+                    logit_soft_cap=None) -> None:
+    """ValueError naming the argument when the shapes, dtypes, ``sliding_window`` or ``logit_soft_cap`` do not fit
+    the interface."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -59,6 +61,8 @@ def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, slidi
             raise ValueError(f"{name} must be an integer array, got dtype {arr.dtype}")
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if logit_soft_cap is not None and not float(logit_soft_cap) > 0:
+        raise ValueError(f"logit_soft_cap must be a positive float or None, got {logit_soft_cap}")
 
 
 def int32_metadata(kv_lens, block_tables, cu_q_lens) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -96,9 +96,9 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
                 num_programs=num_programs)
 
 
-def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None) -> str | None:
+def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None, logit_soft_cap=None) -> str | None:
     """None when the kernel handles this call, else the reason it does not. ``kv_dtype``: the pools' element type
-    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only."""
+    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only. No sliding window, no logit soft-capping."""
     _, _, head_dim = q_shape
     _, block_size, _, _ = k_pages_shape
     if plgpu is None:
@@ -111,6 +111,8 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None) -> s
         return f"KV pool dtype {jnp.dtype(kv_dtype)} differs from q's {jnp.dtype(dtype)}"
     if sliding_window is not None:
         return "sliding window"
+    if logit_soft_cap is not None:
+        return "logit soft-capping"
     if block_size % 8 or 128 % block_size:
         return f"block_size {block_size} (needs a multiple of 8 dividing 128)"
     return None
@@ -352,7 +354,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_programs: int
 
 
 def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
-                                sliding_window: int | None = None, interpret: bool = False, min_q_len: int = 1,
+                                sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                                interpret: bool = False, min_q_len: int = 1,
                                 out: jax.Array | None = None, **tuning) -> jax.Array:
     """Mosaic GPU ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``, pools
     ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
@@ -366,7 +369,7 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q
     ``tuning``: the keyword arguments of ``default_tuning``. Raises ValueError when ``supported`` rejects the call
     (callers normally check first).
     """
-    why = supported(q.shape, k_pages.shape, q.dtype, sliding_window, k_pages.dtype)
+    why = supported(q.shape, k_pages.shape, q.dtype, sliding_window, k_pages.dtype, logit_soft_cap)
     if why is not None:
         raise ValueError(f"the Mosaic GPU kernel does not handle this call: {why}")
     num_tokens, num_q_heads, head_dim = q.shape

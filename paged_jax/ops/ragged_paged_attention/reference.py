@@ -2,7 +2,8 @@
 
 Formulation (token-major): each query token gathers the pages of its own sequence through the block table,
 ``[max_blocks * block_size, num_kv_heads, head_dim]``, and attends to them with a causal / sliding-window /
-length mask and an fp32 softmax. Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
+length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask).
+Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
 
 Cost: compute and gathered bytes are ``O(T * max_blocks * block_size * num_kv_heads * head_dim)`` (every token looks
 at its sequence's whole padded context, which is also what a dense per-token decode would read); peak extra memory
@@ -44,7 +45,8 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
-                                     sliding_window: int | None = None, max_chunk_bytes: int = 64 << 20) -> jax.Array:
+                                     sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                                     max_chunk_bytes: int = 64 << 20) -> jax.Array:
     """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
 
     Args:
@@ -53,6 +55,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
       kv_lens: ``int32[S]``; block_tables: ``int32[S, max_blocks]``; cu_q_lens: ``int32[S+1]``.
       sm_scale: softmax scale applied to ``q . k``.
       sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < j <= p``.
+      logit_soft_cap: if set, the scaled scores ``s`` become ``logit_soft_cap * tanh(s / logit_soft_cap)`` (Gemma 2).
       max_chunk_bytes: bound on the fp32 K+V gathered per chunk of tokens (sets the ``lax.map`` batch size).
 
     Returns:
@@ -74,6 +77,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         v = v_pages[pages].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
         q_g = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
+        if logit_soft_cap is not None:
+            scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
         visible = (key_pos <= pos) & (key_pos < kv_lens[s])
         if sliding_window is not None:
             visible &= key_pos > pos - sliding_window

@@ -20,6 +20,8 @@ Work decomposition
   the sliding-window edge or the context end run the masked body.
 * Online softmax in fp32 (``exp2`` with ``log2(e)`` folded into the scale); P is cast to V's dtype for the second
   dot (bf16/fp16 tensor cores), fp32 inputs use IEEE fp32 dots.
+* Logit soft-capping (Gemma 2), ``cap * tanh(s / cap)`` on the scaled scores ``s``, runs in the same log2 units:
+  ``log2(e) * cap * tanh(s / cap) = c * tanh(s2 / c)`` with ``s2 = log2(e) * s`` and ``c = log2(e) * cap``.
 
 Prefill tuning options (all off by default: the default kernel is the one measured in ``benchmarks/RESULTS.md``;
 ``benchmarks/kernels.py --sections prefill_variants`` times them):
@@ -167,6 +169,7 @@ def _kernel(
     num_kv_splits: int,
     scale_log2: float,
     sliding_window: int | None,
+    soft_cap_log2: float | None,
     precision,
     kv_heads_inner: bool,
     prefetch_pages: bool,
@@ -295,6 +298,8 @@ def _kernel(
             s = _dot(q, k, trans_b=not k_transposed, precision=precision)  # [rows, block_k] f32
             if score_scale is not None:
                 s = s * score_scale
+            if soft_cap_log2 is not None:
+                s = soft_cap_log2 * jnp.tanh(s / soft_cap_log2)
             if masked:
                 visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
                 if sliding_window is not None:
@@ -351,14 +356,15 @@ def _kernel(
 
 
 def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
-                                  sliding_window: int | None = None, interpret: bool = False,
-                                  max_q_len: int | None = None, **tuning) -> jax.Array:
+                                  sliding_window: int | None = None, logit_soft_cap: float | None = None,
+                                  interpret: bool = False, max_q_len: int | None = None, **tuning) -> jax.Array:
     """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``,
     pools ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
     ``cu_q_lens int32[S+1]``.
 
     Requires ``head_dim`` to be a power of two >= 16 (Triton block shapes). Returns ``[T, Hq, D]`` in ``q.dtype``
     with zeros for padding tokens. ``tuning``: the keyword arguments of ``default_tuning`` (module docstring).
+    ``logit_soft_cap``: None, or the cap of ``cap * tanh(s / cap)`` on the scaled scores (as the reference).
     ``max_q_len`` (static; None = every sequence): attend only the sequences with at most this many query tokens
     (decided on the device from ``cu_q_lens``); the rows of the others are left unwritten (the hybrid dispatch
     hands them to the Mosaic kernel, which writes them into this output).
@@ -410,6 +416,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
         num_kv_splits=num_splits,
         scale_log2=float(sm_scale) * LOG2_E,
         sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap_log2=None if logit_soft_cap is None else float(logit_soft_cap) * LOG2_E,
         precision=precision,
         kv_heads_inner=tuning["kv_heads_inner"],
         prefetch_pages=tuning["prefetch_pages"],

@@ -1,0 +1,219 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral: router, top-k, and the experts' SwiGLU over the tokens
+sorted by expert (vLLM's ``fused_moe``).
+
+For ``x: dtype[T, H]`` (HF's math, ``models.config.MoeConfig``):
+
+    probs = softmax(float32(x @ router))                       # [T, E]
+    weights, ids = top_k(probs, k)                             # [T, k]; / sum(weights) when norm_topk_prob
+    out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))   with e = ids[t, j]
+
+The experts run as grouped matmuls over the ``T * k`` (token, expert) pairs sorted by expert: gate and up (one pass
+over the rows, ``silu(gate) * up`` in float32 and rounded once), then down, then the weighted top-k sum in float32.
+``moe_experts_reference`` (``lax.ragged_dot``) is the ``"xla"`` implementation and the oracle of any other; the
+Pallas grouped matmul of ``paged_jax.ops.fused_moe`` registers itself here as ``"pallas"`` (with the ``"auto"``
+selector) when ``paged_jax.ops`` is imported, so ``models`` never imports ``paged_jax``.
+
+Expert weights are stacked over experts in model layout (``[in, out]`` per expert): ``gate_proj`` / ``up_proj``
+``[E, H, I]``, ``down_proj`` ``[E, I, H]``; the loader stacks a checkpoint's per-expert tensors into them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.impl_registry import ImplRegistry
+
+MOE_IMPLS = ("auto", "xla", "pallas")
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Mixtral's checkpoint names: the block is "block_sparse_moe", its experts' projections w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+# name -> grouped_matmul(lhs [R, K], rhs [E, K, N], group_sizes int32[E], *, row_index int32[M] | None,
+#                        up_rhs [E, K, N] | None) -> dtype[M, N] (grouped_matmul_reference's contract); "auto" selector
+# fn(num_rows, hidden, dtype) -> implementation name
+_REGISTRY = ImplRegistry("moe_impl", MOE_IMPLS)
+
+
+def register_grouped_matmul(name: str, fn: Callable) -> None:
+    """Make ``fn`` (``grouped_matmul_reference``'s contract) the implementation ``name`` (one of ``MOE_IMPLS``)."""
+    _REGISTRY.register(name, fn)
+
+
+def register_moe_selector(fn: Callable[[int, int, jnp.dtype], str]) -> None:
+    """``fn(num_rows, hidden, dtype) -> name`` decides ``impl="auto"`` from static shapes."""
+    _REGISTRY.register_selector(fn)
+
+
+def check_moe_impl(impl: str) -> str:
+    """``impl`` itself, or a ValueError naming ``moe_impl``."""
+    return _REGISTRY.check(impl)
+
+
+def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
+    """The grouped-matmul implementation ``impl`` runs for ``num_rows`` sorted (token, expert) rows of ``hidden``."""
+    return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
+
+
+def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """``router_logits [T, E]`` -> ``(weights float32[T, top_k], ids int32[T, top_k])``: the top-k experts of the
+    float32 softmax, largest first, the weights renormalized to sum to 1 when ``norm_topk_prob``."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """``topk_ids int32[T, k]`` -> ``(order int32[T * k], group_sizes int32[E])``: the flat (token, slot) pairs
+    ``t * k + j`` in expert order (stable, so each expert's rows keep token order) and each expert's row count.
+    Sorted row ``r`` is token ``order[r] // k``."""
+    flat = topk_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, group_sizes
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                             row_index: jax.Array | None = None, up_rhs: jax.Array | None = None) -> jax.Array:
+    """The grouped matmul of rows sorted by expert, in jnp (``lax.ragged_dot``; float32 accumulation).
+
+    Args:
+      lhs: ``dtype[R, K]``; the sorted rows are ``lhs[row_index]`` (``row_index int32[M]``), or ``lhs`` itself
+        (``M == R``) when ``row_index`` is None.
+      rhs: ``[E, K, N]``; rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by ``rhs[e]``.
+      group_sizes: ``int32[E]``, summing to ``M``.
+      up_rhs: None, or ``[E, K, N]``: then the result is ``silu(rows @ rhs[e]) * (rows @ up_rhs[e])`` (float32, one
+        rounding), the experts' SwiGLU activation.
+    Returns:
+      ``lhs.dtype[M, N]``.
+    """
+    rows = lhs if row_index is None else lhs[row_index]
+    out = jax.lax.ragged_dot(rows, rhs, group_sizes, preferred_element_type=jnp.float32)
+    if up_rhs is not None:
+        out = jax.nn.silu(out) * jax.lax.ragged_dot(rows, up_rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+
+register_grouped_matmul("xla", grouped_matmul_reference)
+
+
+def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, topk_weights: jax.Array,
+                topk_ids: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """The experts' weighted SwiGLU of every token (vLLM's ``fused_experts``), its grouped matmuls by ``impl``.
+
+    Args:
+      x: ``dtype[T, H]``; w_gate, w_up: ``[E, H, I]``; w_down: ``[E, I, H]`` (model layout, cast to ``dtype``).
+      topk_weights: ``float32[T, k]``; topk_ids: ``int32[T, k]`` in ``[0, E)`` (``route_top_k``).
+      impl: ``MOE_IMPLS``; "auto": the registered selector's choice for the static shape, else "xla".
+    Returns:
+      ``dtype[T, H]``: ``sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t])``, the sum in float32.
+    """
+    name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype)
+    return moe_experts_with(_REGISTRY[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
+
+
+def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                     topk_weights: jax.Array, topk_ids: jax.Array) -> jax.Array:
+    """``moe_experts`` on a given grouped matmul (``grouped_matmul_reference``'s contract; e.g. a kernel in
+    interpret mode): sort, gate/up with the SwiGLU, down, then the weighted top-k sum. Same arguments and result."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts = w_gate.shape[0]
+    if w_up.shape != w_gate.shape or w_down.shape != (num_experts, w_gate.shape[2], hidden):
+        raise ValueError(f"expert weights must be gate/up [E, {hidden}, I] and down [E, I, {hidden}]; got "
+                         f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
+    order, group_sizes = sort_by_expert(topk_ids, num_experts)
+    dtype = x.dtype
+    act = grouped_matmul(x, w_gate.astype(dtype), group_sizes, row_index=order // top_k,
+                         up_rhs=w_up.astype(dtype))  # [T * k, I]
+    out_sorted = grouped_matmul(act, w_down.astype(dtype), group_sizes)  # [T * k, H]
+    # Back to (token, slot) order: sorted row r holds pair order[r].
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
+    out = out.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
+    return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
+
+
+def moe_experts_reference(x, w_gate, w_up, w_down, topk_weights, topk_ids) -> jax.Array:
+    """``moe_experts`` with ``impl="xla"`` (``lax.ragged_dot``): the oracle of the kernels."""
+    return moe_experts(x, w_gate, w_up, w_down, topk_weights, topk_ids, impl="xla")
+
+
+class MoeExperts(nnx.Module):
+    """The experts' stacked weights: ``gate_proj``, ``up_proj`` ``[E, H, I]`` and ``down_proj`` ``[E, I, H]``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, param_dtype, rngs: nnx.Rngs, init_std: float):
+        init = nnx.initializers.normal(stddev=init_std)
+        self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, inter), param_dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, inter), param_dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, inter, hidden), param_dtype))
+
+
+class SparseMoeBlock(nnx.Module):
+    """The sparse MLP of one decoder layer: the router ``gate`` (an ``nnx.Linear`` ``[H, E]``, HF ``mlp.gate``) and
+    the ``experts``. ``impl`` (static, ``MOE_IMPLS``) picks the grouped matmul; ``set_moe_impl`` sets it."""
+
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, init_std: float,
+                 impl: str = "auto"):
+        moe = config.moe
+        self.num_experts_per_tok = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.dtype = dtype
+        self.impl = check_moe_impl(impl)
+        self.gate = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
+                               rngs=rngs)
+        self.experts = MoeExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size,
+                                  param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [T, H]`` -> ``(weights float32[T, k], ids int32[T, k])`` (``route_top_k`` of the router logits)."""
+        return route_top_k(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
+
+    def __call__(self, x: jax.Array, lora=None) -> jax.Array:
+        """``x: [T, H]`` -> ``[T, H]``. ``lora``: the layer's LoRA state (``models.llama.with_lora``); an adapter
+        of the MLP projections has no expert form here: ValueError."""
+        mlp_targets = sorted(set(getattr(lora, "weights", None) or ()) & {"gate_proj", "up_proj", "down_proj",
+                                                                          "gate_up_proj"})
+        if mlp_targets:
+            raise ValueError(f"LoRA target modules {mlp_targets} are unsupported on mixture-of-experts layers")
+        weights, ids = self.route(x)
+        experts = self.experts
+        return moe_experts(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
+                           impl=self.impl)
+
+
+def set_moe_impl(model, impl: str):
+    """In place: the grouped-matmul implementation (``MOE_IMPLS``) of every sparse layer of ``model`` (a
+    ``models.llama.LlamaForCausalLM``). A model on a mesh runs "xla" only (a pallas_call is not partitioned; XLA
+    partitions ``ragged_dot`` over the experts' sharded width): ValueError for anything else. Returns ``model``."""
+    check_moe_impl(impl)
+    if getattr(model, "sharding_plan", None) is not None and impl != "xla":
+        raise ValueError(f"moe_impl={impl!r}: a model on a mesh (tensor or pipeline parallel) runs 'xla' experts")
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.impl = impl
+    return model
+
+
+def expert_checkpoint_names(config: ModelConfig, param_path: tuple) -> list[str] | None:
+    """The checkpoint tensors stacked into one expert parameter (``(..., "mlp", "experts", "gate_proj")``), one per
+    expert in order (each the ``[out, in]`` weight of that expert), or None for any other parameter."""
+    names = [str(p) for p in param_path]
+    if len(names) < 3 or names[-2] != "experts" or names[-1] not in EXPERT_PROJECTIONS:
+        return None
+    prefix = checkpoint_prefix(config, ".".join(names[:-1]))
+    leaf = _MIXTRAL_EXPERT_NAMES[names[-1]] if config.architecture == "MixtralForCausalLM" else names[-1]
+    return [f"{prefix}.{e}.{leaf}.weight" for e in range(config.moe.num_experts)]
+
+
+def checkpoint_prefix(config: ModelConfig, name: str) -> str:
+    """A model tensor name in the checkpoint's spelling: Mixtral's sparse block is ``block_sparse_moe``."""
+    if config.architecture == "MixtralForCausalLM":
+        return name.replace(".mlp.", ".block_sparse_moe.")
+    return name

@@ -1,0 +1,66 @@
+"""The fused mixture-of-experts op: tokens sorted by expert, grouped matmuls for gate/up (with the SwiGLU
+activation) and down, and the weighted top-k combine (vLLM's ``fused_moe``).
+
+``moe_experts(x, w_gate, w_up, w_down, topk_weights, topk_ids, impl=...)`` is the op (``models.moe``, where the
+model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul itself); its grouped matmuls are, by
+``impl``:
+
+* ``"xla"``: ``grouped_matmul_reference`` (``lax.ragged_dot``), the jnp reference, and ``moe_experts_reference``
+  the whole op on it;
+* ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul;
+* ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes, else XLA.
+
+The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
+``paged_jax``; importing this package registers the kernel there as ``moe_impl="pallas"`` and the ``"auto"``
+selector, as ``paged_jax.ops`` does for every kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
+                        register_grouped_matmul, register_moe_selector)
+from paged_jax.ops.fused_moe.kernel import KERNEL_DTYPES, grouped_matmul_pallas, tile_schedule
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _differentiable(lhs, rhs, group_sizes, row_index, up_rhs, interpret):
+    return grouped_matmul_pallas(lhs, rhs, group_sizes, row_index=row_index, up_rhs=up_rhs, interpret=interpret)
+
+
+@_differentiable.defjvp
+def _differentiable_jvp(interpret, primals, tangents):
+    # The reference's derivative: the kernel has no autodiff rule of its own (forward and, transposed by JAX,
+    # reverse mode alike).
+    lhs, rhs, group_sizes, row_index, up_rhs = primals
+    out = _differentiable(*primals, interpret)
+    _, tangent_out = jax.jvp(
+        lambda a, b, c: grouped_matmul_reference(a, b, group_sizes, row_index=row_index, up_rhs=c),
+        (lhs, rhs, up_rhs), (tangents[0], tangents[1], tangents[4]))
+    return out, tangent_out
+
+
+def grouped_matmul_pallas_differentiable(lhs, rhs, group_sizes, *, row_index=None, up_rhs=None,
+                                         interpret: bool = False):
+    """``grouped_matmul_pallas`` with ``grouped_matmul_reference``'s derivatives, so a model on the kernel stays
+    differentiable (``paged_jax.research.scoring.score_tokens`` under ``jax.grad``). What ``moe_impl="pallas"``
+    runs."""
+    return _differentiable(lhs, rhs, group_sizes, row_index, up_rhs, interpret)
+
+
+def auto_impl(num_rows: int, hidden: int, dtype) -> str:
+    """``moe_impl="auto"`` for ``num_rows`` sorted rows: the kernel on a GPU for its dtypes, else "xla"."""
+    if jax.default_backend() == "gpu" and num_rows > 0 and jnp.dtype(dtype) in KERNEL_DTYPES:
+        return "pallas"
+    return "xla"
+
+
+register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
+register_moe_selector(auto_impl)
+
+__all__ = ["auto_impl", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable", "grouped_matmul_reference",
+           "moe_experts", "moe_experts_reference", "moe_experts_with", "tile_schedule"]

@@ -1,0 +1,149 @@
+"""The fused MoE op: the Pallas grouped matmul (interpret mode on CPU) against its ``lax.ragged_dot`` reference on
+fresh random ragged inputs, and the whole op (sort, gate/up + SwiGLU, down, top-k combine) against a per-token loop."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.moe import resolve_moe_impl, route_top_k
+from paged_jax.ops.fused_moe import (grouped_matmul_pallas, grouped_matmul_pallas_differentiable,
+                                     grouped_matmul_reference, moe_experts_reference, moe_experts_with, tile_schedule)
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _random(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("group_sizes", [
+    [0, 5, 1, 0, 20, 3],  # empty experts, a one-row expert, one spanning two 16-row tiles
+    [1],
+    [0, 0, 0, 7],
+    [33, 0, 17, 16, 1, 0, 0, 2],
+])
+def test_tile_schedule_covers_every_row_once_by_its_expert(group_sizes):
+    sizes = np.array(group_sizes, np.int32)
+    rows = int(sizes.sum())
+    expert, start, end = (np.asarray(a) for a in tile_schedule(jnp.asarray(sizes), rows, 16))
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    covered = np.zeros(rows, np.int32)
+    for e, s, t in zip(expert, start, end):
+        assert 0 <= t - s <= 16
+        covered[s:t] += 1
+        assert (owner[s:t] == e).all()
+    assert (covered == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, blocks", [
+    ([0, 5, 1, 0, 20, 3], 40, 24, False, False, (16, 16, 16)),  # K, N not multiples of the blocks; 3 K steps
+    ([3, 0, 9, 1], 64, 48, True, True, (16, 32, 32)),
+    ([1, 0, 0, 0, 0, 0, 0, 0], 32, 32, True, True, None),  # one row (decode, top-1)
+    ([70, 2, 0, 41], 96, 80, True, False, (64, 64, 32)),  # 64-row tiles
+    ([0, 0, 0], 16, 16, False, False, None),  # no rows at all
+])
+def test_grouped_matmul_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, blocks, request):
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    rows, num_experts = int(sizes.sum()), len(group_sizes)
+    num_tokens = max(rows // 2, 1)
+    lhs = _random(rng, (num_tokens if gather else rows, k), dtype)
+    row_index = jnp.asarray(rng.integers(0, num_tokens, rows), jnp.int32) if gather else None
+    rhs = _random(rng, (num_experts, k, n), dtype)
+    up_rhs = _random(rng, (num_experts, k, n), dtype) if swiglu else None
+    block_m, block_n, block_k = blocks or (None, None, None)
+    out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
+                                block_m=block_m, block_n=block_n, block_k=block_k)
+    ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    scale = max(float(jnp.abs(ref.astype(jnp.float32)).max()) if rows else 0.0, 1.0)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def test_grouped_matmul_kernel_refuses_mismatched_inputs():
+    lhs = jnp.zeros((4, 16), jnp.bfloat16)
+    rhs = jnp.zeros((2, 16, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul_pallas(lhs, rhs, jnp.array([4], jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="share one of"):
+        grouped_matmul_pallas(lhs, rhs.astype(jnp.float32), jnp.array([2, 2], jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="lhs must be"):
+        grouped_matmul_pallas(lhs[:, :8], rhs, jnp.array([2, 2], jnp.int32), interpret=True)
+
+
+def _per_token_moe(x, w_gate, w_up, w_down, weights, ids):
+    """The experts token by token, in float32 numpy: the op's definition, with no sorting."""
+    x, w_gate, w_up, w_down = (np.asarray(a, np.float32) for a in (x, w_gate, w_up, w_down))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(np.asarray(weights)[t], np.asarray(ids)[t]):
+            gate, up = x[t] @ w_gate[e], x[t] @ w_up[e]
+            out[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+    return out
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, dtype", [
+    (1, 8, 1, jnp.bfloat16), (13, 8, 2, jnp.float32), (6, 8, 8, jnp.bfloat16), (40, 16, 2, jnp.bfloat16)])
+def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, request):
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    hidden, inter = 32, 48
+    x = _random(rng, (num_tokens, hidden), dtype)
+    w_gate = _random(rng, (num_experts, hidden, inter), dtype) * 0.2
+    w_up = _random(rng, (num_experts, hidden, inter), dtype) * 0.2
+    w_down = _random(rng, (num_experts, inter, hidden), dtype) * 0.2
+    # A skewed router: uneven expert loads, some experts without tokens.
+    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + jnp.linspace(0, 3, num_experts)
+    weights, ids = route_top_k(logits, top_k, norm_topk_prob=True)
+    expected = _per_token_moe(x, w_gate, w_up, w_down, weights, ids)
+    reference = jax.jit(moe_experts_reference)(x, w_gate, w_up, w_down, weights, ids)
+    kernel = _moe_experts_interpreted(x, w_gate, w_up, w_down, weights, ids)
+    scale = max(np.abs(expected).max(), 1.0)
+    for out in (reference, kernel):
+        assert out.shape == x.shape and out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=TOLERANCE[dtype] * scale * 2, rtol=0)
+    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(reference, np.float32),
+                               atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def _moe_experts_interpreted(*args):
+    """``moe_experts`` with ``impl="pallas"``, the kernel in interpret mode."""
+    kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
+    return jax.jit(functools.partial(moe_experts_with, kernel))(*args)
+
+
+def test_route_top_k_renormalizes_only_when_asked():
+    logits = jnp.array([[0.0, 1.0, 2.0, 3.0]])
+    probs = np.asarray(jax.nn.softmax(logits[0]))
+    weights, ids = route_top_k(logits, 2, norm_topk_prob=False)
+    assert ids.tolist() == [[3, 2]] and ids.dtype == jnp.int32
+    np.testing.assert_allclose(np.asarray(weights[0]), probs[[3, 2]], rtol=1e-6)
+    weights, _ = route_top_k(logits, 2, norm_topk_prob=True)
+    np.testing.assert_allclose(np.asarray(weights[0]), probs[[3, 2]] / probs[[3, 2]].sum(), rtol=1e-6)
+
+
+def test_kernel_derivatives_are_the_references():
+    rng = np.random.default_rng(0)
+    sizes = jnp.array([3, 0, 4], jnp.int32)
+    lhs, rhs, up = _random(rng, (5, 16), jnp.float32), _random(rng, (3, 16, 16), jnp.float32), \
+        _random(rng, (3, 16, 16), jnp.float32)
+    row_index = jnp.asarray(rng.integers(0, 5, 7), jnp.int32)
+
+    def loss(fn, a, b, c):
+        return jnp.sum(fn(a, b, sizes, row_index=row_index, up_rhs=c) ** 2)
+
+    kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
+    got = jax.grad(functools.partial(loss, kernel), argnums=(0, 1, 2))(lhs, rhs, up)
+    want = jax.grad(functools.partial(loss, grouped_matmul_reference), argnums=(0, 1, 2))(lhs, rhs, up)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+def test_auto_runs_xla_on_cpu_and_unknown_impls_are_refused():
+    assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16) == "xla"
+    with pytest.raises(ValueError, match="^moe_impl must be one of"):
+        resolve_moe_impl("triton", 64, 32, jnp.bfloat16)
