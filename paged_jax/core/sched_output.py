@@ -14,6 +14,7 @@ runner's ``StepOutput`` is aligned with that order, and so is ``Scheduler.update
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from paged_jax.core.request import Request
@@ -168,25 +169,6 @@ def new_request_data(request: Request) -> NewRequestData:
         lora_int_id=request.lora_int_id, prompt_logprobs=request.skip_prefix_cache)
 
 
-def append_cached_request(cached: CachedRequestData, request: Request, num_tokens: int) -> None:
-    """Add a held request's diff to ``cached``: the tokens and block ids its row lacks."""
-    held_tokens = request.runner_num_tokens
-    num_prompt = len(request.prompt_token_ids)
-    if held_tokens >= num_prompt:  # a decode: the outputs sampled since (one, usually)
-        new_tokens = request.output_token_ids[held_tokens - num_prompt:]
-    else:
-        new_tokens = request.token_ids_slice(held_tokens, num_tokens)
-    block_ids = request.block_ids
-    held_blocks = request.runner_num_blocks
-    cached.req_ids.append(request.request_id)
-    cached.new_token_ids.append(new_tokens)
-    cached.new_block_ids.append(block_ids[held_blocks:] if len(block_ids) > held_blocks else [])
-    cached.block_starts.append(held_blocks)
-    cached.num_computed_tokens.append(request.num_computed_tokens)
-    request.runner_num_tokens = num_tokens
-    request.runner_num_blocks = len(block_ids)
-
-
 class StepBuilder:
     """Builds one step's ``SchedulerOutput`` row by row (the scheduler's, and ``hand_steps``' for tests and
     benchmarks): a request's whole row the first time, afterwards only what its row lacks; rows come out as the
@@ -200,24 +182,58 @@ class StepBuilder:
         self.forks: list[tuple[NewRequestData, str]] = []
         self._fork_requests: list[Request] = []
         self.grammars: dict[str, Any] = {}
+        self._last_samples = False
 
     def add(self, request: Request, num_new: int) -> bool:
-        """Add ``request`` computing ``num_new`` tokens from its ``num_computed_tokens``; returns whether the row
-        samples (the step reaches the end of its known tokens)."""
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        samples = request.num_computed_tokens + num_new == num_tokens
-        if request.runner_num_tokens < 0:
-            self.new_reqs.append(new_request_data(request))
-            columns = self._new_columns
-        else:
-            append_cached_request(self.cached, request, num_tokens)
-            columns = self._cached_columns
-        columns[0].append(request)
-        columns[1].append(num_new)
-        columns[2].append(samples)
-        if request.grammar is not None:
-            self.grammars[request.request_id] = request.grammar
-        return samples
+        """Add ``request`` computing ``num_new`` tokens from its ``num_computed_tokens`` (as ``add_rows``); returns
+        whether the row samples (the step reaches the end of its known tokens)."""
+        self.add_rows(((request, num_new),))
+        return self._last_samples
+
+    def add_rows(self, rows: Iterable[tuple[Request, int]]) -> None:
+        """``add`` each ``(request, num_new)`` in order, and after a request that samples and has
+        ``pending_forks``, a fork row per child (the scheduler's order). One pass over every running request each
+        step: a held row's diff is the tokens and block ids it lacks (``Request.runner_num_tokens`` /
+        ``runner_num_blocks`` say what it holds)."""
+        cached = self.cached
+        req_ids, new_token_ids, new_block_ids = cached.req_ids, cached.new_token_ids, cached.new_block_ids
+        block_starts, num_computed_col = cached.block_starts, cached.num_computed_tokens
+        held_requests, held_num_new, held_samples = self._cached_columns
+        samples = False
+        for request, num_new in rows:
+            output_token_ids = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
+            num_tokens = num_prompt + len(output_token_ids)
+            num_computed = request.num_computed_tokens
+            samples = num_computed + num_new == num_tokens
+            held_tokens = request.runner_num_tokens
+            if held_tokens < 0:
+                self.new_reqs.append(new_request_data(request))
+                new_requests, new_num_new, new_samples = self._new_columns
+                new_requests.append(request)
+                new_num_new.append(num_new)
+                new_samples.append(samples)
+            else:
+                req_ids.append(request.request_id)
+                new_token_ids.append(output_token_ids[held_tokens - num_prompt:] if held_tokens >= num_prompt
+                                     else request.token_ids_slice(held_tokens, num_tokens))
+                block_ids = request.block_ids
+                held_blocks = request.runner_num_blocks
+                num_blocks = len(block_ids)
+                new_block_ids.append(block_ids[held_blocks:] if num_blocks > held_blocks else [])
+                block_starts.append(held_blocks)
+                num_computed_col.append(num_computed)
+                request.runner_num_tokens = num_tokens
+                request.runner_num_blocks = num_blocks
+                held_requests.append(request)
+                held_num_new.append(num_new)
+                held_samples.append(samples)
+            if request.grammar is not None:
+                self.grammars[request.request_id] = request.grammar
+            if samples and request.pending_forks:
+                for child in request.pending_forks:
+                    self.add_fork(child, request.request_id)
+        self._last_samples = samples
 
     def add_fork(self, child: Request, parent_id: str) -> None:
         """A fork row: ``child``'s row is made and samples its first token from ``parent_id``'s last token."""
