@@ -160,6 +160,7 @@ class ModelRunner(StepDispatchMixin):
         self._deferred: DeferredSampling | None = None  # a step whose sampling waits for dispatch_sampling
         # Multi-host node 0: announces each device call to the other processes first (paged_jax.parallel.multihost).
         self.step_channel = None
+        self._single_process = jax.process_count() == 1
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}

@@ -98,8 +98,11 @@ class StepDispatchMixin:
 
     def _run_forward(self, buf: np.ndarray, num_tokens: int, num_seqs: int) -> tuple:
         """-> (logits f32[R, V], sampling words, hidden [T, hidden]) on device; the KV pool updated in place."""
+        # One process: the executable takes the numpy buffer itself (its C++ call path transfers it, far cheaper
+        # than ``jax.device_put``'s); several: each process puts its own replica first.
         self.kv_pool, logits, sampling_words, hidden = self._forward(
-            self._param_leaves, self.kv_pool, jax.device_put(buf, self.device), self._prev_tokens,
+            self._param_leaves, self.kv_pool, buf if self._single_process else jax.device_put(buf, self.device),
+            self._prev_tokens,
             self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
         return logits, sampling_words, hidden
 

@@ -8,7 +8,6 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
@@ -90,8 +89,8 @@ class PendingStep:
                                    "(ModelRunner.dispatch_sampling)")
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            sampler_outputs, prompt_outputs = jax.device_get(outputs)
-            host = [np.asarray(x) for x in sampler_outputs]
+            sampler_outputs, prompt_outputs = outputs
+            host = [np.asarray(x) for x in sampler_outputs]  # their host copies were started at dispatch
             rows = self._rows_to_packed
             tokens = host[0][rows].astype(np.int32)
             tokens[~self._sampled_rows] = -1
