@@ -448,38 +448,46 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
 
 
 def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):
-    """A step (no penalty rows) sends its metadata with exactly one explicit ``jax.device_put`` and makes no
-    implicit host-to-device transfer (a numpy array passed straight into a jitted call would be one)."""
-    import paged_jax.worker.model_runner as model_runner_module
+    """A step (no penalty rows) sends its metadata as one transfer: the step buffer, handed to the forward
+    executable as a numpy array (its call transfers it), and no other host-to-device transfer, explicit
+    (``jax.device_put``) or implicit."""
+    import paged_jax.worker.step_dispatch as step_dispatch_module
 
     model, config = tiny_model
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, config.vocab_size, size=n).tolist() for n in (5, 12)]
     runner = make_runner(model, config)
-    calls = []
-    real_put = jax.device_put
+    puts, host_args = [], []
+    real_put, real_forward = jax.device_put, runner._forward
 
     def counting_put(x, *args, **kwargs):
-        calls.append(getattr(x, "shape", None))
+        puts.append(getattr(x, "shape", None))
         return real_put(x, *args, **kwargs)
 
-    monkeypatch.setattr(model_runner_module.jax, "device_put", counting_put)
+    def forward_taking_the_buffer(*args, **kwargs):
+        host_args.append(sum(isinstance(x, np.ndarray) for x in jax.tree.leaves(args)))
+        with jax.transfer_guard_host_to_device("allow"):
+            return real_forward(*args, **kwargs)
+
+    forward_taking_the_buffer._cache_size = real_forward._cache_size
+    monkeypatch.setattr(step_dispatch_module.jax, "device_put", counting_put)
+    runner._forward = forward_taking_the_buffer
     driver = MiniDriver(runner, prompts, num_new=4, chunk=8)
     steps = []
     real_execute = runner.execute
 
     def counting_execute(scheduler_output, *args, **kwargs):
-        before = len(calls)
+        before = len(puts), len(host_args)
         with jax.transfer_guard_host_to_device("disallow"):
             pending = real_execute(scheduler_output, *args, **kwargs)
             result = pending.result()
-        steps.append(len(calls) - before)
+        steps.append((len(puts) - before[0], host_args[before[1]:]))
         return type("Done", (), {"result": lambda self: result})()
 
     runner.execute = counting_execute
     driver.run()
     assert len(steps) >= 4
-    assert steps == [1] * len(steps), steps
+    assert steps == [(0, [1])] * len(steps), steps
 
 
 def test_step_consumes_the_donated_kv_pool(tiny_model):
