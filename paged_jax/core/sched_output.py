@@ -9,6 +9,11 @@ batch by id; a preempted request that runs again comes back as new. The runner n
 
 Rows of a step, in this order: the cached requests, then the new ones, then the fork rows (``fork_rows``). The
 runner's ``StepOutput`` is aligned with that order, and so is ``Scheduler.update_from_output``'s input.
+
+On the wire (multi-host: node 0 -> the other nodes, ``paged_jax.parallel.follower``) a step is ``encode_step``'s
+msgpack: the diff types are msgspec Structs (``SamplingParams`` a dataclass msgspec encodes field by field), the
+grammars only as the ids of the constrained rows (their bitmask is node 0's to fill), the scheduler's own
+``requests`` left out.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from paged_jax.core.request import Request
+from paged_jax.sampling_params import SamplingParams
 
 # Stands for a sampled token still on the device (async scheduling): the runner feeds the row from the previous
 # step's on-device sample instead. Real token ids are >= 0.
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclasses.dataclass
-class NewRequestData:
+class NewRequestData(msgspec.Struct):
     """A request the runner has no row for (first admission, or running again after a preemption).
 
     Attributes:
@@ -33,7 +40,7 @@ class NewRequestData:
       prompt_token_ids: list[int] the prompt (P tokens).
       output_token_ids: list[int] outputs already sampled (recompute after preemption, forked beams), fed after the
         prompt.
-      params: its ``SamplingParams`` (read once, when the row is made).
+      params: its ``SamplingParams`` (read once, when the row is made; None: greedy, as padding rows).
       seed: the seed of its sampling row (``sampler.seed_to_u32`` folds it).
       block_ids: list[int] its device block table, covering the tokens computed after this step.
       num_computed_tokens: leading tokens whose K/V is already in the pool (prefix-cache hits).
@@ -44,7 +51,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    params: Any
+    params: SamplingParams | None
     seed: int
     block_ids: list[int]
     num_computed_tokens: int
@@ -52,8 +59,7 @@ class NewRequestData:
     prompt_logprobs: bool = False
 
 
-@dataclasses.dataclass
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct):
     """The running requests of a step that the runner already holds, as columns (one entry per request).
 
     Attributes:
@@ -66,11 +72,11 @@ class CachedRequestData:
       num_computed_tokens: list[int] tokens already in the pool before this step.
     """
 
-    req_ids: list[str] = dataclasses.field(default_factory=list)
-    new_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    block_starts: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    block_starts: list[int] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +112,7 @@ class SchedulerOutput:
       grammars: req_id -> ``structured_output.SequenceGrammar`` of the step's constrained requests (their sampling
         rows are masked by it).
       requests / samples: the scheduler's own view of the rows (its ``Request`` per row and whether the row samples),
-        read back by ``update_from_output``; the runner does not read them.
+        read back by ``update_from_output``; the runner does not read them (a decoded step has no ``requests``).
     """
 
     scheduled_cached_reqs: CachedRequestData
@@ -124,7 +130,7 @@ class SchedulerOutput:
 
     @property
     def num_rows(self) -> int:
-        return len(self.requests)
+        return len(self.scheduled_cached_reqs.req_ids) + len(self.scheduled_new_reqs) + len(self.fork_rows)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -132,12 +138,12 @@ class SchedulerOutput:
 
     @property
     def has_rows(self) -> bool:
-        return bool(self.requests)
+        return self.num_rows > 0
 
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do (no rows, copies or ids to drop)."""
-        return not (self.requests or self.swap_out or self.swap_in or self.finished_req_ids
+        return not (self.has_rows or self.swap_out or self.swap_in or self.finished_req_ids
                     or self.preempted_req_ids)
 
     def row_num_computed_tokens(self) -> list[int]:
@@ -254,3 +260,57 @@ class StepBuilder:
             preempted_req_ids=preempted_req_ids, block_copies=block_copies, swap_out=swap_out, swap_in=swap_in,
             grammars=self.grammars, requests=requests + new_requests + self._fork_requests,
             samples=samples + new_samples + [True] * len(self.forks))
+
+
+class _RemoteGrammar:
+    """A constrained row of a step decoded from the wire: its bitmask row comes from node 0."""
+
+    def __repr__(self) -> str:
+        return "REMOTE_GRAMMAR"
+
+
+REMOTE_GRAMMAR = _RemoteGrammar()
+
+
+class StepMessage(msgspec.Struct, array_like=True):
+    """A step on the wire (``encode_step``): what the runner reads of a ``SchedulerOutput``, plus the step's LoRA
+    slots ``{lora_int_id: slot}`` (None: none)."""
+
+    cached: CachedRequestData
+    new_reqs: list[NewRequestData]
+    num_scheduled_tokens: list[int]
+    fork_rows: list[tuple[NewRequestData, str]]
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+    block_copies: list[tuple[int, int]]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    grammar_req_ids: list[str]
+    samples: list[bool]
+    lora_slots: dict[int, int] | None = None
+
+
+_STEP_ENCODER = msgspec.msgpack.Encoder()
+_STEP_DECODER = msgspec.msgpack.Decoder(StepMessage)
+
+
+def encode_step(scheduler_output: SchedulerOutput, lora_slots: dict[int, int] | None = None) -> bytes:
+    """The step as msgpack bytes (``StepMessage``)."""
+    out = scheduler_output
+    return _STEP_ENCODER.encode(StepMessage(
+        out.scheduled_cached_reqs, out.scheduled_new_reqs, out.num_scheduled_tokens, out.fork_rows,
+        out.finished_req_ids, out.preempted_req_ids, out.block_copies, out.swap_out, out.swap_in,
+        list(out.grammars), out.samples, lora_slots))
+
+
+def decode_step(data: bytes) -> tuple[SchedulerOutput, dict[int, int] | None]:
+    """``encode_step``'s bytes -> ``(SchedulerOutput without requests, lora_slots)``; each constrained row's grammar
+    is ``REMOTE_GRAMMAR`` (its bitmask comes from node 0)."""
+    message = _STEP_DECODER.decode(data)
+    return SchedulerOutput(
+        scheduled_cached_reqs=message.cached, scheduled_new_reqs=message.new_reqs,
+        num_scheduled_tokens=message.num_scheduled_tokens, fork_rows=message.fork_rows,
+        finished_req_ids=message.finished_req_ids, preempted_req_ids=message.preempted_req_ids,
+        block_copies=message.block_copies, swap_out=message.swap_out, swap_in=message.swap_in,
+        grammars=dict.fromkeys(message.grammar_req_ids, REMOTE_GRAMMAR), requests=[],
+        samples=message.samples), message.lora_slots

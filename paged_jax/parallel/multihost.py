@@ -70,7 +70,7 @@ def local_copies(arrays: Sequence) -> tuple:
 
 
 def leader_channel() -> "StepChannel | None":
-    """Node 0 of a multi-process job: the ``StepChannel`` its runner announces its device calls on (and, at exit,
+    """Node 0 of a multi-process job: the ``StepChannel`` its runner announces its steps on (and, at exit,
     ``"shutdown"``, which ends the followers). None in a single-process run."""
     import atexit
 
@@ -126,7 +126,9 @@ def is_leader() -> bool:
 
 
 class StepChannel:
-    """Node 0 -> every other node: the ordered host inputs of the runner's device calls.
+    """Node 0 -> every other node: the ordered steps its runner executes (``"step"``: ``encode_step``'s msgpack
+    bytes; ``"bitmask"``: a grammar step's int32 bitmask; ``"shutdown"``), which the others run
+    (``paged_jax.parallel.follower``).
 
     Messages are pickled tuples ``(kind, payload)`` under ``paged_jax/step/<n>`` in the coordinator's key-value
     store. A follower waits for the next one in slices of ``poll_s`` for as long as the job is alive (node 0 may be
@@ -143,7 +145,7 @@ class StepChannel:
         self._poll_ms = int(poll_s * 1000)
 
     def publish(self, kind: str, payload: Any = None) -> None:
-        """Node 0: send the next message (before making the device call it describes)."""
+        """Node 0: send the next message (before making the device calls it describes)."""
         self._client.key_value_set_bytes(f"{_KEY_PREFIX}{self._next}", pickle.dumps((kind, payload), protocol=5))
         if self._next >= _KEEP_MESSAGES:
             self._client.key_value_delete(f"{_KEY_PREFIX}{self._next - _KEEP_MESSAGES}")
