@@ -285,8 +285,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def execute(self, scheduler_output: SchedulerOutput, lora_slots: dict[int, int] | None = None, *,
                 defer_sampling: bool = False) -> PendingStep | None:
-        """Apply a step's diff to the persistent batch, run its swap copies, then dispatch it; nothing here waits for
-        the device. Returns the step's handle (``.result()``: a ``StepOutput`` aligned with the step's rows), or
+        """Apply a step's diff to the persistent batch and pack it, run its swap copies, then dispatch it; nothing
+        here waits for the device. Returns the step's handle (``.result()``: a ``StepOutput`` aligned with the step's rows), or
         None when the step has no rows.
 
         ``lora_slots``: ``{lora_int_id: slot}`` of the step's adapters (``paged_jax.lora``). Raises ValueError when
@@ -303,10 +303,10 @@ class ModelRunner:
             raise RuntimeError("execute: the previous step's sampling was never dispatched (dispatch_sampling)")
         rows = self._update_batch(scheduler_output)
         batch = self.input_batch
-        packed = None if rows is None else pack_step(batch, rows, buckets=self.buckets, layout_for=self.layout,
-                                    block_size=self.block_size, num_blocks=self.num_blocks,
-                                    max_logprobs=self.max_logprobs, block_copies=scheduler_output.block_copies,
-                                    lora_slots=lora_slots, lora=self.lora_slots is not None)
+        packed = None if rows is None else pack_step(
+            batch, rows, buckets=self.buckets, layout_for=self.layout, block_size=self.block_size,
+            num_blocks=self.num_blocks, max_logprobs=self.max_logprobs, block_copies=scheduler_output.block_copies,
+            lora_slots=lora_slots, lora=self.lora_slots is not None)
         if self.step_channel is not None:  # multi-host node 0: the other nodes run this same step, from here on
             self.step_channel.publish("step", encode_step(scheduler_output, lora_slots))
         self.swap(scheduler_output.swap_out, scheduler_output.swap_in)
