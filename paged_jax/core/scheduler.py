@@ -372,14 +372,13 @@ class Scheduler:
         first_fork = len(requests_of_rows) - len(scheduler_output.fork_rows)
         changed: list[Request] = []
         running_status = RequestStatus.RUNNING
-        requests = self.requests
         cache_full_blocks = self.kv.cache_full_blocks
         max_model_len = self.max_model_len
         starts = scheduler_output.row_num_computed_tokens()
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Every running request, every step: the stop rule (``_check_stop``) is inlined for a plain token.
         for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
-            if request.status is not running_status or requests.get(request.request_id) is not request:
+            if request.status is not running_status:  # finished or preempted since schedule() (unregistered then)
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if row < first_fork:
                 if request.num_computed_tokens != starts[row]:
