@@ -8,8 +8,8 @@ step's tokens back on device. Every layout runs the same global batch; with dp >
 Layout names: ``tp<N>`` (N-way tensor parallel, KV pool sharded over kv heads), ``dp<M>xtp<N>``, and a ``-kvrep``
 suffix for the replicated-attention layout (attention weights and the KV pool whole on every tp device, only MLP /
 embedding / LM head split). ``pp<K>xtp<N>``: K pipeline stages of N-way tp (``paged_jax.parallel.pipeline``), run through
-the engine's model runner (``PipelineModelRunner``; ``pp1xtp<N>`` = the plain tp runner, its baseline): the same
-prefill and greedy decode steps, as runner steps (bucketed, sampler included), the decode steps fed on device.
+the engine's model runner (``ModelRunner`` with the pipeline's ``PipelineForward``; ``pp1xtp<N>`` = the plain tp
+runner, its baseline): the same prefill and greedy decode steps, as runner steps (bucketed, sampler included), the decode steps fed on device.
 A pp layout splits a step into pp overlapping micro-batches when it has at least ``--pipeline-microbatch-min-tokens``
 per micro-batch (``paged_jax.parallel.pipeline``); ``--compare-unpipelined`` runs it again with every step one batch, stage
 after stage, and reports both step times, the speedup and its ideal, and the prefill compute floors (all stages busy
@@ -237,7 +237,7 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
                         compare_unpipelined: bool = False) -> dict:
     """The workload of ``run_layout`` as model-runner steps over ``pp`` stages of ``tp`` devices: one prefill step
     of every prompt, then greedy decode steps (each fed the previous step's tokens on device); same keys, plus
-    ``microbatches`` (of the prefill and decode steps: ``PipelineModelRunner.num_microbatches``, whose threshold
+    ``microbatches`` (of the prefill and decode steps: ``PipelineForward.num_microbatches``, whose threshold
     ``min_microbatch_tokens`` overrides), ``prefill_step_ms`` (prefill steps back to back, device-bound) and its
     compute floors on H200s: ``prefill_compute_floor_ms`` (every device of every stage busy: what overlapping stages
     can reach) and ``prefill_serial_floor_ms`` (one stage at a time).
@@ -251,7 +251,7 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
     from models.tensor_parallel import load_sharded_model
     from paged_jax.worker.model_runner import ModelRunner
     from paged_jax.parallel import ShardingPlan, make_mesh
-    from paged_jax.parallel.pipeline import PipelineModelRunner, PipelinePlan
+    from paged_jax.parallel.pipeline import PipelineForward, PipelinePlan
     from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
 
@@ -259,21 +259,22 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
     if pp * tp > len(jax.devices()):
         return {"layout": layout, "skipped": f"needs {pp * tp} devices, {len(jax.devices())} available"}
     if pp > 1:
-        plan, runner_cls = PipelinePlan.create(config, pp, tp), PipelineModelRunner
+        plan = PipelinePlan.create(config, pp, tp)
     else:
-        plan, runner_cls = ShardingPlan.create(config, make_mesh(tp)), ModelRunner
+        plan = ShardingPlan.create(config, make_mesh(tp))
     model = load_sharded_model(None, plan, dtype=dtype, load_format="dummy", seed=seed)
     max_len = prompt_len + decode_steps
     blocks_per_seq = -(-max_len // block_size)
 
     def make_runner(min_tokens):
-        extra = {} if pp == 1 else {"min_microbatch_tokens": min_tokens}
-        return runner_cls(model, plan.model_config, num_blocks=1 + batch * blocks_per_seq, block_size=block_size,
+        extra = {} if pp == 1 else {"forward": PipelineForward(min_microbatch_tokens=min_tokens)}
+        return ModelRunner(model, plan.model_config, num_blocks=1 + batch * blocks_per_seq, block_size=block_size,
                           max_model_len=blocks_per_seq * block_size, max_num_seqs=batch,
                           max_num_batched_tokens=batch * prompt_len, attention_impl=impl, sharding_plan=plan,
                           buckets=[(batch, batch), (batch * prompt_len, batch)], **extra)
 
     runner = make_runner(min_microbatch_tokens)
+    microbatches = getattr(runner.forward_strategy, "num_microbatches", {})  # {} for the one-program forward
     t0 = time.perf_counter()
     runner.warm_up(use_tqdm=False)
     compile_s = time.perf_counter() - t0
@@ -337,8 +338,7 @@ def run_pipeline_layout(config, layout: str, *, batch: int, prompt_len: int, dec
         "layout": layout, "dp": 1, "tp": tp, "pp": pp, "kv_layout": "sharded",
         "q_heads": plan.model_config.num_attention_heads, "kv_heads": plan.model_config.num_key_value_heads,
         "compile_and_first_run_s": round(compile_s, 3), "num_compiles_since_warmup": runner.num_compiles_since_warmup,
-        "microbatches": {"prefill": getattr(runner, "num_microbatches", {}).get(batch * prompt_len, 1),
-                         "decode": getattr(runner, "num_microbatches", {}).get(batch, 1)},
+        "microbatches": {"prefill": microbatches.get(batch * prompt_len, 1), "decode": microbatches.get(batch, 1)},
         "prefill_s": round(prefill_s, 4), "prefill_tok_s": round(batch * prompt_len / prefill_s, 1),
         "prefill_step_ms": round(prefill_step_s * 1e3, 3),
         "prefill_compute_floor_ms": round(flops / (pp * tp * H200_BF16_FLOPS) * 1e3, 4),

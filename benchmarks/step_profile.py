@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Memory analysis of the largest forward: is the donated pool updated in place?
     try:
         num_tokens, num_seqs = buckets[-1]
-        layout = runner._layout(num_tokens, num_seqs)
+        layout = runner.layout(num_tokens, num_seqs)
         buf = jax.device_put(np.zeros((layout.size,), np.int32), runner.device)
         compiled = runner._forward.lower(runner._param_leaves, runner.kv_pool, buf, runner._prev_tokens,
                                          num_tokens=num_tokens, num_seqs=num_seqs).compile()

@@ -380,13 +380,13 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
                          max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2], attention_impl=impl)
     assert runner.buckets
     for num_tokens, num_seqs in runner.buckets:
-        layout = runner._layout(num_tokens, num_seqs)
+        layout = runner.layout(num_tokens, num_seqs)
         buf = np.zeros((layout.size,), np.int32)
         traced = runner._forward.trace(runner._param_leaves, runner.kv_pool, buf, runner._prev_tokens,
                                        num_tokens=num_tokens, num_seqs=num_seqs)
         assert _loop_primitives(traced.jaxpr.jaxpr) == set(), (impl, num_tokens, num_seqs)
     num_rows = runner.sampler_seq_buckets[0]
-    layout = next(runner._layout(t, s) for t, s in runner.buckets if runner._layout(t, s).num_sample_rows == num_rows)
+    layout = next(runner.layout(t, s) for t, s in runner.buckets if runner.layout(t, s).num_sample_rows == num_rows)
     a, b = layout.fields["sampling"]
     logits = jnp.zeros((num_rows, config.vocab_size), jnp.float32)
     words = jnp.zeros((b - a,), jnp.int32)
@@ -402,7 +402,7 @@ def test_step_has_no_loops_outside_the_kernel(tiny_model):
 def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
     """A full-mode step with penalties but no logit_bias / allowed_token_ids row runs the compiled penalties + bias
     table variant with the runner's neutral bias table (and a full-mode step without penalties the bias table
-    variant with it): ``execute`` hands ``_sample`` that table (``_run_sampling``),
+    variant with it): ``execute`` hands ``_sample`` that table (``run_sampling``),
     and on the same logits the compiled variant with it gives the tokens, logprobs and top alternatives of
     ``sampler.sample`` without any table; nothing compiles."""
     model, config = tiny_model
@@ -431,7 +431,7 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
                                                        eos_token_ids=runner.eos_token_ids,
                                                        vocab_size=config.vocab_size)
     assert mode == sampler_lib.SamplingMode.FULL and sampler_lib.pack_bias_table(tensors) is None
-    layout = next(runner._layout(t, s) for t, s in runner.buckets if runner._layout(t, s).num_sample_rows == num_rows)
+    layout = next(runner.layout(t, s) for t, s in runner.buckets if runner.layout(t, s).num_sample_rows == num_rows)
     a, b = layout.fields["sampling"]
     words = np.zeros((b - a,), np.int32)
     sampler_lib.pack_sampling_tensors(tensors, words)
@@ -448,38 +448,46 @@ def test_penalty_step_without_bias_rows_samples_as_without_a_table(tiny_model):
 
 
 def test_one_host_to_device_transfer_per_step(tiny_model, monkeypatch):
-    """A step (no penalty rows) sends its metadata with exactly one explicit ``jax.device_put`` and makes no
-    implicit host-to-device transfer (a numpy array passed straight into a jitted call would be one)."""
+    """A step (no penalty rows) sends its metadata as one transfer: the step buffer, handed to the forward
+    executable as a numpy array (its call transfers it), and no other host-to-device transfer, explicit
+    (``jax.device_put``) or implicit."""
     import paged_jax.worker.model_runner as model_runner_module
 
     model, config = tiny_model
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, config.vocab_size, size=n).tolist() for n in (5, 12)]
     runner = make_runner(model, config)
-    calls = []
-    real_put = jax.device_put
+    puts, host_args = [], []
+    real_put, real_forward = jax.device_put, runner._forward
 
     def counting_put(x, *args, **kwargs):
-        calls.append(getattr(x, "shape", None))
+        puts.append(getattr(x, "shape", None))
         return real_put(x, *args, **kwargs)
 
+    def forward_taking_the_buffer(*args, **kwargs):
+        host_args.append(sum(isinstance(x, np.ndarray) for x in jax.tree.leaves(args)))
+        with jax.transfer_guard_host_to_device("allow"):
+            return real_forward(*args, **kwargs)
+
+    forward_taking_the_buffer._cache_size = real_forward._cache_size
     monkeypatch.setattr(model_runner_module.jax, "device_put", counting_put)
+    runner._forward = forward_taking_the_buffer
     driver = MiniDriver(runner, prompts, num_new=4, chunk=8)
     steps = []
     real_execute = runner.execute
 
     def counting_execute(scheduler_output, *args, **kwargs):
-        before = len(calls)
+        before = len(puts), len(host_args)
         with jax.transfer_guard_host_to_device("disallow"):
             pending = real_execute(scheduler_output, *args, **kwargs)
             result = pending.result()
-        steps.append(len(calls) - before)
+        steps.append((len(puts) - before[0], host_args[before[1]:]))
         return type("Done", (), {"result": lambda self: result})()
 
     runner.execute = counting_execute
     driver.run()
     assert len(steps) >= 4
-    assert steps == [1] * len(steps), steps
+    assert steps == [(0, [1])] * len(steps), steps
 
 
 def test_step_consumes_the_donated_kv_pool(tiny_model):

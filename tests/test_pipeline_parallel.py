@@ -12,7 +12,7 @@ import pytest
 from paged_jax.parallel import pipeline
 from paged_jax.config import EngineArgs
 from paged_jax.engine.llm_engine import LLMEngine
-from paged_jax.parallel.pipeline import (PipelineModelRunner, PipelinePlan, microbatch_attention_metadata, pipeline_schedule,
+from paged_jax.parallel.pipeline import (PipelineForward, PipelinePlan, microbatch_attention_metadata, pipeline_schedule,
                                 stage_layer_ranges)
 from paged_jax.sampling_params import SamplingParams
 from tests.test_data_parallel import (MAX_TOKENS, QWEN3_PROMPTS, SMALL, SMOLLM2_PROMPTS, greedy, qwen3_checkpoint_in,
@@ -32,7 +32,7 @@ def small_microbatches(monkeypatch):
     monkeypatch.setattr(pipeline, "MIN_MICROBATCH_TOKENS", 8)
 
 
-def _record_dispatches(runner: PipelineModelRunner) -> list[list[int]]:
+def _record_dispatches(runner) -> list[list[int]]:
     """Wraps the runner's stage functions: each step's stages in dispatch order (a stage's k-th call in a step is its
     micro-batch k: its KV slices thread through them), appended to the returned list; the staged forward runs with
     implicit transfers disallowed (a host sync inside it would raise)."""
@@ -46,7 +46,8 @@ def _record_dispatches(runner: PipelineModelRunner) -> list[list[int]]:
             return fn(*args, stage=stage, **kwargs)
         return call
 
-    runner._stage_fns = [recording(fn) for fn in runner._stage_fns]
+    strategy = runner.forward_strategy
+    strategy.stage_fns = [recording(fn) for fn in strategy.stage_fns]
     staged = runner._forward._call
 
     def guarded(*args, **kwargs):
@@ -78,7 +79,7 @@ def _n2_greedy(engine: LLMEngine, prompt: list[int]) -> list[list[int]]:
 
 def _assert_staged(engine: LLMEngine, pp: int, tp: int):
     runner = engine.engine_core.runner
-    assert isinstance(runner, PipelineModelRunner) and runner.num_compiles_since_warmup == 0
+    assert isinstance(runner.forward_strategy, PipelineForward) and runner.num_compiles_since_warmup == 0
     plan: PipelinePlan = runner.sharding_plan
     assert plan.pipeline_parallel_size == pp and dict(plan.mesh.shape) == {"pp": pp, "tp": tp}
     for stage, (start, stop) in enumerate(plan.layer_ranges):
@@ -122,7 +123,7 @@ def test_pp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen
     reference = qwen3_reference
     engine = LLMEngine(EngineArgs(model=qwen3_checkpoint, pipeline_parallel_size=2, tensor_parallel_size=tp,
                                   **SMALL), use_tqdm=False)
-    assert engine.engine_core.runner.num_microbatches == {1: 1, 16: 2}
+    assert engine.engine_core.runner.forward_strategy.num_microbatches == {1: 1, 16: 2}
     steps = _record_dispatches(engine.engine_core.runner)
     assert greedy(engine, QWEN3_PROMPTS) == reference
     _assert_overlapped(steps)

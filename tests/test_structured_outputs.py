@@ -183,7 +183,7 @@ def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenize
             return fn(*args, **kwargs)
         return wrapped
 
-    for name, attr in (("forward", "_dispatch_forward"), ("sample", "_dispatch_sampling"), ("whole", "_dispatch")):
+    for name, attr in (("forward", "run_forward"), ("sample", "run_sampling")):
         monkeypatch.setattr(runner, attr, record(name, getattr(runner, attr)))
     monkeypatch.setattr(PendingStep, "result", record("fetch", PendingStep.result))
     monkeypatch.setattr(SequenceGrammar, "accept", record("accept", SequenceGrammar.accept))

@@ -268,8 +268,11 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:  # every step of every running request, mostly: nothing new is full
+            return
+        num_full = min(num_full, len(request.block_ids))
         if num_full <= start:
             return
         self._update_block_hashes(request)
@@ -316,16 +319,21 @@ class KVCacheManager:
         nothing if the pool is short of blocks.
         """
         block_ids = request.block_ids
-        if (block_ids and not computed_blocks and num_new_tokens > 0
-                and self._shared_write_block(request) is None):
+        if block_ids and not computed_blocks and num_new_tokens > 0:
             # A running request writing into its own blocks (every running request, every step): the general path
-            # below reduces to appending the blocks past those it holds.
-            num_new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(block_ids)
-            if num_new_blocks > self.num_free_blocks:
-                return False
-            for _ in range(num_new_blocks):
-                block_ids.append(self._pop_free_block())
-            return True
+            # below reduces to appending the blocks past those it holds (``_shared_write_block`` inlined).
+            block_size = self.block_size
+            num_computed = request.num_computed_tokens
+            index = num_computed // block_size
+            if index >= len(block_ids) or self.blocks[block_ids[index]].ref_cnt <= 1:
+                num_new_blocks = -(-(num_computed + num_new_tokens) // block_size) - len(block_ids)
+                if num_new_blocks <= 0:
+                    return True
+                if num_new_blocks > len(self._free_queue):
+                    return False
+                for _ in range(num_new_blocks):
+                    block_ids.append(self._pop_free_block())
+                return True
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         computed_blocks = list(computed_blocks or ())

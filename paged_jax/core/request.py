@@ -47,7 +47,9 @@ _FINISH_REASONS = {
 FINISH_STATUS_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
-@dataclasses.dataclass(eq=False)  # identity semantics: requests are used as dict keys / compared with `is`
+# Identity semantics (requests are dict keys, compared with ``is``); slots: the scheduler reads every running
+# request's attributes every step, so they sit in the object itself, a few cache lines.
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
     """Mutable per-request state.
 
@@ -99,6 +101,13 @@ class Request:
     # (-1: no row) and its first block ids; the scheduler sends the rest as a diff.
     runner_num_tokens: int = -1
     runner_num_blocks: int = 0
+    # The stop rule's constants, read from ``params`` once (``_read_stop_rule``).
+    max_tokens: int | None = dataclasses.field(init=False, default=None)
+    min_tokens: int = dataclasses.field(init=False, default=0)
+    ignore_eos: bool = dataclasses.field(init=False, default=False)
+    stop_token_ids: list[int] = dataclasses.field(init=False, default_factory=list)
+    eos_stop_ids: frozenset[int] = dataclasses.field(init=False, default=frozenset())
+    stop_token_id_set: frozenset[int] = dataclasses.field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -123,13 +132,13 @@ class Request:
         """Read the stop rule's constants from ``params`` once: the scheduler checks them for every sampled token
         (``params`` is fixed once the request exists)."""
         params = self.params
-        self.max_tokens: int | None = getattr(params, "max_tokens", None)
-        self.min_tokens: int = getattr(params, "min_tokens", 0) or 0
-        self.ignore_eos: bool = bool(getattr(params, "ignore_eos", False))
-        self.stop_token_ids: list[int] = list(getattr(params, "stop_token_ids", None) or ())
+        self.max_tokens = getattr(params, "max_tokens", None)
+        self.min_tokens = getattr(params, "min_tokens", 0) or 0
+        self.ignore_eos = bool(getattr(params, "ignore_eos", False))
+        self.stop_token_ids = list(getattr(params, "stop_token_ids", None) or ())
         # Token ids that finish it once past min_tokens: EOS ids (none with ignore_eos), then stop_token_ids.
-        self.eos_stop_ids: frozenset[int] = frozenset() if self.ignore_eos else self.eos_token_ids
-        self.stop_token_id_set: frozenset[int] = frozenset(self.stop_token_ids)
+        self.eos_stop_ids = frozenset() if self.ignore_eos else self.eos_token_ids
+        self.stop_token_id_set = frozenset(self.stop_token_ids)
 
     @property
     def lora_int_id(self) -> int:

@@ -9,22 +9,30 @@ batch by id; a preempted request that runs again comes back as new. The runner n
 
 Rows of a step, in this order: the cached requests, then the new ones, then the fork rows (``fork_rows``). The
 runner's ``StepOutput`` is aligned with that order, and so is ``Scheduler.update_from_output``'s input.
+
+On the wire (multi-host: node 0 -> the other nodes, ``paged_jax.parallel.follower``) a step is ``encode_step``'s
+msgpack: the diff types are msgspec Structs (``SamplingParams`` a dataclass msgspec encodes field by field), the
+grammars only as the ids of the constrained rows (their bitmask is node 0's to fill), the scheduler's own
+``requests`` left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from paged_jax.core.request import Request
+from paged_jax.sampling_params import SamplingParams
 
 # Stands for a sampled token still on the device (async scheduling): the runner feeds the row from the previous
 # step's on-device sample instead. Real token ids are >= 0.
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclasses.dataclass
-class NewRequestData:
+class NewRequestData(msgspec.Struct):
     """A request the runner has no row for (first admission, or running again after a preemption).
 
     Attributes:
@@ -32,7 +40,7 @@ class NewRequestData:
       prompt_token_ids: list[int] the prompt (P tokens).
       output_token_ids: list[int] outputs already sampled (recompute after preemption, forked beams), fed after the
         prompt.
-      params: its ``SamplingParams`` (read once, when the row is made).
+      params: its ``SamplingParams`` (read once, when the row is made; None: greedy, as padding rows).
       seed: the seed of its sampling row (``sampler.seed_to_u32`` folds it).
       block_ids: list[int] its device block table, covering the tokens computed after this step.
       num_computed_tokens: leading tokens whose K/V is already in the pool (prefix-cache hits).
@@ -43,7 +51,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    params: Any
+    params: SamplingParams | None
     seed: int
     block_ids: list[int]
     num_computed_tokens: int
@@ -51,8 +59,7 @@ class NewRequestData:
     prompt_logprobs: bool = False
 
 
-@dataclasses.dataclass
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct):
     """The running requests of a step that the runner already holds, as columns (one entry per request).
 
     Attributes:
@@ -65,11 +72,11 @@ class CachedRequestData:
       num_computed_tokens: list[int] tokens already in the pool before this step.
     """
 
-    req_ids: list[str] = dataclasses.field(default_factory=list)
-    new_token_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    new_block_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    block_starts: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    block_starts: list[int] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +112,7 @@ class SchedulerOutput:
       grammars: req_id -> ``structured_output.SequenceGrammar`` of the step's constrained requests (their sampling
         rows are masked by it).
       requests / samples: the scheduler's own view of the rows (its ``Request`` per row and whether the row samples),
-        read back by ``update_from_output``; the runner does not read them.
+        read back by ``update_from_output``; the runner does not read them (a decoded step has no ``requests``).
     """
 
     scheduled_cached_reqs: CachedRequestData
@@ -123,7 +130,7 @@ class SchedulerOutput:
 
     @property
     def num_rows(self) -> int:
-        return len(self.requests)
+        return len(self.scheduled_cached_reqs.req_ids) + len(self.scheduled_new_reqs) + len(self.fork_rows)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -131,12 +138,12 @@ class SchedulerOutput:
 
     @property
     def has_rows(self) -> bool:
-        return bool(self.requests)
+        return self.num_rows > 0
 
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do (no rows, copies or ids to drop)."""
-        return not (self.requests or self.swap_out or self.swap_in or self.finished_req_ids
+        return not (self.has_rows or self.swap_out or self.swap_in or self.finished_req_ids
                     or self.preempted_req_ids)
 
     def row_num_computed_tokens(self) -> list[int]:
@@ -168,25 +175,6 @@ def new_request_data(request: Request) -> NewRequestData:
         lora_int_id=request.lora_int_id, prompt_logprobs=request.skip_prefix_cache)
 
 
-def append_cached_request(cached: CachedRequestData, request: Request, num_tokens: int) -> None:
-    """Add a held request's diff to ``cached``: the tokens and block ids its row lacks."""
-    held_tokens = request.runner_num_tokens
-    num_prompt = len(request.prompt_token_ids)
-    if held_tokens >= num_prompt:  # a decode: the outputs sampled since (one, usually)
-        new_tokens = request.output_token_ids[held_tokens - num_prompt:]
-    else:
-        new_tokens = request.token_ids_slice(held_tokens, num_tokens)
-    block_ids = request.block_ids
-    held_blocks = request.runner_num_blocks
-    cached.req_ids.append(request.request_id)
-    cached.new_token_ids.append(new_tokens)
-    cached.new_block_ids.append(block_ids[held_blocks:] if len(block_ids) > held_blocks else [])
-    cached.block_starts.append(held_blocks)
-    cached.num_computed_tokens.append(request.num_computed_tokens)
-    request.runner_num_tokens = num_tokens
-    request.runner_num_blocks = len(block_ids)
-
-
 class StepBuilder:
     """Builds one step's ``SchedulerOutput`` row by row (the scheduler's, and ``hand_steps``' for tests and
     benchmarks): a request's whole row the first time, afterwards only what its row lacks; rows come out as the
@@ -200,24 +188,58 @@ class StepBuilder:
         self.forks: list[tuple[NewRequestData, str]] = []
         self._fork_requests: list[Request] = []
         self.grammars: dict[str, Any] = {}
+        self._last_samples = False
 
     def add(self, request: Request, num_new: int) -> bool:
-        """Add ``request`` computing ``num_new`` tokens from its ``num_computed_tokens``; returns whether the row
-        samples (the step reaches the end of its known tokens)."""
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        samples = request.num_computed_tokens + num_new == num_tokens
-        if request.runner_num_tokens < 0:
-            self.new_reqs.append(new_request_data(request))
-            columns = self._new_columns
-        else:
-            append_cached_request(self.cached, request, num_tokens)
-            columns = self._cached_columns
-        columns[0].append(request)
-        columns[1].append(num_new)
-        columns[2].append(samples)
-        if request.grammar is not None:
-            self.grammars[request.request_id] = request.grammar
-        return samples
+        """Add ``request`` computing ``num_new`` tokens from its ``num_computed_tokens`` (as ``add_rows``); returns
+        whether the row samples (the step reaches the end of its known tokens)."""
+        self.add_rows(((request, num_new),))
+        return self._last_samples
+
+    def add_rows(self, rows: Iterable[tuple[Request, int]]) -> None:
+        """``add`` each ``(request, num_new)`` in order, and after a request that samples and has
+        ``pending_forks``, a fork row per child (the scheduler's order). One pass over every running request each
+        step: a held row's diff is the tokens and block ids it lacks (``Request.runner_num_tokens`` /
+        ``runner_num_blocks`` say what it holds)."""
+        cached = self.cached
+        req_ids, new_token_ids, new_block_ids = cached.req_ids, cached.new_token_ids, cached.new_block_ids
+        block_starts, num_computed_col = cached.block_starts, cached.num_computed_tokens
+        held_requests, held_num_new, held_samples = self._cached_columns
+        samples = False
+        for request, num_new in rows:
+            output_token_ids = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
+            num_tokens = num_prompt + len(output_token_ids)
+            num_computed = request.num_computed_tokens
+            samples = num_computed + num_new == num_tokens
+            held_tokens = request.runner_num_tokens
+            if held_tokens < 0:
+                self.new_reqs.append(new_request_data(request))
+                new_requests, new_num_new, new_samples = self._new_columns
+                new_requests.append(request)
+                new_num_new.append(num_new)
+                new_samples.append(samples)
+            else:
+                req_ids.append(request.request_id)
+                new_token_ids.append(output_token_ids[held_tokens - num_prompt:] if held_tokens >= num_prompt
+                                     else request.token_ids_slice(held_tokens, num_tokens))
+                block_ids = request.block_ids
+                held_blocks = request.runner_num_blocks
+                num_blocks = len(block_ids)
+                new_block_ids.append(block_ids[held_blocks:] if num_blocks > held_blocks else [])
+                block_starts.append(held_blocks)
+                num_computed_col.append(num_computed)
+                request.runner_num_tokens = num_tokens
+                request.runner_num_blocks = num_blocks
+                held_requests.append(request)
+                held_num_new.append(num_new)
+                held_samples.append(samples)
+            if request.grammar is not None:
+                self.grammars[request.request_id] = request.grammar
+            if samples and request.pending_forks:
+                for child in request.pending_forks:
+                    self.add_fork(child, request.request_id)
+        self._last_samples = samples
 
     def add_fork(self, child: Request, parent_id: str) -> None:
         """A fork row: ``child``'s row is made and samples its first token from ``parent_id``'s last token."""
@@ -238,3 +260,57 @@ class StepBuilder:
             preempted_req_ids=preempted_req_ids, block_copies=block_copies, swap_out=swap_out, swap_in=swap_in,
             grammars=self.grammars, requests=requests + new_requests + self._fork_requests,
             samples=samples + new_samples + [True] * len(self.forks))
+
+
+class _RemoteGrammar:
+    """A constrained row of a step decoded from the wire: its bitmask row comes from node 0."""
+
+    def __repr__(self) -> str:
+        return "REMOTE_GRAMMAR"
+
+
+REMOTE_GRAMMAR = _RemoteGrammar()
+
+
+class StepMessage(msgspec.Struct, array_like=True):
+    """A step on the wire (``encode_step``): what the runner reads of a ``SchedulerOutput``, plus the step's LoRA
+    slots ``{lora_int_id: slot}`` (None: none)."""
+
+    cached: CachedRequestData
+    new_reqs: list[NewRequestData]
+    num_scheduled_tokens: list[int]
+    fork_rows: list[tuple[NewRequestData, str]]
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+    block_copies: list[tuple[int, int]]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    grammar_req_ids: list[str]
+    samples: list[bool]
+    lora_slots: dict[int, int] | None = None
+
+
+_STEP_ENCODER = msgspec.msgpack.Encoder()
+_STEP_DECODER = msgspec.msgpack.Decoder(StepMessage)
+
+
+def encode_step(scheduler_output: SchedulerOutput, lora_slots: dict[int, int] | None = None) -> bytes:
+    """The step as msgpack bytes (``StepMessage``)."""
+    out = scheduler_output
+    return _STEP_ENCODER.encode(StepMessage(
+        out.scheduled_cached_reqs, out.scheduled_new_reqs, out.num_scheduled_tokens, out.fork_rows,
+        out.finished_req_ids, out.preempted_req_ids, out.block_copies, out.swap_out, out.swap_in,
+        list(out.grammars), out.samples, lora_slots))
+
+
+def decode_step(data: bytes) -> tuple[SchedulerOutput, dict[int, int] | None]:
+    """``encode_step``'s bytes -> ``(SchedulerOutput without requests, lora_slots)``; each constrained row's grammar
+    is ``REMOTE_GRAMMAR`` (its bitmask comes from node 0)."""
+    message = _STEP_DECODER.decode(data)
+    return SchedulerOutput(
+        scheduled_cached_reqs=message.cached, scheduled_new_reqs=message.new_reqs,
+        num_scheduled_tokens=message.num_scheduled_tokens, fork_rows=message.fork_rows,
+        finished_req_ids=message.finished_req_ids, preempted_req_ids=message.preempted_req_ids,
+        block_copies=message.block_copies, swap_out=message.swap_out, swap_in=message.swap_in,
+        grammars=dict.fromkeys(message.grammar_req_ids, REMOTE_GRAMMAR), requests=[],
+        samples=message.samples), message.lora_slots

@@ -235,35 +235,48 @@ class Scheduler:
 
     def _schedule_running(self, step: "_StepPlan") -> None:
         """Give each running request its tokens (1 when decoding), preempting the least important running request
-        while the pool is short (as vLLM: possibly the request itself, which then waits)."""
+        while the pool is short (as vLLM: possibly the request itself, which then waits). Runs for every running
+        request every step: kept to plain attribute reads and one allocation call per request."""
         running_status = RequestStatus.RUNNING
-        allocate_slots = self.kv.allocate_slots
+        kv = self.kv
+        allocate_slots = kv.allocate_slots
+        planned = step.planned
+        budget = step.budget
         for request in list(self.running):
-            if step.budget == 0:
+            if budget == 0:
                 break
-            if request.status != running_status or request.held:  # preempted earlier in this loop / held
+            if request.status is not running_status or request.held:  # preempted earlier in this loop / held
                 continue
-            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
-                          - request.num_computed_tokens, step.budget)  # request.num_tokens_to_compute, inlined
+            num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
+                       - request.num_computed_tokens)  # request.num_tokens_to_compute, inlined
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue
-            if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
+            if kv.num_pending_copies >= MAX_BLOCK_COPIES and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
-            while not allocate_slots(request, num_new):
-                victim = max(self.running, key=self._order_key)
-                self._preempt(victim, step)
-                if victim is request:
-                    break
-            if request.status == running_status:
-                step.planned[request.request_id] = (request, num_new)
-                step.budget -= num_new
+            if not allocate_slots(request, num_new):
+                step.budget = budget
+                while True:
+                    victim = max(self.running, key=self._order_key)
+                    self._preempt(victim, step)  # returns the budget of a victim planned earlier
+                    if victim is request or allocate_slots(request, num_new):
+                        break
+                budget = step.budget
+                if request.status is not running_status:
+                    continue
+            planned[request.request_id] = (request, num_new)
+            budget -= num_new
+        step.budget = budget
 
     def _schedule_waiting(self, step: "_StepPlan") -> None:
         """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow."""
+        if not self.waiting:
+            return
         lora_skipped: set[str] = set()  # waiting requests whose adapter would need a slot the running ones hold
         running_loras = {r.lora_int_id for r in self.running} - {0}
         # Slots kept free for sequences that running requests will fork.
-        reserved = sum(r.reserved_seats for r in self._reserving) if self.waiting else 0
+        reserved = sum(r.reserved_seats for r in self._reserving)
         while step.budget > 0 and len(self.running) + reserved < self.max_num_seqs:
             request = self._peek_waiting(lora_skipped.union(step.preempted))  # never re-admit what this step preempted
             if request is None:
@@ -324,10 +337,7 @@ class Scheduler:
         """The step as the runner's diff (``StepBuilder``), fork rows after the request that samples its first
         token."""
         builder = StepBuilder()
-        for request, num_new in step.planned.values():
-            if builder.add(request, num_new) and request.pending_forks:
-                for child in request.pending_forks:
-                    builder.add_fork(child, request.request_id)
+        builder.add_rows(step.planned.values())
         finished, self._finished_rows = self._finished_rows, []
         return builder.build(finished_req_ids=finished, preempted_req_ids=step.preempted,
                              block_copies=self.kv.take_block_copies(), swap_out=step.swap_out, swap_in=step.swap_in)
@@ -359,21 +369,22 @@ class Scheduler:
                 raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
                                  f"{len(requests_of_rows)} (one per row of the step)")
             tokens = sampled_token_ids
-        num_forks = len(scheduler_output.fork_rows)
-        first_fork = len(requests_of_rows) - num_forks
+        first_fork = len(requests_of_rows) - len(scheduler_output.fork_rows)
         changed: list[Request] = []
         running_status = RequestStatus.RUNNING
-        requests = self.requests
         cache_full_blocks = self.kv.cache_full_blocks
+        max_model_len = self.max_model_len
         starts = scheduler_output.row_num_computed_tokens()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        # Every running request, every step: the stop rule (``_check_stop``) is inlined for a plain token.
         for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
-            if request.status != running_status or requests.get(request.request_id) is not request:
+            if request.status is not running_status:  # finished or preempted since schedule() (unregistered then)
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if row < first_fork:
                 if request.num_computed_tokens != starts[row]:
                     raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
                                        "update_from_output once per schedule(), in order")
-                request.num_computed_tokens += scheduler_output.num_scheduled_tokens[row]
+                request.num_computed_tokens += num_scheduled[row]
                 cache_full_blocks(request)
                 if not samples:
                     continue
@@ -381,9 +392,16 @@ class Scheduler:
                     self._fork_pending(request)
             if token is None:
                 raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
-            request.output_token_ids.append(int(token))
-            status = self._check_stop(request)
-            if status is not None:
+            token = int(token)
+            output_token_ids = request.output_token_ids
+            output_token_ids.append(token)
+            num_output = len(output_token_ids)
+            max_tokens = request.max_tokens
+            if ((num_output > request.min_tokens and token >= 0
+                 and (token in request.eos_stop_ids or token in request.stop_token_id_set))
+                    or (max_tokens is not None and num_output >= max_tokens)
+                    or len(request.prompt_token_ids) + num_output >= max_model_len):
+                status = self._check_stop(request)
                 self._leave_running(request)
                 self._finish(request, status)
             elif request.hold_after_sample:

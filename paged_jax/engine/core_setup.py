@@ -21,13 +21,13 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
-from paged_jax.parallel.pipeline import runner_class
 from paged_jax.worker.buckets import planned_num_compiles
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
                                              enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
 from paged_jax.worker.model_loader import LoadedModel, load_engine_model
+from paged_jax.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +141,13 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     num_blocks, num_host_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len, max_num_seqs,
                                                 max_num_batched_tokens)
     timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
-    runner = runner_class(plan)(  # a PipelineModelRunner with pipeline_parallel_size > 1
+    runner = ModelRunner(
         model, loaded.run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         num_host_blocks=num_host_blocks, eos_token_ids=loaded.eos_token_ids, attention_impl=args.attention_impl,
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
-        lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device))  # None unless enable_lora
+        lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
+        forward=loaded.forward)  # the pipeline's staged forward with pipeline_parallel_size > 1
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                       num_host_blocks=num_host_blocks)
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,

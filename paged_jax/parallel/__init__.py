@@ -4,10 +4,10 @@
 * ``head_layout``: ``HeadLayout``, fitting q/kv heads onto tp devices (the head rewrite).
 * ``plan``: ``ShardingPlan``, parameter PartitionSpecs, the KV pool's sharding and head-parallel attention under
   ``shard_map``.
-* ``pipeline``: pipeline parallelism (contiguous layer stages, the ``PipelineModelRunner``); ``data_parallel``:
+* ``pipeline``: pipeline parallelism (contiguous layer stages, the runner's ``PipelineForward``); ``data_parallel``:
   engine replicas behind a prefix-aware router.
-* ``multihost``, ``follower``, ``rank_watch``: one engine over several hosts (node 0 schedules, the others replay its
-  device calls; a dead node ends the job).
+* ``multihost``, ``follower``, ``rank_watch``: one engine over several hosts (node 0 schedules, the others run its
+  steps' ``SchedulerOutput``s; a dead node ends the job).
 
 The model that runs on a plan, and loading it straight into its shards, live in ``models.tensor_parallel``
 (``TensorParallelLlamaForCausalLM``, ``load_sharded_model``, ``shard_model``).

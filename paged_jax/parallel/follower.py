@@ -1,7 +1,9 @@
 """Nodes 1..N-1 of a multi-host engine (``paged_jax.parallel.multihost``): build the same engine as node 0, then
-replay node 0's device calls from the ``StepChannel`` until it shuts down: ``"dispatch"`` (a whole step),
-``"forward"`` then ``"sample"`` (a step in two halves, ``paged_jax.worker.step_dispatch``), ``"swap"``; ``"shutdown"`` ends
-the loop. The engine runs in a child process (``rank_watch.run_supervised``), so that a dead node ends the job."""
+run node 0's steps from the ``StepChannel`` until it shuts down: each ``"step"`` is a ``SchedulerOutput``
+(``paged_jax.core.sched_output.encode_step``) that the runner executes exactly as node 0's runner does (the same
+persistent batch, packing, swaps and dispatch: one step path on every node); a step with grammar rows is followed by
+its ``"bitmask"`` (the grammars' matchers are node 0's); ``"shutdown"`` ends the loop. The engine runs in a child
+process (``rank_watch.run_supervised``), so that a dead node ends the job."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 
 import jax
 
+from paged_jax.core.sched_output import decode_step
 from paged_jax.engine.core import EngineCore
 from paged_jax.parallel.multihost import StepChannel
 from paged_jax.parallel.rank_watch import close_watch, run_supervised
@@ -55,27 +58,27 @@ def _follow_here(engine_args, log_level: int) -> int:
 
 
 def follow(runner, channel: StepChannel) -> None:
-    """Nodes 1..N-1: replay node 0's device calls on this process's ``runner`` (built and warmed up exactly as node
-    0's) until node 0 sends ``"shutdown"``. Returns normally on shutdown; raises when node 0 is lost."""
+    """Nodes 1..N-1: run node 0's steps on this process's ``runner`` (built and warmed up exactly as node 0's)
+    until node 0 sends ``"shutdown"``. Returns normally on shutdown; raises when node 0 is lost."""
     logger.info("node %d ready: following node 0's steps", jax.process_index())
-    pending = forward = None
+    pending = None
     while True:
         kind, payload = channel.receive()
         if kind == "shutdown":
             logger.info("node 0 shut down; node %d exits", jax.process_index())
             return
-        if kind == "forward":  # a step in two halves (paged_jax.worker.step_dispatch): its "sample" comes next
-            forward = runner._dispatch_forward(*payload)
-        elif kind in ("dispatch", "sample"):
-            if kind == "dispatch":
-                outputs = runner._dispatch(*payload)
-            else:
-                outputs, forward = runner._dispatch_sampling(forward, *payload), None
-            # Nothing reads a follower's outputs; keeping the last one bounds how far its queue runs ahead.
-            if pending is not None:
-                jax.block_until_ready(pending)
-            pending = outputs
-        elif kind == "swap":
-            runner.swap(*payload)
-        else:
-            raise RuntimeError(f"unknown step message {kind!r} from node 0")
+        if kind != "step":
+            raise RuntimeError(f"unexpected step message {kind!r} from node 0")
+        scheduler_output, lora_slots = decode_step(payload)
+        handle = runner.execute(scheduler_output, lora_slots, defer_sampling=True)
+        if handle is None:
+            continue
+        if runner.waits_for_bitmask(handle):
+            kind, bitmask = channel.receive()
+            if kind != "bitmask":
+                raise RuntimeError(f"node 0 sent {kind!r} where a step's grammar bitmask was due")
+            runner.dispatch_sampling(handle, bitmask)
+        # Nothing reads a follower's outputs; waiting for the previous step bounds how far its queue runs ahead.
+        if pending is not None:
+            pending.wait()
+        pending = handle

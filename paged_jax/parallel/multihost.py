@@ -3,15 +3,15 @@
 Every host runs one process of one JAX job (``jax.distributed``; the coordinator is node 0 at ``A:P``), so the
 meshes span all hosts' devices and every jitted step is one multi-controller SPMD program: each process must call
 the same jitted functions, in the same order, with the same global shapes and the same host inputs. Node 0 owns the
-engine loop (scheduler, KV-cache manager, detokenizer, HTTP); the others own no requests and only replay node 0's
-device work:
+engine loop (scheduler, KV-cache manager, detokenizer, HTTP); the others own no requests and run node 0's steps:
 
-* ``StepChannel``: node 0 publishes, before it launches them, the host inputs of each device call its runner makes
-  after warm-up (a step's metadata buffer and the sampler's extra tables; swap copies), numbered, through the
-  coordinator's key-value store (``jax.distributed``'s own client: small messages over its gRPC connection, no
-  device collective, so nothing compiles for them). Warm-up needs no messages: every process compiles and runs the
-  same fixed sequence.
-* The followers' loop (``paged_jax.parallel.follower``) replays them.
+* ``StepChannel``: node 0's runner publishes, before any device call of it, each step it executes after warm-up (its
+  ``SchedulerOutput``, msgspec-encoded by ``paged_jax.core.sched_output.encode_step``, and the step's LoRA slots; a
+  grammar step's bitmask, which only node 0's matchers can fill), numbered, through the coordinator's key-value
+  store (``jax.distributed``'s own client: small messages over its gRPC connection, no device collective, so
+  nothing compiles for them). Warm-up needs no messages: every process compiles and runs the same fixed sequence.
+* The followers' loop (``paged_jax.parallel.follower``) runs each step through its own runner's ``execute``: the
+  same persistent batch, packing, swaps and dispatch as node 0's (one step path on every node).
 
 A dead node: every node notices within seconds (``EngineArgs.distributed_timeout_seconds``,
 ``--distributed-timeout-seconds``), logs an error naming it and exits with status 1 (``paged_jax.parallel.rank_watch``).
@@ -70,7 +70,7 @@ def local_copies(arrays: Sequence) -> tuple:
 
 
 def leader_channel() -> "StepChannel | None":
-    """Node 0 of a multi-process job: the ``StepChannel`` its runner announces its device calls on (and, at exit,
+    """Node 0 of a multi-process job: the ``StepChannel`` its runner announces its steps on (and, at exit,
     ``"shutdown"``, which ends the followers). None in a single-process run."""
     import atexit
 
@@ -126,7 +126,9 @@ def is_leader() -> bool:
 
 
 class StepChannel:
-    """Node 0 -> every other node: the ordered host inputs of the runner's device calls.
+    """Node 0 -> every other node: the ordered steps its runner executes (``"step"``: ``encode_step``'s msgpack
+    bytes; ``"bitmask"``: a grammar step's int32 bitmask; ``"shutdown"``), which the others run
+    (``paged_jax.parallel.follower``).
 
     Messages are pickled tuples ``(kind, payload)`` under ``paged_jax/step/<n>`` in the coordinator's key-value
     store. A follower waits for the next one in slices of ``poll_s`` for as long as the job is alive (node 0 may be
@@ -143,7 +145,7 @@ class StepChannel:
         self._poll_ms = int(poll_s * 1000)
 
     def publish(self, kind: str, payload: Any = None) -> None:
-        """Node 0: send the next message (before making the device call it describes)."""
+        """Node 0: send the next message (before making the device calls it describes)."""
         self._client.key_value_set_bytes(f"{_KEY_PREFIX}{self._next}", pickle.dumps((kind, payload), protocol=5))
         if self._next >= _KEEP_MESSAGES:
             self._client.key_value_delete(f"{_KEY_PREFIX}{self._next - _KEEP_MESSAGES}")

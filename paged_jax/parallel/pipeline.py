@@ -9,8 +9,9 @@ earlier stages taking one fewer when they do not divide (``stage_layer_ranges``)
 
 ``PipelinePlan`` is the layout: it places every parameter on its stage's mesh at load time (it implements the
 ``models.tensor_parallel.TensorParallelPlan`` protocol, so ``load_sharded_model`` and the weights cache put each
-tensor straight into its stage's shards) and creates the staged KV pool. ``PipelineModelRunner`` is the
-``ModelRunner`` whose forward runs stage by stage: one jitted function per stage and bucket, shared by the bucket's
+tensor straight into its stage's shards) and creates the staged KV pool. ``PipelineForward`` is the forward strategy
+(``paged_jax.worker.step_forward``) the one ``ModelRunner`` is given for it: stage by stage, one jitted function per
+stage and bucket, shared by the bucket's
 micro-batches (embedding + its layers on stage 0, its layers in between, its layers + norm on the last), then the LM
 head on the last stage; the hidden states ``[T / M, hidden]`` of M micro-batches copied device to device between
 stages, the step's metadata buffer copied from the last stage (where the runner puts it,
@@ -59,7 +60,6 @@ from jax.sharding import Mesh, NamedSharding
 from models.config import ModelConfig
 from models.llama import matmul_precision, run_decoder_layers, scale_embedding, scale_logits
 from models.qk_transform import rope_tables
-from paged_jax.worker.model_runner import ModelRunner
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 from paged_jax.parallel.plan import ShardingPlan
 from paged_jax.worker.prompt_logprobs import prompt_logprobs_on_device
@@ -163,7 +163,7 @@ class PipelinePlan:
         return self.stage_plans[0].rewrite_param(path, value, xp)  # every stage has the same head layout
 
     def wrap_attention(self, attention):
-        raise ValueError("a pipeline-parallel model runs stage by stage (paged_jax.parallel.pipeline.PipelineModelRunner), "
+        raise ValueError("a pipeline-parallel model runs stage by stage (paged_jax.parallel.pipeline.PipelineForward), "
                          "not as one call")
 
     def gather_logits(self, logits):
@@ -194,11 +194,6 @@ def load_pipeline_model(args, model_path: str | None, config: ModelConfig, dtype
                                               seed=args.seed),
         lambda: abstract_model(plan, resolve_dtype(dtype)), shardings=plan.state_shardings)
     return model, plan, plan.model_config, plan.per_device_model_config
-
-
-def runner_class(plan) -> type[ModelRunner]:
-    """The runner for a loaded model's plan: ``PipelineModelRunner`` for a ``PipelinePlan``."""
-    return PipelineModelRunner if isinstance(plan, PipelinePlan) else ModelRunner
 
 
 class _Stage(nnx.Module):
@@ -269,42 +264,43 @@ def microbatch_attention_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, star
 MIN_MICROBATCH_TOKENS = 256
 
 
-class PipelineModelRunner(ModelRunner):
-    """A ``ModelRunner`` over a ``PipelinePlan``-loaded model (``sharding_plan=plan``): its forward and prompt
-    logprobs run stage by stage, a large step as micro-batches that overlap across stages (see the module
-    docstring); everything else is inherited.
+class PipelineForward:
+    """The ``StepForward`` of a ``PipelinePlan``-loaded model (``ModelRunner(..., sharding_plan=plan,
+    forward=PipelineForward())``): the forward and prompt logprobs run stage by stage, a large step as micro-batches
+    that overlap across stages (see the module docstring); everything else of the step is the runner's.
 
-    Extra argument: ``min_microbatch_tokens`` (default ``MIN_MICROBATCH_TOKENS``): a token bucket is split into
+    ``min_microbatch_tokens`` (default ``MIN_MICROBATCH_TOKENS``): a token bucket is split into
     ``pipeline_parallel_size`` micro-batches when each gets at least this many tokens (``num_microbatches_for``).
-    ``num_microbatches``: ``{token bucket: micro-batches}``, fixed at construction (warm-up compiles them all).
+    After ``build``: ``num_microbatches`` ``{token bucket: micro-batches}`` (fixed, so warm-up compiles them all) and
+    ``stage_fns``, one jitted function per stage, looked up per step (a test may wrap them).
     """
 
-    def __init__(self, *args, min_microbatch_tokens: int | None = None, **kwargs):
+    def __init__(self, min_microbatch_tokens: int | None = None):
         self.min_microbatch_tokens = MIN_MICROBATCH_TOKENS if min_microbatch_tokens is None else min_microbatch_tokens
-        super().__init__(*args, **kwargs)
+        self.num_microbatches: dict[int, int] = {}
+        self.stage_fns: list = []
 
-    def _build_jitted(self) -> None:
-        super()._build_jitted()  # the sampler and the rest; the forward and prompt logprobs are replaced below
-        plan: PipelinePlan = self.sharding_plan
-        model = nnx.merge(self._graphdef, jax.tree.unflatten(self._state_treedef, self._param_leaves))
+    def build(self, runner) -> tuple:
+        plan = runner.sharding_plan
+        if not isinstance(plan, PipelinePlan):
+            raise ValueError("PipelineForward runs a model loaded with a PipelinePlan (sharding_plan)")
+        model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
         self.num_microbatches = {t: num_microbatches_for(t, plan.pipeline_parallel_size, self.min_microbatch_tokens)
-                                 for t, _ in self.buckets}
+                                 for t, _ in runner.buckets}
         stages = _split_stages(model, plan)
-        stage_forward = _stage_forward_fn(self, plan, stages)
-        head = _head_fn(plan, stages, self._layout, self.dtype)
+        stage_forward = _stage_forward_fn(runner, plan, stages)
+        head = _head_fn(plan, stages, runner.layout, runner.dtype)
         static = ("num_tokens", "num_seqs", "stage", "num_microbatches")
-        stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,),
-                             compiler_options=self.compiler_options or None) for _ in stages]
+        self.stage_fns = [jax.jit(stage_forward, static_argnames=static, donate_argnums=(1,),
+                                  compiler_options=runner.compiler_options or None) for _ in stages]
         head_fn = jax.jit(head, static_argnames=("num_tokens", "num_seqs"))
-        # Looked up per step (not closed over), so a test can wrap them to record the dispatch order.
-        self._stage_fns = list(stage_fns)
-        self._forward = _Staged(self._pipelined_forward(plan, stages, head_fn), [*stage_fns, head_fn])
-        self._prompt_logprobs = _staged_prompt_logprobs(plan, stages, self.dtype, self.max_logprobs)
+        forward = _Staged(self._pipelined_forward(plan, stages, head_fn), [*self.stage_fns, head_fn])
+        return forward, _staged_prompt_logprobs(plan, stages, runner.dtype, runner.max_logprobs)
 
     def _pipelined_forward(self, plan: PipelinePlan, stages: list, head_fn):
         """The runner's forward over the stages: ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays,
         *, num_tokens, num_seqs) -> (kv_pool leaves, logits, sampling words, hidden)`` as ``ModelRunner``'s, each
-        step's micro-batches dispatched in ``pipeline_schedule`` order to ``self._stage_fns``, then ``head_fn``."""
+        step's micro-batches dispatched in ``pipeline_schedule`` order to ``self.stage_fns``, then ``head_fn``."""
         last = plan.pipeline_parallel_size - 1
         shardings = [stage_plan.replicated for stage_plan in plan.stage_plans]
         # Micro-batch indices, int32[] on each stage's devices, created once (no per-step transfer).
@@ -313,20 +309,22 @@ class PipelineModelRunner(ModelRunner):
                           for sharding in shardings]
 
         def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
-            # param_leaves: the whole model's, unused (each stage passes its own); buf and prev_tokens are on the
-            # last stage (the runner's device), copied to the others device to device, once per step. lora_arrays:
-            # always None (EngineArgs refuses enable_lora with pipeline_parallel_size > 1). Nothing here waits for
-            # a device: every call and copy is queued on its stage's devices, which run their queues concurrently.
+            # param_leaves: the whole model's, unused (each stage passes its own); buf (host int32) goes to the last
+            # stage (the runner's device) and from there to the others device to device, once per step, as
+            # prev_tokens (on the last stage) to stage 0. lora_arrays: always None (EngineArgs refuses enable_lora with
+            # pipeline_parallel_size > 1). Nothing here waits for a device: every call and copy is queued on its
+            # stage's devices, which run their queues concurrently.
             num_microbatches = self.num_microbatches[num_tokens]
+            buf = jax.device_put(buf, shardings[last])  # one host transfer (the runner's device: the last stage)
             bufs = [buf if s == last else jax.device_put(buf, shardings[s]) for s in range(len(stages))]
             pools = [list(kv_pool[start:stop]) for start, stop in plan.layer_ranges]
             first_carry = jax.device_put(prev_tokens, shardings[0])
             handed_on, finished = {}, []  # (stage, micro-batch) -> hidden; the last stage's outputs in order
             for s, m in pipeline_schedule(len(stages), num_microbatches):
                 carry = first_carry if s == 0 else jax.device_put(handed_on.pop((s - 1, m)), shardings[s])
-                pools[s], hidden = self._stage_fns[s](stages[s][2], pools[s], bufs[s], carry, microbatch_ids[s][m],
-                                                      num_tokens=num_tokens, num_seqs=num_seqs, stage=s,
-                                                      num_microbatches=num_microbatches)
+                pools[s], hidden = self.stage_fns[s](stages[s][2], pools[s], bufs[s], carry, microbatch_ids[s][m],
+                                                     num_tokens=num_tokens, num_seqs=num_seqs, stage=s,
+                                                     num_microbatches=num_microbatches)
                 if s == last:
                     finished.append(hidden)
                 else:
@@ -361,13 +359,13 @@ def _split_stages(model, plan: PipelinePlan) -> list[tuple]:
     return stages
 
 
-def _stage_forward_fn(runner: PipelineModelRunner, plan: PipelinePlan, stages: list):
+def _stage_forward_fn(runner, plan: PipelinePlan, stages: list):
     """``stage_forward``, the function each stage's jit traces (one stage on one micro-batch), closing over the
     runner's model config, dtype, layout, pool size and attention implementation as they are now."""
     last = plan.pipeline_parallel_size - 1
     config, dtype = runner.model_config, runner.dtype
     max_blocks, impl = runner.max_blocks_per_seq, runner.attention_impl
-    layout_for = runner._layout
+    layout_for = runner.layout
 
     num_blocks = runner.num_blocks
 

@@ -156,7 +156,8 @@ class InputBatch:
                     itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
             self.num_tokens[rows] = starts + lens
         new_block_ids = cached.new_block_ids
-        for i in [i for i, ids in enumerate(new_block_ids) if ids]:  # rows that crossed into a new block
+        crossed = np.flatnonzero(np.fromiter(map(len, new_block_ids), np.int64, num))  # rows with new blocks
+        for i in crossed.tolist():
             self.set_blocks(int(rows[i]), cached.block_starts[i], new_block_ids[i])
         return rows
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from paged_jax.engine import generation_config as gen_config
 from paged_jax.config import EngineArgs
-from paged_jax.parallel.pipeline import load_pipeline_model
+from paged_jax.parallel.pipeline import PipelineForward, load_pipeline_model
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,10 @@ class LoadedModel:
 
     ``run_config`` is the shape the runner executes (heads rewritten under tensor parallelism); ``memory_config``
     the per-device shape that sizes the KV pool; ``plan`` the ``paged_jax.parallel.ShardingPlan`` (None on one
-    device); ``generation_config`` the checkpoint's generation config (``--generation-config``) as a dict.
+    device); ``forward`` how the runner's step runs the model (``paged_jax.worker.step_forward.StepForward``: the
+    pipeline's stages, or None for the default one program); ``generation_config`` the checkpoint's generation
+    config (``--generation-config``) as a dict. The runner is ``ModelRunner(model, run_config, ...,
+    sharding_plan=plan, forward=forward, kv_cache_dtype=...)``.
     """
 
     model: Any
@@ -43,6 +46,7 @@ class LoadedModel:
     load_seconds: float
     quantization: Any = None  # models.quantization.QuantConfig or None
     kv_cache_dtype: Any = None  # the KV pool's element type (jnp dtype); None = the model dtype
+    forward: Any = None  # the runner's StepForward; None = SingleProgramForward
 
 
 def resolve_model(args: EngineArgs) -> tuple[str | None, Any]:
@@ -98,6 +102,7 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     from models.config import ModelConfig
 
     model_path, config = resolve_model(args)
+    forward = None
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_accelerator else "float32")
     start = time.perf_counter()
     config = config or ModelConfig.from_pretrained(model_path)
@@ -112,6 +117,7 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
             args, model_path, config, dtype, devices, _weight_cache_key(
                 args, model_path, dtype, kind="pipeline_parallel", pp=args.pipeline_parallel_size,
                 tp=args.tensor_parallel_size))
+        forward = PipelineForward()
     elif args.tensor_parallel_size > 1:
         model, plan, run_config, memory_config = _load_tensor_parallel(args, model_path, config, dtype, quant,
                                                                        devices)
@@ -127,7 +133,7 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     return LoadedModel(model=model, config=config, model_path=model_path, dtype=dtype, plan=plan,
                        run_config=run_config, memory_config=memory_config, tokenizer=load_tokenizer(args, model_path),
                        eos_token_ids=eos, generation_config=generation, load_seconds=load_seconds,
-                       quantization=quant.config, kv_cache_dtype=quant.kv_cache_dtype)
+                       quantization=quant.config, kv_cache_dtype=quant.kv_cache_dtype, forward=forward)
 
 
 @dataclasses.dataclass(frozen=True)

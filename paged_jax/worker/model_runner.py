@@ -26,8 +26,6 @@ multiplicative.
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
 from collections.abc import Sequence
 
@@ -37,21 +35,21 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.llama import ReusableAttention
 from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
 from paged_jax.worker.buckets import MAX_SWAP_CHUNK, make_buckets, sampler_rows_for, swap_sizes_for
-from paged_jax.worker.prompt_logprobs import prompt_logprobs_on_device
-from paged_jax.worker.step_dispatch import StepDispatchMixin, DeferredSampling
-from paged_jax.core.sched_output import SchedulerOutput
-from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout, apply_block_copies
+from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
+from paged_jax.worker.step_forward import SingleProgramForward, StepForward
+from paged_jax.core.sched_output import SchedulerOutput, encode_step
+from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.step_packing import StepRows, pack_step
-from paged_jax.ops import write_and_attend
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
+from paged_jax.parallel.multihost import local_copies
+from paged_jax.structured_output import fill_step_bitmask
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -63,7 +61,7 @@ NULL_BLOCK_ID = 0
 # The runner
 # ----------------------------------------------------------------------------------------------------------------
 
-class ModelRunner(StepDispatchMixin):
+class ModelRunner:
     """Runs the model on paged KV for a stream of ragged steps.
 
     Args:
@@ -83,12 +81,15 @@ class ModelRunner(StepDispatchMixin):
         (``models.tensor_parallel``), or None for a single-device model. With a plan the weights stay in their
         shards, host inputs go to every device of its mesh (replicated), the KV pool is split over kv heads and
         attention runs per device under ``shard_map``.
-      dispatch_thread: dispatch each step (the host->device copy of its buffer and the two jitted calls) on a
-        worker thread instead of the caller's. Dispatching a step means launching a few hundred kernels, which takes
-        the host milliseconds with the GIL released; on the worker it overlaps the caller's Python work for the next
-        step (the engine's async scheduling). Steps still run in the order ``execute`` was called: every use of
-        the KV pool and of the previous step's tokens goes through the one worker.
+      dispatch_thread: dispatch each step (the jitted calls) on a worker thread instead of the caller's
+        (``paged_jax.worker.step_dispatch.StepDispatcher``, the runner's ``dispatcher``).
       lora_slots: ``paged_jax.lora.slots.LoRASlots`` (multi-LoRA; a step argument, written by ``write_lora_slot``).
+      forward: how the step runs the model (``paged_jax.worker.step_forward.StepForward``; default
+        ``SingleProgramForward``: one program per bucket; pipeline parallelism passes its ``PipelineForward``).
+
+    Multi-host: with ``step_channel`` set (node 0, ``paged_jax.parallel.multihost``), each ``execute`` first
+    publishes its ``SchedulerOutput`` (and a grammar step its bitmask at ``dispatch_sampling``); the other nodes run
+    the same ``execute`` on it (``paged_jax.parallel.follower``).
     """
 
     def __init__(self, model, model_config: ModelConfig, *, num_blocks: int, block_size: int, max_model_len: int,
@@ -96,7 +97,8 @@ class ModelRunner(StepDispatchMixin):
                  eos_token_ids: Sequence[int] = (), attention_impl: str = "auto",
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
-                 dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto"):
+                 dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
+                 forward: StepForward | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -154,12 +156,11 @@ class ModelRunner(StepDispatchMixin):
                                      for r in self.sampler_seq_buckets}
 
         self._layouts: dict[tuple[int, int], StepLayout] = {}
-        self._dispatcher = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-dispatch")
-                            if dispatch_thread else None)
-        self._last_dispatch: concurrent.futures.Future | None = None
-        self._deferred: DeferredSampling | None = None  # a step whose sampling waits for dispatch_sampling
-        # Multi-host node 0: announces each device call to the other processes first (paged_jax.parallel.multihost).
+        self.dispatcher = StepDispatcher(self, dispatch_thread=dispatch_thread)
+        # Multi-host node 0: announces each step to the other processes first (paged_jax.parallel.multihost).
         self.step_channel = None
+        self.forward_strategy = forward if forward is not None else SingleProgramForward()
+        self._single_process = jax.process_count() == 1
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
@@ -177,57 +178,10 @@ class ModelRunner(StepDispatchMixin):
         self.compiler_options = compiler_options(model)
 
     # ------------------------------------------------------------------ jitted functions
-    def _forward_fn(self):
-        """The step's forward (traced per bucket; see ``_build_jitted``)."""
-        graphdef, state_treedef = self._graphdef, self._state_treedef
-        config = self.model_config
-        sm_scale = config.head_dim ** -0.5
-        sliding_window = config.sliding_window
-        impl = self.attention_impl
-        max_blocks = self.max_blocks_per_seq
-        layout_for = self._layout
-        plan = self.sharding_plan
-
-        def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
-            """-> (kv_pool, logits f32[R, V] at each row's last token, sampling words int32[R * words], final hidden
-            states [T, hidden] of every token, for prompt logprobs); R = ``sampler_rows_for(num_seqs)``."""
-            fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
-            prev_rows = fields["prev_rows"]
-            # Decode rows continuing from the previous step take their input token from its on-device samples.
-            input_ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], fields["input_ids"])
-            slot_mapping = fields["slot_mapping"]
-            cu_q_lens = fields["cu_q_lens"]
-            kv_lens = fields["kv_lens"]
-            block_tables = fields["block_tables"].reshape(num_seqs, max_blocks)
-
-            if plan is None:  # one layer trace shared by every layer (models.llama.ReusableAttention)
-                attention = ReusableAttention(
-                    functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
-                                      qk_prepare_impl=self.qk_prepare_impl),
-                    dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
-                    fuses_qk_transform=True)  # q/k norm + RoPE + KV write: one kernel on a GPU (ops.qk_prepare)
-            else:  # the same per device on its heads and KV shard (shard_map over tp)
-                attention = plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
-                                                 cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
-                                                 impl=impl)
-
-            kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"],  # before K/V writes
-                                         impl="auto" if plan is None else "xla")  # one kernel on one GPU
-            model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
-            lora = None if lora_arrays is None else self.lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
-            hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention, lora)
-            logits = model.compute_logits(hidden[fields["logits_indices"]])
-            return kv_pool, logits, fields["sampling"], hidden
-
-        return forward
-
     def _build_jitted(self) -> None:
-        graphdef, state_treedef = self._graphdef, self._state_treedef
         # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.worker.executable_cache),
         # keyed by its static arguments and the shapes of the arguments listed.
-        self._forward = AheadOfTimeFunction(
-            "forward", jax.jit(self._forward_fn(), static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,),
-                               compiler_options=self.compiler_options or None))
+        self._forward, self._prompt_logprobs = self.forward_strategy.build(self)
 
         max_seq_bucket = self._max_seq_bucket
 
@@ -249,16 +203,6 @@ class ModelRunner(StepDispatchMixin):
         self._apply_grammar_bitmask = AheadOfTimeFunction(
             "grammar_bitmask", jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask)),
             shape_args=(1,))
-
-        max_logprobs = self.max_logprobs
-
-        def prompt_logprobs(param_leaves, hidden, targets):
-            """hidden [T, hidden], targets int32[T] -> (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs
-            f32[T, K]), K = max_logprobs."""
-            model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
-            return prompt_logprobs_on_device(model.compute_logits, hidden, targets, num_logprobs=max_logprobs)
-
-        self._prompt_logprobs = AheadOfTimeFunction("prompt_logprobs", jax.jit(prompt_logprobs), shape_args=(2,))
 
         def gather_blocks(kv_pool, block_ids):
             """-> [layers, 2, n, block_size, Hkv, D]."""
@@ -303,7 +247,7 @@ class ModelRunner(StepDispatchMixin):
             return self.device
         return jax.sharding.SingleDeviceSharding(self.device)
 
-    def _layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
+    def layout(self, num_tokens: int, num_seqs: int) -> StepLayout:
         """The buffer layout of a bucket (cached: one per bucket, its field offsets computed once)."""
         layout = self._layouts.get((num_tokens, num_seqs))
         if layout is None:
@@ -341,8 +285,8 @@ class ModelRunner(StepDispatchMixin):
     # ------------------------------------------------------------------ one step
     def execute(self, scheduler_output: SchedulerOutput, lora_slots: dict[int, int] | None = None, *,
                 defer_sampling: bool = False) -> PendingStep | None:
-        """Apply a step's diff to the persistent batch, run its swap copies, then dispatch it; nothing here waits for
-        the device. Returns the step's handle (``.result()``: a ``StepOutput`` aligned with the step's rows), or
+        """Apply a step's diff to the persistent batch and pack it, run its swap copies, then dispatch it; nothing
+        here waits for the device. Returns the step's handle (``.result()``: a ``StepOutput`` aligned with the step's rows), or
         None when the step has no rows.
 
         ``lora_slots``: ``{lora_int_id: slot}`` of the step's adapters (``paged_jax.lora``). Raises ValueError when
@@ -355,35 +299,96 @@ class ModelRunner(StepDispatchMixin):
         while this forward runs), then calls ``dispatch_sampling(handle)``. Without a grammar row the whole step is
         dispatched at once and ``defer_sampling`` changes nothing.
         """
-        if self._deferred is not None:
+        if self.dispatcher.deferred is not None:
             raise RuntimeError("execute: the previous step's sampling was never dispatched (dispatch_sampling)")
         rows = self._update_batch(scheduler_output)
+        batch = self.input_batch
+        packed = None if rows is None else pack_step(
+            batch, rows, buckets=self.buckets, layout_for=self.layout, block_size=self.block_size,
+            num_blocks=self.num_blocks, max_logprobs=self.max_logprobs, block_copies=scheduler_output.block_copies,
+            lora_slots=lora_slots, lora=self.lora_slots is not None)
+        if self.step_channel is not None:  # multi-host node 0: the other nodes run this same step, from here on
+            self.step_channel.publish("step", encode_step(scheduler_output, lora_slots))
         self.swap(scheduler_output.swap_out, scheduler_output.swap_in)
         if rows is None:
             return None
-        batch = self.input_batch
-        packed = pack_step(batch, rows, buckets=self.buckets, layout_for=self._layout, block_size=self.block_size,
-                           num_blocks=self.num_blocks, max_logprobs=self.max_logprobs,
-                           block_copies=scheduler_output.block_copies, lora_slots=lora_slots,
-                           lora=self.lora_slots is not None)
         batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
         batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
         handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans)
         layout = packed.layout
-        sampling_args = (packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
-                         packed.num_logprobs, packed.wants_logprobs)
-        grammars = self._step_grammars(scheduler_output.grammars, packed)
-        if grammars is None:
-            handle.set_device_outputs(self._submit(
-                self._dispatch, packed.buf, packed.history, packed.bias_table, None, packed.prompt_targets,
-                layout.num_tokens, layout.num_seqs, packed.mode.value, packed.num_logprobs, packed.wants_logprobs))
-            return handle
+        sampling = SamplingArgs(packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
+                                packed.num_logprobs, packed.wants_logprobs)
         # Grammar rows: the forward first, the bitmask is filled while it runs (only the sampling needs it).
-        forward = self._submit(self._dispatch_forward, packed.buf, layout.num_tokens, layout.num_seqs)
-        self._deferred = DeferredSampling(handle, forward, grammars, layout.num_sample_rows, sampling_args)
+        self.dispatcher.dispatch(handle, packed.buf, layout.num_tokens, layout.num_seqs, sampling,
+                                 grammars=self._step_grammars(scheduler_output.grammars, packed),
+                                 num_rows=layout.num_sample_rows)
         if not defer_sampling:
             self.dispatch_sampling(handle)
         return handle
+
+    def dispatch_sampling(self, handle: PendingStep, grammar_bitmask: np.ndarray | None = None) -> None:
+        """Second half of a step ``execute(..., defer_sampling=True)`` left without its sampling: fill the grammar
+        bitmask from the rows' grammars now (they must have seen every token before this step's), or take
+        ``grammar_bitmask`` int32[R, ceil(V/32)] (a multi-host follower: node 0's), and dispatch mask + sampler
+        (+ prompt logprobs). A no-op for a step dispatched whole."""
+        pending = self.dispatcher.pending_bitmask_rows(handle)
+        if pending is None:
+            return
+        if grammar_bitmask is None:
+            grammar_bitmask = fill_step_bitmask(*pending, self.vocab_size)
+        if self.step_channel is not None:
+            self.step_channel.publish("bitmask", grammar_bitmask)
+        self.dispatcher.dispatch_sampling(handle, grammar_bitmask)
+
+    def waits_for_bitmask(self, handle: PendingStep) -> bool:
+        """Whether ``handle``'s step has its forward dispatched and its sampling waiting for ``dispatch_sampling``."""
+        return self.dispatcher.pending_bitmask_rows(handle) is not None
+
+    # ------------------------------------------------------------------ device calls (StepDevice)
+    def run_forward(self, buf: np.ndarray, num_tokens: int, num_seqs: int) -> tuple:
+        """-> (logits f32[R, V], sampling words, hidden [T, hidden]) on device; the KV pool updated in place."""
+        # One process: the executable takes the numpy buffer itself (its C++ call path transfers it, far cheaper
+        # than ``jax.device_put``'s); several: each process puts its own replica first.
+        self.kv_pool, logits, sampling_words, hidden = self._forward(
+            self._param_leaves, self.kv_pool, buf if self._single_process else jax.device_put(buf, self.device),
+            self._prev_tokens, self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
+        return logits, sampling_words, hidden
+
+    def run_sampling(self, forward_outputs: tuple, grammar_bitmask: np.ndarray | None,
+                     sampling: SamplingArgs) -> tuple:
+        """Mask (grammar), sample, prompt logprobs -> the device outputs to fetch (sampler's, prompt logprobs'),
+        their host copies started."""
+        logits, sampling_words, hidden = forward_outputs
+        num_rows, mode = logits.shape[0], sampling.mode
+        if grammar_bitmask is not None:
+            logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
+        # Full mode's variants all take the bias table (ModelRunner.sampler_variants): without a row that uses it,
+        # a neutral one (no logit_bias entries, every token allowed).
+        bias_table = (jax.device_put(sampling.bias_table, self.device) if sampling.bias_table is not None
+                      else self._neutral_bias_tables[num_rows] if mode == sampler_lib.SamplingMode.FULL.value
+                      else self._no_history[num_rows])
+        history = (jax.device_put(sampling.history, self.device) if sampling.history is not None
+                   else self._no_history[num_rows])
+        outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=sampling.num_logprobs)
+        self._prev_tokens = outs[0]
+        fetch = local_copies(outs if sampling.wants_logprobs else outs[:1])
+        prompt_fetch = () if sampling.prompt_targets is None else local_copies(self._prompt_logprobs(
+            self._param_leaves, hidden, jax.device_put(sampling.prompt_targets, self.device)))
+        for array in (*fetch, *prompt_fetch):
+            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
+        return fetch, prompt_fetch
+
+    def write_lora_slot(self, slot: int, loaded) -> None:
+        """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""
+        self.dispatcher.submit(self.lora_slots.write, slot, loaded)
+
+    def wait_for_dispatch(self) -> None:
+        """Block until every step handed to the dispatch thread has been dispatched (``StepDispatcher.wait``)."""
+        self.dispatcher.wait()
+
+    def close(self) -> None:
+        """Stop the dispatch thread (after the steps already handed to it)."""
+        self.dispatcher.close()
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> StepRows | None:
         """Drop finished and preempted rows, apply the running rows' diffs, make the new and fork rows; returns the
@@ -436,8 +441,6 @@ class ModelRunner(StepDispatchMixin):
         if not swap_out and not swap_in:
             return
         self.wait_for_dispatch()  # the pool must be the one after every step dispatched so far
-        if self.step_channel is not None:
-            self.step_channel.publish("swap", (swap_out, swap_in))
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
         gathered = []
@@ -475,7 +478,7 @@ def _sampler_variants(max_logprobs: int) -> list[SamplerVariant]:
     # argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows allow
     # it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
     # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a
-    # neutral table (``_run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
+    # neutral table (``run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
     # pass over rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row
     # count and logprob width (sampler compiles are a large share of a cold start's CPU work). The other way
     # round a neutral history would cost rows x max_model_len entries of device memory and two scatters that

@@ -60,7 +60,7 @@ class PendingStep:
     """A dispatched step whose results are still on the device; ``result()`` waits and copies them to the host.
 
     ``device_outputs`` is the pair (sampler outputs, prompt-logprob outputs) of tuples of device arrays to fetch (their
-    host copies already started by ``ModelRunner._dispatch``; the second is empty unless some row gave prompt-logprob
+    host copies already started by ``ModelRunner.run_sampling``; the second is empty unless some row gave prompt-logprob
     targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
     ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None.
     """
@@ -82,6 +82,14 @@ class PendingStep:
         """Some row of the step computes prompt logprobs."""
         return self._prompt_spans is not None
 
+    def wait(self) -> None:
+        """Block until the step's outputs are computed on the device (without copying them to the host)."""
+        outputs = self._device_outputs
+        if isinstance(outputs, concurrent.futures.Future):
+            outputs = outputs.result()
+        if outputs:
+            jax.block_until_ready(outputs)
+
     def result(self) -> StepOutput:
         if self._result is None:
             outputs = self._device_outputs
@@ -90,8 +98,8 @@ class PendingStep:
                                    "(ModelRunner.dispatch_sampling)")
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            sampler_outputs, prompt_outputs = jax.device_get(outputs)
-            host = [np.asarray(x) for x in sampler_outputs]
+            sampler_outputs, prompt_outputs = outputs
+            host = [np.asarray(x) for x in sampler_outputs]  # their host copies were started at dispatch
             rows = self._rows_to_packed
             tokens = host[0][rows].astype(np.int32)
             tokens[~self._sampled_rows] = -1

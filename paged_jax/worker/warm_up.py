@@ -116,7 +116,7 @@ def _swap_sizes(runner) -> list[int]:
 
 def _padding_step_buffer(runner, num_tokens: int, num_seqs: int) -> np.ndarray:
     """int32[layout size]: a step of padding only (no previous-step feed, every sampler row greedy)."""
-    layout = runner._layout(num_tokens, num_seqs)
+    layout = runner.layout(num_tokens, num_seqs)
     buf = np.zeros((layout.size,), np.int32)
     a, b = layout.fields["prev_rows"]
     buf[a:b] = -1
@@ -349,7 +349,7 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
                     for bucket in sorted(runner.buckets, reverse=True)}
         by_rows, by_tokens = {}, {}
         for num_tokens, num_seqs in runner.buckets:
-            by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
+            by_rows.setdefault(runner.layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
             by_tokens.setdefault(num_tokens, forwards[num_tokens, num_seqs])
         for size in _swap_sizes(runner):
             work.submit(f"swap[{size}]", jobs.compile_swap, size)
@@ -388,7 +388,7 @@ def _run_every_executable(runner, bar) -> None:
         runner.kv_pool, logits, sampling_words, hidden = runner._forward(
             runner._param_leaves, runner.kv_pool, jax.device_put(buf, device), runner._prev_tokens,
             runner.lora_slots and runner.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
-        logits_by_rows.setdefault(runner._layout(num_tokens, num_seqs).num_sample_rows, (logits, sampling_words))
+        logits_by_rows.setdefault(runner.layout(num_tokens, num_seqs).num_sample_rows, (logits, sampling_words))
         hidden_by_tokens.setdefault(num_tokens, hidden)
         done()
     outs = None
