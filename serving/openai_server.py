@@ -30,7 +30,7 @@ from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
-from serving.request_limits import check_num_seqs, max_prompt_chars
+from serving.request_limits import check_field_sizes, check_num_seqs, max_prompt_chars
 from serving.unsupported_fields import refuse_unsupported
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
@@ -93,12 +93,15 @@ class OpenAIServer:
       chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
-      max_seqs_per_request: most sequences (prompts x n) one request may ask for (``--max-seqs-per-request``).
+      max_seqs_per_request: most sequences (each prompt's n, best_of or beam width, summed) one request may run
+        (``--max-seqs-per-request``; ``create_app`` defaults it to the engine's ``max_num_seqs``).
       enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
         ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
       reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
       loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
         without ``--enable-lora``.
+      trust_request_chat_template: ``--trust-request-chat-template``: a request's own ``chat_template`` (a Jinja
+        program run on the tokenizer thread, at no bounded cost) is rendered; else it is refused (vLLM's default).
     """
 
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
@@ -106,7 +109,8 @@ class OpenAIServer:
                  chat_template: str | None = None, response_role: str = "assistant",
                  scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None,
                  enable_auto_tool_choice: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, loras: Any = None) -> None:
+                 reasoning_parser: str | None = None, loras: Any = None,
+                 trust_request_chat_template: bool = False) -> None:
         from serving.reasoning_parsers import REASONING_PARSERS
         from serving.tool_parsers import TOOL_PARSERS
 
@@ -128,6 +132,7 @@ class OpenAIServer:
         self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.loras = loras
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def _off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the tokenizer thread."""
@@ -154,6 +159,7 @@ class OpenAIServer:
         self.check_model(body.model)
         # include_reasoning: false is refused only where there is no reasoning to leave out.
         refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
+        check_field_sizes(body, self.max_prompt_chars)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: Stream options can only be defined when `stream=True`.",
                            param="stream_options")
@@ -164,6 +170,12 @@ class OpenAIServer:
             raise APIError(400, f"truncate_prompt_tokens: value ({body.truncate_prompt_tokens}) is greater than "
                                 f"max_model_len ({self.info.max_model_len}). Please, select a smaller truncation "
                                 f"size.", param="truncate_prompt_tokens")
+
+    def check_num_seqs(self, body: SamplingFields, num_prompts: int) -> None:
+        """The admission rule for the work ``body`` creates (``serving.request_limits.check_num_seqs``), checked
+        before its ``num_prompts`` prompts are tokenized."""
+        check_num_seqs(body, num_prompts, max_waiting_requests=self.engine.max_waiting_requests,
+                       max_seqs_per_request=self.max_seqs_per_request)
 
     def check_num_logprobs(self, num_logprobs: int | None, param: str, kind: str = "sample") -> None:
         if num_logprobs is not None and num_logprobs > self.max_logprobs:
@@ -240,7 +252,19 @@ class OpenAIServer:
         """The prompt text of ``messages`` (``paged_jax.entrypoints.chat.render_chat``, on the tokenizer thread) with
         ``body``'s chat options; a template error is the input's (400)."""
         self.require_tokenizer("messages")
+        self.check_request_chat_template(body)
         return await self._off_loop(self._render_chat, messages, body)
+
+    def check_request_chat_template(self, body: Any) -> None:
+        """A request's own chat template (``chat_template``, or one in ``chat_template_kwargs``) is refused unless
+        the server trusts them (``--trust-request-chat-template``, as vLLM)."""
+        if self.trust_request_chat_template:
+            return
+        for field, given in (("chat_template", getattr(body, "chat_template", None) is not None),
+                             ("chat_template_kwargs", "chat_template" in (body.chat_template_kwargs or {}))):
+            if given:
+                raise APIError(400, f"{field}: a chat template is passed with the request, but the server does not "
+                                    f"run request templates (serve with --trust-request-chat-template)", param=field)
 
     def _render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
         tokenizer = self.tokenizer
@@ -358,11 +382,8 @@ class OpenAIServer:
         return token_ids if salt is None else {"prompt_token_ids": token_ids, "cache_salt": salt}
 
     async def submit(self, requests: list[EngineRequest], body: Any, aliases: dict[str, str]) -> list[RequestStream]:
-        """Admit ``requests`` (one API request's prompts) as a group; a group that could never be admitted is 400,
-        a full waiting queue 503 with Retry-After."""
-        check_num_seqs(sum(request.params.n for request in requests), num_prompts=len(requests), n=body.n,
-                       max_waiting_requests=self.engine.max_waiting_requests,
-                       max_seqs_per_request=self.max_seqs_per_request)
+        """Admit ``requests`` (one API request's prompts, counted by ``check_num_seqs`` already) as a group; a full
+        waiting queue is 503 with Retry-After."""
         try:
             return await self.engine.add_requests(requests)
         except EngineOverloadedError as exc:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's upper bound on n; it also bounds the work one request can ask for.
+# OpenAI's upper bound on n (and ours on best_of); the server's admission limits bound the work further.
 MAX_N = 128
 # Seeds are handed to a 64-bit PRNG key; OpenAI documents seed as int64.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -160,7 +160,7 @@ class SamplingFields(RequestBody):
 
     model: str | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
-    best_of: Int | None = None
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)
     temperature: Float | None = Field(None, ge=0.0, le=2.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)

@@ -26,6 +26,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
                                  server: OpenAIServer = Depends(get_server)) -> Response:
     server.check_request(body)
+    server.check_num_seqs(body, 1)
     if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None

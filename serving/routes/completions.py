@@ -41,6 +41,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if body.echo else None)
     prompts = _normalize_prompts(body.prompt)
+    server.check_num_seqs(body, len(prompts))
     prompt_token_ids: list[list[int]] = []
     for prompt in prompts:
         ids = (await server.encode(prompt, body.add_special_tokens, "prompt",
