@@ -28,7 +28,7 @@ from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import AsyncEngine
 from serving.engine_client import EngineClient
 from serving.engine_process import EngineProcessClient
-from serving.errors import APIError, add_error_handlers
+from serving.errors import APIError, add_error_handlers, route_path
 from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
@@ -62,21 +62,13 @@ class APIKeyMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given, self._expected)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self._protected(_route_path(scope)):
+        if scope["type"] == "http" and self._protected(route_path(scope)):
             if not self._authorized(scope):
                 response = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                     headers={"WWW-Authenticate": "Bearer"}).response()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _route_path(scope) -> str:
-    """The path the router matches: ``scope["path"]`` without a leading ``root_path`` (Starlette's rule)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):]
-    return path
 
 
 def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] | None = None,
@@ -194,8 +186,12 @@ def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_a
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     add_error_handlers(app)
-    for module in (system, tokenize, completions, chat):
-        app.include_router(module.router)
+    routers = [module.router for module in (system, tokenize, completions, chat)]
     if runtime_lora_updating_allowed():
-        app.include_router(lora.router)
+        routers.append(lora.router)
+    app.state.route_methods = {}  # {path: every method some route serves there}: the Allow header of a 405
+    for router in routers:
+        app.include_router(router)
+        for route in router.routes:
+            app.state.route_methods.setdefault(route.path, set()).update(route.methods)
     return app

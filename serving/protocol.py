@@ -439,6 +439,12 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class VersionResponse(OpenAIBaseModel):
+    """``GET /version``: the installed paged-jax package's version."""
+
+    version: str
+
+
 # --------------------------------------------------------------------------- LoRA adapters at run time (vLLM's)
 class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str
