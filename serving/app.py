@@ -82,7 +82,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
                max_seqs_per_request: int | None = None, enable_auto_tool_choice: bool = False,
                tool_parser: str | None = None, reasoning_parser: str | None = None,
-               lora_modules: Sequence[LoRAModulePath] = (), trust_request_chat_template: bool = False) -> FastAPI:
+               lora_modules: Sequence[LoRAModulePath] = (), trust_request_chat_template: bool = False,
+               enable_prompt_tokens_details: bool = False) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -107,6 +108,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
       metrics_prefix: the Prometheus names' prefix (``--metrics-prefix``; ``"vllm"`` exports vLLM's names).
       enable_auto_tool_choice, tool_parser, reasoning_parser: ``--enable-auto-tool-choice``,
         ``--tool-call-parser``, ``--reasoning-parser`` (``OpenAIServer``).
+      enable_prompt_tokens_details: usage reports ``prompt_tokens_details.cached_tokens``
+        (``--enable-prompt-tokens-details``).
       trust_request_chat_template: render a request's own ``chat_template`` (``--trust-request-chat-template``).
       lora_modules: LoRA adapters to serve from the start (``--lora-modules``; the engine needs ``enable_lora``);
         with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
@@ -136,7 +139,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | Sequence[str] |
                           max_seqs_per_request=max_seqs_per_request,
                           enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_parser,
                           reasoning_parser=reasoning_parser, loras=loras,
-                          trust_request_chat_template=trust_request_chat_template)
+                          trust_request_chat_template=trust_request_chat_template,
+                          enable_prompt_tokens_details=enable_prompt_tokens_details)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()

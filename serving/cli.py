@@ -157,6 +157,9 @@ def _add_openai_args(group) -> None:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="render a request's own chat_template (a Jinja program, run at no bounded cost); "
                             "without it such a request is answered 400 (vLLM's flag and default)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens served from the "
+                            "prefix cache (vLLM's flag)")
     group.add_argument("--response-role", default="assistant",
                        help="role of the chat replies when the request has add_generation_prompt=true")
     group.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],

@@ -86,6 +86,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     named = _FIELD_NAME.match(detail)
     if not loc and named and detail[named.end():].startswith(":"):  # a whole-body check that names the field
         param, message = named.group(1), detail
+    elif loc and detail.startswith(where) and detail[len(where):len(where) + 1] in (":", "["):
+        message = detail  # the field's own check names the field (and the offending item) itself
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, message, param=param)

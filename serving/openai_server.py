@@ -17,7 +17,7 @@ import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from fastapi import Request
 
@@ -100,6 +100,8 @@ class OpenAIServer:
       reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
       loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
         without ``--enable-lora``.
+      enable_prompt_tokens_details: ``--enable-prompt-tokens-details``: usage reports
+        ``prompt_tokens_details.cached_tokens`` (``cached_tokens``).
       trust_request_chat_template: ``--trust-request-chat-template``: a request's own ``chat_template`` (a Jinja
         program run on the tokenizer thread, at no bounded cost) is rendered; else it is refused (vLLM's default).
     """
@@ -110,7 +112,7 @@ class OpenAIServer:
                  scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None,
                  enable_auto_tool_choice: bool = False, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, loras: Any = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, enable_prompt_tokens_details: bool = False) -> None:
         from serving.reasoning_parsers import REASONING_PARSERS
         from serving.tool_parsers import TOOL_PARSERS
 
@@ -133,6 +135,7 @@ class OpenAIServer:
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.loras = loras
         self.trust_request_chat_template = trust_request_chat_template
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     async def _off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the tokenizer thread."""
@@ -216,11 +219,13 @@ class OpenAIServer:
         """The last ``truncate_prompt_tokens`` ids (vLLM truncates prompts from the left)."""
         return token_ids if truncate_prompt_tokens is None else token_ids[-truncate_prompt_tokens:]
 
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        for position, token_id in enumerate(token_ids):
+    def check_token_ids(self, token_ids: Sequence[int], param: str, where: str | None = None) -> None:
+        """400 naming ``param`` (and ``where``, e.g. ``prompt[2]`` for a batch's prompt) and the index of the first
+        id outside the vocabulary."""
+        for index, token_id in enumerate(token_ids):
             if not 0 <= token_id < self.info.vocab_size:
-                raise APIError(400, f"{param}: token id {token_id} at position {position} is out of range "
-                                    f"[0, {self.info.vocab_size})", param=param)
+                raise APIError(400, f"{where or param}[{index}]: token id {token_id} is out of range "
+                                    f"[0, {self.info.vocab_size}) (the model's vocabulary)", param=param)
 
     def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
@@ -392,6 +397,11 @@ class OpenAIServer:
             raise APIError(500, str(exc)) from exc
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc
+
+    def cached_tokens(self, num_cached_tokens: Iterable[int]) -> int | None:
+        """The usage's ``prompt_tokens_details.cached_tokens``: the prompts' tokens served from the prefix cache
+        (``RequestOutput.num_cached_tokens`` of each prompt), None without ``--enable-prompt-tokens-details``."""
+        return sum(num_cached_tokens) if self.enable_prompt_tokens_details else None
 
     # ---------------------------------------------------------------- logprobs formatting
     def token_text(self, token_id: int, logprob: Any, as_token_id: bool = False) -> str:

@@ -188,3 +188,53 @@ def test_request_chat_templates_need_trust(http, server):
         assert response.json()["count"] == len(openai_server.tokenizer.encode("Hi", add_special_tokens=False))
     finally:
         openai_server.trust_request_chat_template = False
+
+
+# ------------------------------------------------------------------------------------- token-id prompt messages
+@pytest.mark.parametrize("prompt, where, shown", [
+    ([1, True, 3], "prompt[1]", "got true"),
+    ([5, 6, -1], "prompt[2]", "got -1"),
+    ([1, 2.5], "prompt[1]", "got 2.5"),
+    ([[1, 2], [3, "x"]], "prompt[1][1]", 'got "x"'),
+    ([[1, 2], 3], "prompt[1]", "lists of token ids, got 3"),
+    (["a", 7], "prompt[1]", "only strings, got 7"),
+    ({"ids": [1]}, "prompt", 'got {"ids": [1]}'),
+])
+def test_token_id_prompt_errors_name_the_index(http, prompt, where, shown):
+    message = _refused(http.post("/v1/completions", json=_completion(prompt=prompt)), "prompt")
+    assert message.startswith(f"{where}: ") and shown in message, message
+    assert "more error" not in message and ".str" not in message
+
+
+def test_out_of_vocabulary_ids_name_the_prompt_and_index(http, serving_engine):
+    vocab = serving_engine.vocab_size
+    message = _refused(http.post("/v1/completions", json=_completion(prompt=[1, vocab])), "prompt")
+    assert message.startswith(f"prompt[1]: token id {vocab} is out of range [0, {vocab})"), message
+    message = _refused(http.post("/v1/completions", json=_completion(prompt=[[1], [2, 3, vocab + 5]])), "prompt")
+    assert message.startswith(f"prompt[1][2]: token id {vocab + 5} is out of range"), message
+
+
+# ------------------------------------------------------------------------------ usage.prompt_tokens_details
+def test_cached_tokens_behind_enable_prompt_tokens_details(http, server):
+    prompt = "An unrepeated opening for the prefix cache, 53. " * 6  # several full KV blocks
+    body = _completion(prompt=prompt, max_tokens=1)
+    assert http.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"] is None  # flag off
+    openai_server = server.app.state.server
+    openai_server.enable_prompt_tokens_details = True  # --enable-prompt-tokens-details
+    try:
+        usage = http.post("/v1/completions", json=body).json()["usage"]  # the blocks cached by the first request
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < usage["prompt_tokens"]
+        fresh = _completion(prompt="A different opening, never sent before: 71. " * 6, max_tokens=1)
+        assert http.post("/v1/completions", json=fresh).json()["usage"]["prompt_tokens_details"] == {
+            "cached_tokens": 0}
+        # Streamed: the final usage chunk; chat the same.
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {}}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+        messages = [{"role": "user", "content": prompt}]
+        first, second = (http.post("/v1/chat/completions", json=_chat(messages=messages)).json()["usage"]
+                         for _ in range(2))
+        assert first["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens_details"]["cached_tokens"]
+    finally:
+        openai_server.enable_prompt_tokens_details = False
