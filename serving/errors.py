@@ -1,9 +1,9 @@
 """OpenAI's error body for every failure: ``{"error": {"message", "type", "param", "code"}}``.
 
 400 for invalid input (including pydantic validation errors, which FastAPI would answer 422), 405 (with ``Allow``
-listing every method the path serves) for a method it does not, 413 for a body over
-``--max-request-body-size``, 401 without the API key, 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full, 500 when the engine has
-failed. ``add_error_handlers(app)`` makes the app answer every exception in that shape.
+listing every method the path serves) for a method it does not, 413 for a body over ``--max-request-body-size``,
+401 without the API key, 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full, 500 when
+the engine has failed. ``add_error_handlers(app)`` makes the app answer every exception in that shape.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 supervisor or Kubernetes reads as a clean stop), 1 after a failure (the engine process died).
 
 Each case runs the CLI in a subprocess, as deployed: ``python -m serving`` (the engine in its own process) and
-the ``paged-jax serve`` console entry point (the engine on a thread), over a tiny model config with dummy weights (no checkpoint, no
-tokenizer: token-id prompts). The three servers start together, so their start-ups (imports, compiles) overlap.
+the ``paged-jax serve`` console entry point (the engine on a thread), over a tiny model config with dummy weights
+(no checkpoint, no tokenizer: token-id prompts). The three servers start together, so their start-ups (imports,
+compiles) overlap.
 """
 
 from __future__ import annotations
