@@ -264,8 +264,8 @@ class SamplingParams:
 
     @property
     def num_sequences(self) -> int:
-        """Sequences generated for the request: ``best_of`` (when set) or ``n``."""
-        return self.best_of if self.best_of is not None else self.n
+        """Sequences the request runs (``num_sequences(n, best_of)``)."""
+        return num_sequences(self.n, self.best_of)
 
     @property
     def sampled_logprobs(self) -> int | None:
@@ -344,6 +344,14 @@ class SamplingParams:
         )
         copy._bad_words_token_ids = [list(ids) for ids in self._bad_words_token_ids]
         return copy
+
+
+def num_sequences(n: int, best_of: int | None = None) -> int:
+    """The sequences a request of ``n`` choices runs for one prompt: ``best_of`` (when set, the candidates the ``n``
+    best are picked from) or ``n`` (for a beam search, its width). The one count of a request's work: the engine
+    makes this many scheduler requests per prompt, and admission (``--max-seqs-per-request``, the waiting-queue
+    bound) counts it, summed over a batch's prompts."""
+    return best_of if best_of is not None else n
 
 
 def _normalise_logit_bias(logit_bias: Any) -> dict[int, float]:

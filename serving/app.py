@@ -27,11 +27,11 @@ from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import AsyncEngine
 from paged_jax.engine.llm_engine import LLMEngine
-from serving.errors import APIError, add_error_handlers
+from serving.errors import APIError, add_error_handlers, route_path
 from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
-from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware
+from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, engine_max_num_seqs
 from serving.routes import chat, completions, lora, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
@@ -61,21 +61,13 @@ class APIKeyMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given, self._expected)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self._protected(_route_path(scope)):
+        if scope["type"] == "http" and self._protected(route_path(scope)):
             if not self._authorized(scope):
                 response = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
                                     headers={"WWW-Authenticate": "Bearer"}).response()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _route_path(scope) -> str:
-    """The path the router matches: ``scope["path"]`` without a leading ``root_path`` (Starlette's rule)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):]
-    return path
 
 
 def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | None = None,
@@ -89,7 +81,8 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
                max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
                max_seqs_per_request: int | None = None, enable_auto_tool_choice: bool = False,
                tool_parser: str | None = None, reasoning_parser: str | None = None,
-               lora_modules: Sequence[LoRAModulePath] = ()) -> FastAPI:
+               lora_modules: Sequence[LoRAModulePath] = (), trust_request_chat_template: bool = False,
+               enable_prompt_tokens_details: bool = False) -> FastAPI:
     """Build the server app around ``engine`` and start its engine thread.
 
     Args:
@@ -99,10 +92,11 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
         all (default: ``engine.engine_args.served_model_names``).
       api_key: if set, ``/v1`` routes require ``Authorization: Bearer <api_key>``.
       api_key_protect_all: the key also guards ``/tokenize``, ``/detokenize`` and ``/metrics``.
-      max_waiting_requests: bound on the engine's waiting queue (in sequences); beyond it requests get 503 +
+      max_waiting_requests: bound on the engine's waiting queue (in sequences, counted as above); beyond it 503 +
         Retry-After, and a request with more sequences than the bound gets 400.
       max_request_body_size: bytes a request body may have (413 beyond; None: no limit).
-      max_seqs_per_request: most sequences (prompts x n) one request may ask for (400 beyond; None: no cap).
+      max_seqs_per_request: most sequences one request may run (each prompt's n, best_of or beam width, summed;
+        400 beyond); None: the engine's ``max_num_seqs`` (``serving.request_limits.engine_max_num_seqs``).
       tokenizer: the tokenizer for the HTTP layer; default a private copy of ``engine.tokenizer``.
       allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags and defaults).
       log_requests, max_log_len: one log line per request (``serving.server_logs.RequestLogger``).
@@ -113,6 +107,9 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
       metrics_prefix: the Prometheus names' prefix (``--metrics-prefix``; ``"vllm"`` exports vLLM's names).
       enable_auto_tool_choice, tool_parser, reasoning_parser: ``--enable-auto-tool-choice``,
         ``--tool-call-parser``, ``--reasoning-parser`` (``OpenAIServer``).
+      enable_prompt_tokens_details: usage reports ``prompt_tokens_details.cached_tokens``
+        (``--enable-prompt-tokens-details``).
+      trust_request_chat_template: render a request's own ``chat_template`` (``--trust-request-chat-template``).
       lora_modules: LoRA adapters to serve from the start (``--lora-modules``; the engine needs ``enable_lora``);
         with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
         are mounted too (``serving.lora``).
@@ -126,6 +123,8 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
     info = model_info_from_engine(engine, served_model_name)
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
+    if max_seqs_per_request is None:
+        max_seqs_per_request = engine_max_num_seqs(engine)
     metrics = _serving_metrics(engine, info, metrics_prefix)
     loras = _lora_registry(engine, info, lora_modules)
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
@@ -138,7 +137,9 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
                           scheduling_policy=engine.engine_args.scheduling_policy,
                           max_seqs_per_request=max_seqs_per_request,
                           enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_parser,
-                          reasoning_parser=reasoning_parser, loras=loras)
+                          reasoning_parser=reasoning_parser, loras=loras,
+                          trust_request_chat_template=trust_request_chat_template,
+                          enable_prompt_tokens_details=enable_prompt_tokens_details)
     async_engine.start()
     if log_stats:
         StatsLogger(lambda: async_engine.latest_stats, is_done=lambda: async_engine.dead_error is not None).start()
@@ -187,8 +188,12 @@ def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_a
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     add_error_handlers(app)
-    for module in (system, tokenize, completions, chat):
-        app.include_router(module.router)
+    routers = [module.router for module in (system, tokenize, completions, chat)]
     if runtime_lora_updating_allowed():
-        app.include_router(lora.router)
+        routers.append(lora.router)
+    app.state.route_methods = {}  # {path: every method some route serves there}: the Allow header of a 405
+    for router in routers:
+        app.include_router(router)
+        for route in router.routes:
+            app.state.route_methods.setdefault(route.path, set()).update(route.methods)
     return app

@@ -126,11 +126,11 @@ def _add_logging_args(group) -> None:
 def _add_limit_args(group) -> None:
     """Admission limits, shutdown, API server processes and where the engine runs."""
     group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="bound on queued sequences (a request counts n per prompt); beyond it the server "
-                            "answers 503 with Retry-After, and 400 to a request that alone exceeds it")
+                       help="bound on queued sequences (a request counts best_of, else n, per prompt); beyond it "
+                            "the server answers 503 with Retry-After, and 400 to a request that alone exceeds it")
     group.add_argument("--max-seqs-per-request", type=int, default=None,
-                       help="most sequences (prompts x n) one request may ask for; more is answered 400 "
-                            "(default: no cap beyond --max-waiting-requests)")
+                       help="most sequences one request may run (its prompts x best_of, else n or the beam width); "
+                            "more is answered 400 naming the field (default: the engine's --max-num-seqs)")
     group.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
                        help=f"most bytes a request body may have; more is answered 413 "
                             f"(default {DEFAULT_MAX_REQUEST_BODY_SIZE})")
@@ -154,6 +154,12 @@ def _add_openai_args(group) -> None:
                             f"at most {MAX_LOGPROBS}); more is answered 400")
     group.add_argument("--chat-template", default=None,
                        help="chat template replacing the tokenizer's: a file path, or the template itself inline")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a request's own chat_template (a Jinja program, run at no bounded cost); "
+                            "without it such a request is answered 400 (vLLM's flag and default)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage reports prompt_tokens_details.cached_tokens: the prompt tokens served from the "
+                            "prefix cache (vLLM's flag)")
     group.add_argument("--response-role", default="assistant",
                        help="role of the chat replies when the request has add_generation_prompt=true")
     group.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[],

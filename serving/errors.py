@@ -1,8 +1,9 @@
 """OpenAI's error body for every failure: ``{"error": {"message", "type", "param", "code"}}``.
 
-400 for invalid input (including pydantic validation errors, which FastAPI would answer 422), 413 for a body over
-``--max-request-body-size``, 401 without the API key, 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full, 500 when the engine has
-failed. ``add_error_handlers(app)`` makes the app answer every exception in that shape.
+400 for invalid input (including pydantic validation errors, which FastAPI would answer 422), 405 (with ``Allow``
+listing every method the path serves) for a method it does not, 413 for a body over ``--max-request-body-size``,
+401 without the API key, 404 for an unknown model, 503 with ``Retry-After`` when the waiting queue is full, 500 when
+the engine has failed. ``add_error_handlers(app)`` makes the app answer every exception in that shape.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     named = _FIELD_NAME.match(detail)
     if not loc and named and detail[named.end():].startswith(":"):  # a whole-body check that names the field
         param, message = named.group(1), detail
+    elif loc and detail.startswith(where) and detail[len(where):len(where) + 1] in (":", "["):
+        message = detail  # the field's own check names the field (and the offending item) itself
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, message, param=param)
@@ -98,11 +101,24 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     return validation_error(exc).response()
 
 
+def route_path(scope) -> str:
+    """The path the router matches: ``scope["path"]`` without a leading ``root_path`` (Starlette's rule)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     # FastAPI's own errors (undecodable body, unknown route, wrong method) in the OpenAI error shape.
     param = "body" if exc.status_code == 400 else None
-    return APIError(exc.status_code, str(exc.detail), param=param,
-                    headers=dict(exc.headers) if exc.headers else None).response()
+    headers = dict(exc.headers) if exc.headers else {}
+    # Starlette's 405 names the methods of the first route at the path only; a path served by several routes (a GET
+    # and a POST one) lists all of them (``app.state.route_methods``: {path: methods}, set by serving.app).
+    methods = getattr(request.app.state, "route_methods", {}).get(route_path(request.scope))
+    if exc.status_code == 405 and methods:
+        headers["Allow"] = ", ".join(sorted(methods))
+    return APIError(exc.status_code, str(exc.detail), param=param, headers=headers or None).response()
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:

@@ -8,6 +8,8 @@ default) and a non-zero exit when the engine dies, so that an orchestrator resta
   ends at once, a stream with an error event and ``data: [DONE]``, a whole response with a 500;
 * freezes its start-up heap once it serves (``freeze_gc_heap``: no full garbage collection walks it while serving;
   unfrozen when ``serve`` returns);
+* exits with status 0 after a shutdown on SIGTERM / SIGINT (uvicorn would re-raise the signal once it has shut
+  down, so that SIGTERM killed the process after a complete drain);
 * watches the engine on uvicorn's 0.1 s tick: when it has died (a step failed, the engine process is gone), the
   server shuts down by itself and ``engine_died`` is set (``serve_main`` then exits with status 1; ``/health`` has
   answered 503 since the death).
@@ -16,6 +18,7 @@ default) and a non-zero exit when the engine dies, so that an orchestrator resta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from typing import Any
@@ -59,15 +62,27 @@ class ServingServer(uvicorn.Server):
 
     def serve_on_socket(self, sock) -> int:
         """Serve on the bound ``sock`` until shutdown (a signal, or the engine's death); then shut the engine client
-        down and close ``sock``. Returns the exit status: 1 when the engine died, else 0."""
+        down and close ``sock``. Returns the exit status: 0 after a shutdown on SIGTERM / SIGINT, 1 when the engine
+        died or the server did not start."""
         try:
             self.run(sockets=[sock])
         except KeyboardInterrupt:
-            pass  # uvicorn has shut down gracefully and re-raises the interrupt (uvicorn.run swallows it too)
+            pass  # an interrupt before uvicorn captures signals: the server has not started (status 1)
         finally:
             self.async_engine.shutdown()
             sock.close()
-        return 1 if self.engine_died else 0
+        return 1 if self.engine_died or not self.started else 0
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's signal capture, without its re-raise of the captured signal once it has shut down: that
+        re-raise makes SIGTERM kill the process (status -15, a crash to a supervisor) after a complete drain. The
+        drain is the signal's whole effect here; ``serve_on_socket`` returns the exit status."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
     async def serve(self, sockets=None) -> None:
         try:

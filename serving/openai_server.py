@@ -17,7 +17,7 @@ import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from fastapi import Request
 
@@ -29,7 +29,7 @@ from serving.errors import APIError, param_from_message
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
-from serving.request_limits import check_num_seqs, max_prompt_chars
+from serving.request_limits import check_field_sizes, check_num_seqs, max_prompt_chars
 from serving.unsupported_fields import refuse_unsupported
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
@@ -92,12 +92,17 @@ class OpenAIServer:
       chat_template: the server's chat template (``--chat-template``); None: the tokenizer's.
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
-      max_seqs_per_request: most sequences (prompts x n) one request may ask for (``--max-seqs-per-request``).
+      max_seqs_per_request: most sequences (each prompt's n, best_of or beam width, summed) one request may run
+        (``--max-seqs-per-request``; ``create_app`` defaults it to the engine's ``max_num_seqs``).
       enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
         ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
       reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
       loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
         without ``--enable-lora``.
+      enable_prompt_tokens_details: ``--enable-prompt-tokens-details``: usage reports
+        ``prompt_tokens_details.cached_tokens`` (``cached_tokens``).
+      trust_request_chat_template: ``--trust-request-chat-template``: a request's own ``chat_template`` (a Jinja
+        program run on the tokenizer thread, at no bounded cost) is rendered; else it is refused (vLLM's default).
     """
 
     def __init__(self, async_engine: AsyncEngine, tokenizer: Any, info: ModelInfo, metrics: ServingMetrics, *,
@@ -105,7 +110,8 @@ class OpenAIServer:
                  chat_template: str | None = None, response_role: str = "assistant",
                  scheduling_policy: str = "fcfs", max_seqs_per_request: int | None = None,
                  enable_auto_tool_choice: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, loras: Any = None) -> None:
+                 reasoning_parser: str | None = None, loras: Any = None,
+                 trust_request_chat_template: bool = False, enable_prompt_tokens_details: bool = False) -> None:
         from serving.reasoning_parsers import REASONING_PARSERS
         from serving.tool_parsers import TOOL_PARSERS
 
@@ -127,6 +133,8 @@ class OpenAIServer:
         self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.loras = loras
+        self.trust_request_chat_template = trust_request_chat_template
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     async def _off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the tokenizer thread."""
@@ -153,6 +161,7 @@ class OpenAIServer:
         self.check_model(body.model)
         # include_reasoning: false is refused only where there is no reasoning to leave out.
         refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
+        check_field_sizes(body, self.max_prompt_chars)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: Stream options can only be defined when `stream=True`.",
                            param="stream_options")
@@ -163,6 +172,12 @@ class OpenAIServer:
             raise APIError(400, f"truncate_prompt_tokens: value ({body.truncate_prompt_tokens}) is greater than "
                                 f"max_model_len ({self.info.max_model_len}). Please, select a smaller truncation "
                                 f"size.", param="truncate_prompt_tokens")
+
+    def check_num_seqs(self, body: SamplingFields, num_prompts: int) -> None:
+        """The admission rule for the work ``body`` creates (``serving.request_limits.check_num_seqs``), checked
+        before its ``num_prompts`` prompts are tokenized."""
+        check_num_seqs(body, num_prompts, max_waiting_requests=self.engine.max_waiting_requests,
+                       max_seqs_per_request=self.max_seqs_per_request)
 
     def check_num_logprobs(self, num_logprobs: int | None, param: str, kind: str = "sample") -> None:
         if num_logprobs is not None and num_logprobs > self.max_logprobs:
@@ -203,11 +218,13 @@ class OpenAIServer:
         """The last ``truncate_prompt_tokens`` ids (vLLM truncates prompts from the left)."""
         return token_ids if truncate_prompt_tokens is None else token_ids[-truncate_prompt_tokens:]
 
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        for position, token_id in enumerate(token_ids):
+    def check_token_ids(self, token_ids: Sequence[int], param: str, where: str | None = None) -> None:
+        """400 naming ``param`` (and ``where``, e.g. ``prompt[2]`` for a batch's prompt) and the index of the first
+        id outside the vocabulary."""
+        for index, token_id in enumerate(token_ids):
             if not 0 <= token_id < self.info.vocab_size:
-                raise APIError(400, f"{param}: token id {token_id} at position {position} is out of range "
-                                    f"[0, {self.info.vocab_size})", param=param)
+                raise APIError(400, f"{where or param}[{index}]: token id {token_id} is out of range "
+                                    f"[0, {self.info.vocab_size}) (the model's vocabulary)", param=param)
 
     def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
@@ -239,7 +256,19 @@ class OpenAIServer:
         """The prompt text of ``messages`` (``paged_jax.entrypoints.chat.render_chat``, on the tokenizer thread) with
         ``body``'s chat options; a template error is the input's (400)."""
         self.require_tokenizer("messages")
+        self.check_request_chat_template(body)
         return await self._off_loop(self._render_chat, messages, body)
+
+    def check_request_chat_template(self, body: Any) -> None:
+        """A request's own chat template (``chat_template``, or one in ``chat_template_kwargs``) is refused unless
+        the server trusts them (``--trust-request-chat-template``, as vLLM)."""
+        if self.trust_request_chat_template:
+            return
+        for field, given in (("chat_template", getattr(body, "chat_template", None) is not None),
+                             ("chat_template_kwargs", "chat_template" in (body.chat_template_kwargs or {}))):
+            if given:
+                raise APIError(400, f"{field}: a chat template is passed with the request, but the server does not "
+                                    f"run request templates (serve with --trust-request-chat-template)", param=field)
 
     def _render_chat(self, messages: Sequence[ChatMessageParam], body: Any) -> str:
         tokenizer = self.tokenizer
@@ -357,11 +386,8 @@ class OpenAIServer:
         return token_ids if salt is None else {"prompt_token_ids": token_ids, "cache_salt": salt}
 
     async def submit(self, requests: list[EngineRequest], body: Any, aliases: dict[str, str]) -> list[RequestStream]:
-        """Admit ``requests`` (one API request's prompts) as a group; a group that could never be admitted is 400,
-        a full waiting queue 503 with Retry-After."""
-        check_num_seqs(sum(request.params.n for request in requests), num_prompts=len(requests), n=body.n,
-                       max_waiting_requests=self.engine.max_waiting_requests,
-                       max_seqs_per_request=self.max_seqs_per_request)
+        """Admit ``requests`` (one API request's prompts, counted by ``check_num_seqs`` already) as a group; a full
+        waiting queue is 503 with Retry-After."""
         try:
             return await self.engine.add_requests(requests)
         except EngineOverloadedError as exc:
@@ -370,6 +396,11 @@ class OpenAIServer:
             raise APIError(500, str(exc)) from exc
         except ValueError as exc:
             raise self.bad_request(exc, body, aliases) from exc
+
+    def cached_tokens(self, num_cached_tokens: Iterable[int]) -> int | None:
+        """The usage's ``prompt_tokens_details.cached_tokens``: the prompts' tokens served from the prefix cache
+        (``RequestOutput.num_cached_tokens`` of each prompt), None without ``--enable-prompt-tokens-details``."""
+        return sum(num_cached_tokens) if self.enable_prompt_tokens_details else None
 
     # ---------------------------------------------------------------- logprobs formatting
     def token_text(self, token_id: int, logprob: Any, as_token_id: bool = False) -> str:

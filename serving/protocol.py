@@ -11,16 +11,18 @@ such as ``logprobs`` and ``finish_reason`` directly.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      WrapValidator, model_validator)
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's upper bound on n; it also bounds the work one request can ask for.
+# OpenAI's upper bound on n (and ours on best_of); the server's admission limits bound the work further.
 MAX_N = 128
 # Seeds are handed to a 64-bit PRNG key; OpenAI documents seed as int64.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -40,7 +42,8 @@ Int = Annotated[int, BeforeValidator(_number)]
 Float = Annotated[float, BeforeValidator(_number)]
 Bool = StrictBool
 # Token ids come in long lists: strict ints (no per-item Python validator); a token id is never written 5.0.
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 Seed = Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]
 JSONObject = dict[str, Any]
 
@@ -136,10 +139,15 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: Bool | None = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # with --enable-prompt-tokens-details
 
 
 class ResponseFields(OpenAIBaseModel):
@@ -160,7 +168,7 @@ class SamplingFields(RequestBody):
 
     model: str | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
-    best_of: Int | None = None
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)
     temperature: Float | None = Field(None, ge=0.0, le=2.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
@@ -207,7 +215,54 @@ class SamplingFields(RequestBody):
 
 
 # ----------------------------------------------------------------------------------------------- completions
-CompletionPrompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+_TOKEN_ID_RULE = f"a token id is an integer in [0, {MAX_TOKEN_ID}]"
+
+
+def _shown(value: Any) -> str:
+    """``value`` as JSON, shortened (what the client sent)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_TOKEN_ID
+
+
+def prompt_error(prompt: Any) -> str:
+    """Why ``prompt`` is none of the completions prompt forms, naming the first offending item by its index
+    (pydantic would list a failure per member of the union instead)."""
+    if not isinstance(prompt, list) or not prompt:
+        return f"prompt: must be {_PROMPT_FORMS}, got {_shown(prompt)}"
+    if isinstance(prompt[0], str):
+        index = next(i for i, item in enumerate(prompt) if not isinstance(item, str))
+        return f"prompt[{index}]: a batch of text prompts holds only strings, got {_shown(prompt[index])}"
+    if isinstance(prompt[0], list):
+        for i, ids in enumerate(prompt):
+            if not isinstance(ids, list):
+                return f"prompt[{i}]: a batch of token-id prompts holds only lists of token ids, got {_shown(ids)}"
+            bad = next((j for j, token_id in enumerate(ids) if not _is_token_id(token_id)), None)
+            if bad is not None:
+                return f"prompt[{i}][{bad}]: {_TOKEN_ID_RULE}, got {_shown(ids[bad])}"
+    bad = next((i for i, token_id in enumerate(prompt) if not _is_token_id(token_id)), None)
+    if bad is not None:
+        return f"prompt[{bad}]: {_TOKEN_ID_RULE}, got {_shown(prompt[bad])}"
+    return f"prompt: must be {_PROMPT_FORMS}"
+
+
+def _one_prompt_error(value: Any, handler: Any) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(prompt_error(value)) from None
+
+
+# Checked as a whole: a prompt that fits no form is one error naming the offending item (checked only on failure,
+# so a long token-id list costs no per-item Python call).
+CompletionPrompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], WrapValidator(_one_prompt_error)]
 
 
 class CompletionRequest(SamplingFields):
@@ -437,6 +492,12 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VersionResponse(OpenAIBaseModel):
+    """``GET /version``: the installed paged-jax package's version."""
+
+    version: str
 
 
 # --------------------------------------------------------------------------- LoRA adapters at run time (vLLM's)

@@ -1,14 +1,18 @@
 """Limits that keep one request from stalling the server: the request body size (``--max-request-body-size``,
-413 before the body is read), the prompt text length before tokenization (``max_prompt_chars``), and how many
-sequences a request may ask for (``check_num_seqs``: ``--max-waiting-requests``, ``--max-seqs-per-request``).
+413 before the body is read), the prompt text length before tokenization (``max_prompt_chars``), the size of the
+fields rendered into the prompt or compiled into a grammar (``check_field_sizes``), and how many
+sequences a request may run (``check_num_seqs``: every sequence of every prompt, n, best_of or the beam width,
+counts against ``--max-seqs-per-request``, by default the engine's ``max_num_seqs``, and ``--max-waiting-requests``).
 
 Each limit answers OpenAI's error body (``serving.errors``) naming what is too large.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from paged_jax.sampling_params import num_sequences
 from serving.errors import APIError
 
 # Default of --max-request-body-size: far above any body of a prompt that fits a context (a 128k-token prompt is
@@ -98,14 +102,55 @@ def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
     return max_model_len * longest * headroom
 
 
-def check_num_seqs(num_seqs: int, *, num_prompts: int, n: int, max_waiting_requests: int | None,
+# Request fields whose text becomes part of the prompt (tools, documents, template variables) or a grammar the engine
+# parses and compiles (the structured-output specs; a tool choice's schema comes from tools).
+SIZED_FIELDS = ("tools", "documents", "chat_template_kwargs", "response_format", "structured_outputs", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+
+
+def check_field_sizes(body: Any, max_chars: int | None) -> None:
+    """Refuse (400 naming the field) a ``SIZED_FIELDS`` value whose JSON text is longer than ``max_chars`` (the
+    server's ``max_prompt_chars``: the longest text a prompt within the context can have), before it is rendered
+    into the prompt or compiled into a grammar: such a value could never fit the context, and what it costs to
+    render or compile grows with its size. None: no check (a model without a tokenizer serves neither)."""
+    if max_chars is None:
+        return
+    for name in SIZED_FIELDS:
+        value = getattr(body, name, None)
+        if value is None:
+            continue
+        size = len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+        if size > max_chars:
+            raise APIError(400, f"{name}: {size} characters of JSON, more than the {max_chars} the longest prompt "
+                                f"within this model's context can have", param=name)
+
+
+def engine_max_num_seqs(engine: Any) -> int | None:
+    """The engine's ``max_num_seqs`` as resolved (its default depends on the platform), else as given in its
+    ``EngineArgs``; None when neither is known."""
+    resolved = getattr(engine, "max_num_seqs", None)
+    return int(resolved) if resolved else getattr(getattr(engine, "engine_args", None), "max_num_seqs", None)
+
+
+def check_num_seqs(body: Any, num_prompts: int, *, max_waiting_requests: int | None,
                    max_seqs_per_request: int | None) -> None:
-    """Refuse (400 naming ``n``) a request whose sequences (prompts x n) could never be admitted, instead of an
-    endless 503: more than the waiting queue holds at once, or more than a request's share."""
-    what = f"this request asks for {num_seqs} sequences ({num_prompts} prompt(s) x n={n})"
-    if max_seqs_per_request is not None and num_seqs > max_seqs_per_request:
-        raise APIError(400, f"n: {what}, more than the {max_seqs_per_request} one request may have "
-                            f"(--max-seqs-per-request)", param="n")
-    if max_waiting_requests is not None and num_seqs > max_waiting_requests:
-        raise APIError(400, f"n: {what}, more than the {max_waiting_requests} the server queues at once "
-                            f"(--max-waiting-requests), so it could never be admitted; send fewer", param="n")
+    """Refuse (400 naming the field that multiplied the work: ``best_of``, ``n`` or ``prompt``) a request whose
+    sequences could never be admitted, before any of its prompts is tokenized: more than one request may run
+    (``--max-seqs-per-request``, by default the engine's ``max_num_seqs``) or more than the waiting queue holds at
+    once. Each of the ``num_prompts`` prompts runs ``num_sequences(n, best_of)`` sequences (n choices, best_of
+    candidates or a beam search's width n)."""
+    per_prompt = num_sequences(body.n, getattr(body, "best_of", None))
+    total = per_prompt * num_prompts
+    if per_prompt > body.n:
+        field, factor = "best_of", f"best_of={per_prompt}"
+    else:
+        field, factor = "n", f"beam width n={body.n}" if getattr(body, "use_beam_search", False) else f"n={body.n}"
+    if per_prompt == 1 and num_prompts > 1:
+        field = "prompt"
+    what = f"this request asks for {total} sequences ({num_prompts} prompt(s) x {factor})"
+    if max_seqs_per_request is not None and total > max_seqs_per_request:
+        raise APIError(400, f"{field}: {what}, more than the {max_seqs_per_request} one request may run "
+                            f"(--max-seqs-per-request; default: the engine's --max-num-seqs)", param=field)
+    if max_waiting_requests is not None and total > max_waiting_requests:
+        raise APIError(400, f"{field}: {what}, more than the {max_waiting_requests} the server queues at once "
+                            f"(--max-waiting-requests), so it could never be admitted; send fewer", param=field)

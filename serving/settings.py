@@ -55,7 +55,9 @@ def app_kwargs(args: argparse.Namespace, engine_args, chat_template: str | None 
                 api_key_protect_all=args.api_key_protect_all, max_request_body_size=args.max_request_body_size,
                 max_seqs_per_request=args.max_seqs_per_request,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_parser=args.tool_call_parser,
-                reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules)
+                reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules,
+                trust_request_chat_template=args.trust_request_chat_template,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def uvicorn_config(app, args: argparse.Namespace):

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from paged_jax.outputs import RequestOutput
 from serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from serving.errors import APIError, engine_error
-from serving.protocol import StreamOptions, UsageInfo
+from serving.protocol import PromptTokenUsageInfo, StreamOptions, UsageInfo
 
 
 # ------------------------------------------------------------------------------------------------ SSE framing
@@ -61,13 +61,16 @@ class SSEChunks:
         return sse(response.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
     @staticmethod
-    def usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    def usage_info(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None
+                   ) -> UsageInfo:
+        """A response's usage; ``num_cached_tokens``: ``prompt_tokens_details.cached_tokens`` (None: no details)."""
+        details = None if num_cached_tokens is None else PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
         return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt_tokens + num_completion_tokens)
+                         total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
 
-    def usage(self, num_prompt_tokens: int, num_completion_tokens: int) -> str:
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> str:
         """The final ``stream_options.include_usage`` chunk: usage and no choices, as OpenAI sends it."""
-        usage = self.usage_info(num_prompt_tokens, num_completion_tokens)
+        usage = self.usage_info(num_prompt_tokens, num_completion_tokens, num_cached_tokens)
         return sse(self._response_cls(**self._header, choices=[], usage=usage).model_dump_json())
 
 

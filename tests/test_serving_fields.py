@@ -47,7 +47,7 @@ def engine(serving_engine):
 def server(engine):
     from serving.app import create_app
 
-    with ServerThread(create_app(engine, served_model_name=MODEL_NAME)) as handle:
+    with ServerThread(create_app(engine, served_model_name=MODEL_NAME, trust_request_chat_template=True)) as handle:
         yield handle
 
 

@@ -1,6 +1,7 @@
 """Property-based API fuzzing: schemathesis generates requests from the app's own OpenAPI schema (valid ones and
-deliberately invalid ones) and every answer must be a non-5xx response: invalid input is a 4xx in OpenAI's error
-shape, never a crash.
+deliberately invalid ones) and every answer must be a non-5xx response (invalid input is a 4xx in OpenAI's error
+shape, never a crash) that the schema describes: its status code, content type, headers and body (schemathesis'
+response-conformance checks); each path's ``Allow`` lists exactly its documented methods.
 
 Runs against the ASGI app (no socket) built over the real engine with the real SmolLM2. Fuzzed requests may ask
 for a lot of generation work (n up to 128, no max_tokens = fill the whole context), which is legitimate but would
@@ -14,7 +15,9 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.checks import (content_type_conformance, not_a_server_error,  # noqa: E402
+                                 response_headers_conformance, response_schema_conformance,
+                                 status_code_conformance)
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 MODEL_NAME = "smollm2-schema"
@@ -83,8 +86,12 @@ CASES = [(method, path, mode) for method, path in OPERATIONS for mode in Generat
          if mode is GenerationMode.POSITIVE or (method == "POST" and (method, path) not in NO_BODY)]
 
 
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
+
+
 @pytest.mark.parametrize("method, path, mode", CASES, ids=[f"{m} {p} {g.value}" for m, p, g in CASES])
-def test_no_server_errors(api_schema, method, path, mode):
+def test_responses_conform_to_the_schema(api_schema, method, path, mode):
     operation = api_schema[path][method]
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
@@ -95,9 +102,42 @@ def test_no_server_errors(api_schema, method, path, mode):
         response = case.call()
         assert response.status_code < 500, (
             f"{method} {path} -> {response.status_code}: {response.text[:500]}\nbody: {case.body!r}")
-        case.validate_response(response, checks=[not_a_server_error])
+        case.validate_response(response, checks=CHECKS)
         if response.status_code >= 400:  # every refusal uses OpenAI's error body, naming the status
             error = response.json()["error"]
             assert {"message", "type", "param", "code"} <= set(error) and error["code"] == response.status_code
 
     check()
+
+
+def test_each_path_allows_exactly_its_documented_methods(schema_app, api_schema):
+    """An undocumented method is 405 with ``Allow`` naming every documented one (a path served by a GET and a
+    POST route, /ping, lists both; HEAD comes with GET)."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(schema_app)
+    documented: dict[str, set[str]] = {}
+    for method, path in OPERATIONS:
+        documented.setdefault(path, set()).add(method)
+    for path, methods in documented.items():
+        for probe in ("OPTIONS", "PUT", "DELETE"):
+            response = client.request(probe, path)
+            assert response.status_code == 405, (probe, path, response.text)
+            allowed = {m.strip() for m in response.headers["allow"].split(",")} - {"HEAD"}
+            assert allowed == methods, (probe, path, response.headers["allow"])
+            assert response.json()["error"]["code"] == 405
+
+
+def test_health_ping_metrics_content_types(schema_app, api_schema):
+    """/health and /ping answer 200 with an empty body (documented without content); /metrics Prometheus text."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(schema_app)
+    paths = api_schema.raw_schema["paths"]
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+        response = client.request(method, path)
+        assert response.status_code == 200 and response.content == b""
+        assert "content" not in paths[path][method.lower()]["responses"]["200"]
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]

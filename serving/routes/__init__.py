@@ -12,12 +12,30 @@ from fastapi.responses import Response
 
 from serving.protocol import ErrorResponse
 
-# The error answers a /v1 route documents in the OpenAPI schema (all in OpenAI's error body).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
-                                                    for code in (400, 401, 404, 500, 503)}
-# A generation route answers JSON, or SSE with ``stream: true``.
-GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {**ERROR_RESPONSES,
-                                                         200: {"content": {"text/event-stream": {}}}}
+# What each error status means, as the OpenAPI document describes it (every one in OpenAI's error body).
+_ERROR_DESCRIPTIONS = {
+    400: "The request cannot be served: a value the schema admits but the server refuses or that does not fit the "
+         "model or the server's limits (the error's param names the field)",
+    401: "Missing or wrong API key (--api-key; with --api-key-protect-all also on /tokenize, /detokenize, /metrics)",
+    404: "No served model or LoRA adapter has the request's model name",
+    413: "The request body is larger than --max-request-body-size",
+    500: "The engine failed while serving the request",
+    503: "The waiting queue is full (retry after Retry-After seconds) or the engine is not running",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` entries of the error statuses ``codes``."""
+    return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
+
+
+# The error answers of a route that takes a JSON body (tokenize, detokenize, LoRA updates).
+ERROR_RESPONSES = error_responses(400, 401, 404, 413, 500)
+# A generation route answers JSON, or SSE with ``stream: true``; 503 while the waiting queue is full.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **error_responses(400, 401, 404, 413, 500, 503),
+    200: {"description": "The whole response (JSON), or with stream: true its chunks as server-sent events",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def json_response(model: Any, status_code: int = 200) -> Response:

@@ -14,7 +14,7 @@ from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                              UsageInfo, unix_time)
+                              unix_time)
 from serving.routes import GENERATION_RESPONSES, json_response
 from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final, usage_options
 from serving.tool_parsers.tool_choice import ToolChoice, resolve_tool_choice
@@ -26,6 +26,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
                                  server: OpenAIServer = Depends(get_server)) -> Response:
     server.check_request(body)
+    server.check_num_seqs(body, 1)
     if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -78,8 +79,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             stop_reason=completion.stop_reason))
     choices.sort(key=lambda choice: choice.index)
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
-    usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_completion_tokens,
-                      total_tokens=len(ids) + num_completion_tokens)
+    usage = SSEChunks.usage_info(len(ids), num_completion_tokens, server.cached_tokens([final.num_cached_tokens]))
     return json_response(ChatCompletionResponse(id=response_id, created=created,
                                                 model=server.response_model_name(body.model), choices=choices,
                                                 usage=usage,
@@ -118,7 +118,9 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
                                 start_usage)
     num_tokens = [0] * body.n  # per choice: completion tokens so far
     outputs = [_choice_output(server, body, tool_choice, prompt) for _ in range(body.n)]
+    num_cached_tokens = 0
     async for output in stream:
+        num_cached_tokens = output.num_cached_tokens
         for completion in output.outputs:
             num_tokens[completion.index] += len(completion.token_ids)
             logprobs = None
@@ -136,4 +138,4 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
                                                            finish_reason=output.finish_reason(completion.finish_reason),
                                                            stop_reason=completion.stop_reason), usage)
     if include_usage:
-        yield chunks.usage(num_prompt_tokens, sum(num_tokens))
+        yield chunks.usage(num_prompt_tokens, sum(num_tokens), server.cached_tokens([num_cached_tokens]))

@@ -11,7 +11,7 @@ from serving.async_engine import EngineRequest, RequestStream
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                              CompletionStreamChoice, CompletionStreamResponse, UsageInfo, unix_time)
+                              CompletionStreamChoice, CompletionStreamResponse, unix_time)
 from serving.routes import GENERATION_RESPONSES, json_response
 from serving.streaming import (CompletionTextChunk, EngineStreamingResponse, SSEChunks, collect_final, merge_streams,
                                usage_options)
@@ -41,12 +41,13 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
     prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if body.echo else None)
     prompts = _normalize_prompts(body.prompt)
+    server.check_num_seqs(body, len(prompts))
     prompt_token_ids: list[list[int]] = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         ids = (await server.encode(prompt, body.add_special_tokens, "prompt",
                                    truncating=body.truncate_prompt_tokens is not None)
                if isinstance(prompt, str) else list(prompt))
-        server.check_token_ids(ids, "prompt")
+        server.check_token_ids(ids, "prompt", f"prompt[{index}]" if len(prompts) > 1 else None)
         ids = server.truncate(ids, body.truncate_prompt_tokens)
         server.check_prompt_length(len(ids), "prompt")
         prompt_token_ids.append(ids)
@@ -94,8 +95,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
                 prompt_logprobs=prompt_logprobs))
             num_completion_tokens += len(completion.token_ids)
     choices.sort(key=lambda choice: choice.index)
-    usage = UsageInfo(prompt_tokens=sum(num_prompt_tokens), completion_tokens=num_completion_tokens,
-                      total_tokens=sum(num_prompt_tokens) + num_completion_tokens)
+    usage = SSEChunks.usage_info(sum(num_prompt_tokens), num_completion_tokens,
+                                 server.cached_tokens(output.num_cached_tokens for output in finals))
     return json_response(CompletionResponse(id=response_id, created=created,
                                             model=server.response_model_name(body.model), choices=choices,
                                             usage=usage))
@@ -115,7 +116,9 @@ async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, stre
     num_tokens: dict[int, int] = {}  # per choice: completion tokens so far (continuous_usage_stats)
     num_chars_sent: dict[int, int] = {}  # per choice: characters streamed so far (logprobs' text_offset)
     prompt_logprobs: dict[int, list] = {}  # per prompt: its request's prompt logprobs (on its first output)
+    num_cached_tokens: dict[int, int] = {}  # per prompt: its tokens served from the prefix cache
     async for prompt_index, output in merge_streams(streams):
+        num_cached_tokens[prompt_index] = output.num_cached_tokens
         if output.prompt_logprobs is not None:
             prompt_logprobs[prompt_index] = output.prompt_logprobs
         for completion in output.outputs:
@@ -141,4 +144,5 @@ async def _completion_chunks(server: OpenAIServer, body: CompletionRequest, stre
                                                        finish_reason=completion.finish_reason,
                                                        stop_reason=completion.stop_reason), usage)
     if include_usage:
-        yield chunks.usage(sum(num_prompt_tokens), sum(num_tokens.values()))
+        yield chunks.usage(sum(num_prompt_tokens), sum(num_tokens.values()),
+                           server.cached_tokens(num_cached_tokens.values()))

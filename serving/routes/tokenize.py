@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest, TokenizeRequest,
                               TokenizeResponse)
+from serving.request_limits import check_field_sizes
 from serving.routes import ERROR_RESPONSES, json_response
 from serving.unsupported_fields import refuse_unsupported
 
@@ -19,6 +20,7 @@ async def tokenize(body: TokenizeRequest, server: OpenAIServer = Depends(get_ser
     server.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
         refuse_unsupported(body)
+        check_field_sizes(body, server.max_prompt_chars)
         text = await server.render_chat(body.messages, body)
         token_ids = await server.encode(text, body.add_special_tokens, "messages")
     else:
