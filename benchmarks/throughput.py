@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["breakdown"] = breakdown
 
     assert out_tokens == workload.output_tokens, (out_tokens, workload.output_tokens)
-    config = llm.llm_engine.model_config if args.model else preset_config(args.shape)
+    config = llm.llm_engine.engine_core.model_config if args.model else preset_config(args.shape)
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_pretrained(args.model)
     # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, 4-bit weights 0.5 (their scales and the

@@ -157,7 +157,8 @@ def _serving_metrics(engine: LLMEngine, info, metrics_prefix: str) -> ServingMet
     metrics = ServingMetrics(info.served_model_name, max_model_len=info.max_model_len, prefix=metrics_prefix,
                              cache_config=cache_config_labels(engine.engine_args),
                              multiprocess=engine.shared_engine_process)
-    engine.set_step_stats_callback(metrics.update_engine_stats)
+    if not engine.core_in_process:  # before the engine thread starts; a core in-process is read after each step
+        engine.set_step_stats_callback(metrics.update_engine_stats)
     return metrics
 
 

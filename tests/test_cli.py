@@ -482,16 +482,16 @@ def test_kv_pool_too_small_for_max_model_len_is_a_clear_error(jax_default_fracti
 
 
 def test_max_model_len_defaults_to_the_models_own(caplog):
-    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.engine.core_setup import default_max_model_len
 
-    assert LLMEngine._max_model_len(None, 131072, on_accelerator=True) == 131072  # no 8192 cap (vLLM)
-    assert LLMEngine._max_model_len(None, 1024, on_accelerator=False) == 1024
-    with caplog.at_level(logging.INFO, logger="paged_jax.engine.llm_engine"):
-        assert LLMEngine._max_model_len(None, 8192, on_accelerator=False) == 2048
+    assert default_max_model_len(None, 131072, on_accelerator=True) == 131072  # no 8192 cap (vLLM)
+    assert default_max_model_len(None, 1024, on_accelerator=False) == 1024
+    with caplog.at_level(logging.INFO, logger="paged_jax.engine.core_setup"):
+        assert default_max_model_len(None, 8192, on_accelerator=False) == 2048
     assert "--max-model-len 8192" in caplog.text  # the CPU cap is logged with the flag that lifts it
-    assert LLMEngine._max_model_len(8192, 8192, on_accelerator=False) == 8192
+    assert default_max_model_len(8192, 8192, on_accelerator=False) == 8192
     with pytest.raises(ValueError, match="max_model_len"):
-        LLMEngine._max_model_len(4096, 2048, on_accelerator=True)
+        default_max_model_len(4096, 2048, on_accelerator=True)
 
 
 @pytest.fixture

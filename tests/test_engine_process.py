@@ -13,7 +13,7 @@ import pytest
 
 from models.testing import tiny_config
 from paged_jax.config import EngineArgs
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 ENGINE_KWARGS = dict(load_format="dummy", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
                      max_model_len=128, seed=0)
@@ -142,15 +142,22 @@ def test_burst_is_admitted_within_a_few_steps(client):
     num_requests = 32
     groups = {client.submit_requests([(f"burst{i}", {"prompt_token_ids": [5, 6, i + 1]}, busy, 0)])
               for i in range(num_requests)}
+    # What the input processor can check is refused here, at once, nothing sent; what only the core can check (a
+    # grammar; this model has no tokenizer) comes back as the group's answer, and nothing of the group stays.
+    with pytest.raises(ValueError, match="prompt"):
+        client.submit_requests([("burst-ok", {"prompt_token_ids": [1]}, busy, 0),
+                                ("burst-bad", {"prompt_token_ids": [1, 100000]}, busy, 0)])
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
     refused = client.submit_requests([("burst-ok", {"prompt_token_ids": [1]}, busy, 0),
-                                      ("burst-bad", {"prompt_token_ids": [1, 100000]}, busy, 0)])
+                                      ("burst-bad", {"prompt_token_ids": [1]}, constrained, 0)])
     answers = {}
     while len(answers) < num_requests + 1:
         client.step()
         answers.update(client.take_admissions())
     assert client.stats()["num_steps"] - steps_before <= 4  # one request per step would take 33
     assert all(answers[group] is None for group in groups)
-    assert isinstance(answers[refused], ValueError) and "prompt" in str(answers[refused])
+    assert isinstance(answers[refused], ValueError) and "structured_outputs" in str(answers[refused])
+    assert "burst-ok" not in client.output_processor
     assert client.stats()["num_unfinished_requests"] == num_requests + 1  # the refused group left nothing behind
     client.abort_request(["busy", *(f"burst{i}" for i in range(num_requests))])
     while client.has_unfinished_requests():
@@ -175,7 +182,7 @@ def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
     finally:
         client.close()
     err = capfd.readouterr().err
-    stages = [r"\(EngineCore pid=\d+\) paged_jax\.engine\.llm_engine: Loading model " + re.escape(model_dir),
+    stages = [r"\(EngineCore pid=\d+\) paged_jax\.engine\.core_setup: Loading model " + re.escape(model_dir),
               r"model weights ready in \d+\.\d+ s",
               r"KV cache: \d+ blocks x 16 tokens = \d+ tokens .*max_model_len 256",
               r"Compiling \d+ step executables \(\d+ step shapes\)",
@@ -229,11 +236,11 @@ def test_server_on_engine_process_and_dead_child(model_dir):
         assert texts[-1] == 400
         assert all(text == whole.choices[0].text for text in texts[:-1])
 
-        os.kill(engine.pid, 9)
+        os.kill(engine.engine_core.pid, 9)
         with pytest.raises(openai.InternalServerError):
             client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0)
         assert wait_until(lambda: httpx.get(server.base_url + "/health").status_code != 200, timeout=30)
-    assert not engine._process.is_alive()
+    assert not engine.engine_core.is_alive()
 
 
 async def _stream_burst(base_url: str, prompt: list[int], num_streams: int) -> list:

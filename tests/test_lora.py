@@ -9,8 +9,9 @@ import pytest
 
 from lora_adapters import ADAPTER_SPECS, make_peft_model, write_adapter
 from paged_jax import LLM, LoRARequest, SamplingParams
+from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.lora.engine_api import LoRAEngineMixin
+from paged_jax.engine.input_processor import InputProcessor
 from paged_jax.core.request import Request
 from paged_jax.core.scheduler import Scheduler
 
@@ -98,7 +99,7 @@ def test_mixed_batch_matches_transformers_peft(llm, adapters, peft_greedy, monke
     assert len({tuple(g) for g in got[:4]}) == 4  # every adapter changes the output
     # One step ran the base model and two adapters side by side; the third adapter took a slot later.
     assert any(len(slots - {0}) == 2 and 0 in slots for slots in step_slots)
-    assert engine.lora_manager.num_slot_writes >= 3
+    assert engine.engine_core.lora_manager.num_slot_writes >= 3
     assert_idle(engine)
 
 
@@ -123,7 +124,7 @@ def test_preemption_chunked_prefill_and_async_scheduling(llm, adapters, peft_gre
     scheduling: each adapter's rows still match transformers + PEFT."""
     _, paths = adapters
     engine = llm.llm_engine
-    monkeypatch.setattr(engine, "async_scheduling", True)
+    monkeypatch.setattr(engine.engine_core, "async_scheduling", True)
     prompts = [list(range(300 + 11 * i, 440 + 11 * i)) for i in range(2)]  # 140 tokens: chunks of a 128-token step
     names = [NAMES[0], NAMES[1]]
     preemptions = engine.stats()["num_preemptions"]
@@ -178,15 +179,12 @@ def test_adapter_errors_name_the_problem(llm, tmp_path, adapters):
     with pytest.raises(ValueError, match="lora_int_id 1 already names adapter"):
         llm.llm_engine.add_lora(LoRARequest("other", 1, paths[NAMES[1]]))
     with pytest.raises(ValueError, match="enable_lora"):
-        NoLoRAEngine().resolve_lora(LoRARequest("a", 1, "/x"))
+        InputProcessor(llm.llm_engine.info, None, EngineArgs()).process("x", [1], None,
+                                                                        lora_request=LoRARequest("a", 1, "/x"))
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert_idle(llm.llm_engine)
-
-
-class NoLoRAEngine(LoRAEngineMixin):
-    lora_manager = None
 
 
 def test_scheduler_admits_at_most_max_loras_adapters():

@@ -261,7 +261,7 @@ def _engine_model(llm):
 
 def _record_engine_loading(monkeypatch, tmp_path) -> tuple[dict, list]:
     """(the KV sizing's keyword arguments, the models ``place_contiguously`` placed) of the next engine built."""
-    import paged_jax.engine.llm_engine as engine_module
+    import paged_jax.engine.core_setup as engine_module
     from paged_jax.worker import device_memory
 
     sizing, real_sizing = {}, engine_module.determine_num_blocks

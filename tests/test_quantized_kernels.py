@@ -479,7 +479,7 @@ def test_fp8_gemv_prologues_match_the_unfused_layers(monkeypatch, weights):
     def refuse(*args, **kwargs):
         return None
 
-    monkeypatch.setitem(norm_lib._IMPLS, "pallas", functools.partial(rms_norm_pallas, interpret=True))
+    monkeypatch.setitem(norm_lib._REGISTRY._impls, "pallas", functools.partial(rms_norm_pallas, interpret=True))
     monkeypatch.setitem(linear_lib._FP8_MATMULS, "pallas_blocked", functools.partial(fp8_gemv_blocked, **knobs))
     config = ModelConfig.from_hf_config(tiny_config("llama"))
     model = LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed % 1000))

@@ -21,7 +21,7 @@ from tests.serving_field_cases import (CHAT, CHAT_ONLY, COMMON, COMPLETION, MODE
 from tests.test_serving import ServerThread
 
 class RecordingEngine:
-    """Delegates to the real engine and records every ``add_request`` (the engine thread calls it)."""
+    """Delegates to the real engine and records every request the server submits (the engine thread submits)."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
@@ -30,12 +30,14 @@ class RecordingEngine:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def add_request(self, request_id, prompt, params=None, priority=0):
-        self._engine.add_request(request_id, prompt, params, priority=priority)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt dict
-        ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
-        text = self._engine.tokenizer.decode(ids)  # on the engine thread, which owns this tokenizer
-        self.added.append(Added(request_id, ids, text, params, priority, salt))
+    def submit_requests(self, requests):
+        group_id = self._engine.submit_requests(requests)
+        for request_id, prompt, params, priority, *_ in requests:
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt dict
+            ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+            text = self._engine.tokenizer.decode(ids)  # on the engine thread, which owns this tokenizer
+            self.added.append(Added(request_id, ids, text, params, priority, salt))
+        return group_id
 
 
 @pytest.fixture(scope="module")

@@ -196,12 +196,12 @@ def test_async_grammar_rows_overlap_the_forward(serving_engine, smollm2_tokenize
     outputs = {}
     try:
         for async_scheduling in (False, True):
-            engine.async_scheduling = async_scheduling
+            engine.engine_core.async_scheduling = async_scheduling
             events.clear()
             done = run_to_completion(engine, prompts, params, prefix=f"ov{async_scheduling}")
             outputs[async_scheduling] = [[c.token_ids for c in o.outputs] for o in done]
     finally:
-        engine.async_scheduling = False
+        engine.engine_core.async_scheduling = False
     assert outputs[True] == outputs[False]
     # Collapse each run of accepts. A step with grammar rows is dispatched in two halves; with a step in flight
     # (async) the previous step's tokens are fetched and accepted between them.

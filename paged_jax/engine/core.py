@@ -313,7 +313,7 @@ class EngineCore:
             if request.grammar is not None:
                 request.grammar.accept(token)
             self.generation_tokens_total += 1
-            if output_index == 0 and index == 0:
+            if output_index == 0:  # per sequence, as vLLM counts each of n sequences' prompt
                 self.prompt_tokens_total += group.num_prompt_tokens
             if group.beam_search is not None:
                 group.beam_search.record(request, make_logprob_dict(

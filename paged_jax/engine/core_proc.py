@@ -30,6 +30,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from paged_jax.engine.exceptions import EngineOverloadedError
 from paged_jax.engine.messages import (CLIENT_MESSAGE_DECODER, AbortRequests, AddRequests, Admission, CoreDied,
                                        CoreFailed, CoreReady, EngineCoreOutput, EngineCoreOutputs, Shutdown,
@@ -137,7 +139,7 @@ class EngineCoreProc:
                 return error
         core_ids = [self._core_id(client, r.request_id) for r in requests]
         if self._tagged:
-            requests = [dataclasses.replace(r, request_id=core_id) for r, core_id in zip(requests, core_ids)]
+            requests = [msgspec.structs.replace(r, request_id=core_id) for r, core_id in zip(requests, core_ids)]
         try:
             self.core.add_requests(requests)
         except ValueError as exc:  # the client's error (a bad adapter, grammar, a duplicate id)

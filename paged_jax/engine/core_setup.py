@@ -133,6 +133,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
                 device)
     loaded = load_engine_model(args, on_accelerator, devices)
     timings["load_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
+    timings["model_load_s"] = loaded.load_seconds  # the weights alone (read, or restored from the weights cache)
     model, config, plan = loaded.model, loaded.config, loaded.plan
     max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, on_accelerator)
     max_num_seqs, max_num_batched_tokens = step_limits(args, max_model_len, on_accelerator)
