@@ -49,6 +49,13 @@ class EngineArgs:
     # Split long prompts into chunks that share a step's token budget with decodes. Off: a prompt is prefilled whole
     # in one step (max_num_batched_tokens then defaults to at least max_model_len, as in vLLM).
     enable_chunked_prefill: bool = True
+    # A prefill with more tokens left than this is long (vLLM's meaning): long prefills take a step's budget after
+    # decodes, short prefills and admissions, so a short prompt is not queued behind them. None: 4% of
+    # max_model_len (vLLM's default once partial prefills are on); 0: off, running requests always go first.
+    long_prefill_token_threshold: int | None = None
+    # Most long prompts partway through their prefill at once (vLLM's flag): a long prompt beyond it waits and the
+    # shorter prompts behind it jump ahead.
+    max_long_partial_prefills: int = 1
     # Accepted for vLLM launch lines, with a log note: JAX compiles every step shape at start-up and there is no
     # eager mode (nor CUDA graphs) to switch to.
     enforce_eager: bool = False
@@ -126,6 +133,9 @@ class EngineArgs:
                      "max_stop_strings", "max_stop_string_len"):
             value = getattr(self, name)
             check(value is None or value >= 1, name, "must be >= 1")
+        check(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+              "long_prefill_token_threshold", "must be >= 0")
+        check(self.max_long_partial_prefills >= 1, "max_long_partial_prefills", "must be >= 1")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
         # LoRA slots are one engine's step argument: replicas and other hosts would each need the adapter loads,

@@ -31,7 +31,7 @@ from serving.errors import APIError, add_error_handlers, route_path
 from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
-from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, engine_max_num_seqs
+from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, default_max_seqs_per_request
 from serving.routes import chat, completions, lora, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
@@ -96,7 +96,7 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
         Retry-After, and a request with more sequences than the bound gets 400.
       max_request_body_size: bytes a request body may have (413 beyond; None: no limit).
       max_seqs_per_request: most sequences one request may run (each prompt's n, best_of or beam width, summed;
-        400 beyond); None: the engine's ``max_num_seqs`` (``serving.request_limits.engine_max_num_seqs``).
+        400 beyond); None: half the engine's ``max_num_seqs`` (``serving.request_limits.default_max_seqs_per_request``).
       tokenizer: the tokenizer for the HTTP layer; default a private copy of ``engine.tokenizer``.
       allowed_origins, allowed_methods, allowed_headers, allow_credentials: CORS (vLLM's flags and defaults).
       log_requests, max_log_len: one log line per request (``serving.server_logs.RequestLogger``).
@@ -124,7 +124,7 @@ def create_app(engine: LLMEngine, *, served_model_name: str | Sequence[str] | No
     if tokenizer is None:
         tokenizer = copy.deepcopy(engine.tokenizer)  # never shared with the engine thread
     if max_seqs_per_request is None:
-        max_seqs_per_request = engine_max_num_seqs(engine)
+        max_seqs_per_request = default_max_seqs_per_request(engine)
     metrics = _serving_metrics(engine, info, metrics_prefix)
     loras = _lora_registry(engine, info, lora_modules)
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,

@@ -130,7 +130,7 @@ def _add_limit_args(group) -> None:
                             "the server answers 503 with Retry-After, and 400 to a request that alone exceeds it")
     group.add_argument("--max-seqs-per-request", type=int, default=None,
                        help="most sequences one request may run (its prompts x best_of, else n or the beam width); "
-                            "more is answered 400 naming the field (default: the engine's --max-num-seqs)")
+                            "more is answered 400 naming the field (default: half the engine's --max-num-seqs, so one request leaves seats for others)")
     group.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE,
                        help=f"most bytes a request body may have; more is answered 413 "
                             f"(default {DEFAULT_MAX_REQUEST_BODY_SIZE})")

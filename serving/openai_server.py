@@ -93,7 +93,7 @@ class OpenAIServer:
       response_role: the role of chat replies when the prompt ends with the generation prompt (``--response-role``).
       scheduling_policy: the engine's (``priority`` makes a request's ``priority`` count).
       max_seqs_per_request: most sequences (each prompt's n, best_of or beam width, summed) one request may run
-        (``--max-seqs-per-request``; ``create_app`` defaults it to the engine's ``max_num_seqs``).
+        (``--max-seqs-per-request``; ``create_app`` defaults it to half the engine's ``max_num_seqs``).
       enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
         ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
       reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).

@@ -2,7 +2,7 @@
 413 before the body is read), the prompt text length before tokenization (``max_prompt_chars``), the size of the
 fields rendered into the prompt or compiled into a grammar (``check_field_sizes``), and how many
 sequences a request may run (``check_num_seqs``: every sequence of every prompt, n, best_of or the beam width,
-counts against ``--max-seqs-per-request``, by default the engine's ``max_num_seqs``, and ``--max-waiting-requests``).
+counts against ``--max-seqs-per-request``, by default half the engine's ``max_num_seqs``, and ``--max-waiting-requests``).
 
 Each limit answers OpenAI's error body (``serving.errors``) naming what is too large.
 """
@@ -125,18 +125,20 @@ def check_field_sizes(body: Any, max_chars: int | None) -> None:
                                 f"within this model's context can have", param=name)
 
 
-def engine_max_num_seqs(engine: Any) -> int | None:
-    """The engine's ``max_num_seqs`` as resolved (its default depends on the platform), else as given in its
-    ``EngineArgs``; None when neither is known."""
+def default_max_seqs_per_request(engine: Any) -> int | None:
+    """``--max-seqs-per-request``'s default: half the engine's ``max_num_seqs`` (as resolved: its default depends on
+    the platform; else as given in its ``EngineArgs``), at least 1, so the heaviest request one client may send
+    leaves seats for everyone else's; None when ``max_num_seqs`` is not known."""
     resolved = getattr(engine, "max_num_seqs", None)
-    return int(resolved) if resolved else getattr(getattr(engine, "engine_args", None), "max_num_seqs", None)
+    max_num_seqs = int(resolved) if resolved else getattr(getattr(engine, "engine_args", None), "max_num_seqs", None)
+    return max(1, max_num_seqs // 2) if max_num_seqs else None
 
 
 def check_num_seqs(body: Any, num_prompts: int, *, max_waiting_requests: int | None,
                    max_seqs_per_request: int | None) -> None:
     """Refuse (400 naming the field that multiplied the work: ``best_of``, ``n`` or ``prompt``) a request whose
     sequences could never be admitted, before any of its prompts is tokenized: more than one request may run
-    (``--max-seqs-per-request``, by default the engine's ``max_num_seqs``) or more than the waiting queue holds at
+    (``--max-seqs-per-request``, by default half the engine's ``max_num_seqs``) or more than the waiting queue holds at
     once. Each of the ``num_prompts`` prompts runs ``num_sequences(n, best_of)`` sequences (n choices, best_of
     candidates or a beam search's width n)."""
     per_prompt = num_sequences(body.n, getattr(body, "best_of", None))
@@ -150,7 +152,7 @@ def check_num_seqs(body: Any, num_prompts: int, *, max_waiting_requests: int | N
     what = f"this request asks for {total} sequences ({num_prompts} prompt(s) x {factor})"
     if max_seqs_per_request is not None and total > max_seqs_per_request:
         raise APIError(400, f"{field}: {what}, more than the {max_seqs_per_request} one request may run "
-                            f"(--max-seqs-per-request; default: the engine's --max-num-seqs)", param=field)
+                            f"(--max-seqs-per-request; default: half the engine's --max-num-seqs)", param=field)
     if max_waiting_requests is not None and total > max_waiting_requests:
         raise APIError(400, f"{field}: {what}, more than the {max_waiting_requests} the server queues at once "
                             f"(--max-waiting-requests), so it could never be admitted; send fewer", param=field)

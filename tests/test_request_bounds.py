@@ -1,12 +1,13 @@
 """Every field that multiplies a request's work is bounded (issue 53): the sequences it runs (n, best_of, beam
-width, each prompt of a batch) against ``--max-seqs-per-request`` (by default the engine's ``max_num_seqs``) and
+width, each prompt of a batch) against ``--max-seqs-per-request`` (by default half the engine's ``max_num_seqs``) and
 ``--max-waiting-requests``, the top logprobs per token (``logprobs``, ``top_logprobs``, ``prompt_logprobs``) against
 ``--max-logprobs``, stop strings, banned ids and ``logit_bias`` against the engine's widths, and the fields rendered
 into the prompt or compiled into a grammar (tools, schemas) against the longest prompt text the context can hold.
 For each: one value past the bound is a 400 naming the field, the bound itself is served.
 
-One app over the session's SmolLM2 engine (``serving_engine``: max_model_len 256, max_num_seqs 4), with no
-``--max-seqs-per-request`` (so 4 from max_num_seqs) and ``--max-waiting-requests 3``.
+One app over the session's SmolLM2 engine (``serving_engine``: max_model_len 256, max_num_seqs 4), with
+``--max-seqs-per-request 4`` (above its default, so that both bounds can be crossed alone) and
+``--max-waiting-requests 3``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from test_serving import ServerThread
 
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams, num_sequences
 from paged_jax.worker.sampler import BANNED_WIDTH, LOGIT_BIAS_WIDTH
+from serving.request_limits import default_max_seqs_per_request
 
 MODEL_NAME = "smollm2-bounds"
 MAX_WAITING = 3
-MAX_NUM_SEQS = 4  # serving_engine's
+MAX_NUM_SEQS = 4  # serving_engine's, and the app's --max-seqs-per-request
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
@@ -30,7 +32,8 @@ CHAT = [{"role": "user", "content": "Hi"}]
 def server(serving_engine):
     from serving.app import create_app
 
-    app = create_app(serving_engine, served_model_name=MODEL_NAME, max_waiting_requests=MAX_WAITING)
+    app = create_app(serving_engine, served_model_name=MODEL_NAME, max_waiting_requests=MAX_WAITING,
+                     max_seqs_per_request=MAX_NUM_SEQS)
     with ServerThread(app) as handle:
         yield handle
 
@@ -62,8 +65,9 @@ def test_num_sequences_is_the_one_rule():
     assert SamplingParams(n=3).num_sequences == 3
 
 
-def test_the_default_per_request_bound_is_max_num_seqs(server, serving_engine):
+def test_the_default_per_request_bound_is_half_of_max_num_seqs(server, serving_engine):
     assert serving_engine.max_num_seqs == MAX_NUM_SEQS
+    assert default_max_seqs_per_request(serving_engine) == MAX_NUM_SEQS // 2
     assert server.app.state.server.max_seqs_per_request == MAX_NUM_SEQS
 
 

@@ -285,7 +285,8 @@ def test_prefix_cache_admission_and_sharing() -> None:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_preemption_under_tiny_pool_gives_same_outputs(mode: str, prefix: bool) -> None:
+@pytest.mark.parametrize("long_threshold", [0, 5])  # 5: long prefills go after admissions (tests/test_fairness.py)
+def test_preemption_under_tiny_pool_gives_same_outputs(mode: str, prefix: bool, long_threshold: int) -> None:
     rng = random.Random(0)
     shared = [rng.randrange(1, VOCAB) for _ in range(8)]
     prompts, max_tokens = {}, {}
@@ -297,7 +298,8 @@ def test_preemption_under_tiny_pool_gives_same_outputs(mode: str, prefix: bool) 
     ref = outputs_alone(prompts, max_tokens)
     # 10 usable blocks of 4 tokens: far less than the ~6 x 7 blocks the requests need together.
     sched, runner = make_scheduler(num_blocks=11, block_size=4, max_num_batched_tokens=12, max_model_len=40,
-                                   num_host_blocks=6, prefix=prefix, preemption_mode=mode)
+                                   num_host_blocks=6, prefix=prefix, preemption_mode=mode,
+                                   long_prefill_token_threshold=long_threshold)
     reqs = {rid: make_request(rid, p, max_tokens=max_tokens[rid]) for rid, p in prompts.items()}
     arrivals = {0: [reqs["r0"], reqs["r1"], reqs["r2"]], 3: [reqs["r3"]], 5: [reqs["r4"], reqs["r5"]]}
     outs = run_to_completion(sched, runner, arrivals)
@@ -314,10 +316,12 @@ def test_preemption_under_tiny_pool_gives_same_outputs(mode: str, prefix: bool) 
     assert sched.kv.num_free_host_blocks == sched.kv.num_host_blocks
 
 
-def test_random_workload_with_aborts_never_leaks() -> None:
+@pytest.mark.parametrize("long_threshold", [0, 4])
+def test_random_workload_with_aborts_never_leaks(long_threshold: int) -> None:
     rng = random.Random(1)
     sched, runner = make_scheduler(num_blocks=13, block_size=2, max_num_batched_tokens=9, max_model_len=24,
-                                   max_num_seqs=4, num_host_blocks=5, preemption_mode="swap", policy="priority")
+                                   max_num_seqs=4, num_host_blocks=5, preemption_mode="swap", policy="priority",
+                                   long_prefill_token_threshold=long_threshold)
     all_reqs = []
     for step in range(300):
         if rng.random() < 0.3:

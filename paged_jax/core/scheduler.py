@@ -16,6 +16,14 @@ Order of work in ``schedule()``:
      longest prefix-cache hit. A prompt longer than the remaining budget is chunked (``enable_chunked_prefill``) so it
      never stalls the running streams. With policy="priority" a waiting request that does not fit may preempt running
      requests of strictly lower priority.
+  3. Long prefills (more than ``long_prefill_token_threshold`` tokens left, vLLM's meaning of "long") of running
+     requests are left out of step 1 and take the budget after step 2, so a short prompt that arrives while long
+     ones are prefilled gets its first token in the next step rather than after them; step 2 leaves them at least
+     half of its budget, so they never starve. In a step that starts a short prompt, every long prefill after it
+     gets at most the threshold (vLLM V1's cap), so that step, which the short prompt's first token waits for, stays
+     about as quick as a decode step. At most ``max_long_partial_prefills`` long prompts are partway through their
+     prefill at once: a long waiting prompt that would stay partial beyond that is passed over for the shorter
+     ones behind it (vLLM's queue jump).
 
 Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``): a request's ``pending_forks`` are forked
 from it in the step that samples its first token: that step carries one extra row per child with no new tokens
@@ -50,6 +58,11 @@ class _StepPlan:
     preempted: list[str] = dataclasses.field(default_factory=list)
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    long_prefills: list[Request] = dataclasses.field(default_factory=list)  # running, left for after admissions
+    short_prefill_started: bool = False  # a short prompt gets its first tokens: long prefills are capped
+
+
+_PASSED_OVER = 0  # ``Scheduler._admit``: a long prompt left waiting for the shorter ones behind it
 
 
 def _grammar_ready(request: Request) -> bool:
@@ -69,15 +82,21 @@ class Scheduler:
       policy: "fcfs" or "priority" (lower ``Request.priority`` first, then earlier arrival).
       enable_chunked_prefill: split prompts across steps to fit the budget; without it a prompt must fit whole
         (``max_num_batched_tokens >= max_model_len`` is then required).
+      long_prefill_token_threshold: a prefill with more tokens than this left to compute is long (step 3 of the
+        module docstring); 0: none is, every running request is planned before admissions.
+      max_long_partial_prefills: most long prompts partway through their prefill at once (>= 1).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", policy: str = "fcfs",
-                 enable_chunked_prefill: bool = True, max_loras: int = 0) -> None:
+                 enable_chunked_prefill: bool = True, max_loras: int = 0, long_prefill_token_threshold: int = 0,
+                 max_long_partial_prefills: int = 1) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)):
+                            ("max_model_len", max_model_len), ("max_long_partial_prefills", max_long_partial_prefills)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if policy not in ("fcfs", "priority"):
@@ -98,6 +117,9 @@ class Scheduler:
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras  # > 0: at most this many distinct LoRA adapters in the running batch (vLLM)
+        # A prefill with more tokens left than this is long; 0 (none is long) compares against a bound never reached.
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_model_len + 1
+        self.max_long_partial_prefills = max_long_partial_prefills
 
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: collections.deque[Request] = collections.deque()  # WAITING / PREEMPTED / SWAPPED
@@ -209,7 +231,12 @@ class Scheduler:
         step = _StepPlan(budget=self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:  # the pool is tight after a preemption: admitting would thrash
+            # Long prefills left for after admissions keep at least half of what is left.
+            reserve = min(sum(r.num_tokens_to_compute for r in step.long_prefills), step.budget // 2)
+            step.budget -= reserve
             self._schedule_waiting(step)
+            step.budget += reserve
+        self._schedule_long_prefills(step)
         return self._build_output(step)
 
     def _preempt(self, victim: Request, step: "_StepPlan") -> None:
@@ -241,6 +268,7 @@ class Scheduler:
         kv = self.kv
         allocate_slots = kv.allocate_slots
         planned = step.planned
+        long_threshold = self.long_prefill_token_threshold
         budget = step.budget
         for request in list(self.running):
             if budget == 0:
@@ -249,6 +277,9 @@ class Scheduler:
                 continue
             num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
                        - request.num_computed_tokens)  # request.num_tokens_to_compute, inlined
+            if num_new > long_threshold:
+                step.long_prefills.append(request)
+                continue
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:
@@ -257,39 +288,72 @@ class Scheduler:
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             if not allocate_slots(request, num_new):
                 step.budget = budget
-                while True:
-                    victim = max(self.running, key=self._order_key)
-                    self._preempt(victim, step)  # returns the budget of a victim planned earlier
-                    if victim is request or allocate_slots(request, num_new):
-                        break
+                fits = self._preempt_until_fits(request, num_new, step)
                 budget = step.budget
-                if request.status is not running_status:
+                if not fits:
                     continue
             planned[request.request_id] = (request, num_new)
             budget -= num_new
         step.budget = budget
 
+    def _preempt_until_fits(self, request: Request, num_new: int, step: "_StepPlan") -> bool:
+        """Preempt the least important running request until ``num_new`` slots of running ``request`` fit (as vLLM:
+        possibly ``request`` itself); returns whether ``request`` still runs with its slots allocated."""
+        while True:
+            victim = max(self.running, key=self._order_key)
+            self._preempt(victim, step)  # returns the budget of a victim planned earlier
+            if victim is request:
+                return False
+            if self.kv.allocate_slots(request, num_new):
+                return True
+
+    def _schedule_long_prefills(self, step: "_StepPlan") -> None:
+        """Give the running long prefills left out of ``_schedule_running`` what budget admissions left."""
+        for request in step.long_prefills:
+            if step.budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted in this step
+                continue
+            if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
+                continue
+            num_new = min(request.num_tokens_to_compute, step.budget)
+            if step.short_prefill_started:
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            if self.kv.allocate_slots(request, num_new) or self._preempt_until_fits(request, num_new, step):
+                step.planned[request.request_id] = (request, num_new)
+                step.budget -= num_new
+
     def _schedule_waiting(self, step: "_StepPlan") -> None:
         """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow."""
         if not self.waiting:
             return
-        lora_skipped: set[str] = set()  # waiting requests whose adapter would need a slot the running ones hold
+        passed_over: set[str] = set()  # passed over: adapter slots full, or a long prompt left for shorter ones
         running_loras = {r.lora_int_id for r in self.running} - {0}
         # Slots kept free for sequences that running requests will fork.
         reserved = sum(r.reserved_seats for r in self._reserving)
+        num_partial_long = len(step.long_prefills)
         while step.budget > 0 and len(self.running) + reserved < self.max_num_seqs:
-            request = self._peek_waiting(lora_skipped.union(step.preempted))  # never re-admit what this step preempted
+            request = self._peek_waiting(passed_over.union(step.preempted))  # never re-admit what this step preempted
             if request is None:
                 break
             if len(self.running) + reserved + 1 + request.reserved_seats > self.max_num_seqs:
                 break  # head-of-line: its forks need slots that running requests hold
             if request.lora_int_id and request.lora_int_id not in running_loras \
                     and len(running_loras) >= self.max_loras:
-                lora_skipped.add(request.request_id)
+                passed_over.add(request.request_id)
                 continue
-            num_new = self._admit(request, step)
+            num_new = self._admit(request, step, partial_long_allowed=num_partial_long < self.max_long_partial_prefills)
+            if num_new == _PASSED_OVER:
+                passed_over.add(request.request_id)  # the shorter prompts behind it go first
+                if len(passed_over) >= self.max_num_seqs:
+                    break  # bounds the look-ahead: no more could run at once anyway
+                continue
             if num_new is None:
                 break
+            if num_new < request.num_tokens_to_compute > self.long_prefill_token_threshold:
+                num_partial_long += 1  # a long prompt that stays partway through its prefill
+            elif request.num_tokens_to_compute <= self.long_prefill_token_threshold:
+                step.short_prefill_started = True
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -300,9 +364,10 @@ class Scheduler:
             step.planned[request.request_id] = (request, num_new)
             step.budget -= num_new
 
-    def _admit(self, request: Request, step: "_StepPlan") -> int | None:
+    def _admit(self, request: Request, step: "_StepPlan", partial_long_allowed: bool = True) -> int | None:
         """Allocate a waiting request's blocks (swap-in, or its prefix-cache hit plus new blocks), preempting lower
-        priorities if the policy allows; returns its new-token count, or None when it cannot start now."""
+        priorities if the policy allows; returns its new-token count, None when it cannot start now, or
+        ``_PASSED_OVER`` when it is a long prompt that would stay partial and ``partial_long_allowed`` is False."""
         if request.status == RequestStatus.SWAPPED:
             num_new = min(request.num_tokens_to_compute, step.budget)
             ok = self.kv.can_swap_in(request, num_new)
@@ -317,10 +382,15 @@ class Scheduler:
             return num_new
         computed_blocks, num_hit = self.kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
-        if num_new > step.budget:
+        limit = step.budget
+        if step.short_prefill_started:
+            limit = min(limit, self.long_prefill_token_threshold)
+        if num_new > limit:
             if not self.enable_chunked_prefill:
                 return None  # head-of-line: keep FCFS/priority order rather than skipping ahead
-            num_new = step.budget
+            if num_new > self.long_prefill_token_threshold and not partial_long_allowed:
+                return _PASSED_OVER
+            num_new = limit
         ok = self.kv.can_allocate(request, num_new, computed_blocks)
         while not ok and self._preempt_lower_priority(request, step):
             ok = self.kv.can_allocate(request, num_new, computed_blocks)

@@ -78,6 +78,13 @@ def step_limits(args: EngineArgs, max_model_len: int, on_accelerator: bool) -> t
     return min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens
 
 
+def long_prefill_threshold(args: EngineArgs, max_model_len: int) -> int:
+    """``--long-prefill-token-threshold`` as given, else vLLM's default of 4% of ``max_model_len`` (at least 1)."""
+    if args.long_prefill_token_threshold is not None:
+        return args.long_prefill_token_threshold
+    return max(1, int(max_model_len * 0.04))
+
+
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
                   max_num_batched_tokens: int) -> tuple[int, int]:
     """(device KV blocks, host swap blocks) for the loaded model and the limits: what the device's memory leaves after
@@ -154,7 +161,9 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                           preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
                           enable_chunked_prefill=args.enable_chunked_prefill,
-                          max_loras=args.max_loras if args.enable_lora else 0)
+                          max_loras=args.max_loras if args.enable_lora else 0,
+                          long_prefill_token_threshold=long_prefill_threshold(args, max_model_len),
+                          max_long_partial_prefills=args.max_long_partial_prefills)
     _log_pool_and_compiles(args, runner, num_blocks, num_host_blocks,
                            kv_bytes_per_block(loaded.memory_config, args.block_size, kv_dtype), max_model_len,
                            max_num_seqs, max_num_batched_tokens)
