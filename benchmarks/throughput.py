@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   help="the scheduler's (default: the engine's, 4%% of max_model_len; 0: running requests first)")
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--async-scheduling", action="store_true",
                    help="vLLM's --async-scheduling: build and dispatch step k+1 while step k runs on the device")
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=args.max_model_len, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
+              long_prefill_token_threshold=args.long_prefill_token_threshold,
               async_scheduling=args.async_scheduling, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
