@@ -123,3 +123,15 @@ def test_max_long_partial_prefills(limit):
     assert first == {"long-a": 16}  # the budget is gone: long-b waits either way
     second = _rows(scheduler, runner)
     assert second == ({"long-a": 16} if limit == 1 else {"long-b": 8, "long-a": 8})
+
+
+def test_short_prompt_behind_whole_long_prompts_goes_first():
+    """Long prompts that would each fit the step whole still wait for a short prompt queued behind them, and are
+    capped at the threshold in the step that starts it."""
+    scheduler, runner = make_scheduler(num_blocks=128, max_num_batched_tokens=32, max_model_len=128,
+                                       long_prefill_token_threshold=8)
+    for index in range(3):
+        scheduler.add_request(make_request(f"long-{index}", [index + 1] * 12, max_tokens=1))
+    scheduler.add_request(make_request("short", range(100, 106), max_tokens=1))
+    assert _rows(scheduler, runner) == {"short": 6, "long-0": 8}
+    assert _rows(scheduler, runner) == {"long-0": 4, "long-1": 12, "long-2": 12}

@@ -193,3 +193,35 @@ def child_seed(seed: int, index: int) -> int:
     if index == 0:
         return seed
     return int(np.random.SeedSequence([seed % (1 << 64), index]).generate_state(2, np.uint32).view(np.uint64)[0])
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """Stop conditions for the token just appended: a stop token (``stops_on_token``; never a placeholder, whose stop
+    rule ``Scheduler.resolve_placeholder`` applies), else the length limits (max_tokens, max_model_len), which always
+    apply."""
+    output_token_ids = request.output_token_ids
+    num_output = len(output_token_ids)
+    token = output_token_ids[-1]
+    if token >= 0 and stops_on_token(request, token, num_output):
+        return RequestStatus.FINISHED_STOPPED
+    max_tokens = request.max_tokens
+    if max_tokens is not None and num_output >= max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if len(request.prompt_token_ids) + num_output >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def stops_on_token(request: Request, token: int, num_output: int) -> bool:
+    """Whether ``token``, the ``num_output``-th output token of ``request``, ends it: EOS (unless ignore_eos) or one of
+    its stop_token_ids, counted only once more than min_tokens outputs exist. Sets ``request.stop_reason`` when it
+    does (the stop token id; None for EOS)."""
+    if num_output <= request.min_tokens:
+        return False
+    if token in request.eos_stop_ids:
+        request.stop_reason = None
+        return True
+    if token in request.stop_token_id_set:
+        request.stop_reason = token
+        return True
+    return False

@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 
 from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.core.sched_output import SchedulerOutput, StepBuilder
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus
+from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus, check_stop, stops_on_token
 
 
 @dataclasses.dataclass
@@ -63,6 +64,17 @@ class _StepPlan:
 
 
 _PASSED_OVER = 0  # ``Scheduler._admit``: a long prompt left waiting for the shorter ones behind it
+
+
+@dataclasses.dataclass
+class _Admission:
+    """``Scheduler._schedule_waiting``'s running tallies: requests passed over (adapter slots full, or a long prompt
+    left for shorter ones), the adapters in the running batch, seats reserved for forks, long partial prefills."""
+
+    running_loras: set[int]
+    reserved: int
+    num_partial_long: int
+    passed_over: set[str] = dataclasses.field(default_factory=set)
 
 
 def _grammar_ready(request: Request) -> bool:
@@ -324,45 +336,61 @@ class Scheduler:
                 step.budget -= num_new
 
     def _schedule_waiting(self, step: "_StepPlan") -> None:
-        """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow."""
+        """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow; with FCFS, short
+        prompts queued behind long ones first (module docstring, step 3)."""
         if not self.waiting:
             return
-        passed_over: set[str] = set()  # passed over: adapter slots full, or a long prompt left for shorter ones
-        running_loras = {r.lora_int_id for r in self.running} - {0}
-        # Slots kept free for sequences that running requests will fork.
-        reserved = sum(r.reserved_seats for r in self._reserving)
-        num_partial_long = len(step.long_prefills)
-        while step.budget > 0 and len(self.running) + reserved < self.max_num_seqs:
-            request = self._peek_waiting(passed_over.union(step.preempted))  # never re-admit what this step preempted
-            if request is None:
+        admission = _Admission(running_loras={r.lora_int_id for r in self.running} - {0},
+                               reserved=sum(r.reserved_seats for r in self._reserving),
+                               num_partial_long=len(step.long_prefills))
+        for request in self._short_waiting(step):
+            if self._try_admit(request, step, admission) is None:
                 break
-            if len(self.running) + reserved + 1 + request.reserved_seats > self.max_num_seqs:
-                break  # head-of-line: its forks need slots that running requests hold
-            if request.lora_int_id and request.lora_int_id not in running_loras \
-                    and len(running_loras) >= self.max_loras:
-                passed_over.add(request.request_id)
-                continue
-            num_new = self._admit(request, step, partial_long_allowed=num_partial_long < self.max_long_partial_prefills)
-            if num_new == _PASSED_OVER:
-                passed_over.add(request.request_id)  # the shorter prompts behind it go first
-                if len(passed_over) >= self.max_num_seqs:
-                    break  # bounds the look-ahead: no more could run at once anyway
-                continue
-            if num_new is None:
+        while True:
+            request = self._peek_waiting(admission.passed_over.union(step.preempted))  # never re-admit the preempted
+            if request is None or self._try_admit(request, step, admission) is None:
                 break
-            if num_new < request.num_tokens_to_compute > self.long_prefill_token_threshold:
-                num_partial_long += 1  # a long prompt that stays partway through its prefill
-            elif request.num_tokens_to_compute <= self.long_prefill_token_threshold:
-                step.short_prefill_started = True
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            running_loras |= {request.lora_int_id} - {0}
-            if request.reserved_seats:
-                self._reserving.add(request)
-                reserved += request.reserved_seats
-            step.planned[request.request_id] = (request, num_new)
-            step.budget -= num_new
+
+    def _short_waiting(self, step: "_StepPlan") -> list[Request]:
+        """FCFS: the short prompts among the first ``max_num_seqs`` waiting requests when the queue's head is long."""
+        threshold = self.long_prefill_token_threshold
+        if self.policy != "fcfs" or self.waiting[0].num_tokens_to_compute <= threshold:
+            return []
+        return [r for r in itertools.islice(self.waiting, self.max_num_seqs)
+                if r.num_tokens_to_compute <= threshold and not r.held and _grammar_ready(r)
+                and r.request_id not in step.preempted]
+
+    def _try_admit(self, request: Request, step: "_StepPlan", admission: "_Admission") -> bool | None:
+        """Admit ``request`` if seats, adapter slots, budget and blocks allow; returns True when admitted, False when
+        it is passed over (those behind it may still start), None when no more can start in this step."""
+        if step.budget <= 0 or len(self.running) + admission.reserved + 1 + request.reserved_seats > self.max_num_seqs:
+            return None  # head-of-line: no seat (or its forks need slots that running requests hold)
+        if request.lora_int_id and request.lora_int_id not in admission.running_loras \
+                and len(admission.running_loras) >= self.max_loras:
+            admission.passed_over.add(request.request_id)
+            return False
+        partial_long_allowed = admission.num_partial_long < self.max_long_partial_prefills
+        num_new = self._admit(request, step, partial_long_allowed)
+        if num_new == _PASSED_OVER:
+            admission.passed_over.add(request.request_id)  # the shorter prompts behind it go first
+            # Bounds the look-ahead: no more could run at once anyway.
+            return None if len(admission.passed_over) >= self.max_num_seqs else False
+        if num_new is None:
+            return None
+        if num_new < request.num_tokens_to_compute > self.long_prefill_token_threshold:
+            admission.num_partial_long += 1  # a long prompt that stays partway through its prefill
+        elif request.num_tokens_to_compute <= self.long_prefill_token_threshold:
+            step.short_prefill_started = True
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        admission.running_loras |= {request.lora_int_id} - {0}
+        if request.reserved_seats:
+            self._reserving.add(request)
+            admission.reserved += request.reserved_seats
+        step.planned[request.request_id] = (request, num_new)
+        step.budget -= num_new
+        return True
 
     def _admit(self, request: Request, step: "_StepPlan", partial_long_allowed: bool = True) -> int | None:
         """Allocate a waiting request's blocks (swap-in, or its prefix-cache hit plus new blocks), preempting lower
@@ -446,7 +474,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         starts = scheduler_output.row_num_computed_tokens()
         num_scheduled = scheduler_output.num_scheduled_tokens
-        # Every running request, every step: the stop rule (``_check_stop``) is inlined for a plain token.
+        # Every running request, every step: the stop rule (``check_stop``) is inlined for a plain token.
         for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
             if request.status is not running_status:  # finished or preempted since schedule() (unregistered then)
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
@@ -471,7 +499,7 @@ class Scheduler:
                  and (token in request.eos_stop_ids or token in request.stop_token_id_set))
                     or (max_tokens is not None and num_output >= max_tokens)
                     or len(request.prompt_token_ids) + num_output >= max_model_len):
-                status = self._check_stop(request)
+                status = check_stop(request, self.max_model_len)
                 self._leave_running(request)
                 self._finish(request, status)
             elif request.hold_after_sample:
@@ -546,28 +574,12 @@ class Scheduler:
         token, as in the synchronous path."""
         request.output_token_ids[output_index] = token
         self.kv.invalidate_block_hashes(request, request.num_prompt_tokens + output_index)
-        if not _stops_on_token(request, token, output_index + 1):
+        if not stops_on_token(request, token, output_index + 1):
             return
         if request.is_finished:  # by length, already freed
             request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        """Stop conditions for the token just appended: a stop token (``_stops_on_token``; never a placeholder,
-        whose stop rule ``resolve_placeholder`` applies), else the length limits (max_tokens, max_model_len), which
-        always apply."""
-        output_token_ids = request.output_token_ids
-        num_output = len(output_token_ids)
-        token = output_token_ids[-1]
-        if token >= 0 and _stops_on_token(request, token, num_output):
-            return RequestStatus.FINISHED_STOPPED
-        max_tokens = request.max_tokens
-        if max_tokens is not None and num_output >= max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if len(request.prompt_token_ids) + num_output >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def stats(self) -> dict[str, float]:
         return {
@@ -582,18 +594,3 @@ class Scheduler:
             "num_gpu_blocks": self.kv.num_blocks,
             "num_cpu_blocks": self.kv.num_host_blocks,
         }
-
-
-def _stops_on_token(request: Request, token: int, num_output: int) -> bool:
-    """Whether ``token``, the ``num_output``-th output token of ``request``, ends it: EOS (unless ignore_eos) or one of
-    its stop_token_ids, counted only once more than min_tokens outputs exist. Sets ``request.stop_reason`` when it
-    does (the stop token id; None for EOS)."""
-    if num_output <= request.min_tokens:
-        return False
-    if token in request.eos_stop_ids:
-        request.stop_reason = None
-        return True
-    if token in request.stop_token_id_set:
-        request.stop_reason = token
-        return True
-    return False
