@@ -146,7 +146,6 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_swap_ins = 0
 
-    # ------------------------------------------------------------------ request life cycle
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
@@ -216,7 +215,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    # ------------------------------------------------------------------ ordering helpers
     def _order_key(self, request: Request) -> tuple:
         seq = self._arrival_seq[request.request_id]
         if self.policy == "priority":
@@ -236,7 +234,6 @@ class Scheduler:
             return min(candidates, key=self._order_key)
         return candidates[0]  # FCFS queue; preempted requests were put back at the front
 
-    # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions (see the module docstring); returns the step as a
         diff of the runner's batch (``paged_jax.core.sched_output``)."""
@@ -373,8 +370,10 @@ class Scheduler:
         num_new = self._admit(request, step, partial_long_allowed)
         if num_new == _PASSED_OVER:
             admission.passed_over.add(request.request_id)  # the shorter prompts behind it go first
-            # Bounds the look-ahead: no more could run at once anyway.
-            return None if len(admission.passed_over) >= self.max_num_seqs else False
+            # Once a short prompt started, every long prompt would stay partial: none can start. Else the look-ahead
+            # is bounded by the seats: no more could run at once anyway.
+            done = step.short_prefill_started or len(admission.passed_over) >= self.max_num_seqs
+            return None if done else False
         if num_new is None:
             return None
         if num_new < request.num_tokens_to_compute > self.long_prefill_token_threshold:
@@ -408,16 +407,19 @@ class Scheduler:
                 raise RuntimeError("allocation after swap-in failed")
             self.num_swap_ins += 1
             return num_new
-        computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-        num_new = request.num_tokens - num_hit
         limit = step.budget
         if step.short_prefill_started:
             limit = min(limit, self.long_prefill_token_threshold)
+        # Decided before the prefix-cache lookup, which hashes the whole prompt: a long prompt is passed over
+        # without it (a hit could have made it fit; it starts once a partial prefill ends).
+        if not partial_long_allowed and self.enable_chunked_prefill and \
+                request.num_tokens > max(limit, self.long_prefill_token_threshold):
+            return _PASSED_OVER
+        computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
         if num_new > limit:
             if not self.enable_chunked_prefill:
                 return None  # head-of-line: keep FCFS/priority order rather than skipping ahead
-            if num_new > self.long_prefill_token_threshold and not partial_long_allowed:
-                return _PASSED_OVER
             num_new = limit
         ok = self.kv.can_allocate(request, num_new, computed_blocks)
         while not ok and self._preempt_lower_priority(request, step):
@@ -450,7 +452,6 @@ class Scheduler:
         self._preempt(victim, step)
         return True
 
-    # ------------------------------------------------------------------ results
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: Mapping[str, int] | Sequence[int | None]) -> list[Request]:
         """Apply a step's results; returns the requests that produced a token (finished ones included).
@@ -507,7 +508,6 @@ class Scheduler:
             changed.append(request)
         return changed
 
-    # ------------------------------------------------------------------ forking (n > 1, best_of, beam search)
     def _fork_pending(self, parent: Request) -> None:
         """Fork ``parent``'s pending sequences now that its prompt is computed; each takes one of its reserved
         slots and shares its blocks."""
