@@ -38,6 +38,14 @@ block instead and a ``(src, dst)`` copy is recorded; the scheduler hands the ste
 in the same scheduling pass stays out of the free queue until then (a swap-in of this pass could otherwise land in
 it before the copy reads it); a copy whose destination is freed in the same pass (its request preempted) is
 dropped, and a swap-out of such a request reads the source instead of the not-yet-filled destination.
+
+Sliding window
+--------------
+With ``sliding_window`` (every layer of the model slides: one sliding group, ``paged_jax.core.kv_groups``), the
+entries of blocks no later query reads (``num_skipped_blocks``) point at the null block and their blocks are released
+before each allocation, hashed ones staying revivable by the prefix cache; a request then holds at most
+``max_blocks_per_request`` blocks. A prefix-cache hit needs only the blocks inside the window of its first
+uncomputed token (``longest_window_hit``); a swap-out copies only the blocks it still holds.
 """
 
 from __future__ import annotations
@@ -48,9 +56,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from paged_jax.core.kv_groups import longest_window_hit, max_blocks_per_request, num_skipped_blocks
 from paged_jax.core.request import Request
 
 NULL_BLOCK_ID = 0
+NULL_HOST_BLOCK_ID = -1  # a swapped request's host table entry for a block that slid out of the window
 _ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)
 
 
@@ -98,18 +108,23 @@ class KVCacheManager:
       block_size: tokens per block; >= 1.
       enable_prefix_caching: register computed full blocks and reuse them across requests.
       num_host_blocks: size of the host swap pool (host block ids ``0 .. num_host_blocks-1``; no null block there).
+      sliding_window: None, or the window of every layer (``kv_groups.engine_sliding_window``): blocks that slide
+        out of it are released (see the module docstring).
 
     All methods are O(blocks touched); the free queue is an OrderedDict (O(1) pop-front / remove / push).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, sliding_window: int | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -167,6 +182,11 @@ class KVCacheManager:
         """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens, computed ``max_chunk_tokens`` at a time, holds at
+        once (``kv_groups.max_blocks_per_request``)."""
+        return max_blocks_per_request(num_tokens, self.sliding_window, self.block_size, max_chunk_tokens)
+
     # ------------------------------------------------------------------ low-level pool ops
     def _pop_free_block(self) -> int:
         block_id, _ = self._free_queue.popitem(last=False)
@@ -181,6 +201,8 @@ class KVCacheManager:
 
     def _touch(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:  # a table entry that slid out of the window
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 if block_id in self._free_queue:
@@ -192,6 +214,8 @@ class KVCacheManager:
     def _release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; pass blocks in eviction-preference order (first = evict first)."""
         for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:  # a table entry that slid out of the window
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
@@ -252,13 +276,43 @@ class KVCacheManager:
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self._cached_block_by_hash.get
+        if self.sliding_window is not None:
+            return self._window_hit([lookup(h) for h in request.block_hashes[:max_hit_blocks]])
         hit_ids: list[int] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
-            block_id = self._cached_block_by_hash.get(block_hash)
+            block_id = lookup(block_hash)
             if block_id is None:
                 break
             hit_ids.append(block_id)
         return hit_ids, len(hit_ids) * self.block_size
+
+    def _window_hit(self, hit_ids: list[int | None]) -> tuple[list[int], int]:
+        """``get_computed_blocks`` of a sliding window, from each block's cached id (None: miss): the longest hit
+        whose window blocks are all cached, the entries before the window pointing at the null block."""
+        num_hit = longest_window_hit(hit_ids, self.sliding_window, self.block_size)
+        skipped = num_skipped_blocks(num_hit * self.block_size, self.sliding_window, self.block_size)
+        return [NULL_BLOCK_ID] * skipped + hit_ids[skipped:num_hit], num_hit * self.block_size
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Point the request's entries of blocks that slid out of the window at the null block and release those
+        blocks (deepest first)."""
+        block_ids = request.block_ids
+        skipped = min(len(block_ids),
+                      num_skipped_blocks(request.num_computed_tokens, self.sliding_window, self.block_size))
+        released = []
+        for index in range(skipped - 1, -1, -1):
+            if block_ids[index] == NULL_BLOCK_ID:  # released before, as is everything before it
+                break
+            released.append(block_ids[index])
+            block_ids[index] = NULL_BLOCK_ID
+        self._release(released)
+
+    def _num_releasable(self, request: Request) -> int:
+        """Blocks ``_release_out_of_window`` would return to the free queue now."""
+        skipped = min(len(request.block_ids),
+                      num_skipped_blocks(request.num_computed_tokens, self.sliding_window, self.block_size))
+        return sum(1 for b in request.block_ids[:skipped] if b != NULL_BLOCK_ID and self.blocks[b].ref_cnt == 1)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose K/V is computed (``num_computed_tokens // block_size`` of them).
@@ -277,6 +331,8 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         for i in range(start, num_full):
+            if request.block_ids[i] == NULL_BLOCK_ID:  # slid out of the window (after a swap-in)
+                continue
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:  # came from a cache hit, or shared with the request that cached it
                 continue
@@ -306,8 +362,9 @@ class KVCacheManager:
         if not computed_blocks and self._shared_write_block(request) is not None:
             num_new_blocks += 1  # copy-on-write of the shared block the step writes into
         # Touching a hit block with ref_cnt 0 takes it out of the free queue.
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        return num_new_blocks - (self.num_free_blocks - revived)
+        revived = sum(1 for b in computed_blocks if b != NULL_BLOCK_ID and self.blocks[b].ref_cnt == 0)
+        released = self._num_releasable(request) if self.sliding_window is not None and not computed_blocks else 0
+        return num_new_blocks - (self.num_free_blocks + released - revived)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[int] | None = None) -> bool:
@@ -319,6 +376,8 @@ class KVCacheManager:
         nothing if the pool is short of blocks.
         """
         block_ids = request.block_ids
+        if self.sliding_window is not None and block_ids:
+            self._release_out_of_window(request)  # never read again, whether or not the allocation succeeds
         if block_ids and not computed_blocks and num_new_tokens > 0:
             # A running request writing into its own blocks (every running request, every step): the general path
             # below reduces to appending the blocks past those it holds (``_shared_write_block`` inlined).
@@ -427,40 +486,48 @@ class KVCacheManager:
         """
         self._release(request.block_ids[::-1])
         request.block_ids = []
-        self._free_host_blocks.extend(request.host_block_ids)
+        self._free_host_blocks.extend(h for h in request.host_block_ids if h != NULL_HOST_BLOCK_ID)
         request.host_block_ids = []
         self._num_cached_blocks.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ swap (host pool)
+    def _num_held(self, block_ids: Sequence[int], null_id: int) -> int:
+        """Entries of a block table that are not ``null_id`` (blocks that slid out of the window)."""
+        return len(block_ids) - block_ids.count(null_id) if self.sliding_window is not None else len(block_ids)
+
     def can_swap_out(self, request: Request) -> bool:
-        return self.blocks_needed(request.num_computed_tokens) <= self.num_free_host_blocks
+        num_keep = self.blocks_needed(request.num_computed_tokens)
+        return self._num_held(request.block_ids[:num_keep], NULL_BLOCK_ID) <= self.num_free_host_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's computed blocks to the host pool (bookkeeping only).
 
         Returns ``[(device_block, host_block), ...]`` that the runner must copy device -> host *before* this step's
         forward pass (the device blocks are free again and may be handed to another request in the same step).
-        Blocks past ``num_computed_tokens`` hold nothing and are simply released. Raises RuntimeError if the host pool
-        is too small (check ``can_swap_out``).
+        Blocks past ``num_computed_tokens`` hold nothing and are simply released; entries that slid out of the window
+        stay null (``NULL_HOST_BLOCK_ID`` in the host table). Raises RuntimeError if the host pool is too small (check
+        ``can_swap_out``).
         """
-        num_keep = self.blocks_needed(request.num_computed_tokens)
+        kept = request.block_ids[:self.blocks_needed(request.num_computed_tokens)]
+        num_keep = self._num_held(kept, NULL_BLOCK_ID)
         if num_keep > self.num_free_host_blocks:
             raise RuntimeError(f"host pool has {self.num_free_host_blocks} free blocks, {num_keep} needed")
         if request.host_block_ids:
             raise RuntimeError(f"request {request.request_id} is already swapped out")
+        host_ids = [NULL_HOST_BLOCK_ID if b == NULL_BLOCK_ID else self._free_host_blocks.popleft() for b in kept]
         # A block still waiting for its copy-on-write copy is read from the copy's source (same computed prefix).
-        device_ids = [self._pending_copies.get(b, b) for b in request.block_ids[:num_keep]]
-        host_ids = [self._free_host_blocks.popleft() for _ in range(num_keep)]
+        copies = [(self._pending_copies.get(b, b), h) for b, h in zip(kept, host_ids) if b != NULL_BLOCK_ID]
         self._release(request.block_ids[::-1])  # device content stays valid for prefix hits until evicted
         request.block_ids = []
         request.host_block_ids = host_ids
         self._num_cached_blocks.pop(request.request_id, None)
-        return list(zip(device_ids, host_ids))
+        return copies
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
         """Whether the swapped request's blocks plus room for ``num_new_tokens`` more tokens fit on device now."""
-        needed = max(len(request.host_block_ids),
-                     self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        host_ids = request.host_block_ids
+        num_null = len(host_ids) - self._num_held(host_ids, NULL_HOST_BLOCK_ID)
+        needed = max(len(host_ids), self.blocks_needed(request.num_computed_tokens + num_new_tokens)) - num_null
         return needed <= self.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
@@ -471,11 +538,12 @@ class KVCacheManager:
         the next ``cache_full_blocks``. Raises RuntimeError if the device pool is short (check ``can_swap_in``).
         """
         host_ids = request.host_block_ids
-        if len(host_ids) > self.num_free_blocks:
-            raise RuntimeError(f"device pool has {self.num_free_blocks} free blocks, {len(host_ids)} needed")
-        device_ids = [self._pop_free_block() for _ in host_ids]
+        num_needed = self._num_held(host_ids, NULL_HOST_BLOCK_ID)
+        if num_needed > self.num_free_blocks:
+            raise RuntimeError(f"device pool has {self.num_free_blocks} free blocks, {num_needed} needed")
+        device_ids = [NULL_BLOCK_ID if h == NULL_HOST_BLOCK_ID else self._pop_free_block() for h in host_ids]
         request.block_ids = device_ids
         request.host_block_ids = []
-        self._free_host_blocks.extend(host_ids)
+        self._free_host_blocks.extend(h for h in host_ids if h != NULL_HOST_BLOCK_ID)
         self._num_cached_blocks[request.request_id] = 0
-        return list(zip(host_ids, device_ids))
+        return [(h, d) for h, d in zip(host_ids, device_ids) if h != NULL_HOST_BLOCK_ID]
