@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from paged_jax.core.kv_groups import engine_sliding_window, max_blocks_per_request
 from paged_jax.worker.device_memory import usable_device_bytes
 from paged_jax.worker.prompt_logprobs import LOGITS_CHUNK_ROWS
 
@@ -86,15 +87,18 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
+    One sequence needs ``blocks_per_sequence`` blocks: fewer than ``max_model_len`` tokens' when every layer slides
+    (``paged_jax.core.kv_groups``).
+
     Raises:
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
       of tokens it can hold; ValueError naming ``num_gpu_blocks_override`` above ``max_addressable_blocks``.
     """
     per_block = kv_bytes_per_block(config, block_size, dtype)
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = blocks_per_sequence(config, block_size, max_model_len, max_num_batched_tokens)
     if num_blocks_override is not None:
         return _checked_override(config, int(num_blocks_override), block_size=block_size, dtype=dtype,
-                                 max_model_len=max_model_len)
+                                 blocks_per_seq=blocks_per_seq, max_model_len=max_model_len)
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
@@ -124,10 +128,17 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     return num_blocks
 
 
-def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, max_model_len: int) -> int:
+def blocks_per_sequence(config: ModelConfig, block_size: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """The most blocks one sequence of ``max_model_len`` tokens holds at once (``kv_groups.max_blocks_per_request``
+    under the engine's window, ``engine_sliding_window``)."""
+    return max_blocks_per_request(max_model_len, engine_sliding_window(config.layer_windows), block_size,
+                                  max_num_batched_tokens)
+
+
+def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, blocks_per_seq: int,
+                      max_model_len: int) -> int:
     """``num_gpu_blocks_override`` as given, once checked: ValueError when it cannot hold one ``max_model_len``
-    sequence (block 0 is reserved) or passes ``max_addressable_blocks``."""
-    blocks_per_seq = -(-max_model_len // block_size)
+    sequence (``blocks_per_seq`` blocks; block 0 is reserved) or passes ``max_addressable_blocks``."""
     if num_blocks - 1 < blocks_per_seq:
         raise ValueError(
             f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "

@@ -1,0 +1,208 @@
+"""KV-cache groups (paged_jax.core.kv_groups): the group layout, the sliding-window block rules in KVCacheManager
+(blocks that slide out are released, at most ceil(W / block_size) + 1 held while decoding, window-aware prefix hits,
+forks, swap) and the engine on a model whose layers all slide against transformers (continuous batch, chunked prefill
+across the window edge, prefix hits, preemption by recompute and swap, a pool smaller than one full-length
+sequence)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.config import ModelConfig
+from models.presets import preset_config
+from models.testing import save_random_hf_checkpoint, tiny_config
+from paged_jax.config import EngineArgs
+from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from paged_jax.core.kv_groups import (KVCacheGroupSpec, engine_sliding_window, kv_cache_groups, kv_pool_capacity,
+                                      longest_window_hit, max_blocks_per_request, num_skipped_blocks)
+from paged_jax.core.request import Request
+from paged_jax.engine.llm_engine import LLMEngine
+from paged_jax.sampling_params import SamplingParams
+
+GEMMA3_12B_WINDOWS = tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(48))
+
+
+def test_group_layout():
+    groups = kv_cache_groups(GEMMA3_12B_WINDOWS)
+    assert [g.sliding_window for g in groups] == [None] + [1024] * 5
+    assert groups[0].layers == tuple(range(5, 48, 6)) and all(len(g.layers) == 8 for g in groups)
+    assert sorted(sum((g.layers for g in groups), ())) == list(range(48))
+    assert kv_cache_groups((None,) * 4) == (KVCacheGroupSpec(None, (0, 1, 2, 3)),)
+    assert kv_cache_groups((8,) * 3) == (KVCacheGroupSpec(8, (0, 1, 2)),)
+    assert kv_cache_groups((8, None, 8, 8, 8)) == (KVCacheGroupSpec(None, (1,)), KVCacheGroupSpec(8, (0,)),
+                                                   KVCacheGroupSpec(8, (2,)), KVCacheGroupSpec(8, (3,)),
+                                                   KVCacheGroupSpec(8, (4,)))
+    # The engine frees by a window only when every layer slides (one group); otherwise its groups are off.
+    assert engine_sliding_window((None,) * 4) is None
+    assert engine_sliding_window(GEMMA3_12B_WINDOWS) is None
+    assert engine_sliding_window((8, 16)) == 16
+
+
+def test_block_rules():
+    assert num_skipped_blocks(7, 8, 4) == 0 and num_skipped_blocks(11, 8, 4) == 1 and num_skipped_blocks(12, 8, 4) == 1
+    assert max_blocks_per_request(100, None, 4, 16) == 25
+    assert max_blocks_per_request(100, 8, 4, 1) == 3  # ceil(8 / 4) + 1 while decoding
+    assert max_blocks_per_request(100, 8, 4, 16) == 7 and max_blocks_per_request(10, 8, 4, 16) == 3
+    # Blocks 0 and 2 missed: a hit of n blocks needs blocks skipped(n * 4) .. n - 1 (window 8, block 4).
+    assert longest_window_hit([1, None, 3, 4, 5, None], 8, 4) == 5
+    assert longest_window_hit([1, None, 3, None], 8, 4) == 1
+    assert longest_window_hit([None, None], 8, 4) == 0
+
+
+def _decode(kv: KVCacheManager, request: Request, num_steps: int) -> list[int]:
+    """Run ``num_steps`` one-token steps; the number of blocks the request holds after each allocation."""
+    held = []
+    for step in range(num_steps):
+        assert kv.allocate_slots(request, 1)
+        held.append(sum(b != NULL_BLOCK_ID for b in request.block_ids))
+        request.output_token_ids.append(7 + step)
+        request.num_computed_tokens += 1
+        kv.cache_full_blocks(request)
+    return held
+
+
+@pytest.mark.parametrize("window,block_size", [(8, 4), (10, 4), (5, 8)])
+def test_sliding_window_holds_at_most_window_blocks_plus_one(window, block_size):
+    kv = KVCacheManager(num_blocks=64, block_size=block_size, sliding_window=window)
+    request = Request(request_id="a", prompt_token_ids=list(range(3, 3 + 3 * window)))
+    assert kv.allocate_slots(request, request.num_tokens)  # one chunk of three windows
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    held = _decode(kv, request, 5 * block_size)
+    assert max(held) <= -(-window // block_size) + 1
+    assert len(request.block_ids) == kv.blocks_needed(request.num_computed_tokens)  # the table keeps its length
+    assert kv.num_free_blocks == kv.num_usable_blocks - held[-1]
+    kv.free(request)
+    assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+
+
+def test_released_blocks_stay_hits_and_window_hit_needs_only_the_window():
+    kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=8)
+    first = Request(request_id="a", prompt_token_ids=list(range(3, 27)))  # 24 tokens, 6 blocks
+    assert kv.allocate_slots(first, 24)
+    first.num_computed_tokens = 24
+    kv.cache_full_blocks(first)
+    _decode(kv, first, 1)
+    assert first.block_ids[:3] == [NULL_BLOCK_ID] * 3  # tokens 0..11 slid out of position 24's window
+    kv.free(first)
+    second = Request(request_id="b", prompt_token_ids=list(range(3, 27)) + [99, 98])
+    blocks, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == 24 and blocks[:4] == [NULL_BLOCK_ID] * 4 and NULL_BLOCK_ID not in blocks[4:]
+    assert kv.allocate_slots(second, 2, blocks)
+    assert second.num_computed_tokens == 24 and kv.prefix_cache_hits == 24
+    kv.free(second)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_window_hit_after_the_early_blocks_were_evicted():
+    kv = KVCacheManager(num_blocks=9, block_size=4, sliding_window=8)  # 8 usable
+    first = Request(request_id="a", prompt_token_ids=list(range(3, 27)))
+    assert kv.allocate_slots(first, 24)
+    first.num_computed_tokens = 24
+    kv.cache_full_blocks(first)
+    head = first.block_ids[:2]
+    kv.free(first)
+    # Evict the prefix's first two blocks: a hit of 24 tokens needs only blocks 4 and 5 (position 24's window).
+    kv._free_queue.move_to_end(head[1], last=False)
+    kv._free_queue.move_to_end(head[0], last=False)
+    filler = Request(request_id="f", prompt_token_ids=[200] * 9)
+    assert kv.allocate_slots(filler, 8)
+    assert kv.blocks[head[0]].block_hash is None  # evicted
+    second = Request(request_id="b", prompt_token_ids=list(range(3, 27)) + [99])
+    blocks, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == 24 and blocks[:4] == [NULL_BLOCK_ID] * 4
+
+
+def test_fork_copy_on_write_and_swap_with_null_entries():
+    kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=8, num_host_blocks=8)
+    parent = Request(request_id="p", prompt_token_ids=list(range(3, 21)))  # 18 tokens
+    assert kv.allocate_slots(parent, 18)
+    parent.num_computed_tokens = 18
+    kv.cache_full_blocks(parent)
+    assert kv.allocate_slots(parent, 1)  # releases blocks 0 .. 1 (position 18's window starts at 11)
+    assert parent.block_ids[:2] == [NULL_BLOCK_ID] * 2
+    child = Request(request_id="c", prompt_token_ids=list(range(3, 21)))
+    kv.fork(parent, child)
+    assert child.block_ids == parent.block_ids
+    shared_last = parent.block_ids[4]
+    assert kv.allocate_slots(child, 1)  # writes position 18 into the shared partial block: copy-on-write
+    assert child.block_ids[4] != shared_last and kv.take_block_copies() == [(shared_last, child.block_ids[4])]
+    # Swap: only the blocks still held travel; the null entries stay null.
+    held = [b for b in child.block_ids if b != NULL_BLOCK_ID]
+    assert kv.can_swap_out(child)
+    copies = kv.swap_out(child)
+    assert [d for d, _ in copies] == held and child.host_block_ids[:2] == [-1, -1]
+    assert kv.num_free_host_blocks == 8 - len(held)
+    assert kv.can_swap_in(child, 1)
+    back = kv.swap_in(child)
+    assert child.block_ids[:2] == [NULL_BLOCK_ID] * 2 and len(back) == len(held)
+    assert kv.num_free_host_blocks == 8
+    for request in (parent, child):
+        kv.free(request)
+    assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+
+
+def test_capacity_of_gemma3_12b_with_groups():
+    """The issue's target: >= 4x the requests at 32k context with groups (dummy shape, analytic)."""
+    config = preset_config("gemma-3-12b")
+    assert config.layer_windows == GEMMA3_12B_WINDOWS
+    page = 2 * 16 * config.num_key_value_heads * config.head_dim * 2
+    kwargs = dict(kv_budget_bytes=40 << 30, page_bytes=page, block_size=16, context_len=32768, max_chunk_tokens=1)
+    flat = kv_pool_capacity(config.layer_windows, grouped=False, **kwargs)
+    grouped = kv_pool_capacity(config.layer_windows, grouped=True, **kwargs)
+    assert (flat.num_groups, grouped.num_groups, grouped.layers_per_block) == (1, 6, 8)
+    assert grouped.blocks_per_request == 2048 + 5 * 65 and flat.blocks_per_request == 2048
+    assert grouped.max_requests >= 4 * flat.max_requests > 0
+    # Without windows the layouts agree.
+    llama = kv_pool_capacity((None,) * 32, grouped=True, **kwargs)
+    assert llama == kv_pool_capacity((None,) * 32, grouped=False, **kwargs)
+
+
+def test_mixed_layouts_keep_every_token():
+    """Gemma 3's mix of full and sliding layers: the engine's manager keeps every token's K/V (groups off)."""
+    config = ModelConfig.from_hf_config(tiny_config("gemma3", num_hidden_layers=3))
+    assert engine_sliding_window(config.layer_windows) is None
+    assert engine_sliding_window(ModelConfig.from_hf_config(tiny_config("mistral", sliding_window=8))
+                                 .layer_windows) == 8
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_with_a_sliding_group_matches_transformers_under_preemption(tmp_path, mode):
+    """Mistral with a window of 8 on every layer, a pool of 6 blocks (48 tokens, less than one max_model_len
+    sequence): prompts of two to three windows in one continuous batch, chunked prefill in 16-token steps across the
+    window edge, preemption; each request holds at most ceil((W - 1 + 16) / 8) + 1 = 4 blocks at any step."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    save_random_hf_checkpoint(tiny_config("mistral", sliding_window=8), tmp_path, seed=3)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (17, 22, 19, 24, 20)]
+    max_tokens = 8
+    engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=64, block_size=8,
+                                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=7,
+                                  preemption_mode=mode, swap_space=0.01, seed=0), use_tqdm=False)
+    core = engine.engine_core
+    assert core.kv_cache_manager.sliding_window == 8
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    tokens: dict[str, list[int]] = {}
+    most_held = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
+        held = [sum(b != NULL_BLOCK_ID for b in r.block_ids) for r in core.scheduler.running]
+        most_held = max([most_held, *held])
+    assert 2 <= most_held <= 4
+    assert core.stats()["num_preemptions"] > 0
+    if mode == "swap":
+        assert core.stats()["num_swap_outs"] > 0
+    with torch.no_grad():
+        expected = [hf_model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    kv = core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
+    assert core.runner.num_compiles_since_warmup == 0
