@@ -14,7 +14,7 @@ from models.presets import preset_config
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
-from paged_jax.core.kv_groups import (KVCacheGroupSpec, engine_sliding_window, kv_cache_groups, kv_pool_capacity,
+from paged_jax.core.kv_groups import (KVCacheGroupSpec, engine_kv_groups, kv_cache_groups, kv_pool_capacity,
                                       longest_window_hit, max_blocks_per_request, num_skipped_blocks)
 from paged_jax.core.request import Request
 from paged_jax.engine.llm_engine import LLMEngine
@@ -33,10 +33,9 @@ def test_group_layout():
     assert kv_cache_groups((8, None, 8, 8, 8)) == (KVCacheGroupSpec(None, (1,)), KVCacheGroupSpec(8, (0,)),
                                                    KVCacheGroupSpec(8, (2,)), KVCacheGroupSpec(8, (3,)),
                                                    KVCacheGroupSpec(8, (4,)))
-    # The engine frees by a window only when every layer slides (one group); otherwise its groups are off.
-    assert engine_sliding_window((None,) * 4) is None
-    assert engine_sliding_window(GEMMA3_12B_WINDOWS) is None
-    assert engine_sliding_window((8, 16)) == 16
+    assert engine_kv_groups((None,) * 4) == (KVCacheGroupSpec(None, (0, 1, 2, 3)),)  # groups off
+    assert engine_kv_groups(GEMMA3_12B_WINDOWS) == groups
+    assert engine_kv_groups((8, 16)) == (KVCacheGroupSpec(16, (0, 1)),)  # every layer slides: one group
 
 
 def test_block_rules():
@@ -64,7 +63,7 @@ def _decode(kv: KVCacheManager, request: Request, num_steps: int) -> list[int]:
 
 @pytest.mark.parametrize("window,block_size", [(8, 4), (10, 4), (5, 8)])
 def test_sliding_window_holds_at_most_window_blocks_plus_one(window, block_size):
-    kv = KVCacheManager(num_blocks=64, block_size=block_size, sliding_window=window)
+    kv = KVCacheManager(num_blocks=64, block_size=block_size, group_windows=(window,))
     request = Request(request_id="a", prompt_token_ids=list(range(3, 3 + 3 * window)))
     assert kv.allocate_slots(request, request.num_tokens)  # one chunk of three windows
     request.num_computed_tokens = request.num_tokens
@@ -78,7 +77,7 @@ def test_sliding_window_holds_at_most_window_blocks_plus_one(window, block_size)
 
 
 def test_released_blocks_stay_hits_and_window_hit_needs_only_the_window():
-    kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=8)
+    kv = KVCacheManager(num_blocks=32, block_size=4, group_windows=(8,))
     first = Request(request_id="a", prompt_token_ids=list(range(3, 27)))  # 24 tokens, 6 blocks
     assert kv.allocate_slots(first, 24)
     first.num_computed_tokens = 24
@@ -96,7 +95,7 @@ def test_released_blocks_stay_hits_and_window_hit_needs_only_the_window():
 
 
 def test_window_hit_after_the_early_blocks_were_evicted():
-    kv = KVCacheManager(num_blocks=9, block_size=4, sliding_window=8)  # 8 usable
+    kv = KVCacheManager(num_blocks=9, block_size=4, group_windows=(8,))  # 8 usable
     first = Request(request_id="a", prompt_token_ids=list(range(3, 27)))
     assert kv.allocate_slots(first, 24)
     first.num_computed_tokens = 24
@@ -115,7 +114,7 @@ def test_window_hit_after_the_early_blocks_were_evicted():
 
 
 def test_fork_copy_on_write_and_swap_with_null_entries():
-    kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=8, num_host_blocks=8)
+    kv = KVCacheManager(num_blocks=32, block_size=4, group_windows=(8,), num_host_blocks=8)
     parent = Request(request_id="p", prompt_token_ids=list(range(3, 21)))  # 18 tokens
     assert kv.allocate_slots(parent, 18)
     parent.num_computed_tokens = 18
@@ -159,14 +158,6 @@ def test_capacity_of_gemma3_12b_with_groups():
     assert llama == kv_pool_capacity((None,) * 32, grouped=False, **kwargs)
 
 
-def test_mixed_layouts_keep_every_token():
-    """Gemma 3's mix of full and sliding layers: the engine's manager keeps every token's K/V (groups off)."""
-    config = ModelConfig.from_hf_config(tiny_config("gemma3", num_hidden_layers=3))
-    assert engine_sliding_window(config.layer_windows) is None
-    assert engine_sliding_window(ModelConfig.from_hf_config(tiny_config("mistral", sliding_window=8))
-                                 .layer_windows) == 8
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_with_a_sliding_group_matches_transformers_under_preemption(tmp_path, mode):
     """Mistral with a window of 8 on every layer, a pool of 6 blocks (48 tokens, less than one max_model_len
@@ -174,7 +165,7 @@ def test_engine_with_a_sliding_group_matches_transformers_under_preemption(tmp_p
     window edge, preemption; each request holds at most ceil((W - 1 + 16) / 8) + 1 = 4 blocks at any step."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    save_random_hf_checkpoint(tiny_config("mistral", sliding_window=8), tmp_path, seed=3)
+    save_random_hf_checkpoint(tiny_config("mistral", group_windows=(8,)), tmp_path, seed=3)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
     rng = np.random.default_rng(1)
@@ -184,7 +175,7 @@ def test_engine_with_a_sliding_group_matches_transformers_under_preemption(tmp_p
                                   max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=7,
                                   preemption_mode=mode, swap_space=0.01, seed=0), use_tqdm=False)
     core = engine.engine_core
-    assert core.kv_cache_manager.sliding_window == 8
+    assert core.kv_cache_manager.group_windows == (8,)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)

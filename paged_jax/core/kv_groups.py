@@ -54,13 +54,19 @@ def kv_cache_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroupSp
     return tuple(groups)
 
 
-def engine_sliding_window(layer_windows: Sequence[int | None]) -> int | None:
-    """The window by which the engine's KV-cache manager frees blocks: when every layer slides, the model is one
-    sliding group and the widest window bounds what any layer reads; when some layer attends fully, None (every
-    layer keeps every token's K/V, one block table per request as for a model without windows)."""
-    if not layer_windows or any(window is None for window in layer_windows):
-        return None
-    return max(layer_windows)
+def engine_kv_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroupSpec, ...]:
+    """The engine's groups: one group of every layer when no layer or every layer slides (then by the widest window,
+    which bounds what any layer reads), else ``kv_cache_groups``. A model without windows gets
+    ``(KVCacheGroupSpec(None, all layers),)``: groups off, the layout of a plain paged pool."""
+    if any(window is None for window in layer_windows) and any(window is not None for window in layer_windows):
+        return kv_cache_groups(layer_windows)
+    windows = [window for window in layer_windows if window is not None]
+    return (KVCacheGroupSpec(max(windows) if windows else None, tuple(range(len(layer_windows)))),)
+
+
+def group_block_key(block_hash: bytes, group: int) -> bytes:
+    """Prefix-cache key of group ``group``'s block with chained hash ``block_hash`` (group 0: the hash itself)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
 
 def num_skipped_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
@@ -93,6 +99,25 @@ def longest_window_hit(hit_ids: Sequence[int | None], sliding_window: int, block
         if run >= n - num_skipped_blocks(n * block_size, sliding_window, block_size):
             best = n
     return best
+
+
+def groups_prefix_hit(hit_ids: Sequence[Sequence[int | None]], windows: Sequence[int | None],
+                      block_size: int) -> int:
+    """Blocks of the longest prefix-cache hit valid for every group: ``hit_ids[g][i]`` is group ``g``'s cached block
+    of the sequence's block ``i`` or None. A full group needs every block of the hit, a sliding group those in the
+    window of the first uncomputed token (``longest_window_hit``); a shorter hit stays valid for a full group but not
+    always for a sliding one, so the groups are asked again until all agree."""
+    num_hit = len(hit_ids[0]) if hit_ids else 0
+    for ids, window in zip(hit_ids, windows):
+        if window is None:
+            num_hit = next((i for i, block_id in enumerate(ids[:num_hit]) if block_id is None), num_hit)
+    sliding = [(ids, window) for ids, window in zip(hit_ids, windows) if window is not None]
+    while True:
+        agreed = num_hit
+        for ids, window in sliding:
+            num_hit = longest_window_hit(ids[:num_hit], window, block_size)
+        if num_hit == agreed:
+            return num_hit
 
 
 @dataclasses.dataclass(frozen=True)

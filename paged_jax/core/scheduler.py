@@ -254,7 +254,7 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
-            if kv.num_pending_copies >= MAX_BLOCK_COPIES and kv.needs_copy(request):
+            if kv.num_pending_copies >= MAX_BLOCK_COPIES * kv.num_groups and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             if not allocate_slots(request, num_new):
                 step.budget = budget

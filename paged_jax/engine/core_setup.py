@@ -17,7 +17,7 @@ import jax
 
 from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.core.kv_groups import engine_sliding_window
+from paged_jax.core.kv_groups import engine_kv_groups
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
@@ -152,7 +152,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         forward=loaded.forward)  # the pipeline's staged forward with pipeline_parallel_size > 1
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                       num_host_blocks=num_host_blocks,
-                                      sliding_window=engine_sliding_window(loaded.run_config.layer_windows))
+                                      group_windows=[group.sliding_window
+                                                     for group in engine_kv_groups(loaded.run_config.layer_windows)])
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                           preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
                           enable_chunked_prefill=args.enable_chunked_prefill,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from paged_jax.core.kv_groups import engine_sliding_window, max_blocks_per_request
+from paged_jax.core.kv_groups import engine_kv_groups, max_blocks_per_request
 from paged_jax.worker.device_memory import usable_device_bytes
 from paged_jax.worker.prompt_logprobs import LOGITS_CHUNK_ROWS
 
@@ -45,8 +45,10 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    return (config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim
+    """Bytes one block takes across all layers (K and V), or across one KV-cache group's layers
+    (``paged_jax.core.kv_groups``: a block holds one group's pages)."""
+    layers_per_block = max(len(group.layers) for group in engine_kv_groups(config.layer_windows))
+    return (layers_per_block * 2 * block_size * config.num_key_value_heads * config.head_dim
             * jnp.dtype(dtype).itemsize)
 
 
@@ -87,8 +89,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
-    One sequence needs ``blocks_per_sequence`` blocks: fewer than ``max_model_len`` tokens' when every layer slides
-    (``paged_jax.core.kv_groups``).
+    One sequence needs ``blocks_per_sequence`` blocks (``paged_jax.core.kv_groups``: fewer than ``max_model_len``
+    tokens' in a sliding-window group, one table per group).
 
     Raises:
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
@@ -129,10 +131,10 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
 
 
 def blocks_per_sequence(config: ModelConfig, block_size: int, max_model_len: int, max_num_batched_tokens: int) -> int:
-    """The most blocks one sequence of ``max_model_len`` tokens holds at once (``kv_groups.max_blocks_per_request``
-    under the engine's window, ``engine_sliding_window``)."""
-    return max_blocks_per_request(max_model_len, engine_sliding_window(config.layer_windows), block_size,
-                                  max_num_batched_tokens)
+    """The most blocks one sequence of ``max_model_len`` tokens holds at once, every KV-cache group's
+    (``kv_groups.max_blocks_per_request`` of each of ``engine_kv_groups``)."""
+    return sum(max_blocks_per_request(max_model_len, group.sliding_window, block_size, max_num_batched_tokens)
+               for group in engine_kv_groups(config.layer_windows))
 
 
 def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, blocks_per_seq: int,
