@@ -158,34 +158,50 @@ def test_capacity_of_gemma3_12b_with_groups():
     assert llama == kv_pool_capacity((None,) * 32, grouped=False, **kwargs)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_engine_with_a_sliding_group_matches_transformers_under_preemption(tmp_path, mode):
-    """Mistral with a window of 8 on every layer, a pool of 6 blocks (48 tokens, less than one max_model_len
-    sequence): prompts of two to three windows in one continuous batch, chunked prefill in 16-token steps across the
-    window edge, preemption; each request holds at most ceil((W - 1 + 16) / 8) + 1 = 4 blocks at any step."""
+# (checkpoint config, pool blocks, the manager's group windows): Mistral's every layer slides (one group); six Gemma 3
+# layers, every third full: a full group and two sliding groups of two layers (two pool slots).
+SLIDING_FAMILIES = {
+    "mistral": (tiny_config("mistral", sliding_window=8), 7, (8,)),
+    "gemma3": (tiny_config("gemma3", num_hidden_layers=6, sliding_window_pattern=3), 17, (None, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("family,mode", [("mistral", "recompute"), ("mistral", "swap"), ("gemma3", "recompute"),
+                                         ("gemma3", "swap")])
+def test_engine_with_sliding_groups_matches_transformers_under_preemption(tmp_path, family, mode):
+    """Windows of 8, prompts of two to three windows in one continuous batch, chunked prefill in 16-token steps
+    across the window edge, a pool too small for the batch (Mistral's: 6 blocks, less than one 64-token sequence
+    without groups; Gemma's: 16, one 64-token sequence's 8 full and 2 x 4 sliding blocks): preemption. A sliding group holds at most ceil((W - 1 + 16) / 8) + 1 = 4 blocks of a request
+    at any step; greedy fp32 tokens equal transformers'."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    save_random_hf_checkpoint(tiny_config("mistral", group_windows=(8,)), tmp_path, seed=3)
+    hf_config, num_blocks, windows = SLIDING_FAMILIES[family]
+    save_random_hf_checkpoint(hf_config, tmp_path, seed=3)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (17, 22, 19, 24, 20)]
-    max_tokens = 8
+    max_tokens = 16
     engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=64, block_size=8,
-                                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=7,
-                                  preemption_mode=mode, swap_space=0.01, seed=0), use_tqdm=False)
+                                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=num_blocks,
+                                  preemption_mode=mode, **({"swap_space": 0.01} if mode == "swap" else {}),
+                                  seed=0), use_tqdm=False)
     core = engine.engine_core
-    assert core.kv_cache_manager.group_windows == (8,)
+    kv = core.kv_cache_manager
+    assert kv.group_windows == windows
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    sliding_groups = [g for g, window in enumerate(windows) if window is not None]
     tokens: dict[str, list[int]] = {}
     most_held = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.outputs[0].token_ids)
-        held = [sum(b != NULL_BLOCK_ID for b in r.block_ids) for r in core.scheduler.running]
-        most_held = max([most_held, *held])
+        for request in core.scheduler.running:
+            for g in sliding_groups:
+                entries = request.block_ids[g::len(windows)]
+                most_held = max(most_held, sum(b != NULL_BLOCK_ID for b in entries))
     assert 2 <= most_held <= 4
     assert core.stats()["num_preemptions"] > 0
     if mode == "swap":
@@ -194,6 +210,5 @@ def test_engine_with_a_sliding_group_matches_transformers_under_preemption(tmp_p
         expected = [hf_model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
-    kv = core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
     assert core.runner.num_compiles_since_warmup == 0
