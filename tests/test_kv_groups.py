@@ -36,6 +36,8 @@ def test_group_layout():
     assert engine_kv_groups((None,) * 4) == (KVCacheGroupSpec(None, (0, 1, 2, 3)),)  # groups off
     assert engine_kv_groups(GEMMA3_12B_WINDOWS) == groups
     assert engine_kv_groups((8, 16)) == (KVCacheGroupSpec(16, (0, 1)),)  # every layer slides: one group
+    # A sharding plan's attention takes one table: a mixed layout keeps every token in every layer.
+    assert engine_kv_groups(GEMMA3_12B_WINDOWS, mixed_groups=False) == (KVCacheGroupSpec(None, tuple(range(48))),)
 
 
 def test_block_rules():
@@ -140,6 +142,46 @@ def test_fork_copy_on_write_and_swap_with_null_entries():
     for request in (parent, child):
         kv.free(request)
     assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+
+
+def test_groups_share_one_pool_with_interleaved_tables():
+    """A full group and a sliding group (window 8, block 4): two entries per block from one pool, the sliding
+    group's released past its window, hits valid for both groups, forks copied per group on write, swap."""
+    kv = KVCacheManager(num_blocks=40, block_size=4, group_windows=(None, 8), num_host_blocks=16)
+    first = Request(request_id="a", prompt_token_ids=list(range(3, 27)))  # 24 tokens: 6 blocks per group
+    assert kv.can_allocate(first, 24) and kv.allocate_slots(first, 24)
+    assert len(first.block_ids) == 12 == kv.blocks_needed(24) and kv.num_free_blocks == 39 - 12
+    first.num_computed_tokens = 24
+    kv.cache_full_blocks(first)
+    held = _decode(kv, first, 7)  # 31 tokens computed, the last block partial
+    full, sliding = first.block_ids[0::2], first.block_ids[1::2]
+    assert NULL_BLOCK_ID not in full and len(full) == 8
+    assert sliding[:5] == [NULL_BLOCK_ID] * 5 and NULL_BLOCK_ID not in sliding[5:] and max(held) <= 8 + 3
+    assert kv.max_blocks_per_request(32, 1) == 8 + 3
+    # The full group's blocks are cached and so are the sliding group's (released ones stay hashed when free).
+    second = Request(request_id="b", prompt_token_ids=list(range(3, 27)) + [99])
+    blocks, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == 24 and blocks[0::2] == full[:6] and blocks[1::2][:4] == [NULL_BLOCK_ID] * 4
+    assert blocks[1::2][4:] == [kv._cached_block_by_hash[first.block_hashes[i] + (1).to_bytes(2, "little")]
+                                for i in (4, 5)]
+    assert kv.allocate_slots(second, 1, blocks) and second.num_computed_tokens == 24
+    # A fork writing into its shared partial block copies it in both groups.
+    child = Request(request_id="c", prompt_token_ids=list(first.prompt_token_ids))
+    child.output_token_ids = list(first.output_token_ids)
+    kv.fork(first, child)
+    assert kv.needs_copy(child)
+    assert kv.allocate_slots(child, 1)
+    copies = kv.take_block_copies()
+    assert len(copies) == 2 and {src for src, _ in copies} == {first.block_ids[-2], first.block_ids[-1]}
+    assert child.block_ids[1::2][:6] == [NULL_BLOCK_ID] * 6  # position 31's window starts in block 6
+    num_held = sum(b != NULL_BLOCK_ID for b in child.block_ids)
+    copies = kv.swap_out(child)
+    assert len(copies) == num_held == 8 + 2 and child.host_block_ids[1::2][:6] == [-1] * 6
+    assert kv.can_swap_in(child) and len(kv.swap_in(child)) == num_held
+    for request in (first, second, child):
+        kv.free(request)
+    assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+    assert kv.num_free_host_blocks == 16
 
 
 def test_capacity_of_gemma3_12b_with_groups():

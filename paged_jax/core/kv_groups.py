@@ -54,13 +54,18 @@ def kv_cache_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroupSp
     return tuple(groups)
 
 
-def engine_kv_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroupSpec, ...]:
+def engine_kv_groups(layer_windows: Sequence[int | None], *, mixed_groups: bool = True
+                     ) -> tuple[KVCacheGroupSpec, ...]:
     """The engine's groups: one group of every layer when no layer or every layer slides (then by the widest window,
     which bounds what any layer reads), else ``kv_cache_groups``. A model without windows gets
-    ``(KVCacheGroupSpec(None, all layers),)``: groups off, the layout of a plain paged pool."""
-    if any(window is None for window in layer_windows) and any(window is not None for window in layer_windows):
-        return kv_cache_groups(layer_windows)
+    ``(KVCacheGroupSpec(None, all layers),)``: groups off, the layout of a plain paged pool.
+
+    ``mixed_groups`` False (a sharding plan: its sharded attention takes one block table per sequence): a mix of
+    full and sliding layers is one full-attention group, every layer keeping every token's K/V."""
     windows = [window for window in layer_windows if window is not None]
+    if windows and len(windows) < len(layer_windows):
+        return kv_cache_groups(layer_windows) if mixed_groups else (
+            KVCacheGroupSpec(None, tuple(range(len(layer_windows)))),)
     return (KVCacheGroupSpec(max(windows) if windows else None, tuple(range(len(layer_windows)))),)
 
 

@@ -36,8 +36,9 @@ class KVPoolLayout:
     slot_of_layer: tuple[int, ...]
 
     @classmethod
-    def for_config(cls, config: ModelConfig) -> "KVPoolLayout":
-        groups = engine_kv_groups(config.layer_windows)
+    def for_config(cls, config: ModelConfig, *, mixed_groups: bool = True) -> "KVPoolLayout":
+        """``mixed_groups``: see ``kv_groups.engine_kv_groups``."""
+        groups = engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups)
         group_of_layer = [0] * config.num_hidden_layers
         slot_of_layer = [0] * config.num_hidden_layers
         for g, group in enumerate(groups):

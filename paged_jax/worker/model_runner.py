@@ -112,11 +112,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
-        self.kv_layout = KVPoolLayout.for_config(model_config)
-        if self.kv_layout.num_groups > 1 and sharding_plan is not None:
-            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 is unsupported for a model whose "
-                             "layers mix sliding-window and full attention (layer_types): its KV-cache groups run "
-                             "on one device")
+        self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=sharding_plan is None)
         self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.attention_impl = attention_impl
