@@ -6,10 +6,13 @@ sequence)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from models.config import ModelConfig
+from benchmarks import kv_capacity
+
 from models.presets import preset_config
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
@@ -198,6 +201,16 @@ def test_capacity_of_gemma3_12b_with_groups():
     # Without windows the layouts agree.
     llama = kv_pool_capacity((None,) * 32, grouped=True, **kwargs)
     assert llama == kv_pool_capacity((None,) * 32, grouped=False, **kwargs)
+
+
+def test_capacity_benchmark_reports_gemma3_12b_on_an_h100(capsys):
+    report = kv_capacity.main(["--device-memory-gib", "79.6"])
+    assert json.loads(capsys.readouterr().out) == report
+    flat, grouped = report["flat"], report["grouped"]
+    assert (flat["blocks_per_request"], grouped["blocks_per_request"]) == (2048, 2048 + 5 * 65)
+    assert flat["block_bytes"] == 6 * grouped["block_bytes"] == 48 * 2 * 16 * 8 * 256 * 2
+    assert grouped["num_blocks"] == report["kv_budget_bytes"] // grouped["block_bytes"]
+    assert report["requests_ratio"] >= 4 and flat["max_requests"] > 0
 
 
 # (checkpoint config, pool blocks, the manager's group windows): Mistral's every layer slides (one group); six Gemma 3

@@ -108,7 +108,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    headroom = _step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
+    headroom = step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     dequantization_bytes=dequantization_bytes)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
@@ -158,7 +158,7 @@ def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, 
     return num_blocks
 
 
-def _step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
+def step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
                          dequantization_bytes: int) -> int:
     """Device bytes kept free of the KV pool for the widest step: its activations, the sampler's logits (or the
     prompt-logprobs chunks), ``dequantization_bytes`` and 512 MiB."""
