@@ -111,9 +111,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
-        self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=sharding_plan is None)
-        self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.attention_impl = attention_impl
         self.qk_prepare_impl = check_qk_prepare_impl(qk_prepare_impl)  # paged_jax.ops.qk_prepare (benchmarks' A/B)
@@ -121,6 +118,9 @@ class ModelRunner:
             # Sharded steps attend under shard_map with the model applying q/k norm + RoPE itself (XLA).
             raise ValueError(f"qk_prepare_impl={qk_prepare_impl!r} applies to one device; a sharding plan (tensor or "
                              "pipeline parallel) runs the q/k transform in XLA: leave qk_prepare_impl='auto'")
+        # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
+        self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=sharding_plan is None)
+        self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
