@@ -51,7 +51,8 @@ class KVPoolLayout:
 def pack_group_slots(block_tables: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int,
                      num_groups: int, slot_mapping: np.ndarray) -> None:
     """Write each token's KV slot in every group into ``slot_mapping`` (int32[G * T], group-major) from the packed
-    ``block_tables`` (int32[S, B * G], interleaved entries), the tokens' rows and positions (int64[num_tokens])."""
+    ``block_tables`` (int32[S, B * G], interleaved entries), the tokens' rows and positions (int64[num_tokens]);
+    ``G = 1``: the plain slot mapping."""
     num_tokens = len(positions)
     bucket_tokens = len(slot_mapping) // num_groups
     slots = slot_mapping.reshape(num_groups, bucket_tokens)

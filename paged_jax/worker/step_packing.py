@@ -126,11 +126,7 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
         token_batch_rows = batch_rows[token_rows]
         positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
     views["positions"][:num_tokens] = positions
-    if groups == 1:
-        views["slot_mapping"][:num_tokens] = (block_tables[token_rows, positions // block_size] * block_size
-                                              + positions % block_size)
-    else:
-        pack_group_slots(block_tables, token_rows, positions, block_size, groups, views["slot_mapping"])
+    pack_group_slots(block_tables, token_rows, positions, block_size, groups, views["slot_mapping"])
     input_ids = batch.token_ids[token_batch_rows, positions]
     views["input_ids"][:num_tokens] = input_ids
     _feed_placeholders(batch, input_ids, token_batch_rows, q_lens, token_rows, views["prev_rows"])
