@@ -7,12 +7,14 @@ sequence)."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
 
 from benchmarks import kv_capacity
 
+from models.config import ModelConfig
 from models.presets import preset_config
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
@@ -20,8 +22,13 @@ from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from paged_jax.core.kv_groups import (KVCacheGroupSpec, engine_kv_groups, kv_cache_groups, kv_pool_capacity,
                                       longest_window_hit, max_blocks_per_request, num_skipped_blocks)
 from paged_jax.core.request import Request
+from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.kv_group_pool import KVPoolLayout
+from paged_jax.worker.kv_pool_sizing import kv_bytes_per_block
+from paged_jax.worker.step_io import StepLayout
+from tests.test_scheduler import VOCAB, FakeRunner, make_request, prefix_states, run_to_completion
 
 GEMMA3_12B_WINDOWS = tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(48))
 
@@ -267,3 +274,96 @@ def test_engine_with_sliding_groups_matches_transformers_under_preemption(tmp_pa
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
     assert core.runner.num_compiles_since_warmup == 0
+
+
+class GroupedFakeRunner(FakeRunner):
+    """``tests.test_scheduler.FakeRunner`` for a manager with KV-cache groups: every group's entry of a position
+    holds the position's prefix state and its group; each row reads back, per group, the positions its step's queries
+    see (a sliding group's from the window of the first new token) through the runner's mirrored table, which keeps
+    stale entries where the manager nulled them (the kernel masks those positions)."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int) -> None:
+        super().__init__(kv, max_num_seqs)
+        self.windows = kv.group_windows
+
+    def step(self, out):
+        self.apply_diff(out)
+        for dev, host in out.swap_out:
+            self.host[host] = self.device[dev]
+        for host, dev in out.swap_in:
+            self.device[dev] = self.host[host]
+        for src, dst in out.block_copies:
+            self.device[dst] = self.device[src]
+        bs, groups, rows = self.block_size, len(self.windows), out.scheduled_rows()
+        for r in rows:  # the runner's table agrees with the request's wherever the request holds a block
+            table = self.tables[r.request_id]
+            if not r.request.is_finished:
+                assert all(b in (NULL_BLOCK_ID, t) for b, t in zip(r.request.block_ids, table)), r.request_id
+            kv_len = r.num_computed_tokens + r.num_new_tokens
+            states = prefix_states(self.tokens[r.request_id][:kv_len])
+            for p in range(r.num_computed_tokens, kv_len):
+                for g in range(groups):
+                    block = table[p // bs * groups + g]
+                    assert block != NULL_BLOCK_ID, f"{r.request_id} writes position {p} of group {g} to the null block"
+                    self.device[block, p % bs] = states[p] * groups + g
+        sampled, last_read = {}, {}
+        for r in rows:
+            if r.fork_parent is not None:
+                sampled[r.request_id] = last_read[r.fork_parent] % VOCAB
+                continue
+            kv_len = r.num_computed_tokens + r.num_new_tokens
+            table = self.tables[r.request_id]
+            states = prefix_states(r.request.all_token_ids[:kv_len])
+            for g, window in enumerate(self.windows):
+                first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)
+                read = [int(self.device[table[p // bs * groups + g], p % bs]) for p in range(first, kv_len)]
+                assert read == [s * groups + g for s in states[first:]], f"{r.request_id} read another's K/V"
+            last_read[r.request_id] = states[-1]
+            if r.samples:
+                sampled[r.request_id] = states[-1] % VOCAB
+        return sampled
+
+
+@pytest.mark.parametrize("windows,num_blocks", [((3,), 9), ((None, 3, 3), 31)])
+def test_random_workload_with_groups_never_leaks(windows, num_blocks):
+    """The scheduler's random workload (prefix hits on a small vocabulary, aborts, priority preemption with swap) on a
+    manager with groups: no row ever reads K/V that is not its own, and everything is freed at the end."""
+    rng = random.Random(2)
+    kv = KVCacheManager(num_blocks, 2, num_host_blocks=12, group_windows=windows)
+    sched = Scheduler(kv, 4, 9, 24, preemption_mode="swap", policy="priority")
+    runner = GroupedFakeRunner(kv, 4)
+    all_reqs = []
+    for step in range(300):
+        if rng.random() < 0.3:
+            prompt = [rng.randrange(1, 6) for _ in range(rng.randrange(1, 12))]
+            request = make_request(f"q{step}", prompt, max_tokens=rng.randrange(1, 10), priority=rng.randrange(3),
+                                   eos={0}, min_tokens=rng.randrange(2))
+            sched.add_request(request)
+            all_reqs.append(request)
+        if rng.random() < 0.05 and sched.requests:
+            sched.abort_request(rng.choice(sorted(sched.requests)))
+        out = sched.schedule()
+        sched.update_from_output(out, runner.step(out))
+    run_to_completion(sched, runner)
+    assert all(r.is_finished for r in all_reqs)
+    assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
+    assert all(b.ref_cnt == 0 for b in kv.blocks)
+    assert sched.num_preemptions > 0 and sched.num_swap_outs > 0 and kv.prefix_cache_hits > 0
+
+
+def test_groups_off_without_windows_keep_todays_layout():
+    """No window: one group, a (k, v) pair per layer, the step buffer's fields and the block bytes as before."""
+    llama = ModelConfig.from_hf_config(tiny_config("llama", num_hidden_layers=3))
+    assert KVPoolLayout.for_config(llama) == KVPoolLayout(1, 3, (0, 0, 0), (0, 1, 2))
+    assert kv_bytes_per_block(llama, 16, "float32") == 3 * 2 * 16 * 2 * 16 * 4
+    plain = StepLayout(32, 8, 4, 8)
+    assert plain.fields == StepLayout(32, 8, 4, 8, num_kv_groups=1).fields
+    assert plain.fields["slot_mapping"][1] - plain.fields["slot_mapping"][0] == 32
+    assert plain.fields["block_tables"][1] - plain.fields["block_tables"][0] == 8 * 4
+    gemma = ModelConfig.from_hf_config(tiny_config("gemma3", num_hidden_layers=6, sliding_window_pattern=3))
+    layout = KVPoolLayout.for_config(gemma)
+    assert (layout.num_groups, layout.num_slots) == (3, 2)
+    assert [(layout.group_of_layer[i], layout.slot_of_layer[i]) for i in range(6)] == [
+        (1, 0), (1, 1), (0, 0), (2, 0), (2, 1), (0, 1)]
+    assert KVPoolLayout.for_config(gemma, mixed_groups=False) == KVPoolLayout(1, 6, (0,) * 6, tuple(range(6)))
+    assert kv_bytes_per_block(gemma, 16, "float32") * 3 == kv_bytes_per_block(gemma, 16, "float32", mixed_groups=False)
