@@ -1,8 +1,10 @@
-"""KV-cache groups (paged_jax.core.kv_groups): the group layout, the sliding-window block rules in KVCacheManager
-(blocks that slide out are released, at most ceil(W / block_size) + 1 held while decoding, window-aware prefix hits,
-forks, swap) and the engine on a model whose layers all slide against transformers (continuous batch, chunked prefill
-across the window edge, prefix hits, preemption by recompute and swap, a pool smaller than one full-length
-sequence)."""
+"""KV-cache groups (paged_jax.core.kv_groups, paged_jax.worker.kv_group_pool): the group layout; the KV-cache
+manager's group rules (a sliding group's blocks released past its window, at most ceil(W / block_size) + 1 held while
+decoding, hits valid for every group, forks copied per group, swap); the scheduler's random workload against a fake
+runner that reads every group back; the pool's capacity and its benchmark; groups off without windows; and the
+engine against transformers on Mistral (every layer slides: one group) and Gemma 3 (a full group and two sliding
+groups sharing the pool): one continuous batch of prompts two to three windows long, chunked prefill across the
+window edge, preemption by recompute and swap."""
 
 from __future__ import annotations
 
