@@ -9,7 +9,6 @@ window edge, preemption by recompute and swap."""
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.kv_group_pool import KVPoolLayout
 from paged_jax.worker.kv_pool_sizing import kv_bytes_per_block
 from paged_jax.worker.step_io import StepLayout
-from tests.test_scheduler import VOCAB, FakeRunner, make_request, prefix_states, run_to_completion
+from tests.test_scheduler import VOCAB, FakeRunner, prefix_states, run_random_workload
 
 GEMMA3_12B_WINDOWS = tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(48))
 
@@ -289,13 +288,7 @@ class GroupedFakeRunner(FakeRunner):
         self.windows = kv.group_windows
 
     def step(self, out):
-        self.apply_diff(out)
-        for dev, host in out.swap_out:
-            self.host[host] = self.device[dev]
-        for host, dev in out.swap_in:
-            self.device[dev] = self.host[host]
-        for src, dst in out.block_copies:
-            self.device[dst] = self.device[src]
+        self.apply_diff_and_copies(out)
         bs, groups, rows = self.block_size, len(self.windows), out.scheduled_rows()
         for r in rows:  # the runner's table agrees with the request's wherever the request holds a block
             table = self.tables[r.request_id]
@@ -330,23 +323,9 @@ class GroupedFakeRunner(FakeRunner):
 def test_random_workload_with_groups_never_leaks(windows, num_blocks):
     """The scheduler's random workload (prefix hits on a small vocabulary, aborts, priority preemption with swap) on a
     manager with groups: no row ever reads K/V that is not its own, and everything is freed at the end."""
-    rng = random.Random(2)
     kv = KVCacheManager(num_blocks, 2, num_host_blocks=12, group_windows=windows)
     sched = Scheduler(kv, 4, 9, 24, preemption_mode="swap", policy="priority")
-    runner = GroupedFakeRunner(kv, 4)
-    all_reqs = []
-    for step in range(300):
-        if rng.random() < 0.3:
-            prompt = [rng.randrange(1, 6) for _ in range(rng.randrange(1, 12))]
-            request = make_request(f"q{step}", prompt, max_tokens=rng.randrange(1, 10), priority=rng.randrange(3),
-                                   eos={0}, min_tokens=rng.randrange(2))
-            sched.add_request(request)
-            all_reqs.append(request)
-        if rng.random() < 0.05 and sched.requests:
-            sched.abort_request(rng.choice(sorted(sched.requests)))
-        out = sched.schedule()
-        sched.update_from_output(out, runner.step(out))
-    run_to_completion(sched, runner)
+    all_reqs = run_random_workload(sched, GroupedFakeRunner(kv, 4), seed=2)
     assert all(r.is_finished for r in all_reqs)
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
     assert all(b.ref_cnt == 0 for b in kv.blocks)
