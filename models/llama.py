@@ -284,10 +284,13 @@ def _decoder_layer(graphdef, state, x, residual, rope, kv_layer, attention: Reus
 def run_decoder_layers(layers, x, residual, rope, kv_caches, attention: AttentionFn, lora=None, *,
                        first_layer_idx: int = 0):
     """Run ``layers`` (a sequence of ``DecoderLayer``) on ``(x, residual)`` (``residual`` None: ``x`` is the
-    embedding). ``kv_caches``: per layer its kv state, or None; ``lora``: per layer or None. A
+    embedding). ``kv_caches``: per layer its kv state (a list, or a container with ``copy()`` whose item
+    assignment a later layer reads back: layers sharing a state), or None; ``lora``: per layer or None. A
     ``ReusableAttention`` runs each layer through the nested jit ``_decoder_layer``, other attentions inline.
-    Returns ``(x, residual, new kv states: list)``; the hidden state is ``x + residual`` (the final norm adds it)."""
-    new_kv = []
+    Returns ``(x, residual, new kv states: as kv_caches)``; the hidden state is ``x + residual`` (the final norm
+    adds it)."""
+    if kv_caches is not None:
+        kv_caches = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else kv_caches.copy()
     reusable = isinstance(attention, ReusableAttention)
     if reusable and residual is None and len(layers) > 1:
         # x + 0 == x exactly, so the first layer can take the same (x, residual) form as the others: one trace for
@@ -302,8 +305,9 @@ def run_decoder_layers(layers, x, residual, rope, kv_caches, attention: Attentio
                                                    lora_layer)
         else:
             x, residual, kv_layer = layer(first_layer_idx + j, x, residual, rope, kv_layer, attention, lora_layer)
-        new_kv.append(kv_layer)
-    return x, residual, new_kv
+        if kv_caches is not None:
+            kv_caches[j] = kv_layer
+    return x, residual, kv_caches
 
 
 class LlamaModel(nnx.Module):

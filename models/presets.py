@@ -31,6 +31,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "max_position_embeddings": 32768, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    "gemma-3-12b": {  # the text model of google/gemma-3-12b-it: 40 sliding layers (window 1024), 8 full ones
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262208,
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True,
+        "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": [1, 106],
+    },
     "smollm2-135m": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

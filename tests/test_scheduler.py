@@ -84,7 +84,8 @@ class FakeRunner:
             self._add_row(child)
         assert len(self.tokens) <= self.max_num_seqs, "more rows than the runner's batch holds"
 
-    def step(self, out: SchedulerOutput) -> dict[str, int]:
+    def apply_diff_and_copies(self, out: SchedulerOutput) -> None:
+        """The diff, then the swaps and the copy-on-write copies, in the runner's order."""
         self.apply_diff(out)
         for dev, host in out.swap_out:
             self.host[host] = self.device[dev]
@@ -92,6 +93,9 @@ class FakeRunner:
             self.device[dev] = self.host[host]
         for src, dst in out.block_copies:
             self.device[dst] = self.device[src]
+
+    def step(self, out: SchedulerOutput) -> dict[str, int]:
+        self.apply_diff_and_copies(out)
         cached = out.scheduled_cached_reqs
         rows = out.scheduled_rows()
         num_forks = len(out.fork_rows)
@@ -316,12 +320,10 @@ def test_preemption_under_tiny_pool_gives_same_outputs(mode: str, prefix: bool, 
     assert sched.kv.num_free_host_blocks == sched.kv.num_host_blocks
 
 
-@pytest.mark.parametrize("long_threshold", [0, 4])
-def test_random_workload_with_aborts_never_leaks(long_threshold: int) -> None:
-    rng = random.Random(1)
-    sched, runner = make_scheduler(num_blocks=13, block_size=2, max_num_batched_tokens=9, max_model_len=24,
-                                   max_num_seqs=4, num_host_blocks=5, preemption_mode="swap", policy="priority",
-                                   long_prefill_token_threshold=long_threshold)
+def run_random_workload(sched: Scheduler, runner: FakeRunner, seed: int) -> list[Request]:
+    """300 steps of random arrivals (prompts of at most 11 tokens) and aborts, then the rest to completion; returns
+    every request."""
+    rng = random.Random(seed)
     all_reqs = []
     for step in range(300):
         if rng.random() < 0.3:
@@ -335,6 +337,15 @@ def test_random_workload_with_aborts_never_leaks(long_threshold: int) -> None:
         out = sched.schedule()
         sched.update_from_output(out, runner.step(out))
     run_to_completion(sched, runner)
+    return all_reqs
+
+
+@pytest.mark.parametrize("long_threshold", [0, 4])
+def test_random_workload_with_aborts_never_leaks(long_threshold: int) -> None:
+    sched, runner = make_scheduler(num_blocks=13, block_size=2, max_num_batched_tokens=9, max_model_len=24,
+                                   max_num_seqs=4, num_host_blocks=5, preemption_mode="swap", policy="priority",
+                                   long_prefill_token_threshold=long_threshold)
+    all_reqs = run_random_workload(sched, runner, seed=1)
     assert all(r.is_finished for r in all_reqs)
     assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
     assert sched.kv.num_free_host_blocks == sched.kv.num_host_blocks

@@ -38,6 +38,18 @@ block instead and a ``(src, dst)`` copy is recorded; the scheduler hands the ste
 in the same scheduling pass stays out of the free queue until then (a swap-in of this pass could otherwise land in
 it before the copy reads it); a copy whose destination is freed in the same pass (its request preempted) is
 dropped, and a swap-out of such a request reads the source instead of the not-yet-filled destination.
+
+KV-cache groups
+---------------
+``group_windows`` gives each group of layers (``paged_jax.core.kv_groups``) its window (None: full attention). A
+request's block table holds ``G = len(group_windows)`` entries per block of its sequence, interleaved (entry
+``i * G + g`` is group ``g``'s block ``i``), all from the one pool, so the scheduler's diffs stay appends. In a
+sliding group the entries of blocks no later query reads (``num_skipped_blocks``) point at the null block and their
+blocks are released before each allocation, hashed ones staying revivable by the prefix cache: a request holds at
+most ``max_blocks_per_request`` blocks there. Each group's blocks are cached under their own key
+(``group_block_key``); a prefix-cache hit is the longest valid for every group (``groups_prefix_hit``: a sliding
+group needs only the blocks in the window of the first uncomputed token); a swap-out copies only the blocks held. The
+entries of one block are shared by forks together and copied together on write.
 """
 
 from __future__ import annotations
@@ -48,9 +60,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from paged_jax.core.kv_groups import group_block_key, groups_prefix_hit, max_blocks_per_request, num_skipped_blocks
 from paged_jax.core.request import Request
 
 NULL_BLOCK_ID = 0
+NULL_HOST_BLOCK_ID = -1  # a swapped request's host table entry for a block that slid out of the window
 _ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)
 
 
@@ -98,18 +112,25 @@ class KVCacheManager:
       block_size: tokens per block; >= 1.
       enable_prefix_caching: register computed full blocks and reuse them across requests.
       num_host_blocks: size of the host swap pool (host block ids ``0 .. num_host_blocks-1``; no null block there).
+      group_windows: each KV-cache group's window (None: full attention), ``kv_groups.engine_kv_groups``' order;
+        ``(None,)``: one table of every token's blocks (see the module docstring).
 
     All methods are O(blocks touched); the free queue is an OrderedDict (O(1) pop-front / remove / push).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, group_windows: Sequence[int | None] = (None,)) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+        if not group_windows or any(w is not None and (not isinstance(w, int) or w < 1) for w in group_windows):
+            raise ValueError(f"group_windows must list None or an int >= 1 per group, got {group_windows!r}")
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(group_windows)
+        self._sliding_groups = tuple((g, w) for g, w in enumerate(group_windows) if w is not None)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -164,8 +185,14 @@ class KVCacheManager:
         return len(self._free_host_blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // self.block_size)
+        """Block-table entries that cover ``num_tokens`` tokens: ceil(num_tokens / block_size) per group."""
+        return -(-num_tokens // self.block_size) * self.num_groups
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens, computed ``max_chunk_tokens`` at a time, holds at
+        once, all groups together (``kv_groups.max_blocks_per_request``)."""
+        return sum(max_blocks_per_request(num_tokens, window, self.block_size, max_chunk_tokens)
+                   for window in self.group_windows)
 
     # ------------------------------------------------------------------ low-level pool ops
     def _pop_free_block(self) -> int:
@@ -181,6 +208,8 @@ class KVCacheManager:
 
     def _touch(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:  # a table entry that slid out of the window
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 if block_id in self._free_queue:
@@ -192,6 +221,8 @@ class KVCacheManager:
     def _release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; pass blocks in eviction-preference order (first = evict first)."""
         for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:  # a table entry that slid out of the window
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
@@ -252,13 +283,55 @@ class KVCacheManager:
             return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        lookup = self._cached_block_by_hash.get
+        if self.num_groups > 1 or self._sliding_groups:
+            return self._groups_hit(request.block_hashes[:max_hit_blocks])
         hit_ids: list[int] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
-            block_id = self._cached_block_by_hash.get(block_hash)
+            block_id = lookup(block_hash)
             if block_id is None:
                 break
             hit_ids.append(block_id)
         return hit_ids, len(hit_ids) * self.block_size
+
+    def _groups_hit(self, block_hashes: list[bytes]) -> tuple[list[int], int]:
+        """``get_computed_blocks`` with groups: the longest hit valid for every group, as interleaved entries (a
+        sliding group's entries before the window of the first uncomputed token point at the null block)."""
+        lookup = self._cached_block_by_hash.get
+        hits = [[lookup(group_block_key(h, g)) for h in block_hashes] for g in range(self.num_groups)]
+        num_hit = groups_prefix_hit(hits, self.group_windows, self.block_size)
+        entries = [NULL_BLOCK_ID] * (num_hit * self.num_groups)
+        for g, window in enumerate(self.group_windows):
+            skipped = 0 if window is None else num_skipped_blocks(num_hit * self.block_size, window, self.block_size)
+            entries[skipped * self.num_groups + g::self.num_groups] = hits[g][skipped:num_hit]
+        return entries, num_hit * self.block_size
+
+    def _out_of_window_entries(self, request: Request):
+        """Per sliding group, its entries (indices into ``request.block_ids``) of blocks that slid out of the window
+        and are still held, deepest first."""
+        block_ids, groups = request.block_ids, self.num_groups
+        for g, window in self._sliding_groups:
+            skipped = min(len(block_ids) // groups,
+                          num_skipped_blocks(request.num_computed_tokens, window, self.block_size))
+            for index in range((skipped - 1) * groups + g, -1, -groups):
+                if block_ids[index] == NULL_BLOCK_ID:  # released before, as is everything before it
+                    break
+                yield index
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Point the request's entries of blocks that slid out of a window at the null block and release those
+        blocks."""
+        block_ids = request.block_ids
+        released = []
+        for index in list(self._out_of_window_entries(request)):
+            released.append(block_ids[index])
+            block_ids[index] = NULL_BLOCK_ID
+        self._release(released)
+
+    def _num_releasable(self, request: Request) -> int:
+        """Blocks ``_release_out_of_window`` would return to the free queue now."""
+        return sum(1 for index in self._out_of_window_entries(request)
+                   if self.blocks[request.block_ids[index]].ref_cnt == 1)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose K/V is computed (``num_computed_tokens // block_size`` of them).
@@ -272,15 +345,18 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:  # every step of every running request, mostly: nothing new is full
             return
-        num_full = min(num_full, len(request.block_ids))
+        groups = self.num_groups
+        num_full = min(num_full, len(request.block_ids) // groups)
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            block = self.blocks[request.block_ids[i]]
+        for entry in range(start * groups, num_full * groups):
+            if request.block_ids[entry] == NULL_BLOCK_ID:  # slid out of the window (after a swap-in)
+                continue
+            block = self.blocks[request.block_ids[entry]]
             if block.block_hash is not None:  # came from a cache hit, or shared with the request that cached it
                 continue
-            block_hash = request.block_hashes[i]
+            block_hash = group_block_key(request.block_hashes[entry // groups], entry % groups)
             if block_hash not in self._cached_block_by_hash:
                 block.block_hash = block_hash
                 self._cached_block_by_hash[block_hash] = block.block_id
@@ -299,15 +375,16 @@ class KVCacheManager:
         return self._num_blocks_short(request, num_new_tokens, computed_blocks) <= 0
 
     def _num_blocks_short(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
-        num_computed = (len(computed_blocks) * self.block_size if computed_blocks
+        num_computed = (len(computed_blocks) // self.num_groups * self.block_size if computed_blocks
                         else request.num_computed_tokens)
         held = len(computed_blocks) if computed_blocks else len(request.block_ids)
         num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
-        if not computed_blocks and self._shared_write_block(request) is not None:
-            num_new_blocks += 1  # copy-on-write of the shared block the step writes into
+        if not computed_blocks:
+            num_new_blocks += len(self._shared_write_entries(request))  # copy-on-write of the blocks written into
         # Touching a hit block with ref_cnt 0 takes it out of the free queue.
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        return num_new_blocks - (self.num_free_blocks - revived)
+        revived = sum(1 for b in computed_blocks if b != NULL_BLOCK_ID and self.blocks[b].ref_cnt == 0)
+        released = self._num_releasable(request) if self._sliding_groups and not computed_blocks else 0
+        return num_new_blocks - (self.num_free_blocks + released - revived)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[int] | None = None) -> bool:
@@ -319,14 +396,17 @@ class KVCacheManager:
         nothing if the pool is short of blocks.
         """
         block_ids = request.block_ids
+        if self._sliding_groups and block_ids:
+            self._release_out_of_window(request)  # never read again, whether or not the allocation succeeds
         if block_ids and not computed_blocks and num_new_tokens > 0:
             # A running request writing into its own blocks (every running request, every step): the general path
-            # below reduces to appending the blocks past those it holds (``_shared_write_block`` inlined).
-            block_size = self.block_size
+            # below reduces to appending the blocks past those it holds (``_shared_write_entries`` inlined: a
+            # block's entries are shared together, so group 0's tells).
+            block_size, groups = self.block_size, self.num_groups
             num_computed = request.num_computed_tokens
-            index = num_computed // block_size
+            index = num_computed // block_size * groups
             if index >= len(block_ids) or self.blocks[block_ids[index]].ref_cnt <= 1:
-                num_new_blocks = -(-(num_computed + num_new_tokens) // block_size) - len(block_ids)
+                num_new_blocks = -(-(num_computed + num_new_tokens) // block_size) * groups - len(block_ids)
                 if num_new_blocks <= 0:
                     return True
                 if num_new_blocks > len(self._free_queue):
@@ -345,12 +425,12 @@ class KVCacheManager:
         if computed_blocks:
             self._touch(computed_blocks)  # before popping new blocks, so the hits cannot be evicted below
             request.block_ids = computed_blocks
-            request.num_computed_tokens = len(computed_blocks) * self.block_size
+            request.num_computed_tokens = len(computed_blocks) // self.num_groups * self.block_size
             # Hit blocks are already hashed; cache_full_blocks starts after them.
-            self._num_cached_blocks[request.request_id] = len(computed_blocks)
+            self._num_cached_blocks[request.request_id] = len(computed_blocks) // self.num_groups
         if is_admission and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+            self.prefix_cache_hits += len(computed_blocks) // self.num_groups * self.block_size
         if not is_admission:
             self._copy_on_write(request)
         num_new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
@@ -366,30 +446,27 @@ class KVCacheManager:
 
     def needs_copy(self, request: Request) -> bool:
         """Whether the request's next write goes into a block others hold (allocating would record a copy)."""
-        index = self._shared_write_block(request)
-        return index is not None and request.num_computed_tokens % self.block_size != 0
+        return bool(self._shared_write_entries(request)) and request.num_computed_tokens % self.block_size != 0
 
-    def _shared_write_block(self, request: Request) -> int | None:
-        """Index in ``request.block_ids`` of the block its next token is written into, when other requests hold it
-        too (a fork's shared partial last block); else None."""
-        index = request.num_computed_tokens // self.block_size
-        if index < len(request.block_ids) and self.blocks[request.block_ids[index]].ref_cnt > 1:
-            return index
-        return None
+    def _shared_write_entries(self, request: Request) -> list[int]:
+        """Indices in ``request.block_ids`` of the block its next token is written into (one entry per group), when
+        other requests hold it too (a fork's shared partial last block); else empty."""
+        start = request.num_computed_tokens // self.block_size * self.num_groups
+        block_ids, blocks = request.block_ids, self.blocks
+        return [index for index in range(start, min(start + self.num_groups, len(block_ids)))
+                if blocks[block_ids[index]].ref_cnt > 1]
 
     def _copy_on_write(self, request: Request) -> None:
         """Give ``request`` its own copy of the shared block it is about to write into (see the module docstring)."""
-        index = self._shared_write_block(request)
-        if index is None:
-            return
-        src = request.block_ids[index]
-        dst = self._pop_free_block()
-        request.block_ids[index] = dst
-        request.runner_num_blocks = min(request.runner_num_blocks, index)  # the runner's copy changes from here
-        if request.num_computed_tokens % self.block_size:  # positions before the write hold the shared prefix
-            self._pending_copies[dst] = src
-            self._copy_source_refs[src] += 1
-        self._release([src])
+        for index in self._shared_write_entries(request):
+            src = request.block_ids[index]
+            dst = self._pop_free_block()
+            request.block_ids[index] = dst
+            request.runner_num_blocks = min(request.runner_num_blocks, index)  # the runner's copy changes from here
+            if request.num_computed_tokens % self.block_size:  # positions before the write hold the shared prefix
+                self._pending_copies[dst] = src
+                self._copy_source_refs[src] += 1
+            self._release([src])
 
     def fork(self, parent: Request, child: Request) -> None:
         """Share ``parent``'s device blocks with ``child`` (one more reference each): the child's computed tokens
@@ -427,40 +504,48 @@ class KVCacheManager:
         """
         self._release(request.block_ids[::-1])
         request.block_ids = []
-        self._free_host_blocks.extend(request.host_block_ids)
+        self._free_host_blocks.extend(h for h in request.host_block_ids if h != NULL_HOST_BLOCK_ID)
         request.host_block_ids = []
         self._num_cached_blocks.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ swap (host pool)
+    def _num_held(self, block_ids: list[int], null_id: int) -> int:
+        """Entries of a block table that are not ``null_id`` (blocks that slid out of a window)."""
+        return len(block_ids) - block_ids.count(null_id) if self._sliding_groups else len(block_ids)
+
     def can_swap_out(self, request: Request) -> bool:
-        return self.blocks_needed(request.num_computed_tokens) <= self.num_free_host_blocks
+        num_keep = self.blocks_needed(request.num_computed_tokens)
+        return self._num_held(request.block_ids[:num_keep], NULL_BLOCK_ID) <= self.num_free_host_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's computed blocks to the host pool (bookkeeping only).
 
         Returns ``[(device_block, host_block), ...]`` that the runner must copy device -> host *before* this step's
         forward pass (the device blocks are free again and may be handed to another request in the same step).
-        Blocks past ``num_computed_tokens`` hold nothing and are simply released. Raises RuntimeError if the host pool
-        is too small (check ``can_swap_out``).
+        Blocks past ``num_computed_tokens`` hold nothing and are simply released; entries that slid out of the window
+        stay null (``NULL_HOST_BLOCK_ID`` in the host table). Raises RuntimeError if the host pool is too small (check
+        ``can_swap_out``).
         """
-        num_keep = self.blocks_needed(request.num_computed_tokens)
+        kept = request.block_ids[:self.blocks_needed(request.num_computed_tokens)]
+        num_keep = self._num_held(kept, NULL_BLOCK_ID)
         if num_keep > self.num_free_host_blocks:
             raise RuntimeError(f"host pool has {self.num_free_host_blocks} free blocks, {num_keep} needed")
         if request.host_block_ids:
             raise RuntimeError(f"request {request.request_id} is already swapped out")
+        host_ids = [NULL_HOST_BLOCK_ID if b == NULL_BLOCK_ID else self._free_host_blocks.popleft() for b in kept]
         # A block still waiting for its copy-on-write copy is read from the copy's source (same computed prefix).
-        device_ids = [self._pending_copies.get(b, b) for b in request.block_ids[:num_keep]]
-        host_ids = [self._free_host_blocks.popleft() for _ in range(num_keep)]
+        copies = [(self._pending_copies.get(b, b), h) for b, h in zip(kept, host_ids) if b != NULL_BLOCK_ID]
         self._release(request.block_ids[::-1])  # device content stays valid for prefix hits until evicted
         request.block_ids = []
         request.host_block_ids = host_ids
         self._num_cached_blocks.pop(request.request_id, None)
-        return list(zip(device_ids, host_ids))
+        return copies
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
         """Whether the swapped request's blocks plus room for ``num_new_tokens`` more tokens fit on device now."""
-        needed = max(len(request.host_block_ids),
-                     self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        host_ids = request.host_block_ids
+        num_null = len(host_ids) - self._num_held(host_ids, NULL_HOST_BLOCK_ID)
+        needed = max(len(host_ids), self.blocks_needed(request.num_computed_tokens + num_new_tokens)) - num_null
         return needed <= self.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
@@ -471,11 +556,12 @@ class KVCacheManager:
         the next ``cache_full_blocks``. Raises RuntimeError if the device pool is short (check ``can_swap_in``).
         """
         host_ids = request.host_block_ids
-        if len(host_ids) > self.num_free_blocks:
-            raise RuntimeError(f"device pool has {self.num_free_blocks} free blocks, {len(host_ids)} needed")
-        device_ids = [self._pop_free_block() for _ in host_ids]
+        num_needed = self._num_held(host_ids, NULL_HOST_BLOCK_ID)
+        if num_needed > self.num_free_blocks:
+            raise RuntimeError(f"device pool has {self.num_free_blocks} free blocks, {num_needed} needed")
+        device_ids = [NULL_BLOCK_ID if h == NULL_HOST_BLOCK_ID else self._pop_free_block() for h in host_ids]
         request.block_ids = device_ids
         request.host_block_ids = []
-        self._free_host_blocks.extend(host_ids)
+        self._free_host_blocks.extend(h for h in host_ids if h != NULL_HOST_BLOCK_ID)
         self._num_cached_blocks[request.request_id] = 0
-        return list(zip(host_ids, device_ids))
+        return [(h, d) for h, d in zip(host_ids, device_ids) if h != NULL_HOST_BLOCK_ID]

@@ -114,9 +114,10 @@ class Scheduler:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         # One request of max_model_len tokens must fit alone, or it could never make progress.
-        if kv_cache_manager.blocks_needed(max_model_len) > kv_cache_manager.num_usable_blocks:
+        blocks_per_request = kv_cache_manager.max_blocks_per_request(max_model_len, max_num_batched_tokens)
+        if blocks_per_request > kv_cache_manager.num_usable_blocks:
             raise ValueError(
-                f"max_model_len={max_model_len} needs {kv_cache_manager.blocks_needed(max_model_len)} blocks but the "
+                f"max_model_len={max_model_len} needs {blocks_per_request} blocks but the "
                 f"KV cache has only {kv_cache_manager.num_usable_blocks}; lower max_model_len or add blocks")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
@@ -293,7 +294,7 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
-            if kv.num_pending_copies >= MAX_BLOCK_COPIES and kv.needs_copy(request):
+            if kv.num_pending_copies >= MAX_BLOCK_COPIES * kv.num_groups and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             if not allocate_slots(request, num_new):
                 step.budget = budget

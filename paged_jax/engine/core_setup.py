@@ -17,6 +17,7 @@ import jax
 
 from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_groups import engine_kv_groups
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
@@ -98,20 +99,23 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         loaded.memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-        device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes)
+        device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
+        mixed_groups=loaded.plan is None)
     num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
     num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
-                                           swap_space_gib=args.swap_space)
+                                           swap_space_gib=args.swap_space, mixed_groups=loaded.plan is None)
                        if args.preemption_mode == "swap" else 0)
     return num_blocks, num_host_blocks
 
 
-def _log_pool_and_compiles(args: EngineArgs, runner, num_blocks: int, num_host_blocks: int, block_bytes: int,
+def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_bytes: int,
                            max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    kv_tokens = (num_blocks - 1) * args.block_size
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %d host blocks; max_model_len %d "
-                "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
-                num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, kv_tokens / max_model_len)
+    num_blocks, num_host_blocks = kv.num_blocks, kv.num_host_blocks
+    kv_tokens = (num_blocks - 1) // kv.num_groups * args.block_size  # every KV-cache group's (vLLM's figure)
+    concurrency = (num_blocks - 1) / kv.max_blocks_per_request(max_model_len, max_num_batched_tokens)
+    logger.info("KV cache: %d blocks x %d tokens in %d group(s) = %d tokens (%.2f GiB), %d host blocks; max_model_len "
+                "%d (%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv.num_groups, kv_tokens,
+                num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, concurrency)
     num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
                                         num_blocks=num_blocks)
     logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
@@ -157,15 +161,18 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward)  # the pipeline's staged forward with pipeline_parallel_size > 1
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                      num_host_blocks=num_host_blocks)
+                                      num_host_blocks=num_host_blocks,
+                                      group_windows=[group.sliding_window for group in engine_kv_groups(
+                                          loaded.run_config.layer_windows, mixed_groups=plan is None)])
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                           preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           max_loras=args.max_loras if args.enable_lora else 0,
                           long_prefill_token_threshold=long_prefill_threshold(args, max_model_len),
                           max_long_partial_prefills=args.max_long_partial_prefills)
-    _log_pool_and_compiles(args, runner, num_blocks, num_host_blocks,
-                           kv_bytes_per_block(loaded.memory_config, args.block_size, kv_dtype), max_model_len,
+    _log_pool_and_compiles(args, runner, kv_cache_manager,
+                           kv_bytes_per_block(loaded.memory_config, args.block_size, kv_dtype,
+                                              mixed_groups=plan is None), max_model_len,
                            max_num_seqs, max_num_batched_tokens)
     compile_start = time.perf_counter()
     timings["runner_init_s"] = compile_start - stage_start

@@ -22,7 +22,9 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
     Args:
       meta: ``slot_mapping`` int32[T], ``kv_lens`` int32[S], ``block_tables`` int32[S, max_blocks],
         ``cu_q_lens`` int32[S + 1] (the same for every layer of a step).
-      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)``.
+      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)``, or ``(k_pages, v_pages, group_meta)``
+        whose ``slot_mapping`` / ``block_tables`` (the layer's KV-cache group's) replace ``meta``'s
+        (``paged_jax.worker.kv_group_pool``).
       qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the
         un-normed, un-rotated q/k: then ``qk_prepare`` (impl ``qk_prepare_impl``) transforms them and writes K/V,
         one kernel on a GPU. Build it as ``ReusableAttention(..., fuses_qk_transform=True)`` so the model passes it.
@@ -32,6 +34,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
       (out [T, Hq, D], (k_pages, v_pages) updated).
     The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
     """
+    if len(kv_layer) == 3:
+        meta = {**meta, **kv_layer[2]}
     if qk_transform is None:
         k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, meta["slot_mapping"])
     else:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from paged_jax.core.kv_groups import engine_kv_groups, max_blocks_per_request
 from paged_jax.worker.device_memory import usable_device_bytes
 from paged_jax.worker.prompt_logprobs import LOGITS_CHUNK_ROWS
 
@@ -43,9 +44,12 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 # KV pool sizing
 # ----------------------------------------------------------------------------------------------------------------
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    return (config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype, *, mixed_groups: bool = True) -> int:
+    """Bytes one block takes across all layers (K and V), or across one KV-cache group's layers
+    (``paged_jax.core.kv_groups``: a block holds one group's pages; ``mixed_groups``: see ``engine_kv_groups``)."""
+    groups = engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups)
+    layers_per_block = max(len(group.layers) for group in groups)
+    return (layers_per_block * 2 * block_size * config.num_key_value_heads * config.head_dim
             * jnp.dtype(dtype).itemsize)
 
 
@@ -66,7 +70,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                          max_num_batched_tokens: int, gpu_memory_utilization: float,
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
                          cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None,
-                         dequantization_bytes: int = 0) -> int:
+                         dequantization_bytes: int = 0, mixed_groups: bool = True) -> int:
     """Number of device KV blocks (including the null block 0).
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
@@ -86,21 +90,25 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
+    One sequence needs ``blocks_per_sequence`` blocks (``paged_jax.core.kv_groups``: fewer than ``max_model_len``
+    tokens' in a sliding-window group, one table per group; ``mixed_groups``: see ``engine_kv_groups``).
+
     Raises:
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
       of tokens it can hold; ValueError naming ``num_gpu_blocks_override`` above ``max_addressable_blocks``.
     """
-    per_block = kv_bytes_per_block(config, block_size, dtype)
-    blocks_per_seq = -(-max_model_len // block_size)
+    per_block = kv_bytes_per_block(config, block_size, dtype, mixed_groups=mixed_groups)
+    blocks_per_seq = blocks_per_sequence(config, block_size, max_model_len, max_num_batched_tokens,
+                                         mixed_groups=mixed_groups)
     if num_blocks_override is not None:
         return _checked_override(config, int(num_blocks_override), block_size=block_size, dtype=dtype,
-                                 max_model_len=max_model_len)
+                                 blocks_per_seq=blocks_per_seq, max_model_len=max_model_len)
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    headroom = _step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
+    headroom = step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     dequantization_bytes=dequantization_bytes)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
@@ -124,10 +132,18 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     return num_blocks
 
 
-def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, max_model_len: int) -> int:
+def blocks_per_sequence(config: ModelConfig, block_size: int, max_model_len: int, max_num_batched_tokens: int, *,
+                        mixed_groups: bool = True) -> int:
+    """The most blocks one sequence of ``max_model_len`` tokens holds at once, every KV-cache group's
+    (``kv_groups.max_blocks_per_request`` of each of ``engine_kv_groups``)."""
+    return sum(max_blocks_per_request(max_model_len, group.sliding_window, block_size, max_num_batched_tokens)
+               for group in engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups))
+
+
+def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, blocks_per_seq: int,
+                      max_model_len: int) -> int:
     """``num_gpu_blocks_override`` as given, once checked: ValueError when it cannot hold one ``max_model_len``
-    sequence (block 0 is reserved) or passes ``max_addressable_blocks``."""
-    blocks_per_seq = -(-max_model_len // block_size)
+    sequence (``blocks_per_seq`` blocks; block 0 is reserved) or passes ``max_addressable_blocks``."""
     if num_blocks - 1 < blocks_per_seq:
         raise ValueError(
             f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks of {block_size} tokens, but "
@@ -142,7 +158,7 @@ def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, 
     return num_blocks
 
 
-def _step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
+def step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
                          dequantization_bytes: int) -> int:
     """Device bytes kept free of the KV pool for the widest step: its activations, the sampler's logits (or the
     prompt-logprobs chunks), ``dequantization_bytes`` and 512 MiB."""
@@ -195,6 +211,7 @@ def dequantized_weight_bytes(model, rows: int, device: jax.Device) -> int:
     return max(per_layer.values(), default=0)
 
 
-def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float) -> int:
+def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float,
+                        mixed_groups: bool = True) -> int:
     """Host swap pool size in blocks for ``swap_space_gib`` GiB."""
-    return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype))
+    return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype, mixed_groups=mixed_groups))

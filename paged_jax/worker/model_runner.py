@@ -45,6 +45,7 @@ from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
 from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
+from paged_jax.worker.kv_group_pool import KVPoolLayout
 from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
@@ -110,7 +111,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.attention_impl = attention_impl
         self.qk_prepare_impl = check_qk_prepare_impl(qk_prepare_impl)  # paged_jax.ops.qk_prepare (benchmarks' A/B)
@@ -118,6 +118,9 @@ class ModelRunner:
             # Sharded steps attend under shard_map with the model applying q/k norm + RoPE itself (XLA).
             raise ValueError(f"qk_prepare_impl={qk_prepare_impl!r} applies to one device; a sharding plan (tensor or "
                              "pipeline parallel) runs the q/k transform in XLA: leave qk_prepare_impl='auto'")
+        # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
+        self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=sharding_plan is None)
+        self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
@@ -138,7 +141,7 @@ class ModelRunner:
         self._kv_pool: list[tuple[jax.Array, jax.Array]] | None = None
         self.num_host_blocks = num_host_blocks
         # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
-        self.host_pool = (np.zeros((model_config.num_hidden_layers, 2, num_host_blocks) + shape[1:],
+        self.host_pool = (np.zeros((self.kv_layout.num_slots, 2, num_host_blocks) + shape[1:],
                                    dtype=self.kv_dtype) if num_host_blocks else None)
 
         # Last step's sampled tokens, on device (int32[max seq bucket]).
@@ -218,14 +221,14 @@ class ModelRunner:
 
     @property
     def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:
-        """The device KV pool, one ``(k_pages, v_pages)`` ``[num_blocks, block_size, Hkv, D]`` per layer (zeros
-        when first used)."""
+        """The device KV pool, one ``(k_pages, v_pages)`` ``[num_blocks, block_size, Hkv, D]`` per layer, or per slot
+        of ``kv_layout`` with KV-cache groups (zeros when first used)."""
         if self._kv_pool is None:
             self._kv_pool = (
                 self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype)
                 if self.sharding_plan else [(jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device),
                                              jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device))
-                                            for _ in range(self.model_config.num_hidden_layers)])
+                                            for _ in range(self.kv_layout.num_slots)])
         return self._kv_pool
 
     @kv_pool.setter
@@ -238,7 +241,7 @@ class ModelRunner:
         if self.sharding_plan is not None or self._kv_pool is not None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
         page = jax.ShapeDtypeStruct(self._kv_block_shape, self.kv_dtype, sharding=self.input_sharding())
-        return [(page, page) for _ in range(self.model_config.num_hidden_layers)]
+        return [(page, page) for _ in range(self.kv_layout.num_slots)]
 
     def input_sharding(self) -> jax.sharding.Sharding:
         """Where ``jax.device_put(host_array, self.device)`` puts a step input (the runner's device or the plan's
@@ -252,7 +255,8 @@ class ModelRunner:
         layout = self._layouts.get((num_tokens, num_seqs))
         if layout is None:
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
-                                sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]), self.lora_slots is not None)
+                                sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]), self.lora_slots is not None,
+                                self.kv_layout.num_groups)
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
 

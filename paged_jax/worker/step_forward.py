@@ -30,6 +30,7 @@ from flax import nnx
 from models.llama import ReusableAttention
 from paged_jax.ops import write_and_attend
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
+from paged_jax.worker.kv_group_pool import GroupedKVCaches, group_metadata
 from paged_jax.worker.prompt_logprobs import prompt_logprobs_on_device
 from paged_jax.worker.step_io import apply_block_copies
 
@@ -70,6 +71,7 @@ def _single_program_forward(runner):
     layout_for = runner.layout
     plan = runner.sharding_plan
     lora_slots = runner.lora_slots
+    kv_layout = runner.kv_layout
 
     def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
         fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
@@ -81,6 +83,10 @@ def _single_program_forward(runner):
         kv_lens = fields["kv_lens"]
         block_tables = fields["block_tables"].reshape(num_seqs, max_blocks)
 
+        grouped = kv_layout.num_groups > 1
+        if grouped:  # each layer attends through its group's table and slots (worker.kv_group_pool)
+            group_meta = group_metadata(kv_layout.num_groups, block_tables, slot_mapping)
+            block_tables, slot_mapping = group_meta[0]["block_tables"], group_meta[0]["slot_mapping"]
         if plan is None:  # one layer trace shared by every layer (models.llama.ReusableAttention)
             attention = ReusableAttention(
                 functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
@@ -94,9 +100,11 @@ def _single_program_forward(runner):
 
         kv_pool = apply_block_copies(list(kv_pool), fields["copy_src"], fields["copy_dst"],  # before K/V writes
                                      impl="auto" if plan is None else "xla")  # one kernel on one GPU
+        kv_caches = GroupedKVCaches(kv_pool, kv_layout, group_meta) if grouped else kv_pool
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
         lora = None if lora_arrays is None else lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
-        hidden, kv_pool = model(input_ids, fields["positions"], kv_pool, attention, lora)
+        hidden, kv_caches = model(input_ids, fields["positions"], kv_caches, attention, lora)
+        kv_pool = kv_caches.pool if grouped else kv_caches
         logits = model.compute_logits(hidden[fields["logits_indices"]])
         return kv_pool, logits, fields["sampling"], hidden
 

@@ -124,8 +124,9 @@ class PendingStep:
 class StepLayout:
     """Static offsets of the fields of the packed int32 step buffer for one (num_tokens, num_seqs) bucket.
 
-    ``copy_src`` / ``copy_dst`` (C = min(S, ``MAX_BLOCK_COPIES``) each): the step's copy-on-write block copies (at
-    most one per sequence: only the block holding a sequence's first new token can be shared), padded with
+    ``copy_src`` / ``copy_dst`` (C = min(S, ``MAX_BLOCK_COPIES``) * G each): the step's copy-on-write block copies
+    (at most one per sequence and group: only the block holding a sequence's first new token can be shared), padded
+    with
     destination ``num_blocks`` (out of range: the scatter drops it)."""
 
     num_tokens: int
@@ -133,12 +134,16 @@ class StepLayout:
     max_blocks_per_seq: int
     num_sample_rows: int  # R >= S: rows of the logits / sampler (``sampler_rows_for``); rows past S are padding
     lora: bool = False  # with LoRA: each token's adapter slot (int32[T], ``lora_slot_ids``)
+    # KV-cache groups G (``kv_group_pool``): ``max_blocks_per_seq`` counts every group's entries, ``slot_mapping`` is
+    # int32[G * T] and a sequence's copy-on-write copies one block per group.
+    num_kv_groups: int = 1
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
         T, S, B, R = self.num_tokens, self.num_seqs, self.max_blocks_per_seq, self.num_sample_rows
-        C = min(S, MAX_BLOCK_COPIES)
-        sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T), ("prev_rows", T),
+        G = self.num_kv_groups
+        C = min(S, MAX_BLOCK_COPIES) * G
+        sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T * G), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
                  *([("lora_slot_ids", T)] if self.lora else []), ("copy_src", C), ("copy_dst", C),
                  ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]

@@ -18,6 +18,7 @@ from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.buckets import pick_bucket
 from paged_jax.worker.step_io import StepLayout, pack_block_copies
 from paged_jax.worker.input_batch import InputBatch
+from paged_jax.worker.kv_group_pool import pack_group_slots
 
 _GREEDY_RANK = sampler_lib.MODE_ORDER.index(sampler_lib.SamplingMode.GREEDY)
 _GREEDY_OR_TEMPERATURE = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE
@@ -98,11 +99,12 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     views = {name: buf[a:b] for name, (a, b) in layout.fields.items()}
 
     table_lens = batch.num_blocks[batch_rows]
-    bad = table_lens * block_size < ends
+    groups = layout.num_kv_groups
+    bad = table_lens // groups * block_size < ends
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"request {batch.req_ids[batch_rows[i]]!r}: a block table of {int(table_lens[i])} blocks "
-                         f"does not cover {int(ends[i])} tokens")
+        raise ValueError(f"request {batch.req_ids[batch_rows[i]]!r}: a block table of {int(table_lens[i])} entries "
+                         f"({groups} per block) does not cover {int(ends[i])} tokens")
     width = int(table_lens.max()) if num_rows else 0
     block_tables = views["block_tables"].reshape(bucket_seqs, -1)
     block_tables[:num_rows, :width] = batch.block_table[batch_rows, :width]
@@ -124,8 +126,7 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
         token_batch_rows = batch_rows[token_rows]
         positions = np.arange(num_tokens) - np.repeat(cu - q_lens, q_lens) + np.repeat(starts, q_lens)
     views["positions"][:num_tokens] = positions
-    views["slot_mapping"][:num_tokens] = (block_tables[token_rows, positions // block_size] * block_size
-                                          + positions % block_size)
+    pack_group_slots(block_tables, token_rows, positions, block_size, groups, views["slot_mapping"])
     input_ids = batch.token_ids[token_batch_rows, positions]
     views["input_ids"][:num_tokens] = input_ids
     _feed_placeholders(batch, input_ids, token_batch_rows, q_lens, token_rows, views["prev_rows"])
