@@ -150,7 +150,9 @@ class WeightUpdater:
                 return jax.tree.leaves(nnx.state(fuse_projections(model)))
 
             if not self._checked_layout:
-                self._check_layout(jax.eval_shape(to_engine_layout, self._specs))
+                given = [jax.ShapeDtypeStruct(spec.shape[::-1] if flip else spec.shape, spec.dtype)
+                         for spec, flip in zip(self._specs, transposed)]
+                self._check_layout(jax.eval_shape(to_engine_layout, given))
             jitted = self._jitted[transposed] = jax.jit(to_engine_layout, out_shardings=self._out_shardings)
         return jitted
 
@@ -184,9 +186,12 @@ def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str
             named[".".join(map(str, param_path))] = to_model_layout(value, transposed)
         return named
     if any(directory.glob("*METADATA*")) or (directory / "manifest.ocdbt").is_file():
-        state = nnx.from_flat_state(updater._abstract)
-        target = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=updater._device),
-                              nnx.to_pure_dict(state))
+        target: dict = {}  # the pure dict's nesting, leaves restored straight onto the engine's device
+        for (param_path, _), spec in zip(updater._abstract, updater._specs):
+            node = target
+            for key in param_path[:-1]:
+                node = node.setdefault(key, {})
+            node[param_path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=updater._device)
         return flatten_named(weight_cache.restore_pytree(directory, target))
     raise FileNotFoundError(f"update_weights_from_disk: {path} holds neither safetensors files nor an orbax "
                             "checkpoint")
