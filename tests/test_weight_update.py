@@ -103,7 +103,7 @@ def test_update_weights_takes_hf_names_and_checkpoints_on_disk(llm, checkpoints,
         checkpointer.save(tmp_path / "orbax", nnx.to_pure_dict(_state(path_b)))
     llm.update_weights_from_disk(str(tmp_path / "orbax"))
     assert _run(llm)[0] == tokens_b
-    with pytest.raises(FileNotFoundError, match="neither"):
+    with pytest.raises(ValueError, match="neither"):
         llm.update_weights_from_disk(str(tmp_path))
     llm.update_weights_from_disk(str(path_a))
     assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0

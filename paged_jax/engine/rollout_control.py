@@ -62,7 +62,11 @@ class RolloutControl:
         dtypes are cast to the engine's)."""
         if self._updater is None:
             self._updater = WeightUpdater(self._core.runner, self._core.model_config, self._quantization)
-        self.update_weights(read_checkpoint(path, self._updater), cast=True)
+        try:
+            named = read_checkpoint(path, self._updater)
+        except OSError as exc:  # a missing shard, an unreadable file: the caller's path
+            raise ValueError(f"update_weights_from_disk: {exc}") from exc
+        self.update_weights(named, cast=True)
 
     # ------------------------------------------------------------------ sleep
     def sleep(self, level: int = 1) -> dict:

@@ -173,10 +173,11 @@ def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str
     """The weights of a checkpoint directory as ``{dotted model path: array}`` for ``updater.update(cast=True)``:
     an HF safetensors checkpoint (``model.safetensors`` or an index + shards; names and shapes checked, one tensor
     on the host at a time) or an orbax checkpoint of ``nnx.to_pure_dict(nnx.state(model))`` restored straight onto
-    the device. FileNotFoundError naming ``path`` when it holds neither."""
+    the device. ValueError naming ``path`` when it holds neither or cannot be read (a ValueError: the caller's
+    error, which a core process answers rather than dies of)."""
     directory = Path(path)
     if not directory.is_dir():
-        raise FileNotFoundError(f"update_weights_from_disk: {path} is not a directory")
+        raise ValueError(f"update_weights_from_disk: {path} is not a directory")
     if any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").is_file():
         expected = {p: tuple(spec.shape) for (p, _), spec in zip(updater._abstract, updater._specs)}
         named = {}
@@ -193,5 +194,5 @@ def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str
                 node = node.setdefault(key, {})
             node[param_path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=updater._device)
         return flatten_named(weight_cache.restore_pytree(directory, target))
-    raise FileNotFoundError(f"update_weights_from_disk: {path} holds neither safetensors files nor an orbax "
+    raise ValueError(f"update_weights_from_disk: {path} holds neither safetensors files nor an orbax "
                             "checkpoint")
