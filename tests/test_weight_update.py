@@ -143,3 +143,44 @@ def test_update_weights_requantizes_online(checkpoints):
         np.testing.assert_array_equal(got, np.asarray(want))
     _run(llm)
     assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+
+def test_processed_logprobs_equal_score_tokens_under_the_same_transform(checkpoints):
+    """logprobs_mode="processed_logprobs": the sampled tokens' logprobs are those of the distribution sampled from
+    (temperature, top-k, top-p, renormalized), as score_tokens computes it, in float32."""
+    path_a, _ = checkpoints
+    llm = LLM(model=str(path_a), logprobs_mode="processed_logprobs", **ENGINE)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=7, max_tokens=8, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    reported = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+    model, _ = load_model(path_a, dtype="float32")
+    sequence = jnp.asarray([PROMPT + list(out.token_ids)], jnp.int32)
+    lengths = jnp.asarray([sequence.shape[1]], jnp.int32)
+    processed = score_tokens(model, sequence, lengths, temperature=0.7, top_k=20, top_p=0.9)[0, len(PROMPT):]
+    np.testing.assert_allclose(reported, np.asarray(processed), atol=1e-5)
+    raw = score_tokens(model, sequence, lengths)[0, len(PROMPT):]
+    assert not np.allclose(reported, np.asarray(raw), atol=1e-3)
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_sampler_logprobs_modes(logprobs_mode):
+    """Each mode reports its values at the sampled token and its top-k: raw / processed (temperature, top-k, top-p;
+    greedy rows undivided), as logits or log_softmax of them; filtered tokens are -inf."""
+    from paged_jax.worker.sampler import sample, temperature_and_filters, temperature_top_k_top_p_tensors
+
+    logits = jax.random.normal(jax.random.key(0), (3, 64), jnp.float32) * 3
+    temperature = jnp.asarray([0.0, 0.7, 1.3], jnp.float32)
+    top_k, top_p = jnp.asarray([0, 5, 0], jnp.int32), jnp.asarray([1.0, 1.0, 0.8], jnp.float32)
+    tensors = temperature_top_k_top_p_tensors(temperature, top_k, top_p, jnp.arange(3, dtype=jnp.uint32),
+                                              jnp.zeros(3, jnp.int32))
+    out = sample(logits, tensors, mode="top_k", num_logprobs=4, logprobs_mode=logprobs_mode)
+    values = logits
+    if logprobs_mode.startswith("processed"):
+        safe = jnp.where(temperature > 0, temperature, 1.0)
+        filtered = temperature_and_filters(logits, safe, jnp.zeros(3), top_k, top_p)
+        values = jnp.where((temperature > 0)[:, None], filtered, logits)
+    if logprobs_mode.endswith("logprobs"):
+        values = jax.nn.log_softmax(values, axis=-1)
+    rows = jnp.arange(3)
+    np.testing.assert_allclose(out.logprobs, values[rows, out.token_ids], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.top_logprobs, -jnp.sort(-values, axis=-1)[:, :4], rtol=1e-5, atol=1e-6)

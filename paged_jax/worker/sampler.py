@@ -583,6 +583,19 @@ def apply_min_p(scaled_logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(scaled_logits >= threshold, scaled_logits, -jnp.inf)
 
 
+def temperature_and_filters(logits: jax.Array, temperature: jax.Array, min_p: jax.Array | None = None,
+                            top_k: jax.Array | None = None, top_p: jax.Array | None = None,
+                            filters=top_k_top_p_by_sort) -> jax.Array:
+    """The sampler's transform from temperature on: logits / temperature -> min-p -> top-k -> top-p (filtered
+    tokens -inf). f32[S, V] -> f32[S, V]; temperature f32[S] (> 0), min_p f32[S], top_k i32[S] (<= 0 = off), top_p
+    f32[S] (>= 1 = off); min_p None: temperature only. ``filters``: ``top_k_top_p_by_sort`` or, for rows
+    ``candidates_suffice`` serves, ``top_k_top_p_from_candidates``. ``score_tokens`` applies the same."""
+    scaled = logits / temperature[:, None]
+    if min_p is None:
+        return scaled
+    return filters(apply_min_p(scaled, min_p), top_k, top_p)
+
+
 def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
     """Per-row Gumbel(0, 1) noise f32[S, V] from key = fold_in(key(seed), step) (``seeds`` u32[S]) or
     fold_in(seeds[i], step) (``seeds`` key[S], typed keys): independent of the batch."""
@@ -654,11 +667,11 @@ def sample(
         greedy_ids = jnp.argmax(processed, axis=-1)
         # Greedy rows divide by 1 (their sample is discarded) to avoid dividing by zero.
         safe_temperature = jnp.where(greedy_rows, 1.0, t.temperature)
-        scaled = processed / safe_temperature[:, None]
         if mode in (SamplingMode.TOP_K, SamplingMode.FULL):
-            scaled = apply_min_p(scaled, t.min_p)
-            filtered = top_k_top_p_by_sort if mode == SamplingMode.FULL else top_k_top_p_from_candidates
-            scaled = filtered(scaled, t.top_k, t.top_p)
+            filters = top_k_top_p_by_sort if mode == SamplingMode.FULL else top_k_top_p_from_candidates
+            scaled = temperature_and_filters(processed, safe_temperature, t.min_p, t.top_k, t.top_p, filters)
+        else:
+            scaled = temperature_and_filters(processed, safe_temperature)
         sampled_ids = jnp.argmax(scaled + gumbel_noise(t.seeds, t.steps, vocab_size), axis=-1)
         token_ids = jnp.where(greedy_rows, greedy_ids, sampled_ids)
         if logprobs_mode.startswith("processed"):
