@@ -68,11 +68,13 @@ def test_sleep_refusals(llm, checkpoint):
     assert not llm.is_sleeping()
 
 
-def test_sleep_needs_enable_sleep_mode(checkpoint):
-    engine = LLMEngine(EngineArgs(model=str(checkpoint), **ENGINE), use_tqdm=False)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pause_modes(checkpoint, async_scheduling):
+    engine = LLMEngine(EngineArgs(model=str(checkpoint), async_scheduling=async_scheduling, **ENGINE), use_tqdm=False)
     with pytest.raises(ValueError, match="enable_sleep_mode"):
         engine.sleep(1)
-    _pause_modes(engine)
+    _pause_modes(engine, checkpoint)
+    assert engine.engine_core.runner.num_compiles_since_warmup == 0
 
 
 def _step_until_finished(engine, request_ids):
@@ -84,7 +86,7 @@ def _step_until_finished(engine, request_ids):
     return finished
 
 
-def _pause_modes(engine):
+def _pause_modes(engine, checkpoint):
     """keep: frozen requests continue after resume, with the tokens they would have had; abort: every unfinished
     request ends with finish_reason "abort"; wait: running requests finish, new ones wait for the resume."""
     engine.add_request("reference", PROMPT, GREEDY)
@@ -94,10 +96,13 @@ def _pause_modes(engine):
     engine.step()
     engine.step()
     engine.pause_generation("keep")
+    if engine.engine_core.async_scheduling:  # the step in flight at the pause completes (its outputs come)
+        assert engine.has_unfinished_requests() and len(engine.step()) == 1
     assert engine.is_paused() and not engine.has_unfinished_requests()
     assert engine.step() == []
     engine.add_request("held", PROMPT, GREEDY)
     assert engine.step() == []
+    engine.update_weights(nnx.state(load_model(checkpoint, dtype="float32")[0]))  # the same weights, reloaded
     engine.resume_generation()
     finished = _step_until_finished(engine, ["kept", "held"])
     assert [finished[r].outputs[0].token_ids for r in ("kept", "held")] == [expected, expected]
@@ -121,3 +126,23 @@ def _pause_modes(engine):
     assert _step_until_finished(engine, ["waits"])["waits"].outputs[0].token_ids == expected
     with pytest.raises(ValueError, match="mode must be one of"):
         engine.pause_generation("later")
+
+
+def test_data_parallel_replicas_update_sleep_and_pause_together(checkpoint, tmp_path):
+    """data_parallel_size=2: every replica takes the new weights (on its own device), sleeps and wakes."""
+    from models.testing import save_random_hf_checkpoint
+
+    other = save_random_hf_checkpoint(tiny_config("llama"), tmp_path / "b", seed=1)
+    llm = LLM(model=str(checkpoint), data_parallel_size=2, enable_sleep_mode=True, use_tqdm=False, **ENGINE)
+    prompts = [PROMPT, {"prompt_token_ids": PROMPT["prompt_token_ids"][::-1]}]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.update_weights_from_disk(str(other))
+    llm.sleep(level=1)
+    assert llm.is_sleeping()
+    llm.wake_up()
+    llm.pause_generation("keep")
+    llm.resume_generation()
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    reference = LLM(model=str(other), use_tqdm=False, **ENGINE)
+    assert after == [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)] != before
+    assert all(core.runner.num_compiles_since_warmup == 0 for core in llm.llm_engine.engine_core.cores)
