@@ -54,7 +54,7 @@ def _timed(fn) -> float:
 
 
 def _engine_ready(llm: LLM) -> None:
-    jax.block_until_ready([x for x in llm.llm_engine.engine_core.runner._param_leaves if x is not None])
+    jax.block_until_ready([x for x in llm.llm_engine.engine_core.runner.param_leaves if x is not None])
 
 
 def _trainer_state(args: argparse.Namespace, config):
@@ -86,7 +86,7 @@ def _time_updates(llm: LLM, update, repeats: int) -> tuple[float, float]:
 
 def _sleep_phases(llm: LLM, result: dict, device) -> None:
     runner = llm.llm_engine.engine_core.runner
-    result["weight_bytes"] = sum(x.nbytes for x in runner._param_leaves)
+    result["weight_bytes"] = sum(x.nbytes for x in runner.param_leaves)
     result["kv_pool_bytes"] = sum(k.nbytes + v.nbytes for k, v in runner.kv_pool)
     result["bytes_awake"] = device_bytes_in_use(device)
     result["sleep1_s"] = _timed(lambda: llm.sleep(level=1))
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, use_tqdm=False)
     core = llm.llm_engine.engine_core
-    device = next(iter(core.runner._param_leaves[0].devices()))
+    device = next(iter(core.runner.param_leaves[0].devices()))
     result: dict = {"device": str(device), "shape": args.shape or args.model, "dtype": args.dtype}
 
     state = _trainer_state(args, core.model_config)

@@ -33,7 +33,7 @@ def _tokens(llm):
 def test_sleep_levels_free_the_weights_and_the_kv_pool_and_wake_up_restores_them(llm, checkpoint):
     runner = llm.llm_engine.engine_core.runner
     expected = _tokens(llm)
-    old_leaf, old_kv = runner._param_leaves[0], runner.kv_pool[0][0]
+    old_leaf, old_kv = runner.param_leaves[0], runner.kv_pool[0][0]
     memory = llm.sleep(level=1)
     assert set(memory) == {"bytes_in_use_before", "bytes_in_use_after"}
     assert llm.is_sleeping() and old_leaf.is_deleted() and old_kv.is_deleted()

@@ -55,7 +55,7 @@ def _assert_runs(llm, state):
 
 
 def _runner_leaves(llm):
-    return [np.asarray(x) for x in llm.llm_engine.engine_core.runner._param_leaves]
+    return [np.asarray(x) for x in llm.llm_engine.engine_core.runner.param_leaves]
 
 
 def test_update_weights_in_process_runs_the_new_weights_without_compiling(llm, checkpoints):
@@ -63,7 +63,7 @@ def test_update_weights_in_process_runs_the_new_weights_without_compiling(llm, c
     leaves a fresh load of that checkpoint has; the old buffers are deleted; nothing compiles."""
     path_a, path_b = checkpoints
     tokens_a = _assert_runs(llm, _state(path_a))
-    old_leaf = llm.llm_engine.engine_core.runner._param_leaves[0]
+    old_leaf = llm.llm_engine.engine_core.runner.param_leaves[0]
     state_b = jax.device_put(_state(path_b), jax.devices()[1])  # a trainer's device: moved device to device
     llm.update_weights(state_b)
     assert old_leaf.is_deleted()

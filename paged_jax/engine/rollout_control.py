@@ -157,7 +157,7 @@ class RolloutControl:
 
 
 def _first_device(runner):
-    leaves = [leaf for leaf in runner._param_leaves if leaf is not None]
+    leaves = [leaf for leaf in runner.param_leaves if leaf is not None]
     if leaves:
         return next(iter(leaves[0].devices()))
     sharding = runner.input_sharding()

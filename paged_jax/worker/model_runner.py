@@ -219,6 +219,22 @@ class ModelRunner:
                                                    shape_args=(1,))
 
     @property
+    def param_leaves(self) -> list:
+        """The model's parameter arrays, flat (the step programs' first argument). Weight updates and sleep mode
+        replace them (``paged_jax.worker.weight_update``, ``sleep_mode``) with arrays of the same shapes, dtypes and
+        shardings, so nothing compiles; None entries while the weights sleep."""
+        return self._param_leaves
+
+    @param_leaves.setter
+    def param_leaves(self, leaves: list) -> None:
+        self._param_leaves = leaves
+
+    @property
+    def kv_pool_allocated(self) -> bool:
+        """Whether the KV pool exists (``kv_pool`` allocates it on first use)."""
+        return self._kv_pool is not None
+
+    @property
     def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:
         """The device KV pool, one ``(k_pages, v_pages)`` ``[num_blocks, block_size, Hkv, D]`` per layer (zeros
         when first used)."""

@@ -38,8 +38,8 @@ class RunnerSleep:
         self.asleep: set[str] = set()
         self.weights_discarded = False
         self._host_weights: list[np.ndarray] | None = None
-        self._shardings = [leaf.sharding for leaf in runner._param_leaves]
-        self._specs = [(leaf.shape, leaf.dtype) for leaf in runner._param_leaves]
+        self._shardings = [leaf.sharding for leaf in runner.param_leaves]
+        self._specs = [(leaf.shape, leaf.dtype) for leaf in runner.param_leaves]
 
     def sleep(self, level: int) -> None:
         """Release the weights (level 1: to host memory; level 2: dropped) and the KV pool. ValueError naming
@@ -48,15 +48,15 @@ class RunnerSleep:
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         runner = self.runner
         if "weights" not in self.asleep:
-            leaves = runner._param_leaves
+            leaves = runner.param_leaves
             if level == 1:
                 self._host_weights = [np.asarray(x) for x in jax.device_get(leaves)]
             else:
                 self._host_weights, self.weights_discarded = None, True
-            runner._param_leaves = [None] * len(leaves)
+            runner.param_leaves = [None] * len(leaves)
             _delete(leaves)
-        if "kv_cache" not in self.asleep and runner._kv_pool is not None:
-            pool, runner.kv_pool = runner._kv_pool, None
+        if "kv_cache" not in self.asleep and runner.kv_pool_allocated:
+            pool, runner.kv_pool = runner.kv_pool, None
             _delete([array for layer in pool for array in layer])
         self.asleep.update(SLEEP_TAGS)
 
@@ -70,9 +70,9 @@ class RunnerSleep:
         runner = self.runner
         if "weights" in tags and "weights" in self.asleep:
             if self._host_weights is not None:
-                runner._param_leaves = [jax.device_put(x, s) for x, s in zip(self._host_weights, self._shardings)]
+                runner.param_leaves = [jax.device_put(x, s) for x, s in zip(self._host_weights, self._shardings)]
             else:
-                runner._param_leaves = [jnp.zeros(shape, dtype, device=sharding)
+                runner.param_leaves = [jnp.zeros(shape, dtype, device=sharding)
                                         for (shape, dtype), sharding in zip(self._specs, self._shardings)]
             self._host_weights = None
             self.asleep.discard("weights")

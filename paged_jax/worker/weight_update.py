@@ -58,7 +58,7 @@ class WeightUpdater:
     """Swaps a ``ModelRunner``'s parameter leaves for new values (see the module docstring).
 
     Args:
-      runner: the engine's ``ModelRunner`` (its ``_param_leaves`` are replaced).
+      runner: the engine's ``ModelRunner`` (its ``param_leaves`` are replaced).
       config: the model's ``ModelConfig`` (the layout checked against).
       quantization: the engine's ``QuantConfig`` or None.
     Raises (at construction): ValueError naming what the update cannot serve: ``tensor_parallel_size`` /
@@ -87,8 +87,8 @@ class WeightUpdater:
             except ValueError:
                 continue  # stacked experts: model-layout names only
             self._names[checkpoint_prefix(config, hf_name)] = (index, transposed)
-        self._out_shardings = [leaf.sharding for leaf in runner._param_leaves]
-        self._out_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in runner._param_leaves]
+        self._out_shardings = [leaf.sharding for leaf in runner.param_leaves]
+        self._out_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in runner.param_leaves]
         self._device = runner.input_sharding()
         self._jitted: dict[tuple[bool, ...], Any] = {}
         self._checked_layout = False
@@ -103,7 +103,7 @@ class WeightUpdater:
         if cast:
             placed = [leaf.astype(spec.dtype) for leaf, spec in zip(placed, self._specs)]
         new_leaves = self._transform(transposed)(placed)
-        old_leaves, self.runner._param_leaves = self.runner._param_leaves, list(new_leaves)
+        old_leaves, self.runner.param_leaves = self.runner.param_leaves, list(new_leaves)
         for leaf in old_leaves:
             if leaf is not None and not leaf.is_deleted():
                 leaf.delete()
