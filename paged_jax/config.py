@@ -138,6 +138,9 @@ class EngineArgs:
         # and the staged pipeline forward does not thread the slots through its stages.
         check(not self.enable_lora or (self.data_parallel_size == self.pipeline_parallel_size == self.nnodes == 1),
               "enable_lora", "is not supported with data_parallel_size, pipeline_parallel_size or nnodes > 1")
+        # The pipeline's stages hold their own copies of the weights, which sleep mode would not free.
+        check(not self.enable_sleep_mode or self.pipeline_parallel_size == 1, "enable_sleep_mode",
+              "is not supported with pipeline_parallel_size > 1")
         check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}")
         check(self.max_loras >= 1, "max_loras", "must be >= 1")
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")

@@ -56,6 +56,10 @@ def test_sleep_levels_free_the_weights_and_the_kv_pool_and_wake_up_restores_them
 
 
 def test_sleep_refusals(llm, checkpoint):
+    with pytest.raises(ValueError, match="enable_sleep_mode is not supported with pipeline_parallel_size"):
+        EngineArgs(enable_sleep_mode=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        EngineArgs(logprobs_mode="logits")
     with pytest.raises(ValueError, match="level must be 1 or 2"):
         llm.sleep(level=3)
     with pytest.raises(ValueError, match="tags: unknown tag 'kv'"):
