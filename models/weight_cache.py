@@ -191,19 +191,26 @@ def _restore(state_dir: Path, abstract_model: Callable[[], nnx.Module],
         leaf_shardings = nnx.to_pure_dict(shardings(abstract_state))
     target = jax.tree.map(lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding),
                           specs, leaf_shardings)
+    restored = restore_pytree(state_dir, target)
+    nnx.replace_by_pure_dict(abstract_state, restored)
+    return nnx.merge(graphdef, abstract_state)
+
+
+def restore_pytree(state_dir: Path, target: Any) -> Any:
+    """Restore an orbax pytree checkpoint into ``target``'s structure, each leaf straight into its
+    ``ShapeDtypeStruct``'s sharding. ValueError when a stored leaf's shape or dtype differs from the target's."""
     import orbax.checkpoint as ocp  # imported here: only cached loads pay its import time
 
     restore_args = jax.tree.map(
         lambda spec: ocp.ArrayRestoreArgs(sharding=spec.sharding, global_shape=spec.shape, dtype=spec.dtype), target)
     with _checkpointer(ocp) as checkpointer:
-        restored = checkpointer.restore(state_dir.absolute(),
+        restored = checkpointer.restore(Path(state_dir).absolute(),
                                         args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
     for spec, value in zip(jax.tree.leaves(target), jax.tree.leaves(restored)):
         if value.shape != spec.shape or value.dtype != spec.dtype:
             raise ValueError(f"stored leaf {value.shape} {value.dtype} does not match the target {spec.shape} "
                              f"{spec.dtype}")
-    nnx.replace_by_pure_dict(abstract_state, restored)
-    return nnx.merge(graphdef, abstract_state)
+    return restored
 
 
 def _checkpointer(ocp):

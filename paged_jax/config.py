@@ -7,6 +7,7 @@ import logging
 from typing import Literal
 
 from paged_jax.worker.attention_impl import resolve_attention_impl
+from paged_jax.worker.sampler import LOGPROBS_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # RL rollouts (vLLM's names): ``LLM.sleep`` / ``wake_up`` free and take back the weights' and the KV pool's device
+    # memory (refused unless enabled); the logprobs reported are those of the raw model ("raw_*", vLLM's default) or
+    # of the distribution sampled from ("processed_*": after penalties, temperature, min-p, top-k, top-p).
+    enable_sleep_mode: bool = False
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -142,6 +148,10 @@ class EngineArgs:
         # and the staged pipeline forward does not thread the slots through its stages.
         check(not self.enable_lora or (self.data_parallel_size == self.pipeline_parallel_size == self.nnodes == 1),
               "enable_lora", "is not supported with data_parallel_size, pipeline_parallel_size or nnodes > 1")
+        # The pipeline's stages hold their own copies of the weights, which sleep mode would not free.
+        check(not self.enable_sleep_mode or self.pipeline_parallel_size == 1, "enable_sleep_mode",
+              "is not supported with pipeline_parallel_size > 1")
+        check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}")
         check(self.max_loras >= 1, "max_loras", "must be >= 1")
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",

@@ -32,7 +32,7 @@ from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
 from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, default_max_seqs_per_request
-from serving.routes import chat, completions, lora, system, tokenize
+from serving.routes import chat, completions, lora, rl, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
@@ -172,6 +172,17 @@ def _lora_registry(engine: LLMEngine, info, lora_modules: Sequence[LoRAModulePat
     return loras
 
 
+def mounted_routers() -> list:
+    """The app's routers: the OpenAI and system routes, plus the switched ones (run-time LoRA updates with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, the RL routes with ``VLLM_SERVER_DEV_MODE``)."""
+    routers = [module.router for module in (system, tokenize, completions, chat)]
+    if runtime_lora_updating_allowed():
+        routers.append(lora.router)
+    if rl.server_dev_mode():
+        routers.append(rl.router)
+    return routers
+
+
 def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_all: bool,
                  max_request_body_size: int | None, allowed_origins: Sequence[str], allowed_methods: Sequence[str],
                  allowed_headers: Sequence[str], allow_credentials: bool) -> FastAPI:
@@ -189,9 +200,7 @@ def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_a
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     add_error_handlers(app)
-    routers = [module.router for module in (system, tokenize, completions, chat)]
-    if runtime_lora_updating_allowed():
-        routers.append(lora.router)
+    routers = mounted_routers()
     app.state.route_methods = {}  # {path: every method some route serves there}: the Allow header of a 405
     for router in routers:
         app.include_router(router)

@@ -507,6 +507,17 @@ class LoadLoRAAdapterRequest(RequestModel):
     load_inplace: bool = False  # replace the adapter of that name if it is loaded
 
 
+class UpdateWeightsFromDiskRequest(RequestModel):
+    """``POST /update_weights_from_disk`` (SGLang's name and field): an HF safetensors or orbax checkpoint directory."""
+
+    model_path: str
+
+
+class UpdateWeightsResponse(OpenAIBaseModel):
+    success: bool
+    message: str
+
+
 class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str
     lora_int_id: int | None = None

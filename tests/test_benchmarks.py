@@ -197,3 +197,18 @@ def test_moe_kernel_benchmark_checks_times_and_floors_every_token_count(tmp_path
     assert 2 <= results[1]["experts_touched"] <= 8
     assert floor_bytes(1, 32, 16, 2, 2) == 2 * (2 * 3 * 32 * 16 + 32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
     assert len(json.loads(out.read_text())["results"]) == 2
+
+
+def test_weight_update_benchmark_smoke(tmp_path):
+    """benchmarks/weight_update.py on a tiny checkpoint: every phase timed, the updates and wake-ups compile no step,
+    the engine serves after the last update."""
+    from benchmarks.weight_update import main
+    from models.testing import save_random_hf_checkpoint, tiny_config
+
+    checkpoint = save_random_hf_checkpoint(tiny_config("llama"), tmp_path / "ckpt")
+    result = main(["--model", str(checkpoint), "--workdir", str(tmp_path / "work"), "--dtype", "float32",
+                   "--repeats", "1", "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"])
+    for phase in ("update_s", "update_disk_s", "update_orbax_s", "sleep1_s", "wake1_s", "sleep2_s", "wake2_s"):
+        assert result[phase] >= 0
+    assert result["weight_bytes"] == result["trainer_bytes"] > 0 and result["kv_pool_bytes"] > 0
+    assert result["generated_tokens"] == 4 and result["num_compiles_since_warmup"] == 0

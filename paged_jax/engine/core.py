@@ -36,6 +36,7 @@ from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
+from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.outputs import make_logprob_dict
 from paged_jax.structured_output import StructuredOutputManager
 from paged_jax.worker.step_io import PendingStep, StepOutput
@@ -104,6 +105,8 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        # Weight updates, sleep mode, pause / resume (an RL trainer's controls).
+        self.rollout = RolloutControl(self, parts.loaded.quantization, engine_args.enable_sleep_mode)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -112,6 +115,7 @@ class EngineCore:
         request_id = request.request_id
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        self.rollout.check_can_generate()
         lora = self._resolve_lora(request)
         # The scheduler orders FCFS by arrival; it expects time.monotonic()-based values.
         monotonic_arrival = time.monotonic() - (time.time() - request.arrival_time)
@@ -144,7 +148,7 @@ class EngineCore:
         for index, seq in group.seqs.items():
             self._seq_of[seq.request_id] = (group, index)
         for index in [0, *range(self.max_num_seqs, num_seqs)]:
-            self.scheduler.add_request(group.seqs[index])
+            self.rollout.admit(group.seqs[index])
 
     def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         """Add a group of requests all or none: the first ValueError aborts the ones added before it."""
@@ -174,7 +178,7 @@ class EngineCore:
             self.scheduler, on_new_beam, lambda beam: self._seq_of.pop(beam.request_id, None),
             int(self._seed_rng.integers(0, 1 << 63)), request.priority, monotonic_arrival)
         self._groups[request.request_id] = group
-        self.scheduler.add_request(group.beam_search.root)
+        self.rollout.admit(group.beam_search.root)
 
     def abort_requests(self, request_ids: Iterable[str] = (), sequences: Iterable[tuple[str, int]] = ()) -> None:
         """Abort whole requests and single sequences (``(request_id, index)``, e.g. one that hit a stop string);
@@ -202,6 +206,11 @@ class EngineCore:
             del self._groups[group.request_id]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether stepping has work: unfinished requests (while paused, only those still scheduled, a step in flight,
+        or outputs to report)."""
+        if self.rollout.pause_mode is not None:
+            return (self.rollout.has_outputs() or bool(self._batch_queue) or
+                    (not self.rollout.frozen and self.scheduler.has_unfinished_requests()))
         return bool(self._groups)
 
     def has_request(self, request_id: str) -> bool:
@@ -215,6 +224,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; returns the outputs of the sequences that progressed (with async scheduling, of the step
         that completed during this call; a call that schedules nothing just completes the step in flight)."""
+        if self.rollout.pause_mode is not None:
+            paused_outputs = self.rollout.take_outputs()  # the aborts of pause_generation("abort")
+            if self.rollout.frozen or paused_outputs:
+                return paused_outputs + (self._complete_oldest() if self._batch_queue else [])
         if self.async_scheduling:
             return self._step_async()
         # A step left in flight by async scheduling just turned off completes first.
@@ -408,6 +421,35 @@ class EngineCore:
         """Drop every cached block no request holds (vLLM's ``reset_prefix_cache``); True when done."""
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    # RL rollouts (paged_jax.engine.rollout_control): the weights, sleep mode, pause / resume.
+    def update_weights(self, params) -> None:
+        """Replace the weights with ``params`` (model layout or HF names, the engine's dtype); a ValueError naming
+        the first mismatched parameter leaves the old ones serving."""
+        self.rollout.update_weights(params)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Replace the weights with an HF safetensors or orbax checkpoint directory's."""
+        self.rollout.update_weights_from_disk(path)
+
+    def sleep(self, level: int = 1) -> dict:
+        return self.rollout.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.rollout.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.rollout.is_sleeping()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.rollout.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.rollout.resume_generation()
+
+    def is_paused(self) -> bool:
+        """Paused and idle: nothing runs (with mode "wait", once the requests it lets finish have)."""
+        return self.rollout.is_paused() and (self.rollout.frozen or not self.scheduler.has_unfinished_requests())
 
     def close(self) -> None:
         """Stop the runner's threads and the grammar compiler's."""

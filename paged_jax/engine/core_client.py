@@ -200,6 +200,32 @@ class EngineCoreProcClient:
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
 
+    # RL rollouts (paged_jax.engine.rollout_control), run by the core process between steps.
+    def update_weights(self, params) -> None:
+        raise ValueError("update_weights: the engine core runs in another process, where in-memory parameters "
+                         "cannot go; use update_weights_from_disk")
+
+    def update_weights_from_disk(self, path: str) -> None:
+        self._call("update_weights_from_disk", str(path))
+
+    def sleep(self, level: int = 1) -> dict:
+        return self._call("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self._call("is_sleeping")
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._call("pause_generation", mode)
+
+    def resume_generation(self) -> None:
+        self._call("resume_generation")
+
+    def is_paused(self) -> bool:
+        return self._call("is_paused")
+
     def _call(self, method: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
         self._send(UtilityCall(call_id, method, list(args)))

@@ -63,6 +63,7 @@ class LLMEngine:
         self._group_ids = itertools.count()
         self._admitting: dict[int, list[str]] = {}  # group id -> its request ids, until a process core answers
         self._admissions: list[tuple[int, BaseException | None]] = []
+        self._paused = False  # pause_generation: an in-process core then says when stepping has work
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "LLMEngine":
@@ -133,6 +134,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests added and not finished (or, with a process core, messages it has not answered yet)."""
+        if self._paused and self._process_core is None:
+            return self.engine_core.has_unfinished_requests()  # frozen or held requests do not step
         if self.output_processor.has_unfinished_requests():
             return True
         return self._process_core is not None and self._process_core.has_unanswered_messages()
@@ -185,6 +188,36 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    # ------------------------------------------------------------------ RL rollouts (paged_jax.engine.rollout_control)
+    def update_weights(self, params) -> None:
+        """Replace the weights in place (in-process core only); a ValueError naming the parameter changes nothing."""
+        self.engine_core.update_weights(params)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        self.engine_core.update_weights_from_disk(path)
+
+    def sleep(self, level: int = 1) -> dict:
+        return self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling ("abort" | "wait" | "keep"; ``RolloutControl.pause_generation``); ``is_paused()`` says when
+        nothing runs any more."""
+        self.engine_core.pause_generation(mode)
+        self._paused = True
+
+    def resume_generation(self) -> None:
+        self.engine_core.resume_generation()
+        self._paused = False
+
+    def is_paused(self) -> bool:
+        return self.engine_core.is_paused()
 
     # ------------------------------------------------------------------ a core in another process
     @property

@@ -79,6 +79,9 @@ _FLAG_HELP = {
     "max_loras": "most LoRA adapters in one batch (device slots)",
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept in host memory (default: --max-loras)",
+    "enable_sleep_mode": "allow sleep / wake_up (free the weights' and KV pool's device memory between rollouts)",
+    "logprobs_mode": "logprobs reported: raw_logprobs / raw_logits of the model, or processed_logprobs / "
+                     "processed_logits of the distribution sampled from (after penalties, temperature, top-k/p)",
 }
 
 

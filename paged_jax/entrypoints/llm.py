@@ -54,6 +54,42 @@ class LLM:
         e.g. so that a benchmark's warm-up cannot serve its timed run."""
         self.llm_engine.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ RL rollouts (vLLM's names)
+    def update_weights(self, params) -> None:
+        """Replace the weights without a restart or a compile: ``params`` is the model's ``nnx.State`` (or its pure
+        dict, or a flat dict of dotted paths or HF names) in the engine's dtype, on any device. Fused projections and
+        online quantization are re-applied, LoRA adapters stay, the prefix cache is reset. A ValueError naming the
+        first missing, unexpected or mismatched parameter leaves the old weights serving."""
+        self.llm_engine.update_weights(params)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """``update_weights`` from an HF safetensors checkpoint directory or an orbax checkpoint of
+        ``nnx.to_pure_dict(nnx.state(model))`` (other float dtypes are cast)."""
+        self.llm_engine.update_weights_from_disk(path)
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free device memory for a trainer (needs ``enable_sleep_mode=True``): level 1 moves the weights to host
+        memory, level 2 drops them; both free the KV pool. Returns the device's bytes in use before and after."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of ``tags`` ("weights", "kv_cache"; default both)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling: "abort" ends unfinished requests, "wait" runs them to their end first, "keep" freezes
+        them with their KV until ``resume_generation``."""
+        engine = self.llm_engine
+        engine.pause_generation(mode)
+        while not engine.is_paused():  # "wait": the engine's own requests run to their end
+            engine.step()
+
+    def resume_generation(self) -> None:
+        self.llm_engine.resume_generation()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with
         the defaults of the checkpoint's generation config (``--generation-config``; e.g. its temperature, top_p,

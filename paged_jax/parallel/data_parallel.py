@@ -181,6 +181,40 @@ class DataParallelCore:
     def reset_prefix_cache(self) -> bool:
         return all([core.reset_prefix_cache() for core in self.cores])
 
+    # RL rollouts (paged_jax.engine.rollout_control): every replica alike (a bad parameter is refused by the first,
+    # before any replica changes).
+    def update_weights(self, params) -> None:
+        for core in self.cores:
+            core.update_weights(params)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        for core in self.cores:
+            core.update_weights_from_disk(path)
+
+    def sleep(self, level: int = 1) -> dict:
+        """Every replica sleeps; the bytes in use summed over their devices (None where not reported)."""
+        results = [core.sleep(level) for core in self.cores]
+        return {key: None if any(r[key] is None for r in results) else sum(r[key] for r in results)
+                for key in results[0]}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for core in self.cores:
+            core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return any(core.is_sleeping() for core in self.cores)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        for core in self.cores:
+            core.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        for core in self.cores:
+            core.resume_generation()
+
+    def is_paused(self) -> bool:
+        return all(core.is_paused() for core in self.cores)
+
     def close(self) -> None:
         """Stop the stepping threads and the replicas' threads."""
         self._pool.shutdown(wait=True)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from models.attention import dense_causal_attention
 from paged_jax.research.generate import call_with_model_compiler_options, split_model
+from paged_jax.worker.sampler import temperature_and_filters
 
 
 class Pretrained(NamedTuple):
@@ -58,7 +59,7 @@ def load_pretrained(model: str, *, dtype: str = "bfloat16", revision: str | None
     return Pretrained(graphdef, state, config, hf_tokenizer)
 
 
-def score_tokens(model, token_ids, lengths) -> jax.Array:
+def score_tokens(model, token_ids, lengths, *, temperature=None, top_k=0, top_p=1.0, min_p=0.0) -> jax.Array:
     """Per-token log-probs of right-padded token sequences: ``out[b, t] = log p(token_ids[b, t] | token_ids[b, :t])``.
 
     Args:
@@ -66,10 +67,14 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
         ``jax.jit`` / ``jax.grad``; gradients flow to the parameters).
       token_ids: int32[B, T]; each row a prompt followed by its completion, right-padded.
       lengths: int32[B]; valid tokens per row, in [1, T].
+      temperature, top_k, top_p, min_p: None (the default): the raw model distribution. Else (a number or one per
+        row, float32[B] / int32[B]) the distribution the engine samples from with those parameters: logits /
+        temperature, then min-p, top-k, top-p (``paged_jax.worker.sampler.temperature_and_filters``), renormalized;
+        a filtered-out token scores -inf. What the engine reports with ``logprobs_mode="processed_logprobs"``.
     Returns:
       float32[B, T]: 0 at t = 0 (no context) and at t >= lengths[b]; log-probs of the raw model distribution
-      (temperature 1, no truncation), the same quantity ``generate`` and the engine report. Mask with
-      ``t >= prompt_length`` to keep the completion's terms.
+      (temperature 1, no truncation), the same quantity ``generate`` and the engine report (or of the processed one,
+      given a ``temperature``). Mask with ``t >= prompt_length`` to keep the completion's terms.
     Memory: attention is dense per row (float32[Hq, T, T] per layer) and the logits are float32[B, T, vocab].
     """
     graphdef, states = split_model(model)
@@ -79,8 +84,15 @@ def score_tokens(model, token_ids, lengths) -> jax.Array:
         raise ValueError(f"token_ids must be int32[B, T], got {token_ids.dtype}{list(token_ids.shape)}")
     if lengths.shape != token_ids.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths must be int32[B={token_ids.shape[0]}], got {lengths.dtype}{list(lengths.shape)}")
+    transform = None
+    if temperature is not None:
+        rows = token_ids.shape[:1]
+        transform = (jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), rows),  # temperature_and_filters' order
+                     jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), rows),
+                     jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), rows),
+                     jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), rows))
     return call_with_model_compiler_options(_score_jit, graphdef, states, graphdef, states,
-                                            token_ids.astype(jnp.int32), lengths.astype(jnp.int32))
+                                            token_ids.astype(jnp.int32), lengths.astype(jnp.int32), transform)
 
 
 @functools.cache
@@ -89,21 +101,24 @@ def _score_jit(options: tuple[tuple[str, Any], ...]):
     return jax.jit(_score_on_device, static_argnames=("graphdef",), compiler_options=dict(options) or None)
 
 
-def _score_on_device(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+def _score_on_device(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Array,
+                     transform: tuple | None) -> jax.Array:
     model = nnx.merge(graphdef, *states)
     num_tokens = token_ids.shape[1]
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
     sm_scale = model.config.head_dim ** -0.5
 
-    def score_row(tokens: jax.Array, length: jax.Array) -> jax.Array:
+    def score_row(tokens: jax.Array, length: jax.Array, row_transform: tuple | None) -> jax.Array:
         valid = positions < length
         # Padding tokens form their own (ignored) segments so they never reach a valid token's context.
         attention = dense_causal_attention(jnp.where(valid, 0, -1), sm_scale)
         hidden, _ = model(tokens, positions, None, attention)
         logits = model.compute_logits(hidden[:-1])  # float32[T-1, V]: predicts tokens 1..T-1
+        if row_transform is not None:  # the same parameters at every position of the row
+            logits = temperature_and_filters(logits, *(jnp.broadcast_to(x, logits.shape[:1]) for x in row_transform))
         target = jnp.take_along_axis(logits, tokens[1:, None], axis=-1)[:, 0]
         logprobs = target - jax.nn.logsumexp(logits, axis=-1)
         return jnp.where(valid[1:], logprobs, 0.0)
 
-    scored = jax.vmap(score_row)(token_ids, lengths)  # [B, T-1]
+    scored = jax.vmap(score_row)(token_ids, lengths, transform)  # [B, T-1]
     return jnp.concatenate([jnp.zeros((token_ids.shape[0], 1), jnp.float32), scored], axis=1)

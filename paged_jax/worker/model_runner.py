@@ -99,7 +99,7 @@ class ModelRunner:
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
                  dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
-                 forward: StepForward | None = None):
+                 forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs"):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -126,6 +126,7 @@ class ModelRunner:
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
         self.sampler_seq_buckets = sorted({sampler_rows_for(s, self.seq_buckets[-1]) for s in self.seq_buckets})
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
+        self.logprobs_mode = logprobs_mode  # vLLM's: what the sampler's logprobs are taken of (sampler.LOGPROBS_MODES)
         self.sampler_variants = _sampler_variants(self.max_logprobs)
         self.dtype = jnp.dtype(model.dtype)
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
@@ -186,13 +187,14 @@ class ModelRunner:
         # keyed by its static arguments and the shapes of the arguments listed.
         self._forward, self._prompt_logprobs = self.forward_strategy.build(self)
 
-        max_seq_bucket = self._max_seq_bucket
+        max_seq_bucket, logprobs_mode = self._max_seq_bucket, self.logprobs_mode
 
         def sample(logits, sampling_words, prev_token_ids, bias_table, *, mode, num_logprobs):
             """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
             num_seqs = logits.shape[0]
             tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs, bias_table)
-            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs)
+            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs,
+                                     logprobs_mode=logprobs_mode)
             # Padded to the widest seq bucket so the next forward's input feed always has one shape.
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
@@ -218,6 +220,22 @@ class ModelRunner:
         self._gather_blocks = AheadOfTimeFunction("gather_blocks", jax.jit(gather_blocks), shape_args=(1,))
         self._scatter_blocks = AheadOfTimeFunction("scatter_blocks", jax.jit(scatter_blocks, donate_argnums=(0,)),
                                                    shape_args=(1,))
+
+    @property
+    def param_leaves(self) -> list:
+        """The model's parameter arrays, flat (the step programs' first argument). Weight updates and sleep mode
+        replace them (``paged_jax.worker.weight_update``, ``sleep_mode``) with arrays of the same shapes, dtypes and
+        shardings, so nothing compiles; None entries while the weights sleep."""
+        return self._param_leaves
+
+    @param_leaves.setter
+    def param_leaves(self, leaves: list) -> None:
+        self._param_leaves = leaves
+
+    @property
+    def kv_pool_allocated(self) -> bool:
+        """Whether the KV pool exists (``kv_pool`` allocates it on first use)."""
+        return self._kv_pool is not None
 
     @property
     def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:

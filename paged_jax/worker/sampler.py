@@ -14,7 +14,10 @@ Order of operations in ``FULL`` mode (vLLM's v1 sampler): allowed_token_ids mask
 -> logit_bias -> penalties -> (greedy rows: argmax) -> temperature -> min-p -> top-k -> top-p -> Gumbel-max.
 ``TOP_K`` mode is the same from temperature on, without the sort (``paged_jax.worker.top_k``), for steps whose rows need
 none of the steps before temperature and whose top-k / top-p the candidates serve.
-Returned logprobs are always those of the *raw* logits (vLLM's default ``logprobs_mode="raw_logprobs"``).
+Returned logprobs follow vLLM's ``logprobs_mode`` (static per engine): ``raw_logprobs`` (the default) /
+``raw_logits`` of the model's logits, ``processed_logprobs`` / ``processed_logits`` of the values sampled from
+(after bans, bias, penalties, temperature, min-p, top-k and top-p; tokens filtered out are -inf). Greedy rows are
+never divided by a temperature.
 
 Per-request logit processing, each in a fixed-width form so that nothing compiles after warm-up and requests that
 do not use it pay nothing:
@@ -47,6 +50,7 @@ from paged_jax.worker.top_k import (candidates_suffice, top_k_top_p_by_sort, top
 BANNED_WIDTH = 32
 # Most ``logit_bias`` entries per request (the OpenAI API's limit): the bias table's (id, bias) slots per row.
 LOGIT_BIAS_WIDTH = 300
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 def allowed_mask_words(vocab_size: int) -> int:
@@ -579,6 +583,19 @@ def apply_min_p(scaled_logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(scaled_logits >= threshold, scaled_logits, -jnp.inf)
 
 
+def temperature_and_filters(logits: jax.Array, temperature: jax.Array, min_p: jax.Array | None = None,
+                            top_k: jax.Array | None = None, top_p: jax.Array | None = None,
+                            filters=top_k_top_p_by_sort) -> jax.Array:
+    """The sampler's transform from temperature on: logits / temperature -> min-p -> top-k -> top-p (filtered
+    tokens -inf). f32[S, V] -> f32[S, V]; temperature f32[S] (> 0), min_p f32[S], top_k i32[S] (<= 0 = off), top_p
+    f32[S] (>= 1 = off); min_p None: temperature only. ``filters``: ``top_k_top_p_by_sort`` or, for rows
+    ``candidates_suffice`` serves, ``top_k_top_p_from_candidates``. ``score_tokens`` applies the same."""
+    scaled = logits / temperature[:, None]
+    if min_p is None:
+        return scaled
+    return filters(apply_min_p(scaled, min_p), top_k, top_p)
+
+
 def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
     """Per-row Gumbel(0, 1) noise f32[S, V] from key = fold_in(key(seed), step) (``seeds`` u32[S]) or
     fold_in(seeds[i], step) (``seeds`` key[S], typed keys): independent of the batch."""
@@ -592,10 +609,11 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Arr
 
 
 def raw_logprob_outputs(
-    logits: jax.Array, token_ids: jax.Array, num_logprobs: int
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int, normalize: bool = True
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(logprob f32[S], top_ids i32[S, K], top_logprobs f32[S, K], rank i32[S]) under log_softmax(logits)."""
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    """(logprob f32[S], top_ids i32[S, K], top_logprobs f32[S, K], rank i32[S]) under log_softmax(logits), or of
+    the logits themselves when not ``normalize``."""
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1) if normalize else jnp.zeros(logits.shape[:1], logits.dtype)
     sampled_logit = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]
     sampled_logprob = sampled_logit - log_normalizer
     rank = 1 + jnp.sum(logits > sampled_logit[:, None], axis=-1, dtype=jnp.int32)
@@ -608,9 +626,10 @@ def raw_logprob_outputs(
     return sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, rank
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs"))
+@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs", "logprobs_mode"))
 def sample(
-    logits: jax.Array, t: SamplingTensors, *, mode: SamplingMode | str, num_logprobs: int = 0
+    logits: jax.Array, t: SamplingTensors, *, mode: SamplingMode | str, num_logprobs: int = 0,
+    logprobs_mode: str = "raw_logprobs"
 ) -> SamplerOutput:
     """Sample one token per row.
 
@@ -619,6 +638,7 @@ def sample(
       t: ``SamplingTensors`` with leading dimension S.
       mode: static ``SamplingMode`` (or its string value); see ``build_sampling_tensors``.
       num_logprobs: static K >= 0, number of top alternatives to return (the runner uses the max over rows).
+      logprobs_mode: static, one of ``LOGPROBS_MODES`` (see the module docstring).
     Returns:
       ``SamplerOutput``. Greedy rows (temperature < SAMPLING_EPS) get argmax (lowest index on ties) of the raw
       logits, or of the penalised logits in FULL mode.
@@ -626,10 +646,13 @@ def sample(
     mode = SamplingMode(mode)
     if num_logprobs < 0:
         raise ValueError(f"num_logprobs must be non-negative, got {num_logprobs}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
     logits = logits.astype(jnp.float32)
     vocab_size = logits.shape[1]
     greedy_rows = t.temperature < SAMPLING_EPS
 
+    reported = logits  # what the logprobs are taken of
     if mode == SamplingMode.GREEDY:
         token_ids = jnp.argmax(logits, axis=-1)
     else:
@@ -644,16 +667,19 @@ def sample(
         greedy_ids = jnp.argmax(processed, axis=-1)
         # Greedy rows divide by 1 (their sample is discarded) to avoid dividing by zero.
         safe_temperature = jnp.where(greedy_rows, 1.0, t.temperature)
-        scaled = processed / safe_temperature[:, None]
         if mode in (SamplingMode.TOP_K, SamplingMode.FULL):
-            scaled = apply_min_p(scaled, t.min_p)
-            filtered = top_k_top_p_by_sort if mode == SamplingMode.FULL else top_k_top_p_from_candidates
-            scaled = filtered(scaled, t.top_k, t.top_p)
+            filters = top_k_top_p_by_sort if mode == SamplingMode.FULL else top_k_top_p_from_candidates
+            scaled = temperature_and_filters(processed, safe_temperature, t.min_p, t.top_k, t.top_p, filters)
+        else:
+            scaled = temperature_and_filters(processed, safe_temperature)
         sampled_ids = jnp.argmax(scaled + gumbel_noise(t.seeds, t.steps, vocab_size), axis=-1)
         token_ids = jnp.where(greedy_rows, greedy_ids, sampled_ids)
+        if logprobs_mode.startswith("processed"):
+            reported = jnp.where(greedy_rows[:, None], processed, scaled)
 
     token_ids = token_ids.astype(jnp.int32)
-    sampled_logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(logits, token_ids, num_logprobs)
+    sampled_logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(
+        reported, token_ids, num_logprobs, normalize=logprobs_mode.endswith("logprobs"))
     return SamplerOutput(
         token_ids=token_ids, logprobs=sampled_logprob, top_ids=top_ids, top_logprobs=top_logprobs, token_ranks=rank
     )

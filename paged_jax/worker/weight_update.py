@@ -1,0 +1,198 @@
+"""Replacing a running engine's weights in place (an RL rollout worker taking a trainer's new parameters).
+
+``WeightUpdater`` takes parameters in the model's own layout (the ``nnx.State`` of ``model_class(config)`` as
+``models.loader`` builds it, ``nnx.to_pure_dict`` of it, or a flat dict keyed by dotted model paths such as
+``model.layers.0.self_attn.q_proj.kernel``) or under HF names (``model.layers.0.self_attn.q_proj.weight``, ``[out,
+in]``), checks every name, shape and dtype against the engine's model before touching anything (a ValueError naming
+the parameter; the engine keeps its weights), moves each array onto the engine's device (device to device; host
+arrays are uploaded), and re-applies the engine's weight transforms in one jitted program: online quantization
+(``--quantization fp8`` / ``int8``) and fused q/k/v and gate/up projections. Its outputs are fresh buffers with the
+shardings of the runner's parameter leaves, so the step executables run them unchanged (no compile), and the old
+buffers are deleted at once. LoRA adapters live in their own slots and are untouched.
+
+``read_checkpoint`` reads an HF safetensors directory or an orbax checkpoint of the model's state (as
+``nnx.to_pure_dict(nnx.state(model))``) into the flat dict ``update`` takes, cast to the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import weight_cache
+from models.llama import fuse_projections
+from models.loader import (abstract_flat_state, checkpoint_tensor_files, hf_name_for, iter_checkpoint_params,
+                           to_model_layout)
+from models.moe import checkpoint_prefix
+from models.quantization.load import quantize_model
+
+
+def dotted_name(key_path: tuple) -> str:
+    """A pytree key path (``DictKey`` / ``SequenceKey`` / ``GetAttrKey`` entries, or plain keys) -> ``a.b.0.c``."""
+    parts = []
+    for key in key_path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                key = getattr(key, attr)
+                break
+        parts.append(str(key))
+    return ".".join(parts)
+
+
+def flatten_named(params: Any) -> dict[str, Any]:
+    """Parameters as given to ``update`` -> ``{dotted name: array}`` (an ``nnx.Variable`` leaf gives its value)."""
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {dotted_name(path): (leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
+            for path, leaf in leaves}
+
+
+class WeightUpdater:
+    """Swaps a ``ModelRunner``'s parameter leaves for new values (see the module docstring).
+
+    Args:
+      runner: the engine's ``ModelRunner`` (its ``param_leaves`` are replaced).
+      config: the model's ``ModelConfig`` (the layout checked against).
+      quantization: the engine's ``QuantConfig`` or None.
+    Raises (at construction): ValueError naming what the update cannot serve: ``tensor_parallel_size`` /
+    ``pipeline_parallel_size`` > 1 and pre-quantized checkpoints (``quantization``).
+    """
+
+    def __init__(self, runner, config, quantization=None):
+        if runner.sharding_plan is not None:
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1: weight updates need a one-device "
+                             "engine for now")
+        if quantization is not None and quantization.serialized:
+            raise ValueError(f"quantization={quantization.method!r}: weight updates take full-precision weights and "
+                             "re-quantize them online (fp8, int8); a pre-quantized format cannot be rebuilt")
+        self.runner = runner
+        self.config = config
+        self.quantization = quantization
+        self.dtype = runner.dtype
+        self._graphdef, self._abstract = abstract_flat_state(config, self.dtype)
+        self._specs = [variable.get_value() for _, variable in self._abstract]
+        # dotted model path or HF name -> (leaf index, stored transposed)
+        self._names: dict[str, tuple[int, bool]] = {}
+        for index, (path, _) in enumerate(self._abstract):
+            self._names[".".join(map(str, path))] = (index, False)
+            try:
+                hf_name, transposed = hf_name_for(path)
+            except ValueError:
+                continue  # stacked experts: model-layout names only
+            self._names[checkpoint_prefix(config, hf_name)] = (index, transposed)
+        self._out_shardings = [leaf.sharding for leaf in runner.param_leaves]
+        self._out_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in runner.param_leaves]
+        self._device = runner.input_sharding()
+        self._jitted: dict[tuple[bool, ...], Any] = {}
+        self._checked_layout = False
+
+    # ------------------------------------------------------------------ the update
+    def update(self, params: Any, *, cast: bool = False) -> None:
+        """Replace every weight with ``params`` (see the module docstring). ``cast``: convert other float dtypes
+        to the engine's (checkpoints on disk); else a dtype mismatch is an error. Raises ValueError naming the
+        first parameter that is missing, unexpected, or of the wrong shape or dtype; nothing changes then."""
+        leaves, transposed = self._match(flatten_named(params), cast)
+        placed = [jax.device_put(leaf, self._device) for leaf in leaves]
+        if cast:
+            placed = [leaf.astype(spec.dtype) for leaf, spec in zip(placed, self._specs)]
+        new_leaves = self._transform(transposed)(placed)
+        old_leaves, self.runner.param_leaves = self.runner.param_leaves, list(new_leaves)
+        for leaf in old_leaves:
+            if leaf is not None and not leaf.is_deleted():
+                leaf.delete()
+
+    def _match(self, named: dict[str, Any], cast: bool) -> tuple[list, tuple[bool, ...]]:
+        """Each expected leaf's value (in ``self._abstract`` order) and whether it is given transposed."""
+        leaves: list[Any] = [None] * len(self._specs)
+        transposed = [False] * len(self._specs)
+        for name, value in named.items():
+            entry = self._names.get(name)
+            if entry is None:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue  # a tied model's redundant copy
+                raise ValueError(f"update_weights: unexpected parameter {name!r}: the model has no such parameter")
+            index, is_transposed = entry
+            spec = self._specs[index]
+            shape = tuple(spec.shape[::-1]) if is_transposed else tuple(spec.shape)
+            if tuple(np.shape(value)) != shape:
+                raise ValueError(f"update_weights: parameter {name!r} has shape {tuple(np.shape(value))}, the "
+                                 f"engine's is {shape}")
+            dtype = np.dtype(value.dtype)
+            if dtype != spec.dtype and not (cast and jnp.issubdtype(dtype, jnp.floating)):
+                raise ValueError(f"update_weights: parameter {name!r} has dtype {dtype}, the engine's is "
+                                 f"{np.dtype(spec.dtype)} (cast it first)")
+            if leaves[index] is not None:
+                raise ValueError(f"update_weights: parameter {name!r} is given twice (model and HF names)")
+            leaves[index], transposed[index] = value, is_transposed
+        missing = [".".join(map(str, path)) for (path, _), leaf in zip(self._abstract, leaves) if leaf is None]
+        if missing:
+            raise ValueError(f"update_weights: missing parameter {missing[0]!r}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return leaves, tuple(transposed)
+
+    def _transform(self, transposed: tuple[bool, ...]):
+        """The jitted model-layout leaves -> engine leaves program for one transposition pattern."""
+        jitted = self._jitted.get(transposed)
+        if jitted is None:
+            def to_engine_layout(leaves):
+                flat = [(path, variable.replace(to_model_layout(leaf, flip)))
+                        for (path, variable), leaf, flip in zip(self._abstract, leaves, transposed)]
+                model = nnx.merge(self._graphdef, nnx.from_flat_state(flat))
+                if self.quantization is not None:
+                    model = quantize_model(model, self.quantization)
+                return jax.tree.leaves(nnx.state(fuse_projections(model)))
+
+            if not self._checked_layout:
+                given = [jax.ShapeDtypeStruct(spec.shape[::-1] if flip else spec.shape, spec.dtype)
+                         for spec, flip in zip(self._specs, transposed)]
+                self._check_layout(jax.eval_shape(to_engine_layout, given))
+            jitted = self._jitted[transposed] = jax.jit(to_engine_layout, out_shardings=self._out_shardings)
+        return jitted
+
+    def _check_layout(self, produced: list) -> None:
+        """The transform must rebuild exactly the runner's leaves (else the engine has a transform this module does
+        not re-apply): a ValueError saying which."""
+        if len(produced) != len(self._out_specs):
+            raise ValueError(f"update_weights: the engine's model has {len(self._out_specs)} parameter arrays, the "
+                             f"re-applied transforms give {len(produced)}; its layout is not supported")
+        for index, (got, want) in enumerate(zip(produced, self._out_specs)):
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise ValueError(f"update_weights: engine parameter {index} is {want.dtype}{list(want.shape)}, the "
+                                 f"re-applied transforms give {got.dtype}{list(got.shape)}")
+        self._checked_layout = True
+
+
+def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str, Any]:
+    """The weights of a checkpoint directory as ``{dotted model path: array}`` for ``updater.update(cast=True)``:
+    an HF safetensors checkpoint (``model.safetensors`` or an index + shards; names and shapes checked, one tensor
+    on the host at a time) or an orbax checkpoint of ``nnx.to_pure_dict(nnx.state(model))`` restored straight onto
+    the device. ValueError naming ``path`` when it holds neither or cannot be read (a ValueError: the caller's
+    error, which a core process answers rather than dies of)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"update_weights_from_disk: {path} is not a directory")
+    if any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").is_file():
+        expected = {p: tuple(spec.shape) for (p, _), spec in zip(updater._abstract, updater._specs)}
+        named = {}
+        for param_path, array, transposed in iter_checkpoint_params(checkpoint_tensor_files(directory), expected,
+                                                                    updater.config):
+            value = jax.device_put(array, updater._device).astype(updater.dtype)
+            named[".".join(map(str, param_path))] = to_model_layout(value, transposed)
+        return named
+    if any(directory.glob("*METADATA*")) or (directory / "manifest.ocdbt").is_file():
+        target: dict = {}  # the pure dict's nesting, leaves restored straight onto the engine's device
+        for (param_path, _), spec in zip(updater._abstract, updater._specs):
+            node = target
+            for key in param_path[:-1]:
+                node = node.setdefault(key, {})
+            node[param_path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=updater._device)
+        return flatten_named(weight_cache.restore_pytree(directory, target))
+    raise ValueError(f"update_weights_from_disk: {path} holds neither safetensors files nor an orbax "
+                            "checkpoint")

@@ -1,0 +1,186 @@
+"""Weight updates of a running engine (paged_jax.worker.weight_update, LLM.update_weights*): the engine runs the new
+weights with its transforms re-applied, compiles nothing, resets its prefix cache, and keeps the old weights on any
+mismatch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.llama import fuse_projections
+from models.loader import load_model
+from models.testing import save_random_hf_checkpoint, tiny_config
+from paged_jax.entrypoints.llm import LLM
+from paged_jax.research.scoring import score_tokens
+from paged_jax.sampling_params import SamplingParams
+
+PROMPT = [3, 17, 42, 99, 7, 11, 5, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]  # > one 16-token block
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              num_gpu_blocks_override=16, weight_cache=False, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    return (save_random_hf_checkpoint(tiny_config("llama"), root / "a", seed=0),
+            save_random_hf_checkpoint(tiny_config("llama"), root / "b", seed=1))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(model=str(checkpoints[0]), **ENGINE)
+
+
+def _run(llm):
+    out = llm.generate([{"prompt_token_ids": PROMPT}], GREEDY, use_tqdm=False)[0].outputs[0]
+    return out.token_ids, [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+
+def _state(path):
+    model, _ = load_model(path, dtype="float32")
+    return nnx.state(model)
+
+
+def _assert_runs(llm, state):
+    """The engine's greedy tokens' logprobs are the model ``state``'s (score_tokens on the same sequence)."""
+    tokens, logprobs = _run(llm)
+    model, _ = load_model(llm.llm_engine.model_path, dtype="float32")
+    nnx.update(model, state)
+    sequence = jnp.asarray([PROMPT + tokens], jnp.int32)
+    scored = score_tokens(model, sequence, jnp.asarray([sequence.shape[1]], jnp.int32))[0, len(PROMPT):]
+    np.testing.assert_allclose(logprobs, np.asarray(scored), atol=1e-4)
+    return tokens
+
+
+def _runner_leaves(llm):
+    return [np.asarray(x) for x in llm.llm_engine.engine_core.runner.param_leaves]
+
+
+def test_update_weights_in_process_runs_the_new_weights_without_compiling(llm, checkpoints):
+    """From the model's nnx.State and from its pure dict on another device: the runner holds exactly the fused
+    leaves a fresh load of that checkpoint has; the old buffers are deleted; nothing compiles."""
+    path_a, path_b = checkpoints
+    tokens_a = _assert_runs(llm, _state(path_a))
+    old_leaf = llm.llm_engine.engine_core.runner.param_leaves[0]
+    state_b = jax.device_put(_state(path_b), jax.devices()[1])  # a trainer's device: moved device to device
+    llm.update_weights(state_b)
+    assert old_leaf.is_deleted()
+    expected = [np.asarray(x) for x in jax.tree.leaves(nnx.state(fuse_projections(load_model(path_b, dtype="float32")[0])))]
+    for got, want in zip(_runner_leaves(llm), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert _assert_runs(llm, _state(path_b)) != tokens_a
+    llm.update_weights(nnx.to_pure_dict(_state(path_a)))
+    assert _run(llm)[0] == tokens_a
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+
+def test_update_weights_resets_the_prefix_cache(llm, checkpoints):
+    engine = llm.llm_engine
+    _run(llm)
+    hits = engine.stats()["prefix_cache_hits"]
+    _run(llm)
+    assert engine.stats()["prefix_cache_hits"] > hits  # the same prompt: its full block is cached
+    llm.update_weights(_state(checkpoints[0]))
+    hits = engine.stats()["prefix_cache_hits"]
+    _run(llm)
+    assert engine.stats()["prefix_cache_hits"] == hits
+
+
+def test_update_weights_takes_hf_names_and_checkpoints_on_disk(llm, checkpoints, tmp_path):
+    """HF-named host arrays ([out, in] weights); an HF safetensors directory; an orbax checkpoint of the pure dict."""
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import load_file
+
+    path_a, path_b = checkpoints
+    llm.update_weights(load_file(str(path_b / "model.safetensors")))
+    tokens_b = _assert_runs(llm, _state(path_b))
+    llm.update_weights_from_disk(str(path_a))
+    tokens_a = _assert_runs(llm, _state(path_a))
+    assert tokens_a != tokens_b
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", nnx.to_pure_dict(_state(path_b)))
+    llm.update_weights_from_disk(str(tmp_path / "orbax"))
+    assert _run(llm)[0] == tokens_b
+    with pytest.raises(ValueError, match="neither"):
+        llm.update_weights_from_disk(str(tmp_path))
+    llm.update_weights_from_disk(str(path_a))
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("model.norm.scale"), "missing parameter 'model.norm.scale'"),
+    (lambda d: d.update({"model.extra.kernel": d["model.norm.scale"]}), "unexpected parameter 'model.extra.kernel'"),
+    (lambda d: d.update({"lm_head.kernel": d["lm_head.kernel"][:, :10]}), "'lm_head.kernel' has shape"),
+    (lambda d: d.update({"model.norm.scale": d["model.norm.scale"].astype(jnp.bfloat16)}),
+     "'model.norm.scale' has dtype bfloat16"),
+])
+def test_a_mismatch_names_the_parameter_and_keeps_the_old_weights(llm, checkpoints, edit, message):
+    from paged_jax.worker.weight_update import flatten_named
+
+    path_a, path_b = checkpoints
+    tokens_a = _run(llm)[0]
+    named = flatten_named(_state(path_b))
+    edit(named)
+    with pytest.raises(ValueError, match=message):
+        llm.update_weights(named)
+    assert _run(llm)[0] == tokens_a
+
+
+def test_update_weights_requantizes_online(checkpoints):
+    """int8 at load: the update quantizes and fuses the new weights exactly as loading that checkpoint does."""
+    from models.quantization.config import resolve_quantization
+    from models.quantization.load import load_quantized_model
+
+    path_a, path_b = checkpoints
+    llm = LLM(model=str(path_a), quantization="int8", **ENGINE)
+    llm.update_weights(_state(path_b))
+    config = llm.llm_engine.engine_core.model_config
+    reference = fuse_projections(load_quantized_model(path_b, config, resolve_quantization("int8", {}),
+                                                      dtype="float32"))
+    for got, want in zip(_runner_leaves(llm), jax.tree.leaves(nnx.state(reference)), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
+    _run(llm)
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+
+def test_processed_logprobs_equal_score_tokens_under_the_same_transform(checkpoints):
+    """logprobs_mode="processed_logprobs": the sampled tokens' logprobs are those of the distribution sampled from
+    (temperature, top-k, top-p, renormalized), as score_tokens computes it, in float32."""
+    path_a, _ = checkpoints
+    llm = LLM(model=str(path_a), logprobs_mode="processed_logprobs", **ENGINE)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=7, max_tokens=8, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+    reported = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+    model, _ = load_model(path_a, dtype="float32")
+    sequence = jnp.asarray([PROMPT + list(out.token_ids)], jnp.int32)
+    lengths = jnp.asarray([sequence.shape[1]], jnp.int32)
+    processed = score_tokens(model, sequence, lengths, temperature=0.7, top_k=20, top_p=0.9)[0, len(PROMPT):]
+    np.testing.assert_allclose(reported, np.asarray(processed), atol=1e-5)
+    raw = score_tokens(model, sequence, lengths)[0, len(PROMPT):]
+    assert not np.allclose(reported, np.asarray(raw), atol=1e-3)
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_sampler_logprobs_modes(logprobs_mode):
+    """Each mode reports its values at the sampled token and its top-k: raw / processed (temperature, top-k, top-p;
+    greedy rows undivided), as logits or log_softmax of them; filtered tokens are -inf."""
+    from paged_jax.worker.sampler import sample, temperature_and_filters, temperature_top_k_top_p_tensors
+
+    logits = jax.random.normal(jax.random.key(0), (3, 64), jnp.float32) * 3
+    temperature = jnp.asarray([0.0, 0.7, 1.3], jnp.float32)
+    top_k, top_p = jnp.asarray([0, 5, 0], jnp.int32), jnp.asarray([1.0, 1.0, 0.8], jnp.float32)
+    tensors = temperature_top_k_top_p_tensors(temperature, top_k, top_p, jnp.arange(3, dtype=jnp.uint32),
+                                              jnp.zeros(3, jnp.int32))
+    out = sample(logits, tensors, mode="top_k", num_logprobs=4, logprobs_mode=logprobs_mode)
+    values = logits
+    if logprobs_mode.startswith("processed"):
+        safe = jnp.where(temperature > 0, temperature, 1.0)
+        filtered = temperature_and_filters(logits, safe, jnp.zeros(3), top_k, top_p)
+        values = jnp.where((temperature > 0)[:, None], filtered, logits)
+    if logprobs_mode.endswith("logprobs"):
+        values = jax.nn.log_softmax(values, axis=-1)
+    rows = jnp.arange(3)
+    np.testing.assert_allclose(out.logprobs, values[rows, out.token_ids], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.top_logprobs, -jnp.sort(-values, axis=-1)[:, :4], rtol=1e-5, atol=1e-6)
