@@ -1,0 +1,68 @@
+"""The offline ``LLM``'s pooling methods (vLLM's names and return types): ``encode``, ``embed``, ``classify``,
+``score``, for a model run by the pooling runner (``paged_jax.pooling``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from paged_jax.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                       ScoringOutput, ScoringRequestOutput)
+from paged_jax.pooling.params import PoolingParams
+from paged_jax.pooling.scoring import check_cross_encoder, cosine_similarity, pair_inputs, pair_prompt_token_ids
+
+
+class PoolingMethods:
+    """Mixed into ``LLM`` (it supplies ``llm_engine``, ``_normalize_prompts`` and ``_run``)."""
+
+    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, *, task: str | None = None) -> list[PoolingRequestOutput]:
+        """Pool every prompt (text, token ids, or prompt dicts as ``generate`` takes); ``PoolingRequestOutput``s
+        in input order (``.outputs.data``: float32[W]). ValueError for a generative model or a parameter the model's
+        pooler does not support (``dimensions``, the task)."""
+        prompt_list = self._normalize_prompts(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"pooling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
+        if task is not None:
+            params_list = [dataclasses.replace(params, task=task) for params in params_list]
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings (``.outputs.embedding``: list[float]) of every prompt, in input order."""
+        return [EmbeddingRequestOutput.from_base(out)
+                for out in self.encode(prompts, pooling_params, use_tqdm, task="embed")]
+
+    def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Class probabilities (``.outputs.probs``) of every prompt, in input order."""
+        return [ClassificationRequestOutput.from_base(out)
+                for out in self.encode(prompts, pooling_params, use_tqdm, task="classify")]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Scores of text pairs (``.outputs.score``), 1:N or N:N (``paged_jax.pooling.scoring``): a cross-encoder's
+        sigmoid over each pair, or an embedder's cosine similarity."""
+        pooler = self.llm_engine.info.pooler
+        if pooler is None:
+            raise ValueError("score needs a pooling model (--runner pooling); this model generates")
+        check_cross_encoder(pooler)
+        pairs = pair_inputs(data_1, data_2)
+        params = pooling_params or PoolingParams()
+        if pooler.task == "classify":
+            tokenizer = self.llm_engine.tokenizer
+            prompts = [{"prompt_token_ids": pair_prompt_token_ids(tokenizer, a, b)} for a, b in pairs]
+            outs = self.encode(prompts, params, use_tqdm, task="score")
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(float(out.outputs.data[0])),
+                                         out.prompt_token_ids, True, out.num_cached_tokens) for out in outs]
+        texts = [a for a, _ in pairs] + [b for _, b in pairs]
+        embeddings = self.encode(texts, params, use_tqdm, task="embed")
+        half = len(pairs)
+        return [ScoringRequestOutput(first.request_id, ScoringOutput(cosine_similarity(first.outputs.data,
+                                                                                       second.outputs.data)),
+                                     first.prompt_token_ids + second.prompt_token_ids)
+                for first, second in zip(embeddings[:half], embeddings[half:])]

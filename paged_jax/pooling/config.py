@@ -1,0 +1,138 @@
+"""Which runner a model gets and, for the pooling runner, its ``PoolerConfig``: vLLM's ``--runner`` / ``--convert``
+(and the legacy ``--task``), the checkpoint's head (``models.config.ModelConfig.head``) and its sentence-transformers
+files (``modules.json``, ``1_Pooling/config.json``).
+
+Defaults as vLLM's: ``runner="auto"`` pools a checkpoint without an LM head (a ``*Model`` or
+``*ForSequenceClassification``) and generates with any other; ``convert="auto"`` classifies with a classification
+head and embeds otherwise. A decoder embeds its last token's hidden state, normalized, unless the checkpoint's
+sentence-transformers pooling says otherwise; a classifier scores the last token and applies softmax (several labels)
+or sigmoid (one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+# The legacy --task values vLLM still accepts -> (runner, convert).
+TASKS = {"auto": ("auto", "auto"), "generate": ("generate", "auto"), "embed": ("pooling", "embed"),
+         "embedding": ("pooling", "embed"), "classify": ("pooling", "classify"), "score": ("pooling", "classify")}
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' 1_Pooling/config.json mode -> our pooling type (the other modes are refused by name).
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     "pooling_mode_cls_token": "CLS"}
+_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE = ("sentence_transformers.models.Transformer",
+                                               "sentence_transformers.models.Pooling",
+                                               "sentence_transformers.models.Normalize")
+
+
+class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
+    """How the pooling runner turns a prompt's hidden states into its output.
+
+    Attributes:
+      task: "embed" (the pooled hidden state) or "classify" (the pooled hidden state through the ``score`` head).
+      pooling_type: "LAST" (the last prompt token), "MEAN" (the mean over the prompt) or "CLS" (the first token).
+      normalize: an embedding's default L2 normalization (``PoolingParams.normalize`` overrides it).
+      width: values per output (hidden size, or the classifier's labels).
+      matryoshka_dimensions: the ``dimensions`` an embedding may be truncated to (None: all of 1..width when
+        ``is_matryoshka``, else only the full width).
+      is_matryoshka: the checkpoint's ``is_matryoshka`` (``config.json``).
+    """
+
+    task: str
+    pooling_type: str
+    normalize: bool
+    width: int
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+
+    def supports_dimensions(self, dimensions: int) -> bool:
+        if self.matryoshka_dimensions is not None:
+            return dimensions in self.matryoshka_dimensions
+        return self.is_matryoshka and 1 <= dimensions <= self.width or dimensions == self.width
+
+
+def resolve_runner(runner: str, convert: str, task: str | None, head: str) -> tuple[str, str]:
+    """``(runner, convert)`` with "auto" resolved (vLLM's rules, see the module docstring); ValueError naming
+    ``runner``, ``convert`` or ``task`` for a value outside its choices or a combination this model cannot run."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        task_runner, task_convert = TASKS[task]
+        runner = task_runner if runner == "auto" else runner
+        convert = task_convert if convert == "auto" else convert
+    if runner == "auto":
+        runner = "generate" if head == "lm_head" and convert in ("auto", "none") else "pooling"
+    if runner == "generate":
+        if head != "lm_head":
+            raise ValueError(f"runner='generate': the checkpoint has no LM head (head {head!r}); use runner='pooling'")
+        if convert not in ("auto", "none"):
+            raise ValueError(f"convert={convert!r} needs runner='pooling'")
+        return "generate", "none"
+    if convert in ("auto", "none"):
+        convert = "classify" if head == "score" else "embed"
+    if convert == "classify" and head != "score":
+        raise ValueError("convert='classify' needs a sequence-classification checkpoint (a score head: "
+                         "*ForSequenceClassification); this one has none")
+    return "pooling", convert
+
+
+def sentence_transformers_pooling(model_path: str | None) -> tuple[str, bool] | None:
+    """``(pooling type, normalize)`` from a sentence-transformers checkpoint's ``modules.json`` and its pooling
+    module's ``config.json``; None without ``modules.json``. ValueError naming the module or mode not implemented."""
+    if model_path is None or not (Path(model_path) / "modules.json").is_file():
+        return None
+    modules = json.loads((Path(model_path) / "modules.json").read_text())
+    pooling_type, normalize = None, False
+    for module in modules:
+        kind = module.get("type")
+        if kind == _ST_NORMALIZE:
+            normalize = True
+        elif kind == _ST_POOLING:
+            pooling_type = _pooling_mode(Path(model_path) / module.get("path", "") / "config.json")
+        elif kind != _ST_TRANSFORMER:
+            raise ValueError(f"modules.json: sentence-transformers module {kind!r} is unsupported (supported: "
+                             "Transformer, Pooling, Normalize)")
+    return pooling_type or "LAST", normalize
+
+
+def _pooling_mode(path: Path) -> str:
+    config = json.loads(path.read_text())
+    modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
+        raise ValueError(f"{path}: pooling mode {modes} is unsupported; one of {', '.join(_ST_POOLING_MODES)}")
+    return _ST_POOLING_MODES[modes[0]]
+
+
+def pooler_config(convert: str, model_config, model_path: str | None) -> PoolerConfig:
+    """The pooler of a model run by the pooling runner as ``convert`` ("embed" or "classify")."""
+    hf_config = {}
+    if model_path is not None and (Path(model_path) / "config.json").is_file():
+        hf_config = json.loads((Path(model_path) / "config.json").read_text())
+    st = sentence_transformers_pooling(model_path)
+    pooling_type, normalize = st if st is not None else ("LAST", convert == "embed")
+    if convert == "classify":
+        return PoolerConfig("classify", pooling_type, False, model_config.num_labels)
+    dims = hf_config.get("matryoshka_dimensions")
+    return PoolerConfig("embed", pooling_type, normalize, model_config.hidden_size,
+                        is_matryoshka=bool(hf_config.get("is_matryoshka", dims is not None)),
+                        matryoshka_dimensions=None if dims is None else [int(d) for d in dims])
+
+
+def pooling_model_config(model_config, pooler: PoolerConfig):
+    """The ``ModelConfig`` the pooling runner loads: an embedder keeps no LM head (hidden states only)."""
+    if pooler.task == "embed" and model_config.head == "lm_head":
+        return dataclasses.replace(model_config, head="none")
+    return model_config
