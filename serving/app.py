@@ -32,7 +32,7 @@ from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
 from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, engine_max_num_seqs
-from serving.routes import chat, completions, lora, system, tokenize
+from serving.routes import chat, completions, lora, pooling, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
@@ -189,7 +189,7 @@ def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_a
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     add_error_handlers(app)
-    routers = [module.router for module in (system, tokenize, completions, chat)]
+    routers = [module.router for module in (system, tokenize, completions, chat, pooling)]
     if runtime_lora_updating_allowed():
         routers.append(lora.router)
     app.state.route_methods = {}  # {path: every method some route serves there}: the Allow header of a 405

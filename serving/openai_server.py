@@ -53,6 +53,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     served_model_names: tuple[str, ...] = ()
+    pooler: Any = None  # the pooling runner's PoolerConfig (paged_jax.pooling.config); None: a generative model
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -74,7 +75,8 @@ def model_info_from_engine(engine, served_model_name: str | Sequence[str] | None
                  else os.path.basename(os.path.normpath(str(root))) if root else "paged-jax"]
     return ModelInfo(served_model_name=str(names[0]), root=str(root) if root is not None else None,
                      max_model_len=int(engine.max_model_len), vocab_size=int(engine.vocab_size),
-                     served_model_names=tuple(str(n) for n in names))
+                     served_model_names=tuple(str(n) for n in names),
+                     pooler=getattr(getattr(engine, "info", None), "pooler", None))
 
 
 # ------------------------------------------------------------------------------------------- the server state
@@ -159,6 +161,10 @@ class OpenAIServer:
     def check_request(self, body: SamplingFields) -> None:
         """The checks every generation request passes before its prompt is built (400 naming the field)."""
         self.check_model(body.model)
+        if self.info.pooler is not None:
+            raise APIError(400, f"model: {self.info.served_model_name} is a pooling model ({self.info.pooler.task}); "
+                                "it does not generate (use /v1/embeddings, /classify, /v1/score or /rerank)",
+                           param="model")
         # include_reasoning: false is refused only where there is no reasoning to leave out.
         refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
         check_field_sizes(body, self.max_prompt_chars)

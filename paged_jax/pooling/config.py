@@ -26,12 +26,12 @@ CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = {"auto": ("auto", "auto"), "generate": ("generate", "auto"), "embed": ("pooling", "embed"),
          "embedding": ("pooling", "embed"), "classify": ("pooling", "classify"), "score": ("pooling", "classify")}
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-# sentence-transformers' 1_Pooling/config.json mode -> our pooling type (the other modes are refused by name).
-_ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-                     "pooling_mode_cls_token": "CLS"}
-_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE = ("sentence_transformers.models.Transformer",
-                                               "sentence_transformers.models.Pooling",
-                                               "sentence_transformers.models.Normalize")
+# sentence-transformers' 1_Pooling/config.json mode -> our pooling type (the other modes are refused by name): its
+# ``pooling_mode`` (sentence-transformers >= 6), or the flag set among ``pooling_mode_*`` (earlier versions).
+_ST_POOLING_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS", "pooling_mode_lasttoken": "LAST",
+                     "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+# modules.json module types by class name (``sentence_transformers.models.Pooling``, or where 6.x moved it).
+_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE = "Transformer", "Pooling", "Normalize"
 
 
 class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
@@ -45,6 +45,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
       matryoshka_dimensions: the ``dimensions`` an embedding may be truncated to (None: all of 1..width when
         ``is_matryoshka``, else only the full width).
       is_matryoshka: the checkpoint's ``is_matryoshka`` (``config.json``).
+      labels: a classifier's label names by index (``id2label``), or None.
     """
 
     task: str
@@ -53,6 +54,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
     width: int
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
+    labels: list[str] | None = None
 
     def supports_dimensions(self, dimensions: int) -> bool:
         if self.matryoshka_dimensions is not None:
@@ -97,20 +99,24 @@ def sentence_transformers_pooling(model_path: str | None) -> tuple[str, bool] | 
     modules = json.loads((Path(model_path) / "modules.json").read_text())
     pooling_type, normalize = None, False
     for module in modules:
-        kind = module.get("type")
+        kind = str(module.get("type")).rsplit(".", 1)[-1]
         if kind == _ST_NORMALIZE:
             normalize = True
         elif kind == _ST_POOLING:
             pooling_type = _pooling_mode(Path(model_path) / module.get("path", "") / "config.json")
         elif kind != _ST_TRANSFORMER:
-            raise ValueError(f"modules.json: sentence-transformers module {kind!r} is unsupported (supported: "
-                             "Transformer, Pooling, Normalize)")
+            raise ValueError(f"modules.json: sentence-transformers module {module.get('type')!r} is unsupported "
+                             "(supported: Transformer, Pooling, Normalize)")
     return pooling_type or "LAST", normalize
 
 
 def _pooling_mode(path: Path) -> str:
     config = json.loads(path.read_text())
-    modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    if not config.get("include_prompt", True):
+        raise ValueError(f"{path}: include_prompt=false is unsupported (every prompt token is pooled)")
+    mode = config.get("pooling_mode")
+    modes = ([mode] if isinstance(mode, str) else list(mode) if mode else
+             [key for key, value in config.items() if key.startswith("pooling_mode_") and value])
     if len(modes) != 1 or modes[0] not in _ST_POOLING_MODES:
         raise ValueError(f"{path}: pooling mode {modes} is unsupported; one of {', '.join(_ST_POOLING_MODES)}")
     return _ST_POOLING_MODES[modes[0]]
@@ -124,7 +130,9 @@ def pooler_config(convert: str, model_config, model_path: str | None) -> PoolerC
     st = sentence_transformers_pooling(model_path)
     pooling_type, normalize = st if st is not None else ("LAST", convert == "embed")
     if convert == "classify":
-        return PoolerConfig("classify", pooling_type, False, model_config.num_labels)
+        id2label = hf_config.get("id2label") or {}
+        labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(model_config.num_labels)]
+        return PoolerConfig("classify", pooling_type, False, model_config.num_labels, labels=labels)
     dims = hf_config.get("matryoshka_dimensions")
     return PoolerConfig("embed", pooling_type, normalize, model_config.hidden_size,
                         is_matryoshka=bool(hf_config.get("is_matryoshka", dims is not None)),
