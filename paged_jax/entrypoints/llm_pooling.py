@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from paged_jax.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                                        ScoringOutput, ScoringRequestOutput)
 from paged_jax.pooling.params import PoolingParams
-from paged_jax.pooling.scoring import check_cross_encoder, cosine_similarity, pair_inputs, pair_prompt_token_ids
+from paged_jax.pooling.scoring import (check_cross_encoder, cosine_similarity, distinct_texts, pair_inputs,
+                                      pair_prompt_token_ids)
 
 
 class PoolingMethods:
@@ -59,10 +60,12 @@ class PoolingMethods:
             outs = self.encode(prompts, params, use_tqdm, task="score")
             return [ScoringRequestOutput(out.request_id, ScoringOutput(float(out.outputs.data[0])),
                                          out.prompt_token_ids, True, out.num_cached_tokens) for out in outs]
-        texts = [a for a, _ in pairs] + [b for _, b in pairs]
+        texts, pair_indices = distinct_texts(pairs)
         embeddings = self.encode(texts, params, use_tqdm, task="embed")
-        half = len(pairs)
-        return [ScoringRequestOutput(first.request_id, ScoringOutput(cosine_similarity(first.outputs.data,
-                                                                                       second.outputs.data)),
-                                     first.prompt_token_ids + second.prompt_token_ids)
-                for first, second in zip(embeddings[:half], embeddings[half:])]
+        outputs = []
+        for i, j in pair_indices:
+            first, second = embeddings[i], embeddings[j]
+            score = cosine_similarity(first.outputs.data, second.outputs.data)
+            outputs.append(ScoringRequestOutput(f"{first.request_id}+{second.request_id}", ScoringOutput(score),
+                                                first.prompt_token_ids + second.prompt_token_ids))
+        return outputs

@@ -22,6 +22,16 @@ def pair_inputs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> lis
     return list(zip(first, second))
 
 
+def distinct_texts(pairs: Sequence[tuple[str, str]]) -> tuple[list[str], list[tuple[int, int]]]:
+    """An embedder's work for ``pairs``: each distinct text once (a 1:N query is embedded once), and per pair the
+    indices of its two texts in that list."""
+    index: dict[str, int] = {}
+    for pair in pairs:
+        for text in pair:
+            index.setdefault(text, len(index))
+    return list(index), [(index[a], index[b]) for a, b in pairs]
+
+
 def pair_prompt_token_ids(tokenizer, first: str, second: str) -> list[int]:
     """A cross-encoder's prompt for one pair: the tokenizer's pair encoding (``tokenizer(text, text_pair)``)."""
     if tokenizer is None:

@@ -17,7 +17,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from paged_jax.pooling.params import PoolingParams
-from paged_jax.pooling.scoring import check_cross_encoder, cosine_similarity, pair_inputs, pair_prompt_token_ids
+from paged_jax.pooling.scoring import (check_cross_encoder, cosine_similarity, distinct_texts, pair_inputs,
+                                      pair_prompt_token_ids)
 from serving.async_engine import EngineRequest
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
@@ -156,7 +157,8 @@ async def _pair_scores(server: OpenAIServer, body: PoolingFields, raw_request: R
         pairs = pair_inputs(first, second)
     except ValueError as exc:
         raise APIError(400, str(exc), param="model" if str(exc).startswith("model") else fields[1]) from exc
-    _check_num_inputs(server, len(pairs) * (1 if pooler.task == "classify" else 2), fields[1])
+    texts, pair_indices = distinct_texts(pairs)  # an embedder embeds each distinct text once
+    _check_num_inputs(server, len(pairs) if pooler.task == "classify" else len(texts), fields[1])
     params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens, task="score"
                            if pooler.task == "classify" else "embed")
     if pooler.task == "classify":
@@ -167,12 +169,11 @@ async def _pair_scores(server: OpenAIServer, body: PoolingFields, raw_request: R
             server.check_prompt_length(len(x), fields[0])
         outputs = await _pool(server, body, raw_request, prefix, ids, params)
         return None if outputs is None else ([float(out.outputs.data[0]) for out in outputs], ids)
-    ids = await _token_ids(server, [a for a, _ in pairs] + [b for _, b in pairs], body, fields[0])
+    ids = await _token_ids(server, texts, body, fields[0])
     outputs = await _pool(server, body, raw_request, prefix, ids, params)
     if outputs is None:
         return None
-    half = len(pairs)
-    return [cosine_similarity(a.outputs.data, b.outputs.data) for a, b in zip(outputs[:half], outputs[half:])], ids
+    return [cosine_similarity(outputs[i].outputs.data, outputs[j].outputs.data) for i, j in pair_indices], ids
 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=_RESPONSES)
