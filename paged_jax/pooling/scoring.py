@@ -8,17 +8,19 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def pair_inputs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+def pair_inputs(data_1: str | Sequence[str], data_2: str | Sequence[str],
+                names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[str, str]]:
     """vLLM's pairing: one first text against each second text (1:N), or texts paired in order (N:N); ValueError
-    naming the field otherwise."""
+    naming the field (``names``: the two fields' names) otherwise."""
     first = [data_1] if isinstance(data_1, str) else list(data_1)
     second = [data_2] if isinstance(data_2, str) else list(data_2)
-    if not first or not second:
-        raise ValueError("text_1 and text_2 must not be empty")
+    for name, texts in zip(names, (first, second)):
+        if not texts:
+            raise ValueError(f"{name} must not be empty")
     if len(first) == 1:
         first = first * len(second)
     if len(first) != len(second):
-        raise ValueError(f"text_2: {len(second)} texts for {len(first)} text_1 entries (1:N or N:N)")
+        raise ValueError(f"{names[1]}: {len(second)} texts for {len(first)} {names[0]} entries (1:N or N:N)")
     return list(zip(first, second))
 
 

@@ -154,9 +154,9 @@ async def _pair_scores(server: OpenAIServer, body: PoolingFields, raw_request: R
     pooler = _pooler(server, body, f"/{prefix}")
     try:
         check_cross_encoder(pooler)
-        pairs = pair_inputs(first, second)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="model" if str(exc).startswith("model") else fields[1]) from exc
+        pairs = pair_inputs(first, second, fields)
+    except ValueError as exc:  # the message starts with the field: model, or one of ``fields``
+        raise APIError(400, str(exc), param=str(exc).split(":")[0].split()[0]) from exc
     texts, pair_indices = distinct_texts(pairs)  # an embedder embeds each distinct text once
     _check_num_inputs(server, len(pairs) if pooler.task == "classify" else len(texts), fields[1])
     params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens, task="score"
