@@ -75,12 +75,15 @@ def test_pooling_params_dimensions_normalize_truncate(last_llm, st_last):
         last_llm.generate(TEXTS[:1])
 
 
-def test_mean_pooling_without_normalize_over_chunks(base_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_mean_and_first_token_pooling_without_normalize_over_chunks(base_dir, tmp_path, mode):
     from paged_jax import LLM
 
-    directory, model = sentence_transformer_checkpoint(base_dir, tmp_path / "st_mean", "mean", False)
+    directory, model = sentence_transformer_checkpoint(base_dir, tmp_path / "st", mode, False)
     llm = LLM(str(directory), **ENGINE)
-    assert llm.llm_engine.info.pooler.pooling_type == "MEAN" and not llm.llm_engine.info.pooler.normalize
+    pooler = llm.llm_engine.info.pooler
+    assert pooler.pooling_type == mode.upper() and not pooler.normalize
+    assert not llm.llm_engine.engine_core.kv_cache_manager.enable_prefix_caching  # needs every token's state
     outputs = llm.embed(TEXTS)
     for output, expected in zip(outputs, model.encode(TEXTS)):
         assert cosine(output.outputs.embedding, expected) >= 0.9999
@@ -172,3 +175,24 @@ def test_runner_resolution_refusals(base_dir):
         resolve_runner("pooling", "classify", None, "lm_head")
     with pytest.raises(ValueError, match="^task"):
         resolve_runner("auto", "auto", "transcription", "lm_head")
+
+
+def test_pooling_engine_core_in_its_own_process(st_last, last_llm):
+    """Pooling requests, their parameters, the pooler and the pooled vectors cross the core process's pipe."""
+    from paged_jax import EngineArgs, PoolingParams
+    from serving.engine_process import start_engine_process
+
+    args = EngineArgs(model=str(st_last[0]), **{k: v for k, v in ENGINE.items() if k != "use_tqdm"})
+    engine = start_engine_process(args, start_timeout=300)  # an LLMEngine over a core process
+    try:
+        assert not engine.core_in_process
+        assert engine.info.pooler == last_llm.llm_engine.info.pooler
+        engine.add_request("a", TEXTS[2], PoolingParams(normalize=False))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        expected = last_llm.embed(TEXTS[2:], PoolingParams(normalize=False))[0].outputs.embedding
+        assert [o.request_id for o in outputs] == ["a"] and outputs[0].finished
+        np.testing.assert_allclose(outputs[0].outputs.data, expected, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
