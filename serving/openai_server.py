@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 from fastapi import Request
 
 from paged_jax.entrypoints.chat import ChatTemplateError, render_chat
+from paged_jax.pooling.scoring import pair_prompt_token_ids
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
@@ -253,6 +254,25 @@ class OpenAIServer:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates the tokenizer cannot encode
             raise APIError(400, f"{param}: cannot tokenize the text ({exc})", param=param) from exc
+
+    async def prompt_token_ids(self, prompts: Sequence[str | list[int]], add_special_tokens: bool,
+                               truncate_prompt_tokens: int | None, param: str) -> list[list[int]]:
+        """Each prompt (a text or token ids) as token ids: tokenized, checked against the vocabulary (400 naming
+        ``param[i]`` of a batch), truncated to its last ``truncate_prompt_tokens`` and checked for length."""
+        out = []
+        for index, prompt in enumerate(prompts):
+            ids = (await self.encode(prompt, add_special_tokens, param, truncating=truncate_prompt_tokens is not None)
+                   if isinstance(prompt, str) else list(prompt))
+            self.check_token_ids(ids, param, f"{param}[{index}]" if len(prompts) > 1 else None)
+            ids = self.truncate(ids, truncate_prompt_tokens)
+            self.check_prompt_length(len(ids), param)
+            out.append(ids)
+        return out
+
+    async def encode_pair(self, first: str, second: str, param: str) -> list[int]:
+        """The token ids of a text pair as the tokenizer encodes pairs (a cross-encoder's prompt,
+        ``paged_jax.pooling.scoring.pair_prompt_token_ids``), on the tokenizer thread."""
+        return await self._off_loop(pair_prompt_token_ids, self.require_tokenizer(param), first, second)
 
     async def decode(self, token_ids: Sequence[int], param: str) -> str:
         tokenizer = self.require_tokenizer(param)

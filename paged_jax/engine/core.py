@@ -325,7 +325,8 @@ class EngineCore:
             token = request.output_token_ids[output_index]
             if request.grammar is not None:
                 request.grammar.accept(token)
-            self.generation_tokens_total += 1
+            if self.pooling is None:  # a pooling request's one token ends it: nothing generated
+                self.generation_tokens_total += 1
             if output_index == 0:  # per sequence, as vLLM counts each of n sequences' prompt
                 self.prompt_tokens_total += group.num_prompt_tokens
             if group.beam_search is not None:

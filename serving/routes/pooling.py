@@ -17,8 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from paged_jax.pooling.params import PoolingParams
-from paged_jax.pooling.scoring import (check_cross_encoder, cosine_similarity, distinct_texts, pair_inputs,
-                                      pair_prompt_token_ids)
+from paged_jax.pooling.scoring import check_cross_encoder, cosine_similarity, distinct_texts, pair_inputs
 from serving.async_engine import EngineRequest
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
@@ -65,19 +64,6 @@ def _check_num_inputs(server: OpenAIServer, num_inputs: int, param: str) -> None
                                 f"may run ({flag}); send fewer", param=param)
 
 
-async def _token_ids(server: OpenAIServer, prompts: list, body: PoolingFields, param: str) -> list[list[int]]:
-    out = []
-    for index, prompt in enumerate(prompts):
-        truncating = body.truncate_prompt_tokens is not None
-        ids = (await server.encode(prompt, body.add_special_tokens, param, truncating=truncating)
-               if isinstance(prompt, str) else list(prompt))
-        server.check_token_ids(ids, param, f"{param}[{index}]" if len(prompts) > 1 else None)
-        ids = server.truncate(ids, body.truncate_prompt_tokens)
-        server.check_prompt_length(len(ids), param)
-        out.append(ids)
-    return out
-
-
 async def _pool(server: OpenAIServer, body: PoolingFields, raw_request: Request, prefix: str,
                 prompt_token_ids: list[list[int]], params: PoolingParams) -> list | None:
     """Run each prompt as one pooling request -> their ``PoolingRequestOutput``s in order (None: the client left)."""
@@ -102,9 +88,10 @@ async def create_embedding(body: EmbeddingRequest, raw_request: Request,
                             "model", param="model")
     prompts = _input_prompts(body.input, "input")
     _check_num_inputs(server, len(prompts), "input")
-    params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
-                           truncate_prompt_tokens=body.truncate_prompt_tokens, task="embed")
-    ids = await _token_ids(server, prompts, body, "input")
+    # The prompts are truncated here (truncate_prompt_tokens), before their length is checked.
+    params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize, task="embed")
+    ids = await server.prompt_token_ids(prompts, body.add_special_tokens, body.truncate_prompt_tokens,
+                                        "input")
     outputs = await _pool(server, body, raw_request, "embd", ids, params)
     if outputs is None:
         return Response(status_code=499)  # the client left
@@ -131,9 +118,9 @@ async def create_classification(body: ClassificationRequest, raw_request: Reques
                        param="model")
     prompts = _input_prompts(body.input, "input")
     _check_num_inputs(server, len(prompts), "input")
-    ids = await _token_ids(server, prompts, body, "input")
-    params = PoolingParams(activation=body.activation, truncate_prompt_tokens=body.truncate_prompt_tokens,
-                           task="classify")
+    ids = await server.prompt_token_ids(prompts, body.add_special_tokens, body.truncate_prompt_tokens,
+                                        "input")
+    params = PoolingParams(activation=body.activation, task="classify")
     outputs = await _pool(server, body, raw_request, "classify", ids, params)
     if outputs is None:
         return Response(status_code=499)
@@ -159,17 +146,16 @@ async def _pair_scores(server: OpenAIServer, body: PoolingFields, raw_request: R
         raise APIError(400, str(exc), param=str(exc).split(":")[0].split()[0]) from exc
     texts, pair_indices = distinct_texts(pairs)  # an embedder embeds each distinct text once
     _check_num_inputs(server, len(pairs) if pooler.task == "classify" else len(texts), fields[1])
-    params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens, task="score"
-                           if pooler.task == "classify" else "embed")
+    params = PoolingParams(task="score" if pooler.task == "classify" else "embed")
     if pooler.task == "classify":
-        tokenizer = server.require_tokenizer(fields[0])
-        ids = [await server._off_loop(pair_prompt_token_ids, tokenizer, a, b) for a, b in pairs]
-        ids = [server.truncate(x, body.truncate_prompt_tokens) for x in ids]
-        for x in ids:
-            server.check_prompt_length(len(x), fields[0])
+        ids = [server.truncate(await server.encode_pair(a, b, fields[0]), body.truncate_prompt_tokens)
+               for a, b in pairs]
+        for pair_ids in ids:
+            server.check_prompt_length(len(pair_ids), fields[0])
         outputs = await _pool(server, body, raw_request, prefix, ids, params)
         return None if outputs is None else ([float(out.outputs.data[0]) for out in outputs], ids)
-    ids = await _token_ids(server, texts, body, fields[0])
+    ids = await server.prompt_token_ids(texts, body.add_special_tokens, body.truncate_prompt_tokens,
+                                        fields[0])
     outputs = await _pool(server, body, raw_request, prefix, ids, params)
     if outputs is None:
         return None
