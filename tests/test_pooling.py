@@ -67,6 +67,9 @@ def test_pooling_params_dimensions_normalize_truncate(last_llm, st_last):
     assert np.linalg.norm(raw) != pytest.approx(1.0, abs=1e-3)
     truncated = last_llm.embed(TEXTS[2:], PoolingParams(truncate_prompt_tokens=5))[0]
     assert len(truncated.prompt_token_ids) == 5
+    by_keyword = last_llm.embed(TEXTS[2:], truncate_prompt_tokens=5)[0]
+    assert by_keyword.prompt_token_ids == truncated.prompt_token_ids
+    assert by_keyword.outputs.embedding == pytest.approx(truncated.outputs.embedding, abs=1e-6)
     with pytest.raises(ValueError, match="^dimensions"):  # not a Matryoshka model
         last_llm.embed(TEXTS[:1], PoolingParams(dimensions=8))
     with pytest.raises(ValueError, match="^task"):

@@ -71,6 +71,12 @@ def test_embeddings_openai_client_float_base64_batched_token_ids(embedder):
     by_ids = client.embeddings.create(model="tiny", input=[ids, ids[:3]], encoding_format="float")
     assert cosine(by_ids.data[0].embedding, expected[0]) >= 0.9999
     assert by_ids.usage.prompt_tokens == len(ids) + 3 == by_ids.usage.total_tokens
+    truncated = client.embeddings.create(model="tiny", input=QUERY, encoding_format="float",
+                                         extra_body={"truncate_prompt_tokens": 3})
+    assert truncated.usage.prompt_tokens == 3
+    assert cosine(truncated.data[0].embedding, by_ids.data[1].embedding) < 0.9999  # the last 3, not the first
+    last_three = client.embeddings.create(model="tiny", input=[ids[-3:]], encoding_format="float")
+    assert cosine(truncated.data[0].embedding, last_three.data[0].embedding) >= 0.99999
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         raw = c.post("/v1/embeddings", json={"input": QUERY, "encoding_format": "base64"}).json()
         decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")

@@ -17,10 +17,12 @@ class PoolingMethods:
     """Mixed into ``LLM`` (it supplies ``llm_engine``, ``_normalize_prompts`` and ``_run``)."""
 
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True, *, task: str | None = None) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None,
+               task: str | None = None) -> list[PoolingRequestOutput]:
         """Pool every prompt (text, token ids, or prompt dicts as ``generate`` takes); ``PoolingRequestOutput``s
-        in input order (``.outputs.data``: float32[W]). ValueError for a generative model or a parameter the model's
-        pooler does not support (``dimensions``, the task)."""
+        in input order (``.outputs.data``: float32[W]). ``truncate_prompt_tokens`` / ``task``: set on every
+        prompt's ``PoolingParams``. ValueError for a generative model or a parameter the model's pooler does not
+        support (``dimensions``, the task)."""
         prompt_list = self._normalize_prompts(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -28,24 +30,28 @@ class PoolingMethods:
             params_list = list(pooling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"pooling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
-        if task is not None:
-            params_list = [dataclasses.replace(params, task=task) for params in params_list]
+        overrides = {name: value for name, value in (("truncate_prompt_tokens", truncate_prompt_tokens),
+                                                     ("task", task)) if value is not None}
+        if overrides:
+            params_list = [dataclasses.replace(params, **overrides) for params in params_list]
         return self._run(prompt_list, params_list, use_tqdm)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Embeddings (``.outputs.embedding``: list[float]) of every prompt, in input order."""
-        return [EmbeddingRequestOutput.from_base(out)
-                for out in self.encode(prompts, pooling_params, use_tqdm, task="embed")]
+        return [EmbeddingRequestOutput.from_base(out) for out in self.encode(
+            prompts, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, task="embed")]
 
     def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+                 use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None
+                 ) -> list[ClassificationRequestOutput]:
         """Class probabilities (``.outputs.probs``) of every prompt, in input order."""
-        return [ClassificationRequestOutput.from_base(out)
-                for out in self.encode(prompts, pooling_params, use_tqdm, task="classify")]
+        return [ClassificationRequestOutput.from_base(out) for out in self.encode(
+            prompts, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, task="classify")]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
-              pooling_params: PoolingParams | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True, *,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """Scores of text pairs (``.outputs.score``), 1:N or N:N (``paged_jax.pooling.scoring``): a cross-encoder's
         sigmoid over each pair, or an embedder's cosine similarity."""
         pooler = self.llm_engine.info.pooler
@@ -54,6 +60,8 @@ class PoolingMethods:
         check_cross_encoder(pooler)
         pairs = pair_inputs(data_1, data_2)
         params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         if pooler.task == "classify":
             tokenizer = self.llm_engine.tokenizer
             prompts = [{"prompt_token_ids": pair_prompt_token_ids(tokenizer, a, b)} for a, b in pairs]
