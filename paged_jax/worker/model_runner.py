@@ -20,6 +20,10 @@ A third, ``_prompt_logprobs`` (compiled per token bucket T), runs only on steps 
 logprobs (``paged_jax.worker.prompt_logprobs``): it takes the forward's hidden states of all T tokens (the forward always
 returns them; other steps drop them unread) and that step's prompt-logprob targets, a second small transfer.
 
+A pooling runner (``paged_jax.pooling.pooler.PoolingForward`` as its ``forward``) ends each step with the forward:
+its per-row outputs are the rows' pooled hidden states through the model's head, fetched instead of sampled tokens
+(``StepOutput.pooled``); it compiles no sampler and no prompt logprobs.
+
 Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
 multiplicative.
 """

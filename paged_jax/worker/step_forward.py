@@ -9,7 +9,8 @@ else of the step (packing, the sampler, dispatch, warm-up) is the runner's and t
 The functions a strategy builds keep ``ModelRunner``'s contracts:
 
 * ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs) -> (kv_pool,
-  logits f32[R, V] at each row's last token, sampling words int32[R * words], final hidden states [T, hidden])``,
+  logits f32[R, V] at each row's last token (a pooling forward: each row's pooled outputs f32[R, W],
+  ``paged_jax.pooling``), sampling words int32[R * words], final hidden states [T, hidden])``,
   the KV pool donated; ``buf`` the int32 step buffer of the bucket's ``StepLayout``.
 * ``prompt_logprobs(param_leaves, hidden [T, hidden], targets int32[T]) -> (logprob f32[T], rank i32[T], top ids
   i32[T, K], top logprobs f32[T, K])``.
