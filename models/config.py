@@ -322,6 +322,8 @@ def _architecture(hf_config: dict[str, Any]) -> tuple[str, str]:
         return _MODEL_TYPE_TO_ARCHITECTURE[key], "lm_head"
     base = hf.pooling_base(key)
     if base is not None and base[0] in SUPPORTED_ARCHITECTURES and base[0] not in MOE_ARCHITECTURES:
+        if base[1] == "score" and hf_config.get("classifier_from_token"):
+            return base[0], "lm_head"  # the LM's weights: the classes are some tokens' logits (paged_jax.pooling)
         return base
     if key not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {key!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} and "

@@ -199,3 +199,41 @@ def test_pooling_engine_core_in_its_own_process(st_last, last_llm):
         np.testing.assert_allclose(outputs[0].outputs.data, expected, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+def test_qwen3_reranker_style_classifier_from_token(smollm2_dir, tmp_path):
+    """vLLM's recipe for Qwen3-Reranker: a ``Qwen3ForCausalLM``'s weights under ``Qwen3ForSequenceClassification``
+    with ``classifier_from_token: ["no", "yes"]`` and ``is_original_qwen3_reranker``: the score is
+    sigmoid(logit(yes) - logit(no)) at the last token; without the two-way flag each token's logit is a class."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paged_jax import LLM
+
+    directory = causal_lm_checkpoint(smollm2_dir, tmp_path / "reranker", "qwen3")
+    config = json.loads((directory / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    (directory / "config.json").write_text(json.dumps({
+        **config, "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True}))
+    llm = LLM(str(directory), **ENGINE)  # runner auto: a classifier
+    tokenizer = llm.get_tokenizer()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    pooler = llm.llm_engine.info.pooler
+    assert (pooler.task, pooler.width, pooler.logit_token_ids, pooler.two_way) == ("classify", 1, [no, yes], True)
+    query, documents = "Is Paris in France?", ["Paris is the capital of France.", "Bananas are yellow."]
+    scores = llm.score(query, documents)
+    for document, output in zip(documents, scores):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokenizer(query, document)["input_ids"]])).logits[0, -1]
+        assert output.outputs.score == pytest.approx(torch.sigmoid(logits[yes] - logits[no]).item(), rel=1e-4)
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+    (directory / "config.json").write_text(json.dumps({
+        **config, "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}))
+    probs = LLM(str(directory), **ENGINE).classify([query])[0].outputs.probs
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokenizer.encode(query)])).logits[0, -1]
+    np.testing.assert_allclose(probs, torch.softmax(logits[[no, yes]], -1).numpy(), rtol=1e-4)

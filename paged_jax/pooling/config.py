@@ -46,6 +46,9 @@ class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
         ``is_matryoshka``, else only the full width).
       is_matryoshka: the checkpoint's ``is_matryoshka`` (``config.json``).
       labels: a classifier's label names by index (``id2label``), or None.
+      logit_token_ids: a classifier built from an LM (vLLM's ``classifier_from_token``, Qwen3-Reranker-style): its
+        classes are these tokens' logits; with ``two_way`` one class, the second token's logit minus the first's
+        (vLLM's ``from_2_way_softmax``: its sigmoid is the second token's softmax probability of the two).
     """
 
     task: str
@@ -55,6 +58,8 @@ class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
     labels: list[str] | None = None
+    logit_token_ids: list[int] | None = None
+    two_way: bool = False
 
     def supports_dimensions(self, dimensions: int) -> bool:
         if self.matryoshka_dimensions is not None:
@@ -91,6 +96,19 @@ def resolve_runner(runner: str, convert: str, task: str | None, head: str) -> tu
     return "pooling", convert
 
 
+def read_hf_config(model_path: str | None) -> dict:
+    """The checkpoint's ``config.json`` ({} without one)."""
+    if model_path is None or not (Path(model_path) / "config.json").is_file():
+        return {}
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def checkpoint_head(model_config, hf_config: dict) -> str:
+    """The head the runner choice goes by: a classifier built from its LM's token logits (``classifier_from_token``)
+    counts as a classification head although its weights are the LM's."""
+    return "score" if hf_config.get("classifier_from_token") else model_config.head
+
+
 def sentence_transformers_pooling(model_path: str | None) -> tuple[str, bool] | None:
     """``(pooling type, normalize)`` from a sentence-transformers checkpoint's ``modules.json`` and its pooling
     module's ``config.json``; None without ``modules.json``. ValueError naming the module or mode not implemented."""
@@ -122,13 +140,14 @@ def _pooling_mode(path: Path) -> str:
     return _ST_POOLING_MODES[modes[0]]
 
 
-def pooler_config(convert: str, model_config, model_path: str | None) -> PoolerConfig:
-    """The pooler of a model run by the pooling runner as ``convert`` ("embed" or "classify")."""
-    hf_config = {}
-    if model_path is not None and (Path(model_path) / "config.json").is_file():
-        hf_config = json.loads((Path(model_path) / "config.json").read_text())
+def pooler_config(convert: str, model_config, model_path: str | None, tokenizer=None) -> PoolerConfig:
+    """The pooler of a model run by the pooling runner as ``convert`` ("embed" or "classify"); ``tokenizer`` reads
+    ``classifier_from_token``'s tokens."""
+    hf_config = read_hf_config(model_path)
     st = sentence_transformers_pooling(model_path)
     pooling_type, normalize = st if st is not None else ("LAST", convert == "embed")
+    if convert == "classify" and hf_config.get("classifier_from_token"):
+        return _token_classifier(hf_config, pooling_type, tokenizer)
     if convert == "classify":
         id2label = hf_config.get("id2label") or {}
         labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(model_config.num_labels)]
@@ -137,6 +156,23 @@ def pooler_config(convert: str, model_config, model_path: str | None) -> PoolerC
     return PoolerConfig("embed", pooling_type, normalize, model_config.hidden_size,
                         is_matryoshka=bool(hf_config.get("is_matryoshka", dims is not None)),
                         matryoshka_dimensions=None if dims is None else [int(d) for d in dims])
+
+
+def _token_classifier(hf_config: dict, pooling_type: str, tokenizer) -> PoolerConfig:
+    """vLLM's ``classifier_from_token`` classifier: the classes are the named tokens' logits at the last token; two
+    tokens with ``is_original_qwen3_reranker`` (or ``method: from_2_way_softmax``) are one class, their difference."""
+    tokens = list(hf_config["classifier_from_token"])
+    if tokenizer is None:
+        raise ValueError("classifier_from_token: reading its tokens needs the checkpoint's tokenizer")
+    if pooling_type != "LAST":
+        raise ValueError(f"classifier_from_token: only with last-token pooling, not {pooling_type}")
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"classifier_from_token: {tokens} are not all tokens of the tokenizer")
+    two_way = len(ids) == 2 and bool(hf_config.get("is_original_qwen3_reranker")
+                                     or hf_config.get("method") == "from_2_way_softmax")
+    return PoolerConfig("classify", "LAST", False, 1 if two_way else len(ids), labels=None if two_way else tokens,
+                        logit_token_ids=ids, two_way=two_way)
 
 
 def pooling_model_config(model_config, pooler: PoolerConfig):

@@ -27,9 +27,10 @@ from paged_jax.worker.step_forward import SingleProgramForward
 _NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's, as vLLM and sentence-transformers use
 
 
-def pooled_row_outputs(pooling_type: str):
+def pooled_row_outputs(pooler: PoolerConfig):
     """The ``row_outputs`` of the pooling forward (``paged_jax.worker.step_forward.SingleProgramForward``):
     ``(model, hidden [T, hidden], fields) -> float32[R, W]`` (W = hidden size, or the classifier's labels)."""
+    pooling_type, token_ids = pooler.pooling_type, pooler.logit_token_ids
 
     def row_outputs(model, hidden, fields):
         indices = fields["logits_indices"]  # int32[R]: each row's last token of the step (padding rows: 0)
@@ -45,7 +46,11 @@ def pooled_row_outputs(pooling_type: str):
             pooled = jax.ops.segment_sum(hidden.astype(jnp.float32), token_rows, num_segments=num_rows)
         if model.config.head == "none":
             return pooled.astype(jnp.float32)
-        return model.compute_logits(pooled)
+        logits = model.compute_logits(pooled)
+        if token_ids is None:  # the score head's classes
+            return logits
+        logits = logits[:, jnp.asarray(token_ids, jnp.int32)]  # classifier_from_token: those tokens' logits
+        return logits[:, 1:] - logits[:, :1] if pooler.two_way else logits
 
     return row_outputs
 
@@ -57,7 +62,7 @@ class PoolingForward(SingleProgramForward):
     pools = True
 
     def __init__(self, pooler: PoolerConfig):
-        super().__init__(pooled_row_outputs(pooler.pooling_type))
+        super().__init__(pooled_row_outputs(pooler))
 
 
 def finalize(pooled: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.ndarray:

@@ -17,7 +17,8 @@ from typing import Any
 from paged_jax.engine import generation_config as gen_config
 from paged_jax.config import EngineArgs
 from paged_jax.parallel.pipeline import PipelineForward, load_pipeline_model
-from paged_jax.pooling.config import pooler_config, pooling_model_config, resolve_runner
+from paged_jax.pooling.config import (checkpoint_head, pooler_config, pooling_model_config, read_hf_config,
+                                      resolve_runner)
 from paged_jax.pooling.pooler import PoolingForward
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     config = config or ModelConfig.from_pretrained(model_path)
     if args.max_model_len is not None:  # LongRoPE picks its factors by the engine's length, as vLLM does
         config = config.for_max_model_len(args.max_model_len)
-    config, pooler = resolve_pooling(args, config, model_path)
+    tokenizer = load_tokenizer(args, model_path)
+    config, pooler = resolve_pooling(args, config, model_path, tokenizer)
     if pooler is not None:
         forward = PoolingForward(pooler)
     quant = resolve_engine_quantization(args, model_path)
@@ -137,16 +139,17 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     generation = gen_config.read_generation_config(args.generation_config, model_path)
     eos = sorted(set(config.eos_token_ids) | set(gen_config.eos_token_ids(generation)))
     return LoadedModel(model=model, config=config, model_path=model_path, dtype=dtype, plan=plan,
-                       run_config=run_config, memory_config=memory_config, tokenizer=load_tokenizer(args, model_path),
+                       run_config=run_config, memory_config=memory_config, tokenizer=tokenizer,
                        eos_token_ids=eos, generation_config=generation, load_seconds=load_seconds,
                        quantization=quant.config, kv_cache_dtype=quant.kv_cache_dtype, forward=forward, pooler=pooler)
 
 
-def resolve_pooling(args: EngineArgs, config, model_path: str | None):
+def resolve_pooling(args: EngineArgs, config, model_path: str | None, tokenizer=None):
     """``(the ModelConfig to load, PoolerConfig or None)``: the runner ``args`` ask for this checkpoint
     (``paged_jax.pooling.config``). ValueError naming the field for a pooling model under a setting it does not run
     with."""
-    runner, convert = resolve_runner(args.runner, args.convert, args.task, config.head)
+    head = checkpoint_head(config, read_hf_config(model_path))
+    runner, convert = resolve_runner(args.runner, args.convert, args.task, head)
     if runner == "generate":
         return config, None
     for field in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -155,7 +158,7 @@ def resolve_pooling(args: EngineArgs, config, model_path: str | None):
     for field in ("async_scheduling", "enable_lora", "quantization"):
         if getattr(args, field):
             raise ValueError(f"{field}={getattr(args, field)!r} is not supported with the pooling runner")
-    pooler = pooler_config(convert, config, model_path)
+    pooler = pooler_config(convert, config, model_path, tokenizer)
     logger.info("pooling runner: %s, %s pooling%s", pooler.task, pooler.pooling_type,
                 ", normalized" if pooler.normalize else "")
     return pooling_model_config(config, pooler), pooler
