@@ -268,4 +268,3 @@ def num_labels(hf_config: dict) -> int:
     ``num_labels``, default 2)."""
     id2label = hf_config.get("id2label")
     return len(id2label) if id2label else int(hf_config.get("num_labels", 2))
-

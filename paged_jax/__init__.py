@@ -2,7 +2,8 @@
 
 Public API (imported lazily so `import paged_jax` stays cheap):
 ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSearchParams``, ``EngineArgs``, ``RequestOutput``,
-``CompletionOutput``, ``LoRARequest``, pooling's ``PoolingParams`` and ``*RequestOutput``s, ``generate``, and for research code ``load_pretrained`` and ``score_tokens``.
+``CompletionOutput``, ``LoRARequest``, pooling's ``PoolingParams`` and ``*RequestOutput``s, ``generate``, and for
+research code ``load_pretrained`` and ``score_tokens``.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class SingleProgramForward:
 
     def build(self, runner) -> tuple:
         forward = AheadOfTimeFunction(
-            "forward", jax.jit(_single_program_forward(runner, self.row_outputs), static_argnames=("num_tokens", "num_seqs"),
+            "forward", jax.jit(_single_program_forward(runner, self.row_outputs),
+                               static_argnames=("num_tokens", "num_seqs"),
                                donate_argnums=(1,), compiler_options=runner.compiler_options or None))
         graphdef, state_treedef, max_logprobs = runner._graphdef, runner._state_treedef, runner.max_logprobs
 
