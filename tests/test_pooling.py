@@ -117,17 +117,13 @@ def test_matryoshka_dimensions_and_convert_embed_of_causal_lm(smollm2_dir, tmp_p
     assert np.linalg.norm(short) == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.fixture(scope="module")
-def classifier(smollm2_dir, tmp_path_factory):
-    return classifier_checkpoint(smollm2_dir, tmp_path_factory.mktemp("cls"), 3)
-
-
-def test_classify_matches_transformers(classifier):
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_classify_matches_transformers(smollm2_dir, tmp_path, architecture):
     import torch
 
     from paged_jax import LLM
 
-    directory, model = classifier
+    directory, model = classifier_checkpoint(smollm2_dir, tmp_path / "cls", 3, architecture=architecture)
     llm = LLM(str(directory), **ENGINE)  # runner "auto": a classification checkpoint pools
     pooler = llm.llm_engine.info.pooler
     assert (pooler.task, pooler.width) == ("classify", 3)
