@@ -43,7 +43,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
       normalize: an embedding's default L2 normalization (``PoolingParams.normalize`` overrides it).
       width: values per output (hidden size, or the classifier's labels).
       matryoshka_dimensions: the ``dimensions`` an embedding may be truncated to (None: all of 1..width when
-        ``is_matryoshka``, else only the full width).
+        ``is_matryoshka``, else none: as vLLM, ``dimensions`` is refused for a model that is not Matryoshka).
       is_matryoshka: the checkpoint's ``is_matryoshka`` (``config.json``).
       labels: a classifier's label names by index (``id2label``), or None.
       logit_token_ids: a classifier built from an LM (vLLM's ``classifier_from_token``, Qwen3-Reranker-style): its
@@ -64,7 +64,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, gc=False):
     def supports_dimensions(self, dimensions: int) -> bool:
         if self.matryoshka_dimensions is not None:
             return dimensions in self.matryoshka_dimensions
-        return self.is_matryoshka and 1 <= dimensions <= self.width or dimensions == self.width
+        return self.is_matryoshka and 1 <= dimensions <= self.width  # vLLM refuses any on other models
 
 
 def resolve_runner(runner: str, convert: str, task: str | None, head: str) -> tuple[str, str]:
