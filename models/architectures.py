@@ -1,6 +1,7 @@
 """The model class of each supported architecture (``models.config.SUPPORTED_ARCHITECTURES``).
 
-The dense ones (Llama, Mistral, Qwen2, Qwen3) are ``LlamaForCausalLM``; the mixture-of-experts ones are its
+The dense ones (Llama, Mistral, Qwen2, Qwen3) are ``LlamaForCausalLM`` (with ``ModelConfig.head`` "none" too: hidden
+states only), with a classifier head ``DecoderForSequenceClassification``; the mixture-of-experts ones are its
 subclasses below, whose sparse decoder layers carry a ``models.moe.SparseMoeBlock`` in place of the dense MLP (the
 layer structure follows ``ModelConfig.moe``, so a tensor-parallel or pipelined model of the same config has the same
 layers). Build a model of a config with ``model_class(config)(config, ...)``.
@@ -8,10 +9,12 @@ layers). Build a model of a config with ``model_class(config)(config, ...)``.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from models.llama import LlamaForCausalLM
+from models.llama import LlamaForCausalLM, matmul_precision
 
 
 class _MoeForCausalLM(LlamaForCausalLM):
@@ -40,6 +43,26 @@ class MixtralForCausalLM(_MoeForCausalLM):
     architecture = "MixtralForCausalLM"
 
 
+class DecoderForSequenceClassification(LlamaForCausalLM):
+    """A dense decoder with transformers' sequence-classification head (``Qwen3ForSequenceClassification`` and
+    kin): ``score`` [hidden -> num_labels], no bias, in place of the LM head; checkpoint name ``score.weight``. Which
+    token's hidden state it scores is the pooler's (``paged_jax.pooling``)."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs, **kwargs):
+        if config.head != "score":
+            raise ValueError(f"DecoderForSequenceClassification needs head='score', got {config.head!r}")
+        super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kwargs)
+        self.score = nnx.Linear(config.hidden_size, config.num_labels, use_bias=False, dtype=dtype,
+                                param_dtype=dtype if param_dtype is None else param_dtype,
+                                kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden: [N, hidden_size] -> float32[N, num_labels] (matmul in the compute dtype, fp32 accumulation)."""
+        with matmul_precision(self.dtype):
+            return jnp.dot(hidden.astype(self.dtype), self.score.kernel[...].astype(self.dtype),
+                           preferred_element_type=jnp.float32)
+
+
 _MOE_CLASSES = {cls.architecture: cls for cls in (Qwen3MoeForCausalLM, MixtralForCausalLM)}
 
 
@@ -48,4 +71,6 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     if config.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {config.architecture!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if config.head == "score":
+        return DecoderForSequenceClassification
     return _MOE_CLASSES.get(config.architecture, LlamaForCausalLM)

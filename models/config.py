@@ -46,6 +46,7 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 'gemma3_text')",
                "gemma3": "Gemma3ForCausalLM (model_type 'gemma3_text')"}
 HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
+HEADS = ("lm_head", "score", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,9 @@ class ModelConfig:
     ``residual_multiplier`` on each block's output and ``logits_scaling`` (logits divided by it): Gemma's
     ``sqrt(hidden_size)`` and Granite's multipliers; None: 1.
     ``moe`` is the sparse MLP of a mixture-of-experts architecture (``MOE_ARCHITECTURES``), None for dense ones.
+    ``head``: what follows the final norm (``HEADS``): "lm_head" (the vocabulary, or the tied embedding), "score"
+    (a ``num_labels``-wide classifier, transformers' ``*ForSequenceClassification``) or "none" (hidden states only:
+    the base model, transformers' ``*Model``, or a decoder run as an embedder).
     """
 
     architecture: str
@@ -138,6 +142,8 @@ class ModelConfig:
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
     moe: MoeConfig | None = None
+    head: str = "lm_head"
+    num_labels: int = 0
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -157,6 +163,9 @@ class ModelConfig:
         if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"ModelConfig.moe must be set exactly for the mixture-of-experts architectures "
                              f"({', '.join(MOE_ARCHITECTURES)}); {self.architecture} has moe={self.moe!r}")
+        if self.head not in HEADS or (self.head == "score") != (self.num_labels > 0):
+            raise ValueError(f"ModelConfig.head must be one of {HEADS} with num_labels > 0 exactly for 'score', got "
+                             f"head={self.head!r}, num_labels={self.num_labels!r}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         self._check_windows()
@@ -233,7 +242,7 @@ class ModelConfig:
     def from_hf_config(cls, hf_config: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict (transformers 4 ``rope_scaling``/``rope_theta`` or
         transformers 5 ``rope_parameters`` layout). ValueError naming the field for what is not implemented."""
-        architecture = _architecture(hf_config)
+        architecture, head = _architecture(hf_config)
 
         def required(key: str):
             if hf_config.get(key) is None:
@@ -282,6 +291,8 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             **hf.family_options(architecture, hf_config),
             moe=None if moe_fields is None else MoeConfig(**moe_fields),
+            head=head,
+            num_labels=hf.num_labels(hf_config) if head == "score" else 0,
         )
 
     @classmethod
@@ -294,9 +305,11 @@ class ModelConfig:
             return cls.from_hf_config(json.load(f))
 
 
-def _architecture(hf_config: dict[str, Any]) -> str:
-    """The config's architecture (its first "architectures" entry, else from model_type); ValueError naming it when
-    unsupported, and for a multimodal checkpoint naming the text-only architecture to use instead."""
+def _architecture(hf_config: dict[str, Any]) -> tuple[str, str]:
+    """``(architecture, head)``: the config's architecture (its first "architectures" entry, else from model_type;
+    a supported decoder's base or sequence-classification model as that decoder, ``hf.pooling_base``) and its head
+    (``HEADS``); ValueError naming it when unsupported, and for a multimodal checkpoint naming the text-only
+    architecture to use instead."""
     architectures = hf_config.get("architectures") or []
     key = architectures[0] if architectures else hf_config.get("model_type")
     if key in _MULTIMODAL:
@@ -306,7 +319,13 @@ def _architecture(hf_config: dict[str, Any]) -> str:
         if key not in _MODEL_TYPE_TO_ARCHITECTURE:
             raise ValueError(f"unsupported architecture: config has no 'architectures' and model_type {key!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        return _MODEL_TYPE_TO_ARCHITECTURE[key]
+        return _MODEL_TYPE_TO_ARCHITECTURE[key], "lm_head"
+    base = hf.pooling_base(key)
+    if base is not None and base[0] in SUPPORTED_ARCHITECTURES and base[0] not in MOE_ARCHITECTURES:
+        if base[1] == "score" and hf_config.get("classifier_from_token"):
+            return base[0], "lm_head"  # the LM's weights: the classes are some tokens' logits (paged_jax.pooling)
+        return base
     if key not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {key!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return key
+        raise ValueError(f"unsupported architecture {key!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} and "
+                         "the dense ones' *Model / *ForSequenceClassification")
+    return key, "lm_head"

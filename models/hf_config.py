@@ -247,3 +247,24 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
     return {**fields, "moe_intermediate_size": int(hf_config["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)), "decoder_sparse_step": sparse_step,
             "mlp_only_layers": tuple(sorted(set(mlp_only_layers)))}
+
+
+# A supported decoder's pooling checkpoints (transformers' names): its base model (``AutoModel``: hidden states, no
+# head; what sentence-transformers saves) and its sequence-classification model (a ``score`` linear head).
+POOLING_SUFFIXES = {"Model": "none", "ForSequenceClassification": "score"}
+
+
+def pooling_base(architecture: str) -> tuple[str, str] | None:
+    """``(the decoder's ForCausalLM architecture, head)`` of a pooling architecture name (``Qwen3Model`` ->
+    ``("Qwen3ForCausalLM", "none")``, ``Qwen3ForSequenceClassification`` -> ``(..., "score")``); None otherwise."""
+    for suffix, head in POOLING_SUFFIXES.items():
+        if architecture.endswith(suffix):
+            return architecture[:-len(suffix)] + "ForCausalLM", head
+    return None
+
+
+def num_labels(hf_config: dict) -> int:
+    """A sequence-classification config's output count, as transformers reads it (``id2label``, else
+    ``num_labels``, default 2)."""
+    id2label = hf_config.get("id2label")
+    return len(id2label) if id2label else int(hf_config.get("num_labels", 2))

@@ -366,7 +366,7 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings or config.head != "lm_head":  # other heads: models.architectures
             self.lm_head = None
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
@@ -411,6 +411,8 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, hidden_size] -> float32[N, vocab_size] (matmul in the compute dtype, fp32 accumulation), then
         Granite's ``logits_scaling`` and Gemma 2's final soft-cap (float32)."""
+        if self.config.head == "none":
+            raise ValueError(f"{self.config.architecture} with head='none' has no logits (hidden states only)")
         if self.lm_head is None:
             weight = self.model.embed_tokens.embedding[...].T  # [hidden, vocab]
         else:

@@ -298,10 +298,18 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
         else:
             hf_name, transposed = hf_name_for(param_path)
             wanted[checkpoint_prefix(config, hf_name)] = (param_path, transposed)
+    if _is_base_model_checkpoint(tensor_files):
+        wanted = {name.removeprefix("model."): value for name, value in wanted.items()}
     fused = _fused_sources(config.architecture, wanted, tensor_files)
     _check_tensor_names(tensor_files, set(wanted).union(*stacks.values()), fused, config)
     yield from _read_tensors(tensor_files, expected_shapes, wanted, fused)
     yield from _read_expert_stacks(tensor_files, expected_shapes, stacks)
+
+
+def _is_base_model_checkpoint(tensor_files: dict[str, Path]) -> bool:
+    """Whether the checkpoint is transformers' base model (``Qwen3Model``, as sentence-transformers saves it): its
+    tensor names lack the ``model.`` prefix of the causal-LM and classification checkpoints."""
+    return "embed_tokens.weight" in tensor_files and "model.embed_tokens.weight" not in tensor_files
 
 
 def _check_tensor_names(tensor_files: dict[str, Path], wanted: set[str], fused: dict[str, tuple[str, ...]],
@@ -317,7 +325,7 @@ def _check_tensor_names(tensor_files: dict[str, Path], wanted: set[str], fused: 
         name for name in tensor_files
         if name not in wanted and name not in fused and not _IGNORABLE_TENSOR.search(name)
         # A tied model may still ship lm_head.weight (a copy of the embedding); it is redundant, not an error.
-        and not (config.tie_word_embeddings and name == "lm_head.weight")
+        and not ((config.tie_word_embeddings or config.head != "lm_head") and name == "lm_head.weight")
     )
     if unexpected:
         raise ValueError(

@@ -2,7 +2,8 @@
 
 Public API (imported lazily so `import paged_jax` stays cheap):
 ``LLM``, ``SamplingParams``, ``StructuredOutputsParams``, ``BeamSearchParams``, ``EngineArgs``, ``RequestOutput``,
-``CompletionOutput``, ``LoRARequest``, ``generate``, and for research code ``load_pretrained`` and ``score_tokens``.
+``CompletionOutput``, ``LoRARequest``, pooling's ``PoolingParams`` and ``*RequestOutput``s, ``generate``, and for
+research code ``load_pretrained`` and ``score_tokens``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ _EXPORTS = {
     "generate": "paged_jax.research.generate",
     "load_pretrained": "paged_jax.research.scoring",
     "score_tokens": "paged_jax.research.scoring",
+    "PoolingParams": "paged_jax.pooling.params",
+    "PoolingRequestOutput": "paged_jax.pooling.outputs",
+    "EmbeddingRequestOutput": "paged_jax.pooling.outputs",
+    "ClassificationRequestOutput": "paged_jax.pooling.outputs",
+    "ScoringRequestOutput": "paged_jax.pooling.outputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -105,6 +105,11 @@ class EngineArgs:
     # Multi-LoRA serving (vLLM's names and defaults): requests may name a PEFT LoRA adapter (``LoRARequest``); up to
     # ``max_loras`` adapters of rank <= ``max_lora_rank`` share a step, ``max_cpu_loras`` (default ``max_loras``)
     # stay in host memory.
+    # Pooling models (paged_jax.pooling.config): the runner, the conversion of a checkpoint to a pooling task, and
+    # vLLM's legacy --task (embed / classify / score / generate).
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    convert: Literal["auto", "none", "embed", "classify"] = "auto"
+    task: Literal["auto", "generate", "embed", "embedding", "classify", "score"] | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -142,6 +147,10 @@ class EngineArgs:
         check(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
               "long_prefill_token_threshold", "must be >= 0")
         check(self.max_long_partial_prefills >= 1, "max_long_partial_prefills", "must be >= 1")
+        check(self.runner in ("auto", "generate", "pooling"), "runner", "must be auto, generate or pooling")
+        check(self.convert in ("auto", "none", "embed", "classify"), "convert", "must be auto, none, embed or classify")
+        check(self.task in (None, "auto", "generate", "embed", "embedding", "classify", "score"), "task",
+              "must be one of auto, generate, embed, embedding, classify, score")
         check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "must be recompute or swap")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "must be fcfs or priority")
         # LoRA slots are one engine's step argument: replicas and other hosts would each need the adapter loads,

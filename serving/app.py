@@ -32,7 +32,7 @@ from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
 from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, default_max_seqs_per_request
-from serving.routes import chat, completions, lora, rl, system, tokenize
+from serving.routes import chat, completions, lora, pooling, rl, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
@@ -173,9 +173,9 @@ def _lora_registry(engine: LLMEngine, info, lora_modules: Sequence[LoRAModulePat
 
 
 def mounted_routers() -> list:
-    """The app's routers: the OpenAI and system routes, plus the switched ones (run-time LoRA updates with
+    """The app's routers: the OpenAI (pooling included) and system routes, plus the switched ones (run-time LoRA updates with
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, the RL routes with ``VLLM_SERVER_DEV_MODE``)."""
-    routers = [module.router for module in (system, tokenize, completions, chat)]
+    routers = [module.router for module in (system, tokenize, completions, chat, pooling)]
     if runtime_lora_updating_allowed():
         routers.append(lora.router)
     if rl.server_dev_mode():

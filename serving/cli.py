@@ -3,6 +3,7 @@ server, with vLLM's flag names and meanings.
 
     paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
     paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.entrypoints.cli.generate_main``)
+    paged-jax run-batch -i IN -o OUT ...     an OpenAI batch file offline (``serving.run_batch.run_batch_main``)
 
 MODEL is an HF checkpoint directory or Hub repo id; omitted, the built-in SmolLM2-135M-Instruct is served. Engine
 flags are ``paged_jax.entrypoints.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); the server
@@ -42,11 +43,12 @@ from serving.tool_parsers import TOOL_PARSERS
 from serving.settings import app_kwargs, engine_args_from_namespace, server_settings, uvicorn_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_USAGE = """usage: paged-jax {serve,generate} ...
+_USAGE = """usage: paged-jax {serve,generate,run-batch} ...
 
 commands:
   serve [MODEL] [flags]   the OpenAI-compatible server (vLLM's `vllm serve`); `paged-jax serve --help` for flags
   generate [flags]        complete prompts offline and print them; `paged-jax generate --help` for flags
+  run-batch -i IN -o OUT  answer an OpenAI batch file (JSONL) offline (vLLM's `vllm run-batch`)
 
 docs/cli.md lists every flag with its default.
 """
@@ -290,5 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from paged_jax.entrypoints.cli import generate_main
 
         return generate_main(rest)
+    if command == "run-batch":
+        from serving.run_batch import run_batch_main
+
+        return run_batch_main(rest)
     sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")
     return 2

@@ -258,7 +258,8 @@ class ServingMetrics:
     def observe_output(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
         """One (delta) output of ``stream`` reaching the event loop at ``now`` (``time.monotonic()``)."""
         has_new_tokens = False
-        for completion in output.outputs:
+        completions = output.outputs if isinstance(output.outputs, list) else ()  # a pooling output has none
+        for completion in completions:
             if completion.token_ids:
                 has_new_tokens = True
                 stream.num_generation_tokens[completion.index] = (
@@ -281,12 +282,12 @@ class ServingMetrics:
             self._request_success.labels(**self._labels, finished_reason=str(reason)).inc()
         self.e2e_request_latency.observe(now - stream.arrival_time)
         params = stream.params
-        n = params.n if params is not None else max(len(stream.finish_reasons), 1)
+        n = getattr(params, "n", None) or max(len(stream.finish_reasons), 1)  # PoolingParams: one output
         tokens = [stream.num_generation_tokens.get(index, 0) for index in range(n)]
         for num_tokens in tokens:
             self.request_prompt_tokens.observe(len(output.prompt_token_ids))
             self.request_generation_tokens.observe(num_tokens)
-            if params is not None and params.max_tokens:
+            if getattr(params, "max_tokens", None):
                 self.request_params_max_tokens.observe(params.max_tokens)
         self.request_params_n.observe(n)
         self.request_max_num_generation_tokens.observe(max(tokens))

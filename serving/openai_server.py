@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 from fastapi import Request
 
 from paged_jax.entrypoints.chat import ChatTemplateError, render_chat
+from paged_jax.pooling.scoring import pair_prompt_token_ids
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
@@ -53,6 +54,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     served_model_names: tuple[str, ...] = ()
+    pooler: Any = None  # the pooling runner's PoolerConfig (paged_jax.pooling.config); None: a generative model
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -74,7 +76,8 @@ def model_info_from_engine(engine, served_model_name: str | Sequence[str] | None
                  else os.path.basename(os.path.normpath(str(root))) if root else "paged-jax"]
     return ModelInfo(served_model_name=str(names[0]), root=str(root) if root is not None else None,
                      max_model_len=int(engine.max_model_len), vocab_size=int(engine.vocab_size),
-                     served_model_names=tuple(str(n) for n in names))
+                     served_model_names=tuple(str(n) for n in names),
+                     pooler=getattr(getattr(engine, "info", None), "pooler", None))
 
 
 # ------------------------------------------------------------------------------------------- the server state
@@ -159,6 +162,10 @@ class OpenAIServer:
     def check_request(self, body: SamplingFields) -> None:
         """The checks every generation request passes before its prompt is built (400 naming the field)."""
         self.check_model(body.model)
+        if self.info.pooler is not None:
+            raise APIError(400, f"model: {self.info.served_model_name} is a pooling model ({self.info.pooler.task}); "
+                                "it does not generate (use /v1/embeddings, /classify, /v1/score or /rerank)",
+                           param="model")
         # include_reasoning: false is refused only where there is no reasoning to leave out.
         refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
         check_field_sizes(body, self.max_prompt_chars)
@@ -247,6 +254,25 @@ class OpenAIServer:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates the tokenizer cannot encode
             raise APIError(400, f"{param}: cannot tokenize the text ({exc})", param=param) from exc
+
+    async def prompt_token_ids(self, prompts: Sequence[str | list[int]], add_special_tokens: bool,
+                               truncate_prompt_tokens: int | None, param: str) -> list[list[int]]:
+        """Each prompt (a text or token ids) as token ids: tokenized, checked against the vocabulary (400 naming
+        ``param[i]`` of a batch), truncated to its last ``truncate_prompt_tokens`` and checked for length."""
+        out = []
+        for index, prompt in enumerate(prompts):
+            ids = (await self.encode(prompt, add_special_tokens, param, truncating=truncate_prompt_tokens is not None)
+                   if isinstance(prompt, str) else list(prompt))
+            self.check_token_ids(ids, param, f"{param}[{index}]" if len(prompts) > 1 else None)
+            ids = self.truncate(ids, truncate_prompt_tokens)
+            self.check_prompt_length(len(ids), param)
+            out.append(ids)
+        return out
+
+    async def encode_pair(self, first: str, second: str, param: str) -> list[int]:
+        """The token ids of a text pair as the tokenizer encodes pairs (a cross-encoder's prompt,
+        ``paged_jax.pooling.scoring.pair_prompt_token_ids``), on the tokenizer thread."""
+        return await self._off_loop(pair_prompt_token_ids, self.require_tokenizer(param), first, second)
 
     async def decode(self, token_ids: Sequence[int], param: str) -> str:
         tokenizer = self.require_tokenizer(param)

@@ -43,7 +43,8 @@ def api_schema(schema_app):
 # Every operation the app serves (checked against the schema below, so a new route cannot go unfuzzed).
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
-              ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version")]
+              ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"), ("POST", "/v1/embeddings"),
+              ("POST", "/v1/score"), ("POST", "/v1/rerank"), ("POST", "/classify")]
 
 
 def _valid_int(value) -> bool:

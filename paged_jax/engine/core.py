@@ -38,6 +38,7 @@ from paged_jax.engine.core_setup import build_core_parts
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
 from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.outputs import make_logprob_dict
+from paged_jax.pooling.pooler import PoolingAccumulator
 from paged_jax.structured_output import StructuredOutputManager
 from paged_jax.worker.step_io import PendingStep, StepOutput
 
@@ -94,6 +95,8 @@ class EngineCore:
         self.runner, self.scheduler = parts.runner, parts.scheduler
         self.kv_cache_manager, self.lora_manager = parts.kv_cache_manager, parts.lora_manager
         self.max_num_seqs = parts.info.max_num_seqs
+        # The pooling runner's requests: their pooled state until their prompt is computed (paged_jax.pooling).
+        self.pooling = PoolingAccumulator(parts.info.pooler) if parts.info.pooler is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.info.vocab_size,
                                                           self.info.eos_token_ids)
         self._eos_token_ids = frozenset(self.info.eos_token_ids)
@@ -123,6 +126,9 @@ class EngineCore:
             self._add_beam_search(request, monotonic_arrival)
             return
         params = request.sampling_params
+        if (request.pooling_params is not None) != (self.pooling is not None):
+            raise ValueError("pooling_params: a pooling request needs the pooling runner and the pooling runner "
+                             "takes only pooling requests")
         # Parsed here (a bad spec is a ValueError naming its field), compiled on the manager's threads meanwhile.
         grammar = self.structured_outputs.grammar_for(params.structured_outputs) if params.structured_outputs else None
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
@@ -147,6 +153,8 @@ class EngineCore:
         self._groups[request_id] = group
         for index, seq in group.seqs.items():
             self._seq_of[seq.request_id] = (group, index)
+        if request.pooling_params is not None:
+            self.pooling.add(request_id, request.pooling_params)
         for index in [0, *range(self.max_num_seqs, num_seqs)]:
             self.rollout.admit(group.seqs[index])
 
@@ -189,6 +197,8 @@ class EngineCore:
                 continue
             if group.beam_search is not None:
                 group.beam_search.abort()
+            if self.pooling is not None:
+                self.pooling.discard(request_id)
             for seq in group.seqs.values():
                 self.scheduler.abort_request(seq.request_id)  # a pending fork is dropped with its parent
                 self._seq_of.pop(seq.request_id, None)
@@ -238,6 +248,9 @@ class EngineCore:
             return outputs
         result = handle.result()
         outputs += self._prompt_logprob_outputs(scheduler_output, result)
+        if result.pooled is not None:
+            self.pooling.record(scheduler_output.requests, scheduler_output.row_num_computed_tokens(),
+                                scheduler_output.num_scheduled_tokens, result.pooled)
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids.tolist())
         if progressed:
             row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
@@ -325,7 +338,8 @@ class EngineCore:
             token = request.output_token_ids[output_index]
             if request.grammar is not None:
                 request.grammar.accept(token)
-            self.generation_tokens_total += 1
+            if self.pooling is None:  # a pooling request's one token ends it: nothing generated
+                self.generation_tokens_total += 1
             if output_index == 0:  # per sequence, as vLLM counts each of n sequences' prompt
                 self.prompt_tokens_total += group.num_prompt_tokens
             if group.beam_search is not None:
@@ -365,6 +379,8 @@ class EngineCore:
         if request.is_finished:
             output.finish_reason = request.finish_reason
             output.stop_reason = request.stop_reason
+            if self.pooling is not None:
+                output.pooled = self.pooling.take(request.request_id)
         return output
 
     def _prompt_logprob_outputs(self, scheduler_output: SchedulerOutput, result: StepOutput) -> list[EngineCoreOutput]:

@@ -123,6 +123,16 @@ def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_b
                 "; the JAX compilation cache makes later starts faster")
 
 
+def prefix_caching(args: EngineArgs, pooler) -> bool:
+    """Whether the KV-cache manager shares cached prefixes: ``enable_prefix_caching``, except for a pooler that reads
+    every prompt token's hidden state (mean or first-token pooling: a cached prefix has none), as vLLM."""
+    if args.enable_prefix_caching and pooler is not None and pooler.pooling_type != "LAST":
+        logger.info("prefix caching is off: %s pooling reads the hidden state of every prompt token",
+                    pooler.pooling_type)
+        return False
+    return args.enable_prefix_caching
+
+
 def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequence | None = None) -> CoreParts:
     """Load the model, size the KV pool, build the runner, the KV-cache manager and the scheduler, and warm the runner
     up (every step executable compiled or loaded). ``devices``: this core's devices (default: the first local
@@ -161,7 +171,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
         logprobs_mode=args.logprobs_mode)
-    kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+    kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(
                                           loaded.run_config.layer_windows, mixed_groups=plan is None)])
@@ -186,6 +196,6 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
                           eos_token_ids=list(loaded.eos_token_ids), max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_logprobs=runner.max_logprobs,
                           model_path=loaded.model_path, generation_config=dict(loaded.generation_config),
-                          startup_timings=timings)
+                          startup_timings=timings, pooler=loaded.pooler)
     return CoreParts(loaded=loaded, runner=runner, scheduler=scheduler, kv_cache_manager=kv_cache_manager,
                      lora_manager=make_lora_manager(args, runner), info=info)

@@ -17,8 +17,13 @@ import numpy as np
 from paged_jax.config import EngineArgs
 from paged_jax.engine.detokenizer import check_stop_strings
 from paged_jax.engine.messages import EngineCoreInfo, EngineCoreRequest
+from paged_jax.pooling.params import PoolingParams
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams, validate_token_ids
 from paged_jax.worker.sampler import check_request_fits
+
+
+# A pooling request's run in the core: its prompt, then one placeholder token that ends it (paged_jax.pooling).
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
 
 class InputProcessor:
@@ -47,12 +52,17 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if params is None:
-            params = SamplingParams()
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+            params = PoolingParams() if self.info.pooler is not None else SamplingParams()
+        if not isinstance(params, (SamplingParams, BeamSearchParams, PoolingParams)):
+            raise ValueError(f"params must be a SamplingParams, BeamSearchParams or PoolingParams, got "
+                             f"{type(params).__name__}")
+        self._check_runner(params)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt)
+        pooling = params if isinstance(params, PoolingParams) else None
+        prompt_text, prompt_token_ids = self._tokenize_prompt(prompt, pooling and pooling.truncate_prompt_tokens)
+        if pooling is not None:
+            params = POOLING_SAMPLING_PARAMS
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt-dict key
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string if provided, got {cache_salt!r}")
@@ -68,8 +78,31 @@ class InputProcessor:
         request = EngineCoreRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
             beam_search_params=beam_search, arrival_time=time.time() if arrival_time is None else float(arrival_time),
-            priority=int(priority), lora_request=lora_request, cache_salt=cache_salt)
+            priority=int(priority), lora_request=lora_request, cache_salt=cache_salt, pooling_params=pooling)
         return request, prompt_text
+
+    def _check_runner(self, params) -> None:
+        """A pooling model takes ``PoolingParams`` fitting its pooler, a generative one anything else."""
+        pooler = self.info.pooler
+        if pooler is None:
+            if isinstance(params, PoolingParams):
+                raise ValueError("params: PoolingParams need a pooling model (--runner pooling); this model "
+                                 "generates")
+            return
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"params: this is a pooling model ({pooler.task}); it takes PoolingParams, not "
+                             f"{type(params).__name__}")
+        if params.task is not None and params.task != pooler.task and (params.task, pooler.task) != (
+                "score", "classify"):
+            raise ValueError(f"task: the model's pooler does {pooler.task!r}, not {params.task!r}")
+        if params.dimensions is not None and (pooler.task != "embed" or not pooler.supports_dimensions(
+                params.dimensions)):
+            raise ValueError(f"dimensions: this model does not support Matryoshka dimensions={params.dimensions}"
+                             + (f" (supported: {pooler.matryoshka_dimensions})" if pooler.matryoshka_dimensions
+                                else ""))
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.info.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({params.truncate_prompt_tokens}) is greater than "
+                             f"max_model_len ({self.info.max_model_len})")
 
     def _check_beam_search(self, params: BeamSearchParams, num_prompt_tokens: int, lora_request) -> None:
         if lora_request is not None:
@@ -106,7 +139,7 @@ class InputProcessor:
                            max_stop_string_len=self.engine_args.max_stop_string_len)
         return params
 
-    def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -128,6 +161,8 @@ class InputProcessor:
             raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        if truncate_prompt_tokens is not None:  # the last k tokens, as vLLM truncates
+            token_ids = token_ids[-truncate_prompt_tokens:]
         if len(token_ids) > self.info.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.info.max_model_len}")
         return text, token_ids

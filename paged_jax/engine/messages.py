@@ -21,6 +21,8 @@ import msgspec
 
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import Logprob
+from paged_jax.pooling.config import PoolerConfig
+from paged_jax.pooling.params import PoolingParams
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -36,6 +38,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
       priority: lower runs earlier with ``scheduling_policy="priority"``.
       lora_request: the adapter to run with (``enable_lora``), or None.
       cache_salt: vLLM's prompt ``cache_salt``: prefix-cache entries are shared only among equal salts.
+      pooling_params: a pooling request's ``PoolingParams`` (pooling runner; ``sampling_params`` then ends it after
+        its prompt, ``paged_jax.pooling``).
     """
 
     request_id: str
@@ -46,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     lora_request: LoRARequest | None = None
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -86,6 +91,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
       num_cached_tokens: prompt tokens served from the prefix cache.
       scheduled_time: ``time.time()`` the request was first scheduled, on its first output.
       beam_logprobs: a finished beam search's beam ``index`` (best first): per token the step's candidates.
+      pooled: a finished pooling request's output vector (``paged_jax.pooling.pooler.finalize``).
     """
 
     request_id: str
@@ -99,6 +105,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     scheduled_time: float | None = None
     beam_logprobs: list[dict[int, Logprob]] | None = None
+    pooled: list[float] | None = None
 
 
 class Admission(msgspec.Struct, array_like=True, gc=False):
@@ -138,7 +145,8 @@ class EngineCoreInfo(msgspec.Struct, gc=False):
     ``[0, vocab_size)``), ``eos_token_ids``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_logprobs`` (the
     widest ``logprobs`` / ``prompt_logprobs`` / ``2 * beam_width``), ``model_path`` (None for a named dummy shape),
     ``generation_config`` (the checkpoint's, as a dict), ``startup_timings`` (seconds per start-up stage),
-    ``stats`` (the core's stats when it got ready)."""
+    ``stats`` (the core's stats when it got ready), ``pooler`` (the pooling runner's ``PoolerConfig``; None: the
+    generate runner)."""
 
     max_model_len: int
     vocab_size: int
@@ -150,6 +158,7 @@ class EngineCoreInfo(msgspec.Struct, gc=False):
     generation_config: dict
     startup_timings: dict[str, float] = {}
     stats: dict[str, Any] = {}
+    pooler: PoolerConfig | None = None
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -16,8 +16,11 @@ import functools
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from paged_jax.engine.detokenizer import IncrementalDetokenizer
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
+from paged_jax.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -54,6 +57,8 @@ class RequestState:
     prompt_logprobs_reported: bool = False
     num_cached_tokens: int = 0
     beams: list[EngineCoreOutput] | None = None
+    pooling: bool = False  # a pooling request: one PoolingRequestOutput when finished (``pooled``: its vector)
+    pooled: list[float] | None = None
 
     @property
     def is_beam_search(self) -> bool:
@@ -89,7 +94,8 @@ class OutputProcessor:
         """Start tracking ``request`` (already accepted by the input processor); ``prompt``: its text, if given."""
         params = request.sampling_params or request.beam_search_params
         state = RequestState(request.request_id, prompt, request.prompt_token_ids, params, [],
-                             RequestMetrics(arrival_time=request.arrival_time))
+                             RequestMetrics(arrival_time=request.arrival_time),
+                             pooling=request.pooling_params is not None)
         if request.sampling_params is not None:
             if params.prompt_logprobs is not None:
                 state.prompt_logprobs = [None]
@@ -149,6 +155,8 @@ class OutputProcessor:
                 state.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs is not None:
                 self._record_prompt_logprobs(state, output.prompt_logprobs)
+            if output.pooled is not None:
+                state.pooled = output.pooled
             if output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
             elif output.new_token_ids or output.finish_reason is not None:
@@ -212,7 +220,11 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 del self._states[state.request_id]
-            if finished or (not finished_only and state.reports_deltas):
+            if state.pooling:
+                if finished:
+                    outputs.append(PoolingRequestOutput(state.request_id, PoolingOutput(np.asarray(
+                        state.pooled, np.float32)), state.prompt_token_ids, True, state.num_cached_tokens))
+            elif finished or (not finished_only and state.reports_deltas):
                 outputs.append(self._beam_output(state) if state.is_beam_search else self._delta_output(state,
                                                                                                         finished))
         return outputs

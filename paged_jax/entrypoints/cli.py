@@ -77,6 +77,11 @@ _FLAG_HELP = {
                                    "exit with status 1 (an exited node is noticed at once; default 10)",
     "enable_lora": "serve PEFT LoRA adapters (requests name one; serve: --lora-modules)",
     "max_loras": "most LoRA adapters in one batch (device slots)",
+    "runner": "generate, or pooling (embeddings, classification, scores); auto: pooling for a checkpoint without "
+              "an LM head (a *Model or *ForSequenceClassification)",
+    "convert": "what the pooling runner does: embed or classify; auto: classify with a score head, else embed",
+    "task": "vLLM's legacy spelling: embed / embedding (pooling, embed), classify / score (pooling, classify), "
+            "generate",
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept in host memory (default: --max-loras)",
     "enable_sleep_mode": "allow sleep / wake_up (free the weights' and KV pool's device memory between rollouts)",

@@ -4,6 +4,7 @@
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
     beams = llm.beam_search([{"prompt": "The capital of France is"}], BeamSearchParams(beam_width=4, max_tokens=16))
+    vectors = LLM(embedding_checkpoint, runner="pooling").embed(["Hello"])  # .outputs.embedding
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from paged_jax.entrypoints.chat import chat_prompt_token_ids
 from paged_jax.config import EngineArgs
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.generation_config import sampling_defaults
+from paged_jax.entrypoints.llm_pooling import PoolingMethods
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
@@ -25,8 +27,9 @@ from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
-class LLM:
-    """Offline inference over one model.
+class LLM(PoolingMethods):
+    """Offline inference over one model: ``generate`` / ``chat`` / ``beam_search``, or with a pooling model
+    (``runner="pooling"``) ``embed`` / ``classify`` / ``score`` / ``encode`` (``paged_jax.entrypoints.llm_pooling``).
 
     Args:
       model: HF checkpoint directory; None = the built-in SmolLM2-135M-Instruct; with ``load_format="dummy"`` a

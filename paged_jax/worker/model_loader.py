@@ -17,6 +17,9 @@ from typing import Any
 from paged_jax.engine import generation_config as gen_config
 from paged_jax.config import EngineArgs
 from paged_jax.parallel.pipeline import PipelineForward, load_pipeline_model
+from paged_jax.pooling.config import (checkpoint_head, pooler_config, pooling_model_config, read_hf_config,
+                                      resolve_runner)
+from paged_jax.pooling.pooler import PoolingForward
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class LoadedModel:
     quantization: Any = None  # models.quantization.QuantConfig or None
     kv_cache_dtype: Any = None  # the KV pool's element type (jnp dtype); None = the model dtype
     forward: Any = None  # the runner's StepForward; None = SingleProgramForward
+    pooler: Any = None  # paged_jax.pooling.config.PoolerConfig of the pooling runner; None: the generate runner
 
 
 def resolve_model(args: EngineArgs) -> tuple[str | None, Any]:
@@ -108,6 +112,10 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     config = config or ModelConfig.from_pretrained(model_path)
     if args.max_model_len is not None:  # LongRoPE picks its factors by the engine's length, as vLLM does
         config = config.for_max_model_len(args.max_model_len)
+    tokenizer = load_tokenizer(args, model_path)
+    config, pooler = resolve_pooling(args, config, model_path, tokenizer)
+    if pooler is not None:
+        forward = PoolingForward(pooler)
     quant = resolve_engine_quantization(args, model_path)
     if args.pipeline_parallel_size > 1:
         if quant.config is not None:
@@ -131,9 +139,29 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     generation = gen_config.read_generation_config(args.generation_config, model_path)
     eos = sorted(set(config.eos_token_ids) | set(gen_config.eos_token_ids(generation)))
     return LoadedModel(model=model, config=config, model_path=model_path, dtype=dtype, plan=plan,
-                       run_config=run_config, memory_config=memory_config, tokenizer=load_tokenizer(args, model_path),
+                       run_config=run_config, memory_config=memory_config, tokenizer=tokenizer,
                        eos_token_ids=eos, generation_config=generation, load_seconds=load_seconds,
-                       quantization=quant.config, kv_cache_dtype=quant.kv_cache_dtype, forward=forward)
+                       quantization=quant.config, kv_cache_dtype=quant.kv_cache_dtype, forward=forward, pooler=pooler)
+
+
+def resolve_pooling(args: EngineArgs, config, model_path: str | None, tokenizer=None):
+    """``(the ModelConfig to load, PoolerConfig or None)``: the runner ``args`` ask for this checkpoint
+    (``paged_jax.pooling.config``). ValueError naming the field for a pooling model under a setting it does not run
+    with."""
+    head = checkpoint_head(config, read_hf_config(model_path))
+    runner, convert = resolve_runner(args.runner, args.convert, args.task, head)
+    if runner == "generate":
+        return config, None
+    for field in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(args, field) != 1:
+            raise ValueError(f"{field}={getattr(args, field)}: the pooling runner runs on one device")
+    for field in ("async_scheduling", "enable_lora", "quantization"):
+        if getattr(args, field):
+            raise ValueError(f"{field}={getattr(args, field)!r} is not supported with the pooling runner")
+    pooler = pooler_config(convert, config, model_path, tokenizer)
+    logger.info("pooling runner: %s, %s pooling%s", pooler.task, pooler.pooling_type,
+                ", normalized" if pooler.normalize else "")
+    return pooling_model_config(config, pooler), pooler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +266,9 @@ def _load_single_device(args: EngineArgs, model_path: str | None, config, dtype:
         return nnx.eval_shape(lambda: fuse_projections(
             model_class(config)(config, dtype=jnp_dtype, param_dtype=jnp_dtype, rngs=nnx.Rngs(0))))
 
+    head = {} if config.head == "lm_head" else {"head": config.head}  # an embedder keeps no LM head
     return weight_cache.load_or_convert(
-        _weight_cache_key(args, model_path, dtype, kind="fused", **quant.layout()), convert, abstract)
+        _weight_cache_key(args, model_path, dtype, kind="fused", **quant.layout(), **head), convert, abstract)
 
 
 def _move_to_device(model, device) -> None:

@@ -20,6 +20,10 @@ A third, ``_prompt_logprobs`` (compiled per token bucket T), runs only on steps 
 logprobs (``paged_jax.worker.prompt_logprobs``): it takes the forward's hidden states of all T tokens (the forward always
 returns them; other steps drop them unread) and that step's prompt-logprob targets, a second small transfer.
 
+A pooling runner (``paged_jax.pooling.pooler.PoolingForward`` as its ``forward``) ends each step with the forward:
+its per-row outputs are the rows' pooled hidden states through the model's head, fetched instead of sampled tokens
+(``StepOutput.pooled``); it compiles no sampler and no prompt logprobs.
+
 Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
 multiplicative.
 """
@@ -164,6 +168,8 @@ class ModelRunner:
         # Multi-host node 0: announces each step to the other processes first (paged_jax.parallel.multihost).
         self.step_channel = None
         self.forward_strategy = forward if forward is not None else SingleProgramForward()
+        # A pooling step ends with the forward's per-row pooled outputs: no sampler (paged_jax.pooling).
+        self.pools = bool(getattr(self.forward_strategy, "pools", False))
         self._single_process = jax.process_count() == 1
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
@@ -336,7 +342,7 @@ class ModelRunner:
             return None
         batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
         batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
-        handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans)
+        handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans, pooled=self.pools)
         layout = packed.layout
         sampling = SamplingArgs(packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
                                 packed.num_logprobs, packed.wants_logprobs)
@@ -381,6 +387,10 @@ class ModelRunner:
         """Mask (grammar), sample, prompt logprobs -> the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies started."""
         logits, sampling_words, hidden = forward_outputs
+        if self.pools:  # the pooled outputs f32[R, W] are the step's result
+            fetch = local_copies((logits,))
+            fetch[0].copy_to_host_async()
+            return fetch, ()
         num_rows, mode = logits.shape[0], sampling.mode
         if grammar_bitmask is not None:
             logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))

@@ -9,7 +9,8 @@ else of the step (packing, the sampler, dispatch, warm-up) is the runner's and t
 The functions a strategy builds keep ``ModelRunner``'s contracts:
 
 * ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs) -> (kv_pool,
-  logits f32[R, V] at each row's last token, sampling words int32[R * words], final hidden states [T, hidden])``,
+  logits f32[R, V] at each row's last token (a pooling forward: each row's pooled outputs f32[R, W],
+  ``paged_jax.pooling``), sampling words int32[R * words], final hidden states [T, hidden])``,
   the KV pool donated; ``buf`` the int32 step buffer of the bucket's ``StepLayout``.
 * ``prompt_logprobs(param_leaves, hidden [T, hidden], targets int32[T]) -> (logprob f32[T], rank i32[T], top ids
   i32[T, K], top logprobs f32[T, K])``.
@@ -45,11 +46,21 @@ class StepForward(Protocol):
 
 
 class SingleProgramForward:
-    """The model as one jitted program per bucket (one device, or tensor parallel under the runner's plan)."""
+    """The model as one jitted program per bucket (one device, or tensor parallel under the runner's plan).
+
+    ``row_outputs(model, hidden [T, hidden], fields) -> f32[R, ...]``: what the forward gives per sampler row in place
+    of the logits at each row's last token (``paged_jax.pooling``: pooled hidden states through the model's head);
+    ``pools``: the step then ends there (no sampler)."""
+
+    pools = False
+
+    def __init__(self, row_outputs=None):
+        self.row_outputs = row_outputs
 
     def build(self, runner) -> tuple:
         forward = AheadOfTimeFunction(
-            "forward", jax.jit(_single_program_forward(runner), static_argnames=("num_tokens", "num_seqs"),
+            "forward", jax.jit(_single_program_forward(runner, self.row_outputs),
+                               static_argnames=("num_tokens", "num_seqs"),
                                donate_argnums=(1,), compiler_options=runner.compiler_options or None))
         graphdef, state_treedef, max_logprobs = runner._graphdef, runner._state_treedef, runner.max_logprobs
 
@@ -60,8 +71,14 @@ class SingleProgramForward:
         return forward, AheadOfTimeFunction("prompt_logprobs", jax.jit(prompt_logprobs), shape_args=(2,))
 
 
-def _single_program_forward(runner):
+def _last_token_logits(model, hidden, fields):
+    """f32[R, V]: the logits at each row's last token of the step."""
+    return model.compute_logits(hidden[fields["logits_indices"]])
+
+
+def _single_program_forward(runner, row_outputs=None):
     """The forward ``SingleProgramForward`` jits (traced per bucket), closing over the runner's configuration."""
+    row_outputs = row_outputs or _last_token_logits
     graphdef, state_treedef = runner._graphdef, runner._state_treedef
     config = runner.model_config
     sm_scale = config.head_dim ** -0.5
@@ -105,7 +122,6 @@ def _single_program_forward(runner):
         lora = None if lora_arrays is None else lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
         hidden, kv_caches = model(input_ids, fields["positions"], kv_caches, attention, lora)
         kv_pool = kv_caches.pool if grouped else kv_caches
-        logits = model.compute_logits(hidden[fields["logits_indices"]])
-        return kv_pool, logits, fields["sampling"], hidden
+        return kv_pool, row_outputs(model, hidden, fields), fields["sampling"], hidden
 
     return forward

@@ -46,6 +46,8 @@ class StepOutput:
         compiled width (>= every row's request); None unless some row asked for logprobs.
       prompt_logprobs: per row a ``PromptLogprobsChunk`` (rows computing prompt logprobs) or None; None unless some
         row computes them.
+      pooled: float32[num_rows, W] a pooling step's per-row pooled outputs (``paged_jax.pooling``; its rows that
+        complete their prompt "sample" ``POOLED_TOKEN``), else None.
     """
 
     sampled_token_ids: np.ndarray
@@ -54,6 +56,11 @@ class StepOutput:
     top_token_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     prompt_logprobs: list[PromptLogprobsChunk | None] | None = None
+    pooled: np.ndarray | None = None
+
+
+# The token a pooling row "samples" when its prompt is complete: its one output token, which ends it (max_tokens=1).
+POOLED_TOKEN = 0
 
 
 class PendingStep:
@@ -62,11 +69,13 @@ class PendingStep:
     ``device_outputs`` is the pair (sampler outputs, prompt-logprob outputs) of tuples of device arrays to fetch (their
     host copies already started by ``ModelRunner.run_sampling``; the second is empty unless some row gave prompt-logprob
     targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
-    ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None.
+    ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``pooled``: a pooling
+    step (its one output is the pooled rows).
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
-                 prompt_spans: list[tuple[int, int] | None] | None = None):
+                 prompt_spans: list[tuple[int, int] | None] | None = None, pooled: bool = False):
+        self._pooled = pooled
         self._device_outputs = device_outputs
         self._rows_to_packed = rows_to_packed
         self._sampled_rows = sampled_rows
@@ -101,6 +110,11 @@ class PendingStep:
             sampler_outputs, prompt_outputs = outputs
             host = [np.asarray(x) for x in sampler_outputs]  # their host copies were started at dispatch
             rows = self._rows_to_packed
+            if self._pooled:
+                self._result = StepOutput(np.where(self._sampled_rows, POOLED_TOKEN, -1).astype(np.int32),
+                                          pooled=host[0][rows])
+                self._device_outputs = ()
+                return self._result
             tokens = host[0][rows].astype(np.int32)
             tokens[~self._sampled_rows] = -1
             out = StepOutput(sampled_token_ids=tokens)

@@ -66,6 +66,8 @@ def compile_threads() -> int:
 def num_warm_up_executables(runner) -> int:
     """Steps of ``warm_up``'s progress bar: the executables it compiles, a swap size's gather and scatter as one,
     the LoRA slot write not counted."""
+    if runner.pools:  # a pooling runner's step is its forward alone
+        return len(runner.buckets) + len(_swap_sizes(runner))
     return (len(runner.buckets) + len(runner.sampler_seq_buckets) * (len(runner.sampler_variants) + 1)
             + len({t for t, _ in runner.buckets}) + len(_swap_sizes(runner)))
 
@@ -353,12 +355,12 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
             by_tokens.setdefault(num_tokens, forwards[num_tokens, num_seqs])
         for size in _swap_sizes(runner):
             work.submit(f"swap[{size}]", jobs.compile_swap, size)
-        for num_rows in runner.sampler_seq_buckets:
+        for num_rows in [] if runner.pools else runner.sampler_seq_buckets:
             work.submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", jobs.compile_bitmask, num_rows)
             for variant in runner.sampler_variants:
                 work.submit_after(by_rows[num_rows], _sampler_label(num_rows, variant), jobs.compile_sampler,
                                   num_rows, variant)
-        for t in sorted(by_tokens):
+        for t in [] if runner.pools else sorted(by_tokens):
             work.submit_after(by_tokens[t], f"prompt_logprobs[{t}]", jobs.compile_prompt_logprobs, t)
         work.wait(bar)
     return work.spans
@@ -392,7 +394,7 @@ def _run_every_executable(runner, bar) -> None:
         hidden_by_tokens.setdefault(num_tokens, hidden)
         done()
     outs = None
-    for num_rows in runner.sampler_seq_buckets:
+    for num_rows in [] if runner.pools else runner.sampler_seq_buckets:  # pooling: no sampler, no prompt logprobs
         logits, sampling_words = logits_by_rows[num_rows]
         outs = runner._apply_grammar_bitmask(logits, jax.device_put(_grammar_bitmask(runner, num_rows), device))
         done()
@@ -404,7 +406,7 @@ def _run_every_executable(runner, bar) -> None:
                                   bias_table if variant.bias_table else runner._no_history[num_rows],
                                   mode=variant.mode, num_logprobs=variant.num_logprobs)
             done()
-    for num_tokens in sorted(hidden_by_tokens):
+    for num_tokens in [] if runner.pools else sorted(hidden_by_tokens):
         targets = jax.device_put(np.zeros((num_tokens,), np.int32), device)
         outs = (outs, runner._prompt_logprobs(runner._param_leaves, hidden_by_tokens[num_tokens], targets))
         done()

@@ -42,15 +42,8 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
         body.logprobs if body.echo else None)
     prompts = _normalize_prompts(body.prompt)
     server.check_num_seqs(body, len(prompts))
-    prompt_token_ids: list[list[int]] = []
-    for index, prompt in enumerate(prompts):
-        ids = (await server.encode(prompt, body.add_special_tokens, "prompt",
-                                   truncating=body.truncate_prompt_tokens is not None)
-               if isinstance(prompt, str) else list(prompt))
-        server.check_token_ids(ids, "prompt", f"prompt[{index}]" if len(prompts) > 1 else None)
-        ids = server.truncate(ids, body.truncate_prompt_tokens)
-        server.check_prompt_length(len(ids), "prompt")
-        prompt_token_ids.append(ids)
+    prompt_token_ids = await server.prompt_token_ids(prompts, body.add_special_tokens, body.truncate_prompt_tokens,
+                                                     "prompt")
     aliases: dict[str, str] = {}
     requests = []
     response_id = server.response_id("cmpl", body, raw_request)
