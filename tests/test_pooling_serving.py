@@ -14,7 +14,7 @@ from test_serving import ServerThread
 
 from pooling_models import causal_lm_checkpoint, classifier_checkpoint, sentence_transformer_checkpoint
 
-ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, weight_cache=False,
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16, weight_cache=False,
               compilation_cache_dir="")
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Bananas are yellow.", "Paris is the capital of France.", "The sky is blue."]
@@ -101,7 +101,7 @@ def test_bad_pooling_requests_answer_400_naming_the_field(embedder):
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         error = assert_error(c.post("/v1/embeddings", json={"input": QUERY, "dimensions": 8}), "dimensions")
         assert "Matryoshka" in error["message"]
-        assert_error(c.post("/v1/embeddings", json={"input": ["a"] * 5}), "input")  # more than max_num_seqs
+        assert_error(c.post("/v1/embeddings", json={"input": ["a"] * 5}), "input")  # more than --max-seqs-per-request
         assert_error(c.post("/v1/embeddings", json={"input": []}), "input")
         assert_error(c.post("/v1/embeddings", json={"input": [[10**6]]}), "input")
         assert_error(c.post("/v1/embeddings", json={"input": QUERY, "encoding_format": "int8"}), "encoding_format")
