@@ -3,6 +3,7 @@ server, with vLLM's flag names and meanings.
 
     paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
     paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.entrypoints.cli.generate_main``)
+    paged-jax bench {serve,throughput,latency} ...   vLLM's benchmarks (``serving.bench``)
 
 MODEL is an HF checkpoint directory or Hub repo id; omitted, the built-in SmolLM2-135M-Instruct is served. Engine
 flags are ``paged_jax.entrypoints.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); the server
@@ -42,11 +43,14 @@ from serving.tool_parsers import TOOL_PARSERS
 from serving.settings import app_kwargs, engine_args_from_namespace, server_settings, uvicorn_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_USAGE = """usage: paged-jax {serve,generate} ...
+_USAGE = """usage: paged-jax {serve,generate,bench} ...
 
 commands:
   serve [MODEL] [flags]   the OpenAI-compatible server (vLLM's `vllm serve`); `paged-jax serve --help` for flags
   generate [flags]        complete prompts offline and print them; `paged-jax generate --help` for flags
+  bench serve             load a running server: TTFT, TPOT, ITL and throughput (vLLM's `vllm bench serve`)
+  bench throughput        offline throughput on random prompts (vLLM's `vllm bench throughput`)
+  bench latency           offline latency of one batch (vLLM's `vllm bench latency`)
 
 docs/cli.md lists every flag with its default.
 """
@@ -278,7 +282,8 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.entrypoints.cli``."""
+    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.entrypoints.cli``,
+    ``bench`` in ``serving.bench``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(_USAGE)
@@ -290,5 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from paged_jax.entrypoints.cli import generate_main
 
         return generate_main(rest)
+    if command == "bench":
+        from serving.bench import bench_main
+
+        return bench_main(rest)
     sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")
     return 2
