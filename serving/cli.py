@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -263,6 +265,10 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
         return serve_api_servers(parser, args, sock)
     from serving.async_engine import EngineDeadError
 
+    # SIGTERM while the engine loads or compiles ends the start as Ctrl-C does (KeyboardInterrupt): the interpreter
+    # then exits normally, and multiprocessing's exit handler terminates the engine process (a daemon child) instead
+    # of leaving it compiling without a parent. The server's own handlers (serving.lifecycle) take over afterwards.
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         app, _ = build_app_from_args(args)
     except ValueError as exc:
@@ -272,6 +278,13 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
         sock.close()
         logging.getLogger(__name__).error("the engine did not start: %s", exc)
         return 1
+    except KeyboardInterrupt:
+        sock.close()
+        _stop_child_processes()
+        logging.getLogger(__name__).info("interrupted during start-up; the engine process is stopped")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     from serving.lifecycle import ServingServer
 
     scheme = "https" if args.ssl_certfile else "http"
@@ -279,6 +292,19 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
                                      sock.getsockname()[1], args.root_path or "")
     server = ServingServer(uvicorn_config(app, args), app.state.server.engine, args.shutdown_timeout)
     return server.serve_on_socket(sock)
+
+
+def _stop_child_processes(grace_s: float = 2.0) -> None:
+    """SIGTERM every multiprocessing child still running (the engine process mid start-up), SIGKILL after
+    ``grace_s`` what has not exited."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -113,3 +114,67 @@ def _serve_one_request(config) -> None:
         server.should_exit = True
         thread.join(timeout=30)
 
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live (not zombie) descendants of ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_during_start_up_ends_every_child_process(smollm2_dir, sig, tmp_path):
+    """``python -m serving`` with the built-in model, signalled once its engine process is loading / compiling (before
+    /health answers): the server and every process it started are gone within 5 s."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as stderr:
+        # An empty compilation cache directory: the start compiles, so the signal comes mid start-up.
+        server = subprocess.Popen(
+            [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--compilation-cache-dir",
+             str(tmp_path / "cache")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while "engine process started" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # the engine process is importing / loading by now
+        children = _descendants(server.pid)
+        engine_pid = int(re.search(r"engine process started \(pid (\d+)\)", log.read_text()).group(1))
+        assert engine_pid in children
+        with pytest.raises(httpx.HTTPError):  # not ready: the socket is bound but nothing answers yet
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+        server.send_signal(sig)
+        deadline = time.monotonic() + 5
+        while (server.poll() is None or any(_alive(pid) for pid in children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.poll() == 0, log.read_text()[-3000:]
+        assert not [pid for pid in children if _alive(pid)], log.read_text()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
