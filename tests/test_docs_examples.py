@@ -6,6 +6,8 @@ Convention (an HTML comment on the line just above the opening fence; invisible 
 * ``<!-- docs-test: skip REASON -->``: the block is not run; REASON (required) says what it needs that a CPU test
   machine lacks: a GPU, the network (pip, the Hub), a long-running server, docker / kubectl, a LoRA adapter.
 * ``<!-- docs-test: slow -->``: the block runs only with the ``slow`` tests (``make test-all``).
+* ``<!-- docs-test: server -->``: a python block that talks to the server a block above starts: it runs against a
+  server of the built-in model (its ``openai.OpenAI`` clients are pointed at it instead of localhost:8000).
 
 Python blocks run in this process, in a fresh namespace, with ``paged_jax.LLM`` given short engine settings the
 block does not set itself (the shared ``serving_engine``'s, so its compiled executables are reused): what they
@@ -30,7 +32,8 @@ RUN_LANGUAGES = {"bash": "shell", "sh": "shell", "shell": "shell", "python": "py
 SHORT_ENGINE_SETTINGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                              num_gpu_blocks_override=80)
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
-_MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|slow)\b\s*(.*?)\s*-->\s*$")
+_MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|slow|server)\b\s*(.*?)\s*-->\s*$")
+DOCUMENTED_BASE_URL = "http://localhost:8000/v1"
 
 
 def doc_blocks() -> list:
@@ -89,10 +92,39 @@ def short_llm(monkeypatch, short_llm_engines):
     return short
 
 
+@pytest.fixture(scope="module")
+def docs_server(serving_engine):
+    """A server of the built-in model under the name ``paged-jax serve`` gives it (``serving.app.create_app`` over
+    the shared ``serving_engine``)."""
+    from serving.app import create_app
+    from serving.openai_server import DEFAULT_MODEL_NAME
+    from tests.test_serving import ServerThread
+
+    with ServerThread(create_app(serving_engine, served_model_name=[DEFAULT_MODEL_NAME])) as server:
+        yield server
+
+
+@pytest.fixture
+def redirected_openai(request, monkeypatch):
+    """For ``server`` blocks: ``openai.OpenAI`` clients made for localhost:8000 talk to ``docs_server``."""
+    import openai
+
+    server = request.getfixturevalue("docs_server")
+    real_client = openai.OpenAI
+
+    def client(*args, base_url=None, **kwargs):
+        assert base_url == DOCUMENTED_BASE_URL, base_url
+        return real_client(*args, base_url=server.base_url + "/v1", **kwargs)
+
+    monkeypatch.setattr(openai, "OpenAI", client)
+
+
 @pytest.mark.parametrize("language, code, kind, reason", doc_blocks())
-def test_doc_block_runs(language, code, kind, reason, short_llm, smollm2_dir):
+def test_doc_block_runs(language, code, kind, reason, short_llm, smollm2_dir, request):
     if kind == "skip":
         pytest.skip(reason)
+    if kind == "server":
+        request.getfixturevalue("redirected_openai")
     if language == "python":
         exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
         return
