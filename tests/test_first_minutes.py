@@ -36,8 +36,8 @@ def no_engine(monkeypatch):
 @pytest.mark.parametrize("argv, named", [
     (["--enable-lora", "--lora-modules", "sql=/no/such/adapter/dir"], "--lora-modules sql"),
     (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "./missing-adapter"}'], "--lora-modules sql"),
-    (["--chat-template", "/no/such/template.jinja"], "chat_template"),
-    (["--chat-template", "{% for message in messages %}{{ message.content }}"], "chat_template"),  # no endfor
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
+    (["--chat-template", "{% for message in messages %}{{ message.content }}"], "--chat-template"),  # no endfor
     (["--tokenizer", "/no/such/tokenizer/dir"], "--tokenizer"),
     (["--tool-call-parser", "no-such-parser"], "--tool-call-parser"),
     (["--reasoning-parser", "no-such-parser"], "--reasoning-parser"),
@@ -49,15 +49,6 @@ def test_bad_file_and_name_flags_exit_2_before_the_engine_is_built(argv, named, 
         main(["serve", "--port", "0", *argv])
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
-
-
-def test_chat_template_file_and_inline_template_load(tmp_path):
-    from paged_jax.entrypoints.chat import load_chat_template
-
-    path = tmp_path / "t.jinja"
-    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert load_chat_template(str(path)) == path.read_text()
-    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
 
 
 def test_uvicorn_log_level_reaches_uvicorns_loggers(caplog):
