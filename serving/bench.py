@@ -67,7 +67,8 @@ def build_throughput_parser(prog: str = "paged-jax bench throughput") -> argpars
     parser.add_argument("--output-json", default=None, help="write the result as JSON here")
     engine = parser.add_argument_group("engine (default model: the built-in SmolLM2-135M-Instruct)")
     for flag, kind in _THROUGHPUT_ENGINE_FLAGS.items():
-        engine.add_argument(flag, type=kind, default=None)
+        engine.add_argument(flag, type=kind, default=None,
+                            help="default: --input-len + --output-len" if flag == "--max-model-len" else None)
     engine.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), bfloat16, ...")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--async-scheduling", action="store_true")
@@ -84,6 +85,8 @@ def throughput_main(argv: Sequence[str]) -> dict:
                  "--output-len", str(args.output_len), "--dtype", args.dtype]
     if args.model is None:
         forwarded += ["--model", str(ensure_smollm2())]
+    if args.max_model_len is None:  # what the workload needs: a smaller KV pool on the CPU, narrower block tables
+        args.max_model_len = args.input_len + args.output_len
     for flag in _THROUGHPUT_ENGINE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
