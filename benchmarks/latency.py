@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "paged-jax bench latency
     except ValueError as exc:
         parser.error(str(exc))
     rng = np.random.default_rng(0)
-    vocab = min(llm.get_tokenizer().vocab_size, 10000)
+    vocab = min(llm.llm_engine.vocab_size, 10000)  # ids every tokenizer decodes; no tokenizer needed
     prompts = [{"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()} for _ in range(args.batch_size)]
     params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
 
