@@ -460,6 +460,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
     raise ValueError(f"dataset must be nano-vllm or random, got {args.dataset!r}")
 
 
+def first_served_model(base_url: str, api_key: str | None) -> str:
+    """The first model id of the server's ``GET /v1/models``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    listing = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
+    return listing["data"][0]["id"]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -519,11 +526,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.burstiness <= 0:
         parser.error(f"--burstiness must be > 0, got {args.burstiness}")
     workload = build_workload(args)
-    model = args.model
-    if model is None:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        listing = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
-        model = listing["data"][0]["id"]
+    model = args.model or first_served_model(args.base_url, args.api_key)
     summary = asyncio.run(run_benchmark(
         args.base_url, model, workload, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
         burstiness=args.burstiness, seed=args.seed, temperature=args.temperature, api_key=args.api_key,

@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-len", type=int)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--load-format", help="default: dummy with --shape, auto with --model")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (256 on GPU, 32 on CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: the engine's (8192 on GPU, 512 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -220,13 +221,14 @@ def main(argv: list[str] | None = None) -> dict:
     # Bytes per weight / KV element of the floor: fp8 and int8 weights 1, 4-bit weights 0.5 (their scales and the
     # bf16 LM head charged at that width too: a lower bound), the fp8 KV cache 1.
     weight_bytes = {"fp8": 1, "int8": 1, "compressed-tensors": 1, "awq": 0.5, "gptq": 0.5}.get(args.quantization, 2)
-    floor = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
+    max_num_seqs = args.max_num_seqs or llm.llm_engine.max_num_seqs  # the flag, else the engine's platform default
+    floor = workload_floor(config, workload, max_num_seqs, dtype_bytes=weight_bytes,
                            kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2)
     result.update({"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype})
     stats = llm.llm_engine.stats()
     if ceilings is not None:
         # The same workload against the ceilings of this run instead of the fixed H200 figures.
-        same_run = workload_floor(config, workload, args.max_num_seqs, dtype_bytes=weight_bytes,
+        same_run = workload_floor(config, workload, max_num_seqs, dtype_bytes=weight_bytes,
                                   kv_dtype_bytes=1 if args.kv_cache_dtype != "auto" else 2,
                                   hbm=ceilings["copy_GBps"] * 1e9, flops=ceilings["matmul_TFLOPs"] * 1e12)
         result["same_run_ceilings"] = ceilings

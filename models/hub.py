@@ -45,12 +45,18 @@ def resolve_checkpoint(model: str | os.PathLike, *, revision: str | None = None,
                              f"local directory")
         return path
     name = os.fspath(model)
-    if not _looks_like_repo_id(name):
-        raise ValueError(f"{field} {name!r} is neither a local directory nor a Hugging Face Hub repo id")
+    check_directory_or_repo_id(name, field)
     snapshot = _download(name, revision=revision, download_dir=download_dir, what=what, field=field)
     if what == "model" and not any(snapshot.glob("*.safetensors")):
         raise ValueError(f"{field} {name!r} has no safetensors weights (only safetensors checkpoints load)")
     return snapshot
+
+
+def check_directory_or_repo_id(name: str, field: str) -> None:
+    """Raise a ValueError naming ``field`` when ``name`` is neither a local directory nor shaped like a Hub repo id
+    (``org/name`` or ``name``): a path that does not exist, found without reading the Hub."""
+    if not Path(name).expanduser().is_dir() and not _looks_like_repo_id(name):
+        raise ValueError(f"{field} {name!r} is neither a local directory nor a Hugging Face Hub repo id")
 
 
 def _looks_like_repo_id(name: str) -> bool:

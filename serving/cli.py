@@ -4,6 +4,7 @@ server, with vLLM's flag names and meanings.
     paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
     paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.entrypoints.cli.generate_main``)
     paged-jax run-batch -i IN -o OUT ...     an OpenAI batch file offline (``serving.run_batch.run_batch_main``)
+    paged-jax bench {serve,throughput,latency} ...   vLLM's benchmarks (``serving.bench``)
 
 MODEL is an HF checkpoint directory or Hub repo id; omitted, the built-in SmolLM2-135M-Instruct is served. Engine
 flags are ``paged_jax.entrypoints.cli.add_engine_args``'s (one per ``EngineArgs`` field, as ``generate`` has them); the server
@@ -25,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -43,12 +46,15 @@ from serving.tool_parsers import TOOL_PARSERS
 from serving.settings import app_kwargs, engine_args_from_namespace, server_settings, uvicorn_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_USAGE = """usage: paged-jax {serve,generate,run-batch} ...
+_USAGE = """usage: paged-jax {serve,generate,run-batch,bench} ...
 
 commands:
   serve [MODEL] [flags]   the OpenAI-compatible server (vLLM's `vllm serve`); `paged-jax serve --help` for flags
   generate [flags]        complete prompts offline and print them; `paged-jax generate --help` for flags
   run-batch -i IN -o OUT  answer an OpenAI batch file (JSONL) offline (vLLM's `vllm run-batch`)
+  bench serve             load a running server: TTFT, TPOT, ITL and throughput (vLLM's `vllm bench serve`)
+  bench throughput        offline throughput on random prompts (vLLM's `vllm bench throughput`)
+  bench latency           offline latency of one batch (vLLM's `vllm bench latency`)
 
 docs/cli.md lists every flag with its default.
 """
@@ -261,6 +267,10 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
         return serve_api_servers(parser, args, sock)
     from serving.async_engine import EngineDeadError
 
+    # SIGTERM while the engine loads or compiles ends the start as Ctrl-C does (KeyboardInterrupt): the interpreter
+    # then exits normally, and multiprocessing's exit handler terminates the engine process (a daemon child) instead
+    # of leaving it compiling without a parent. The server's own handlers (serving.lifecycle) take over afterwards.
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         app, _ = build_app_from_args(args)
     except ValueError as exc:
@@ -270,6 +280,13 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
         sock.close()
         logging.getLogger(__name__).error("the engine did not start: %s", exc)
         return 1
+    except KeyboardInterrupt:
+        sock.close()
+        _stop_child_processes()
+        logging.getLogger(__name__).info("interrupted during start-up; the engine process is stopped")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     from serving.lifecycle import ServingServer
 
     scheme = "https" if args.ssl_certfile else "http"
@@ -279,8 +296,22 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "paged-jax serve")
     return server.serve_on_socket(sock)
 
 
+def _stop_child_processes(grace_s: float = 2.0) -> None:
+    """SIGTERM every multiprocessing child still running (the engine process mid start-up), SIGKILL after
+    ``grace_s`` what has not exited."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.entrypoints.cli``."""
+    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.entrypoints.cli``,
+    ``bench`` in ``serving.bench``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(_USAGE)
@@ -296,5 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from serving.run_batch import run_batch_main
 
         return run_batch_main(rest)
+    if command == "bench":
+        from serving.bench import bench_main
+
+        return bench_main(rest)
     sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")
     return 2

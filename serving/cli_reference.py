@@ -5,7 +5,9 @@
 ``cli_reference()`` returns the Markdown. It reads only what argparse records of each flag (option strings, metavar,
 nargs, default, choices, help) and the parsers' argument groups, from the functions that build the full parsers:
 ``serving.cli.build_parser`` (``paged-jax serve``), ``paged_jax.entrypoints.cli.build_generate_parser`` (``paged-jax
-generate``) and ``serving.run_batch.build_run_batch_parser`` (``paged-jax run-batch``). Defaults are shown as they are in an environment without ``PAGED_JAX_*`` variables (some defaults
+generate``), ``serving.run_batch.build_run_batch_parser`` (``paged-jax run-batch``) and ``serving.bench``'s
+(``paged-jax bench serve|throughput|latency``). Defaults are shown as they are in an environment without
+``PAGED_JAX_*`` variables (some defaults
 read one), so the text does not depend on the machine. tests/test_cli_reference.py fails when docs/cli.md differs.
 """
 
@@ -42,13 +44,18 @@ def _without_paged_jax_environment() -> Iterator[None]:
 
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    from benchmarks.latency import build_parser as build_latency_parser
     from paged_jax.entrypoints.cli import build_generate_parser
+    from serving.bench import build_serve_parser, build_throughput_parser
     from serving.cli import build_parser
     from serving.run_batch import build_run_batch_parser
 
     with _without_paged_jax_environment():
         return [("paged-jax serve", build_parser()), ("paged-jax generate", build_generate_parser()),
-                ("paged-jax run-batch", build_run_batch_parser())]
+                ("paged-jax run-batch", build_run_batch_parser()),
+                ("paged-jax bench serve", build_serve_parser()),
+                ("paged-jax bench throughput", build_throughput_parser()),
+                ("paged-jax bench latency", build_latency_parser())]
 
 
 def _cell(text: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,11 @@ from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
 from serving.request_limits import check_field_sizes, check_num_seqs, max_prompt_chars
+from serving.tool_parsers import TOOL_PARSERS
+from serving.tool_parsers.detect import implied_tool_parser
 from serving.unsupported_fields import refuse_unsupported
+
+logger = logging.getLogger(__name__)
 
 # Logprobs of -inf (or nan) are not valid JSON; vLLM clamps them to this value.
 MIN_LOGPROB = -9999.0
@@ -116,7 +121,6 @@ class OpenAIServer:
                  reasoning_parser: str | None = None, loras: Any = None,
                  trust_request_chat_template: bool = False, enable_prompt_tokens_details: bool = False) -> None:
         from serving.reasoning_parsers import REASONING_PARSERS
-        from serving.tool_parsers import TOOL_PARSERS
 
         self.engine = async_engine
         self.tokenizer = tokenizer
@@ -134,10 +138,29 @@ class OpenAIServer:
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-jax-tokenizer")
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
+        # Without --tool-call-parser: the parser the chat template implies reads tool calls of requests that give
+        # tools and no tool_choice (serving.tool_parsers.detect); logged when first used.
+        self.implied_tool_parser = None if tool_parser else implied_tool_parser(
+            chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None))
+        self._implied_parser_logged = False
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.loras = loras
         self.trust_request_chat_template = trust_request_chat_template
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+
+    def tool_call_parser(self, tool_choice) -> Any:
+        """The ``ToolParser`` that reads the calls of a ``tool_choice`` resolved in ``auto`` mode (None otherwise):
+        ``--tool-call-parser``'s, or the one the chat template implies (logged the first time)."""
+        if tool_choice.mode != "auto":
+            return None
+        if self.tool_parser is not None and tool_choice.parser_name == self.tool_parser.name:
+            return self.tool_parser
+        if not self._implied_parser_logged:
+            self._implied_parser_logged = True
+            logger.info("tools without tool_choice: reading tool calls with the %s parser, which the chat template "
+                        "implies (--enable-auto-tool-choice --tool-call-parser NAME chooses one)",
+                        tool_choice.parser_name)
+        return TOOL_PARSERS[tool_choice.parser_name]()
 
     async def _off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the tokenizer thread."""

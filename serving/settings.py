@@ -11,6 +11,7 @@ import argparse
 
 import uvicorn
 
+from models.hub import check_directory_or_repo_id
 from paged_jax.entrypoints.chat import load_chat_template
 from paged_jax.entrypoints.cli import engine_kwargs
 from paged_jax.config import EngineArgs
@@ -35,6 +36,10 @@ def server_settings(args: argparse.Namespace) -> tuple:
                          f"{MAX_LOGPROBS} top logprobs), got {args.max_logprobs}")
     if args.lora_modules and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    for module in args.lora_modules:
+        check_directory_or_repo_id(module.path, f"--lora-modules {module.name}:")
+    if engine_args.tokenizer is not None:
+        check_directory_or_repo_id(engine_args.tokenizer, "--tokenizer")
     try:
         chat_template = load_chat_template(args.chat_template)
     except ValueError as exc:

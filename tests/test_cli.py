@@ -578,5 +578,5 @@ def test_top_level_help_lists_each_command():
     with contextlib.redirect_stdout(out):
         assert main(["--help"]) == 0
     lines = out.getvalue().splitlines()
-    for command in ("serve", "generate"):
+    for command in ("serve", "generate", "bench serve", "bench throughput", "bench latency"):
         assert any(line.strip().startswith(command + " ") and len(line.split()) > 3 for line in lines), command

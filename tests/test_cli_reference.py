@@ -19,12 +19,15 @@ def test_docs_cli_md_matches_the_parsers():
         pytest.fail(f"docs/cli.md is out of date with the argument parsers; regenerate it with `{REGENERATE}`\n{diff}")
 
 
-def test_reference_lists_every_flag_of_both_commands():
+def test_reference_lists_every_flag_of_every_command():
+    from benchmarks.latency import build_parser as build_latency_parser
     from paged_jax.entrypoints.cli import build_generate_parser
+    from serving.bench import build_serve_parser, build_throughput_parser
     from serving.cli import build_parser
 
     text = cli_reference()
-    for parser in (build_parser(), build_generate_parser()):
+    for parser in (build_parser(), build_generate_parser(), build_serve_parser(), build_throughput_parser(),
+                   build_latency_parser()):
         for action in parser._actions:
             for option in action.option_strings:
                 if option not in ("-h", "--help"):

@@ -187,3 +187,61 @@ def test_parsers_whole_and_streamed_agree(parser, text, expected_content, expect
                       for d in pieces if d is not None for p in d.tool_calls or ()]
     assert streamed_calls == expected
     assert "".join(d.content or "" for d in pieces if d is not None) == (expected_content or "")
+
+
+# Chat templates of each family, cut to what matters: ChatML turns (so SmolLM2 runs them) plus the family's tool-call
+# instructions, whose markers imply the parser.
+_CHATML_TURNS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "<|im_start|>assistant\n")
+FAMILY_TEMPLATES = {
+    "hermes": "{% if tools %}For each call return <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call>"
+              "{% endif %}" + _CHATML_TURNS,
+    "llama3_json": "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools %}{{- 'Environment: "
+                   "ipython\\n' }}{%- endif %}" + _CHATML_TURNS,
+    "mistral": "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}" + _CHATML_TURNS
+               + "{#- a reply's calls start with [TOOL_CALLS] #}",
+}
+FAMILY_REPLIES = {  # regexes forcing a reply in each family's format
+    "hermes": r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>',
+    "llama3_json": r'\{"name": "get_weather", "parameters": \{"city": "Paris"\}\}',
+    "mistral": r'\[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\]',
+}
+
+
+def test_each_family_template_implies_its_parser():
+    from serving.tool_parsers.detect import implied_tool_parser
+
+    for name, template in FAMILY_TEMPLATES.items():
+        assert implied_tool_parser(template) == name
+        assert implied_tool_parser({"default": _CHATML_TURNS, "tool_use": template}) == name
+    assert implied_tool_parser(_CHATML_TURNS) is None and implied_tool_parser(None) is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TEMPLATES))
+def test_tools_without_tool_choice_use_the_parser_the_template_implies(serving_engine, family, caplog):
+    """No --enable-auto-tool-choice / --tool-call-parser: a request with tools and no tool_choice is read with the
+    template's parser (logged once); an explicit tool_choice "auto" is still refused, as vLLM refuses it."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from serving.app import create_app
+
+    app = create_app(serving_engine, served_model_name=MODEL_NAME, chat_template=FAMILY_TEMPLATES[family])
+    body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 60, "temperature": 0,
+            "structured_outputs": {"regex": FAMILY_REPLIES[family]}}
+    try:
+        with TestClient(app) as http, caplog.at_level(logging.INFO, logger="serving.openai_server"):
+            for _ in range(2):
+                r = http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] == "tool_calls"
+                assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                        for c in choice["message"]["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+            refused = http.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
+            assert refused.status_code == 400 and "--enable-auto-tool-choice" in refused.json()["error"]["message"]
+    finally:
+        app.state.server.engine.shutdown()
+    chosen = [r.getMessage() for r in caplog.records if "chat template implies" in r.getMessage()]
+    assert len(chosen) == 1 and f"the {family} parser" in chosen[0]

@@ -17,6 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
+from transformers.utils.chat_template_utils import _compile_jinja_template
+
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (they would change what is returned).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_tensors", "return_dict",
                                        "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
@@ -33,17 +36,23 @@ def load_chat_template(chat_template: str | None) -> str | None:
     an inline Jinja template (it has ``{``, ``}`` or a newline).
 
     Raises:
-      ValueError: ``chat_template`` looks like a path but cannot be read.
+      ValueError: ``chat_template`` looks like a path but cannot be read, or the template is not valid Jinja (compiled
+      as transformers compiles it).
     """
     if chat_template is None:
         return None
     try:
-        return Path(chat_template).read_text()
+        template = Path(chat_template).read_text()
     except OSError as exc:
         if not any(char in chat_template for char in "{}\n"):
             raise ValueError(f"chat_template {chat_template!r} looks like a file path, but it cannot be read "
                              f"({exc})") from exc
-        return chat_template
+        template = chat_template
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat_template is not a valid Jinja template: {exc}") from exc
+    return template
 
 
 def normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     server.check_prompt_logprobs(body)
     tool_choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
                                       enable_auto_tool_choice=server.enable_auto_tool_choice,
-                                      tool_parser=server.tool_parser.name if server.tool_parser else None)
+                                      tool_parser=server.tool_parser.name if server.tool_parser else None,
+                                      implied_tool_parser=server.implied_tool_parser)
     text = await server.render_chat(body.messages, body)
     ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
                                               truncating=body.truncate_prompt_tokens is not None),
@@ -44,7 +45,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
-    keep_special = tool_choice.mode == "auto" and not server.tool_parser.skip_special_tokens
+    tool_parser = server.tool_call_parser(tool_choice)
+    keep_special = tool_parser is not None and not tool_parser.skip_special_tokens
     params = server.generation_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
                                       prompt_logprobs=body.prompt_logprobs, tool_schema=tool_choice.schema,
                                       skip_special_tokens=False if keep_special else None)
@@ -88,7 +90,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
 
 def _choice_output(server: OpenAIServer, body: ChatCompletionRequest, tool_choice: ToolChoice,
                    prompt: str) -> ChoiceOutput:
-    return ChoiceOutput(tool_choice, server.tool_parser, server.reasoning_parser, prompt, body.include_reasoning)
+    return ChoiceOutput(tool_choice, server.tool_call_parser(tool_choice), server.reasoning_parser, prompt,
+                        body.include_reasoning)
 
 
 def _echoed_content(body: ChatCompletionRequest, role: str) -> str:

@@ -4,6 +4,8 @@
   ``"none"`` needs ``tools``.
 * ``"none"``: the tools still reach the chat template; the reply is plain content.
 * ``"auto"``: needs ``--enable-auto-tool-choice`` and ``--tool-call-parser``; the parser reads calls from the reply.
+  Without them, a request that gives ``tools`` and no ``tool_choice`` is read with the parser the chat template
+  implies (``serving.tool_parsers.detect``), where it implies one.
 * ``"required"``: the reply is constrained (a JSON schema) to a JSON list of ``{"name", "parameters"}`` objects, one
   per call, at least one (exactly one with ``parallel_tool_calls: false``).
 * ``{"type": "function", "function": {"name": X}}``: the reply is constrained to X's ``parameters`` schema and is
@@ -24,12 +26,14 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 @dataclasses.dataclass
 class ToolChoice:
     """A request's resolved tool choice: ``mode`` (none / auto / required / named), the named function, the JSON
-    schema the reply is constrained to (required / named), the most calls kept (``parallel_tool_calls: false``)."""
+    schema the reply is constrained to (required / named), the most calls kept (``parallel_tool_calls: false``), the
+    name of the parser that reads an ``auto`` reply's calls."""
 
     mode: str = "none"
     function_name: str | None = None
     schema: dict | None = None
     max_calls: int | None = None
+    parser_name: str | None = None
 
 
 def _function_of(tool: Any, index: int) -> dict:
@@ -45,9 +49,14 @@ def _function_of(tool: Any, index: int) -> dict:
 
 
 def resolve_tool_choice(tools: list | None, tool_choice: Any, parallel_tool_calls: bool | None, *,
-                        enable_auto_tool_choice: bool, tool_parser: str | None) -> ToolChoice:
-    """The request's ``ToolChoice``; APIError 400 naming ``tools`` / ``tool_choice`` when they do not fit."""
+                        enable_auto_tool_choice: bool, tool_parser: str | None,
+                        implied_tool_parser: str | None = None) -> ToolChoice:
+    """The request's ``ToolChoice``; APIError 400 naming ``tools`` / ``tool_choice`` when they do not fit.
+    ``implied_tool_parser``: the parser the chat template implies, used when ``tool_choice`` is not given and the
+    server has no ``--enable-auto-tool-choice`` / ``--tool-call-parser``."""
     functions = [_function_of(tool, i) for i, tool in enumerate(tools or [])]
+    if tool_choice is None and not (enable_auto_tool_choice and tool_parser):
+        enable_auto_tool_choice, tool_parser = implied_tool_parser is not None, implied_tool_parser
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
     max_calls = 1 if parallel_tool_calls is False else None
@@ -59,7 +68,7 @@ def resolve_tool_choice(tools: list | None, tool_choice: Any, parallel_tool_call
         if not (enable_auto_tool_choice and tool_parser):
             raise APIError(400, 'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
                                 '--tool-call-parser to be set', param="tool_choice")
-        return ToolChoice("auto", max_calls=max_calls)
+        return ToolChoice("auto", max_calls=max_calls, parser_name=tool_parser)
     if tool_choice == "required":
         items = [{"type": "object",
                   "properties": {"name": {"type": "string", "enum": [f["name"]]},
