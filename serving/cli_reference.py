@@ -7,8 +7,7 @@ nargs, default, choices, help) and the parsers' argument groups, from the functi
 ``serving.cli.build_parser`` (``paged-jax serve``), ``paged_jax.entrypoints.cli.build_generate_parser`` (``paged-jax
 generate``), ``serving.run_batch.build_run_batch_parser`` (``paged-jax run-batch``) and ``serving.bench``'s
 (``paged-jax bench serve|throughput|latency``). Defaults are shown as they are in an environment without
-``PAGED_JAX_*`` variables (some defaults
-read one), so the text does not depend on the machine. tests/test_cli_reference.py fails when docs/cli.md differs.
+``PAGED_JAX_*`` variables (some defaults read one), so the text does not depend on the machine. tests/test_cli_reference.py fails when docs/cli.md differs.
 """
 
 from __future__ import annotations
