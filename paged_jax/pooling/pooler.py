@@ -63,6 +63,7 @@ class PoolingForward(SingleProgramForward):
 
     def __init__(self, pooler: PoolerConfig):
         super().__init__(pooled_row_outputs(pooler))
+        self.pooler = pooler  # configuration of the compiled programs (executable_cache.runner_fingerprint)
 
 
 def finalize(pooled: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.ndarray:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import msgspec
 import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -276,7 +277,8 @@ def describe(value: Any) -> str | None:
         return None if any(None in kv for kv in items) else f"dict({sorted(items)})"
     if isinstance(value, jax.Device):
         return f"{value.platform}:{value.device_kind}:{value.id}"
-    if isinstance(value, jax.sharding.Sharding) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+    if isinstance(value, (jax.sharding.Sharding, msgspec.Struct)) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)):
         return _ADDRESS.sub("", repr(value))
     if hasattr(value, "dtype") and not hasattr(value, "shape"):  # a jnp scalar type
         return repr(np.dtype(value))
@@ -322,6 +324,7 @@ def runner_fingerprint(runner) -> str:
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)),
         "model": _model_description(runner),
         "runner": (type(runner).__qualname__, describe_attributes(runner)),
+        "forward": (type(runner.forward_strategy).__qualname__, describe_attributes(runner.forward_strategy)),
         "lora": runner.lora_slots and describe_attributes(runner.lora_slots),
     }
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:40]
