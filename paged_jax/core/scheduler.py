@@ -219,6 +219,7 @@ class Scheduler:
         if planned is not None:
             step.budget += planned[1]
         self._leave_running(victim)
+        victim.spec_token_ids = []
         # A swap-out after a swap-in in the same step could reuse the host blocks the swap-in reads: recompute.
         if self.preemption_mode == "swap" and not step.swap_in and self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
@@ -253,6 +254,8 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            if request.spec_token_ids:
+                num_new = self._with_drafts(request, num_new, budget)
             if kv.num_pending_copies >= MAX_BLOCK_COPIES and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             if not allocate_slots(request, num_new):
@@ -268,6 +271,20 @@ class Scheduler:
             planned[request.request_id] = (request, num_new)
             budget -= num_new
         step.budget = budget
+
+    def _with_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """Speculative decoding: a decoding request whose row the runner holds computes its drafts with its next
+        token, as many as fit the step's budget, ``max_model_len`` (every draft position must be one) and
+        ``max_tokens`` (tokens past it would never be kept); any other request drops them. Returns its new-token
+        count, drafts included."""
+        drafts = request.spec_token_ids
+        num_drafts = 0
+        if num_new == 1 and request.runner_num_tokens >= 0:
+            num_drafts = min(len(drafts), budget - 1, self.max_model_len - request.num_tokens)
+            if request.max_tokens is not None:
+                num_drafts = min(num_drafts, request.max_tokens - request.num_output_tokens - 1)
+        request.spec_token_ids = drafts[:max(num_drafts, 0)]
+        return num_new + len(request.spec_token_ids)
 
     def _schedule_waiting(self, step: "_StepPlan") -> None:
         """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow."""
@@ -354,13 +371,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: Mapping[str, int] | Sequence[int | None]) -> list[Request]:
+                           sampled_token_ids: Mapping[str, int] | Sequence[int | None],
+                           accepted_token_ids: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Apply a step's results; returns the requests that produced a token (finished ones included).
 
         ``sampled_token_ids``: request_id -> token id, or a sequence aligned with the step's rows (the runner's
         ``StepOutput.sampled_token_ids``; entries of rows that do not sample are ignored). Requests finished or
-        aborted since ``schedule()`` are skipped.
+        aborted since ``schedule()`` are skipped. ``accepted_token_ids``: request_id -> the leading drafts the
+        verification kept, for every row of ``scheduler_output.spec_token_ids`` (``_apply_drafts``).
         """
+        spec = scheduler_output.spec_token_ids
+        if spec and accepted_token_ids is None:
+            raise ValueError("update_from_output: the step verified drafts; pass accepted_token_ids")
         requests_of_rows = scheduler_output.requests
         if isinstance(sampled_token_ids, Mapping):
             tokens = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
@@ -384,6 +406,11 @@ class Scheduler:
                 if request.num_computed_tokens != starts[row]:
                     raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
                                        "update_from_output once per schedule(), in order")
+                if spec and request.request_id in spec:
+                    self._apply_drafts(request, num_scheduled[row], spec[request.request_id],
+                                       accepted_token_ids[request.request_id], int(tokens[row]))
+                    changed.append(request)
+                    continue
                 request.num_computed_tokens += num_scheduled[row]
                 cache_full_blocks(request)
                 if not samples:
@@ -408,6 +435,24 @@ class Scheduler:
                 request.held = True
             changed.append(request)
         return changed
+
+    def _apply_drafts(self, request: Request, num_scheduled: int, drafts: list[int], accepted: list[int],
+                      token: int) -> None:
+        """A row that verified ``drafts``: its accepted ones and then ``token`` (the target's sample after the last
+        accepted one) become outputs one by one, so a stop token or a length limit inside the run ends it there; the
+        rejected drafts' K/V is rolled back (not counted as computed: the next step overwrites their slots)."""
+        if accepted != drafts[:len(accepted)]:
+            raise ValueError(f"accepted tokens of {request.request_id!r} are not a prefix of its drafts")
+        request.spec_token_ids = []
+        for new_token in (*accepted, token):
+            request.output_token_ids.append(new_token)
+            status = self._check_stop(request)
+            if status is not None:
+                self._leave_running(request)
+                self._finish(request, status)
+                return
+        request.num_computed_tokens += num_scheduled - (len(drafts) - len(accepted))
+        self.kv.cache_full_blocks(request)
 
     # ------------------------------------------------------------------ forking (n > 1, best_of, beam search)
     def _fork_pending(self, parent: Request) -> None:

@@ -37,6 +37,7 @@ from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
 from paged_jax.outputs import make_logprob_dict
+from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.structured_output import StructuredOutputManager
 from paged_jax.worker.step_io import PendingStep, StepOutput
 
@@ -100,6 +101,9 @@ class EngineCore:
         self._groups: dict[str, _Group] = {}  # unfinished requests
         self._seq_of: dict[str, tuple[_Group, int]] = {}  # scheduler request id -> (group, sequence index)
         self.async_scheduling = bool(engine_args.async_scheduling)
+        # Speculative decoding (EngineArgs refuses it with async scheduling): drafts proposed after each step.
+        spec_config = engine_args.speculative_config
+        self.spec_decoder = SpecDecoder(spec_config) if spec_config is not None else None
         self._batch_queue: collections.deque[_InFlightStep] = collections.deque()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -188,12 +192,16 @@ class EngineCore:
             for seq in group.seqs.values():
                 self.scheduler.abort_request(seq.request_id)  # a pending fork is dropped with its parent
                 self._seq_of.pop(seq.request_id, None)
+                if self.spec_decoder is not None:
+                    self.spec_decoder.forget(seq.request_id)
         for request_id, index in sequences:
             group = self._groups.get(request_id)
             seq = group.seqs.get(index) if group is not None else None
             if seq is not None:
                 self.scheduler.finish_request(seq.request_id, "stop")
                 self._sequence_done(group, seq, index)
+                if self.spec_decoder is not None:
+                    self.spec_decoder.forget(seq.request_id)
 
     def _sequence_done(self, group: _Group, seq: Request, index: int) -> None:
         del group.seqs[index]
@@ -225,11 +233,19 @@ class EngineCore:
             return outputs
         result = handle.result()
         outputs += self._prompt_logprob_outputs(scheduler_output, result)
-        progressed = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids.tolist())
+        tokens = result.sampled_token_ids.tolist()
+        accepted, first_output = None, {}
+        if scheduler_output.spec_token_ids:  # the rows' new outputs start at their current count
+            accepted = self.spec_decoder.verify(scheduler_output, result, tokens)
+            first_output = {r.request_id: r.num_output_tokens for r in scheduler_output.requests
+                            if r.request_id in accepted}
+        progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
         if progressed:
             row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
-            self._token_outputs(((row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed), result,
-                                outputs)
+            self._token_outputs(((row_of[r.request_id], r, first_output.get(r.request_id, r.num_output_tokens - 1))
+                                 for r in progressed), result, outputs)
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(progressed, self.scheduler.num_running)
         return outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -303,12 +319,20 @@ class EngineCore:
     # ------------------------------------------------------------------ outputs
     def _token_outputs(self, rows: Iterable[tuple[int, Request, int]], result: StepOutput,
                        outputs: list[EngineCoreOutput]) -> None:
-        """Append the output of each ``(row, request, output index)`` whose token is known; advance the beam
-        searches that got every beam's token."""
+        """Append the output of each ``(row, request, output index)`` whose token is known (a row that verified
+        drafts: its tokens from that index on); advance the beam searches that got every beam's token."""
         seq_of = self._seq_of
         beam_groups = []
+        draft_rows = result.draft_rows or {}
         for row, request, output_index in rows:
             group, index = seq_of[request.request_id]
+            if row in draft_rows:
+                tokens = request.output_token_ids[output_index:]
+                outputs.append(self._token_output(group, index, request, tokens, result, row))
+                self.generation_tokens_total += len(tokens)
+                if request.is_finished:
+                    self._sequence_done(group, request, index)
+                continue
             token = request.output_token_ids[output_index]
             if request.grammar is not None:
                 request.grammar.accept(token)
@@ -322,7 +346,7 @@ class EngineCore:
                     result.top_logprobs[row][:2 * group.beam_search.params.beam_width], _no_text))
                 beam_groups.append(group)
                 continue
-            outputs.append(self._token_output(group, index, request, token, result, row))
+            outputs.append(self._token_output(group, index, request, [token], result, row))
             if request.is_finished:
                 self._sequence_done(group, request, index)
         for group in beam_groups:
@@ -333,17 +357,20 @@ class EngineCore:
                     outputs += search.outputs()
                     del self._groups[group.request_id]
 
-    def _token_output(self, group: _Group, index: int, request: Request, token: int, result: StepOutput,
+    def _token_output(self, group: _Group, index: int, request: Request, tokens: list[int], result: StepOutput,
                       row: int) -> EngineCoreOutput:
+        """The output of ``tokens``, the sequence's new tokens: one, or a verifying row's, whose logprobs are the
+        target's at the draft positions and after the last draft (``_logprob_sources``)."""
         params = request.params
-        output = EngineCoreOutput(group.request_id, index, [token])
+        output = EngineCoreOutput(group.request_id, index, tokens)
+        sources = _logprob_sources(result, row, len(tokens))
         if params.logprobs is not None:
             k = params.logprobs
-            output.new_logprobs = [TokenLogprobs(token, float(result.logprobs[row]), int(result.ranks[row]),
-                                                 result.top_token_ids[row][:k].tolist(),
-                                                 result.top_logprobs[row][:k].tolist())]
+            output.new_logprobs = [TokenLogprobs(token, float(out.logprobs[i]), int(out.ranks[i]),
+                                                 out.top_token_ids[i][:k].tolist(), out.top_logprobs[i][:k].tolist())
+                                   for token, (out, i) in zip(tokens, sources)]
         if group.cumulative_logprobs is not None:
-            group.cumulative_logprobs[index] += float(result.logprobs[row])
+            group.cumulative_logprobs[index] += sum(float(out.logprobs[i]) for out, i in sources)
             output.cumulative_logprob = group.cumulative_logprobs[index]
         if not group.reported_start:
             group.reported_start = True
@@ -413,6 +440,16 @@ class EngineCore:
         """Stop the runner's threads and the grammar compiler's."""
         self.structured_outputs.close()
         self.runner.close()
+
+
+def _logprob_sources(result: StepOutput, row: int, num_tokens: int) -> list[tuple[StepOutput, int]]:
+    """Where the logprobs of a row's ``num_tokens`` new tokens are: ``(outputs, index)`` each. A verifying row's
+    token i was sampled at its draft position i (``result.draft_outputs``), its k + 1-th after its last draft (the
+    row's own); any other row's one token at the row."""
+    positions = (result.draft_rows or {}).get(row)
+    if positions is None:
+        return [(result, row)]
+    return [(result.draft_outputs, positions[i]) if i < len(positions) else (result, row) for i in range(num_tokens)]
 
 
 def _no_text(token_id: int) -> None:

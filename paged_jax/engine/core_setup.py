@@ -21,7 +21,7 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
-from paged_jax.worker.buckets import planned_num_compiles
+from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
@@ -78,6 +78,10 @@ def step_limits(args: EngineArgs, max_model_len: int, on_accelerator: bool) -> t
     return min(max_num_seqs, max_num_batched_tokens), max_num_batched_tokens
 
 
+def _num_speculative_tokens(args: EngineArgs) -> int:
+    return 0 if args.speculative_config is None else args.speculative_config.num_speculative_tokens
+
+
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
                   max_num_batched_tokens: int) -> tuple[int, int]:
     """(device KV blocks, host swap blocks) for the loaded model and the limits: what the device's memory leaves after
@@ -91,7 +95,8 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         loaded.memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-        device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes)
+        device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
+        num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)))
     num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
     num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
                                            swap_space_gib=args.swap_space)
@@ -148,7 +153,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         num_host_blocks=num_host_blocks, eos_token_ids=loaded.eos_token_ids, attention_impl=args.attention_impl,
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
-        forward=loaded.forward)  # the pipeline's staged forward with pipeline_parallel_size > 1
+        forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
+        num_speculative_tokens=_num_speculative_tokens(args))
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                       num_host_blocks=num_host_blocks)
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,

@@ -84,6 +84,15 @@ def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap
     return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap
 
 
+def sample_rows_needed(num_tokens: int, num_seqs: int, num_speculative_tokens: int) -> int:
+    """Positions a ``(num_tokens, num_seqs)`` bucket may sample: one per sequence, and with speculative decoding
+    one more per draft token (each draft is one of the step's tokens, at most ``num_speculative_tokens`` per
+    sequence)."""
+    if not num_speculative_tokens:
+        return num_seqs
+    return min(num_seqs + num_tokens, num_seqs * (1 + num_speculative_tokens))
+
+
 def pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
     """Smallest bucket (by tokens, then seqs) that holds the batch."""
     for bucket_tokens, bucket_seqs in buckets:  # sorted by tokens then seqs
