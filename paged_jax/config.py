@@ -104,7 +104,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # Speculative decoding (vLLM's --speculative-config): a dict or its JSON text, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; parsed into a ``paged_jax.spec_decode.SpeculativeConfig`` here.
-    speculative_config: dict | str | SpeculativeConfig | None = None
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:

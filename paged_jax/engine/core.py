@@ -404,13 +404,15 @@ class EngineCore:
         """Scheduler gauges and counters plus token totals. Keys: num_running, num_waiting, num_unfinished_requests,
         kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins, num_gpu_blocks / num_cpu_blocks,
         prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total, generation_tokens_total, num_steps,
-        num_compiles_since_warmup."""
+        num_compiles_since_warmup; with speculative decoding vLLM's counters (``SpecDecodingStats.as_stats``)."""
         stats = dict(self.scheduler.stats())
         stats["num_unfinished_requests"] = len(self._groups)
         stats["prompt_tokens_total"] = self.prompt_tokens_total
         stats["generation_tokens_total"] = self.generation_tokens_total
         stats["num_steps"] = self.num_steps
         stats["num_compiles_since_warmup"] = self.runner.num_compiles_since_warmup
+        if self.spec_decoder is not None:
+            stats.update(self.spec_decoder.stats.as_stats())
         return stats
 
     def add_lora(self, lora_request) -> bool:

@@ -79,6 +79,9 @@ _FLAG_HELP = {
     "max_loras": "most LoRA adapters in one batch (device slots)",
     "max_lora_rank": "largest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept in host memory (default: --max-loras)",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\" or \"suffix\", "
+                          "\"num_speculative_tokens\": k, ...} (vLLM's keys: prompt_lookup_min / _max, "
+                          "suffix_decoding_*, disable_by_batch_size)",
 }
 
 

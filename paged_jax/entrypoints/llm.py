@@ -19,6 +19,7 @@ from paged_jax.config import EngineArgs
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.lora.request import LoRARequest
+from paged_jax.metrics import Metric, metrics_from_stats
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -53,6 +54,11 @@ class LLM:
         """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``): later prompts compute their KV again,
         e.g. so that a benchmark's warm-up cannot serve its timed run."""
         self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's gauges and counters as vLLM's ``LLM.get_metrics`` gives them (``paged_jax.metrics``: names
+        ``vllm:...``; with speculative decoding its counters and the per-position ``Vector``)."""
+        return metrics_from_stats(self.llm_engine.stats())
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with

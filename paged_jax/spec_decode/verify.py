@@ -48,13 +48,30 @@ class SpecDecodingStats:
         for pos in range(accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verifying step of a sequence: 1 (the target's own) + accepted drafts per draft (vLLM's)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+    def as_stats(self) -> dict[str, float]:
+        """As engine stats: flat numbers (summed over data-parallel replicas), vLLM's names without the prefix; the
+        per-position counts as ``spec_decode_num_accepted_tokens_per_pos.<position>``."""
+        stats = {f"{STATS_PREFIX}num_drafts": self.num_drafts, f"{STATS_PREFIX}num_draft_tokens": self.num_draft_tokens,
+                 f"{STATS_PREFIX}num_accepted_tokens": self.num_accepted_tokens}
+        for pos, count in enumerate(self.num_accepted_tokens_per_pos):
+            stats[f"{PER_POS_KEY}.{pos}"] = count
+        return stats
 
-    def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
-                "mean_acceptance_length": self.mean_acceptance_length}
+
+STATS_PREFIX = "spec_decode_"
+PER_POS_KEY = "spec_decode_num_accepted_tokens_per_pos"
+
+
+def per_position(stats: dict) -> list[int]:
+    """The per-position accepted counts out of engine stats (``SpecDecodingStats.as_stats``)."""
+    counts = {int(key.rsplit(".", 1)[1]): int(value) for key, value in stats.items() if key.startswith(PER_POS_KEY)}
+    return [counts[pos] for pos in sorted(counts)]
+
+
+def mean_acceptance_length(stats: dict) -> float | None:
+    """Tokens per verifying step of a sequence, vLLM's mean acceptance length: 1 (the target's own) + accepted
+    drafts per draft, from engine stats; None without speculative decoding or drafts."""
+    drafts = stats.get(f"{STATS_PREFIX}num_drafts")
+    if not drafts:
+        return None
+    return 1.0 + stats[f"{STATS_PREFIX}num_accepted_tokens"] / drafts
