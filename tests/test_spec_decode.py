@@ -243,7 +243,7 @@ def test_rollback_under_preemption(plain_engine, prompts):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     many = prompts * 2
     expected = [out.outputs[0].token_ids for out in run_to_completion(plain_engine, many, params)]
-    engine = LLMEngine(EngineArgs(**{**ENGINE_SETTINGS, "num_gpu_blocks_override": 14},
+    engine = LLMEngine(EngineArgs(**{**ENGINE_SETTINGS, "max_model_len": 96, "num_gpu_blocks_override": 14},
                                   speculative_config=dict(NGRAM)), use_tqdm=False)
     got = [out.outputs[0].token_ids for out in run_to_completion(engine, many, params)]
     assert got == expected

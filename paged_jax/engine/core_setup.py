@@ -111,7 +111,7 @@ def _log_pool_and_compiles(args: EngineArgs, runner, num_blocks: int, num_host_b
                 "(%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv_tokens,
                 num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, kv_tokens / max_model_len)
     num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
-                                        num_blocks=num_blocks)
+                                        num_blocks=num_blocks, num_speculative_tokens=_num_speculative_tokens(args))
     logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
                 len(runner.buckets), "" if args.compilation_cache_dir == "" else
                 "; the JAX compilation cache makes later starts faster")

@@ -72,13 +72,13 @@ def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
 
 
 def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
-                         num_blocks: int = 1 << 20) -> int:
+                         num_blocks: int = 1 << 20, num_speculative_tokens: int = 0) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
     (forward buckets + sampler seq buckets x (variants + the grammar bitmask) + prompt logprobs per token bucket +
     a gather and a scatter per swap-copy size when ``swap``)."""
     buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
-    max_seq_bucket = max(s for _, s in buckets)
-    num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
+    rows = [sample_rows_needed(t, s, num_speculative_tokens) for t, s in buckets]
+    num_sampler_buckets = len({sampler_rows_for(r, max(rows)) for r in rows})
     num_token_buckets = len({t for t, _ in buckets})
     num_swap = 2 * len(swap_sizes_for(num_blocks)) if swap else 0
     return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap
