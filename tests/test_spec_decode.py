@@ -308,3 +308,19 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_checkpoint):
     assert chi_square_pvalue(tokens[:, 1], second) > 1e-3
     assert chi_square_pvalue(tokens[:, 2], third) > 1e-3
     assert engine.engine_core.runner.num_compiles_since_warmup == 0
+
+
+def test_prometheus_exports_spec_decode_counters_only_with_drafts():
+    from serving.metrics import _EngineStatsCollector
+
+    collector = _EngineStatsCollector("vllm", {"model_name": "m", "engine": "0"}, {})
+    collector.update({"num_running": 1})
+    assert not [f for f in collector.collect() if f.name.startswith("vllm:spec_decode")]
+    collector.update({"num_running": 1, "spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 9,
+                      "spec_decode_num_accepted_tokens": 4, "spec_decode_num_accepted_tokens_per_pos.0": 3,
+                      "spec_decode_num_accepted_tokens_per_pos.1": 1})
+    samples = {(s.name, s.labels.get("position")): s.value for f in collector.collect() for s in f.samples}
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == 3
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == 4
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] == 3
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 1
