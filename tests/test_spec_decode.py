@@ -324,3 +324,17 @@ def test_prometheus_exports_spec_decode_counters_only_with_drafts():
     assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == 4
     assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] == 3
     assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 1
+
+
+def test_speculative_config_flag():
+    import argparse
+
+    from paged_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 6}'])
+    assert EngineArgs(**engine_kwargs(args)).speculative_config == SpeculativeConfig("suffix", 6)
+    args = parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    with pytest.raises(ValueError, match="speculative_config.method='mtp' is not supported"):
+        EngineArgs(**engine_kwargs(args))
