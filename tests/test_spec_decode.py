@@ -289,21 +289,23 @@ def chi_square_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 def test_sampled_tokens_keep_the_target_distribution(tiny_checkpoint):
-    """Temperature 1 on a 20-token vocabulary, 1500 seeds: the second and third sampled tokens (sampled at draft
-    positions, after accepted or rejected drafts) follow the target's exact laws (chi-square)."""
+    """Temperature 1 on a 20-token vocabulary, 1500 seeds: the second and third sampled tokens (sampled at the first
+    and second draft positions of a step verifying two drafts, or after them) follow the target's exact laws
+    (chi-square)."""
     prompt, temperature, num_seeds = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], 1.0, 1500
     engine = LLMEngine(EngineArgs(model=str(tiny_checkpoint), max_model_len=32, max_num_seqs=16,
                                   max_num_batched_tokens=64, num_gpu_blocks_override=300, seed=0,
                                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                       "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
                        use_tqdm=False)
-    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=seed, ignore_eos=True)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=seed, ignore_eos=True)
               for seed in range(num_seeds)]
     tokens = np.array([out.outputs[0].token_ids for out in
                        run_to_completion(engine, [{"prompt_token_ids": prompt}] * num_seeds, params)])
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] >= num_seeds // 4
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_num_accepted_tokens_per_pos.1"] > 0  # some third tokens followed two kept drafts
     second, third = exact_marginals(tiny_checkpoint, prompt, temperature)
     assert chi_square_pvalue(tokens[:, 1], second) > 1e-3
     assert chi_square_pvalue(tokens[:, 2], third) > 1e-3
