@@ -237,17 +237,21 @@ def test_llm_get_metrics_has_vllm_spec_decode_counters(spec_llms, prompts):
     assert metrics["vllm:generation_tokens"].value > 0
 
 
-def test_rollback_under_preemption(plain_engine, prompts):
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_rollback_under_preemption(preemption_mode, plain_engine, prompts):
     """A pool too small for the batch: drafts' slots are allocated and rolled back while sequences are preempted
-    and recomputed; outputs equal those without drafts."""
+    (recomputed, or swapped out with their draft slots and back in); outputs equal those without drafts."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     many = prompts * 2
     expected = [out.outputs[0].token_ids for out in run_to_completion(plain_engine, many, params)]
     engine = LLMEngine(EngineArgs(**{**ENGINE_SETTINGS, "max_model_len": 96, "num_gpu_blocks_override": 14},
-                                  speculative_config=dict(NGRAM)), use_tqdm=False)
+                                  speculative_config=dict(NGRAM), preemption_mode=preemption_mode, swap_space=0.05),
+                       use_tqdm=False)
     got = [out.outputs[0].token_ids for out in run_to_completion(engine, many, params)]
     assert got == expected
-    assert engine.stats()["num_preemptions"] > 0 and engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert (stats["num_swap_outs"] > 0) == (preemption_mode == "swap")
     assert_clean(engine)
 
 
