@@ -344,3 +344,20 @@ def test_speculative_config_flag():
     args = parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
     with pytest.raises(ValueError, match="speculative_config.method='mtp' is not supported"):
         EngineArgs(**engine_kwargs(args))
+
+
+def test_tensor_parallel_engine_verifies_drafts(tiny_checkpoint):
+    """tp = 2 (two of the 8 virtual CPU devices) with ngram drafts: greedy outputs equal one device's without
+    drafts."""
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2][:n]} for n in (12, 9, 6)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    settings = dict(model=str(tiny_checkpoint), max_model_len=32, max_num_seqs=4, max_num_batched_tokens=32,
+                    num_gpu_blocks_override=40, seed=0)
+    expected = [out.outputs[0].token_ids for out in
+                run_to_completion(LLMEngine(EngineArgs(**settings), use_tqdm=False), prompts, params)]
+    engine = LLMEngine(EngineArgs(**settings, tensor_parallel_size=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+        use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in run_to_completion(engine, prompts, params)] == expected
+    assert engine.stats()["spec_decode_num_drafts"] > 0
+    assert_clean(engine)
