@@ -361,3 +361,19 @@ def test_tensor_parallel_engine_verifies_drafts(tiny_checkpoint):
     assert [out.outputs[0].token_ids for out in run_to_completion(engine, prompts, params)] == expected
     assert engine.stats()["spec_decode_num_drafts"] > 0
     assert_clean(engine)
+
+
+def test_structured_output_rows_decode_without_drafts_beside_drafting_rows(spec_llms, plain_engine, prompts):
+    """A constrained sequence (no drafts: its grammar masks one next token per step) and free ones in the same
+    steps: every output equals the engine's without drafts."""
+    from paged_jax.sampling_params import StructuredOutputsParams
+
+    params = [SamplingParams(max_tokens=12, temperature=0,
+                             structured_outputs=StructuredOutputsParams(regex="(one two )+three"))] + [
+        SamplingParams(max_tokens=12, temperature=0)] * (len(prompts) - 1)
+    expected = run_to_completion(plain_engine, prompts, params)
+    engine = spec_llms(NGRAM).llm_engine
+    before = engine.stats()["spec_decode_num_drafts"]
+    assert_same_outputs(run_to_completion(engine, prompts, params), expected)
+    assert engine.stats()["spec_decode_num_drafts"] > before
+    assert_clean(engine)
