@@ -377,3 +377,25 @@ def test_structured_output_rows_decode_without_drafts_beside_drafting_rows(spec_
     assert_same_outputs(run_to_completion(engine, prompts, params), expected)
     assert engine.stats()["spec_decode_num_drafts"] > before
     assert_clean(engine)
+
+
+def test_lora_rows_verify_drafts_with_their_adapter(smollm2_dir, tmp_path_factory, prompts):
+    """Rows with and without an adapter in the same steps, each verifying drafts: outputs equal a LoRA engine's
+    without drafts (every draft token runs with its row's adapter)."""
+    from lora_adapters import make_peft_model
+    from paged_jax.lora.request import LoRARequest
+
+    _, paths = make_peft_model(smollm2_dir, tmp_path_factory.mktemp("adapters"))
+    settings = dict(model=str(smollm2_dir), enable_lora=True, max_loras=1, max_lora_rank=16, **ENGINE_SETTINGS)
+    lora = LoRARequest("attn-r8", 1, paths["attn-r8"])
+    params = SamplingParams(max_tokens=12, temperature=0)
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [out.outputs[0].token_ids for out in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts] * 2, params, use_tqdm=False,
+            lora_request=[lora] * len(prompts) + [None] * len(prompts))]
+
+    expected = run(LLM(use_tqdm=False, **settings))
+    llm = LLM(use_tqdm=False, speculative_config=dict(NGRAM), **settings)
+    assert run(llm) == expected
+    assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
