@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from typing import Literal
 
+from paged_jax.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.worker.sampler import LOGPROBS_MODES
 
@@ -119,6 +120,9 @@ class EngineArgs:
     # of the distribution sampled from ("processed_*": after penalties, temperature, min-p, top-k, top-p).
     enable_sleep_mode: bool = False
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
+    # Speculative decoding (vLLM's --speculative-config): a dict or its JSON text, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4}; parsed into a ``paged_jax.spec_decode.SpeculativeConfig`` here.
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -166,6 +170,13 @@ class EngineArgs:
         check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
               f"must be >= max_loras ({self.max_loras})")
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is not None:
+            # Combinations whose steps do not carry drafts yet: refused rather than run without them.
+            for name, value in (("async_scheduling", self.async_scheduling),
+                                ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+                                ("nnodes", self.nnodes > 1)):
+                check(not value, name, "is not supported with speculative_config")
         from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES
 
         check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",

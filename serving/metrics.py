@@ -36,6 +36,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from paged_jax.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POS
+from paged_jax.spec_decode.verify import per_position
+
 if TYPE_CHECKING:
     from paged_jax.outputs import RequestOutput
     from serving.async_engine import RequestStream
@@ -79,24 +82,6 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
-# (metric name without prefix, engine stats key, documentation)
-_ENGINE_GAUGES = (
-    ("num_requests_running", "num_running", "Number of requests in model execution batches."),
-    ("num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
-    ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
-    # vLLM's name before 0.9, still on its published dashboard: the same value.
-    ("gpu_cache_usage_perc", "kv_cache_usage",
-     "GPU KV-cache usage. 1 means 100 percent usage. Same as kv_cache_usage_perc (vLLM's older name)."),
-)
-_ENGINE_COUNTERS = (
-    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
-    ("num_preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
-    ("prompt_tokens", "prompt_tokens_total", "Number of prefill tokens processed."),
-    ("generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),
-)
-
-
 class _EngineStatsCollector(Collector):
     """Yields gauges/counters from the latest engine stats snapshot, and ``cache_config_info`` (vLLM's info gauge,
     permanently 1, whose labels are the cache configuration)."""
@@ -117,7 +102,11 @@ class _EngineStatsCollector(Collector):
             stats = dict(self._stats)
         label_names = list(self._labels)
         samples = [(list(labels.values()), source) for labels, source in engine_series(self._labels, stats)]
-        for family_type, specs in ((GaugeMetricFamily, _ENGINE_GAUGES), (CounterMetricFamily, _ENGINE_COUNTERS)):
+        spec = [(GaugeMetricFamily, ENGINE_GAUGES), (CounterMetricFamily, ENGINE_COUNTERS)]
+        if any(SPEC_DECODE_COUNTERS[0][1] in source for _, source in samples):
+            spec.append((CounterMetricFamily, SPEC_DECODE_COUNTERS))
+            yield _per_position_family(f"{self._prefix}:{SPEC_DECODE_PER_POS[0]}", label_names, samples)
+        for family_type, specs in spec:
             for name, key, doc in specs:
                 # CounterMetricFamily appends "_total" itself.
                 family = family_type(f"{self._prefix}:{name}", doc, labels=label_names)
@@ -131,6 +120,15 @@ class _EngineStatsCollector(Collector):
 
 
 CACHE_CONFIG_INFO_DOC = "Information of the LLMEngine CacheConfig"
+
+
+def _per_position_family(name: str, label_names: list[str], samples: list) -> CounterMetricFamily:
+    """vLLM's ``spec_decode_num_accepted_tokens_per_pos``: one counter per draft position (label ``position``)."""
+    family = CounterMetricFamily(name, SPEC_DECODE_PER_POS[1], labels=[*label_names, "position"])
+    for values, source in samples:
+        for position, count in enumerate(per_position(source)):
+            family.add_metric([*values, str(position)], float(count))
+    return family
 
 
 def engine_series(labels: Mapping[str, str], stats: Mapping) -> list[tuple[dict[str, str], Mapping]]:

@@ -28,9 +28,9 @@ from typing import Iterator, Mapping
 
 from prometheus_client import Counter, Gauge, Histogram, values
 
-from serving.metrics import (_ENGINE_COUNTERS, _ENGINE_GAUGES, CACHE_CONFIG_INFO_DOC, ENGINE_INDEX, ITERATION_TOKENS,
-                             ITERATION_TOKENS_BUCKETS, LABEL_NAMES, StepTokens, cache_config_info_labels,
-                             check_prefix, engine_series)
+from paged_jax.metrics import ENGINE_COUNTERS, ENGINE_GAUGES
+from serving.metrics import (CACHE_CONFIG_INFO_DOC, ENGINE_INDEX, ITERATION_TOKENS, ITERATION_TOKENS_BUCKETS,
+                             LABEL_NAMES, StepTokens, cache_config_info_labels, check_prefix, engine_series)
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,9 @@ class EngineProcessMetrics:
         self._cache_config = dict(cache_config)
         # registry=None: nothing here is collected in-process; the servers read the files.
         self._gauges = [(key, Gauge(f"{prefix}:{name}", doc, LABEL_NAMES, multiprocess_mode="mostrecent",
-                                    registry=None)) for name, key, doc in _ENGINE_GAUGES]
+                                    registry=None)) for name, key, doc in ENGINE_GAUGES]
         self._counters = [(key, Counter(f"{prefix}:{name}", doc, LABEL_NAMES, registry=None))
-                          for name, key, doc in _ENGINE_COUNTERS]
+                          for name, key, doc in ENGINE_COUNTERS]
         self._counted: dict[tuple[str, str], float] = {}  # (stats key, engine label) -> value counted so far
         self._iteration_tokens = Histogram(f"{prefix}:{ITERATION_TOKENS[0]}", ITERATION_TOKENS[1], LABEL_NAMES,
                                            buckets=ITERATION_TOKENS_BUCKETS, registry=None).labels(**self._labels)

@@ -43,8 +43,9 @@ class HandScheduler:
         builder = StepBuilder()
         for req_id, num_new in num_new_tokens.items():
             request = self.requests[req_id]
-            if request.num_computed_tokens + num_new > request.num_tokens:
-                raise ValueError(f"{req_id!r}: {num_new} new tokens, but only {request.num_tokens} are known")
+            known = request.num_tokens + len(request.spec_token_ids)  # drafts (``Request.spec_token_ids``) follow
+            if request.num_computed_tokens + num_new > known:
+                raise ValueError(f"{req_id!r}: {num_new} new tokens, but only {known} are known")
             builder.add(request, num_new)
         for parent, children in (forks or {}).items():
             for child in children:

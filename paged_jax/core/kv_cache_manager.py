@@ -270,6 +270,12 @@ class KVCacheManager:
         holding them has been registered in the cache."""
         del request.block_hashes[token_index // self.block_size:]
 
+    def stats(self) -> dict[str, float]:
+        """The pool's share of the engine's stats (``Scheduler.stats``)."""
+        return {"kv_cache_usage": self.usage, "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits, "num_gpu_blocks": self.num_blocks,
+                "num_cpu_blocks": self.num_host_blocks}
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of ``request.all_token_ids``.
 

@@ -101,6 +101,9 @@ class Request:
     # (-1: no row) and its first block ids; the scheduler sends the rest as a diff.
     runner_num_tokens: int = -1
     runner_num_blocks: int = 0
+    # Speculative decoding: draft tokens proposed to follow its tokens (``paged_jax.spec_decode``); the scheduler
+    # computes them with its next token and trims them to what fits, the step's verification keeps the accepted ones.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     # The stop rule's constants, read from ``params`` once (``_read_stop_rule``).
     max_tokens: int | None = dataclasses.field(init=False, default=None)
     min_tokens: int = dataclasses.field(init=False, default=0)
@@ -171,6 +174,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def startable(self) -> bool:
+        """Whether admission may start it: not held (beam search) and its grammar, if any, compiled."""
+        return not self.held and (self.grammar is None or self.grammar.is_ready)
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -113,6 +113,9 @@ class SchedulerOutput:
         rows are masked by it).
       requests / samples: the scheduler's own view of the rows (its ``Request`` per row and whether the row samples),
         read back by ``update_from_output``; the runner does not read them (a decoded step has no ``requests``).
+      spec_token_ids: req_id -> list[int] the draft tokens a running row computes after its known tokens
+        (speculative decoding; its ``num_scheduled_tokens`` count them): the runner feeds them and samples the
+        target at each of their positions as well as at the last one.
     """
 
     scheduled_cached_reqs: CachedRequestData
@@ -127,6 +130,7 @@ class SchedulerOutput:
     grammars: dict[str, Any]
     requests: list[Any]
     samples: list[bool]
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -188,6 +192,7 @@ class StepBuilder:
         self.forks: list[tuple[NewRequestData, str]] = []
         self._fork_requests: list[Request] = []
         self.grammars: dict[str, Any] = {}
+        self.spec_token_ids: dict[str, list[int]] = {}
         self._last_samples = False
 
     def add(self, request: Request, num_new: int) -> bool:
@@ -211,7 +216,12 @@ class StepBuilder:
             num_prompt = len(request.prompt_token_ids)
             num_tokens = num_prompt + len(output_token_ids)
             num_computed = request.num_computed_tokens
-            samples = num_computed + num_new == num_tokens
+            spec = request.spec_token_ids
+            if spec:  # drafts follow the known tokens (only rows the runner holds get them: the scheduler's rule)
+                self.spec_token_ids[request.request_id] = spec
+                samples = num_computed + num_new - len(spec) == num_tokens
+            else:
+                samples = num_computed + num_new == num_tokens
             held_tokens = request.runner_num_tokens
             if held_tokens < 0:
                 self.new_reqs.append(new_request_data(request))
@@ -259,7 +269,7 @@ class StepBuilder:
             num_scheduled_tokens=num_new + new_num_new, fork_rows=self.forks, finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids, block_copies=block_copies, swap_out=swap_out, swap_in=swap_in,
             grammars=self.grammars, requests=requests + new_requests + self._fork_requests,
-            samples=samples + new_samples + [True] * len(self.forks))
+            samples=samples + new_samples + [True] * len(self.forks), spec_token_ids=self.spec_token_ids)
 
 
 class _RemoteGrammar:
@@ -288,6 +298,7 @@ class StepMessage(msgspec.Struct, array_like=True):
     grammar_req_ids: list[str]
     samples: list[bool]
     lora_slots: dict[int, int] | None = None
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 _STEP_ENCODER = msgspec.msgpack.Encoder()
@@ -300,7 +311,7 @@ def encode_step(scheduler_output: SchedulerOutput, lora_slots: dict[int, int] | 
     return _STEP_ENCODER.encode(StepMessage(
         out.scheduled_cached_reqs, out.scheduled_new_reqs, out.num_scheduled_tokens, out.fork_rows,
         out.finished_req_ids, out.preempted_req_ids, out.block_copies, out.swap_out, out.swap_in,
-        list(out.grammars), out.samples, lora_slots))
+        list(out.grammars), out.samples, lora_slots, out.spec_token_ids))
 
 
 def decode_step(data: bytes) -> tuple[SchedulerOutput, dict[int, int] | None]:
@@ -313,4 +324,4 @@ def decode_step(data: bytes) -> tuple[SchedulerOutput, dict[int, int] | None]:
         finished_req_ids=message.finished_req_ids, preempted_req_ids=message.preempted_req_ids,
         block_copies=message.block_copies, swap_out=message.swap_out, swap_in=message.swap_in,
         grammars=dict.fromkeys(message.grammar_req_ids, REMOTE_GRAMMAR), requests=[],
-        samples=message.samples), message.lora_slots
+        samples=message.samples, spec_token_ids=message.spec_token_ids), message.lora_slots

@@ -16,24 +16,19 @@ Order of work in ``schedule()``:
      longest prefix-cache hit. A prompt longer than the remaining budget is chunked (``enable_chunked_prefill``) so it
      never stalls the running streams. With policy="priority" a waiting request that does not fit may preempt running
      requests of strictly lower priority.
-  3. Long prefills (more than ``long_prefill_token_threshold`` tokens left, vLLM's meaning of "long") of running
-     requests are left out of step 1 and take the budget after step 2, so a short prompt that arrives while long
-     ones are prefilled gets its first token in the next step rather than after them; step 2 leaves them at least
-     half of its budget, so they never starve. In a step that starts a short prompt, every long prefill after it
-     gets at most the threshold (vLLM V1's cap), so that step, which the short prompt's first token waits for, stays
-     about as quick as a decode step. At most ``max_long_partial_prefills`` long prompts are partway through their
-     prefill at once: a long waiting prompt that would stay partial beyond that is passed over for the shorter
-     ones behind it (vLLM's queue jump).
+  3. Long prefills (more than ``long_prefill_token_threshold`` tokens left, vLLM's "long") of running requests
+     take what step 2 left (at least half the budget); with FCFS, short prompts queued behind long ones are admitted
+     first, and in a step that starts one every long prefill gets at most the threshold (vLLM V1's cap), so a short
+     prompt's first token never waits behind long prefills. At most ``max_long_partial_prefills`` long prompts are
+     partway through their prefill; another long one waits and shorter ones jump it (vLLM's queue jump).
+Speculative decoding (``paged_jax.core.drafts``): a decoding request's drafts are computed with its next token.
 
-Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``): a request's ``pending_forks`` are forked
-from it in the step that samples its first token: that step carries one extra row per child with no new tokens
-(``SchedulerOutput.fork_rows``), which samples the child's first token from the parent's last prompt position, and
-``update_from_output`` then gives the child the parent's blocks. Admission keeps ``reserved_seats`` running slots
-free for them. Beam search holds a request after each sampled token (``Request.hold_after_sample``) until the beam
-search has forked, re-pointed (``replace_last_token``) or dropped it and calls ``resume``.
-Preemption of a forked sequence is that of any request: recompute drops its references (the siblings keep the
-shared blocks) and re-prefills its own prompt + outputs later; swap copies its blocks, shared ones included, to the
-host pool, and it comes back in blocks of its own.
+Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``) are forked from their parent in the step
+that samples its first token, one extra row per child (``SchedulerOutput.fork_rows``), which ``update_from_output``
+then gives the parent's blocks; admission keeps ``reserved_seats`` free for them. Beam search holds a request after
+each token (``Request.hold_after_sample``) until it has forked, re-pointed (``replace_last_token``) or dropped it and
+calls ``resume``. A forked sequence is preempted as any request (recompute drops its references; swap copies its
+blocks, shared ones included).
 """
 
 from __future__ import annotations
@@ -45,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.core.sched_output import SchedulerOutput, StepBuilder
+from paged_jax.core.drafts import apply_drafts, with_drafts
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus, check_stop, stops_on_token
 
@@ -75,10 +71,6 @@ class _Admission:
     reserved: int
     num_partial_long: int
     passed_over: set[str] = dataclasses.field(default_factory=set)
-
-
-def _grammar_ready(request: Request) -> bool:
-    return request.grammar is None or request.grammar.is_ready
 
 
 class Scheduler:
@@ -223,12 +215,11 @@ class Scheduler:
         return (request.arrival_time, seq)
 
     def _peek_waiting(self, skip: set[str]) -> Request | None:
-        if (self.policy == "fcfs" and not skip
-                and (not self.waiting or (_grammar_ready(self.waiting[0]) and not self.waiting[0].held))):
+        if self.policy == "fcfs" and not skip and (not self.waiting or self.waiting[0].startable):
             return self.waiting[0] if self.waiting else None
         # Requests whose grammar still compiles (structured outputs) or that are held (beam search) wait without
         # blocking those behind them.
-        candidates = [r for r in self.waiting if r.request_id not in skip and not r.held and _grammar_ready(r)]
+        candidates = [r for r in self.waiting if r.request_id not in skip and r.startable]
         if not candidates:
             return None
         if self.policy == "priority":
@@ -256,6 +247,7 @@ class Scheduler:
         if planned is not None:
             step.budget += planned[1]
         self._leave_running(victim)
+        victim.spec_token_ids = []
         # A swap-out after a swap-in in the same step could reuse the host blocks the swap-in reads: recompute.
         if self.preemption_mode == "swap" and not step.swap_in and self.kv.can_swap_out(victim):
             step.swap_out.extend(self.kv.swap_out(victim))
@@ -294,6 +286,8 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            if request.spec_token_ids:
+                num_new = with_drafts(request, num_new, budget, self.max_model_len)
             if kv.num_pending_copies >= MAX_BLOCK_COPIES * kv.num_groups and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             if not allocate_slots(request, num_new):
@@ -324,7 +318,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted in this step
                 continue
-            if self.kv.num_pending_copies >= MAX_BLOCK_COPIES and self.kv.needs_copy(request):
+            if self.kv.num_pending_copies >= MAX_BLOCK_COPIES * self.kv.num_groups and self.kv.needs_copy(request):
                 continue
             num_new = min(request.num_tokens_to_compute, step.budget)
             if step.short_prefill_started:
@@ -355,7 +349,7 @@ class Scheduler:
         if self.policy != "fcfs" or self.waiting[0].num_tokens_to_compute <= threshold:
             return []
         return [r for r in itertools.islice(self.waiting, self.max_num_seqs)
-                if r.num_tokens_to_compute <= threshold and not r.held and _grammar_ready(r)
+                if r.num_tokens_to_compute <= threshold and r.startable
                 and r.request_id not in step.preempted]
 
     def _try_admit(self, request: Request, step: "_StepPlan", admission: "_Admission") -> bool | None:
@@ -454,13 +448,18 @@ class Scheduler:
         return True
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: Mapping[str, int] | Sequence[int | None]) -> list[Request]:
+                           sampled_token_ids: Mapping[str, int] | Sequence[int | None],
+                           accepted_token_ids: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Apply a step's results; returns the requests that produced a token (finished ones included).
 
         ``sampled_token_ids``: request_id -> token id, or a sequence aligned with the step's rows (the runner's
         ``StepOutput.sampled_token_ids``; entries of rows that do not sample are ignored). Requests finished or
-        aborted since ``schedule()`` are skipped.
+        aborted since ``schedule()`` are skipped. ``accepted_token_ids``: request_id -> the leading drafts the
+        verification kept, for every row of ``scheduler_output.spec_token_ids`` (``drafts.apply_drafts``).
         """
+        spec = scheduler_output.spec_token_ids
+        if spec and accepted_token_ids is None:
+            raise ValueError("update_from_output: the step verified drafts; pass accepted_token_ids")
         requests_of_rows = scheduler_output.requests
         if isinstance(sampled_token_ids, Mapping):
             tokens = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
@@ -484,6 +483,16 @@ class Scheduler:
                 if request.num_computed_tokens != starts[row]:
                     raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
                                        "update_from_output once per schedule(), in order")
+                if spec and request.request_id in spec:
+                    status = apply_drafts(request, num_scheduled[row], spec[request.request_id],
+                                          accepted_token_ids[request.request_id], int(tokens[row]), max_model_len)
+                    if status is not None:
+                        self._leave_running(request)
+                        self._finish(request, status)
+                    else:
+                        cache_full_blocks(request)
+                    changed.append(request)
+                    continue
                 request.num_computed_tokens += num_scheduled[row]
                 cache_full_blocks(request)
                 if not samples:
@@ -583,15 +592,6 @@ class Scheduler:
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def stats(self) -> dict[str, float]:
-        return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting + self._num_pending_forks,
-            "num_preemptions": self.num_preemptions,
-            "num_swap_outs": self.num_swap_outs,
-            "num_swap_ins": self.num_swap_ins,
-            "kv_cache_usage": self.kv.usage,
-            "prefix_cache_queries": self.kv.prefix_cache_queries,
-            "prefix_cache_hits": self.kv.prefix_cache_hits,
-            "num_gpu_blocks": self.kv.num_blocks,
-            "num_cpu_blocks": self.kv.num_host_blocks,
-        }
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting + self._num_pending_forks,
+                "num_preemptions": self.num_preemptions, "num_swap_outs": self.num_swap_outs,
+                "num_swap_ins": self.num_swap_ins, **self.kv.stats()}

@@ -39,6 +39,7 @@ from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, Promp
 from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.outputs import make_logprob_dict
 from paged_jax.pooling.pooler import PoolingAccumulator
+from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.structured_output import StructuredOutputManager
 from paged_jax.worker.step_io import PendingStep, StepOutput
 
@@ -104,6 +105,9 @@ class EngineCore:
         self._groups: dict[str, _Group] = {}  # unfinished requests
         self._seq_of: dict[str, tuple[_Group, int]] = {}  # scheduler request id -> (group, sequence index)
         self.async_scheduling = bool(engine_args.async_scheduling)
+        # Speculative decoding (EngineArgs refuses it with async scheduling): drafts proposed after each step.
+        spec_config = engine_args.speculative_config
+        self.spec_decoder = SpecDecoder(spec_config) if spec_config is not None else None
         self._batch_queue: collections.deque[_InFlightStep] = collections.deque()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -202,12 +206,16 @@ class EngineCore:
             for seq in group.seqs.values():
                 self.scheduler.abort_request(seq.request_id)  # a pending fork is dropped with its parent
                 self._seq_of.pop(seq.request_id, None)
+                if self.spec_decoder is not None:
+                    self.spec_decoder.forget(seq.request_id)
         for request_id, index in sequences:
             group = self._groups.get(request_id)
             seq = group.seqs.get(index) if group is not None else None
             if seq is not None:
                 self.scheduler.finish_request(seq.request_id, "stop")
                 self._sequence_done(group, seq, index)
+                if self.spec_decoder is not None:
+                    self.spec_decoder.forget(seq.request_id)
 
     def _sequence_done(self, group: _Group, seq: Request, index: int) -> None:
         del group.seqs[index]
@@ -251,11 +259,19 @@ class EngineCore:
         if result.pooled is not None:
             self.pooling.record(scheduler_output.requests, scheduler_output.row_num_computed_tokens(),
                                 scheduler_output.num_scheduled_tokens, result.pooled)
-        progressed = self.scheduler.update_from_output(scheduler_output, result.sampled_token_ids.tolist())
+        tokens = result.sampled_token_ids.tolist()
+        accepted, first_output = None, {}
+        if scheduler_output.spec_token_ids:  # the rows' new outputs start at their current count
+            accepted = self.spec_decoder.verify(scheduler_output, result, tokens)
+            first_output = {r.request_id: r.num_output_tokens for r in scheduler_output.requests
+                            if r.request_id in accepted}
+        progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
         if progressed:
             row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
-            self._token_outputs(((row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed), result,
-                                outputs)
+            self._token_outputs(((row_of[r.request_id], r, first_output.get(r.request_id, r.num_output_tokens - 1))
+                                 for r in progressed), result, outputs)
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(progressed, self.scheduler.num_running)
         return outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -329,12 +345,20 @@ class EngineCore:
     # ------------------------------------------------------------------ outputs
     def _token_outputs(self, rows: Iterable[tuple[int, Request, int]], result: StepOutput,
                        outputs: list[EngineCoreOutput]) -> None:
-        """Append the output of each ``(row, request, output index)`` whose token is known; advance the beam
-        searches that got every beam's token."""
+        """Append the output of each ``(row, request, output index)`` whose token is known (a row that verified
+        drafts: its tokens from that index on); advance the beam searches that got every beam's token."""
         seq_of = self._seq_of
         beam_groups = []
+        draft_rows = result.draft_rows or {}
         for row, request, output_index in rows:
             group, index = seq_of[request.request_id]
+            if row in draft_rows:
+                tokens = request.output_token_ids[output_index:]
+                outputs.append(self._token_output(group, index, request, tokens, result, row))
+                self.generation_tokens_total += len(tokens)
+                if request.is_finished:
+                    self._sequence_done(group, request, index)
+                continue
             token = request.output_token_ids[output_index]
             if request.grammar is not None:
                 request.grammar.accept(token)
@@ -349,7 +373,7 @@ class EngineCore:
                     result.top_logprobs[row][:2 * group.beam_search.params.beam_width], _no_text))
                 beam_groups.append(group)
                 continue
-            outputs.append(self._token_output(group, index, request, token, result, row))
+            outputs.append(self._token_output(group, index, request, [token], result, row))
             if request.is_finished:
                 self._sequence_done(group, request, index)
         for group in beam_groups:
@@ -360,17 +384,20 @@ class EngineCore:
                     outputs += search.outputs()
                     del self._groups[group.request_id]
 
-    def _token_output(self, group: _Group, index: int, request: Request, token: int, result: StepOutput,
+    def _token_output(self, group: _Group, index: int, request: Request, tokens: list[int], result: StepOutput,
                       row: int) -> EngineCoreOutput:
+        """The output of ``tokens``, the sequence's new tokens: one, or a verifying row's, whose logprobs are the
+        target's at the draft positions and after the last draft (``_logprob_sources``)."""
         params = request.params
-        output = EngineCoreOutput(group.request_id, index, [token])
+        output = EngineCoreOutput(group.request_id, index, tokens)
+        sources = _logprob_sources(result, row, len(tokens))
         if params.logprobs is not None:
             k = params.logprobs
-            output.new_logprobs = [TokenLogprobs(token, float(result.logprobs[row]), int(result.ranks[row]),
-                                                 result.top_token_ids[row][:k].tolist(),
-                                                 result.top_logprobs[row][:k].tolist())]
+            output.new_logprobs = [TokenLogprobs(token, float(out.logprobs[i]), int(out.ranks[i]),
+                                                 out.top_token_ids[i][:k].tolist(), out.top_logprobs[i][:k].tolist())
+                                   for token, (out, i) in zip(tokens, sources)]
         if group.cumulative_logprobs is not None:
-            group.cumulative_logprobs[index] += float(result.logprobs[row])
+            group.cumulative_logprobs[index] += sum(float(out.logprobs[i]) for out, i in sources)
             output.cumulative_logprob = group.cumulative_logprobs[index]
         if not group.reported_start:
             group.reported_start = True
@@ -406,13 +433,15 @@ class EngineCore:
         """Scheduler gauges and counters plus token totals. Keys: num_running, num_waiting, num_unfinished_requests,
         kv_cache_usage (0..1), num_preemptions, num_swap_outs, num_swap_ins, num_gpu_blocks / num_cpu_blocks,
         prefix_cache_queries / prefix_cache_hits (tokens), prompt_tokens_total, generation_tokens_total, num_steps,
-        num_compiles_since_warmup."""
+        num_compiles_since_warmup; with speculative decoding vLLM's counters (``SpecDecodingStats.as_stats``)."""
         stats = dict(self.scheduler.stats())
         stats["num_unfinished_requests"] = len(self._groups)
         stats["prompt_tokens_total"] = self.prompt_tokens_total
         stats["generation_tokens_total"] = self.generation_tokens_total
         stats["num_steps"] = self.num_steps
         stats["num_compiles_since_warmup"] = self.runner.num_compiles_since_warmup
+        if self.spec_decoder is not None:
+            stats.update(self.spec_decoder.stats.as_stats())
         return stats
 
     def add_lora(self, lora_request) -> bool:
@@ -471,6 +500,16 @@ class EngineCore:
         """Stop the runner's threads and the grammar compiler's."""
         self.structured_outputs.close()
         self.runner.close()
+
+
+def _logprob_sources(result: StepOutput, row: int, num_tokens: int) -> list[tuple[StepOutput, int]]:
+    """Where the logprobs of a row's ``num_tokens`` new tokens are: ``(outputs, index)`` each. A verifying row's
+    token i was sampled at its draft position i (``result.draft_outputs``), its k + 1-th after its last draft (the
+    row's own); any other row's one token at the row."""
+    positions = (result.draft_rows or {}).get(row)
+    if positions is None:
+        return [(result, row)]
+    return [(result.draft_outputs, positions[i]) if i < len(positions) else (result, row) for i in range(num_tokens)]
 
 
 def _no_text(token_id: int) -> None:

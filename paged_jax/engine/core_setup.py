@@ -22,7 +22,7 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
-from paged_jax.worker.buckets import planned_num_compiles
+from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
@@ -86,6 +86,10 @@ def long_prefill_threshold(args: EngineArgs, max_model_len: int) -> int:
     return max(1, int(max_model_len * 0.04))
 
 
+def _num_speculative_tokens(args: EngineArgs) -> int:
+    return 0 if args.speculative_config is None else args.speculative_config.num_speculative_tokens
+
+
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
                   max_num_batched_tokens: int) -> tuple[int, int]:
     """(device KV blocks, host swap blocks) for the loaded model and the limits: what the device's memory leaves after
@@ -100,7 +104,8 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
         device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
-        mixed_groups=loaded.plan is None)
+        mixed_groups=loaded.plan is None,
+        num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)))
     num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
     num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
                                            swap_space_gib=args.swap_space, mixed_groups=loaded.plan is None)
@@ -117,7 +122,7 @@ def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_b
                 "%d (%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv.num_groups, kv_tokens,
                 num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, concurrency)
     num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
-                                        num_blocks=num_blocks)
+                                        num_blocks=num_blocks, num_speculative_tokens=_num_speculative_tokens(args))
     logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
                 len(runner.buckets), "" if args.compilation_cache_dir == "" else
                 "; the JAX compilation cache makes later starts faster")
@@ -170,7 +175,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
-        logprobs_mode=args.logprobs_mode)
+        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args))
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(

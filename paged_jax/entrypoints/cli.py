@@ -87,6 +87,9 @@ _FLAG_HELP = {
     "enable_sleep_mode": "allow sleep / wake_up (free the weights' and KV pool's device memory between rollouts)",
     "logprobs_mode": "logprobs reported: raw_logprobs / raw_logits of the model, or processed_logprobs / "
                      "processed_logits of the distribution sampled from (after penalties, temperature, top-k/p)",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\" or \"suffix\", "
+                          "\"num_speculative_tokens\": k, ...} (vLLM's keys: prompt_lookup_min / _max, "
+                          "suffix_decoding_*, disable_by_batch_size)",
 }
 
 

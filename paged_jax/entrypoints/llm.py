@@ -21,6 +21,7 @@ from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.generation_config import sampling_defaults
 from paged_jax.entrypoints.llm_pooling import PoolingMethods
 from paged_jax.lora.request import LoRARequest
+from paged_jax.metrics import Metric, metrics_from_stats
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -92,6 +93,11 @@ class LLM(PoolingMethods):
 
     def resume_generation(self) -> None:
         self.llm_engine.resume_generation()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's gauges and counters as vLLM's ``LLM.get_metrics`` gives them (``paged_jax.metrics``: names
+        ``vllm:...``; with speculative decoding its counters and the per-position ``Vector``)."""
+        return metrics_from_stats(self.llm_engine.stats())
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters ``generate`` / ``chat`` use when given none (vLLM's): ``SamplingParams()`` with

@@ -72,16 +72,25 @@ def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
 
 
 def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
-                         num_blocks: int = 1 << 20) -> int:
+                         num_blocks: int = 1 << 20, num_speculative_tokens: int = 0) -> int:
     """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
     (forward buckets + sampler seq buckets x (variants + the grammar bitmask) + prompt logprobs per token bucket +
     a gather and a scatter per swap-copy size when ``swap``)."""
     buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
-    max_seq_bucket = max(s for _, s in buckets)
-    num_sampler_buckets = len({sampler_rows_for(s, max_seq_bucket) for _, s in buckets})
+    rows = [sample_rows_needed(t, s, num_speculative_tokens) for t, s in buckets]
+    num_sampler_buckets = len({sampler_rows_for(r, max(rows)) for r in rows})
     num_token_buckets = len({t for t, _ in buckets})
     num_swap = 2 * len(swap_sizes_for(num_blocks)) if swap else 0
     return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap
+
+
+def sample_rows_needed(num_tokens: int, num_seqs: int, num_speculative_tokens: int) -> int:
+    """Positions a ``(num_tokens, num_seqs)`` bucket may sample: one per sequence, and with speculative decoding
+    one more per draft token (each draft is one of the step's tokens, at most ``num_speculative_tokens`` per
+    sequence)."""
+    if not num_speculative_tokens:
+        return num_seqs
+    return min(num_seqs + num_tokens, num_seqs * (1 + num_speculative_tokens))
 
 
 def pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:

@@ -70,7 +70,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                          max_num_batched_tokens: int, gpu_memory_utilization: float,
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
                          cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None,
-                         dequantization_bytes: int = 0, mixed_groups: bool = True) -> int:
+                         dequantization_bytes: int = 0, mixed_groups: bool = True,
+                         num_sample_rows: int | None = None) -> int:
     """Number of device KV blocks (including the null block 0).
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
@@ -86,7 +87,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     step executable.
 
     ``dequantization_bytes`` (``dequantized_weight_bytes``) joins the headroom: weight-only quantized layers whose
-    matmul dequantizes in XLA need that scratch beside the activations.
+    matmul dequantizes in XLA need that scratch beside the activations. ``num_sample_rows``: the most rows a step
+    samples when more than ``max_num_seqs`` (speculative decoding samples every draft position).
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
@@ -108,7 +110,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    headroom = step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
+    headroom = step_headroom_bytes(config, dtype, max_num_seqs=max(max_num_seqs, num_sample_rows or 0),
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     dequantization_bytes=dequantization_bytes)
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)

@@ -155,7 +155,7 @@ def resolve_pooling(args: EngineArgs, config, model_path: str | None, tokenizer=
     for field in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(args, field) != 1:
             raise ValueError(f"{field}={getattr(args, field)}: the pooling runner runs on one device")
-    for field in ("async_scheduling", "enable_lora", "quantization"):
+    for field in ("async_scheduling", "enable_lora", "quantization", "speculative_config"):
         if getattr(args, field):
             raise ValueError(f"{field}={getattr(args, field)!r} is not supported with the pooling runner")
     pooler = pooler_config(convert, config, model_path, tokenizer)

@@ -43,7 +43,8 @@ from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
-from paged_jax.worker.buckets import MAX_SWAP_CHUNK, make_buckets, sampler_rows_for, swap_sizes_for
+from paged_jax.worker.buckets import (MAX_SWAP_CHUNK, make_buckets, sample_rows_needed, sampler_rows_for,
+                                     swap_sizes_for)
 from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
 from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
@@ -91,6 +92,8 @@ class ModelRunner:
       lora_slots: ``paged_jax.lora.slots.LoRASlots`` (multi-LoRA; a step argument, written by ``write_lora_slot``).
       forward: how the step runs the model (``paged_jax.worker.step_forward.StepForward``; default
         ``SingleProgramForward``: one program per bucket; pipeline parallelism passes its ``PipelineForward``).
+      num_speculative_tokens: most draft tokens a row verifies per step (speculative decoding; 0: none): each
+        bucket samples that many more positions per sequence (``buckets.sample_rows_needed``).
 
     Multi-host: with ``step_channel`` set (node 0, ``paged_jax.parallel.multihost``), each ``execute`` first
     publishes its ``SchedulerOutput`` (and a grammar step its bitmask at ``dispatch_sampling``); the other nodes run
@@ -103,7 +106,8 @@ class ModelRunner:
                  buckets: Sequence[tuple[int, int]] | None = None, max_logprobs: int | None = None,
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
                  dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
-                 forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs"):
+                 forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs",
+                 num_speculative_tokens: int = 0):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -127,8 +131,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
+        self.num_speculative_tokens = num_speculative_tokens
+        self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
-        self.sampler_seq_buckets = sorted({sampler_rows_for(s, self.seq_buckets[-1]) for s in self.seq_buckets})
+        self.sampler_seq_buckets = sorted({sampler_rows_for(sample_rows_needed(t, s, num_speculative_tokens),
+                                                            self._max_sample_rows) for t, s in self.buckets})
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
         self.logprobs_mode = logprobs_mode  # vLLM's: what the sampler's logprobs are taken of (sampler.LOGPROBS_MODES)
         self.sampler_variants = _sampler_variants(self.max_logprobs)
@@ -278,8 +285,9 @@ class ModelRunner:
         """The buffer layout of a bucket (cached: one per bucket, its field offsets computed once)."""
         layout = self._layouts.get((num_tokens, num_seqs))
         if layout is None:
+            rows = sample_rows_needed(num_tokens, num_seqs, self.num_speculative_tokens)
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
-                                sampler_rows_for(num_seqs, self.sampler_seq_buckets[-1]), self.lora_slots is not None,
+                                sampler_rows_for(rows, self._max_sample_rows), self.lora_slots is not None,
                                 self.kv_layout.num_groups)
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
@@ -342,7 +350,8 @@ class ModelRunner:
             return None
         batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
         batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
-        handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans, pooled=self.pools)
+        handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans,
+                             packed.draft_sample_rows, pooled=self.pools)
         layout = packed.layout
         sampling = SamplingArgs(packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
                                 packed.num_logprobs, packed.wants_logprobs)
@@ -449,7 +458,24 @@ class ModelRunner:
         if int((starts + num_new).max()) > self.max_model_len:
             raise ValueError(f"a step reaches {int((starts + num_new).max())} tokens, over max_model_len="
                              f"{self.max_model_len}")
-        return StepRows(batch_rows, num_new, starts, fork_parents)
+        return StepRows(batch_rows, num_new, starts, fork_parents,
+                        self._feed_drafts(scheduler_output, batch_rows) if scheduler_output.spec_token_ids else None)
+
+    def _feed_drafts(self, scheduler_output: SchedulerOutput, batch_rows: np.ndarray) -> np.ndarray:
+        """Write each row's draft tokens after its known ones (fed, not held: ``num_tokens`` stays, the next diff
+        overwrites them); returns the drafts per step row int64[n]."""
+        batch = self.input_batch
+        num_drafts = np.zeros((len(batch_rows),), np.int64)
+        for step_row, req_id in enumerate(scheduler_output.row_req_ids()):
+            drafts = scheduler_output.spec_token_ids.get(req_id)
+            if drafts:
+                row = int(batch_rows[step_row])
+                start = int(batch.num_tokens[row])
+                if start + len(drafts) > self.max_model_len:
+                    raise ValueError(f"request {req_id!r}: drafts reach past max_model_len={self.max_model_len}")
+                batch.token_ids[row, start:start + len(drafts)] = drafts
+                num_drafts[step_row] = len(drafts)
+        return num_drafts
 
     def _step_grammars(self, grammars: dict, packed) -> list | None:
         """The grammar of each packed row that samples (None: unconstrained), or None when no row has one."""

@@ -48,6 +48,9 @@ class StepOutput:
         row computes them.
       pooled: float32[num_rows, W] a pooling step's per-row pooled outputs (``paged_jax.pooling``; its rows that
         complete their prompt "sample" ``POOLED_TOKEN``), else None.
+      draft_outputs / draft_rows: speculative decoding: the same fields for the target's samples at every draft
+        position of the step (a ``StepOutput`` without prompt logprobs) and, per row that verified drafts, the range
+        of its positions there, in draft order; None on steps without drafts.
     """
 
     sampled_token_ids: np.ndarray
@@ -57,6 +60,17 @@ class StepOutput:
     top_logprobs: np.ndarray | None = None
     prompt_logprobs: list[PromptLogprobsChunk | None] | None = None
     pooled: np.ndarray | None = None
+    draft_outputs: "StepOutput | None" = None
+    draft_rows: dict[int, range] | None = None
+
+
+def _sampler_rows(host: list[np.ndarray], rows: np.ndarray) -> StepOutput:
+    """The sampler's host outputs (tokens, then logprob, top ids, top logprobs, rank when fetched) at sample rows
+    ``rows`` int64[n]."""
+    out = StepOutput(sampled_token_ids=host[0][rows].astype(np.int32))
+    if len(host) > 1:
+        out.logprobs, out.top_token_ids, out.top_logprobs, out.ranks = (host[i][rows] for i in (1, 2, 3, 4))
+    return out
 
 
 # The token a pooling row "samples" when its prompt is complete: its one output token, which ends it (max_tokens=1).
@@ -69,17 +83,20 @@ class PendingStep:
     ``device_outputs`` is the pair (sampler outputs, prompt-logprob outputs) of tuples of device arrays to fetch (their
     host copies already started by ``ModelRunner.run_sampling``; the second is empty unless some row gave prompt-logprob
     targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
-    ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``pooled``: a pooling
-    step (its one output is the pooled rows).
+    ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``draft_sample_rows``:
+    per input row that verifies drafts, the sample rows int64[k] of its draft positions (speculative decoding).
+    ``pooled``: a pooling step (its one output is the pooled rows).
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
-                 prompt_spans: list[tuple[int, int] | None] | None = None, pooled: bool = False):
+                 prompt_spans: list[tuple[int, int] | None] | None = None,
+                 draft_sample_rows: dict[int, np.ndarray] | None = None, pooled: bool = False):
         self._pooled = pooled
         self._device_outputs = device_outputs
         self._rows_to_packed = rows_to_packed
         self._sampled_rows = sampled_rows
         self._prompt_spans = prompt_spans
+        self._draft_sample_rows = draft_sample_rows
         self._result: StepOutput | None = None
 
     def set_device_outputs(self, device_outputs) -> None:
@@ -115,14 +132,14 @@ class PendingStep:
                                           pooled=host[0][rows])
                 self._device_outputs = ()
                 return self._result
-            tokens = host[0][rows].astype(np.int32)
-            tokens[~self._sampled_rows] = -1
-            out = StepOutput(sampled_token_ids=tokens)
-            if len(host) > 1:  # (tokens, logprob, top ids, top logprobs, rank)
-                out.logprobs = host[1][rows]
-                out.top_token_ids = host[2][rows]
-                out.top_logprobs = host[3][rows]
-                out.ranks = host[4][rows]
+            out = _sampler_rows(host, rows)
+            out.sampled_token_ids[~self._sampled_rows] = -1
+            if self._draft_sample_rows:
+                out.draft_rows, start = {}, 0
+                for row, sample_rows in self._draft_sample_rows.items():
+                    out.draft_rows[row] = range(start, start + len(sample_rows))
+                    start += len(sample_rows)
+                out.draft_outputs = _sampler_rows(host, np.concatenate(list(self._draft_sample_rows.values())))
             if prompt_outputs:  # (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs f32[T, K])
                 arrays = [np.asarray(x) for x in prompt_outputs]
                 out.prompt_logprobs = [

@@ -27,12 +27,14 @@ _GREEDY_OR_TEMPERATURE = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE
 @dataclasses.dataclass
 class StepRows:
     """A step's rows in step order: batch rows int64[n], new tokens int64[n], tokens in the pool before the step
-    int64[n], and ``fork_parents``: per fork row (the last ones) the step row of the row it samples from."""
+    int64[n], ``fork_parents``: per fork row (the last ones) the step row of the row it samples from, and
+    ``num_drafts`` int64[n]: draft tokens among each row's new tokens (speculative decoding; None: none)."""
 
     batch_rows: np.ndarray
     num_new: np.ndarray
     starts: np.ndarray
     fork_parents: list[int]
+    num_drafts: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -47,6 +49,8 @@ class PackedStep:
       prompt_targets: int32[T] prompt-logprob targets, or None; prompt_spans: per step row ``(first packed token,
         count)`` or None.
       packed_batch_rows: int64[n] the batch row of each packed row; packed_sampled: bool[n] whether it samples.
+      draft_sample_rows: per step row that verifies drafts, the sample rows int64[k] of its draft positions (after
+        the n rows' own), or None.
     """
 
     buf: np.ndarray
@@ -62,6 +66,7 @@ class PackedStep:
     prompt_spans: list | None
     packed_batch_rows: np.ndarray
     packed_sampled: np.ndarray
+    draft_sample_rows: dict[int, np.ndarray] | None = None
 
 
 def pack_order(num_new: np.ndarray, num_forks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +94,9 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     batch_rows, q_lens, starts = rows.batch_rows[order], rows.num_new[order], rows.starts[order]
     num_rows = len(batch_rows)
     ends = starts + q_lens
-    sampled = ends == batch.num_tokens[batch_rows]
+    num_drafts = None if rows.num_drafts is None else rows.num_drafts[order]
+    known_ends = ends if num_drafts is None else ends - num_drafts  # drafts follow the row's known tokens
+    sampled = known_ends == batch.num_tokens[batch_rows]
     if num_forks:
         sampled[num_rows - num_forks:] = True
     num_tokens = int(q_lens.sum())
@@ -117,6 +124,10 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     logits_indices[:num_rows] = cu - 1
     for fork_row, parent in enumerate(rows.fork_parents):
         logits_indices[num_rows - num_forks + fork_row] = cu[rows_to_packed[parent]] - 1
+    sample_batch_rows, sample_ends, draft_sample_rows = batch_rows, ends, None
+    if num_drafts is not None:
+        sample_batch_rows, sample_ends, draft_sample_rows = _draft_sample_rows(
+            num_drafts, batch_rows, ends, cu, order, logits_indices)
     pack_block_copies(block_copies, views["copy_src"], views["copy_dst"], num_blocks)
 
     if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
@@ -133,13 +144,38 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     if lora:
         views["lora_slot_ids"][:num_tokens] = _lora_slots(batch, batch_rows, lora_slots)[token_rows]
 
-    sampling = _pack_sampling(batch, batch_rows, sampled, ends, views["sampling"], layout.num_sample_rows,
-                              max_logprobs)
+    sample_rows_sampled = np.concatenate([sampled, np.ones((len(sample_ends) - num_rows,), bool)])
+    sampling = _pack_sampling(batch, sample_batch_rows, sample_rows_sampled, sample_ends, views["sampling"],
+                              layout.num_sample_rows, max_logprobs)
     prompt_targets, prompt_spans = _prompt_logprob_targets(batch, batch_rows, starts, q_lens, cu, bucket_tokens,
                                                            rows_to_packed)
     return PackedStep(buf=buf, layout=layout, **sampling, rows_to_packed=rows_to_packed,
                       sampled=sampled[rows_to_packed], prompt_targets=prompt_targets, prompt_spans=prompt_spans,
-                      packed_batch_rows=batch_rows, packed_sampled=sampled)
+                      packed_batch_rows=batch_rows, packed_sampled=sampled, draft_sample_rows=draft_sample_rows)
+
+
+def _draft_sample_rows(num_drafts: np.ndarray, batch_rows: np.ndarray, ends: np.ndarray, cu: np.ndarray,
+                       order: np.ndarray, logits_indices: np.ndarray):
+    """Speculative decoding: one more sample row per draft token, after the packed rows' own (each of which samples
+    its last position, the one after its last draft). A row with k drafts fed at positions p+1..p+k (p: its last
+    known token) samples the target at p..p+k-1 too: the tokens that would follow each prefix, compared with the
+    drafts by the verification. Writes their ``logits_indices``; returns (batch row int64[n + D] and end int64[n + D]
+    (the sampled position + 1) of every sample row, {step row: its draft sample rows int64[k]})."""
+    num_rows = len(batch_rows)
+    draft_rows = np.flatnonzero(num_drafts)
+    counts = num_drafts[draft_rows]
+    owner = np.repeat(draft_rows, counts)  # the packed row of each draft sample row
+    index = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)  # draft 0..k-1 of its row
+    back = num_drafts[owner] - index  # positions before the row's last one
+    if num_rows + len(owner) > len(logits_indices):
+        raise ValueError(f"{num_rows} rows with {len(owner)} drafts exceed the bucket's {len(logits_indices)} "
+                         "sample rows")
+    logits_indices[num_rows:num_rows + len(owner)] = cu[owner] - 1 - back
+    sample_rows = num_rows + np.arange(len(owner))
+    splits = np.split(sample_rows, np.cumsum(counts)[:-1])
+    by_step_row = {int(order[packed]): rows for packed, rows in zip(draft_rows.tolist(), splits)}
+    return (np.concatenate([batch_rows, batch_rows[owner]]), np.concatenate([ends, ends[owner] - back]),
+            by_step_row)
 
 
 def _feed_placeholders(batch: InputBatch, input_ids: np.ndarray, token_batch_rows: np.ndarray, q_lens: np.ndarray,
@@ -215,10 +251,12 @@ def _general_row(batch: InputBatch, row: int, step: int):
     params = batch.params[row]
     if params is None:  # a row without parameters of its own samples greedily, as padding does
         return None
-    if params.uses_penalties:
-        return params, batch.seeds[row], step, batch.prompt_token_ids(row), batch.output_token_ids(row)
-    outputs = batch.output_token_ids(row) if params.bad_words_token_ids else ()
-    return params, batch.seeds[row], step, (), outputs
+    if not (params.uses_penalties or params.bad_words_token_ids):
+        return params, batch.seeds[row], step, (), ()
+    # The outputs before the one sampled: a draft position's include the drafts before it (speculative decoding).
+    num_prompt = int(batch.num_prompt_tokens[row])
+    outputs = batch.token_ids[row, num_prompt:num_prompt + step].tolist()
+    return params, batch.seeds[row], step, batch.prompt_token_ids(row) if params.uses_penalties else (), outputs
 
 
 _PADDING_WORDS = sampler_lib.padding_row_words()

@@ -1,0 +1,230 @@
+"""Speculative decoding (issue 48): what a verify step costs, and what ngram / suffix drafts buy end to end.
+
+``verify``: the model runner for a named shape with dummy weights (default Llama-3.1-8B); for each batch B and draft
+count k, the median ``execute(...).result()`` of a step in which every one of B sequences (``--context`` cached
+tokens) computes its next token and k drafts, the target sampled at each of the k + 1 positions (one ragged step).
+k = 0 is the plain decode step, timed on a runner built without speculative decoding (its sampler runs on fewer
+rows); k >= 1 on one built with ``num_speculative_tokens = max k``. ``ratio`` = verify ms / plain decode ms: a
+draft of acceptance length L pays off when L > ratio.
+
+``e2e``: batch-1 generation through the engine (``LLMEngine``), one request at a time, on a workload whose outputs
+copy their inputs (the model is asked to repeat a passage word for word), without drafts and with each of
+``--methods``: tokens/s, speedup over plain decoding, vLLM's mean acceptance length and draft counters. Greedy, so
+every method's tokens equal the plain run's (checked, reported as ``same_tokens``). Needs a real instruct
+checkpoint (``--model``; default the built-in SmolLM2-135M-Instruct): dummy weights copy nothing.
+
+Examples (H100): ``python -m benchmarks.spec_decode verify --out $OUT/spec_verify.json``;
+``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json``.
+On CPU: ``verify --tiny --batches 1,2 --ks 0,2`` and ``e2e --max-tokens 32 --num-prompts 1`` check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.report import median_seconds, write_json
+
+PASSAGES = [
+    "The history of astronomy spans thousands of years. Early civilizations watched the sky to keep track of the "
+    "seasons, to plan harvests and to navigate across deserts and oceans. The Babylonians recorded the motions of "
+    "the planets on clay tablets, and Greek thinkers such as Aristarchus suggested that the Earth moves around the "
+    "Sun.",
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= "
+    "b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n          "
+    "  j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n",
+    "Bread was baked in Egypt, noodles were made in China, and spices travelled along trade routes that connected "
+    "distant cultures. Music, mathematics and medicine all grew through the same kind of exchange of ideas, carried "
+    "by merchants, scholars and travellers from one city to the next.",
+    "Dear team, the quarterly review is moved to Thursday at 10:00 in room 4B. Please bring the updated budget "
+    "figures, the hiring plan for the next two quarters and a short summary of the open customer issues. Thanks, "
+    "Maria.",
+]
+
+
+def _parse_ints(text: str) -> list[int]:
+    return [int(v) for v in filter(None, text.split(","))]
+
+
+# ---------------------------------------------------------------------------------------------------- verify
+def _runner(model, config, num_speculative_tokens: int, batches: list[int], args):
+    from paged_jax.worker.buckets import make_buckets
+    from paged_jax.worker.model_runner import ModelRunner
+
+    max_seqs = max(batches)
+    max_tokens = max(16, max_seqs * (1 + num_speculative_tokens))
+    blocks_per_seq = -(-(args.context + 1 + num_speculative_tokens) // args.block_size)
+    runner = ModelRunner(model, config, num_blocks=max_seqs * blocks_per_seq + 1, block_size=args.block_size,
+                         max_model_len=args.context + 64, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                         buckets=make_buckets(max_tokens, max_seqs), attention_impl=args.attention_impl,
+                         num_speculative_tokens=num_speculative_tokens)
+    runner.warm_up(use_tqdm=False)
+    return runner, blocks_per_seq
+
+
+def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, rng) -> float:
+    """Median ms of the step where ``batch`` sequences each compute their next token and ``k`` drafts."""
+    from paged_jax.core.hand_steps import HandScheduler
+    from paged_jax.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=1 << 20)
+    hand = HandScheduler()
+    vocab = min(config.vocab_size, 10000)
+    for i in range(batch):
+        request = hand.add(f"s{i}", rng.integers(0, vocab, args.context + 1).tolist(),
+                           list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)), params=params, seed=i,
+                           num_computed_tokens=args.context)
+        request.spec_token_ids = rng.integers(0, vocab, k).tolist()
+    plan = {f"s{i}": 1 + k for i in range(batch)}
+    runner.execute(hand.step(plan)).result()  # makes the rows
+    step = hand.step(plan)  # the same rows, tokens and drafts again: a diff with nothing new
+    ms = median_seconds(lambda: runner.execute(step).result(), args.repeats) * 1e3
+    for req_id in list(hand.requests):
+        hand.finish(req_id)
+    runner.execute(hand.step({}))  # drops the rows
+    return ms
+
+
+def run_verify(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import ModelConfig
+    from models.llama import fuse_projections
+    from models.loader import init_dummy_model
+    from models.presets import preset_config
+
+    if args.tiny:
+        from models.testing import tiny_config
+        config = ModelConfig.from_hf_config(tiny_config("llama", vocab_size=1024))
+    else:
+        config = preset_config(args.shape)
+    model = init_dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0)
+    import paged_jax.ops  # noqa: F401  (registers the kernels with the model)
+
+    fuse_projections(model)  # as the engine runs it
+    batches, ks = _parse_ints(args.batches), _parse_ints(args.ks)
+    rng = np.random.default_rng(0)
+    result = {"benchmark": "spec_decode_verify", "shape": "tiny" if args.tiny else args.shape, "dtype": args.dtype,
+              "device": str(jax.devices()[0].device_kind), "context": args.context,
+              "temperature": args.temperature, "cases": []}
+    plain: dict[int, float] = {}
+    for max_k in sorted({0, max(ks)}):
+        runner, blocks_per_seq = _runner(model, config, max_k, batches, args)
+        for batch in batches:
+            for k in ([0] if max_k == 0 else [k for k in ks if k > 0]):
+                ms = _time_verify(runner, blocks_per_seq, batch, k, args, config, rng)
+                if k == 0:
+                    plain[batch] = ms
+                row = {"batch": batch, "k": k, "step_ms": round(ms, 3),
+                       "ratio": round(ms / plain[batch], 3) if batch in plain else None,
+                       "num_compiles_since_warmup": runner.num_compiles_since_warmup}
+                result["cases"].append(row)
+                print(json.dumps(row), flush=True)
+        runner.close()
+        del runner
+        gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- e2e
+def _copy_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    prompts = []
+    for passage in (PASSAGES * num_prompts)[:num_prompts]:
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word, and say "
+                                                f"nothing else:\n\n{passage}"}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def _generate_one_at_a_time(engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+    from paged_jax.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    outputs, seconds = [], 0.0
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens += output.outputs[0].token_ids
+        seconds += time.perf_counter() - start
+        outputs.append(tokens)
+    return outputs, seconds
+
+
+def run_e2e(args) -> dict:
+    import jax
+
+    from paged_jax.config import EngineArgs
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.spec_decode.verify import mean_acceptance_length
+
+    result = {"benchmark": "spec_decode_e2e", "model": args.model or "smollm2-135m-instruct",
+              "device": str(jax.devices()[0].device_kind), "max_tokens": args.max_tokens, "k": args.k, "runs": []}
+    configs = [("plain", None)] + [(m, {"method": m, "num_speculative_tokens": args.k,
+                                        **({"prompt_lookup_min": 2, "prompt_lookup_max": 5} if m == "ngram" else {})})
+                                   for m in filter(None, args.methods.split(","))]
+    reference = None
+    for name, spec in configs:
+        engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len, max_num_seqs=4,
+                                      dtype=args.dtype, speculative_config=spec), use_tqdm=False)
+        prompts = _copy_prompts(engine.tokenizer, args.num_prompts)
+        _generate_one_at_a_time(engine, prompts[:1], 8)  # first-call effects
+        before = dict(engine.stats())
+        outputs, seconds = _generate_one_at_a_time(engine, prompts, args.max_tokens)
+        stats = {key: value - before.get(key, 0) for key, value in engine.stats().items()
+                 if key.startswith("spec_decode_")}
+        num_tokens = sum(map(len, outputs))
+        reference = reference or (outputs, num_tokens / seconds)
+        run = {"method": name, "tokens": num_tokens, "seconds": round(seconds, 3),
+               "tokens_per_s": round(num_tokens / seconds, 2),
+               "speedup": round(num_tokens / seconds / reference[1], 3), "same_tokens": outputs == reference[0],
+               "mean_acceptance_length": mean_acceptance_length(stats), **stats}
+        result["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        engine.engine_core.close()
+        del engine
+        gc.collect()
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="part", required=True)
+    verify = sub.add_parser("verify", help="verify-step cost against a plain decode step")
+    verify.add_argument("--shape", default="llama-3.1-8b", help="named shape (models/presets.py)")
+    verify.add_argument("--tiny", action="store_true", help="a 2-layer random config (CPU check of the script)")
+    verify.add_argument("--dtype", default="bfloat16")
+    verify.add_argument("--batches", default="1,8,64")
+    verify.add_argument("--ks", default="0,1,2,3,4,5,6,7,8", help="draft counts (0: the plain decode step)")
+    verify.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
+    verify.add_argument("--block-size", type=int, default=16)
+    verify.add_argument("--temperature", type=float, default=0.0)
+    verify.add_argument("--repeats", type=int, default=20)
+    verify.add_argument("--attention-impl", default="auto")
+    e2e = sub.add_parser("e2e", help="batch-1 tokens/s on a copy workload, plain vs ngram / suffix")
+    e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
+    e2e.add_argument("--dtype", default="auto")
+    e2e.add_argument("--methods", default="ngram,suffix")
+    e2e.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    e2e.add_argument("--num-prompts", type=int, default=4)
+    e2e.add_argument("--max-tokens", type=int, default=256)
+    e2e.add_argument("--max-model-len", type=int, default=1024)
+    for parser in (verify, e2e):
+        parser.add_argument("--out")
+    args = p.parse_args(argv)
+    result = run_verify(args) if args.part == "verify" else run_e2e(args)
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

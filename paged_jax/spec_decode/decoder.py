@@ -1,0 +1,72 @@
+"""What the engine core drives each step: propose drafts for the sequences that got tokens, then verify the drafts a
+step computed (``verify``) and count them (vLLM's metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from paged_jax.core.request import Request
+from paged_jax.core.sched_output import SchedulerOutput
+from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.ngram import NgramProposer
+from paged_jax.spec_decode.suffix import SuffixProposer
+from paged_jax.spec_decode.verify import SpecDecodingStats, num_accepted
+from paged_jax.worker.step_io import StepOutput
+
+
+class SpecDecoder:
+    """The proposer of ``config.method`` and the counters of one engine core.
+
+    Sequences that never take drafts: those with a grammar (structured outputs: the bitmask is per sampled row of
+    the sequence's next token only) and beam-search beams (held after every token); they decode one token per step,
+    with the same outputs."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        k = config.num_speculative_tokens
+        self._ngram = (NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+                       if config.method == "ngram" else None)
+        self._suffix = (SuffixProposer(k, config.suffix_decoding_max_tree_depth,
+                                       config.suffix_decoding_max_cached_requests,
+                                       config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+                        if config.method == "suffix" else None)
+
+    def propose(self, requests: Iterable[Request], num_running: int) -> None:
+        """Set the drafts (``Request.spec_token_ids``) of each request that just got tokens; finished ones leave
+        the proposer. None while ``num_running`` reaches ``disable_by_batch_size``."""
+        limit = self.config.disable_by_batch_size
+        disabled = limit is not None and num_running >= limit
+        for request in requests:
+            if request.is_finished:
+                if self._suffix is not None:
+                    self._suffix.finish(request.request_id, request.all_token_ids)
+                continue
+            if disabled or request.grammar is not None or request.hold_after_sample:
+                request.spec_token_ids = []
+                continue
+            tokens = request.all_token_ids
+            request.spec_token_ids = (self._ngram.propose(tokens) if self._ngram is not None else
+                                      self._suffix.propose(request.request_id, tokens, request.num_prompt_tokens))
+
+    def forget(self, request_id: str) -> None:
+        """A sequence aborted: drop its proposer state."""
+        if self._suffix is not None:
+            self._suffix.finish(request_id, ())
+
+    def verify(self, scheduler_output: SchedulerOutput, result: StepOutput, tokens: list[int]) -> dict[str, list[int]]:
+        """The drafts each verifying row keeps (``verify``'s module docstring): request id -> accepted drafts, for
+        ``Scheduler.update_from_output``; ``tokens`` (the step's sampled token per row) gets, for a row that rejected
+        a draft, the target's sample at that draft's position in place of the one after its last draft."""
+        accepted: dict[str, list[int]] = {}
+        targets_all = result.draft_outputs.sampled_token_ids.tolist()
+        for row, positions in result.draft_rows.items():
+            request_id = scheduler_output.requests[row].request_id
+            drafts = scheduler_output.spec_token_ids[request_id]
+            targets = targets_all[positions.start:positions.stop]
+            count = num_accepted(drafts, targets)
+            accepted[request_id] = drafts[:count]
+            if count < len(drafts):
+                tokens[row] = targets[count]
+            self.stats.observe(len(drafts), count)
+        return accepted
