@@ -8,5 +8,5 @@
 * ``serving.engine_process.start_engine_process``: an ``LLMEngine`` whose core runs in a child process (the default).
 * ``serving.protocol``: request/response models (OpenAI wire format plus vLLM's extras).
 * ``serving.metrics.ServingMetrics``: Prometheus metrics (``paged_jax:`` prefix, vLLM's names).
-* ``serving.cli.main(argv)``: the ``paged-jax`` command; ``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``.
+* ``serving.commands.main(argv)``: the ``paged-jax`` command; ``serving.cli``: ``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``.
 """

@@ -1,5 +1,5 @@
-"""The ``paged-jax`` command, and ``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``: the OpenAI-compatible
-server, with vLLM's flag names and meanings.
+"""``paged-jax serve [MODEL]`` / ``python -m serving [MODEL]``: the OpenAI-compatible server, with vLLM's flag names
+and meanings (the ``paged-jax`` command itself is ``serving.commands.main``).
 
     paged-jax serve [MODEL] [flags]          OpenAI-compatible server (``serve_main``)
     paged-jax generate --prompt TEXT ...     offline generation (``paged_jax.entrypoints.cli.generate_main``)
@@ -46,18 +46,6 @@ from serving.tool_parsers import TOOL_PARSERS
 from serving.settings import app_kwargs, engine_args_from_namespace, server_settings, uvicorn_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_USAGE = """usage: paged-jax {serve,generate,run-batch,bench} ...
-
-commands:
-  serve [MODEL] [flags]   the OpenAI-compatible server (vLLM's `vllm serve`); `paged-jax serve --help` for flags
-  generate [flags]        complete prompts offline and print them; `paged-jax generate --help` for flags
-  run-batch -i IN -o OUT  answer an OpenAI batch file (JSONL) offline (vLLM's `vllm run-batch`)
-  bench serve             load a running server: TTFT, TPOT, ITL and throughput (vLLM's `vllm bench serve`)
-  bench throughput        offline throughput on random prompts (vLLM's `vllm bench throughput`)
-  bench latency           offline latency of one batch (vLLM's `vllm bench latency`)
-
-docs/cli.md lists every flag with its default.
-"""
 
 
 def json_string_list(flag: str):
@@ -307,29 +295,3 @@ def _stop_child_processes(grace_s: float = 2.0) -> None:
         if child.is_alive():
             child.kill()
             child.join()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``paged-jax`` console script: ``serve`` runs here, ``generate`` in ``paged_jax.entrypoints.cli``,
-    ``bench`` in ``serving.bench``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        sys.stdout.write(_USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        return serve_main(rest, prog="paged-jax serve")
-    if command == "generate":
-        from paged_jax.entrypoints.cli import generate_main
-
-        return generate_main(rest)
-    if command == "run-batch":
-        from serving.run_batch import run_batch_main
-
-        return run_batch_main(rest)
-    if command == "bench":
-        from serving.bench import bench_main
-
-        return bench_main(rest)
-    sys.stderr.write(_USAGE + f"paged-jax: unknown command {command!r}\n")
-    return 2

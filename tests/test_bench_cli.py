@@ -14,7 +14,7 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs"
 
 
 def test_bench_help_lists_each_command(capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
@@ -33,7 +33,7 @@ def test_bench_help_lists_each_command(capsys):
     (["serve", "--result-filename", "r.json"], "--save-result"),
 ])
 def test_unimplemented_vllm_bench_flags_exit_2_naming_the_flag(argv, named, capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *argv])
@@ -41,7 +41,7 @@ def test_unimplemented_vllm_bench_flags_exit_2_naming_the_flag(argv, named, caps
 
 
 def test_bench_latency_prints_average_and_percentiles(smollm2_dir, tmp_path, capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     out = tmp_path / "latency.json"
     assert main(["bench", "latency", "--model", str(smollm2_dir), "--input-len", "8", "--output-len", "3",
@@ -59,7 +59,7 @@ def test_bench_latency_prints_average_and_percentiles(smollm2_dir, tmp_path, cap
 
 def test_bench_throughput_reports_requests_and_tokens_per_second(tmp_path, capsys):
     """No --model: the built-in one, as ``paged-jax serve`` without MODEL."""
-    from serving.cli import main
+    from serving.commands import main
 
     out = tmp_path / "throughput.json"
     assert main(["bench", "throughput", "--input-len", "10", "--output-len", "4", "--num-prompts", "3",
@@ -74,7 +74,7 @@ def test_bench_throughput_reports_requests_and_tokens_per_second(tmp_path, capsy
 
 def test_bench_serve_reports_ttft_tpot_itl_against_a_live_server(serving_engine, tmp_path, capsys):
     from serving.app import create_app
-    from serving.cli import main
+    from serving.commands import main
     from tests.test_serving import ServerThread
 
     with ServerThread(create_app(serving_engine)) as server:

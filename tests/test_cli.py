@@ -90,7 +90,7 @@ UNSUPPORTED_VLLM_FLAGS = [
 @pytest.mark.parametrize("flag", UNSUPPORTED_VLLM_FLAGS, ids=lambda f: f[0])
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_unsupported_flags_exit_2_naming_the_flag(command, flag, capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     argv = [command, *(["--prompt", "hi"] if command == "generate" else []), *flag]
     with pytest.raises(SystemExit) as exit_info:
@@ -117,7 +117,7 @@ def test_unsupported_flags_exit_2_naming_the_flag(command, flag, capsys):
     (["--api-server-count", "2", "--nnodes", "2"], "--nnodes"),
 ])
 def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", *argv])
@@ -126,7 +126,7 @@ def test_bad_server_flag_values_exit_2_naming_the_flag(argv, named, capsys):
 
 def test_api_server_count_refuses_runtime_lora_updating(monkeypatch, capsys):
     """An adapter loaded through one API server would be unknown to the others: refused naming both (vLLM too)."""
-    from serving.cli import main
+    from serving.commands import main
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     with pytest.raises(SystemExit) as exit_info:
@@ -136,7 +136,7 @@ def test_api_server_count_refuses_runtime_lora_updating(monkeypatch, capsys):
 
 
 def test_port_in_use_fails_before_loading_the_model(capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -572,7 +572,7 @@ def test_top_level_help_lists_each_command():
     import contextlib
     import io
 
-    from serving.cli import main
+    from serving.commands import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -43,7 +43,7 @@ def no_engine(monkeypatch):
     (["--reasoning-parser", "no-such-parser"], "--reasoning-parser"),
 ])
 def test_bad_file_and_name_flags_exit_2_before_the_engine_is_built(argv, named, no_engine, capsys):
-    from serving.cli import main
+    from serving.commands import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--port", "0", *argv])

@@ -5,7 +5,7 @@ import pytest
 from paged_jax.entrypoints.chat import ChatTemplateError, chat_prompt_token_ids, normalize_message, render_chat
 from paged_jax.entrypoints.llm import LLM
 from paged_jax.sampling_params import SamplingParams
-from serving.cli import main as cli_main  # the paged-jax console script
+from serving.commands import main as cli_main  # the paged-jax console script
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)

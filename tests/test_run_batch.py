@@ -15,7 +15,7 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs"
 
 
 def run(tmp_path, model_dir, requests: list) -> list[dict]:
-    from serving.cli import main
+    from serving.commands import main
 
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in requests))

@@ -27,10 +27,10 @@ from tests.test_serving import wait_until
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_FLAGS = ["--load-format", "dummy", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
                 "--max-num-batched-tokens", "64", "--disable-uvicorn-access-log"]
-# python -m serving, and the console script's own code (`paged-jax = "serving.cli:main"`) under this interpreter.
+# python -m serving, and the console script's own code (`paged-jax = "serving.commands:main"`) under this interpreter.
 # The console script runs its engine on a thread (--no-engine-process), so both placements are covered.
 COMMANDS = {"module": ["-m", "serving"],
-            "console script": ["-c", "import sys; from serving.cli import main; sys.exit(main())", "serve",
+            "console script": ["-c", "import sys; from serving.commands import main; sys.exit(main())", "serve",
                                "--no-engine-process"]}
 CASES = {"SIGTERM": "module", "SIGINT": "console script", "engine death": "module"}
 

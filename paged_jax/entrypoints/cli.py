@@ -3,7 +3,7 @@
     paged-jax generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [--chat] [--max-tokens N] [--temperature T]
                        [--top-p P] [--top-k K] [--sampling-seed S] [engine flags, e.g. --max-model-len 2048]
 
-The ``paged-jax`` console script is ``serving.cli.main``: it runs ``serve`` itself and hands ``generate`` to
+The ``paged-jax`` console script is ``serving.commands.main``: it hands ``serve`` to ``serving.cli`` and ``generate`` to
 ``generate_main`` here (the engine package never imports the server). ``generate`` runs through ``paged_jax.LLM``
 and prints one completion per prompt.
 

@@ -146,8 +146,7 @@ class ModelRunner:
 
         self._split_model(model)
 
-        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self._kv_block_shape = shape
+        shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         # Allocated on first use (the ``kv_pool`` property): warm-up compiles before it exists, so the compilers'
         # scratch memory (GPU autotuning, several compiles at once) never competes with it.
         self._kv_pool: list[tuple[jax.Array, jax.Array]] | None = None
