@@ -184,7 +184,7 @@ def test_start_up_progress_reaches_stderr(model_dir, capfd, caplog):
     err = capfd.readouterr().err
     stages = [r"\(EngineCore pid=\d+\) paged_jax\.engine\.core_setup: Loading model " + re.escape(model_dir),
               r"model weights ready in \d+\.\d+ s",
-              r"KV cache: \d+ blocks x 16 tokens = \d+ tokens .*max_model_len 256",
+              r"KV cache: \d+ blocks x 16 tokens in \d+ group\(s\) = \d+ tokens .*max_model_len 256",
               r"Compiling \d+ step executables \(\d+ step shapes\)",
               r"Compiling step executables: +\d+%.*\| *\d+/\d+ ",
               r"Compiled in \d+\.\d+ s; engine ready in \d+\.\d+ s"]

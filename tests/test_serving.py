@@ -107,8 +107,9 @@ class ThreadRecordingEngine:
 def server(serving_engine):
     from serving.app import create_app
 
+    # --max-seqs-per-request at the engine's 4 seats (its default is half): the tests run n and batches up to 4.
     app = create_app(ThreadRecordingEngine(serving_engine), served_model_name=MODEL_NAME, api_key=API_KEY,
-                     max_waiting_requests=MAX_WAITING)
+                     max_waiting_requests=MAX_WAITING, max_seqs_per_request=4)
     with ServerThread(app) as handle:
         yield handle
 

@@ -24,7 +24,8 @@ CHAT = [{"role": "user", "content": "Describe a fictional person as JSON."}]
 def server(serving_engine):
     from serving.app import create_app
 
-    with ServerThread(create_app(serving_engine, served_model_name=MODEL_NAME)) as handle:
+    # --max-seqs-per-request at the engine's 4 seats (its default is half): a test runs n=3.
+    with ServerThread(create_app(serving_engine, served_model_name=MODEL_NAME, max_seqs_per_request=4)) as handle:
         yield handle
 
 
