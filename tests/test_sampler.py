@@ -9,14 +9,9 @@ from paged_jax.worker.sampler import (
     BANNED_WIDTH,
     LOGIT_BIAS_WIDTH,
     SamplingMode,
-    apply_allowed_token_mask,
-    apply_logit_bias,
-    apply_min_p,
-    apply_penalties,
     bias_table_width,
     build_sampling_tensors,
     check_request_fits,
-    gumbel_noise,
     neutral_bias_table,
     pack_bias_table,
     pack_sampling_tensors,
@@ -26,6 +21,8 @@ from paged_jax.worker.sampler import (
     SAMPLING_WORDS_PER_ROW,
 )
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.logit_processing import (apply_allowed_token_mask, apply_logit_bias, apply_min_p, apply_penalties,
+                                               gumbel_noise)
 from paged_jax.worker.top_k import TOP_K_CANDIDATES, top_k_block_size, top_k_top_p_by_sort
 
 VOCAB = 64

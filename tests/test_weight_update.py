@@ -166,7 +166,8 @@ def test_processed_logprobs_equal_score_tokens_under_the_same_transform(checkpoi
 def test_sampler_logprobs_modes(logprobs_mode):
     """Each mode reports its values at the sampled token and its top-k: raw / processed (temperature, top-k, top-p;
     greedy rows undivided), as logits or log_softmax of them; filtered tokens are -inf."""
-    from paged_jax.worker.sampler import sample, temperature_and_filters, temperature_top_k_top_p_tensors
+    from paged_jax.worker.logit_processing import temperature_and_filters
+    from paged_jax.worker.sampler import sample, temperature_top_k_top_p_tensors
 
     logits = jax.random.normal(jax.random.key(0), (3, 64), jnp.float32) * 3
     temperature = jnp.asarray([0.0, 0.7, 1.3], jnp.float32)

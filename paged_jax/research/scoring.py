@@ -16,7 +16,7 @@ from flax import nnx
 
 from models.attention import dense_causal_attention
 from paged_jax.research.generate import call_with_model_compiler_options, split_model
-from paged_jax.worker.sampler import temperature_and_filters
+from paged_jax.worker.logit_processing import temperature_and_filters
 
 
 class Pretrained(NamedTuple):
@@ -69,7 +69,7 @@ def score_tokens(model, token_ids, lengths, *, temperature=None, top_k=0, top_p=
       lengths: int32[B]; valid tokens per row, in [1, T].
       temperature, top_k, top_p, min_p: None (the default): the raw model distribution. Else (a number or one per
         row, float32[B] / int32[B]) the distribution the engine samples from with those parameters: logits /
-        temperature, then min-p, top-k, top-p (``paged_jax.worker.sampler.temperature_and_filters``), renormalized;
+        temperature, then min-p, top-k, top-p (``paged_jax.worker.logit_processing.temperature_and_filters``), renormalized;
         a filtered-out token scores -inf. What the engine reports with ``logprobs_mode="processed_logprobs"``.
     Returns:
       float32[B, T]: 0 at t = 0 (no context) and at t >= lengths[b]; log-probs of the raw model distribution

@@ -1,4 +1,4 @@
-"""The step's grammar bitmask (host side). On the device it goes through ``sampler.apply_allowed_token_mask`` (the
+"""The step's grammar bitmask (host side). On the device it goes through ``logit_processing.apply_allowed_token_mask`` (the
 same packed layout as ``allowed_token_ids``), in its own small jitted call before the sampler (``ModelRunner``).
 
 Why a second host-to-device transfer, only on steps with a constrained row, instead of a field of the one step
