@@ -219,12 +219,10 @@ class Scheduler:
             return self.waiting[0] if self.waiting else None
         # Requests whose grammar still compiles (structured outputs) or that are held (beam search) wait without
         # blocking those behind them.
-        candidates = [r for r in self.waiting if r.request_id not in skip and r.startable]
-        if not candidates:
-            return None
+        candidates = (r for r in self.waiting if r.request_id not in skip and r.startable)
         if self.policy == "priority":
-            return min(candidates, key=self._order_key)
-        return candidates[0]  # FCFS queue; preempted requests were put back at the front
+            return min(candidates, key=self._order_key, default=None)
+        return next(candidates, None)  # FCFS queue (preempted requests were put back at the front): the first only
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions (see the module docstring); returns the step as a
