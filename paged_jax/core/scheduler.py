@@ -344,8 +344,9 @@ class Scheduler:
     def _short_waiting(self, step: "_StepPlan") -> list[Request]:
         """FCFS: the short prompts among the first ``max_num_seqs`` waiting requests when the queue's head is long."""
         threshold = self.long_prefill_token_threshold
-        if self.policy != "fcfs" or self.waiting[0].num_tokens_to_compute <= threshold:
-            return []
+        if (self.policy != "fcfs" or step.budget <= 0 or len(self.running) >= self.max_num_seqs
+                or self.waiting[0].num_tokens_to_compute <= threshold):
+            return []  # no seat or budget to give (the common case at a full batch), or the head is short already
         return [r for r in itertools.islice(self.waiting, self.max_num_seqs)
                 if r.num_tokens_to_compute <= threshold and r.startable
                 and r.request_id not in step.preempted]
