@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from models.config import ModelConfig
     from models.loader import init_dummy_model
-    from benchmarks.floors import decode_weight_bytes
-    from models.presets import kv_bytes_per_token, preset_config
+    from benchmarks.floors import decode_weight_bytes, kv_read_bytes
+    from models.presets import preset_config
     from paged_jax.worker import sampler as sampler_lib
     from paged_jax.worker.top_k import TOP_K_CANDIDATES, vocab_top_k
     from benchmarks.trace import trace_kernels
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
             jax.block_until_ready(out)
 
         sample_ms = _median_ms(sample_loop, args.repeats) / args.inner
-        kv_read = batch * (context + new_tokens) * kv_bytes_per_token(config, dtype.itemsize)
+        # Each row reads its cached tokens' K/V once (a sliding-window layer only its window's).
+        kv_read = batch * kv_read_bytes(config, context + new_tokens, 1, dtype.itemsize)
         weight_bytes = decode_weight_bytes(config, batch * new_tokens, dtype.itemsize)
         floor_ms = (weight_bytes + kv_read) / (args.hbm_gbps * 1e9) * 1e3
         row = {"kind": kind, "batch": batch, "new_tokens_per_seq": new_tokens, "context": context,

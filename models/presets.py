@@ -40,6 +40,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True,
         "max_position_embeddings": 131072, "bos_token_id": 2, "eos_token_id": [1, 106],
     },
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B: 128 experts, 8 per token, every layer sparse
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     "smollm2-135m": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -58,7 +66,8 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def num_params(config: ModelConfig) -> int:
-    """Parameter count of a Llama-family shape (embeddings and LM head included, norms included)."""
+    """Parameter count of a Llama-family shape (embeddings and LM head included, norms included; a
+    mixture-of-experts shape's every expert)."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
@@ -67,10 +76,23 @@ def num_params(config: ModelConfig) -> int:
         attn += q + 2 * kv
     if config.qk_norm:
         attn += 2 * config.head_dim
-    per_layer = attn + 3 * h * i + 2 * h
+    mlps = sum(mlp_params(config, layer) for layer in range(layers))
     embed = config.vocab_size * h
     head = 0 if config.tie_word_embeddings else config.vocab_size * h
-    return layers * per_layer + embed + head + h
+    return layers * (attn + 2 * h) + mlps + embed + head + h
+
+
+def mlp_params(config: ModelConfig, layer: int) -> int:
+    """Parameters of decoder layer ``layer``'s MLP: a dense SwiGLU, or a sparse layer's router and every expert."""
+    h, moe = config.hidden_size, config.moe
+    if moe is None or not moe.is_sparse(layer):
+        return 3 * h * config.intermediate_size
+    return h * moe.num_experts + moe.num_experts * expert_params(config)
+
+
+def expert_params(config: ModelConfig) -> int:
+    """Parameters of one expert of a mixture-of-experts shape (its gate, up and down projections)."""
+    return 3 * config.hidden_size * config.moe.moe_intermediate_size
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:

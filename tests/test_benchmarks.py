@@ -102,6 +102,40 @@ def test_floors_charge_only_the_work_a_step_must_do():
     assert floor["kv_read_bytes"] == kv_per_token * (10 + 11)  # two fed-back tokens read 10 and 11 cached tokens
 
 
+def test_floors_of_experts_and_sliding_windows():
+    """A mixture-of-experts step reads the experts its rows route to (all of them for a large batch, k per layer for
+    one token) and multiplies by k experts per token; a sliding-window layer reads only its window's K/V."""
+    from benchmarks.floors import active_body_params, decode_step_floor_s, decode_weight_bytes, kv_read_bytes
+    from models.presets import num_params, preset_config
+
+    moe = preset_config("qwen3-30b-a3b")
+    assert 30.4e9 < num_params(moe) < 30.6e9  # the published 30.5B
+    expert = 3 * moe.hidden_size * moe.moe.moe_intermediate_size
+    one_token = decode_weight_bytes(moe, 1)
+    assert one_token == pytest.approx(decode_weight_bytes(moe, 10_000) - 2 * 48 * (128 - 8) * expert
+                                      - 2 * 9_999 * moe.hidden_size, rel=1e-6)
+    assert decode_weight_bytes(moe, 10_000) < num_params(moe) * 2 + 10_000 * moe.hidden_size * 2
+    assert active_body_params(moe) * 2 == pytest.approx(one_token - 2 * moe.vocab_size * moe.hidden_size
+                                                        - 2 * moe.hidden_size, rel=1e-6)
+    gemma = preset_config("gemma-3-12b")  # 8 full layers, 40 with a 1,024-token window
+    per_layer_token = 2 * gemma.num_key_value_heads * gemma.head_dim * 2
+    assert kv_read_bytes(gemma, 32768, 1) == per_layer_token * (8 * 32768 + 40 * 1024)
+    assert kv_read_bytes(gemma, 1000, 30) == per_layer_token * 48 * sum(range(1000, 1024)) + per_layer_token * (
+        8 * sum(range(1024, 1030)) + 40 * 6 * 1024)
+    assert decode_step_floor_s(gemma, 2, 32768) == pytest.approx(
+        (decode_weight_bytes(gemma, 2) + 2 * kv_read_bytes(gemma, 32768, 1)) / 4.3e12)
+
+
+def test_decode_context_benchmark_times_decode_steps_with_kv_groups():
+    """benchmarks/decode_context.py on the CPU: a tiny Gemma 3 (three KV-cache groups), decode steps timed after the
+    prefill, nothing compiled after warm-up."""
+    from benchmarks.decode_context import main
+
+    result = main(["--tiny", "--context", "40", "--batch", "2", "--steps", "3"])
+    assert result["kv_groups"] == 3 and result["batch"] == 2 and result["steps"] == 3
+    assert result["decode_step_ms"] > 0 and result["num_compiles_since_warmup"] == 0
+
+
 @pytest.mark.slow  # two engine processes, the first compiling every executable: over the CI budget on 2 cores
 def test_second_start_loads_every_executable_from_the_compilation_cache(tmp_path):
     """benchmarks/startup.py's compile_warm mode: a first engine start (its own process) fills the persistent

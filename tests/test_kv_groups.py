@@ -229,13 +229,16 @@ SLIDING_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family,mode,async_scheduling", [("mistral", "recompute", False), ("mistral", "swap", False),
-                                                          ("gemma3", "recompute", True), ("gemma3", "swap", False)])
-def test_engine_with_sliding_groups_matches_transformers_under_preemption(tmp_path, family, mode, async_scheduling):
+@pytest.mark.parametrize("family,mode,async_scheduling,parallel", [
+    ("mistral", "recompute", False, {}), ("mistral", "swap", False, {}), ("gemma3", "recompute", True, {}),
+    ("gemma3", "swap", False, {}), ("gemma3", "swap", False, {"tensor_parallel_size": 2})])
+def test_engine_with_sliding_groups_matches_transformers_under_preemption(tmp_path, family, mode, async_scheduling,
+                                                                          parallel):
     """Windows of 8, prompts of two to three windows in one continuous batch, chunked prefill in 16-token steps
     across the window edge, a pool too small for the batch (Mistral's: 6 blocks, less than one 64-token sequence
-    without groups; Gemma's: 16, one 64-token sequence's 8 full and 2 x 4 sliding blocks): preemption. A sliding group holds at most ceil((W - 1 + 16) / 8) + 1 = 4 blocks of a request
-    at any step; greedy fp32 tokens equal transformers'."""
+    without groups; Gemma's: 16, one 64-token sequence's 8 full and 2 x 4 sliding blocks): preemption. A sliding group
+    holds at most ceil((W - 1 + 16) / 8) + 1 = 4 blocks of a request at any step; greedy fp32 tokens equal
+    transformers', on one device and with the groups' pages split over two devices (tensor parallel)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hf_config, num_blocks, windows = SLIDING_FAMILIES[family]
@@ -248,7 +251,7 @@ def test_engine_with_sliding_groups_matches_transformers_under_preemption(tmp_pa
     engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=64, block_size=8,
                                   max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=num_blocks,
                                   preemption_mode=mode, **({"swap_space": 0.01} if mode == "swap" else {}),
-                                  async_scheduling=async_scheduling, seed=0), use_tqdm=False)
+                                  async_scheduling=async_scheduling, seed=0, **parallel), use_tqdm=False)
     core = engine.engine_core
     kv = core.kv_cache_manager
     assert kv.group_windows == windows

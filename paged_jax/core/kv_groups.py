@@ -60,8 +60,8 @@ def engine_kv_groups(layer_windows: Sequence[int | None], *, mixed_groups: bool 
     which bounds what any layer reads), else ``kv_cache_groups``. A model without windows gets
     ``(KVCacheGroupSpec(None, all layers),)``: groups off, the layout of a plain paged pool.
 
-    ``mixed_groups`` False (a sharding plan: its sharded attention takes one block table per sequence): a mix of
-    full and sliding layers is one full-attention group, every layer keeping every token's K/V."""
+    ``mixed_groups`` False (pipeline stages: their attention takes one block table per sequence): a mix of full and
+    sliding layers is one full-attention group, every layer keeping every token's K/V."""
     windows = [window for window in layer_windows if window is not None]
     if windows and len(windows) < len(layer_windows):
         return kv_cache_groups(layer_windows) if mixed_groups else (

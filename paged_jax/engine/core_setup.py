@@ -27,6 +27,7 @@ from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
                                              enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
+from paged_jax.worker.kv_group_pool import mixes_kv_groups
 from paged_jax.worker.model_loader import LoadedModel, load_engine_model
 from paged_jax.worker.model_runner import ModelRunner
 
@@ -104,11 +105,11 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
         device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
-        mixed_groups=loaded.plan is None,
+        mixed_groups=mixes_kv_groups(loaded.plan),
         num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)))
     num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
     num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
-                                           swap_space_gib=args.swap_space, mixed_groups=loaded.plan is None)
+                                           swap_space_gib=args.swap_space, mixed_groups=mixes_kv_groups(loaded.plan))
                        if args.preemption_mode == "swap" else 0)
     return num_blocks, num_host_blocks
 
@@ -179,7 +180,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(
-                                          loaded.run_config.layer_windows, mixed_groups=plan is None)])
+                                          loaded.run_config.layer_windows, mixed_groups=mixes_kv_groups(plan))])
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                           preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
                           enable_chunked_prefill=args.enable_chunked_prefill,
@@ -188,7 +189,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
                           max_long_partial_prefills=args.max_long_partial_prefills)
     _log_pool_and_compiles(args, runner, kv_cache_manager,
                            kv_bytes_per_block(loaded.memory_config, args.block_size, kv_dtype,
-                                              mixed_groups=plan is None), max_model_len,
+                                              mixed_groups=mixes_kv_groups(plan)), max_model_len,
                            max_num_seqs, max_num_batched_tokens)
     compile_start = time.perf_counter()
     timings["runner_init_s"] = compile_start - stage_start

@@ -49,6 +49,7 @@ on other processes (multi-host: use tensor parallelism across hosts).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 from collections.abc import Sequence
 
 import jax
@@ -108,6 +109,9 @@ class PipelinePlan:
     mesh: Mesh
     stage_plans: tuple[ShardingPlan, ...]
     layer_ranges: tuple[tuple[int, int], ...]
+    # Each stage attends with one block table per sequence: a model mixing sliding-window and full layers keeps
+    # every layer's K/V in one group (paged_jax.worker.kv_group_pool.mixes_kv_groups).
+    mixes_kv_groups: ClassVar[bool] = False
 
     @classmethod
     def create(cls, config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int,
@@ -175,8 +179,13 @@ class PipelinePlan:
         """Where the runner puts host inputs and runs the sampler: the last stage, beside the logits."""
         return self.stage_plans[-1].replicated
 
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16) -> list:
-        """The KV pool, layer by layer, each layer's pages on its stage's devices (all blocks, kv heads over tp)."""
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=jnp.bfloat16, num_layers: int | None = None
+                       ) -> list:
+        """The KV pool, layer by layer, each layer's pages on its stage's devices (all blocks, kv heads over tp);
+        ``num_layers``, if given, must be the model's (the stages keep one KV-cache group)."""
+        if num_layers is not None and num_layers != self.config.num_hidden_layers:
+            raise ValueError(f"a pipeline's KV pool has one slot per layer ({self.config.num_hidden_layers}), "
+                             f"not {num_layers}: KV-cache groups are not split over pipeline stages")
         return [kv for plan, (start, stop) in zip(self.stage_plans, self.layer_ranges)
                 for kv in plan.make_kv_caches(num_blocks, block_size, dtype, num_layers=stop - start)]
 

@@ -28,7 +28,7 @@ loads the model that runs on it (``TensorParallelLlamaForCausalLM``, ``shard_mod
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +99,8 @@ class ShardingPlan:
     model_config: ModelConfig
     head_layout: HeadLayout
     kv_layout: str = "sharded"
+    # A layer of a KV-cache group attends through its group's block tables (``shard_attention`` passes them).
+    mixes_kv_groups: ClassVar[bool] = True
 
     @classmethod
     def create(cls, config: ModelConfig, mesh: Mesh, *, kv_layout: str = "sharded",
@@ -284,15 +286,21 @@ class ShardingPlan:
         kv_spec = self.kv_cache_spec
 
         def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, **layer_attention):
-            kv_specs = jax.tree.map(lambda _: kv_spec, kv_layer)
+            if kv_layer is not None and len(kv_layer) == 3:
+                # A KV-cache group's layer (paged_jax.worker.kv_group_pool): its group's block tables and slots
+                # travel with its pages, split over dp as the step's other metadata; the pages come back alone.
+                pages_specs = (kv_spec, kv_spec)
+                in_kv_specs = (*pages_specs, jax.tree.map(lambda _: P(DP_AXIS), kv_layer[2]))
+            else:
+                pages_specs = in_kv_specs = jax.tree.map(lambda _: kv_spec, kv_layer)
 
             def per_device(q, k, v, kv_layer, metadata):
                 return local_attention(layer_idx, q, k, v, kv_layer, metadata, **layer_attention)
 
             # check_vma off: kernels (Pallas/Triton) carry no varying-axis annotations; the specs are exact anyway.
             sharded = jax.shard_map(
-                per_device, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, kv_specs, metadata_specs),
-                out_specs=(token_spec, kv_specs), check_vma=False,
+                per_device, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, in_kv_specs, metadata_specs),
+                out_specs=(token_spec, pages_specs), check_vma=False,
             )
             return sharded(q, k, v, kv_layer, metadata)
 

@@ -48,6 +48,13 @@ class KVPoolLayout:
                    tuple(slot_of_layer))
 
 
+def mixes_kv_groups(sharding_plan) -> bool:
+    """Whether an engine running with ``sharding_plan`` (None: one device) keeps a model's sliding-window and full
+    layers in their own KV-cache groups (``kv_groups.engine_kv_groups``' ``mixed_groups``): one device and tensor
+    parallelism do; a plan whose attention takes one block table per sequence says so (``mixes_kv_groups``)."""
+    return sharding_plan is None or sharding_plan.mixes_kv_groups
+
+
 def pack_group_slots(block_tables: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, block_size: int,
                      num_groups: int, slot_mapping: np.ndarray) -> None:
     """Write each token's KV slot in every group into ``slot_mapping`` (int32[G * T], group-major) from the packed

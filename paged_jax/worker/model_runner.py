@@ -50,7 +50,7 @@ from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
 from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.kv_group_pool import KVPoolLayout
+from paged_jax.worker.kv_group_pool import KVPoolLayout, mixes_kv_groups
 from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
@@ -127,7 +127,7 @@ class ModelRunner:
             raise ValueError(f"qk_prepare_impl={qk_prepare_impl!r} applies to one device; a sharding plan (tensor or "
                              "pipeline parallel) runs the q/k transform in XLA: leave qk_prepare_impl='auto'")
         # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
-        self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=sharding_plan is None)
+        self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=mixes_kv_groups(sharding_plan))
         self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
@@ -255,7 +255,8 @@ class ModelRunner:
         of ``kv_layout`` with KV-cache groups (zeros when first used)."""
         if self._kv_pool is None:
             self._kv_pool = (
-                self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype)
+                self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype,
+                                                  num_layers=self.kv_layout.num_slots)
                 if self.sharding_plan else [(jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device),
                                              jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device))
                                             for _ in range(self.kv_layout.num_slots)])
@@ -511,10 +512,18 @@ class ModelRunner:
                             self.host_pool.dtype)
             data[:, :, :len(host_ids)] = self.host_pool[:, :, host_ids]
             # Padding entries write zeros into the null block, which no valid token reads.
-            self.kv_pool = self._scatter_blocks(self.kv_pool, device_ids, jax.device_put(data, self.device))
+            self.kv_pool = self._scatter_blocks(self.kv_pool, device_ids,
+                                                jax.device_put(data, self._swap_in_sharding(device_ids, data)))
         for chunk, device_data in gathered:
             host = np.asarray(jax.device_get(device_data))
             self.host_pool[:, :, [h for _, h in chunk]] = host[:, :, :len(chunk)]
+
+    def _swap_in_sharding(self, device_ids: jax.Array, data: np.ndarray) -> jax.sharding.Sharding:
+        """Where swap-in ``data`` goes: as the scatter executable warm-up made takes it (on a mesh, split as the
+        gather's output: the pool's kv heads over tp), else the runner's device."""
+        key = self._scatter_blocks.key((self.kv_pool, device_ids, data), {})
+        executable = self._scatter_blocks.executables.get(key)
+        return self.device if executable is None else executable.input_shardings[0][2]
 
     def _padded_ids(self, ids: list[int]) -> jax.Array:
         size = 1 << max(len(ids) - 1, 0).bit_length()
