@@ -4,7 +4,8 @@
 per-app state (``app.state.server``, an ``OpenAIServer``: the AsyncEngine, the tokenizer copy, the model's facts,
 the metrics) and mounts the routers of ``serving.routes``:
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``),
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (JSON, or SSE with ``stream: true``),
+  ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``,
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
 
 Every error answers OpenAI's error body (``serving.errors``). Around the routes, outermost first: CORS (Starlette's

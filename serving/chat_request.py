@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fastapi import Request
-
 from serving.async_engine import EngineRequest, RequestStream
 from serving.chat_output import ChoiceOutput
 from serving.errors import APIError

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -33,6 +34,7 @@ from serving.routes import GENERATION_RESPONSES, error_responses, json_response
 from serving.streaming import EngineStreamingResponse, abort_unfinished, collect_final
 from serving.unsupported_fields import RESPONSES_REFUSED_FIELDS, refuse_unsupported
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -134,6 +136,7 @@ class ResponseRun:
                 if event.type == "response.in_progress":
                     entry.response = event.response
         except Exception as exc:  # noqa: BLE001 - the engine failed: the stored response says so
+            logger.exception("background response %s failed", self.response_id)
             entry.response = self.response("failed", error=ResponseError(code="server_error", message=str(exc)))
         finally:
             abort_unfinished(self.server.engine, self.submission.streams)
