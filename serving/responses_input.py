@@ -17,6 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from serving.errors import APIError
 from serving.protocol import ChatCompletionRequest
+from serving.unsupported_fields import OUTPUT_LOGPROBS
 from serving.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, OutputItem,
                                         ReasoningItem, ResponsesRequest)
 
@@ -27,7 +28,7 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "repetition_penalty",
                  "mm_processor_kwargs", "vllm_xargs", "stream")
 # A chat field -> the Responses field it comes from (errors of the chat path name the latter).
 CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                     "response_format": "text"}
+                     "response_format": "text", "logprobs": "include"}
 _ITEMS = TypeAdapter(list[InputItem])
 
 
@@ -112,6 +113,8 @@ def chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletion
     fields["messages"] = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + messages
     if body.max_output_tokens is not None:
         fields["max_completion_tokens"] = body.max_output_tokens
+    if OUTPUT_LOGPROBS in (body.include or ()):
+        fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     if body.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                            for tool in body.tools]

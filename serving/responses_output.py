@@ -30,6 +30,7 @@ class _OpenItem:
     text: str = ""  # reasoning or message text, or the call's arguments
     call_id: str = ""
     name: str = ""
+    logprobs: list = dataclasses.field(default_factory=list)  # a message's
 
 
 _ID_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
@@ -43,6 +44,7 @@ class OutputBuilder:
         self.items: list[OutputItem] = []
         self.sequence_number = 0
         self._open: _OpenItem | None = None
+        self._logprobs: list = []  # logprob entries of tokens whose text no output_text delta has carried yet
 
     def event(self, cls: type, **fields: Any) -> ResponseEvent:
         """A ``cls`` event with the next sequence number."""
@@ -58,8 +60,12 @@ class OutputBuilder:
         content = "".join(part.text for item in self.items if isinstance(item, OutputMessage) for part in item.content)
         return reasoning, content
 
-    def feed(self, delta: DeltaMessage | None) -> list[ResponseEvent]:
-        """The events of the reply's next delta (none for None: text held back by the parsers)."""
+    def feed(self, delta: DeltaMessage | None, logprobs: list | None = None) -> list[ResponseEvent]:
+        """The events of the reply's next delta (none for None: text held back by the parsers). ``logprobs``: the
+        entries of the delta's tokens (``include: ["message.output_text.logprobs"]``); the next output_text delta
+        carries them (all the reply's tokens' go to its message text, reasoning and tool-call tokens included, as
+        vLLM's)."""
+        self._logprobs.extend(logprobs or ())
         events: list[ResponseEvent] = []
         if delta is None:
             return events
@@ -89,9 +95,12 @@ class OutputBuilder:
                       self.event(ContentPartEvent, type="response.content_part.done", content_index=0, part=part,
                                  **common)]
         else:
-            part = OutputText(text=item.text)
+            item.logprobs += self._logprobs
+            self._logprobs = []
+            part = OutputText(text=item.text, logprobs=item.logprobs)
             done = OutputMessage(id=item.item_id, status=status, content=[part])
-            events = [self.event(OutputTextDoneEvent, content_index=0, text=item.text, **common),
+            events = [self.event(OutputTextDoneEvent, content_index=0, text=item.text, logprobs=item.logprobs,
+                                 **common),
                       self.event(ContentPartEvent, type="response.content_part.done", content_index=0, part=part,
                                  **common)]
         self.items.append(done)
@@ -122,9 +131,13 @@ class OutputBuilder:
         events = [] if self._open is not None and self._open.kind == kind else self._start(kind)
         item = self._open
         item.text += text
-        cls = ReasoningTextDeltaEvent if kind == "reasoning" else OutputTextDeltaEvent
-        events.append(self.event(cls, item_id=item.item_id, output_index=item.output_index, content_index=0,
-                                 delta=text))
+        common = dict(item_id=item.item_id, output_index=item.output_index, content_index=0, delta=text)
+        if kind == "reasoning":
+            events.append(self.event(ReasoningTextDeltaEvent, **common))
+        else:
+            logprobs, self._logprobs = self._logprobs, []
+            item.logprobs += logprobs
+            events.append(self.event(OutputTextDeltaEvent, logprobs=logprobs, **common))
         return events
 
     def _call_piece(self, piece: DeltaToolCall) -> list[ResponseEvent]:

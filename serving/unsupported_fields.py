@@ -65,6 +65,10 @@ NOT_SUPPORTED: dict[str, Refusal] = {
 REFUSED_FIELDS: dict[str, Refusal] = dict(NOT_SUPPORTED)
 
 
+# The one ``include`` of the Responses API served: the reply's token logprobs on its output_text.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
 def _no_obfuscation(value: Any) -> bool:
     return value is None or not value or value == {"include_obfuscation": False}
 
@@ -73,8 +77,8 @@ def _no_obfuscation(value: Any) -> bool:
 # ``previous_response_id`` and ``GET /v1/responses/{id}``), plus its own fields.
 RESPONSES_REFUSED_FIELDS: dict[str, Refusal] = {
     **{name: refusal for name, refusal in REFUSED_FIELDS.items() if name != "store"},
-    "include": Refusal("no include is supported (output logprobs, encrypted reasoning, tool outputs)"),
-    "top_logprobs": Refusal("output logprobs are not supported", _one_of(0)),
+    "include": Refusal(f"only {OUTPUT_LOGPROBS!r} is supported (not encrypted reasoning or tool outputs)",
+                       lambda value: value is None or set(value) <= {OUTPUT_LOGPROBS}),
     "truncation": Refusal("automatic truncation of the conversation is not supported", _one_of("disabled")),
     "max_tool_calls": Refusal("there are no built-in tools to limit", _unset),
     "prompt": Refusal("prompt templates are not supported", _unset),

@@ -151,6 +151,25 @@ def test_reasoning_is_an_output_item(client, stream):
     assert response.usage.output_tokens_details.reasoning_tokens > 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_output_text_logprobs(client, stream):
+    kwargs = dict(model=MODEL_NAME, input="Name a color.", max_output_tokens=6, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2)
+    if stream:
+        with client.responses.stream(**kwargs) as events:
+            streamed = [entry for event in events if event.type == "response.output_text.delta"
+                        for entry in event.logprobs]
+            response = events.get_final_response()
+    else:
+        response = client.responses.create(**kwargs)
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == response.usage.output_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
+    assert logprobs[0].token == logprobs[0].top_logprobs[0].token  # greedy: the most likely token
+    if stream:
+        assert [entry.token for entry in streamed] == [entry.token for entry in logprobs[:len(streamed)]]
+
+
 def test_background_response_is_polled_and_cancelled(client):
     done = client.responses.create(model=MODEL_NAME, input="Say hi.", max_output_tokens=4, background=True)
     assert done.status == "queued" and done.background
@@ -171,7 +190,9 @@ def test_background_response_is_polled_and_cancelled(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    (dict(include=["message.output_text.logprobs"]), "include"),
+    (dict(include=["reasoning.encrypted_content"]), "include"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(include=["message.output_text.logprobs"], top_logprobs=1000), "top_logprobs"),
     (dict(truncation="auto"), "truncation"),
     (dict(reasoning={"effort": "high"}), "reasoning"),
     (dict(tools=[{"type": "web_search"}]), "tools"),

@@ -32,7 +32,7 @@ from serving.responses_protocol import (IncompleteDetails, InputTokensDetails, L
 from serving.responses_store import ResponseStore, StoredResponse
 from serving.routes import GENERATION_RESPONSES, error_responses, json_response
 from serving.streaming import EngineStreamingResponse, abort_unfinished, collect_final
-from serving.unsupported_fields import RESPONSES_REFUSED_FIELDS, refuse_unsupported
+from serving.unsupported_fields import OUTPUT_LOGPROBS, RESPONSES_REFUSED_FIELDS, refuse_unsupported
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -99,10 +99,17 @@ class ResponseRun:
             self.store.put(stored)
         return events, response
 
+    def _logprobs(self, completion) -> list[dict] | None:
+        """The logprob entries of ``completion``'s tokens (``include``), as output_text carries them."""
+        if self.submission.num_top is None or completion.logprobs is None:
+            return None
+        content = self.server.chat_logprobs(completion.token_ids, completion.logprobs, self.submission.num_top)
+        return [entry.model_dump() for entry in content.content]
+
     async def whole(self, final) -> ResponsesResponse:
         """The response of a finished ``RequestOutput`` (the reply fed in one delta)."""
         (completion,) = final.outputs
-        self.builder.feed(self.choice.feed(completion.text, final=True))
+        self.builder.feed(self.choice.feed(completion.text, final=True), self._logprobs(completion))
         _, response = await self.finish(completion.finish_reason, len(completion.token_ids), final.num_cached_tokens)
         return response
 
@@ -117,7 +124,8 @@ class ResponseRun:
             for completion in output.outputs:
                 num_tokens += len(completion.token_ids)
                 finish_reason = completion.finish_reason
-                for event in builder.feed(self.choice.feed(completion.text, final=finish_reason is not None)):
+                delta = self.choice.feed(completion.text, final=finish_reason is not None)
+                for event in builder.feed(delta, self._logprobs(completion)):
                     yield event
         events, response = await self.finish(finish_reason, num_tokens, num_cached)
         for event in events:
@@ -145,6 +153,8 @@ class ResponseRun:
 def _check_request(body: ResponsesRequest, store: ResponseStore) -> list[dict]:
     """The Responses-only checks; the stored conversation ``previous_response_id`` continues ([] if none)."""
     refuse_unsupported(body, refused=RESPONSES_REFUSED_FIELDS)
+    if body.top_logprobs and OUTPUT_LOGPROBS not in (body.include or ()):
+        raise APIError(400, f"top_logprobs: requires include [{OUTPUT_LOGPROBS!r}]", param="top_logprobs")
     if body.background and not body.store:
         raise APIError(400, "background: a background response must be stored (store: true)", param="background")
     if body.background and body.stream:
