@@ -21,11 +21,15 @@ DEFAULT_MAX_STORED_RESPONSES = 1024
 @dataclasses.dataclass
 class StoredResponse:
     """A stored response, the conversation that continues from it (chat messages, its output included, without
-    the request's instructions) and, for a background response, the task generating it."""
+    the request's instructions) and, for a background response, the task generating it; for a streamed background
+    response also its events so far (replayed by ``GET /v1/responses/{id}?stream=true``) and the signal of a new
+    one."""
 
     response: ResponsesResponse
     history: list[dict]
     task: asyncio.Task | None = None
+    events: list | None = None
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def running(self) -> bool:

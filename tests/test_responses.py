@@ -202,7 +202,6 @@ def test_background_response_is_polled_and_cancelled(client):
     (dict(max_output_tokens=100_000), "max_output_tokens"),
     (dict(input=[]), "input"),
     (dict(text={"format": {"type": "xml"}}), "text"),
-    (dict(background=True, stream=True), "background"),
     (dict(background=True, store=False), "background"),
     (dict(extra_body={"vllm_xargs": {"a": 1}}), "vllm_xargs"),
 ])
@@ -214,11 +213,21 @@ def test_bad_input_is_400_naming_the_field(client, extra, param):
     assert info.value.body["message"].startswith(param), info.value.body
 
 
-def test_retrieve_refuses_event_replay(server):
+def test_streamed_background_response_is_replayed(client, server):
+    kwargs = dict(model=MODEL_NAME, input="Name a color.", max_output_tokens=8, temperature=0)
+    live = list(client.responses.create(background=True, stream=True, **kwargs))
+    final = live[-1].response
+    assert [e.type for e in live[:2]] == ["response.created", "response.in_progress"] and final.background
+    assert final.output_text == client.responses.create(**kwargs).output_text
+    assert [e.sequence_number for e in live] == list(range(len(live)))
+    replayed = list(client.responses.retrieve(final.id, stream=True, starting_after=1))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in live[2:]]
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         created = http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 2})
         replay = http.get(f"/v1/responses/{created.json()['id']}", params={"stream": "true"})
-    assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
+        assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream"
+        replay = http.get(f"/v1/responses/{created.json()['id']}", params={"starting_after": 3})
+        assert replay.status_code == 400 and replay.json()["error"]["param"] == "starting_after"
 
 
 def test_store_keeps_running_responses_and_evicts_the_oldest_finished():

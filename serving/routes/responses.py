@@ -6,8 +6,8 @@ A Responses request is served as the chat request it translates into (``serving.
 becomes output items (``serving.responses_output``). With ``store`` (the default) the response is kept in the app's
 ``ResponseStore`` (``serving.responses_store``), where ``previous_response_id`` continues its conversation and
 ``GET`` finds it. ``cancel`` stops a background response that is queued or in progress (as vLLM; a synchronous one
-is refused). Replaying a response's events (``GET ...?stream=true``) and streamed background responses are not
-served: refused with a 400 naming the field.
+is refused). A background response created with ``stream: true`` keeps its events: the POST streams them as they
+come, and ``GET ...?stream=true&starting_after=N`` replays them from any sequence number (vLLM's).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from serving.chat_request import ChatSubmission, choice_output, submit_chat
 from serving.errors import APIError
@@ -134,20 +134,42 @@ class ResponseRun:
 
     async def sse(self) -> AsyncIterator[str]:
         async for event in self.events():
-            yield f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+            yield _sse(event)
 
     async def background(self, entry: StoredResponse) -> None:
-        """Generate a background response, keeping ``entry`` (stored) up to date; its engine request is aborted
-        however this ends (``cancel`` cancels the task)."""
+        """Generate a background response, keeping ``entry`` (stored) up to date (and its events, when streamed);
+        its engine request is aborted however this ends (``cancel`` cancels the task)."""
         try:
             async for event in self.events():
                 if event.type == "response.in_progress":
                     entry.response = event.response
+                if entry.events is not None:
+                    entry.events.append(event)
+                    entry.changed.set()
         except Exception as exc:  # noqa: BLE001 - the engine failed: the stored response says so
             logger.exception("background response %s failed", self.response_id)
             entry.response = self.response("failed", error=ResponseError(code="server_error", message=str(exc)))
         finally:
             abort_unfinished(self.server.engine, self.submission.streams)
+            entry.changed.set()
+
+
+def _sse(event: ResponseEvent) -> str:
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+
+
+async def _replay(entry: StoredResponse, starting_after: int | None) -> AsyncIterator[str]:
+    """A streamed background response's events after ``starting_after`` (a sequence number), then the rest as they
+    come, until its generation ends (``response.completed``, or cancelled or failed)."""
+    index = 0 if starting_after is None else starting_after + 1
+    while True:
+        entry.changed.clear()
+        while index < len(entry.events):
+            yield _sse(entry.events[index])
+            index += 1
+        if not entry.running:
+            return
+        await entry.changed.wait()
 
 
 def _check_request(body: ResponsesRequest, store: ResponseStore) -> list[dict]:
@@ -157,9 +179,6 @@ def _check_request(body: ResponsesRequest, store: ResponseStore) -> list[dict]:
         raise APIError(400, f"top_logprobs: requires include [{OUTPUT_LOGPROBS!r}]", param="top_logprobs")
     if body.background and not body.store:
         raise APIError(400, "background: a background response must be stored (store: true)", param="background")
-    if body.background and body.stream:
-        raise APIError(400, "background: streamed background responses are not supported; create it without "
-                            "stream and poll GET /v1/responses/{id}", param="background")
     if body.previous_response_id is None:
         return []
     previous = store.get(body.previous_response_id)
@@ -185,9 +204,11 @@ async def create_response(body: ResponsesRequest, raw_request: Request, server: 
         raise responses_error(exc) from exc
     run = ResponseRun(server, store, body, chat_body, submission, response_id, messages)
     if body.background:
-        entry = StoredResponse(run.response("queued"), history=[])
+        entry = StoredResponse(run.response("queued"), history=[], events=[] if body.stream else None)
         store.put(entry)
         entry.task = asyncio.get_running_loop().create_task(run.background(entry))
+        if body.stream:  # the events as the task makes them; a client that leaves does not stop it
+            return StreamingResponse(_replay(entry, None), media_type="text/event-stream")
         return json_response(entry.response)
     if body.stream:
         return EngineStreamingResponse(run.sse(), server.engine, submission.streams, done_marker=False)
@@ -197,17 +218,23 @@ async def create_response(body: ResponsesRequest, raw_request: Request, server: 
     return json_response(await run.whole(finals[0]))
 
 
-@router.get("/v1/responses/{response_id}", response_model=ResponsesResponse,
-            responses=error_responses(400, 401, 404))
+@router.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses={
+    **error_responses(400, 401, 404),
+    200: {"description": "The stored response (JSON), or with stream=true a streamed background response's events",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
 async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None,
                             store: ResponseStore = Depends(get_store)) -> Response:
-    if stream or starting_after is not None:
-        param = "stream" if stream else "starting_after"
-        raise APIError(400, f"{param}: replaying a response's stream events is not supported", param=param)
     entry = store.get(response_id)
     if entry is None:
         raise _not_found(response_id, "response_id")
-    return json_response(entry.response)
+    if starting_after is not None and not stream:
+        raise APIError(400, "starting_after: applies to a streamed retrieval (stream=true)", param="starting_after")
+    if not stream:
+        return json_response(entry.response)
+    if entry.events is None:
+        raise APIError(400, "stream: only a background response created with stream: true has events to stream",
+                       param="stream")
+    return StreamingResponse(_replay(entry, starting_after), media_type="text/event-stream")
 
 
 @router.post("/v1/responses/{response_id}/cancel", response_model=ResponsesResponse,
