@@ -4,7 +4,8 @@
 per-app state (``app.state.server``, an ``OpenAIServer``: the AsyncEngine, the tokenizer copy, the model's facts,
 the metrics) and mounts the routers of ``serving.routes``:
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with ``stream: true``),
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (JSON, or SSE with ``stream: true``),
+  ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``,
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
 
 Every error answers OpenAI's error body (``serving.errors``). Around the routes, outermost first: CORS (Starlette's
@@ -32,7 +33,8 @@ from serving.metrics import NATIVE_PREFIX, ServingMetrics, cache_config_labels
 from serving.openai_server import OpenAIServer, model_info_from_engine
 from serving.lora import LoRAModulePath, LoRARegistry, runtime_lora_updating_allowed
 from serving.request_limits import DEFAULT_MAX_REQUEST_BODY_SIZE, BodySizeLimitMiddleware, default_max_seqs_per_request
-from serving.routes import chat, completions, lora, pooling, rl, system, tokenize
+from serving.responses_store import ResponseStore
+from serving.routes import chat, completions, lora, pooling, responses, rl, system, tokenize
 from serving.server_logs import RequestLogger, StatsLogger
 
 
@@ -175,7 +177,7 @@ def _lora_registry(engine: LLMEngine, info, lora_modules: Sequence[LoRAModulePat
 def mounted_routers() -> list:
     """The app's routers: the OpenAI (pooling included) and system routes, plus the switched ones (run-time LoRA updates with
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, the RL routes with ``VLLM_SERVER_DEV_MODE``)."""
-    routers = [module.router for module in (system, tokenize, completions, chat, pooling)]
+    routers = [module.router for module in (system, tokenize, completions, chat, responses, pooling)]
     if runtime_lora_updating_allowed():
         routers.append(lora.router)
     if rl.server_dev_mode():
@@ -192,6 +194,7 @@ def _fastapi_app(server: OpenAIServer, *, api_key: str | None, api_key_protect_a
     # process owner (serving.cli.serve_main, a test fixture) calls ``app.state.server.engine.shutdown()`` at the end.
     app = FastAPI(title="paged-jax OpenAI-compatible server", version="0.1.0")
     app.state.server = server
+    app.state.response_store = ResponseStore()  # the Responses API's stored responses (serving.routes.responses)
     if max_request_body_size is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_size)
     if api_key:  # outside the size limit: an unauthorized body is refused before it is read

@@ -237,11 +237,11 @@ class OpenAIServer:
             raise APIError(400, "suffix: fill-in-the-middle prompts are not implemented", param="suffix")
         raise APIError(400, "suffix: this model has no fill-in-the-middle (FIM) support", param="suffix")
 
-    def response_id(self, prefix: str, body: SamplingFields, raw_request: Request) -> str:
-        """``{prefix}-{base}``: base is the ``X-Request-Id`` header, else the body's ``request_id``, else random
-        (vLLM's ``_base_request_id``)."""
+    def response_id(self, prefix: str, body: Any, raw_request: Request, separator: str = "-") -> str:
+        """``{prefix}{separator}{base}``: base is the ``X-Request-Id`` header, else the body's ``request_id``, else
+        random (vLLM's ``_base_request_id``)."""
         base = raw_request.headers.get("X-Request-Id") or body.request_id or random_uuid()
-        return f"{prefix}-{base}"
+        return f"{prefix}{separator}{base}"
 
     @staticmethod
     def truncate(token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:

@@ -348,14 +348,15 @@ class ChatToolCall(RequestModel):
 
 class ChatMessageParam(RequestModel):
     """One input message. Content is a string or a list of text parts (images/audio are not supported). An
-    assistant message may carry ``tool_calls`` and a ``tool`` message its ``tool_call_id``: both reach the chat
-    template."""
+    assistant message may carry ``tool_calls`` and its ``reasoning`` (vLLM's), a ``tool`` message its
+    ``tool_call_id``: they reach the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPartText] | None = None
     name: str | None = None
     tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

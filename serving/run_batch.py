@@ -6,7 +6,8 @@ goes to the server's own route in process (``httpx.ASGITransport`` over ``servin
 validation, engine admission and wire format as ``paged-jax serve``), every line at once, so the engine batches them.
 Each output line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, in input
 order: ``body`` the route's JSON answer, or ``error`` OpenAI's error object (``body`` null) for a refused request. A
-line that is not such a request is answered the same way with a 400, naming the field.
+line that is not such a request is answered the same way with a 400, naming the field. A progress bar over the
+lines answered goes to stderr (vLLM's).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 from paged_jax.entrypoints.cli import add_engine_args, engine_kwargs, normalize_flag_spelling
 from serving.protocol import random_uuid
@@ -83,11 +85,20 @@ async def _answer(client: httpx.AsyncClient, line: str) -> dict:
             "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
-async def run_batch(app, lines: Sequence[str]) -> list[dict]:
-    """Answer every batch line (non-empty) through ``app``'s routes, all at once; the output lines in input order."""
+async def run_batch(app, lines: Sequence[str], progress: bool = True) -> list[dict]:
+    """Answer every batch line (non-empty) through ``app``'s routes, all at once; the output lines in input order.
+    ``progress``: a progress bar on stderr over the lines answered (vLLM's "Running batch" bar)."""
+    requests = [line for line in lines if line.strip()]
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
-        return list(await asyncio.gather(*(_answer(client, line) for line in lines if line.strip())))
+    with tqdm(total=len(requests), desc="Running batch", unit="req", file=sys.stderr, disable=not progress) as bar:
+
+        async def answer(client: httpx.AsyncClient, line: str) -> dict:
+            output = await _answer(client, line)
+            bar.update(1)
+            return output
+
+        async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+            return list(await asyncio.gather(*(answer(client, line) for line in requests)))
 
 
 def run_batch_main(argv: Sequence[str] | None = None, prog: str = "paged-jax run-batch") -> int:

@@ -178,9 +178,10 @@ async def collect_final(async_engine: AsyncEngine, streams: Sequence[RequestStre
 
 # -------------------------------------------------------------------------------------------- SSE responses
 async def _framed(chunks: AsyncIterator[str], async_engine: AsyncEngine,
-                  streams: Sequence[RequestStream]) -> AsyncIterator[str]:
-    """``chunks``, then ``data: [DONE]``; an engine failure mid-stream becomes an error event, and the requests
-    are aborted however the stream ends (a client that leaves closes this generator)."""
+                  streams: Sequence[RequestStream], done_marker: bool = True) -> AsyncIterator[str]:
+    """``chunks``, then ``data: [DONE]`` (with ``done_marker``; the Responses API's stream ends without it); an
+    engine failure mid-stream becomes an error event, and the requests are aborted however the stream ends (a
+    client that leaves closes this generator)."""
     try:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -189,7 +190,8 @@ async def _framed(chunks: AsyncIterator[str], async_engine: AsyncEngine,
         yield sse_error(engine_error(exc))
     finally:
         abort_unfinished(async_engine, streams)
-    yield sse("[DONE]")
+    if done_marker:
+        yield sse("[DONE]")
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -200,8 +202,9 @@ class EngineStreamingResponse(StreamingResponse):
     runs no ``finally``; this wrapper covers that case.
     """
 
-    def __init__(self, chunks: AsyncIterator[str], async_engine: AsyncEngine, streams: Sequence[RequestStream]):
-        super().__init__(_framed(chunks, async_engine, streams), media_type="text/event-stream")
+    def __init__(self, chunks: AsyncIterator[str], async_engine: AsyncEngine, streams: Sequence[RequestStream],
+                 done_marker: bool = True):
+        super().__init__(_framed(chunks, async_engine, streams, done_marker), media_type="text/event-stream")
         self._async_engine = async_engine
         self._streams = list(streams)
 

@@ -64,6 +64,34 @@ NOT_SUPPORTED: dict[str, Refusal] = {
 }
 REFUSED_FIELDS: dict[str, Refusal] = dict(NOT_SUPPORTED)
 
+
+# The one ``include`` of the Responses API served: the reply's token logprobs on its output_text.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def _no_obfuscation(value: Any) -> bool:
+    return value is None or not value or value == {"include_obfuscation": False}
+
+
+# The Responses API (``POST /v1/responses``): the refusals above, less ``store`` (a stored response serves
+# ``previous_response_id`` and ``GET /v1/responses/{id}``), plus its own fields.
+RESPONSES_REFUSED_FIELDS: dict[str, Refusal] = {
+    **{name: refusal for name, refusal in REFUSED_FIELDS.items() if name != "store"},
+    "include": Refusal(f"only {OUTPUT_LOGPROBS!r} is supported (not encrypted reasoning or tool outputs)",
+                       lambda value: value is None or set(value) <= {OUTPUT_LOGPROBS}),
+    "truncation": Refusal("automatic truncation of the conversation is not supported", _one_of("disabled")),
+    "max_tool_calls": Refusal("there are no built-in tools to limit", _unset),
+    "prompt": Refusal("prompt templates are not supported", _unset),
+    "reasoning": Refusal("reasoning effort and summary control are not supported"),
+    "conversation": Refusal("conversations are not supported; continue one with previous_response_id", _unset),
+    "stream_options": Refusal("stream obfuscation is not supported", _no_obfuscation),
+    "enable_response_messages": Refusal("raw input and output messages are not returned", _one_of(False)),
+    "previous_input_messages": Refusal("Harmony message histories (gpt-oss) are not supported; use "
+                                       "previous_response_id"),
+    "previous_response": Refusal("stateless continuation (previous_response) is not supported; use "
+                                 "previous_response_id", _unset),
+}
+
 _UNUSED_BY_BEAM_SEARCH = "is not used by beam search (use_beam_search)"
 # Sampling fields beam search does not read (it reads n = beam width, max_tokens, temperature, ignore_eos,
 # length_penalty, include_stop_str_in_output): refused with use_beam_search unless they ask for nothing.
@@ -82,16 +110,18 @@ BEAM_SEARCH_UNUSED: dict[str, Refusal] = {
 }
 
 
-def refuse_unsupported(body: BaseModel, allowed: tuple[str, ...] = ()) -> None:
+def refuse_unsupported(body: BaseModel, allowed: tuple[str, ...] = (),
+                       refused: dict[str, Refusal] = REFUSED_FIELDS) -> None:
     """Raise the 400 for the first refused field of ``body`` that asks for something (``allowed``: fields this
-    server's configuration serves although listed, e.g. ``include_reasoning`` with a reasoning parser).
+    server's configuration serves although listed, e.g. ``include_reasoning`` with a reasoning parser; ``refused``:
+    the endpoint's table).
 
     Raises:
       APIError: 400 naming the field (``param``), the message saying why.
     """
     beam_search = bool(getattr(body, "use_beam_search", False))
     for name in type(body).model_fields:
-        refusal = REFUSED_FIELDS.get(name) or (BEAM_SEARCH_UNUSED.get(name) if beam_search else None)
+        refusal = refused.get(name) or (BEAM_SEARCH_UNUSED.get(name) if beam_search else None)
         if (refusal is not None and name not in allowed and name in body.model_fields_set
                 and not refusal.is_noop(getattr(body, name))):
             raise APIError(400, f"{name}: {refusal.reason}", param=name)

@@ -108,6 +108,7 @@ def test_bad_pooling_requests_answer_400_naming_the_field(embedder):
         assert_error(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}),
                      "model")
         assert_error(c.post("/v1/completions", json={"prompt": "hi"}), "model")
+        assert_error(c.post("/v1/responses", json={"input": "hi"}), "model")
         assert_error(c.post("/classify", json={"input": "hi"}), "model")  # an embedder, not a classifier
         assert_error(c.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}), "text_2")
         assert_error(c.post("/rerank", json={"query": "q", "documents": []}), "documents")

@@ -50,7 +50,7 @@ def test_run_batch_embeddings_and_scores(base_dir, tmp_path):
         (400, "dimensions"), (400, "url"), (400, "body")]
 
 
-def test_run_batch_completions_and_chat(base_dir, tmp_path):
+def test_run_batch_completions_and_chat(base_dir, tmp_path, capsys):
     outputs = run(tmp_path, base_dir, [
         {"custom_id": "c", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "hello", "max_tokens": 3, "temperature": 0}},
@@ -60,3 +60,5 @@ def test_run_batch_completions_and_chat(base_dir, tmp_path):
     completion = outputs[0]["response"]["body"]
     assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 3
     assert (outputs[1]["error"]["param"], outputs[2]["error"]["param"]) == ("stream", "model")
+    progress = capsys.readouterr().err  # vLLM's progress bar over the lines answered, on stderr
+    assert "Running batch" in progress and "3/3" in progress and "0/3" in progress

@@ -44,7 +44,8 @@ def api_schema(schema_app):
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"), ("POST", "/v1/embeddings"),
-              ("POST", "/v1/score"), ("POST", "/v1/rerank"), ("POST", "/classify")]
+              ("POST", "/v1/score"), ("POST", "/v1/rerank"), ("POST", "/classify"), ("POST", "/v1/responses"),
+              ("GET", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel")]
 
 
 def _valid_int(value) -> bool:
@@ -54,15 +55,17 @@ def _valid_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def cap_generation_work(body) -> None:
+def cap_generation_work(body, path: str) -> None:
     """Shrink valid generation sizes in a fuzzed body in place (invalid values stay as generated)."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if _valid_int(body.get(key)) and body[key] > MAX_FUZZ_TOKENS:
             body[key] = MAX_FUZZ_TOKENS
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_FUZZ_TOKENS  # chat default is "the rest of the context"
+    if path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_FUZZ_TOKENS  # Responses default: the rest of the context
     if "prompt" in body and "max_tokens" not in body:
         body["max_tokens"] = MAX_FUZZ_TOKENS  # completions default: 16
     if _valid_int(body.get("n")) and body["n"] > MAX_FUZZ_N:
@@ -82,7 +85,7 @@ def test_schema_lists_every_operation(api_schema):
 # schemathesis' own pytest plugin (schema.parametrize / from_fixture) does not run under pytest 9, so each
 # operation's hypothesis strategy is driven directly.
 # Negative cases (schema-violating bodies) exist only for operations that take a body.
-NO_BODY = {("POST", "/ping")}
+NO_BODY = {("POST", "/ping"), ("POST", "/v1/responses/{response_id}/cancel")}
 CASES = [(method, path, mode) for method, path in OPERATIONS for mode in GenerationMode
          if mode is GenerationMode.POSITIVE or (method == "POST" and (method, path) not in NO_BODY)]
 
@@ -99,7 +102,7 @@ def test_responses_conform_to_the_schema(api_schema, method, path, mode):
               derandomize=True, database=None, phases=[Phase.explicit, Phase.generate])  # no shrinking: bounded time
     @given(case=operation.as_strategy(generation_mode=mode))
     def check(case):
-        cap_generation_work(case.body)
+        cap_generation_work(case.body, path)
         response = case.call()
         assert response.status_code < 500, (
             f"{method} {path} -> {response.status_code}: {response.text[:500]}\nbody: {case.body!r}")

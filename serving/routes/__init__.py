@@ -1,5 +1,6 @@
 """The HTTP routes, one ``APIRouter`` per module: ``completions`` (``POST /v1/completions``), ``chat``
-(``POST /v1/chat/completions``), ``tokenize`` (``POST /tokenize``, ``POST /detokenize``) and ``system``
+(``POST /v1/chat/completions``), ``responses`` (``POST /v1/responses``, ``GET /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``), ``tokenize`` (``POST /tokenize``, ``POST /detokenize``) and ``system``
 (``GET /health``, ``GET|POST /ping``, ``GET /version``, ``GET /metrics``, ``GET /v1/models``), ``pooling``
 (``POST /v1/embeddings``, ``/classify``, ``/v1/score``, ``/v1/rerank``: a pooling model's). Routes reach the
 app's ``OpenAIServer`` through the ``serving.openai_server.get_server`` dependency.

@@ -8,16 +8,13 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from serving.async_engine import EngineRequest, RequestStream
-from serving.chat_output import ChoiceOutput
-from serving.errors import APIError
+from serving.chat_request import ChatSubmission, choice_output, submit_chat
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                               unix_time)
 from serving.routes import GENERATION_RESPONSES, json_response
 from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final, usage_options
-from serving.tool_parsers.tool_choice import ToolChoice, resolve_tool_choice
 
 router = APIRouter()
 
@@ -25,42 +22,16 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
                                  server: OpenAIServer = Depends(get_server)) -> Response:
-    server.check_request(body)
-    server.check_num_seqs(body, 1)
-    if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
-        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    num_top = (body.top_logprobs or 0) if body.logprobs else None
-    server.check_num_logprobs(num_top, "top_logprobs")
-    server.check_prompt_logprobs(body)
-    tool_choice = resolve_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                      enable_auto_tool_choice=server.enable_auto_tool_choice,
-                                      tool_parser=server.tool_parser.name if server.tool_parser else None,
-                                      implied_tool_parser=server.implied_tool_parser)
-    text = await server.render_chat(body.messages, body)
-    ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
-                                              truncating=body.truncate_prompt_tokens is not None),
-                          body.truncate_prompt_tokens)
-    server.check_prompt_length(len(ids), "messages")
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
-    aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
-    tool_parser = server.tool_call_parser(tool_choice)
-    keep_special = tool_parser is not None and not tool_parser.skip_special_tokens
-    params = server.generation_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
-                                      prompt_logprobs=body.prompt_logprobs, tool_schema=tool_choice.schema,
-                                      skip_special_tokens=False if keep_special else None)
     response_id = server.response_id("chatcmpl", body, raw_request)
-    streams = await server.submit([EngineRequest(response_id, server.engine_prompt(ids, body), params,
-                                                 priority=body.priority, lora_request=server.lora_request(body.model))],
-                                  body, aliases)
+    submission = await submit_chat(server, body, response_id)
+    streams, num_top = submission.streams, submission.num_top
     created = unix_time()
     # vLLM's get_chat_request_role: the reply continues the last message's role unless a new turn is opened.
     role = server.response_role if body.add_generation_prompt else body.messages[-1].role
     echo = _echoed_content(body, role)
     if body.stream:
-        return EngineStreamingResponse(_chat_chunks(server, body, streams[0], response_id, created, len(ids), role,
-                                                    echo, tool_choice, text), server.engine, streams)
+        return EngineStreamingResponse(_chat_chunks(server, body, submission, response_id, created, role, echo),
+                                       server.engine, streams)
     finals = await collect_final(server.engine, streams, raw_request)
     if finals is None:
         return Response(status_code=499)  # the client left
@@ -71,7 +42,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         if num_top is not None and completion.logprobs is not None:
             logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top,
                                             bool(body.return_tokens_as_token_ids))
-        output = _choice_output(server, body, tool_choice, text)
+        output = choice_output(server, body, submission)
         content, reasoning, tool_calls = output.whole(completion.text)
         content = echo + content if echo else content
         choices.append(ChatCompletionResponseChoice(
@@ -81,17 +52,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             stop_reason=completion.stop_reason))
     choices.sort(key=lambda choice: choice.index)
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
-    usage = SSEChunks.usage_info(len(ids), num_completion_tokens, server.cached_tokens([final.num_cached_tokens]))
+    usage = SSEChunks.usage_info(submission.num_prompt_tokens, num_completion_tokens,
+                                 server.cached_tokens([final.num_cached_tokens]))
     return json_response(ChatCompletionResponse(id=response_id, created=created,
                                                 model=server.response_model_name(body.model), choices=choices,
                                                 usage=usage,
                                                 prompt_logprobs=server.prompt_logprobs(final.prompt_logprobs)))
-
-
-def _choice_output(server: OpenAIServer, body: ChatCompletionRequest, tool_choice: ToolChoice,
-                   prompt: str) -> ChoiceOutput:
-    return ChoiceOutput(tool_choice, server.tool_call_parser(tool_choice), server.reasoning_parser, prompt,
-                        body.include_reasoning)
 
 
 def _echoed_content(body: ChatCompletionRequest, role: str) -> str:
@@ -102,15 +68,14 @@ def _echoed_content(body: ChatCompletionRequest, role: str) -> str:
     return last.content if isinstance(last.content, str) else "\n".join(part.text for part in last.content)
 
 
-async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
-                       created: int, num_prompt_tokens: int, role: str, echo: str, tool_choice: ToolChoice,
-                       prompt: str) -> AsyncIterator[str]:
+async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, submission: ChatSubmission,
+                       response_id: str, created: int, role: str, echo: str) -> AsyncIterator[str]:
     """The SSE chunks of a streamed chat completion: the role per choice, the echoed content per choice, then one
     chunk per choice and delta output."""
+    stream, num_prompt_tokens, num_top = submission.streams[0], submission.num_prompt_tokens, submission.num_top
     include_usage, continuous_usage = usage_options(body.stream_options)
     chunks = SSEChunks(ChatCompletionStreamResponse, response_id, created, server.response_model_name(body.model),
                        include_usage)
-    num_top = (body.top_logprobs or 0) if body.logprobs else None
     start_usage = chunks.usage_info(num_prompt_tokens, 0) if continuous_usage else None
     for index in range(body.n):
         yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=role, content="")),
@@ -120,7 +85,7 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, stream
             yield chunks.choice(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo)),
                                 start_usage)
     num_tokens = [0] * body.n  # per choice: completion tokens so far
-    outputs = [_choice_output(server, body, tool_choice, prompt) for _ in range(body.n)]
+    outputs = [choice_output(server, body, submission) for _ in range(body.n)]
     num_cached_tokens = 0
     async for output in stream:
         num_cached_tokens = output.num_cached_tokens
