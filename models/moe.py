@@ -59,6 +59,11 @@ def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
     return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
 
 
+def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
+    """The grouped matmul (``grouped_matmul_reference``'s contract) that ``impl`` runs for the static shape."""
+    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype)]
+
+
 def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """``router_logits [T, E]`` -> ``(weights float32[T, top_k], ids int32[T, top_k])``: the top-k experts of the
     float32 softmax, largest first, the weights renormalized to sum to 1 when ``norm_topk_prob``."""
@@ -206,6 +211,8 @@ def expert_checkpoint_names(config: ModelConfig, param_path: tuple) -> list[str]
     expert in order (each the ``[out, in]`` weight of that expert), or None for any other parameter."""
     names = [str(p) for p in param_path]
     if len(names) < 3 or names[-2] != "experts" or names[-1] not in EXPERT_PROJECTIONS:
+        return None
+    if config.moe.swiglu_limit is not None:  # gpt-oss: the checkpoint stacks its experts itself (models.gpt_oss)
         return None
     prefix = checkpoint_prefix(config, ".".join(names[:-1]))
     leaf = _MIXTRAL_EXPERT_NAMES[names[-1]] if config.architecture == "MixtralForCausalLM" else names[-1]
