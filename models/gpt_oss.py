@@ -12,8 +12,8 @@ For ``x: dtype[T, H]`` (transformers' ``GptOssMLP``):
     out[t] = sum_j weights[t, j] * (((u + 1) * g * sigmoid(alpha * g)) @ down_proj[e] + down_proj_bias[e])
 
 Expert weights in model layout (as transformers holds them and bf16 checkpoints store them): ``gate_up_proj``
-``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts (``MoeConfig.expert_format``,
-the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``) and are dequantized inside
+``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts
+(``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``) and are dequantized inside
 the step, one layer at a time: all experts for a grouped matmul over the sorted rows, or, when the step has fewer
 (token, expert) pairs than experts (decode), only the experts each pair uses.
 """

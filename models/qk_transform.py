@@ -24,7 +24,8 @@ from models.norm import rms_norm_reference
 @functools.lru_cache(maxsize=32)
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
     """RoPE inverse frequencies, float32[head_dim // 2], plain or scaled (``ModelConfig.rope_scaling``: llama3,
-    linear, longrope, yarn). ``head_dim``: the rotated dims (``ModelConfig.rotary_dim`` when only part of a head rotates).
+    linear, longrope, yarn).
+    ``head_dim``: the rotated dims (``ModelConfig.rotary_dim`` when only part of a head rotates).
 
     Computed in float32 the way transformers does, so fp32 logits match it to rounding.
     ``rope_scaling_items`` is ``tuple(sorted(rope_scaling.items()))`` (hashable for the cache) or None.
@@ -81,7 +82,8 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> np.ndarray:
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
                  ) -> tuple[jax.Array, jax.Array]:
     """positions int32[T] -> (cos, sin), each float32[T, 1, R/2] for ``inv_freq`` float32[R/2], both multiplied by
-    ``attention_factor`` (LongRoPE's and YaRN's; 1 otherwise); computed once per forward, shared by the layers using it."""
+    ``attention_factor`` (LongRoPE's and YaRN's; 1 otherwise);
+    computed once per forward, shared by the layers using it."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, R/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     if attention_factor != 1.0:

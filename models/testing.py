@@ -63,7 +63,8 @@ _FAMILY_FIELDS = {
     # multiples of 32), 2 per token.
     "GptOssForCausalLM": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                           "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
-                          "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+                          "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 256,
                           "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                            "truncate": False, "original_max_position_embeddings": 32}},
 }
