@@ -292,7 +292,7 @@ def _gpt_oss_experts(hf_config: dict) -> dict[str, Any]:
     if quant is not None:
         method = str(quant.get("quant_method", "")).lower()
         if method != "mxfp4":
-            raise ValueError(f"quantization: {method or quant!r} is not supported for GptOssForCausalLM (its "
+            raise ValueError(f"quantization: {method or repr(quant)} is not supported for GptOssForCausalLM (its "
                              "experts load as published in mxfp4, or unquantized)")
         expert_format = "mxfp4"
     return {"moe_intermediate_size": int(hf_config["intermediate_size"]), "norm_topk_prob": True,
