@@ -199,11 +199,11 @@ def test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption(ex
     second = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in first] == expected
     assert [list(o.outputs[0].token_ids) for o in second] == expected
-    assert [o.num_cached_tokens for o in second][:2] == [32, 32]
+    assert [o.num_cached_tokens for o in second][:2] == [32, 40]  # whole 8-token blocks of each prompt
     assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
 
-    tight = LLM(model=str(path), dtype="float32", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=64,
-                block_size=8, num_gpu_blocks_override=20, enable_prefix_caching=True, use_tqdm=False)
+    tight = LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                block_size=8, num_gpu_blocks_override=17, enable_prefix_caching=True, use_tqdm=False)
     preempted = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in preempted] == expected
     assert tight.llm_engine.stats()["num_preemptions"] > 0
