@@ -207,3 +207,23 @@ def test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption(ex
     preempted = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in preempted] == expected
     assert tight.llm_engine.stats()["num_preemptions"] > 0
+
+
+def test_benchmarks_run_a_dummy_mxfp4_gpt_oss(tmp_path):
+    """The GPU benchmarks' paths on the CPU: ``benchmarks.latency`` and ``benchmarks.throughput`` on random MXFP4
+    weights of a tiny gpt-oss config (the lead runs them with ``gpt-oss-20b``, ``models.presets``)."""
+    from benchmarks.latency import main as latency
+    from benchmarks.throughput import main as throughput
+    from models.presets import preset_config
+
+    assert preset_config("gpt-oss-20b").moe.expert_format == "mxfp4"
+    (tmp_path / "config.json").write_text(json.dumps(
+        tiny_config("gpt_oss", vocab_size=10000, eos_token_id=None, quantization_config={"quant_method": "mxfp4"})))
+    engine = ["--model", str(tmp_path), "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "64",
+              "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+    result = latency(["--input-len", "20", "--output-len", "3", "--batch-size", "2", "--num-iters-warmup", "0",
+                      "--num-iters", "1", *engine])
+    assert len(result["latencies"]) == 1 and result["avg_latency"] > 0
+    result = throughput(["--workload", "random", "--num-prompts", "2", "--input-len", "20", "--output-len", "3",
+                         "--temperature", "0", *engine])
+    assert result["output_tokens"] == 6 and result["output_tok_s"] > 0
