@@ -227,3 +227,10 @@ def test_benchmarks_run_a_dummy_mxfp4_gpt_oss(tmp_path):
     result = throughput(["--workload", "random", "--num-prompts", "2", "--input-len", "20", "--output-len", "3",
                          "--temperature", "0", *engine])
     assert result["output_tokens"] == 6 and result["output_tok_s"] > 0
+
+
+def test_engine_refuses_the_mosaic_kernel_for_attention_sinks(float_checkpoint):
+    from paged_jax.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match=r"^attention_impl: 'mosaic' does not take the attention sinks"):
+        LLM(model=str(float_checkpoint), dtype="float32", attention_impl="mosaic", max_model_len=64, use_tqdm=False)
