@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.moe import SparseMoeBlock, check_moe_impl, grouped_matmul_for, sort_by_expert
+from models.moe import SparseMoeBlock, check_moe_impl, grouped_matmul_for, refuse_mlp_lora, sort_by_expert
 from models.quantization import mxfp4
 
 # Expert parameters stored under their own names in the checkpoint, in model layout (the loader reads them as is).
@@ -107,8 +107,7 @@ class GptOssMoeBlock(SparseMoeBlock):
 
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:
         """``x: [T, H]`` -> ``[T, H]``; LoRA adapters of the experts are refused as ``SparseMoeBlock`` does."""
-        if lora is not None and getattr(lora, "weights", None):
-            raise ValueError("LoRA adapters are unsupported on gpt-oss models")
+        refuse_mlp_lora(lora)
         weights, ids = self.route(x)
         num_pairs, num_experts = ids.size, self.experts.gate_up_proj_bias.shape[0]
         if self.experts.expert_format == "mxfp4" and num_pairs < num_experts:

@@ -183,14 +183,20 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:
         """``x: [T, H]`` -> ``[T, H]``. ``lora``: the layer's LoRA state (``models.llama.with_lora``); an adapter
         of the MLP projections has no expert form here: ValueError."""
-        mlp_targets = sorted(set(getattr(lora, "weights", None) or ()) & {"gate_proj", "up_proj", "down_proj",
-                                                                          "gate_up_proj"})
-        if mlp_targets:
-            raise ValueError(f"LoRA target modules {mlp_targets} are unsupported on mixture-of-experts layers")
+        refuse_mlp_lora(lora)
         weights, ids = self.route(x)
         experts = self.experts
         return moe_experts(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
                            impl=self.impl)
+
+
+def refuse_mlp_lora(lora) -> None:
+    """ValueError naming the MLP projections a layer's LoRA state (``models.llama.with_lora``) adapts: the experts
+    have no LoRA form."""
+    mlp_targets = sorted(set(getattr(lora, "weights", None) or ()) & {"gate_proj", "up_proj", "down_proj",
+                                                                      "gate_up_proj"})
+    if mlp_targets:
+        raise ValueError(f"LoRA target modules {mlp_targets} are unsupported on mixture-of-experts layers")
 
 
 def set_moe_impl(model, impl: str):

@@ -234,3 +234,11 @@ def test_engine_refuses_the_mosaic_kernel_for_attention_sinks(float_checkpoint):
 
     with pytest.raises(ValueError, match=r"^attention_impl: 'mosaic' does not take the attention sinks"):
         LLM(model=str(float_checkpoint), dtype="float32", attention_impl="mosaic", max_model_len=64, use_tqdm=False)
+
+
+def test_sharding_plan_refuses_gpt_oss():
+    from paged_jax.parallel.mesh import make_mesh
+    from paged_jax.parallel.plan import ShardingPlan
+
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism are unsupported"):
+        ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(1))
