@@ -15,7 +15,7 @@ Expert weights in model layout (as transformers holds them and bf16 checkpoints 
 ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts
 (``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``) and are dequantized inside
 the step, one layer at a time: all experts for a grouped matmul over the sorted rows, or, when the step has fewer
-(token, expert) pairs than experts (decode), only the experts each pair uses.
+(token, expert) pairs than experts (decode), each pair's expert decoded inside its reduction (``mxfp4.matvec``).
 """
 
 from __future__ import annotations
@@ -70,16 +70,12 @@ class GptOssExperts(nnx.Module):
         self.gate_up_proj_bias = nnx.Param(jnp.zeros((num_experts, 2 * inter), param_dtype))
         self.down_proj_bias = nnx.Param(jnp.zeros((num_experts, hidden), param_dtype))
 
-    def weight(self, name: str, dtype, ids: jax.Array | None = None) -> jax.Array:
-        """Expert weight ``name`` ("gate_up_proj" / "down_proj") in model layout and ``dtype``: all experts
-        ``[E, in, out]``, or ``[R, in, out]`` for the experts ``ids int32[R]``."""
+    def weight(self, name: str, dtype) -> jax.Array:
+        """Expert weight ``name`` ("gate_up_proj" / "down_proj") of every expert in model layout ``[E, in, out]``
+        and ``dtype`` (MXFP4 experts dequantized)."""
         if self.expert_format == "mxfp4":
-            blocks, scales = getattr(self, f"{name}_blocks")[...], getattr(self, f"{name}_scales")[...]
-            if ids is not None:
-                blocks, scales = blocks[ids], scales[ids]
-            return mxfp4.dequantize(blocks, scales, dtype)
-        weight = getattr(self, name)[...]
-        return (weight if ids is None else weight[ids]).astype(dtype)
+            return mxfp4.dequantize(getattr(self, f"{name}_blocks")[...], getattr(self, f"{name}_scales")[...], dtype)
+        return getattr(self, name)[...].astype(dtype)
 
 
 class GptOssMoeBlock(SparseMoeBlock):
@@ -133,14 +129,16 @@ class GptOssMoeBlock(SparseMoeBlock):
         return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
     def _gathered(self, x: jax.Array, ids: jax.Array) -> jax.Array:
-        """``_grouped``'s result with each pair's own expert weights gathered and dequantized (few pairs)."""
-        experts, dtype, top_k = self.experts, x.dtype, ids.shape[1]
+        """``_grouped``'s result for MXFP4 experts, each pair multiplied by its own expert's packed weights
+        (``mxfp4.matvec``: nothing dequantized to memory; for steps of few pairs)."""
+        experts, top_k = self.experts, ids.shape[1]
         flat = ids.reshape(-1)
         rows = jnp.repeat(x, top_k, axis=0)  # pair t * k + j is token t
-        gate_up = jnp.einsum("rh,rhn->rn", rows, experts.weight("gate_up_proj", dtype, flat),
-                             preferred_element_type=jnp.float32)
-        gate_up = gate_up + experts.gate_up_proj_bias[...][flat].astype(jnp.float32)
-        act = clamped_swiglu(gate_up, self.alpha, self.limit).astype(dtype)
-        out = jnp.einsum("ri,rih->rh", act, experts.weight("down_proj", dtype, flat),
-                         preferred_element_type=jnp.float32)
-        return out + experts.down_proj_bias[...][flat].astype(jnp.float32)
+
+        def project(name: str, inputs: jax.Array) -> jax.Array:
+            blocks, scales = getattr(experts, f"{name}_blocks")[...], getattr(experts, f"{name}_scales")[...]
+            bias = getattr(experts, f"{name}_bias")[...][flat].astype(jnp.float32)
+            return mxfp4.matvec(inputs, blocks[flat], scales[flat]) + bias
+
+        act = clamped_swiglu(project("gate_up_proj", rows), self.alpha, self.limit).astype(x.dtype)
+        return project("down_proj", act)

@@ -242,3 +242,11 @@ def test_sharding_plan_refuses_gpt_oss():
 
     with pytest.raises(ValueError, match="tensor and pipeline parallelism are unsupported"):
         ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(1))
+
+
+def test_mxfp4_matvec_equals_dequantized_matmul():
+    rng = np.random.default_rng(2)
+    blocks, scales = mxfp4.quantize(rng.normal(0, 0.05, (3, 40, 64)).astype(np.float32))
+    x = rng.normal(0, 1, (3, 64)).astype(np.float32)
+    want = np.einsum("rh,rhn->rn", x, np.asarray(mxfp4.dequantize(blocks, scales, jnp.float32)).astype(np.float64))
+    np.testing.assert_allclose(np.asarray(jax.jit(mxfp4.matvec)(x, blocks, scales)), want, rtol=1e-5, atol=1e-6)

@@ -44,6 +44,20 @@ def dequantize(blocks: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(weight, -1, -2).astype(dtype)
 
 
+def matvec(x: jax.Array, blocks: jax.Array, scales: jax.Array) -> jax.Array:
+    """Each row times its own packed weight: ``x [R, in]``, ``blocks uint8[R, out, in // 32, 16]``, ``scales
+    uint8[R, out, in // 32]`` -> ``float32[R, out]`` = ``x[r] @ dequantize(blocks[r], scales[r])``. Written as
+    elementwise products and reductions over the packed layout (each 32-run summed, then scaled by its power of
+    two, exactly as scaling the weights first), so XLA fuses the decoding into the reduction and reads only the
+    packed bytes: a decode step's few (token, expert) pairs never materialize their experts in a float dtype."""
+    lut = jnp.asarray(FP4_VALUES, jnp.float32)
+    rows, out_features, groups, _ = blocks.shape
+    x_runs = x.astype(jnp.float32).reshape(rows, 1, groups, BLOCK // 2, 2)  # [..., byte, (low, high) nibble]
+    low = jnp.sum(lut[(blocks & 0x0F).astype(jnp.int32)] * x_runs[..., 0], axis=-1)
+    high = jnp.sum(lut[(blocks >> 4).astype(jnp.int32)] * x_runs[..., 1], axis=-1)
+    return jnp.sum(jnp.ldexp(low + high, scales.astype(jnp.int32) - SCALE_BIAS), axis=-1)
+
+
 def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``float[..., out, in]`` (the checkpoint's ``[E, out, in]`` orientation) -> ``(blocks, scales)``: per run of 32
     the smallest scale that keeps the run's largest magnitude within fp4's 6.0, each value rounded to the nearest
