@@ -250,3 +250,22 @@ def test_mxfp4_matvec_equals_dequantized_matmul():
     x = rng.normal(0, 1, (3, 64)).astype(np.float32)
     want = np.einsum("rh,rhn->rn", x, np.asarray(mxfp4.dequantize(blocks, scales, jnp.float32)).astype(np.float64))
     np.testing.assert_allclose(np.asarray(jax.jit(mxfp4.matvec)(x, blocks, scales)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_on_the_fused_moe_kernel_equal_xla(float_checkpoint, monkeypatch):
+    """The grouped matmuls of a gpt-oss layer (gate/up gathering its rows, then down; biases and the clamped SwiGLU
+    between them) on the Pallas kernel (interpret mode) equal ``lax.ragged_dot``'s."""
+    import functools
+
+    import models.gpt_oss as gpt_oss
+    from paged_jax.ops.fused_moe import grouped_matmul_pallas
+
+    model, _ = load_model(float_checkpoint, dtype="float32")
+    block = model.model.layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(4).normal(0, 1, (9, 64)), jnp.float32)
+    _, ids = block.route(x)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(block._grouped(x, ids))
+        monkeypatch.setattr(gpt_oss, "grouped_matmul_for",
+                            lambda *_: functools.partial(grouped_matmul_pallas, interpret=True))
+        np.testing.assert_allclose(np.asarray(block._grouped(x, ids)), want, atol=1e-5, rtol=1e-5)
