@@ -35,6 +35,9 @@ EXPERT_PARAMS = {
               "down_proj_scales", "down_proj_bias"),
 }
 CHECKPOINT_LEAVES = frozenset(name for names in EXPERT_PARAMS.values() for name in names) | {"sinks"}
+# MXFP4 steps of fewer (token, expert) pairs than this many per expert multiply the packed bytes (``mxfp4.matvec``);
+# wider ones dequantize the layer's experts for the grouped matmul. ``benchmarks/mxfp4_experts.py`` times both.
+MATVEC_PAIRS_PER_EXPERT = 1
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -106,7 +109,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         refuse_mlp_lora(lora)
         weights, ids = self.route(x)
         num_pairs, num_experts = ids.size, self.experts.gate_up_proj_bias.shape[0]
-        if self.experts.expert_format == "mxfp4" and num_pairs < num_experts:
+        if self.experts.expert_format == "mxfp4" and num_pairs < MATVEC_PAIRS_PER_EXPERT * num_experts:
             out = self._gathered(x, ids)
         else:
             out = self._grouped(x, ids)

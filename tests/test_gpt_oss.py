@@ -269,3 +269,16 @@ def test_experts_on_the_fused_moe_kernel_equal_xla(float_checkpoint, monkeypatch
         monkeypatch.setattr(gpt_oss, "grouped_matmul_for",
                             lambda *_: functools.partial(grouped_matmul_pallas, interpret=True))
         np.testing.assert_allclose(np.asarray(block._grouped(x, ids)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_mxfp4_experts_benchmark_checks_and_times_both_paths(tmp_path):
+    from benchmarks.mxfp4_experts import main
+
+    out = tmp_path / "mxfp4.json"
+    results = main(["--tokens", "1,9", "--hidden", "64", "--inter", "64", "--experts", "8", "--top-k", "2",
+                    "--repeats", "1", "--out", str(out)])
+    assert [r["tokens"] for r in results] == [1, 9] and results[0]["experts_touched"] == 2
+    for r in results:
+        assert r["check"]["max_abs_diff"] <= 0.02 * r["check"]["grouped_max_abs"]
+        assert r["matvec_us"] > 0 and r["grouped_us"] > 0
+    assert len(json.loads(out.read_text())["results"]) == 2
