@@ -195,7 +195,8 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
     is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``). ``mlp`` is the dense ``MLP``, or for a
-    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``.
+    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``, for gpt-oss
+    (``MoeConfig.swiglu_limit`` set) its ``models.gpt_oss.GptOssMoeBlock``.
 
     Gemma (``sandwich_norms``): ``post_attention_layernorm`` norms the attention output before its residual add,
     ``pre_feedforward_layernorm`` is the norm fused with that add, ``post_feedforward_layernorm`` norms the MLP
