@@ -13,9 +13,10 @@ For ``x: dtype[T, H]`` (transformers' ``GptOssMLP``):
 
 Expert weights in model layout (as transformers holds them and bf16 checkpoints store them): ``gate_up_proj``
 ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts
-(``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``) and are dequantized inside
-the step, one layer at a time: all experts for a grouped matmul over the sorted rows, or, when the step has fewer
-(token, expert) pairs than experts (decode), each pair's expert decoded inside its reduction (``mxfp4.matvec``).
+(``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``)
+and are decoded inside the step, one layer at a time: all experts dequantized for a grouped matmul over the sorted
+rows, or, when the step has few (token, expert) pairs (``MATVEC_PAIRS_PER_EXPERT``: decode), each pair's expert
+decoded inside its own reduction (``mxfp4.matvec``).
 """
 
 from __future__ import annotations

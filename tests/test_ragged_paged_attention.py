@@ -383,3 +383,11 @@ def test_combine_kernel_matches_jnp_combine(num_splits, num_tokens, num_real, hq
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[0], 0.0)
     np.testing.assert_array_equal(got[num_real * hq:], 0.0)
+
+
+def test_mosaic_refuses_an_fp8_pool():
+    batch = make_batch(2, [3], [5], hq=4, hkv=2, d=64, block_size=16, dtype=jnp.bfloat16)
+    batch = {**batch, "k_pages": batch["k_pages"].astype(jnp.float8_e4m3fn),
+             "v_pages": batch["v_pages"].astype(jnp.float8_e4m3fn)}
+    with pytest.raises(ValueError, match="impl='mosaic' does not read an FP8 KV pool"):
+        run(batch, "mosaic", 0.125)

@@ -57,6 +57,16 @@ def _tuning_keys(impl: str) -> tuple[str, ...]:
                  if param.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def _check_mosaic_inputs(impl: str, k_pages: jax.Array, sinks: jax.Array | None) -> None:
+    """ValueError for what ``impl="mosaic"`` cannot run: an FP8 KV pool, attention sinks."""
+    if impl != "mosaic":
+        return
+    if jnp.dtype(k_pages.dtype).itemsize == 1:
+        raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
+    if sinks is not None:
+        raise ValueError("impl='mosaic' does not take attention sinks (the model has them); use 'triton' or 'auto'")
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -87,9 +97,8 @@ def ragged_paged_attention(
       logit_soft_cap: if set (a positive static float), the scaled scores ``s`` become ``cap * tanh(s / cap)``
         before the mask and softmax (Gemma 2). The Mosaic kernel does not implement it: ``"auto"`` keeps such calls
         on the Triton kernel, ``"mosaic"`` raises a ValueError.
-      sinks: None, or ``[Hq]`` attention-sink logits (gpt-oss; float32 math): head ``h``'s softmax denominator gets
-        ``exp(sinks[h])`` more. The reference and the Triton kernel take them; ``"auto"`` keeps such calls off the
-        Mosaic kernel, ``"mosaic"`` raises a ValueError.
+      sinks: None, or ``[Hq]`` attention-sink logits (gpt-oss): head ``h``'s softmax denominator gets ``exp(sinks[h])``
+        more. Not on the Mosaic kernel: ``"auto"`` keeps such calls on the Triton kernel, ``"mosaic"`` raises.
       impl: one of ``ATTENTION_IMPLS``: ``"triton"`` (the Triton-lowered Pallas kernel, ``triton_kernel``; on CPU
         only with ``interpret=True``), ``"mosaic"`` (the Mosaic GPU prefill kernel for Hopper, ``mgpu_kernel``; on
         CPU only with ``interpret=True``), ``"reference"`` (pure jnp) or ``"auto"`` (``choose_impl``: on a GPU,
@@ -116,11 +125,7 @@ def ragged_paged_attention(
         if unknown:
             raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
                              f"{allowed}")
-    fp8_pages = jnp.dtype(k_pages.dtype).itemsize == 1
-    if impl == "mosaic" and fp8_pages:
-        raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
-    if impl == "mosaic" and sinks is not None:
-        raise ValueError("impl='mosaic' does not take attention sinks (the model has them); use 'triton' or 'auto'")
+    _check_mosaic_inputs(impl, k_pages, sinks)
     if impl == "auto":
         impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window, k_pages.dtype,
                            logit_soft_cap, sinks is not None)
@@ -129,18 +134,18 @@ def ragged_paged_attention(
 
             return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                                  sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
-    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, sinks=sinks)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 
-        del masks["sinks"]
         return ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
                                            interpret=interpret, **tuning)
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks)
+        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+                                                sinks=sinks)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
-    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
                                          interpret=interpret, **tuning)
 
 __all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
