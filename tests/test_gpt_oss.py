@@ -282,3 +282,26 @@ def test_mxfp4_experts_benchmark_checks_and_times_both_paths(tmp_path):
         assert r["check"]["max_abs_diff"] <= 0.02 * r["check"]["grouped_max_abs"]
         assert r["matvec_us"] > 0 and r["grouped_us"] > 0
     assert len(json.loads(out.read_text())["results"]) == 2
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096},  # gpt-oss as published
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},  # defaults: truncate, betas
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+     "mscale_all_dim": 0.5},
+])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.qk_transform import rope_inv_freq
+
+    hf_config = tiny_config("gpt_oss", head_dim=64, rope_theta=150000.0, max_position_embeddings=4096,
+                            rope_scaling=scaling)
+    config = ModelConfig.from_hf_config(hf_config)
+    fields = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig(**fields))
+    ours = rope_inv_freq(64, config.rope_theta, tuple(sorted(config.rope_scaling.items())))
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert config.rope_scaling["attention_factor"] == pytest.approx(attention_factor)
