@@ -43,6 +43,15 @@ class MixtralForCausalLM(_MoeForCausalLM):
     architecture = "MixtralForCausalLM"
 
 
+class GptOssForCausalLM(_MoeForCausalLM):
+    """gpt-oss (gpt-oss-20b, gpt-oss-120b): attention with q/k/v/o biases and sinks (``self_attn.sinks``),
+    alternating sliding-window and full layers (``layer_types``), YaRN, and ``models.gpt_oss.GptOssMoeBlock`` in
+    every layer. Checkpoint names: ``mlp.router.{weight,bias}``, ``mlp.experts.{gate_up_proj,down_proj}`` with
+    ``_bias``, or as published ``_blocks`` / ``_scales`` (MXFP4)."""
+
+    architecture = "GptOssForCausalLM"
+
+
 class DecoderForSequenceClassification(LlamaForCausalLM):
     """A dense decoder with transformers' sequence-classification head (``Qwen3ForSequenceClassification`` and
     kin): ``score`` [hidden -> num_labels], no bias, in place of the LM head; checkpoint name ``score.weight``. Which
@@ -63,7 +72,7 @@ class DecoderForSequenceClassification(LlamaForCausalLM):
                            preferred_element_type=jnp.float32)
 
 
-_MOE_CLASSES = {cls.architecture: cls for cls in (Qwen3MoeForCausalLM, MixtralForCausalLM)}
+_MOE_CLASSES = {cls.architecture: cls for cls in (Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM)}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -24,7 +24,8 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
       ``attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)``; kv_layer is
       returned unchanged. Softmax in float32; GQA by repeating kv heads. It takes a layer's own options
       (``takes_layer_attention``): ``sm_scale=, sliding_window=, logit_soft_cap=`` keywords override the ones
-      given here (``logit_soft_cap``: ``cap * tanh(s / cap)`` on the scaled scores).
+      given here (``logit_soft_cap``: ``cap * tanh(s / cap)`` on the scaled scores), and attention sinks
+      (``takes_attention_sinks``): ``sinks`` [Hq], one logit per head joining each row's softmax denominator.
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -39,7 +40,8 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
     default_scale, default_window = sm_scale, sliding_window
 
     def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, *, sm_scale: float = None,
-                  sliding_window: int | None = default_window, logit_soft_cap: float | None = None):
+                  sliding_window: int | None = default_window, logit_soft_cap: float | None = None,
+                  sinks: jax.Array | None = None):
         sm_scale = default_scale if sm_scale is None else sm_scale
         mask = causal_mask if sliding_window is None else causal_mask & (distance < sliding_window)
         mask = mask | itself
@@ -56,9 +58,14 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
         if logit_soft_cap is not None:
             scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
         scores = jnp.where(mask[None, :, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:  # the sink is one more logit per row, its probability dropped
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*scores.shape[:2], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
         out = jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), v_rep, preferred_element_type=jnp.float32)
         return out.astype(q.dtype), kv_layer
 
     attention.takes_layer_attention = True
+    attention.takes_attention_sinks = True
     return attention

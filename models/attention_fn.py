@@ -7,6 +7,10 @@ every layer (``LayerAttention.model_default``). When some layer of the model nee
 (``needs_layer_attention``), the model passes each layer's as keywords ``sm_scale=, sliding_window=,
 logit_soft_cap=`` to an attention whose ``takes_layer_attention`` attribute is true, and refuses any other attention
 with a ValueError: the options are never dropped.
+
+Attention sinks (``ModelConfig.attention_sinks``, gpt-oss) are weights, not static options: the model passes each
+layer's ``sinks=`` (``[Hq]``, one logit per query head joining the softmax's denominator) to an attention whose
+``takes_attention_sinks`` attribute is true, and refuses any other.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from models.qk_transform import QKTransform
 # ``fuses_qk_transform`` is true is called with the un-normed, un-rotated q/k and ``qk_transform=QKTransform`` and
 # applies the transform itself (models.qk_transform); the model applies it before any other attention. One whose
 # attribute ``takes_layer_attention`` is true also takes ``sm_scale=, sliding_window=, logit_soft_cap=`` keywords
-# (``LayerAttention.as_kwargs``), which override what it was built with.
+# (``LayerAttention.as_kwargs``), which override what it was built with. One whose attribute ``takes_attention_sinks``
+# is true takes ``sinks=`` ([Hq] logits) for a model with attention sinks.
 AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -70,6 +75,15 @@ def check_takes_layer_attention(config: ModelConfig, attention: AttentionFn) -> 
             "'takes_layer_attention' attribute and sm_scale / sliding_window / logit_soft_cap keywords)")
 
 
+def check_takes_attention_sinks(config: ModelConfig, attention: AttentionFn) -> None:
+    """ValueError when ``config``'s layers have attention sinks and ``attention`` cannot take them."""
+    if config.attention_sinks and not getattr(attention, "takes_attention_sinks", False):
+        raise ValueError(
+            f"{config.architecture}: the layers attend with attention sinks (a per-head logit in the softmax), "
+            f"which this attention ({type(attention).__name__}) does not take (it needs a true "
+            "'takes_attention_sinks' attribute and a sinks= keyword)")
+
+
 @jax.tree_util.register_pytree_node_class
 class ReusableAttention:
     """An ``AttentionFn`` whose per-call data is a pytree and whose code is one static function.
@@ -83,7 +97,8 @@ class ReusableAttention:
       fn: ``fn(metadata, q, k, v, kv_layer) -> (out, kv_layer)``; static (part of the pytree structure, compared by
         identity), so build it once per forward (e.g. a ``functools.partial`` of a module-level function). For a
         model whose layers differ it must also take ``sm_scale=, sliding_window=, logit_soft_cap=`` keywords
-        (``paged_jax.ops.write_and_attend`` does): this attention declares ``takes_layer_attention``.
+        (``paged_jax.ops.write_and_attend`` does): this attention declares ``takes_layer_attention``; for a model
+        with attention sinks a ``sinks=`` keyword too (``takes_attention_sinks``).
       metadata: a pytree of arrays (block tables, lengths, ...), the same for every layer of one forward.
       fuses_qk_transform: ``fn`` takes a ``qk_transform=`` keyword (``models.qk_transform.QKTransform``) and
         applies it to q/k itself (see ``AttentionFn``); static.
@@ -91,6 +106,7 @@ class ReusableAttention:
     """
 
     takes_layer_attention = True
+    takes_attention_sinks = True
 
     def __init__(self, fn: Callable, metadata: Any, *, fuses_qk_transform: bool = False):
         self.fn = fn

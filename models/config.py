@@ -1,5 +1,5 @@
 """Model configuration for the Llama family and its relatives (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 2,
-Gemma 3 text, Phi-3 / Phi-4, Granite) and its mixture-of-experts relatives (Qwen3-MoE, Mixtral).
+Gemma 3 text, Phi-3 / Phi-4, Granite) and its mixture-of-experts relatives (Qwen3-MoE, Mixtral, gpt-oss).
 
 ``ModelConfig`` is the one description of a model shape that the rest of paged-jax uses; it is built from a Hugging
 Face ``config.json`` dict (transformers 4.x or 5.x layout; each family's fields read in ``models.hf_config``).
@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
 MOE_ARCHITECTURES = hf.MOE_ARCHITECTURES
 
@@ -41,6 +42,7 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "granite": "GraniteForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Checkpoints whose text model is supported only inside a multimodal wrapper we do not load.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 'gemma3_text')",
@@ -58,6 +60,11 @@ class MoeConfig:
     weighted sum of the experts' SwiGLU MLPs (``moe_intermediate_size`` wide). Layer ``i`` is sparse when
     ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`` (Qwen3-MoE), else a dense MLP of the model's
     ``intermediate_size``.
+
+    gpt-oss (``swiglu_limit`` set; ``models.gpt_oss``): the router and the experts carry biases, the weights are
+    the softmax over the top-k logits, and the experts run the clamped SwiGLU ``(clip(up, -limit, limit) + 1) *
+    g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. ``expert_format``: None (experts in the model dtype)
+    or "mxfp4" (kept as the checkpoint's packed fp4 blocks and e8m0 scales, dequantized in the step).
     """
 
     num_experts: int
@@ -66,8 +73,15 @@ class MoeConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+    expert_format: str | None = None
 
     def __post_init__(self):
+        if self.expert_format not in (None, "mxfp4"):
+            raise ValueError(f"MoeConfig.expert_format must be None or 'mxfp4', got {self.expert_format!r}")
+        if self.expert_format is not None and self.swiglu_limit is None:
+            raise ValueError("MoeConfig.expert_format 'mxfp4' is gpt-oss's (swiglu_limit set)")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -105,6 +119,8 @@ class ModelConfig:
     ``residual_multiplier`` on each block's output and ``logits_scaling`` (logits divided by it): Gemma's
     ``sqrt(hidden_size)`` and Granite's multipliers; None: 1.
     ``moe`` is the sparse MLP of a mixture-of-experts architecture (``MOE_ARCHITECTURES``), None for dense ones.
+    ``attention_sinks``: each attention layer has a learned per-head logit joining its softmax's denominator
+    (gpt-oss; the ``sinks`` parameter ``[num_attention_heads]``).
     ``head``: what follows the final norm (``HEADS``): "lm_head" (the vocabulary, or the tied embedding), "score"
     (a ``num_labels``-wide classifier, transformers' ``*ForSequenceClassification``) or "none" (hidden states only:
     the base model, transformers' ``*Model``, or a decoder run as an embedder).
@@ -142,6 +158,7 @@ class ModelConfig:
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
     moe: MoeConfig | None = None
+    attention_sinks: bool = False
     head: str = "lm_head"
     num_labels: int = 0
 
@@ -260,7 +277,7 @@ class ModelConfig:
         head_dim = hf_config.get("head_dim")
         head_dim = hidden_size // num_heads if head_dim is None else int(head_dim)
 
-        configured_bias = bool(hf_config.get("attention_bias", False))
+        configured_bias = bool(hf.family_default(architecture, hf_config, "attention_bias", False))
         if architecture == "Qwen2ForCausalLM":
             attention_bias, o_proj_bias = True, False  # Qwen2: q/k/v bias always, o_proj never
         else:
@@ -291,6 +308,7 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             **hf.family_options(architecture, hf_config),
             moe=None if moe_fields is None else MoeConfig(**moe_fields),
+            attention_sinks=architecture == "GptOssForCausalLM",
             head=head,
             num_labels=hf.num_labels(hf_config) if head == "score" else 0,
         )

@@ -12,18 +12,21 @@ import math
 from typing import Any
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 _NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 # Activations of the gated MLP: HF name -> the name models.llama uses.
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # transformers' defaults where a family's differ from the Llama-like ones the parser assumes.
 _FAMILY_DEFAULTS = {
     "Gemma2ForCausalLM": {"tie_word_embeddings": True, "sliding_window": 4096, "rope_theta": 10000.0},
     "Gemma3ForCausalLM": {"tie_word_embeddings": True, "sliding_window": 4096, "rope_theta": 1_000_000.0},
+    "GptOssForCausalLM": {"sliding_window": 128, "rope_theta": 150000.0, "attention_bias": True},
 }
+# gpt-oss's experts: transformers' defaults of the clamped SwiGLU (the published config.json omits the alpha).
+GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
 
 
 def family_default(architecture: str, hf_config: dict, key: str, default: Any) -> Any:
@@ -40,6 +43,7 @@ def layer_windows(architecture: str, hf_config: dict, num_layers: int) -> tuple[
     the field there: a non-null one is refused). Qwen2 / Qwen3: only with
     ``use_sliding_window``, on layers ``i >= max_window_layers`` (or as ``layer_types`` says). Gemma 2: even layers
     slide; Gemma 3: every layer but each ``sliding_window_pattern``-th (default 6); ``layer_types`` overrides both.
+    gpt-oss: even layers slide (default window 128) unless ``layer_types`` says otherwise.
     """
     window = family_default(architecture, hf_config, "sliding_window", None)
     if window is not None and architecture in _NO_WINDOW:
@@ -57,10 +61,13 @@ def layer_windows(architecture: str, hf_config: dict, num_layers: int) -> tuple[
         layer_types = [SLIDING if window is not None and i >= first_sliding else FULL for i in range(num_layers)]
     elif architecture == "Gemma2ForCausalLM" and layer_types is None:
         layer_types = [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+    elif architecture == "GptOssForCausalLM" and layer_types is None:
+        layer_types = [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
     elif architecture == "Gemma3ForCausalLM" and layer_types is None:
         pattern = int(hf_config.get("sliding_window_pattern", 6))
         layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    elif layer_types is None or architecture not in GEMMA_ARCHITECTURES and not architecture.startswith("Qwen"):
+    elif layer_types is None or (architecture not in GEMMA_ARCHITECTURES + ("GptOssForCausalLM",)
+                                 and not architecture.startswith("Qwen")):
         # transformers builds these families' layers alike and ignores layer_types: one that disagrees is refused.
         uniform = [SLIDING if window is not None else FULL] * num_layers
         if layer_types is not None and list(layer_types) != uniform:
@@ -123,7 +130,32 @@ def _rope_scaling(source: dict, hf_config: dict, rotary_dim: int) -> dict | None
             scaling[key] = float(_rope_key(source, key, rope_type))
         scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
         return scaling
+    if rope_type == "yarn":
+        return _yarn(source, hf_config)
     return _longrope(source, hf_config, rotary_dim)
+
+
+def _yarn(source: dict, hf_config: dict) -> dict:
+    """YaRN (gpt-oss): ``factor``, ``original_max_position_embeddings``, ``beta_fast`` / ``beta_slow`` (default 32 /
+    1), ``truncate`` (default True) and the cos/sin ``attention_factor`` (default ``0.1 ln(factor) + 1``; with
+    ``mscale`` and ``mscale_all_dim`` their ratio), as transformers' ``_compute_yarn_parameters``."""
+    original = source.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("config yarn rope scaling is missing 'original_max_position_embeddings'")
+    factor = source.get("factor")
+    factor = float(hf_config.get("max_position_embeddings") or 4096) / int(original) if factor is None \
+        else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = source.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = source.get("mscale"), source.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original),
+            "beta_fast": float(source.get("beta_fast") or 32), "beta_slow": float(source.get("beta_slow") or 1),
+            "truncate": bool(source.get("truncate", True)), "attention_factor": float(attention_factor)}
 
 
 def _longrope(source: dict, hf_config: dict, rotary_dim: int) -> dict:
@@ -225,6 +257,8 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
         raise ValueError(f"config field 'hidden_act' = {hf_config['hidden_act']!r} is unsupported for {architecture} "
                          "(the experts run SwiGLU)")
     fields = {"num_experts": int(num_experts), "num_experts_per_tok": int(hf_config["num_experts_per_tok"])}
+    if architecture == "GptOssForCausalLM":
+        return {**fields, **_gpt_oss_experts(hf_config)}
     if architecture == "MixtralForCausalLM":
         # Mixtral: every layer sparse, experts as wide as intermediate_size, top-k weights always renormalized
         # (router_jitter_noise only applies in training).
@@ -247,6 +281,24 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
     return {**fields, "moe_intermediate_size": int(hf_config["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)), "decoder_sparse_step": sparse_step,
             "mlp_only_layers": tuple(sorted(set(mlp_only_layers)))}
+
+
+def _gpt_oss_experts(hf_config: dict) -> dict[str, Any]:
+    """gpt-oss: every layer sparse, experts as wide as ``intermediate_size``, the softmax over the top-k router
+    logits (what renormalized top-k probabilities are), the clamped SwiGLU, and the experts' storage:
+    ``quantization_config.quant_method`` "mxfp4" (as published) or none (bf16 experts)."""
+    quant = hf_config.get("quantization_config")
+    expert_format = None
+    if quant is not None:
+        method = str(quant.get("quant_method", "")).lower()
+        if method != "mxfp4":
+            raise ValueError(f"quantization: {method or repr(quant)} is not supported for GptOssForCausalLM (its "
+                             "experts load as published in mxfp4, or unquantized)")
+        expert_format = "mxfp4"
+    return {"moe_intermediate_size": int(hf_config["intermediate_size"]), "norm_topk_prob": True,
+            "swiglu_alpha": float(hf_config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)),
+            "swiglu_limit": float(hf_config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT)),
+            "expert_format": expert_format}
 
 
 # A supported decoder's pooling checkpoints (transformers' names): its base model (``AutoModel``: hidden states, no

@@ -1,7 +1,8 @@
 """One Flax NNX decoder for the Llama family and its relatives: Llama 2/3/3.1, Mistral, Qwen2 (q/k/v bias), Qwen3
 (q/k norm), Gemma 2 / Gemma 3 (per-layer windows and RoPE, soft-capping, (1 + w) norms around each block, scaled
 embeddings, GELU), Phi-3 / Phi-4 (LongRoPE, partial rotary; fused checkpoint projections split by the loader),
-Granite (multipliers), and with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral.
+Granite (multipliers), and with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral,
+and gpt-oss (attention sinks, its experts in ``models.gpt_oss``).
 Each difference is a ``ModelConfig`` field read by the one decoder below.
 
 The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
@@ -25,8 +26,9 @@ from flax import nnx
 
 # The attention contract lives in models.attention_fn; re-exported for existing importers.
 from models.attention_fn import (AttentionFn, LayerAttention, ReusableAttention,  # noqa: F401
-                                 check_takes_layer_attention, needs_layer_attention)
+                                 check_takes_attention_sinks, check_takes_layer_attention, needs_layer_attention)
 from models.config import ModelConfig
+from models.gpt_oss import GptOssMoeBlock
 from models.moe import SparseMoeBlock, set_moe_impl
 from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
@@ -87,6 +89,9 @@ class Attention(nnx.Module):
         self.kv_scale: nnx.Param | None = nnx.data(None)
         self.o_proj = _linear(q_dim, hidden, use_bias=config.o_proj_bias, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
+        # gpt-oss: one learned logit per query head in the softmax's denominator ([Hq], HF ``self_attn.sinks``).
+        self.sinks = nnx.data(nnx.Param(_normal_init()(rngs.params(), (self.num_heads,), param_dtype))
+                              if config.attention_sinks else None)
         if config.qk_norm:
             # Per head ([T, H, D]), applied through the layer's QKTransform: the jnp form (apply_qk_transform), or
             # fused with RoPE and the KV write by an attention that fuses it (paged_jax.ops.qk_prepare).
@@ -127,6 +132,8 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = rope[self.rope_table]
         options = {} if self.layer_attention is None else self.layer_attention.as_kwargs()
+        if self.sinks is not None:
+            options["sinks"] = self.sinks[...]
         transform = QKTransform(
             cos=cos, sin=sin,
             q_norm_weight=None if self.q_norm is None else self.q_norm.scale[...],
@@ -188,7 +195,8 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
     is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``). ``mlp`` is the dense ``MLP``, or for a
-    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``.
+    sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``, for gpt-oss
+    (``MoeConfig.swiglu_limit`` set) its ``models.gpt_oss.GptOssMoeBlock``.
 
     Gemma (``sandwich_norms``): ``post_attention_layernorm`` norms the attention output before its residual add,
     ``pre_feedforward_layernorm`` is the norm fused with that add, ``post_feedforward_layernorm`` norms the MLP
@@ -201,7 +209,9 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_idx, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
-        if config.moe is not None and config.moe.is_sparse(layer_idx):
+        if config.moe is not None and config.moe.swiglu_limit is not None:
+            self.mlp = GptOssMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
+        elif config.moe is not None and config.moe.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
         else:
             self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -402,6 +412,7 @@ class LlamaForCausalLM(nnx.Module):
         if kv_caches is not None and len(kv_caches) != num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {num_layers}")
         check_takes_layer_attention(self.config, attention)
+        check_takes_attention_sinks(self.config, attention)
         rope = rope_tables(self.config, positions)
         x = self.model.embed(input_ids)
         x, residual, new_kv_caches = run_decoder_layers(self.model.layers, x, None, rope, kv_caches, attention, lora)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from models.architectures import model_class
 from models.config import ModelConfig
+from models.gpt_oss import CHECKPOINT_LEAVES
 from models.llama import INIT_STD, LlamaForCausalLM
 from models.moe import checkpoint_prefix, expert_checkpoint_names
 
@@ -42,6 +43,7 @@ _DTYPES = {
     "float": jnp.float32,
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+MXFP4_DUMMY_SCALE = 120  # e8m0 exponent 120 - 127: 2 ** -7
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors the model intentionally has no parameter for.
@@ -134,8 +136,11 @@ def init_dummy_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) 
 
 def dummy_fill(param_path: tuple, config: ModelConfig) -> float | None:
     """The constant a "dummy" parameter is filled with (norm scales 1, or 0 for Gemma's norms, which scale by
-    1 + weight; biases 0), or None for a random one."""
+    1 + weight; biases 0; MXFP4 scales 2 ** -7, so random fp4 blocks give weights of about N(0, 0.02)'s size),
+    or None for a random one."""
     leaf = str(param_path[-1])
+    if leaf.endswith("_scales"):
+        return float(MXFP4_DUMMY_SCALE)
     if leaf == "scale":
         return 0.0 if config.norm_unit_offset else 1.0
     return 0.0 if leaf == "bias" else None
@@ -143,9 +148,12 @@ def dummy_fill(param_path: tuple, config: ModelConfig) -> float | None:
 
 def dummy_param_value(key: jax.Array, shape: tuple[int, ...], dtype, fill: float | None) -> jax.Array:
     """One "dummy" parameter, ``dtype[shape]``: ``fill`` everywhere, or (fill None) ``N(0, INIT_STD)`` drawn in
-    float32 from ``key`` then cast. Traceable, so a sharded loader can generate it inside its own jit."""
+    float32 from ``key`` then cast (random bits for an integer dtype: packed MXFP4 blocks). Traceable, so a sharded
+    loader can generate it inside its own jit."""
     if fill is not None:
         return jnp.full(shape, fill, dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jax.random.bits(key, shape, dtype)
     return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
 
 
@@ -245,6 +253,8 @@ def _read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) ->
 def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     """Model parameter path -> (HF tensor name, whether the HF tensor is the transpose of ours)."""
     *prefix, leaf = (str(p) for p in param_path)
+    if leaf in CHECKPOINT_LEAVES:  # stored under the parameter's own name and layout (gpt-oss)
+        return ".".join(prefix + [leaf]), False
     if leaf == "kernel":
         return ".".join(prefix + ["weight"]), True
     if leaf in ("scale", "embedding"):

@@ -59,6 +59,11 @@ def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
     return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
 
 
+def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
+    """The grouped matmul (``grouped_matmul_reference``'s contract) that ``impl`` runs for the static shape."""
+    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype)]
+
+
 def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """``router_logits [T, E]`` -> ``(weights float32[T, top_k], ids int32[T, top_k])``: the top-k experts of the
     float32 softmax, largest first, the weights renormalized to sum to 1 when ``norm_topk_prob``."""
@@ -178,14 +183,20 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:
         """``x: [T, H]`` -> ``[T, H]``. ``lora``: the layer's LoRA state (``models.llama.with_lora``); an adapter
         of the MLP projections has no expert form here: ValueError."""
-        mlp_targets = sorted(set(getattr(lora, "weights", None) or ()) & {"gate_proj", "up_proj", "down_proj",
-                                                                          "gate_up_proj"})
-        if mlp_targets:
-            raise ValueError(f"LoRA target modules {mlp_targets} are unsupported on mixture-of-experts layers")
+        refuse_mlp_lora(lora)
         weights, ids = self.route(x)
         experts = self.experts
         return moe_experts(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
                            impl=self.impl)
+
+
+def refuse_mlp_lora(lora) -> None:
+    """ValueError naming the MLP projections a layer's LoRA state (``models.llama.with_lora``) adapts: the experts
+    have no LoRA form."""
+    mlp_targets = sorted(set(getattr(lora, "weights", None) or ()) & {"gate_proj", "up_proj", "down_proj",
+                                                                      "gate_up_proj"})
+    if mlp_targets:
+        raise ValueError(f"LoRA target modules {mlp_targets} are unsupported on mixture-of-experts layers")
 
 
 def set_moe_impl(model, impl: str):
@@ -206,6 +217,8 @@ def expert_checkpoint_names(config: ModelConfig, param_path: tuple) -> list[str]
     expert in order (each the ``[out, in]`` weight of that expert), or None for any other parameter."""
     names = [str(p) for p in param_path]
     if len(names) < 3 or names[-2] != "experts" or names[-1] not in EXPERT_PROJECTIONS:
+        return None
+    if config.moe.swiglu_limit is not None:  # gpt-oss: the checkpoint stacks its experts itself (models.gpt_oss)
         return None
     prefix = checkpoint_prefix(config, ".".join(names[:-1]))
     leaf = _MIXTRAL_EXPERT_NAMES[names[-1]] if config.architecture == "MixtralForCausalLM" else names[-1]

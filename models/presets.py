@@ -48,6 +48,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "max_position_embeddings": 40960, "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # openai/gpt-oss-20b's config.json as published: MXFP4 experts, alternating 128-token sliding and full layers.
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "attention_bias": True, "swiglu_limit": 7.0,
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 4096},
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 131072,
+        "eos_token_id": 200002, "pad_token_id": 199999,
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    },
     "smollm2-135m": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -55,6 +69,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2,
     },
 }
+
+
+# openai/gpt-oss-120b: gpt-oss-20b's layers, 36 of them, with 128 experts each.
+PRESETS["gpt-oss-120b"] = {**PRESETS["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
+                           "layer_types": ["sliding_attention", "full_attention"] * 18}
 
 
 def preset_config(name: str) -> ModelConfig:

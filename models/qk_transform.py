@@ -24,7 +24,8 @@ from models.norm import rms_norm_reference
 @functools.lru_cache(maxsize=32)
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | None) -> np.ndarray:
     """RoPE inverse frequencies, float32[head_dim // 2], plain or scaled (``ModelConfig.rope_scaling``: llama3,
-    linear, longrope). ``head_dim``: the rotated dims (``ModelConfig.rotary_dim`` when only part of a head rotates).
+    linear, longrope, yarn).
+    ``head_dim``: the rotated dims (``ModelConfig.rotary_dim`` when only part of a head rotates).
 
     Computed in float32 the way transformers does, so fp32 logits match it to rounding.
     ``rope_scaling_items`` is ``tuple(sorted(rope_scaling.items()))`` (hashable for the cache) or None.
@@ -39,6 +40,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | 
     inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
     if scaling["rope_type"] == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(head_dim, float(rope_theta), scaling)
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
     high_freq_factor = scaling["high_freq_factor"]
@@ -54,10 +57,33 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling_items: tuple | 
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> np.ndarray:
+    """YaRN's blend of interpolated (``/ factor``) and kept frequencies over a linear ramp between the correction
+    dims of ``beta_fast`` and ``beta_slow`` rotations (transformers' ``_compute_yarn_parameters``)."""
+    pos_freqs = (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)))
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(scaling["factor"]) * pos_freqs)).astype(np.float32)
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+    return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
                  ) -> tuple[jax.Array, jax.Array]:
     """positions int32[T] -> (cos, sin), each float32[T, 1, R/2] for ``inv_freq`` float32[R/2], both multiplied by
-    ``attention_factor`` (LongRoPE's; 1 otherwise); computed once per forward, shared by the layers using it."""
+    ``attention_factor`` (LongRoPE's and YaRN's; 1 otherwise);
+    computed once per forward, shared by the layers using it."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, R/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     if attention_factor != 1.0:

@@ -21,6 +21,7 @@ _MODEL_TYPES = {
     "GraniteForCausalLM": "granite",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Short names accepted by tiny_config, for readability in tests.
@@ -35,6 +36,7 @@ _ALIASES = {
     "granite": "GraniteForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # Each family's own fields in a tiny config: windows, scales and caps small enough to matter at this size (a cap
@@ -56,6 +58,15 @@ _FAMILY_FIELDS = {
     "Qwen3MoeForCausalLM": {"use_sliding_window": False, "sliding_window": None, "num_experts": 8,
                             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
                             "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # gpt-oss as published (openai/gpt-oss-20b's config.json fields), at a size where each part matters: an 8-token
+    # window on alternating layers, YaRN stretching an original context of 32, 4 experts of 64 (MXFP4 needs
+    # multiples of 32), 2 per token.
+    "GptOssForCausalLM": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                          "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+                          "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 256,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 32}},
 }
 
 
@@ -64,7 +75,8 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
 
     Args:
       architecture: one of ``models.config.SUPPORTED_ARCHITECTURES`` or its short name ("llama", "mistral",
-        "qwen2", "qwen3", "gemma2", "gemma3" (the text model), "phi3", "granite", "qwen3_moe", "mixtral"); a family's
+        "qwen2", "qwen3", "gemma2", "gemma3" (the text model), "phi3", "granite", "qwen3_moe", "mixtral",
+        "gpt_oss"); a family's
         own fields get small values that make them matter (``_FAMILY_FIELDS``).
       overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
     """
@@ -133,7 +145,8 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
         for name, param in torch_model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            elif name.endswith("mlp.gate.weight"):  # a mixture-of-experts router
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias", "self_attn.sinks")):
+                # an experts' router; gpt-oss's attention sinks, large enough to take a share of the softmax
                 param.copy_(torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))

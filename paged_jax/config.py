@@ -84,9 +84,9 @@ class EngineArgs:
     # Save the converted (fused / sharded) weights of a checkpoint with orbax on first load and restore them on
     # later starts (models.weight_cache; $PAGED_JAX_CACHE or ~/.cache/paged_jax, under weights/). Never for dummy.
     weight_cache: bool = True
-    # Quantized weights (vLLM's --quantization): awq | gptq | compressed-tensors | fp8 | int8; None = the
+    # Quantized weights (vLLM's --quantization): awq | gptq | compressed-tensors | fp8 | int8 | mxfp4; None = the
     # checkpoint's quantization_config (if any). fp8 / int8 on an unquantized checkpoint quantize it at load time.
-    quantization: Literal["awq", "gptq", "compressed-tensors", "fp8", "int8"] | None = None
+    quantization: Literal["awq", "gptq", "compressed-tensors", "fp8", "int8", "mxfp4"] | None = None
     # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn
     # with the checkpoint's per-layer k/v scales (1.0 without them): twice the tokens in the same memory.
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"

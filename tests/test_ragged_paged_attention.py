@@ -50,9 +50,10 @@ def make_batch(seed, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype, pad_seqs
     )
 
 
-def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None):
+def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None, sinks=None):
     """Dense float64 attention, one sequence at a time: gather its context, causal(+window) softmax per token
-    (scores soft-capped first when ``logit_soft_cap`` is set)."""
+    (scores soft-capped first when ``logit_soft_cap`` is set; head h's ``sinks[h]`` one more logit without a
+    value)."""
     q = np.asarray(batch["q"].astype(jnp.float32), np.float64)
     k_pages = np.asarray(batch["k_pages"].astype(jnp.float32), np.float64)
     v_pages = np.asarray(batch["v_pages"].astype(jnp.float32), np.float64)
@@ -79,20 +80,22 @@ def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None):
                 scores = kh @ q[t, h] * sm_scale
                 if logit_soft_cap is not None:
                     scores = logit_soft_cap * np.tanh(scores / logit_soft_cap)
-                w = np.exp(scores - scores.max())
-                out[t, h] = (w / w.sum()) @ vh
+                sink = -np.inf if sinks is None else float(sinks[h])
+                top = max(scores.max(), sink)
+                w = np.exp(scores - top)
+                out[t, h] = (w / (w.sum() + np.exp(sink - top))) @ vh
     return out
 
 
-def run(batch, impl, sm_scale, sliding_window=None, logit_soft_cap=None, **tuning):
+def run(batch, impl, sm_scale, sliding_window=None, logit_soft_cap=None, sinks=None, **tuning):
     fn = jax.jit(
-        lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+        lambda q, kp, vp, kl, bt, cu, sinks: ragged_paged_attention(
             q, kp, vp, kl, bt, cu, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-            impl=impl, interpret=(impl == "triton"), **tuning,
+            sinks=sinks, impl=impl, interpret=(impl == "triton"), **tuning,
         )
     )
     return fn(batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"], batch["block_tables"],
-              batch["cu_q_lens"])
+              batch["cu_q_lens"], sinks)
 
 
 # name: (q_lens, kv_lens, hq, hkv, d, block_size, dtype, sliding_window, kernel tuning)
@@ -216,6 +219,50 @@ def test_soft_cap_kernel_with_prefill_options():
                   run(batch, "reference", scale, window, SOFT_CAP), dtype, int(batch["cu_q_lens"][-1]))
 
 
+# Attention sinks (gpt-oss): one logit per query head in the softmax's denominator, large enough to take a visible
+# share (scores are about N(0, 1)), with windows, kv splits (the sink joins split 0 only), bf16 and prefill options.
+SINK_CASES = ("mixed_gqa8_d64", "window_lead_and_trail_splits", "decode_splits_gqa4", "bf16_mixed_gqa4_d128",
+              "one_token_sequences", "sliding_window_8", "block_size_32_bk16_splits")
+
+
+@pytest.mark.parametrize("name", SINK_CASES)
+def test_sinks_reference_and_kernel(name):
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES[name]
+    seed = 5 + zlib.crc32(name.encode())
+    batch = make_batch(seed, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype)
+    sinks = jnp.asarray(np.random.default_rng(seed).normal(1.0, 1.5, hq), dtype)
+    scale, n_real = 1.0 / math.sqrt(d), int(batch["cu_q_lens"][-1])
+    want = run(batch, "reference", scale, window, sinks=sinks)
+    _assert_close(want, numpy_oracle(batch, scale, window, sinks=np.asarray(sinks.astype(jnp.float32))), dtype,
+                  n_real)
+    _assert_close(run(batch, "triton", scale, window, sinks=sinks, **tuning), want, dtype, n_real)
+    without = np.asarray(run(batch, "reference", scale, window).astype(jnp.float32))
+    assert np.abs(without[:n_real] - np.asarray(want.astype(jnp.float32))[:n_real]).max() > 0.05
+
+
+def test_sinks_kernel_with_prefill_options_and_soft_cap():
+    options = dict(prescale_q=True, k_transposed=True, longest_tiles_first=True, prefetch_pages=True)
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES["window_lead_and_trail_splits"]
+    batch = make_batch(23, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype)
+    sinks = jnp.asarray(np.random.default_rng(23).normal(0.0, 2.0, hq), jnp.float32)
+    scale = 1.0 / math.sqrt(d)
+    _assert_close(run(batch, "triton", scale, window, SOFT_CAP, sinks, **tuning, **options),
+                  run(batch, "reference", scale, window, SOFT_CAP, sinks), dtype, int(batch["cu_q_lens"][-1]))
+
+
+def test_sinks_keep_auto_off_the_mosaic_kernel_and_mosaic_refuses_them():
+    from paged_jax.ops.ragged_paged_attention import choose_impl
+    from paged_jax.ops.ragged_paged_attention.mgpu_kernel import supported
+
+    assert supported((2048, 8, 64), (64, 16, 2, 64), jnp.bfloat16, None, has_sinks=True) == "attention sinks"
+    assert choose_impl((2048, 8, 64), (64, 16, 2, 64), jnp.bfloat16, 8, has_sinks=True) != "hybrid"
+    batch = make_batch(1, [3], [5], hq=4, hkv=2, d=64, block_size=16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl='mosaic' does not take attention sinks"):
+        run(batch, "mosaic", 0.125, sinks=jnp.zeros((4,), jnp.float32))
+    with pytest.raises(ValueError, match=r"sinks must be a float \[Hq=4\]"):
+        run(batch, "reference", 0.125, sinks=jnp.zeros((3,), jnp.float32))
+
+
 def test_longest_tiles_first_orders_by_key_count():
     from paged_jax.ops.ragged_paged_attention.common import sort_tiles_longest_first, tile_map
 
@@ -336,3 +383,11 @@ def test_combine_kernel_matches_jnp_combine(num_splits, num_tokens, num_real, hq
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[0], 0.0)
     np.testing.assert_array_equal(got[num_real * hq:], 0.0)
+
+
+def test_mosaic_refuses_an_fp8_pool():
+    batch = make_batch(2, [3], [5], hq=4, hkv=2, d=64, block_size=16, dtype=jnp.bfloat16)
+    batch = {**batch, "k_pages": batch["k_pages"].astype(jnp.float8_e4m3fn),
+             "v_pages": batch["v_pages"].astype(jnp.float8_e4m3fn)}
+    with pytest.raises(ValueError, match="impl='mosaic' does not read an FP8 KV pool"):
+        run(batch, "mosaic", 0.125)

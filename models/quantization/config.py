@@ -13,6 +13,8 @@ Methods (vLLM's names):
     weight scales; dynamic per-token activation scales on the q/k/v and gate/up inputs, o_proj and down_proj
     weight-only: ``ONLINE_FP8_ACTIVATION_PROJECTIONS``).
   * ``int8``: online weight-only int8 (per-channel, symmetric), quantized at load.
+  * ``mxfp4``: gpt-oss's published checkpoints, whose experts are MXFP4 (``models.quantization.mxfp4``); they load
+    as part of the model (``ModelConfig.moe.expert_format``), so it resolves to no ``QuantConfig``.
 Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings, norms and the LM head stay in the
 model dtype (vLLM's defaults for these methods; a checkpoint that quantizes the LM head is refused).
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 from models.config import MOE_ARCHITECTURES
 
-QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "int8")
+QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "int8", "mxfp4")
 # Online fp8 quantizes the inputs of these projections (W8A8) and runs o_proj and down_proj weight-only: their
 # inputs (the attention output, SwiGLU's product) carry the outlier channels that cost W8A8 most of its loss
 # (SmolLM2's perplexity, benchmarks/RESULTS.md: +4.3% with every input quantized, +1.7% with these only).
@@ -33,7 +35,7 @@ ONLINE_FP8_ACTIVATION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", 
 # --kv-cache-dtype values (vLLM's names); fp8 = fp8_e4m3 (float8_e4m3fn).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Methods that need a quantized checkpoint; the others may also quantize an unquantized one at load.
-_CHECKPOINT_ONLY = ("awq", "gptq", "compressed-tensors")
+_CHECKPOINT_ONLY = ("awq", "gptq", "compressed-tensors", "mxfp4")
 _AWQ_GROUP_SIZES = (32, 64, 128)
 
 
@@ -123,6 +125,8 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantCo
                              f"{', '.join(QUANTIZATION_METHODS)}")
     quant_cfg = hf_config.get("quantization_config") or hf_config.get("compression_config")
     architecture = (hf_config.get("architectures") or [None])[0]
+    if architecture == "GptOssForCausalLM" and _gpt_oss_mxfp4(flag, quant_cfg):
+        return None  # the experts' format is part of the model (ModelConfig.moe.expert_format)
     if architecture in MOE_ARCHITECTURES and (flag is not None or quant_cfg is not None):
         method = flag or str(quant_cfg.get("quant_method", "")).lower()
         raise ValueError(f"quantization: {method} is not supported for {architecture} (mixture-of-experts models "
@@ -135,7 +139,7 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantCo
                              f"quantization_config); for load-time quantization use fp8 or int8")
         return _online(flag)
     method = str(quant_cfg.get("quant_method", "")).lower()
-    if method not in QUANTIZATION_METHODS or method == "int8":
+    if method not in QUANTIZATION_METHODS or method in ("int8", "mxfp4"):
         raise ValueError(f"quantization: the checkpoint's quantization_config.quant_method {method!r} is not "
                          f"supported; supported checkpoint methods: awq, gptq, compressed-tensors, fp8")
     if flag is not None and flag != method:
@@ -148,6 +152,17 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantCo
     if method == "fp8":
         return _fp8_checkpoint(quant_cfg)
     return _compressed_tensors(quant_cfg)
+
+
+def _gpt_oss_mxfp4(flag: str | None, quant_cfg: dict | None) -> bool:
+    """Whether a gpt-oss checkpoint is the published MXFP4 one and ``--quantization`` is unset or says "mxfp4"
+    (its experts then load packed: ``models.gpt_oss``); ValueError naming ``quantization`` for "mxfp4" asked of
+    an unquantized checkpoint."""
+    method = None if quant_cfg is None else str(quant_cfg.get("quant_method", "")).lower()
+    if flag == "mxfp4" and method != "mxfp4":
+        raise ValueError("quantization: mxfp4 needs a checkpoint quantized with mxfp4 (its experts as published); "
+                         "this gpt-oss checkpoint's experts are unquantized")
+    return method == "mxfp4" and flag in (None, "mxfp4")
 
 
 def _unsupported(method: str, what: str) -> ValueError:

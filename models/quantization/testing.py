@@ -183,3 +183,30 @@ def _fp8_config(weight_strategy: str, activations: str | None, kv_cache: bool) -
         config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                      "symmetric": True}
     return config
+
+
+# gpt-oss's published quantization_config (openai/gpt-oss-20b): only the experts are MXFP4.
+GPT_OSS_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def save_mxfp4_gpt_oss_checkpoint(float_dir, out_dir) -> Path:
+    """A float gpt-oss checkpoint (``models.testing.save_random_hf_checkpoint``, one file) rewritten as published:
+    each ``mlp.experts.{gate_up_proj,down_proj}`` (``[E, in, out]``) replaced by ``_blocks`` ``uint8[E, out, in/32,
+    16]`` and ``_scales`` ``uint8[E, out, in/32]`` (``models.quantization.mxfp4.quantize``), biases and every other
+    tensor kept, ``quantization_config`` ``GPT_OSS_MXFP4_CONFIG``. Returns ``out_dir``."""
+    from safetensors.numpy import load_file, save_file
+
+    from models.quantization import mxfp4
+
+    float_dir, out_dir = Path(float_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(float_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(np.swapaxes(tensors.pop(name), 1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = GPT_OSS_MXFP4_CONFIG
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

@@ -64,7 +64,7 @@ _FLAG_HELP = {
     "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
     "disable_log_stats": "no periodic stats log line (serve)",
     "quantization": "quantized weights: the checkpoint's quantization_config by default; fp8 / int8 also quantize "
-                    "an unquantized checkpoint at load",
+                    "an unquantized checkpoint at load; mxfp4: gpt-oss's published experts",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype) or fp8 (e4m3, checkpoint k/v scales or 1.0)",
     "pipeline_parallel_size": "contiguous layer stages, each on its own tp devices",
     "data_parallel_size": "engine replicas (each pp * tp devices, its own scheduler and KV pool) behind a "

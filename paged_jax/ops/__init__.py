@@ -15,7 +15,7 @@ from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
 
 def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
-                     logit_soft_cap: float | None = None, impl: str = "auto", qk_transform=None,
+                     logit_soft_cap: float | None = None, sinks=None, impl: str = "auto", qk_transform=None,
                      qk_prepare_impl: str = "auto"):
     """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
 
@@ -30,6 +30,7 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
         one kernel on a GPU. Build it as ``ReusableAttention(..., fuses_qk_transform=True)`` so the model passes it.
       sm_scale, sliding_window, logit_soft_cap: the layer's attention (``ragged_paged_attention``); a model whose
         layers differ passes its own per layer (``models.attention_fn.LayerAttention``), over the bound ones.
+      sinks: None, or the layer's attention-sink logits ``[Hq]`` (gpt-oss; ``ragged_paged_attention``).
     Returns:
       (out [T, Hq, D], (k_pages, v_pages) updated).
     The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
@@ -43,7 +44,7 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
                                          impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
                                  sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                                 impl=impl)
+                                 sinks=sinks, impl=impl)
     return out, (k_pages, v_pages)
 
 

@@ -27,13 +27,13 @@ def _is_hopper() -> bool:
 
 
 def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None, kv_dtype=None,
-                logit_soft_cap=None) -> str:
+                logit_soft_cap=None, has_sinks: bool = False) -> str:
     """What ``impl="auto"`` runs for a static call shape: ``"hybrid"`` (Hopper, at least ``MOSAIC_MIN_TOKENS``
     tokens, a shape the Mosaic kernel supports: long sequences on it, short ones on the Triton kernel; ``hybrid``),
     ``"triton"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU, or any other
     head_dim). ``num_seqs`` (the sequence slots) does not matter: the split is by each sequence's query length, on
-    the device. ``kv_dtype``: the pools' element type (None: q's); a pool of another dtype (FP8), a sliding window
-    or logit soft-capping keep the Triton kernel (the Mosaic kernel's ``supported``)."""
+    the device. ``kv_dtype``: the pools' element type (None: q's); a pool of another dtype (FP8), a sliding window,
+    logit soft-capping or attention sinks keep the Triton kernel (the Mosaic kernel's ``supported``)."""
     del num_seqs
     head_dim = q_shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
@@ -41,7 +41,8 @@ def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=Non
     from paged_jax.ops.ragged_paged_attention import mgpu_kernel
 
     if (_is_hopper() and q_shape[0] >= MOSAIC_MIN_TOKENS
-            and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype, logit_soft_cap) is None):
+            and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype, logit_soft_cap,
+                                      has_sinks) is None):
         return "hybrid"
     return "triton"
 
@@ -56,6 +57,16 @@ def _tuning_keys(impl: str) -> tuple[str, ...]:
                  if param.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def _check_mosaic_inputs(impl: str, k_pages: jax.Array, sinks: jax.Array | None) -> None:
+    """ValueError for what ``impl="mosaic"`` cannot run: an FP8 KV pool, attention sinks."""
+    if impl != "mosaic":
+        return
+    if jnp.dtype(k_pages.dtype).itemsize == 1:
+        raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
+    if sinks is not None:
+        raise ValueError("impl='mosaic' does not take attention sinks (the model has them); use 'triton' or 'auto'")
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -67,6 +78,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     impl: str = "auto",
     interpret: bool = False,
     **tuning,
@@ -85,6 +97,8 @@ def ragged_paged_attention(
       logit_soft_cap: if set (a positive static float), the scaled scores ``s`` become ``cap * tanh(s / cap)``
         before the mask and softmax (Gemma 2). The Mosaic kernel does not implement it: ``"auto"`` keeps such calls
         on the Triton kernel, ``"mosaic"`` raises a ValueError.
+      sinks: None, or ``[Hq]`` attention-sink logits (gpt-oss): head ``h``'s softmax denominator gets ``exp(sinks[h])``
+        more. Not on the Mosaic kernel: ``"auto"`` keeps such calls on the Triton kernel, ``"mosaic"`` raises.
       impl: one of ``ATTENTION_IMPLS``: ``"triton"`` (the Triton-lowered Pallas kernel, ``triton_kernel``; on CPU
         only with ``interpret=True``), ``"mosaic"`` (the Mosaic GPU prefill kernel for Hopper, ``mgpu_kernel``; on
         CPU only with ``interpret=True``), ``"reference"`` (pure jnp) or ``"auto"`` (``choose_impl``: on a GPU,
@@ -104,19 +118,17 @@ def ragged_paged_attention(
       the index arrays are dynamic.
     """
     impl = resolve_attention_impl(impl)
-    validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap)
+    validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap, sinks)
     if tuning:
         allowed = _tuning_keys(impl)
         unknown = set(tuning) - set(allowed)
         if unknown:
             raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
                              f"{allowed}")
-    fp8_pages = jnp.dtype(k_pages.dtype).itemsize == 1
-    if impl == "mosaic" and fp8_pages:
-        raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
+    _check_mosaic_inputs(impl, k_pages, sinks)
     if impl == "auto":
         impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window, k_pages.dtype,
-                           logit_soft_cap)
+                           logit_soft_cap, sinks is not None)
         if impl == "hybrid":  # the Triton knobs go to its Triton part (the short sequences)
             from paged_jax.ops.ragged_paged_attention.hybrid import ragged_paged_attention_hybrid
 
@@ -129,10 +141,11 @@ def ragged_paged_attention(
         return ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
                                            interpret=interpret, **tuning)
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks)
+        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+                                                sinks=sinks)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
-    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
                                          interpret=interpret, **tuning)
 
 __all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",

@@ -32,9 +32,9 @@ def next_pow2(x: int) -> int:
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window,
-                    logit_soft_cap=None) -> None:
-    """ValueError naming the argument when the shapes, dtypes, ``sliding_window`` or ``logit_soft_cap`` do not fit
-    the interface."""
+                    logit_soft_cap=None, sinks=None) -> None:
+    """ValueError naming the argument when the shapes, dtypes, ``sliding_window``, ``logit_soft_cap`` or ``sinks``
+    do not fit the interface."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -63,6 +63,8 @@ def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, slidi
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
     if logit_soft_cap is not None and not float(logit_soft_cap) > 0:
         raise ValueError(f"logit_soft_cap must be a positive float or None, got {logit_soft_cap}")
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise ValueError(f"sinks must be a float [Hq={q.shape[1]}] array, got {sinks.dtype}{list(sinks.shape)}")
 
 
 def int32_metadata(kv_lens, block_tables, cu_q_lens) -> tuple[jax.Array, jax.Array, jax.Array]:

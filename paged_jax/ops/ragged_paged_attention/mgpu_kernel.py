@@ -96,9 +96,11 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
                 num_programs=num_programs)
 
 
-def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None, logit_soft_cap=None) -> str | None:
+def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None, logit_soft_cap=None,
+              has_sinks: bool = False) -> str | None:
     """None when the kernel handles this call, else the reason it does not. ``kv_dtype``: the pools' element type
-    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only. No sliding window, no logit soft-capping."""
+    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only. No sliding window, no logit soft-capping,
+    no attention sinks."""
     _, _, head_dim = q_shape
     _, block_size, _, _ = k_pages_shape
     if plgpu is None:
@@ -113,6 +115,8 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None, logi
         return "sliding window"
     if logit_soft_cap is not None:
         return "logit soft-capping"
+    if has_sinks:
+        return "attention sinks"
     if block_size % 8 or 128 % block_size:
         return f"block_size {block_size} (needs a multiple of 8 dividing 128)"
     return None

@@ -2,7 +2,8 @@
 
 Formulation (token-major): each query token gathers the pages of its own sequence through the block table,
 ``[max_blocks * block_size, num_kv_heads, head_dim]``, and attends to them with a causal / sliding-window /
-length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask).
+length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask; with
+attention sinks, each head's sink logit joins the softmax's denominator).
 Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
 
 Cost: compute and gathered bytes are ``O(T * max_blocks * block_size * num_kv_heads * head_dim)`` (every token looks
@@ -46,7 +47,7 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                      sliding_window: int | None = None, logit_soft_cap: float | None = None,
-                                     max_chunk_bytes: int = 64 << 20) -> jax.Array:
+                                     sinks: jax.Array | None = None, max_chunk_bytes: int = 64 << 20) -> jax.Array:
     """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
 
     Args:
@@ -56,6 +57,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
       sm_scale: softmax scale applied to ``q . k``.
       sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < j <= p``.
       logit_soft_cap: if set, the scaled scores ``s`` become ``logit_soft_cap * tanh(s / logit_soft_cap)`` (Gemma 2).
+      sinks: None, or ``[Hq]`` logits (any float dtype, used in float32): head ``h``'s softmax denominator gets
+        ``exp(sinks[h])`` more (gpt-oss's attention sinks; the sink has no value).
       max_chunk_bytes: bound on the fp32 K+V gathered per chunk of tokens (sets the ``lax.map`` batch size).
 
     Returns:
@@ -69,6 +72,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
 
     seq_idx, position, valid = sequence_index_and_position(cu_q_lens, kv_lens, num_tokens)
     key_pos = jnp.arange(context, dtype=jnp.int32)
+    sink_logits = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
 
     def attend_one_token(args):
         q_t, s, pos, is_valid = args  # [Hq, D], scalars
@@ -86,8 +90,12 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         # Padding tokens have no visible key: keep the softmax finite, then zero them below.
         row_max = jnp.max(scores, axis=-1, keepdims=True)
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        if sink_logits is not None:
+            row_max = jnp.maximum(row_max, sink_logits)
         weights = jnp.exp(scores - row_max)
         denom = jnp.sum(weights, axis=-1, keepdims=True)
+        if sink_logits is not None:
+            denom = denom + jnp.exp(sink_logits - row_max)
         out = jnp.einsum("hgl,lhd->hgd", weights, v, precision=lax.Precision.HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)
         out = jnp.where(is_valid, out, 0.0)

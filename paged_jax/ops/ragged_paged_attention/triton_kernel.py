@@ -22,6 +22,9 @@ Work decomposition
   dot (bf16/fp16 tensor cores), fp32 inputs use IEEE fp32 dots.
 * Logit soft-capping (Gemma 2), ``cap * tanh(s / cap)`` on the scaled scores ``s``, runs in the same log2 units:
   ``log2(e) * cap * tanh(s / cap) = c * tanh(s2 / c)`` with ``s2 = log2(e) * s`` and ``c = log2(e) * cap``.
+* Attention sinks (gpt-oss): the online softmax of kv split 0 starts from the row's sink instead of from nothing
+  (running max ``log2(e) * sink``, running sum 1, accumulator 0), so the sink joins the denominator exactly once,
+  and the combine of several splits needs no change.
 
 Prefill tuning options (all off by default: the default kernel is the one measured in ``benchmarks/RESULTS.md``;
 ``benchmarks/kernels.py --sections prefill_variants`` times them):
@@ -157,7 +160,9 @@ def _kernel(
     q_ref,  # [T * Hq, D]
     k_ref,  # [num_blocks * block_size, Hkv, D]
     v_ref,  # [num_blocks * block_size, Hkv, D]
-    *out_refs,  # split == 1: out [T * Hq, D]; else acc f32[NS, T*Hq, D], m f32[NS, T*Hq], l f32[NS, T*Hq]
+    *refs,  # has_sinks: sinks f32[Hq] first; then split == 1: out [T * Hq, D]; else acc f32[NS, T*Hq, D],
+    # m f32[NS, T*Hq], l f32[NS, T*Hq]
+    has_sinks: bool,
     num_seqs: int,
     num_q_heads: int,
     group: int,
@@ -184,6 +189,7 @@ def _kernel(
         tile, kv_head = pl.program_id(0), pl.program_id(1)
     split = pl.program_id(2)
     seq = tile_seq_ref[tile]
+    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
 
     if zero_padding_in_kernel:
 
@@ -313,11 +319,8 @@ def _kernel(
             acc = acc * correction[:, None] + pv
             return acc, m_next, l_next
 
-        carry = (
-            jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-        )
+        carry = (jnp.zeros((rows, head_dim), jnp.float32), *_initial_max_and_sum(
+            sinks_ref, kv_head * group + row % group, split, rows))
         # Unmasked run first, then the masked blocks: the sliding-window edge [split_lo, u_lo) followed by the
         # causal diagonal / context end [u_hi, split_hi), walked by one loop.
         def masked_block(i):
@@ -355,9 +358,21 @@ def _kernel(
             _store(l_ref.at[split, q_store_row], l_i, mask=row_valid)
 
 
+def _initial_max_and_sum(sinks_ref, head, split, rows: int) -> tuple[jax.Array, jax.Array]:
+    """The online softmax's starting ``(max, sum)``, f32[rows] each: empty (``MASK_VALUE``, 0), or with attention
+    sinks in kv split 0 the sink of each row's query head ``head`` int32[rows] (``log2(e) * sink``, 1)."""
+    empty = jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    if sinks_ref is None:
+        return empty
+    sink = _load(sinks_ref.at[head]) * LOG2_E
+    first = split == 0
+    return jnp.where(first, sink, empty[0]), jnp.where(first, 1.0, empty[1])
+
+
 def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                   sliding_window: int | None = None, logit_soft_cap: float | None = None,
-                                  interpret: bool = False, max_q_len: int | None = None, **tuning) -> jax.Array:
+                                  sinks: jax.Array | None = None, interpret: bool = False,
+                                  max_q_len: int | None = None, **tuning) -> jax.Array:
     """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``,
     pools ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
     ``cu_q_lens int32[S+1]``.
@@ -365,6 +380,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     Requires ``head_dim`` to be a power of two >= 16 (Triton block shapes). Returns ``[T, Hq, D]`` in ``q.dtype``
     with zeros for padding tokens. ``tuning``: the keyword arguments of ``default_tuning`` (module docstring).
     ``logit_soft_cap``: None, or the cap of ``cap * tanh(s / cap)`` on the scaled scores (as the reference).
+    ``sinks``: None, or ``[Hq]`` attention-sink logits (as the reference).
     ``max_q_len`` (static; None = every sequence): attend only the sequences with at most this many query tokens
     (decided on the device from ``cu_q_lens``); the rows of the others are left unwritten (the hybrid dispatch
     hands them to the Mosaic kernel, which writes them into this output).
@@ -405,6 +421,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _kernel,
+        has_sinks=sinks is not None,
         num_seqs=num_seqs,
         num_q_heads=num_q_heads,
         group=group,
@@ -449,8 +466,10 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=tuning["num_warps"], num_stages=tuning["num_stages"]),
-        name=f"ragged_paged_attention_bq{tuning['block_q']}_bk{bk}_s{num_splits}{flags}",
-    )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_rows, k_flat, v_flat)
+        name=f"ragged_paged_attention_bq{tuning['block_q']}_bk{bk}_s{num_splits}{flags}"
+             f"{'_sinks' if sinks is not None else ''}",
+    )(tile_seq, tile_start, cu_q_lens, kv_lens, block_tables, q_rows, k_flat, v_flat,
+      *(() if sinks is None else (sinks.astype(jnp.float32),)))
 
     if num_splits > 1:  # one kernel: the weighted sum over splits, normalised, padding rows zeroed
         return combine_kv_splits(*outs, cu_q_lens, num_q_heads, q.dtype, interpret=interpret).reshape(

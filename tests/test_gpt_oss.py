@@ -1,0 +1,307 @@
+"""gpt-oss (GptOssForCausalLM) against transformers on tiny random checkpoints (fp32, CPU): logits with sequences
+longer than the sliding window, the published MXFP4 experts (kept packed, dequantized as transformers does), and
+greedy decoding through the engine with prefix caching and preemption."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.attention import dense_causal_attention
+from models.config import ModelConfig
+from models.gpt_oss import GptOssMoeBlock
+from models.loader import load_model
+from models.quantization import mxfp4
+from models.testing import save_random_hf_checkpoint, tiny_config
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SEQ_LENS = (40, 1, 12)  # longer than the tiny config's 8-token window, a single token, a few windows' worth
+
+
+def _logits(model, config, seqs):
+    input_ids = np.concatenate(seqs)
+    positions = np.concatenate([np.arange(len(s), dtype=np.int32) for s in seqs])
+    segment_ids = np.concatenate([np.full(len(s), i, dtype=np.int32) for i, s in enumerate(seqs)])
+
+    @jax.jit
+    def run(ids, pos, seg):
+        hidden, _ = model(ids, pos, None, dense_causal_attention(seg, config.head_dim ** -0.5, positions=pos))
+        return model.compute_logits(hidden)
+
+    return np.asarray(run(jnp.asarray(input_ids), jnp.asarray(positions), jnp.asarray(segment_ids)))
+
+
+def _hf_model(path):
+    kwargs = {}
+    if "quantization_config" in json.loads((path / "config.json").read_text()):
+        kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
+
+
+def _hf_logits(path, seqs):
+    torch_model = _hf_model(path)
+    with torch.no_grad():
+        return np.concatenate([torch_model(torch.tensor(s[None].astype(np.int64))).logits[0].numpy() for s in seqs])
+
+
+def _seqs(vocab_size):
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory):
+    return save_random_hf_checkpoint(tiny_config("gpt_oss"), tmp_path_factory.mktemp("gpt_oss"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(float_checkpoint, tmp_path_factory):
+    from models.quantization.testing import save_mxfp4_gpt_oss_checkpoint
+
+    return save_mxfp4_gpt_oss_checkpoint(float_checkpoint, tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+
+
+def test_config_as_published():
+    config = ModelConfig.from_hf_config(tiny_config("gpt_oss"))
+    assert config.attention_sinks and config.attention_bias and config.o_proj_bias
+    assert config.layer_windows == (8, None)
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_scaling["attention_factor"] > 1
+    assert config.moe.swiglu_limit == 7.0 and config.moe.swiglu_alpha == 1.702 and config.moe.expert_format is None
+    default_layers = {k: v for k, v in tiny_config("gpt_oss", num_hidden_layers=4).items() if k != "layer_types"}
+    assert ModelConfig.from_hf_config(default_layers).layer_windows == (8, None, 8, None)
+    mxfp4_config = ModelConfig.from_hf_config(tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"}))
+    assert mxfp4_config.moe.expert_format == "mxfp4"
+
+
+def test_logits_match_transformers(float_checkpoint):
+    model, config = load_model(float_checkpoint, dtype="float32")
+    assert all(isinstance(layer.mlp, GptOssMoeBlock) for layer in model.model.layers)
+    seqs = _seqs(config.vocab_size)
+    reference = _hf_logits(float_checkpoint, seqs)
+    assert np.abs(reference).max() > 0.1
+    np.testing.assert_allclose(_logits(model, config, seqs), reference, atol=1e-4, rtol=0)
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    weight = rng.normal(0, 0.05, (3, 48, 64)).astype(np.float32)  # [E, out, in]
+    weight[0, 0, :32] = 0.0  # an all-zero run: the smallest scale
+    blocks, scales = mxfp4.quantize(weight)
+    assert blocks.shape == (3, 48, 2, 16) and scales.shape == (3, 48, 2) and blocks.dtype == scales.dtype == np.uint8
+    expected = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    ours = np.asarray(jax.jit(mxfp4.dequantize, static_argnums=2)(blocks, scales, jnp.float32))
+    np.testing.assert_array_equal(ours, expected.numpy())  # [E, in, out], exactly
+    # Round to nearest: within half of fp4's widest step (4 -> 6) times the run's scale.
+    step = np.exp2(scales.astype(np.float64) - 127).repeat(32, axis=-1)  # [E, out, in]
+    assert (np.abs(ours - np.swapaxes(weight, 1, 2)) <= np.swapaxes(step, 1, 2)).all()
+    bf16 = np.asarray(mxfp4.dequantize(blocks, scales, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(bf16, ours)  # exact in bfloat16 too
+
+
+def test_mxfp4_experts_stay_packed_and_match_transformers(mxfp4_checkpoint):
+    model, config = load_model(mxfp4_checkpoint, dtype="float32")
+    assert config.moe.expert_format == "mxfp4"
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj_blocks[...].dtype == jnp.uint8 and experts.down_proj_scales[...].dtype == jnp.uint8
+    assert not hasattr(experts, "gate_up_proj") and not hasattr(experts, "down_proj")
+    seqs = _seqs(config.vocab_size)
+    reference = _hf_logits(mxfp4_checkpoint, seqs)
+    np.testing.assert_allclose(_logits(model, config, seqs), reference, atol=1e-4, rtol=0)
+
+
+def test_mxfp4_gathered_experts_equal_grouped(mxfp4_checkpoint):
+    """Few (token, expert) pairs dequantize only their experts; the result is the grouped matmul's."""
+    model, _ = load_model(mxfp4_checkpoint, dtype="float32")
+    block = model.model.layers[1].mlp
+    x = jnp.asarray(np.random.default_rng(1).normal(0, 1, (1, 64)), jnp.float32)
+    _, ids = block.route(x)
+    assert ids.size < block.experts.gate_up_proj_bias.shape[0]  # the call below takes the gathered path
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(np.asarray(block(x)), np.asarray(
+            jnp.sum(block._grouped(x, ids).reshape(1, 2, 64) * block.route(x)[0][:, :, None], axis=1)),
+            atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_quantization_and_attention_are_refused():
+    from models.quantization.config import resolve_quantization
+
+    with pytest.raises(ValueError, match=r"^quantization: gptq is not supported for GptOssForCausalLM"):
+        ModelConfig.from_hf_config(tiny_config("gpt_oss", quantization_config={"quant_method": "gptq"}))
+    with pytest.raises(ValueError, match=r"^quantization: fp8 is not supported for GptOssForCausalLM"):
+        resolve_quantization("fp8", tiny_config("gpt_oss"))
+    with pytest.raises(ValueError, match=r"^quantization: mxfp4 needs a checkpoint quantized with mxfp4"):
+        resolve_quantization("mxfp4", tiny_config("gpt_oss"))
+    with pytest.raises(ValueError, match=r"quantization='mxfp4' needs a checkpoint quantized with mxfp4"):
+        resolve_quantization("mxfp4", tiny_config("qwen3"))
+    published = tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"})
+    assert resolve_quantization(None, published) is None and resolve_quantization("mxfp4", published) is None
+
+    model, config = load_model(None, load_format="dummy", config=ModelConfig.from_hf_config(tiny_config("gpt_oss")),
+                               dtype="float32")
+
+    def no_sinks(layer_idx, q, k, v, kv_layer, **options):
+        return q, kv_layer
+
+    no_sinks.takes_layer_attention = True
+    with pytest.raises(ValueError, match="attention sinks"):
+        model(jnp.zeros((2,), jnp.int32), jnp.arange(2, dtype=jnp.int32), None, no_sinks)
+
+
+def test_dummy_mxfp4_weights_are_finite():
+    config = ModelConfig.from_hf_config(tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"}))
+    model, _ = load_model(None, load_format="dummy", config=config, dtype="float32")
+    experts = model.model.layers[0].mlp.experts
+    weight = np.asarray(experts.weight("gate_up_proj", jnp.float32))
+    assert np.isfinite(weight).all() and 0.005 < weight.std() < 0.1
+    logits = _logits(model, config, _seqs(config.vocab_size))
+    assert np.isfinite(logits).all()
+
+
+def _hf_greedy(path, prompts, max_new_tokens):
+    torch_model = _hf_model(path)
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                       num_beams=1, eos_token_id=None, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption(experts, float_checkpoint,
+                                                                              mxfp4_checkpoint):
+    """Prompts longer than the window in one continuous batch, twice (the second pass reads the shared 32-token
+    prefix from the prefix cache), then on a pool too small for them all (preemption): every continuation equals
+    transformers' greedy one, and the sliding layers keep their own KV group."""
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    path = float_checkpoint if experts == "float" else mxfp4_checkpoint
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 256, size=32).tolist()
+    prompts = [prefix + rng.integers(3, 256, size=n).tolist() for n in (3, 9)] + \
+        [rng.integers(3, 256, size=n).tolist() for n in (1, 20)]
+    new_tokens = 8
+    expected = _hf_greedy(path, prompts, new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    llm = LLM(model=str(path), dtype="float32", max_model_len=96, max_num_seqs=4, max_num_batched_tokens=64,
+              block_size=8, num_gpu_blocks_override=64, enable_prefix_caching=True, use_tqdm=False)
+    assert llm.llm_engine.engine_core.runner.kv_layout.num_groups == 2
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    second = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in first] == expected
+    assert [list(o.outputs[0].token_ids) for o in second] == expected
+    assert [o.num_cached_tokens for o in second][:2] == [32, 40]  # whole 8-token blocks of each prompt
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+    tight = LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                block_size=8, num_gpu_blocks_override=17, enable_prefix_caching=True, use_tqdm=False)
+    preempted = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in preempted] == expected
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+
+
+def test_benchmarks_run_a_dummy_mxfp4_gpt_oss(tmp_path):
+    """The GPU benchmarks' paths on the CPU: ``benchmarks.latency`` and ``benchmarks.throughput`` on random MXFP4
+    weights of a tiny gpt-oss config (the lead runs them with ``gpt-oss-20b``, ``models.presets``)."""
+    from benchmarks.latency import main as latency
+    from benchmarks.throughput import main as throughput
+    from models.presets import preset_config
+
+    assert preset_config("gpt-oss-20b").moe.expert_format == "mxfp4"
+    (tmp_path / "config.json").write_text(json.dumps(
+        tiny_config("gpt_oss", vocab_size=10000, eos_token_id=None, quantization_config={"quant_method": "mxfp4"})))
+    engine = ["--model", str(tmp_path), "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "64",
+              "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+    result = latency(["--input-len", "20", "--output-len", "3", "--batch-size", "2", "--num-iters-warmup", "0",
+                      "--num-iters", "1", *engine])
+    assert len(result["latencies"]) == 1 and result["avg_latency"] > 0
+    result = throughput(["--workload", "random", "--num-prompts", "2", "--input-len", "20", "--output-len", "3",
+                         "--temperature", "0", *engine])
+    assert result["output_tokens"] == 6 and result["output_tok_s"] > 0
+
+
+def test_engine_refuses_the_mosaic_kernel_for_attention_sinks(float_checkpoint):
+    from paged_jax.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match=r"^attention_impl: 'mosaic' does not take the attention sinks"):
+        LLM(model=str(float_checkpoint), dtype="float32", attention_impl="mosaic", max_model_len=64, use_tqdm=False)
+
+
+def test_sharding_plan_refuses_gpt_oss():
+    from paged_jax.parallel.mesh import make_mesh
+    from paged_jax.parallel.plan import ShardingPlan
+
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism are unsupported"):
+        ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(1))
+
+
+def test_mxfp4_matvec_equals_dequantized_matmul():
+    rng = np.random.default_rng(2)
+    blocks, scales = mxfp4.quantize(rng.normal(0, 0.05, (3, 40, 64)).astype(np.float32))
+    x = rng.normal(0, 1, (3, 64)).astype(np.float32)
+    want = np.einsum("rh,rhn->rn", x, np.asarray(mxfp4.dequantize(blocks, scales, jnp.float32)).astype(np.float64))
+    np.testing.assert_allclose(np.asarray(jax.jit(mxfp4.matvec)(x, blocks, scales)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_on_the_fused_moe_kernel_equal_xla(float_checkpoint, monkeypatch):
+    """The grouped matmuls of a gpt-oss layer (gate/up gathering its rows, then down; biases and the clamped SwiGLU
+    between them) on the Pallas kernel (interpret mode) equal ``lax.ragged_dot``'s."""
+    import functools
+
+    import models.gpt_oss as gpt_oss
+    from paged_jax.ops.fused_moe import grouped_matmul_pallas
+
+    model, _ = load_model(float_checkpoint, dtype="float32")
+    block = model.model.layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(4).normal(0, 1, (9, 64)), jnp.float32)
+    _, ids = block.route(x)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(block._grouped(x, ids))
+        monkeypatch.setattr(gpt_oss, "grouped_matmul_for",
+                            lambda *_: functools.partial(grouped_matmul_pallas, interpret=True))
+        np.testing.assert_allclose(np.asarray(block._grouped(x, ids)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_mxfp4_experts_benchmark_checks_and_times_both_paths(tmp_path):
+    from benchmarks.mxfp4_experts import main
+
+    out = tmp_path / "mxfp4.json"
+    results = main(["--tokens", "1,9", "--hidden", "64", "--inter", "64", "--experts", "8", "--top-k", "2",
+                    "--repeats", "1", "--out", str(out)])
+    assert [r["tokens"] for r in results] == [1, 9] and results[0]["experts_touched"] == 2
+    for r in results:
+        assert r["check"]["max_abs_diff"] <= 0.02 * r["check"]["grouped_max_abs"]
+        assert r["matvec_us"] > 0 and r["grouped_us"] > 0
+    assert len(json.loads(out.read_text())["results"]) == 2
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096},  # gpt-oss as published
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},  # defaults: truncate, betas
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+     "mscale_all_dim": 0.5},
+])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.qk_transform import rope_inv_freq
+
+    hf_config = tiny_config("gpt_oss", head_dim=64, rope_theta=150000.0, max_position_embeddings=4096,
+                            rope_scaling=scaling)
+    config = ModelConfig.from_hf_config(hf_config)
+    fields = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig(**fields))
+    ours = rope_inv_freq(64, config.rope_theta, tuple(sorted(config.rope_scaling.items())))
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert config.rope_scaling["attention_factor"] == pytest.approx(attention_factor)
