@@ -160,3 +160,52 @@ def test_flags_refused_where_the_tier_does_not_work():
         KVCacheManager(32, 4, group_windows=(None, 8), num_offload_blocks=4)
     with pytest.raises(ValueError, match="kv_offloading_size needs prefix caching"):
         KVCacheManager(32, 4, enable_prefix_caching=False, num_offload_blocks=4)
+
+
+def test_engine_multi_turn_chat_with_the_tier_gives_the_same_greedy_tokens(tmp_path):
+    """A tiny Llama (random fp32 weights) with 24 usable blocks of 8 tokens; five conversations of four turns whose
+    prompts (the conversation so far) share a system prompt and outgrow the pool between turns. With the tier the
+    evicted prefixes load back from host memory: the same greedy tokens as without it, hits in the tier, the device and
+    host blocks free again, nothing compiled after warm-up. The engine with the tier also schedules asynchronously
+    (its copies run on the dispatch thread's pool)."""
+    from models.testing import save_random_hf_checkpoint, tiny_config
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.sampling_params import SamplingParams
+
+    save_random_hf_checkpoint(tiny_config("llama"), tmp_path, seed=2)
+    rng = random.Random(5)
+    system = [rng.randrange(3, 256) for _ in range(20)]
+    chats = [[(system if turn == 0 else []) + [rng.randrange(3, 256) for _ in range(rng.randrange(6, 14))]
+              for turn in range(4)] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for size in (None, 0.001):  # 0.001 GiB: 262 host blocks of this model's 4 KiB
+        engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=96, block_size=8,
+                                      max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=25,
+                                      kv_offloading_size=size, async_scheduling=size is not None, seed=0),
+                           use_tqdm=False)
+        histories, tokens = [[] for _ in chats], []
+        for turn in range(4):
+            for c, chat in enumerate(chats):
+                histories[c] = histories[c] + chat[turn]
+                engine.add_request(f"c{c}t{turn}", {"prompt_token_ids": histories[c]}, params)
+            out: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            for c in range(len(chats)):
+                histories[c] = histories[c] + out[f"c{c}t{turn}"]
+                tokens.append(out[f"c{c}t{turn}"])
+        core = engine.engine_core
+        kv = core.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+        assert kv.num_free_host_blocks == kv.num_host_blocks
+        assert core.runner.num_compiles_since_warmup == 0
+        results[size] = (tokens, core.stats())
+        core.runner.close()
+    (plain, plain_stats), (tiered, stats) = results[None], results[0.001]
+    assert tiered == plain
+    assert "external_prefix_cache_hits" not in plain_stats
+    assert stats["external_prefix_cache_hits"] > 0 and stats["num_onloaded_blocks"] > 0
+    assert (stats["prefix_cache_hits"] + stats["external_prefix_cache_hits"]
+            > plain_stats["prefix_cache_hits"])  # fewer tokens recomputed
