@@ -202,7 +202,7 @@ def test_engine_multi_turn_chat_with_the_tier_gives_the_same_greedy_tokens(tmp_p
         assert kv.num_free_host_blocks == kv.num_host_blocks
         assert core.runner.num_compiles_since_warmup == 0
         results[size] = (tokens, core.stats())
-        core.runner.close()
+        engine.close()
     (plain, plain_stats), (tiered, stats) = results[None], results[0.001]
     assert tiered == plain
     assert "external_prefix_cache_hits" not in plain_stats
