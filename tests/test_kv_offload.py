@@ -209,3 +209,19 @@ def test_engine_multi_turn_chat_with_the_tier_gives_the_same_greedy_tokens(tmp_p
     assert stats["external_prefix_cache_hits"] > 0 and stats["num_onloaded_blocks"] > 0
     assert (stats["prefix_cache_hits"] + stats["external_prefix_cache_hits"]
             > plain_stats["prefix_cache_hits"])  # fewer tokens recomputed
+
+
+def test_tier_counters_reach_the_metrics_and_the_stats_line():
+    """vLLM's names: ``vllm:external_prefix_cache_queries`` / ``_hits`` beside the device's counters (``LLM.get_metrics``
+    and ``/metrics`` share the table), and the stats line's external hit rate."""
+    from paged_jax.metrics import metrics_from_stats
+    from serving.server_logs import format_stats_line
+
+    stats = {"prefix_cache_queries": 400, "prefix_cache_hits": 100, "external_prefix_cache_queries": 400,
+             "external_prefix_cache_hits": 200}
+    values = {m.name: m.value for m in metrics_from_stats(stats)}
+    assert values["vllm:external_prefix_cache_queries"] == 400 and values["vllm:external_prefix_cache_hits"] == 200
+    assert values["vllm:prefix_cache_hits"] == 100
+    line = format_stats_line(stats, 0.0, 0.0)
+    assert line.endswith("Prefix cache hit rate: 25.0%, External prefix cache hit rate: 50.0%")
+    assert "External" not in format_stats_line({"prefix_cache_queries": 4}, 0.0, 0.0)
