@@ -176,10 +176,9 @@ class ModelRunner:
         self.pools = bool(getattr(self.forward_strategy, "pools", False))
         self._single_process = jax.process_count() == 1
         self._build_jitted()
-        # The host pool [host_blocks, slots, 2 (k|v), block_size, Hkv, D] and the swap copies.
-        self.host_pool = (HostKVPool(num_host_blocks, (self.kv_layout.num_slots, 2) + shape[1:], self.kv_dtype,
-                                     gather=self._gather_blocks, scatter=self._scatter_blocks, device=self.device)
-                          if num_host_blocks else None)
+        self.host_pool = HostKVPool(num_host_blocks, (self.kv_layout.num_slots, 2) + shape[1:], self.kv_dtype,
+                                    gather=self._gather_blocks, scatter=self._scatter_blocks,
+                                    device=self.device) if num_host_blocks else None  # swap's and the host tier's
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
 
