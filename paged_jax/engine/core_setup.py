@@ -110,6 +110,7 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)),
         host_copy_blocks=MAX_IN_FLIGHT_BLOCKS if args.kv_offloading_size else 0)
     num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
+
     def host_blocks(gib: float) -> int:
         return num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype, swap_space_gib=gib,
                                    mixed_groups=loaded.plan is None)
