@@ -213,7 +213,7 @@ def test_engine_multi_turn_chat_with_the_tier_gives_the_same_greedy_tokens(tmp_p
 
 def test_tier_counters_reach_the_metrics_and_the_stats_line():
     """vLLM's names: ``vllm:external_prefix_cache_queries`` / ``_hits`` beside the device's counters (``LLM.get_metrics``
-    and ``/metrics`` share the table), and the stats line's external hit rate."""
+    and ``/metrics`` share the table), the stats line's external hit rate, and ``cache_config_info``'s labels."""
     from paged_jax.metrics import metrics_from_stats
     from serving.server_logs import format_stats_line
 
@@ -225,3 +225,7 @@ def test_tier_counters_reach_the_metrics_and_the_stats_line():
     line = format_stats_line(stats, 0.0, 0.0)
     assert line.endswith("Prefix cache hit rate: 25.0%, External prefix cache hit rate: 50.0%")
     assert "External" not in format_stats_line({"prefix_cache_queries": 4}, 0.0, 0.0)
+    from serving.metrics import cache_config_labels  # vLLM's cache_config_info carries the CacheConfig fields
+
+    labels = cache_config_labels(EngineArgs(kv_offloading_size=2.5))
+    assert labels["kv_offloading_size"] == 2.5 and labels["kv_offloading_backend"] == "native"
