@@ -156,8 +156,9 @@ def test_flags_refused_where_the_tier_does_not_work():
         EngineArgs(kv_offloading_size=1.0, nnodes=2)
     with pytest.raises(ValueError, match="kv_offloading_size.*enable_prefix_caching"):
         EngineArgs(kv_offloading_size=1.0, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="kv_offloading_size is not supported with KV-cache groups"):
-        KVCacheManager(32, 4, group_windows=(None, 8), num_offload_blocks=4)
+    for windows in ((None, 8), (8,)):  # a mix of full and sliding layers; layers that all slide
+        with pytest.raises(ValueError, match="kv_offloading_size is not supported with KV-cache groups"):
+            KVCacheManager(32, 4, group_windows=windows, num_offload_blocks=4)
     with pytest.raises(ValueError, match="kv_offloading_size needs prefix caching"):
         KVCacheManager(32, 4, enable_prefix_caching=False, num_offload_blocks=4)
 

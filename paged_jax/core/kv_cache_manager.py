@@ -117,7 +117,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.num_host_blocks = num_host_blocks
-        self.offload = (HostKVTier(num_offload_blocks, num_host_blocks, num_groups=self.num_groups,
+        self.offload = (HostKVTier(num_offload_blocks, num_host_blocks, group_windows=self.group_windows,
                                    prefix_caching=self.enable_prefix_caching) if num_offload_blocks else None)
 
         self.blocks = [KVBlock(i) for i in range(num_blocks)]

@@ -34,16 +34,17 @@ class HostKVTier:
     Args:
       num_blocks: host blocks of the tier (>= 1).
       first_host_id: the first one's id in the runner's host pool (the swap pool's blocks come before).
-      num_groups: the KV-cache manager's groups; only one (no sliding-window or mixed layers) is supported.
+      group_windows: the KV-cache manager's groups' windows; only ``(None,)`` (one group of full-attention layers) is
+        supported.
       prefix_caching: whether the manager caches prefixes (the tier holds what its prefix cache evicts).
     """
 
-    def __init__(self, num_blocks: int, first_host_id: int, *, num_groups: int = 1,
+    def __init__(self, num_blocks: int, first_host_id: int, *, group_windows: Sequence[int | None] = (None,),
                  prefix_caching: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"kv_offloading_size leaves {num_blocks!r} host blocks; it must hold at least one "
                              "KV block")
-        if num_groups != 1:
+        if tuple(group_windows) != (None,):
             raise ValueError("kv_offloading_size is not supported with KV-cache groups (a model with sliding-window "
                              "layers, e.g. Gemma 2/3, Mistral or Qwen2 with sliding_window): unset it")
         if not prefix_caching:
