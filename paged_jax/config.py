@@ -47,6 +47,11 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # The prefix cache's host-memory tier (vLLM's --kv-offloading-size, GiB; None: off): blocks the device prefix
+    # cache evicts keep their KV in host memory and later hits load them back instead of recomputing them
+    # (paged_jax.core.kv_offload). Backend "native" only (vLLM's own CPU offloading; "lmcache" is not supported).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: Literal["native"] = "native"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # Split long prompts into chunks that share a step's token budget with decodes. Off: a prompt is prefilled whole
     # in one step (max_num_batched_tokens then defaults to at least max_model_len, as in vLLM).
@@ -132,6 +137,7 @@ class EngineArgs:
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         check(self.swap_space >= 0, "swap_space", "must be >= 0")
+        self._check_kv_offloading(check)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             check(getattr(self, name) >= 1, name, "must be >= 1")
         check(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes={self.nnodes})")
@@ -185,6 +191,21 @@ class EngineArgs:
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
               "served_model_name", "must be a non-empty name or list of non-empty names")
+
+    def _check_kv_offloading(self, check) -> None:
+        """The host tier works on one engine, one device: ValueErrors naming what it does not support."""
+        check(self.kv_offloading_backend == "native", "kv_offloading_backend",
+              "must be native (vLLM's native CPU offloading; lmcache is not supported)")
+        if self.kv_offloading_size is None:
+            return
+        check(isinstance(self.kv_offloading_size, (int, float)) and not isinstance(self.kv_offloading_size, bool)
+              and self.kv_offloading_size > 0, "kv_offloading_size", "must be a number of GiB > 0 (or unset)")
+        check(self.enable_prefix_caching, "kv_offloading_size",
+              "needs enable_prefix_caching (the host tier holds the blocks the prefix cache evicts)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"kv_offloading_size is not supported with {name} > 1 (the host tier runs on one "
+                                 f"engine with one device), got {name}={getattr(self, name)!r}")
 
     @property
     def served_model_names(self) -> list[str]:

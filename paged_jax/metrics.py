@@ -21,6 +21,11 @@ ENGINE_GAUGES = (
 ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    # The host-memory tier's (--kv-offloading-size; 0 without it): vLLM's KV-connector counters.
+    ("external_prefix_cache_queries", "external_prefix_cache_queries",
+     "External prefix cache queries (the host KV tier), in terms of number of queried tokens."),
+    ("external_prefix_cache_hits", "external_prefix_cache_hits",
+     "External prefix cache hits (the host KV tier), in terms of number of cached tokens."),
     ("num_preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
     ("prompt_tokens", "prompt_tokens_total", "Number of prefill tokens processed."),
     ("generation_tokens", "generation_tokens_total", "Number of generation tokens processed."),

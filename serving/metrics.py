@@ -324,4 +324,5 @@ def cache_config_labels(engine_args) -> dict[str, object]:
             "enable_prefix_caching": engine_args.enable_prefix_caching,
             "gpu_memory_utilization": engine_args.gpu_memory_utilization,
             "num_gpu_blocks_override": engine_args.num_gpu_blocks_override,
-            "swap_space": engine_args.swap_space}
+            "swap_space": engine_args.swap_space, "kv_offloading_size": engine_args.kv_offloading_size,
+            "kv_offloading_backend": engine_args.kv_offloading_backend}

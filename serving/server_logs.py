@@ -8,7 +8,7 @@ periodic engine stats line (on unless ``--disable-log-stats``).
 ``VLLM_LOG_STATS_INTERVAL``) and, from the latest engine stats the engine thread published, logs
 
     Engine 000: Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
-    Waiting: M reqs, GPU KV cache usage: Z%, Prefix cache hit rate: W%
+    Waiting: M reqs, GPU KV cache usage: Z%, Prefix cache hit rate: W%[, External prefix cache hit rate: V%]
 
 at INFO while there is activity (tokens in this interval or the previous one, or requests running / waiting) and at
 DEBUG when idle, like vLLM ("Engine 000": the engine index, as vLLM's ``engine`` metric label). Throughputs are over
@@ -69,7 +69,16 @@ def format_stats_line(stats: Mapping[str, float], prompt_throughput: float, gene
             f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
             f"Running: {int(stats.get('num_running', 0))} reqs, Waiting: {int(stats.get('num_waiting', 0))} reqs, "
             f"GPU KV cache usage: {100 * float(stats.get('kv_cache_usage', 0.0)):.1f}%, "
-            f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%" + _external_hit_rate(stats))
+
+
+def _external_hit_rate(stats: Mapping[str, float]) -> str:
+    """vLLM's addition to the line with a KV connector, here the host tier (``--kv-offloading-size``)."""
+    if "external_prefix_cache_queries" not in stats:
+        return ""
+    queries = float(stats["external_prefix_cache_queries"])
+    hits = float(stats.get("external_prefix_cache_hits", 0)) / queries if queries else 0.0
+    return f", External prefix cache hit rate: {100 * hits:.1f}%"
 
 
 class StatsLogger:

@@ -246,3 +246,25 @@ def test_weight_update_benchmark_smoke(tmp_path):
         assert result[phase] >= 0
     assert result["weight_bytes"] == result["trainer_bytes"] > 0 and result["kv_pool_bytes"] > 0
     assert result["generated_tokens"] == 4 and result["num_compiles_since_warmup"] == 0
+
+
+def test_kv_offload_benchmark_smoke(tmp_path):
+    """benchmarks/kv_offload.py on a tiny checkpoint, both configurations in this process: four conversations of
+    three turns through a device pool of 12 blocks of 8 tokens (each conversation reaches 48 tokens: the pool holds
+    two); the tier's run loads prefixes back, so its later turns compute fewer prompt tokens."""
+    from benchmarks.kv_offload import main
+    from models.testing import save_random_hf_checkpoint, tiny_config
+
+    checkpoint = save_random_hf_checkpoint(tiny_config("llama"), tmp_path / "ckpt")
+    out = tmp_path / "kv_offload.json"
+    result = main(["--model", str(checkpoint), "--dtype", "float32", "--max-model-len", "64", "--block-size", "8",
+                   "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "13",
+                   "--kv-offloading-size", "0.001", "--conversations", "4", "--turns", "3", "--context-len", "48",
+                   "--output-len", "4", "--max-concurrency", "2", "--in-process", "--out", str(out)])
+    base, tier = result["baseline"], result["tier"]
+    for run in (base, tier):
+        assert run["output_tokens"] == 4 * 3 * 4 and run["ttft_later_turns"]["median_s"] > 0
+        assert run["num_compiles_since_warmup"] == 0 and run["total_tokens_per_s"] > 0
+    assert "external_prefix_cache_hits" not in base and tier["external_prefix_cache_hits"] > 0
+    assert tier["prefix_cache_hits"] + tier["external_prefix_cache_hits"] > base["prefix_cache_hits"]
+    assert result["later_ttft_speedup"] > 0 and out.exists()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager, hash_block_tokens
+from paged_jax.core.block_hash import hash_block_tokens
+from paged_jax.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from paged_jax.core.request import Request
 
 

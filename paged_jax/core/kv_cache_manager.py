@@ -50,43 +50,23 @@ most ``max_blocks_per_request`` blocks there. Each group's blocks are cached und
 (``group_block_key``); a prefix-cache hit is the longest valid for every group (``groups_prefix_hit``: a sliding
 group needs only the blocks in the window of the first uncomputed token); a swap-out copies only the blocks held. The
 entries of one block are shared by forks together and copied together on write.
+
+Host tier (``num_offload_blocks``; ``paged_jax.core.kv_offload``): an evicted hashed block's KV is stored in host memory,
+a lookup that misses on the device goes on there, and ``allocate_slots`` loads those hits into fresh device blocks.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
+from paged_jax.core.block_hash import hash_block_tokens, root_hash
 from paged_jax.core.kv_groups import group_block_key, groups_prefix_hit, max_blocks_per_request, num_skipped_blocks
+from paged_jax.core.kv_offload import HostKVTier
 from paged_jax.core.request import Request
 
 NULL_BLOCK_ID = 0
 NULL_HOST_BLOCK_ID = -1  # a swapped request's host table entry for a block that slid out of the window
-_ROOT_HASH = b""  # parent hash of a sequence's first block (no cache_salt)
-
-
-def root_hash(cache_salt: str | None, lora_key: bytes | None = None) -> bytes:
-    """Parent hash of a sequence's first block: with a ``cache_salt`` (vLLM's per-request field) every block hash of
-    the sequence depends on it, so requests only share cached blocks when their salts are equal (tenant isolation:
-    neither hits nor their latency reveal another tenant's prompts). ``lora_key`` (the request's adapter
-    ``cache_key``) seeds it likewise: K/V computed under one adapter is never a hit for another or the base model."""
-    if cache_salt is None:
-        return _ROOT_HASH if lora_key is None else lora_key
-    salted = hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
-    return salted if lora_key is None else hashlib.sha256(salted + lora_key).digest()
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained block hash: sha256 over the parent block's hash and this block's token ids (int64 bytes).
-
-    Collision resistance matters: a collision would hand one request another's K/V.
-    """
-    digest = hashlib.sha256(parent_hash)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return digest.digest()
 
 
 class KVBlock:
@@ -114,12 +94,14 @@ class KVCacheManager:
       num_host_blocks: size of the host swap pool (host block ids ``0 .. num_host_blocks-1``; no null block there).
       group_windows: each KV-cache group's window (None: full attention), ``kv_groups.engine_kv_groups``' order;
         ``(None,)``: one table of every token's blocks (see the module docstring).
+      num_offload_blocks: host blocks of the prefix cache's host tier (0: none), ids after the swap pool's.
 
     All methods are O(blocks touched); the free queue is an OrderedDict (O(1) pop-front / remove / push).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, group_windows: Sequence[int | None] = (None,)) -> None:
+                 num_host_blocks: int = 0, group_windows: Sequence[int | None] = (None,),
+                 num_offload_blocks: int = 0) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -135,6 +117,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.num_host_blocks = num_host_blocks
+        self.offload = (HostKVTier(num_offload_blocks, num_host_blocks, group_windows=self.group_windows,
+                                   prefix_caching=self.enable_prefix_caching) if num_offload_blocks else None)
 
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Keys are block ids with ref_cnt == 0, head = next to hand out. Values unused.
@@ -201,6 +185,8 @@ class KVCacheManager:
         if block.block_hash is not None:  # evict: the content is about to be overwritten by the new owner
             if self._cached_block_by_hash.get(block.block_hash) == block_id:
                 del self._cached_block_by_hash[block.block_hash]
+                if self.offload is not None:  # its KV goes to host memory before the new owner writes
+                    self.offload.store(block.block_hash, block_id)
             block.block_hash = None
             self.num_evicted_blocks += 1
         block.ref_cnt = 1
@@ -208,7 +194,7 @@ class KVCacheManager:
 
     def _touch(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
-            if block_id == NULL_BLOCK_ID:  # a table entry that slid out of the window
+            if block_id <= NULL_BLOCK_ID:  # a table entry that slid out of the window, or a host-tier hit
                 continue
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
@@ -274,7 +260,7 @@ class KVCacheManager:
         """The pool's share of the engine's stats (``Scheduler.stats``)."""
         return {"kv_cache_usage": self.usage, "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits, "num_gpu_blocks": self.num_blocks,
-                "num_cpu_blocks": self.num_host_blocks}
+                "num_cpu_blocks": self.num_host_blocks, **(self.offload.stats() if self.offload else {})}
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks of ``request.all_token_ids``.
@@ -283,7 +269,7 @@ class KVCacheManager:
         least one known token is always left to compute (the hit is capped at ``num_tokens - 1`` rounded down to a
         block boundary) so that the step produces logits. Does not take references: pass the result to
         ``allocate_slots`` in the same scheduling pass. Only meaningful for a request holding no blocks. A request
-        with ``skip_prefix_cache`` gets no hit.
+        with ``skip_prefix_cache`` gets no hit. A block missing on the device may be a host-tier hit (an entry < 0).
         """
         if not self.enable_prefix_caching or request.block_ids or request.skip_prefix_cache:
             return [], 0
@@ -293,10 +279,13 @@ class KVCacheManager:
         if self.num_groups > 1 or self._sliding_groups:
             return self._groups_hit(request.block_hashes[:max_hit_blocks])
         hit_ids: list[int] = []
+        host_entry = self.offload.entry if self.offload is not None else lambda block_hash: None
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block_id = lookup(block_hash)
             if block_id is None:
-                break
+                block_id = host_entry(block_hash)
+                if block_id is None:
+                    break
             hit_ids.append(block_id)
         return hit_ids, len(hit_ids) * self.block_size
 
@@ -369,10 +358,13 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after weights change). Blocks in use stay allocated, just un-hashed."""
+        """Forget every cached hash (e.g. after weights change), the host tier's too. Blocks in use stay allocated,
+        just un-hashed."""
         for block_id in self._cached_block_by_hash.values():
             self.blocks[block_id].block_hash = None
         self._cached_block_by_hash.clear()
+        if self.offload is not None:
+            self.offload.clear()
         # Free blocks are all worthless now; their relative order no longer matters.
 
     # ------------------------------------------------------------------ allocation
@@ -385,10 +377,11 @@ class KVCacheManager:
                         else request.num_computed_tokens)
         held = len(computed_blocks) if computed_blocks else len(request.block_ids)
         num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
+        num_new_blocks += sum(1 for b in computed_blocks if b < 0)  # host-tier hits load into new blocks
         if not computed_blocks:
             num_new_blocks += len(self._shared_write_entries(request))  # copy-on-write of the blocks written into
         # Touching a hit block with ref_cnt 0 takes it out of the free queue.
-        revived = sum(1 for b in computed_blocks if b != NULL_BLOCK_ID and self.blocks[b].ref_cnt == 0)
+        revived = sum(1 for b in computed_blocks if b > NULL_BLOCK_ID and self.blocks[b].ref_cnt == 0)
         released = self._num_releasable(request) if self._sliding_groups and not computed_blocks else 0
         return num_new_blocks - (self.num_free_blocks + released - revived)
 
@@ -428,21 +421,34 @@ class KVCacheManager:
         if self._num_blocks_short(request, num_new_tokens, computed_blocks) > 0:
             return False
         is_admission = not request.block_ids
+        num_loaded = 0
         if computed_blocks:
             self._touch(computed_blocks)  # before popping new blocks, so the hits cannot be evicted below
+            if self.offload is not None:
+                num_loaded = self.offload.load_hits(computed_blocks, request.block_hashes, self._pop_registered)
             request.block_ids = computed_blocks
             request.num_computed_tokens = len(computed_blocks) // self.num_groups * self.block_size
             # Hit blocks are already hashed; cache_full_blocks starts after them.
             self._num_cached_blocks[request.request_id] = len(computed_blocks) // self.num_groups
         if is_admission and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) // self.num_groups * self.block_size
+            self.prefix_cache_hits += (len(computed_blocks) // self.num_groups - num_loaded) * self.block_size
+            if self.offload is not None:
+                self.offload.count_admission(request.num_tokens, num_loaded * self.block_size)
         if not is_admission:
             self._copy_on_write(request)
         num_new_blocks = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
         for _ in range(num_new_blocks):
             request.block_ids.append(self._pop_free_block())
         return True
+
+    def _pop_registered(self, block_hash: bytes) -> int:
+        """A fresh block, registered in the prefix cache under ``block_hash`` (a host-tier hit: its KV is loaded
+        before the step that reads it)."""
+        block_id = self._pop_free_block()
+        self.blocks[block_id].block_hash = block_hash
+        self._cached_block_by_hash[block_hash] = block_id
+        return block_id
 
     # ------------------------------------------------------------------ forking / copy-on-write
     @property
@@ -490,6 +496,11 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks.get(parent.request_id)
         if num_cached is not None:
             self._num_cached_blocks[child.request_id] = num_cached
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies of this scheduling pass, ``(swap_out, swap_in)`` entries
+        (``HostKVTier.take_copies``); empty without the tier. Call once per pass."""
+        return self.offload.take_copies() if self.offload is not None else ([], [])
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies of this scheduling pass, ``[(src_block, dst_block), ...]``, for the model runner to

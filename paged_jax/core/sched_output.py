@@ -108,7 +108,7 @@ class SchedulerOutput:
       finished_req_ids / preempted_req_ids: rows to drop before this step's rows are applied.
       block_copies: copy-on-write ``(src_block, dst_block)`` pairs applied before the step's K/V writes.
       swap_out / swap_in: ``(device_block, host_block)`` / ``(host_block, device_block)`` copies, applied before the
-        step (out first).
+        step (out gathered first; ``paged_jax.worker.host_kv_pool``): swap preemption's, then the host tier's.
       grammars: req_id -> ``structured_output.SequenceGrammar`` of the step's constrained requests (their sampling
         rows are masked by it).
       requests / samples: the scheduler's own view of the rows (its ``Request`` per row and whether the row samples),

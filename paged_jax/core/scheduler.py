@@ -433,8 +433,10 @@ class Scheduler:
         builder = StepBuilder()
         builder.add_rows(step.planned.values())
         finished, self._finished_rows = self._finished_rows, []
+        stores, loads = self.kv.take_offload_copies()  # the host tier's (paged_jax.core.kv_offload)
         return builder.build(finished_req_ids=finished, preempted_req_ids=step.preempted,
-                             block_copies=self.kv.take_block_copies(), swap_out=step.swap_out, swap_in=step.swap_in)
+                             block_copies=self.kv.take_block_copies(), swap_out=step.swap_out + stores,
+                             swap_in=step.swap_in + loads)
 
     def _preempt_lower_priority(self, request: Request, step: "_StepPlan") -> bool:
         """policy="priority": preempt the least important running request if it ranks strictly below ``request``."""

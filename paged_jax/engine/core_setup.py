@@ -25,6 +25,7 @@ from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, star
 from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
+from paged_jax.worker.host_kv_pool import MAX_IN_FLIGHT_BLOCKS
 from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
                                              enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
 from paged_jax.worker.kv_group_pool import mixes_kv_groups
@@ -92,9 +93,10 @@ def _num_speculative_tokens(args: EngineArgs) -> int:
 
 
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
-                  max_num_batched_tokens: int) -> tuple[int, int]:
-    """(device KV blocks, host swap blocks) for the loaded model and the limits: what the device's memory leaves after
-    the weights (``kv_pool_sizing``), the same count on every node of a multi-host job."""
+                  max_num_batched_tokens: int) -> tuple[int, int, int]:
+    """(device KV blocks, host swap blocks, host tier blocks) for the loaded model and the limits: what the device's
+    memory leaves after the weights (``kv_pool_sizing``), the same count on every node of a multi-host job; the host
+    pools' blocks from ``swap_space`` and ``kv_offloading_size`` (GiB)."""
     model = loaded.model
     dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
     if dequantization_bytes and device.platform != "cpu":
@@ -106,23 +108,35 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
         device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
         mixed_groups=mixes_kv_groups(loaded.plan),
-        num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)))
+        num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)),
+        host_copy_blocks=MAX_IN_FLIGHT_BLOCKS if args.kv_offloading_size else 0)
     num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
-    num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
-                                           swap_space_gib=args.swap_space, mixed_groups=mixes_kv_groups(loaded.plan))
-                       if args.preemption_mode == "swap" else 0)
-    return num_blocks, num_host_blocks
+
+    def host_blocks(gib: float) -> int:
+        return num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype, swap_space_gib=gib,
+                                   mixed_groups=mixes_kv_groups(loaded.plan))
+
+    num_host_blocks = host_blocks(args.swap_space) if args.preemption_mode == "swap" else 0
+    num_offload_blocks = host_blocks(args.kv_offloading_size) if args.kv_offloading_size else 0
+    if args.kv_offloading_size and num_offload_blocks < 1:
+        raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV block of this model "
+                         f"({kv_bytes_per_block(loaded.run_config, args.block_size, kv_dtype)} bytes): raise it")
+    return num_blocks, num_host_blocks, num_offload_blocks
+
 
 
 def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_bytes: int,
                            max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     num_blocks, num_host_blocks = kv.num_blocks, kv.num_host_blocks
+    num_offload_blocks = kv.offload.num_blocks if kv.offload is not None else 0
     kv_tokens = (num_blocks - 1) // kv.num_groups * args.block_size  # every KV-cache group's (vLLM's figure)
     concurrency = (num_blocks - 1) / kv.max_blocks_per_request(max_model_len, max_num_batched_tokens)
-    logger.info("KV cache: %d blocks x %d tokens in %d group(s) = %d tokens (%.2f GiB), %d host blocks; max_model_len "
-                "%d (%.2fx concurrency at full length)", num_blocks - 1, args.block_size, kv.num_groups, kv_tokens,
-                num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, concurrency)
-    num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
+    logger.info("KV cache: %d blocks x %d tokens in %d group(s) = %d tokens (%.2f GiB), %d host swap blocks, %d host "
+                "tier blocks (%.2f GiB); max_model_len %d (%.2fx concurrency at full length)", num_blocks - 1,
+                args.block_size, kv.num_groups, kv_tokens, num_blocks * block_bytes / 2**30, num_host_blocks,
+                num_offload_blocks, num_offload_blocks * block_bytes / 2**30, max_model_len, concurrency)
+    num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs,
+                                        swap=num_host_blocks + num_offload_blocks > 0,
                                         num_blocks=num_blocks, num_speculative_tokens=_num_speculative_tokens(args))
     logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
                 len(runner.buckets), "" if args.compilation_cache_dir == "" else
@@ -166,19 +180,20 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     max_num_seqs, max_num_batched_tokens = step_limits(args, max_model_len, on_accelerator)
 
     kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
-    num_blocks, num_host_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len, max_num_seqs,
-                                                max_num_batched_tokens)
+    num_blocks, num_host_blocks, num_offload_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len,
+                                                                    max_num_seqs, max_num_batched_tokens)
     timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
     runner = ModelRunner(
         model, loaded.run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        num_host_blocks=num_host_blocks, eos_token_ids=loaded.eos_token_ids, attention_impl=args.attention_impl,
+        num_host_blocks=num_host_blocks + num_offload_blocks, eos_token_ids=loaded.eos_token_ids,
+        attention_impl=args.attention_impl,
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
         logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args))
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
-                                      num_host_blocks=num_host_blocks,
+                                      num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(
                                           loaded.run_config.layer_windows, mixed_groups=mixes_kv_groups(plan))])
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,

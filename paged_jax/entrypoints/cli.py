@@ -58,6 +58,11 @@ _FLAG_HELP = {
     "max_model_len": "model context length (default: the model's max_position_embeddings; 2048 at most on CPU)",
     "gpu_memory_utilization": "fraction of the device's total memory this engine uses (weights, activations, KV)",
     "swap_space": "GiB of host memory for swapped-out KV",
+    "kv_offloading_size": "GiB of host memory for the prefix cache's host tier: blocks the device prefix cache "
+                          "evicts keep their KV there, later prefix hits load it back instead of recomputing it "
+                          "(default: off; one device, no sliding-window layers)",
+    "kv_offloading_backend": "the host tier's implementation: native (vLLM's own CPU offloading; lmcache is not "
+                             "supported)",
     "async_scheduling": "build and dispatch the next step while the current one runs on the device",
     "enable_chunked_prefill": "split long prompts over steps (on by default)",
     "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",

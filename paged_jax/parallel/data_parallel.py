@@ -31,7 +31,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from paged_jax.config import EngineArgs
-from paged_jax.core.kv_cache_manager import hash_block_tokens
+from paged_jax.core.block_hash import hash_block_tokens
 from paged_jax.engine.core import EngineCore, add_all_or_none
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest
 from paged_jax.parallel.multihost import start_distributed

@@ -71,7 +71,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
                          cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None,
                          dequantization_bytes: int = 0, mixed_groups: bool = True,
-                         num_sample_rows: int | None = None) -> int:
+                         num_sample_rows: int | None = None, host_copy_blocks: int = 0) -> int:
     """Number of device KV blocks (including the null block 0).
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
@@ -89,6 +89,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     ``dequantization_bytes`` (``dequantized_weight_bytes``) joins the headroom: weight-only quantized layers whose
     matmul dequantizes in XLA need that scratch beside the activations. ``num_sample_rows``: the most rows a step
     samples when more than ``max_num_seqs`` (speculative decoding samples every draft position).
+    ``host_copy_blocks``: blocks gathered on their way to host memory at once (the host tier's stores,
+    ``paged_jax.worker.host_kv_pool``), kept free of the pool too.
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
@@ -112,7 +114,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
     headroom = step_headroom_bytes(config, dtype, max_num_seqs=max(max_num_seqs, num_sample_rows or 0),
                                     max_num_batched_tokens=max_num_batched_tokens,
-                                    dequantization_bytes=dequantization_bytes)
+                                    dequantization_bytes=dequantization_bytes) + host_copy_blocks * per_block
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     budget = usable - (stats["bytes_in_use"] if weight_bytes is None else weight_bytes) - headroom
     num_blocks = int(budget // per_block)
@@ -215,5 +217,5 @@ def dequantized_weight_bytes(model, rows: int, device: jax.Device) -> int:
 
 def num_host_blocks_for(config: ModelConfig, *, block_size: int, dtype, swap_space_gib: float,
                         mixed_groups: bool = True) -> int:
-    """Host swap pool size in blocks for ``swap_space_gib`` GiB."""
+    """Host pool size in blocks for ``swap_space_gib`` GiB (the swap pool's, or the host tier's)."""
     return int(swap_space_gib * (1 << 30) // kv_bytes_per_block(config, block_size, dtype, mixed_groups=mixed_groups))

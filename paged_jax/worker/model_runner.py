@@ -43,8 +43,8 @@ from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
-from paged_jax.worker.buckets import (MAX_SWAP_CHUNK, make_buckets, sample_rows_needed, sampler_rows_for,
-                                     swap_sizes_for)
+from paged_jax.worker.buckets import make_buckets, sample_rows_needed, sampler_rows_for, swap_sizes_for
+from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
 from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
 from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
@@ -77,7 +77,8 @@ class ModelRunner:
       block_size: tokens per block.
       max_model_len: most tokens per sequence (sets the block-table width and the penalty-history width).
       max_num_seqs / max_num_batched_tokens: the largest step (sets the buckets).
-      num_host_blocks: host swap pool blocks (0: no swapping).
+      num_host_blocks: host pool blocks (0: no swapping): swap preemption's and the prefix cache's host tier's
+        (``paged_jax.worker.host_kv_pool``).
       eos_token_ids: banned (with stop_token_ids) while a row is below its min_tokens.
       attention_impl: one of ``paged_jax.worker.attention_impl.ATTENTION_IMPLS``, passed to ``ragged_paged_attention``.
       buckets: override of ``make_buckets(...)`` (list of (num_tokens, num_seqs)).
@@ -151,9 +152,6 @@ class ModelRunner:
         # scratch memory (GPU autotuning, several compiles at once) never competes with it.
         self._kv_pool: list[tuple[jax.Array, jax.Array]] | None = None
         self.num_host_blocks = num_host_blocks
-        # Host swap pool [layers, 2 (k|v), host_blocks, block_size, Hkv, D]; np.zeros is backed lazily by the OS.
-        self.host_pool = (np.zeros((self.kv_layout.num_slots, 2, num_host_blocks) + shape[1:],
-                                   dtype=self.kv_dtype) if num_host_blocks else None)
 
         # Last step's sampled tokens, on device (int32[max seq bucket]).
         self._max_seq_bucket = self.sampler_seq_buckets[-1]
@@ -178,6 +176,9 @@ class ModelRunner:
         self.pools = bool(getattr(self.forward_strategy, "pools", False))
         self._single_process = jax.process_count() == 1
         self._build_jitted()
+        self.host_pool = HostKVPool(num_host_blocks, (self.kv_layout.num_slots, 2) + shape[1:], self.kv_dtype,
+                                    gather=self._gather_blocks, scatter=self._scatter_blocks,
+                                    device=self.device) if num_host_blocks else None  # swap's and the host tier's
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
 
@@ -220,14 +221,6 @@ class ModelRunner:
         self._apply_grammar_bitmask = AheadOfTimeFunction(
             "grammar_bitmask", jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask)),
             shape_args=(1,))
-
-        def gather_blocks(kv_pool, block_ids):
-            """-> [layers, 2, n, block_size, Hkv, D]."""
-            return jnp.stack([jnp.stack([k[block_ids], v[block_ids]]) for k, v in kv_pool])
-
-        def scatter_blocks(kv_pool, block_ids, data):
-            return [(k.at[block_ids].set(data[i, 0]), v.at[block_ids].set(data[i, 1]))
-                    for i, (k, v) in enumerate(kv_pool)]
 
         self._gather_blocks = AheadOfTimeFunction("gather_blocks", jax.jit(gather_blocks), shape_args=(1,))
         self._scatter_blocks = AheadOfTimeFunction("scatter_blocks", jax.jit(scatter_blocks, donate_argnums=(0,)),
@@ -428,8 +421,11 @@ class ModelRunner:
         self.dispatcher.wait()
 
     def close(self) -> None:
-        """Stop the dispatch thread (after the steps already handed to it)."""
+        """Stop the dispatch thread (after the steps already handed to it) and the host pool's copy thread (after
+        its copies)."""
         self.dispatcher.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
 
     def _update_batch(self, scheduler_output: SchedulerOutput) -> StepRows | None:
         """Drop finished and preempted rows, apply the running rows' diffs, make the new and fork rows; returns the
@@ -489,51 +485,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ swapping
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Apply one step's swap copies: ``swap_out = [(device_block, host_block)]`` device -> host, then
-        ``swap_in = [(host_block, device_block)]`` host -> device.
-
-        The swap-in data is read from the host pool before the swap-out data lands there, and the swap-out gather is
-        dispatched before the swap-in scatter, so a block freed by one list and reused by the other within the same
-        step is copied correctly either way. Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks (one
-        transfer each way per chunk), padded to a power of two with the null block.
-        """
+        ``swap_in = [(host_block, device_block)]`` host -> device (``HostKVPool.swap``: a step's swap-ins read
+        what earlier steps stored, its own stores land after it, without the step waiting for them)."""
         if not swap_out and not swap_in:
             return
         self.wait_for_dispatch()  # the pool must be the one after every step dispatched so far
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
-        gathered = []
-        for chunk in _chunks(list(swap_out), MAX_SWAP_CHUNK):
-            device_ids = self._padded_ids([d for d, _ in chunk])
-            gathered.append((chunk, self._gather_blocks(self.kv_pool, device_ids)))
-        for chunk in _chunks(list(swap_in), MAX_SWAP_CHUNK):
-            host_ids = [h for h, _ in chunk]
-            device_ids = self._padded_ids([d for _, d in chunk])
-            data = np.zeros(self.host_pool.shape[:2] + (device_ids.shape[0],) + self.host_pool.shape[3:],
-                            self.host_pool.dtype)
-            data[:, :, :len(host_ids)] = self.host_pool[:, :, host_ids]
-            # Padding entries write zeros into the null block, which no valid token reads.
-            self.kv_pool = self._scatter_blocks(self.kv_pool, device_ids,
-                                                jax.device_put(data, self._swap_in_sharding(device_ids, data)))
-        for chunk, device_data in gathered:
-            host = np.asarray(jax.device_get(device_data))
-            self.host_pool[:, :, [h for _, h in chunk]] = host[:, :, :len(chunk)]
+        self.kv_pool = self.host_pool.swap(self.kv_pool, swap_out, swap_in)
 
-    def _swap_in_sharding(self, device_ids: jax.Array, data: np.ndarray) -> jax.sharding.Sharding:
-        """Where swap-in ``data`` goes: as the scatter executable warm-up made takes it (on a mesh, split as the
-        gather's output: the pool's kv heads over tp), else the runner's device."""
-        key = self._scatter_blocks.key((self.kv_pool, device_ids, data), {})
-        executable = self._scatter_blocks.executables.get(key)
-        return self.device if executable is None else executable.input_shardings[0][2]
-
-    def _padded_ids(self, ids: list[int]) -> jax.Array:
-        size = 1 << max(len(ids) - 1, 0).bit_length()
-        padded = np.full((size,), NULL_BLOCK_ID, np.int32)
-        padded[:len(ids)] = ids
-        return jax.device_put(padded, self.device)
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def _sampler_variants(max_logprobs: int) -> list[SamplerVariant]:

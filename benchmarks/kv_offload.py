@@ -1,0 +1,195 @@
+"""The prefix cache's host-memory tier (``--kv-offloading-size``) on a multi-turn chat workload whose conversations
+outgrow the device's KV pool (issue 52): time to first token of the turns after the first, and throughput, without
+and with the tier, on one engine configuration.
+
+``--conversations`` chats of ``--turns`` turns each; every conversation reaches ``--context-len`` tokens by its last
+turn (``--output-len`` generated tokens a turn, the rest of each turn's share of the context a new user message of
+random token ids, after a ``--system-len``-token system prompt shared by all). A turn's prompt is its conversation
+so far, so it shares everything but its new message with the conversation's previous turn. At most
+``--max-concurrency`` turns run at once, and a conversation's next turn is queued when its previous one ends, behind
+every other conversation's (round robin): between two turns of a conversation all the others pass through the pool,
+so with more conversation than the device holds the prefix cache has evicted a turn's prefix by the time it
+returns. Without the tier the turn recomputes it; with it, the prefix is loaded back from host memory.
+
+A turn's time to first token runs from ``add_request`` to the step output that carries its first token. Each
+configuration runs in its own process (default; ``--in-process`` runs both here, for a CPU smoke run), so the second
+engine sizes its pool on a device the first has left. Reports, per configuration, the median (and p90) time to first
+token of the first turns and of the later turns, output and total tokens per second, the prefix-cache counters and
+the tier's, and ``later_ttft_speedup`` = median later-turn TTFT without / with the tier (issue 52's target on the
+GPU: >= 2).
+
+Engine flags as ``paged-jax serve`` takes them (``--model``, ``--load-format dummy``, ``--max-model-len``, ...);
+``--kv-offloading-size`` is the tier's size in the run with the tier (required).
+
+Examples:
+  python -m benchmarks.kv_offload --model llama-3.1-8b --load-format dummy --max-model-len 4096 \\
+      --kv-offloading-size 80 --conversations 200 --turns 8 --context-len 4096 --out $OUT/kv_offload.json
+CPU smoke run (tests/test_benchmarks.py): a tiny checkpoint, ``--num-gpu-blocks-override`` a few blocks,
+``--in-process``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from benchmarks.report import versions, write_json
+from paged_jax.entrypoints.cli import add_engine_args, engine_kwargs, normalize_flag_spelling
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_offload", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--conversations", type=int, default=200)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--context-len", type=int, default=4096, help="tokens of a conversation after its last turn")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated each turn")
+    p.add_argument("--system-len", type=int, default=0, help="tokens of the system prompt every conversation shares")
+    p.add_argument("--max-concurrency", type=int, default=32, help="turns running at once")
+    p.add_argument("--in-process", action="store_true", help="run both configurations in this process")
+    p.add_argument("--only", choices=["baseline", "tier"], help=argparse.SUPPRESS)  # one configuration (a child)
+    p.add_argument("--out", help="write the JSON result here")
+    add_engine_args(p.add_argument_group("engine (EngineArgs, vLLM names)"))
+    return p
+
+
+def _user_len(args: argparse.Namespace) -> int:
+    per_turn = (args.context_len - args.system_len) // args.turns
+    user_len = per_turn - args.output_len
+    if user_len < 1:
+        raise SystemExit(f"--context-len {args.context_len} leaves {per_turn} tokens a turn, not more than "
+                         f"--output-len {args.output_len}")
+    return user_len
+
+
+def run_chat(engine, args: argparse.Namespace, vocab: int) -> dict:
+    """Drive the workload through ``engine``; -> per-turn TTFTs, token counts and wall time."""
+    from paged_jax.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(args.seed)  # the engine's --seed seeds the workload too
+    user_len = _user_len(args)
+    system = rng.integers(1, vocab, size=args.system_len).tolist()
+    histories = [list(system) for _ in range(args.conversations)]
+    turn_of = [0] * args.conversations
+    ready = collections.deque(range(args.conversations))
+    in_flight: dict[str, tuple[int, float]] = {}  # request id -> (conversation, added at)
+    outputs: dict[str, list[int]] = {}
+    ttft = {"first": [], "later": []}
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    prompt_tokens = output_tokens = 0
+    start = time.perf_counter()
+    while ready or in_flight:
+        while ready and len(in_flight) < args.max_concurrency:
+            c = ready.popleft()
+            histories[c] += rng.integers(1, vocab, size=user_len).tolist()
+            request_id = f"c{c}t{turn_of[c]}"
+            engine.add_request(request_id, {"prompt_token_ids": list(histories[c])}, params)
+            in_flight[request_id] = (c, time.perf_counter())
+            prompt_tokens += len(histories[c])
+        for out in engine.step():
+            c, added = in_flight[out.request_id]
+            tokens = outputs.setdefault(out.request_id, [])
+            if not tokens and out.outputs[0].token_ids:
+                ttft["first" if turn_of[c] == 0 else "later"].append(time.perf_counter() - added)
+            tokens.extend(out.outputs[0].token_ids)
+            if out.finished:
+                del in_flight[out.request_id]
+                histories[c] += tokens
+                output_tokens += len(tokens)
+                turn_of[c] += 1
+                if turn_of[c] < args.turns:
+                    ready.append(c)
+    wall = time.perf_counter() - start
+    return {"ttft": ttft, "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+
+
+def _summary(run: dict, stats: dict) -> dict:
+    def quantiles(values: list[float]) -> dict:
+        if not values:
+            return {"median_s": None, "p90_s": None}
+        return {"median_s": statistics.median(values), "p90_s": float(np.percentile(values, 90))}
+
+    wall = run["wall_s"]
+    keys = ("prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache_queries",
+            "external_prefix_cache_hits", "num_offloaded_blocks", "num_onloaded_blocks", "num_preemptions",
+            "num_gpu_blocks", "num_offload_blocks", "num_compiles_since_warmup")
+    return {"ttft_first_turn": quantiles(run["ttft"]["first"]), "ttft_later_turns": quantiles(run["ttft"]["later"]),
+            "wall_s": wall, "output_tokens_per_s": run["output_tokens"] / wall,
+            "total_tokens_per_s": (run["prompt_tokens"] + run["output_tokens"]) / wall,
+            "prompt_tokens": run["prompt_tokens"], "output_tokens": run["output_tokens"],
+            **{key: stats[key] for key in keys if key in stats}}
+
+
+def run_config(args: argparse.Namespace, tier: bool) -> dict:
+    """One configuration in this process: the engine flags, with the tier or without."""
+    from paged_jax.config import EngineArgs
+    from paged_jax.engine.llm_engine import LLMEngine
+
+    kwargs = engine_kwargs(args)
+    if not tier:
+        kwargs["kv_offloading_size"] = None
+    engine = LLMEngine(EngineArgs(**kwargs), use_tqdm=False)
+    try:
+        vocab = engine.engine_core.runner.vocab_size
+        summary = _summary(run_chat(engine, args, vocab), engine.engine_core.stats())
+    finally:
+        engine.close()
+    return summary
+
+
+def _without(argv: Sequence[str], flag: str, takes_value: bool) -> list[str]:
+    """``argv`` less ``flag`` (``--flag value`` or ``--flag=value``) and ``--in-process``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = takes_value
+        elif not arg.startswith(flag + "=") and arg != "--in-process":
+            out.append(arg)
+    return out
+
+
+def _run_child(argv: Sequence[str], only: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        subprocess.run([sys.executable, "-m", "benchmarks.kv_offload", *argv, "--only", only, "--out", out],
+                       check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = normalize_flag_spelling(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
+    if not args.kv_offloading_size:
+        raise SystemExit("--kv-offloading-size: the tier's size (GiB) in the run with the tier is required")
+    _user_len(args)
+    if args.only:
+        result = run_config(args, tier=args.only == "tier")
+        write_json(args.out, result)
+        return result
+    child_argv = _without(argv, "--out", takes_value=True)  # each child writes its own file
+    runs = {name: (run_config(args, tier=name == "tier") if args.in_process else _run_child(child_argv, name))
+            for name in ("baseline", "tier")}
+    base, tier = (runs[name]["ttft_later_turns"]["median_s"] for name in ("baseline", "tier"))
+    result = {"argv": argv, "versions": versions(), **runs,
+              "later_ttft_speedup": base / tier if base and tier else None,
+              "throughput_ratio": runs["tier"]["total_tokens_per_s"] / runs["baseline"]["total_tokens_per_s"]}
+    print(json.dumps(result, indent=1))
+    write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The prefix cache's host-memory tier (``--kv-offloading-size``): the bookkeeping (``paged_jax.core.kv_offload``)
+under the scheduler with a simulated pool that checks every K/V read, the host pool's copies
+(``paged_jax.worker.host_kv_pool``), and an engine whose multi-turn conversations outgrow a tiny device pool: the same
+greedy tokens with and without the tier, hits in the tier, nothing leaked or compiled."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.config import EngineArgs
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_offload import HostKVTier, host_entry
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
+from tests.test_scheduler import VOCAB, FakeRunner, make_request, run_to_completion
+
+
+class TierFakeRunner(FakeRunner):
+    """``FakeRunner`` with the real runner's order of a step's copies: the swap-outs are gathered first, the
+    swap-ins read the host pool next, and the gathered blocks land in the host pool last."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int) -> None:
+        super().__init__(kv, max_num_seqs)
+        num_offload = kv.offload.num_blocks if kv.offload is not None else 0
+        self.host = np.full((kv.num_host_blocks + num_offload + 1, kv.block_size), -1, dtype=np.int64)
+
+    def apply_diff_and_copies(self, out) -> None:
+        self.apply_diff(out)
+        gathered = [(host, self.device[dev].copy()) for dev, host in out.swap_out]
+        for host, dev in out.swap_in:
+            self.device[dev] = self.host[host]
+        for host, data in gathered:
+            self.host[host] = data
+        for src, dst in out.block_copies:
+            self.device[dst] = self.device[src]
+
+
+def conversations(num_conversations: int, num_turns: int, seed: int = 0) -> list[list[list[int]]]:
+    """Each conversation's user turns: a shared system prompt opens every conversation's first turn."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, VOCAB) for _ in range(9)]
+    return [[(system if turn == 0 else []) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 9))]
+             for turn in range(num_turns)] for _ in range(num_conversations)]
+
+
+def run_chat(sched: Scheduler, runner: FakeRunner, chats: list[list[list[int]]], max_tokens: int = 4):
+    """Round-robin turns: turn t of every conversation, then turn t + 1, each prompt the conversation so far."""
+    histories = [[] for _ in chats]
+    outputs = []
+    for turn in range(len(chats[0])):
+        requests = []
+        for c, chat in enumerate(chats):
+            histories[c] = histories[c] + chat[turn]
+            requests.append(make_request(f"c{c}t{turn}", histories[c], max_tokens=max_tokens))
+        run_to_completion(sched, runner, {0: requests})
+        for c, request in enumerate(requests):
+            histories[c] = histories[c] + request.output_token_ids
+            outputs.append(request.output_token_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("num_offload_blocks", [0, 6, 200])  # none, a tier that evicts too, one that holds all
+def test_tier_under_a_tiny_pool_gives_the_same_outputs_and_leaks_nothing(num_offload_blocks):
+    """Six conversations of five turns (up to ~60 tokens each) through 20 usable blocks of 4 tokens: the prefixes are
+    evicted between turns. The simulated pool checks every position a step reads; with the tier, hits load evicted
+    blocks back (fewer tokens recomputed) and the counters say so; everything is free at the end."""
+    chats = conversations(6, 5)
+    results = {}
+    for blocks in (0, num_offload_blocks):
+        kv = KVCacheManager(21, 4, num_host_blocks=3, num_offload_blocks=blocks)
+        sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64)
+        runner = TierFakeRunner(kv, 4)
+        results[blocks] = (run_chat(sched, runner, chats), kv)
+        assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+        assert kv.num_free_host_blocks == kv.num_host_blocks
+    (plain, plain_kv), (tiered, kv) = results[0], results[num_offload_blocks]
+    assert tiered == plain
+    if num_offload_blocks:
+        stats = kv.stats()
+        assert stats["external_prefix_cache_hits"] > 0 and kv.offload.num_loaded_blocks > 0
+        assert stats["external_prefix_cache_queries"] == stats["prefix_cache_queries"]
+        assert kv.offload.num_cached_blocks <= num_offload_blocks
+        recomputed = stats["prefix_cache_queries"] - stats["prefix_cache_hits"] - stats["external_prefix_cache_hits"]
+        assert recomputed < plain_kv.prefix_cache_queries - plain_kv.prefix_cache_hits
+
+
+def test_tier_with_swap_preemption_and_priorities_never_reads_foreign_kv():
+    """Random arrivals over a small vocabulary (many shared prefixes) with swap preemption, priorities and aborts,
+    a tier smaller than what is evicted: the simulated pool checks every read; nothing leaks."""
+    kv = KVCacheManager(13, 2, num_host_blocks=5, num_offload_blocks=7)
+    sched = Scheduler(kv, 4, 9, 24, preemption_mode="swap", policy="priority")
+    runner = TierFakeRunner(kv, 4)
+    from tests.test_scheduler import run_random_workload
+
+    all_reqs = run_random_workload(sched, runner, seed=3)
+    assert all(r.is_finished for r in all_reqs)
+    assert kv.num_free_blocks == kv.num_usable_blocks and kv.num_free_host_blocks == kv.num_host_blocks
+    assert sched.num_preemptions > 0 and kv.offload.hits > 0 and kv.offload.num_stored_blocks > kv.offload.num_blocks
+
+
+def test_tier_lru_and_the_blocks_of_a_pass():
+    tier = HostKVTier(2, first_host_id=5)
+    tier.store(b"a", 1)
+    assert tier.entry(b"a") is None  # stored in this pass: its data lands after the step's loads are read
+    assert tier.take_copies() == ([(1, 5)], [])
+    assert tier.entry(b"a") == host_entry(5)
+    tier.store(b"b", 2)
+    tier.store(b"a", 3)  # held already: no copy, most recently used now
+    tier.store(b"c", 4)  # evicts b, the least recently used
+    stores, _ = tier.take_copies()
+    assert stores == [(2, 6), (4, 6)] and tier.entry(b"b") is None and tier.entry(b"c") == host_entry(6)
+    entries = [9, host_entry(5)]
+    assert tier.load_hits(entries, [b"x", b"a"], lambda block_hash: 11) == 1
+    assert entries == [9, 11] and tier.take_copies() == ([], [(5, 11)])
+    tier.clear()
+    assert tier.entry(b"a") is None and tier.num_cached_blocks == 0
+
+
+def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
+    """Blocks gathered to host memory in one step (landing on the copy thread) load back bit-exactly into other
+    blocks in a later step; a step's own stores never feed its loads; padded sizes only (no compile)."""
+    shape = (6, 4, 2, 3)  # blocks, block_size, Hkv, D
+    pool = [(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) + 100 * layer,
+             -jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) - 100 * layer) for layer in range(2)]
+    original = jax.device_get(pool)
+    host = HostKVPool(4, (2, 2) + shape[1:], np.float32, gather=jax.jit(gather_blocks),
+                      scatter=jax.jit(scatter_blocks, donate_argnums=(0,)), device=jax.devices()[0])
+    pool = host.swap(pool, [(1, 0), (2, 1), (3, 2)], [])
+    pool = host.swap(pool, [(4, 0)], [(0, 4), (1, 5), (2, 1)])  # reads 0 before block 4 lands there
+    host.flush()
+    after = jax.device_get(pool)
+    for layer in range(2):
+        for kv in range(2):
+            np.testing.assert_array_equal(after[layer][kv][4], original[layer][kv][1])
+            np.testing.assert_array_equal(after[layer][kv][5], original[layer][kv][2])
+            np.testing.assert_array_equal(after[layer][kv][1], original[layer][kv][3])
+            np.testing.assert_array_equal(host.array[0, layer, kv], original[layer][kv][4])
+    host.close()
+
+
+def test_flags_refused_where_the_tier_does_not_work():
+    with pytest.raises(ValueError, match="kv_offloading_backend"):
+        EngineArgs(kv_offloading_size=1.0, kv_offloading_backend="lmcache")
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="kv_offloading_size"):
+            EngineArgs(kv_offloading_size=bad)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match=f"kv_offloading_size is not supported with {name}"):
+            EngineArgs(kv_offloading_size=1.0, **{name: 2})
+    with pytest.raises(ValueError, match="kv_offloading_size is not supported with nnodes"):
+        EngineArgs(kv_offloading_size=1.0, nnodes=2)
+    with pytest.raises(ValueError, match="kv_offloading_size.*enable_prefix_caching"):
+        EngineArgs(kv_offloading_size=1.0, enable_prefix_caching=False)
+    for windows in ((None, 8), (8,)):  # a mix of full and sliding layers; layers that all slide
+        with pytest.raises(ValueError, match="kv_offloading_size is not supported with KV-cache groups"):
+            KVCacheManager(32, 4, group_windows=windows, num_offload_blocks=4)
+    with pytest.raises(ValueError, match="kv_offloading_size needs prefix caching"):
+        KVCacheManager(32, 4, enable_prefix_caching=False, num_offload_blocks=4)
+
+
+def test_engine_multi_turn_chat_with_the_tier_gives_the_same_greedy_tokens(tmp_path):
+    """A tiny Llama (random fp32 weights) with 24 usable blocks of 8 tokens; five conversations of four turns whose
+    prompts (the conversation so far) share a system prompt and outgrow the pool between turns. With the tier the
+    evicted prefixes load back from host memory: the same greedy tokens as without it, hits in the tier, the device and
+    host blocks free again, nothing compiled after warm-up. The engine with the tier also schedules asynchronously
+    (its copies run on the dispatch thread's pool)."""
+    from models.testing import save_random_hf_checkpoint, tiny_config
+    from paged_jax.engine.llm_engine import LLMEngine
+    from paged_jax.sampling_params import SamplingParams
+
+    save_random_hf_checkpoint(tiny_config("llama"), tmp_path, seed=2)
+    rng = random.Random(5)
+    system = [rng.randrange(3, 256) for _ in range(20)]
+    chats = [[(system if turn == 0 else []) + [rng.randrange(3, 256) for _ in range(rng.randrange(6, 14))]
+              for turn in range(4)] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for size in (None, 0.001):  # 0.001 GiB: 262 host blocks of this model's 4 KiB
+        engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="float32", max_model_len=96, block_size=8,
+                                      max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=25,
+                                      kv_offloading_size=size, async_scheduling=size is not None, seed=0),
+                           use_tqdm=False)
+        histories, tokens = [[] for _ in chats], []
+        for turn in range(4):
+            for c, chat in enumerate(chats):
+                histories[c] = histories[c] + chat[turn]
+                engine.add_request(f"c{c}t{turn}", {"prompt_token_ids": histories[c]}, params)
+            out: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            for c in range(len(chats)):
+                histories[c] = histories[c] + out[f"c{c}t{turn}"]
+                tokens.append(out[f"c{c}t{turn}"])
+        core = engine.engine_core
+        kv = core.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+        assert kv.num_free_host_blocks == kv.num_host_blocks
+        assert core.runner.num_compiles_since_warmup == 0
+        results[size] = (tokens, core.stats())
+        engine.close()
+    (plain, plain_stats), (tiered, stats) = results[None], results[0.001]
+    assert tiered == plain
+    assert "external_prefix_cache_hits" not in plain_stats
+    assert stats["external_prefix_cache_hits"] > 0 and stats["num_onloaded_blocks"] > 0
+    assert (stats["prefix_cache_hits"] + stats["external_prefix_cache_hits"]
+            > plain_stats["prefix_cache_hits"])  # fewer tokens recomputed
+
+
+def test_tier_counters_reach_the_metrics_and_the_stats_line():
+    """vLLM's names: ``vllm:external_prefix_cache_queries`` / ``_hits`` beside the device's counters (``LLM.get_metrics``
+    and ``/metrics`` share the table), the stats line's external hit rate, and ``cache_config_info``'s labels."""
+    from paged_jax.metrics import metrics_from_stats
+    from serving.server_logs import format_stats_line
+
+    stats = {"prefix_cache_queries": 400, "prefix_cache_hits": 100, "external_prefix_cache_queries": 400,
+             "external_prefix_cache_hits": 200}
+    values = {m.name: m.value for m in metrics_from_stats(stats)}
+    assert values["vllm:external_prefix_cache_queries"] == 400 and values["vllm:external_prefix_cache_hits"] == 200
+    assert values["vllm:prefix_cache_hits"] == 100
+    line = format_stats_line(stats, 0.0, 0.0)
+    assert line.endswith("Prefix cache hit rate: 25.0%, External prefix cache hit rate: 50.0%")
+    assert "External" not in format_stats_line({"prefix_cache_queries": 4}, 0.0, 0.0)
+    from serving.metrics import cache_config_labels  # vLLM's cache_config_info carries the CacheConfig fields
+
+    labels = cache_config_labels(EngineArgs(kv_offloading_size=2.5))
+    assert labels["kv_offloading_size"] == 2.5 and labels["kv_offloading_backend"] == "native"
