@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Literal
 
 from paged_jax.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -11,6 +12,14 @@ from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.worker.sampler import LOGPROBS_MODES
 
 logger = logging.getLogger(__name__)
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def batch_invariant_from_env() -> bool:
+    """vLLM's switch for batch-invariant mode: ``VLLM_BATCH_INVARIANT`` set to 1 (or true)."""
+    return os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower() in ("1", "true")
 
 
 @dataclasses.dataclass
@@ -123,6 +132,9 @@ class EngineArgs:
     # Speculative decoding (vLLM's --speculative-config): a dict or its JSON text, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; parsed into a ``paged_jax.spec_decode.SpeculativeConfig`` here.
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # A request's tokens and logprobs the same bits whatever else runs beside it, at a speed cost
+    # (paged_jax.worker.batch_invariant). vLLM's environment switch VLLM_BATCH_INVARIANT=1 turns it on too.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -182,6 +194,13 @@ class EngineArgs:
         check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",
               f"must be one of {', '.join(QUANTIZATION_METHODS)}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        self.batch_invariant = bool(self.batch_invariant) or batch_invariant_from_env()
+        if self.batch_invariant:
+            # Matmuls these settings add pick their tiles by the row count (paged_jax.worker.batch_invariant).
+            for name, off in (("quantization", self.quantization is None), ("enable_lora", not self.enable_lora),
+                              ("tensor_parallel_size", self.tensor_parallel_size == 1),
+                              ("pipeline_parallel_size", self.pipeline_parallel_size == 1)):
+                check(off, name, "is not supported with batch_invariant")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
               "served_model_name", "must be a non-empty name or list of non-empty names")

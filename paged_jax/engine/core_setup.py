@@ -175,7 +175,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
-        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args))
+        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args),
+        batch_invariant=args.batch_invariant)
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(

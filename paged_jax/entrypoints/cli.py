@@ -90,6 +90,8 @@ _FLAG_HELP = {
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\" or \"suffix\", "
                           "\"num_speculative_tokens\": k, ...} (vLLM's keys: prompt_lookup_min / _max, "
                           "suffix_decoding_*, disable_by_batch_size)",
+    "batch_invariant": "a request's tokens and logprobs the same bits whatever else runs in its steps (fixed-tile "
+                       "matmuls and attention; slower); VLLM_BATCH_INVARIANT=1 turns it on too",
 }
 
 

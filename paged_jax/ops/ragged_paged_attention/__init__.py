@@ -46,6 +46,33 @@ def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=Non
     return "triton"
 
 
+# Tokens per ``lax.map`` iteration of the reference in batch-invariant mode: one vmapped shape for every step.
+REFERENCE_INVARIANT_CHUNK = 8
+
+
+def batch_invariant_tuning(num_q_heads: int, num_kv_heads: int) -> dict:
+    """The Triton kernel's knobs in batch-invariant mode, the same for every call of a model: one KV split (a split
+    count follows the batch, and the splits' boundaries a tile's extent), ``block_k`` 64 from position 0, and query
+    tiles of 16 rows whatever the step (``block_q = 16 // group`` tokens; at least one token); ``prescale_q``, so
+    that the masked and unmasked bodies compute a score by the same instructions (a fused multiply-add of the
+    scale in one and not the other would round differently)."""
+    group = num_q_heads // num_kv_heads
+    return dict(num_kv_splits=1, block_k=64, prescale_q=True, block_q=max(1, 16 // group))
+
+
+def _batch_invariant_choice(impl: str, tuning: dict, q_shape, num_kv_heads: int) -> tuple[str, dict]:
+    """(impl, tuning) of a ``batch_invariant`` call; ValueError for what cannot be batch invariant."""
+    if impl == "mosaic":
+        raise ValueError("impl='mosaic' is not batch invariant; use 'triton', 'reference' or 'auto'")
+    if tuning:
+        raise ValueError(f"batch_invariant fixes the kernel's tuning; got {sorted(tuning)}")
+    if impl == "auto":
+        head_dim = q_shape[-1]
+        gpu = jax.default_backend() == "gpu" and head_dim >= 16 and not head_dim & (head_dim - 1)
+        impl = "triton" if gpu else "reference"
+    return impl, ({} if impl == "reference" else batch_invariant_tuning(q_shape[1], num_kv_heads))
+
+
 def _tuning_keys(impl: str) -> tuple[str, ...]:
     """The tuning knobs of a kernel: the keyword-only arguments of its ``default_tuning``."""
     if impl == "mosaic":
@@ -69,6 +96,7 @@ def ragged_paged_attention(
     logit_soft_cap: float | None = None,
     impl: str = "auto",
     interpret: bool = False,
+    batch_invariant: bool = False,
     **tuning,
 ) -> jax.Array:
     """Attention of a flat ragged token batch against a paged KV cache.
@@ -93,6 +121,9 @@ def ragged_paged_attention(
         reference on CPU).
         The old name ``"pallas"`` still means ``"triton"`` (FutureWarning).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
+      batch_invariant: each token's output the same bits whatever the batch, its query count and its tile
+        (``batch_invariant_tuning``): "auto" is the Triton kernel on a GPU (never the hybrid), the reference in
+        fixed token chunks elsewhere; "mosaic" and explicit tuning are refused.
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
@@ -111,6 +142,8 @@ def ragged_paged_attention(
         if unknown:
             raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
                              f"{allowed}")
+    if batch_invariant:
+        impl, tuning = _batch_invariant_choice(impl, tuning, q.shape, k_pages.shape[2])
     fp8_pages = jnp.dtype(k_pages.dtype).itemsize == 1
     if impl == "mosaic" and fp8_pages:
         raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
@@ -129,7 +162,8 @@ def ragged_paged_attention(
         return ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
                                            interpret=interpret, **tuning)
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks)
+        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
+                                                token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
     return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
