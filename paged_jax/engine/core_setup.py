@@ -91,9 +91,9 @@ def _num_speculative_tokens(args: EngineArgs) -> int:
 
 
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
-                  max_num_batched_tokens: int) -> tuple[int, int]:
+                  max_num_batched_tokens: int, multi_node: bool) -> tuple[int, int]:
     """(device KV blocks, host swap blocks) for the loaded model and the limits: what the device's memory leaves after
-    the weights (``kv_pool_sizing``), the same count on every node of a multi-host job."""
+    the weights (``kv_pool_sizing``), the same count on every node of a multi-host job (``multi_node``)."""
     model = loaded.model
     dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
     if dequantization_bytes and device.platform != "cpu":
@@ -106,7 +106,8 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
         mixed_groups=loaded.plan is None,
         num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)))
-    num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
+    if multi_node:  # a compiled shape: one count on every node
+        num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)
     num_host_blocks = (num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype,
                                            swap_space_gib=args.swap_space, mixed_groups=loaded.plan is None)
                        if args.preemption_mode == "swap" else 0)
@@ -146,7 +147,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.worker.device_memory), and
     # a multi-host job must be joined before (paged_jax.parallel.multihost).
     reserve_gpu_memory_fraction(args.gpu_memory_utilization)
-    start_distributed(args)
+    multi_node = start_distributed(args)
     warn_if_gpu_unused()
     enable_compilation_cache(args.compilation_cache_dir)
     device = devices[0] if devices else jax.local_devices()[0]  # a follower node sizes for its own devices
@@ -166,7 +167,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
 
     kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
     num_blocks, num_host_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len, max_num_seqs,
-                                                max_num_batched_tokens)
+                                                max_num_batched_tokens, multi_node)
     timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
     runner = ModelRunner(
         model, loaded.run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
@@ -195,7 +196,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     timings["runner_init_s"] = compile_start - stage_start
     runner.warm_up(use_tqdm=use_tqdm)
     timings["warm_up_s"] = time.perf_counter() - compile_start
-    runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
+    runner.step_channel = leader_channel() if multi_node else None  # node 0: the other nodes replay its steps
     logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                 time.perf_counter() - start)
     info = EngineCoreInfo(max_model_len=max_model_len, vocab_size=config.vocab_size,
