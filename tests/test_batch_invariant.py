@@ -125,3 +125,38 @@ def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monk
     assert engine_kwargs_seen["batch_invariant"] is True
     lines = kernel_bench.main(["--tiny", "--rows", "1,70", "--repeats", "1"])
     assert len(lines) == 4 and all(line["invariant_row0_same"] for line in lines)
+
+
+@pytest.mark.parametrize("impl,interpret", [("reference", False), ("triton", True)])
+def test_attention_gives_a_token_the_same_bits_decoded_batched_prefilled_or_chunked(impl, interpret):
+    """``ragged_paged_attention(batch_invariant=True)``: the last token of a 40-token sequence (3 KV blocks of the
+    kernel), decoded alone, decoded beside another sequence's prefill, in the whole prompt's prefill and in a
+    chunk's."""
+    from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
+
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, kv_heads, head_dim, q_heads, max_blocks, length = 24, 16, 2, 16, 8, 4, 40
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), jnp.bfloat16)
+                        for _ in range(2))
+    queries = jnp.asarray(rng.standard_normal((length, q_heads, head_dim)), jnp.bfloat16)
+    table = np.array([5, 9, 2, 0], np.int32)
+    empty = np.zeros(max_blocks, np.int32)
+
+    def attend(q, kv_lens, tables, cu_q_lens):
+        return np.asarray(ragged_paged_attention(
+            q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(np.stack(tables), jnp.int32),
+            jnp.asarray(cu_q_lens, jnp.int32), sm_scale=0.25, impl=impl, interpret=interpret,
+            batch_invariant=True).astype(jnp.float32))
+
+    alone = attend(queries[-1:], [length], [table], [0, 1])[0]
+    beside = jnp.asarray(rng.standard_normal((32, q_heads, head_dim)), jnp.bfloat16).at[12].set(queries[-1])
+    batched = attend(beside, [12, length, 0], [np.array([7, 0, 0, 0], np.int32), table, empty], [0, 12, 13, 13])[12]
+    prefill = attend(jnp.zeros((64, q_heads, head_dim), jnp.bfloat16).at[:length].set(queries), [length, 0],
+                     [table, empty], [0, length, length])[length - 1]
+    chunk = attend(queries[-9:], [length], [table], [0, 9])[8]
+    for other in (batched, prefill, chunk):
+        assert (other == alone).all()
+    with pytest.raises(ValueError, match="not batch invariant"):
+        ragged_paged_attention(queries, k_pages, v_pages, jnp.asarray([length], jnp.int32),
+                               jnp.asarray(table[None]), jnp.asarray([0, length], jnp.int32), sm_scale=0.25,
+                               impl="mosaic", batch_invariant=True)

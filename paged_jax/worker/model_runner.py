@@ -146,13 +146,7 @@ class ModelRunner:
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
-
-        # Batch-invariant mode (paged_jax.worker.batch_invariant): the model's matmuls and the attention's tiling.
-        self.batch_invariant = bool(batch_invariant)
-        if self.batch_invariant:
-            if sharding_plan is not None:
-                raise ValueError("batch_invariant needs a model on one device (no tensor / pipeline parallelism)")
-            make_batch_invariant(model)
+        self.batch_invariant = bool(batch_invariant)  # the model's matmuls and norms, the attention's tiling
         self._split_model(model)
 
         shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
@@ -192,7 +186,12 @@ class ModelRunner:
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
-        tracing, so no NNX graph traversal happens per call."""
+        tracing, so no NNX graph traversal happens per call. In batch-invariant mode the model's layers are switched
+        first (``paged_jax.worker.batch_invariant``)."""
+        if self.batch_invariant:
+            if self.sharding_plan is not None:
+                raise ValueError("batch_invariant needs a model on one device (no tensor / pipeline parallelism)")
+            make_batch_invariant(model)
         graphdef, state = nnx.split(model)
         param_leaves, state_treedef = jax.tree.flatten(state)
         self._param_leaves = (param_leaves if self.sharding_plan else

@@ -61,7 +61,9 @@ def batch_invariant_tuning(num_q_heads: int, num_kv_heads: int) -> dict:
 
 
 def _batch_invariant_choice(impl: str, tuning: dict, q_shape, num_kv_heads: int) -> tuple[str, dict]:
-    """(impl, tuning) of a ``batch_invariant`` call; ValueError for what cannot be batch invariant."""
+    """(impl, tuning) of a ``batch_invariant`` call: "auto" is the Triton kernel on a GPU (never the hybrid, whose
+    kernel for a sequence follows its query count) with ``batch_invariant_tuning``, the reference in fixed token
+    chunks elsewhere; "mosaic" and explicit tuning are a ValueError."""
     if impl == "mosaic":
         raise ValueError("impl='mosaic' is not batch invariant; use 'triton', 'reference' or 'auto'")
     if tuning:
@@ -81,6 +83,16 @@ def _tuning_keys(impl: str) -> tuple[str, ...]:
         from paged_jax.ops.ragged_paged_attention.triton_kernel import default_tuning
     return tuple(name for name, param in inspect.signature(default_tuning).parameters.items()
                  if param.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def _check_tuning(impl: str, tuning: dict) -> None:
+    """ValueError naming the tuning arguments that ``impl``'s kernel does not take."""
+    if tuning:
+        allowed = _tuning_keys(impl)
+        unknown = set(tuning) - set(allowed)
+        if unknown:
+            raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
+                             f"{allowed}")
 
 
 def ragged_paged_attention(
@@ -121,9 +133,8 @@ def ragged_paged_attention(
         reference on CPU).
         The old name ``"pallas"`` still means ``"triton"`` (FutureWarning).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
-      batch_invariant: each token's output the same bits whatever the batch, its query count and its tile
-        (``batch_invariant_tuning``): "auto" is the Triton kernel on a GPU (never the hybrid), the reference in
-        fixed token chunks elsewhere; "mosaic" and explicit tuning are refused.
+      batch_invariant: each token's output the same bits whatever the batch and its query count
+        (``_batch_invariant_choice``).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
@@ -136,12 +147,7 @@ def ragged_paged_attention(
     """
     impl = resolve_attention_impl(impl)
     validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap)
-    if tuning:
-        allowed = _tuning_keys(impl)
-        unknown = set(tuning) - set(allowed)
-        if unknown:
-            raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
-                             f"{allowed}")
+    _check_tuning(impl, tuning)
     if batch_invariant:
         impl, tuning = _batch_invariant_choice(impl, tuning, q.shape, k_pages.shape[2])
     fp8_pages = jnp.dtype(k_pages.dtype).itemsize == 1
