@@ -46,6 +46,17 @@ def checkpoint(tmp_path_factory):
     return save_random_hf_checkpoint(config, tmp_path_factory.mktemp("ckpt") / "a")
 
 
+@pytest.fixture(scope="module")
+def invariant_llm(checkpoint):
+    return LLM(model=str(checkpoint), batch_invariant=True, num_gpu_blocks_override=64, use_tqdm=False, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def crowded_llm(checkpoint):
+    """8 blocks of 16 tokens: a batch of the target and five others preempts a sequence."""
+    return LLM(model=str(checkpoint), batch_invariant=True, num_gpu_blocks_override=9, use_tqdm=False, **ENGINE)
+
+
 def _run(llm: LLM, target_params: SamplingParams, num_others: int, position: int = 0) -> tuple:
     prompts, params = _others(num_others)
     prompts.insert(position, TARGET)
@@ -54,8 +65,9 @@ def _run(llm: LLM, target_params: SamplingParams, num_others: int, position: int
 
 
 @pytest.mark.parametrize("target_params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_request_is_the_same_bits_alone_in_a_batch_after_a_prefix_hit_and_a_preemption(checkpoint, target_params):
-    llm = LLM(model=str(checkpoint), batch_invariant=True, num_gpu_blocks_override=64, use_tqdm=False, **ENGINE)
+def test_a_request_is_the_same_bits_alone_in_a_batch_after_a_prefix_hit_and_a_preemption(invariant_llm, crowded_llm,
+                                                                                       target_params):
+    llm = invariant_llm
     llm.reset_prefix_cache()
     alone = _run(llm, target_params, 0)  # prompt in 2 chunks, then the (1, 1) decode bucket
     assert _run(llm, target_params, 0) == alone  # the prompt's full blocks from the prefix cache
@@ -63,10 +75,11 @@ def test_a_request_is_the_same_bits_alone_in_a_batch_after_a_prefix_hit_and_a_pr
     assert _run(llm, target_params, 7, position=3) == alone  # chunks beside other prompts, wider buckets
     assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
 
-    small = LLM(model=str(checkpoint), batch_invariant=True, num_gpu_blocks_override=9, use_tqdm=False, **ENGINE)
-    scheduler = small.llm_engine.engine_core.scheduler
-    assert _run(small, target_params, 5, position=5) == alone  # 8 blocks of 16 tokens: a sequence is preempted
-    assert scheduler.num_preemptions > 0
+    scheduler = crowded_llm.llm_engine.engine_core.scheduler
+    preemptions = scheduler.num_preemptions
+    crowded_llm.reset_prefix_cache()
+    assert _run(crowded_llm, target_params, 5, position=5) == alone
+    assert scheduler.num_preemptions > preemptions
 
 
 def test_without_the_mode_the_logprobs_change_with_the_batch(checkpoint):
