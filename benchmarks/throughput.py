@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
               long_prefill_token_threshold=args.long_prefill_token_threshold,
               async_scheduling=args.async_scheduling, quantization=args.quantization,
-              batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+              batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START - ceilings_s

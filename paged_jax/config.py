@@ -36,8 +36,8 @@ def parse_weight_transfer_config(value: str | dict | None) -> dict | None:
         except json.JSONDecodeError as exc:
             raise ValueError(f"weight_transfer_config is not valid JSON: {exc}") from exc
     if not isinstance(value, dict) or set(value) - {"backend"} or value.get("backend") not in WEIGHT_TRANSFER_BACKENDS:
-        raise ValueError(f"weight_transfer_config must be {{\"backend\": one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}}}, "
-                         f"got {value!r}")
+        backends = ", ".join(WEIGHT_TRANSFER_BACKENDS)
+        raise ValueError(f"weight_transfer_config must be {{\"backend\": one of {backends}}}, got {value!r}")
     return dict(value)
 
 

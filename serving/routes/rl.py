@@ -3,8 +3,8 @@
 ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``GET /is_paused`` and ``POST /update_weights_from_disk``
 (SGLang's: ``{"model_path": ...}``), and vLLM's weight transfer from a trainer process of the engine's JAX job:
 ``POST /init_weight_transfer_engine`` (``{"init_info": {"trainer_process": i}}``) and ``POST /update_weights``
-(``{"update_info": {"names", "dtype_names", "shapes"}}``, answered once the weights are in). Each runs on the engine thread between steps
-(``paged_jax.engine.rollout_control``); an engine ValueError answers 400 with its message."""
+(``{"update_info": {"names", "dtype_names", "shapes"}}``, answered once the weights are in). Each runs on the engine
+thread between steps (``paged_jax.engine.rollout_control``); an engine ValueError answers 400 with its message."""
 
 from __future__ import annotations
 
