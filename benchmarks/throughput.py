@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--async-scheduling", action="store_true",
                    help="vLLM's --async-scheduling: build and dispatch step k+1 while step k runs on the device")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine's batch-invariant mode (fixed-tile matmuls and attention; VLLM_BATCH_INVARIANT=1)")
     p.add_argument("--startup-only", action="store_true",
                    help="only measure process start -> first token (run twice: cold, then warm compile cache)")
     p.add_argument("--breakdown", action="store_true",
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
               enable_prefix_caching=not args.no_enable_prefix_caching, attention_impl=args.attention_impl,
               long_prefill_token_threshold=args.long_prefill_token_threshold,
               async_scheduling=args.async_scheduling, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+              batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     t_first_token = time.perf_counter() - _T_PROCESS_START - ceilings_s

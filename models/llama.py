@@ -381,6 +381,9 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
+        # The LM head's matmul, ``jax.lax.dot_general``'s signature (nnx.Linear's ``dot_general`` for the head,
+        # which reads its weight itself): a static choice, replaced before tracing (batch-invariant mode).
+        self.logits_dot_general = jax.lax.dot_general
         set_rms_norm_impl(self, rms_norm_impl)
         set_moe_impl(self, moe_impl)
 
@@ -429,7 +432,8 @@ class LlamaForCausalLM(nnx.Module):
         else:
             weight = self.lm_head.kernel[...]
         with matmul_precision(self.dtype):
-            logits = jnp.dot(hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+            logits = self.logits_dot_general(hidden.astype(self.dtype), weight.astype(self.dtype),
+                                             (((hidden.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return scale_logits(self.config, logits)
 
 

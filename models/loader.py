@@ -415,7 +415,7 @@ def _load_safetensors(config: ModelConfig, tensor_files: dict[str, Path], dtype)
     graphdef, flat_state = abstract_flat_state(config, dtype)
     variables = dict(flat_state)
     expected_shapes = {param_path: tuple(variable.get_value().shape) for param_path, variable in flat_state}
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this process's (a job may span processes)
     with tqdm(total=len(variables), desc="Loading weights", unit="tensor", leave=False) as progress:
         for param_path, array, transposed in iter_checkpoint_params(tensor_files, expected_shapes, config):
             variable = variables[param_path]

@@ -28,7 +28,7 @@ from flax import nnx
 
 from models.impl_registry import ImplRegistry
 
-RMS_NORM_IMPLS = ("auto", "xla", "pallas")
+RMS_NORM_IMPLS = ("auto", "xla", "pallas", "batch_invariant")
 
 # fn(x [N, H], weight [H], residual [N, H] | None, *, eps, dtype, unit_offset) -> normed | (normed, new_residual);
 # "auto" selector fn(num_rows, hidden, dtype) -> implementation name

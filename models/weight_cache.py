@@ -185,7 +185,7 @@ def _restore(state_dir: Path, abstract_model: Callable[[], nnx.Module],
     graphdef, abstract_state = nnx.split(abstract_model())
     specs = nnx.to_pure_dict(abstract_state)
     if shardings is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         leaf_shardings = jax.tree.map(lambda _: device, specs)
     else:
         leaf_shardings = nnx.to_pure_dict(shardings(abstract_state))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from typing import Literal
 
 from paged_jax.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -11,6 +13,32 @@ from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.worker.sampler import LOGPROBS_MODES
 
 logger = logging.getLogger(__name__)
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def batch_invariant_from_env() -> bool:
+    """vLLM's switch for batch-invariant mode: ``VLLM_BATCH_INVARIANT`` set to 1 (or true)."""
+    return os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower() in ("1", "true")
+
+
+WEIGHT_TRANSFER_BACKENDS = ("jax",)
+
+
+def parse_weight_transfer_config(value: str | dict | None) -> dict | None:
+    """``weight_transfer_config`` as a dict (JSON text parsed); ValueError naming it for another backend or key."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"weight_transfer_config is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict) or set(value) - {"backend"} or value.get("backend") not in WEIGHT_TRANSFER_BACKENDS:
+        backends = ", ".join(WEIGHT_TRANSFER_BACKENDS)
+        raise ValueError(f"weight_transfer_config must be {{\"backend\": one of {backends}}}, got {value!r}")
+    return dict(value)
 
 
 @dataclasses.dataclass
@@ -128,6 +156,13 @@ class EngineArgs:
     # Speculative decoding (vLLM's --speculative-config): a dict or its JSON text, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}; parsed into a ``paged_jax.spec_decode.SpeculativeConfig`` here.
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # A request's tokens and logprobs the same bits whatever else runs beside it, at a speed cost
+    # (paged_jax.worker.batch_invariant). vLLM's environment switch VLLM_BATCH_INVARIANT=1 turns it on too.
+    batch_invariant: bool = False
+    # Weights from a trainer process (vLLM's --weight-transfer-config, a dict or its JSON text): {"backend": "jax"}:
+    # the engine is one process of a jax.distributed job shared with the trainer, on its own devices
+    # (paged_jax.parallel.weight_transfer; init_weight_transfer_engine / update_weights_from_distributed).
+    weight_transfer_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         def check(cond: bool, field: str, msg: str) -> None:
@@ -188,6 +223,18 @@ class EngineArgs:
         check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",
               f"must be one of {', '.join(QUANTIZATION_METHODS)}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        self.batch_invariant = bool(self.batch_invariant) or batch_invariant_from_env()
+        if self.batch_invariant:
+            # Matmuls these settings add pick their tiles by the row count (paged_jax.worker.batch_invariant).
+            for name, off in (("quantization", self.quantization is None), ("enable_lora", not self.enable_lora),
+                              ("tensor_parallel_size", self.tensor_parallel_size == 1),
+                              ("pipeline_parallel_size", self.pipeline_parallel_size == 1)):
+                check(off, name, "is not supported with batch_invariant")
+        self.weight_transfer_config = parse_weight_transfer_config(self.weight_transfer_config)
+        if self.weight_transfer_config is not None:
+            for name in ("data_parallel_size", "nnodes"):
+                check(getattr(self, name) == 1, name, "must be 1 with weight_transfer_config (one engine process "
+                      "beside the trainer)")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
               "served_model_name", "must be a non-empty name or list of non-empty names")

@@ -514,6 +514,27 @@ class UpdateWeightsFromDiskRequest(RequestModel):
     model_path: str
 
 
+class InitWeightTransferRequest(RequestModel):
+    """``POST /init_weight_transfer_engine`` (vLLM's): the backend's init info; backend "jax":
+    ``{"trainer_process": <the trainer's jax.process_index()>}``."""
+
+    init_info: dict[str, Any]
+
+
+class WeightTransferUpdateInfo(RequestModel):
+    """vLLM's update info: each parameter's name, dtype name and shape, in the order the trainer sends them."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+class UpdateWeightsRequest(RequestModel):
+    """``POST /update_weights`` (vLLM's): receive the trainer's weights (``update_weights_from_distributed``)."""
+
+    update_info: WeightTransferUpdateInfo
+
+
 class UpdateWeightsResponse(OpenAIBaseModel):
     success: bool
     message: str

@@ -52,6 +52,12 @@ def test_rl_routes_on_a_process_core(checkpoints, monkeypatch):
             response = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(path_b / "none")})
             assert response.status_code == 400 and "not a directory" in response.json()["error"]["message"]
             assert _complete(url) == text_b  # the old weights keep serving
+            response = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": {"trainer_process": 1}})
+            assert response.status_code == 400 and "weight_transfer_config" in response.json()["error"]["message"]
+            response = httpx.post(url + "/update_weights", json={"update_info": {
+                "names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[256, 64]]}})
+            assert response.status_code == 400
+            assert "call init_weight_transfer_engine first" in response.json()["error"]["message"]
 
             assert httpx.post(url + "/sleep", params={"level": 1}, timeout=60).status_code == 200
             assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}

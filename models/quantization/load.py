@@ -213,7 +213,7 @@ def _load_serialized(path: Path, config: ModelConfig, qc: QuantConfig, dtype, ma
     quantized_kernels = {("model", "layers", i, parent, name, "kernel")
                          for i, parent, name in quantized_projections(config, qc)}
     expected = {p: tuple(v.get_value().shape) for p, v in flat_state if p not in quantized_kernels}
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     for param_path, array, transposed in loader.iter_checkpoint_params(float_files, expected, config):
         value = jax.device_put(array, device).astype(variables[param_path].get_value().dtype)
         variables[param_path].set_value(loader.to_model_layout(value, transposed))

@@ -113,7 +113,8 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.num_steps = 0
         # Weight updates, sleep mode, pause / resume (an RL trainer's controls).
-        self.rollout = RolloutControl(self, parts.loaded.quantization, engine_args.enable_sleep_mode)
+        self.rollout = RolloutControl(self, parts.loaded.quantization, engine_args.enable_sleep_mode,
+                                      engine_args.weight_transfer_config)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -476,6 +477,12 @@ class EngineCore:
     def update_weights_from_disk(self, path: str) -> None:
         """Replace the weights with an HF safetensors or orbax checkpoint directory's."""
         self.rollout.update_weights_from_disk(path)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.rollout.init_weight_transfer_engine(init_info)
+
+    def update_weights_from_distributed(self, names: list[str], dtype_names: list[str], shapes: list) -> None:
+        self.rollout.update_weights_from_distributed(names, dtype_names, shapes)
 
     def sleep(self, level: int = 1) -> dict:
         return self.rollout.sleep(level)

@@ -208,6 +208,12 @@ class EngineCoreProcClient:
     def update_weights_from_disk(self, path: str) -> None:
         self._call("update_weights_from_disk", str(path))
 
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", dict(init_info))
+
+    def update_weights_from_distributed(self, names: list[str], dtype_names: list[str], shapes: list) -> None:
+        self._call("update_weights_from_distributed", list(names), list(dtype_names), [list(s) for s in shapes])
+
     def sleep(self, level: int = 1) -> dict:
         return self._call("sleep", level)
 

@@ -93,10 +93,10 @@ def _num_speculative_tokens(args: EngineArgs) -> int:
 
 
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
-                  max_num_batched_tokens: int) -> tuple[int, int, int]:
+                  max_num_batched_tokens: int, multi_node: bool) -> tuple[int, int, int]:
     """(device KV blocks, host swap blocks, host tier blocks) for the loaded model and the limits: what the device's
-    memory leaves after the weights (``kv_pool_sizing``), the same count on every node of a multi-host job; the host
-    pools' blocks from ``swap_space`` and ``kv_offloading_size`` (GiB)."""
+    memory leaves after the weights (``kv_pool_sizing``), the same count on every node of a multi-host job
+    (``multi_node``); the host pools' blocks from ``swap_space`` and ``kv_offloading_size`` (GiB)."""
     model = loaded.model
     dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
     if dequantization_bytes and device.platform != "cpu":
@@ -110,7 +110,8 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         mixed_groups=mixes_kv_groups(loaded.plan),
         num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)),
         host_copy_blocks=MAX_IN_FLIGHT_BLOCKS if args.kv_offloading_size else 0)
-    num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)  # a compiled shape: one count on every node
+    if multi_node:  # a compiled shape: one count on every node
+        num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)
 
     def host_blocks(gib: float) -> int:
         return num_host_blocks_for(loaded.run_config, block_size=args.block_size, dtype=kv_dtype, swap_space_gib=gib,
@@ -122,7 +123,6 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         raise ValueError(f"kv_offloading_size={args.kv_offloading_size} GiB holds no KV block of this model "
                          f"({kv_bytes_per_block(loaded.run_config, args.block_size, kv_dtype)} bytes): raise it")
     return num_blocks, num_host_blocks, num_offload_blocks
-
 
 
 def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_bytes: int,
@@ -161,7 +161,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     # Before anything starts a JAX backend: its GPU allocator cap is fixed then (paged_jax.worker.device_memory), and
     # a multi-host job must be joined before (paged_jax.parallel.multihost).
     reserve_gpu_memory_fraction(args.gpu_memory_utilization)
-    start_distributed(args)
+    multi_node = start_distributed(args)
     warn_if_gpu_unused()
     enable_compilation_cache(args.compilation_cache_dir)
     device = devices[0] if devices else jax.local_devices()[0]  # a follower node sizes for its own devices
@@ -181,7 +181,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
 
     kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
     num_blocks, num_host_blocks, num_offload_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len,
-                                                                    max_num_seqs, max_num_batched_tokens)
+                                                                    max_num_seqs, max_num_batched_tokens, multi_node)
     timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
     runner = ModelRunner(
         model, loaded.run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
@@ -191,7 +191,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
-        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args))
+        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args),
+        batch_invariant=args.batch_invariant)
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(
@@ -210,7 +211,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     timings["runner_init_s"] = compile_start - stage_start
     runner.warm_up(use_tqdm=use_tqdm)
     timings["warm_up_s"] = time.perf_counter() - compile_start
-    runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
+    runner.step_channel = leader_channel() if multi_node else None  # node 0: the other nodes replay its steps
     logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
                 time.perf_counter() - start)
     info = EngineCoreInfo(max_model_len=max_model_len, vocab_size=config.vocab_size,

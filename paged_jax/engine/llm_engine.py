@@ -197,6 +197,12 @@ class LLMEngine:
     def update_weights_from_disk(self, path: str) -> None:
         self.engine_core.update_weights_from_disk(path)
 
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine_core.init_weight_transfer_engine(init_info)
+
+    def update_weights_from_distributed(self, names: list[str], dtype_names: list[str], shapes: list) -> None:
+        self.engine_core.update_weights_from_distributed(names, dtype_names, shapes)
+
     def sleep(self, level: int = 1) -> dict:
         return self.engine_core.sleep(level)
 

@@ -5,6 +5,9 @@ this process and, through ``UtilityCall``, on one in its own process):
 
 * ``update_weights(params)`` / ``update_weights_from_disk(path)``: ``paged_jax.worker.weight_update``; every update
   resets the prefix cache (cached blocks hold the old weights' KV; running requests keep theirs).
+* ``init_weight_transfer_engine(init_info)`` / ``update_weights_from_distributed(names, dtype_names, shapes)``
+  (vLLM's names, backend ``"jax"``: needs ``weight_transfer_config``): the weights of a trainer process of the same
+  JAX job, through ``paged_jax.parallel.weight_transfer``, then the same update.
 * ``sleep(level)`` / ``wake_up(tags)`` / ``is_sleeping()``: ``paged_jax.worker.sleep_mode`` (needs
   ``enable_sleep_mode``); only an idle core sleeps, and requests are refused while it sleeps.
 * ``pause_generation(mode)`` / ``resume_generation()``: ``"abort"`` ends every unfinished request (each sequence
@@ -18,6 +21,7 @@ import logging
 
 from paged_jax.core.request import Request
 from paged_jax.engine.messages import EngineCoreOutput
+from paged_jax.parallel.weight_transfer import WeightTransferReceiver
 from paged_jax.worker.sleep_mode import RunnerSleep, device_bytes_in_use
 from paged_jax.worker.weight_update import WeightUpdater, read_checkpoint
 
@@ -33,10 +37,13 @@ class RolloutControl:
       core: the ``EngineCore``.
       quantization: the engine's ``QuantConfig`` or None (re-applied to updated weights).
       enable_sleep_mode: ``EngineArgs.enable_sleep_mode``.
+      weight_transfer_config: ``EngineArgs.weight_transfer_config`` (None: no transfers from a trainer process).
     """
 
-    def __init__(self, core, quantization, enable_sleep_mode: bool):
+    def __init__(self, core, quantization, enable_sleep_mode: bool, weight_transfer_config: dict | None = None):
         self._core = core
+        self._weight_transfer_config = weight_transfer_config
+        self._receiver: WeightTransferReceiver | None = None
         self._quantization = quantization
         self._updater: WeightUpdater | None = None
         self._sleep = RunnerSleep(core.runner) if enable_sleep_mode else None
@@ -56,6 +63,35 @@ class RolloutControl:
         if self._sleep is not None:
             self._sleep.weights_discarded = False
         self._core.kv_cache_manager.reset_prefix_cache()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Prepare to receive weights from the trainer process ``init_info["trainer_process"]`` (its
+        ``jax.process_index()``); ValueError naming what is missing or wrong."""
+        if self._weight_transfer_config is None:
+            raise ValueError("init_weight_transfer_engine: start the engine with weight_transfer_config="
+                             "{\"backend\": \"jax\"} (--weight-transfer-config)")
+        if not isinstance(init_info, dict) or set(init_info) != {"trainer_process"}:
+            raise ValueError(f"init_info must be {{\"trainer_process\": <int>}}, got {init_info!r}")
+        self._receiver = WeightTransferReceiver(int(init_info["trainer_process"]))
+
+    def update_weights_from_distributed(self, names: list[str], dtype_names: list[str],
+                                        shapes: list[list[int]]) -> None:
+        """Receive the trainer's next ``send_weights`` (vLLM's update info: each parameter's name, dtype name and
+        shape, in the trainer's order) and update from it."""
+        if self._receiver is None:
+            raise ValueError("update_weights_from_distributed: call init_weight_transfer_engine first")
+        if not len(names) == len(dtype_names) == len(shapes):
+            raise ValueError("update_info: names, dtype_names and shapes must have one entry per parameter")
+        if self._sleep is not None and "weights" in self._sleep.asleep:
+            raise ValueError("update_weights_from_distributed: the weights are asleep; call "
+                             "wake_up(tags=['weights']) first")
+        updater = self._weight_updater()
+        self.update_weights(self._receiver.receive(names, dtype_names, shapes, check=updater.check))
+
+    def _weight_updater(self) -> WeightUpdater:
+        if self._updater is None:
+            self._updater = WeightUpdater(self._core.runner, self._core.model_config, self._quantization)
+        return self._updater
 
     def update_weights_from_disk(self, path: str) -> None:
         """Read an HF safetensors or orbax checkpoint directory (``read_checkpoint``) and update from it (other float

@@ -95,6 +95,10 @@ _FLAG_HELP = {
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\" or \"suffix\", "
                           "\"num_speculative_tokens\": k, ...} (vLLM's keys: prompt_lookup_min / _max, "
                           "suffix_decoding_*, disable_by_batch_size)",
+    "weight_transfer_config": "weights from a trainer process, as JSON: {\"backend\": \"jax\"} (the engine is one "
+                              "process of the trainer's jax.distributed job; vLLM's flag)",
+    "batch_invariant": "a request's tokens and logprobs the same bits whatever else runs in its steps (fixed-tile "
+                       "matmuls and attention; slower); VLLM_BATCH_INVARIANT=1 turns it on too",
 }
 
 

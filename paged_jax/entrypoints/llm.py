@@ -71,6 +71,19 @@ class LLM(PoolingMethods):
         ``nnx.to_pure_dict(nnx.state(model))`` (other float dtypes are cast)."""
         self.llm_engine.update_weights_from_disk(path)
 
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """vLLM's: prepare to take weights from a trainer process of the same ``jax.distributed`` job (the engine
+        started with ``weight_transfer_config={"backend": "jax"}``); ``init_info``: ``{"trainer_process": i}``, the
+        trainer's ``jax.process_index()``."""
+        self.llm_engine.init_weight_transfer_engine(init_info)
+
+    def update_weights_from_distributed(self, names: list[str], dtype_names: list[str], shapes: list) -> None:
+        """Take the weights the trainer sends (``paged_jax.parallel.weight_transfer.send_weights``, at the same time):
+        vLLM's update info, each parameter's name (model path or HF name), dtype name and shape in the trainer's
+        order; checked, then ``update_weights``. ValueError (and the trainer's send a RuntimeError) when they do
+        not fit the model."""
+        self.llm_engine.update_weights_from_distributed(names, dtype_names, shapes)
+
     def sleep(self, level: int = 1) -> dict:
         """Free device memory for a trainer (needs ``enable_sleep_mode=True``): level 1 moves the weights to host
         memory, level 2 drops them; both free the KV pool. Returns the device's bytes in use before and after."""

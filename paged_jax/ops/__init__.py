@@ -9,6 +9,7 @@ from paged_jax.ops import quantized_matmul  # noqa: F401  (registers matmul_impl
 from paged_jax.ops import quantized_gemv  # noqa: F401  (registers matmul_impl "pallas_blocked")
 from paged_jax.ops import rms_norm  # noqa: F401  (registers rms_norm_impl "pallas" / "auto" of the models)
 from paged_jax.ops import fused_moe  # noqa: F401  (registers moe_impl "pallas" / "auto" of the models)
+from paged_jax.ops import batch_invariant  # noqa: F401  (registers rms_norm_impl "batch_invariant")
 from paged_jax.ops.kv_write import write_kv
 from paged_jax.ops.qk_prepare import qk_prepare
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
@@ -16,7 +17,7 @@ from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
 def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
                      logit_soft_cap: float | None = None, sinks=None, impl: str = "auto", qk_transform=None,
-                     qk_prepare_impl: str = "auto"):
+                     qk_prepare_impl: str = "auto", batch_invariant: bool = False):
     """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
 
     Args:
@@ -31,6 +32,7 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
       sm_scale, sliding_window, logit_soft_cap: the layer's attention (``ragged_paged_attention``); a model whose
         layers differ passes its own per layer (``models.attention_fn.LayerAttention``), over the bound ones.
       sinks: None, or the layer's attention-sink logits ``[Hq]`` (gpt-oss; ``ragged_paged_attention``).
+      batch_invariant: ``ragged_paged_attention``'s (the engine's batch-invariant mode).
     Returns:
       (out [T, Hq, D], (k_pages, v_pages) updated).
     The signature is ``models.llama.ReusableAttention``'s: bind the static options with ``functools.partial``.
@@ -44,7 +46,7 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
                                          impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
                                  sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                                 sinks=sinks, impl=impl)
+                                 sinks=sinks, impl=impl, batch_invariant=batch_invariant)
     return out, (k_pages, v_pages)
 
 

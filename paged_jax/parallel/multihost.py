@@ -37,6 +37,9 @@ def start_distributed(args) -> bool:
     ``master_addr:master_port``, ``num_processes=nnodes``, ``process_id=node_rank``), or one that
     ``paged_jax.parallel.initialize_distributed`` finds in the environment, and start watching the other nodes
     (``rank_watch``: a dead one makes this process exit with status 1). Idempotent; True in a multi-process job.
+    With ``weight_transfer_config`` the job (joined here from the environment if the caller has not) is the
+    trainer's and this engine one process of it on its own devices: False, no watch
+    (``paged_jax.parallel.weight_transfer``).
 
     Raises:
       ValueError: the job's process count disagrees with ``nnodes``.
@@ -49,6 +52,9 @@ def start_distributed(args) -> bool:
 
     timeout = args.distributed_timeout_seconds or rank_watch.DEFAULT_TIMEOUT_S
     heartbeat = rank_watch.JAX_HEARTBEAT_FACTOR * timeout
+    if args.weight_transfer_config is not None:
+        initialize_distributed(heartbeat_timeout_seconds=heartbeat)
+        return False
     if args.nnodes > 1:
         initialize_distributed(f"{args.master_addr}:{args.master_port}", args.nnodes, args.node_rank,
                                heartbeat_timeout_seconds=heartbeat)
@@ -111,7 +117,7 @@ def agree_on_smallest(name: str, value: int, *, poll_s: float = 5.0) -> int:
     _agreements += 1
     client = global_state.client
     client.key_value_set_bytes(f"{prefix}{jax.process_index()}", str(int(value)).encode())
-    values = [int(_wait_for_key(client, f"{prefix}{rank}", int(poll_s * 1000), f"agreeing on {name}"))
+    values = [int(wait_for_key(client, f"{prefix}{rank}", int(poll_s * 1000), f"agreeing on {name}"))
               for rank in range(jax.process_count())]
     if min(values) != int(value):
         logger.warning("%s: this node computed %d, the nodes %s; using the smallest", name, value, values)
@@ -153,13 +159,13 @@ class StepChannel:
 
     def receive(self) -> tuple[str, Any]:
         """Nodes 1..N-1: the next message (blocks while node 0 is idle)."""
-        data = _wait_for_key(self._client, f"{_KEY_PREFIX}{self._next}", self._poll_ms,
+        data = wait_for_key(self._client, f"{_KEY_PREFIX}{self._next}", self._poll_ms,
                              f"waiting for step message {self._next}")
         self._next += 1
         return pickle.loads(data)
 
 
-def _wait_for_key(client, key: str, poll_ms: int, what: str) -> bytes:
+def wait_for_key(client, key: str, poll_ms: int, what: str) -> bytes:
     """The bytes under ``key`` in the coordinator's key-value store, waited for in slices of ``poll_ms`` for as long
     as the job is alive (the writer may be idle or still starting; a dead node is ``rank_watch``'s business).
     RuntimeError naming ``what`` when the coordinator is lost."""

@@ -43,6 +43,7 @@ from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
+from paged_jax.worker.batch_invariant import make_batch_invariant
 from paged_jax.worker.buckets import make_buckets, sample_rows_needed, sampler_rows_for, swap_sizes_for
 from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
 from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
@@ -93,6 +94,8 @@ class ModelRunner:
       lora_slots: ``paged_jax.lora.slots.LoRASlots`` (multi-LoRA; a step argument, written by ``write_lora_slot``).
       forward: how the step runs the model (``paged_jax.worker.step_forward.StepForward``; default
         ``SingleProgramForward``: one program per bucket; pipeline parallelism passes its ``PipelineForward``).
+      batch_invariant: every row's outputs the same bits whatever the step's other rows and bucket
+        (``paged_jax.worker.batch_invariant``).
       num_speculative_tokens: most draft tokens a row verifies per step (speculative decoding; 0: none): each
         bucket samples that many more positions per sequence (``buckets.sample_rows_needed``).
 
@@ -108,7 +111,7 @@ class ModelRunner:
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
                  dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
                  forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, batch_invariant: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -144,7 +147,7 @@ class ModelRunner:
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
-
+        self.batch_invariant = bool(batch_invariant)  # the model's matmuls and norms, the attention's tiling
         self._split_model(model)
 
         shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
@@ -184,7 +187,12 @@ class ModelRunner:
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
-        tracing, so no NNX graph traversal happens per call."""
+        tracing, so no NNX graph traversal happens per call. In batch-invariant mode the model's layers are switched
+        first (``paged_jax.worker.batch_invariant``)."""
+        if self.batch_invariant:
+            if self.sharding_plan is not None:
+                raise ValueError("batch_invariant needs a model on one device (no tensor / pipeline parallelism)")
+            make_batch_invariant(model)
         graphdef, state = nnx.split(model)
         param_leaves, state_treedef = jax.tree.flatten(state)
         self._param_leaves = (param_leaves if self.sharding_plan else

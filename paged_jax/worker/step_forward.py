@@ -89,6 +89,7 @@ def _single_program_forward(runner, row_outputs=None):
     plan = runner.sharding_plan
     lora_slots = runner.lora_slots
     kv_layout = runner.kv_layout
+    batch_invariant = runner.batch_invariant
 
     def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
         fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
@@ -107,7 +108,7 @@ def _single_program_forward(runner, row_outputs=None):
         if plan is None:  # one layer trace shared by every layer (models.llama.ReusableAttention)
             attention = ReusableAttention(
                 functools.partial(write_and_attend, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
-                                  qk_prepare_impl=qk_prepare_impl),
+                                  qk_prepare_impl=qk_prepare_impl, batch_invariant=batch_invariant),
                 dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
                 fuses_qk_transform=True)  # q/k norm + RoPE + KV write: one kernel on a GPU (ops.qk_prepare)
         else:  # the same per device on its heads and KV shard (shard_map over tp)

@@ -108,6 +108,11 @@ class WeightUpdater:
             if leaf is not None and not leaf.is_deleted():
                 leaf.delete()
 
+    def check(self, named: dict[str, Any]) -> None:
+        """``update``'s checks of names, shapes and dtypes alone, on ``{name: array or jax.ShapeDtypeStruct}``
+        (before a transfer); ValueError as ``update``'s."""
+        self._match(named, cast=False)
+
     def _match(self, named: dict[str, Any], cast: bool) -> tuple[list, tuple[bool, ...]]:
         """Each expected leaf's value (in ``self._abstract`` order) and whether it is given transposed."""
         leaves: list[Any] = [None] * len(self._specs)
@@ -121,8 +126,8 @@ class WeightUpdater:
             index, is_transposed = entry
             spec = self._specs[index]
             shape = tuple(spec.shape[::-1]) if is_transposed else tuple(spec.shape)
-            if tuple(np.shape(value)) != shape:
-                raise ValueError(f"update_weights: parameter {name!r} has shape {tuple(np.shape(value))}, the "
+            if tuple(value.shape) != shape:
+                raise ValueError(f"update_weights: parameter {name!r} has shape {tuple(value.shape)}, the "
                                  f"engine's is {shape}")
             dtype = np.dtype(value.dtype)
             if dtype != spec.dtype and not (cast and jnp.issubdtype(dtype, jnp.floating)):

@@ -1,8 +1,10 @@
 """The RL trainer's routes (vLLM's development routes, mounted only when ``VLLM_SERVER_DEV_MODE`` is true):
 ``POST /sleep?level=1|2``, ``POST /wake_up?tags=weights&tags=kv_cache``, ``GET /is_sleeping``,
 ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``GET /is_paused`` and ``POST /update_weights_from_disk``
-(SGLang's: ``{"model_path": ...}``). Each runs on the engine thread between steps
-(``paged_jax.engine.rollout_control``); an engine ValueError answers 400 with its message."""
+(SGLang's: ``{"model_path": ...}``), and vLLM's weight transfer from a trainer process of the engine's JAX job:
+``POST /init_weight_transfer_engine`` (``{"init_info": {"trainer_process": i}}``) and ``POST /update_weights``
+(``{"update_info": {"names", "dtype_names", "shapes"}}``, answered once the weights are in). Each runs on the engine
+thread between steps (``paged_jax.engine.rollout_control``); an engine ValueError answers 400 with its message."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
-from serving.protocol import UpdateWeightsFromDiskRequest, UpdateWeightsResponse
+from serving.protocol import (InitWeightTransferRequest, UpdateWeightsFromDiskRequest, UpdateWeightsRequest,
+                              UpdateWeightsResponse)
 from serving.routes import ERROR_RESPONSES, json_response
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -79,3 +82,17 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest,
                                    server: OpenAIServer = Depends(get_server)) -> Response:
     await _call(server, "update_weights_from_disk", body.model_path)
     return json_response(UpdateWeightsResponse(success=True, message=f"weights updated from {body.model_path}"))
+
+
+@router.post("/init_weight_transfer_engine", responses=ERROR_RESPONSES)
+async def init_weight_transfer_engine(body: InitWeightTransferRequest,
+                                      server: OpenAIServer = Depends(get_server)) -> Response:
+    await _call(server, "init_weight_transfer_engine", body.init_info)
+    return Response(status_code=200)
+
+
+@router.post("/update_weights", response_model=UpdateWeightsResponse, responses=ERROR_RESPONSES)
+async def update_weights(body: UpdateWeightsRequest, server: OpenAIServer = Depends(get_server)) -> Response:
+    info = body.update_info
+    await _call(server, "update_weights_from_distributed", info.names, info.dtype_names, info.shapes)
+    return json_response(UpdateWeightsResponse(success=True, message=f"{len(info.names)} parameters updated"))

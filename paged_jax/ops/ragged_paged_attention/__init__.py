@@ -47,6 +47,35 @@ def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=Non
     return "triton"
 
 
+# Tokens per ``lax.map`` iteration of the reference in batch-invariant mode: one vmapped shape for every step.
+REFERENCE_INVARIANT_CHUNK = 8
+
+
+def batch_invariant_tuning(num_q_heads: int, num_kv_heads: int) -> dict:
+    """The Triton kernel's knobs in batch-invariant mode, the same for every call of a model: one KV split (a split
+    count follows the batch, and the splits' boundaries a tile's extent), ``block_k`` 64 from position 0, and query
+    tiles of 16 rows whatever the step (``block_q = 16 // group`` tokens; at least one token); ``prescale_q``, so
+    that the masked and unmasked bodies compute a score by the same instructions (a fused multiply-add of the
+    scale in one and not the other would round differently)."""
+    group = num_q_heads // num_kv_heads
+    return dict(num_kv_splits=1, block_k=64, prescale_q=True, block_q=max(1, 16 // group))
+
+
+def _batch_invariant_choice(impl: str, tuning: dict, q_shape, num_kv_heads: int) -> tuple[str, dict]:
+    """(impl, tuning) of a ``batch_invariant`` call: "auto" is the Triton kernel on a GPU (never the hybrid, whose
+    kernel for a sequence follows its query count) with ``batch_invariant_tuning``, the reference in fixed token
+    chunks elsewhere; "mosaic" and explicit tuning are a ValueError."""
+    if impl == "mosaic":
+        raise ValueError("impl='mosaic' is not batch invariant; use 'triton', 'reference' or 'auto'")
+    if tuning:
+        raise ValueError(f"batch_invariant fixes the kernel's tuning; got {sorted(tuning)}")
+    if impl == "auto":
+        head_dim = q_shape[-1]
+        gpu = jax.default_backend() == "gpu" and head_dim >= 16 and not head_dim & (head_dim - 1)
+        impl = "triton" if gpu else "reference"
+    return impl, ({} if impl == "reference" else batch_invariant_tuning(q_shape[1], num_kv_heads))
+
+
 def _tuning_keys(impl: str) -> tuple[str, ...]:
     """The tuning knobs of a kernel: the keyword-only arguments of its ``default_tuning``."""
     if impl == "mosaic":
@@ -67,6 +96,16 @@ def _check_mosaic_inputs(impl: str, k_pages: jax.Array, sinks: jax.Array | None)
         raise ValueError("impl='mosaic' does not take attention sinks (the model has them); use 'triton' or 'auto'")
 
 
+def _check_tuning(impl: str, tuning: dict) -> None:
+    """ValueError naming the tuning arguments that ``impl``'s kernel does not take."""
+    if tuning:
+        allowed = _tuning_keys(impl)
+        unknown = set(tuning) - set(allowed)
+        if unknown:
+            raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
+                             f"{allowed}")
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -81,6 +120,7 @@ def ragged_paged_attention(
     sinks: jax.Array | None = None,
     impl: str = "auto",
     interpret: bool = False,
+    batch_invariant: bool = False,
     **tuning,
 ) -> jax.Array:
     """Attention of a flat ragged token batch against a paged KV cache.
@@ -107,6 +147,8 @@ def ragged_paged_attention(
         reference on CPU).
         The old name ``"pallas"`` still means ``"triton"`` (FutureWarning).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
+      batch_invariant: each token's output the same bits whatever the batch and its query count
+        (``_batch_invariant_choice``).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
@@ -119,12 +161,9 @@ def ragged_paged_attention(
     """
     impl = resolve_attention_impl(impl)
     validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap, sinks)
-    if tuning:
-        allowed = _tuning_keys(impl)
-        unknown = set(tuning) - set(allowed)
-        if unknown:
-            raise ValueError(f"unknown tuning arguments {sorted(unknown)} for impl={impl!r}; expected some of "
-                             f"{allowed}")
+    _check_tuning(impl, tuning)
+    if batch_invariant:
+        impl, tuning = _batch_invariant_choice(impl, tuning, q.shape, k_pages.shape[2])
     _check_mosaic_inputs(impl, k_pages, sinks)
     if impl == "auto":
         impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window, k_pages.dtype,
@@ -142,7 +181,8 @@ def ragged_paged_attention(
                                            interpret=interpret, **tuning)
     if impl == "reference":
         return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
-                                                sinks=sinks)
+                                                sinks=sinks,
+                                                token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
     return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,

@@ -47,7 +47,8 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                      sliding_window: int | None = None, logit_soft_cap: float | None = None,
-                                     sinks: jax.Array | None = None, max_chunk_bytes: int = 64 << 20) -> jax.Array:
+                                     sinks: jax.Array | None = None, max_chunk_bytes: int = 64 << 20,
+                                     token_chunk: int | None = None) -> jax.Array:
     """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
 
     Args:
@@ -60,6 +61,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
       sinks: None, or ``[Hq]`` logits (any float dtype, used in float32): head ``h``'s softmax denominator gets
         ``exp(sinks[h])`` more (gpt-oss's attention sinks; the sink has no value).
       max_chunk_bytes: bound on the fp32 K+V gathered per chunk of tokens (sets the ``lax.map`` batch size).
+      token_chunk: if set, the ``lax.map`` batch size instead, the tokens padded to a multiple of it: every chunk
+        is then the same vmapped computation whatever ``T`` (batch-invariant mode).
 
     Returns:
       ``[T, Hq, D]`` in ``q.dtype``; padding tokens (index >= ``cu_q_lens[S]``) are zeros.
@@ -101,6 +104,10 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         out = jnp.where(is_valid, out, 0.0)
         return out.reshape(num_q_heads, head_dim).astype(q.dtype)
 
+    if token_chunk is not None:
+        pad = -num_tokens % token_chunk
+        padded = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, seq_idx, position, valid)]
+        return lax.map(attend_one_token, tuple(padded), batch_size=token_chunk)[:num_tokens]
     bytes_per_token = 2 * context * num_kv_heads * head_dim * 4
     chunk = int(max(1, min(num_tokens, max_chunk_bytes // max(bytes_per_token, 1))))
     return lax.map(attend_one_token, (q, seq_idx, position, valid), batch_size=chunk)

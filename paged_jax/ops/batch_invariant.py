@@ -1,0 +1,183 @@
+"""Batch-invariant matmul: ``x[M, K] @ w[K, N]`` whose every output row is the same bits whatever M and the other
+rows are (the engine's ``batch_invariant`` mode, ``paged_jax.worker.batch_invariant``).
+
+A library GEMM is not batch invariant: cuBLAS and XLA's Triton GEMMs pick tiles and split-K by shape, and XLA's CPU
+dot takes a matrix-vector path for one row and re-blocks K by shape, so a token's hidden state changes in its last
+bits with the number of tokens beside it. Here each output element is always one reduction over K in one order:
+
+* ``"pallas"`` (the GPU): a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
+  ``[i * ROW_TILE, (i + 1) * ROW_TILE)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0 up, accumulating
+  each step's tensor-core ``dot`` into a float32 tile (no split-K). ``ROW_TILE`` and ``BLOCK_K`` are constants, and the
+  column tile depends on N alone, so the instructions that compute a row never depend on M; rows past M are
+  masked (loaded as zeros, never stored). Whole-array refs with masked integer-array loads (no BlockSpecs), so
+  interpret mode runs the same code on the CPU.
+* ``"tiles"`` (elsewhere): the rows padded to a multiple of ``ROW_TILE`` and multiplied one ``[ROW_TILE, K]`` tile at
+  a time under ``lax.map``, so every tile is the same XLA dot of one shape (the CPU's fallback; a GPU would run the
+  map's iterations from the host).
+
+Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other.
+
+RMSNorm registers ``rms_norm_impl="batch_invariant"`` here: the Pallas kernel on a GPU (one program per row), and
+elsewhere the jnp norm one ``[ROW_TILE, H]`` tile at a time under ``lax.map``: XLA's CPU backend emits a norm's
+row reductions differently with the row count and with what it fuses them with (a matmul's output before it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from models.norm import register_rms_norm, rms_norm_reference
+from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
+from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
+from paged_jax.ops.rms_norm import AUTO_MAX_HIDDEN, KERNEL_DTYPES, rms_norm_pallas
+from jax.experimental.pallas import triton as plgpu
+
+_dot = getattr(plgpu, "dot", None) or pl.dot
+
+MATMUL_IMPLS = ("auto", "pallas", "tiles")
+# Rows per program / per tile: fixed, so a row's instructions never depend on how many rows there are.
+ROW_TILE = 64
+# K per step of the kernel's accumulation loop: fixed, so the order of a row's sums depends on K alone.
+BLOCK_K = 64
+# Programs wanted in flight (an H100 has 132 SMs): the column tile shrinks until a one-row-tile matmul has as many.
+_TARGET_PROGRAMS = 128
+_MIN_DOT = 16  # Triton's smallest dot tile side
+
+
+def block_n_for(n: int) -> int:
+    """The kernel's column tile for N columns (a function of N only): the largest of 128, 64, 32 that still gives a
+    single row tile ``_TARGET_PROGRAMS`` programs, else 16."""
+    for block_n in (128, 64, 32):
+        if -(-n // block_n) >= _TARGET_PROGRAMS:
+            return block_n
+    return _MIN_DOT
+
+
+def resolve_impl(impl: str) -> str:
+    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is "pallas" on a GPU, "tiles" elsewhere."""
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"batch-invariant matmul impl must be one of {', '.join(MATMUL_IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "tiles"
+    return impl
+
+
+def _tile_indices(pid, block: int, total: int):
+    """Indices ``pid * block + [0, block)``: ``(in range, indices clamped to 0)``."""
+    indices = pid * block + jnp.arange(block, dtype=jnp.int32)
+    ok = indices < total
+    return ok, jnp.where(ok, indices, 0)
+
+
+def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, precision):
+    """Program (i, j): ``out[i-th row tile, j-th column tile]`` over K in ``BLOCK_K`` steps. x [M, K], w [K, N]."""
+    m_total, k_total = x_ref.shape
+    n_total = w_ref.shape[1]
+    row_ok, rows = _tile_indices(pl.program_id(0), ROW_TILE, m_total)
+    col_ok, cols = _tile_indices(pl.program_id(1), block_n, n_total)
+    offsets = jnp.arange(BLOCK_K, dtype=jnp.int32)
+
+    def step(s, acc):
+        k = s * BLOCK_K + offsets
+        k_ok = k < k_total
+        k_c = jnp.where(k_ok, k, 0)
+        x = _load(x_ref.at[rows[:, None], k_c[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _load(w_ref.at[k_c[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        return acc + _dot(x, w, precision=precision)
+
+    acc = lax.fori_loop(0, -(-k_total // BLOCK_K), step, jnp.zeros((ROW_TILE, block_n), jnp.float32))
+    store_rows = jnp.where(row_ok, rows, m_total)[:, None]
+    store_cols = jnp.where(col_ok, cols, n_total)[None, :]
+    _store(out_ref.at[store_rows, store_cols], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False) -> jax.Array:
+    """``x[M, K] @ w[K, N]`` -> ``[M, N]`` in ``out_dtype`` (default x's), float32 accumulation, by the fixed-tile
+    kernel (module docstring). Both operands in one dtype; float32 ones multiply at full precision."""
+    m, k = x.shape
+    n = w.shape[1]
+    block_n = block_n_for(n)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return pl.pallas_call(
+        functools.partial(_matmul_kernel, block_n=block_n, precision=precision),
+        grid=(-(-m // ROW_TILE), -(-n // block_n)),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
+        interpret=interpret,
+        compiler_params=_CompilerParams(num_warps=4, num_stages=3),
+        name=f"batch_invariant_matmul_bm{ROW_TILE}_bn{block_n}_bk{BLOCK_K}",
+    )(x, w)
+
+
+def matmul_tiles(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """``matmul_pallas``'s contract by XLA: one ``[ROW_TILE, K] @ [K, N]`` dot per tile of rows under ``lax.map``."""
+    m, k = x.shape
+    out_dtype = out_dtype or x.dtype
+    tiles = -(-m // ROW_TILE)
+    padded = jnp.pad(x, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+    def one_tile(tile):
+        return jnp.dot(tile, w, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    return lax.map(one_tile, padded).reshape(tiles * ROW_TILE, -1)[:m]
+
+
+def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "auto",
+                           interpret: bool = False) -> jax.Array:
+    """``x[..., K] @ w[K, N]`` -> ``[..., N]`` in ``out_dtype`` (default x's), each row independent of the others
+    (module docstring). ``impl``: one of ``MATMUL_IMPLS``; ``interpret`` runs the Pallas kernel on the CPU."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k)
+    if resolve_impl(impl) == "pallas":
+        out = matmul_pallas(flat, w, out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
+                            interpret=interpret)
+    else:
+        out = matmul_tiles(flat, w, out_dtype=out_dtype)
+    return out.reshape(*lead, w.shape[1])
+
+
+def batch_invariant_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                                out_sharding=None, *, impl: str = "auto"):
+    """``jax.lax.dot_general``'s signature for ``nnx.Linear.dot_general``: the contraction of lhs's last axis with
+    rhs's first (no batch axes), by ``batch_invariant_matmul``. ``precision`` is the operands' (float32: full);
+    other contractions, and an ``out_sharding``, are a ValueError."""
+    del precision
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if (tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(rhs_contract) != (0,) or lhs_batch or rhs_batch
+            or rhs.ndim != 2):
+        raise ValueError(f"batch_invariant: only x[..., K] @ w[K, N] contractions are batch invariant, got "
+                         f"{dimension_numbers} for {lhs.shape} @ {rhs.shape}")
+    if out_sharding is not None:
+        raise ValueError("batch_invariant: a sharded matmul output is not supported (one device only)")
+    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    return batch_invariant_matmul(lhs.astype(dtype), rhs.astype(dtype), out_dtype=preferred_element_type or dtype,
+                                  impl=impl)
+
+
+def rms_norm_batch_invariant(x: jax.Array, weight: jax.Array, residual: jax.Array | None = None, *, eps: float,
+                             dtype=None, unit_offset: bool = False):
+    """``models.norm.rms_norm_reference``'s contract on rows ``x [N, H]`` (module docstring), each row's bits
+    independent of the others: the Pallas kernel on a GPU (rows up to ``AUTO_MAX_HIDDEN`` wide, its dtypes), else
+    the jnp norm per tile of ``ROW_TILE`` rows."""
+    if (jax.default_backend() == "gpu" and x.shape[-1] <= AUTO_MAX_HIDDEN and jnp.dtype(x.dtype) in KERNEL_DTYPES):
+        return rms_norm_pallas(x, weight, residual, eps=eps, dtype=dtype, unit_offset=unit_offset)
+    num_rows, hidden = x.shape
+    tiles = -(-num_rows // ROW_TILE)
+
+    def as_tiles(a):
+        return jnp.pad(a, ((0, tiles * ROW_TILE - num_rows), (0, 0))).reshape(tiles, ROW_TILE, hidden)
+
+    def one_tile(args):
+        return rms_norm_reference(args[0], weight, args[1], eps=eps, dtype=dtype, unit_offset=unit_offset)
+
+    out = lax.map(one_tile, (as_tiles(x), None if residual is None else as_tiles(residual)))
+    return jax.tree.map(lambda a: a.reshape(tiles * ROW_TILE, hidden)[:num_rows], out)
+
+
+register_rms_norm("batch_invariant", rms_norm_batch_invariant)

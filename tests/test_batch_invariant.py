@@ -1,0 +1,175 @@
+"""Batch-invariant mode (paged_jax.worker.batch_invariant): a request's tokens and logprobs are the same bits alone and
+among others of other lengths, in other buckets, with its prompt chunked, after a prefix-cache hit and after a
+preemption; its kernels (paged_jax.ops.batch_invariant, the attention's batch-invariant tiling) row by row."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.testing import save_random_hf_checkpoint, tiny_config
+from paged_jax.config import EngineArgs
+from paged_jax.entrypoints.llm import LLM
+from paged_jax.ops.batch_invariant import batch_invariant_matmul
+from paged_jax.sampling_params import SamplingParams
+
+# float32: on the CPU its matmuls change a row's last bits with the row count (the control test below).
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, weight_cache=False,
+              enable_prefix_caching=True)
+TARGET = {"prompt_token_ids": [(7 * i + 3) % 250 + 3 for i in range(45)]}  # 45 tokens: chunked at 32 per step
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+def _others(count: int) -> tuple[list, list]:
+    """``count`` prompts of other lengths (3..40 tokens) and sampling settings."""
+    prompts = [{"prompt_token_ids": [(13 * i + 5 * j) % 240 + 4 for j in range(3 + (11 * i) % 38)]}
+               for i in range(count)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=4 + i % 9, ignore_eos=True)
+              for i in range(count)]
+    return prompts, params
+
+
+def _bits(output) -> tuple:
+    """(token ids, each token's logprob and top logprobs) of the one sequence, as exact floats."""
+    seq = output.outputs[0]
+    return tuple(seq.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items()))
+                                       for step in seq.logprobs)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = tiny_config("llama", hidden_size=128, intermediate_size=384, num_attention_heads=8,
+                         num_key_value_heads=2)
+    return save_random_hf_checkpoint(config, tmp_path_factory.mktemp("ckpt") / "a")
+
+
+@pytest.fixture(scope="module")
+def invariant_llm(checkpoint):
+    return LLM(model=str(checkpoint), batch_invariant=True, num_gpu_blocks_override=64, use_tqdm=False, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def crowded_llm(checkpoint):
+    """8 blocks of 16 tokens: a batch of the target and five others preempts a sequence."""
+    return LLM(model=str(checkpoint), batch_invariant=True, num_gpu_blocks_override=9, use_tqdm=False, **ENGINE)
+
+
+def _run(llm: LLM, target_params: SamplingParams, num_others: int, position: int = 0) -> tuple:
+    prompts, params = _others(num_others)
+    prompts.insert(position, TARGET)
+    params.insert(position, target_params)
+    return _bits(llm.generate(prompts, params, use_tqdm=False)[position])
+
+
+@pytest.mark.parametrize("target_params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_request_is_the_same_bits_alone_in_a_batch_after_a_prefix_hit_and_a_preemption(invariant_llm, crowded_llm,
+                                                                                       target_params):
+    llm = invariant_llm
+    llm.reset_prefix_cache()
+    alone = _run(llm, target_params, 0)  # prompt in 2 chunks, then the (1, 1) decode bucket
+    assert _run(llm, target_params, 0) == alone  # the prompt's full blocks from the prefix cache
+    llm.reset_prefix_cache()
+    assert _run(llm, target_params, 7, position=3) == alone  # chunks beside other prompts, wider buckets
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+
+    scheduler = crowded_llm.llm_engine.engine_core.scheduler
+    preemptions = scheduler.num_preemptions
+    crowded_llm.reset_prefix_cache()
+    assert _run(crowded_llm, target_params, 5, position=5) == alone
+    assert scheduler.num_preemptions > preemptions
+
+
+def test_without_the_mode_the_logprobs_change_with_the_batch(checkpoint):
+    """The control: the same engine without batch_invariant gives the request other logprob bits in a batch."""
+    llm = LLM(model=str(checkpoint), num_gpu_blocks_override=64, use_tqdm=False, **ENGINE)
+    alone = _run(llm, GREEDY, 0)
+    llm.reset_prefix_cache()
+    assert _run(llm, GREEDY, 7, position=3)[1] != alone[1]
+
+
+def test_the_mode_is_refused_where_it_does_not_hold_and_read_from_vllm_env(monkeypatch):
+    for kwargs, field in ((dict(quantization="fp8"), "quantization"), (dict(enable_lora=True), "enable_lora"),
+                          (dict(tensor_parallel_size=2), "tensor_parallel_size")):
+        with pytest.raises(ValueError, match=f"^{field} is not supported with batch_invariant"):
+            EngineArgs(batch_invariant=True, **kwargs)
+    assert not EngineArgs().batch_invariant
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert EngineArgs().batch_invariant
+
+
+@pytest.mark.parametrize("impl", ["tiles", "pallas"])
+def test_the_matmul_gives_each_row_the_same_bits_whatever_the_other_rows(impl):
+    """XLA's own dot on the CPU changes a row's bits with the row count (a matrix-vector path for one row); the
+    fixed-tile matmul (the Pallas kernel in interpret mode) does not, and agrees with float32 to bfloat16 rounding."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (130, 200), jnp.float32).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(keys[1], (200, 72), jnp.float32)).astype(jnp.bfloat16)
+    xla_rows = [np.asarray(jnp.dot(x[:m], w, preferred_element_type=jnp.float32)[0]) for m in (1, 2, 130)]
+    assert any((r != xla_rows[0]).any() for r in xla_rows[1:])  # the problem the mode solves
+    full = np.asarray(batch_invariant_matmul(x, w, impl=impl, interpret=True, out_dtype=jnp.float32))
+    exact = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
+    np.testing.assert_allclose(full, exact, rtol=0, atol=1e-4)
+    other = x.at[1:].multiply(-3.0)
+    for rows in (x[:1], x[:5], x[:64], x[:65], other):
+        got = np.asarray(batch_invariant_matmul(rows, w, impl=impl, interpret=True, out_dtype=jnp.float32))
+        assert (got[0] == full[0]).all()
+
+
+def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monkeypatch):
+    """``--batch-invariant`` of ``bench latency`` (an engine flag) and of ``benchmarks.throughput`` reach the
+    engine's arguments; the per-matmul benchmark runs on its CPU smoke shapes."""
+    import paged_jax
+    from benchmarks import batch_invariant as kernel_bench, latency, throughput
+    from paged_jax.entrypoints.cli import engine_kwargs
+
+    assert engine_kwargs(latency.build_parser().parse_args(["--batch-invariant"]))["batch_invariant"] is True
+    engine_kwargs_seen = {}
+
+    def stop_at_the_engine(**kwargs):
+        engine_kwargs_seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(paged_jax, "LLM", stop_at_the_engine)
+    with pytest.raises(KeyboardInterrupt):
+        throughput.main(["--shape", "smollm2-135m", "--batch-invariant", "--num-prompts", "1"])
+    assert engine_kwargs_seen["batch_invariant"] is True
+    lines = kernel_bench.main(["--tiny", "--rows", "1,70", "--repeats", "1"])
+    assert len(lines) == 4 and all(line["invariant_row0_same"] for line in lines)
+
+
+@pytest.mark.parametrize("impl,interpret", [("reference", False), ("triton", True)])
+def test_attention_gives_a_token_the_same_bits_decoded_batched_prefilled_or_chunked(impl, interpret):
+    """``ragged_paged_attention(batch_invariant=True)``: the last token of a 40-token sequence (3 KV blocks of the
+    kernel), decoded alone, decoded beside another sequence's prefill, in the whole prompt's prefill and in a
+    chunk's."""
+    from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
+
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, kv_heads, head_dim, q_heads, max_blocks, length = 24, 16, 2, 16, 8, 4, 40
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_blocks, block_size, kv_heads, head_dim)), jnp.bfloat16)
+                        for _ in range(2))
+    queries = jnp.asarray(rng.standard_normal((length, q_heads, head_dim)), jnp.bfloat16)
+    table = np.array([5, 9, 2, 0], np.int32)
+    empty = np.zeros(max_blocks, np.int32)
+
+    def attend(q, kv_lens, tables, cu_q_lens):
+        return np.asarray(ragged_paged_attention(
+            q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(np.stack(tables), jnp.int32),
+            jnp.asarray(cu_q_lens, jnp.int32), sm_scale=0.25, impl=impl, interpret=interpret,
+            batch_invariant=True).astype(jnp.float32))
+
+    alone = attend(queries[-1:], [length], [table], [0, 1])[0]
+    beside = jnp.asarray(rng.standard_normal((32, q_heads, head_dim)), jnp.bfloat16).at[12].set(queries[-1])
+    batched = attend(beside, [12, length, 0], [np.array([7, 0, 0, 0], np.int32), table, empty], [0, 12, 13, 13])[12]
+    prefill = attend(jnp.zeros((64, q_heads, head_dim), jnp.bfloat16).at[:length].set(queries), [length, 0],
+                     [table, empty], [0, length, length])[length - 1]
+    chunk = attend(queries[-9:], [length], [table], [0, 9])[8]
+    for other in (batched, prefill, chunk):
+        assert (other == alone).all()
+    with pytest.raises(ValueError, match="not batch invariant"):
+        ragged_paged_attention(queries, k_pages, v_pages, jnp.asarray([length], jnp.int32),
+                               jnp.asarray(table[None]), jnp.asarray([0, length], jnp.int32), sm_scale=0.25,
+                               impl="mosaic", batch_invariant=True)
