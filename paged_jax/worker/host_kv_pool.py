@@ -59,7 +59,8 @@ class HostKVPool:
       num_blocks: host blocks (the swap pool's, then the host tier's).
       block_shape: ``(slots, 2, block_size, Hkv, D)`` of one block (slots: the device pool's layers or slots).
       dtype: the KV pool's element type.
-      gather / scatter: the runner's compiled ``gather_blocks`` / ``scatter_blocks`` (``AheadOfTimeFunction`` s).
+      gather / scatter: the runner's compiled ``gather_blocks`` / ``scatter_blocks`` (``AheadOfTimeFunction`` s, or
+        jitted functions).
       device: where block ids and swapped-in data go (a device or sharding).
     """
 
@@ -98,7 +99,9 @@ class HostKVPool:
     def _data_sharding(self, kv_pool: list, device_ids: jax.Array, data: np.ndarray) -> jax.sharding.Sharding:
         """Where swapped-in ``data`` goes: as the scatter executable warm-up made takes it (on a mesh, split as the
         gather's output: the pool's kv heads over tp), else ``device``."""
-        executable = self._scatter.executables.get(self._scatter.key((kv_pool, device_ids, data), {}))
+        executables = getattr(self._scatter, "executables", None)  # a plain jitted function has none
+        executable = None if executables is None else executables.get(self._scatter.key((kv_pool, device_ids, data),
+                                                                                         {}))
         return self._device if executable is None else executable.input_shardings[0][2]
 
     def _store(self, host_ids: list[int], device_data: jax.Array) -> None:
