@@ -30,6 +30,7 @@ from models.impl_registry import ImplRegistry
 
 MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ROUTED_EXPERTS = "routed_experts"  # the nnx.Intermediate a capturing sparse layer sows (models.moe_routing)
 # Mixtral's checkpoint names: the block is "block_sparse_moe", its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -103,6 +104,11 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 register_grouped_matmul("xla", grouped_matmul_reference)
 
 
+def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
+    """The grouped matmul (``grouped_matmul_reference``'s contract) ``impl`` runs for ``num_rows`` sorted rows."""
+    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype)]
+
+
 def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, topk_weights: jax.Array,
                 topk_ids: jax.Array, *, impl: str = "auto") -> jax.Array:
     """The experts' weighted SwiGLU of every token (vLLM's ``fused_experts``), its grouped matmuls by ``impl``.
@@ -156,7 +162,11 @@ class MoeExperts(nnx.Module):
 
 class SparseMoeBlock(nnx.Module):
     """The sparse MLP of one decoder layer: the router ``gate`` (an ``nnx.Linear`` ``[H, E]``, HF ``mlp.gate``) and
-    the ``experts``. ``impl`` (static, ``MOE_IMPLS``) picks the grouped matmul; ``set_moe_impl`` sets it."""
+    the ``experts``. ``impl`` (static, ``MOE_IMPLS``) picks the grouped matmul; ``set_moe_impl`` sets it.
+
+    Static hooks (``models.moe_routing``): ``capture_routing`` sows the top-k ids as an ``nnx.Intermediate`` named
+    ``ROUTED_EXPERTS``; ``expert_parallel`` (None, or a hashable callable with ``moe_experts``' arguments and
+    ``impl=``) runs the experts in its place (``paged_jax.parallel.expert_parallel``: experts split over devices)."""
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, init_std: float,
                  impl: str = "auto"):
@@ -165,6 +175,8 @@ class SparseMoeBlock(nnx.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.dtype = dtype
         self.impl = check_moe_impl(impl)
+        self.capture_routing = False
+        self.expert_parallel = None
         self.gate = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
                                param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
                                rngs=rngs)
@@ -183,9 +195,12 @@ class SparseMoeBlock(nnx.Module):
         if mlp_targets:
             raise ValueError(f"LoRA target modules {mlp_targets} are unsupported on mixture-of-experts layers")
         weights, ids = self.route(x)
+        if self.capture_routing:
+            self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
         experts = self.experts
-        return moe_experts(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
-                           impl=self.impl)
+        run = moe_experts if self.expert_parallel is None else self.expert_parallel
+        return run(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
+                   impl=self.impl)
 
 
 def set_moe_impl(model, impl: str):

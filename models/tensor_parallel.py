@@ -19,6 +19,7 @@ from flax import nnx
 from models import loader
 from models.config import ModelConfig
 from models.llama import AttentionFn, LlamaForCausalLM
+from models.moe_routing import set_expert_parallel
 
 
 class TensorParallelPlan(Protocol):
@@ -50,6 +51,9 @@ class TensorParallelPlan(Protocol):
         """``float32[N, V]`` logits of the vocabulary-split LM head -> the same, whole on every device."""
         ...
 
+    # Optional: ``moe_experts``, what sparse layers run their experts through (``SparseMoeBlock.expert_parallel``,
+    # e.g. experts split over devices); absent or None: ``models.moe.moe_experts`` on the parameters' shardings.
+
 
 class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` of ``plan.model_config`` that knows its ``TensorParallelPlan``.
@@ -69,6 +73,7 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(plan.model_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rms_norm_impl="xla",
                          moe_impl="xla")
         self.sharding_plan = plan
+        set_expert_parallel(self, getattr(plan, "moe_experts", None))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
                  attention: AttentionFn, lora=None) -> tuple[jax.Array, list | None]:
