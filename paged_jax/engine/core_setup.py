@@ -29,6 +29,7 @@ from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine
                                              enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
 from paged_jax.worker.model_loader import LoadedModel, load_engine_model
 from paged_jax.worker.model_runner import ModelRunner
+from paged_jax.worker.moe_outputs import MoeStepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,9 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         device=device, sharding_plan=plan, dispatch_thread=bool(args.async_scheduling), kv_cache_dtype=kv_dtype,
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
-        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args))
+        logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args),
+        moe_outputs=MoeStepOutputs(routed_experts=args.enable_return_routed_experts,
+                                   expert_load=args.enable_expert_load_metrics))
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(

@@ -39,6 +39,7 @@ class SequenceState:
     num_reported_tokens: int = 0  # what earlier outputs carried: an output is the delta past these
     num_reported_chars: int = 0
     finish_reported: bool = False
+    routed_experts: np.ndarray | None = None  # with the finish (``--enable-return-routed-experts``)
 
 
 @dataclasses.dataclass
@@ -195,6 +196,8 @@ class OutputProcessor:
             seq.cumulative_logprob = output.cumulative_logprob
         if core_finished:
             seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
+            if output.routed_experts is not None:
+                seq.routed_experts = output.routed_experts.to_array()
         return False
 
     def _decode_one(self, token_id: int) -> str | None:
@@ -243,7 +246,8 @@ class OutputProcessor:
             completions.append(CompletionOutput(
                 index=index, text=text, token_ids=seq.token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                routed_experts=seq.routed_experts if seq.finish_reason is not None else None))
             seq.finish_reported = seq.finish_reason is not None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
