@@ -15,9 +15,8 @@ import numpy as np
 
 from paged_jax.core.sched_output import SchedulerOutput
 from paged_jax.engine.messages import RoutedExperts
+from paged_jax.metrics import MOE_EXPERT_TOKENS
 from paged_jax.worker.step_io import StepOutput
-
-EXPERT_LOAD_KEY = "moe_expert_tokens"
 
 
 class RoutedExpertsRecorder:
@@ -76,15 +75,6 @@ class ExpertLoad:
     def as_stats(self) -> dict[str, int]:
         """As engine stats (flat numbers, summed over data-parallel replicas):
         ``moe_expert_tokens.<decoder layer index>.<expert>``."""
-        return {f"{EXPERT_LOAD_KEY}.{layer}.{expert}": int(count)
+        return {f"{MOE_EXPERT_TOKENS[0]}.{layer}.{expert}": int(count)
                 for layer, row in zip(self.layer_ids, self.counts.tolist()) for expert, count in enumerate(row)}
 
-
-def expert_load_series(stats: dict) -> list[tuple[str, str, int]]:
-    """``(layer, expert, tokens)`` of every per-expert counter in engine stats (``ExpertLoad.as_stats``)."""
-    out = []
-    for key, value in stats.items():
-        if key.startswith(EXPERT_LOAD_KEY + "."):
-            _, layer, expert = key.rsplit(".", 2)
-            out.append((layer, expert, int(value)))
-    return out

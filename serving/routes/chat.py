@@ -15,7 +15,7 @@ from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                               unix_time)
-from serving.routes import GENERATION_RESPONSES, json_response
+from serving.routes import GENERATION_RESPONSES, encode_routed_experts, json_response
 from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final, usage_options
 from serving.tool_parsers.tool_choice import ToolChoice, resolve_tool_choice
 
@@ -78,7 +78,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             index=completion.index, message=ChatMessage(role=role, content=content, tool_calls=tool_calls,
                                                         reasoning_content=reasoning),
             logprobs=logprobs, finish_reason=output.finish_reason(completion.finish_reason),
-            stop_reason=completion.stop_reason))
+            stop_reason=completion.stop_reason, routed_experts=encode_routed_experts(completion.routed_experts)))
     choices.sort(key=lambda choice: choice.index)
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
     usage = SSEChunks.usage_info(len(ids), num_completion_tokens, server.cached_tokens([final.num_cached_tokens]))
