@@ -147,11 +147,7 @@ class ModelRunner:
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
-
-        self.moe_outputs = moe_outputs or MoeStepOutputs()
-        if self.moe_outputs.any:  # static: the sparse layers record their routing in the traced step
-            self.moe_outputs.check(model_config)
-            set_routing_capture(model, True)
+        self.moe_outputs = _capture_routing(model, model_config, moe_outputs or MoeStepOutputs(), forward)
         self._split_model(model)
 
         shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
@@ -184,9 +180,6 @@ class ModelRunner:
         self.forward_strategy = forward if forward is not None else SingleProgramForward()
         # A pooling step ends with the forward's per-row pooled outputs: no sampler (paged_jax.pooling).
         self.pools = bool(getattr(self.forward_strategy, "pools", False))
-        if self.moe_outputs.any and (self.pools or not isinstance(self.forward_strategy, SingleProgramForward)):
-            raise ValueError("enable_return_routed_experts / enable_expert_load_metrics: the step of a pooling or "
-                             "pipelined model does not return its routing")
         self._single_process = jax.process_count() == 1
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
@@ -535,6 +528,18 @@ class ModelRunner:
         padded = np.full((size,), NULL_BLOCK_ID, np.int32)
         padded[:len(ids)] = ids
         return jax.device_put(padded, self.device)
+
+
+def _capture_routing(model, model_config: ModelConfig, options: MoeStepOutputs, forward) -> MoeStepOutputs:
+    """``options``, the sparse layers of ``model`` set to record their routing (static) when any is on; ValueError
+    for a model without them, or a pooling or pipelined step (which does not return it)."""
+    if options.any:
+        options.check(model_config)
+        if forward is not None and (getattr(forward, "pools", False) or not isinstance(forward, SingleProgramForward)):
+            raise ValueError("enable_return_routed_experts / enable_expert_load_metrics: the step of a pooling or "
+                             "pipelined model does not return its routing")
+        set_routing_capture(model, True)
+    return options
 
 
 def _chunks(items: list, size: int) -> list[list]:
