@@ -11,9 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from models.attention import dense_causal_attention
 from models.loader import load_model
-from models.moe import SparseMoeBlock, moe_experts_reference
+from models.moe import SparseMoeBlock, grouped_matmul_reference, moe_experts_reference
 from models.moe_routing import local_experts_partial
-from models.moe import grouped_matmul_reference
 from models.testing import save_random_hf_checkpoint, tiny_config
 
 pytest.importorskip("transformers")
@@ -22,12 +21,13 @@ ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral":
 SEQ_LENS = (7, 1, 12)
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
-def checkpoint(request, tmp_path_factory):
-    arch = request.param
-    path = tmp_path_factory.mktemp(arch)
-    save_random_hf_checkpoint(tiny_config(arch, eos_token_id=None, **ARCHS[arch]), path, seed=13)
-    return path
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+    for arch, overrides in ARCHS.items():
+        paths[arch] = tmp_path_factory.mktemp(arch)
+        save_random_hf_checkpoint(tiny_config(arch, eos_token_id=None, **overrides), paths[arch], seed=13)
+    return paths
 
 
 def _forward_logits(model, config, seqs):
@@ -62,13 +62,15 @@ def test_local_expert_shares_sum_to_the_whole_layer():
         np.testing.assert_allclose(np.asarray(sum(shares)), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("tp", [2, 4])
-def test_model_call_equals_one_device(checkpoint, tp):
+def test_model_call_equals_one_device(checkpoints, arch, tp):
     """Logits of the model call with the experts split over their width (EP off) or over the experts (EP on) equal
     one device's; with EP each device holds num_experts / tp whole experts."""
     from models.tensor_parallel import load_sharded_model
     from paged_jax.parallel import ShardingPlan, make_mesh
 
+    checkpoint = checkpoints[arch]
     model, config = load_model(checkpoint, dtype="float32")
     rng = np.random.default_rng(2)
     seqs = [rng.integers(3, config.vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
@@ -88,6 +90,9 @@ def test_model_call_equals_one_device(checkpoint, tp):
         np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
 
 
+_ONE_DEVICE: dict = {}  # the one-device tokens of each checkpoint, computed once
+
+
 def _greedy(path, prompts, **layout):
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
@@ -97,23 +102,29 @@ def _greedy(path, prompts, **layout):
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+    assert all(o.outputs[0].routed_experts is None for o in out)  # off by default
     return [list(o.outputs[0].token_ids) for o in out]
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, enable_expert_parallel=True),
-                                    dict(tensor_parallel_size=4, enable_expert_parallel=True),
-                                    dict(tensor_parallel_size=4, enable_expert_parallel=False)],
-                         ids=["tp2-ep", "tp4-ep", "tp4"])
-def test_engine_greedy_equals_one_device(checkpoint, layout):
+# tp = 2 and 4, EP on and off, over the two architectures (Mixtral at tp = 2 without EP: tests/test_moe.py).
+@pytest.mark.parametrize("arch, layout", [
+    ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("qwen3_moe", dict(tensor_parallel_size=4, enable_expert_parallel=False)),
+    ("mixtral", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
+], ids=["qwen3_moe-tp2-ep", "qwen3_moe-tp4", "mixtral-tp4-ep"])
+def test_engine_greedy_equals_one_device(checkpoints, arch, layout):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
-    assert _greedy(checkpoint, prompts, **layout) == _greedy(checkpoint, prompts)
+    if arch not in _ONE_DEVICE:
+        _ONE_DEVICE[arch] = _greedy(checkpoints[arch], prompts)
+    assert _greedy(checkpoints[arch], prompts, **layout) == _ONE_DEVICE[arch]
 
 
 def test_refusals_name_the_field(tmp_path):
-    from paged_jax.config import EngineArgs
-    from paged_jax.parallel import ShardingPlan, make_mesh
     from models.config import ModelConfig
+    from paged_jax.config import EngineArgs
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.parallel import ShardingPlan, make_mesh
 
     six_experts = ModelConfig.from_hf_config(tiny_config("qwen3_moe", num_experts=6))
     with pytest.raises(ValueError, match=r"enable_expert_parallel: num_experts \(6\) must be divisible.*\(4 "):
@@ -125,8 +136,6 @@ def test_refusals_name_the_field(tmp_path):
         with pytest.raises(ValueError, match=f"^enable_expert_parallel is not supported with {other} > 1"):
             EngineArgs(enable_expert_parallel=True, **{other: 2})
     # Through the engine: a dense checkpoint is refused before anything is compiled.
-    from paged_jax.entrypoints.llm import LLM
-
     save_random_hf_checkpoint(tiny_config("qwen3"), tmp_path)
     with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
         LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,

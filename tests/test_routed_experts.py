@@ -118,8 +118,8 @@ def test_off_by_default_and_refusals(checkpoint, tmp_path):
 
 
 def test_routed_experts_cross_the_core_process_wire():
-    from paged_jax.engine.messages import CORE_MESSAGE_DECODER, EngineCoreOutput, EngineCoreOutputs, RoutedExperts
-    from paged_jax.engine.messages import encode
+    from paged_jax.engine.messages import (CORE_MESSAGE_DECODER, EngineCoreOutput, EngineCoreOutputs, RoutedExperts,
+                                           encode)
 
     routing = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
     message = EngineCoreOutputs([EngineCoreOutput("r", 0, [5], finish_reason="length",
