@@ -15,7 +15,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from models.moe import ROUTED_EXPERTS, SparseMoeBlock, sort_by_expert
 

@@ -2,7 +2,6 @@
 devices: the tiny Qwen3-MoE and Mixtral checkpoints at tp = 2 and 4, EP on and off, equal to one device through the
 model call (logits) and through the engine (greedy fp32 tokens); what is refused is named."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
