@@ -16,7 +16,7 @@ from models.loader import load_model
 from models.moe_routing import pop_routed_experts, set_routing_capture
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -77,6 +77,8 @@ def test_routed_experts_equal_the_models_routing(checkpoint, oracle):
     assert core.stats()["num_preemptions"] > 0
     assert core.runner.num_compiles_since_warmup == 0
     assert not core.routed_experts._by_request  # nothing kept after the sequences finished
+    with pytest.raises(ValueError, match="^beam_search: not supported with enable_return_routed_experts"):
+        llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
 def test_tensor_and_expert_parallel_routing_and_expert_load(checkpoint, oracle):

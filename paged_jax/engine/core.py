@@ -132,6 +132,8 @@ class EngineCore:
         # The scheduler orders FCFS by arrival; it expects time.monotonic()-based values.
         monotonic_arrival = time.monotonic() - (time.time() - request.arrival_time)
         if request.beam_search_params is not None:
+            if self.routed_experts is not None:  # its beams' outputs are assembled apart (engine.beam_search)
+                raise ValueError("beam_search: not supported with enable_return_routed_experts")
             self._add_beam_search(request, monotonic_arrival)
             return
         params = request.sampling_params
