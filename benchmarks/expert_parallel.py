@@ -3,11 +3,15 @@ partitioning ``lax.ragged_dot``) against expert parallelism (``--enable-expert-p
 ``E / tp`` whole experts, ``paged_jax.parallel.expert_parallel``).
 
 Shape: Qwen3-30B-A3B's experts by default (hidden 2048, expert width 768, 128 experts, top 8), random bf16 weights and
-a random router (``benchmarks.moe_kernel``'s inputs). Per token count T, one JSON line: ``tp_us`` / ``ep_us``, the
-median wall microseconds of the layer's experts (sort, grouped matmuls, combine and the all-reduce) over ``repeats``
-calls after compile and warm-up; ``ep_max_abs_diff``: max abs difference of the two outputs (float32 math, bf16
-outputs: a few bf16 ulps), with ``reference_max_abs``; ``max_device_share``: the largest fraction of the step's
-(token, expert) pairs that one device's experts receive (1 / tp when balanced).
+a random router (``benchmarks.moe_kernel``'s inputs). Per token count T, one JSON line:
+
+* ``tp_us`` / ``ep_us``: median wall microseconds of the layer's experts (sort, grouped matmuls, combine and the
+  all-reduce) over ``repeats`` calls after compile and warm-up; ``ep_impl``: the grouped matmul each device ran with
+  EP (``--ep-impl``, default "auto": the Pallas kernel on a GPU, as the engine's expert-parallel model runs);
+* ``ep_max_abs_diff``: max abs difference of the two outputs (float32 math, bf16 outputs: a few bf16 ulps), with
+  ``reference_max_abs``;
+* ``max_device_share``: the largest fraction of the step's (token, expert) pairs that one device's experts receive
+  (1 / tp when balanced).
 
 Usage (GPU, several devices): ``python -m benchmarks.expert_parallel --tp 4 --out ep.json``; on the CPU with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and tiny shapes (the smoke test).
@@ -24,9 +28,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.moe_kernel import DEFAULT_TOKENS, _inputs
+from benchmarks.moe_kernel import DEFAULT_TOKENS, _inputs  # (its import registers the kernel, moe_impl "auto")
 from benchmarks.report import median_seconds
-from models.moe import moe_experts_reference
+from models.moe import MOE_IMPLS, moe_experts_reference, resolve_moe_impl
 from paged_jax.parallel import TP_AXIS, make_mesh
 from paged_jax.parallel.expert_parallel import ExpertParallel
 
@@ -45,7 +49,7 @@ def run_one(num_tokens: int, mesh, args) -> dict:
     inputs = _inputs(num_tokens, args.hidden, args.inter, args.experts, args.top_k, args.seed)
     replicated = NamedSharding(mesh, P())
     tensor_parallel = jax.jit(moe_experts_reference, out_shardings=replicated)
-    expert_parallel = jax.jit(lambda *a: ExpertParallel(mesh)(*a, impl="xla"), out_shardings=replicated)
+    expert_parallel = jax.jit(lambda *a: ExpertParallel(mesh)(*a, impl=args.ep_impl), out_shardings=replicated)
     order = ("x", "w_gate", "w_up", "w_down", "topk_weights", "topk_ids")
     tp_args = [_placed(inputs, mesh, False)[name] for name in order]
     ep_args = [_placed(inputs, mesh, True)[name] for name in order]
@@ -53,7 +57,8 @@ def run_one(num_tokens: int, mesh, args) -> dict:
     ep_out = np.asarray(expert_parallel(*ep_args), np.float32)
     tp_size = mesh.shape[TP_AXIS]
     share = np.bincount(np.asarray(inputs["topk_ids"]).reshape(-1) // (args.experts // tp_size), minlength=tp_size)
-    return {"tokens": num_tokens, "tp": tp_size,
+    ep_impl = resolve_moe_impl(args.ep_impl, num_tokens * args.top_k, args.hidden, inputs["x"].dtype)
+    return {"tokens": num_tokens, "tp": tp_size, "ep_impl": ep_impl,
             "tp_us": 1e6 * median_seconds(lambda: tensor_parallel(*tp_args), args.repeats),
             "ep_us": 1e6 * median_seconds(lambda: expert_parallel(*ep_args), args.repeats),
             "ep_max_abs_diff": float(np.abs(ep_out - tp_out).max()), "reference_max_abs": float(np.abs(tp_out).max()),
@@ -70,6 +75,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ep-impl", default="auto", choices=MOE_IMPLS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     mesh = make_mesh(args.tp)

@@ -206,13 +206,15 @@ class SparseMoeBlock(nnx.Module):
 def set_moe_impl(model, impl: str):
     """In place: the grouped-matmul implementation (``MOE_IMPLS``) of every sparse layer of ``model`` (a
     ``models.llama.LlamaForCausalLM``). A model on a mesh runs "xla" only (a pallas_call is not partitioned; XLA
-    partitions ``ragged_dot`` over the experts' sharded width): ValueError for anything else. Returns ``model``."""
+    partitions ``ragged_dot`` over the experts' sharded width): ValueError for anything else, unless its sparse
+    layers run ``expert_parallel`` (each device's grouped matmuls then run on its own arrays). Returns ``model``."""
     check_moe_impl(impl)
-    if getattr(model, "sharding_plan", None) is not None and impl != "xla":
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    per_device = all(block.expert_parallel is not None for block in blocks)
+    if getattr(model, "sharding_plan", None) is not None and impl != "xla" and not per_device:
         raise ValueError(f"moe_impl={impl!r}: a model on a mesh (tensor or pipeline parallel) runs 'xla' experts")
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, SparseMoeBlock):
-            layer.mlp.impl = impl
+    for block in blocks:
+        block.impl = impl
     return model
 
 
