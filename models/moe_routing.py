@@ -5,8 +5,10 @@ parallelism) and recording each token's routing (vLLM's "routed experts" for RL 
   weighted sum over those of its top-k experts that are local (float32, not yet rounded); summing that over the
   devices (``paged_jax.parallel.expert_parallel``) gives ``models.moe.moe_experts``' result.
 * Routing capture: with ``set_routing_capture(model, True)`` (a static switch, set before tracing) every sparse layer
-  (``models.moe.SparseMoeBlock``) sows its top-k ids as an ``nnx.Intermediate`` named ``routed_experts``; ``pop_routed_experts(model)`` collects them
-  after the forward as ``[T, num_sparse_layers, top_k]``. Off (the default), the layers trace exactly as before.
+  (``models.moe.SparseMoeBlock``) sows its top-k ids as an ``nnx.Intermediate`` named ``routed_experts``;
+  ``pop_routed_experts(model)`` collects them after the forward as ``[T, num_sparse_layers, top_k]``. Off (the
+  default), the layers trace exactly as before.
+* ``set_expert_parallel``: the sparse layers' experts run through a callable (experts split over devices).
 """
 
 from __future__ import annotations
