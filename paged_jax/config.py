@@ -202,12 +202,10 @@ class EngineArgs:
             check(not self.enable_expert_parallel or getattr(self, name) == 1, "enable_expert_parallel",
                   f"is not supported with {name} > 1 (the expert-parallel group is the tp devices of one engine)")
         # Routing is recorded per forwarded token in the row's order: a cached prefix is not forwarded (its routing
-        # is unknown), rejected drafts would interleave, an async step's rows are not kept until its results, and
-        # the staged pipeline forward does not return it.
+        # is unknown), rejected drafts would interleave, and the staged pipeline forward does not return it.
         if self.enable_return_routed_experts:
             for name, on in (("enable_prefix_caching", self.enable_prefix_caching),
                              ("speculative_config", self.speculative_config is not None),
-                             ("async_scheduling", self.async_scheduling),
                              ("pipeline_parallel_size", self.pipeline_parallel_size > 1)):
                 check(not on, "enable_return_routed_experts", f"is not supported with {name} (set it off)")
         check(not self.enable_expert_load_metrics or self.pipeline_parallel_size == 1, "enable_expert_load_metrics",

@@ -81,6 +81,28 @@ def test_routed_experts_equal_the_models_routing(checkpoint, oracle):
         llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
+def test_async_scheduling_routing_and_load(checkpoint, oracle):
+    """With async scheduling (steps reported one behind, a stop token resolved after the next step was scheduled)
+    the routing is the same, and the load counts every forwarded token, in steps without a sampled row too."""
+    from paged_jax.entrypoints.llm import LLM
+
+    llm = LLM(model=str(checkpoint), num_gpu_blocks_override=24, async_scheduling=True,
+              enable_expert_load_metrics=True, **ENGINE)
+    core = llm.llm_engine.engine_core
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    load = sum(v for k, v in core.stats().items() if k.startswith("moe_expert_tokens.0."))
+    assert load == 2 * sum(len(o.outputs[0].routed_experts) for o in first)  # top 2, every forwarded token
+    stop_token = first[1].outputs[0].token_ids[4]  # the second prompt's fifth token ends it early now
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_token]),
+              SamplingParams(temperature=1.0, n=2, seed=5, max_tokens=10, ignore_eos=True)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(outputs[1].outputs[0].token_ids) <= 5
+    _check_against_oracle(first + outputs, prompts + prompts, oracle)
+    assert not core.routed_experts._by_request and core.runner.num_compiles_since_warmup == 0
+
+
 def test_tensor_and_expert_parallel_routing_and_expert_load(checkpoint, oracle):
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.metrics import Counter
@@ -108,7 +130,7 @@ def test_off_by_default_and_refusals(checkpoint, tmp_path):
     from paged_jax.entrypoints.llm import LLM
 
     assert EngineArgs().enable_return_routed_experts is False and EngineArgs().enable_expert_load_metrics is False
-    for field, value in (("enable_prefix_caching", True), ("async_scheduling", True),
+    for field, value in (("enable_prefix_caching", True),
                          ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
                          ("pipeline_parallel_size", 2)):
         kwargs = {"enable_return_routed_experts": True, "enable_prefix_caching": False, field: value}

@@ -64,7 +64,7 @@ class _Group:
 @dataclasses.dataclass
 class _InFlightStep:
     """A dispatched step of the batch queue: ``rows`` = (row, request, output index) of its placeholders;
-    ``scheduler_output`` kept when some row computes prompt logprobs."""
+    ``scheduler_output`` kept when some row computes prompt logprobs or the step reports its routing."""
 
     handle: PendingStep
     rows: list[tuple[int, Request, int]]
@@ -325,9 +325,10 @@ class EngineCore:
         rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
         prompt_rows = handle.wants_prompt_logprobs
         # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
-        # computes prompt logprobs, which must still be reported, or counts its experts' load).
-        if rows or prompt_rows or self.expert_load is not None:
-            self._batch_queue.append(_InFlightStep(handle, rows, scheduler_output if prompt_rows else None))
+        # computes prompt logprobs, which must still be reported, or reports its routing).
+        routing = self.expert_load is not None or self.routed_experts is not None
+        if rows or prompt_rows or routing:
+            self._batch_queue.append(_InFlightStep(handle, rows, scheduler_output if prompt_rows or routing else None))
 
     @staticmethod
     def _needs_tokens_first(flight: _InFlightStep) -> bool:
@@ -340,7 +341,7 @@ class EngineCore:
         the scheduler could not see then) and report them."""
         flight = self._batch_queue.popleft()
         result = flight.handle.result()
-        self._record_routing(None, result)  # async scheduling: the load only (routed experts refuse it)
+        self._record_routing(flight.scheduler_output, result)
         outputs = (self._prompt_logprob_outputs(flight.scheduler_output, result)
                    if flight.scheduler_output is not None else [])
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
@@ -400,8 +401,8 @@ class EngineCore:
     def _record_routing(self, scheduler_output: SchedulerOutput | None, result: StepOutput) -> None:
         if self.expert_load is not None:
             self.expert_load.record(result)
-        if self.routed_experts is not None:
-            self.routed_experts.record(scheduler_output, result)
+        if self.routed_experts is not None:  # of the sequences still running (async: some ended meanwhile)
+            self.routed_experts.record(scheduler_output, result, self._seq_of)
 
     def _token_output(self, group: _Group, index: int, request: Request, tokens: list[int], result: StepOutput,
                       row: int) -> EngineCoreOutput:

@@ -11,6 +11,8 @@ that went through a forward (the prompt and all sampled tokens but the last), as
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import numpy as np
 
 from paged_jax.core.sched_output import SchedulerOutput
@@ -25,12 +27,15 @@ class RoutedExpertsRecorder:
     def __init__(self):
         self._by_request: dict[str, np.ndarray] = {}
 
-    def record(self, scheduler_output: SchedulerOutput, result: StepOutput) -> None:
-        """Store the step's rows' routing (``result.routed_experts``, per row ``[n, L, k]``) at their positions."""
+    def record(self, scheduler_output: SchedulerOutput, result: StepOutput, live: Container[str]) -> None:
+        """Store the step's rows' routing (``result.routed_experts``, per row ``[n, L, k]``) at their positions, for
+        the sequences in ``live`` (request ids; with async scheduling a sequence may have ended since the step)."""
         if result.routed_experts is None:
             return
         for row, routing in zip(scheduler_output.scheduled_rows(), result.routed_experts):
             request_id = row.request_id
+            if request_id not in live:
+                continue
             if row.fork_parent is not None:  # a fork shares its parent's tokens so far (its row comes after)
                 parent = self._by_request.get(row.fork_parent)
                 if parent is not None:
