@@ -5,6 +5,7 @@ expert parallelism); the load counts every forwarded token's experts; the server
 
 import base64
 import io
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,10 +26,13 @@ ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    # Layer 1 dense: the routing has the two sparse layers 0 and 2.
+def checkpoint(tmp_path_factory, smollm2_dir):
+    # Layer 1 dense: the routing has the two sparse layers 0 and 2. SmolLM2's tokenizer, for stop strings.
     hf_config = tiny_config("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1], eos_token_id=None)
-    return save_random_hf_checkpoint(hf_config, tmp_path_factory.mktemp("routed"), seed=3)
+    path = save_random_hf_checkpoint(hf_config, tmp_path_factory.mktemp("routed"), seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +81,15 @@ def test_routed_experts_equal_the_models_routing(checkpoint, oracle):
     assert core.stats()["num_preemptions"] > 0
     assert core.runner.num_compiles_since_warmup == 0
     assert not core.routed_experts._by_request  # nothing kept after the sequences finished
+    # A stop string ends a sequence in the output processor (the core may forward one more token before its abort):
+    # the routing is trimmed to the tokens kept.
+    text = outputs[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stopped = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False)
+    assert stopped[0].outputs[0].finish_reason == "stop" and stopped[0].outputs[0].stop_reason == stop
+    assert len(stopped[0].outputs[0].token_ids) < 12
+    _check_against_oracle(stopped, prompts[:1], oracle)
     with pytest.raises(ValueError, match="^beam_search: not supported with enable_return_routed_experts"):
         llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=2, max_tokens=2))
 

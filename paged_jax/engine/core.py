@@ -419,6 +419,8 @@ class EngineCore:
         if group.cumulative_logprobs is not None:
             group.cumulative_logprobs[index] += sum(float(out.logprobs[i]) for out, i in sources)
             output.cumulative_logprob = group.cumulative_logprobs[index]
+        if self.routed_experts is not None:  # the positions recorded since the sequence's previous output
+            output.routed_experts = self.routed_experts.take_new(request.request_id)
         if not group.reported_start:
             group.reported_start = True
             output.scheduled_time = group.scheduled_time
@@ -428,8 +430,6 @@ class EngineCore:
             output.stop_reason = request.stop_reason
             if self.pooling is not None:
                 output.pooled = self.pooling.take(request.request_id)
-            if self.routed_experts is not None:
-                output.routed_experts = self.routed_experts.take(request.request_id, request.num_tokens)
         return output
 
     def _prompt_logprob_outputs(self, scheduler_output: SchedulerOutput, result: StepOutput) -> list[EngineCoreOutput]:

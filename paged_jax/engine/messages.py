@@ -79,8 +79,8 @@ class PromptLogprobsPart(msgspec.Struct, array_like=True, gc=False):
 
 
 class RoutedExperts(msgspec.Struct, array_like=True, gc=False):
-    """A finished sequence's routed experts on the wire: the bytes of a C-ordered ``dtype[shape]`` array
-    (``[num_tokens - 1, num_sparse_layers, top_k]``, ``paged_jax.engine.routed_experts``)."""
+    """Routed experts on the wire: the bytes of a C-ordered ``dtype[shape]`` array (``[positions, num_sparse_layers,
+    top_k]``, ``paged_jax.engine.routed_experts``)."""
 
     shape: list[int]
     dtype: str
@@ -109,7 +109,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
       scheduled_time: ``time.time()`` the request was first scheduled, on its first output.
       beam_logprobs: a finished beam search's beam ``index`` (best first): per token the step's candidates.
       pooled: a finished pooling request's output vector (``paged_jax.pooling.pooler.finalize``).
-      routed_experts: a finished sequence's routed experts (``--enable-return-routed-experts``).
+      routed_experts: the routing of the sequence's positions recorded since its previous output
+        (``--enable-return-routed-experts``, ``paged_jax.engine.routed_experts``).
     """
 
     request_id: str

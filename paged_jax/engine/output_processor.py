@@ -39,7 +39,8 @@ class SequenceState:
     num_reported_tokens: int = 0  # what earlier outputs carried: an output is the delta past these
     num_reported_chars: int = 0
     finish_reported: bool = False
-    routed_experts: np.ndarray | None = None  # with the finish (``--enable-return-routed-experts``)
+    # --enable-return-routed-experts: the routing parts the core's outputs carried (paged_jax.engine.routed_experts)
+    routed_parts: list[np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -158,6 +159,8 @@ class OutputProcessor:
                 self._record_prompt_logprobs(state, output.prompt_logprobs)
             if output.pooled is not None:
                 state.pooled = output.pooled
+            if output.routed_experts is not None:
+                _add_routing(state.seqs[output.index], output.routed_experts.to_array())
             if output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
             elif output.new_token_ids or output.finish_reason is not None:
@@ -196,8 +199,6 @@ class OutputProcessor:
             seq.cumulative_logprob = output.cumulative_logprob
         if core_finished:
             seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
-            if output.routed_experts is not None:
-                seq.routed_experts = output.routed_experts.to_array()
         return False
 
     def _decode_one(self, token_id: int) -> str | None:
@@ -247,7 +248,7 @@ class OutputProcessor:
                 index=index, text=text, token_ids=seq.token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                routed_experts=seq.routed_experts if seq.finish_reason is not None else None))
+                routed_experts=_routed_experts(state, seq) if seq.finish_reason is not None else None))
             seq.finish_reported = seq.finish_reason is not None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
@@ -296,3 +297,16 @@ def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
     ranked = sorted(state.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
     return list(enumerate(ranked[:params.n]))
 
+
+def _add_routing(seq: SequenceState, part: np.ndarray) -> None:
+    if seq.finish_reason is None:  # positions the core forwarded after a stop string ended the sequence are dropped
+        seq.routed_parts = (seq.routed_parts or []) + [part]
+
+
+def _routed_experts(state: RequestState, seq: SequenceState) -> np.ndarray | None:
+    """A finished sequence's ``CompletionOutput.routed_experts``: its routing parts joined, the first
+    ``prompt + generated - 1`` positions (the tokens forwarded before its last; the core may have forwarded more
+    before a stop string's abort reached it)."""
+    if not seq.routed_parts:
+        return None
+    return np.concatenate(seq.routed_parts)[:len(state.prompt_token_ids) + len(seq.token_ids) - 1]
