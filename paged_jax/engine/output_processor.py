@@ -299,8 +299,11 @@ def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
 
 
 def _add_routing(seq: SequenceState, part: np.ndarray) -> None:
-    if seq.finish_reason is None:  # positions the core forwarded after a stop string ended the sequence are dropped
-        seq.routed_parts = (seq.routed_parts or []) + [part]
+    if seq.finish_reason is not None:  # positions the core forwarded after a stop string ended the sequence
+        return
+    if seq.routed_parts is None:
+        seq.routed_parts = []
+    seq.routed_parts.append(part)
 
 
 def _routed_experts(state: RequestState, seq: SequenceState) -> np.ndarray | None:
