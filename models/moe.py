@@ -30,6 +30,7 @@ from models.impl_registry import ImplRegistry
 
 MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+ROUTED_EXPERTS = "routed_experts"  # the nnx.Intermediate a capturing sparse layer sows (models.moe_routing)
 # Mixtral's checkpoint names: the block is "block_sparse_moe", its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -108,6 +109,11 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 register_grouped_matmul("xla", grouped_matmul_reference)
 
 
+def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
+    """The grouped matmul (``grouped_matmul_reference``'s contract) ``impl`` runs for ``num_rows`` sorted rows."""
+    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype)]
+
+
 def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, topk_weights: jax.Array,
                 topk_ids: jax.Array, *, impl: str = "auto") -> jax.Array:
     """The experts' weighted SwiGLU of every token (vLLM's ``fused_experts``), its grouped matmuls by ``impl``.
@@ -161,7 +167,11 @@ class MoeExperts(nnx.Module):
 
 class SparseMoeBlock(nnx.Module):
     """The sparse MLP of one decoder layer: the router ``gate`` (an ``nnx.Linear`` ``[H, E]``, HF ``mlp.gate``) and
-    the ``experts``. ``impl`` (static, ``MOE_IMPLS``) picks the grouped matmul; ``set_moe_impl`` sets it."""
+    the ``experts``. ``impl`` (static, ``MOE_IMPLS``) picks the grouped matmul; ``set_moe_impl`` sets it.
+
+    Static hooks (``models.moe_routing``): ``capture_routing`` sows the top-k ids as an ``nnx.Intermediate`` named
+    ``ROUTED_EXPERTS``; ``expert_parallel`` (None, or a hashable callable with ``moe_experts``' arguments and
+    ``impl=``) runs the experts in its place (``paged_jax.parallel.expert_parallel``: experts split over devices)."""
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, init_std: float,
                  impl: str = "auto"):
@@ -170,6 +180,8 @@ class SparseMoeBlock(nnx.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.dtype = dtype
         self.impl = check_moe_impl(impl)
+        self.capture_routing = False
+        self.expert_parallel = None
         self.gate = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
                                param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
                                rngs=rngs)
@@ -185,9 +197,12 @@ class SparseMoeBlock(nnx.Module):
         of the MLP projections has no expert form here: ValueError."""
         refuse_mlp_lora(lora)
         weights, ids = self.route(x)
+        if self.capture_routing:
+            self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
         experts = self.experts
-        return moe_experts(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
-                           impl=self.impl)
+        run = moe_experts if self.expert_parallel is None else self.expert_parallel
+        return run(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
+                   impl=self.impl)
 
 
 def refuse_mlp_lora(lora) -> None:
@@ -202,13 +217,15 @@ def refuse_mlp_lora(lora) -> None:
 def set_moe_impl(model, impl: str):
     """In place: the grouped-matmul implementation (``MOE_IMPLS``) of every sparse layer of ``model`` (a
     ``models.llama.LlamaForCausalLM``). A model on a mesh runs "xla" only (a pallas_call is not partitioned; XLA
-    partitions ``ragged_dot`` over the experts' sharded width): ValueError for anything else. Returns ``model``."""
+    partitions ``ragged_dot`` over the experts' sharded width): ValueError for anything else, unless its sparse
+    layers run ``expert_parallel`` (each device's grouped matmuls then run on its own arrays). Returns ``model``."""
     check_moe_impl(impl)
-    if getattr(model, "sharding_plan", None) is not None and impl != "xla":
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    per_device = all(block.expert_parallel is not None for block in blocks)
+    if getattr(model, "sharding_plan", None) is not None and impl != "xla" and not per_device:
         raise ValueError(f"moe_impl={impl!r}: a model on a mesh (tensor or pipeline parallel) runs 'xla' experts")
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, SparseMoeBlock):
-            layer.mlp.impl = impl
+    for block in blocks:
+        block.impl = impl
     return model
 
 

@@ -19,6 +19,8 @@ from flax import nnx
 from models import loader
 from models.config import ModelConfig
 from models.llama import AttentionFn, LlamaForCausalLM
+from models.moe import set_moe_impl
+from models.moe_routing import set_expert_parallel
 
 
 class TensorParallelPlan(Protocol):
@@ -50,6 +52,9 @@ class TensorParallelPlan(Protocol):
         """``float32[N, V]`` logits of the vocabulary-split LM head -> the same, whole on every device."""
         ...
 
+    # Optional: ``moe_experts``, what sparse layers run their experts through (``SparseMoeBlock.expert_parallel``,
+    # e.g. experts split over devices); absent or None: ``models.moe.moe_experts`` on the parameters' shardings.
+
 
 class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` of ``plan.model_config`` that knows its ``TensorParallelPlan``.
@@ -61,7 +66,9 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
       * ``compute_logits`` returns logits gathered over tp (``plan.gather_logits``), so sampling sees the whole
         vocabulary and the LM head is never gathered;
       * its norms run the jnp RMSNorm (``rms_norm_impl="xla"``): a Pallas call is not partitioned over a mesh,
-        while XLA fuses the norms into the sharded program as it does on one device.
+        while XLA fuses the norms into the sharded program as it does on one device; so do its experts, unless the
+        plan splits them over devices (``moe_experts``: each device's grouped matmuls then run on its own arrays,
+        ``moe_impl="auto"``).
     The plan is static module data (hashable), so it lives in the graphdef and survives ``nnx.split``/``merge``.
     """
 
@@ -69,6 +76,9 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(plan.model_config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rms_norm_impl="xla",
                          moe_impl="xla")
         self.sharding_plan = plan
+        if getattr(plan, "moe_experts", None) is not None:  # experts split over devices: each runs its own
+            set_expert_parallel(self, plan.moe_experts)
+            set_moe_impl(self, "auto")  # grouped matmuls on local arrays: the kernel where it runs (GPU)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
                  attention: AttentionFn, lora=None) -> tuple[jax.Array, list | None]:

@@ -103,6 +103,15 @@ class EngineArgs:
     # Engine replicas, each with its own scheduler and KV pool on its own pp * tp devices, behind a prefix-aware
     # router (paged_jax.parallel.data_parallel).
     data_parallel_size: int = 1
+    # Mixture-of-experts models (vLLM's flag): each of the tp devices holds num_experts / tp whole experts instead of
+    # a slice of every expert (paged_jax.parallel.expert_parallel); attention stays tensor parallel.
+    enable_expert_parallel: bool = False
+    # RL router replay (vLLM's flag): every finished sequence's CompletionOutput.routed_experts holds the expert ids
+    # each forwarded token was routed to at each sparse layer (int[prompt + output - 1, layers, top_k]).
+    enable_return_routed_experts: bool = False
+    # Tokens routed to each expert of each sparse layer, counted on the device and exported as the counter
+    # vllm:moe_expert_tokens (serving.metrics); off: the step computes and fetches nothing for it.
+    enable_expert_load_metrics: bool = False
     # Multi-host (vLLM's names): nnodes processes, one per host, join one JAX job (jax.distributed) whose
     # coordinator is master_addr:master_port on node 0; node 0 schedules (and serves HTTP), the others run the same
     # steps (paged_jax.parallel.multihost). nnodes=1 also honours JAX's own JAX_COORDINATOR_ADDRESS / ... variables.
@@ -210,6 +219,7 @@ class EngineArgs:
         check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
               f"must be >= max_loras ({self.max_loras})")
+        self._check_moe_options(check)
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is not None:
@@ -253,6 +263,21 @@ class EngineArgs:
             if getattr(self, name) != 1:
                 raise ValueError(f"kv_offloading_size is not supported with {name} > 1 (the host tier runs on one "
                                  f"engine with one device), got {name}={getattr(self, name)!r}")
+
+    def _check_moe_options(self, check) -> None:
+        # Expert parallelism spans one engine's tp devices; a replica or a pipeline stage would need its own group.
+        for name in ("data_parallel_size", "pipeline_parallel_size"):
+            check(not self.enable_expert_parallel or getattr(self, name) == 1, "enable_expert_parallel",
+                  f"is not supported with {name} > 1 (the expert-parallel group is the tp devices of one engine)")
+        # Routing is recorded per forwarded token in the row's order: a cached prefix is not forwarded (its routing
+        # is unknown), rejected drafts would interleave, and the staged pipeline forward does not return it.
+        if self.enable_return_routed_experts:
+            for name, on in (("enable_prefix_caching", self.enable_prefix_caching),
+                             ("speculative_config", self.speculative_config is not None),
+                             ("pipeline_parallel_size", self.pipeline_parallel_size > 1)):
+                check(not on, "enable_return_routed_experts", f"is not supported with {name} (set it off)")
+        check(not self.enable_expert_load_metrics or self.pipeline_parallel_size == 1, "enable_expert_load_metrics",
+              "is not supported with pipeline_parallel_size > 1")
 
     @property
     def served_model_names(self) -> list[str]:

@@ -38,6 +38,20 @@ SPEC_DECODE_COUNTERS = (
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 )
 SPEC_DECODE_PER_POS = ("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.")
+# Only with --enable-expert-load-metrics: a counter per (layer, expert) of a mixture-of-experts model; engine stats
+# keys ``moe_expert_tokens.<layer>.<expert>`` (``paged_jax.engine.routed_experts.ExpertLoad``).
+MOE_EXPERT_TOKENS = ("moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer (a token "
+                                          "counts once for each of its top-k experts).")
+
+
+def expert_load_series(stats: Mapping) -> list[tuple[str, str, int]]:
+    """``(layer, expert, tokens)`` of every per-expert counter in engine stats, by layer then expert."""
+    out = []
+    for key, value in stats.items():
+        if key.startswith(MOE_EXPERT_TOKENS[0] + "."):
+            _, layer, expert = key.rsplit(".", 2)
+            out.append((layer, expert, int(value)))
+    return sorted(out, key=lambda entry: (int(entry[0]), int(entry[1])))
 
 
 @dataclasses.dataclass
@@ -73,4 +87,6 @@ def metrics_from_stats(stats: Mapping, prefix: str = "vllm") -> list[Metric]:
     if SPEC_DECODE_COUNTERS[0][1] in stats:
         out += [Counter(f"{prefix}:{name}", dict(labels), int(stats[key])) for name, key, _ in SPEC_DECODE_COUNTERS]
         out.append(Vector(f"{prefix}:{SPEC_DECODE_PER_POS[0]}", dict(labels), per_position(stats)))
+    out += [Counter(f"{prefix}:{MOE_EXPERT_TOKENS[0]}", dict(labels, layer=layer, expert=expert), tokens)
+            for layer, expert, tokens in expert_load_series(stats)]
     return out

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -74,6 +76,9 @@ class CompletionOutput:
     finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len), "abort", or
       None while running.
     stop_reason: the stop string (str) or stop token id (int) that ended the sequence; None for EOS / length.
+    routed_experts: with ``enable_return_routed_experts``, on the finished output: the expert ids each forwarded
+      token (the prompt and every generated token but the last) was routed to at each sparse layer,
+      ``np.ndarray uint8 | uint16[num_prompt_tokens + num_generated - 1, num_sparse_layers, top_k]``; else None.
     """
 
     index: int
@@ -83,6 +88,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -137,6 +143,8 @@ class RequestOutput:
             completion.cumulative_logprob = new.cumulative_logprob
             completion.finish_reason = new.finish_reason
             completion.stop_reason = new.stop_reason
+            if new.routed_experts is not None:
+                completion.routed_experts = new.routed_experts
         if len(self.outputs) > 1 and any(a.index > b.index for a, b in zip(self.outputs, self.outputs[1:])):
             self.outputs.sort(key=lambda completion: completion.index)
         if self.prompt_logprobs is None:

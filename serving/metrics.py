@@ -36,7 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from paged_jax.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POS
+from paged_jax.metrics import (ENGINE_COUNTERS, ENGINE_GAUGES, MOE_EXPERT_TOKENS, SPEC_DECODE_COUNTERS,
+                               SPEC_DECODE_PER_POS, expert_load_series)
 from paged_jax.spec_decode.verify import per_position
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ class _EngineStatsCollector(Collector):
         if any(SPEC_DECODE_COUNTERS[0][1] in source for _, source in samples):
             spec.append((CounterMetricFamily, SPEC_DECODE_COUNTERS))
             yield _per_position_family(f"{self._prefix}:{SPEC_DECODE_PER_POS[0]}", label_names, samples)
+        if any(expert_load_series(source) for _, source in samples):
+            yield _expert_load_family(f"{self._prefix}:{MOE_EXPERT_TOKENS[0]}", label_names, samples)
         for family_type, specs in spec:
             for name, key, doc in specs:
                 # CounterMetricFamily appends "_total" itself.
@@ -128,6 +131,15 @@ def _per_position_family(name: str, label_names: list[str], samples: list) -> Co
     for values, source in samples:
         for position, count in enumerate(per_position(source)):
             family.add_metric([*values, str(position)], float(count))
+    return family
+
+
+def _expert_load_family(name: str, label_names: list[str], samples: list) -> CounterMetricFamily:
+    """Tokens routed per expert (``--enable-expert-load-metrics``): one counter per layer and expert."""
+    family = CounterMetricFamily(name, MOE_EXPERT_TOKENS[1], labels=[*label_names, "layer", "expert"])
+    for values, source in samples:
+        for layer, expert, tokens in expert_load_series(source):
+            family.add_metric([*values, layer, expert], float(tokens))
     return family
 
 

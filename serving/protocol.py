@@ -315,6 +315,9 @@ class CompletionResponseChoice(CompletionStreamChoice):
     (``prompt_logprobs``, or ``echo`` with ``logprobs``)."""
 
     prompt_logprobs: PromptLogprobsField = None
+    # vLLM's: with --enable-return-routed-experts, the base64 of the .npy bytes of the choice's
+    # CompletionOutput.routed_experts ([prompt + completion tokens - 1, sparse layers, top_k]).
+    routed_experts: str | None = None
 
 
 class CompletionResponse(ResponseFields):
@@ -449,6 +452,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    routed_experts: str | None = None  # as CompletionResponseChoice's
 
 
 class ChatCompletionResponse(ResponseFields):

@@ -268,3 +268,17 @@ def test_kv_offload_benchmark_smoke(tmp_path):
     assert "external_prefix_cache_hits" not in base and tier["external_prefix_cache_hits"] > 0
     assert tier["prefix_cache_hits"] + tier["external_prefix_cache_hits"] > base["prefix_cache_hits"]
     assert result["later_ttft_speedup"] > 0 and out.exists()
+
+
+def test_expert_parallel_benchmark_compares_both_layouts(tmp_path):
+    """benchmarks/expert_parallel.py on a tiny shape over 4 host devices: both layouts timed, the same outputs."""
+    from benchmarks.expert_parallel import main
+
+    out = tmp_path / "ep.json"
+    results = main(["--tp", "4", "--tokens", "1,9", "--hidden", "32", "--inter", "16", "--experts", "8", "--top-k",
+                    "2", "--repeats", "1", "--out", str(out)])
+    assert [r["tokens"] for r in results] == [1, 9] and len(out.read_text().splitlines()) == 2
+    for r in results:
+        assert r["tp_us"] > 0 and r["ep_us"] > 0 and r["reference_max_abs"] > 0
+        assert r["ep_max_abs_diff"] <= 0.02 * r["reference_max_abs"]
+        assert 0.25 <= r["max_device_share"] <= 1.0

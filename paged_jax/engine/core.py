@@ -37,6 +37,7 @@ from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
 from paged_jax.engine.rollout_control import RolloutControl
+from paged_jax.engine.routed_experts import ExpertLoad, RoutedExpertsRecorder
 from paged_jax.outputs import make_logprob_dict
 from paged_jax.pooling.pooler import PoolingAccumulator
 from paged_jax.spec_decode.decoder import SpecDecoder
@@ -63,7 +64,7 @@ class _Group:
 @dataclasses.dataclass
 class _InFlightStep:
     """A dispatched step of the batch queue: ``rows`` = (row, request, output index) of its placeholders;
-    ``scheduler_output`` kept when some row computes prompt logprobs."""
+    ``scheduler_output`` kept when some row computes prompt logprobs or the step reports its routing."""
 
     handle: PendingStep
     rows: list[tuple[int, Request, int]]
@@ -112,6 +113,10 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        # Mixture-of-experts routing outputs (paged_jax.engine.routed_experts), when asked.
+        self.routed_experts = RoutedExpertsRecorder() if engine_args.enable_return_routed_experts else None
+        self.expert_load = (ExpertLoad(self.model_config) if engine_args.enable_expert_load_metrics
+                            else None)
         # Weight updates, sleep mode, pause / resume (an RL trainer's controls).
         self.rollout = RolloutControl(self, parts.loaded.quantization, engine_args.enable_sleep_mode,
                                       engine_args.weight_transfer_config)
@@ -128,6 +133,8 @@ class EngineCore:
         # The scheduler orders FCFS by arrival; it expects time.monotonic()-based values.
         monotonic_arrival = time.monotonic() - (time.time() - request.arrival_time)
         if request.beam_search_params is not None:
+            if self.routed_experts is not None:  # its beams' outputs are assembled apart (engine.beam_search)
+                raise ValueError("beam_search: not supported with enable_return_routed_experts")
             self._add_beam_search(request, monotonic_arrival)
             return
         params = request.sampling_params
@@ -207,6 +214,8 @@ class EngineCore:
             for seq in group.seqs.values():
                 self.scheduler.abort_request(seq.request_id)  # a pending fork is dropped with its parent
                 self._seq_of.pop(seq.request_id, None)
+                if self.routed_experts is not None:
+                    self.routed_experts.drop(seq.request_id)
                 if self.spec_decoder is not None:
                     self.spec_decoder.forget(seq.request_id)
         for request_id, index in sequences:
@@ -219,6 +228,8 @@ class EngineCore:
                     self.spec_decoder.forget(seq.request_id)
 
     def _sequence_done(self, group: _Group, seq: Request, index: int) -> None:
+        if self.routed_experts is not None:
+            self.routed_experts.drop(seq.request_id)
         del group.seqs[index]
         self._seq_of.pop(seq.request_id, None)
         if not group.seqs and group.beam_search is None:
@@ -256,6 +267,7 @@ class EngineCore:
         if handle is None:
             return outputs
         result = handle.result()
+        self._record_routing(scheduler_output, result)
         outputs += self._prompt_logprob_outputs(scheduler_output, result)
         if result.pooled is not None:
             self.pooling.record(scheduler_output.requests, scheduler_output.row_num_computed_tokens(),
@@ -314,9 +326,10 @@ class EngineCore:
         rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
         prompt_rows = handle.wants_prompt_logprobs
         # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
-        # computes prompt logprobs, which must still be reported).
-        if rows or prompt_rows:
-            self._batch_queue.append(_InFlightStep(handle, rows, scheduler_output if prompt_rows else None))
+        # computes prompt logprobs, which must still be reported, or reports its routing).
+        routing = self.expert_load is not None or self.routed_experts is not None
+        if rows or prompt_rows or routing:
+            self._batch_queue.append(_InFlightStep(handle, rows, scheduler_output if prompt_rows or routing else None))
 
     @staticmethod
     def _needs_tokens_first(flight: _InFlightStep) -> bool:
@@ -329,6 +342,7 @@ class EngineCore:
         the scheduler could not see then) and report them."""
         flight = self._batch_queue.popleft()
         result = flight.handle.result()
+        self._record_routing(flight.scheduler_output, result)
         outputs = (self._prompt_logprob_outputs(flight.scheduler_output, result)
                    if flight.scheduler_output is not None else [])
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
@@ -385,6 +399,12 @@ class EngineCore:
                     outputs += search.outputs()
                     del self._groups[group.request_id]
 
+    def _record_routing(self, scheduler_output: SchedulerOutput | None, result: StepOutput) -> None:
+        if self.expert_load is not None:
+            self.expert_load.record(result)
+        if self.routed_experts is not None:  # of the sequences still running (async: some ended meanwhile)
+            self.routed_experts.record(scheduler_output, result, self._seq_of)
+
     def _token_output(self, group: _Group, index: int, request: Request, tokens: list[int], result: StepOutput,
                       row: int) -> EngineCoreOutput:
         """The output of ``tokens``, the sequence's new tokens: one, or a verifying row's, whose logprobs are the
@@ -400,6 +420,8 @@ class EngineCore:
         if group.cumulative_logprobs is not None:
             group.cumulative_logprobs[index] += sum(float(out.logprobs[i]) for out, i in sources)
             output.cumulative_logprob = group.cumulative_logprobs[index]
+        if self.routed_experts is not None:  # the positions recorded since the sequence's previous output
+            output.routed_experts = self.routed_experts.take_new(request.request_id)
         if not group.reported_start:
             group.reported_start = True
             output.scheduled_time = group.scheduled_time
@@ -443,6 +465,8 @@ class EngineCore:
         stats["num_compiles_since_warmup"] = self.runner.num_compiles_since_warmup
         if self.spec_decoder is not None:
             stats.update(self.spec_decoder.stats.as_stats())
+        if self.expert_load is not None:
+            stats.update(self.expert_load.as_stats())
         return stats
 
     def add_lora(self, lora_request) -> bool:

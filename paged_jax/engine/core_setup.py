@@ -31,6 +31,7 @@ from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine
 from paged_jax.worker.kv_group_pool import mixes_kv_groups
 from paged_jax.worker.model_loader import LoadedModel, load_engine_model
 from paged_jax.worker.model_runner import ModelRunner
+from paged_jax.worker.moe_outputs import MoeStepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,9 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
         logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args),
-        batch_invariant=args.batch_invariant)
+        batch_invariant=args.batch_invariant,
+        moe_outputs=MoeStepOutputs(routed_experts=args.enable_return_routed_experts,
+                                   expert_load=args.enable_expert_load_metrics))
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import Logprob
@@ -77,6 +78,22 @@ class PromptLogprobsPart(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[list[float]]
 
 
+class RoutedExperts(msgspec.Struct, array_like=True, gc=False):
+    """Routed experts on the wire: the bytes of a C-ordered ``dtype[shape]`` array (``[positions, num_sparse_layers,
+    top_k]``, ``paged_jax.engine.routed_experts``)."""
+
+    shape: list[int]
+    dtype: str
+    data: bytes
+
+    @classmethod
+    def from_array(cls, array) -> "RoutedExperts":
+        return cls(list(array.shape), array.dtype.str, array.tobytes())
+
+    def to_array(self) -> np.ndarray:
+        return np.frombuffer(self.data, np.dtype(self.dtype)).reshape(self.shape)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What sequence ``index`` of request ``request_id`` got in one step.
 
@@ -92,6 +109,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
       scheduled_time: ``time.time()`` the request was first scheduled, on its first output.
       beam_logprobs: a finished beam search's beam ``index`` (best first): per token the step's candidates.
       pooled: a finished pooling request's output vector (``paged_jax.pooling.pooler.finalize``).
+      routed_experts: the routing of the sequence's positions recorded since its previous output
+        (``--enable-return-routed-experts``, ``paged_jax.engine.routed_experts``).
     """
 
     request_id: str
@@ -106,6 +125,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     scheduled_time: float | None = None
     beam_logprobs: list[dict[int, Logprob]] | None = None
     pooled: list[float] | None = None
+    routed_experts: RoutedExperts | None = None
 
 
 class Admission(msgspec.Struct, array_like=True, gc=False):

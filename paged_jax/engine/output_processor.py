@@ -39,6 +39,8 @@ class SequenceState:
     num_reported_tokens: int = 0  # what earlier outputs carried: an output is the delta past these
     num_reported_chars: int = 0
     finish_reported: bool = False
+    # --enable-return-routed-experts: the routing parts the core's outputs carried (paged_jax.engine.routed_experts)
+    routed_parts: list[np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -157,6 +159,8 @@ class OutputProcessor:
                 self._record_prompt_logprobs(state, output.prompt_logprobs)
             if output.pooled is not None:
                 state.pooled = output.pooled
+            if output.routed_experts is not None:
+                _add_routing(state.seqs[output.index], output.routed_experts.to_array())
             if output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
             elif output.new_token_ids or output.finish_reason is not None:
@@ -243,7 +247,8 @@ class OutputProcessor:
             completions.append(CompletionOutput(
                 index=index, text=text, token_ids=seq.token_ids[start:], cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                routed_experts=_routed_experts(state, seq) if seq.finish_reason is not None else None))
             seq.finish_reported = seq.finish_reason is not None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
@@ -292,3 +297,19 @@ def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
     ranked = sorted(state.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
     return list(enumerate(ranked[:params.n]))
 
+
+def _add_routing(seq: SequenceState, part: np.ndarray) -> None:
+    if seq.finish_reason is not None:  # positions the core forwarded after a stop string ended the sequence
+        return
+    if seq.routed_parts is None:
+        seq.routed_parts = []
+    seq.routed_parts.append(part)
+
+
+def _routed_experts(state: RequestState, seq: SequenceState) -> np.ndarray | None:
+    """A finished sequence's ``CompletionOutput.routed_experts``: its routing parts joined, the first
+    ``prompt + generated - 1`` positions (the tokens forwarded before its last; the core may have forwarded more
+    before a stop string's abort reached it)."""
+    if not seq.routed_parts:
+        return None
+    return np.concatenate(seq.routed_parts)[:len(state.prompt_token_ids) + len(seq.token_ids) - 1]

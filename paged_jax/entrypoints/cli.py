@@ -74,6 +74,12 @@ _FLAG_HELP = {
     "pipeline_parallel_size": "contiguous layer stages, each on its own tp devices",
     "data_parallel_size": "engine replicas (each pp * tp devices, its own scheduler and KV pool) behind a "
                           "prefix-aware router",
+    "enable_expert_parallel": "mixture-of-experts models: split the experts over the tp devices (num_experts / tp "
+                              "whole experts each) instead of each expert's width",
+    "enable_return_routed_experts": "return each token's expert ids at every sparse layer (RL router replay; "
+                                    "needs --no-enable-prefix-caching)",
+    "enable_expert_load_metrics": "count the tokens routed to each expert of each layer (/metrics: "
+                                  "vllm:moe_expert_tokens)",
     "nnodes": "hosts (processes) of one multi-host engine (jax.distributed)",
     "node_rank": "this host's rank; rank 0 schedules and serves, the others run the same steps",
     "master_addr": "address of node 0 (the jax.distributed coordinator)",

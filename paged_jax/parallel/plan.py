@@ -11,6 +11,8 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * Norm scales and the o_proj bias are replicated.
 * Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
   (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
+  With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E) and the sparse layers
+  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too).
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
   ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
 * Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
@@ -38,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
 from models.llama import AttentionFn
+from paged_jax.parallel.expert_parallel import ExpertParallel, check_expert_parallel
 from paged_jax.parallel.head_layout import HeadLayout
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 
@@ -92,6 +95,8 @@ class ShardingPlan:
       kv_layout: "sharded" (attention weights and the KV pool split over kv heads; attention under shard_map) or
         "replicated" (the whole attention block and the KV pool replicated on every tp device; only the MLP,
         embedding and LM head are split).
+      expert_parallel: the experts of sparse layers split over tp along the expert axis (each device holds
+        ``num_experts / tp`` whole experts; ``moe_experts``) instead of along their width.
     """
 
     mesh: Mesh
@@ -99,12 +104,15 @@ class ShardingPlan:
     model_config: ModelConfig
     head_layout: HeadLayout
     kv_layout: str = "sharded"
+    expert_parallel: bool = False
     # A layer of a KV-cache group attends through its group's block tables (``shard_attention`` passes them).
     mixes_kv_groups: ClassVar[bool] = True
 
     @classmethod
     def create(cls, config: ModelConfig, mesh: Mesh, *, kv_layout: str = "sharded",
-               pad_heads: bool = True) -> "ShardingPlan":
+               pad_heads: bool = True, expert_parallel: bool = False) -> "ShardingPlan":
+        """ValueError for a mesh of other axes, an unknown ``kv_layout``, or ``expert_parallel`` on a model whose
+        experts do not split over tp (``check_expert_parallel``)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         if config.attention_sinks:
@@ -113,6 +121,8 @@ class ShardingPlan:
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
             raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
         tp = mesh.shape[TP_AXIS]
+        if expert_parallel:
+            check_expert_parallel(config, tp)
         if kv_layout == "sharded":
             layout = HeadLayout.for_heads(config.num_attention_heads, config.num_key_value_heads, tp,
                                           pad_heads=pad_heads)
@@ -122,7 +132,7 @@ class ShardingPlan:
         model_config = dataclasses.replace(
             config, num_attention_heads=layout.num_q_heads_padded, num_key_value_heads=layout.num_kv_heads_padded
         )
-        return cls(mesh, config, model_config, layout, kv_layout)
+        return cls(mesh, config, model_config, layout, kv_layout, bool(expert_parallel))
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -131,6 +141,12 @@ class ShardingPlan:
     @property
     def data_parallel_size(self) -> int:
         return self.mesh.shape[DP_AXIS]
+
+    @property
+    def moe_experts(self) -> ExpertParallel | None:
+        """What the sparse layers run their experts through (``SparseMoeBlock.expert_parallel``): an
+        ``ExpertParallel`` over tp with ``expert_parallel``, else None (XLA partitions the width-split experts)."""
+        return ExpertParallel(self.mesh) if self.expert_parallel else None
 
     # -- parameters --------------------------------------------------------------------------------------------------
 
@@ -149,7 +165,7 @@ class ShardingPlan:
         elif kind in _ATTENTION_KINDS:
             split_dim = _ATTENTION_KINDS[kind] if self.kv_layout == "sharded" else None
         elif kind in _MLP_KINDS:
-            split_dim = _MLP_KINDS[kind]
+            split_dim = 0 if self.expert_parallel and kind.startswith("experts.") else _MLP_KINDS[kind]
         elif kind in _OTHER_KINDS:
             split_dim = _OTHER_KINDS[kind]
         else:

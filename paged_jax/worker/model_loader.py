@@ -16,6 +16,7 @@ from typing import Any
 
 from paged_jax.engine import generation_config as gen_config
 from paged_jax.config import EngineArgs
+from paged_jax.parallel.expert_parallel import check_expert_parallel
 from paged_jax.parallel.pipeline import PipelineForward, load_pipeline_model
 from paged_jax.pooling.config import (checkpoint_head, pooler_config, pooling_model_config, read_hf_config,
                                       resolve_runner)
@@ -120,6 +121,8 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     if pooler is not None:
         forward = PoolingForward(pooler)
     quant = resolve_engine_quantization(args, model_path)
+    if args.enable_expert_parallel:  # the group is this engine's tp devices (one device: all experts there)
+        check_expert_parallel(config, args.tensor_parallel_size)
     if args.pipeline_parallel_size > 1:
         if quant.config is not None:
             raise ValueError(f"quantization={quant.config.method!r} is not supported with pipeline_parallel_size > 1 "
@@ -288,7 +291,8 @@ def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtyp
     from models.tensor_parallel import TensorParallelLlamaForCausalLM, abstract_model, load_sharded_model
     from paged_jax.parallel import ShardingPlan, make_mesh
 
-    plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size, devices=devices))
+    plan = ShardingPlan.create(config, make_mesh(args.tensor_parallel_size, devices=devices),
+                               expert_parallel=args.enable_expert_parallel)
     jnp_dtype = resolve_dtype(dtype)
     matmul_impl = "xla"  # of quantized modules: an XLA form (the Pallas kernels run on one device's arrays)
     if quant.config is not None:
@@ -313,6 +317,7 @@ def _load_tensor_parallel(args: EngineArgs, model_path: str | None, config, dtyp
     model = weight_cache.load_or_convert(
         _weight_cache_key(args, model_path, dtype, kind="tensor_parallel", mesh=dict(plan.mesh.shape),
                           kv_layout=plan.kv_layout, head_layout=dataclasses.asdict(plan.head_layout),
+                          **({"expert_parallel": True} if plan.expert_parallel else {}),
                           **quant.layout(matmul_impl=matmul_impl)),
         convert, abstract, shardings=plan.state_shardings)
     # The runner builds the KV pool from the head-rewritten shape; memory is sized per device.

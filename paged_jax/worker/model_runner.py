@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.moe_routing import set_routing_capture
 from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
@@ -52,6 +53,7 @@ from paged_jax.core.sched_output import SchedulerOutput, encode_step
 from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.kv_group_pool import KVPoolLayout, mixes_kv_groups
+from paged_jax.worker.moe_outputs import MoeStepOutputs
 from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
@@ -98,6 +100,8 @@ class ModelRunner:
         (``paged_jax.worker.batch_invariant``).
       num_speculative_tokens: most draft tokens a row verifies per step (speculative decoding; 0: none): each
         bucket samples that many more positions per sequence (``buckets.sample_rows_needed``).
+      moe_outputs: ``paged_jax.worker.moe_outputs.MoeStepOutputs``: the routing a mixture-of-experts model's steps
+        return (``StepOutput.routed_experts`` / ``expert_load``); default none.
 
     Multi-host: with ``step_channel`` set (node 0, ``paged_jax.parallel.multihost``), each ``execute`` first
     publishes its ``SchedulerOutput`` (and a grammar step its bitmask at ``dispatch_sampling``); the other nodes run
@@ -111,7 +115,8 @@ class ModelRunner:
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
                  dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
                  forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_speculative_tokens: int = 0, batch_invariant: bool = False):
+                 num_speculative_tokens: int = 0, batch_invariant: bool = False,
+                 moe_outputs: MoeStepOutputs | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -148,6 +153,7 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
         self.batch_invariant = bool(batch_invariant)  # the model's matmuls and norms, the attention's tiling
+        self.moe_outputs = _capture_routing(model, model_config, moe_outputs or MoeStepOutputs(), forward)
         self._split_model(model)
 
         shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
@@ -352,7 +358,8 @@ class ModelRunner:
         batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
         batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
         handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans,
-                             packed.draft_sample_rows, pooled=self.pools)
+                             packed.draft_sample_rows, pooled=self.pools,
+                             token_spans=packed.token_spans() if self.moe_outputs.routed_experts else None)
         layout = packed.layout
         sampling = SamplingArgs(packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
                                 packed.num_logprobs, packed.wants_logprobs)
@@ -384,19 +391,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device calls (StepDevice)
     def run_forward(self, buf: np.ndarray, num_tokens: int, num_seqs: int) -> tuple:
-        """-> (logits f32[R, V], sampling words, hidden [T, hidden]) on device; the KV pool updated in place."""
+        """-> (logits f32[R, V], sampling words, hidden [T, hidden], the ``moe_outputs`` dict or None) on device; the
+        KV pool updated in place."""
         # One process: the executable takes the numpy buffer itself (its C++ call path transfers it, far cheaper
         # than ``jax.device_put``'s); several: each process puts its own replica first.
-        self.kv_pool, logits, sampling_words, hidden = self._forward(
+        self.kv_pool, logits, sampling_words, hidden, *moe = self._forward(
             self._param_leaves, self.kv_pool, buf if self._single_process else jax.device_put(buf, self.device),
             self._prev_tokens, self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
-        return logits, sampling_words, hidden
+        return logits, sampling_words, hidden, (moe[0] if moe else None)
 
     def run_sampling(self, forward_outputs: tuple, grammar_bitmask: np.ndarray | None,
                      sampling: SamplingArgs) -> tuple:
         """Mask (grammar), sample, prompt logprobs -> the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies started."""
-        logits, sampling_words, hidden = forward_outputs
+        logits, sampling_words, hidden, moe = forward_outputs
         if self.pools:  # the pooled outputs f32[R, W] are the step's result
             fetch = local_copies((logits,))
             fetch[0].copy_to_host_async()
@@ -416,9 +424,10 @@ class ModelRunner:
         fetch = local_copies(outs if sampling.wants_logprobs else outs[:1])
         prompt_fetch = () if sampling.prompt_targets is None else local_copies(self._prompt_logprobs(
             self._param_leaves, hidden, jax.device_put(sampling.prompt_targets, self.device)))
-        for array in (*fetch, *prompt_fetch):
+        moe_fetch = {} if moe is None else dict(zip(moe, local_copies(tuple(moe.values()))))
+        for array in (*fetch, *prompt_fetch, *moe_fetch.values()):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
-        return fetch, prompt_fetch
+        return fetch, prompt_fetch, moe_fetch
 
     def write_lora_slot(self, slot: int, loaded) -> None:
         """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""
@@ -502,6 +511,16 @@ class ModelRunner:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
         self.kv_pool = self.host_pool.swap(self.kv_pool, swap_out, swap_in)
 
+def _capture_routing(model, model_config: ModelConfig, options: MoeStepOutputs, forward) -> MoeStepOutputs:
+    """``options``, the sparse layers of ``model`` set to record their routing (static) when any is on; ValueError
+    for a model without them, or a pooling or pipelined step (which does not return it)."""
+    if options.any:
+        options.check(model_config)
+        if forward is not None and (getattr(forward, "pools", False) or not isinstance(forward, SingleProgramForward)):
+            raise ValueError("enable_return_routed_experts / enable_expert_load_metrics: the step of a pooling or "
+                             "pipelined model does not return its routing")
+        set_routing_capture(model, True)
+    return options
 
 
 def _sampler_variants(max_logprobs: int) -> list[SamplerVariant]:

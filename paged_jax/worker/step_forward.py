@@ -11,7 +11,8 @@ The functions a strategy builds keep ``ModelRunner``'s contracts:
 * ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs) -> (kv_pool,
   logits f32[R, V] at each row's last token (a pooling forward: each row's pooled outputs f32[R, W],
   ``paged_jax.pooling``), sampling words int32[R * words], final hidden states [T, hidden])``,
-  the KV pool donated; ``buf`` the int32 step buffer of the bucket's ``StepLayout``.
+  the KV pool donated; ``buf`` the int32 step buffer of the bucket's ``StepLayout``. With the runner's
+  ``moe_outputs`` on, a fifth output: their dict (``paged_jax.worker.moe_outputs``).
 * ``prompt_logprobs(param_leaves, hidden [T, hidden], targets int32[T]) -> (logprob f32[T], rank i32[T], top ids
   i32[T, K], top logprobs f32[T, K])``.
 
@@ -32,6 +33,7 @@ from models.llama import ReusableAttention
 from paged_jax.ops import write_and_attend
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
 from paged_jax.worker.kv_group_pool import GroupedKVCaches, group_metadata
+from paged_jax.worker.moe_outputs import device_outputs, inline_attention
 from paged_jax.worker.prompt_logprobs import prompt_logprobs_on_device
 from paged_jax.worker.step_io import apply_block_copies
 
@@ -90,6 +92,7 @@ def _single_program_forward(runner, row_outputs=None):
     lora_slots = runner.lora_slots
     kv_layout = runner.kv_layout
     batch_invariant = runner.batch_invariant
+    moe_outputs = runner.moe_outputs
 
     def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
         fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
@@ -111,6 +114,8 @@ def _single_program_forward(runner, row_outputs=None):
                                   qk_prepare_impl=qk_prepare_impl, batch_invariant=batch_invariant),
                 dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens),
                 fuses_qk_transform=True)  # q/k norm + RoPE + KV write: one kernel on a GPU (ops.qk_prepare)
+            if moe_outputs.any:  # the layers record their routing: traced inline, not apart
+                attention = inline_attention(attention)
         else:  # the same per device on its heads and KV shard (shard_map over tp)
             attention = plan.paged_attention(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=block_tables,
                                              cu_q_lens=cu_q_lens, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -123,6 +128,9 @@ def _single_program_forward(runner, row_outputs=None):
         lora = None if lora_arrays is None else lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
         hidden, kv_caches = model(input_ids, fields["positions"], kv_caches, attention, lora)
         kv_pool = kv_caches.pool if grouped else kv_caches
-        return kv_pool, row_outputs(model, hidden, fields), fields["sampling"], hidden
+        outputs = (kv_pool, row_outputs(model, hidden, fields), fields["sampling"], hidden)
+        if moe_outputs.any:
+            outputs += (device_outputs(model, moe_outputs, cu_q_lens[-1], config.moe.num_experts),)
+        return outputs
 
     return forward

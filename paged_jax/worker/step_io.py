@@ -13,6 +13,7 @@ import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.buckets import MAX_BLOCK_COPIES
+from paged_jax.worker.moe_outputs import row_routed_experts
 from paged_jax.ops.block_copy import copy_blocks
 
 
@@ -51,6 +52,10 @@ class StepOutput:
       draft_outputs / draft_rows: speculative decoding: the same fields for the target's samples at every draft
         position of the step (a ``StepOutput`` without prompt logprobs) and, per row that verified drafts, the range
         of its positions there, in draft order; None on steps without drafts.
+      routed_experts: per row its forwarded tokens' expert ids ``uint8 | uint16[n, num_sparse_layers, top_k]``
+        (``--enable-return-routed-experts``, ``paged_jax.worker.moe_outputs``), else None.
+      expert_load: ``int32[num_sparse_layers, E]`` the step's tokens per expert (``--enable-expert-load-metrics``),
+        else None.
     """
 
     sampled_token_ids: np.ndarray
@@ -62,6 +67,8 @@ class StepOutput:
     pooled: np.ndarray | None = None
     draft_outputs: "StepOutput | None" = None
     draft_rows: dict[int, range] | None = None
+    routed_experts: list[np.ndarray] | None = None
+    expert_load: np.ndarray | None = None
 
 
 def _sampler_rows(host: list[np.ndarray], rows: np.ndarray) -> StepOutput:
@@ -85,12 +92,16 @@ class PendingStep:
     targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
     ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``draft_sample_rows``:
     per input row that verifies drafts, the sample rows int64[k] of its draft positions (speculative decoding).
-    ``pooled``: a pooling step (its one output is the pooled rows).
+    ``pooled``: a pooling step (its one output is the pooled rows). A third member of ``device_outputs``, when
+    present, is the dict of ``paged_jax.worker.moe_outputs``; ``token_spans`` (first packed token, count) int64[n]
+    per input row splits its routed experts by row.
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
                  prompt_spans: list[tuple[int, int] | None] | None = None,
-                 draft_sample_rows: dict[int, np.ndarray] | None = None, pooled: bool = False):
+                 draft_sample_rows: dict[int, np.ndarray] | None = None, pooled: bool = False,
+                 token_spans: tuple[np.ndarray, np.ndarray] | None = None):
+        self._token_spans = token_spans
         self._pooled = pooled
         self._device_outputs = device_outputs
         self._rows_to_packed = rows_to_packed
@@ -124,7 +135,7 @@ class PendingStep:
                                    "(ModelRunner.dispatch_sampling)")
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            sampler_outputs, prompt_outputs = outputs
+            sampler_outputs, prompt_outputs, *moe = outputs
             host = [np.asarray(x) for x in sampler_outputs]  # their host copies were started at dispatch
             rows = self._rows_to_packed
             if self._pooled:
@@ -145,10 +156,17 @@ class PendingStep:
                 out.prompt_logprobs = [
                     None if span is None else PromptLogprobsChunk(*(a[span[0]:span[0] + span[1]] for a in arrays))
                     for span in self._prompt_spans]
+            if moe:
+                self._add_moe_outputs(out, moe[0])
             self._result = out
             self._device_outputs = ()
         return self._result
 
+    def _add_moe_outputs(self, out: StepOutput, moe: dict) -> None:
+        if "routed_experts" in moe:
+            out.routed_experts = row_routed_experts(np.asarray(moe["routed_experts"]), *self._token_spans)
+        if "expert_load" in moe:
+            out.expert_load = np.asarray(moe["expert_load"])
 
 
 @dataclasses.dataclass(frozen=True)

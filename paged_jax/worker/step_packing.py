@@ -68,6 +68,12 @@ class PackedStep:
     packed_sampled: np.ndarray
     draft_sample_rows: dict[int, np.ndarray] | None = None
 
+    def token_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first packed token, token count) int64[n] of each step row (step order)."""
+        a, b = self.layout.fields["cu_q_lens"]
+        cu = self.buf[a:b].astype(np.int64)
+        return cu[self.rows_to_packed], cu[self.rows_to_packed + 1] - cu[self.rows_to_packed]
+
 
 def pack_order(num_new: np.ndarray, num_forks: int) -> tuple[np.ndarray, np.ndarray]:
     """(order int64[n]: the step rows in packed order, rows_to_packed int64[n]: its inverse)."""

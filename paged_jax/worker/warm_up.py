@@ -224,13 +224,13 @@ class _CompileJobs:
 
     def compile_bitmask(self, forward, num_rows, seconds, turn):
         """The grammar bitmask of ``num_rows`` sampler rows, on the logits of ``forward`` (an ended future)."""
-        logits, _, _ = _forward_outputs(forward)
+        logits, _, _ = _forward_outputs(forward, self.runner)
         return load_or_compile(self.cache, self.runner._apply_grammar_bitmask,
                                (logits, self._host(_grammar_bitmask(self.runner, num_rows))), None, seconds, turn)
 
     def compile_sampler(self, forward, num_rows, variant, seconds, turn):
         """The sampler of ``num_rows`` rows and ``variant``, on the logits and sampling words of ``forward``."""
-        logits, sampling_words, _ = _forward_outputs(forward)
+        logits, sampling_words, _ = _forward_outputs(forward, self.runner)
         empty = _abstract(self.runner._no_history[num_rows])
         history = self._host(_penalty_history(self.runner, num_rows)) if variant.penalties else empty
         bias_table = self._host(_bias_table(self.runner, num_rows)) if variant.bias_table else empty
@@ -239,7 +239,7 @@ class _CompileJobs:
 
     def compile_prompt_logprobs(self, forward, num_tokens, seconds, turn):
         """The prompt logprobs of ``num_tokens`` tokens, on the hidden states of ``forward``."""
-        _, _, hidden = _forward_outputs(forward)
+        _, _, hidden = _forward_outputs(forward, self.runner)
         targets = self._host(np.zeros((num_tokens,), np.int32))
         return load_or_compile(self.cache, self.runner._prompt_logprobs, (self.params, hidden, targets), None,
                                seconds, turn)
@@ -253,10 +253,10 @@ class _CompileJobs:
                                turn)
 
 
-def _forward_outputs(future) -> tuple:
+def _forward_outputs(future, runner) -> tuple:
     """A compiled forward's (ended ``future``'s) abstract outputs the other executables take: ``(logits, sampling
     words, hidden)``."""
-    _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()))
+    _, logits, sampling_words, hidden = _split_forward_outputs(_compiled_outputs(future.result()), runner)
     return logits, sampling_words, hidden
 
 
@@ -366,8 +366,10 @@ def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | No
     return work.spans
 
 
-def _split_forward_outputs(outputs: list) -> tuple[list, object, object, object]:
-    """The forward's flat outputs -> (kv pool leaves, logits, sampling words, hidden)."""
+def _split_forward_outputs(outputs: list, runner) -> tuple[list, object, object, object]:
+    """The forward's flat outputs -> (kv pool leaves, logits, sampling words, hidden); the arrays of the runner's
+    ``moe_outputs`` that follow them are dropped."""
+    outputs = outputs[:len(outputs) - runner.moe_outputs.num_arrays]
     return outputs[:-3], outputs[-3], outputs[-2], outputs[-1]
 
 
@@ -387,7 +389,7 @@ def _run_every_executable(runner, bar) -> None:
     logits_by_rows, hidden_by_tokens = {}, {}
     for num_tokens, num_seqs in runner.buckets:
         buf = _padding_step_buffer(runner, num_tokens, num_seqs)
-        runner.kv_pool, logits, sampling_words, hidden = runner._forward(
+        runner.kv_pool, logits, sampling_words, hidden, *_ = runner._forward(
             runner._param_leaves, runner.kv_pool, jax.device_put(buf, device), runner._prev_tokens,
             runner.lora_slots and runner.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
         logits_by_rows.setdefault(runner.layout(num_tokens, num_seqs).num_sample_rows, (logits, sampling_words))

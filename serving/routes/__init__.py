@@ -8,8 +8,11 @@ app's ``OpenAIServer`` through the ``serving.openai_server.get_server`` dependen
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any
 
+import numpy as np
 from fastapi.responses import Response
 
 from serving.protocol import ErrorResponse
@@ -43,3 +46,13 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 def json_response(model: Any, status_code: int = 200) -> Response:
     # pydantic serializes every key (None as null), which OpenAI clients expect.
     return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+def encode_routed_experts(routed_experts: np.ndarray | None) -> str | None:
+    """A choice's ``routed_experts`` as vLLM's responses carry it: the base64 of the array's ``.npy`` bytes
+    (``np.load(io.BytesIO(base64.b64decode(s)))`` reads it back), or None."""
+    if routed_experts is None:
+        return None
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(routed_experts), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -13,7 +13,7 @@ from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                               unix_time)
-from serving.routes import GENERATION_RESPONSES, json_response
+from serving.routes import GENERATION_RESPONSES, encode_routed_experts, json_response
 from serving.streaming import EngineStreamingResponse, SSEChunks, collect_final, usage_options
 
 router = APIRouter()
@@ -49,7 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             index=completion.index, message=ChatMessage(role=role, content=content, tool_calls=tool_calls,
                                                         reasoning_content=reasoning),
             logprobs=logprobs, finish_reason=output.finish_reason(completion.finish_reason),
-            stop_reason=completion.stop_reason))
+            stop_reason=completion.stop_reason, routed_experts=encode_routed_experts(completion.routed_experts)))
     choices.sort(key=lambda choice: choice.index)
     num_completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
     usage = SSEChunks.usage_info(submission.num_prompt_tokens, num_completion_tokens,

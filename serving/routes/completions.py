@@ -12,7 +12,7 @@ from serving.errors import APIError
 from serving.openai_server import OpenAIServer, get_server
 from serving.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
                               CompletionStreamChoice, CompletionStreamResponse, unix_time)
-from serving.routes import GENERATION_RESPONSES, json_response
+from serving.routes import GENERATION_RESPONSES, encode_routed_experts, json_response
 from serving.streaming import (CompletionTextChunk, EngineStreamingResponse, SSEChunks, collect_final, merge_streams,
                                usage_options)
 
@@ -85,7 +85,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request,
             choices.append(CompletionResponseChoice(
                 index=prompt_index * body.n + completion.index, text=prefix + completion.text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                prompt_logprobs=prompt_logprobs))
+                prompt_logprobs=prompt_logprobs, routed_experts=encode_routed_experts(completion.routed_experts)))
             num_completion_tokens += len(completion.token_ids)
     choices.sort(key=lambda choice: choice.index)
     usage = SSEChunks.usage_info(sum(num_prompt_tokens), num_completion_tokens,

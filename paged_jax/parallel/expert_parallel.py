@@ -1,0 +1,86 @@
+"""Expert parallelism (vLLM's ``--enable-expert-parallel``): each device of the tp axis holds ``E / ep`` whole experts
+(gate, up and down ``[E/ep, ...]``, split over the expert axis) instead of a slice of every expert's width; attention
+stays tensor parallel. With the engine's tp-only meshes the EP group is the tp axis (vLLM: EP size = TP x DP; dp > 1
+is refused, each data-parallel replica being an engine of its own here).
+
+How a sparse layer runs (``ExpertParallel``, under ``shard_map``):
+
+1. The router and top-k run on every device alike (replicated; the layer's input is already whole on every device
+   after the attention block's all-reduce), so every device knows every token's experts: no dispatch collective.
+2. Each device runs the grouped matmuls of its own experts over the (token, slot) pairs routed to them and takes
+   their weighted sum per token in float32 (``models.moe_routing.local_experts_partial``: pairs of other devices'
+   experts are sorted past every group and weighted 0).
+3. Combine: one ``psum`` of the float32 partial sums over the axis, rounded to the model dtype once.
+
+Exactness: a token's output is the same weighted sum as on one device, in float32 and rounded once; only the order
+of the float32 additions differs (per device, then across devices), as tensor parallelism's all-reduce does.
+
+Trade-off against the alternatives: the combine moves ``T x H`` float32 per layer (one all-reduce, the volume of the
+tp-in-experts layout's), where an all-to-all dispatch / combine would move only each token's k expert rows but needs
+tokens split over devices (data-parallel attention) to pay off, and variable-size exchanges. Every device sorts all
+``T x k`` pairs and runs grouped matmuls with that static row count, of which only its own experts' rows are in a
+group (a grouped kernel computes just their tiles; XLA's ``ragged_dot`` may compute more). Per device the weights
+are ``1 / ep`` of the experts, whole, so each expert's matmuls keep their full width (no ``I / tp`` slivers), at the
+price of load imbalance when the router favours one device's experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from models.moe import grouped_matmul_for
+from models.moe_routing import local_experts_partial
+from paged_jax.parallel.mesh import TP_AXIS
+
+
+def check_expert_parallel(config, ep_size: int) -> None:
+    """ValueError naming ``enable_expert_parallel`` when ``config`` (a ``models.config.ModelConfig``) cannot split its
+    experts over ``ep_size`` devices."""
+    if config.moe is None:
+        raise ValueError(f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers")
+    if config.moe.num_experts % ep_size != 0:
+        raise ValueError(f"enable_expert_parallel: num_experts ({config.moe.num_experts}) must be divisible by the "
+                         f"expert-parallel size ({ep_size} = tensor_parallel_size)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """``models.moe.moe_experts`` with the experts split over mesh axis ``axis`` (a ``SparseMoeBlock``'s static
+    ``expert_parallel``; hashable, so it lives in the model's graphdef).
+
+    Call: ``(x dtype[T, H], w_gate / w_up [E, H, I], w_down [E, I, H] (split over E), topk_weights float32[T, k],
+    topk_ids int32[T, k], *, impl) -> dtype[T, H]``, the same as ``moe_experts``; ``impl`` picks each device's grouped
+    matmul (``models.moe.MOE_IMPLS``) for its local arrays.
+    """
+
+    mesh: Mesh
+    axis: str = TP_AXIS
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    @property
+    def expert_spec(self) -> P:
+        """The PartitionSpec of a stacked expert weight ``[E, in, out]``."""
+        return P(self.axis, None, None)
+
+    def __call__(self, x, w_gate, w_up, w_down, topk_weights, topk_ids, *, impl: str = "xla") -> jax.Array:
+        axis = self.axis
+        grouped_matmul = grouped_matmul_for(impl, topk_ids.size, x.shape[1], x.dtype)
+
+        def per_device(x, w_gate, w_up, w_down, topk_weights, topk_ids):
+            first = jax.lax.axis_index(axis) * w_gate.shape[0]
+            partial = local_experts_partial(grouped_matmul, x, w_gate, w_up, w_down, topk_weights, topk_ids,
+                                            first.astype(jnp.int32))
+            return jax.lax.psum(partial, axis).astype(x.dtype)
+
+        experts = self.expert_spec
+        # check_vma off: a grouped-matmul kernel carries no varying-axis annotations; the specs are exact anyway.
+        run = jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), experts, experts, experts, P(), P()),
+                            out_specs=P(), check_vma=False)
+        return run(x, w_gate, w_up, w_down, topk_weights, topk_ids)

@@ -1,0 +1,148 @@
+"""Expert parallelism (``--enable-expert-parallel``) and tensor parallelism inside the experts on CPU meshes of host
+devices: the tiny Qwen3-MoE and Mixtral checkpoints at tp = 2 and 4, EP on and off, equal to one device through the
+model call (logits) and through the engine (greedy fp32 tokens); what is refused is named."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models.attention import dense_causal_attention
+from models.loader import load_model
+from models.moe import SparseMoeBlock, grouped_matmul_reference, moe_experts_reference
+from models.moe_routing import local_experts_partial
+from models.testing import save_random_hf_checkpoint, tiny_config
+
+pytest.importorskip("transformers")
+
+ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral": dict(num_hidden_layers=2)}
+SEQ_LENS = (7, 1, 12)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+    for arch, overrides in ARCHS.items():
+        paths[arch] = tmp_path_factory.mktemp(arch)
+        save_random_hf_checkpoint(tiny_config(arch, eos_token_id=None, **overrides), paths[arch], seed=13)
+    return paths
+
+
+def _forward_logits(model, config, seqs):
+    input_ids = np.concatenate(seqs)
+    positions = np.concatenate([np.arange(len(s), dtype=np.int32) for s in seqs])
+    segment_ids = np.concatenate([np.full(len(s), i, dtype=np.int32) for i, s in enumerate(seqs)])
+
+    @nnx.jit
+    def forward(model, ids):
+        attention = dense_causal_attention(segment_ids, config.head_dim ** -0.5, positions=positions)
+        hidden, _ = model(ids, jnp.asarray(positions), None, attention)
+        return model.compute_logits(hidden)
+
+    return np.asarray(forward(model, input_ids))
+
+
+def test_local_expert_shares_sum_to_the_whole_layer():
+    """Splitting the experts into devices' shares and summing their float32 partials is the layer's output, with the
+    reference grouped matmul and with the Pallas kernel (interpreted; it leaves the rows of other devices' experts,
+    past every group, unwritten)."""
+    import functools
+
+    from paged_jax.ops.fused_moe import grouped_matmul_pallas
+
+    rng = np.random.default_rng(0)
+    num_experts, hidden, inter, tokens, top_k = 8, 16, 12, 9, 2
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+    gate, up = (jnp.asarray(rng.standard_normal((num_experts, hidden, inter)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((num_experts, inter, hidden)), jnp.float32)
+    weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]), jnp.int32)
+    whole = moe_experts_reference(x, gate, up, down, weights, ids)
+    kernel = functools.partial(grouped_matmul_pallas, interpret=True)
+    for grouped_matmul, ep in ((grouped_matmul_reference, 2), (grouped_matmul_reference, 4), (kernel, 4)):
+        size = num_experts // ep
+        shares = [local_experts_partial(grouped_matmul, x, gate[d * size:(d + 1) * size],
+                                        up[d * size:(d + 1) * size], down[d * size:(d + 1) * size], weights, ids,
+                                        jnp.int32(d * size)) for d in range(ep)]
+        np.testing.assert_allclose(np.asarray(sum(shares)), np.asarray(whole), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_model_call_equals_one_device(checkpoints, arch, tp):
+    """Logits of the model call with the experts split over their width (EP off) or over the experts (EP on) equal
+    one device's; with EP each device holds num_experts / tp whole experts."""
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    checkpoint = checkpoints[arch]
+    model, config = load_model(checkpoint, dtype="float32")
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(3, config.vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
+    reference = _forward_logits(model, config, seqs)
+    num_experts = config.moe.num_experts
+    for expert_parallel in (False, True):
+        plan = ShardingPlan.create(config, make_mesh(tp), expert_parallel=expert_parallel)
+        sharded = load_sharded_model(checkpoint, plan, dtype="float32")
+        block = next(layer.mlp for layer in sharded.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+        down = block.experts.down_proj.get_value()
+        if expert_parallel:
+            assert down.sharding.spec == P("tp", None, None)
+            assert down.sharding.shard_shape(down.shape)[0] == num_experts // tp
+            assert block.expert_parallel is not None and block.impl == "auto"  # the kernel on a GPU
+        else:
+            assert down.sharding.spec == P(None, "tp", None) and block.expert_parallel is None
+        np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
+
+
+_ONE_DEVICE: dict = {}  # the one-device tokens of each checkpoint, computed once
+
+
+def _greedy(path, prompts, **layout):
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              num_gpu_blocks_override=16, use_tqdm=False, **layout)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+    assert all(o.outputs[0].routed_experts is None for o in out)  # off by default
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+# tp = 2 and 4, EP on and off, over the two architectures (Mixtral at tp = 2 without EP: tests/test_moe.py).
+@pytest.mark.parametrize("arch, layout", [
+    ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("qwen3_moe", dict(tensor_parallel_size=4, enable_expert_parallel=False)),
+    ("mixtral", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
+], ids=["qwen3_moe-tp2-ep", "qwen3_moe-tp4", "mixtral-tp4-ep"])
+def test_engine_greedy_equals_one_device(checkpoints, arch, layout):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
+    if arch not in _ONE_DEVICE:
+        _ONE_DEVICE[arch] = _greedy(checkpoints[arch], prompts)
+    assert _greedy(checkpoints[arch], prompts, **layout) == _ONE_DEVICE[arch]
+
+
+def test_refusals_name_the_field(tmp_path):
+    from models.config import ModelConfig
+    from paged_jax.config import EngineArgs
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    six_experts = ModelConfig.from_hf_config(tiny_config("qwen3_moe", num_experts=6))
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: num_experts \(6\) must be divisible.*\(4 "):
+        ShardingPlan.create(six_experts, make_mesh(4), expert_parallel=True)
+    dense = ModelConfig.from_hf_config(tiny_config("qwen3"))
+    with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
+        ShardingPlan.create(dense, make_mesh(2), expert_parallel=True)
+    for other in ("data_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValueError, match=f"^enable_expert_parallel is not supported with {other} > 1"):
+            EngineArgs(enable_expert_parallel=True, **{other: 2})
+    # Through the engine: a dense checkpoint is refused before anything is compiled.
+    save_random_hf_checkpoint(tiny_config("qwen3"), tmp_path)
+    with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
+        LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,
+            use_tqdm=False)
