@@ -138,13 +138,7 @@ class ModelRunner:
         # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
         self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=mixes_kv_groups(sharding_plan))
         self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
-        self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
-        self.seq_buckets = sorted({s for _, s in self.buckets})
-        self.num_speculative_tokens = num_speculative_tokens
-        self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
-        # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
-        self.sampler_seq_buckets = sorted({sampler_rows_for(sample_rows_needed(t, s, num_speculative_tokens),
-                                                            self._max_sample_rows) for t, s in self.buckets})
+        self._plan_shapes(buckets, num_speculative_tokens)
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
         self.logprobs_mode = logprobs_mode  # vLLM's: what the sampler's logprobs are taken of (sampler.LOGPROBS_MODES)
         self.sampler_variants = _sampler_variants(self.max_logprobs)
@@ -190,6 +184,17 @@ class ModelRunner:
                                     device=self.device) if num_host_blocks else None  # swap's and the host tier's
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
+
+    def _plan_shapes(self, buckets: Sequence[tuple[int, int]] | None, num_speculative_tokens: int) -> None:
+        """The compiled step shapes: ``buckets`` (default ``make_buckets``), their seq counts, and the sampler's row
+        counts (coarser than the seq buckets: fewer compiles)."""
+        self.buckets = (sorted(buckets) if buckets is not None
+                        else make_buckets(self.max_num_batched_tokens, self.max_num_seqs))
+        self.seq_buckets = sorted({s for _, s in self.buckets})
+        self.num_speculative_tokens = num_speculative_tokens
+        self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
+        self.sampler_seq_buckets = sorted({sampler_rows_for(sample_rows_needed(t, s, num_speculative_tokens),
+                                                            self._max_sample_rows) for t, s in self.buckets})
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
