@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.moe import SparseMoeBlock, check_moe_impl, grouped_matmul_for, refuse_mlp_lora, sort_by_expert
+from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, refuse_mlp_lora,
+                        sort_by_expert)
 from models.quantization import mxfp4
 
 # Expert parameters stored under their own names in the checkpoint, in model layout (the loader reads them as is).
@@ -94,6 +95,8 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.alpha, self.limit = moe.swiglu_alpha, moe.swiglu_limit
         self.dtype = dtype
         self.impl = check_moe_impl(impl)
+        self.capture_routing = False  # SparseMoeBlock's static hooks (models.moe_routing)
+        self.expert_parallel = None  # one device: gpt-oss refuses tensor parallelism
         self.router = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=True, dtype=dtype,
                                  param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
                                  bias_init=nnx.initializers.zeros_init(), rngs=rngs)
@@ -109,6 +112,8 @@ class GptOssMoeBlock(SparseMoeBlock):
         """``x: [T, H]`` -> ``[T, H]``; LoRA adapters of the experts are refused as ``SparseMoeBlock`` does."""
         refuse_mlp_lora(lora)
         weights, ids = self.route(x)
+        if self.capture_routing:
+            self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
         num_pairs, num_experts = ids.size, self.experts.gate_up_proj_bias.shape[0]
         if self.experts.expert_format == "mxfp4" and num_pairs < MATVEC_PAIRS_PER_EXPERT * num_experts:
             out = self._gathered(x, ids)

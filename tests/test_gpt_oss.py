@@ -305,3 +305,32 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling):
     ours = rope_inv_freq(64, config.rope_theta, tuple(sorted(config.rope_scaling.items())))
     np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
     assert config.rope_scaling["attention_factor"] == pytest.approx(attention_factor)
+
+
+def test_routed_experts_of_gpt_oss_equal_its_routing(float_checkpoint):
+    """``enable_return_routed_experts`` on gpt-oss: every token's expert ids per layer equal the router's top-k of a
+    dense forward over the whole sequence."""
+    from flax import nnx
+
+    from models.moe_routing import pop_routed_experts, set_routing_capture
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    model, config = load_model(float_checkpoint, dtype="float32")
+    set_routing_capture(model, True)
+
+    @nnx.jit
+    def routing(model, ids):
+        positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+        model(ids, positions, None, dense_causal_attention(jnp.zeros_like(positions), config.head_dim ** -0.5,
+                                                           positions=positions))
+        return pop_routed_experts(model)
+
+    llm = LLM(model=str(float_checkpoint), dtype="float32", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=16, enable_prefix_caching=False, enable_return_routed_experts=True,
+              use_tqdm=False)
+    prompt = np.random.default_rng(2).integers(3, 200, size=20).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=5,
+                                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    sequence = prompt + list(out.token_ids)
+    np.testing.assert_array_equal(out.routed_experts, np.asarray(routing(model, jnp.asarray(sequence[:-1]))))

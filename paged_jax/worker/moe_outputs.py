@@ -54,6 +54,7 @@ def inline_attention(reusable):
 
     attention.fuses_qk_transform = reusable.fuses_qk_transform
     attention.takes_layer_attention = True
+    attention.takes_attention_sinks = getattr(reusable, "takes_attention_sinks", False)
     return attention
 
 
