@@ -123,9 +123,18 @@ def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_b
                 num_blocks * block_bytes / 2**30, num_host_blocks, max_model_len, concurrency)
     num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
                                         num_blocks=num_blocks, num_speculative_tokens=_num_speculative_tokens(args))
-    logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
-                len(runner.buckets), "" if args.compilation_cache_dir == "" else
+    logger.info("Compiling %d step executables (%d step shapes) %s%s", num_compiles, len(runner.buckets),
+                "a first few before serving, the rest in the background" if args.background_compilation
+                else "ahead of serving", "" if args.compilation_cache_dir == "" else
                 "; the JAX compilation cache makes later starts faster")
+
+
+def _step_limits_setter(scheduler: Scheduler):
+    """``ReadySet.on_limits``: the largest step the runner can run caps the scheduler's budget and seats
+    (``Scheduler.ready_limits``; called from the background compile thread: one attribute store)."""
+    def set_limits(tokens: int, seqs: int) -> None:
+        scheduler.ready_limits = (min(tokens, scheduler.max_num_batched_tokens), min(seqs, scheduler.max_num_seqs))
+    return set_limits
 
 
 def prefix_caching(args: EngineArgs, pooler) -> bool:
@@ -192,7 +201,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
                            max_num_seqs, max_num_batched_tokens)
     compile_start = time.perf_counter()
     timings["runner_init_s"] = compile_start - stage_start
-    runner.warm_up(use_tqdm=use_tqdm)
+    runner.ready.on_limits = _step_limits_setter(scheduler)
+    runner.warm_up(use_tqdm=use_tqdm, background=args.background_compilation)
     timings["warm_up_s"] = time.perf_counter() - compile_start
     runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
     logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,

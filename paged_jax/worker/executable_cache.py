@@ -60,7 +60,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _PACKAGES = ("paged_jax", "models")  # the code every step executable is traced from
 _PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 # Runner attributes that change while it runs (the fingerprint describes its configuration only).
-_RUN_TIME_STATE = frozenset({"warm_up_timings", "step_channel"})
+_RUN_TIME_STATE = frozenset({"warm_up_timings", "step_channel", "ready", "background"})
 
 
 class AheadOfTimeFunction:
