@@ -13,6 +13,15 @@ from paged_jax.worker.sampler import LOGPROBS_MODES
 logger = logging.getLogger(__name__)
 
 
+class Default(float):
+    """A float field's default that nobody gave: equal to the value, but a flag or keyword giving that same value
+    explicitly is a plain float, so ``log_compatibility_notes`` can warn about a setting given where it cannot act
+    even when it equals the default (argparse hands the field's default through untouched)."""
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
 @dataclasses.dataclass
 class EngineArgs:
     """Everything that configures one engine instance.
@@ -42,10 +51,10 @@ class EngineArgs:
     max_num_seqs: int | None = None  # None: 256 on GPU, 32 on CPU
     max_num_batched_tokens: int | None = None  # None: 8192 on GPU, 512 on CPU
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = Default(0.9)
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    swap_space: float = Default(4.0)  # GiB of host memory for swapped-out KV blocks
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # Split long prompts into chunks that share a step's token budget with decodes. Off: a prompt is prefilled whole
@@ -202,12 +211,11 @@ class EngineArgs:
     def log_compatibility_notes(self, on_accelerator: bool = True) -> None:
         """One log line for each vLLM flag that is accepted but has nothing to change here, and one warning for each
         flag set to a value that cannot act in this setting (``on_accelerator``: the engine runs on a GPU)."""
-        defaults = {field.name: field.default for field in dataclasses.fields(self)}
-        if not on_accelerator and self.gpu_memory_utilization != defaults["gpu_memory_utilization"]:
+        if not on_accelerator and not isinstance(self.gpu_memory_utilization, Default):
             logger.warning("gpu_memory_utilization=%s has no effect on the CPU: the KV pool there holds max_num_seqs "
                            "full-length sequences, at most 1 GiB (num_gpu_blocks_override sets it)",
                            self.gpu_memory_utilization)
-        if self.swap_space != defaults["swap_space"] and self.preemption_mode != "swap":
+        if not isinstance(self.swap_space, Default) and self.preemption_mode != "swap":
             logger.warning("swap_space=%s has no effect with preemption_mode=%r: host swap space is used only with "
                            "preemption_mode='swap' (--preemption-mode swap)", self.swap_space, self.preemption_mode)
         if self.enforce_eager:
