@@ -162,8 +162,8 @@ class BackgroundCompiles:
     """The background thread compiling ``jobs`` with ``compiler`` (``warm_up.Compiler``) into ``runner``'s tables,
     ``ready`` (``ReadySet``) growing as each lands; ``num_first`` executables were compiled before it."""
 
-    def __init__(self, runner, compiler, jobs: list[CompileJob], num_first: int):
-        self.runner, self._compiler, self._jobs = runner, compiler, jobs
+    def __init__(self, runner, compiler, jobs: list[CompileJob], num_first: int, timings: dict):
+        self.runner, self._compiler, self._jobs, self._timings = runner, compiler, jobs, timings
         self.num_first, self.num_landed, self.num_jobs = num_first, 0, len(jobs)
         self.seconds: float | None = None  # from start to the last executable landed
         self._landing = Landing()
@@ -193,8 +193,11 @@ class BackgroundCompiles:
         except BaseException:  # noqa: BLE001 - the engine serves on with what landed
             logger.exception("background compilation failed")
         finally:
+            self._timings["compile_jobs"] = sorted(self._compiler.spans, key=lambda span: span[1] + span[2])
+            if self._compiler.cache is not None:
+                self._timings["executables_loaded"] = self._compiler.cache.hits
             if self.num_landed == self.num_jobs:
-                self.seconds = time.perf_counter() - self._started
+                self.seconds = self._timings["background_s"] = time.perf_counter() - self._started
                 self.runner.ready.finish()
                 logger.info("all %d step executables ready, %.1f s after serving started",
                             self.num_first + self.num_jobs, self.seconds)
@@ -218,7 +221,9 @@ class BackgroundCompiles:
 
 def warm_up_in_background(runner, use_tqdm: bool = True, threads: int | None = None) -> dict:
     """Compile and run ``first_jobs``, then start ``BackgroundCompiles`` for the rest (``runner.background``).
-    Returns ``warm_up_jobs``' timings plus ``first_executables`` and ``background_executables``."""
+    Returns ``warm_up_jobs``' timings plus ``first_executables`` and ``background_executables``; the background
+    thread updates ``compile_jobs`` and ``executables_loaded`` in it and adds ``background_s`` (from its start to
+    the last executable landed) when done."""
     first = first_jobs(runner)
     rest = background_jobs(runner, first)
     runner.ready.start()
@@ -230,5 +235,6 @@ def warm_up_in_background(runner, use_tqdm: bool = True, threads: int | None = N
     logger.info("ready to serve after %d of %d step executables in %.1f s (steps up to %d tokens, %d sequences); "
                 "compiling the other %d in the background", len(first), len(first) + len(rest),
                 time.perf_counter() - start, tokens, seqs, len(rest))
-    runner.background = BackgroundCompiles(runner, compiler, rest, len(first)).start()
-    return {**timings, "first_executables": len(first), "background_executables": len(rest)}
+    timings.update(first_executables=len(first), background_executables=len(rest))
+    runner.background = BackgroundCompiles(runner, compiler, rest, len(first), timings).start()
+    return timings
