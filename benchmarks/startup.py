@@ -27,17 +27,27 @@ Every start also reports per phase: ``imports_s`` (child start to ``LLMEngine(..
 concurrent compiles, or loads: ``executables_loaded`` of them came from the executable cache),
 ``kv_pool_s``, ``warm_up_run_s`` (one run of each executable),
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
-start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
+start to that token, imports included), ``process_to_all_ready_s`` / ``all_ready_s`` (child start / ready -> every
+step executable ready: with background compilation, the default, the engine serves after ``first_executables`` and
+compiles ``background_executables`` while it serves; ``--no-background-compilation``: all before serving); ``compile_threads``, ``num_compiles`` and the compilation cache's
 ``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed),
 ``compile_jobs`` (every warm-up compile job, ``[label, start s, seconds, lowering s]`` by end time: a cold start's
 critical path)
 and ``num_gpu_blocks`` (the KV pool's block count, a compiled shape).
+
+``--serve`` times each start as ``paged-jax serve`` instead (``python -m serving`` with the same engine flags):
+``process_to_first_token_s`` to the response of a one-token completion, ``process_to_all_ready_s`` to the engine's
+log line saying every step executable is ready, then SIGTERM (``exit_s``, ``exit_code``). ``--load-format dummy``
+with ``--shape``: random weights made at load, nothing written (the compile modes only).
 
 Examples (one command each; prints one JSON line):
   python -m benchmarks.startup --model ~/.cache/paged_jax/SmolLM2-135M-Instruct --repeats 2
   python -m benchmarks.startup --shape llama-3.1-8b --workdir /tmp/startup   # GPU: writes ~16 GB, then times
   python -m benchmarks.startup --shape qwen3-0.6b --modes compile_cold,compile_warm --repeats 3 \
       --max-num-batched-tokens 2048 --max-model-len 4096
+  python -m benchmarks.startup --modes compile_cold --repeats 1 --no-compile-warmup [--serve]   # CPU, built-in model
+  python -m benchmarks.startup --shape llama-3.1-8b --load-format dummy --modes compile_cold --repeats 1 \
+      --no-compile-warmup --max-model-len 4096 [--serve]   # GPU: first token, every bucket ready
 Figures: benchmarks/RESULTS.md.
 """
 
