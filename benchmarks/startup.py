@@ -321,7 +321,7 @@ def _run_serve(engine_kwargs: dict, env: dict, timeout: float = 1800.0) -> dict:
                     raise RuntimeError(f"the server exited or never answered (exit code {proc.poll()})")
                 try:
                     model = client.get("/v1/models").json()["data"][0]["id"]
-                    response = client.post("/v1/completions", json={"model": model, "prompt": "Hello",
+                    response = client.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3, 4],
                                                                      "max_tokens": 1, "temperature": 0})
                 except (httpx.HTTPError, KeyError, ValueError):
                     time.sleep(0.05)
@@ -354,7 +354,7 @@ def _dir_gib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1024 ** 3
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
     src = p.add_mutually_exclusive_group()
@@ -382,6 +382,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--serve", action="store_true",
                    help="time each start as `paged-jax serve` (python -m serving) answering a one-token completion")
     p.add_argument("--out", help="also write the JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = _parser()
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
@@ -394,10 +399,8 @@ def main(argv: list[str] | None = None) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"argv": sys.argv[1:] if argv is None else argv}
     dummy = args.load_format == "dummy"
-    if dummy and not args.shape:
-        p.error("--load-format dummy needs --shape")
-    if args.shape and dummy:
-        checkpoint = args.shape
+    if dummy:
+        checkpoint = args.shape or p.error("--load-format dummy needs --shape")
     elif args.shape:
         from models.presets import PRESETS
 

@@ -179,10 +179,13 @@ class ModelRunner:
         self.pools = bool(getattr(self.forward_strategy, "pools", False))
         self._single_process = jax.process_count() == 1
         self._build_jitted()
+        self._init_warm_up_state()
+
+    def _init_warm_up_state(self) -> None:
+        """Nothing compiled yet. ``ready``: what steps can run now (everything, unless executables still land in the
+        background: ``background``, their ``BackgroundCompiles``; paged_jax.worker.background_compile)."""
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
-        # What steps can run now: everything, unless executables still compile in the background (``background``:
-        # its ``BackgroundCompiles``, paged_jax.worker.background_compile).
         self.ready = ReadySet(self)
         self.background = None
 
