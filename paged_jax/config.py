@@ -72,8 +72,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # Serve once the smallest step shapes are compiled and compile the others on a background thread, steps capped
     # at the largest shape ready meanwhile (paged_jax.worker.background_compile). False: every step executable is
-    # compiled before the engine serves (full speed from the first request).
-    background_compilation: bool = True
+    # compiled before the engine serves (full speed from the first request). None: on, unless
+    # $PAGED_JAX_BACKGROUND_COMPILATION is 0.
+    background_compilation: bool | None = None
     # Accepted for vLLM launch lines, with a log note: no remote code is ever run, the architectures are built in.
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1

@@ -183,8 +183,9 @@ def test_sigterm_while_executables_compile_in_the_background_ends_every_process(
     with open(log, "w") as stderr:
         server = subprocess.Popen(
             [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--compilation-cache-dir",
-             str(tmp_path / "cache")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--background-compilation",
+             "--compilation-cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+            stderr=stderr)
     try:
         deadline = time.monotonic() + 300
         while True:

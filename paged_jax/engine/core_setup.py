@@ -22,6 +22,7 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
+from paged_jax.worker.background_compile import background_compilation_enabled
 from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
@@ -124,7 +125,8 @@ def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_b
     num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=num_host_blocks > 0,
                                         num_blocks=num_blocks, num_speculative_tokens=_num_speculative_tokens(args))
     logger.info("Compiling %d step executables (%d step shapes) %s%s", num_compiles, len(runner.buckets),
-                "a first few before serving, the rest in the background" if args.background_compilation
+                "a first few before serving, the rest in the background"
+                if background_compilation_enabled(args.background_compilation)
                 else "ahead of serving", "" if args.compilation_cache_dir == "" else
                 "; the JAX compilation cache makes later starts faster")
 
@@ -202,7 +204,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     compile_start = time.perf_counter()
     timings["runner_init_s"] = compile_start - stage_start
     runner.ready.on_limits = _step_limits_setter(scheduler)
-    runner.warm_up(use_tqdm=use_tqdm, background=args.background_compilation)
+    runner.warm_up(use_tqdm=use_tqdm, background=background_compilation_enabled(args.background_compilation))
     timings["warm_up_s"] = time.perf_counter() - compile_start
     runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
     logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,

@@ -26,6 +26,7 @@ several processes (each node must pick the same buckets as node 0).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -38,6 +39,8 @@ from paged_jax.worker.step_io import SamplerVariant
 from paged_jax.worker.warm_up import CompileJob
 
 logger = logging.getLogger(__name__)
+
+BACKGROUND_COMPILATION_ENV = "PAGED_JAX_BACKGROUND_COMPILATION"
 
 _GENERAL_MODES = tuple(mode.value for mode in MODE_ORDER)  # each a superset of the ones before it
 
@@ -108,6 +111,13 @@ class ReadySet:
             if (num_rows, candidate, num_logprobs, False) in samplers:
                 return candidate
         return mode
+
+
+def background_compilation_enabled(flag: bool | None) -> bool:
+    """``background_compilation`` as given, else on unless ``$PAGED_JAX_BACKGROUND_COMPILATION`` is ``0``."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(BACKGROUND_COMPILATION_ENV, "1").strip() != "0"
 
 
 def can_compile_in_background(runner) -> bool:
