@@ -27,7 +27,8 @@ Every start also reports per phase: ``imports_s`` (child start to ``LLMEngine(..
 concurrent compiles, or loads: ``executables_loaded`` of them came from the executable cache),
 ``kv_pool_s``, ``warm_up_run_s`` (one run of each executable),
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
-start to that token, imports included), ``process_to_all_ready_s`` / ``all_ready_s`` (child start / ready -> every
+start to that token, imports included; ``cpu_to_first_token_s``: the CPU seconds the child used until then),
+``process_to_all_ready_s`` / ``all_ready_s`` (child start / ready -> every
 step executable ready: with background compilation, the default, the engine serves after ``first_executables`` and
 compiles ``background_executables`` while it serves; ``--no-background-compilation``: all before serving); ``compile_threads``, ``num_compiles`` and the compilation cache's
 ``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed),
@@ -62,6 +63,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -219,6 +221,12 @@ class _CompileCacheEvents(logging.Handler):
             self.missed.append(str(record.args[0]) if record.args else record.getMessage())
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) this process has used: on a shared machine, the work behind a wall time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _child(engine_kwargs: dict) -> dict:
     from jax import monitoring
 
@@ -246,6 +254,7 @@ def _child(engine_kwargs: dict) -> dict:
     while not engine.step():
         pass
     first_token = time.perf_counter()
+    cpu_to_first_token = _cpu_seconds()
     runner = engine.engine_core.runner
     if runner.background is not None:  # the rest of the step executables, compiling in the background
         runner.background.wait()
@@ -259,6 +268,7 @@ def _child(engine_kwargs: dict) -> dict:
             "warm_up_run_s": warm_up.get("run_s"), "first_token_s": first_token - ready,
             "process_s": ready - _T_PROCESS_START, "process_to_first_token_s": first_token - _T_PROCESS_START,
             "process_to_all_ready_s": all_ready - _T_PROCESS_START, "all_ready_s": all_ready - ready,
+            "cpu_to_first_token_s": cpu_to_first_token, "cpu_to_all_ready_s": _cpu_seconds(),
             "first_executables": warm_up.get("first_executables"),
             "background_executables": warm_up.get("background_executables"),
             "compile_threads": warm_up.get("threads"), "num_compiles": runner.num_compiles(),
