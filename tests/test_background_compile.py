@@ -88,6 +88,33 @@ def test_runner_serves_on_the_first_executables_then_grows_to_the_full_set(tiny_
     assert runner.num_compiles() == planned_num_compiles(32, 4) and runner.num_compiles_since_warmup == 0
 
 
+def test_background_order_covers_every_executable_once(tiny_model):
+    """The first set is the (1, 1) decode and the smallest prefill bucket with the greedy and general samplers at
+    their row count; the background order holds every other executable once, the forwards smallest first, each
+    sampler / bitmask / prompt-logprobs job after a forward it takes its inputs from."""
+    from paged_jax.worker.background_compile import background_jobs, first_jobs
+
+    model, config = tiny_model
+    runner = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=32, max_num_batched_tokens=512, num_host_blocks=8, eos_token_ids=[2])
+    first = first_jobs(runner)
+    assert [job.label for job in first] == ["forward[1, 1]", "forward[16, 8]", "sampler[8,greedy,0]",
+                                            "sampler[8,full,0,bias]"]
+    rest = background_jobs(runner, first)
+    everything = warm_up_lib.all_jobs(runner)
+    assert len(first) + len(rest) == len(everything) and set(first) | set(rest) == set(everything)
+    forwards = [job.shape for job in rest if job.kind == "forward"]
+    assert forwards == sorted(forwards)
+    seen = [job.shape for job in first if job.kind == "forward"]
+    for job in rest:
+        if job.kind == "forward":
+            seen.append(job.shape)
+        elif job.kind in ("sampler", "bitmask"):
+            assert any(runner.layout(*bucket).num_sample_rows == job.shape[0] for bucket in seen), job.label
+        elif job.kind == "prompt_logprobs":
+            assert any(bucket[0] == job.shape[0] for bucket in seen), job.label
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_random_hf_checkpoint(tiny_config("llama", vocab_size=128, bos_token_id=0, eos_token_id=1),
