@@ -34,7 +34,7 @@ from paged_jax.engine.exceptions import EngineOverloadedError, EngineProcessDied
 from paged_jax.engine.messages import (CORE_MESSAGE_DECODER, AbortRequests, AddRequests, CoreDied, CoreFailed,
                                        EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                        Shutdown, UtilityCall, encode)
-from paged_jax.worker.model_loader import load_tokenizer
+from paged_jax.worker.model_loader import import_tokenizer_library, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,9 @@ class EngineCoreProcClient:
         logger.info("engine process started (pid %d): loading the model and compiling; its progress follows",
                     process.pid)
         child_conn.close()
+        # The tokenizer's library imports while the core starts (it loads the tokenizer once the core is ready).
+        importer = threading.Thread(target=import_tokenizer_library, name="paged-jax-import", daemon=True)
+        importer.start()
         try:
             info = wait_until_ready(conn, process, start_timeout)
         except BaseException:

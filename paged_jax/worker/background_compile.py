@@ -25,10 +25,12 @@ several processes (each node must pick the same buckets as node 0).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 
 import jax
 
@@ -43,6 +45,7 @@ logger = logging.getLogger(__name__)
 BACKGROUND_COMPILATION_ENV = "PAGED_JAX_BACKGROUND_COMPILATION"
 
 _GENERAL_MODES = tuple(mode.value for mode in MODE_ORDER)  # each a superset of the ones before it
+_RUNNING: "weakref.WeakSet[BackgroundCompiles]" = weakref.WeakSet()
 
 
 def _general(num_rows: int) -> CompileJob:
@@ -186,6 +189,7 @@ class BackgroundCompiles:
 
     def start(self) -> "BackgroundCompiles":
         self._started = time.perf_counter()
+        _RUNNING.add(self)
         self._thread.start()
         return self
 
@@ -227,6 +231,32 @@ class BackgroundCompiles:
     def stop(self) -> None:
         """Drop the queued compiles; the ones in flight end on their own (daemon threads: nothing waits for them)."""
         self._stop.set()
+
+    def running(self) -> bool:
+        """Whether a compile (or the thread handing them out) is still running, stopped or not."""
+        queue = self._compiler.queue
+        return self._thread.is_alive() or (queue is not None and any(t.is_alive() for t in queue.threads))
+
+    def stop_and_wait(self) -> None:
+        """``stop``, then wait for the compiles in flight (at most one per thread)."""
+        self.stop()
+        self._thread.join()
+        if self._compiler.queue is not None:
+            self._compiler.queue.join()
+
+
+def compiles_in_flight() -> bool:
+    """Whether background compiles of this process are still running (a process that must end at once ends with
+    ``os._exit`` rather than wait for them: ``serving.engine_process``)."""
+    return any(compiles.running() for compiles in list(_RUNNING))
+
+
+@atexit.register
+def _wait_for_compiles_in_flight() -> None:
+    """An XLA compile cannot be interrupted, and a daemon thread still compiling when the interpreter finalizes dies
+    inside C++ (an abort): at exit, the queued compiles are dropped and the ones in flight waited for."""
+    for compiles in list(_RUNNING):
+        compiles.stop_and_wait()
 
 
 def warm_up_in_background(runner, use_tqdm: bool = True, threads: int | None = None) -> dict:

@@ -64,8 +64,10 @@ class _Workers:
         self._changed = threading.Condition()
         self._queued: list = []  # a heap of (priority, fn, future)
         self._stopping = False
-        for index in range(threads):
-            threading.Thread(target=self._serve, name=f"{name}-{index}", daemon=True).start()
+        self.threads = [threading.Thread(target=self._serve, name=f"{name}-{index}", daemon=True)
+                        for index in range(threads)]
+        for thread in self.threads:
+            thread.start()
 
     def put(self, priority: int, fn, future: concurrent.futures.Future) -> None:
         with self._changed:
@@ -173,3 +175,12 @@ class JobQueue:
     def stop(self) -> None:
         self._stopping.set()
         self._workers.stop()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return self._workers.threads
+
+    def join(self) -> None:
+        """Wait until the worker threads have ended (after ``stop``: once their jobs in flight have)."""
+        for thread in self.threads:
+            thread.join()

@@ -76,6 +76,12 @@ def resolve_model(args: EngineArgs) -> tuple[str | None, Any]:
                                   what=what)), None
 
 
+def import_tokenizer_library() -> None:
+    """Import what ``load_tokenizer`` uses (transformers' tokenizer classes, torch with them: seconds) ahead of it, on
+    a thread while an engine process starts."""
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+
+
 def load_tokenizer(args: EngineArgs, model_path: str | None):
     """The HF tokenizer of ``args.tokenizer`` (local or Hub) or of the checkpoint; None when there is none (token-id
     prompts only)."""

@@ -275,6 +275,7 @@ class Compiler:
         self._jobs = _CompileJobs(runner, cache)
         self._forwards: dict[tuple[int, int], concurrent.futures.Future] = {}  # bucket -> its compile, by submission
         self.spans: list[list] = []
+        self.queue: JobQueue | None = None  # the last ``compile``'s
 
     def compile(self, jobs: list[CompileJob], on_landed=None, stop: threading.Event | None = None,
                 raise_failures: bool = True, name: str = "paged-jax-compile") -> None:
@@ -282,7 +283,7 @@ class Compiler:
         this thread) as each executable lands in its table. A failure is re-raised (the queued jobs dropped), or
         with ``raise_failures`` False logged (the jobs that take its outputs fail too). ``stop``: when set, the
         queued jobs are dropped and this returns (those in flight still land)."""
-        queue = JobQueue(self.threads, self.started, name)
+        queue = self.queue = JobQueue(self.threads, self.started, name)
         for job in jobs:
             self._submit(queue, job)
 
