@@ -286,7 +286,9 @@ def _run_child(engine_kwargs: dict, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-_ALL_READY = re.compile(r"all \d+ step executables ready|Compiled in ")  # the engine's last start-up line
+# The engine's line once every step executable is ready: the background thread's last, or (compiled before serving)
+# the start-up's last.
+_ALL_READY = {True: re.compile(r"all \d+ step executables ready"), False: re.compile(r"Compiled in ")}
 
 
 def _serve_flags(engine_kwargs: dict) -> list[str]:
@@ -319,7 +321,7 @@ def _run_serve(engine_kwargs: dict, env: dict, timeout: float = 1800.0) -> dict:
     def read_log() -> None:
         for line in proc.stderr:
             sys.stderr.write(line)
-            if not all_ready and _ALL_READY.search(line):
+            if not all_ready and _ALL_READY[engine_kwargs.get("background_compilation", True)].search(line):
                 all_ready.append(time.perf_counter() - start)
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()

@@ -207,8 +207,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     runner.warm_up(use_tqdm=use_tqdm, background=background_compilation_enabled(args.background_compilation))
     timings["warm_up_s"] = time.perf_counter() - compile_start
     runner.step_channel = leader_channel()  # multi-host node 0: the other nodes replay its steps
-    logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
-                time.perf_counter() - start)
+    logger.info("%s in %.1f s; engine ready in %.1f s", "First executables compiled" if runner.background
+                else "Compiled", time.perf_counter() - compile_start, time.perf_counter() - start)
     info = EngineCoreInfo(max_model_len=max_model_len, vocab_size=config.vocab_size,
                           eos_token_ids=list(loaded.eos_token_ids), max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_logprobs=runner.max_logprobs,
