@@ -18,6 +18,11 @@ executable before serving, ``paged_jax.worker.warm_up``).
   path: ``num_compiles_since_warmup`` stays 0.
 * Once everything has landed, ``ReadySet`` holds every bucket and the full limits: steps run exactly as after a full
   warm-up. Background executables are not run once on padding first (the step thread owns the KV pool).
+* The background compiles run beside the KV pool: on a GPU, XLA's autotuning scratch memory comes from what the
+  pool's sizing leaves (the widest step's activations), ``PAGED_JAX_COMPILE_THREADS`` compiles at once.
+* At the interpreter's exit the queued compiles are dropped and the ones in flight waited for (a daemon thread
+  still inside XLA at finalization aborts the process); a core process ends without waiting
+  (``compiles_in_flight``, ``serving.engine_process``).
 
 Not used (a full warm-up instead) when the forward is not one jitted program (pipeline parallelism) or the job spans
 several processes (each node must pick the same buckets as node 0).
