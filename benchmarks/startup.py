@@ -27,17 +27,28 @@ Every start also reports per phase: ``imports_s`` (child start to ``LLMEngine(..
 concurrent compiles, or loads: ``executables_loaded`` of them came from the executable cache),
 ``kv_pool_s``, ``warm_up_run_s`` (one run of each executable),
 ``first_token_s`` (ready -> the first token of a 4-token greedy request) and ``process_to_first_token_s`` (child
-start to that token, imports included); ``compile_threads``, ``num_compiles`` and the compilation cache's
+start to that token, imports included; ``cpu_to_first_token_s``: the CPU seconds the child used until then),
+``process_to_all_ready_s`` / ``all_ready_s`` (child start / ready -> every
+step executable ready: with background compilation, the default, the engine serves after ``first_executables`` and
+compiles ``background_executables`` while it serves; ``--no-background-compilation``: all before serving); ``compile_threads``, ``num_compiles`` and the compilation cache's
 ``compile_cache_requests`` / ``_hits`` / ``_misses`` with ``compile_cache_missed`` (the executables that missed),
 ``compile_jobs`` (every warm-up compile job, ``[label, start s, seconds, lowering s]`` by end time: a cold start's
 critical path)
 and ``num_gpu_blocks`` (the KV pool's block count, a compiled shape).
+
+``--serve`` times each start as ``paged-jax serve`` instead (``python -m serving`` with the same engine flags):
+``process_to_first_token_s`` to the response of a one-token completion, ``process_to_all_ready_s`` to the engine's
+log line saying every step executable is ready, then SIGTERM (``exit_s``, ``exit_code``). ``--load-format dummy``
+with ``--shape``: random weights made at load, nothing written (the compile modes only).
 
 Examples (one command each; prints one JSON line):
   python -m benchmarks.startup --model ~/.cache/paged_jax/SmolLM2-135M-Instruct --repeats 2
   python -m benchmarks.startup --shape llama-3.1-8b --workdir /tmp/startup   # GPU: writes ~16 GB, then times
   python -m benchmarks.startup --shape qwen3-0.6b --modes compile_cold,compile_warm --repeats 3 \
       --max-num-batched-tokens 2048 --max-model-len 4096
+  python -m benchmarks.startup --modes compile_cold --repeats 1 --no-compile-warmup [--serve]   # CPU, built-in model
+  python -m benchmarks.startup --shape llama-3.1-8b --load-format dummy --modes compile_cold --repeats 1 \
+      --no-compile-warmup --max-model-len 4096 [--serve]   # GPU: first token, every bucket ready
 Figures: benchmarks/RESULTS.md.
 """
 
@@ -51,11 +62,16 @@ import argparse
 import json
 import logging
 import os
+import re
+import resource
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +221,12 @@ class _CompileCacheEvents(logging.Handler):
             self.missed.append(str(record.args[0]) if record.args else record.getMessage())
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) this process has used: on a shared machine, the work behind a wall time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _child(engine_kwargs: dict) -> dict:
     from jax import monitoring
 
@@ -232,7 +254,11 @@ def _child(engine_kwargs: dict) -> dict:
     while not engine.step():
         pass
     first_token = time.perf_counter()
+    cpu_to_first_token = _cpu_seconds()
     runner = engine.engine_core.runner
+    if runner.background is not None:  # the rest of the step executables, compiling in the background
+        runner.background.wait()
+    all_ready = time.perf_counter()
     warm_up = runner.warm_up_timings
     return {"model_load_s": engine.startup_timings["model_load_s"], "engine_init_s": ready - start,
             "imports_s": start - _T_PROCESS_START, **{f"engine_{k}": v for k, v in stages.items()},
@@ -241,6 +267,10 @@ def _child(engine_kwargs: dict) -> dict:
             "executables_loaded": warm_up.get("executables_loaded"),
             "warm_up_run_s": warm_up.get("run_s"), "first_token_s": first_token - ready,
             "process_s": ready - _T_PROCESS_START, "process_to_first_token_s": first_token - _T_PROCESS_START,
+            "process_to_all_ready_s": all_ready - _T_PROCESS_START, "all_ready_s": all_ready - ready,
+            "cpu_to_first_token_s": cpu_to_first_token, "cpu_to_all_ready_s": _cpu_seconds(),
+            "first_executables": warm_up.get("first_executables"),
+            "background_executables": warm_up.get("background_executables"),
             "compile_threads": warm_up.get("threads"), "num_compiles": runner.num_compiles(),
             "compile_jobs": warm_up.get("compile_jobs"),
             "num_gpu_blocks": runner.num_blocks,  # a compiled shape: must be the same on every start
@@ -256,6 +286,78 @@ def _run_child(engine_kwargs: dict, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# The engine's line once every step executable is ready: the background thread's last, or (compiled before serving)
+# the start-up's last.
+_ALL_READY = {True: re.compile(r"all \d+ step executables ready"), False: re.compile(r"Compiled in ")}
+
+
+def _serve_flags(engine_kwargs: dict) -> list[str]:
+    flags = []
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _run_serve(engine_kwargs: dict, env: dict, timeout: float = 1800.0) -> dict:
+    """One ``paged-jax serve`` start (``python -m serving``, its engine flags from ``engine_kwargs``): seconds from
+    the process start to the first token of a one-token completion (``process_to_first_token_s``) and to the
+    engine's line saying every step executable is ready (``process_to_all_ready_s``); then SIGTERM
+    (``exit_s``: until the server has exited, ``exit_code``)."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(port),
+                             *_serve_flags(engine_kwargs)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    all_ready: list[float] = []
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            if not all_ready and _ALL_READY[engine_kwargs.get("background_compilation", True)].search(line):
+                all_ready.append(time.perf_counter() - start)
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    result: dict = {}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            while "process_to_first_token_s" not in result:
+                if proc.poll() is not None or time.perf_counter() - start > timeout:
+                    raise RuntimeError(f"the server exited or never answered (exit code {proc.poll()})")
+                try:
+                    model = client.get("/v1/models").json()["data"][0]["id"]
+                    response = client.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3, 4],
+                                                                     "max_tokens": 1, "temperature": 0})
+                except (httpx.HTTPError, KeyError, ValueError):
+                    time.sleep(0.05)
+                    continue
+                if response.status_code == 200:
+                    result["process_to_first_token_s"] = time.perf_counter() - start
+                else:
+                    time.sleep(0.05)
+        while not all_ready and proc.poll() is None and time.perf_counter() - start < timeout:
+            time.sleep(0.05)
+        result["process_to_all_ready_s"] = all_ready[0] if all_ready else None
+    finally:
+        stop = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            result["exit_code"] = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            result["exit_code"] = proc.wait()
+        result["exit_s"] = time.perf_counter() - stop
+        reader.join(timeout=5)
+    return result
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------------------------------
@@ -264,7 +366,7 @@ def _dir_gib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1024 ** 3
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
     src = p.add_mutually_exclusive_group()
@@ -285,7 +387,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy (with --shape): random weights made at load, no checkpoint written, no weights cache")
+    p.add_argument("--no-background-compilation", action="store_true",
+                   help="compile every step executable before serving (the engine's --no-background-compilation)")
+    p.add_argument("--serve", action="store_true",
+                   help="time each start as `paged-jax serve` (python -m serving) answering a one-token completion")
     p.add_argument("--out", help="also write the JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = _parser()
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
@@ -297,7 +410,10 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="paged_jax_startup_"))
     workdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"argv": sys.argv[1:] if argv is None else argv}
-    if args.shape:
+    dummy = args.load_format == "dummy"
+    if dummy:
+        checkpoint = args.shape or p.error("--load-format dummy needs --shape")
+    elif args.shape:
         from models.presets import PRESETS
 
         start = time.perf_counter()
@@ -311,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         from models.smollm2 import ensure_smollm2
 
         checkpoint = ensure_smollm2()  # resolved before PAGED_JAX_CACHE is pointed at the workdir below
-    result.update({"checkpoint": str(checkpoint), "checkpoint_gib": round(_dir_gib(checkpoint), 3)})
+    result.update({"checkpoint": str(checkpoint), "checkpoint_gib": None if dummy else round(_dir_gib(checkpoint), 3)})
 
     cache_root = workdir / "cache"
     shutil.rmtree(cache_root, ignore_errors=True)
@@ -322,7 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine_kwargs = {"model": str(checkpoint), "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
                      "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "tokenizer": args.tokenizer,
-                     "compilation_cache_dir": str(compile_cache)}
+                     "compilation_cache_dir": str(compile_cache), "load_format": args.load_format,
+                     "background_compilation": not args.no_background_compilation}
     if not args.no_compile_warmup and set(modes) - {"compile_cold"}:
         # Dummy weights unless only the compilation cache is timed: then this start fills the weights cache too.
         result["compile_warmup"] = _run_child({**engine_kwargs, "load_format": "dummy"} if set(modes) & {
@@ -332,7 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
     weights_dir = cache_root / "weights"
     for repeat in range(args.repeats):
         for mode in modes:
-            kwargs = {**engine_kwargs, "weight_cache": mode != "no_cache"}
+            kwargs = {**engine_kwargs, "weight_cache": mode != "no_cache" and not dummy}
             if mode == "cold":
                 shutil.rmtree(weights_dir, ignore_errors=True)
             if mode == "compile_cold":  # an empty compilation cache of its own: every executable compiles
@@ -342,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
                 _run_child(kwargs, env)  # a warm weights cache needs an entry: make one, untimed
                 if mode == "compile_cold":  # ... without leaving its executables to the timed start
                     shutil.rmtree(kwargs["compilation_cache_dir"], ignore_errors=True)
-            runs[mode].append(_run_child(kwargs, env))
+            runs[mode].append(_run_serve(kwargs, env) if args.serve else _run_child(kwargs, env))
     for mode, mode_runs in runs.items():
         keys = sorted({k for run in mode_runs for k, v in run.items() if isinstance(v, (int, float))})
         result[mode] = {**{k: round(statistics.median(run[k] for run in mode_runs), 3) for k in keys},

@@ -40,6 +40,14 @@ def parse_weight_transfer_config(value: str | dict | None) -> dict | None:
         raise ValueError(f"weight_transfer_config must be {{\"backend\": one of {backends}}}, got {value!r}")
     return dict(value)
 
+class Default(float):
+    """A float field's default that nobody gave: equal to the value, but a flag or keyword giving that same value
+    explicitly is a plain float, so ``log_compatibility_notes`` can warn about a setting given where it cannot act
+    even when it equals the default (argparse hands the field's default through untouched)."""
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
 
 @dataclasses.dataclass
 class EngineArgs:
@@ -70,10 +78,10 @@ class EngineArgs:
     max_num_seqs: int | None = None  # None: 256 on GPU, 32 on CPU
     max_num_batched_tokens: int | None = None  # None: 8192 on GPU, 512 on CPU
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = Default(0.9)
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    swap_space: float = Default(4.0)  # GiB of host memory for swapped-out KV blocks
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     # The prefix cache's host-memory tier (vLLM's --kv-offloading-size, GiB; None: off): blocks the device prefix
     # cache evicts keep their KV in host memory and later hits load them back instead of recomputing them
@@ -94,6 +102,11 @@ class EngineArgs:
     # Accepted for vLLM launch lines, with a log note: JAX compiles every step shape at start-up and there is no
     # eager mode (nor CUDA graphs) to switch to.
     enforce_eager: bool = False
+    # Serve once the smallest step shapes are compiled and compile the others on a background thread, steps capped
+    # at the largest shape ready meanwhile (paged_jax.worker.background_compile). False: every step executable is
+    # compiled before the engine serves (full speed from the first request). None: on, unless
+    # $PAGED_JAX_BACKGROUND_COMPILATION is 0.
+    background_compilation: bool | None = None
     # Accepted for vLLM launch lines, with a log note: no remote code is ever run, the architectures are built in.
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
@@ -291,12 +304,11 @@ class EngineArgs:
     def log_compatibility_notes(self, on_accelerator: bool = True) -> None:
         """One log line for each vLLM flag that is accepted but has nothing to change here, and one warning for each
         flag set to a value that cannot act in this setting (``on_accelerator``: the engine runs on a GPU)."""
-        defaults = {field.name: field.default for field in dataclasses.fields(self)}
-        if not on_accelerator and self.gpu_memory_utilization != defaults["gpu_memory_utilization"]:
+        if not on_accelerator and not isinstance(self.gpu_memory_utilization, Default):
             logger.warning("gpu_memory_utilization=%s has no effect on the CPU: the KV pool there holds max_num_seqs "
                            "full-length sequences, at most 1 GiB (num_gpu_blocks_override sets it)",
                            self.gpu_memory_utilization)
-        if self.swap_space != defaults["swap_space"] and self.preemption_mode != "swap":
+        if not isinstance(self.swap_space, Default) and self.preemption_mode != "swap":
             logger.warning("swap_space=%s has no effect with preemption_mode=%r: host swap space is used only with "
                            "preemption_mode='swap' (--preemption-mode swap)", self.swap_space, self.preemption_mode)
         if self.enforce_eager:

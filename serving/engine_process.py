@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import types
 from typing import TYPE_CHECKING, Callable
 
@@ -30,6 +31,7 @@ from paged_jax.engine.exceptions import EngineProcessDied, waiting_bound_error
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.parallel.data_parallel import create_engine_core
+from paged_jax.worker.background_compile import compiles_in_flight
 from serving.lifecycle import freeze_gc_heap
 from serving.metrics import cache_config_labels
 from serving.multiprocess_metrics import EngineProcessMetrics
@@ -78,6 +80,7 @@ def engine_core_main(engine_args: EngineArgs, conn, log_level: int = logging.WAR
     if core is None:
         return
     _run_loop(EngineCoreProc(core, [conn]))
+    _exit_without_waiting_for_compiles()
 
 
 def multi_client_main(engine_args: EngineArgs, control_conn, client_conns: list, log_level: int,
@@ -95,6 +98,18 @@ def multi_client_main(engine_args: EngineArgs, control_conn, client_conns: list,
     finally:
         if stats_logger is not None:
             stats_logger.stop()
+    _exit_without_waiting_for_compiles()
+
+
+def _exit_without_waiting_for_compiles() -> None:
+    """A stopped core process whose step executables still compile in the background ends now (``os._exit``):
+    an XLA compile cannot be interrupted, and the interpreter's exit would wait for the ones in flight (seconds),
+    keeping a stopped server's engine process alive."""
+    if compiles_in_flight():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _engine_metrics(core, engine_args: EngineArgs, options: EngineOptions):

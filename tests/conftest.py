@@ -8,6 +8,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # transformers references run on torch: one intra-op thread each (xdist runs a worker per core; torch's OpenMP threads
 # spin-waiting on an oversubscribed CPU make it several times slower than one thread). Set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Engines here compile every step executable before serving, so no test's steps depend on how far background
+# compilation has got (tests/test_background_compile.py and test_first_minutes.py turn it on explicitly).
+os.environ.setdefault("PAGED_JAX_BACKGROUND_COMPILATION", "0")
 
 import pytest  # noqa: E402
 

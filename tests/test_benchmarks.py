@@ -162,6 +162,38 @@ def test_second_start_loads_every_executable_from_the_compilation_cache(tmp_path
         assert second[phase] >= 0
 
 
+@pytest.mark.slow  # two engine processes on a cold compilation cache
+def test_cold_start_reports_the_first_token_before_every_executable_is_ready(tmp_path):
+    """benchmarks/startup.py's compile_cold mode with background compilation: the first token comes after the first
+    executables, every executable lands later, and nothing compiled on the step path."""
+    from benchmarks.startup import main
+    from models.testing import save_random_hf_checkpoint, tiny_config
+
+    checkpoint = save_random_hf_checkpoint(tiny_config("llama", vocab_size=256), tmp_path / "ckpt")
+    result = main(["--model", str(checkpoint), "--workdir", str(tmp_path / "work"), "--modes", "compile_cold",
+                   "--repeats", "1", "--no-compile-warmup", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
+                   "--max-model-len", "64", "--dtype", "float32", "--compile-threads", "2"])
+    run = result["compile_cold"]["runs"][0]
+    assert run["first_executables"] == 4 and run["first_executables"] + run["background_executables"] == \
+        run["num_compiles"]
+    assert run["process_to_first_token_s"] <= run["process_to_all_ready_s"]
+    assert 0 < run["cpu_to_first_token_s"] <= run["cpu_to_all_ready_s"]
+    assert run["num_compiles_since_warmup"] == 0
+
+
+def test_startup_serve_flags_spell_the_engine_arguments():
+    """benchmarks.startup --serve hands a start's engine arguments to ``paged-jax serve`` as its flags."""
+    from benchmarks.startup import _serve_flags
+    from serving.cli import parse_serve_args
+    from serving.settings import engine_args_from_namespace
+
+    kwargs = {"max_model_len": 64, "weight_cache": False, "background_compilation": True, "tokenizer": None,
+              "compilation_cache_dir": "/tmp/x"}
+    engine_args = engine_args_from_namespace(parse_serve_args(_serve_flags(kwargs))[1])
+    assert (engine_args.max_model_len, engine_args.weight_cache, engine_args.background_compilation,
+            engine_args.tokenizer, engine_args.compilation_cache_dir) == (64, False, True, None, "/tmp/x")
+
+
 def test_quantization_sweep_table_keeps_the_float8_dot_out_of_the_fp8_buckets():
     """The sweep's ``AUTO_IMPL`` suggestions for fp8 name weight-only paths only (the entries also serve weight-only
     FP8 layers, whose "xla" is the upcast dot); the float8 dot's own suggestion is the smallest swept M from which it

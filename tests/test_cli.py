@@ -567,6 +567,35 @@ def test_flags_that_cannot_act_here_warn_once_each(caplog):
     assert warnings[1].startswith("swap_space=8 has no effect with preemption_mode='recompute'")
 
 
+def test_a_flag_given_at_its_default_value_still_warns_where_it_cannot_act(caplog):
+    """``--gpu-memory-utilization 0.9`` / ``--swap-space 4`` given explicitly on the CPU / without swap preemption
+    warn once each though they equal the defaults (so do the keywords); the defaults alone do not, also after the
+    pickling that takes them to the engine process."""
+    import pickle
+
+    from paged_jax.config import EngineArgs
+    from paged_jax.entrypoints.cli import build_generate_parser, engine_kwargs
+
+    def warnings_of(engine_args: EngineArgs) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="paged_jax.config"):
+            engine_args.log_compatibility_notes(on_accelerator=False)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    def from_flags(*flags: str) -> EngineArgs:
+        args = build_generate_parser().parse_args(["--prompt", "hi", *flags])
+        return pickle.loads(pickle.dumps(EngineArgs(**engine_kwargs(args))))
+
+    assert warnings_of(from_flags()) == []
+    explicit = from_flags("--gpu-memory-utilization", "0.9", "--swap-space", "4")
+    assert (explicit.gpu_memory_utilization, explicit.swap_space) == (0.9, 4.0)
+    warnings = warnings_of(explicit)
+    assert len(warnings) == 2 and warnings[0].startswith("gpu_memory_utilization=0.9 has no effect on the CPU")
+    assert warnings[1].startswith("swap_space=4.0 has no effect with preemption_mode='recompute'")
+    assert len(warnings_of(EngineArgs(gpu_memory_utilization=0.9))) == 1
+    assert warnings_of(from_flags("--swap-space", "4", "--preemption-mode", "swap")) == []
+
+
 def test_top_level_help_lists_each_command():
     """``paged-jax --help`` names every subcommand with a line saying what it does."""
     import contextlib

@@ -169,3 +169,47 @@ def test_signal_during_start_up_ends_every_child_process(smollm2_dir, sig, tmp_p
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_sigterm_while_executables_compile_in_the_background_ends_every_process(smollm2_dir, tmp_path):
+    """``python -m serving`` with the built-in model and an empty compilation cache answers a completion while the
+    rest of its step executables compile in the background; SIGTERM then ends the server and every process it
+    started within 5 s, exit status 0 (the engine process does not wait for the compiles in flight, nor dies in
+    one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    log = tmp_path / "server.log"
+    with open(log, "w") as stderr:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--background-compilation",
+             "--compilation-cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+            stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                      json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
+            except httpx.HTTPError:
+                time.sleep(0.1)
+                continue
+            assert response.status_code == 200, response.text
+            break
+        text = log.read_text()
+        assert "in the background" in text and "step executables ready" not in text, text[-3000:]
+        children = _descendants(server.pid)
+        server.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while (server.poll() is None or any(_alive(pid) for pid in children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.poll() == 0, log.read_text()[-3000:]
+        assert not [pid for pid in children if _alive(pid)], log.read_text()[-3000:]
+        assert "terminate called" not in log.read_text()  # no thread died inside a compile at the engine's exit
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

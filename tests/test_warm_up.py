@@ -111,7 +111,7 @@ def test_lowering_turns_run_one_job_at_a_time_lowest_priority_first():
     import threading
     import time
 
-    from paged_jax.worker.warm_up import _LoweringTurns
+    from paged_jax.worker.compile_queue import LoweringTurns as _LoweringTurns
 
     turns = _LoweringTurns()
     order, inside = [], []

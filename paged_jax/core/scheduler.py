@@ -51,6 +51,7 @@ class _StepPlan:
     tokens)``, what it preempted and the swap copies it queued."""
 
     budget: int
+    seats: int  # most requests running at once (``Scheduler.ready_limits``)
     planned: dict[str, tuple[Request, int]] = dataclasses.field(default_factory=dict)
     preempted: list[str] = dataclasses.field(default_factory=list)
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -117,6 +118,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.ready_limits = (max_num_batched_tokens, max_num_seqs)  # a step's (budget, seats); lower while compiling
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.policy = policy
@@ -227,7 +229,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions (see the module docstring); returns the step as a
         diff of the runner's batch (``paged_jax.core.sched_output``)."""
-        step = _StepPlan(budget=self.max_num_batched_tokens)
+        step = _StepPlan(*self.ready_limits)
         self._schedule_running(step)
         if not step.preempted:  # the pool is tight after a preemption: admitting would thrash
             # Long prefills left for after admissions keep at least half of what is left.
@@ -344,17 +346,17 @@ class Scheduler:
     def _short_waiting(self, step: "_StepPlan") -> list[Request]:
         """FCFS: the short prompts among the first ``max_num_seqs`` waiting requests when the queue's head is long."""
         threshold = self.long_prefill_token_threshold
-        if (self.policy != "fcfs" or step.budget <= 0 or len(self.running) >= self.max_num_seqs
+        if (self.policy != "fcfs" or step.budget <= 0 or len(self.running) >= step.seats
                 or self.waiting[0].num_tokens_to_compute <= threshold):
             return []  # no seat or budget to give (the common case at a full batch), or the head is short already
-        return [r for r in itertools.islice(self.waiting, self.max_num_seqs)
+        return [r for r in itertools.islice(self.waiting, step.seats)
                 if r.num_tokens_to_compute <= threshold and r.startable
                 and r.request_id not in step.preempted]
 
     def _try_admit(self, request: Request, step: "_StepPlan", admission: "_Admission") -> bool | None:
         """Admit ``request`` if seats, adapter slots, budget and blocks allow; returns True when admitted, False when
         it is passed over (those behind it may still start), None when no more can start in this step."""
-        if step.budget <= 0 or len(self.running) + admission.reserved + 1 + request.reserved_seats > self.max_num_seqs:
+        if step.budget <= 0 or len(self.running) + admission.reserved + 1 + request.reserved_seats > step.seats:
             return None  # head-of-line: no seat (or its forks need slots that running requests hold)
         if request.lora_int_id and request.lora_int_id not in admission.running_loras \
                 and len(admission.running_loras) >= self.max_loras:
@@ -366,7 +368,7 @@ class Scheduler:
             admission.passed_over.add(request.request_id)  # the shorter prompts behind it go first
             # Once a short prompt started, every long prompt would stay partial: none can start. Else the look-ahead
             # is bounded by the seats: no more could run at once anyway.
-            done = step.short_prefill_started or len(admission.passed_over) >= self.max_num_seqs
+            done = step.short_prefill_started or len(admission.passed_over) >= step.seats
             return None if done else False
         if num_new is None:
             return None
@@ -558,7 +560,7 @@ class Scheduler:
         child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         reserved = sum(r.reserved_seats for r in self._reserving)
         if parent.status == RequestStatus.RUNNING and (
-                parent.reserved_seats or len(self.running) + reserved < self.max_num_seqs):
+                parent.reserved_seats or len(self.running) + reserved < self.ready_limits[1]):
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
             self.running.append(child)

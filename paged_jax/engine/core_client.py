@@ -34,7 +34,7 @@ from paged_jax.engine.exceptions import EngineOverloadedError, EngineProcessDied
 from paged_jax.engine.messages import (CORE_MESSAGE_DECODER, AbortRequests, AddRequests, CoreDied, CoreFailed,
                                        EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                        Shutdown, UtilityCall, encode)
-from paged_jax.worker.model_loader import load_tokenizer
+from paged_jax.worker.model_loader import import_tokenizer_library, load_tokenizer, local_tokenizer_path
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,35 @@ def wait_until_ready(conn, process, start_timeout: float | None) -> EngineCoreIn
     return message.info
 
 
+class _EarlyTokenizer:
+    """The client's tokenizer loaded on a thread while the core starts, when its directory is known beforehand
+    (``local_tokenizer_path``); else the tokenizer's library imported meanwhile (``result`` loads it)."""
+
+    def __init__(self, engine_args: EngineArgs):
+        self._args, self._path, self._tokenizer = engine_args, local_tokenizer_path(engine_args), None
+        self._thread = threading.Thread(target=self._load, name="paged-jax-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            if self._path is None:
+                import_tokenizer_library()
+            else:
+                self._tokenizer = load_tokenizer(self._args, self._path)
+        except Exception:  # noqa: BLE001 - loaded again by ``result``, which raises it then
+            self._path = None
+
+    def result(self, model_path: str | None):
+        """The tokenizer ``load_tokenizer`` gives for the core's ``model_path``."""
+        self._thread.join()
+        same = self._path is not None and (self._args.tokenizer is not None or (
+            model_path is not None and os.path.realpath(self._path) == os.path.realpath(model_path)))
+        return self._tokenizer if same else load_tokenizer(self._args, model_path)
+
+
+_LOAD = object()  # EngineCoreProcClient's tokenizer argument: load it
+
+
 class EngineCoreProcClient:
     """A client of a core in another process (see the module docstring). Build with ``spawn`` or ``attach``.
 
@@ -75,7 +104,7 @@ class EngineCoreProcClient:
     may return several steps' outputs at once)."""
 
     def __init__(self, engine_args: EngineArgs, conn, info: EngineCoreInfo, *, process=None,
-                 engine_pid: int | None = None):
+                 engine_pid: int | None = None, tokenizer: Any = _LOAD):
         self.engine_args = engine_args
         self.info = info
         self._conn = conn
@@ -89,7 +118,7 @@ class EngineCoreProcClient:
             except (AttributeError, OSError):  # no pidfd (old kernel): signal 0, as good while the launcher reaps it
                 self._pidfd = None
         # The same tokenizer as the core's (already downloaded by it when it comes from the Hub).
-        self.tokenizer = load_tokenizer(engine_args, info.model_path)
+        self.tokenizer = load_tokenizer(engine_args, info.model_path) if tokenizer is _LOAD else tokenizer
         self._stats: dict = dict(info.stats)
         self._admitting: dict[int, int] = {}  # group id -> its number of sequences, until the core answers
         self._admissions: list[tuple[int, BaseException | None]] = []
@@ -119,13 +148,14 @@ class EngineCoreProcClient:
         logger.info("engine process started (pid %d): loading the model and compiling; its progress follows",
                     process.pid)
         child_conn.close()
+        tokenizer = _EarlyTokenizer(engine_args)  # loads while the core starts
         try:
             info = wait_until_ready(conn, process, start_timeout)
         except BaseException:
             conn.close()
             raise
         logger.info("engine process ready in %.1f s", time.perf_counter() - started)
-        return cls(engine_args, conn, info, process=process)
+        return cls(engine_args, conn, info, process=process, tokenizer=tokenizer.result(info.model_path))
 
     @classmethod
     def attach(cls, engine_args: EngineArgs, conn, info: EngineCoreInfo, engine_pid: int) -> "EngineCoreProcClient":

@@ -22,6 +22,7 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
+from paged_jax.worker.background_compile import background_compilation_enabled
 from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
@@ -139,9 +140,19 @@ def _log_pool_and_compiles(args: EngineArgs, runner, kv: KVCacheManager, block_b
     num_compiles = planned_num_compiles(max_num_batched_tokens, max_num_seqs,
                                         swap=num_host_blocks + num_offload_blocks > 0,
                                         num_blocks=num_blocks, num_speculative_tokens=_num_speculative_tokens(args))
-    logger.info("Compiling %d step executables (%d step shapes) ahead of serving%s", num_compiles,
-                len(runner.buckets), "" if args.compilation_cache_dir == "" else
+    logger.info("Compiling %d step executables (%d step shapes) %s%s", num_compiles, len(runner.buckets),
+                "a first few before serving, the rest in the background"
+                if background_compilation_enabled(args.background_compilation)
+                else "ahead of serving", "" if args.compilation_cache_dir == "" else
                 "; the JAX compilation cache makes later starts faster")
+
+
+def _step_limits_setter(scheduler: Scheduler):
+    """``ReadySet.on_limits``: the largest step the runner can run caps the scheduler's budget and seats
+    (``Scheduler.ready_limits``; called from the background compile thread: one attribute store)."""
+    def set_limits(tokens: int, seqs: int) -> None:
+        scheduler.ready_limits = (min(tokens, scheduler.max_num_batched_tokens), min(seqs, scheduler.max_num_seqs))
+    return set_limits
 
 
 def prefix_caching(args: EngineArgs, pooler) -> bool:
@@ -212,11 +223,12 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
                            max_num_seqs, max_num_batched_tokens)
     compile_start = time.perf_counter()
     timings["runner_init_s"] = compile_start - stage_start
-    runner.warm_up(use_tqdm=use_tqdm)
+    runner.ready.on_limits = _step_limits_setter(scheduler)
+    runner.warm_up(use_tqdm=use_tqdm, background=background_compilation_enabled(args.background_compilation))
     timings["warm_up_s"] = time.perf_counter() - compile_start
     runner.step_channel = leader_channel() if multi_node else None  # node 0: the other nodes replay its steps
-    logger.info("Compiled in %.1f s; engine ready in %.1f s", time.perf_counter() - compile_start,
-                time.perf_counter() - start)
+    logger.info("%s in %.1f s; engine ready in %.1f s", "First executables compiled" if runner.background
+                else "Compiled", time.perf_counter() - compile_start, time.perf_counter() - start)
     info = EngineCoreInfo(max_model_len=max_model_len, vocab_size=config.vocab_size,
                           eos_token_ids=list(loaded.eos_token_ids), max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_logprobs=runner.max_logprobs,

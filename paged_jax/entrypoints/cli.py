@@ -66,6 +66,10 @@ _FLAG_HELP = {
     "async_scheduling": "build and dispatch the next step while the current one runs on the device",
     "enable_chunked_prefill": "split long prompts over steps (on by default)",
     "enforce_eager": "accepted for vLLM compatibility: JAX compiles every step shape at start-up, no eager mode",
+    "background_compilation": "serve once the smallest step shapes are compiled, compiling the others in the "
+                              "background (steps capped at the largest ready meanwhile); default on "
+                              "(--no-background-compilation or PAGED_JAX_BACKGROUND_COMPILATION=0: every step "
+                              "executable compiled before serving)",
     "trust_remote_code": "accepted for vLLM compatibility: no remote code is run, architectures are built in",
     "disable_log_stats": "no periodic stats log line (serve)",
     "quantization": "quantized weights: the checkpoint's quantization_config by default; fp8 / int8 also quantize "

@@ -60,7 +60,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _PACKAGES = ("paged_jax", "models")  # the code every step executable is traced from
 _PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 # Runner attributes that change while it runs (the fingerprint describes its configuration only).
-_RUN_TIME_STATE = frozenset({"warm_up_timings", "step_channel"})
+_RUN_TIME_STATE = frozenset({"warm_up_timings", "step_channel", "ready", "background"})
 
 
 class AheadOfTimeFunction:
@@ -78,6 +78,9 @@ class AheadOfTimeFunction:
         self.jitted = jitted
         self.shape_args = tuple(shape_args)
         self.executables: dict[tuple, jax.stages.Compiled] = {}
+        # Set while executables still land in the background (paged_jax.worker.background_compile): a call whose
+        # key is missing waits for them instead of compiling on the step path.
+        self.landing: Landing | None = None
 
     def key(self, args: Sequence, static: dict) -> tuple:
         """The table key of a call (``args`` arrays or ``jax.ShapeDtypeStruct``s, ``static`` its keywords)."""
@@ -86,8 +89,25 @@ class AheadOfTimeFunction:
     def __call__(self, *args, **static):
         executable = self.executables.get(self.key(args, static))
         if executable is None:
-            return self.jitted(*args, **static)
+            return self._miss(args, static)
         return executable(*args)
+
+    def _miss(self, args, static):
+        """A call outside the table: the executable once the background compiles have put it there, else (none
+        pending, or they ended without it) jit's, which compiles and counts in ``num_compiles``."""
+        landing = self.landing
+        if landing is not None:
+            executable = landing.wait_for(self, self.key(args, static))
+            if executable is not None:
+                return executable(*args)
+        return self.jitted(*args, **static)
+
+    def put(self, key: tuple, compiled) -> None:
+        """Add ``compiled`` to the table (a dict store: atomic for the step thread reading it) and wake the calls
+        waiting for it."""
+        self.executables[key] = compiled
+        if self.landing is not None:
+            self.landing.notify()
 
     def lower(self, *args, **static):
         return self.jitted.lower(*args, **static)
@@ -98,6 +118,39 @@ class AheadOfTimeFunction:
     def _cache_size(self) -> int:
         """Executables this function holds: its table's and those jit compiled on calls outside the table."""
         return len(self.executables) + self.jitted._cache_size()
+
+    def jit_compiles(self) -> int:
+        """Executables jit compiled on calls outside the table (a warmed-up runner's step path compiles nothing)."""
+        return self.jitted._cache_size()
+
+
+class Landing:
+    """Executables landing in ``AheadOfTimeFunction`` tables from a background thread: a call whose key is missing
+    waits (``wait_for``) until its executable lands or the background ends (``finish``)."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self.active = True
+
+    def notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """No more executables will land: wake every waiting call (they fall back to jit)."""
+        with self._changed:
+            self.active = False
+            self._changed.notify_all()
+
+    def wait_for(self, function: AheadOfTimeFunction, key: tuple):
+        """``function``'s executable for ``key`` once it has landed, or None once nothing more lands."""
+        executable = function.executables.get(key)
+        if executable is not None or not self.active:
+            return executable
+        logger.info("a step waits for %s%s, still compiling in the background", function.name, key)
+        with self._changed:
+            self._changed.wait_for(lambda: key in function.executables or not self.active)
+        return function.executables.get(key)
 
 
 class ExecutableCache:
@@ -370,6 +423,6 @@ def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction
         compiled = lowered.compile()
         if cache is not None and _hits.count == hits_before:
             cache.save(function.name, args, static, compiled)
-    function.executables[function.key(args, static)] = compiled
+    function.put(function.key(args, static), compiled)
     return compiled
 

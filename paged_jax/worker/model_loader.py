@@ -77,6 +77,25 @@ def resolve_model(args: EngineArgs) -> tuple[str | None, Any]:
                                   what=what)), None
 
 
+def import_tokenizer_library() -> None:
+    """Import what ``load_tokenizer`` uses (transformers' tokenizer classes, torch with them: seconds) ahead of it, on
+    a thread while an engine process starts."""
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+
+
+def local_tokenizer_path(args: EngineArgs) -> str | None:
+    """The directory ``load_tokenizer`` reads when it is known without loading the model: a local ``tokenizer`` or
+    ``model`` directory, the built-in model's once built; None otherwise (a Hub id, a shape name)."""
+    from models.smollm2 import MODEL_NAME, default_cache_dir, is_complete
+
+    if args.tokenizer is not None:
+        return args.tokenizer if os.path.isdir(args.tokenizer) else None
+    if args.model is None:
+        built_in = default_cache_dir() / MODEL_NAME
+        return str(built_in) if is_complete(built_in) else None
+    return args.model if os.path.isdir(args.model) else None
+
+
 def load_tokenizer(args: EngineArgs, model_path: str | None):
     """The HF tokenizer of ``args.tokenizer`` (local or Hub) or of the checkpoint; None when there is none (token-id
     prompts only)."""

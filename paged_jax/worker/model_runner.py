@@ -43,6 +43,7 @@ from models.moe_routing import set_routing_capture
 from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
+from paged_jax.worker.background_compile import ReadySet, can_compile_in_background, warm_up_in_background
 from paged_jax.worker.executable_cache import AheadOfTimeFunction
 from paged_jax.worker.batch_invariant import make_batch_invariant
 from paged_jax.worker.buckets import make_buckets, sample_rows_needed, sampler_rows_for, swap_sizes_for
@@ -182,8 +183,15 @@ class ModelRunner:
         self.host_pool = HostKVPool(num_host_blocks, (self.kv_layout.num_slots, 2) + shape[1:], self.kv_dtype,
                                     gather=self._gather_blocks, scatter=self._scatter_blocks,
                                     device=self.device) if num_host_blocks else None  # swap's and the host tier's
+        self._init_warm_up_state()
+
+    def _init_warm_up_state(self) -> None:
+        """Nothing compiled yet. ``ready``: what steps can run now (everything, unless executables still land in the
+        background: ``background``, their ``BackgroundCompiles``; paged_jax.worker.background_compile)."""
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
+        self.ready = ReadySet(self)
+        self.background = None
 
     def _plan_shapes(self, buckets: Sequence[tuple[int, int]] | None, num_speculative_tokens: int) -> None:
         """The compiled step shapes: ``buckets`` (default ``make_buckets``), their seq counts, and the sampler's row
@@ -304,28 +312,43 @@ class ModelRunner:
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
 
+    def step_functions(self) -> tuple:
+        """The jitted functions a step calls (``AheadOfTimeFunction``s, or the pipeline's forward)."""
+        return (self._forward, self._sample, self._apply_grammar_bitmask, self._prompt_logprobs, self._gather_blocks,
+                self._scatter_blocks)
+
     def num_compiles(self) -> int:
         """Executables compiled (or loaded) so far for this runner's jitted functions: those warm-up put into their
         tables plus jit's dispatch-cache entries of any other call."""
         lora = self.lora_slots.num_compiles() if self.lora_slots else 0
-        return lora + sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
-                                                    self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))
+        return lora + sum(f._cache_size() for f in self.step_functions())
+
+    def _step_path_compiles(self) -> int:
+        """Compiles by calls (jit's caches and the LoRA slot write): not the executables warm-up put into tables."""
+        lora = self.lora_slots.num_compiles() if self.lora_slots else 0
+        return lora + sum(f.jit_compiles() if isinstance(f, AheadOfTimeFunction) else f._cache_size()
+                          for f in self.step_functions())
 
     @property
     def num_compiles_since_warmup(self) -> int:
-        """Compiles after ``warm_up``; anything but 0 means a step hit a shape that was not pre-compiled."""
+        """Compiles on calls after ``warm_up`` (executables landing from background compiles do not count); anything
+        but 0 means a step hit a shape that was not pre-compiled."""
         if self._compiles_at_warmup is None:
             return 0
-        return self.num_compiles() - self._compiles_at_warmup
+        return self._step_path_compiles() - self._compiles_at_warmup
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, use_tqdm: bool = True, threads: int | None = None) -> None:
+    def warm_up(self, use_tqdm: bool = True, threads: int | None = None, background: bool = False) -> None:
         """Compile every executable once (``paged_jax.worker.warm_up``: concurrently on ``threads`` threads, default
         ``$PAGED_JAX_COMPILE_THREADS`` or the CPU count, then one padding-only run of each); afterwards nothing
-        compiles again (``num_compiles_since_warmup``). ``warm_up_timings``: seconds per phase and the thread count
-        (``paged_jax.worker.warm_up.warm_up``)."""
-        self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
-        self._compiles_at_warmup = self.num_compiles()
+        compiles again (``num_compiles_since_warmup``). ``background``: return once a first set is ready and compile
+        the rest on a background thread (``paged_jax.worker.background_compile``; ``ready`` grows as they land),
+        where the runner allows it. ``warm_up_timings``: seconds per phase and the thread count."""
+        if background and can_compile_in_background(self):
+            self.warm_up_timings = warm_up_in_background(self, use_tqdm=use_tqdm, threads=threads)
+        else:
+            self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
+        self._compiles_at_warmup = self._step_path_compiles()
 
     def _swap_sizes(self) -> list[int]:
         return swap_sizes_for(self.num_blocks)
@@ -352,7 +375,7 @@ class ModelRunner:
         rows = self._update_batch(scheduler_output)
         batch = self.input_batch
         packed = None if rows is None else pack_step(
-            batch, rows, buckets=self.buckets, layout_for=self.layout, block_size=self.block_size,
+            batch, rows, buckets=self.ready.buckets, layout_for=self.layout, block_size=self.block_size,
             num_blocks=self.num_blocks, max_logprobs=self.max_logprobs, block_copies=scheduler_output.block_copies,
             lora_slots=lora_slots, lora=self.lora_slots is not None)
         if self.step_channel is not None:  # multi-host node 0: the other nodes run this same step, from here on
@@ -414,7 +437,8 @@ class ModelRunner:
             fetch = local_copies((logits,))
             fetch[0].copy_to_host_async()
             return fetch, ()
-        num_rows, mode = logits.shape[0], sampling.mode
+        num_rows = logits.shape[0]
+        mode = self.ready.sampler_mode(num_rows, sampling.mode, sampling.num_logprobs, sampling.history is not None)
         if grammar_bitmask is not None:
             logits = self._apply_grammar_bitmask(logits, jax.device_put(grammar_bitmask, self.device))
         # Full mode's variants all take the bias table (ModelRunner.sampler_variants): without a row that uses it,
@@ -443,8 +467,10 @@ class ModelRunner:
         self.dispatcher.wait()
 
     def close(self) -> None:
-        """Stop the dispatch thread (after the steps already handed to it) and the host pool's copy thread (after
-        its copies)."""
+        """Stop the dispatch thread (after the steps already handed to it), the background compiles and the host
+        pool's copy thread (after its copies)."""
+        if self.background is not None:
+            self.background.stop()
         self.dispatcher.close()
         if self.host_pool is not None:
             self.host_pool.close()

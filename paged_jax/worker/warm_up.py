@@ -1,34 +1,34 @@
 """Start-up compilation of the model runner's executables (``ModelRunner.warm_up``): every forward bucket, every
 (sampler row count, sampler variant) and grammar bitmask, the prompt logprobs of every token bucket and every
-swap-copy size, compiled once, none of them afterwards.
+swap-copy size (``all_jobs``), compiled once, none of them afterwards.
 
 Two phases:
 
-1. Compile or load, on ``PAGED_JAX_COMPILE_THREADS`` threads: each executable is loaded from the executable cache
-   (``paged_jax.worker.executable_cache``: a warm start neither traces nor lowers) or traced, lowered and compiled ahead of
-   time (``jitted.lower(...).compile()``, then saved there) from abstract inputs (``jax.ShapeDtypeStruct`` with the
-   very shardings the real inputs have), and put into its ``AheadOfTimeFunction``'s table, which the runner's calls
-   use. XLA compiles release the GIL, so they overlap; tracing and lowering (Python) run one job at a time,
-   in submission order (``_LoweringTurns``: the largest forwards first). This runs
-   before the KV pool is allocated (the runner allocates it on first use), so XLA's autotuning scratch memory in N
-   concurrent GPU compiles does not compete with the pool. An input that is an output of another executable (the
-   sampler's logits, the prompt logprobs' hidden states, the swap-in data) takes its shape and sharding from that
-   executable once it is compiled.
-2. Run: every executable is called once on padding-only inputs, in order (each call finds its executable in the
-   table: nothing compiles). Padding tokens only ever write into the null block, so the pool stays clean.
+1. Compile or load (``Compiler``), on ``PAGED_JAX_COMPILE_THREADS`` threads: each executable is loaded from the
+   executable cache (``paged_jax.worker.executable_cache``: a warm start neither traces nor lowers) or traced,
+   lowered and compiled ahead of time (``jitted.lower(...).compile()``, then saved there) from abstract inputs
+   (``jax.ShapeDtypeStruct`` with the very shardings the real inputs have), and put into its
+   ``AheadOfTimeFunction``'s table, which the runner's calls use. XLA compiles release the GIL, so they overlap;
+   tracing and lowering (Python) run one job at a time, in priority order (``compile_queue.LoweringTurns``: the
+   largest forwards first). This runs before the KV pool is allocated (the runner allocates it on first use), so
+   XLA's autotuning scratch memory in N concurrent GPU compiles does not compete with the pool. An input that is an
+   output of another executable (the sampler's logits, the prompt logprobs' hidden states, the swap-in data) takes
+   its shape and sharding from that executable once it is compiled.
+2. Run (``run_jobs``): every executable is called once on padding-only inputs, in order (each call finds its
+   executable in the table: nothing compiles). Padding tokens only ever write into the null block, so the pool
+   stays clean.
 
-The pipeline-parallel runner's forward runs stage by stage (no single jitted function to lower): it warms up with
-phase 2 only, which compiles through jit on each first call.
+``paged_jax.worker.background_compile`` runs both phases for a first set of executables only and compiles the rest
+on a background thread while the engine serves. The pipeline-parallel runner's forward runs stage by stage (no
+single jitted function to lower): it warms up with phase 2 only, which compiles through jit on each first call.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import heapq
-import itertools
+import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 
@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
+from paged_jax.worker.compile_queue import JobQueue
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,43 @@ def compile_threads() -> int:
     return threads
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """One compile (or load) job: ``kind`` "forward" (``shape`` (num_tokens, num_seqs)), "sampler" ((num_rows,
+    SamplerVariant)), "bitmask" ((num_rows,)), "prompt_logprobs" ((num_tokens,)) or "swap" ((num_blocks,): its
+    gather and its scatter)."""
+
+    kind: str
+    shape: tuple
+
+    @property
+    def label(self) -> str:
+        if self.kind == "sampler":
+            num_rows, variant = self.shape
+            return (f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}"
+                    f"{',penalties' if variant.penalties else ''}{',bias' if variant.bias_table else ''}]")
+        return f"{self.kind}{list(self.shape)}"
+
+
+def all_jobs(runner) -> list[CompileJob]:
+    """Every executable of ``runner`` (a ``ModelRunner``), in the order a full warm-up submits them: the forwards,
+    largest first (the longest compiles start while threads are free), the swap sizes, then per sampler row count
+    the bitmask and the sampler variants, then the prompt logprobs per token bucket (a pooling runner: forwards and
+    swaps only)."""
+    jobs = [CompileJob("forward", bucket) for bucket in sorted(runner.buckets, reverse=True)]
+    jobs += [CompileJob("swap", (size,)) for size in _swap_sizes(runner)]
+    if runner.pools:
+        return jobs
+    for num_rows in runner.sampler_seq_buckets:
+        jobs.append(CompileJob("bitmask", (num_rows,)))
+        jobs += [CompileJob("sampler", (num_rows, variant)) for variant in runner.sampler_variants]
+    return jobs + [CompileJob("prompt_logprobs", (t,)) for t in sorted({t for t, _ in runner.buckets})]
+
+
 def num_warm_up_executables(runner) -> int:
     """Steps of ``warm_up``'s progress bar: the executables it compiles, a swap size's gather and scatter as one,
     the LoRA slot write not counted."""
-    if runner.pools:  # a pooling runner's step is its forward alone
-        return len(runner.buckets) + len(_swap_sizes(runner))
-    return (len(runner.buckets) + len(runner.sampler_seq_buckets) * (len(runner.sampler_variants) + 1)
-            + len({t for t, _ in runner.buckets}) + len(_swap_sizes(runner)))
+    return len(all_jobs(runner))
 
 
 def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[str, float]:
@@ -80,32 +111,40 @@ def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[s
     ``executables_loaded`` (from the executable cache); ``compile_jobs``: every compile or load job as ``[label,
     start s, seconds, lowering s]`` (lowering: tracing and lowering, Python under the GIL; 0 for a load), by end time
     (the last ones are a cold start's critical path; a logged debug line names them)."""
+    return warm_up_jobs(runner, all_jobs(runner), use_tqdm, threads)[0]
+
+
+def warm_up_jobs(runner, jobs: list[CompileJob], use_tqdm: bool = True,
+                 threads: int | None = None) -> tuple[dict[str, float], Compiler | None]:
+    """``warm_up`` of ``jobs`` only (both phases); also returns its ``Compiler`` (None for the pipeline-parallel
+    runner), which can compile more jobs later."""
     from tqdm.auto import tqdm
 
     threads = compile_threads() if threads is None else threads
     ahead_of_time = isinstance(runner._forward, AheadOfTimeFunction)
-    bar = tqdm(total=num_warm_up_executables(runner), desc="Compiling step executables", disable=not use_tqdm,
-               leave=False)
+    bar = tqdm(total=len(jobs), desc="Compiling step executables", disable=not use_tqdm, leave=False)
     timings = {"threads": threads if ahead_of_time else 1, "compile_s": 0.0, "executables_loaded": 0}
     start = time.perf_counter()
+    compiler = None
     if ahead_of_time:
         cache = ExecutableCache.for_runner(runner)
-        spans = _compile_concurrently(runner, threads, bar, cache)
+        compiler = Compiler(runner, threads, cache)
+        compiler.compile(jobs, on_landed=lambda job: bar.update(1))
         timings["compile_s"] = time.perf_counter() - start
-        timings["compile_jobs"] = sorted(spans, key=lambda span: span[1] + span[2])
+        timings["compile_jobs"] = sorted(compiler.spans, key=lambda span: span[1] + span[2])
         logger.debug("compile jobs that ended last ([label, start s, seconds, lowering s]): %s",
                      timings["compile_jobs"][-LAST_COMPILES_LOGGED:])
         timings["executables_loaded"] = cache.hits if cache else 0
-        logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", bar.n, threads,
+        logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", len(jobs), threads,
                     timings["compile_s"], timings["executables_loaded"], cache and cache.directory)
     start = time.perf_counter()
     jax.block_until_ready(runner.kv_pool)  # allocated here, after the compiles (its first use)
     timings["kv_pool_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    _run_every_executable(runner, bar if not ahead_of_time else None)
+    run_jobs(runner, jobs, bar if not ahead_of_time else None)
     timings["run_s"] = time.perf_counter() - start
     bar.close()
-    return timings
+    return timings, compiler
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,48 +192,6 @@ def _compiled_outputs(compiled) -> list[jax.ShapeDtypeStruct]:
     infos = jax.tree.leaves(compiled.out_info)
     return [jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
             for info, sharding in zip(infos, jax.tree.leaves(compiled.output_shardings))]
-
-
-class _LoweringTurns:
-    """Tracing and lowering run one job at a time, the job submitted first (lowest ``priority``) first.
-
-    Both are Python under the GIL: N jobs lowering at once each take about N times as long and end together, so the
-    first XLA compile (which releases the GIL) starts only when nearly all lowering is done. In turns, the largest
-    forwards (submitted first) reach XLA after their own lowering and their compiles overlap the lowering of the
-    rest. A cold start stays bound by the CPU work of XLA's compiles (benchmarks/RESULTS.md, "Start-up to first
-    token"): the forwards end earlier, and the sampler compiles of the smallest buckets, lowered last, end it."""
-
-    def __init__(self):
-        self._changed = threading.Condition()
-        self._waiting: list[int] = []  # a heap of the waiting jobs' priorities
-        self._busy = False
-
-    def turn(self, priority: int) -> "_LoweringTurn":
-        """A reusable context manager holding the turn for job ``priority`` (unique per job)."""
-        return _LoweringTurn(self, priority)
-
-    def _acquire(self, priority: int) -> None:
-        with self._changed:
-            heapq.heappush(self._waiting, priority)
-            self._changed.wait_for(lambda: not self._busy and self._waiting[0] == priority)
-            heapq.heappop(self._waiting)
-            self._busy = True
-
-    def _release(self) -> None:
-        with self._changed:
-            self._busy = False
-            self._changed.notify_all()
-
-
-class _LoweringTurn:
-    def __init__(self, turns: _LoweringTurns, priority: int):
-        self._turns, self._priority = turns, priority
-
-    def __enter__(self):
-        self._turns._acquire(self._priority)
-
-    def __exit__(self, *exc):
-        self._turns._release()
 
 
 class _CompileJobs:
@@ -260,112 +257,6 @@ def _forward_outputs(future, runner) -> tuple:
     return logits, sampling_words, hidden
 
 
-class _JobQueue:
-    """Compile jobs on ``pool``: each timed (``spans``: ``[label, start s since ``started``, seconds, lowering s]``),
-    lowering in turns in submission order (``_LoweringTurns``); a job that takes a forward's outputs is queued only
-    once that forward has ended, so that no thread sits blocked on another job while compiles wait for a thread."""
-
-    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, started: float):
-        self._pool, self._started = pool, started
-        self.spans: list[list] = []
-        self._turns = _LoweringTurns()
-        self._submitted = itertools.count()  # each job's lowering priority: its submission order
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # every job's future, as it ends
-        # Set before the pool is shut down after a failure: shutting down cancels the queued forwards, which runs
-        # their callbacks under the pool's lock, so a callback must not submit then (pool.submit would wait on that
-        # lock).
-        self._stopping = threading.Event()
-        self._num_jobs = 0
-
-    def _timed(self, label: str, fn, *args):
-        """``fn(*args, seconds=, turn=)`` as a pool job that records its span."""
-        turn = self._turns.turn(next(self._submitted))
-
-        def job():
-            begin = time.perf_counter()
-            seconds: dict = {}  # load_or_compile's lowering time
-            try:
-                return fn(*args, seconds=seconds, turn=turn)
-            finally:
-                self.spans.append([label, round(begin - self._started, 4), round(time.perf_counter() - begin, 4),
-                                   round(seconds.get("lower", 0.0), 4)])
-        return job
-
-    def _submit(self, label: str, fn, *args) -> concurrent.futures.Future:
-        future = self._pool.submit(self._timed(label, fn, *args))
-        future.add_done_callback(self._finished.put)
-        return future
-
-    def submit(self, label: str, fn, *args) -> concurrent.futures.Future:
-        """Queue ``fn(*args, seconds, turn)`` now; its future."""
-        self._num_jobs += 1
-        return self._submit(label, fn, *args)
-
-    def submit_after(self, dependency: concurrent.futures.Future, label: str, fn, *args) -> None:
-        """Queue ``fn(dependency, *args, seconds, turn)`` once ``dependency`` (a forward whose outputs it takes) has
-        ended."""
-        self._num_jobs += 1
-
-        def ready(done):
-            if self._stopping.is_set() or done.cancelled():
-                self._finished.put(None)
-                return
-            try:
-                self._submit(label, fn, done, *args)
-            except RuntimeError:  # the pool is shutting down after an earlier failure, which is re-raised
-                self._finished.put(None)
-        dependency.add_done_callback(ready)
-
-    def wait(self, bar) -> None:
-        """Wait for every job submitted (``bar`` advanced per job); the first failure is re-raised once the pool has
-        dropped the queued jobs."""
-        try:
-            for _ in range(self._num_jobs):
-                done = self._finished.get()
-                if done is not None:
-                    done.result()  # re-raises a failed compile
-                    bar.update(1)
-        except BaseException:
-            self._stopping.set()
-            self._pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are not wanted any more
-            raise
-
-
-def _sampler_label(num_rows: int, variant) -> str:
-    return (f"sampler[{num_rows},{variant.mode},{variant.num_logprobs}"
-            f"{',penalties' if variant.penalties else ''}{',bias' if variant.bias_table else ''}]")
-
-
-def _compile_concurrently(runner, threads: int, bar, cache: ExecutableCache | None) -> list[list]:
-    """Load (from ``cache``) or lower and compile every executable on ``threads`` threads, with the exact input
-    avals and shardings of the run phase, into the runner's ``AheadOfTimeFunction`` tables. Returns each job's
-    ``[label, start s, seconds, lowering s]``. A job that takes a forward's outputs is queued when that forward has
-    ended. Jobs trace and lower in turns, in the order they were submitted (``_LoweringTurns``)."""
-    started = time.perf_counter()
-    jobs = _CompileJobs(runner, cache)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="paged-jax-compile") as pool:
-        work = _JobQueue(pool, started)
-        # The forwards first, largest first (the longest compiles start while threads are free); each row count's
-        # / token count's smallest bucket is the one its sampler / prompt-logprobs compiles take outputs from.
-        forwards = {bucket: work.submit(f"forward{list(bucket)}", jobs.compile_forward, *bucket)
-                    for bucket in sorted(runner.buckets, reverse=True)}
-        by_rows, by_tokens = {}, {}
-        for num_tokens, num_seqs in runner.buckets:
-            by_rows.setdefault(runner.layout(num_tokens, num_seqs).num_sample_rows, forwards[num_tokens, num_seqs])
-            by_tokens.setdefault(num_tokens, forwards[num_tokens, num_seqs])
-        for size in _swap_sizes(runner):
-            work.submit(f"swap[{size}]", jobs.compile_swap, size)
-        for num_rows in [] if runner.pools else runner.sampler_seq_buckets:
-            work.submit_after(by_rows[num_rows], f"bitmask[{num_rows}]", jobs.compile_bitmask, num_rows)
-            for variant in runner.sampler_variants:
-                work.submit_after(by_rows[num_rows], _sampler_label(num_rows, variant), jobs.compile_sampler,
-                                  num_rows, variant)
-        for t in [] if runner.pools else sorted(by_tokens):
-            work.submit_after(by_tokens[t], f"prompt_logprobs[{t}]", jobs.compile_prompt_logprobs, t)
-        work.wait(bar)
-    return work.spans
-
-
 def _split_forward_outputs(outputs: list, runner) -> tuple[list, object, object, object]:
     """The forward's flat outputs -> (kv pool leaves, logits, sampling words, hidden); the arrays of the runner's
     ``moe_outputs`` that follow them are dropped."""
@@ -373,49 +264,134 @@ def _split_forward_outputs(outputs: list, runner) -> tuple[list, object, object,
     return outputs[:-3], outputs[-3], outputs[-2], outputs[-1]
 
 
+class Compiler:
+    """Phase 1 for lists of jobs (``compile``), on ``threads`` threads, into the runner's ``AheadOfTimeFunction``
+    tables: each executable loaded from ``cache`` or traced, lowered and compiled from abstract inputs. The forwards
+    it compiled are remembered across calls: a later call's sampler, bitmask and prompt-logprobs jobs take their
+    input shapes from them (``paged_jax.worker.background_compile`` compiles a first set, then the rest). ``spans``:
+    every job's ``[label, start s, seconds, lowering s]``, from this compiler's creation."""
+
+    def __init__(self, runner, threads: int, cache: ExecutableCache | None):
+        self.runner, self.threads, self.cache = runner, threads, cache
+        self.started = time.perf_counter()
+        self._jobs = _CompileJobs(runner, cache)
+        self._forwards: dict[tuple[int, int], concurrent.futures.Future] = {}  # bucket -> its compile, by submission
+        self.spans: list[list] = []
+        self.queue: JobQueue | None = None  # the last ``compile``'s
+
+    def compile(self, jobs: list[CompileJob], on_landed=None, stop: threading.Event | None = None,
+                raise_failures: bool = True, name: str = "paged-jax-compile") -> None:
+        """Compile (or load) ``jobs``, the first ones first (lowering in that order too); ``on_landed(job)`` (in
+        this thread) as each executable lands in its table. A failure is re-raised (the queued jobs dropped), or
+        with ``raise_failures`` False logged (the jobs that take its outputs fail too). ``stop``: when set, the
+        queued jobs are dropped and this returns (those in flight still land)."""
+        queue = self.queue = JobQueue(self.threads, self.started, name)
+        for job in jobs:
+            self._submit(queue, job)
+
+        def done(job: CompileJob, future) -> None:
+            if future is None:
+                return  # dropped: stopped, or what it takes failed
+            try:
+                future.result()
+            except Exception:
+                if raise_failures:
+                    raise
+                logger.exception("compiling %s failed; steps that need it compile it when they run", job.label)
+                return
+            if on_landed is not None:
+                on_landed(job)
+        try:
+            queue.wait(done, stop)
+        finally:
+            self.spans += queue.spans
+
+    def _submit(self, queue: JobQueue, job: CompileJob) -> None:
+        jobs = self._jobs
+        if job.kind == "forward":
+            self._forwards[job.shape] = queue.submit(job, job.label, jobs.compile_forward, *job.shape)
+        elif job.kind == "swap":
+            queue.submit(job, job.label, jobs.compile_swap, *job.shape)
+        elif job.kind == "prompt_logprobs":
+            queue.submit_after(self._forward_with(tokens=job.shape[0]), job, job.label, jobs.compile_prompt_logprobs,
+                               *job.shape)
+        else:
+            fn = jobs.compile_sampler if job.kind == "sampler" else jobs.compile_bitmask
+            queue.submit_after(self._forward_with(rows=job.shape[0]), job, job.label, fn, *job.shape)
+
+    def _forward_with(self, rows: int | None = None, tokens: int | None = None) -> concurrent.futures.Future:
+        """The compile of a forward whose outputs have ``rows`` sampler rows / ``tokens`` tokens: one already done
+        if any, else the smallest bucket submitted (its compile ends first)."""
+        runner = self.runner
+        candidates = sorted(bucket for bucket in self._forwards
+                            if (rows is None or runner.layout(*bucket).num_sample_rows == rows)
+                            and (tokens is None or bucket[0] == tokens))
+        if not candidates:
+            raise RuntimeError(f"no forward of {rows} sampler rows / {tokens} tokens is compiled or queued first")
+        done = [bucket for bucket in candidates if self._forwards[bucket].done()
+                and not self._forwards[bucket].exception()]
+        return self._forwards[(done or candidates)[0]]
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Phase 2: run every executable once
+# Phase 2: run each executable once
 # ----------------------------------------------------------------------------------------------------------------
 
-def _run_every_executable(runner, bar) -> None:
-    """Call each executable on padding-only inputs (compiling it unless phase 1 did: the pipeline-parallel
-    runner); ``bar`` (or None) counts them."""
+def run_jobs(runner, jobs: list[CompileJob], bar=None) -> None:
+    """Call each executable of ``jobs`` once on padding-only inputs (compiling it unless phase 1 did: the
+    pipeline-parallel runner), the forwards first; ``bar`` (or None) counts them. A sampler / bitmask / prompt
+    logprobs job needs a forward of its rows / tokens among ``jobs``."""
+    outputs = _run_forwards(runner, sorted(job.shape for job in jobs if job.kind == "forward"), bar)
+    outs = _run_samplers(runner, [job for job in jobs if job.kind in ("bitmask", "sampler")], outputs, bar)
     device = runner.device
-
-    def done():
+    for job in jobs:
+        if job.kind == "prompt_logprobs":
+            (num_tokens,) = job.shape
+            targets = jax.device_put(np.zeros((num_tokens,), np.int32), device)
+            outs = (outs, runner._prompt_logprobs(runner._param_leaves, outputs[1][num_tokens], targets))
+        elif job.kind == "swap":
+            ids = jax.device_put(np.zeros(job.shape, np.int32), device)
+            runner.kv_pool = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
+        else:
+            continue
         if bar is not None:
             bar.update(1)
+    jax.block_until_ready((runner.kv_pool, outs))
 
+
+def _run_forwards(runner, buckets: list[tuple[int, int]], bar) -> tuple[dict, dict]:
+    """Run the forward of each bucket once; returns ({sampler rows: (logits, sampling words)}, {tokens: hidden})
+    of the smallest bucket of each."""
     logits_by_rows, hidden_by_tokens = {}, {}
-    for num_tokens, num_seqs in runner.buckets:
+    for num_tokens, num_seqs in buckets:
         buf = _padding_step_buffer(runner, num_tokens, num_seqs)
         runner.kv_pool, logits, sampling_words, hidden, *_ = runner._forward(
-            runner._param_leaves, runner.kv_pool, jax.device_put(buf, device), runner._prev_tokens,
+            runner._param_leaves, runner.kv_pool, jax.device_put(buf, runner.device), runner._prev_tokens,
             runner.lora_slots and runner.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
         logits_by_rows.setdefault(runner.layout(num_tokens, num_seqs).num_sample_rows, (logits, sampling_words))
         hidden_by_tokens.setdefault(num_tokens, hidden)
-        done()
-    outs = None
-    for num_rows in [] if runner.pools else runner.sampler_seq_buckets:  # pooling: no sampler, no prompt logprobs
-        logits, sampling_words = logits_by_rows[num_rows]
-        outs = runner._apply_grammar_bitmask(logits, jax.device_put(_grammar_bitmask(runner, num_rows), device))
-        done()
-        history = jax.device_put(_penalty_history(runner, num_rows), device)
-        bias_table = jax.device_put(_bias_table(runner, num_rows), device)
-        for variant in runner.sampler_variants:
-            outs = runner._sample(logits, sampling_words,
-                                  history if variant.penalties else runner._no_history[num_rows],
-                                  bias_table if variant.bias_table else runner._no_history[num_rows],
-                                  mode=variant.mode, num_logprobs=variant.num_logprobs)
-            done()
-    for num_tokens in [] if runner.pools else sorted(hidden_by_tokens):
-        targets = jax.device_put(np.zeros((num_tokens,), np.int32), device)
-        outs = (outs, runner._prompt_logprobs(runner._param_leaves, hidden_by_tokens[num_tokens], targets))
-        done()
-    for size in _swap_sizes(runner):
-        ids = jax.device_put(np.zeros((size,), np.int32), device)
-        runner.kv_pool = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
-        done()
+        if bar is not None:
+            bar.update(1)
     if runner.lora_slots is not None:
         runner.lora_slots.write(0, None)  # compiles the slot write (slot 0, no adapter, stays zeros)
-    jax.block_until_ready((runner.kv_pool, outs))
+    return logits_by_rows, hidden_by_tokens
+
+
+def _run_samplers(runner, jobs: list[CompileJob], outputs: tuple[dict, dict], bar):
+    """Run each grammar bitmask / sampler job once on its rows' logits; returns the last outputs."""
+    device, outs = runner.device, None
+    for job in jobs:
+        num_rows = job.shape[0]
+        logits, sampling_words = outputs[0][num_rows]
+        if job.kind == "bitmask":
+            outs = runner._apply_grammar_bitmask(logits, jax.device_put(_grammar_bitmask(runner, num_rows), device))
+        else:
+            variant = job.shape[1]
+            empty = runner._no_history[num_rows]
+            history = jax.device_put(_penalty_history(runner, num_rows), device) if variant.penalties else empty
+            bias_table = jax.device_put(_bias_table(runner, num_rows), device) if variant.bias_table else empty
+            outs = runner._sample(logits, sampling_words, history, bias_table, mode=variant.mode,
+                                  num_logprobs=variant.num_logprobs)
+        if bar is not None:
+            bar.update(1)
+    return outs
