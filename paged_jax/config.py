@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from typing import Literal
 
-from paged_jax.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from paged_jax.spec_decode.config import MODEL_METHODS, SpeculativeConfig, parse_speculative_config
 from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.worker.sampler import LOGPROBS_MODES
 
@@ -177,6 +177,11 @@ class EngineArgs:
                                 ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
                                 ("nnodes", self.nnodes > 1)):
                 check(not value, name, "is not supported with speculative_config")
+            if self.speculative_config.method in MODEL_METHODS:  # the drafter runs on one device, its KV stays there
+                for name, value in (("tensor_parallel_size", self.tensor_parallel_size > 1),
+                                    ("preemption_mode", self.preemption_mode == "swap")):
+                    check(not value, name, f"is not supported with speculative_config method "
+                                           f"{self.speculative_config.method!r}")
         from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES
 
         check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",

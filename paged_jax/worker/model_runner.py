@@ -94,6 +94,8 @@ class ModelRunner:
         ``SingleProgramForward``: one program per bucket; pipeline parallelism passes its ``PipelineForward``).
       num_speculative_tokens: most draft tokens a row verifies per step (speculative decoding; 0: none): each
         bucket samples that many more positions per sequence (``buckets.sample_rows_needed``).
+      drafter: a model drafter (``paged_jax.spec_decode.draft_runner.DraftRunner``: draft_model / eagle3), run after
+        each step's sampler on the device; its proposals come back with the step (``StepOutput.proposed_draft_ids``).
 
     Multi-host: with ``step_channel`` set (node 0, ``paged_jax.parallel.multihost``), each ``execute`` first
     publishes its ``SchedulerOutput`` (and a grammar step its bitmask at ``dispatch_sampling``); the other nodes run
@@ -107,7 +109,7 @@ class ModelRunner:
                  device: jax.Device | None = None, sharding_plan: ShardingPlan | None = None,
                  dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
                  forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, drafter=None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -132,6 +134,9 @@ class ModelRunner:
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
         self.num_speculative_tokens = num_speculative_tokens
+        self.drafter = drafter
+        # An EAGLE-3 drafter reads these target layers' inputs (the forward returns them after its hidden states).
+        self.aux_hidden_layers = tuple(getattr(drafter, "aux_hidden_layers", ()))
         self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
         self.sampler_seq_buckets = sorted({sampler_rows_for(sample_rows_needed(t, s, num_speculative_tokens),
@@ -180,6 +185,8 @@ class ModelRunner:
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
+        if drafter is not None:
+            drafter.bind(self)
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
@@ -287,7 +294,7 @@ class ModelRunner:
             rows = sample_rows_needed(num_tokens, num_seqs, self.num_speculative_tokens)
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
                                 sampler_rows_for(rows, self._max_sample_rows), self.lora_slots is not None,
-                                self.kv_layout.num_groups)
+                                self.kv_layout.num_groups, spec_rows=self.drafter is not None)
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
 
@@ -295,6 +302,7 @@ class ModelRunner:
         """Executables compiled (or loaded) so far for this runner's jitted functions: those warm-up put into their
         tables plus jit's dispatch-cache entries of any other call."""
         lora = self.lora_slots.num_compiles() if self.lora_slots else 0
+        lora += self.drafter.num_compiles() if self.drafter is not None else 0
         return lora + sum(f._cache_size() for f in (self._forward, self._sample, self._apply_grammar_bitmask,
                                                     self._prompt_logprobs, self._gather_blocks, self._scatter_blocks))
 
@@ -312,6 +320,8 @@ class ModelRunner:
         compiles again (``num_compiles_since_warmup``). ``warm_up_timings``: seconds per phase and the thread count
         (``paged_jax.worker.warm_up.warm_up``)."""
         self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
+        if self.drafter is not None:
+            self.drafter.warm_up(self)
         self._compiles_at_warmup = self.num_compiles()
 
     def _swap_sizes(self) -> list[int]:
@@ -382,19 +392,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device calls (StepDevice)
     def run_forward(self, buf: np.ndarray, num_tokens: int, num_seqs: int) -> tuple:
-        """-> (logits f32[R, V], sampling words, hidden [T, hidden]) on device; the KV pool updated in place."""
+        """-> (logits f32[R, V], sampling words, hidden [T, hidden], the drafter's step inputs or None) on device;
+        the KV pool updated in place."""
         # One process: the executable takes the numpy buffer itself (its C++ call path transfers it, far cheaper
-        # than ``jax.device_put``'s); several: each process puts its own replica first.
+        # than ``jax.device_put``'s); several, or a drafter reading the same buffer: it is put on the device first.
+        if not self._single_process or self.drafter is not None:
+            buf = jax.device_put(buf, self.device)
         self.kv_pool, logits, sampling_words, hidden = self._forward(
-            self._param_leaves, self.kv_pool, buf if self._single_process else jax.device_put(buf, self.device),
-            self._prev_tokens, self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
-        return logits, sampling_words, hidden
+            self._param_leaves, self.kv_pool, buf, self._prev_tokens, self.lora_slots and self.lora_slots.arrays,
+            num_tokens=num_tokens, num_seqs=num_seqs)
+        return logits, sampling_words, hidden, (buf, num_tokens, num_seqs) if self.drafter is not None else None
 
     def run_sampling(self, forward_outputs: tuple, grammar_bitmask: np.ndarray | None,
                      sampling: SamplingArgs) -> tuple:
         """Mask (grammar), sample, prompt logprobs -> the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies started."""
-        logits, sampling_words, hidden = forward_outputs
+        logits, sampling_words, hidden, draft_inputs = forward_outputs
         if self.pools:  # the pooled outputs f32[R, W] are the step's result
             fetch = local_copies((logits,))
             fetch[0].copy_to_host_async()
@@ -414,9 +427,11 @@ class ModelRunner:
         fetch = local_copies(outs if sampling.wants_logprobs else outs[:1])
         prompt_fetch = () if sampling.prompt_targets is None else local_copies(self._prompt_logprobs(
             self._param_leaves, hidden, jax.device_put(sampling.prompt_targets, self.device)))
-        for array in (*fetch, *prompt_fetch):
+        draft_fetch = () if draft_inputs is None else local_copies((self.drafter.propose(outs[0], hidden,
+                                                                                          *draft_inputs),))
+        for array in (*fetch, *prompt_fetch, *draft_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
-        return fetch, prompt_fetch
+        return (fetch, prompt_fetch, draft_fetch) if draft_inputs is not None else (fetch, prompt_fetch)
 
     def write_lora_slot(self, slot: int, loaded) -> None:
         """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""

@@ -51,6 +51,8 @@ class StepOutput:
       draft_outputs / draft_rows: speculative decoding: the same fields for the target's samples at every draft
         position of the step (a ``StepOutput`` without prompt logprobs) and, per row that verified drafts, the range
         of its positions there, in draft order; None on steps without drafts.
+      proposed_draft_ids: int32[num_rows, k] a model drafter's drafts for each row's next step (-1: none; rows that
+        did not sample or fork rows), or None without a model drafter.
     """
 
     sampled_token_ids: np.ndarray
@@ -62,6 +64,7 @@ class StepOutput:
     pooled: np.ndarray | None = None
     draft_outputs: "StepOutput | None" = None
     draft_rows: dict[int, range] | None = None
+    proposed_draft_ids: np.ndarray | None = None
 
 
 def _sampler_rows(host: list[np.ndarray], rows: np.ndarray) -> StepOutput:
@@ -82,7 +85,8 @@ class PendingStep:
 
     ``device_outputs`` is the pair (sampler outputs, prompt-logprob outputs) of tuples of device arrays to fetch (their
     host copies already started by ``ModelRunner.run_sampling``; the second is empty unless some row gave prompt-logprob
-    targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
+    targets), with a model drafter a third: its proposals (``StepOutput.proposed_draft_ids``), or a
+    ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
     ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``draft_sample_rows``:
     per input row that verifies drafts, the sample rows int64[k] of its draft positions (speculative decoding).
     ``pooled``: a pooling step (its one output is the pooled rows).
@@ -124,7 +128,7 @@ class PendingStep:
                                    "(ModelRunner.dispatch_sampling)")
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            sampler_outputs, prompt_outputs = outputs
+            sampler_outputs, prompt_outputs, *draft_outputs = outputs
             host = [np.asarray(x) for x in sampler_outputs]  # their host copies were started at dispatch
             rows = self._rows_to_packed
             if self._pooled:
@@ -140,6 +144,8 @@ class PendingStep:
                     out.draft_rows[row] = range(start, start + len(sample_rows))
                     start += len(sample_rows)
                 out.draft_outputs = _sampler_rows(host, np.concatenate(list(self._draft_sample_rows.values())))
+            if draft_outputs and draft_outputs[0]:  # the drafter's proposals int32[S, k], packed order
+                out.proposed_draft_ids = np.asarray(draft_outputs[0][0])[rows]
             if prompt_outputs:  # (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs f32[T, K])
                 arrays = [np.asarray(x) for x in prompt_outputs]
                 out.prompt_logprobs = [
@@ -149,6 +155,9 @@ class PendingStep:
             self._device_outputs = ()
         return self._result
 
+
+
+SPEC_ROW_WORDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +177,9 @@ class StepLayout:
     # KV-cache groups G (``kv_group_pool``): ``max_blocks_per_seq`` counts every group's entries, ``slot_mapping`` is
     # int32[G * T] and a sequence's copy-on-write copies one block per group.
     num_kv_groups: int = 1
+    # With a model drafter (``paged_jax.spec_decode.draft_runner``): per sequence ``SPEC_ROW_WORDS`` words
+    # (``spec_rows``: its drafts, first draft sample row, next prompt token, whether it proposes, block capacity).
+    spec_rows: bool = False
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
@@ -177,6 +189,7 @@ class StepLayout:
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T * G), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
                  *([("lora_slot_ids", T)] if self.lora else []), ("copy_src", C), ("copy_dst", C),
+                 *([("spec_rows", S * SPEC_ROW_WORDS)] if self.spec_rows else []),
                  ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:
