@@ -163,7 +163,8 @@ def load_eagle3_head(path: str | Path, target: ModelConfig, *, dtype=jnp.bfloat1
     if config.target_hidden_size != target.hidden_size or config.model.vocab_size != target.vocab_size:
         raise ValueError(f"EAGLE-3 head {path}: made for a target of hidden size {config.target_hidden_size} and "
                          f"vocabulary {config.model.vocab_size}, not {target.hidden_size} and {target.vocab_size}")
-    if max(config.aux_hidden_layers) >= target.num_hidden_layers or min(config.aux_hidden_layers) < 1:
+    layers = config.aux_hidden_layers
+    if list(layers) != sorted(set(layers)) or layers[-1] >= target.num_hidden_layers or layers[0] < 1:
         raise ValueError(f"EAGLE-3 head {path}: feature layers {config.aux_hidden_layers} do not fit a target of "
                          f"{target.num_hidden_layers} layers")
     files = sorted(Path(path).glob("*.safetensors"))
