@@ -133,8 +133,9 @@ def plain_outputs(smollm2_dir, prompts):
 def drafter_paths(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("drafters")
     hf_config = json.loads((smollm2_dir / "config.json").read_text())
+    # A draft vocabulary of 4 tokens: a target restricted to them (allowed_token_ids) accepts some drafts.
     return {"draft_model": str(save_truncated_checkpoint(smollm2_dir, root / "draft2", 2)),
-            "eagle3": str(save_random_eagle3_head(hf_config, root / "eagle3", draft_vocab_size=256,
+            "eagle3": str(save_random_eagle3_head(hf_config, root / "eagle3", draft_vocab_size=4,
                                                   intermediate_size=128))}
 
 
@@ -148,15 +149,17 @@ def assert_counters_consistent(stats: dict, k: int) -> None:
 
 @pytest.fixture(scope="module")
 def drafter_engines(smollm2_dir, drafter_paths):
-    """method -> an engine of SmolLM2 with that drafter (built on first use)."""
+    """name -> an engine of SmolLM2 with that drafter, or ("self") of its 2-layer copy drafting for itself (built on
+    first use)."""
     cache = {}
 
-    def get(method: str) -> LLMEngine:
-        if method not in cache:
+    def get(name: str) -> LLMEngine:
+        if name not in cache:
+            method = "draft_model" if name == "self" else name
+            target = drafter_paths["draft_model"] if name == "self" else str(smollm2_dir)
             spec = {"method": method, "model": drafter_paths[method], "num_speculative_tokens": K}
-            cache[method] = LLMEngine(EngineArgs(model=str(smollm2_dir), speculative_config=spec, **SETTINGS),
-                                      use_tqdm=False)
-        return cache[method]
+            cache[name] = LLMEngine(EngineArgs(model=target, speculative_config=spec, **SETTINGS), use_tqdm=False)
+        return cache[name]
 
     return get
 
@@ -239,18 +242,33 @@ def _eagle3_reference(head_dir, target, hf_config):
     return drafts
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
-def test_proposals_are_the_drafters_greedy_continuation(method, drafter_engines, drafter_paths, prompts,
+def _head_tokens(head_dir) -> list[int]:
+    from safetensors.numpy import load_file
+
+    d2t = load_file(f"{head_dir}/model.safetensors")["d2t"]
+    return (np.arange(len(d2t)) + d2t).tolist()
+
+
+@pytest.mark.parametrize("name", ["draft_model", "self", "eagle3"])
+def test_proposals_are_the_drafters_greedy_continuation(name, drafter_engines, drafter_paths, prompts,
                                                         smollm2_dir, hf_smollm2_model):
     """After every step, each running sequence's drafts are what the drafter computes densely from the sequence's
-    tokens (transformers for the draft model, the published EAGLE-3 math on transformers' hidden states): the
-    drafter's KV after accepted, rejected and prefill steps is the sequence's own."""
+    tokens (transformers for the draft model, the published EAGLE-3 math on transformers' hidden states), through
+    steps that accepted all, some and none of their drafts: the drafter's KV is always the sequence's own. "self"
+    (a model drafting for itself) disagrees only where the repetition penalty changes the target's choice; the
+    EAGLE-3 target samples among the head's 4 draft tokens."""
     hf_config = json.loads((smollm2_dir / "config.json").read_text())
-    reference = (_draft_model_reference(drafter_paths[method]) if method == "draft_model" else
-                 _eagle3_reference(drafter_paths[method], hf_smollm2_model, hf_config))
-    engine = drafter_engines(method)
+    if name == "eagle3":
+        reference = _eagle3_reference(drafter_paths[name], hf_smollm2_model, hf_config)
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=1,
+                                allowed_token_ids=_head_tokens(drafter_paths[name]))
+    else:
+        reference = _draft_model_reference(drafter_paths["draft_model"])
+        params = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5 if name == "self" else 1.0)
+    engine = drafter_engines(name)
+    before = engine.stats()
     for i, prompt in enumerate(prompts[:2]):
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=12, temperature=0))
+        engine.add_request(f"p{i}", prompt, params)
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -259,6 +277,10 @@ def test_proposals_are_the_drafters_greedy_continuation(method, drafter_engines,
                 assert request.spec_token_ids == reference(request.all_token_ids), request.request_id
                 checked += 1
     assert checked >= 6
+    stats = {key: engine.stats()[key] - before.get(key, 0) for key in before if key.startswith("spec_decode_num")}
+    assert_counters_consistent(stats, K)
+    if name != "draft_model":
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_clean(engine)
 
 
