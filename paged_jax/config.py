@@ -179,7 +179,8 @@ class EngineArgs:
                 check(not value, name, "is not supported with speculative_config")
             if self.speculative_config.method in MODEL_METHODS:  # the drafter runs on one device, its KV stays there
                 for name, value in (("tensor_parallel_size", self.tensor_parallel_size > 1),
-                                    ("preemption_mode", self.preemption_mode == "swap")):
+                                    ("preemption_mode", self.preemption_mode == "swap"),
+                                    ("enable_sleep_mode", self.enable_sleep_mode)):
                     check(not value, name, f"is not supported with speculative_config method "
                                            f"{self.speculative_config.method!r}")
         from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES

@@ -49,7 +49,8 @@ def test_bad_model_drafter_config_is_refused(value, message):
         parse_speculative_config(value)
 
 
-@pytest.mark.parametrize("field, value", [("tensor_parallel_size", 2), ("preemption_mode", "swap")])
+@pytest.mark.parametrize("field, value", [("tensor_parallel_size", 2), ("preemption_mode", "swap"),
+                                          ("enable_sleep_mode", True)])
 def test_model_drafter_combinations_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config method 'draft_model'"):
         EngineArgs(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
@@ -294,3 +295,17 @@ def test_the_target_as_its_own_draft_model_is_accepted_throughout(smollm2_dir, p
     assert_counters_consistent(stats, K)
     assert stats["spec_decode_num_accepted_tokens"] >= 0.95 * stats["spec_decode_num_draft_tokens"]
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "draft_model"])
+def test_drafter_benchmark_runs_on_cpu(drafter, tmp_path):
+    """benchmarks/spec_decode.py drafter on tiny shapes: plain, verify and propose + verify rows per batch, nothing
+    compiled after warm-up."""
+    from benchmarks.spec_decode import main
+
+    result = main(["drafter", "--drafter", drafter, "--tiny", "--batches", "1,2", "--k", "2", "--context", "16",
+                   "--repeats", "1", "--dtype", "float32", "--out", str(tmp_path / "d.json")])
+    assert [(c["step"], c["batch"]) for c in result["cases"]] == [
+        (step, batch) for step in ("plain", "verify", "propose_verify") for batch in (1, 2)]
+    assert all(c["num_compiles_since_warmup"] == 0 and c["step_ms"] > 0 for c in result["cases"])
+    assert json.loads((tmp_path / "d.json").read_text())["drafter"] == drafter

@@ -134,9 +134,8 @@ class ModelRunner:
         self.buckets = sorted(buckets) if buckets is not None else make_buckets(max_num_batched_tokens, max_num_seqs)
         self.seq_buckets = sorted({s for _, s in self.buckets})
         self.num_speculative_tokens = num_speculative_tokens
-        self.drafter = drafter
-        # An EAGLE-3 drafter reads these target layers' inputs (the forward returns them after its hidden states).
-        self.aux_hidden_layers = tuple(getattr(drafter, "aux_hidden_layers", ()))
+        # A model drafter runs after the sampler; an EAGLE-3 one reads these target layers' inputs (the forward's).
+        self.drafter, self.aux_hidden_layers = drafter, tuple(getattr(drafter, "aux_hidden_layers", ()))
         self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
         # The sampler runs on a coarser set of row counts than the forward's seq buckets (fewer compiles).
         self.sampler_seq_buckets = sorted({sampler_rows_for(sample_rows_needed(t, s, num_speculative_tokens),
@@ -148,9 +147,7 @@ class ModelRunner:
         # The KV pool's element type: the model dtype, or float8_e4m3fn (--kv-cache-dtype fp8).
         self.kv_dtype = jnp.dtype(kv_cache_dtype or model.dtype)
         self.vocab_size = model_config.vocab_size
-
         self._split_model(model)
-
         shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         # Allocated on first use (the ``kv_pool`` property): warm-up compiles before it exists, so the compilers'
         # scratch memory (GPU autotuning, several compiles at once) never competes with it.
@@ -185,8 +182,6 @@ class ModelRunner:
         self._build_jitted()
         self._compiles_at_warmup: int | None = None
         self.warm_up_timings: dict[str, float] = {}
-        if drafter is not None:
-            drafter.bind(self)
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
@@ -205,6 +200,8 @@ class ModelRunner:
         # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.worker.executable_cache),
         # keyed by its static arguments and the shapes of the arguments listed.
         self._forward, self._prompt_logprobs = self.forward_strategy.build(self)
+        if self.drafter is not None:  # its program per bucket (paged_jax.spec_decode.draft_runner)
+            self.drafter.bind(self)
 
         max_seq_bucket, logprobs_mode = self._max_seq_bucket, self.logprobs_mode
 
