@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 48): what a verify step costs, and what ngram / suffix drafts buy end to end.
+"""Speculative decoding (issue 48): what a verify step and a model drafter cost, and what drafts buy end to end.
 
 ``verify``: the model runner for a named shape with dummy weights (default Llama-3.1-8B); for each batch B and draft
 count k, the median ``execute(...).result()`` of a step in which every one of B sequences (``--context`` cached
@@ -22,7 +22,9 @@ when L > propose + verify ratio.
 Examples (H100): ``python -m benchmarks.spec_decode verify --out $OUT/spec_verify.json``;
 ``python -m benchmarks.spec_decode drafter --drafter eagle3 --out $OUT/spec_eagle3.json`` (and
 ``--drafter draft_model``);
-``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json``.
+``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json`` (add
+``--methods ngram,eagle3 --eagle3-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` or ``--methods draft_model
+--draft-model meta-llama/Llama-3.2-1B-Instruct`` for the model drafters).
 On CPU: ``verify --tiny --batches 1,2 --ks 0,2``, ``drafter --tiny --batches 1,2 --k 2`` and
 ``e2e --max-tokens 32 --num-prompts 1`` check the script.
 """
@@ -233,8 +235,9 @@ def run_e2e(args) -> dict:
 
     result = {"benchmark": "spec_decode_e2e", "model": args.model or "smollm2-135m-instruct",
               "device": str(jax.devices()[0].device_kind), "max_tokens": args.max_tokens, "k": args.k, "runs": []}
-    configs = [("plain", None)] + [(m, {"method": m, "num_speculative_tokens": args.k,
-                                        **({"prompt_lookup_min": 2, "prompt_lookup_max": 5} if m == "ngram" else {})})
+    extra = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5}, "draft_model": {"model": args.draft_model},
+             "eagle3": {"model": args.eagle3_model}}
+    configs = [("plain", None)] + [(m, {"method": m, "num_speculative_tokens": args.k, **extra.get(m, {})})
                                    for m in filter(None, args.methods.split(","))]
     reference = None
     for name, spec in configs:
@@ -290,7 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
     e2e = sub.add_parser("e2e", help="batch-1 tokens/s on a copy workload, plain vs ngram / suffix")
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")
-    e2e.add_argument("--methods", default="ngram,suffix")
+    e2e.add_argument("--methods", default="ngram,suffix", help="also draft_model, eagle3 (with their checkpoints)")
+    e2e.add_argument("--draft-model", help="draft_model: the draft checkpoint (the target's tokenizer)")
+    e2e.add_argument("--eagle3-model", help="eagle3: the EAGLE-3 head checkpoint for --model")
     e2e.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     e2e.add_argument("--num-prompts", type=int, default=4)
     e2e.add_argument("--max-tokens", type=int, default=256)
