@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 48): what a verify step costs, and what ngram / suffix drafts buy end to end.
+"""Speculative decoding (issue 48): what a verify step and a model drafter cost, and what drafts buy end to end.
 
 ``verify``: the model runner for a named shape with dummy weights (default Llama-3.1-8B); for each batch B and draft
 count k, the median ``execute(...).result()`` of a step in which every one of B sequences (``--context`` cached
@@ -13,9 +13,20 @@ copy their inputs (the model is asked to repeat a passage word for word), withou
 every method's tokens equal the plain run's (checked, reported as ``same_tokens``). Needs a real instruct
 checkpoint (``--model``; default the built-in SmolLM2-135M-Instruct): dummy weights copy nothing.
 
+``drafter``: the same steps with a model drafter on the device (``draft_model``: dummy ``--draft-shape``, default
+Llama-3.2-1B; ``eagle3``: a dummy EAGLE-3 head of the target's shape, 32000 draft tokens), per batch: the plain
+decode step, the verify step alone (k drafts, no drafter) and propose + verify (the drafter's catch-up and k draft
+steps after the sampler), each as ms and as a ratio to plain decode. A drafter of acceptance length L pays off
+when L > propose + verify ratio.
+
 Examples (H100): ``python -m benchmarks.spec_decode verify --out $OUT/spec_verify.json``;
-``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json``.
-On CPU: ``verify --tiny --batches 1,2 --ks 0,2`` and ``e2e --max-tokens 32 --num-prompts 1`` check the script.
+``python -m benchmarks.spec_decode drafter --drafter eagle3 --out $OUT/spec_eagle3.json`` (and
+``--drafter draft_model``);
+``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json`` (add
+``--methods ngram,eagle3 --eagle3-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` or ``--methods draft_model
+--draft-model meta-llama/Llama-3.2-1B-Instruct`` for the model drafters).
+On CPU: ``verify --tiny --batches 1,2 --ks 0,2``, ``drafter --tiny --batches 1,2 --k 2`` and
+``e2e --max-tokens 32 --num-prompts 1`` check the script.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ def _parse_ints(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- verify
-def _runner(model, config, num_speculative_tokens: int, batches: list[int], args):
+def _runner(model, config, num_speculative_tokens: int, batches: list[int], args, drafter=None):
     from paged_jax.worker.buckets import make_buckets
     from paged_jax.worker.model_runner import ModelRunner
 
@@ -62,7 +73,7 @@ def _runner(model, config, num_speculative_tokens: int, batches: list[int], args
     runner = ModelRunner(model, config, num_blocks=max_seqs * blocks_per_seq + 1, block_size=args.block_size,
                          max_model_len=args.context + 64, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
                          buckets=make_buckets(max_tokens, max_seqs), attention_impl=args.attention_impl,
-                         num_speculative_tokens=num_speculative_tokens)
+                         num_speculative_tokens=num_speculative_tokens, drafter=drafter)
     runner.warm_up(use_tqdm=False)
     return runner, blocks_per_seq
 
@@ -90,8 +101,9 @@ def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, 
     return ms
 
 
-def run_verify(args) -> dict:
-    import jax
+def _dummy_model(args, shape: str, **tiny_overrides):
+    """(model, config): dummy weights of a named shape (or a 2-layer tiny one), projections fused as the engine runs
+    them."""
     import jax.numpy as jnp
 
     from models.config import ModelConfig
@@ -101,13 +113,19 @@ def run_verify(args) -> dict:
 
     if args.tiny:
         from models.testing import tiny_config
-        config = ModelConfig.from_hf_config(tiny_config("llama", vocab_size=1024))
+        config = ModelConfig.from_hf_config(tiny_config("llama", vocab_size=1024, **tiny_overrides))
     else:
-        config = preset_config(args.shape)
+        config = preset_config(shape)
     model = init_dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0)
     import paged_jax.ops  # noqa: F401  (registers the kernels with the model)
 
-    fuse_projections(model)  # as the engine runs it
+    return fuse_projections(model), config
+
+
+def run_verify(args) -> dict:
+    import jax
+
+    model, config = _dummy_model(args, args.shape)
     batches, ks = _parse_ints(args.batches), _parse_ints(args.ks)
     rng = np.random.default_rng(0)
     result = {"benchmark": "spec_decode_verify", "shape": "tiny" if args.tiny else args.shape, "dtype": args.dtype,
@@ -126,6 +144,54 @@ def run_verify(args) -> dict:
                        "num_compiles_since_warmup": runner.num_compiles_since_warmup}
                 result["cases"].append(row)
                 print(json.dumps(row), flush=True)
+        runner.close()
+        del runner
+        gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- drafter
+def _drafter(args, config):
+    """A ``DraftRunner`` with dummy weights for a target of ``config``."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.eagle3 import Eagle3Config, Eagle3Head, default_aux_hidden_layers
+    from paged_jax.spec_decode.draft_runner import DraftRunner
+
+    if args.drafter == "draft_model":
+        model, draft_config = _dummy_model(args, args.draft_shape, num_hidden_layers=1)
+        return DraftRunner("draft_model", args.k, model, draft_config)
+    head_config = Eagle3Config(model=dataclasses.replace(config, num_hidden_layers=1),
+                               draft_vocab_size=min(32000, config.vocab_size), target_hidden_size=config.hidden_size,
+                               aux_hidden_layers=default_aux_hidden_layers(config.num_hidden_layers))
+    head = Eagle3Head(head_config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    return DraftRunner("eagle3", args.k, head, head_config.model, aux_hidden_layers=head_config.aux_hidden_layers)
+
+
+def run_drafter(args) -> dict:
+    import jax
+
+    model, config = _dummy_model(args, args.shape, num_hidden_layers=8)
+    batches, k = _parse_ints(args.batches), args.k
+    rng = np.random.default_rng(0)
+    result = {"benchmark": "spec_decode_drafter", "drafter": args.drafter,
+              "shape": "tiny" if args.tiny else args.shape, "draft_shape": None if args.drafter == "eagle3" else
+              ("tiny" if args.tiny else args.draft_shape), "dtype": args.dtype,
+              "device": str(jax.devices()[0].device_kind), "context": args.context, "k": k, "cases": []}
+    timings: dict[tuple[str, int], float] = {}
+    for name, steps_k, drafter in (("plain", 0, None), ("verify", k, None), ("propose_verify", k, True)):
+        runner, blocks_per_seq = _runner(model, config, steps_k, batches, args,
+                                         drafter=_drafter(args, config) if drafter else None)
+        for batch in batches:
+            ms = timings[name, batch] = _time_verify(runner, blocks_per_seq, batch, steps_k, args, config, rng)
+            row = {"step": name, "batch": batch, "k": steps_k, "step_ms": round(ms, 3),
+                   "ratio": round(ms / timings["plain", batch], 3),
+                   "num_compiles_since_warmup": runner.num_compiles_since_warmup}
+            result["cases"].append(row)
+            print(json.dumps(row), flush=True)
         runner.close()
         del runner
         gc.collect()
@@ -169,8 +235,9 @@ def run_e2e(args) -> dict:
 
     result = {"benchmark": "spec_decode_e2e", "model": args.model or "smollm2-135m-instruct",
               "device": str(jax.devices()[0].device_kind), "max_tokens": args.max_tokens, "k": args.k, "runs": []}
-    configs = [("plain", None)] + [(m, {"method": m, "num_speculative_tokens": args.k,
-                                        **({"prompt_lookup_min": 2, "prompt_lookup_max": 5} if m == "ngram" else {})})
+    extra = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5}, "draft_model": {"model": args.draft_model},
+             "eagle3": {"model": args.eagle3_model}}
+    configs = [("plain", None)] + [(m, {"method": m, "num_speculative_tokens": args.k, **extra.get(m, {})})
                                    for m in filter(None, args.methods.split(","))]
     reference = None
     for name, spec in configs:
@@ -210,18 +277,33 @@ def main(argv: list[str] | None = None) -> dict:
     verify.add_argument("--temperature", type=float, default=0.0)
     verify.add_argument("--repeats", type=int, default=20)
     verify.add_argument("--attention-impl", default="auto")
+    drafter = sub.add_parser("drafter", help="propose + verify step cost of a model drafter against plain decode")
+    drafter.add_argument("--drafter", choices=("eagle3", "draft_model"), default="eagle3")
+    drafter.add_argument("--shape", default="llama-3.1-8b", help="the target's named shape (models/presets.py)")
+    drafter.add_argument("--draft-shape", default="llama-3.2-1b", help="draft_model: the draft's named shape")
+    drafter.add_argument("--tiny", action="store_true", help="tiny random configs (CPU check of the script)")
+    drafter.add_argument("--dtype", default="bfloat16")
+    drafter.add_argument("--batches", default="1,8,64")
+    drafter.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    drafter.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
+    drafter.add_argument("--block-size", type=int, default=16)
+    drafter.add_argument("--temperature", type=float, default=0.0)
+    drafter.add_argument("--repeats", type=int, default=20)
+    drafter.add_argument("--attention-impl", default="auto")
     e2e = sub.add_parser("e2e", help="batch-1 tokens/s on a copy workload, plain vs ngram / suffix")
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")
-    e2e.add_argument("--methods", default="ngram,suffix")
+    e2e.add_argument("--methods", default="ngram,suffix", help="also draft_model, eagle3 (with their checkpoints)")
+    e2e.add_argument("--draft-model", help="draft_model: the draft checkpoint (the target's tokenizer)")
+    e2e.add_argument("--eagle3-model", help="eagle3: the EAGLE-3 head checkpoint for --model")
     e2e.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     e2e.add_argument("--num-prompts", type=int, default=4)
     e2e.add_argument("--max-tokens", type=int, default=256)
     e2e.add_argument("--max-model-len", type=int, default=1024)
-    for parser in (verify, e2e):
+    for parser in (verify, drafter, e2e):
         parser.add_argument("--out")
     args = p.parse_args(argv)
-    result = run_verify(args) if args.part == "verify" else run_e2e(args)
+    result = {"verify": run_verify, "drafter": run_drafter, "e2e": run_e2e}[args.part](args)
     write_json(args.out, result)
     return result
 

@@ -388,7 +388,8 @@ class LlamaForCausalLM(nnx.Module):
         set_moe_impl(self, moe_impl)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
-                 attention: AttentionFn, lora: Sequence | None = None) -> tuple[jax.Array, list | None]:
+                 attention: AttentionFn, lora: Sequence | None = None, *,
+                 aux_hidden_layers: tuple[int, ...] = ()) -> tuple:
         """Run the decoder on a flat token batch.
 
         Args:
@@ -399,16 +400,39 @@ class LlamaForCausalLM(nnx.Module):
             attend differently (``models.attention_fn.needs_layer_attention``) needs one that takes each layer's
             options (``takes_layer_attention``): ValueError otherwise.
           lora: None, or per layer the LoRA state its projections add (``with_lora``; multi-LoRA serving).
+          aux_hidden_layers: static; non-empty (ascending layer indices >= 1, an EAGLE-3 drafter's feature layers,
+            ``models.eagle3``): also return the residual stream entering each of these layers.
         Returns:
           (hidden: dtype[T, hidden_size] after the final norm, kv_caches: list of the layers' returned kv state,
-          or None when ``kv_caches`` was None).
+          or None when ``kv_caches`` was None), and with ``aux_hidden_layers`` a third item: dtype[T, n * hidden].
         """
         if input_ids.ndim != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must both be [T]; got {input_ids.shape} and {positions.shape}"
             )
         with matmul_precision(self.dtype):
+            if aux_hidden_layers:
+                return self._forward_with_aux(input_ids, positions, kv_caches, attention, lora, aux_hidden_layers)
             return self._forward(input_ids, positions, kv_caches, attention, lora)
+
+    def _forward_with_aux(self, input_ids, positions, kv_caches, attention, lora, aux_hidden_layers):
+        """``_forward`` run in segments split at ``aux_hidden_layers``, keeping each boundary's ``x + residual``."""
+        layers = list(self.model.layers)
+        if kv_caches is not None and not isinstance(kv_caches, (list, tuple)):
+            raise ValueError("aux_hidden_layers needs a per-layer kv_caches list (no KV-cache groups)")
+        check_takes_layer_attention(self.config, attention)
+        rope = rope_tables(self.config, positions)
+        x, residual, aux, new_kv_caches = self.model.embed(input_ids), None, [], []
+        bounds = [0, *aux_hidden_layers, len(layers)]
+        for start, end in zip(bounds, bounds[1:]):
+            if start:
+                aux.append(x + residual)
+            x, residual, kv = run_decoder_layers(
+                layers[start:end], x, residual, rope, None if kv_caches is None else kv_caches[start:end], attention,
+                None if lora is None else lora[start:end], first_layer_idx=start)
+            new_kv_caches += kv or []
+        hidden = self.model.norm(x, residual)[0]
+        return hidden, (None if kv_caches is None else new_kv_caches), jnp.concatenate(aux, axis=-1)
 
     def _forward(self, input_ids, positions, kv_caches, attention, lora=None):
         num_layers = len(self.model.layers)

@@ -204,3 +204,69 @@ def write_hub_cache(cache_dir: str | os.PathLike, repo_id: str, files_by_commit:
     for ref, commit in refs.items():
         (repo_dir / "refs" / ref).write_text(commit)
     return repo_dir
+
+
+def save_truncated_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, num_layers: int) -> Path:
+    """A copy of the checkpoint at ``src_dir`` keeping its first ``num_layers`` decoder layers (and its embedding,
+    final norm, head and tokenizer files): a draft model with the same vocabulary (speculative decoding tests)."""
+    import re
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            layer = re.search(r"\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < num_layers:
+                tensors[name] = tensor
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for file in src.glob("tokenizer*"):
+        shutil.copy(file, out / file.name)
+    return out
+
+
+def save_random_eagle3_head(target_hf_config: dict[str, Any], out_dir: str | os.PathLike, *,
+                            draft_vocab_size: int = 64, intermediate_size: int | None = None, seed: int = 0) -> Path:
+    """A random EAGLE-3 head for a target of ``target_hf_config`` in the published layout (``models.eagle3``):
+    ``config.json`` (architecture ``LlamaForCausalLMEagle3``) and ``model.safetensors`` with ``midlayer.*``, ``fc``,
+    ``norm``, ``lm_head``, ``d2t`` (a random subset of the target vocabulary, in order) and ``t2d``; no embedding
+    (the target's is shared). Weights ~ N(0, 0.02) (norms around 1), float32."""
+    import numpy as np
+
+    from models.eagle3 import save_eagle3_head
+
+    rng = np.random.default_rng(seed)
+    hidden, vocab = target_hf_config["hidden_size"], target_hf_config["vocab_size"]
+    heads, kv_heads = target_hf_config["num_attention_heads"], target_hf_config["num_key_value_heads"]
+    head_dim = target_hf_config.get("head_dim") or hidden // heads
+    inter = intermediate_size or target_hf_config["intermediate_size"]
+    shapes = {"fc.weight": (hidden, 3 * hidden), "norm.weight": (hidden,), "lm_head.weight": (draft_vocab_size, hidden),
+              "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+              "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+              "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+              "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+              "midlayer.mlp.gate_proj.weight": (inter, hidden), "midlayer.mlp.up_proj.weight": (inter, hidden),
+              "midlayer.mlp.down_proj.weight": (hidden, inter)}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        shapes[f"midlayer.{norm}.weight"] = (hidden,)
+    tensors = {name: ((1.0 if name.endswith("norm.weight") else 0.0) + 0.02 * rng.standard_normal(shape)
+                      ).astype(np.float32) for name, shape in shapes.items()}
+    targets = np.sort(rng.choice(vocab, draft_vocab_size, replace=False))
+    tensors["d2t"] = (targets - np.arange(draft_vocab_size)).astype(np.int64)
+    tensors["t2d"] = np.isin(np.arange(vocab), targets)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab_size,
+              "target_hidden_size": hidden, "rms_norm_eps": target_hf_config.get("rms_norm_eps", 1e-5),
+              "rope_theta": target_hf_config.get("rope_theta", 10000.0),
+              "rope_scaling": target_hf_config.get("rope_scaling"),
+              "max_position_embeddings": target_hf_config.get("max_position_embeddings", 2048),
+              "tie_word_embeddings": False}
+    save_eagle3_head(tensors, config, out_dir)
+    return Path(out_dir)

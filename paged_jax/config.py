@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Literal
 
-from paged_jax.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from paged_jax.spec_decode.config import MODEL_METHODS, SpeculativeConfig, parse_speculative_config
 from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.worker.sampler import LOGPROBS_MODES
 
@@ -234,13 +234,7 @@ class EngineArgs:
               f"must be >= max_loras ({self.max_loras})")
         self._check_moe_options(check)
         self.attention_impl = resolve_attention_impl(self.attention_impl, "attention_impl")
-        self.speculative_config = parse_speculative_config(self.speculative_config)
-        if self.speculative_config is not None:
-            # Combinations whose steps do not carry drafts yet: refused rather than run without them.
-            for name, value in (("async_scheduling", self.async_scheduling),
-                                ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
-                                ("nnodes", self.nnodes > 1)):
-                check(not value, name, "is not supported with speculative_config")
+        self._check_speculative(check)
         from models.quantization.config import QUANTIZATION_METHODS, KV_CACHE_DTYPES
 
         check(self.quantization is None or self.quantization.lower() in QUANTIZATION_METHODS, "quantization",
@@ -261,6 +255,22 @@ class EngineArgs:
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         check(names is None or (len(names) > 0 and all(isinstance(n, str) and n for n in names)),
               "served_model_name", "must be a non-empty name or list of non-empty names")
+
+    def _check_speculative(self, check) -> None:
+        """``speculative_config`` parsed; ValueErrors naming the settings whose steps do not carry drafts yet."""
+        self.speculative_config = parse_speculative_config(self.speculative_config)
+        if self.speculative_config is None:
+            return
+        for name, value in (("async_scheduling", self.async_scheduling),
+                            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+                            ("nnodes", self.nnodes > 1)):
+            check(not value, name, "is not supported with speculative_config")
+        if self.speculative_config.method in MODEL_METHODS:  # the drafter runs on one device, its KV stays there
+            for name, value in (("tensor_parallel_size", self.tensor_parallel_size > 1),
+                                ("preemption_mode", self.preemption_mode == "swap"),
+                                ("enable_sleep_mode", self.enable_sleep_mode)):
+                check(not value, name, f"is not supported with speculative_config method "
+                                       f"{self.speculative_config.method!r}")
 
     def _check_kv_offloading(self, check) -> None:
         """The host tier works on one engine, one device: ValueErrors naming what it does not support."""

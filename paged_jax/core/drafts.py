@@ -22,6 +22,13 @@ def with_drafts(request: Request, num_new: int, budget: int, max_model_len: int)
     return num_new + len(request.spec_token_ids)
 
 
+def lookahead_slots(num_computed: int, num_new: int, num_lookahead_tokens: int, max_model_len: int) -> int:
+    """KV slots a request allocates for ``num_new`` tokens after ``num_computed``: those and up to
+    ``num_lookahead_tokens`` more within ``max_model_len``, where a model drafter writes its draft positions
+    (vLLM's look-ahead slots; ``paged_jax.spec_decode.draft_runner``)."""
+    return num_new + max(0, min(num_lookahead_tokens, max_model_len - num_computed - num_new))
+
+
 def apply_drafts(request: Request, num_scheduled: int, drafts: list[int], accepted: list[int], token: int,
                  max_model_len: int) -> RequestStatus | None:
     """A row that verified ``drafts``: its ``accepted`` ones and then ``token`` (the target's sample after the last

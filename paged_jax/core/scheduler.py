@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.core.sched_output import SchedulerOutput, StepBuilder
-from paged_jax.core.drafts import apply_drafts, with_drafts
+from paged_jax.core.drafts import apply_drafts, lookahead_slots, with_drafts
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus, check_stop, stops_on_token
 
@@ -90,12 +90,13 @@ class Scheduler:
       long_prefill_token_threshold: a prefill with more tokens than this left to compute is long (step 3 of the
         module docstring); 0: none is, every running request is planned before admissions.
       max_long_partial_prefills: most long prompts partway through their prefill at once (>= 1).
+      num_lookahead_tokens: KV slots allocated past each request's new tokens for a model drafter (``drafts``).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", policy: str = "fcfs",
                  enable_chunked_prefill: bool = True, max_loras: int = 0, long_prefill_token_threshold: int = 0,
-                 max_long_partial_prefills: int = 1) -> None:
+                 max_long_partial_prefills: int = 1, num_lookahead_tokens: int = 0) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len), ("max_long_partial_prefills", max_long_partial_prefills)):
             if not isinstance(value, int) or value < 1:
@@ -127,6 +128,7 @@ class Scheduler:
         # A prefill with more tokens left than this is long; 0 (none is long) compares against a bound never reached.
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_model_len + 1
         self.max_long_partial_prefills = max_long_partial_prefills
+        self._slots = lambda computed, new: lookahead_slots(computed, new, num_lookahead_tokens, max_model_len)
 
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: collections.deque[Request] = collections.deque()  # WAITING / PREEMPTED / SWAPPED
@@ -290,9 +292,9 @@ class Scheduler:
                 num_new = with_drafts(request, num_new, budget, self.max_model_len)
             if kv.num_pending_copies >= MAX_BLOCK_COPIES * kv.num_groups and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
-            if not allocate_slots(request, num_new):
+            if not allocate_slots(request, slots := self._slots(request.num_computed_tokens, num_new)):
                 step.budget = budget
-                fits = self._preempt_until_fits(request, num_new, step)
+                fits = self._preempt_until_fits(request, slots, step)
                 budget = step.budget
                 if not fits:
                     continue
@@ -300,15 +302,15 @@ class Scheduler:
             budget -= num_new
         step.budget = budget
 
-    def _preempt_until_fits(self, request: Request, num_new: int, step: "_StepPlan") -> bool:
-        """Preempt the least important running request until ``num_new`` slots of running ``request`` fit (as vLLM:
+    def _preempt_until_fits(self, request: Request, num_slots: int, step: "_StepPlan") -> bool:
+        """Preempt the least important running request until ``num_slots`` slots of running ``request`` fit (as vLLM:
         possibly ``request`` itself); returns whether ``request`` still runs with its slots allocated."""
         while True:
             victim = max(self.running, key=self._order_key)
             self._preempt(victim, step)  # returns the budget of a victim planned earlier
             if victim is request:
                 return False
-            if self.kv.allocate_slots(request, num_new):
+            if self.kv.allocate_slots(request, num_slots):
                 return True
 
     def _schedule_long_prefills(self, step: "_StepPlan") -> None:
@@ -323,7 +325,8 @@ class Scheduler:
             num_new = min(request.num_tokens_to_compute, step.budget)
             if step.short_prefill_started:
                 num_new = min(num_new, self.long_prefill_token_threshold)
-            if self.kv.allocate_slots(request, num_new) or self._preempt_until_fits(request, num_new, step):
+            if (self.kv.allocate_slots(request, slots := self._slots(request.num_computed_tokens, num_new))
+                    or self._preempt_until_fits(request, slots, step)):
                 step.planned[request.request_id] = (request, num_new)
                 step.budget -= num_new
 
@@ -393,13 +396,13 @@ class Scheduler:
         ``_PASSED_OVER`` when it is a long prompt that would stay partial and ``partial_long_allowed`` is False."""
         if request.status == RequestStatus.SWAPPED:
             num_new = min(request.num_tokens_to_compute, step.budget)
-            ok = self.kv.can_swap_in(request, num_new)
+            ok = self.kv.can_swap_in(request, slots := self._slots(request.num_computed_tokens, num_new))
             while not ok and self._preempt_lower_priority(request, step):
-                ok = self.kv.can_swap_in(request, num_new)
+                ok = self.kv.can_swap_in(request, slots)
             if not ok:
                 return None
             step.swap_in.extend(self.kv.swap_in(request))
-            if not self.kv.allocate_slots(request, num_new):  # guaranteed by can_swap_in
+            if not self.kv.allocate_slots(request, slots):  # guaranteed by can_swap_in
                 raise RuntimeError("allocation after swap-in failed")
             self.num_swap_ins += 1
             return num_new
@@ -417,13 +420,13 @@ class Scheduler:
             if not self.enable_chunked_prefill:
                 return None  # head-of-line: keep FCFS/priority order rather than skipping ahead
             num_new = limit
-        ok = self.kv.can_allocate(request, num_new, computed_blocks)
+        ok = self.kv.can_allocate(request, slots := self._slots(num_hit, num_new), computed_blocks)
         while not ok and self._preempt_lower_priority(request, step):
-            ok = self.kv.can_allocate(request, num_new, computed_blocks)
+            ok = self.kv.can_allocate(request, slots, computed_blocks)
         if not ok:
             return None
         first_admission = request.status == RequestStatus.WAITING
-        if not self.kv.allocate_slots(request, num_new, computed_blocks):  # guaranteed by can_allocate
+        if not self.kv.allocate_slots(request, slots, computed_blocks):  # guaranteed by can_allocate
             raise RuntimeError("allocation after can_allocate failed")
         if first_admission:
             request.num_cached_prompt_tokens = min(num_hit, request.num_prompt_tokens)

@@ -279,12 +279,14 @@ class EngineCore:
             first_output = {r.request_id: r.num_output_tokens for r in scheduler_output.requests
                             if r.request_id in accepted}
         progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
+        row_of = {}
         if progressed:
             row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
             self._token_outputs(((row_of[r.request_id], r, first_output.get(r.request_id, r.num_output_tokens - 1))
                                  for r in progressed), result, outputs)
         if self.spec_decoder is not None:
-            self.spec_decoder.propose(progressed, self.scheduler.num_running)
+            self.spec_decoder.propose(progressed, self.scheduler.num_running,
+                                      self.spec_decoder.model_drafts(progressed, row_of, result))
         return outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:

@@ -21,6 +21,7 @@ from paged_jax.core.kv_groups import engine_kv_groups
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
+from paged_jax.spec_decode.drafters import load_drafter
 from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
 from paged_jax.worker.background_compile import background_compilation_enabled
 from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
@@ -95,10 +96,11 @@ def _num_speculative_tokens(args: EngineArgs) -> int:
 
 
 def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_model_len: int, max_num_seqs: int,
-                  max_num_batched_tokens: int, multi_node: bool) -> tuple[int, int, int]:
+                  max_num_batched_tokens: int, multi_node: bool, drafter=None) -> tuple[int, int, int]:
     """(device KV blocks, host swap blocks, host tier blocks) for the loaded model and the limits: what the device's
-    memory leaves after the weights (``kv_pool_sizing``), the same count on every node of a multi-host job
-    (``multi_node``); the host pools' blocks from ``swap_space`` and ``kv_offloading_size`` (GiB)."""
+    memory leaves after the weights (``kv_pool_sizing``; a model drafter's weights and KV blocks too), the same count
+    on every node of a multi-host job (``multi_node``); the host pools' blocks from ``swap_space`` and
+    ``kv_offloading_size`` (GiB)."""
     model = loaded.model
     dequantization_bytes = dequantized_weight_bytes(model, max_num_batched_tokens, device)
     if dequantization_bytes and device.platform != "cpu":
@@ -108,7 +110,9 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         loaded.memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-        device=device, weight_bytes=device_bytes(model, device), dequantization_bytes=dequantization_bytes,
+        device=device, dequantization_bytes=dequantization_bytes,
+        weight_bytes=device_bytes(model, device) + (drafter.weight_bytes() if drafter else 0),
+        extra_block_bytes=drafter.kv_bytes_per_block(args.block_size) if drafter else 0,
         mixed_groups=mixes_kv_groups(loaded.plan),
         num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)),
         host_copy_blocks=MAX_IN_FLIGHT_BLOCKS if args.kv_offloading_size else 0)
@@ -192,8 +196,10 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     max_num_seqs, max_num_batched_tokens = step_limits(args, max_model_len, on_accelerator)
 
     kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
+    drafter = load_drafter(args.speculative_config, model, config, loaded.tokenizer, download_dir=args.download_dir)
     num_blocks, num_host_blocks, num_offload_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len,
-                                                                    max_num_seqs, max_num_batched_tokens, multi_node)
+                                                                    max_num_seqs, max_num_batched_tokens, multi_node,
+                                                                    drafter)
     timings["kv_sizing_s"], stage_start = time.perf_counter() - stage_start, time.perf_counter()
     runner = ModelRunner(
         model, loaded.run_config, num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
@@ -204,7 +210,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
         lora_slots=make_lora_slots(args, model, loaded.run_config, plan, device),  # None unless enable_lora
         forward=loaded.forward,  # the pipeline's staged forward with pipeline_parallel_size > 1
         logprobs_mode=args.logprobs_mode, num_speculative_tokens=_num_speculative_tokens(args),
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, drafter=drafter,
         moe_outputs=MoeStepOutputs(routed_experts=args.enable_return_routed_experts,
                                    expert_load=args.enable_expert_load_metrics))
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
@@ -216,7 +222,8 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           max_loras=args.max_loras if args.enable_lora else 0,
                           long_prefill_token_threshold=long_prefill_threshold(args, max_model_len),
-                          max_long_partial_prefills=args.max_long_partial_prefills)
+                          max_long_partial_prefills=args.max_long_partial_prefills,
+                          num_lookahead_tokens=_num_speculative_tokens(args) if drafter is not None else 0)
     _log_pool_and_compiles(args, runner, kv_cache_manager,
                            kv_bytes_per_block(loaded.memory_config, args.block_size, kv_dtype,
                                               mixed_groups=mixes_kv_groups(plan)), max_model_len,

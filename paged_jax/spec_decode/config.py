@@ -7,10 +7,12 @@ import dataclasses
 import json
 from typing import Any
 
-# Methods vLLM accepts; the ones this engine runs are PROPOSER_METHODS. The others need a drafter network
-# (a second checkpoint, an EAGLE head, a model's MTP layers) that is not implemented here: refused by name.
+# Methods vLLM accepts; the ones this engine runs are PROPOSER_METHODS. The others (an EAGLE-1 head, a model's MTP
+# layers) are refused by name.
 VLLM_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-PROPOSER_METHODS = ("ngram", "suffix")
+PROPOSER_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+# Methods whose drafts a network computes on the device (``paged_jax.spec_decode.draft_runner``); they need ``model``.
+MODEL_METHODS = ("draft_model", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -19,7 +21,11 @@ class SpeculativeConfig:
     """One engine's speculative decoding (vLLM's field names and defaults).
 
     Attributes:
-      method: "ngram" (prompt lookup) or "suffix" (suffix-tree lookup over the request and recent requests).
+      method: "ngram" (prompt lookup), "suffix" (suffix-tree lookup over the request and recent requests),
+        "draft_model" (a smaller model with the target's vocabulary) or "eagle3" (an EAGLE-3 head on the target's
+        hidden states).
+      model: draft_model / eagle3: the drafter's checkpoint directory (a Hugging Face model id is resolved like the
+        target's).
       num_speculative_tokens: drafts per sequence per step, k (fixed for the engine: its compiled shapes).
       prompt_lookup_min / prompt_lookup_max: ngram: the n-gram lengths matched (longest first).
       suffix_decoding_max_tree_depth: suffix: the longest context and draft the trees hold.
@@ -31,6 +37,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     suffix_decoding_max_tree_depth: int = 24
@@ -44,8 +51,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {', '.join(VLLM_METHODS)}, got "
                              f"{self.method!r}")
         if self.method not in PROPOSER_METHODS:
-            raise ValueError(f"speculative_config.method={self.method!r} is not supported by this engine (it needs "
-                             f"a drafter network); supported: {', '.join(PROPOSER_METHODS)}")
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported by this engine; "
+                             f"supported: {', '.join(PROPOSER_METHODS)}")
+        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative_config.model (the drafter's checkpoint) is required with method "
+                             f"{self.method!r}")
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise ValueError(f"speculative_config.model applies to methods {', '.join(MODEL_METHODS)}, not "
+                             f"{self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in [1, "

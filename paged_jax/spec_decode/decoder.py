@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from paged_jax.core.request import Request
 from paged_jax.core.sched_output import SchedulerOutput
-from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from paged_jax.spec_decode.ngram import NgramProposer
 from paged_jax.spec_decode.suffix import SuffixProposer
 from paged_jax.spec_decode.verify import SpecDecodingStats, num_accepted
@@ -32,9 +32,11 @@ class SpecDecoder:
                                        config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
                         if config.method == "suffix" else None)
 
-    def propose(self, requests: Iterable[Request], num_running: int) -> None:
+    def propose(self, requests: Iterable[Request], num_running: int,
+                proposed: dict[str, list[int]] | None = None) -> None:
         """Set the drafts (``Request.spec_token_ids``) of each request that just got tokens; finished ones leave
-        the proposer. None while ``num_running`` reaches ``disable_by_batch_size``."""
+        the proposer. None while ``num_running`` reaches ``disable_by_batch_size``. ``proposed``: a model drafter's
+        drafts by request id (``StepOutput.proposed_draft_ids``; ``model_drafts``), computed on the device."""
         limit = self.config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
         for request in requests:
@@ -45,9 +47,21 @@ class SpecDecoder:
             if disabled or request.grammar is not None or request.hold_after_sample:
                 request.spec_token_ids = []
                 continue
+            if self.config.method in MODEL_METHODS:
+                request.spec_token_ids = (proposed or {}).get(request.request_id, [])
+                continue
             tokens = request.all_token_ids
             request.spec_token_ids = (self._ngram.propose(tokens) if self._ngram is not None else
                                       self._suffix.propose(request.request_id, tokens, request.num_prompt_tokens))
+
+    @staticmethod
+    def model_drafts(requests: Iterable[Request], rows: dict[str, int], result: StepOutput) -> dict[str, list[int]]:
+        """A model drafter's drafts of ``requests`` (request id -> step row ``rows``) out of the step's result."""
+        drafts = result.proposed_draft_ids
+        if drafts is None:
+            return {}
+        return {r.request_id: drafts[rows[r.request_id]].tolist() for r in requests
+                if drafts[rows[r.request_id], 0] >= 0}
 
     def forget(self, request_id: str) -> None:
         """A sequence aborted: drop its proposer state."""

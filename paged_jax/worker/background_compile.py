@@ -129,8 +129,10 @@ def background_compilation_enabled(flag: bool | None) -> bool:
 
 
 def can_compile_in_background(runner) -> bool:
-    """Whether ``runner``'s executables can land while it serves: one jitted forward, one process."""
-    return isinstance(runner._forward, AheadOfTimeFunction) and jax.process_count() == 1
+    """Whether ``runner``'s executables can land while it serves: one jitted forward, one process, no model drafter
+    (whose warm-up runs the target's forward of every bucket)."""
+    return (isinstance(runner._forward, AheadOfTimeFunction) and jax.process_count() == 1
+            and runner.drafter is None)
 
 
 def first_jobs(runner) -> list[CompileJob]:

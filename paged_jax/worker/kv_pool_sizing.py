@@ -71,7 +71,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
                          cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None,
                          dequantization_bytes: int = 0, mixed_groups: bool = True,
-                         num_sample_rows: int | None = None, host_copy_blocks: int = 0) -> int:
+                         num_sample_rows: int | None = None, host_copy_blocks: int = 0,
+                         extra_block_bytes: int = 0) -> int:
     """Number of device KV blocks (including the null block 0).
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
@@ -91,6 +92,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     samples when more than ``max_num_seqs`` (speculative decoding samples every draft position).
     ``host_copy_blocks``: blocks gathered on their way to host memory at once (the host tier's stores,
     ``paged_jax.worker.host_kv_pool``), kept free of the pool too.
+    ``extra_block_bytes``: what another pool indexed by the same block ids takes per block (a model drafter's KV).
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
@@ -101,7 +103,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
       ValueError naming ``max_model_len`` when the pool cannot hold one ``max_model_len`` sequence, with the number
       of tokens it can hold; ValueError naming ``num_gpu_blocks_override`` above ``max_addressable_blocks``.
     """
-    per_block = kv_bytes_per_block(config, block_size, dtype, mixed_groups=mixed_groups)
+    per_block = kv_bytes_per_block(config, block_size, dtype, mixed_groups=mixed_groups) + extra_block_bytes
     blocks_per_seq = blocks_per_sequence(config, block_size, max_model_len, max_num_batched_tokens,
                                          mixed_groups=mixed_groups)
     if num_blocks_override is not None:

@@ -103,6 +103,8 @@ class ModelRunner:
         bucket samples that many more positions per sequence (``buckets.sample_rows_needed``).
       moe_outputs: ``paged_jax.worker.moe_outputs.MoeStepOutputs``: the routing a mixture-of-experts model's steps
         return (``StepOutput.routed_experts`` / ``expert_load``); default none.
+      drafter: a model drafter (``paged_jax.spec_decode.draft_runner.DraftRunner``: draft_model / eagle3), run after
+        each step's sampler on the device; its proposals come back with the step (``StepOutput.proposed_draft_ids``).
 
     Multi-host: with ``step_channel`` set (node 0, ``paged_jax.parallel.multihost``), each ``execute`` first
     publishes its ``SchedulerOutput`` (and a grammar step its bitmask at ``dispatch_sampling``); the other nodes run
@@ -117,7 +119,7 @@ class ModelRunner:
                  dispatch_thread: bool = False, kv_cache_dtype=None, lora_slots=None, qk_prepare_impl: str = "auto",
                  forward: StepForward | None = None, logprobs_mode: str = "raw_logprobs",
                  num_speculative_tokens: int = 0, batch_invariant: bool = False,
-                 moe_outputs: MoeStepOutputs | None = None):
+                 moe_outputs: MoeStepOutputs | None = None, drafter=None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.model_config = model_config
@@ -139,6 +141,8 @@ class ModelRunner:
         # KV-cache groups (paged_jax.worker.kv_group_pool): a row's block table holds every group's entries.
         self.kv_layout = KVPoolLayout.for_config(model_config, mixed_groups=mixes_kv_groups(sharding_plan))
         self.max_blocks_per_seq = -(-max_model_len // block_size) * self.kv_layout.num_groups
+        # A model drafter runs after the sampler; an EAGLE-3 one reads these target layers' inputs (the forward's).
+        self.drafter, self.aux_hidden_layers = drafter, tuple(getattr(drafter, "aux_hidden_layers", ()))
         self._plan_shapes(buckets, num_speculative_tokens)
         self.max_logprobs = MAX_LOGPROBS if max_logprobs is None else int(max_logprobs)
         self.logprobs_mode = logprobs_mode  # vLLM's: what the sampler's logprobs are taken of (sampler.LOGPROBS_MODES)
@@ -150,7 +154,6 @@ class ModelRunner:
         self.batch_invariant = bool(batch_invariant)  # the model's matmuls and norms, the attention's tiling
         self.moe_outputs = _capture_routing(model, model_config, moe_outputs or MoeStepOutputs(), forward)
         self._split_model(model)
-
         shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         # Allocated on first use (the ``kv_pool`` property): warm-up compiles before it exists, so the compilers'
         # scratch memory (GPU autotuning, several compiles at once) never competes with it.
@@ -226,6 +229,8 @@ class ModelRunner:
         # Each jitted function runs the executables warm-up compiled or loaded for it (paged_jax.worker.executable_cache),
         # keyed by its static arguments and the shapes of the arguments listed.
         self._forward, self._prompt_logprobs = self.forward_strategy.build(self)
+        if self.drafter is not None:  # its program per bucket (paged_jax.spec_decode.draft_runner)
+            self.drafter.bind(self)
 
         max_seq_bucket, logprobs_mode = self._max_seq_bucket, self.logprobs_mode
 
@@ -308,7 +313,7 @@ class ModelRunner:
             rows = sample_rows_needed(num_tokens, num_seqs, self.num_speculative_tokens)
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
                                 sampler_rows_for(rows, self._max_sample_rows), self.lora_slots is not None,
-                                self.kv_layout.num_groups)
+                                self.kv_layout.num_groups, spec_rows=self.drafter is not None)
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
 
@@ -321,11 +326,13 @@ class ModelRunner:
         """Executables compiled (or loaded) so far for this runner's jitted functions: those warm-up put into their
         tables plus jit's dispatch-cache entries of any other call."""
         lora = self.lora_slots.num_compiles() if self.lora_slots else 0
+        lora += self.drafter.num_compiles() if self.drafter is not None else 0
         return lora + sum(f._cache_size() for f in self.step_functions())
 
     def _step_path_compiles(self) -> int:
         """Compiles by calls (jit's caches and the LoRA slot write): not the executables warm-up put into tables."""
         lora = self.lora_slots.num_compiles() if self.lora_slots else 0
+        lora += self.drafter.num_compiles() if self.drafter is not None else 0
         return lora + sum(f.jit_compiles() if isinstance(f, AheadOfTimeFunction) else f._cache_size()
                           for f in self.step_functions())
 
@@ -348,6 +355,8 @@ class ModelRunner:
             self.warm_up_timings = warm_up_in_background(self, use_tqdm=use_tqdm, threads=threads)
         else:
             self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
+        if self.drafter is not None:
+            self.drafter.warm_up(self)
         self._compiles_at_warmup = self._step_path_compiles()
 
     def _swap_sizes(self) -> list[int]:
@@ -419,20 +428,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ device calls (StepDevice)
     def run_forward(self, buf: np.ndarray, num_tokens: int, num_seqs: int) -> tuple:
-        """-> (logits f32[R, V], sampling words, hidden [T, hidden], the ``moe_outputs`` dict or None) on device; the
-        KV pool updated in place."""
+        """-> (logits f32[R, V], sampling words, hidden [T, hidden], the ``moe_outputs`` dict or None, the drafter's
+        step inputs or None) on device; the KV pool updated in place."""
         # One process: the executable takes the numpy buffer itself (its C++ call path transfers it, far cheaper
-        # than ``jax.device_put``'s); several: each process puts its own replica first.
+        # than ``jax.device_put``'s); several, or a drafter reading the same buffer: it is put on the device first.
+        if not self._single_process or self.drafter is not None:
+            buf = jax.device_put(buf, self.device)
         self.kv_pool, logits, sampling_words, hidden, *moe = self._forward(
-            self._param_leaves, self.kv_pool, buf if self._single_process else jax.device_put(buf, self.device),
-            self._prev_tokens, self.lora_slots and self.lora_slots.arrays, num_tokens=num_tokens, num_seqs=num_seqs)
-        return logits, sampling_words, hidden, (moe[0] if moe else None)
+            self._param_leaves, self.kv_pool, buf, self._prev_tokens, self.lora_slots and self.lora_slots.arrays,
+            num_tokens=num_tokens, num_seqs=num_seqs)
+        draft_inputs = (buf, num_tokens, num_seqs) if self.drafter is not None else None
+        return logits, sampling_words, hidden, (moe[0] if moe else None), draft_inputs
 
     def run_sampling(self, forward_outputs: tuple, grammar_bitmask: np.ndarray | None,
                      sampling: SamplingArgs) -> tuple:
         """Mask (grammar), sample, prompt logprobs -> the device outputs to fetch (sampler's, prompt logprobs'),
         their host copies started."""
-        logits, sampling_words, hidden, moe = forward_outputs
+        logits, sampling_words, hidden, moe, draft_inputs = forward_outputs
         if self.pools:  # the pooled outputs f32[R, W] are the step's result
             fetch = local_copies((logits,))
             fetch[0].copy_to_host_async()
@@ -454,9 +466,11 @@ class ModelRunner:
         prompt_fetch = () if sampling.prompt_targets is None else local_copies(self._prompt_logprobs(
             self._param_leaves, hidden, jax.device_put(sampling.prompt_targets, self.device)))
         moe_fetch = {} if moe is None else dict(zip(moe, local_copies(tuple(moe.values()))))
-        for array in (*fetch, *prompt_fetch, *moe_fetch.values()):
+        draft_fetch = () if draft_inputs is None else local_copies((self.drafter.propose(outs[0], hidden,
+                                                                                          *draft_inputs),))
+        for array in (*fetch, *prompt_fetch, *moe_fetch.values(), *draft_fetch):
             array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
-        return fetch, prompt_fetch, moe_fetch
+        return fetch, prompt_fetch, moe_fetch, draft_fetch
 
     def write_lora_slot(self, slot: int, loaded) -> None:
         """Put a LoRA adapter (``LoadedLoRA``) into device slot ``slot`` after the steps already dispatched."""

@@ -26,12 +26,14 @@ class StepDevice(Protocol):
     """The device calls a dispatcher runs (``ModelRunner``'s)."""
 
     def run_forward(self, buf: np.ndarray, num_tokens: int, num_seqs: int) -> tuple:
-        """The jitted forward on a step buffer -> its device outputs (logits, sampling words, hidden)."""
+        """The jitted forward on a step buffer -> its device outputs (logits, sampling words, hidden, the MoE
+        outputs' dict or None, a model drafter's step inputs or None)."""
         ...
 
     def run_sampling(self, forward_outputs: tuple, grammar_bitmask: np.ndarray | None,
                      sampling: "SamplingArgs") -> tuple:
-        """Mask (grammar), sampler, prompt logprobs on a forward's outputs -> the device outputs to fetch."""
+        """Mask (grammar), sampler, prompt logprobs (and a model drafter's proposals) on a forward's outputs -> the
+        device outputs to fetch."""
         ...
 
 

@@ -10,7 +10,8 @@ The functions a strategy builds keep ``ModelRunner``'s contracts:
 
 * ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs) -> (kv_pool,
   logits f32[R, V] at each row's last token (a pooling forward: each row's pooled outputs f32[R, W],
-  ``paged_jax.pooling``), sampling words int32[R * words], final hidden states [T, hidden])``,
+  ``paged_jax.pooling``), sampling words int32[R * words], final hidden states [T, hidden]; with an EAGLE-3 drafter
+  (``runner.aux_hidden_layers``) [T, hidden + 3 * hidden]: the drafter's target features after them)``,
   the KV pool donated; ``buf`` the int32 step buffer of the bucket's ``StepLayout``. With the runner's
   ``moe_outputs`` on, a fifth output: their dict (``paged_jax.worker.moe_outputs``).
 * ``prompt_logprobs(param_leaves, hidden [T, hidden], targets int32[T]) -> (logprob f32[T], rank i32[T], top ids
@@ -66,9 +67,12 @@ class SingleProgramForward:
                                donate_argnums=(1,), compiler_options=runner.compiler_options or None))
         graphdef, state_treedef, max_logprobs = runner._graphdef, runner._state_treedef, runner.max_logprobs
 
+        width = runner.model_config.hidden_size
+
         def prompt_logprobs(param_leaves, hidden, targets):
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
-            return prompt_logprobs_on_device(model.compute_logits, hidden, targets, num_logprobs=max_logprobs)
+            return prompt_logprobs_on_device(model.compute_logits, hidden[:, :width], targets,
+                                             num_logprobs=max_logprobs)
 
         return forward, AheadOfTimeFunction("prompt_logprobs", jax.jit(prompt_logprobs), shape_args=(2,))
 
@@ -93,6 +97,7 @@ def _single_program_forward(runner, row_outputs=None):
     kv_layout = runner.kv_layout
     batch_invariant = runner.batch_invariant
     moe_outputs = runner.moe_outputs
+    aux_layers = runner.aux_hidden_layers
 
     def forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays=None, *, num_tokens, num_seqs):
         fields = {name: buf[a:b] for name, (a, b) in layout_for(num_tokens, num_seqs).fields.items()}
@@ -126,6 +131,11 @@ def _single_program_forward(runner, row_outputs=None):
         kv_caches = GroupedKVCaches(kv_pool, kv_layout, group_meta) if grouped else kv_pool
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
         lora = None if lora_arrays is None else lora_slots.layers(lora_arrays, fields["lora_slot_ids"])
+        if aux_layers:  # an EAGLE-3 drafter reads these target states: they travel after the final ones
+            hidden, kv_caches, aux = model(input_ids, fields["positions"], kv_caches, attention, lora,
+                                           aux_hidden_layers=aux_layers)
+            return kv_caches, row_outputs(model, hidden, fields), fields["sampling"], jnp.concatenate(
+                [hidden, aux.astype(hidden.dtype)], axis=-1)
         hidden, kv_caches = model(input_ids, fields["positions"], kv_caches, attention, lora)
         kv_pool = kv_caches.pool if grouped else kv_caches
         outputs = (kv_pool, row_outputs(model, hidden, fields), fields["sampling"], hidden)

@@ -56,6 +56,8 @@ class StepOutput:
         (``--enable-return-routed-experts``, ``paged_jax.worker.moe_outputs``), else None.
       expert_load: ``int32[num_sparse_layers, E]`` the step's tokens per expert (``--enable-expert-load-metrics``),
         else None.
+      proposed_draft_ids: int32[num_rows, k] a model drafter's drafts for each row's next step (-1: none; rows that
+        did not sample or fork rows), or None without a model drafter.
     """
 
     sampled_token_ids: np.ndarray
@@ -69,6 +71,7 @@ class StepOutput:
     draft_rows: dict[int, range] | None = None
     routed_experts: list[np.ndarray] | None = None
     expert_load: np.ndarray | None = None
+    proposed_draft_ids: np.ndarray | None = None
 
 
 def _sampler_rows(host: list[np.ndarray], rows: np.ndarray) -> StepOutput:
@@ -89,12 +92,13 @@ class PendingStep:
 
     ``device_outputs`` is the pair (sampler outputs, prompt-logprob outputs) of tuples of device arrays to fetch (their
     host copies already started by ``ModelRunner.run_sampling``; the second is empty unless some row gave prompt-logprob
-    targets), or a ``concurrent.futures.Future`` of it when the step is dispatched by the runner's dispatch thread.
+    targets), then optionally the dict of ``paged_jax.worker.moe_outputs`` (empty when off) and a model drafter's
+    proposals (a tuple of one int32[S, k] array: ``StepOutput.proposed_draft_ids``); or a ``concurrent.futures.Future``
+    of these when the step is dispatched by the runner's dispatch thread.
     ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``draft_sample_rows``:
     per input row that verifies drafts, the sample rows int64[k] of its draft positions (speculative decoding).
-    ``pooled``: a pooling step (its one output is the pooled rows). A third member of ``device_outputs``, when
-    present, is the dict of ``paged_jax.worker.moe_outputs``; ``token_spans`` (first packed token, count) int64[n]
-    per input row splits its routed experts by row.
+    ``pooled``: a pooling step (its one output is the pooled rows). ``token_spans`` (first packed token, count)
+    int64[n] per input row splits the routed experts by row.
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
@@ -135,7 +139,8 @@ class PendingStep:
                                    "(ModelRunner.dispatch_sampling)")
             if isinstance(outputs, concurrent.futures.Future):
                 outputs = outputs.result()  # the dispatch itself (re-raises its error)
-            sampler_outputs, prompt_outputs, *moe = outputs
+            sampler_outputs, prompt_outputs, *extra = outputs  # then the MoE outputs' dict, the drafts' fetch
+            moe, draft_outputs = (extra + [{}, ()])[:2]
             host = [np.asarray(x) for x in sampler_outputs]  # their host copies were started at dispatch
             rows = self._rows_to_packed
             if self._pooled:
@@ -151,13 +156,15 @@ class PendingStep:
                     out.draft_rows[row] = range(start, start + len(sample_rows))
                     start += len(sample_rows)
                 out.draft_outputs = _sampler_rows(host, np.concatenate(list(self._draft_sample_rows.values())))
+            if draft_outputs:  # the drafter's proposals int32[S, k], packed order
+                out.proposed_draft_ids = np.asarray(draft_outputs[0])[rows]
             if prompt_outputs:  # (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs f32[T, K])
                 arrays = [np.asarray(x) for x in prompt_outputs]
                 out.prompt_logprobs = [
                     None if span is None else PromptLogprobsChunk(*(a[span[0]:span[0] + span[1]] for a in arrays))
                     for span in self._prompt_spans]
             if moe:
-                self._add_moe_outputs(out, moe[0])
+                self._add_moe_outputs(out, moe)
             self._result = out
             self._device_outputs = ()
         return self._result
@@ -167,6 +174,9 @@ class PendingStep:
             out.routed_experts = row_routed_experts(np.asarray(moe["routed_experts"]), *self._token_spans)
         if "expert_load" in moe:
             out.expert_load = np.asarray(moe["expert_load"])
+
+
+SPEC_ROW_WORDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +196,9 @@ class StepLayout:
     # KV-cache groups G (``kv_group_pool``): ``max_blocks_per_seq`` counts every group's entries, ``slot_mapping`` is
     # int32[G * T] and a sequence's copy-on-write copies one block per group.
     num_kv_groups: int = 1
+    # With a model drafter (``paged_jax.spec_decode.draft_runner``): per sequence ``SPEC_ROW_WORDS`` words
+    # (``spec_rows``: its drafts, first draft sample row, next prompt token, whether it proposes, block capacity).
+    spec_rows: bool = False
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
@@ -195,6 +208,7 @@ class StepLayout:
         sizes = [("input_ids", T), ("positions", T), ("slot_mapping", T * G), ("prev_rows", T),
                  ("cu_q_lens", S + 1), ("kv_lens", S), ("logits_indices", R), ("block_tables", S * B),
                  *([("lora_slot_ids", T)] if self.lora else []), ("copy_src", C), ("copy_dst", C),
+                 *([("spec_rows", S * SPEC_ROW_WORDS)] if self.spec_rows else []),
                  ("sampling", R * sampler_lib.SAMPLING_WORDS_PER_ROW)]
         out, offset = {}, 0
         for name, size in sizes:

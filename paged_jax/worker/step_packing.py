@@ -16,7 +16,7 @@ import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.buckets import pick_bucket
-from paged_jax.worker.step_io import StepLayout, pack_block_copies
+from paged_jax.worker.step_io import SPEC_ROW_WORDS, StepLayout, pack_block_copies
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.kv_group_pool import pack_group_slots
 
@@ -135,6 +135,10 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
         sample_batch_rows, sample_ends, draft_sample_rows = _draft_sample_rows(
             num_drafts, batch_rows, ends, cu, order, logits_indices)
     pack_block_copies(block_copies, views["copy_src"], views["copy_dst"], num_blocks)
+    if "spec_rows" in views:
+        _pack_spec_rows(views["spec_rows"], batch, batch_rows, ends, num_drafts, sampled, num_forks,
+                        {int(rows_to_packed[r]): int(v[0]) for r, v in (draft_sample_rows or {}).items()},
+                        table_lens // groups * block_size)
 
     if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
         token_rows, token_batch_rows, positions = np.arange(num_rows), batch_rows, starts
@@ -182,6 +186,27 @@ def _draft_sample_rows(num_drafts: np.ndarray, batch_rows: np.ndarray, ends: np.
     by_step_row = {int(order[packed]): rows for packed, rows in zip(draft_rows.tolist(), splits)}
     return (np.concatenate([batch_rows, batch_rows[owner]]), np.concatenate([ends, ends[owner] - back]),
             by_step_row)
+
+
+def _pack_spec_rows(view: np.ndarray, batch: InputBatch, batch_rows: np.ndarray, ends: np.ndarray,
+                    num_drafts: np.ndarray | None, sampled: np.ndarray, num_forks: int, first_draft_row: dict[int, int],
+                    capacity: np.ndarray) -> None:
+    """A model drafter's words per packed sequence (``StepLayout.spec_rows``, int32[S, SPEC_ROW_WORDS]): drafts
+    verified, the sample row of its first draft, the prompt token after a chunk that does not sample (0 otherwise),
+    whether it proposes drafts (it samples and is no fork row), and the tokens its block table holds."""
+    num_rows = len(batch_rows)
+    words = view.reshape(-1, SPEC_ROW_WORDS)
+    words[:] = 0
+    if num_drafts is not None:
+        words[:num_rows, 0] = num_drafts
+    for packed, row in first_draft_row.items():
+        words[packed, 1] = row
+    pending = np.flatnonzero(~sampled)
+    words[pending, 2] = batch.token_ids[batch_rows[pending], ends[pending]]
+    words[:num_rows, 3] = sampled
+    if num_forks:
+        words[num_rows - num_forks:num_rows, 3] = 0
+    words[:num_rows, 4] = capacity
 
 
 def _feed_placeholders(batch: InputBatch, input_ids: np.ndarray, token_batch_rows: np.ndarray, q_lens: np.ndarray,

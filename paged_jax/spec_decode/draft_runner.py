@@ -1,0 +1,235 @@
+"""Model drafters on the device (vLLM's ``draft_model`` and ``eagle3`` methods): after each step's sampler, one jitted
+program per step bucket computes every sequence's drafts for its next step, and they come back with the step's
+tokens (``StepOutput.proposed_draft_ids``); the core hands them to the scheduler as ``Request.spec_token_ids``.
+
+The drafter's KV lives in its own donated pool indexed by the target's block ids (same block tables, same slot
+mapping; its shape is the drafter's: layers, KV heads, head size), so the scheduler and the KV-cache manager see one
+pool. Each step's program:
+
+1. applies the step's copy-on-write block copies to the drafter's pool too;
+2. finds, per sequence, how many of the drafts it verified the target accepted (the same rule as the host's
+   ``verify``: the longest prefix equal to the target's samples) and its next token x (the target's sample after
+   the last accepted draft), at position ``kv_len - drafts + accepted``;
+3. catches the drafter up on the step's tokens, at the target's positions and slots (prompt chunks included, so the
+   drafter's KV always covers what the target's does). ``draft_model`` runs the draft model on them; ``eagle3``
+   runs its head on ``fc`` of the target's feature states, each position with the token after it (x after the last
+   accepted one, the next prompt token after a chunk that does not sample);
+4. drafts greedily (argmax; the proposal is one-hot, which is what ``verify``'s rule is exact for): ``draft_model``
+   feeds x, then each draft, k steps of one token per sequence; ``eagle3`` takes its first draft from step 3 at the
+   last accepted position and feeds each draft with its own pre-norm output, k - 1 steps. Python-unrolled (no XLA
+   loop), so every step bucket is one fixed-shape program, compiled at warm-up.
+
+KV written at rejected positions is harmless: the next step's catch-up writes those positions again with the
+sequence's real tokens before any drafter read. The draft positions after x need their blocks: the scheduler
+allocates ``num_speculative_tokens`` look-ahead slots per scheduled request (vLLM's ``num_lookahead_tokens``); a
+sequence that does not propose (a chunk that does not sample, a fork row, padding) writes its draft steps into the
+null block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.attention_fn import ReusableAttention
+from models.config import ModelConfig
+from paged_jax.ops import write_and_attend
+from paged_jax.worker.step_io import SPEC_ROW_WORDS, apply_block_copies
+
+
+class DraftRunner:
+    """A drafter network and its KV pool (module docstring).
+
+    Args:
+      method: "draft_model" (``model``: a ``LlamaForCausalLM`` with the target's vocabulary) or "eagle3"
+        (``model``: a ``models.eagle3.Eagle3Head``).
+      num_speculative_tokens: k, the drafts per sequence per step.
+      config: the drafter's ``ModelConfig`` (the KV pool's shape: layers, KV heads, head size, sliding window).
+      aux_hidden_layers: eagle3: the target layers whose inputs feed ``fc`` (``ModelRunner.aux_hidden_layers``).
+    """
+
+    def __init__(self, method: str, num_speculative_tokens: int, model, config: ModelConfig, *,
+                 aux_hidden_layers: tuple[int, ...] = ()):
+        if method not in ("draft_model", "eagle3"):
+            raise ValueError(f"speculative_config.method {method!r} has no drafter network")
+        self.method = method
+        self.k = num_speculative_tokens
+        self.config = config
+        self.aux_hidden_layers = tuple(aux_hidden_layers) if method == "eagle3" else ()
+        self.dtype = jnp.dtype(model.dtype)
+        graphdef, state = nnx.split(model)
+        leaves, self._treedef = jax.tree.flatten(state)
+        self._graphdef, self._leaves = graphdef, leaves
+        self._pool: list | None = None
+        self._propose = None
+
+    @property
+    def num_layers(self) -> int:
+        """The drafter's KV layers."""
+        return self.config.num_hidden_layers if self.method == "draft_model" else 1
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block of the drafter's pool takes (for the KV pool's sizing)."""
+        c = self.config
+        return self.num_layers * 2 * block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def weight_bytes(self) -> int:
+        """Bytes of the drafter's own weights (an embedding shared with the target counted too)."""
+        return sum(x.size * x.dtype.itemsize for x in self._leaves)
+
+    def bind(self, runner) -> None:
+        """Attach to ``runner`` (a ``ModelRunner``, at the end of its construction): its device, buckets, block
+        tables and step layout. ValueError naming ``speculative_config`` for a runner this cannot serve."""
+        if runner.sharding_plan is not None or runner.kv_layout.num_groups > 1:
+            raise ValueError(f"speculative_config.method={self.method!r} runs on one device with one KV-cache group "
+                             "(no tensor parallelism, no mixed sliding-window layers)")
+        self.device = runner.device
+        self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
+        c = self.config
+        shape = (runner.num_blocks, runner.block_size, c.num_key_value_heads, c.head_dim)
+        self._pool_shape = shape
+        self._propose = jax.jit(functools.partial(_propose, self, _StepStatics.of(runner)),
+                                static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
+
+    @property
+    def pool(self) -> list:
+        """The drafter's KV pool: per layer ``(k_pages, v_pages)`` [num_blocks, block_size, Hkv, D] (zeros at first
+        use)."""
+        if self._pool is None:
+            self._pool = [(jnp.zeros(self._pool_shape, self.dtype, device=self.device),
+                           jnp.zeros(self._pool_shape, self.dtype, device=self.device))
+                          for _ in range(self.num_layers)]
+        return self._pool
+
+    def propose(self, sampled: jax.Array, hidden: jax.Array, buf: jax.Array, num_tokens: int,
+                num_seqs: int) -> jax.Array:
+        """After a step's sampler: ``sampled`` int32[max sample rows] its tokens (sample-row order), ``hidden`` the
+        forward's hidden states (eagle3: with the target's feature states), ``buf`` the step buffer on the device
+        -> int32[S, k] each packed sequence's drafts for its next step (-1 rows: no proposal)."""
+        self._pool, drafts = self._propose(self._leaves, self.pool, buf, sampled,
+                                           hidden if self.method == "eagle3" else None,
+                                           num_tokens=num_tokens, num_seqs=num_seqs)
+        return drafts
+
+    def num_compiles(self) -> int:
+        return 0 if self._propose is None else self._propose._cache_size()
+
+    def warm_up(self, runner) -> None:
+        """Compile the program of every step bucket: a padding-only step (every write into the null block)."""
+        for num_tokens, num_seqs in runner.buckets:
+            buf = np.zeros((runner.layout(num_tokens, num_seqs).size,), np.int32)
+            a, b = runner.layout(num_tokens, num_seqs).fields["prev_rows"]
+            buf[a:b] = -1
+            _, _, hidden, _, inputs = runner.run_forward(buf, num_tokens, num_seqs)
+            jax.block_until_ready(self.propose(runner._prev_tokens, hidden, *inputs))
+
+
+class _StepStatics:
+    """What the program takes from the runner: step layouts, block size, block-table width, attention options."""
+
+    def __init__(self, layout_for, block_size: int, max_blocks: int, attention_impl: str, qk_prepare_impl: str,
+                 target_hidden: int):
+        self.layout_for, self.block_size, self.max_blocks = layout_for, block_size, max_blocks
+        self.attention_impl, self.qk_prepare_impl, self.target_hidden = attention_impl, qk_prepare_impl, target_hidden
+
+    @classmethod
+    def of(cls, runner) -> "_StepStatics":
+        return cls(runner.layout, runner.block_size, runner.max_blocks_per_seq, runner.attention_impl,
+                   runner.qk_prepare_impl, runner.model_config.hidden_size)
+
+    def attention(self, config: ModelConfig, meta: dict) -> ReusableAttention:
+        fn = functools.partial(write_and_attend, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window,
+                               impl=self.attention_impl, qk_prepare_impl=self.qk_prepare_impl)
+        return ReusableAttention(fn, meta, fuses_qk_transform=True)
+
+
+def _accepted(fields: dict, sampled: jax.Array, k: int, num_seqs: int):
+    """Per sequence: (drafts verified n, accepted a, next token x, whether it proposes, block capacity), int32[S]
+    each (bool for the flag), from the step buffer's fields and the sampler's tokens."""
+    words = fields["spec_rows"].reshape(num_seqs, SPEC_ROW_WORDS)
+    n, first, proposes, capacity = words[:, 0], words[:, 1], words[:, 3] > 0, words[:, 4]
+    ends = fields["cu_q_lens"][1:]
+    j = jnp.arange(k)
+    input_ids = fields["input_ids"]
+    drafts = input_ids[jnp.clip(ends[:, None] - n[:, None] + j, 0, input_ids.shape[0] - 1)]
+    targets = sampled[jnp.clip(first[:, None] + j, 0, sampled.shape[0] - 1)]
+    match = (j < n[:, None]) & (drafts == targets)
+    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    after_last = jnp.take_along_axis(targets, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
+    x = jnp.where(accepted < n, after_last, sampled[:num_seqs])
+    return n, accepted, x, proposes, capacity
+
+
+def _decode_meta(positions: jax.Array, ok: jax.Array, block_tables: jax.Array, statics: _StepStatics):
+    """One token per sequence at ``positions`` int32[S]: (positions, attention metadata); rows not ``ok`` write into
+    the null block and attend one slot."""
+    bs, num_seqs = statics.block_size, positions.shape[0]
+    block = jnp.clip(positions // bs, 0, statics.max_blocks - 1)
+    slot = block_tables[jnp.arange(num_seqs), block] * bs + positions % bs
+    positions = jnp.where(ok, positions, 0)
+    meta = dict(slot_mapping=jnp.where(ok, slot, positions % bs), kv_lens=positions + 1, block_tables=block_tables,
+                cu_q_lens=jnp.arange(num_seqs + 1, dtype=jnp.int32))
+    return positions, meta
+
+
+def _propose(drafter: DraftRunner, statics: _StepStatics, leaves, pool, buf, sampled, hidden, *, num_tokens,
+             num_seqs):
+    """The jitted program (module docstring) -> (pool, drafts int32[S, k])."""
+    fields = {name: buf[a:b] for name, (a, b) in statics.layout_for(num_tokens, num_seqs).fields.items()}
+    model = nnx.merge(drafter._graphdef, jax.tree.unflatten(drafter._treedef, leaves))
+    pool = apply_block_copies(list(pool), fields["copy_src"], fields["copy_dst"])
+    n, accepted, x, proposes, capacity = _accepted(fields, sampled, drafter.k, num_seqs)
+    block_tables = fields["block_tables"].reshape(num_seqs, statics.max_blocks)
+    step_meta = dict(slot_mapping=fields["slot_mapping"], kv_lens=fields["kv_lens"], block_tables=block_tables,
+                     cu_q_lens=fields["cu_q_lens"])
+    x_positions = fields["kv_lens"] - n + accepted
+    step = (drafter, statics, model, fields, block_tables, step_meta, proposes, capacity)
+    if drafter.method == "draft_model":
+        pool, drafts = _draft_model_drafts(step, pool, x, x_positions)
+    else:
+        pool, drafts = _eagle3_drafts(step, pool, hidden, n, accepted, x, x_positions)
+    return pool, jnp.where(proposes[:, None], jnp.stack(drafts, axis=1), -1).astype(jnp.int32)
+
+
+def _draft_model_drafts(step, pool, x, x_positions):
+    drafter, statics, model, fields, block_tables, step_meta, proposes, capacity = step
+    config = drafter.config
+    _, pool = model(fields["input_ids"], fields["positions"], pool, statics.attention(config, step_meta))
+    drafts, token = [], x
+    for j in range(drafter.k):
+        positions = x_positions + j
+        positions, meta = _decode_meta(positions, proposes & (positions < capacity), block_tables, statics)
+        hidden, pool = model(token, positions, pool, statics.attention(config, meta))
+        token = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+        drafts.append(token)
+    return pool, drafts
+
+
+def _eagle3_drafts(step, pool, hidden, n, accepted, x, x_positions):
+    drafter, statics, head, fields, block_tables, step_meta, proposes, capacity = step
+    config = drafter.config
+    input_ids, cu = fields["input_ids"], fields["cu_q_lens"]
+    num_tokens, num_seqs = input_ids.shape[0], n.shape[0]
+    # Each position's input is the token after it: the step's next token within the kept ones, then x (or, after a
+    # chunk that does not sample, the next prompt token); positions past the kept ones are rewritten next step.
+    index = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], index, side="right"), 0, num_seqs - 1)
+    kept_end = cu[1:] - n + accepted  # one past the last kept token of each sequence
+    after = jnp.where(proposes, x, fields["spec_rows"].reshape(num_seqs, SPEC_ROW_WORDS)[:, 2])
+    following = jnp.where(index + 1 < kept_end[seq], input_ids[jnp.minimum(index + 1, num_tokens - 1)], after[seq])
+    features = head.combine_hidden_states(hidden[:, statics.target_hidden:])
+    out, prenorm, kv = head(following, fields["positions"], features, pool[0], statics.attention(config, step_meta))
+    last = jnp.clip(kept_end - 1, 0, num_tokens - 1)
+    token = head.to_target_ids(jnp.argmax(head.compute_logits(out[last]), axis=-1)).astype(jnp.int32)
+    drafts, state = [token], prenorm[last]
+    for j in range(1, drafter.k):
+        positions = x_positions + j - 1
+        positions, meta = _decode_meta(positions, proposes & (positions < capacity), block_tables, statics)
+        out, state, kv = head(token, positions, state, kv, statics.attention(config, meta))
+        token = head.to_target_ids(jnp.argmax(head.compute_logits(out), axis=-1)).astype(jnp.int32)
+        drafts.append(token)
+    return [kv], drafts

@@ -1,0 +1,69 @@
+"""Loading a model drafter at start-up (``speculative_config.model``): a draft model with the target's vocabulary
+(``draft_model``) or an EAGLE-3 head for the target (``eagle3``), as a ``DraftRunner`` for the model runner.
+Everything that cannot work is refused here, before any compile, with a ValueError naming the field."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.eagle3 import load_eagle3_head
+from models.loader import load_model
+from paged_jax.spec_decode.config import MODEL_METHODS, SpeculativeConfig
+from paged_jax.spec_decode.draft_runner import DraftRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_drafter_path(spec: SpeculativeConfig, *, download_dir: str | None = None) -> str:
+    """``speculative_config.model`` as a local directory (a Hub repo id is downloaded like the target's model);
+    ValueError naming the field for a path that does not exist."""
+    from models.hub import resolve_checkpoint
+
+    return str(resolve_checkpoint(spec.model, download_dir=download_dir, field="speculative_config.model"))
+
+
+def check_same_vocabulary(draft_path: str, draft_config: ModelConfig, target_config: ModelConfig,
+                          target_tokenizer) -> None:
+    """A draft model proposes target token ids: its vocabulary must be the target's (size, and with tokenizers on
+    both sides, every token's id). ValueError naming ``speculative_config.model`` otherwise."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config.model {draft_path!r} has a vocabulary of {draft_config.vocab_size} "
+                         f"tokens, the target's has {target_config.vocab_size}: a draft model needs the target's "
+                         "tokenizer")
+    if target_tokenizer is None or not any(Path(draft_path).glob("tokenizer*")):
+        return
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(draft_path).get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"speculative_config.model {draft_path!r} has another tokenizer vocabulary than the "
+                         "target's: a draft model needs the target's tokenizer")
+
+
+def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConfig, target_tokenizer, *,
+                 dtype: str | None = None, download_dir: str | None = None) -> DraftRunner | None:
+    """The ``DraftRunner`` of ``spec`` (None for the host proposers ngram / suffix), its weights in ``dtype``
+    ("auto" / None: the target's)."""
+    if spec is None or spec.method not in MODEL_METHODS:
+        return None
+    path = resolve_drafter_path(spec, download_dir=download_dir)
+    dtype = target_model.dtype if dtype in (None, "auto") else dtype
+    if spec.method == "draft_model":
+        draft_config = ModelConfig.from_pretrained(path)
+        check_same_vocabulary(path, draft_config, target_config, target_tokenizer)
+        if draft_config.layer_sliding_windows is not None:
+            raise ValueError(f"speculative_config.model {path!r} mixes sliding-window and full attention layers: "
+                             "not supported as a draft model")
+        model, draft_config = load_model(path, dtype=dtype, config=draft_config)
+        logger.info("draft model %s: %d layers, %d speculative tokens", path, draft_config.num_hidden_layers,
+                    spec.num_speculative_tokens)
+        return DraftRunner("draft_model", spec.num_speculative_tokens, model, draft_config)
+    head = load_eagle3_head(path, target_config, dtype=jnp.dtype(dtype),
+                            target_embedding=target_model.model.embed_tokens.embedding[...])
+    logger.info("EAGLE-3 head %s on target layers %s, %d speculative tokens", path, head.config.aux_hidden_layers,
+                spec.num_speculative_tokens)
+    return DraftRunner("eagle3", spec.num_speculative_tokens, head, head.config.model,
+                       aux_hidden_layers=head.config.aux_hidden_layers)
