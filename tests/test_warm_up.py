@@ -214,3 +214,18 @@ def test_executable_cache_makes_the_mosaic_gpu_runtime_findable_first(tmp_path, 
             assert calls == expect
     finally:
         jax.config.update("jax_compilation_cache_dir", previous_dir)
+
+
+def test_a_runner_counts_only_its_own_compiles(tiny_model):
+    """jit's executable cache is shared by every ``jax.jit`` of one function object: a runner's step functions are
+    its own, so another runner's calls (here a block gather of a new size) leave its compile count as it was."""
+    model, config = tiny_model
+    first = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                        max_num_seqs=4, max_num_batched_tokens=32, num_host_blocks=4, eos_token_ids=[2])
+    second = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, num_host_blocks=4, eos_token_ids=[2])
+    before = second.num_compiles()
+    for fn in first.step_functions()[-2:]:  # the block gather and scatter
+        assert fn.jitted is not second.step_functions()[-1].jitted
+    first._gather_blocks(first.kv_pool, np.arange(3, dtype=np.int32)).block_until_ready()
+    assert first.num_compiles() >= 1 and second.num_compiles() == before

@@ -63,6 +63,17 @@ _PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _RUN_TIME_STATE = frozenset({"warm_up_timings", "step_channel", "ready", "background"})
 
 
+def own_function(fn):
+    """A new function object calling ``fn``: jit's executable cache is per function object and shared by every
+    ``jax.jit`` of it, so a runner jitting its own wrapper counts only its own compiles (``num_compiles``)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return call
+
+
 class AheadOfTimeFunction:
     """A ``jax.jit`` function plus the executables compiled (or loaded) for it ahead of time.
 

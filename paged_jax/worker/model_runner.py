@@ -44,7 +44,7 @@ from models.quantization import compiler_options
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.background_compile import ReadySet, can_compile_in_background, warm_up_in_background
-from paged_jax.worker.executable_cache import AheadOfTimeFunction
+from paged_jax.worker.executable_cache import AheadOfTimeFunction, own_function
 from paged_jax.worker.batch_invariant import make_batch_invariant
 from paged_jax.worker.buckets import make_buckets, sample_rows_needed, sampler_rows_for, swap_sizes_for
 from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
@@ -248,15 +248,13 @@ class ModelRunner:
                                            shape_args=(0, 2, 3))
         # Structured outputs: the grammar bitmask i32[R, ceil(V/32)] masks the logits before the sampler (vLLM's
         # order), per sampler row count, only on steps with a constrained row (structured_output.bitmask).
-        # A function of this runner's own: jit's executable cache is per function object, so num_compiles counts
-        # only this runner's compiles.
         self._apply_grammar_bitmask = AheadOfTimeFunction(
-            "grammar_bitmask", jax.jit(lambda logits, mask: sampler_lib.apply_allowed_token_mask(logits, mask)),
-            shape_args=(1,))
+            "grammar_bitmask", jax.jit(own_function(sampler_lib.apply_allowed_token_mask)), shape_args=(1,))
 
-        self._gather_blocks = AheadOfTimeFunction("gather_blocks", jax.jit(gather_blocks), shape_args=(1,))
-        self._scatter_blocks = AheadOfTimeFunction("scatter_blocks", jax.jit(scatter_blocks, donate_argnums=(0,)),
-                                                   shape_args=(1,))
+        self._gather_blocks = AheadOfTimeFunction("gather_blocks", jax.jit(own_function(gather_blocks)),
+                                                  shape_args=(1,))
+        self._scatter_blocks = AheadOfTimeFunction(
+            "scatter_blocks", jax.jit(own_function(scatter_blocks), donate_argnums=(0,)), shape_args=(1,))
 
     @property
     def param_leaves(self) -> list:
