@@ -609,3 +609,14 @@ def test_top_level_help_lists_each_command():
     lines = out.getvalue().splitlines()
     for command in ("serve", "generate", "bench serve", "bench throughput", "bench latency"):
         assert any(line.strip().startswith(command + " ") and len(line.split()) > 3 for line in lines), command
+
+
+def test_a_pool_larger_than_the_allocator_has_free_is_refused_before_allocating():
+    """The pool is allocated after the compiles: when the allocator then has less free than the pool needs, the
+    error names the bytes in use and the flags to change, instead of an allocator failure part way through."""
+    from paged_jax.worker.device_memory import check_pool_fits
+
+    check_pool_fits(FakeGpu(60 * GIB, 24 * GIB), 36 * GIB)
+    with pytest.raises(RuntimeError, match=r"36.00 GiB but JAX's allocator has 35.00 GiB free \(25.00 GiB in use.*"
+                                           r"--gpu-memory-utilization"):
+        check_pool_fits(FakeGpu(60 * GIB, 25 * GIB), 36 * GIB)

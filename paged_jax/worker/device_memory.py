@@ -66,6 +66,21 @@ def usable_device_bytes(stats: dict, platform: str, gpu_memory_utilization: floa
     return total, limit
 
 
+def check_pool_fits(device, pool_bytes: int) -> None:
+    """Before the KV pool (``pool_bytes`` in all) is allocated on ``device``: a ``RuntimeError`` saying what holds the
+    memory when the allocator has less free (its limit less the bytes in use), instead of the allocator's own
+    out-of-memory error part way through. No check without memory statistics (the CPU)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return
+    free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
+    if pool_bytes > free:
+        raise RuntimeError(
+            f"The KV pool needs {pool_bytes / 2**30:.2f} GiB but JAX's allocator has {free / 2**30:.2f} GiB free "
+            f"({stats['bytes_in_use'] / 2**30:.2f} GiB in use of its {stats['bytes_limit'] / 2**30:.2f} GiB limit): "
+            f"lower --gpu-memory-utilization or set --num-gpu-blocks-override")
+
+
 def place_contiguously(model) -> None:
     """Copy ``model``'s (an NNX module) device arrays to the host, free them, and put them back, in order.
 

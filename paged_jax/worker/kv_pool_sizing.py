@@ -118,8 +118,12 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     dequantization_bytes=dequantization_bytes) + host_copy_blocks * per_block
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
-    budget = usable - (stats["bytes_in_use"] if weight_bytes is None else weight_bytes) - headroom
+    held = stats["bytes_in_use"] if weight_bytes is None else weight_bytes
+    budget = usable - held - headroom
     num_blocks = int(budget // per_block)
+    logger.info("KV cache sizing: %.2f GiB usable (allocator limit %.2f GiB, %.2f GiB in use), weights %.2f GiB, "
+                "step headroom %.2f GiB: %d blocks of %.2f MiB", usable / 2**30, stats["bytes_limit"] / 2**30,
+                stats["bytes_in_use"] / 2**30, held / 2**30, headroom / 2**30, num_blocks, per_block / 2**20)
     if num_blocks - 1 < blocks_per_seq:
         capacity = max(num_blocks - 1, 0) * block_size
         raise ValueError(

@@ -31,6 +31,7 @@ multiplicative.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import jax
@@ -46,6 +47,7 @@ from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.background_compile import ReadySet, can_compile_in_background, warm_up_in_background
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, own_function
 from paged_jax.worker.batch_invariant import make_batch_invariant
+from paged_jax.worker.device_memory import check_pool_fits
 from paged_jax.worker.buckets import make_buckets, sample_rows_needed, sampler_rows_for, swap_sizes_for
 from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
 from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
@@ -277,6 +279,9 @@ class ModelRunner:
         """The device KV pool, one ``(k_pages, v_pages)`` ``[num_blocks, block_size, Hkv, D]`` per layer, or per slot
         of ``kv_layout`` with KV-cache groups (zeros when first used)."""
         if self._kv_pool is None:
+            if self.sharding_plan is None:
+                check_pool_fits(self.device, 2 * self.kv_layout.num_slots * math.prod(self._kv_block_shape)
+                                * jnp.dtype(self.kv_dtype).itemsize)
             self._kv_pool = (
                 self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype,
                                                   num_layers=self.kv_layout.num_slots)
