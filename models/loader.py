@@ -192,6 +192,20 @@ def checkpoint_tensor_files(model_dir: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"no weights found: expected {single_path} or {index_path}")
 
 
+def read_checkpoint_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a single-file or sharded safetensors checkpoint, as stored (HF layout, checkpoint dtype,
+    numpy; bf16 / fp8 through ``ml_dtypes``): for small checkpoints read whole (speculative decoding's draft heads).
+    FileNotFoundError / ValueError as ``checkpoint_tensor_files`` and ``_read_tensor``."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file_path in checkpoint_tensor_files(Path(model_dir)).items():
+        by_file.setdefault(file_path, []).append(name)
+    tensors = {}
+    for file_path, names in by_file.items():
+        with _open_safetensors(file_path) as handle:
+            tensors.update((name, _read_tensor(handle, name, file_path)) for name in names)
+    return tensors
+
+
 class _open_safetensors:
     """``safe_open(path, framework="numpy")`` that turns header/format errors into ValueError naming the file."""
 
