@@ -123,8 +123,8 @@ def test_eagle3_head_loads_the_published_layout_and_refuses_others(smollm2_dir, 
 
 def test_eagle_head_loads_the_published_layout_and_refuses_others(smollm2_dir, tmp_path):
     """EAGLE names (``fc``, ``layers.0.*`` without an input norm), ``fc.bias`` as shipped or as the config's ``bias``
-    says, bf16 tensors as published, the target's embedding (and tied LM head) shared; a tensor missing or extra,
-    or an EAGLE-3 checkpoint, is refused."""
+    says, bf16 tensors as published (safetensors, or a pytorch_model.bin), the target's embedding (and tied LM head)
+    shared; a tensor missing or extra, or an EAGLE-3 checkpoint, is refused."""
     from safetensors.numpy import load_file, save_file
     from safetensors.torch import save_file as save_torch
 
@@ -145,6 +145,11 @@ def test_eagle_head_loads_the_published_layout_and_refuses_others(smollm2_dir, t
                                   as_bf16("layers.0.mlp.down_proj.weight").T)
     assert head.layers[0].input_layernorm is None and head.lm_head is None  # SmolLM2 ties its LM head
     assert head.embed_tokens.embedding[...] is embedding  # shared, not copied
+    (path / "model.safetensors").unlink()  # published as a pytorch_model.bin alone
+    torch.save({name: torch.from_numpy(t).to(torch.bfloat16) for name, t in tensors.items()},
+               path / "pytorch_model.bin")
+    np.testing.assert_array_equal(np.asarray(load().fc.kernel[...]), as_bf16("fc.weight").T)
+    (path / "pytorch_model.bin").unlink()
     del tensors["fc.bias"]
     save_file(tensors, str(path / "model.safetensors"))
     assert load().fc.bias is None

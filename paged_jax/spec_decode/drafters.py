@@ -25,7 +25,8 @@ def resolve_drafter_path(spec: SpeculativeConfig, *, download_dir: str | None = 
     ValueError naming the field for a path that does not exist."""
     from models.hub import resolve_checkpoint
 
-    return str(resolve_checkpoint(spec.model, download_dir=download_dir, field="speculative_config.model"))
+    what = "model" if spec.method == "draft_model" else "draft_head"
+    return str(resolve_checkpoint(spec.model, download_dir=download_dir, what=what, field="speculative_config.model"))
 
 
 def check_same_vocabulary(draft_path: str, draft_config: ModelConfig, target_config: ModelConfig,
