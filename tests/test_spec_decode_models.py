@@ -167,6 +167,23 @@ def test_eagle_head_loads_the_published_layout_and_refuses_others(smollm2_dir, t
         load_eagle_head(eagle3, target, dtype=jnp.float32, target_embedding=embedding, target_lm_head=None)
 
 
+def test_eagle_head_of_two_layers_is_the_published_math(smollm2_dir, tmp_path):
+    """A head of two layers (the second a Llama layer with its input norm) against the dense torch math."""
+    hf_config = json.loads((smollm2_dir / "config.json").read_text())
+    target = ModelConfig.from_hf_config(hf_config)
+    path = save_random_eagle_head(hf_config, tmp_path / "head", intermediate_size=64, num_layers=2, fc_bias=True)
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((target.vocab_size, target.hidden_size)).astype(np.float32) * 0.1
+    head = load_eagle_head(path, target, dtype=jnp.float32, target_embedding=jnp.asarray(embed), target_lm_head=None)
+    hidden, tokens = rng.standard_normal((7, target.hidden_size)).astype(np.float32), rng.integers(0, 1000, 7)
+    attention = dense_causal_attention(jnp.zeros(7, jnp.int32), target.head_dim ** -0.5)
+    out, state, kv = head(jnp.asarray(tokens, jnp.int32), jnp.arange(7), jnp.asarray(hidden), [None, None], attention)
+    expected = _eagle_head_math(path, torch.from_numpy(embed), hf_config["rms_norm_eps"])(
+        torch.from_numpy(hidden), torch.from_numpy(tokens))
+    np.testing.assert_allclose(np.asarray(out), expected.numpy(), atol=2e-4, rtol=1e-3)
+    assert state is out and len(kv) == 2
+
+
 @pytest.mark.parametrize("field, change", [("hidden_size", {"hidden_size": 64}), ("vocab_size", {"vocab_size": 512})])
 def test_eagle_head_for_another_target_is_refused_at_start_up(field, change, smollm2_dir, tmp_path):
     hf_config = {**json.loads((smollm2_dir / "config.json").read_text()), **change}
@@ -318,19 +335,28 @@ def _eagle3_reference(head_dir, target, hf_config):
     return drafts
 
 
+def _eagle_head_math(head_dir, embed, eps):
+    """hidden [m, hidden], tokens [m] -> the head's output [m, hidden] (its layers at positions 0..m-1)."""
+    t, attention = _head_tensors(head_dir)
+    num_layers = json.loads((Path(head_dir) / "config.json").read_text())["num_hidden_layers"]
+
+    def head(hidden, tokens):
+        x = torch.cat([embed[tokens], hidden], -1) @ t["fc.weight"].T + t.get("fc.bias", 0.0)
+        for i in range(num_layers):
+            w = lambda name: t[f"layers.{i}.{name}.weight"]  # noqa: B023, E731
+            x = _dense_mlp_block(x + _dense_attention(_rms(x, w("input_layernorm"), eps) if i else x, w, *attention),
+                                 w, eps)
+        return x
+
+    return head
+
+
 def _eagle_reference(head_dir, target, hf_config):
     """The published EAGLE math (EAGLE's cnets, vLLM's EagleLlamaForCausalLM), dense and causal, from the
     checkpoint's tensors: fc of [embedding | the target's final hidden state], a first layer without input norm,
     no final norm, the target's LM head."""
-    t, attention = _head_tensors(head_dir)
-    eps = hf_config["rms_norm_eps"]
-    embed = target.get_input_embeddings().weight.detach()
+    head = _eagle_head_math(head_dir, target.get_input_embeddings().weight.detach(), hf_config["rms_norm_eps"])
     lm_head = target.get_output_embeddings().weight.detach()
-
-    def head(hidden, tokens):
-        w = lambda name: t[f"layers.0.{name}.weight"]  # noqa: E731
-        x = torch.cat([embed[tokens], hidden], -1) @ t["fc.weight"].T + t.get("fc.bias", 0.0)
-        return _dense_mlp_block(x + _dense_attention(x, w, *attention), w, eps)
 
     def drafts(token_ids: list[int]) -> list[int]:
         with torch.no_grad():
