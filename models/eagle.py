@@ -10,12 +10,13 @@ last layer's ``x + residual``, no final norm) goes through the target's LM head,
 (``EagleHead.__call__`` returns it twice, as ``Eagle3Head`` returns its normed and pre-norm outputs). Embedding and
 LM head are the target's, shared (vLLM's choice too): a checkpoint's own copies must have the target's shape.
 
-Tensor names (safetensors): ``fc.weight`` [hidden, 2 * hidden], ``fc.bias`` [hidden] (when the config's ``bias``
-(EAGLE's key) or ``eagle_fc_bias`` (vLLM's) says so; with neither, when the checkpoint has it),
-``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
-``layers.{i}.post_attention_layernorm.weight``, ``layers.{i}.input_layernorm.weight`` for i >= 1; optionally
-``embed_tokens.weight`` and ``lm_head.weight`` (not used) and ``layers.0.input_layernorm.weight`` (not used: EAGLE's
-first layer has none; vLLM skips it too). Linear weights [out, in] as torch's.
+Tensor names (safetensors, or a ``pytorch_model.bin`` as the EAGLE repository publishes them): ``fc.weight``
+[hidden, 2 * hidden], ``fc.bias`` [hidden] (when the config's ``bias`` (EAGLE's key) or ``eagle_fc_bias`` (vLLM's)
+says so; with neither, when the checkpoint has it), ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.post_attention_layernorm.weight``,
+``layers.{i}.input_layernorm.weight`` for i >= 1; optionally ``embed_tokens.weight`` and ``lm_head.weight`` (not
+used) and ``layers.0.input_layernorm.weight`` (not used: EAGLE's first layer has none; vLLM skips it too). Linear
+weights [out, in] as torch's.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ def _hf_names(head: EagleHead) -> dict[str, tuple[tuple, bool]]:
 
 def load_eagle_head(path: str | Path, target: ModelConfig, *, target_embedding: jax.Array,
                     target_lm_head: jax.Array | None, dtype=jnp.bfloat16) -> EagleHead:
-    """The head at ``path`` (``config.json`` + safetensors) for ``target``, sharing (not copying) the target's
-    ``target_embedding`` [vocab, hidden] and ``target_lm_head`` kernel [hidden, vocab] (None: tied to the embedding).
+    """The head at ``path`` (``config.json`` + safetensors or ``pytorch_model.bin``) for ``target``, sharing (not
+    copying) the target's ``target_embedding`` [vocab, hidden] and ``target_lm_head`` kernel [hidden, vocab] (None:
+    tied to the embedding).
     ValueError naming the field for a head of another target shape, the tensor for a missing, extra or misshapen
     one."""
     config = EagleConfig.from_pretrained(path)

@@ -142,7 +142,7 @@ def _hf_names(head: Eagle3Head) -> dict[str, tuple[tuple[str, ...], bool]]:
 
 def load_eagle3_head(path: str | Path, target: ModelConfig, *, dtype=jnp.bfloat16,
                      target_embedding: jax.Array | None = None) -> Eagle3Head:
-    """The head at ``path`` (``config.json`` + ``model.safetensors``) for ``target``. Without
+    """The head at ``path`` (``config.json`` + safetensors, or a ``pytorch_model.bin``) for ``target``. Without
     ``embed_tokens.weight`` in the checkpoint the head uses ``target_embedding`` ([V, hidden], shared, not copied).
     ValueError naming the tensor for a missing, extra or misshapen one, or for a head of another target shape."""
     config = Eagle3Config.from_pretrained(path, target)
