@@ -53,11 +53,12 @@ def test_bad_model_drafter_config_is_refused(value, message):
         parse_speculative_config(value)
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
 @pytest.mark.parametrize("field, value", [("tensor_parallel_size", 2), ("preemption_mode", "swap"),
                                           ("enable_sleep_mode", True)])
-def test_model_drafter_combinations_refused(field, value):
-    with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config method 'draft_model'"):
-        EngineArgs(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+def test_model_drafter_combinations_refused(method, field, value):
+    with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config method '{method}'"):
+        EngineArgs(speculative_config={"method": method, "model": "x", "num_speculative_tokens": 2},
                    **{field: value})
 
 
