@@ -14,16 +14,18 @@ every method's tokens equal the plain run's (checked, reported as ``same_tokens`
 checkpoint (``--model``; default the built-in SmolLM2-135M-Instruct): dummy weights copy nothing.
 
 ``drafter``: the same steps with a model drafter on the device (``draft_model``: dummy ``--draft-shape``, default
-Llama-3.2-1B; ``eagle3``: a dummy EAGLE-3 head of the target's shape, 32000 draft tokens), per batch: the plain
+Llama-3.2-1B; ``eagle``: a dummy EAGLE head of the target's shape, sharing its embedding and LM head; ``eagle3``: a
+dummy EAGLE-3 head of the target's shape, 32000 draft tokens), per batch: the plain
 decode step, the verify step alone (k drafts, no drafter) and propose + verify (the drafter's catch-up and k draft
 steps after the sampler), each as ms and as a ratio to plain decode. A drafter of acceptance length L pays off
 when L > propose + verify ratio.
 
 Examples (H100): ``python -m benchmarks.spec_decode verify --out $OUT/spec_verify.json``;
 ``python -m benchmarks.spec_decode drafter --drafter eagle3 --out $OUT/spec_eagle3.json`` (and
-``--drafter draft_model``);
+``--drafter eagle``, ``--drafter draft_model``);
 ``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json`` (add
-``--methods ngram,eagle3 --eagle3-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` or ``--methods draft_model
+``--methods ngram,eagle3 --eagle3-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``, ``--methods eagle --eagle-model
+HEAD_DIR`` or ``--methods draft_model
 --draft-model meta-llama/Llama-3.2-1B-Instruct`` for the model drafters).
 On CPU: ``verify --tiny --batches 1,2 --ks 0,2``, ``drafter --tiny --batches 1,2 --k 2`` and
 ``e2e --max-tokens 32 --num-prompts 1`` check the script.
@@ -151,19 +153,28 @@ def run_verify(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- drafter
-def _drafter(args, config):
-    """A ``DraftRunner`` with dummy weights for a target of ``config``."""
+def _drafter(args, model, config):
+    """A ``DraftRunner`` with dummy weights for the target ``model`` of ``config``."""
     import dataclasses
 
     import jax.numpy as jnp
     from flax import nnx
 
+    from models.eagle import EagleConfig, EagleHead
     from models.eagle3 import Eagle3Config, Eagle3Head, default_aux_hidden_layers
     from paged_jax.spec_decode.draft_runner import DraftRunner
 
     if args.drafter == "draft_model":
-        model, draft_config = _dummy_model(args, args.draft_shape, num_hidden_layers=1)
-        return DraftRunner("draft_model", args.k, model, draft_config)
+        draft, draft_config = _dummy_model(args, args.draft_shape, num_hidden_layers=1)
+        return DraftRunner("draft_model", args.k, draft, draft_config)
+    if args.drafter == "eagle":
+        head_config = EagleConfig(model=dataclasses.replace(config, num_hidden_layers=1))
+        head = EagleHead(head_config, config, fc_bias=False, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+        shared = (model.model.embed_tokens.embedding[...], None if model.lm_head is None else model.lm_head.kernel[...])
+        head.embed_tokens.embedding.set_value(shared[0])
+        if head.lm_head is not None:
+            head.lm_head.set_value(shared[1])
+        return DraftRunner("eagle", args.k, head, head_config.model, shared=shared)
     head_config = Eagle3Config(model=dataclasses.replace(config, num_hidden_layers=1),
                                draft_vocab_size=min(32000, config.vocab_size), target_hidden_size=config.hidden_size,
                                aux_hidden_layers=default_aux_hidden_layers(config.num_hidden_layers))
@@ -178,13 +189,13 @@ def run_drafter(args) -> dict:
     batches, k = _parse_ints(args.batches), args.k
     rng = np.random.default_rng(0)
     result = {"benchmark": "spec_decode_drafter", "drafter": args.drafter,
-              "shape": "tiny" if args.tiny else args.shape, "draft_shape": None if args.drafter == "eagle3" else
+              "shape": "tiny" if args.tiny else args.shape, "draft_shape": None if args.drafter != "draft_model" else
               ("tiny" if args.tiny else args.draft_shape), "dtype": args.dtype,
               "device": str(jax.devices()[0].device_kind), "context": args.context, "k": k, "cases": []}
     timings: dict[tuple[str, int], float] = {}
     for name, steps_k, drafter in (("plain", 0, None), ("verify", k, None), ("propose_verify", k, True)):
         runner, blocks_per_seq = _runner(model, config, steps_k, batches, args,
-                                         drafter=_drafter(args, config) if drafter else None)
+                                         drafter=_drafter(args, model, config) if drafter else None)
         for batch in batches:
             ms = timings[name, batch] = _time_verify(runner, blocks_per_seq, batch, steps_k, args, config, rng)
             row = {"step": name, "batch": batch, "k": steps_k, "step_ms": round(ms, 3),
@@ -236,7 +247,7 @@ def run_e2e(args) -> dict:
     result = {"benchmark": "spec_decode_e2e", "model": args.model or "smollm2-135m-instruct",
               "device": str(jax.devices()[0].device_kind), "max_tokens": args.max_tokens, "k": args.k, "runs": []}
     extra = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 5}, "draft_model": {"model": args.draft_model},
-             "eagle3": {"model": args.eagle3_model}}
+             "eagle": {"model": args.eagle_model}, "eagle3": {"model": args.eagle3_model}}
     configs = [("plain", None)] + [(m, {"method": m, "num_speculative_tokens": args.k, **extra.get(m, {})})
                                    for m in filter(None, args.methods.split(","))]
     reference = None
@@ -278,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     verify.add_argument("--repeats", type=int, default=20)
     verify.add_argument("--attention-impl", default="auto")
     drafter = sub.add_parser("drafter", help="propose + verify step cost of a model drafter against plain decode")
-    drafter.add_argument("--drafter", choices=("eagle3", "draft_model"), default="eagle3")
+    drafter.add_argument("--drafter", choices=("eagle3", "eagle", "draft_model"), default="eagle3")
     drafter.add_argument("--shape", default="llama-3.1-8b", help="the target's named shape (models/presets.py)")
     drafter.add_argument("--draft-shape", default="llama-3.2-1b", help="draft_model: the draft's named shape")
     drafter.add_argument("--tiny", action="store_true", help="tiny random configs (CPU check of the script)")
@@ -293,8 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     e2e = sub.add_parser("e2e", help="batch-1 tokens/s on a copy workload, plain vs ngram / suffix")
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")
-    e2e.add_argument("--methods", default="ngram,suffix", help="also draft_model, eagle3 (with their checkpoints)")
+    e2e.add_argument("--methods", default="ngram,suffix",
+                     help="also draft_model, eagle, eagle3 (with their checkpoints)")
     e2e.add_argument("--draft-model", help="draft_model: the draft checkpoint (the target's tokenizer)")
+    e2e.add_argument("--eagle-model", help="eagle: the EAGLE head checkpoint for --model")
     e2e.add_argument("--eagle3-model", help="eagle3: the EAGLE-3 head checkpoint for --model")
     e2e.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     e2e.add_argument("--num-prompts", type=int, default=4)

@@ -19,16 +19,16 @@ Tensor names (safetensors): ``fc.weight``, ``midlayer.{input_layernorm,hidden_no
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.eagle import load_head_tensors, read_head_config
 from models.llama import MLP, Attention, _linear, matmul_precision
+from models.loader import read_checkpoint_tensors
 from models.norm import RMSNorm
 from models.qk_transform import rope_tables
 
@@ -55,14 +55,7 @@ class Eagle3Config:
     @classmethod
     def from_pretrained(cls, path: str | Path, target: ModelConfig) -> "Eagle3Config":
         """Read ``<path>/config.json`` for a head on ``target``; ValueError naming what does not fit."""
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"EAGLE-3 head config not found: {config_path}")
-        hf = json.loads(config_path.read_text())
-        architecture = (hf.get("architectures") or ["?"])[0]
-        if architecture not in EAGLE3_ARCHITECTURES:
-            raise ValueError(f"{config_path}: architecture {architecture!r} is not an EAGLE-3 head (one of "
-                             f"{', '.join(EAGLE3_ARCHITECTURES)})")
+        hf = read_head_config(path, "EAGLE-3 head", EAGLE3_ARCHITECTURES)
         model = ModelConfig.from_hf_config({**hf, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
         eagle = hf.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") or default_aux_hidden_layers(target.num_hidden_layers)
@@ -102,15 +95,16 @@ class Eagle3Head(nnx.Module):
         self.d2t = nnx.Variable(jnp.zeros((config.draft_vocab_size,), jnp.int32))
         self.embed_tokens = nnx.Embed(model.vocab_size, model.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
-    def combine_hidden_states(self, aux: jax.Array) -> jax.Array:
-        """The target's feature states [T, 3 * target_hidden] -> [T, hidden]."""
+    def features(self, hidden: jax.Array) -> jax.Array:
+        """The target forward's hidden states [T, target_hidden + 3 * target_hidden] (final, then the feature states)
+        -> ``fc`` of the feature states [T, hidden]."""
         with matmul_precision(self.dtype):
-            return self.fc(aux.astype(self.dtype))
+            return self.fc(hidden[:, self.config.target_hidden_size:].astype(self.dtype))
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array, kv_layer, attention):
-        """input_ids int32[T] (the token after each position), positions int32[T], hidden [T, hidden] (``fc``'s output,
-        or the head's own pre-norm output of the previous draft) -> (normed [T, hidden] for ``compute_logits``,
-        pre-norm [T, hidden] for the next draft, kv_layer)."""
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, hidden: jax.Array, kv_caches: list, attention):
+        """input_ids int32[T] (the token after each position), positions int32[T], hidden [T, hidden] (``features``,
+        or the head's own pre-norm output of the previous draft), kv_caches [its one layer's] -> (normed [T, hidden]
+        for ``compute_logits``, pre-norm [T, hidden] for the next draft, kv_caches)."""
         with matmul_precision(self.dtype):
             layer = self.midlayer
             rope = rope_tables(self.config.model, positions)
@@ -118,10 +112,10 @@ class Eagle3Head(nnx.Module):
             normed = layer.hidden_norm(hidden)
             residual = normed if self.config.norm_before_residual else hidden
             q, k, v = layer.self_attn.project(jnp.concatenate([embeds, normed], axis=-1))
-            attn_out, kv_layer = layer.self_attn.attend(0, q, k, v, rope, kv_layer, attention)
+            attn_out, kv_layer = layer.self_attn.attend(0, q, k, v, rope, kv_caches[0], attention)
             x, residual = layer.post_attention_layernorm(attn_out, residual)
             out, prenorm = self.norm(layer.mlp(x), residual)
-            return out, prenorm, kv_layer
+            return out, prenorm, [kv_layer]
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> float32[N, draft_vocab]."""
@@ -146,19 +140,11 @@ def _hf_names(head: Eagle3Head) -> dict[str, tuple[tuple[str, ...], bool]]:
     return names
 
 
-def _variable(module: nnx.Module, path: tuple[str, ...]) -> nnx.Variable:
-    for name in path:
-        module = getattr(module, name)
-    return module
-
-
 def load_eagle3_head(path: str | Path, target: ModelConfig, *, dtype=jnp.bfloat16,
                      target_embedding: jax.Array | None = None) -> Eagle3Head:
-    """The head at ``path`` (``config.json`` + ``model.safetensors``) for ``target``. Without
+    """The head at ``path`` (``config.json`` + safetensors, or a ``pytorch_model.bin``) for ``target``. Without
     ``embed_tokens.weight`` in the checkpoint the head uses ``target_embedding`` ([V, hidden], shared, not copied).
     ValueError naming the tensor for a missing, extra or misshapen one, or for a head of another target shape."""
-    from safetensors.numpy import load_file
-
     config = Eagle3Config.from_pretrained(path, target)
     if config.target_hidden_size != target.hidden_size or config.model.vocab_size != target.vocab_size:
         raise ValueError(f"EAGLE-3 head {path}: made for a target of hidden size {config.target_hidden_size} and "
@@ -167,38 +153,12 @@ def load_eagle3_head(path: str | Path, target: ModelConfig, *, dtype=jnp.bfloat1
     if list(layers) != sorted(set(layers)) or layers[-1] >= target.num_hidden_layers or layers[0] < 1:
         raise ValueError(f"EAGLE-3 head {path}: feature layers {config.aux_hidden_layers} do not fit a target of "
                          f"{target.num_hidden_layers} layers")
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"EAGLE-3 head weights (*.safetensors) not found in {path}")
-    tensors: dict[str, np.ndarray] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
+    tensors = read_checkpoint_tensors(Path(path))
     head = nnx.eval_shape(lambda: Eagle3Head(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    names = _hf_names(head)
-    unknown = sorted(set(tensors) - set(names) - {"t2d", "embed_tokens.weight"})
-    missing = sorted(set(names) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"EAGLE-3 head {path}: missing tensors {missing}, unexpected tensors {unknown}")
-    for name, (param_path, transposed) in names.items():
-        variable = _variable(head, param_path)
-        array = tensors[name].T if transposed else tensors[name]
-        if array.shape != variable.get_value().shape:
-            raise ValueError(f"EAGLE-3 head {path}: tensor {name!r} has shape {tensors[name].shape}, expected "
-                             f"{variable.get_value().shape[::-1] if transposed else variable.get_value().shape}")
-        variable.set_value(jnp.asarray(array, variable.get_value().dtype))
+    load_head_tensors(head, tensors, _hf_names(head), f"EAGLE-3 head {path}", optional=("t2d", "embed_tokens.weight"))
     embedding = tensors.get("embed_tokens.weight")
     if embedding is None and target_embedding is None:
         raise ValueError(f"EAGLE-3 head {path} has no embed_tokens.weight: pass the target's embedding")
     head.embed_tokens.embedding.set_value(jnp.asarray(embedding, dtype) if embedding is not None
                                           else target_embedding)
     return head
-
-
-def save_eagle3_head(head_tensors: dict[str, np.ndarray], hf_config: dict, out_dir: str | Path) -> None:
-    """Write a head checkpoint (``config.json`` + ``model.safetensors``) in the published layout."""
-    from safetensors.numpy import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
-    save_file({name: np.ascontiguousarray(t) for name, t in head_tensors.items()}, str(out / "model.safetensors"))

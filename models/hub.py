@@ -14,6 +14,8 @@ from pathlib import Path
 # What the engine reads from a checkpoint: config, weights, tokenizer (and the chat template beside it).
 CONFIG_PATTERNS = ("config.json", "generation_config.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+# A speculative decoding draft head may be published as a pytorch_model.bin only (the EAGLE repository's heads).
+HEAD_WEIGHT_PATTERNS = WEIGHT_PATTERNS + ("pytorch_model.bin",)
 TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                       "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                       "chat_template.json", "preprocessor_config.json")
@@ -32,11 +34,14 @@ def resolve_checkpoint(model: str | os.PathLike, *, revision: str | None = None,
       model: a local directory, or a Hub repo id such as ``"Qwen/Qwen3-0.6B"``.
       revision: branch, tag or commit of the repo (``None``: the default branch); refused with a local path.
       download_dir: Hub cache directory to use instead of huggingface_hub's default.
-      what: ``"model"`` (config, weights and tokenizer) or ``"tokenizer"`` (config and tokenizer files only).
+      what: ``"model"`` (config, weights and tokenizer), ``"draft_head"`` (config and weights, safetensors or a
+        ``pytorch_model.bin``: ``models.loader.read_checkpoint_tensors``) or ``"tokenizer"`` (config and tokenizer
+        files only).
       field: the flag or argument name to cite in errors (``"model"``, ``"tokenizer"``).
     Raises:
       ValueError naming ``field`` when the path does not exist and is not a repo id, when the repo or revision
-      cannot be found (or is not cached while offline), or when a model repo has no safetensors weights.
+      cannot be found (or is not cached while offline), or when a model repo has no safetensors weights (a draft
+      head repo no weights).
     """
     path = Path(os.fspath(model)).expanduser()
     if path.is_dir():
@@ -49,6 +54,9 @@ def resolve_checkpoint(model: str | os.PathLike, *, revision: str | None = None,
     snapshot = _download(name, revision=revision, download_dir=download_dir, what=what, field=field)
     if what == "model" and not any(snapshot.glob("*.safetensors")):
         raise ValueError(f"{field} {name!r} has no safetensors weights (only safetensors checkpoints load)")
+    has_bin = (snapshot / "pytorch_model.bin").is_file()
+    if what == "draft_head" and not any(snapshot.glob("*.safetensors")) and not has_bin:
+        raise ValueError(f"{field} {name!r} has no weights (model.safetensors or pytorch_model.bin)")
     return snapshot
 
 
@@ -69,7 +77,8 @@ def _download(repo_id: str, *, revision: str | None, download_dir: str | None, w
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
         RevisionNotFoundError
 
-    patterns = list(CONFIG_PATTERNS + TOKENIZER_PATTERNS)
+    patterns = list(CONFIG_PATTERNS + HEAD_WEIGHT_PATTERNS) if what == "draft_head" else \
+        list(CONFIG_PATTERNS + TOKENIZER_PATTERNS)
     if what == "model":
         patterns += WEIGHT_PATTERNS
     try:

@@ -46,6 +46,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 MXFP4_DUMMY_SCALE = 120  # e8m0 exponent 120 - 127: 2 ** -7
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+PYTORCH_FILE = "pytorch_model.bin"
 # Checkpoint tensors the model intentionally has no parameter for.
 _IGNORABLE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # Checkpoint tensors that hold several model parameters stacked along their rows (HF's output dim), per
@@ -190,6 +191,39 @@ def checkpoint_tensor_files(model_dir: Path) -> dict[str, Path]:
         with _open_safetensors(single_path) as f:
             return {name: single_path for name in f.keys()}
     raise FileNotFoundError(f"no weights found: expected {single_path} or {index_path}")
+
+
+def read_checkpoint_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a single-file or sharded safetensors checkpoint, as stored (HF layout, checkpoint dtype,
+    numpy; bf16 / fp8 through ``ml_dtypes``): for small checkpoints read whole (speculative decoding's draft heads,
+    which may also come as a ``pytorch_model.bin`` alone: read with torch, when installed, weights only).
+    FileNotFoundError / ValueError as ``checkpoint_tensor_files`` and ``_read_tensor``."""
+    model_dir = Path(model_dir)
+    if not any(model_dir.glob("*.safetensors")) and (model_dir / PYTORCH_FILE).is_file():
+        return _read_pytorch_file(model_dir / PYTORCH_FILE)
+    by_file: dict[Path, list[str]] = {}
+    for name, file_path in checkpoint_tensor_files(Path(model_dir)).items():
+        by_file.setdefault(file_path, []).append(name)
+    tensors = {}
+    for file_path, names in by_file.items():
+        with _open_safetensors(file_path) as handle:
+            tensors.update((name, _read_tensor(handle, name, file_path)) for name in names)
+    return tensors
+
+
+def _read_pytorch_file(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{path}: reading a pytorch_model.bin needs torch installed (or convert the checkpoint to "
+                         "safetensors)") from None
+    tensors = {}
+    for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bytes as ml_dtypes'
+            tensors[name] = tensor.contiguous().view(torch.int16).numpy().view(_RAW_DTYPES["BF16"])
+        else:
+            tensors[name] = tensor.contiguous().numpy()
+    return tensors
 
 
 class _open_safetensors:

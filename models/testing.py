@@ -239,7 +239,7 @@ def save_random_eagle3_head(target_hf_config: dict[str, Any], out_dir: str | os.
     (the target's is shared). Weights ~ N(0, 0.02) (norms around 1), float32."""
     import numpy as np
 
-    from models.eagle3 import save_eagle3_head
+    from models.eagle import save_head_checkpoint
 
     rng = np.random.default_rng(seed)
     hidden, vocab = target_hf_config["hidden_size"], target_hf_config["vocab_size"]
@@ -268,5 +268,52 @@ def save_random_eagle3_head(target_hf_config: dict[str, Any], out_dir: str | os.
               "rope_scaling": target_hf_config.get("rope_scaling"),
               "max_position_embeddings": target_hf_config.get("max_position_embeddings", 2048),
               "tie_word_embeddings": False}
-    save_eagle3_head(tensors, config, out_dir)
-    return Path(out_dir)
+    return save_head_checkpoint(tensors, config, out_dir)
+
+
+def save_random_eagle_head(target_hf_config: dict[str, Any], out_dir: str | os.PathLike, *,
+                           intermediate_size: int | None = None, num_layers: int = 1, fc_bias: bool = False,
+                           seed: int = 0) -> Path:
+    """A random EAGLE head for a target of ``target_hf_config`` in the published layout (``models.eagle``):
+    ``config.json`` as the published heads have it (architecture ``LlamaForCausalLM``, one layer) and
+    ``model.safetensors`` with ``fc`` (and ``fc.bias`` with ``fc_bias``) and ``layers.*`` (no
+    ``layers.0.input_layernorm``), no embedding or LM head (the target's are shared). float32; weights ~ N(0, 0.02),
+    norms around 1, except ``fc``: identity plus noise on the embedding half, N(0, 0.002) on the hidden-state half,
+    so the head mostly proposes the token it is fed while the target's hidden state still moves its logits (a target
+    restricted to a few tokens accepts some of its drafts)."""
+    import numpy as np
+
+    from models.eagle import save_head_checkpoint
+
+    rng = np.random.default_rng(seed)
+    hidden, heads = target_hf_config["hidden_size"], target_hf_config["num_attention_heads"]
+    kv_heads = target_hf_config["num_key_value_heads"]
+    head_dim = target_hf_config.get("head_dim") or hidden // heads
+    inter = intermediate_size or target_hf_config["intermediate_size"]
+    shapes = {}
+    for i in range(num_layers):
+        shapes.update({f"layers.{i}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+                       f"layers.{i}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       f"layers.{i}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                       f"layers.{i}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       f"layers.{i}.mlp.gate_proj.weight": (inter, hidden),
+                       f"layers.{i}.mlp.up_proj.weight": (inter, hidden),
+                       f"layers.{i}.mlp.down_proj.weight": (hidden, inter),
+                       f"layers.{i}.post_attention_layernorm.weight": (hidden,)})
+        if i:
+            shapes[f"layers.{i}.input_layernorm.weight"] = (hidden,)
+    tensors = {name: ((1.0 if name.endswith("norm.weight") else 0.0) + 0.02 * rng.standard_normal(shape)
+                      ).astype(np.float32) for name, shape in shapes.items()}
+    tensors["fc.weight"] = np.concatenate([np.eye(hidden) + 0.02 * rng.standard_normal((hidden, hidden)),
+                                           0.002 * rng.standard_normal((hidden, hidden))], axis=1).astype(np.float32)
+    if fc_bias:
+        tensors["fc.bias"] = (0.02 * rng.standard_normal(hidden)).astype(np.float32)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "num_hidden_layers": num_layers, "vocab_size": target_hf_config["vocab_size"],
+              "rms_norm_eps": target_hf_config.get("rms_norm_eps", 1e-5),
+              "rope_theta": target_hf_config.get("rope_theta", 10000.0),
+              "rope_scaling": target_hf_config.get("rope_scaling"),
+              "max_position_embeddings": target_hf_config.get("max_position_embeddings", 2048),
+              "hidden_act": "silu", "tie_word_embeddings": False}
+    return save_head_checkpoint(tensors, config, out_dir)

@@ -25,6 +25,8 @@ def offline_cache(tmp_path, monkeypatch):
     }, {"main": COMMIT, "v2": OTHER_COMMIT})
     write_hub_cache(cache, "acme/binonly", {COMMIT: {"config.json": b"{}", "tokenizer.json": b"{}"}},
                    {"main": COMMIT})
+    write_hub_cache(cache, "acme/eagle-head", {COMMIT: {"config.json": b"{}", "pytorch_model.bin": b"w"}},
+                   {"main": COMMIT})
     return cache
 
 
@@ -67,6 +69,15 @@ def test_repo_without_safetensors_is_refused_for_weights_not_for_tokenizer(offli
     with pytest.raises(ValueError, match="no safetensors"):
         resolve_checkpoint("acme/binonly", download_dir=str(offline_cache))
     assert resolve_checkpoint("acme/binonly", download_dir=str(offline_cache), what="tokenizer").name == COMMIT
+
+
+def test_draft_head_repo_may_ship_a_pytorch_bin_only(offline_cache):
+    path = resolve_checkpoint("acme/eagle-head", download_dir=str(offline_cache), what="draft_head",
+                              field="speculative_config.model")
+    assert (path / "pytorch_model.bin").read_bytes() == b"w"
+    with pytest.raises(ValueError, match="speculative_config.model 'acme/binonly' has no weights"):
+        resolve_checkpoint("acme/binonly", download_dir=str(offline_cache), what="draft_head",
+                           field="speculative_config.model")
 
 
 def test_nonexistent_path_that_is_no_repo_id(tmp_path):

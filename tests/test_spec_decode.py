@@ -36,7 +36,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
     ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method='mtp' is not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),

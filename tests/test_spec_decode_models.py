@@ -1,11 +1,12 @@
-"""Model drafters (``draft_model``, ``eagle3``): start-up refusals, the look-ahead slots, the target's EAGLE-3
-feature states against transformers, the published head layout, and on the engine: outputs identical to decoding
-without drafts (greedy with logprobs, stop strings with n = 2, seeded sampling with penalties), vLLM's counters
-consistent, nothing compiled after warm-up."""
+"""Model drafters (``draft_model``, ``eagle``, ``eagle3``): start-up refusals, the look-ahead slots, the target's
+EAGLE-3 feature states against transformers, the published head layouts, and on the engine: outputs identical to
+decoding without drafts (greedy with logprobs, stop strings with n = 2, seeded sampling with penalties), each step's
+drafts equal to the drafter's dense reference math, vLLM's counters consistent, nothing compiled after warm-up."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +15,11 @@ import torch
 
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
+from models.eagle import load_eagle_head
 from models.eagle3 import default_aux_hidden_layers, load_eagle3_head
 from models.loader import load_model
-from models.testing import save_random_eagle3_head, save_random_hf_checkpoint, save_truncated_checkpoint, tiny_config
+from models.testing import (save_random_eagle3_head, save_random_eagle_head, save_random_hf_checkpoint,
+                            save_truncated_checkpoint, tiny_config)
 from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request
@@ -42,18 +45,20 @@ PARAMS = [
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model .* is required"),
     ({"method": "eagle3", "num_speculative_tokens": 2, "model": ""}, "speculative_config.model .* is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model applies to"),
-    ({"method": "eagle", "num_speculative_tokens": 2, "model": "x"}, "method='eagle' is not supported"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.model .* is required"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "method='mtp' is not supported"),
 ])
 def test_bad_model_drafter_config_is_refused(value, message):
     with pytest.raises(ValueError, match=message):
         parse_speculative_config(value)
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
 @pytest.mark.parametrize("field, value", [("tensor_parallel_size", 2), ("preemption_mode", "swap"),
                                           ("enable_sleep_mode", True)])
-def test_model_drafter_combinations_refused(field, value):
-    with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config method 'draft_model'"):
-        EngineArgs(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+def test_model_drafter_combinations_refused(method, field, value):
+    with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config method '{method}'"):
+        EngineArgs(speculative_config={"method": method, "model": "x", "num_speculative_tokens": 2},
                    **{field: value})
 
 
@@ -117,6 +122,79 @@ def test_eagle3_head_loads_the_published_layout_and_refuses_others(smollm2_dir, 
         load_eagle3_head(path, target, dtype=jnp.float32, target_embedding=embedding)
 
 
+def test_eagle_head_loads_the_published_layout_and_refuses_others(smollm2_dir, tmp_path):
+    """EAGLE names (``fc``, ``layers.0.*`` without an input norm), ``fc.bias`` as shipped or as the config's ``bias``
+    says, bf16 tensors as published (safetensors, or a pytorch_model.bin), the target's embedding (and tied LM head)
+    shared; a tensor missing or extra, or an EAGLE-3 checkpoint, is refused."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors.torch import save_file as save_torch
+
+    hf_config = json.loads((smollm2_dir / "config.json").read_text())
+    target = ModelConfig.from_hf_config(hf_config)
+    path = save_random_eagle_head(hf_config, tmp_path / "head", intermediate_size=64, fc_bias=True)
+    embedding = jnp.ones((target.vocab_size, target.hidden_size), jnp.float32)
+    load = lambda: load_eagle_head(path, target, dtype=jnp.float32, target_embedding=embedding,  # noqa: E731
+                                   target_lm_head=None)
+    tensors = load_file(str(path / "model.safetensors"))
+    save_torch({name: torch.from_numpy(t).to(torch.bfloat16) for name, t in tensors.items()},
+               str(path / "model.safetensors"))
+    head = load()
+    as_bf16 = lambda name: torch.from_numpy(tensors[name]).to(torch.bfloat16).float().numpy()  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(head.fc.kernel[...]), as_bf16("fc.weight").T)
+    np.testing.assert_array_equal(np.asarray(head.fc.bias[...]), as_bf16("fc.bias"))
+    np.testing.assert_array_equal(np.asarray(head.layers[0].mlp.down_proj.kernel[...]),
+                                  as_bf16("layers.0.mlp.down_proj.weight").T)
+    assert head.layers[0].input_layernorm is None and head.lm_head is None  # SmolLM2 ties its LM head
+    assert head.embed_tokens.embedding[...] is embedding  # shared, not copied
+    (path / "model.safetensors").unlink()  # published as a pytorch_model.bin alone
+    torch.save({name: torch.from_numpy(t).to(torch.bfloat16) for name, t in tensors.items()},
+               path / "pytorch_model.bin")
+    np.testing.assert_array_equal(np.asarray(load().fc.kernel[...]), as_bf16("fc.weight").T)
+    (path / "pytorch_model.bin").unlink()
+    del tensors["fc.bias"]
+    save_file(tensors, str(path / "model.safetensors"))
+    assert load().fc.bias is None
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "bias": True}))
+    with pytest.raises(ValueError, match="missing tensors \\['fc.bias'\\]"):
+        load()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({**tensors, "layers.0.self_attn.rotary_emb.inv_freq": np.ones(32, np.float32)},
+              str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensors \\['layers.0.self_attn.rotary_emb.inv_freq'\\]"):
+        load()
+    eagle3 = save_random_eagle3_head(hf_config, tmp_path / "eagle3", draft_vocab_size=4, intermediate_size=64)
+    with pytest.raises(ValueError, match="'LlamaForCausalLMEagle3' is not an EAGLE head"):
+        load_eagle_head(eagle3, target, dtype=jnp.float32, target_embedding=embedding, target_lm_head=None)
+
+
+def test_eagle_head_of_two_layers_is_the_published_math(smollm2_dir, tmp_path):
+    """A head of two layers (the second a Llama layer with its input norm) against the dense torch math."""
+    hf_config = json.loads((smollm2_dir / "config.json").read_text())
+    target = ModelConfig.from_hf_config(hf_config)
+    path = save_random_eagle_head(hf_config, tmp_path / "head", intermediate_size=64, num_layers=2, fc_bias=True)
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((target.vocab_size, target.hidden_size)).astype(np.float32) * 0.1
+    head = load_eagle_head(path, target, dtype=jnp.float32, target_embedding=jnp.asarray(embed), target_lm_head=None)
+    hidden, tokens = rng.standard_normal((7, target.hidden_size)).astype(np.float32), rng.integers(0, 1000, 7)
+    attention = dense_causal_attention(jnp.zeros(7, jnp.int32), target.head_dim ** -0.5)
+    out, state, kv = head(jnp.asarray(tokens, jnp.int32), jnp.arange(7), jnp.asarray(hidden), [None, None], attention)
+    expected = _eagle_head_math(path, torch.from_numpy(embed), hf_config["rms_norm_eps"])(
+        torch.from_numpy(hidden), torch.from_numpy(tokens))
+    np.testing.assert_allclose(np.asarray(out), expected.numpy(), atol=2e-4, rtol=1e-3)
+    assert state is out and len(kv) == 2
+
+
+@pytest.mark.parametrize("field, change", [("hidden_size", {"hidden_size": 64}), ("vocab_size", {"vocab_size": 512})])
+def test_eagle_head_for_another_target_is_refused_at_start_up(field, change, smollm2_dir, tmp_path):
+    hf_config = {**json.loads((smollm2_dir / "config.json").read_text()), **change}
+    head = save_random_eagle_head(hf_config, tmp_path / "head", intermediate_size=64)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    message = f"speculative_config.model .* the EAGLE head's {field} is {change[field]}, the target's is"
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineArgs(model=str(smollm2_dir), speculative_config=spec, **SETTINGS), use_tqdm=False)
+
+
 # ---------------------------------------------------------------------------------------------------- engine
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer):
@@ -137,7 +215,8 @@ def drafter_paths(smollm2_dir, tmp_path_factory):
     # A draft vocabulary of 4 tokens: a target restricted to them (allowed_token_ids) accepts some drafts.
     return {"draft_model": str(save_truncated_checkpoint(smollm2_dir, root / "draft2", 2)),
             "eagle3": str(save_random_eagle3_head(hf_config, root / "eagle3", draft_vocab_size=4,
-                                                  intermediate_size=128))}
+                                                  intermediate_size=128)),
+            "eagle": str(save_random_eagle_head(hf_config, root / "eagle", intermediate_size=128, fc_bias=True))}
 
 
 def assert_counters_consistent(stats: dict, k: int) -> None:
@@ -165,7 +244,7 @@ def drafter_engines(smollm2_dir, drafter_paths):
     return get
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
 def test_model_drafter_outputs_equal_decoding_without_drafts(method, drafter_engines, prompts, plain_outputs):
     engine = drafter_engines(method)
     for params, expected in zip(PARAMS, plain_outputs):
@@ -196,36 +275,50 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _eagle3_reference(head_dir, target, hf_config):
-    """The published EAGLE-3 math (vLLM's Eagle3LlamaForCausalLM), dense and causal, from the checkpoint's tensors."""
+def _dense_attention(x, w, heads: int, kv_heads: int, dim: int, rope_theta: float):
+    """One Llama layer's causal self-attention over x [m, in] at positions 0..m-1 (``w(name)``: its weights)."""
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+    def rope(y):  # [m, heads, dim]
+        angles = torch.arange(y.shape[0], dtype=torch.float32)[:, None] * inv_freq
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+        return y * cos + torch.cat([-y[..., dim // 2:], y[..., :dim // 2]], -1) * sin
+
+    m = x.shape[0]
+    q = rope((x @ w("self_attn.q_proj").T).view(m, heads, dim))
+    k = rope((x @ w("self_attn.k_proj").T).view(m, kv_heads, dim)).repeat_interleave(heads // kv_heads, 1)
+    v = (x @ w("self_attn.v_proj").T).view(m, kv_heads, dim).repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / dim ** 0.5
+    scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, heads * dim) @ w("self_attn.o_proj").T
+
+
+def _dense_mlp_block(residual, w, eps):
+    """``residual`` plus the layer's MLP on its post-attention norm."""
+    h = _rms(residual, w("post_attention_layernorm"), eps)
+    return residual + (torch.nn.functional.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)
+                       ) @ w("mlp.down_proj").T
+
+
+def _head_tensors(head_dir) -> tuple[dict, dict]:
     from safetensors.numpy import load_file
 
-    t = {name: torch.from_numpy(np.asarray(v)) for name, v in load_file(f"{head_dir}/model.safetensors").items()}
-    heads, kv_heads, eps = hf_config["num_attention_heads"], hf_config["num_key_value_heads"], hf_config["rms_norm_eps"]
-    dim = hf_config["hidden_size"] // heads
-    inv_freq = 1.0 / hf_config.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    return {name: torch.from_numpy(np.asarray(v)) for name, v in load_file(f"{head_dir}/model.safetensors").items()}, \
+        (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"], config["rope_theta"])
+
+
+def _eagle3_reference(head_dir, target, hf_config):
+    """The published EAGLE-3 math (vLLM's Eagle3LlamaForCausalLM), dense and causal, from the checkpoint's tensors."""
+    t, attention = _head_tensors(head_dir)
+    eps = hf_config["rms_norm_eps"]
     embed = target.get_input_embeddings().weight.detach()
     layers = default_aux_hidden_layers(hf_config["num_hidden_layers"])
-
-    def rope(x):  # [m, heads, dim], positions 0..m-1
-        angles = torch.arange(x.shape[0], dtype=torch.float32)[:, None] * inv_freq
-        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-        return x * cos + torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
 
     def head(hidden, tokens):
         w = lambda name: t[f"midlayer.{name}.weight"]  # noqa: E731
         x = torch.cat([_rms(embed[tokens], w("input_layernorm"), eps), _rms(hidden, w("hidden_norm"), eps)], -1)
-        m = len(tokens)
-        q = rope((x @ w("self_attn.q_proj").T).view(m, heads, dim))
-        k = rope((x @ w("self_attn.k_proj").T).view(m, kv_heads, dim)).repeat_interleave(heads // kv_heads, 1)
-        v = (x @ w("self_attn.v_proj").T).view(m, kv_heads, dim).repeat_interleave(heads // kv_heads, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / dim ** 0.5
-        scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, heads * dim) @ w("self_attn.o_proj").T
-        residual = hidden + attn
-        h = _rms(residual, w("post_attention_layernorm"), eps)
-        prenorm = residual + (torch.nn.functional.silu(h @ w("mlp.gate_proj").T) * (h @ w("mlp.up_proj").T)
-                              ) @ w("mlp.down_proj").T
+        prenorm = _dense_mlp_block(hidden + _dense_attention(x, w, *attention), w, eps)
         return _rms(prenorm, t["norm.weight"], eps), prenorm
 
     def drafts(token_ids: list[int]) -> list[int]:
@@ -243,6 +336,42 @@ def _eagle3_reference(head_dir, target, hf_config):
     return drafts
 
 
+def _eagle_head_math(head_dir, embed, eps):
+    """hidden [m, hidden], tokens [m] -> the head's output [m, hidden] (its layers at positions 0..m-1)."""
+    t, attention = _head_tensors(head_dir)
+    num_layers = json.loads((Path(head_dir) / "config.json").read_text())["num_hidden_layers"]
+
+    def head(hidden, tokens):
+        x = torch.cat([embed[tokens], hidden], -1) @ t["fc.weight"].T + t.get("fc.bias", 0.0)
+        for i in range(num_layers):
+            w = lambda name: t[f"layers.{i}.{name}.weight"]  # noqa: B023, E731
+            x = _dense_mlp_block(x + _dense_attention(_rms(x, w("input_layernorm"), eps) if i else x, w, *attention),
+                                 w, eps)
+        return x
+
+    return head
+
+
+def _eagle_reference(head_dir, target, hf_config):
+    """The published EAGLE math (EAGLE's cnets, vLLM's EagleLlamaForCausalLM), dense and causal, from the
+    checkpoint's tensors: fc of [embedding | the target's final hidden state], a first layer without input norm,
+    no final norm, the target's LM head."""
+    head = _eagle_head_math(head_dir, target.get_input_embeddings().weight.detach(), hf_config["rms_norm_eps"])
+    lm_head = target.get_output_embeddings().weight.detach()
+
+    def drafts(token_ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            hidden = target.model(torch.tensor([token_ids[:-1]])).last_hidden_state[0]  # after the final norm
+            tokens, out = list(token_ids[1:]), []
+            for _ in range(K):
+                state = head(hidden, torch.tensor(tokens))
+                out.append(int((state[-1] @ lm_head.T).argmax()))
+                hidden, tokens = torch.cat([hidden, state[-1:]]), tokens + [out[-1]]
+        return out
+
+    return drafts
+
+
 def _head_tokens(head_dir) -> list[int]:
     from safetensors.numpy import load_file
 
@@ -250,19 +379,32 @@ def _head_tokens(head_dir) -> list[int]:
     return (np.arange(len(d2t)) + d2t).tolist()
 
 
-@pytest.mark.parametrize("name", ["draft_model", "self", "eagle3"])
+def _self_proposed_tokens(target, count: int) -> list[int]:
+    """``count`` tokens whose embedding's logits through the (tied) LM head peak at the token itself: the random
+    EAGLE head, which mostly proposes the token it is fed, repeats them."""
+    embed = target.get_input_embeddings().weight.detach()
+    candidates = torch.arange(1000, 1400)
+    own = (embed[candidates] @ target.get_output_embeddings().weight.detach().T).argmax(-1) == candidates
+    return candidates[own][:count].tolist()
+
+
+@pytest.mark.parametrize("name", ["draft_model", "self", "eagle", "eagle3"])
 def test_proposals_are_the_drafters_greedy_continuation(name, drafter_engines, drafter_paths, prompts,
                                                         smollm2_dir, hf_smollm2_model):
     """After every step, each running sequence's drafts are what the drafter computes densely from the sequence's
-    tokens (transformers for the draft model, the published EAGLE-3 math on transformers' hidden states), through
-    steps that accepted all, some and none of their drafts: the drafter's KV is always the sequence's own. "self"
-    (a model drafting for itself) disagrees only where the repetition penalty changes the target's choice; the
-    EAGLE-3 target samples among the head's 4 draft tokens."""
+    tokens (transformers for the draft model, the published EAGLE / EAGLE-3 math on transformers' hidden states),
+    through steps that accepted all, some and none of their drafts: the drafter's KV is always the sequence's own.
+    "self" (a model drafting for itself) disagrees only where the repetition penalty changes the target's choice; the
+    EAGLE-3 target samples among the head's 4 draft tokens, the EAGLE one among 2 tokens its head repeats."""
     hf_config = json.loads((smollm2_dir / "config.json").read_text())
     if name == "eagle3":
         reference = _eagle3_reference(drafter_paths[name], hf_smollm2_model, hf_config)
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=1,
                                 allowed_token_ids=_head_tokens(drafter_paths[name]))
+    elif name == "eagle":
+        reference = _eagle_reference(drafter_paths[name], hf_smollm2_model, hf_config)
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=1,
+                                allowed_token_ids=_self_proposed_tokens(hf_smollm2_model, 2))
     else:
         reference = _draft_model_reference(drafter_paths["draft_model"])
         params = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5 if name == "self" else 1.0)
@@ -297,7 +439,7 @@ def test_the_target_as_its_own_draft_model_is_accepted_throughout(smollm2_dir, p
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle", "draft_model"])
 def test_drafter_benchmark_runs_on_cpu(drafter, tmp_path):
     """benchmarks/spec_decode.py drafter on tiny shapes: plain, verify and propose + verify rows per batch, nothing
     compiled after warm-up."""

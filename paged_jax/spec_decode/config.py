@@ -7,12 +7,12 @@ import dataclasses
 import json
 from typing import Any
 
-# Methods vLLM accepts; the ones this engine runs are PROPOSER_METHODS. The others (an EAGLE-1 head, a model's MTP
-# layers) are refused by name.
+# Methods vLLM accepts; the ones this engine runs are PROPOSER_METHODS. The other (a model's MTP layers) is refused by
+# name.
 VLLM_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-PROPOSER_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
+PROPOSER_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
 # Methods whose drafts a network computes on the device (``paged_jax.spec_decode.draft_runner``); they need ``model``.
-MODEL_METHODS = ("draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -22,10 +22,10 @@ class SpeculativeConfig:
 
     Attributes:
       method: "ngram" (prompt lookup), "suffix" (suffix-tree lookup over the request and recent requests),
-        "draft_model" (a smaller model with the target's vocabulary) or "eagle3" (an EAGLE-3 head on the target's
-        hidden states).
-      model: draft_model / eagle3: the drafter's checkpoint directory (a Hugging Face model id is resolved like the
-        target's).
+        "draft_model" (a smaller model with the target's vocabulary), "eagle" (an EAGLE-1 / EAGLE-2 head on the
+        target's final hidden states) or "eagle3" (an EAGLE-3 head on the target's hidden states).
+      model: draft_model / eagle / eagle3: the drafter's checkpoint directory (a Hugging Face model id is resolved
+        like the target's).
       num_speculative_tokens: drafts per sequence per step, k (fixed for the engine: its compiled shapes).
       prompt_lookup_min / prompt_lookup_max: ngram: the n-gram lengths matched (longest first).
       suffix_decoding_max_tree_depth: suffix: the longest context and draft the trees hold.

@@ -1,6 +1,6 @@
-"""Model drafters on the device (vLLM's ``draft_model`` and ``eagle3`` methods): after each step's sampler, one jitted
-program per step bucket computes every sequence's drafts for its next step, and they come back with the step's
-tokens (``StepOutput.proposed_draft_ids``); the core hands them to the scheduler as ``Request.spec_token_ids``.
+"""Model drafters on the device (vLLM's ``draft_model``, ``eagle`` and ``eagle3`` methods): after each step's sampler,
+one jitted program per step bucket computes every sequence's drafts for its next step, and they come back with the
+step's tokens (``StepOutput.proposed_draft_ids``); the core hands them to the scheduler as ``Request.spec_token_ids``.
 
 The drafter's KV lives in its own donated pool indexed by the target's block ids (same block tables, same slot
 mapping; its shape is the drafter's: layers, KV heads, head size), so the scheduler and the KV-cache manager see one
@@ -11,13 +11,14 @@ pool. Each step's program:
    ``verify``: the longest prefix equal to the target's samples) and its next token x (the target's sample after
    the last accepted draft), at position ``kv_len - drafts + accepted``;
 3. catches the drafter up on the step's tokens, at the target's positions and slots (prompt chunks included, so the
-   drafter's KV always covers what the target's does). ``draft_model`` runs the draft model on them; ``eagle3``
-   runs its head on ``fc`` of the target's feature states, each position with the token after it (x after the last
-   accepted one, the next prompt token after a chunk that does not sample);
+   drafter's KV always covers what the target's does). ``draft_model`` runs the draft model on them; a head
+   (``eagle``: ``models.eagle.EagleHead``, on the target's final hidden states; ``eagle3``:
+   ``models.eagle3.Eagle3Head``, on ``fc`` of its feature states) runs on the target's states there, each position
+   with the token after it (x after the last accepted one, the next prompt token after a chunk that does not sample);
 4. drafts greedily (argmax; the proposal is one-hot, which is what ``verify``'s rule is exact for): ``draft_model``
-   feeds x, then each draft, k steps of one token per sequence; ``eagle3`` takes its first draft from step 3 at the
-   last accepted position and feeds each draft with its own pre-norm output, k - 1 steps. Python-unrolled (no XLA
-   loop), so every step bucket is one fixed-shape program, compiled at warm-up.
+   feeds x, then each draft, k steps of one token per sequence; a head takes its first draft from step 3 at the
+   last accepted position and feeds each draft with its own output (``eagle3``: pre-norm), k - 1 steps.
+   Python-unrolled (no XLA loop), so every step bucket is one fixed-shape program, compiled at warm-up.
 
 KV written at rejected positions is harmless: the next step's catch-up writes those positions again with the
 sequence's real tokens before any drafter read. The draft positions after x need their blocks: the scheduler
@@ -38,6 +39,7 @@ from flax import nnx
 from models.attention_fn import ReusableAttention
 from models.config import ModelConfig
 from paged_jax.ops import write_and_attend
+from paged_jax.spec_decode.config import MODEL_METHODS
 from paged_jax.worker.step_io import SPEC_ROW_WORDS, apply_block_copies
 
 
@@ -45,16 +47,18 @@ class DraftRunner:
     """A drafter network and its KV pool (module docstring).
 
     Args:
-      method: "draft_model" (``model``: a ``LlamaForCausalLM`` with the target's vocabulary) or "eagle3"
-        (``model``: a ``models.eagle3.Eagle3Head``).
+      method: "draft_model" (``model``: a ``LlamaForCausalLM`` with the target's vocabulary), "eagle" (``model``: a
+        ``models.eagle.EagleHead``) or "eagle3" (``model``: a ``models.eagle3.Eagle3Head``).
       num_speculative_tokens: k, the drafts per sequence per step.
       config: the drafter's ``ModelConfig`` (the KV pool's shape: layers, KV heads, head size, sliding window).
       aux_hidden_layers: eagle3: the target layers whose inputs feed ``fc`` (``ModelRunner.aux_hidden_layers``).
+      shared: arrays of ``model`` that are the target's own (a head's embedding, LM head): not counted in
+        ``weight_bytes``.
     """
 
     def __init__(self, method: str, num_speculative_tokens: int, model, config: ModelConfig, *,
-                 aux_hidden_layers: tuple[int, ...] = ()):
-        if method not in ("draft_model", "eagle3"):
+                 aux_hidden_layers: tuple[int, ...] = (), shared: tuple = ()):
+        if method not in MODEL_METHODS:
             raise ValueError(f"speculative_config.method {method!r} has no drafter network")
         self.method = method
         self.k = num_speculative_tokens
@@ -64,13 +68,14 @@ class DraftRunner:
         graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree.flatten(state)
         self._graphdef, self._leaves = graphdef, leaves
+        self._own_bytes = sum(x.size * x.dtype.itemsize for x in leaves if not any(x is a for a in shared))
         self._pool: list | None = None
         self._propose = None
 
     @property
     def num_layers(self) -> int:
-        """The drafter's KV layers."""
-        return self.config.num_hidden_layers if self.method == "draft_model" else 1
+        """The drafter's KV layers (a head's config has its own layer count: one for EAGLE-3)."""
+        return self.config.num_hidden_layers
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block of the drafter's pool takes (for the KV pool's sizing)."""
@@ -78,8 +83,8 @@ class DraftRunner:
         return self.num_layers * 2 * block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def weight_bytes(self) -> int:
-        """Bytes of the drafter's own weights (an embedding shared with the target counted too)."""
-        return sum(x.size * x.dtype.itemsize for x in self._leaves)
+        """Bytes of the drafter's own weights (not those it shares with the target)."""
+        return self._own_bytes
 
     def bind(self, runner) -> None:
         """Attach to ``runner`` (a ``ModelRunner``, at the end of its construction): its device, buckets, block
@@ -108,10 +113,10 @@ class DraftRunner:
     def propose(self, sampled: jax.Array, hidden: jax.Array, buf: jax.Array, num_tokens: int,
                 num_seqs: int) -> jax.Array:
         """After a step's sampler: ``sampled`` int32[max sample rows] its tokens (sample-row order), ``hidden`` the
-        forward's hidden states (eagle3: with the target's feature states), ``buf`` the step buffer on the device
+        forward's hidden states [T, hidden] (eagle3: then the target's feature states), ``buf`` the step buffer
         -> int32[S, k] each packed sequence's drafts for its next step (-1 rows: no proposal)."""
         self._pool, drafts = self._propose(self._leaves, self.pool, buf, sampled,
-                                           hidden if self.method == "eagle3" else None,
+                                           None if self.method == "draft_model" else hidden,
                                            num_tokens=num_tokens, num_seqs=num_seqs)
         return drafts
 
@@ -131,15 +136,14 @@ class DraftRunner:
 class _StepStatics:
     """What the program takes from the runner: step layouts, block size, block-table width, attention options."""
 
-    def __init__(self, layout_for, block_size: int, max_blocks: int, attention_impl: str, qk_prepare_impl: str,
-                 target_hidden: int):
+    def __init__(self, layout_for, block_size: int, max_blocks: int, attention_impl: str, qk_prepare_impl: str):
         self.layout_for, self.block_size, self.max_blocks = layout_for, block_size, max_blocks
-        self.attention_impl, self.qk_prepare_impl, self.target_hidden = attention_impl, qk_prepare_impl, target_hidden
+        self.attention_impl, self.qk_prepare_impl = attention_impl, qk_prepare_impl
 
     @classmethod
     def of(cls, runner) -> "_StepStatics":
         return cls(runner.layout, runner.block_size, runner.max_blocks_per_seq, runner.attention_impl,
-                   runner.qk_prepare_impl, runner.model_config.hidden_size)
+                   runner.qk_prepare_impl)
 
     def attention(self, config: ModelConfig, meta: dict) -> ReusableAttention:
         fn = functools.partial(write_and_attend, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window,
@@ -191,7 +195,7 @@ def _propose(drafter: DraftRunner, statics: _StepStatics, leaves, pool, buf, sam
     if drafter.method == "draft_model":
         pool, drafts = _draft_model_drafts(step, pool, x, x_positions)
     else:
-        pool, drafts = _eagle3_drafts(step, pool, hidden, n, accepted, x, x_positions)
+        pool, drafts = _head_drafts(step, pool, hidden, n, accepted, x, x_positions)
     return pool, jnp.where(proposes[:, None], jnp.stack(drafts, axis=1), -1).astype(jnp.int32)
 
 
@@ -209,7 +213,9 @@ def _draft_model_drafts(step, pool, x, x_positions):
     return pool, drafts
 
 
-def _eagle3_drafts(step, pool, hidden, n, accepted, x, x_positions):
+def _head_drafts(step, pool, hidden, n, accepted, x, x_positions):
+    """eagle / eagle3: the head (``features``, ``__call__``, ``compute_logits``, ``to_target_ids``) caught up on the
+    step's positions, then k - 1 one-token steps (module docstring)."""
     drafter, statics, head, fields, block_tables, step_meta, proposes, capacity = step
     config = drafter.config
     input_ids, cu = fields["input_ids"], fields["cu_q_lens"]
@@ -221,15 +227,15 @@ def _eagle3_drafts(step, pool, hidden, n, accepted, x, x_positions):
     kept_end = cu[1:] - n + accepted  # one past the last kept token of each sequence
     after = jnp.where(proposes, x, fields["spec_rows"].reshape(num_seqs, SPEC_ROW_WORDS)[:, 2])
     following = jnp.where(index + 1 < kept_end[seq], input_ids[jnp.minimum(index + 1, num_tokens - 1)], after[seq])
-    features = head.combine_hidden_states(hidden[:, statics.target_hidden:])
-    out, prenorm, kv = head(following, fields["positions"], features, pool[0], statics.attention(config, step_meta))
+    out, state, pool = head(following, fields["positions"], head.features(hidden), pool,
+                            statics.attention(config, step_meta))
     last = jnp.clip(kept_end - 1, 0, num_tokens - 1)
     token = head.to_target_ids(jnp.argmax(head.compute_logits(out[last]), axis=-1)).astype(jnp.int32)
-    drafts, state = [token], prenorm[last]
+    drafts, state = [token], state[last]
     for j in range(1, drafter.k):
         positions = x_positions + j - 1
         positions, meta = _decode_meta(positions, proposes & (positions < capacity), block_tables, statics)
-        out, state, kv = head(token, positions, state, kv, statics.attention(config, meta))
+        out, state, pool = head(token, positions, state, pool, statics.attention(config, meta))
         token = head.to_target_ids(jnp.argmax(head.compute_logits(out), axis=-1)).astype(jnp.int32)
         drafts.append(token)
-    return [kv], drafts
+    return pool, drafts

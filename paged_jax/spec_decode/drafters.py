@@ -1,5 +1,6 @@
 """Loading a model drafter at start-up (``speculative_config.model``): a draft model with the target's vocabulary
-(``draft_model``) or an EAGLE-3 head for the target (``eagle3``), as a ``DraftRunner`` for the model runner.
+(``draft_model``), an EAGLE head (``eagle``) or an EAGLE-3 head (``eagle3``) for the target, as a ``DraftRunner`` for
+the model runner.
 Everything that cannot work is refused here, before any compile, with a ValueError naming the field."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.eagle import load_eagle_head
 from models.eagle3 import load_eagle3_head
 from models.loader import load_model
 from paged_jax.spec_decode.config import MODEL_METHODS, SpeculativeConfig
@@ -23,7 +25,8 @@ def resolve_drafter_path(spec: SpeculativeConfig, *, download_dir: str | None = 
     ValueError naming the field for a path that does not exist."""
     from models.hub import resolve_checkpoint
 
-    return str(resolve_checkpoint(spec.model, download_dir=download_dir, field="speculative_config.model"))
+    what = "model" if spec.method == "draft_model" else "draft_head"
+    return str(resolve_checkpoint(spec.model, download_dir=download_dir, what=what, field="speculative_config.model"))
 
 
 def check_same_vocabulary(draft_path: str, draft_config: ModelConfig, target_config: ModelConfig,
@@ -52,18 +55,28 @@ def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConf
     path = resolve_drafter_path(spec, download_dir=download_dir)
     dtype = target_model.dtype if dtype in (None, "auto") else dtype
     if spec.method == "draft_model":
-        draft_config = ModelConfig.from_pretrained(path)
-        check_same_vocabulary(path, draft_config, target_config, target_tokenizer)
-        if draft_config.layer_sliding_windows is not None:
-            raise ValueError(f"speculative_config.model {path!r} mixes sliding-window and full attention layers: "
-                             "not supported as a draft model")
-        model, draft_config = load_model(path, dtype=dtype, config=draft_config)
-        logger.info("draft model %s: %d layers, %d speculative tokens", path, draft_config.num_hidden_layers,
+        return _draft_model(path, spec.num_speculative_tokens, dtype, target_config, target_tokenizer)
+    embedding = target_model.model.embed_tokens.embedding[...]
+    if spec.method == "eagle":
+        lm_head = None if target_model.lm_head is None else target_model.lm_head.kernel[...]
+        head = load_eagle_head(path, target_config, dtype=jnp.dtype(dtype), target_embedding=embedding,
+                               target_lm_head=lm_head)
+        logger.info("EAGLE head %s: %d layers, %d speculative tokens", path, head.config.model.num_hidden_layers,
                     spec.num_speculative_tokens)
-        return DraftRunner("draft_model", spec.num_speculative_tokens, model, draft_config)
-    head = load_eagle3_head(path, target_config, dtype=jnp.dtype(dtype),
-                            target_embedding=target_model.model.embed_tokens.embedding[...])
+        return DraftRunner("eagle", spec.num_speculative_tokens, head, head.config.model, shared=(embedding, lm_head))
+    head = load_eagle3_head(path, target_config, dtype=jnp.dtype(dtype), target_embedding=embedding)
     logger.info("EAGLE-3 head %s on target layers %s, %d speculative tokens", path, head.config.aux_hidden_layers,
                 spec.num_speculative_tokens)
     return DraftRunner("eagle3", spec.num_speculative_tokens, head, head.config.model,
-                       aux_hidden_layers=head.config.aux_hidden_layers)
+                       aux_hidden_layers=head.config.aux_hidden_layers, shared=(embedding,))
+
+
+def _draft_model(path: str, k: int, dtype, target_config: ModelConfig, target_tokenizer) -> DraftRunner:
+    draft_config = ModelConfig.from_pretrained(path)
+    check_same_vocabulary(path, draft_config, target_config, target_tokenizer)
+    if draft_config.layer_sliding_windows is not None:
+        raise ValueError(f"speculative_config.model {path!r} mixes sliding-window and full attention layers: "
+                         "not supported as a draft model")
+    model, draft_config = load_model(path, dtype=dtype, config=draft_config)
+    logger.info("draft model %s: %d layers, %d speculative tokens", path, draft_config.num_hidden_layers, k)
+    return DraftRunner("draft_model", k, model, draft_config)

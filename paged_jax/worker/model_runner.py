@@ -105,8 +105,9 @@ class ModelRunner:
         bucket samples that many more positions per sequence (``buckets.sample_rows_needed``).
       moe_outputs: ``paged_jax.worker.moe_outputs.MoeStepOutputs``: the routing a mixture-of-experts model's steps
         return (``StepOutput.routed_experts`` / ``expert_load``); default none.
-      drafter: a model drafter (``paged_jax.spec_decode.draft_runner.DraftRunner``: draft_model / eagle3), run after
-        each step's sampler on the device; its proposals come back with the step (``StepOutput.proposed_draft_ids``).
+      drafter: a model drafter (``paged_jax.spec_decode.draft_runner.DraftRunner``: draft_model / eagle / eagle3), run
+        after each step's sampler on the device; its proposals come back with the step
+        (``StepOutput.proposed_draft_ids``).
 
     Multi-host: with ``step_channel`` set (node 0, ``paged_jax.parallel.multihost``), each ``execute`` first
     publishes its ``SchedulerOutput`` (and a grammar step its bitmask at ``dispatch_sampling``); the other nodes run
