@@ -139,7 +139,7 @@ def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
             np.testing.assert_array_equal(after[layer][kv][4], original[layer][kv][1])
             np.testing.assert_array_equal(after[layer][kv][5], original[layer][kv][2])
             np.testing.assert_array_equal(after[layer][kv][1], original[layer][kv][3])
-            np.testing.assert_array_equal(host.array[0, layer, kv], original[layer][kv][4])
+            np.testing.assert_array_equal(host.read_block(0)[layer, kv], original[layer][kv][4])
     host.close()
 
 

@@ -242,10 +242,11 @@ class _CompileJobs:
                                seconds, turn)
 
     def compile_swap(self, size, seconds, turn):
-        """The gather and the scatter of ``size`` swapped blocks (the scatter takes the gather's output)."""
+        """The gather and the scatter of ``size`` swapped blocks (the scatter takes the gather's outputs: one
+        array per block)."""
         ids = self._host(np.zeros((size,), np.int32))
         gathered = load_or_compile(self.cache, self.runner._gather_blocks, (self.kv_pool, ids), None, seconds, turn)
-        data = _compiled_outputs(gathered)[0]
+        data = tuple(_compiled_outputs(gathered))
         return load_or_compile(self.cache, self.runner._scatter_blocks, (self.kv_pool, ids, data), None, seconds,
                                turn)
 
