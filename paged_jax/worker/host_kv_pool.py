@@ -175,18 +175,23 @@ class HostKVPool:
         self.bytes_saved += len(host) * self.block_bytes
         self._pending.append(host)
         self._in_flight += len(host)
-        while self._pending and (self._in_flight > self._max_in_flight or _ready(self._pending[0])):
+        while self._pending and _ready(self._pending[0]):
+            self._retire_oldest()
+        while self._in_flight > self._max_in_flight:
+            jax.block_until_ready(self._pending[0])  # the only wait on the step path: past max_in_flight
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        arrays = self._pending.popleft()
-        jax.block_until_ready(arrays)  # at once when done; waits only past max_in_flight
-        self._in_flight -= len(arrays)
+        self._in_flight -= len(self._pending.popleft())
 
     @property
     def num_in_flight(self) -> int:
         """Saved blocks not known to be in host memory yet."""
         return self._in_flight
+
+    def block_array(self, host_id: int) -> jax.Array | None:
+        """Host block ``host_id``'s array (in ``memory_kind``; None: never saved)."""
+        return self._blocks[host_id]
 
     def read_block(self, host_id: int) -> np.ndarray:
         """Host block ``host_id``'s contents ``[slots, 2, block_size, Hkv, D]`` (waits for its save)."""
@@ -194,8 +199,9 @@ class HostKVPool:
 
     def flush(self) -> None:
         """Wait until every save has landed in host memory."""
-        while self._pending:
-            self._retire_oldest()
+        jax.block_until_ready(list(self._pending))
+        self._pending.clear()
+        self._in_flight = 0
 
     def close(self) -> None:
         self.flush()
