@@ -225,6 +225,8 @@ def test_host_memory_kind_and_the_gpu_pinned_cap():
     with pytest.raises(ValueError, match=f"kv_offloading_size.*{GPU_PINNED_LIMIT_ENV}"):
         check_pinned_host_limit(70 * 2**30, "gpu", environ={})
     check_pinned_host_limit(70 * 2**30, "gpu", environ={GPU_PINNED_LIMIT_ENV: "96"})
+    with pytest.raises(ValueError, match=GPU_PINNED_LIMIT_ENV):  # preallocating, XLA's default cap is smaller
+        check_pinned_host_limit(20 * 2**30, "gpu", environ={"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "true"})
 
 
 def test_flags_refused_where_the_tier_does_not_work():

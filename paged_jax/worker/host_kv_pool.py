@@ -42,9 +42,11 @@ DEVICE_COPY_BLOCKS = MAX_IN_FLIGHT_BLOCKS + MAX_SWAP_CHUNK  # device blocks the 
 # The host memory kinds a host block may live in, preferred first: pinned memory is what DMA engines copy from and to
 # without a staging copy; unpinned host memory still works, through the runtime's staging.
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
-# XLA's pinned host allocator on the GPU is capped (GiB; this variable, read when the GPU backend starts).
+# XLA's pinned host allocator on the GPU is capped (GiB; this variable, read when the GPU backend starts; a smaller
+# default when the allocator preallocates its whole cap).
 GPU_PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-GPU_PINNED_LIMIT_DEFAULT_GIB = 64
+GPU_PINNED_PREALLOCATE_ENV = "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"
+GPU_PINNED_LIMIT_DEFAULT_GIB = {False: 64, True: 16}
 
 
 def gather_blocks(kv_pool, block_ids):
@@ -87,7 +89,8 @@ def check_pinned_host_limit(num_bytes: int, platform: str, environ=os.environ) -
     holds on a GPU (``GPU_PINNED_LIMIT_ENV``); other platforms have no such cap."""
     if platform not in ("gpu", "cuda", "rocm"):
         return
-    limit_gib = int(environ.get(GPU_PINNED_LIMIT_ENV, GPU_PINNED_LIMIT_DEFAULT_GIB))
+    preallocate = environ.get(GPU_PINNED_PREALLOCATE_ENV, "").lower() in ("1", "true")
+    limit_gib = int(environ.get(GPU_PINNED_LIMIT_ENV, GPU_PINNED_LIMIT_DEFAULT_GIB[preallocate]))
     if num_bytes > limit_gib * 2**30:
         raise ValueError(f"swap_space / kv_offloading_size: the host KV pool needs {num_bytes / 2**30:.1f} GiB of "
                          f"pinned host memory, more than XLA's pinned host allocator holds ({limit_gib} GiB): lower "
