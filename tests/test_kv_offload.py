@@ -152,7 +152,7 @@ def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
     assert host.block_array(0).sharding.memory_kind == "pinned_host" and host.block_array(0).shape == (2, 2, 4, 2, 3)
     pool = host.swap(pool, [(4, 0)], [(0, 4), (1, 5), (2, 1)])  # reads 0 before block 4 lands there
     host.flush()
-    assert host.num_in_flight == 0 and host.bytes_saved == 4 * host.block_bytes == host.bytes_loaded + host.block_bytes
+    assert host.num_in_flight == (0, 0) and host.bytes_saved == 4 * host.block_bytes == host.bytes_loaded + host.block_bytes
     _assert_blocks_equal(pool, original, {4: 1, 5: 2, 1: 3})
     for layer in range(2):
         for kv in range(2):
@@ -179,27 +179,31 @@ def test_host_pool_copies_are_dispatched_without_waiting_for_the_device(monkeypa
             m.setattr(target, name, refuse)
         pool = host.swap(pool, [(1, 0), (2, 1)], [])
         pool = host.swap(pool, [(3, 2)], [(0, 4), (1, 5)])
-        assert host.num_in_flight == 3
+        assert host.num_in_flight == (3, 2)
     assert not waits
     _assert_blocks_equal(pool, original, {4: 1, 5: 2})
     host.close()
-    assert host.num_in_flight == 0
+    assert host.num_in_flight == (0, 0)
 
 
-def test_host_pool_waits_for_the_oldest_save_only_past_the_in_flight_cap(monkeypatch):
-    """Saves still on their way hold device memory: past ``max_in_flight`` blocks the oldest save is waited for (and
-    only then); data stays exact."""
+def test_host_pool_waits_for_the_oldest_copy_only_past_the_in_flight_cap(monkeypatch):
+    """Copies under way hold device memory (a save its gathered blocks, a load its transferred blocks until its
+    scatter has run): past ``max_in_flight`` blocks of saves, or of loads, the oldest is waited for (and only then);
+    data stays exact."""
     pool, original, host = _host_pool(max_in_flight=2)
-    monkeypatch.setattr(host_kv_pool, "_ready", lambda arrays: False)
+    monkeypatch.setattr(host_kv_pool, "_ready", lambda arrays: False)  # nothing finishes unless waited for
     waited = []
     real_wait = jax.block_until_ready
     monkeypatch.setattr(jax, "block_until_ready", lambda arrays: waited.append(len(arrays)) or real_wait(arrays))
     pool = host.swap(pool, [(1, 0)], [])
-    assert waited == [] and host.num_in_flight == 1
+    assert waited == [] and host.num_in_flight == (1, 0)
     pool = host.swap(pool, [(2, 1), (3, 2)], [])
-    assert waited == [1] and host.num_in_flight == 2  # the first save (one block) was waited for
+    assert waited == [1] and host.num_in_flight == (2, 0)  # the first save (one block) was waited for
     pool = host.swap(pool, [], [(0, 4), (2, 5)])
-    _assert_blocks_equal(pool, original, {4: 1, 5: 3})
+    assert waited == [1] and host.num_in_flight == (2, 2)
+    pool = host.swap(pool, [], [(1, 3)])
+    assert waited == [1, 1] and host.num_in_flight == (2, 1)  # the first load's scatter was waited for
+    _assert_blocks_equal(pool, original, {4: 1, 5: 3, 3: 2})
 
 
 def test_host_memory_kind_and_the_gpu_pinned_cap():

@@ -15,9 +15,11 @@ before its forward (``HostKVPool.swap``), all dispatched without waiting for the
   see what earlier steps saved, never what it saves itself. A load of a block whose save has not finished yet is
   ordered after that save by the runtime (the array is not defined before its copy is done), never by the host.
 
-At most ``MAX_IN_FLIGHT_BLOCKS`` saved blocks may still be on their way to host memory (each holds its gathered
-device buffer until its copy is done): past that the oldest save is waited for. The KV pool's sizing leaves room for
-them and the copies' own buffers (``DEVICE_COPY_BLOCKS``, ``paged_jax.worker.kv_pool_sizing``).
+Copies hold device memory until they are done: a save its gathered blocks until they are in host memory, a load
+its transferred blocks until its scatter has run. At most ``MAX_IN_FLIGHT_BLOCKS`` blocks of saves, and as many of
+loads, may be under way: past that the oldest is waited for (the only wait on the step path, in a step that moves
+more than that). The KV pool's sizing leaves room for them and the copies' own scratch (``DEVICE_COPY_BLOCKS``,
+``paged_jax.worker.kv_pool_sizing``).
 
 Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks padded to a power of two with the null block: the sizes
 ``buckets.swap_sizes_for`` lists, compiled at warm-up (one gather and one scatter each), so no copy compiles.
@@ -37,8 +39,8 @@ import numpy as np
 from paged_jax.worker.buckets import MAX_SWAP_CHUNK
 
 NULL_BLOCK_ID = 0
-MAX_IN_FLIGHT_BLOCKS = 2 * MAX_SWAP_CHUNK  # saved blocks on their way to host memory, at most
-DEVICE_COPY_BLOCKS = MAX_IN_FLIGHT_BLOCKS + MAX_SWAP_CHUNK  # device blocks the copies hold at most (pool sizing)
+MAX_IN_FLIGHT_BLOCKS = 2 * MAX_SWAP_CHUNK  # blocks of saves, and of loads, under way at most
+DEVICE_COPY_BLOCKS = 2 * MAX_IN_FLIGHT_BLOCKS + MAX_SWAP_CHUNK  # device blocks the copies hold at most (pool sizing)
 # The host memory kinds a host block may live in, preferred first: pinned memory is what DMA engines copy from and to
 # without a staging copy; unpinned host memory still works, through the runtime's staging.
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
@@ -58,10 +60,10 @@ def gather_blocks(kv_pool, block_ids):
 
 def scatter_blocks(kv_pool, block_ids, blocks):
     """Write ``blocks`` (a tuple of n ``[slots, 2, block_size, Hkv, D]``) into the pool's blocks ``block_ids``
-    i32[n]."""
+    i32[n]; -> (the pool, i32[] ready once the scatter has run: the pool itself is donated to the next program)."""
     data = jnp.stack(blocks)
-    return [(k.at[block_ids].set(data[:, i, 0]), v.at[block_ids].set(data[:, i, 1]))
-            for i, (k, v) in enumerate(kv_pool)]
+    return ([(k.at[block_ids].set(data[:, i, 0]), v.at[block_ids].set(data[:, i, 1]))
+             for i, (k, v) in enumerate(kv_pool)], block_ids.sum())
 
 
 def chunks(items: list, size: int = MAX_SWAP_CHUNK) -> list[list]:
@@ -105,6 +107,33 @@ def _ready(arrays: list[jax.Array]) -> bool:
     return all(array.is_ready() for array in arrays)
 
 
+class _InFlight:
+    """Copies under way, oldest first, each with the arrays that are ready once it is done and its block count; at
+    most ``cap`` blocks: past it the oldest is waited for."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.num_blocks = 0
+        self._queue: collections.deque[tuple[list[jax.Array], int]] = collections.deque()
+
+    def add(self, markers: list[jax.Array], num_blocks: int) -> None:
+        self._queue.append((markers, num_blocks))
+        self.num_blocks += num_blocks
+        while self._queue and _ready(self._queue[0][0]):
+            self._pop()
+        while self.num_blocks > self.cap:
+            jax.block_until_ready(self._queue[0][0])
+            self._pop()
+
+    def _pop(self) -> None:
+        self.num_blocks -= self._queue.popleft()[1]
+
+    def wait_all(self) -> None:
+        jax.block_until_ready([markers for markers, _ in self._queue])
+        self._queue.clear()
+        self.num_blocks = 0
+
+
 class HostKVPool:
     """``num_blocks`` host blocks, each an array ``[slots, 2, block_size, Hkv, D]`` in host memory once saved (None
     before), and the step's copies.
@@ -116,7 +145,7 @@ class HostKVPool:
       gather / scatter: the runner's compiled ``gather_blocks`` / ``scatter_blocks`` (``AheadOfTimeFunction`` s, or
         jitted functions).
       device: where block ids go (a device or sharding); its platform picks the host memory kind.
-      max_in_flight: saved blocks allowed on their way to host memory before the oldest save is waited for.
+      max_in_flight: blocks of saves, and of loads, allowed under way before the oldest is waited for.
 
     ``bytes_loaded`` / ``bytes_saved`` count the bytes copied each way, ``swap_seconds`` the host time spent
     dispatching them.
@@ -133,11 +162,9 @@ class HostKVPool:
             check_pinned_host_limit((num_blocks + max_in_flight) * self.block_bytes, first.platform)
         self._blocks: list[jax.Array | None] = [None] * num_blocks
         self._gather, self._scatter, self._device = gather, scatter, device
-        self._max_in_flight = max_in_flight
         # The gathered blocks' sharding (what the scatter takes back), from the first save.
         self._block_sharding: jax.sharding.Sharding | None = None
-        self._pending: collections.deque[list[jax.Array]] = collections.deque()  # saves not known done, oldest first
-        self._in_flight = 0
+        self._saves, self._loads = _InFlight(max_in_flight), _InFlight(max_in_flight)
         self.bytes_loaded = self.bytes_saved = 0
         self.swap_seconds = 0.0
 
@@ -155,7 +182,8 @@ class HostKVPool:
             blocks = self.fetch([h for h, _ in chunk])
             # Padding entries write a copy of the last block into the null block, which no valid token reads.
             blocks += [blocks[-1]] * (padded_size(len(chunk)) - len(chunk))
-            kv_pool = self._scatter(kv_pool, self._padded_ids([d for _, d in chunk]), tuple(blocks))
+            kv_pool, done = self._scatter(kv_pool, self._padded_ids([d for _, d in chunk]), tuple(blocks))
+            self._loads.add([done], len(chunk))
         for chunk, blocks in gathered:
             self._save([h for _, h in chunk], blocks[:len(chunk)])
         self.swap_seconds += time.perf_counter() - start
@@ -164,8 +192,9 @@ class HostKVPool:
     def fetch(self, host_ids: Sequence[int]) -> list[jax.Array]:
         """Start the host -> device transfers of ``host_ids``' blocks; -> their device arrays (not waited for)."""
         sources = [self._blocks[h] for h in host_ids]
-        if any(source is None for source in sources):
-            raise RuntimeError(f"swap_in of host blocks never saved: {[h for h in host_ids if self._blocks[h] is None]}")
+        missing = [h for h, source in zip(host_ids, sources) if source is None]
+        if missing:
+            raise RuntimeError(f"swap_in of host blocks never saved: {missing}")
         self.bytes_loaded += len(sources) * self.block_bytes
         return jax.device_put(sources, self._block_sharding)
 
@@ -176,21 +205,12 @@ class HostKVPool:
         for host_id, array in zip(host_ids, host):
             self._blocks[host_id] = array
         self.bytes_saved += len(host) * self.block_bytes
-        self._pending.append(host)
-        self._in_flight += len(host)
-        while self._pending and _ready(self._pending[0]):
-            self._retire_oldest()
-        while self._in_flight > self._max_in_flight:
-            jax.block_until_ready(self._pending[0])  # the only wait on the step path: past max_in_flight
-            self._retire_oldest()
-
-    def _retire_oldest(self) -> None:
-        self._in_flight -= len(self._pending.popleft())
+        self._saves.add(host, len(host))
 
     @property
-    def num_in_flight(self) -> int:
-        """Saved blocks not known to be in host memory yet."""
-        return self._in_flight
+    def num_in_flight(self) -> tuple[int, int]:
+        """(blocks of saves not known to be in host memory yet, blocks of loads not known to be scattered yet)."""
+        return self._saves.num_blocks, self._loads.num_blocks
 
     def block_array(self, host_id: int) -> jax.Array | None:
         """Host block ``host_id``'s array (in ``memory_kind``; None: never saved)."""
@@ -201,10 +221,9 @@ class HostKVPool:
         return np.asarray(jax.device_get(self._blocks[host_id]))
 
     def flush(self) -> None:
-        """Wait until every save has landed in host memory."""
-        jax.block_until_ready(list(self._pending))
-        self._pending.clear()
-        self._in_flight = 0
+        """Wait until every save has landed in host memory and every load is in the pool."""
+        self._saves.wait_all()
+        self._loads.wait_all()
 
     def close(self) -> None:
         self.flush()

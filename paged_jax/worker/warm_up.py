@@ -352,7 +352,7 @@ def run_jobs(runner, jobs: list[CompileJob], bar=None) -> None:
             outs = (outs, runner._prompt_logprobs(runner._param_leaves, outputs[1][num_tokens], targets))
         elif job.kind == "swap":
             ids = jax.device_put(np.zeros(job.shape, np.int32), device)
-            runner.kv_pool = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
+            runner.kv_pool, _ = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
         else:
             continue
         if bar is not None:
