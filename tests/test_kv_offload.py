@@ -148,6 +148,7 @@ def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
     (the CPU backend offers it, as the GPU's does)."""
     pool, original, host = _host_pool()
     assert host.memory_kind == "pinned_host" and host.block_array(0) is None
+    assert host.reserve_host_memory() >= 0 and host.block_array(0) is None  # (done at construction on a GPU)
     pool = host.swap(pool, [(1, 0), (2, 1), (3, 2)], [])
     assert host.block_array(0).sharding.memory_kind == "pinned_host" and host.block_array(0).shape == (2, 2, 4, 2, 3)
     pool = host.swap(pool, [(4, 0)], [(0, 4), (1, 5), (2, 1)])  # reads 0 before block 4 lands there

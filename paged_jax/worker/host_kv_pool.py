@@ -28,6 +28,7 @@ Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks padded to a power of tw
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.worker.buckets import MAX_SWAP_CHUNK
+
+logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
 MAX_IN_FLIGHT_BLOCKS = 2 * MAX_SWAP_CHUNK  # blocks of saves, and of loads, under way at most
@@ -49,6 +52,8 @@ HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 GPU_PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 GPU_PINNED_PREALLOCATE_ENV = "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"
 GPU_PINNED_LIMIT_DEFAULT_GIB = {False: 64, True: 16}
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+RESERVE_CHUNK_BYTES = 1 << 30  # host memory reserved per allocation at start-up
 
 
 def gather_blocks(kv_pool, block_ids):
@@ -89,7 +94,7 @@ def host_memory_kind(device: jax.Device) -> str:
 def check_pinned_host_limit(num_bytes: int, platform: str, environ=os.environ) -> None:
     """ValueError naming the flags when ``num_bytes`` of pinned host blocks exceed what XLA's pinned host allocator
     holds on a GPU (``GPU_PINNED_LIMIT_ENV``); other platforms have no such cap."""
-    if platform not in ("gpu", "cuda", "rocm"):
+    if platform not in GPU_PLATFORMS:
         return
     preallocate = environ.get(GPU_PINNED_PREALLOCATE_ENV, "").lower() in ("1", "true")
     limit_gib = int(environ.get(GPU_PINNED_LIMIT_ENV, GPU_PINNED_LIMIT_DEFAULT_GIB[preallocate]))
@@ -148,7 +153,7 @@ class HostKVPool:
       max_in_flight: blocks of saves, and of loads, allowed under way before the oldest is waited for.
 
     ``bytes_loaded`` / ``bytes_saved`` count the bytes copied each way, ``swap_seconds`` the host time spent
-    dispatching them.
+    dispatching them. On a GPU the pool's pinned host memory is reserved at construction (``reserve_host_memory``).
     """
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype, *, gather: Callable,
@@ -156,7 +161,7 @@ class HostKVPool:
         self.num_blocks = num_blocks
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
-        first = _first_device(device)
+        self._first_device = first = _first_device(device)
         self.memory_kind = host_memory_kind(first)
         if self.memory_kind == "pinned_host":
             check_pinned_host_limit((num_blocks + max_in_flight) * self.block_bytes, first.platform)
@@ -167,10 +172,28 @@ class HostKVPool:
         self._saves, self._loads = _InFlight(max_in_flight), _InFlight(max_in_flight)
         self.bytes_loaded = self.bytes_saved = 0
         self.swap_seconds = 0.0
+        if self.memory_kind == "pinned_host" and first.platform in GPU_PLATFORMS:
+            seconds = self.reserve_host_memory()
+            logger.info("Reserved %.1f GiB of pinned host memory for %d host KV blocks in %.1f s",
+                        num_blocks * self.block_bytes / 2**30, num_blocks, seconds)
 
     @property
     def block_bytes(self) -> int:
         return int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    def reserve_host_memory(self) -> float:
+        """Allocate the pool's bytes in its host memory kind at once, then free them; -> seconds taken. XLA's pinned
+        host allocator on a GPU grows by regions it pins when first needed (a driver call that takes seconds for the
+        larger ones, in doubling sizes) and keeps them: reserving them here moves those stalls out of the steps that
+        first fill the pool."""
+        start = time.perf_counter()
+        per_chunk = max(1, RESERVE_CHUNK_BYTES // self.block_bytes)
+        zeros = np.zeros((per_chunk,) + self.block_shape, self.dtype)
+        sharding = jax.sharding.SingleDeviceSharding(self._first_device, memory_kind=self.memory_kind)
+        held = [jax.device_put(zeros[:min(per_chunk, self.num_blocks - first)], sharding)
+                for first in range(0, self.num_blocks, per_chunk)]
+        jax.block_until_ready(held)
+        return time.perf_counter() - start
 
     def swap(self, kv_pool: list, swap_out: Sequence[tuple[int, int]],
              swap_in: Sequence[tuple[int, int]]) -> list:
