@@ -16,14 +16,18 @@ configuration runs in its own process (default; ``--in-process`` runs both here,
 engine sizes its pool on a device the first has left. Reports, per configuration, the median (and p90) time to first
 token of the first turns and of the later turns, output and total tokens per second, the prefix-cache counters and
 the tier's, and ``later_ttft_speedup`` = median later-turn TTFT without / with the tier (issue 52's target on the
-GPU: >= 2).
+GPU: >= 2). The run with the tier also reports (``copies``, and a line on stderr) the bytes it loaded and saved, the
+step time spent dispatching those copies, and the achieved host <-> device copy bandwidth: after the workload,
+``--bandwidth-blocks`` of the tier's host blocks go through the host pool's own transfers each way, timed to
+completion (GB/s, to set against the link's ceiling).
 
 Engine flags as ``paged-jax serve`` takes them (``--model``, ``--load-format dummy``, ``--max-model-len``, ...);
 ``--kv-offloading-size`` is the tier's size in the run with the tier (required).
 
 Examples:
   python -m benchmarks.kv_offload --model llama-3.1-8b --load-format dummy --max-model-len 4096 \\
-      --kv-offloading-size 80 --conversations 200 --turns 8 --context-len 4096 --out $OUT/kv_offload.json
+      --gpu-memory-utilization 0.45 --kv-offloading-size 48 --conversations 96 --turns 4 --context-len 4096 \\
+      --max-concurrency 32 --out $OUT/kv_offload.json
 CPU smoke run (tests/test_benchmarks.py): a tiny checkpoint, ``--num-gpu-blocks-override`` a few blocks,
 ``--in-process``.
 """
@@ -56,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64, help="tokens generated each turn")
     p.add_argument("--system-len", type=int, default=0, help="tokens of the system prompt every conversation shares")
     p.add_argument("--max-concurrency", type=int, default=32, help="turns running at once")
+    p.add_argument("--bandwidth-blocks", type=int, default=512,
+                   help="host blocks the copy bandwidth measurement after the tier's run moves each way")
     p.add_argument("--in-process", action="store_true", help="run both configurations in this process")
     p.add_argument("--only", choices=["baseline", "tier"], help=argparse.SUPPRESS)  # one configuration (a child)
     p.add_argument("--out", help="write the JSON result here")
@@ -130,8 +136,56 @@ def _summary(run: dict, stats: dict) -> dict:
             **{key: stats[key] for key in keys if key in stats}}
 
 
+def _gb_per_s(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def copy_bandwidth(host_pool, num_blocks: int, trials: int = 3) -> dict:
+    """The host KV pool's own transfers, timed to completion: up to ``num_blocks`` saved host blocks fetched to the
+    device (host -> device) and those device blocks put back in host memory (device -> host), best of ``trials``;
+    -> GB/s each way (1e9 bytes), the blocks, their bytes and the host memory kind."""
+    import jax
+
+    host_pool.flush()
+    ids = [h for h in range(host_pool.num_blocks) if host_pool.block_array(h) is not None][:num_blocks]
+    if not ids:
+        return {}
+    num_bytes, loaded_before = len(ids) * host_pool.block_bytes, host_pool.bytes_loaded
+    h2d = d2h = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        on_device = jax.block_until_ready(host_pool.fetch(ids))
+        h2d = min(h2d, time.perf_counter() - start)
+        host_sharding = on_device[0].sharding.with_memory_kind(host_pool.memory_kind)
+        start = time.perf_counter()
+        jax.block_until_ready(jax.device_put(on_device, host_sharding))
+        d2h = min(d2h, time.perf_counter() - start)
+        del on_device
+    host_pool.bytes_loaded = loaded_before  # the measurement is not the workload's
+    return {"host_to_device_gb_per_s": _gb_per_s(num_bytes, h2d), "device_to_host_gb_per_s": _gb_per_s(num_bytes, d2h),
+            "blocks": len(ids), "block_bytes": host_pool.block_bytes, "memory_kind": host_pool.memory_kind}
+
+
+def _copy_summary(host_pool, args: argparse.Namespace) -> dict:
+    """What the run copied each way, the host time its steps spent dispatching the copies, and ``copy_bandwidth``."""
+    return {"loaded_gb": host_pool.bytes_loaded / 1e9, "saved_gb": host_pool.bytes_saved / 1e9,
+            "swap_dispatch_s": host_pool.swap_seconds,
+            **copy_bandwidth(host_pool, args.bandwidth_blocks)}
+
+
+def _print_copies(copies: dict) -> None:
+    if "host_to_device_gb_per_s" not in copies:
+        return
+    print(f"host tier copies: {copies['loaded_gb']:.3g} GB loaded, {copies['saved_gb']:.3g} GB saved, "
+          f"{copies['swap_dispatch_s']:.2f} s of step time dispatching them; achieved bandwidth over "
+          f"{copies['blocks']} blocks of {copies['block_bytes']} bytes ({copies['memory_kind']}): host -> device "
+          f"{copies['host_to_device_gb_per_s']:.3g} GB/s, device -> host {copies['device_to_host_gb_per_s']:.3g} GB/s",
+          file=sys.stderr)
+
+
 def run_config(args: argparse.Namespace, tier: bool) -> dict:
-    """One configuration in this process: the engine flags, with the tier or without."""
+    """One configuration in this process: the engine flags, with the tier or without (with it, ``copies``: what the
+    tier copied and the copies' bandwidth, measured after the workload)."""
     from paged_jax.config import EngineArgs
     from paged_jax.engine.llm_engine import LLMEngine
 
@@ -140,8 +194,11 @@ def run_config(args: argparse.Namespace, tier: bool) -> dict:
         kwargs["kv_offloading_size"] = None
     engine = LLMEngine(EngineArgs(**kwargs), use_tqdm=False)
     try:
-        vocab = engine.engine_core.runner.vocab_size
-        summary = _summary(run_chat(engine, args, vocab), engine.engine_core.stats())
+        runner = engine.engine_core.runner
+        summary = _summary(run_chat(engine, args, runner.vocab_size), engine.engine_core.stats())
+        if tier:
+            summary["copies"] = _copy_summary(runner.host_pool, args)
+            _print_copies(summary["copies"])
     finally:
         engine.close()
     return summary

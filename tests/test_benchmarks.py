@@ -300,6 +300,10 @@ def test_kv_offload_benchmark_smoke(tmp_path):
     assert "external_prefix_cache_hits" not in base and tier["external_prefix_cache_hits"] > 0
     assert tier["prefix_cache_hits"] + tier["external_prefix_cache_hits"] > base["prefix_cache_hits"]
     assert result["later_ttft_speedup"] > 0 and out.exists()
+    copies = tier["copies"]  # what the tier moved, and its transfers' bandwidth measured after the workload
+    assert copies["loaded_gb"] > 0 and copies["saved_gb"] > 0 and copies["blocks"] > 0
+    assert copies["host_to_device_gb_per_s"] > 0 and copies["device_to_host_gb_per_s"] > 0
+    assert copies["memory_kind"] == "pinned_host" and "copies" not in base
 
 
 def test_expert_parallel_benchmark_compares_both_layouts(tmp_path):

@@ -16,7 +16,9 @@ from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_offload import HostKVTier, host_entry
 from paged_jax.core.scheduler import Scheduler
-from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
+from paged_jax.worker import host_kv_pool
+from paged_jax.worker.host_kv_pool import (GPU_PINNED_LIMIT_ENV, HostKVPool, check_pinned_host_limit, gather_blocks,
+                                           host_memory_kind, scatter_blocks)
 from tests.test_scheduler import VOCAB, FakeRunner, make_request, run_to_completion
 
 
@@ -121,26 +123,115 @@ def test_tier_lru_and_the_blocks_of_a_pass():
     assert tier.entry(b"a") is None and tier.num_cached_blocks == 0
 
 
-def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
-    """Blocks gathered to host memory in one step (landing on the copy thread) load back bit-exactly into other
-    blocks in a later step; a step's own stores never feed its loads; padded sizes only (no compile)."""
+def _host_pool(num_host_blocks: int = 4, **kwargs):
+    """A two-layer device pool of 6 blocks (distinct values everywhere), its contents on the host, and a host pool."""
     shape = (6, 4, 2, 3)  # blocks, block_size, Hkv, D
     pool = [(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) + 100 * layer,
              -jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) - 100 * layer) for layer in range(2)]
-    original = jax.device_get(pool)
-    host = HostKVPool(4, (2, 2) + shape[1:], np.float32, gather=jax.jit(gather_blocks),
-                      scatter=jax.jit(scatter_blocks, donate_argnums=(0,)), device=jax.devices()[0])
+    host = HostKVPool(num_host_blocks, (2, 2) + shape[1:], np.float32, gather=jax.jit(gather_blocks),
+                      scatter=jax.jit(scatter_blocks, donate_argnums=(0,)), device=jax.devices()[0], **kwargs)
+    return pool, jax.device_get(pool), host
+
+
+def _assert_blocks_equal(pool, original, moved: dict[int, int]) -> None:
+    """Device blocks ``moved`` keys hold what ``original``'s blocks ``moved`` values held, in every layer."""
+    after = jax.device_get(pool)
+    for layer in range(len(original)):
+        for kv in range(2):
+            for dst, src in moved.items():
+                np.testing.assert_array_equal(after[layer][kv][dst], original[layer][kv][src])
+
+
+def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
+    """Blocks saved to host memory in one step load back bit-exactly into other blocks in a later step; a step's own
+    saves never feed its loads; padded sizes only (no compile). Host blocks are JAX arrays in pinned host memory
+    (the CPU backend offers it, as the GPU's does)."""
+    pool, original, host = _host_pool()
+    assert host.memory_kind == "pinned_host" and host.block_array(0) is None
+    assert host.reserve_host_memory() >= 0 and host.block_array(0) is None  # (done at construction on a GPU)
     pool = host.swap(pool, [(1, 0), (2, 1), (3, 2)], [])
+    assert host.block_array(0).sharding.memory_kind == "pinned_host" and host.block_array(0).shape == (2, 2, 4, 2, 3)
     pool = host.swap(pool, [(4, 0)], [(0, 4), (1, 5), (2, 1)])  # reads 0 before block 4 lands there
     host.flush()
-    after = jax.device_get(pool)
+    assert host.num_in_flight == (0, 0) and host.bytes_saved == 4 * host.block_bytes == host.bytes_loaded + host.block_bytes
+    _assert_blocks_equal(pool, original, {4: 1, 5: 2, 1: 3})
     for layer in range(2):
         for kv in range(2):
-            np.testing.assert_array_equal(after[layer][kv][4], original[layer][kv][1])
-            np.testing.assert_array_equal(after[layer][kv][5], original[layer][kv][2])
-            np.testing.assert_array_equal(after[layer][kv][1], original[layer][kv][3])
-            np.testing.assert_array_equal(host.array[0, layer, kv], original[layer][kv][4])
+            np.testing.assert_array_equal(host.read_block(0)[layer, kv], original[layer][kv][4])
     host.close()
+
+
+def test_host_pool_copies_are_dispatched_without_waiting_for_the_device(monkeypatch):
+    """Under its in-flight cap a step's saves and loads only dispatch transfers: nothing in ``swap`` waits for the
+    device or reads an array back to numpy. A load of blocks whose saves are still counted in flight (nobody waited
+    for them) reads their data: the runtime orders the load after the save, not the host."""
+    pool, original, host = _host_pool(max_in_flight=8)
+    array_type = type(pool[0][0])
+    waits = []
+
+    def refuse(*args, **kwargs):
+        waits.append(args)
+        raise AssertionError("the host KV pool waited for the device inside a step")
+
+    monkeypatch.setattr(host_kv_pool, "_ready", lambda arrays: False)  # every save still on its way
+    with monkeypatch.context() as m:
+        for target, name in ((jax, "block_until_ready"), (jax, "device_get"), (array_type, "block_until_ready"),
+                             (array_type, "__array__")):
+            m.setattr(target, name, refuse)
+        pool = host.swap(pool, [(1, 0), (2, 1)], [])
+        pool = host.swap(pool, [(3, 2)], [(0, 4), (1, 5)])
+        assert host.num_in_flight == (3, 2)
+    assert not waits
+    _assert_blocks_equal(pool, original, {4: 1, 5: 2})
+    host.close()
+    assert host.num_in_flight == (0, 0)
+
+
+def test_host_pool_waits_for_the_oldest_copy_only_past_the_in_flight_cap(monkeypatch):
+    """Copies under way hold device memory (a save its gathered blocks, a load its transferred blocks until its
+    scatter has run): past ``max_in_flight`` blocks of saves, or of loads, the oldest is waited for (and only then);
+    data stays exact."""
+    pool, original, host = _host_pool(max_in_flight=2)
+    monkeypatch.setattr(host_kv_pool, "_ready", lambda arrays: False)  # nothing finishes unless waited for
+    waited = []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda arrays: waited.append(len(arrays)) or real_wait(arrays))
+    pool = host.swap(pool, [(1, 0)], [])
+    assert waited == [] and host.num_in_flight == (1, 0)
+    pool = host.swap(pool, [(2, 1), (3, 2)], [])
+    assert waited == [1] and host.num_in_flight == (2, 0)  # the first save (one block) was waited for
+    pool = host.swap(pool, [], [(0, 4), (2, 5)])
+    assert waited == [1] and host.num_in_flight == (2, 2)
+    pool = host.swap(pool, [], [(1, 3)])
+    assert waited == [1, 1] and host.num_in_flight == (2, 1)  # the first load's scatter was waited for
+    _assert_blocks_equal(pool, original, {4: 1, 5: 3, 3: 2})
+
+
+def test_host_memory_kind_and_the_gpu_pinned_cap():
+    """Host blocks go to pinned host memory where the platform has it, else unpinned host memory; a platform with
+    neither is refused naming the flags. XLA's pinned host allocator on a GPU is capped: a pool above the cap is
+    refused, naming the variable that raises it."""
+    class Device:
+        platform = "other"
+
+        def __init__(self, kinds):
+            self.kinds = kinds
+
+        def addressable_memories(self):
+            return [type("Memory", (), {"kind": kind})() for kind in self.kinds]
+
+    assert host_memory_kind(jax.devices()[0]) == "pinned_host"
+    assert host_memory_kind(Device(["device", "pinned_host", "unpinned_host"])) == "pinned_host"
+    assert host_memory_kind(Device(["device", "unpinned_host"])) == "unpinned_host"
+    with pytest.raises(ValueError, match="kv_offloading_size.*no host memory kind"):
+        host_memory_kind(Device(["device"]))
+    check_pinned_host_limit(200 * 2**30, "cpu", environ={})
+    check_pinned_host_limit(60 * 2**30, "gpu", environ={})
+    with pytest.raises(ValueError, match=f"kv_offloading_size.*{GPU_PINNED_LIMIT_ENV}"):
+        check_pinned_host_limit(70 * 2**30, "gpu", environ={})
+    check_pinned_host_limit(70 * 2**30, "gpu", environ={GPU_PINNED_LIMIT_ENV: "96"})
+    with pytest.raises(ValueError, match=GPU_PINNED_LIMIT_ENV):  # preallocating, XLA's default cap is smaller
+        check_pinned_host_limit(20 * 2**30, "gpu", environ={"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "true"})
 
 
 def test_flags_refused_where_the_tier_does_not_work():

@@ -66,7 +66,8 @@ def test_concurrent_warm_up_compiles_each_executable_once(tiny_model, monkeypatc
         got, want = runner.execute(step).result(), sequential.execute(step).result()
         np.testing.assert_array_equal(got.sampled_token_ids, want.sampled_token_ids)
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
-    assert runner.execute(hs.step({}, swap_out=[(1, 0), (2, 1)], swap_in=[(0, 3)])) is None  # the swap copies
+    assert runner.execute(hs.step({}, swap_out=[(1, 0), (2, 1)])) is None  # the swap copies each way
+    assert runner.execute(hs.step({}, swap_out=[(3, 2)], swap_in=[(0, 3)])) is None
     assert runner.num_compiles_since_warmup == 0
 
 
@@ -227,5 +228,5 @@ def test_a_runner_counts_only_its_own_compiles(tiny_model):
     before = second.num_compiles()
     for fn in first.step_functions()[-2:]:  # the block gather and scatter
         assert fn.jitted is not second.step_functions()[-1].jitted
-    first._gather_blocks(first.kv_pool, np.arange(3, dtype=np.int32)).block_until_ready()
+    jax.block_until_ready(first._gather_blocks(first.kv_pool, np.arange(3, dtype=np.int32)))  # a block per output
     assert first.num_compiles() >= 1 and second.num_compiles() == before

@@ -27,7 +27,7 @@ from paged_jax.worker.background_compile import background_compilation_enabled
 from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
-from paged_jax.worker.host_kv_pool import MAX_IN_FLIGHT_BLOCKS
+from paged_jax.worker.host_kv_pool import DEVICE_COPY_BLOCKS
 from paged_jax.worker.kv_pool_sizing import (dequantized_weight_bytes, determine_num_blocks, device_bytes,
                                              enable_compilation_cache, kv_bytes_per_block, num_host_blocks_for)
 from paged_jax.worker.kv_group_pool import mixes_kv_groups
@@ -115,7 +115,7 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         extra_block_bytes=drafter.kv_bytes_per_block(args.block_size) if drafter else 0,
         mixed_groups=mixes_kv_groups(loaded.plan),
         num_sample_rows=sample_rows_needed(max_num_batched_tokens, max_num_seqs, _num_speculative_tokens(args)),
-        host_copy_blocks=MAX_IN_FLIGHT_BLOCKS if args.kv_offloading_size else 0)
+        host_copy_blocks=DEVICE_COPY_BLOCKS if args.kv_offloading_size else 0)
     if multi_node:  # a compiled shape: one count on every node
         num_blocks = agree_on_smallest("num_gpu_blocks", num_blocks)
 

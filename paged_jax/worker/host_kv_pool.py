@@ -1,14 +1,25 @@
 """The host side of the KV pool: swap preemption's host pool and the prefix cache's host tier
-(``paged_jax.core.kv_offload``), one preallocated host array, and the copies between it and the device pool.
+(``paged_jax.core.kv_offload``), one JAX array per host block in host memory (``pinned_host`` where the platform
+offers it: copies to and from it are DMA transfers that run beside the device's compute), and the copies between it
+and the device pool.
 
 A step's ``swap_out = [(device_block, host_block)]`` and ``swap_in = [(host_block, device_block)]`` are applied
-before its forward (``HostKVPool.swap``): the device -> host copies are gathered on the device first (dispatched
-before anything of the step writes the pool), then the host -> device copies read the host array and are scattered
-into the donated pool, then the gathered blocks go to host memory without the step waiting for them: each chunk's
-device -> host transfer starts at once and a copy thread lands it in the host array. A later swap-in of a block not
-landed yet waits for it (copies land in order), so a step reads what earlier steps stored and never what it stores
-itself. At most ``MAX_IN_FLIGHT_BLOCKS`` gathered blocks wait on the device; the KV pool's sizing leaves room for
-them (``paged_jax.worker.kv_pool_sizing``).
+before its forward (``HostKVPool.swap``), all dispatched without waiting for the device:
+
+- saves: the device -> host copies' blocks are gathered on the device first (before anything of the step writes the
+  pool), one output array per block; each then starts its transfer to host memory (``jax.device_put`` to the host
+  memory kind: asynchronous) and becomes its host block's array at once. Nothing reads it back on the host.
+- loads: the host -> device copies start the transfers of their host blocks' arrays to the device (asynchronous, on
+  the runtime's transfer streams: they overlap the step still running on the device), and a compiled scatter writes
+  them into the donated pool. A load reads the host block's array as it was before this step's saves: a step's loads
+  see what earlier steps saved, never what it saves itself. A load of a block whose save has not finished yet is
+  ordered after that save by the runtime (the array is not defined before its copy is done), never by the host.
+
+Copies hold device memory until they are done: a save its gathered blocks until they are in host memory, a load
+its transferred blocks until its scatter has run. At most ``MAX_IN_FLIGHT_BLOCKS`` blocks of saves, and as many of
+loads, may be under way: past that the oldest is waited for (the only wait on the step path, in a step that moves
+more than that). The KV pool's sizing leaves room for them and the copies' own scratch (``DEVICE_COPY_BLOCKS``,
+``paged_jax.worker.kv_pool_sizing``).
 
 Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks padded to a power of two with the null block: the sizes
 ``buckets.swap_sizes_for`` lists, compiled at warm-up (one gather and one scatter each), so no copy compiles.
@@ -17,7 +28,9 @@ Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks padded to a power of tw
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import logging
+import os
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -26,20 +39,36 @@ import numpy as np
 
 from paged_jax.worker.buckets import MAX_SWAP_CHUNK
 
+logger = logging.getLogger(__name__)
+
 NULL_BLOCK_ID = 0
-MAX_IN_FLIGHT_BLOCKS = 2 * MAX_SWAP_CHUNK  # gathered blocks on their way to host memory, at most
+MAX_IN_FLIGHT_BLOCKS = 2 * MAX_SWAP_CHUNK  # blocks of saves, and of loads, under way at most
+DEVICE_COPY_BLOCKS = 2 * MAX_IN_FLIGHT_BLOCKS + MAX_SWAP_CHUNK  # device blocks the copies hold at most (pool sizing)
+# The host memory kinds a host block may live in, preferred first: pinned memory is what DMA engines copy from and to
+# without a staging copy; unpinned host memory still works, through the runtime's staging.
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+# XLA's pinned host allocator on the GPU is capped (GiB; this variable, read when the GPU backend starts; a smaller
+# default when the allocator preallocates its whole cap).
+GPU_PINNED_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+GPU_PINNED_PREALLOCATE_ENV = "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"
+GPU_PINNED_LIMIT_DEFAULT_GIB = {False: 64, True: 16}
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+RESERVE_CHUNK_BYTES = 1 << 30  # host memory reserved per allocation at start-up
 
 
 def gather_blocks(kv_pool, block_ids):
-    """The pool's blocks ``block_ids`` i32[n] -> ``[n, slots, 2 (k|v), block_size, Hkv, D]`` (block-major, as the
-    host array)."""
-    return jnp.stack([jnp.stack([k[block_ids], v[block_ids]], axis=1) for k, v in kv_pool], axis=1)
+    """The pool's blocks ``block_ids`` i32[n] -> a tuple of n arrays ``[slots, 2 (k|v), block_size, Hkv, D]``, one
+    per block (each its own host block once copied)."""
+    stacked = jnp.stack([jnp.stack([k[block_ids], v[block_ids]], axis=1) for k, v in kv_pool], axis=1)
+    return tuple(stacked[i] for i in range(block_ids.shape[0]))
 
 
-def scatter_blocks(kv_pool, block_ids, data):
-    """Write ``data`` ``[n, slots, 2, block_size, Hkv, D]`` into the pool's blocks ``block_ids`` i32[n]."""
-    return [(k.at[block_ids].set(data[:, i, 0]), v.at[block_ids].set(data[:, i, 1]))
-            for i, (k, v) in enumerate(kv_pool)]
+def scatter_blocks(kv_pool, block_ids, blocks):
+    """Write ``blocks`` (a tuple of n ``[slots, 2, block_size, Hkv, D]``) into the pool's blocks ``block_ids``
+    i32[n]; -> (the pool, i32[] ready once the scatter has run: the pool itself is donated to the next program)."""
+    data = jnp.stack(blocks)
+    return ([(k.at[block_ids].set(data[:, i, 0]), v.at[block_ids].set(data[:, i, 1]))
+             for i, (k, v) in enumerate(kv_pool)], block_ids.sum())
 
 
 def chunks(items: list, size: int = MAX_SWAP_CHUNK) -> list[list]:
@@ -51,9 +80,68 @@ def padded_size(num_blocks: int) -> int:
     return 1 << max(num_blocks - 1, 0).bit_length()
 
 
+def host_memory_kind(device: jax.Device) -> str:
+    """The memory kind host blocks live in on ``device``'s platform: the first of ``HOST_MEMORY_KINDS`` it offers.
+    ValueError when it offers none."""
+    kinds = {memory.kind for memory in device.addressable_memories()}
+    for kind in HOST_MEMORY_KINDS:
+        if kind in kinds:
+            return kind
+    raise ValueError(f"swap_space / kv_offloading_size: the {device.platform} device offers no host memory kind "
+                     f"(it has {sorted(kinds)}; the host KV pool needs one of {list(HOST_MEMORY_KINDS)})")
+
+
+def check_pinned_host_limit(num_bytes: int, platform: str, environ=os.environ) -> None:
+    """ValueError naming the flags when ``num_bytes`` of pinned host blocks exceed what XLA's pinned host allocator
+    holds on a GPU (``GPU_PINNED_LIMIT_ENV``); other platforms have no such cap."""
+    if platform not in GPU_PLATFORMS:
+        return
+    preallocate = environ.get(GPU_PINNED_PREALLOCATE_ENV, "").lower() in ("1", "true")
+    limit_gib = int(environ.get(GPU_PINNED_LIMIT_ENV, GPU_PINNED_LIMIT_DEFAULT_GIB[preallocate]))
+    if num_bytes > limit_gib * 2**30:
+        raise ValueError(f"swap_space / kv_offloading_size: the host KV pool needs {num_bytes / 2**30:.1f} GiB of "
+                         f"pinned host memory, more than XLA's pinned host allocator holds ({limit_gib} GiB): lower "
+                         f"them, or raise the cap with {GPU_PINNED_LIMIT_ENV} in the environment before JAX starts")
+
+
+def _first_device(device) -> jax.Device:
+    return min(device.device_set, key=lambda d: d.id) if isinstance(device, jax.sharding.Sharding) else device
+
+
+def _ready(arrays: list[jax.Array]) -> bool:
+    return all(array.is_ready() for array in arrays)
+
+
+class _InFlight:
+    """Copies under way, oldest first, each with the arrays that are ready once it is done and its block count; at
+    most ``cap`` blocks: past it the oldest is waited for."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.num_blocks = 0
+        self._queue: collections.deque[tuple[list[jax.Array], int]] = collections.deque()
+
+    def add(self, markers: list[jax.Array], num_blocks: int) -> None:
+        self._queue.append((markers, num_blocks))
+        self.num_blocks += num_blocks
+        while self._queue and _ready(self._queue[0][0]):
+            self._pop()
+        while self.num_blocks > self.cap:
+            jax.block_until_ready(self._queue[0][0])
+            self._pop()
+
+    def _pop(self) -> None:
+        self.num_blocks -= self._queue.popleft()[1]
+
+    def wait_all(self) -> None:
+        jax.block_until_ready([markers for markers, _ in self._queue])
+        self._queue.clear()
+        self.num_blocks = 0
+
+
 class HostKVPool:
-    """The host array ``[num_blocks, slots, 2, block_size, Hkv, D]`` (``np.zeros``: the OS backs it as it is written)
-    and the step's copies.
+    """``num_blocks`` host blocks, each an array ``[slots, 2, block_size, Hkv, D]`` in host memory once saved (None
+    before), and the step's copies.
 
     Args:
       num_blocks: host blocks (the swap pool's, then the host tier's).
@@ -61,82 +149,107 @@ class HostKVPool:
       dtype: the KV pool's element type.
       gather / scatter: the runner's compiled ``gather_blocks`` / ``scatter_blocks`` (``AheadOfTimeFunction`` s, or
         jitted functions).
-      device: where block ids and swapped-in data go (a device or sharding).
+      device: where block ids go (a device or sharding); its platform picks the host memory kind.
+      max_in_flight: blocks of saves, and of loads, allowed under way before the oldest is waited for.
+
+    ``bytes_loaded`` / ``bytes_saved`` count the bytes copied each way, ``swap_seconds`` the host time spent
+    dispatching them. On a GPU the pool's pinned host memory is reserved at construction (``reserve_host_memory``).
     """
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype, *, gather: Callable,
-                 scatter: Callable, device) -> None:
-        self.array = np.zeros((num_blocks,) + tuple(block_shape), dtype=dtype)
-        self._bytes = self.array.view(np.uint8)  # copies of raw bytes (numpy releases the GIL for those)
+                 scatter: Callable, device, max_in_flight: int = MAX_IN_FLIGHT_BLOCKS) -> None:
+        self.num_blocks = num_blocks
+        self.block_shape = tuple(block_shape)
+        self.dtype = np.dtype(dtype)
+        self._first_device = first = _first_device(device)
+        self.memory_kind = host_memory_kind(first)
+        if self.memory_kind == "pinned_host":
+            check_pinned_host_limit((num_blocks + max_in_flight) * self.block_bytes, first.platform)
+        self._blocks: list[jax.Array | None] = [None] * num_blocks
         self._gather, self._scatter, self._device = gather, scatter, device
-        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="paged-jax-kv-host")
-        # Stores not known to have landed, oldest first: (future, host blocks, number of blocks).
-        self._pending: collections.deque[tuple[concurrent.futures.Future, frozenset[int], int]] = collections.deque()
-        self._in_flight = 0
+        # The gathered blocks' sharding (what the scatter takes back), from the first save.
+        self._block_sharding: jax.sharding.Sharding | None = None
+        self._saves, self._loads = _InFlight(max_in_flight), _InFlight(max_in_flight)
+        self.bytes_loaded = self.bytes_saved = 0
+        self.swap_seconds = 0.0
+        if self.memory_kind == "pinned_host" and first.platform in GPU_PLATFORMS:
+            seconds = self.reserve_host_memory()
+            logger.info("Reserved %.1f GiB of pinned host memory for %d host KV blocks in %.1f s",
+                        num_blocks * self.block_bytes / 2**30, num_blocks, seconds)
 
     @property
-    def num_blocks(self) -> int:
-        return self.array.shape[0]
+    def block_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    def reserve_host_memory(self) -> float:
+        """Allocate the pool's bytes in its host memory kind at once, then free them; -> seconds taken. XLA's pinned
+        host allocator on a GPU grows by regions it pins when first needed (a driver call that takes seconds for the
+        larger ones, in doubling sizes) and keeps them: reserving them here moves those stalls out of the steps that
+        first fill the pool."""
+        start = time.perf_counter()
+        per_chunk = max(1, RESERVE_CHUNK_BYTES // self.block_bytes)
+        zeros = np.zeros((per_chunk,) + self.block_shape, self.dtype)
+        sharding = jax.sharding.SingleDeviceSharding(self._first_device, memory_kind=self.memory_kind)
+        held = [jax.device_put(zeros[:min(per_chunk, self.num_blocks - first)], sharding)
+                for first in range(0, self.num_blocks, per_chunk)]
+        jax.block_until_ready(held)
+        return time.perf_counter() - start
 
     def swap(self, kv_pool: list, swap_out: Sequence[tuple[int, int]],
              swap_in: Sequence[tuple[int, int]]) -> list:
         """Apply one step's copies (see the module docstring); returns the pool (the scatters donate it)."""
+        start = time.perf_counter()
         gathered = [(chunk, self._gather(kv_pool, self._padded_ids([d for d, _ in chunk])))
                     for chunk in chunks(list(swap_out))]
         for chunk in chunks(list(swap_in)):
-            host_ids = [h for h, _ in chunk]
-            self._wait_for(host_ids)
-            data = np.empty((padded_size(len(chunk)),) + self.array.shape[1:], self.array.dtype)
-            np.take(self.array, host_ids, axis=0, out=data[:len(chunk)])
-            data[len(chunk):] = 0  # padding entries write zeros into the null block, which no valid token reads
-            device_ids = self._padded_ids([d for _, d in chunk])
-            kv_pool = self._scatter(kv_pool, device_ids, jax.device_put(data, self._data_sharding(kv_pool, device_ids,
-                                                                                                data)))
-        for chunk, device_data in gathered:
-            self._store([h for _, h in chunk], device_data)
+            blocks = self.fetch([h for h, _ in chunk])
+            # Padding entries write a copy of the last block into the null block, which no valid token reads.
+            blocks += [blocks[-1]] * (padded_size(len(chunk)) - len(chunk))
+            kv_pool, done = self._scatter(kv_pool, self._padded_ids([d for _, d in chunk]), tuple(blocks))
+            self._loads.add([done], len(chunk))
+        for chunk, blocks in gathered:
+            self._save([h for _, h in chunk], blocks[:len(chunk)])
+        self.swap_seconds += time.perf_counter() - start
         return kv_pool
 
-    def _data_sharding(self, kv_pool: list, device_ids: jax.Array, data: np.ndarray) -> jax.sharding.Sharding:
-        """Where swapped-in ``data`` goes: as the scatter executable warm-up made takes it (on a mesh, split as the
-        gather's output: the pool's kv heads over tp), else ``device``."""
-        executables = getattr(self._scatter, "executables", None)  # a plain jitted function has none
-        executable = None if executables is None else executables.get(self._scatter.key((kv_pool, device_ids, data),
-                                                                                         {}))
-        return self._device if executable is None else executable.input_shardings[0][2]
+    def fetch(self, host_ids: Sequence[int]) -> list[jax.Array]:
+        """Start the host -> device transfers of ``host_ids``' blocks; -> their device arrays (not waited for)."""
+        sources = [self._blocks[h] for h in host_ids]
+        missing = [h for h, source in zip(host_ids, sources) if source is None]
+        if missing:
+            raise RuntimeError(f"swap_in of host blocks never saved: {missing}")
+        self.bytes_loaded += len(sources) * self.block_bytes
+        return jax.device_put(sources, self._block_sharding)
 
-    def _store(self, host_ids: list[int], device_data: jax.Array) -> None:
-        """Start ``device_data``'s transfer to host memory and have the copy thread land it in ``host_ids``."""
-        device_data.copy_to_host_async()
-        future = self._copier.submit(self._land, host_ids, device_data)
-        self._pending.append((future, frozenset(host_ids), len(host_ids)))
-        self._in_flight += len(host_ids)
-        while self._pending and (self._pending[0][0].done() or self._in_flight > MAX_IN_FLIGHT_BLOCKS):
-            self._retire_oldest()
+    def _save(self, host_ids: list[int], blocks: Sequence[jax.Array]) -> None:
+        """Start ``blocks``' (gathered, on the device) transfers to host memory; they become ``host_ids``' arrays."""
+        self._block_sharding = blocks[0].sharding
+        host = jax.device_put(list(blocks), self._block_sharding.with_memory_kind(self.memory_kind))
+        for host_id, array in zip(host_ids, host):
+            self._blocks[host_id] = array
+        self.bytes_saved += len(host) * self.block_bytes
+        self._saves.add(host, len(host))
 
-    def _land(self, host_ids: list[int], device_data: jax.Array) -> None:
-        host = np.asarray(device_data)  # waits for the transfer started by _store
-        self._bytes[host_ids] = host.view(np.uint8)[:len(host_ids)]
+    @property
+    def num_in_flight(self) -> tuple[int, int]:
+        """(blocks of saves not known to be in host memory yet, blocks of loads not known to be scattered yet)."""
+        return self._saves.num_blocks, self._loads.num_blocks
 
-    def _retire_oldest(self) -> None:
-        future, _, num_blocks = self._pending.popleft()
-        future.result()  # waits when not landed yet; raises what the copy raised
-        self._in_flight -= num_blocks
+    def block_array(self, host_id: int) -> jax.Array | None:
+        """Host block ``host_id``'s array (in ``memory_kind``; None: never saved)."""
+        return self._blocks[host_id]
 
-    def _wait_for(self, host_ids: list[int]) -> None:
-        """Wait until every pending store into ``host_ids`` has landed (with every store before it)."""
-        wanted = set(host_ids)
-        last = max((i for i, (_, blocks, _) in enumerate(self._pending) if not blocks.isdisjoint(wanted)), default=-1)
-        for _ in range(last + 1):
-            self._retire_oldest()
+    def read_block(self, host_id: int) -> np.ndarray:
+        """Host block ``host_id``'s contents ``[slots, 2, block_size, Hkv, D]`` (waits for its save)."""
+        return np.asarray(jax.device_get(self._blocks[host_id]))
 
     def flush(self) -> None:
-        """Wait until every store has landed in the host array."""
-        while self._pending:
-            self._retire_oldest()
+        """Wait until every save has landed in host memory and every load is in the pool."""
+        self._saves.wait_all()
+        self._loads.wait_all()
 
     def close(self) -> None:
         self.flush()
-        self._copier.shutdown()
 
     def _padded_ids(self, ids: list[int]) -> jax.Array:
         padded = np.full((padded_size(len(ids)),), NULL_BLOCK_ID, np.int32)

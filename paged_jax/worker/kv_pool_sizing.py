@@ -90,8 +90,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     ``dequantization_bytes`` (``dequantized_weight_bytes``) joins the headroom: weight-only quantized layers whose
     matmul dequantizes in XLA need that scratch beside the activations. ``num_sample_rows``: the most rows a step
     samples when more than ``max_num_seqs`` (speculative decoding samples every draft position).
-    ``host_copy_blocks``: blocks gathered on their way to host memory at once (the host tier's stores,
-    ``paged_jax.worker.host_kv_pool``), kept free of the pool too.
+    ``host_copy_blocks``: blocks the host KV pool's copies hold on the device at once (the host tier's saves on
+    their way to host memory and a chunk of loads, ``paged_jax.worker.host_kv_pool``), kept free of the pool too.
     ``extra_block_bytes``: what another pool indexed by the same block ids takes per block (a model drafter's KV).
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).

@@ -485,8 +485,8 @@ class ModelRunner:
         self.dispatcher.wait()
 
     def close(self) -> None:
-        """Stop the dispatch thread (after the steps already handed to it), the background compiles and the host
-        pool's copy thread (after its copies)."""
+        """Stop the dispatch thread (after the steps already handed to it) and the background compiles, and wait
+        for the host pool's saves."""
         if self.background is not None:
             self.background.stop()
         self.dispatcher.close()

@@ -242,10 +242,11 @@ class _CompileJobs:
                                seconds, turn)
 
     def compile_swap(self, size, seconds, turn):
-        """The gather and the scatter of ``size`` swapped blocks (the scatter takes the gather's output)."""
+        """The gather and the scatter of ``size`` swapped blocks (the scatter takes the gather's outputs: one
+        array per block)."""
         ids = self._host(np.zeros((size,), np.int32))
         gathered = load_or_compile(self.cache, self.runner._gather_blocks, (self.kv_pool, ids), None, seconds, turn)
-        data = _compiled_outputs(gathered)[0]
+        data = tuple(_compiled_outputs(gathered))
         return load_or_compile(self.cache, self.runner._scatter_blocks, (self.kv_pool, ids, data), None, seconds,
                                turn)
 
@@ -351,7 +352,7 @@ def run_jobs(runner, jobs: list[CompileJob], bar=None) -> None:
             outs = (outs, runner._prompt_logprobs(runner._param_leaves, outputs[1][num_tokens], targets))
         elif job.kind == "swap":
             ids = jax.device_put(np.zeros(job.shape, np.int32), device)
-            runner.kv_pool = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
+            runner.kv_pool, _ = runner._scatter_blocks(runner.kv_pool, ids, runner._gather_blocks(runner.kv_pool, ids))
         else:
             continue
         if bar is not None:
