@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from models.architectures import model_class
 from models.config import ModelConfig
+from models.deepseek import CHECKPOINT_LEAVES as DEEPSEEK_LEAVES
 from models.gpt_oss import CHECKPOINT_LEAVES
 from models.llama import INIT_STD, LlamaForCausalLM
 from models.moe import checkpoint_prefix, expert_checkpoint_names
@@ -253,7 +254,7 @@ def _read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) ->
 def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     """Model parameter path -> (HF tensor name, whether the HF tensor is the transpose of ours)."""
     *prefix, leaf = (str(p) for p in param_path)
-    if leaf in CHECKPOINT_LEAVES:  # stored under the parameter's own name and layout (gpt-oss)
+    if leaf in CHECKPOINT_LEAVES or leaf in DEEPSEEK_LEAVES:  # stored under their own names (gpt-oss, DeepSeek)
         return ".".join(prefix + [leaf]), False
     if leaf == "kernel":
         return ".".join(prefix + ["weight"]), True
