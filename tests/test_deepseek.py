@@ -168,15 +168,20 @@ def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, caplog)
 
 
 def _add_mtp_layer(path):
-    """Append a multi-token prediction layer's tensors (as published: layer index num_hidden_layers)."""
-    from safetensors.numpy import load_file, save_file
+    """Add a multi-token prediction layer's tensors (as published: layer index num_hidden_layers) in a shard of its
+    own, the checkpoint becoming a sharded one."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
 
     config = json.loads((path / "config.json").read_text())
-    tensors = load_file(str(path / "model.safetensors"))
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as handle:
+        weight_map = {name: "model.safetensors" for name in handle.keys()}
     layer = config["num_hidden_layers"]
-    for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "self_attn.kv_b_proj.weight"):
-        tensors[f"model.layers.{layer}.{name}"] = np.ones((4, 4), np.float32)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    mtp = {f"model.layers.{layer}.{name}": np.ones((4, 4), np.float32)
+           for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "self_attn.kv_b_proj.weight")}
+    save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    weight_map.update({name: "mtp.safetensors" for name in mtp})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config["num_nextn_predict_layers"] = 1
     (path / "config.json").write_text(json.dumps(config))
 
