@@ -166,7 +166,8 @@ class MLP(nnx.Module):
     ``gate_up_proj`` whose output columns are [gate | up]. ``intermediate_size``: None for the config's (DeepSeek's
     shared experts are narrower)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, intermediate_size: int | None = None):
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 intermediate_size: int | None = None):
         hidden = config.hidden_size
         inter = config.intermediate_size if intermediate_size is None else intermediate_size
         self.hidden_act = config.hidden_act

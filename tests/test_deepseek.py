@@ -203,7 +203,7 @@ def test_unimplemented_config_is_refused_naming_the_field(field):
         ModelConfig.from_hf_config(tiny_config(arch, **overrides))
 
 
-def test_latent_cache_refuses_the_host_pool_and_sharding(tmp_path):
+def test_latent_cache_refuses_the_host_pool_kernels_and_sharding(tmp_path):
     from paged_jax.parallel.mesh import make_mesh
     from paged_jax.parallel.plan import ShardingPlan
 
@@ -211,5 +211,28 @@ def test_latent_cache_refuses_the_host_pool_and_sharding(tmp_path):
     with pytest.raises(ValueError, match="swap_space"):
         paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
                       max_num_batched_tokens=16, preemption_mode="swap", swap_space=0.01, use_tqdm=False)
+    with pytest.raises(ValueError, match="attention_impl"):
+        paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
+                      max_num_batched_tokens=16, attention_impl="triton", use_tqdm=False)
     with pytest.raises(ValueError, match="latent attention"):
         ShardingPlan.create(ModelConfig.from_pretrained(path), make_mesh(1))
+
+
+def test_routed_experts_capture_equals_transformers_routing(tmp_path):
+    """The shared sparse-layer hooks (models.moe_routing) record DeepSeek's routing: each token's experts in the sparse
+    layer are the ones transformers' router picks (noaux_tc groups, correction bias)."""
+    from models.moe_routing import pop_routed_experts, set_routing_capture
+
+    path = _checkpoint("v3_noaux_tc_yarn", tmp_path)
+    model, config = load_model(path, dtype="float32")
+    seq = np.random.default_rng(2).integers(3, config.vocab_size, size=24).astype(np.int32)
+    set_routing_capture(model, True)
+    attention = dense_causal_attention(jnp.zeros(24, jnp.int32), config.head_dim ** -0.5)
+    model(jnp.asarray(seq), jnp.arange(24, dtype=jnp.int32), None, attention)
+    ours = np.asarray(pop_routed_experts(model))  # [T, sparse layers, k]
+    hf_model, picked = _hf_model(path), []
+    hf_model.model.layers[1].mlp.gate.register_forward_hook(lambda module, args, out: picked.append(out[2]))
+    with torch.no_grad():
+        hf_model(torch.tensor(seq[None].astype(np.int64)))
+    assert ours.shape == (24, 1, 2)
+    assert [set(row) for row in ours[:, 0].tolist()] == [set(row) for row in picked[0].tolist()]

@@ -24,8 +24,9 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
     Args:
       meta: ``slot_mapping`` int32[T], ``kv_lens`` int32[S], ``block_tables`` int32[S, max_blocks],
         ``cu_q_lens`` int32[S + 1] (the same for every layer of a step).
-      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)`` (a latent cache, ``kv_write.is_latent_pool``:
-        ``v`` [T, Hkv, Dv] is ``k[..., :Dv]``, only K is stored and the output is [T, Hq, Dv]), or ``(k_pages, v_pages, group_meta)``
+      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)`` (a latent cache,
+        ``kv_write.is_latent_pool``: ``v`` [T, Hkv, Dv] is ``k[..., :Dv]``, only K is stored and the output is
+        [T, Hq, Dv]), or ``(k_pages, v_pages, group_meta)``
         whose ``slot_mapping`` / ``block_tables`` (the layer's KV-cache group's) replace ``meta``'s
         (``paged_jax.worker.kv_group_pool``).
       qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the

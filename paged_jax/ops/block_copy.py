@@ -76,7 +76,8 @@ def copy_blocks(kv_pool: list, src: jax.Array, dst: jax.Array, *, impl: str = "x
 
     Args:
       kv_pool: per layer ``(k_pages, v_pages)``, each ``[num_blocks, block_size, Hkv, D]`` (all the same shape and
-        dtype, but for a latent cache's V pools of width 0, ``ModelConfig.kv_pool_head_dims``); donated by the caller's jit so the copies happen in place.
+        dtype, but for a latent cache's V pools of width 0, ``ModelConfig.kv_pool_head_dims``);
+        donated by the caller's jit so the copies happen in place.
       src, dst: int32[C]. A destination is never also a source in the same call (copy-on-write copies into fresh
         blocks), so the order of the copies does not matter.
       impl: "xla" (per-pool scatters; any device layout), "pallas" (one Pallas Triton kernel for every pool; one

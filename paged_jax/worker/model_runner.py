@@ -55,7 +55,7 @@ from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
 from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.kv_group_pool import KVPoolLayout, mixes_kv_groups
+from paged_jax.worker.kv_group_pool import KVPoolLayout, kv_page_shapes, mixes_kv_groups
 from paged_jax.worker.moe_outputs import MoeStepOutputs
 from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
@@ -156,13 +156,8 @@ class ModelRunner:
         self.batch_invariant = bool(batch_invariant)  # the model's matmuls and norms, the attention's tiling
         self.moe_outputs = _capture_routing(model, model_config, moe_outputs or MoeStepOutputs(), forward)
         self._split_model(model)
-        # K and V pools' shapes; a latent cache (multi-head latent attention) has a V pool of width 0.
-        shape, v_shape = self._kv_block_shapes = tuple(
-            (num_blocks, block_size, model_config.num_key_value_heads, dim) for dim in model_config.kv_pool_head_dims)
-        if num_host_blocks and v_shape != shape:
-            raise ValueError("swap_space / kv_offloading_size: the host KV pool does not hold a latent KV cache "
-                             f"({model_config.architecture}'s multi-head latent attention); use preemption_mode "
-                             "'recompute' and no host tier")
+        shape, _ = self._kv_block_shapes = kv_page_shapes(model_config, num_blocks, block_size,
+                                                          host_pool=bool(num_host_blocks))
         # Allocated on first use (the ``kv_pool`` property): warm-up compiles before it exists, so the compilers'
         # scratch memory (GPU autotuning, several compiles at once) never competes with it.
         self._kv_pool: list[tuple[jax.Array, jax.Array]] | None = None

@@ -150,9 +150,8 @@ def ragged_paged_attention(
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       batch_invariant: each token's output the same bits whatever the batch and its query count
         (``_batch_invariant_choice``).
-      v_head_dim: None, or for a latent cache (multi-head latent attention: ``v_pages`` of width 0, one KV head
-        whose rows are ``[latent | rope key]``) the values' width, each row's first ``v_head_dim`` columns. Only the
-        reference reads a latent cache: ``"auto"`` runs it, a Pallas kernel named is a ValueError.
+      v_head_dim: None, or for a latent cache (MLA: ``v_pages`` of width 0) the values' width, the K rows' first
+        ``v_head_dim`` columns; only the reference reads one (``"auto"`` runs it, a kernel named is a ValueError).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
@@ -166,9 +165,9 @@ def ragged_paged_attention(
     impl = resolve_attention_impl(impl)
     validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap, sinks,
                     v_head_dim)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if v_head_dim is not None:
-        return _latent_reference(impl, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sm_scale=sm_scale,
-                                 sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, sinks=sinks,
+        return _latent_reference(impl, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
                                  batch_invariant=batch_invariant, v_head_dim=v_head_dim)
     _check_tuning(impl, tuning)
     if batch_invariant:
@@ -182,7 +181,6 @@ def ragged_paged_attention(
 
             return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                                  sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
-    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 

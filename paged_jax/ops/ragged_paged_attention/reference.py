@@ -67,7 +67,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         width: each key row's first ``v_head_dim`` columns are its value.
 
     Returns:
-      ``[T, Hq, D]`` (``[T, Hq, v_head_dim]`` for a latent cache) in ``q.dtype``; padding tokens (index >= ``cu_q_lens[S]``) are zeros.
+      ``[T, Hq, D]`` (``[T, Hq, v_head_dim]`` for a latent cache) in ``q.dtype``;
+      padding tokens (index >= ``cu_q_lens[S]``) are zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
