@@ -42,10 +42,16 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1).astype(x.dtype)
 
 
+_PROJECTIONS = frozenset({"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "k_proj",
+                          "v_proj", "qkv_proj"})
+
+
 def refuse_lora(lora) -> None:
-    """ValueError for LoRA adapters on latent attention (their projections have no LoRA form here)."""
-    if lora is not None and getattr(lora, "weights", None):
-        raise ValueError(f"LoRA target modules {sorted(lora.weights)} are unsupported on multi-head latent attention")
+    """ValueError naming the attention projections a layer's LoRA state (``models.llama.with_lora``) adapts: latent
+    attention's projections have no LoRA form here."""
+    targets = sorted(set(getattr(lora, "weights", None) or ()) & _PROJECTIONS)
+    if targets:
+        raise ValueError(f"LoRA target modules {targets} are unsupported on multi-head latent attention")
 
 
 class MlaAttention(nnx.Module):
