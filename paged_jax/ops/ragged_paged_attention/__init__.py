@@ -195,6 +195,7 @@ def ragged_paged_attention(
     return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
                                          interpret=interpret, **tuning)
 
+
 def _latent_reference(impl: str, *args, batch_invariant: bool, **kwargs) -> jax.Array:
     """A latent cache's attention (``ragged_paged_attention`` with ``v_head_dim``): the reference; ValueError for a
     Pallas kernel, which reads only K and V pools of one width."""
