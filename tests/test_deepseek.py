@@ -239,3 +239,16 @@ def test_routed_experts_capture_equals_transformers_routing(tmp_path):
         hf_model(torch.tensor(seq[None].astype(np.int64)))
     assert ours.shape == (24, 1, 2)
     assert [set(row) for row in ours[:, 0].tolist()] == [set(row) for row in picked[0].tolist()]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_copy_on_write_block_copies_of_a_latent_pool(impl):
+    """Copy-on-write copies move a latent pool's K rows and leave its empty V pools as they are."""
+    from paged_jax.ops.block_copy import copy_blocks
+
+    k_pages = jnp.arange(4 * 2 * 1 * 6, dtype=jnp.float32).reshape(4, 2, 1, 6)
+    v_pages = jnp.zeros((4, 2, 1, 0), jnp.float32)
+    ((k_out, v_out),) = copy_blocks([(k_pages, v_pages)], jnp.array([1, 0], jnp.int32), jnp.array([3, 4], jnp.int32),
+                                    impl=impl, interpret=True)
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_pages.at[3].set(k_pages[1])))
+    assert v_out.shape == v_pages.shape
