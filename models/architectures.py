@@ -52,6 +52,24 @@ class GptOssForCausalLM(_MoeForCausalLM):
     architecture = "GptOssForCausalLM"
 
 
+class DeepseekV2ForCausalLM(_MoeForCausalLM):
+    """DeepSeek-V2 (and V2-Lite, ``q_lora_rank`` null): multi-head latent attention (``models.mla``) over a latent
+    KV cache, dense first ``first_k_dense_replace`` layers, then sparse layers with softmax routing (greedy or
+    group-limited) and shared experts (``models.deepseek``). Checkpoint names: ``self_attn.{q_proj | q_a_proj,
+    q_a_layernorm, q_b_proj}``, ``self_attn.kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` / ``o_proj``,
+    ``mlp.gate.weight``, ``mlp.experts.{e}.{gate,up,down}_proj``, ``mlp.shared_experts.{gate,up,down}_proj``."""
+
+    architecture = "DeepseekV2ForCausalLM"
+
+
+class DeepseekV3ForCausalLM(_MoeForCausalLM):
+    """DeepSeek-V3 / R1: DeepSeek-V2's layers with sigmoid routing, ``mlp.gate.e_score_correction_bias`` and
+    ``noaux_tc`` group selection; block-FP8 checkpoints (as published) dequantized at load; the multi-token
+    prediction layers (``num_nextn_predict_layers``) are not loaded."""
+
+    architecture = "DeepseekV3ForCausalLM"
+
+
 class DecoderForSequenceClassification(LlamaForCausalLM):
     """A dense decoder with transformers' sequence-classification head (``Qwen3ForSequenceClassification`` and
     kin): ``score`` [hidden -> num_labels], no bias, in place of the LM head; checkpoint name ``score.weight``. Which
@@ -72,7 +90,8 @@ class DecoderForSequenceClassification(LlamaForCausalLM):
                            preferred_element_type=jnp.float32)
 
 
-_MOE_CLASSES = {cls.architecture: cls for cls in (Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM)}
+_MOE_CLASSES = {cls.architecture: cls for cls in (Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM,
+                                                  DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

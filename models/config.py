@@ -1,5 +1,6 @@
 """Model configuration for the Llama family and its relatives (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 2,
-Gemma 3 text, Phi-3 / Phi-4, Granite) and its mixture-of-experts relatives (Qwen3-MoE, Mixtral, gpt-oss).
+Gemma 3 text, Phi-3 / Phi-4, Granite), its mixture-of-experts relatives (Qwen3-MoE, Mixtral, gpt-oss) and
+DeepSeek-V2 / V3 (multi-head latent attention, ``MlaConfig``; DeepSeek's expert routing in ``MoeConfig``).
 
 ``ModelConfig`` is the one description of a model shape that the rest of paged-jax uses; it is built from a Hugging
 Face ``config.json`` dict (transformers 4.x or 5.x layout; each family's fields read in ``models.hf_config``).
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from models import hf_config as hf
+from models import deepseek_config, hf_config as hf
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -27,6 +28,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 MOE_ARCHITECTURES = hf.MOE_ARCHITECTURES
 
@@ -43,11 +46,15 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Checkpoints whose text model is supported only inside a multimodal wrapper we do not load.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 'gemma3_text')",
                "gemma3": "Gemma3ForCausalLM (model_type 'gemma3_text')"}
 HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 HEADS = ("lm_head", "score", "none")
 
 
@@ -65,6 +72,14 @@ class MoeConfig:
     the softmax over the top-k logits, and the experts run the clamped SwiGLU ``(clip(up, -limit, limit) + 1) *
     g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. ``expert_format``: None (experts in the model dtype)
     or "mxfp4" (kept as the checkpoint's packed fp4 blocks and e8m0 scales, dequantized in the step).
+
+    DeepSeek-V2 / V3 (``models.deepseek``): ``n_shared_experts`` shared experts (one SwiGLU MLP
+    ``n_shared_experts * moe_intermediate_size`` wide, added to every token's routed sum); ``scoring_func``
+    "softmax" (V2) or "sigmoid" (V3: the choice adds the router's ``e_score_correction_bias``, the weights do
+    not); ``topk_method`` "greedy", "group_limited_greedy" (V2: the ``topk_group`` of ``n_group`` expert groups
+    with the largest best score) or "noaux_tc" (V3: the groups with the largest sum of their top-2 biased scores);
+    the routed weights renormalized when ``norm_topk_prob``, then times ``routed_scaling_factor``. Its first
+    ``first_k_dense_replace`` layers are dense: ``mlp_only_layers``.
     """
 
     num_experts: int
@@ -76,8 +91,23 @@ class MoeConfig:
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
     expert_format: str | None = None
+    n_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"config field 'scoring_func' = {self.scoring_func!r} is unsupported (one of "
+                             f"{SCORING_FUNCS})")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"config field 'topk_method' = {self.topk_method!r} is unsupported (one of "
+                             f"{TOPK_METHODS})")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"config fields 'n_group' ({self.n_group}) and 'topk_group' ({self.topk_group}) must "
+                             f"divide the {self.num_experts} experts into groups and keep 1..n_group of them")
         if self.expert_format not in (None, "mxfp4"):
             raise ValueError(f"MoeConfig.expert_format must be None or 'mxfp4', got {self.expert_format!r}")
         if self.expert_format is not None and self.swiglu_limit is None:
@@ -93,6 +123,46 @@ class MoeConfig:
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` (global index) runs the experts rather than a dense MLP."""
         return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2 / V3, HF field names; ``models.mla``).
+
+    q: ``q_proj`` (``q_lora_rank`` None, V2-Lite) or ``q_b_proj(rmsnorm(q_a_proj(x)))`` through a ``q_lora_rank``
+    bottleneck, ``qk_nope_head_dim + qk_rope_head_dim`` per head. ``kv_a_proj_with_mqa(x)`` gives the latent
+    (``kv_lora_rank``, RMS-normed) and one RoPE key shared by the heads (``qk_rope_head_dim``); ``kv_b_proj``
+    expands the latent into each head's key (``qk_nope_head_dim``) and value (``v_head_dim``). ``rope_interleave``:
+    RoPE rotates adjacent pairs (DeepSeek's layout; transformers' V2 always, V3 by this field) rather than halves.
+    The KV cache holds the latent and the rotated shared key only: ``kv_lora_rank + qk_rope_head_dim`` per token and
+    layer (``ModelConfig.kv_pool_head_dims``).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, name)
+            if value is None and name == "q_lora_rank":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"config field 'qk_rope_head_dim' must be even for RoPE, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """One cached token's width per layer: the latent and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +191,12 @@ class ModelConfig:
     ``moe`` is the sparse MLP of a mixture-of-experts architecture (``MOE_ARCHITECTURES``), None for dense ones.
     ``attention_sinks``: each attention layer has a learned per-head logit joining its softmax's denominator
     (gpt-oss; the ``sinks`` parameter ``[num_attention_heads]``).
+    ``mla``: multi-head latent attention (DeepSeek-V2 / V3, ``MlaConfig``); the attention it runs is then MQA over
+    the latent cache: ``num_key_value_heads`` 1, ``head_dim`` ``kv_lora_rank + qk_rope_head_dim``, ``rotary_dim``
+    ``qk_rope_head_dim`` and ``attention_scale`` DeepSeek's (``models.deepseek_config``).
+    ``fp8_weight_block``: the checkpoint's projections are block-FP8 (``quantization_config`` fp8 with
+    ``weight_block_size``, DeepSeek-V3 as published): ``(rows, cols)`` of one ``weight_scale_inv`` entry; the loader
+    dequantizes them to the model dtype (``models.quantization.block_fp8``). None: unquantized.
     ``head``: what follows the final norm (``HEADS``): "lm_head" (the vocabulary, or the tied embedding), "score"
     (a ``num_labels``-wide classifier, transformers' ``*ForSequenceClassification``) or "none" (hidden states only:
     the base model, transformers' ``*Model``, or a decoder run as an embedder).
@@ -159,6 +235,8 @@ class ModelConfig:
     logits_scaling: float | None = None
     moe: MoeConfig | None = None
     attention_sinks: bool = False
+    mla: MlaConfig | None = None
+    fp8_weight_block: tuple[int, int] | None = None
     head: str = "lm_head"
     num_labels: int = 0
 
@@ -186,6 +264,11 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         self._check_windows()
+        if (self.mla is not None) != (self.architecture in hf.DEEPSEEK_ARCHITECTURES):
+            raise ValueError(f"ModelConfig.mla must be set exactly for {hf.DEEPSEEK_ARCHITECTURES}")
+        if self.mla is not None and (self.num_key_value_heads, self.head_dim) != (1, self.mla.latent_dim):
+            raise ValueError("ModelConfig of multi-head latent attention: num_key_value_heads must be 1 and head_dim "
+                             f"kv_lora_rank + qk_rope_head_dim ({self.mla.latent_dim})")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"ModelConfig.rotary_dim must be even and in (0, head_dim], got {self.rotary_dim}")
         if self.hidden_act not in HIDDEN_ACTS:
@@ -232,6 +315,13 @@ class ModelConfig:
         return (self.sliding_window,) * self.num_hidden_layers
 
     @property
+    def kv_pool_head_dims(self) -> tuple[int, int]:
+        """The width of one KV head in the K and in the V pool: ``(head_dim, head_dim)``, or for MLA ``(head_dim,
+        0)``: the latent cache is one pool whose rows are ``[latent | rope key]``, the values its first
+        ``kv_lora_rank`` columns (``paged_jax.ops.write_and_attend``), so the V pool has no width."""
+        return (self.head_dim, 0) if self.mla is not None else (self.head_dim, self.head_dim)
+
+    @property
     def softmax_scale(self) -> float:
         """The factor on ``q . k`` of every layer."""
         return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
@@ -260,6 +350,10 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4 ``rope_scaling``/``rope_theta`` or
         transformers 5 ``rope_parameters`` layout). ValueError naming the field for what is not implemented."""
         architecture, head = _architecture(hf_config)
+        if architecture in hf.DEEPSEEK_ARCHITECTURES:
+            fields = deepseek_config.model_fields(architecture, hf_config)
+            return cls(architecture=architecture, head=head, **{
+                **fields, "mla": MlaConfig(**fields["mla"]), "moe": MoeConfig(**fields["moe"])})
 
         def required(key: str):
             if hf_config.get(key) is None:

@@ -12,7 +12,9 @@ import math
 from typing import Any
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
+                     "DeepseekV3ForCausalLM")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -97,10 +99,7 @@ def parse_rope(hf_config: dict, architecture: str, head_dim: int) -> dict[str, A
         local_theta = float(local.get("rope_theta", hf_config.get("rope_local_base_freq", 10000.0)))
     elif isinstance(params, dict) and (FULL in params or SLIDING in params):
         raise ValueError(f"config field 'rope_parameters' per layer type is unsupported for {architecture}")
-    source = params if isinstance(params, dict) else {}
-    legacy = hf_config.get("rope_scaling")
-    if isinstance(legacy, dict) and _rope_type(source) in (None, "default"):
-        source = {**source, **legacy}
+    source = rope_source(hf_config, params)
     theta = source.get("rope_theta", family_default(architecture, hf_config, "rope_theta", 10000.0))
     partial = float(source.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)))
     rotary_dim = int(head_dim * partial)
@@ -111,6 +110,17 @@ def parse_rope(hf_config: dict, architecture: str, head_dim: int) -> dict[str, A
     return {"rope_theta": float(theta), "local_rope_theta": local_theta,
             "rope_scaling": _rope_scaling(source, hf_config, rotary_dim),
             "rotary_dim": None if rotary_dim == head_dim else rotary_dim}
+
+
+def rope_source(hf_config: dict, params: Any = None) -> dict:
+    """The RoPE fields of one layer kind: ``params`` (default: ``rope_parameters``) with a transformers-4
+    ``rope_scaling`` dict merged in when ``params`` names no scaling."""
+    params = hf_config.get("rope_parameters") if params is None else params
+    source = params if isinstance(params, dict) else {}
+    legacy = hf_config.get("rope_scaling")
+    if isinstance(legacy, dict) and _rope_type(source) in (None, "default"):
+        source = {**source, **legacy}
+    return source
 
 
 def _rope_scaling(source: dict, hf_config: dict, rotary_dim: int) -> dict | None:

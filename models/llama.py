@@ -2,7 +2,8 @@
 (q/k norm), Gemma 2 / Gemma 3 (per-layer windows and RoPE, soft-capping, (1 + w) norms around each block, scaled
 embeddings, GELU), Phi-3 / Phi-4 (LongRoPE, partial rotary; fused checkpoint projections split by the loader),
 Granite (multipliers), and with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral,
-and gpt-oss (attention sinks, its experts in ``models.gpt_oss``).
+and gpt-oss (attention sinks, its experts in ``models.gpt_oss``), and DeepSeek-V2 / V3 (latent attention in
+``models.mla``, their routing and shared experts in ``models.deepseek``).
 Each difference is a ``ModelConfig`` field read by the one decoder below.
 
 The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
@@ -28,7 +29,9 @@ from flax import nnx
 from models.attention_fn import (AttentionFn, LayerAttention, ReusableAttention,  # noqa: F401
                                  check_takes_attention_sinks, check_takes_layer_attention, needs_layer_attention)
 from models.config import ModelConfig
+from models.deepseek import DeepseekMoeBlock
 from models.gpt_oss import GptOssMoeBlock
+from models.mla import MlaAttention
 from models.moe import SparseMoeBlock, set_moe_impl
 from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
@@ -160,10 +163,13 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu,
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU;
     ``ModelConfig.hidden_act``); gate and up either separate (as loaded) or, after ``fuse_projections``, one
-    ``gate_up_proj`` whose output columns are [gate | up]."""
+    ``gate_up_proj`` whose output columns are [gate | up]. ``intermediate_size``: None for the config's (DeepSeek's
+    shared experts are narrower)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        hidden, inter = config.hidden_size, config.intermediate_size
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 intermediate_size: int | None = None):
+        hidden = config.hidden_size
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
         self.hidden_act = config.hidden_act
         self.gate_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.up_proj = _linear(hidden, inter, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -207,10 +213,17 @@ class DecoderLayer(nnx.Module):
         norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
                                  param_dtype=param_dtype, unit_offset=config.norm_unit_offset)
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, layer_idx, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        attention = MlaAttention if config.mla is not None else Attention
+        self.self_attn = attention(config, layer_idx, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
         if config.moe is not None and config.moe.swiglu_limit is not None:
             self.mlp = GptOssMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
+        elif config.mla is not None and config.moe.is_sparse(layer_idx):
+            shared = config.moe.n_shared_experts * config.moe.moe_intermediate_size
+            self.mlp = DeepseekMoeBlock(
+                config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD,
+                shared_experts=MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                   intermediate_size=shared) if shared else None)
         elif config.moe is not None and config.moe.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
         else:
@@ -500,7 +513,7 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None and attn.q_proj is not None:
+        if isinstance(attn, Attention) and attn.qkv_proj is None and attn.q_proj is not None:
             fused = _concat_linear([attn.q_proj, attn.k_proj, attn.v_proj])
             if fused is not None:
                 attn.qkv_proj = fused

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -28,9 +29,13 @@ from tqdm.auto import tqdm
 
 from models.architectures import model_class
 from models.config import ModelConfig
+from models.deepseek import CHECKPOINT_LEAVES as DEEPSEEK_LEAVES
 from models.gpt_oss import CHECKPOINT_LEAVES
 from models.llama import INIT_STD, LlamaForCausalLM
 from models.moe import checkpoint_prefix, expert_checkpoint_names
+from models.quantization import block_fp8
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "bfloat16": jnp.bfloat16,
@@ -287,7 +292,7 @@ def _read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) ->
 def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     """Model parameter path -> (HF tensor name, whether the HF tensor is the transpose of ours)."""
     *prefix, leaf = (str(p) for p in param_path)
-    if leaf in CHECKPOINT_LEAVES:  # stored under the parameter's own name and layout (gpt-oss)
+    if leaf in CHECKPOINT_LEAVES or leaf in DEEPSEEK_LEAVES:  # stored under their own names (gpt-oss, DeepSeek)
         return ".".join(prefix + [leaf]), False
     if leaf == "kernel":
         return ".".join(prefix + ["weight"]), True
@@ -345,9 +350,49 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
     if _is_base_model_checkpoint(tensor_files):
         wanted = {name.removeprefix("model."): value for name, value in wanted.items()}
     fused = _fused_sources(config.architecture, wanted, tensor_files)
+    dequantize = _block_fp8_dequantizer(tensor_files, config)
+    tensor_files = _without_skipped_tensors(tensor_files, config)
     _check_tensor_names(tensor_files, set(wanted).union(*stacks.values()), fused, config)
-    yield from _read_tensors(tensor_files, expected_shapes, wanted, fused)
-    yield from _read_expert_stacks(tensor_files, expected_shapes, stacks)
+    yield from _read_tensors(tensor_files, expected_shapes, wanted, fused, dequantize)
+    yield from _read_expert_stacks(tensor_files, expected_shapes, stacks, dequantize)
+
+
+def _without_skipped_tensors(tensor_files: dict[str, Path], config: ModelConfig) -> dict[str, Path]:
+    """``tensor_files`` less what the model reads otherwise or not at all: a block-FP8 checkpoint's
+    ``weight_scale_inv`` tensors (read with their weights) and DeepSeek-V3's multi-token prediction layers
+    (``num_nextn_predict_layers``, the layers after the last decoder layer: skipped, with a log line)."""
+    if config.fp8_weight_block is not None:
+        tensor_files = {name: path for name, path in tensor_files.items()
+                        if not name.endswith(".weight" + block_fp8.SCALE_SUFFIX)}
+    if config.mla is None:
+        return tensor_files
+    mtp = re.compile(r"^model\.layers\.(\d+)\.")
+    skipped = {name for name in tensor_files
+               if (match := mtp.match(name)) and int(match.group(1)) >= config.num_hidden_layers}
+    if skipped:
+        logger.info("Skipping %d tensors of the multi-token prediction layers (num_nextn_predict_layers, layers >= "
+                    "%d): speculative decoding with them is not implemented", len(skipped), config.num_hidden_layers)
+    return {name: path for name, path in tensor_files.items() if name not in skipped}
+
+
+def _block_fp8_dequantizer(tensor_files: dict[str, Path], config: ModelConfig):
+    """``fn(hf_name, array) -> array``: a block-FP8 checkpoint's weight (one with a ``weight_scale_inv``)
+    dequantized to float32 (``models.quantization.block_fp8``), any other tensor as read."""
+    block = config.fp8_weight_block
+    if block is None:
+        return lambda hf_name, array: array
+
+    def dequantize(hf_name: str, array: np.ndarray) -> np.ndarray:
+        if array.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+            return array
+        scale_name = hf_name + block_fp8.SCALE_SUFFIX
+        file_path = tensor_files.get(scale_name)
+        if file_path is None:
+            raise ValueError(f"checkpoint tensor {hf_name!r} is FP8 but has no {scale_name!r}")
+        with _open_safetensors(file_path) as handle:
+            return block_fp8.dequantize(array, _read_tensor(handle, scale_name, file_path), block)
+
+    return dequantize
 
 
 def _is_base_model_checkpoint(tensor_files: dict[str, Path]) -> bool:
@@ -379,10 +424,11 @@ def _check_tensor_names(tensor_files: dict[str, Path], wanted: set[str], fused: 
 
 
 def _read_tensors(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
-                  wanted: dict[str, tuple[tuple, bool]], fused: dict[str, tuple[str, ...]]
+                  wanted: dict[str, tuple[tuple, bool]], fused: dict[str, tuple[str, ...]], dequantize
                   ) -> Iterator[tuple[tuple, np.ndarray, bool]]:
     """``iter_checkpoint_params``'s one-tensor parameters, file by file: each ``wanted`` tensor the checkpoint has,
-    and each ``fused`` tensor split into the wanted tensors it holds."""
+    and each ``fused`` tensor split into the wanted tensors it holds; ``dequantize(name, array)`` applied to each
+    tensor read (``_block_fp8_dequantizer``)."""
     def hf_shape(hf_name: str) -> tuple[int, ...]:
         param_path, transposed = wanted[hf_name]
         model_shape = tuple(expected_shapes[param_path])
@@ -397,7 +443,7 @@ def _read_tensors(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tu
                 parts = fused.get(hf_name, (hf_name,))
                 shapes = [hf_shape(part) for part in parts]
                 expected = (sum(shape[0] for shape in shapes), *shapes[0][1:])
-                array = _read_checked(handle, hf_name, file_path, expected)
+                array = dequantize(hf_name, _read_checked(handle, hf_name, file_path, expected))
                 offsets = np.cumsum([shape[0] for shape in shapes])[:-1]
                 for part, piece in zip(parts, np.split(array, offsets, axis=0)):
                     yield wanted[part][0], piece, wanted[part][1]
@@ -420,7 +466,7 @@ def _fused_sources(architecture: str, wanted: dict[str, Any], tensor_files: dict
 
 
 def _read_expert_stacks(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
-                        stacks: dict[tuple, list[str]]) -> Iterator[tuple[tuple, np.ndarray, bool]]:
+                        stacks: dict[tuple, list[str]], dequantize) -> Iterator[tuple[tuple, np.ndarray, bool]]:
     """``iter_checkpoint_params``'s stacked experts: each parameter's per-expert ``[out, in]`` tensors stacked into
     ``[E, out, in]`` (transposed), the files opened once."""
     with contextlib.ExitStack() as open_files:
@@ -432,7 +478,8 @@ def _read_expert_stacks(tensor_files: dict[str, Path], expected_shapes: dict[tup
                 file_path = tensor_files[hf_name]
                 if file_path not in handles:
                     handles[file_path] = open_files.enter_context(_open_safetensors(file_path))
-                experts.append(_read_checked(handles[file_path], hf_name, file_path, expert_shape))
+                experts.append(dequantize(hf_name, _read_checked(handles[file_path], hf_name, file_path,
+                                                                 expert_shape)))
             yield param_path, np.stack(experts), True
 
 

@@ -83,6 +83,39 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESETS["gpt-oss-120b"] = {**PRESETS["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
                            "layer_types": ["sliding_attention", "full_attention"] * 18}
 
+# deepseek-ai/DeepSeek-V2-Lite's config.json as published: latent attention without a q bottleneck, 64 experts (6
+# per token, greedy softmax routing) and 2 shared ones, the first layer dense.
+PRESETS["deepseek-v2-lite"] = {
+    "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1,
+    "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 163840,
+    "bos_token_id": 100000, "eos_token_id": 100001, "attention_bias": False,
+}
+# deepseek-ai/DeepSeek-V3's config.json as published: block-FP8 weights, 256 experts in 8 groups (sigmoid noaux_tc
+# routing, 8 per token from 4 groups), one shared expert, 3 dense layers, one multi-token prediction layer.
+PRESETS["deepseek-v3"] = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8,
+    "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 163840, "bos_token_id": 0,
+    "eos_token_id": 1, "attention_bias": False,
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                            "weight_block_size": [128, 128]},
+}
+
 
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig of a named shape; ValueError listing the known names otherwise."""
@@ -98,7 +131,7 @@ def num_params(config: ModelConfig) -> int:
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    attn = h * q + 2 * h * kv + q * h
+    attn = h * q + 2 * h * kv + q * h if config.mla is None else mla_params(config)
     if config.attention_bias:
         attn += q + 2 * kv
     if config.qk_norm:
@@ -109,12 +142,23 @@ def num_params(config: ModelConfig) -> int:
     return layers * (attn + 2 * h) + mlps + embed + head + h
 
 
+def mla_params(config: ModelConfig) -> int:
+    """Parameters of one latent-attention layer (its projections and the q / kv bottleneck norms)."""
+    h, heads, mla = config.hidden_size, config.num_attention_heads, config.mla
+    q_out = heads * mla.qk_head_dim
+    q = h * q_out if mla.q_lora_rank is None else h * mla.q_lora_rank + mla.q_lora_rank * (1 + q_out)
+    kv = h * mla.latent_dim + mla.kv_lora_rank * (1 + heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+    return q + kv + heads * mla.v_head_dim * h
+
+
 def mlp_params(config: ModelConfig, layer: int) -> int:
     """Parameters of decoder layer ``layer``'s MLP: a dense SwiGLU, or a sparse layer's router and every expert."""
     h, moe = config.hidden_size, config.moe
     if moe is None or not moe.is_sparse(layer):
         return 3 * h * config.intermediate_size
-    return h * moe.num_experts + moe.num_experts * expert_params(config)
+    shared = moe.n_shared_experts * expert_params(config)
+    bias = moe.num_experts if moe.topk_method == "noaux_tc" else 0
+    return h * moe.num_experts + bias + moe.num_experts * expert_params(config) + shared
 
 
 def expert_params(config: ModelConfig) -> int:
@@ -123,5 +167,5 @@ def expert_params(config: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    """Bytes of K and V one token occupies across all layers (a latent cache's one row per layer)."""
+    return config.num_hidden_layers * config.num_key_value_heads * sum(config.kv_pool_head_dims) * dtype_bytes

@@ -22,6 +22,8 @@ _MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 # Short names accepted by tiny_config, for readability in tests.
@@ -37,6 +39,8 @@ _ALIASES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 # Each family's own fields in a tiny config: windows, scales and caps small enough to matter at this size (a cap
@@ -67,6 +71,25 @@ _FAMILY_FIELDS = {
                           "max_position_embeddings": 256,
                           "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                            "truncate": False, "original_max_position_embeddings": 32}},
+    # DeepSeek (the published configs' fields): latent attention with a q bottleneck, 8 experts in 4 groups, 2 per
+    # token, one shared expert, the first layer dense; V2 group-limited softmax routing, V3 sigmoid noaux_tc with
+    # YaRN and DeepSeek's mscale.
+    "DeepseekV2ForCausalLM": {"num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 24, "kv_lora_rank": 16,
+                              "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                              "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                              "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                              "topk_method": "group_limited_greedy", "scoring_func": "softmax",
+                              "routed_scaling_factor": 1.5, "norm_topk_prob": False},
+    "DeepseekV3ForCausalLM": {"num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 24, "kv_lora_rank": 16,
+                              "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                              "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                              "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                              "topk_method": "noaux_tc", "scoring_func": "sigmoid", "routed_scaling_factor": 2.5,
+                              "norm_topk_prob": True, "rope_interleave": True, "num_nextn_predict_layers": 0,
+                              "max_position_embeddings": 256,
+                              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                                               "mscale": 1.0, "mscale_all_dim": 0.7071,
+                                               "original_max_position_embeddings": 64}},
 }
 
 
@@ -76,7 +99,7 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     Args:
       architecture: one of ``models.config.SUPPORTED_ARCHITECTURES`` or its short name ("llama", "mistral",
         "qwen2", "qwen3", "gemma2", "gemma3" (the text model), "phi3", "granite", "qwen3_moe", "mixtral",
-        "gpt_oss"); a family's
+        "gpt_oss", "deepseek_v2", "deepseek_v3"); a family's
         own fields get small values that make them matter (``_FAMILY_FIELDS``).
       overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
     """
@@ -150,6 +173,9 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
                 param.copy_(torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+        for name, buffer in torch_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: shifts which experts are chosen
+                buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
     torch_model.eval()
 
     tied = bool(hf_config.get("tie_word_embeddings", False))

@@ -210,3 +210,42 @@ def save_mxfp4_gpt_oss_checkpoint(float_dir, out_dir) -> Path:
     config["quantization_config"] = GPT_OSS_MXFP4_CONFIG
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+# DeepSeek-V3's block-FP8 checkpoints quantize every linear layer of the decoder (attention, dense MLP, experts,
+# shared experts); the embedding, norms, router and LM head stay in bf16.
+_DEEPSEEK_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                         "gate_proj", "up_proj", "down_proj")
+
+
+def save_block_fp8_checkpoint(float_dir, out_dir, dequantized_dir, *, block: tuple[int, int] = (128, 128)) -> Path:
+    """DeepSeek-V3's published layout from a float checkpoint (numpy / ml_dtypes, ``block_fp8.quantize``): each
+    decoder projection as ``weight F8_E4M3[out, in]`` + ``weight_scale_inv float32`` per ``block``, and
+    ``quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+    "weight_block_size": block}``. ``dequantized_dir`` gets the same model with those weights dequantized back to
+    float32 (what the quantized checkpoint means: the reference to compare against). Returns ``out_dir``."""
+    from safetensors.numpy import load_file, save_file
+
+    from models.quantization.block_fp8 import dequantize, quantize
+
+    float_dir, out_dir, dequantized_dir = Path(float_dir), Path(out_dir), Path(dequantized_dir)
+    for directory in (out_dir, dequantized_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+    quantized, dequantized = {}, {}
+    for file in sorted(float_dir.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            parts = name.split(".")
+            if parts[-1] == "weight" and parts[-2] in _DEEPSEEK_PROJECTIONS and "layers" in parts:
+                weight, scale_inv = quantize(tensor.astype(np.float32), block)
+                quantized[name], quantized[name + "_scale_inv"] = weight, scale_inv
+                dequantized[name] = dequantize(weight, scale_inv, block)
+            else:
+                quantized[name] = dequantized[name] = tensor
+    save_file(quantized, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(dequantized_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((float_dir / "config.json").read_text())
+    (dequantized_dir / "config.json").write_text(json.dumps(config, indent=2))
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

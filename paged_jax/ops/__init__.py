@@ -1,7 +1,8 @@
 """Paged-attention ops: the slot-mapped KV write (alone or fused with the q/k transform) and ragged paged attention;
 importing the package registers the models' other kernels (RMSNorm, quantized matmuls, the fused MoE grouped matmul).
 
-KV pool layout (per layer): ``(k_pages, v_pages)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+KV pool layout (per layer): ``(k_pages, v_pages)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``; a
+latent cache (multi-head latent attention) has a V pool of width 0, its values inside the K rows.
 Block 0 is the reserved null block: padding tokens write there and padded block-table entries point there.
 """
 
@@ -10,7 +11,7 @@ from paged_jax.ops import quantized_gemv  # noqa: F401  (registers matmul_impl "
 from paged_jax.ops import rms_norm  # noqa: F401  (registers rms_norm_impl "pallas" / "auto" of the models)
 from paged_jax.ops import fused_moe  # noqa: F401  (registers moe_impl "pallas" / "auto" of the models)
 from paged_jax.ops import batch_invariant  # noqa: F401  (registers rms_norm_impl "batch_invariant")
-from paged_jax.ops.kv_write import write_kv
+from paged_jax.ops.kv_write import is_latent_pool, write_kv
 from paged_jax.ops.qk_prepare import qk_prepare
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
@@ -23,7 +24,9 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
     Args:
       meta: ``slot_mapping`` int32[T], ``kv_lens`` int32[S], ``block_tables`` int32[S, max_blocks],
         ``cu_q_lens`` int32[S + 1] (the same for every layer of a step).
-      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)``, or ``(k_pages, v_pages, group_meta)``
+      q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_layer: ``(k_pages, v_pages)`` (a latent cache,
+        ``kv_write.is_latent_pool``: ``v`` [T, Hkv, Dv] is ``k[..., :Dv]``, only K is stored and the output is
+        [T, Hq, Dv]), or ``(k_pages, v_pages, group_meta)``
         whose ``slot_mapping`` / ``block_tables`` (the layer's KV-cache group's) replace ``meta``'s
         (``paged_jax.worker.kv_group_pool``).
       qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the
@@ -39,6 +42,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
     """
     if len(kv_layer) == 3:
         meta = {**meta, **kv_layer[2]}
+    # A latent cache (multi-head latent attention, models.mla): v is k's first columns, read back from the K pool.
+    v_head_dim = v.shape[-1] if is_latent_pool(kv_layer[0], kv_layer[1]) else None
     if qk_transform is None:
         k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, meta["slot_mapping"])
     else:
@@ -46,7 +51,7 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
                                          impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
                                  sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                                 sinks=sinks, impl=impl, batch_invariant=batch_invariant)
+                                 sinks=sinks, impl=impl, batch_invariant=batch_invariant, v_head_dim=v_head_dim)
     return out, (k_pages, v_pages)
 
 

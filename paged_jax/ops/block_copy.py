@@ -44,12 +44,14 @@ def _copy_kernel(src_ref, dst_ref, *refs, num_arrays: int, num_blocks: int, bloc
 
 
 def _copy_blocks_pallas(kv_pool: list, src: jax.Array, dst: jax.Array, *, interpret: bool) -> list:
-    shape = kv_pool[0][0].shape
+    flat = [pages for layer in kv_pool for pages in layer]
+    live = [i for i, pages in enumerate(flat) if pages.size]  # a latent cache's V pools have no width (MLA)
+    shape = flat[live[0]].shape
     num_blocks = shape[0]
     block_elems = 1
     for size in shape[1:]:
         block_elems *= size
-    arrays = [pages.reshape(num_blocks, block_elems) for layer in kv_pool for pages in layer]
+    arrays = [flat[i].reshape(num_blocks, block_elems) for i in live]
     tile = min(_MAX_TILE, _next_pow2(block_elems))
     num_arrays = len(arrays)
     kernel = functools.partial(_copy_kernel, num_arrays=num_arrays, num_blocks=num_blocks, block_elems=block_elems,
@@ -63,8 +65,9 @@ def _copy_blocks_pallas(kv_pool: list, src: jax.Array, dst: jax.Array, *, interp
         compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         name="copy_blocks",
     )(src.astype(jnp.int32), dst.astype(jnp.int32), *arrays)
-    outs = [out.reshape(shape) for out in outs]
-    return [(outs[2 * i], outs[2 * i + 1]) for i in range(len(kv_pool))]
+    for i, out in zip(live, outs):
+        flat[i] = out.reshape(shape)
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(kv_pool))]
 
 
 def copy_blocks(kv_pool: list, src: jax.Array, dst: jax.Array, *, impl: str = "xla", interpret: bool = False) -> list:
@@ -73,7 +76,8 @@ def copy_blocks(kv_pool: list, src: jax.Array, dst: jax.Array, *, impl: str = "x
 
     Args:
       kv_pool: per layer ``(k_pages, v_pages)``, each ``[num_blocks, block_size, Hkv, D]`` (all the same shape and
-        dtype); donated by the caller's jit so the copies happen in place.
+        dtype, but for a latent cache's V pools of width 0, ``ModelConfig.kv_pool_head_dims``);
+        donated by the caller's jit so the copies happen in place.
       src, dst: int32[C]. A destination is never also a source in the same call (copy-on-write copies into fresh
         blocks), so the order of the copies does not matter.
       impl: "xla" (per-pool scatters; any device layout), "pallas" (one Pallas Triton kernel for every pool; one

@@ -22,7 +22,8 @@ def write_kv(
     """Scatter the new keys/values of a flat token batch into the paged pool.
 
     Args:
-      k_pages, v_pages: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools (same shape and dtype).
+      k_pages, v_pages: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools (same shape and dtype), or a latent
+        cache (``is_latent_pool``: ``v_pages`` of width 0, returned as is; ``v`` is then part of ``k`` and not written).
       k, v: ``[T, num_kv_heads, head_dim]`` new keys/values (cast to the pool dtype; an FP8 pool saturates at its
         largest finite value).
       slot_mapping: ``int32[T]``; token ``t`` goes to ``slot = block * block_size + offset``. Padding tokens use
@@ -36,14 +37,16 @@ def write_kv(
     """
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {k_pages.shape}")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    latent = is_latent_pool(k_pages, v_pages)
+    if v_pages.shape != k_pages.shape and not latent:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape} (or have width 0: "
+                         "a latent cache)")
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
     if k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"k must be [T, {num_kv_heads}, {head_dim}] to match the pool, got shape {k.shape}")
-    if v.shape != k.shape:
+    if v.shape != k.shape and not latent:
         raise ValueError(f"v shape {v.shape} must equal k shape {k.shape}")
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must be [T={k.shape[0]}], got shape {slot_mapping.shape}")
@@ -78,4 +81,10 @@ def write_kv(
             flat = flat.at[slot_mapping].set(new, mode="drop")
         return flat.reshape(pages.shape)
 
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return scatter(k_pages, k), (v_pages if latent else scatter(v_pages, v))
+
+
+def is_latent_pool(k_pages: jax.Array, v_pages: jax.Array) -> bool:
+    """Whether ``(k_pages, v_pages)`` is a latent cache (multi-head latent attention): a V pool of width 0 beside a
+    K pool of the same blocks, whose rows hold the values in their first columns."""
+    return v_pages.shape[-1] == 0 and v_pages.shape[:-1] == k_pages.shape[:-1] and k_pages.shape[-1] > 0

@@ -464,13 +464,12 @@ class _Rows:
         (sharded over kv heads under a sharding plan)."""
         config, plan = self.config, self.static.sharding_plan
         kv_dtype = getattr(self.model, "dtype", jnp.float32)
-        page_shape = (self.num_blocks, self.static.block_size, config.num_key_value_heads, config.head_dim)
-
-        def empty_pages():
-            pages = jnp.zeros(page_shape, kv_dtype)
+        def empty_pages(head_dim):  # a latent cache's V pages have no width (ModelConfig.kv_pool_head_dims)
+            pages = jnp.zeros((self.num_blocks, self.static.block_size, config.num_key_value_heads, head_dim),
+                              kv_dtype)
             return pages if plan is None else jax.lax.with_sharding_constraint(pages, plan.kv_cache_sharding)
 
-        return [(empty_pages(), empty_pages()) for _ in range(config.num_hidden_layers)]
+        return [tuple(map(empty_pages, config.kv_pool_head_dims)) for _ in range(config.num_hidden_layers)]
 
     def attention(self, slot_mapping, kv_lens, cu_q_lens):
         """The model's attention for one forward: write the new k/v at ``slot_mapping`` and attend over the rows'

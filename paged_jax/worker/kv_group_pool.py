@@ -48,6 +48,19 @@ class KVPoolLayout:
                    tuple(slot_of_layer))
 
 
+def kv_page_shapes(config: ModelConfig, num_blocks: int, block_size: int, *, host_pool: bool = False
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One slot's K and V pool shapes, ``[num_blocks, block_size, Hkv, D]`` with ``D`` each of
+    ``ModelConfig.kv_pool_head_dims`` (a latent cache's V pool has width 0). ``host_pool``: a host KV pool mirrors
+    the pool, stacking K and V (``paged_jax.worker.host_kv_pool``): ValueError naming its flags for a latent cache."""
+    shapes = tuple((num_blocks, block_size, config.num_key_value_heads, dim) for dim in config.kv_pool_head_dims)
+    if host_pool and shapes[0] != shapes[1]:
+        raise ValueError("swap_space / kv_offloading_size: the host KV pool does not hold a latent KV cache "
+                         f"({config.architecture}'s multi-head latent attention); use preemption_mode 'recompute' "
+                         "and no host tier")
+    return shapes
+
+
 def mixes_kv_groups(sharding_plan) -> bool:
     """Whether an engine running with ``sharding_plan`` (None: one device) keeps a model's sliding-window and full
     layers in their own KV-cache groups (``kv_groups.engine_kv_groups``' ``mixed_groups``): one device and tensor

@@ -45,11 +45,12 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype, *, mixed_groups: bool = True) -> int:
-    """Bytes one block takes across all layers (K and V), or across one KV-cache group's layers
+    """Bytes one block takes across all layers (K and V: ``ModelConfig.kv_pool_head_dims``, a latent cache's
+    ``kv_lora_rank + qk_rope_head_dim`` per token and layer), or across one KV-cache group's layers
     (``paged_jax.core.kv_groups``: a block holds one group's pages; ``mixed_groups``: see ``engine_kv_groups``)."""
     groups = engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups)
     layers_per_block = max(len(group.layers) for group in groups)
-    return (layers_per_block * 2 * block_size * config.num_key_value_heads * config.head_dim
+    return (layers_per_block * block_size * config.num_key_value_heads * sum(config.kv_pool_head_dims)
             * jnp.dtype(dtype).itemsize)
 
 

@@ -55,7 +55,7 @@ from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
 from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.kv_group_pool import KVPoolLayout, mixes_kv_groups
+from paged_jax.worker.kv_group_pool import KVPoolLayout, kv_page_shapes, mixes_kv_groups
 from paged_jax.worker.moe_outputs import MoeStepOutputs
 from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
@@ -157,7 +157,8 @@ class ModelRunner:
         self.batch_invariant = bool(batch_invariant)  # the model's matmuls and norms, the attention's tiling
         self.moe_outputs = _capture_routing(model, model_config, moe_outputs or MoeStepOutputs(), forward)
         self._split_model(model)
-        shape = self._kv_block_shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        shape, _ = self._kv_block_shapes = kv_page_shapes(model_config, num_blocks, block_size,
+                                                          host_pool=bool(num_host_blocks))
         # Allocated on first use (the ``kv_pool`` property): warm-up compiles before it exists, so the compilers'
         # scratch memory (GPU autotuning, several compiles at once) never competes with it.
         self._kv_pool: list[tuple[jax.Array, jax.Array]] | None = None
@@ -281,13 +282,13 @@ class ModelRunner:
         of ``kv_layout`` with KV-cache groups (zeros when first used)."""
         if self._kv_pool is None:
             if self.sharding_plan is None:
-                check_pool_fits(self.device, 2 * self.kv_layout.num_slots * math.prod(self._kv_block_shape)
+                check_pool_fits(self.device, self.kv_layout.num_slots * sum(map(math.prod, self._kv_block_shapes))
                                 * jnp.dtype(self.kv_dtype).itemsize)
             self._kv_pool = (
                 self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype,
                                                   num_layers=self.kv_layout.num_slots)
-                if self.sharding_plan else [(jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device),
-                                             jnp.zeros(self._kv_block_shape, self.kv_dtype, device=self.device))
+                if self.sharding_plan else [tuple(jnp.zeros(shape, self.kv_dtype, device=self.device)
+                                                  for shape in self._kv_block_shapes)
                                             for _ in range(self.kv_layout.num_slots)])
         return self._kv_pool
 
@@ -300,8 +301,9 @@ class ModelRunner:
         sharding is the one its creation returns, so that one is allocated)."""
         if self.sharding_plan is not None or self._kv_pool is not None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
-        page = jax.ShapeDtypeStruct(self._kv_block_shape, self.kv_dtype, sharding=self.input_sharding())
-        return [(page, page) for _ in range(self.kv_layout.num_slots)]
+        pages = tuple(jax.ShapeDtypeStruct(shape, self.kv_dtype, sharding=self.input_sharding())
+                      for shape in self._kv_block_shapes)
+        return [pages for _ in range(self.kv_layout.num_slots)]
 
     def input_sharding(self) -> jax.sharding.Sharding:
         """Where ``jax.device_put(host_array, self.device)`` puts a step input (the runner's device or the plan's

@@ -121,6 +121,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     interpret: bool = False,
     batch_invariant: bool = False,
+    v_head_dim: int | None = None,
     **tuning,
 ) -> jax.Array:
     """Attention of a flat ragged token batch against a paged KV cache.
@@ -149,6 +150,8 @@ def ragged_paged_attention(
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       batch_invariant: each token's output the same bits whatever the batch and its query count
         (``_batch_invariant_choice``).
+      v_head_dim: None, or for a latent cache (MLA: ``v_pages`` of width 0) the values' width, the K rows' first
+        ``v_head_dim`` columns; only the reference reads one (``"auto"`` runs it, a kernel named is a ValueError).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
@@ -160,7 +163,12 @@ def ragged_paged_attention(
       the index arrays are dynamic.
     """
     impl = resolve_attention_impl(impl)
-    validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap, sinks)
+    validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap, sinks,
+                    v_head_dim)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    if v_head_dim is not None:
+        return _latent_reference(impl, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
+                                 batch_invariant=batch_invariant, v_head_dim=v_head_dim)
     _check_tuning(impl, tuning)
     if batch_invariant:
         impl, tuning = _batch_invariant_choice(impl, tuning, q.shape, k_pages.shape[2])
@@ -173,7 +181,6 @@ def ragged_paged_attention(
 
             return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                                  sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
-    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 
@@ -187,6 +194,17 @@ def ragged_paged_attention(
 
     return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
                                          interpret=interpret, **tuning)
+
+
+def _latent_reference(impl: str, *args, batch_invariant: bool, **kwargs) -> jax.Array:
+    """A latent cache's attention (``ragged_paged_attention`` with ``v_head_dim``): the reference; ValueError for a
+    Pallas kernel, which reads only K and V pools of one width."""
+    if impl not in ("auto", "reference"):
+        raise ValueError(f"impl={impl!r} does not read a latent KV cache (multi-head latent attention): use "
+                         "'reference' or 'auto'")
+    return ragged_paged_attention_reference(
+        *args, **kwargs, token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
+
 
 __all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
            "ragged_paged_attention_reference"]

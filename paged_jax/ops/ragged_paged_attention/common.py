@@ -32,15 +32,20 @@ def next_pow2(x: int) -> int:
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window,
-                    logit_soft_cap=None, sinks=None) -> None:
-    """ValueError naming the argument when the shapes, dtypes, ``sliding_window``, ``logit_soft_cap`` or ``sinks``
-    do not fit the interface."""
+                    logit_soft_cap=None, sinks=None, v_head_dim=None) -> None:
+    """ValueError naming the argument when the shapes, dtypes, ``sliding_window``, ``logit_soft_cap``, ``sinks``
+    or ``v_head_dim`` (a latent cache's value width) do not fit the interface."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+    latent = v_pages.shape[:-1] == k_pages.shape[:-1] and v_pages.shape[-1] == 0
+    if v_pages.shape != k_pages.shape and not latent:
+        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape} (or have width 0: "
+                         "a latent cache)")
+    if latent != (v_head_dim is not None) or (latent and not 0 < v_head_dim <= k_pages.shape[-1]):
+        raise ValueError(f"v_head_dim ({v_head_dim}) must be given exactly for a latent cache (v_pages of width 0), "
+                         f"in 1..{k_pages.shape[-1]}")
     _, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, kv_head_dim = k_pages.shape
     if kv_head_dim != head_dim:

@@ -48,7 +48,7 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                      sliding_window: int | None = None, logit_soft_cap: float | None = None,
                                      sinks: jax.Array | None = None, max_chunk_bytes: int = 64 << 20,
-                                     token_chunk: int | None = None) -> jax.Array:
+                                     token_chunk: int | None = None, v_head_dim: int | None = None) -> jax.Array:
     """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
 
     Args:
@@ -63,12 +63,16 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
       max_chunk_bytes: bound on the fp32 K+V gathered per chunk of tokens (sets the ``lax.map`` batch size).
       token_chunk: if set, the ``lax.map`` batch size instead, the tokens padded to a multiple of it: every chunk
         is then the same vmapped computation whatever ``T`` (batch-invariant mode).
+      v_head_dim: None, or for a latent cache (``v_pages`` of width 0, multi-head latent attention) the values'
+        width: each key row's first ``v_head_dim`` columns are its value.
 
     Returns:
-      ``[T, Hq, D]`` in ``q.dtype``; padding tokens (index >= ``cu_q_lens[S]``) are zeros.
+      ``[T, Hq, D]`` (``[T, Hq, v_head_dim]`` for a latent cache) in ``q.dtype``;
+      padding tokens (index >= ``cu_q_lens[S]``) are zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
+    out_dim = head_dim if v_head_dim is None else v_head_dim
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     context = max_blocks * block_size
@@ -81,7 +85,10 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         q_t, s, pos, is_valid = args  # [Hq, D], scalars
         pages = block_tables[s]  # [max_blocks]
         k = k_pages[pages].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[pages].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+        if v_head_dim is None:
+            v = v_pages[pages].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+        else:  # a latent cache: the values are the first v_head_dim columns of the K rows
+            v = k[..., :v_head_dim]
         q_g = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
         if logit_soft_cap is not None:
@@ -102,7 +109,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         out = jnp.einsum("hgl,lhd->hgd", weights, v, precision=lax.Precision.HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)
         out = jnp.where(is_valid, out, 0.0)
-        return out.reshape(num_q_heads, head_dim).astype(q.dtype)
+        return out.reshape(num_q_heads, out_dim).astype(q.dtype)
 
     if token_chunk is not None:
         pad = -num_tokens % token_chunk
