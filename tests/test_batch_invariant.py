@@ -100,7 +100,7 @@ def test_the_mode_is_refused_where_it_does_not_hold_and_read_from_vllm_env(monke
     assert EngineArgs().batch_invariant
 
 
-@pytest.mark.parametrize("impl", ["tiles", "pallas"])
+@pytest.mark.parametrize("impl", ["chunks", "pallas"])
 def test_the_matmul_gives_each_row_the_same_bits_whatever_the_other_rows(impl):
     """XLA's own dot on the CPU changes a row's bits with the row count (a matrix-vector path for one row); the
     fixed-tile matmul (the Pallas kernel in interpret mode) does not, and agrees with float32 to bfloat16 rounding."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from models.llama import set_rms_norm_impl
+from models.llama import fuse_projections, set_rms_norm_impl
 from paged_jax.ops.batch_invariant import batch_invariant_dot_general
 
 
@@ -51,3 +51,11 @@ def make_batch_invariant(model: nnx.Module) -> nnx.Module:
     model.logits_dot_general = batch_invariant_dot_general
     set_rms_norm_impl(model, "batch_invariant")
     return model
+
+
+def engine_batch_invariant(model: nnx.Module) -> nnx.Module:
+    """In place: ``model`` (the checkpoint's layout or the engine's) as the engine runs it in this mode: q/k/v and
+    gate/up fused (``models.llama.fuse_projections``, the engine's matmul shapes: a column's bits follow its matmul's
+    shape) and ``make_batch_invariant``. What ``generate`` and ``score_tokens`` run with ``batch_invariant=True``, so
+    that their tokens and logprobs are the engine's bits. Returns ``model``."""
+    return make_batch_invariant(fuse_projections(model))
