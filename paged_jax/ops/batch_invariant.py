@@ -121,25 +121,37 @@ def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool
     )(x, w)
 
 
-def matmul_chunks(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
-    """``matmul_pallas``'s contract by XLA's dot: one ``[ROW_TILE, K] @ [K, N]`` dot per chunk of rows, each behind
-    optimization barriers and after the previous chunk (module docstring)."""
-    m, k = x.shape
-    out_dtype = out_dtype or x.dtype
+def map_row_chunks(fn, x: jax.Array) -> jax.Array:
+    """``fn`` (rows ``[ROW_TILE, ...] -> [ROW_TILE, ...]``, each output row from its input row alone) over ``x``'s
+    rows in chunks of ``ROW_TILE`` (zero-padded), each chunk between optimization barriers and after the previous
+    one (module docstring): every row computed by the same program of one shape, whatever the row count."""
+    m = x.shape[0]
     chunks = -(-m // ROW_TILE)
-    padded = jnp.pad(x, ((0, chunks * ROW_TILE - m), (0, 0)))
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    padded = jnp.pad(x, ((0, chunks * ROW_TILE - m),) + ((0, 0),) * (x.ndim - 1))
     outs = []
     for c in range(chunks):
         chunk = padded[c * ROW_TILE:(c + 1) * ROW_TILE]
-        # The previous chunk's product passes the barrier with this chunk's rows: a data dependence, so no two
-        # chunks' dots can be merged into one.
-        chunk = lax.optimization_barrier(chunk if not outs else (chunk, outs[-1]))
-        chunk = chunk if not outs else chunk[0]
-        out = jnp.dot(chunk, w, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
-        outs.append(lax.optimization_barrier(out))
+        # The previous chunk's result passes the barrier with this chunk's rows: a data dependence, so no two
+        # chunks' computations can be merged into one of another shape.
+        chunk = lax.optimization_barrier(chunk) if not outs else lax.optimization_barrier((chunk, outs[-1]))[0]
+        outs.append(lax.optimization_barrier(fn(chunk)))
     out = outs[0] if chunks == 1 else jnp.concatenate(outs)
     return out[:m]
+
+
+def matmul_chunks(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """``matmul_pallas``'s contract by XLA's dot: one ``[ROW_TILE, K] @ [K, N]`` dot per chunk of rows
+    (``map_row_chunks``)."""
+    out_dtype = out_dtype or x.dtype
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return map_row_chunks(
+        lambda chunk: jnp.dot(chunk, w, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype), x)
+
+
+def logsumexp_batch_invariant(logits: jax.Array) -> jax.Array:
+    """``logsumexp(logits [R, V], axis=-1)`` -> f32[R], each row's bits independent of R and of the program around
+    it (``map_row_chunks``): a compiler emits a row reduction by the row count and by what it fuses it with."""
+    return map_row_chunks(lambda chunk: jax.nn.logsumexp(chunk, axis=-1), logits)
 
 
 def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "auto",

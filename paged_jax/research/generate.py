@@ -575,7 +575,7 @@ def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParam
                                               seeds=row_keys, steps=jnp.full((batch_size,), step, jnp.int32))
 
     def run(mode: SamplingMode):
-        out = sample(logits, tensors, mode=mode)
+        out = sample(logits, tensors, mode=mode, batch_invariant=static.batch_invariant)
         return out.token_ids, out.logprobs
 
     vocab_size = logits.shape[1]

@@ -190,6 +190,6 @@ def _paged_scores(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Ar
     if transform is not None:
         logits = temperature_and_filters(logits, *(jnp.repeat(x, num_tokens) for x in transform))
     targets = jnp.roll(token_ids, -1, axis=1).reshape(-1)
-    logprobs = raw_logprob_outputs(logits, targets, 0)[0].reshape(batch_size, num_tokens)[:, :-1]
+    logprobs = raw_logprob_outputs(logits, targets, 0, batch_invariant=True)[0].reshape(batch_size, num_tokens)[:, :-1]
     valid = positions[None, 1:] < lengths[:, None]
     return jnp.concatenate([jnp.zeros((batch_size, 1), jnp.float32), jnp.where(valid, logprobs, 0.0)], axis=1)
