@@ -159,8 +159,10 @@ def invariance_section(args, model_kwargs: dict) -> list[dict]:
 
     # The target's prompt (tiny: 40 tokens, else 300) takes two steps of prefill (tiny: 32, else 256 tokens).
     max_len, step_tokens, target_len = (64, 32, 40) if args.tiny_model else (600, 256, 300)
+    # Half the device's memory: generate and score_tokens build their own KV pools and logits beside the engine's.
     llm = LLM(batch_invariant=True, dtype=args.dtype, max_model_len=4 * max_len, max_num_batched_tokens=step_tokens,
-              max_num_seqs=64, enable_prefix_caching=True, use_tqdm=False, **model_kwargs)
+              max_num_seqs=64, enable_prefix_caching=True, gpu_memory_utilization=0.5, use_tqdm=False,
+              **model_kwargs)
     vocab = llm.llm_engine.engine_core.runner.model_config.vocab_size
     target_ids = _prompt(np.random.default_rng(0), target_len, vocab)
     max_tokens = 6 if args.tiny else 24
@@ -219,7 +221,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.tiny and not args.tiny_model and {"invariance", "engine"} & set(sections):
             from models.testing import save_random_hf_checkpoint, tiny_config
 
-            args.tiny_model = str(save_random_hf_checkpoint(tiny_config("llama"), f"{tmp}/tiny"))
+            # Vocabulary: the random workload's token ids.
+            config = tiny_config("llama", vocab_size=10240)
+            args.tiny_model = str(save_random_hf_checkpoint(config, f"{tmp}/tiny"))
         model_kwargs = (dict(model=args.tiny_model, weight_cache=False, num_gpu_blocks_override=256)
                         if args.tiny_model else dict(model=args.invariance_shape, load_format="dummy"))
         if "invariance" in sections:

@@ -144,6 +144,7 @@ def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monk
                                                                                                       "moved_same"))
 
 
+@pytest.mark.slow
 def test_the_benchmark_checks_the_engine_generate_and_score_tokens_bits():
     """``benchmarks.batch_invariant``'s invariance section on a tiny random checkpoint: every check holds."""
     from benchmarks import batch_invariant as bench
@@ -165,8 +166,9 @@ def test_the_benchmark_times_both_modes():
 @pytest.mark.parametrize("impl,interpret", [("reference", False), ("triton", True)])
 def test_attention_gives_a_token_the_same_bits_decoded_batched_prefilled_or_chunked(impl, interpret):
     """``ragged_paged_attention(batch_invariant=True)``: the last token of a 40-token sequence (3 KV blocks of the
-    kernel), decoded alone, decoded beside another sequence's prefill, in the whole prompt's prefill and in a
-    chunk's."""
+    kernel), decoded alone, decoded beside another sequence's prefill, in the whole prompt's prefill, in a chunk's
+    and through a wider block table (``generate``'s pool is not the engine's), the default attention's value to
+    bfloat16 rounding."""
     from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
     rng = np.random.default_rng(0)
@@ -189,8 +191,13 @@ def test_attention_gives_a_token_the_same_bits_decoded_batched_prefilled_or_chun
     prefill = attend(jnp.zeros((64, q_heads, head_dim), jnp.bfloat16).at[:length].set(queries), [length, 0],
                      [table, empty], [0, length, length])[length - 1]
     chunk = attend(queries[-9:], [length], [table], [0, 9])[8]
-    for other in (batched, prefill, chunk):
+    wider_table = attend(queries[-1:], [length], [np.concatenate([table, empty])], [0, 1])[0]
+    for other in (batched, prefill, chunk, wider_table):
         assert (other == alone).all()
+    exact = ragged_paged_attention(queries[-1:], k_pages, v_pages, jnp.asarray([length], jnp.int32),
+                                   jnp.asarray(table[None]), jnp.asarray([0, 1], jnp.int32), sm_scale=0.25,
+                                   impl="reference")
+    np.testing.assert_allclose(alone, np.asarray(exact.astype(jnp.float32))[0], atol=2e-2)
     with pytest.raises(ValueError, match="not batch invariant"):
         ragged_paged_attention(queries, k_pages, v_pages, jnp.asarray([length], jnp.int32),
                                jnp.asarray(table[None]), jnp.asarray([0, length], jnp.int32), sm_scale=0.25,
