@@ -100,7 +100,7 @@ def test_the_mode_is_refused_where_it_does_not_hold_and_read_from_vllm_env(monke
     assert EngineArgs().batch_invariant
 
 
-@pytest.mark.parametrize("impl", ["tiles", "pallas"])
+@pytest.mark.parametrize("impl", ["chunks", "pallas"])
 def test_the_matmul_gives_each_row_the_same_bits_whatever_the_other_rows(impl):
     """XLA's own dot on the CPU changes a row's bits with the row count (a matrix-vector path for one row); the
     fixed-tile matmul (the Pallas kernel in interpret mode) does not, and agrees with float32 to bfloat16 rounding."""
@@ -120,7 +120,8 @@ def test_the_matmul_gives_each_row_the_same_bits_whatever_the_other_rows(impl):
 
 def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monkeypatch):
     """``--batch-invariant`` of ``bench latency`` (an engine flag) and of ``benchmarks.throughput`` reach the
-    engine's arguments; the per-matmul benchmark runs on its CPU smoke shapes."""
+    engine's arguments; the per-matmul benchmark runs on its CPU smoke shapes, where both of the mode's matmuls
+    keep a row's bits at any row count and position."""
     import paged_jax
     from benchmarks import batch_invariant as kernel_bench, latency, throughput
     from paged_jax.entrypoints.cli import engine_kwargs
@@ -136,15 +137,38 @@ def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monk
     with pytest.raises(KeyboardInterrupt):
         throughput.main(["--shape", "smollm2-135m", "--batch-invariant", "--num-prompts", "1"])
     assert engine_kwargs_seen["batch_invariant"] is True
-    lines = kernel_bench.main(["--tiny", "--rows", "1,70", "--repeats", "1"])
-    assert len(lines) == 4 and all(line["invariant_row0_same"] for line in lines)
+    lines = kernel_bench.main(["--tiny", "--sections", "matmul", "--rows", "1,70", "--repeats", "1",
+                               "--impls", "chunks,pallas"])
+    assert len(lines) == 4
+    assert all(line[f"{impl}_{check}"] for line in lines for impl in ("chunks", "pallas") for check in ("row0_same",
+                                                                                                      "moved_same"))
+
+
+@pytest.mark.slow
+def test_the_benchmark_checks_the_engine_generate_and_score_tokens_bits():
+    """``benchmarks.batch_invariant``'s invariance section on a tiny random checkpoint: every check holds."""
+    from benchmarks import batch_invariant as bench
+
+    lines = bench.main(["--tiny", "--sections", "invariance", "--dtype", "float32", "--crowds", "5"])
+    assert [line["check"] for line in lines] == ["engine", "engine", "generate", "score_tokens", "score_tokens"]
+    assert all(line.get("same_bits", True) and line.get("same_tokens", True) and line.get("same_logprobs", True)
+               for line in lines), lines
+
+
+@pytest.mark.slow
+def test_the_benchmark_times_both_modes():
+    from benchmarks import batch_invariant as bench
+
+    (line,) = bench.main(["--tiny", "--sections", "engine"])
+    assert line["cost_ratio"] > 0
 
 
 @pytest.mark.parametrize("impl,interpret", [("reference", False), ("triton", True)])
 def test_attention_gives_a_token_the_same_bits_decoded_batched_prefilled_or_chunked(impl, interpret):
     """``ragged_paged_attention(batch_invariant=True)``: the last token of a 40-token sequence (3 KV blocks of the
-    kernel), decoded alone, decoded beside another sequence's prefill, in the whole prompt's prefill and in a
-    chunk's."""
+    kernel), decoded alone, decoded beside another sequence's prefill, in the whole prompt's prefill, in a chunk's
+    and through a wider block table (``generate``'s pool is not the engine's), the default attention's value to
+    bfloat16 rounding."""
     from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
     rng = np.random.default_rng(0)
@@ -167,9 +191,64 @@ def test_attention_gives_a_token_the_same_bits_decoded_batched_prefilled_or_chun
     prefill = attend(jnp.zeros((64, q_heads, head_dim), jnp.bfloat16).at[:length].set(queries), [length, 0],
                      [table, empty], [0, length, length])[length - 1]
     chunk = attend(queries[-9:], [length], [table], [0, 9])[8]
-    for other in (batched, prefill, chunk):
+    wider_table = attend(queries[-1:], [length], [np.concatenate([table, empty])], [0, 1])[0]
+    for other in (batched, prefill, chunk, wider_table):
         assert (other == alone).all()
+    exact = ragged_paged_attention(queries[-1:], k_pages, v_pages, jnp.asarray([length], jnp.int32),
+                                   jnp.asarray(table[None]), jnp.asarray([0, 1], jnp.int32), sm_scale=0.25,
+                                   impl="reference")
+    np.testing.assert_allclose(alone, np.asarray(exact.astype(jnp.float32))[0], atol=2e-2)
     with pytest.raises(ValueError, match="not batch invariant"):
         ragged_paged_attention(queries, k_pages, v_pages, jnp.asarray([length], jnp.int32),
                                jnp.asarray(table[None]), jnp.asarray([0, length], jnp.int32), sm_scale=0.25,
                                impl="mosaic", batch_invariant=True)
+
+
+def test_generate_and_score_tokens_give_the_engines_tokens_and_logprobs(checkpoint, invariant_llm):
+    """With ``batch_invariant=True`` the jittable ``generate`` (the target among other prompts) gives the engine's
+    greedy tokens and logprobs bit for bit, and ``score_tokens`` (the target's completions among other rows) the
+    engine's logprobs of its greedy and seeded samples and of the prompt bit for bit, so a trainer's
+    scores equal the sampler's; its gradient is the default computation's."""
+    from paged_jax.research.generate import generate
+    from paged_jax.research.scoring import load_pretrained, score_tokens
+
+    graphdef, state, _, _ = load_pretrained(str(checkpoint), dtype="float32")
+    prompt = TARGET["prompt_token_ids"]
+    engine = {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=0)
+    for name, params in (("greedy", greedy), ("seeded", SEEDED)):
+        invariant_llm.reset_prefix_cache()
+        request = invariant_llm.generate([TARGET], params, use_tqdm=False)[0]
+        seq = request.outputs[0]
+        engine[name] = (np.asarray(seq.token_ids, np.int32),
+                        np.asarray([lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids)], np.float32))
+        if name == "greedy":  # the prompt's logprobs, computed in the prompt's two prefill chunks
+            engine["prompt"] = np.asarray([lp[t].logprob for lp, t in zip(request.prompt_logprobs[1:], prompt[1:])],
+                                          np.float32)
+
+    others, _ = _others(3)
+    rows = [o["prompt_token_ids"] for o in others[:1]] + [prompt] + [o["prompt_token_ids"] for o in others[1:]]
+    width = max(map(len, rows))
+    tokens = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+    out = generate((graphdef, state), tokens, np.array([len(r) for r in rows], np.int32), max_new_tokens=10,
+                   batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens[1]), engine["greedy"][0])
+    assert (np.asarray(out.logprobs[1]) == engine["greedy"][1]).all()
+
+    sequences = [prompt + engine["greedy"][0].tolist(), others[2]["prompt_token_ids"],
+                 prompt + engine["seeded"][0].tolist()]
+    width = max(map(len, sequences)) + 3
+    ids = np.array([s + [1] * (width - len(s)) for s in sequences], np.int32)
+    lengths = np.array([len(s) for s in sequences], np.int32)
+    scores = np.asarray(score_tokens((graphdef, state), ids, lengths, batch_invariant=True))
+    for row, name in ((0, "greedy"), (2, "seeded")):
+        assert (scores[row, len(prompt):lengths[row]] == engine[name][1]).all(), name
+    assert (scores[0, 1:len(prompt)] == engine["prompt"]).all()
+    default = np.asarray(score_tokens((graphdef, state), ids, lengths))
+    np.testing.assert_allclose(scores, default, atol=1e-4)
+
+    def loss(s, batch_invariant):
+        return score_tokens((graphdef, s), ids, lengths, batch_invariant=batch_invariant).sum()
+
+    grads = [jax.tree.leaves(jax.grad(loss)(state, mode)) for mode in (True, False)]
+    assert all((a == b).all() for a, b in zip(*grads))

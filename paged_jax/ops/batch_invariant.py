@@ -1,19 +1,24 @@
 """Batch-invariant matmul: ``x[M, K] @ w[K, N]`` whose every output row is the same bits whatever M and the other
 rows are (the engine's ``batch_invariant`` mode, ``paged_jax.worker.batch_invariant``).
 
-A library GEMM is not batch invariant: cuBLAS and XLA's Triton GEMMs pick tiles and split-K by shape, and XLA's CPU
-dot takes a matrix-vector path for one row and re-blocks K by shape, so a token's hidden state changes in its last
-bits with the number of tokens beside it. Here each output element is always one reduction over K in one order:
+A library GEMM is not batch invariant: cuBLAS and XLA's Triton GEMMs pick tiles and split-K by shape, XLA merges
+dots that share an operand into one, and XLA's CPU dot takes a matrix-vector path for one row and re-blocks K by
+shape, so a token's hidden state changes in its last bits with the number of tokens beside it. Here a row's bits
+depend only on its own values and the weights:
 
-* ``"pallas"`` (the GPU): a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
-  ``[i * ROW_TILE, (i + 1) * ROW_TILE)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0 up, accumulating
-  each step's tensor-core ``dot`` into a float32 tile (no split-K). ``ROW_TILE`` and ``BLOCK_K`` are constants, and the
-  column tile depends on N alone, so the instructions that compute a row never depend on M; rows past M are
-  masked (loaded as zeros, never stored). Whole-array refs with masked integer-array loads (no BlockSpecs), so
-  interpret mode runs the same code on the CPU.
-* ``"tiles"`` (elsewhere): the rows padded to a multiple of ``ROW_TILE`` and multiplied one ``[ROW_TILE, K]`` tile at
-  a time under ``lax.map``, so every tile is the same XLA dot of one shape (the CPU's fallback; a GPU would run the
-  map's iterations from the host).
+* ``"chunks"`` (the default): the rows padded to a multiple of ``ROW_TILE`` and multiplied one ``[ROW_TILE, K]``
+  chunk at a time by XLA's own dot (cuBLAS or XLA's Triton GEMM on a GPU). Every chunk is the same dot of one shape,
+  so the compiler picks one algorithm for it whatever M is; optimization barriers keep each chunk's dot apart from
+  what surrounds it (no prologue or epilogue fused in that another program would not fuse) and chain the chunks
+  one after the other (the dot merger cannot join them into one GEMM of another shape). The chunks are unrolled:
+  no XLA while loop in the step. On a GPU the algorithm of a dot shape comes from autotuning, whose results XLA
+  keeps per fusion for the process (and on disk with JAX's compilation cache), so every program of the process
+  runs a chunk by the same algorithm.
+* ``"pallas"``: a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
+  ``[i * ROW_TILE_PALLAS, (i + 1) * ROW_TILE_PALLAS)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0
+  up, accumulating each step's tensor-core ``dot`` into a float32 tile (no split-K), rows past M masked. Whole-array
+  refs with masked integer-array loads (no BlockSpecs), so interpret mode runs the same code on the CPU. It does not
+  depend on the compiler's choices, at several times the chunks' cost on a GPU (``benchmarks.batch_invariant``).
 
 Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other.
 
@@ -39,9 +44,13 @@ from jax.experimental.pallas import triton as plgpu
 
 _dot = getattr(plgpu, "dot", None) or pl.dot
 
-MATMUL_IMPLS = ("auto", "pallas", "tiles")
-# Rows per program / per tile: fixed, so a row's instructions never depend on how many rows there are.
-ROW_TILE = 64
+MATMUL_IMPLS = ("auto", "chunks", "pallas")
+# Rows per chunk of the "chunks" matmul and per tile of the CPU norm: fixed, so a row's instructions never depend on
+# how many rows there are. A decode row is padded to it: small enough that a chunk's dot stays bound by reading the
+# weights (batch-1 decode), large enough that a prefill needs few chunks.
+ROW_TILE = 128
+# Rows per program of the Pallas kernel.
+ROW_TILE_PALLAS = 64
 # K per step of the kernel's accumulation loop: fixed, so the order of a row's sums depends on K alone.
 BLOCK_K = 64
 # Programs wanted in flight (an H100 has 132 SMs): the column tile shrinks until a one-row-tile matmul has as many.
@@ -59,12 +68,10 @@ def block_n_for(n: int) -> int:
 
 
 def resolve_impl(impl: str) -> str:
-    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is "pallas" on a GPU, "tiles" elsewhere."""
+    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is "chunks"."""
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"batch-invariant matmul impl must be one of {', '.join(MATMUL_IMPLS)}, got {impl!r}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "tiles"
-    return impl
+    return "chunks" if impl == "auto" else impl
 
 
 def _tile_indices(pid, block: int, total: int):
@@ -78,7 +85,7 @@ def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, precision):
     """Program (i, j): ``out[i-th row tile, j-th column tile]`` over K in ``BLOCK_K`` steps. x [M, K], w [K, N]."""
     m_total, k_total = x_ref.shape
     n_total = w_ref.shape[1]
-    row_ok, rows = _tile_indices(pl.program_id(0), ROW_TILE, m_total)
+    row_ok, rows = _tile_indices(pl.program_id(0), ROW_TILE_PALLAS, m_total)
     col_ok, cols = _tile_indices(pl.program_id(1), block_n, n_total)
     offsets = jnp.arange(BLOCK_K, dtype=jnp.int32)
 
@@ -90,7 +97,7 @@ def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, precision):
         w = _load(w_ref.at[k_c[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         return acc + _dot(x, w, precision=precision)
 
-    acc = lax.fori_loop(0, -(-k_total // BLOCK_K), step, jnp.zeros((ROW_TILE, block_n), jnp.float32))
+    acc = lax.fori_loop(0, -(-k_total // BLOCK_K), step, jnp.zeros((ROW_TILE_PALLAS, block_n), jnp.float32))
     store_rows = jnp.where(row_ok, rows, m_total)[:, None]
     store_cols = jnp.where(col_ok, cols, n_total)[None, :]
     _store(out_ref.at[store_rows, store_cols], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
@@ -106,26 +113,45 @@ def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return pl.pallas_call(
         functools.partial(_matmul_kernel, block_n=block_n, precision=precision),
-        grid=(-(-m // ROW_TILE), -(-n // block_n)),
+        grid=(-(-m // ROW_TILE_PALLAS), -(-n // block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=4, num_stages=3),
-        name=f"batch_invariant_matmul_bm{ROW_TILE}_bn{block_n}_bk{BLOCK_K}",
+        name=f"batch_invariant_matmul_bm{ROW_TILE_PALLAS}_bn{block_n}_bk{BLOCK_K}",
     )(x, w)
 
 
-def matmul_tiles(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
-    """``matmul_pallas``'s contract by XLA: one ``[ROW_TILE, K] @ [K, N]`` dot per tile of rows under ``lax.map``."""
-    m, k = x.shape
+def map_row_chunks(fn, x: jax.Array) -> jax.Array:
+    """``fn`` (rows ``[ROW_TILE, ...] -> [ROW_TILE, ...]``, each output row from its input row alone) over ``x``'s
+    rows in chunks of ``ROW_TILE`` (zero-padded), each chunk between optimization barriers and after the previous
+    one (module docstring): every row computed by the same program of one shape, whatever the row count."""
+    m = x.shape[0]
+    chunks = -(-m // ROW_TILE)
+    padded = jnp.pad(x, ((0, chunks * ROW_TILE - m),) + ((0, 0),) * (x.ndim - 1))
+    outs = []
+    for c in range(chunks):
+        chunk = padded[c * ROW_TILE:(c + 1) * ROW_TILE]
+        # The previous chunk's result passes the barrier with this chunk's rows: a data dependence, so no two
+        # chunks' computations can be merged into one of another shape.
+        chunk = lax.optimization_barrier(chunk) if not outs else lax.optimization_barrier((chunk, outs[-1]))[0]
+        outs.append(lax.optimization_barrier(fn(chunk)))
+    out = outs[0] if chunks == 1 else jnp.concatenate(outs)
+    return out[:m]
+
+
+def matmul_chunks(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """``matmul_pallas``'s contract by XLA's dot: one ``[ROW_TILE, K] @ [K, N]`` dot per chunk of rows
+    (``map_row_chunks``)."""
     out_dtype = out_dtype or x.dtype
-    tiles = -(-m // ROW_TILE)
-    padded = jnp.pad(x, ((0, tiles * ROW_TILE - m), (0, 0))).reshape(tiles, ROW_TILE, k)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return map_row_chunks(
+        lambda chunk: jnp.dot(chunk, w, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype), x)
 
-    def one_tile(tile):
-        return jnp.dot(tile, w, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
 
-    return lax.map(one_tile, padded).reshape(tiles * ROW_TILE, -1)[:m]
+def logsumexp_batch_invariant(logits: jax.Array) -> jax.Array:
+    """``logsumexp(logits [R, V], axis=-1)`` -> f32[R], each row's bits independent of R and of the program around
+    it (``map_row_chunks``): a compiler emits a row reduction by the row count and by what it fuses it with."""
+    return map_row_chunks(lambda chunk: jax.nn.logsumexp(chunk, axis=-1), logits)
 
 
 def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "auto",
@@ -138,7 +164,7 @@ def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: 
         out = matmul_pallas(flat, w, out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
                             interpret=interpret)
     else:
-        out = matmul_tiles(flat, w, out_dtype=out_dtype)
+        out = matmul_chunks(flat, w, out_dtype=out_dtype)
     return out.reshape(*lead, w.shape[1])
 
 

@@ -54,6 +54,7 @@ from models.quantization import compiler_options
 from paged_jax.worker.attention_impl import resolve_attention_impl
 from paged_jax.ops import write_and_attend
 from paged_jax.parallel.plan import ShardingPlan
+from paged_jax.worker.batch_invariant import engine_batch_invariant
 from paged_jax.worker.sampler import SamplingMode, sample, temperature_top_k_top_p_tensors
 from paged_jax.sampling_params import SAMPLING_EPS
 from paged_jax.worker.top_k import candidates_suffice
@@ -90,6 +91,7 @@ class _StaticConfig(NamedTuple):
     static_temperature: float | None
     static_top_k: int | None
     static_top_p: float | None
+    batch_invariant: bool
 
 
 class _RowParams(NamedTuple):
@@ -120,6 +122,7 @@ def generate(
     block_size: int = 16,
     attention_impl: str = "auto",
     sharding_plan=None,
+    batch_invariant: bool = False,
 ) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens for every prompt of a batch, entirely on device.
 
@@ -149,6 +152,10 @@ def generate(
         have (``models.tensor_parallel.shard_model`` / ``load_sharded_model``): the KV pool is sharded over kv
         heads and attention runs per device under ``shard_map``. None: follow the input shardings (see the module
         docstring).
+      batch_invariant: static; the engine's batch-invariant mode (``paged_jax.worker.batch_invariant``): a row's
+        tokens and logprobs are the same bits as the engine's with ``batch_invariant=True`` for the same prompt
+        (greedy rows; sampled rows draw their noise from ``rng``, not from a request seed), whatever the other rows.
+        One device only (no ``sharding_plan``).
     Returns:
       ``GenerateOutput(tokens int32[B, N], logprobs float32[B, N], lengths int32[B], finished bool[B])``.
     Raises:
@@ -165,6 +172,8 @@ def generate(
         raise ValueError(f"pad_token_id must be a Python int (it is static), got {pad_token_id!r}")
     attention_impl = resolve_attention_impl(attention_impl, "attention_impl")
     _check_sharding_plan(sharding_plan)
+    if batch_invariant and sharding_plan is not None:
+        raise ValueError("batch_invariant is not supported with a sharding_plan (one device only)")
     prompt_tokens, prompt_lengths = _check_prompts(prompt_tokens, prompt_lengths)
     static_params, dynamic_params = _sampling_params(temperature, top_k, top_p, prompt_tokens.shape[0])
     static_temperature, static_top_k, static_top_p = static_params
@@ -174,7 +183,7 @@ def generate(
         graphdef=graphdef, max_new_tokens=max_new_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
         pad_token_id=int(pad_token_id), attention_impl=attention_impl, sharding_plan=sharding_plan,
         static_temperature=static_temperature,
-        static_top_k=static_top_k, static_top_p=static_top_p,
+        static_top_k=static_top_k, static_top_p=static_top_p, batch_invariant=bool(batch_invariant),
     )
     return call_with_model_compiler_options(_generate_jit, graphdef, states, static, states, prompt_tokens,
                                             prompt_lengths, rng, *dynamic_params)
@@ -430,6 +439,8 @@ def _generate_rows(static: _StaticConfig, states, prompt_tokens, prompt_lengths,
                    row_params: _RowParams) -> GenerateOutput:
     """The generation program for B rows with their own keys (row_keys: key[B]); see ``generate``."""
     model = nnx.merge(static.graphdef, *states)
+    if static.batch_invariant:
+        model = engine_batch_invariant(model)
     prompt_width = prompt_tokens.shape[1]
     rows = _Rows(static, model, jnp.clip(prompt_lengths, 1, prompt_width), prompt_width, row_keys, row_params)
     last_hidden, kv_caches = rows.prefill(prompt_tokens, rows.empty_kv_caches())
@@ -482,7 +493,7 @@ class _Rows:
 
         return ReusableAttention(
             functools.partial(write_and_attend, sm_scale=self.sm_scale, sliding_window=config.sliding_window,
-                              impl=static.attention_impl),
+                              impl=static.attention_impl, batch_invariant=static.batch_invariant),
             dict(slot_mapping=slot_mapping, kv_lens=kv_lens, block_tables=self.block_tables, cu_q_lens=cu_q_lens),
             fuses_qk_transform=True)
 
@@ -563,7 +574,7 @@ def _sample(static: _StaticConfig, logits, row_keys, step, row_params: _RowParam
                                               seeds=row_keys, steps=jnp.full((batch_size,), step, jnp.int32))
 
     def run(mode: SamplingMode):
-        out = sample(logits, tensors, mode=mode)
+        out = sample(logits, tensors, mode=mode, batch_invariant=static.batch_invariant)
         return out.token_ids, out.logprobs
 
     vocab_size = logits.shape[1]

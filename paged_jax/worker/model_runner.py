@@ -236,14 +236,14 @@ class ModelRunner:
         if self.drafter is not None:  # its program per bucket (paged_jax.spec_decode.draft_runner)
             self.drafter.bind(self)
 
-        max_seq_bucket, logprobs_mode = self._max_seq_bucket, self.logprobs_mode
+        max_seq_bucket, logprobs_mode, batch_invariant = self._max_seq_bucket, self.logprobs_mode, self.batch_invariant
 
         def sample(logits, sampling_words, prev_token_ids, bias_table, *, mode, num_logprobs):
             """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
             num_seqs = logits.shape[0]
             tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs, bias_table)
             out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs,
-                                     logprobs_mode=logprobs_mode)
+                                     logprobs_mode=logprobs_mode, batch_invariant=batch_invariant)
             # Padded to the widest seq bucket so the next forward's input feed always has one shape.
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks

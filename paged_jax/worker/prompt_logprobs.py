@@ -30,8 +30,8 @@ LOGITS_CHUNK_ROWS = 256
 
 
 def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-                              targets: jax.Array, *, num_logprobs: int,
-                              chunk_rows: int = LOGITS_CHUNK_ROWS) -> tuple[jax.Array, ...]:
+                              targets: jax.Array, *, num_logprobs: int, chunk_rows: int = LOGITS_CHUNK_ROWS,
+                              batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Target logprobs at every token of a step (traced inside the runner's jitted function).
 
     Args:
@@ -41,6 +41,7 @@ def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], 
       num_logprobs: K, the top alternatives per position.
       chunk_rows: positions per logits chunk (chunks run one after another, so at most this many rows of logits
         are live).
+      batch_invariant: the engine's batch-invariant mode (``raw_logprob_outputs``'s).
     Returns:
       (logprob f32[T], rank i32[T] (1-based), top ids i32[T, K], top logprobs f32[T, K]), all under log_softmax of
       the raw logits.
@@ -55,7 +56,7 @@ def prompt_logprobs_on_device(compute_logits: Callable[[jax.Array], jax.Array], 
     def one_chunk(chunk):
         chunk_hidden, chunk_targets = chunk
         logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(compute_logits(chunk_hidden), chunk_targets,
-                                                                   num_logprobs)
+                                                                   num_logprobs, batch_invariant=batch_invariant)
         return logprob, rank, top_ids, top_logprobs
 
     # A loop over chunks (lax.map), not a Python loop: XLA merges unrolled chunks' LM-head matmuls back into one

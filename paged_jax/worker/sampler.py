@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.ops.batch_invariant import logsumexp_batch_invariant
 from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams, validate_token_ids
 from paged_jax.worker.logit_processing import (apply_allowed_token_mask, apply_logit_bias, apply_penalties, ban_tokens,
                                                  gumbel_noise, temperature_and_filters)
@@ -510,11 +511,17 @@ def unpack_sampling_tensors(words: jax.Array, prev_token_ids: jax.Array, num_row
 
 
 def raw_logprob_outputs(
-    logits: jax.Array, token_ids: jax.Array, num_logprobs: int, normalize: bool = True
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int, normalize: bool = True, batch_invariant: bool = False
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(logprob f32[S], top_ids i32[S, K], top_logprobs f32[S, K], rank i32[S]) under log_softmax(logits), or of
-    the logits themselves when not ``normalize``."""
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1) if normalize else jnp.zeros(logits.shape[:1], logits.dtype)
+    the logits themselves when not ``normalize``. ``batch_invariant``: the normalizer by
+    ``paged_jax.ops.batch_invariant.logsumexp_batch_invariant`` (a row's bits whatever S and the program)."""
+    if not normalize:
+        log_normalizer = jnp.zeros(logits.shape[:1], logits.dtype)
+    elif batch_invariant:
+        log_normalizer = logsumexp_batch_invariant(logits)
+    else:
+        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
     sampled_logit = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]
     sampled_logprob = sampled_logit - log_normalizer
     rank = 1 + jnp.sum(logits > sampled_logit[:, None], axis=-1, dtype=jnp.int32)
@@ -527,10 +534,10 @@ def raw_logprob_outputs(
     return sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, rank
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs", "logprobs_mode"))
+@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs", "logprobs_mode", "batch_invariant"))
 def sample(
     logits: jax.Array, t: SamplingTensors, *, mode: SamplingMode | str, num_logprobs: int = 0,
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False
 ) -> SamplerOutput:
     """Sample one token per row.
 
@@ -540,6 +547,7 @@ def sample(
       mode: static ``SamplingMode`` (or its string value); see ``build_sampling_tensors``.
       num_logprobs: static K >= 0, number of top alternatives to return (the runner uses the max over rows).
       logprobs_mode: static, one of ``LOGPROBS_MODES`` (see the module docstring).
+      batch_invariant: static; the engine's batch-invariant mode: logprobs by ``raw_logprob_outputs``'s.
     Returns:
       ``SamplerOutput``. Greedy rows (temperature < SAMPLING_EPS) get argmax (lowest index on ties) of the raw
       logits, or of the penalised logits in FULL mode.
@@ -580,7 +588,8 @@ def sample(
 
     token_ids = token_ids.astype(jnp.int32)
     sampled_logprob, top_ids, top_logprobs, rank = raw_logprob_outputs(
-        reported, token_ids, num_logprobs, normalize=logprobs_mode.endswith("logprobs"))
+        reported, token_ids, num_logprobs, normalize=logprobs_mode.endswith("logprobs"),
+        batch_invariant=batch_invariant)
     return SamplerOutput(
         token_ids=token_ids, logprobs=sampled_logprob, top_ids=top_ids, top_logprobs=top_logprobs, token_ranks=rank
     )

@@ -66,13 +66,14 @@ class SingleProgramForward:
                                static_argnames=("num_tokens", "num_seqs"),
                                donate_argnums=(1,), compiler_options=runner.compiler_options or None))
         graphdef, state_treedef, max_logprobs = runner._graphdef, runner._state_treedef, runner.max_logprobs
+        batch_invariant = runner.batch_invariant
 
         width = runner.model_config.hidden_size
 
         def prompt_logprobs(param_leaves, hidden, targets):
             model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, param_leaves))
             return prompt_logprobs_on_device(model.compute_logits, hidden[:, :width], targets,
-                                             num_logprobs=max_logprobs)
+                                             num_logprobs=max_logprobs, batch_invariant=batch_invariant)
 
         return forward, AheadOfTimeFunction("prompt_logprobs", jax.jit(prompt_logprobs), shape_args=(2,))
 

@@ -61,10 +61,11 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
       sinks: None, or ``[Hq]`` logits (any float dtype, used in float32): head ``h``'s softmax denominator gets
         ``exp(sinks[h])`` more (gpt-oss's attention sinks; the sink has no value).
       max_chunk_bytes: bound on the fp32 K+V gathered per chunk of tokens (sets the ``lax.map`` batch size).
-      token_chunk: if set, the ``lax.map`` batch size instead, the tokens padded to a multiple of it: every chunk
-        is then the same vmapped computation whatever ``T`` (batch-invariant mode).
+      token_chunk: if set, the ``lax.map`` batch size instead, the tokens padded to a multiple of it, and each
+        token's keys in blocks of ``INVARIANT_KEY_BLOCK`` by an online softmax (``_key_blocks_attention``): every
+        chunk is then the same vmapped computation whatever ``T`` and the table's width (batch-invariant mode).
       v_head_dim: None, or for a latent cache (``v_pages`` of width 0, multi-head latent attention) the values'
-        width: each key row's first ``v_head_dim`` columns are its value.
+        width: each key row's first ``v_head_dim`` columns are its value (not with ``token_chunk``).
 
     Returns:
       ``[T, Hq, D]`` (``[T, Hq, v_head_dim]`` for a latent cache) in ``q.dtype``;
@@ -107,14 +108,72 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         if sink_logits is not None:
             denom = denom + jnp.exp(sink_logits - row_max)
         out = jnp.einsum("hgl,lhd->hgd", weights, v, precision=lax.Precision.HIGHEST)
+        return finish(out, denom, is_valid)
+
+    def finish(out, denom, is_valid):
         out = out / jnp.where(denom > 0, denom, 1.0)
         out = jnp.where(is_valid, out, 0.0)
         return out.reshape(num_q_heads, out_dim).astype(q.dtype)
 
     if token_chunk is not None:
+        if v_head_dim is not None:
+            raise ValueError("batch-invariant attention (token_chunk) does not read a latent (MLA) cache")
         pad = -num_tokens % token_chunk
         padded = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, seq_idx, position, valid)]
-        return lax.map(attend_one_token, tuple(padded), batch_size=token_chunk)[:num_tokens]
+        blocked = _key_blocks_attention(k_pages, v_pages, kv_lens, block_tables, sm_scale, sliding_window,
+                                        logit_soft_cap, sink_logits, finish)
+        return lax.map(blocked, tuple(padded), batch_size=token_chunk)[:num_tokens]
     bytes_per_token = 2 * context * num_kv_heads * head_dim * 4
     chunk = int(max(1, min(num_tokens, max_chunk_bytes // max(bytes_per_token, 1))))
     return lax.map(attend_one_token, (q, seq_idx, position, valid), batch_size=chunk)
+
+
+# Keys per block of the batch-invariant reference's online softmax.
+INVARIANT_KEY_BLOCK = 64
+
+
+def _key_blocks_attention(k_pages, v_pages, kv_lens, block_tables, sm_scale, sliding_window, logit_soft_cap,
+                          sink_logits, finish):
+    """One token's attention (``(q_t [Hq, D], seq, position, valid) -> [Hq, D]``) over its sequence's keys in blocks
+    of ``INVARIANT_KEY_BLOCK`` from position 0, by an online softmax in float32: a block of keys it cannot see
+    leaves the running max, sum and output exactly as they were, so the bits do not depend on how many blocks the
+    table's width adds (a reduction over the whole padded context would be compiled by its length)."""
+    _, block_size, num_kv_heads, head_dim = k_pages.shape
+    context = block_tables.shape[1] * block_size
+    num_key_blocks = -(-context // INVARIANT_KEY_BLOCK)
+    pad = num_key_blocks * INVARIANT_KEY_BLOCK - context
+
+    def attend(args):
+        q_t, s, pos, is_valid = args
+        q_g = q_t.astype(jnp.float32).reshape(num_kv_heads, -1, head_dim)
+
+        def key_blocks(pages):
+            x = pages[block_tables[s]].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+            return jnp.pad(x, ((0, pad), (0, 0), (0, 0))).reshape(num_key_blocks, INVARIANT_KEY_BLOCK, num_kv_heads,
+                                                                 head_dim)
+
+        def step(carry, block):
+            m, denom, out = carry
+            k, v, key_pos = block
+            scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
+            if logit_soft_cap is not None:
+                scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+            visible = (key_pos <= pos) & (key_pos < kv_lens[s])
+            if sliding_window is not None:
+                visible &= key_pos > pos - sliding_window
+            scores = jnp.where(visible[None, None, :], scores, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha, weights = jnp.exp(m - m_safe), jnp.exp(scores - m_safe)
+            out = out * alpha + jnp.einsum("hgl,lhd->hgd", weights, v, precision=lax.Precision.HIGHEST)
+            return (m_new, denom * alpha + jnp.sum(weights, axis=-1, keepdims=True), out), None
+
+        positions = jnp.arange(num_key_blocks * INVARIANT_KEY_BLOCK, dtype=jnp.int32).reshape(num_key_blocks, -1)
+        start = (jnp.full(q_g.shape[:2] + (1,), -jnp.inf, jnp.float32), jnp.zeros(q_g.shape[:2] + (1,), jnp.float32),
+                 jnp.zeros(q_g.shape, jnp.float32))
+        (m, denom, out), _ = lax.scan(step, start, (key_blocks(k_pages), key_blocks(v_pages), positions))
+        if sink_logits is not None:
+            denom = denom + jnp.exp(sink_logits - jnp.where(jnp.isfinite(m), m, 0.0))
+        return finish(out, denom, is_valid)
+
+    return attend
