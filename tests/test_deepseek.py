@@ -217,6 +217,9 @@ def test_latent_cache_refuses_the_host_pool_kernels_and_sharding(tmp_path):
     with pytest.raises(ValueError, match="enable_lora"):
         paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
                       max_num_batched_tokens=16, enable_lora=True, use_tqdm=False)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
+                      max_num_batched_tokens=16, batch_invariant=True, use_tqdm=False)
     with pytest.raises(ValueError, match="latent attention"):
         ShardingPlan.create(ModelConfig.from_pretrained(path), make_mesh(1))
 

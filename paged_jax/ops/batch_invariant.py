@@ -6,7 +6,7 @@ dots that share an operand into one, and XLA's CPU dot takes a matrix-vector pat
 shape, so a token's hidden state changes in its last bits with the number of tokens beside it. Here a row's bits
 depend only on its own values and the weights:
 
-* ``"chunks"`` (the default): the rows padded to a multiple of ``ROW_TILE`` and multiplied one ``[ROW_TILE, K]``
+* ``"chunks"`` (the default off a GPU): the rows padded to a multiple of ``ROW_TILE`` and multiplied one ``[ROW_TILE, K]``
   chunk at a time by XLA's own dot (cuBLAS or XLA's Triton GEMM on a GPU). Every chunk is the same dot of one shape,
   so the compiler picks one algorithm for it whatever M is; optimization barriers keep each chunk's dot apart from
   what surrounds it (no prologue or epilogue fused in that another program would not fuse) and chain the chunks
@@ -14,7 +14,7 @@ depend only on its own values and the weights:
   no XLA while loop in the step. On a GPU the algorithm of a dot shape comes from autotuning, whose results XLA
   keeps per fusion for the process (and on disk with JAX's compilation cache), so every program of the process
   runs a chunk by the same algorithm.
-* ``"pallas"``: a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
+* ``"pallas"`` (the default on a GPU): a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
   ``[i * ROW_TILE_PALLAS, (i + 1) * ROW_TILE_PALLAS)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0
   up, accumulating each step's tensor-core ``dot`` into a float32 tile (no split-K), rows past M masked. Whole-array
   refs with masked integer-array loads (no BlockSpecs), so interpret mode runs the same code on the CPU. It does not
@@ -68,10 +68,13 @@ def block_n_for(n: int) -> int:
 
 
 def resolve_impl(impl: str) -> str:
-    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is "chunks"."""
+    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is "pallas" on a GPU, whose bits do not depend on the
+    compiler's algorithm choices (``benchmarks.batch_invariant`` checks "chunks" there), and "chunks" elsewhere."""
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"batch-invariant matmul impl must be one of {', '.join(MATMUL_IMPLS)}, got {impl!r}")
-    return "chunks" if impl == "auto" else impl
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "chunks"
+    return impl
 
 
 def _tile_indices(pid, block: int, total: int):

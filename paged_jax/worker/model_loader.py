@@ -139,6 +139,9 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     if config.mla is not None and args.enable_lora:
         raise ValueError(f"enable_lora: LoRA adapters are unsupported for {config.architecture} (multi-head latent "
                          "attention and experts)")
+    if config.mla is not None and args.batch_invariant:
+        raise ValueError(f"batch_invariant: the batch-invariant attention does not read the latent KV cache of "
+                         f"{config.architecture} (multi-head latent attention)")
     if args.max_model_len is not None:  # LongRoPE picks its factors by the engine's length, as vLLM does
         config = config.for_max_model_len(args.max_model_len)
     tokenizer = load_tokenizer(args, model_path)
