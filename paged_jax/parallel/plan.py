@@ -115,8 +115,8 @@ class ShardingPlan:
         experts do not split over tp (``check_expert_parallel``)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-        if config.attention_sinks:
-            raise ValueError(f"{config.architecture} is not sharded: its attention sinks and experts have no "
+        if config.attention_sinks or (config.moe is not None and config.moe.router == "sigmoid_input"):
+            raise ValueError(f"{config.architecture} is not sharded: its attention sinks / experts have no "
                              "sharding rules (tensor and pipeline parallelism are unsupported for it)")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
             raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
