@@ -71,9 +71,9 @@ _FAMILY_FIELDS = {
                                            "truncate": False, "original_max_position_embeddings": 32}},
     # Llama 4 (meta-llama/Llama-4-Scout-17B-16E's text config.json fields) at a size where each part matters: 4
     # layers (three chunked RoPE layers with the q/k norm, one NoPE full layer with the attention temperature, whose
-    # floor_scale of 4 makes it vary), 8-token chunks, llama3 RoPE scaling, sparse layers 1 and 3 (4 experts, top-1,
-    # a shared expert) beside dense MLPs of intermediate_size_mlp.
-    "Llama4ForCausalLM": {"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layer_interval": 4,
+    # floor_scale of 4 makes it vary), 12-token chunks (edges inside 8-token blocks), llama3 RoPE scaling, sparse
+    # layers 1 and 3 (4 experts, top-1, a shared expert) beside dense MLPs of intermediate_size_mlp.
+    "Llama4ForCausalLM": {"num_hidden_layers": 4, "attention_chunk_size": 12, "no_rope_layer_interval": 4,
                           "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.1,
                           "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
                           "intermediate_size": 64, "intermediate_size_mlp": 128, "rms_norm_eps": 1e-5,

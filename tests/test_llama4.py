@@ -25,8 +25,8 @@ from paged_jax.engine.llm_engine import LLMEngine
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CHUNK = 8  # tiny_config("llama4")'s attention_chunk_size
-BLOCK_SIZE = 4
+CHUNK = 12  # tiny_config("llama4")'s attention_chunk_size
+BLOCK_SIZE = 8
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def _logits(model, config, seqs):
     return np.asarray(run(jnp.asarray(input_ids), jnp.asarray(positions), jnp.asarray(segments)))
 
 
-def _seqs(n=(20, 1, 27)):
+def _seqs(n=(30, 1, 37)):
     rng = np.random.default_rng(0)
     return [rng.integers(3, 256, size=k).astype(np.int32) for k in n]
 
@@ -122,7 +122,7 @@ def test_text_part_of_a_multimodal_checkpoint_loads(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     model, loaded = load_model(tmp_path, dtype="float32")
     assert loaded == ModelConfig.from_pretrained(path)
-    seqs = _seqs((19,))
+    seqs = _seqs((29,))
     with torch.no_grad():
         reference = hf_model(torch.tensor(seqs[0][None].astype(np.int64))).logits[0].numpy()
     np.testing.assert_allclose(_logits(model, loaded, seqs), reference, atol=1e-4, rtol=0)
@@ -137,12 +137,12 @@ def _hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def test_engine_greedy_matches_transformers_with_prefix_hits(checkpoint):
     """One continuous batch: prompts of two to three chunks, chunked prefill in 16-token steps (chunks end inside
-    and across a chunk edge), then a prompt sharing 20 tokens (five full blocks) with one of them: a prefix-cache hit
-    whose chunked groups need only the blocks of the chunk of position 20."""
+    and across a chunk edge), then a prompt sharing 16 tokens (two full blocks) with one of them: a prefix-cache hit
+    whose chunked groups need only the block of the chunk of position 16 (tokens 12..)."""
     path, hf_model = checkpoint
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 256, size=n).tolist() for n in (17, 22, 19, 24)]
-    prompts.append(prompts[1][:20] + [5, 6, 7])
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (25, 30, 27, 36)]
+    prompts.append(prompts[1][:16] + [5, 6, 7])
     max_tokens = 8
     llm = paged_jax.LLM(model=str(path), dtype="float32", max_model_len=64, block_size=BLOCK_SIZE,
                         enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8,
@@ -150,22 +150,22 @@ def test_engine_greedy_matches_transformers_with_prefix_hits(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
     (shared,) = llm.generate([{"prompt_token_ids": prompts[4]}], params, use_tqdm=False)
-    assert shared.num_cached_tokens == 20
+    assert shared.num_cached_tokens == 16
     ours = [list(out.outputs[0].token_ids) for out in [*first, shared]]
     assert ours == [_hf_greedy(hf_model, p, max_tokens) for p in prompts]
 
 
 @pytest.mark.parametrize("mode,async_scheduling", [("recompute", False), ("swap", True)])
 def test_engine_greedy_matches_transformers_under_preemption(checkpoint, mode, async_scheduling):
-    """A pool too small for the batch (30 blocks: a 64-token sequence needs 16 full and 3 x 7 chunked ones):
-    preemption. The three chunked groups hold at most ceil(8 / 4) + 1 = 3 blocks of a decoding request (the blocks
+    """A pool too small for the batch (30 blocks: a 64-token sequence needs 8 full and 3 x 5 chunked ones):
+    preemption. The three chunked groups hold at most ceil(12 / 8) + 1 = 3 blocks of a decoding request (the blocks
     before its chunk's start freed), the full group every block; greedy fp32 tokens equal transformers'."""
     path, hf_model = checkpoint
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 256, size=n).tolist() for n in (17, 22, 19, 24, 20)]
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (25, 30, 27, 36, 29)]
     max_tokens = 14
     engine = LLMEngine(EngineArgs(model=str(path), dtype="float32", max_model_len=64, block_size=BLOCK_SIZE,
-                                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=38,
+                                  max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=30,
                                   preemption_mode=mode, **({"swap_space": 0.01} if mode == "swap" else {}),
                                   async_scheduling=async_scheduling, seed=0), use_tqdm=False)
     core = engine.engine_core
