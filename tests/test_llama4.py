@@ -59,6 +59,18 @@ def test_config_reads_as_transformers():
     assert [explicit.moe.is_sparse(i) for i in range(4)] == [True, False, False, False]
 
 
+def test_scout_preset():
+    """The Llama-4-Scout-17B-16E text shape: 109B parameters with its vision tower (about 1B), 17B active."""
+    from benchmarks.floors import active_body_params, embedding_params, lm_head_params
+    from models.presets import num_params, preset_config
+
+    config = preset_config("llama-4-scout-17b-16e")
+    assert config.layer_chunks == (8192, 8192, 8192, None) * 12 and config.nope_layers == tuple(range(3, 48, 4))
+    assert all(config.moe.is_sparse(i) for i in range(48)) and config.intermediate_size == 16384
+    assert 107e9 < num_params(config) < 109e9
+    assert 16.5e9 < active_body_params(config) + embedding_params(config) + lm_head_params(config) < 17.5e9
+
+
 REFUSED = {
     "sliding_layer": (tiny_config("llama4", layer_types=["sliding_attention"] * 4), "layer_types"),
     "bad_chunk": (tiny_config("llama4", attention_chunk_size=0), "attention_chunk_size"),

@@ -60,14 +60,7 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
     load_token = jnp.where(token_valid, token, 0)[:, None]  # [BT, 1]; rows past T are masked off
     valid = jnp.broadcast_to(token_valid[:, None], (block_tokens, head_dim))
     dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, D]
-    if rope_interleaved:  # pairs (2i, 2i + 1) rotate by frequency i (Llama 4)
-        first_half = dim % 2 == 0
-        partner = jnp.where(first_half, dim + 1, dim - 1)
-        freq = dim // 2
-    else:
-        first_half = dim < half
-        partner = jnp.where(first_half, dim + half, dim - half)  # rotate_half's source column
-        freq = jnp.where(first_half, dim, dim - half)
+    first_half, partner, freq = _rope_columns(dim, half, rope_interleaved)
     cos = _load(cos_ref.at[load_token, freq], mask=valid, other=0.0)  # float32[BT, D]: cat(cos, cos)
     sin = _load(sin_ref.at[load_token, freq], mask=valid, other=0.0)
     sign = jnp.where(first_half, -1.0, 1.0).astype(jnp.float32)  # rotate_half(x) = cat(-x2, x1)
@@ -119,6 +112,17 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
         mask = jnp.broadcast_to(keep[:, None], (block_tokens, head_dim))
         _store(k_out_ref.at[row[:, None], kv_head, dim], to_pool(k, k_out_ref.dtype), mask=mask)
         _store(v_out_ref.at[row[:, None], kv_head, dim], to_pool(v, v_out_ref.dtype), mask=mask)
+
+
+def _rope_columns(dim: jax.Array, half: int, interleaved: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For head columns ``dim`` int32[1, D]: (whether each is the first of its rotated pair, its partner column, its
+    frequency). Halves: column ``c < D/2`` pairs with ``c + D/2`` (rotate_half); interleaved (Llama 4): ``2i`` with
+    ``2i + 1``, frequency ``i``."""
+    if interleaved:
+        first = dim % 2 == 0
+        return first, jnp.where(first, dim + 1, dim - 1), dim // 2
+    first = dim < half
+    return first, jnp.where(first, dim + half, dim - half), jnp.where(first, dim, dim - half)
 
 
 def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, *, interpret: bool):

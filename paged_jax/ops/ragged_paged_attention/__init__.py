@@ -143,9 +143,8 @@ def ragged_paged_attention(
       logit_soft_cap: if set (a positive static float), the scaled scores ``s`` become ``cap * tanh(s / cap)``
         before the mask and softmax (Gemma 2). The Mosaic kernel does not implement it: ``"auto"`` keeps such calls
         on the Triton kernel, ``"mosaic"`` raises a ValueError.
-      attention_chunk_size: if set (a positive static int), chunked local attention (Llama 4): the query at
-        position ``p`` sees keys ``p // attention_chunk_size * attention_chunk_size <= j <= p`` only, those of its
-        own chunk. Not on the Mosaic kernel: ``"auto"`` keeps such calls on the Triton kernel, ``"mosaic"`` raises.
+      attention_chunk_size: if set (a positive static int ``C``; Llama 4), the query at ``p`` sees only its own
+        chunk's keys ``p // C * C <= j <= p``. Not on the Mosaic kernel (``"auto"`` keeps it off, ``"mosaic"`` raises).
       sinks: None, or ``[Hq]`` attention-sink logits (gpt-oss): head ``h``'s softmax denominator gets ``exp(sinks[h])``
         more. Not on the Mosaic kernel: ``"auto"`` keeps such calls on the Triton kernel, ``"mosaic"`` raises.
       impl: one of ``ATTENTION_IMPLS``: ``"triton"`` (the Triton-lowered Pallas kernel, ``triton_kernel``; on CPU
@@ -183,22 +182,27 @@ def ragged_paged_attention(
 
             return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                                  sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
-    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-    if attention_chunk_size is not None:
-        masks["attention_chunk_size"] = int(attention_chunk_size)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                 attention_chunk_size=None if attention_chunk_size is None else int(attention_chunk_size))
+    return _run(impl, (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens), masks, sinks, interpret=interpret,
+                batch_invariant=batch_invariant, tuning=tuning)
+
+
+def _run(impl: str, operands: tuple, masks: dict, sinks, *, interpret: bool, batch_invariant: bool,
+         tuning: dict) -> jax.Array:
+    """``ragged_paged_attention`` on the implementation ``impl`` ("mosaic", "reference" or "triton") once checked:
+    ``operands`` its ``(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)``, ``masks`` its mask keywords."""
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 
-        return ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
-                                           interpret=interpret, **tuning)
+        return ragged_paged_attention_mgpu(*operands, **masks, interpret=interpret, **tuning)
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
-                                                sinks=sinks,
+        return ragged_paged_attention_reference(*operands, **masks, sinks=sinks,
                                                 token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
-    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
-                                         interpret=interpret, **tuning)
+    return ragged_paged_attention_triton(*operands, **masks, sinks=sinks, interpret=interpret, **tuning)
+
 
 __all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
            "ragged_paged_attention_reference"]
