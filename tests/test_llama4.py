@@ -217,3 +217,25 @@ def test_mosaic_attention_and_parallelism_are_refused(checkpoint):
     config = ModelConfig.from_hf_config(tiny_config("llama4"))
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         check_expert_parallel(config, 1)
+
+
+def test_chat_image_parts_are_refused_naming_the_field():
+    """The server takes text only (a Llama4ForConditionalGeneration checkpoint is served as its text model): a chat
+    message's image part is a 400 naming ``messages`` and the part's type."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from serving.errors import validation_error
+    from serving.protocol import ChatCompletionRequest
+
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]}
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in info.value.errors()]
+    refusal = validation_error(RequestValidationError(errors))
+    assert refusal.status_code == 400 and refusal.param == "messages"
+    assert refusal.message == ("messages.0.content: Value error, content part type 'image_url' is not supported: the "
+                               "model takes text inputs only (no images or audio)")
+    text_only = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert ChatCompletionRequest.model_validate(text_only).messages[0].content[0].text == "hi"
