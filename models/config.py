@@ -55,6 +55,7 @@ _MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 
 _TEXT_PART_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM", "llama4": "Llama4ForCausalLM"}
 HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
 MOE_ROUTERS = ("softmax", "sigmoid_input")
+HEADS = ("lm_head", "score", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,6 @@ class AttentionChunk:
     def __post_init__(self):
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
             raise ValueError(f"config field 'attention_chunk_size' must be a positive int, got {self.size!r}")
-HEADS = ("lm_head", "score", "none")
 
 
 @dataclasses.dataclass(frozen=True)
