@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.floors import H200_HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.report import median_seconds  # noqa: E402
+from models.config import AttentionChunk  # noqa: E402
 from paged_jax.ops.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference  # noqa: E402
 from paged_jax.ops.ragged_paged_attention.mgpu_kernel import default_tuning as mosaic_default_tuning  # noqa: E402
@@ -275,7 +276,7 @@ def section_check(args):
     log("== correctness on GPU (kernel vs jnp reference, fp32 math) ==")
     key = jax.random.key(10)
     cases = [
-        # name, q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning
+        # name, q_lens, kv_lens, hq, hkv, d, bs, dtype, window (an AttentionChunk: chunked attention), tuning
         ("decode gqa4 d128 bs16", [1] * 7, [1, 17, 100, 512, 33, 16, 2049], 32, 8, 128, 16, jnp.bfloat16, None, {}),
         ("decode gqa4 bs16 splits", [1] * 3, [4000, 17, 2500], 32, 8, 128, 16, jnp.bfloat16, None,
          dict(num_kv_splits=7)),
@@ -295,6 +296,12 @@ def section_check(args):
         ("all options: bq32 bk128 w8 chunked", [200, 1], [700, 64], 32, 8, 128, 16, jnp.bfloat16, None,
          dict(ALL_OPTIONS, block_q=32, block_k=128, num_warps=8)),
         ("all options: fp32 prefill", [100, 1], [260, 50], 16, 4, 128, 16, jnp.float32, None, ALL_OPTIONS),
+        # Llama 4's chunked layers: chunk edges inside the key blocks and query tiles, decodes after an edge.
+        ("chunk 96 mixed", [80, 1, 1], [300, 200, 33], 40, 8, 128, 16, jnp.bfloat16, AttentionChunk(96), {}),
+        ("chunk 256 splits", [1, 1, 200], [3000, 257, 700], 40, 8, 128, 32, jnp.bfloat16, AttentionChunk(256),
+         dict(num_kv_splits=4)),
+        ("all options: chunk 64 mixed splits", [80, 1, 1], [300, 200, 33], 32, 8, 128, 16, jnp.bfloat16,
+         AttentionChunk(64), dict(ALL_OPTIONS, num_kv_splits=3)),
     ]
     _run_checks(cases[: args.check_cases], "triton", key)
 
@@ -342,14 +349,15 @@ def _run_checks(cases, impl, key):
         b = make_batch(sub, ql, kl, pad_tokens=5, pad_seqs=2, dtype=dtype, hq=hq, hkv=hkv, d=d, block_size=bs)
         bt = b["block_tables"][0]
         scale = 1.0 / math.sqrt(d)
+        masks = (dict(attention_chunk_size=window.size) if isinstance(window, AttentionChunk)
+                 else dict(sliding_window=window))
         try:
             out = jax.jit(lambda q, kp, vp, kl_, bt_, cu: ragged_paged_attention(
-                q, kp, vp, kl_, bt_, cu, sm_scale=scale, sliding_window=window, impl=impl, interpret=INTERPRET,
-                **tuning))(
+                q, kp, vp, kl_, bt_, cu, sm_scale=scale, impl=impl, interpret=INTERPRET, **masks, **tuning))(
                 b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], bt, b["cu_q_lens"])
             ref = jax.jit(lambda q, kp, vp, kl_, bt_, cu: ragged_paged_attention_reference(
                 q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32), kl_, bt_, cu,
-                sm_scale=scale, sliding_window=window))(
+                sm_scale=scale, **masks))(
                 b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], bt, b["cu_q_lens"])
             out = np.asarray(out.astype(jnp.float32))
             ref = np.asarray(ref)

@@ -58,7 +58,7 @@ def capacity_report(shape: str, *, context_len: int, block_size: int, dtype: str
                   headroom_bytes=headroom, kv_budget_bytes=budget,
                   device=str(device) if device is not None else f"{device_memory_gib} GiB (analytic)")
     for name, grouped in (("flat", False), ("grouped", True)):
-        capacity = kv_pool_capacity(config.layer_windows, kv_budget_bytes=budget, page_bytes=page_bytes,
+        capacity = kv_pool_capacity(config.layer_kv_spans, kv_budget_bytes=budget, page_bytes=page_bytes,
                                     block_size=block_size, context_len=context_len,
                                     max_chunk_tokens=max_chunk_tokens, grouped=grouped)
         report[name] = dataclasses.asdict(capacity)

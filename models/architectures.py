@@ -68,6 +68,15 @@ class DeepseekV3ForCausalLM(_MoeForCausalLM):
     prediction layers (``num_nextn_predict_layers``) are not loaded."""
 
     architecture = "DeepseekV3ForCausalLM"
+class Llama4ForCausalLM(_MoeForCausalLM):
+    """Llama 4's text model (Llama-4-Scout-17B-16E, -Maverick-17B-128E; the text part of their
+    ``Llama4ForConditionalGeneration`` checkpoints): chunked local attention with interleaved RoPE and the weightless
+    q/k norm on three layers of four, full attention without RoPE (with the attention temperature) on the fourth,
+    ``models.llama4.Llama4MoeBlock`` on the ``moe_layers`` and dense MLPs (``intermediate_size_mlp``) on the others.
+    Checkpoint names: ``feed_forward.router``, ``feed_forward.experts.{gate_up_proj,down_proj}``,
+    ``feed_forward.shared_expert.*``, ``feed_forward.{gate,up,down}_proj``."""
+
+    architecture = "Llama4ForCausalLM"
 
 
 class DecoderForSequenceClassification(LlamaForCausalLM):
@@ -91,7 +100,7 @@ class DecoderForSequenceClassification(LlamaForCausalLM):
 
 
 _MOE_CLASSES = {cls.architecture: cls for cls in (Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM,
-                                                  DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)}
+                                                  DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Llama4ForCausalLM)}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

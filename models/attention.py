@@ -24,7 +24,8 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
       ``attention(layer_idx, q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], kv_layer) -> (out[T,Hq,D], kv_layer)``; kv_layer is
       returned unchanged. Softmax in float32; GQA by repeating kv heads. It takes a layer's own options
       (``takes_layer_attention``): ``sm_scale=, sliding_window=, logit_soft_cap=`` keywords override the ones
-      given here (``logit_soft_cap``: ``cap * tanh(s / cap)`` on the scaled scores), and attention sinks
+      given here (``logit_soft_cap``: ``cap * tanh(s / cap)`` on the scaled scores; ``attention_chunk_size``: token
+      i sees only tokens of its own chunk, ``order // chunk`` equal, Llama 4), and attention sinks
       (``takes_attention_sinks``): ``sinks`` [Hq], one logit per head joining each row's softmax denominator.
     """
     if sliding_window is not None and sliding_window <= 0:
@@ -41,9 +42,11 @@ def dense_causal_attention(segment_ids: jax.Array, sm_scale: float, sliding_wind
 
     def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, *, sm_scale: float = None,
                   sliding_window: int | None = default_window, logit_soft_cap: float | None = None,
-                  sinks: jax.Array | None = None):
+                  sinks: jax.Array | None = None, attention_chunk_size: int | None = None):
         sm_scale = default_scale if sm_scale is None else sm_scale
         mask = causal_mask if sliding_window is None else causal_mask & (distance < sliding_window)
+        if attention_chunk_size is not None:
+            mask = mask & (order[:, None] // attention_chunk_size == order[None, :] // attention_chunk_size)
         mask = mask | itself
         num_tokens, num_heads, _ = q.shape
         num_kv_heads = k.shape[1]

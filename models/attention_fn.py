@@ -1,12 +1,13 @@
 """The model's side of attention: the ``AttentionFn`` contract, ``ReusableAttention`` (one trace for all layers) and
-``LayerAttention``, the per-layer attention options of models whose layers differ (sliding-window and full layers,
-a softmax scale other than ``head_dim ** -0.5``, logit soft-capping).
+``LayerAttention``, the per-layer attention options of models whose layers differ (sliding-window, chunked and full
+layers, a softmax scale other than ``head_dim ** -0.5``, logit soft-capping).
 
 An attention built from the config alone applies ``sm_scale = head_dim ** -0.5`` and ``config.sliding_window`` to
 every layer (``LayerAttention.model_default``). When some layer of the model needs other options
 (``needs_layer_attention``), the model passes each layer's as keywords ``sm_scale=, sliding_window=,
-logit_soft_cap=`` to an attention whose ``takes_layer_attention`` attribute is true, and refuses any other attention
-with a ValueError: the options are never dropped.
+logit_soft_cap=`` (and ``attention_chunk_size=`` for a chunked layer, Llama 4) to an attention whose
+``takes_layer_attention`` attribute is true, and refuses any other attention with a ValueError: the options are never
+dropped.
 
 Attention sinks (``ModelConfig.attention_sinks``, gpt-oss) are weights, not static options: the model passes each
 layer's ``sinks=`` (``[Hq]``, one logit per query head joining the softmax's denominator) to an attention whose
@@ -40,16 +41,20 @@ class LayerAttention:
       sm_scale: the factor on ``q . k``.
       sliding_window: the window in tokens (a query at ``p`` sees keys ``p - window < j <= p``), or None (causal).
       logit_soft_cap: None, or ``cap`` of ``cap * tanh(s / cap)`` on the scaled scores (Gemma 2).
+      attention_chunk_size: None, or the chunk in tokens of chunked local attention (Llama 4): a query at ``p``
+        sees keys ``p // chunk * chunk <= j <= p`` (``models.config.AttentionChunk``).
     """
 
     sm_scale: float
     sliding_window: int | None = None
     logit_soft_cap: float | None = None
+    attention_chunk_size: int | None = None
 
     @classmethod
     def for_layer(cls, config: ModelConfig, layer_idx: int) -> "LayerAttention":
         """Layer ``layer_idx``'s options under ``config``."""
-        return cls(config.softmax_scale, config.layer_windows[layer_idx], config.attn_logit_softcapping)
+        return cls(config.softmax_scale, config.layer_windows[layer_idx], config.attn_logit_softcapping,
+                   config.layer_chunks[layer_idx])
 
     @classmethod
     def model_default(cls, config: ModelConfig) -> "LayerAttention":
@@ -57,7 +62,12 @@ class LayerAttention:
         return cls(config.head_dim ** -0.5, config.sliding_window)
 
     def as_kwargs(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The keywords of the attention call; ``attention_chunk_size`` only for a chunked layer (the attentions
+        of models without chunks need not take it)."""
+        kwargs = dataclasses.asdict(self)
+        if self.attention_chunk_size is None:
+            del kwargs["attention_chunk_size"]
+        return kwargs
 
 
 def needs_layer_attention(config: ModelConfig) -> bool:
@@ -70,8 +80,8 @@ def check_takes_layer_attention(config: ModelConfig, attention: AttentionFn) -> 
     """ValueError when ``config``'s layers need their own options and ``attention`` cannot take them."""
     if needs_layer_attention(config) and not getattr(attention, "takes_layer_attention", False):
         raise ValueError(
-            f"{config.architecture}: the layers attend with their own sliding window / softmax scale / logit "
-            f"soft-cap, which this attention ({type(attention).__name__}) does not take (it needs a true "
+            f"{config.architecture}: the layers attend with their own sliding window / attention chunk / softmax "
+            f"scale / logit soft-cap, which this attention ({type(attention).__name__}) does not take (it needs a true "
             "'takes_layer_attention' attribute and sm_scale / sliding_window / logit_soft_cap keywords)")
 
 

@@ -1,6 +1,6 @@
 """Model configuration for the Llama family and its relatives (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma 2,
-Gemma 3 text, Phi-3 / Phi-4, Granite), its mixture-of-experts relatives (Qwen3-MoE, Mixtral, gpt-oss) and
-DeepSeek-V2 / V3 (multi-head latent attention, ``MlaConfig``; DeepSeek's expert routing in ``MoeConfig``).
+Gemma 3 text, Phi-3 / Phi-4, Granite), its mixture-of-experts relatives (Qwen3-MoE, Mixtral, gpt-oss, Llama 4 text)
+and DeepSeek-V2 / V3 (multi-head latent attention, ``MlaConfig``; DeepSeek's expert routing in ``MoeConfig``).
 
 ``ModelConfig`` is the one description of a model shape that the rest of paged-jax uses; it is built from a Hugging
 Face ``config.json`` dict (transformers 4.x or 5.x layout; each family's fields read in ``models.hf_config``).
@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM",
 )
 MOE_ARCHITECTURES = hf.MOE_ARCHITECTURES
 
@@ -48,14 +49,32 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # Checkpoints whose text model is supported only inside a multimodal wrapper we do not load.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type 'gemma3_text')",
                "gemma3": "Gemma3ForCausalLM (model_type 'gemma3_text')"}
+# Multimodal checkpoints whose text part is loaded (its ``text_config``, tensors under ``language_model.``); the
+# engine takes no image inputs (the server's chat messages take text parts only).
+_TEXT_PART_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM", "llama4": "Llama4ForCausalLM"}
 HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+MOE_ROUTERS = ("softmax", "sigmoid_input")
 HEADS = ("lm_head", "score", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChunk:
+    """Chunked local attention (Llama 4's ``attention_chunk_size``): a query at position ``p`` sees the keys
+    ``p // size * size <= j <= p``, those of its own chunk of ``size`` tokens. A layer's KV span in
+    ``ModelConfig.layer_kv_spans`` (beside a sliding window's int and full attention's None)."""
+
+    size: int
+
+    def __post_init__(self):
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
+            raise ValueError(f"config field 'attention_chunk_size' must be a positive int, got {self.size!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +99,9 @@ class MoeConfig:
     with the largest best score) or "noaux_tc" (V3: the groups with the largest sum of their top-2 biased scores);
     the routed weights renormalized when ``norm_topk_prob``, then times ``routed_scaling_factor``. Its first
     ``first_k_dense_replace`` layers are dense: ``mlp_only_layers``.
+    Llama 4 (``router`` "sigmoid_input"; ``models.llama4``): the top-k router logits go through a float32 sigmoid
+    and scale each expert's input (not its output); a shared expert (a dense SwiGLU MLP
+    ``shared_expert_intermediate_size`` wide) runs on every token beside them.
     """
 
     num_experts: int
@@ -97,8 +119,12 @@ class MoeConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    router: str = "softmax"
+    shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self):
+        if self.router not in MOE_ROUTERS:
+            raise ValueError(f"MoeConfig.router must be one of {MOE_ROUTERS}, got {self.router!r}")
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"config field 'scoring_func' = {self.scoring_func!r} is unsupported (one of "
                              f"{SCORING_FUNCS})")
@@ -200,6 +226,12 @@ class ModelConfig:
     ``head``: what follows the final norm (``HEADS``): "lm_head" (the vocabulary, or the tied embedding), "score"
     (a ``num_labels``-wide classifier, transformers' ``*ForSequenceClassification``) or "none" (hidden states only:
     the base model, transformers' ``*Model``, or a decoder run as an embedder).
+    Llama 4: ``layer_attention_chunks`` gives each layer's attention chunk (None entries: not chunked;
+    ``AttentionChunk``); ``nope_layers`` rotate nothing (NoPE); ``rope_interleaved``: RoPE rotates the pairs
+    ``(x[2i], x[2i + 1])`` (Meta's complex form) instead of the two halves; ``qk_l2_norm``: q and k of the RoPE
+    layers are RMS-normalized per head without a weight (``use_qk_norm``); ``attn_temperature``: ``(floor_scale,
+    attn_scale)``, the NoPE layers' q scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` at
+    position ``p``.
     """
 
     architecture: str
@@ -239,6 +271,11 @@ class ModelConfig:
     fp8_weight_block: tuple[int, int] | None = None
     head: str = "lm_head"
     num_labels: int = 0
+    layer_attention_chunks: tuple[int | None, ...] | None = None
+    nope_layers: tuple[int, ...] = ()
+    rope_interleaved: bool = False
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -289,6 +326,13 @@ class ModelConfig:
                                  f"for {self.num_hidden_layers} layers")
             if self.sliding_window is not None:
                 raise ValueError("ModelConfig.sliding_window must be None when layer_sliding_windows is given")
+        if self.layer_attention_chunks is not None:
+            if len(self.layer_attention_chunks) != self.num_hidden_layers:
+                raise ValueError(f"ModelConfig.layer_attention_chunks has {len(self.layer_attention_chunks)} "
+                                 f"entries for {self.num_hidden_layers} layers")
+            for chunk, window in zip(self.layer_attention_chunks, self.layer_windows):
+                if chunk is not None and AttentionChunk(chunk) and window is not None:
+                    raise ValueError("ModelConfig: a layer cannot both slide and attend in chunks")
 
     def __hash__(self):
         # NNX keeps the config on the module as static graph data, which must be hashable; the dict/list fields are
@@ -322,6 +366,18 @@ class ModelConfig:
         return (self.head_dim, 0) if self.mla is not None else (self.head_dim, self.head_dim)
 
     @property
+    def layer_chunks(self) -> tuple[int | None, ...]:
+        """Each layer's attention chunk in tokens (None: not chunked), ``num_hidden_layers`` entries."""
+        return self.layer_attention_chunks or (None,) * self.num_hidden_layers
+
+    @property
+    def layer_kv_spans(self) -> tuple[int | AttentionChunk | None, ...]:
+        """Which earlier tokens' K/V each layer reads (``paged_jax.core.kv_groups``): its sliding window (int), its
+        ``AttentionChunk``, or None (every earlier token)."""
+        return tuple(window if chunk is None else AttentionChunk(chunk)
+                     for window, chunk in zip(self.layer_windows, self.layer_chunks))
+
+    @property
     def softmax_scale(self) -> float:
         """The factor on ``q . k`` of every layer."""
         return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
@@ -350,6 +406,8 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4 ``rope_scaling``/``rope_theta`` or
         transformers 5 ``rope_parameters`` layout). ValueError naming the field for what is not implemented."""
         architecture, head = _architecture(hf_config)
+        if architecture in _TEXT_PART_OF.values() and isinstance(hf_config.get("text_config"), dict):
+            hf_config = {**hf_config["text_config"], "architectures": [architecture]}
         if architecture in hf.DEEPSEEK_ARCHITECTURES:
             fields = deepseek_config.model_fields(architecture, hf_config)
             return cls(architecture=architecture, head=head, **{
@@ -384,13 +442,14 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=int(required("vocab_size")),
             hidden_size=hidden_size,
-            intermediate_size=int(required("intermediate_size")),
+            intermediate_size=int(required("intermediate_size_mlp" if architecture == "Llama4ForCausalLM"
+                                           else "intermediate_size")),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             **hf.parse_rope(hf_config, architecture, head_dim),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.family_default(architecture, hf_config, "rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.family_default(architecture, hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
@@ -405,6 +464,7 @@ class ModelConfig:
             attention_sinks=architecture == "GptOssForCausalLM",
             head=head,
             num_labels=hf.num_labels(hf_config) if head == "score" else 0,
+            **hf.llama4_fields(architecture, hf_config, num_layers),
         )
 
     @classmethod
@@ -424,6 +484,8 @@ def _architecture(hf_config: dict[str, Any]) -> tuple[str, str]:
     architecture to use instead."""
     architectures = hf_config.get("architectures") or []
     key = architectures[0] if architectures else hf_config.get("model_type")
+    if key in _TEXT_PART_OF:
+        return _TEXT_PART_OF[key], "lm_head"
     if key in _MULTIMODAL:
         raise ValueError(f"unsupported architecture {key!r}: the multimodal checkpoint is not loaded (its text part "
                          f"neither); use a {_MULTIMODAL[key]} checkpoint")

@@ -13,9 +13,10 @@ from typing import Any
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
-                     "DeepseekV3ForCausalLM")
+                     "DeepseekV3ForCausalLM", "Llama4ForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-_NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM")
+_NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM")
+CHUNKED = "chunked_attention"
 SLIDING, FULL = "sliding_attention", "full_attention"
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
@@ -26,7 +27,13 @@ _FAMILY_DEFAULTS = {
     "Gemma2ForCausalLM": {"tie_word_embeddings": True, "sliding_window": 4096, "rope_theta": 10000.0},
     "Gemma3ForCausalLM": {"tie_word_embeddings": True, "sliding_window": 4096, "rope_theta": 1_000_000.0},
     "GptOssForCausalLM": {"sliding_window": 128, "rope_theta": 150000.0, "attention_bias": True},
+    "Llama4ForCausalLM": {"rope_theta": 500000.0, "rms_norm_eps": 1e-5},
 }
+# Llama4TextConfig's defaults of the fields models.config.ModelConfig reads for Llama 4.
+_LLAMA4_DEFAULTS = {"attention_chunk_size": 8192, "no_rope_layer_interval": 4, "use_qk_norm": True,
+                    "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                    "interleave_moe_layer_step": 1, "num_local_experts": 16, "num_experts_per_tok": 1,
+                    "intermediate_size": 8192}
 # gpt-oss's experts: transformers' defaults of the clamped SwiGLU (the published config.json omits the alpha).
 GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
 
@@ -55,6 +62,8 @@ def layer_windows(architecture: str, hf_config: dict, num_layers: int) -> tuple[
         raise ValueError(f"config field 'use_sliding_window' = True is unsupported for {architecture}")
     if architecture.startswith("Qwen") and not hf_config.get("use_sliding_window", False):
         window = None
+    if architecture == "Llama4ForCausalLM":  # chunked and full layers: llama4_fields
+        return (None,) * num_layers
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ValueError(f"config field 'sliding_window' must be a positive int or null, got {window!r}")
     layer_types = hf_config.get("layer_types")
@@ -256,6 +265,8 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
     ValueError naming a field the experts do not implement."""
     if architecture not in MOE_ARCHITECTURES:
         return None
+    if architecture == "Llama4ForCausalLM":
+        return _llama4_experts(hf_config, num_layers)
     # Hub checkpoints name the expert count "num_experts" (Qwen3-MoE) or "num_local_experts" (Mixtral, and
     # transformers 5 for both).
     num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
@@ -291,6 +302,63 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
     return {**fields, "moe_intermediate_size": int(hf_config["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)), "decoder_sparse_step": sparse_step,
             "mlp_only_layers": tuple(sorted(set(mlp_only_layers)))}
+
+
+def _llama4(hf_config: dict, key: str):
+    """A Llama 4 text config's field as Llama4TextConfig reads it (its default when absent or null)."""
+    value = hf_config.get(key)
+    return _LLAMA4_DEFAULTS[key] if value is None else value
+
+
+def _llama4_experts(hf_config: dict, num_layers: int) -> dict[str, Any]:
+    """Llama 4's sparse layers: ``moe_layers`` (default every ``interleave_moe_layer_step``-th layer, as
+    Llama4TextConfig), experts and the shared expert ``intermediate_size`` wide, the sigmoid router on the inputs."""
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config field 'hidden_act' = {hf_config['hidden_act']!r} is unsupported for "
+                         "Llama4ForCausalLM (the experts run SwiGLU)")
+    step = _llama4(hf_config, "interleave_moe_layer_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        raise ValueError(f"config field 'interleave_moe_layer_step' must be a positive int, got {step!r}")
+    moe_layers = hf_config.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, num_layers, step))
+    if not isinstance(moe_layers, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in moe_layers):
+        raise ValueError(f"config field 'moe_layers' must list layer indices below {num_layers}, got {moe_layers!r}")
+    inter = int(_llama4(hf_config, "intermediate_size"))
+    return {"num_experts": int(_llama4(hf_config, "num_local_experts")),
+            "num_experts_per_tok": int(_llama4(hf_config, "num_experts_per_tok")), "moe_intermediate_size": inter,
+            "norm_topk_prob": False, "mlp_only_layers": tuple(i for i in range(num_layers) if i not in moe_layers),
+            "router": "sigmoid_input", "shared_expert_intermediate_size": inter}
+
+
+def llama4_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str, Any]:
+    """Llama 4's fields of ``models.config.ModelConfig`` (empty for other families), as Llama4TextConfig and
+    transformers' Llama4TextAttention read them: ``no_rope_layers`` (1: RoPE; default a NoPE layer every
+    ``no_rope_layer_interval``-th), ``layer_types`` (default: the RoPE layers chunked when ``attention_chunk_size``
+    is set, the others full), ``use_qk_norm`` on the RoPE layers, the NoPE layers' attention temperature."""
+    if architecture != "Llama4ForCausalLM":
+        return {}
+    interval = _llama4(hf_config, "no_rope_layer_interval")
+    use_rope = hf_config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(use_rope) < num_layers or any(flag not in (0, 1) for flag in use_rope):
+        raise ValueError(f"config field 'no_rope_layers' must list 0 or 1 for each of the {num_layers} layers, "
+                         f"got {use_rope!r}")
+    chunk = hf_config.get("attention_chunk_size", _LLAMA4_DEFAULTS["attention_chunk_size"])
+    layer_types = hf_config.get("layer_types") or [
+        CHUNKED if use_rope[i] and chunk is not None else FULL for i in range(num_layers)]
+    if len(layer_types) != num_layers or any(kind not in (CHUNKED, FULL) for kind in layer_types):
+        raise ValueError(f"config field 'layer_types' must list {num_layers} of {CHUNKED!r} / {FULL!r} for "
+                         f"Llama4ForCausalLM, got {layer_types!r}")
+    if CHUNKED in layer_types and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+        raise ValueError(f"config field 'attention_chunk_size' must be a positive int for chunked_attention "
+                         f"layers, got {chunk!r}")
+    nope_layers = tuple(i for i in range(num_layers) if not use_rope[i])
+    tuning = bool(_llama4(hf_config, "attn_temperature_tuning")) and bool(nope_layers)
+    return {"layer_attention_chunks": tuple(chunk if kind == CHUNKED else None for kind in layer_types),
+            "nope_layers": nope_layers, "rope_interleaved": True, "qk_l2_norm": bool(_llama4(hf_config, "use_qk_norm")),
+            "attn_temperature": (float(_llama4(hf_config, "floor_scale")), float(_llama4(hf_config, "attn_scale")))
+            if tuning else None}
 
 
 def _gpt_oss_experts(hf_config: dict) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 (q/k norm), Gemma 2 / Gemma 3 (per-layer windows and RoPE, soft-capping, (1 + w) norms around each block, scaled
 embeddings, GELU), Phi-3 / Phi-4 (LongRoPE, partial rotary; fused checkpoint projections split by the loader),
 Granite (multipliers), and with sparse expert MLPs (``models.moe``, by ``ModelConfig.moe``) Qwen3-MoE and Mixtral,
-and gpt-oss (attention sinks, its experts in ``models.gpt_oss``), and DeepSeek-V2 / V3 (latent attention in
-``models.mla``, their routing and shared experts in ``models.deepseek``).
+and gpt-oss (attention sinks, its experts in ``models.gpt_oss``), Llama 4's text model (chunked and NoPE layers,
+interleaved RoPE, weightless q/k norm, attention temperature; its experts in ``models.llama4``, its MLPs named
+``feed_forward`` in the checkpoint) and DeepSeek-V2 / V3 (latent attention in ``models.mla``, their routing and
+shared experts in ``models.deepseek``).
 Each difference is a ``ModelConfig`` field read by the one decoder below.
 
 The model runs on a flat (ragged) token batch: ``input_ids`` and ``positions`` are ``int32[T]`` with no batch
@@ -18,6 +20,7 @@ Parameter paths mirror Hugging Face names so the loader maps them mechanically:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -32,6 +35,7 @@ from models.config import ModelConfig
 from models.deepseek import DeepseekMoeBlock
 from models.gpt_oss import GptOssMoeBlock
 from models.mla import MlaAttention
+from models.llama4 import Llama4MoeBlock
 from models.moe import SparseMoeBlock, set_moe_impl
 from models.norm import RMSNorm, check_rms_norm_impl
 # RoPE lives in models.qk_transform (with the rest of the q/k transform); re-exported for existing importers.
@@ -105,9 +109,14 @@ class Attention(nnx.Module):
         else:
             self.q_norm = None
             self.k_norm = None
-        # Static per-layer choices: which RoPE table (Gemma 3's sliding layers have their own), and the layer's
-        # attention options, passed only when some layer of the model differs from the attention's defaults.
-        self.rope_table = rope_table_index(config, layer_idx)
+        # Static per-layer choices: which RoPE table (Gemma 3's sliding layers have their own; None: a NoPE layer),
+        # and the layer's attention options, passed only when some layer of the model differs from the attention's
+        # defaults. Llama 4: interleaved RoPE, the weightless q/k norm (eps, dtype) of its RoPE layers, its NoPE
+        # layers' temperature (the last of the forward's rope tables).
+        self.rope_table = None if layer_idx in config.nope_layers else rope_table_index(config, layer_idx)
+        self.rope_interleaved = config.rope_interleaved
+        self.l2_norm = (config.rms_norm_eps, dtype) if config.qk_l2_norm and self.rope_table is not None else None
+        self.temperature = config.attn_temperature is not None and self.rope_table is None
         self.layer_attention = LayerAttention.for_layer(config, layer_idx) if needs_layer_attention(config) else None
 
     def __call__(self, layer_idx: int, x: jax.Array, rope: tuple, kv_layer, attention: AttentionFn, lora=None):
@@ -133,18 +142,10 @@ class Attention(nnx.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope[self.rope_table]
         options = {} if self.layer_attention is None else self.layer_attention.as_kwargs()
         if self.sinks is not None:
             options["sinks"] = self.sinks[...]
-        transform = QKTransform(
-            cos=cos, sin=sin,
-            q_norm_weight=None if self.q_norm is None else self.q_norm.scale[...],
-            k_norm_weight=None if self.k_norm is None else self.k_norm.scale[...],
-            kv_scale=None if self.kv_scale is None else self.kv_scale[...],
-            norm_eps=None if self.q_norm is None else self.q_norm.eps,
-            dtype=None if self.q_norm is None else self.q_norm.dtype,
-            norm_unit_offset=self.q_norm is not None and self.q_norm.unit_offset)
+        transform = self.qk_transform(rope)
         if getattr(attention, "fuses_qk_transform", False):  # e.g. one kernel with the KV write (paged_jax.ops)
             out, kv_layer = attention(layer_idx, q, k, v, kv_layer, qk_transform=transform, **options)
         else:
@@ -155,6 +156,25 @@ class Attention(nnx.Module):
             out = (out * self.kv_scale[1]).astype(out.dtype)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return with_lora(lora, "o_proj", out, self.o_proj(out)), kv_layer
+
+    def qk_transform(self, rope: tuple) -> QKTransform:
+        """The layer's ``QKTransform`` from the forward's ``rope_tables``."""
+        cos, sin = (None, None) if self.rope_table is None else rope[self.rope_table]
+        transform = QKTransform(
+            cos=cos, sin=sin,
+            q_norm_weight=None if self.q_norm is None else self.q_norm.scale[...],
+            k_norm_weight=None if self.k_norm is None else self.k_norm.scale[...],
+            kv_scale=None if self.kv_scale is None else self.kv_scale[...],
+            norm_eps=None if self.q_norm is None else self.q_norm.eps,
+            dtype=None if self.q_norm is None else self.q_norm.dtype,
+            norm_unit_offset=self.q_norm is not None and self.q_norm.unit_offset,
+            q_scale=rope[-1] if self.temperature else None, rope_interleaved=self.rope_interleaved)
+        if self.l2_norm is not None:  # Llama 4's weightless norm: a weight of ones
+            eps, dtype = self.l2_norm
+            ones = jnp.ones((self.head_dim,), dtype)
+            transform = dataclasses.replace(transform, q_norm_weight=ones, k_norm_weight=ones, norm_eps=eps,
+                                            dtype=dtype)
+        return transform
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -202,7 +222,8 @@ class DecoderLayer(nnx.Module):
     """One decoder layer in vLLM's form: the residual stream travels beside the hidden state, so each residual add
     is fused into the RMSNorm after it (``RMSNorm.__call__(x, residual)``). ``mlp`` is the dense ``MLP``, or for a
     sparse layer of a mixture-of-experts model (``MoeConfig.is_sparse(layer_idx)``) a ``SparseMoeBlock``, for gpt-oss
-    (``MoeConfig.swiglu_limit`` set) its ``models.gpt_oss.GptOssMoeBlock``.
+    (``MoeConfig.swiglu_limit`` set) its ``models.gpt_oss.GptOssMoeBlock``, for Llama 4 (``MoeConfig.router``
+    "sigmoid_input") its ``models.llama4.Llama4MoeBlock`` with a dense ``MLP`` as the shared expert.
 
     Gemma (``sandwich_norms``): ``post_attention_layernorm`` norms the attention output before its residual add,
     ``pre_feedforward_layernorm`` is the norm fused with that add, ``post_feedforward_layernorm`` norms the MLP
@@ -224,6 +245,10 @@ class DecoderLayer(nnx.Module):
                 config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD,
                 shared_experts=MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                                    intermediate_size=shared) if shared else None)
+        elif config.moe is not None and config.moe.router == "sigmoid_input" and config.moe.is_sparse(layer_idx):
+            shared = dataclasses.replace(config, intermediate_size=config.moe.shared_expert_intermediate_size)
+            self.mlp = Llama4MoeBlock(config, MLP(shared, dtype=dtype, param_dtype=param_dtype, rngs=rngs),
+                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
         elif config.moe is not None and config.moe.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=INIT_STD)
         else:

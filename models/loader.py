@@ -6,6 +6,8 @@ tensor by tensor from the checkpoint, checked, cast and placed on the device, so
 Reading uses ``safetensors`` with ``framework="numpy"``; bfloat16 tensors (which numpy lacks) are decoded from the
 raw bytes with ``ml_dtypes``. No torch is needed at run time. A mixture-of-experts checkpoint stores each expert's
 projections as its own tensor (as published on the Hub); they are stacked into one ``[E, in, out]`` parameter.
+A multimodal checkpoint whose text model is supported (Llama 4's ``Llama4ForConditionalGeneration``) loads its
+``language_model.`` tensors only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from models.architectures import model_class
 from models.config import ModelConfig
 from models.deepseek import CHECKPOINT_LEAVES as DEEPSEEK_LEAVES
 from models.gpt_oss import CHECKPOINT_LEAVES
+from models.llama4 import EXPERT_PARAMS as LLAMA4_EXPERT_PARAMS
 from models.llama import INIT_STD, LlamaForCausalLM
 from models.moe import checkpoint_prefix, expert_checkpoint_names
 from models.quantization import block_fp8
@@ -54,6 +57,8 @@ INDEX_FILE = "model.safetensors.index.json"
 PYTORCH_FILE = "pytorch_model.bin"
 # Checkpoint tensors the model intentionally has no parameter for.
 _IGNORABLE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# A multimodal checkpoint's text model: its tensors' prefix (the others, e.g. the vision tower's, are not loaded).
+TEXT_MODEL_PREFIX = "language_model."
 # Checkpoint tensors that hold several model parameters stacked along their rows (HF's output dim), per
 # architecture: fused name suffix -> its parts' name suffixes, in row order. The loader splits them, so the model
 # keeps one layout (the engine fuses projections itself, after loading: models.llama.fuse_projections).
@@ -292,7 +297,7 @@ def _read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) ->
 def hf_name_for(param_path: tuple) -> tuple[str, bool]:
     """Model parameter path -> (HF tensor name, whether the HF tensor is the transpose of ours)."""
     *prefix, leaf = (str(p) for p in param_path)
-    if leaf in CHECKPOINT_LEAVES or leaf in DEEPSEEK_LEAVES:  # stored under their own names (gpt-oss, DeepSeek)
+    if leaf in CHECKPOINT_LEAVES or leaf in DEEPSEEK_LEAVES or leaf in LLAMA4_EXPERT_PARAMS:  # own names and layouts
         return ".".join(prefix + [leaf]), False
     if leaf == "kernel":
         return ".".join(prefix + ["weight"]), True
@@ -349,6 +354,9 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
             wanted[checkpoint_prefix(config, hf_name)] = (param_path, transposed)
     if _is_base_model_checkpoint(tensor_files):
         wanted = {name.removeprefix("model."): value for name, value in wanted.items()}
+    elif TEXT_MODEL_PREFIX + "model.embed_tokens.weight" in tensor_files:  # the text part of a multimodal one
+        tensor_files = {name: path for name, path in tensor_files.items() if name.startswith(TEXT_MODEL_PREFIX)}
+        wanted = {TEXT_MODEL_PREFIX + name: value for name, value in wanted.items()}
     fused = _fused_sources(config.architecture, wanted, tensor_files)
     dequantize = _block_fp8_dequantizer(tensor_files, config)
     tensor_files = _without_skipped_tensors(tensor_files, config)

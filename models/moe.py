@@ -235,15 +235,18 @@ def expert_checkpoint_names(config: ModelConfig, param_path: tuple) -> list[str]
     names = [str(p) for p in param_path]
     if len(names) < 3 or names[-2] != "experts" or names[-1] not in EXPERT_PROJECTIONS:
         return None
-    if config.moe.swiglu_limit is not None:  # gpt-oss: the checkpoint stacks its experts itself (models.gpt_oss)
-        return None
+    if config.moe.swiglu_limit is not None or config.moe.router == "sigmoid_input":
+        return None  # gpt-oss, Llama 4: the checkpoint stacks its experts itself (models.gpt_oss, models.llama4)
     prefix = checkpoint_prefix(config, ".".join(names[:-1]))
     leaf = _MIXTRAL_EXPERT_NAMES[names[-1]] if config.architecture == "MixtralForCausalLM" else names[-1]
     return [f"{prefix}.{e}.{leaf}.weight" for e in range(config.moe.num_experts)]
 
 
 def checkpoint_prefix(config: ModelConfig, name: str) -> str:
-    """A model tensor name in the checkpoint's spelling: Mixtral's sparse block is ``block_sparse_moe``."""
+    """A model tensor name in the checkpoint's spelling: Mixtral's sparse block is ``block_sparse_moe``, Llama 4's
+    MLPs (dense and sparse) ``feed_forward``."""
     if config.architecture == "MixtralForCausalLM":
         return name.replace(".mlp.", ".block_sparse_moe.")
+    if config.architecture == "Llama4ForCausalLM":
+        return name.replace(".mlp.", ".feed_forward.")
     return name

@@ -70,6 +70,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     },
+    # The text model of meta-llama/Llama-4-Scout-17B-16E (its config.json's text_config): 16 experts + a shared
+    # expert in every layer, 8192-token attention chunks on three layers of four, the fourth NoPE with full attention.
+    "llama-4-scout-17b-16e": {
+        "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "vocab_size": 202048,
+        "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "attention_chunk_size": 8192,
+        "no_rope_layer_interval": 4, "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 8192,
+        "attn_scale": 0.1, "attention_bias": False, "hidden_act": "silu", "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192},
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "max_position_embeddings": 10485760,
+        "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008], "pad_token_id": 200018,
+    },
     "smollm2-135m": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -152,11 +166,12 @@ def mla_params(config: ModelConfig) -> int:
 
 
 def mlp_params(config: ModelConfig, layer: int) -> int:
-    """Parameters of decoder layer ``layer``'s MLP: a dense SwiGLU, or a sparse layer's router and every expert."""
+    """Parameters of decoder layer ``layer``'s MLP: a dense SwiGLU, or a sparse layer's router, every expert and the
+    shared expert (Llama 4)."""
     h, moe = config.hidden_size, config.moe
     if moe is None or not moe.is_sparse(layer):
         return 3 * h * config.intermediate_size
-    shared = moe.n_shared_experts * expert_params(config)
+    shared = moe.n_shared_experts * expert_params(config) + 3 * h * (moe.shared_expert_intermediate_size or 0)
     bias = moe.num_experts if moe.topk_method == "noaux_tc" else 0
     return h * moe.num_experts + bias + moe.num_experts * expert_params(config) + shared
 

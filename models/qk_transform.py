@@ -1,5 +1,7 @@
-"""What happens to q and k between the q/k/v projections and attention: RoPE, Qwen3's per-head q/k RMSNorm and the
-FP8 KV cache's scaling, described by one small pytree (``QKTransform``) and applied by ``apply_qk_transform``.
+"""What happens to q and k between the q/k/v projections and attention: RoPE (in halves, or Llama 4's interleaved
+pairs; none on a NoPE layer), the per-head q/k RMSNorm (Qwen3's; Llama 4's weightless L2 norm), the FP8 KV cache's
+scaling and Llama 4's per-token attention temperature on q, described by one small pytree (``QKTransform``) and
+applied by ``apply_qk_transform``.
 
 The model builds a ``QKTransform`` per layer and either applies it itself (jnp, the reference math) or hands it,
 with the un-normed, un-rotated q/k, to an ``AttentionFn`` that declares ``fuses_qk_transform`` (e.g. the paged
@@ -91,10 +93,11 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, attention_factor: f
     return cos, sin
 
 
-def rope_tables(config, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+def rope_tables(config, positions: jax.Array) -> tuple:
     """The ``rope_cos_sin`` tables of a forward over ``positions`` int32[T] for a ``models.config.ModelConfig``:
     the model's RoPE first, then (Gemma 3, ``local_rope_theta``) the sliding layers' own; ``rope_table_index``
-    says which one a layer uses."""
+    says which one a layer uses. With ``attn_temperature`` (Llama 4) the last entry is the NoPE layers' q scales,
+    ``attn_temperature_scales``' float32[T, 1, 1]."""
     rotary_dim = config.rotary_dim or config.head_dim
     scaling = config.rope_scaling
     inv_freq = rope_inv_freq(rotary_dim, float(config.rope_theta),
@@ -103,7 +106,17 @@ def rope_tables(config, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Arra
     tables = [rope_cos_sin(positions, inv_freq, factor)]
     if config.local_rope_theta is not None:
         tables.append(rope_cos_sin(positions, rope_inv_freq(rotary_dim, float(config.local_rope_theta), None)))
+    if config.attn_temperature is not None:
+        tables.append(attn_temperature_scales(positions, *config.attn_temperature))
     return tuple(tables)
+
+
+def attn_temperature_scales(positions: jax.Array, floor_scale: float, attn_scale: float) -> jax.Array:
+    """Llama 4's attention temperature of the NoPE layers: positions int32[T] -> float32[T, 1, 1], ``log1p(floor((p
+    + 1) / floor_scale)) * attn_scale + 1`` (transformers' Llama4TextAttention, in float32)."""
+    pos = positions.astype(jnp.float32)
+    scales = jnp.log1p(jnp.floor((pos + 1.0) / np.float32(floor_scale))) * np.float32(attn_scale) + 1.0
+    return scales[:, None, None]
 
 
 def rope_table_index(config, layer_idx: int) -> int:
@@ -111,10 +124,16 @@ def rope_table_index(config, layer_idx: int) -> int:
     return int(config.local_rope_theta is not None and config.layer_windows[layer_idx] is not None)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:
     """Rotate ``x: [T, H, D]`` (HF "rotate_half" layout) in float32 by ``rope_cos_sin`` tables of ``R/2`` frequencies:
-    the first ``R`` dims rotate, the rest pass through (partial rotary); returns x.dtype."""
+    the first ``R`` dims rotate, the rest pass through (partial rotary); returns x.dtype. ``interleaved``: frequency
+    ``i`` rotates the pair ``(x[2i], x[2i + 1])`` (Llama 4's complex multiply; whole heads only)."""
     x32 = x.astype(jnp.float32)
+    if interleaved:
+        pairs = x32.reshape(*x.shape[:-1], -1, 2)
+        even, odd = pairs[..., 0], pairs[..., 1]
+        out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+        return out.reshape(x.shape).astype(x.dtype)
     rotary_dim = 2 * cos.shape[-1]
     half = rotary_dim // 2
     x1, x2 = x32[..., :half], x32[..., half:rotary_dim]
@@ -124,21 +143,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["cos", "sin", "q_norm_weight", "k_norm_weight", "kv_scale"],
-                   meta_fields=["norm_eps", "dtype", "norm_unit_offset"])
+                   data_fields=["cos", "sin", "q_norm_weight", "k_norm_weight", "kv_scale", "q_scale"],
+                   meta_fields=["norm_eps", "dtype", "norm_unit_offset", "rope_interleaved"])
 @dataclasses.dataclass(frozen=True)
 class QKTransform:
     """One layer's q/k transform for a flat batch of T tokens (a pytree: arrays are leaves, the rest static).
 
     Fields:
       cos, sin: ``rope_cos_sin`` tables, float32[T, 1, R/2] (shared by the layers of a forward using them); R < D
-        (partial rotary) rotates the first R dims of each head only.
+        (partial rotary) rotates the first R dims of each head only. Both None: no RoPE (Llama 4's NoPE layers).
       q_norm_weight, k_norm_weight: the per-head RMSNorm weights, [D] (param dtype), or None (no q/k norm;
         both or neither).
       kv_scale: float32[2] = (k_scale, v_scale) of an FP8 KV cache with scales, or None.
       norm_eps: the q/k norms' epsilon (None without them).
       dtype: the compute dtype the q/k norms cast to (None without them).
       norm_unit_offset: the q/k norms scale by ``1 + weight`` (Gemma 3; ``models.norm.rms_norm_reference``).
+      q_scale: None, or float32[T, 1, 1]: q's per-token factor, applied last (Llama 4's attention temperature,
+        ``attn_temperature_scales``).
+      rope_interleaved: RoPE rotates interleaved pairs (``apply_rope``; Llama 4).
     """
 
     cos: jax.Array
@@ -149,6 +171,8 @@ class QKTransform:
     norm_eps: float | None = None
     dtype: Any = None
     norm_unit_offset: bool = False
+    q_scale: jax.Array | None = None
+    rope_interleaved: bool = False
 
     def __post_init__(self):
         if (self.q_norm_weight is None) != (self.k_norm_weight is None):
@@ -164,9 +188,11 @@ class QKTransform:
 def apply_qk_transform(transform: QKTransform, q: jax.Array, k: jax.Array, v: jax.Array):
     """The reference (jnp) transform: q [T, Hq, D], k / v [T, Hkv, D] -> (q, k, v), same shapes and dtypes.
 
-    q/k norm (if any; ``models.norm.rms_norm_reference``) -> RoPE on q and k (float32 math, cast back) -> with
-    ``kv_scale`` q * k_scale, k / k_scale, v / v_scale (float32 math, cast back): the cache then holds k / k_scale and v / v_scale, q . k is unchanged, and
-    the model rescales the attention output by v_scale, so attention kernels read the cache without scales.
+    q/k norm (if any; ``models.norm.rms_norm_reference``) -> RoPE on q and k (float32 math, cast back; none when
+    ``cos`` is None) -> with ``kv_scale`` q * k_scale, k / k_scale, v / v_scale (float32 math, cast back): the
+    cache then holds k / k_scale and v / v_scale, q . k is unchanged, and the model rescales the attention output
+    by v_scale, so attention kernels read the cache without scales -> with ``q_scale`` q * q_scale (float32 math,
+    cast back). (Llama 4 normalizes after its RoPE; a rotation keeps each head's norm, so the order is the same.)
     """
     if transform.has_qk_norm:
         offset = transform.norm_unit_offset
@@ -174,9 +200,15 @@ def apply_qk_transform(transform: QKTransform, q: jax.Array, k: jax.Array, v: ja
                                unit_offset=offset)
         k = rms_norm_reference(k, transform.k_norm_weight, eps=transform.norm_eps, dtype=transform.dtype,
                                unit_offset=offset)
-    q = apply_rope(q, transform.cos, transform.sin)
-    k = apply_rope(k, transform.cos, transform.sin)
+    if transform.cos is not None:
+        q = apply_rope(q, transform.cos, transform.sin, transform.rope_interleaved)
+        k = apply_rope(k, transform.cos, transform.sin, transform.rope_interleaved)
     if transform.kv_scale is not None:
         k_scale, v_scale = transform.kv_scale[0], transform.kv_scale[1]
         q, k, v = ((q * k_scale).astype(q.dtype), (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype))
-    return q, k, v
+    return scale_q(transform, q), k, v
+
+
+def scale_q(transform: QKTransform, q: jax.Array) -> jax.Array:
+    """q [T, Hq, D] times ``transform.q_scale`` (float32 math, cast back); q itself without one."""
+    return q if transform.q_scale is None else (q * transform.q_scale).astype(q.dtype)

@@ -24,6 +24,7 @@ _MODEL_TYPES = {
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Llama4ForCausalLM": "llama4_text",
 }
 
 # Short names accepted by tiny_config, for readability in tests.
@@ -41,6 +42,7 @@ _ALIASES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "llama4": "Llama4ForCausalLM",
 }
 
 # Each family's own fields in a tiny config: windows, scales and caps small enough to matter at this size (a cap
@@ -90,6 +92,17 @@ _FAMILY_FIELDS = {
                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
                                                "mscale": 1.0, "mscale_all_dim": 0.7071,
                                                "original_max_position_embeddings": 64}},
+    # Llama 4 (meta-llama/Llama-4-Scout-17B-16E's text config.json fields) at a size where each part matters: 4
+    # layers (three chunked RoPE layers with the q/k norm, one NoPE full layer with the attention temperature, whose
+    # floor_scale of 4 makes it vary), 12-token chunks (edges inside 8-token blocks), llama3 RoPE scaling, sparse
+    # layers 1 and 3 (4 experts, top-1, a shared expert) beside dense MLPs of intermediate_size_mlp.
+    "Llama4ForCausalLM": {"num_hidden_layers": 4, "attention_chunk_size": 12, "no_rope_layer_interval": 4,
+                          "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.1,
+                          "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
+                          "intermediate_size": 64, "intermediate_size_mlp": 128, "rms_norm_eps": 1e-5,
+                          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                          "pad_token_id": 0},
 }
 
 
@@ -99,7 +112,7 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
     Args:
       architecture: one of ``models.config.SUPPORTED_ARCHITECTURES`` or its short name ("llama", "mistral",
         "qwen2", "qwen3", "gemma2", "gemma3" (the text model), "phi3", "granite", "qwen3_moe", "mixtral",
-        "gpt_oss", "deepseek_v2", "deepseek_v3"); a family's
+        "gpt_oss", "deepseek_v2", "deepseek_v3", "llama4" (the text model)); a family's
         own fields get small values that make them matter (``_FAMILY_FIELDS``).
       overrides: fields to set or replace (e.g. ``tie_word_embeddings=True``, ``rope_scaling={...}``).
     """
@@ -168,7 +181,8 @@ def save_random_hf_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathL
         for name, param in torch_model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias", "self_attn.sinks")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias", "self_attn.sinks",
+                                "feed_forward.router.weight")):
                 # an experts' router; gpt-oss's attention sinks, large enough to take a share of the softmax
                 param.copy_(torch.randn(param.shape, generator=generator))
             else:

@@ -333,6 +333,18 @@ class CompletionStreamResponse(ResponseFields):
 
 
 # ------------------------------------------------------------------------------------------------------ chat
+def _text_parts_only(content: Any) -> Any:
+    """A message's content as given, or a ValueError naming the first part that is not text (images, audio): the
+    models served take text only (a multimodal checkpoint, e.g. Llama 4's, is loaded as its text model)."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported: the model takes text inputs only "
+                                 "(no images or audio)")
+    return content
+
+
 class ChatContentPartText(RequestModel):
     type: Literal["text"]
     text: str
@@ -355,7 +367,7 @@ class ChatMessageParam(RequestModel):
     ``tool_call_id``: they reach the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatContentPartText] | None = None
+    content: Annotated[str | list[ChatContentPartText] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_calls: list[ChatToolCall] | None = None
     tool_call_id: str | None = None

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import kv_capacity
 
-from models.config import ModelConfig
+from models.config import AttentionChunk, ModelConfig
 from models.presets import preset_config
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
@@ -85,6 +85,52 @@ def test_sliding_window_holds_at_most_window_blocks_plus_one(window, block_size)
     assert max(held) <= -(-window // block_size) + 1
     assert len(request.block_ids) == kv.blocks_needed(request.num_computed_tokens)  # the table keeps its length
     assert kv.num_free_blocks == kv.num_usable_blocks - held[-1]
+    kv.free(request)
+    assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
+
+
+def test_chunk_block_rules():
+    chunk = AttentionChunk(8)
+    # Position 11's chunk starts at 8: blocks 0, 1 (block 4) are skipped; position 16's starts at 16.
+    assert [num_skipped_blocks(n, chunk, 4) for n in (7, 8, 11, 15, 16)] == [0, 2, 2, 2, 4]
+    assert num_skipped_blocks(20, AttentionChunk(10), 4) == 5 and num_skipped_blocks(19, AttentionChunk(10), 4) == 2
+    assert max_blocks_per_request(100, chunk, 4, 1) == 3 and max_blocks_per_request(100, chunk, 4, 16) == 7
+    # A hit of n blocks needs the blocks from the chunk of position n * 4 on: 5 blocks need block 4 only, a hit
+    # ending on a chunk's edge none.
+    assert longest_window_hit([None, None, None, None, 5, None, None], chunk, 4) == 6
+    assert longest_window_hit([1, None, 3, None, None], chunk, 4) == 4
+    assert longest_window_hit([1, None, None, 4, None], AttentionChunk(12), 4) == 4
+    llama4 = (AttentionChunk(8), AttentionChunk(8), AttentionChunk(8), None) * 2
+    groups = engine_kv_groups(llama4)
+    assert groups == (KVCacheGroupSpec(None, (3, 7)), KVCacheGroupSpec(AttentionChunk(8), (0, 1)),
+                      KVCacheGroupSpec(AttentionChunk(8), (2, 4)), KVCacheGroupSpec(AttentionChunk(8), (5, 6)))
+    assert engine_kv_groups((AttentionChunk(8),) * 3) == (KVCacheGroupSpec(AttentionChunk(8), (0, 1, 2)),)
+    assert engine_kv_groups(llama4, mixed_groups=False) == (KVCacheGroupSpec(None, tuple(range(8))),)
+
+
+@pytest.mark.parametrize("chunk,block_size", [(8, 4), (10, 4), (7, 4), (5, 8), (16, 4)])
+def test_chunked_group_holds_at_most_chunk_blocks_plus_one(chunk, block_size):
+    """A chunked group keeps only the blocks of the current chunk: at most ceil(chunk / block_size) + 1 while
+    decoding; a full group beside it keeps every block."""
+    kv = KVCacheManager(num_blocks=128, block_size=block_size, group_windows=(None, AttentionChunk(chunk)))
+    request = Request(request_id="a", prompt_token_ids=list(range(3, 3 + 3 * chunk - 1)))
+    assert kv.allocate_slots(request, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    held = [sum(b != NULL_BLOCK_ID for b in request.block_ids[1::2])]
+    for step in range(3 * chunk):
+        assert kv.allocate_slots(request, 1)
+        held.append(sum(b != NULL_BLOCK_ID for b in request.block_ids[1::2]))
+        full = request.block_ids[0::2]
+        assert NULL_BLOCK_ID not in full and len(full) == -(-(request.num_computed_tokens + 1) // block_size)
+        # The chunked group holds exactly the blocks from its chunk's start to the new token's.
+        start = request.num_computed_tokens // chunk * chunk // block_size
+        assert [b != NULL_BLOCK_ID for b in request.block_ids[1::2]] == [i >= start for i in range(len(full))]
+        request.output_token_ids.append(7 + step)
+        request.num_computed_tokens += 1
+        kv.cache_full_blocks(request)
+    assert max(held[1:]) <= -(-chunk // block_size) + 1
+    assert max(held[1:]) >= -(-chunk // block_size)  # a whole chunk's blocks while its last token decodes
     kv.free(request)
     assert kv.num_free_blocks == kv.num_usable_blocks and all(b.ref_cnt == 0 for b in kv.blocks)
 
@@ -313,7 +359,10 @@ class GroupedFakeRunner(FakeRunner):
             table = self.tables[r.request_id]
             states = prefix_states(r.request.all_token_ids[:kv_len])
             for g, window in enumerate(self.windows):
-                first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)
+                if isinstance(window, AttentionChunk):  # the chunk of the step's first query
+                    first = r.num_computed_tokens // window.size * window.size
+                else:
+                    first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)
                 read = [int(self.device[table[p // bs * groups + g], p % bs]) for p in range(first, kv_len)]
                 assert read == [s * groups + g for s in states[first:]], f"{r.request_id} read another's K/V"
             last_read[r.request_id] = states[-1]
@@ -322,7 +371,8 @@ class GroupedFakeRunner(FakeRunner):
         return sampled
 
 
-@pytest.mark.parametrize("windows,num_blocks", [((3,), 9), ((None, 3, 3), 31)])
+@pytest.mark.parametrize("windows,num_blocks", [((3,), 9), ((None, 3, 3), 31), ((None, AttentionChunk(4)), 21),
+                                               ((AttentionChunk(3),), 8)])
 def test_random_workload_with_groups_never_leaks(windows, num_blocks):
     """The scheduler's random workload (prefix hits on a small vocabulary, aborts, priority preemption with swap) on a
     manager with groups: no row ever reads K/V that is not its own, and everything is freed at the end."""

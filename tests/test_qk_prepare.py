@@ -22,9 +22,10 @@ NUM_BLOCKS, BLOCK_SIZE, HQ, HKV = 12, 4, 8, 2
 NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
 
 
-def _inputs(seed, num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, bad_slot=False):
+def _inputs(seed, num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, bad_slot=False, llama4=False):
     """Fresh random q/k/v, pools and transform; real tokens on shuffled slots of blocks 1.., then (T > 2) one
-    padding token in the null block and one out-of-range slot (``bad_slot``: the only token, out of range)."""
+    padding token in the null block and one out-of-range slot (``bad_slot``: the only token, out of range).
+    ``llama4``: interleaved RoPE, q/k norms of weight 1 (its L2 norm) and a per-token q scale (its temperature)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(num_tokens, HQ, head_dim)) * 2, dtype)
     k = jnp.asarray(rng.normal(size=(num_tokens, HKV, head_dim)) * 2, dtype)
@@ -46,6 +47,11 @@ def _inputs(seed, num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, ba
         k_norm_weight=jnp.asarray(rng.normal(size=head_dim), dtype) if qk_norm else None,
         kv_scale=jnp.asarray([0.35, 2.5], jnp.float32) if kv_scale else None,
         norm_eps=1e-6 if qk_norm else None, dtype=dtype if qk_norm else None)
+    if llama4:
+        ones = jnp.ones((head_dim,), dtype)
+        transform = QKTransform(cos, sin, q_norm_weight=ones, k_norm_weight=ones, norm_eps=1e-5, dtype=dtype,
+                                kv_scale=transform.kv_scale, rope_interleaved=True,
+                                q_scale=jnp.asarray(1 + rng.random((num_tokens, 1, 1)), jnp.float32))
     return (q, k, v, k_pages, v_pages, jnp.asarray(slots), transform), slots
 
 
@@ -60,6 +66,11 @@ CASES = {
     "T33_qwen3_d64_f32": (33, 64, jnp.float32, jnp.float32, True, False, False),
     "T33_qwen3_d128_bf16": (33, 128, jnp.bfloat16, jnp.bfloat16, True, False, False),
 }
+# Llama 4's RoPE layers: interleaved pairs, a weightless norm, the temperature on q (the model's NoPE layers have no
+# RoPE: the reference runs them).
+LLAMA4_CASES = {"T5_llama4_d64_f32": (5, 64, jnp.float32, jnp.float32, True, False, False),
+                "T33_llama4_d128_bf16_fp8": (33, 128, jnp.bfloat16, jnp.float8_e4m3fn, True, True, False)}
+CASES.update(LLAMA4_CASES)
 
 
 def _f32(x):
@@ -80,7 +91,7 @@ def _assert_within_one_ulp(got, want):
 def test_kernel_matches_reference(name):
     num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, bad_slot = CASES[name]
     args, slots = _inputs(sorted(CASES).index(name), num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale,
-                          bad_slot)
+                          bad_slot, llama4=name in LLAMA4_CASES)
     want = jax.jit(qk_prepare_reference)(*args)
     got = jax.jit(functools.partial(qk_prepare, impl="pallas", interpret=True))(*args)
     for out, ref in zip(got, want):
@@ -135,6 +146,11 @@ def test_impl_resolution_and_errors():
     gemma = QKTransform(transform.cos, transform.sin, dtype=jnp.float32, norm_unit_offset=True, **norms)
     with pytest.raises(ValueError, match="unit offset"):
         qk_prepare(*args[:6], gemma, impl="pallas", interpret=True)
+    nope = QKTransform(None, None, q_scale=jnp.full((5, 1, 1), 2.0, jnp.float32))
+    with pytest.raises(ValueError, match="no RoPE"):
+        qk_prepare(*args[:6], nope, impl="pallas", interpret=True)
+    q_out, k_pages_out, _ = qk_prepare(*args[:6], nope, impl="auto")  # a NoPE layer: only the q scale
+    np.testing.assert_array_equal(np.asarray(q_out), 2 * np.asarray(q))
     q_out, _, _ = qk_prepare(*args[:6], partial, impl="auto")  # the reference: the last 32 dims pass through
     np.testing.assert_array_equal(np.asarray(q_out[..., 32:]), np.asarray(q[..., 32:]))
     assert not np.allclose(np.asarray(q_out[..., :32]), np.asarray(q[..., :32]))

@@ -50,10 +50,10 @@ def make_batch(seed, q_lens, kv_lens, *, hq, hkv, d, block_size, dtype, pad_seqs
     )
 
 
-def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None, sinks=None):
+def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None, sinks=None, attention_chunk_size=None):
     """Dense float64 attention, one sequence at a time: gather its context, causal(+window) softmax per token
     (scores soft-capped first when ``logit_soft_cap`` is set; head h's ``sinks[h]`` one more logit without a
-    value)."""
+    value; with ``attention_chunk_size`` only the keys of the token's own chunk)."""
     q = np.asarray(batch["q"].astype(jnp.float32), np.float64)
     k_pages = np.asarray(batch["k_pages"].astype(jnp.float32), np.float64)
     v_pages = np.asarray(batch["v_pages"].astype(jnp.float32), np.float64)
@@ -74,6 +74,8 @@ def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None, sink
             t = cu[s] + i
             pos = ctx - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            if attention_chunk_size is not None:
+                lo = pos // attention_chunk_size * attention_chunk_size
             for h in range(hq):
                 kh = k[lo : pos + 1, h // group]
                 vh = v[lo : pos + 1, h // group]
@@ -87,11 +89,13 @@ def numpy_oracle(batch, sm_scale, sliding_window=None, logit_soft_cap=None, sink
     return out
 
 
-def run(batch, impl, sm_scale, sliding_window=None, logit_soft_cap=None, sinks=None, **tuning):
+def run(batch, impl, sm_scale, sliding_window=None, logit_soft_cap=None, sinks=None, attention_chunk_size=None,
+        **tuning):
     fn = jax.jit(
         lambda q, kp, vp, kl, bt, cu, sinks: ragged_paged_attention(
             q, kp, vp, kl, bt, cu, sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-            sinks=sinks, impl=impl, interpret=(impl == "triton"), **tuning,
+            sinks=sinks, attention_chunk_size=attention_chunk_size, impl=impl, interpret=(impl == "triton"),
+            **tuning,
         )
     )
     return fn(batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"], batch["block_tables"],
@@ -263,6 +267,58 @@ def test_sinks_keep_auto_off_the_mosaic_kernel_and_mosaic_refuses_them():
         run(batch, "reference", 0.125, sinks=jnp.zeros((3,), jnp.float32))
 
 
+# Chunked local attention (Llama 4): chunks smaller and larger than a block and than the kernel's key blocks, queries
+# whose tile spans a chunk edge (chunked prefill), decodes just after an edge, kv splits, bf16, prefill options.
+CHUNK_CASES = {"mixed_gqa8_d64": 8, "chunked_prefill_over_prefix_d128": 24, "window_lead_and_trail_splits": 16,
+               "decode_splits_gqa4": 32, "bf16_mixed_gqa4_d128": 20, "block_boundaries": 16,
+               "gqa3_block_size_8": 13, "chunk_bk32_two_pages_per_block": 48}
+
+
+def _drop_blocks_before_chunk(batch, chunk: int):
+    """The batch with each sequence's table entries of blocks wholly before its first query's chunk pointed at the
+    null block 0 (garbage there), as the KV-cache manager frees them for a chunked group."""
+    tables = np.asarray(batch["block_tables"]).copy()
+    kv_lens, cu = np.asarray(batch["kv_lens"]), np.asarray(batch["cu_q_lens"])
+    block_size = batch["k_pages"].shape[1]
+    for s in range(len(kv_lens)):
+        first_pos = kv_lens[s] - (cu[s + 1] - cu[s])
+        tables[s, :first_pos // chunk * chunk // block_size] = 0
+    return {**batch, "block_tables": jnp.asarray(tables)}
+
+
+@pytest.mark.parametrize("name", sorted(CHUNK_CASES))
+def test_attention_chunks_reference_and_kernel(name):
+    q_lens, kv_lens, hq, hkv, d, bs, dtype, window, tuning = CASES[name]
+    chunk = CHUNK_CASES[name]
+    batch = make_batch(zlib.crc32(name.encode()) + 3, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, block_size=bs,
+                       dtype=dtype)
+    scale, n_real = 1.0 / math.sqrt(d), int(batch["cu_q_lens"][-1])
+    want = run(batch, "reference", scale, attention_chunk_size=chunk)
+    _assert_close(want, numpy_oracle(batch, scale, attention_chunk_size=chunk), dtype, n_real)
+    _assert_close(run(batch, "triton", scale, attention_chunk_size=chunk, **tuning), want, dtype, n_real)
+    freed = _drop_blocks_before_chunk(batch, chunk)
+    _assert_close(run(freed, "reference", scale, attention_chunk_size=chunk), want, dtype, n_real)
+    _assert_close(run(freed, "triton", scale, attention_chunk_size=chunk, **tuning), want, dtype, n_real)
+    if name == "window_lead_and_trail_splits":  # with every prefill option of the kernel
+        options = dict(kv_heads_inner=True, longest_tiles_first=True, prefetch_pages=True, k_transposed=True)
+        _assert_close(run(freed, "triton", scale, attention_chunk_size=chunk, **tuning, **options), want, dtype,
+                      n_real)
+    unchunked = np.asarray(run(batch, "reference", scale).astype(jnp.float32))
+    assert np.abs(np.asarray(want.astype(jnp.float32)) - unchunked).max() > 0.05  # the chunks matter here
+
+
+def test_attention_chunks_keep_auto_off_the_mosaic_kernel_and_mosaic_refuses_them():
+    from paged_jax.ops.ragged_paged_attention import choose_impl
+    from paged_jax.ops.ragged_paged_attention.mgpu_kernel import supported
+
+    assert "attention_chunk_size" in supported((2048, 8, 64), (64, 16, 2, 64), jnp.bfloat16, None,
+                                               attention_chunk_size=64)
+    assert choose_impl((2048, 8, 64), (64, 16, 2, 64), jnp.bfloat16, 8, attention_chunk_size=64) != "hybrid"
+    batch = make_batch(2, [3], [5], hq=4, hkv=2, d=64, block_size=16, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl='mosaic' does not take chunked local attention"):
+        run(batch, "mosaic", 0.125, attention_chunk_size=8)
+
+
 def test_longest_tiles_first_orders_by_key_count():
     from paged_jax.ops.ragged_paged_attention.common import sort_tiles_longest_first, tile_map
 
@@ -332,6 +388,7 @@ def test_default_tuning_shapes():
         (dict(impl="cuda"), "impl must be"),
         (dict(sliding_window=0), "sliding_window"),
         (dict(logit_soft_cap=0.0), "logit_soft_cap"),
+        (dict(attention_chunk_size=0), "attention_chunk_size"),
         (dict(block_m=16), "unknown tuning"),
     ],
 )

@@ -41,7 +41,9 @@ dropped, and a swap-out of such a request reads the source instead of the not-ye
 
 KV-cache groups
 ---------------
-``group_windows`` gives each group of layers (``paged_jax.core.kv_groups``) its window (None: full attention). A
+``group_windows`` gives each group of layers (``paged_jax.core.kv_groups``) its span: a sliding window, an attention
+chunk (Llama 4's chunked layers: a sliding group whose span starts at the chunk of the first uncomputed token), or
+None (full attention). A
 request's block table holds ``G = len(group_windows)`` entries per block of its sequence, interleaved (entry
 ``i * G + g`` is group ``g``'s block ``i``), all from the one pool, so the scheduler's diffs stay appends. In a
 sliding group the entries of blocks no later query reads (``num_skipped_blocks``) point at the null block and their
@@ -60,6 +62,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 
+from models.config import AttentionChunk
 from paged_jax.core.block_hash import hash_block_tokens, root_hash
 from paged_jax.core.kv_groups import group_block_key, groups_prefix_hit, max_blocks_per_request, num_skipped_blocks
 from paged_jax.core.kv_offload import HostKVTier
@@ -92,7 +95,8 @@ class KVCacheManager:
       block_size: tokens per block; >= 1.
       enable_prefix_caching: register computed full blocks and reuse them across requests.
       num_host_blocks: size of the host swap pool (host block ids ``0 .. num_host_blocks-1``; no null block there).
-      group_windows: each KV-cache group's window (None: full attention), ``kv_groups.engine_kv_groups``' order;
+      group_windows: each KV-cache group's span (``kv_groups.KVSpan``: a window, an ``AttentionChunk``, None: full
+        attention), ``kv_groups.engine_kv_groups``' order;
         ``(None,)``: one table of every token's blocks (see the module docstring).
       num_offload_blocks: host blocks of the prefix cache's host tier (0: none), ids after the swap pool's.
 
@@ -108,8 +112,10 @@ class KVCacheManager:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
-        if not group_windows or any(w is not None and (not isinstance(w, int) or w < 1) for w in group_windows):
-            raise ValueError(f"group_windows must list None or an int >= 1 per group, got {group_windows!r}")
+        if not group_windows or any(w is not None and not isinstance(w, AttentionChunk)
+                                    and (not isinstance(w, int) or w < 1) for w in group_windows):
+            raise ValueError(f"group_windows must list None, an int >= 1 or an AttentionChunk per group, got "
+                             f"{group_windows!r}")
         self.group_windows = tuple(group_windows)
         self.num_groups = len(group_windows)
         self._sliding_groups = tuple((g, w) for g, w in enumerate(group_windows) if w is not None)

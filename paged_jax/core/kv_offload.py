@@ -46,7 +46,8 @@ class HostKVTier:
                              "KV block")
         if tuple(group_windows) != (None,):
             raise ValueError("kv_offloading_size is not supported with KV-cache groups (a model with sliding-window "
-                             "layers, e.g. Gemma 2/3, Mistral or Qwen2 with sliding_window): unset it")
+                             "or chunked layers, e.g. Gemma 2/3, Mistral or Qwen2 with sliding_window, Llama 4): "
+                             "unset it")
         if not prefix_caching:
             raise ValueError("kv_offloading_size needs prefix caching (the host tier holds the blocks the prefix "
                              "cache evicts): enable_prefix_caching is off (or a pooler reads every prompt token)")

@@ -216,7 +216,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     kv_cache_manager = KVCacheManager(num_blocks, args.block_size, prefix_caching(args, loaded.pooler),
                                       num_host_blocks=num_host_blocks, num_offload_blocks=num_offload_blocks,
                                       group_windows=[group.sliding_window for group in engine_kv_groups(
-                                          loaded.run_config.layer_windows, mixed_groups=mixes_kv_groups(plan))])
+                                          loaded.run_config.layer_kv_spans, mixed_groups=mixes_kv_groups(plan))])
     scheduler = Scheduler(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                           preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
                           enable_chunked_prefill=args.enable_chunked_prefill,

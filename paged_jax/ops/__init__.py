@@ -18,7 +18,8 @@ from paged_jax.ops.ragged_paged_attention import ragged_paged_attention
 
 def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_window: int | None = None,
                      logit_soft_cap: float | None = None, sinks=None, impl: str = "auto", qk_transform=None,
-                     qk_prepare_impl: str = "auto", batch_invariant: bool = False):
+                     qk_prepare_impl: str = "auto", batch_invariant: bool = False,
+                     attention_chunk_size: int | None = None):
     """One layer's paged attention on a ragged batch: write the new K/V through the slot mapping, then attend.
 
     Args:
@@ -32,7 +33,7 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
       qk_transform: None (q/k already transformed), or the layer's ``models.qk_transform.QKTransform`` for the
         un-normed, un-rotated q/k: then ``qk_prepare`` (impl ``qk_prepare_impl``) transforms them and writes K/V,
         one kernel on a GPU. Build it as ``ReusableAttention(..., fuses_qk_transform=True)`` so the model passes it.
-      sm_scale, sliding_window, logit_soft_cap: the layer's attention (``ragged_paged_attention``); a model whose
+      sm_scale, sliding_window, logit_soft_cap, attention_chunk_size: the layer's attention (``ragged_paged_attention``); a model whose
         layers differ passes its own per layer (``models.attention_fn.LayerAttention``), over the bound ones.
       sinks: None, or the layer's attention-sink logits ``[Hq]`` (gpt-oss; ``ragged_paged_attention``).
       batch_invariant: ``ragged_paged_attention``'s (the engine's batch-invariant mode).
@@ -51,7 +52,8 @@ def write_and_attend(meta: dict, q, k, v, kv_layer, *, sm_scale: float, sliding_
                                          impl=qk_prepare_impl)
     out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
                                  sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                                 sinks=sinks, impl=impl, batch_invariant=batch_invariant, v_head_dim=v_head_dim)
+                                 sinks=sinks, impl=impl, batch_invariant=batch_invariant, v_head_dim=v_head_dim,
+                                 attention_chunk_size=attention_chunk_size)
     return out, (k_pages, v_pages)
 
 

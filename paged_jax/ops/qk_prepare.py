@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from models.qk_transform import QKTransform, apply_qk_transform
+from models.qk_transform import QKTransform, apply_qk_transform, scale_q
 from paged_jax.ops.kv_write import pool_saturation_max, write_kv
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
 from paged_jax.ops.ragged_paged_attention.common import next_pow2
@@ -39,7 +39,7 @@ def qk_prepare_reference(q, k, v, k_pages, v_pages, slot_mapping, transform: QKT
 
 def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv_heads: int, num_slots: int,
             block_tokens: int, drop_out_of_range: bool, has_qk_norm: bool, has_kv_scale: bool, norm_eps, norm_dtype,
-            fp8_max):
+            fp8_max, rope_interleaved: bool):
     """slot_ref int32[T]; qkv_ref [T, Hq + 2 Hkv, D] (q heads, then K, then V); cos_ref / sin_ref float32[T, D/2];
     then, if present, the q and k norm weights [D] and kv_scale float32[2]; then the K / V pools
     [num_slots, Hkv, D] (inputs, aliased to the outputs), then the outputs q [T, Hq, D], K pool, V pool.
@@ -60,9 +60,7 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
     load_token = jnp.where(token_valid, token, 0)[:, None]  # [BT, 1]; rows past T are masked off
     valid = jnp.broadcast_to(token_valid[:, None], (block_tokens, head_dim))
     dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]  # [1, D]
-    first_half = dim < half
-    partner = jnp.where(first_half, dim + half, dim - half)  # rotate_half's source column
-    freq = jnp.where(first_half, dim, dim - half)
+    first_half, partner, freq = _rope_columns(dim, half, rope_interleaved)
     cos = _load(cos_ref.at[load_token, freq], mask=valid, other=0.0)  # float32[BT, D]: cat(cos, cos)
     sin = _load(sin_ref.at[load_token, freq], mask=valid, other=0.0)
     sign = jnp.where(first_half, -1.0, 1.0).astype(jnp.float32)  # rotate_half(x) = cat(-x2, x1)
@@ -116,6 +114,17 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
         _store(v_out_ref.at[row[:, None], kv_head, dim], to_pool(v, v_out_ref.dtype), mask=mask)
 
 
+def _rope_columns(dim: jax.Array, half: int, interleaved: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For head columns ``dim`` int32[1, D]: (whether each is the first of its rotated pair, its partner column, its
+    frequency). Halves: column ``c < D/2`` pairs with ``c + D/2`` (rotate_half); interleaved (Llama 4): ``2i`` with
+    ``2i + 1``, frequency ``i``."""
+    if interleaved:
+        first = dim % 2 == 0
+        return first, jnp.where(first, dim + 1, dim - 1), dim // 2
+    first = dim < half
+    return first, jnp.where(first, dim + half, dim - half), jnp.where(first, dim, dim - half)
+
+
 def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, *, interpret: bool):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -142,7 +151,7 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
         _kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_slots=num_slots, block_tokens=block_tokens,
         drop_out_of_range=num_tokens > 1, has_qk_norm=transform.has_qk_norm,
         has_kv_scale=transform.kv_scale is not None, norm_eps=transform.norm_eps,
-        norm_dtype=transform.dtype, fp8_max=fp8_max)
+        norm_dtype=transform.dtype, fp8_max=fp8_max, rope_interleaved=transform.rope_interleaved)
     inputs = [slot_mapping.astype(jnp.int32), qkv, cos, sin, *extra,
               k_pages.reshape(pool_shape), v_pages.reshape(pool_shape)]
     num_inputs = len(inputs)
@@ -156,7 +165,7 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
         compiler_params=_CompilerParams(num_warps=max(1, min(4, block_tokens * head_dim // 512)), num_stages=1),
         name="qk_prepare",
     )(*inputs)
-    return q_out, k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    return scale_q(transform, q_out), k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 
 def check_qk_prepare_impl(impl: str) -> str:
@@ -184,6 +193,8 @@ def _kernel_unsupported(q, k_pages, transform: QKTransform, *, check_device: boo
     head_dim = q.shape[-1]
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
+    if transform.cos is None:
+        return "no RoPE (a NoPE layer)"
     if 2 * transform.cos.shape[-1] != head_dim:
         return f"partial rotary ({2 * transform.cos.shape[-1]} of {head_dim} dims)"
     if transform.has_qk_norm and transform.norm_unit_offset:
@@ -207,7 +218,8 @@ def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, 
         the kernel writes them in place).
       slot_mapping: int32[T], as ``write_kv``: padding tokens write slots of the null block 0; an out-of-range slot
         is dropped when T > 1 and written to slot 0 of the null block when T == 1.
-      transform: the layer's ``QKTransform`` (cos / sin float32[T, 1, R/2], R <= D the rotated dims).
+      transform: the layer's ``QKTransform`` (cos / sin float32[T, 1, R/2], R <= D the rotated dims, or None: no
+        RoPE, which the kernel leaves to XLA).
       impl: "xla" (``qk_prepare_reference``), "pallas" (one Pallas Triton kernel; one device: a pallas_call is not
         partitioned over a mesh; head dim a power of two) or "auto" (``resolve_qk_prepare_impl``).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
@@ -217,9 +229,9 @@ def qk_prepare(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTransform, 
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] and k, v [T, Hkv, D]; got {q.shape}, {k.shape}, {v.shape}")
     head_dim = q.shape[2]
-    rope_shape = (q.shape[0], 1, transform.cos.shape[-1])
-    if (head_dim % 2 or transform.cos.shape != rope_shape or transform.sin.shape != rope_shape
-            or not 0 < rope_shape[2] <= head_dim // 2):
+    rope_shape = None if transform.cos is None else (q.shape[0], 1, transform.cos.shape[-1])
+    if rope_shape is not None and (head_dim % 2 or transform.cos.shape != rope_shape
+                                   or transform.sin.shape != rope_shape or not 0 < rope_shape[2] <= head_dim // 2):
         raise ValueError(f"transform.cos / sin must be [T={q.shape[0]}, 1, R/2 <= {head_dim // 2}], got "
                          f"{transform.cos.shape} / {transform.sin.shape}")
     impl = resolve_qk_prepare_impl(impl, q, k_pages, transform)

@@ -42,6 +42,8 @@ def check_expert_parallel(config, ep_size: int) -> None:
     experts over ``ep_size`` devices."""
     if config.moe is None:
         raise ValueError(f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers")
+    if config.moe.swiglu_limit is not None or config.moe.router != "softmax":
+        raise ValueError(f"enable_expert_parallel: {config.architecture}'s experts do not split over devices")
     if config.moe.num_experts % ep_size != 0:
         raise ValueError(f"enable_expert_parallel: num_experts ({config.moe.num_experts}) must be divisible by the "
                          f"expert-parallel size ({ep_size} = tensor_parallel_size)")

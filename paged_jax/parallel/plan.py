@@ -115,8 +115,10 @@ class ShardingPlan:
         experts do not split over tp (``check_expert_parallel``)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-        if config.attention_sinks or config.mla is not None:
-            what = "attention sinks" if config.attention_sinks else "latent attention"
+        if config.attention_sinks or config.mla is not None or (config.moe is not None
+                                                                and config.moe.router == "sigmoid_input"):
+            what = ("attention sinks" if config.attention_sinks else "latent attention" if config.mla is not None
+                    else "sigmoid-input router")
             raise ValueError(f"{config.architecture} is not sharded: its {what} and experts have no "
                              "sharding rules (tensor and pipeline parallelism are unsupported for it)")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):

@@ -74,9 +74,12 @@ def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConf
 def _draft_model(path: str, k: int, dtype, target_config: ModelConfig, target_tokenizer) -> DraftRunner:
     draft_config = ModelConfig.from_pretrained(path)
     check_same_vocabulary(path, draft_config, target_config, target_tokenizer)
-    if draft_config.layer_sliding_windows is not None:
-        raise ValueError(f"speculative_config.model {path!r} mixes sliding-window and full attention layers: "
-                         "not supported as a draft model")
+    if draft_config.layer_sliding_windows is not None or any(draft_config.layer_chunks):
+        raise ValueError(f"speculative_config.model {path!r} mixes sliding-window or chunked and full attention "
+                         "layers: not supported as a draft model")
+    if draft_config.mla is not None:
+        raise ValueError(f"speculative_config.model {path!r} has a latent (MLA) KV cache: not supported as a draft "
+                         "model")
     model, draft_config = load_model(path, dtype=dtype, config=draft_config)
     logger.info("draft model %s: %d layers, %d speculative tokens", path, draft_config.num_hidden_layers, k)
     return DraftRunner("draft_model", k, model, draft_config)

@@ -38,7 +38,7 @@ class KVPoolLayout:
     @classmethod
     def for_config(cls, config: ModelConfig, *, mixed_groups: bool = True) -> "KVPoolLayout":
         """``mixed_groups``: see ``kv_groups.engine_kv_groups``."""
-        groups = engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups)
+        groups = engine_kv_groups(config.layer_kv_spans, mixed_groups=mixed_groups)
         group_of_layer = [0] * config.num_hidden_layers
         slot_of_layer = [0] * config.num_hidden_layers
         for g, group in enumerate(groups):

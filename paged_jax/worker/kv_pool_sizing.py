@@ -48,7 +48,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype, *, mixed_gro
     """Bytes one block takes across all layers (K and V: ``ModelConfig.kv_pool_head_dims``, a latent cache's
     ``kv_lora_rank + qk_rope_head_dim`` per token and layer), or across one KV-cache group's layers
     (``paged_jax.core.kv_groups``: a block holds one group's pages; ``mixed_groups``: see ``engine_kv_groups``)."""
-    groups = engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups)
+    groups = engine_kv_groups(config.layer_kv_spans, mixed_groups=mixed_groups)
     layers_per_block = max(len(group.layers) for group in groups)
     return (layers_per_block * block_size * config.num_key_value_heads * sum(config.kv_pool_head_dims)
             * jnp.dtype(dtype).itemsize)
@@ -148,7 +148,7 @@ def blocks_per_sequence(config: ModelConfig, block_size: int, max_model_len: int
     """The most blocks one sequence of ``max_model_len`` tokens holds at once, every KV-cache group's
     (``kv_groups.max_blocks_per_request`` of each of ``engine_kv_groups``)."""
     return sum(max_blocks_per_request(max_model_len, group.sliding_window, block_size, max_num_batched_tokens)
-               for group in engine_kv_groups(config.layer_windows, mixed_groups=mixed_groups))
+               for group in engine_kv_groups(config.layer_kv_spans, mixed_groups=mixed_groups))
 
 
 def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, dtype, blocks_per_seq: int,

@@ -142,6 +142,9 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     if config.mla is not None and args.batch_invariant:
         raise ValueError(f"batch_invariant: the batch-invariant attention does not read the latent KV cache of "
                          f"{config.architecture} (multi-head latent attention)")
+    if any(config.layer_chunks) and args.attention_impl == "mosaic":
+        raise ValueError(f"attention_impl: 'mosaic' does not take the chunked local attention of "
+                         f"{config.architecture}; use 'triton' or 'auto' (which keeps such layers on the Triton kernel)")
     if args.max_model_len is not None:  # LongRoPE picks its factors by the engine's length, as vLLM does
         config = config.for_max_model_len(args.max_model_len)
     tokenizer = load_tokenizer(args, model_path)

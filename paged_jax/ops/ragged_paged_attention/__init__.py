@@ -27,13 +27,14 @@ def _is_hopper() -> bool:
 
 
 def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=None, kv_dtype=None,
-                logit_soft_cap=None, has_sinks: bool = False) -> str:
+                logit_soft_cap=None, has_sinks: bool = False, attention_chunk_size=None) -> str:
     """What ``impl="auto"`` runs for a static call shape: ``"hybrid"`` (Hopper, at least ``MOSAIC_MIN_TOKENS``
     tokens, a shape the Mosaic kernel supports: long sequences on it, short ones on the Triton kernel; ``hybrid``),
     ``"triton"`` (any other GPU case with a power-of-two head_dim >= 16) or ``"reference"`` (CPU, or any other
     head_dim). ``num_seqs`` (the sequence slots) does not matter: the split is by each sequence's query length, on
     the device. ``kv_dtype``: the pools' element type (None: q's); a pool of another dtype (FP8), a sliding window,
-    logit soft-capping or attention sinks keep the Triton kernel (the Mosaic kernel's ``supported``)."""
+    attention chunks, logit soft-capping or attention sinks keep the Triton kernel (the Mosaic kernel's
+    ``supported``)."""
     del num_seqs
     head_dim = q_shape[-1]
     if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
@@ -42,7 +43,7 @@ def choose_impl(q_shape, k_pages_shape, dtype, num_seqs: int, sliding_window=Non
 
     if (_is_hopper() and q_shape[0] >= MOSAIC_MIN_TOKENS
             and mgpu_kernel.supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype, logit_soft_cap,
-                                      has_sinks) is None):
+                                      has_sinks, attention_chunk_size) is None):
         return "hybrid"
     return "triton"
 
@@ -86,10 +87,14 @@ def _tuning_keys(impl: str) -> tuple[str, ...]:
                  if param.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def _check_mosaic_inputs(impl: str, k_pages: jax.Array, sinks: jax.Array | None) -> None:
-    """ValueError for what ``impl="mosaic"`` cannot run: an FP8 KV pool, attention sinks."""
+def _check_mosaic_inputs(impl: str, k_pages: jax.Array, sinks: jax.Array | None,
+                         attention_chunk_size: int | None = None) -> None:
+    """ValueError for what ``impl="mosaic"`` cannot run: an FP8 KV pool, attention sinks, attention chunks."""
     if impl != "mosaic":
         return
+    if attention_chunk_size is not None:
+        raise ValueError("impl='mosaic' does not take chunked local attention (attention_chunk_size, Llama 4); use "
+                         "'triton' or 'auto'")
     if jnp.dtype(k_pages.dtype).itemsize == 1:
         raise ValueError(f"impl='mosaic' does not read an FP8 KV pool ({k_pages.dtype}); use 'triton' or 'auto'")
     if sinks is not None:
@@ -118,6 +123,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk_size: int | None = None,
     impl: str = "auto",
     interpret: bool = False,
     batch_invariant: bool = False,
@@ -138,6 +144,8 @@ def ragged_paged_attention(
       logit_soft_cap: if set (a positive static float), the scaled scores ``s`` become ``cap * tanh(s / cap)``
         before the mask and softmax (Gemma 2). The Mosaic kernel does not implement it: ``"auto"`` keeps such calls
         on the Triton kernel, ``"mosaic"`` raises a ValueError.
+      attention_chunk_size: if set (a positive static int ``C``; Llama 4), the query at ``p`` sees only its own
+        chunk's keys ``p // C * C <= j <= p``. Not on the Mosaic kernel (``"auto"`` keeps it off, ``"mosaic"`` raises).
       sinks: None, or ``[Hq]`` attention-sink logits (gpt-oss): head ``h``'s softmax denominator gets ``exp(sinks[h])``
         more. Not on the Mosaic kernel: ``"auto"`` keeps such calls on the Triton kernel, ``"mosaic"`` raises.
       impl: one of ``ATTENTION_IMPLS``: ``"triton"`` (the Triton-lowered Pallas kernel, ``triton_kernel``; on CPU
@@ -164,36 +172,43 @@ def ragged_paged_attention(
     """
     impl = resolve_attention_impl(impl)
     validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window, logit_soft_cap, sinks,
-                    v_head_dim)
-    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+                    v_head_dim, attention_chunk_size)
+    masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                 attention_chunk_size=None if attention_chunk_size is None else int(attention_chunk_size))
     if v_head_dim is not None:
         return _latent_reference(impl, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
                                  batch_invariant=batch_invariant, v_head_dim=v_head_dim)
     _check_tuning(impl, tuning)
     if batch_invariant:
         impl, tuning = _batch_invariant_choice(impl, tuning, q.shape, k_pages.shape[2])
-    _check_mosaic_inputs(impl, k_pages, sinks)
+    _check_mosaic_inputs(impl, k_pages, sinks, attention_chunk_size)
     if impl == "auto":
         impl = choose_impl(q.shape, k_pages.shape, q.dtype, block_tables.shape[0], sliding_window, k_pages.dtype,
-                           logit_soft_cap, sinks is not None)
+                           logit_soft_cap, sinks is not None, attention_chunk_size)
         if impl == "hybrid":  # the Triton knobs go to its Triton part (the short sequences)
             from paged_jax.ops.ragged_paged_attention.hybrid import ragged_paged_attention_hybrid
 
             return ragged_paged_attention_hybrid(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens,
                                                  sm_scale=sm_scale, interpret=interpret, triton_tuning=tuning)
+    return _run(impl, (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens), masks, sinks, interpret=interpret,
+                batch_invariant=batch_invariant, tuning=tuning)
+
+
+def _run(impl: str, operands: tuple, masks: dict, sinks, *, interpret: bool, batch_invariant: bool,
+         tuning: dict) -> jax.Array:
+    """``ragged_paged_attention`` on the implementation ``impl`` ("mosaic", "reference" or "triton") once checked:
+    ``operands`` its ``(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens)``, ``masks`` its mask keywords."""
     if impl == "mosaic":
         from paged_jax.ops.ragged_paged_attention.mgpu_kernel import ragged_paged_attention_mgpu
 
-        return ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
-                                           interpret=interpret, **tuning)
+        return ragged_paged_attention_mgpu(*operands, **masks, interpret=interpret, **tuning)
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks,
-                                                sinks=sinks,
+        return ragged_paged_attention_reference(*operands, **masks, sinks=sinks,
                                                 token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
     from paged_jax.ops.ragged_paged_attention.triton_kernel import ragged_paged_attention_triton
 
-    return ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
-                                         interpret=interpret, **tuning)
+    return ragged_paged_attention_triton(*operands, **masks, sinks=sinks, interpret=interpret, **tuning)
+
 
 
 def _latent_reference(impl: str, *args, batch_invariant: bool, **kwargs) -> jax.Array:

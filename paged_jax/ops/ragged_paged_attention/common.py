@@ -32,9 +32,9 @@ def next_pow2(x: int) -> int:
 
 
 def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window,
-                    logit_soft_cap=None, sinks=None, v_head_dim=None) -> None:
-    """ValueError naming the argument when the shapes, dtypes, ``sliding_window``, ``logit_soft_cap``, ``sinks``
-    or ``v_head_dim`` (a latent cache's value width) do not fit the interface."""
+                    logit_soft_cap=None, sinks=None, v_head_dim=None, attention_chunk_size=None) -> None:
+    """ValueError naming the argument when the shapes, dtypes, ``sliding_window``, ``logit_soft_cap``, ``sinks``,
+    ``v_head_dim`` (a latent cache's value width) or ``attention_chunk_size`` do not fit the interface."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -66,6 +66,8 @@ def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, slidi
             raise ValueError(f"{name} must be an integer array, got dtype {arr.dtype}")
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if attention_chunk_size is not None and int(attention_chunk_size) < 1:
+        raise ValueError(f"attention_chunk_size must be a positive int or None, got {attention_chunk_size}")
     if logit_soft_cap is not None and not float(logit_soft_cap) > 0:
         raise ValueError(f"logit_soft_cap must be a positive float or None, got {logit_soft_cap}")
     if sinks is not None and (sinks.shape != (q.shape[1],) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
@@ -108,11 +110,13 @@ def tile_map(cu_q_lens: jax.Array, num_tiles: int, block_q: int, align: int = 1,
     return tile_seq, tile_start.astype(jnp.int32)
 
 
-def sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: int, sliding_window: int | None):
+def sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: int, sliding_window: int | None,
+                             attention_chunk_size: int | None = None):
     """Permute the tile map (``tile_map``'s two int32[num_tiles] arrays) so tiles that read the most keys come
     first (ties keep their order): longest-processing-time-first dispatch, the short tiles fill the tail.
 
-    A tile's key count is ``pos_last + 1`` (causal), capped by ``sliding_window + block_q - 1`` with a window;
+    A tile's key count is ``pos_last + 1`` (causal), capped by ``sliding_window + block_q - 1`` with a window (by
+    ``attention_chunk_size + block_q - 1`` with chunks);
     empty tiles (sequence index ``S``) get ``-1`` and stay at the end, where the kernels skip them.
     """
     num_seqs = kv_lens.shape[0]
@@ -122,6 +126,8 @@ def sort_tiles_longest_first(tile_seq, tile_start, cu_q_lens, kv_lens, block_q: 
     keys = kv_lens[seq] - (q_end - last_token) + 1  # = pos_last + 1
     if sliding_window is not None:
         keys = jnp.minimum(keys, sliding_window + block_q - 1)
+    if attention_chunk_size is not None:
+        keys = jnp.minimum(keys, attention_chunk_size + block_q - 1)
     # Real tiles sort before the empty ones even when a malformed sequence (kv_len < q_len) gives a negative count.
     keys = jnp.where(tile_seq < num_seqs, jnp.maximum(keys, 0), -1)
     order = jnp.argsort(-keys, stable=True)

@@ -97,10 +97,10 @@ def default_tuning(head_dim: int, block_size: int, *, block_q: int | None = None
 
 
 def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None, logit_soft_cap=None,
-              has_sinks: bool = False) -> str | None:
+              has_sinks: bool = False, attention_chunk_size: int | None = None) -> str | None:
     """None when the kernel handles this call, else the reason it does not. ``kv_dtype``: the pools' element type
-    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only. No sliding window, no logit soft-capping,
-    no attention sinks."""
+    (None: q's); its TMA / wgmma pipeline reads pages of q's dtype only. No sliding window, no attention chunks, no
+    logit soft-capping, no attention sinks."""
     _, _, head_dim = q_shape
     _, block_size, _, _ = k_pages_shape
     if plgpu is None:
@@ -113,6 +113,8 @@ def supported(q_shape, k_pages_shape, dtype, sliding_window, kv_dtype=None, logi
         return f"KV pool dtype {jnp.dtype(kv_dtype)} differs from q's {jnp.dtype(dtype)}"
     if sliding_window is not None:
         return "sliding window"
+    if attention_chunk_size is not None:
+        return "chunked local attention (attention_chunk_size)"
     if logit_soft_cap is not None:
         return "logit soft-capping"
     if has_sinks:
@@ -359,7 +361,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, num_programs: int
 
 def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                 sliding_window: int | None = None, logit_soft_cap: float | None = None,
-                                interpret: bool = False, min_q_len: int = 1,
+                                attention_chunk_size: int | None = None, interpret: bool = False, min_q_len: int = 1,
                                 out: jax.Array | None = None, **tuning) -> jax.Array:
     """Mosaic GPU ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``, pools
     ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
@@ -373,7 +375,8 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, kv_lens, block_tables, cu_q
     ``tuning``: the keyword arguments of ``default_tuning``. Raises ValueError when ``supported`` rejects the call
     (callers normally check first).
     """
-    why = supported(q.shape, k_pages.shape, q.dtype, sliding_window, k_pages.dtype, logit_soft_cap)
+    why = supported(q.shape, k_pages.shape, q.dtype, sliding_window, k_pages.dtype, logit_soft_cap,
+                    attention_chunk_size=attention_chunk_size)
     if why is not None:
         raise ValueError(f"the Mosaic GPU kernel does not handle this call: {why}")
     num_tokens, num_q_heads, head_dim = q.shape

@@ -2,7 +2,7 @@
 
 Formulation (token-major): each query token gathers the pages of its own sequence through the block table,
 ``[max_blocks * block_size, num_kv_heads, head_dim]``, and attends to them with a causal / sliding-window /
-length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask; with
+attention-chunk / length mask and an fp32 softmax (scores optionally soft-capped, ``cap * tanh(s / cap)``, before the mask; with
 attention sinks, each head's sink logit joins the softmax's denominator).
 Tokens are processed in chunks of ``C`` by ``lax.map(..., batch_size=C)``.
 
@@ -48,7 +48,8 @@ def sequence_index_and_position(cu_q_lens: jax.Array, kv_lens: jax.Array, num_to
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                      sliding_window: int | None = None, logit_soft_cap: float | None = None,
                                      sinks: jax.Array | None = None, max_chunk_bytes: int = 64 << 20,
-                                     token_chunk: int | None = None, v_head_dim: int | None = None) -> jax.Array:
+                                     token_chunk: int | None = None, v_head_dim: int | None = None,
+                                     attention_chunk_size: int | None = None) -> jax.Array:
     """Ragged paged attention in pure jnp (fp32 scores, softmax and accumulation).
 
     Args:
@@ -57,6 +58,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
       kv_lens: ``int32[S]``; block_tables: ``int32[S, max_blocks]``; cu_q_lens: ``int32[S+1]``.
       sm_scale: softmax scale applied to ``q . k``.
       sliding_window: if set, a query at position ``p`` sees keys ``p - sliding_window < j <= p``.
+      attention_chunk_size: if set, a query at position ``p`` sees only keys of its own chunk,
+        ``p // attention_chunk_size * attention_chunk_size <= j <= p`` (Llama 4's chunked local attention).
       logit_soft_cap: if set, the scaled scores ``s`` become ``logit_soft_cap * tanh(s / logit_soft_cap)`` (Gemma 2).
       sinks: None, or ``[Hq]`` logits (any float dtype, used in float32): head ``h``'s softmax denominator gets
         ``exp(sinks[h])`` more (gpt-oss's attention sinks; the sink has no value).
@@ -97,6 +100,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         visible = (key_pos <= pos) & (key_pos < kv_lens[s])
         if sliding_window is not None:
             visible &= key_pos > pos - sliding_window
+        if attention_chunk_size is not None:
+            visible &= key_pos >= pos // attention_chunk_size * attention_chunk_size
         scores = jnp.where(visible[None, None, :], scores, -jnp.inf)
         # Padding tokens have no visible key: keep the softmax finite, then zero them below.
         row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -121,7 +126,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         pad = -num_tokens % token_chunk
         padded = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in (q, seq_idx, position, valid)]
         blocked = _key_blocks_attention(k_pages, v_pages, kv_lens, block_tables, sm_scale, sliding_window,
-                                        logit_soft_cap, sink_logits, finish)
+                                        logit_soft_cap, sink_logits, finish, attention_chunk_size)
         return lax.map(blocked, tuple(padded), batch_size=token_chunk)[:num_tokens]
     bytes_per_token = 2 * context * num_kv_heads * head_dim * 4
     chunk = int(max(1, min(num_tokens, max_chunk_bytes // max(bytes_per_token, 1))))
@@ -133,7 +138,7 @@ INVARIANT_KEY_BLOCK = 64
 
 
 def _key_blocks_attention(k_pages, v_pages, kv_lens, block_tables, sm_scale, sliding_window, logit_soft_cap,
-                          sink_logits, finish):
+                          sink_logits, finish, attention_chunk_size=None):
     """One token's attention (``(q_t [Hq, D], seq, position, valid) -> [Hq, D]``) over its sequence's keys in blocks
     of ``INVARIANT_KEY_BLOCK`` from position 0, by an online softmax in float32: a block of keys it cannot see
     leaves the running max, sum and output exactly as they were, so the bits do not depend on how many blocks the
@@ -161,6 +166,8 @@ def _key_blocks_attention(k_pages, v_pages, kv_lens, block_tables, sm_scale, sli
             visible = (key_pos <= pos) & (key_pos < kv_lens[s])
             if sliding_window is not None:
                 visible &= key_pos > pos - sliding_window
+            if attention_chunk_size is not None:
+                visible &= key_pos >= pos // attention_chunk_size * attention_chunk_size
             scores = jnp.where(visible[None, None, :], scores, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)

@@ -17,7 +17,8 @@ Work decomposition
   ``block_tables[seq, j // block_size] * block_size + j % block_size`` of the ``[num_blocks * block_size, Hkv, D]``
   view, loaded as a ``[block_k, D]`` gather (each row is ``D`` contiguous elements).
 * Blocks entirely inside every row's visible range run an unmasked body; only the blocks on the causal diagonal,
-  the sliding-window edge or the context end run the masked body.
+  the sliding-window edge, an attention chunk's start (chunked local attention: a query sees only the keys of its own
+  chunk) or the context end run the masked body.
 * Online softmax in fp32 (``exp2`` with ``log2(e)`` folded into the scale); P is cast to V's dtype for the second
   dot (bf16/fp16 tensor cores), fp32 inputs use IEEE fp32 dots.
 * Logit soft-capping (Gemma 2), ``cap * tanh(s / cap)`` on the scaled scores ``s``, runs in the same log2 units:
@@ -174,6 +175,7 @@ def _kernel(
     num_kv_splits: int,
     scale_log2: float,
     sliding_window: int | None,
+    attention_chunk: int | None,
     soft_cap_log2: float | None,
     precision,
     kv_heads_inner: bool,
@@ -248,12 +250,10 @@ def _kernel(
         # Key range of the whole tile, and the sub-range that every row sees in full (no mask needed there).
         key_hi = pos_last + 1
         full_hi = pos_first + 1
-        if sliding_window is None:
-            key_lo = 0
-            full_lo = 0
-        else:
-            key_lo = jnp.maximum(pos_first - sliding_window + 1, 0)
-            full_lo = jnp.maximum(pos_last - sliding_window + 1, 0)
+        # A row at p sees keys from lowest_key(p) on, nondecreasing in p: the tile's first row bounds the range,
+        # its last row the keys every row sees.
+        key_lo = _lowest_key(pos_first, sliding_window, attention_chunk)
+        full_lo = _lowest_key(pos_last, sliding_window, attention_chunk)
         kb_lo = key_lo // block_k
         kb_hi = (key_hi + block_k - 1) // block_k
         unmasked_lo = jnp.maximum((full_lo + block_k - 1) // block_k, kb_lo)
@@ -310,6 +310,8 @@ def _kernel(
                 visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
                 if sliding_window is not None:
                     visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
+                if attention_chunk is not None:
+                    visible &= key_pos[None, :] >= row_pos[:, None] // attention_chunk * attention_chunk
                 s = jnp.where(visible, s, MASK_VALUE)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
             correction = jnp.exp2(m_prev - m_next)
@@ -358,6 +360,15 @@ def _kernel(
             _store(l_ref.at[split, q_store_row], l_i, mask=row_valid)
 
 
+def _lowest_key(pos, sliding_window: int | None, attention_chunk: int | None):
+    """The first key position a query at ``pos`` sees: 0, ``pos - window + 1`` with a sliding window, its chunk's
+    start with chunked attention."""
+    lowest = 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
+    if attention_chunk is not None:
+        lowest = jnp.maximum(lowest, pos // attention_chunk * attention_chunk)
+    return lowest
+
+
 def _initial_max_and_sum(sinks_ref, head, split, rows: int) -> tuple[jax.Array, jax.Array]:
     """The online softmax's starting ``(max, sum)``, f32[rows] each: empty (``MASK_VALUE``, 0), or with attention
     sinks in kv split 0 the sink of each row's query head ``head`` int32[rows] (``log2(e) * sink``, 1)."""
@@ -372,7 +383,8 @@ def _initial_max_and_sum(sinks_ref, head, split, rows: int) -> tuple[jax.Array, 
 def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float,
                                   sliding_window: int | None = None, logit_soft_cap: float | None = None,
                                   sinks: jax.Array | None = None, interpret: bool = False,
-                                  max_q_len: int | None = None, **tuning) -> jax.Array:
+                                  max_q_len: int | None = None, attention_chunk_size: int | None = None,
+                                  **tuning) -> jax.Array:
     """Pallas (Triton lowering) ragged paged attention. Shapes as in ``ragged_paged_attention``: q ``[T, Hq, D]``,
     pools ``[num_blocks, block_size, Hkv, D]``, ``kv_lens int32[S]``, ``block_tables int32[S, max_blocks]``,
     ``cu_q_lens int32[S+1]``.
@@ -381,6 +393,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     with zeros for padding tokens. ``tuning``: the keyword arguments of ``default_tuning`` (module docstring).
     ``logit_soft_cap``: None, or the cap of ``cap * tanh(s / cap)`` on the scaled scores (as the reference).
     ``sinks``: None, or ``[Hq]`` attention-sink logits (as the reference).
+    ``attention_chunk_size``: None, or the chunk of chunked local attention (as the reference).
     ``max_q_len`` (static; None = every sequence): attend only the sequences with at most this many query tokens
     (decided on the device from ``cu_q_lens``); the rows of the others are left unwritten (the hybrid dispatch
     hands them to the Mosaic kernel, which writes them into this output).
@@ -412,7 +425,8 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
     if tuning["longest_tiles_first"]:
         tile_seq, tile_start = sort_tiles_longest_first(
             tile_seq, tile_start, cu_q_lens, kv_lens, tuning["block_q"],
-            None if sliding_window is None else int(sliding_window))
+            None if sliding_window is None else int(sliding_window),
+            None if attention_chunk_size is None else int(attention_chunk_size))
 
     q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
     k_flat = k_pages.reshape(num_blocks * block_size, num_kv_heads, head_dim)
@@ -433,6 +447,7 @@ def ragged_paged_attention_triton(q, k_pages, v_pages, kv_lens, block_tables, cu
         num_kv_splits=num_splits,
         scale_log2=float(sm_scale) * LOG2_E,
         sliding_window=None if sliding_window is None else int(sliding_window),
+        attention_chunk=None if attention_chunk_size is None else int(attention_chunk_size),
         soft_cap_log2=None if logit_soft_cap is None else float(logit_soft_cap) * LOG2_E,
         precision=precision,
         kv_heads_inner=tuning["kv_heads_inner"],
