@@ -334,14 +334,11 @@ class CompletionStreamResponse(ResponseFields):
 
 # ------------------------------------------------------------------------------------------------------ chat
 def _text_parts_only(content: Any) -> Any:
-    """A message's content as given, or a ValueError naming the first part that is not text (images, audio): the
-    models served take text only (a multimodal checkpoint, e.g. Llama 4's, is loaded as its text model)."""
-    if isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind != "text":
-                raise ValueError(f"content part type {kind!r} is not supported: the model takes text inputs only "
-                                 "(no images or audio)")
+    """A message's content as given, or a ValueError naming the first part that is not text (images, audio)."""
+    kinds = [part.get("type") for part in content if isinstance(part, dict)] if isinstance(content, list) else []
+    if any(kind not in (None, "text") for kind in kinds):
+        raise ValueError(f"content part type {next(k for k in kinds if k not in (None, 'text'))!r} is not supported: "
+                         "the model takes text inputs only (no images or audio)")
     return content
 
 
