@@ -128,6 +128,7 @@ class Scheduler:
         # A prefill with more tokens left than this is long; 0 (none is long) compares against a bound never reached.
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_model_len + 1
         self.max_long_partial_prefills = max_long_partial_prefills
+        self._num_lookahead_tokens = num_lookahead_tokens
         self._slots = lambda computed, new: lookahead_slots(computed, new, num_lookahead_tokens, max_model_len)
 
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -274,13 +275,16 @@ class Scheduler:
         planned = step.planned
         long_threshold = self.long_prefill_token_threshold
         budget = step.budget
+        slots_of = self._slots if self._num_lookahead_tokens else None
+        copy_limit = MAX_BLOCK_COPIES * kv.num_groups
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not running_status or request.held:  # preempted earlier in this loop / held
                 continue
+            num_computed = request.num_computed_tokens
             num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
-                       - request.num_computed_tokens)  # request.num_tokens_to_compute, inlined
+                       - num_computed)  # request.num_tokens_to_compute, inlined
             if num_new > long_threshold:
                 step.long_prefills.append(request)
                 continue
@@ -290,9 +294,10 @@ class Scheduler:
                 continue
             if request.spec_token_ids:
                 num_new = with_drafts(request, num_new, budget, self.max_model_len)
-            if kv.num_pending_copies >= MAX_BLOCK_COPIES * kv.num_groups and kv.needs_copy(request):
+            if kv.num_pending_copies >= copy_limit and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
-            if not allocate_slots(request, slots := self._slots(request.num_computed_tokens, num_new)):
+            slots = num_new if slots_of is None else slots_of(num_computed, num_new)
+            if not allocate_slots(request, slots):
                 step.budget = budget
                 fits = self._preempt_until_fits(request, slots, step)
                 budget = step.budget
@@ -468,61 +473,69 @@ class Scheduler:
             raise ValueError("update_from_output: the step verified drafts; pass accepted_token_ids")
         requests_of_rows = scheduler_output.requests
         if isinstance(sampled_token_ids, Mapping):
-            tokens = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
-        else:
-            if len(sampled_token_ids) != len(requests_of_rows):
-                raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
-                                 f"{len(requests_of_rows)} (one per row of the step)")
-            tokens = sampled_token_ids
-        first_fork = len(requests_of_rows) - len(scheduler_output.fork_rows)
+            sampled_token_ids = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
+        elif len(sampled_token_ids) != len(requests_of_rows):
+            raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
+                             f"{len(requests_of_rows)} (one per row of the step)")
+        tokens = sampled_token_ids if type(sampled_token_ids) is list else list(sampled_token_ids)
+        num_forks = len(scheduler_output.fork_rows)
+        first_fork = len(requests_of_rows) - num_forks
         changed: list[Request] = []
         running_status = RequestStatus.RUNNING
-        cache_full_blocks = self.kv.cache_full_blocks
+        cache_full_blocks = self.kv.cache_full_blocks if self.kv.enable_prefix_caching else None
+        cached_block_counts, block_size = self.kv.cached_block_counts, self.kv.block_size
         max_model_len = self.max_model_len
-        starts = scheduler_output.row_num_computed_tokens()
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        # Every running request, every step: the stop rule (``check_stop``) is inlined for a plain token.
-        for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
+        # Every running request, every step: plain reads; the stop rule (``check_stop``) only for a token that may
+        # stop the request (``Request.stop_ids``) or a reached length limit.
+        for row, (request, samples, token, num_new, start) in enumerate(zip(
+                requests_of_rows, scheduler_output.samples, tokens,
+                scheduler_output.num_scheduled_tokens + [0] * num_forks, scheduler_output.row_num_computed_tokens())):
             if request.status is not running_status:  # finished or preempted since schedule() (unregistered then)
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if row < first_fork:
-                if request.num_computed_tokens != starts[row]:
+                if request.num_computed_tokens != start:
                     raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
                                        "update_from_output once per schedule(), in order")
                 if spec and request.request_id in spec:
-                    status = apply_drafts(request, num_scheduled[row], spec[request.request_id],
-                                          accepted_token_ids[request.request_id], int(tokens[row]), max_model_len)
-                    if status is not None:
-                        self._leave_running(request)
-                        self._finish(request, status)
-                    else:
-                        cache_full_blocks(request)
+                    self._apply_drafts(request, num_new, spec[request.request_id],
+                                       accepted_token_ids[request.request_id], int(token))
                     changed.append(request)
                     continue
-                request.num_computed_tokens += num_scheduled[row]
-                cache_full_blocks(request)
+                request.num_computed_tokens = num_computed = start + num_new
+                if cache_full_blocks is not None and num_computed // block_size > cached_block_counts.get(
+                        request.request_id, 0):  # a block filled up: most steps of most requests fill none
+                    cache_full_blocks(request)
                 if not samples:
                     continue
                 if request.pending_forks:  # before the parent's own token (and a stop that would free its blocks)
                     self._fork_pending(request)
             if token is None:
                 raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
-            token = int(token)
+            if type(token) is not int:
+                token = int(token)
             output_token_ids = request.output_token_ids
             output_token_ids.append(token)
             num_output = len(output_token_ids)
-            max_tokens = request.max_tokens
-            if ((num_output > request.min_tokens and token >= 0
-                 and (token in request.eos_stop_ids or token in request.stop_token_id_set))
-                    or (max_tokens is not None and num_output >= max_tokens)
-                    or len(request.prompt_token_ids) + num_output >= max_model_len):
-                status = check_stop(request, self.max_model_len)
+            status = (check_stop(request, max_model_len) if token in request.stop_ids
+                      or num_output >= request.max_output_tokens
+                      or len(request.prompt_token_ids) + num_output >= max_model_len else None)
+            if status is not None:
                 self._leave_running(request)
                 self._finish(request, status)
             elif request.hold_after_sample:
                 request.held = True
             changed.append(request)
         return changed
+
+    def _apply_drafts(self, request: Request, num_scheduled: int, drafts: list[int], accepted: list[int],
+                      token: int) -> None:
+        """A row that verified ``drafts`` (``drafts.apply_drafts``): finish it where a stop rule ends it."""
+        status = apply_drafts(request, num_scheduled, drafts, accepted, token, self.max_model_len)
+        if status is not None:
+            self._leave_running(request)
+            self._finish(request, status)
+        else:
+            self.kv.cache_full_blocks(request)
 
     def _fork_pending(self, parent: Request) -> None:
         """Fork ``parent``'s pending sequences now that its prompt is computed; each takes one of its reserved
