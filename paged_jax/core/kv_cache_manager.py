@@ -450,6 +450,11 @@ class KVCacheManager:
         self._cached_block_by_hash[block_hash] = block_id
         return block_id
 
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some KV-cache group keeps a sliding window (``allocate_slots`` then releases blocks)."""
+        return bool(self._sliding_groups)
+
     # ------------------------------------------------------------------ forking / copy-on-write
     @property
     def num_pending_copies(self) -> int:

@@ -154,7 +154,14 @@ class OutputProcessor:
                     or output.pooled is not None or output.routed_experts is not None):
                 self._apply_extras(state, output)
             finish = output.finish_reason is not None
-            if output.beam_logprobs is not None:
+            seq = state.seqs[output.index] if state.seqs else None  # (a beam search has none)
+            if (seq is not None and output.new_token_ids and not finish and seq.detokenizer is None
+                    and seq.logprobs is None and seq.finish_reason is None and output.cumulative_logprob is None):
+                seq.token_ids += output.new_token_ids  # token ids only (``_apply_tokens``' plain case)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+            elif output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
                 finish = True
             elif output.new_token_ids or finish:
