@@ -312,11 +312,10 @@ class OutputProcessor:
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
     """``(output index, sequence)`` of what a request reports: every sequence under its own index; with
     ``best_of > n`` (finished) the n with the highest cumulative logprob, best first, numbered 0..n-1."""
-    params = state.params
-    if params.num_sequences == params.n:
+    if state.reports_deltas:  # (not a beam search: those report ``_beam_output``)
         return [(seq.index, seq) for seq in state.seqs]
     ranked = sorted(state.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
-    return list(enumerate(ranked[:params.n]))
+    return list(enumerate(ranked[:state.params.n]))
 
 
 def _add_routing(seq: SequenceState, part: np.ndarray) -> None:
