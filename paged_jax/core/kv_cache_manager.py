@@ -132,7 +132,7 @@ class KVCacheManager:
             (i, None) for i in range(1, num_blocks))
         self._cached_block_by_hash: dict[bytes, int] = {}
         # request_id -> number of leading entries of request.block_ids already registered in (or skipped by) the cache
-        self._num_cached_blocks: dict[str, int] = {}
+        self.cached_block_counts: dict[str, int] = {}
         self._free_host_blocks: collections.deque[int] = collections.deque(range(num_host_blocks))
         # Copy-on-write copies of the current scheduling pass (dst block -> src block), how many of them read each
         # source, and sources freed meanwhile, kept out of the free queue until take_block_copies.
@@ -343,7 +343,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        start = self._num_cached_blocks.get(request.request_id, 0)
+        start = self.cached_block_counts.get(request.request_id, 0)
         if num_full <= start:  # every step of every running request, mostly: nothing new is full
             return
         groups = self.num_groups
@@ -361,7 +361,7 @@ class KVCacheManager:
             if block_hash not in self._cached_block_by_hash:
                 block.block_hash = block_hash
                 self._cached_block_by_hash[block_hash] = block.block_id
-        self._num_cached_blocks[request.request_id] = num_full
+        self.cached_block_counts[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change), the host tier's too. Blocks in use stay allocated,
@@ -435,7 +435,7 @@ class KVCacheManager:
             request.block_ids = computed_blocks
             request.num_computed_tokens = len(computed_blocks) // self.num_groups * self.block_size
             # Hit blocks are already hashed; cache_full_blocks starts after them.
-            self._num_cached_blocks[request.request_id] = len(computed_blocks) // self.num_groups
+            self.cached_block_counts[request.request_id] = len(computed_blocks) // self.num_groups
         if is_admission and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += (len(computed_blocks) // self.num_groups - num_loaded) * self.block_size
@@ -455,6 +455,11 @@ class KVCacheManager:
         self.blocks[block_id].block_hash = block_hash
         self._cached_block_by_hash[block_hash] = block_id
         return block_id
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some KV-cache group keeps a sliding window (``allocate_slots`` then releases blocks)."""
+        return bool(self._sliding_groups)
 
     # ------------------------------------------------------------------ forking / copy-on-write
     @property
@@ -499,9 +504,9 @@ class KVCacheManager:
         child.block_ids = list(parent.block_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = parent.block_hashes[:parent.num_computed_tokens // self.block_size]
-        num_cached = self._num_cached_blocks.get(parent.request_id)
+        num_cached = self.cached_block_counts.get(parent.request_id)
         if num_cached is not None:
-            self._num_cached_blocks[child.request_id] = num_cached
+            self.cached_block_counts[child.request_id] = num_cached
 
     def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host tier's copies of this scheduling pass, ``(swap_out, swap_in)`` entries
@@ -529,7 +534,7 @@ class KVCacheManager:
         request.block_ids = []
         self._free_host_blocks.extend(h for h in request.host_block_ids if h != NULL_HOST_BLOCK_ID)
         request.host_block_ids = []
-        self._num_cached_blocks.pop(request.request_id, None)
+        self.cached_block_counts.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ swap (host pool)
     def _num_held(self, block_ids: list[int], null_id: int) -> int:
@@ -561,7 +566,7 @@ class KVCacheManager:
         self._release(request.block_ids[::-1])  # device content stays valid for prefix hits until evicted
         request.block_ids = []
         request.host_block_ids = host_ids
-        self._num_cached_blocks.pop(request.request_id, None)
+        self.cached_block_counts.pop(request.request_id, None)
         return copies
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
@@ -586,5 +591,5 @@ class KVCacheManager:
         request.block_ids = device_ids
         request.host_block_ids = []
         self._free_host_blocks.extend(h for h in host_ids if h != NULL_HOST_BLOCK_ID)
-        self._num_cached_blocks[request.request_id] = 0
+        self.cached_block_counts[request.request_id] = 0
         return [(h, d) for h, d in zip(host_ids, device_ids) if h != NULL_HOST_BLOCK_ID]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import time
 from typing import Any
 
@@ -111,6 +112,9 @@ class Request:
     stop_token_ids: list[int] = dataclasses.field(init=False, default_factory=list)
     eos_stop_ids: frozenset[int] = dataclasses.field(init=False, default=frozenset())
     stop_token_id_set: frozenset[int] = dataclasses.field(init=False, default=frozenset())
+    # Both sets together, and max_tokens as an int (no limit: sys.maxsize): the per-token screen of the stop rule.
+    stop_ids: frozenset[int] = dataclasses.field(init=False, default=frozenset())
+    max_output_tokens: int = dataclasses.field(init=False, default=sys.maxsize)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -142,6 +146,8 @@ class Request:
         # Token ids that finish it once past min_tokens: EOS ids (none with ignore_eos), then stop_token_ids.
         self.eos_stop_ids = frozenset() if self.ignore_eos else self.eos_token_ids
         self.stop_token_id_set = frozenset(self.stop_token_ids)
+        self.stop_ids = self.eos_stop_ids | self.stop_token_id_set
+        self.max_output_tokens = sys.maxsize if self.max_tokens is None else self.max_tokens
 
     @property
     def lora_int_id(self) -> int:

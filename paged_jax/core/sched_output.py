@@ -207,9 +207,11 @@ class StepBuilder:
         step: a held row's diff is the tokens and block ids it lacks (``Request.runner_num_tokens`` /
         ``runner_num_blocks`` say what it holds)."""
         cached = self.cached
-        req_ids, new_token_ids, new_block_ids = cached.req_ids, cached.new_token_ids, cached.new_block_ids
-        block_starts, num_computed_col = cached.block_starts, cached.num_computed_tokens
+        add_req_id, add_tokens, add_blocks = (cached.req_ids.append, cached.new_token_ids.append,
+                                              cached.new_block_ids.append)
+        add_block_start, add_num_computed = cached.block_starts.append, cached.num_computed_tokens.append
         held_requests, held_num_new, held_samples = self._cached_columns
+        add_held, add_held_num_new, add_held_samples = held_requests.append, held_num_new.append, held_samples.append
         samples = False
         for request, num_new in rows:
             output_token_ids = request.output_token_ids
@@ -224,32 +226,35 @@ class StepBuilder:
                 samples = num_computed + num_new == num_tokens
             held_tokens = request.runner_num_tokens
             if held_tokens < 0:
-                self.new_reqs.append(new_request_data(request))
-                new_requests, new_num_new, new_samples = self._new_columns
-                new_requests.append(request)
-                new_num_new.append(num_new)
-                new_samples.append(samples)
+                self._add_new(request, num_new, samples)
             else:
-                req_ids.append(request.request_id)
-                new_token_ids.append(output_token_ids[held_tokens - num_prompt:] if held_tokens >= num_prompt
-                                     else request.token_ids_slice(held_tokens, num_tokens))
+                add_req_id(request.request_id)
+                add_tokens(output_token_ids[held_tokens - num_prompt:] if held_tokens >= num_prompt
+                           else request.token_ids_slice(held_tokens, num_tokens))
                 block_ids = request.block_ids
                 held_blocks = request.runner_num_blocks
-                num_blocks = len(block_ids)
-                new_block_ids.append(block_ids[held_blocks:] if num_blocks > held_blocks else [])
-                block_starts.append(held_blocks)
-                num_computed_col.append(num_computed)
+                add_blocks(block_ids[held_blocks:])
+                add_block_start(held_blocks)
+                add_num_computed(num_computed)
                 request.runner_num_tokens = num_tokens
-                request.runner_num_blocks = num_blocks
-                held_requests.append(request)
-                held_num_new.append(num_new)
-                held_samples.append(samples)
+                request.runner_num_blocks = len(block_ids)
+                add_held(request)
+                add_held_num_new(num_new)
+                add_held_samples(samples)
             if request.grammar is not None:
                 self.grammars[request.request_id] = request.grammar
             if samples and request.pending_forks:
                 for child in request.pending_forks:
                     self.add_fork(child, request.request_id)
         self._last_samples = samples
+
+    def _add_new(self, request: Request, num_new: int, samples: bool) -> None:
+        """A row for a request the runner does not hold."""
+        self.new_reqs.append(new_request_data(request))
+        new_requests, new_num_new, new_samples = self._new_columns
+        new_requests.append(request)
+        new_num_new.append(num_new)
+        new_samples.append(samples)
 
     def add_fork(self, child: Request, parent_id: str) -> None:
         """A fork row: ``child``'s row is made and samples its first token from ``parent_id``'s last token."""

@@ -34,7 +34,6 @@ blocks, shared ones included).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -42,36 +41,8 @@ from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.core.sched_output import SchedulerOutput, StepBuilder
 from paged_jax.core.drafts import apply_drafts, lookahead_slots, with_drafts
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.step_plan import PASSED_OVER, Admission, StepPlan
 from paged_jax.core.request import FINISH_STATUS_BY_REASON, Request, RequestStatus, check_stop, stops_on_token
-
-
-@dataclasses.dataclass
-class _StepPlan:
-    """One ``schedule()`` call's working state: the budget left, the planned ``request_id -> (request, new
-    tokens)``, what it preempted and the swap copies it queued."""
-
-    budget: int
-    seats: int  # most requests running at once (``Scheduler.ready_limits``)
-    planned: dict[str, tuple[Request, int]] = dataclasses.field(default_factory=dict)
-    preempted: list[str] = dataclasses.field(default_factory=list)
-    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    long_prefills: list[Request] = dataclasses.field(default_factory=list)  # running, left for after admissions
-    short_prefill_started: bool = False  # a short prompt gets its first tokens: long prefills are capped
-
-
-_PASSED_OVER = 0  # ``Scheduler._admit``: a long prompt left waiting for the shorter ones behind it
-
-
-@dataclasses.dataclass
-class _Admission:
-    """``Scheduler._schedule_waiting``'s running tallies: requests passed over (adapter slots full, or a long prompt
-    left for shorter ones), the adapters in the running batch, seats reserved for forks, long partial prefills."""
-
-    running_loras: set[int]
-    reserved: int
-    num_partial_long: int
-    passed_over: set[str] = dataclasses.field(default_factory=set)
 
 
 class Scheduler:
@@ -128,6 +99,7 @@ class Scheduler:
         # A prefill with more tokens left than this is long; 0 (none is long) compares against a bound never reached.
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_model_len + 1
         self.max_long_partial_prefills = max_long_partial_prefills
+        self._num_lookahead_tokens = num_lookahead_tokens
         self._slots = lambda computed, new: lookahead_slots(computed, new, num_lookahead_tokens, max_model_len)
 
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -231,7 +203,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions (see the module docstring); returns the step as a
         diff of the runner's batch (``paged_jax.core.sched_output``)."""
-        step = _StepPlan(*self.ready_limits)
+        step = StepPlan(*self.ready_limits)
         self._schedule_running(step)
         if not step.preempted:  # the pool is tight after a preemption: admitting would thrash
             # Long prefills left for after admissions keep at least half of what is left.
@@ -242,7 +214,7 @@ class Scheduler:
         self._schedule_long_prefills(step)
         return self._build_output(step)
 
-    def _preempt(self, victim: Request, step: "_StepPlan") -> None:
+    def _preempt(self, victim: Request, step: StepPlan) -> None:
         """Take ``victim`` out of the running set (swap its blocks out, or drop them for a recompute); a victim
         already planned in ``step`` is un-scheduled and its budget returned."""
         planned = step.planned.pop(victim.request_id, None)
@@ -264,7 +236,7 @@ class Scheduler:
         step.preempted.append(victim.request_id)
         self.num_preemptions += 1
 
-    def _schedule_running(self, step: "_StepPlan") -> None:
+    def _schedule_running(self, step: StepPlan) -> None:
         """Give each running request its tokens (1 when decoding), preempting the least important running request
         while the pool is short (as vLLM: possibly the request itself, which then waits). Runs for every running
         request every step: kept to plain attribute reads and one allocation call per request."""
@@ -274,13 +246,20 @@ class Scheduler:
         planned = step.planned
         long_threshold = self.long_prefill_token_threshold
         budget = step.budget
+        slots_of = self._slots if self._num_lookahead_tokens else None
+        copy_limit = MAX_BLOCK_COPIES * kv.num_groups
+        # ``allocate_slots``' no-op case, checked here for every decode: its blocks cover the step and the block it
+        # writes into is its own (no copy-on-write); no sliding window releasing blocks.
+        blocks, block_size, groups = kv.blocks, kv.block_size, kv.num_groups
+        own_blocks_cover = not kv.has_sliding_window
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not running_status or request.held:  # preempted earlier in this loop / held
                 continue
+            num_computed = request.num_computed_tokens
             num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
-                       - request.num_computed_tokens)  # request.num_tokens_to_compute, inlined
+                       - num_computed)  # request.num_tokens_to_compute, inlined
             if num_new > long_threshold:
                 step.long_prefills.append(request)
                 continue
@@ -290,9 +269,14 @@ class Scheduler:
                 continue
             if request.spec_token_ids:
                 num_new = with_drafts(request, num_new, budget, self.max_model_len)
-            if kv.num_pending_copies >= MAX_BLOCK_COPIES * kv.num_groups and kv.needs_copy(request):
+            if kv.num_pending_copies >= copy_limit and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
-            if not allocate_slots(request, slots := self._slots(request.num_computed_tokens, num_new)):
+            slots = num_new if slots_of is None else slots_of(num_computed, num_new)
+            block_ids = request.block_ids
+            if own_blocks_cover and len(block_ids) >= (num_computed + slots + block_size - 1) // block_size * groups \
+                    and blocks[block_ids[num_computed // block_size * groups]].ref_cnt <= 1:
+                pass
+            elif not allocate_slots(request, slots):
                 step.budget = budget
                 fits = self._preempt_until_fits(request, slots, step)
                 budget = step.budget
@@ -302,7 +286,7 @@ class Scheduler:
             budget -= num_new
         step.budget = budget
 
-    def _preempt_until_fits(self, request: Request, num_slots: int, step: "_StepPlan") -> bool:
+    def _preempt_until_fits(self, request: Request, num_slots: int, step: StepPlan) -> bool:
         """Preempt the least important running request until ``num_slots`` slots of running ``request`` fit (as vLLM:
         possibly ``request`` itself); returns whether ``request`` still runs with its slots allocated."""
         while True:
@@ -313,7 +297,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_slots):
                 return True
 
-    def _schedule_long_prefills(self, step: "_StepPlan") -> None:
+    def _schedule_long_prefills(self, step: StepPlan) -> None:
         """Give the running long prefills left out of ``_schedule_running`` what budget admissions left."""
         for request in step.long_prefills:
             if step.budget == 0:
@@ -330,12 +314,12 @@ class Scheduler:
                 step.planned[request.request_id] = (request, num_new)
                 step.budget -= num_new
 
-    def _schedule_waiting(self, step: "_StepPlan") -> None:
+    def _schedule_waiting(self, step: StepPlan) -> None:
         """Admit waiting requests (FCFS or by priority) while seats, budget and blocks allow; with FCFS, short
         prompts queued behind long ones first (module docstring, step 3)."""
         if not self.waiting:
             return
-        admission = _Admission(running_loras={r.lora_int_id for r in self.running} - {0},
+        admission = Admission(running_loras={r.lora_int_id for r in self.running} - {0},
                                reserved=sum(r.reserved_seats for r in self._reserving),
                                num_partial_long=len(step.long_prefills))
         for request in self._short_waiting(step):
@@ -346,7 +330,7 @@ class Scheduler:
             if request is None or self._try_admit(request, step, admission) is None:
                 break
 
-    def _short_waiting(self, step: "_StepPlan") -> list[Request]:
+    def _short_waiting(self, step: StepPlan) -> list[Request]:
         """FCFS: the short prompts among the first ``max_num_seqs`` waiting requests when the queue's head is long."""
         threshold = self.long_prefill_token_threshold
         if (self.policy != "fcfs" or step.budget <= 0 or len(self.running) >= step.seats
@@ -356,7 +340,7 @@ class Scheduler:
                 if r.num_tokens_to_compute <= threshold and r.startable
                 and r.request_id not in step.preempted]
 
-    def _try_admit(self, request: Request, step: "_StepPlan", admission: "_Admission") -> bool | None:
+    def _try_admit(self, request: Request, step: StepPlan, admission: Admission) -> bool | None:
         """Admit ``request`` if seats, adapter slots, budget and blocks allow; returns True when admitted, False when
         it is passed over (those behind it may still start), None when no more can start in this step."""
         if step.budget <= 0 or len(self.running) + admission.reserved + 1 + request.reserved_seats > step.seats:
@@ -367,7 +351,7 @@ class Scheduler:
             return False
         partial_long_allowed = admission.num_partial_long < self.max_long_partial_prefills
         num_new = self._admit(request, step, partial_long_allowed)
-        if num_new == _PASSED_OVER:
+        if num_new == PASSED_OVER:
             admission.passed_over.add(request.request_id)  # the shorter prompts behind it go first
             # Once a short prompt started, every long prompt would stay partial: none can start. Else the look-ahead
             # is bounded by the seats: no more could run at once anyway.
@@ -390,10 +374,10 @@ class Scheduler:
         step.budget -= num_new
         return True
 
-    def _admit(self, request: Request, step: "_StepPlan", partial_long_allowed: bool = True) -> int | None:
+    def _admit(self, request: Request, step: StepPlan, partial_long_allowed: bool = True) -> int | None:
         """Allocate a waiting request's blocks (swap-in, or its prefix-cache hit plus new blocks), preempting lower
         priorities if the policy allows; returns its new-token count, None when it cannot start now, or
-        ``_PASSED_OVER`` when it is a long prompt that would stay partial and ``partial_long_allowed`` is False."""
+        ``PASSED_OVER`` when it is a long prompt that would stay partial and ``partial_long_allowed`` is False."""
         if request.status == RequestStatus.SWAPPED:
             num_new = min(request.num_tokens_to_compute, step.budget)
             ok = self.kv.can_swap_in(request, slots := self._slots(request.num_computed_tokens, num_new))
@@ -413,7 +397,7 @@ class Scheduler:
         # without it (a hit could have made it fit; it starts once a partial prefill ends).
         if not partial_long_allowed and self.enable_chunked_prefill and \
                 request.num_tokens > max(limit, self.long_prefill_token_threshold):
-            return _PASSED_OVER
+            return PASSED_OVER
         computed_blocks, num_hit = self.kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
         if num_new > limit:
@@ -432,7 +416,7 @@ class Scheduler:
             request.num_cached_prompt_tokens = min(num_hit, request.num_prompt_tokens)
         return num_new
 
-    def _build_output(self, step: "_StepPlan") -> SchedulerOutput:
+    def _build_output(self, step: StepPlan) -> SchedulerOutput:
         """The step as the runner's diff (``StepBuilder``), fork rows after the request that samples its first
         token."""
         builder = StepBuilder()
@@ -443,7 +427,7 @@ class Scheduler:
                              block_copies=self.kv.take_block_copies(), swap_out=step.swap_out + stores,
                              swap_in=step.swap_in + loads)
 
-    def _preempt_lower_priority(self, request: Request, step: "_StepPlan") -> bool:
+    def _preempt_lower_priority(self, request: Request, step: StepPlan) -> bool:
         """policy="priority": preempt the least important running request if it ranks strictly below ``request``."""
         if self.policy != "priority" or not self.running:
             return False
@@ -468,61 +452,69 @@ class Scheduler:
             raise ValueError("update_from_output: the step verified drafts; pass accepted_token_ids")
         requests_of_rows = scheduler_output.requests
         if isinstance(sampled_token_ids, Mapping):
-            tokens = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
-        else:
-            if len(sampled_token_ids) != len(requests_of_rows):
-                raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
-                                 f"{len(requests_of_rows)} (one per row of the step)")
-            tokens = sampled_token_ids
-        first_fork = len(requests_of_rows) - len(scheduler_output.fork_rows)
+            sampled_token_ids = [sampled_token_ids.get(r.request_id) for r in requests_of_rows]
+        elif len(sampled_token_ids) != len(requests_of_rows):
+            raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
+                             f"{len(requests_of_rows)} (one per row of the step)")
+        tokens = sampled_token_ids if type(sampled_token_ids) is list else list(sampled_token_ids)
+        num_forks = len(scheduler_output.fork_rows)
+        first_fork = len(requests_of_rows) - num_forks
         changed: list[Request] = []
         running_status = RequestStatus.RUNNING
-        cache_full_blocks = self.kv.cache_full_blocks
+        cache_full_blocks = self.kv.cache_full_blocks if self.kv.enable_prefix_caching else None
+        cached_block_counts, block_size = self.kv.cached_block_counts, self.kv.block_size
         max_model_len = self.max_model_len
-        starts = scheduler_output.row_num_computed_tokens()
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        # Every running request, every step: the stop rule (``check_stop``) is inlined for a plain token.
-        for row, (request, samples, token) in enumerate(zip(requests_of_rows, scheduler_output.samples, tokens)):
+        # Every running request, every step: plain reads; the stop rule (``check_stop``) only for a token that may
+        # stop the request (``Request.stop_ids``) or a reached length limit.
+        for row, (request, samples, token, num_new, start) in enumerate(zip(
+                requests_of_rows, scheduler_output.samples, tokens,
+                scheduler_output.num_scheduled_tokens + [0] * num_forks, scheduler_output.row_num_computed_tokens())):
             if request.status is not running_status:  # finished or preempted since schedule() (unregistered then)
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if row < first_fork:
-                if request.num_computed_tokens != starts[row]:
+                if request.num_computed_tokens != start:
                     raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call "
                                        "update_from_output once per schedule(), in order")
                 if spec and request.request_id in spec:
-                    status = apply_drafts(request, num_scheduled[row], spec[request.request_id],
-                                          accepted_token_ids[request.request_id], int(tokens[row]), max_model_len)
-                    if status is not None:
-                        self._leave_running(request)
-                        self._finish(request, status)
-                    else:
-                        cache_full_blocks(request)
+                    self._apply_drafts(request, num_new, spec[request.request_id],
+                                       accepted_token_ids[request.request_id], int(token))
                     changed.append(request)
                     continue
-                request.num_computed_tokens += num_scheduled[row]
-                cache_full_blocks(request)
+                request.num_computed_tokens = num_computed = start + num_new
+                if cache_full_blocks is not None and num_computed // block_size > cached_block_counts.get(
+                        request.request_id, 0):  # a block filled up: most steps of most requests fill none
+                    cache_full_blocks(request)
                 if not samples:
                     continue
                 if request.pending_forks:  # before the parent's own token (and a stop that would free its blocks)
                     self._fork_pending(request)
             if token is None:
                 raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
-            token = int(token)
+            if type(token) is not int:
+                token = int(token)
             output_token_ids = request.output_token_ids
             output_token_ids.append(token)
             num_output = len(output_token_ids)
-            max_tokens = request.max_tokens
-            if ((num_output > request.min_tokens and token >= 0
-                 and (token in request.eos_stop_ids or token in request.stop_token_id_set))
-                    or (max_tokens is not None and num_output >= max_tokens)
-                    or len(request.prompt_token_ids) + num_output >= max_model_len):
-                status = check_stop(request, self.max_model_len)
+            status = (check_stop(request, max_model_len) if token in request.stop_ids
+                      or num_output >= request.max_output_tokens
+                      or len(request.prompt_token_ids) + num_output >= max_model_len else None)
+            if status is not None:
                 self._leave_running(request)
                 self._finish(request, status)
             elif request.hold_after_sample:
                 request.held = True
             changed.append(request)
         return changed
+
+    def _apply_drafts(self, request: Request, num_scheduled: int, drafts: list[int], accepted: list[int],
+                      token: int) -> None:
+        """A row that verified ``drafts`` (``drafts.apply_drafts``): finish it where a stop rule ends it."""
+        status = apply_drafts(request, num_scheduled, drafts, accepted, token, self.max_model_len)
+        if status is not None:
+            self._leave_running(request)
+            self._finish(request, status)
+        else:
+            self.kv.cache_full_blocks(request)
 
     def _fork_pending(self, parent: Request) -> None:
         """Fork ``parent``'s pending sequences now that its prompt is computed; each takes one of its reserved

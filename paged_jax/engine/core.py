@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from paged_jax.config import EngineArgs
-from paged_jax.core.request import Request, child_seed
+from paged_jax.core.request import Request, RequestStatus, child_seed
 from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
@@ -50,7 +50,8 @@ class _Group:
     """The sequences of one request inside the core.
 
     ``seqs``: index -> its live ``Request`` (finished and aborted ones leave); ``cumulative_logprobs``: per index
-    (when the request needs them); ``reported_start``: its first output (scheduling time, cached tokens) went."""
+    (when the request needs them); ``reported_start``: its first output (scheduling time, cached tokens) went;
+    ``token_only``: its outputs carry only token ids (no logprobs, cumulative logprob or beam search)."""
 
     request_id: str
     seqs: dict[int, Request]
@@ -59,6 +60,7 @@ class _Group:
     beam_search: BeamSearchState | None = None
     scheduled_time: float | None = None
     reported_start: bool = False
+    token_only: bool = False
 
 
 @dataclasses.dataclass
@@ -146,7 +148,8 @@ class EngineCore:
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 1 << 63))
         num_seqs = params.num_sequences
         group = _Group(request_id, {}, len(request.prompt_token_ids),
-                       cumulative_logprobs=[0.0] * num_seqs if params.sampled_logprobs is not None else None)
+                       cumulative_logprobs=[0.0] * num_seqs if params.sampled_logprobs is not None else None,
+                       token_only=params.sampled_logprobs is None and params.logprobs is None)
         for index in range(num_seqs):
             seq_id = request_id if num_seqs == 1 else f"{request_id}::{index}"
             if seq_id in self._seq_of:
@@ -281,9 +284,15 @@ class EngineCore:
         progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
         row_of = {}
         if progressed:
-            row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
-            self._token_outputs(((row_of[r.request_id], r, first_output.get(r.request_id, r.num_output_tokens - 1))
-                                 for r in progressed), result, outputs)
+            step_rows = _rows_of(scheduler_output.requests, progressed)
+            if first_output:
+                self._token_outputs([(row, r, first_output.get(r.request_id, len(r.output_token_ids) - 1))
+                                     for row, r in zip(step_rows, progressed)], result, outputs)
+            else:
+                self._token_outputs([(row, r, len(r.output_token_ids) - 1) for row, r in zip(step_rows, progressed)],
+                                    result, outputs)
+            if self.spec_decoder is not None:
+                row_of = dict(zip((r.request_id for r in progressed), step_rows))
         if self.spec_decoder is not None:
             self.spec_decoder.propose(progressed, self.scheduler.num_running,
                                       self.spec_decoder.model_drafts(progressed, row_of, result))
@@ -367,8 +376,17 @@ class EngineCore:
         seq_of = self._seq_of
         beam_groups = []
         draft_rows = result.draft_rows or {}
+        # The common row (every running sequence, every step) needs its token only: no drafts, grammar, logprobs,
+        # beam search, routing, pooling, first-output facts or finish.
+        token_only_step = not draft_rows and self.routed_experts is None and self.pooling is None
+        running, num_token_only = RequestStatus.RUNNING, 0
         for row, request, output_index in rows:
             group, index = seq_of[request.request_id]
+            if (token_only_step and group.token_only and output_index and group.reported_start
+                    and request.status is running and request.grammar is None):
+                outputs.append(EngineCoreOutput(group.request_id, index, [request.output_token_ids[output_index]]))
+                num_token_only += 1
+                continue
             if row in draft_rows:
                 tokens = request.output_token_ids[output_index:]
                 outputs.append(self._token_output(group, index, request, tokens, result, row))
@@ -393,6 +411,7 @@ class EngineCore:
             outputs.append(self._token_output(group, index, request, [token], result, row))
             if request.is_finished:
                 self._sequence_done(group, request, index)
+        self.generation_tokens_total += num_token_only
         for group in beam_groups:
             search = group.beam_search
             if not search.done:
@@ -543,6 +562,20 @@ def _logprob_sources(result: StepOutput, row: int, num_tokens: int) -> list[tupl
     if positions is None:
         return [(result, row)]
     return [(result.draft_outputs, positions[i]) if i < len(positions) else (result, row) for i in range(num_tokens)]
+
+
+def _rows_of(requests_of_rows: list[Request], progressed: list[Request]) -> Sequence[int]:
+    """The step row of each of ``progressed``, requests of ``requests_of_rows`` in the same order (the scheduler's
+    update keeps the row order)."""
+    if len(progressed) == len(requests_of_rows):
+        return range(len(progressed))
+    rows, row = [], 0
+    for request in progressed:
+        while requests_of_rows[row] is not request:
+            row += 1
+        rows.append(row)
+        row += 1
+    return rows
 
 
 def _no_text(token_id: int) -> None:

@@ -150,26 +150,44 @@ class OutputProcessor:
             state = states.get(output.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            if output.scheduled_time is not None:
-                state.metrics.first_scheduled_time = output.scheduled_time
-                state.metrics.time_in_queue = output.scheduled_time - state.metrics.arrival_time
-            if output.num_cached_tokens:
-                state.num_cached_tokens = output.num_cached_tokens
-            if output.prompt_logprobs is not None:
-                self._record_prompt_logprobs(state, output.prompt_logprobs)
-            if output.pooled is not None:
-                state.pooled = output.pooled
-            if output.routed_experts is not None:
-                _add_routing(state.seqs[output.index], output.routed_experts.to_array())
-            if output.beam_logprobs is not None:
+            if (output.scheduled_time is not None or output.num_cached_tokens or output.prompt_logprobs is not None
+                    or output.pooled is not None or output.routed_experts is not None):
+                self._apply_extras(state, output)
+            finish = output.finish_reason is not None
+            seq = state.seqs[output.index] if state.seqs else None  # (a beam search has none)
+            if (seq is not None and output.new_token_ids and not finish and seq.detokenizer is None
+                    and seq.logprobs is None and seq.finish_reason is None and output.cumulative_logprob is None):
+                seq.token_ids += output.new_token_ids  # token ids only (``_apply_tokens``' plain case)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+            elif output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
-            elif output.new_token_ids or output.finish_reason is not None:
+                finish = True
+            elif output.new_token_ids or finish:
                 if self._apply_tokens(state, output, now):
                     stopped.append((output.request_id, output.index))
+                    finish = True
             else:
                 continue
-            touched[output.request_id] = state
+            # FINAL_ONLY: only a request one of whose sequences ended can have finished.
+            if finish or not finished_only:
+                touched[output.request_id] = state
         return self._request_outputs(touched.values(), now, finished_only), stopped
+
+    def _apply_extras(self, state: RequestState, output: EngineCoreOutput) -> None:
+        """What an output carries besides tokens: first-output facts, prompt logprobs, pooled vector, routing."""
+        if output.scheduled_time is not None:
+            state.metrics.first_scheduled_time = output.scheduled_time
+            state.metrics.time_in_queue = output.scheduled_time - state.metrics.arrival_time
+        if output.num_cached_tokens:
+            state.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self._record_prompt_logprobs(state, output.prompt_logprobs)
+        if output.pooled is not None:
+            state.pooled = output.pooled
+        if output.routed_experts is not None:
+            _add_routing(state.seqs[output.index], output.routed_experts.to_array())
 
     def _apply_tokens(self, state: RequestState, output: EngineCoreOutput, now: float) -> bool:
         """Append a sequence's new tokens (logprobs, text); True when a stop string ended it here."""
@@ -180,21 +198,24 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        num_new = len(output.new_token_ids)
+        new_token_ids = output.new_token_ids
         core_finished = output.finish_reason is not None
-        for i, token in enumerate(output.new_token_ids):
-            seq.token_ids.append(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append(self._token_logprobs(output.new_logprobs[i]))
-            if seq.detokenizer is None:
-                continue
-            last = i == num_new - 1
-            _, stop_str = seq.detokenizer.append((token,), finished=last and core_finished)
-            if stop_str is not None:  # wins over an EOS / length finish of the same token
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
-                if output.cumulative_logprob is not None:
-                    seq.cumulative_logprob = output.cumulative_logprob
-                return not (last and core_finished)
+        if seq.detokenizer is None and seq.logprobs is None:  # token ids only: no per-token work
+            seq.token_ids += new_token_ids
+        else:
+            for i, token in enumerate(new_token_ids):
+                seq.token_ids.append(token)
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._token_logprobs(output.new_logprobs[i]))
+                if seq.detokenizer is None:
+                    continue
+                last = i == len(new_token_ids) - 1
+                _, stop_str = seq.detokenizer.append((token,), finished=last and core_finished)
+                if stop_str is not None:  # wins over an EOS / length finish of the same token
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    if output.cumulative_logprob is not None:
+                        seq.cumulative_logprob = output.cumulative_logprob
+                    return not (last and core_finished)
         if output.cumulative_logprob is not None:
             seq.cumulative_logprob = output.cumulative_logprob
         if core_finished:
@@ -291,11 +312,10 @@ class OutputProcessor:
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
     """``(output index, sequence)`` of what a request reports: every sequence under its own index; with
     ``best_of > n`` (finished) the n with the highest cumulative logprob, best first, numbered 0..n-1."""
-    params = state.params
-    if params.num_sequences == params.n:
+    if state.reports_deltas:  # (not a beam search: those report ``_beam_output``)
         return [(seq.index, seq) for seq in state.seqs]
     ranked = sorted(state.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
-    return list(enumerate(ranked[:params.n]))
+    return list(enumerate(ranked[:state.params.n]))
 
 
 def _add_routing(seq: SequenceState, part: np.ndarray) -> None:

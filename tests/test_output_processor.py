@@ -1,0 +1,61 @@
+"""The output processor on hand-made core outputs (no model): deltas, FINAL_ONLY, n > 1 sequences ending apart."""
+
+from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest
+from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.sampling_params import SamplingParams
+
+# Per step, the core's outputs: request "a" (n=2; sequence 0 ends first, by length) and "b" (n=1, ends by a stop
+# token); the first output of each sequence carries its scheduling facts.
+STEPS = [
+    [EngineCoreOutput("a", 0, [5], num_cached_tokens=16, scheduled_time=1.0), EngineCoreOutput("a", 1, [6]),
+     EngineCoreOutput("b", 0, [7], scheduled_time=1.0)],
+    [EngineCoreOutput("a", 0, [8], finish_reason="length"), EngineCoreOutput("a", 1, [9]),
+     EngineCoreOutput("b", 0, [10])],
+    [EngineCoreOutput("a", 1, []), EngineCoreOutput("b", 0, [2], finish_reason="stop", stop_reason=2)],
+    [EngineCoreOutput("a", 1, [11], finish_reason="length")],
+]
+
+
+def _processor() -> OutputProcessor:
+    processor = OutputProcessor(None)
+    processor.add_request(EngineCoreRequest("a", [1, 2, 3], SamplingParams(n=2, max_tokens=3, seed=0)), None)
+    processor.add_request(EngineCoreRequest("b", [4], SamplingParams(max_tokens=8, stop_token_ids=[2])), None)
+    return processor
+
+
+def test_final_only_reports_each_request_once_with_every_sequence_whole():
+    streaming, final_only = _processor(), _processor()
+    deltas: dict[str, dict[int, list[int]]] = {"a": {0: [], 1: []}, "b": {0: []}}
+    finals, finished_steps = {}, {}
+    for step, outputs in enumerate(STEPS):
+        stream_outputs, stopped = streaming.process_outputs(outputs)
+        assert not stopped
+        # A sequence's output without tokens or a finish reports nothing new.
+        assert [o.request_id for o in stream_outputs] == list(dict.fromkeys(
+            o.request_id for o in outputs if o.new_token_ids or o.finish_reason))
+        for output in stream_outputs:
+            for completion in output.outputs:
+                deltas[output.request_id][completion.index] += completion.token_ids
+        for output in final_only.process_outputs(outputs, finished_only=True)[0]:
+            assert output.finished and output.request_id not in finals
+            finals[output.request_id], finished_steps[output.request_id] = output, step
+    assert finished_steps == {"b": 2, "a": 3}  # each when its last sequence ended
+    assert {i: c.token_ids for i, c in enumerate(finals["a"].outputs)} == deltas["a"] == {0: [5, 8], 1: [6, 9, 11]}
+    assert [c.finish_reason for c in finals["a"].outputs] == ["length", "length"]
+    assert finals["b"].outputs[0].token_ids == deltas["b"][0] == [7, 10, 2]
+    assert (finals["b"].outputs[0].finish_reason, finals["b"].outputs[0].stop_reason) == ("stop", 2)
+    assert finals["a"].num_cached_tokens == 16 and finals["a"].metrics.first_scheduled_time == 1.0
+    assert finals["a"].metrics.first_token_time is not None
+    assert finals["a"].metrics.last_token_time >= finals["a"].metrics.first_token_time
+    assert not streaming.has_unfinished_requests() and not final_only.has_unfinished_requests()
+
+
+def test_tokens_after_a_sequence_finished_are_dropped():
+    """The core may compute a token or two after a sequence ended (a stop string's abort on its way): dropped."""
+    processor = _processor()
+    processor.process_outputs(STEPS[0])
+    processor.process_outputs(STEPS[1])  # sequence 0 of "a" ends
+    outputs, _ = processor.process_outputs([EngineCoreOutput("a", 0, [12]), EngineCoreOutput("a", 1, [13])])
+    assert [(c.index, c.token_ids) for o in outputs for c in o.outputs] == [(1, [13])]
+    outputs, _ = processor.process_outputs([EngineCoreOutput("a", 0, [14])])
+    assert [o.outputs for o in outputs] in ([], [[]])  # nothing of it reported
