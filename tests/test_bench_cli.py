@@ -40,6 +40,7 @@ def test_unimplemented_vllm_bench_flags_exit_2_naming_the_flag(argv, named, caps
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_latency_prints_average_and_percentiles(smollm2_dir, tmp_path, capsys):
     from serving.commands import main
 

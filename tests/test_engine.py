@@ -169,7 +169,7 @@ def test_batched_greedy_matches_transformers_then_hits_prefix_cache(engine, work
 
 # The recompute case also prefills in chunks of a small token budget without prefix caching (one engine for both:
 # CI time); the swap case keeps the default budget.
-@pytest.mark.parametrize("mode,async_scheduling", [("recompute", True), ("swap", False)])
+@pytest.mark.parametrize("mode,async_scheduling", [("recompute", True), pytest.param("swap", False, marks=pytest.mark.slow)])
 def test_preemption_matches_transformers(workload, reference, mode, async_scheduling):
     chunked = dict(max_num_batched_tokens=32, enable_prefix_caching=False) if mode == "recompute" else {}
     engine = make_engine(num_gpu_blocks_override=TIGHT_BLOCKS, preemption_mode=mode, swap_space=0.05,

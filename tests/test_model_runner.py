@@ -147,7 +147,7 @@ def test_buckets_are_few_and_cover_every_batch():
 
 # Chunks of 5 tokens (many more steps) run with `make test-all` (marker `slow`): CI time; chunked prefill with small
 # budgets stays in CI through tests/test_engine.py.
-@pytest.mark.parametrize("chunk", [pytest.param(5, marks=pytest.mark.slow), 64])
+@pytest.mark.parametrize("chunk", [pytest.param(5, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow)])
 def test_paged_steps_match_dense_reference(tiny_model, chunk):
     model, config = tiny_model
     rng = np.random.default_rng(0)

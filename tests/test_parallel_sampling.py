@@ -188,7 +188,7 @@ def test_aborting_forked_groups_leaks_nothing(engine, long_prompt):
 
 
 # Swap of a forked group: slow (make test-all) to keep CI's suite in its time budget; recompute stays in CI, and
-# swap preemption itself is covered by tests/test_engine.py's swap case.
+# swap preemption itself is covered by tests/test_kv_groups.py's and tests/test_llama4.py's swap cases.
 @pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_forked_groups_survive_preemption(engine, long_prompt, mode):
     """Forced preemption (a 39-block pool) of n = 3 groups gives the roomy engine's outputs: greedy under recompute

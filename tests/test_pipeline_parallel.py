@@ -131,6 +131,7 @@ def test_pp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen
     _assert_staged(engine, 2, tp)
 
 
+@pytest.mark.slow
 def test_pp2_by_tp2_greedy_matches_single_device_on_smollm2(hf_greedy):
     # Tied embeddings: the last stage holds a copy for the LM head.
     engine = LLMEngine(EngineArgs(model=None, pipeline_parallel_size=2, tensor_parallel_size=2, **SMALL),

@@ -515,7 +515,7 @@ def test_float8_dots_compile_with_an_autotuning_tolerance_for_fp8_rounding(float
     assert np.isfinite(np.asarray(scores)).all()
     ModelRunner(w8a8, config, num_blocks=8, block_size=16, max_model_len=64, max_num_seqs=2,
                 max_num_batched_tokens=32, eos_token_ids=[2])
-    assert {"_generate_on_device", "_score_on_device", "forward"} <= {name for name, options in jitted
+    assert {"_generate_on_device", "scores", "forward"} <= {name for name, options in jitted
                                                                       if options == wide}
     assert all(options in (None, wide) for _, options in jitted)
 

@@ -566,6 +566,7 @@ def test_engine_greedy_at_tp2_matches_tp1_on_smollm2():
     _assert_engine_on_mesh(engine, 2)
 
 
+@pytest.mark.slow
 def test_engine_greedy_at_tp4_matches_tp1_on_random_qwen3(tmp_path):
     from models.testing import save_random_hf_checkpoint
 

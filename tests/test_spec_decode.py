@@ -238,7 +238,7 @@ def test_llm_get_metrics_has_vllm_spec_decode_counters(spec_llms, prompts):
     assert metrics["vllm:generation_tokens"].value > 0
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_rollback_under_preemption(preemption_mode, plain_engine, prompts):
     """A pool too small for the batch: drafts' slots are allocated and rolled back while sequences are preempted
     (recomputed, or swapped out with their draft slots and back in); outputs equal those without drafts."""
@@ -347,6 +347,7 @@ def test_speculative_config_flag():
         EngineArgs(**engine_kwargs(args))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_engine_verifies_drafts(tiny_checkpoint):
     """tp = 2 (two of the 8 virtual CPU devices) with ngram drafts: greedy outputs equal one device's without
     drafts."""
@@ -380,6 +381,7 @@ def test_structured_output_rows_decode_without_drafts_beside_drafting_rows(spec_
     assert_clean(engine)
 
 
+@pytest.mark.slow
 def test_lora_rows_verify_drafts_with_their_adapter(smollm2_dir, tmp_path_factory, prompts):
     """Rows with and without an adapter in the same steps, each verifying drafts: outputs equal a LoRA engine's
     without drafts (every draft token runs with its row's adapter)."""

@@ -244,7 +244,7 @@ def drafter_engines(smollm2_dir, drafter_paths):
     return get
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", [pytest.param("draft_model", marks=pytest.mark.slow), "eagle", "eagle3"])
 def test_model_drafter_outputs_equal_decoding_without_drafts(method, drafter_engines, prompts, plain_outputs):
     engine = drafter_engines(method)
     for params, expected in zip(PARAMS, plain_outputs):
@@ -439,7 +439,7 @@ def test_the_target_as_its_own_draft_model_is_accepted_throughout(smollm2_dir, p
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("drafter", ["eagle3", "eagle", "draft_model"])
+@pytest.mark.parametrize("drafter", [pytest.param("eagle3", marks=pytest.mark.slow), pytest.param("eagle", marks=pytest.mark.slow), "draft_model"])
 def test_drafter_benchmark_runs_on_cpu(drafter, tmp_path):
     """benchmarks/spec_decode.py drafter on tiny shapes: plain, verify and propose + verify rows per batch, nothing
     compiled after warm-up."""

@@ -34,6 +34,7 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
+@pytest.mark.slow
 def test_50_varied_json_schemas_all_valid(server, serving_engine):
     schemas = varied_schemas(50)
     assert len({json.dumps(s, sort_keys=True) for s in schemas}) == 50

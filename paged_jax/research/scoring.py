@@ -116,7 +116,11 @@ def _score_jit(options: tuple[tuple[str, Any], ...]):
     """``score(graphdef, states, token_ids, lengths, transform)`` jitted with the XLA ``options``
     (``paged_jax.research.generate.model_compiler_options``); ``score`` is ``_score_on_device`` or
     ``_invariant_scores``."""
-    return jax.jit(lambda score, *args: score(*args), static_argnums=(0, 1), compiler_options=dict(options) or None)
+
+    def scores(score, *args):
+        return score(*args)
+
+    return jax.jit(scores, static_argnums=(0, 1), compiler_options=dict(options) or None)
 
 
 def _score_on_device(graphdef, states: tuple, token_ids: jax.Array, lengths: jax.Array,
