@@ -94,15 +94,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
         else:  # a latent cache: the values are the first v_head_dim columns of the K rows
             v = k[..., :v_head_dim]
         q_g = q_t.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
-        scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
-        if logit_soft_cap is not None:
-            scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
-        visible = (key_pos <= pos) & (key_pos < kv_lens[s])
-        if sliding_window is not None:
-            visible &= key_pos > pos - sliding_window
-        if attention_chunk_size is not None:
-            visible &= key_pos >= pos // attention_chunk_size * attention_chunk_size
-        scores = jnp.where(visible[None, None, :], scores, -jnp.inf)
+        scores = _masked_scores(q_g, k, key_pos, pos, kv_lens[s], sm_scale, logit_soft_cap, sliding_window,
+                                attention_chunk_size)
         # Padding tokens have no visible key: keep the softmax finite, then zero them below.
         row_max = jnp.max(scores, axis=-1, keepdims=True)
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -133,6 +126,21 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, block_tables,
     return lax.map(attend_one_token, (q, seq_idx, position, valid), batch_size=chunk)
 
 
+def _masked_scores(q_g, k, key_pos, pos, kv_len, sm_scale, logit_soft_cap, sliding_window, attention_chunk_size):
+    """One token's fp32 scores ``[Hkv, group, L]`` of ``q_g`` ``[Hkv, group, D]`` against keys ``k`` ``[L, Hkv, D]``
+    at context positions ``key_pos`` ``int32[L]``, soft-capped, -inf where the token at ``pos`` cannot see the key
+    (causal, ``kv_len``, the sliding window, its attention chunk)."""
+    scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
+    if logit_soft_cap is not None:
+        scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+    visible = (key_pos <= pos) & (key_pos < kv_len)
+    if sliding_window is not None:
+        visible &= key_pos > pos - sliding_window
+    if attention_chunk_size is not None:
+        visible &= key_pos >= pos // attention_chunk_size * attention_chunk_size
+    return jnp.where(visible[None, None, :], scores, -jnp.inf)
+
+
 # Keys per block of the batch-invariant reference's online softmax.
 INVARIANT_KEY_BLOCK = 64
 
@@ -160,15 +168,8 @@ def _key_blocks_attention(k_pages, v_pages, kv_lens, block_tables, sm_scale, sli
         def step(carry, block):
             m, denom, out = carry
             k, v, key_pos = block
-            scores = jnp.einsum("hgd,lhd->hgl", q_g, k, precision=lax.Precision.HIGHEST) * sm_scale
-            if logit_soft_cap is not None:
-                scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
-            visible = (key_pos <= pos) & (key_pos < kv_lens[s])
-            if sliding_window is not None:
-                visible &= key_pos > pos - sliding_window
-            if attention_chunk_size is not None:
-                visible &= key_pos >= pos // attention_chunk_size * attention_chunk_size
-            scores = jnp.where(visible[None, None, :], scores, -jnp.inf)
+            scores = _masked_scores(q_g, k, key_pos, pos, kv_lens[s], sm_scale, logit_soft_cap, sliding_window,
+                                    attention_chunk_size)
             m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             alpha, weights = jnp.exp(m - m_safe), jnp.exp(scores - m_safe)
