@@ -285,12 +285,8 @@ class EngineCore:
         row_of = {}
         if progressed:
             step_rows = _rows_of(scheduler_output.requests, progressed)
-            if first_output:
-                self._token_outputs([(row, r, first_output.get(r.request_id, len(r.output_token_ids) - 1))
-                                     for row, r in zip(step_rows, progressed)], result, outputs)
-            else:
-                self._token_outputs([(row, r, len(r.output_token_ids) - 1) for row, r in zip(step_rows, progressed)],
-                                    result, outputs)
+            self._token_outputs([(row, r, first_output.get(r.request_id, len(r.output_token_ids) - 1))
+                                 for row, r in zip(step_rows, progressed)], result, outputs)
             if self.spec_decoder is not None:
                 row_of = dict(zip((r.request_id for r in progressed), step_rows))
         if self.spec_decoder is not None:
