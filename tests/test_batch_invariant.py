@@ -12,7 +12,7 @@ import pytest
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
 from paged_jax.entrypoints.llm import LLM
-from paged_jax.ops.batch_invariant import batch_invariant_matmul
+from paged_jax.ops.batch_invariant import IMPL_ENV, batch_invariant_matmul, resolve_impl
 from paged_jax.sampling_params import SamplingParams
 
 # float32: on the CPU its matmuls change a row's last bits with the row count (the control test below).
@@ -252,3 +252,14 @@ def test_generate_and_score_tokens_give_the_engines_tokens_and_logprobs(checkpoi
 
     grads = [jax.tree.leaves(jax.grad(loss)(state, mode)) for mode in (True, False)]
     assert all((a == b).all() for a, b in zip(*grads))
+
+
+def test_the_environment_picks_what_auto_runs(monkeypatch):
+    monkeypatch.delenv(IMPL_ENV, raising=False)
+    assert resolve_impl("auto") == "chunks"  # the CPU's default
+    monkeypatch.setenv(IMPL_ENV, "pallas")
+    assert resolve_impl("auto") == "pallas"
+    assert resolve_impl("chunks") == "chunks"  # an explicit choice stays
+    monkeypatch.setenv(IMPL_ENV, "cublas")
+    with pytest.raises(ValueError, match=IMPL_ENV):
+        resolve_impl("auto")

@@ -20,7 +20,9 @@ depend only on its own values and the weights:
   refs with masked integer-array loads (no BlockSpecs), so interpret mode runs the same code on the CPU. It does not
   depend on the compiler's choices, at several times the chunks' cost on a GPU (``benchmarks.batch_invariant``).
 
-Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other.
+Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other. The
+environment variable ``PAGED_JAX_BATCH_INVARIANT_MATMUL`` (``chunks`` or ``pallas``) picks the one "auto" runs, for
+every program of the process (the engine's, ``generate``'s and ``score_tokens``', so their bits still agree).
 
 RMSNorm registers ``rms_norm_impl="batch_invariant"`` here: the Pallas kernel on a GPU (one program per row), and
 elsewhere the jnp norm one ``[ROW_TILE, H]`` tile at a time under ``lax.map``: XLA's CPU backend emits a norm's
@@ -30,6 +32,7 @@ row reductions differently with the row count and with what it fuses them with (
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 _dot = getattr(plgpu, "dot", None) or pl.dot
 
 MATMUL_IMPLS = ("auto", "chunks", "pallas")
+IMPL_ENV = "PAGED_JAX_BATCH_INVARIANT_MATMUL"  # what "auto" runs, when set
 # Rows per chunk of the "chunks" matmul and per tile of the CPU norm: fixed, so a row's instructions never depend on
 # how many rows there are. A decode row is padded to it: small enough that a chunk's dot stays bound by reading the
 # weights (batch-1 decode), large enough that a prefill needs few chunks.
@@ -68,12 +72,16 @@ def block_n_for(n: int) -> int:
 
 
 def resolve_impl(impl: str) -> str:
-    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is "pallas" on a GPU, whose bits do not depend on the
-    compiler's algorithm choices (``benchmarks.batch_invariant`` checks "chunks" there), and "chunks" elsewhere."""
+    """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is ``IMPL_ENV``'s choice when set, else "pallas" on a
+    GPU, whose bits do not depend on the compiler's algorithm choices (``benchmarks.batch_invariant`` checks
+    "chunks" there), and "chunks" elsewhere. ValueError naming ``IMPL_ENV`` for another value."""
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"batch-invariant matmul impl must be one of {', '.join(MATMUL_IMPLS)}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "chunks"
+        chosen = os.environ.get(IMPL_ENV)
+        if chosen is not None and chosen not in MATMUL_IMPLS[1:]:
+            raise ValueError(f"{IMPL_ENV} must be one of {', '.join(MATMUL_IMPLS[1:])}, got {chosen!r}")
+        return chosen or ("pallas" if jax.default_backend() == "gpu" else "chunks")
     return impl
 
 
