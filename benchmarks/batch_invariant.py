@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks.report import median_seconds, versions, write_json
 from models.presets import preset_config
-from paged_jax.ops.batch_invariant import batch_invariant_matmul
+from paged_jax.ops.batch_invariant import batch_invariant_matmul, matmul_pallas
 
 TINY_SHAPES = [("qkv", 64, 96), ("lm_head", 64, 200)]
 ENGINE_WORKLOADS = {
@@ -56,6 +56,14 @@ def projection_shapes(preset: str) -> list[tuple[str, int, int]]:
             ("lm_head", c.hidden_size, c.vocab_size)]
 
 
+def _matmul_fn(impl: str, interpret: bool):
+    """``x, w -> x @ w`` by ``impl``: one of ``MATMUL_IMPLS``, or ``pallas:BNxBK`` for the kernel with other tiles."""
+    if impl.startswith("pallas:"):
+        block_n, block_k = (int(t) for t in impl.split(":")[1].split("x"))
+        return lambda a, b: matmul_pallas(a, b, interpret=interpret, block_n=block_n, block_k=block_k)
+    return lambda a, b: batch_invariant_matmul(a, b, impl=impl, interpret=interpret)
+
+
 def run_case(name: str, k: int, n: int, rows: int, *, impls: list[str], repeats: int, interpret: bool) -> dict:
     """One (shape, M) line (module docstring)."""
     keys = jax.random.split(jax.random.key(k * 7919 + n), 3)
@@ -65,7 +73,7 @@ def run_case(name: str, k: int, n: int, rows: int, *, impls: list[str], repeats:
     moved = jax.random.normal(keys[2], (rows, k), jnp.float32).astype(jnp.bfloat16).at[rows - 1].set(x[0])
     fns = {"xla": jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))}
     for impl in impls:
-        fns[impl] = jax.jit(lambda a, b, impl=impl: batch_invariant_matmul(a, b, impl=impl, interpret=interpret))
+        fns[impl] = jax.jit(_matmul_fn(impl, interpret))
     reference = np.asarray(jnp.dot(x[:1].astype(jnp.float32), w.astype(jnp.float32), precision="highest"))[0]
     line: dict = {"shape": name, "K": k, "N": n, "M": rows}
     for impl, fn in fns.items():
@@ -197,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default="matmul,invariance,engine")
     p.add_argument("--preset", default="llama-3.1-8b", help="matmul shapes")
     p.add_argument("--rows", default="1,16,256,2048", help="comma-separated row counts M")
-    p.add_argument("--impls", default="chunks", help="the mode's matmul implementations to time (chunks, pallas)")
+    p.add_argument("--impls", default="chunks", help="the mode's matmul implementations to time (chunks, pallas; pallas:BNxBK: "
+                   "the kernel with other column and K tiles)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--invariance-shape", default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16")

@@ -11,14 +11,14 @@ depend only on its own values and the weights:
   so the compiler picks one algorithm for it whatever M is; optimization barriers keep each chunk's dot apart from
   what surrounds it (no prologue or epilogue fused in that another program would not fuse) and chain the chunks
   one after the other (the dot merger cannot join them into one GEMM of another shape). The chunks are unrolled:
-  no XLA while loop in the step. On a GPU the algorithm of a dot shape comes from autotuning, whose results XLA
-  keeps per fusion for the process (and on disk with JAX's compilation cache), so every program of the process
-  runs a chunk by the same algorithm.
+  no XLA while loop in the step. On a GPU the chunk's algorithm comes from autotuning, which times candidates
+  per compilation: two programs may pick different algorithms for the same chunk, and on the H100 the engine's
+  programs did (``benchmarks.batch_invariant``), with or without autotuning. So "chunks" is not the GPU's choice.
 * ``"pallas"`` (the default on a GPU): a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
   ``[i * ROW_TILE_PALLAS, (i + 1) * ROW_TILE_PALLAS)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0
-  up, accumulating each step's tensor-core ``dot`` into a float32 tile (no split-K), rows past M masked. Whole-array
-  refs with masked integer-array loads (no BlockSpecs), so interpret mode runs the same code on the CPU. It does not
-  depend on the compiler's choices, at several times the chunks' cost on a GPU (``benchmarks.batch_invariant``).
+  up, accumulating each step's tensor-core ``dot`` into a float32 tile (no split-K), rows, columns and K past the
+  operands masked. Whole-array refs loaded in contiguous ``pl.ds`` tiles (no BlockSpecs: the K loop is the kernel's
+  own), so interpret mode runs the same code on the CPU. Its bits do not depend on the compiler's choices.
 
 Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other. The
 environment variable ``PAGED_JAX_BATCH_INVARIANT_MATMUL`` (``chunks`` or ``pallas``) picks the one "auto" runs, for
@@ -85,50 +85,47 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def _tile_indices(pid, block: int, total: int):
-    """Indices ``pid * block + [0, block)``: ``(in range, indices clamped to 0)``."""
-    indices = pid * block + jnp.arange(block, dtype=jnp.int32)
-    ok = indices < total
-    return ok, jnp.where(ok, indices, 0)
-
-
-def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, precision):
-    """Program (i, j): ``out[i-th row tile, j-th column tile]`` over K in ``BLOCK_K`` steps. x [M, K], w [K, N]."""
+def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, block_k: int, precision):
+    """Program (i, j): ``out[i-th row tile, j-th column tile]`` over K in ``block_k`` steps from 0 up. x [M, K],
+    w [K, N]. Contiguous ``pl.ds`` tiles (vectorized loads), masked past M, N and K."""
     m_total, k_total = x_ref.shape
     n_total = w_ref.shape[1]
-    row_ok, rows = _tile_indices(pl.program_id(0), ROW_TILE_PALLAS, m_total)
-    col_ok, cols = _tile_indices(pl.program_id(1), block_n, n_total)
-    offsets = jnp.arange(BLOCK_K, dtype=jnp.int32)
+    row0, col0 = pl.program_id(0) * ROW_TILE_PALLAS, pl.program_id(1) * block_n
+    row_ok = row0 + jnp.arange(ROW_TILE_PALLAS, dtype=jnp.int32) < m_total
+    col_ok = col0 + jnp.arange(block_n, dtype=jnp.int32) < n_total
+    offsets = jnp.arange(block_k, dtype=jnp.int32)
 
     def step(s, acc):
-        k = s * BLOCK_K + offsets
-        k_ok = k < k_total
-        k_c = jnp.where(k_ok, k, 0)
-        x = _load(x_ref.at[rows[:, None], k_c[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _load(w_ref.at[k_c[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k0 = s * block_k
+        k_ok = k0 + offsets < k_total
+        x = _load(x_ref.at[pl.ds(row0, ROW_TILE_PALLAS), pl.ds(k0, block_k)], mask=row_ok[:, None] & k_ok[None, :],
+                  other=0.0)
+        w = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_n)], mask=k_ok[:, None] & col_ok[None, :],
+                  other=0.0)
         return acc + _dot(x, w, precision=precision)
 
-    acc = lax.fori_loop(0, -(-k_total // BLOCK_K), step, jnp.zeros((ROW_TILE_PALLAS, block_n), jnp.float32))
-    store_rows = jnp.where(row_ok, rows, m_total)[:, None]
-    store_cols = jnp.where(col_ok, cols, n_total)[None, :]
-    _store(out_ref.at[store_rows, store_cols], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+    acc = lax.fori_loop(0, -(-k_total // block_k), step, jnp.zeros((ROW_TILE_PALLAS, block_n), jnp.float32))
+    _store(out_ref.at[pl.ds(row0, ROW_TILE_PALLAS), pl.ds(col0, block_n)], acc.astype(out_ref.dtype),
+           mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k"))
+def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False, block_n: int | None = None,
+                  block_k: int = BLOCK_K) -> jax.Array:
     """``x[M, K] @ w[K, N]`` -> ``[M, N]`` in ``out_dtype`` (default x's), float32 accumulation, by the fixed-tile
-    kernel (module docstring). Both operands in one dtype; float32 ones multiply at full precision."""
+    kernel (module docstring). Both operands in one dtype; float32 ones multiply at full precision. ``block_n``
+    (default ``block_n_for(N)``) and ``block_k`` are the tiles; a row's bits depend on them, never on M."""
     m, k = x.shape
     n = w.shape[1]
-    block_n = block_n_for(n)
+    block_n = block_n or block_n_for(n)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return pl.pallas_call(
-        functools.partial(_matmul_kernel, block_n=block_n, precision=precision),
+        functools.partial(_matmul_kernel, block_n=block_n, block_k=block_k, precision=precision),
         grid=(-(-m // ROW_TILE_PALLAS), -(-n // block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=4, num_stages=3),
-        name=f"batch_invariant_matmul_bm{ROW_TILE_PALLAS}_bn{block_n}_bk{BLOCK_K}",
+        name=f"batch_invariant_matmul_bm{ROW_TILE_PALLAS}_bn{block_n}_bk{block_k}",
     )(x, w)
 
 
