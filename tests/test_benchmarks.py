@@ -136,6 +136,16 @@ def test_decode_context_benchmark_times_decode_steps_with_kv_groups():
     assert result["decode_step_ms"] > 0 and result["num_compiles_since_warmup"] == 0
 
 
+def test_pool_memory_benchmark_reports_each_step_against_the_pool():
+    """benchmarks/pool_memory.py on the CPU: a tiny Gemma 3's steps (three KV-cache groups) compiled without a pool,
+    each writing the donated pool in place."""
+    from benchmarks.pool_memory import main
+
+    result = main(["--tiny"])
+    assert result["kv_groups"] == 3 and len(result["steps"]) == 3 and result["in_place"]
+    assert all(step["alias_bytes"] == result["pool_bytes"] for step in result["steps"])
+
+
 @pytest.mark.slow  # two engine processes, the first compiling every executable: over the CI budget on 2 cores
 def test_second_start_loads_every_executable_from_the_compilation_cache(tmp_path):
     """benchmarks/startup.py's compile_warm mode: a first engine start (its own process) fills the persistent

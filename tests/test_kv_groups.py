@@ -401,3 +401,38 @@ def test_groups_off_without_windows_keep_todays_layout():
         (1, 0), (1, 1), (0, 0), (2, 0), (2, 1), (0, 1)]
     assert KVPoolLayout.for_config(gemma, mixed_groups=False) == KVPoolLayout(1, 6, (0,) * 6, tuple(range(6)))
     assert kv_bytes_per_block(gemma, 16, "float32") * 3 == kv_bytes_per_block(gemma, 16, "float32", mixed_groups=False)
+
+
+# Each family's KV-cache groups (a plain Llama for comparison): Gemma 3's full and sliding groups sharing two pool
+# slots, Llama 4's chunked RoPE layers beside its NoPE full layer, gpt-oss's alternating sliding and full layers,
+# Mistral's every layer sliding (one group).
+IN_PLACE_FAMILIES = {
+    "gemma3": tiny_config("gemma3", num_hidden_layers=6, sliding_window_pattern=3),
+    "llama4": tiny_config("llama4"),
+    "gpt_oss": tiny_config("gpt_oss"),
+    "mistral": tiny_config("mistral", sliding_window=8),
+    "llama": tiny_config("llama", num_hidden_layers=3),
+}
+
+
+@pytest.mark.parametrize("family", sorted(IN_PLACE_FAMILIES))
+def test_step_updates_the_donated_pool_in_place(family):
+    """The compiled step of a decode bucket (one token) and of the widest bucket writes every pool output into its
+    donated argument (aliased bytes = the pool's) and allocates scratch far below the pool's bytes: with groups,
+    several layers write one slot in a step, with attention reads between, and none of it may copy the pool (on
+    the H100 a Gemma-3-12B step needed a second pool). 4000 blocks of 16 tokens: a pool of 16 to 64 MB beside a
+    step's activations of under 1 MB."""
+    from models.loader import init_dummy_model
+    from paged_jax.worker.model_runner import ModelRunner
+    from paged_jax.worker.warm_up import compile_forward_apart
+
+    config = ModelConfig.from_hf_config(IN_PLACE_FAMILIES[family])
+    model = init_dummy_model(config, dtype=np.float32, seed=0)
+    runner = ModelRunner(model, config, num_blocks=4000, block_size=16, max_model_len=64, max_num_seqs=2,
+                         max_num_batched_tokens=16, eos_token_ids=[2])
+    pool_bytes = sum(x.size * x.dtype.itemsize for pages in runner.abstract_kv_pool() for x in pages)
+    for num_tokens, num_seqs in (min(runner.buckets), max(runner.buckets)):
+        memory = compile_forward_apart(runner, num_tokens, num_seqs).memory_analysis()
+        assert memory.alias_size_in_bytes == pool_bytes, (num_tokens, num_seqs)
+        assert memory.temp_size_in_bytes < pool_bytes / 8, (num_tokens, num_seqs, memory.temp_size_in_bytes,
+                                                            pool_bytes)

@@ -22,10 +22,12 @@ NUM_BLOCKS, BLOCK_SIZE, HQ, HKV = 12, 4, 8, 2
 NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
 
 
-def _inputs(seed, num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, bad_slot=False, llama4=False):
+def _inputs(seed, num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, bad_slot=False, llama4=False,
+            gemma=False):
     """Fresh random q/k/v, pools and transform; real tokens on shuffled slots of blocks 1.., then (T > 2) one
     padding token in the null block and one out-of-range slot (``bad_slot``: the only token, out of range).
-    ``llama4``: interleaved RoPE, q/k norms of weight 1 (its L2 norm) and a per-token q scale (its temperature)."""
+    ``llama4``: interleaved RoPE, q/k norms of weight 1 (its L2 norm) and a per-token q scale (its temperature);
+    ``gemma``: q/k norms scaling by ``1 + weight`` (Gemma 3)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(num_tokens, HQ, head_dim)) * 2, dtype)
     k = jnp.asarray(rng.normal(size=(num_tokens, HKV, head_dim)) * 2, dtype)
@@ -46,7 +48,7 @@ def _inputs(seed, num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, ba
         q_norm_weight=jnp.asarray(rng.normal(size=head_dim), dtype) if qk_norm else None,
         k_norm_weight=jnp.asarray(rng.normal(size=head_dim), dtype) if qk_norm else None,
         kv_scale=jnp.asarray([0.35, 2.5], jnp.float32) if kv_scale else None,
-        norm_eps=1e-6 if qk_norm else None, dtype=dtype if qk_norm else None)
+        norm_eps=1e-6 if qk_norm else None, dtype=dtype if qk_norm else None, norm_unit_offset=gemma)
     if llama4:
         ones = jnp.ones((head_dim,), dtype)
         transform = QKTransform(cos, sin, q_norm_weight=ones, k_norm_weight=ones, norm_eps=1e-5, dtype=dtype,
@@ -71,6 +73,10 @@ CASES = {
 LLAMA4_CASES = {"T5_llama4_d64_f32": (5, 64, jnp.float32, jnp.float32, True, False, False),
                 "T33_llama4_d128_bf16_fp8": (33, 128, jnp.bfloat16, jnp.float8_e4m3fn, True, True, False)}
 CASES.update(LLAMA4_CASES)
+# Gemma 3: q/k norms by 1 + weight (float32 math, then the compute dtype).
+GEMMA_CASES = {"T1_gemma3_d128_bf16": (1, 128, jnp.bfloat16, jnp.bfloat16, True, False, False),
+               "T33_gemma3_d64_f32": (33, 64, jnp.float32, jnp.float32, True, False, False)}
+CASES.update(GEMMA_CASES)
 
 
 def _f32(x):
@@ -91,7 +97,7 @@ def _assert_within_one_ulp(got, want):
 def test_kernel_matches_reference(name):
     num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale, bad_slot = CASES[name]
     args, slots = _inputs(sorted(CASES).index(name), num_tokens, head_dim, dtype, pool_dtype, qk_norm, kv_scale,
-                          bad_slot, llama4=name in LLAMA4_CASES)
+                          bad_slot, llama4=name in LLAMA4_CASES, gemma=name in GEMMA_CASES)
     want = jax.jit(qk_prepare_reference)(*args)
     got = jax.jit(functools.partial(qk_prepare, impl="pallas", interpret=True))(*args)
     for out, ref in zip(got, want):
@@ -139,13 +145,10 @@ def test_impl_resolution_and_errors():
     with pytest.raises(ValueError, match="transform.dtype"):
         qk_prepare(*args[:6], QKTransform(transform.cos, transform.sin, dtype=jnp.bfloat16, **norms), impl="pallas",
                    interpret=True)
-    # Partial rotary (Phi-4) and Gemma 3's (1 + w) q/k norms run in the reference only: "pallas" refuses them.
+    # Partial rotary (Phi-4) runs in the reference only: "pallas" refuses it.
     partial = QKTransform(transform.cos[..., :16], transform.sin[..., :16])
     with pytest.raises(ValueError, match="partial rotary"):
         qk_prepare(*args[:6], partial, impl="pallas", interpret=True)
-    gemma = QKTransform(transform.cos, transform.sin, dtype=jnp.float32, norm_unit_offset=True, **norms)
-    with pytest.raises(ValueError, match="unit offset"):
-        qk_prepare(*args[:6], gemma, impl="pallas", interpret=True)
     nope = QKTransform(None, None, q_scale=jnp.full((5, 1, 1), 2.0, jnp.float32))
     with pytest.raises(ValueError, match="no RoPE"):
         qk_prepare(*args[:6], nope, impl="pallas", interpret=True)

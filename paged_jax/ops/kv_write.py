@@ -33,7 +33,7 @@ def write_kv(
 
     Returns:
       ``(k_pages, v_pages)`` with the same shapes/dtypes. Under ``jax.jit`` with the pools donated, XLA performs the
-      scatter in place (the reshapes are free bitcasts), so the step costs O(T) memory traffic, not O(pool).
+      scatter in place, so the step costs O(T) memory traffic, not O(pool).
     """
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {k_pages.shape}")
@@ -54,10 +54,11 @@ def write_kv(
         raise ValueError(f"slot_mapping must be an integer array, got dtype {slot_mapping.dtype}")
 
     num_slots = num_blocks * block_size
-    flat_shape = (num_slots, num_kv_heads, head_dim)
-
     fp8_max = pool_saturation_max(k_pages.dtype)
-
+    # The writes index the pool as it is, [block, offset] (no reshape to a flat [slots, ...] view): XLA then keeps
+    # every write in place even when one pool takes several writes in a step with reads between them (the layers
+    # of a KV-cache group's slot, ``paged_jax.worker.kv_group_pool``); through a reshaped view, the CPU compiler
+    # copied the whole pool.
     if k.shape[0] == 1:
         # One token (batch-1 decode): a dynamic_update_slice at a sanitised slot. XLA rewrites a one-index scatter
         # into a dynamic_update_slice too, but to keep the scatter's skip-out-of-range meaning it then selects
@@ -68,18 +69,18 @@ def write_kv(
         slot = slot_mapping[0].astype(jnp.int32)
         slot = jnp.where((slot >= 0) & (slot < num_slots), slot, 0)
         zero = jnp.zeros((), jnp.int32)
-        start = (slot, zero, zero)
+        start = (slot // block_size, slot % block_size, zero, zero)
+    else:  # a slot past the pool has a block past it too: the scatter drops it
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
 
     def scatter(pages, new):
-        flat = pages.reshape(flat_shape)
         if fp8_max is not None:  # an FP8 pool (--kv-cache-dtype fp8): saturate instead of casting to NaN
             new = jnp.clip(new.astype(jnp.float32), -fp8_max, fp8_max)
         new = new.astype(pages.dtype)
         if new.shape[0] == 1:
-            flat = jax.lax.dynamic_update_slice(flat, new, start, allow_negative_indices=False)
-        else:  # mode="drop": an out-of-range slot is ignored instead of clamped onto a real slot.
-            flat = flat.at[slot_mapping].set(new, mode="drop")
-        return flat.reshape(pages.shape)
+            return jax.lax.dynamic_update_slice(pages, new[:, None], start, allow_negative_indices=False)
+        # mode="drop": an out-of-range slot is ignored instead of clamped onto a real slot.
+        return pages.at[blocks, offsets].set(new, mode="drop")
 
     return scatter(k_pages, k), (v_pages if latent else scatter(v_pages, v))
 

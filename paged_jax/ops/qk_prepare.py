@@ -1,5 +1,5 @@
 """Everything between the qkv projection and paged attention as one kernel: the optional per-head q/k RMSNorm
-(Qwen3), RoPE on q and k, the optional FP8 KV scaling, and the write of K and V into the paged pool.
+(Qwen3; Gemma 3's by ``1 + weight``), RoPE on q and k, the optional FP8 KV scaling, and the write of K and V into the paged pool.
 
 In XLA that chain is several small kernels per decoder layer (norm reduce + multiply for q and for k, RoPE
 concatenates, one KV write per pool; at T > 1 two scatters), each paid at its launch cost whatever the batch.
@@ -39,7 +39,7 @@ def qk_prepare_reference(q, k, v, k_pages, v_pages, slot_mapping, transform: QKT
 
 def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv_heads: int, num_slots: int,
             block_tokens: int, drop_out_of_range: bool, has_qk_norm: bool, has_kv_scale: bool, norm_eps, norm_dtype,
-            fp8_max, rope_interleaved: bool):
+            norm_unit_offset: bool, fp8_max, rope_interleaved: bool):
     """slot_ref int32[T]; qkv_ref [T, Hq + 2 Hkv, D] (q heads, then K, then V); cos_ref / sin_ref float32[T, D/2];
     then, if present, the q and k norm weights [D] and kv_scale float32[2]; then the K / V pools
     [num_slots, Hkv, D] (inputs, aliased to the outputs), then the outputs q [T, Hq, D], K pool, V pool.
@@ -73,9 +73,9 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
             # models.norm.rms_norm_reference per token; the partner columns share their row's mean square.
             x32 = x.astype(jnp.float32)
             inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=1) + norm_eps)[:, None]
-            x = _load(norm_ref.at[dim]).astype(norm_dtype) * (x32 * inv_rms).astype(norm_dtype)
-            x_partner = (_load(norm_ref.at[partner]).astype(norm_dtype)
-                         * (x_partner.astype(jnp.float32) * inv_rms).astype(norm_dtype))
+            x = _normed(x32, inv_rms, _load(norm_ref.at[dim]), norm_dtype, norm_unit_offset)
+            x_partner = _normed(x_partner.astype(jnp.float32), inv_rms, _load(norm_ref.at[partner]), norm_dtype,
+                                norm_unit_offset)
         # models.qk_transform.apply_rope: x1 * cos - x2 * sin | x2 * cos + x1 * sin, in float32.
         rotated = x.astype(jnp.float32) * cos + (sign * x_partner.astype(jnp.float32)) * sin
         return rotated.astype(x.dtype)
@@ -112,6 +112,14 @@ def _kernel(slot_ref, qkv_ref, cos_ref, sin_ref, *refs, num_q_heads: int, num_kv
         mask = jnp.broadcast_to(keep[:, None], (block_tokens, head_dim))
         _store(k_out_ref.at[row[:, None], kv_head, dim], to_pool(k, k_out_ref.dtype), mask=mask)
         _store(v_out_ref.at[row[:, None], kv_head, dim], to_pool(v, v_out_ref.dtype), mask=mask)
+
+
+def _normed(x32, inv_rms, weight, norm_dtype, unit_offset: bool):
+    """``models.norm.rms_norm_reference``'s scaling of float32 rows ``x32`` [BT, D] by ``inv_rms`` [BT, 1]: by
+    ``weight`` [D] in ``norm_dtype``, or (``unit_offset``, Gemma) by ``1 + weight`` in float32, cast after."""
+    if unit_offset:
+        return (x32 * inv_rms * (1.0 + weight.astype(jnp.float32))).astype(norm_dtype)
+    return weight.astype(norm_dtype) * (x32 * inv_rms).astype(norm_dtype)
 
 
 def _rope_columns(dim: jax.Array, half: int, interleaved: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -151,7 +159,8 @@ def _qk_prepare_pallas(q, k, v, k_pages, v_pages, slot_mapping, transform: QKTra
         _kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, num_slots=num_slots, block_tokens=block_tokens,
         drop_out_of_range=num_tokens > 1, has_qk_norm=transform.has_qk_norm,
         has_kv_scale=transform.kv_scale is not None, norm_eps=transform.norm_eps,
-        norm_dtype=transform.dtype, fp8_max=fp8_max, rope_interleaved=transform.rope_interleaved)
+        norm_dtype=transform.dtype, norm_unit_offset=transform.norm_unit_offset, fp8_max=fp8_max,
+        rope_interleaved=transform.rope_interleaved)
     inputs = [slot_mapping.astype(jnp.int32), qkv, cos, sin, *extra,
               k_pages.reshape(pool_shape), v_pages.reshape(pool_shape)]
     num_inputs = len(inputs)
@@ -188,7 +197,7 @@ def resolve_qk_prepare_impl(impl: str, q, k_pages, transform: QKTransform) -> st
 
 def _kernel_unsupported(q, k_pages, transform: QKTransform, *, check_device: bool) -> str | None:
     """Why the Pallas kernel cannot run these operands (None: it can): its Triton tiles need a power-of-two head dim
-    >= 16, it rotates whole heads, its q/k norms are Llama's (not Gemma's 1 + weight) and return q's dtype, and an
+    >= 16, it rotates whole heads, its q/k norms (by ``weight`` or Gemma's ``1 + weight``) return q's dtype, and an
     FP8 pool needs a device that converts to float8."""
     head_dim = q.shape[-1]
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -197,8 +206,6 @@ def _kernel_unsupported(q, k_pages, transform: QKTransform, *, check_device: boo
         return "no RoPE (a NoPE layer)"
     if 2 * transform.cos.shape[-1] != head_dim:
         return f"partial rotary ({2 * transform.cos.shape[-1]} of {head_dim} dims)"
-    if transform.has_qk_norm and transform.norm_unit_offset:
-        return "q/k norms with a unit offset (Gemma)"
     if transform.has_qk_norm and jnp.dtype(transform.dtype) != q.dtype:
         return f"transform.dtype {jnp.dtype(transform.dtype)} differs from q's dtype {q.dtype}"
     if check_device and jnp.dtype(k_pages.dtype).itemsize == 1:

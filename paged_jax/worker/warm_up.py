@@ -251,6 +251,16 @@ class _CompileJobs:
                                turn)
 
 
+def compile_forward_apart(runner, num_tokens: int, num_seqs: int) -> jax.stages.Compiled:
+    """The runner's forward of bucket ``(num_tokens, num_seqs)`` compiled from the abstract inputs warm-up uses (the
+    KV pool is not allocated) and kept out of the runner's table: its ``memory_analysis()`` tells what a step holds
+    beside its arguments (``benchmarks.pool_memory``: the donated pool must be updated in place)."""
+    jobs = _CompileJobs(runner, None)
+    buf = jobs._host(_padding_step_buffer(runner, num_tokens, num_seqs))
+    return runner._forward.lower(jobs.params, jobs.kv_pool, buf, jobs.prev_tokens, jobs.lora, num_tokens=num_tokens,
+                                 num_seqs=num_seqs).compile()
+
+
 def _forward_outputs(future, runner) -> tuple:
     """A compiled forward's (ended ``future``'s) abstract outputs the other executables take: ``(logits, sampling
     words, hidden)``."""
