@@ -35,7 +35,7 @@ Engine flags as ``paged-jax serve`` takes them (``--model``, ``--load-format dum
 Examples:
   python -m benchmarks.kv_offload --model llama-3.1-8b --load-format dummy --max-model-len 4096 \\
       --gpu-memory-utilization 0.45 --kv-offloading-size 48 --conversations 96 --turns 4 --context-len 4096 \\
-      --max-concurrency 32 --random-range-ratio 0.5 --out $OUT/kv_offload.json
+      --max-concurrency 24 --random-range-ratio 0.5 --async-scheduling --out $OUT/kv_offload.json
 CPU smoke run (tests/test_benchmarks.py): a tiny checkpoint, ``--num-gpu-blocks-override`` a few blocks,
 ``--in-process``.
 """
