@@ -3,21 +3,29 @@ outgrow the device's KV pool (issue 52): time to first token of the turns after 
 and with the tier, on one engine configuration.
 
 ``--conversations`` chats of ``--turns`` turns each; every conversation reaches ``--context-len`` tokens by its last
-turn (``--output-len`` generated tokens a turn, the rest of each turn's share of the context a new user message of
-random token ids, after a ``--system-len``-token system prompt shared by all). A turn's prompt is its conversation
+turn (``--output-len`` generated tokens a turn, or a length drawn from ``--random-range-ratio``'s range around it, the
+rest of each turn's share of the context a new user message of random token ids, after a ``--system-len``-token
+system prompt shared by all; all drawn up front from ``--seed``). A turn's prompt is its conversation
 so far, so it shares everything but its new message with the conversation's previous turn. At most
 ``--max-concurrency`` turns run at once, and a conversation's next turn is queued when its previous one ends, behind
 every other conversation's (round robin): between two turns of a conversation all the others pass through the pool,
 so with more conversation than the device holds the prefix cache has evicted a turn's prefix by the time it
-returns. Without the tier the turn recomputes it; with it, the prefix is loaded back from host memory.
+returns. Without the tier the turn recomputes it; with it, the prefix is loaded back from host memory. Turns of one
+length end together, so their conversations' next turns arrive together and share their first step: each later turn
+then waits for its whole burst's prefill, in both configurations alike; ``--random-range-ratio`` (e.g. 0.5) spreads
+the turns' ends, so that a turn's time to first token follows its own prefill (and loads).
 
 A turn's time to first token runs from ``add_request`` to the step output that carries its first token. Each
 configuration runs in its own process (default; ``--in-process`` runs both here, for a CPU smoke run), so the second
 engine sizes its pool on a device the first has left. Reports, per configuration, the median (and p90) time to first
 token of the first turns and of the later turns, output and total tokens per second, the prefix-cache counters and
 the tier's, and ``later_ttft_speedup`` = median later-turn TTFT without / with the tier (issue 52's target on the
-GPU: >= 2). The run with the tier also reports (``copies``, and a line on stderr) the bytes it loaded and saved, the
-step time spent dispatching those copies, and the achieved host <-> device copy bandwidth: after the workload,
+GPU: >= 2). ``ttft_later_turns_parts`` (and a line on stderr per configuration) splits the later turns' time to first
+token: the queue (to the start of the step that first schedules the turn: no seat, no budget or no free device blocks
+for it), then the steps to its first token (how many; the host time they spent on the tier's copies);
+``ttft_median_by_turn_s`` the median of each turn (the last turns, the longest, wait longest for free blocks).
+The run with the tier also reports (``copies``, and a line on stderr) the bytes it loaded and saved, the step time
+spent dispatching those copies, and the achieved host <-> device copy bandwidth: after the workload,
 ``--bandwidth-blocks`` of the tier's host blocks go through the host pool's own transfers each way, timed to
 completion (GB/s, to set against the link's ceiling).
 
@@ -27,7 +35,7 @@ Engine flags as ``paged-jax serve`` takes them (``--model``, ``--load-format dum
 Examples:
   python -m benchmarks.kv_offload --model llama-3.1-8b --load-format dummy --max-model-len 4096 \\
       --gpu-memory-utilization 0.45 --kv-offloading-size 48 --conversations 96 --turns 4 --context-len 4096 \\
-      --max-concurrency 32 --out $OUT/kv_offload.json
+      --max-concurrency 24 --random-range-ratio 0.5 --async-scheduling --out $OUT/kv_offload.json
 CPU smoke run (tests/test_benchmarks.py): a tiny checkpoint, ``--num-gpu-blocks-override`` a few blocks,
 ``--in-process``.
 """
@@ -48,6 +56,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from benchmarks.report import versions, write_json
+from paged_jax.core.request import RequestStatus
 from paged_jax.entrypoints.cli import add_engine_args, engine_kwargs, normalize_flag_spelling
 
 
@@ -57,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=200)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--context-len", type=int, default=4096, help="tokens of a conversation after its last turn")
-    p.add_argument("--output-len", type=int, default=64, help="tokens generated each turn")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated each turn (the mean, with "
+                   "--random-range-ratio)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="each turn's output length is drawn uniformly from [output_len * (1 - R), output_len * "
+                   "(1 + R)] (vLLM's benchmark flag; its user message takes the rest of the turn's share): turns of "
+                   "equal length end in lockstep and arrive in bursts")
     p.add_argument("--system-len", type=int, default=0, help="tokens of the system prompt every conversation shares")
     p.add_argument("--max-concurrency", type=int, default=32, help="turns running at once")
     p.add_argument("--bandwidth-blocks", type=int, default=512,
@@ -69,44 +83,115 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _user_len(args: argparse.Namespace) -> int:
+def _turn_len(args: argparse.Namespace) -> int:
+    """Tokens each turn adds to its conversation: its user message and its output."""
     per_turn = (args.context_len - args.system_len) // args.turns
-    user_len = per_turn - args.output_len
-    if user_len < 1:
-        raise SystemExit(f"--context-len {args.context_len} leaves {per_turn} tokens a turn, not more than "
-                         f"--output-len {args.output_len}")
-    return user_len
+    longest_output = int(args.output_len * (1 + args.random_range_ratio))
+    if not 0 <= args.random_range_ratio < 1:
+        raise SystemExit(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if per_turn - longest_output < 1:
+        raise SystemExit(f"--context-len {args.context_len} leaves {per_turn} tokens a turn, not more than the longest "
+                         f"output ({longest_output}: --output-len {args.output_len}, --random-range-ratio "
+                         f"{args.random_range_ratio})")
+    return per_turn
+
+
+def draw_workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[tuple[list[int], int]]]]:
+    """The system prompt and each conversation's turns ``(user message, output length)``, drawn up front (the engine's
+    --seed seeds them) so that both configurations run the same workload whatever order their turns end in."""
+    rng = np.random.default_rng(args.seed)
+    per_turn = _turn_len(args)
+    low = int(args.output_len * (1 - args.random_range_ratio))
+    high = int(args.output_len * (1 + args.random_range_ratio))
+    system = rng.integers(1, vocab, size=args.system_len).tolist()
+    turns = []
+    for _ in range(args.conversations):
+        output_lens = rng.integers(max(low, 1), high + 1, size=args.turns).tolist()
+        turns.append([(rng.integers(1, vocab, size=per_turn - n).tolist(), n) for n in output_lens])
+    return system, turns
+
+
+class TurnTimes:
+    """Where a later turn's time to first token goes, from the in-process engine's scheduler: the queue (from
+    ``add_request`` to the start of the step that first schedules it) and the steps from then to its first token
+    (how many, and the host time they spent on the host tier's copies: dispatching them, and waiting for copies in
+    flight past the cap)."""
+
+    def __init__(self, engine) -> None:
+        self.scheduler = engine.engine_core.scheduler
+        self.host_pool = engine.engine_core.runner.host_pool
+        self.first_scheduled: dict[str, float] = {}
+        self.steps: dict[str, int] = collections.Counter()
+        self.copy_seconds: dict[str, float] = collections.Counter()
+        self.parts = {"queue_s": [], "scheduled_to_token_s": [], "copies_s": [], "steps": []}
+        self._step_start = self._copies_before = 0.0
+
+    def before_step(self) -> None:
+        self._step_start = time.perf_counter()
+        self._copies_before = self.host_pool.swap_seconds if self.host_pool is not None else 0.0
+
+    def after_step(self, waiting_for_token: list[str]) -> None:
+        """After a step: the requests still without a token that it scheduled (the first time, or again)."""
+        copies = (self.host_pool.swap_seconds if self.host_pool is not None else 0.0) - self._copies_before
+        for request_id in waiting_for_token:
+            request = self.scheduler.requests.get(request_id)
+            if request_id not in self.first_scheduled and (request is None or request.num_computed_tokens
+                                                           or request.status == RequestStatus.RUNNING):
+                self.first_scheduled[request_id] = self._step_start
+            if request_id in self.first_scheduled:
+                self.steps[request_id] += 1
+                self.copy_seconds[request_id] += copies
+
+    def first_token(self, request_id: str, added: float, now: float) -> None:
+        scheduled = self.first_scheduled.get(request_id, self._step_start)
+        self.parts["queue_s"].append(scheduled - added)
+        self.parts["scheduled_to_token_s"].append(now - scheduled)
+        self.parts["copies_s"].append(self.copy_seconds[request_id])
+        self.parts["steps"].append(self.steps[request_id])
+
+    def summary(self) -> dict:
+        return {name: {"median": statistics.median(values), "mean": statistics.fmean(values)}
+                for name, values in self.parts.items() if values}
 
 
 def run_chat(engine, args: argparse.Namespace, vocab: int) -> dict:
-    """Drive the workload through ``engine``; -> per-turn TTFTs, token counts and wall time."""
+    """Drive the workload through ``engine``; -> per-turn TTFTs, the later turns' ``TurnTimes``, token counts and
+    wall time."""
     from paged_jax.sampling_params import SamplingParams
 
-    rng = np.random.default_rng(args.seed)  # the engine's --seed seeds the workload too
-    user_len = _user_len(args)
-    system = rng.integers(1, vocab, size=args.system_len).tolist()
+    system, turns = draw_workload(args, vocab)
     histories = [list(system) for _ in range(args.conversations)]
     turn_of = [0] * args.conversations
     ready = collections.deque(range(args.conversations))
     in_flight: dict[str, tuple[int, float]] = {}  # request id -> (conversation, added at)
     outputs: dict[str, list[int]] = {}
     ttft = {"first": [], "later": []}
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    by_turn = [[] for _ in range(args.turns)]
+    times = TurnTimes(engine)
     prompt_tokens = output_tokens = 0
     start = time.perf_counter()
     while ready or in_flight:
         while ready and len(in_flight) < args.max_concurrency:
             c = ready.popleft()
-            histories[c] += rng.integers(1, vocab, size=user_len).tolist()
+            message, output_len = turns[c][turn_of[c]]
+            histories[c] += message
             request_id = f"c{c}t{turn_of[c]}"
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
             engine.add_request(request_id, {"prompt_token_ids": list(histories[c])}, params)
             in_flight[request_id] = (c, time.perf_counter())
             prompt_tokens += len(histories[c])
-        for out in engine.step():
+        times.before_step()
+        step_outputs = engine.step()
+        now = time.perf_counter()
+        times.after_step([r for r in in_flight if not outputs.get(r)])
+        for out in step_outputs:
             c, added = in_flight[out.request_id]
             tokens = outputs.setdefault(out.request_id, [])
             if not tokens and out.outputs[0].token_ids:
-                ttft["first" if turn_of[c] == 0 else "later"].append(time.perf_counter() - added)
+                ttft["first" if turn_of[c] == 0 else "later"].append(now - added)
+                by_turn[turn_of[c]].append(now - added)
+                if turn_of[c]:
+                    times.first_token(out.request_id, added, now)
             tokens.extend(out.outputs[0].token_ids)
             if out.finished:
                 del in_flight[out.request_id]
@@ -116,7 +201,9 @@ def run_chat(engine, args: argparse.Namespace, vocab: int) -> dict:
                 if turn_of[c] < args.turns:
                     ready.append(c)
     wall = time.perf_counter() - start
-    return {"ttft": ttft, "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+    return {"ttft": ttft, "later_parts": times.summary(), "wall_s": wall, "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "ttft_median_by_turn_s": [statistics.median(values) if values else None for values in by_turn]}
 
 
 def _summary(run: dict, stats: dict) -> dict:
@@ -130,6 +217,7 @@ def _summary(run: dict, stats: dict) -> dict:
             "external_prefix_cache_hits", "num_offloaded_blocks", "num_onloaded_blocks", "num_preemptions",
             "num_gpu_blocks", "num_offload_blocks", "num_compiles_since_warmup")
     return {"ttft_first_turn": quantiles(run["ttft"]["first"]), "ttft_later_turns": quantiles(run["ttft"]["later"]),
+            "ttft_later_turns_parts": run["later_parts"], "ttft_median_by_turn_s": run["ttft_median_by_turn_s"],
             "wall_s": wall, "output_tokens_per_s": run["output_tokens"] / wall,
             "total_tokens_per_s": (run["prompt_tokens"] + run["output_tokens"]) / wall,
             "prompt_tokens": run["prompt_tokens"], "output_tokens": run["output_tokens"],
@@ -183,6 +271,19 @@ def _print_copies(copies: dict) -> None:
           file=sys.stderr)
 
 
+def _print_parts(name: str, summary: dict) -> None:
+    """One line: the later turns' median time to first token and its parts (``TurnTimes``)."""
+    parts = summary["ttft_later_turns_parts"]
+    if not parts:
+        return
+    median = summary["ttft_later_turns"]["median_s"]
+    print(f"{name}: later-turn TTFT median {median:.3f} s = queue (to the step that first schedules it) median "
+          f"{parts['queue_s']['median']:.3f} s (mean {parts['queue_s']['mean']:.3f}) + scheduled to first token median "
+          f"{parts['scheduled_to_token_s']['median']:.3f} s (mean {parts['scheduled_to_token_s']['mean']:.3f}) over "
+          f"{parts['steps']['mean']:.2f} steps on average, of which host time on the tier's copies median "
+          f"{parts['copies_s']['median']:.3f} s (mean {parts['copies_s']['mean']:.3f})", file=sys.stderr)
+
+
 def run_config(args: argparse.Namespace, tier: bool) -> dict:
     """One configuration in this process: the engine flags, with the tier or without (with it, ``copies``: what the
     tier copied and the copies' bandwidth, measured after the workload)."""
@@ -196,6 +297,7 @@ def run_config(args: argparse.Namespace, tier: bool) -> dict:
     try:
         runner = engine.engine_core.runner
         summary = _summary(run_chat(engine, args, runner.vocab_size), engine.engine_core.stats())
+        _print_parts("tier" if tier else "baseline", summary)
         if tier:
             summary["copies"] = _copy_summary(runner.host_pool, args)
             _print_copies(summary["copies"])
@@ -231,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if not args.kv_offloading_size:
         raise SystemExit("--kv-offloading-size: the tier's size (GiB) in the run with the tier is required")
-    _user_len(args)
+    _turn_len(args)
     if args.only:
         result = run_config(args, tier=args.only == "tier")
         write_json(args.out, result)

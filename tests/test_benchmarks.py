@@ -293,7 +293,8 @@ def test_weight_update_benchmark_smoke(tmp_path):
 def test_kv_offload_benchmark_smoke(tmp_path):
     """benchmarks/kv_offload.py on a tiny checkpoint, both configurations in this process: four conversations of
     three turns through a device pool of 12 blocks of 8 tokens (each conversation reaches 48 tokens: the pool holds
-    two); the tier's run loads prefixes back, so its later turns compute fewer prompt tokens."""
+    two); the tier's run loads prefixes back, so its later turns compute fewer prompt tokens. Output lengths drawn
+    around 4 (the same in both runs), and the later turns' time to first token split into its parts."""
     from benchmarks.kv_offload import main
     from models.testing import save_random_hf_checkpoint, tiny_config
 
@@ -302,11 +303,18 @@ def test_kv_offload_benchmark_smoke(tmp_path):
     result = main(["--model", str(checkpoint), "--dtype", "float32", "--max-model-len", "64", "--block-size", "8",
                    "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "13",
                    "--kv-offloading-size", "0.001", "--conversations", "4", "--turns", "3", "--context-len", "48",
-                   "--output-len", "4", "--max-concurrency", "2", "--in-process", "--out", str(out)])
+                   "--output-len", "4", "--random-range-ratio", "0.5", "--max-concurrency", "2", "--in-process",
+                   "--out", str(out)])
     base, tier = result["baseline"], result["tier"]
+    assert base["output_tokens"] == tier["output_tokens"] and base["prompt_tokens"] == tier["prompt_tokens"]
     for run in (base, tier):
-        assert run["output_tokens"] == 4 * 3 * 4 and run["ttft_later_turns"]["median_s"] > 0
+        assert 4 * 3 * 2 <= run["output_tokens"] <= 4 * 3 * 6 and run["ttft_later_turns"]["median_s"] > 0
         assert run["num_compiles_since_warmup"] == 0 and run["total_tokens_per_s"] > 0
+        parts = run["ttft_later_turns_parts"]
+        assert len(run["ttft_median_by_turn_s"]) == 3 and all(t > 0 for t in run["ttft_median_by_turn_s"])
+        assert parts["queue_s"]["median"] >= 0 and parts["scheduled_to_token_s"]["median"] > 0
+        assert parts["steps"]["mean"] >= 1 and parts["copies_s"]["mean"] >= 0
+    assert base["ttft_later_turns_parts"]["copies_s"]["mean"] == 0  # no host pool without the tier
     assert "external_prefix_cache_hits" not in base and tier["external_prefix_cache_hits"] > 0
     assert tier["prefix_cache_hits"] + tier["external_prefix_cache_hits"] > base["prefix_cache_hits"]
     assert result["later_ttft_speedup"] > 0 and out.exists()

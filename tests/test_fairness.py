@@ -135,3 +135,21 @@ def test_short_prompt_behind_whole_long_prompts_goes_first():
     scheduler.add_request(make_request("short", range(100, 106), max_tokens=1))
     assert _rows(scheduler, runner) == {"short": 6, "long-0": 8}
     assert _rows(scheduler, runner) == {"long-0": 4, "long-1": 12, "long-2": 12}
+
+
+def test_a_long_prompt_with_a_cached_prefix_is_long_by_what_is_left():
+    """A prompt over the threshold whose prefix is cached (a chat's next turn) has only its new tokens to compute:
+    beside a long prompt partway through its prefill it starts at once, as a short prompt would, instead of waiting
+    for the partial prefill to end."""
+    scheduler, runner = make_scheduler(num_blocks=128, max_num_batched_tokens=16, max_model_len=128,
+                                       long_prefill_token_threshold=8)
+    turn = list(range(100, 132))  # 32 tokens: 8 blocks of 4, cached once it has run
+    scheduler.add_request(make_request("turn-1", turn, max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("long", range(1, 41), max_tokens=1))
+    assert _rows(scheduler, runner) == {"long": 16}
+    scheduler.add_request(make_request("turn-2", turn + [7, 7, 7, 7], max_tokens=1))  # 36 tokens, 32 of them cached
+    assert _rows(scheduler, runner) == {"turn-2": 4, "long": 8}
+    assert scheduler.kv.prefix_cache_hits == 32
+    run_to_completion(scheduler, runner)
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks

@@ -14,6 +14,7 @@ import pytest
 
 from paged_jax.config import EngineArgs
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core import kv_offload
 from paged_jax.core.kv_offload import HostKVTier, host_entry
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.worker import host_kv_pool
@@ -123,6 +124,51 @@ def test_tier_lru_and_the_blocks_of_a_pass():
     assert tier.entry(b"a") is None and tier.num_cached_blocks == 0
 
 
+def test_tier_saves_computed_blocks_ahead_of_their_eviction(monkeypatch):
+    """Write-through: the blocks the device cache registers are stored in the tier in the next passes (at most
+    ``SAVE_AHEAD_BLOCKS`` a pass), so that their eviction copies nothing; one evicted before its turn is stored then,
+    once. Loads read the host blocks the saves wrote."""
+    monkeypatch.setattr(kv_offload, "SAVE_AHEAD_BLOCKS", 1)
+    kv = KVCacheManager(5, 4, num_offload_blocks=8)  # 4 usable device blocks
+    first = make_request("first", range(1, 10), max_tokens=1)  # 9 tokens: two full blocks
+    assert kv.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    kv.cache_full_blocks(first)
+    block_1, block_2 = first.block_ids[:2]
+    assert kv.take_offload_copies() == ([(block_1, 0)], [])  # saved ahead, one a pass
+    kv.free(first)
+    other = make_request("other", range(20, 36), max_tokens=1)
+    assert kv.allocate_slots(other, 16)  # every device block: evicts both of first's
+    assert kv.take_offload_copies() == ([(block_2, 1)], [])  # only the one not saved ahead yet, at its eviction
+    assert kv.take_offload_copies() == ([], [])  # its queued save ahead is moot: the block holds other's KV now
+    kv.free(other)
+    again = make_request("again", range(1, 10), max_tokens=1)
+    computed, num_hit = kv.get_computed_blocks(again)
+    assert computed == [host_entry(0), host_entry(1)] and num_hit == 8
+    assert kv.allocate_slots(again, 1, computed)
+    assert kv.take_offload_copies() == ([], [(0, again.block_ids[0]), (1, again.block_ids[1])])
+    assert kv.offload.num_stored_blocks == 2 and kv.offload.hits == 8 and kv.prefix_cache_hits == 0
+
+
+def test_a_prefix_on_the_device_is_a_device_hit_with_the_tier_on():
+    """The tier continues the device cache's lookup where it misses: a prefix whose first blocks are still on the
+    device and whose deepest one was evicted (the device evicts a prefix's deepest blocks first) is a device hit for
+    the former (``prefix_cache_hits``) and a tier hit for the latter (``external_prefix_cache_hits``), and the
+    turn reads the right KV."""
+    kv = KVCacheManager(7, 4, num_offload_blocks=16)  # 6 usable device blocks
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24)
+    runner = TierFakeRunner(kv, 4)
+    prompt = list(range(1, 18))  # 17 tokens: 4 full blocks, then one more
+    first = make_request("first", prompt, max_tokens=1)
+    run_to_completion(sched, runner, {0: [first]})
+    run_to_completion(sched, runner, {0: [make_request("other", range(30, 39), max_tokens=1)]})  # evicts 1 block
+    again = make_request("again", prompt, max_tokens=1)
+    run_to_completion(sched, runner, {0: [again]})
+    stats = kv.stats()
+    assert stats["prefix_cache_hits"] == 12 and stats["external_prefix_cache_hits"] == 4
+    assert again.output_token_ids == first.output_token_ids
+
+
 def _host_pool(num_host_blocks: int = 4, **kwargs):
     """A two-layer device pool of 6 blocks (distinct values everywhere), its contents on the host, and a host pool."""
     shape = (6, 4, 2, 3)  # blocks, block_size, Hkv, D
@@ -205,6 +251,28 @@ def test_host_pool_waits_for_the_oldest_copy_only_past_the_in_flight_cap(monkeyp
     pool = host.swap(pool, [], [(1, 3)])
     assert waited == [1, 1] and host.num_in_flight == (2, 1)  # the first load's scatter was waited for
     _assert_blocks_equal(pool, original, {4: 1, 5: 3, 3: 2})
+
+
+def test_host_pool_makes_room_before_a_copy_allocates(monkeypatch):
+    """The in-flight cap bounds the device memory the copies hold: a chunk's gather (saves) or transfer (loads)
+    starts only once the copies under way leave it room, so the oldest is waited for first."""
+    pool, original, host = _host_pool(max_in_flight=2)
+    monkeypatch.setattr(host_kv_pool, "_ready", lambda arrays: False)  # nothing finishes unless waited for
+    events = []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda arrays: events.append("wait") or real_wait(arrays))
+    gather, transfer = host._gather, host._transfer
+    host._gather = lambda *args: events.append("gather") or gather(*args)
+    host._transfer = lambda *args: events.append("transfer") or transfer(*args)
+    pool = host.swap(pool, [(1, 0), (2, 1)], [])
+    pool = host.swap(pool, [(3, 2)], [])
+    assert events == ["gather", "wait", "gather"]
+    events.clear()
+    pool = host.swap(pool, [], [(0, 4), (1, 5)])
+    pool = host.swap(pool, [], [(2, 3)])
+    assert events == ["transfer", "wait", "transfer"]
+    _assert_blocks_equal(pool, original, {4: 1, 5: 2, 3: 3})
+    host.close()
 
 
 def test_host_memory_kind_and_the_gpu_pinned_cap():

@@ -361,6 +361,8 @@ class KVCacheManager:
             if block_hash not in self._cached_block_by_hash:
                 block.block_hash = block_hash
                 self._cached_block_by_hash[block_hash] = block.block_id
+                if self.offload is not None:
+                    self.offload.computed(block_hash, block.block_id)
         self.cached_block_counts[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
@@ -509,9 +511,12 @@ class KVCacheManager:
             self.cached_block_counts[child.request_id] = num_cached
 
     def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The host tier's copies of this scheduling pass, ``(swap_out, swap_in)`` entries
-        (``HostKVTier.take_copies``); empty without the tier. Call once per pass."""
-        return self.offload.take_copies() if self.offload is not None else ([], [])
+        """The host tier's copies of this pass (``HostKVTier.take_copies``), with its saves of computed blocks ahead
+        of their eviction (``save_ahead``); empty without the tier. Call once per pass, after allocation."""
+        if self.offload is None:
+            return [], []
+        self.offload.save_ahead(lambda block_id: self.blocks[block_id].block_hash)
+        return self.offload.take_copies()
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies of this scheduling pass, ``[(src_block, dst_block), ...]``, for the model runner to

@@ -8,6 +8,13 @@ here: a hit is loaded into a fresh device block by a ``(host_block, device_block
 list (before the forward that reads it) instead of being recomputed, and the block is registered in the device
 cache again.
 
+Evictions come in bursts (an admission takes many blocks at once, each load's destination one more): saving every
+evicted block in the step that evicts it would hold as many gathered blocks in device memory at once, and the link,
+in the steps that admit, which then wait for the copies in flight past the host pool's cap. So the tier also saves
+ahead, write-through: the blocks the device cache registers (``computed``) are stored a few per pass
+(``save_ahead``: up to ``SAVE_AHEAD_BLOCKS``) in the steps after the one that computed them; their eviction then
+copies nothing.
+
 Host blocks are ids ``first_host_id .. first_host_id + num_blocks - 1`` of the runner's host pool (after the swap
 pool's), indexed by the blocks' chained hashes and evicted least recently used first (a store or a load uses a
 block). A block stored in the current scheduling pass is not loadable before the next pass: the runner reads a
@@ -21,6 +28,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+
+from paged_jax.worker.buckets import MAX_SWAP_CHUNK
+
+SAVE_AHEAD_BLOCKS = 2 * MAX_SWAP_CHUNK  # blocks saved ahead of their eviction per scheduling pass, at most
+SAVE_AHEAD_QUEUE = 8 * SAVE_AHEAD_BLOCKS  # computed blocks waiting to be saved ahead, at most (the oldest dropped)
 
 
 def host_entry(host_block: int) -> int:
@@ -58,6 +70,10 @@ class HostKVTier:
         self._stores: list[tuple[int, int]] = []  # this pass's (device block, host block) copies
         self._loads: list[tuple[int, int]] = []  # this pass's (host block, device block) copies
         self._stored_in_pass: set[bytes] = set()
+        # Blocks the device cache registered, (hash, device block), to save ahead; within a quarter of the tier, as
+        # what it saves ahead takes the place of blocks it holds.
+        self._computed: collections.deque[tuple[bytes, int]] = collections.deque(
+            maxlen=min(SAVE_AHEAD_QUEUE, num_blocks // 4))
         # vLLM's external prefix cache counters (tokens, once per admission) and the blocks copied each way.
         self.queries = 0
         self.hits = 0
@@ -80,6 +96,23 @@ class HostKVTier:
         self._stores.append((device_block, host_block))
         self._stored_in_pass.add(block_hash)
         self.num_stored_blocks += 1
+
+    def computed(self, block_hash: bytes, device_block: int) -> None:
+        """The device prefix cache registered ``device_block`` (its KV computed) under ``block_hash``: queue it for
+        ``save_ahead``."""
+        self._computed.append((block_hash, device_block))
+
+    def save_ahead(self, block_hash_of: Callable[[int], bytes | None]) -> int:
+        """Store up to ``SAVE_AHEAD_BLOCKS`` of the blocks queued by ``computed``, oldest first, that still hold their
+        KV (``block_hash_of(device_block)`` is still their hash) and that the tier does not hold yet, so that their
+        eviction copies nothing; returns how many."""
+        num_saved = 0
+        while self._computed and num_saved < SAVE_AHEAD_BLOCKS:
+            block_hash, device_block = self._computed.popleft()
+            if block_hash_of(device_block) == block_hash and block_hash not in self._block_by_hash:
+                self.store(block_hash, device_block)
+                num_saved += 1
+        return num_saved
 
     def entry(self, block_hash: bytes) -> int | None:
         """``host_entry`` of the host block holding ``block_hash``'s KV, or None (not held, or stored in this pass:
@@ -123,6 +156,7 @@ class HostKVTier:
         self._free.extend(self._block_by_hash.values())
         self._block_by_hash.clear()
         self._stored_in_pass.clear()
+        self._computed.clear()
 
     def stats(self) -> dict[str, float]:
         return {"external_prefix_cache_queries": self.queries, "external_prefix_cache_hits": self.hits,

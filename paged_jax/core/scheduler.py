@@ -393,13 +393,12 @@ class Scheduler:
         limit = step.budget
         if step.short_prefill_started:
             limit = min(limit, self.long_prefill_token_threshold)
-        # Decided before the prefix-cache lookup, which hashes the whole prompt: a long prompt is passed over
-        # without it (a hit could have made it fit; it starts once a partial prefill ends).
-        if not partial_long_allowed and self.enable_chunked_prefill and \
-                request.num_tokens > max(limit, self.long_prefill_token_threshold):
-            return PASSED_OVER
+        # What is left after its prefix-cache hit (the device's or the host tier's) decides whether it is long.
         computed_blocks, num_hit = self.kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
+        if not partial_long_allowed and self.enable_chunked_prefill and \
+                num_new > max(limit, self.long_prefill_token_threshold):
+            return PASSED_OVER
         if num_new > limit:
             if not self.enable_chunked_prefill:
                 return None  # head-of-line: keep FCFS/priority order rather than skipping ahead

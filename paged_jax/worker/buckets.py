@@ -16,7 +16,7 @@ FEW_SEQS_SAMPLER_ROWS = 32
 # greedy; then with and without top-k logprobs: greedy_or_temperature, top_k, and full with the bias table, with the
 # penalty history and the bias table (ModelRunner.sampler_variants)
 NUM_SAMPLER_VARIANTS = 9
-MAX_SWAP_CHUNK = 256  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
+MAX_SWAP_CHUNK = 64  # swap copies go in chunks of at most this many blocks (one compiled shape per power of 2)
 # Copy-on-write block copies per step (forks): the step's copy slots are min(num_seqs, this); every slot costs a
 # gather + scatter of one block per layer even as padding, so wide buckets do not get one per sequence. The
 # scheduler defers a sequence's first write into a shared block to the next step when they are used up.

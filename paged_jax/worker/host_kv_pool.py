@@ -6,9 +6,9 @@ and the device pool.
 A step's ``swap_out = [(device_block, host_block)]`` and ``swap_in = [(host_block, device_block)]`` are applied
 before its forward (``HostKVPool.swap``), all dispatched without waiting for the device:
 
-- saves: the device -> host copies' blocks are gathered on the device first (before anything of the step writes the
-  pool), one output array per block; each then starts its transfer to host memory (``jax.device_put`` to the host
-  memory kind: asynchronous) and becomes its host block's array at once. Nothing reads it back on the host.
+- saves: a chunk of the device -> host copies' blocks is gathered on the device (before anything of the step writes
+  the pool), one output array per block; each then starts its transfer to host memory (``jax.device_put`` to the
+  host memory kind: asynchronous) and becomes its host block's array at once. Nothing reads it back on the host.
 - loads: the host -> device copies start the transfers of their host blocks' arrays to the device (asynchronous, on
   the runtime's transfer streams: they overlap the step still running on the device), and a compiled scatter writes
   them into the donated pool. A load reads the host block's array as it was before this step's saves: a step's loads
@@ -17,9 +17,10 @@ before its forward (``HostKVPool.swap``), all dispatched without waiting for the
 
 Copies hold device memory until they are done: a save its gathered blocks until they are in host memory, a load
 its transferred blocks until its scatter has run. At most ``MAX_IN_FLIGHT_BLOCKS`` blocks of saves, and as many of
-loads, may be under way: past that the oldest is waited for (the only wait on the step path, in a step that moves
-more than that). The KV pool's sizing leaves room for them and the copies' own scratch (``DEVICE_COPY_BLOCKS``,
-``paged_jax.worker.kv_pool_sizing``).
+loads, are under way: before a chunk would pass that, the oldest copies are waited for (the only wait on the step
+path). The KV pool's sizing leaves room for them and the copies' own scratch (``DEVICE_COPY_BLOCKS``,
+``paged_jax.worker.kv_pool_sizing``): a few chunks, so that the device pool keeps its blocks (the prefix cache's
+tier saves most blocks a few at a time ahead of their eviction, ``paged_jax.core.kv_offload``).
 
 Copies go in chunks of at most ``MAX_SWAP_CHUNK`` blocks padded to a power of two with the null block: the sizes
 ``buckets.swap_sizes_for`` lists, compiled at warm-up (one gather and one scatter each), so no copy compiles.
@@ -121,14 +122,18 @@ class _InFlight:
         self.num_blocks = 0
         self._queue: collections.deque[tuple[list[jax.Array], int]] = collections.deque()
 
+    def make_room(self, num_blocks: int) -> None:
+        """Before a copy of ``num_blocks`` allocates its device arrays: wait for the oldest copies until it fits
+        under the cap (or nothing is under way)."""
+        while self._queue and _ready(self._queue[0][0]):
+            self._pop()
+        while self._queue and self.num_blocks + num_blocks > self.cap:
+            jax.block_until_ready(self._queue[0][0])
+            self._pop()
+
     def add(self, markers: list[jax.Array], num_blocks: int) -> None:
         self._queue.append((markers, num_blocks))
         self.num_blocks += num_blocks
-        while self._queue and _ready(self._queue[0][0]):
-            self._pop()
-        while self.num_blocks > self.cap:
-            jax.block_until_ready(self._queue[0][0])
-            self._pop()
 
     def _pop(self) -> None:
         self.num_blocks -= self._queue.popleft()[1]
@@ -199,27 +204,37 @@ class HostKVPool:
              swap_in: Sequence[tuple[int, int]]) -> list:
         """Apply one step's copies (see the module docstring); returns the pool (the scatters donate it)."""
         start = time.perf_counter()
-        gathered = [(chunk, self._gather(kv_pool, self._padded_ids([d for d, _ in chunk])))
-                    for chunk in chunks(list(swap_out))]
-        for chunk in chunks(list(swap_in)):
-            blocks = self.fetch([h for h, _ in chunk])
+        sources = self._sources([h for h, _ in swap_in])  # before this step's saves replace any of them
+        # Saves first: their gathers read the pool before the loads' scatters (donating it) write into it.
+        for chunk in chunks(list(swap_out)):
+            self._saves.make_room(len(chunk))
+            blocks = self._gather(kv_pool, self._padded_ids([d for d, _ in chunk]))
+            self._save([h for _, h in chunk], blocks[:len(chunk)])
+        for chunk in chunks(list(zip(sources, [d for _, d in swap_in]))):
+            self._loads.make_room(len(chunk))
+            blocks = self._transfer([source for source, _ in chunk])
             # Padding entries write a copy of the last block into the null block, which no valid token reads.
             blocks += [blocks[-1]] * (padded_size(len(chunk)) - len(chunk))
             kv_pool, done = self._scatter(kv_pool, self._padded_ids([d for _, d in chunk]), tuple(blocks))
             self._loads.add([done], len(chunk))
-        for chunk, blocks in gathered:
-            self._save([h for _, h in chunk], blocks[:len(chunk)])
         self.swap_seconds += time.perf_counter() - start
         return kv_pool
 
-    def fetch(self, host_ids: Sequence[int]) -> list[jax.Array]:
-        """Start the host -> device transfers of ``host_ids``' blocks; -> their device arrays (not waited for)."""
+    def _sources(self, host_ids: Sequence[int]) -> list[jax.Array]:
+        """``host_ids``' arrays; RuntimeError naming those never saved."""
         sources = [self._blocks[h] for h in host_ids]
         missing = [h for h, source in zip(host_ids, sources) if source is None]
         if missing:
             raise RuntimeError(f"swap_in of host blocks never saved: {missing}")
+        return sources
+
+    def _transfer(self, sources: list[jax.Array]) -> list[jax.Array]:
         self.bytes_loaded += len(sources) * self.block_bytes
         return jax.device_put(sources, self._block_sharding)
+
+    def fetch(self, host_ids: Sequence[int]) -> list[jax.Array]:
+        """Start the host -> device transfers of ``host_ids``' blocks; -> their device arrays (not waited for)."""
+        return self._transfer(self._sources(host_ids))
 
     def _save(self, host_ids: list[int], blocks: Sequence[jax.Array]) -> None:
         """Start ``blocks``' (gathered, on the device) transfers to host memory; they become ``host_ids``' arrays."""
