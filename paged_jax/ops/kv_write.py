@@ -57,8 +57,8 @@ def write_kv(
     fp8_max = pool_saturation_max(k_pages.dtype)
     # The writes index the pool as it is, [block, offset] (no reshape to a flat [slots, ...] view): XLA then keeps
     # every write in place even when one pool takes several writes in a step with reads between them (the layers
-    # of a KV-cache group's slot, ``paged_jax.worker.kv_group_pool``); through a reshaped view, the CPU compiler
-    # copied the whole pool.
+    # of a KV-cache group's slot, ``paged_jax.worker.kv_group_pool``); through a reshaped view XLA may copy the
+    # whole pool instead (the CPU compiler does for the one-token write).
     if k.shape[0] == 1:
         # One token (batch-1 decode): a dynamic_update_slice at a sanitised slot. XLA rewrites a one-index scatter
         # into a dynamic_update_slice too, but to keep the scatter's skip-out-of-range meaning it then selects
