@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from benchmarks.floors import decode_step_floor_s, measure_ceilings
+from benchmarks.floors import decode_step_floor_s, measure_ceilings_apart
+from benchmarks.report import show_engine_logs
 from models.presets import preset_config
 from models.testing import tiny_config
 
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> dict:
     from paged_jax import LLM, SamplingParams
     from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 
+    show_engine_logs()
     reserve_gpu_memory_fraction(args.gpu_memory_utilization)
-    ceilings = measure_ceilings() if args.ceilings else None
+    ceilings = measure_ceilings_apart() if args.ceilings else None  # before this process's backend starts
     model_dir, config = _engine_model(args)
     max_model_len = args.context + args.steps + 8
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32" if args.tiny else args.dtype,

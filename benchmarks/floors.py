@@ -14,7 +14,10 @@ ceilings measured in the same run (`measure_ceilings`).
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 from benchmarks.workloads import Workload
 from models.config import ModelConfig
@@ -177,3 +180,14 @@ def measure_ceilings(repeats: int = 5, copy_bytes: int | None = None, matmul_siz
     b = jax.random.normal(jax.random.key(3), (matmul_size, matmul_size), jnp.bfloat16)
     matmul_s = median_s(jax.jit(jnp.matmul), a, b)
     return {"copy_GBps": 2 * copy_bytes / copy_s / 1e9, "matmul_TFLOPs": 2 * matmul_size ** 3 / matmul_s / 1e12}
+
+
+def measure_ceilings_apart(timeout_s: float = 300.0) -> dict:
+    """``measure_ceilings()`` in a child process, run before this one starts its JAX backend: the ceilings'
+    multi-GiB buffers never pass through the engine's allocator, so its KV pool is allocated from memory they did
+    not split. Same dict."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import json; from benchmarks.floors import measure_ceilings; "
+                               "print(json.dumps(measure_ceilings()))"],
+        check=True, capture_output=True, text=True, timeout=timeout_s)
+    return json.loads(child.stdout.strip().splitlines()[-1])

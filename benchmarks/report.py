@@ -6,9 +6,11 @@ No jax import at module level: ``benchmarks.throughput`` times start-up from bef
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from typing import Any
 from collections.abc import Callable
@@ -47,3 +49,9 @@ def median_seconds(fn: Callable[[], Any], repeats: int, *, warmup: int = 1) -> f
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def show_engine_logs() -> None:
+    """The engine's INFO lines (KV sizing, compiles) on stderr, as ``paged-jax serve`` shows them: a benchmark's
+    log then says how its pool was sized."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

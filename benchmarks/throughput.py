@@ -23,7 +23,7 @@ import json
 import random
 import sys
 
-from benchmarks.report import versions, write_json
+from benchmarks.report import show_engine_logs, versions, write_json
 
 
 # The quantization_config of a typical Hub checkpoint per checkpoint-only method (4-bit, group 128), for dummy weights
@@ -111,18 +111,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.breakdown and args.data_parallel_size > 1:
         p.error("--breakdown times one engine's steps; it does not combine with --data-parallel-size > 1")
 
-    from benchmarks.floors import measure_ceilings, workload_floor
+    from benchmarks.floors import measure_ceilings_apart, workload_floor
     from benchmarks.workloads import by_name
     from models.config import ModelConfig
     from models.presets import preset_config
     from paged_jax import LLM, SamplingParams
     from paged_jax.worker.device_memory import reserve_gpu_memory_fraction
 
-    # Before the engine: its KV pool takes the memory the copy ceiling's buffers need. Measuring them starts JAX's
-    # backend, so the engine's allocator cap (gpu_memory_utilization) is set first.
+    # Before the engine, in a child process: the ceilings' buffers neither compete with the KV pool nor split the
+    # memory it is allocated from.
+    show_engine_logs()
     reserve_gpu_memory_fraction(args.gpu_memory_utilization)
     ceilings_start = time.perf_counter()
-    ceilings = measure_ceilings() if args.ceilings else None
+    ceilings = measure_ceilings_apart() if args.ceilings else None
     ceilings_s = time.perf_counter() - ceilings_start  # not start-up: taken out of startup_to_first_token_s
     load_format = args.load_format or ("dummy" if args.shape else "auto")
     model = args.model or args.shape

@@ -128,11 +128,12 @@ def test_floors_of_experts_and_sliding_windows():
 
 def test_decode_context_benchmark_times_decode_steps_with_kv_groups():
     """benchmarks/decode_context.py on the CPU: a tiny Gemma 3 (three KV-cache groups), decode steps timed after the
-    prefill, nothing compiled after warm-up."""
+    prefill, nothing compiled after warm-up; the same-run ceilings measured in a child process."""
     from benchmarks.decode_context import main
 
-    result = main(["--tiny", "--context", "40", "--batch", "2", "--steps", "3"])
+    result = main(["--tiny", "--context", "40", "--batch", "2", "--steps", "3", "--ceilings"])
     assert result["kv_groups"] == 3 and result["batch"] == 2 and result["steps"] == 3
+    assert result["ceilings"]["copy_GBps"] > 0 and result["ceilings"]["matmul_TFLOPs"] > 0
     assert result["decode_step_ms"] > 0 and result["num_compiles_since_warmup"] == 0
 
 

@@ -66,19 +66,39 @@ def usable_device_bytes(stats: dict, platform: str, gpu_memory_utilization: floa
     return total, limit
 
 
-def check_pool_fits(device, pool_bytes: int) -> None:
-    """Before the KV pool (``pool_bytes`` in all) is allocated on ``device``: a ``RuntimeError`` saying what holds the
-    memory when the allocator has less free (its limit less the bytes in use), instead of the allocator's own
-    out-of-memory error part way through. No check without memory statistics (the CPU)."""
+def describe_allocator(device) -> str:
+    """One line of ``device``'s allocator statistics (in use, limit, largest free region, allocations), or "" without
+    them (the CPU)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return ""
+    gib = lambda key: f"{int(stats.get(key, 0)) / 2**30:.2f} GiB"  # noqa: E731
+    return (f"JAX's allocator: {gib('bytes_in_use')} in use of its {gib('bytes_limit')} limit, largest free region "
+            f"{gib('largest_free_block_bytes')}, {stats.get('num_allocs', '?')} allocations")
+
+
+def check_pool_fits(device, pool_bytes: int, array_bytes: int) -> None:
+    """Before the KV pool (``pool_bytes`` in all, in arrays of at most ``array_bytes``) is allocated on ``device``: a
+    ``RuntimeError`` saying what holds the memory when the allocator has less free (its limit less the bytes in use),
+    or when its largest free region is smaller than one array (the free memory is split), instead of the allocator's
+    own out-of-memory error part way through. No check without memory statistics (the CPU)."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return
     free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
-    if pool_bytes > free:
+    largest = int(stats.get("largest_free_block_bytes", free))
+    if pool_bytes > free or array_bytes > largest:
         raise RuntimeError(
-            f"The KV pool needs {pool_bytes / 2**30:.2f} GiB but JAX's allocator has {free / 2**30:.2f} GiB free "
-            f"({stats['bytes_in_use'] / 2**30:.2f} GiB in use of its {stats['bytes_limit'] / 2**30:.2f} GiB limit): "
-            f"lower --gpu-memory-utilization or set --num-gpu-blocks-override")
+            f"The KV pool needs {pool_bytes / 2**30:.2f} GiB in arrays of {array_bytes / 2**30:.2f} GiB; "
+            f"{describe_allocator(device)}: lower --gpu-memory-utilization or set --num-gpu-blocks-override")
+
+
+def pool_allocation_error(device, pool_bytes: int, error: Exception) -> RuntimeError:
+    """The ``RuntimeError`` for an allocator out-of-memory ``error`` while the KV pool (``pool_bytes``) is being
+    allocated: the allocator's statistics and the flags that size the pool."""
+    return RuntimeError(f"Allocating the KV pool ({pool_bytes / 2**30:.2f} GiB) ran out of device memory; "
+                        f"{describe_allocator(device)}: lower --gpu-memory-utilization or set "
+                        f"--num-gpu-blocks-override ({error})")
 
 
 def place_contiguously(model) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.compile_queue import JobQueue
+from paged_jax.worker.device_memory import pool_allocation_error
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,12 @@ def warm_up_jobs(runner, jobs: list[CompileJob], use_tqdm: bool = True,
         logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", len(jobs), threads,
                     timings["compile_s"], timings["executables_loaded"], cache and cache.directory)
     start = time.perf_counter()
-    jax.block_until_ready(runner.kv_pool)  # allocated here, after the compiles (its first use)
+    try:
+        jax.block_until_ready(runner.kv_pool)  # allocated here, after the compiles (its first use)
+    except jax.errors.JaxRuntimeError as exc:
+        if "RESOURCE_EXHAUSTED" not in str(exc):
+            raise
+        raise pool_allocation_error(runner.device, runner.kv_pool_bytes, exc) from exc
     timings["kv_pool_s"] = time.perf_counter() - start
     start = time.perf_counter()
     run_jobs(runner, jobs, bar if not ahead_of_time else None)
