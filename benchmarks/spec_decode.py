@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")
     e2e.add_argument("--methods", default="ngram,suffix",
-                     help="also draft_model, eagle, eagle3 (with their checkpoints)")
+                     help="also draft_model, eagle, eagle3 (with their checkpoints), mtp (--model with MTP layers)")
     e2e.add_argument("--draft-model", help="draft_model: the draft checkpoint (the target's tokenizer)")
     e2e.add_argument("--eagle-model", help="eagle: the EAGLE head checkpoint for --model")
     e2e.add_argument("--eagle3-model", help="eagle3: the EAGLE-3 head checkpoint for --model")
