@@ -23,7 +23,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec_decode import parse_speculative_config
 from tests.test_engine import assert_clean, run_to_completion
 from tests.test_spec_decode import assert_same_outputs
-from tests.test_spec_decode_models import assert_counters_consistent
+from tests.test_spec_decode_models import assert_counters_consistent, assert_drafts_follow
 
 K = 3  # more drafts than MTP layers: the layer drafts again on its own output
 SETTINGS = dict(dtype="float32", max_model_len=96, block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
@@ -200,20 +200,8 @@ def test_mtp_head_is_the_published_math(checkpoint):
 def test_proposals_are_the_mtp_layers_greedy_continuation(checkpoint, mtp_engine, prompts):
     """After every step, each running sequence's drafts are the MTP reference's from its tokens, through steps that
     accepted all, some and none of their drafts (the drafter's latent KV is always the sequence's own)."""
-    reference = _mtp_reference(checkpoint)
-    before = mtp_engine.stats()
-    for i, (prompt, params) in enumerate(zip(prompts[:3], PARAMS[1:])):
-        mtp_engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, params)
-    checked = 0
-    while mtp_engine.has_unfinished_requests():
-        mtp_engine.step()
-        for request in mtp_engine.engine_core.scheduler.running:
-            if request.spec_token_ids:
-                assert request.spec_token_ids == reference(request.all_token_ids), request.request_id
-                checked += 1
-    assert checked >= 6
-    stats = {key: mtp_engine.stats()[key] - before.get(key, 0) for key in before
-             if key.startswith("spec_decode_num")}
-    assert_counters_consistent(stats, K)
+    requests = {f"p{i}": ({"prompt_token_ids": prompt}, params) for i, (prompt, params) in
+                enumerate(zip(prompts[:3], PARAMS[1:]))}
+    stats = assert_drafts_follow(mtp_engine, requests, _mtp_reference(checkpoint), K)
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_clean(mtp_engine)
