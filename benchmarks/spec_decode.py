@@ -15,7 +15,9 @@ checkpoint (``--model``; default the built-in SmolLM2-135M-Instruct): dummy weig
 
 ``drafter``: the same steps with a model drafter on the device (``draft_model``: dummy ``--draft-shape``, default
 Llama-3.2-1B; ``eagle``: a dummy EAGLE head of the target's shape, sharing its embedding and LM head; ``eagle3``: a
-dummy EAGLE-3 head of the target's shape, 32000 draft tokens), per batch: the plain
+dummy EAGLE-3 head of the target's shape, 32000 draft tokens; ``mtp``: a dummy DeepSeek-V3 multi-token prediction
+layer, ``--shape deepseek-v3`` with ``--num-layers`` target layers: the MTP layer's cost does not depend on them, and
+671B weights fit no single GPU), per batch: the plain
 decode step, the verify step alone (k drafts, no drafter) and propose + verify (the drafter's catch-up and k draft
 steps after the sampler), each as ms and as a ratio to plain decode. A drafter of acceptance length L pays off
 when L > propose + verify ratio.
@@ -23,11 +25,13 @@ when L > propose + verify ratio.
 Examples (H100): ``python -m benchmarks.spec_decode verify --out $OUT/spec_verify.json``;
 ``python -m benchmarks.spec_decode drafter --drafter eagle3 --out $OUT/spec_eagle3.json`` (and
 ``--drafter eagle``, ``--drafter draft_model``);
+``python -m benchmarks.spec_decode drafter --drafter mtp --shape deepseek-v3 --num-layers 4 --k 1 --out
+$OUT/spec_mtp.json`` (the 4-layer target and its MTP layer: about 53 GB of bf16 weights);
 ``python -m benchmarks.spec_decode e2e --model meta-llama/Llama-3.1-8B-Instruct --out $OUT/spec_e2e.json`` (add
 ``--methods ngram,eagle3 --eagle3-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``, ``--methods eagle --eagle-model
 HEAD_DIR`` or ``--methods draft_model
 --draft-model meta-llama/Llama-3.2-1B-Instruct`` for the model drafters).
-On CPU: ``verify --tiny --batches 1,2 --ks 0,2``, ``drafter --tiny --batches 1,2 --k 2`` and
+On CPU: ``verify --tiny --batches 1,2 --ks 0,2``, ``drafter --tiny --batches 1,2 --k 2`` (also ``--drafter mtp``) and
 ``e2e --max-tokens 32 --num-prompts 1`` check the script.
 """
 
@@ -103,9 +107,11 @@ def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, 
     return ms
 
 
-def _dummy_model(args, shape: str, **tiny_overrides):
-    """(model, config): dummy weights of a named shape (or a 2-layer tiny one), projections fused as the engine runs
-    them."""
+def _dummy_model(args, shape: str, architecture: str = "llama", **tiny_overrides):
+    """(model, config): dummy weights of a named shape (``args.num_layers`` decoder layers when set) or with
+    ``args.tiny`` a 2-layer tiny config of ``architecture``, projections fused as the engine runs them."""
+    import dataclasses
+
     import jax.numpy as jnp
 
     from models.config import ModelConfig
@@ -115,9 +121,11 @@ def _dummy_model(args, shape: str, **tiny_overrides):
 
     if args.tiny:
         from models.testing import tiny_config
-        config = ModelConfig.from_hf_config(tiny_config("llama", vocab_size=1024, **tiny_overrides))
+        config = ModelConfig.from_hf_config(tiny_config(architecture, vocab_size=1024, **tiny_overrides))
     else:
         config = preset_config(shape)
+        if getattr(args, "num_layers", None):
+            config = dataclasses.replace(config, num_hidden_layers=args.num_layers)
     model = init_dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0)
     import paged_jax.ops  # noqa: F401  (registers the kernels with the model)
 
@@ -162,15 +170,20 @@ def _drafter(args, model, config):
 
     from models.eagle import EagleConfig, EagleHead
     from models.eagle3 import Eagle3Config, Eagle3Head, default_aux_hidden_layers
+    from models.mtp import init_dummy_mtp_head
     from paged_jax.spec_decode.draft_runner import DraftRunner
 
     if args.drafter == "draft_model":
         draft, draft_config = _dummy_model(args, args.draft_shape, num_hidden_layers=1)
         return DraftRunner("draft_model", args.k, draft, draft_config)
+    shared = (model.model.embed_tokens.embedding[...], None if model.lm_head is None else model.lm_head.kernel[...])
+    if args.drafter == "mtp":
+        head = init_dummy_mtp_head(config, target_embedding=shared[0], target_lm_head=shared[1],
+                                   dtype=jnp.dtype(args.dtype))
+        return DraftRunner("mtp", args.k, head, head.config, shared=shared)
     if args.drafter == "eagle":
         head_config = EagleConfig(model=dataclasses.replace(config, num_hidden_layers=1))
         head = EagleHead(head_config, config, fc_bias=False, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
-        shared = (model.model.embed_tokens.embedding[...], None if model.lm_head is None else model.lm_head.kernel[...])
         head.embed_tokens.embedding.set_value(shared[0])
         if head.lm_head is not None:
             head.lm_head.set_value(shared[1])
@@ -185,7 +198,8 @@ def _drafter(args, model, config):
 def run_drafter(args) -> dict:
     import jax
 
-    model, config = _dummy_model(args, args.shape, num_hidden_layers=8)
+    tiny = {"architecture": "deepseek_v3", "num_nextn_predict_layers": 1} if args.drafter == "mtp" else {}
+    model, config = _dummy_model(args, args.shape, num_hidden_layers=8, **tiny)
     batches, k = _parse_ints(args.batches), args.k
     rng = np.random.default_rng(0)
     result = {"benchmark": "spec_decode_drafter", "drafter": args.drafter,
@@ -289,9 +303,10 @@ def main(argv: list[str] | None = None) -> dict:
     verify.add_argument("--repeats", type=int, default=20)
     verify.add_argument("--attention-impl", default="auto")
     drafter = sub.add_parser("drafter", help="propose + verify step cost of a model drafter against plain decode")
-    drafter.add_argument("--drafter", choices=("eagle3", "eagle", "draft_model"), default="eagle3")
+    drafter.add_argument("--drafter", choices=("eagle3", "eagle", "draft_model", "mtp"), default="eagle3")
     drafter.add_argument("--shape", default="llama-3.1-8b", help="the target's named shape (models/presets.py)")
     drafter.add_argument("--draft-shape", default="llama-3.2-1b", help="draft_model: the draft's named shape")
+    drafter.add_argument("--num-layers", type=int, help="the target's decoder layers (default: the shape's)")
     drafter.add_argument("--tiny", action="store_true", help="tiny random configs (CPU check of the script)")
     drafter.add_argument("--dtype", default="bfloat16")
     drafter.add_argument("--batches", default="1,8,64")
@@ -305,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")
     e2e.add_argument("--methods", default="ngram,suffix",
-                     help="also draft_model, eagle, eagle3 (with their checkpoints)")
+                     help="also draft_model, eagle, eagle3 (with their checkpoints), mtp (--model with MTP layers)")
     e2e.add_argument("--draft-model", help="draft_model: the draft checkpoint (the target's tokenizer)")
     e2e.add_argument("--eagle-model", help="eagle: the EAGLE head checkpoint for --model")
     e2e.add_argument("--eagle3-model", help="eagle3: the EAGLE-3 head checkpoint for --model")

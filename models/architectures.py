@@ -65,7 +65,8 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
 class DeepseekV3ForCausalLM(_MoeForCausalLM):
     """DeepSeek-V3 / R1: DeepSeek-V2's layers with sigmoid routing, ``mlp.gate.e_score_correction_bias`` and
     ``noaux_tc`` group selection; block-FP8 checkpoints (as published) dequantized at load; the multi-token
-    prediction layers (``num_nextn_predict_layers``) are not loaded."""
+    prediction layers (``num_nextn_predict_layers``) are not part of the model: the ``mtp`` speculative method loads
+    them as its drafter (``models.mtp``)."""
 
     architecture = "DeepseekV3ForCausalLM"
 class Llama4ForCausalLM(_MoeForCausalLM):

@@ -223,6 +223,9 @@ class ModelConfig:
     ``fp8_weight_block``: the checkpoint's projections are block-FP8 (``quantization_config`` fp8 with
     ``weight_block_size``, DeepSeek-V3 as published): ``(rows, cols)`` of one ``weight_scale_inv`` entry; the loader
     dequantizes them to the model dtype (``models.quantization.block_fp8``). None: unquantized.
+    ``num_nextn_predict_layers``: DeepSeek-V3's multi-token prediction layers, stored after the decoder layers
+    (``model.layers.{num_hidden_layers + i}``): not part of the model's forward, read by the ``mtp`` speculative
+    method (``models.mtp``); 0 for every other architecture.
     ``head``: what follows the final norm (``HEADS``): "lm_head" (the vocabulary, or the tied embedding), "score"
     (a ``num_labels``-wide classifier, transformers' ``*ForSequenceClassification``) or "none" (hidden states only:
     the base model, transformers' ``*Model``, or a decoder run as an embedder).
@@ -269,6 +272,7 @@ class ModelConfig:
     attention_sinks: bool = False
     mla: MlaConfig | None = None
     fp8_weight_block: tuple[int, int] | None = None
+    num_nextn_predict_layers: int = 0
     head: str = "lm_head"
     num_labels: int = 0
     layer_attention_chunks: tuple[int | None, ...] | None = None

@@ -135,4 +135,5 @@ def model_fields(architecture: str, hf_config: dict) -> dict[str, Any]:
         "bos_token_id": hf_config.get("bos_token_id"), "eos_token_id": hf_config.get("eos_token_id"),
         "mla": mla, "moe": moe_fields(architecture, hf_config, num_layers),
         "fp8_weight_block": fp8_weight_block(hf_config),
+        "num_nextn_predict_layers": int(hf_config.get("num_nextn_predict_layers") or 0),
     }

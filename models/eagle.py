@@ -67,7 +67,7 @@ def load_head_tensors(head: nnx.Module, tensors: dict[str, np.ndarray], names: d
     if unknown or missing:
         raise ValueError(f"{what}: missing tensors {missing}, unexpected tensors {unknown}")
     for name, (param_path, transposed) in names.items():
-        variable = _variable(head, param_path)
+        variable = variable_at(head, param_path)
         expected = variable.get_value().shape
         array = tensors[name].T if transposed else tensors[name]
         if array.shape != expected:
@@ -76,7 +76,8 @@ def load_head_tensors(head: nnx.Module, tensors: dict[str, np.ndarray], names: d
         variable.set_value(jnp.asarray(array, variable.get_value().dtype))
 
 
-def _variable(module: nnx.Module, path: tuple) -> nnx.Variable:
+def variable_at(module: nnx.Module, path: tuple) -> nnx.Variable:
+    """The variable of ``module`` at a flat-state ``path`` (attribute names, list indices)."""
     for name in path:
         module = module[name] if isinstance(name, int) else getattr(module, name)
     return module

@@ -368,7 +368,8 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
 def _without_skipped_tensors(tensor_files: dict[str, Path], config: ModelConfig) -> dict[str, Path]:
     """``tensor_files`` less what the model reads otherwise or not at all: a block-FP8 checkpoint's
     ``weight_scale_inv`` tensors (read with their weights) and DeepSeek-V3's multi-token prediction layers
-    (``num_nextn_predict_layers``, the layers after the last decoder layer: skipped, with a log line)."""
+    (``num_nextn_predict_layers``, the layers after the last decoder layer: skipped, with a log line; the ``mtp``
+    drafter reads them, ``models.mtp``)."""
     if config.fp8_weight_block is not None:
         tensor_files = {name: path for name, path in tensor_files.items()
                         if not name.endswith(".weight" + block_fp8.SCALE_SUFFIX)}
@@ -379,7 +380,7 @@ def _without_skipped_tensors(tensor_files: dict[str, Path], config: ModelConfig)
                if (match := mtp.match(name)) and int(match.group(1)) >= config.num_hidden_layers}
     if skipped:
         logger.info("Skipping %d tensors of the multi-token prediction layers (num_nextn_predict_layers, layers >= "
-                    "%d): speculative decoding with them is not implemented", len(skipped), config.num_hidden_layers)
+                    "%d): the speculative method 'mtp' reads them (models.mtp)", len(skipped), config.num_hidden_layers)
     return {name: path for name, path in tensor_files.items() if name not in skipped}
 
 

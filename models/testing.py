@@ -357,3 +357,36 @@ def save_random_eagle_head(target_hf_config: dict[str, Any], out_dir: str | os.P
               "max_position_embeddings": target_hf_config.get("max_position_embeddings", 2048),
               "hidden_act": "silu", "tie_word_embeddings": False}
     return save_head_checkpoint(tensors, config, out_dir)
+
+
+def save_random_mtp_checkpoint(hf_config: dict[str, Any], out_dir: str | os.PathLike, *, seed: int = 0,
+                               own_head: bool = True) -> Path:
+    """A random DeepSeek-V3 checkpoint of ``hf_config`` (``num_hidden_layers`` L) with one multi-token prediction
+    layer in the published layout (``models.mtp``): the decoder tensors of ``model.layers.L.*`` (transformers'
+    DeepSeek-V3 layer L of an (L + 1)-layer model, drawn as ``save_random_hf_checkpoint`` draws them), its
+    ``enorm`` / ``hnorm`` / ``shared_head.norm`` (around 1), ``eh_proj`` [H, 2H] (std 0.02), ``shared_head.head``
+    [V, H] (std 0.02; with ``own_head``) and ``embed_tokens`` (the target's, as published); config.json says
+    ``num_nextn_predict_layers`` 1. float32."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    layer = hf_config["num_hidden_layers"]
+    out = save_random_hf_checkpoint({**hf_config, "num_hidden_layers": layer + 1, "num_nextn_predict_layers": 0},
+                                    out_dir, seed=seed)
+    tensors = load_file(str(out / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    hidden, vocab = hf_config["hidden_size"], hf_config["vocab_size"]
+    prefix = f"model.layers.{layer}."
+    extra = {"enorm.weight": 1 + 0.1 * rng.standard_normal(hidden),
+             "hnorm.weight": 1 + 0.1 * rng.standard_normal(hidden),
+             "eh_proj.weight": 0.02 * rng.standard_normal((hidden, 2 * hidden)),
+             "shared_head.norm.weight": 1 + 0.1 * rng.standard_normal(hidden),
+             "embed_tokens.weight": tensors["model.embed_tokens.weight"]}
+    if own_head:
+        extra["shared_head.head.weight"] = 0.02 * rng.standard_normal((vocab, hidden))
+    tensors.update({prefix + name: np.ascontiguousarray(t, np.float32) for name, t in extra.items()})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layer, "num_nextn_predict_layers": 1},
+                                                indent=2))
+    return out

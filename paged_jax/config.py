@@ -271,6 +271,9 @@ class EngineArgs:
                                 ("enable_sleep_mode", self.enable_sleep_mode)):
                 check(not value, name, f"is not supported with speculative_config method "
                                        f"{self.speculative_config.method!r}")
+        # Drafting LoRA rows with the MTP layers (with or without the row's adapter) is not built.
+        check(not (self.enable_lora and self.speculative_config.method == "mtp"), "enable_lora",
+              "is not supported with speculative_config method 'mtp'")
 
     def _check_kv_offloading(self, check) -> None:
         """The host tier works on one engine, one device: ValueErrors naming what it does not support."""

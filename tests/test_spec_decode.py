@@ -36,7 +36,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
     ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method='mtp' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
@@ -342,9 +342,8 @@ def test_speculative_config_flag():
     add_engine_args(parser)
     args = parser.parse_args(["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 6}'])
     assert EngineArgs(**engine_kwargs(args)).speculative_config == SpeculativeConfig("suffix", 6)
-    args = parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
-    with pytest.raises(ValueError, match="speculative_config.method='mtp' is not supported"):
-        EngineArgs(**engine_kwargs(args))
+    args = parser.parse_args(["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'])
+    assert EngineArgs(**engine_kwargs(args)).speculative_config == SpeculativeConfig("mtp", 1)  # vLLM's alias
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ PARAMS = [
     ({"method": "eagle3", "num_speculative_tokens": 2, "model": ""}, "speculative_config.model .* is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model applies to"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.model .* is required"),
-    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "method='mtp' is not supported"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "speculative_config.model applies to"),
 ])
 def test_bad_model_drafter_config_is_refused(value, message):
     with pytest.raises(ValueError, match=message):
@@ -388,6 +388,25 @@ def _self_proposed_tokens(target, count: int) -> list[int]:
     return candidates[own][:count].tolist()
 
 
+def assert_drafts_follow(engine: LLMEngine, requests: dict, reference, k: int) -> dict:
+    """Run ``requests`` (id -> (prompt, params)) to completion; after every step each running sequence's drafts must
+    be ``reference(its tokens)`` (at least 6 checked) and vLLM's counters stay consistent. -> the counters' growth."""
+    before = engine.stats()
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.engine_core.scheduler.running:
+            if request.spec_token_ids:
+                assert request.spec_token_ids == reference(request.all_token_ids), request.request_id
+                checked += 1
+    assert checked >= 6
+    stats = {key: engine.stats()[key] - before.get(key, 0) for key in before if key.startswith("spec_decode_num")}
+    assert_counters_consistent(stats, k)
+    return stats
+
+
 @pytest.mark.parametrize("name", ["draft_model", "self", "eagle", "eagle3"])
 def test_proposals_are_the_drafters_greedy_continuation(name, drafter_engines, drafter_paths, prompts,
                                                         smollm2_dir, hf_smollm2_model):
@@ -409,19 +428,8 @@ def test_proposals_are_the_drafters_greedy_continuation(name, drafter_engines, d
         reference = _draft_model_reference(drafter_paths["draft_model"])
         params = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5 if name == "self" else 1.0)
     engine = drafter_engines(name)
-    before = engine.stats()
-    for i, prompt in enumerate(prompts[:2]):
-        engine.add_request(f"p{i}", prompt, params)
-    checked = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        for request in engine.engine_core.scheduler.running:
-            if request.spec_token_ids:
-                assert request.spec_token_ids == reference(request.all_token_ids), request.request_id
-                checked += 1
-    assert checked >= 6
-    stats = {key: engine.stats()[key] - before.get(key, 0) for key in before if key.startswith("spec_decode_num")}
-    assert_counters_consistent(stats, K)
+    stats = assert_drafts_follow(engine, {f"p{i}": (prompt, params) for i, prompt in enumerate(prompts[:2])},
+                                 reference, K)
     if name != "draft_model":
         assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_clean(engine)
@@ -439,7 +447,9 @@ def test_the_target_as_its_own_draft_model_is_accepted_throughout(smollm2_dir, p
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("drafter", [pytest.param("eagle3", marks=pytest.mark.slow), pytest.param("eagle", marks=pytest.mark.slow), "draft_model"])
+@pytest.mark.parametrize("drafter", [pytest.param("eagle3", marks=pytest.mark.slow),
+                                     pytest.param("eagle", marks=pytest.mark.slow),
+                                     pytest.param("mtp", marks=pytest.mark.slow), "draft_model"])
 def test_drafter_benchmark_runs_on_cpu(drafter, tmp_path):
     """benchmarks/spec_decode.py drafter on tiny shapes: plain, verify and propose + verify rows per batch, nothing
     compiled after warm-up."""

@@ -102,8 +102,8 @@ _FLAG_HELP = {
     "enable_sleep_mode": "allow sleep / wake_up (free the weights' and KV pool's device memory between rollouts)",
     "logprobs_mode": "logprobs reported: raw_logprobs / raw_logits of the model, or processed_logprobs / "
                      "processed_logits of the distribution sampled from (after penalties, temperature, top-k/p)",
-    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\" or \"suffix\", "
-                          "\"num_speculative_tokens\": k, ...} (vLLM's keys: prompt_lookup_min / _max, "
+    "speculative_config": "speculative decoding, as JSON: {\"method\": ngram, suffix, draft_model, eagle, eagle3 or "
+                          "mtp, \"num_speculative_tokens\": k, ...} (vLLM's keys: model, prompt_lookup_min / _max, "
                           "suffix_decoding_*, disable_by_batch_size)",
     "weight_transfer_config": "weights from a trainer process, as JSON: {\"backend\": \"jax\"} (the engine is one "
                               "process of the trainer's jax.distributed job; vLLM's flag)",

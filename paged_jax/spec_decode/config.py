@@ -7,12 +7,13 @@ import dataclasses
 import json
 from typing import Any
 
-# Methods vLLM accepts; the ones this engine runs are PROPOSER_METHODS. The other (a model's MTP layers) is refused by
-# name.
-VLLM_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-PROPOSER_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
-# Methods whose drafts a network computes on the device (``paged_jax.spec_decode.draft_runner``); they need ``model``.
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+# Methods vLLM accepts, all run here; vLLM's other names for one of them (its ``deepseek_mtp`` is ``mtp``).
+PROPOSER_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+# Methods whose drafts a network computes on the device (``paged_jax.spec_decode.draft_runner``); all but ``mtp`` (the
+# target checkpoint's own multi-token prediction layers) read it from ``model``.
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+CHECKPOINT_METHODS = ("draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -23,9 +24,11 @@ class SpeculativeConfig:
     Attributes:
       method: "ngram" (prompt lookup), "suffix" (suffix-tree lookup over the request and recent requests),
         "draft_model" (a smaller model with the target's vocabulary), "eagle" (an EAGLE-1 / EAGLE-2 head on the
-        target's final hidden states) or "eagle3" (an EAGLE-3 head on the target's hidden states).
+        target's final hidden states), "eagle3" (an EAGLE-3 head on the target's hidden states) or "mtp" (the
+        target checkpoint's multi-token prediction layers, DeepSeek-V3's ``num_nextn_predict_layers``; vLLM's alias
+        "deepseek_mtp" is read as "mtp").
       model: draft_model / eagle / eagle3: the drafter's checkpoint directory (a Hugging Face model id is resolved
-        like the target's).
+        like the target's); not taken by mtp (the target's checkpoint).
       num_speculative_tokens: drafts per sequence per step, k (fixed for the engine: its compiled shapes).
       prompt_lookup_min / prompt_lookup_max: ngram: the n-gram lengths matched (longest first).
       suffix_decoding_max_tree_depth: suffix: the longest context and draft the trees hold.
@@ -47,18 +50,17 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in VLLM_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(VLLM_METHODS)}, got "
-                             f"{self.method!r}")
+        object.__setattr__(self, "method", METHOD_ALIASES.get(self.method, self.method))
         if self.method not in PROPOSER_METHODS:
-            raise ValueError(f"speculative_config.method={self.method!r} is not supported by this engine; "
-                             f"supported: {', '.join(PROPOSER_METHODS)}")
-        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative_config.method must be one of {', '.join(PROPOSER_METHODS)}, got "
+                             f"{self.method!r}")
+        if self.method in CHECKPOINT_METHODS and not (isinstance(self.model, str) and self.model):
             raise ValueError(f"speculative_config.model (the drafter's checkpoint) is required with method "
                              f"{self.method!r}")
-        if self.method not in MODEL_METHODS and self.model is not None:
-            raise ValueError(f"speculative_config.model applies to methods {', '.join(MODEL_METHODS)}, not "
-                             f"{self.method!r}")
+        if self.method not in CHECKPOINT_METHODS and self.model is not None:
+            raise ValueError(f"speculative_config.model applies to methods {', '.join(CHECKPOINT_METHODS)}, not "
+                             f"{self.method!r}" + (" (it drafts with the target checkpoint's own multi-token "
+                                                   "prediction layers)" if self.method == "mtp" else ""))
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int in [1, "

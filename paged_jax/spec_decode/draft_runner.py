@@ -1,9 +1,9 @@
-"""Model drafters on the device (vLLM's ``draft_model``, ``eagle`` and ``eagle3`` methods): after each step's sampler,
+"""Model drafters on the device (vLLM's ``draft_model``, ``eagle``, ``eagle3`` and ``mtp`` methods): after each step's sampler,
 one jitted program per step bucket computes every sequence's drafts for its next step, and they come back with the
 step's tokens (``StepOutput.proposed_draft_ids``); the core hands them to the scheduler as ``Request.spec_token_ids``.
 
 The drafter's KV lives in its own donated pool indexed by the target's block ids (same block tables, same slot
-mapping; its shape is the drafter's: layers, KV heads, head size), so the scheduler and the KV-cache manager see one
+mapping; its shape is the drafter's: layers, KV heads, head size, a latent pool for MTP), so the scheduler and the KV-cache manager see one
 pool. Each step's program:
 
 1. applies the step's copy-on-write block copies to the drafter's pool too;
@@ -13,7 +13,8 @@ pool. Each step's program:
 3. catches the drafter up on the step's tokens, at the target's positions and slots (prompt chunks included, so the
    drafter's KV always covers what the target's does). ``draft_model`` runs the draft model on them; a head
    (``eagle``: ``models.eagle.EagleHead``, on the target's final hidden states; ``eagle3``:
-   ``models.eagle3.Eagle3Head``, on ``fc`` of its feature states) runs on the target's states there, each position
+   ``models.eagle3.Eagle3Head``, on ``fc`` of its feature states; ``mtp``: ``models.mtp.MtpHead``, on the target's
+   final hidden states) runs on the target's states there, each position
    with the token after it (x after the last accepted one, the next prompt token after a chunk that does not sample);
 4. drafts greedily (argmax; the proposal is one-hot, which is what ``verify``'s rule is exact for): ``draft_model``
    feeds x, then each draft, k steps of one token per sequence; a head takes its first draft from step 3 at the
@@ -48,9 +49,11 @@ class DraftRunner:
 
     Args:
       method: "draft_model" (``model``: a ``LlamaForCausalLM`` with the target's vocabulary), "eagle" (``model``: a
-        ``models.eagle.EagleHead``) or "eagle3" (``model``: a ``models.eagle3.Eagle3Head``).
+        ``models.eagle.EagleHead``), "eagle3" (``model``: a ``models.eagle3.Eagle3Head``) or "mtp" (``model``: a
+        ``models.mtp.MtpHead``).
       num_speculative_tokens: k, the drafts per sequence per step.
-      config: the drafter's ``ModelConfig`` (the KV pool's shape: layers, KV heads, head size, sliding window).
+      config: the drafter's ``ModelConfig`` (the KV pool's shape: layers, KV heads, head sizes
+        (``kv_pool_head_dims``), sliding window; its attention scale).
       aux_hidden_layers: eagle3: the target layers whose inputs feed ``fc`` (``ModelRunner.aux_hidden_layers``).
       shared: arrays of ``model`` that are the target's own (a head's embedding, LM head): not counted in
         ``weight_bytes``.
@@ -80,7 +83,7 @@ class DraftRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block of the drafter's pool takes (for the KV pool's sizing)."""
         c = self.config
-        return self.num_layers * 2 * block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        return self.num_layers * block_size * c.num_key_value_heads * sum(c.kv_pool_head_dims) * self.dtype.itemsize
 
     def weight_bytes(self) -> int:
         """Bytes of the drafter's own weights (not those it shares with the target)."""
@@ -95,18 +98,17 @@ class DraftRunner:
         self.device = runner.device
         self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
         c = self.config
-        shape = (runner.num_blocks, runner.block_size, c.num_key_value_heads, c.head_dim)
-        self._pool_shape = shape
+        self._pool_shapes = [(runner.num_blocks, runner.block_size, c.num_key_value_heads, dim)
+                             for dim in c.kv_pool_head_dims]
         self._propose = jax.jit(functools.partial(_propose, self, _StepStatics.of(runner)),
                                 static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
 
     @property
     def pool(self) -> list:
-        """The drafter's KV pool: per layer ``(k_pages, v_pages)`` [num_blocks, block_size, Hkv, D] (zeros at first
-        use)."""
+        """The drafter's KV pool: per layer ``(k_pages, v_pages)`` [num_blocks, block_size, Hkv, D] (a latent pool's
+        V pages of width 0; zeros at first use)."""
         if self._pool is None:
-            self._pool = [(jnp.zeros(self._pool_shape, self.dtype, device=self.device),
-                           jnp.zeros(self._pool_shape, self.dtype, device=self.device))
+            self._pool = [tuple(jnp.zeros(shape, self.dtype, device=self.device) for shape in self._pool_shapes)
                           for _ in range(self.num_layers)]
         return self._pool
 
@@ -146,7 +148,7 @@ class _StepStatics:
                    runner.qk_prepare_impl)
 
     def attention(self, config: ModelConfig, meta: dict) -> ReusableAttention:
-        fn = functools.partial(write_and_attend, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window,
+        fn = functools.partial(write_and_attend, sm_scale=config.softmax_scale, sliding_window=config.sliding_window,
                                impl=self.attention_impl, qk_prepare_impl=self.qk_prepare_impl)
         return ReusableAttention(fn, meta, fuses_qk_transform=True)
 
@@ -214,7 +216,7 @@ def _draft_model_drafts(step, pool, x, x_positions):
 
 
 def _head_drafts(step, pool, hidden, n, accepted, x, x_positions):
-    """eagle / eagle3: the head (``features``, ``__call__``, ``compute_logits``, ``to_target_ids``) caught up on the
+    """eagle / eagle3 / mtp: the head (``features``, ``__call__``, ``compute_logits``, ``to_target_ids``) caught up on the
     step's positions, then k - 1 one-token steps (module docstring)."""
     drafter, statics, head, fields, block_tables, step_meta, proposes, capacity = step
     config = drafter.config

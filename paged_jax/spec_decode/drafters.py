@@ -1,6 +1,6 @@
-"""Loading a model drafter at start-up (``speculative_config.model``): a draft model with the target's vocabulary
-(``draft_model``), an EAGLE head (``eagle``) or an EAGLE-3 head (``eagle3``) for the target, as a ``DraftRunner`` for
-the model runner.
+"""Loading a model drafter at start-up: a draft model with the target's vocabulary (``draft_model``), an EAGLE head
+(``eagle``) or an EAGLE-3 head (``eagle3``) for the target (``speculative_config.model``), or the target
+checkpoint's own multi-token prediction layer (``mtp``), as a ``DraftRunner`` for the model runner.
 Everything that cannot work is refused here, before any compile, with a ValueError naming the field."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from models.config import ModelConfig
 from models.eagle import load_eagle_head
 from models.eagle3 import load_eagle3_head
 from models.loader import load_model
+from models.mtp import init_dummy_mtp_head, load_mtp_head
 from paged_jax.spec_decode.config import MODEL_METHODS, SpeculativeConfig
 from paged_jax.spec_decode.draft_runner import DraftRunner
 
@@ -47,13 +48,17 @@ def check_same_vocabulary(draft_path: str, draft_config: ModelConfig, target_con
 
 
 def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConfig, target_tokenizer, *,
-                 dtype: str | None = None, download_dir: str | None = None) -> DraftRunner | None:
+                 dtype: str | None = None, download_dir: str | None = None, target_path: str | None = None,
+                 dummy: bool = False) -> DraftRunner | None:
     """The ``DraftRunner`` of ``spec`` (None for the host proposers ngram / suffix), its weights in ``dtype``
-    ("auto" / None: the target's)."""
+    ("auto" / None: the target's). ``target_path``: the target's checkpoint directory (mtp reads its MTP layer
+    there); ``dummy``: the target has random weights (``load_format="dummy"``), so has the MTP layer."""
     if spec is None or spec.method not in MODEL_METHODS:
         return None
-    path = resolve_drafter_path(spec, download_dir=download_dir)
     dtype = target_model.dtype if dtype in (None, "auto") else dtype
+    if spec.method == "mtp":
+        return _mtp(spec.num_speculative_tokens, target_model, target_config, dtype, target_path, dummy)
+    path = resolve_drafter_path(spec, download_dir=download_dir)
     if spec.method == "draft_model":
         return _draft_model(path, spec.num_speculative_tokens, dtype, target_config, target_tokenizer)
     embedding = target_model.model.embed_tokens.embedding[...]
@@ -69,6 +74,21 @@ def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConf
                 spec.num_speculative_tokens)
     return DraftRunner("eagle3", spec.num_speculative_tokens, head, head.config.model,
                        aux_hidden_layers=head.config.aux_hidden_layers, shared=(embedding,))
+
+
+def _mtp(k: int, target_model, target_config: ModelConfig, dtype, target_path: str | None,
+         dummy: bool) -> DraftRunner:
+    shared = (target_model.model.embed_tokens.embedding[...],
+              None if target_model.lm_head is None else target_model.lm_head.kernel[...])
+    if dummy:
+        head = init_dummy_mtp_head(target_config, target_embedding=shared[0], target_lm_head=shared[1],
+                                   dtype=jnp.dtype(dtype))
+    else:
+        head = load_mtp_head(target_path, target_config, target_embedding=shared[0], target_lm_head=shared[1],
+                             dtype=jnp.dtype(dtype))
+    logger.info("MTP drafter: layer %d of %s%s, %d speculative tokens", target_config.num_hidden_layers,
+                target_path or "the target", " (random weights)" if dummy else "", k)
+    return DraftRunner("mtp", k, head, head.config, shared=shared)
 
 
 def _draft_model(path: str, k: int, dtype, target_config: ModelConfig, target_tokenizer) -> DraftRunner:
