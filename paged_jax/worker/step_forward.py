@@ -135,11 +135,12 @@ def _single_program_forward(runner, row_outputs=None):
         if aux_layers:  # an EAGLE-3 drafter reads these target states: they travel after the final ones
             hidden, kv_caches, aux = model(input_ids, fields["positions"], kv_caches, attention, lora,
                                            aux_hidden_layers=aux_layers)
-            return kv_caches, row_outputs(model, hidden, fields), fields["sampling"], jnp.concatenate(
-                [hidden, aux.astype(hidden.dtype)], axis=-1)
-        hidden, kv_caches = model(input_ids, fields["positions"], kv_caches, attention, lora)
+            states = jnp.concatenate([hidden, aux.astype(hidden.dtype)], axis=-1)
+        else:
+            hidden, kv_caches = model(input_ids, fields["positions"], kv_caches, attention, lora)
+            states = hidden
         kv_pool = kv_caches.pool if grouped else kv_caches
-        outputs = (kv_pool, row_outputs(model, hidden, fields), fields["sampling"], hidden)
+        outputs = (kv_pool, row_outputs(model, hidden, fields), fields["sampling"], states)
         if moe_outputs.any:
             outputs += (device_outputs(model, moe_outputs, cu_q_lens[-1], config.moe.num_experts),)
         return outputs
