@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from tests.test_device_memory import GIB, TOTAL, FakeGpu
 from tests.test_serving import wait_until
 
 API_KEY = "cli-key"
@@ -301,24 +302,6 @@ def test_stats_line_arithmetic_and_idle_quiet(caplog):
 
 
 # -------------------------------------------------------------------------------------- vLLM's engine defaults
-class FakeGpu:
-    """A device with the memory stats of a GPU (``memory_stats`` keys as JAX reports them)."""
-
-    platform = "gpu"
-
-    def __init__(self, bytes_limit: int, bytes_in_use: int, largest_free_block: int | None = None) -> None:
-        self._stats = {"bytes_limit": bytes_limit, "bytes_in_use": bytes_in_use,
-                       "largest_free_block_bytes": (bytes_limit - bytes_in_use if largest_free_block is None
-                                                    else largest_free_block)}
-
-    def memory_stats(self) -> dict:
-        return dict(self._stats)
-
-
-GIB = 1 << 30
-TOTAL = 80 * GIB
-
-
 def _num_blocks(device, utilization, max_model_len=4096, override=None, weight_bytes=None, dequantization_bytes=0):
     from models.config import ModelConfig
     from models.testing import tiny_config
@@ -611,19 +594,3 @@ def test_top_level_help_lists_each_command():
     lines = out.getvalue().splitlines()
     for command in ("serve", "generate", "bench serve", "bench throughput", "bench latency"):
         assert any(line.strip().startswith(command + " ") and len(line.split()) > 3 for line in lines), command
-
-
-def test_a_pool_larger_than_the_allocator_has_free_is_refused_before_allocating():
-    """The pool is allocated after the compiles: when the allocator then has less free than the pool needs, or its
-    free memory is split into regions smaller than one of the pool's arrays, the error names the allocator's state
-    and the flags to change, instead of an allocator failure part way through."""
-    from paged_jax.worker.device_memory import check_pool_fits, pool_allocation_error
-
-    check_pool_fits(FakeGpu(60 * GIB, 24 * GIB), 36 * GIB, 3 * GIB)
-    with pytest.raises(RuntimeError, match=r"needs 36.00 GiB in arrays of 3.00 GiB; JAX's allocator: 25.00 GiB in "
-                                           r"use of its 60.00 GiB limit.*--gpu-memory-utilization"):
-        check_pool_fits(FakeGpu(60 * GIB, 25 * GIB), 36 * GIB, 3 * GIB)
-    with pytest.raises(RuntimeError, match=r"largest free region 2.50 GiB"):
-        check_pool_fits(FakeGpu(60 * GIB, 20 * GIB, largest_free_block=5 * GIB // 2), 36 * GIB, 3 * GIB)
-    error = pool_allocation_error(FakeGpu(60 * GIB, 50 * GIB, largest_free_block=GIB), 36 * GIB, MemoryError("oom"))
-    assert "largest free region 1.00 GiB" in str(error) and "--num-gpu-blocks-override" in str(error)

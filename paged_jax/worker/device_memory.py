@@ -16,7 +16,10 @@ JAX's GPU allocator is capped at ``XLA_CLIENT_MEM_FRACTION`` (formerly ``XLA_PYT
 from __future__ import annotations
 
 import logging
+import math
 import os
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +80,15 @@ def describe_allocator(device) -> str:
             f"{gib('largest_free_block_bytes')}, {stats.get('num_allocs', '?')} allocations")
 
 
-def check_pool_fits(device, pool_bytes: int, array_bytes: int) -> None:
-    """Before the KV pool (``pool_bytes`` in all, in arrays of at most ``array_bytes``) is allocated on ``device``: a
-    ``RuntimeError`` saying what holds the memory when the allocator has less free (its limit less the bytes in use),
+def check_pool_fits(device, array_shapes: list[tuple[int, ...]], dtype) -> None:
+    """Before the KV pool (arrays of ``array_shapes`` in ``dtype``) is allocated on ``device``: a ``RuntimeError`` saying what holds the memory when the allocator has less free (its limit less the bytes in use),
     or when its largest free region is smaller than one array (the free memory is split), instead of the allocator's
     own out-of-memory error part way through. No check without memory statistics (the CPU)."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return
+    array_sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape in array_shapes]
+    pool_bytes, array_bytes = sum(array_sizes), max(array_sizes)
     free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
     largest = int(stats.get("largest_free_block_bytes", free))
     if pool_bytes > free or array_bytes > largest:

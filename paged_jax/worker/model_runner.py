@@ -277,13 +277,17 @@ class ModelRunner:
         return self._kv_pool is not None
 
     @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the whole KV pool (sharded: over all its devices)."""
+        return self.kv_layout.num_slots * sum(map(math.prod, self._kv_block_shapes)) * jnp.dtype(self.kv_dtype).itemsize
+
+    @property
     def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:
         """The device KV pool, one ``(k_pages, v_pages)`` ``[num_blocks, block_size, Hkv, D]`` per layer, or per slot
         of ``kv_layout`` with KV-cache groups (zeros when first used)."""
         if self._kv_pool is None:
             if self.sharding_plan is None:
-                check_pool_fits(self.device, self.kv_pool_bytes,
-                                max(map(math.prod, self._kv_block_shapes)) * jnp.dtype(self.kv_dtype).itemsize)
+                check_pool_fits(self.device, list(self._kv_block_shapes) * self.kv_layout.num_slots, self.kv_dtype)
             self._kv_pool = (
                 self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype,
                                                   num_layers=self.kv_layout.num_slots)
@@ -291,11 +295,6 @@ class ModelRunner:
                                                   for shape in self._kv_block_shapes)
                                             for _ in range(self.kv_layout.num_slots)])
         return self._kv_pool
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        """Bytes of the whole KV pool (on one device: all of it; sharded: over all devices)."""
-        return self.kv_layout.num_slots * sum(map(math.prod, self._kv_block_shapes)) * jnp.dtype(self.kv_dtype).itemsize
 
     @kv_pool.setter
     def kv_pool(self, value: list[tuple[jax.Array, jax.Array]]) -> None:

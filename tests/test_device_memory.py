@@ -1,0 +1,41 @@
+"""paged_jax.worker.device_memory: the KV pool's allocation checked against the allocator's state (a fake GPU's
+memory statistics, as JAX reports them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_jax.worker.device_memory import check_pool_fits, pool_allocation_error
+
+
+class FakeGpu:
+    """A device with the memory stats of a GPU (``memory_stats`` keys as JAX reports them)."""
+
+    platform = "gpu"
+
+    def __init__(self, bytes_limit: int, bytes_in_use: int, largest_free_block: int | None = None) -> None:
+        self._stats = {"bytes_limit": bytes_limit, "bytes_in_use": bytes_in_use,
+                       "largest_free_block_bytes": (bytes_limit - bytes_in_use if largest_free_block is None
+                                                    else largest_free_block)}
+
+    def memory_stats(self) -> dict:
+        return dict(self._stats)
+
+
+GIB = 1 << 30
+TOTAL = 80 * GIB
+
+
+def test_a_pool_larger_than_the_allocator_has_free_is_refused_before_allocating():
+    """The pool is allocated after the compiles: when the allocator then has less free than the pool needs, or its
+    free memory is split into regions smaller than one of the pool's arrays, the error names the allocator's state
+    and the flags to change, instead of an allocator failure part way through."""
+    check_pool_fits(FakeGpu(60 * GIB, 24 * GIB), [(3 * GIB // 2,)] * 12, np.int16)
+    with pytest.raises(RuntimeError, match=r"needs 36.00 GiB in arrays of 3.00 GiB; JAX's allocator: 25.00 GiB in "
+                                           r"use of its 60.00 GiB limit.*--gpu-memory-utilization"):
+        check_pool_fits(FakeGpu(60 * GIB, 25 * GIB), [(3 * GIB // 2,)] * 12, np.int16)
+    with pytest.raises(RuntimeError, match=r"largest free region 2.50 GiB"):
+        check_pool_fits(FakeGpu(60 * GIB, 20 * GIB, largest_free_block=5 * GIB // 2), [(3 * GIB // 2,)] * 12, np.int16)
+    error = pool_allocation_error(FakeGpu(60 * GIB, 50 * GIB, largest_free_block=GIB), 36 * GIB, MemoryError("oom"))
+    assert "largest free region 1.00 GiB" in str(error) and "--num-gpu-blocks-override" in str(error)
