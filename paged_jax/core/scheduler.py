@@ -2,8 +2,9 @@
 newly admitted requests; prefix-cache aware admission; preemption by recompute or swap.
 
 Per step the engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
-``update_from_output(output, sampled_token_ids)``. There is no separate prefill/decode phase: a request simply has
-``num_tokens - num_computed_tokens`` tokens left to compute, which is 1 while decoding.
+``update_from_output(output, sampled_token_ids)``. No separate prefill/decode phase: a request has ``num_tokens -
+num_computed_tokens`` tokens left to compute, 1 while decoding; while every running request decodes and nothing
+else happens, both calls take the array path of ``paged_jax.core.steady_decode``.
 
 Order of work in ``schedule()``:
   1. Running requests, in admission order: each gets ``min(tokens left, budget)`` (1 when decoding; a chunk while
@@ -23,12 +24,11 @@ Order of work in ``schedule()``:
      partway through their prefill; another long one waits and shorter ones jump it (vLLM's queue jump).
 Speculative decoding (``paged_jax.core.drafts``): a decoding request's drafts are computed with its next token.
 
-Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``) are forked from their parent in the step
-that samples its first token, one extra row per child (``SchedulerOutput.fork_rows``), which ``update_from_output``
-then gives the parent's blocks; admission keeps ``reserved_seats`` free for them. Beam search holds a request after
-each token (``Request.hold_after_sample``) until it has forked, re-pointed (``replace_last_token``) or dropped it and
-calls ``resume``. A forked sequence is preempted as any request (recompute drops its references; swap copies its
-blocks, shared ones included).
+Forked sequences (n > 1, best_of, beam search; ``KVCacheManager.fork``) are forked from their parent in the step that
+samples its first token, one extra row per child (``SchedulerOutput.fork_rows``), which ``update_from_output`` then
+gives the parent's blocks; admission keeps ``reserved_seats`` free for them. Beam search holds a request after each
+token (``Request.hold_after_sample``) until it has forked, re-pointed (``replace_last_token``) or dropped it and calls
+``resume``. A forked sequence is preempted as any request (recompute drops its references; swap copies its blocks).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 
 from paged_jax.worker.buckets import MAX_BLOCK_COPIES
 from paged_jax.core.sched_output import SchedulerOutput, StepBuilder
+from paged_jax.core.steady_decode import SteadyDecode, update_decode_step
 from paged_jax.core.drafts import apply_drafts, lookahead_slots, with_drafts
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.step_plan import PASSED_OVER, Admission, StepPlan
@@ -110,6 +111,7 @@ class Scheduler:
         self._arrival_seq: dict[str, int] = {}  # tie-breaker for equal arrival times
         self._next_seq = 0
         self._finished_rows: list[str] = []  # finished since the last schedule(), with a row in the runner
+        self._steady: SteadyDecode | None = None  # every running request decoding (dropped when running changes)
 
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -144,9 +146,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
-            self._leave_running(request)
-        else:
+        if request.status != RequestStatus.RUNNING:
             self.waiting.remove(request)
         self._finish(request, status)
         return request
@@ -155,10 +155,14 @@ class Scheduler:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _leave_running(self, request: Request) -> None:
+        self._steady = None
         self.running.remove(request)
         self._reserving.discard(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (a running one leaves the running set; a waiting one must have left the queue)."""
+        if request.status == RequestStatus.RUNNING:
+            self._leave_running(request)
         request.status = status
         # Its row, and those of children a fork row of the last step made but that were never forked, leave the batch.
         for held in (request, *request.pending_forks):
@@ -203,6 +207,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions (see the module docstring); returns the step as a
         diff of the runner's batch (``paged_jax.core.sched_output``)."""
+        output = self._steady and self._steady.step(self, *self.ready_limits)
+        if output:
+            return output
+        self._steady = None
         step = StepPlan(*self.ready_limits)
         self._schedule_running(step)
         if not step.preempted:  # the pool is tight after a preemption: admitting would thrash
@@ -252,6 +260,8 @@ class Scheduler:
         # writes into is its own (no copy-on-write); no sliding window releasing blocks.
         blocks, block_size, groups = kv.blocks, kv.block_size, kv.num_groups
         own_blocks_cover = not kv.has_sliding_window
+        # Only an allocation (the ``elif`` below) records copies: the test is redone after one.
+        copies_full = kv.num_pending_copies >= copy_limit
         for request in list(self.running):
             if budget == 0:
                 break
@@ -269,7 +279,7 @@ class Scheduler:
                 continue
             if request.spec_token_ids:
                 num_new = with_drafts(request, num_new, budget, self.max_model_len)
-            if kv.num_pending_copies >= copy_limit and kv.needs_copy(request):
+            if copies_full and kv.needs_copy(request):
                 continue  # the step's copy-on-write slots are used up: its first write into a shared block waits
             slots = num_new if slots_of is None else slots_of(num_computed, num_new)
             block_ids = request.block_ids
@@ -280,8 +290,11 @@ class Scheduler:
                 step.budget = budget
                 fits = self._preempt_until_fits(request, slots, step)
                 budget = step.budget
+                copies_full = kv.num_pending_copies >= copy_limit
                 if not fits:
                     continue
+            else:
+                copies_full = kv.num_pending_copies >= copy_limit
             planned[request.request_id] = (request, num_new)
             budget -= num_new
         step.budget = budget
@@ -365,7 +378,7 @@ class Scheduler:
             step.short_prefill_started = True
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._join_running(request)
         admission.running_loras |= {request.lora_int_id} - {0}
         if request.reserved_seats:
             self._reserving.add(request)
@@ -456,19 +469,16 @@ class Scheduler:
             raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries, expected "
                              f"{len(requests_of_rows)} (one per row of the step)")
         tokens = sampled_token_ids if type(sampled_token_ids) is list else list(sampled_token_ids)
+        if (not spec and not scheduler_output.fork_rows and not scheduler_output.scheduled_new_reqs
+                and sum(scheduler_output.num_scheduled_tokens) == len(tokens) and all(scheduler_output.samples)):
+            return update_decode_step(self, scheduler_output, tokens)
         num_forks = len(scheduler_output.fork_rows)
         first_fork = len(requests_of_rows) - num_forks
         changed: list[Request] = []
-        running_status = RequestStatus.RUNNING
-        cache_full_blocks = self.kv.cache_full_blocks if self.kv.enable_prefix_caching else None
-        cached_block_counts, block_size = self.kv.cached_block_counts, self.kv.block_size
-        max_model_len = self.max_model_len
-        # Every running request, every step: plain reads; the stop rule (``check_stop``) only for a token that may
-        # stop the request (``Request.stop_ids``) or a reached length limit.
         for row, (request, samples, token, num_new, start) in enumerate(zip(
                 requests_of_rows, scheduler_output.samples, tokens,
                 scheduler_output.num_scheduled_tokens + [0] * num_forks, scheduler_output.row_num_computed_tokens())):
-            if request.status is not running_status:  # finished or preempted since schedule() (unregistered then)
+            if request.status is not RequestStatus.RUNNING:  # finished or preempted since schedule() (unregistered)
                 continue  # (a fork row whose parent ended meanwhile: its child was never forked)
             if row < first_fork:
                 if request.num_computed_tokens != start:
@@ -479,38 +489,32 @@ class Scheduler:
                                        accepted_token_ids[request.request_id], int(token))
                     changed.append(request)
                     continue
-                request.num_computed_tokens = num_computed = start + num_new
-                if cache_full_blocks is not None and num_computed // block_size > cached_block_counts.get(
-                        request.request_id, 0):  # a block filled up: most steps of most requests fill none
-                    cache_full_blocks(request)
+                request.num_computed_tokens = start + num_new
+                self.kv.cache_full_blocks(request)
                 if not samples:
                     continue
                 if request.pending_forks:  # before the parent's own token (and a stop that would free its blocks)
                     self._fork_pending(request)
             if token is None:
                 raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
-            if type(token) is not int:
-                token = int(token)
-            output_token_ids = request.output_token_ids
-            output_token_ids.append(token)
-            num_output = len(output_token_ids)
-            status = (check_stop(request, max_model_len) if token in request.stop_ids
-                      or num_output >= request.max_output_tokens
-                      or len(request.prompt_token_ids) + num_output >= max_model_len else None)
+            request.output_token_ids.append(int(token))
+            status = check_stop(request, self.max_model_len)
             if status is not None:
-                self._leave_running(request)
                 self._finish(request, status)
             elif request.hold_after_sample:
                 request.held = True
             changed.append(request)
         return changed
 
+    def _join_running(self, request: Request) -> None:
+        self._steady = None
+        self.running.append(request)
+
     def _apply_drafts(self, request: Request, num_scheduled: int, drafts: list[int], accepted: list[int],
                       token: int) -> None:
         """A row that verified ``drafts`` (``drafts.apply_drafts``): finish it where a stop rule ends it."""
         status = apply_drafts(request, num_scheduled, drafts, accepted, token, self.max_model_len)
         if status is not None:
-            self._leave_running(request)
             self._finish(request, status)
         else:
             self.kv.cache_full_blocks(request)
@@ -525,7 +529,7 @@ class Scheduler:
             self.kv.fork(parent, child)
             child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
             child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            self._join_running(child)
             self._use_reserved_seat(parent)
 
     def _use_reserved_seat(self, request: Request) -> None:
@@ -557,7 +561,7 @@ class Scheduler:
                 parent.reserved_seats or len(self.running) + reserved < self.ready_limits[1]):
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            self._join_running(child)
             self._use_reserved_seat(parent)
         else:
             child.status = RequestStatus.PREEMPTED
@@ -568,6 +572,7 @@ class Scheduler:
         if request.runner_num_tokens >= request.num_tokens:  # the runner appends tokens; it must not have it yet
             raise RuntimeError(f"replace_last_token: the last token of {request.request_id!r} was already sent")
         request.output_token_ids[-1] = int(token)
+        self._steady = None
         self.kv.invalidate_block_hashes(request, request.num_tokens - 1)
 
     def resume(self, request: Request) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import time
 from collections.abc import Iterable, Sequence
 
@@ -43,6 +44,9 @@ from paged_jax.pooling.pooler import PoolingAccumulator
 from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.structured_output import StructuredOutputManager
 from paged_jax.worker.step_io import PendingStep, StepOutput
+
+
+_OUTPUT_TOKENS = operator.attrgetter("output_token_ids")
 
 
 @dataclasses.dataclass(eq=False)
@@ -285,8 +289,9 @@ class EngineCore:
         row_of = {}
         if progressed:
             step_rows = _rows_of(scheduler_output.requests, progressed)
-            self._token_outputs([(row, r, first_output.get(r.request_id, len(r.output_token_ids) - 1))
-                                 for row, r in zip(step_rows, progressed)], result, outputs)
+            output_indices = ([first_output.get(r.request_id, len(r.output_token_ids) - 1) for r in progressed]
+                              if first_output else [len(tokens) - 1 for tokens in map(_OUTPUT_TOKENS, progressed)])
+            self._token_outputs(zip(step_rows, progressed, output_indices), result, outputs)
             if self.spec_decoder is not None:
                 row_of = dict(zip((r.request_id for r in progressed), step_rows))
         if self.spec_decoder is not None:
@@ -375,12 +380,12 @@ class EngineCore:
         # The common row (every running sequence, every step) needs its token only: no drafts, grammar, logprobs,
         # beam search, routing, pooling, first-output facts or finish.
         token_only_step = not draft_rows and self.routed_experts is None and self.pooling is None
-        running, num_token_only = RequestStatus.RUNNING, 0
+        running, num_token_only, add_output = RequestStatus.RUNNING, 0, outputs.append
         for row, request, output_index in rows:
             group, index = seq_of[request.request_id]
             if (token_only_step and group.token_only and output_index and group.reported_start
                     and request.status is running and request.grammar is None):
-                outputs.append(EngineCoreOutput(group.request_id, index, [request.output_token_ids[output_index]]))
+                add_output(EngineCoreOutput(group.request_id, index, [request.output_token_ids[output_index]]))
                 num_token_only += 1
                 continue
             if row in draft_rows:

@@ -158,10 +158,14 @@ class OutputProcessor:
             if (seq is not None and output.new_token_ids and not finish and seq.detokenizer is None
                     and seq.logprobs is None and seq.finish_reason is None and output.cumulative_logprob is None):
                 seq.token_ids += output.new_token_ids  # token ids only (``_apply_tokens``' plain case)
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
-            elif output.beam_logprobs is not None:
+                metrics = state.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
+                if not finished_only:
+                    touched[output.request_id] = state
+                continue
+            if output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
                 finish = True
             elif output.new_token_ids or finish:

@@ -65,6 +65,9 @@ class InputBatch:
         self._per_row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.sampling_words,
                                 self.mode_rank, self.general_sampling, self.min_tokens, self.num_logprobs,
                                 self.lora_int_id, self.prompt_logprobs, self.prev_sample)
+        # Bumped whenever a row is made or moved: ``_rows_of``' last answer is good while it stays.
+        self._version = 0
+        self._last_rows: tuple[list[str], np.ndarray, int] = ([], np.zeros((0,), np.int64), -1)
 
     @property
     def num_rows(self) -> int:
@@ -81,6 +84,7 @@ class InputBatch:
             raise ValueError(f"request {new.req_id!r} has {num_tokens} tokens, over max_model_len="
                              f"{self.max_model_len}")
         row = self.num_rows
+        self._version += 1
         self.req_ids.append(new.req_id)
         self.row_of[new.req_id] = row
         self.token_ids[row, :num_prompt] = new.prompt_token_ids
@@ -110,6 +114,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
+        self._version += 1
         last = self.num_rows - 1
         moved_id = self.req_ids.pop()
         if row == last:
@@ -136,11 +141,7 @@ class InputBatch:
         """Apply the running requests' diffs (new tokens appended, new block ids written); returns their rows
         int64[len(cached.req_ids)]."""
         num = len(cached.req_ids)
-        try:
-            rows = np.fromiter(map(self.row_of.__getitem__, cached.req_ids), np.int64, num)
-        except KeyError as e:
-            raise ValueError(f"request {e.args[0]!r} is scheduled as running but has no row in the runner's batch "
-                             "(send it as new)") from None
+        rows = self._rows_of(cached.req_ids)
         lens = np.fromiter(map(len, cached.new_token_ids), np.int64, num)
         total = int(lens.sum())
         if total:
@@ -151,14 +152,38 @@ class InputBatch:
                 self.token_ids[rows, starts] = np.fromiter(
                     itertools.chain.from_iterable(cached.new_token_ids), np.int32, num)
             else:
-                offsets = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-                self.token_ids[np.repeat(rows, lens), np.repeat(starts, lens) + offsets] = np.fromiter(
+                self.token_ids[_spans(rows, starts, lens)] = np.fromiter(
                     itertools.chain.from_iterable(cached.new_token_ids), np.int32, total)
             self.num_tokens[rows] = starts + lens
         new_block_ids = cached.new_block_ids
-        crossed = np.flatnonzero(np.fromiter(map(len, new_block_ids), np.int64, num))  # rows with new blocks
-        for i in crossed.tolist():
-            self.set_blocks(int(rows[i]), cached.block_starts[i], new_block_ids[i])
+        block_lens = np.fromiter(map(len, new_block_ids), np.int64, num)
+        crossed = np.flatnonzero(block_lens)  # rows with new blocks (a decode: those entering a new block)
+        if len(crossed):
+            picked = crossed.tolist()
+            lens, crossed_rows = block_lens[crossed], rows[crossed]
+            starts = np.fromiter(map(cached.block_starts.__getitem__, picked), np.int64, len(picked))
+            ends = starts + lens
+            if int(ends.max()) > self.block_table.shape[1]:
+                i = int(np.argmax(ends))
+                raise ValueError(f"request {self.req_ids[crossed_rows[i]]!r}: a block table of {int(ends[i])} "
+                                 f"blocks, over the {self.block_table.shape[1]} of max_model_len={self.max_model_len}")
+            self.block_table[_spans(crossed_rows, starts, lens)] = np.fromiter(
+                itertools.chain.from_iterable(map(new_block_ids.__getitem__, picked)), np.int32, int(lens.sum()))
+            self.num_blocks[crossed_rows] = ends
+        return rows
+
+    def _rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """The rows of ``req_ids`` int64[n]; the last step's answer while neither the ids nor the rows changed (the
+        running requests of a steady decode)."""
+        last_ids, last_rows, last_version = self._last_rows
+        if last_version == self._version and req_ids == last_ids:
+            return last_rows
+        try:
+            rows = np.fromiter(map(self.row_of.__getitem__, req_ids), np.int64, len(req_ids))
+        except KeyError as e:
+            raise ValueError(f"request {e.args[0]!r} is scheduled as running but has no row in the runner's batch "
+                             "(send it as new)") from None
+        self._last_rows = (req_ids, rows, self._version)
         return rows
 
     def output_token_ids(self, row: int) -> list[int]:
@@ -167,3 +192,10 @@ class InputBatch:
 
     def prompt_token_ids(self, row: int) -> list[int]:
         return self.token_ids[row, :self.num_prompt_tokens[row]].tolist()
+
+
+def _spans(rows: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index arrays (row, column) int64[sum(lens)] of ``lens[i]`` entries from column ``starts[i]`` of row
+    ``rows[i]``, in order."""
+    offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(rows, lens), np.repeat(starts, lens) + offsets

@@ -1,0 +1,200 @@
+"""The scheduler's steady decode path: every running request decodes one token per step, in the same order, while
+nothing is admitted, finished, preempted, forked or held (most steps of a full batch).
+
+``update_decodes`` is ``Scheduler.update_from_output`` for a step whose rows all decode one token of a request the
+runner holds. ``SteadyDecode`` keeps the running requests' numbers in arrays indexed by their running position (tokens
+in the pool, block-table lengths) once such an update left every running request running, unheld: the next
+``schedule()`` is then array ops, one block allocated for each row entering a new block (a mask finds them), and the
+diff built column-wise (``CachedRequestData``: each row's last sampled token, the crossing rows' new block). Anything
+else drops it (``Scheduler._steady``) and the general path runs."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, RequestStatus, check_stop
+from paged_jax.core.sched_output import CachedRequestData, SchedulerOutput
+
+_SPEC_TOKEN_IDS = operator.attrgetter("spec_token_ids")
+_HELD = operator.attrgetter("held")
+_STOP_IDS = operator.attrgetter("stop_ids")
+_NO_BLOCKS: list[int] = []
+
+
+def update_decodes(requests: Sequence[Request], tokens: Sequence, starts: Sequence[int], kv: KVCacheManager,
+                   max_model_len: int, finish: Callable[[Request, RequestStatus], None]) -> list[Request]:
+    """Apply a step whose rows all decode one token of a request the runner holds: ``requests`` its rows' requests,
+    ``tokens`` their sampled tokens (int or numpy integer; None: missing, a ValueError), ``starts`` their tokens in
+    the pool before the step; ``finish(request, status)`` ends a running request. The general update's work for
+    such rows: the computed count, newly full blocks into the prefix cache, the token appended, the stop rule
+    (``check_stop``) where the token (``Request.stop_ids``) or a length limit may end it. Rows whose request finished
+    or was preempted since ``schedule()`` are skipped. Returns the requests that got their token, in row order."""
+    changed: list[Request] = []
+    add_changed = changed.append
+    running = RequestStatus.RUNNING
+    cache_full_blocks = kv.cache_full_blocks if kv.enable_prefix_caching else None
+    cached_block_counts, block_size = kv.cached_block_counts, kv.block_size
+    for request, token, start in zip(requests, tokens, starts):
+        if request.status is not running:
+            continue
+        if request.num_computed_tokens != start:
+            raise RuntimeError(f"request {request.request_id!r} changed since schedule(): call update_from_output "
+                               "once per schedule(), in order")
+        request.num_computed_tokens = start + 1
+        if cache_full_blocks is not None and (start + 1) // block_size > cached_block_counts.get(
+                request.request_id, 0):  # a block filled up: one step in block_size
+            cache_full_blocks(request)
+        if type(token) is not int:
+            if token is None:
+                raise ValueError(f"sampled_token_ids has no token for request {request.request_id!r}")
+            token = int(token)
+        output_token_ids = request.output_token_ids
+        output_token_ids.append(token)
+        num_output = len(output_token_ids)
+        if (token in request.stop_ids or num_output >= request.max_output_tokens
+                or len(request.prompt_token_ids) + num_output >= max_model_len):
+            status = check_stop(request, max_model_len)
+            if status is not None:
+                finish(request, status)
+                add_changed(request)
+                continue
+        if request.hold_after_sample:
+            request.held = True
+        add_changed(request)
+    return changed
+
+
+def update_decode_step(scheduler, scheduler_output: SchedulerOutput, tokens: Sequence) -> list[Request]:
+    """``scheduler.update_from_output`` of a step whose rows all decode one token of a request the runner holds:
+    ``SteadyDecode.update`` after a steady step, else ``update_decodes``, after which the steady state may start."""
+    steady, kv = scheduler._steady, scheduler.kv
+    changed = steady and steady.update(scheduler_output, tokens, kv, scheduler.max_model_len,
+                                       scheduler._finish)
+    if changed is None:
+        starts = scheduler_output.scheduled_cached_reqs.num_computed_tokens
+        changed = update_decodes(scheduler_output.requests, tokens, starts, kv, scheduler.max_model_len,
+                                 scheduler._finish)
+        scheduler._steady = SteadyDecode.after_update(scheduler_output.requests, scheduler.running, starts, kv,
+                                                      bool(scheduler._num_lookahead_tokens), scheduler.max_model_len)
+    return changed
+
+
+class SteadyDecode:
+    """The running requests of a steady decode, in running order, each one token ahead of the runner's row.
+
+    Attributes:
+      requests: list[Request] the running requests; req_ids / outputs: their ids and ``output_token_ids`` lists.
+      num_computed: int64[n] their tokens in the pool; num_blocks: int64[n] their block-table lengths.
+      scheduled: the ``SchedulerOutput`` of the last steady step (its update advances the arrays), or None.
+    """
+
+    def __init__(self, requests: list[Request], num_computed: np.ndarray, max_model_len: int):
+        self.requests = requests
+        self.req_ids = [r.request_id for r in requests]
+        self.outputs = [r.output_token_ids for r in requests]
+        self.num_computed = num_computed
+        self.num_blocks = np.fromiter((len(r.block_ids) for r in requests), np.int64, len(requests))
+        self.scheduled: SchedulerOutput | None = None
+        # The stop rule's screen: outputs so far, the count at which a length limit ends each, the stop ids most
+        # rows share (sorted list) and the rows with others.
+        self.num_output = np.fromiter(map(len, self.outputs), np.int64, len(requests))
+        self.output_limit = np.fromiter((min(r.max_output_tokens, max_model_len - len(r.prompt_token_ids))
+                                         for r in requests), np.int64, len(requests))
+        shared = max(set(map(_STOP_IDS, requests)), key=list(map(_STOP_IDS, requests)).count)
+        self.stop_ids = sorted(shared)
+        self.own_stop_rows = [i for i, r in enumerate(requests) if r.stop_ids != shared]
+
+    @staticmethod
+    def after_update(requests: list[Request], running: list[Request], starts: Sequence[int],
+                     kv: KVCacheManager, lookahead: bool, max_model_len: int) -> "SteadyDecode | None":
+        """The steady state after a decode-only update of ``requests`` (rows with tokens in the pool ``starts``
+        before it), if it is one: the rows were every running request in running order, all still running and
+        unheld, none constrained by a grammar; one KV-cache group without a sliding window, no lookahead slots."""
+        if (not requests or lookahead or kv.num_groups != 1 or kv.has_sliding_window or requests != running
+                or any(map(_HELD, requests)) or any(r.grammar is not None for r in requests)):
+            return None
+        return SteadyDecode(list(requests), np.asarray(starts, np.int64) + 1, max_model_len)
+
+    def update(self, scheduler_output: SchedulerOutput, tokens: Sequence, kv: KVCacheManager, max_model_len: int,
+               finish: Callable[[Request, RequestStatus], None]) -> list[Request] | None:
+        """``update_decodes`` of the last steady step (``scheduled``), with the arrays: every request gets its token
+        (nothing changed since ``schedule``: any change dropped this state), the stop rule runs only for rows whose
+        token may stop them (``stop_ids``, one set shared by most rows) or that reached a length limit; blocks are
+        cached for the rows that filled one. None (nothing done) for another step or tokens that are not all ints."""
+        if scheduler_output is not self.scheduled:
+            return None
+        sampled = np.asarray(tokens)
+        if sampled.dtype.kind not in "iu" or sampled.shape != (len(self.requests),):
+            return None
+        self.scheduled = None
+        requests = self.requests
+        tokens = sampled.tolist()
+        self.num_computed += 1
+        for request, output_token_ids, token, num_computed in zip(requests, self.outputs, tokens,
+                                                                  self.num_computed.tolist()):
+            request.num_computed_tokens = num_computed
+            output_token_ids.append(token)
+        if kv.enable_prefix_caching:
+            for i in np.flatnonzero(self.num_computed % kv.block_size == 0).tolist():
+                kv.cache_full_blocks(requests[i])
+        self.num_output += 1
+        may_stop = self.num_output >= self.output_limit
+        if self.stop_ids:
+            may_stop |= np.isin(sampled, self.stop_ids)
+        for i in self.own_stop_rows:
+            may_stop[i] |= tokens[i] in requests[i].stop_ids
+        changed = list(requests)
+        for i in np.flatnonzero(may_stop).tolist():
+            status = check_stop(requests[i], max_model_len)
+            if status is not None:
+                finish(requests[i], status)  # drops this state (Scheduler._leave_running)
+        return changed
+
+    def step(self, scheduler, budget: int, seats: int) -> SchedulerOutput | None:
+        """``schedule()`` while steady: None when a waiting request could take a seat (admission is the general
+        path's) or ``schedule`` declines; else the step with what the scheduling pass collected besides its rows
+        (rows finished since the last step, the KV-cache manager's copies: ``Scheduler._build_output``'s)."""
+        reserved = sum(r.reserved_seats for r in scheduler._reserving)
+        if scheduler.waiting and len(scheduler.running) + reserved < seats:
+            return None
+        kv = scheduler.kv
+        output = self.schedule(kv, budget, seats)
+        if output is not None:
+            output.finished_req_ids, scheduler._finished_rows = scheduler._finished_rows, []
+            output.block_copies = kv.take_block_copies()
+            output.swap_out, output.swap_in = kv.take_offload_copies()
+        return output
+
+    def schedule(self, kv: KVCacheManager, budget: int, seats: int) -> SchedulerOutput | None:
+        """The next step (one token per request), or None (changing nothing) when it is not a steady one: drafts to
+        verify, budget or seats short, or too few free blocks for the rows entering a new block."""
+        requests = self.requests
+        n = len(requests)
+        if n > budget or n > seats or any(map(_SPEC_TOKEN_IDS, requests)):
+            return None
+        crossing = np.flatnonzero((self.num_computed + kv.block_size) // kv.block_size > self.num_blocks)
+        if len(crossing) > kv.num_free_blocks:
+            return None
+        # One empty list for every row without new blocks (read-only, as the whole diff): no allocation per row.
+        new_block_ids: list[list[int]] = [_NO_BLOCKS] * n
+        block_starts = self.num_blocks.tolist()
+        for i in crossing.tolist():
+            request = requests[i]
+            if not kv.allocate_slots(request, 1):  # one free block each: guaranteed above
+                raise RuntimeError("steady decode: allocation of a checked block failed")
+            new_block_ids[i] = request.block_ids[block_starts[i]:]
+            request.runner_num_blocks = len(request.block_ids)
+        self.num_blocks[crossing] += 1
+        for request in requests:  # the row gets its last sampled token (below)
+            request.runner_num_tokens += 1
+        cached = CachedRequestData(list(self.req_ids), [tokens[-1:] for tokens in self.outputs], new_block_ids,
+                                   block_starts, self.num_computed.tolist())
+        self.scheduled = SchedulerOutput(
+            scheduled_cached_reqs=cached, scheduled_new_reqs=[], num_scheduled_tokens=[1] * n, fork_rows=[],
+            finished_req_ids=[], preempted_req_ids=[], block_copies=[], swap_out=[], swap_in=[], grammars={},
+            requests=list(requests), samples=[True] * n)
+        return self.scheduled
