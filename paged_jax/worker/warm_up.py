@@ -115,6 +115,21 @@ def warm_up(runner, use_tqdm: bool = True, threads: int | None = None) -> dict[s
     return warm_up_jobs(runner, all_jobs(runner), use_tqdm, threads)[0]
 
 
+def allocate_kv_pool(runner) -> float:
+    """Allocate ``runner``'s KV pool now, before any compile: its arrays then lie in memory that nothing has split
+    yet (the compiler's autotuning allocates and frees buffers beside the executables it keeps, and a pool of few
+    large arrays may not fit the pieces left between them). Returns the seconds it took. An allocator out-of-memory
+    error becomes a RuntimeError naming the allocator's state and the flags that size the pool."""
+    start = time.perf_counter()
+    try:
+        jax.block_until_ready(runner.kv_pool)
+    except jax.errors.JaxRuntimeError as exc:
+        if "RESOURCE_EXHAUSTED" not in str(exc):
+            raise
+        raise pool_allocation_error(runner.device, runner.kv_pool_bytes, exc) from exc
+    return time.perf_counter() - start
+
+
 def warm_up_jobs(runner, jobs: list[CompileJob], use_tqdm: bool = True,
                  threads: int | None = None) -> tuple[dict[str, float], Compiler | None]:
     """``warm_up`` of ``jobs`` only (both phases); also returns its ``Compiler`` (None for the pipeline-parallel
@@ -124,7 +139,8 @@ def warm_up_jobs(runner, jobs: list[CompileJob], use_tqdm: bool = True,
     threads = compile_threads() if threads is None else threads
     ahead_of_time = isinstance(runner._forward, AheadOfTimeFunction)
     bar = tqdm(total=len(jobs), desc="Compiling step executables", disable=not use_tqdm, leave=False)
-    timings = {"threads": threads if ahead_of_time else 1, "compile_s": 0.0, "executables_loaded": 0}
+    timings = {"threads": threads if ahead_of_time else 1, "compile_s": 0.0, "executables_loaded": 0,
+               "kv_pool_s": allocate_kv_pool(runner)}
     start = time.perf_counter()
     compiler = None
     if ahead_of_time:
@@ -138,14 +154,6 @@ def warm_up_jobs(runner, jobs: list[CompileJob], use_tqdm: bool = True,
         timings["executables_loaded"] = cache.hits if cache else 0
         logger.info("%d executables ready on %d threads in %.1f s (%d loaded from %s)", len(jobs), threads,
                     timings["compile_s"], timings["executables_loaded"], cache and cache.directory)
-    start = time.perf_counter()
-    try:
-        jax.block_until_ready(runner.kv_pool)  # allocated here, after the compiles (its first use)
-    except jax.errors.JaxRuntimeError as exc:
-        if "RESOURCE_EXHAUSTED" not in str(exc):
-            raise
-        raise pool_allocation_error(runner.device, runner.kv_pool_bytes, exc) from exc
-    timings["kv_pool_s"] = time.perf_counter() - start
     start = time.perf_counter()
     run_jobs(runner, jobs, bar if not ahead_of_time else None)
     timings["run_s"] = time.perf_counter() - start
