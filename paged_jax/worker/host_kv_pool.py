@@ -7,8 +7,11 @@ A step's ``swap_out = [(device_block, host_block)]`` and ``swap_in = [(host_bloc
 before its forward (``HostKVPool.swap``), all dispatched without waiting for the device:
 
 - saves: a chunk of the device -> host copies' blocks is gathered on the device (before anything of the step writes
-  the pool), one output array per block; each then starts its transfer to host memory (``jax.device_put`` to the
-  host memory kind: asynchronous) and becomes its host block's array at once. Nothing reads it back on the host.
+  the pool), one output array per block. Their transfers to host memory (one ``jax.device_put`` to the host memory
+  kind for all of the step's blocks: asynchronous) are dispatched by ``finish_saves``, which the runner calls once
+  the step's forward is dispatched: dispatching them costs the host time per block, and the gathered copies already
+  hold the data, so that time is spent while the device runs the forward instead of before it. Each transferred
+  array becomes its host block's array at once. Nothing reads it back on the host.
 - loads: the host -> device copies start the transfers of their host blocks' arrays to the device (asynchronous, on
   the runtime's transfer streams: they overlap the step still running on the device), and a compiled scatter writes
   them into the donated pool. A load reads the host block's array as it was before this step's saves: a step's loads
