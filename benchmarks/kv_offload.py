@@ -26,9 +26,9 @@ for it), then the steps to its first token (how many; the host time they spent o
 ``ttft_median_by_turn_s`` the median of each turn (the last turns, the longest, wait longest for free blocks).
 The run with the tier also reports (``copies``, and lines on stderr) the bytes it loaded and saved, the step time
 spent dispatching those copies (``host_work``: the compiled gathers / scatters and ``device_put`` calls, the seconds
-before the forwards and after them, the waits for copies in flight past the cap), and the achieved host <-> device copy bandwidth: after the workload,
-``--bandwidth-blocks`` of the tier's host blocks go through the host pool's own transfers each way, timed to
-completion (GB/s, to set against the link's ceiling).
+before the forwards and after them, the waits for copies in flight past the cap), and the achieved host <-> device
+copy bandwidth: after the workload, ``--bandwidth-blocks`` of the tier's host blocks go through the host pool's own
+transfers each way, timed to completion (GB/s, to set against the link's ceiling).
 
 Engine flags as ``paged-jax serve`` takes them (``--model``, ``--load-format dummy``, ``--max-model-len``, ...);
 ``--kv-offloading-size`` is the tier's size in the run with the tier (required).

@@ -217,8 +217,12 @@ def test_host_pool_deferred_saves_go_in_one_transfer_after_the_forward(monkeypat
     monkeypatch.setattr(host_kv_pool, "chunks", lambda items: [items[i:i + 2] for i in range(0, len(items), 2)])
     puts = []
     real_put = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: puts.append(
-        (len(x) if isinstance(x, list) else 1, getattr(a[0] if a else None, "memory_kind", None))) or real_put(x, *a, **k))
+
+    def counted_put(x, *args, **kwargs):
+        puts.append((len(x) if isinstance(x, list) else 1, getattr(args[0] if args else None, "memory_kind", None)))
+        return real_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counted_put)
     gather, scatter = host._gather, host._scatter
 
     def rounds(pool):
