@@ -24,10 +24,11 @@ GPU: >= 2). ``ttft_later_turns_parts`` (and a line on stderr per configuration) 
 token: the queue (to the start of the step that first schedules the turn: no seat, no budget or no free device blocks
 for it), then the steps to its first token (how many; the host time they spent on the tier's copies);
 ``ttft_median_by_turn_s`` the median of each turn (the last turns, the longest, wait longest for free blocks).
-The run with the tier also reports (``copies``, and a line on stderr) the bytes it loaded and saved, the step time
-spent dispatching those copies, and the achieved host <-> device copy bandwidth: after the workload,
-``--bandwidth-blocks`` of the tier's host blocks go through the host pool's own transfers each way, timed to
-completion (GB/s, to set against the link's ceiling).
+The run with the tier also reports (``copies``, and lines on stderr) the bytes it loaded and saved, the step time
+spent dispatching those copies (``host_work``: the compiled gathers / scatters and ``device_put`` calls, the seconds
+before the forwards and after them, the waits for copies in flight past the cap), and the achieved host <-> device
+copy bandwidth: after the workload, ``--bandwidth-blocks`` of the tier's host blocks go through the host pool's own
+transfers each way, timed to completion (GB/s, to set against the link's ceiling).
 
 Engine flags as ``paged-jax serve`` takes them (``--model``, ``--load-format dummy``, ``--max-model-len``, ...);
 ``--kv-offloading-size`` is the tier's size in the run with the tier (required).
@@ -257,11 +258,19 @@ def copy_bandwidth(host_pool, num_blocks: int, trials: int = 3) -> dict:
 def _copy_summary(host_pool, args: argparse.Namespace) -> dict:
     """What the run copied each way, the host time its steps spent dispatching the copies, and ``copy_bandwidth``."""
     return {"loaded_gb": host_pool.bytes_loaded / 1e9, "saved_gb": host_pool.bytes_saved / 1e9,
-            "swap_dispatch_s": host_pool.swap_seconds,
+            "swap_dispatch_s": host_pool.swap_seconds, "host_work": dict(host_pool.counts),
             **copy_bandwidth(host_pool, args.bandwidth_blocks)}
 
 
 def _print_copies(copies: dict) -> None:
+    work = copies["host_work"]
+    if work.get("steps"):
+        print(f"host tier copies' host work over {work['steps']} steps with copies: {work.get('programs', 0)} gathers "
+              f"/ scatters and {work.get('transfers', 0)} device_put calls ({work.get('blocks_loaded', 0)} blocks "
+              f"loaded, {work.get('blocks_saved', 0)} saved); {work.get('swap_dispatch_s', 0):.2f} s before the "
+              f"forwards, {work.get('save_dispatch_s', 0):.2f} s after them (the saves' transfers), of which "
+              f"{work.get('waits', 0)} waits for copies past the in-flight cap took {work.get('wait_s', 0):.2f} s",
+              file=sys.stderr)
     if "host_to_device_gb_per_s" not in copies:
         return
     print(f"host tier copies: {copies['loaded_gb']:.3g} GB loaded, {copies['saved_gb']:.3g} GB saved, "

@@ -323,6 +323,9 @@ def test_kv_offload_benchmark_smoke(tmp_path):
     assert copies["loaded_gb"] > 0 and copies["saved_gb"] > 0 and copies["blocks"] > 0
     assert copies["host_to_device_gb_per_s"] > 0 and copies["device_to_host_gb_per_s"] > 0
     assert copies["memory_kind"] == "pinned_host" and "copies" not in base
+    work = copies["host_work"]  # the copies' host work: one save transfer per step with saves, after its forward
+    assert work["steps"] > 0 and work["programs"] > 0 and work["transfers"] > 0 and work["blocks_saved"] > 0
+    assert work["blocks_loaded"] == tier["num_onloaded_blocks"] and work["save_dispatch_s"] > 0
 
 
 def test_expert_parallel_benchmark_compares_both_layouts(tmp_path):

@@ -207,6 +207,45 @@ def test_host_pool_stores_land_after_the_step_and_load_back_exactly():
     host.close()
 
 
+def test_host_pool_deferred_saves_go_in_one_transfer_after_the_forward(monkeypatch):
+    """``defer_saves`` (the runner's steps): a step's saves are gathered before its loads' scatters (which donate the
+    pool) but sent to host memory only by ``finish_saves``, every chunk of the step in one ``device_put``; the
+    gathers hold the blocks as they were before the step's forward; a later step's loads read them bit-exactly (a
+    save left pending is sent first); the same step shapes compile nothing more."""
+    pool, original, host = _host_pool(num_host_blocks=6, max_in_flight=64)
+    pool = jax.device_put(pool, jax.devices()[0])  # committed, as the runner's pool (and the scatters' outputs)
+    monkeypatch.setattr(host_kv_pool, "chunks", lambda items: [items[i:i + 2] for i in range(0, len(items), 2)])
+    puts = []
+    real_put = jax.device_put
+
+    def counted_put(x, *args, **kwargs):
+        puts.append((len(x) if isinstance(x, list) else 1, getattr(args[0] if args else None, "memory_kind", None)))
+        return real_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counted_put)
+    gather, scatter = host._gather, host._scatter
+
+    def rounds(pool):
+        puts.clear()
+        pool = host.swap(pool, [(1, 0), (2, 1), (3, 2)], [], defer_saves=True)
+        assert not [p for p in puts if p[1] == "pinned_host"] and host.num_in_flight[0] == 3
+        forward = [(k.at[1:4].set(0.0), v.at[1:4].set(0.0)) for k, v in pool]  # the step overwrites the blocks
+        host.finish_saves()
+        assert [p for p in puts if p[1] == "pinned_host"] == [(3, "pinned_host")]  # one transfer, both chunks
+        pool = host.swap(forward, [(4, 3)], [(0, 4), (1, 5), (2, 1)], defer_saves=True)  # block 4's save pending
+        return host.swap(pool, [], [(3, 2)], defer_saves=True)  # reads host block 3: its save is sent first
+
+    pool = rounds(pool)
+    _assert_blocks_equal(pool, original, {4: 1, 5: 2, 1: 3, 2: 4})
+    compiled = gather._cache_size(), scatter._cache_size()
+    pool = rounds(jax.device_put(original, jax.devices()[0]))  # the same copies again, from the same contents
+    host.flush()
+    assert (gather._cache_size(), scatter._cache_size()) == compiled and host.num_in_flight == (0, 0)
+    assert host.counts["blocks_saved"] == 8 and host.counts["blocks_loaded"] == 8
+    _assert_blocks_equal(pool, original, {4: 1, 5: 2, 1: 3, 2: 4})
+    host.close()
+
+
 def test_host_pool_copies_are_dispatched_without_waiting_for_the_device(monkeypatch):
     """Under its in-flight cap a step's saves and loads only dispatch transfers: nothing in ``swap`` waits for the
     device or reads an array back to numpy. A load of blocks whose saves are still counted in flight (nobody waited

@@ -7,8 +7,11 @@ A step's ``swap_out = [(device_block, host_block)]`` and ``swap_in = [(host_bloc
 before its forward (``HostKVPool.swap``), all dispatched without waiting for the device:
 
 - saves: a chunk of the device -> host copies' blocks is gathered on the device (before anything of the step writes
-  the pool), one output array per block; each then starts its transfer to host memory (``jax.device_put`` to the
-  host memory kind: asynchronous) and becomes its host block's array at once. Nothing reads it back on the host.
+  the pool), one output array per block. Their transfers to host memory (one ``jax.device_put`` to the host memory
+  kind for all of the step's blocks: asynchronous) are dispatched by ``finish_saves``, which the runner calls once
+  the step's forward is dispatched: dispatching them costs the host time per block, and the gathered copies already
+  hold the data, so that time is spent while the device runs the forward instead of before it. Each transferred
+  array becomes its host block's array at once. Nothing reads it back on the host.
 - loads: the host -> device copies start the transfers of their host blocks' arrays to the device (asynchronous, on
   the runtime's transfer streams: they overlap the step still running on the device), and a compiled scatter writes
   them into the donated pool. A load reads the host block's array as it was before this step's saves: a step's loads
@@ -121,6 +124,7 @@ class _InFlight:
         self.cap = cap
         self.num_blocks = 0
         self._queue: collections.deque[tuple[list[jax.Array], int]] = collections.deque()
+        self.waits, self.wait_seconds = 0, 0.0
 
     def make_room(self, num_blocks: int) -> None:
         """Before a copy of ``num_blocks`` allocates its device arrays: wait for the oldest copies until it fits
@@ -128,7 +132,10 @@ class _InFlight:
         while self._queue and _ready(self._queue[0][0]):
             self._pop()
         while self._queue and self.num_blocks + num_blocks > self.cap:
+            start = time.perf_counter()
             jax.block_until_ready(self._queue[0][0])
+            self.waits += 1
+            self.wait_seconds += time.perf_counter() - start
             self._pop()
 
     def add(self, markers: list[jax.Array], num_blocks: int) -> None:
@@ -177,6 +184,11 @@ class HostKVPool:
         self._saves, self._loads = _InFlight(max_in_flight), _InFlight(max_in_flight)
         self.bytes_loaded = self.bytes_saved = 0
         self.swap_seconds = 0.0
+        # What the copies cost the host: steps with copies, compiled gathers / scatters called, device_put calls
+        # (each moves a list of blocks), blocks each way, waits for copies in flight past the cap and their seconds,
+        # seconds in ``swap`` (before the forward) and in ``finish_saves`` (after it).
+        self.counts: collections.Counter = collections.Counter()
+        self._pending_saves: list[tuple[list[int], list[jax.Array]]] = []  # gathered, not yet sent to host memory
         if self.memory_kind == "pinned_host" and first.platform in GPU_PLATFORMS:
             seconds = self.reserve_host_memory()
             logger.info("Reserved %.1f GiB of pinned host memory for %d host KV blocks in %.1f s",
@@ -200,25 +212,57 @@ class HostKVPool:
         jax.block_until_ready(held)
         return time.perf_counter() - start
 
-    def swap(self, kv_pool: list, swap_out: Sequence[tuple[int, int]],
-             swap_in: Sequence[tuple[int, int]]) -> list:
-        """Apply one step's copies (see the module docstring); returns the pool (the scatters donate it)."""
+    def swap(self, kv_pool: list, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]], *,
+             defer_saves: bool = False) -> list:
+        """Apply one step's copies before its forward (see the module docstring): the saves' gathers, the loads,
+        then the saves' transfers to host memory, or with ``defer_saves`` not before ``finish_saves`` (the runner's
+        call once the forward is dispatched). Returns the pool (the scatters donate it)."""
         start = time.perf_counter()
+        self.finish_saves()  # an earlier step's, when nothing dispatched a forward since
         sources = self._sources([h for h, _ in swap_in])  # before this step's saves replace any of them
-        # Saves first: their gathers read the pool before the loads' scatters (donating it) write into it.
+        # The gathers first: they read the pool before the loads' scatters (donating it) write into it.
         for chunk in chunks(list(swap_out)):
+            if self._saves.num_blocks + self._num_pending_saves + len(chunk) > self._saves.cap:
+                self.finish_saves()  # the oldest copies must be under way before they can be waited for
             self._saves.make_room(len(chunk))
-            blocks = self._gather(kv_pool, self._padded_ids([d for d, _ in chunk]))
-            self._save([h for _, h in chunk], blocks[:len(chunk)])
+            blocks = self._call(self._gather, kv_pool, self._padded_ids([d for d, _ in chunk]))
+            self._pending_saves.append(([h for _, h in chunk], blocks[:len(chunk)]))
         for chunk in chunks(list(zip(sources, [d for _, d in swap_in]))):
             self._loads.make_room(len(chunk))
             blocks = self._transfer([source for source, _ in chunk])
             # Padding entries write a copy of the last block into the null block, which no valid token reads.
             blocks += [blocks[-1]] * (padded_size(len(chunk)) - len(chunk))
-            kv_pool, done = self._scatter(kv_pool, self._padded_ids([d for _, d in chunk]), tuple(blocks))
+            kv_pool, done = self._call(self._scatter, kv_pool, self._padded_ids([d for _, d in chunk]),
+                                       tuple(blocks))
             self._loads.add([done], len(chunk))
-        self.swap_seconds += time.perf_counter() - start
+        self._count_step(start)
+        if not defer_saves:
+            self.finish_saves()
         return kv_pool
+
+    def finish_saves(self) -> None:
+        """Start the transfers to host memory of the blocks the last ``swap`` gathered, in one ``device_put``: they
+        become their host blocks' arrays at once. The runner calls it once the step's forward is dispatched, so that
+        dispatching them is off the forward's path (the gathers already hold the blocks' data)."""
+        if not self._pending_saves:
+            return
+        start = time.perf_counter()
+        pending, self._pending_saves = self._pending_saves, []
+        gathered = [block for _, blocks in pending for block in blocks]
+        self._block_sharding = gathered[0].sharding
+        host = jax.device_put(gathered, self._block_sharding.with_memory_kind(self.memory_kind))
+        self.counts["transfers"] += 1
+        self.counts["blocks_saved"] += len(host)
+        first = 0
+        for host_ids, blocks in pending:
+            arrays = host[first:first + len(blocks)]
+            self._blocks_by_id(host_ids, arrays)
+            self._saves.add(arrays, len(arrays))
+            first += len(blocks)
+        self.bytes_saved += len(host) * self.block_bytes
+        elapsed = time.perf_counter() - start
+        self.swap_seconds += elapsed
+        self.counts["save_dispatch_s"] += elapsed
 
     def _sources(self, host_ids: Sequence[int]) -> list[jax.Array]:
         """``host_ids``' arrays; RuntimeError naming those never saved."""
@@ -230,36 +274,53 @@ class HostKVPool:
 
     def _transfer(self, sources: list[jax.Array]) -> list[jax.Array]:
         self.bytes_loaded += len(sources) * self.block_bytes
+        self.counts["transfers"] += 1
+        self.counts["blocks_loaded"] += len(sources)
         return jax.device_put(sources, self._block_sharding)
 
     def fetch(self, host_ids: Sequence[int]) -> list[jax.Array]:
         """Start the host -> device transfers of ``host_ids``' blocks; -> their device arrays (not waited for)."""
+        self.finish_saves()
         return self._transfer(self._sources(host_ids))
 
-    def _save(self, host_ids: list[int], blocks: Sequence[jax.Array]) -> None:
-        """Start ``blocks``' (gathered, on the device) transfers to host memory; they become ``host_ids``' arrays."""
-        self._block_sharding = blocks[0].sharding
-        host = jax.device_put(list(blocks), self._block_sharding.with_memory_kind(self.memory_kind))
-        for host_id, array in zip(host_ids, host):
+    @property
+    def _num_pending_saves(self) -> int:
+        return sum(len(blocks) for _, blocks in self._pending_saves)
+
+    def _blocks_by_id(self, host_ids: list[int], arrays: list[jax.Array]) -> None:
+        for host_id, array in zip(host_ids, arrays):
             self._blocks[host_id] = array
-        self.bytes_saved += len(host) * self.block_bytes
-        self._saves.add(host, len(host))
+
+    def _call(self, program: Callable, *args):
+        self.counts["programs"] += 1
+        return program(*args)
+
+    def _count_step(self, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        self.swap_seconds += elapsed
+        self.counts["steps"] += 1
+        self.counts["swap_dispatch_s"] += elapsed
+        self.counts["waits"], self.counts["wait_s"] = (self._saves.waits + self._loads.waits,
+                                                       self._saves.wait_seconds + self._loads.wait_seconds)
 
     @property
     def num_in_flight(self) -> tuple[int, int]:
         """(blocks of saves not known to be in host memory yet, blocks of loads not known to be scattered yet)."""
-        return self._saves.num_blocks, self._loads.num_blocks
+        return self._saves.num_blocks + self._num_pending_saves, self._loads.num_blocks
 
     def block_array(self, host_id: int) -> jax.Array | None:
         """Host block ``host_id``'s array (in ``memory_kind``; None: never saved)."""
+        self.finish_saves()
         return self._blocks[host_id]
 
     def read_block(self, host_id: int) -> np.ndarray:
         """Host block ``host_id``'s contents ``[slots, 2, block_size, Hkv, D]`` (waits for its save)."""
+        self.finish_saves()
         return np.asarray(jax.device_get(self._blocks[host_id]))
 
     def flush(self) -> None:
         """Wait until every save has landed in host memory and every load is in the pool."""
+        self.finish_saves()
         self._saves.wait_all()
         self._loads.wait_all()
 

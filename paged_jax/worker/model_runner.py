@@ -399,7 +399,7 @@ class ModelRunner:
             lora_slots=lora_slots, lora=self.lora_slots is not None)
         if self.step_channel is not None:  # multi-host node 0: the other nodes run this same step, from here on
             self.step_channel.publish("step", encode_step(scheduler_output, lora_slots))
-        self.swap(scheduler_output.swap_out, scheduler_output.swap_in)
+        self.swap(scheduler_output.swap_out, scheduler_output.swap_in, defer_saves=rows is not None)
         if rows is None:
             return None
         batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
@@ -414,6 +414,8 @@ class ModelRunner:
         self.dispatcher.dispatch(handle, packed.buf, layout.num_tokens, layout.num_seqs, sampling,
                                  grammars=self._step_grammars(scheduler_output.grammars, packed),
                                  num_rows=layout.num_sample_rows)
+        if self.host_pool is not None:  # the saves' transfers, dispatched off the forward's path
+            self.host_pool.finish_saves()
         if not defer_sampling:
             self.dispatch_sampling(handle)
         return handle
@@ -555,16 +557,18 @@ class ModelRunner:
         return out if any(g is not None for g in out) else None
 
     # ------------------------------------------------------------------ swapping
-    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]], *,
+             defer_saves: bool = False) -> None:
         """Apply one step's swap copies: ``swap_out = [(device_block, host_block)]`` device -> host, then
         ``swap_in = [(host_block, device_block)]`` host -> device (``HostKVPool.swap``: a step's swap-ins read
-        what earlier steps stored, its own stores land after it, without the step waiting for them)."""
+        what earlier steps stored, its own stores land after it, without the step waiting for them;
+        ``defer_saves``: the stores' transfers wait for ``HostKVPool.finish_saves``, after the forward)."""
         if not swap_out and not swap_in:
             return
         self.wait_for_dispatch()  # the pool must be the one after every step dispatched so far
         if self.host_pool is None:
             raise ValueError("swap requested but the runner has no host pool (swap_space=0)")
-        self.kv_pool = self.host_pool.swap(self.kv_pool, swap_out, swap_in)
+        self.kv_pool = self.host_pool.swap(self.kv_pool, swap_out, swap_in, defer_saves=defer_saves)
 
 def _capture_routing(model, model_config: ModelConfig, options: MoeStepOutputs, forward) -> MoeStepOutputs:
     """``options``, the sparse layers of ``model`` set to record their routing (static) when any is on; ValueError
