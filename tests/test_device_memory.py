@@ -3,6 +3,7 @@ memory statistics, as JAX reports them)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -37,5 +38,7 @@ def test_a_pool_larger_than_the_allocator_has_free_is_refused_before_allocating(
         check_pool_fits(FakeGpu(60 * GIB, 25 * GIB), [(3 * GIB // 2,)] * 12, np.int16)
     with pytest.raises(RuntimeError, match=r"largest free region 2.50 GiB"):
         check_pool_fits(FakeGpu(60 * GIB, 20 * GIB, largest_free_block=5 * GIB // 2), [(3 * GIB // 2,)] * 12, np.int16)
-    error = pool_allocation_error(FakeGpu(60 * GIB, 50 * GIB, largest_free_block=GIB), 36 * GIB, MemoryError("oom"))
-    assert "largest free region 1.00 GiB" in str(error) and "--num-gpu-blocks-override" in str(error)
+    pool = [(jax.ShapeDtypeStruct((3 * GIB // 2,), np.int16),) * 2] * 6  # (k, v) of 6 layers: 36 GiB
+    error = pool_allocation_error(FakeGpu(60 * GIB, 50 * GIB, largest_free_block=GIB), pool, MemoryError("oom"))
+    assert "KV pool (36.00 GiB)" in str(error) and "largest free region 1.00 GiB" in str(error)
+    assert "--num-gpu-blocks-override" in str(error)

@@ -80,6 +80,11 @@ def describe_allocator(device) -> str:
             f"{gib('largest_free_block_bytes')}, {stats.get('num_allocs', '?')} allocations")
 
 
+def _leaves(nested) -> list:
+    """The non-sequence items of ``nested`` lists and tuples."""
+    return [leaf for item in nested for leaf in (_leaves(item) if isinstance(item, (list, tuple)) else [item])]
+
+
 def check_pool_fits(device, array_shapes: list[tuple[int, ...]], dtype) -> None:
     """Before the KV pool (arrays of ``array_shapes`` in ``dtype``) is allocated on ``device``: a ``RuntimeError`` saying what holds the memory when the allocator has less free (its limit less the bytes in use),
     or when its largest free region is smaller than one array (the free memory is split), instead of the allocator's
@@ -97,9 +102,11 @@ def check_pool_fits(device, array_shapes: list[tuple[int, ...]], dtype) -> None:
             f"{describe_allocator(device)}: lower --gpu-memory-utilization or set --num-gpu-blocks-override")
 
 
-def pool_allocation_error(device, pool_bytes: int, error: Exception) -> RuntimeError:
-    """The ``RuntimeError`` for an allocator out-of-memory ``error`` while the KV pool (``pool_bytes``) is being
-    allocated: the allocator's statistics and the flags that size the pool."""
+def pool_allocation_error(device, pool_arrays, error: Exception) -> RuntimeError:
+    """The ``RuntimeError`` for an allocator out-of-memory ``error`` while the KV pool (``pool_arrays``: its arrays
+    or their ``ShapeDtypeStruct``s, in any nesting) is being allocated: the allocator's statistics and the flags
+    that size the pool."""
+    pool_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in _leaves(pool_arrays))
     return RuntimeError(f"Allocating the KV pool ({pool_bytes / 2**30:.2f} GiB) ran out of device memory; "
                         f"{describe_allocator(device)}: lower --gpu-memory-utilization or set "
                         f"--num-gpu-blocks-override ({error})")

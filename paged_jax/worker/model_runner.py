@@ -31,7 +31,6 @@ multiplicative.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import jax
@@ -275,11 +274,6 @@ class ModelRunner:
     def kv_pool_allocated(self) -> bool:
         """Whether the KV pool exists (``kv_pool`` allocates it on first use)."""
         return self._kv_pool is not None
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        """Bytes of the whole KV pool (sharded: over all its devices)."""
-        return self.kv_layout.num_slots * sum(map(math.prod, self._kv_block_shapes)) * jnp.dtype(self.kv_dtype).itemsize
 
     @property
     def kv_pool(self) -> list[tuple[jax.Array, jax.Array]]:
