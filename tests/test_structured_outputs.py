@@ -144,7 +144,8 @@ def test_offline_constrained_batch_same_under_preemption_and_async(serving_engin
     params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec, n=1 + (i == 3)) for i, spec
               in enumerate(specs)]
     reference = run_to_completion(serving_engine, prompts, params, prefix="ref")
-    # The shapes of tests/test_engine.py's tight engine (compiled once for both files); prompts prefill in chunks.
+    # The shapes of tests/test_engine.py's tight engine (compiled once for the files that share them); prompts prefill
+    # in chunks.
     engine = LLMEngine(EngineArgs(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=TIGHT_BATCHED_TOKENS,
                                   num_gpu_blocks_override=TIGHT_BLOCKS, seed=0, async_scheduling=True), use_tqdm=False)
     expected = [[c.token_ids for c in o.outputs] for o in reference]
