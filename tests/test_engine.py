@@ -22,6 +22,9 @@ MAX_MODEL_LEN = 256
 # Same pool size (and so the same compiled shapes, via the persistent compilation cache) for every roomy engine.
 ROOMY_BLOCKS = 400
 TIGHT_BLOCKS = 40  # 39 usable blocks of 16 tokens: far less than 16 running sequences of ~100 tokens need
+# The tight recompute engines' step budget: prompts prefill in several chunks. Tests in other files that build a tight
+# engine use it too (tests/test_parallel_sampling.py, test_structured_outputs.py): one compile of those shapes.
+TIGHT_BATCHED_TOKENS = 32
 
 TEXT = (
     "The history of astronomy spans thousands of years. Early civilizations watched the sky to keep track of the "
@@ -171,7 +174,8 @@ def test_batched_greedy_matches_transformers_then_hits_prefix_cache(engine, work
 # CI time); the swap case keeps the default budget.
 @pytest.mark.parametrize("mode,async_scheduling", [("recompute", True), pytest.param("swap", False, marks=pytest.mark.slow)])
 def test_preemption_matches_transformers(workload, reference, mode, async_scheduling):
-    chunked = dict(max_num_batched_tokens=32, enable_prefix_caching=False) if mode == "recompute" else {}
+    chunked = dict(max_num_batched_tokens=TIGHT_BATCHED_TOKENS, enable_prefix_caching=False) if mode == "recompute" \
+        else {}
     engine = make_engine(num_gpu_blocks_override=TIGHT_BLOCKS, preemption_mode=mode, swap_space=0.05,
                          async_scheduling=async_scheduling, **chunked)
     outputs = run_to_completion(engine, workload, GREEDY)

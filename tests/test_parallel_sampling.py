@@ -16,7 +16,7 @@ from paged_jax.core.request import Request
 from paged_jax.entrypoints.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.core.request import child_seed
-from tests.test_engine import TEXT, TIGHT_BLOCKS, assert_clean, make_engine, run_to_completion
+from tests.test_engine import TEXT, TIGHT_BATCHED_TOKENS, TIGHT_BLOCKS, assert_clean, make_engine, run_to_completion
 
 EOS = 2
 
@@ -199,8 +199,9 @@ def test_forked_groups_survive_preemption(engine, long_prompt, mode):
     else:
         params = [SamplingParams(n=3, temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
     roomy = run_to_completion(engine, prompts, params, prefix=f"roomy-{mode}")
+    chunked = dict(max_num_batched_tokens=TIGHT_BATCHED_TOKENS) if mode == "recompute" else {}  # chunked prefill too
     tight = make_engine(num_gpu_blocks_override=TIGHT_BLOCKS, preemption_mode=mode, swap_space=0.05,
-                        async_scheduling=mode == "recompute")
+                        async_scheduling=mode == "recompute", **chunked)
     outputs = run_to_completion(tight, prompts, params)
     assert tight.stats()["num_preemptions"] > 0
     if mode == "swap":

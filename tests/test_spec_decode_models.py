@@ -28,7 +28,7 @@ from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec_decode import parse_speculative_config
 from paged_jax.spec_decode.verify import per_position
-from tests.test_engine import assert_clean, run_to_completion
+from tests.test_engine import assert_clean, make_engine, run_to_completion
 from tests.test_spec_decode import TEXT, Params, assert_same_outputs
 
 K = 3
@@ -203,8 +203,10 @@ def prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(smollm2_dir, prompts):
-    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), **SETTINGS), use_tqdm=False)
+def plain_outputs(prompts):
+    """Outputs without drafts, of tests/test_engine.py's roomy engine (its compiled shapes are in the persistent
+    compilation cache when that file ran first: CI time)."""
+    engine = make_engine()
     return [run_to_completion(engine, prompts, params) for params in PARAMS]
 
 

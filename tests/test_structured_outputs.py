@@ -132,7 +132,7 @@ def test_offline_constrained_batch_same_under_preemption_and_async(serving_engin
     preemptions) with async scheduling gives the synchronous roomy run's outputs."""
     from paged_jax.config import EngineArgs
     from paged_jax.engine.llm_engine import LLMEngine
-    from tests.test_engine import TEXT, run_to_completion
+    from tests.test_engine import TEXT, TIGHT_BATCHED_TOKENS, TIGHT_BLOCKS, run_to_completion
 
     text_ids = smollm2_tokenizer.encode(TEXT)
     schemas = varied_schemas(6)
@@ -144,9 +144,10 @@ def test_offline_constrained_batch_same_under_preemption_and_async(serving_engin
     params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec, n=1 + (i == 3)) for i, spec
               in enumerate(specs)]
     reference = run_to_completion(serving_engine, prompts, params, prefix="ref")
-    # The shapes of tests/test_engine.py's tight engine (compiled once for both files).
-    engine = LLMEngine(EngineArgs(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128,
-                                  num_gpu_blocks_override=40, seed=0, async_scheduling=True), use_tqdm=False)
+    # The shapes of tests/test_engine.py's tight engine (compiled once for the files that share them); prompts prefill
+    # in chunks.
+    engine = LLMEngine(EngineArgs(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=TIGHT_BATCHED_TOKENS,
+                                  num_gpu_blocks_override=TIGHT_BLOCKS, seed=0, async_scheduling=True), use_tqdm=False)
     expected = [[c.token_ids for c in o.outputs] for o in reference]
     outputs = run_to_completion(engine, prompts, params, prefix="tight")
     assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
