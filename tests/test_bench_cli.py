@@ -58,6 +58,8 @@ def test_bench_latency_prints_average_and_percentiles(smollm2_dir, tmp_path, cap
     assert f"99% percentile latency: {result['percentiles']['99']} seconds" in printed
 
 
+# Slow: the wrapped benchmark stays covered by tests/test_benchmarks.py's throughput runs.
+@pytest.mark.slow
 def test_bench_throughput_reports_requests_and_tokens_per_second(tmp_path, capsys):
     """No --model: the built-in one, as ``paged-jax serve`` without MODEL."""
     from serving.commands import main

@@ -24,6 +24,8 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     assert "--temperature" in result["argv"]
 
 
+# Slow: tensor-parallel exactness stays covered by tests/test_sharding.py.
+@pytest.mark.slow
 def test_sharding_benchmark_reports_floor_scaling_and_exact_agreement(tmp_path):
     """benchmarks/sharding.py on the fake CPU devices: fp32 layouts agree exactly with tp1, the pipelined step,
     floor and per-GPU scaling columns are filled, and each tp device holds half of tp1's weights."""

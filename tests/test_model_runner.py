@@ -161,6 +161,8 @@ def test_paged_steps_match_dense_reference(tiny_model, chunk):
     assert runner.num_compiles_since_warmup == 0
 
 
+# Slow: feeding decodes from device samples stays covered by test_engine's async-scheduling cases.
+@pytest.mark.slow
 def test_decode_input_fed_from_device_samples(tiny_model):
     model, config = tiny_model
     rng = np.random.default_rng(1)

@@ -220,7 +220,9 @@ def spec_llms(smollm2_dir):
     return get
 
 
-@pytest.mark.parametrize("speculative_config", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+# Slow for suffix: the verify path is the method's; suffix proposals stay covered by their own tests.
+@pytest.mark.parametrize("speculative_config", [NGRAM, pytest.param(SUFFIX, marks=pytest.mark.slow)],
+                         ids=["ngram", "suffix"])
 def test_outputs_equal_decoding_without_drafts(speculative_config, spec_llms, prompts, plain_outputs):
     """Greedy (with logprobs, stop strings inside accepted runs, n = 2) and seeded sampling with penalties: the
     same outputs as without drafts; drafts were accepted and rejected."""

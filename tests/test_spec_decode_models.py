@@ -451,7 +451,8 @@ def test_the_target_as_its_own_draft_model_is_accepted_throughout(smollm2_dir, p
 
 @pytest.mark.parametrize("drafter", [pytest.param("eagle3", marks=pytest.mark.slow),
                                      pytest.param("eagle", marks=pytest.mark.slow),
-                                     pytest.param("mtp", marks=pytest.mark.slow), "draft_model"])
+                                     pytest.param("mtp", marks=pytest.mark.slow),
+                                     pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_drafter_benchmark_runs_on_cpu(drafter, tmp_path):
     """benchmarks/spec_decode.py drafter on tiny shapes: plain, verify and propose + verify rows per batch, nothing
     compiled after warm-up."""
