@@ -138,10 +138,11 @@ def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monk
         throughput.main(["--shape", "smollm2-135m", "--batch-invariant", "--num-prompts", "1"])
     assert engine_kwargs_seen["batch_invariant"] is True
     lines = kernel_bench.main(["--tiny", "--sections", "matmul", "--rows", "1,70", "--repeats", "1",
-                               "--impls", "chunks,pallas"])
+                               "--impls", "chunks,pallas,pallas:16x32"])  # 16x32: N and K in several masked tiles
     assert len(lines) == 4
-    assert all(line[f"{impl}_{check}"] for line in lines for impl in ("chunks", "pallas") for check in ("row0_same",
-                                                                                                      "moved_same"))
+    impls = ("chunks", "pallas", "pallas:16x32")
+    assert all(line[f"{impl}_{check}"] for line in lines for impl in impls for check in ("row0_same", "moved_same"))
+    assert all(line["pallas:16x32_err"] <= 2 * line["xla_err"] + 1e-6 for line in lines)
 
 
 @pytest.mark.slow

@@ -10,6 +10,9 @@ import pytest
 from paged_jax.worker.device_memory import check_pool_fits, pool_allocation_error
 
 
+ARRAYS = [jax.ShapeDtypeStruct((3 << 29,), np.int16)] * 12  # a pool of 12 arrays of 3 GiB: 36 GiB
+
+
 class FakeGpu:
     """A device with the memory stats of a GPU (``memory_stats`` keys as JAX reports them)."""
 
@@ -32,13 +35,12 @@ def test_a_pool_larger_than_the_allocator_has_free_is_refused_before_allocating(
     """The pool is allocated after the compiles: when the allocator then has less free than the pool needs, or its
     free memory is split into regions smaller than one of the pool's arrays, the error names the allocator's state
     and the flags to change, instead of an allocator failure part way through."""
-    check_pool_fits(FakeGpu(60 * GIB, 24 * GIB), [(3 * GIB // 2,)] * 12, np.int16)
+    check_pool_fits(FakeGpu(60 * GIB, 24 * GIB), ARRAYS)
     with pytest.raises(RuntimeError, match=r"needs 36.00 GiB in arrays of 3.00 GiB; JAX's allocator: 25.00 GiB in "
                                            r"use of its 60.00 GiB limit.*--gpu-memory-utilization"):
-        check_pool_fits(FakeGpu(60 * GIB, 25 * GIB), [(3 * GIB // 2,)] * 12, np.int16)
+        check_pool_fits(FakeGpu(60 * GIB, 25 * GIB), ARRAYS)
     with pytest.raises(RuntimeError, match=r"largest free region 2.50 GiB"):
-        check_pool_fits(FakeGpu(60 * GIB, 20 * GIB, largest_free_block=5 * GIB // 2), [(3 * GIB // 2,)] * 12, np.int16)
-    pool = [(jax.ShapeDtypeStruct((3 * GIB // 2,), np.int16),) * 2] * 6  # (k, v) of 6 layers: 36 GiB
-    error = pool_allocation_error(FakeGpu(60 * GIB, 50 * GIB, largest_free_block=GIB), pool, MemoryError("oom"))
+        check_pool_fits(FakeGpu(60 * GIB, 20 * GIB, largest_free_block=5 * GIB // 2), ARRAYS)
+    error = pool_allocation_error(FakeGpu(60 * GIB, 50 * GIB, largest_free_block=GIB), ARRAYS, MemoryError("oom"))
     assert "KV pool (36.00 GiB)" in str(error) and "largest free region 1.00 GiB" in str(error)
     assert "--num-gpu-blocks-override" in str(error)

@@ -73,8 +73,8 @@ def block_n_for(n: int) -> int:
 
 def resolve_impl(impl: str) -> str:
     """``impl`` (one of ``MATMUL_IMPLS``) as run here: "auto" is ``IMPL_ENV``'s choice when set, else "pallas" on a
-    GPU, whose bits do not depend on the compiler's algorithm choices (``benchmarks.batch_invariant`` checks
-    "chunks" there), and "chunks" elsewhere. ValueError naming ``IMPL_ENV`` for another value."""
+    GPU, whose bits do not depend on the compiler's algorithm choices (there "chunks" follow the autotuner's choice
+    per compilation), and "chunks" elsewhere. ValueError naming ``IMPL_ENV`` for another value."""
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"batch-invariant matmul impl must be one of {', '.join(MATMUL_IMPLS)}, got {impl!r}")
     if impl == "auto":

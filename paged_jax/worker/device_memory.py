@@ -80,20 +80,20 @@ def describe_allocator(device) -> str:
             f"{gib('largest_free_block_bytes')}, {stats.get('num_allocs', '?')} allocations")
 
 
-def _leaves(nested) -> list:
-    """The non-sequence items of ``nested`` lists and tuples."""
-    return [leaf for item in nested for leaf in (_leaves(item) if isinstance(item, (list, tuple)) else [item])]
+def _bytes(array) -> int:
+    """Bytes of ``array`` (a ``jax.Array`` or ``ShapeDtypeStruct``; across all its devices)."""
+    return math.prod(array.shape) * np.dtype(array.dtype).itemsize
 
 
-def check_pool_fits(device, array_shapes: list[tuple[int, ...]], dtype) -> None:
-    """Before the KV pool (arrays of ``array_shapes`` in ``dtype``) is allocated on ``device``: a ``RuntimeError`` saying what holds the memory when the allocator has less free (its limit less the bytes in use),
+def check_pool_fits(device, pool_arrays: list) -> None:
+    """Before the KV pool (``pool_arrays``: its arrays' ``ShapeDtypeStruct``s) is allocated on ``device``: a
+    ``RuntimeError`` saying what holds the memory when the allocator has less free (its limit less the bytes in use),
     or when its largest free region is smaller than one array (the free memory is split), instead of the allocator's
     own out-of-memory error part way through. No check without memory statistics (the CPU)."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return
-    array_sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape in array_shapes]
-    pool_bytes, array_bytes = sum(array_sizes), max(array_sizes)
+    pool_bytes, array_bytes = sum(map(_bytes, pool_arrays)), max(map(_bytes, pool_arrays))
     free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
     largest = int(stats.get("largest_free_block_bytes", free))
     if pool_bytes > free or array_bytes > largest:
@@ -102,13 +102,11 @@ def check_pool_fits(device, array_shapes: list[tuple[int, ...]], dtype) -> None:
             f"{describe_allocator(device)}: lower --gpu-memory-utilization or set --num-gpu-blocks-override")
 
 
-def pool_allocation_error(device, pool_arrays, error: Exception) -> RuntimeError:
-    """The ``RuntimeError`` for an allocator out-of-memory ``error`` while the KV pool (``pool_arrays``: its arrays
-    or their ``ShapeDtypeStruct``s, in any nesting) is being allocated: the allocator's statistics and the flags
-    that size the pool."""
-    pool_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in _leaves(pool_arrays))
-    return RuntimeError(f"Allocating the KV pool ({pool_bytes / 2**30:.2f} GiB) ran out of device memory; "
-                        f"{describe_allocator(device)}: lower --gpu-memory-utilization or set "
+def pool_allocation_error(device, pool_arrays: list, error: Exception) -> RuntimeError:
+    """The ``RuntimeError`` for an allocator out-of-memory ``error`` while the KV pool (``pool_arrays``: its arrays or
+    their ``ShapeDtypeStruct``s) is being allocated: the allocator's statistics and the flags that size the pool."""
+    return RuntimeError(f"Allocating the KV pool ({sum(map(_bytes, pool_arrays)) / 2**30:.2f} GiB) ran out of device "
+                        f"memory; {describe_allocator(device)}: lower --gpu-memory-utilization or set "
                         f"--num-gpu-blocks-override ({error})")
 
 

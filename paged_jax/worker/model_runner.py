@@ -281,7 +281,7 @@ class ModelRunner:
         of ``kv_layout`` with KV-cache groups (zeros when first used)."""
         if self._kv_pool is None:
             if self.sharding_plan is None:
-                check_pool_fits(self.device, list(self._kv_block_shapes) * self.kv_layout.num_slots, self.kv_dtype)
+                check_pool_fits(self.device, jax.tree.leaves(self.abstract_kv_pool()))
             self._kv_pool = (
                 self.sharding_plan.make_kv_caches(self.num_blocks, self.block_size, self.kv_dtype,
                                                   num_layers=self.kv_layout.num_slots)

@@ -126,7 +126,7 @@ def allocate_kv_pool(runner) -> float:
     except jax.errors.JaxRuntimeError as exc:
         if "RESOURCE_EXHAUSTED" not in str(exc):
             raise
-        raise pool_allocation_error(runner.device, runner.abstract_kv_pool(), exc) from exc
+        raise pool_allocation_error(runner.device, jax.tree.leaves(runner.abstract_kv_pool()), exc) from exc
     return time.perf_counter() - start
 
 
