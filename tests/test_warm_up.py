@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from paged_jax.core.hand_steps import HandScheduler
+from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.model_runner import ModelRunner
 from paged_jax.sampling_params import SamplingParams
 from tests.test_model_runner import BLOCK_SIZE, MAX_MODEL_LEN, fresh_step, make_runner
@@ -76,8 +77,6 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     is the first (largest) one and the smaller forwards, on which the sampler compiles wait, are still queued when
     the pool is shut down (cancelling them runs their callbacks, which must not queue anything then)."""
     import threading
-
-    from paged_jax.worker import warm_up as warm_up_lib
 
     model, config = tiny_model
     compile_ = warm_up_lib.load_or_compile
@@ -230,3 +229,21 @@ def test_a_runner_counts_only_its_own_compiles(tiny_model):
         assert fn.jitted is not second.step_functions()[-1].jitted
     jax.block_until_ready(first._gather_blocks(first.kv_pool, np.arange(3, dtype=np.int32)))  # a block per output
     assert first.num_compiles() >= 1 and second.num_compiles() == before
+
+
+def test_warm_up_allocates_the_kv_pool_before_any_compile(tiny_model, monkeypatch):
+    """The pool's arrays are allocated before the compiles, whose autotuning buffers could otherwise split the
+    memory they need; warm-up still times the allocation (``kv_pool_s``)."""
+    model, config = tiny_model
+    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2])
+    pool_at_compile = []
+    compile_jobs = warm_up_lib.Compiler.compile
+
+    def compile_and_record(self, jobs, **kwargs):
+        pool_at_compile.append(runner.kv_pool_allocated)
+        return compile_jobs(self, jobs, **kwargs)
+
+    monkeypatch.setattr(warm_up_lib.Compiler, "compile", compile_and_record)
+    runner.warm_up(use_tqdm=False)
+    assert pool_at_compile and all(pool_at_compile) and runner.warm_up_timings["kv_pool_s"] >= 0
