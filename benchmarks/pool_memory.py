@@ -33,6 +33,7 @@ def _runner(args):
     from models.loader import init_dummy_model
     from models.presets import preset_config
     from models.testing import tiny_config
+    from paged_jax.engine.generation_config import eos_token_ids
     from paged_jax.worker.kv_pool_sizing import kv_bytes_per_block
     from paged_jax.worker.model_runner import ModelRunner
 
@@ -46,7 +47,7 @@ def _runner(args):
     return ModelRunner(model, config, num_blocks=num_blocks, block_size=args.block_size,
                        max_model_len=256 if args.tiny else args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=64 if args.tiny else args.max_num_batched_tokens,
-                       eos_token_ids=[config.eos_token_id or 0], qk_prepare_impl=args.qk_prepare_impl)
+                       eos_token_ids=eos_token_ids({"eos_token_id": config.eos_token_id}), qk_prepare_impl=args.qk_prepare_impl)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -81,11 +81,11 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     model, config = tiny_model
     compile_ = warm_up_lib.load_or_compile
 
-    def failing(cache, fn, args, static=None, seconds=None, lowering_turn=None):
+    def failing(cache, fn, args, static=None, seconds=None, lowering_turn=None, compile_slot=None):
         if fn is runner._forward and (static["num_tokens"], static["num_seqs"]) == max(runner.buckets):
             with lowering_turn:  # a failure inside the turn must hand it on
                 raise RuntimeError("compile failed on purpose")
-        return compile_(cache, fn, args, static, seconds, lowering_turn)
+        return compile_(cache, fn, args, static, seconds, lowering_turn, compile_slot)
 
     monkeypatch.setattr(warm_up_lib, "load_or_compile", failing)
     runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -247,3 +247,41 @@ def test_warm_up_allocates_the_kv_pool_before_any_compile(tiny_model, monkeypatc
     monkeypatch.setattr(warm_up_lib.Compiler, "compile", compile_and_record)
     runner.warm_up(use_tqdm=False)
     assert pool_at_compile and all(pool_at_compile) and runner.warm_up_timings["kv_pool_s"] >= 0
+
+
+def test_compiles_hold_a_memory_slot_only_while_xla_compiles(tiny_model, monkeypatch):
+    """Warm-up bounds how many XLA compiles run at once by the device memory beside the pool
+    (``memory_bound_compiles``, one compile's autotuning scratch each): with one slot on four threads, no two
+    compiles overlap, tracing and lowering outside the slot; every executable still lands."""
+    import threading
+
+    model, config = tiny_model
+    monkeypatch.setattr(warm_up_lib, "memory_bound_compiles", lambda runner, threads: 1)
+    inside, overlaps, compiles = [], [], []
+    lock = threading.Lock()
+    compile_ = warm_up_lib.load_or_compile
+
+    class Recorded:
+        def __init__(self, slot):
+            self.slot = slot
+
+        def __enter__(self):
+            self.slot.__enter__()
+            with lock:
+                inside.append(1)
+                overlaps.append(len(inside))
+                compiles.append(1)
+
+        def __exit__(self, *exc):
+            with lock:
+                inside.pop()
+            return self.slot.__exit__(*exc)
+
+    def recorded(cache, fn, args, static=None, seconds=None, lowering_turn=None, compile_slot=None):
+        return compile_(cache, fn, args, static, seconds, lowering_turn, Recorded(compile_slot))
+
+    monkeypatch.setattr(warm_up_lib, "load_or_compile", recorded)
+    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2])
+    runner.warm_up(use_tqdm=False, threads=4)
+    assert compiles and max(overlaps) == 1 and runner.num_compiles_since_warmup == 0

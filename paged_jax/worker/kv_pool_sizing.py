@@ -67,6 +67,13 @@ def max_addressable_blocks(config: ModelConfig, block_size: int, dtype) -> int |
     return (2 ** 31 - 1) // elements_per_block
 
 
+# Compiles that may autotune at once beside the KV pool: its sizing keeps their scratch free (background compiles run
+# beside serving steps, whose own headroom is apart).
+COMPILE_SCRATCH_SLOTS = 2
+# XLA's redzone allocator pads each autotuning buffer on both sides.
+AUTOTUNE_REDZONE_BYTES = 64 << 20
+
+
 def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_model_len: int, max_num_seqs: int,
                          max_num_batched_tokens: int, gpu_memory_utilization: float,
                          num_blocks_override: int | None = None, device: jax.Device | None = None,
@@ -94,6 +101,7 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     ``host_copy_blocks``: blocks the host KV pool's copies hold on the device at once (the host tier's saves on
     their way to host memory and a chunk of loads, ``paged_jax.worker.host_kv_pool``), kept free of the pool too.
     ``extra_block_bytes``: what another pool indexed by the same block ids takes per block (a model drafter's KV).
+    ``COMPILE_SCRATCH_SLOTS`` compiles' autotuning scratch (``autotune_scratch_bytes``) joins the headroom.
 
     An FP8 pool is capped at ``max_addressable_blocks`` (a warning says so).
 
@@ -115,15 +123,18 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    headroom = step_headroom_bytes(config, dtype, max_num_seqs=max(max_num_seqs, num_sample_rows or 0),
+    logits_rows = max(max_num_seqs, num_sample_rows or 0)
+    headroom = (step_headroom_bytes(config, dtype, max_num_seqs=logits_rows,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     dequantization_bytes=dequantization_bytes) + host_copy_blocks * per_block
+                + COMPILE_SCRATCH_SLOTS * autotune_scratch_bytes(config, dtype, logits_rows=logits_rows,
+                                                                 max_num_batched_tokens=max_num_batched_tokens))
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     held = stats["bytes_in_use"] if weight_bytes is None else weight_bytes
     budget = usable - held - headroom
     num_blocks = int(budget // per_block)
     logger.info("KV cache sizing: %.2f GiB usable (allocator limit %.2f GiB, %.2f GiB in use), weights %.2f GiB, "
-                "step headroom %.2f GiB: %d blocks of %.2f MiB", usable / 2**30, stats["bytes_limit"] / 2**30,
+                "step and compile headroom %.2f GiB: %d blocks of %.2f MiB", usable / 2**30, stats["bytes_limit"] / 2**30,
                 stats["bytes_in_use"] / 2**30, held / 2**30, headroom / 2**30, num_blocks, per_block / 2**20)
     if num_blocks - 1 < blocks_per_seq:
         capacity = max(num_blocks - 1, 0) * block_size
@@ -184,6 +195,19 @@ def step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_nu
     # [rows, vocab] f32 buffers at its peak (an H200 warm-up with 256 rows ran out of memory at six).
     logits = 8 * max(max_num_seqs, LOGITS_CHUNK_ROWS) * config.vocab_size * 4
     return activations + logits + int(dequantization_bytes) + (512 << 20)
+
+
+def autotune_scratch_bytes(config: ModelConfig, dtype, *, logits_rows: int, max_num_batched_tokens: int) -> int:
+    """Device bytes one XLA compile may hold while it autotunes a matmul: fresh copies of the operands of the
+    largest one (the logits' ``[rows, hidden] x [hidden, vocab]`` or the widest step's MLP input projection), its
+    output twice (each candidate's and the reference it is checked against, fp32 at most) and the buffers' redzones.
+    Compiles that autotune at once each need this beside the weights and the KV pool (``paged_jax.worker.warm_up``
+    runs no more at once than the free memory holds)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    hidden, vocab, mlp_width = config.hidden_size, config.vocab_size, 2 * config.intermediate_size
+    logits = (vocab + logits_rows) * hidden * itemsize + 2 * logits_rows * vocab * 4
+    mlp = (hidden + max_num_batched_tokens) * mlp_width * itemsize + 2 * max_num_batched_tokens * mlp_width * 4
+    return max(logits, mlp) + AUTOTUNE_REDZONE_BYTES
 
 
 def device_bytes(tree, device: jax.Device) -> int:

@@ -26,6 +26,7 @@ single jitted function to lower): it warms up with phase 2 only, which compiles 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,8 +38,9 @@ import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.compile_queue import JobQueue
-from paged_jax.worker.device_memory import pool_allocation_error
+from paged_jax.worker.device_memory import concurrent_compiles, describe_allocator, pool_allocation_error
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
+from paged_jax.worker.kv_pool_sizing import autotune_scratch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -214,13 +216,16 @@ class _CompileJobs:
     it records its lowering time; ``turn``: the lowering turn it traces and lowers in) and returns the ``Compiled``.
     A job that takes a forward's outputs gets that forward's ended future first."""
 
-    def __init__(self, runner, cache: ExecutableCache | None):
-        self.runner, self.cache = runner, cache
+    def __init__(self, runner, cache: ExecutableCache | None, compile_slots=contextlib.nullcontext()):
+        self.runner, self.cache, self.compile_slots = runner, cache, compile_slots
         self._host_input = runner.input_sharding()
         self.params = [_abstract(x) for x in runner._param_leaves]
         self.kv_pool = runner.abstract_kv_pool()
         self.prev_tokens = _abstract(runner._prev_tokens)
         self.lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
+
+    def _load_or_compile(self, function, args, static, seconds, turn):
+        return load_or_compile(self.cache, function, args, static, seconds, turn, compile_slot=self.compile_slots)
 
     def _host(self, x: np.ndarray) -> jax.ShapeDtypeStruct:
         """A host array as the run phase puts it on the device (the runner's input sharding)."""
@@ -229,14 +234,14 @@ class _CompileJobs:
     def compile_forward(self, num_tokens, num_seqs, seconds, turn):
         """The forward of bucket ``(num_tokens, num_seqs)`` on a padding-only step buffer."""
         buf = self._host(_padding_step_buffer(self.runner, num_tokens, num_seqs))
-        return load_or_compile(self.cache, self.runner._forward, (self.params, self.kv_pool, buf, self.prev_tokens,
+        return self._load_or_compile(self.runner._forward, (self.params, self.kv_pool, buf, self.prev_tokens,
                                                                    self.lora),
                                {"num_tokens": num_tokens, "num_seqs": num_seqs}, seconds, turn)
 
     def compile_bitmask(self, forward, num_rows, seconds, turn):
         """The grammar bitmask of ``num_rows`` sampler rows, on the logits of ``forward`` (an ended future)."""
         logits, _, _ = _forward_outputs(forward, self.runner)
-        return load_or_compile(self.cache, self.runner._apply_grammar_bitmask,
+        return self._load_or_compile(self.runner._apply_grammar_bitmask,
                                (logits, self._host(_grammar_bitmask(self.runner, num_rows))), None, seconds, turn)
 
     def compile_sampler(self, forward, num_rows, variant, seconds, turn):
@@ -245,24 +250,38 @@ class _CompileJobs:
         empty = _abstract(self.runner._no_history[num_rows])
         history = self._host(_penalty_history(self.runner, num_rows)) if variant.penalties else empty
         bias_table = self._host(_bias_table(self.runner, num_rows)) if variant.bias_table else empty
-        return load_or_compile(self.cache, self.runner._sample, (logits, sampling_words, history, bias_table),
+        return self._load_or_compile(self.runner._sample, (logits, sampling_words, history, bias_table),
                                {"mode": variant.mode, "num_logprobs": variant.num_logprobs}, seconds, turn)
 
     def compile_prompt_logprobs(self, forward, num_tokens, seconds, turn):
         """The prompt logprobs of ``num_tokens`` tokens, on the hidden states of ``forward``."""
         _, _, hidden = _forward_outputs(forward, self.runner)
         targets = self._host(np.zeros((num_tokens,), np.int32))
-        return load_or_compile(self.cache, self.runner._prompt_logprobs, (self.params, hidden, targets), None,
+        return self._load_or_compile(self.runner._prompt_logprobs, (self.params, hidden, targets), None,
                                seconds, turn)
 
     def compile_swap(self, size, seconds, turn):
         """The gather and the scatter of ``size`` swapped blocks (the scatter takes the gather's outputs: one
         array per block)."""
         ids = self._host(np.zeros((size,), np.int32))
-        gathered = load_or_compile(self.cache, self.runner._gather_blocks, (self.kv_pool, ids), None, seconds, turn)
+        gathered = self._load_or_compile(self.runner._gather_blocks, (self.kv_pool, ids), None, seconds, turn)
         data = tuple(_compiled_outputs(gathered))
-        return load_or_compile(self.cache, self.runner._scatter_blocks, (self.kv_pool, ids, data), None, seconds,
+        return self._load_or_compile(self.runner._scatter_blocks, (self.kv_pool, ids, data), None, seconds,
                                turn)
+
+
+def memory_bound_compiles(runner, threads: int) -> int:
+    """How many of ``threads`` compiles may run XLA's compile at once beside ``runner``'s weights and allocated KV
+    pool: each may autotune with ``autotune_scratch_bytes`` of device memory (``device_memory.concurrent_compiles``);
+    an INFO line says when memory bounds them."""
+    scratch = autotune_scratch_bytes(runner.model_config, runner.dtype, logits_rows=runner.sampler_seq_buckets[-1],
+                                     max_num_batched_tokens=runner.max_num_batched_tokens)
+    device = min(jax.tree.leaves(runner.kv_pool)[0].devices(), key=lambda d: d.id)
+    slots = concurrent_compiles(device, scratch, threads)
+    if slots < threads:
+        logger.info("at most %d of %d compiles run at once: each may autotune with %.2f GiB of device memory beside "
+                    "the weights and the KV pool (%s)", slots, threads, scratch / 2**30, describe_allocator(device))
+    return slots
 
 
 def compile_forward_apart(runner, num_tokens: int, num_seqs: int) -> jax.stages.Compiled:
@@ -299,7 +318,7 @@ class Compiler:
     def __init__(self, runner, threads: int, cache: ExecutableCache | None):
         self.runner, self.threads, self.cache = runner, threads, cache
         self.started = time.perf_counter()
-        self._jobs = _CompileJobs(runner, cache)
+        self._jobs = _CompileJobs(runner, cache, threading.BoundedSemaphore(memory_bound_compiles(runner, threads)))
         self._forwards: dict[tuple[int, int], concurrent.futures.Future] = {}  # bucket -> its compile, by submission
         self.spans: list[list] = []
         self.queue: JobQueue | None = None  # the last ``compile``'s
