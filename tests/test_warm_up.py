@@ -81,11 +81,11 @@ def test_warm_up_reraises_a_failed_compile(tiny_model, monkeypatch):
     model, config = tiny_model
     compile_ = warm_up_lib.load_or_compile
 
-    def failing(cache, fn, args, static=None, seconds=None, lowering_turn=None, compile_slot=None):
+    def failing(cache, fn, args, static=None, seconds=None, lowering_turn=None, compile_slots=None):
         if fn is runner._forward and (static["num_tokens"], static["num_seqs"]) == max(runner.buckets):
             with lowering_turn:  # a failure inside the turn must hand it on
                 raise RuntimeError("compile failed on purpose")
-        return compile_(cache, fn, args, static, seconds, lowering_turn, compile_slot)
+        return compile_(cache, fn, args, static, seconds, lowering_turn, compile_slots)
 
     monkeypatch.setattr(warm_up_lib, "load_or_compile", failing)
     runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
@@ -249,39 +249,46 @@ def test_warm_up_allocates_the_kv_pool_before_any_compile(tiny_model, monkeypatc
     assert pool_at_compile and all(pool_at_compile) and runner.warm_up_timings["kv_pool_s"] >= 0
 
 
-def test_compiles_hold_a_memory_slot_only_while_xla_compiles(tiny_model, monkeypatch):
-    """Warm-up bounds how many XLA compiles run at once by the device memory beside the pool
-    (``memory_bound_compiles``, one compile's autotuning scratch each): with one slot on four threads, no two
-    compiles overlap, tracing and lowering outside the slot; every executable still lands."""
+def test_compile_slots_halve_after_an_out_of_memory_compile_and_run_it_again():
+    """XLA's autotuning can run out of device memory when many compiles run at once: ``CompileSlots`` then halves how
+    many run at once and runs the failed compile again, so every compile lands; an out-of-memory error of a compile
+    that ran alone, and any other error, is raised."""
     import threading
+    import time
 
-    model, config = tiny_model
-    monkeypatch.setattr(warm_up_lib, "memory_bound_compiles", lambda runner, threads: 1)
-    inside, overlaps, compiles = [], [], []
-    lock = threading.Lock()
-    compile_ = warm_up_lib.load_or_compile
+    from paged_jax.worker.compile_queue import CompileSlots
 
-    class Recorded:
-        def __init__(self, slot):
-            self.slot = slot
+    slots, lock, running, peak = CompileSlots(8), threading.Lock(), [0], []
 
-        def __enter__(self):
-            self.slot.__enter__()
+    def compile_fits_two_at_once(index):
+        def compile_():
             with lock:
-                inside.append(1)
-                overlaps.append(len(inside))
-                compiles.append(1)
+                running[0] += 1
+                peak.append(running[0])
+                too_many = running[0] > 2
+            try:
+                time.sleep(0.02)
+                if too_many:
+                    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+                return index
+            finally:
+                with lock:
+                    running[0] -= 1
+        return compile_
 
-        def __exit__(self, *exc):
-            with lock:
-                inside.pop()
-            return self.slot.__exit__(*exc)
+    results = [None] * 8
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, slots.run(compile_fits_two_at_once(i))))
+               for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == list(range(8)) and max(peak) > 2 and slots.limit <= 2
 
-    def recorded(cache, fn, args, static=None, seconds=None, lowering_turn=None, compile_slot=None):
-        return compile_(cache, fn, args, static, seconds, lowering_turn, Recorded(compile_slot))
+    def out_of_memory():
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
 
-    monkeypatch.setattr(warm_up_lib, "load_or_compile", recorded)
-    runner = ModelRunner(model, config, num_blocks=20, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                         max_num_seqs=4, max_num_batched_tokens=32, eos_token_ids=[2])
-    runner.warm_up(use_tqdm=False, threads=4)
-    assert compiles and max(overlaps) == 1 and runner.num_compiles_since_warmup == 0
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        CompileSlots(4).run(out_of_memory)
+    with pytest.raises(ValueError, match="other"):
+        CompileSlots(4).run(lambda: (_ for _ in ()).throw(ValueError("other")))

@@ -10,10 +10,14 @@ from __future__ import annotations
 import concurrent.futures
 import heapq
 import itertools
+import logging
 import queue
 import threading
 import time
 
+import jax
+
+logger = logging.getLogger(__name__)
 
 class LoweringTurns:
     """Tracing and lowering run one job at a time, the job with the lowest ``priority`` first.
@@ -55,6 +59,51 @@ class LoweringTurn:
 
     def __exit__(self, *exc):
         self._turns._release()
+
+
+class CompileSlots:
+    """How many XLA compiles run at once: at first every thread's; a compile that runs out of device memory (XLA's
+    autotuning allocates fresh copies of a matmul's operands and outputs, e.g. a large vocabulary's embedding, beside
+    the weights and the KV pool) halves the limit and runs again once fewer than that many compile. The first limit
+    fits small models at full speed; large ones settle where their autotuning fits. An out-of-memory error of a
+    compile that ran alone is raised."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self._beside: dict[object, int] = {}  # each running compile -> the most others that ran beside it
+        self._changed = threading.Condition()
+
+    def run(self, compile_fn):
+        """``compile_fn()`` (an XLA compile) in a slot, again in a smaller one after an out-of-memory error."""
+        while True:
+            token = object()
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._beside) < self.limit)
+                self._beside[token] = len(self._beside)
+                for other in self._beside:
+                    self._beside[other] = max(self._beside[other], len(self._beside) - 1)
+            try:
+                return compile_fn()
+            except jax.errors.JaxRuntimeError as exc:
+                if not self._lowered_after(exc, token):
+                    raise
+            finally:
+                with self._changed:
+                    self._beside.pop(token, None)
+                    self._changed.notify_all()
+
+    def _lowered_after(self, error: Exception, token: object) -> bool:
+        """Whether ``error`` is an out-of-memory of a compile that had others beside it: then the limit is halved."""
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            return False
+        with self._changed:
+            beside = self._beside.get(token, 0)
+            if beside < 1:
+                return False
+            self.limit = max(1, min(self.limit, beside + 1) // 2)
+        logger.warning("a compile ran out of device memory beside %d others (XLA's autotuning buffers): at most %d "
+                       "compile at once from now on, and it runs again", beside, self.limit)
+        return True
 
 
 class _Workers:

@@ -80,18 +80,6 @@ def describe_allocator(device) -> str:
             f"{gib('largest_free_block_bytes')}, {stats.get('num_allocs', '?')} allocations")
 
 
-def concurrent_compiles(device, scratch_bytes: int, threads: int) -> int:
-    """How many compiles may run at once beside what ``device`` holds now (the weights and the KV pool): ``threads``,
-    but on an accelerator no more than the allocator's free bytes hold ``scratch_bytes`` (one compile's autotuning,
-    ``kv_pool_sizing.autotune_scratch_bytes``) each, less one such share kept for the steps that run beside
-    background compiles; at least 1. ``threads`` without memory statistics (the CPU)."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if not stats or "bytes_limit" not in stats:
-        return threads
-    free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
-    return max(1, min(threads, free // max(int(scratch_bytes), 1) - 1))
-
-
 def _bytes(array) -> int:
     """Bytes of ``array`` (a ``jax.Array`` or ``ShapeDtypeStruct``; across all its devices)."""
     return math.prod(array.shape) * np.dtype(array.dtype).itemsize

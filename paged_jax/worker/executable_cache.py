@@ -414,15 +414,15 @@ def _count_persistent_cache_hits() -> None:
 
 def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction, args: Sequence,
                     static: dict | None = None, seconds: dict | None = None,
-                    lowering_turn=contextlib.nullcontext(), compile_slot=contextlib.nullcontext()):
+                    lowering_turn=contextlib.nullcontext(), compile_slots=None):
     """``function``'s executable for abstract inputs ``args`` and ``static`` keywords: loaded from ``cache``, else
     lowered and compiled (and saved unless JAX loaded it from its persistent cache); put into ``function``'s table
     and returned. ``seconds`` (optional): its ``"lower"`` entry grows by the time spent tracing and lowering
     (Python, under the GIL: what concurrent compiles cannot overlap). ``lowering_turn`` (optional): a context
     manager (reusable) entered around tracing and lowering only (e.g. ``paged_jax.worker.warm_up``'s turn of one thread at
-    a time); the time waiting for it is not counted in ``seconds``. ``compile_slot`` (optional): a context manager
-    entered around XLA's compile only (e.g. a semaphore bounding the compiles whose autotuning holds device memory at
-    once)."""
+    a time); the time waiting for it is not counted in ``seconds``. ``compile_slots`` (optional): runs XLA's compile
+    (``compile_slots.run(compile)``, e.g. ``paged_jax.worker.compile_queue.CompileSlots``, bounding the compiles whose
+    autotuning holds device memory at once)."""
     static = static or {}
     compiled = cache.load(function.name, args, static) if cache is not None else None
     if compiled is None:
@@ -433,8 +433,7 @@ def load_or_compile(cache: ExecutableCache | None, function: AheadOfTimeFunction
             lowered = function.lower(*args, **static)
             if seconds is not None:
                 seconds["lower"] = seconds.get("lower", 0.0) + time.perf_counter() - start
-        with compile_slot:
-            compiled = lowered.compile()
+        compiled = compile_slots.run(lowered.compile) if compile_slots is not None else lowered.compile()
         if cache is not None and _hits.count == hits_before:
             cache.save(function.name, args, static, compiled)
     function.put(function.key(args, static), compiled)

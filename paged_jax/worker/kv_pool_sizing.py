@@ -67,8 +67,8 @@ def max_addressable_blocks(config: ModelConfig, block_size: int, dtype) -> int |
     return (2 ** 31 - 1) // elements_per_block
 
 
-# Compiles that may autotune at once beside the KV pool: its sizing keeps their scratch free (background compiles run
-# beside serving steps, whose own headroom is apart).
+# Compiles whose autotuning scratch the KV sizing keeps free beside the pool: background compiles run beside serving
+# steps (whose own headroom is apart), and fewer compiles at once would make a cold start slower.
 COMPILE_SCRATCH_SLOTS = 2
 # XLA's redzone allocator pads each autotuning buffer on both sides.
 AUTOTUNE_REDZONE_BYTES = 64 << 20
@@ -201,8 +201,8 @@ def autotune_scratch_bytes(config: ModelConfig, dtype, *, logits_rows: int, max_
     """Device bytes one XLA compile may hold while it autotunes a matmul: fresh copies of the operands of the
     largest one (the logits' ``[rows, hidden] x [hidden, vocab]`` or the widest step's MLP input projection), its
     output twice (each candidate's and the reference it is checked against, fp32 at most) and the buffers' redzones.
-    Compiles that autotune at once each need this beside the weights and the KV pool (``paged_jax.worker.warm_up``
-    runs no more at once than the free memory holds)."""
+    Compiles that autotune at once each need this beside the weights and the KV pool (``paged_jax.worker.compile_queue
+    .CompileSlots`` runs fewer at once after one runs out of memory)."""
     itemsize = jnp.dtype(dtype).itemsize
     hidden, vocab, mlp_width = config.hidden_size, config.vocab_size, 2 * config.intermediate_size
     logits = (vocab + logits_rows) * hidden * itemsize + 2 * logits_rows * vocab * 4

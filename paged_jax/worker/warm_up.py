@@ -26,7 +26,6 @@ single jitted function to lower): it warms up with phase 2 only, which compiles 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
@@ -37,10 +36,9 @@ import jax
 import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
-from paged_jax.worker.compile_queue import JobQueue
-from paged_jax.worker.device_memory import concurrent_compiles, describe_allocator, pool_allocation_error
+from paged_jax.worker.compile_queue import CompileSlots, JobQueue
+from paged_jax.worker.device_memory import pool_allocation_error
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
-from paged_jax.worker.kv_pool_sizing import autotune_scratch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +214,7 @@ class _CompileJobs:
     it records its lowering time; ``turn``: the lowering turn it traces and lowers in) and returns the ``Compiled``.
     A job that takes a forward's outputs gets that forward's ended future first."""
 
-    def __init__(self, runner, cache: ExecutableCache | None, compile_slots=contextlib.nullcontext()):
+    def __init__(self, runner, cache: ExecutableCache | None, compile_slots: CompileSlots | None = None):
         self.runner, self.cache, self.compile_slots = runner, cache, compile_slots
         self._host_input = runner.input_sharding()
         self.params = [_abstract(x) for x in runner._param_leaves]
@@ -225,7 +223,7 @@ class _CompileJobs:
         self.lora = runner.lora_slots and jax.tree.map(_abstract, runner.lora_slots.arrays)
 
     def _load_or_compile(self, function, args, static, seconds, turn):
-        return load_or_compile(self.cache, function, args, static, seconds, turn, compile_slot=self.compile_slots)
+        return load_or_compile(self.cache, function, args, static, seconds, turn, compile_slots=self.compile_slots)
 
     def _host(self, x: np.ndarray) -> jax.ShapeDtypeStruct:
         """A host array as the run phase puts it on the device (the runner's input sharding)."""
@@ -270,20 +268,6 @@ class _CompileJobs:
                                turn)
 
 
-def memory_bound_compiles(runner, threads: int) -> int:
-    """How many of ``threads`` compiles may run XLA's compile at once beside ``runner``'s weights and allocated KV
-    pool: each may autotune with ``autotune_scratch_bytes`` of device memory (``device_memory.concurrent_compiles``);
-    an INFO line says when memory bounds them."""
-    scratch = autotune_scratch_bytes(runner.model_config, runner.dtype, logits_rows=runner.sampler_seq_buckets[-1],
-                                     max_num_batched_tokens=runner.max_num_batched_tokens)
-    device = min(jax.tree.leaves(runner.kv_pool)[0].devices(), key=lambda d: d.id)
-    slots = concurrent_compiles(device, scratch, threads)
-    if slots < threads:
-        logger.info("at most %d of %d compiles run at once: each may autotune with %.2f GiB of device memory beside "
-                    "the weights and the KV pool (%s)", slots, threads, scratch / 2**30, describe_allocator(device))
-    return slots
-
-
 def compile_forward_apart(runner, num_tokens: int, num_seqs: int) -> jax.stages.Compiled:
     """The runner's forward of bucket ``(num_tokens, num_seqs)`` compiled from the abstract inputs warm-up uses (the
     KV pool is not allocated) and kept out of the runner's table: its ``memory_analysis()`` tells what a step holds
@@ -318,7 +302,7 @@ class Compiler:
     def __init__(self, runner, threads: int, cache: ExecutableCache | None):
         self.runner, self.threads, self.cache = runner, threads, cache
         self.started = time.perf_counter()
-        self._jobs = _CompileJobs(runner, cache, threading.BoundedSemaphore(memory_bound_compiles(runner, threads)))
+        self._jobs = _CompileJobs(runner, cache, CompileSlots(threads))
         self._forwards: dict[tuple[int, int], concurrent.futures.Future] = {}  # bucket -> its compile, by submission
         self.spans: list[list] = []
         self.queue: JobQueue | None = None  # the last ``compile``'s
