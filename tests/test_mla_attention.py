@@ -193,3 +193,51 @@ def test_benchmark_checks_times_and_floors_each_case(tmp_path):
     assert mem_us == pytest.approx(2 * (3 * 20 * 48 + 3 * 4 * 48 + 3 * 4 * 32) / 4.3e12 * 1e6)
     assert compute_us == pytest.approx(2 * 4 * 3 * 20 * (2 * 32 + 16) / 785e12 * 1e6)
     assert len(json.loads(out.read_text())["results"]) == 2
+
+
+def _paged_attend(meta, q, k, v, kv_layer, *, sm_scale, sliding_window=None, logit_soft_cap=None, impl):
+    """``paged_jax.ops.write_and_attend`` with the kernel interpreted (the engine's attention, on the CPU)."""
+    from paged_jax.ops import write_kv
+
+    k_pages, v_pages = write_kv(kv_layer[0], kv_layer[1], k, v, meta["slot_mapping"])
+    out = ragged_paged_attention(q, k_pages, v_pages, meta["kv_lens"], meta["block_tables"], meta["cu_q_lens"],
+                                 sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                                 impl=impl, interpret=impl == "triton", v_head_dim=v.shape[-1])
+    return out, (k_pages, v_pages)
+
+
+def test_deepseek_model_over_the_paged_latent_cache_on_the_kernel(tmp_path):
+    """A DeepSeek-V2-Lite-like tiny model (latent 32, rope 16): a ragged prefill of two prompts, then a decode step
+    of both, over the paged latent cache, give the same logits on the kernel as on the reference."""
+    import functools
+
+    from models.attention_fn import ReusableAttention
+    from models.loader import load_model
+    from models.testing import save_random_hf_checkpoint, tiny_config
+
+    path = save_random_hf_checkpoint(tiny_config("deepseek_v2", q_lora_rank=None, kv_lora_rank=32,
+                                                 qk_rope_head_dim=16, topk_method="greedy", n_group=1,
+                                                 topk_group=1), tmp_path)
+    model, config = load_model(path, dtype="float32")
+    bs, tables = 8, jnp.array([[3, 1, 0], [2, 4, 5]], jnp.int32)
+    ids = np.random.default_rng(0).integers(3, config.vocab_size, size=20).astype(np.int32)
+    prefill = dict(ids=ids[:17], positions=np.r_[np.arange(11), np.arange(6)],
+                   slots=np.r_[np.arange(24, 32), np.arange(8, 11), np.arange(16, 22)],
+                   kv_lens=[11, 6], cu_q_lens=[0, 11, 17])
+    decode = dict(ids=ids[17:19], positions=np.array([11, 6]), slots=np.array([11, 22]), kv_lens=[12, 7],
+                  cu_q_lens=[0, 1, 2])
+    logits = {}
+    for impl in ("triton", "reference"):
+        pool = [(jnp.zeros((6, bs) + (1, config.kv_pool_head_dims[0]), jnp.float32),
+                 jnp.zeros((6, bs, 1, 0), jnp.float32)) for _ in range(config.num_hidden_layers)]
+        logits[impl] = []
+        for step in (prefill, decode):
+            meta = dict(slot_mapping=jnp.asarray(step["slots"], jnp.int32), block_tables=tables,
+                        kv_lens=jnp.asarray(step["kv_lens"], jnp.int32),
+                        cu_q_lens=jnp.asarray(step["cu_q_lens"], jnp.int32))
+            attention = ReusableAttention(functools.partial(_paged_attend, impl=impl), meta)
+            hidden, pool = model(jnp.asarray(step["ids"]), jnp.asarray(step["positions"], jnp.int32), pool,
+                                 attention)
+            logits[impl].append(np.asarray(model.compute_logits(hidden)))
+    for got, want in zip(logits["triton"], logits["reference"]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
