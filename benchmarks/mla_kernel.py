@@ -17,8 +17,8 @@ after churn); new rows are already written. Per case, one JSON line:
   ``compute_floor_us`` the same call's dot FLOPs (``q . k`` over ``L + R`` and ``p @ latent`` over ``L``, each query
   against the keys it sees) at ``floors.H200_BF16_FLOPS``; ``<impl>_x_floor`` the wall time over the larger floor.
 
-``--sweep`` also times the kernel's tuning variants (``SWEEP``) on each case: ``variants`` maps a name to its
-microseconds, for choosing ``mla_kernel.default_tuning``'s defaults.
+``--sweep`` also times the kernel's tuning variants (``SWEEP``; all, or the names given) on each case:
+``variants`` maps a name to its timing, for choosing ``mla_kernel.default_tuning``'s defaults.
 
 Usage (GPU): ``python -m benchmarks.mla_kernel --out mla.json`` (add ``--sweep``); the CPU smoke test runs tiny
 shapes with ``--interpret``.
@@ -44,8 +44,8 @@ from paged_jax.ops import ragged_paged_attention
 # Kernel tuning variants of ``--sweep`` (``mla_kernel.default_tuning`` keywords).
 SWEEP = {
     "bk16": dict(block_k=16), "bk64": dict(block_k=64), "warps8": dict(num_warps=8), "stages1": dict(num_stages=1),
-    "stages3": dict(num_stages=3), "bh8": dict(block_h=8), "bh64": dict(block_h=64), "splits_x2": "x2",
-    "splits_half": "half",
+    "stages3": dict(num_stages=3), "bh8": dict(block_h=8), "bh64": dict(block_h=64), "bq2": dict(block_q=2),
+    "splits_x2": "x2", "splits_half": "half",
 }
 
 
@@ -125,11 +125,12 @@ def run_case(num_seqs: int, q_len: int, context: int, args, seed: int) -> dict:
         if "gpu_us" in timed:
             record[f"{impl}_gpu_us"] = timed["gpu_us"]
     if args.sweep:
+        names = list(SWEEP) if args.sweep == "all" else args.sweep.split(",")
         record["variants"] = {
             name: _time(_attention("triton", args.interpret, args.latent, sm_scale, _sweep_tuning(
-                variant, num_seqs * q_len, num_seqs, args.heads, args.latent, context, args.block_size)),
+                SWEEP[name], num_seqs * q_len, num_seqs, args.heads, args.latent, context, args.block_size)),
                 operands, args.repeats)
-            for name, variant in SWEEP.items()}
+            for name in names}
     return record
 
 
@@ -155,10 +156,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's tuning variants (SWEEP)")
+    parser.add_argument("--sweep", nargs="?", const="all", default=None,
+                        help="also time the kernel's tuning variants: 'all' (the flag alone) or comma-separated "
+                             f"names of {', '.join(SWEEP)}")
     parser.add_argument("--interpret", action="store_true", help="the kernel in Pallas interpret mode (CPU)")
     parser.add_argument("--out", type=Path, default=None, help="write {'versions', 'argv', 'results'} as JSON here")
     args = parser.parse_args(argv)
+    unknown = set() if args.sweep in (None, "all") else set(args.sweep.split(",")) - set(SWEEP)
+    if unknown:
+        parser.error(f"--sweep: unknown variants {sorted(unknown)}; expected 'all' or some of {', '.join(SWEEP)}")
     results = []
     for seed, (num_seqs, q_len, context) in enumerate(_cases(args)):
         record = run_case(num_seqs, q_len, context, args, seed)

@@ -179,16 +179,16 @@ def test_benchmark_checks_times_and_floors_each_case(tmp_path):
     a decode and a ragged prefill case, both are timed with the tuning sweep, the floors count the bytes once."""
     import json
 
-    from benchmarks.mla_kernel import SWEEP, floors_us, main
+    from benchmarks.mla_kernel import floors_us, main
 
     out = tmp_path / "mla.json"
     results = main(["--batches", "3", "--contexts", "20", "--prefill", "2x4x9", "--heads", "4", "--latent", "32",
                     "--rope", "16", "--block-size", "8", "--dtype", "float32", "--repeats", "1", "--interpret",
-                    "--sweep", "--out", str(out)])
+                    "--sweep", "bk64,splits_x2", "--out", str(out)])
     assert [(r["seqs"], r["q_len"], r["context"]) for r in results] == [(3, 1, 20), (2, 4, 9)]
     for r in results:
         assert r["check"]["kernel_max_abs_diff"] <= 1e-5 * max(1.0, r["check"]["reference_max_abs"])
-        assert r["triton_us"] > 0 and r["reference_us"] > 0 and set(r["variants"]) == set(SWEEP)
+        assert r["triton_us"] > 0 and r["reference_us"] > 0 and set(r["variants"]) == {"bk64", "splits_x2"}
     mem_us, compute_us = floors_us(3, 1, 20, 4, 32, 16, 2)
     assert mem_us == pytest.approx(2 * (3 * 20 * 48 + 3 * 4 * 48 + 3 * 4 * 32) / 4.3e12 * 1e6)
     assert compute_us == pytest.approx(2 * 4 * 3 * 20 * (2 * 32 + 16) / 785e12 * 1e6)
@@ -241,3 +241,27 @@ def test_deepseek_model_over_the_paged_latent_cache_on_the_kernel(tmp_path):
             logits[impl].append(np.asarray(model.compute_logits(hidden)))
     for got, want in zip(logits["triton"], logits["reference"]):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens, num_seqs, heads, pool_dtype", [
+    (1, 1, 16, jnp.bfloat16),  # batch-1 decode: kv splits and the combine kernel
+    (128, 128, 16, jnp.bfloat16),  # batch decode
+    (2048, 2, 16, jnp.bfloat16),  # ragged prefill: 64-row tiles, 8 warps
+    (8, 8, 128, jnp.float8_e4m3fn),  # DeepSeek-V3's heads in four head blocks, an FP8 pool
+])
+def test_kernel_lowers_to_triton_on_cpu(num_tokens, num_seqs, heads, pool_dtype):
+    """DeepSeek's shapes (latent 512, rope 64) lower to Triton IR for the GPU from a CPU-only jaxlib: an unsupported
+    primitive or indexing in the kernel fails here, not first on the GPU."""
+    from jax import export
+
+    spec = jax.ShapeDtypeStruct
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def attention(q, k_pages, kv_lens, block_tables, cu_q_lens):
+        return ragged_paged_attention(q, k_pages, k_pages[..., :0], kv_lens, block_tables, cu_q_lens, sm_scale=0.07,
+                                      impl="triton", v_head_dim=512)
+
+    module = export.export(jax.jit(attention), platforms=["cuda"], disabled_checks=checks)(
+        spec((num_tokens, heads, 576), jnp.bfloat16), spec((4096, 16, 1, 576), pool_dtype),
+        spec((num_seqs,), jnp.int32), spec((num_seqs, 512), jnp.int32), spec((num_seqs + 1,), jnp.int32)).mlir_module()
+    assert "mla_paged_attention" in module
