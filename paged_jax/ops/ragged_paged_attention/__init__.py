@@ -160,9 +160,7 @@ def ragged_paged_attention(
       batch_invariant: each token's output the same bits whatever the batch and its query count
         (``_batch_invariant_choice``).
       v_head_dim: None, or for a latent cache (MLA: ``v_pages`` of width 0) the values' width, the K rows' first
-        ``v_head_dim`` columns (``_latent``): ``"triton"`` runs the MLA kernel (``mla_kernel``), ``"auto"`` runs it
-        on a GPU (``choose_latent_impl``) and the reference elsewhere, ``"mosaic"`` is a ValueError; ``tuning`` is
-        then ``mla_kernel.default_tuning``'s.
+        ``v_head_dim`` columns: ``"triton"`` is then the MLA kernel (``_latent``, ``mla_kernel``).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the

@@ -31,6 +31,7 @@ Work decomposition (FlashMLA's, on the Triton kernel's tile map)
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -117,102 +118,68 @@ def default_tuning(
                 num_stages=int(num_stages))
 
 
-def _kernel(
-    tile_seq_ref,  # int32[num_tiles]
-    tile_start_ref,  # int32[num_tiles]
-    cu_q_lens_ref,  # int32[S+1]
-    kv_lens_ref,  # int32[S]
-    block_tables_ref,  # int32[S, max_blocks]
-    q_ref,  # [T * H, L + R]
-    k_ref,  # [num_blocks * block_size, L + R]
-    *out_refs,  # split == 1: out [T * H, L]; else acc f32[NS, T*H, L], m f32[NS, T*H], l f32[NS, T*H]
-    num_seqs: int,
-    num_heads: int,
-    latent_dim: int,
-    rope_dim: int,
-    block_h: int,
-    block_q: int,
-    rows: int,
-    block_k: int,
-    block_size: int,
-    max_blocks: int,
-    num_kv_splits: int,
-    scale_log2: float,
-    precision,
-):
+class _Static(NamedTuple):
+    """The kernel's static configuration (one call shape and its tuning)."""
+
+    num_seqs: int
+    num_heads: int
+    latent_dim: int
+    rope_dim: int
+    block_h: int
+    block_q: int
+    rows: int
+    block_k: int
+    block_size: int
+    max_blocks: int
+    num_kv_splits: int
+    scale_log2: float
+    precision: Any
+
+
+def _kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_ref, *out_refs,
+            c: _Static):
+    """Refs: tile_seq / tile_start int32[num_tiles], cu_q_lens int32[S+1], kv_lens int32[S], block_tables
+    int32[S, max_blocks], q [T * H, L + R], k [num_blocks * block_size, L + R]; out_refs: with one kv split out
+    [T * H, L], else acc f32[NS, T * H, L], m f32[NS, T * H], l f32[NS, T * H]."""
     tile, head_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = tile_seq_ref[tile]
 
-    @pl.when(seq < num_seqs)
+    @pl.when(seq < c.num_seqs)
     def _():
-        q_end = cu_q_lens_ref[seq + 1]
-        kv_len = kv_lens_ref[seq]
-        tile_start = tile_start_ref[tile]
-        num_tile_tokens = jnp.minimum(block_q, q_end - tile_start)
+        q_end, kv_len, tile_start = cu_q_lens_ref[seq + 1], kv_lens_ref[seq], tile_start_ref[tile]
+        num_tile_tokens = jnp.minimum(c.block_q, q_end - tile_start)
         # Context position of the tile's first query token; later tokens follow consecutively.
         pos_first = kv_len - (q_end - cu_q_lens_ref[seq]) + (tile_start - cu_q_lens_ref[seq])
 
-        row = jnp.arange(rows, dtype=jnp.int32)
-        row_token, row_head = row // block_h, head_block * block_h + row % block_h
-        row_valid = (row < block_q * block_h) & (row_token < num_tile_tokens) & (row_head < num_heads)
-        q_row_index = (tile_start + row_token) * num_heads + row_head
+        row = jnp.arange(c.rows, dtype=jnp.int32)
+        row_token, row_head = row // c.block_h, head_block * c.block_h + row % c.block_h
+        row_valid = (row < c.block_q * c.block_h) & (row_token < num_tile_tokens) & (row_head < c.num_heads)
+        q_row_index = (tile_start + row_token) * c.num_heads + row_head
         # Padded rows act like the tile's last real token so that they never see fewer keys than it (finite).
         row_pos = pos_first + jnp.minimum(row_token, num_tile_tokens - 1)
-        lat = jnp.arange(latent_dim, dtype=jnp.int32)[None, :]
-        rope = latent_dim + jnp.arange(rope_dim, dtype=jnp.int32)[None, :]
+        lat, rope = _columns(c)
         # Only integer-array indexers (no slices), so that the same code runs in interpret mode.
         q_load_row = jnp.where(row_valid, q_row_index, 0)[:, None]
-        lat_mask = jnp.broadcast_to(row_valid[:, None], (rows, latent_dim))
+        lat_mask = jnp.broadcast_to(row_valid[:, None], (c.rows, c.latent_dim))
         q_nope = _load(q_ref.at[q_load_row, lat], mask=lat_mask, other=0.0)  # [rows, L]
-        q_pe = _load(q_ref.at[q_load_row, rope], mask=jnp.broadcast_to(row_valid[:, None], (rows, rope_dim)),
+        q_pe = _load(q_ref.at[q_load_row, rope], mask=jnp.broadcast_to(row_valid[:, None], (c.rows, c.rope_dim)),
                      other=0.0)  # [rows, R]
 
         # Key blocks: [0, kb_hi) in all; those before the tile's first query position are visible to every row.
-        kb_hi = (pos_first + num_tile_tokens + block_k - 1) // block_k
-        unmasked_hi = (pos_first + 1) // block_k
-        blocks_per_split = (kb_hi + num_kv_splits - 1) // num_kv_splits
+        kb_hi = (pos_first + num_tile_tokens + c.block_k - 1) // c.block_k
+        blocks_per_split = (kb_hi + c.num_kv_splits - 1) // c.num_kv_splits
         split_lo = jnp.minimum(split * blocks_per_split, kb_hi)
         split_hi = jnp.minimum(split_lo + blocks_per_split, kb_hi)
-        u_hi = jnp.clip(unmasked_hi, split_lo, split_hi)
-        key_offsets = jnp.arange(block_k, dtype=jnp.int32)
-
-        def step(kb, carry, masked):
-            acc, m_prev, l_prev = carry
-            key_pos = kb * block_k + key_offsets
-            page_slot = key_pos // block_size
-            # Slots past the table read entry 0 (never visible).
-            page = _load(block_tables_ref.at[seq, jnp.minimum(page_slot, max_blocks - 1)],
-                         mask=page_slot < max_blocks, other=0)
-            pool_row = (page * block_size + key_pos % block_size)[:, None]
-            if masked:  # past the context end the slots hold stale data: zeros, so 0 * garbage cannot make NaN
-                in_context = (key_pos < kv_len)[:, None]
-                latent = _load(k_ref.at[pool_row, lat], mask=jnp.broadcast_to(in_context, (block_k, latent_dim)),
-                               other=0.0)
-                k_pe = _load(k_ref.at[pool_row, rope], mask=jnp.broadcast_to(in_context, (block_k, rope_dim)),
-                             other=0.0)
-            else:
-                latent, k_pe = k_ref[pool_row, lat], k_ref[pool_row, rope]
-            latent, k_pe = latent.astype(q_nope.dtype), k_pe.astype(q_nope.dtype)  # an FP8 pool: upcast on load
-            s = _dot(q_nope, latent, trans_b=True, precision=precision)  # [rows, block_k] f32
-            s = (s + _dot(q_pe, k_pe, trans_b=True, precision=precision)) * scale_log2
-            if masked:
-                visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
-                s = jnp.where(visible, s, MASK_VALUE)
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            correction = jnp.exp2(m_prev - m_next)
-            p = jnp.exp2(s - m_next[:, None])
-            l_next = l_prev * correction + jnp.sum(p, axis=1)
-            acc = acc * correction[:, None] + _dot(p.astype(latent.dtype), latent, precision=precision)
-            return acc, m_next, l_next
-
-        carry = (jnp.zeros((rows, latent_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-                 jnp.zeros((rows,), jnp.float32))
-        carry = lax.fori_loop(split_lo, u_hi, lambda kb, c: step(kb, c, False), carry)
-        acc, m_i, l_i = lax.fori_loop(u_hi, split_hi, lambda kb, c: step(kb, c, True), carry)
+        u_hi = jnp.clip((pos_first + 1) // c.block_k, split_lo, split_hi)
+        step = functools.partial(_key_block, k_ref, block_tables_ref, seq, kv_len, q_nope, q_pe, row_pos, c=c)
+        carry = (jnp.zeros((c.rows, c.latent_dim), jnp.float32), jnp.full((c.rows,), MASK_VALUE, jnp.float32),
+                 jnp.zeros((c.rows,), jnp.float32))
+        carry = lax.fori_loop(split_lo, u_hi, lambda kb, carry: step(kb, carry, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(u_hi, split_hi, lambda kb, carry: step(kb, carry, masked=True), carry)
 
         # Masked-off rows store to an out-of-range row: dropped by the GPU mask and by interpret-mode scatter.
         store_row = jnp.where(row_valid, q_row_index, q_ref.shape[0])
-        if num_kv_splits == 1:
+        if c.num_kv_splits == 1:
             (out_ref,) = out_refs
             out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
             _store(out_ref.at[store_row[:, None], lat], out.astype(out_ref.dtype), mask=lat_mask)
@@ -221,6 +188,46 @@ def _kernel(
             _store(acc_ref.at[split, store_row[:, None], lat], acc, mask=lat_mask)
             _store(m_ref.at[split, store_row], m_i, mask=row_valid)
             _store(l_ref.at[split, store_row], l_i, mask=row_valid)
+
+
+def _columns(c: _Static) -> tuple[jax.Array, jax.Array]:
+    """Column indices int32[1, L] of the latent part and int32[1, R] of the rope part of a q or pool row."""
+    return (jnp.arange(c.latent_dim, dtype=jnp.int32)[None, :],
+            c.latent_dim + jnp.arange(c.rope_dim, dtype=jnp.int32)[None, :])
+
+
+def _key_block(k_ref, block_tables_ref, seq, kv_len, q_nope, q_pe, row_pos, kb, carry, *, masked: bool,
+               c: _Static):
+    """One step of the online softmax over key block ``kb`` of sequence ``seq``: carry ``(acc f32[rows, L],
+    max f32[rows], sum f32[rows])`` in log2 units; ``masked``: mask keys past ``row_pos`` int32[rows] (causal) or
+    ``kv_len``, whose rows load as zeros (stale slots must not make ``0 * NaN``)."""
+    acc, m_prev, l_prev = carry
+    lat, rope = _columns(c)
+    key_pos = kb * c.block_k + jnp.arange(c.block_k, dtype=jnp.int32)
+    page_slot = key_pos // c.block_size
+    # Slots past the table read entry 0 (never visible).
+    page = _load(block_tables_ref.at[seq, jnp.minimum(page_slot, c.max_blocks - 1)], mask=page_slot < c.max_blocks,
+                 other=0)
+    pool_row = (page * c.block_size + key_pos % c.block_size)[:, None]
+    if masked:
+        in_context = (key_pos < kv_len)[:, None]
+        latent = _load(k_ref.at[pool_row, lat], mask=jnp.broadcast_to(in_context, (c.block_k, c.latent_dim)),
+                       other=0.0)
+        k_pe = _load(k_ref.at[pool_row, rope], mask=jnp.broadcast_to(in_context, (c.block_k, c.rope_dim)), other=0.0)
+    else:
+        latent, k_pe = k_ref[pool_row, lat], k_ref[pool_row, rope]
+    latent, k_pe = latent.astype(q_nope.dtype), k_pe.astype(q_nope.dtype)  # an FP8 pool: upcast on load
+    s = _dot(q_nope, latent, trans_b=True, precision=c.precision)  # [rows, block_k] f32
+    s = (s + _dot(q_pe, k_pe, trans_b=True, precision=c.precision)) * c.scale_log2
+    if masked:
+        visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < kv_len)
+        s = jnp.where(visible, s, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    correction = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = l_prev * correction + jnp.sum(p, axis=1)
+    acc = acc * correction[:, None] + _dot(p.astype(latent.dtype), latent, precision=c.precision)
+    return acc, m_next, l_next
 
 
 def mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, *, sm_scale: float, v_head_dim: int,
@@ -253,11 +260,11 @@ def mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, *, sm_scal
 
     kv_lens, block_tables, cu_q_lens = int32_metadata(kv_lens, block_tables, cu_q_lens)
     tile_seq, tile_start = tile_map(cu_q_lens, tuning["num_tiles"], tuning["block_q"])
-    kernel = functools.partial(
-        _kernel, num_seqs=num_seqs, num_heads=num_heads, latent_dim=v_head_dim, rope_dim=head_dim - v_head_dim,
+    kernel = functools.partial(_kernel, c=_Static(
+        num_seqs=num_seqs, num_heads=num_heads, latent_dim=v_head_dim, rope_dim=head_dim - v_head_dim,
         block_h=tuning["block_h"], block_q=tuning["block_q"], rows=tuning["rows"], block_k=block_k,
         block_size=block_size, max_blocks=max_blocks, num_kv_splits=num_splits,
-        scale_log2=float(sm_scale) * LOG2_E, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+        scale_log2=float(sm_scale) * LOG2_E, precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None))
     n_rows = num_tokens * num_heads
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((n_rows, v_head_dim), q.dtype)]
