@@ -43,9 +43,9 @@ from paged_jax.ops import ragged_paged_attention
 
 # Kernel tuning variants of ``--sweep`` (``mla_kernel.default_tuning`` keywords).
 SWEEP = {
-    "bk16": dict(block_k=16), "bk64": dict(block_k=64), "warps8": dict(num_warps=8), "stages1": dict(num_stages=1),
-    "stages3": dict(num_stages=3), "bh8": dict(block_h=8), "bh64": dict(block_h=64), "bq2": dict(block_q=2),
-    "splits_x2": "x2", "splits_half": "half",
+    "bk16": dict(block_k=16), "bk64": dict(block_k=64), "warps4": dict(num_warps=4), "warps8": dict(num_warps=8),
+    "stages1": dict(num_stages=1), "stages3": dict(num_stages=3), "bh8": dict(block_h=8), "bh64": dict(block_h=64),
+    "bq2": dict(block_q=2), "splits_x2": "x2", "splits_half": "half",
 }
 
 

@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from paged_jax.ops.ragged_paged_attention.combine import combine_kv_splits
-from paged_jax.ops.ragged_paged_attention.common import LOG2_E, MASK_VALUE, int32_metadata, tile_map, zero_padding_tokens
+from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, tile_map,
+                                                         zero_padding_tokens)
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
 from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
 from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
