@@ -14,8 +14,10 @@ Work decomposition (FlashMLA's, on the Triton kernel's tile map)
   of two >= 16 for the tensor-core dot). Row ``r`` is token ``r // block_h``, head ``head_block * block_h + r %
   block_h``. A decode tile of DeepSeek-V2-Lite (16 heads) is one token x 16 heads: every key row it loads serves 16
   query rows.
-* Grid ``(num_tiles, num_head_blocks, num_kv_splits)``; the tile -> (sequence, first token) map is
-  ``common.tile_map``'s, read from GMEM (as ``triton_kernel``). Tiles past the real count exit through ``pl.when``.
+* Grid ``(num_head_blocks, num_tiles, num_kv_splits)``: axis 0 is CUDA's x axis, dispatched fastest, so the head
+  blocks of one tile (DeepSeek-V3's 128 heads: four) run side by side and read the same pages through L2. The tile
+  -> (sequence, first token) map is ``common.tile_map``'s, read from GMEM (as ``triton_kernel``). Tiles past the
+  real count exit through ``pl.when``.
 * Each step loads a ``[block_k, L]`` latent tile and a ``[block_k, R]`` rope tile of the same pool rows, through
   the block table; scores are ``q_nope @ latent^T + q_pe @ k_pe^T`` and the latent tile is also V:
   ``acc += p @ latent`` (``acc`` ``[rows, L]`` f32). The cache is read once per (tile, head block), never expanded.
@@ -51,6 +53,7 @@ _dot = getattr(plgpu, "dot", None) or pl.dot
 # Programs wanted in flight to fill an H100 / H200 (132 SMs, 2 resident programs each) when choosing kv splits.
 _TARGET_PROGRAMS = 264
 _MAX_KV_SPLITS = 64
+_MAX_GRID_YZ = 65535
 
 
 def supported(q_shape, k_pages_shape, v_head_dim: int | None) -> str | None:
@@ -142,7 +145,7 @@ def _kernel(tile_seq_ref, tile_start_ref, cu_q_lens_ref, kv_lens_ref, block_tabl
     """Refs: tile_seq / tile_start int32[num_tiles], cu_q_lens int32[S+1], kv_lens int32[S], block_tables
     int32[S, max_blocks], q [T * H, L + R], k [num_blocks * block_size, L + R]; out_refs: with one kv split out
     [T * H, L], else acc f32[NS, T * H, L], m f32[NS, T * H], l f32[NS, T * H]."""
-    tile, head_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_block, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = tile_seq_ref[tile]
 
     @pl.when(seq < c.num_seqs)
@@ -258,6 +261,9 @@ def mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, *, sm_scal
     block_k, num_splits = tuning["block_k"], tuning["num_kv_splits"]
     if block_k < 16 or block_k != _next_pow2(block_k):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    if max(tuning["num_tiles"], num_splits) > _MAX_GRID_YZ:  # CUDA's y / z grid sides
+        raise ValueError(f"{tuning['num_tiles']} query tiles x {num_splits} kv splits exceed the GPU grid's "
+                         f"{_MAX_GRID_YZ} per side: fewer tokens per call or a larger block_q")
 
     kv_lens, block_tables, cu_q_lens = int32_metadata(kv_lens, block_tables, cu_q_lens)
     tile_seq, tile_start = tile_map(cu_q_lens, tuning["num_tiles"], tuning["block_q"])
@@ -275,7 +281,7 @@ def mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, *, sm_scal
                      jax.ShapeDtypeStruct((num_splits, n_rows), jnp.float32)]
     outs = pl.pallas_call(
         kernel,
-        grid=(tuning["num_tiles"], tuning["num_head_blocks"], num_splits),
+        grid=(tuning["num_head_blocks"], tuning["num_tiles"], num_splits),
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=tuning["num_warps"], num_stages=tuning["num_stages"]),
