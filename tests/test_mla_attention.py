@@ -265,3 +265,13 @@ def test_kernel_lowers_to_triton_on_cpu(num_tokens, num_seqs, heads, pool_dtype)
         spec((num_tokens, heads, 576), jnp.bfloat16), spec((4096, 16, 1, 576), pool_dtype),
         spec((num_seqs,), jnp.int32), spec((num_seqs, 512), jnp.int32), spec((num_seqs + 1,), jnp.int32)).mlir_module()
     assert "mla_paged_attention" in module
+
+
+def test_decode_floor_reads_the_latent_row_once():
+    """The decode floor charges a latent cache's one ``[latent | rope key]`` row per token and layer (576 elements in
+    DeepSeek-V2-Lite), not a K and a V."""
+    from benchmarks.floors import kv_read_bytes
+    from models.presets import preset_config
+
+    lite = preset_config("deepseek-v2-lite")
+    assert kv_read_bytes(lite, 1000, 1) == 27 * (512 + 64) * 2 * 1000
