@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.worker.attention_impl import ATTENTION_IMPLS, resolve_attention_impl
+from paged_jax.ops.ragged_paged_attention import mla_kernel
 from paged_jax.ops.ragged_paged_attention.common import validate_inputs
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -220,9 +221,7 @@ def choose_latent_impl(q_shape, k_pages_shape, v_head_dim: int, masks: dict, has
                               for name in ("sliding_window", "logit_soft_cap", "attention_chunk_size"))
     if jax.default_backend() != "gpu" or extras:
         return "reference"
-    from paged_jax.ops.ragged_paged_attention.mla_kernel import supported
-
-    return "triton" if supported(q_shape, k_pages_shape, v_head_dim) is None else "reference"
+    return "triton" if mla_kernel.supported(q_shape, k_pages_shape, v_head_dim) is None else "reference"
 
 
 def _latent(impl: str, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, masks: dict, sinks,
@@ -241,20 +240,18 @@ def _latent(impl: str, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *,
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks, v_head_dim=v_head_dim,
             token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
-    from paged_jax.ops.ragged_paged_attention.mla_kernel import default_tuning, mla_paged_attention
-
     unsupported = [name for name in ("sliding_window", "logit_soft_cap", "attention_chunk_size")
                    if masks[name] is not None] + (["sinks"] if sinks is not None else [])
     if unsupported or batch_invariant:
         raise ValueError(f"the MLA kernel (impl='triton' on a latent KV cache) does not take "
                          f"{unsupported or ['batch_invariant']}; use 'reference'")
-    allowed = [name for name, param in inspect.signature(default_tuning).parameters.items()
+    allowed = [name for name, param in inspect.signature(mla_kernel.default_tuning).parameters.items()
                if param.kind is inspect.Parameter.KEYWORD_ONLY]
     if set(tuning) - set(allowed):
         raise ValueError(f"unknown tuning arguments {sorted(set(tuning) - set(allowed))} for the MLA kernel; "
                          f"expected some of {allowed}")
-    return mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, sm_scale=masks["sm_scale"],
-                               v_head_dim=v_head_dim, interpret=interpret, **tuning)
+    return mla_kernel.mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, sm_scale=masks["sm_scale"],
+                                          v_head_dim=v_head_dim, interpret=interpret, **tuning)
 
 
 __all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "choose_latent_impl", "ragged_paged_attention",
