@@ -7,7 +7,9 @@ reads plus every row's K/V, a sliding-window layer's window only) at ``--hbm-gbp
 the same run (``--ceilings``). A model with sliding-window layers runs with its KV-cache groups, so the pool holds
 what the windows keep.
 
-Example (GPU): ``python -m benchmarks.decode_context --shape gemma-3-12b --context 32768 --batch 1 --ceilings``.
+Example (GPU): ``python -m benchmarks.decode_context --shape gemma-3-12b --context 32768 --batch 1 --ceilings``;
+``--attention-impl reference`` times the same steps on the jnp attention (e.g. DeepSeek-V2-Lite's latent cache
+against the MLA kernel that ``auto`` runs).
 CPU check: ``JAX_PLATFORMS=cpu python -m benchmarks.decode_context --tiny --context 96 --steps 4``. One JSON line.
 """
 
@@ -26,6 +28,7 @@ from benchmarks.floors import decode_step_floor_s, measure_ceilings_apart
 from benchmarks.report import show_engine_logs
 from models.presets import preset_config
 from models.testing import tiny_config
+from paged_jax.worker.attention_impl import ATTENTION_IMPLS
 
 
 def _engine_model(args) -> tuple[str, object]:
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--hbm-gbps", type=float, default=4300.0, help="bandwidth of the fixed floor")
     p.add_argument("--ceilings", action="store_true", help="also measure the copy rate in this run")
+    p.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS,
+                   help="the engine's attention_impl (e.g. reference against auto's kernels)")
     args = p.parse_args(argv)
     if args.context < 1 or args.batch < 1 or args.steps < 2:
         p.error("--context and --batch must be >= 1, --steps >= 2")
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32" if args.tiny else args.dtype,
               max_model_len=max_model_len, max_num_seqs=max(args.batch, 1),
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=False, use_tqdm=False)
+              enable_prefix_caching=False, attention_impl=args.attention_impl, use_tqdm=False)
     engine = llm.llm_engine
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype_bytes = 4 if args.tiny else 2
     floor_ms = decode_step_floor_s(config, args.batch, args.context, dtype_bytes, hbm=args.hbm_gbps * 1e9) * 1e3
     result = {"benchmark": "decode_context", "shape": "tiny" if args.tiny else args.shape, "context": args.context,
-              "batch": args.batch, "steps": args.steps, "decode_step_ms": round(median_ms, 3),
+              "batch": args.batch, "steps": args.steps, "attention_impl": args.attention_impl,
+              "decode_step_ms": round(median_ms, 3),
               "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / median_ms, 3),
               "prefill_s": round(prefill_s, 2), "kv_groups": engine.engine_core.kv_cache_manager.num_groups,
               "num_compiles_since_warmup": engine.engine_core.runner.num_compiles_since_warmup}

@@ -105,8 +105,9 @@ def _sum_keys(first: int, count: int, window: int | None) -> int:
 
 def kv_read_bytes(config: ModelConfig, first: int, count: int, kv_dtype_bytes: int = 2) -> int:
     """KV bytes ``count`` consecutive decode queries read, the first over ``first`` cached tokens: every layer's K
-    and V of the keys it attends to (a sliding-window layer only its window's)."""
-    per_layer_token = 2 * config.num_key_value_heads * config.head_dim * kv_dtype_bytes
+    and V of the keys it attends to (a sliding-window layer only its window's; a latent cache, DeepSeek's, its one
+    ``[latent | rope key]`` row: ``ModelConfig.kv_pool_head_dims``)."""
+    per_layer_token = config.num_key_value_heads * sum(config.kv_pool_head_dims) * kv_dtype_bytes
     return per_layer_token * sum(_sum_keys(first, count, window) for window in config.layer_windows)
 
 

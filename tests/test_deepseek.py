@@ -132,7 +132,7 @@ def test_latent_cache_bytes_per_token():
 
 def test_latent_attention_reads_values_from_the_k_rows():
     """The reference over a latent pool (V of width 0) equals the one over an explicit V pool holding the rows'
-    first columns; the Pallas kernels refuse a latent pool by name."""
+    first columns; the Mosaic kernel refuses a latent pool by name."""
     rng = np.random.default_rng(0)
     k_pages = jnp.asarray(rng.standard_normal((6, 4, 1, 24)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((7, 4, 24)), jnp.float32)
@@ -142,7 +142,7 @@ def test_latent_attention_reads_values_from_the_k_rows():
     full = ragged_paged_attention(q, k_pages, v_pages, *meta, sm_scale=0.3, impl="reference")
     np.testing.assert_allclose(np.asarray(latent), np.asarray(full)[..., :16], atol=1e-6)
     with pytest.raises(ValueError, match="latent KV cache"):
-        ragged_paged_attention(q, k_pages, k_pages[..., :0], *meta, sm_scale=0.3, impl="triton", v_head_dim=16)
+        ragged_paged_attention(q, k_pages, k_pages[..., :0], *meta, sm_scale=0.3, impl="mosaic", v_head_dim=16)
 
 
 def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, caplog):
@@ -213,7 +213,7 @@ def test_latent_cache_refuses_the_host_pool_kernels_and_sharding(tmp_path):
                       max_num_batched_tokens=16, preemption_mode="swap", swap_space=0.01, use_tqdm=False)
     with pytest.raises(ValueError, match="attention_impl"):
         paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
-                      max_num_batched_tokens=16, attention_impl="triton", use_tqdm=False)
+                      max_num_batched_tokens=16, attention_impl="mosaic", use_tqdm=False)
     with pytest.raises(ValueError, match="enable_lora"):
         paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
                       max_num_batched_tokens=16, enable_lora=True, use_tqdm=False)

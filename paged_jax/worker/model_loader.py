@@ -133,9 +133,9 @@ def load_engine_model(args: EngineArgs, on_accelerator: bool, devices=None) -> L
     if config.attention_sinks and args.attention_impl == "mosaic":
         raise ValueError(f"attention_impl: 'mosaic' does not take the attention sinks of {config.architecture}; use "
                          "'triton' or 'auto' (which keeps such layers on the Triton kernel)")
-    if config.mla is not None and args.attention_impl not in ("auto", "reference"):
-        raise ValueError(f"attention_impl: {args.attention_impl!r} does not read the latent KV cache of "
-                         f"{config.architecture} (multi-head latent attention); use 'reference' or 'auto'")
+    if config.mla is not None and args.attention_impl == "mosaic":
+        raise ValueError(f"attention_impl: 'mosaic' does not read the latent KV cache of {config.architecture} "
+                         "(multi-head latent attention); use 'triton' (the MLA kernel), 'reference' or 'auto'")
     if config.mla is not None and args.enable_lora:
         raise ValueError(f"enable_lora: LoRA adapters are unsupported for {config.architecture} (multi-head latent "
                          "attention and experts)")

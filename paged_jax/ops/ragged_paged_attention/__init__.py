@@ -1,5 +1,6 @@
-"""Ragged paged attention: one entry point; two Pallas GPU kernels (Triton and Mosaic GPU lowerings) and a pure-jnp
-reference behind it. ``common`` holds what they share; the implementation names are ``ATTENTION_IMPLS``."""
+"""Ragged paged attention: one entry point; two Pallas GPU kernels (Triton and Mosaic GPU lowerings), the Triton
+kernel of a latent cache (multi-head latent attention, ``mla_kernel``) and a pure-jnp reference behind it. ``common``
+holds what they share; the implementation names are ``ATTENTION_IMPLS``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.worker.attention_impl import ATTENTION_IMPLS, resolve_attention_impl
+from paged_jax.ops.ragged_paged_attention import mla_kernel
 from paged_jax.ops.ragged_paged_attention.common import validate_inputs
 from paged_jax.ops.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -159,7 +161,7 @@ def ragged_paged_attention(
       batch_invariant: each token's output the same bits whatever the batch and its query count
         (``_batch_invariant_choice``).
       v_head_dim: None, or for a latent cache (MLA: ``v_pages`` of width 0) the values' width, the K rows' first
-        ``v_head_dim`` columns; only the reference reads one (``"auto"`` runs it, a kernel named is a ValueError).
+        ``v_head_dim`` columns: ``"triton"`` is then the MLA kernel (``_latent``, ``mla_kernel``).
       **tuning: kernel knobs, the keyword-only arguments of the kernel's ``default_tuning``
         (``triton_kernel.default_tuning``: tile sizes, kv splits, warps, stages and the boolean prefill options of
         the ``triton_kernel`` module docstring; ``mgpu_kernel.default_tuning`` for ``"mosaic"``). Ignored by the
@@ -176,8 +178,8 @@ def ragged_paged_attention(
     masks = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                  attention_chunk_size=None if attention_chunk_size is None else int(attention_chunk_size))
     if v_head_dim is not None:
-        return _latent_reference(impl, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks,
-                                 batch_invariant=batch_invariant, v_head_dim=v_head_dim)
+        return _latent(impl, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, masks=masks, sinks=sinks,
+                       batch_invariant=batch_invariant, v_head_dim=v_head_dim, interpret=interpret, tuning=tuning)
     _check_tuning(impl, tuning)
     if batch_invariant:
         impl, tuning = _batch_invariant_choice(impl, tuning, q.shape, k_pages.shape[2])
@@ -211,15 +213,46 @@ def _run(impl: str, operands: tuple, masks: dict, sinks, *, interpret: bool, bat
 
 
 
-def _latent_reference(impl: str, *args, batch_invariant: bool, **kwargs) -> jax.Array:
-    """A latent cache's attention (``ragged_paged_attention`` with ``v_head_dim``): the reference; ValueError for a
-    Pallas kernel, which reads only K and V pools of one width."""
-    if impl not in ("auto", "reference"):
-        raise ValueError(f"impl={impl!r} does not read a latent KV cache (multi-head latent attention): use "
-                         "'reference' or 'auto'")
-    return ragged_paged_attention_reference(
-        *args, **kwargs, token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
+def choose_latent_impl(q_shape, k_pages_shape, v_head_dim: int, masks: dict, has_sinks: bool) -> str:
+    """What ``impl="auto"`` runs for a latent cache's static call shape: ``"triton"`` (the MLA kernel,
+    ``mla_kernel``) on a GPU for a shape it supports without the masks it lacks (sliding window, soft-cap,
+    attention chunks, sinks: DeepSeek has none), else ``"reference"``."""
+    extras = has_sinks or any(masks[name] is not None
+                              for name in ("sliding_window", "logit_soft_cap", "attention_chunk_size"))
+    if jax.default_backend() != "gpu" or extras:
+        return "reference"
+    return "triton" if mla_kernel.supported(q_shape, k_pages_shape, v_head_dim) is None else "reference"
 
 
-__all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "ragged_paged_attention",
+def _latent(impl: str, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *, masks: dict, sinks,
+            batch_invariant: bool, v_head_dim: int, interpret: bool, tuning: dict) -> jax.Array:
+    """A latent cache's attention (``ragged_paged_attention`` with ``v_head_dim``): ``"triton"`` is the MLA kernel
+    (``mla_kernel``, which takes no sliding window, soft-cap, attention chunks or sinks), ``"reference"`` the jnp
+    oracle, ``"auto"`` ``choose_latent_impl``; ValueError for ``"mosaic"``, for masks or sinks on the kernel and
+    for tuning it does not take."""
+    if impl == "mosaic":
+        raise ValueError("impl='mosaic' does not read a latent KV cache (multi-head latent attention): use "
+                         "'triton', 'reference' or 'auto'")
+    if impl == "auto":
+        impl = "reference" if batch_invariant else choose_latent_impl(q.shape, k_pages.shape, v_head_dim, masks,
+                                                                      sinks is not None)
+    if impl == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, **masks, sinks=sinks, v_head_dim=v_head_dim,
+            token_chunk=REFERENCE_INVARIANT_CHUNK if batch_invariant else None)
+    unsupported = [name for name in ("sliding_window", "logit_soft_cap", "attention_chunk_size")
+                   if masks[name] is not None] + (["sinks"] if sinks is not None else [])
+    if unsupported or batch_invariant:
+        raise ValueError(f"the MLA kernel (impl='triton' on a latent KV cache) does not take "
+                         f"{unsupported or ['batch_invariant']}; use 'reference'")
+    allowed = [name for name, param in inspect.signature(mla_kernel.default_tuning).parameters.items()
+               if param.kind is inspect.Parameter.KEYWORD_ONLY]
+    if set(tuning) - set(allowed):
+        raise ValueError(f"unknown tuning arguments {sorted(set(tuning) - set(allowed))} for the MLA kernel; "
+                         f"expected some of {allowed}")
+    return mla_kernel.mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, sm_scale=masks["sm_scale"],
+                                          v_head_dim=v_head_dim, interpret=interpret, **tuning)
+
+
+__all__ = ["ATTENTION_IMPLS", "MOSAIC_MIN_TOKENS", "choose_impl", "choose_latent_impl", "ragged_paged_attention",
            "ragged_paged_attention_reference"]
