@@ -121,6 +121,11 @@ class ShardingPlan:
                     else "sigmoid-input router")
             raise ValueError(f"{config.architecture} is not sharded: its {what} and experts have no "
                              "sharding rules (tensor and pipeline parallelism are unsupported for it)")
+        if config.moe is not None and config.moe.expert_format == "fp8":
+            raise ValueError(f"{config.architecture} with block-FP8 experts (quantization_config weight_block_size "
+                             f"{list(config.fp8_weight_block)}) is not sharded: its float8 experts and their block "
+                             "scales have no sharding rules (tensor, expert and pipeline parallelism are unsupported "
+                             "for it)")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
             raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
         tp = mesh.shape[TP_AXIS]
