@@ -207,14 +207,21 @@ def test_block_fp8_experts_stay_fp8_and_decode_as_the_dequantized_checkpoint(arc
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outputs = []
-    for path in (fp8_dir, dequantized_dir):
+    outputs = {}
+    for name, path in (("fp8", fp8_dir), ("dequantized", dequantized_dir)):
         llm = LLM(model=str(path), dtype="float32", max_model_len=64, block_size=8, max_num_seqs=4,
                   max_num_batched_tokens=32, use_tqdm=False)
-        outputs.append([list(o.outputs[0].token_ids)
-                        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+        outputs[name] = _greedy_tokens(llm, prompts, params)
+        if name == "fp8":  # reloaded from the checkpoint in place: float8 experts and float32 scales as stored
+            llm.update_weights_from_disk(str(path))
+            outputs["fp8 updated"] = _greedy_tokens(llm, prompts, params)
         assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
-    assert outputs[0] == outputs[1]
+    assert outputs["fp8"] == outputs["dequantized"] == outputs["fp8 updated"]
+
+
+def _greedy_tokens(llm, prompts, params):
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
 def _hf_greedy(path, prompts, max_new_tokens):
