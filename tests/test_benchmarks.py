@@ -278,6 +278,22 @@ def test_moe_kernel_benchmark_checks_times_and_floors_every_token_count(tmp_path
     assert len(json.loads(out.read_text())["results"]) == 2
 
 
+def test_moe_kernel_benchmark_fp8_experts(tmp_path):
+    """benchmarks/moe_kernel.py --weights fp8 on a tiny shape, the kernel interpreted: the FP8 kernel (tiles
+    dequantized in the kernel) and the bf16 forms on the dequantized weights agree with the reference, every form is
+    timed, and the floor counts one byte per weight."""
+    from benchmarks.moe_kernel import floor_bytes, main
+
+    results = main(["--tokens", "5", "--hidden", "48", "--inter", "40", "--experts", "4", "--top-k", "2",
+                    "--repeats", "1", "--interpret", "--weights", "fp8", "--fp8-block", "16"])
+    (r,) = results
+    assert r["weights"] == "fp8"
+    assert r["check"]["kernel_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+    assert r["check"]["fused_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+    assert all(r[f"{name}_us"] > 0 for name in ("pallas", "pallas_bf16", "ragged_dot", "ragged_dot_fused"))
+    assert floor_bytes(1, 32, 16, 2, 2, 1) == 2 * 3 * 32 * 16 + 2 * (32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
+
+
 def test_weight_update_benchmark_smoke(tmp_path):
     """benchmarks/weight_update.py on a tiny checkpoint: every phase timed, the updates and wake-ups compile no step,
     the engine serves after the last update."""
