@@ -238,3 +238,19 @@ def test_block_fp8_kernel_refuses_what_it_cannot_tile():
     with pytest.raises(ValueError, match="up_rhs must match"):
         grouped_matmul_pallas(lhs, fp8, jnp.array([2, 2], jnp.int32), up_rhs=weight.astype(jnp.bfloat16),
                               interpret=True)
+
+
+def test_block_fp8_kernel_derivatives_in_the_rows_are_the_references():
+    """The whole op on block-FP8 experts under ``jax.grad`` in ``x`` (``score_tokens``' use): the kernel's
+    derivative (the reference's) equals the reference's."""
+    rng = np.random.default_rng(3)
+    stacks = [_block_fp8_stack(rng, 4, k, n, (16, 16), 0.2)[0] for k, n in ((32, 48), (32, 48), (48, 32))]
+    x = _random(rng, (5, 32), jnp.float32)
+    weights, ids = route_top_k(_random(rng, (5, 4), jnp.float32), 2, norm_topk_prob=True)
+    kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
+
+    def grad(matmul):
+        return jax.grad(lambda x: jnp.sum(moe_experts_with(matmul, x, *stacks, weights, ids) ** 2))(x)
+
+    want = np.asarray(grad(grouped_matmul_reference))
+    np.testing.assert_allclose(np.asarray(grad(kernel)), want, rtol=0, atol=TOLERANCE[jnp.float32] * np.abs(want).max())
