@@ -101,11 +101,16 @@ def _grouped_matmul_kernel(expert_ref, start_ref, end_ref, row_index_ref, lhs_re
             w_mask = k_ok[:, None] & col_ok[None, :]
             out = []
             for acc, (w_ref, *scale_ref) in zip(accs, weights):
-                w = _load(w_ref.at[expert, k_c[:, None], cols_c[None, :]], mask=w_mask, other=0.0)
-                if scale_block is not None:  # the tile lies in one scale block: [out // rows, in // cols]
+                if scale_block is None:
+                    w = _load(w_ref.at[expert, k_c[:, None], cols_c[None, :]], mask=w_mask, other=0.0)
+                else:
+                    # The clamped indices keep every address in bounds, so no float8 fill value is needed: the
+                    # entries outside the matrix are zeroed after the conversion (a float8 NaN code cannot leak).
+                    w = _load(w_ref.at[expert, k_c[:, None], cols_c[None, :]])
+                    # The tile lies in one scale block: scale_inv[e, out // rows, in // cols].
                     scale = scale_ref[0][expert, column_block * block_n // scale_block[0],
                                          step * block_k // scale_block[1]]
-                    w = (w.astype(jnp.float32) * scale).astype(a.dtype)
+                    w = jnp.where(w_mask, w.astype(jnp.float32) * scale, 0.0).astype(a.dtype)
                 out.append(acc + _dot(a, w, precision=precision))
             return tuple(out)
 
