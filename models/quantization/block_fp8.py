@@ -3,7 +3,8 @@
 float32[ceil(out / rows), ceil(in / cols)]``, one scale per block, ``w = float(weight) * scale_inv[block]``.
 
 The engine's FP8 layers (``models.quantization.linear.Fp8Linear``) scale per tensor or per channel, not per block:
-the loader dequantizes the non-expert projections to the model dtype as it reads them (``ModelConfig.fp8_weight_block``).
+the loader dequantizes the non-expert projections to the model dtype as it reads them
+(``ModelConfig.fp8_weight_block``).
 A mixture-of-experts layer's experts stay in float8 on the device (``MoeConfig.expert_format`` "fp8"):
 ``BlockFp8Experts`` is one stacked projection with its scales, which the grouped matmuls take in place of a float
 stack (``models.moe``; the fused MoE kernel dequantizes each tile, ``paged_jax.ops.fused_moe``).
