@@ -1,4 +1,4 @@
-"""Block-FP8 weights (DeepSeek-V3's published checkpoints: ``quantization_config`` ``quant_method`` "fp8" with
+"""Block-FP8 weights (DeepSeek-V3's and Qwen3-MoE's published FP8 checkpoints: ``quant_method`` "fp8" with
 ``weight_block_size [rows, cols]``): each projection's ``weight float8_e4m3fn[out, in]`` beside ``weight_scale_inv
 float32[ceil(out / rows), ceil(in / cols)]``, one scale per block, ``w = float(weight) * scale_inv[block]``.
 
