@@ -151,13 +151,19 @@ def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, 
                          f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
     order, group_sizes = sort_by_expert(topk_ids, num_experts)
     dtype = x.dtype
-    w_gate, w_up, w_down = (w if isinstance(w, BlockFp8Experts) else w.astype(dtype) for w in (w_gate, w_up, w_down))
+    w_gate, w_up, w_down = (expert_operand(w, dtype) for w in (w_gate, w_up, w_down))
     act = grouped_matmul(x, w_gate, group_sizes, row_index=order // top_k, up_rhs=w_up)  # [T * k, I]
     out_sorted = grouped_matmul(act, w_down, group_sizes)  # [T * k, H]
     # Back to (token, slot) order: sorted row r holds pair order[r].
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
     out = out.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
+
+
+def expert_operand(w, dtype):
+    """A stacked expert weight as the grouped matmuls take it: a float stack cast to ``dtype``, block-FP8 experts
+    (``BlockFp8Experts``) as they are (the grouped matmul dequantizes them)."""
+    return w if isinstance(w, BlockFp8Experts) else w.astype(dtype)
 
 
 def moe_experts_reference(x, w_gate, w_up, w_down, topk_weights, topk_ids) -> jax.Array:

@@ -166,7 +166,7 @@ def test_quantizing_a_moe_checkpoint_is_refused_naming_what():
 
     fp8_config = ModelConfig.from_hf_config(tiny_config("qwen3_moe", quantization_config=block_fp8))
     with pytest.raises(ValueError, match=r"block-FP8 experts \(quantization_config weight_block_size \[128, 128\]\) "
-                                         r"is not sharded"):
+                                         r"splits its experts over devices only whole \(enable_expert_parallel\)"):
         ShardingPlan.create(fp8_config, make_mesh(1))
 
 
