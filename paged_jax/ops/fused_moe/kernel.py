@@ -142,7 +142,8 @@ def fp8_blocks(block_n: int, block_k: int, scale_block: tuple[int, int]) -> tupl
             block //= 2
         if block < MIN_BLOCK:
             raise ValueError(f"the fused MoE kernel needs block-FP8 scale blocks (weight_block_size "
-                             f"{list(scale_block)}) whose sides are multiples of {MIN_BLOCK}; use moe_impl='xla'")
+                             f"{list(scale_block)}) whose sides are multiples of {MIN_BLOCK}; use moe_impl='xla' "
+                             "(models.moe.set_moe_impl)")
         sides.append(block)
     return sides[0], sides[1]
 
