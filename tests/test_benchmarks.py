@@ -119,6 +119,9 @@ def test_floors_of_experts_and_sliding_windows():
     assert decode_weight_bytes(moe, 10_000) < num_params(moe) * 2 + 10_000 * moe.hidden_size * 2
     assert active_body_params(moe) * 2 == pytest.approx(one_token - 2 * moe.vocab_size * moe.hidden_size
                                                         - 2 * moe.hidden_size, rel=1e-6)
+    fp8 = preset_config("qwen3-30b-a3b-fp8")  # block-FP8 experts: one byte per expert weight
+    assert fp8.moe.expert_format == "fp8" and fp8.fp8_weight_block == (128, 128)
+    assert decode_weight_bytes(fp8, 1) == one_token - 48 * 8 * expert
     gemma = preset_config("gemma-3-12b")  # 8 full layers, 40 with a 1,024-token window
     per_layer_token = 2 * gemma.num_key_value_heads * gemma.head_dim * 2
     assert kv_read_bytes(gemma, 32768, 1) == per_layer_token * (8 * 32768 + 40 * 1024)
