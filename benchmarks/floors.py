@@ -76,13 +76,14 @@ def decode_weight_bytes(config: ModelConfig, batch: int, dtype_bytes: int = 2, r
                         ) -> float:
     """Weight bytes one decode step of ``batch`` rows must read: decoder layers + LM head whole, plus ``batch`` rows
     of an untied input embedding; of a mixture-of-experts shape only the experts ``routed_rows`` tokens (default
-    ``batch``) route to (``experts_routed``)."""
+    ``batch``) route to (``experts_routed``), one byte each for block-FP8 experts (their scales add under 0.1%)."""
     embed_rows = 0 if config.tie_word_embeddings else batch * config.hidden_size
-    body = dense_body_params(config)
+    weight_bytes = (dense_body_params(config) + lm_head_params(config) + embed_rows) * dtype_bytes
     if config.moe is not None:
         rows = batch if routed_rows is None else routed_rows
-        body += num_sparse_layers(config) * experts_routed(config, rows) * expert_params(config)
-    return (body + lm_head_params(config) + embed_rows) * dtype_bytes
+        expert_bytes = 1 if config.moe.expert_format == "fp8" else dtype_bytes
+        weight_bytes += num_sparse_layers(config) * experts_routed(config, rows) * expert_params(config) * expert_bytes
+    return weight_bytes
 
 
 def attention_flops(config: ModelConfig, num_keys: int) -> int:

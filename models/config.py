@@ -61,6 +61,7 @@ HIDDEN_ACTS = tuple(hf.HIDDEN_ACTS.values())
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 MOE_ROUTERS = ("softmax", "sigmoid_input")
+EXPERT_FORMATS = (None, "mxfp4", "fp8")
 HEADS = ("lm_head", "score", "none")
 
 
@@ -89,8 +90,10 @@ class MoeConfig:
 
     gpt-oss (``swiglu_limit`` set; ``models.gpt_oss``): the router and the experts carry biases, the weights are
     the softmax over the top-k logits, and the experts run the clamped SwiGLU ``(clip(up, -limit, limit) + 1) *
-    g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. ``expert_format``: None (experts in the model dtype)
-    or "mxfp4" (kept as the checkpoint's packed fp4 blocks and e8m0 scales, dequantized in the step).
+    g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``. ``expert_format``: None (experts in the model dtype),
+    "mxfp4" (gpt-oss: kept as the checkpoint's packed fp4 blocks and e8m0 scales, dequantized in the step) or "fp8"
+    (DeepSeek-V2 / V3, Qwen3-MoE block-FP8 checkpoints: kept in float8_e4m3fn with float32 scales per
+    ``ModelConfig.fp8_weight_block``, dequantized per tile by the grouped matmuls, ``models.moe``).
 
     DeepSeek-V2 / V3 (``models.deepseek``): ``n_shared_experts`` shared experts (one SwiGLU MLP
     ``n_shared_experts * moe_intermediate_size`` wide, added to every token's routed sum); ``scoring_func``
@@ -134,10 +137,13 @@ class MoeConfig:
         if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise ValueError(f"config fields 'n_group' ({self.n_group}) and 'topk_group' ({self.topk_group}) must "
                              f"divide the {self.num_experts} experts into groups and keep 1..n_group of them")
-        if self.expert_format not in (None, "mxfp4"):
-            raise ValueError(f"MoeConfig.expert_format must be None or 'mxfp4', got {self.expert_format!r}")
-        if self.expert_format is not None and self.swiglu_limit is None:
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"MoeConfig.expert_format must be one of {EXPERT_FORMATS}, got {self.expert_format!r}")
+        if self.expert_format == "mxfp4" and self.swiglu_limit is None:
             raise ValueError("MoeConfig.expert_format 'mxfp4' is gpt-oss's (swiglu_limit set)")
+        if self.expert_format == "fp8" and (self.swiglu_limit is not None or self.router != "softmax"):
+            raise ValueError("MoeConfig.expert_format 'fp8' (block-FP8 experts) runs the SwiGLU experts of "
+                             "models.moe only (not gpt-oss's or Llama 4's)")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -221,8 +227,9 @@ class ModelConfig:
     the latent cache: ``num_key_value_heads`` 1, ``head_dim`` ``kv_lora_rank + qk_rope_head_dim``, ``rotary_dim``
     ``qk_rope_head_dim`` and ``attention_scale`` DeepSeek's (``models.deepseek_config``).
     ``fp8_weight_block``: the checkpoint's projections are block-FP8 (``quantization_config`` fp8 with
-    ``weight_block_size``, DeepSeek-V3 as published): ``(rows, cols)`` of one ``weight_scale_inv`` entry; the loader
-    dequantizes them to the model dtype (``models.quantization.block_fp8``). None: unquantized.
+    ``weight_block_size``, DeepSeek-V3 and Qwen3-MoE FP8 as published): ``(rows, cols)`` of one
+    ``weight_scale_inv`` entry; the loader dequantizes them to the model dtype (``models.quantization.block_fp8``),
+    except the experts, which stay in float8 (``MoeConfig.expert_format`` "fp8"). None: unquantized.
     ``num_nextn_predict_layers``: DeepSeek-V3's multi-token prediction layers, stored after the decoder layers
     (``model.layers.{num_hidden_layers + i}``): not part of the model's forward, read by the ``mtp`` speculative
     method (``models.mtp``); 0 for every other architecture.
@@ -305,6 +312,9 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         self._check_windows()
+        if (self.moe is not None and self.moe.expert_format == "fp8") != (self.fp8_weight_block is not None):
+            raise ValueError("ModelConfig.fp8_weight_block must be set exactly for block-FP8 experts "
+                             "(MoeConfig.expert_format 'fp8')")
         if (self.mla is not None) != (self.architecture in hf.DEEPSEEK_ARCHITECTURES):
             raise ValueError(f"ModelConfig.mla must be set exactly for {hf.DEEPSEEK_ARCHITECTURES}")
         if self.mla is not None and (self.num_key_value_heads, self.head_dim) != (1, self.mla.latent_dim):
@@ -465,6 +475,7 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             **hf.family_options(architecture, hf_config),
             moe=None if moe_fields is None else MoeConfig(**moe_fields),
+            fp8_weight_block=hf.fp8_weight_block(architecture, hf_config),
             attention_sinks=architecture == "GptOssForCausalLM",
             head=head,
             num_labels=hf.num_labels(hf_config) if head == "score" else 0,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig, MoeConfig
-from models.moe import MoeExperts, SparseMoeBlock, check_moe_impl
+from models.moe import MoeExperts, SparseMoeBlock, check_moe_impl, expert_fp8_block
 
 # Router parameters stored under their own names (the loader reads them as is).
 CHECKPOINT_LEAVES = frozenset({"e_score_correction_bias"})
@@ -89,7 +89,8 @@ class DeepseekMoeBlock(SparseMoeBlock):
         self.expert_parallel = None
         self.gate = DeepseekRouter(config.hidden_size, moe, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
         self.experts = MoeExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size,
-                                  param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+                                  param_dtype=param_dtype, rngs=rngs, init_std=init_std,
+                                  fp8_block=expert_fp8_block(config))
         self.shared_experts = nnx.data(shared_experts)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

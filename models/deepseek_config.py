@@ -77,7 +77,8 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
             "n_group": int(hf_config.get("n_group") or 1) if grouped else 1,
             "topk_group": int(hf_config.get("topk_group") or 1) if grouped else 1,
             "routed_scaling_factor": float(hf_config.get("routed_scaling_factor",
-                                                         routing["routed_scaling_factor"]))}
+                                                         routing["routed_scaling_factor"])),
+            "expert_format": "fp8" if hf.fp8_weight_block(architecture, hf_config) else None}
 
 
 def softmax_scale(mla: dict[str, Any], rope_scaling: dict | None, rope_source: dict) -> float:
@@ -91,22 +92,6 @@ def softmax_scale(mla: dict[str, Any], rope_scaling: dict | None, rope_source: d
         mscale = 1.0 if factor <= 1 else 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale
-
-
-def fp8_weight_block(hf_config: dict) -> tuple[int, int] | None:
-    """``quantization_config``'s block-FP8 weights (DeepSeek-V3 as published): ``weight_block_size``, else None for
-    an unquantized checkpoint; ValueError naming the field for any other quantization."""
-    quant = hf_config.get("quantization_config")
-    if quant is None:
-        return None
-    method = str(quant.get("quant_method", "")).lower()
-    block = quant.get("weight_block_size")
-    if method != "fp8" or not isinstance(block, (list, tuple)) or len(block) != 2:
-        raise ValueError(f"config field 'quantization_config' ({method or quant!r}, weight_block_size={block!r}) is "
-                         "unsupported for DeepSeek: only block-FP8 (quant_method 'fp8' with weight_block_size)")
-    if str(quant.get("fmt", "e4m3")).lower() != "e4m3":
-        raise ValueError(f"config field 'quantization_config.fmt' = {quant['fmt']!r} is unsupported (only e4m3)")
-    return int(block[0]), int(block[1])
 
 
 def model_fields(architecture: str, hf_config: dict) -> dict[str, Any]:
@@ -134,6 +119,6 @@ def model_fields(architecture: str, hf_config: dict) -> dict[str, Any]:
         "max_position_embeddings": int(rope_config["max_position_embeddings"] or 4096),
         "bos_token_id": hf_config.get("bos_token_id"), "eos_token_id": hf_config.get("eos_token_id"),
         "mla": mla, "moe": moe_fields(architecture, hf_config, num_layers),
-        "fp8_weight_block": fp8_weight_block(hf_config),
+        "fp8_weight_block": hf.fp8_weight_block(architecture, hf_config),
         "num_nextn_predict_layers": int(hf_config.get("num_nextn_predict_layers") or 0),
     }

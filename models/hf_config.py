@@ -15,6 +15,9 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "DeepseekV2ForCausalLM",
                      "DeepseekV3ForCausalLM", "Llama4ForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Architectures whose block-FP8 checkpoints load (``quantization_config`` fp8 with ``weight_block_size``): their
+# experts stay in float8 (``MoeConfig.expert_format`` "fp8"), their other projections are dequantized at load.
+BLOCK_FP8_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "Qwen3MoeForCausalLM")
 _NO_WINDOW = ("LlamaForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM")
 CHUNKED = "chunked_attention"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -301,7 +304,25 @@ def moe_fields(architecture: str, hf_config: dict, num_layers: int) -> dict[str,
         raise ValueError(f"config field 'decoder_sparse_step' must be a positive int, got {sparse_step!r}")
     return {**fields, "moe_intermediate_size": int(hf_config["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)), "decoder_sparse_step": sparse_step,
-            "mlp_only_layers": tuple(sorted(set(mlp_only_layers)))}
+            "mlp_only_layers": tuple(sorted(set(mlp_only_layers))),
+            "expert_format": "fp8" if fp8_weight_block(architecture, hf_config) else None}
+
+
+def fp8_weight_block(architecture: str, hf_config: dict) -> tuple[int, int] | None:
+    """A ``BLOCK_FP8_ARCHITECTURES`` config's block-FP8 weights (``quantization_config`` fp8 with
+    ``weight_block_size``, as DeepSeek-V3 and Qwen3-MoE FP8 publish them): ``weight_block_size``, else None for an
+    unquantized checkpoint or another architecture; ValueError naming the field for any other quantization of one."""
+    quant = hf_config.get("quantization_config")
+    if quant is None or architecture not in BLOCK_FP8_ARCHITECTURES:
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    block = quant.get("weight_block_size")
+    if method != "fp8" or not isinstance(block, (list, tuple)) or len(block) != 2:
+        raise ValueError(f"config field 'quantization_config' ({method or quant!r}, weight_block_size={block!r}) is "
+                         f"unsupported for {architecture}: only block-FP8 (quant_method 'fp8' with weight_block_size)")
+    if str(quant.get("fmt", "e4m3")).lower() != "e4m3":
+        raise ValueError(f"config field 'quantization_config.fmt' = {quant['fmt']!r} is unsupported (only e4m3)")
+    return int(block[0]), int(block[1])
 
 
 def _llama4(hf_config: dict, key: str):

@@ -147,11 +147,13 @@ def init_dummy_model(config: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0) 
 
 def dummy_fill(param_path: tuple, config: ModelConfig) -> float | None:
     """The constant a "dummy" parameter is filled with (norm scales 1, or 0 for Gemma's norms, which scale by
-    1 + weight; biases 0; MXFP4 scales 2 ** -7, so random fp4 blocks give weights of about N(0, 0.02)'s size),
-    or None for a random one."""
+    1 + weight; biases 0; MXFP4 scales 2 ** -7, so random fp4 blocks give weights of about N(0, 0.02)'s size;
+    block-FP8 experts' scales 1, their float8 weights drawn as N(0, 0.02)), or None for a random one."""
     leaf = str(param_path[-1])
     if leaf.endswith("_scales"):
         return float(MXFP4_DUMMY_SCALE)
+    if leaf.endswith(block_fp8.SCALE_SUFFIX):
+        return 1.0
     if leaf == "scale":
         return 0.0 if config.norm_unit_offset else 1.0
     return 0.0 if leaf == "bias" else None
@@ -314,7 +316,8 @@ def checkpoint_tensor_shapes(config: ModelConfig, param_path: tuple,
     ``shape``) is read from: one, or one ``[out, in]`` tensor per expert of stacked experts."""
     expert_names = expert_checkpoint_names(config, param_path)
     if expert_names is not None:
-        return [(name, tuple(shape[1:][::-1])) for name in expert_names]
+        scales = str(param_path[-1]).endswith(block_fp8.SCALE_SUFFIX)  # stored as the model holds them
+        return [(name, tuple(shape[1:] if scales else shape[1:][::-1])) for name in expert_names]
     name, transposed = hf_name_for(param_path)
     return [(checkpoint_prefix(config, name), tuple(shape[::-1]) if transposed else tuple(shape))]
 
@@ -344,7 +347,7 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
         an unreadable file.
     """
     wanted: dict[str, tuple[tuple, bool]] = {}  # hf name -> (param path, transposed), one tensor per parameter
-    stacks: dict[tuple, list[str]] = {}  # param path -> its experts' hf names (stacked, each transposed)
+    stacks: dict[tuple, list[str]] = {}  # param path -> its experts' hf names (stacked)
     for param_path in expected_shapes:
         expert_names = expert_checkpoint_names(config, param_path)
         if expert_names is not None:
@@ -359,20 +362,25 @@ def iter_checkpoint_params(tensor_files: dict[str, Path], expected_shapes: dict[
         wanted = {TEXT_MODEL_PREFIX + name: value for name, value in wanted.items()}
     fused = _fused_sources(config.architecture, wanted, tensor_files)
     dequantize = _block_fp8_dequantizer(tensor_files, config)
-    tensor_files = _without_skipped_tensors(tensor_files, config)
-    _check_tensor_names(tensor_files, set(wanted).union(*stacks.values()), fused, config)
+    stacked = set().union(*stacks.values())
+    tensor_files = _without_skipped_tensors(tensor_files, config, stacked)
+    _check_tensor_names(tensor_files, set(wanted) | stacked, fused, config)
     yield from _read_tensors(tensor_files, expected_shapes, wanted, fused, dequantize)
-    yield from _read_expert_stacks(tensor_files, expected_shapes, stacks, dequantize)
+    # Block-FP8 experts stay in float8 beside their scales (MoeConfig.expert_format "fp8"): read as stored.
+    fp8_experts = config.moe is not None and config.moe.expert_format == "fp8"
+    yield from _read_expert_stacks(tensor_files, expected_shapes, stacks,
+                                   (lambda hf_name, array: array) if fp8_experts else dequantize)
 
 
-def _without_skipped_tensors(tensor_files: dict[str, Path], config: ModelConfig) -> dict[str, Path]:
+def _without_skipped_tensors(tensor_files: dict[str, Path], config: ModelConfig, stacked: set[str]
+                             ) -> dict[str, Path]:
     """``tensor_files`` less what the model reads otherwise or not at all: a block-FP8 checkpoint's
-    ``weight_scale_inv`` tensors (read with their weights) and DeepSeek-V3's multi-token prediction layers
-    (``num_nextn_predict_layers``, the layers after the last decoder layer: skipped, with a log line; the ``mtp``
-    drafter reads them, ``models.mtp``)."""
+    ``weight_scale_inv`` tensors (read with their weights; but the ``stacked`` ones, block-FP8 experts' scales, are
+    parameters of their own) and DeepSeek-V3's multi-token prediction layers (``num_nextn_predict_layers``, the
+    layers after the last decoder layer: skipped, with a log line; the ``mtp`` drafter reads them, ``models.mtp``)."""
     if config.fp8_weight_block is not None:
         tensor_files = {name: path for name, path in tensor_files.items()
-                        if not name.endswith(".weight" + block_fp8.SCALE_SUFFIX)}
+                        if name in stacked or not name.endswith(".weight" + block_fp8.SCALE_SUFFIX)}
     if config.mla is None:
         return tensor_files
     mtp = re.compile(r"^model\.layers\.(\d+)\.")
@@ -477,11 +485,14 @@ def _fused_sources(architecture: str, wanted: dict[str, Any], tensor_files: dict
 def _read_expert_stacks(tensor_files: dict[str, Path], expected_shapes: dict[tuple, tuple[int, ...]],
                         stacks: dict[tuple, list[str]], dequantize) -> Iterator[tuple[tuple, np.ndarray, bool]]:
     """``iter_checkpoint_params``'s stacked experts: each parameter's per-expert ``[out, in]`` tensors stacked into
-    ``[E, out, in]`` (transposed), the files opened once."""
+    ``[E, out, in]`` (transposed), a block-FP8 expert's ``weight_scale_inv`` blocks into ``float32[E, out blocks,
+    in blocks]`` (as stored, not transposed), the files opened once."""
     with contextlib.ExitStack() as open_files:
         handles: dict[Path, Any] = {}
         for param_path, names in stacks.items():
-            expert_shape = tuple(expected_shapes[param_path])[1:][::-1]  # each expert's [out, in]
+            transposed = not str(param_path[-1]).endswith(block_fp8.SCALE_SUFFIX)
+            expert_shape = tuple(expected_shapes[param_path])[1:]
+            expert_shape = expert_shape[::-1] if transposed else expert_shape  # each expert's [out, in]
             experts = []
             for hf_name in names:
                 file_path = tensor_files[hf_name]
@@ -489,7 +500,7 @@ def _read_expert_stacks(tensor_files: dict[str, Path], expected_shapes: dict[tup
                     handles[file_path] = open_files.enter_context(_open_safetensors(file_path))
                 experts.append(dequantize(hf_name, _read_checked(handles[file_path], hf_name, file_path,
                                                                  expert_shape)))
-            yield param_path, np.stack(experts), True
+            yield param_path, np.stack(experts), transposed
 
 
 def _read_checked(handle, hf_name: str, file_path: Path, expected_shape: tuple[int, ...]) -> np.ndarray:

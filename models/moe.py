@@ -14,7 +14,11 @@ Pallas grouped matmul of ``paged_jax.ops.fused_moe`` registers itself here as ``
 selector) when ``paged_jax.ops`` is imported, so ``models`` never imports ``paged_jax``.
 
 Expert weights are stacked over experts in model layout (``[in, out]`` per expert): ``gate_proj`` / ``up_proj``
-``[E, H, I]``, ``down_proj`` ``[E, I, H]``; the loader stacks a checkpoint's per-expert tensors into them.
+``[E, H, I]``, ``down_proj`` ``[E, I, H]``; the loader stacks a checkpoint's per-expert tensors into them. Block-FP8
+experts (``MoeConfig.expert_format`` "fp8": DeepSeek-V2 / V3 and Qwen3-MoE FP8 checkpoints) stay in
+``float8_e4m3fn`` beside their ``<proj>_scale_inv`` blocks and reach the grouped matmuls as
+``models.quantization.block_fp8.BlockFp8Experts``: the reference dequantizes them to the rows' dtype, the kernel
+dequantizes each tile it reads.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.impl_registry import ImplRegistry
+from models.quantization.block_fp8 import SCALE_SUFFIX, BlockFp8Experts
 
 MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_SCALES = tuple(name + SCALE_SUFFIX for name in EXPERT_PROJECTIONS)  # block-FP8 experts' scale parameters
 ROUTED_EXPERTS = "routed_experts"  # the nnx.Intermediate a capturing sparse layer sows (models.moe_routing)
 # Mixtral's checkpoint names: the block is "block_sparse_moe", its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -92,13 +98,16 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     Args:
       lhs: ``dtype[R, K]``; the sorted rows are ``lhs[row_index]`` (``row_index int32[M]``), or ``lhs`` itself
         (``M == R``) when ``row_index`` is None.
-      rhs: ``[E, K, N]``; rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by ``rhs[e]``.
+      rhs: ``dtype[E, K, N]`` or ``BlockFp8Experts`` of that shape (dequantized to ``dtype`` here: the whole stack,
+        for the oracle's simplicity); rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by
+        ``rhs[e]``.
       group_sizes: ``int32[E]``, summing to ``M``.
-      up_rhs: None, or ``[E, K, N]``: then the result is ``silu(rows @ rhs[e]) * (rows @ up_rhs[e])`` (float32, one
+      up_rhs: None, or as ``rhs``: then the result is ``silu(rows @ rhs[e]) * (rows @ up_rhs[e])`` (float32, one
         rounding), the experts' SwiGLU activation.
     Returns:
       ``lhs.dtype[M, N]``.
     """
+    rhs, up_rhs = (w.dequantize(lhs.dtype) if isinstance(w, BlockFp8Experts) else w for w in (rhs, up_rhs))
     rows = lhs if row_index is None else lhs[row_index]
     out = jax.lax.ragged_dot(rows, rhs, group_sizes, preferred_element_type=jnp.float32)
     if up_rhs is not None:
@@ -119,7 +128,8 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     """The experts' weighted SwiGLU of every token (vLLM's ``fused_experts``), its grouped matmuls by ``impl``.
 
     Args:
-      x: ``dtype[T, H]``; w_gate, w_up: ``[E, H, I]``; w_down: ``[E, I, H]`` (model layout, cast to ``dtype``).
+      x: ``dtype[T, H]``; w_gate, w_up: ``[E, H, I]``; w_down: ``[E, I, H]`` (model layout, cast to ``dtype``), or
+        each a ``BlockFp8Experts`` of that shape (block-FP8 experts, dequantized by the grouped matmul).
       topk_weights: ``float32[T, k]``; topk_ids: ``int32[T, k]`` in ``[0, E)`` (``route_top_k``).
       impl: ``MOE_IMPLS``; "auto": the registered selector's choice for the static shape, else "xla".
     Returns:
@@ -141,13 +151,19 @@ def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, 
                          f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
     order, group_sizes = sort_by_expert(topk_ids, num_experts)
     dtype = x.dtype
-    act = grouped_matmul(x, w_gate.astype(dtype), group_sizes, row_index=order // top_k,
-                         up_rhs=w_up.astype(dtype))  # [T * k, I]
-    out_sorted = grouped_matmul(act, w_down.astype(dtype), group_sizes)  # [T * k, H]
+    w_gate, w_up, w_down = (expert_operand(w, dtype) for w in (w_gate, w_up, w_down))
+    act = grouped_matmul(x, w_gate, group_sizes, row_index=order // top_k, up_rhs=w_up)  # [T * k, I]
+    out_sorted = grouped_matmul(act, w_down, group_sizes)  # [T * k, H]
     # Back to (token, slot) order: sorted row r holds pair order[r].
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
     out = out.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
+
+
+def expert_operand(w, dtype):
+    """A stacked expert weight as the grouped matmuls take it: a float stack cast to ``dtype``, block-FP8 experts
+    (``BlockFp8Experts``) as they are (the grouped matmul dequantizes them)."""
+    return w if isinstance(w, BlockFp8Experts) else w.astype(dtype)
 
 
 def moe_experts_reference(x, w_gate, w_up, w_down, topk_weights, topk_ids) -> jax.Array:
@@ -156,13 +172,28 @@ def moe_experts_reference(x, w_gate, w_up, w_down, topk_weights, topk_ids) -> ja
 
 
 class MoeExperts(nnx.Module):
-    """The experts' stacked weights: ``gate_proj``, ``up_proj`` ``[E, H, I]`` and ``down_proj`` ``[E, I, H]``."""
+    """The experts' stacked weights: ``gate_proj``, ``up_proj`` ``[E, H, I]`` and ``down_proj`` ``[E, I, H]`` in
+    ``param_dtype``; with ``fp8_block`` (block-FP8 experts, ``(rows, cols)`` of one scale) in ``float8_e4m3fn``,
+    each beside its ``<proj>_scale_inv`` ``float32[E, ceil(out / rows), ceil(in / cols)]`` (``BlockFp8Experts``)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, *, param_dtype, rngs: nnx.Rngs, init_std: float):
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, param_dtype, rngs: nnx.Rngs, init_std: float,
+                 fp8_block: tuple[int, int] | None = None):
         init = nnx.initializers.normal(stddev=init_std)
-        self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, inter), param_dtype))
-        self.up_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, inter), param_dtype))
-        self.down_proj = nnx.Param(init(rngs.params(), (num_experts, inter, hidden), param_dtype))
+        self.fp8_block = fp8_block
+        dtype = param_dtype if fp8_block is None else jnp.float8_e4m3fn
+        for name, (k, n) in zip(EXPERT_PROJECTIONS, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            value = init(rngs.params(), (num_experts, k, n), param_dtype if fp8_block is None else jnp.float32)
+            setattr(self, name, nnx.Param(value.astype(dtype)))
+            if fp8_block is not None:
+                scales = (num_experts, -(-n // fp8_block[0]), -(-k // fp8_block[1]))
+                setattr(self, name + SCALE_SUFFIX, nnx.Param(jnp.ones(scales, jnp.float32)))
+
+    def projections(self) -> tuple:
+        """``(gate, up, down)``: the stacked arrays, or ``BlockFp8Experts`` for block-FP8 experts."""
+        if self.fp8_block is None:
+            return tuple(getattr(self, name)[...] for name in EXPERT_PROJECTIONS)
+        return tuple(BlockFp8Experts(getattr(self, name)[...], getattr(self, name + SCALE_SUFFIX)[...],
+                                     self.fp8_block) for name in EXPERT_PROJECTIONS)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -186,7 +217,8 @@ class SparseMoeBlock(nnx.Module):
                                param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
                                rngs=rngs)
         self.experts = MoeExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size,
-                                  param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+                                  param_dtype=param_dtype, rngs=rngs, init_std=init_std,
+                                  fp8_block=expert_fp8_block(config))
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [T, H]`` -> ``(weights float32[T, k], ids int32[T, k])`` (``route_top_k`` of the router logits)."""
@@ -199,10 +231,13 @@ class SparseMoeBlock(nnx.Module):
         weights, ids = self.route(x)
         if self.capture_routing:
             self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
-        experts = self.experts
         run = moe_experts if self.expert_parallel is None else self.expert_parallel
-        return run(x, experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...], weights, ids,
-                   impl=self.impl)
+        return run(x, *self.experts.projections(), weights, ids, impl=self.impl)
+
+
+def expert_fp8_block(config: ModelConfig) -> tuple[int, int] | None:
+    """The scale block of a model's block-FP8 experts (``MoeConfig.expert_format`` "fp8"), else None."""
+    return config.fp8_weight_block if config.moe.expert_format == "fp8" else None
 
 
 def refuse_mlp_lora(lora) -> None:
@@ -231,15 +266,18 @@ def set_moe_impl(model, impl: str):
 
 def expert_checkpoint_names(config: ModelConfig, param_path: tuple) -> list[str] | None:
     """The checkpoint tensors stacked into one expert parameter (``(..., "mlp", "experts", "gate_proj")``), one per
-    expert in order (each the ``[out, in]`` weight of that expert), or None for any other parameter."""
+    expert in order (each the ``[out, in]`` weight of that expert; for a block-FP8 ``<proj>_scale_inv`` parameter its
+    ``weight_scale_inv``), or None for any other parameter."""
     names = [str(p) for p in param_path]
-    if len(names) < 3 or names[-2] != "experts" or names[-1] not in EXPERT_PROJECTIONS:
+    if len(names) < 3 or names[-2] != "experts" or names[-1] not in EXPERT_PROJECTIONS + EXPERT_SCALES:
         return None
     if config.moe.swiglu_limit is not None or config.moe.router == "sigmoid_input":
         return None  # gpt-oss, Llama 4: the checkpoint stacks its experts itself (models.gpt_oss, models.llama4)
     prefix = checkpoint_prefix(config, ".".join(names[:-1]))
-    leaf = _MIXTRAL_EXPERT_NAMES[names[-1]] if config.architecture == "MixtralForCausalLM" else names[-1]
-    return [f"{prefix}.{e}.{leaf}.weight" for e in range(config.moe.num_experts)]
+    projection = names[-1].removesuffix(SCALE_SUFFIX)
+    suffix = SCALE_SUFFIX if names[-1].endswith(SCALE_SUFFIX) else ""
+    leaf = _MIXTRAL_EXPERT_NAMES[projection] if config.architecture == "MixtralForCausalLM" else projection
+    return [f"{prefix}.{e}.{leaf}.weight{suffix}" for e in range(config.moe.num_experts)]
 
 
 def checkpoint_prefix(config: ModelConfig, name: str) -> str:

@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from models.moe import ROUTED_EXPERTS, SparseMoeBlock, sort_by_expert
+from models.moe import ROUTED_EXPERTS, SparseMoeBlock, expert_operand, sort_by_expert
 
 
 def local_experts_partial(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -29,7 +29,8 @@ def local_experts_partial(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Ar
     Args:
       grouped_matmul: ``models.moe.grouped_matmul_reference``'s contract.
       x: ``dtype[T, H]`` (every token; the routing is the same on every device).
-      w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``: experts ``first_expert + e``.
+      w_gate, w_up: ``[E_local, H, I]``; w_down: ``[E_local, I, H]``: experts ``first_expert + e`` (or each a
+        ``BlockFp8Experts`` of that shape).
       topk_weights: ``float32[T, k]``; topk_ids: ``int32[T, k]`` global expert ids in ``[0, E)``.
       first_expert: int32 scalar, the global id of local expert 0.
     Returns:
@@ -48,8 +49,9 @@ def local_experts_partial(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Ar
     local_ids = jnp.where(is_local, local_ids, num_local)
     order, group_sizes = sort_by_expert(local_ids, num_local)  # bincount drops the out-of-range id
     dtype = x.dtype
-    act = grouped_matmul(x, w_gate.astype(dtype), group_sizes, row_index=order // top_k, up_rhs=w_up.astype(dtype))
-    out_sorted = grouped_matmul(act, w_down.astype(dtype), group_sizes)  # [T * k, H]
+    act = grouped_matmul(x, expert_operand(w_gate, dtype), group_sizes, row_index=order // top_k,
+                         up_rhs=expert_operand(w_up, dtype))
+    out_sorted = grouped_matmul(act, expert_operand(w_down, dtype), group_sizes)  # [T * k, H]
     in_group = jnp.arange(out_sorted.shape[0]) < jnp.sum(group_sizes)
     out_sorted = jnp.where(in_group[:, None], out_sorted, 0)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)

@@ -93,6 +93,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Qwen/Qwen3-30B-A3B-FP8: the same model in block-FP8 (128 x 128 scales), the routers and LM head unquantized; its
+# experts stay in float8 (MoeConfig.expert_format "fp8").
+PRESETS["qwen3-30b-a3b-fp8"] = {**PRESETS["qwen3-30b-a3b"], "quantization_config": {
+    "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+    "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.mlp.gate" for i in range(48))]}}
+
 # openai/gpt-oss-120b: gpt-oss-20b's layers, 36 of them, with 128 experts each.
 PRESETS["gpt-oss-120b"] = {**PRESETS["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
                            "layer_types": ["sliding_attention", "full_attention"] * 18}

@@ -154,12 +154,13 @@ def load_sharded_model(path, plan: TensorParallelPlan, *, dtype: Any = "bfloat16
         raise ValueError(f"load_format={load_format!r} needs a checkpoint path")
     tensor_files = loader.checkpoint_tensor_files(Path(path))
     expected_shapes = {p: tuple(v.get_value().shape) for p, v in checkpoint_state}
-    np_dtype = np.dtype(jnp_dtype)
+    dtypes = {p: v.get_value().dtype for p, v in checkpoint_state}
     loaded = []
     for param_path, array, transposed in loader.iter_checkpoint_params(tensor_files, expected_shapes, plan.config):
-        # Host-side: transpose to model layout, cast, rewrite heads; then only each shard is sent.
-        array = loader.to_model_layout(array, transposed)
-        array = np.ascontiguousarray(plan.rewrite_param(param_path, array.astype(np_dtype), np))
+        # Host-side: transpose to model layout, cast to the parameter's dtype (the model dtype; float8 experts and
+        # their float32 scales as stored), rewrite heads; then only each shard is sent.
+        array = loader.to_model_layout(array, transposed).astype(dtypes[param_path])
+        array = np.ascontiguousarray(plan.rewrite_param(param_path, array, np))
         target = targets[param_path]
         loaded.append((param_path, target.replace(jax.device_put(array, target.get_value()))))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

@@ -43,7 +43,7 @@ from models.smollm2 import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: FP8 projections stored [out, in]
+FORMAT_VERSION = 3  # 2: FP8 projections stored [out, in]; 3: block-FP8 experts kept in float8
 KEY_FILE = "key.json"
 STATE_DIR = "state"
 _STAGING_MARK = ".staging-"

@@ -119,6 +119,9 @@ def test_floors_of_experts_and_sliding_windows():
     assert decode_weight_bytes(moe, 10_000) < num_params(moe) * 2 + 10_000 * moe.hidden_size * 2
     assert active_body_params(moe) * 2 == pytest.approx(one_token - 2 * moe.vocab_size * moe.hidden_size
                                                         - 2 * moe.hidden_size, rel=1e-6)
+    fp8 = preset_config("qwen3-30b-a3b-fp8")  # block-FP8 experts: one byte per expert weight
+    assert fp8.moe.expert_format == "fp8" and fp8.fp8_weight_block == (128, 128)
+    assert decode_weight_bytes(fp8, 1) == one_token - 48 * 8 * expert
     gemma = preset_config("gemma-3-12b")  # 8 full layers, 40 with a 1,024-token window
     per_layer_token = 2 * gemma.num_key_value_heads * gemma.head_dim * 2
     assert kv_read_bytes(gemma, 32768, 1) == per_layer_token * (8 * 32768 + 40 * 1024)
@@ -276,6 +279,22 @@ def test_moe_kernel_benchmark_checks_times_and_floors_every_token_count(tmp_path
     assert 2 <= results[1]["experts_touched"] <= 8
     assert floor_bytes(1, 32, 16, 2, 2) == 2 * (2 * 3 * 32 * 16 + 32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
     assert len(json.loads(out.read_text())["results"]) == 2
+
+
+def test_moe_kernel_benchmark_fp8_experts(tmp_path):
+    """benchmarks/moe_kernel.py --weights fp8 on a tiny shape, the kernel interpreted: the FP8 kernel (tiles
+    dequantized in the kernel) and the bf16 forms on the dequantized weights agree with the reference, every form is
+    timed, and the floor counts one byte per weight."""
+    from benchmarks.moe_kernel import floor_bytes, main
+
+    results = main(["--tokens", "5", "--hidden", "48", "--inter", "40", "--experts", "4", "--top-k", "2",
+                    "--repeats", "1", "--interpret", "--weights", "fp8", "--fp8-block", "16"])
+    (r,) = results
+    assert r["weights"] == "fp8"
+    assert r["check"]["kernel_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+    assert r["check"]["fused_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+    assert all(r[f"{name}_us"] > 0 for name in ("pallas", "pallas_bf16", "ragged_dot", "ragged_dot_fused"))
+    assert floor_bytes(1, 32, 16, 2, 2, 1) == 2 * 3 * 32 * 16 + 2 * (32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
 
 
 def test_weight_update_benchmark_smoke(tmp_path):

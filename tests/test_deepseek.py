@@ -146,9 +146,9 @@ def test_latent_attention_reads_values_from_the_k_rows():
 
 
 def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, caplog):
-    """DeepSeek-V3's published layout (F8_E4M3 weights, weight_scale_inv per 16x16 block here): the model equals the
-    dequantized float checkpoint (and transformers on it); the multi-token prediction layer's tensors are skipped
-    with a log line."""
+    """DeepSeek-V3's published layout (F8_E4M3 weights, weight_scale_inv per 16x16 block here): the experts stay
+    float8, the other projections are dequantized; the model equals the dequantized float checkpoint (and
+    transformers on it); the multi-token prediction layer's tensors are skipped with a log line."""
     float_dir, fp8_dir, dequantized_dir = tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized"
     save_random_hf_checkpoint(CASES["v3_noaux_tc_yarn"], float_dir, seed=3)
     save_block_fp8_checkpoint(float_dir, fp8_dir, dequantized_dir, block=(16, 16))
@@ -160,6 +160,9 @@ def test_block_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, caplog)
     assert "multi-token prediction" in caplog.text
     q_b = model.model.layers[1].self_attn.q_b_proj.kernel[...]
     assert len(np.unique(np.asarray(q_b))) < q_b.size  # the fp8 grid, not the float weights
+    assert q_b.dtype == jnp.float32  # dequantized at load, the experts kept in float8 beside their scales
+    experts = model.model.layers[1].mlp.experts
+    assert experts.down_proj[...].dtype == jnp.float8_e4m3fn and experts.down_proj_scale_inv[...].shape == (8, 4, 2)
     seqs = [np.arange(3, 20, dtype=np.int32)]
     dequantized, dq_config = load_model(dequantized_dir, dtype="float32")
     ours = _dense_logits(model, config, seqs)

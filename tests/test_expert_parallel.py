@@ -146,3 +146,33 @@ def test_refusals_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
         LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,
             use_tqdm=False)
+
+
+def test_block_fp8_experts_split_whole_over_devices(tmp_path):
+    """A block-FP8 Qwen3-MoE checkpoint: with expert parallelism each device holds num_experts / tp whole float8
+    experts and their scales, and the logits (and the engine's greedy tokens) equal one device's; splitting the
+    experts' width is refused, naming enable_expert_parallel."""
+    from models.quantization.testing import save_block_fp8_checkpoint
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    save_random_hf_checkpoint(tiny_config("qwen3_moe", eos_token_id=None, **ARCHS["qwen3_moe"]), tmp_path / "float",
+                              seed=17)
+    checkpoint = save_block_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized",
+                                           block=(16, 32))
+    model, config = load_model(checkpoint, dtype="float32")
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(3, config.vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
+    reference = _forward_logits(model, config, seqs)
+    with pytest.raises(ValueError, match=r"block-FP8 experts .*only whole \(enable_expert_parallel\)"):
+        ShardingPlan.create(config, make_mesh(4))
+    plan = ShardingPlan.create(config, make_mesh(4), expert_parallel=True)
+    sharded = load_sharded_model(checkpoint, plan, dtype="float32")
+    experts = sharded.model.layers[0].mlp.experts
+    for leaf in (experts.down_proj.get_value(), experts.down_proj_scale_inv.get_value()):
+        assert leaf.sharding.spec == P("tp", None, None) and leaf.sharding.shard_shape(leaf.shape)[0] == 2
+    assert experts.down_proj.get_value().dtype == jnp.float8_e4m3fn
+    np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
+    assert _greedy(checkpoint, prompts, tensor_parallel_size=2, enable_expert_parallel=True) == _greedy(checkpoint,
+                                                                                                        prompts)

@@ -1,5 +1,6 @@
 """The fused MoE op: the Pallas grouped matmul (interpret mode on CPU) against its ``lax.ragged_dot`` reference on
-fresh random ragged inputs, and the whole op (sort, gate/up + SwiGLU, down, top-k combine) against a per-token loop."""
+fresh random ragged inputs, and the whole op (sort, gate/up + SwiGLU, down, top-k combine) against a per-token loop;
+both with float weights and with block-FP8 ones (float8 weights, a float32 scale per block)."""
 
 import functools
 
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from models.moe import resolve_moe_impl, route_top_k
+from models.quantization import block_fp8
+from models.quantization.block_fp8 import BlockFp8Experts
 from paged_jax.ops.fused_moe import (grouped_matmul_pallas, grouped_matmul_pallas_differentiable,
                                      grouped_matmul_reference, moe_experts_reference, moe_experts_with, tile_schedule)
 
@@ -147,3 +150,107 @@ def test_auto_runs_xla_on_cpu_and_unknown_impls_are_refused():
     assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16) == "xla"
     with pytest.raises(ValueError, match="^moe_impl must be one of"):
         resolve_moe_impl("triton", 64, 32, jnp.bfloat16)
+
+
+def _block_fp8_stack(rng, num_experts, k, n, block, dtype_scale=1.0):
+    """``(BlockFp8Experts [E, k, n], the float32 weights it means [E, k, n])``: random experts of different
+    magnitudes quantized per ``block`` of the checkpoint's ``[out, in]`` (``block_fp8.quantize``)."""
+    weights, scales, floats = [], [], []
+    for e in range(num_experts):
+        w = rng.standard_normal((n, k)).astype(np.float32) * dtype_scale * (1 + e % 3)
+        quantized, scale_inv = block_fp8.quantize(w, block)
+        weights.append(quantized.T)
+        scales.append(scale_inv)
+        floats.append(block_fp8.dequantize(quantized, scale_inv, block).T)
+    stack = BlockFp8Experts(jnp.asarray(np.stack(weights)), jnp.asarray(np.stack(scales)), block)
+    return stack, np.stack(floats)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, scale_block, blocks", [
+    ([0, 5, 1, 0, 20, 3], 40, 72, False, False, (32, 16), (16, 32, 32)),  # K, N not multiples of the scale blocks
+    ([3, 0, 9, 1], 160, 136, True, True, (128, 128), None),  # the published 128x128 blocks, partial last ones
+    ([1, 0, 0, 0], 64, 48, True, True, (16, 16), None),  # one row (decode, top-1)
+    ([70, 2, 0, 41], 96, 80, True, False, (64, 32), (64, 64, 64)),  # 64-row tiles, tiles shrunk to the scales
+])
+def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, scale_block, blocks,
+                                            request):
+    """Float8 weights with one float32 scale per block: the kernel (dequantizing each tile) equals the reference,
+    and the reference equals the grouped matmul on the float weights the checkpoint means, rounded to ``dtype``."""
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    rows, num_experts = int(sizes.sum()), len(group_sizes)
+    num_tokens = max(rows // 2, 1)
+    lhs = _random(rng, (num_tokens if gather else rows, k), dtype)
+    row_index = jnp.asarray(rng.integers(0, num_tokens, rows), jnp.int32) if gather else None
+    rhs, rhs_float = _block_fp8_stack(rng, num_experts, k, n, scale_block)
+    up_rhs, up_float = _block_fp8_stack(rng, num_experts, k, n, scale_block) if swiglu else (None, None)
+    assert rhs.weight.dtype == jnp.float8_e4m3fn and rhs.scale_inv.shape == (
+        num_experts, -(-n // scale_block[0]), -(-k // scale_block[1]))
+    block_m, block_n, block_k = blocks or (None, None, None)
+    out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
+                                block_m=block_m, block_n=block_n, block_k=block_k)
+    ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
+    on_floats = grouped_matmul_reference(lhs, jnp.asarray(rhs_float).astype(dtype), sizes, row_index=row_index,
+                                         up_rhs=None if up_float is None else jnp.asarray(up_float).astype(dtype))
+    assert out.shape == (rows, n) and out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(on_floats, np.float32))
+    scale = max(float(jnp.abs(ref.astype(jnp.float32)).max()), 1.0)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, dtype", [(1, 2, jnp.bfloat16), (13, 2, jnp.float32),
+                                                      (24, 3, jnp.bfloat16)])
+def test_block_fp8_moe_experts_match_per_token_experts(num_tokens, top_k, dtype, request):
+    """The whole op on block-FP8 experts (uneven loads, experts without tokens): kernel and reference equal the
+    per-token loop over the float weights the checkpoint means."""
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    num_experts, hidden, inter = 8, 48, 40  # neither a multiple of the 32-wide scale blocks
+    x = _random(rng, (num_tokens, hidden), dtype)
+    experts = [_block_fp8_stack(rng, num_experts, k, n, (32, 32), 0.2)
+               for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
+    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + jnp.linspace(0, 3, num_experts)
+    weights, ids = route_top_k(logits, top_k, norm_topk_prob=True)
+    floats = [jnp.asarray(f).astype(dtype) for _, f in experts]
+    expected = _per_token_moe(x, *floats, weights, ids)
+    stacks = [stack for stack, _ in experts]
+    reference = jax.jit(moe_experts_reference)(x, *stacks, weights, ids)
+    kernel = _moe_experts_interpreted(x, *stacks, weights, ids)
+    scale = max(np.abs(expected).max(), 1.0)
+    for out in (reference, kernel):
+        assert out.shape == x.shape and out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=TOLERANCE[dtype] * scale * 2, rtol=0)
+    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(reference, np.float32),
+                               atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def test_block_fp8_kernel_refuses_what_it_cannot_tile():
+    lhs = jnp.zeros((4, 32), jnp.bfloat16)
+    weight = jnp.zeros((2, 32, 32), jnp.float8_e4m3fn)
+    odd = BlockFp8Experts(weight, jnp.ones((2, 4, 4), jnp.float32), (8, 8))
+    with pytest.raises(ValueError, match=r"weight_block_size \[8, 8\].*moe_impl='xla'"):
+        grouped_matmul_pallas(lhs, odd, jnp.array([2, 2], jnp.int32), interpret=True)
+    not_fp8 = BlockFp8Experts(weight.astype(jnp.bfloat16), jnp.ones((2, 1, 1), jnp.float32), (128, 128))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        grouped_matmul_pallas(lhs, not_fp8, jnp.array([2, 2], jnp.int32), interpret=True)
+    fp8 = BlockFp8Experts(weight, jnp.ones((2, 1, 1), jnp.float32), (128, 128))
+    with pytest.raises(ValueError, match="up_rhs must match"):
+        grouped_matmul_pallas(lhs, fp8, jnp.array([2, 2], jnp.int32), up_rhs=weight.astype(jnp.bfloat16),
+                              interpret=True)
+
+
+def test_block_fp8_kernel_derivatives_in_the_rows_are_the_references():
+    """The whole op on block-FP8 experts under ``jax.grad`` in ``x`` (``score_tokens``' use): the kernel's
+    derivative (the reference's) equals the reference's."""
+    rng = np.random.default_rng(3)
+    stacks = [_block_fp8_stack(rng, 4, k, n, (16, 16), 0.2)[0] for k, n in ((32, 48), (32, 48), (48, 32))]
+    x = _random(rng, (5, 32), jnp.float32)
+    weights, ids = route_top_k(_random(rng, (5, 4), jnp.float32), 2, norm_topk_prob=True)
+    kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
+
+    def grad(matmul):
+        return jax.grad(lambda x: jnp.sum(moe_experts_with(matmul, x, *stacks, weights, ids) ** 2))(x)
+
+    want = np.asarray(grad(grouped_matmul_reference))
+    np.testing.assert_allclose(np.asarray(grad(kernel)), want, rtol=0, atol=TOLERANCE[jnp.float32] * np.abs(want).max())

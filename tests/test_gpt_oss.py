@@ -133,7 +133,9 @@ def test_unsupported_quantization_and_attention_are_refused():
 
     with pytest.raises(ValueError, match=r"^quantization: gptq is not supported for GptOssForCausalLM"):
         ModelConfig.from_hf_config(tiny_config("gpt_oss", quantization_config={"quant_method": "gptq"}))
-    with pytest.raises(ValueError, match=r"^quantization: fp8 is not supported for GptOssForCausalLM"):
+    with pytest.raises(ValueError, match=r"^quantization: --quantization fp8 \(load-time quantization of an "
+                                         r"unquantized checkpoint\) is not supported for GptOssForCausalLM: its "
+                                         r"experts run its published MXFP4 checkpoints"):
         resolve_quantization("fp8", tiny_config("gpt_oss"))
     with pytest.raises(ValueError, match=r"^quantization: mxfp4 needs a checkpoint quantized with mxfp4"):
         resolve_quantization("mxfp4", tiny_config("gpt_oss"))

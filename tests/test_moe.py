@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.architectures import MixtralForCausalLM, Qwen3MoeForCausalLM, model_class
 from models.attention import dense_causal_attention
@@ -139,13 +140,88 @@ def test_config_fields_as_published_and_as_transformers_5_saves_them():
     assert model_class(ModelConfig.from_hf_config(tiny_config("qwen3"))) is LlamaForCausalLM
 
 
-def test_quantizing_a_moe_checkpoint_is_refused():
+def test_quantizing_a_moe_checkpoint_is_refused_naming_what():
+    """Mixture-of-experts models run their family's published quantized checkpoints (block-FP8 for Qwen3-MoE and
+    DeepSeek) and nothing else: the refusal names the flag or the checkpoint's quantization_config."""
     from models.quantization.config import resolve_quantization
 
-    with pytest.raises(ValueError, match=r"^quantization: fp8 is not supported for Qwen3MoeForCausalLM"):
+    block_fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert resolve_quantization(None, tiny_config("qwen3_moe", quantization_config=block_fp8)) is None
+    assert resolve_quantization("fp8", tiny_config("qwen3_moe", quantization_config=block_fp8)) is None
+    with pytest.raises(ValueError, match=r"^quantization: --quantization fp8 \(load-time quantization of an "
+                                         r"unquantized checkpoint\) is not supported for Qwen3MoeForCausalLM: its "
+                                         r"experts run block-FP8 checkpoints"):
         resolve_quantization("fp8", tiny_config("qwen3_moe"))
-    with pytest.raises(ValueError, match=r"^quantization: gptq .*MixtralForCausalLM"):
-        resolve_quantization(None, tiny_config("mixtral", quantization_config={"quant_method": "gptq"}))
+    with pytest.raises(ValueError, match=r"^quantization: the checkpoint's quantization_config \(quant_method 'fp8', "
+                                         r"weight_block_size \[128, 128\]\) is not supported for MixtralForCausalLM: "
+                                         r"its experts run unquantized checkpoints only"):
+        resolve_quantization(None, tiny_config("mixtral", quantization_config=block_fp8))
+    with pytest.raises(ValueError, match=r"^quantization: the checkpoint's quantization_config \(quant_method "
+                                         r"'gptq'\) is not supported for Qwen3MoeForCausalLM"):
+        resolve_quantization(None, tiny_config("qwen3_moe", quantization_config={"quant_method": "gptq"}))
+    with pytest.raises(ValueError, match=r"'quantization_config' \('gptq', weight_block_size=None\) is unsupported "
+                                         r"for Qwen3MoeForCausalLM: only block-FP8"):
+        ModelConfig.from_hf_config(tiny_config("qwen3_moe", quantization_config={"quant_method": "gptq"}))
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    fp8_config = ModelConfig.from_hf_config(tiny_config("qwen3_moe", quantization_config=block_fp8))
+    with pytest.raises(ValueError, match=r"block-FP8 experts \(quantization_config weight_block_size \[128, 128\]\) "
+                                         r"splits its experts over devices only whole \(enable_expert_parallel\)"):
+        ShardingPlan.create(fp8_config, make_mesh(1))
+
+
+def _block_fp8_checkpoints(arch, tmp_path, block):
+    """(block-FP8 checkpoint, the same dequantized to float32) of a tiny random ``arch``."""
+    from models.quantization.testing import save_block_fp8_checkpoint
+
+    float_dir, fp8_dir, dequantized_dir = tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized"
+    save_random_hf_checkpoint(tiny_config(arch, eos_token_id=None), float_dir, seed=5)
+    save_block_fp8_checkpoint(float_dir, fp8_dir, dequantized_dir, block=block)
+    return fp8_dir, dequantized_dir
+
+
+@pytest.mark.parametrize("arch, block", [("qwen3_moe", (128, 128)), ("deepseek_v3", (16, 32))])
+def test_block_fp8_experts_stay_fp8_and_decode_as_the_dequantized_checkpoint(arch, block, tmp_path):
+    """A Qwen3-MoE / DeepSeek-V3 FP8 checkpoint as published: the experts stay float8_e4m3fn on the device beside
+    their float32 block scales (about half the bytes of bf16 experts), the other projections are dequantized; the
+    engine's greedy continuations equal those of the dequantized checkpoint, with no compile after warm-up."""
+    from paged_jax.entrypoints.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    fp8_dir, dequantized_dir = _block_fp8_checkpoints(arch, tmp_path, block)
+    model, config = load_model(fp8_dir, dtype="bfloat16")
+    assert config.fp8_weight_block == block and config.moe.expert_format == "fp8"
+    experts = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert experts
+    for module in experts:
+        for name, (k, n) in (("gate_proj", (64, 32)), ("down_proj", (32, 64))):
+            weight, scales = getattr(module, name)[...], getattr(module, name + "_scale_inv")[...]
+            assert isinstance(weight, jax.Array) and weight.dtype == jnp.float8_e4m3fn and weight.shape == (8, k, n)
+            assert scales.dtype == jnp.float32 and scales.shape == (8, -(-n // block[0]), -(-k // block[1]))
+    dequantized, _ = load_model(dequantized_dir, dtype="bfloat16")
+    fp8_bytes = sum(leaf.nbytes for module in experts for leaf in jax.tree.leaves(nnx.state(module)))
+    bf16_bytes = sum(leaf.nbytes for layer in dequantized.model.layers if isinstance(layer.mlp, SparseMoeBlock)
+                     for leaf in jax.tree.leaves(nnx.state(layer.mlp.experts)))
+    assert fp8_bytes < 0.6 * bf16_bytes
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for name, path in (("fp8", fp8_dir), ("dequantized", dequantized_dir)):
+        llm = LLM(model=str(path), dtype="float32", max_model_len=64, block_size=8, max_num_seqs=4,
+                  max_num_batched_tokens=32, use_tqdm=False)
+        outputs[name] = _greedy_tokens(llm, prompts, params)
+        if name == "fp8":  # reloaded from the checkpoint in place: float8 experts and float32 scales as stored
+            llm.update_weights_from_disk(str(path))
+            outputs["fp8 updated"] = _greedy_tokens(llm, prompts, params)
+        assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+    assert outputs["fp8"] == outputs["dequantized"] == outputs["fp8 updated"]
+
+
+def _greedy_tokens(llm, prompts, params):
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
 def _hf_greedy(path, prompts, max_new_tokens):

@@ -205,3 +205,29 @@ def test_proposals_are_the_mtp_layers_greedy_continuation(checkpoint, mtp_engine
     stats = assert_drafts_follow(mtp_engine, requests, _mtp_reference(checkpoint), K)
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_clean(mtp_engine)
+
+
+def test_block_fp8_mtp_layer_keeps_fp8_experts_and_equals_the_dequantized_one(tmp_path):
+    """A block-FP8 DeepSeek-V3 checkpoint's MTP layer (as published): its experts load as the target's, float8
+    beside their scales, and the layer computes what the dequantized checkpoint's does."""
+    import jax.numpy as jnp
+
+    from models.attention import dense_causal_attention
+    from models.quantization.testing import save_block_fp8_checkpoint
+
+    save_random_mtp_checkpoint(tiny_config("deepseek_v3", num_hidden_layers=2), tmp_path / "float", seed=1)
+    save_block_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized", block=(16, 16))
+    rng = np.random.default_rng(0)
+    outs = {}
+    for name in ("fp8", "dequantized"):
+        model, config = load_model(str(tmp_path / name), dtype="float32")
+        head = load_mtp_head(tmp_path / name, config, target_embedding=model.model.embed_tokens.embedding[...],
+                             target_lm_head=model.lm_head.kernel[...], dtype=jnp.float32)
+        expert_dtype = head.mtp_block.mlp.experts.gate_proj[...].dtype
+        assert expert_dtype == (jnp.float8_e4m3fn if name == "fp8" else jnp.float32)
+        if not outs:
+            hidden = rng.standard_normal((7, config.hidden_size)).astype(np.float32)
+            tokens = jnp.asarray(rng.integers(0, 256, 7), jnp.int32)
+        attention = dense_causal_attention(jnp.zeros(7, jnp.int32), config.softmax_scale)
+        outs[name] = np.asarray(head(tokens, jnp.arange(7), jnp.asarray(hidden), [None], attention)[0])
+    np.testing.assert_allclose(outs["fp8"], outs["dequantized"], atol=1e-5, rtol=0)

@@ -13,8 +13,10 @@ Methods (vLLM's names):
     weight scales; dynamic per-token activation scales on the q/k/v and gate/up inputs, o_proj and down_proj
     weight-only: ``ONLINE_FP8_ACTIVATION_PROJECTIONS``).
   * ``int8``: online weight-only int8 (per-channel, symmetric), quantized at load.
-  * block-FP8 (``fp8`` with ``weight_block_size``): DeepSeek-V3's published checkpoints; their projections are
-    dequantized to the model dtype at load (``ModelConfig.fp8_weight_block``), so it resolves to no ``QuantConfig``.
+  * block-FP8 (``fp8`` with ``weight_block_size``): DeepSeek-V2 / V3's and Qwen3-MoE's published FP8 checkpoints;
+    their experts stay in float8 with their block scales (``MoeConfig.expert_format`` "fp8"), their other
+    projections are dequantized to the model dtype at load (``ModelConfig.fp8_weight_block``), so it resolves to no
+    ``QuantConfig``.
   * ``mxfp4``: gpt-oss's published checkpoints, whose experts are MXFP4 (``models.quantization.mxfp4``); they load
     as part of the model (``ModelConfig.moe.expert_format``), so it resolves to no ``QuantConfig``.
 Only the decoder's projections (q/k/v/o, gate/up/down) are quantized; embeddings, norms and the LM head stay in the
@@ -28,7 +30,7 @@ import re
 from typing import Any
 
 from models.config import MOE_ARCHITECTURES
-from models.hf_config import DEEPSEEK_ARCHITECTURES
+from models.hf_config import BLOCK_FP8_ARCHITECTURES
 
 QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "int8", "mxfp4")
 # Online fp8 quantizes the inputs of these projections (W8A8) and runs o_proj and down_proj weight-only: their
@@ -130,12 +132,10 @@ def resolve_quantization(flag: str | None, hf_config: dict[str, Any]) -> QuantCo
     architecture = (hf_config.get("architectures") or [None])[0]
     if architecture == "GptOssForCausalLM" and _gpt_oss_mxfp4(flag, quant_cfg):
         return None  # the experts' format is part of the model (ModelConfig.moe.expert_format)
-    if architecture in DEEPSEEK_ARCHITECTURES and flag in (None, "fp8") and _block_fp8(quant_cfg):
-        return None  # dequantized at load (ModelConfig.fp8_weight_block, models.quantization.block_fp8)
+    if architecture in BLOCK_FP8_ARCHITECTURES and flag in (None, "fp8") and _block_fp8(quant_cfg):
+        return None  # part of the model (ModelConfig.fp8_weight_block, MoeConfig.expert_format "fp8")
     if architecture in MOE_ARCHITECTURES and (flag is not None or quant_cfg is not None):
-        method = flag or str(quant_cfg.get("quant_method", "")).lower()
-        raise ValueError(f"quantization: {method} is not supported for {architecture} (mixture-of-experts models "
-                         f"run unquantized bf16 / fp16 / fp32 experts)")
+        raise _moe_refusal(architecture, flag, quant_cfg)
     if quant_cfg is None:
         if flag is None:
             return None
@@ -170,8 +170,27 @@ def _gpt_oss_mxfp4(flag: str | None, quant_cfg: dict | None) -> bool:
     return method == "mxfp4" and flag in (None, "mxfp4")
 
 
+def _moe_refusal(architecture: str, flag: str | None, quant_cfg: dict | None) -> ValueError:
+    """The ValueError naming what a mixture-of-experts model refuses: a checkpoint's quantization other than its
+    family's published one, or ``--quantization`` (online, or contradicting the checkpoint)."""
+    runs = ("block-FP8 checkpoints (quant_method 'fp8' with weight_block_size) as published"
+            if architecture in BLOCK_FP8_ARCHITECTURES else "its published MXFP4 checkpoints"
+            if architecture == "GptOssForCausalLM" else "unquantized checkpoints only")
+    if quant_cfg is None:
+        what = f"--quantization {flag} (load-time quantization of an unquantized checkpoint)"
+    else:
+        method = str(quant_cfg.get("quant_method", "")).lower()
+        block = quant_cfg.get("weight_block_size")
+        what = (f"the checkpoint's quantization_config (quant_method {method!r}"
+                f"{f', weight_block_size {block}' if block else ''})")
+        if flag is not None:
+            what += f" with --quantization {flag}"
+    return ValueError(f"quantization: {what} is not supported for {architecture}: its experts run {runs}")
+
+
 def _block_fp8(quant_cfg: dict | None) -> bool:
-    """Whether ``quantization_config`` is block-FP8 (``fp8`` with ``weight_block_size``, DeepSeek-V3 as published)."""
+    """Whether ``quantization_config`` is block-FP8 (``fp8`` with ``weight_block_size``, DeepSeek-V3 and Qwen3-MoE
+    FP8 as published)."""
     return (quant_cfg is not None and str(quant_cfg.get("quant_method", "")).lower() == "fp8"
             and bool(quant_cfg.get("weight_block_size")))
 

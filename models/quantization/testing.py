@@ -212,18 +212,21 @@ def save_mxfp4_gpt_oss_checkpoint(float_dir, out_dir) -> Path:
     return out_dir
 
 
-# DeepSeek-V3's block-FP8 checkpoints quantize every linear layer of the decoder (attention, dense MLP, experts,
-# shared experts); the embedding, norms, router and LM head stay in bf16.
-_DEEPSEEK_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                         "gate_proj", "up_proj", "down_proj")
+# DeepSeek-V3's and Qwen3-MoE's (Qwen/Qwen3-30B-A3B-FP8) block-FP8 checkpoints quantize every linear layer of the
+# decoder (attention, dense MLP, experts, shared experts); the embedding, norms, router (mlp.gate) and LM head stay
+# in bf16.
+_BLOCK_FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                          "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def save_block_fp8_checkpoint(float_dir, out_dir, dequantized_dir, *, block: tuple[int, int] = (128, 128)) -> Path:
-    """DeepSeek-V3's published layout from a float checkpoint (numpy / ml_dtypes, ``block_fp8.quantize``): each
-    decoder projection as ``weight F8_E4M3[out, in]`` + ``weight_scale_inv float32`` per ``block``, and
-    ``quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-    "weight_block_size": block}``. ``dequantized_dir`` gets the same model with those weights dequantized back to
-    float32 (what the quantized checkpoint means: the reference to compare against). Returns ``out_dir``."""
+    """DeepSeek-V3's and Qwen3-MoE FP8's published layout from a float checkpoint (numpy / ml_dtypes,
+    ``block_fp8.quantize``): each decoder projection (experts' per-expert tensors included) as ``weight
+    F8_E4M3[out, in]`` + ``weight_scale_inv float32`` per ``block``, and ``quantization_config = {"quant_method":
+    "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": block}`` (Qwen3-MoE's also lists
+    ``modules_to_not_convert``: the LM head and each layer's router, as Qwen publishes it). ``dequantized_dir`` gets
+    the same model with those weights dequantized back to float32 (what the quantized checkpoint means: the
+    reference to compare against). Returns ``out_dir``."""
     from safetensors.numpy import load_file, save_file
 
     from models.quantization.block_fp8 import dequantize, quantize
@@ -235,7 +238,7 @@ def save_block_fp8_checkpoint(float_dir, out_dir, dequantized_dir, *, block: tup
     for file in sorted(float_dir.glob("*.safetensors")):
         for name, tensor in load_file(str(file)).items():
             parts = name.split(".")
-            if parts[-1] == "weight" and parts[-2] in _DEEPSEEK_PROJECTIONS and "layers" in parts:
+            if parts[-1] == "weight" and parts[-2] in _BLOCK_FP8_PROJECTIONS and "layers" in parts:
                 weight, scale_inv = quantize(tensor.astype(np.float32), block)
                 quantized[name], quantized[name + "_scale_inv"] = weight, scale_inv
                 dequantized[name] = dequantize(weight, scale_inv, block)
@@ -247,5 +250,8 @@ def save_block_fp8_checkpoint(float_dir, out_dir, dequantized_dir, *, block: tup
     (dequantized_dir / "config.json").write_text(json.dumps(config, indent=2))
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                      "weight_block_size": list(block)}
+    if config["architectures"][0] == "Qwen3MoeForCausalLM":
+        config["quantization_config"]["modules_to_not_convert"] = ["lm_head", *(
+            f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"]))]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

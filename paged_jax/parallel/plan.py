@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
 from models.llama import AttentionFn
+from models.moe import EXPERT_SCALES
 from paged_jax.parallel.expert_parallel import ExpertParallel, check_expert_parallel
 from paged_jax.parallel.head_layout import HeadLayout
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
@@ -73,6 +74,9 @@ _MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0,
               # a sparse layer: its router, and its experts stacked [E, in, out] (models.moe)
               "gate.kernel": None, "experts.gate_proj": 2, "experts.up_proj": 2, "experts.down_proj": 1}
 _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
+# Block-FP8 experts' scales [E, out blocks, in blocks] (models.moe): split with their experts, under expert
+# parallelism only (ShardingPlan.create refuses the other layouts).
+_EXPERT_SCALE_KINDS = {f"experts.{name}" for name in EXPERT_SCALES}
 # Quantized projections (models.quantization.linear): the split dim of each leaf in a column-parallel (output split)
 # and a row-parallel (input split) layer. Packed integer weights are packed along the inputs, so rows stay
 # contiguous; scales / zero points of a row-parallel layer are replicated (act-order groups scatter over rows).
@@ -121,6 +125,12 @@ class ShardingPlan:
                     else "sigmoid-input router")
             raise ValueError(f"{config.architecture} is not sharded: its {what} and experts have no "
                              "sharding rules (tensor and pipeline parallelism are unsupported for it)")
+        if config.moe is not None and config.moe.expert_format == "fp8" and not expert_parallel:
+            raise ValueError(f"{config.architecture} with block-FP8 experts (quantization_config weight_block_size "
+                             f"{list(config.fp8_weight_block)}) splits its experts over devices only whole "
+                             "(enable_expert_parallel): their block scales have no rule to split an expert's width "
+                             "(tensor parallelism without expert parallelism, and pipeline parallelism, are "
+                             "unsupported for it)")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
             raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
         tp = mesh.shape[TP_AXIS]
@@ -169,6 +179,8 @@ class ShardingPlan:
             split_dim = _ATTENTION_KINDS[kind] if self.kv_layout == "sharded" else None
         elif kind in _MLP_KINDS:
             split_dim = 0 if self.expert_parallel and kind.startswith("experts.") else _MLP_KINDS[kind]
+        elif kind in _EXPERT_SCALE_KINDS and self.expert_parallel:  # block-FP8 experts' scales: whole experts
+            split_dim = 0
         elif kind in _OTHER_KINDS:
             split_dim = _OTHER_KINDS[kind]
         else:

@@ -185,10 +185,12 @@ def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str
         raise ValueError(f"update_weights_from_disk: {path} is not a directory")
     if any(directory.glob("*.safetensors")) or (directory / "model.safetensors.index.json").is_file():
         expected = {p: tuple(spec.shape) for (p, _), spec in zip(updater._abstract, updater._specs)}
+        dtypes = {p: spec.dtype for (p, _), spec in zip(updater._abstract, updater._specs)}
         named = {}
         for param_path, array, transposed in iter_checkpoint_params(checkpoint_tensor_files(directory), expected,
                                                                     updater.config):
-            value = jax.device_put(array, updater._device).astype(updater.dtype)
+            # Each parameter's own dtype: float8 experts and their float32 scales stay as stored.
+            value = jax.device_put(array, updater._device).astype(dtypes[param_path])
             named[".".join(map(str, param_path))] = to_model_layout(value, transposed)
         return named
     if any(directory.glob("*METADATA*")) or (directory / "manifest.ocdbt").is_file():
