@@ -258,7 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
     compiles_at_startup = engine.engine_core.runner.num_compiles()
 
     rng = random.Random(0)
-    max_tokens = args.steps * (4 if args.stream_outputs else 1) + 40  # nobody finishes during the timed steps
+    # Nobody finishes during the timed steps, however many steps the prompts' prefill takes.
+    prefill_steps = -(-args.num_seqs * 150 // args.max_num_batched_tokens)
+    max_tokens = args.steps * (4 if args.stream_outputs else 1) + 40 + prefill_steps
     max_prompt = max(8, min(150, args.max_model_len - max_tokens - 1))
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(max_prompt // 3, max_prompt))]
                for _ in range(args.num_seqs)]
@@ -267,8 +269,12 @@ def main(argv: list[str] | None = None) -> dict:
     llm.generate([{"prompt_token_ids": q} for q in prompts[:4]], params[:4], use_tqdm=False)  # untimed warm-up
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params[i])
-    while engine.stats()["num_waiting"] > 0:
-        engine.step()
+    # Until every running sequence decodes (the last prompts' chunks are done): the timed steps are decode steps.
+    while True:
+        num_outputs = len(engine.step())
+        stats = engine.stats()
+        if stats["num_waiting"] == 0 and num_outputs >= stats["num_running"]:
+            break
     for _ in range(3):
         engine.step()
     running = engine.stats()["num_running"]
