@@ -10,6 +10,8 @@ prefill steps, then times ``--steps`` decode steps. Every phase of a step is tim
   (per-token bookkeeping, detokenization and ``RequestOutput`` construction: everything of the step after the wait
   except the scheduler update).
 * ``host_ms`` = step time - wait time.
+* ``*_cpu_ms``: the same phases in this thread's CPU time (``time.thread_time``), which other processes on a shared
+  machine inflate far less than wall time; ``host_cpu_ms`` = the step's minus the wait's.
 
 Each is the median over the timed steps (``host_ms_mean`` is the mean), so other processes on a shared machine
 skew it less.
@@ -50,15 +52,19 @@ import numpy as np
 
 
 def _timed(owner, name: str, totals: dict[str, float], key: str) -> None:
-    """Replace ``owner.name`` by a wrapper adding its wall time to ``totals[key]``."""
+    """Replace ``owner.name`` by a wrapper adding its wall time to ``totals[key]`` and, where ``totals`` has the key
+    ``key + "_cpu"``, its thread CPU time there."""
     original = getattr(owner, name)
+    cpu_key = key + "_cpu"
 
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
             totals[key] += time.perf_counter() - start
+            if cpu_key in totals:
+                totals[cpu_key] += time.thread_time() - cpu_start
 
     if hasattr(original, "_cache_size"):  # a jitted function: keep ModelRunner.num_compiles working
         wrapper._cache_size = original._cache_size
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result))
         return result
 
-    totals = {"step": 0.0}
+    totals = {"step": 0.0, "step_cpu": 0.0, **{f"{key}_cpu": 0.0 for key in PHASES}}
     instrument_phases(engine, totals)
     if args.isolate_host:
         isolate_host(engine, totals)
@@ -293,9 +299,10 @@ def main(argv: list[str] | None = None) -> dict:
     samples: dict[str, list[float]] = {key: [] for key in totals}
     while engine.has_unfinished_requests() and num_steps < args.steps:
         before = dict(totals)
-        step_start = time.perf_counter()
+        step_start, cpu_start = time.perf_counter(), time.thread_time()
         num_outputs += len(engine.step(finished_only=args.finished_only))
         totals["step"] += time.perf_counter() - step_start
+        totals["step_cpu"] += time.thread_time() - cpu_start
         for key in totals:
             samples[key].append(totals[key] - before[key])
         num_steps += 1
@@ -307,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Packing = execute minus the jitted calls (on CPU a dispatch may also run part of the computation inline).
         "packing": steps["execute"] - steps["dispatch"],
         "outputs": steps["step"] - steps["wait"] - steps["schedule"] - steps["execute"] - steps["update"],
+        "host_cpu": steps["step_cpu"] - steps["wait_cpu"],
     }
     per_step = {f"{key}_ms": round(float(np.median(values)) * 1e3, 3) for key, values in {**steps, **derived}.items()}
     per_step["host_ms_mean"] = round(float(derived["host"].mean()) * 1e3, 3)
