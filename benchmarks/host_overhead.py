@@ -10,6 +10,8 @@ prefill steps, then times ``--steps`` decode steps. Every phase of a step is tim
   (per-token bookkeeping, detokenization and ``RequestOutput`` construction: everything of the step after the wait
   except the scheduler update).
 * ``host_ms`` = step time - wait time.
+* ``*_cpu_ms``: the same phases in this thread's CPU time (``time.thread_time``), which other processes on a shared
+  machine inflate far less than wall time; ``host_cpu_ms`` = the step's minus the wait's.
 
 Each is the median over the timed steps (``host_ms_mean`` is the mean), so other processes on a shared machine
 skew it less.
@@ -50,15 +52,19 @@ import numpy as np
 
 
 def _timed(owner, name: str, totals: dict[str, float], key: str) -> None:
-    """Replace ``owner.name`` by a wrapper adding its wall time to ``totals[key]``."""
+    """Replace ``owner.name`` by a wrapper adding its wall time to ``totals[key]`` and, where ``totals`` has the key
+    ``key + "_cpu"``, its thread CPU time there."""
     original = getattr(owner, name)
+    cpu_key = key + "_cpu"
 
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
             totals[key] += time.perf_counter() - start
+            if cpu_key in totals:
+                totals[cpu_key] += time.thread_time() - cpu_start
 
     if hasattr(original, "_cache_size"):  # a jitted function: keep ModelRunner.num_compiles working
         wrapper._cache_size = original._cache_size
@@ -211,6 +217,67 @@ def planned_compiles(max_num_batched_tokens: int, max_num_seqs: int, swap: bool 
     return planned_num_compiles(max_num_batched_tokens, max_num_seqs, swap=swap)
 
 
+def fill_decoding(llm, num_seqs: int, num_steps: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    """Add ``num_seqs`` requests (random prompts, temperature sampling, ignore_eos, room for ``num_steps`` decode steps
+    after the prefill) to ``llm``'s engine and step it until every running sequence decodes, then 3 steps more."""
+    from paged_jax import SamplingParams
+
+    engine = llm.llm_engine
+    rng = random.Random(0)
+    # Nobody finishes during the timed steps, however many steps the prompts' prefill takes.
+    prefill_steps = -(-num_seqs * 150 // max_num_batched_tokens)
+    max_tokens = num_steps + 40 + prefill_steps
+    max_prompt = max(8, min(150, max_model_len - max_tokens - 1))
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(max_prompt // 3, max_prompt))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, seed=i)
+              for i in range(num_seqs)]
+    llm.generate([{"prompt_token_ids": q} for q in prompts[:4]], params[:4], use_tqdm=False)  # untimed warm-up
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params[i])
+    # Until every running sequence decodes (the last prompts' chunks are done): the timed steps are decode steps.
+    while True:
+        num_outputs = len(engine.step())
+        stats = engine.stats()
+        if stats["num_waiting"] == 0 and num_outputs >= stats["num_running"]:
+            break
+    for _ in range(3):
+        engine.step()
+
+
+def time_decode_steps(engine, max_steps: int, isolate: bool, finished_only: bool) -> tuple[dict, int, int]:
+    """Time up to ``max_steps`` steps of ``engine`` -> (per-step medians in ms of each phase, wall and thread CPU
+    (``PHASES``, ``host``, ``packing``, ``outputs``, ``host_cpu``), with ``host_ms_mean``; steps run; outputs)."""
+    totals = {"step": 0.0, "step_cpu": 0.0, **{f"{key}_cpu": 0.0 for key in PHASES}}
+    instrument_phases(engine, totals)
+    if isolate:
+        isolate_host(engine, totals)
+    num_steps = num_outputs = 0
+    samples: dict[str, list[float]] = {key: [] for key in totals}
+    while engine.has_unfinished_requests() and num_steps < max_steps:
+        before = dict(totals)
+        step_start, cpu_start = time.perf_counter(), time.thread_time()
+        num_outputs += len(engine.step(finished_only=finished_only))
+        totals["step"] += time.perf_counter() - step_start
+        totals["step_cpu"] += time.thread_time() - cpu_start
+        for key in totals:
+            samples[key].append(totals[key] - before[key])
+        num_steps += 1
+
+    # Medians over the steps: this machine's cores are shared, so means are skewed by other processes.
+    steps = {key: np.asarray(values) for key, values in samples.items()}
+    derived = {
+        "host": steps["step"] - steps["wait"],
+        # Packing = execute minus the jitted calls (on CPU a dispatch may also run part of the computation inline).
+        "packing": steps["execute"] - steps["dispatch"],
+        "outputs": steps["step"] - steps["wait"] - steps["schedule"] - steps["execute"] - steps["update"],
+        "host_cpu": steps["step_cpu"] - steps["wait_cpu"],
+    }
+    per_step = {f"{key}_ms": round(float(np.median(values)) * 1e3, 3) for key, values in {**steps, **derived}.items()}
+    per_step["host_ms_mean"] = round(float(derived["host"].mean()) * 1e3, 3)
+    return per_step, num_steps, num_outputs
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-seqs", type=int, default=256, help="running sequences during the timed decode steps")
@@ -237,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--num-seqs and --steps must be >= 1")
 
     from models.testing import tiny_config
-    from paged_jax import LLM, SamplingParams
+    from paged_jax import LLM
 
     model_dir = tempfile.mkdtemp(prefix="paged_jax_host_overhead_")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
@@ -257,20 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine = llm.llm_engine
     compiles_at_startup = engine.engine_core.runner.num_compiles()
 
-    rng = random.Random(0)
-    max_tokens = args.steps * (4 if args.stream_outputs else 1) + 40  # nobody finishes during the timed steps
-    max_prompt = max(8, min(150, args.max_model_len - max_tokens - 1))
-    prompts = [[rng.randrange(1000) for _ in range(rng.randint(max_prompt // 3, max_prompt))]
-               for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens, seed=i)
-              for i in range(args.num_seqs)]
-    llm.generate([{"prompt_token_ids": q} for q in prompts[:4]], params[:4], use_tqdm=False)  # untimed warm-up
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params[i])
-    while engine.stats()["num_waiting"] > 0:
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    fill_decoding(llm, args.num_seqs, args.steps * (4 if args.stream_outputs else 1), args.max_num_batched_tokens,
+                  args.max_model_len)
     running = engine.stats()["num_running"]
     if args.stream_outputs:
         result = {"benchmark": "stream_outputs", "num_seqs_running": running, "decode_steps": args.steps,
@@ -279,31 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result))
         return result
 
-    totals = {"step": 0.0}
-    instrument_phases(engine, totals)
-    if args.isolate_host:
-        isolate_host(engine, totals)
-    num_steps = num_outputs = 0
-    samples: dict[str, list[float]] = {key: [] for key in totals}
-    while engine.has_unfinished_requests() and num_steps < args.steps:
-        before = dict(totals)
-        step_start = time.perf_counter()
-        num_outputs += len(engine.step(finished_only=args.finished_only))
-        totals["step"] += time.perf_counter() - step_start
-        for key in totals:
-            samples[key].append(totals[key] - before[key])
-        num_steps += 1
-
-    # Medians over the steps: this machine's cores are shared, so means are skewed by other processes.
-    steps = {key: np.asarray(values) for key, values in samples.items()}
-    derived = {
-        "host": steps["step"] - steps["wait"],
-        # Packing = execute minus the jitted calls (on CPU a dispatch may also run part of the computation inline).
-        "packing": steps["execute"] - steps["dispatch"],
-        "outputs": steps["step"] - steps["wait"] - steps["schedule"] - steps["execute"] - steps["update"],
-    }
-    per_step = {f"{key}_ms": round(float(np.median(values)) * 1e3, 3) for key, values in {**steps, **derived}.items()}
-    per_step["host_ms_mean"] = round(float(derived["host"].mean()) * 1e3, 3)
+    per_step, num_steps, num_outputs = time_decode_steps(engine, args.steps, args.isolate_host, args.finished_only)
     plan = {}
     for shape in filter(None, args.plan.split(",")):
         tokens, seqs = (int(v) for v in shape.lower().split("x"))

@@ -24,6 +24,19 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     assert "--temperature" in result["argv"]
 
 
+def test_host_overhead_times_decode_steps_only():
+    """benchmarks/host_overhead.py on a tiny model (prompts longer than the step budget): every timed step decodes
+    every sequence, and the host phases come in wall and thread CPU time."""
+    from benchmarks.host_overhead import main
+
+    result = main(["--num-seqs", "4", "--steps", "3", "--isolate-host", "--max-num-batched-tokens", "16",
+                   "--max-model-len", "256"])
+    assert result["num_seqs_running"] == 4 and result["decode_steps"] == 3
+    assert result["outputs_per_step"] == 4.0
+    assert 0 < result["host_cpu_ms"] <= result["step_cpu_ms"]
+    assert result["schedule_cpu_ms"] > 0 and result["update_cpu_ms"] > 0
+
+
 # Slow: tensor-parallel exactness stays covered by tests/test_sharding.py.
 @pytest.mark.slow
 def test_sharding_benchmark_reports_floor_scaling_and_exact_agreement(tmp_path):

@@ -1,5 +1,10 @@
 """The output processor on hand-made core outputs (no model): deltas, FINAL_ONLY, n > 1 sequences ending apart."""
 
+import dataclasses
+import random
+
+import pytest
+
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.sampling_params import SamplingParams
@@ -59,3 +64,56 @@ def test_tokens_after_a_sequence_finished_are_dropped():
     assert [(c.index, c.token_ids) for o in outputs for c in o.outputs] == [(1, [13])]
     outputs, _ = processor.process_outputs([EngineCoreOutput("a", 0, [14])])
     assert [o.outputs for o in outputs] in ([], [[]])  # nothing of it reported
+
+
+def _random_steps(seed: int) -> tuple[list[EngineCoreRequest], list[list[EngineCoreOutput]]]:
+    """A seeded workload: requests with one or two sequences, logprob-free; per call one or two core steps of token
+    outputs (some empty), first outputs with scheduling facts, finishes by length or stop token, a token after a
+    finish."""
+    rng = random.Random(seed)
+    requests = [EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(n=rng.choice([1, 1, 1, 2]), max_tokens=50))
+                for i in range(12)]
+    live = {r.request_id: list(range(r.sampling_params.n)) for r in requests}
+    first = {(r, i) for r, seqs in live.items() for i in seqs}
+    calls = []
+    while any(live.values()):
+        call = []
+        for _ in range(rng.choice([1, 1, 2])):
+            for request_id, seqs in live.items():
+                for index in list(seqs):
+                    output = EngineCoreOutput(request_id, index, [rng.randrange(100)] if rng.random() < 0.9 else [])
+                    if (request_id, index) in first:
+                        first.discard((request_id, index))
+                        output.scheduled_time, output.num_cached_tokens = 1.0, rng.choice([0, 16])
+                    if rng.random() < 0.1:
+                        output.finish_reason = rng.choice(["length", "stop"])
+                        output.stop_reason = 7 if output.finish_reason == "stop" else None
+                        seqs.remove(index)
+                    call.append(output)
+        if rng.random() < 0.2 and call:
+            call.append(EngineCoreOutput(call[0].request_id, call[0].index, [5]))  # may follow a finish
+        calls.append(call)
+    return requests, calls
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("finished_only", [False, True])
+def test_plain_requests_fast_path_gives_the_general_outputs(seed, finished_only, monkeypatch):
+    """Running one-sequence token-id requests take ``_plain_delta``: the same ``RequestOutput`` s (metrics aside:
+    wall-clock times) as the general path, with n = 2 requests and finishes among them."""
+    def run(plain: bool) -> list:
+        requests, calls = _random_steps(seed)
+        processor = OutputProcessor(None)
+        for request in requests:
+            processor.add_request(request, None)
+            if not plain:
+                processor._states[request.request_id].plain = False
+        trace = []
+        for call in calls:
+            outputs, stopped = processor.process_outputs(call, finished_only)
+            trace.append(([dataclasses.replace(o, metrics=None) for o in outputs], stopped))
+        return trace, processor.has_unfinished_requests()
+
+    plain_trace = run(True)
+    assert plain_trace == run(False)
+    assert sum(len(outputs) for outputs, _ in plain_trace[0]) > 0

@@ -61,6 +61,9 @@ class RequestState:
     beams: list[EngineCoreOutput] | None = None
     pooling: bool = False  # a pooling request: one PoolingRequestOutput when finished (``pooled``: its vector)
     pooled: list[float] | None = None
+    # One sequence reporting token ids only (no text, logprobs, cumulative logprob or prompt logprobs; not pooling,
+    # best_of or beam search): its running outputs take ``_plain_delta`` (most requests of a token-id workload).
+    plain: bool = False
 
     @property
     def is_beam_search(self) -> bool:
@@ -102,6 +105,10 @@ class OutputProcessor:
             if params.prompt_logprobs is not None:
                 state.prompt_logprobs = [None]
             state.seqs = [self._new_sequence(index, request) for index in range(params.num_sequences)]
+            seq = state.seqs[0]
+            state.plain = (params.num_sequences == 1 and params.n == 1 and not state.pooling
+                           and state.prompt_logprobs is None and seq.detokenizer is None and seq.logprobs is None
+                           and seq.cumulative_logprob is None)
         self._states[request.request_id] = state
 
     def _new_sequence(self, index: int, request: EngineCoreRequest) -> SequenceState:
@@ -245,6 +252,10 @@ class OutputProcessor:
     def _request_outputs(self, states: Iterable[RequestState], now: float, finished_only: bool) -> list[RequestOutput]:
         outputs = []
         for state in states:
+            if state.plain and state.seqs[0].finish_reason is None:  # running: the common request of every step
+                if not finished_only:
+                    outputs.append(_plain_delta(state))
+                continue
             finished = state.finished
             if finished:
                 state.metrics.finished_time = now
@@ -311,6 +322,18 @@ class OutputProcessor:
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+
+def _plain_delta(state: RequestState) -> RequestOutput:
+    """``OutputProcessor._delta_output`` of a running ``plain`` request: its token ids new since its last output."""
+    seq = state.seqs[0]
+    start, token_ids = seq.num_reported_tokens, seq.token_ids
+    completions = []
+    if len(token_ids) > start:
+        seq.num_reported_tokens = len(token_ids)
+        completions.append(CompletionOutput(0, "", token_ids[start:], None, None))
+    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, False,
+                         state.num_cached_tokens)
 
 
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:

@@ -468,7 +468,8 @@ class ModelRunner:
                    else self._no_history[num_rows])
         outs = self._sample(logits, sampling_words, history, bias_table, mode=mode, num_logprobs=sampling.num_logprobs)
         self._prev_tokens = outs[0]
-        fetch = local_copies(outs if sampling.wants_logprobs else outs[:1])
+        fetch = outs if sampling.wants_logprobs else outs[:1]
+        fetch = fetch if self._single_process else local_copies(fetch)  # one process: every array is addressable
         prompt_fetch = () if sampling.prompt_targets is None else local_copies(self._prompt_logprobs(
             self._param_leaves, hidden, jax.device_put(sampling.prompt_targets, self.device)))
         moe_fetch = {} if moe is None else dict(zip(moe, local_copies(tuple(moe.values()))))
