@@ -4,7 +4,7 @@ dummy weights: tokens, and requests of ``--context-len`` tokens that fit at once
     python -m benchmarks.kv_capacity --shape gemma-3-12b --context-len 32768
 
 On a GPU the budget is what the engine's sizing leaves on the device (``kv_pool_sizing``: ``gpu_memory_utilization``
-of its memory, less the weights' bytes and the widest step's headroom), and ``engine_num_blocks`` is
+of its memory, less the weights' bytes, the widest step's headroom and the compiles' autotuning scratch), and ``engine_num_blocks`` is
 ``determine_num_blocks``' own count for each layout; elsewhere the same arithmetic on ``--device-memory-gib`` (default
 an 80 GB H100's 79.6 GiB), without a device. Nothing is allocated: the weights' bytes are the shape's parameter count
 times the dtype's size. ``--max-chunk-tokens`` is the step a request's sliding groups hold blocks for (1: every
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from models.presets import PRESETS, num_params, preset_config
 from paged_jax.core.kv_groups import kv_pool_capacity
 from paged_jax.worker.device_memory import reserve_gpu_memory_fraction, usable_device_bytes
-from paged_jax.worker.kv_pool_sizing import determine_num_blocks, step_headroom_bytes
+from paged_jax.worker.kv_pool_sizing import determine_num_blocks, pool_headroom_bytes
 
 H100_GIB = 79.6  # an H100 80GB's memory as the driver reports it (81559 MiB)
 
@@ -49,7 +49,7 @@ def capacity_report(shape: str, *, context_len: int, block_size: int, dtype: str
         _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     else:
         usable = int(gpu_memory_utilization * device_memory_gib * 2**30)
-    headroom = step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
+    headroom = pool_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, dequantization_bytes=0)
     budget = usable - weight_bytes - headroom
     page_bytes = 2 * block_size * config.num_key_value_heads * config.head_dim * itemsize

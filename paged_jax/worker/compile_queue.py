@@ -93,14 +93,17 @@ class CompileSlots:
                     self._changed.notify_all()
 
     def _lowered_after(self, error: Exception, token: object) -> bool:
-        """Whether ``error`` is an out-of-memory of a compile that had others beside it: then the limit is halved."""
+        """Whether ``error`` is an out-of-memory of a compile that had others beside it: then it runs again, and the
+        limit is halved unless it already ran with more beside it than the limit now allows (compiles that failed
+        together lower it once)."""
         if "RESOURCE_EXHAUSTED" not in str(error):
             return False
         with self._changed:
             beside = self._beside.get(token, 0)
             if beside < 1:
                 return False
-            self.limit = max(1, min(self.limit, beside + 1) // 2)
+            if beside < self.limit:
+                self.limit = max(1, (beside + 1) // 2)
         logger.warning("a compile ran out of device memory beside %d others (XLA's autotuning buffers): at most %d "
                        "compile at once from now on, and it runs again", beside, self.limit)
         return True

@@ -123,12 +123,9 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    logits_rows = max(max_num_seqs, num_sample_rows or 0)
-    headroom = (step_headroom_bytes(config, dtype, max_num_seqs=logits_rows,
-                                    max_num_batched_tokens=max_num_batched_tokens,
-                                    dequantization_bytes=dequantization_bytes) + host_copy_blocks * per_block
-                + COMPILE_SCRATCH_SLOTS * autotune_scratch_bytes(config, dtype, logits_rows=logits_rows,
-                                                                 max_num_batched_tokens=max_num_batched_tokens))
+    headroom = pool_headroom_bytes(config, dtype, max_num_seqs=max(max_num_seqs, num_sample_rows or 0),
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   dequantization_bytes=dequantization_bytes) + host_copy_blocks * per_block
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
     held = stats["bytes_in_use"] if weight_bytes is None else weight_bytes
     budget = usable - held - headroom
@@ -180,6 +177,17 @@ def _checked_override(config: ModelConfig, num_blocks: int, *, block_size: int, 
     return num_blocks
 
 
+def pool_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
+                        dequantization_bytes: int) -> int:
+    """Device bytes an accelerator's KV sizing keeps free of the pool: the widest step's (``step_headroom_bytes``)
+    and ``COMPILE_SCRATCH_SLOTS`` compiles' autotuning scratch (``autotune_scratch_bytes``; ``max_num_seqs``: the
+    most rows a step samples)."""
+    return (step_headroom_bytes(config, dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                dequantization_bytes=dequantization_bytes)
+            + COMPILE_SCRATCH_SLOTS * autotune_scratch_bytes(config, dtype, logits_rows=max_num_seqs,
+                                                             max_num_batched_tokens=max_num_batched_tokens))
+
+
 def step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_num_batched_tokens: int,
                          dequantization_bytes: int) -> int:
     """Device bytes kept free of the KV pool for the widest step: its activations, the sampler's logits (or the
@@ -200,13 +208,13 @@ def step_headroom_bytes(config: ModelConfig, dtype, *, max_num_seqs: int, max_nu
 def autotune_scratch_bytes(config: ModelConfig, dtype, *, logits_rows: int, max_num_batched_tokens: int) -> int:
     """Device bytes one XLA compile may hold while it autotunes a matmul: fresh copies of the operands of the
     largest one (the logits' ``[rows, hidden] x [hidden, vocab]`` or the widest step's MLP input projection), its
-    output twice (each candidate's and the reference it is checked against, fp32 at most) and the buffers' redzones.
+    output twice (each candidate's and the reference it is checked against; fp32 logits) and the buffers' redzones.
     Compiles that autotune at once each need this beside the weights and the KV pool (``paged_jax.worker.compile_queue
     .CompileSlots`` runs fewer at once after one runs out of memory)."""
     itemsize = jnp.dtype(dtype).itemsize
     hidden, vocab, mlp_width = config.hidden_size, config.vocab_size, 2 * config.intermediate_size
     logits = (vocab + logits_rows) * hidden * itemsize + 2 * logits_rows * vocab * 4
-    mlp = (hidden + max_num_batched_tokens) * mlp_width * itemsize + 2 * max_num_batched_tokens * mlp_width * 4
+    mlp = (hidden * mlp_width + max_num_batched_tokens * (hidden + 2 * mlp_width)) * itemsize
     return max(logits, mlp) + AUTOTUNE_REDZONE_BYTES
 
 
