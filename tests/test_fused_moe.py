@@ -41,6 +41,17 @@ def test_tile_schedule_covers_every_row_once_by_its_expert(group_sizes):
     assert (covered == 1).all()
 
 
+def _grouped_rows(rng, group_sizes, k, gather, dtype):
+    """``(group_sizes int32[E], lhs [T or rows, k], row_index int32[rows] or None)``: the rows of each expert in
+    order, gathered from half as many tokens when ``gather``."""
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    rows = int(sizes.sum())
+    num_tokens = max(rows // 2, 1)
+    lhs = _random(rng, (num_tokens if gather else rows, k), dtype)
+    row_index = jnp.asarray(rng.integers(0, num_tokens, rows), jnp.int32) if gather else None
+    return sizes, lhs, row_index
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, blocks", [
     ([0, 5, 1, 0, 20, 3], 40, 24, False, False, (16, 16, 16)),  # K, N not multiples of the blocks; 3 K steps
@@ -51,11 +62,8 @@ def test_tile_schedule_covers_every_row_once_by_its_expert(group_sizes):
 ])
 def test_grouped_matmul_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, blocks, request):
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-    sizes = jnp.asarray(group_sizes, jnp.int32)
+    sizes, lhs, row_index = _grouped_rows(rng, group_sizes, k, gather, dtype)
     rows, num_experts = int(sizes.sum()), len(group_sizes)
-    num_tokens = max(rows // 2, 1)
-    lhs = _random(rng, (num_tokens if gather else rows, k), dtype)
-    row_index = jnp.asarray(rng.integers(0, num_tokens, rows), jnp.int32) if gather else None
     rhs = _random(rng, (num_experts, k, n), dtype)
     up_rhs = _random(rng, (num_experts, k, n), dtype) if swiglu else None
     block_m, block_n, block_k = blocks or (None, None, None)
@@ -105,9 +113,15 @@ def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, nu
     expected = _per_token_moe(x, w_gate, w_up, w_down, weights, ids)
     reference = jax.jit(moe_experts_reference)(x, w_gate, w_up, w_down, weights, ids)
     kernel = _moe_experts_interpreted(x, w_gate, w_up, w_down, weights, ids)
+    _check_moe_outputs(expected, reference, kernel, x.shape, dtype)
+
+
+def _check_moe_outputs(expected, reference, kernel, shape, dtype) -> None:
+    """The reference and the kernel each within twice ``dtype``'s tolerance of the per-token ``expected``, and
+    within its tolerance of each other (scaled by the largest output)."""
     scale = max(np.abs(expected).max(), 1.0)
     for out in (reference, kernel):
-        assert out.shape == x.shape and out.dtype == dtype
+        assert out.shape == shape and out.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=TOLERANCE[dtype] * scale * 2, rtol=0)
     np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(reference, np.float32),
                                atol=TOLERANCE[dtype] * scale, rtol=0)
@@ -178,11 +192,8 @@ def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, sw
     """Float8 weights with one float32 scale per block: the kernel (dequantizing each tile) equals the reference,
     and the reference equals the grouped matmul on the float weights the checkpoint means, rounded to ``dtype``."""
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-    sizes = jnp.asarray(group_sizes, jnp.int32)
+    sizes, lhs, row_index = _grouped_rows(rng, group_sizes, k, gather, dtype)
     rows, num_experts = int(sizes.sum()), len(group_sizes)
-    num_tokens = max(rows // 2, 1)
-    lhs = _random(rng, (num_tokens if gather else rows, k), dtype)
-    row_index = jnp.asarray(rng.integers(0, num_tokens, rows), jnp.int32) if gather else None
     rhs, rhs_float = _block_fp8_stack(rng, num_experts, k, n, scale_block)
     up_rhs, up_float = _block_fp8_stack(rng, num_experts, k, n, scale_block) if swiglu else (None, None)
     assert rhs.weight.dtype == jnp.float8_e4m3fn and rhs.scale_inv.shape == (
@@ -217,12 +228,7 @@ def test_block_fp8_moe_experts_match_per_token_experts(num_tokens, top_k, dtype,
     stacks = [stack for stack, _ in experts]
     reference = jax.jit(moe_experts_reference)(x, *stacks, weights, ids)
     kernel = _moe_experts_interpreted(x, *stacks, weights, ids)
-    scale = max(np.abs(expected).max(), 1.0)
-    for out in (reference, kernel):
-        assert out.shape == x.shape and out.dtype == dtype
-        np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=TOLERANCE[dtype] * scale * 2, rtol=0)
-    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(reference, np.float32),
-                               atol=TOLERANCE[dtype] * scale, rtol=0)
+    _check_moe_outputs(expected, reference, kernel, x.shape, dtype)
 
 
 def test_block_fp8_kernel_refuses_what_it_cannot_tile():

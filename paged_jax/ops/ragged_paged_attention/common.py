@@ -31,6 +31,18 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def query_tile(num_tokens: int, num_seqs: int, heads_per_tile: int, block_q: int | None) -> tuple[int, int]:
+    """``(block_q, rows)`` of a kernel tile that holds ``block_q`` query tokens of one sequence times
+    ``heads_per_tile`` heads: by default 16 rows for decode-like steps (at most two tokens a sequence) and 64 for
+    prefill, at least one token and at most ``num_tokens``; ``rows`` is the tile's row count, a power of two >= 16
+    (Triton's dot)."""
+    if block_q is None:
+        rows_wanted = 16 if num_tokens <= 2 * num_seqs else 64
+        block_q = max(1, rows_wanted // heads_per_tile)
+    block_q = int(max(1, min(block_q, num_tokens)))
+    return block_q, max(16, next_pow2(block_q * heads_per_tile))
+
+
 def validate_inputs(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, sliding_window,
                     logit_soft_cap=None, sinks=None, v_head_dim=None, attention_chunk_size=None) -> None:
     """ValueError naming the argument when the shapes, dtypes, ``sliding_window``, ``logit_soft_cap``, ``sinks``,

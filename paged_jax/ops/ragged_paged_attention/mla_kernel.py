@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from paged_jax.ops.ragged_paged_attention.combine import combine_kv_splits
-from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, tile_map,
+from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, query_tile, tile_map,
                                                          zero_padding_tokens)
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
 from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
@@ -100,11 +100,7 @@ def default_tuning(
     if block_h is None:
         block_h = min(num_heads, 32)
     block_h = int(max(1, min(block_h, num_heads)))
-    if block_q is None:
-        rows_wanted = 16 if num_tokens <= 2 * num_seqs else 64
-        block_q = max(1, rows_wanted // block_h)
-    block_q = int(max(1, min(block_q, num_tokens)))
-    rows = max(16, _next_pow2(block_q * block_h))
+    block_q, rows = query_tile(num_tokens, num_seqs, block_h, block_q)
     if block_k is None:
         block_k = 32 if latent_dim > 256 else 64
     num_tiles = max(1, min(num_tokens, num_tokens // block_q + num_seqs))

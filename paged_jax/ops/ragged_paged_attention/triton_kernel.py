@@ -60,8 +60,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from paged_jax.ops.ragged_paged_attention.combine import combine_kv_splits
-from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, sort_tiles_longest_first,
-                                                         tile_map, zero_padding_tokens)
+from paged_jax.ops.ragged_paged_attention.common import (LOG2_E, MASK_VALUE, int32_metadata, query_tile,
+                                                         sort_tiles_longest_first, tile_map, zero_padding_tokens)
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
 from paged_jax.ops.ragged_paged_attention.common import next_pow2 as _next_pow2
 from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
@@ -112,11 +112,7 @@ def default_tuning(
     * The boolean prefill options (module docstring) are passed through unchanged (default off).
     """
     group = num_q_heads // num_kv_heads
-    if block_q is None:
-        rows_wanted = 16 if num_tokens <= 2 * num_seqs else 64
-        block_q = max(1, rows_wanted // group)
-    block_q = int(max(1, min(block_q, num_tokens)))
-    rows = max(16, _next_pow2(block_q * group))
+    block_q, rows = query_tile(num_tokens, num_seqs, group, block_q)
     if block_k is None:
         block_k = 128 if kv_itemsize == 1 and rows <= 16 else 64
     if fp8_dots_in_fp16 is None:
