@@ -180,7 +180,11 @@ def _block_fp8_checkpoints(arch, tmp_path, block):
     return fp8_dir, dequantized_dir
 
 
-@pytest.mark.parametrize("arch, block", [("qwen3_moe", (128, 128)), ("deepseek_v3", (16, 32))])
+# The Qwen3-MoE case runs with make test-all (slow): test_expert_parallel's
+# test_block_fp8_experts_split_whole_over_devices loads the same FP8 checkpoint into the engine and checks its greedy
+# output; the DeepSeek case covers the reload.
+@pytest.mark.parametrize("arch, block", [pytest.param("qwen3_moe", (128, 128), marks=pytest.mark.slow),
+                                         ("deepseek_v3", (16, 32))])
 def test_block_fp8_experts_stay_fp8_and_decode_as_the_dequantized_checkpoint(arch, block, tmp_path):
     """A Qwen3-MoE / DeepSeek-V3 FP8 checkpoint as published: the experts stay float8_e4m3fn on the device beside
     their float32 block scales (about half the bytes of bf16 experts), the other projections are dequantized; the
