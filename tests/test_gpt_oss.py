@@ -176,7 +176,9 @@ def _hf_greedy(path, prompts, max_new_tokens):
     return outs
 
 
-@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+# The float-experts case runs with make test-all (slow): test_logits_match_transformers covers the float checkpoint's
+# model, and the MXFP4 case the engine's groups, prefix cache and preemption on the same architecture.
+@pytest.mark.parametrize("experts", [pytest.param("float", marks=pytest.mark.slow), "mxfp4"])
 def test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption(experts, float_checkpoint,
                                                                               mxfp4_checkpoint):
     """Prompts longer than the window in one continuous batch, twice (the second pass reads the shared 32-token
@@ -211,6 +213,7 @@ def test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption(ex
     assert tight.llm_engine.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.slow  # dummy MXFP4 weights: test_dummy_mxfp4_weights_are_finite; both benchmarks: tests/test_benchmarks.py
 def test_benchmarks_run_a_dummy_mxfp4_gpt_oss(tmp_path):
     """The GPU benchmarks' paths on the CPU: ``benchmarks.latency`` and ``benchmarks.throughput`` on random MXFP4
     weights of a tiny gpt-oss config (the lead runs them with ``gpt-oss-20b``, ``models.presets``)."""

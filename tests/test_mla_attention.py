@@ -174,6 +174,9 @@ def test_kernel_refuses_widths_triton_cannot_tile():
         attend(batch, "triton", 0.2, 16)
 
 
+# Runs with make test-all (slow): test_kernel_matches_reference checks the kernel against the reference, and
+# test_decode_floor_reads_the_latent_row_once the floor it reports.
+@pytest.mark.slow
 def test_benchmark_checks_times_and_floors_each_case(tmp_path):
     """benchmarks/mla_kernel.py on tiny shapes with the kernel interpreted: the kernel agrees with the reference on
     a decode and a ragged prefill case, both are timed with the tuning sweep, the floors count the bytes once."""
