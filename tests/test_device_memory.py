@@ -65,3 +65,14 @@ def test_the_kv_sizing_keeps_two_compiles_autotuning_scratch_free_of_the_pool():
     steps = step_headroom_bytes(config, "bfloat16", max_num_seqs=256, max_num_batched_tokens=2048,
                                 dequantization_bytes=0)
     assert free - steps >= COMPILE_SCRATCH_SLOTS * scratch
+
+
+def test_the_allocator_line_of_a_sharded_pool_names_its_first_devices_state():
+    """A tensor-parallel runner's device is a sharding: the out-of-memory error still describes an allocator (its
+    first device's; none on the CPU) instead of failing on the sharding."""
+    from paged_jax.worker.device_memory import describe_allocator
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert describe_allocator(sharding) == describe_allocator(jax.devices()[0]) == ""
+    assert "KV pool (36.00 GiB)" in str(pool_allocation_error(sharding, ARRAYS, MemoryError("oom")))

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 
+import jax
 import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ def usable_device_bytes(stats: dict, platform: str, gpu_memory_utilization: floa
 
 def describe_allocator(device) -> str:
     """One line of ``device``'s allocator statistics (in use, limit, largest free region, allocations), or "" without
-    them (the CPU)."""
+    them (the CPU). ``device``: a ``jax.Device``, or a sharding (its first device's statistics)."""
+    if isinstance(device, jax.sharding.Sharding):
+        device = min(device.device_set, key=lambda d: d.id)
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return ""
