@@ -58,13 +58,14 @@ def test_the_kv_sizing_keeps_two_compiles_autotuning_scratch_free_of_the_pool():
     scratch = autotune_scratch_bytes(config, "bfloat16", logits_rows=256, max_num_batched_tokens=2048)
     assert scratch > config.vocab_size * config.hidden_size * 2  # at least the embedding's copy
     limit, weights = int(0.9 * TOTAL), 22 * GIB
-    blocks = determine_num_blocks(config, block_size=16, dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-                                  max_num_batched_tokens=2048, gpu_memory_utilization=0.9,
-                                  device=FakeGpu(limit, weights), weight_bytes=weights)
-    free = limit - weights - blocks * kv_bytes_per_block(config, 16, "bfloat16")
     steps = step_headroom_bytes(config, "bfloat16", max_num_seqs=256, max_num_batched_tokens=2048,
                                 dequantization_bytes=0)
-    assert free - steps >= COMPILE_SCRATCH_SLOTS * scratch
+    for kv_dtype in ("bfloat16", "float8_e4m3fn"):  # the scratch is the bf16 model's whatever the KV cache's dtype
+        blocks = determine_num_blocks(config, block_size=16, dtype=kv_dtype, max_model_len=4096, max_num_seqs=256,
+                                      max_num_batched_tokens=2048, gpu_memory_utilization=0.9,
+                                      device=FakeGpu(limit, weights), weight_bytes=weights, compute_dtype="bfloat16")
+        free = limit - weights - blocks * kv_bytes_per_block(config, 16, kv_dtype)
+        assert free - steps >= COMPILE_SCRATCH_SLOTS * scratch
 
 
 def test_the_allocator_line_of_a_sharded_pool_names_its_first_devices_state():

@@ -110,7 +110,7 @@ def _size_kv_pool(args: EngineArgs, loaded: LoadedModel, kv_dtype, device, max_m
         loaded.memory_config, block_size=args.block_size, dtype=kv_dtype, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_blocks_override=args.num_gpu_blocks_override,
-        device=device, dequantization_bytes=dequantization_bytes,
+        device=device, dequantization_bytes=dequantization_bytes, compute_dtype=model.dtype,
         weight_bytes=device_bytes(model, device) + (drafter.weight_bytes() if drafter else 0),
         extra_block_bytes=drafter.kv_bytes_per_block(args.block_size) if drafter else 0,
         mixed_groups=mixes_kv_groups(loaded.plan),

@@ -80,8 +80,9 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
                          cpu_pool_cap_bytes: int = 1 << 30, weight_bytes: int | None = None,
                          dequantization_bytes: int = 0, mixed_groups: bool = True,
                          num_sample_rows: int | None = None, host_copy_blocks: int = 0,
-                         extra_block_bytes: int = 0) -> int:
-    """Number of device KV blocks (including the null block 0).
+                         extra_block_bytes: int = 0, compute_dtype=None) -> int:
+    """Number of device KV blocks (including the null block 0). ``dtype``: the KV cache's; ``compute_dtype``: the
+    model's activations and unquantized weights (default ``dtype``), what the headroom is counted in.
 
     Accelerators (vLLM's meaning of ``gpu_memory_utilization``: a fraction of the device's total memory):
     ``gpu_memory_utilization * total - bytes_in_use`` (measured after the weights are placed) minus headroom for
@@ -123,7 +124,8 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     if not stats or "bytes_limit" not in stats:
         wanted = max_num_seqs * blocks_per_seq + 1
         return int(max(blocks_per_seq + 1, min(wanted, cpu_pool_cap_bytes // per_block)))
-    headroom = pool_headroom_bytes(config, dtype, max_num_seqs=max(max_num_seqs, num_sample_rows or 0),
+    headroom = pool_headroom_bytes(config, compute_dtype or dtype,
+                                   max_num_seqs=max(max_num_seqs, num_sample_rows or 0),
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    dequantization_bytes=dequantization_bytes) + host_copy_blocks * per_block
     _, usable = usable_device_bytes(stats, device.platform, gpu_memory_utilization)
@@ -131,8 +133,9 @@ def determine_num_blocks(config: ModelConfig, *, block_size: int, dtype, max_mod
     budget = usable - held - headroom
     num_blocks = int(budget // per_block)
     logger.info("KV cache sizing: %.2f GiB usable (allocator limit %.2f GiB, %.2f GiB in use), weights %.2f GiB, "
-                "step and compile headroom %.2f GiB: %d blocks of %.2f MiB", usable / 2**30, stats["bytes_limit"] / 2**30,
-                stats["bytes_in_use"] / 2**30, held / 2**30, headroom / 2**30, num_blocks, per_block / 2**20)
+                "step and compile headroom %.2f GiB: %d blocks of %.2f MiB", usable / 2**30,
+                stats["bytes_limit"] / 2**30, stats["bytes_in_use"] / 2**30, held / 2**30, headroom / 2**30,
+                num_blocks, per_block / 2**20)
     if num_blocks - 1 < blocks_per_seq:
         capacity = max(num_blocks - 1, 0) * block_size
         raise ValueError(
