@@ -292,3 +292,27 @@ def test_compile_slots_halve_after_an_out_of_memory_compile_and_run_it_again():
         CompileSlots(4).run(out_of_memory)
     with pytest.raises(ValueError, match="other"):
         CompileSlots(4).run(lambda: (_ for _ in ()).throw(ValueError("other")))
+
+
+def test_background_compiles_beside_steps_are_bounded_by_the_free_memory():
+    """While the engine serves, a compile's autotuning out-of-memory could fail a step instead: background compiles
+    run at most as many at once as the free bytes hold of one compile's scratch, less one share for the steps, never
+    fewer than the shares the KV sizing kept (COMPILE_SCRATCH_SLOTS); the CPU keeps every thread."""
+    from models.presets import preset_config
+    from paged_jax.worker.compile_queue import CompileSlots
+    from paged_jax.worker.kv_pool_sizing import COMPILE_SCRATCH_SLOTS, autotune_scratch_bytes
+    from tests.test_device_memory import GIB, FakeGpu
+
+    config = preset_config("gemma-3-12b")
+    runner = types.SimpleNamespace(model_config=config, dtype=jax.numpy.bfloat16, sampler_seq_buckets=[8, 256],
+                                   max_num_batched_tokens=2048)
+    scratch = autotune_scratch_bytes(config, "bfloat16", logits_rows=256, max_num_batched_tokens=2048)
+    beside = warm_up_lib.compiles_beside_steps
+    assert beside(runner, 16, FakeGpu(70 * GIB, 70 * GIB - 6 * scratch)) == 5
+    assert beside(runner, 4, FakeGpu(70 * GIB, 70 * GIB - 6 * scratch)) == 4
+    assert beside(runner, 16, FakeGpu(70 * GIB, 70 * GIB - scratch)) == COMPILE_SCRATCH_SLOTS
+    assert beside(runner, 16, jax.devices("cpu")[0]) == 16
+    slots = CompileSlots(16)
+    slots.cap(5)
+    slots.cap(9)
+    assert slots.limit == 5

@@ -266,6 +266,17 @@ def _wait_for_compiles_in_flight() -> None:
         compiles.stop_and_wait()
 
 
+def _bound_beside_steps(runner, compiler) -> None:
+    """Background compiles autotune beside serving steps, which an out-of-memory would fail: at most as many at once
+    as ``warm_up_lib.compiles_beside_steps`` allows (an INFO line says when that is fewer than before)."""
+    device = min(jax.tree.leaves(runner.kv_pool)[0].devices(), key=lambda d: d.id)
+    before = compiler.slots.limit
+    compiler.slots.cap(warm_up_lib.compiles_beside_steps(runner, compiler.threads, device))
+    if compiler.slots.limit < before:
+        logger.info("at most %d compiles at once beside serving steps (their autotuning's device memory)",
+                    compiler.slots.limit)
+
+
 def warm_up_in_background(runner, use_tqdm: bool = True, threads: int | None = None) -> dict:
     """Compile and run ``first_jobs``, then start ``BackgroundCompiles`` for the rest (``runner.background``).
     Returns ``warm_up_jobs``' timings plus ``first_executables`` and ``background_executables``; the background
@@ -283,5 +294,7 @@ def warm_up_in_background(runner, use_tqdm: bool = True, threads: int | None = N
                 "compiling the other %d in the background", len(first), len(first) + len(rest),
                 time.perf_counter() - start, tokens, seqs, len(rest))
     timings.update(first_executables=len(first), background_executables=len(rest))
+    if compiler is not None:
+        _bound_beside_steps(runner, compiler)
     runner.background = BackgroundCompiles(runner, compiler, rest, len(first), timings).start()
     return timings

@@ -73,6 +73,11 @@ class CompileSlots:
         self._beside: dict[object, int] = {}  # each running compile -> the most others that ran beside it
         self._changed = threading.Condition()
 
+    def cap(self, limit: int) -> None:
+        """At most ``limit`` (at least 1) compiles at once from now on."""
+        with self._changed:
+            self.limit = max(1, min(self.limit, int(limit)))
+
     def run(self, compile_fn):
         """``compile_fn()`` (an XLA compile) in a slot, again in a smaller one after an out-of-memory error."""
         while True:

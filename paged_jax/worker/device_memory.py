@@ -83,6 +83,15 @@ def describe_allocator(device) -> str:
             f"{gib('largest_free_block_bytes')}, {stats.get('num_allocs', '?')} allocations")
 
 
+def free_bytes(device) -> int | None:
+    """The bytes ``device``'s allocator has free (its limit less the bytes in use), or None without memory statistics
+    (the CPU)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
+
+
 def _bytes(array) -> int:
     """Bytes of ``array`` (a ``jax.Array`` or ``ShapeDtypeStruct``; across all its devices)."""
     return math.prod(array.shape) * np.dtype(array.dtype).itemsize

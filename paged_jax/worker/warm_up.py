@@ -37,8 +37,9 @@ import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.compile_queue import CompileSlots, JobQueue
-from paged_jax.worker.device_memory import pool_allocation_error
+from paged_jax.worker.device_memory import free_bytes, pool_allocation_error
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, ExecutableCache, load_or_compile
+from paged_jax.worker.kv_pool_sizing import COMPILE_SCRATCH_SLOTS, autotune_scratch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +269,19 @@ class _CompileJobs:
                                turn)
 
 
+def compiles_beside_steps(runner, threads: int, device) -> int:
+    """How many of ``threads`` compiles may run at once while ``runner`` serves steps on ``device`` (its weights and KV
+    pool allocated): what the allocator's free bytes hold of one compile's autotuning scratch
+    (``autotune_scratch_bytes``), less one share for the steps' own buffers, and never fewer than the
+    ``COMPILE_SCRATCH_SLOTS`` the KV sizing kept free; ``threads`` without memory statistics (the CPU)."""
+    free = free_bytes(device)
+    if free is None:
+        return threads
+    scratch = autotune_scratch_bytes(runner.model_config, runner.dtype, logits_rows=runner.sampler_seq_buckets[-1],
+                                     max_num_batched_tokens=runner.max_num_batched_tokens)
+    return min(threads, max(COMPILE_SCRATCH_SLOTS, free // scratch - 1))
+
+
 def compile_forward_apart(runner, num_tokens: int, num_seqs: int) -> jax.stages.Compiled:
     """The runner's forward of bucket ``(num_tokens, num_seqs)`` compiled from the abstract inputs warm-up uses (the
     KV pool is not allocated) and kept out of the runner's table: its ``memory_analysis()`` tells what a step holds
@@ -302,7 +316,8 @@ class Compiler:
     def __init__(self, runner, threads: int, cache: ExecutableCache | None):
         self.runner, self.threads, self.cache = runner, threads, cache
         self.started = time.perf_counter()
-        self._jobs = _CompileJobs(runner, cache, CompileSlots(threads))
+        self.slots = CompileSlots(threads)
+        self._jobs = _CompileJobs(runner, cache, self.slots)
         self._forwards: dict[tuple[int, int], concurrent.futures.Future] = {}  # bucket -> its compile, by submission
         self.spans: list[list] = []
         self.queue: JobQueue | None = None  # the last ``compile``'s
