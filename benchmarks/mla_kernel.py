@@ -40,6 +40,7 @@ from benchmarks.report import median_seconds, versions
 from benchmarks.trace import trace_kernels
 from models.presets import preset_config
 from paged_jax.ops import ragged_paged_attention
+from paged_jax.ops.ragged_paged_attention.mla_kernel import default_tuning
 
 # Kernel tuning variants of ``--sweep`` (``mla_kernel.default_tuning`` keywords).
 SWEEP = {
@@ -96,7 +97,6 @@ def _sweep_tuning(variant, num_tokens: int, num_seqs: int, heads: int, latent: i
     """A ``SWEEP`` entry as ``default_tuning`` keywords (the kv-split variants scale the default split count)."""
     if isinstance(variant, dict):
         return variant
-    from paged_jax.ops.ragged_paged_attention.mla_kernel import default_tuning
 
     splits = default_tuning(num_tokens, num_seqs, heads, latent, -(-context // block_size),
                             block_size)["num_kv_splits"]

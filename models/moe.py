@@ -118,11 +118,6 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 register_grouped_matmul("xla", grouped_matmul_reference)
 
 
-def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
-    """The grouped matmul (``grouped_matmul_reference``'s contract) ``impl`` runs for ``num_rows`` sorted rows."""
-    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype)]
-
-
 def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, topk_weights: jax.Array,
                 topk_ids: jax.Array, *, impl: str = "auto") -> jax.Array:
     """The experts' weighted SwiGLU of every token (vLLM's ``fused_experts``), its grouped matmuls by ``impl``.

@@ -233,6 +233,11 @@ def _latent(impl: str, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *,
     if impl == "mosaic":
         raise ValueError("impl='mosaic' does not read a latent KV cache (multi-head latent attention): use "
                          "'triton', 'reference' or 'auto'")
+    allowed = [name for name, param in inspect.signature(mla_kernel.default_tuning).parameters.items()
+               if param.kind is inspect.Parameter.KEYWORD_ONLY]
+    if set(tuning) - set(allowed):
+        raise ValueError(f"unknown tuning arguments {sorted(set(tuning) - set(allowed))} for the MLA kernel; "
+                         f"expected some of {allowed}")
     if impl == "auto":
         impl = "reference" if batch_invariant else choose_latent_impl(q.shape, k_pages.shape, v_head_dim, masks,
                                                                       sinks is not None)
@@ -245,11 +250,6 @@ def _latent(impl: str, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, *,
     if unsupported or batch_invariant:
         raise ValueError(f"the MLA kernel (impl='triton' on a latent KV cache) does not take "
                          f"{unsupported or ['batch_invariant']}; use 'reference'")
-    allowed = [name for name, param in inspect.signature(mla_kernel.default_tuning).parameters.items()
-               if param.kind is inspect.Parameter.KEYWORD_ONLY]
-    if set(tuning) - set(allowed):
-        raise ValueError(f"unknown tuning arguments {sorted(set(tuning) - set(allowed))} for the MLA kernel; "
-                         f"expected some of {allowed}")
     return mla_kernel.mla_paged_attention(q, k_pages, kv_lens, block_tables, cu_q_lens, sm_scale=masks["sm_scale"],
                                           v_head_dim=v_head_dim, interpret=interpret, **tuning)
 
