@@ -51,8 +51,9 @@ def register_grouped_matmul(name: str, fn: Callable) -> None:
     _REGISTRY.register(name, fn)
 
 
-def register_moe_selector(fn: Callable[[int, int, jnp.dtype], str]) -> None:
-    """``fn(num_rows, hidden, dtype) -> name`` decides ``impl="auto"`` from static shapes."""
+def register_moe_selector(fn: Callable[..., str]) -> None:
+    """``fn(num_rows, hidden, dtype, scale_block) -> name`` decides ``impl="auto"`` from static shapes
+    (``scale_block``: the block-FP8 experts' scale block, or None)."""
     _REGISTRY.register_selector(fn)
 
 
@@ -61,9 +62,10 @@ def check_moe_impl(impl: str) -> str:
     return _REGISTRY.check(impl)
 
 
-def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype) -> str:
-    """The grouped-matmul implementation ``impl`` runs for ``num_rows`` sorted (token, expert) rows of ``hidden``."""
-    return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype))
+def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | None = None) -> str:
+    """The grouped-matmul implementation ``impl`` runs for ``num_rows`` sorted (token, expert) rows of ``hidden``;
+    ``scale_block``: the experts' block-FP8 scale block (``BlockFp8Experts.block``), None for float experts."""
+    return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype), scale_block)
 
 
 def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
@@ -130,7 +132,8 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     Returns:
       ``dtype[T, H]``: ``sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t])``, the sum in float32.
     """
-    name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype)
+    scale_block = w_gate.block if isinstance(w_gate, BlockFp8Experts) else None
+    name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype, scale_block)
     return moe_experts_with(_REGISTRY[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
 
 

@@ -12,6 +12,7 @@ import pytest
 from models.moe import resolve_moe_impl, route_top_k
 from models.quantization import block_fp8
 from models.quantization.block_fp8 import BlockFp8Experts
+from paged_jax.ops import fused_moe
 from paged_jax.ops.fused_moe import (grouped_matmul_pallas, grouped_matmul_pallas_differentiable,
                                      grouped_matmul_reference, moe_experts_reference, moe_experts_with, tile_schedule)
 
@@ -164,6 +165,14 @@ def test_auto_runs_xla_on_cpu_and_unknown_impls_are_refused():
     assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16) == "xla"
     with pytest.raises(ValueError, match="^moe_impl must be one of"):
         resolve_moe_impl("triton", 64, 32, jnp.bfloat16)
+
+
+def test_auto_falls_back_to_xla_for_fp8_scale_blocks_the_kernel_cannot_tile(monkeypatch):
+    monkeypatch.setattr(fused_moe.jax, "default_backend", lambda: "gpu")
+    assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16, (128, 128)) == "pallas"
+    assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16, (8, 8)) == "xla"
+    assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16) == "pallas"
+    assert resolve_moe_impl("pallas", 64, 32, jnp.bfloat16, (8, 8)) == "pallas"  # an explicit choice stays
 
 
 def _block_fp8_stack(rng, num_experts, k, n, block, dtype_scale=1.0):

@@ -8,7 +8,7 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
 * ``"xla"``: ``grouped_matmul_reference`` (``lax.ragged_dot``), the jnp reference, and ``moe_experts_reference``
   the whole op on it;
 * ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul;
-* ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes, else XLA.
+* ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
 ``paged_jax``; importing this package registers the kernel there as ``moe_impl="pallas"`` and the ``"auto"``
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
                         register_grouped_matmul, register_moe_selector)
-from paged_jax.ops.fused_moe.kernel import KERNEL_DTYPES, grouped_matmul_pallas, tile_schedule
+from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, fp8_scale_block_supported, grouped_matmul_pallas,
+                                             tile_schedule)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
@@ -52,9 +53,11 @@ def grouped_matmul_pallas_differentiable(lhs, rhs, group_sizes, *, row_index=Non
     return _differentiable(lhs, rhs, group_sizes, row_index, up_rhs, interpret)
 
 
-def auto_impl(num_rows: int, hidden: int, dtype) -> str:
-    """``moe_impl="auto"`` for ``num_rows`` sorted rows: the kernel on a GPU for its dtypes, else "xla"."""
-    if jax.default_backend() == "gpu" and num_rows > 0 and jnp.dtype(dtype) in KERNEL_DTYPES:
+def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | None = None) -> str:
+    """``moe_impl="auto"`` for ``num_rows`` sorted rows: the kernel on a GPU for its dtypes and, for block-FP8
+    experts, their ``scale_block`` (``fp8_scale_block_supported``), else "xla"."""
+    if (jax.default_backend() == "gpu" and num_rows > 0 and jnp.dtype(dtype) in KERNEL_DTYPES
+            and (scale_block is None or fp8_scale_block_supported(scale_block))):
         return "pallas"
     return "xla"
 

@@ -132,6 +132,12 @@ def default_blocks(num_rows: int, num_experts: int, n: int, k: int) -> tuple[int
     return block_m, max(MIN_BLOCK, min(64, next_pow2(n))), max(MIN_BLOCK, min(64, next_pow2(k)))
 
 
+def fp8_scale_block_supported(scale_block: tuple[int, int]) -> bool:
+    """Whether the kernel takes block-FP8 experts of this ``(rows, cols)`` scale block (``fp8_blocks`` finds a tile
+    side of at least ``MIN_BLOCK`` dividing each side)."""
+    return all(side % MIN_BLOCK == 0 for side in scale_block)
+
+
 def fp8_blocks(block_n: int, block_k: int, scale_block: tuple[int, int]) -> tuple[int, int]:
     """``(block_n, block_k)`` shrunk to divide the scale block ``(rows, cols)`` (rows along N, cols along K), so
     each tile has one scale; ValueError naming ``weight_block_size`` when a side has no power-of-two divisor of at
