@@ -1,12 +1,16 @@
 """The assistant message of one chat choice, from its text: reasoning (``--reasoning-parser``), tool calls (the
 request's tool choice and ``--tool-call-parser``) and content, as stream deltas or as one message.
 
-``ChoiceOutput.feed(text delta, final)`` returns the choice's next ``DeltaMessage`` (or None); a non-streamed reply
-is the same stream fed in one delta (``whole``), so both agree.
+``ChoiceOutput.feed(text delta, final, token ids)`` returns the choice's next ``DeltaMessage`` (or None); a
+non-streamed reply is the same stream fed in one delta (``whole``), so both agree. A harmony parser (gpt-oss:
+``openai_gptoss``, ``openai``) reads the token ids instead of the text (``serving.harmony.HarmonyReader``).
 """
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
+from serving.harmony import HarmonyReader
 from serving.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
 from serving.reasoning_parsers import ReasoningParser, ReasoningStream
 from serving.tool_parsers import ToolCallStream, ToolParser
@@ -15,10 +19,22 @@ from serving.tool_parsers.tool_choice import RequiredToolCallParser, ToolChoice
 
 
 class ChoiceOutput:
+    """One choice's reader. ``harmony_encoding``: ``serving.harmony.harmony_encoding()``, given when the server has a
+    harmony parser; the reply is then read as harmony when ``reasoning_parser`` is one, or the tool choice is
+    ``auto`` with a harmony ``tool_parser`` (its ``analysis`` channel is reasoning only with a reasoning parser)."""
+
     def __init__(self, tool_choice: ToolChoice, tool_parser: ToolParser | None,
-                 reasoning_parser: ReasoningParser | None, prompt: str, include_reasoning: bool = True):
+                 reasoning_parser: ReasoningParser | None, prompt: str, include_reasoning: bool = True,
+                 harmony_encoding: Any = None):
         self.tool_choice = tool_choice
         self.include_reasoning = include_reasoning
+        self.tools_called = False
+        read_tools = tool_choice.mode == "auto" and tool_parser is not None and tool_parser.harmony
+        self._harmony = None
+        if read_tools or (reasoning_parser is not None and reasoning_parser.harmony):
+            self._harmony = HarmonyReader(harmony_encoding, read_tools, tool_choice.max_calls)
+            self._harmony_reasoning = reasoning_parser is not None
+            return
         self._reasoning = ReasoningStream(reasoning_parser, prompt) if reasoning_parser is not None else None
         self._tools = None
         if tool_choice.mode == "auto":
@@ -27,9 +43,13 @@ class ChoiceOutput:
             self._tools = ToolCallStream(RequiredToolCallParser(), tool_choice.max_calls)
         self._named_id = random_tool_call_id() if tool_choice.mode == "named" else None
         self._named_started = False
-        self.tools_called = False
 
-    def feed(self, delta: str, final: bool = False) -> DeltaMessage | None:
+    def feed(self, delta: str, final: bool = False, token_ids: Sequence[int] = ()) -> DeltaMessage | None:
+        """The next ``DeltaMessage`` of the reply (None: nothing to send yet). ``delta`` / ``token_ids``: the reply's
+        new text and its ids (a harmony reply is read from the ids); ``final`` on the last delta."""
+        if self._harmony is not None:
+            reasoning, content, tool_calls = self._harmony.feed(token_ids, final)
+            return self._message(reasoning if self._harmony_reasoning else "", content, tool_calls)
         reasoning, content = self._reasoning.feed(delta, final) if self._reasoning is not None else ("", delta)
         tool_calls: list[DeltaToolCall] = []
         if self._named_id is not None and (content or (final and not self._named_started)):
@@ -45,6 +65,9 @@ class ChoiceOutput:
             tool_calls = [DeltaToolCall(index=index, id=call.id, type="function",
                                         function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
                           for index, call in calls]
+        return self._message(reasoning, content, tool_calls)
+
+    def _message(self, reasoning: str, content: str, tool_calls: list[DeltaToolCall]) -> DeltaMessage | None:
         self.tools_called = self.tools_called or bool(tool_calls)
         reasoning = reasoning if self.include_reasoning else ""
         if not (reasoning or content or tool_calls):
@@ -59,9 +82,9 @@ class ChoiceOutput:
             return "tool_calls"
         return finish_reason
 
-    def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
-        """(content, reasoning_content, tool_calls) of a finished reply."""
-        delta = self.feed(text, final=True)
+    def whole(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(content, reasoning_content, tool_calls) of a finished reply (its text and token ids)."""
+        delta = self.feed(text, final=True, token_ids=token_ids)
         if delta is None:
             return ("" if not self.tools_called else None), None, []
         calls: list[ToolCall] = []

@@ -16,6 +16,7 @@ from serving.chat_output import ChoiceOutput
 from serving.errors import APIError
 from serving.openai_server import OpenAIServer
 from serving.protocol import ChatCompletionRequest
+from serving.structured_outputs import structured_outputs_from_request
 from serving.tool_parsers.tool_choice import ToolChoice, resolve_tool_choice
 
 
@@ -55,6 +56,8 @@ async def submit_chat(server: OpenAIServer, body: ChatCompletionRequest, respons
                                       enable_auto_tool_choice=server.enable_auto_tool_choice,
                                       tool_parser=server.tool_parser.name if server.tool_parser else None,
                                       implied_tool_parser=server.implied_tool_parser)
+    if server.reads_harmony:
+        refuse_constraint(body, tool_choice)
     text = await server.render_chat(body.messages, body)
     ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
                                               truncating=body.truncate_prompt_tokens is not None),
@@ -75,7 +78,21 @@ async def submit_chat(server: OpenAIServer, body: ChatCompletionRequest, respons
     return ChatSubmission(streams, text, len(ids), tool_choice, num_top, params)
 
 
+def refuse_constraint(body: ChatCompletionRequest, tool_choice: ToolChoice) -> None:
+    """A structured-output constraint (``response_format``, ``structured_outputs``, a ``"required"`` or named tool
+    choice, ...) binds a reply from its first token, where a harmony reply writes its channel header: with gpt-oss's
+    parsers it is refused (400 naming the field)."""
+    constraint, fields = structured_outputs_from_request(body, tool_choice.schema)
+    if constraint is not None:
+        field = fields[constraint.kind]
+        raise APIError(400, f"{field}: structured outputs and tool_choice \"required\" or a named function bind the "
+                            f"reply from its first token, which breaks gpt-oss's harmony format (this server reads "
+                            f"it with --reasoning-parser openai_gptoss / --tool-call-parser openai); use "
+                            f"tool_choice \"auto\"", param=field)
+
+
 def choice_output(server: OpenAIServer, body: ChatCompletionRequest, submission: ChatSubmission) -> ChoiceOutput:
-    """A fresh reader of one choice's text (reasoning, tool calls, content) for ``submission``."""
+    """A fresh reader of one choice's reply (reasoning, tool calls, content) for ``submission``."""
     return ChoiceOutput(submission.tool_choice, server.tool_call_parser(submission.tool_choice),
-                        server.reasoning_parser, submission.prompt, body.include_reasoning)
+                        server.reasoning_parser, submission.prompt, body.include_reasoning,
+                        harmony_encoding=server.harmony_encoding)

@@ -37,6 +37,7 @@ from typing import Sequence
 from paged_jax.entrypoints.cli import add_engine_args, normalize_flag_spelling
 from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.api_servers import api_server_count_error, serve_api_servers
+from serving.harmony import check_parsers
 from serving.lora import parse_lora_module
 from serving.metrics import NATIVE_PREFIX, VLLM_PREFIX, check_prefix
 from serving.reasoning_parsers import REASONING_PARSERS
@@ -168,9 +169,10 @@ def _add_openai_args(group) -> None:
                        help='tool_choice "auto": the model decides when to call tools; needs --tool-call-parser')
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="how tool calls are read from replies: hermes (Qwen2/2.5/3, Hermes), llama3_json "
-                            "(Llama 3.x), mistral")
+                            "(Llama 3.x), mistral, openai (gpt-oss's harmony format; needs the gpt-oss extra)")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split <think>...</think> into reasoning_content: qwen3, deepseek_r1")
+                       help="split <think>...</think> into reasoning_content: qwen3, deepseek_r1; openai_gptoss: "
+                            "gpt-oss's analysis channel (harmony format; needs the gpt-oss extra)")
 
 
 def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tuple[argparse.ArgumentParser,
@@ -184,6 +186,10 @@ def parse_serve_args(argv: Sequence[str], prog: str = "paged-jax serve") -> tupl
         parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        check_parsers(REASONING_PARSERS.get(args.reasoning_parser), TOOL_PARSERS.get(args.tool_call_parser))
+    except ValueError as exc:
+        parser.error(str(exc))
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     try:

@@ -28,6 +28,7 @@ from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
 from serving.errors import APIError, param_from_message
+from serving.harmony import check_parsers, encoding_for_parsers
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
@@ -105,6 +106,8 @@ class OpenAIServer:
       enable_auto_tool_choice / tool_parser: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (a name of
         ``serving.tool_parsers.TOOL_PARSERS``): ``tool_choice: "auto"`` reads tool calls from replies.
       reasoning_parser: ``--reasoning-parser`` (a name of ``serving.reasoning_parsers.REASONING_PARSERS``).
+        gpt-oss's (``openai_gptoss``, ``openai``) need the ``gpt-oss`` extra and load the harmony encoding here;
+        a harmony parser beside a text one is refused (ValueError).
       loras: the served LoRA adapters (``serving.lora.LoRARegistry``; a request's ``model`` may name one), or None
         without ``--enable-lora``.
       enable_prompt_tokens_details: ``--enable-prompt-tokens-details``: usage reports
@@ -144,6 +147,15 @@ class OpenAIServer:
             chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None))
         self._implied_parser_logged = False
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+        check_parsers(self.reasoning_parser, self.tool_parser)
+        # gpt-oss's parsers read token ids with the harmony encoding, loaded now so that a missing vocabulary
+        # stops the start rather than a request.
+        self.harmony_encoding = encoding_for_parsers(
+            self.reasoning_parser, self.tool_parser,
+            TOOL_PARSERS[self.implied_tool_parser] if self.implied_tool_parser else None)
+        # A harmony parser chosen by flag: every reply is harmony (requests that would constrain it are refused).
+        self.reads_harmony = any(parser is not None and parser.harmony
+                                 for parser in (self.reasoning_parser, self.tool_parser))
         self.loras = loras
         self.trust_request_chat_template = trust_request_chat_template
         self.enable_prompt_tokens_details = enable_prompt_tokens_details

@@ -5,6 +5,8 @@ goes to ``reasoning_content``, the rest to ``content``, streamed and not (a whol
   ``</think>``; a reply without it is all thinking (it ran out of tokens while thinking).
 * ``qwen3``: the reply is thinking only when it opens with ``<think>`` or the prompt ends with it (templates that
   open the thinking block, e.g. Qwen3-2507's); otherwise it is all content (``enable_thinking: false``).
+* ``openai_gptoss``: gpt-oss's harmony format, read from the reply's token ids (``serving.harmony``): the
+  ``analysis`` channel is the reasoning, the ``final`` channel the content. Needs the ``gpt-oss`` extra.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 
 class ReasoningParser:
+    """A reasoning format. ``harmony``: read from token ids by ``serving.harmony.HarmonyReader`` (no text
+    markers)."""
+
     name = ""
+    harmony = False
 
     def starts_in_reasoning(self, prompt: str) -> bool:
         raise NotImplementedError
@@ -33,8 +39,13 @@ class Qwen3ReasoningParser(ReasoningParser):
         return prompt.rstrip().endswith(THINK_START)
 
 
+class GptOssReasoningParser(ReasoningParser):
+    name = "openai_gptoss"
+    harmony = True
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)}
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -43,7 +43,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             logprobs = server.chat_logprobs(completion.token_ids, completion.logprobs, num_top,
                                             bool(body.return_tokens_as_token_ids))
         output = choice_output(server, body, submission)
-        content, reasoning, tool_calls = output.whole(completion.text)
+        content, reasoning, tool_calls = output.whole(completion.text, completion.token_ids)
         content = echo + content if echo else content
         choices.append(ChatCompletionResponseChoice(
             index=completion.index, message=ChatMessage(role=role, content=content, tool_calls=tool_calls,
@@ -97,7 +97,7 @@ async def _chat_chunks(server: OpenAIServer, body: ChatCompletionRequest, submis
                                                 bool(body.return_tokens_as_token_ids))
             output = outputs[completion.index]
             finished = completion.finish_reason is not None
-            delta = output.feed(completion.text, final=finished)
+            delta = output.feed(completion.text, final=finished, token_ids=completion.token_ids)
             if delta is None and not finished and logprobs is None:
                 continue  # held back (a possible marker, a tool call not complete yet): nothing to send
             usage = chunks.usage_info(num_prompt_tokens, num_tokens[completion.index]) if continuous_usage else None

@@ -109,7 +109,8 @@ class ResponseRun:
     async def whole(self, final) -> ResponsesResponse:
         """The response of a finished ``RequestOutput`` (the reply fed in one delta)."""
         (completion,) = final.outputs
-        self.builder.feed(self.choice.feed(completion.text, final=True), self._logprobs(completion))
+        self.builder.feed(self.choice.feed(completion.text, final=True, token_ids=completion.token_ids),
+                          self._logprobs(completion))
         _, response = await self.finish(completion.finish_reason, len(completion.token_ids), final.num_cached_tokens)
         return response
 
@@ -124,7 +125,8 @@ class ResponseRun:
             for completion in output.outputs:
                 num_tokens += len(completion.token_ids)
                 finish_reason = completion.finish_reason
-                delta = self.choice.feed(completion.text, final=finish_reason is not None)
+                delta = self.choice.feed(completion.text, final=finish_reason is not None,
+                                         token_ids=completion.token_ids)
                 for event in builder.feed(delta, self._logprobs(completion)):
                     yield event
         events, response = await self.finish(finish_reason, num_tokens, num_cached)

@@ -58,11 +58,14 @@ class ToolParser:
 
     ``skip_special_tokens``: False when the format's markers are special tokens that detokenization must keep
     (Mistral's ``[TOOL_CALLS]``); the route then asks the engine for them.
+    ``harmony``: the calls are read from the reply's token ids by ``serving.harmony.HarmonyReader`` (gpt-oss), not
+    from its text.
     """
 
     name = ""
     start_markers: tuple[str, ...] = ()
     skip_special_tokens = True
+    harmony = False
 
     def find_start(self, text: str) -> int:
         """Index in ``text`` (the reply so far) where the tool-call region starts, or -1."""

@@ -4,15 +4,19 @@ started without ``--tool-call-parser`` (beyond vLLM, which answers such a reques
 A template that teaches the model a tool-call format names that format's markers: Qwen2 / 2.5 / 3 and Hermes
 templates wrap calls in ``<tool_call>`` (``hermes``), Mistral's start them with ``[TOOL_CALLS]`` (``mistral``), and
 Llama 3.x templates describe tools in an ``ipython`` environment between ``<|start_header_id|>`` headers
-(``llama3_json``). Any other template implies none.
+(``llama3_json``); gpt-oss's harmony template writes ``<|channel|>`` headers and ends calls with ``<|call|>``
+(``openai``, where the ``gpt-oss`` extra is installed). Any other template implies none.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from serving.harmony import harmony_available
+
 # (parser name, markers that must all be in the template), first match wins.
 _TEMPLATE_MARKERS = (
+    ("openai", ("<|channel|>", "<|call|>")),
     ("hermes", ("<tool_call>",)),
     ("mistral", ("[TOOL_CALLS]",)),
     ("llama3_json", ("<|start_header_id|>", "ipython")),
@@ -33,6 +37,8 @@ def implied_tool_parser(chat_template: Any) -> str | None:
     if not text:
         return None
     for name, markers in _TEMPLATE_MARKERS:
+        if name == "openai" and not harmony_available():
+            continue
         if all(marker in text for marker in markers):
             return name
     return None

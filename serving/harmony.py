@@ -1,0 +1,174 @@
+"""gpt-oss's harmony format in the server: a reply's token ids read as channels with the ``openai-harmony`` library
+(``--reasoning-parser openai_gptoss``, ``--tool-call-parser openai``; the ``gpt-oss`` extra installs the library).
+
+A gpt-oss reply is a sequence of assistant messages, each ``[<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT]
+[<|constrain|>TYPE]<|message|>TEXT<|end|>`` (the last one ends ``<|return|>``, a tool call ``<|call|>``).
+``HarmonyReader`` feeds the sampled ids to the library's ``StreamableParser`` and routes each message's text:
+
+* ``analysis``: reasoning (``reasoning_content``);
+* ``final``, and ``commentary`` without a recipient (the preambles a model shows before calling tools): content;
+* a recipient ``functions.NAME`` (whatever the channel): a call of ``NAME`` whose arguments are the text, streamed
+  as it comes (when tool calls are read; otherwise the call is left out of the content);
+* any other recipient (the built-in ``browser`` / ``python`` tools, which the server does not run): left out.
+
+The parser works on ids, never on detokenized text (the header tokens are special tokens that text would lose). A
+reply the library cannot parse (the model broke the format), or one that never opened a message, keeps the rest of
+its text as content, decoded from its ids.
+
+The encoding (``o200k_harmony``) loads the ``o200k_base`` vocabulary once: downloaded and cached by the library, or
+read from the directory in ``TIKTOKEN_ENCODINGS_BASE`` on a machine without network access (the library checks the
+file's SHA-256 either way).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+try:  # the gpt-oss extra
+    import openai_harmony
+except ImportError:
+    openai_harmony = None
+
+from serving.protocol import DeltaFunctionCall, DeltaToolCall
+from serving.tool_parsers.base import random_tool_call_id
+
+logger = logging.getLogger(__name__)
+
+EXTRA = "gpt-oss"
+_FUNCTIONS = "functions."
+
+
+def harmony_available() -> bool:
+    """Whether the ``openai-harmony`` library is installed."""
+    return openai_harmony is not None
+
+
+def require_harmony(flag: str) -> None:
+    """ValueError naming ``flag`` and the extra that installs the library, when it is missing."""
+    if not harmony_available():
+        raise ValueError(f"{flag} reads gpt-oss's harmony format with the openai-harmony library, which is not "
+                         f"installed: pip install 'paged-jax[{EXTRA}]'")
+
+
+def check_parsers(reasoning_parser: Any, tool_parser: Any) -> None:
+    """The server's ``--reasoning-parser`` and ``--tool-call-parser`` (parser classes or instances, or None) read the
+    same format, and the library a harmony one needs is installed; else ValueError naming the flags."""
+    chosen = [(flag, parser) for flag, parser in (("--reasoning-parser", reasoning_parser),
+                                                  ("--tool-call-parser", tool_parser)) if parser is not None]
+    harmony = [f"{flag} {parser.name}" for flag, parser in chosen if parser.harmony]
+    text = [f"{flag} {parser.name}" for flag, parser in chosen if not parser.harmony]
+    if harmony and text:
+        raise ValueError(f"{harmony[0]} reads gpt-oss's harmony format, which {text[0]} does not: use "
+                         f"--reasoning-parser openai_gptoss with --tool-call-parser openai")
+    if harmony:
+        require_harmony(harmony[0])
+
+
+def encoding_for_parsers(*parsers: Any) -> Any:
+    """``harmony_encoding()`` when one of ``parsers`` (None allowed) reads harmony, else None."""
+    return harmony_encoding() if any(parser is not None and parser.harmony for parser in parsers) else None
+
+
+@functools.cache
+def harmony_encoding() -> Any:
+    """The ``HARMONY_GPT_OSS`` encoding (loaded once per process).
+
+    Raises:
+      ValueError: the library is missing, or its vocabulary could not be loaded (no network and no
+        ``TIKTOKEN_ENCODINGS_BASE``).
+    """
+    require_harmony("the harmony format")
+    try:
+        return openai_harmony.load_harmony_encoding(openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+    except openai_harmony.HarmonyError as exc:
+        raise ValueError(f"the harmony encoding (o200k_base vocabulary) could not be loaded: {exc}. Without network "
+                         f"access, set TIKTOKEN_ENCODINGS_BASE to a directory holding o200k_base.tiktoken") from exc
+
+
+class HarmonyReader:
+    """Reads one reply's token ids, fed in deltas, as (reasoning, content, tool-call pieces).
+
+    Args:
+      encoding: ``harmony_encoding()``.
+      read_tools: messages to ``functions.NAME`` become tool calls (``--tool-call-parser openai``, tool choice
+        ``auto``); otherwise they are left out.
+      max_calls: keep at most this many calls (``parallel_tool_calls: false`` -> 1); None: all.
+    """
+
+    def __init__(self, encoding: Any, read_tools: bool, max_calls: int | None = None):
+        self._encoding = encoding
+        self._parser = openai_harmony.StreamableParser(encoding, role=openai_harmony.Role.ASSISTANT)
+        self._read_tools = read_tools
+        self._max_calls = max_calls
+        self._broken = False  # the library refused a token: the rest is plain text
+        self._call_message = -1  # index of the message whose call is open (or was dropped)
+        self._call_kept = False
+        self._unopened: list[int] | None = []  # the ids before the first message opens (None once one has)
+        self.num_calls = 0
+
+    def feed(self, token_ids: Sequence[int], final: bool = False) -> tuple[str, str, list[DeltaToolCall]]:
+        """-> (reasoning delta, content delta, tool-call pieces) of the reply's next ``token_ids``. A call's first
+        piece carries its id and name; its arguments follow as they are sampled. ``final`` on the last delta."""
+        HarmonyError, StreamState = openai_harmony.HarmonyError, openai_harmony.StreamState
+        reasoning, content, calls = [], [], []
+        for position, token_id in enumerate(token_ids):
+            if self._broken:
+                content.append(self._plain(token_ids[position:]))
+                break
+            try:
+                self._parser.process(token_id)
+            except HarmonyError as exc:
+                logger.warning("the reply left the harmony format (%s); its rest is returned as content", exc)
+                self._broken = True
+                content.append(self._plain(token_ids[position:]))
+                break
+            if self._parser.state != StreamState.CONTENT:  # a header, or between messages
+                if self._unopened is not None:
+                    self._unopened.append(token_id)
+                continue
+            self._unopened = None
+            self._route(self._parser.last_content_delta or "", reasoning, content, calls)
+        if final and not self._broken and self._parser.state != StreamState.EXPECT_START:
+            try:  # a reply cut short (max_tokens) or ended without its stop token: close its last message
+                self._parser.process_eos()
+            except HarmonyError:
+                pass  # a header cut short: nothing of it is text
+        if final and self._unopened:  # not a harmony reply at all: its text is the content
+            logger.warning("the reply opened no harmony message; its text is returned as content")
+            content.append(self._plain(()))
+        return "".join(reasoning), "".join(content), calls
+
+    def _plain(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, after that of the ids no message took yet."""
+        ids, self._unopened = (self._unopened or []) + list(token_ids), None
+        return self._encoding.decode(ids)
+
+    def _route(self, text: str, reasoning: list[str], content: list[str], calls: list[DeltaToolCall]) -> None:
+        """Sends ``text`` (the open message's newest text, maybe "") where the message's channel and recipient say."""
+        recipient = self._parser.current_recipient
+        if recipient:
+            if recipient.startswith(_FUNCTIONS) and self._read_tools:
+                self._call_piece(recipient[len(_FUNCTIONS):], text, calls)
+        elif self._parser.current_channel == "analysis":
+            reasoning.append(text)
+        else:
+            content.append(text)
+
+    def _call_piece(self, name: str, arguments: str, calls: list[DeltaToolCall]) -> None:
+        message = len(self._parser.messages)  # the open message's index
+        if message != self._call_message:  # the message opens: a new call, unless the most are kept already
+            self._call_message = message
+            self._call_kept = self._max_calls is None or self.num_calls < self._max_calls
+            if self._call_kept:
+                self.num_calls += 1
+                calls.append(DeltaToolCall(index=self.num_calls - 1, id=random_tool_call_id(), type="function",
+                                           function=DeltaFunctionCall(name=name, arguments=arguments)))
+            return
+        if not (self._call_kept and arguments):
+            return
+        if calls and calls[-1].index == self.num_calls - 1:  # one piece per call per delta
+            calls[-1].function.arguments += arguments
+        else:
+            calls.append(DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=arguments)))
