@@ -176,3 +176,139 @@ def test_cut_short_and_broken_replies(encoding):
     broken = reply(encoding, ANSWER[0]) + encoding.encode("<|message|>tail", allowed_special="all")
     content, reasoning, _ = choice(encoding).whole("", broken)
     assert reasoning == ANSWER[0][2] and content == "<|message|>tail"
+
+
+# ------------------------------------------------------------------------------------------ the server's routes
+@pytest.fixture(scope="module")
+def harmony_app(serving_engine, encoding):
+    from serving.app import create_app
+
+    app = create_app(serving_engine, served_model_name=MODEL_NAME, enable_auto_tool_choice=True,
+                     tool_parser="openai", reasoning_parser="openai_gptoss")
+    try:
+        yield app
+    finally:
+        app.state.server.engine.shutdown()
+
+
+def script_engine(monkeypatch, app, ids):
+    """The app's engine answers every request with ``ids``, one token per output (as a gpt-oss checkpoint's steps
+    would); the SmolLM2 engine behind it runs nothing."""
+    from paged_jax.outputs import CompletionOutput, RequestOutput
+    from serving.async_engine import RequestStream
+
+    class ScriptedStream(RequestStream):
+        def __init__(self, request_id, loop):
+            super().__init__(request_id, loop)
+            self._script = [RequestOutput(request_id, None, [], [CompletionOutput(
+                0, "", [token_id], None, None, "stop" if i == len(ids) - 1 else None)], finished=i == len(ids) - 1)
+                for i, token_id in enumerate(ids)]
+
+        async def next_output(self):
+            if self.finished:
+                raise StopAsyncIteration
+            output = self._script.pop(0)
+            self.finished = output.finished
+            return output
+
+    async def add_requests(requests):
+        return [ScriptedStream(request.request_id, asyncio.get_running_loop()) for request in requests]
+
+    monkeypatch.setattr(app.state.server.engine, "add_requests", add_requests)
+
+
+def sse_chunks(response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_completions_read_harmony(harmony_app, encoding, monkeypatch, stream):
+    from fastapi.testclient import TestClient
+
+    script_engine(monkeypatch, harmony_app, reply(encoding, *CALL))
+    body = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "max_tokens": 100, "stream": stream}
+    with TestClient(harmony_app) as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if not stream:
+        choice = response.json()["choices"][0]
+        message = choice["message"]
+        assert (message["content"], message["reasoning_content"]) == ("Let me check.", "Need the weather tool.")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+            ("get_weather", '{"city": "Paris"}')]
+        assert choice["finish_reason"] == "tool_calls"
+        return
+    deltas = [c["choices"][0] for c in sse_chunks(response)]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Let me check."
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == "Need the weather tool."
+    pieces = [p for d in deltas for p in d["delta"].get("tool_calls") or ()]
+    assert len(pieces) > 1  # the arguments stream as they are sampled
+    assert pieces[0]["id"] and pieces[0]["function"]["name"] == "get_weather"
+    assert "".join(p["function"]["arguments"] or "" for p in pieces) == '{"city": "Paris"}'
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_responses_api_maps_the_channels_to_items(harmony_app, encoding, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    script_engine(monkeypatch, harmony_app, reply(encoding, *CALL))
+    body = {"model": MODEL_NAME, "input": "What is the weather in Paris?", "max_output_tokens": 100,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]}
+    with TestClient(harmony_app) as http:
+        response = http.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    items = response.json()["output"]
+    assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["content"][0]["text"] == "Need the weather tool."
+    assert items[1]["content"][0]["text"] == "Let me check."
+    assert (items[2]["name"], items[2]["arguments"]) == ("get_weather", '{"city": "Paris"}')
+
+
+def test_constraints_are_refused_naming_the_field(harmony_app):
+    from fastapi.testclient import TestClient
+
+    cases = [({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+              "tool_choice"),
+             ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"structured_outputs": {"regex": "a+"}}, "structured_outputs")]
+    with TestClient(harmony_app) as http:
+        for extra, field in cases:
+            r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "max_tokens": 4,
+                                                        **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "harmony" in r.json()["error"]["message"]
+
+
+def test_start_up_refusals(monkeypatch, capsys):
+    from serving import harmony
+    from serving.cli import parse_serve_args
+    from serving.reasoning_parsers import REASONING_PARSERS
+    from serving.tool_parsers import TOOL_PARSERS
+
+    with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss .*--tool-call-parser hermes"):
+        harmony.check_parsers(REASONING_PARSERS["openai_gptoss"], TOOL_PARSERS["hermes"])
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
+                          "openai"])
+    assert "--tool-call-parser openai reads gpt-oss's harmony format" in capsys.readouterr().err
+    monkeypatch.setattr(harmony, "openai_harmony", None)  # the gpt-oss extra not installed
+    with pytest.raises(ValueError, match=r"--tool-call-parser openai .*paged-jax\[gpt-oss\]"):
+        harmony.check_parsers(None, TOOL_PARSERS["openai"])
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--reasoning-parser", "openai_gptoss"])
+    assert "pip install 'paged-jax[gpt-oss]'" in capsys.readouterr().err
+    harmony.check_parsers(REASONING_PARSERS["qwen3"], TOOL_PARSERS["hermes"])  # text parsers need nothing
+
+
+def test_a_harmony_template_implies_the_openai_parser(monkeypatch):
+    from serving import harmony
+    from serving.tool_parsers.detect import implied_tool_parser
+
+    template = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                "{#- a call: <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>...<|call|> #}"
+                "<|start|>assistant")
+    assert implied_tool_parser(template) == "openai"
+    monkeypatch.setattr(harmony, "openai_harmony", None)
+    assert implied_tool_parser(template) is None
