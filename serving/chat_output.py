@@ -8,9 +8,9 @@ non-streamed reply is the same stream fed in one delta (``whole``), so both agre
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
-from serving.harmony import HarmonyReader
+from serving.harmony import HarmonyReader, harmony_encoding
 from serving.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
 from serving.reasoning_parsers import ReasoningParser, ReasoningStream
 from serving.tool_parsers import ToolCallStream, ToolParser
@@ -19,30 +19,30 @@ from serving.tool_parsers.tool_choice import RequiredToolCallParser, ToolChoice
 
 
 class ChoiceOutput:
-    """One choice's reader. ``harmony_encoding``: ``serving.harmony.harmony_encoding()``, given when the server has a
-    harmony parser; the reply is then read as harmony when ``reasoning_parser`` is one, or the tool choice is
-    ``auto`` with a harmony ``tool_parser`` (its ``analysis`` channel is reasoning only with a reasoning parser)."""
+    """One choice's reader. The reply is read as harmony (gpt-oss: ``serving.harmony.HarmonyReader``, on token ids)
+    when ``reasoning_parser`` is a harmony one, or the tool choice is ``auto`` with a harmony ``tool_parser``; its
+    ``analysis`` channel is reasoning only with a reasoning parser."""
 
     def __init__(self, tool_choice: ToolChoice, tool_parser: ToolParser | None,
-                 reasoning_parser: ReasoningParser | None, prompt: str, include_reasoning: bool = True,
-                 harmony_encoding: Any = None):
+                 reasoning_parser: ReasoningParser | None, prompt: str, include_reasoning: bool = True):
         self.tool_choice = tool_choice
         self.include_reasoning = include_reasoning
         self.tools_called = False
+        self._harmony = self._reasoning = self._tools = self._named_id = None
+        self._named_started = False
         read_tools = tool_choice.mode == "auto" and tool_parser is not None and tool_parser.harmony
-        self._harmony = None
         if read_tools or (reasoning_parser is not None and reasoning_parser.harmony):
-            self._harmony = HarmonyReader(harmony_encoding, read_tools, tool_choice.max_calls)
+            self._harmony = HarmonyReader(harmony_encoding(), read_tools, tool_choice.max_calls)
             self._harmony_reasoning = reasoning_parser is not None
             return
-        self._reasoning = ReasoningStream(reasoning_parser, prompt) if reasoning_parser is not None else None
-        self._tools = None
+        if reasoning_parser is not None:
+            self._reasoning = ReasoningStream(reasoning_parser, prompt)
         if tool_choice.mode == "auto":
             self._tools = ToolCallStream(tool_parser, tool_choice.max_calls)
         elif tool_choice.mode == "required":
             self._tools = ToolCallStream(RequiredToolCallParser(), tool_choice.max_calls)
-        self._named_id = random_tool_call_id() if tool_choice.mode == "named" else None
-        self._named_started = False
+        elif tool_choice.mode == "named":
+            self._named_id = random_tool_call_id()
 
     def feed(self, delta: str, final: bool = False, token_ids: Sequence[int] = ()) -> DeltaMessage | None:
         """The next ``DeltaMessage`` of the reply (None: nothing to send yet). ``delta`` / ``token_ids``: the reply's

@@ -94,5 +94,4 @@ def refuse_constraint(body: ChatCompletionRequest, tool_choice: ToolChoice) -> N
 def choice_output(server: OpenAIServer, body: ChatCompletionRequest, submission: ChatSubmission) -> ChoiceOutput:
     """A fresh reader of one choice's reply (reasoning, tool calls, content) for ``submission``."""
     return ChoiceOutput(submission.tool_choice, server.tool_call_parser(submission.tool_choice),
-                        server.reasoning_parser, submission.prompt, body.include_reasoning,
-                        harmony_encoding=server.harmony_encoding)
+                        server.reasoning_parser, submission.prompt, body.include_reasoning)

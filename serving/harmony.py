@@ -66,9 +66,10 @@ def check_parsers(reasoning_parser: Any, tool_parser: Any) -> None:
         require_harmony(harmony[0])
 
 
-def encoding_for_parsers(*parsers: Any) -> Any:
-    """``harmony_encoding()`` when one of ``parsers`` (None allowed) reads harmony, else None."""
-    return harmony_encoding() if any(parser is not None and parser.harmony for parser in parsers) else None
+def load_harmony_for(*parsers: Any) -> None:
+    """Loads ``harmony_encoding()`` when one of ``parsers`` (None allowed) reads harmony (ValueError as it)."""
+    if any(parser is not None and parser.harmony for parser in parsers):
+        harmony_encoding()
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from paged_jax.sampling_params import MAX_LOGPROBS
 from serving.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, EngineRequest,
                                   RequestStream)
 from serving.errors import APIError, param_from_message
-from serving.harmony import check_parsers, encoding_for_parsers
+from serving.harmony import check_parsers, load_harmony_for
 from serving.metrics import ServingMetrics
 from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionTopLogprob,
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
@@ -150,9 +150,8 @@ class OpenAIServer:
         check_parsers(self.reasoning_parser, self.tool_parser)
         # gpt-oss's parsers read token ids with the harmony encoding, loaded now so that a missing vocabulary
         # stops the start rather than a request.
-        self.harmony_encoding = encoding_for_parsers(
-            self.reasoning_parser, self.tool_parser,
-            TOOL_PARSERS[self.implied_tool_parser] if self.implied_tool_parser else None)
+        load_harmony_for(self.reasoning_parser, self.tool_parser,
+                         TOOL_PARSERS[self.implied_tool_parser] if self.implied_tool_parser else None)
         # A harmony parser chosen by flag: every reply is harmony (requests that would constrain it are refused).
         self.reads_harmony = any(parser is not None and parser.harmony
                                  for parser in (self.reasoning_parser, self.tool_parser))

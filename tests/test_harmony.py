@@ -92,15 +92,18 @@ def test_stand_in_vocabulary_is_refused(tmp_path, monkeypatch):
 
 def choice(encoding, tool_choice="auto", tool_parser="openai", reasoning_parser="openai_gptoss", max_calls=None,
            include_reasoning=True):
+    """A chat choice's reader with gpt-oss's parsers (``encoding``: the fixture's, which the reader's is)."""
     from serving.chat_output import ChoiceOutput
+    from serving.harmony import harmony_encoding
     from serving.reasoning_parsers import REASONING_PARSERS
     from serving.tool_parsers import TOOL_PARSERS
     from serving.tool_parsers.tool_choice import ToolChoice
 
+    assert harmony_encoding() is encoding
     return ChoiceOutput(ToolChoice(tool_choice, max_calls=max_calls),
                         TOOL_PARSERS[tool_parser]() if tool_parser else None,
                         REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None, "",
-                        include_reasoning=include_reasoning, harmony_encoding=encoding)
+                        include_reasoning=include_reasoning)
 
 
 def streamed(output, ids, step=1):
@@ -249,16 +252,26 @@ def test_chat_completions_read_harmony(harmony_app, encoding, monkeypatch, strea
     assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
-def test_responses_api_maps_the_channels_to_items(harmony_app, encoding, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_responses_api_maps_the_channels_to_items(harmony_app, encoding, monkeypatch, stream):
     from fastapi.testclient import TestClient
 
     script_engine(monkeypatch, harmony_app, reply(encoding, *CALL))
     body = {"model": MODEL_NAME, "input": "What is the weather in Paris?", "max_output_tokens": 100,
+            "stream": stream,
             "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]}
     with TestClient(harmony_app) as http:
         response = http.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
-    items = response.json()["output"]
+    if stream:
+        events = sse_chunks(response)
+        kinds = {event["type"] for event in events}
+        assert {"response.reasoning_text.delta", "response.output_text.delta",
+                "response.function_call_arguments.delta"} <= kinds
+        (completed,) = [event for event in events if event["type"] == "response.completed"]
+        items = completed["response"]["output"]
+    else:
+        items = response.json()["output"]
     assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
     assert items[0]["content"][0]["text"] == "Need the weather tool."
     assert items[1]["content"][0]["text"] == "Let me check."
