@@ -56,7 +56,8 @@ async def submit_chat(server: OpenAIServer, body: ChatCompletionRequest, respons
                                       enable_auto_tool_choice=server.enable_auto_tool_choice,
                                       tool_parser=server.tool_parser.name if server.tool_parser else None,
                                       implied_tool_parser=server.implied_tool_parser)
-    if server.reads_harmony:
+    tool_parser = server.tool_call_parser(tool_choice)
+    if server.reads_harmony or (tool_parser is not None and tool_parser.harmony):
         refuse_constraint(body, tool_choice)
     text = await server.render_chat(body.messages, body)
     ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
@@ -67,7 +68,6 @@ async def submit_chat(server: OpenAIServer, body: ChatCompletionRequest, respons
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.resolve_max_tokens(requested, len(ids), max_tokens_param)
     aliases = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}
-    tool_parser = server.tool_call_parser(tool_choice)
     keep_special = tool_parser is not None and not tool_parser.skip_special_tokens
     params = server.generation_params(body, max_tokens=max_tokens, logprobs=num_top, aliases=aliases,
                                       prompt_logprobs=body.prompt_logprobs, tool_schema=tool_choice.schema,

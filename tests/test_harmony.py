@@ -315,13 +315,40 @@ def test_start_up_refusals(monkeypatch, capsys):
     harmony.check_parsers(REASONING_PARSERS["qwen3"], TOOL_PARSERS["hermes"])  # text parsers need nothing
 
 
+HARMONY_TEMPLATE = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                    "{#- a call: <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>...<|call|> #}"
+                    "<|start|>assistant")
+
+
 def test_a_harmony_template_implies_the_openai_parser(monkeypatch):
     from serving import harmony
     from serving.tool_parsers.detect import implied_tool_parser
 
-    template = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
-                "{#- a call: <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>...<|call|> #}"
-                "<|start|>assistant")
-    assert implied_tool_parser(template) == "openai"
+    assert implied_tool_parser(HARMONY_TEMPLATE) == "openai"
     monkeypatch.setattr(harmony, "openai_harmony", None)
-    assert implied_tool_parser(template) is None
+    assert implied_tool_parser(HARMONY_TEMPLATE) is None
+
+
+def test_tools_without_flags_are_read_as_harmony_under_a_harmony_template(serving_engine, encoding, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from serving.app import create_app
+
+    app = create_app(serving_engine, served_model_name=MODEL_NAME, chat_template=HARMONY_TEMPLATE)
+    script_engine(monkeypatch, app, reply(encoding, *CALL))
+    body = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER], "max_tokens": 100}
+    try:
+        with TestClient(app) as http:
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]
+            # No reasoning parser: the analysis channel is not returned.
+            assert (message["content"], message["reasoning_content"]) == ("Let me check.", None)
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+            refused = http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+            plain = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "max_tokens": 4,
+                                                            "response_format": {"type": "json_object"}})
+            assert plain.status_code == 200  # no tools: the reply is not read as harmony, the constraint stands
+    finally:
+        app.state.server.engine.shutdown()
