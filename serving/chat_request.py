@@ -14,6 +14,7 @@ from typing import Any
 from serving.async_engine import EngineRequest, RequestStream
 from serving.chat_output import ChoiceOutput
 from serving.errors import APIError
+from serving.harmony import with_reasoning_effort
 from serving.openai_server import OpenAIServer
 from serving.protocol import ChatCompletionRequest
 from serving.structured_outputs import structured_outputs_from_request
@@ -59,7 +60,7 @@ async def submit_chat(server: OpenAIServer, body: ChatCompletionRequest, respons
     tool_parser = server.tool_call_parser(tool_choice)
     if server.reads_harmony or (tool_parser is not None and tool_parser.harmony):
         refuse_constraint(body, tool_choice)
-    text = await server.render_chat(body.messages, body)
+    text = await server.render_chat(body.messages, with_reasoning_effort(body))
     ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
                                               truncating=body.truncate_prompt_tokens is not None),
                           body.truncate_prompt_tokens)

@@ -31,12 +31,14 @@ try:  # the gpt-oss extra
 except ImportError:
     openai_harmony = None
 
+from serving.errors import APIError
 from serving.protocol import DeltaFunctionCall, DeltaToolCall
 from serving.tool_parsers.base import random_tool_call_id
 
 logger = logging.getLogger(__name__)
 
 EXTRA = "gpt-oss"
+REASONING_EFFORTS = ("low", "medium", "high")
 _FUNCTIONS = "functions."
 
 
@@ -50,6 +52,20 @@ def require_harmony(flag: str) -> None:
     if not harmony_available():
         raise ValueError(f"{flag} reads gpt-oss's harmony format with the openai-harmony library, which is not "
                          f"installed: pip install 'paged-jax[{EXTRA}]'")
+
+
+def with_reasoning_effort(body: Any) -> Any:
+    """``body`` (a chat request) whose ``reasoning_effort`` (gpt-oss's ``low`` / ``medium`` / ``high``; vLLM's field)
+    reaches the chat template as its ``reasoning_effort`` variable, which gpt-oss's template writes into the system
+    message (``chat_template_kwargs`` given by the request win). APIError 400 naming the field for another value."""
+    effort = body.reasoning_effort
+    if effort is None:
+        return body
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                       param="reasoning_effort")
+    return body.model_copy(update={"chat_template_kwargs": {"reasoning_effort": effort,
+                                                            **(body.chat_template_kwargs or {})}})
 
 
 def check_parsers(reasoning_parser: Any, tool_parser: Any) -> None:

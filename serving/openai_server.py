@@ -34,7 +34,7 @@ from serving.protocol import (ChatCompletionLogProbs, ChatCompletionLogProbsCont
                               ChatMessageParam, CompletionLogProbs, PromptLogprob, SamplingFields, random_uuid)
 from serving.request_limits import check_field_sizes, check_num_seqs, max_prompt_chars
 from serving.tool_parsers import TOOL_PARSERS
-from serving.tool_parsers.detect import implied_tool_parser
+from serving.tool_parsers.detect import implied_tool_parser, template_text
 from serving.unsupported_fields import refuse_unsupported
 
 logger = logging.getLogger(__name__)
@@ -143,8 +143,9 @@ class OpenAIServer:
         self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
         # Without --tool-call-parser: the parser the chat template implies reads tool calls of requests that give
         # tools and no tool_choice (serving.tool_parsers.detect); logged when first used.
-        self.implied_tool_parser = None if tool_parser else implied_tool_parser(
-            chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None))
+        template = template_text(chat_template if chat_template is not None
+                                 else getattr(tokenizer, "chat_template", None)) or ""
+        self.implied_tool_parser = None if tool_parser else implied_tool_parser(template)
         self._implied_parser_logged = False
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         check_parsers(self.reasoning_parser, self.tool_parser)
@@ -155,6 +156,7 @@ class OpenAIServer:
         # A harmony parser chosen by flag: every reply is harmony (requests that would constrain it are refused).
         self.reads_harmony = any(parser is not None and parser.harmony
                                  for parser in (self.reasoning_parser, self.tool_parser))
+        self.takes_reasoning_effort = self.reads_harmony and "reasoning_effort" in template
         self.loras = loras
         self.trust_request_chat_template = trust_request_chat_template
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
@@ -200,8 +202,10 @@ class OpenAIServer:
             raise APIError(400, f"model: {self.info.served_model_name} is a pooling model ({self.info.pooler.task}); "
                                 "it does not generate (use /v1/embeddings, /classify, /v1/score or /rerank)",
                            param="model")
-        # include_reasoning: false is refused only where there is no reasoning to leave out.
-        refuse_unsupported(body, allowed=("include_reasoning",) if self.reasoning_parser is not None else ())
+        # include_reasoning: false is refused only where there is no reasoning to leave out; reasoning_effort only
+        # where gpt-oss's chat template takes it (serving.harmony.with_reasoning_effort).
+        allowed = ("include_reasoning",) if self.reasoning_parser is not None else ()
+        refuse_unsupported(body, allowed=allowed + (("reasoning_effort",) if self.takes_reasoning_effort else ()))
         check_field_sizes(body, self.max_prompt_chars)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: Stream options can only be defined when `stream=True`.",

@@ -53,7 +53,8 @@ NOT_SUPPORTED: dict[str, Refusal] = {
     "prediction": Refusal("predicted outputs are not supported", _unset),
     "web_search_options": Refusal("web search is not supported", _unset),
     "verbosity": Refusal("verbosity control is not supported", _unset),
-    "reasoning_effort": Refusal("reasoning effort control is not supported", _unset),
+    "reasoning_effort": Refusal("reasoning effort control is gpt-oss's: it needs --reasoning-parser openai_gptoss or "
+                                "--tool-call-parser openai and a chat template that takes reasoning_effort", _unset),
     "include_reasoning": Refusal("no reasoning parser is configured", _one_of(True)),
     "store": Refusal("stored completions are not supported", _one_of(False)),
     "service_tier": Refusal("there is one service tier", _one_of("auto", "default")),

@@ -215,6 +215,7 @@ def script_engine(monkeypatch, app, ids):
             return output
 
     async def add_requests(requests):
+        app.state.scripted_prompts = [request.prompt for request in requests]
         return [ScriptedStream(request.request_id, asyncio.get_running_loop()) for request in requests]
 
     monkeypatch.setattr(app.state.server.engine, "add_requests", add_requests)
@@ -315,7 +316,8 @@ def test_start_up_refusals(monkeypatch, capsys):
     harmony.check_parsers(REASONING_PARSERS["qwen3"], TOOL_PARSERS["hermes"])  # text parsers need nothing
 
 
-HARMONY_TEMPLATE = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
                     "{#- a call: <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>...<|call|> #}"
                     "<|start|>assistant")
 
@@ -350,5 +352,33 @@ def test_tools_without_flags_are_read_as_harmony_under_a_harmony_template(servin
             plain = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "max_tokens": 4,
                                                             "response_format": {"type": "json_object"}})
             assert plain.status_code == 200  # no tools: the reply is not read as harmony, the constraint stands
+    finally:
+        app.state.server.engine.shutdown()
+
+
+def test_reasoning_effort_reaches_a_template_that_takes_it(serving_engine, harmony_app, encoding, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from serving.app import create_app
+
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 100}
+    with TestClient(harmony_app) as http:  # SmolLM2's template has no reasoning_effort: refused, not dropped
+        r = http.post("/v1/chat/completions", json={**body, "reasoning_effort": "low"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    app = create_app(serving_engine, served_model_name=MODEL_NAME, reasoning_parser="openai_gptoss",
+                     chat_template=HARMONY_TEMPLATE)
+    script_engine(monkeypatch, app, reply(encoding, *ANSWER))
+    try:
+        with TestClient(app) as http:
+            prompts = {}
+            for effort in ("low", None):
+                r = http.post("/v1/chat/completions", json={**body, "reasoning_effort": effort})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["reasoning_content"] == ANSWER[0][2]
+                (prompt,) = app.state.scripted_prompts
+                prompts[effort] = app.state.server.tokenizer.decode(prompt)
+            assert "Reasoning: low" in prompts["low"] and "Reasoning: medium" in prompts[None]
+            r = http.post("/v1/chat/completions", json={**body, "reasoning_effort": "extreme"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
     finally:
         app.state.server.engine.shutdown()
