@@ -117,18 +117,19 @@ class HarmonyReader:
     def __init__(self, encoding: Any, read_tools: bool, max_calls: int | None = None):
         self._encoding = encoding
         self._parser = openai_harmony.StreamableParser(encoding, role=openai_harmony.Role.ASSISTANT)
+        # The token that ends a message's header: the message's text (and a call's arguments) follows. The parser's
+        # own state is not read per token: the library serializes it with the message's tokens, O(length) a call.
+        (self._message_token,) = encoding.encode("<|message|>", allowed_special="all")
         self._read_tools = read_tools
         self._max_calls = max_calls
         self._broken = False  # the library refused a token: the rest is plain text
-        self._call_message = -1  # index of the message whose call is open (or was dropped)
-        self._call_kept = False
+        self._call_open = False  # the open message is a call that is kept
         self._unopened: list[int] | None = []  # the ids before the first message opens (None once one has)
         self.num_calls = 0
 
     def feed(self, token_ids: Sequence[int], final: bool = False) -> tuple[str, str, list[DeltaToolCall]]:
         """-> (reasoning delta, content delta, tool-call pieces) of the reply's next ``token_ids``. A call's first
         piece carries its id and name; its arguments follow as they are sampled. ``final`` on the last delta."""
-        HarmonyError, StreamState = openai_harmony.HarmonyError, openai_harmony.StreamState
         reasoning, content, calls = [], [], []
         for position, token_id in enumerate(token_ids):
             if self._broken:
@@ -136,21 +137,23 @@ class HarmonyReader:
                 break
             try:
                 self._parser.process(token_id)
-            except HarmonyError as exc:
+            except openai_harmony.HarmonyError as exc:
                 logger.warning("the reply left the harmony format (%s); its rest is returned as content", exc)
                 self._broken = True
                 content.append(self._plain(token_ids[position:]))
                 break
-            if self._parser.state != StreamState.CONTENT:  # a header, or between messages
-                if self._unopened is not None:
-                    self._unopened.append(token_id)
-                continue
-            self._unopened = None
-            self._route(self._parser.last_content_delta or "", reasoning, content, calls)
-        if final and not self._broken and self._parser.state != StreamState.EXPECT_START:
+            if token_id == self._message_token and not self._parser.current_content:  # a header's end (the
+                # parser takes one inside a text as text): a message opens
+                self._unopened = None
+                self._open_message(calls)
+            elif self._unopened is not None:
+                self._unopened.append(token_id)
+            else:
+                self._route(self._parser.last_content_delta, reasoning, content, calls)
+        if final and not self._broken:
             try:  # a reply cut short (max_tokens) or ended without its stop token: close its last message
                 self._parser.process_eos()
-            except HarmonyError:
+            except openai_harmony.HarmonyError:
                 pass  # a header cut short: nothing of it is text
         if final and self._unopened:  # not a harmony reply at all: its text is the content
             logger.warning("the reply opened no harmony message; its text is returned as content")
@@ -162,30 +165,29 @@ class HarmonyReader:
         ids, self._unopened = (self._unopened or []) + list(token_ids), None
         return self._encoding.decode(ids)
 
-    def _route(self, text: str, reasoning: list[str], content: list[str], calls: list[DeltaToolCall]) -> None:
-        """Sends ``text`` (the open message's newest text, maybe "") where the message's channel and recipient say."""
-        recipient = self._parser.current_recipient
-        if recipient:
-            if recipient.startswith(_FUNCTIONS) and self._read_tools:
-                self._call_piece(recipient[len(_FUNCTIONS):], text, calls)
+    def _open_message(self, calls: list[DeltaToolCall]) -> None:
+        """A message to ``functions.NAME`` opens a call (its id and name, arguments to follow), unless calls are not
+        read or the most are kept already."""
+        recipient = self._parser.current_recipient or ""
+        self._call_open = (self._read_tools and recipient.startswith(_FUNCTIONS)
+                           and (self._max_calls is None or self.num_calls < self._max_calls))
+        if self._call_open:
+            self.num_calls += 1
+            calls.append(DeltaToolCall(index=self.num_calls - 1, id=random_tool_call_id(), type="function",
+                                       function=DeltaFunctionCall(name=recipient[len(_FUNCTIONS):], arguments="")))
+
+    def _route(self, text: str | None, reasoning: list[str], content: list[str], calls: list[DeltaToolCall]) -> None:
+        """Sends ``text`` (the open message's newest text; None between messages) where the message's channel and
+        recipient say."""
+        if not text:
+            return
+        if self._parser.current_recipient:
+            if self._call_open:
+                if calls and calls[-1].index == self.num_calls - 1:  # one piece per call per delta
+                    calls[-1].function.arguments += text
+                else:
+                    calls.append(DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=text)))
         elif self._parser.current_channel == "analysis":
             reasoning.append(text)
         else:
             content.append(text)
-
-    def _call_piece(self, name: str, arguments: str, calls: list[DeltaToolCall]) -> None:
-        message = len(self._parser.messages)  # the open message's index
-        if message != self._call_message:  # the message opens: a new call, unless the most are kept already
-            self._call_message = message
-            self._call_kept = self._max_calls is None or self.num_calls < self._max_calls
-            if self._call_kept:
-                self.num_calls += 1
-                calls.append(DeltaToolCall(index=self.num_calls - 1, id=random_tool_call_id(), type="function",
-                                           function=DeltaFunctionCall(name=name, arguments=arguments)))
-            return
-        if not (self._call_kept and arguments):
-            return
-        if calls and calls[-1].index == self.num_calls - 1:  # one piece per call per delta
-            calls[-1].function.arguments += arguments
-        else:
-            calls.append(DeltaToolCall(index=self.num_calls - 1, function=DeltaFunctionCall(arguments=arguments)))

@@ -175,6 +175,9 @@ def test_cut_short_and_broken_replies(encoding):
     # Not harmony at all (the model ignored the format): the text is kept as content.
     plain = encoding.encode("Just text.")
     assert choice(encoding).whole("", plain) == ("Just text.", None, [])
+    # A header token inside a message's text is text to the library, so to the reader.
+    inside = encoding.encode("<|channel|>final<|message|>a<|message|>b<|return|>", allowed_special="all")
+    assert choice(encoding).whole("", inside) == ("a<|message|>b", None, [])
     # The format breaks after a message: what follows is content, decoded from its ids.
     broken = reply(encoding, ANSWER[0]) + encoding.encode("<|message|>tail", allowed_special="all")
     content, reasoning, _ = choice(encoding).whole("", broken)
