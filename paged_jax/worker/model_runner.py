@@ -24,8 +24,7 @@ A pooling runner (``paged_jax.pooling.pooler.PoolingForward`` as its ``forward``
 its per-row outputs are the rows' pooled hidden states through the model's head, fetched instead of sampled tokens
 (``StepOutput.pooled``); it compiles no sampler and no prompt logprobs.
 
-Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
-multiplicative.
+Splitting the sampler from the forward keeps compile counts additive (buckets + row counts x modes), not multiplicative.
 """
 
 from __future__ import annotations
@@ -202,8 +201,8 @@ class ModelRunner:
     def _plan_shapes(self, buckets: Sequence[tuple[int, int]] | None, num_speculative_tokens: int) -> None:
         """The compiled step shapes: ``buckets`` (default ``make_buckets``), their seq counts, and the sampler's row
         counts (coarser than the seq buckets: fewer compiles)."""
-        self.buckets = (sorted(buckets) if buckets is not None
-                        else make_buckets(self.max_num_batched_tokens, self.max_num_seqs))
+        self.buckets = (sorted(buckets) if buckets is not None else
+                        make_buckets(self.max_num_batched_tokens, self.max_num_seqs, num_speculative_tokens))
         self.seq_buckets = sorted({s for _, s in self.buckets})
         self.num_speculative_tokens = num_speculative_tokens
         self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
@@ -329,15 +328,14 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Executables compiled (or loaded) so far for this runner's jitted functions: those warm-up put into their
         tables plus jit's dispatch-cache entries of any other call."""
-        lora = self.lora_slots.num_compiles() if self.lora_slots else 0
-        lora += self.drafter.num_compiles() if self.drafter is not None else 0
-        return lora + sum(f._cache_size() for f in self.step_functions())
+        return self._side_compiles() + sum(f._cache_size() for f in self.step_functions())
+
+    def _side_compiles(self) -> int:  # the LoRA slot write's and the drafter's programs
+        return sum(part.num_compiles() for part in (self.lora_slots, self.drafter) if part)
 
     def _step_path_compiles(self) -> int:
         """Compiles by calls (jit's caches and the LoRA slot write): not the executables warm-up put into tables."""
-        lora = self.lora_slots.num_compiles() if self.lora_slots else 0
-        lora += self.drafter.num_compiles() if self.drafter is not None else 0
-        return lora + sum(f.jit_compiles() if isinstance(f, AheadOfTimeFunction) else f._cache_size()
+        return self._side_compiles() + sum(f.jit_compiles() if isinstance(f, AheadOfTimeFunction) else f._cache_size()
                           for f in self.step_functions())
 
     @property
@@ -349,18 +347,21 @@ class ModelRunner:
         return self._step_path_compiles() - self._compiles_at_warmup
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, use_tqdm: bool = True, threads: int | None = None, background: bool = False) -> None:
+    def warm_up(self, use_tqdm: bool = True, threads: int | None = None, background: bool = False,
+                jobs: list | None = None) -> None:
         """Compile every executable once (``paged_jax.worker.warm_up``: concurrently on ``threads`` threads, default
         ``$PAGED_JAX_COMPILE_THREADS`` or the CPU count, then one padding-only run of each); afterwards nothing
         compiles again (``num_compiles_since_warmup``). ``background``: return once a first set is ready and compile
         the rest on a background thread (``paged_jax.worker.background_compile``; ``ready`` grows as they land),
-        where the runner allows it. ``warm_up_timings``: seconds per phase and the thread count."""
-        if background and can_compile_in_background(self):
+        where the runner allows it. ``jobs``: only these (``warm_up.jobs_for_buckets``: a benchmark's few step
+        shapes; other steps would compile). ``warm_up_timings``: seconds per phase and the thread count."""
+        if background and jobs is None and can_compile_in_background(self):
             self.warm_up_timings = warm_up_in_background(self, use_tqdm=use_tqdm, threads=threads)
         else:
-            self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
+            jobs = warm_up_lib.all_jobs(self) if jobs is None else jobs
+            self.warm_up_timings = warm_up_lib.warm_up_jobs(self, jobs, use_tqdm, threads)[0]
         if self.drafter is not None:
-            self.drafter.warm_up(self)
+            self.drafter.warm_up(self, None if jobs is None else [job.shape for job in jobs if job.kind == "forward"])
         self._compiles_at_warmup = self._step_path_compiles()
 
     def _swap_sizes(self) -> list[int]:
