@@ -235,13 +235,14 @@ class ModelRunner:
             self.drafter.bind(self)
 
         max_seq_bucket, logprobs_mode, batch_invariant = self._max_seq_bucket, self.logprobs_mode, self.batch_invariant
+        greedy = sampler_lib.SamplingMode.GREEDY.value  # the tokens only (``_sampler_variants``)
 
         def sample(logits, sampling_words, prev_token_ids, bias_table, *, mode, num_logprobs):
             """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
             num_seqs = logits.shape[0]
             tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs, bias_table)
-            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs,
-                                     logprobs_mode=logprobs_mode, batch_invariant=batch_invariant)
+            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
+                                     batch_invariant=batch_invariant, token_logprobs=mode != greedy)  # greedy: tokens
             # Padded to the widest seq bucket so the next forward's input feed always has one shape.
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
@@ -580,17 +581,16 @@ def _capture_routing(model, model_config: ModelConfig, options: MoeStepOutputs, 
 
 def _sampler_variants(max_logprobs: int) -> list[SamplerVariant]:
     """The compiled sampler variants."""
-    # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
-    # the random modes also one with the top max_logprobs, paid only on steps where some row asked for it. A
-    # greedy step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same
-    # argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows allow
-    # it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
-    # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a
-    # neutral table (``run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
-    # pass over rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row
-    # count and logprob width (sampler compiles are a large share of a cold start's CPU work). The other way
-    # round a neutral history would cost rows x max_model_len entries of device memory and two scatters that
-    # size per step, so the variant without penalties stays.
+    # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and the
+    # random modes also one with the top max_logprobs, paid only on steps where some row asked for it. The greedy
+    # variant gives the tokens only: a greedy step that wants logprobs runs greedy_or_temperature (all rows greedy:
+    # the same argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows
+    # allow it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
+    # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a neutral
+    # table (``run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask pass over
+    # rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row count and logprob
+    # width (sampler compiles are a large share of a cold start's CPU work). The other way round a neutral history
+    # would cost rows x max_model_len entries of device memory and two scatters that size per step.
     greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
     return [SamplerVariant(greedy.value, False, 0)] + [
         SamplerVariant(mode.value, penalties, num_logprobs, bias_table)
