@@ -6,7 +6,9 @@ tokens) computes its next token and k drafts, the target sampled at each of the 
 k = 0 is the plain decode step. Each k runs on its own runner, built as an engine with ``num_speculative_tokens = k``
 and the step limits ``--max-num-seqs`` / ``--max-num-batched-tokens`` (the engine's GPU defaults) builds it: its
 buckets (``paged_jax.worker.buckets``: with k, the verify buckets S * (1 + k)) and sampler row counts; its warm-up
-compiles only the buckets and the sampler the timed steps run. Each case reports its bucket and sampler rows.
+compiles only the buckets and the sampler the timed steps run. Each case reports its bucket and sampler rows; with
+``--trace TOP`` also its device busy time per step and top kernels (what the step costs on the device, apart from
+the host's packing and the gaps).
 ``ratio`` = verify ms / plain decode ms: a draft of acceptance length L pays off when L > ratio.
 
 ``e2e``: batch-1 generation through the engine (``LLMEngine``), one request at a time, on a workload whose outputs
@@ -48,6 +50,7 @@ import time
 import numpy as np
 
 from benchmarks.report import median_seconds, write_json
+from benchmarks.trace import trace_kernels
 
 PASSAGES = [
     "The history of astronomy spans thousands of years. Early civilizations watched the sky to keep track of the "
@@ -101,8 +104,9 @@ def _case(runner, bucket: tuple[int, int]) -> dict:
             "num_compiles_since_warmup": runner.num_compiles_since_warmup}
 
 
-def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, rng) -> float:
-    """Median ms of the step where ``batch`` sequences each compute their next token and ``k`` drafts."""
+def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, rng) -> tuple[float, dict]:
+    """(median ms of the step where ``batch`` sequences each compute their next token and ``k`` drafts, with
+    ``args.trace`` its device kernels per step (``benchmarks.trace``: busy time, the top kernels; empty on CPU))."""
     from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
 
@@ -118,10 +122,14 @@ def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, 
     runner.execute(hand.step(plan)).result()  # makes the rows
     step = hand.step(plan)  # the same rows, tokens and drafts again: a diff with nothing new
     ms = median_seconds(lambda: runner.execute(step).result(), args.repeats) * 1e3
+    trace = {}
+    if args.trace:  # the same steps back to back under the profiler: device time apart from the host's
+        trace = trace_kernels(lambda: [runner.execute(step).result() for _ in range(args.repeats)], args.repeats,
+                              args.trace)
     for req_id in list(hand.requests):
         hand.finish(req_id)
     runner.execute(hand.step({}))  # drops the rows
-    return ms
+    return ms, {"trace": trace} if args.trace else {}
 
 
 def _dummy_model(args, shape: str, architecture: str = "llama", **tiny_overrides):
@@ -162,11 +170,12 @@ def run_verify(args) -> dict:
     for k in sorted(set(ks)):  # each k on its own runner, as an engine with num_speculative_tokens = k
         runner, blocks_per_seq, buckets = _runner(model, config, k, batches, args)
         for batch in batches:
-            ms = _time_verify(runner, blocks_per_seq, batch, k, args, config, rng)
+            ms, trace = _time_verify(runner, blocks_per_seq, batch, k, args, config, rng)
             if k == 0:
                 plain[batch] = ms
             row = {"batch": batch, "k": k, "step_ms": round(ms, 3),
-                   "ratio": round(ms / plain[batch], 3) if batch in plain else None, **_case(runner, buckets[batch])}
+                   "ratio": round(ms / plain[batch], 3) if batch in plain else None, **_case(runner, buckets[batch]),
+                   **trace}
             result["cases"].append(row)
             print(json.dumps(row), flush=True)
         runner.close()
@@ -226,9 +235,10 @@ def run_drafter(args) -> dict:
         runner, blocks_per_seq, buckets = _runner(model, config, steps_k, batches, args,
                                                   drafter=_drafter(args, model, config) if drafter else None)
         for batch in batches:
-            ms = timings[name, batch] = _time_verify(runner, blocks_per_seq, batch, steps_k, args, config, rng)
+            ms, trace = _time_verify(runner, blocks_per_seq, batch, steps_k, args, config, rng)
+            timings[name, batch] = ms
             row = {"step": name, "batch": batch, "k": steps_k, "step_ms": round(ms, 3),
-                   "ratio": round(ms / timings["plain", batch], 3), **_case(runner, buckets[batch])}
+                   "ratio": round(ms / timings["plain", batch], 3), **_case(runner, buckets[batch]), **trace}
             result["cases"].append(row)
             print(json.dumps(row), flush=True)
         runner.close()
@@ -302,7 +312,10 @@ def run_e2e(args) -> dict:
     return result
 
 
-def _step_limit_args(parser) -> None:
+def _runner_args(parser) -> None:
+    parser.add_argument("--trace", type=int, metavar="TOP", default=0,
+                        help="also trace each case's steps (jax.profiler): device busy time per step and the TOP "
+                             "kernels, to tell device work from host work and gaps (a GPU diagnostic)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="the engine's max_num_seqs (its GPU default): with the next, the buckets steps pad to")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
@@ -323,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     verify.add_argument("--temperature", type=float, default=0.0)
     verify.add_argument("--repeats", type=int, default=20)
     verify.add_argument("--attention-impl", default="auto")
-    _step_limit_args(verify)
+    _runner_args(verify)
     drafter = sub.add_parser("drafter", help="propose + verify step cost of a model drafter against plain decode")
     drafter.add_argument("--drafter", choices=("eagle3", "eagle", "draft_model", "mtp"), default="eagle3")
     drafter.add_argument("--shape", default="llama-3.1-8b", help="the target's named shape (models/presets.py)")
@@ -338,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter.add_argument("--temperature", type=float, default=0.0)
     drafter.add_argument("--repeats", type=int, default=20)
     drafter.add_argument("--attention-impl", default="auto")
-    _step_limit_args(drafter)
+    _runner_args(drafter)
     e2e = sub.add_parser("e2e", help="batch-1 tokens/s on a copy workload, plain vs ngram / suffix")
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")
