@@ -69,9 +69,10 @@ def verify_buckets(buckets: Sequence[tuple[int, int]], max_num_batched_tokens: i
                    num_speculative_tokens: int) -> list[tuple[int, int]]:
     """Buckets ``(S * (1 + k), S)`` for the seq buckets S of ``buckets`` (within ``max_num_batched_tokens``): the
     step where S sequences each verify k drafts, where ``buckets`` would pad its tokens or, for one sequence, pad
-    it to several. Padded, such a step runs every layer on up to 1.6x its tokens and its LM head and sampler on up
-    to 4x its sample rows; a single sequence's would leave the 1-token bucket's shape for 16 tokens and 8 sequences,
-    whose attention runs fewer kv splits (vLLM likewise sizes its CUDA graphs in multiples of 1 + k)."""
+    it to several. Padded, such a step runs every layer on up to twice its tokens (the next power of two) and its LM
+    head and sampler on the bigger bucket's sample rows; a single sequence's would leave the 1-token bucket's shape
+    for 16 tokens and 8 sequences, whose attention runs fewer kv splits (vLLM likewise sizes its CUDA graphs in
+    multiples of 1 + k)."""
     if not num_speculative_tokens:
         return []
     shapes = {(seqs * (1 + num_speculative_tokens), seqs) for _, seqs in buckets}
