@@ -317,7 +317,7 @@ def _runner_args(parser) -> None:
                         help="also trace each case's steps (jax.profiler): device busy time per step and the TOP "
                              "kernels, to tell device work from host work and gaps (a GPU diagnostic)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
-                        help="the engine's max_num_seqs (its GPU default): with the next, the buckets steps pad to")
+                        help="the engine's max_num_seqs (its GPU default); with the next, the runner's buckets")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="the engine's max_num_batched_tokens (its GPU default)")
 
