@@ -3,9 +3,13 @@
 ``verify``: the model runner for a named shape with dummy weights (default Llama-3.1-8B); for each batch B and draft
 count k, the median ``execute(...).result()`` of a step in which every one of B sequences (``--context`` cached
 tokens) computes its next token and k drafts, the target sampled at each of the k + 1 positions (one ragged step).
-k = 0 is the plain decode step, timed on a runner built without speculative decoding (its sampler runs on fewer
-rows); k >= 1 on one built with ``num_speculative_tokens = max k``. ``ratio`` = verify ms / plain decode ms: a
-draft of acceptance length L pays off when L > ratio.
+k = 0 is the plain decode step. Each k runs on its own runner, built as an engine with ``num_speculative_tokens = k``
+and the step limits ``--max-num-seqs`` / ``--max-num-batched-tokens`` (the engine's GPU defaults) builds it: its
+buckets (``paged_jax.worker.buckets``: with k, the verify buckets S * (1 + k)) and sampler row counts; its warm-up
+compiles only the buckets and the sampler the timed steps run. Each case reports its bucket and sampler rows; with
+``--trace TOP`` also its device busy time per step and top kernels (what the step costs on the device, apart from
+the host's packing and the gaps).
+``ratio`` = verify ms / plain decode ms: a draft of acceptance length L pays off when L > ratio.
 
 ``e2e``: batch-1 generation through the engine (``LLMEngine``), one request at a time, on a workload whose outputs
 copy their inputs (the model is asked to repeat a passage word for word), without drafts and with each of
@@ -46,6 +50,7 @@ import time
 import numpy as np
 
 from benchmarks.report import median_seconds, write_json
+from benchmarks.trace import trace_kernels
 
 PASSAGES = [
     "The history of astronomy spans thousands of years. Early civilizations watched the sky to keep track of the "
@@ -70,22 +75,38 @@ def _parse_ints(text: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------- verify
 def _runner(model, config, num_speculative_tokens: int, batches: list[int], args, drafter=None):
-    from paged_jax.worker.buckets import make_buckets
+    """-> (runner, blocks per sequence, {batch: its step's bucket}): a runner built as the engine builds one with
+    ``num_speculative_tokens`` (its buckets for ``args``' step limits), whose warm-up compiles only what steps of
+    ``batches`` sequences with that many drafts each run: their buckets' forwards (and drafter programs) and, at
+    their sampler row counts, the sampler of the benchmark's sampling mode."""
+    from paged_jax.worker.buckets import pick_bucket
     from paged_jax.worker.model_runner import ModelRunner
+    from paged_jax.worker.sampler import SamplingMode
+    from paged_jax.worker.warm_up import jobs_for_buckets
 
-    max_seqs = max(batches)
-    max_tokens = max(16, max_seqs * (1 + num_speculative_tokens))
+    if max(batches) > args.max_num_seqs or max(batches) * (1 + num_speculative_tokens) > args.max_num_batched_tokens:
+        raise SystemExit(f"a step of {max(batches)} sequences with {num_speculative_tokens} drafts each exceeds "
+                         f"--max-num-seqs {args.max_num_seqs} / --max-num-batched-tokens {args.max_num_batched_tokens}")
     blocks_per_seq = -(-(args.context + 1 + num_speculative_tokens) // args.block_size)
-    runner = ModelRunner(model, config, num_blocks=max_seqs * blocks_per_seq + 1, block_size=args.block_size,
-                         max_model_len=args.context + 64, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
-                         buckets=make_buckets(max_tokens, max_seqs), attention_impl=args.attention_impl,
+    runner = ModelRunner(model, config, num_blocks=max(batches) * blocks_per_seq + 1, block_size=args.block_size,
+                         max_model_len=args.context + 64, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
                          num_speculative_tokens=num_speculative_tokens, drafter=drafter)
-    runner.warm_up(use_tqdm=False)
-    return runner, blocks_per_seq
+    buckets = {batch: pick_bucket(runner.buckets, batch * (1 + num_speculative_tokens), batch) for batch in batches}
+    mode = SamplingMode.GREEDY if args.temperature == 0 else SamplingMode.GREEDY_OR_TEMPERATURE
+    runner.warm_up(use_tqdm=False, jobs=jobs_for_buckets(runner, list(buckets.values()), {mode.value}))
+    return runner, blocks_per_seq, buckets
 
 
-def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, rng) -> float:
-    """Median ms of the step where ``batch`` sequences each compute their next token and ``k`` drafts."""
+def _case(runner, bucket: tuple[int, int]) -> dict:
+    """What a step of ``bucket`` runs: its bucket, its sampler's rows, the compiles after warm-up."""
+    return {"bucket": list(bucket), "sample_rows": runner.layout(*bucket).num_sample_rows,
+            "num_compiles_since_warmup": runner.num_compiles_since_warmup}
+
+
+def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, rng) -> tuple[float, dict]:
+    """(median ms of the step where ``batch`` sequences each compute their next token and ``k`` drafts, with
+    ``args.trace`` its device kernels per step (``benchmarks.trace``: busy time, the top kernels; empty on CPU))."""
     from paged_jax.core.hand_steps import HandScheduler
     from paged_jax.sampling_params import SamplingParams
 
@@ -101,10 +122,14 @@ def _time_verify(runner, blocks_per_seq: int, batch: int, k: int, args, config, 
     runner.execute(hand.step(plan)).result()  # makes the rows
     step = hand.step(plan)  # the same rows, tokens and drafts again: a diff with nothing new
     ms = median_seconds(lambda: runner.execute(step).result(), args.repeats) * 1e3
+    trace = {}
+    if args.trace:  # the same steps back to back under the profiler: device time apart from the host's
+        trace = trace_kernels(lambda: [runner.execute(step).result() for _ in range(args.repeats)], args.repeats,
+                              args.trace)
     for req_id in list(hand.requests):
         hand.finish(req_id)
     runner.execute(hand.step({}))  # drops the rows
-    return ms
+    return ms, {"trace": trace} if args.trace else {}
 
 
 def _dummy_model(args, shape: str, architecture: str = "llama", **tiny_overrides):
@@ -142,18 +167,17 @@ def run_verify(args) -> dict:
               "device": str(jax.devices()[0].device_kind), "context": args.context,
               "temperature": args.temperature, "cases": []}
     plain: dict[int, float] = {}
-    for max_k in sorted({0, max(ks)}):
-        runner, blocks_per_seq = _runner(model, config, max_k, batches, args)
+    for k in sorted(set(ks)):  # each k on its own runner, as an engine with num_speculative_tokens = k
+        runner, blocks_per_seq, buckets = _runner(model, config, k, batches, args)
         for batch in batches:
-            for k in ([0] if max_k == 0 else [k for k in ks if k > 0]):
-                ms = _time_verify(runner, blocks_per_seq, batch, k, args, config, rng)
-                if k == 0:
-                    plain[batch] = ms
-                row = {"batch": batch, "k": k, "step_ms": round(ms, 3),
-                       "ratio": round(ms / plain[batch], 3) if batch in plain else None,
-                       "num_compiles_since_warmup": runner.num_compiles_since_warmup}
-                result["cases"].append(row)
-                print(json.dumps(row), flush=True)
+            ms, trace = _time_verify(runner, blocks_per_seq, batch, k, args, config, rng)
+            if k == 0:
+                plain[batch] = ms
+            row = {"batch": batch, "k": k, "step_ms": round(ms, 3),
+                   "ratio": round(ms / plain[batch], 3) if batch in plain else None, **_case(runner, buckets[batch]),
+                   **trace}
+            result["cases"].append(row)
+            print(json.dumps(row), flush=True)
         runner.close()
         del runner
         gc.collect()
@@ -208,13 +232,13 @@ def run_drafter(args) -> dict:
               "device": str(jax.devices()[0].device_kind), "context": args.context, "k": k, "cases": []}
     timings: dict[tuple[str, int], float] = {}
     for name, steps_k, drafter in (("plain", 0, None), ("verify", k, None), ("propose_verify", k, True)):
-        runner, blocks_per_seq = _runner(model, config, steps_k, batches, args,
-                                         drafter=_drafter(args, model, config) if drafter else None)
+        runner, blocks_per_seq, buckets = _runner(model, config, steps_k, batches, args,
+                                                  drafter=_drafter(args, model, config) if drafter else None)
         for batch in batches:
-            ms = timings[name, batch] = _time_verify(runner, blocks_per_seq, batch, steps_k, args, config, rng)
+            ms, trace = _time_verify(runner, blocks_per_seq, batch, steps_k, args, config, rng)
+            timings[name, batch] = ms
             row = {"step": name, "batch": batch, "k": steps_k, "step_ms": round(ms, 3),
-                   "ratio": round(ms / timings["plain", batch], 3),
-                   "num_compiles_since_warmup": runner.num_compiles_since_warmup}
+                   "ratio": round(ms / timings["plain", batch], 3), **_case(runner, buckets[batch]), **trace}
             result["cases"].append(row)
             print(json.dumps(row), flush=True)
         runner.close()
@@ -288,6 +312,16 @@ def run_e2e(args) -> dict:
     return result
 
 
+def _runner_args(parser) -> None:
+    parser.add_argument("--trace", type=int, metavar="TOP", default=0,
+                        help="also trace each case's steps (jax.profiler): device busy time per step and the TOP "
+                             "kernels, to tell device work from host work and gaps (a GPU diagnostic)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="the engine's max_num_seqs (its GPU default); with the next, the runner's buckets")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="the engine's max_num_batched_tokens (its GPU default)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="part", required=True)
@@ -302,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
     verify.add_argument("--temperature", type=float, default=0.0)
     verify.add_argument("--repeats", type=int, default=20)
     verify.add_argument("--attention-impl", default="auto")
+    _runner_args(verify)
     drafter = sub.add_parser("drafter", help="propose + verify step cost of a model drafter against plain decode")
     drafter.add_argument("--drafter", choices=("eagle3", "eagle", "draft_model", "mtp"), default="eagle3")
     drafter.add_argument("--shape", default="llama-3.1-8b", help="the target's named shape (models/presets.py)")
@@ -316,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter.add_argument("--temperature", type=float, default=0.0)
     drafter.add_argument("--repeats", type=int, default=20)
     drafter.add_argument("--attention-impl", default="auto")
+    _runner_args(drafter)
     e2e = sub.add_parser("e2e", help="batch-1 tokens/s on a copy workload, plain vs ngram / suffix")
     e2e.add_argument("--model", default=None, help="checkpoint (default: the built-in SmolLM2-135M-Instruct)")
     e2e.add_argument("--dtype", default="auto")

@@ -4,6 +4,8 @@ Examples (on the H200, dummy weights in real shapes):
   python -m benchmarks.throughput --shape qwen3-0.6b --workload nano-vllm --out $OUT/nanovllm.json
   python -m benchmarks.throughput --shape llama-3.1-8b --workload vllm-default
   python -m benchmarks.throughput --model /path/to/hf_dir --workload random --input-len 512 --output-len 128
+  python -m benchmarks.throughput --shape llama-3.1-8b --workload random --num-prompts 256 --input-len 128 \
+      --output-len 128 --temperature 0 --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 Prints one JSON object: requests/s, total and output tok/s, wall time, and the fraction of the physical floor
 (benchmarks/floors.py). Compilation stays out of the timed region: the engine compiles every bucket at start-up,
@@ -55,6 +57,16 @@ def startup_breakdown(engine) -> dict:
     return {"startup_stages": timings, "warm_up": warm_up} if timings is not None else {}
 
 
+def speculation_stats(stats: dict, before: dict) -> dict:
+    """vLLM's speculative-decoding counters over the timed run (engine ``stats`` less those ``before`` it:
+    ``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``, per position) and the mean
+    acceptance length (1 + accepted / drafts; None without drafts)."""
+    from paged_jax.spec_decode.verify import STATS_PREFIX, mean_acceptance_length
+
+    timed = {key: value - before.get(key, 0) for key, value in stats.items() if key.startswith(STATS_PREFIX)}
+    return {**timed, "mean_acceptance_length": mean_acceptance_length(timed)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -78,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--async-scheduling", action="store_true",
                    help="vLLM's --async-scheduling: build and dispatch step k+1 while step k runs on the device")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's --speculative-config, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "(EngineArgs.speculative_config); the result then has the timed run's draft counters and mean "
+                        "acceptance length")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine's batch-invariant mode (fixed-tile matmuls and attention; VLLM_BATCH_INVARIANT=1)")
     p.add_argument("--startup-only", action="store_true",
@@ -137,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
               long_prefill_token_threshold=args.long_prefill_token_threshold,
               async_scheduling=args.async_scheduling, quantization=args.quantization,
               batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
+              speculative_config=args.speculative_config,
               tensor_parallel_size=args.tensor_parallel_size,
               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size)
     first = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -250,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
         # Prefix-cache hits inside the timed region only (the warm-up's entries were reset before it).
         "timed_prefix_cache_hit_tokens": stats["prefix_cache_hits"] - stats_before["prefix_cache_hits"],
+        "speculative_decoding": speculation_stats(stats, stats_before) if args.speculative_config else None,
     })
     print(json.dumps(result, indent=1))
     write_json(args.out, result)

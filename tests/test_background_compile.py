@@ -88,18 +88,22 @@ def test_runner_serves_on_the_first_executables_then_grows_to_the_full_set(tiny_
     assert runner.num_compiles() == planned_num_compiles(32, 4) and runner.num_compiles_since_warmup == 0
 
 
-def test_background_order_covers_every_executable_once(tiny_model):
-    """The first set is the (1, 1) decode and the smallest prefill bucket with the greedy and general samplers at
-    their row count; the background order holds every other executable once, the forwards smallest first, each
-    sampler / bitmask / prompt-logprobs job after a forward it takes its inputs from."""
+@pytest.mark.parametrize("num_speculative_tokens, rows", [(0, 8), (4, 32)])
+def test_background_order_covers_every_executable_once(tiny_model, num_speculative_tokens, rows):
+    """The first set is the (1, 1) decode and the smallest prefill bucket (not the single-sequence verify bucket of
+    speculative decoding) with the greedy and general samplers at their row count; the background order holds every
+    other executable once, the forwards smallest first, each sampler / bitmask / prompt-logprobs job after a forward
+    it takes its inputs from."""
     from paged_jax.worker.background_compile import background_jobs, first_jobs
 
     model, config = tiny_model
     runner = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                         max_num_seqs=32, max_num_batched_tokens=512, num_host_blocks=8, eos_token_ids=[2])
+                         max_num_seqs=32, max_num_batched_tokens=512, num_host_blocks=8, eos_token_ids=[2],
+                         num_speculative_tokens=num_speculative_tokens)
+    assert num_speculative_tokens == 0 or (1 + num_speculative_tokens, 1) in runner.buckets
     first = first_jobs(runner)
-    assert [job.label for job in first] == ["forward[1, 1]", "forward[16, 8]", "sampler[8,greedy,0]",
-                                            "sampler[8,full,0,bias]"]
+    assert [job.label for job in first] == ["forward[1, 1]", "forward[16, 8]", f"sampler[{rows},greedy,0]",
+                                            f"sampler[{rows},full,0,bias]"]
     rest = background_jobs(runner, first)
     everything = warm_up_lib.all_jobs(runner)
     assert len(first) + len(rest) == len(everything) and set(first) | set(rest) == set(everything)

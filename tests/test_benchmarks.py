@@ -22,6 +22,25 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     assert result["output_tok_s"] > 0
     assert json.loads(out.read_text())["output_tokens"] == 5 * num_prompts
     assert "--temperature" in result["argv"]
+    assert result["speculative_decoding"] is None
+
+
+def test_throughput_with_speculative_config_reports_the_timed_run_drafts(smollm2_dir):
+    """--speculative-config goes to the engine (vLLM's flag): the JSON has the timed run's draft counters and mean
+    acceptance length, and the outputs count exactly as without drafts."""
+    from benchmarks.throughput import main
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    result = main(["--model", str(smollm2_dir), "--workload", "random", "--num-prompts", "2", "--input-len", "12",
+                   "--output-len", "16", "--max-num-batched-tokens", "32", "--max-num-seqs", "2", "--max-model-len",
+                   "128", "--dtype", "float32", "--temperature", "0", "--speculative-config", spec])
+    assert result["output_tokens"] == 32
+    drafts = result["speculative_decoding"]
+    assert drafts["spec_decode_num_drafts"] >= 1
+    assert 0 <= drafts["spec_decode_num_accepted_tokens"] <= drafts["spec_decode_num_draft_tokens"]
+    assert drafts["spec_decode_num_draft_tokens"] <= 2 * drafts["spec_decode_num_drafts"]
+    assert drafts["mean_acceptance_length"] == pytest.approx(
+        1 + drafts["spec_decode_num_accepted_tokens"] / drafts["spec_decode_num_drafts"])
 
 
 def test_host_overhead_times_decode_steps_only():

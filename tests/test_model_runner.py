@@ -283,6 +283,13 @@ def test_compile_plan_counts():
     # with and without top-k logprobs) + the grammar bitmask) + prompt logprobs per token bucket
     assert planned_num_compiles(2048, 256) == 12 + 4 * 10 + 9  # 12 forward buckets, the 1-token one included
     assert planned_num_compiles(8192, 256) == 14 + 4 * 10 + 11
+    # Speculative decoding: the step of S sequences with k drafts each, S * (1 + k) tokens, unpadded where the ladder
+    # would pad its tokens, and a single sequence's always (not into 16 tokens / 8 sequences).
+    assert set(make_buckets(8192, 256, 4)) - set(make_buckets(8192, 256)) == {
+        (5, 1), (40, 8), (80, 16), (160, 32), (320, 64), (640, 128), (1280, 256)}
+    assert set(make_buckets(8192, 256, 3)) - set(make_buckets(8192, 256)) == {(4, 1)}
+    assert max(make_buckets(64, 16, 4)) == (64, 16)  # none past max_num_batched_tokens
+    assert planned_num_compiles(8192, 256, num_speculative_tokens=4) == 21 + 5 * 10 + 18  # sampler rows 1280 too
 
 
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):

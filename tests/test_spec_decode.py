@@ -416,3 +416,22 @@ def test_lora_rows_verify_drafts_with_their_adapter(smollm2_dir, tmp_path_factor
     llm = LLM(use_tqdm=False, speculative_config=dict(NGRAM), **settings)
     assert run(llm) == expected
     assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_verify_benchmark_times_each_k_on_its_own_runner(tmp_path):
+    """benchmarks/spec_decode.py verify on a tiny shape: each k on a runner built with that k (a single sequence's
+    verify step in its own (1 + k, 1) bucket, the plain step in (1, 1), both sampling 8 rows), only the timed shapes
+    compiled and none after warm-up."""
+    import json
+
+    from benchmarks.spec_decode import main
+
+    result = main(["verify", "--tiny", "--batches", "1,2", "--ks", "0,2", "--context", "16", "--repeats", "1",
+                   "--dtype", "float32", "--out", str(tmp_path / "v.json")])
+    cases = {(c["batch"], c["k"]): c for c in result["cases"]}
+    assert list(cases) == [(1, 0), (2, 0), (1, 2), (2, 2)]
+    assert (cases[1, 0]["bucket"], cases[1, 2]["bucket"]) == ([1, 1], [3, 1])
+    assert cases[1, 0]["sample_rows"] == cases[1, 2]["sample_rows"] == 8
+    assert cases[2, 2]["bucket"] == [16, 8] and cases[2, 2]["ratio"] > 0
+    assert all(c["num_compiles_since_warmup"] == 0 and c["step_ms"] > 0 for c in result["cases"])
+    assert len(json.loads((tmp_path / "v.json").read_text())["cases"]) == 4

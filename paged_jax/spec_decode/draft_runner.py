@@ -31,6 +31,7 @@ null block.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -125,9 +126,10 @@ class DraftRunner:
     def num_compiles(self) -> int:
         return 0 if self._propose is None else self._propose._cache_size()
 
-    def warm_up(self, runner) -> None:
-        """Compile the program of every step bucket: a padding-only step (every write into the null block)."""
-        for num_tokens, num_seqs in runner.buckets:
+    def warm_up(self, runner, buckets: Sequence[tuple[int, int]] | None = None) -> None:
+        """Compile the program of every step bucket (or of ``buckets``): a padding-only step (every write into the
+        null block)."""
+        for num_tokens, num_seqs in runner.buckets if buckets is None else buckets:
             buf = np.zeros((runner.layout(num_tokens, num_seqs).size,), np.int32)
             a, b = runner.layout(num_tokens, num_seqs).fields["prev_rows"]
             buf[a:b] = -1

@@ -3,8 +3,9 @@ background thread compiles the rest in priority order (``--background-compilatio
 executable before serving, ``paged_jax.worker.warm_up``).
 
 * The first set (``first_jobs``): the forwards of the single-sequence decode bucket ``(1, 1)`` and of the smallest
-  multi-token bucket, and at their sampler row count the greedy sampler and the most general one without penalties
-  or top logprobs (``FULL`` with the bias table), which serves every other request's rows with the same tokens.
+  bucket of the token ladder (``buckets.make_buckets``; not a single sequence's verify bucket), and at their sampler
+  row count the greedy sampler and the most general one without penalties or top logprobs (``FULL`` with the bias
+  table), which serves every other request's rows with the same tokens.
 * The rest (``background_jobs``): first what the first shapes still lack (the other sampler variants, the grammar
   bitmask, prompt logprobs, swap copies), then the other buckets from the smallest up, each followed by what its
   sampler row count and token count add.
@@ -40,6 +41,7 @@ import weakref
 import jax
 
 from paged_jax.worker import warm_up as warm_up_lib
+from paged_jax.worker.buckets import MIN_TOKEN_BUCKET
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, Landing
 from paged_jax.worker.sampler import MODE_ORDER, SamplingMode
 from paged_jax.worker.step_io import SamplerVariant
@@ -138,7 +140,8 @@ def can_compile_in_background(runner) -> bool:
 def first_jobs(runner) -> list[CompileJob]:
     """The executables compiled before serving (module docstring)."""
     buckets = sorted(runner.buckets)
-    multi = [bucket for bucket in buckets if bucket[0] > 1]
+    smallest = min(MIN_TOKEN_BUCKET, runner.max_num_batched_tokens)  # the token ladder's (not a verify bucket)
+    multi = [bucket for bucket in buckets if bucket[0] > 1 and bucket[0] >= smallest]
     first = [bucket for bucket in buckets if bucket == (1, 1)] + multi[:1]
     jobs = [CompileJob("forward", bucket) for bucket in first or buckets[:1]]
     if runner.pools:

@@ -31,8 +31,9 @@ def _powers_of_two(start: int, stop: int) -> list[int]:
     return sorted(set(values))
 
 
-def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """The (num_tokens, num_seqs) shapes a step is padded to.
+def make_buckets(max_num_batched_tokens: int, max_num_seqs: int,
+                 num_speculative_tokens: int = 0) -> list[tuple[int, int]]:
+    """The (num_tokens, num_seqs) shapes a step is padded to, sorted by tokens then seqs.
 
     A single-sequence decode gets its own bucket (1 token, 1 sequence): padded into 16 rows, the batch-1 step is
     measurably slower (benchmarks/RESULTS.md, "Batch-1 decode latency"; vLLM likewise captures a CUDA graph for
@@ -46,6 +47,9 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
     more than ``FEW_SEQS_SAMPLER_ROWS`` rows (a step of a few long prefill chunks then samples 8 rows instead of a
     whole vocabulary for every one of T slots). E.g. 512 tokens / 16 seqs -> 7 buckets (with the 1-token one);
     2048 / 256 -> 12; 8192 / 256 -> 14.
+
+    With speculative decoding (``num_speculative_tokens`` k > 0), also ``verify_buckets``: S * (1 + k) tokens for
+    a seq bucket S. E.g. 8192 / 256 with k = 4 -> 21 (with k = 1 or 3: 15).
     """
     token_buckets = _powers_of_two(min(MIN_TOKEN_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
     few_seqs = min(MIN_SEQ_BUCKET, max_num_seqs)
@@ -58,7 +62,22 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[i
                                       or sampler_rows_for(num_tokens, max_num_seqs) > FEW_SEQS_SAMPLER_ROWS):
             buckets.append((num_tokens, few_seqs))
         buckets.append((num_tokens, num_tokens))
-    return buckets
+    return sorted(set(buckets + verify_buckets(buckets, max_num_batched_tokens, num_speculative_tokens)))
+
+
+def verify_buckets(buckets: Sequence[tuple[int, int]], max_num_batched_tokens: int,
+                   num_speculative_tokens: int) -> list[tuple[int, int]]:
+    """Buckets ``(S * (1 + k), S)`` for the seq buckets S of ``buckets`` (within ``max_num_batched_tokens``): the
+    step where S sequences each verify k drafts, where ``buckets`` would pad its tokens or, for one sequence, pad
+    it to several. Padded, such a step runs every layer on up to twice its tokens (the next power of two) and its LM
+    head and sampler on the bigger bucket's sample rows; a single sequence's would leave the 1-token bucket's shape
+    for 16 tokens and 8 sequences, whose attention runs fewer kv splits (vLLM likewise sizes its CUDA graphs in
+    multiples of 1 + k)."""
+    if not num_speculative_tokens:
+        return []
+    shapes = {(seqs * (1 + num_speculative_tokens), seqs) for _, seqs in buckets}
+    return sorted((tokens, seqs) for tokens, seqs in shapes if tokens <= max_num_batched_tokens
+                  and (seqs == 1 or pick_bucket(buckets, tokens, seqs)[0] > tokens))
 
 
 def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
@@ -76,7 +95,7 @@ def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap
     """Executables ``ModelRunner.warm_up`` compiles for this step shape with the default buckets and sampler variants
     (forward buckets + sampler seq buckets x (variants + the grammar bitmask) + prompt logprobs per token bucket +
     a gather and a scatter per swap-copy size when ``swap``)."""
-    buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
+    buckets = make_buckets(max_num_batched_tokens, max_num_seqs, num_speculative_tokens)
     rows = [sample_rows_needed(t, s, num_speculative_tokens) for t, s in buckets]
     num_sampler_buckets = len({sampler_rows_for(r, max(rows)) for r in rows})
     num_token_buckets = len({t for t, _ in buckets})

@@ -24,8 +24,7 @@ A pooling runner (``paged_jax.pooling.pooler.PoolingForward`` as its ``forward``
 its per-row outputs are the rows' pooled hidden states through the model's head, fetched instead of sampled tokens
 (``StepOutput.pooled``); it compiles no sampler and no prompt logprobs.
 
-Splitting the sampler from the forward keeps compile counts additive (buckets + seq buckets x modes) instead of
-multiplicative.
+Splitting the sampler from the forward keeps compile counts additive (buckets + row counts x modes), not multiplicative.
 """
 
 from __future__ import annotations
@@ -202,8 +201,8 @@ class ModelRunner:
     def _plan_shapes(self, buckets: Sequence[tuple[int, int]] | None, num_speculative_tokens: int) -> None:
         """The compiled step shapes: ``buckets`` (default ``make_buckets``), their seq counts, and the sampler's row
         counts (coarser than the seq buckets: fewer compiles)."""
-        self.buckets = (sorted(buckets) if buckets is not None
-                        else make_buckets(self.max_num_batched_tokens, self.max_num_seqs))
+        self.buckets = (sorted(buckets) if buckets is not None else
+                        make_buckets(self.max_num_batched_tokens, self.max_num_seqs, num_speculative_tokens))
         self.seq_buckets = sorted({s for _, s in self.buckets})
         self.num_speculative_tokens = num_speculative_tokens
         self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
@@ -236,13 +235,14 @@ class ModelRunner:
             self.drafter.bind(self)
 
         max_seq_bucket, logprobs_mode, batch_invariant = self._max_seq_bucket, self.logprobs_mode, self.batch_invariant
+        greedy = sampler_lib.SamplingMode.GREEDY.value  # the tokens only (``_sampler_variants``)
 
         def sample(logits, sampling_words, prev_token_ids, bias_table, *, mode, num_logprobs):
             """-> (token ids int32[max seq bucket] (padded), logprob f32[S], top ids i32[S, K], top lps f32[S, K])."""
             num_seqs = logits.shape[0]
             tensors = sampler_lib.unpack_sampling_tensors(sampling_words, prev_token_ids, num_seqs, bias_table)
-            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs,
-                                     logprobs_mode=logprobs_mode, batch_invariant=batch_invariant)
+            out = sampler_lib.sample(logits, tensors, mode=mode, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode,
+                                     batch_invariant=batch_invariant, token_logprobs=mode != greedy)  # greedy: tokens
             # Padded to the widest seq bucket so the next forward's input feed always has one shape.
             padded = jnp.zeros((max_seq_bucket,), jnp.int32).at[:num_seqs].set(out.token_ids)
             return padded, out.logprobs, out.top_ids, out.top_logprobs, out.token_ranks
@@ -329,15 +329,14 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Executables compiled (or loaded) so far for this runner's jitted functions: those warm-up put into their
         tables plus jit's dispatch-cache entries of any other call."""
-        lora = self.lora_slots.num_compiles() if self.lora_slots else 0
-        lora += self.drafter.num_compiles() if self.drafter is not None else 0
-        return lora + sum(f._cache_size() for f in self.step_functions())
+        return self._side_compiles() + sum(f._cache_size() for f in self.step_functions())
+
+    def _side_compiles(self) -> int:  # the LoRA slot write's and the drafter's programs
+        return sum(part.num_compiles() for part in (self.lora_slots, self.drafter) if part)
 
     def _step_path_compiles(self) -> int:
         """Compiles by calls (jit's caches and the LoRA slot write): not the executables warm-up put into tables."""
-        lora = self.lora_slots.num_compiles() if self.lora_slots else 0
-        lora += self.drafter.num_compiles() if self.drafter is not None else 0
-        return lora + sum(f.jit_compiles() if isinstance(f, AheadOfTimeFunction) else f._cache_size()
+        return self._side_compiles() + sum(f.jit_compiles() if isinstance(f, AheadOfTimeFunction) else f._cache_size()
                           for f in self.step_functions())
 
     @property
@@ -349,18 +348,21 @@ class ModelRunner:
         return self._step_path_compiles() - self._compiles_at_warmup
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, use_tqdm: bool = True, threads: int | None = None, background: bool = False) -> None:
+    def warm_up(self, use_tqdm: bool = True, threads: int | None = None, background: bool = False,
+                jobs: list | None = None) -> None:
         """Compile every executable once (``paged_jax.worker.warm_up``: concurrently on ``threads`` threads, default
         ``$PAGED_JAX_COMPILE_THREADS`` or the CPU count, then one padding-only run of each); afterwards nothing
         compiles again (``num_compiles_since_warmup``). ``background``: return once a first set is ready and compile
         the rest on a background thread (``paged_jax.worker.background_compile``; ``ready`` grows as they land),
-        where the runner allows it. ``warm_up_timings``: seconds per phase and the thread count."""
-        if background and can_compile_in_background(self):
+        where the runner allows it. ``jobs``: only these (``warm_up.jobs_for_buckets``: a benchmark's few step
+        shapes; other steps would compile). ``warm_up_timings``: seconds per phase and the thread count."""
+        if background and jobs is None and can_compile_in_background(self):
             self.warm_up_timings = warm_up_in_background(self, use_tqdm=use_tqdm, threads=threads)
         else:
-            self.warm_up_timings = warm_up_lib.warm_up(self, use_tqdm=use_tqdm, threads=threads)
+            jobs = warm_up_lib.all_jobs(self) if jobs is None else jobs
+            self.warm_up_timings = warm_up_lib.warm_up_jobs(self, jobs, use_tqdm, threads)[0]
         if self.drafter is not None:
-            self.drafter.warm_up(self)
+            self.drafter.warm_up(self, None if jobs is None else [job.shape for job in jobs if job.kind == "forward"])
         self._compiles_at_warmup = self._step_path_compiles()
 
     def _swap_sizes(self) -> list[int]:
@@ -579,17 +581,16 @@ def _capture_routing(model, model_config: ModelConfig, options: MoeStepOutputs, 
 
 def _sampler_variants(max_logprobs: int) -> list[SamplerVariant]:
     """The compiled sampler variants."""
-    # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and
-    # the random modes also one with the top max_logprobs, paid only on steps where some row asked for it. A
-    # greedy step that wants top logprobs runs the greedy_or_temperature variant (all rows greedy: the same
-    # argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows allow
-    # it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
-    # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a
-    # neutral table (``run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask
-    # pass over rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row
-    # count and logprob width (sampler compiles are a large share of a cold start's CPU work). The other way
-    # round a neutral history would cost rows x max_model_len entries of device memory and two scatters that
-    # size per step, so the variant without penalties stays.
+    # Every mode has a lean variant without top-k logprobs (the common case: nobody asked for alternatives) and the
+    # random modes also one with the top max_logprobs, paid only on steps where some row asked for it. The greedy
+    # variant gives the tokens only: a greedy step that wants logprobs runs greedy_or_temperature (all rows greedy:
+    # the same argmax). The top_k mode is top-k / top-p without a sort of the vocabulary, for the steps whose rows
+    # allow it (Qwen3's generation config, for one). Full mode always takes the bias table, and once more with the
+    # penalty history; each is sent only on steps that need it. A full step without a bias-table row gets a neutral
+    # table (``run_sampling``; one bit per vocabulary entry and row, plus the logit_bias slots: a mask pass over
+    # rows x vocabulary, next to the sort such a step runs anyway): two executables fewer per row count and logprob
+    # width (sampler compiles are a large share of a cold start's CPU work). The other way round a neutral history
+    # would cost rows x max_model_len entries of device memory and two scatters that size per step.
     greedy, full = sampler_lib.SamplingMode.GREEDY, sampler_lib.SamplingMode.FULL
     return [SamplerVariant(greedy.value, False, 0)] + [
         SamplerVariant(mode.value, penalties, num_logprobs, bias_table)

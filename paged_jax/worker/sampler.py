@@ -43,13 +43,11 @@ from paged_jax.ops.batch_invariant import logsumexp_batch_invariant
 from paged_jax.sampling_params import SAMPLING_EPS, SamplingParams, validate_token_ids
 from paged_jax.worker.logit_processing import (apply_allowed_token_mask, apply_logit_bias, apply_penalties, ban_tokens,
                                                  gumbel_noise, temperature_and_filters)
-from paged_jax.worker.top_k import (candidates_suffice, top_k_top_p_by_sort, top_k_top_p_from_candidates,
-                             vocab_top_k)
+from paged_jax.worker.top_k import candidates_suffice, top_k_top_p_by_sort, top_k_top_p_from_candidates, vocab_top_k
 
 # Width of ``banned_token_ids`` (stop_token_ids + EOS ids of a row below its min_tokens, bad-word tokens) when some
-# row needs bans.
-# Fixed so that the sampler compiles once; the engine rejects requests that would need more (ValueError naming
-# stop_token_ids / bad_words, ``check_request_fits``).
+# row needs bans. Fixed so that the sampler compiles once; the engine rejects requests that would need more
+# (ValueError naming stop_token_ids / bad_words, ``check_request_fits``).
 BANNED_WIDTH = 32
 # Most ``logit_bias`` entries per request (the OpenAI API's limit): the bias table's (id, bias) slots per row.
 LOGIT_BIAS_WIDTH = 300
@@ -534,10 +532,11 @@ def raw_logprob_outputs(
     return sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, rank
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs", "logprobs_mode", "batch_invariant"))
+@functools.partial(jax.jit, static_argnames=("mode", "num_logprobs", "logprobs_mode", "batch_invariant",
+                                             "token_logprobs"))
 def sample(
     logits: jax.Array, t: SamplingTensors, *, mode: SamplingMode | str, num_logprobs: int = 0,
-    logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False
+    logprobs_mode: str = "raw_logprobs", batch_invariant: bool = False, token_logprobs: bool = True
 ) -> SamplerOutput:
     """Sample one token per row.
 
@@ -548,6 +547,8 @@ def sample(
       num_logprobs: static K >= 0, number of top alternatives to return (the runner uses the max over rows).
       logprobs_mode: static, one of ``LOGPROBS_MODES`` (see the module docstring).
       batch_invariant: static; the engine's batch-invariant mode: logprobs by ``raw_logprob_outputs``'s.
+      token_logprobs: static; False in GREEDY mode without top logprobs: the tokens only (logprobs and ranks zeros),
+        no pass over the vocabulary but the argmax's (the model runner's greedy steps that fetch no logprobs).
     Returns:
       ``SamplerOutput``. Greedy rows (temperature < SAMPLING_EPS) get argmax (lowest index on ties) of the raw
       logits, or of the penalised logits in FULL mode.
@@ -564,6 +565,10 @@ def sample(
     reported = logits  # what the logprobs are taken of
     if mode == SamplingMode.GREEDY:
         token_ids = jnp.argmax(logits, axis=-1)
+        if not token_logprobs and not num_logprobs:
+            zeros = jnp.zeros(logits.shape[:1], jnp.float32)
+            return SamplerOutput(token_ids.astype(jnp.int32), zeros, jnp.zeros((len(zeros), 0), jnp.int32),
+                                 jnp.zeros((len(zeros), 0), jnp.float32), zeros.astype(jnp.int32))
     else:
         processed = logits
         if mode == SamplingMode.FULL:

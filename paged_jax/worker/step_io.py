@@ -74,13 +74,38 @@ class StepOutput:
     proposed_draft_ids: np.ndarray | None = None
 
 
-def _sampler_rows(host: list[np.ndarray], rows: np.ndarray) -> StepOutput:
+def _sampler_rows(host: list[np.ndarray], rows: np.ndarray | slice) -> StepOutput:
     """The sampler's host outputs (tokens, then logprob, top ids, top logprobs, rank when fetched) at sample rows
-    ``rows`` int64[n]."""
+    ``rows`` (int64[n] or a slice)."""
     out = StepOutput(sampled_token_ids=host[0][rows].astype(np.int32))
     if len(host) > 1:
         out.logprobs, out.top_token_ids, out.top_logprobs, out.ranks = (host[i][rows] for i in (1, 2, 3, 4))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSampleRows:
+    """Speculative decoding: the step rows that verify drafts, int64[m] in packed order, their draft counts int64[m],
+    and ``first``, the sample row of the first draft: the draft positions' sample rows follow the n rows' own,
+    ``first``, ``first`` + 1, ... in that order (a row's k drafts contiguous)."""
+
+    step_rows: np.ndarray
+    counts: np.ndarray
+    first: int
+
+    @property
+    def sample_rows(self) -> slice:
+        """Every draft position's sample row, row by row."""
+        return slice(self.first, self.first + int(self.counts.sum()))
+
+    def first_rows(self) -> np.ndarray:
+        """int64[m]: each row's first draft sample row."""
+        return self.first + np.cumsum(self.counts) - self.counts
+
+    def ranges(self) -> dict[int, range]:
+        """``StepOutput.draft_rows``: step row -> its draft positions' range in ``sample_rows``."""
+        stops = np.cumsum(self.counts).tolist()
+        return dict(zip(self.step_rows.tolist(), map(range, [0] + stops[:-1], stops)))
 
 
 # The token a pooling row "samples" when its prompt is complete: its one output token, which ends it (max_tokens=1).
@@ -96,14 +121,14 @@ class PendingStep:
     proposals (a tuple of one int32[S, k] array: ``StepOutput.proposed_draft_ids``); or a ``concurrent.futures.Future``
     of these when the step is dispatched by the runner's dispatch thread.
     ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``draft_sample_rows``:
-    per input row that verifies drafts, the sample rows int64[k] of its draft positions (speculative decoding).
+    the rows that verify drafts and their draft positions' sample rows (speculative decoding), or None.
     ``pooled``: a pooling step (its one output is the pooled rows). ``token_spans`` (first packed token, count)
     int64[n] per input row splits the routed experts by row.
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
                  prompt_spans: list[tuple[int, int] | None] | None = None,
-                 draft_sample_rows: dict[int, np.ndarray] | None = None, pooled: bool = False,
+                 draft_sample_rows: DraftSampleRows | None = None, pooled: bool = False,
                  token_spans: tuple[np.ndarray, np.ndarray] | None = None):
         self._token_spans = token_spans
         self._pooled = pooled
@@ -150,12 +175,9 @@ class PendingStep:
                 return self._result
             out = _sampler_rows(host, rows)
             out.sampled_token_ids[~self._sampled_rows] = -1
-            if self._draft_sample_rows:
-                out.draft_rows, start = {}, 0
-                for row, sample_rows in self._draft_sample_rows.items():
-                    out.draft_rows[row] = range(start, start + len(sample_rows))
-                    start += len(sample_rows)
-                out.draft_outputs = _sampler_rows(host, np.concatenate(list(self._draft_sample_rows.values())))
+            if self._draft_sample_rows is not None:
+                out.draft_rows = self._draft_sample_rows.ranges()
+                out.draft_outputs = _sampler_rows(host, self._draft_sample_rows.sample_rows)
             if draft_outputs:  # the drafter's proposals int32[S, k], packed order
                 out.proposed_draft_ids = np.asarray(draft_outputs[0])[rows]
             if prompt_outputs:  # (logprob f32[T], rank i32[T], top ids i32[T, K], top logprobs f32[T, K])

@@ -16,7 +16,7 @@ import numpy as np
 
 from paged_jax.worker import sampler as sampler_lib
 from paged_jax.worker.buckets import pick_bucket
-from paged_jax.worker.step_io import SPEC_ROW_WORDS, StepLayout, pack_block_copies
+from paged_jax.worker.step_io import SPEC_ROW_WORDS, DraftSampleRows, StepLayout, pack_block_copies
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.kv_group_pool import pack_group_slots
 
@@ -49,8 +49,8 @@ class PackedStep:
       prompt_targets: int32[T] prompt-logprob targets, or None; prompt_spans: per step row ``(first packed token,
         count)`` or None.
       packed_batch_rows: int64[n] the batch row of each packed row; packed_sampled: bool[n] whether it samples.
-      draft_sample_rows: per step row that verifies drafts, the sample rows int64[k] of its draft positions (after
-        the n rows' own), or None.
+      draft_sample_rows: the step rows that verify drafts and their draft positions' sample rows (after the n rows'
+        own), or None.
     """
 
     buf: np.ndarray
@@ -66,7 +66,7 @@ class PackedStep:
     prompt_spans: list | None
     packed_batch_rows: np.ndarray
     packed_sampled: np.ndarray
-    draft_sample_rows: dict[int, np.ndarray] | None = None
+    draft_sample_rows: DraftSampleRows | None = None
 
     def token_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first packed token, token count) int64[n] of each step row (step order)."""
@@ -81,7 +81,7 @@ def pack_order(num_new: np.ndarray, num_forks: int) -> tuple[np.ndarray, np.ndar
     kind = (num_new > 1).astype(np.int8)
     if num_forks:
         kind[n - num_forks:] = 2
-    if not kind.any():
+    if (kind[1:] >= kind[:-1]).all():  # already in packed order (e.g. every row verifying drafts)
         identity = np.arange(n)
         return identity, identity
     order = np.argsort(kind, kind="stable")
@@ -130,14 +130,14 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     logits_indices[:num_rows] = cu - 1
     for fork_row, parent in enumerate(rows.fork_parents):
         logits_indices[num_rows - num_forks + fork_row] = cu[rows_to_packed[parent]] - 1
-    sample_batch_rows, sample_ends, draft_sample_rows = batch_rows, ends, None
+    sample_batch_rows, sample_ends, drafting, draft_sample_rows = batch_rows, ends, None, None
     if num_drafts is not None:
-        sample_batch_rows, sample_ends, draft_sample_rows = _draft_sample_rows(
+        sample_batch_rows, sample_ends, drafting, draft_sample_rows = _draft_sample_rows(
             num_drafts, batch_rows, ends, cu, order, logits_indices)
     pack_block_copies(block_copies, views["copy_src"], views["copy_dst"], num_blocks)
     if "spec_rows" in views:
         _pack_spec_rows(views["spec_rows"], batch, batch_rows, ends, num_drafts, sampled, num_forks,
-                        {int(rows_to_packed[r]): int(v[0]) for r, v in (draft_sample_rows or {}).items()},
+                        (drafting, None if draft_sample_rows is None else draft_sample_rows.first_rows()),
                         table_lens // groups * block_size)
 
     if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
@@ -170,27 +170,24 @@ def _draft_sample_rows(num_drafts: np.ndarray, batch_rows: np.ndarray, ends: np.
     its last position, the one after its last draft). A row with k drafts fed at positions p+1..p+k (p: its last
     known token) samples the target at p..p+k-1 too: the tokens that would follow each prefix, compared with the
     drafts by the verification. Writes their ``logits_indices``; returns (batch row int64[n + D] and end int64[n + D]
-    (the sampled position + 1) of every sample row, {step row: its draft sample rows int64[k]})."""
+    (the sampled position + 1) of every sample row, the drafting rows (packed) int64[m], their ``DraftSampleRows`` or
+    None without drafts)."""
     num_rows = len(batch_rows)
     draft_rows = np.flatnonzero(num_drafts)
     counts = num_drafts[draft_rows]
     owner = np.repeat(draft_rows, counts)  # the packed row of each draft sample row
-    index = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)  # draft 0..k-1 of its row
-    back = num_drafts[owner] - index  # positions before the row's last one
+    back = np.repeat(np.cumsum(counts), counts) - np.arange(len(owner))  # k, k - 1, ..., 1 for a row of k drafts
     if num_rows + len(owner) > len(logits_indices):
         raise ValueError(f"{num_rows} rows with {len(owner)} drafts exceed the bucket's {len(logits_indices)} "
                          "sample rows")
     logits_indices[num_rows:num_rows + len(owner)] = cu[owner] - 1 - back
-    sample_rows = num_rows + np.arange(len(owner))
-    splits = np.split(sample_rows, np.cumsum(counts)[:-1])
-    by_step_row = {int(order[packed]): rows for packed, rows in zip(draft_rows.tolist(), splits)}
-    return (np.concatenate([batch_rows, batch_rows[owner]]), np.concatenate([ends, ends[owner] - back]),
-            by_step_row)
+    return (np.concatenate([batch_rows, batch_rows[owner]]), np.concatenate([ends, ends[owner] - back]), draft_rows,
+            DraftSampleRows(order[draft_rows], counts, num_rows) if len(draft_rows) else None)
 
 
 def _pack_spec_rows(view: np.ndarray, batch: InputBatch, batch_rows: np.ndarray, ends: np.ndarray,
-                    num_drafts: np.ndarray | None, sampled: np.ndarray, num_forks: int, first_draft_row: dict[int, int],
-                    capacity: np.ndarray) -> None:
+                    num_drafts: np.ndarray | None, sampled: np.ndarray, num_forks: int,
+                    first_draft_rows: tuple[np.ndarray | None, np.ndarray | None], capacity: np.ndarray) -> None:
     """A model drafter's words per packed sequence (``StepLayout.spec_rows``, int32[S, SPEC_ROW_WORDS]): drafts
     verified, the sample row of its first draft, the prompt token after a chunk that does not sample (0 otherwise),
     whether it proposes drafts (it samples and is no fork row), and the tokens its block table holds."""
@@ -199,8 +196,8 @@ def _pack_spec_rows(view: np.ndarray, batch: InputBatch, batch_rows: np.ndarray,
     words[:] = 0
     if num_drafts is not None:
         words[:num_rows, 0] = num_drafts
-    for packed, row in first_draft_row.items():
-        words[packed, 1] = row
+    if first_draft_rows[1] is not None:  # (drafting packed rows int64[m], their first draft sample rows int64[m])
+        words[first_draft_rows[0], 1] = first_draft_rows[1]
     pending = np.flatnonzero(~sampled)
     words[pending, 2] = batch.token_ids[batch_rows[pending], ends[pending]]
     words[:num_rows, 3] = sampled
@@ -270,8 +267,8 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
             vectors[:, np.flatnonzero(~sampled)] = _PADDING_WORDS[:, None]
         rank = int(batch.mode_rank[sample_rows].max()) if len(sample_rows) else _GREEDY_RANK
         mode = sampler_lib.MODE_ORDER[rank]
-    if wants_top and mode == sampler_lib.SamplingMode.GREEDY:
-        mode = _GREEDY_OR_TEMPERATURE  # all rows greedy: the same argmax, plus the top-K
+    if wants_logprobs and mode == sampler_lib.SamplingMode.GREEDY:
+        mode = _GREEDY_OR_TEMPERATURE  # all rows greedy: the same argmax, plus the logprobs (the greedy variant's none)
     return dict(history=history, bias_table=bias_table, mode=mode,
                 num_logprobs=max_logprobs if wants_top else 0, wants_logprobs=wants_logprobs)
 

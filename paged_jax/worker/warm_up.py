@@ -99,6 +99,17 @@ def all_jobs(runner) -> list[CompileJob]:
     return jobs + [CompileJob("prompt_logprobs", (t,)) for t in sorted({t for t, _ in runner.buckets})]
 
 
+def jobs_for_buckets(runner, buckets, modes) -> list[CompileJob]:
+    """The forwards of ``buckets`` (some of ``runner.buckets``) and, at their sampler row counts, the sampler
+    variants of ``modes`` (``SamplingMode`` values) without penalties or top logprobs: what steps of only those shapes
+    and modes run (``ModelRunner.warm_up(jobs=...)``: a benchmark's few step shapes)."""
+    jobs = [CompileJob("forward", tuple(bucket)) for bucket in sorted(set(buckets), reverse=True)]
+    rows = sorted({runner.layout(*bucket).num_sample_rows for bucket in buckets})
+    return jobs + [CompileJob("sampler", (num_rows, variant)) for num_rows in rows
+                   for variant in runner.sampler_variants
+                   if variant.mode in modes and not variant.penalties and not variant.num_logprobs]
+
+
 def num_warm_up_executables(runner) -> int:
     """Steps of ``warm_up``'s progress bar: the executables it compiles, a swap size's gather and scatter as one,
     the LoRA slot write not counted."""
