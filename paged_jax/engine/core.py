@@ -364,14 +364,23 @@ class EngineCore:
                    if flight.scheduler_output is not None else [])
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         seq_of, resolve_placeholder = self._seq_of, self.scheduler.resolve_placeholder
-        rows = []
+        rows, requests, row_tokens = [], [], []
         for row, request, output_index in flight.rows:  # every running sequence, every step: kept lean
             entry = seq_of.get(request.request_id)
             if entry is None or entry[0].seqs.get(entry[1], request) is not request:
                 continue  # aborted or finished meanwhile
             resolve_placeholder(request, output_index, tokens[row])
             rows.append((row, request, output_index))
-        self._token_outputs(rows, result, outputs)
+            requests.append(request)
+            row_tokens.append(tokens[row])
+        token_only = self._token_rows.outputs(requests, row_tokens)
+        if token_only is not None:  # a steady decode's step: every row's output is its token
+            self.generation_tokens_total += len(token_only)
+            return outputs + token_only
+        if rows and self._token_outputs(rows, result, outputs) == len(rows):  # (no rows: nothing to report)
+            self._token_rows.remember(requests, outputs[-len(rows):])
+        else:
+            self._token_rows.forget()
         return outputs
 
     # ------------------------------------------------------------------ outputs
