@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 import time
 from collections.abc import Iterable, Sequence
 
@@ -36,7 +35,8 @@ from paged_jax.core.request import Request, RequestStatus, child_seed
 from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
-from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
+from paged_jax.engine.core_outputs import TokenOnlyRows, no_text, rows_of, token_output
+from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart
 from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.engine.routed_experts import ExpertLoad, RoutedExpertsRecorder
 from paged_jax.outputs import make_logprob_dict
@@ -44,9 +44,6 @@ from paged_jax.pooling.pooler import PoolingAccumulator
 from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.structured_output import StructuredOutputManager
 from paged_jax.worker.step_io import PendingStep, StepOutput
-
-
-_OUTPUT_TOKENS = operator.attrgetter("output_token_ids")
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,6 +113,7 @@ class EngineCore:
         spec_config = engine_args.speculative_config
         self.spec_decoder = SpecDecoder(spec_config) if spec_config is not None else None
         self._batch_queue: collections.deque[_InFlightStep] = collections.deque()
+        self._token_rows = TokenOnlyRows()  # a steady decode's rows, whose outputs carry their token only
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -286,12 +284,19 @@ class EngineCore:
             first_output = {r.request_id: r.num_output_tokens for r in scheduler_output.requests
                             if r.request_id in accepted}
         progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
+        token_only = self._token_rows.outputs(progressed, tokens) if self.spec_decoder is None else None
+        if token_only is not None:  # a steady decode's step: every row's output is its token
+            self.generation_tokens_total += len(token_only)
+            return outputs + token_only
         row_of = {}
         if progressed:
-            step_rows = _rows_of(scheduler_output.requests, progressed)
+            step_rows = rows_of(scheduler_output.requests, progressed)
             output_indices = ([first_output.get(r.request_id, len(r.output_token_ids) - 1) for r in progressed]
-                              if first_output else [len(tokens) - 1 for tokens in map(_OUTPUT_TOKENS, progressed)])
-            self._token_outputs(zip(step_rows, progressed, output_indices), result, outputs)
+                              if first_output else [len(r.output_token_ids) - 1 for r in progressed])
+            if self._token_outputs(zip(step_rows, progressed, output_indices), result, outputs) == len(tokens):
+                self._token_rows.remember(progressed, outputs[-len(tokens):])
+            else:
+                self._token_rows.forget()
             if self.spec_decoder is not None:
                 row_of = dict(zip((r.request_id for r in progressed), step_rows))
         if self.spec_decoder is not None:
@@ -359,21 +364,31 @@ class EngineCore:
                    if flight.scheduler_output is not None else [])
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         seq_of, resolve_placeholder = self._seq_of, self.scheduler.resolve_placeholder
-        rows = []
+        rows, requests, row_tokens = [], [], []
         for row, request, output_index in flight.rows:  # every running sequence, every step: kept lean
             entry = seq_of.get(request.request_id)
             if entry is None or entry[0].seqs.get(entry[1], request) is not request:
                 continue  # aborted or finished meanwhile
             resolve_placeholder(request, output_index, tokens[row])
             rows.append((row, request, output_index))
-        self._token_outputs(rows, result, outputs)
+            requests.append(request)
+            row_tokens.append(tokens[row])
+        token_only = self._token_rows.outputs(requests, row_tokens)
+        if token_only is not None:  # a steady decode's step: every row's output is its token
+            self.generation_tokens_total += len(token_only)
+            return outputs + token_only
+        if rows and self._token_outputs(rows, result, outputs) == len(rows):  # (no rows: nothing to report)
+            self._token_rows.remember(requests, outputs[-len(rows):])
+        else:
+            self._token_rows.forget()
         return outputs
 
     # ------------------------------------------------------------------ outputs
     def _token_outputs(self, rows: Iterable[tuple[int, Request, int]], result: StepOutput,
-                       outputs: list[EngineCoreOutput]) -> None:
+                       outputs: list[EngineCoreOutput]) -> int:
         """Append the output of each ``(row, request, output index)`` whose token is known (a row that verified
-        drafts: its tokens from that index on); advance the beam searches that got every beam's token."""
+        drafts: its tokens from that index on); advance the beam searches that got every beam's token. Returns how
+        many of them were token-only (``core_outputs.TokenOnlyRows``)."""
         seq_of = self._seq_of
         beam_groups = []
         draft_rows = result.draft_rows or {}
@@ -390,7 +405,7 @@ class EngineCore:
                 continue
             if row in draft_rows:
                 tokens = request.output_token_ids[output_index:]
-                outputs.append(self._token_output(group, index, request, tokens, result, row))
+                outputs.append(token_output(group, index, request, tokens, result, row, self.routed_experts, self.pooling))
                 self.generation_tokens_total += len(tokens)
                 if request.is_finished:
                     self._sequence_done(group, request, index)
@@ -406,10 +421,11 @@ class EngineCore:
                 group.beam_search.record(request, make_logprob_dict(
                     token, result.logprobs[row], result.ranks[row],
                     result.top_token_ids[row][:2 * group.beam_search.params.beam_width],
-                    result.top_logprobs[row][:2 * group.beam_search.params.beam_width], _no_text))
+                    result.top_logprobs[row][:2 * group.beam_search.params.beam_width], no_text))
                 beam_groups.append(group)
                 continue
-            outputs.append(self._token_output(group, index, request, [token], result, row))
+            outputs.append(token_output(group, index, request, [token], result, row, self.routed_experts,
+                                        self.pooling))
             if request.is_finished:
                 self._sequence_done(group, request, index)
         self.generation_tokens_total += num_token_only
@@ -420,40 +436,13 @@ class EngineCore:
                 if search.done:
                     outputs += search.outputs()
                     del self._groups[group.request_id]
+        return num_token_only
 
     def _record_routing(self, scheduler_output: SchedulerOutput | None, result: StepOutput) -> None:
         if self.expert_load is not None:
             self.expert_load.record(result)
         if self.routed_experts is not None:  # of the sequences still running (async: some ended meanwhile)
             self.routed_experts.record(scheduler_output, result, self._seq_of)
-
-    def _token_output(self, group: _Group, index: int, request: Request, tokens: list[int], result: StepOutput,
-                      row: int) -> EngineCoreOutput:
-        """The output of ``tokens``, the sequence's new tokens: one, or a verifying row's, whose logprobs are the
-        target's at the draft positions and after the last draft (``_logprob_sources``)."""
-        params = request.params
-        output = EngineCoreOutput(group.request_id, index, tokens)
-        sources = _logprob_sources(result, row, len(tokens))
-        if params.logprobs is not None:
-            k = params.logprobs
-            output.new_logprobs = [TokenLogprobs(token, float(out.logprobs[i]), int(out.ranks[i]),
-                                                 out.top_token_ids[i][:k].tolist(), out.top_logprobs[i][:k].tolist())
-                                   for token, (out, i) in zip(tokens, sources)]
-        if group.cumulative_logprobs is not None:
-            group.cumulative_logprobs[index] += sum(float(out.logprobs[i]) for out, i in sources)
-            output.cumulative_logprob = group.cumulative_logprobs[index]
-        if self.routed_experts is not None:  # the positions recorded since the sequence's previous output
-            output.routed_experts = self.routed_experts.take_new(request.request_id)
-        if not group.reported_start:
-            group.reported_start = True
-            output.scheduled_time = group.scheduled_time
-            output.num_cached_tokens = request.num_cached_prompt_tokens
-        if request.is_finished:
-            output.finish_reason = request.finish_reason
-            output.stop_reason = request.stop_reason
-            if self.pooling is not None:
-                output.pooled = self.pooling.take(request.request_id)
-        return output
 
     def _prompt_logprob_outputs(self, scheduler_output: SchedulerOutput, result: StepOutput) -> list[EngineCoreOutput]:
         """The prompt logprobs a finished step computed (``result.prompt_logprobs``, one chunk per row)."""
@@ -553,35 +542,6 @@ class EngineCore:
         """Stop the runner's threads and the grammar compiler's."""
         self.structured_outputs.close()
         self.runner.close()
-
-
-def _logprob_sources(result: StepOutput, row: int, num_tokens: int) -> list[tuple[StepOutput, int]]:
-    """Where the logprobs of a row's ``num_tokens`` new tokens are: ``(outputs, index)`` each. A verifying row's
-    token i was sampled at its draft position i (``result.draft_outputs``), its k + 1-th after its last draft (the
-    row's own); any other row's one token at the row."""
-    positions = (result.draft_rows or {}).get(row)
-    if positions is None:
-        return [(result, row)]
-    return [(result.draft_outputs, positions[i]) if i < len(positions) else (result, row) for i in range(num_tokens)]
-
-
-def _rows_of(requests_of_rows: list[Request], progressed: list[Request]) -> Sequence[int]:
-    """The step row of each of ``progressed``, requests of ``requests_of_rows`` in the same order (the scheduler's
-    update keeps the row order)."""
-    if len(progressed) == len(requests_of_rows):
-        return range(len(progressed))
-    rows, row = [], 0
-    for request in progressed:
-        while requests_of_rows[row] is not request:
-            row += 1
-        rows.append(row)
-        row += 1
-    return rows
-
-
-def _no_text(token_id: int) -> None:
-    """Token text inside the core: none (the output processor decodes)."""
-    return None
 
 
 def add_all_or_none(core, requests: Iterable[EngineCoreRequest]) -> None:
