@@ -68,9 +68,15 @@ def resolve_moe_impl(impl: str, num_rows: int, hidden: int, dtype, scale_block: 
     return _REGISTRY.resolve(impl, num_rows, hidden, jnp.dtype(dtype), scale_block)
 
 
-def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype) -> Callable:
-    """The grouped matmul (``grouped_matmul_reference``'s contract) that ``impl`` runs for the static shape."""
-    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype)]
+def grouped_matmul_for(impl: str, num_rows: int, hidden: int, dtype, expert_weight=None) -> Callable:
+    """The grouped matmul (``grouped_matmul_reference``'s contract) that ``impl`` runs for the static shape, of
+    experts like ``expert_weight`` (a stacked array or ``BlockFp8Experts``; None: float experts)."""
+    return _REGISTRY[resolve_moe_impl(impl, num_rows, hidden, dtype, fp8_scale_block(expert_weight))]
+
+
+def fp8_scale_block(expert_weight) -> tuple[int, int] | None:
+    """The scale block of block-FP8 experts (``BlockFp8Experts.block``), None for a float stack."""
+    return expert_weight.block if isinstance(expert_weight, BlockFp8Experts) else None
 
 
 def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -132,9 +138,8 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     Returns:
       ``dtype[T, H]``: ``sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t])``, the sum in float32.
     """
-    scale_block = w_gate.block if isinstance(w_gate, BlockFp8Experts) else None
-    name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype, scale_block)
-    return moe_experts_with(_REGISTRY[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
+    grouped_matmul = grouped_matmul_for(impl, topk_ids.size, x.shape[1], x.dtype, w_gate)
+    return moe_experts_with(grouped_matmul, x, w_gate, w_up, w_down, topk_weights, topk_ids)
 
 
 def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,

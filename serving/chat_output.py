@@ -20,18 +20,21 @@ from serving.tool_parsers.tool_choice import RequiredToolCallParser, ToolChoice
 
 class ChoiceOutput:
     """One choice's reader. The reply is read as harmony (gpt-oss: ``serving.harmony.HarmonyReader``, on token ids)
-    when ``reasoning_parser`` is a harmony one, or the tool choice is ``auto`` with a harmony ``tool_parser``; its
-    ``analysis`` channel is reasoning only with a reasoning parser."""
+    when ``harmony`` (``OpenAIServer.reads_harmony_for``: a harmony parser chosen by flag, whatever the request's
+    tool choice, or the harmony ``tool_parser`` the template implies for this request); its tool calls are read in
+    ``auto`` mode with a harmony ``tool_parser``, its ``analysis`` channel is reasoning only with a reasoning
+    parser."""
 
     def __init__(self, tool_choice: ToolChoice, tool_parser: ToolParser | None,
-                 reasoning_parser: ReasoningParser | None, prompt: str, include_reasoning: bool = True):
+                 reasoning_parser: ReasoningParser | None, prompt: str, include_reasoning: bool = True,
+                 harmony: bool = False):
         self.tool_choice = tool_choice
         self.include_reasoning = include_reasoning
         self.tools_called = False
         self._harmony = self._reasoning = self._tools = self._named_id = None
         self._named_started = False
         read_tools = tool_choice.mode == "auto" and tool_parser is not None and tool_parser.harmony
-        if read_tools or (reasoning_parser is not None and reasoning_parser.harmony):
+        if harmony or read_tools:
             self._harmony = HarmonyReader(harmony_encoding(), read_tools, tool_choice.max_calls)
             self._harmony_reasoning = reasoning_parser is not None
             return

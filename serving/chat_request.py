@@ -58,7 +58,7 @@ async def submit_chat(server: OpenAIServer, body: ChatCompletionRequest, respons
                                       tool_parser=server.tool_parser.name if server.tool_parser else None,
                                       implied_tool_parser=server.implied_tool_parser)
     tool_parser = server.tool_call_parser(tool_choice)
-    if server.reads_harmony or (tool_parser is not None and tool_parser.harmony):
+    if server.reads_harmony_for(tool_parser):
         refuse_constraint(body, tool_choice)
     text = await server.render_chat(body.messages, with_reasoning_effort(body))
     ids = server.truncate(await server.encode(text, body.add_special_tokens, "messages",
@@ -94,5 +94,6 @@ def refuse_constraint(body: ChatCompletionRequest, tool_choice: ToolChoice) -> N
 
 def choice_output(server: OpenAIServer, body: ChatCompletionRequest, submission: ChatSubmission) -> ChoiceOutput:
     """A fresh reader of one choice's reply (reasoning, tool calls, content) for ``submission``."""
-    return ChoiceOutput(submission.tool_choice, server.tool_call_parser(submission.tool_choice),
-                        server.reasoning_parser, submission.prompt, body.include_reasoning)
+    tool_parser = server.tool_call_parser(submission.tool_choice)
+    return ChoiceOutput(submission.tool_choice, tool_parser, server.reasoning_parser, submission.prompt,
+                        body.include_reasoning, harmony=server.reads_harmony_for(tool_parser))

@@ -120,6 +120,8 @@ class HarmonyReader:
         # The token that ends a message's header: the message's text (and a call's arguments) follows. The parser's
         # own state is not read per token: the library serializes it with the message's tokens, O(length) a call.
         (self._message_token,) = encoding.encode("<|message|>", allowed_special="all")
+        # Tokens only a message's header holds: a reply that stops among them was cut short in its first header.
+        self._header_tokens = frozenset(encoding.encode("<|start|><|channel|><|constrain|>", allowed_special="all"))
         self._read_tools = read_tools
         self._max_calls = max_calls
         self._broken = False  # the library refused a token: the rest is plain text
@@ -155,9 +157,12 @@ class HarmonyReader:
                 self._parser.process_eos()
             except openai_harmony.HarmonyError:
                 pass  # a header cut short: nothing of it is text
-        if final and self._unopened:  # not a harmony reply at all: its text is the content
-            logger.warning("the reply opened no harmony message; its text is returned as content")
-            content.append(self._plain(()))
+        if final and self._unopened:
+            if self._header_tokens.isdisjoint(self._unopened):  # not a harmony reply at all: its text is content
+                logger.warning("the reply opened no harmony message; its text is returned as content")
+                content.append(self._plain(()))
+            else:  # cut short (max_tokens) inside its first header: nothing of it is text
+                self._unopened = None
         return "".join(reasoning), "".join(content), calls
 
     def _plain(self, token_ids: Sequence[int]) -> str:

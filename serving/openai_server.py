@@ -151,8 +151,8 @@ class OpenAIServer:
         check_parsers(self.reasoning_parser, self.tool_parser)
         # gpt-oss's parsers read token ids with the harmony encoding, loaded now so that a missing vocabulary
         # stops the start rather than a request.
-        load_harmony_for(self.reasoning_parser, self.tool_parser,
-                         TOOL_PARSERS[self.implied_tool_parser] if self.implied_tool_parser else None)
+        load_harmony_for(self.reasoning_parser, self.tool_parser)
+        self.implied_tool_parser = self._usable_implied_parser(self.implied_tool_parser)
         # A harmony parser chosen by flag: every reply is harmony (requests that would constrain it are refused).
         self.reads_harmony = any(parser is not None and parser.harmony
                                  for parser in (self.reasoning_parser, self.tool_parser))
@@ -160,6 +160,26 @@ class OpenAIServer:
         self.loras = loras
         self.trust_request_chat_template = trust_request_chat_template
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+
+    @staticmethod
+    def _usable_implied_parser(name: str | None) -> str | None:
+        """``name`` (the parser the chat template implies), or None with a warning when it is a harmony one whose
+        encoding cannot load here (no ``gpt-oss`` extra, or no vocabulary offline): nobody asked for it by flag,
+        so the server still starts and tools without tool_choice get the default refusal."""
+        if name is None:
+            return None
+        try:
+            load_harmony_for(TOOL_PARSERS[name])
+        except ValueError as exc:
+            logger.warning("the chat template implies the %s tool-call parser, which cannot be used here: %s",
+                           name, exc)
+            return None
+        return name
+
+    def reads_harmony_for(self, tool_parser) -> bool:
+        """Whether a request's reply is gpt-oss's harmony format: a harmony parser chosen by flag (every reply), or
+        ``tool_parser`` (``tool_call_parser``'s for the request) a harmony one."""
+        return self.reads_harmony or (tool_parser is not None and tool_parser.harmony)
 
     def tool_call_parser(self, tool_choice) -> Any:
         """The ``ToolParser`` that reads the calls of a ``tool_choice`` resolved in ``auto`` mode (None otherwise):

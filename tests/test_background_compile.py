@@ -88,7 +88,7 @@ def test_runner_serves_on_the_first_executables_then_grows_to_the_full_set(tiny_
     assert runner.num_compiles() == planned_num_compiles(32, 4) and runner.num_compiles_since_warmup == 0
 
 
-@pytest.mark.parametrize("num_speculative_tokens, rows", [(0, 8), (4, 32)])
+@pytest.mark.parametrize("num_speculative_tokens, rows", [(0, 8), (4, 32), (15, 32)])
 def test_background_order_covers_every_executable_once(tiny_model, num_speculative_tokens, rows):
     """The first set is the (1, 1) decode and the smallest prefill bucket (not the single-sequence verify bucket of
     speculative decoding) with the greedy and general samplers at their row count; the background order holds every
@@ -100,7 +100,7 @@ def test_background_order_covers_every_executable_once(tiny_model, num_speculati
     runner = ModelRunner(model, config, num_blocks=40, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                          max_num_seqs=32, max_num_batched_tokens=512, num_host_blocks=8, eos_token_ids=[2],
                          num_speculative_tokens=num_speculative_tokens)
-    assert num_speculative_tokens == 0 or (1 + num_speculative_tokens, 1) in runner.buckets
+    assert num_speculative_tokens == 0 or (1 + num_speculative_tokens, 1) in runner.buckets  # (16, 1) for k = 15
     first = first_jobs(runner)
     assert [job.label for job in first] == ["forward[1, 1]", "forward[16, 8]", f"sampler[{rows},greedy,0]",
                                             f"sampler[{rows},full,0,bias]"]

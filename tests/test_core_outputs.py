@@ -1,10 +1,18 @@
 """The core's column-wise outputs of a steady decode (``paged_jax.engine.core_outputs.TokenOnlyRows``) and the
-output processor's direct ``RequestOutput`` of a running token-id request (``paged_jax.outputs.running_token_delta``)."""
+output processor's direct ``RequestOutput`` of a running token-id request
+(``paged_jax.outputs.running_token_delta``)."""
 
+import numpy as np
+import pytest
+
+from models.testing import save_random_hf_checkpoint, tiny_config
+from paged_jax.config import EngineArgs
 from paged_jax.core.request import Request, RequestStatus
+from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.core_outputs import TokenOnlyRows
 from paged_jax.engine.messages import EngineCoreOutput
 from paged_jax.outputs import CompletionOutput, RequestOutput, running_token_delta
+from paged_jax.sampling_params import SamplingParams
 
 
 def _running(request_id: str) -> Request:
@@ -37,3 +45,50 @@ def test_running_token_delta_equals_the_dataclass_constructor():
     expected = RequestOutput("r", "text", prompt, [CompletionOutput(0, "", [7, 8], None, None)], False, 16)
     assert built == expected
     assert vars(built) == vars(expected) and vars(built.outputs[0]) == vars(expected.outputs[0])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_random_hf_checkpoint(tiny_config("llama", vocab_size=128, bos_token_id=0, eos_token_id=1),
+                                     tmp_path_factory.mktemp("tiny") / "ckpt", seed=2)
+
+
+def _trace(checkpoint, column_wise: bool, monkeypatch) -> tuple[list, int, float]:
+    """Every step's outputs of a workload with stop tokens, EOS, mixed lengths, an abort mid-decode and a pool
+    small enough to preempt: (trace, steps the column-wise rows answered, preemptions)."""
+    answered = []
+    with monkeypatch.context() as patch:
+        general = TokenOnlyRows.outputs
+
+        def outputs(self, requests, tokens):
+            found = general(self, requests, tokens) if column_wise else None
+            answered.append(found is not None)
+            return found
+
+        patch.setattr(TokenOnlyRows, "outputs", outputs)
+        engine = LLMEngine(EngineArgs(model=str(checkpoint), max_model_len=64, max_num_seqs=8,
+                                      max_num_batched_tokens=64, num_gpu_blocks_override=12,
+                                      background_compilation=False), use_tqdm=False)
+        rng = np.random.default_rng(3)
+        for i in range(12):
+            params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(20, 45)), ignore_eos=bool(i % 2),
+                                    stop_token_ids=[7] if i % 3 == 0 else None)
+            engine.add_request(f"q{i}", rng.integers(2, 128, size=int(rng.integers(3, 20))).tolist(), params)
+        trace, step = [], 0
+        while engine.has_unfinished_requests():
+            if step == 8:
+                engine.abort_request("q1")
+            trace.append([(out.request_id, list(out.outputs[0].token_ids), out.finished, out.outputs[0].finish_reason)
+                          for out in engine.step()])
+            step += 1
+        preemptions = engine.stats()["num_preemptions"]
+        engine.close()
+    return trace, sum(answered), preemptions
+
+
+def test_column_wise_outputs_equal_the_general_path(checkpoint, monkeypatch):
+    want, answered, _ = _trace(checkpoint, False, monkeypatch)
+    assert answered == 0
+    got, answered, preemptions = _trace(checkpoint, True, monkeypatch)
+    assert got == want
+    assert answered > 0 and preemptions > 0  # the path ran, beside preemption

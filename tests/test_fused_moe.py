@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.moe import resolve_moe_impl, route_top_k
+from models.moe import grouped_matmul_for, resolve_moe_impl, route_top_k
 from models.quantization import block_fp8
 from models.quantization.block_fp8 import BlockFp8Experts
 from paged_jax.ops import fused_moe
@@ -173,6 +173,10 @@ def test_auto_falls_back_to_xla_for_fp8_scale_blocks_the_kernel_cannot_tile(monk
     assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16, (8, 8)) == "xla"
     assert resolve_moe_impl("auto", 64, 32, jnp.bfloat16) == "pallas"
     assert resolve_moe_impl("pallas", 64, 32, jnp.bfloat16, (8, 8)) == "pallas"  # an explicit choice stays
+    odd = BlockFp8Experts(jnp.zeros((2, 32, 32), jnp.float8_e4m3fn), jnp.ones((2, 4, 4), jnp.float32), (8, 8))
+    # What the experts' callers (moe_experts, expert parallelism, gpt-oss, Llama 4) resolve through.
+    assert grouped_matmul_for("auto", 64, 32, jnp.bfloat16, odd) is grouped_matmul_reference
+    assert grouped_matmul_for("auto", 64, 32, jnp.bfloat16, odd.weight) is not grouped_matmul_reference
 
 
 def _block_fp8_stack(rng, num_experts, k, n, block, dtype_scale=1.0):

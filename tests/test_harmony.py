@@ -100,10 +100,12 @@ def choice(encoding, tool_choice="auto", tool_parser="openai", reasoning_parser=
     from serving.tool_parsers.tool_choice import ToolChoice
 
     assert harmony_encoding() is encoding
-    return ChoiceOutput(ToolChoice(tool_choice, max_calls=max_calls),
-                        TOOL_PARSERS[tool_parser]() if tool_parser else None,
-                        REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None, "",
-                        include_reasoning=include_reasoning)
+    parsers = (TOOL_PARSERS[tool_parser]() if tool_parser else None,
+               REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None)
+    # As the server decides (OpenAIServer.reads_harmony_for): a harmony parser chosen by flag reads every reply.
+    harmony = any(parser is not None and parser.harmony for parser in parsers)
+    return ChoiceOutput(ToolChoice(tool_choice, max_calls=max_calls), parsers[0] if tool_choice == "auto" else None,
+                        parsers[1], "", include_reasoning=include_reasoning, harmony=harmony)
 
 
 def streamed(output, ids, step=1):
@@ -164,6 +166,8 @@ def test_each_parser_alone(encoding):
     # The tool parser alone: the analysis channel is not returned without a reasoning parser.
     content, reasoning, calls = choice(encoding, reasoning_parser=None).whole("", ids)
     assert (content, reasoning, [c.function.name for c in calls]) == ("Let me check.", None, ["get_weather"])
+    # The tool parser alone and a request without tools (tool choice "none"): still read as harmony, no calls.
+    assert choice(encoding, reasoning_parser=None, tool_choice="none").whole("", ids) == ("Let me check.", None, [])
     assert choice(encoding, include_reasoning=False).whole("", reply(encoding, *ANSWER))[1] is None
 
 
@@ -172,6 +176,8 @@ def test_cut_short_and_broken_replies(encoding):
     cut = ids[:-4]  # max_tokens ended the final message (and a multi-byte character) early
     content, reasoning, _ = choice(encoding).whole("", cut)
     assert reasoning == "The user asks about é weather." and "It is sunny in" in content
+    # Cut short inside the first header (a tiny max_tokens): no header text leaks into the content.
+    assert choice(encoding).whole("", ids[:2]) == ("", None, [])
     # Not harmony at all (the model ignored the format): the text is kept as content.
     plain = encoding.encode("Just text.")
     assert choice(encoding).whole("", plain) == ("Just text.", None, [])
@@ -321,7 +327,8 @@ def test_start_up_refusals(monkeypatch, capsys):
 
 HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
                     "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
-                    "{#- a call: <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>...<|call|> #}"
+                    "{#- a call: <|start|>assistant to=functions.NAME<|channel|>commentary json"
+                    "<|message|>...<|call|> #}"
                     "<|start|>assistant")
 
 
@@ -355,6 +362,24 @@ def test_tools_without_flags_are_read_as_harmony_under_a_harmony_template(servin
             plain = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, "max_tokens": 4,
                                                             "response_format": {"type": "json_object"}})
             assert plain.status_code == 200  # no tools: the reply is not read as harmony, the constraint stands
+    finally:
+        app.state.server.engine.shutdown()
+
+
+def test_an_implied_harmony_parser_that_cannot_load_leaves_the_server_starting(serving_engine, monkeypatch, caplog):
+    from serving import harmony
+    from serving.app import create_app
+
+    def offline():
+        raise ValueError("the harmony encoding (o200k_base vocabulary) could not be loaded")
+
+    monkeypatch.setattr(harmony, "harmony_encoding", offline)
+    with pytest.raises(ValueError, match="could not be loaded"):  # chosen by flag: the start fails
+        create_app(serving_engine, served_model_name=MODEL_NAME, tool_parser="openai", enable_auto_tool_choice=True)
+    app = create_app(serving_engine, served_model_name=MODEL_NAME, chat_template=HARMONY_TEMPLATE)
+    try:
+        assert app.state.server.implied_tool_parser is None
+        assert "implies the openai tool-call parser, which cannot be used here" in caplog.text
     finally:
         app.state.server.engine.shutdown()
 

@@ -405,7 +405,8 @@ class EngineCore:
                 continue
             if row in draft_rows:
                 tokens = request.output_token_ids[output_index:]
-                outputs.append(token_output(group, index, request, tokens, result, row, self.routed_experts, self.pooling))
+                outputs.append(token_output(group, index, request, tokens, result, row, self.routed_experts,
+                                            self.pooling))
                 self.generation_tokens_total += len(tokens)
                 if request.is_finished:
                     self._sequence_done(group, request, index)

@@ -73,7 +73,7 @@ class ExpertParallel:
 
     def __call__(self, x, w_gate, w_up, w_down, topk_weights, topk_ids, *, impl: str = "xla") -> jax.Array:
         axis = self.axis
-        grouped_matmul = grouped_matmul_for(impl, topk_ids.size, x.shape[1], x.dtype)
+        grouped_matmul = grouped_matmul_for(impl, topk_ids.size, x.shape[1], x.dtype, w_gate)
 
         def per_device(x, w_gate, w_up, w_down, topk_weights, topk_ids):
             first = jax.lax.axis_index(axis) * w_gate.shape[0]

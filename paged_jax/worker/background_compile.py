@@ -41,7 +41,7 @@ import weakref
 import jax
 
 from paged_jax.worker import warm_up as warm_up_lib
-from paged_jax.worker.buckets import MIN_TOKEN_BUCKET
+from paged_jax.worker.buckets import make_buckets
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, Landing
 from paged_jax.worker.sampler import MODE_ORDER, SamplingMode
 from paged_jax.worker.step_io import SamplerVariant
@@ -140,8 +140,10 @@ def can_compile_in_background(runner) -> bool:
 def first_jobs(runner) -> list[CompileJob]:
     """The executables compiled before serving (module docstring)."""
     buckets = sorted(runner.buckets)
-    smallest = min(MIN_TOKEN_BUCKET, runner.max_num_batched_tokens)  # the token ladder's (not a verify bucket)
-    multi = [bucket for bucket in buckets if bucket[0] > 1 and bucket[0] >= smallest]
+    # A verify bucket (S * (1 + k), S) serves only steps that verify drafts: not the first multi-sequence shape.
+    limits = (runner.max_num_batched_tokens, runner.max_num_seqs)
+    verify = set(make_buckets(*limits, runner.num_speculative_tokens)) - set(make_buckets(*limits))
+    multi = [bucket for bucket in buckets if bucket[0] > 1 and bucket not in verify]
     first = [bucket for bucket in buckets if bucket == (1, 1)] + multi[:1]
     jobs = [CompileJob("forward", bucket) for bucket in first or buckets[:1]]
     if runner.pools:
