@@ -61,6 +61,7 @@ def test_rows_follow_diffs_and_stay_dense_on_removal():
         rows = batch.apply_cached(cached)
         assert [batch.req_ids[r] for r in rows] == cached.req_ids
         assert sorted(batch.req_ids) == sorted(truth) and len(batch.row_of) == batch.num_rows
+        assert batch.num_prompt_logprob_rows == sum(wants for *_, wants in truth.values())
         for req_id, (tokens, blocks, lora, prompt_logprobs) in truth.items():
             row = batch.row_of[req_id]
             assert batch.req_ids[row] == req_id

@@ -60,6 +60,7 @@ class InputBatch:
         self.lora_int_id = np.zeros((n,), np.int32)
         self.prompt_logprobs = np.zeros((n,), bool)
         self.prev_sample = np.full((n,), -1, np.int32)
+        self.num_prompt_logprob_rows = 0  # rows with ``prompt_logprobs`` set (none: packing skips them whole)
         self.params: list = [None] * n
         self.seeds: list[int] = [0] * n
         self._per_row_arrays = (self.num_tokens, self.num_prompt_tokens, self.num_blocks, self.sampling_words,
@@ -106,6 +107,7 @@ class InputBatch:
             self.num_logprobs[row] = -1
         self.lora_int_id[row] = new.lora_int_id
         self.prompt_logprobs[row] = new.prompt_logprobs
+        self.num_prompt_logprob_rows += bool(new.prompt_logprobs)
         self.prev_sample[row] = -1
         return row
 
@@ -115,6 +117,7 @@ class InputBatch:
         if row is None:
             return
         self._version += 1
+        self.num_prompt_logprob_rows -= bool(self.prompt_logprobs[row])
         last = self.num_rows - 1
         moved_id = self.req_ids.pop()
         if row == last:
@@ -167,8 +170,12 @@ class InputBatch:
                 i = int(np.argmax(ends))
                 raise ValueError(f"request {self.req_ids[crossed_rows[i]]!r}: a block table of {int(ends[i])} "
                                  f"blocks, over the {self.block_table.shape[1]} of max_model_len={self.max_model_len}")
-            self.block_table[_spans(crossed_rows, starts, lens)] = np.fromiter(
-                itertools.chain.from_iterable(map(new_block_ids.__getitem__, picked)), np.int32, int(lens.sum()))
+            ids = np.fromiter(itertools.chain.from_iterable(map(new_block_ids.__getitem__, picked)), np.int32,
+                              int(lens.sum()))
+            if len(ids) == len(picked):  # one new block per row (decodes entering their next block): a scatter
+                self.block_table[crossed_rows, starts] = ids
+            else:
+                self.block_table[_spans(crossed_rows, starts, lens)] = ids
             self.num_blocks[crossed_rows] = ends
         return rows
 

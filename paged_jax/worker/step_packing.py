@@ -10,6 +10,7 @@ batch's arrays; only rare rows (fork rows, prompt logprobs, the general sampling
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,6 +76,14 @@ class PackedStep:
         return cu[self.rows_to_packed], cu[self.rows_to_packed + 1] - cu[self.rows_to_packed]
 
 
+@functools.lru_cache(maxsize=8)
+def _identity(n: int) -> np.ndarray:
+    """int64[n] 0..n-1, read-only (shared by the steps of n rows)."""
+    out = np.arange(n)
+    out.flags.writeable = False
+    return out
+
+
 def pack_order(num_new: np.ndarray, num_forks: int) -> tuple[np.ndarray, np.ndarray]:
     """(order int64[n]: the step rows in packed order, rows_to_packed int64[n]: its inverse)."""
     n = len(num_new)
@@ -96,16 +105,22 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     """Pack one step (see the module docstring). Raises ValueError when a row's block table does not cover its
     tokens or the step exceeds the largest bucket."""
     num_forks = len(rows.fork_parents)
-    order, rows_to_packed = pack_order(rows.num_new, num_forks)
-    batch_rows, q_lens, starts = rows.batch_rows[order], rows.num_new[order], rows.starts[order]
-    num_rows = len(batch_rows)
+    num_rows = len(rows.batch_rows)
+    num_tokens = int(rows.num_new.sum())
+    # A decode step (one new token per row, no forks) is already in packed order: no reordering copies.
+    decode = num_tokens == num_rows and not num_forks
+    if decode:
+        order = rows_to_packed = _identity(num_rows)
+        batch_rows, q_lens, starts = rows.batch_rows, rows.num_new, rows.starts
+    else:
+        order, rows_to_packed = pack_order(rows.num_new, num_forks)
+        batch_rows, q_lens, starts = rows.batch_rows[order], rows.num_new[order], rows.starts[order]
     ends = starts + q_lens
     num_drafts = None if rows.num_drafts is None else rows.num_drafts[order]
     known_ends = ends if num_drafts is None else ends - num_drafts  # drafts follow the row's known tokens
     sampled = known_ends == batch.num_tokens[batch_rows]
     if num_forks:
         sampled[num_rows - num_forks:] = True
-    num_tokens = int(q_lens.sum())
     bucket_tokens, bucket_seqs = pick_bucket(buckets, num_tokens, num_rows)
     layout = layout_for(bucket_tokens, bucket_seqs)
     buf = np.zeros((layout.size,), np.int32)
@@ -140,8 +155,8 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
                         (drafting, None if draft_sample_rows is None else draft_sample_rows.first_rows()),
                         table_lens // groups * block_size)
 
-    if num_tokens == num_rows and not num_forks:  # all decodes: one token per row at position kv_len - 1
-        token_rows, token_batch_rows, positions = np.arange(num_rows), batch_rows, starts
+    if decode:  # one token per row at position kv_len - 1
+        token_rows, token_batch_rows, positions = order, batch_rows, starts
     else:
         token_rows = np.repeat(np.arange(num_rows), q_lens)
         token_batch_rows = batch_rows[token_rows]
@@ -154,11 +169,14 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     if lora:
         views["lora_slot_ids"][:num_tokens] = _lora_slots(batch, batch_rows, lora_slots)[token_rows]
 
-    sample_rows_sampled = np.concatenate([sampled, np.ones((len(sample_ends) - num_rows,), bool)])
+    sample_rows_sampled = sampled if len(sample_ends) == num_rows else np.concatenate(
+        [sampled, np.ones((len(sample_ends) - num_rows,), bool)])
     sampling = _pack_sampling(batch, sample_batch_rows, sample_rows_sampled, sample_ends, views["sampling"],
                               layout.num_sample_rows, max_logprobs)
-    prompt_targets, prompt_spans = _prompt_logprob_targets(batch, batch_rows, starts, q_lens, cu, bucket_tokens,
-                                                           rows_to_packed)
+    prompt_targets = prompt_spans = None
+    if batch.num_prompt_logprob_rows:
+        prompt_targets, prompt_spans = _prompt_logprob_targets(batch, batch_rows, starts, q_lens, cu, bucket_tokens,
+                                                               rows_to_packed)
     return PackedStep(buf=buf, layout=layout, **sampling, rows_to_packed=rows_to_packed,
                       sampled=sampled[rows_to_packed], prompt_targets=prompt_targets, prompt_spans=prompt_spans,
                       packed_batch_rows=batch_rows, packed_sampled=sampled, draft_sample_rows=draft_sample_rows)
