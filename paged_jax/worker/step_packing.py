@@ -126,16 +126,9 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     buf = np.zeros((layout.size,), np.int32)
     views = {name: buf[a:b] for name, (a, b) in layout.fields.items()}
 
-    table_lens = batch.num_blocks[batch_rows]
     groups = layout.num_kv_groups
-    bad = table_lens // groups * block_size < ends
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"request {batch.req_ids[batch_rows[i]]!r}: a block table of {int(table_lens[i])} entries "
-                         f"({groups} per block) does not cover {int(ends[i])} tokens")
-    width = int(table_lens.max()) if num_rows else 0
-    block_tables = views["block_tables"].reshape(bucket_seqs, -1)
-    block_tables[:num_rows, :width] = batch.block_table[batch_rows, :width]
+    block_tables, table_lens = _pack_block_tables(batch, batch_rows, ends, views["block_tables"], bucket_seqs, groups,
+                                                  block_size)
 
     cu = np.cumsum(q_lens)
     views["cu_q_lens"][1:num_rows + 1] = cu
@@ -180,6 +173,23 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     return PackedStep(buf=buf, layout=layout, **sampling, rows_to_packed=rows_to_packed,
                       sampled=sampled[rows_to_packed], prompt_targets=prompt_targets, prompt_spans=prompt_spans,
                       packed_batch_rows=batch_rows, packed_sampled=sampled, draft_sample_rows=draft_sample_rows)
+
+
+def _pack_block_tables(batch: InputBatch, batch_rows: np.ndarray, ends: np.ndarray, out: np.ndarray, bucket_seqs: int,
+                       groups: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' block tables into ``out`` (the layout's flat field) as ``int32[bucket_seqs, width]``; returns that
+    view and the rows' table lengths ``int[n]``. ValueError when a row's table does not cover its ``ends`` tokens
+    (``groups`` entries per block)."""
+    table_lens = batch.num_blocks[batch_rows]
+    bad = table_lens // groups * block_size < ends
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"request {batch.req_ids[batch_rows[i]]!r}: a block table of {int(table_lens[i])} entries "
+                         f"({groups} per block) does not cover {int(ends[i])} tokens")
+    width = int(table_lens.max()) if len(batch_rows) else 0
+    block_tables = out.reshape(bucket_seqs, -1)
+    block_tables[:len(batch_rows), :width] = batch.block_table[batch_rows, :width]
+    return block_tables, table_lens
 
 
 def _draft_sample_rows(num_drafts: np.ndarray, batch_rows: np.ndarray, ends: np.ndarray, cu: np.ndarray,
