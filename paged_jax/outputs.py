@@ -153,22 +153,3 @@ class RequestOutput:
         self.num_cached_tokens = next_output.num_cached_tokens
         if next_output.metrics is not None:
             self.metrics = next_output.metrics
-
-
-def running_token_delta(request_id: str, prompt: str | None, prompt_token_ids: list[int], token_ids: list[int],
-                        num_cached_tokens: int) -> RequestOutput:
-    """``RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(0, "", token_ids, None, None)],
-    False, num_cached_tokens)``, equal to it, made without the dataclasses' ``__init__``: the delta of a running
-    one-sequence request that reports token ids only, made for every such request every step while streaming."""
-    completion = _new_object(CompletionOutput)
-    completion.index, completion.text, completion.token_ids = 0, "", token_ids
-    completion.cumulative_logprob = completion.logprobs = completion.finish_reason = completion.stop_reason = None
-    completion.routed_experts = None
-    output = _new_object(RequestOutput)
-    output.request_id, output.prompt, output.prompt_token_ids = request_id, prompt, prompt_token_ids
-    output.outputs, output.finished, output.num_cached_tokens = [completion], False, num_cached_tokens
-    output.metrics = output.prompt_logprobs = None
-    return output
-
-
-_new_object = object.__new__

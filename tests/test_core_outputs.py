@@ -1,6 +1,4 @@
-"""The core's column-wise outputs of a steady decode (``paged_jax.engine.core_outputs.TokenOnlyRows``) and the
-output processor's direct ``RequestOutput`` of a running token-id request
-(``paged_jax.outputs.running_token_delta``)."""
+"""The core's column-wise outputs of a steady decode (``paged_jax.engine.core_outputs.TokenOnlyRows``)."""
 
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ from paged_jax.core.request import Request, RequestStatus
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.core_outputs import TokenOnlyRows
 from paged_jax.engine.messages import EngineCoreOutput
-from paged_jax.outputs import CompletionOutput, RequestOutput, running_token_delta
 from paged_jax.sampling_params import SamplingParams
 
 
@@ -37,14 +34,6 @@ def test_token_only_rows_serve_only_the_remembered_running_requests():
     requests[2].status = RequestStatus.RUNNING
     rows.forget()
     assert rows.outputs(requests, [4, 5, 6]) is None
-
-
-def test_running_token_delta_equals_the_dataclass_constructor():
-    prompt = [1, 2, 3]
-    built = running_token_delta("r", "text", prompt, [7, 8], 16)
-    expected = RequestOutput("r", "text", prompt, [CompletionOutput(0, "", [7, 8], None, None)], False, 16)
-    assert built == expected
-    assert vars(built) == vars(expected) and vars(built.outputs[0]) == vars(expected.outputs[0])
 
 
 @pytest.fixture(scope="module")

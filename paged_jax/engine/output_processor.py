@@ -21,8 +21,7 @@ import numpy as np
 from paged_jax.engine.detokenizer import IncrementalDetokenizer
 from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
 from paged_jax.pooling.outputs import PoolingOutput, PoolingRequestOutput
-from paged_jax.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict,
-                               running_token_delta)
+from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -151,7 +150,7 @@ class OutputProcessor:
         that got something new (finished ones included, with ``finished=True``; only those with ``finished_only``,
         each then whole), and the ``(request_id, index)`` of the sequences a stop string just ended."""
         now = time.time()
-        touched: dict[str, RequestState | RequestOutput] = {}  # a running plain request: its delta, built
+        touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
         states = self._states
         for output in outputs:
@@ -163,18 +162,15 @@ class OutputProcessor:
                 self._apply_extras(state, output)
             finish = output.finish_reason is not None
             seq = state.seqs[output.index] if state.seqs else None  # (a beam search has none)
-            new_token_ids = output.new_token_ids
-            if (seq is not None and new_token_ids and not finish and seq.detokenizer is None
+            if (seq is not None and output.new_token_ids and not finish and seq.detokenizer is None
                     and seq.logprobs is None and seq.finish_reason is None and output.cumulative_logprob is None):
-                seq.token_ids += new_token_ids  # token ids only (``_apply_tokens``' plain case)
+                seq.token_ids += output.new_token_ids  # token ids only (``_apply_tokens``' plain case)
                 metrics = state.metrics
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
                 metrics.last_token_time = now
                 if not finished_only:
-                    seen = touched.get(output.request_id)
-                    touched[output.request_id] = (_plain_delta(state, new_token_ids, seen)
-                                                  if state.plain and seen is not state else state)
+                    touched[output.request_id] = state
                 continue
             if output.beam_logprobs is not None:
                 state.beams = (state.beams or []) + [output]
@@ -187,9 +183,6 @@ class OutputProcessor:
                 continue
             # FINAL_ONLY: only a request one of whose sequences ended can have finished.
             if finish or not finished_only:
-                seen = touched.get(output.request_id)
-                if seen.__class__ is RequestOutput:  # a plain delta of this call: the general path reports it now
-                    seq.num_reported_tokens -= len(seen.outputs[0].token_ids)
                 touched[output.request_id] = state
         return self._request_outputs(touched.values(), now, finished_only), stopped
 
@@ -256,12 +249,12 @@ class OutputProcessor:
                 entries.append(make_logprob_dict(prompt[index], logprob, rank, part.top_token_ids[i],
                                                  part.top_logprobs[i], self._decode_one))
 
-    def _request_outputs(self, states: Iterable[RequestState | RequestOutput], now: float, finished_only: bool
-                         ) -> list[RequestOutput]:
+    def _request_outputs(self, states: Iterable[RequestState], now: float, finished_only: bool) -> list[RequestOutput]:
         outputs = []
         for state in states:
-            if state.__class__ is RequestOutput:  # a running plain request's delta (``_plain_delta``)
-                outputs.append(state)
+            if state.plain and state.seqs[0].finish_reason is None:  # running: the common request of every step
+                if not finished_only:
+                    outputs.append(_plain_delta(state))
                 continue
             finished = state.finished
             if finished:
@@ -331,20 +324,16 @@ class OutputProcessor:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
 
-def _plain_delta(state: RequestState, new_token_ids: list[int], built: RequestOutput | RequestState | None
-                 ) -> RequestOutput:
-    """``OutputProcessor._delta_output`` of a running ``plain`` request that just appended ``new_token_ids``: its
-    token ids new since its last output (``built``: the delta this call already made for it, or None). The core's
-    ``new_token_ids`` list itself is the delta when nothing earlier is unreported: the caller's from here on."""
+def _plain_delta(state: RequestState) -> RequestOutput:
+    """``OutputProcessor._delta_output`` of a running ``plain`` request: its token ids new since its last output."""
     seq = state.seqs[0]
     start, token_ids = seq.num_reported_tokens, seq.token_ids
-    seq.num_reported_tokens = len(token_ids)
-    if built.__class__ is RequestOutput:
-        completion = built.outputs[0]
-        completion.token_ids = completion.token_ids + new_token_ids
-        return built
-    delta = new_token_ids if start == len(token_ids) - len(new_token_ids) else token_ids[start:]
-    return running_token_delta(state.request_id, state.prompt, state.prompt_token_ids, delta, state.num_cached_tokens)
+    completions = []
+    if len(token_ids) > start:
+        seq.num_reported_tokens = len(token_ids)
+        completions.append(CompletionOutput(0, "", token_ids[start:], None, None))
+    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, False,
+                         state.num_cached_tokens)
 
 
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:

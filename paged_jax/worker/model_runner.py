@@ -51,7 +51,7 @@ from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blo
 from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
 from paged_jax.worker.step_forward import SingleProgramForward, StepForward
 from paged_jax.core.sched_output import SchedulerOutput, encode_step
-from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout, start_host_copies
+from paged_jax.worker.step_io import PendingStep, SamplerVariant, StepLayout
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.kv_group_pool import KVPoolLayout, kv_page_shapes, mixes_kv_groups
 from paged_jax.worker.moe_outputs import MoeStepOutputs
@@ -65,7 +65,6 @@ from paged_jax.sampling_params import MAX_LOGPROBS
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = 0
-_FULL_MODE = sampler_lib.SamplingMode.FULL.value
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -465,7 +464,7 @@ class ModelRunner:
         # Full mode's variants all take the bias table (ModelRunner.sampler_variants): without a row that uses it,
         # a neutral one (no logit_bias entries, every token allowed).
         bias_table = (jax.device_put(sampling.bias_table, self.device) if sampling.bias_table is not None
-                      else self._neutral_bias_tables[num_rows] if mode == _FULL_MODE
+                      else self._neutral_bias_tables[num_rows] if mode == sampler_lib.SamplingMode.FULL.value
                       else self._no_history[num_rows])
         history = (jax.device_put(sampling.history, self.device) if sampling.history is not None
                    else self._no_history[num_rows])
@@ -478,7 +477,8 @@ class ModelRunner:
         moe_fetch = {} if moe is None else dict(zip(moe, local_copies(tuple(moe.values()))))
         draft_fetch = () if draft_inputs is None else local_copies((self.drafter.propose(outs[0], hidden,
                                                                                           *draft_inputs),))
-        start_host_copies((*fetch, *prompt_fetch, *moe_fetch.values(), *draft_fetch))  # result() only waits
+        for array in (*fetch, *prompt_fetch, *moe_fetch.values(), *draft_fetch):
+            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
         return fetch, prompt_fetch, moe_fetch, draft_fetch
 
     def write_lora_slot(self, slot: int, loaded) -> None:

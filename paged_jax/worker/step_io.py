@@ -83,18 +83,6 @@ def _sampler_rows(host: list[np.ndarray], rows: np.ndarray | slice) -> StepOutpu
     return out
 
 
-def start_host_copies(arrays) -> None:
-    """Start the device->host copy of each of ``arrays`` (jax.Arrays this process can fetch whole: one device's, or
-    replicated) so that ``PendingStep.result()`` only waits for it. ``jax.Array.copy_to_host_async`` adds a profiler
-    annotation and sharding checks per call; such an array's one copy is the one it starts anyway."""
-    for array in arrays:
-        start = getattr(array, "_copy_single_device_array_to_host_async", None)
-        if start is None or not array.is_fully_replicated:
-            array.copy_to_host_async()
-        else:
-            start()
-
-
 @dataclasses.dataclass(frozen=True)
 class DraftSampleRows:
     """Speculative decoding: the step rows that verify drafts, int64[m] in packed order, their draft counts int64[m],
