@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, refuse_mlp_lora,
-                        sort_by_expert)
+from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, in_pair_order,
+                        refuse_mlp_lora, sort_by_expert)
 from models.quantization import mxfp4
 
 # Expert parameters stored under their own names in the checkpoint, in model layout (the loader reads them as is).
@@ -135,7 +135,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         act = clamped_swiglu(gate_up, self.alpha, self.limit).astype(dtype)
         out = matmul(act, experts.weight("down_proj", dtype), group_sizes).astype(jnp.float32)
         out = out + experts.down_proj_bias[...][expert_of_row].astype(jnp.float32)
-        return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+        return in_pair_order(out, order)
 
     def _gathered(self, x: jax.Array, ids: jax.Array) -> jax.Array:
         """``_grouped``'s result for MXFP4 experts, each pair multiplied by its own expert's packed weights

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, refuse_mlp_lora,
-                        sort_by_expert)
+from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, in_pair_order,
+                        refuse_mlp_lora, sort_by_expert)
 
 # Expert parameters stored under their own names and layout in the checkpoint (the loader reads them as they are).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -95,4 +95,4 @@ class Llama4MoeBlock(SparseMoeBlock):
         gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
         act = (jax.nn.silu(gate) * up).astype(dtype)
         out = matmul(act, experts.down_proj[...].astype(dtype), group_sizes)
-        return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+        return in_pair_order(out, order)

@@ -99,6 +99,16 @@ def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> tuple[jax.Array, ja
     return order, group_sizes
 
 
+def in_pair_order(sorted_rows: jax.Array, order: jax.Array) -> jax.Array:
+    """Rows sorted by expert back in (token, slot) pair order: ``sorted_rows [M, H]`` (row ``r`` is pair
+    ``order[r]``; ``sort_by_expert``) -> ``[M, H]``, row ``p`` pair ``p``. A gather through the inverse permutation,
+    so the consumer (the weighted top-k sum) can fuse it, and no zero-filled buffer exists for XLA to allocate ahead
+    of the layer."""
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                   unique_indices=True)
+    return sorted_rows[position]
+
+
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                              row_index: jax.Array | None = None, up_rhs: jax.Array | None = None) -> jax.Array:
     """The grouped matmul of rows sorted by expert, in jnp (``lax.ragged_dot``; float32 accumulation).
@@ -157,9 +167,7 @@ def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, 
     w_gate, w_up, w_down = (expert_operand(w, dtype) for w in (w_gate, w_up, w_down))
     act = grouped_matmul(x, w_gate, group_sizes, row_index=order // top_k, up_rhs=w_up)  # [T * k, I]
     out_sorted = grouped_matmul(act, w_down, group_sizes)  # [T * k, H]
-    # Back to (token, slot) order: sorted row r holds pair order[r].
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
-    out = out.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
+    out = in_pair_order(out_sorted, order).reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
 
 

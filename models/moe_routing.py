@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from models.moe import ROUTED_EXPERTS, SparseMoeBlock, expert_operand, sort_by_expert
+from models.moe import ROUTED_EXPERTS, SparseMoeBlock, expert_operand, in_pair_order, sort_by_expert
 
 
 def local_experts_partial(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -54,8 +54,7 @@ def local_experts_partial(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Ar
     out_sorted = grouped_matmul(act, expert_operand(w_down, dtype), group_sizes)  # [T * k, H]
     in_group = jnp.arange(out_sorted.shape[0]) < jnp.sum(group_sizes)
     out_sorted = jnp.where(in_group[:, None], out_sorted, 0)
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
-    out = out.reshape(num_tokens, top_k, hidden).astype(jnp.float32)
+    out = in_pair_order(out_sorted, order).reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     weights = jnp.where(is_local, topk_weights, 0.0)
     return jnp.sum(out * weights[:, :, None], axis=1)
 

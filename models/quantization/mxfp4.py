@@ -35,13 +35,24 @@ def packed_shapes(num_experts: int, out_features: int, in_features: int) -> tupl
 
 def dequantize(blocks: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """``blocks uint8[..., out, G, 16]``, ``scales uint8[..., out, G]`` -> ``dtype[..., G * 32, out]`` (model layout:
-    inputs first). Leading axes (experts, or gathered experts) pass through."""
-    lut = jnp.asarray(FP4_VALUES, jnp.float32)
+    inputs first). Leading axes (experts, or gathered experts) pass through. Decoded in bfloat16 when that is
+    ``dtype`` (exact there), so no float32 copy of the weight is materialized."""
+    compute = jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
+    lut = jnp.asarray(FP4_VALUES, compute)
     low, high = lut[(blocks & 0x0F).astype(jnp.int32)], lut[(blocks >> 4).astype(jnp.int32)]
     values = jnp.stack([low, high], axis=-1).reshape(*blocks.shape[:-1], BLOCK)  # [..., out, G, 32]
-    values = jnp.ldexp(values, scales.astype(jnp.int32)[..., None] - SCALE_BIAS)
+    values = values * scale_factors(scales, compute)[..., None]
     weight = values.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)  # [..., out, in]
     return jnp.swapaxes(weight, -1, -2).astype(dtype)
+
+
+def scale_factors(scales: jax.Array, dtype) -> jax.Array:
+    """``scales uint8[...]`` (e8m0) -> ``dtype[...]``: ``2 ** (scale - 127)``, looked up (exact powers of two; code 255,
+    NaN in the format, gives inf). A multiply by these equals ``ldexp`` without its range checks, which XLA
+    materializes as masks the size of the weight."""
+    with np.errstate(over="ignore"):
+        table = np.ldexp(np.float32(1), np.arange(256) - SCALE_BIAS).astype(np.float32)
+    return jnp.asarray(table, dtype)[scales.astype(jnp.int32)]
 
 
 def matvec(x: jax.Array, blocks: jax.Array, scales: jax.Array) -> jax.Array:
@@ -55,7 +66,7 @@ def matvec(x: jax.Array, blocks: jax.Array, scales: jax.Array) -> jax.Array:
     x_runs = x.astype(jnp.float32).reshape(rows, 1, groups, BLOCK // 2, 2)  # [..., byte, (low, high) nibble]
     low = jnp.sum(lut[(blocks & 0x0F).astype(jnp.int32)] * x_runs[..., 0], axis=-1)
     high = jnp.sum(lut[(blocks >> 4).astype(jnp.int32)] * x_runs[..., 1], axis=-1)
-    return jnp.sum(jnp.ldexp(low + high, scales.astype(jnp.int32) - SCALE_BIAS), axis=-1)
+    return jnp.sum((low + high) * scale_factors(scales, jnp.float32), axis=-1)
 
 
 def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
