@@ -63,7 +63,8 @@ class RequestState:
     pooling: bool = False  # a pooling request: one PoolingRequestOutput when finished (``pooled``: its vector)
     pooled: list[float] | None = None
     # One sequence reporting token ids only (no text, logprobs, cumulative logprob or prompt logprobs; not pooling,
-    # best_of or beam search): its running outputs take ``_request_outputs``' first branch (most requests of a token-id workload).
+    # best_of or beam search): its running outputs take ``_request_outputs``' first branch (most requests of a
+    # token-id workload).
     plain: bool = False
 
     @property
