@@ -63,7 +63,7 @@ class RequestMetrics:
     time_in_queue: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # one per running request per step: no instance dict
 class CompletionOutput:
     """One output sequence of a request (vLLM's ``CompletionOutput``).
 
@@ -94,7 +94,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)  # one per running request per step: no instance dict
 class RequestOutput:
     """Everything the engine reports about one request (vLLM's ``RequestOutput``).
 

@@ -8,7 +8,7 @@ from paged_jax.config import EngineArgs
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.engine.llm_engine import LLMEngine
 from paged_jax.engine.core_outputs import TokenOnlyRows
-from paged_jax.engine.messages import EngineCoreOutput
+from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput
 from paged_jax.sampling_params import SamplingParams
 
 
@@ -24,8 +24,10 @@ def test_token_only_rows_serve_only_the_remembered_running_requests():
     assert rows.outputs(requests, [4, 5, 6]) is None  # nothing remembered yet
     rows.remember(requests, [EngineCoreOutput("a", 0, [1]), EngineCoreOutput("a", 1, [2]),
                              EngineCoreOutput("b", 0, [3])])
-    assert rows.outputs(list(requests), [4, 5, 6]) == [EngineCoreOutput("a", 0, [4]), EngineCoreOutput("a", 1, [5]),
-                                                        EngineCoreOutput("b", 0, [6])]
+    columns = rows.outputs(list(requests), [4, 5, 6])
+    assert columns == DecodeTokens(["a", "a", "b"], [0, 1, 0], [4, 5, 6])
+    assert columns.expand() == [EngineCoreOutput("a", 0, [4]), EngineCoreOutput("a", 1, [5]),
+                                EngineCoreOutput("b", 0, [6])]
     assert rows.outputs(requests[:2], [4, 5]) is None  # other rows
     assert rows.outputs([requests[1], requests[0], requests[2]], [4, 5, 6]) is None  # another order
     assert rows.outputs(requests[:2] + [_running("b")], [4, 5, 6]) is None  # another request of the same id

@@ -1,5 +1,7 @@
 """The offline ``LLM`` API on SmolLM2: input forms, input order, chat template, validation, the CLI."""
 
+import gc
+
 import pytest
 
 from paged_jax.entrypoints.chat import ChatTemplateError, chat_prompt_token_ids, normalize_message, render_chat
@@ -50,6 +52,28 @@ def test_per_prompt_sampling_params(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
     assert_idle(llm)
+
+
+def test_generate_steps_with_the_start_heap_frozen(llm, monkeypatch):
+    """A generation's steps run with the heap alive at its start frozen (full collections skip it), put back
+    afterwards; a heap the caller froze stays frozen."""
+    gc.unfreeze()  # (whatever an earlier test froze: only collection times change)
+    engine, counts = llm.llm_engine, []
+    step = engine.step
+
+    def counting_step(**kwargs):
+        counts.append(gc.get_freeze_count())
+        return step(**kwargs)
+
+    monkeypatch.setattr(engine, "step", counting_step)
+    llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert counts and min(counts) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+        assert gc.get_freeze_count() > 0  # (frozen objects freed meanwhile leave the count)
+    finally:
+        gc.unfreeze()
 
 
 def test_chat_applies_template(llm, smollm2_tokenizer, hf_greedy):

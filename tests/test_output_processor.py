@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest
+from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest
 from paged_jax.engine.output_processor import OutputProcessor
 from paged_jax.sampling_params import SamplingParams
 
@@ -99,7 +99,7 @@ def _random_steps(seed: int) -> tuple[list[EngineCoreRequest], list[list[EngineC
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("finished_only", [False, True])
 def test_plain_requests_fast_path_gives_the_general_outputs(seed, finished_only, monkeypatch):
-    """Running one-sequence token-id requests take ``_plain_delta``: the same ``RequestOutput`` s (metrics aside:
+    """Running one-sequence token-id requests take the ``plain`` branch: the same ``RequestOutput`` s (metrics aside:
     wall-clock times) as the general path, with n = 2 requests and finishes among them."""
     def run(plain: bool) -> list:
         requests, calls = _random_steps(seed)
@@ -117,3 +117,53 @@ def test_plain_requests_fast_path_gives_the_general_outputs(seed, finished_only,
     plain_trace = run(True)
     assert plain_trace == run(False)
     assert sum(len(outputs) for outputs, _ in plain_trace[0]) > 0
+
+
+def _as_columns(call: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], DecodeTokens]:
+    """Split a call's outputs as a steady decode's core sends them: the token-only ones (one token, no finish, not
+    a first output) as ``DecodeTokens`` after the others."""
+    rest, columns = [], DecodeTokens([], [], [])
+    for output in call:
+        if (len(output.new_token_ids) == 1 and output.finish_reason is None and output.scheduled_time is None
+                and not output.num_cached_tokens):
+            columns.request_ids.append(output.request_id)
+            columns.indices.append(output.index)
+            columns.token_ids.append(output.new_token_ids[0])
+        else:
+            rest.append(output)
+    return rest, columns
+
+
+class _NoText:
+    """A detokenizer that makes no text (the general path's per-token work, without a tokenizer)."""
+
+    def append(self, token_ids, finished: bool) -> tuple[str, None]:
+        return "", None
+
+    def emitted_since(self, num_chars: int) -> str:
+        return ""
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("finished_only", [False, True])
+def test_decode_columns_give_the_outputs_of_their_rows(seed, finished_only):
+    """``DecodeTokens`` columns (plain and n = 2 requests, tokens after a finish) give the same ``RequestOutput`` s
+    (metrics aside) as the same outputs one object per row in the same order, with a detokenizing request taking
+    the general path."""
+    def run(columns: bool) -> list:
+        requests, calls = _random_steps(seed)
+        processor = OutputProcessor(None)
+        for request in requests:
+            processor.add_request(request, None)
+        processor._states["r0"].seqs[0].detokenizer = _NoText()  # a row the columns cannot take as is
+        trace = []
+        for call in calls:
+            rest, decode = _as_columns(call)
+            outputs, stopped = (processor.process_outputs(rest, finished_only, decode) if columns else
+                                processor.process_outputs(rest + decode.expand(), finished_only))
+            trace.append(([dataclasses.replace(o, metrics=None) for o in outputs], stopped))
+        return trace
+
+    trace = run(True)
+    assert trace == run(False)
+    assert sum(len(outputs) for outputs, _ in trace) > 0

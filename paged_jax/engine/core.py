@@ -36,7 +36,7 @@ from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
 from paged_jax.engine.core_outputs import TokenOnlyRows, no_text, rows_of, token_output
-from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart
+from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart
 from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.engine.routed_experts import ExpertLoad, RoutedExpertsRecorder
 from paged_jax.outputs import make_logprob_dict
@@ -259,18 +259,26 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; returns the outputs of the sequences that progressed (with async scheduling, of the step
         that completed during this call; a call that schedules nothing just completes the step in flight)."""
+        outputs, decode = self.step_columns()
+        return outputs + decode.expand() if decode is not None else outputs
+
+    def step_columns(self) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
+        """``step``'s outputs, those of a steady decode's rows as one ``DecodeTokens`` (after the others) rather
+        than an object per row."""
         if self.rollout.pause_mode is not None:
             paused_outputs = self.rollout.take_outputs()  # the aborts of pause_generation("abort")
             if self.rollout.frozen or paused_outputs:
-                return paused_outputs + (self._complete_oldest() if self._batch_queue else [])
+                return self._with_oldest(paused_outputs) if self._batch_queue else (paused_outputs, None)
         if self.async_scheduling:
             return self._step_async()
         # A step left in flight by async scheduling just turned off completes first.
-        outputs = self._complete_oldest() if self._batch_queue else []
+        outputs, decode = self._with_oldest([]) if self._batch_queue else ([], None)
+        if decode is not None:
+            outputs, decode = outputs + decode.expand(), None
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output)
         if handle is None:
-            return outputs
+            return outputs, None
         result = handle.result()
         self._record_routing(scheduler_output, result)
         outputs += self._prompt_logprob_outputs(scheduler_output, result)
@@ -284,10 +292,10 @@ class EngineCore:
             first_output = {r.request_id: r.num_output_tokens for r in scheduler_output.requests
                             if r.request_id in accepted}
         progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
-        token_only = self._token_rows.outputs(progressed, tokens) if self.spec_decoder is None else None
-        if token_only is not None:  # a steady decode's step: every row's output is its token
-            self.generation_tokens_total += len(token_only)
-            return outputs + token_only
+        decode = self._token_rows.outputs(progressed, tokens) if self.spec_decoder is None else None
+        if decode is not None:  # a steady decode's step: every row's output is its token
+            self.generation_tokens_total += len(tokens)
+            return outputs, decode
         row_of = {}
         if progressed:
             step_rows = rows_of(scheduler_output.requests, progressed)
@@ -302,20 +310,30 @@ class EngineCore:
         if self.spec_decoder is not None:
             self.spec_decoder.propose(progressed, self.scheduler.num_running,
                                       self.spec_decoder.model_drafts(progressed, row_of, result))
-        return outputs
+        return outputs, None
 
-    def _step_async(self) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+    def _step_async(self) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
+        outputs, decode = [], None
         if self._batch_queue and self._needs_tokens_first(self._batch_queue[0]):
-            outputs += self._complete_oldest()
+            outputs, decode = self._with_oldest(outputs)
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output, defer_sampling=bool(self._batch_queue))
         if self._batch_queue:
-            outputs += self._complete_oldest()  # waits for step k while step k+1 runs
+            outputs, decode = self._with_oldest(outputs, decode)  # waits for step k while step k+1 runs
         if handle is not None:
             self.runner.dispatch_sampling(handle)  # a no-op unless only the forward went (grammar rows)
             self._enqueue(scheduler_output, handle)
-        return outputs
+        return outputs, decode
+
+    def _with_oldest(self, outputs: list[EngineCoreOutput], decode: DecodeTokens | None = None
+                     ) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
+        """``outputs`` (then ``decode``'s) followed by the oldest in-flight step's (``_complete_oldest``)."""
+        if decode is not None:
+            outputs = outputs + decode.expand()
+        completed = self._complete_oldest()
+        if isinstance(completed, DecodeTokens):
+            return outputs, completed
+        return outputs + completed, None
 
     def _launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> PendingStep | None:
         """Hand the step to the runner; None when it has no rows."""
@@ -354,9 +372,10 @@ class EngineCore:
         then (grammars only need them at sampling: ``_step_async``)."""
         return any(request.params is not None and request.params.reads_output_tokens for _, request, _ in flight.rows)
 
-    def _complete_oldest(self) -> list[EngineCoreOutput]:
+    def _complete_oldest(self) -> list[EngineCoreOutput] | DecodeTokens:
         """Fetch the oldest in-flight step's tokens, put them in place of its placeholders (applying the stop tokens
-        the scheduler could not see then) and report them."""
+        the scheduler could not see then) and report them (a steady decode's as columns, when no other output
+        came)."""
         flight = self._batch_queue.popleft()
         result = flight.handle.result()
         self._record_routing(flight.scheduler_output, result)
@@ -373,10 +392,10 @@ class EngineCore:
             rows.append((row, request, output_index))
             requests.append(request)
             row_tokens.append(tokens[row])
-        token_only = self._token_rows.outputs(requests, row_tokens)
-        if token_only is not None:  # a steady decode's step: every row's output is its token
-            self.generation_tokens_total += len(token_only)
-            return outputs + token_only
+        decode = self._token_rows.outputs(requests, row_tokens)
+        if decode is not None:  # a steady decode's step: every row's output is its token
+            self.generation_tokens_total += len(row_tokens)
+            return outputs + decode.expand() if outputs else decode
         if rows and self._token_outputs(rows, result, outputs) == len(rows):  # (no rows: nothing to report)
             self._token_rows.remember(requests, outputs[-len(rows):])
         else:

@@ -3,7 +3,8 @@
 ``token_output`` makes one sequence's output (its new tokens, their logprobs, its first-output facts and finish).
 ``TokenOnlyRows`` is the column-wise path of a steady decode: while a step's rows are the same running requests as
 a step whose outputs all carried their token only (no logprobs, grammar, drafts, routing, pooling, first-output facts
-or finish), their outputs are made from the sampled token ids alone, without a per-row check.
+or finish), their outputs are one ``DecodeTokens`` made from the sampled token ids alone, without a per-row check or
+object.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import operator
 from collections.abc import Sequence
 
 from paged_jax.core.request import Request, RequestStatus
-from paged_jax.engine.messages import EngineCoreOutput, TokenLogprobs
+from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, TokenLogprobs
 from paged_jax.worker.step_io import StepOutput
 
 _STATUS = operator.attrgetter("status")
@@ -38,7 +39,7 @@ class TokenOnlyRows:
     def forget(self) -> None:
         self.requests, self.request_ids, self.indices = [], [], []
 
-    def outputs(self, progressed: list[Request], tokens: Sequence[int]) -> list[EngineCoreOutput] | None:
+    def outputs(self, progressed: list[Request], tokens: Sequence[int]) -> DecodeTokens | None:
         """The outputs of a step whose rows all progressed (``progressed``, row order; ``tokens`` their sampled ids)
         when those are the remembered requests, all still running; else None. What made a row token-only stays so
         while it runs (its parameters, no grammar, its first output reported)."""
@@ -46,7 +47,7 @@ class TokenOnlyRows:
             return None
         if any(status is not RequestStatus.RUNNING for status in set(map(_STATUS, progressed))):
             return None
-        return list(map(EngineCoreOutput, self.request_ids, self.indices, [[token] for token in tokens]))
+        return DecodeTokens(self.request_ids, self.indices, tokens if type(tokens) is list else list(tokens))
 
 
 def token_output(group, index: int, request: Request, tokens: list[int], result: StepOutput, row: int,

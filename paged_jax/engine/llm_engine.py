@@ -50,6 +50,7 @@ class LLMEngine:
                            else EngineCore(engine_args, use_tqdm=use_tqdm, devices=devices))
         self.engine_core = engine_core
         self._process_core = self.engine_core if isinstance(self.engine_core, EngineCoreProcClient) else None
+        self._in_process_core = isinstance(self.engine_core, EngineCore)
         info = self.engine_core.info
         self.info = info
         self.tokenizer = self.engine_core.tokenizer
@@ -150,10 +151,13 @@ class LLMEngine:
         (FINAL_ONLY) returns just the finished ones: a caller asking only those (``LLM.generate``) gets each
         generation whole. With a process core: the outputs of every core step finished since the last call
         (blocking for one while none came and requests are live; returning early on admissions or ``wakeup``)."""
-        core_outputs = self.engine_core.step()
+        if self._in_process_core:  # a steady decode's outputs come as columns
+            core_outputs, decode = self.engine_core.step_columns()
+        else:
+            core_outputs, decode = self.engine_core.step(), None
         if not core_outputs and self._process_core is not None and self._process_core.core_is_idle():
             self._drop_lost_requests()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs, finished_only)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, finished_only, decode)
         if stopped:
             self.engine_core.abort_requests((), stopped)
         return outputs

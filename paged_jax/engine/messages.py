@@ -128,6 +128,20 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     routed_experts: RoutedExperts | None = None
 
 
+class DecodeTokens(msgspec.Struct, array_like=True, gc=False):
+    """The token-only outputs of one steady decode step, as columns: sequence ``indices[i]`` of request
+    ``request_ids[i]`` got the one token ``token_ids[i]`` (each list one entry per row). Such an output carries
+    nothing else: no logprobs or cumulative logprob, not the sequence's first output, no finish (the engine core's
+    ``core_outputs.TokenOnlyRows`` makes them; ``expand`` gives the same outputs one object per row)."""
+
+    request_ids: list[str]
+    indices: list[int]
+    token_ids: list[int]
+
+    def expand(self) -> list[EngineCoreOutput]:
+        return list(map(EngineCoreOutput, self.request_ids, self.indices, [[token] for token in self.token_ids]))
+
+
 class Admission(msgspec.Struct, array_like=True, gc=False):
     """The core's answer to ``AddRequests`` ``group_id``: ``error`` None (all added) or the message of the error
     that refused the whole group: a ValueError, or with ``overloaded`` an ``EngineOverloadedError`` (the waiting

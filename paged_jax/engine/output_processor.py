@@ -19,7 +19,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from paged_jax.engine.detokenizer import IncrementalDetokenizer
-from paged_jax.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart, TokenLogprobs
+from paged_jax.engine.messages import (DecodeTokens, EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart,
+                                      TokenLogprobs)
 from paged_jax.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
@@ -62,7 +63,8 @@ class RequestState:
     pooling: bool = False  # a pooling request: one PoolingRequestOutput when finished (``pooled``: its vector)
     pooled: list[float] | None = None
     # One sequence reporting token ids only (no text, logprobs, cumulative logprob or prompt logprobs; not pooling,
-    # best_of or beam search): its running outputs take ``_plain_delta`` (most requests of a token-id workload).
+    # best_of or beam search): its running outputs take ``_request_outputs``' first branch (most requests of a
+    # token-id workload).
     plain: bool = False
 
     @property
@@ -142,9 +144,10 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput], finished_only: bool = False
-                        ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """Apply one or more core steps' outputs (in step order).
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput], finished_only: bool = False,
+                        decode: DecodeTokens | None = None) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one or more core steps' outputs (in step order; ``decode``: a steady decode step's token-only
+        outputs as columns, after ``outputs``).
 
         Returns ``(request outputs, sequences to abort in the core)``: the delta ``RequestOutput`` of every request
         that got something new (finished ones included, with ``finished=True``; only those with ``finished_only``,
@@ -184,7 +187,31 @@ class OutputProcessor:
             # FINAL_ONLY: only a request one of whose sequences ended can have finished.
             if finish or not finished_only:
                 touched[output.request_id] = state
+        if decode is not None:
+            self._apply_decode(decode, now, finished_only, touched, stopped)
         return self._request_outputs(touched.values(), now, finished_only), stopped
+
+    def _apply_decode(self, decode: DecodeTokens, now: float, finished_only: bool, touched: dict[str, RequestState],
+                      stopped: list[tuple[str, int]]) -> None:
+        """``process_outputs`` of ``decode``'s rows: a sequence with no text or logprobs to make takes its token as
+        is (such a row is never a sequence's first output nor its last); any other one the general path's."""
+        states = self._states
+        for request_id, index, token in zip(decode.request_ids, decode.indices, decode.token_ids):
+            state = states.get(request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            seq = state.seqs[index]
+            if seq.detokenizer is None and seq.logprobs is None and seq.finish_reason is None:
+                seq.token_ids.append(token)
+                state.metrics.last_token_time = now
+                if not finished_only:
+                    touched[request_id] = state
+                continue
+            finish = self._apply_tokens(state, EngineCoreOutput(request_id, index, [token]), now)
+            if finish:
+                stopped.append((request_id, index))
+            if finish or not finished_only:
+                touched[request_id] = state
 
     def _apply_extras(self, state: RequestState, output: EngineCoreOutput) -> None:
         """What an output carries besides tokens: first-output facts, prompt logprobs, pooled vector, routing."""
@@ -251,10 +278,17 @@ class OutputProcessor:
 
     def _request_outputs(self, states: Iterable[RequestState], now: float, finished_only: bool) -> list[RequestOutput]:
         outputs = []
+        add_output = outputs.append
         for state in states:
-            if state.plain and state.seqs[0].finish_reason is None:  # running: the common request of every step
-                if not finished_only:
-                    outputs.append(_plain_delta(state))
+            if state.plain and (seq := state.seqs[0]).finish_reason is None:  # running: every step's common request
+                if not finished_only:  # its delta: the token ids new since its last output
+                    token_ids, start = seq.token_ids, seq.num_reported_tokens
+                    completions = []
+                    if len(token_ids) > start:
+                        seq.num_reported_tokens = len(token_ids)
+                        completions = [CompletionOutput(0, "", token_ids[start:], None, None)]
+                    add_output(RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                                             False, state.num_cached_tokens))
                 continue
             finished = state.finished
             if finished:
@@ -322,18 +356,6 @@ class OutputProcessor:
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
-
-
-def _plain_delta(state: RequestState) -> RequestOutput:
-    """``OutputProcessor._delta_output`` of a running ``plain`` request: its token ids new since its last output."""
-    seq = state.seqs[0]
-    start, token_ids = seq.num_reported_tokens, seq.token_ids
-    completions = []
-    if len(token_ids) > start:
-        seq.num_reported_tokens = len(token_ids)
-        completions.append(CompletionOutput(0, "", token_ids[start:], None, None))
-    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, False,
-                         state.num_cached_tokens)
 
 
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:
