@@ -518,10 +518,8 @@ class ModelRunner:
         if num_forks:
             step_row_of = {req_id: i for i, req_id in enumerate(scheduler_output.row_req_ids())}
             fork_parents = [step_row_of[parent] for _, parent in scheduler_output.fork_rows]
-        if new_rows or fork_rows:
-            batch_rows = np.concatenate([cached_rows, np.asarray(new_rows + fork_rows, np.int64)])
-        else:  # running rows only (a decode step): no copies
-            batch_rows = cached_rows
+        batch_rows = (np.concatenate([cached_rows, np.asarray(new_rows + fork_rows, np.int64)])
+                      if new_rows or fork_rows else cached_rows)  # running rows only (a decode step): no copy
         num_new = np.asarray(scheduler_output.num_scheduled_tokens + [0] * num_forks, np.int64)
         starts = np.asarray(scheduler_output.row_num_computed_tokens(), np.int64)
         if int((starts + num_new).max()) > self.max_model_len:
