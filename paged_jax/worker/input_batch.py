@@ -190,6 +190,7 @@ class InputBatch:
         except KeyError as e:
             raise ValueError(f"request {e.args[0]!r} is scheduled as running but has no row in the runner's batch "
                              "(send it as new)") from None
+        rows.flags.writeable = False  # shared by the steps that reuse it (and their packed rows)
         self._last_rows = (req_ids, rows, self._version)
         return rows
 

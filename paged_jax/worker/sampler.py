@@ -470,7 +470,7 @@ def padding_row_words() -> np.ndarray:
 
 def pack_sampling_rows(row_words: np.ndarray, steps: np.ndarray, padding_words: np.ndarray, out: np.ndarray) -> None:
     """``pack_sampling_tensors`` for rows whose words were computed once (``sampling_row_words``) and that need no
-    bans: row_words int32[n, F] (F = len(SAMPLING_WIRE_FIELDS)), steps int32[n] (each row's output index being
+    bans: row_words int32[n, F] (F = len(SAMPLING_WIRE_FIELDS)), steps int[n] (each row's output index being
     sampled), padding_words int32[F]; ``out`` int32[R * SAMPLING_WORDS_PER_ROW], R >= n."""
     num_rows = len(row_words)
     num_padded = len(out) // SAMPLING_WORDS_PER_ROW

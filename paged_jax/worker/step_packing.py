@@ -269,14 +269,17 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
     """Sampling words of the packed rows into ``out`` and the sampler variant: rows' precomputed words unless some
     sampling row needs the general path this step (penalties, bans, the bias table)."""
     steps = ends - batch.num_prompt_tokens[batch_rows]
-    steps[~sampled] = 0
-    steps = np.maximum(steps, 0)  # fork rows: their first token
-    sample_rows = batch_rows[sampled]
+    every_row_samples = bool(sampled.all())  # a decode step: no row selections to copy
+    if not every_row_samples:
+        steps[~sampled] = 0
+    np.maximum(steps, 0, out=steps)  # fork rows: their first token
+    sample_rows = batch_rows if every_row_samples else batch_rows[sampled]
     wanted = batch.num_logprobs[sample_rows]
-    wants_logprobs = bool((wanted >= 0).any())
-    wants_top = bool((wanted > 0).any())
+    most_wanted = int(wanted.max()) if len(wanted) else -1
+    wants_logprobs, wants_top = most_wanted >= 0, most_wanted > 0
     # Rows below their min_tokens ban stop ids and EOS; others that need the general path need it every step.
-    general = batch.general_sampling[sample_rows] | (steps[sampled] < batch.min_tokens[sample_rows])
+    general = batch.general_sampling[sample_rows] | ((steps if every_row_samples else steps[sampled])
+                                                     < batch.min_tokens[sample_rows])
     history = bias_table = None
     if general.any():
         rows = [_general_row(batch, int(row), int(step)) if s else None
@@ -289,8 +292,8 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
         history = tensors.prev_token_ids if tensors.prev_token_ids.shape[1] > 0 else None
     else:
         words = batch.sampling_words[batch_rows]
-        sampler_lib.pack_sampling_rows(words, steps.astype(np.int32), _PADDING_WORDS, out)
-        if not sampled.all():  # rows that do not sample stay greedy padding
+        sampler_lib.pack_sampling_rows(words, steps, _PADDING_WORDS, out)
+        if not every_row_samples:  # rows that do not sample stay greedy padding
             vectors = out[:len(_PADDING_WORDS) * num_sample_rows].reshape(len(_PADDING_WORDS), num_sample_rows)
             vectors[:, np.flatnonzero(~sampled)] = _PADDING_WORDS[:, None]
         rank = int(batch.mode_rank[sample_rows].max()) if len(sample_rows) else _GREEDY_RANK
