@@ -31,10 +31,10 @@ def test_throughput_with_speculative_config_reports_the_timed_run_drafts(smollm2
     from benchmarks.throughput import main
 
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
-    result = main(["--model", str(smollm2_dir), "--workload", "random", "--num-prompts", "2", "--input-len", "12",
-                   "--output-len", "16", "--max-num-batched-tokens", "32", "--max-num-seqs", "2", "--max-model-len",
+    result = main(["--model", str(smollm2_dir), "--workload", "random", "--num-prompts", "1", "--input-len", "12",
+                   "--output-len", "16", "--max-num-batched-tokens", "16", "--max-num-seqs", "1", "--max-model-len",
                    "128", "--dtype", "float32", "--temperature", "0", "--speculative-config", spec])
-    assert result["output_tokens"] == 32
+    assert result["output_tokens"] == 16
     drafts = result["speculative_decoding"]
     assert drafts["spec_decode_num_drafts"] >= 1
     assert 0 <= drafts["spec_decode_num_accepted_tokens"] <= drafts["spec_decode_num_draft_tokens"]

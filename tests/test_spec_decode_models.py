@@ -246,7 +246,9 @@ def drafter_engines(smollm2_dir, drafter_paths):
     return get
 
 
-@pytest.mark.parametrize("method", [pytest.param("draft_model", marks=pytest.mark.slow), "eagle", "eagle3"])
+# EAGLE-1 (slow) verifies through the same path as EAGLE-3; its drafts are checked step by step below.
+@pytest.mark.parametrize("method", [pytest.param("draft_model", marks=pytest.mark.slow),
+                                    pytest.param("eagle", marks=pytest.mark.slow), "eagle3"])
 def test_model_drafter_outputs_equal_decoding_without_drafts(method, drafter_engines, prompts, plain_outputs):
     engine = drafter_engines(method)
     for params, expected in zip(PARAMS, plain_outputs):
