@@ -297,12 +297,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="measure the engine process's per-step cost of streaming outputs (see above)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for --stream-outputs (default: the built-in SmolLM2's; 'none': token ids only)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's --speculative-config, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': the "
+                        "timed steps then run with speculation on; the result has their draft counters "
+                        "(speculative_decoding: spec_decode_num_drafts 0 means the steps proposed nothing)")
     p.add_argument("--plan", default="2048x256,8192x256",
                    help="comma-separated TOKENSxSEQS shapes whose warm-up compile count is reported")
     args = p.parse_args(argv)
     if args.num_seqs < 1 or args.steps < 1:
         raise ValueError("--num-seqs and --steps must be >= 1")
 
+    from benchmarks.throughput import speculation_stats
     from models.testing import tiny_config
     from paged_jax import LLM
 
@@ -319,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_num_seqs=args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              async_scheduling=args.async_scheduling, use_tqdm=False, tokenizer=tokenizer)
+              async_scheduling=args.async_scheduling, use_tqdm=False, tokenizer=tokenizer,
+              speculative_config=args.speculative_config)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     compiles_at_startup = engine.engine_core.runner.num_compiles()
@@ -334,7 +340,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result))
         return result
 
+    stats_before = engine.stats()
     per_step, num_steps, num_outputs = time_decode_steps(engine, args.steps, args.isolate_host, args.finished_only)
+    speculation = (speculation_stats(engine.stats(), stats_before) if args.speculative_config else None)
     plan = {}
     for shape in filter(None, args.plan.split(",")):
         tokens, seqs = (int(v) for v in shape.lower().split("x"))
@@ -343,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
               "outputs_per_step": round(num_outputs / num_steps, 1), **per_step,
               "startup_s": round(startup_s, 2), "compiles_at_startup": compiles_at_startup,
               "planned_compiles": plan, "async_scheduling": args.async_scheduling,
-              "finished_only": args.finished_only, "isolate_host": args.isolate_host}
+              "finished_only": args.finished_only, "isolate_host": args.isolate_host,
+              "speculative_config": args.speculative_config, "speculative_decoding": speculation}
     print(json.dumps(result))
     return result
 
