@@ -23,6 +23,9 @@ Example: ``JAX_PLATFORMS=cpu python -m benchmarks.host_overhead --num-seqs 256 -
 On a CPU backend add ``--isolate-host`` (``isolate_host``): the step's computation otherwise runs on the same cores
 while the host phases are timed and inflates them; with it the phases are the host work alone, as an accelerator
 host sees it (``--finished-only`` is how ``LLM.generate`` and benchmarks/throughput.py step the engine).
+``--speculative-config JSON`` (vLLM's flag) times the steps with speculation on and reports their draft counters
+(``speculative_decoding``): with ``{"method": "ngram", "num_speculative_tokens": 4}`` (n-grams of 5) the random
+prompts and outputs propose no drafts, so the figures are what speculation costs a step that proposes nothing.
 
 ``--stream-outputs`` measures instead what streaming every running request's delta costs per step, in microseconds
 per running stream per step (medians): ``--steps`` steps as ``LLM.generate`` runs them (``step(finished_only=True)``:
@@ -298,8 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for --stream-outputs (default: the built-in SmolLM2's; 'none': token ids only)")
     p.add_argument("--speculative-config", metavar="JSON",
-                   help="vLLM's --speculative-config, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': the "
-                        "timed steps then run with speculation on; the result has their draft counters "
+                   help="vLLM's --speculative-config, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': the timed steps run with "
+                        "speculation on; the result has their draft counters "
                         "(speculative_decoding: spec_decode_num_drafts 0 means the steps proposed nothing)")
     p.add_argument("--plan", default="2048x256,8192x256",
                    help="comma-separated TOKENSxSEQS shapes whose warm-up compile count is reported")
