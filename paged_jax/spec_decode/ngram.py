@@ -28,20 +28,23 @@ class NgramIndex:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], int] = {}
 
-    def extend(self, new_tokens: Sequence[int]) -> None:
-        """Append ``new_tokens`` and index the n-grams ending before the new last position."""
+    def propose(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> list[int]:
+        """Take the tokens the sequence (prompt then outputs, both only grown at the end since the previous call)
+        gained, index the n-grams ending before its new last position, and return its drafts (list[int], at most
+        k; empty when no n-gram of the suffix occurred earlier). One call per sequence per step: kept to one
+        method."""
         tokens, ends, min_n, max_n = self.tokens, self.ends, self.min_n, self.max_n
-        first = max(len(tokens), 1)
-        tokens.extend(new_tokens)
-        for end in range(first, len(tokens)):  # in order: a later occurrence replaces an earlier one
+        first, num_prompt = len(tokens), len(prompt_token_ids)
+        if first < num_prompt:
+            tokens += prompt_token_ids[first:]
+            tokens += output_token_ids
+        else:
+            tokens += output_token_ids[first - num_prompt:]
+        length = len(tokens)
+        for end in range(max(first, 1), length):  # in order: a later occurrence replaces an earlier one
             for n in range(min_n, min(max_n, end) + 1):
                 ends[tuple(tokens[end - n:end])] = end
-
-    def propose(self) -> list[int]:
-        """The drafts (list[int], at most k; empty when no n-gram of the suffix occurred earlier)."""
-        tokens, ends = self.tokens, self.ends
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
             end = ends.get(tuple(tokens[length - n:]))
             if end is not None:
                 return tokens[end:end + self.k]
@@ -63,14 +66,7 @@ class NgramProposer:
         index = self._indices.get(request_id)
         if index is None:
             index = self._indices[request_id] = NgramIndex(self.k, self.min_n, self.max_n)
-        num_prompt = len(prompt_token_ids)
-        num_indexed = len(index.tokens)
-        if num_indexed < num_prompt:
-            index.extend(prompt_token_ids[num_indexed:])
-            num_indexed = num_prompt
-        if num_indexed < num_prompt + len(output_token_ids):
-            index.extend(output_token_ids[num_indexed - num_prompt:])
-        return index.propose()
+        return index.propose(prompt_token_ids, output_token_ids)
 
     def finish(self, request_id: str) -> None:
         """Sequence ``request_id`` ended: drop its index (unknown ids are ignored)."""
