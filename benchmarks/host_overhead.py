@@ -23,6 +23,9 @@ Example: ``JAX_PLATFORMS=cpu python -m benchmarks.host_overhead --num-seqs 256 -
 On a CPU backend add ``--isolate-host`` (``isolate_host``): the step's computation otherwise runs on the same cores
 while the host phases are timed and inflates them; with it the phases are the host work alone, as an accelerator
 host sees it (``--finished-only`` is how ``LLM.generate`` and benchmarks/throughput.py step the engine).
+``--speculative-config JSON`` (vLLM's flag) times the steps with speculation on and reports their draft counters
+(``speculative_decoding``): with ``{"method": "ngram", "num_speculative_tokens": 4}`` (n-grams of 5) the random
+prompts and outputs propose no drafts, so the figures are what speculation costs a step that proposes nothing.
 
 ``--stream-outputs`` measures instead what streaming every running request's delta costs per step, in microseconds
 per running stream per step (medians): ``--steps`` steps as ``LLM.generate`` runs them (``step(finished_only=True)``:
@@ -297,12 +300,18 @@ def main(argv: list[str] | None = None) -> dict:
                    help="measure the engine process's per-step cost of streaming outputs (see above)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer for --stream-outputs (default: the built-in SmolLM2's; 'none': token ids only)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's --speculative-config, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}': the timed steps run with "
+                        "speculation on; the result has their draft counters "
+                        "(speculative_decoding: spec_decode_num_drafts 0 means the steps proposed nothing)")
     p.add_argument("--plan", default="2048x256,8192x256",
                    help="comma-separated TOKENSxSEQS shapes whose warm-up compile count is reported")
     args = p.parse_args(argv)
     if args.num_seqs < 1 or args.steps < 1:
         raise ValueError("--num-seqs and --steps must be >= 1")
 
+    from benchmarks.throughput import speculation_stats
     from models.testing import tiny_config
     from paged_jax import LLM
 
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_num_seqs=args.num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              async_scheduling=args.async_scheduling, use_tqdm=False, tokenizer=tokenizer)
+              async_scheduling=args.async_scheduling, use_tqdm=False, tokenizer=tokenizer,
+              speculative_config=args.speculative_config)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     compiles_at_startup = engine.engine_core.runner.num_compiles()
@@ -334,7 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result))
         return result
 
+    stats_before = engine.stats()
     per_step, num_steps, num_outputs = time_decode_steps(engine, args.steps, args.isolate_host, args.finished_only)
+    speculation = (speculation_stats(engine.stats(), stats_before) if args.speculative_config else None)
     plan = {}
     for shape in filter(None, args.plan.split(",")):
         tokens, seqs = (int(v) for v in shape.lower().split("x"))
@@ -343,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
               "outputs_per_step": round(num_outputs / num_steps, 1), **per_step,
               "startup_s": round(startup_s, 2), "compiles_at_startup": compiles_at_startup,
               "planned_compiles": plan, "async_scheduling": args.async_scheduling,
-              "finished_only": args.finished_only, "isolate_host": args.isolate_host}
+              "finished_only": args.finished_only, "isolate_host": args.isolate_host,
+              "speculative_config": args.speculative_config, "speculative_decoding": speculation}
     print(json.dumps(result))
     return result
 

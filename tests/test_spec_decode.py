@@ -70,10 +70,60 @@ def test_combinations_without_drafts_are_refused_at_start_up(field, value):
 # ---------------------------------------------------------------------------------------------------- proposers
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     proposer = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=3)
-    assert proposer.propose([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]) == [4, 5, 6]  # latest "1 2 3"
-    assert proposer.propose([5, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # "2 3" (no earlier "1 2 3")
-    assert proposer.propose([1, 2, 3, 4]) == []
-    assert NgramProposer(3, prompt_lookup_min=2, prompt_lookup_max=2).propose([4, 1, 7, 1]) == []  # 1-gram only
+    assert proposer.propose("a", [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3], []) == [4, 5, 6]  # latest "1 2 3"
+    assert proposer.propose("b", [5, 2, 3, 7, 1, 2, 3], []) == [7, 1, 2]  # "2 3" (no earlier "1 2 3")
+    assert proposer.propose("c", [1, 2, 3, 4], []) == []
+    assert NgramProposer(3, prompt_lookup_min=2, prompt_lookup_max=2).propose("d", [4, 1, 7, 1], []) == []  # 1-gram
+    assert proposer.num_sequences == 3
+    proposer.finish("a")
+    proposer.finish("unknown")
+    assert proposer.num_sequences == 2
+
+
+def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The proposal by definition: for n from max_n down to min_n (n < len), the latest earlier window equal to the
+    last n tokens (the suffix itself excluded); the tokens after it, at most k."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("k, min_n, max_n", [(4, 5, 5), (3, 1, 3), (1, 1, 1), (6, 2, 4), (2, 3, 8)])
+def test_ngram_index_equals_the_brute_force_proposal_as_tokens_arrive(k, min_n, max_n):
+    """Sequences over a small vocabulary (many repeats, overlapping matches, a suffix whose only occurrence is
+    itself): the incremental index proposes exactly what a scan of the whole sequence finds, after each prompt and
+    after every 1..3 tokens appended (a verified row gains several), including at lengths below min_n and max_n."""
+    rng = np.random.default_rng(k * 100 + min_n * 10 + max_n)
+    proposer = NgramProposer(k, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+    for seq in range(12):
+        vocab = int(rng.choice([2, 3, 5, 50]))
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
+        outputs: list[int] = []
+        request_id = f"s{seq}"
+        while len(outputs) < 60:
+            tokens = prompt + outputs
+            assert proposer.propose(request_id, prompt, outputs) == brute_force_ngram(tokens, k, min_n, max_n), tokens
+            outputs += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
+        proposer.finish(request_id)
+    assert proposer.num_sequences == 0
+
+
+def test_ngram_edges():
+    """k truncation at the end of the sequence, the longest n winning over a later shorter match, a suffix found
+    only as itself, and a sequence no longer than min_n."""
+    proposer = NgramProposer(4, prompt_lookup_min=1, prompt_lookup_max=2)
+    assert proposer.propose("a", [7, 8, 9, 8], []) == [9, 8]  # "8" at 1: what followed, up to the end
+    assert proposer.propose("a", [7, 8, 9, 8], [9]) == [8, 9]  # "8 9" at 1..2 (k=4, only 2 tokens follow)
+    assert proposer.propose("b", [1, 2, 3, 2, 9, 3], [1, 2]) == [3, 2, 9, 3]  # "1 2" (0..1) beats the later "2"
+    assert proposer.propose("c", [5, 6, 7], []) == []  # "7" and "6 7" occur only as the suffix
+    assert proposer.propose("d", [5], []) == []  # one token: nothing before the suffix
+    long = NgramProposer(2, prompt_lookup_min=3, prompt_lookup_max=3)
+    assert long.propose("e", [1, 2, 3], []) == []  # shorter than min_n + 1
+    assert long.propose("e", [1, 2, 3], [1, 2, 3]) == [1, 2]  # the window at 0 (overlapping the suffix's follow-up)
 
 
 def test_suffix_proposes_from_its_own_tokens_and_from_finished_requests():

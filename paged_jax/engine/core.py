@@ -292,25 +292,22 @@ class EngineCore:
             first_output = {r.request_id: r.num_output_tokens for r in scheduler_output.requests
                             if r.request_id in accepted}
         progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
-        decode = self._token_rows.outputs(progressed, tokens) if self.spec_decoder is None else None
+        # A step without drafts (every step of a batch whose sequences find none) is a plain decode's step.
+        decode = None if scheduler_output.spec_token_ids else self._token_rows.outputs(progressed, tokens)
         if decode is not None:  # a steady decode's step: every row's output is its token
             self.generation_tokens_total += len(tokens)
-            return outputs, decode
-        row_of = {}
-        if progressed:
-            step_rows = rows_of(scheduler_output.requests, progressed)
+        elif progressed:
             output_indices = ([first_output.get(r.request_id, len(r.output_token_ids) - 1) for r in progressed]
                               if first_output else [len(r.output_token_ids) - 1 for r in progressed])
-            if self._token_outputs(zip(step_rows, progressed, output_indices), result, outputs) == len(tokens):
+            rows = zip(rows_of(scheduler_output.requests, progressed), progressed, output_indices)
+            if self._token_outputs(rows, result, outputs) == len(tokens):
                 self._token_rows.remember(progressed, outputs[-len(tokens):])
             else:
                 self._token_rows.forget()
-            if self.spec_decoder is not None:
-                row_of = dict(zip((r.request_id for r in progressed), step_rows))
         if self.spec_decoder is not None:
-            self.spec_decoder.propose(progressed, self.scheduler.num_running,
-                                      self.spec_decoder.model_drafts(progressed, row_of, result))
-        return outputs, None
+            self.spec_decoder.propose(progressed, self.scheduler.num_running, self.spec_decoder.model_drafts(
+                progressed, rows_of(scheduler_output.requests, progressed), result))
+        return outputs, decode
 
     def _step_async(self) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
         outputs, decode = [], None

@@ -39,34 +39,44 @@ class SpecDecoder:
         drafts by request id (``StepOutput.proposed_draft_ids``; ``model_drafts``), computed on the device."""
         limit = self.config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
-        for request in requests:
+        ngram, model_method = self._ngram, self.config.method in MODEL_METHODS
+        for request in requests:  # every running sequence, every step: kept lean
             if request.is_finished:
-                if self._suffix is not None:
-                    self._suffix.finish(request.request_id, request.all_token_ids)
+                self._finish(request)
                 continue
             if disabled or request.grammar is not None or request.hold_after_sample:
                 request.spec_token_ids = []
-                continue
-            if self.config.method in MODEL_METHODS:
+            elif ngram is not None:
+                request.spec_token_ids = ngram.propose(request.request_id, request.prompt_token_ids,
+                                                       request.output_token_ids)
+            elif model_method:
                 request.spec_token_ids = (proposed or {}).get(request.request_id, [])
-                continue
-            tokens = request.all_token_ids
-            request.spec_token_ids = (self._ngram.propose(tokens) if self._ngram is not None else
-                                      self._suffix.propose(request.request_id, tokens, request.num_prompt_tokens))
+            else:
+                request.spec_token_ids = self._suffix.propose(request.request_id, request.all_token_ids,
+                                                              request.num_prompt_tokens)
+
+    def _finish(self, request: Request) -> None:
+        """A sequence finished: its tokens feed the suffix trees of recent requests; its n-gram index goes."""
+        if self._suffix is not None:
+            self._suffix.finish(request.request_id, request.all_token_ids)
+        elif self._ngram is not None:
+            self._ngram.finish(request.request_id)
 
     @staticmethod
-    def model_drafts(requests: Iterable[Request], rows: dict[str, int], result: StepOutput) -> dict[str, list[int]]:
-        """A model drafter's drafts of ``requests`` (request id -> step row ``rows``) out of the step's result."""
+    def model_drafts(requests: Iterable[Request], rows: Iterable[int], result: StepOutput) -> dict[str, list[int]]:
+        """A model drafter's drafts of ``requests`` (their step rows ``rows``, in the same order) out of the step's
+        result (request id -> drafts; empty for a proposer that drafts on the host)."""
         drafts = result.proposed_draft_ids
         if drafts is None:
             return {}
-        return {r.request_id: drafts[rows[r.request_id]].tolist() for r in requests
-                if drafts[rows[r.request_id], 0] >= 0}
+        return {r.request_id: drafts[row].tolist() for r, row in zip(requests, rows) if drafts[row, 0] >= 0}
 
     def forget(self, request_id: str) -> None:
         """A sequence aborted: drop its proposer state."""
         if self._suffix is not None:
             self._suffix.finish(request_id, ())
+        elif self._ngram is not None:
+            self._ngram.finish(request_id)
 
     def verify(self, scheduler_output: SchedulerOutput, result: StepOutput, tokens: list[int]) -> dict[str, list[int]]:
         """The drafts each verifying row keeps (``verify``'s module docstring): request id -> accepted drafts, for
