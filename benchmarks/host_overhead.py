@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_seqs < 1 or args.steps < 1:
         raise ValueError("--num-seqs and --steps must be >= 1")
 
-    from benchmarks.throughput import speculation_stats
+    from benchmarks.report import speculation_stats
     from models.testing import tiny_config
     from paged_jax import LLM
 

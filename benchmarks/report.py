@@ -55,3 +55,13 @@ def show_engine_logs() -> None:
     """The engine's INFO lines (KV sizing, compiles) on stderr, as ``paged-jax serve`` shows them: a benchmark's
     log then says how its pool was sized."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+
+
+def speculation_stats(stats: dict, before: dict) -> dict:
+    """vLLM's speculative-decoding counters over the timed run (engine ``stats`` less those ``before`` it:
+    ``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``, per position) and the mean
+    acceptance length (1 + accepted / drafts; None without drafts)."""
+    from paged_jax.spec_decode.verify import STATS_PREFIX, mean_acceptance_length
+
+    timed = {key: value - before.get(key, 0) for key, value in stats.items() if key.startswith(STATS_PREFIX)}
+    return {**timed, "mean_acceptance_length": mean_acceptance_length(timed)}

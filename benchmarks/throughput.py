@@ -25,7 +25,7 @@ import json
 import random
 import sys
 
-from benchmarks.report import show_engine_logs, versions, write_json
+from benchmarks.report import show_engine_logs, speculation_stats, versions, write_json
 
 
 # The quantization_config of a typical Hub checkpoint per checkpoint-only method (4-bit, group 128), for dummy weights
@@ -55,16 +55,6 @@ def startup_breakdown(engine) -> dict:
     timings = getattr(engine, "startup_timings", None)
     warm_up = getattr(getattr(engine, "runner", None), "warm_up_timings", None)
     return {"startup_stages": timings, "warm_up": warm_up} if timings is not None else {}
-
-
-def speculation_stats(stats: dict, before: dict) -> dict:
-    """vLLM's speculative-decoding counters over the timed run (engine ``stats`` less those ``before`` it:
-    ``spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``, per position) and the mean
-    acceptance length (1 + accepted / drafts; None without drafts)."""
-    from paged_jax.spec_decode.verify import STATS_PREFIX, mean_acceptance_length
-
-    timed = {key: value - before.get(key, 0) for key, value in stats.items() if key.startswith(STATS_PREFIX)}
-    return {**timed, "mean_acceptance_length": mean_acceptance_length(timed)}
 
 
 def main(argv: list[str] | None = None) -> dict:
