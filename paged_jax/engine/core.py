@@ -305,8 +305,11 @@ class EngineCore:
             else:
                 self._token_rows.forget()
         if self.spec_decoder is not None:
-            self.spec_decoder.propose(progressed, self.scheduler.num_running, self.spec_decoder.model_drafts(
-                progressed, rows_of(scheduler_output.requests, progressed), result))
+            proposed = None  # a model drafter's drafts, computed in the step (host proposers draft in ``propose``)
+            if result.proposed_draft_ids is not None:
+                proposed = self.spec_decoder.model_drafts(progressed, rows_of(scheduler_output.requests, progressed),
+                                                          result)
+            self.spec_decoder.propose(progressed, self.scheduler.num_running, proposed)
         return outputs, decode
 
     def _step_async(self) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:

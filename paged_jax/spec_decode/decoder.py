@@ -65,10 +65,8 @@ class SpecDecoder:
     @staticmethod
     def model_drafts(requests: Iterable[Request], rows: Iterable[int], result: StepOutput) -> dict[str, list[int]]:
         """A model drafter's drafts of ``requests`` (their step rows ``rows``, in the same order) out of the step's
-        result (request id -> drafts; empty for a proposer that drafts on the host)."""
+        result, which holds some (``proposed_draft_ids`` set): request id -> drafts."""
         drafts = result.proposed_draft_ids
-        if drafts is None:
-            return {}
         return {r.request_id: drafts[row].tolist() for r, row in zip(requests, rows) if drafts[row, 0] >= 0}
 
     def forget(self, request_id: str) -> None:
