@@ -292,6 +292,26 @@ def test_compile_plan_counts():
     assert planned_num_compiles(8192, 256, num_speculative_tokens=4) == 21 + 5 * 10 + 18  # sampler rows 1280 too
 
 
+def test_speculative_sample_rows_per_bucket():
+    from paged_jax.worker.buckets import bucket_sample_rows, pick_bucket
+
+    # With k = 4, a decode-shaped bucket (tokens == seqs) samples one row per sequence, as with speculation off: a
+    # plain decode step lands there. Other buckets hold a draft row per token beyond each sequence's own; the largest
+    # bucket holds any step's rows, decode-shaped or not (fork rows sample without tokens).
+    buckets = make_buckets(512, 64, 4)
+    rows = dict(zip(buckets, bucket_sample_rows(buckets, 4)))
+    assert rows[(64, 64)] == 64 and rows[(32, 32)] == 32 and rows[(1, 1)] == 1
+    assert rows[(320, 64)] == 320 and rows[(128, 64)] == 192 and rows[(512, 64)] == 320
+    assert bucket_sample_rows([(16, 16), (64, 64)], 4) == [16, 128]
+    assert bucket_sample_rows(buckets, 0) == [s for _, s in buckets]
+    # 40 sequences with 24 drafts among their 64 tokens fit the (64, 64) bucket; 40 rows of which 8 forks (no tokens)
+    # with 24 drafts need 64 tokens' bucket but 64 + 8 sample rows: the next bucket holding them.
+    assert pick_bucket(buckets, 64, 40, num_sample_rows=64, sample_rows_of=rows.get) == (64, 64)
+    assert pick_bucket(buckets, 64, 40, num_sample_rows=72, sample_rows_of=rows.get) == (128, 64)
+    with pytest.raises(ValueError, match="sample rows"):
+        pick_bucket(buckets, 64, 40, num_sample_rows=400, sample_rows_of=rows.get)
+
+
 def test_every_sampler_variant_and_bucket_precompiled(tiny_model):
     """Greedy with top logprobs, temperature, truncation (top-k / top-p with and without the sort), penalties, min_tokens bans, logit_bias, allowed_token_ids
     and bad words, alone and in a batch that pads to the next sampler row count: none of them may compile after

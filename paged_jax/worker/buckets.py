@@ -6,7 +6,7 @@ compiled once at start-up (``ModelRunner.warm_up``) and never again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -96,29 +96,41 @@ def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap
     (forward buckets + sampler seq buckets x (variants + the grammar bitmask) + prompt logprobs per token bucket +
     a gather and a scatter per swap-copy size when ``swap``)."""
     buckets = make_buckets(max_num_batched_tokens, max_num_seqs, num_speculative_tokens)
-    rows = [sample_rows_needed(t, s, num_speculative_tokens) for t, s in buckets]
+    rows = bucket_sample_rows(buckets, num_speculative_tokens)
     num_sampler_buckets = len({sampler_rows_for(r, max(rows)) for r in rows})
     num_token_buckets = len({t for t, _ in buckets})
     num_swap = 2 * len(swap_sizes_for(num_blocks)) if swap else 0
     return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap
 
 
-def sample_rows_needed(num_tokens: int, num_seqs: int, num_speculative_tokens: int) -> int:
-    """Positions a ``(num_tokens, num_seqs)`` bucket may sample: one per sequence, and with speculative decoding
-    one more per draft token (each draft is one of the step's tokens, at most ``num_speculative_tokens`` per
-    sequence)."""
-    if not num_speculative_tokens:
+def sample_rows_needed(num_tokens: int, num_seqs: int, num_speculative_tokens: int, *, largest: bool = True) -> int:
+    """Positions a ``(num_tokens, num_seqs)`` bucket samples: one per sequence, and with speculative decoding one
+    more per draft token (each draft is one of the step's tokens, at most ``num_speculative_tokens`` per sequence).
+    A decode-shaped bucket (tokens == seqs) other than the ``largest`` keeps one row per sequence: plain decode steps
+    land there, and a step whose drafts need more rows takes a bigger bucket (``pick_bucket``'s
+    ``num_sample_rows``). The largest bucket holds every step's rows (fork rows sample without tokens of their own)."""
+    if not num_speculative_tokens or (num_tokens == num_seqs and not largest):
         return num_seqs
     return min(num_seqs + num_tokens, num_seqs * (1 + num_speculative_tokens))
 
 
-def pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
-    """Smallest bucket (by tokens, then seqs) that holds the batch."""
-    for bucket_tokens, bucket_seqs in buckets:  # sorted by tokens then seqs
-        if bucket_tokens >= num_tokens and bucket_seqs >= num_seqs:
-            return bucket_tokens, bucket_seqs
-    raise ValueError(f"a step of {num_tokens} tokens / {num_seqs} seqs exceeds every bucket (largest "
-                     f"{buckets[-1]}); the scheduler must respect max_num_batched_tokens / max_num_seqs")
+def bucket_sample_rows(buckets: Sequence[tuple[int, int]], num_speculative_tokens: int) -> list[int]:
+    """``sample_rows_needed`` of each bucket of ``buckets`` (sorted, as ``make_buckets`` returns them)."""
+    return [sample_rows_needed(t, s, num_speculative_tokens, largest=i == len(buckets) - 1)
+            for i, (t, s) in enumerate(buckets)]
+
+
+def pick_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int, *, num_sample_rows: int = 0,
+                sample_rows_of: Callable[[tuple[int, int]], int] | None = None) -> tuple[int, int]:
+    """Smallest bucket (by tokens, then seqs) that holds the batch, and its ``num_sample_rows`` sampled positions by
+    ``sample_rows_of(bucket)`` when that exceeds ``num_seqs`` (speculative decoding: a step's rows plus drafts)."""
+    for bucket in buckets:  # sorted by tokens then seqs
+        bucket_tokens, bucket_seqs = bucket
+        if bucket_tokens >= num_tokens and bucket_seqs >= num_seqs and (
+                num_sample_rows <= bucket_seqs or sample_rows_of(bucket) >= num_sample_rows):
+            return bucket
+    raise ValueError(f"a step of {num_tokens} tokens / {num_seqs} seqs / {num_sample_rows} sample rows exceeds every "
+                     f"bucket (largest {buckets[-1]}); the scheduler must respect max_num_batched_tokens / max_num_seqs")
 
 
 def swap_sizes_for(num_blocks: int) -> list[int]:

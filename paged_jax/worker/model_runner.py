@@ -46,7 +46,7 @@ from paged_jax.worker.background_compile import ReadySet, can_compile_in_backgro
 from paged_jax.worker.executable_cache import AheadOfTimeFunction, own_function
 from paged_jax.worker.batch_invariant import make_batch_invariant
 from paged_jax.worker.device_memory import check_pool_fits
-from paged_jax.worker.buckets import make_buckets, sample_rows_needed, sampler_rows_for, swap_sizes_for
+from paged_jax.worker.buckets import bucket_sample_rows, make_buckets, sampler_rows_for, swap_sizes_for
 from paged_jax.worker.host_kv_pool import HostKVPool, gather_blocks, scatter_blocks
 from paged_jax.worker.step_dispatch import SamplingArgs, StepDispatcher
 from paged_jax.worker.step_forward import SingleProgramForward, StepForward
@@ -205,9 +205,9 @@ class ModelRunner:
                         make_buckets(self.max_num_batched_tokens, self.max_num_seqs, num_speculative_tokens))
         self.seq_buckets = sorted({s for _, s in self.buckets})
         self.num_speculative_tokens = num_speculative_tokens
-        self._max_sample_rows = max(sample_rows_needed(t, s, num_speculative_tokens) for t, s in self.buckets)
-        self.sampler_seq_buckets = sorted({sampler_rows_for(sample_rows_needed(t, s, num_speculative_tokens),
-                                                            self._max_sample_rows) for t, s in self.buckets})
+        self._bucket_sample_rows = dict(zip(self.buckets, bucket_sample_rows(self.buckets, num_speculative_tokens)))
+        self._max_sample_rows = max(self._bucket_sample_rows.values())
+        self.sampler_seq_buckets = sorted({sampler_rows_for(r, self._max_sample_rows) for r in self._bucket_sample_rows.values()})
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
@@ -314,7 +314,7 @@ class ModelRunner:
         """The buffer layout of a bucket (cached: one per bucket, its field offsets computed once)."""
         layout = self._layouts.get((num_tokens, num_seqs))
         if layout is None:
-            rows = sample_rows_needed(num_tokens, num_seqs, self.num_speculative_tokens)
+            rows = self._bucket_sample_rows[(num_tokens, num_seqs)]
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
                                 sampler_rows_for(rows, self._max_sample_rows), self.lora_slots is not None,
                                 self.kv_layout.num_groups, spec_rows=self.drafter is not None)

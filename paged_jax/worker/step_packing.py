@@ -121,7 +121,9 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     sampled = known_ends == batch.num_tokens[batch_rows]
     if num_forks:
         sampled[num_rows - num_forks:] = True
-    bucket_tokens, bucket_seqs = pick_bucket(buckets, num_tokens, num_rows)
+    num_sample_rows = num_rows + (0 if num_drafts is None else int(num_drafts.sum()))
+    bucket_tokens, bucket_seqs = pick_bucket(buckets, num_tokens, num_rows, num_sample_rows=num_sample_rows,
+                                             sample_rows_of=lambda bucket: layout_for(*bucket).num_sample_rows)
     layout = layout_for(bucket_tokens, bucket_seqs)
     buf = np.zeros((layout.size,), np.int32)
     views = {name: buf[a:b] for name, (a, b) in layout.fields.items()}
