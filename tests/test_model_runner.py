@@ -278,6 +278,8 @@ def test_compile_plan_counts():
     assert [sampler_rows_for(s, 256) for s in (1, 8, 9, 16, 32, 33, 64, 128, 129, 256)] == [
         8, 8, 32, 32, 32, 128, 128, 128, 256, 256]
     assert sampler_rows_for(16, 16) == 16  # never past the widest seq bucket
+    # With drafts' rows past max_num_seqs, a full decode step's rows stay a rung of their own.
+    assert [sampler_rows_for(s, 1280, 256) for s in (8, 200, 256, 257, 600)] == [8, 256, 256, 512, 1280]
     # forward buckets + sampler row counts {8, 32, 128, 256} x (9 sampler variants (greedy; temperature, top-k /
     # top-p from the candidates, and full with the bias table, with the penalty history and the bias table, each
     # with and without top-k logprobs) + the grammar bitmask) + prompt logprobs per token bucket
@@ -289,7 +291,7 @@ def test_compile_plan_counts():
         (5, 1), (40, 8), (80, 16), (160, 32), (320, 64), (640, 128), (1280, 256)}
     assert set(make_buckets(8192, 256, 3)) - set(make_buckets(8192, 256)) == {(4, 1)}
     assert max(make_buckets(64, 16, 4)) == (64, 16)  # none past max_num_batched_tokens
-    assert planned_num_compiles(8192, 256, num_speculative_tokens=4) == 21 + 5 * 10 + 18  # sampler rows 1280 too
+    assert planned_num_compiles(8192, 256, num_speculative_tokens=4) == 21 + 6 * 10 + 18  # sampler rows 512, 1280 too
 
 
 def test_speculative_sample_rows_per_bucket():

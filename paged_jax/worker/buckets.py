@@ -80,14 +80,17 @@ def verify_buckets(buckets: Sequence[tuple[int, int]], max_num_batched_tokens: i
                   and (seqs == 1 or pick_bucket(buckets, tokens, seqs)[0] > tokens))
 
 
-def sampler_rows_for(num_seqs: int, max_seq_bucket: int) -> int:
-    """Rows the sampler runs on for a forward seq bucket of ``num_seqs``: the smallest of 8, 32, 128, ... (x4) or
-    ``max_seq_bucket`` that holds it. Sampler executables are compiled per row count x variant, so mapping the
-    forward seq buckets onto this coarser set cuts their compiles; the extra rows are greedy padding."""
+def sampler_rows_for(num_seqs: int, max_seq_bucket: int, also: int = 0) -> int:
+    """Rows the sampler runs on for a forward seq bucket of ``num_seqs``: the smallest of 8, 32, 128, ... (x4),
+    ``also`` (``max_num_seqs``: a full decode step's rows, when speculative decoding's draft rows raise
+    ``max_seq_bucket`` past it) or ``max_seq_bucket`` that holds it. Sampler executables are compiled per row count x
+    variant, so mapping the forward seq buckets onto this coarser set cuts their compiles; the extra rows are greedy
+    padding."""
     rows = min(MIN_SEQ_BUCKET, max_seq_bucket)
     while rows < num_seqs:
         rows *= SEQ_BUCKET_GROWTH
-    return min(rows, max_seq_bucket)
+    rows = min(rows, max_seq_bucket)
+    return also if num_seqs <= also < rows else rows
 
 
 def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap: bool = False,
@@ -97,7 +100,7 @@ def planned_num_compiles(max_num_batched_tokens: int, max_num_seqs: int, *, swap
     a gather and a scatter per swap-copy size when ``swap``)."""
     buckets = make_buckets(max_num_batched_tokens, max_num_seqs, num_speculative_tokens)
     rows = bucket_sample_rows(buckets, num_speculative_tokens)
-    num_sampler_buckets = len({sampler_rows_for(r, max(rows)) for r in rows})
+    num_sampler_buckets = len({sampler_rows_for(r, max(rows), max_num_seqs) for r in rows})
     num_token_buckets = len({t for t, _ in buckets})
     num_swap = 2 * len(swap_sizes_for(num_blocks)) if swap else 0
     return len(buckets) + num_sampler_buckets * (NUM_SAMPLER_VARIANTS + 1) + num_token_buckets + num_swap

@@ -11,8 +11,7 @@ that have a row using it); the jitted step unpacks it by static slicing. Two jit
 dispatched back to back without a host sync:
 
 * ``_forward`` (compiled per token/seq bucket): model forward with paged attention (``write_kv`` then
-  ``ragged_paged_attention``), KV pool donated, logits computed only at the sampled positions -> ``f32[R, V]``, R =
-  ``sampler_rows_for(S)`` >= S (a coarser set of row counts, so fewer sampler executables).
+  ``ragged_paged_attention``), KV pool donated, logits at the sampled positions -> ``f32[R, V]`` (R >= S: ``sampler_rows_for``).
 * ``_sample`` (compiled per sampler row count R x ``SamplerVariant``): on-device sampling -> token ids padded to the
   widest seq bucket (kept on device: the next step may take its decode inputs from them) and logprobs.
 
@@ -207,7 +206,8 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self._bucket_sample_rows = dict(zip(self.buckets, bucket_sample_rows(self.buckets, num_speculative_tokens)))
         self._max_sample_rows = max(self._bucket_sample_rows.values())
-        self.sampler_seq_buckets = sorted({sampler_rows_for(r, self._max_sample_rows) for r in self._bucket_sample_rows.values()})
+        self.sampler_seq_buckets = sorted({sampler_rows_for(r, self._max_sample_rows, self.max_num_seqs)
+                                           for r in self._bucket_sample_rows.values()})
 
     def _split_model(self, model) -> None:
         """Split the model once; the jitted step receives the flat parameter list and rebuilds the module only while
@@ -316,7 +316,7 @@ class ModelRunner:
         if layout is None:
             rows = self._bucket_sample_rows[(num_tokens, num_seqs)]
             layout = StepLayout(num_tokens, num_seqs, self.max_blocks_per_seq,
-                                sampler_rows_for(rows, self._max_sample_rows), self.lora_slots is not None,
+                                sampler_rows_for(rows, self._max_sample_rows, self.max_num_seqs), self.lora_slots is not None,
                                 self.kv_layout.num_groups, spec_rows=self.drafter is not None)
             self._layouts[(num_tokens, num_seqs)] = layout
         return layout
