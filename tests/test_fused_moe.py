@@ -13,8 +13,10 @@ from models.moe import grouped_matmul_for, resolve_moe_impl, route_top_k
 from models.quantization import block_fp8
 from models.quantization.block_fp8 import BlockFp8Experts
 from paged_jax.ops import fused_moe
-from paged_jax.ops.fused_moe import (grouped_matmul_pallas, grouped_matmul_pallas_differentiable,
-                                     grouped_matmul_reference, moe_experts_reference, moe_experts_with, tile_schedule)
+from paged_jax.ops.fused_moe import (KernelConfig, default_config, grouped_matmul_pallas,
+                                     grouped_matmul_pallas_differentiable, grouped_matmul_reference,
+                                     moe_experts_reference, moe_experts_with, tile_schedule)
+from paged_jax.ops.fused_moe.kernel import split_steps
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -42,6 +44,24 @@ def test_tile_schedule_covers_every_row_once_by_its_expert(group_sizes):
     assert (covered == 1).all()
 
 
+def test_kernel_configs_parse_split_and_default_by_rows_per_expert():
+    config = KernelConfig.parse("16/128/64/auto/4/3")
+    assert config == KernelConfig(16, 128, 64, None, 4, 3) and KernelConfig.parse(str(config)) == config
+    for bad in ("16/128/64/4/3", "16/100/64/1/4/3", "16/128/64/0/4/3", "8/128/64/1/4/3", "16/128/64/x/4/3"):
+        with pytest.raises(ValueError, match="config|block_n|split_k|block_m"):
+            KernelConfig.parse(bad)
+    # K's steps cut into programs, none empty; "auto" doubles the splits while the launch stays within 512 programs.
+    assert split_steps(768, 64, 8, 1) == (6, 2)
+    assert split_steps(2048, 64, None, 8 * 6) == (8, 4)
+    assert split_steps(768, 64, None, 8 * 16) == (4, 3)
+    assert split_steps(2048, 64, None, 600) == (1, 32)
+    assert split_steps(80, 16, 3, 1) == (3, 2)
+    # Qwen3-30B-A3B's gate/up at decode (8 rows per token over 128 experts) and prefill.
+    assert default_config(8, 128, 768, 2048) == KernelConfig(16, 128, 64, None, 4, 3)
+    assert default_config(64 * 8, 128, 768, 2048).block_m == 16
+    assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(64, 64, 64, 1, 4, 2)
+    assert default_config(8, 4, 24, 40)[1:3] == (32, 64)  # tiles at most the padded dimensions
+
 def _grouped_rows(rng, group_sizes, k, gather, dtype):
     """``(group_sizes int32[E], lhs [T or rows, k], row_index int32[rows] or None)``: the rows of each expert in
     order, gathered from half as many tokens when ``gather``."""
@@ -54,22 +74,23 @@ def _grouped_rows(rng, group_sizes, k, gather, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, blocks", [
-    ([0, 5, 1, 0, 20, 3], 40, 24, False, False, (16, 16, 16)),  # K, N not multiples of the blocks; 3 K steps
-    ([3, 0, 9, 1], 64, 48, True, True, (16, 32, 32)),
-    ([1, 0, 0, 0, 0, 0, 0, 0], 32, 32, True, True, None),  # one row (decode, top-1)
-    ([70, 2, 0, 41], 96, 80, True, False, (64, 64, 32)),  # 64-row tiles
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, config", [
+    ([0, 5, 1, 0, 20, 3], 40, 24, False, False, KernelConfig(16, 16, 16, 1)),  # K, N not multiples; 3 K steps
+    ([3, 0, 9, 1], 64, 48, True, True, KernelConfig(16, 32, 32, 1, 4, 2)),
+    ([1, 0, 0, 0, 0, 0, 0, 0], 32, 32, True, True, None),  # one row (decode, top-1), K split by default
+    ([70, 2, 0, 41], 96, 80, True, False, KernelConfig(64, 64, 32, 1)),  # 64-row tiles
     ([0, 0, 0], 16, 16, False, False, None),  # no rows at all
+    ([0, 0, 37, 0], 80, 48, True, True, KernelConfig(16, 32, 16, 3)),  # one expert; 3 K splits, the last partial
+    ([2, 1, 0, 5, 0, 0, 1], 64, 40, False, False, KernelConfig(16, 16, 16, None, 2, 1)),  # 7 experts, auto split
 ])
-def test_grouped_matmul_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, blocks, request):
+def test_grouped_matmul_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, config, request):
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
     sizes, lhs, row_index = _grouped_rows(rng, group_sizes, k, gather, dtype)
     rows, num_experts = int(sizes.sum()), len(group_sizes)
     rhs = _random(rng, (num_experts, k, n), dtype)
     up_rhs = _random(rng, (num_experts, k, n), dtype) if swiglu else None
-    block_m, block_n, block_k = blocks or (None, None, None)
     out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
-                                block_m=block_m, block_n=block_n, block_k=block_k)
+                                config=config)
     ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
     assert out.shape == (rows, n) and out.dtype == dtype
     scale = max(float(jnp.abs(ref.astype(jnp.float32)).max()) if rows else 0.0, 1.0)
@@ -194,13 +215,17 @@ def _block_fp8_stack(rng, num_experts, k, n, block, dtype_scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, scale_block, blocks", [
-    ([0, 5, 1, 0, 20, 3], 40, 72, False, False, (32, 16), (16, 32, 32)),  # K, N not multiples of the scale blocks
-    ([3, 0, 9, 1], 160, 136, True, True, (128, 128), None),  # the published 128x128 blocks, partial last ones
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, scale_block, config", [
+    # K, N not multiples of the scale blocks
+    ([0, 5, 1, 0, 20, 3], 40, 72, False, False, (32, 16), KernelConfig(16, 32, 32, 1)),
+    # the published 128x128 blocks, partial last ones; K split in two by default
+    ([3, 0, 9, 1], 160, 136, True, True, (128, 128), None),
     ([1, 0, 0, 0], 64, 48, True, True, (16, 16), None),  # one row (decode, top-1)
-    ([70, 2, 0, 41], 96, 80, True, False, (64, 32), (64, 64, 64)),  # 64-row tiles, tiles shrunk to the scales
+    # 64-row tiles, tiles shrunk to the scales
+    ([70, 2, 0, 41], 96, 80, True, False, (64, 32), KernelConfig(64, 64, 64, 1)),
+    ([0, 6, 0, 0], 96, 64, True, False, (32, 32), KernelConfig(16, 32, 32, 3)),  # one expert, 3 K splits
 ])
-def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, scale_block, blocks,
+def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, scale_block, config,
                                             request):
     """Float8 weights with one float32 scale per block: the kernel (dequantizing each tile) equals the reference,
     and the reference equals the grouped matmul on the float weights the checkpoint means, rounded to ``dtype``."""
@@ -211,9 +236,8 @@ def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, sw
     up_rhs, up_float = _block_fp8_stack(rng, num_experts, k, n, scale_block) if swiglu else (None, None)
     assert rhs.weight.dtype == jnp.float8_e4m3fn and rhs.scale_inv.shape == (
         num_experts, -(-n // scale_block[0]), -(-k // scale_block[1]))
-    block_m, block_n, block_k = blocks or (None, None, None)
     out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
-                                block_m=block_m, block_n=block_n, block_k=block_k)
+                                config=config)
     ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
     on_floats = grouped_matmul_reference(lhs, jnp.asarray(rhs_float).astype(dtype), sizes, row_index=row_index,
                                          up_rhs=None if up_float is None else jnp.asarray(up_float).astype(dtype))

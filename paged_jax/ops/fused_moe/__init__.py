@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
                         register_grouped_matmul, register_moe_selector)
-from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, fp8_scale_block_supported, grouped_matmul_pallas,
-                                             tile_schedule)
+from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, KernelConfig, default_config, fp8_scale_block_supported,
+                                             grouped_matmul_pallas, tile_schedule)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
@@ -65,5 +65,5 @@ def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | 
 register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
 register_moe_selector(auto_impl)
 
-__all__ = ["auto_impl", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable", "grouped_matmul_reference",
+__all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable", "grouped_matmul_reference",
            "moe_experts", "moe_experts_reference", "moe_experts_with", "tile_schedule"]
