@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.moe import grouped_matmul_for, resolve_moe_impl, route_top_k
+from models.moe import grouped_matmul_for, moe_experts_gathered, resolve_moe_impl, route_top_k, sort_by_expert
 from models.quantization import block_fp8
 from models.quantization.block_fp8 import BlockFp8Experts
 from paged_jax.ops import fused_moe
@@ -120,9 +120,13 @@ def _per_token_moe(x, w_gate, w_up, w_down, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, dtype", [
-    (1, 8, 1, jnp.bfloat16), (13, 8, 2, jnp.float32), (6, 8, 8, jnp.bfloat16), (40, 16, 2, jnp.bfloat16)])
-def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, request):
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, dtype, one_expert", [
+    (1, 8, 1, jnp.bfloat16, False), (13, 8, 2, jnp.float32, False), (6, 8, 8, jnp.bfloat16, False),
+    (40, 16, 2, jnp.bfloat16, False), (20, 8, 1, jnp.float32, True)])
+def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, one_expert,
+                                                                  request):
+    """The kernel (its default launch: K split at these sizes), the reference and the gathered XLA forms against the
+    per-token loop; ``one_expert``: every token routed to expert 5 alone."""
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
     hidden, inter = 32, 48
     x = _random(rng, (num_tokens, hidden), dtype)
@@ -130,23 +134,29 @@ def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, nu
     w_up = _random(rng, (num_experts, hidden, inter), dtype) * 0.2
     w_down = _random(rng, (num_experts, inter, hidden), dtype) * 0.2
     # A skewed router: uneven expert loads, some experts without tokens.
-    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + jnp.linspace(0, 3, num_experts)
+    bias = 100.0 * (jnp.arange(num_experts) == 5) if one_expert else jnp.linspace(0, 3, num_experts)
+    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + bias
     weights, ids = route_top_k(logits, top_k, norm_topk_prob=True)
+    assert not one_expert or (ids == 5).all()
     expected = _per_token_moe(x, w_gate, w_up, w_down, weights, ids)
     reference = jax.jit(moe_experts_reference)(x, w_gate, w_up, w_down, weights, ids)
     kernel = _moe_experts_interpreted(x, w_gate, w_up, w_down, weights, ids)
-    _check_moe_outputs(expected, reference, kernel, x.shape, dtype)
+    gathered = [jax.jit(functools.partial(moe_experts_gathered, reduce=reduce))(x, w_gate, w_up, w_down, weights, ids)
+                for reduce in (False, True)]
+    _check_moe_outputs(expected, reference, [kernel, *gathered], x.shape, dtype)
 
 
-def _check_moe_outputs(expected, reference, kernel, shape, dtype) -> None:
-    """The reference and the kernel each within twice ``dtype``'s tolerance of the per-token ``expected``, and
-    within its tolerance of each other (scaled by the largest output)."""
+def _check_moe_outputs(expected, reference, others, shape, dtype) -> None:
+    """The reference and the ``others`` (the kernel, other forms) each within twice ``dtype``'s tolerance of the
+    per-token ``expected``, and each other one within its tolerance of the reference (scaled by the largest
+    output)."""
     scale = max(np.abs(expected).max(), 1.0)
-    for out in (reference, kernel):
+    for out in (reference, *others):
         assert out.shape == shape and out.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=TOLERANCE[dtype] * scale * 2, rtol=0)
-    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(reference, np.float32),
-                               atol=TOLERANCE[dtype] * scale, rtol=0)
+    for out in others:
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32),
+                                   atol=TOLERANCE[dtype] * scale, rtol=0)
 
 
 def _moe_experts_interpreted(*args):
@@ -154,6 +164,12 @@ def _moe_experts_interpreted(*args):
     kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
     return jax.jit(functools.partial(moe_experts_with, kernel))(*args)
 
+
+def test_sort_by_expert_orders_pairs_stably_and_counts_only_real_experts():
+    ids = jnp.array([[3, 0], [0, 4], [3, 1]], jnp.int32)  # 4: another device's expert (expert parallelism)
+    order, group_sizes = sort_by_expert(ids, 4)
+    assert order.tolist() == [1, 2, 5, 0, 4, 3] and group_sizes.tolist() == [2, 1, 0, 2]
+    assert group_sizes.dtype == jnp.int32 and order.dtype == jnp.int32
 
 def test_route_top_k_renormalizes_only_when_asked():
     logits = jnp.array([[0.0, 1.0, 2.0, 3.0]])
@@ -265,7 +281,8 @@ def test_block_fp8_moe_experts_match_per_token_experts(num_tokens, top_k, dtype,
     stacks = [stack for stack, _ in experts]
     reference = jax.jit(moe_experts_reference)(x, *stacks, weights, ids)
     kernel = _moe_experts_interpreted(x, *stacks, weights, ids)
-    _check_moe_outputs(expected, reference, kernel, x.shape, dtype)
+    gathered = jax.jit(moe_experts_gathered)(x, *stacks, weights, ids)
+    _check_moe_outputs(expected, reference, [kernel, gathered], x.shape, dtype)
 
 
 def test_block_fp8_kernel_refuses_what_it_cannot_tile():
