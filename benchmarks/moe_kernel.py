@@ -57,11 +57,12 @@ from models.moe import (grouped_matmul_reference, in_pair_order, moe_experts_gat
 from models.quantization.block_fp8 import FP8_MAX, BlockFp8Experts
 from paged_jax.ops.fused_moe import KernelConfig, default_config, grouped_matmul_pallas
 
-DEFAULT_TOKENS = "1,2,4,8,16,64,256,1024,4096"
+DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"  # benchmarks.expert_parallel's
+SWEEP_TOKENS = "1,2,4,8,16,64,256,1024,4096"  # this benchmark's: one GPU call
 # Launch configs swept where an expert averages few rows (DECODE) and many (PREFILL); both near the boundary.
 DECODE_SWEEP = ("16/128/64/auto/4/3", "16/64/64/1/4/2", "16/128/64/1/4/3", "16/128/128/auto/4/3",
                 "16/256/64/auto/4/3", "16/64/128/auto/4/4", "16/128/64/auto/8/4")
-PREFILL_SWEEP = ("64/64/64/1/4/2", "64/128/64/1/4/3", "128/128/64/1/8/3", "32/128/64/1/4/3", "64/256/64/1/8/3")
+PREFILL_SWEEP = ("64/64/64/1/4/2", "64/128/64/1/4/3", "128/128/64/1/8/3", "32/128/64/1/4/3", "64/256/32/1/8/3")
 ROUNDS = 3  # timing rounds per figure (the median is reported)
 
 
@@ -99,6 +100,17 @@ def _routings(num_tokens: int, args, seed: int) -> list[dict]:
                                    True)
         out.append(dict(x=_normal(keys[0], (num_tokens, args.hidden), 1.0), topk_weights=weights, topk_ids=ids))
     return out
+
+
+def _inputs(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, seed: int) -> dict:
+    """One layer's random bf16 experts and ``num_tokens`` routed tokens: ``{x, w_gate, w_up, w_down, topk_weights,
+    topk_ids}`` (``benchmarks.expert_parallel``'s inputs)."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    weights, ids = route_top_k(jax.random.normal(keys[4], (num_tokens, num_experts), jnp.float32), top_k, True)
+    return dict(x=_normal(keys[0], (num_tokens, hidden), 1.0),
+                w_gate=_normal(keys[1], (num_experts, hidden, inter), 0.02),
+                w_up=_normal(keys[2], (num_experts, hidden, inter), 0.02),
+                w_down=_normal(keys[3], (num_experts, inter, hidden), 0.02), topk_weights=weights, topk_ids=ids)
 
 
 def block_fp8_experts(key, shape: tuple[int, int, int], block: int, std: float) -> BlockFp8Experts:
@@ -297,7 +309,7 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma-separated token counts T")
+    parser.add_argument("--tokens", default=SWEEP_TOKENS, help="comma-separated token counts T")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=768, help="each expert's width (moe_intermediate_size)")
     parser.add_argument("--experts", type=int, default=128)
