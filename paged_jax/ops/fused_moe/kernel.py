@@ -139,7 +139,7 @@ def split_steps(k: int, block_k: int, split_k: int | None, base_programs: int) -
 def tile_of(tile: jax.Array, group_sizes: jax.Array, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tile ``tile`` (int32 scalar) of ``group_sizes int32[E]`` -> int32 scalars ``(expert, start, end)``: the tile
     multiplies sorted rows ``[start, end)`` by ``expert``; ``end <= start`` for a tile past the real ones (expert
-    ``E`` then). Reductions over the experts only (what a program computes for itself)."""
+    past the last then). Reductions over the experts only (what a program computes for itself)."""
     tiles = (group_sizes + block_m - 1) // block_m
     tile_ends = jnp.cumsum(tiles)  # expert e owns tiles [tile_ends[e] - tiles[e], tile_ends[e])
     row_ends = jnp.cumsum(group_sizes)
@@ -208,8 +208,8 @@ def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: Ker
                 else:
                     # No float8 fill value: the entries outside the matrix are zeroed after the conversion (a
                     # float8 NaN code cannot leak). The tile lies in one scale block.
-                    w = (_load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask)).astype(jnp.float32) * scale_ref[0][
-                        expert, c0 // scale_block[0], k0 // scale_block[1]]
+                    w = _load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask)
+                    w = w.astype(jnp.float32) * scale_ref[0][expert, c0 // scale_block[0], k0 // scale_block[1]]
                     w = (w if w_mask is None else jnp.where(w_mask, w, 0.0)).astype(a.dtype)
                 out.append(acc + _dot(a, w, precision=precision))
             return tuple(out)
