@@ -60,7 +60,7 @@ from paged_jax.ops.fused_moe import KernelConfig, default_config, grouped_matmul
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"  # benchmarks.expert_parallel's
 SWEEP_TOKENS = "1,2,4,8,16,64,256,1024,4096"  # this benchmark's: one GPU call
 # Launch configs swept where an expert averages few rows (DECODE) and many (PREFILL); both near the boundary.
-DECODE_SWEEP = ("16/128/64/auto/4/3", "16/64/64/1/4/2", "16/128/64/1/4/3", "16/128/128/auto/4/3",
+DECODE_SWEEP = ("16/128/64/auto/4/3", "16/64/64/1/4/2", "16/128/64/1/4/3", "16/32/128/1/4/4", "16/128/128/auto/4/3",
                 "16/256/64/auto/4/3", "16/64/128/auto/4/4", "16/128/64/auto/8/4")
 PREFILL_SWEEP = ("64/64/64/1/4/2", "64/128/64/1/4/3", "128/128/64/1/8/3", "32/128/64/1/4/3", "64/256/32/1/8/3")
 ROUNDS = 3  # timing rounds per figure (the median is reported)
