@@ -37,6 +37,8 @@ MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_SCALES = tuple(name + SCALE_SUFFIX for name in EXPERT_PROJECTIONS)  # block-FP8 experts' scale parameters
 ROUTED_EXPERTS = "routed_experts"  # the nnx.Intermediate a capturing sparse layer sows (models.moe_routing)
+# in_pair_order's inverse permutation by comparing all pairs (M^2 work, one launch) up to this many rows.
+COMPARE_INVERSE_ROWS = 1024
 # Mixtral's checkpoint names: the block is "block_sparse_moe", its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -107,9 +109,13 @@ def in_pair_order(sorted_rows: jax.Array, order: jax.Array) -> jax.Array:
     """Rows sorted by expert back in (token, slot) pair order: ``sorted_rows [M, H]`` (row ``r`` is pair
     ``order[r]``; ``sort_by_expert``) -> ``[M, H]``, row ``p`` pair ``p``. A gather through the inverse permutation,
     so the consumer (the weighted top-k sum) can fuse it, and no zero-filled buffer exists for XLA to allocate ahead
-    of the layer."""
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                   unique_indices=True)
+    of the layer. Up to ``COMPARE_INVERSE_ROWS`` rows (decode) the inverse compares every pair with every row (one
+    reduction launch); beyond, it is a scatter."""
+    rows = jnp.arange(order.shape[0], dtype=order.dtype)
+    if order.shape[0] <= COMPARE_INVERSE_ROWS:
+        position = jnp.sum(jnp.where(order[None, :] == rows[:, None], rows[None, :], 0), axis=1, dtype=order.dtype)
+    else:
+        position = jnp.zeros_like(order).at[order].set(rows, unique_indices=True)
     return sorted_rows[position]
 
 

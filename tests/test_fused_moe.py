@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.moe import grouped_matmul_for, moe_experts_gathered, resolve_moe_impl, route_top_k, sort_by_expert
+from models.moe import (COMPARE_INVERSE_ROWS, grouped_matmul_for, in_pair_order, moe_experts_gathered, resolve_moe_impl,
+                        route_top_k, sort_by_expert)
 from models.quantization import block_fp8
 from models.quantization.block_fp8 import BlockFp8Experts
 from paged_jax.ops import fused_moe
@@ -170,6 +171,16 @@ def test_sort_by_expert_orders_pairs_stably_and_counts_only_real_experts():
     order, group_sizes = sort_by_expert(ids, 4)
     assert order.tolist() == [1, 2, 5, 0, 4, 3] and group_sizes.tolist() == [2, 1, 0, 2]
     assert group_sizes.dtype == jnp.int32 and order.dtype == jnp.int32
+
+@pytest.mark.parametrize("num_pairs", [1, 8, COMPARE_INVERSE_ROWS + 6])  # compared (decode) and scattered
+def test_in_pair_order_inverts_the_sort(num_pairs):
+    rng = np.random.default_rng(num_pairs)
+    ids = jnp.asarray(rng.integers(0, 5, (num_pairs, 1)), jnp.int32)
+    order, _ = sort_by_expert(ids, 5)
+    sorted_rows = jnp.asarray(rng.standard_normal((num_pairs, 3)), jnp.float32)
+    expected = np.zeros((num_pairs, 3), np.float32)
+    expected[np.asarray(order)] = np.asarray(sorted_rows)
+    np.testing.assert_array_equal(np.asarray(jax.jit(in_pair_order)(sorted_rows, order)), expected)
 
 def test_route_top_k_renormalizes_only_when_asked():
     logits = jnp.array([[0.0, 1.0, 2.0, 3.0]])
