@@ -63,6 +63,31 @@ def test_kernel_configs_parse_split_and_default_by_rows_per_expert():
     assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(64, 64, 64, 1, 4, 2)
     assert default_config(8, 4, 24, 40)[1:3] == (32, 64)  # tiles at most the padded dimensions
 
+@pytest.mark.parametrize("num_tokens, fp8, kernels", [
+    # Qwen3-30B-A3B at batch 1: gate/up's K split over 8 programs, down's over 4; 16-row tiles of 128 columns.
+    (1, False, ("moe_grouped_matmul_gather_swiglu_bm16_bn128_bk64_s8", "moe_grouped_matmul_bm16_bn128_bk64_s4")),
+    (1, True, ("moe_grouped_matmul_gather_swiglu_fp8_bm16_bn128_bk64_s8", "moe_grouped_matmul_fp8_bm16_bn128_bk64_s4")),
+    (4096, False, ("moe_grouped_matmul_gather_swiglu_bm64_bn64_bk64_s1", "moe_grouped_matmul_bm64_bn64_bk64_s1")),
+])
+def test_default_launches_lower_to_triton_for_the_gpu(num_tokens, fp8, kernels):
+    """The op at Qwen3-30B-A3B's shapes lowers for CUDA on the CPU (every kernel primitive has its Triton rule) with
+    the default launches: nothing runs, only the kernels' names (tiles, K splits) are read off the module."""
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+
+    def stack(k, n):
+        if not fp8:
+            return jax.ShapeDtypeStruct((num_experts, k, n), jnp.bfloat16)
+        return BlockFp8Experts(jax.ShapeDtypeStruct((num_experts, k, n), jnp.float8_e4m3fn),
+                               jax.ShapeDtypeStruct((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
+
+    op = jax.jit(functools.partial(moe_experts_with, grouped_matmul_pallas))
+    text = op.trace(jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16), stack(hidden, inter),
+                    stack(hidden, inter), stack(inter, hidden),
+                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
+                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert all(f'name = "{name}"' in text for name in kernels)
+
 def _grouped_rows(rng, group_sizes, k, gather, dtype):
     """``(group_sizes int32[E], lhs [T or rows, k], row_index int32[rows] or None)``: the rows of each expert in
     order, gathered from half as many tokens when ``gather``."""
