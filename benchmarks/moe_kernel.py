@@ -220,21 +220,23 @@ def _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline) -
 
 
 def hlo_launches(compiled_text: str) -> dict:
-    """Opcode -> count of the instructions that launch work in a compiled module's text: those outside fused
-    computations (fusions, custom calls such as Pallas kernels, sorts, scatters, copies...)."""
-    counts = collections.Counter()
-    in_fused = False
+    """Opcode -> count of the instructions that launch work in a compiled module's text: those of every computation
+    but the ones fusions call and the ones applied as reducers or comparators (fusions, custom calls such as the
+    Pallas kernels, sorts, scatters, copies...)."""
+    computations, current = {}, None
     for line in compiled_text.splitlines():
-        header = re.match(r"^(ENTRY )?%?([\w.\-]+) ", line)
-        if header and line.rstrip().endswith("{"):
-            in_fused = header.group(1) is None and re.match(r"(fused|region|horizontally|wrapped|.*computation)",
-                                                            header.group(2)) is not None
-            continue
-        op = re.match(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^=]*? ([a-z][\w\-]*)\(", line)
-        if op and not in_fused and op.group(1) not in {"parameter", "constant", "tuple", "get-tuple-element",
-                                                        "bitcast", "call", "while", "conditional", "after-all"}:
-            counts[op.group(1)] += 1
-    return dict(counts)
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None and (op := re.match(r"^\s*(?:ROOT )?%?[\w.\-]+ = [^=]*? ([a-z][\w\-]*)\((.*)", line)):
+            current.append((op.group(1), op.group(2)))
+    inner = {callee for ops in computations.values() for opcode, rest in ops
+             for key, callee in re.findall(r"(calls|to_apply)=%?([\w.\-]+)", rest)
+             if key == "to_apply" or opcode == "fusion"}
+    skip = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "call", "while", "conditional",
+            "after-all"}
+    return dict(collections.Counter(opcode for name, ops in computations.items() if name not in inner
+                                    for opcode, _ in ops if opcode not in skip))
 
 
 def _combine(out_sorted, order, topk_weights):
