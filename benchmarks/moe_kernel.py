@@ -194,9 +194,9 @@ def _max_diff(out, reference) -> float:
     return float(np.abs(np.asarray(out, np.float32) - reference).max())
 
 
-def _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline) -> list[dict]:
+def _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline, default: dict) -> list[dict]:
     """Each kernel config's op time, ratio to the floor and max abs difference (or its error, or "skipped" past
-    ``deadline``)."""
+    ``deadline``); ``default``: the record of the default launch (the ``pallas`` form), reused for its config."""
     num_rows = num_tokens * args.top_k
     configs = (sweep_configs(num_rows, args.experts) if args.configs == "auto"
                else [KernelConfig.parse(c) for c in args.configs.split(",") if c])
@@ -204,6 +204,9 @@ def _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline) -
     records = []
     for config in configs:
         record = {"config": str(config)}
+        if record["config"] == default["config"]:
+            records.append(default)
+            continue
         if time.monotonic() > deadline:
             records.append({**record, "skipped": "past --budget-s"})
             continue
@@ -278,6 +281,13 @@ def split_record(experts: dict, routings: list[dict], args) -> dict:
     return record
 
 
+def _default_launch(num_rows: int, args) -> str:
+    """The default config of both grouped matmuls (``KernelConfig``'s spelling), or of each when they differ."""
+    gate_up = default_config(num_rows, args.experts, args.inter, args.hidden)
+    down = default_config(num_rows, args.experts, args.hidden, args.inter)
+    return str(gate_up) if gate_up == down else f"{gate_up} (gate_up), {down} (down)"
+
+
 def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, copy_bytes_per_s: float | None) -> dict:
     """Check, then time every form and sweep the kernel configs on one token count; returns the JSON record."""
     routings = _routings(num_tokens, args, seed)
@@ -289,7 +299,7 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
     reference = outs["ragged_dot"]
     record = {"tokens": num_tokens, "hidden": args.hidden, "inter": args.inter, "experts": args.experts,
               "top_k": args.top_k, "weights": args.weights, "experts_touched": touched, "floor_us": round(floor_us, 2),
-              "default_config": str(default_config(num_tokens * args.top_k, args.experts, args.inter, args.hidden)),
+              "default_config": _default_launch(num_tokens * args.top_k, args),
               "check": {f"{name}_max_abs_diff": _max_diff(out, reference) for name, out in outs.items()
                         if name != "ragged_dot"}}
     record["check"]["reference_max_abs"] = float(np.abs(reference).max())
@@ -300,7 +310,9 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
         record[f"{name}_us"] = round(micros, 1)
         record[f"{name}_x_floor"] = round(micros / floor_us, 2)
     if args.configs != "none":
-        record["configs"] = _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline)
+        default = {"config": record["default_config"], "max_abs_diff": record["check"]["pallas_max_abs_diff"],
+                   "us": record["pallas_us"], "x_floor": record["pallas_x_floor"]}
+        record["configs"] = _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline, default)
         timed = [c for c in record["configs"] if "us" in c]
         if timed:
             record["best_config"] = min(timed, key=lambda c: c["us"])["config"]
