@@ -275,7 +275,8 @@ def _block_fp8_stack(rng, num_experts, k, n, block, dtype_scale=1.0):
     ([1, 0, 0, 0], 64, 48, True, True, (16, 16), None),  # one row (decode, top-1)
     # 64-row tiles, tiles shrunk to the scales
     ([70, 2, 0, 41], 96, 80, True, False, (64, 32), KernelConfig(64, 64, 64, 1)),
-    ([0, 6, 0, 0], 96, 64, True, False, (32, 32), KernelConfig(16, 32, 32, 3)),  # one expert, 3 K splits
+    # one expert; K's 5 steps over 3 splits of 2 (the last one's second step past K)
+    ([0, 6, 0, 0], 160, 64, True, False, (32, 32), KernelConfig(16, 32, 32, 4)),
 ])
 def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, scale_block, config,
                                             request):

@@ -106,13 +106,17 @@ class KernelConfig(NamedTuple):
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=128, block_k=64, split_k=None, num_warps=4, num_stages=3)
 # Prefill sizes: 64-row tiles, enough tiles and column blocks to fill the GPU without splitting K.
 PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=2)
+# (most rows an expert averages, launch): the first entry whose bound holds is the default
+# (benchmarks.moe_kernel's sweep measures the alternatives per token count).
+DEFAULT_CONFIGS = ((16, DECODE_CONFIG), (float("inf"), PREFILL_CONFIG))
 
 
 def default_config(num_rows: int, num_experts: int, n: int, k: int) -> KernelConfig:
-    """The launch parameters for ``num_rows`` sorted rows over ``num_experts`` experts of ``[K, N]``:
-    ``DECODE_CONFIG`` when an expert averages at most 16 rows (each tile's rows are mostly padding otherwise),
-    else ``PREFILL_CONFIG``; tile sides at most the padded dimension."""
-    config = DECODE_CONFIG if num_rows <= 16 * max(num_experts, 1) else PREFILL_CONFIG
+    """The launch parameters for ``num_rows`` sorted rows over ``num_experts`` experts of ``[K, N]``: the first of
+    ``DEFAULT_CONFIGS`` whose bound holds for the rows an expert averages (16-row tiles while they are mostly
+    padding otherwise), its tile sides at most the padded dimensions."""
+    per_expert = num_rows / max(num_experts, 1)
+    config = next(config for bound, config in DEFAULT_CONFIGS if per_expert <= bound)
     return config._replace(block_n=max(MIN_BLOCK, min(config.block_n, next_pow2(n))),
                            block_k=max(MIN_BLOCK, min(config.block_k, next_pow2(k))))
 
@@ -209,7 +213,9 @@ def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: Ker
                     # No float8 fill value: the entries outside the matrix are zeroed after the conversion (a
                     # float8 NaN code cannot leak). The tile lies in one scale block.
                     w = _load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask)
-                    w = w.astype(jnp.float32) * scale_ref[0][expert, c0 // scale_block[0], k0 // scale_block[1]]
+                    # A K step past the matrix (the last split's) reads the last scale: its tile is all masked.
+                    scale_col = jnp.minimum(k0 // scale_block[1], scale_ref[0].shape[2] - 1)
+                    w = w.astype(jnp.float32) * scale_ref[0][expert, c0 // scale_block[0], scale_col]
                     w = (w if w_mask is None else jnp.where(w_mask, w, 0.0)).astype(a.dtype)
                 out.append(acc + _dot(a, w, precision=precision))
             return tuple(out)
