@@ -37,6 +37,8 @@ MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_SCALES = tuple(name + SCALE_SUFFIX for name in EXPERT_PROJECTIONS)  # block-FP8 experts' scale parameters
 ROUTED_EXPERTS = "routed_experts"  # the nnx.Intermediate a capturing sparse layer sows (models.moe_routing)
+# in_pair_order's inverse permutation by comparing all pairs (M^2 work, one launch) up to this many rows.
+COMPARE_INVERSE_ROWS = 1024
 # Mixtral's checkpoint names: the block is "block_sparse_moe", its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -92,10 +94,14 @@ def route_top_k(router_logits: jax.Array, top_k: int, norm_topk_prob: bool) -> t
 def sort_by_expert(topk_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """``topk_ids int32[T, k]`` -> ``(order int32[T * k], group_sizes int32[E])``: the flat (token, slot) pairs
     ``t * k + j`` in expert order (stable, so each expert's rows keep token order) and each expert's row count.
-    Sorted row ``r`` is token ``order[r] // k``."""
+    Sorted row ``r`` is token ``order[r] // k``; ids outside ``[0, E)`` sort by value and count in no group.
+
+    The counts compare every id with every expert (one reduction XLA fuses, deterministic) rather than scatter-add
+    into a zeroed buffer (two launches, atomics on a few bins)."""
     flat = topk_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    experts = jnp.arange(num_experts, dtype=flat.dtype)
+    group_sizes = jnp.sum(flat[None, :] == experts[:, None], axis=1, dtype=jnp.int32)
     return order, group_sizes
 
 
@@ -103,9 +109,13 @@ def in_pair_order(sorted_rows: jax.Array, order: jax.Array) -> jax.Array:
     """Rows sorted by expert back in (token, slot) pair order: ``sorted_rows [M, H]`` (row ``r`` is pair
     ``order[r]``; ``sort_by_expert``) -> ``[M, H]``, row ``p`` pair ``p``. A gather through the inverse permutation,
     so the consumer (the weighted top-k sum) can fuse it, and no zero-filled buffer exists for XLA to allocate ahead
-    of the layer."""
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                   unique_indices=True)
+    of the layer. Up to ``COMPARE_INVERSE_ROWS`` rows (decode) the inverse compares every pair with every row (one
+    reduction launch); beyond, it is a scatter."""
+    rows = jnp.arange(order.shape[0], dtype=order.dtype)
+    if order.shape[0] <= COMPARE_INVERSE_ROWS:
+        position = jnp.sum(jnp.where(order[None, :] == rows[:, None], rows[None, :], 0), axis=1, dtype=order.dtype)
+    else:
+        position = jnp.zeros_like(order).at[order].set(rows, unique_indices=True)
     return sorted_rows[position]
 
 
@@ -159,9 +169,7 @@ def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, 
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w_gate.shape[0]
-    if w_up.shape != w_gate.shape or w_down.shape != (num_experts, w_gate.shape[2], hidden):
-        raise ValueError(f"expert weights must be gate/up [E, {hidden}, I] and down [E, I, {hidden}]; got "
-                         f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
+    check_expert_shapes(hidden, w_gate, w_up, w_down)
     order, group_sizes = sort_by_expert(topk_ids, num_experts)
     dtype = x.dtype
     w_gate, w_up, w_down = (expert_operand(w, dtype) for w in (w_gate, w_up, w_down))
@@ -169,6 +177,50 @@ def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, 
     out_sorted = grouped_matmul(act, w_down, group_sizes)  # [T * k, H]
     out = in_pair_order(out_sorted, order).reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
+
+
+def check_expert_shapes(hidden: int, w_gate, w_up, w_down) -> None:
+    """ValueError naming the shapes unless gate / up are ``[E, hidden, I]`` and down ``[E, I, hidden]``."""
+    if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], hidden):
+        raise ValueError(f"expert weights must be gate/up [E, {hidden}, I] and down [E, I, {hidden}]; got "
+                         f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
+
+
+def moe_experts_gathered(x: jax.Array, w_gate, w_up, w_down, topk_weights: jax.Array, topk_ids: jax.Array, *,
+                         reduce: bool = False) -> jax.Array:
+    """``moe_experts`` in XLA without sorting, for a few tokens: every (token, slot) pair's expert weights gathered
+    (``jnp.take`` over the experts) and one batched product per projection over the ``T * k`` pairs. It reads an
+    expert once per pair routed to it (twice when two tokens share it), so it suits steps whose pairs are nearly all
+    distinct experts (decode of one or two tokens); no sort, schedule or combine gather.
+
+    Same arguments and result as ``moe_experts``; ``reduce``: each product as a broadcast multiply and a float32 sum
+    (which XLA can fuse with the gather, reading the weights in place) instead of a batched dot (``jnp.einsum``).
+    """
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    check_expert_shapes(hidden, w_gate, w_up, w_down)
+    ids = topk_ids.reshape(-1)
+    dtype = x.dtype
+    gate, up, down = (_take_experts(w, ids, dtype) for w in (w_gate, w_up, w_down))
+
+    def product(rows, w):  # [P, K] x [P, K, N] -> float32[P, N]
+        if reduce:
+            return jnp.sum(rows.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32), axis=1)
+        return jnp.einsum("pk,pkn->pn", rows, w, preferred_element_type=jnp.float32)
+
+    rows = jnp.repeat(x, top_k, axis=0)  # pair t * k + j is token t
+    act = (jax.nn.silu(product(rows, gate)) * product(rows, up)).astype(dtype)
+    out = product(act, down).astype(dtype).reshape(num_tokens, top_k, hidden).astype(jnp.float32)
+    return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
+
+
+def _take_experts(w, ids: jax.Array, dtype) -> jax.Array:
+    """``dtype[P, K, N]``: the experts ``ids int32[P]`` of a stack (block-FP8 ones gathered with their scales, then
+    dequantized)."""
+    if isinstance(w, BlockFp8Experts):
+        taken = BlockFp8Experts(jnp.take(w.weight, ids, axis=0), jnp.take(w.scale_inv, ids, axis=0), w.block)
+        return taken.dequantize(dtype)
+    return jnp.take(w, ids, axis=0).astype(dtype)
 
 
 def expert_operand(w, dtype):

@@ -47,7 +47,7 @@ def local_experts_partial(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Ar
     local_ids = topk_ids - first_expert
     is_local = (local_ids >= 0) & (local_ids < num_local)
     local_ids = jnp.where(is_local, local_ids, num_local)
-    order, group_sizes = sort_by_expert(local_ids, num_local)  # bincount drops the out-of-range id
+    order, group_sizes = sort_by_expert(local_ids, num_local)  # the out-of-range id counts in no group
     dtype = x.dtype
     act = grouped_matmul(x, expert_operand(w_gate, dtype), group_sizes, row_index=order // top_k,
                          up_rhs=expert_operand(w_up, dtype))

@@ -293,20 +293,34 @@ def test_schedule_benchmark_counts_the_steps_of_a_workload():
 
 
 def test_moe_kernel_benchmark_checks_times_and_floors_every_token_count(tmp_path):
-    """benchmarks/moe_kernel.py on a tiny shape with the kernel interpreted: every implementation agrees with the
-    reference, every token count is timed, and the floor counts only the experts the tokens route to."""
+    """benchmarks/moe_kernel.py on a tiny shape with the kernel interpreted: every form and swept config agrees with
+    the reference, every token count is timed, the floor counts only the experts the tokens route to, and T=1's op
+    is also timed in parts."""
     import json
 
     from benchmarks.moe_kernel import floor_bytes, main
 
     out = tmp_path / "moe.json"
-    results = main(["--tokens", "1,9", "--hidden", "32", "--inter", "16", "--experts", "8", "--top-k", "2",
-                    "--repeats", "1", "--interpret", "--out", str(out)])
+    results = main(["--tokens", "1,9", "--hidden", "32", "--inter", "32", "--experts", "8", "--top-k", "2",
+                    "--repeats", "1", "--rotations", "2", "--interpret",
+                    "--configs", "16/32/32/auto/4/3,16/32/16/auto/2/1",
+                    "--gather-max-tokens", "1", "--out", str(out)])
     assert [r["tokens"] for r in results] == [1, 9]
     for r in results:
-        assert r["check"]["kernel_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
-        assert r["check"]["fused_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+        limit = 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+        assert all(diff <= limit for name, diff in r["check"].items() if name.endswith("_max_abs_diff"))
         assert all(r[f"{name}_us"] > 0 for name in ("pallas", "ragged_dot", "ragged_dot_fused"))
+        default, other = r["configs"]  # the default launch's figures are the pallas form's
+        assert default == {"config": r["default_config"], "max_abs_diff": r["check"]["pallas_max_abs_diff"],
+                           "us": r["pallas_us"], "x_floor": r["pallas_x_floor"]}
+        assert other["config"] == "16/32/16/auto/2/1" and other["max_abs_diff"] <= limit and other["us"] > 0
+        assert r["best_config"] in (default["config"], other["config"])
+    assert {"gather_dot_max_abs_diff", "gather_reduce_max_abs_diff"} <= set(results[0]["check"])
+    assert "gather_dot_us" not in results[1]  # T=9 is past --gather-max-tokens
+    split = results[0]["split"]
+    assert all(split[f"{part}_us"] > 0 for part in ("route", "sort", "gate_up", "down", "combine", "op"))
+    assert sum(split["hlo_launches"].values()) >= 1
+    assert "split" not in results[1]
     assert results[0]["experts_touched"] == 2  # one token, top 2
     assert 2 <= results[1]["experts_touched"] <= 8
     assert floor_bytes(1, 32, 16, 2, 2) == 2 * (2 * 3 * 32 * 16 + 32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
@@ -315,18 +329,45 @@ def test_moe_kernel_benchmark_checks_times_and_floors_every_token_count(tmp_path
 
 def test_moe_kernel_benchmark_fp8_experts(tmp_path):
     """benchmarks/moe_kernel.py --weights fp8 on a tiny shape, the kernel interpreted: the FP8 kernel (tiles
-    dequantized in the kernel) and the bf16 forms on the dequantized weights agree with the reference, every form is
-    timed, and the floor counts one byte per weight."""
+    dequantized in the kernel), the gathered FP8 form and the bf16 forms on the dequantized weights agree with the
+    reference, every form is timed, and the floor counts one byte per weight."""
     from benchmarks.moe_kernel import floor_bytes, main
 
     results = main(["--tokens", "5", "--hidden", "48", "--inter", "40", "--experts", "4", "--top-k", "2",
-                    "--repeats", "1", "--interpret", "--weights", "fp8", "--fp8-block", "16"])
+                    "--repeats", "1", "--rotations", "1", "--interpret", "--weights", "fp8", "--fp8-block", "16",
+                    "--configs", "none", "--split-tokens", ""])
     (r,) = results
-    assert r["weights"] == "fp8"
-    assert r["check"]["kernel_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
-    assert r["check"]["fused_max_abs_diff"] <= 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
-    assert all(r[f"{name}_us"] > 0 for name in ("pallas", "pallas_bf16", "ragged_dot", "ragged_dot_fused"))
+    assert r["weights"] == "fp8" and "configs" not in r and "split" not in r
+    limit = 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+    assert all(diff <= limit for name, diff in r["check"].items() if name.endswith("_max_abs_diff"))
+    assert all(r[f"{name}_us"] > 0 for name in ("pallas", "pallas_bf16", "ragged_dot", "ragged_dot_fused",
+                                                "gather_dot", "gather_reduce"))
     assert floor_bytes(1, 32, 16, 2, 2, 1) == 2 * 3 * 32 * 16 + 2 * (32 + 2 * 2 * 16 + 2 * 2 * 32 + 32)
+
+
+def test_moe_kernel_benchmark_sweeps_by_rows_per_expert_and_counts_launches():
+    """The configs swept per T (decode ones up to 16 rows an expert, prefill ones from 4, every one a launch the
+    kernel takes) and the count of launching instructions in a compiled module's text."""
+    from benchmarks.moe_kernel import DECODE_SWEEP, PREFILL_SWEEP, hlo_launches, sweep_configs
+
+    assert [str(c) for c in sweep_configs(8, 128)] == list(DECODE_SWEEP)
+    assert [str(c) for c in sweep_configs(64 * 8, 128)] == list(DECODE_SWEEP + PREFILL_SWEEP)
+    assert [str(c) for c in sweep_configs(4096 * 8, 128)] == list(PREFILL_SWEEP)
+    text = """HloModule m
+
+%fused_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %e = f32[8]{0} exponential(%p)
+}
+
+ENTRY %main (a: s32[8], b: f32[8]) -> f32[8] {
+  %a = s32[8]{0} parameter(0)
+  %sort = s32[8]{0} sort(%a), dimensions={0}, to_apply=%cmp
+  %k = f32[8]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %fusion = f32[8]{0} fusion(%k), kind=kLoop, calls=%fused_computation
+}
+"""
+    assert hlo_launches(text) == {"sort": 1, "custom-call": 1, "fusion": 1}
 
 
 def test_weight_update_benchmark_smoke(tmp_path):

@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.moe import grouped_matmul_for, resolve_moe_impl, route_top_k
+from models.moe import (COMPARE_INVERSE_ROWS, grouped_matmul_for, in_pair_order, moe_experts_gathered, resolve_moe_impl,
+                        route_top_k, sort_by_expert)
 from models.quantization import block_fp8
 from models.quantization.block_fp8 import BlockFp8Experts
 from paged_jax.ops import fused_moe
-from paged_jax.ops.fused_moe import (grouped_matmul_pallas, grouped_matmul_pallas_differentiable,
-                                     grouped_matmul_reference, moe_experts_reference, moe_experts_with, tile_schedule)
+from paged_jax.ops.fused_moe import (KernelConfig, default_config, grouped_matmul_pallas,
+                                     grouped_matmul_pallas_differentiable, grouped_matmul_reference,
+                                     moe_experts_reference, moe_experts_with, tile_schedule)
+from paged_jax.ops.fused_moe.kernel import split_steps
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -42,6 +45,49 @@ def test_tile_schedule_covers_every_row_once_by_its_expert(group_sizes):
     assert (covered == 1).all()
 
 
+def test_kernel_configs_parse_split_and_default_by_rows_per_expert():
+    config = KernelConfig.parse("16/128/64/auto/4/3")
+    assert config == KernelConfig(16, 128, 64, None, 4, 3) and KernelConfig.parse(str(config)) == config
+    for bad in ("16/128/64/4/3", "16/100/64/1/4/3", "16/128/64/0/4/3", "8/128/64/1/4/3", "16/128/64/x/4/3"):
+        with pytest.raises(ValueError, match="config|block_n|split_k|block_m"):
+            KernelConfig.parse(bad)
+    # K's steps cut into programs, none empty; "auto" doubles the splits while the launch stays within 512 programs.
+    assert split_steps(768, 64, 8, 1) == (6, 2)
+    assert split_steps(2048, 64, None, 8 * 6) == (8, 4)
+    assert split_steps(768, 64, None, 8 * 16) == (4, 3)
+    assert split_steps(2048, 64, None, 600) == (1, 32)
+    assert split_steps(80, 16, 3, 1) == (3, 2)
+    # Qwen3-30B-A3B's gate/up at decode (8 rows per token over 128 experts) and prefill.
+    assert default_config(8, 128, 768, 2048) == KernelConfig(16, 128, 64, None, 4, 3)
+    assert default_config(64 * 8, 128, 768, 2048).block_m == 16
+    assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(64, 64, 64, 1, 4, 2)
+    assert default_config(8, 4, 24, 40)[1:3] == (32, 64)  # tiles at most the padded dimensions
+
+@pytest.mark.parametrize("num_tokens, fp8, kernels", [
+    # Qwen3-30B-A3B at batch 1: gate/up's K split over 8 programs, down's over 4; 16-row tiles of 128 columns.
+    (1, False, ("moe_grouped_matmul_gather_swiglu_bm16_bn128_bk64_s8", "moe_grouped_matmul_bm16_bn128_bk64_s4")),
+    (1, True, ("moe_grouped_matmul_gather_swiglu_fp8_bm16_bn128_bk64_s8", "moe_grouped_matmul_fp8_bm16_bn128_bk64_s4")),
+    (4096, False, ("moe_grouped_matmul_gather_swiglu_bm64_bn64_bk64_s1", "moe_grouped_matmul_bm64_bn64_bk64_s1")),
+])
+def test_default_launches_lower_to_triton_for_the_gpu(num_tokens, fp8, kernels):
+    """The op at Qwen3-30B-A3B's shapes lowers for CUDA on the CPU (every kernel primitive has its Triton rule) with
+    the default launches: nothing runs, only the kernels' names (tiles, K splits) are read off the module."""
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+
+    def stack(k, n):
+        if not fp8:
+            return jax.ShapeDtypeStruct((num_experts, k, n), jnp.bfloat16)
+        return BlockFp8Experts(jax.ShapeDtypeStruct((num_experts, k, n), jnp.float8_e4m3fn),
+                               jax.ShapeDtypeStruct((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
+
+    op = jax.jit(functools.partial(moe_experts_with, grouped_matmul_pallas))
+    text = op.trace(jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16), stack(hidden, inter),
+                    stack(hidden, inter), stack(inter, hidden),
+                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
+                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert all(f'name = "{name}"' in text for name in kernels)
+
 def _grouped_rows(rng, group_sizes, k, gather, dtype):
     """``(group_sizes int32[E], lhs [T or rows, k], row_index int32[rows] or None)``: the rows of each expert in
     order, gathered from half as many tokens when ``gather``."""
@@ -54,22 +100,23 @@ def _grouped_rows(rng, group_sizes, k, gather, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, blocks", [
-    ([0, 5, 1, 0, 20, 3], 40, 24, False, False, (16, 16, 16)),  # K, N not multiples of the blocks; 3 K steps
-    ([3, 0, 9, 1], 64, 48, True, True, (16, 32, 32)),
-    ([1, 0, 0, 0, 0, 0, 0, 0], 32, 32, True, True, None),  # one row (decode, top-1)
-    ([70, 2, 0, 41], 96, 80, True, False, (64, 64, 32)),  # 64-row tiles
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, config", [
+    ([0, 5, 1, 0, 20, 3], 40, 24, False, False, KernelConfig(16, 16, 16, 1)),  # K, N not multiples; 3 K steps
+    ([3, 0, 9, 1], 64, 48, True, True, KernelConfig(16, 32, 32, 1, 4, 2)),
+    ([1, 0, 0, 0, 0, 0, 0, 0], 32, 32, True, True, None),  # one row (decode, top-1), K split by default
+    ([70, 2, 0, 41], 96, 80, True, False, KernelConfig(64, 64, 32, 1)),  # 64-row tiles
     ([0, 0, 0], 16, 16, False, False, None),  # no rows at all
+    ([0, 0, 37, 0], 80, 48, True, True, KernelConfig(16, 32, 16, 3)),  # one expert; 3 K splits, the last partial
+    ([2, 1, 0, 5, 0, 0, 1], 64, 40, False, False, KernelConfig(16, 16, 16, None, 2, 1)),  # 7 experts, auto split
 ])
-def test_grouped_matmul_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, blocks, request):
+def test_grouped_matmul_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, config, request):
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
     sizes, lhs, row_index = _grouped_rows(rng, group_sizes, k, gather, dtype)
     rows, num_experts = int(sizes.sum()), len(group_sizes)
     rhs = _random(rng, (num_experts, k, n), dtype)
     up_rhs = _random(rng, (num_experts, k, n), dtype) if swiglu else None
-    block_m, block_n, block_k = blocks or (None, None, None)
     out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
-                                block_m=block_m, block_n=block_n, block_k=block_k)
+                                config=config)
     ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
     assert out.shape == (rows, n) and out.dtype == dtype
     scale = max(float(jnp.abs(ref.astype(jnp.float32)).max()) if rows else 0.0, 1.0)
@@ -99,9 +146,13 @@ def _per_token_moe(x, w_gate, w_up, w_down, weights, ids):
     return out
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, dtype", [
-    (1, 8, 1, jnp.bfloat16), (13, 8, 2, jnp.float32), (6, 8, 8, jnp.bfloat16), (40, 16, 2, jnp.bfloat16)])
-def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, request):
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, dtype, one_expert", [
+    (1, 8, 1, jnp.bfloat16, False), (13, 8, 2, jnp.float32, False), (6, 8, 8, jnp.bfloat16, False),
+    (40, 16, 2, jnp.bfloat16, False), (20, 8, 1, jnp.float32, True)])
+def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, num_experts, top_k, dtype, one_expert,
+                                                                  request):
+    """The kernel (its default launch: K split at these sizes), the reference and the gathered XLA forms against the
+    per-token loop; ``one_expert``: every token routed to expert 5 alone."""
     rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
     hidden, inter = 32, 48
     x = _random(rng, (num_tokens, hidden), dtype)
@@ -109,23 +160,29 @@ def test_moe_experts_kernel_and_reference_match_per_token_experts(num_tokens, nu
     w_up = _random(rng, (num_experts, hidden, inter), dtype) * 0.2
     w_down = _random(rng, (num_experts, inter, hidden), dtype) * 0.2
     # A skewed router: uneven expert loads, some experts without tokens.
-    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + jnp.linspace(0, 3, num_experts)
+    bias = 100.0 * (jnp.arange(num_experts) == 5) if one_expert else jnp.linspace(0, 3, num_experts)
+    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + bias
     weights, ids = route_top_k(logits, top_k, norm_topk_prob=True)
+    assert not one_expert or (ids == 5).all()
     expected = _per_token_moe(x, w_gate, w_up, w_down, weights, ids)
     reference = jax.jit(moe_experts_reference)(x, w_gate, w_up, w_down, weights, ids)
     kernel = _moe_experts_interpreted(x, w_gate, w_up, w_down, weights, ids)
-    _check_moe_outputs(expected, reference, kernel, x.shape, dtype)
+    gathered = [jax.jit(functools.partial(moe_experts_gathered, reduce=reduce))(x, w_gate, w_up, w_down, weights, ids)
+                for reduce in (False, True)]
+    _check_moe_outputs(expected, reference, [kernel, *gathered], x.shape, dtype)
 
 
-def _check_moe_outputs(expected, reference, kernel, shape, dtype) -> None:
-    """The reference and the kernel each within twice ``dtype``'s tolerance of the per-token ``expected``, and
-    within its tolerance of each other (scaled by the largest output)."""
+def _check_moe_outputs(expected, reference, others, shape, dtype) -> None:
+    """The reference and the ``others`` (the kernel, other forms) each within twice ``dtype``'s tolerance of the
+    per-token ``expected``, and each other one within its tolerance of the reference (scaled by the largest
+    output)."""
     scale = max(np.abs(expected).max(), 1.0)
-    for out in (reference, kernel):
+    for out in (reference, *others):
         assert out.shape == shape and out.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=TOLERANCE[dtype] * scale * 2, rtol=0)
-    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(reference, np.float32),
-                               atol=TOLERANCE[dtype] * scale, rtol=0)
+    for out in others:
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32),
+                                   atol=TOLERANCE[dtype] * scale, rtol=0)
 
 
 def _moe_experts_interpreted(*args):
@@ -133,6 +190,22 @@ def _moe_experts_interpreted(*args):
     kernel = functools.partial(grouped_matmul_pallas_differentiable, interpret=True)
     return jax.jit(functools.partial(moe_experts_with, kernel))(*args)
 
+
+def test_sort_by_expert_orders_pairs_stably_and_counts_only_real_experts():
+    ids = jnp.array([[3, 0], [0, 4], [3, 1]], jnp.int32)  # 4: another device's expert (expert parallelism)
+    order, group_sizes = sort_by_expert(ids, 4)
+    assert order.tolist() == [1, 2, 5, 0, 4, 3] and group_sizes.tolist() == [2, 1, 0, 2]
+    assert group_sizes.dtype == jnp.int32 and order.dtype == jnp.int32
+
+@pytest.mark.parametrize("num_pairs", [1, 8, COMPARE_INVERSE_ROWS + 6])  # compared (decode) and scattered
+def test_in_pair_order_inverts_the_sort(num_pairs):
+    rng = np.random.default_rng(num_pairs)
+    ids = jnp.asarray(rng.integers(0, 5, (num_pairs, 1)), jnp.int32)
+    order, _ = sort_by_expert(ids, 5)
+    sorted_rows = jnp.asarray(rng.standard_normal((num_pairs, 3)), jnp.float32)
+    expected = np.zeros((num_pairs, 3), np.float32)
+    expected[np.asarray(order)] = np.asarray(sorted_rows)
+    np.testing.assert_array_equal(np.asarray(jax.jit(in_pair_order)(sorted_rows, order)), expected)
 
 def test_route_top_k_renormalizes_only_when_asked():
     logits = jnp.array([[0.0, 1.0, 2.0, 3.0]])
@@ -194,13 +267,18 @@ def _block_fp8_stack(rng, num_experts, k, n, block, dtype_scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, scale_block, blocks", [
-    ([0, 5, 1, 0, 20, 3], 40, 72, False, False, (32, 16), (16, 32, 32)),  # K, N not multiples of the scale blocks
-    ([3, 0, 9, 1], 160, 136, True, True, (128, 128), None),  # the published 128x128 blocks, partial last ones
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, scale_block, config", [
+    # K, N not multiples of the scale blocks
+    ([0, 5, 1, 0, 20, 3], 40, 72, False, False, (32, 16), KernelConfig(16, 32, 32, 1)),
+    # the published 128x128 blocks, partial last ones; K split in two by default
+    ([3, 0, 9, 1], 160, 136, True, True, (128, 128), None),
     ([1, 0, 0, 0], 64, 48, True, True, (16, 16), None),  # one row (decode, top-1)
-    ([70, 2, 0, 41], 96, 80, True, False, (64, 32), (64, 64, 64)),  # 64-row tiles, tiles shrunk to the scales
+    # 64-row tiles, tiles shrunk to the scales
+    ([70, 2, 0, 41], 96, 80, True, False, (64, 32), KernelConfig(64, 64, 64, 1)),
+    # one expert; K's 5 steps over 3 splits of 2 (the last one's second step past K)
+    ([0, 6, 0, 0], 160, 64, True, False, (32, 32), KernelConfig(16, 32, 32, 4)),
 ])
-def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, scale_block, blocks,
+def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, scale_block, config,
                                             request):
     """Float8 weights with one float32 scale per block: the kernel (dequantizing each tile) equals the reference,
     and the reference equals the grouped matmul on the float weights the checkpoint means, rounded to ``dtype``."""
@@ -211,9 +289,8 @@ def test_block_fp8_kernel_matches_reference(dtype, group_sizes, k, n, gather, sw
     up_rhs, up_float = _block_fp8_stack(rng, num_experts, k, n, scale_block) if swiglu else (None, None)
     assert rhs.weight.dtype == jnp.float8_e4m3fn and rhs.scale_inv.shape == (
         num_experts, -(-n // scale_block[0]), -(-k // scale_block[1]))
-    block_m, block_n, block_k = blocks or (None, None, None)
     out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
-                                block_m=block_m, block_n=block_n, block_k=block_k)
+                                config=config)
     ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
     on_floats = grouped_matmul_reference(lhs, jnp.asarray(rhs_float).astype(dtype), sizes, row_index=row_index,
                                          up_rhs=None if up_float is None else jnp.asarray(up_float).astype(dtype))
@@ -241,7 +318,8 @@ def test_block_fp8_moe_experts_match_per_token_experts(num_tokens, top_k, dtype,
     stacks = [stack for stack, _ in experts]
     reference = jax.jit(moe_experts_reference)(x, *stacks, weights, ids)
     kernel = _moe_experts_interpreted(x, *stacks, weights, ids)
-    _check_moe_outputs(expected, reference, kernel, x.shape, dtype)
+    gathered = jax.jit(moe_experts_gathered)(x, *stacks, weights, ids)
+    _check_moe_outputs(expected, reference, [kernel, gathered], x.shape, dtype)
 
 
 def test_block_fp8_kernel_refuses_what_it_cannot_tile():

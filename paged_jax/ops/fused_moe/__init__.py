@@ -7,7 +7,8 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
 
 * ``"xla"``: ``grouped_matmul_reference`` (``lax.ragged_dot``), the jnp reference, and ``moe_experts_reference``
   the whole op on it;
-* ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul;
+* ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
+  as ``default_config`` says (``KernelConfig``);
 * ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
@@ -24,8 +25,8 @@ import jax.numpy as jnp
 
 from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
                         register_grouped_matmul, register_moe_selector)
-from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, fp8_scale_block_supported, grouped_matmul_pallas,
-                                             tile_schedule)
+from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, KernelConfig, default_config, fp8_scale_block_supported,
+                                             grouped_matmul_pallas, tile_schedule)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
@@ -65,5 +66,5 @@ def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | 
 register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
 register_moe_selector(auto_impl)
 
-__all__ = ["auto_impl", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable", "grouped_matmul_reference",
-           "moe_experts", "moe_experts_reference", "moe_experts_with", "tile_schedule"]
+__all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable",
+           "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "tile_schedule"]

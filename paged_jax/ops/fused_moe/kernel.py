@@ -1,11 +1,18 @@
 """The grouped matmul of a mixture-of-experts layer as a Pallas (Triton) kernel: vLLM's ``fused_moe_kernel``.
 
 The rows (one per (token, expert) pair) are sorted by expert; ``group_sizes[e]`` consecutive rows go to expert
-``e``. ``tile_schedule`` cuts each expert's rows into tiles of ``block_m`` rows (an expert with no rows gets no
-tile), so every tile multiplies by one expert's weights; the grid is (tiles, output column blocks) with a static
-tile count ``cdiv(M, block_m) + min(E, M)`` (each expert adds at most one partial tile), the tiles past the real
-ones doing nothing. Each program walks K in ``block_k`` steps (a loop inside the kernel) with a float32
-accumulator, so the weights an expert's tile reads are read once per tile, and experts without rows cost nothing.
+``e``. Each expert's rows are cut into tiles of ``block_m`` rows (an expert with no rows gets no tile), so every
+tile multiplies by one expert's weights. The grid is (tiles, output column blocks, K splits) with a static tile
+count ``num_tiles`` (enough for any split of the rows), the tiles past the real ones doing nothing. Each program
+finds its tile's expert and rows from ``group_sizes`` itself (``tile_of``: a few reductions over the experts), so
+no schedule is computed outside the kernel, and walks its share of K in ``block_k`` steps (a pipelined loop) with a
+float32 accumulator: the weights a tile reads are read once, and experts without rows cost nothing.
+
+Weights are stored ``[E, K, N]`` (N contiguous), so a program reads ``block_k`` rows of ``block_n`` contiguous
+weights per step: wide column blocks keep the reads coalesced, and at decode sizes (a few rows per expert) the
+parallelism comes from splitting K over ``split_k`` programs instead. Split programs write float32 partial sums
+``[split_k, M, N]``, which the wrapper adds (with the SwiGLU when fused) in one XLA fusion; XLA fuses the down
+projection's sum into the top-k combine that reads it.
 
 Block-FP8 weights (``models.quantization.block_fp8.BlockFp8Experts``: ``float8_e4m3fn`` with one float32 scale per
 ``block`` of ``[out, in]``) are dequantized per tile: the program loads the tile's float8 weights and its one scale
@@ -18,12 +25,16 @@ Two fusions save a pass over memory each:
 * ``up_rhs``: gate and up run in the same program (two accumulators over the same rows), and the program stores
   ``silu(gate) * up`` rounded once: the experts' SwiGLU activation.
 
+Launch parameters (``KernelConfig``: tile sides, K splits, Triton's ``num_warps`` / ``num_stages``) come from
+``default_config`` by rows per expert, or are given (``benchmarks.moe_kernel --configs`` sweeps them).
+
 The oracle is ``models.moe.grouped_matmul_reference`` (``lax.ragged_dot``); same contract, float32 accumulation.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,94 +53,189 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)  # block-FP8 weights' storage
 # Triton's dot needs tile sides of at least 16.
 MIN_BLOCK = 16
+# Programs a decode-sized launch aims for (``split_k=None``): a few per SM of an H100 / H200 (132 SMs), so the
+# weight reads of every SM overlap.
+TARGET_PROGRAMS = 512
+
+
+class KernelConfig(NamedTuple):
+    """Launch parameters of ``grouped_matmul_pallas``: tile sides (powers of two, at least ``MIN_BLOCK``),
+    ``split_k`` programs per tile and column block along K (None: enough for ``TARGET_PROGRAMS``; 1: no split),
+    and Triton's ``num_warps`` and ``num_stages`` (software-pipelined loads in the K loop)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        split = "auto" if self.split_k is None else self.split_k
+        return f"{self.block_m}/{self.block_n}/{self.block_k}/{split}/{self.num_warps}/{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelConfig":
+        """``"block_m/block_n/block_k/split_k/num_warps/num_stages"`` (``split_k`` "auto" for None): the
+        ``--configs`` spelling, ``str``'s inverse; ValueError naming the text otherwise."""
+        fields = text.strip().split("/")
+        try:
+            if len(fields) != 6:
+                raise ValueError
+            values = [None if f == "auto" and i == 3 else int(f) for i, f in enumerate(fields)]
+        except ValueError:
+            raise ValueError(f"kernel config {text!r} must be block_m/block_n/block_k/split_k/num_warps/num_stages "
+                             "(split_k an int or 'auto')") from None
+        config = cls(*values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """ValueError naming the field that Triton cannot run."""
+        for name in ("block_m", "block_n", "block_k"):
+            side = getattr(self, name)
+            if side < MIN_BLOCK or side & (side - 1):
+                raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK}, got {side}")
+        if self.split_k is not None and self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1 or None, got {self.split_k}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two and num_stages >= 1, got {self.num_warps}, "
+                             f"{self.num_stages}")
+
+
+# Decode sizes (few rows per expert): 16-row tiles (Triton's least), 128 contiguous columns, K split over programs.
+DECODE_CONFIG = KernelConfig(block_m=16, block_n=128, block_k=64, split_k=None, num_warps=4, num_stages=3)
+# Prefill sizes: 64-row tiles, enough tiles and column blocks to fill the GPU without splitting K.
+PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=2)
+# (most rows an expert averages, launch): the first entry whose bound holds is the default
+# (benchmarks.moe_kernel's sweep measures the alternatives per token count).
+DEFAULT_CONFIGS = ((16, DECODE_CONFIG), (float("inf"), PREFILL_CONFIG))
+
+
+def default_config(num_rows: int, num_experts: int, n: int, k: int) -> KernelConfig:
+    """The launch parameters for ``num_rows`` sorted rows over ``num_experts`` experts of ``[K, N]``: the first of
+    ``DEFAULT_CONFIGS`` whose bound holds for the rows an expert averages (16-row tiles while they are mostly
+    padding otherwise), its tile sides at most the padded dimensions."""
+    per_expert = num_rows / max(num_experts, 1)
+    config = next(config for bound, config in DEFAULT_CONFIGS if per_expert <= bound)
+    return config._replace(block_n=max(MIN_BLOCK, min(config.block_n, next_pow2(n))),
+                           block_k=max(MIN_BLOCK, min(config.block_k, next_pow2(k))))
 
 
 def num_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
-    """The static tile count of ``num_rows`` sorted rows over ``num_experts`` experts: enough for any split."""
-    return -(-num_rows // block_m) + min(num_experts, num_rows)
+    """The static tile count of ``num_rows`` sorted rows over ``num_experts`` experts: enough for any split (each
+    expert with rows adds at most ``block_m - 1`` padding rows to the ``num_rows``)."""
+    return (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m
+
+
+def split_steps(k: int, block_k: int, split_k: int | None, base_programs: int) -> tuple[int, int]:
+    """``(splits, steps)``: K's ``cdiv(k, block_k)`` steps cut into ``splits`` programs of ``steps`` each (the last
+    maybe partial, none empty); ``split_k`` None picks the largest power of two keeping ``base_programs * splits``
+    within ``TARGET_PROGRAMS``."""
+    total = -(-k // block_k)
+    if split_k is None:
+        split_k = 1
+        while base_programs * split_k * 2 <= TARGET_PROGRAMS and split_k * 2 <= total:
+            split_k *= 2
+    steps = -(-total // max(1, min(split_k, total)))
+    return -(-total // steps), steps
+
+
+def tile_of(tile: jax.Array, group_sizes: jax.Array, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Tile ``tile`` (int32 scalar) of ``group_sizes int32[E]`` -> int32 scalars ``(expert, start, end)``: the tile
+    multiplies sorted rows ``[start, end)`` by ``expert``; ``end <= start`` for a tile past the real ones (expert
+    past the last then). Reductions over the experts only (what a program computes for itself)."""
+    tiles = (group_sizes + block_m - 1) // block_m
+    tile_ends = jnp.cumsum(tiles)  # expert e owns tiles [tile_ends[e] - tiles[e], tile_ends[e])
+    row_ends = jnp.cumsum(group_sizes)
+    expert = jnp.sum((tile_ends <= tile).astype(jnp.int32))
+    mine = lax.broadcasted_iota(jnp.int32, group_sizes.shape, 0) == expert
+    first_tile = jnp.sum(jnp.where(mine, tile_ends - tiles, 0))
+    row_end = jnp.sum(jnp.where(mine, row_ends, 0))
+    start = row_end - jnp.sum(jnp.where(mine, group_sizes, 0)) + (tile - first_tile) * block_m
+    return expert, start, jnp.minimum(start + block_m, row_end)
 
 
 def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``group_sizes int32[E]`` -> ``(tile_expert, tile_start, tile_end)``, each ``int32[num_tiles(...)]``: tile
-    ``j`` multiplies sorted rows ``[tile_start[j], tile_end[j])`` (at most ``block_m``) by expert ``tile_expert[j]``;
-    tiles past the real ones have ``tile_start == tile_end == 0`` and expert 0. No loops: compare-all search."""
-    num_experts = group_sizes.shape[0]
-    total = num_tiles(num_rows, num_experts, block_m)
+    """``group_sizes int32[E]`` -> ``(tile_expert, tile_start, tile_end)``, each ``int32[num_tiles(...)]``: what
+    the kernel's programs compute (``tile_of``); tiles past the real ones get ``start == end == 0`` and expert 0."""
     sizes = group_sizes.astype(jnp.int32)
-    row_ends = jnp.cumsum(sizes)
-    row_starts = row_ends - sizes
-    tiles = (sizes + block_m - 1) // block_m
-    tile_ends = jnp.cumsum(tiles)  # expert e owns tiles [tile_ends[e] - tiles[e], tile_ends[e])
-    j = jnp.arange(total, dtype=jnp.int32)
-    expert = jnp.searchsorted(tile_ends, j, side="right", method="compare_all").astype(jnp.int32)
-    real = expert < num_experts
-    expert = jnp.where(real, expert, 0)
-    local = j - (tile_ends[expert] - tiles[expert])
-    start = row_starts[expert] + local * block_m
-    end = jnp.minimum(start + block_m, row_ends[expert])
-    return expert, jnp.where(real, start, 0), jnp.where(real, end, 0)
+    tiles = jnp.arange(num_tiles(num_rows, sizes.shape[0], block_m), dtype=jnp.int32)
+    expert, start, end = jax.vmap(lambda j: tile_of(j, sizes, block_m))(tiles)
+    real = end > start
+    return jnp.where(real, expert, 0), jnp.where(real, start, 0), jnp.where(real, end, 0)
 
 
-def _grouped_matmul_kernel(expert_ref, start_ref, end_ref, row_index_ref, lhs_ref, *refs, block_m: int,
-                           block_n: int, block_k: int, gather: bool, swiglu: bool, precision,
+def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: KernelConfig, steps: int,
+                           num_experts: int, gather: bool, swiglu: bool, precision,
                            scale_block: tuple[int, int] | None):
-    """Program (tile j, column block c). refs: rhs [E, K, N] (and its scales with ``scale_block``), then the same of
-    up_rhs when ``swiglu``, then out [M, N]."""
+    """Program (tile, column block, K split). refs: rhs [E, K, N] (and its scales with ``scale_block``), then the
+    same of up_rhs when ``swiglu``, then the outputs: [M, N] (unsplit), or float32 [splits, M, N] per accumulator."""
     per_weight = 1 if scale_block is None else 2
-    weights = [refs[i:i + per_weight] for i in range(0, per_weight * (2 if swiglu else 1), per_weight)]
-    out_ref = refs[-1]
-    num_rows, n_total = out_ref.shape
+    num_weights = 2 if swiglu else 1
+    weights = [refs[i:i + per_weight] for i in range(0, per_weight * num_weights, per_weight)]
+    out_refs = refs[per_weight * num_weights:]
+    split_out = out_refs[0].ndim == 3
+    num_rows, n_total = out_refs[0].shape[-2:]
     k_total = lhs_ref.shape[1]
-    tile, column_block = pl.program_id(0), pl.program_id(1)  # outside pl.when: interpret mode needs them there
-    expert, start, end = expert_ref[tile], start_ref[tile], end_ref[tile]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    # Program ids outside pl.when: interpret mode needs them there.
+    tile, column_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    padded = next_pow2(num_experts)
+    experts = jnp.arange(padded, dtype=jnp.int32)
+    sizes = (_load(sizes_ref.at[pl.ds(0, padded)]) if padded == num_experts
+             else _load(sizes_ref.at[pl.ds(0, padded)], mask=experts < num_experts, other=0))
+    expert, start, end = tile_of(tile, sizes, bm)
 
     @pl.when(end > start)
     def _():
-        rows = start + jnp.arange(block_m, dtype=jnp.int32)
+        rows = start + jnp.arange(bm, dtype=jnp.int32)
         row_ok = rows < end
         rows_c = jnp.where(row_ok, rows, 0)
         src = _load(row_index_ref.at[rows_c], mask=row_ok, other=0) if gather else rows_c
-        cols = column_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        col_ok = cols < n_total
-        cols_c = jnp.where(col_ok, cols, 0)
+        c0 = column_block * bn
+        cols = c0 + jnp.arange(bn, dtype=jnp.int32)  # unclamped: Triton sees them contiguous
+        col_ok = cols < n_total if n_total % bn else None
+        k_masked = steps * bk * -(-k_total // (steps * bk)) != k_total
 
         def body(step, accs):
-            k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            k_ok = k < k_total
-            k_c = jnp.where(k_ok, k, 0)
-            a = _load(lhs_ref.at[src[:, None], k_c[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
+            k0 = (split * steps + step) * bk
+            k = k0 + jnp.arange(bk, dtype=jnp.int32)
+            k_ok = k < k_total if k_masked else None
+            a = _load(lhs_ref.at[src[:, None], k[None, :]],
+                      mask=row_ok[:, None] if k_ok is None else row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :])
             out = []
             for acc, (w_ref, *scale_ref) in zip(accs, weights):
+                tile_ref = w_ref.at[expert, pl.ds(k0, bk), pl.ds(c0, bn)]
                 if scale_block is None:
-                    w = _load(w_ref.at[expert, k_c[:, None], cols_c[None, :]], mask=w_mask, other=0.0)
+                    w = _load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask, other=0.0)
                 else:
-                    # The clamped indices keep every address in bounds, so no float8 fill value is needed: the
-                    # entries outside the matrix are zeroed after the conversion (a float8 NaN code cannot leak).
-                    w = _load(w_ref.at[expert, k_c[:, None], cols_c[None, :]])
-                    # The tile lies in one scale block: scale_inv[e, out // rows, in // cols].
-                    scale = scale_ref[0][expert, column_block * block_n // scale_block[0],
-                                         step * block_k // scale_block[1]]
-                    w = jnp.where(w_mask, w.astype(jnp.float32) * scale, 0.0).astype(a.dtype)
+                    # No float8 fill value: the entries outside the matrix are zeroed after the conversion (a
+                    # float8 NaN code cannot leak). The tile lies in one scale block.
+                    w = _load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask)
+                    # A K step past the matrix (the last split's) reads the last scale: its tile is all masked.
+                    scale_col = jnp.minimum(k0 // scale_block[1], scale_ref[0].shape[2] - 1)
+                    w = w.astype(jnp.float32) * scale_ref[0][expert, c0 // scale_block[0], scale_col]
+                    w = (w if w_mask is None else jnp.where(w_mask, w, 0.0)).astype(a.dtype)
                 out.append(acc + _dot(a, w, precision=precision))
             return tuple(out)
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        accs = lax.fori_loop(0, -(-k_total // block_k), body, (zeros, zeros) if swiglu else (zeros,))
-        result = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+        zeros = jnp.zeros((bm, bn), jnp.float32)
+        accs = lax.fori_loop(0, steps, body, (zeros,) * num_weights)
         # Masked-off rows / columns store out of range: dropped by the GPU mask and by interpret-mode scatter.
-        store_rows = jnp.where(row_ok, rows, num_rows)
-        store_cols = jnp.where(col_ok, cols, n_total)
-        _store(out_ref.at[store_rows[:, None], store_cols[None, :]], result.astype(out_ref.dtype),
-               mask=row_ok[:, None] & col_ok[None, :])
+        store_rows = jnp.where(row_ok, rows, num_rows)[:, None]
+        mask = _and(row_ok[:, None], None if col_ok is None else col_ok[None, :])
+        if split_out:
+            for out_ref, acc in zip(out_refs, accs):
+                _store(out_ref.at[split, store_rows, cols[None, :]], acc, mask=mask)
+        else:
+            result = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+            _store(out_refs[0].at[store_rows, cols[None, :]], result.astype(out_refs[0].dtype), mask=mask)
 
 
-def default_blocks(num_rows: int, num_experts: int, n: int, k: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)``: 16-row tiles when an expert averages few rows (decode: each tile's rows are
-    mostly padding otherwise), 64 beyond; 64-wide column and K blocks (at most the padded dimension)."""
-    rows_per_expert = num_rows / max(num_experts, 1)
-    block_m = MIN_BLOCK if rows_per_expert <= 16 else 64
-    return block_m, max(MIN_BLOCK, min(64, next_pow2(n))), max(MIN_BLOCK, min(64, next_pow2(k)))
+def _and(a, b):
+    """``a & b`` where None means all true."""
+    return b if a is None else a if b is None else a & b
 
 
 def fp8_scale_block_supported(scale_block: tuple[int, int]) -> bool:
@@ -175,12 +281,10 @@ def _check_operands(lhs, rhs, up_rhs, group_sizes) -> None:
                          f"{', '.join(map(str, dtypes))}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                           row_index: jax.Array | None = None, up_rhs: jax.Array | None = None,
-                          interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
-                          block_k: int | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                          interpret: bool = False, config: KernelConfig | None = None) -> jax.Array:
     """``models.moe.grouped_matmul_reference`` as one Pallas Triton kernel.
 
     Args:
@@ -188,38 +292,46 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
         in the kernel) or ``lhs`` itself (``M == R``).
       rhs: ``[E, K, N]`` of ``lhs``'s dtype, or a ``BlockFp8Experts`` of that shape (dequantized per tile);
         up_rhs: None or as ``rhs`` (then ``silu(rows @ rhs) * (rows @ up_rhs)``, one rounding).
-      group_sizes: ``int32[E]``, summing to ``M`` (rows past the sum are not written).
-      interpret: Pallas interpret mode (CPU tests); block_m / block_n / block_k: tile sides (powers of two, at least
-        16; None: ``default_blocks``); num_warps, num_stages: Triton's.
+      group_sizes: ``int32[E]``, summing to at most ``M`` (rows past the sum are not written).
+      interpret: Pallas interpret mode (CPU tests); config: the launch parameters (None: ``default_config``;
+        block-FP8 tiles shrink to divide the scale block, ``fp8_blocks``).
     Returns:
       ``lhs.dtype[M, N]``.
     """
     _check_operands(lhs, rhs, up_rhs, group_sizes)
     num_experts, k, n = rhs.shape
     num_rows = lhs.shape[0] if row_index is None else row_index.shape[0]
-    defaults = default_blocks(num_rows, num_experts, n, k)
-    block_m, block_n, block_k = (given or default for given, default in zip((block_m, block_n, block_k), defaults))
+    config = config or default_config(num_rows, num_experts, n, k)
+    config.validate()
     scale_block = rhs.block if isinstance(rhs, BlockFp8Experts) else None
     if scale_block is not None:
-        block_n, block_k = fp8_blocks(block_n, block_k, scale_block)
+        block_n, block_k = fp8_blocks(config.block_n, config.block_k, scale_block)
+        config = config._replace(block_n=block_n, block_k=block_k)
     if num_rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
-    expert, start, end = tile_schedule(group_sizes, num_rows, block_m)
-    gather = row_index is not None
+    tiles, column_blocks = num_tiles(num_rows, num_experts, config.block_m), -(-n // config.block_n)
+    splits, steps = split_steps(k, config.block_k, config.split_k, min(num_experts, num_rows) * column_blocks)
+    gather, swiglu = row_index is not None, up_rhs is not None
     kernel = functools.partial(
-        _grouped_matmul_kernel, block_m=block_m, block_n=block_n, block_k=block_k, gather=gather,
-        swiglu=up_rhs is not None, precision=lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None,
-        scale_block=scale_block)
+        _grouped_matmul_kernel, config=config, steps=steps, num_experts=num_experts, gather=gather, swiglu=swiglu,
+        precision=lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None, scale_block=scale_block)
     weights = [leaf for w in (rhs, up_rhs) if w is not None
                for leaf in ((w,) if scale_block is None else (w.weight, w.scale_inv))]
-    inputs = (expert, start, end, row_index.astype(jnp.int32) if gather else jnp.zeros((1,), jnp.int32), lhs,
-              *weights)
-    return pl.pallas_call(
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_rows, n), lhs.dtype)
+    else:  # float32 partial sums per accumulator, added below
+        out_shape = (jax.ShapeDtypeStruct((splits, num_rows, n), jnp.float32),) * (2 if swiglu else 1)
+    out = pl.pallas_call(
         kernel,
-        grid=(expert.shape[0], -(-n // block_n)),
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype),
+        grid=(tiles, column_blocks, splits),
+        out_shape=out_shape,
         interpret=interpret,
-        compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"moe_grouped_matmul{'_gather' if gather else ''}{'_swiglu' if up_rhs is not None else ''}"
-             f"{'_fp8' if scale_block else ''}_bm{block_m}_bn{block_n}_bk{block_k}",
-    )(*inputs)
+        compiler_params=_CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        name=f"moe_grouped_matmul{'_gather' if gather else ''}{'_swiglu' if swiglu else ''}"
+             f"{'_fp8' if scale_block else ''}_bm{config.block_m}_bn{config.block_n}_bk{config.block_k}_s{splits}",
+    )(group_sizes.astype(jnp.int32), row_index.astype(jnp.int32) if gather else jnp.zeros((1,), jnp.int32), lhs,
+      *weights)
+    if splits == 1:
+        return out
+    sums = [part.sum(axis=0) for part in out]
+    return (jax.nn.silu(sums[0]) * sums[1] if swiglu else sums[0]).astype(lhs.dtype)
