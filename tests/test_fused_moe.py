@@ -60,14 +60,14 @@ def test_kernel_configs_parse_split_and_default_by_rows_per_expert():
     # Qwen3-30B-A3B's gate/up at decode (8 rows per token over 128 experts) and prefill.
     assert default_config(8, 128, 768, 2048) == KernelConfig(16, 128, 64, None, 4, 3)
     assert default_config(64 * 8, 128, 768, 2048).block_m == 16
-    assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(64, 64, 64, 1, 4, 2)
+    assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(128, 128, 64, 1, 8, 3)
     assert default_config(8, 4, 24, 40)[1:3] == (32, 64)  # tiles at most the padded dimensions
 
 @pytest.mark.parametrize("num_tokens, fp8, kernels", [
     # Qwen3-30B-A3B at batch 1: gate/up's K split over 8 programs, down's over 4; 16-row tiles of 128 columns.
     (1, False, ("moe_grouped_matmul_gather_swiglu_bm16_bn128_bk64_s8", "moe_grouped_matmul_bm16_bn128_bk64_s4")),
     (1, True, ("moe_grouped_matmul_gather_swiglu_fp8_bm16_bn128_bk64_s8", "moe_grouped_matmul_fp8_bm16_bn128_bk64_s4")),
-    (4096, False, ("moe_grouped_matmul_gather_swiglu_bm64_bn64_bk64_s1", "moe_grouped_matmul_bm64_bn64_bk64_s1")),
+    (4096, False, ("moe_grouped_matmul_gather_swiglu_bm128_bn128_bk64_s1", "moe_grouped_matmul_bm128_bn128_bk64_s1")),
 ])
 def test_default_launches_lower_to_triton_for_the_gpu(num_tokens, fp8, kernels):
     """The op at Qwen3-30B-A3B's shapes lowers for CUDA on the CPU (every kernel primitive has its Triton rule) with

@@ -104,8 +104,8 @@ class KernelConfig(NamedTuple):
 
 # Decode sizes (few rows per expert): 16-row tiles (Triton's least), 128 contiguous columns, K split over programs.
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=128, block_k=64, split_k=None, num_warps=4, num_stages=3)
-# Prefill sizes: 64-row tiles, enough tiles and column blocks to fill the GPU without splitting K.
-PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=2)
+# Prefill sizes: 128 x 128 tiles over 8 warps, K unsplit (the sweep's fastest at 64 and more rows per expert).
+PREFILL_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)
 # (most rows an expert averages, launch): the first entry whose bound holds is the default
 # (benchmarks.moe_kernel's sweep measures the alternatives per token count).
 DEFAULT_CONFIGS = ((16, DECODE_CONFIG), (float("inf"), PREFILL_CONFIG))
