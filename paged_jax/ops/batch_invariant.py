@@ -56,19 +56,17 @@ ROW_TILE = 128
 # Rows per program of the Pallas kernel.
 ROW_TILE_PALLAS = 64
 # K per step of the kernel's accumulation loop: fixed, so the order of a row's sums depends on K alone.
-BLOCK_K = 64
-# Programs wanted in flight (an H100 has 132 SMs): the column tile shrinks until a one-row-tile matmul has as many.
-_TARGET_PROGRAMS = 128
+BLOCK_K = 128
+# Columns per program: wide tiles keep many-row matmuls near XLA's dot, and one row still reads the weights once
+# (benchmarks.batch_invariant's tile sweep).
+BLOCK_N = 128
 _MIN_DOT = 16  # Triton's smallest dot tile side
 
 
 def block_n_for(n: int) -> int:
-    """The kernel's column tile for N columns (a function of N only): the largest of 128, 64, 32 that still gives a
-    single row tile ``_TARGET_PROGRAMS`` programs, else 16."""
-    for block_n in (128, 64, 32):
-        if -(-n // block_n) >= _TARGET_PROGRAMS:
-            return block_n
-    return _MIN_DOT
+    """The kernel's column tile for N columns (a function of N only): ``BLOCK_N``, or the power of two (at least 16)
+    that covers a narrower N."""
+    return min(BLOCK_N, max(_MIN_DOT, 1 << (n - 1).bit_length()))
 
 
 def resolve_impl(impl: str) -> str:
@@ -124,7 +122,8 @@ def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool
         grid=(-(-m // ROW_TILE_PALLAS), -(-n // block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
         interpret=interpret,
-        compiler_params=_CompilerParams(num_warps=4, num_stages=3),
+        # Three stages of 16-bit tiles fit an H100's shared memory; float32 tiles take two.
+        compiler_params=_CompilerParams(num_warps=4, num_stages=3 if x.dtype.itemsize <= 2 else 2),
         name=f"batch_invariant_matmul_bm{ROW_TILE_PALLAS}_bn{block_n}_bk{block_k}",
     )(x, w)
 
