@@ -96,7 +96,8 @@ def brute_force_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list
 def test_ngram_index_equals_the_brute_force_proposal_as_tokens_arrive(k, min_n, max_n):
     """Sequences over a small vocabulary (many repeats, overlapping matches, a suffix whose only occurrence is
     itself): the incremental index proposes exactly what a scan of the whole sequence finds, after each prompt and
-    after every 1..3 tokens appended (a verified row gains several), including at lengths below min_n and max_n."""
+    after every 1..3 tokens appended (a verified row gains several), with or without ``prepare`` calls before them,
+    including at lengths below min_n and max_n."""
     rng = np.random.default_rng(k * 100 + min_n * 10 + max_n)
     proposer = NgramProposer(k, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
     for seq in range(12):
@@ -107,7 +108,11 @@ def test_ngram_index_equals_the_brute_force_proposal_as_tokens_arrive(k, min_n, 
         while len(outputs) < 60:
             tokens = prompt + outputs
             assert proposer.propose(request_id, prompt, outputs) == brute_force_ngram(tokens, k, min_n, max_n), tokens
-            outputs += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
+            # The engine prepares while a step runs (sometimes twice: a step that gave the row no token), then the
+            # step adds one token (the prepared lookup) or several (verified drafts: the full search).
+            for _ in range(int(rng.integers(0, 3))):
+                proposer.prepare(request_id, prompt, outputs)
+            outputs += rng.integers(0, vocab, int(rng.choice([1, 1, 2, 3]))).tolist()
         proposer.finish(request_id)
     assert proposer.num_sequences == 0
 

@@ -279,6 +279,8 @@ class EngineCore:
         handle = self._launch(scheduler_output)
         if handle is None:
             return outputs, None
+        if self.spec_decoder is not None:  # host work that needs no token of this step, while the device runs it
+            self.spec_decoder.prepare(scheduler_output.requests, self.scheduler.num_running)
         result = handle.result()
         self._record_routing(scheduler_output, result)
         outputs += self._prompt_logprob_outputs(scheduler_output, result)

@@ -55,6 +55,16 @@ class SpecDecoder:
                 request.spec_token_ids = self._suffix.propose(request.request_id, request.all_token_ids,
                                                               request.num_prompt_tokens)
 
+    def prepare(self, requests: Iterable[Request], num_running: int) -> None:
+        """While the device computes a step of ``requests``: the n-gram proposer's work that needs only the tokens
+        known before it (``NgramIndex.prepare``), so ``propose`` after the step is a lookup of the new token."""
+        ngram, limit = self._ngram, self.config.disable_by_batch_size
+        if ngram is None or (limit is not None and num_running >= limit):
+            return
+        for request in requests:
+            if request.grammar is None and not request.hold_after_sample and not request.is_finished:
+                ngram.prepare(request.request_id, request.prompt_token_ids, request.output_token_ids)
+
     def _finish(self, request: Request) -> None:
         """A sequence finished: its tokens feed the suffix trees of recent requests; its n-gram index goes."""
         if self._suffix is not None:
