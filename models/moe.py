@@ -32,6 +32,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.impl_registry import ImplRegistry
 from models.quantization.block_fp8 import SCALE_SUFFIX, BlockFp8Experts
+from models.quantization.mxfp4 import Mxfp4Experts
 
 MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -126,8 +127,8 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     Args:
       lhs: ``dtype[R, K]``; the sorted rows are ``lhs[row_index]`` (``row_index int32[M]``), or ``lhs`` itself
         (``M == R``) when ``row_index`` is None.
-      rhs: ``dtype[E, K, N]`` or ``BlockFp8Experts`` of that shape (dequantized to ``dtype`` here: the whole stack,
-        for the oracle's simplicity); rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by
+      rhs: ``dtype[E, K, N]`` or ``BlockFp8Experts`` / ``Mxfp4Experts`` of that shape (dequantized to ``dtype``
+        here: the whole stack, for the oracle's simplicity); rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by
         ``rhs[e]``.
       group_sizes: ``int32[E]``, summing to ``M``.
       up_rhs: None, or as ``rhs``: then the result is ``silu(rows @ rhs[e]) * (rows @ up_rhs[e])`` (float32, one
@@ -135,7 +136,8 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     Returns:
       ``lhs.dtype[M, N]``.
     """
-    rhs, up_rhs = (w.dequantize(lhs.dtype) if isinstance(w, BlockFp8Experts) else w for w in (rhs, up_rhs))
+    rhs, up_rhs = (w.dequantize(lhs.dtype) if isinstance(w, (BlockFp8Experts, Mxfp4Experts)) else w
+                   for w in (rhs, up_rhs))
     rows = lhs if row_index is None else lhs[row_index]
     out = jax.lax.ragged_dot(rows, rhs, group_sizes, preferred_element_type=jnp.float32)
     if up_rhs is not None:
