@@ -179,8 +179,8 @@ def _fused_gate_up_ragged_dot(x, w_gate_up, w_down, topk_weights, topk_ids):
 def floor_bytes(num_tokens: int, hidden: int, inter: int, top_k: int, experts_touched: float,
                 weight_bytes: float = 2) -> float:
     """Bytes a step must move at least: the touched experts' gate, up and down weights (``weight_bytes`` each: 2
-    for bf16, 1 for FP8, whose scales add under 0.1%, 4.25 / 8 for MXFP4), x read, the gate|up-then-SwiGLU rows written and read, the
-    down rows written and read, the output written (bf16)."""
+    for bf16, 1 for FP8, whose scales add under 0.1%, 4.25 / 8 for MXFP4), x read, the gate|up-then-SwiGLU rows
+    written and read, the down rows written and read, the output written (bf16)."""
     weights = experts_touched * 3 * hidden * inter
     rows = num_tokens * top_k
     activations = num_tokens * hidden + 2 * rows * inter + 2 * rows * hidden + num_tokens * hidden

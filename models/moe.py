@@ -129,8 +129,8 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
       lhs: ``dtype[R, K]``; the sorted rows are ``lhs[row_index]`` (``row_index int32[M]``), or ``lhs`` itself
         (``M == R``) when ``row_index`` is None.
       rhs: ``dtype[E, K, N]`` or ``BlockFp8Experts`` / ``Mxfp4Experts`` of that shape (dequantized to ``dtype``
-        here: the whole stack, for the oracle's simplicity); rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by
-        ``rhs[e]``.
+        here: the whole stack, for the oracle's simplicity); rows ``[sum(group_sizes[:e]),
+        sum(group_sizes[:e + 1]))`` are multiplied by ``rhs[e]``.
       group_sizes: ``int32[E]``, summing to ``M``.
       up_rhs: None, or as ``rhs``: then the result is ``silu(rows @ rhs[e]) * (rows @ up_rhs[e])`` (float32, one
         rounding), the experts' SwiGLU activation.
