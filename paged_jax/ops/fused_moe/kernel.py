@@ -19,6 +19,14 @@ Block-FP8 weights (``models.quantization.block_fp8.BlockFp8Experts``: ``float8_e
 (the tile's sides divide the scale block, ``fp8_blocks``), and multiplies ``rows @ (float32(w) * scale)`` rounded to
 the rows' dtype, as the reference dequantizes them; the weights cross memory as one byte each.
 
+MXFP4 weights (``models.quantization.mxfp4.Mxfp4Experts``, gpt-oss's experts as published: ``uint8[E, N, K / 32,
+16]``, two fp4 codes a byte, and an e8m0 scale ``uint8[E, N, K / 32]`` per 32 inputs) keep the checkpoint's
+``[out, in]`` orientation: a program loads ``block_n`` rows of ``block_k / 2`` contiguous packed bytes and their
+``block_k / 32`` scales, decodes the low and high codes by bit arithmetic (``mxfp4.decode_fp4``, ``decode_e8m0``;
+in bfloat16 for bfloat16 rows, else float32), scales them, interleaves them back into K order and multiplies the
+``[block_n, block_k]`` tile transposed. K steps are whole 32-runs (``_fit_config``); the weights cross memory at
+4.25 bits each and no dequantized copy exists.
+
 Two fusions save a pass over memory each:
 * ``row_index``: a tile gathers its rows from the unsorted activations (token ``row_index[r]``) instead of
   reading a sorted copy;
