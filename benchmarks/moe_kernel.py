@@ -13,7 +13,8 @@ T). Per token count T, one JSON line:
   reference: gate and up as two ragged_dots), ``ragged_dot_fused`` (one ragged_dot over the gate|up weights
   concatenated once, outside the timing: XLA's best sorted form), and for T <= ``--gather-max-tokens``
   ``gather_dot`` / ``gather_reduce`` (``models.moe.moe_experts_gathered``: every pair's expert gathered, no sort);
-* ``check``: each form's max abs difference against the reference (float32), and the reference's max;
+* ``check``: each form's max abs difference against the reference (float32), and the reference's max; ``errors``:
+  each form but the reference that failed to compile or run, with its error (it is then not timed);
 * ``configs``: per kernel launch config swept (``--configs``; "auto": ``sweep_configs(T)``), the op's time, its
   ratio to the floor and its max abs difference, or the error that stopped it; ``best_config`` the fastest;
 * ``experts_touched`` (mean over the rotations) and ``floor_us``: the time to read their weights plus the
@@ -356,7 +357,15 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
     """Check, then time every form and sweep the kernel configs on one token count; returns the JSON record."""
     routings = _routings(num_tokens, args, seed)
     fns = _forms(experts, num_tokens, args)
-    outs = {name: np.asarray(fn(*_operands(routings[:1], stacks)[0]), np.float32) for name, (fn, stacks) in fns.items()}
+    outs, errors = {}, {}
+    for name, (fn, stacks) in list(fns.items()):
+        try:
+            outs[name] = np.asarray(fn(*_operands(routings[:1], stacks)[0]), np.float32)
+        except Exception as error:  # a form the GPU cannot compile is reported; the others are still timed
+            if name == "ragged_dot":
+                raise
+            errors[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            del fns[name]
     touched = float(np.mean([np.unique(np.asarray(r["topk_ids"])).size for r in routings]))
     weight_bytes = {"bf16": 2, "fp8": 1, "mxfp4": MXFP4_BITS_PER_WEIGHT / 8}[args.weights]
     floor = floor_bytes(num_tokens, args.hidden, args.inter, args.top_k, touched, weight_bytes)
@@ -368,13 +377,15 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
               "check": {f"{name}_max_abs_diff": _max_diff(out, reference) for name, out in outs.items()
                         if name != "ragged_dot"}}
     record["check"]["reference_max_abs"] = float(np.abs(reference).max())
+    if errors:
+        record["errors"] = errors
     if copy_bytes_per_s:
         record["floor_measured_us"] = round(floor / copy_bytes_per_s * 1e6, 2)
     for name, (fn, stacks) in fns.items():
         micros = throughput_us(fn, _operands(routings, stacks), args.repeats)
         record[f"{name}_us"] = round(micros, 1)
         record[f"{name}_x_floor"] = round(micros / floor_us, 2)
-    if args.configs != "none":
+    if args.configs != "none" and "pallas" in fns:
         default = {"config": record["default_config"], "max_abs_diff": record["check"]["pallas_max_abs_diff"],
                    "us": record["pallas_us"], "x_floor": record["pallas_x_floor"]}
         record["configs"] = _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline, default)
