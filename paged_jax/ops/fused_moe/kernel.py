@@ -209,8 +209,9 @@ def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: Ker
 
         def body(step, accs):
             k0 = (split * steps + step) * bk
-            k_ok = k0 + jnp.arange(bk, dtype=jnp.int32) < k_total if k_masked else None
-            a = _load(lhs_ref.at[src[:, None], (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]],
+            k = k0 + jnp.arange(bk, dtype=jnp.int32)
+            k_ok = k < k_total if k_masked else None
+            a = _load(lhs_ref.at[src[:, None], k[None, :]],
                       mask=row_ok[:, None] if k_ok is None else row_ok[:, None] & k_ok[None, :], other=0.0)
             tile = _WeightTile(expert, k0, c0, bk, bn, k_total if k_masked else None, col_ok, a.dtype)
             out = []
