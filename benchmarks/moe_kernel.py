@@ -1,7 +1,8 @@
 """The fused MoE op (``paged_jax.ops.fused_moe``) on one sparse layer: the Pallas grouped-matmul kernel (its default
 launch and a sweep of launch configs) against the XLA forms, with the memory floor of the experts the step reads.
 
-Shape: Qwen3-30B-A3B's experts by default (hidden 2048, expert width 768, 128 experts, top 8), random bf16 weights
+Shape: Qwen3-30B-A3B's experts by default (hidden 2048, expert width 768, 128 experts, top 8; gpt-oss-20b's, hidden
+2880, width 2880, 32 experts, top 4, with ``--weights mxfp4``: ``layer_shape``), random bf16 weights
 (std 0.02) and random routers (each token's top-k of a random softmax: uneven loads, experts without tokens at small
 T). Per token count T, one JSON line:
 
@@ -12,7 +13,8 @@ T). Per token count T, one JSON line:
   reference: gate and up as two ragged_dots), ``ragged_dot_fused`` (one ragged_dot over the gate|up weights
   concatenated once, outside the timing: XLA's best sorted form), and for T <= ``--gather-max-tokens``
   ``gather_dot`` / ``gather_reduce`` (``models.moe.moe_experts_gathered``: every pair's expert gathered, no sort);
-* ``check``: each form's max abs difference against the reference (float32), and the reference's max;
+* ``check``: each form's max abs difference against the reference (float32), and the reference's max; ``errors``:
+  each form but the reference that failed to compile or run, with its error (it is then not timed);
 * ``configs``: per kernel launch config swept (``--configs``; "auto": ``sweep_configs(T)``), the op's time, its
   ratio to the floor and its max abs difference, or the error that stopped it; ``best_config`` the fastest;
 * ``experts_touched`` (mean over the rotations) and ``floor_us``: the time to read their weights plus the
@@ -29,6 +31,15 @@ scale per ``--fp8-block`` square of each expert's ``[out, in]``; ``models.quanti
 to bf16, then ``lax.ragged_dot``), ``gather_*`` gather the float8 experts and dequantize those, and ``pallas_bf16``
 / ``ragged_dot_fused`` the bf16 forms on the same weights dequantized once outside the timing; the floor counts one
 byte per weight.
+
+``--weights mxfp4``: gpt-oss's layer (``models.gpt_oss.experts_grouped``: gate|up interleaved in one matmul, biases,
+the clamped SwiGLU) on random MXFP4
+experts (random fp4 codes, scales 2 ** -7; ``models.quantization.mxfp4.Mxfp4Experts``): ``pallas`` is the kernel
+decoding each packed tile, ``dequant_pallas`` the layer's experts dequantized to bf16 in the call and then the
+kernel, ``ragged_dot`` the XLA reference (dequantize, ``lax.ragged_dot``), ``matvec`` (T <= ``--gather-max-tokens``)
+each pair reducing over its expert's packed bytes (``experts_gathered``), ``pallas_bf16`` the kernel on the weights
+dequantized once outside the timing; the floor counts 4.25 bits per weight (the packed codes and scales). These place
+``models.gpt_oss.MATVEC_PAIRS_PER_EXPERT``. The op is not timed in parts (``--split-tokens`` is refused).
 
 Usage (GPU): ``python -m benchmarks.moe_kernel --ceilings --out moe.json`` (``--weights fp8`` for the FP8 experts);
 ``--interpret`` runs the kernel in Pallas interpret mode (the CPU test, tiny shapes). ``--budget-s`` bounds the run:
@@ -52,8 +63,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.floors import H200_HBM_BYTES_PER_S, measure_ceilings
+from models.gpt_oss import combine_top_k, experts_gathered, experts_grouped
+from models.loader import MXFP4_DUMMY_SCALE
 from models.moe import (grouped_matmul_reference, in_pair_order, moe_experts_gathered, moe_experts_with,
                         route_top_k, sort_by_expert)
+from models.presets import PRESETS
+from models.quantization import mxfp4
 from models.quantization.block_fp8 import FP8_MAX, BlockFp8Experts
 from paged_jax.ops.fused_moe import KernelConfig, default_config, grouped_matmul_pallas
 
@@ -63,14 +78,20 @@ SWEEP_TOKENS = "1,2,4,8,16,64,256,1024,4096"  # this benchmark's: one GPU call
 DECODE_SWEEP = ("16/128/64/auto/4/3", "16/64/64/1/4/2", "16/128/64/1/4/3", "16/32/128/1/4/4", "16/128/128/auto/4/3",
                 "16/256/64/auto/4/3", "16/64/128/auto/4/4", "16/128/64/auto/8/4")
 PREFILL_SWEEP = ("64/64/64/1/4/2", "64/128/64/1/4/3", "128/128/64/1/8/3", "32/128/64/1/4/3", "64/256/32/1/8/3")
+# MXFP4 adds longer K steps (a K step of 64 reads only 32 bytes of each weight row).
+MXFP4_DECODE_SWEEP = ("16/128/256/auto/8/3", "16/64/256/auto/4/3")
+MXFP4_PREFILL_SWEEP = ("128/128/128/1/8/3", "64/128/128/1/4/3")
 ROUNDS = 3  # timing rounds per figure (the median is reported)
+MXFP4_BITS_PER_WEIGHT = 4 + 8 / mxfp4.BLOCK  # a code, and a scale byte per 32
+GPT_OSS_SWIGLU = dict(alpha=1.702, limit=7.0)  # gpt-oss's published swiglu_alpha / swiglu_limit
 
 
-def sweep_configs(num_rows: int, num_experts: int) -> list[KernelConfig]:
+def sweep_configs(num_rows: int, num_experts: int, weights: str = "bf16") -> list[KernelConfig]:
     """The configs ``--configs auto`` times for ``num_rows`` sorted rows: ``DECODE_SWEEP`` up to 16 rows per
-    expert, ``PREFILL_SWEEP`` from 4."""
-    per_expert = num_rows / num_experts
-    names = (DECODE_SWEEP if per_expert <= 16 else ()) + (PREFILL_SWEEP if per_expert >= 4 else ())
+    expert, ``PREFILL_SWEEP`` from 4 (each with its ``MXFP4_*`` additions for ``weights`` "mxfp4")."""
+    per_expert, extra = num_rows / num_experts, weights == "mxfp4"
+    names = ((DECODE_SWEEP + (MXFP4_DECODE_SWEEP if extra else ()) if per_expert <= 16 else ())
+             + (PREFILL_SWEEP + (MXFP4_PREFILL_SWEEP if extra else ()) if per_expert >= 4 else ()))
     return [KernelConfig.parse(name) for name in names]
 
 
@@ -79,16 +100,32 @@ def _normal(key, shape, std):
 
 
 def _experts(args) -> dict:
-    """The layer's weights: gate / up / down stacks (bf16, or ``BlockFp8Experts`` with ``--weights fp8``) and the
-    router ``[H, E]``."""
-    keys = jax.random.split(jax.random.key(0), 4)
+    """The layer's weights: ``stacks``, the forms' expert operands (gate / up / down: bf16, or ``BlockFp8Experts``
+    with ``--weights fp8``; with ``--weights mxfp4`` gpt-oss's gate_up and down as ``Mxfp4Experts`` with their
+    biases), ``bf16`` the same dequantized, and the router ``[H, E]``."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    router = _normal(keys[3], (args.hidden, args.experts), 0.02)
+    if args.weights == "mxfp4":
+        stacks = (mxfp4_experts(keys[0], args.experts, args.hidden, 2 * args.inter),
+                  _normal(keys[1], (args.experts, 2 * args.inter), 0.02),
+                  mxfp4_experts(keys[2], args.experts, args.inter, args.hidden),
+                  _normal(keys[4], (args.experts, args.hidden), 0.02))
+        return dict(stacks=stacks, router=router, bf16=tuple(
+            w.dequantize(jnp.bfloat16) if isinstance(w, mxfp4.Mxfp4Experts) else w for w in stacks))
     shapes = [(args.experts, args.hidden, args.inter)] * 2 + [(args.experts, args.inter, args.hidden)]
     if args.weights == "fp8":
-        stacks = [block_fp8_experts(key, shape, args.fp8_block, 0.02) for key, shape in zip(keys, shapes)]
+        stacks = tuple(block_fp8_experts(key, shape, args.fp8_block, 0.02) for key, shape in zip(keys, shapes))
     else:
-        stacks = [_normal(key, shape, 0.02) for key, shape in zip(keys, shapes)]
-    return dict(w_gate=stacks[0], w_up=stacks[1], w_down=stacks[2],
-                router=_normal(keys[3], (args.hidden, args.experts), 0.02))
+        stacks = tuple(_normal(key, shape, 0.02) for key, shape in zip(keys, shapes))
+    bf16 = tuple(w.dequantize(jnp.bfloat16) if isinstance(w, BlockFp8Experts) else w for w in stacks)
+    return dict(stacks=stacks, router=router, bf16=bf16, w_gate_up=jnp.concatenate(bf16[:2], axis=-1))
+
+
+def mxfp4_experts(key, num_experts: int, k: int, n: int) -> mxfp4.Mxfp4Experts:
+    """Random MXFP4 experts of model-layout ``[E, k, n]`` as the dummy loader makes them: random fp4 codes, every
+    scale ``2 ** (MXFP4_DUMMY_SCALE - 127)`` (weights of about N(0, 0.02)'s size)."""
+    blocks, scales = mxfp4.packed_shapes(num_experts, n, k)
+    return mxfp4.Mxfp4Experts(jax.random.bits(key, blocks, jnp.uint8), jnp.full(scales, MXFP4_DUMMY_SCALE, jnp.uint8))
 
 
 def _routings(num_tokens: int, args, seed: int) -> list[dict]:
@@ -141,10 +178,10 @@ def _fused_gate_up_ragged_dot(x, w_gate_up, w_down, topk_weights, topk_ids):
 
 
 def floor_bytes(num_tokens: int, hidden: int, inter: int, top_k: int, experts_touched: float,
-                weight_bytes: int = 2) -> float:
+                weight_bytes: float = 2) -> float:
     """Bytes a step must move at least: the touched experts' gate, up and down weights (``weight_bytes`` each: 2
-    for bf16, 1 for FP8, whose scales add under 0.1%), x read, the gate|up-then-SwiGLU rows written and read, the
-    down rows written and read, the output written (bf16)."""
+    for bf16, 1 for FP8, whose scales add under 0.1%, 4.25 / 8 for MXFP4), x read, the gate|up-then-SwiGLU rows
+    written and read, the down rows written and read, the output written (bf16)."""
     weights = experts_touched * 3 * hidden * inter
     rows = num_tokens * top_k
     activations = num_tokens * hidden + 2 * rows * inter + 2 * rows * hidden + num_tokens * hidden
@@ -170,16 +207,43 @@ def _kernel(args, config: KernelConfig | None = None):
     return functools.partial(grouped_matmul_pallas, interpret=args.interpret, config=config)
 
 
+def _op(args, matmul):
+    """The op on a grouped matmul, called as ``op(x, *stacks, topk_weights, topk_ids)``: ``moe_experts_with``, or
+    gpt-oss's experts for ``--weights mxfp4``."""
+    if args.weights == "mxfp4":
+        return functools.partial(_gpt_oss_op, functools.partial(experts_grouped, matmul))
+    return functools.partial(moe_experts_with, matmul)
+
+
+def _gpt_oss_op(experts, x, gate_up, gate_up_bias, down, down_bias, topk_weights, topk_ids):
+    """gpt-oss's experts (``experts``: ``experts_grouped`` on a matmul, or ``experts_gathered``) and top-k sum."""
+    out = experts(x, topk_ids, gate_up, gate_up_bias, down, down_bias, **GPT_OSS_SWIGLU)
+    return combine_top_k(out, topk_weights).astype(x.dtype)
+
+
+def _dequantizing(matmul):
+    """``matmul`` on MXFP4 experts dequantized to the rows' dtype first, in the call (gpt-oss's grouped path on the
+    GPU before the kernel decoded MXFP4)."""
+    def run(lhs, rhs, group_sizes, **kwargs):
+        return matmul(lhs, rhs.dequantize(lhs.dtype), group_sizes, **kwargs)
+    return run
+
+
 def _forms(experts: dict, num_tokens: int, args) -> dict:
     """name -> (jitted op, experts' operands) of every form timed (``--weights`` decides the experts' storage)."""
-    stacks = (experts["w_gate"], experts["w_up"], experts["w_down"])
-    fns = {"pallas": (jax.jit(functools.partial(moe_experts_with, _kernel(args))), stacks),
-           "ragged_dot": (jax.jit(functools.partial(moe_experts_with, grouped_matmul_reference)), stacks)}
+    stacks, bf16 = experts["stacks"], experts["bf16"]
+    fns = {"pallas": (jax.jit(_op(args, _kernel(args))), stacks),
+           "ragged_dot": (jax.jit(_op(args, grouped_matmul_reference)), stacks)}
+    if args.weights == "mxfp4":
+        fns["dequant_pallas"] = (jax.jit(_op(args, _dequantizing(_kernel(args)))), stacks)
+        if num_tokens <= args.gather_max_tokens:
+            fns["matvec"] = (jax.jit(functools.partial(_gpt_oss_op, experts_gathered)), stacks)
+        fns["pallas_bf16"] = (fns["pallas"][0], bf16)
+        return fns
     if num_tokens <= args.gather_max_tokens:
         for reduce in (False, True):
             fns[f"gather_{'reduce' if reduce else 'dot'}"] = (
                 jax.jit(functools.partial(moe_experts_gathered, reduce=reduce)), stacks)
-    bf16 = experts.get("bf16", stacks)
     if args.weights == "fp8":  # the bf16 forms on the same weights, dequantized once
         fns["pallas_bf16"] = (fns["pallas"][0], bf16)
     fns["ragged_dot_fused"] = (jax.jit(_fused_gate_up_ragged_dot), (experts["w_gate_up"], bf16[2]))
@@ -198,9 +262,9 @@ def _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline, d
     """Each kernel config's op time, ratio to the floor and max abs difference (or its error, or "skipped" past
     ``deadline``); ``default``: the record of the default launch (the ``pallas`` form), reused for its config."""
     num_rows = num_tokens * args.top_k
-    configs = (sweep_configs(num_rows, args.experts) if args.configs == "auto"
+    configs = (sweep_configs(num_rows, args.experts, args.weights) if args.configs == "auto"
                else [KernelConfig.parse(c) for c in args.configs.split(",") if c])
-    stacks = (experts["w_gate"], experts["w_up"], experts["w_down"])
+    stacks = experts["stacks"]
     records = []
     for config in configs:
         record = {"config": str(config)}
@@ -211,7 +275,7 @@ def _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline, d
             records.append({**record, "skipped": "past --budget-s"})
             continue
         try:
-            fn = jax.jit(functools.partial(moe_experts_with, _kernel(args, config)))
+            fn = jax.jit(_op(args, _kernel(args, config)))
             operands = _operands(routings, stacks)
             record["max_abs_diff"] = _max_diff(fn(*operands[0]), reference)
             micros = throughput_us(fn, operands, args.repeats)
@@ -252,7 +316,7 @@ def split_record(experts: dict, routings: list[dict], args) -> dict:
     """The default op's parts timed alone (``throughput_us``), their sum, the whole op, and its ``hlo_launches``."""
     top_k = args.top_k
     kernel = _kernel(args)
-    stacks = (experts["w_gate"], experts["w_up"], experts["w_down"])
+    stacks = experts["stacks"]
 
     def sort(ids):
         order, group_sizes = sort_by_expert(ids, args.experts)
@@ -283,7 +347,8 @@ def split_record(experts: dict, routings: list[dict], args) -> dict:
 
 def _default_launch(num_rows: int, args) -> str:
     """The default config of both grouped matmuls (``KernelConfig``'s spelling), or of each when they differ."""
-    gate_up = default_config(num_rows, args.experts, args.inter, args.hidden)
+    width = 2 * args.inter if args.weights == "mxfp4" else args.inter  # gpt-oss's gate|up in one matmul
+    gate_up = default_config(num_rows, args.experts, width, args.hidden)
     down = default_config(num_rows, args.experts, args.hidden, args.inter)
     return str(gate_up) if gate_up == down else f"{gate_up} (gate_up), {down} (down)"
 
@@ -292,9 +357,18 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
     """Check, then time every form and sweep the kernel configs on one token count; returns the JSON record."""
     routings = _routings(num_tokens, args, seed)
     fns = _forms(experts, num_tokens, args)
-    outs = {name: np.asarray(fn(*_operands(routings[:1], stacks)[0]), np.float32) for name, (fn, stacks) in fns.items()}
+    outs, errors = {}, {}
+    for name, (fn, stacks) in list(fns.items()):
+        try:
+            outs[name] = np.asarray(fn(*_operands(routings[:1], stacks)[0]), np.float32)
+        except Exception as error:  # a form the GPU cannot compile is reported; the others are still timed
+            if name == "ragged_dot":
+                raise
+            errors[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            del fns[name]
     touched = float(np.mean([np.unique(np.asarray(r["topk_ids"])).size for r in routings]))
-    floor = floor_bytes(num_tokens, args.hidden, args.inter, args.top_k, touched, 1 if args.weights == "fp8" else 2)
+    weight_bytes = {"bf16": 2, "fp8": 1, "mxfp4": MXFP4_BITS_PER_WEIGHT / 8}[args.weights]
+    floor = floor_bytes(num_tokens, args.hidden, args.inter, args.top_k, touched, weight_bytes)
     floor_us = floor / H200_HBM_BYTES_PER_S * 1e6
     reference = outs["ragged_dot"]
     record = {"tokens": num_tokens, "hidden": args.hidden, "inter": args.inter, "experts": args.experts,
@@ -303,13 +377,15 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
               "check": {f"{name}_max_abs_diff": _max_diff(out, reference) for name, out in outs.items()
                         if name != "ragged_dot"}}
     record["check"]["reference_max_abs"] = float(np.abs(reference).max())
+    if errors:
+        record["errors"] = errors
     if copy_bytes_per_s:
         record["floor_measured_us"] = round(floor / copy_bytes_per_s * 1e6, 2)
     for name, (fn, stacks) in fns.items():
         micros = throughput_us(fn, _operands(routings, stacks), args.repeats)
         record[f"{name}_us"] = round(micros, 1)
         record[f"{name}_x_floor"] = round(micros / floor_us, 2)
-    if args.configs != "none":
+    if args.configs != "none" and "pallas" in fns:
         default = {"config": record["default_config"], "max_abs_diff": record["check"]["pallas_max_abs_diff"],
                    "us": record["pallas_us"], "x_floor": record["pallas_x_floor"]}
         record["configs"] = _sweep(experts, routings, reference, floor_us, num_tokens, args, deadline, default)
@@ -321,25 +397,39 @@ def run_case(experts: dict, num_tokens: int, args, seed: int, deadline: float, c
     return record
 
 
+def layer_shape(weights: str) -> dict:
+    """The default expert shape (``hidden``, ``inter``, ``experts``, ``top_k``) from ``models.presets``: gpt-oss-20b's
+    for ``weights`` "mxfp4", else Qwen3-30B-A3B's."""
+    if weights == "mxfp4":
+        preset = PRESETS["gpt-oss-20b"]
+        return dict(hidden=preset["hidden_size"], inter=preset["intermediate_size"],
+                    experts=preset["num_local_experts"], top_k=preset["num_experts_per_tok"])
+    preset = PRESETS["qwen3-30b-a3b"]
+    return dict(hidden=preset["hidden_size"], inter=preset["moe_intermediate_size"], experts=preset["num_experts"],
+                top_k=preset["num_experts_per_tok"])
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default=SWEEP_TOKENS, help="comma-separated token counts T")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--inter", type=int, default=768, help="each expert's width (moe_intermediate_size)")
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=None, help="default: layer_shape's")
+    parser.add_argument("--inter", type=int, default=None, help="each expert's width (moe_intermediate_size)")
+    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=20, help="calls per timing round")
     parser.add_argument("--rotations", type=int, default=4, help="routings cycled through while timing")
     parser.add_argument("--configs", default="auto",
                         help="kernel configs swept: 'auto' (sweep_configs), 'none', or comma-separated "
                              "block_m/block_n/block_k/split_k/num_warps/num_stages (split_k 'auto' allowed)")
     parser.add_argument("--gather-max-tokens", type=int, default=16, help="largest T timing the gather forms")
-    parser.add_argument("--split-tokens", default="1", help="comma-separated T whose op is also timed in parts")
+    parser.add_argument("--split-tokens", default=None,
+                        help="comma-separated T whose op is also timed in parts (default 1; none with mxfp4)")
     parser.add_argument("--budget-s", type=float, default=210.0,
                         help="seconds after which the config sweeps are skipped (the forms are still timed)")
     parser.add_argument("--ceilings", action="store_true", help="also measure this device's copy bandwidth")
-    parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
-                        help="the experts' storage: bf16, or block-FP8 (float8_e4m3fn + float32 block scales)")
+    parser.add_argument("--weights", choices=("bf16", "fp8", "mxfp4"), default="bf16",
+                        help="the experts' storage: bf16, block-FP8 (float8_e4m3fn + float32 block scales), or "
+                             "MXFP4 (gpt-oss's layer: packed fp4 codes + e8m0 scales per 32)")
     parser.add_argument("--fp8-block", type=int, default=128, help="--weights fp8: the side of one scale block")
     parser.add_argument("--interpret", action="store_true", help="the kernel in Pallas interpret mode (CPU)")
     parser.add_argument("--out", type=Path, default=None, help="write {'results': [...]} as JSON here")
@@ -347,15 +437,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> list[dict]:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name, value in layer_shape(args.weights).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.split_tokens is None:
+        args.split_tokens = "" if args.weights == "mxfp4" else "1"
     args.split_tokens = {int(t) for t in args.split_tokens.split(",") if t}
+    if args.split_tokens and args.weights == "mxfp4":
+        parser.error("--split-tokens times the bf16 / fp8 op's parts; gpt-oss's MXFP4 layer is timed whole")
     deadline = time.monotonic() + args.budget_s
     ceilings = measure_ceilings(repeats=3, copy_bytes=1 << 30, matmul_size=4096) if args.ceilings else {}
     copy_bytes_per_s = ceilings.get("copy_GBps", 0) * 1e9 or None
     experts = _experts(args)
-    bf16 = tuple(w.dequantize(jnp.bfloat16) if isinstance(w, BlockFp8Experts) else w
-                 for w in (experts["w_gate"], experts["w_up"], experts["w_down"]))
-    experts.update(bf16=bf16, w_gate_up=jnp.concatenate(bf16[:2], axis=-1))
     results = []
     for seed, num_tokens in enumerate(int(t) for t in args.tokens.split(",")):
         record = run_case(experts, num_tokens, args, seed, deadline, copy_bytes_per_s)

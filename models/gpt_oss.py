@@ -14,9 +14,11 @@ For ``x: dtype[T, H]`` (transformers' ``GptOssMLP``):
 Expert weights in model layout (as transformers holds them and bf16 checkpoints store them): ``gate_up_proj``
 ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts
 (``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``)
-and are decoded inside the step, one layer at a time: all experts dequantized for a grouped matmul over the sorted
-rows, or, when the step has few (token, expert) pairs (``MATVEC_PAIRS_PER_EXPERT``: decode), each pair's expert
-decoded inside its own reduction (``mxfp4.matvec``).
+and reach the grouped matmuls over the sorted rows (``experts_grouped``) as ``mxfp4.Mxfp4Experts``: the fused MoE
+kernel (``moe_impl`` "pallas", "auto" on a GPU) decodes each tile it reads, the XLA reference dequantizes the
+layer's experts inside the step. Below ``MATVEC_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, each pair's
+expert is instead decoded inside its own reduction (``experts_gathered``, ``mxfp4.matvec``). The gate/up matmul
+writes the interleaved pre-activations; the biases and the clamped SwiGLU run in XLA around the grouped matmuls.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, in_pair_order,
-                        refuse_mlp_lora, sort_by_expert)
+                        refuse_mlp_lora, resolve_moe_impl, sort_by_expert)
 from models.quantization import mxfp4
 
 # Expert parameters stored under their own names in the checkpoint, in model layout (the loader reads them as is).
@@ -37,9 +39,11 @@ EXPERT_PARAMS = {
               "down_proj_scales", "down_proj_bias"),
 }
 CHECKPOINT_LEAVES = frozenset(name for names in EXPERT_PARAMS.values() for name in names) | {"sinks"}
-# MXFP4 steps of fewer (token, expert) pairs than this many per expert multiply the packed bytes (``mxfp4.matvec``);
-# wider ones dequantize the layer's experts for the grouped matmul. ``benchmarks/mxfp4_experts.py`` times both.
-MATVEC_PAIRS_PER_EXPERT = 1
+# By the grouped matmul a step resolves to (``models.moe.resolve_moe_impl``): MXFP4 steps of fewer (token, expert)
+# pairs than this many per expert multiply each pair by its packed bytes (``mxfp4.matvec``) rather than run the
+# grouped matmuls (XLA's dequantizes every expert; the kernel reads only the packed tiles of the experts with rows).
+# ``python -m benchmarks.moe_kernel --weights mxfp4`` times the forms.
+MATVEC_PAIRS_PER_EXPERT = {"xla": 1, "pallas": 0}
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -75,12 +79,15 @@ class GptOssExperts(nnx.Module):
         self.gate_up_proj_bias = nnx.Param(jnp.zeros((num_experts, 2 * inter), param_dtype))
         self.down_proj_bias = nnx.Param(jnp.zeros((num_experts, hidden), param_dtype))
 
-    def weight(self, name: str, dtype) -> jax.Array:
-        """Expert weight ``name`` ("gate_up_proj" / "down_proj") of every expert in model layout ``[E, in, out]``
-        and ``dtype`` (MXFP4 experts dequantized)."""
-        if self.expert_format == "mxfp4":
-            return mxfp4.dequantize(getattr(self, f"{name}_blocks")[...], getattr(self, f"{name}_scales")[...], dtype)
-        return getattr(self, name)[...].astype(dtype)
+    def operands(self, dtype) -> tuple:
+        """``(gate_up, gate_up_bias, down, down_bias)`` as ``experts_grouped`` takes them: the weights in model layout
+        ``[E, in, out]`` cast to ``dtype``, or ``mxfp4.Mxfp4Experts`` (packed, as stored)."""
+        def weight(name):
+            if self.expert_format == "mxfp4":
+                return mxfp4.Mxfp4Experts(getattr(self, f"{name}_blocks")[...], getattr(self, f"{name}_scales")[...])
+            return getattr(self, name)[...].astype(dtype)
+
+        return weight("gate_up_proj"), self.gate_up_proj_bias[...], weight("down_proj"), self.down_proj_bias[...]
 
 
 class GptOssMoeBlock(SparseMoeBlock):
@@ -114,40 +121,54 @@ class GptOssMoeBlock(SparseMoeBlock):
         weights, ids = self.route(x)
         if self.capture_routing:
             self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
-        num_pairs, num_experts = ids.size, self.experts.gate_up_proj_bias.shape[0]
-        if self.experts.expert_format == "mxfp4" and num_pairs < MATVEC_PAIRS_PER_EXPERT * num_experts:
-            out = self._gathered(x, ids)
+        operands = self.experts.operands(x.dtype)
+        impl = resolve_moe_impl(self.impl, ids.size, x.shape[1], x.dtype)
+        if (self.experts.expert_format == "mxfp4"
+                and ids.size < MATVEC_PAIRS_PER_EXPERT[impl] * operands[1].shape[0]):
+            out = experts_gathered(x, ids, *operands, alpha=self.alpha, limit=self.limit)
         else:
-            out = self._grouped(x, ids)
-        out = out.reshape(*ids.shape, x.shape[1]).astype(jnp.float32)
-        return jnp.sum(out * weights[:, :, None], axis=1).astype(x.dtype)
+            matmul = grouped_matmul_for(impl, ids.size, x.shape[1], x.dtype)
+            out = experts_grouped(matmul, x, ids, *operands, alpha=self.alpha, limit=self.limit)
+        return combine_top_k(out, weights).astype(x.dtype)
 
-    def _grouped(self, x: jax.Array, ids: jax.Array) -> jax.Array:
-        """Every (token, slot) pair's expert output, ``float32[T * k, H]`` in pair order, by grouped matmuls over
-        the pairs sorted by expert."""
-        experts, dtype, top_k = self.experts, x.dtype, ids.shape[1]
-        num_experts = experts.gate_up_proj_bias.shape[0]
-        order, group_sizes = sort_by_expert(ids, num_experts)
-        expert_of_row = ids.reshape(-1)[order]
-        matmul = grouped_matmul_for(self.impl, ids.size, x.shape[1], dtype)
-        gate_up = matmul(x, experts.weight("gate_up_proj", dtype), group_sizes, row_index=order // top_k)
-        gate_up = gate_up.astype(jnp.float32) + experts.gate_up_proj_bias[...][expert_of_row].astype(jnp.float32)
-        act = clamped_swiglu(gate_up, self.alpha, self.limit).astype(dtype)
-        out = matmul(act, experts.weight("down_proj", dtype), group_sizes).astype(jnp.float32)
-        out = out + experts.down_proj_bias[...][expert_of_row].astype(jnp.float32)
-        return in_pair_order(out, order)
 
-    def _gathered(self, x: jax.Array, ids: jax.Array) -> jax.Array:
-        """``_grouped``'s result for MXFP4 experts, each pair multiplied by its own expert's packed weights
-        (``mxfp4.matvec``: nothing dequantized to memory; for steps of few pairs)."""
-        experts, top_k = self.experts, ids.shape[1]
-        flat = ids.reshape(-1)
-        rows = jnp.repeat(x, top_k, axis=0)  # pair t * k + j is token t
+def experts_grouped(matmul, x: jax.Array, ids: jax.Array, gate_up, gate_up_bias: jax.Array, down,
+                    down_bias: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+    """Every (token, slot) pair's expert output by grouped matmuls over the pairs sorted by expert.
 
-        def project(name: str, inputs: jax.Array) -> jax.Array:
-            blocks, scales = getattr(experts, f"{name}_blocks")[...], getattr(experts, f"{name}_scales")[...]
-            bias = getattr(experts, f"{name}_bias")[...][flat].astype(jnp.float32)
-            return mxfp4.matvec(inputs, blocks[flat], scales[flat]) + bias
+    Args:
+      matmul: the grouped matmul (``models.moe.grouped_matmul_reference``'s contract: the reference, the kernel).
+      x: ``dtype[T, H]``; ids: ``int32[T, k]``.
+      gate_up: ``[E, H, 2I]`` (gate and up interleaved) of ``x``'s dtype, or ``mxfp4.Mxfp4Experts`` of that shape;
+        down: ``[E, I, H]`` likewise; the biases ``[E, 2I]`` / ``[E, H]``.
+    Returns:
+      ``float32[T * k, H]`` in pair order (pair ``t * k + j``).
+    """
+    dtype, top_k, num_experts = x.dtype, ids.shape[1], gate_up_bias.shape[0]
+    order, group_sizes = sort_by_expert(ids, num_experts)
+    expert_of_row = ids.reshape(-1)[order]
+    pre = matmul(x, gate_up, group_sizes, row_index=order // top_k)
+    pre = pre.astype(jnp.float32) + gate_up_bias[expert_of_row].astype(jnp.float32)
+    act = clamped_swiglu(pre, alpha, limit).astype(dtype)
+    out = matmul(act, down, group_sizes).astype(jnp.float32) + down_bias[expert_of_row].astype(jnp.float32)
+    return in_pair_order(out, order)
 
-        act = clamped_swiglu(project("gate_up_proj", rows), self.alpha, self.limit).astype(x.dtype)
-        return project("down_proj", act)
+
+def experts_gathered(x: jax.Array, ids: jax.Array, gate_up: mxfp4.Mxfp4Experts, gate_up_bias: jax.Array,
+                     down: mxfp4.Mxfp4Experts, down_bias: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+    """``experts_grouped``'s result for MXFP4 experts, each pair multiplied by its own expert's packed weights
+    (``mxfp4.matvec``: nothing dequantized to memory; for steps of few pairs). Same arguments and result."""
+    top_k, flat = ids.shape[1], ids.reshape(-1)
+    rows = jnp.repeat(x, top_k, axis=0)  # pair t * k + j is token t
+
+    def project(weight: mxfp4.Mxfp4Experts, bias: jax.Array, inputs: jax.Array) -> jax.Array:
+        return mxfp4.matvec(inputs, weight.blocks[flat], weight.scales[flat]) + bias[flat].astype(jnp.float32)
+
+    act = clamped_swiglu(project(gate_up, gate_up_bias, rows), alpha, limit).astype(x.dtype)
+    return project(down, down_bias, act)
+
+
+def combine_top_k(out: jax.Array, weights: jax.Array) -> jax.Array:
+    """``out float32[T * k, H]`` (pair order), ``weights float32[T, k]`` -> ``float32[T, H]``: the weighted sum."""
+    out = out.reshape(*weights.shape, out.shape[-1])
+    return jnp.sum(out * weights[:, :, None], axis=1)

@@ -18,7 +18,8 @@ Expert weights are stacked over experts in model layout (``[in, out]`` per exper
 experts (``MoeConfig.expert_format`` "fp8": DeepSeek-V2 / V3 and Qwen3-MoE FP8 checkpoints) stay in
 ``float8_e4m3fn`` beside their ``<proj>_scale_inv`` blocks and reach the grouped matmuls as
 ``models.quantization.block_fp8.BlockFp8Experts``: the reference dequantizes them to the rows' dtype, the kernel
-dequantizes each tile it reads.
+dequantizes each tile it reads. MXFP4 experts (gpt-oss, ``models.gpt_oss``) reach them the same way as
+``models.quantization.mxfp4.Mxfp4Experts``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.impl_registry import ImplRegistry
 from models.quantization.block_fp8 import SCALE_SUFFIX, BlockFp8Experts
+from models.quantization.mxfp4 import Mxfp4Experts
 
 MOE_IMPLS = ("auto", "xla", "pallas")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -126,16 +128,17 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     Args:
       lhs: ``dtype[R, K]``; the sorted rows are ``lhs[row_index]`` (``row_index int32[M]``), or ``lhs`` itself
         (``M == R``) when ``row_index`` is None.
-      rhs: ``dtype[E, K, N]`` or ``BlockFp8Experts`` of that shape (dequantized to ``dtype`` here: the whole stack,
-        for the oracle's simplicity); rows ``[sum(group_sizes[:e]), sum(group_sizes[:e + 1]))`` are multiplied by
-        ``rhs[e]``.
+      rhs: ``dtype[E, K, N]`` or ``BlockFp8Experts`` / ``Mxfp4Experts`` of that shape (dequantized to ``dtype``
+        here: the whole stack, for the oracle's simplicity); rows ``[sum(group_sizes[:e]),
+        sum(group_sizes[:e + 1]))`` are multiplied by ``rhs[e]``.
       group_sizes: ``int32[E]``, summing to ``M``.
       up_rhs: None, or as ``rhs``: then the result is ``silu(rows @ rhs[e]) * (rows @ up_rhs[e])`` (float32, one
         rounding), the experts' SwiGLU activation.
     Returns:
       ``lhs.dtype[M, N]``.
     """
-    rhs, up_rhs = (w.dequantize(lhs.dtype) if isinstance(w, BlockFp8Experts) else w for w in (rhs, up_rhs))
+    rhs, up_rhs = (w.dequantize(lhs.dtype) if isinstance(w, (BlockFp8Experts, Mxfp4Experts)) else w
+                   for w in (rhs, up_rhs))
     rows = lhs if row_index is None else lhs[row_index]
     out = jax.lax.ragged_dot(rows, rhs, group_sizes, preferred_element_type=jnp.float32)
     if up_rhs is not None:
@@ -152,7 +155,7 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
 
     Args:
       x: ``dtype[T, H]``; w_gate, w_up: ``[E, H, I]``; w_down: ``[E, I, H]`` (model layout, cast to ``dtype``), or
-        each a ``BlockFp8Experts`` of that shape (block-FP8 experts, dequantized by the grouped matmul).
+        each a ``BlockFp8Experts`` or ``Mxfp4Experts`` of that shape (dequantized by the grouped matmul).
       topk_weights: ``float32[T, k]``; topk_ids: ``int32[T, k]`` in ``[0, E)`` (``route_top_k``).
       impl: ``MOE_IMPLS``; "auto": the registered selector's choice for the static shape, else "xla".
     Returns:
@@ -215,18 +218,20 @@ def moe_experts_gathered(x: jax.Array, w_gate, w_up, w_down, topk_weights: jax.A
 
 
 def _take_experts(w, ids: jax.Array, dtype) -> jax.Array:
-    """``dtype[P, K, N]``: the experts ``ids int32[P]`` of a stack (block-FP8 ones gathered with their scales, then
-    dequantized)."""
+    """``dtype[P, K, N]``: the experts ``ids int32[P]`` of a stack (block-FP8 or MXFP4 ones gathered with their
+    scales, then dequantized)."""
     if isinstance(w, BlockFp8Experts):
         taken = BlockFp8Experts(jnp.take(w.weight, ids, axis=0), jnp.take(w.scale_inv, ids, axis=0), w.block)
         return taken.dequantize(dtype)
+    if isinstance(w, Mxfp4Experts):
+        return Mxfp4Experts(jnp.take(w.blocks, ids, axis=0), jnp.take(w.scales, ids, axis=0)).dequantize(dtype)
     return jnp.take(w, ids, axis=0).astype(dtype)
 
 
 def expert_operand(w, dtype):
-    """A stacked expert weight as the grouped matmuls take it: a float stack cast to ``dtype``, block-FP8 experts
-    (``BlockFp8Experts``) as they are (the grouped matmul dequantizes them)."""
-    return w if isinstance(w, BlockFp8Experts) else w.astype(dtype)
+    """A stacked expert weight as the grouped matmuls take it: a float stack cast to ``dtype``, block-FP8 or MXFP4
+    experts (``BlockFp8Experts``, ``Mxfp4Experts``) as they are (the grouped matmul dequantizes them)."""
+    return w if isinstance(w, (BlockFp8Experts, Mxfp4Experts)) else w.astype(dtype)
 
 
 def moe_experts_reference(x, w_gate, w_up, w_down, topk_weights, topk_ids) -> jax.Array:

@@ -434,3 +434,30 @@ def test_expert_parallel_benchmark_compares_both_layouts(tmp_path):
         assert r["tp_us"] > 0 and r["ep_us"] > 0 and r["reference_max_abs"] > 0
         assert r["ep_max_abs_diff"] <= 0.02 * r["reference_max_abs"]
         assert 0.25 <= r["max_device_share"] <= 1.0
+
+
+def test_moe_kernel_benchmark_mxfp4_experts(tmp_path):
+    """benchmarks/moe_kernel.py --weights mxfp4 on a tiny shape, the kernel interpreted: gpt-oss's layer on the
+    kernel decoding packed tiles, on dequantized experts, the packed-bytes matvec and the bf16 kernel agree with the
+    reference, every form and swept config is timed, the floor counts 4.25 bits per weight, and the default shape is
+    gpt-oss-20b's."""
+    from benchmarks.floors import H200_HBM_BYTES_PER_S
+    from benchmarks.moe_kernel import floor_bytes, layer_shape, main
+    from models.presets import PRESETS
+
+    (r,) = main(["--tokens", "3", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2",
+                 "--repeats", "1", "--rotations", "1", "--interpret", "--weights", "mxfp4",
+                 "--configs", "16/32/32/1/4/3"])
+    assert r["weights"] == "mxfp4" and "split" not in r
+    limit = 0.02 * max(r["check"]["reference_max_abs"], 1e-3)
+    assert {"pallas_max_abs_diff", "dequant_pallas_max_abs_diff", "matvec_max_abs_diff"} <= set(r["check"])
+    assert all(diff <= limit for name, diff in r["check"].items() if name.endswith("_max_abs_diff"))
+    assert all(r[f"{name}_us"] > 0 for name in ("pallas", "dequant_pallas", "ragged_dot", "matvec", "pallas_bf16"))
+    (swept,) = r["configs"]
+    assert swept["config"] == "16/32/32/1/4/3" and swept["max_abs_diff"] <= limit and swept["us"] > 0
+    assert r["floor_us"] == round(floor_bytes(3, 64, 32, 2, r["experts_touched"], 4.25 / 8)
+                                  / H200_HBM_BYTES_PER_S * 1e6, 2)
+    assert layer_shape("mxfp4") == dict(hidden=2880, inter=2880, experts=32, top_k=4)
+    assert PRESETS["gpt-oss-20b"]["quantization_config"]["quant_method"] == "mxfp4"
+    with pytest.raises(SystemExit):
+        main(["--weights", "mxfp4", "--split-tokens", "1", "--interpret"])

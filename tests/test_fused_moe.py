@@ -1,6 +1,7 @@
 """The fused MoE op: the Pallas grouped matmul (interpret mode on CPU) against its ``lax.ragged_dot`` reference on
 fresh random ragged inputs, and the whole op (sort, gate/up + SwiGLU, down, top-k combine) against a per-token loop;
-both with float weights and with block-FP8 ones (float8 weights, a float32 scale per block)."""
+with float weights, block-FP8 ones (float8 weights, a float32 scale per block) and MXFP4 ones (packed fp4 codes, an
+e8m0 scale per 32 inputs)."""
 
 import functools
 
@@ -11,8 +12,9 @@ import pytest
 
 from models.moe import (COMPARE_INVERSE_ROWS, grouped_matmul_for, in_pair_order, moe_experts_gathered, resolve_moe_impl,
                         route_top_k, sort_by_expert)
-from models.quantization import block_fp8
+from models.quantization import block_fp8, mxfp4
 from models.quantization.block_fp8 import BlockFp8Experts
+from models.quantization.mxfp4 import Mxfp4Experts
 from paged_jax.ops import fused_moe
 from paged_jax.ops.fused_moe import (KernelConfig, default_config, grouped_matmul_pallas,
                                      grouped_matmul_pallas_differentiable, grouped_matmul_reference,
@@ -351,3 +353,67 @@ def test_block_fp8_kernel_derivatives_in_the_rows_are_the_references():
 
     want = np.asarray(grad(grouped_matmul_reference))
     np.testing.assert_allclose(np.asarray(grad(kernel)), want, rtol=0, atol=TOLERANCE[jnp.float32] * np.abs(want).max())
+
+
+def _mxfp4_stack(rng, num_experts, k, n, std=1.0):
+    """``Mxfp4Experts [E, k, n]``: random experts of different magnitudes quantized as the checkpoints hold them
+    (``mxfp4.quantize`` of each ``[out, in]``)."""
+    weight = rng.standard_normal((num_experts, n, k)).astype(np.float32) * std
+    weight *= (1 + np.arange(num_experts) % 3)[:, None, None]
+    blocks, scales = mxfp4.quantize(weight)
+    return Mxfp4Experts(jnp.asarray(blocks), jnp.asarray(scales))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group_sizes, k, n, gather, swiglu, config", [
+    # experts without rows; K (160) not a multiple of the 64-wide K step, N (72) not of the 32-wide tile
+    ([0, 5, 1, 0, 20, 3], 160, 72, False, False, KernelConfig(16, 32, 64, 1)),
+    ([1, 0, 0, 0], 96, 48, True, True, None),  # T = 1 (top-1): the default launch splits K over programs
+    ([3, 0, 9, 1], 64, 40, True, False, KernelConfig(16, 16, 16, 1)),  # a 16-wide K step widened to one 32-run
+    ([70, 2, 0, 41], 128, 80, True, True, KernelConfig(64, 64, 64, 1)),  # 64-row tiles
+    # all rows on one expert; K's 5 32-runs over 3 splits of 2 (the last one's second step past K)
+    ([0, 37, 0, 0], 160, 64, True, False, KernelConfig(16, 32, 32, 3)),
+])
+def test_mxfp4_kernel_matches_reference(dtype, group_sizes, k, n, gather, swiglu, config, request):
+    """MXFP4 experts (packed fp4 codes, an e8m0 scale per 32 inputs) decoded per tile in the kernel equal the
+    reference (every expert dequantized, then ``lax.ragged_dot``)."""
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    sizes, lhs, row_index = _grouped_rows(rng, group_sizes, k, gather, dtype)
+    rows, num_experts = int(sizes.sum()), len(group_sizes)
+    rhs = _mxfp4_stack(rng, num_experts, k, n)
+    up_rhs = _mxfp4_stack(rng, num_experts, k, n) if swiglu else None
+    assert rhs.shape == (num_experts, k, n) and rhs.blocks.dtype == rhs.scales.dtype == jnp.uint8
+    out = grouped_matmul_pallas(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs, interpret=True,
+                                config=config)
+    ref = grouped_matmul_reference(lhs, rhs, sizes, row_index=row_index, up_rhs=up_rhs)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    scale = max(float(jnp.abs(ref.astype(jnp.float32)).max()), 1.0)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def test_mxfp4_moe_experts_match_per_token_experts():
+    """The whole op on MXFP4 experts (uneven loads, experts without tokens): the kernel, the reference and the
+    gathered form equal the per-token loop over the dequantized weights."""
+    rng = np.random.default_rng(7)
+    num_tokens, num_experts, top_k, hidden, inter, dtype = 9, 8, 2, 64, 96, jnp.bfloat16
+    x = _random(rng, (num_tokens, hidden), dtype)
+    stacks = [_mxfp4_stack(rng, num_experts, k, n, 0.2) for k, n in ((hidden, inter), (hidden, inter),
+                                                                     (inter, hidden))]
+    logits = _random(rng, (num_tokens, num_experts), jnp.float32) + jnp.linspace(0, 3, num_experts)
+    weights, ids = route_top_k(logits, top_k, norm_topk_prob=True)
+    expected = _per_token_moe(x, *(w.dequantize(dtype) for w in stacks), weights, ids)
+    reference = jax.jit(moe_experts_reference)(x, *stacks, weights, ids)
+    kernel = _moe_experts_interpreted(x, *stacks, weights, ids)
+    gathered = jax.jit(moe_experts_gathered)(x, *stacks, weights, ids)
+    _check_moe_outputs(expected, reference, [kernel, gathered], x.shape, dtype)
+
+
+def test_mxfp4_kernel_refuses_what_it_cannot_read():
+    stack = Mxfp4Experts(jnp.zeros((2, 32, 1, 16), jnp.uint8), jnp.zeros((2, 32, 1), jnp.uint8))
+    sizes = jnp.array([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="MXFP4 rhs needs uint8"):
+        grouped_matmul_pallas(jnp.zeros((4, 32), jnp.int32), stack, sizes, interpret=True)
+    with pytest.raises(ValueError, match="up_rhs must match"):
+        grouped_matmul_pallas(jnp.zeros((4, 32), jnp.bfloat16), stack, sizes, up_rhs=jnp.zeros((2, 32, 32)),
+                              interpret=True)

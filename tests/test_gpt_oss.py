@@ -2,6 +2,7 @@
 longer than the sliding window, the published MXFP4 experts (kept packed, dequantized as transformers does), and
 greedy decoding through the engine with prefix caching and preemption."""
 
+import functools
 import json
 
 import jax
@@ -11,8 +12,10 @@ import pytest
 
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
+from models import gpt_oss
 from models.gpt_oss import GptOssMoeBlock
 from models.loader import load_model
+from models.moe import grouped_matmul_reference
 from models.quantization import mxfp4
 from models.testing import save_random_hf_checkpoint, tiny_config
 
@@ -116,16 +119,19 @@ def test_mxfp4_experts_stay_packed_and_match_transformers(mxfp4_checkpoint):
 
 
 def test_mxfp4_gathered_experts_equal_grouped(mxfp4_checkpoint):
-    """Few (token, expert) pairs dequantize only their experts; the result is the grouped matmul's."""
+    """Few (token, expert) pairs multiply each pair by its expert's packed bytes; the result is the grouped
+    matmul's."""
     model, _ = load_model(mxfp4_checkpoint, dtype="float32")
     block = model.model.layers[1].mlp
     x = jnp.asarray(np.random.default_rng(1).normal(0, 1, (1, 64)), jnp.float32)
-    _, ids = block.route(x)
-    assert ids.size < block.experts.gate_up_proj_bias.shape[0]  # the call below takes the gathered path
+    weights, ids = block.route(x)
+    assert ids.size < gpt_oss.MATVEC_PAIRS_PER_EXPERT["xla"] * block.experts.gate_up_proj_bias.shape[0]
+    operands = block.experts.operands(x.dtype)
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(np.asarray(block(x)), np.asarray(
-            jnp.sum(block._grouped(x, ids).reshape(1, 2, 64) * block.route(x)[0][:, :, None], axis=1)),
-            atol=1e-5, rtol=1e-5)
+        grouped = gpt_oss.experts_grouped(grouped_matmul_reference, x, ids, *operands, alpha=block.alpha,
+                                          limit=block.limit)
+        np.testing.assert_allclose(np.asarray(block(x)), np.asarray(gpt_oss.combine_top_k(grouped, weights)),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_quantization_and_attention_are_refused():
@@ -159,7 +165,7 @@ def test_dummy_mxfp4_weights_are_finite():
     config = ModelConfig.from_hf_config(tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"}))
     model, _ = load_model(None, load_format="dummy", config=config, dtype="float32")
     experts = model.model.layers[0].mlp.experts
-    weight = np.asarray(experts.weight("gate_up_proj", jnp.float32))
+    weight = np.asarray(experts.operands(jnp.float32)[0].dequantize(jnp.float32))
     assert np.isfinite(weight).all() and 0.005 < weight.std() < 0.1
     logits = _logits(model, config, _seqs(config.vocab_size))
     assert np.isfinite(logits).all()
@@ -249,6 +255,22 @@ def test_sharding_plan_refuses_gpt_oss():
         ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(1))
 
 
+def test_mxfp4_bit_decoding_equals_the_tables():
+    """The fused kernel's decoding (bit arithmetic) of every fp4 code and e8m0 scale equals the format's tables
+    (``FP4_VALUES``, signed zeros included; ``scale_factors``)."""
+    codes, values = jnp.arange(16, dtype=jnp.uint8), np.asarray(mxfp4.FP4_VALUES, np.float32)
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        decoded = np.asarray(mxfp4.decode_fp4(codes, dtype).astype(jnp.float32))
+        np.testing.assert_array_equal(decoded, values)
+        np.testing.assert_array_equal(np.signbit(decoded), np.signbit(values))
+    scales = jnp.arange(256).astype(jnp.uint8)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        np.testing.assert_array_equal(np.asarray(mxfp4.decode_e8m0(scales, dtype).astype(jnp.float32)),
+                                      np.asarray(mxfp4.scale_factors(scales, dtype).astype(jnp.float32)))
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        mxfp4.decode_e8m0(scales, jnp.float16)
+
+
 def test_mxfp4_matvec_equals_dequantized_matmul():
     rng = np.random.default_rng(2)
     blocks, scales = mxfp4.quantize(rng.normal(0, 0.05, (3, 40, 64)).astype(np.float32))
@@ -257,36 +279,52 @@ def test_mxfp4_matvec_equals_dequantized_matmul():
     np.testing.assert_allclose(np.asarray(jax.jit(mxfp4.matvec)(x, blocks, scales)), want, rtol=1e-5, atol=1e-6)
 
 
-def test_experts_on_the_fused_moe_kernel_equal_xla(float_checkpoint, monkeypatch):
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_experts_on_the_fused_moe_kernel_equal_xla(experts, float_checkpoint, mxfp4_checkpoint):
     """The grouped matmuls of a gpt-oss layer (gate/up gathering its rows, then down; biases and the clamped SwiGLU
-    between them) on the Pallas kernel (interpret mode) equal ``lax.ragged_dot``'s."""
-    import functools
-
-    import models.gpt_oss as gpt_oss
+    between them) on the Pallas kernel (interpret mode; MXFP4 experts decoded per tile) equal the XLA reference's
+    (``lax.ragged_dot``, MXFP4 experts dequantized first)."""
     from paged_jax.ops.fused_moe import grouped_matmul_pallas
 
-    model, _ = load_model(float_checkpoint, dtype="float32")
+    model, _ = load_model(float_checkpoint if experts == "float" else mxfp4_checkpoint, dtype="float32")
     block = model.model.layers[0].mlp
+    operands = block.experts.operands(jnp.float32)
+    assert isinstance(operands[0], mxfp4.Mxfp4Experts) == (experts == "mxfp4")
     x = jnp.asarray(np.random.default_rng(4).normal(0, 1, (9, 64)), jnp.float32)
     _, ids = block.route(x)
+    kernel = functools.partial(grouped_matmul_pallas, interpret=True)
     with jax.default_matmul_precision("highest"):
-        want = np.asarray(block._grouped(x, ids))
-        monkeypatch.setattr(gpt_oss, "grouped_matmul_for",
-                            lambda *_: functools.partial(grouped_matmul_pallas, interpret=True))
-        np.testing.assert_allclose(np.asarray(block._grouped(x, ids)), want, atol=1e-5, rtol=1e-5)
+        want, got = (np.asarray(gpt_oss.experts_grouped(matmul, x, ids, *operands, alpha=block.alpha,
+                                                        limit=block.limit))
+                     for matmul in (grouped_matmul_reference, kernel))
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(np.abs(want).max(), 1.0), rtol=0)
 
 
-def test_mxfp4_experts_benchmark_checks_and_times_both_paths(tmp_path):
-    from benchmarks.mxfp4_experts import main
+@pytest.mark.parametrize("num_tokens, kernels", [
+    (1, ("moe_grouped_matmul_gather_mxfp4_bm16_bn128_bk64_s2", "moe_grouped_matmul_mxfp4_bm16_bn128_bk64_s4")),
+    (4096, ("moe_grouped_matmul_gather_mxfp4_bm128_bn128_bk64_s1", "moe_grouped_matmul_mxfp4_bm128_bn128_bk64_s1")),
+])
+def test_mxfp4_experts_lower_to_the_packed_kernel_for_the_gpu(num_tokens, kernels):
+    """gpt-oss-20b's MXFP4 experts (hidden 2880, 32 experts of 2880, top 4) through the fused kernel lower for CUDA
+    on the CPU with the default launches, the packed bytes the kernels' operands: nothing runs, only the kernels'
+    names (format, tiles, K splits) and operand types are read off the module."""
+    from paged_jax.ops.fused_moe import grouped_matmul_pallas
 
-    out = tmp_path / "mxfp4.json"
-    results = main(["--tokens", "1,9", "--hidden", "64", "--inter", "64", "--experts", "8", "--top-k", "2",
-                    "--repeats", "1", "--out", str(out)])
-    assert [r["tokens"] for r in results] == [1, 9] and results[0]["experts_touched"] == 2
-    for r in results:
-        assert r["check"]["max_abs_diff"] <= 0.02 * r["check"]["grouped_max_abs"]
-        assert r["matvec_us"] > 0 and r["grouped_us"] > 0
-    assert len(json.loads(out.read_text())["results"]) == 2
+    hidden, inter, num_experts, top_k = 2880, 2880, 32, 4
+
+    def stack(k, n):
+        blocks, scales = mxfp4.packed_shapes(num_experts, n, k)
+        return mxfp4.Mxfp4Experts(jax.ShapeDtypeStruct(blocks, jnp.uint8), jax.ShapeDtypeStruct(scales, jnp.uint8))
+
+    op = jax.jit(functools.partial(gpt_oss.experts_grouped, grouped_matmul_pallas, alpha=1.702, limit=7.0))
+    text = op.trace(jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32), stack(hidden, 2 * inter),
+                    jax.ShapeDtypeStruct((num_experts, 2 * inter), jnp.bfloat16), stack(inter, hidden),
+                    jax.ShapeDtypeStruct((num_experts, hidden), jnp.bfloat16)).lower(
+                        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert all(f'name = "{name}"' in text for name in kernels)
+    assert "tensor<32x5760x1440xui8>" in text and "tensor<32x2880x5760xbf16>" not in text
 
 
 @pytest.mark.parametrize("scaling", [

@@ -11,10 +11,15 @@ Checkpoint layout (transformers' ``integrations/mxfp4.py``), for an expert weigh
 
 ``dequantize`` (jnp, jittable) gives the weight in model layout ``[E, in, out]``, exactly (fp4 values times powers
 of two are exact in bfloat16 and float32); ``quantize`` (numpy) writes that layout from float weights, for tests
-and random checkpoints.
+and random checkpoints. ``Mxfp4Experts`` is one packed expert stack as the grouped matmuls take it (the reference
+dequantizes it, the fused MoE kernel decodes each tile it reads: ``decode_fp4`` and ``decode_e8m0``, bit
+arithmetic that runs in a Pallas kernel as in jnp).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +58,55 @@ def scale_factors(scales: jax.Array, dtype) -> jax.Array:
     with np.errstate(over="ignore"):
         table = np.ldexp(np.float32(1), np.arange(256) - SCALE_BIAS).astype(np.float32)
     return jnp.asarray(table, dtype)[scales.astype(jnp.int32)]
+
+
+def decode_fp4(codes: jax.Array, dtype) -> jax.Array:
+    """``codes uint8[...]`` (fp4 e2m1 codes, each below 16) -> ``dtype[...]`` (bfloat16, float16 or float32):
+    ``FP4_VALUES[codes]`` built from bits (no table: a Pallas Triton kernel has no register lookup). A code of
+    exponent ``e > 0`` and mantissa ``m`` is ``2 ** (e - 1) * (1 + m / 2)``, whose exponent and mantissa fields are
+    ``(e << 1 | m) + 2 * (bias - 1)`` shifted to the mantissa's top; the subnormal codes are 0 and 0.5."""
+    info = jnp.finfo(dtype)
+    bias, int_dtype = info.maxexp - 1, jnp.int16 if info.bits == 16 else jnp.int32
+    codes = codes.astype(int_dtype)
+    magnitude = codes & 7
+    half = (bias - 1) << info.nmant  # 0.5's bits
+    bits = jnp.where(magnitude >= 2, (magnitude + 2 * (bias - 1)) << (info.nmant - 1), magnitude * half)
+    return jax.lax.bitcast_convert_type(bits | ((codes >> 3) << (info.bits - 1)), dtype)
+
+
+def decode_e8m0(scales: jax.Array, dtype) -> jax.Array:
+    """``scales uint8[...]`` -> ``dtype[...]`` (bfloat16 or float32, whose 8-bit exponents hold every e8m0 scale):
+    ``2 ** (scale - 127)`` as ``scale_factors`` gives it (255: inf; 0: 2 ** -127, subnormal), built from bits."""
+    info = jnp.finfo(dtype)
+    if info.maxexp != 128:
+        raise ValueError(f"e8m0 scales decode to bfloat16 or float32, not {jnp.dtype(dtype)}")
+    bits = scales.astype(jnp.int16 if info.bits == 16 else jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.where(bits == 0, 1 << (info.nmant - 1), bits << info.nmant), dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("blocks", "scales"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Experts:
+    """One stacked expert projection in MXFP4 as the checkpoint holds it (a pytree), standing for the model-layout
+    ``[E, K, N]`` float stack of ``dequantize``.
+
+    Fields:
+      blocks: ``uint8[E, N, K // 32, 16]`` (``[out, in]`` per expert, two fp4 codes a byte).
+      scales: ``uint8[E, N, K // 32]`` (e8m0, one per 32 inputs).
+    """
+
+    blocks: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(E, K, N)``, the float stack's shape."""
+        num_experts, out_features, groups, _ = self.blocks.shape
+        return num_experts, groups * BLOCK, out_features
+
+    def dequantize(self, dtype) -> jax.Array:
+        """``dtype[E, K, N]`` (``dequantize``)."""
+        return dequantize(self.blocks, self.scales, dtype)
 
 
 def matvec(x: jax.Array, blocks: jax.Array, scales: jax.Array) -> jax.Array:

@@ -8,7 +8,8 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
 * ``"xla"``: ``grouped_matmul_reference`` (``lax.ragged_dot``), the jnp reference, and ``moe_experts_reference``
   the whole op on it;
 * ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
-  as ``default_config`` says (``KernelConfig``);
+  as ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4
+  (``Mxfp4Experts``) experts;
 * ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without

@@ -19,6 +19,14 @@ Block-FP8 weights (``models.quantization.block_fp8.BlockFp8Experts``: ``float8_e
 (the tile's sides divide the scale block, ``fp8_blocks``), and multiplies ``rows @ (float32(w) * scale)`` rounded to
 the rows' dtype, as the reference dequantizes them; the weights cross memory as one byte each.
 
+MXFP4 weights (``models.quantization.mxfp4.Mxfp4Experts``, gpt-oss's experts as published: ``uint8[E, N, K / 32,
+16]``, two fp4 codes a byte, and an e8m0 scale ``uint8[E, N, K / 32]`` per 32 inputs) keep the checkpoint's
+``[out, in]`` orientation: a program loads ``block_n`` rows of ``block_k / 2`` contiguous packed bytes and their
+``block_k / 32`` scales, decodes the low and high codes by bit arithmetic (``mxfp4.decode_fp4``, ``decode_e8m0``;
+in bfloat16 for bfloat16 rows, else float32), scales them, interleaves them back into K order and multiplies the
+``[block_n, block_k]`` tile transposed. K steps are whole 32-runs (``_fit_config``); the weights cross memory at
+4.25 bits each and no dequantized copy exists.
+
 Two fusions save a pass over memory each:
 * ``row_index``: a tile gathers its rows from the unsorted activations (token ``row_index[r]``) instead of
   reading a sorted copy;
@@ -42,7 +50,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from models.quantization import mxfp4
 from models.quantization.block_fp8 import BlockFp8Experts
+from models.quantization.mxfp4 import Mxfp4Experts
 from paged_jax.ops.ragged_paged_attention.common import TRITON_COMPILER_PARAMS as _CompilerParams
 from paged_jax.ops.ragged_paged_attention.common import next_pow2
 from paged_jax.ops.ragged_paged_attention.common import triton_load as _load, triton_store as _store
@@ -166,11 +176,11 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[
 
 
 def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: KernelConfig, steps: int,
-                           num_experts: int, gather: bool, swiglu: bool, precision,
-                           scale_block: tuple[int, int] | None):
-    """Program (tile, column block, K split). refs: rhs [E, K, N] (and its scales with ``scale_block``), then the
-    same of up_rhs when ``swiglu``, then the outputs: [M, N] (unsplit), or float32 [splits, M, N] per accumulator."""
-    per_weight = 1 if scale_block is None else 2
+                           num_experts: int, gather: bool, swiglu: bool, precision, fmt: tuple):
+    """Program (tile, column block, K split). refs: rhs (``_weight_operands``: one ref, or two with its scales),
+    then the same of up_rhs when ``swiglu``, then the outputs: [M, N] (unsplit), or float32 [splits, M, N] per
+    accumulator. ``fmt``: the weights' format (``_weight_format``)."""
+    per_weight = 1 if fmt[0] == "float" else 2
     num_weights = 2 if swiglu else 1
     weights = [refs[i:i + per_weight] for i in range(0, per_weight * num_weights, per_weight)]
     out_refs = refs[per_weight * num_weights:]
@@ -203,21 +213,11 @@ def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: Ker
             k_ok = k < k_total if k_masked else None
             a = _load(lhs_ref.at[src[:, None], k[None, :]],
                       mask=row_ok[:, None] if k_ok is None else row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :])
+            tile = _WeightTile(expert, k0, c0, bk, bn, k_total if k_masked else None, col_ok, a.dtype)
             out = []
-            for acc, (w_ref, *scale_ref) in zip(accs, weights):
-                tile_ref = w_ref.at[expert, pl.ds(k0, bk), pl.ds(c0, bn)]
-                if scale_block is None:
-                    w = _load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask, other=0.0)
-                else:
-                    # No float8 fill value: the entries outside the matrix are zeroed after the conversion (a
-                    # float8 NaN code cannot leak). The tile lies in one scale block.
-                    w = _load(tile_ref) if w_mask is None else _load(tile_ref, mask=w_mask)
-                    # A K step past the matrix (the last split's) reads the last scale: its tile is all masked.
-                    scale_col = jnp.minimum(k0 // scale_block[1], scale_ref[0].shape[2] - 1)
-                    w = w.astype(jnp.float32) * scale_ref[0][expert, c0 // scale_block[0], scale_col]
-                    w = (w if w_mask is None else jnp.where(w_mask, w, 0.0)).astype(a.dtype)
-                out.append(acc + _dot(a, w, precision=precision))
+            for acc, w_refs in zip(accs, weights):
+                w, transposed = tile.load(w_refs, fmt)
+                out.append(acc + _dot(a, w, trans_b=transposed, precision=precision))
             return tuple(out)
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
@@ -231,6 +231,64 @@ def _grouped_matmul_kernel(sizes_ref, row_index_ref, lhs_ref, *refs, config: Ker
         else:
             result = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
             _store(out_refs[0].at[store_rows, cols[None, :]], result.astype(out_refs[0].dtype), mask=mask)
+
+
+class _WeightTile(NamedTuple):
+    """Where one K step's weight tile lies: ``expert``, K rows ``[k0, k0 + bk)`` and columns ``[c0, c0 + bn)``;
+    ``k_total`` when the step may pass K (else None), ``col_ok bool[bn]`` when the columns may pass N (else None);
+    ``dtype``: the rows' (what the tile is multiplied in)."""
+    expert: jax.Array
+    k0: jax.Array
+    c0: jax.Array
+    bk: int
+    bn: int
+    k_total: int | None
+    col_ok: jax.Array | None
+    dtype: jnp.dtype
+
+    def load(self, refs, fmt: tuple) -> tuple[jax.Array, bool]:
+        """``(tile, transposed)``: the tile in ``dtype``, ``[bk, bn]`` or, ``transposed``, ``[bn, bk]``."""
+        if fmt[0] == "mxfp4":
+            return self._mxfp4(*refs), True
+        expert, k0, c0, bk, bn = self.expert, self.k0, self.c0, self.bk, self.bn
+        k_ok = None if self.k_total is None else k0 + jnp.arange(bk, dtype=jnp.int32) < self.k_total
+        mask = _and(None if k_ok is None else k_ok[:, None], None if self.col_ok is None else self.col_ok[None, :])
+        tile_ref = refs[0].at[expert, pl.ds(k0, bk), pl.ds(c0, bn)]
+        if fmt[0] == "float":
+            return (_load(tile_ref) if mask is None else _load(tile_ref, mask=mask, other=0.0)), False
+        # Block FP8. No float8 fill value: the entries outside the matrix are zeroed after the conversion (a float8
+        # NaN code cannot leak). The tile lies in one scale block.
+        w = _load(tile_ref) if mask is None else _load(tile_ref, mask=mask)
+        scale_block, scale_ref = fmt[1], refs[1]
+        # A K step past the matrix (the last split's) reads the last scale: its tile is all masked.
+        scale_col = jnp.minimum(k0 // scale_block[1], scale_ref.shape[2] - 1)
+        w = w.astype(jnp.float32) * scale_ref[expert, c0 // scale_block[0], scale_col]
+        return (w if mask is None else jnp.where(mask, w, 0.0)).astype(self.dtype), False
+
+    def _mxfp4(self, blocks_ref, scales_ref) -> jax.Array:
+        """``[bn, bk]``: the packed bytes ``[bn, bk / 2]`` of ``blocks_ref uint8[E, N, K / 2]`` and the scales
+        ``[bn, bk / 32]`` of ``scales_ref uint8[E, N, K / 32]``, decoded (``mxfp4.decode_fp4`` / ``decode_e8m0``,
+        in bfloat16 for bfloat16 rows, else float32 as ``mxfp4.dequantize``), each byte's low code at even K. K
+        steps are whole 32-runs, so a run is masked whole; masked bytes are code 0 and masked scales 1."""
+        expert, k0, c0, bk, bn = self.expert, self.k0, self.c0, self.bk, self.bn
+        half, runs = bk // 2, bk // mxfp4.BLOCK
+        byte_ok = run_ok = None
+        if self.k_total is not None:
+            byte_ok = (k0 // 2 + jnp.arange(half, dtype=jnp.int32) < self.k_total // 2)[None, :]
+            run_ok = (k0 // mxfp4.BLOCK + jnp.arange(runs, dtype=jnp.int32) < self.k_total // mxfp4.BLOCK)[None, :]
+        col_ok = None if self.col_ok is None else self.col_ok[:, None]
+        byte_mask, run_mask = _and(col_ok, byte_ok), _and(col_ok, run_ok)
+        bytes_ref = blocks_ref.at[expert, pl.ds(c0, bn), pl.ds(k0 // 2, half)]
+        runs_ref = scales_ref.at[expert, pl.ds(c0, bn), pl.ds(k0 // mxfp4.BLOCK, runs)]
+        packed = _load(bytes_ref) if byte_mask is None else _load(bytes_ref, mask=byte_mask, other=0)
+        scales = (_load(runs_ref) if run_mask is None
+                  else _load(runs_ref, mask=run_mask, other=mxfp4.SCALE_BIAS))
+        compute = jnp.bfloat16 if self.dtype == jnp.bfloat16 else jnp.float32
+        factors = jnp.broadcast_to(mxfp4.decode_e8m0(scales, compute)[:, :, None], (bn, runs, mxfp4.BLOCK // 2))
+        factors = factors.reshape(bn, half)
+        low = mxfp4.decode_fp4(packed & 0x0F, compute) * factors
+        high = mxfp4.decode_fp4(packed >> 4, compute) * factors
+        return jnp.stack([low, high], axis=-1).reshape(bn, bk).astype(self.dtype)
 
 
 def _and(a, b):
@@ -260,6 +318,35 @@ def fp8_blocks(block_n: int, block_k: int, scale_block: tuple[int, int]) -> tupl
     return sides[0], sides[1]
 
 
+def _weight_format(rhs) -> tuple:
+    """The kernel's static description of a weight operand: ``("float",)``, ``("fp8", scale_block)`` for
+    ``BlockFp8Experts`` or ``("mxfp4",)`` for ``Mxfp4Experts``."""
+    if isinstance(rhs, BlockFp8Experts):
+        return "fp8", rhs.block
+    return ("mxfp4",) if isinstance(rhs, Mxfp4Experts) else ("float",)
+
+
+def _weight_operands(w) -> tuple:
+    """The arrays the kernel reads for one weight operand: the stack, block-FP8's weights and scales, or MXFP4's
+    blocks as ``uint8[E, N, K / 2]`` (a free reshape) and scales ``uint8[E, N, K / 32]``."""
+    if isinstance(w, BlockFp8Experts):
+        return w.weight, w.scale_inv
+    if isinstance(w, Mxfp4Experts):
+        return w.blocks.reshape(*w.blocks.shape[:2], -1), w.scales
+    return (w,)
+
+
+def _fit_config(config: KernelConfig, fmt: tuple) -> KernelConfig:
+    """``config`` with tiles the format takes: block-FP8 tiles shrunk to divide the scale block (``fp8_blocks``),
+    MXFP4 K steps of whole 32-runs (at least one)."""
+    if fmt[0] == "fp8":
+        block_n, block_k = fp8_blocks(config.block_n, config.block_k, fmt[1])
+        return config._replace(block_n=block_n, block_k=block_k)
+    if fmt[0] == "mxfp4":
+        return config._replace(block_k=max(config.block_k, mxfp4.BLOCK))
+    return config
+
+
 def _check_operands(lhs, rhs, up_rhs, group_sizes) -> None:
     """ValueError naming the operand whose shape or dtype does not fit ``grouped_matmul_pallas``."""
     num_experts, k, _ = rhs.shape
@@ -269,6 +356,12 @@ def _check_operands(lhs, rhs, up_rhs, group_sizes) -> None:
         raise ValueError(f"up_rhs must match rhs {rhs.shape} ({type(rhs).__name__}), got {up_rhs.shape}")
     if group_sizes.shape != (num_experts,):
         raise ValueError(f"group_sizes must be int32[{num_experts}], got shape {group_sizes.shape}")
+    if isinstance(rhs, Mxfp4Experts):
+        leaves = [leaf for w in (rhs, up_rhs) if w is not None for leaf in (w.blocks, w.scales)]
+        if jnp.dtype(lhs.dtype) not in KERNEL_DTYPES or any(jnp.dtype(leaf.dtype) != jnp.uint8 for leaf in leaves):
+            raise ValueError(f"MXFP4 rhs needs uint8 blocks and scales and lhs of one of "
+                             f"{', '.join(map(str, KERNEL_DTYPES))}; got lhs {lhs.dtype}, rhs {rhs.blocks.dtype}")
+        return
     if isinstance(rhs, BlockFp8Experts):
         if jnp.dtype(lhs.dtype) not in KERNEL_DTYPES or any(
                 jnp.dtype(w.weight.dtype) != FP8_DTYPE for w in (rhs, up_rhs) if w is not None):
@@ -290,11 +383,12 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     Args:
       lhs: ``dtype[R, K]`` (bf16 / fp16 / fp32); the sorted rows are ``lhs[row_index]`` (``int32[M]``, gathered
         in the kernel) or ``lhs`` itself (``M == R``).
-      rhs: ``[E, K, N]`` of ``lhs``'s dtype, or a ``BlockFp8Experts`` of that shape (dequantized per tile);
+      rhs: ``[E, K, N]`` of ``lhs``'s dtype, or a ``BlockFp8Experts`` or ``Mxfp4Experts`` of that shape
+        (dequantized per tile);
         up_rhs: None or as ``rhs`` (then ``silu(rows @ rhs) * (rows @ up_rhs)``, one rounding).
       group_sizes: ``int32[E]``, summing to at most ``M`` (rows past the sum are not written).
       interpret: Pallas interpret mode (CPU tests); config: the launch parameters (None: ``default_config``;
-        block-FP8 tiles shrink to divide the scale block, ``fp8_blocks``).
+        refitted to the format, ``_fit_config``).
     Returns:
       ``lhs.dtype[M, N]``.
     """
@@ -303,10 +397,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     num_rows = lhs.shape[0] if row_index is None else row_index.shape[0]
     config = config or default_config(num_rows, num_experts, n, k)
     config.validate()
-    scale_block = rhs.block if isinstance(rhs, BlockFp8Experts) else None
-    if scale_block is not None:
-        block_n, block_k = fp8_blocks(config.block_n, config.block_k, scale_block)
-        config = config._replace(block_n=block_n, block_k=block_k)
+    fmt = _weight_format(rhs)
+    config = _fit_config(config, fmt)
     if num_rows == 0:
         return jnp.zeros((0, n), lhs.dtype)
     tiles, column_blocks = num_tiles(num_rows, num_experts, config.block_m), -(-n // config.block_n)
@@ -314,9 +406,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     gather, swiglu = row_index is not None, up_rhs is not None
     kernel = functools.partial(
         _grouped_matmul_kernel, config=config, steps=steps, num_experts=num_experts, gather=gather, swiglu=swiglu,
-        precision=lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None, scale_block=scale_block)
-    weights = [leaf for w in (rhs, up_rhs) if w is not None
-               for leaf in ((w,) if scale_block is None else (w.weight, w.scale_inv))]
+        precision=lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None, fmt=fmt)
+    weights = [leaf for w in (rhs, up_rhs) if w is not None for leaf in _weight_operands(w)]
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_rows, n), lhs.dtype)
     else:  # float32 partial sums per accumulator, added below
@@ -328,7 +419,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
         interpret=interpret,
         compiler_params=_CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"moe_grouped_matmul{'_gather' if gather else ''}{'_swiglu' if swiglu else ''}"
-             f"{'_fp8' if scale_block else ''}_bm{config.block_m}_bn{config.block_n}_bk{config.block_k}_s{splits}",
+             f"{'' if fmt[0] == 'float' else '_' + fmt[0]}"
+             f"_bm{config.block_m}_bn{config.block_n}_bk{config.block_k}_s{splits}",
     )(group_sizes.astype(jnp.int32), row_index.astype(jnp.int32) if gather else jnp.zeros((1,), jnp.int32), lhs,
       *weights)
     if splits == 1:
