@@ -15,8 +15,9 @@ Expert weights in model layout (as transformers holds them and bf16 checkpoints 
 ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts
 (``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``)
 and reach the grouped matmuls over the sorted rows (``experts_grouped``) as ``mxfp4.Mxfp4Experts``: the fused MoE
-kernel (``moe_impl`` "pallas", "auto" on a GPU) decodes each tile it reads, the XLA reference dequantizes the
-layer's experts inside the step. Below ``MATVEC_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, each pair's
+kernel with ``moe_impl="pallas"`` decodes each tile it reads; the XLA reference, and ``"auto"`` on a GPU (the kernel on
+the layer's experts decoded to the model dtype inside the step), dequantize them first, as the packed kernel is not
+yet measured against that on a GPU (``benchmarks.moe_kernel --weights mxfp4``). Below ``MATVEC_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, each pair's
 expert is instead decoded inside its own reduction (``experts_gathered``, ``mxfp4.matvec``). The gate/up matmul
 writes the interleaved pre-activations; the biases and the clamped SwiGLU run in XLA around the grouped matmuls.
 """
@@ -43,7 +44,7 @@ CHECKPOINT_LEAVES = frozenset(name for names in EXPERT_PARAMS.values() for name 
 # pairs than this many per expert multiply each pair by its packed bytes (``mxfp4.matvec``) rather than run the
 # grouped matmuls (XLA's dequantizes every expert; the kernel reads only the packed tiles of the experts with rows).
 # ``python -m benchmarks.moe_kernel --weights mxfp4`` times the forms.
-MATVEC_PAIRS_PER_EXPERT = {"xla": 1, "pallas": 0}
+MATVEC_PAIRS_PER_EXPERT = {"xla": 1, "pallas": 0}  # "xla": also the dequantized experts on the kernel
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -123,10 +124,14 @@ class GptOssMoeBlock(SparseMoeBlock):
             self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
         operands = self.experts.operands(x.dtype)
         impl = resolve_moe_impl(self.impl, ids.size, x.shape[1], x.dtype)
+        packed = impl == "pallas" and self.impl == "pallas"  # (module docstring: "auto" dequantizes for the kernel)
         if (self.experts.expert_format == "mxfp4"
-                and ids.size < MATVEC_PAIRS_PER_EXPERT[impl] * operands[1].shape[0]):
+                and ids.size < MATVEC_PAIRS_PER_EXPERT["pallas" if packed else "xla"] * operands[1].shape[0]):
             out = experts_gathered(x, ids, *operands, alpha=self.alpha, limit=self.limit)
         else:
+            if self.experts.expert_format == "mxfp4" and impl == "pallas" and not packed:
+                gate_up, gate_up_bias, down, down_bias = operands
+                operands = gate_up.dequantize(x.dtype), gate_up_bias, down.dequantize(x.dtype), down_bias
             matmul = grouped_matmul_for(impl, ids.size, x.shape[1], x.dtype)
             out = experts_grouped(matmul, x, ids, *operands, alpha=self.alpha, limit=self.limit)
         return combine_top_k(out, weights).astype(x.dtype)

@@ -3,6 +3,7 @@ longer than the sliding window, the published MXFP4 experts (kept packed, dequan
 greedy decoding through the engine with prefix caching and preemption."""
 
 import functools
+import re
 import json
 
 import jax
@@ -298,6 +299,23 @@ def test_experts_on_the_fused_moe_kernel_equal_xla(experts, float_checkpoint, mx
                                                         limit=block.limit))
                      for matmul in (grouped_matmul_reference, kernel))
     np.testing.assert_allclose(got, want, atol=1e-5 * max(np.abs(want).max(), 1.0), rtol=0)
+
+
+@pytest.mark.parametrize("impl, packed", [("auto", False), ("pallas", True)])
+def test_mxfp4_layer_on_the_gpu_decodes_packed_tiles_only_when_asked(impl, packed, mxfp4_checkpoint, monkeypatch):
+    """A gpt-oss MXFP4 layer lowered for CUDA with the kernel resolved: ``moe_impl="pallas"`` hands the kernels the
+    packed bytes; ``"auto"`` decodes the layer's experts to the model dtype and runs the float kernel (nothing runs,
+    the module's kernels and operand types are read)."""
+    import paged_jax.ops.fused_moe  # noqa: F401  (registers moe_impl "pallas")
+
+    model, _ = load_model(mxfp4_checkpoint, dtype="float32")
+    block = model.model.layers[0].mlp
+    block.impl = impl
+    monkeypatch.setattr(gpt_oss, "resolve_moe_impl", lambda *args: "pallas")
+    x = jax.ShapeDtypeStruct((64, block.router.in_features), jnp.float32)
+    text = jax.jit(lambda rows: block(rows)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'name = "(moe_grouped_matmul[^"]*)"', text)
+    assert len(names) == 2 and all(("mxfp4" in name) == packed for name in names), names
 
 
 @pytest.mark.parametrize("num_tokens, kernels", [
