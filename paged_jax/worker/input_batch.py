@@ -145,8 +145,12 @@ class InputBatch:
         int64[len(cached.req_ids)]."""
         num = len(cached.req_ids)
         rows = self._rows_of(cached.req_ids)
-        lens = np.fromiter(map(len, cached.new_token_ids), np.int64, num)
-        total = int(lens.sum())
+        if cached.decode_token_ids is not None:  # one token per row, as a column
+            self._append_one_token(rows, cached.decode_token_ids)
+            lens = total = 0
+        else:
+            lens = np.fromiter(map(len, cached.new_token_ids), np.int64, num)
+            total = int(lens.sum())
         if total:
             starts = self.num_tokens[rows]
             if int((starts + lens).max()) > self.max_model_len:
@@ -178,6 +182,14 @@ class InputBatch:
                 self.block_table[_spans(crossed_rows, starts, lens)] = ids
             self.num_blocks[crossed_rows] = ends
         return rows
+
+    def _append_one_token(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """Append ``token_ids[i]`` to row ``rows[i]``."""
+        starts = self.num_tokens[rows]
+        if len(rows) and int(starts.max()) >= self.max_model_len:
+            raise ValueError(f"a running request grows past max_model_len={self.max_model_len}")
+        self.token_ids[rows, starts] = token_ids
+        self.num_tokens[rows] = starts + 1
 
     def _rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The rows of ``req_ids`` int64[n]; the last step's answer while neither the ids nor the rows changed (the
