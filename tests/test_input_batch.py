@@ -39,10 +39,11 @@ def test_rows_follow_diffs_and_stay_dense_on_removal():
             truth[new.req_id] = (new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
                                  new.lora_int_id, new.prompt_logprobs)
         cached = CachedRequestData()
+        column = rng.random() < 0.3  # a decode step's form: one token per row, as one column
         for req_id, (tokens, blocks, _, _) in truth.items():
-            if rng.random() < 0.3:
+            if rng.random() < 0.3 or (column and len(tokens) == MAX_LEN):
                 continue
-            new_tokens = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 1, 3]))]
+            new_tokens = [rng.randrange(VOCAB) for _ in range(1 if column else rng.choice([0, 1, 1, 3]))]
             if len(tokens) + len(new_tokens) > MAX_LEN:
                 new_tokens = []
             start = rng.randint(0, len(blocks)) if rng.random() < 0.2 else len(blocks)  # a copy-on-write rewrite
@@ -58,6 +59,9 @@ def test_rows_follow_diffs_and_stay_dense_on_removal():
             if new_blocks:
                 del blocks[start:]
                 blocks += new_blocks
+        if column:
+            cached.decode_token_ids = [new_tokens for new_tokens, in cached.new_token_ids]
+            cached.new_token_ids = []
         rows = batch.apply_cached(cached)
         assert [batch.req_ids[r] for r in rows] == cached.req_ids
         assert sorted(batch.req_ids) == sorted(truth) and len(batch.row_of) == batch.num_rows
@@ -80,6 +84,8 @@ def test_bad_diffs_are_refused_by_name():
         batch.add(new_request("b", rng))
     with pytest.raises(ValueError, match="'ghost' is scheduled as running but has no row"):
         batch.apply_cached(CachedRequestData(["ghost"], [[1]], [[]], [0], [0]))
+    with pytest.raises(ValueError, match="decode_token_ids has 2 entries for 1 running"):
+        batch.apply_cached(CachedRequestData(["a"], [], [[]], [0], [0], decode_token_ids=[1, 2]))
     with pytest.raises(ValueError, match="block table of 9 blocks"):
         batch.apply_cached(CachedRequestData(["a"], [[]], [list(range(9))], [0], [0]))
     batch.remove("nobody")  # ids without a row are nothing to drop

@@ -185,10 +185,12 @@ class InputBatch:
 
     def _append_one_token(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append ``token_ids[i]`` to row ``rows[i]``."""
+        if len(token_ids) != len(rows):
+            raise ValueError(f"decode_token_ids has {len(token_ids)} entries for {len(rows)} running requests")
         starts = self.num_tokens[rows]
         if len(rows) and int(starts.max()) >= self.max_model_len:
             raise ValueError(f"a running request grows past max_model_len={self.max_model_len}")
-        self.token_ids[rows, starts] = token_ids
+        self.token_ids[rows, starts] = np.fromiter(token_ids, np.int32, len(rows))
         self.num_tokens[rows] = starts + 1
 
     def _rows_of(self, req_ids: list[str]) -> np.ndarray:
