@@ -36,6 +36,10 @@ class InputBatch:
       lora_int_id: int32[N]; prompt_logprobs: bool[N].
       prev_sample: int32[N] the packed row of the previous step that sampled this row's token (-1: none).
       params / seeds: the rows' ``SamplingParams`` and seeds (lists, for the general sampling path).
+
+    Between steps: ``table_diff_rows`` int64[k], the entries of the last ``apply_cached`` diff whose block table it
+    wrote, and ``last_packed``, the last step packed from the batch when the next steady decode step may be packed
+    from it (``step_packing``; None otherwise).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int, *,
@@ -69,6 +73,8 @@ class InputBatch:
         # Bumped whenever a row is made or moved: ``_rows_of``' last answer is good while it stays.
         self._version = 0
         self._last_rows: tuple[list[str], np.ndarray, int] = ([], np.zeros((0,), np.int64), -1)
+        self.table_diff_rows = np.zeros((0,), np.int64)
+        self.last_packed = None
 
     @property
     def num_rows(self) -> int:
@@ -164,7 +170,7 @@ class InputBatch:
             self.num_tokens[rows] = starts + lens
         new_block_ids = cached.new_block_ids
         block_lens = np.fromiter(map(len, new_block_ids), np.int64, num)
-        crossed = np.flatnonzero(block_lens)  # rows with new blocks (a decode: those entering a new block)
+        crossed = self.table_diff_rows = np.flatnonzero(block_lens)  # (a decode: rows entering a new block)
         if len(crossed):
             picked = crossed.tolist()
             lens, crossed_rows = block_lens[crossed], rows[crossed]
