@@ -11,7 +11,10 @@ from paged_jax.worker import sampler as sampler_lib
 from paged_jax.core.sched_output import CachedRequestData, NewRequestData
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.step_packing import _pack_sampling
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN
+from paged_jax.worker import step_packing
+from paged_jax.worker.step_io import StepLayout
+from paged_jax.worker.step_packing import StepRows, _pack_sampling, _pack_whole, pack_step
 
 MAX_LEN, MAX_BLOCKS, VOCAB = 64, 8, 1000
 
@@ -39,10 +42,11 @@ def test_rows_follow_diffs_and_stay_dense_on_removal():
             truth[new.req_id] = (new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
                                  new.lora_int_id, new.prompt_logprobs)
         cached = CachedRequestData()
+        column = rng.random() < 0.3  # a decode step's form: one token per row, as one column
         for req_id, (tokens, blocks, _, _) in truth.items():
-            if rng.random() < 0.3:
+            if rng.random() < 0.3 or (column and len(tokens) == MAX_LEN):
                 continue
-            new_tokens = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 1, 3]))]
+            new_tokens = [rng.randrange(VOCAB) for _ in range(1 if column else rng.choice([0, 1, 1, 3]))]
             if len(tokens) + len(new_tokens) > MAX_LEN:
                 new_tokens = []
             start = rng.randint(0, len(blocks)) if rng.random() < 0.2 else len(blocks)  # a copy-on-write rewrite
@@ -58,6 +62,9 @@ def test_rows_follow_diffs_and_stay_dense_on_removal():
             if new_blocks:
                 del blocks[start:]
                 blocks += new_blocks
+        if column:
+            cached.decode_token_ids = [new_tokens for new_tokens, in cached.new_token_ids]
+            cached.new_token_ids = []
         rows = batch.apply_cached(cached)
         assert [batch.req_ids[r] for r in rows] == cached.req_ids
         assert sorted(batch.req_ids) == sorted(truth) and len(batch.row_of) == batch.num_rows
@@ -80,6 +87,8 @@ def test_bad_diffs_are_refused_by_name():
         batch.add(new_request("b", rng))
     with pytest.raises(ValueError, match="'ghost' is scheduled as running but has no row"):
         batch.apply_cached(CachedRequestData(["ghost"], [[1]], [[]], [0], [0]))
+    with pytest.raises(ValueError, match="decode_token_ids has 2 entries for 1 running"):
+        batch.apply_cached(CachedRequestData(["a"], [], [[]], [0], [0], decode_token_ids=[1, 2]))
     with pytest.raises(ValueError, match="block table of 9 blocks"):
         batch.apply_cached(CachedRequestData(["a"], [[]], [list(range(9))], [0], [0]))
     batch.remove("nobody")  # ids without a row are nothing to drop
@@ -146,3 +155,59 @@ def test_min_tokens_bans_eos_only_below_it():
         assert (bans[1] == -1).all()
         assert packed["mode"] == (sampler_lib.SamplingMode.FULL if banned
                                   else sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE)
+
+
+def _fields(packed, block_size):
+    """A packed step's buffer fields, each row's block table cut to the blocks its tokens use."""
+    fields = {name: packed.buf[a:b].tolist() for name, (a, b) in packed.layout.fields.items() if name != "block_tables"}
+    a, b = packed.layout.fields["block_tables"]
+    tables = packed.buf[a:b].reshape(packed.layout.num_seqs, -1)
+    fields["block_tables"] = [tables[i, :-(-kv_len // block_size)].tolist()
+                              for i, kv_len in enumerate(fields["kv_lens"])]
+    return fields
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_decode_steps_repack_as_a_whole_pack(seed, monkeypatch):
+    """A steady decode step packed from the previous one (``_repack_decode``: rows entering a new block, tokens
+    still on the device, a row leaving, a smaller bucket becoming ready) writes what packing it whole writes."""
+    repacks = []
+    repack = step_packing._repack_decode
+    monkeypatch.setattr(step_packing, "_repack_decode", lambda *args: repacks.append(repack(*args)) or repacks[-1])
+    rng, block_size = random.Random(seed), 8
+    batch = InputBatch(8, MAX_LEN, MAX_BLOCKS, eos_token_ids=[2], vocab_size=VOCAB)
+    for i in range(6):
+        new = new_request(f"r{i}", rng, temperature=rng.choice([0.0, 0.7]), logprobs=rng.choice([None, 2]))
+        new.lora_int_id, new.prompt_logprobs = 0, False
+        new.block_ids = list(range(1 + 8 * i, 1 + 8 * i + -(-(len(new.prompt_token_ids) + len(new.output_token_ids))
+                                                          // block_size)))
+        batch.add(new)
+    buckets = [(8, 8)]
+    kwargs = dict(layout_for=lambda t, s: StepLayout(t, s, MAX_BLOCKS, s), block_size=block_size, num_blocks=100,
+                  max_logprobs=5, block_copies=[], lora_slots=None, lora=False)
+    for step in range(24):
+        if step == 12:
+            batch.remove("r3")
+        if step == 16:
+            buckets = [(6, 6), (8, 8)]  # a smaller bucket is ready: the next step takes it
+        cached = CachedRequestData(list(batch.req_ids))
+        cached.decode_token_ids = [rng.choice([rng.randrange(VOCAB), PLACEHOLDER_TOKEN]) for _ in batch.req_ids]
+        for req_id in batch.req_ids:
+            row = batch.row_of[req_id]
+            num_tokens, num_blocks = int(batch.num_tokens[row]), int(batch.num_blocks[row])
+            grows = num_tokens + 1 > num_blocks * block_size
+            cached.new_block_ids.append([90 + rng.randrange(9)] if grows else [])
+            cached.block_starts.append(num_blocks)
+            cached.num_computed_tokens.append(num_tokens)
+        batch_rows = batch.apply_cached(cached)
+        batch.prev_sample[:batch.num_rows] = np.arange(batch.num_rows)[::-1]
+        rows = StepRows(batch_rows, np.ones(len(batch_rows), np.int64),
+                        np.asarray(cached.num_computed_tokens, np.int64), [])
+        packed = pack_step(batch, rows, buckets=buckets, **kwargs)
+        whole = _pack_whole(batch, rows, buckets=buckets, **kwargs)
+        assert _fields(packed, block_size) == _fields(whole, block_size)
+        assert (packed.mode, packed.num_logprobs, packed.wants_logprobs) == (whole.mode, whole.num_logprobs,
+                                                                            whole.wants_logprobs)
+        assert packed.sampled.tolist() == whole.sampled.tolist()
+    # Whole: the first step, the steps after a row left and after the bucket changed.
+    assert sum(r is not None for r in repacks) == 21

@@ -70,7 +70,7 @@ class FakeRunner:
             self.tokens.pop(req_id, None)
             self.tables.pop(req_id, None)
         cached = out.scheduled_cached_reqs
-        for req_id, new_tokens, new_blocks, block_start in zip(cached.req_ids, cached.new_token_ids,
+        for req_id, new_tokens, new_blocks, block_start in zip(cached.req_ids, cached.tokens_of_rows(),
                                                                cached.new_block_ids, cached.block_starts):
             assert req_id in self.tokens, f"{req_id} sent as running but the runner holds no row for it"
             self.tokens[req_id] += new_tokens

@@ -43,7 +43,7 @@ def _run(seed: int, steady: bool, monkeypatch, num_steps: int = 160) -> list:
             steady_steps += scheduler._steady is not None
             out = scheduler.schedule()
             cached = out.scheduled_cached_reqs
-            trace.append((cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.block_starts,
+            trace.append((cached.req_ids, cached.tokens_of_rows(), cached.new_block_ids, cached.block_starts,
                           cached.num_computed_tokens, [n.req_id for n in out.scheduled_new_reqs],
                           [n.block_ids for n in out.scheduled_new_reqs], out.num_scheduled_tokens,
                           out.finished_req_ids, out.preempted_req_ids, out.block_copies, out.samples))
@@ -76,7 +76,7 @@ def test_steady_path_takes_the_common_decode_and_leaves_on_change():
         scheduler.update_from_output(out, [9] * out.num_rows)
     assert scheduler._steady is not None
     out = scheduler.schedule()
-    assert out.scheduled_cached_reqs.new_token_ids == [[9], [9], [9]]
+    assert out.scheduled_cached_reqs.decode_token_ids == [9, 9, 9]
     scheduler.abort_request("r1")
     assert scheduler._steady is None  # the running set changed: the general path runs
     scheduler.update_from_output(out, [9, 9, 9])

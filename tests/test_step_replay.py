@@ -76,6 +76,16 @@ def test_step_message_round_trips_the_runner_view():
         assert decoded.num_rows == out.num_rows and decoded.grammars == dict.fromkeys(out.grammars, REMOTE_GRAMMAR)
     assert first.fork_rows and first.scheduled_new_reqs[0].params == params
     assert second.finished_req_ids == ["q"] and second.scheduled_cached_reqs.req_ids
+    # A steady decode's diff carries its tokens as one column.
+    steady = Scheduler(KVCacheManager(num_blocks=64, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                       max_model_len=64)
+    steady.add_request(Request("s", [1, 2, 3], params=SamplingParams(max_tokens=20)))
+    for _ in range(3):
+        out = steady.schedule()
+        steady.update_from_output(out, [5] * out.num_rows)
+    out = steady.schedule()
+    assert out.scheduled_cached_reqs.decode_token_ids == [5]
+    assert decode_step(encode_step(out))[0].scheduled_cached_reqs == out.scheduled_cached_reqs
 
 
 def test_follower_runs_node0s_steps_to_the_same_kv_pool(tiny_model):

@@ -115,6 +115,9 @@ class Request:
     # Both sets together, and max_tokens as an int (no limit: sys.maxsize): the per-token screen of the stop rule.
     stop_ids: frozenset[int] = dataclasses.field(init=False, default=frozenset())
     max_output_tokens: int = dataclasses.field(init=False, default=sys.maxsize)
+    # Sampling reads the values of its previous outputs (``SamplingParams.reads_output_tokens``: penalties, bad words):
+    # with async scheduling its previous step's tokens must reach the host first.
+    reads_output_tokens: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -136,8 +139,8 @@ class Request:
 
     # ---- sampling parameters (duck-typed) ----
     def _read_stop_rule(self) -> None:
-        """Read the stop rule's constants from ``params`` once: the scheduler checks them for every sampled token
-        (``params`` is fixed once the request exists)."""
+        """Read the stop rule's constants (and ``reads_output_tokens``) from ``params`` once: they are checked for
+        every sampled token (``params`` is fixed once the request exists)."""
         params = self.params
         self.max_tokens = getattr(params, "max_tokens", None)
         self.min_tokens = getattr(params, "min_tokens", 0) or 0
@@ -148,6 +151,7 @@ class Request:
         self.stop_token_id_set = frozenset(self.stop_token_ids)
         self.stop_ids = self.eos_stop_ids | self.stop_token_id_set
         self.max_output_tokens = sys.maxsize if self.max_tokens is None else self.max_tokens
+        self.reads_output_tokens = bool(getattr(params, "reads_output_tokens", False))
 
     @property
     def lora_int_id(self) -> int:

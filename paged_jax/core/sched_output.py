@@ -70,6 +70,8 @@ class CachedRequestData(msgspec.Struct):
         blocks, or a copy-on-write block replacing a shared one and those after it).
       block_starts: list[int].
       num_computed_tokens: list[int] tokens already in the pool before this step.
+      decode_token_ids: list[int] | None: a decode step's new tokens as one column, set (and ``new_token_ids``
+        then empty) when every row gets exactly one new token: row i's (``tokens_of_rows`` gives either form).
     """
 
     req_ids: list[str] = msgspec.field(default_factory=list)
@@ -77,6 +79,13 @@ class CachedRequestData(msgspec.Struct):
     new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
     block_starts: list[int] = msgspec.field(default_factory=list)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    decode_token_ids: list[int] | None = None
+
+    def tokens_of_rows(self) -> list[list[int]]:
+        """Each row's new tokens (``new_token_ids``, or ``decode_token_ids`` one list per row)."""
+        if self.decode_token_ids is None:
+            return self.new_token_ids
+        return [[token] for token in self.decode_token_ids]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -586,8 +586,8 @@ class Scheduler:
         token, as in the synchronous path."""
         request.output_token_ids[output_index] = token
         self.kv.invalidate_block_hashes(request, request.num_prompt_tokens + output_index)
-        if not stops_on_token(request, token, output_index + 1):
-            return
+        if token not in request.stop_ids or not stops_on_token(request, token, output_index + 1):
+            return  # (``stop_ids``: the screen of every token that may stop it)
         if request.is_finished:  # by length, already freed
             request.status = RequestStatus.FINISHED_STOPPED
         else:

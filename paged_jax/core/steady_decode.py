@@ -22,6 +22,7 @@ from paged_jax.core.sched_output import CachedRequestData, SchedulerOutput
 _SPEC_TOKEN_IDS = operator.attrgetter("spec_token_ids")
 _HELD = operator.attrgetter("held")
 _STOP_IDS = operator.attrgetter("stop_ids")
+_LAST = operator.itemgetter(-1)
 _NO_BLOCKS: list[int] = []
 
 
@@ -191,8 +192,8 @@ class SteadyDecode:
         self.num_blocks[crossing] += 1
         for request in requests:  # the row gets its last sampled token (below)
             request.runner_num_tokens += 1
-        cached = CachedRequestData(list(self.req_ids), [tokens[-1:] for tokens in self.outputs], new_block_ids,
-                                   block_starts, self.num_computed.tolist())
+        cached = CachedRequestData(list(self.req_ids), [], new_block_ids, block_starts, self.num_computed.tolist(),
+                                   decode_token_ids=list(map(_LAST, self.outputs)))
         self.scheduled = SchedulerOutput(
             scheduled_cached_reqs=cached, scheduled_new_reqs=[], num_scheduled_tokens=[1] * n, fork_rows=[],
             finished_req_ids=[], preempted_req_ids=[], block_copies=[], swap_out=[], swap_in=[], grammars={},

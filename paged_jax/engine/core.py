@@ -357,10 +357,10 @@ class EngineCore:
     def _enqueue(self, scheduler_output: SchedulerOutput, handle: PendingStep) -> None:
         """Right after dispatch: advance the scheduler as if the step were done, with a placeholder for each sampled
         token, so the next step can be scheduled before the tokens are known."""
-        row_of = {r.request_id: i for i, r in enumerate(scheduler_output.requests)}
         placeholders = [PLACEHOLDER_TOKEN if samples else None for samples in scheduler_output.samples]
         progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
-        rows = [(row_of[r.request_id], r, r.num_output_tokens - 1) for r in progressed]
+        rows = list(zip(rows_of(scheduler_output.requests, progressed), progressed,
+                        [len(r.output_token_ids) - 1 for r in progressed]))
         prompt_rows = handle.wants_prompt_logprobs
         # No rows: every sampling row belonged to a request that ended meanwhile; nothing to resolve (unless the step
         # computes prompt logprobs, which must still be reported, or reports its routing).
@@ -372,7 +372,7 @@ class EngineCore:
     def _needs_tokens_first(flight: _InFlightStep) -> bool:
         """Penalties and bad words read every previous token in the sampler when the next step is built: no overlap
         then (grammars only need them at sampling: ``_step_async``)."""
-        return any(request.params is not None and request.params.reads_output_tokens for _, request, _ in flight.rows)
+        return any(request.reads_output_tokens for _, request, _ in flight.rows)
 
     def _complete_oldest(self) -> list[EngineCoreOutput] | DecodeTokens:
         """Fetch the oldest in-flight step's tokens, put them in place of its placeholders (applying the stop tokens
@@ -386,14 +386,16 @@ class EngineCore:
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         seq_of, resolve_placeholder = self._seq_of, self.scheduler.resolve_placeholder
         rows, requests, row_tokens = [], [], []
-        for row, request, output_index in flight.rows:  # every running sequence, every step: kept lean
+        for flight_row in flight.rows:  # every running sequence, every step: kept lean
+            row, request, output_index = flight_row
             entry = seq_of.get(request.request_id)
             if entry is None or entry[0].seqs.get(entry[1], request) is not request:
                 continue  # aborted or finished meanwhile
-            resolve_placeholder(request, output_index, tokens[row])
-            rows.append((row, request, output_index))
+            token = tokens[row]
+            resolve_placeholder(request, output_index, token)
+            rows.append(flight_row)
             requests.append(request)
-            row_tokens.append(tokens[row])
+            row_tokens.append(token)
         decode = self._token_rows.outputs(requests, row_tokens)
         if decode is not None:  # a steady decode's step: every row's output is its token
             self.generation_tokens_total += len(row_tokens)

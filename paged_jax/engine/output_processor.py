@@ -12,7 +12,6 @@ A stop string ends a sequence here; ``process_outputs`` returns those sequences 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Iterable
 
@@ -26,7 +25,7 @@ from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # read for every running sequence every step: no instance dict
 class SequenceState:
     """One output sequence of a request as outputs report it."""
 
@@ -44,7 +43,7 @@ class SequenceState:
     routed_parts: list[np.ndarray] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # read for every running request every step: no instance dict
 class RequestState:
     """One unfinished request: its prompt, parameters, sequences, metrics, prompt logprobs (``prompt_logprobs``:
     None unless asked, then per prompt token None (the first) or ``{token_id: Logprob}`` as they come) and, for a beam
@@ -66,6 +65,9 @@ class RequestState:
     # best_of or beam search): its running outputs take ``_request_outputs``' first branch (most requests of a
     # token-id workload).
     plain: bool = False
+    # A plain request's output of the ``process_outputs`` call numbered ``delta_call`` (``_report_decode``).
+    delta: RequestOutput | None = None
+    delta_call: int = -1
 
     @property
     def is_beam_search(self) -> bool:
@@ -80,7 +82,7 @@ class RequestState:
                 return False
         return True
 
-    @functools.cached_property
+    @property
     def reports_deltas(self) -> bool:
         """Whether outputs go out as the tokens come (else only the finished output: best_of > n, beam search)."""
         return not self.is_beam_search and self.params.num_sequences == self.params.n
@@ -96,6 +98,7 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
+        self._num_calls = 0  # process_outputs calls (``RequestState.delta_call``)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
         """Start tracking ``request`` (already accepted by the input processor); ``prompt``: its text, if given."""
@@ -187,31 +190,84 @@ class OutputProcessor:
             # FINAL_ONLY: only a request one of whose sequences ended can have finished.
             if finish or not finished_only:
                 touched[output.request_id] = state
-        if decode is not None:
-            self._apply_decode(decode, now, finished_only, touched, stopped)
-        return self._request_outputs(touched.values(), now, finished_only), stopped
+        reported, pending = [], False
+        if decode is not None and finished_only:
+            self._apply_decode(decode, now, touched, stopped)
+        elif decode is not None:
+            reported, pending = self._report_decode(decode, now, touched, stopped)
+        request_outputs = self._request_outputs(touched.values(), now, finished_only)
+        if reported:
+            request_outputs += self._resolve(reported, now) if pending else reported
+        return request_outputs, stopped
 
-    def _apply_decode(self, decode: DecodeTokens, now: float, finished_only: bool, touched: dict[str, RequestState],
-                      stopped: list[tuple[str, int]]) -> None:
-        """``process_outputs`` of ``decode``'s rows: a sequence with no text or logprobs to make takes its token as
-        is (such a row is never a sequence's first output nor its last); any other one the general path's."""
+    def _report_decode(self, decode: DecodeTokens, now: float, touched: dict[str, RequestState],
+                       stopped: list[tuple[str, int]]) -> tuple[list, bool]:
+        """``process_outputs`` of ``decode``'s rows when every request reports its delta: a plain request
+        (``RequestState.plain``) takes its token and gets its ``RequestOutput`` in the same pass (such a row is never
+        a sequence's first output nor its last); any other row takes the general path, its request reported with
+        ``touched`` when the outputs before ``decode`` touched it, else in row order. Returns the outputs in row order
+        with each other request's state in place of its output (``_resolve``), and whether there is such a state."""
         states = self._states
+        reported: list = []
+        report = reported.append
+        late: set[str] = set()
+        self._num_calls = call = self._num_calls + 1
         for request_id, index, token in zip(decode.request_ids, decode.indices, decode.token_ids):
             state = states.get(request_id)
             if state is None:
                 continue  # aborted meanwhile
-            seq = state.seqs[index]
-            if seq.detokenizer is None and seq.logprobs is None and seq.finish_reason is None:
-                seq.token_ids.append(token)
-                state.metrics.last_token_time = now
-                if not finished_only:
-                    touched[request_id] = state
+            if state.plain and (seq := state.seqs[0]).finish_reason is None and request_id not in touched:
+                token_ids = seq.token_ids
+                token_ids.append(token)  # (its metrics: set by its finishing output, the only one reporting them)
+                if state.delta_call == call:  # a later step's row of the same request: into the same delta
+                    state.delta.outputs[0].token_ids.append(token)
+                    seq.num_reported_tokens += 1
+                    continue
+                start = seq.num_reported_tokens
+                seq.num_reported_tokens = len(token_ids)
+                state.delta_call, state.delta = call, RequestOutput(
+                    request_id, state.prompt, state.prompt_token_ids,
+                    [CompletionOutput(0, "", token_ids[start:], None, None)], False, state.num_cached_tokens)
+                report(state.delta)
                 continue
-            finish = self._apply_tokens(state, EngineCoreOutput(request_id, index, [token]), now)
-            if finish:
+            if self._apply_decode_row(state, request_id, index, token, now):
                 stopped.append((request_id, index))
-            if finish or not finished_only:
+            if request_id not in touched and request_id not in late:
+                late.add(request_id)
+                report(state)
+        return reported, bool(late)
+
+    def _resolve(self, reported: list, now: float) -> list[RequestOutput]:
+        """``_report_decode``'s list with each request state replaced by its output (if it has one)."""
+        outputs = []
+        for item in reported:
+            if isinstance(item, RequestState):
+                outputs += self._request_outputs((item,), now, False)
+            else:
+                outputs.append(item)
+        return outputs
+
+    def _apply_decode(self, decode: DecodeTokens, now: float, touched: dict[str, RequestState],
+                      stopped: list[tuple[str, int]]) -> None:
+        """``process_outputs`` of ``decode``'s rows with ``finished_only``: only a request a stop string ended is
+        touched."""
+        states = self._states
+        for request_id, index, token in zip(decode.request_ids, decode.indices, decode.token_ids):
+            state = states.get(request_id)
+            if state is not None and self._apply_decode_row(state, request_id, index, token, now):
+                stopped.append((request_id, index))
                 touched[request_id] = state
+
+    def _apply_decode_row(self, state: RequestState, request_id: str, index: int, token: int, now: float) -> bool:
+        """One ``DecodeTokens`` row: a sequence with no text or logprobs to make takes its token as is (such a row
+        is never a sequence's first output nor its last); any other one the general path's. True when a stop string
+        ended the sequence here."""
+        seq = state.seqs[index]
+        if seq.detokenizer is None and seq.logprobs is None and seq.finish_reason is None:
+            seq.token_ids.append(token)
+            state.metrics.last_token_time = now
+            return False
+        return self._apply_tokens(state, EngineCoreOutput(request_id, index, [token]), now)
 
     def _apply_extras(self, state: RequestState, output: EngineCoreOutput) -> None:
         """What an output carries besides tokens: first-output facts, prompt logprobs, pooled vector, routing."""

@@ -36,6 +36,10 @@ class InputBatch:
       lora_int_id: int32[N]; prompt_logprobs: bool[N].
       prev_sample: int32[N] the packed row of the previous step that sampled this row's token (-1: none).
       params / seeds: the rows' ``SamplingParams`` and seeds (lists, for the general sampling path).
+
+    Between steps: ``table_diff_rows`` int64[k], the entries of the last ``apply_cached`` diff whose block table it
+    wrote, and ``last_packed``, the last step packed from the batch when the next steady decode step may be packed
+    from it (``step_packing``; None otherwise).
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int, *,
@@ -69,6 +73,8 @@ class InputBatch:
         # Bumped whenever a row is made or moved: ``_rows_of``' last answer is good while it stays.
         self._version = 0
         self._last_rows: tuple[list[str], np.ndarray, int] = ([], np.zeros((0,), np.int64), -1)
+        self.table_diff_rows = np.zeros((0,), np.int64)
+        self.last_packed = None
 
     @property
     def num_rows(self) -> int:
@@ -145,8 +151,12 @@ class InputBatch:
         int64[len(cached.req_ids)]."""
         num = len(cached.req_ids)
         rows = self._rows_of(cached.req_ids)
-        lens = np.fromiter(map(len, cached.new_token_ids), np.int64, num)
-        total = int(lens.sum())
+        if cached.decode_token_ids is not None:  # one token per row, as a column
+            self._append_one_token(rows, cached.decode_token_ids)
+            lens = total = 0
+        else:
+            lens = np.fromiter(map(len, cached.new_token_ids), np.int64, num)
+            total = int(lens.sum())
         if total:
             starts = self.num_tokens[rows]
             if int((starts + lens).max()) > self.max_model_len:
@@ -160,7 +170,7 @@ class InputBatch:
             self.num_tokens[rows] = starts + lens
         new_block_ids = cached.new_block_ids
         block_lens = np.fromiter(map(len, new_block_ids), np.int64, num)
-        crossed = np.flatnonzero(block_lens)  # rows with new blocks (a decode: those entering a new block)
+        crossed = self.table_diff_rows = np.flatnonzero(block_lens)  # (a decode: rows entering a new block)
         if len(crossed):
             picked = crossed.tolist()
             lens, crossed_rows = block_lens[crossed], rows[crossed]
@@ -178,6 +188,16 @@ class InputBatch:
                 self.block_table[_spans(crossed_rows, starts, lens)] = ids
             self.num_blocks[crossed_rows] = ends
         return rows
+
+    def _append_one_token(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """Append ``token_ids[i]`` to row ``rows[i]``."""
+        if len(token_ids) != len(rows):
+            raise ValueError(f"decode_token_ids has {len(token_ids)} entries for {len(rows)} running requests")
+        starts = self.num_tokens[rows]
+        if len(rows) and int(starts.max()) >= self.max_model_len:
+            raise ValueError(f"a running request grows past max_model_len={self.max_model_len}")
+        self.token_ids[rows, starts] = np.fromiter(token_ids, np.int32, len(rows))
+        self.num_tokens[rows] = starts + 1
 
     def _rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The rows of ``req_ids`` int64[n]; the last step's answer while neither the ids nor the rows changed (the

@@ -4,7 +4,9 @@ buffer (``StepLayout``), the optional penalty history and bias table, the sample
 
 Rows are packed decodes first, then multi-token chunks (the layout the attention kernels are tuned for), then fork
 rows (no new tokens; the kernels see them as padding sequences). Everything per row is whole-array numpy over the
-batch's arrays; only rare rows (fork rows, prompt logprobs, the general sampling path) take Python loops.
+batch's arrays; only rare rows (fork rows, prompt logprobs, the general sampling path) take Python loops. A steady
+decode step (the same rows as the step before, each one token further) is packed from the previous step's buffer:
+only positions, lengths, input tokens, slots, sampling steps and the block tables that changed are written.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from paged_jax.worker.kv_group_pool import pack_group_slots
 
 _GREEDY_RANK = sampler_lib.MODE_ORDER.index(sampler_lib.SamplingMode.GREEDY)
 _GREEDY_OR_TEMPERATURE = sampler_lib.SamplingMode.GREEDY_OR_TEMPERATURE
+_STEPS_FIELD = sampler_lib.SAMPLING_WIRE_FIELDS.index("steps")  # its row of the sampling words' vectors
 
 
 @dataclasses.dataclass
@@ -68,6 +71,9 @@ class PackedStep:
     packed_batch_rows: np.ndarray
     packed_sampled: np.ndarray
     draft_sample_rows: DraftSampleRows | None = None
+    # A decode step whose every row samples on the fast sampling path, without block copies, LoRA, drafts, prompt
+    # logprobs or a drafter's words: the next step of the same rows may be packed from it (``_repack_decode``).
+    reusable: bool = False
 
     def token_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(first packed token, token count) int64[n] of each step row (step order)."""
@@ -102,8 +108,58 @@ def pack_order(num_new: np.ndarray, num_forks: int) -> tuple[np.ndarray, np.ndar
 def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_size: int, num_blocks: int,
               max_logprobs: int, block_copies: Sequence[tuple[int, int]], lora_slots: dict[int, int] | None,
               lora: bool) -> PackedStep:
-    """Pack one step (see the module docstring). Raises ValueError when a row's block table does not cover its
-    tokens or the step exceeds the largest bucket."""
+    """Pack one step (see the module docstring): a steady decode step from the previous one, any other whole.
+    Raises ValueError when a row's block table does not cover its tokens or the step exceeds the largest bucket."""
+    packed = None if block_copies or lora else _repack_decode(batch, rows, buckets, block_size)
+    if packed is None:
+        packed = _pack_whole(batch, rows, buckets=buckets, layout_for=layout_for, block_size=block_size,
+                             num_blocks=num_blocks, max_logprobs=max_logprobs, block_copies=block_copies,
+                             lora_slots=lora_slots, lora=lora)
+    batch.last_packed = packed if packed.reusable else None
+    return packed
+
+
+def _repack_decode(batch: InputBatch, rows: StepRows, buckets, block_size: int) -> PackedStep | None:
+    """``pack_step`` of a decode step from ``batch.last_packed`` (a reusable step of the same rows in the same
+    order: ``InputBatch._rows_of``' array), when every row is one token further and samples and the step keeps its
+    bucket; None (nothing written) otherwise. The previous buffer is copied (the executable may still hold it) and
+    only what changes is written: positions, KV lengths, input tokens (and placeholders), slots, sampling steps,
+    and the block tables of the rows whose table the diff wrote (``InputBatch.table_diff_rows``)."""
+    last, batch_rows = batch.last_packed, rows.batch_rows
+    if last is None or batch_rows is not last.packed_batch_rows or rows.fork_parents or rows.num_drafts is not None:
+        return None
+    layout, n, starts = last.layout, len(batch_rows), rows.starts
+    positions_at = layout.fields["positions"][0]
+    ends = starts + 1
+    if (not (rows.num_new == 1).all() or not np.array_equal(starts, last.buf[positions_at:positions_at + n] + 1)
+            or not np.array_equal(ends, batch.num_tokens[batch_rows])
+            or pick_bucket(buckets, n, n) != (layout.num_tokens, layout.num_seqs)):
+        return None
+    buf = last.buf.copy()
+    views = {name: buf[a:b] for name, (a, b) in layout.fields.items()}
+    groups = layout.num_kv_groups
+    block_tables = views["block_tables"].reshape(layout.num_seqs, -1)
+    table_lens = _covering_table_lens(batch, batch_rows, ends, groups, block_size)
+    changed = batch.table_diff_rows
+    if len(changed):
+        width = int(table_lens[changed].max())
+        block_tables[changed, :width] = batch.block_table[batch_rows[changed], :width]
+    views["kv_lens"][:n] = ends
+    views["positions"][:n] = starts
+    identity = _identity(n)
+    pack_group_slots(block_tables, identity, starts, block_size, groups, views["slot_mapping"])
+    input_ids = batch.token_ids[batch_rows, starts]
+    views["input_ids"][:n] = input_ids
+    _feed_placeholders(batch, input_ids, batch_rows, rows.num_new, identity, views["prev_rows"])
+    steps = np.maximum(ends - batch.num_prompt_tokens[batch_rows], 0)
+    views["sampling"][_STEPS_FIELD * layout.num_sample_rows:][:n] = steps
+    return dataclasses.replace(last, buf=buf)
+
+
+def _pack_whole(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_size: int, num_blocks: int,
+                max_logprobs: int, block_copies: Sequence[tuple[int, int]], lora_slots: dict[int, int] | None,
+                lora: bool) -> PackedStep:
+    """``pack_step`` from the batch's arrays alone."""
     num_forks = len(rows.fork_parents)
     num_rows = len(rows.batch_rows)
     num_tokens = int(rows.num_new.sum())
@@ -172,15 +228,28 @@ def pack_step(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_s
     if batch.num_prompt_logprob_rows:
         prompt_targets, prompt_spans = _prompt_logprob_targets(batch, batch_rows, starts, q_lens, cu, bucket_tokens,
                                                                rows_to_packed)
+    reusable = (sampling.pop("fast") and decode and num_drafts is None and not lora and not block_copies
+                and prompt_targets is None and "spec_rows" not in views and bool(sampled.all()))
     return PackedStep(buf=buf, layout=layout, **sampling, rows_to_packed=rows_to_packed,
                       sampled=sampled[rows_to_packed], prompt_targets=prompt_targets, prompt_spans=prompt_spans,
-                      packed_batch_rows=batch_rows, packed_sampled=sampled, draft_sample_rows=draft_sample_rows)
+                      packed_batch_rows=batch_rows, packed_sampled=sampled, draft_sample_rows=draft_sample_rows,
+                      reusable=reusable)
 
 
 def _pack_block_tables(batch: InputBatch, batch_rows: np.ndarray, ends: np.ndarray, out: np.ndarray, bucket_seqs: int,
                        groups: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The rows' block tables into ``out`` (the layout's flat field) as ``int32[bucket_seqs, width]``; returns that
-    view and the rows' table lengths ``int[n]``. ValueError when a row's table does not cover its ``ends`` tokens
+    view and the rows' table lengths ``int[n]`` (``_covering_table_lens``)."""
+    table_lens = _covering_table_lens(batch, batch_rows, ends, groups, block_size)
+    width = int(table_lens.max()) if len(batch_rows) else 0
+    block_tables = out.reshape(bucket_seqs, -1)
+    block_tables[:len(batch_rows), :width] = batch.block_table[batch_rows, :width]
+    return block_tables, table_lens
+
+
+def _covering_table_lens(batch: InputBatch, batch_rows: np.ndarray, ends: np.ndarray, groups: int,
+                         block_size: int) -> np.ndarray:
+    """The rows' block-table lengths int64[n]; ValueError when a row's table does not cover its ``ends`` tokens
     (``groups`` entries per block)."""
     table_lens = batch.num_blocks[batch_rows]
     bad = table_lens // groups * block_size < ends
@@ -188,10 +257,7 @@ def _pack_block_tables(batch: InputBatch, batch_rows: np.ndarray, ends: np.ndarr
         i = int(np.argmax(bad))
         raise ValueError(f"request {batch.req_ids[batch_rows[i]]!r}: a block table of {int(table_lens[i])} entries "
                          f"({groups} per block) does not cover {int(ends[i])} tokens")
-    width = int(table_lens.max()) if len(batch_rows) else 0
-    block_tables = out.reshape(bucket_seqs, -1)
-    block_tables[:len(batch_rows), :width] = batch.block_table[batch_rows, :width]
-    return block_tables, table_lens
+    return table_lens
 
 
 def _draft_sample_rows(num_drafts: np.ndarray, batch_rows: np.ndarray, ends: np.ndarray, cu: np.ndarray,
@@ -269,7 +335,7 @@ def _lora_slots(batch: InputBatch, batch_rows: np.ndarray, lora_slots: dict[int,
 def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarray, ends: np.ndarray,
                    out: np.ndarray, num_sample_rows: int, max_logprobs: int) -> dict:
     """Sampling words of the packed rows into ``out`` and the sampler variant: rows' precomputed words unless some
-    sampling row needs the general path this step (penalties, bans, the bias table)."""
+    sampling row needs the general path this step (penalties, bans, the bias table; ``fast``: none does)."""
     steps = ends - batch.num_prompt_tokens[batch_rows]
     every_row_samples = bool(sampled.all())  # a decode step: no row selections to copy
     if not every_row_samples:
@@ -283,7 +349,8 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
     general = batch.general_sampling[sample_rows] | ((steps if every_row_samples else steps[sampled])
                                                      < batch.min_tokens[sample_rows])
     history = bias_table = None
-    if general.any():
+    fast = not general.any()
+    if not fast:
         rows = [_general_row(batch, int(row), int(step)) if s else None
                 for row, step, s in zip(batch_rows.tolist(), steps.tolist(), sampled.tolist())]
         tensors, mode = sampler_lib.build_sampling_tensors(
@@ -303,7 +370,7 @@ def _pack_sampling(batch: InputBatch, batch_rows: np.ndarray, sampled: np.ndarra
     if wants_logprobs and mode == sampler_lib.SamplingMode.GREEDY:
         mode = _GREEDY_OR_TEMPERATURE  # all rows greedy: the same argmax, plus the logprobs (the greedy variant's none)
     return dict(history=history, bias_table=bias_table, mode=mode,
-                num_logprobs=max_logprobs if wants_top else 0, wants_logprobs=wants_logprobs)
+                num_logprobs=max_logprobs if wants_top else 0, wants_logprobs=wants_logprobs, fast=fast)
 
 
 def _general_row(batch: InputBatch, row: int, step: int):
