@@ -16,9 +16,16 @@ depend only on its own values and the weights:
   programs did (``benchmarks.batch_invariant``), with or without autotuning. So "chunks" is not the GPU's choice.
 * ``"pallas"`` (the default on a GPU): a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
   ``[i * ROW_TILE_PALLAS, (i + 1) * ROW_TILE_PALLAS)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0
-  up, accumulating each step's tensor-core ``dot`` into a float32 tile (no split-K), rows, columns and K past the
-  operands masked. Whole-array refs loaded in contiguous ``pl.ds`` tiles (no BlockSpecs: the K loop is the kernel's
-  own), so interpret mode runs the same code on the CPU. Its bits do not depend on the compiler's choices.
+  up, accumulating each step's tensor-core ``dot`` into a float32 tile, rows, columns and K past the operands
+  masked. Whole-array refs loaded in contiguous ``pl.ds`` tiles (no BlockSpecs: the K loop is the kernel's own), so
+  interpret mode runs the same code on the CPU. Its bits do not depend on the compiler's choices.
+  With K split in S (``split_k``; a one-row matmul with few column tiles runs too few programs to stream its weights
+  at full bandwidth), the grid gains a split axis: program ``(i, j, s)`` walks split ``s``'s K steps (``split_steps``:
+  consecutive runs of ``ceil(steps / S)`` steps, the last one shorter) in ``BLOCK_K`` steps from its first into a
+  float32 tile and writes it to a float32 ``[S, M, N]`` output; XLA adds the partials left to right,
+  ``((p[0] + p[1]) + p[2]) + ...``, in float32. S and the splits' bounds are a function of the weight's shape (K, N)
+  and the tiles only (``split_k_for``, off by default: ``DEFAULT_SPLIT_K_RULE``; ``SPLIT_K_ENV`` picks S for every
+  program of the process), never of M, so a row's bits depend on (K, N, tiles, S) only.
 
 Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other. The
 environment variable ``PAGED_JAX_BATCH_INVARIANT_MATMUL`` (``chunks`` or ``pallas``) picks the one "auto" runs, for
