@@ -229,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default="matmul,invariance,engine")
     p.add_argument("--preset", default="llama-3.1-8b", help="matmul shapes")
     p.add_argument("--rows", default="1,16,256,2048", help="comma-separated row counts M")
-    p.add_argument("--impls", default="chunks", help="the mode's matmul implementations to time (chunks, pallas; pallas:BNxBK[xS]: "
-                   "the kernel with other column and K tiles and S K splits, an int or auto)")
+    p.add_argument("--impls", default="chunks",
+                   help="the mode's matmul implementations to time (chunks, pallas; pallas:BNxBK[xS]: the kernel with "
+                        "other column and K tiles and S K splits, an int or auto)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--invariance-shape", default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16")
