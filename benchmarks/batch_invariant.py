@@ -7,7 +7,8 @@ Sections, each printing JSON lines:
 * ``matmul``: per projection (K, N) of ``--preset`` (fused qkv, o, fused gate/up, down, LM head) and row count M
   (``--rows``), for XLA's dot and each of ``--impls`` (``paged_jax.ops.batch_invariant``): whether row 0 keeps its
   bits in ``x[:M]`` and when moved to the last row of another batch (``*_row0_same``, ``*_moved_same``; the mode's
-  must be true), its largest difference from a float32 reference over XLA's, and the median time (``--repeats``).
+  must be true), its largest difference from a float32 reference over XLA's, and the median time (``--repeats``);
+  ``pallas:BNxBKxS`` runs the kernel with S K splits (``auto``: the shape's rule), ``*_split_k`` the splits run.
 * ``invariance``: an engine in the mode (``--invariance-shape``, dummy weights, ``--dtype``): a target prompt longer
   than a step (chunked prefill) decoded greedily and seeded, alone and among ``--crowds`` other requests of other
   lengths and sampling settings, prefix cache reset between runs; ``same_bits`` per crowd (tokens and every
@@ -36,7 +37,8 @@ import numpy as np
 
 from benchmarks.report import median_seconds, versions, write_json
 from models.presets import preset_config
-from paged_jax.ops.batch_invariant import batch_invariant_matmul, matmul_pallas
+from paged_jax.ops.batch_invariant import (BLOCK_K, batch_invariant_matmul, matmul_pallas, resolve_split_k,
+                                           split_steps)
 
 TINY_SHAPES = [("qkv", 64, 96), ("lm_head", 64, 200)]
 ENGINE_WORKLOADS = {
@@ -56,12 +58,32 @@ def projection_shapes(preset: str) -> list[tuple[str, int, int]]:
             ("lm_head", c.hidden_size, c.vocab_size)]
 
 
+def _pallas_spec(impl: str) -> tuple[int | None, int, str | None]:
+    """(block_n, block_k, split_k) of a ``pallas`` or ``pallas:BNxBK[xS]`` impl (None: the kernel's default)."""
+    if impl == "pallas":
+        return None, BLOCK_K, None
+    parts = impl.split(":")[1].split("x")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]):
+        raise ValueError(f"--impls: {impl!r} is not pallas:BNxBK or pallas:BNxBKxS")
+    split_k = parts[2] if len(parts) == 3 else None
+    resolve_split_k(split_k, int(parts[1]), int(parts[0]))  # a bad S is refused before any timing
+    return int(parts[0]), int(parts[1]), split_k
+
+
 def _matmul_fn(impl: str, interpret: bool):
-    """``x, w -> x @ w`` by ``impl``: one of ``MATMUL_IMPLS``, or ``pallas:BNxBK`` for the kernel with other tiles."""
+    """``x, w -> x @ w`` by ``impl``: one of ``MATMUL_IMPLS``, or ``pallas:BNxBK[xS]`` for the kernel with other
+    column and K tiles and ``S`` K splits (an int, or ``auto``: ``split_k_for``; none given: the kernel's default)."""
     if impl.startswith("pallas:"):
-        block_n, block_k = (int(t) for t in impl.split(":")[1].split("x"))
-        return lambda a, b: matmul_pallas(a, b, interpret=interpret, block_n=block_n, block_k=block_k)
+        block_n, block_k, split_k = _pallas_spec(impl)
+        return lambda a, b: matmul_pallas(a, b, interpret=interpret, block_n=block_n, block_k=block_k,
+                                          split_k=split_k)
     return lambda a, b: batch_invariant_matmul(a, b, impl=impl, interpret=interpret)
+
+
+def _split_k_run(impl: str, k: int, n: int) -> int:
+    """The K splits the Pallas ``impl`` runs for a ``[K, N]`` weight."""
+    block_n, block_k, split_k = _pallas_spec(impl)
+    return split_steps(k, block_k, resolve_split_k(split_k, k, n, block_n=block_n, block_k=block_k))[0]
 
 
 def run_case(name: str, k: int, n: int, rows: int, *, impls: list[str], repeats: int, interpret: bool) -> dict:
@@ -83,6 +105,8 @@ def run_case(name: str, k: int, n: int, rows: int, *, impls: list[str], repeats:
         line[f"{impl}_err"] = float(np.abs(one - reference).max())
         line[f"{impl}_ms"] = 1e3 * median_seconds(lambda fn=fn: fn(x, w), repeats)
     for impl in impls:
+        if impl.startswith("pallas"):
+            line[f"{impl}_split_k"] = _split_k_run(impl, k, n)
         line[f"{impl}_err_over_xla_err"] = line[f"{impl}_err"] / max(line["xla_err"], 1e-30)
         line[f"{impl}_over_xla_time"] = line[f"{impl}_ms"] / line["xla_ms"]
     return line
@@ -205,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default="matmul,invariance,engine")
     p.add_argument("--preset", default="llama-3.1-8b", help="matmul shapes")
     p.add_argument("--rows", default="1,16,256,2048", help="comma-separated row counts M")
-    p.add_argument("--impls", default="chunks", help="the mode's matmul implementations to time (chunks, pallas; pallas:BNxBK: "
-                   "the kernel with other column and K tiles)")
+    p.add_argument("--impls", default="chunks",
+                   help="the mode's matmul implementations to time (chunks, pallas; pallas:BNxBK[xS]: the kernel with "
+                        "other column and K tiles and S K splits, an int or auto)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--invariance-shape", default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16")

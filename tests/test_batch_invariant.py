@@ -12,7 +12,8 @@ import pytest
 from models.testing import save_random_hf_checkpoint, tiny_config
 from paged_jax.config import EngineArgs
 from paged_jax.entrypoints.llm import LLM
-from paged_jax.ops.batch_invariant import IMPL_ENV, batch_invariant_matmul, resolve_impl
+from paged_jax.ops.batch_invariant import (IMPL_ENV, SPLIT_K_ENV, batch_invariant_matmul, block_n_for, matmul_pallas,
+                                           resolve_impl, resolve_split_k, split_k_for, split_steps)
 from paged_jax.sampling_params import SamplingParams
 
 # float32: on the CPU its matmuls change a row's last bits with the row count (the control test below).
@@ -118,6 +119,86 @@ def test_the_matmul_gives_each_row_the_same_bits_whatever_the_other_rows(impl):
         assert (got[0] == full[0]).all()
 
 
+def _split_k_contract(x, w, block_k: int, split_k: int) -> np.ndarray:
+    """``matmul_pallas``'s reduction order by hand, float32: per split, its ``[64, block_k] @ [block_k, N]`` step
+    dots added from the split's first step; then split 0 + split 1 + ... left to right. Zero-padded to the kernel's
+    tiles: the CPU's dot rounds by shape."""
+    (m, k), n = x.shape, block_n_for(w.shape[1])
+    splits, per = split_steps(k, block_k, split_k)
+    steps = -(-k // block_k)
+    xp = jnp.zeros((64, steps * block_k), jnp.float32).at[:m, :k].set(x)
+    wp = jnp.zeros((steps * block_k, n), jnp.float32).at[:k, :w.shape[1]].set(w)
+    total = None
+    for s in range(splits):
+        acc = jnp.zeros((64, n), jnp.float32)
+        for t in range(s * per, min((s + 1) * per, steps)):
+            acc = acc + jnp.dot(xp[:, t * block_k:(t + 1) * block_k], wp[t * block_k:(t + 1) * block_k],
+                                precision="highest", preferred_element_type=jnp.float32)
+        total = acc if total is None else total + acc
+    return np.asarray(total)[:m, :w.shape[1]]
+
+
+def test_the_split_k_matmul_keeps_a_rows_bits_in_its_fixed_order():
+    """With K split (K = 300 in 10 steps of 32: splits of 4 + 4 + 2 or 3 + 3 + 3 + 1 steps) a row's result is
+    its splits' float32 partials added left to right, the same bits alone, among other rows and at another row
+    offset, and close to float32's product; one split is the unsplit kernel's order."""
+    keys = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(keys[0], (70, 300), jnp.float32)
+    w = 0.05 * jax.random.normal(keys[1], (300, 40), jnp.float32)
+    exact = np.asarray(jnp.dot(x, w, precision="highest"))
+    outs = {}
+    for split_k in (1, 3, 4):
+        full = np.asarray(matmul_pallas(x, w, interpret=True, block_k=32, split_k=split_k))
+        assert (full[:3] == _split_k_contract(x[:3], w, 32, split_k)).all(), split_k
+        np.testing.assert_allclose(full, exact, rtol=0, atol=1e-4)
+        moved = x.at[:66].multiply(-2.0).at[65].set(x[0])  # row 0 as row 65: the second row tile, other rows
+        for rows, at in ((x[:1], 0), (x[:64], 0), (moved, 65)):
+            got = np.asarray(matmul_pallas(rows, w, interpret=True, block_k=32, split_k=split_k))
+            assert (got[at] == full[0]).all(), (split_k, rows.shape, at)
+        outs[split_k] = full
+    assert all((outs[s] != outs[1]).any() for s in (3, 4))  # the splits do change the order
+    bf16 = np.asarray(matmul_pallas(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), interpret=True, block_k=32,
+                                    split_k=3).astype(jnp.float32))
+    one = np.asarray(matmul_pallas(x[5:6].astype(jnp.bfloat16), w.astype(jnp.bfloat16), interpret=True,
+                                   block_k=32, split_k=3).astype(jnp.float32))
+    assert (one[0] == bf16[5]).all()
+    np.testing.assert_allclose(bf16, exact, rtol=0, atol=2e-2)
+
+
+def test_the_split_k_matmul_lowers_to_triton_for_the_gpu():
+    """The kernel, unsplit and with K in uneven splits, lowers to Triton IR from a CPU-only jaxlib: an unsupported
+    primitive (the split's loop bounds) fails here, not first on the GPU."""
+    from jax import export
+
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    spec = jax.ShapeDtypeStruct
+    for split_k in (1, 3):
+        fn = jax.jit(lambda x, w, split_k=split_k: matmul_pallas(x, w, split_k=split_k))
+        module = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            spec((3, 1000), jnp.bfloat16), spec((1000, 256), jnp.bfloat16)).mlir_module()
+        assert module.count("xla.gpu.triton") == 1
+
+
+def test_the_split_k_rule_is_a_function_of_the_weights_shape(monkeypatch):
+    """``split_k_for``: Llama-3.1-8B's narrow projections (32 or 48 column tiles) split K in 4, the wide ones not;
+    off by default, picked by ``SPLIT_K_ENV``; a split is never empty and other values are refused."""
+    assert [split_k_for(k, n) for k, n in ((4096, 6144), (4096, 4096), (14336, 4096), (4096, 28672),
+                                           (4096, 128256), (512, 256))] == [4, 4, 4, 1, 1, 1]
+    assert split_steps(300, 32, 4) == (4, 3) and split_steps(64, 128, 4) == (1, 1) and split_steps(96, 32, 4) == (3, 1)
+    monkeypatch.delenv(SPLIT_K_ENV, raising=False)
+    assert resolve_split_k(None, 4096, 4096) == 1
+    monkeypatch.setenv(SPLIT_K_ENV, "auto")
+    assert resolve_split_k(None, 4096, 4096) == 4 and resolve_split_k(2, 4096, 4096) == 2
+    monkeypatch.setenv(SPLIT_K_ENV, "3")
+    assert resolve_split_k(None, 4096, 4096) == 3
+    monkeypatch.setenv(SPLIT_K_ENV, "many")
+    with pytest.raises(ValueError, match=SPLIT_K_ENV):
+        resolve_split_k(None, 4096, 4096)
+    for bad in (0, "x2", 1.5):
+        with pytest.raises(ValueError, match="split_k"):
+            resolve_split_k(bad, 4096, 4096)
+
+
 def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monkeypatch):
     """``--batch-invariant`` of ``bench latency`` (an engine flag) and of ``benchmarks.throughput`` reach the
     engine's arguments; the per-matmul benchmark runs on its CPU smoke shapes, where both of the mode's matmuls
@@ -138,11 +219,15 @@ def test_the_benchmark_flags_reach_the_engine_and_the_kernel_benchmark_runs(monk
         throughput.main(["--shape", "smollm2-135m", "--batch-invariant", "--num-prompts", "1"])
     assert engine_kwargs_seen["batch_invariant"] is True
     lines = kernel_bench.main(["--tiny", "--sections", "matmul", "--rows", "1,70", "--repeats", "1",
-                               "--impls", "chunks,pallas,pallas:16x32"])  # 16x32: N and K in several masked tiles
-    assert len(lines) == 4
-    impls = ("chunks", "pallas", "pallas:16x32")
+                               "--impls", "chunks,pallas,pallas:16x32,pallas:16x32x2"])
+    assert len(lines) == 4  # 16x32: N and K in several masked tiles; x2: K (64) in two splits
+    impls = ("chunks", "pallas", "pallas:16x32", "pallas:16x32x2")
     assert all(line[f"{impl}_{check}"] for line in lines for impl in impls for check in ("row0_same", "moved_same"))
-    assert all(line["pallas:16x32_err"] <= 2 * line["xla_err"] + 1e-6 for line in lines)
+    assert all(line[f"{impl}_err"] <= 2 * line["xla_err"] + 1e-6 for line in lines for impl in impls[2:])
+    assert [line["pallas:16x32x2_split_k"] for line in lines] == [2, 2, 2, 2]
+    for bad in ("pallas:16x32x0", "pallas:16x32xmany", "pallas:16"):
+        with pytest.raises(ValueError, match="split_k|pallas:BNxBK"):
+            kernel_bench.main(["--tiny", "--sections", "matmul", "--impls", bad])
 
 
 @pytest.mark.slow

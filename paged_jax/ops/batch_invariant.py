@@ -16,9 +16,16 @@ depend only on its own values and the weights:
   programs did (``benchmarks.batch_invariant``), with or without autotuning. So "chunks" is not the GPU's choice.
 * ``"pallas"`` (the default on a GPU): a Pallas (Triton) kernel with fixed tiles: program ``(i, j)`` owns rows
   ``[i * ROW_TILE_PALLAS, (i + 1) * ROW_TILE_PALLAS)`` and a column tile, and walks K in ``BLOCK_K`` steps from 0
-  up, accumulating each step's tensor-core ``dot`` into a float32 tile (no split-K), rows, columns and K past the
-  operands masked. Whole-array refs loaded in contiguous ``pl.ds`` tiles (no BlockSpecs: the K loop is the kernel's
-  own), so interpret mode runs the same code on the CPU. Its bits do not depend on the compiler's choices.
+  up, accumulating each step's tensor-core ``dot`` into a float32 tile, rows, columns and K past the operands
+  masked. Whole-array refs loaded in contiguous ``pl.ds`` tiles (no BlockSpecs: the K loop is the kernel's own), so
+  interpret mode runs the same code on the CPU. Its bits do not depend on the compiler's choices.
+  With K split in S (``split_k``; a one-row matmul with few column tiles runs too few programs to stream its weights
+  at full bandwidth), the grid gains a split axis: program ``(i, j, s)`` walks split ``s``'s K steps (``split_steps``:
+  consecutive runs of ``ceil(steps / S)`` steps, the last one shorter) in ``BLOCK_K`` steps from its first into a
+  float32 tile and writes it to a float32 ``[S, M, N]`` output; XLA adds the partials left to right,
+  ``((p[0] + p[1]) + p[2]) + ...``, in float32. S and the splits' bounds are a function of the weight's shape (K, N)
+  and the tiles only (``split_k_for``, off by default: ``DEFAULT_SPLIT_K_RULE``; ``SPLIT_K_ENV`` picks S for every
+  program of the process), never of M, so a row's bits depend on (K, N, tiles, S) only.
 
 Both accumulate in float32 and round once to the output dtype; the two are not bit-equal to each other. The
 environment variable ``PAGED_JAX_BATCH_INVARIANT_MATMUL`` (``chunks`` or ``pallas``) picks the one "auto" runs, for
@@ -61,6 +68,16 @@ BLOCK_K = 128
 # (benchmarks.batch_invariant's tile sweep).
 BLOCK_N = 128
 _MIN_DOT = 16  # Triton's smallest dot tile side
+# K splits (``split_k_for``): a one-row matmul with few column tiles runs too few programs to stream the weights at
+# full bandwidth, so its K is split until one row tile runs about this many programs (an H100 has 132 SMs) ...
+SPLIT_K_TARGET_PROGRAMS = 128
+# ... while each split keeps this much of K (a split's partial sum costs a float32 [M, N] write and read) ...
+SPLIT_K_MIN_K = 1024
+# ... and the splits stay few (the fixed-order sum is one add per split).
+SPLIT_K_MAX = 8
+# Whether the kernel splits K by ``split_k_for`` when no split is given (else one split).
+DEFAULT_SPLIT_K_RULE = False
+SPLIT_K_ENV = "PAGED_JAX_BATCH_INVARIANT_SPLIT_K"  # the splits when none is given, when set: an int or "auto"
 
 
 def block_n_for(n: int) -> int:
@@ -83,9 +100,49 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, block_k: int, precision):
-    """Program (i, j): ``out[i-th row tile, j-th column tile]`` over K in ``block_k`` steps from 0 up. x [M, K],
-    w [K, N]. Contiguous ``pl.ds`` tiles (vectorized loads), masked past M, N and K."""
+def split_k_for(k: int, n: int, *, block_n: int | None = None, block_k: int = BLOCK_K) -> int:
+    """The rule's K splits for a ``[K, N]`` weight (a function of the shape and tiles only, never of M): the
+    fewest powers of two that give one row tile ``SPLIT_K_TARGET_PROGRAMS`` programs, each split at least
+    ``SPLIT_K_MIN_K`` of K and at most ``SPLIT_K_MAX`` splits; 1 for wide N (many column tiles already)."""
+    tiles = -(-n // (block_n or block_n_for(n)))
+    splits = 1
+    while (tiles * splits < SPLIT_K_TARGET_PROGRAMS and 2 * splits <= SPLIT_K_MAX
+           and k // (2 * splits) >= max(SPLIT_K_MIN_K, block_k)):
+        splits *= 2
+    return splits
+
+
+def resolve_split_k(split_k: int | str | None, k: int, n: int, *, block_n: int | None = None,
+                    block_k: int = BLOCK_K) -> int:
+    """The K splits ``matmul_pallas`` runs for a ``[K, N]`` weight: ``split_k`` (an int >= 1, or "auto":
+    ``split_k_for``); None: ``SPLIT_K_ENV``'s value when set (the same spellings), else the rule when
+    ``DEFAULT_SPLIT_K_RULE``, else 1. ValueError naming ``split_k`` or ``SPLIT_K_ENV`` for another value."""
+    name = "split_k"
+    if split_k is None:
+        split_k = os.environ.get(SPLIT_K_ENV) or ("auto" if DEFAULT_SPLIT_K_RULE else 1)
+        name = SPLIT_K_ENV
+    if isinstance(split_k, str) and split_k.strip().isdigit():
+        split_k = int(split_k)
+    if split_k == "auto":
+        return split_k_for(k, n, block_n=block_n, block_k=block_k)
+    if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
+        raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {split_k!r}")
+    return split_k
+
+
+def split_steps(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(splits, steps_per_split)``: split ``s`` walks the K steps ``[s * steps_per_split, (s + 1) *
+    steps_per_split)`` of ``ceil(K / block_k)`` (the last one fewer): ``split_k`` at most, none empty."""
+    k_steps = max(1, -(-k // block_k))
+    per = -(-k_steps // max(1, split_k))
+    return -(-k_steps // per), per
+
+
+def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, block_k: int, steps_per_split: int | None, precision):
+    """Program (i, j[, s]): the i-th row tile x j-th column tile over K in ``block_k`` steps, from 0 up (no split:
+    ``steps_per_split`` None, out ``[M, N]`` in its dtype) or over split ``s``'s steps (out ``[S, M, N]`` float32,
+    the split's partial sum at ``out[s]``). x [M, K], w [K, N]. Contiguous ``pl.ds`` tiles (vectorized loads), masked
+    past M, N and K."""
     m_total, k_total = x_ref.shape
     n_total = w_ref.shape[1]
     row0, col0 = pl.program_id(0) * ROW_TILE_PALLAS, pl.program_id(1) * block_n
@@ -102,30 +159,70 @@ def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n: int, block_k: int, precisi
                   other=0.0)
         return acc + _dot(x, w, precision=precision)
 
-    acc = lax.fori_loop(0, -(-k_total // block_k), step, jnp.zeros((ROW_TILE_PALLAS, block_n), jnp.float32))
-    _store(out_ref.at[pl.ds(row0, ROW_TILE_PALLAS), pl.ds(col0, block_n)], acc.astype(out_ref.dtype),
-           mask=row_ok[:, None] & col_ok[None, :])
+    k_steps = -(-k_total // block_k)
+    acc = jnp.zeros((ROW_TILE_PALLAS, block_n), jnp.float32)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if steps_per_split is None:
+        acc = lax.fori_loop(0, k_steps, step, acc)
+        _store(out_ref.at[pl.ds(row0, ROW_TILE_PALLAS), pl.ds(col0, block_n)], acc.astype(out_ref.dtype), mask=mask)
+        return
+    split = pl.program_id(2)
+    first = split * steps_per_split
+    acc = lax.fori_loop(first, jnp.minimum(first + steps_per_split, k_steps), step, acc)
+    _store(out_ref.at[split, pl.ds(row0, ROW_TILE_PALLAS), pl.ds(col0, block_n)], acc, mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k"))
+def sum_splits(partials: jax.Array, out_dtype) -> jax.Array:
+    """``partials [S, M, N]`` float32 -> ``[M, N]`` in ``out_dtype``: ``((p[0] + p[1]) + p[2]) + ...`` in float32,
+    one elementwise add per split in this order (S static), rounded once. Elementwise, so a row's sum is the same
+    whatever M; XLA keeps the order of floating-point adds (it does not reassociate them)."""
+    total = partials[0]
+    for s in range(1, partials.shape[0]):
+        total = total + partials[s]
+    return total.astype(out_dtype)
+
+
 def matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False, block_n: int | None = None,
-                  block_k: int = BLOCK_K) -> jax.Array:
+                  block_k: int = BLOCK_K, split_k: int | str | None = None) -> jax.Array:
     """``x[M, K] @ w[K, N]`` -> ``[M, N]`` in ``out_dtype`` (default x's), float32 accumulation, by the fixed-tile
     kernel (module docstring). Both operands in one dtype; float32 ones multiply at full precision. ``block_n``
-    (default ``block_n_for(N)``) and ``block_k`` are the tiles; a row's bits depend on them, never on M."""
+    (default ``block_n_for(N)``) and ``block_k`` are the tiles, ``split_k`` the K splits (``resolve_split_k``); a
+    row's bits depend on them and on (K, N), never on M."""
+    k, n = w.shape
+    block_n = block_n or block_n_for(n)
+    splits, per = split_steps(k, block_k, resolve_split_k(split_k, k, n, block_n=block_n, block_k=block_k))
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    return _matmul_pallas(x, w, out_dtype=out_dtype, interpret=interpret, block_n=block_n, block_k=block_k,
+                          splits=splits, steps_per_split=per)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k", "splits",
+                                             "steps_per_split"))
+def _matmul_pallas(x, w, *, out_dtype, interpret, block_n, block_k, splits, steps_per_split):
+    """``matmul_pallas`` with its tiles and splits resolved: ``splits`` == 1 writes ``[M, N]`` in ``out_dtype`` from
+    the kernel, more the float32 partials ``[splits, M, N]`` summed by ``sum_splits``."""
     m, k = x.shape
     n = w.shape[1]
-    block_n = block_n or block_n_for(n)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return pl.pallas_call(
-        functools.partial(_matmul_kernel, block_n=block_n, block_k=block_k, precision=precision),
-        grid=(-(-m // ROW_TILE_PALLAS), -(-n // block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
+    grid = (-(-m // ROW_TILE_PALLAS), -(-n // block_n))
+    split_name = ""
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+        steps_per_split = None
+    else:
+        grid, out_shape = grid + (splits,), jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+        split_name = f"_sk{splits}"
+    out = pl.pallas_call(
+        functools.partial(_matmul_kernel, block_n=block_n, block_k=block_k, steps_per_split=steps_per_split,
+                          precision=precision),
+        grid=grid,
+        out_shape=out_shape,
         interpret=interpret,
         # Three stages of 16-bit tiles fit an H100's shared memory; float32 tiles take two.
         compiler_params=_CompilerParams(num_warps=4, num_stages=3 if x.dtype.itemsize <= 2 else 2),
-        name=f"batch_invariant_matmul_bm{ROW_TILE_PALLAS}_bn{block_n}_bk{block_k}",
+        name=f"batch_invariant_matmul_bm{ROW_TILE_PALLAS}_bn{block_n}_bk{block_k}{split_name}",
     )(x, w)
+    return out if splits == 1 else sum_splits(out, out_dtype)
 
 
 def map_row_chunks(fn, x: jax.Array) -> jax.Array:
@@ -168,8 +265,7 @@ def batch_invariant_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: 
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     if resolve_impl(impl) == "pallas":
-        out = matmul_pallas(flat, w, out_dtype=None if out_dtype is None else jnp.dtype(out_dtype),
-                            interpret=interpret)
+        out = matmul_pallas(flat, w, out_dtype=out_dtype, interpret=interpret)
     else:
         out = matmul_chunks(flat, w, out_dtype=out_dtype)
     return out.reshape(*lead, w.shape[1])
