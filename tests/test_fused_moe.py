@@ -64,6 +64,9 @@ def test_kernel_configs_parse_split_and_default_by_rows_per_expert():
     assert default_config(64 * 8, 128, 768, 2048).block_m == 16
     assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(128, 128, 64, 1, 8, 3)
     assert default_config(8, 4, 24, 40)[1:3] == (32, 64)  # tiles at most the padded dimensions
+    # float32 rows: half the columns and two stages (the staged tiles' shared memory)
+    assert default_config(4096 * 8, 128, 768, 2048, itemsize=4) == KernelConfig(128, 64, 64, 1, 8, 2)
+    assert default_config(8, 128, 768, 2048, itemsize=4) == KernelConfig(16, 64, 64, None, 4, 2)
 
 @pytest.mark.parametrize("num_tokens, fp8, kernels", [
     # Qwen3-30B-A3B at batch 1: gate/up's K split over 8 programs, down's over 4; 16-row tiles of 128 columns.

@@ -121,12 +121,16 @@ PREFILL_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, split_k=1, n
 DEFAULT_CONFIGS = ((16, DECODE_CONFIG), (float("inf"), PREFILL_CONFIG))
 
 
-def default_config(num_rows: int, num_experts: int, n: int, k: int) -> KernelConfig:
-    """The launch parameters for ``num_rows`` sorted rows over ``num_experts`` experts of ``[K, N]``: the first of
-    ``DEFAULT_CONFIGS`` whose bound holds for the rows an expert averages (16-row tiles while they are mostly
-    padding otherwise), its tile sides at most the padded dimensions."""
+def default_config(num_rows: int, num_experts: int, n: int, k: int, itemsize: int = 2) -> KernelConfig:
+    """The launch parameters for ``num_rows`` sorted rows over ``num_experts`` experts of ``[K, N]`` whose rows
+    take ``itemsize`` bytes: the first of ``DEFAULT_CONFIGS`` whose bound holds for the rows an expert averages
+    (16-row tiles while they are mostly padding otherwise), its tile sides at most the padded dimensions. The
+    configs are sized for 16-bit tiles; 4-byte ones take half the columns and two pipeline stages, so the staged
+    tiles stay within an H100's shared memory."""
     per_expert = num_rows / max(num_experts, 1)
     config = next(config for bound, config in DEFAULT_CONFIGS if per_expert <= bound)
+    if itemsize > 2:
+        config = config._replace(block_n=max(MIN_BLOCK, config.block_n // 2), num_stages=min(config.num_stages, 2))
     return config._replace(block_n=max(MIN_BLOCK, min(config.block_n, next_pow2(n))),
                            block_k=max(MIN_BLOCK, min(config.block_k, next_pow2(k))))
 
@@ -395,7 +399,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     _check_operands(lhs, rhs, up_rhs, group_sizes)
     num_experts, k, n = rhs.shape
     num_rows = lhs.shape[0] if row_index is None else row_index.shape[0]
-    config = config or default_config(num_rows, num_experts, n, k)
+    config = config or default_config(num_rows, num_experts, n, k, lhs.dtype.itemsize)
     config.validate()
     fmt = _weight_format(rhs)
     config = _fit_config(config, fmt)
