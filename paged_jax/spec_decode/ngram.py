@@ -93,16 +93,10 @@ class NgramIndex:
         self._index(length - 1)
         last = tokens[-1]
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = follows_end(self.follows, tuple(tokens[length - n:length - 1]), last)
+            end = self.follows.get(tuple(tokens[length - n:length - 1]), {}).get(last)
             if end is not None and end < length:
                 return tokens[end:end + self.k]
         return []
-
-
-def follows_end(follows: dict[tuple[int, ...], dict[int, int]], prefix: tuple[int, ...], last: int) -> int | None:
-    """The latest indexed end of ``prefix + (last,)``, or None."""
-    ends = follows.get(prefix)
-    return None if ends is None else ends.get(last)
 
 
 class NgramProposer:
@@ -117,17 +111,17 @@ class NgramProposer:
     def propose(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> list[int]:
         """The drafts (list[int], at most k) of sequence ``request_id``, whose tokens are the prompt then the outputs
         (both only grown at the end since its previous call)."""
-        index = self._indices.get(request_id)
-        if index is None:
-            index = self._indices[request_id] = NgramIndex(self.k, self.min_n, self.max_n)
-        return index.propose(prompt_token_ids, output_token_ids)
+        return self._index_of(request_id).propose(prompt_token_ids, output_token_ids)
 
     def prepare(self, request_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """While the device computes a step: ``NgramIndex.prepare`` of sequence ``request_id``."""
+        self._index_of(request_id).prepare(prompt_token_ids, output_token_ids)
+
+    def _index_of(self, request_id: str) -> NgramIndex:
         index = self._indices.get(request_id)
         if index is None:
             index = self._indices[request_id] = NgramIndex(self.k, self.min_n, self.max_n)
-        index.prepare(prompt_token_ids, output_token_ids)
+        return index
 
     def finish(self, request_id: str) -> None:
         """Sequence ``request_id`` ended: drop its index (unknown ids are ignored)."""
