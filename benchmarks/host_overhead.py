@@ -69,8 +69,11 @@ def _timed(owner, name: str, totals: dict[str, float], key: str) -> None:
             if cpu_key in totals:
                 totals[cpu_key] += time.thread_time() - cpu_start
 
-    if hasattr(original, "_cache_size"):  # a jitted function: keep ModelRunner.num_compiles working
-        wrapper._cache_size = original._cache_size
+    # A compiled step function: the wrapper reports the compiles ModelRunner counts for it (an ahead-of-time table's
+    # calls that compiled, else jit's cache), so num_compiles_since_warmup stays true under instrumentation.
+    counter = getattr(original, "jit_compiles", None) or getattr(original, "_cache_size", None)
+    if counter is not None:
+        wrapper._cache_size = counter
     setattr(owner, name, wrapper)
 
 

@@ -7,7 +7,8 @@ import pytest
 @pytest.mark.parametrize("num_prompts", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, num_prompts):
     """A single-prompt workload works (the warm-up once asked for 4 prompts' params), --temperature overrides the
-    workload's, and the JSON counts exactly the requested output tokens."""
+    workload's, and the JSON counts exactly the requested output tokens; --breakdown counts the timed steps by bucket
+    without disturbing the runner's compile counter."""
     import json
 
     from benchmarks.throughput import main
@@ -15,7 +16,8 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     out = tmp_path / "t.json"
     result = main(["--model", str(smollm2_dir), "--workload", "random", "--num-prompts", str(num_prompts),
                    "--input-len", "12", "--output-len", "5", "--max-num-batched-tokens", "16", "--max-num-seqs", "2",
-                   "--max-model-len", "128", "--dtype", "float32", "--temperature", "0", "--out", str(out)])
+                   "--max-model-len", "128", "--dtype", "float32", "--temperature", "0", "--out", str(out),
+                   "--breakdown"])
     assert result["num_requests"] == num_prompts
     assert result["output_tokens"] == 5 * num_prompts
     assert result["prompt_tokens"] == 12 * num_prompts
@@ -23,6 +25,9 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     assert json.loads(out.read_text())["output_tokens"] == 5 * num_prompts
     assert "--temperature" in result["argv"]
     assert result["speculative_decoding"] is None
+    breakdown = result["breakdown"]
+    assert sum(breakdown["steps_per_bucket"].values()) == breakdown["steps"] > 0
+    assert result["engine_stats"]["num_compiles_since_warmup"] == 0
 
 
 def test_throughput_with_speculative_config_reports_the_timed_run_drafts(smollm2_dir):
