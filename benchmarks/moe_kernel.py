@@ -39,7 +39,7 @@ decoding each packed tile, ``dequant_pallas`` the layer's experts dequantized to
 kernel, ``ragged_dot`` the XLA reference (dequantize, ``lax.ragged_dot``), ``matvec`` (T <= ``--gather-max-tokens``)
 each pair reducing over its expert's packed bytes (``experts_gathered``), ``pallas_bf16`` the kernel on the weights
 dequantized once outside the timing; the floor counts 4.25 bits per weight (the packed codes and scales). These place
-``models.gpt_oss.MATVEC_PAIRS_PER_EXPERT``. The op is not timed in parts (``--split-tokens`` is refused).
+``models.gpt_oss.mxfp4_form``'s bounds. The op is not timed in parts (``--split-tokens`` is refused).
 
 Usage (GPU): ``python -m benchmarks.moe_kernel --ceilings --out moe.json`` (``--weights fp8`` for the FP8 experts);
 ``--interpret`` runs the kernel in Pallas interpret mode (the CPU test, tiny shapes). ``--budget-s`` bounds the run:

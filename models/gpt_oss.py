@@ -15,10 +15,12 @@ Expert weights in model layout (as transformers holds them and bf16 checkpoints 
 ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``. MXFP4 experts
 (``MoeConfig.expert_format``, the published checkpoints) stay packed in device memory (``models.quantization.mxfp4``)
 and reach the grouped matmuls over the sorted rows (``experts_grouped``) as ``mxfp4.Mxfp4Experts``: the fused MoE
-kernel with ``moe_impl="pallas"`` decodes each tile it reads; the XLA reference, and ``"auto"`` on a GPU (the kernel on
-the layer's experts decoded to the model dtype inside the step), dequantize them first, as the packed kernel is not
-yet measured against that on a GPU (``benchmarks.moe_kernel --weights mxfp4``). Below ``MATVEC_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, each pair's
-expert is instead decoded inside its own reduction (``experts_gathered``, ``mxfp4.matvec``). The gate/up matmul
+kernel decodes each tile it reads, the XLA reference dequantizes the layer's experts inside the step. ``mxfp4_form``
+picks, per step, how the experts run: each (token, expert) pair through its own packed bytes (``experts_gathered``,
+``mxfp4.matvec``) below one pair per expert, the grouped matmuls on the packed experts up to
+``PACKED_MAX_PAIRS_PER_EXPERT``, and beyond that (``"auto"`` on the kernel) the layer's experts decoded to the model
+dtype for the float kernel, whose wider tiles then outrun the packed kernel's per-tile decoding
+(``benchmarks.moe_kernel --weights mxfp4`` times the forms). The gate/up matmul
 writes the interleaved pre-activations; the biases and the clamped SwiGLU run in XLA around the grouped matmuls.
 """
 
@@ -40,11 +42,10 @@ EXPERT_PARAMS = {
               "down_proj_scales", "down_proj_bias"),
 }
 CHECKPOINT_LEAVES = frozenset(name for names in EXPERT_PARAMS.values() for name in names) | {"sinks"}
-# By the grouped matmul a step resolves to (``models.moe.resolve_moe_impl``): MXFP4 steps of fewer (token, expert)
-# pairs than this many per expert multiply each pair by its packed bytes (``mxfp4.matvec``) rather than run the
-# grouped matmuls (XLA's dequantizes every expert; the kernel reads only the packed tiles of the experts with rows).
-# ``python -m benchmarks.moe_kernel --weights mxfp4`` times the forms.
-MATVEC_PAIRS_PER_EXPERT = {"xla": 1, "pallas": 0}  # "xla": also the dequantized experts on the kernel
+# ``mxfp4_form``'s bounds, in (token, expert) pairs per expert: below the first each pair multiplies its expert's
+# packed bytes; past the second ``"auto"`` dequantizes the layer's experts for the float kernel.
+MATVEC_PAIRS_PER_EXPERT = 1
+PACKED_MAX_PAIRS_PER_EXPERT = 256
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -124,17 +125,31 @@ class GptOssMoeBlock(SparseMoeBlock):
             self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
         operands = self.experts.operands(x.dtype)
         impl = resolve_moe_impl(self.impl, ids.size, x.shape[1], x.dtype)
-        packed = impl == "pallas" and self.impl == "pallas"  # (module docstring: "auto" dequantizes for the kernel)
-        if (self.experts.expert_format == "mxfp4"
-                and ids.size < MATVEC_PAIRS_PER_EXPERT["pallas" if packed else "xla"] * operands[1].shape[0]):
+        form = (mxfp4_form(self.impl, impl, ids.size, operands[1].shape[0])
+                if self.experts.expert_format == "mxfp4" else "float")
+        if form == "matvec":
             out = experts_gathered(x, ids, *operands, alpha=self.alpha, limit=self.limit)
         else:
-            if self.experts.expert_format == "mxfp4" and impl == "pallas" and not packed:
+            if form == "dequantized":
                 gate_up, gate_up_bias, down, down_bias = operands
                 operands = gate_up.dequantize(x.dtype), gate_up_bias, down.dequantize(x.dtype), down_bias
             matmul = grouped_matmul_for(impl, ids.size, x.shape[1], x.dtype)
             out = experts_grouped(matmul, x, ids, *operands, alpha=self.alpha, limit=self.limit)
         return combine_top_k(out, weights).astype(x.dtype)
+
+
+def mxfp4_form(requested_impl: str, impl: str, num_pairs: int, num_experts: int) -> str:
+    """How a step of ``num_pairs`` (token, expert) pairs runs ``num_experts`` MXFP4 experts, for the ``moe_impl``
+    asked for and the one it resolved to: "matvec" (``experts_gathered``), "packed" (the grouped matmuls on the packed
+    experts) or "dequantized" (the layer's experts decoded to the model dtype, then the float kernel). An explicit
+    ``"pallas"`` keeps the kernel on the packed experts at every size."""
+    if requested_impl == "pallas":
+        return "packed"
+    if num_pairs < MATVEC_PAIRS_PER_EXPERT * num_experts:
+        return "matvec"
+    if impl == "pallas" and num_pairs > PACKED_MAX_PAIRS_PER_EXPERT * num_experts:
+        return "dequantized"
+    return "packed"
 
 
 def experts_grouped(matmul, x: jax.Array, ids: jax.Array, gate_up, gate_up_bias: jax.Array, down,

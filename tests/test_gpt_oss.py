@@ -126,7 +126,7 @@ def test_mxfp4_gathered_experts_equal_grouped(mxfp4_checkpoint):
     block = model.model.layers[1].mlp
     x = jnp.asarray(np.random.default_rng(1).normal(0, 1, (1, 64)), jnp.float32)
     weights, ids = block.route(x)
-    assert ids.size < gpt_oss.MATVEC_PAIRS_PER_EXPERT["xla"] * block.experts.gate_up_proj_bias.shape[0]
+    assert gpt_oss.mxfp4_form("auto", "xla", ids.size, block.experts.gate_up_proj_bias.shape[0]) == "matvec"
     operands = block.experts.operands(x.dtype)
     with jax.default_matmul_precision("highest"):
         grouped = gpt_oss.experts_grouped(grouped_matmul_reference, x, ids, *operands, alpha=block.alpha,
@@ -301,10 +301,14 @@ def test_experts_on_the_fused_moe_kernel_equal_xla(experts, float_checkpoint, mx
     np.testing.assert_allclose(got, want, atol=1e-5 * max(np.abs(want).max(), 1.0), rtol=0)
 
 
-@pytest.mark.parametrize("impl, packed", [("auto", False), ("pallas", True)])
-def test_mxfp4_layer_on_the_gpu_decodes_packed_tiles_only_when_asked(impl, packed, mxfp4_checkpoint, monkeypatch):
-    """A gpt-oss MXFP4 layer lowered for CUDA with the kernel resolved: ``moe_impl="pallas"`` hands the kernels the
-    packed bytes; ``"auto"`` decodes the layer's experts to the model dtype and runs the float kernel (nothing runs,
+@pytest.mark.parametrize("impl, pairs_per_expert, packed", [
+    ("auto", 16, True), ("pallas", 16, True), ("auto", gpt_oss.PACKED_MAX_PAIRS_PER_EXPERT + 1, False),
+    ("pallas", gpt_oss.PACKED_MAX_PAIRS_PER_EXPERT + 1, True)])
+def test_mxfp4_layer_on_the_gpu_runs_packed_tiles_up_to_the_bound(impl, pairs_per_expert, packed, mxfp4_checkpoint,
+                                                                  monkeypatch):
+    """A gpt-oss MXFP4 layer lowered for CUDA with the kernel resolved: the kernels get the packed bytes up to
+    ``PACKED_MAX_PAIRS_PER_EXPERT`` (token, expert) pairs per expert, and with ``moe_impl="pallas"`` at any size;
+    past the bound ``"auto"`` decodes the layer's experts to the model dtype and runs the float kernel (nothing runs,
     the module's kernels and operand types are read)."""
     import paged_jax.ops.fused_moe  # noqa: F401  (registers moe_impl "pallas")
 
@@ -312,10 +316,26 @@ def test_mxfp4_layer_on_the_gpu_decodes_packed_tiles_only_when_asked(impl, packe
     block = model.model.layers[0].mlp
     block.impl = impl
     monkeypatch.setattr(gpt_oss, "resolve_moe_impl", lambda *args: "pallas")
-    x = jax.ShapeDtypeStruct((64, block.router.in_features), jnp.float32)
+    num_experts = block.experts.gate_up_proj_bias.shape[0]
+    num_tokens = -(-pairs_per_expert * num_experts // block.num_experts_per_tok)
+    x = jax.ShapeDtypeStruct((num_tokens, block.router.in_features), jnp.float32)
     text = jax.jit(lambda rows: block(rows)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     names = re.findall(r'name = "(moe_grouped_matmul[^"]*)"', text)
     assert len(names) == 2 and all(("mxfp4" in name) == packed for name in names), names
+
+
+def test_mxfp4_form_bounds():
+    """Below one pair per expert each pair runs through its packed bytes (unless the kernel is asked for); the
+    packed kernel up to the bound; past it, only "auto" on the kernel dequantizes (the XLA reference always
+    dequantizes inside its grouped matmul)."""
+    bound = gpt_oss.PACKED_MAX_PAIRS_PER_EXPERT
+    assert gpt_oss.mxfp4_form("auto", "pallas", 31, 32) == "matvec"
+    assert gpt_oss.mxfp4_form("pallas", "pallas", 31, 32) == "packed"
+    assert gpt_oss.mxfp4_form("auto", "pallas", 32, 32) == "packed"
+    assert gpt_oss.mxfp4_form("auto", "pallas", bound * 32, 32) == "packed"
+    assert gpt_oss.mxfp4_form("auto", "pallas", bound * 32 + 1, 32) == "dequantized"
+    assert gpt_oss.mxfp4_form("auto", "xla", bound * 32 + 1, 32) == "packed"
+    assert gpt_oss.mxfp4_form("pallas", "pallas", bound * 32 + 1, 32) == "packed"
 
 
 @pytest.mark.parametrize("num_tokens, kernels", [
