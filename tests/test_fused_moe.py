@@ -19,7 +19,7 @@ from paged_jax.ops import fused_moe
 from paged_jax.ops.fused_moe import (KernelConfig, default_config, grouped_matmul_pallas,
                                      grouped_matmul_pallas_differentiable, grouped_matmul_reference,
                                      moe_experts_reference, moe_experts_with, tile_schedule)
-from paged_jax.ops.fused_moe.kernel import split_steps
+from paged_jax.ops.fused_moe.kernel import CONFIG_ENVS, split_steps
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -67,6 +67,20 @@ def test_kernel_configs_parse_split_and_default_by_rows_per_expert():
     # float32 rows: half the columns and two stages (the staged tiles' shared memory)
     assert default_config(4096 * 8, 128, 768, 2048, itemsize=4) == KernelConfig(128, 64, 64, 1, 8, 2)
     assert default_config(8, 128, 768, 2048, itemsize=4) == KernelConfig(16, 64, 64, None, 4, 2)
+
+
+def test_default_config_from_the_environment(monkeypatch):
+    """CONFIG_ENVS replace the decode and prefill launches (an in-engine sweep), refitted like the defaults; a bad
+    spelling is a ValueError naming the variable."""
+    decode_env, prefill_env = CONFIG_ENVS
+    monkeypatch.setenv(decode_env, "16/32/128/1/4/4")
+    assert default_config(8, 128, 768, 2048) == KernelConfig(16, 32, 128, 1, 4, 4)
+    assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(128, 128, 64, 1, 8, 3)  # prefill: unchanged
+    monkeypatch.setenv(prefill_env, "64/128/64/auto/4/3")
+    assert default_config(4096 * 8, 128, 768, 2048) == KernelConfig(64, 128, 64, None, 4, 3)
+    monkeypatch.setenv(decode_env, "16/32/128")
+    with pytest.raises(ValueError, match=decode_env):
+        default_config(8, 128, 768, 2048)
 
 @pytest.mark.parametrize("num_tokens, fp8, kernels", [
     # Qwen3-30B-A3B at batch 1: gate/up's K split over 8 programs, down's over 4; 16-row tiles of 128 columns.

@@ -42,6 +42,7 @@ The oracle is ``models.moe.grouped_matmul_reference`` (``lax.ragged_dot``); same
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -119,20 +120,36 @@ PREFILL_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, split_k=1, n
 # (most rows an expert averages, launch): the first entry whose bound holds is the default
 # (benchmarks.moe_kernel's sweep measures the alternatives per token count).
 DEFAULT_CONFIGS = ((16, DECODE_CONFIG), (float("inf"), PREFILL_CONFIG))
+# Environment variables replacing DECODE_CONFIG / PREFILL_CONFIG (``KernelConfig.parse``'s spelling), read when a
+# step is traced: a launch swept inside the engine's own step, fusions around the kernel included.
+CONFIG_ENVS = ("PAGED_JAX_MOE_DECODE_CONFIG", "PAGED_JAX_MOE_PREFILL_CONFIG")
 
 
 def default_config(num_rows: int, num_experts: int, n: int, k: int, itemsize: int = 2) -> KernelConfig:
     """The launch parameters for ``num_rows`` sorted rows over ``num_experts`` experts of ``[K, N]`` whose rows
     take ``itemsize`` bytes: the first of ``DEFAULT_CONFIGS`` whose bound holds for the rows an expert averages
-    (16-row tiles while they are mostly padding otherwise), its tile sides at most the padded dimensions. The
+    (16-row tiles while they are mostly padding otherwise; its ``CONFIG_ENVS`` variable's config when set), its tile
+    sides at most the padded dimensions. The
     configs are sized for 16-bit tiles; 4-byte ones take half the columns and two pipeline stages, so the staged
     tiles stay within an H100's shared memory."""
     per_expert = num_rows / max(num_experts, 1)
-    config = next(config for bound, config in DEFAULT_CONFIGS if per_expert <= bound)
+    index = next(i for i, (bound, _) in enumerate(DEFAULT_CONFIGS) if per_expert <= bound)
+    config = _from_env(CONFIG_ENVS[index]) or DEFAULT_CONFIGS[index][1]
     if itemsize > 2:
         config = config._replace(block_n=max(MIN_BLOCK, config.block_n // 2), num_stages=min(config.num_stages, 2))
     return config._replace(block_n=max(MIN_BLOCK, min(config.block_n, next_pow2(n))),
                            block_k=max(MIN_BLOCK, min(config.block_k, next_pow2(k))))
+
+
+def _from_env(name: str) -> KernelConfig | None:
+    """The config environment variable ``name`` spells, None when unset; ValueError naming it otherwise."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return KernelConfig.parse(text)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
 
 
 def num_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
