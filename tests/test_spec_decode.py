@@ -439,8 +439,10 @@ GRAMMAR_SCHEMA = {"type": "object", "properties": {"animal": {"enum": ["cat", "d
 GRAMMAR_CHOICES = ["The cat sat on the mat. The dog sat on the log.", "The dog sat on the mat."]
 
 
-def test_structured_output_rows_verify_drafts_their_grammar_allows(spec_llms, plain_engine, prompts, monkeypatch,
-                                                                   smollm2_tokenizer):
+@pytest.mark.parametrize("speculative_config", [NGRAM, pytest.param(SUFFIX, marks=pytest.mark.slow)],
+                         ids=["ngram", "suffix"])
+def test_structured_output_rows_verify_drafts_their_grammar_allows(speculative_config, spec_llms, plain_engine,
+                                                                   prompts, monkeypatch, smollm2_tokenizer):
     """Constrained sequences (regex, choice, JSON schema) take drafts: those their grammar forbids are cut before
     they are scheduled, every verified position is masked; outputs (and a free row's beside them) equal the engine's
     without drafts, match their grammars, and the counters add up; nothing compiled after warm-up."""
@@ -462,7 +464,7 @@ def test_structured_output_rows_verify_drafts_their_grammar_allows(spec_llms, pl
     many = prompts + [prompts[2], prompts[0]]
     params += [params[0], SamplingParams(max_tokens=12, temperature=0)]
     expected = run_to_completion(plain_engine, many, params)
-    engine = spec_llms(NGRAM).llm_engine
+    engine = spec_llms(speculative_config).llm_engine
     validated = []  # (drafts proposed, drafts kept) of the constrained rows
     validate = SequenceGrammar.validate_tokens
     monkeypatch.setattr(SequenceGrammar, "validate_tokens",
