@@ -135,7 +135,6 @@ class XgrammarBackend:
         bitmask[rows, :words] = narrow
         bitmask[rows, words:] = 0
 
-
     def fill_draft_rows(self, matchers: Sequence, drafts: Sequence[Sequence[int]], rows: Sequence[Sequence[int]],
                         bitmask: np.ndarray, stop_only_row: np.ndarray) -> None:
         """Speculative decoding: ``matchers[i]`` decides the ``len(drafts[i]) + 1`` rows ``rows[i]`` of ``bitmask``
