@@ -143,7 +143,10 @@ class XgrammarBackend:
         draft position, then every matcher is rolled back to where it was (xgrammar's rollback). A matcher that
         ends on a draft (a stop token) leaves its later rows to ``stop_only_row``; one that refuses a draft (drafts
         are validated before they are scheduled, ``SequenceGrammar.validate_tokens``, so only defensively) repeats
-        its last row: that draft is masked out at its own position, so nothing after it is ever kept."""
+        its last row: that draft is masked out at its own position, so nothing after it is ever kept.
+
+        Why not xgrammar's ``GrammarMatcher.traverse_draft_tree`` (a chain is a tree): one call per matcher rather
+        than per position, and it raises on a draft that ends the grammar (the stop token, a valid draft)."""
         batch = _batch_matcher(1)
         live = list(range(len(matchers)))
         frozen: dict[int, np.ndarray] = {}  # matcher -> the row its later positions repeat
