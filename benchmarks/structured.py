@@ -15,7 +15,8 @@ streams would see them). Every request sets ``ignore_eos``: once a constrained r
 allowed, so each request still runs to its workload length and both runs generate the same tokens.
 Prints one JSON line per figure: ``grammar_compile_ms`` (p50 / p99 over the schemas, each compiled cold),
 ``grammar_host_us`` (host work per step for ``max_num_seqs / 2`` constrained rows: the bitmask fill and the matcher
-advance, per row and per step), ``throughput`` (per run: output tok/s and the physical floor's fraction),
+advance, per row and per step; ``with_drafts``: speculative decoding's, 4 drafts a row validated and k + 1 rows a
+grammar filled), ``throughput`` (per run: output tok/s and the physical floor's fraction),
 ``constrained_over_unconstrained`` (the throughput ratio; target >= 0.85).
 """
 
@@ -100,7 +101,44 @@ def _grammar_host_us(engine, schemas: list[dict], num_rows: int, num_steps: int 
     return {"figure": "grammar_host_us", "rows": num_rows, "fill_per_step": fill, "fill_per_row": fill / num_rows,
             "accept_per_step": accept, "accept_per_row": accept / num_rows,
             "fill_threads": fill_threads(num_rows), "fill_per_step_by_threads": _fill_us_by_threads(grammars, engine),
+            "with_drafts": _draft_host_us(grammars, engine.vocab_size),
             "grammar_vocab_size": grammars[0].backend.grammar_vocab_size}
+
+
+def _draft_host_us(grammars: list, vocab_size: int, k: int = 4, repeats: int = 24) -> dict:
+    """Speculative decoding's grammar work per step for ``grammars`` (``SequenceGrammar``s, at their current states)
+    with up to ``k`` drafts each, a random path each grammar allows: validating the drafts (``validate_tokens``) and
+    filling every sampled row (``fill_step_bitmask``: k + 1 rows a grammar), against the fill of one row each; median
+    microseconds per step. The grammars are left where they were."""
+    import numpy as np
+
+    from paged_jax.structured_output import fill_step_bitmask
+
+    rng = np.random.default_rng(1)
+    drafts, first = {}, len(grammars)
+    for row, grammar in enumerate(grammars):
+        matcher, path = grammar.live_matcher(), []
+        while matcher is not None and len(path) < k and not matcher.is_terminated():
+            mask = fill_step_bitmask([grammar], 1, vocab_size)[0]
+            path.append(int(rng.choice(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")))))
+            assert matcher.accept_token(path[-1])
+        if path:
+            matcher.rollback(len(path))
+            drafts[row], first = (path, first), first + len(path)
+
+    def median_us(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e6 * float(np.median(times))
+
+    return {"k": k, "draft_tokens": first - len(grammars),
+            "validate_per_step": median_us(lambda: [g.validate_tokens(drafts.get(i, ((), 0))[0])
+                                                    for i, g in enumerate(grammars)]),
+            "fill_per_step": median_us(lambda: fill_step_bitmask(grammars, first, vocab_size, drafts)),
+            "fill_per_step_without_drafts": median_us(lambda: fill_step_bitmask(grammars, len(grammars), vocab_size))}
 
 
 def _fill_us_by_threads(grammars: list, engine, repeats: int = 24) -> dict:

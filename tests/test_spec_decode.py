@@ -1,7 +1,7 @@
 """Speculative decoding (ngram, suffix): the config's start-up errors, the proposers, the scheduler's draft slots and
 rollback, and on the engine: greedy and seeded outputs identical to decoding without drafts (stop strings, n > 1,
-penalties, logprobs), rollback under preemption, the target distribution kept (chi-square), vLLM's metrics, and
-nothing compiled after warm-up."""
+penalties, logprobs; constrained sequences verifying the drafts their grammar allows), rollback under preemption, the
+target distribution kept (chi-square), vLLM's metrics, and nothing compiled after warm-up."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec_decode import SpeculativeConfig, parse_speculative_config
 from paged_jax.spec_decode.ngram import NgramProposer
 from paged_jax.spec_decode.suffix import SuffixProposer
-from paged_jax.spec_decode.verify import mean_acceptance_length, num_accepted
+from paged_jax.spec_decode.verify import mean_acceptance_length, num_accepted, per_position
 from tests.test_engine import assert_clean, make_engine, run_to_completion
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -434,19 +434,56 @@ def test_tensor_parallel_engine_verifies_drafts(tiny_checkpoint):
     assert_clean(engine)
 
 
-def test_structured_output_rows_decode_without_drafts_beside_drafting_rows(spec_llms, plain_engine, prompts):
-    """A constrained sequence (no drafts: its grammar masks one next token per step) and free ones in the same
-    steps: every output equals the engine's without drafts."""
-    from paged_jax.sampling_params import StructuredOutputsParams
+GRAMMAR_SCHEMA = {"type": "object", "properties": {"animal": {"enum": ["cat", "dog"]}, "place": {"enum": ["mat", "log"]}},
+                  "required": ["animal", "place"], "additionalProperties": False}
+GRAMMAR_CHOICES = ["The cat sat on the mat. The dog sat on the log.", "The dog sat on the mat."]
 
-    params = [SamplingParams(max_tokens=12, temperature=0,
-                             structured_outputs=StructuredOutputsParams(regex="(one two )+three"))] + [
-        SamplingParams(max_tokens=12, temperature=0)] * (len(prompts) - 1)
-    expected = run_to_completion(plain_engine, prompts, params)
-    engine = spec_llms(NGRAM).llm_engine
-    before = engine.stats()["spec_decode_num_drafts"]
-    assert_same_outputs(run_to_completion(engine, prompts, params), expected)
-    assert engine.stats()["spec_decode_num_drafts"] > before
+
+@pytest.mark.parametrize("speculative_config", [NGRAM, pytest.param(SUFFIX, marks=pytest.mark.slow)],
+                         ids=["ngram", "suffix"])
+def test_structured_output_rows_verify_drafts_their_grammar_allows(speculative_config, spec_llms, plain_engine,
+                                                                   prompts, monkeypatch, smollm2_tokenizer):
+    """Constrained sequences (regex, choice, JSON schema) take drafts: those their grammar forbids are cut before
+    they are scheduled, every verified position is masked; outputs (and a free row's beside them) equal the engine's
+    without drafts, match their grammars, and the counters add up; nothing compiled after warm-up."""
+    import json
+    import re
+
+    import jsonschema_rs
+
+    from paged_jax.sampling_params import StructuredOutputsParams
+    from paged_jax.structured_output.backend import XgrammarBackend
+    from paged_jax.structured_output.manager import SequenceGrammar
+
+    specs = [StructuredOutputsParams(regex="(one two )+three"), StructuredOutputsParams(choice=GRAMMAR_CHOICES),
+             StructuredOutputsParams(json=GRAMMAR_SCHEMA, disable_any_whitespace=True)]
+    # The target's favourite token at every position is one no grammar allows: only the masks keep it out.
+    banned = {smollm2_tokenizer.encode(" banana")[0]: 100.0}
+    params = [SamplingParams(max_tokens=24, temperature=0, structured_outputs=spec, logit_bias=banned)
+              for spec in specs]
+    many = prompts + [prompts[2], prompts[0]]
+    params += [params[0], SamplingParams(max_tokens=12, temperature=0)]
+    expected = run_to_completion(plain_engine, many, params)
+    engine = spec_llms(speculative_config).llm_engine
+    validated = []  # (drafts proposed, drafts kept) of the constrained rows
+    validate = SequenceGrammar.validate_tokens
+    monkeypatch.setattr(SequenceGrammar, "validate_tokens",
+                        lambda self, drafts: validated.append((drafts, validate(self, drafts))) or validated[-1][1])
+    before = engine.stats()
+    got = run_to_completion(engine, many, params)
+    assert_same_outputs(got, expected)
+    for out, p in zip(got, params[:4]):  # every kept token continues the grammar (the last row ran to max_tokens)
+        matcher = XgrammarBackend.new_matcher(engine.engine_core.structured_outputs.grammar_for(
+            p.structured_outputs).result())
+        assert all(matcher.accept_token(t) for t in out.outputs[0].token_ids)
+    texts = [out.outputs[0].text for out in got]
+    assert re.fullmatch("(one two )+three", texts[0]) and texts[1] in GRAMMAR_CHOICES
+    assert jsonschema_rs.validator_for(GRAMMAR_SCHEMA).is_valid(json.loads(texts[2]))
+    assert any(kept == drafts for drafts, kept in validated)  # whole drafts kept ...
+    assert any(len(kept) < len(drafts) for drafts, kept in validated)  # ... and drafts cut at a forbidden token
+    stats = {key: value - before.get(key, 0) for key, value in engine.stats().items() if key.startswith("spec_")}
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert sum(per_position(stats)) == stats["spec_decode_num_accepted_tokens"]
     assert_clean(engine)
 
 

@@ -1,7 +1,8 @@
 """Model drafters (``draft_model``, ``eagle``, ``eagle3``): start-up refusals, the look-ahead slots, the target's
 EAGLE-3 feature states against transformers, the published head layouts, and on the engine: outputs identical to
-decoding without drafts (greedy with logprobs, stop strings with n = 2, seeded sampling with penalties), each step's
-drafts equal to the drafter's dense reference math, vLLM's counters consistent, nothing compiled after warm-up."""
+decoding without drafts (greedy with logprobs, stop strings with n = 2, seeded sampling with penalties; constrained
+sequences, their drafts cut to the grammar), each step's drafts equal to the drafter's dense reference math, vLLM's
+counters consistent, nothing compiled after warm-up."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.llm_engine import LLMEngine
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from paged_jax.spec_decode import parse_speculative_config
 from paged_jax.spec_decode.verify import per_position
 from tests.test_engine import assert_clean, make_engine, run_to_completion
@@ -203,11 +204,15 @@ def prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(prompts):
-    """Outputs without drafts, of tests/test_engine.py's roomy engine (its compiled shapes are in the persistent
-    compilation cache when that file ran first: CI time)."""
-    engine = make_engine()
-    return [run_to_completion(engine, prompts, params) for params in PARAMS]
+def plain_engine():
+    """tests/test_engine.py's roomy engine, without drafts (its compiled shapes are in the persistent compilation
+    cache when that file ran first: CI time)."""
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_engine, prompts):
+    return [run_to_completion(plain_engine, prompts, params) for params in PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +262,33 @@ def test_model_drafter_outputs_equal_decoding_without_drafts(method, drafter_eng
     assert_counters_consistent(stats, K)
     if method == "draft_model":  # two of the target's own layers draft some of its tokens
         assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert_clean(engine)
+
+
+def test_model_drafter_drafts_are_cut_to_the_grammar(drafter_engines, plain_engine, prompts, smollm2_tokenizer,
+                                                     monkeypatch):
+    """Constrained sequences (regex, choice, JSON schema; the target's favourite token one no grammar allows) on the
+    draft model: its drafts, proposed on the device, are cut on the host to what the grammar allows before they are
+    scheduled, each verified position is masked, and the outputs equal the engine's without drafts."""
+    from paged_jax.structured_output.manager import SequenceGrammar
+    from tests.test_spec_decode import GRAMMAR_CHOICES, GRAMMAR_SCHEMA
+
+    banned = {smollm2_tokenizer.encode(" banana")[0]: 100.0}
+    specs = [StructuredOutputsParams(regex="(one two )+three"), StructuredOutputsParams(choice=GRAMMAR_CHOICES),
+             StructuredOutputsParams(json=GRAMMAR_SCHEMA, disable_any_whitespace=True)]
+    params = [SamplingParams(max_tokens=16, temperature=0, structured_outputs=spec, logit_bias=banned)
+              for spec in specs]
+    expected = run_to_completion(plain_engine, prompts, params)
+    validated = []  # (drafts proposed, drafts kept)
+    validate = SequenceGrammar.validate_tokens
+    monkeypatch.setattr(SequenceGrammar, "validate_tokens",
+                        lambda self, drafts: validated.append((drafts, validate(self, drafts))) or validated[-1][1])
+    engine = drafter_engines("draft_model")
+    before = engine.stats()
+    assert_same_outputs(run_to_completion(engine, prompts, params), expected)
+    assert any(kept for _, kept in validated) and any(len(kept) < len(drafts) for drafts, kept in validated)
+    stats = {key: engine.stats()[key] - before.get(key, 0) for key in before if key.startswith("spec_decode_num")}
+    assert_counters_consistent(stats, K)  # drafts verified: the 2-layer drafter's guesses the grammar allows
     assert_clean(engine)
 
 

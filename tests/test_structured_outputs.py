@@ -249,3 +249,72 @@ def test_padded_vocabulary_bitmask_equals_xgrammars_own(smollm2_tokenizer, monke
             grammar.accept(int(allowed[len(allowed) // 2]))
             assert matcher.accept_token(int(allowed[len(allowed) // 2]))
     manager.close()
+
+
+def test_drafts_are_validated_and_every_draft_position_masked(smollm2_tokenizer):
+    """Speculative decoding on a tiny grammar: drafts are cut at the first token the grammar forbids (and after the
+    stop token that ends it), leaving the matcher where it was; the step bitmask gives each draft position the mask
+    of the grammar advanced through the drafts before it (xgrammar's own masks), rows after the grammar ended only
+    the stop tokens, rows after a forbidden draft (never validated) repeat its mask; the matcher is rolled back."""
+    import numpy as np
+
+    from paged_jax.structured_output import StructuredOutputManager, fill_step_bitmask
+    from paged_jax.structured_output.backend import XgrammarBackend
+
+    tokenizer, eos = smollm2_tokenizer, smollm2_tokenizer.eos_token_id
+    vocab_size = len(tokenizer)
+    manager = StructuredOutputManager(tokenizer, vocab_size, [eos])
+    compiled = manager.grammar_for(StructuredOutputsParams(choice=["one two three", "one four"]))
+    grammar = manager.new_sequence(compiled)
+    one, two, three = (tokenizer.encode(text) for text in ("one", " two", " three"))
+    five = tokenizer.encode(" five")
+    assert grammar.validate_tokens(one + two + five + three) == one + two
+    assert grammar.validate_tokens(one + two + three + [eos] + one) == one + two + three + [eos]
+    assert grammar.validate_tokens(five + one) == [] and grammar.validate_tokens([]) == []
+
+    def reference(prefix: list[int]) -> np.ndarray:  # xgrammar's mask after ``prefix``, on a matcher of its own
+        matcher = XgrammarBackend.new_matcher(compiled.result())
+        assert all(matcher.accept_token(t) for t in prefix)
+        row = np.full((1, bitmask.shape[1]), -1, np.int32)
+        matcher.fill_next_token_bitmask(row, 0)
+        return row[0]
+
+    drafts = {1: (one + two + three + [eos], 3), 2: (one + five + two, 7)}  # row -> (drafts, first draft row)
+    other = manager.new_sequence(compiled)
+    for _ in range(2):  # the second time from the same (rolled back) matchers
+        bitmask = fill_step_bitmask([None, grammar, other], 12, vocab_size, drafts)
+        assert (bitmask[[0, 10, 11]] == -1).all()  # free row and padding
+        for j, row in enumerate([3, 4, 5, 6]):  # row 1's drafts: the grammar after drafts[:j]
+            np.testing.assert_array_equal(bitmask[row], reference((one + two + three)[:j]))
+        np.testing.assert_array_equal(bitmask[1], manager.stop_only_row)  # after the stop token
+        np.testing.assert_array_equal(bitmask[7], reference([]))
+        np.testing.assert_array_equal(bitmask[8], reference(one))
+        np.testing.assert_array_equal(bitmask[9], reference(one))  # " five" refused: its mask repeats
+        np.testing.assert_array_equal(bitmask[2], reference(one))
+        assert not np.unpackbits(bitmask[8].view(np.uint8), bitorder="little")[five[0]]
+    np.testing.assert_array_equal(fill_step_bitmask([grammar], 1, vocab_size)[0], reference([]))  # rolled back
+    for token in one + two:  # the kept tokens
+        grammar.accept(token)
+    np.testing.assert_array_equal(fill_step_bitmask([grammar], 1, vocab_size)[0], reference(one + two))
+    assert grammar.error is None
+    manager.close()
+
+
+def test_draft_host_benchmark_leaves_the_grammars_where_they_were(smollm2_tokenizer):
+    """benchmarks/structured.py's speculative-decoding figure on three schemas: drafts walked, validated and filled,
+    timings positive, every grammar's mask the same afterwards."""
+    import numpy as np
+
+    from benchmarks.structured import _draft_host_us
+    from paged_jax.structured_output import StructuredOutputManager, fill_step_bitmask
+
+    vocab_size = len(smollm2_tokenizer)
+    manager = StructuredOutputManager(smollm2_tokenizer, vocab_size, [smollm2_tokenizer.eos_token_id])
+    grammars = [manager.new_sequence(manager.grammar_for(StructuredOutputsParams(json=schema)))
+                for schema in varied_schemas(3)]
+    before = fill_step_bitmask(grammars, 3, vocab_size)
+    figure = _draft_host_us(grammars, vocab_size, k=3, repeats=2)
+    assert figure["k"] == 3 and figure["draft_tokens"] == 9
+    assert min(figure["validate_per_step"], figure["fill_per_step"], figure["fill_per_step_without_drafts"]) > 0
+    np.testing.assert_array_equal(fill_step_bitmask(grammars, 3, vocab_size), before)
+    manager.close()

@@ -428,6 +428,9 @@ class EngineCore:
                 continue
             if row in draft_rows:
                 tokens = request.output_token_ids[output_index:]
+                if request.grammar is not None:  # the kept drafts and the token after them
+                    for token in tokens:
+                        request.grammar.accept(token)
                 outputs.append(token_output(group, index, request, tokens, result, row, self.routed_experts,
                                             self.pooling))
                 self.generation_tokens_total += len(tokens)

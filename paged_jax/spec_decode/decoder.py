@@ -17,9 +17,14 @@ from paged_jax.worker.step_io import StepOutput
 class SpecDecoder:
     """The proposer of ``config.method`` and the counters of one engine core.
 
-    Sequences that never take drafts: those with a grammar (structured outputs: the bitmask is per sampled row of
-    the sequence's next token only) and beam-search beams (held after every token); they decode one token per step,
-    with the same outputs."""
+    A sequence with a grammar (structured outputs) takes the drafts its grammar allows, as vLLM's: ``propose``
+    truncates them at the first token the grammar forbids (``SequenceGrammar.validate_tokens``, on the host, also
+    for a model drafter's drafts, which come back with the step's result before the next step is scheduled), the
+    verify step masks every sampled position of the sequence, draft position j with the grammar advanced through the
+    first j drafts (``structured_output.fill_step_bitmask``), and the grammar then accepts the tokens kept. The
+    target's distribution at each position is the masked one, so verification stays exact: greedy outputs equal
+    those without drafts, and a forbidden token is never kept. Beam-search beams (held after every token) never take
+    drafts: they decode one token per step, with the same outputs."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -44,16 +49,17 @@ class SpecDecoder:
             if request.is_finished:
                 self._finish(request)
                 continue
-            if disabled or request.grammar is not None or request.hold_after_sample:
+            if disabled or request.hold_after_sample:
                 request.spec_token_ids = []
-            elif ngram is not None:
-                request.spec_token_ids = ngram.propose(request.request_id, request.prompt_token_ids,
-                                                       request.output_token_ids)
+                continue
+            if ngram is not None:
+                drafts = ngram.propose(request.request_id, request.prompt_token_ids, request.output_token_ids)
             elif model_method:
-                request.spec_token_ids = (proposed or {}).get(request.request_id, [])
+                drafts = (proposed or {}).get(request.request_id, [])
             else:
-                request.spec_token_ids = self._suffix.propose(request.request_id, request.all_token_ids,
-                                                              request.num_prompt_tokens)
+                drafts = self._suffix.propose(request.request_id, request.all_token_ids, request.num_prompt_tokens)
+            grammar = request.grammar  # constrained: the drafts before the first one its grammar forbids
+            request.spec_token_ids = grammar.validate_tokens(drafts) if grammar is not None and drafts else drafts
 
     def prepare(self, requests: Iterable[Request], num_running: int) -> None:
         """While the device computes a step of ``requests``: the n-gram proposer's work that needs only the tokens
@@ -62,7 +68,7 @@ class SpecDecoder:
         if ngram is None or (limit is not None and num_running >= limit):
             return
         for request in requests:
-            if request.grammar is None and not request.hold_after_sample and not request.is_finished:
+            if not request.hold_after_sample and not request.is_finished:
                 ngram.prepare(request.request_id, request.prompt_token_ids, request.output_token_ids)
 
     def _finish(self, request: Request) -> None:

@@ -6,10 +6,11 @@ sequence and masks, every step, the tokens that would leave it.
   compiled grammar (slow: a token-mask cache per grammar), matchers.
 * ``manager``: ``StructuredOutputManager`` (compile thread pool, cache keyed by the spec) and
   ``SequenceGrammar`` (one matcher per output sequence: ready?, accept, fill its bitmask row).
-* ``bitmask``: the step's packed bitmask (host; the device applies it with ``logit_processing.apply_allowed_token_mask``).
+* ``bitmask``: the step's packed bitmask, a row per sampled position, draft positions included (host; the device
+  applies it with ``logit_processing.apply_allowed_token_mask``).
 """
 
-from paged_jax.structured_output.bitmask import fill_step_bitmask
+from paged_jax.structured_output.bitmask import fill_step_bitmask, step_grammars
 from paged_jax.structured_output.manager import SequenceGrammar, StructuredOutputManager
 
-__all__ = ["StructuredOutputManager", "SequenceGrammar", "fill_step_bitmask"]
+__all__ = ["StructuredOutputManager", "SequenceGrammar", "fill_step_bitmask", "step_grammars"]

@@ -135,6 +135,43 @@ class XgrammarBackend:
         bitmask[rows, :words] = narrow
         bitmask[rows, words:] = 0
 
+    def fill_draft_rows(self, matchers: Sequence, drafts: Sequence[Sequence[int]], rows: Sequence[Sequence[int]],
+                        bitmask: np.ndarray, stop_only_row: np.ndarray) -> None:
+        """Speculative decoding: ``matchers[i]`` decides the ``len(drafts[i]) + 1`` rows ``rows[i]`` of ``bitmask``
+        (i32[R, ceil(V / 32)]), row j the allowed tokens after it has accepted ``drafts[i][:j]`` (vLLM's bitmask of
+        every draft position). Position by position over the whole step: one ``fill_rows`` and one batch accept per
+        draft position, then every matcher is rolled back to where it was (xgrammar's rollback). A matcher that
+        ends on a draft (a stop token) leaves its later rows to ``stop_only_row``; one that refuses a draft (drafts
+        are validated before they are scheduled, ``SequenceGrammar.validate_tokens``, so only defensively) repeats
+        its last row: that draft is masked out at its own position, so nothing after it is ever kept.
+
+        Why not xgrammar's ``GrammarMatcher.traverse_draft_tree`` (a chain is a tree): one call per matcher rather
+        than per position, and it raises on a draft that ends the grammar (the stop token, a valid draft)."""
+        batch = _batch_matcher(1)
+        live = list(range(len(matchers)))
+        frozen: dict[int, np.ndarray] = {}  # matcher -> the row its later positions repeat
+        num_accepted = [0] * len(matchers)
+        for pos in range(max(map(len, drafts), default=0) + 1):
+            live = [i for i in live if pos <= len(drafts[i])]
+            if live:
+                self.fill_rows([matchers[i] for i in live], bitmask, [rows[i][pos] for i in live])
+            for i, row in frozen.items():
+                if pos <= len(drafts[i]):
+                    bitmask[rows[i][pos]] = row
+            advancing = [i for i in live if pos < len(drafts[i])]
+            if not advancing:
+                continue
+            accepted = batch.batch_accept_token([matchers[i] for i in advancing],
+                                                [int(drafts[i][pos]) for i in advancing])
+            for i, ok in zip(advancing, accepted):
+                num_accepted[i] += ok
+                if not ok or matchers[i].is_terminated():
+                    frozen[i] = stop_only_row if ok else bitmask[rows[i][pos]].copy()
+            live = [i for i in live if i not in frozen]
+        rolled = [i for i, n in enumerate(num_accepted) if n]
+        if rolled:
+            batch.batch_rollback([matchers[i] for i in rolled], [num_accepted[i] for i in rolled])
+
 
 def fill_threads(num_rows: int) -> int:
     """xgrammar threads for a step's fill of ``num_rows`` grammar rows: one below ``PARALLEL_FILL_MIN_ROWS``, else up

@@ -7,9 +7,12 @@ grammar is still compiling waits in the scheduler's waiting queue (``Request.gra
 WAITING_FOR_FSM requests do; the rest of the batch runs on.
 
 ``SequenceGrammar`` is one output sequence's matcher (n > 1: one each). It advances only with real, confirmed tokens
-(``LLMEngine._on_token``, in output order, also under async scheduling where a token reaches the host a step late),
-so it always describes ``request.output_token_ids``: a preemption (recompute or swap) keeps the output tokens, hence
-the matcher needs no rollback, and a token sampled for a sequence that already ended is never fed to it.
+(``EngineCore._token_outputs``, in output order, also under async scheduling where a token reaches the host a step
+late; a row that verified drafts: its kept drafts and the token after them), so it always describes
+``request.output_token_ids``: a preemption (recompute or swap) keeps the output tokens, hence the matcher needs no
+rollback, and a token sampled for a sequence that already ended is never fed to it. Speculative decoding advances it
+through a sequence's drafts twice and rolls it back each time: to validate them before they are scheduled
+(``validate_tokens``) and to fill the bitmask of every draft position (``bitmask.fill_step_bitmask``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,18 @@ class SequenceGrammar:
             self.error = f"token {int(token_id)} does not continue the grammar"
             self._matcher = None
             logger.warning("structured output: %s; only stop tokens are allowed from here on", self.error)
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> list[int]:
+        """The longest prefix of ``token_ids`` (a sequence's drafts) the grammar allows from where it is (vLLM's
+        ``validate_tokens``): the matcher advances through them and is rolled back; [] once ended or failed."""
+        matcher = self.live_matcher()
+        count = 0
+        while (matcher is not None and count < len(token_ids) and not matcher.is_terminated()
+               and matcher.accept_token(int(token_ids[count]))):
+            count += 1
+        if count:
+            matcher.rollback(count)
+        return list(token_ids[:count])
 
     def live_matcher(self):
         """The xgrammar matcher that decides the next token, or None once the grammar has ended or failed (then

@@ -58,7 +58,7 @@ from paged_jax.worker.step_packing import StepRows, pack_step
 from paged_jax.ops.qk_prepare import check_qk_prepare_impl
 from paged_jax.parallel import ShardingPlan
 from paged_jax.parallel.multihost import local_copies
-from paged_jax.structured_output import fill_step_bitmask
+from paged_jax.structured_output import fill_step_bitmask, step_grammars
 from paged_jax.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -408,7 +408,8 @@ class ModelRunner:
                                 packed.num_logprobs, packed.wants_logprobs)
         # Grammar rows: the forward first, the bitmask is filled while it runs (only the sampling needs it).
         self.dispatcher.dispatch(handle, packed.buf, layout.num_tokens, layout.num_seqs, sampling,
-                                 grammars=self._step_grammars(scheduler_output.grammars, packed),
+                                 grammars=step_grammars(scheduler_output.grammars, scheduler_output.spec_token_ids,
+                                                        self.input_batch.req_ids, packed),
                                  num_rows=layout.num_sample_rows)
         if self.host_pool is not None:  # the saves' transfers, dispatched off the forward's path
             self.host_pool.finish_saves()
@@ -425,7 +426,8 @@ class ModelRunner:
         if pending is None:
             return
         if grammar_bitmask is None:
-            grammar_bitmask = fill_step_bitmask(*pending, self.vocab_size)
+            (grammars, drafts), num_rows = pending
+            grammar_bitmask = fill_step_bitmask(grammars, num_rows, self.vocab_size, drafts)
         if self.step_channel is not None:
             self.step_channel.publish("bitmask", grammar_bitmask)
         self.dispatcher.dispatch_sampling(handle, grammar_bitmask)
@@ -543,15 +545,6 @@ class ModelRunner:
                 batch.token_ids[row, start:start + len(drafts)] = drafts
                 num_drafts[step_row] = len(drafts)
         return num_drafts
-
-    def _step_grammars(self, grammars: dict, packed) -> list | None:
-        """The grammar of each packed row that samples (None: unconstrained), or None when no row has one."""
-        if not grammars:
-            return None
-        req_ids = self.input_batch.req_ids
-        out = [grammars.get(req_ids[row]) if sampled else None
-               for row, sampled in zip(packed.packed_batch_rows.tolist(), packed.packed_sampled.tolist())]
-        return out if any(g is not None for g in out) else None
 
     # ------------------------------------------------------------------ swapping
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]], *,

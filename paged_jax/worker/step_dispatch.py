@@ -54,12 +54,13 @@ class SamplingArgs:
 @dataclasses.dataclass
 class DeferredSampling:
     """A step whose forward is dispatched and whose sampling waits for ``dispatch_sampling``: its handle, the forward's
-    device outputs (or their Future on the dispatch thread), the grammar of each packed row (None: free), the
-    sampler row count R and its ``SamplingArgs``."""
+    device outputs (or their Future on the dispatch thread), its grammars (``structured_output.step_grammars``: the
+    grammar of each packed row, None: free, and the drafts of the constrained rows that verify some), the sampler
+    row count R and its ``SamplingArgs``."""
 
     handle: PendingStep
     forward: tuple | concurrent.futures.Future
-    grammars: list
+    grammars: tuple[list, dict]
     num_rows: int
     sampling: SamplingArgs
 
@@ -88,9 +89,10 @@ class StepDispatcher:
         return self._last
 
     def dispatch(self, handle: PendingStep, buf: np.ndarray, num_tokens: int, num_seqs: int, sampling: SamplingArgs,
-                 *, grammars: list | None = None, num_rows: int = 0) -> None:
-        """Hand a built step over: whole, or (``grammars``: each packed row's grammar, some not None; ``num_rows``:
-        the sampler's R) the forward alone, its sampling left for ``dispatch_sampling`` with the bitmask."""
+                 *, grammars: tuple[list, dict] | None = None, num_rows: int = 0) -> None:
+        """Hand a built step over: whole, or (``grammars``: ``structured_output.step_grammars``' rows, some
+        constrained; ``num_rows``: the sampler's R) the forward alone, its sampling left for ``dispatch_sampling``
+        with the bitmask."""
         if self.deferred is not None:
             raise RuntimeError("execute: the previous step's sampling was never dispatched (dispatch_sampling)")
         device = self.device
@@ -101,7 +103,7 @@ class StepDispatcher:
         forward = self.submit(device.run_forward, buf, num_tokens, num_seqs)
         self.deferred = DeferredSampling(handle, forward, grammars, num_rows, sampling)
 
-    def pending_bitmask_rows(self, handle: PendingStep) -> tuple[list, int] | None:
+    def pending_bitmask_rows(self, handle: PendingStep) -> tuple[tuple[list, dict], int] | None:
         """``(grammars, R)`` of ``handle``'s step while its sampling waits for a bitmask, else None."""
         deferred = self.deferred
         if deferred is None or deferred.handle is not handle:
