@@ -4,11 +4,21 @@
 ``models.loader`` builds it, ``nnx.to_pure_dict`` of it, or a flat dict keyed by dotted model paths such as
 ``model.layers.0.self_attn.q_proj.kernel``) or under HF names (``model.layers.0.self_attn.q_proj.weight``, ``[out,
 in]``), checks every name, shape and dtype against the engine's model before touching anything (a ValueError naming
-the parameter; the engine keeps its weights), moves each array onto the engine's device (device to device; host
-arrays are uploaded), and re-applies the engine's weight transforms in one jitted program: online quantization
-(``--quantization fp8`` / ``int8``) and fused q/k/v and gate/up projections. Its outputs are fresh buffers with the
-shardings of the runner's parameter leaves, so the step executables run them unchanged (no compile), and the old
-buffers are deleted at once. LoRA adapters live in their own slots and are untouched.
+the parameter; the engine keeps its weights), moves each array onto the engine's devices (device to device from any
+device or sharding; host arrays are uploaded) and re-applies the engine's weight transforms in one jitted program,
+exactly as the engine's loader applied them:
+
+* one device: online quantization (``--quantization fp8`` / ``int8``), then fused q/k/v and gate/up projections;
+* tensor parallel (``tensor_parallel_size`` > 1, a ``ShardingPlan``; each data-parallel replica updates its own):
+  each array goes straight into the shards of its parameter (``ShardingPlan.param_spec``: a device receives only
+  its slice), then online quantization and the head rewrite (``ShardingPlan.rewrite_param``, heads that do not
+  divide tp); projections stay unfused, experts split over their width or, with expert parallelism, whole.
+
+Its outputs are fresh buffers with the shardings of the runner's parameter leaves, so the step executables run them
+unchanged (no compile), and the old buffers are deleted at once. LoRA adapters live in their own slots and are
+untouched. Refused (ValueError at construction, naming the setting): ``pipeline_parallel_size`` > 1 (each stage's
+forward holds its own split of the weights), an engine spanning several processes (``nnodes`` > 1: the other
+hosts would keep the old weights) and pre-quantized checkpoints (``quantization``).
 
 ``read_checkpoint`` reads an HF safetensors directory or an orbax checkpoint of the model's state (as
 ``nnx.to_pure_dict(nnx.state(model))``) into the flat dict ``update`` takes, cast to the engine's dtype.
@@ -24,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import weight_cache
 from models.llama import fuse_projections
@@ -31,6 +42,7 @@ from models.loader import (abstract_flat_state, checkpoint_tensor_files, hf_name
                            to_model_layout)
 from models.moe import checkpoint_prefix
 from models.quantization.load import quantize_model
+from paged_jax.parallel import ShardingPlan
 
 
 def dotted_name(key_path: tuple) -> str:
@@ -61,14 +73,12 @@ class WeightUpdater:
       runner: the engine's ``ModelRunner`` (its ``param_leaves`` are replaced).
       config: the model's ``ModelConfig`` (the layout checked against).
       quantization: the engine's ``QuantConfig`` or None.
-    Raises (at construction): ValueError naming what the update cannot serve: ``tensor_parallel_size`` /
-    ``pipeline_parallel_size`` > 1 and pre-quantized checkpoints (``quantization``).
+    Raises (at construction): ValueError naming what the update cannot serve: ``pipeline_parallel_size`` > 1,
+    ``nnodes`` > 1 and pre-quantized checkpoints (``quantization``).
     """
 
     def __init__(self, runner, config, quantization=None):
-        if runner.sharding_plan is not None:
-            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1: weight updates need a one-device "
-                             "engine for now")
+        self.plan = _tensor_parallel_plan(runner.sharding_plan)
         if quantization is not None and quantization.serialized:
             raise ValueError(f"quantization={quantization.method!r}: weight updates take full-precision weights and "
                              "re-quantize them online (fp8, int8); a pre-quantized format cannot be rebuilt")
@@ -90,6 +100,8 @@ class WeightUpdater:
         self._out_shardings = [leaf.sharding for leaf in runner.param_leaves]
         self._out_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in runner.param_leaves]
         self._device = runner.input_sharding()
+        self._input_shardings = [self._param_shardings(path, tuple(spec.shape))
+                                 for (path, _), spec in zip(self._abstract, self._specs)]
         self._jitted: dict[tuple[bool, ...], Any] = {}
         self._checked_layout = False
 
@@ -99,7 +111,8 @@ class WeightUpdater:
         to the engine's (checkpoints on disk); else a dtype mismatch is an error. Raises ValueError naming the
         first parameter that is missing, unexpected, or of the wrong shape or dtype; nothing changes then."""
         leaves, transposed = self._match(flatten_named(params), cast)
-        placed = [jax.device_put(leaf, self._device) for leaf in leaves]
+        placed = [jax.device_put(leaf, shardings[flip]) for leaf, shardings, flip
+                  in zip(leaves, self._input_shardings, transposed)]
         if cast:
             placed = [leaf.astype(spec.dtype) for leaf, spec in zip(placed, self._specs)]
         new_leaves = self._transform(transposed)(placed)
@@ -107,6 +120,21 @@ class WeightUpdater:
         for leaf in old_leaves:
             if leaf is not None and not leaf.is_deleted():
                 leaf.delete()
+
+    def input_sharding(self, name: str, transposed: bool = False) -> jax.sharding.Sharding:
+        """Where the value of model parameter ``name`` (dotted model path) goes before the transform: the engine's
+        device, or under tensor parallelism its parameter's shards (``transposed``: for the ``[..., out, in]``
+        array of an HF weight)."""
+        return self._input_shardings[self._names[name][0]][transposed]
+
+    def _param_shardings(self, path: tuple, shape: tuple[int, ...]) -> tuple:
+        """(model layout's sharding, the transposed array's) of one checkpoint-shaped parameter."""
+        if self.plan is None:
+            return self._device, self._device
+        spec = tuple(self.plan.param_spec(path, shape))
+        spec = spec + (None,) * (len(shape) - len(spec))
+        swapped = spec[:-2] + spec[:-3:-1] if len(spec) >= 2 else spec
+        return NamedSharding(self.plan.mesh, P(*spec)), NamedSharding(self.plan.mesh, P(*swapped))
 
     def check(self, named: dict[str, Any]) -> None:
         """``update``'s checks of names, shapes and dtypes alone, on ``{name: array or jax.ShapeDtypeStruct}``
@@ -152,7 +180,13 @@ class WeightUpdater:
                 model = nnx.merge(self._graphdef, nnx.from_flat_state(flat))
                 if self.quantization is not None:
                     model = quantize_model(model, self.quantization)
-                return jax.tree.leaves(nnx.state(fuse_projections(model)))
+                if self.plan is None:
+                    return jax.tree.leaves(nnx.state(fuse_projections(model)))
+                # The tensor-parallel loader's layout (load_sharded_model, shard_quantized_model): unfused, heads
+                # rewritten.
+                return jax.tree.leaves(nnx.from_flat_state(
+                    [(path, variable.replace(self.plan.rewrite_param(path, variable.get_value(), jnp)))
+                     for path, variable in nnx.to_flat_state(nnx.state(model))]))
 
             if not self._checked_layout:
                 given = [jax.ShapeDtypeStruct(spec.shape[::-1] if flip else spec.shape, spec.dtype)
@@ -174,6 +208,20 @@ class WeightUpdater:
         self._checked_layout = True
 
 
+def _tensor_parallel_plan(plan) -> ShardingPlan | None:
+    """The runner's ``ShardingPlan`` (None on one device); ValueError naming what weight updates cannot serve."""
+    if plan is None:
+        return None
+    if not isinstance(plan, ShardingPlan):
+        raise ValueError(f"pipeline_parallel_size={getattr(plan, 'pipeline_parallel_size', '?')}: weight updates "
+                         "are not supported with pipeline parallelism (each stage's forward holds its own split of "
+                         "the weights); use tensor_parallel_size")
+    if any(device.process_index != jax.process_index() for device in plan.mesh.devices.flat):
+        raise ValueError("nnodes > 1: weight updates need every device of the engine in this process (the other "
+                         "hosts' followers would keep the old weights)")
+    return plan
+
+
 def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str, Any]:
     """The weights of a checkpoint directory as ``{dotted model path: array}`` for ``updater.update(cast=True)``:
     an HF safetensors checkpoint (``model.safetensors`` or an index + shards; names and shapes checked, one tensor
@@ -189,17 +237,20 @@ def read_checkpoint(path: str | os.PathLike, updater: WeightUpdater) -> dict[str
         named = {}
         for param_path, array, transposed in iter_checkpoint_params(checkpoint_tensor_files(directory), expected,
                                                                     updater.config):
-            # Each parameter's own dtype: float8 experts and their float32 scales stay as stored.
-            value = jax.device_put(array, updater._device).astype(dtypes[param_path])
-            named[".".join(map(str, param_path))] = to_model_layout(value, transposed)
+            # Each parameter's own dtype: float8 experts and their float32 scales stay as stored. Under tensor
+            # parallelism each device receives its slice only.
+            name = ".".join(map(str, param_path))
+            value = jax.device_put(array, updater.input_sharding(name, transposed)).astype(dtypes[param_path])
+            named[name] = to_model_layout(value, transposed)
         return named
     if any(directory.glob("*METADATA*")) or (directory / "manifest.ocdbt").is_file():
-        target: dict = {}  # the pure dict's nesting, leaves restored straight onto the engine's device
+        target: dict = {}  # the pure dict's nesting, leaves restored straight into their input shardings
         for (param_path, _), spec in zip(updater._abstract, updater._specs):
             node = target
             for key in param_path[:-1]:
                 node = node.setdefault(key, {})
-            node[param_path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=updater._device)
+            sharding = updater.input_sharding(".".join(map(str, param_path)))
+            node[param_path[-1]] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
         return flatten_named(weight_cache.restore_pytree(directory, target))
     raise ValueError(f"update_weights_from_disk: {path} holds neither safetensors files nor an orbax "
                             "checkpoint")
