@@ -291,14 +291,27 @@ def test_tensor_parallel_update_rebuilds_the_loaders_leaves(checkpoints, moe_che
     _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_b, **layout)[0])
 
 
-def test_pipeline_parallel_updates_are_refused_by_name(checkpoints):
+def test_pipeline_update_rebuilds_each_stages_leaves(tmp_path):
+    """pp = 2 x tp = 4 (heads rewritten), tied embeddings: each stage's parameters land in that stage's shards as the
+    pipeline's loader puts them, and the pipeline's forward is told to take them."""
     from types import SimpleNamespace
 
     from models.config import ModelConfig
+    from models.tensor_parallel import load_sharded_model
     from paged_jax.parallel.pipeline import PipelinePlan
     from paged_jax.worker.weight_update import WeightUpdater
 
-    config = ModelConfig.from_pretrained(checkpoints[0])
-    runner = SimpleNamespace(sharding_plan=PipelinePlan.create(config, 2, 1), param_leaves=[], dtype=jnp.float32)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
-        WeightUpdater(runner, config)
+    paths = [save_random_hf_checkpoint(tiny_config("llama", tie_word_embeddings=True), tmp_path / name, seed=seed)
+             for seed, name in enumerate("ab")]
+    config = ModelConfig.from_pretrained(paths[0])
+    plan = PipelinePlan.create(config, 2, 4)
+    loaded = [jax.tree.leaves(nnx.state(load_sharded_model(path, plan, dtype="float32"))) for path in paths]
+    replaced = []
+    runner = SimpleNamespace(sharding_plan=plan, param_leaves=loaded[0], dtype=jnp.float32,
+                             input_sharding=lambda: plan.replicated,
+                             forward_strategy=SimpleNamespace(param_leaves_replaced=replaced.append))
+    updater = WeightUpdater(runner, config)
+    updater.update(jax.device_put(_state(paths[1]), jax.devices()[0]))
+    assert replaced == [runner]
+    assert {len(leaf.sharding.device_set) for leaf in runner.param_leaves} == {4}  # one stage's devices each
+    _assert_same_leaves(runner.param_leaves, loaded[1])

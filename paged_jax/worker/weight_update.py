@@ -26,6 +26,7 @@ hosts would keep the old weights) and pre-quantized checkpoints (``quantization`
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from models.loader import (abstract_flat_state, checkpoint_tensor_files, hf_name
 from models.moe import checkpoint_prefix
 from models.quantization.load import quantize_model
 from paged_jax.parallel import ShardingPlan
+from paged_jax.parallel.pipeline import PipelinePlan
 
 
 def dotted_name(key_path: tuple) -> str:
@@ -78,7 +80,7 @@ class WeightUpdater:
     """
 
     def __init__(self, runner, config, quantization=None):
-        self.plan = _tensor_parallel_plan(runner.sharding_plan)
+        self.plan = _check_plan(runner.sharding_plan)
         if quantization is not None and quantization.serialized:
             raise ValueError(f"quantization={quantization.method!r}: weight updates take full-precision weights and "
                              "re-quantize them online (fp8, int8); a pre-quantized format cannot be rebuilt")
@@ -117,6 +119,8 @@ class WeightUpdater:
             placed = [leaf.astype(spec.dtype) for leaf, spec in zip(placed, self._specs)]
         new_leaves = self._transform(transposed)(placed)
         old_leaves, self.runner.param_leaves = self.runner.param_leaves, list(new_leaves)
+        if isinstance(self.plan, PipelinePlan):  # its stages hold their own lists of the leaves
+            self.runner.forward_strategy.param_leaves_replaced(self.runner)
         for leaf in old_leaves:
             if leaf is not None and not leaf.is_deleted():
                 leaf.delete()
@@ -131,10 +135,13 @@ class WeightUpdater:
         """(model layout's sharding, the transposed array's) of one checkpoint-shaped parameter."""
         if self.plan is None:
             return self._device, self._device
-        spec = tuple(self.plan.param_spec(path, shape))
+        plan = self.plan  # a pipeline's parameter: its stage's tensor-parallel plan
+        if isinstance(plan, PipelinePlan):
+            plan = plan.stage_plans[plan.stage_of(path)]
+        spec = tuple(plan.param_spec(path, shape))
         spec = spec + (None,) * (len(shape) - len(spec))
         swapped = spec[:-2] + spec[:-3:-1] if len(spec) >= 2 else spec
-        return NamedSharding(self.plan.mesh, P(*spec)), NamedSharding(self.plan.mesh, P(*swapped))
+        return NamedSharding(plan.mesh, P(*spec)), NamedSharding(plan.mesh, P(*swapped))
 
     def check(self, named: dict[str, Any]) -> None:
         """``update``'s checks of names, shapes and dtypes alone, on ``{name: array or jax.ShapeDtypeStruct}``
@@ -171,29 +178,63 @@ class WeightUpdater:
         return leaves, tuple(transposed)
 
     def _transform(self, transposed: tuple[bool, ...]):
-        """The jitted model-layout leaves -> engine leaves program for one transposition pattern."""
+        """The jitted model-layout leaves -> engine leaves program for one transposition pattern (a pipeline: one
+        program per stage)."""
         jitted = self._jitted.get(transposed)
         if jitted is None:
-            def to_engine_layout(leaves):
-                flat = [(path, variable.replace(to_model_layout(leaf, flip)))
-                        for (path, variable), leaf, flip in zip(self._abstract, leaves, transposed)]
-                model = nnx.merge(self._graphdef, nnx.from_flat_state(flat))
-                if self.quantization is not None:
-                    model = quantize_model(model, self.quantization)
-                if self.plan is None:
-                    return jax.tree.leaves(nnx.state(fuse_projections(model)))
-                # The tensor-parallel loader's layout (load_sharded_model, shard_quantized_model): unfused, heads
-                # rewritten.
-                return jax.tree.leaves(nnx.from_flat_state(
-                    [(path, variable.replace(self.plan.rewrite_param(path, variable.get_value(), jnp)))
-                     for path, variable in nnx.to_flat_state(nnx.state(model))]))
-
+            to_engine_layout = functools.partial(self._to_engine_layout, transposed)
             if not self._checked_layout:
                 given = [jax.ShapeDtypeStruct(spec.shape[::-1] if flip else spec.shape, spec.dtype)
                          for spec, flip in zip(self._specs, transposed)]
                 self._check_layout(jax.eval_shape(to_engine_layout, given))
-            jitted = self._jitted[transposed] = jax.jit(to_engine_layout, out_shardings=self._out_shardings)
+            jitted = self._jitted[transposed] = (
+                self._staged_transform(transposed) if isinstance(self.plan, PipelinePlan)
+                else jax.jit(to_engine_layout, out_shardings=self._out_shardings))
         return jitted
+
+    def _to_engine_layout(self, transposed: tuple[bool, ...], leaves: list) -> list:
+        """Model-layout leaves (``self._abstract`` order, ``transposed`` ones as given) -> the runner's leaves, as
+        the engine's loader built them."""
+        flat = [(path, variable.replace(to_model_layout(leaf, flip)))
+                for (path, variable), leaf, flip in zip(self._abstract, leaves, transposed)]
+        model = nnx.merge(self._graphdef, nnx.from_flat_state(flat))
+        if self.quantization is not None:
+            model = quantize_model(model, self.quantization)
+        if self.plan is None:
+            return jax.tree.leaves(nnx.state(fuse_projections(model)))
+        # The sharded loaders' layout (load_sharded_model, shard_quantized_model): unfused, heads rewritten.
+        return jax.tree.leaves(nnx.from_flat_state(
+            [(path, variable.replace(self.plan.rewrite_param(path, variable.get_value(), jnp)))
+             for path, variable in nnx.to_flat_state(nnx.state(model))]))
+
+    def _staged_transform(self, transposed: tuple[bool, ...]):
+        """A pipeline's transform: its stages' devices form no one mesh, so one jitted program per stage rewrites
+        that stage's parameters (the pipeline's loader applies the head rewrite alone: one runner leaf per
+        parameter, in sorted path order)."""
+        order = jax.tree.leaves(nnx.from_flat_state([(path, variable.replace(index))
+                                                     for index, (path, variable) in enumerate(self._abstract)]))
+        position = {index: pos for pos, index in enumerate(order)}
+        programs = []
+        for stage in range(self.plan.pipeline_parallel_size):
+            indices = [i for i, (path, _) in enumerate(self._abstract) if self.plan.stage_of(path) == stage]
+            paths = [self._abstract[i][0] for i in indices]
+            flips = [transposed[i] for i in indices]
+
+            def rewrite(leaves, paths=paths, flips=flips):
+                return [self.plan.rewrite_param(path, to_model_layout(leaf, flip), jnp)
+                        for path, leaf, flip in zip(paths, leaves, flips)]
+
+            out_shardings = [self._out_shardings[position[i]] for i in indices]
+            programs.append((indices, [position[i] for i in indices], jax.jit(rewrite, out_shardings=out_shardings)))
+
+        def run(placed: list) -> list:
+            new_leaves: list = [None] * len(placed)
+            for indices, positions, program in programs:
+                for pos, leaf in zip(positions, program([placed[i] for i in indices])):
+                    new_leaves[pos] = leaf
+            return new_leaves
+
+        return run
 
     def _check_layout(self, produced: list) -> None:
         """The transform must rebuild exactly the runner's leaves (else the engine has a transform this module does
@@ -208,14 +249,12 @@ class WeightUpdater:
         self._checked_layout = True
 
 
-def _tensor_parallel_plan(plan) -> ShardingPlan | None:
-    """The runner's ``ShardingPlan`` (None on one device); ValueError naming what weight updates cannot serve."""
+def _check_plan(plan) -> ShardingPlan | PipelinePlan | None:
+    """The runner's plan (None on one device); ValueError naming what weight updates cannot serve."""
     if plan is None:
         return None
-    if not isinstance(plan, ShardingPlan):
-        raise ValueError(f"pipeline_parallel_size={getattr(plan, 'pipeline_parallel_size', '?')}: weight updates "
-                         "are not supported with pipeline parallelism (each stage's forward holds its own split of "
-                         "the weights); use tensor_parallel_size")
+    if not isinstance(plan, (ShardingPlan, PipelinePlan)):
+        raise ValueError(f"weight updates: the engine's layout {type(plan).__name__} is not supported")
     if any(device.process_index != jax.process_index() for device in plan.mesh.devices.flat):
         raise ValueError("nnodes > 1: weight updates need every device of the engine in this process (the other "
                          "hosts' followers would keep the old weights)")
