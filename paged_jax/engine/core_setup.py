@@ -178,6 +178,9 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     # a multi-host job must be joined before (paged_jax.parallel.multihost).
     reserve_gpu_memory_fraction(args.gpu_memory_utilization)
     multi_node = start_distributed(args)
+    if devices is None and args.weight_transfer_config is not None:
+        # One process of a trainer's job: jax.devices() lists the trainer's devices too; the engine takes its own.
+        devices = jax.local_devices()[:args.pipeline_parallel_size * args.tensor_parallel_size]
     warn_if_gpu_unused()
     enable_compilation_cache(args.compilation_cache_dir)
     device = devices[0] if devices else jax.local_devices()[0]  # a follower node sizes for its own devices

@@ -9,16 +9,20 @@ device or sharding; host arrays are uploaded) and re-applies the engine's weight
 exactly as the engine's loader applied them:
 
 * one device: online quantization (``--quantization fp8`` / ``int8``), then fused q/k/v and gate/up projections;
-* tensor parallel (``tensor_parallel_size`` > 1, a ``ShardingPlan``; each data-parallel replica updates its own):
-  each array goes straight into the shards of its parameter (``ShardingPlan.param_spec``: a device receives only
-  its slice), then online quantization and the head rewrite (``ShardingPlan.rewrite_param``, heads that do not
-  divide tp); projections stay unfused, experts split over their width or, with expert parallelism, whole.
+* tensor parallel (``tensor_parallel_size`` > 1, a ``ShardingPlan``; with ``data_parallel_size`` > 1 each replica
+  updates its own): each array goes straight into the shards of its parameter (``ShardingPlan.param_spec``: a
+  device receives only its slice), then online quantization and the head rewrite (``ShardingPlan.rewrite_param``,
+  heads that do not divide tp); projections stay unfused, experts split over their width or, with expert
+  parallelism, whole;
+* pipeline parallel (a ``PipelinePlan``): each parameter into its stage's shards, one program per stage (the
+  stages' devices form no one mesh) applying the head rewrite, then ``PipelineForward.param_leaves_replaced``
+  points the stages at the new leaves (a tied LM head's copy on the last stage made again).
 
 Its outputs are fresh buffers with the shardings of the runner's parameter leaves, so the step executables run them
 unchanged (no compile), and the old buffers are deleted at once. LoRA adapters live in their own slots and are
-untouched. Refused (ValueError at construction, naming the setting): ``pipeline_parallel_size`` > 1 (each stage's
-forward holds its own split of the weights), an engine spanning several processes (``nnodes`` > 1: the other
-hosts would keep the old weights) and pre-quantized checkpoints (``quantization``).
+untouched. Refused (ValueError at construction, naming the setting): an engine spanning several processes
+(``nnodes`` > 1: the other hosts' followers would keep the old weights) and pre-quantized checkpoints
+(``quantization``).
 
 ``read_checkpoint`` reads an HF safetensors directory or an orbax checkpoint of the model's state (as
 ``nnx.to_pure_dict(nnx.state(model))``) into the flat dict ``update`` takes, cast to the engine's dtype.
@@ -75,8 +79,8 @@ class WeightUpdater:
       runner: the engine's ``ModelRunner`` (its ``param_leaves`` are replaced).
       config: the model's ``ModelConfig`` (the layout checked against).
       quantization: the engine's ``QuantConfig`` or None.
-    Raises (at construction): ValueError naming what the update cannot serve: ``pipeline_parallel_size`` > 1,
-    ``nnodes`` > 1 and pre-quantized checkpoints (``quantization``).
+    Raises (at construction): ValueError naming what the update cannot serve: ``nnodes`` > 1 and pre-quantized
+    checkpoints (``quantization``).
     """
 
     def __init__(self, runner, config, quantization=None):
