@@ -76,7 +76,8 @@ class WeightUpdater:
     """Swaps a ``ModelRunner``'s parameter leaves for new values (see the module docstring).
 
     Args:
-      runner: the engine's ``ModelRunner`` (its ``param_leaves`` are replaced).
+      runner: the engine's ``ModelRunner`` (its ``param_leaves`` are replaced; its ``sharding_plan``, a
+        ``ShardingPlan`` or ``PipelinePlan`` or None, is the layout rebuilt).
       config: the model's ``ModelConfig`` (the layout checked against).
       quantization: the engine's ``QuantConfig`` or None.
     Raises (at construction): ValueError naming what the update cannot serve: ``nnodes`` > 1 and pre-quantized
