@@ -256,10 +256,16 @@ def test_tensor_parallel_update_lands_in_the_engines_shards(tp_llm, llm, checkpo
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
+    from models.quantization.testing import save_block_fp8_checkpoint
+
     root = tmp_path_factory.mktemp("moe_weights")
-    return {arch: (save_random_hf_checkpoint(tiny_config(arch), root / arch / "a", seed=0),
-                   save_random_hf_checkpoint(tiny_config(arch), root / arch / "b", seed=1))
-            for arch in ("mixtral", "qwen3_moe")}
+    checkpoints = {arch: (save_random_hf_checkpoint(tiny_config(arch), root / arch / "a", seed=0),
+                          save_random_hf_checkpoint(tiny_config(arch), root / arch / "b", seed=1))
+                   for arch in ("mixtral", "qwen3_moe")}
+    checkpoints["qwen3_moe_block_fp8"] = tuple(  # float8 experts and their block scales, split whole
+        save_block_fp8_checkpoint(path, path.parent / f"{path.name}_fp8", path.parent / f"{path.name}_dequantized",
+                                  block=(16, 32)) for path in checkpoints["qwen3_moe"])
+    return checkpoints
 
 
 @pytest.mark.parametrize("arch, layout", [
@@ -268,11 +274,13 @@ def moe_checkpoints(tmp_path_factory):
     ("llama", dict(tensor_parallel_size=2, quantization="fp8")),
     ("mixtral", dict(tensor_parallel_size=2)),  # experts split over their width
     ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),  # whole experts per device
-], ids=["tp4-head-rewrite", "tp2-int8", "tp2-fp8", "mixtral-tp2", "qwen3_moe-tp2-ep"])
+    ("qwen3_moe_block_fp8", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+], ids=["tp4-head-rewrite", "tp2-int8", "tp2-fp8", "mixtral-tp2", "qwen3_moe-tp2-ep", "qwen3_moe-block-fp8-tp2-ep"])
 def test_tensor_parallel_update_rebuilds_the_loaders_leaves(checkpoints, moe_checkpoints, arch, layout):
     """The update of a tensor-parallel runner's leaves (the loader's, no engine) equals loading the new checkpoint
     with the same layout, value for value and sharding for sharding: heads rewritten, online quantization, experts
-    split over their width or whole; each split input reaches the devices as their slices only."""
+    split over their width or whole (float8 ones with their block scales); each split input reaches the devices as
+    their slices only."""
     from types import SimpleNamespace
 
     from models.config import ModelConfig
