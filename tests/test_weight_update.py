@@ -2,6 +2,8 @@
 weights with its transforms re-applied, compiles nothing, resets its prefix cache, and keeps the old weights on any
 mismatch."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,6 +208,19 @@ def _tensor_parallel_leaves(path, **engine_args):
     return jax.tree.leaves(nnx.state(model)), plan, quant.config
 
 
+@contextlib.contextmanager
+def _written_in_place(runner):
+    """The update's programs write the new weights into the donated buffers of the old ones: no second copy (of
+    buffers XLA allocated: one that wraps host memory, as a CPU ``device_put`` of a numpy array may, is copied)."""
+    def buffers():
+        return sorted((shard.device.id, shard.data.unsafe_buffer_pointer()) for leaf in runner.param_leaves
+                      for shard in leaf.addressable_shards)
+
+    before = buffers()
+    yield
+    assert buffers() == before
+
+
 def _assert_same_leaves(got, want):
     for index, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.sharding == w.sharding, index
@@ -237,7 +252,8 @@ def test_tensor_parallel_update_lands_in_the_engines_shards(tp_llm, llm, checkpo
     assert tokens_b == _run(llm)[0] != tokens_a
     llm.update_weights_from_disk(str(path_a))
 
-    tp_llm.update_weights(load_file(str(path_a / "model.safetensors")))  # HF names, [out, in], on the host
+    with _written_in_place(runner):
+        tp_llm.update_weights(load_file(str(path_a / "model.safetensors")))  # HF names, [out, in], on the host
     assert _run(tp_llm)[0] == tokens_a
     tp_llm.update_weights_from_disk(str(path_b))
     assert _run(tp_llm)[0] == tokens_b
@@ -246,6 +262,15 @@ def test_tensor_parallel_update_lands_in_the_engines_shards(tp_llm, llm, checkpo
     tp_llm.update_weights_from_disk(str(tmp_path / "orbax"))
     _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_a, tensor_parallel_size=2)[0])
 
+    tp_llm.update_weights(jax.tree.unflatten(runner._state_treedef, runner.param_leaves))  # its own arrays back
+    _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_a, tensor_parallel_size=2)[0])
+    # A trainer's arrays already in the engine's shardings: the engine keeps copies, the trainer may delete them.
+    given = _tensor_parallel_leaves(path_b, tensor_parallel_size=2)[0]
+    tp_llm.update_weights(jax.tree.unflatten(runner._state_treedef, given))
+    for leaf in given:
+        leaf.delete()
+    assert _run(tp_llm)[0] == tokens_b
+    tp_llm.update_weights_from_disk(str(path_a))
     named = flatten_named(_state(path_b))
     named["model.layers.1.self_attn.k_proj.kernel"] = named["model.layers.1.self_attn.k_proj.kernel"][:, :8]
     with pytest.raises(ValueError, match="'model.layers.1.self_attn.k_proj.kernel' has shape"):
@@ -289,13 +314,14 @@ def test_tensor_parallel_update_rebuilds_the_loaders_leaves(checkpoints, moe_che
     path_a, path_b = checkpoints if arch == "llama" else moe_checkpoints[arch]
     leaves, plan, quant = _tensor_parallel_leaves(path_a, **layout)
     assert plan.head_layout.is_identity == (layout["tensor_parallel_size"] == 2)
-    runner = SimpleNamespace(sharding_plan=plan, param_leaves=leaves, dtype=jnp.float32,
+    runner = SimpleNamespace(sharding_plan=plan, param_leaves=[jnp.copy(leaf) for leaf in leaves], dtype=jnp.float32,
                              input_sharding=lambda: plan.replicated)
     updater = WeightUpdater(runner, ModelConfig.from_pretrained(path_a), quant)
     named = read_checkpoint(path_b, updater)
     q_proj = named["model.layers.0.self_attn.q_proj.kernel"]
     assert q_proj.sharding.shard_shape(q_proj.shape)[1] == q_proj.shape[1] // layout["tensor_parallel_size"]
-    updater.update(named, cast=True)
+    with _written_in_place(runner):
+        updater.update(named, cast=True)
     _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_b, **layout)[0])
 
 
@@ -315,11 +341,13 @@ def test_pipeline_update_rebuilds_each_stages_leaves(tmp_path):
     plan = PipelinePlan.create(config, 2, 4)
     loaded = [jax.tree.leaves(nnx.state(load_sharded_model(path, plan, dtype="float32"))) for path in paths]
     replaced = []
-    runner = SimpleNamespace(sharding_plan=plan, param_leaves=loaded[0], dtype=jnp.float32,
+    runner = SimpleNamespace(sharding_plan=plan, param_leaves=[jnp.copy(leaf) for leaf in loaded[0]],
+                             dtype=jnp.float32,
                              input_sharding=lambda: plan.replicated,
                              forward_strategy=SimpleNamespace(param_leaves_replaced=replaced.append))
     updater = WeightUpdater(runner, config)
-    updater.update(jax.device_put(_state(paths[1]), jax.devices()[0]))
+    with _written_in_place(runner):
+        updater.update(jax.device_put(_state(paths[1]), jax.devices()[0]))
     assert replaced == [runner]
     assert {len(leaf.sharding.device_set) for leaf in runner.param_leaves} == {4}  # one stage's devices each
     _assert_same_leaves(runner.param_leaves, loaded[1])

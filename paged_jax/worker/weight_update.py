@@ -18,11 +18,12 @@ exactly as the engine's loader applied them:
   stages' devices form no one mesh) applying the head rewrite, then ``PipelineForward.param_leaves_replaced``
   points the stages at the new leaves (a tied LM head's copy on the last stage made again).
 
-Its outputs are fresh buffers with the shardings of the runner's parameter leaves, so the step executables run them
-unchanged (no compile), and the old buffers are deleted at once. LoRA adapters live in their own slots and are
-untouched. Refused (ValueError at construction, naming the setting): an engine spanning several processes
-(``nnodes`` > 1: the other hosts' followers would keep the old weights) and pre-quantized checkpoints
-(``quantization``).
+Its outputs have the shardings of the runner's parameter leaves, so the step executables run them unchanged (no
+compile); the old leaves are donated to it, so it writes the new weights into their buffers (no second copy of the
+engine's weights; an engine array given back as input is copied first), and the engine never shares a buffer with
+the caller's arrays. LoRA adapters live in their own slots and are untouched. Refused (ValueError at construction,
+naming the setting): an engine spanning several processes (``nnodes`` > 1: the other hosts' followers would keep the
+old weights) and pre-quantized checkpoints (``quantization``).
 
 ``read_checkpoint`` reads an HF safetensors directory or an orbax checkpoint of the model's state (as
 ``nnx.to_pure_dict(nnx.state(model))``) into the flat dict ``update`` takes, cast to the engine's dtype.
@@ -122,8 +123,11 @@ class WeightUpdater:
                   in zip(leaves, self._input_shardings, transposed)]
         if cast:
             placed = [leaf.astype(spec.dtype) for leaf, spec in zip(placed, self._specs)]
-        new_leaves = self._transform(transposed)(placed)
-        old_leaves, self.runner.param_leaves = self.runner.param_leaves, list(new_leaves)
+        old_leaves = self.runner.param_leaves
+        engine_buffers = _buffers(old_leaves)  # an engine array given back is copied first: they are donated
+        placed = [jnp.copy(leaf) if _buffers([leaf]) & engine_buffers else leaf for leaf in placed]
+        new_leaves = self._transform(transposed)(placed, old_leaves)
+        self.runner.param_leaves = list(new_leaves)
         if isinstance(self.plan, PipelinePlan):  # its stages hold their own lists of the leaves
             self.runner.forward_strategy.param_leaves_replaced(self.runner)
         for leaf in old_leaves:
@@ -194,7 +198,7 @@ class WeightUpdater:
                 self._check_layout(jax.eval_shape(to_engine_layout, given))
             jitted = self._jitted[transposed] = (
                 self._staged_transform(transposed) if isinstance(self.plan, PipelinePlan)
-                else jax.jit(to_engine_layout, out_shardings=self._out_shardings))
+                else _donating_jit(to_engine_layout, self._out_shardings))
         return jitted
 
     def _to_engine_layout(self, transposed: tuple[bool, ...], leaves: list) -> list:
@@ -230,12 +234,14 @@ class WeightUpdater:
                         for path, leaf, flip in zip(paths, leaves, flips)]
 
             out_shardings = [self._out_shardings[position[i]] for i in indices]
-            programs.append((indices, [position[i] for i in indices], jax.jit(rewrite, out_shardings=out_shardings)))
+            positions = [position[i] for i in indices]
+            programs.append((indices, positions, _donating_jit(rewrite, out_shardings)))
 
-        def run(placed: list) -> list:
-            new_leaves: list = [None] * len(placed)
+        def run(placed: list, old_leaves: list) -> list:
+            new_leaves: list = [None] * len(old_leaves)
             for indices, positions, program in programs:
-                for pos, leaf in zip(positions, program([placed[i] for i in indices])):
+                new = program([placed[i] for i in indices], [old_leaves[pos] for pos in positions])
+                for pos, leaf in zip(positions, new):
                     new_leaves[pos] = leaf
             return new_leaves
 
@@ -252,6 +258,23 @@ class WeightUpdater:
                 raise ValueError(f"update_weights: engine parameter {index} is {want.dtype}{list(want.shape)}, the "
                                  f"re-applied transforms give {got.dtype}{list(got.shape)}")
         self._checked_layout = True
+
+
+def _buffers(arrays: list) -> set:
+    """The device buffers (device id, address) of ``arrays``' shards here (None entries: none)."""
+    return {(shard.device.id, shard.data.unsafe_buffer_pointer()) for array in arrays if array is not None
+            for shard in array.addressable_shards}
+
+
+def _donating_jit(transform, out_shardings: list):
+    """``transform(leaves) -> new leaves`` jitted as ``(leaves, old leaves) -> new leaves`` with the old leaves
+    donated: each new leaf is written into the buffer of an old one of its shape, dtype and sharding, so an update
+    needs no second copy of the engine's weights. A leaf the transform passes through is copied too, so the engine
+    never shares a buffer with the caller (a trainer that donates or deletes its arrays)."""
+    def write_over(leaves, old_leaves):
+        return [jnp.copy(leaf) for leaf in transform(leaves)]
+
+    return jax.jit(write_over, out_shardings=out_shardings, donate_argnums=(1,), keep_unused=True)
 
 
 def _check_plan(plan) -> ShardingPlan | PipelinePlan | None:
