@@ -351,3 +351,25 @@ def test_pipeline_update_rebuilds_each_stages_leaves(tmp_path):
     assert replaced == [runner]
     assert {len(leaf.sharding.device_set) for leaf in runner.param_leaves} == {4}  # one stage's devices each
     _assert_same_leaves(runner.param_leaves, loaded[1])
+
+
+def test_an_eagle_drafter_follows_the_targets_new_weights(llm, checkpoints, tmp_path):
+    """An EAGLE head shares the target's embedding and LM head: after an update it drafts with the new ones (the old
+    buffers are gone), and the engine's greedy tokens are the new weights' (the one-device engine's without
+    drafts)."""
+    import json
+
+    from models.testing import save_random_eagle_head
+
+    path_a, path_b = checkpoints
+    head = save_random_eagle_head(json.loads((path_a / "config.json").read_text()), tmp_path / "eagle",
+                                  intermediate_size=64)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    drafting = LLM(model=str(path_a), speculative_config=spec, **ENGINE)
+    assert _run(drafting)[0] == _run(llm)[0]
+    drafting.update_weights_from_disk(str(path_b))
+    llm.update_weights_from_disk(str(path_b))
+    assert _run(drafting)[0] == _run(llm)[0]
+    llm.update_weights_from_disk(str(path_a))
+    assert drafting.llm_engine.stats()["spec_decode_num_drafts"] > 0
+    assert drafting.llm_engine.engine_core.runner.num_compiles_since_warmup == 0

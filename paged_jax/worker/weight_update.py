@@ -130,6 +130,8 @@ class WeightUpdater:
         self.runner.param_leaves = list(new_leaves)
         if isinstance(self.plan, PipelinePlan):  # its stages hold their own lists of the leaves
             self.runner.forward_strategy.param_leaves_replaced(self.runner)
+        if getattr(self.runner, "drafter", None) is not None:  # an EAGLE / MTP head shares the target's embedding
+            self.runner.drafter.target_params_replaced(self.runner)
         for leaf in old_leaves:
             if leaf is not None and not leaf.is_deleted():
                 leaf.delete()
