@@ -22,9 +22,9 @@ Its outputs have the shardings of the runner's parameter leaves, so the step exe
 compile); the old leaves are donated to it, so it writes the new weights into their buffers (no second copy of the
 engine's weights; an engine array given back as input is copied first), and the engine never shares a buffer with
 the caller's arrays. LoRA adapters live in their own slots and are untouched; a drafter sharing the target's
-embedding or LM head (EAGLE, MTP) is handed the new leaves (``DraftRunner.target_params_replaced``). Refused (ValueError at construction,
-naming the setting): an engine spanning several processes (``nnodes`` > 1: the other hosts' followers would keep the
-old weights) and pre-quantized checkpoints (``quantization``).
+embedding or LM head (EAGLE, MTP) is handed the new leaves (``DraftRunner.target_params_replaced``). Refused
+(ValueError at construction, naming the setting): an engine spanning several processes (``nnodes`` > 1: the other
+hosts' followers would keep the old weights) and pre-quantized checkpoints (``quantization``).
 
 ``read_checkpoint`` reads an HF safetensors directory or an orbax checkpoint of the model's state (as
 ``nnx.to_pure_dict(nnx.state(model))``) into the flat dict ``update`` takes, cast to the engine's dtype.
