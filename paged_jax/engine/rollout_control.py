@@ -4,7 +4,8 @@
 this process and, through ``UtilityCall``, on one in its own process):
 
 * ``update_weights(params)`` / ``update_weights_from_disk(path)``: ``paged_jax.worker.weight_update`` (one device,
-  tensor or pipeline parallel: into the runner's shards); every update resets the prefix cache (cached blocks hold the old weights' KV; running requests keep theirs).
+  tensor or pipeline parallel: into the runner's shards); every update resets the prefix cache (cached blocks hold
+  the old weights' KV; running requests keep theirs).
 * ``init_weight_transfer_engine(init_info)`` / ``update_weights_from_distributed(names, dtype_names, shapes)``
   (vLLM's names, backend ``"jax"``: needs ``weight_transfer_config``): the weights of a trainer process of the same
   JAX job, through ``paged_jax.parallel.weight_transfer``, then the same update.
