@@ -376,14 +376,16 @@ ENTRY %main (a: s32[8], b: f32[8]) -> f32[8] {
 
 
 def test_weight_update_benchmark_smoke(tmp_path):
-    """benchmarks/weight_update.py on a tiny checkpoint: every phase timed, the updates and wake-ups compile no step,
-    the engine serves after the last update."""
+    """benchmarks/weight_update.py on a tiny checkpoint, tensor parallel: every phase timed, the updates and wake-ups
+    compile no step, the engine serves after the last update."""
     from benchmarks.weight_update import main
     from models.testing import save_random_hf_checkpoint, tiny_config
 
     checkpoint = save_random_hf_checkpoint(tiny_config("llama"), tmp_path / "ckpt")
     result = main(["--model", str(checkpoint), "--workdir", str(tmp_path / "work"), "--dtype", "float32",
-                   "--repeats", "1", "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "16"])
+                   "--repeats", "1", "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                   "--tensor-parallel-size", "2"])
+    assert result["tensor_parallel_size"] == 2
     for phase in ("update_s", "update_disk_s", "update_orbax_s", "sleep1_s", "wake1_s", "sleep2_s", "wake2_s"):
         assert result[phase] >= 0
     assert result["weight_bytes"] == result["trainer_bytes"] > 0 and result["kv_pool_bytes"] > 0

@@ -57,10 +57,10 @@ def transformers_greedy(checkpoint, prompts, max_new_tokens: int = MAX_TOKENS) -
                                eos_token_id=2, pad_token_id=2)[0, len(p):].tolist() for p in prompts]
 
 
-def qwen3_checkpoint_in(directory) -> str:
+def qwen3_checkpoint_in(directory, seed: int = 0) -> str:
     """A random Qwen3 checkpoint: 8 q / 2 kv heads (tp = 2 splits both), 3 layers (uneven pipeline stages)."""
     return str(save_random_hf_checkpoint(tiny_config("qwen3", num_attention_heads=8, num_key_value_heads=2,
-                                                     num_hidden_layers=3), directory / "ckpt"))
+                                                     num_hidden_layers=3), directory / "ckpt", seed=seed))
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +103,24 @@ def test_dp2_greedy_matches_single_device_on_random_qwen3(qwen3_dp2, qwen3_refer
     _assert_replicas_apart(qwen3_dp2, 1)
 
 
-def test_dp2_by_tp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen3_reference):
+def test_dp2_by_tp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen3_reference, tmp_path):
+    """Also after weight updates (paged_jax.worker.weight_update): every tp replica takes a trainer's state from a
+    device of neither replica, then a checkpoint on disk, into its own shards, without compiling."""
+    import jax
+    from flax import nnx
+
+    from models.loader import load_model
+
     engine = LLMEngine(EngineArgs(model=qwen3_checkpoint, data_parallel_size=2, tensor_parallel_size=2,
                                       **SMALL), use_tqdm=False)
     assert greedy(engine, QWEN3_PROMPTS) == qwen3_reference
+    _assert_replicas_apart(engine, 2)
+    other = qwen3_checkpoint_in(tmp_path, seed=1)
+    state = jax.device_put(nnx.state(load_model(other, dtype="float32")[0]), jax.devices()[7])
+    engine.update_weights(state)
+    assert greedy(engine, QWEN3_PROMPTS, prefix="u") == transformers_greedy(other, QWEN3_PROMPTS) != qwen3_reference
+    engine.update_weights_from_disk(qwen3_checkpoint)
+    assert greedy(engine, QWEN3_PROMPTS, prefix="d") == qwen3_reference
     _assert_replicas_apart(engine, 2)
 
 

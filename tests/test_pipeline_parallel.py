@@ -119,7 +119,14 @@ def qwen3_reference(qwen3_checkpoint):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_pp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen3_reference, tp):
+def test_pp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen3_reference, tp, tmp_path):
+    """Also after weight updates (paged_jax.worker.weight_update): a trainer's state from a device outside the
+    pipeline, then a checkpoint on disk, each stage's parameters in its own shards, nothing compiled."""
+    import jax
+    from flax import nnx
+
+    from models.loader import load_model
+
     reference = qwen3_reference
     engine = LLMEngine(EngineArgs(model=qwen3_checkpoint, pipeline_parallel_size=2, tensor_parallel_size=tp,
                                   **SMALL), use_tqdm=False)
@@ -128,6 +135,12 @@ def test_pp2_greedy_matches_single_device_on_random_qwen3(qwen3_checkpoint, qwen
     assert greedy(engine, QWEN3_PROMPTS) == reference
     _assert_overlapped(steps)
     assert _n2_greedy(engine, QWEN3_PROMPTS[0]) == [reference[0]] * 2
+    _assert_staged(engine, 2, tp)
+    other = qwen3_checkpoint_in(tmp_path, seed=1)
+    engine.update_weights(jax.device_put(nnx.state(load_model(other, dtype="float32")[0]), jax.devices()[7]))
+    assert greedy(engine, QWEN3_PROMPTS, prefix="u") == transformers_greedy(other, QWEN3_PROMPTS) != reference
+    engine.update_weights_from_disk(qwen3_checkpoint)
+    assert greedy(engine, QWEN3_PROMPTS, prefix="d") == reference
     _assert_staged(engine, 2, tp)
 
 

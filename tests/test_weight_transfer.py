@@ -1,8 +1,9 @@
 """Weights from a trainer in another process of the same JAX job (paged_jax.parallel.weight_transfer): two local CPU
 processes of one jax.distributed job (gloo collectives), the engine in one (``weight_transfer_config={"backend":
 "jax"}``), the trainer in the other holding checkpoint B's parameters; after ``update_weights_from_distributed`` the
-engine generates what it generates from B's checkpoint on disk, without a compile; a transfer whose shapes do not
-fit is refused on both sides before any collective, and the engine keeps serving."""
+engine (tensor parallel, on its own process's devices) generates what it generates from B's checkpoint on disk,
+without a compile; a transfer whose shapes do not fit is refused on both sides before any collective, and the engine
+keeps serving."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.test_multihost import REPO_ROOT, _free_port
 _SCRIPT = """
 import sys
 from paged_jax.parallel.mesh import initialize_distributed
-rank, port, ckpt_a, ckpt_b = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+rank, port, ckpt_a, ckpt_b, tp = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 initialize_distributed(f"127.0.0.1:{port}", 2, rank)
 import jax
 from flax import nnx
@@ -39,7 +40,8 @@ if rank == 0:  # the trainer
         print("TRAINER REFUSED:", exc, flush=True)
 else:  # the engine
     from paged_jax import LLM, SamplingParams
-    llm = LLM(model=ckpt_a, weight_transfer_config={"backend": "jax"}, dtype="float32", max_model_len=64,
+    llm = LLM(model=ckpt_a, weight_transfer_config={"backend": "jax"}, tensor_parallel_size=tp, dtype="float32",
+              max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=16, weight_cache=False,
               use_tqdm=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -57,8 +59,9 @@ else:  # the engine
         llm.update_weights_from_distributed(**metadata(params))
     except ValueError as exc:
         print("ENGINE REFUSED:", exc, flush=True)
-    print("ENGINE AFTER", tokens() == tokens_b, llm.llm_engine.engine_core.runner.num_compiles_since_warmup,
-          flush=True)
+    runner = llm.llm_engine.engine_core.runner
+    own = {d.process_index for leaf in runner.param_leaves for d in leaf.sharding.device_set} == {1}
+    print("ENGINE AFTER", tokens() == tokens_b, own, runner.num_compiles_since_warmup, flush=True)
 jax.distributed.shutdown()
 """
 
@@ -71,19 +74,27 @@ def checkpoints(tmp_path_factory):
 
 
 def test_a_trainer_process_sends_the_engine_its_weights_through_a_collective(checkpoints):
+    """The engine is tensor parallel (tp = 2; one device takes the same path, its transform checked in process by
+    tests/test_weight_update.py): it runs on its own process's devices, never the trainer's, and the received weights
+    land in its shards."""
+    tp = 2
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}",
            "PYTHONPATH": str(REPO_ROOT)}
-    nodes = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(rank), str(port), *checkpoints], env=env,
+    nodes = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(rank), str(port), *checkpoints, str(tp)], env=env,
                               cwd=str(REPO_ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
-    outputs = [node.communicate(timeout=300) for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:  # a hung collective: end both processes
+            node.kill()
     assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
     trainer, engine = outputs[0][0], outputs[1][0]
     assert "ENGINE True True" in engine  # B's weights differ from A's, and the engine now generates B's tokens
     assert "ENGINE REFUSED: update_weights_from_distributed: names / dtype_names / shapes differ" in engine
     assert "TRAINER REFUSED: the engine refused the weights: error: update_weights_from_distributed" in trainer
-    assert "ENGINE AFTER True 0" in engine  # still B's weights; no compile after warm-up
+    assert "ENGINE AFTER True True 0" in engine  # still B's weights, on the engine's devices; no compile
 
 
 def test_weight_transfer_config_is_checked():

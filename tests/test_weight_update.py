@@ -2,6 +2,8 @@
 weights with its transforms re-applied, compiles nothing, resets its prefix cache, and keeps the old weights on any
 mismatch."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,3 +187,189 @@ def test_sampler_logprobs_modes(logprobs_mode):
     rows = jnp.arange(3)
     np.testing.assert_allclose(out.logprobs, values[rows, out.token_ids], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out.top_logprobs, -jnp.sort(-values, axis=-1)[:, :4], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- tensor parallelism
+@pytest.fixture(scope="module")
+def tp_llm(checkpoints):
+    return LLM(model=str(checkpoints[0]), tensor_parallel_size=2, **ENGINE)
+
+
+def _tensor_parallel_leaves(path, **engine_args):
+    """The parameter leaves the engine's tensor-parallel loader builds from ``path`` (no engine), its plan and
+    quantization."""
+    from models.config import ModelConfig
+    from paged_jax.config import EngineArgs
+    from paged_jax.worker.model_loader import _load_tensor_parallel, resolve_engine_quantization
+
+    args = EngineArgs(model=str(path), dtype="float32", weight_cache=False, **engine_args)
+    quant = resolve_engine_quantization(args, str(path))
+    model, plan, *_ = _load_tensor_parallel(args, str(path), ModelConfig.from_pretrained(path), "float32", quant)
+    return jax.tree.leaves(nnx.state(model)), plan, quant.config
+
+
+@contextlib.contextmanager
+def _written_in_place(runner):
+    """The update's programs write the new weights into the donated buffers of the old ones: no second copy (of
+    buffers XLA allocated: one that wraps host memory, as a CPU ``device_put`` of a numpy array may, is copied)."""
+    def buffers():
+        return sorted((shard.device.id, shard.data.unsafe_buffer_pointer()) for leaf in runner.param_leaves
+                      for shard in leaf.addressable_shards)
+
+    before = buffers()
+    yield
+    assert buffers() == before
+
+
+def _assert_same_leaves(got, want):
+    for index, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.sharding == w.sharding, index
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_tensor_parallel_update_lands_in_the_engines_shards(tp_llm, llm, checkpoints, tmp_path):
+    """tp = 2: a trainer's state on a device outside the engine's mesh, HF-named host arrays, a safetensors and an
+    orbax checkpoint on disk each give exactly the tensor-parallel loader's leaves (values and shardings) and the
+    one-device engine's greedy tokens; a mismatch names the parameter and the old weights keep serving; nothing
+    compiles."""
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import load_file
+
+    from paged_jax.worker.weight_update import flatten_named
+
+    path_a, path_b = checkpoints
+    runner = tp_llm.llm_engine.engine_core.runner
+    tokens_a = _assert_runs(tp_llm, _state(path_a))
+    assert tokens_a == _run(llm)[0]
+    old_leaf = runner.param_leaves[0]
+    trainer_device = jax.devices()[5]
+    assert trainer_device not in runner.sharding_plan.mesh.devices.flat
+    tp_llm.update_weights(jax.device_put(_state(path_b), trainer_device))
+    assert old_leaf.is_deleted()
+    _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_b, tensor_parallel_size=2)[0])
+    tokens_b = _assert_runs(tp_llm, _state(path_b))
+    llm.update_weights_from_disk(str(path_b))
+    assert tokens_b == _run(llm)[0] != tokens_a
+    llm.update_weights_from_disk(str(path_a))
+
+    with _written_in_place(runner):
+        tp_llm.update_weights(load_file(str(path_a / "model.safetensors")))  # HF names, [out, in], on the host
+    assert _run(tp_llm)[0] == tokens_a
+    tp_llm.update_weights_from_disk(str(path_b))
+    assert _run(tp_llm)[0] == tokens_b
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", nnx.to_pure_dict(_state(path_a)))
+    tp_llm.update_weights_from_disk(str(tmp_path / "orbax"))
+    _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_a, tensor_parallel_size=2)[0])
+
+    tp_llm.update_weights(jax.tree.unflatten(runner._state_treedef, runner.param_leaves))  # its own arrays back
+    _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_a, tensor_parallel_size=2)[0])
+    # A trainer's arrays already in the engine's shardings: the engine keeps copies, the trainer may delete them.
+    given = _tensor_parallel_leaves(path_b, tensor_parallel_size=2)[0]
+    tp_llm.update_weights(jax.tree.unflatten(runner._state_treedef, given))
+    for leaf in given:
+        leaf.delete()
+    assert _run(tp_llm)[0] == tokens_b
+    tp_llm.update_weights_from_disk(str(path_a))
+    named = flatten_named(_state(path_b))
+    named["model.layers.1.self_attn.k_proj.kernel"] = named["model.layers.1.self_attn.k_proj.kernel"][:, :8]
+    with pytest.raises(ValueError, match="'model.layers.1.self_attn.k_proj.kernel' has shape"):
+        tp_llm.update_weights(named)
+    assert _run(tp_llm)[0] == tokens_a
+    assert runner.num_compiles_since_warmup == 0
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    from models.quantization.testing import save_block_fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("moe_weights")
+    checkpoints = {arch: (save_random_hf_checkpoint(tiny_config(arch), root / arch / "a", seed=0),
+                          save_random_hf_checkpoint(tiny_config(arch), root / arch / "b", seed=1))
+                   for arch in ("mixtral", "qwen3_moe")}
+    checkpoints["qwen3_moe_block_fp8"] = tuple(  # float8 experts and their block scales, split whole
+        save_block_fp8_checkpoint(path, path.parent / f"{path.name}_fp8", path.parent / f"{path.name}_dequantized",
+                                  block=(16, 32)) for path in checkpoints["qwen3_moe"])
+    return checkpoints
+
+
+@pytest.mark.parametrize("arch, layout", [
+    ("llama", dict(tensor_parallel_size=4)),  # 2 kv heads over 4 devices: the head rewrite
+    ("llama", dict(tensor_parallel_size=2, quantization="int8")),
+    ("llama", dict(tensor_parallel_size=2, quantization="fp8")),
+    ("mixtral", dict(tensor_parallel_size=2)),  # experts split over their width
+    ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),  # whole experts per device
+    ("qwen3_moe_block_fp8", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+], ids=["tp4-head-rewrite", "tp2-int8", "tp2-fp8", "mixtral-tp2", "qwen3_moe-tp2-ep", "qwen3_moe-block-fp8-tp2-ep"])
+def test_tensor_parallel_update_rebuilds_the_loaders_leaves(checkpoints, moe_checkpoints, arch, layout):
+    """The update of a tensor-parallel runner's leaves (the loader's, no engine) equals loading the new checkpoint
+    with the same layout, value for value and sharding for sharding: heads rewritten, online quantization, experts
+    split over their width or whole (float8 ones with their block scales); each split input reaches the devices as
+    their slices only."""
+    from types import SimpleNamespace
+
+    from models.config import ModelConfig
+    from paged_jax.worker.weight_update import WeightUpdater, read_checkpoint
+
+    path_a, path_b = checkpoints if arch == "llama" else moe_checkpoints[arch]
+    leaves, plan, quant = _tensor_parallel_leaves(path_a, **layout)
+    assert plan.head_layout.is_identity == (layout["tensor_parallel_size"] == 2)
+    runner = SimpleNamespace(sharding_plan=plan, param_leaves=[jnp.copy(leaf) for leaf in leaves], dtype=jnp.float32,
+                             input_sharding=lambda: plan.replicated)
+    updater = WeightUpdater(runner, ModelConfig.from_pretrained(path_a), quant)
+    named = read_checkpoint(path_b, updater)
+    q_proj = named["model.layers.0.self_attn.q_proj.kernel"]
+    assert q_proj.sharding.shard_shape(q_proj.shape)[1] == q_proj.shape[1] // layout["tensor_parallel_size"]
+    with _written_in_place(runner):
+        updater.update(named, cast=True)
+    _assert_same_leaves(runner.param_leaves, _tensor_parallel_leaves(path_b, **layout)[0])
+
+
+def test_pipeline_update_rebuilds_each_stages_leaves(tmp_path):
+    """pp = 2 x tp = 4 (heads rewritten), tied embeddings: each stage's parameters land in that stage's shards as the
+    pipeline's loader puts them, and the pipeline's forward is told to take them."""
+    from types import SimpleNamespace
+
+    from models.config import ModelConfig
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel.pipeline import PipelinePlan
+    from paged_jax.worker.weight_update import WeightUpdater
+
+    paths = [save_random_hf_checkpoint(tiny_config("llama", tie_word_embeddings=True), tmp_path / name, seed=seed)
+             for seed, name in enumerate("ab")]
+    config = ModelConfig.from_pretrained(paths[0])
+    plan = PipelinePlan.create(config, 2, 4)
+    loaded = [jax.tree.leaves(nnx.state(load_sharded_model(path, plan, dtype="float32"))) for path in paths]
+    replaced = []
+    runner = SimpleNamespace(sharding_plan=plan, param_leaves=[jnp.copy(leaf) for leaf in loaded[0]],
+                             dtype=jnp.float32,
+                             input_sharding=lambda: plan.replicated,
+                             forward_strategy=SimpleNamespace(param_leaves_replaced=replaced.append))
+    updater = WeightUpdater(runner, config)
+    with _written_in_place(runner):
+        updater.update(jax.device_put(_state(paths[1]), jax.devices()[0]))
+    assert replaced == [runner]
+    assert {len(leaf.sharding.device_set) for leaf in runner.param_leaves} == {4}  # one stage's devices each
+    _assert_same_leaves(runner.param_leaves, loaded[1])
+
+
+def test_an_eagle_drafter_follows_the_targets_new_weights(llm, checkpoints, tmp_path):
+    """An EAGLE head shares the target's embedding and LM head: after an update it drafts with the new ones (the old
+    buffers are gone), and the engine's greedy tokens are the new weights' (the one-device engine's without
+    drafts)."""
+    import json
+
+    from models.testing import save_random_eagle_head
+
+    path_a, path_b = checkpoints
+    head = save_random_eagle_head(json.loads((path_a / "config.json").read_text()), tmp_path / "eagle",
+                                  intermediate_size=64)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    drafting = LLM(model=str(path_a), speculative_config=spec, **ENGINE)
+    assert _run(drafting)[0] == _run(llm)[0]
+    drafting.update_weights_from_disk(str(path_b))
+    llm.update_weights_from_disk(str(path_b))
+    assert _run(drafting)[0] == _run(llm)[0]
+    llm.update_weights_from_disk(str(path_a))
+    assert drafting.llm_engine.stats()["spec_decode_num_drafts"] > 0
+    assert drafting.llm_engine.engine_core.runner.num_compiles_since_warmup == 0

@@ -22,7 +22,7 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.engine.messages import EngineCoreInfo
 from paged_jax.lora.engine_api import make_lora_manager, make_lora_slots
 from paged_jax.spec_decode.drafters import load_drafter
-from paged_jax.parallel.multihost import agree_on_smallest, leader_channel, start_distributed
+from paged_jax.parallel.multihost import agree_on_smallest, engine_devices, leader_channel, start_distributed
 from paged_jax.worker.background_compile import background_compilation_enabled
 from paged_jax.worker.buckets import planned_num_compiles, sample_rows_needed
 from paged_jax.worker.device_check import warn_if_gpu_unused
@@ -178,6 +178,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
     # a multi-host job must be joined before (paged_jax.parallel.multihost).
     reserve_gpu_memory_fraction(args.gpu_memory_utilization)
     multi_node = start_distributed(args)
+    devices = engine_devices(args, devices)
     warn_if_gpu_unused()
     enable_compilation_cache(args.compilation_cache_dir)
     device = devices[0] if devices else jax.local_devices()[0]  # a follower node sizes for its own devices

@@ -3,8 +3,9 @@
 ``RolloutControl`` is held by ``EngineCore`` (its utilities of the same names delegate here, so they work on a core in
 this process and, through ``UtilityCall``, on one in its own process):
 
-* ``update_weights(params)`` / ``update_weights_from_disk(path)``: ``paged_jax.worker.weight_update``; every update
-  resets the prefix cache (cached blocks hold the old weights' KV; running requests keep theirs).
+* ``update_weights(params)`` / ``update_weights_from_disk(path)``: ``paged_jax.worker.weight_update`` (one device,
+  tensor or pipeline parallel: into the runner's shards); every update resets the prefix cache (cached blocks hold
+  the old weights' KV; running requests keep theirs).
 * ``init_weight_transfer_engine(init_info)`` / ``update_weights_from_distributed(names, dtype_names, shapes)``
   (vLLM's names, backend ``"jax"``: needs ``weight_transfer_config``): the weights of a trainer process of the same
   JAX job, through ``paged_jax.parallel.weight_transfer``, then the same update.
@@ -56,10 +57,9 @@ class RolloutControl:
         """Replace the weights (``WeightUpdater.update``) and reset the prefix cache."""
         if self._sleep is not None and "weights" in self._sleep.asleep:
             raise ValueError("update_weights: the weights are asleep; call wake_up(tags=['weights']) first")
-        if self._updater is None:
-            self._updater = WeightUpdater(self._core.runner, self._core.model_config, self._quantization)
+        updater = self._weight_updater()
         self._core.runner.wait_for_dispatch()  # no step is being handed to the device meanwhile
-        self._updater.update(params, cast=cast)
+        updater.update(params, cast=cast)
         if self._sleep is not None:
             self._sleep.weights_discarded = False
         self._core.kv_cache_manager.reset_prefix_cache()
@@ -89,6 +89,7 @@ class RolloutControl:
         self.update_weights(self._receiver.receive(names, dtype_names, shapes, check=updater.check))
 
     def _weight_updater(self) -> WeightUpdater:
+        """The runner's ``WeightUpdater``, made at the first update (ValueError naming a layout it cannot serve)."""
         if self._updater is None:
             self._updater = WeightUpdater(self._core.runner, self._core.model_config, self._quantization)
         return self._updater
@@ -96,10 +97,8 @@ class RolloutControl:
     def update_weights_from_disk(self, path: str) -> None:
         """Read an HF safetensors or orbax checkpoint directory (``read_checkpoint``) and update from it (other float
         dtypes are cast to the engine's)."""
-        if self._updater is None:
-            self._updater = WeightUpdater(self._core.runner, self._core.model_config, self._quantization)
         try:
-            named = read_checkpoint(path, self._updater)
+            named = read_checkpoint(path, self._weight_updater())
         except OSError as exc:  # a missing shard, an unreadable file: the caller's path
             raise ValueError(f"update_weights_from_disk: {exc}") from exc
         self.update_weights(named, cast=True)

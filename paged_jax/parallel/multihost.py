@@ -69,6 +69,17 @@ def start_distributed(args) -> bool:
     return True
 
 
+def engine_devices(args, devices: Sequence | None) -> Sequence | None:
+    """The devices an engine core runs on: ``devices`` when given; in a trainer's job (``weight_transfer_config``)
+    this process's first ``pipeline_parallel_size * tensor_parallel_size`` (``jax.devices()`` lists the trainer's
+    too); else None (the first of ``jax.devices()``: every host's in a multi-host job)."""
+    import jax
+
+    if devices is None and args.weight_transfer_config is not None:
+        return jax.local_devices()[:args.pipeline_parallel_size * args.tensor_parallel_size]
+    return devices
+
+
 def local_copies(arrays: Sequence) -> tuple:
     """Replicated outputs of a step, as arrays this process can fetch: in a multi-process job an array spanning
     every host's devices cannot be copied to one host, its local replica can."""

@@ -288,6 +288,7 @@ class PipelineForward:
         self.min_microbatch_tokens = MIN_MICROBATCH_TOKENS if min_microbatch_tokens is None else min_microbatch_tokens
         self.num_microbatches: dict[int, int] = {}
         self.stage_fns: list = []
+        self._stages: list = []  # per stage (graphdef, state treedef, leaves), read by the step functions
 
     def build(self, runner) -> tuple:
         plan = runner.sharding_plan
@@ -296,7 +297,7 @@ class PipelineForward:
         model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner._param_leaves))
         self.num_microbatches = {t: num_microbatches_for(t, plan.pipeline_parallel_size, self.min_microbatch_tokens)
                                  for t, _ in runner.buckets}
-        stages = _split_stages(model, plan)
+        stages = self._stages = _split_stages(model, plan)
         stage_forward = _stage_forward_fn(runner, plan, stages)
         head = _head_fn(plan, stages, runner.layout, runner.dtype)
         static = ("num_tokens", "num_seqs", "stage", "num_microbatches")
@@ -305,6 +306,13 @@ class PipelineForward:
         head_fn = jax.jit(head, static_argnames=("num_tokens", "num_seqs"))
         forward = _Staged(self._pipelined_forward(plan, stages, head_fn), [*self.stage_fns, head_fn])
         return forward, _staged_prompt_logprobs(plan, stages, runner.dtype, runner.max_logprobs)
+
+    def param_leaves_replaced(self, runner) -> None:
+        """Run the runner's new ``param_leaves`` (a weight update, ``paged_jax.worker.weight_update``: the same
+        shapes and shardings, so nothing compiles): each stage's leaves are taken from them again, a tied LM head
+        copied to the last stage again."""
+        model = nnx.merge(runner._graphdef, jax.tree.unflatten(runner._state_treedef, runner.param_leaves))
+        self._stages[:] = _split_stages(model, runner.sharding_plan)  # the list the step functions read
 
     def _pipelined_forward(self, plan: PipelinePlan, stages: list, head_fn):
         """The runner's forward over the stages: ``forward(param_leaves, kv_pool, buf, prev_tokens, lora_arrays,

@@ -98,11 +98,21 @@ class DraftRunner:
                              "(no tensor parallelism, no mixed sliding-window layers)")
         self.device = runner.device
         self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
+        # Which of its leaves are the target's (a head's embedding, LM head): (own index, the runner's leaf index).
+        target = {leaf.unsafe_buffer_pointer(): i for i, leaf in enumerate(runner.param_leaves)}
+        self._target_leaves = [(j, target[x.unsafe_buffer_pointer()]) for j, x in enumerate(self._leaves)
+                               if x.unsafe_buffer_pointer() in target]
         c = self.config
         self._pool_shapes = [(runner.num_blocks, runner.block_size, c.num_key_value_heads, dim)
                              for dim in c.kv_pool_head_dims]
         self._propose = jax.jit(functools.partial(_propose, self, _StepStatics.of(runner)),
                                 static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
+
+    def target_params_replaced(self, runner) -> None:
+        """Take the target's new parameter leaves where it shares them (a weight update,
+        ``paged_jax.worker.weight_update``: the same shapes, so nothing compiles)."""
+        for own, target in self._target_leaves:
+            self._leaves[own] = runner.param_leaves[target]
 
     @property
     def pool(self) -> list:
