@@ -438,8 +438,8 @@ class DecodeColumns:
     """The rows of a steady decode (``DecodeTokens``) whose sequences all take their token as is: running, no text,
     logprobs or cumulative logprob to make (such a row is never a sequence's first output nor its last, so its
     metrics wait for the finishing output). ``states`` / ``seqs``: each row's request state and sequence; ``plain``:
-    every state is ``RequestState.plain`` (its delta is one ``RequestOutput`` made here), else None for the
-    reporting path (``OutputProcessor._report_decode``)."""
+    every state is ``RequestState.plain`` (its delta is one ``RequestOutput`` made here), else False (the rows are
+    reported by ``OutputProcessor._report_decode``; with ``finished_only`` they take their tokens here)."""
 
     __slots__ = ("request_ids", "version", "states", "seqs", "plain")
 
