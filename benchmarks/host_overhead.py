@@ -193,8 +193,9 @@ def measure_stream_outputs(engine, num_steps: int) -> dict[str, Any]:
 
 def isolate_host(engine, totals: dict[str, float]) -> None:
     """Make every ``runner.execute`` (after ``instrument_phases``) wait until its step's device work is done, that wait
-    counted as ``totals["wait"]``: on a CPU backend the model's computation then never runs while the host phases
-    are timed (there it competes with them for the same cores; an accelerator runs it beside them)."""
+    counted as ``totals["wait"]`` (its thread CPU time as ``totals["wait_cpu"]``): on a CPU backend the model's
+    computation then never runs while the host phases are timed (there it competes with them for the same cores; an
+    accelerator runs it beside them)."""
     import concurrent.futures
 
     import jax
@@ -205,12 +206,14 @@ def isolate_host(engine, totals: dict[str, float]) -> None:
         handle = execute(scheduler_output, *args, **kwargs)
         if handle is None:  # a step without rows (swap copies or dropped rows only): nothing dispatched
             return None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         outputs = handle._device_outputs  # None while a deferred (grammar) step's sampling is not dispatched
         if isinstance(outputs, concurrent.futures.Future):
             outputs = outputs.result()
         jax.block_until_ready(outputs if outputs is not None else engine.engine_core.runner.kv_pool)
         totals["wait"] += time.perf_counter() - start
+        if "wait_cpu" in totals:  # the wait's own CPU (polling the device) is no host work either
+            totals["wait_cpu"] += time.thread_time() - cpu_start
         return handle
 
     engine.engine_core.runner.execute = execute_then_wait

@@ -286,3 +286,35 @@ def test_request_token_slices_and_validation() -> None:
     with pytest.raises(ValueError, match="prompt_token_ids"):
         Request(request_id="x", prompt_token_ids=[-1])
     assert Request(request_id="x", prompt_token_ids=[1], eos_token_ids=2).eos_token_ids == frozenset({2})
+
+
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_cache_filled_blocks_registers_as_cache_full_blocks(salt) -> None:
+    """A steady decode's registration of the blocks its rows just filled (``cache_filled_blocks``) leaves the same
+    hashes, registrations and counts as ``cache_full_blocks``: rows that computed their prompt (one sharing another's
+    prefix, one whose first filled block is its prompt's), a row that also filled a prompt block meanwhile."""
+    def run(filled: bool) -> tuple:
+        kv = KVCacheManager(num_blocks=64, block_size=4)
+        requests = [Request(request_id=f"r{i}", prompt_token_ids=prompt, cache_salt=salt)
+                    for i, prompt in enumerate([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 9], [5] * 8])]
+        for request in requests:
+            admit_and_compute(kv, request)
+        for step in range(11):
+            crossing = []
+            for i, request in enumerate(requests):
+                request.output_token_ids.append(10 * i + step)
+                assert kv.allocate_slots(request, 1)
+                request.num_computed_tokens += 1
+                if request.num_computed_tokens % kv.block_size == 0:
+                    crossing.append(request)
+            if filled:
+                kv.cache_filled_blocks(crossing)
+            else:
+                for request in crossing:
+                    kv.cache_full_blocks(request)
+        return ([r.block_hashes for r in requests], dict(kv._cached_block_by_hash), dict(kv.cached_block_counts),
+                [b.block_hash for b in kv.blocks])
+
+    assert run(True) == run(False)
+    hashes = run(True)[0]
+    assert hashes[0][:1] == hashes[1][:1] and len(hashes[3]) == 4

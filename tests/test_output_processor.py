@@ -6,7 +6,7 @@ import random
 import pytest
 
 from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest
-from paged_jax.engine.output_processor import OutputProcessor
+from paged_jax.engine.output_processor import DecodeColumns, OutputProcessor
 from paged_jax.sampling_params import SamplingParams
 
 # Per step, the core's outputs: request "a" (n=2; sequence 0 ends first, by length) and "b" (n=1, ends by a stop
@@ -167,3 +167,50 @@ def test_decode_columns_give_the_outputs_of_their_rows(seed, finished_only):
     trace = run(True)
     assert trace == run(False)
     assert sum(len(outputs) for outputs, _ in trace) > 0
+
+
+@pytest.mark.parametrize("with_pair", [False, True])
+@pytest.mark.parametrize("finished_only", [False, True])
+def test_steady_decode_columns_across_calls(with_pair, finished_only, monkeypatch):
+    """A steady decode's ``DecodeTokens`` (one row list object call after call, as the core sends it) give the same
+    outputs as one object per row, across an abort, a finish and a sequence's own stop between calls (the rows kept
+    from an earlier call are dropped then)."""
+    def run(columns: bool) -> list:
+        requests = [EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=50)) for i in range(5)]
+        if with_pair:
+            requests.append(EngineCoreRequest("pair", [1, 2], SamplingParams(n=2, max_tokens=50)))
+        processor = OutputProcessor(None)
+        for request in requests:
+            processor.add_request(request, None)
+        rows = [(r.request_id, i) for r in requests for i in range(r.sampling_params.n)]
+        first = [EngineCoreOutput(r, i, [9], scheduled_time=1.0) for r, i in rows]
+        trace = [processor.process_outputs(first, finished_only)]
+        ids, indices = [r for r, _ in rows], [i for _, i in rows]
+        rng = random.Random(0)
+        for call in range(8):
+            rest = []
+            if call == 2:
+                processor.abort_requests(["r1"])  # its rows still come with this call's columns
+            if call == 4:  # r2 ends (a length finish) beside the columns of the others
+                rest = [EngineCoreOutput("r2", 0, [4], finish_reason="length")]
+                keep = [k for k, r in enumerate(ids) if r not in ("r1", "r2")]
+                ids, indices = [ids[k] for k in keep], [indices[k] for k in keep]
+            if call == 6 and with_pair:  # one sequence of the pair ends alone
+                rest = [EngineCoreOutput("pair", 1, [4], finish_reason="stop", stop_reason=4)]
+                ids, indices = ids[:-1], indices[:-1]
+            decode = DecodeTokens(ids, indices, [rng.randrange(100) for _ in ids])
+            outputs, stopped = (processor.process_outputs(rest, finished_only, decode) if columns else
+                                processor.process_outputs(rest + decode.expand(), finished_only))
+            trace.append(([dataclasses.replace(o, metrics=None) for o in outputs], stopped))
+        last = [EngineCoreOutput(r, i, [1], finish_reason="length") for r, i in zip(ids, indices)]
+        trace.append(([dataclasses.replace(o, metrics=None) for o in processor.process_outputs(last, finished_only)[0]],
+                      None))
+        return trace[1:]
+
+    applied = []
+    apply = DecodeColumns.apply
+    monkeypatch.setattr(DecodeColumns, "apply", lambda self, *args: applied.append(1) or apply(self, *args))
+    trace = run(True)
+    assert trace == run(False)
+    assert sum(len(outputs) for outputs, _ in trace) > 0
+    assert len(applied) >= (3 if finished_only or not with_pair else 0)  # the columns' own path ran

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from models.config import AttentionChunk
 
 KVSpan = int | AttentionChunk | None  # a group's window in tokens, its attention chunk, or None (full attention)
+NULL_BLOCK_ID = 0  # the pool's reserved block: padding writes there, entries that slid out of a window point there
 
 
 def cdiv(a: int, b: int) -> int:

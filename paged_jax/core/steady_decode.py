@@ -140,8 +140,8 @@ class SteadyDecode:
             request.num_computed_tokens = num_computed
             output_token_ids.append(token)
         if kv.enable_prefix_caching:
-            for i in np.flatnonzero(self.num_computed % kv.block_size == 0).tolist():
-                kv.cache_full_blocks(requests[i])
+            filled = np.flatnonzero(self.num_computed % kv.block_size == 0).tolist()
+            kv.cache_filled_blocks([requests[i] for i in filled])
         self.num_output += 1
         may_stop = self.num_output >= self.output_limit
         if self.stop_ids:

@@ -99,6 +99,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
         self._num_calls = 0  # process_outputs calls (``RequestState.delta_call``)
+        # The last steady decode's rows (``DecodeColumns``), valid until a state is dropped or a sequence finishes
+        # (``_version``).
+        self._version = 0
+        self._columns: DecodeColumns | None = None
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
         """Start tracking ``request`` (already accepted by the input processor); ``prompt``: its text, if given."""
@@ -131,6 +135,7 @@ class OutputProcessor:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Forget requests (unknown ids are ignored): they produce no more outputs."""
+        self._version += 1
         for request_id in request_ids:
             self._states.pop(request_id, None)
 
@@ -191,7 +196,10 @@ class OutputProcessor:
             if finish or not finished_only:
                 touched[output.request_id] = state
         reported, pending = [], False
-        if decode is not None and finished_only:
+        columns = None if decode is None or touched else self._decode_columns(decode)
+        if columns is not None and (finished_only or columns.plain):  # sequences taking their tokens as they come
+            reported = columns.apply(decode.token_ids, finished_only)
+        elif decode is not None and finished_only:
             self._apply_decode(decode, now, touched, stopped)
         elif decode is not None:
             reported, pending = self._report_decode(decode, now, touched, stopped)
@@ -199,6 +207,15 @@ class OutputProcessor:
         if reported:
             request_outputs += self._resolve(reported, now) if pending else reported
         return request_outputs, stopped
+
+    def _decode_columns(self, decode: DecodeTokens) -> DecodeColumns | None:
+        """The ``DecodeColumns`` of ``decode``'s rows (those of the last call's while its row list and every state
+        are unchanged), or None when a row's sequence is not one that takes its token as is."""
+        columns = self._columns
+        if columns is not None and columns.request_ids is decode.request_ids and columns.version == self._version:
+            return columns
+        self._columns = columns = DecodeColumns.of(self._states, decode, self._version)
+        return columns
 
     def _report_decode(self, decode: DecodeTokens, now: float, touched: dict[str, RequestState],
                        stopped: list[tuple[str, int]]) -> tuple[list, bool]:
@@ -307,6 +324,7 @@ class OutputProcessor:
                 _, stop_str = seq.detokenizer.append((token,), finished=last and core_finished)
                 if stop_str is not None:  # wins over an EOS / length finish of the same token
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    self._version += 1
                     if output.cumulative_logprob is not None:
                         seq.cumulative_logprob = output.cumulative_logprob
                     return not (last and core_finished)
@@ -314,6 +332,7 @@ class OutputProcessor:
             seq.cumulative_logprob = output.cumulative_logprob
         if core_finished:
             seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
+            self._version += 1
         return False
 
     def _decode_one(self, token_id: int) -> str | None:
@@ -350,6 +369,7 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 del self._states[state.request_id]
+                self._version += 1
             if state.pooling:
                 if finished:
                     outputs.append(PoolingRequestOutput(state.request_id, PoolingOutput(np.asarray(
@@ -412,6 +432,59 @@ class OutputProcessor:
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+
+class DecodeColumns:
+    """The rows of a steady decode (``DecodeTokens``) whose sequences all take their token as is: running, no text,
+    logprobs or cumulative logprob to make (such a row is never a sequence's first output nor its last, so its
+    metrics wait for the finishing output). ``states`` / ``seqs``: each row's request state and sequence; ``plain``:
+    every state is ``RequestState.plain`` (its delta is one ``RequestOutput`` made here), else False (the rows are
+    reported by ``OutputProcessor._report_decode``; with ``finished_only`` they take their tokens here)."""
+
+    __slots__ = ("request_ids", "version", "states", "seqs", "plain")
+
+    def __init__(self, request_ids: list[str], version: int, states: list[RequestState], seqs: list[SequenceState],
+                 plain: bool):
+        self.request_ids, self.version, self.states, self.seqs, self.plain = (request_ids, version, states, seqs,
+                                                                              plain)
+
+    @classmethod
+    def of(cls, states: dict[str, RequestState], decode: DecodeTokens, version: int) -> "DecodeColumns | None":
+        rows, seqs = [], []
+        for request_id, index in zip(decode.request_ids, decode.indices):
+            state = states.get(request_id)
+            if state is None:
+                return None
+            seq = state.seqs[index]
+            if seq.detokenizer is not None or seq.logprobs is not None or seq.finish_reason is not None \
+                    or seq.cumulative_logprob is not None:
+                return None
+            rows.append(state)
+            seqs.append(seq)
+        plain = len(set(decode.request_ids)) == len(rows) and all(state.plain for state in rows)
+        return cls(decode.request_ids, version, rows, seqs, plain)
+
+    def apply(self, token_ids: list[int], finished_only: bool) -> list[RequestOutput]:
+        """Append each row's token; unless ``finished_only`` (then nothing is reported), each request's delta
+        ``RequestOutput`` in row order (every state must be plain)."""
+        if finished_only:
+            for seq, token in zip(self.seqs, token_ids):
+                seq.token_ids.append(token)
+            return []
+        outputs = []
+        report = outputs.append
+        for state, seq, token in zip(self.states, self.seqs, token_ids):
+            tokens, start = seq.token_ids, seq.num_reported_tokens
+            tokens.append(token)
+            seq.num_reported_tokens = start_next = len(tokens)
+            # Held by its state until the next one: the previous output, which the caller has dropped by now, is
+            # freed as this one is made, so a step's outputs do not add up to garbage collections.
+            state.delta = output = RequestOutput(
+                state.request_id, state.prompt, state.prompt_token_ids,
+                [CompletionOutput(0, "", [token] if start_next - start == 1 else tokens[start:], None, None)],
+                False, state.num_cached_tokens)
+            report(output)
+        return outputs
 
 
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:

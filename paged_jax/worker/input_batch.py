@@ -199,6 +199,23 @@ class InputBatch:
         self.token_ids[rows, starts] = np.fromiter(token_ids, np.int32, len(rows))
         self.num_tokens[rows] = starts + 1
 
+    def feed_drafts(self, req_ids: list[str], spec_token_ids: dict[str, list[int]], batch_rows: np.ndarray
+                    ) -> np.ndarray:
+        """Write the draft tokens of step rows ``req_ids`` (batch rows ``batch_rows`` int64[n]) after their known
+        ones (fed, not held: ``num_tokens`` stays, the next diff overwrites them); returns the drafts per step row
+        int64[n]."""
+        num_drafts = np.zeros((len(batch_rows),), np.int64)
+        for step_row, req_id in enumerate(req_ids):
+            drafts = spec_token_ids.get(req_id)
+            if drafts:
+                row = int(batch_rows[step_row])
+                start = int(self.num_tokens[row])
+                if start + len(drafts) > self.max_model_len:
+                    raise ValueError(f"request {req_id!r}: drafts reach past max_model_len={self.max_model_len}")
+                self.token_ids[row, start:start + len(drafts)] = drafts
+                num_drafts[step_row] = len(drafts)
+        return num_drafts
+
     def _rows_of(self, req_ids: list[str]) -> np.ndarray:
         """The rows of ``req_ids`` int64[n]; the last step's answer while neither the ids nor the rows changed (the
         running requests of a steady decode)."""

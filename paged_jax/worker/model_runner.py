@@ -183,6 +183,7 @@ class ModelRunner:
         # A pooling step ends with the forward's per-row pooled outputs: no sampler (paged_jax.pooling).
         self.pools = bool(getattr(self.forward_strategy, "pools", False))
         self._single_process = jax.process_count() == 1
+        self._copies_to_host = self._prev_tokens.devices().pop().platform != "cpu"
         self._build_jitted()
         self.host_pool = HostKVPool(num_host_blocks, (self.kv_layout.num_slots, 2) + shape[1:], self.kv_dtype,
                                     gather=self._gather_blocks, scatter=self._scatter_blocks,
@@ -479,8 +480,8 @@ class ModelRunner:
         moe_fetch = {} if moe is None else dict(zip(moe, local_copies(tuple(moe.values()))))
         draft_fetch = () if draft_inputs is None else local_copies((self.drafter.propose(outs[0], hidden,
                                                                                           *draft_inputs),))
-        for array in (*fetch, *prompt_fetch, *moe_fetch.values(), *draft_fetch):
-            array.copy_to_host_async()  # start the device->host copy now; result() then only waits for it
+        for array in (*fetch, *prompt_fetch, *moe_fetch.values(), *draft_fetch) if self._copies_to_host else ():
+            array.copy_to_host_async()  # the device->host copy starts now (a CPU's arrays are read in place)
         return fetch, prompt_fetch, moe_fetch, draft_fetch
 
     def write_lora_slot(self, slot: int, loaded) -> None:
@@ -528,23 +529,8 @@ class ModelRunner:
             raise ValueError(f"a step reaches {int((starts + num_new).max())} tokens, over max_model_len="
                              f"{self.max_model_len}")
         return StepRows(batch_rows, num_new, starts, fork_parents,
-                        self._feed_drafts(scheduler_output, batch_rows) if scheduler_output.spec_token_ids else None)
-
-    def _feed_drafts(self, scheduler_output: SchedulerOutput, batch_rows: np.ndarray) -> np.ndarray:
-        """Write each row's draft tokens after its known ones (fed, not held: ``num_tokens`` stays, the next diff
-        overwrites them); returns the drafts per step row int64[n]."""
-        batch = self.input_batch
-        num_drafts = np.zeros((len(batch_rows),), np.int64)
-        for step_row, req_id in enumerate(scheduler_output.row_req_ids()):
-            drafts = scheduler_output.spec_token_ids.get(req_id)
-            if drafts:
-                row = int(batch_rows[step_row])
-                start = int(batch.num_tokens[row])
-                if start + len(drafts) > self.max_model_len:
-                    raise ValueError(f"request {req_id!r}: drafts reach past max_model_len={self.max_model_len}")
-                batch.token_ids[row, start:start + len(drafts)] = drafts
-                num_drafts[step_row] = len(drafts)
-        return num_drafts
+                        self.input_batch.feed_drafts(scheduler_output.row_req_ids(), scheduler_output.spec_token_ids,
+                                                     batch_rows) if scheduler_output.spec_token_ids else None)
 
     # ------------------------------------------------------------------ swapping
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]], *,
