@@ -183,7 +183,8 @@ class ModelRunner:
         # A pooling step ends with the forward's per-row pooled outputs: no sampler (paged_jax.pooling).
         self.pools = bool(getattr(self.forward_strategy, "pools", False))
         self._single_process = jax.process_count() == 1
-        self._copies_to_host = self._prev_tokens.devices().pop().platform != "cpu"
+        devices = self.device.device_set if isinstance(self.device, jax.sharding.Sharding) else {self.device}
+        self._copies_to_host = any(device.platform != "cpu" for device in devices)
         self._build_jitted()
         self.host_pool = HostKVPool(num_host_blocks, (self.kv_layout.num_slots, 2) + shape[1:], self.kv_dtype,
                                     gather=self._gather_blocks, scatter=self._scatter_blocks,
