@@ -21,6 +21,10 @@ pool. Each step's program:
    last accepted position and feeds each draft with its own output (``eagle3``: pre-norm), k - 1 steps.
    Python-unrolled (no XLA loop), so every step bucket is one fixed-shape program, compiled at warm-up.
 
+Under a tensor-parallel target the drafter runs on the target's mesh (``paged_jax.spec_decode.sharding``: its weights
+in their shards, its pool split over its KV heads, its attention under ``shard_map``); the program takes and returns
+the arrays in those shardings, so nothing leaves the devices between the sampler and the drafts' fetch.
+
 KV written at rejected positions is harmless: the next step's catch-up writes those positions again with the
 sequence's real tokens before any drafter read. The draft positions after x need their blocks: the scheduler
 allocates ``num_speculative_tokens`` look-ahead slots per scheduled request (vLLM's ``num_lookahead_tokens``); a
@@ -42,6 +46,7 @@ from models.attention_fn import ReusableAttention
 from models.config import ModelConfig
 from paged_jax.ops import write_and_attend
 from paged_jax.spec_decode.config import MODEL_METHODS
+from paged_jax.spec_decode.sharding import buffer_key, bytes_per_device
 from paged_jax.worker.step_io import SPEC_ROW_WORDS, apply_block_copies
 
 
@@ -58,10 +63,13 @@ class DraftRunner:
       aux_hidden_layers: eagle3: the target layers whose inputs feed ``fc`` (``ModelRunner.aux_hidden_layers``).
       shared: arrays of ``model`` that are the target's own (a head's embedding, LM head): not counted in
         ``weight_bytes``.
+      plan: under a tensor-parallel target, the drafter's ``ShardingPlan`` on the target's mesh
+        (``paged_jax.spec_decode.sharding.drafter_plan``; ``config`` is its ``model_config``, ``model``'s weights are
+        in their shards); None on one device.
     """
 
     def __init__(self, method: str, num_speculative_tokens: int, model, config: ModelConfig, *,
-                 aux_hidden_layers: tuple[int, ...] = (), shared: tuple = ()):
+                 aux_hidden_layers: tuple[int, ...] = (), shared: tuple = (), plan=None):
         if method not in MODEL_METHODS:
             raise ValueError(f"speculative_config.method {method!r} has no drafter network")
         self.method = method
@@ -72,7 +80,8 @@ class DraftRunner:
         graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree.flatten(state)
         self._graphdef, self._leaves = graphdef, leaves
-        self._own_bytes = sum(x.size * x.dtype.itemsize for x in leaves if not any(x is a for a in shared))
+        self.plan = plan
+        self._own_bytes = sum(bytes_per_device(x) for x in leaves if not any(x is a for a in shared))
         self._pool: list | None = None
         self._propose = None
 
@@ -82,30 +91,37 @@ class DraftRunner:
         return self.config.num_hidden_layers
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block of the drafter's pool takes (for the KV pool's sizing)."""
-        c = self.config
+        """Bytes one block of the drafter's pool takes on one device (for the KV pool's sizing)."""
+        c = self.config if self.plan is None else self.plan.per_device_model_config
         return self.num_layers * block_size * c.num_key_value_heads * sum(c.kv_pool_head_dims) * self.dtype.itemsize
 
     def weight_bytes(self) -> int:
-        """Bytes of the drafter's own weights (not those it shares with the target)."""
+        """Bytes of the drafter's own weights on one device (not those it shares with the target)."""
         return self._own_bytes
 
     def bind(self, runner) -> None:
         """Attach to ``runner`` (a ``ModelRunner``, at the end of its construction): its device, buckets, block
-        tables and step layout. ValueError naming ``speculative_config`` for a runner this cannot serve."""
-        if runner.sharding_plan is not None or runner.kv_layout.num_groups > 1:
-            raise ValueError(f"speculative_config.method={self.method!r} runs on one device with one KV-cache group "
-                             "(no tensor parallelism, no mixed sliding-window layers)")
+        tables and step layout (and mesh). ValueError naming ``speculative_config`` for a runner this cannot
+        serve."""
+        if runner.kv_layout.num_groups > 1:
+            raise ValueError(f"speculative_config.method={self.method!r} runs with one KV-cache group (no mixed "
+                             "sliding-window layers)")
+        plan = runner.sharding_plan
+        if (plan is None) != (self.plan is None) or (plan is not None and plan.mesh != self.plan.mesh):
+            raise ValueError(f"speculative_config.method={self.method!r}: the drafter was laid out for "
+                             f"{'one device' if self.plan is None else 'another mesh'}, not the runner's")
         self.device = runner.device
-        self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
+        if self.plan is None:  # on a mesh the weights already are in their shards
+            self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
         # Which of its leaves are the target's (a head's embedding, LM head): (own index, the runner's leaf index).
-        target = {leaf.unsafe_buffer_pointer(): i for i, leaf in enumerate(runner.param_leaves)}
-        self._target_leaves = [(j, target[x.unsafe_buffer_pointer()]) for j, x in enumerate(self._leaves)
-                               if x.unsafe_buffer_pointer() in target]
+        target = {buffer_key(leaf): i for i, leaf in enumerate(runner.param_leaves)}
+        self._target_leaves = [(j, target[buffer_key(x)]) for j, x in enumerate(self._leaves)
+                               if buffer_key(x) in target]
         c = self.config
+        self._num_blocks, self._block_size = runner.num_blocks, runner.block_size
         self._pool_shapes = [(runner.num_blocks, runner.block_size, c.num_key_value_heads, dim)
                              for dim in c.kv_pool_head_dims]
-        self._propose = jax.jit(functools.partial(_propose, self, _StepStatics.of(runner)),
+        self._propose = jax.jit(functools.partial(_propose, self, _StepStatics.of(runner, self.plan)),
                                 static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
 
     def target_params_replaced(self, runner) -> None:
@@ -119,8 +135,10 @@ class DraftRunner:
         """The drafter's KV pool: per layer ``(k_pages, v_pages)`` [num_blocks, block_size, Hkv, D] (a latent pool's
         V pages of width 0; zeros at first use)."""
         if self._pool is None:
-            self._pool = [tuple(jnp.zeros(shape, self.dtype, device=self.device) for shape in self._pool_shapes)
-                          for _ in range(self.num_layers)]
+            self._pool = (self.plan.make_kv_caches(self._num_blocks, self._block_size, self.dtype,
+                                                   num_layers=self.num_layers) if self.plan is not None else
+                          [tuple(jnp.zeros(shape, self.dtype, device=self.device) for shape in self._pool_shapes)
+                           for _ in range(self.num_layers)])
         return self._pool
 
     def propose(self, sampled: jax.Array, hidden: jax.Array, buf: jax.Array, num_tokens: int,
@@ -148,18 +166,25 @@ class DraftRunner:
 
 
 class _StepStatics:
-    """What the program takes from the runner: step layouts, block size, block-table width, attention options."""
+    """What the program takes from the runner: step layouts, block size, block-table width, attention options, and
+    the drafter's plan on the runner's mesh (None: one device)."""
 
-    def __init__(self, layout_for, block_size: int, max_blocks: int, attention_impl: str, qk_prepare_impl: str):
+    def __init__(self, layout_for, block_size: int, max_blocks: int, attention_impl: str, qk_prepare_impl: str,
+                 plan=None):
         self.layout_for, self.block_size, self.max_blocks = layout_for, block_size, max_blocks
-        self.attention_impl, self.qk_prepare_impl = attention_impl, qk_prepare_impl
+        self.attention_impl, self.qk_prepare_impl, self.plan = attention_impl, qk_prepare_impl, plan
 
     @classmethod
-    def of(cls, runner) -> "_StepStatics":
+    def of(cls, runner, plan=None) -> "_StepStatics":
         return cls(runner.layout, runner.block_size, runner.max_blocks_per_seq, runner.attention_impl,
-                   runner.qk_prepare_impl)
+                   runner.qk_prepare_impl, plan)
 
-    def attention(self, config: ModelConfig, meta: dict) -> ReusableAttention:
+    def attention(self, config: ModelConfig, meta: dict):
+        """The drafter's paged attention over ``meta`` (slot mapping, lengths, block tables, cu_q_lens): on a mesh,
+        each device's heads and KV shard under ``shard_map`` (the metadata as its explicit inputs)."""
+        if self.plan is not None:
+            return self.plan.paged_attention(**meta, sm_scale=config.softmax_scale,
+                                             sliding_window=config.sliding_window, impl=self.attention_impl)
         fn = functools.partial(write_and_attend, sm_scale=config.softmax_scale, sliding_window=config.sliding_window,
                                impl=self.attention_impl, qk_prepare_impl=self.qk_prepare_impl)
         return ReusableAttention(fn, meta, fuses_qk_transform=True)
