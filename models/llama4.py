@@ -50,7 +50,9 @@ class Llama4Experts(nnx.Module):
 class Llama4MoeBlock(SparseMoeBlock):
     """Llama 4's MLP of a sparse layer (HF ``feed_forward``): ``router`` (an ``nnx.Linear`` ``[H, E]``), ``experts``
     (``Llama4Experts``) and ``shared_expert`` (the dense MLP module the decoder builds, ``shared_expert_intermediate_size``
-    wide). ``impl``: the grouped matmul (``models.moe.MOE_IMPLS``); routing capture as ``SparseMoeBlock``'s."""
+    wide). ``impl``: the grouped matmul (``models.moe.MOE_IMPLS``); routing capture as ``SparseMoeBlock``'s;
+    ``expert_parallel``: None, or what runs each device's share of the experts and sums them over the devices
+    (``partial_sums``, ``paged_jax.parallel.expert_parallel.ExpertParallel``'s contract)."""
 
     def __init__(self, config: ModelConfig, shared_expert: nnx.Module, *, dtype, param_dtype, rngs: nnx.Rngs,
                  init_std: float, impl: str = "auto"):

@@ -104,6 +104,7 @@ def test_model_call_equals_one_device(checkpoints, arch, tp):
             assert attn.q_b_proj.kernel.get_value().sharding.spec == P(None, "tp")
             assert attn.kv_a_proj_with_mqa.kernel.get_value().sharding.spec == P()
             assert block.shared_experts.down_proj.kernel.get_value().sharding.spec == P("tp", None)
+            assert block.gate.kernel.get_value().sharding.spec == P()  # grouped top-k on every device alike
         np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
 
 

@@ -12,9 +12,13 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
   (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
   With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E) and the sparse layers
-  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too).
+  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too); so do Llama
+  4's width-split experts, whose fused gate/up columns ``rewrite_param`` lays out per device. Shared experts split as
+  a dense MLP.
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
   ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
+  Latent attention (DeepSeek's MLA, ``models.mla``): the q heads split (q / q_b, kv_b and o projections), the
+  latent projections and the latent cache (one KV head) are whole on every device (``splits_kv_heads``).
 * Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
   shape is ``ShardingPlan.model_config``: build the model and the KV pool from it.
 
