@@ -214,6 +214,27 @@ def test_refusals_name_the_field(tmp_path):
             use_tqdm=False)
 
 
+def test_deepseek_v3_parameter_shardings():
+    """Every parameter of DeepSeek-V3 (q bottleneck, router correction bias, shared experts) has a rule, shapes only:
+    the latent projections and the router whole on each device, the q heads and the shared experts split."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.tensor_parallel import abstract_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    plan = ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("deepseek_v3")), make_mesh(2),
+                               expert_parallel=True)
+    specs = {".".join(map(str, path[3:])): leaf.get_value().spec
+             for path, leaf in nnx.to_flat_state(plan.state_shardings(nnx.state(abstract_model(plan, jnp.float32))))
+             if path[:3] == ("model", "layers", 1)}
+    assert specs["mlp.gate.e_score_correction_bias"] == specs["mlp.gate.kernel"] == P()
+    assert specs["self_attn.q_a_proj.kernel"] == specs["self_attn.kv_a_proj_with_mqa.kernel"] == P()
+    assert specs["self_attn.q_b_proj.kernel"] == specs["self_attn.kv_b_proj.kernel"] == P(None, "tp")
+    assert specs["self_attn.o_proj.kernel"] == specs["mlp.shared_experts.down_proj.kernel"] == P("tp", None)
+    assert specs["mlp.experts.gate_proj"] == P("tp", None, None)
+
+
 def test_block_fp8_experts_split_whole_over_devices(tmp_path):
     """A block-FP8 Qwen3-MoE checkpoint: with expert parallelism each device holds num_experts / tp whole float8
     experts and their scales, and the logits (and the engine's greedy tokens) equal one device's; splitting the
