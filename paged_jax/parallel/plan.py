@@ -129,8 +129,9 @@ class ShardingPlan:
     @classmethod
     def create(cls, config: ModelConfig, mesh: Mesh, *, kv_layout: str = "sharded",
                pad_heads: bool = True, expert_parallel: bool = False) -> "ShardingPlan":
-        """ValueError for a mesh of other axes, an unknown ``kv_layout``, or ``expert_parallel`` on a model whose
-        experts do not split over tp (``check_expert_parallel``)."""
+        """ValueError for a mesh of other axes, an unknown ``kv_layout``, or a model the layout does not fit
+        (``_check_shardable``: attention sinks, block-FP8 experts split by width, ``expert_parallel`` on experts that
+        do not split over tp, latent attention's heads or Llama 4's expert width not divisible by tp)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
