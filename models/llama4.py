@@ -17,6 +17,8 @@ expert.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,7 +50,9 @@ class Llama4Experts(nnx.Module):
 class Llama4MoeBlock(SparseMoeBlock):
     """Llama 4's MLP of a sparse layer (HF ``feed_forward``): ``router`` (an ``nnx.Linear`` ``[H, E]``), ``experts``
     (``Llama4Experts``) and ``shared_expert`` (the dense MLP module the decoder builds, ``shared_expert_intermediate_size``
-    wide). ``impl``: the grouped matmul (``models.moe.MOE_IMPLS``); routing capture as ``SparseMoeBlock``'s."""
+    wide). ``impl``: the grouped matmul (``models.moe.MOE_IMPLS``); routing capture as ``SparseMoeBlock``'s;
+    ``expert_parallel``: None, or what runs each device's share of the experts and sums them over the devices
+    (``partial_sums``, ``paged_jax.parallel.expert_parallel.ExpertParallel``'s contract)."""
 
     def __init__(self, config: ModelConfig, shared_expert: nnx.Module, *, dtype, param_dtype, rngs: nnx.Rngs,
                  init_std: float, impl: str = "auto"):
@@ -58,7 +62,7 @@ class Llama4MoeBlock(SparseMoeBlock):
         self.dtype = dtype
         self.impl = check_moe_impl(impl)
         self.capture_routing = False  # SparseMoeBlock's static hooks (models.moe_routing)
-        self.expert_parallel = None  # one device: Llama 4 refuses tensor and expert parallelism
+        self.expert_parallel = None  # or experts over devices: paged_jax.parallel.ExpertParallel
         self.router = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
                                  param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
                                  rngs=rngs)
@@ -85,14 +89,42 @@ class Llama4MoeBlock(SparseMoeBlock):
         return out.astype(x.dtype)
 
     def _experts(self, rows: jax.Array, ids: jax.Array) -> jax.Array:
-        """Each row's expert SwiGLU: ``rows dtype[N, H]``, ``ids int32[N, 1]`` -> ``dtype[N, H]`` in row order, by
-        grouped matmuls over the rows sorted by expert."""
-        experts, dtype = self.experts, rows.dtype
-        num_experts = experts.gate_up_proj.shape[0]
-        order, group_sizes = sort_by_expert(ids, num_experts)
-        matmul = grouped_matmul_for(self.impl, rows.shape[0], rows.shape[1], dtype)
-        gate_up = matmul(rows, experts.gate_up_proj[...].astype(dtype), group_sizes, row_index=order)
-        gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-        act = (jax.nn.silu(gate) * up).astype(dtype)
-        out = matmul(act, experts.down_proj[...].astype(dtype), group_sizes)
+        """Each row's expert SwiGLU: ``rows dtype[N, H]``, ``ids int32[N, 1]`` -> ``dtype[N, H]`` in row order
+        (``llama4_experts``); with ``expert_parallel`` each device's share of the experts, summed over devices."""
+        weights = (self.experts.gate_up_proj[...], self.experts.down_proj[...])
+        if self.expert_parallel is None:
+            return llama4_experts(self.impl, rows, ids, *weights)
+        local = functools.partial(llama4_experts, self.impl)
+        return self.expert_parallel.partial_sums(local, (rows, ids), weights, (2, 1)).astype(rows.dtype)
+
+
+def llama4_experts(impl: str, rows: jax.Array, ids: jax.Array, gate_up, down, first_expert=None) -> jax.Array:
+    """Each row's expert SwiGLU by grouped matmuls over the rows sorted by expert.
+
+    Args:
+      impl: the grouped matmul (``models.moe.MOE_IMPLS``).
+      rows: ``dtype[N, H]``; ids: ``int32[N, 1]`` global expert ids.
+      gate_up: ``[E_local, H, 2I']`` (gate then up columns), down: ``[E_local, I', H]``: every expert
+        (``first_expert`` None), or one device's part: experts ``first_expert + e`` whole, or a width slice ``I'`` of
+        every expert (``first_expert`` 0; the columns laid out as ``[gate slice | up slice]``).
+    Returns:
+      ``dtype[N, H]`` in row order; with ``first_expert``: ``float32[N, H]``, zero on the rows of other devices'
+      experts, whose sum over the devices is the whole result (``ExpertParallel.partial_sums``).
+    """
+    dtype = rows.dtype
+    num_local = gate_up.shape[0]
+    if first_expert is not None:  # other devices' experts sort past every group (an out-of-range id)
+        ids = ids - first_expert
+        is_local = (ids >= 0) & (ids < num_local)
+        ids = jnp.where(is_local, ids, num_local)
+    order, group_sizes = sort_by_expert(ids, num_local)
+    matmul = grouped_matmul_for(impl, rows.shape[0], rows.shape[1], dtype)
+    gate_up = matmul(rows, gate_up.astype(dtype), group_sizes, row_index=order)
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    act = (jax.nn.silu(gate) * up).astype(dtype)
+    out = matmul(act, down.astype(dtype), group_sizes)
+    if first_expert is None:
         return in_pair_order(out, order)
+    # Rows outside every group: zero, whatever a kernel leaves there.
+    out = jnp.where((jnp.arange(out.shape[0]) < jnp.sum(group_sizes))[:, None], out, 0)
+    return jnp.where(is_local, in_pair_order(out, order).astype(jnp.float32), 0.0)

@@ -206,9 +206,8 @@ def test_unimplemented_config_is_refused_naming_the_field(field):
         ModelConfig.from_hf_config(tiny_config(arch, **overrides))
 
 
-def test_latent_cache_refuses_the_host_pool_kernels_and_sharding(tmp_path):
-    from paged_jax.parallel.mesh import make_mesh
-    from paged_jax.parallel.plan import ShardingPlan
+def test_latent_cache_refuses_the_host_pool_kernels_and_pipeline_stages(tmp_path):
+    from paged_jax.parallel.pipeline import PipelinePlan
 
     path = _checkpoint("v2_lite", tmp_path)
     with pytest.raises(ValueError, match="swap_space"):
@@ -223,8 +222,8 @@ def test_latent_cache_refuses_the_host_pool_kernels_and_sharding(tmp_path):
     with pytest.raises(ValueError, match="batch_invariant"):
         paged_jax.LLM(model=str(path), dtype="float32", max_model_len=32, block_size=8, max_num_seqs=2,
                       max_num_batched_tokens=16, batch_invariant=True, use_tqdm=False)
-    with pytest.raises(ValueError, match="latent attention"):
-        ShardingPlan.create(ModelConfig.from_pretrained(path), make_mesh(1))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: DeepseekV2ForCausalLM's latent attention"):
+        PipelinePlan.create(ModelConfig.from_pretrained(path), 2, 1)
 
 
 def test_routed_experts_capture_equals_transformers_routing(tmp_path):

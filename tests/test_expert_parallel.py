@@ -1,6 +1,8 @@
 """Expert parallelism (``--enable-expert-parallel``) and tensor parallelism inside the experts on CPU meshes of host
-devices: the tiny Qwen3-MoE and Mixtral checkpoints at tp = 2 and 4, EP on and off, equal to one device through the
-model call (logits) and through the engine (greedy fp32 tokens); what is refused is named."""
+devices: the tiny Qwen3-MoE and Mixtral checkpoints at tp = 2 and 4, DeepSeek-V2 (latent attention: q heads split
+over a replicated latent cache; shared experts) and Llama 4 (fused gate/up experts, shared expert, chunked and NoPE
+layers) at tp = 4 through the model call and tp = 2 through the engine, EP on and off, equal to one device (logits,
+greedy fp32 tokens); what is refused is named."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,8 @@ from models.testing import save_random_hf_checkpoint, tiny_config
 
 pytest.importorskip("transformers")
 
-ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral": dict(num_hidden_layers=2)}
+ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral": dict(num_hidden_layers=2),
+         "deepseek_v2": {}, "llama4": {}}
 SEQ_LENS = (7, 1, 12)
 
 
@@ -68,11 +71,13 @@ def test_local_expert_shares_sum_to_the_whole_layer():
         np.testing.assert_allclose(np.asarray(sum(shares)), np.asarray(whole), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("arch, tp", [(arch, tp) for arch in ("mixtral", "qwen3_moe") for tp in (2, 4)]
+                         + [("deepseek_v2", 4), ("llama4", 4)])
 def test_model_call_equals_one_device(checkpoints, arch, tp):
     """Logits of the model call with the experts split over their width (EP off) or over the experts (EP on) equal
-    one device's; with EP each device holds num_experts / tp whole experts."""
+    one device's; with EP each device holds num_experts / tp whole experts. Llama 4's fused gate/up experts split by
+    width run per device (``ExpertParallel`` over their width); DeepSeek's q heads split, its latent projections
+    (and cache) are whole on every device."""
     from models.tensor_parallel import load_sharded_model
     from paged_jax.parallel import ShardingPlan, make_mesh
 
@@ -90,31 +95,61 @@ def test_model_call_equals_one_device(checkpoints, arch, tp):
         if expert_parallel:
             assert down.sharding.spec == P("tp", None, None)
             assert down.sharding.shard_shape(down.shape)[0] == num_experts // tp
-            assert block.expert_parallel is not None and block.impl == "auto"  # the kernel on a GPU
+            assert block.expert_parallel.whole_experts and block.impl == "auto"  # the kernel on a GPU
         else:
-            assert down.sharding.spec == P(None, "tp", None) and block.expert_parallel is None
+            assert down.sharding.spec == P(None, "tp", None)
+            assert (block.expert_parallel is None) == (arch != "llama4")
+        if arch == "deepseek_v2":
+            attn = sharded.model.layers[0].self_attn
+            assert attn.q_b_proj.kernel.get_value().sharding.spec == P(None, "tp")
+            assert attn.kv_a_proj_with_mqa.kernel.get_value().sharding.spec == P()
+            assert block.shared_experts.down_proj.kernel.get_value().sharding.spec == P("tp", None)
+            assert block.gate.kernel.get_value().sharding.spec == P()  # grouped top-k on every device alike
         np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
 
 
 _ONE_DEVICE: dict = {}  # the one-device tokens of each checkpoint, computed once
 
 
-def _greedy(path, prompts, **layout):
+def _greedy(path, prompts, *, check_pool=None, **layout):
+    """The engine's greedy tokens of ``prompts``; ``check_pool(plan, kv_pool)`` is called on its KV pool."""
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
-              num_gpu_blocks_override=16, use_tqdm=False, **layout)
+              num_gpu_blocks_override=64, use_tqdm=False, **layout)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert llm.llm_engine.engine_core.runner.num_compiles_since_warmup == 0
+    runner = llm.llm_engine.engine_core.runner
+    assert runner.num_compiles_since_warmup == 0
     assert all(o.outputs[0].routed_experts is None for o in out)  # off by default
+    if check_pool is not None:
+        check_pool(runner.sharding_plan, runner.kv_pool)
     return [list(o.outputs[0].token_ids) for o in out]
 
 
-# tp = 2 and 4, EP on and off, over the two architectures (Mixtral at tp = 2 without EP: tests/test_moe.py). Qwen3-MoE
-# at tp = 4 without EP runs with make test-all (slow): tensor parallelism inside the experts is covered by Mixtral's
-# tp = 2 case in tests/test_moe.py.
+def _one_device_picks(path, prompts, outputs):
+    """Whether the one-device model, fed each prompt and its output, picks every output token greedily: the
+    one-device greedy decode of the prompts is then ``outputs`` (one model call instead of an engine)."""
+    model, config = load_model(path, dtype="float32")
+    seqs = [np.asarray(p + out[:-1], np.int32) for p, out in zip(prompts, outputs)]
+    picks = _forward_logits(model, config, seqs).argmax(-1)
+    starts = np.cumsum([0] + [len(s) for s in seqs])
+    return [picks[start + len(p) - 1:end].tolist() for start, end, p in zip(starts, starts[1:], prompts)] == outputs
+
+
+def _latent_pool_whole_on_each_device(plan, kv_pool):
+    """A latent cache: one KV head of [latent | rope key] rows, the same on every tp device; no V width."""
+    k_pages, v_pages = kv_pool[0][:2]
+    assert k_pages.shape[2:] == (1, plan.config.mla.latent_dim) and v_pages.shape[-1] == 0
+    assert k_pages.sharding.is_fully_replicated and len(k_pages.sharding.device_set) == 2
+
+
+# tp = 2 and 4, EP on and off, over the architectures (Mixtral at tp = 2 without EP: tests/test_moe.py). Qwen3-MoE
+# at tp = 4 without EP, DeepSeek-V2 at tp = 2 without EP and Llama 4 at tp = 2 with EP run with make test-all
+# (slow): tensor parallelism inside the experts is covered by Mixtral's tp = 2 case in tests/test_moe.py and Llama 4's
+# here, latent attention by DeepSeek's EP case, whole experts by the other EP cases; the model-call test runs every
+# layout of each.
 @pytest.mark.parametrize("arch, layout", [
     ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     pytest.param("qwen3_moe", dict(tensor_parallel_size=4, enable_expert_parallel=False), marks=pytest.mark.slow),
@@ -128,15 +163,44 @@ def test_engine_greedy_equals_one_device(checkpoints, arch, layout):
     assert _greedy(checkpoints[arch], prompts, **layout) == _ONE_DEVICE[arch]
 
 
+@pytest.mark.parametrize("arch, layout", [
+    ("deepseek_v2", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    pytest.param("deepseek_v2", dict(tensor_parallel_size=2), marks=pytest.mark.slow),
+    ("llama4", dict(tensor_parallel_size=2)),
+    pytest.param("llama4", dict(tensor_parallel_size=2, enable_expert_parallel=True), marks=pytest.mark.slow),
+], ids=["deepseek_v2-tp2-ep", "deepseek_v2-tp2", "llama4-tp2", "llama4-tp2-ep"])
+def test_engine_greedy_equals_one_device_model(checkpoints, arch, layout):
+    """DeepSeek-V2 (its latent cache whole on each device) and Llama 4 (prompts across its 12-token attention
+    chunks): the engine's greedy tokens are the one-device model's picks."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
+    check_pool = _latent_pool_whole_on_each_device if arch == "deepseek_v2" else None
+    outputs = _greedy(checkpoints[arch], prompts, check_pool=check_pool, **layout)
+    assert _one_device_picks(checkpoints[arch], prompts, outputs)
+
+
 def test_refusals_name_the_field(tmp_path):
     from models.config import ModelConfig
     from paged_jax.config import EngineArgs
     from paged_jax.entrypoints.llm import LLM
     from paged_jax.parallel import ShardingPlan, make_mesh
+    from paged_jax.parallel.pipeline import PipelinePlan
 
     six_experts = ModelConfig.from_hf_config(tiny_config("qwen3_moe", num_experts=6))
     with pytest.raises(ValueError, match=r"enable_expert_parallel: num_experts \(6\) must be divisible.*\(4 "):
         ShardingPlan.create(six_experts, make_mesh(4), expert_parallel=True)
+    deepseek = ModelConfig.from_hf_config(tiny_config("deepseek_v2"))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide num_attention_heads \(4\)"):
+        ShardingPlan.create(deepseek, make_mesh(8))
+    llama4 = ModelConfig.from_hf_config(tiny_config("llama4", intermediate_size=36))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide the experts' intermediate_size \(36\)"):
+        ShardingPlan.create(llama4, make_mesh(8))
+    ShardingPlan.create(llama4, make_mesh(4), expert_parallel=True)  # whole experts: any width
+    for config in (deepseek, llama4):
+        with pytest.raises(ValueError, match=f"^pipeline_parallel_size=2: {config.architecture}'s"):
+            PipelinePlan.create(config, 2, 1)
+    with pytest.raises(ValueError, match="attention sinks"):
+        ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(2))
     dense = ModelConfig.from_hf_config(tiny_config("qwen3"))
     with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
         ShardingPlan.create(dense, make_mesh(2), expert_parallel=True)
@@ -148,6 +212,27 @@ def test_refusals_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
         LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,
             use_tqdm=False)
+
+
+def test_deepseek_v3_parameter_shardings():
+    """Every parameter of DeepSeek-V3 (q bottleneck, router correction bias, shared experts) has a rule, shapes only:
+    the latent projections and the router whole on each device, the q heads and the shared experts split."""
+    from flax import nnx
+
+    from models.config import ModelConfig
+    from models.tensor_parallel import abstract_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    plan = ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("deepseek_v3")), make_mesh(2),
+                               expert_parallel=True)
+    specs = {".".join(map(str, path[3:])): leaf.get_value().spec
+             for path, leaf in nnx.to_flat_state(plan.state_shardings(nnx.state(abstract_model(plan, jnp.float32))))
+             if path[:3] == ("model", "layers", 1)}
+    assert specs["mlp.gate.e_score_correction_bias"] == specs["mlp.gate.kernel"] == P()
+    assert specs["self_attn.q_a_proj.kernel"] == specs["self_attn.kv_a_proj_with_mqa.kernel"] == P()
+    assert specs["self_attn.q_b_proj.kernel"] == specs["self_attn.kv_b_proj.kernel"] == P(None, "tp")
+    assert specs["self_attn.o_proj.kernel"] == specs["mlp.shared_experts.down_proj.kernel"] == P("tp", None)
+    assert specs["mlp.experts.gate_proj"] == P("tp", None, None)
 
 
 def test_block_fp8_experts_split_whole_over_devices(tmp_path):

@@ -208,15 +208,16 @@ def test_engine_greedy_matches_transformers_under_preemption(checkpoint, mode, a
 
 
 def test_mosaic_attention_and_parallelism_are_refused(checkpoint):
-    """The Mosaic kernel has no chunked attention; the experts have no sharding rules."""
-    from paged_jax.parallel.expert_parallel import check_expert_parallel
+    """The Mosaic kernel has no chunked attention; the fused gate/up experts have no pipeline-stage layout (tensor
+    and expert parallelism: tests/test_expert_parallel.py)."""
+    from paged_jax.parallel.pipeline import PipelinePlan
 
     path, _ = checkpoint
     with pytest.raises(ValueError, match=r"^attention_impl: 'mosaic' does not take the chunked local attention"):
         paged_jax.LLM(model=str(path), dtype="float32", attention_impl="mosaic", max_model_len=64, use_tqdm=False)
     config = ModelConfig.from_hf_config(tiny_config("llama4"))
-    with pytest.raises(ValueError, match="enable_expert_parallel"):
-        check_expert_parallel(config, 1)
+    with pytest.raises(ValueError, match="^pipeline_parallel_size=2: Llama4ForCausalLM's fused gate/up experts"):
+        PipelinePlan.create(config, 2, 1)
 
 
 def test_chat_image_parts_are_refused_naming_the_field():

@@ -27,6 +27,7 @@ price of load imbalance when the router favours one device's experts.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ def check_expert_parallel(config, ep_size: int) -> None:
     experts over ``ep_size`` devices."""
     if config.moe is None:
         raise ValueError(f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers")
-    if config.moe.swiglu_limit is not None or config.moe.router != "softmax":
+    if config.moe.swiglu_limit is not None:
         raise ValueError(f"enable_expert_parallel: {config.architecture}'s experts do not split over devices")
     if config.moe.num_experts % ep_size != 0:
         raise ValueError(f"enable_expert_parallel: num_experts ({config.moe.num_experts}) must be divisible by the "
@@ -54,13 +55,18 @@ class ExpertParallel:
     """``models.moe.moe_experts`` with the experts split over mesh axis ``axis`` (a ``SparseMoeBlock``'s static
     ``expert_parallel``; hashable, so it lives in the model's graphdef).
 
-    Call: ``(x dtype[T, H], w_gate / w_up [E, H, I], w_down [E, I, H] (split over E), topk_weights float32[T, k],
-    topk_ids int32[T, k], *, impl) -> dtype[T, H]``, the same as ``moe_experts``; ``impl`` picks each device's grouped
-    matmul (``models.moe.MOE_IMPLS``) for its local arrays.
+    ``whole_experts``: each device holds ``E / ep`` whole experts (split over E); False: a slice of every expert's
+    width (``I / tp``; Llama 4's fused gate/up columns, which XLA's partitioner would split between gate and up,
+    laid out per device by ``ShardingPlan.rewrite_param``), each device's partial sums then cover every expert.
+
+    Call: ``(x dtype[T, H], w_gate / w_up [E, H, I], w_down [E, I, H], topk_weights float32[T, k], topk_ids
+    int32[T, k], *, impl) -> dtype[T, H]``, the same as ``moe_experts``; ``impl`` picks each device's grouped
+    matmul (``models.moe.MOE_IMPLS``) for its local arrays. ``partial_sums`` runs any such per-device share.
     """
 
     mesh: Mesh
     axis: str = TP_AXIS
+    whole_experts: bool = True
 
     @property
     def size(self) -> int:
@@ -68,21 +74,39 @@ class ExpertParallel:
 
     @property
     def expert_spec(self) -> P:
-        """The PartitionSpec of a stacked expert weight ``[E, in, out]``."""
+        """The PartitionSpec of a stacked expert weight ``[E, in, out]`` split whole."""
         return P(self.axis, None, None)
 
+    def weight_spec(self, width_dim: int) -> P:
+        """The PartitionSpec of a stacked expert weight whose expert width ``I`` is dim ``width_dim`` (2 for the
+        ``[E, H, I]`` inputs' weights, 1 for ``[E, I, H]``)."""
+        if self.whole_experts:
+            return self.expert_spec
+        return P(*[self.axis if dim == width_dim else None for dim in range(3)])
+
+    def partial_sums(self, local_fn: Callable, replicated: tuple, weights: tuple, width_dims: tuple) -> jax.Array:
+        """``psum`` over the axis of ``local_fn(*replicated, *local_weights, first_expert)`` (float32), the share of
+        the layer one device computes from its part of the stacked expert ``weights`` (``width_dims``: each one's
+        ``I`` dim, ``weight_spec``); ``first_expert`` (int32 scalar) is the global id of the device's expert 0 (0
+        when every device holds a slice of every expert)."""
+        axis, whole, count = self.axis, self.whole_experts, len(replicated)
+
+        def per_device(*args):
+            local_weights = args[count:]
+            first = jax.lax.axis_index(axis) * local_weights[0].shape[0] if whole else 0
+            return jax.lax.psum(local_fn(*args[:count], *local_weights, jnp.int32(first)), axis)
+
+        specs = tuple(self.weight_spec(dim) for dim in width_dims)
+        # check_vma off: a grouped-matmul kernel carries no varying-axis annotations; the specs are exact anyway.
+        run = jax.shard_map(per_device, mesh=self.mesh, in_specs=(*(P(),) * count, *specs), out_specs=P(),
+                            check_vma=False)
+        return run(*replicated, *weights)
+
     def __call__(self, x, w_gate, w_up, w_down, topk_weights, topk_ids, *, impl: str = "xla") -> jax.Array:
-        axis = self.axis
         grouped_matmul = grouped_matmul_for(impl, topk_ids.size, x.shape[1], x.dtype, w_gate)
 
-        def per_device(x, w_gate, w_up, w_down, topk_weights, topk_ids):
-            first = jax.lax.axis_index(axis) * w_gate.shape[0]
-            partial = local_experts_partial(grouped_matmul, x, w_gate, w_up, w_down, topk_weights, topk_ids,
-                                            first.astype(jnp.int32))
-            return jax.lax.psum(partial, axis).astype(x.dtype)
+        def local(x, topk_weights, topk_ids, w_gate, w_up, w_down, first):
+            return local_experts_partial(grouped_matmul, x, w_gate, w_up, w_down, topk_weights, topk_ids, first)
 
-        experts = self.expert_spec
-        # check_vma off: a grouped-matmul kernel carries no varying-axis annotations; the specs are exact anyway.
-        run = jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(), experts, experts, experts, P(), P()),
-                            out_specs=P(), check_vma=False)
-        return run(x, w_gate, w_up, w_down, topk_weights, topk_ids)
+        return self.partial_sums(local, (x, topk_weights, topk_ids), (w_gate, w_up, w_down),
+                                 (2, 2, 1)).astype(x.dtype)

@@ -116,6 +116,10 @@ class PipelinePlan:
     @classmethod
     def create(cls, config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int,
                devices: Sequence[jax.Device] | None = None) -> "PipelinePlan":
+        if config.mla is not None or (config.moe is not None and config.moe.router == "sigmoid_input"):
+            what = "latent attention" if config.mla is not None else "fused gate/up experts"
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: {config.architecture}'s {what} "
+                             "have no pipeline-stage layout (tensor_parallel_size splits them)")
         mesh = make_pipeline_mesh(pipeline_parallel_size, tensor_parallel_size, devices)
         if any(device.process_index != jax.process_index() for device in mesh.devices.flat):
             raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: the stages hand their hidden states "

@@ -12,9 +12,13 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
   (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
   With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E) and the sparse layers
-  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too).
+  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too); so do Llama
+  4's width-split experts, whose fused gate/up columns ``rewrite_param`` lays out per device. Shared experts split as
+  a dense MLP.
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
   ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
+  Latent attention (DeepSeek's MLA, ``models.mla``): the q heads split (q / q_b, kv_b and o projections), the
+  latent projections and the latent cache (one KV head) are whole on every device (``splits_kv_heads``).
 * Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
   shape is ``ShardingPlan.model_config``: build the model and the KV pool from it.
 
@@ -58,8 +62,10 @@ def _param_kind(path: tuple) -> str:
         return "lm_head"
     if leaf == "scale":
         return "norm"
-    if len(names) >= 3 and names[-3] in ("self_attn", "mlp") and leaf in ("kernel", "bias", *_QUANT_LEAF_DIMS):
+    if len(names) >= 3 and names[-3] in _BLOCKS and leaf in ("kernel", "bias", *_QUANT_LEAF_DIMS):
         return f"{names[-2]}.{leaf}"
+    if leaf == "e_score_correction_bias":
+        return "norm"  # DeepSeek-V3's router bias: replicated with its router
     if len(names) >= 3 and names[-3:-1] == ["mlp", "experts"]:
         return f"experts.{leaf}"
     if names[-2:] == ["self_attn", "kv_scale"]:
@@ -67,12 +73,20 @@ def _param_kind(path: tuple) -> str:
     raise ValueError(f"no sharding rule for model parameter {'.'.join(names)}")
 
 
-# Megatron rules: which tensor dim of each parameter kind is split over tp (None = replicated).
+# The modules whose projections the rules below name: attention, the MLP, a sparse MLP's shared experts (DeepSeek's
+# shared_experts, Llama 4's shared_expert: dense MLPs, split as one).
+_BLOCKS = ("self_attn", "mlp", "shared_experts", "shared_expert")
+# Megatron rules: which tensor dim of each parameter kind is split over tp (None = replicated). Latent attention
+# (models.mla): the q and kv_b projections are split by heads, the latent's (q_a, kv_a) replicated, as its cache.
 _ATTENTION_KINDS = {"q_proj.kernel": 1, "k_proj.kernel": 1, "v_proj.kernel": 1, "q_proj.bias": 0,
-                    "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None}
+                    "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None,
+                    "q_a_proj.kernel": None, "q_b_proj.kernel": 1, "kv_a_proj_with_mqa.kernel": None,
+                    "kv_b_proj.kernel": 1}
 _MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0,
-              # a sparse layer: its router, and its experts stacked [E, in, out] (models.moe)
-              "gate.kernel": None, "experts.gate_proj": 2, "experts.up_proj": 2, "experts.down_proj": 1}
+              # a sparse layer: its router (Llama 4's "router"), and its experts stacked [E, in, out] (models.moe;
+              # Llama 4's gate_up_proj [E, H, 2I], laid out per device by ShardingPlan.rewrite_param)
+              "gate.kernel": None, "router.kernel": None, "experts.gate_proj": 2, "experts.up_proj": 2,
+              "experts.down_proj": 1, "experts.gate_up_proj": 2}
 _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
 # Block-FP8 experts' scales [E, out blocks, in blocks] (models.moe): split with their experts, under expert
 # parallelism only (ShardingPlan.create refuses the other layouts).
@@ -115,28 +129,18 @@ class ShardingPlan:
     @classmethod
     def create(cls, config: ModelConfig, mesh: Mesh, *, kv_layout: str = "sharded",
                pad_heads: bool = True, expert_parallel: bool = False) -> "ShardingPlan":
-        """ValueError for a mesh of other axes, an unknown ``kv_layout``, or ``expert_parallel`` on a model whose
-        experts do not split over tp (``check_expert_parallel``)."""
+        """ValueError for a mesh of other axes, an unknown ``kv_layout``, or a model the layout does not fit
+        (``_check_shardable``: attention sinks, block-FP8 experts split by width, ``expert_parallel`` on experts that
+        do not split over tp, latent attention's heads or Llama 4's expert width not divisible by tp)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-        if config.attention_sinks or config.mla is not None or (config.moe is not None
-                                                                and config.moe.router == "sigmoid_input"):
-            what = ("attention sinks" if config.attention_sinks else "latent attention" if config.mla is not None
-                    else "sigmoid-input router")
-            raise ValueError(f"{config.architecture} is not sharded: its {what} and experts have no "
-                             "sharding rules (tensor and pipeline parallelism are unsupported for it)")
-        if config.moe is not None and config.moe.expert_format == "fp8" and not expert_parallel:
-            raise ValueError(f"{config.architecture} with block-FP8 experts (quantization_config weight_block_size "
-                             f"{list(config.fp8_weight_block)}) splits its experts over devices only whole "
-                             "(enable_expert_parallel): their block scales have no rule to split an expert's width "
-                             "(tensor parallelism without expert parallelism, and pipeline parallelism, are "
-                             "unsupported for it)")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
             raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
         tp = mesh.shape[TP_AXIS]
-        if expert_parallel:
-            check_expert_parallel(config, tp)
-        if kv_layout == "sharded":
+        _check_shardable(config, tp, expert_parallel)
+        if config.mla is not None:  # one latent KV head, replicated: the q heads split as they are
+            layout = HeadLayout(tp, config.num_attention_heads, 1, 1, config.num_attention_heads)
+        elif kv_layout == "sharded":
             layout = HeadLayout.for_heads(config.num_attention_heads, config.num_key_value_heads, tp,
                                           pad_heads=pad_heads)
         else:  # attention is not split, the heads stay as they are
@@ -152,14 +156,26 @@ class ShardingPlan:
         return self.mesh.shape[TP_AXIS]
 
     @property
+    def splits_kv_heads(self) -> bool:
+        """Whether the KV pool (and the k / v an attention gets) is split over tp by kv heads: the "sharded"
+        layout, but for a latent cache (multi-head latent attention), whose one KV head every device holds whole
+        (each device's q heads attend over all of it, as vLLM's MLA under tensor parallelism)."""
+        return self.kv_layout == "sharded" and self.config.mla is None
+
+    @property
     def data_parallel_size(self) -> int:
         return self.mesh.shape[DP_AXIS]
 
     @property
     def moe_experts(self) -> ExpertParallel | None:
         """What the sparse layers run their experts through (``SparseMoeBlock.expert_parallel``): an
-        ``ExpertParallel`` over tp with ``expert_parallel``, else None (XLA partitions the width-split experts)."""
-        return ExpertParallel(self.mesh) if self.expert_parallel else None
+        ``ExpertParallel`` over tp with ``expert_parallel``; for Llama 4's fused gate/up experts one over their
+        width (``ExpertParallel.whole_experts`` False); else None (XLA partitions the width-split experts)."""
+        if self.expert_parallel:
+            return ExpertParallel(self.mesh)
+        if _fused_gate_up(self.config) and self.tensor_parallel_size > 1:
+            return ExpertParallel(self.mesh, whole_experts=False)
+        return None
 
     # -- parameters --------------------------------------------------------------------------------------------------
 
@@ -203,6 +219,8 @@ class ShardingPlan:
         """Apply the head rewrite to one parameter in model layout (``[in, out]`` kernels) of the ``config`` shape:
         host (``xp=np``) or traced (``xp=jnp``). Depends only on the parameter's kind, never on its layer."""
         kind = _param_kind(path)
+        if kind == "experts.gate_up_proj" and self.moe_experts is not None and not self.moe_experts.whole_experts:
+            return _gate_up_per_device(value, self.tensor_parallel_size, xp)
         if self.head_layout.is_identity:
             return value
         head_dim = self.config.head_dim
@@ -218,8 +236,9 @@ class ShardingPlan:
 
     @property
     def kv_cache_spec(self) -> P:
-        """Spec of one ``[num_blocks, block_size, Hkv', D]`` page array: blocks over dp, kv heads over tp."""
-        return P(DP_AXIS, None, TP_AXIS if self.kv_layout == "sharded" else None, None)
+        """Spec of one ``[num_blocks, block_size, Hkv', D]`` page array: blocks over dp, kv heads over tp
+        (``splits_kv_heads``)."""
+        return P(DP_AXIS, None, TP_AXIS if self.splits_kv_heads else None, None)
 
     @property
     def kv_cache_sharding(self) -> NamedSharding:
@@ -229,7 +248,7 @@ class ShardingPlan:
     def num_kv_heads_per_device(self) -> int:
         """KV heads each device stores (the KV pool's per-device head count)."""
         heads = self.model_config.num_key_value_heads
-        return heads // self.tensor_parallel_size if self.kv_layout == "sharded" else heads
+        return heads // self.tensor_parallel_size if self.splits_kv_heads else heads
 
     @property
     def per_device_model_config(self) -> ModelConfig:
@@ -241,7 +260,7 @@ class ShardingPlan:
             heads = {}
         else:
             heads = {"num_attention_heads": self.model_config.num_attention_heads // tp,
-                     "num_key_value_heads": self.model_config.num_key_value_heads // tp}
+                     "num_key_value_heads": self.num_kv_heads_per_device}
         inter = self.model_config.intermediate_size
         return dataclasses.replace(self.model_config, intermediate_size=inter // tp if inter % tp == 0 else inter,
                                    **heads)
@@ -282,13 +301,14 @@ class ShardingPlan:
         if num_blocks % self.data_parallel_size != 0:
             raise ValueError(f"num_blocks ({num_blocks}) must be divisible by data_parallel_size "
                              f"({self.data_parallel_size})")
-        local_shape = (num_blocks // self.data_parallel_size, block_size, self.num_kv_heads_per_device,
-                       self.model_config.head_dim)
+        # K and V widths: a latent cache's V pool has none (ModelConfig.kv_pool_head_dims).
+        k_shape, v_shape = ((num_blocks // self.data_parallel_size, block_size, self.num_kv_heads_per_device, dim)
+                            for dim in self.model_config.kv_pool_head_dims)
         # Created by a shard_map inside jit, exactly as the attention's shard_map returns the pages, so the pool
         # has the very sharding a step returns (jax normalizes specs, e.g. drops size-1 axes): feeding a step's
         # output back never looks like a new input sharding to jit (no recompile).
         spec = self.kv_cache_spec
-        create = jax.jit(jax.shard_map(lambda: (jnp.zeros(local_shape, dtype), jnp.zeros(local_shape, dtype)),
+        create = jax.jit(jax.shard_map(lambda: (jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)),
                                        mesh=self.mesh, in_specs=(), out_specs=(spec, spec), check_vma=False))
         return [create() for _ in range(self.model_config.num_hidden_layers if num_layers is None else num_layers)]
 
@@ -312,8 +332,8 @@ class ShardingPlan:
           ``LlamaForCausalLM.__call__`` (``takes_layer_attention``); ``kv_layer`` is None or a pytree of page arrays
           sharded as ``kv_cache_spec``.
         """
-        heads = TP_AXIS if self.kv_layout == "sharded" else None
-        token_spec = P(DP_AXIS, heads, None)
+        token_spec = P(DP_AXIS, TP_AXIS if self.kv_layout == "sharded" else None, None)
+        kv_token_spec = P(DP_AXIS, TP_AXIS if self.splits_kv_heads else None, None)  # k, v [T, Hkv', D]
         if metadata_specs is None:
             metadata_specs = jax.tree.map(lambda _: P(DP_AXIS), metadata)
         mesh = self.mesh
@@ -333,7 +353,7 @@ class ShardingPlan:
 
             # check_vma off: kernels (Pallas/Triton) carry no varying-axis annotations; the specs are exact anyway.
             sharded = jax.shard_map(
-                per_device, mesh=mesh, in_specs=(token_spec, token_spec, token_spec, in_kv_specs, metadata_specs),
+                per_device, mesh=mesh, in_specs=(token_spec, kv_token_spec, kv_token_spec, in_kv_specs, metadata_specs),
                 out_specs=(token_spec, pages_specs), check_vma=False,
             )
             return sharded(q, k, v, kv_layer, metadata)
@@ -388,3 +408,39 @@ class ShardingPlan:
 
         return self.shard_attention(local, dict(slot_mapping=slot_mapping, kv_lens=kv_lens,
                                                 block_tables=block_tables, cu_q_lens=cu_q_lens))
+
+
+def _fused_gate_up(config: ModelConfig) -> bool:
+    """Whether the model's experts hold gate and up in one ``gate_up_proj`` (Llama 4, ``models.llama4``)."""
+    return config.moe is not None and config.moe.router == "sigmoid_input"
+
+
+def _gate_up_per_device(value, tp: int, xp):
+    """Llama 4's ``gate_up_proj`` ``[E, H, 2I]`` (gate columns, then up) -> the same columns as ``tp`` slices of
+    ``[gate slice | up slice]``, so that split over its last dim each device holds its gate and up slices side by
+    side (``models.llama4.llama4_experts`` splits its local columns in half)."""
+    num_experts, hidden, width = value.shape
+    per_device = value.reshape(num_experts, hidden, 2, tp, width // (2 * tp))
+    return xp.transpose(per_device, (0, 1, 3, 2, 4)).reshape(num_experts, hidden, width)
+
+
+def _check_shardable(config: ModelConfig, tp: int, expert_parallel: bool) -> None:
+    """ValueError, naming the field, for a model ``ShardingPlan`` cannot lay out over ``tp`` devices."""
+    if config.attention_sinks:
+        raise ValueError(f"{config.architecture} is not sharded: its attention sinks and experts have no "
+                         "sharding rules (tensor and pipeline parallelism are unsupported for it)")
+    if config.moe is not None and config.moe.expert_format == "fp8" and not expert_parallel:
+        raise ValueError(f"{config.architecture} with block-FP8 experts (quantization_config weight_block_size "
+                         f"{list(config.fp8_weight_block)}) splits its experts over devices only whole "
+                         "(enable_expert_parallel): their block scales have no rule to split an expert's width "
+                         "(tensor parallelism without expert parallelism, and pipeline parallelism, are "
+                         "unsupported for it)")
+    if expert_parallel:
+        check_expert_parallel(config, tp)
+    if config.mla is not None and config.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads ({config.num_attention_heads}) "
+                         f"of {config.architecture}: latent attention splits whole q heads (no head padding)")
+    if _fused_gate_up(config) and not expert_parallel and config.moe.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the experts' intermediate_size "
+                         f"({config.moe.moe_intermediate_size}) of {config.architecture} (or enable_expert_parallel: "
+                         "whole experts per device)")
