@@ -270,9 +270,6 @@ class EngineArgs:
             for name, value in (("preemption_mode", self.preemption_mode == "swap"),
                                 ("enable_sleep_mode", self.enable_sleep_mode)):
                 check(not value, name, f"is not supported with speculative_config method {method!r}")
-        # The targets with MTP layers (DeepSeek-V3's) attend through latent attention, which has no sharding rules.
-        check(not (method == "mtp" and self.tensor_parallel_size > 1), "tensor_parallel_size",
-              "is not supported with speculative_config method 'mtp' (DeepSeek-V3's latent attention is not sharded)")
         # Drafting LoRA rows with the MTP layers (with or without the row's adapter) is not built.
         check(not (self.enable_lora and self.speculative_config.method == "mtp"), "enable_lora",
               "is not supported with speculative_config method 'mtp'")

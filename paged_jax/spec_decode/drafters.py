@@ -63,9 +63,7 @@ def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConf
         return None
     dtype = target_model.dtype if dtype in (None, "auto") else dtype
     if spec.method == "mtp":
-        if plan is not None:  # EngineArgs refuses it first: the targets with MTP layers have unsharded attention
-            raise ValueError("speculative_config.method='mtp' is not supported with tensor_parallel_size > 1")
-        return _mtp(spec.num_speculative_tokens, target_model, target_config, dtype, target_path, dummy)
+        return _mtp(spec.num_speculative_tokens, target_model, target_config, dtype, target_path, dummy, plan)
     path = resolve_drafter_path(spec, download_dir=download_dir)
     if spec.method == "draft_model":
         return _draft_model(path, spec.num_speculative_tokens, dtype, target_config, target_tokenizer, plan)
@@ -86,17 +84,17 @@ def load_drafter(spec: SpeculativeConfig, target_model, target_config: ModelConf
 
 def _head_runner(method: str, k: int, head, target_plan: ShardingPlan | None, *, shared: tuple,
                  aux_hidden_layers: tuple[int, ...] = ()) -> DraftRunner:
-    """The runner of an EAGLE / EAGLE-3 head, laid out on the target's mesh under ``target_plan``."""
-    plan = None
-    if target_plan is not None:
-        plan = drafter_plan(head.config.model, target_plan)
-        head = shard_head(head, plan, shared)
-    return DraftRunner(method, k, head, head.config.model, aux_hidden_layers=aux_hidden_layers, shared=shared,
-                       plan=plan)
+    """The runner of an EAGLE / EAGLE-3 head or an MTP layer, laid out on the target's mesh under ``target_plan``."""
+    config = head.config if method == "mtp" else head.config.model
+    if target_plan is None:
+        return DraftRunner(method, k, head, config, aux_hidden_layers=aux_hidden_layers, shared=shared)
+    plan = drafter_plan(config, target_plan)
+    return DraftRunner(method, k, shard_head(head, plan, shared), plan.model_config,
+                       aux_hidden_layers=aux_hidden_layers, shared=shared, plan=plan)
 
 
-def _mtp(k: int, target_model, target_config: ModelConfig, dtype, target_path: str | None,
-         dummy: bool) -> DraftRunner:
+def _mtp(k: int, target_model, target_config: ModelConfig, dtype, target_path: str | None, dummy: bool,
+         target_plan: ShardingPlan | None) -> DraftRunner:
     shared = (target_model.model.embed_tokens.embedding[...],
               None if target_model.lm_head is None else target_model.lm_head.kernel[...])
     if dummy:
@@ -107,7 +105,7 @@ def _mtp(k: int, target_model, target_config: ModelConfig, dtype, target_path: s
                              dtype=jnp.dtype(dtype))
     logger.info("MTP drafter: layer %d of %s%s, %d speculative tokens", target_config.num_hidden_layers,
                 target_path or "the target", " (random weights)" if dummy else "", k)
-    return DraftRunner("mtp", k, head, head.config, shared=shared)
+    return _head_runner("mtp", k, head, target_plan, shared=shared)
 
 
 def _draft_model(path: str, k: int, dtype, target_config: ModelConfig, target_tokenizer,
