@@ -4,7 +4,8 @@ copied) with an EAGLE-3 head, a draft model (the target itself) and an EAGLE hea
 without drafts (transformers; the tensor-parallel engine without drafts), every step's drafts are the drafter's (the
 published EAGLE-3 math; the one-device engine's drafts with the same drafter, step by step: its KV and weights are the
 same sequence's, only split over devices), the drafter's weights and KV pool are in their shards (the target's
-embedding and LM head shared, not copied), and nothing compiles after warm-up."""
+embedding and LM head shared, not copied), and nothing compiles after warm-up. Also: a draft model for a target with
+sliding-window KV-cache groups."""
 
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def _engine(paths, tp: int, method: str | None = None) -> LLMEngine:
                      use_tqdm=False)
 
 
-def _run_recording_drafts(engine: LLMEngine, params: SamplingParams) -> tuple[list, list]:
-    """(outputs of ``PROMPTS``, each step's (request id, its tokens, its drafts) per running request)."""
-    drafts = []
+def _recording(engine: LLMEngine, drafts: list):
+    """``engine.step`` that also appends, after each step, (request id, its tokens, its drafts) of every running
+    request to ``drafts``."""
     step = engine.step
 
     def recording_step(*args, **kwargs):
@@ -72,7 +73,12 @@ def _run_recording_drafts(engine: LLMEngine, params: SamplingParams) -> tuple[li
                              for r in engine.engine_core.scheduler.running))
         return outputs
 
-    engine.step = recording_step
+    return recording_step
+
+
+def _run_recording_drafts(engine: LLMEngine, params: SamplingParams) -> tuple[list, list]:
+    """(outputs of ``PROMPTS``, each step's (request id, its tokens, its drafts) per running request)."""
+    engine.step = _recording(engine, drafts := [])
     return run_to_completion(engine, [{"prompt_token_ids": p} for p in PROMPTS], params), drafts
 
 
@@ -147,4 +153,45 @@ def test_model_drafter_on_a_tensor_parallel_engine_equals_the_other_engines(meth
     if method == "draft_model":  # the target drafting for itself
         assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     _assert_drafter_on_mesh(engine, METHODS[method])
+    assert_clean(engine)
+
+
+def test_draft_model_on_a_target_with_sliding_window_groups(tmp_path):
+    """A Gemma 3 target (every third layer full, the others an 8-token window: three KV-cache groups) drafted for by
+    a one-layer Llama: the drafter's pool follows the full-attention group (the sliding groups drop blocks behind
+    the window), so every step's drafts are transformers' greedy continuation of the draft model over the whole
+    sequence, and the outputs are the target's own greedy tokens (transformers)."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_spec_decode_models import _draft_model_reference
+
+    target = save_random_hf_checkpoint(tiny_config("gemma3", num_hidden_layers=6, sliding_window_pattern=3),
+                                       tmp_path / "gemma3", seed=3)
+    draft = save_random_hf_checkpoint(tiny_config("llama", num_hidden_layers=1), tmp_path / "draft", seed=4)
+    # Attention weights large enough that each position's output depends on the earlier ones it attends to: the
+    # drafts then check the drafter's KV of the whole sequence.
+    tensors = load_file(str(draft / "model.safetensors"))
+    save_file({name: t * 8 if ".self_attn." in name else t for name, t in tensors.items()},
+              str(draft / "model.safetensors"), metadata={"format": "pt"})
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    engine = LLMEngine(EngineArgs(model=str(target), speculative_config=spec, dtype="float32", max_model_len=64,
+                                  block_size=8, max_num_batched_tokens=16, max_num_seqs=2, seed=0), use_tqdm=False)
+    assert engine.engine_core.runner.kv_layout.num_groups == 3
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (17, 22)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.step = _recording(engine, drafts := [])
+    got = run_to_completion(engine, [{"prompt_token_ids": p} for p in prompts], params)
+    hf_target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    with torch.no_grad():
+        for prompt, out in zip(prompts, got, strict=True):
+            expected = hf_target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+            assert list(out.outputs[0].token_ids) == expected.tolist()
+    reference = _draft_model_reference(draft)
+    checked = [(tokens, proposed) for step in drafts for _, tokens, proposed in step if proposed]
+    assert len(checked) >= 6 and any(len(tokens) > 24 for tokens, _ in checked)  # past three windows
+    for tokens, proposed in checked:
+        assert list(proposed) == reference(list(tokens))
     assert_clean(engine)
