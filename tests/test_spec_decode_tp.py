@@ -156,11 +156,13 @@ def test_model_drafter_on_a_tensor_parallel_engine_equals_the_other_engines(meth
     assert_clean(engine)
 
 
+@pytest.mark.slow  # CI: the refusal below; the group's tables are read by the same code at tp = 1 and tp > 1
 def test_draft_model_on_a_target_with_sliding_window_groups(tmp_path):
     """A Gemma 3 target (every third layer full, the others an 8-token window: three KV-cache groups) drafted for by
     a one-layer Llama: the drafter's pool follows the full-attention group (the sliding groups drop blocks behind
-    the window), so every step's drafts are transformers' greedy continuation of the draft model over the whole
-    sequence, and the outputs are the target's own greedy tokens (transformers)."""
+    the window, which a pool of 20 blocks soon gives to the other sequence), so every step's drafts are
+    transformers' greedy continuation of the draft model over the whole sequence, and the outputs are the target's
+    own greedy tokens (transformers)."""
     from safetensors.numpy import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -176,7 +178,8 @@ def test_draft_model_on_a_target_with_sliding_window_groups(tmp_path):
               str(draft / "model.safetensors"), metadata={"format": "pt"})
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
     engine = LLMEngine(EngineArgs(model=str(target), speculative_config=spec, dtype="float32", max_model_len=64,
-                                  block_size=8, max_num_batched_tokens=16, max_num_seqs=2, seed=0), use_tqdm=False)
+                                  block_size=8, max_num_batched_tokens=16, max_num_seqs=2, num_gpu_blocks_override=20,
+                                  seed=0), use_tqdm=False)
     assert engine.engine_core.runner.kv_layout.num_groups == 3
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (17, 22)]
@@ -195,3 +198,17 @@ def test_draft_model_on_a_target_with_sliding_window_groups(tmp_path):
     for tokens, proposed in checked:
         assert list(proposed) == reference(list(tokens))
     assert_clean(engine)
+
+
+def test_eagle3_head_on_a_target_with_sliding_window_groups_is_refused(tmp_path):
+    hf_config = tiny_config("gemma3", num_hidden_layers=6, sliding_window_pattern=3)
+    target = save_random_hf_checkpoint(hf_config, tmp_path / "gemma3")
+    head = save_random_eagle3_head(hf_config, tmp_path / "eagle3", draft_vocab_size=4, intermediate_size=64)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 4]}}))
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    with pytest.raises(ValueError, match="speculative_config.method='eagle3' is not supported with this model's "
+                                         "mixed sliding-window layers"):
+        LLMEngine(EngineArgs(model=str(target), speculative_config=spec, dtype="float32", max_model_len=64,
+                             block_size=8, max_num_batched_tokens=16, max_num_seqs=2), use_tqdm=False)
