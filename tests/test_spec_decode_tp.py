@@ -156,7 +156,7 @@ def test_model_drafter_on_a_tensor_parallel_engine_equals_the_other_engines(meth
     assert_clean(engine)
 
 
-@pytest.mark.slow  # CI: the refusal below; the group's tables are read by the same code at tp = 1 and tp > 1
+@pytest.mark.slow  # `make test-all`; CI runs the refusal below
 def test_draft_model_on_a_target_with_sliding_window_groups(tmp_path):
     """A Gemma 3 target (every third layer full, the others an 8-token window: three KV-cache groups) drafted for by
     a one-layer Llama: the drafter's pool follows the full-attention group (the sliding groups drop blocks behind
