@@ -26,6 +26,8 @@ writes the interleaved pre-activations; the biases and the clamped SwiGLU run in
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -91,10 +93,19 @@ class GptOssExperts(nnx.Module):
 
         return weight("gate_up_proj"), self.gate_up_proj_bias[...], weight("down_proj"), self.down_proj_bias[...]
 
+    @property
+    def width_dims(self) -> tuple:
+        """Each operand's expert-width dim (``I`` or the interleaved ``2I``; None: the down bias has none), for
+        splitting the width over devices (``ExpertParallel.weight_spec``): a contiguous slice of the interleaved
+        gate/up columns keeps each gate next to its up; MXFP4 blocks and scales split along the same dim."""
+        return (1, 1, 2, None) if self.expert_format == "mxfp4" else (2, 1, 1, None)
+
 
 class GptOssMoeBlock(SparseMoeBlock):
     """gpt-oss's MLP of one decoder layer: ``router`` (an ``nnx.Linear`` ``[H, E]`` with bias, HF ``mlp.router``)
-    and ``experts`` (``GptOssExperts``, HF ``mlp.experts``). ``impl``: the grouped matmul (``models.moe``)."""
+    and ``experts`` (``GptOssExperts``, HF ``mlp.experts``). ``impl``: the grouped matmul (``models.moe``);
+    ``expert_parallel``: None, or what runs each device's share of the experts (whole experts, or a slice of every
+    expert's width) and sums them over the devices (``paged_jax.parallel.expert_parallel.ExpertParallel``)."""
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs, init_std: float,
                  impl: str = "auto"):
@@ -105,7 +116,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.dtype = dtype
         self.impl = check_moe_impl(impl)
         self.capture_routing = False  # SparseMoeBlock's static hooks (models.moe_routing)
-        self.expert_parallel = None  # one device: gpt-oss refuses tensor parallelism
+        self.expert_parallel = None  # or experts over devices: paged_jax.parallel.ExpertParallel
         self.router = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=True, dtype=dtype,
                                  param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
                                  bias_init=nnx.initializers.zeros_init(), rngs=rngs)
@@ -124,18 +135,59 @@ class GptOssMoeBlock(SparseMoeBlock):
         if self.capture_routing:
             self.sow(nnx.Intermediate, ROUTED_EXPERTS, ids)
         operands = self.experts.operands(x.dtype)
-        impl = resolve_moe_impl(self.impl, ids.size, x.shape[1], x.dtype)
-        form = (mxfp4_form(self.impl, impl, ids.size, operands[1].shape[0])
-                if self.experts.expert_format == "mxfp4" else "float")
-        if form == "matvec":
-            out = experts_gathered(x, ids, *operands, alpha=self.alpha, limit=self.limit)
-        else:
-            if form == "dequantized":
-                gate_up, gate_up_bias, down, down_bias = operands
-                operands = gate_up.dequantize(x.dtype), gate_up_bias, down.dequantize(x.dtype), down_bias
-            matmul = grouped_matmul_for(impl, ids.size, x.shape[1], x.dtype)
-            out = experts_grouped(matmul, x, ids, *operands, alpha=self.alpha, limit=self.limit)
-        return combine_top_k(out, weights).astype(x.dtype)
+        local = functools.partial(gpt_oss_experts, self.impl, self.alpha, self.limit)
+        split = self.expert_parallel
+        if split is None:
+            return local(x, weights, ids, *operands).astype(x.dtype)
+        if split.whole_experts:
+            out = split.partial_sums(local, (x, weights, ids), operands, self.experts.width_dims)
+            return out.astype(x.dtype)
+        # Each device holds a slice of every expert's width: its down projections are partial sums, the down bias
+        # joins once, after the sum.
+        *sliced, down_bias = operands
+        out = split.partial_sums(lambda x, w, i, gate_up, gate_up_bias, down, first: local(
+            x, w, i, gate_up, gate_up_bias, down, None, first), (x, weights, ids), tuple(sliced),
+            self.experts.width_dims[:3])
+        return (out + combine_top_k(down_bias[ids.reshape(-1)].astype(jnp.float32), weights)).astype(x.dtype)
+
+
+def gpt_oss_experts(requested_impl: str, alpha: float, limit: float, x: jax.Array, weights: jax.Array,
+                    ids: jax.Array, gate_up, gate_up_bias: jax.Array, down, down_bias: jax.Array | None,
+                    first_expert: jax.Array | None = None) -> jax.Array:
+    """The weighted sum of each token's experts, in the form ``mxfp4_form`` picks (``experts_gathered`` or
+    ``experts_grouped``).
+
+    Args:
+      requested_impl: the block's ``moe_impl``; alpha, limit: the clamped SwiGLU's.
+      x: ``dtype[T, H]``; weights: ``float32[T, k]``; ids: ``int32[T, k]`` global expert ids.
+      gate_up, gate_up_bias, down, down_bias: ``GptOssExperts.operands``: every expert (``first_expert`` None),
+        or one device's part: experts ``first_expert + e`` whole, or a width slice of every expert (``first_expert``
+        0, ``down_bias`` None: added after the devices' sum).
+    Returns:
+      ``float32[T, H]``; with ``first_expert`` the sum over the device's experts only, zero for a token with none
+      (``ExpertParallel.partial_sums`` adds the devices' sums).
+    """
+    num_local = gate_up_bias.shape[0]
+    if first_expert is not None:  # other devices' experts: an out-of-range id (in no group), weight 0
+        ids = ids - first_expert
+        is_local = (ids >= 0) & (ids < num_local)
+        ids = jnp.where(is_local, ids, num_local)
+        weights = jnp.where(is_local, weights, 0.0)
+    if down_bias is None:
+        down_bias = jnp.zeros((num_local, x.shape[1]), jnp.float32)
+    impl = resolve_moe_impl(requested_impl, ids.size, x.shape[1], x.dtype)
+    form = (mxfp4_form(requested_impl, impl, ids.size, num_local)
+            if isinstance(gate_up, mxfp4.Mxfp4Experts) else "float")
+    if form == "matvec":
+        out = experts_gathered(x, ids, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+    else:
+        if form == "dequantized":
+            gate_up, down = gate_up.dequantize(x.dtype), down.dequantize(x.dtype)
+        matmul = grouped_matmul_for(impl, ids.size, x.shape[1], x.dtype)
+        out = experts_grouped(matmul, x, ids, gate_up, gate_up_bias, down, down_bias, alpha=alpha, limit=limit)
+    if first_expert is not None:  # rows of other devices' experts: zero, whatever a kernel or gather left there
+        out = jnp.where((ids < num_local).reshape(-1, 1), out, 0.0)
+    return combine_top_k(out, weights)
 
 
 def mxfp4_form(requested_impl: str, impl: str, num_pairs: int, num_experts: int) -> str:

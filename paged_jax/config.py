@@ -261,8 +261,7 @@ class EngineArgs:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.speculative_config is None:
             return
-        for name, value in (("async_scheduling", self.async_scheduling),
-                            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+        for name, value in (("pipeline_parallel_size", self.pipeline_parallel_size > 1),
                             ("nnodes", self.nnodes > 1)):
             check(not value, name, "is not supported with speculative_config")
         method = self.speculative_config.method

@@ -1,7 +1,8 @@
 """Expert parallelism (``--enable-expert-parallel``) and tensor parallelism inside the experts on CPU meshes of host
 devices: the tiny Qwen3-MoE and Mixtral checkpoints at tp = 2 and 4, DeepSeek-V2 (latent attention: q heads split
 over a replicated latent cache; shared experts) and Llama 4 (fused gate/up experts, shared expert, chunked and NoPE
-layers) at tp = 4 through the model call and tp = 2 through the engine, EP on and off, equal to one device (logits,
+layers) at tp = 4 through the model call and tp = 2 through the engine, EP on and off, gpt-oss (attention sinks split
+with their q heads; float and MXFP4 experts split by width or whole) at tp = 2, 4 and 8, equal to one device (logits,
 greedy fp32 tokens); what is refused is named."""
 
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from models.testing import save_random_hf_checkpoint, tiny_config
 pytest.importorskip("transformers")
 
 ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral": dict(num_hidden_layers=2),
-         "deepseek_v2": {}, "llama4": {}}
+         "deepseek_v2": {}, "llama4": {}, "gpt_oss": {}}
 SEQ_LENS = (7, 1, 12)
 
 
@@ -196,11 +197,14 @@ def test_refusals_name_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide the experts' intermediate_size \(36\)"):
         ShardingPlan.create(llama4, make_mesh(8))
     ShardingPlan.create(llama4, make_mesh(4), expert_parallel=True)  # whole experts: any width
-    for config in (deepseek, llama4):
+    gpt_oss = ModelConfig.from_hf_config(tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the experts' intermediate_size \(64\) "
+                                         r"of GptOssForCausalLM in whole 32-wide MXFP4 scale blocks \(2\) \(or "
+                                         "enable_expert_parallel"):
+        ShardingPlan.create(gpt_oss, make_mesh(4))
+    for config in (deepseek, llama4, gpt_oss):
         with pytest.raises(ValueError, match=f"^pipeline_parallel_size=2: {config.architecture}'s"):
             PipelinePlan.create(config, 2, 1)
-    with pytest.raises(ValueError, match="attention sinks"):
-        ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(2))
     dense = ModelConfig.from_hf_config(tiny_config("qwen3"))
     with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM has no mixture-of-experts"):
         ShardingPlan.create(dense, make_mesh(2), expert_parallel=True)
@@ -263,3 +267,92 @@ def test_block_fp8_experts_split_whole_over_devices(tmp_path):
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
     assert _greedy(checkpoint, prompts, tensor_parallel_size=2, enable_expert_parallel=True) == _greedy(checkpoint,
                                                                                                         prompts)
+
+
+def test_gpt_oss_expert_shares_sum_to_the_whole_layer():
+    """gpt-oss's MXFP4 experts split into devices' shares, whole experts (``first_expert``) or a slice of every
+    expert's width (contiguous interleaved gate/up columns, the down projection's scale blocks; the down bias added
+    once after the sum): the shares sum to the whole layer in the pair-by-pair form of a decode step (the grouped
+    form: the model-call test)."""
+    import functools
+
+    import jax
+
+    from models import gpt_oss
+    from models.quantization import mxfp4
+
+    rng = np.random.default_rng(0)
+    num_experts, hidden, inter, top_k, tp = 8, 32, 64, 2, 2
+    gate_up, down = (mxfp4.Mxfp4Experts(*map(jnp.asarray, mxfp4.quantize(rng.normal(0, 0.3, shape).astype(
+        np.float32)))) for shape in ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter)))
+    gate_up_bias, down_bias = (jnp.asarray(rng.normal(0, 0.5, shape), jnp.float32)
+                               for shape in ((num_experts, 2 * inter), (num_experts, hidden)))
+    run = functools.partial(gpt_oss.gpt_oss_experts, "auto", 1.702, 7.0)
+    width, size = inter // tp, num_experts // tp
+
+    def width_share(d):
+        cols = slice(2 * width * d, 2 * width * (d + 1))
+        blocks = slice(width // 32 * d, width // 32 * (d + 1))
+        return (mxfp4.Mxfp4Experts(gate_up.blocks[:, cols], gate_up.scales[:, cols]), gate_up_bias[:, cols],
+                mxfp4.Mxfp4Experts(down.blocks[:, :, blocks], down.scales[:, :, blocks]), None, jnp.int32(0))
+
+    @jax.jit
+    def whole_and_shares(x, weights, ids):
+        operands = (gate_up, gate_up_bias, down, down_bias)
+        by_experts = sum(run(x, weights, ids, *jax.tree.map(lambda a: a[d * size:(d + 1) * size], operands),
+                             jnp.int32(d * size)) for d in range(tp))
+        by_width = sum(run(x, weights, ids, *width_share(d)) for d in range(tp))
+        by_width += gpt_oss.combine_top_k(down_bias[ids.reshape(-1)], weights)
+        return run(x, weights, ids, *operands), by_experts, by_width
+
+    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.float32)
+    weights, ids = gpt_oss.route_top_k_softmax(jnp.asarray(rng.standard_normal((1, num_experts))), top_k)
+    assert gpt_oss.mxfp4_form("auto", "xla", ids.size, size) == "matvec"
+    whole, *shares = whole_and_shares(x, weights, ids)
+    for share in shares:
+        np.testing.assert_allclose(np.asarray(share), np.asarray(whole), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(checkpoints, tmp_path_factory):
+    from models.quantization.testing import save_mxfp4_gpt_oss_checkpoint
+
+    return save_mxfp4_gpt_oss_checkpoint(checkpoints["gpt_oss"], tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+
+
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_gpt_oss_model_call_equals_one_device(checkpoints, gpt_oss_mxfp4, experts):
+    """gpt-oss's logits (attention sinks, sliding and full layers, biases; float or MXFP4 experts) on tp = 2 with
+    and without expert parallelism, tp = 4 with it and tp = 8 with q heads padded (their sinks too) equal one
+    device's: the sinks split with their q heads, the router whole, the experts split by width or whole."""
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    checkpoint = checkpoints["gpt_oss"] if experts == "float" else gpt_oss_mxfp4
+    model, config = load_model(checkpoint, dtype="float32")
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(3, config.vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
+    reference = _forward_logits(model, config, seqs)
+    down = "down_proj" if experts == "float" else "down_proj_blocks"
+    layouts = ((2, True), (8, False)) if experts == "float" else ((2, False), (4, True))
+    for tp, expert_parallel in layouts:
+        plan = ShardingPlan.create(config, make_mesh(tp), expert_parallel=expert_parallel)
+        sharded = load_sharded_model(checkpoint, plan, dtype="float32")
+        attn, block = sharded.model.layers[0].self_attn, sharded.model.layers[0].mlp
+        sinks = attn.sinks.get_value()
+        assert sinks.sharding.spec == P("tp") and sinks.shape == (plan.model_config.num_attention_heads,)
+        assert attn.o_proj.bias.get_value().sharding.spec == block.router.bias.get_value().sharding.spec == P()
+        assert block.expert_parallel.whole_experts == expert_parallel
+        spec = getattr(block.experts, down).get_value().sharding.spec  # split over E, or over I (its scale blocks)
+        assert list(spec).index("tp") == (0 if expert_parallel else 2 if experts == "mxfp4" else 1)
+        assert block.experts.down_proj_bias.get_value().sharding.spec == (P("tp", None) if expert_parallel else P())
+        np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
+
+
+def test_gpt_oss_engine_greedy_equals_one_device_model(gpt_oss_mxfp4):
+    """gpt-oss's engine at tp = 2, MXFP4 experts split by width: each device's paged attention takes its q heads'
+    sinks (sliding and full layers in their KV-cache groups); the greedy tokens are the one-device model's picks."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 18)]
+    outputs = _greedy(gpt_oss_mxfp4, prompts, tensor_parallel_size=2)
+    assert _one_device_picks(gpt_oss_mxfp4, prompts, outputs)

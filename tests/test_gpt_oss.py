@@ -248,14 +248,6 @@ def test_engine_refuses_the_mosaic_kernel_for_attention_sinks(float_checkpoint):
         LLM(model=str(float_checkpoint), dtype="float32", attention_impl="mosaic", max_model_len=64, use_tqdm=False)
 
 
-def test_sharding_plan_refuses_gpt_oss():
-    from paged_jax.parallel.mesh import make_mesh
-    from paged_jax.parallel.plan import ShardingPlan
-
-    with pytest.raises(ValueError, match="tensor and pipeline parallelism are unsupported"):
-        ShardingPlan.create(ModelConfig.from_hf_config(tiny_config("gpt_oss")), make_mesh(1))
-
-
 def test_mxfp4_bit_decoding_equals_the_tables():
     """The fused kernel's decoding (bit arithmetic) of every fp4 code and e8m0 scale equals the format's tables
     (``FP4_VALUES``, signed zeros included; ``scale_factors``)."""

@@ -61,10 +61,10 @@ def test_speculative_config_defaults_and_json():
     assert EngineArgs(speculative_config=dict(SUFFIX)).speculative_config == SpeculativeConfig("suffix", 4)
 
 
-@pytest.mark.parametrize("field, value", [("async_scheduling", True), ("pipeline_parallel_size", 2)])
-def test_combinations_without_drafts_are_refused_at_start_up(field, value):
-    with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config"):
-        EngineArgs(speculative_config=dict(NGRAM), **{field: value})
+def test_combinations_without_drafts_are_refused_at_start_up():
+    with pytest.raises(ValueError, match="pipeline_parallel_size is not supported with speculative_config"):
+        EngineArgs(speculative_config=dict(NGRAM), pipeline_parallel_size=2)
+    assert EngineArgs(speculative_config=dict(NGRAM), async_scheduling=True).async_scheduling
 
 
 # ---------------------------------------------------------------------------------------------------- proposers
@@ -323,6 +323,90 @@ def test_rollback_under_preemption(preemption_mode, plain_engine, spec_llms, pro
     assert stats["num_preemptions"] > before["num_preemptions"]
     assert stats["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
     assert (stats["num_swap_outs"] > before["num_swap_outs"]) == (preemption_mode == "swap")
+    assert_clean(engine)
+
+
+class StepRecorder:
+    """On ``engine``: the steps dispatched while an earlier step's tokens were still to be fetched (``overlapped``:
+    async scheduling; a step whose tokens nobody fetches, a prompt chunk's, does not count), those of them that
+    verify drafts (``overlapped_verifies``), and each sequence's drafts as proposed (``proposals``: request id
+    without its first ``strip`` characters -> list of drafts)."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch, strip: int = 1):
+        from paged_jax.worker.step_io import PendingStep
+
+        core = engine.engine_core
+        self.events: list[tuple[object, bool]] = []  # (handle, verifies) per dispatch, (handle, None) per fetch
+        self.proposals: dict[str, list[list[int]]] = {}
+        execute, result, propose = core.runner.execute, PendingStep.result, core.spec_decoder.propose
+
+        def recorded_execute(scheduler_output, *args, **kwargs):
+            handle = execute(scheduler_output, *args, **kwargs)
+            self.events.append((handle, bool(scheduler_output.spec_token_ids)))
+            return handle
+
+        def recorded_result(handle):
+            self.events.append((handle, None))
+            return result(handle)
+
+        def recorded_propose(requests, *args):
+            propose(requests, *args)
+            for request in requests:
+                if request.spec_token_ids:
+                    self.proposals.setdefault(request.request_id[strip:], []).append(list(request.spec_token_ids))
+
+        monkeypatch.setattr(core.runner, "execute", recorded_execute)
+        monkeypatch.setattr(PendingStep, "result", recorded_result)
+        monkeypatch.setattr(core.spec_decoder, "propose", recorded_propose)
+
+    def _overlapping(self) -> list[bool]:
+        """Per dispatch that came while a fetched step was dispatched and not yet fetched: whether it verifies."""
+        fetched = {id(handle) for handle, verifies in self.events if verifies is None}
+        pending, overlapping = set(), []
+        for handle, verifies in self.events:
+            if verifies is None:
+                pending.discard(id(handle))
+                continue
+            if pending:
+                overlapping.append(verifies)
+            if id(handle) in fetched:
+                pending.add(id(handle))
+        return overlapping
+
+    @property
+    def overlapped(self) -> int:
+        return len(self._overlapping())
+
+    @property
+    def overlapped_verifies(self) -> int:
+        return sum(self._overlapping())
+
+
+def spec_counters(engine: LLMEngine, before: dict) -> dict:
+    return {key: value - before.get(key, 0) for key, value in engine.stats().items() if key.startswith("spec_")}
+
+
+def test_async_scheduling_with_drafts(spec_llms, prompts, plain_outputs, monkeypatch):
+    """Async scheduling with ngram drafts: a step that verifies drafts, or whose rows will be proposed drafts, waits
+    for the step before it, so outputs (greedy with logprobs, stop strings, n = 2; seeded sampling with penalties)
+    equal the engine's without drafts; for the greedy set each sequence's proposals and the counters equal the
+    synchronous run's (a stop string ends a sequence one step later under async scheduling, drafts or not).
+    Overlapped steps: tests/test_spec_decode_models.py."""
+    engine = spec_llms(NGRAM).llm_engine
+    core = engine.engine_core
+    runs = {}
+    for async_scheduling, params_list in ((False, PARAMS[:1]), (True, PARAMS)):
+        monkeypatch.setattr(core, "async_scheduling", async_scheduling)
+        core.reset_prefix_cache()  # the same prefills in both runs (their budget trims drafts alike)
+        steps, before, outputs = StepRecorder(engine, monkeypatch), engine.stats(), []
+        for i, params in enumerate(params_list):
+            outputs.append(run_to_completion(engine, prompts, params, prefix=f"{async_scheduling:d}{i}"))
+            runs[async_scheduling, i] = spec_counters(engine, before), dict(steps.proposals)
+        monkeypatch.undo()
+    for got, expected in zip(outputs, plain_outputs):
+        assert_same_outputs(got, expected)
+    assert runs[True, 0] == runs[False, 0] and runs[True, 0][0]["spec_decode_num_accepted_tokens"] > 0
+    assert steps.overlapped_verifies == 0
     assert_clean(engine)
 
 

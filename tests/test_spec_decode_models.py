@@ -6,6 +6,7 @@ counters consistent, nothing compiled after warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from paged_jax.spec_decode import parse_speculative_config
 from paged_jax.spec_decode.verify import per_position
 from tests.test_engine import assert_clean, make_engine, run_to_completion
-from tests.test_spec_decode import TEXT, Params, assert_same_outputs
+from tests.test_spec_decode import TEXT, Params, StepRecorder, assert_same_outputs, spec_counters
 
 K = 3
 SETTINGS = dict(max_model_len=192, max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=120, seed=0)
@@ -290,6 +291,32 @@ def test_model_drafter_drafts_are_cut_to_the_grammar(drafter_engines, plain_engi
     assert any(kept for _, kept in validated) and any(len(kept) < len(drafts) for drafts, kept in validated)
     stats = {key: engine.stats()[key] - before.get(key, 0) for key in before if key.startswith("spec_decode_num")}
     assert_counters_consistent(stats, K)  # drafts verified: the 2-layer drafter's guesses the grammar allows
+    assert_clean(engine)
+
+
+def test_async_scheduling_drafts_as_the_synchronous_engine(drafter_engines, prompts, plain_outputs, monkeypatch):
+    """Async scheduling on the draft model engine, drafting off while two or more sequences run
+    (``disable_by_batch_size``: those steps overlap, the drafter catching up on the tokens their placeholders stand
+    for) and on once one is left: greedy outputs equal the engine's without drafts, and each sequence's proposals
+    (drafts from a drafter KV written in the overlapped steps) and the counters equal the synchronous run's."""
+    engine = drafter_engines("draft_model")
+    core = engine.engine_core
+    config = dataclasses.replace(core.spec_decoder.config, disable_by_batch_size=2)
+    lengths = (4, 6, 14)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in lengths]
+    runs = {}
+    for async_scheduling in (False, True):
+        monkeypatch.setattr(core, "async_scheduling", async_scheduling)
+        monkeypatch.setattr(core.spec_decoder, "config", config)
+        core.reset_prefix_cache()  # the same prefills in both runs
+        steps, before = StepRecorder(engine, monkeypatch), engine.stats()
+        outputs = run_to_completion(engine, prompts, params, prefix=f"{async_scheduling:d}")
+        runs[async_scheduling] = ([out.outputs[0].token_ids for out in outputs], spec_counters(engine, before),
+                                  steps.proposals, steps.overlapped)
+        monkeypatch.undo()
+    assert runs[True][0] == [out.outputs[0].token_ids[:n] for out, n in zip(plain_outputs[0], lengths)]
+    assert runs[True][1:3] == runs[False][1:3] and runs[True][1]["spec_decode_num_drafts"] > 0
+    assert runs[True][3] >= 4 and runs[False][3] == 0
     assert_clean(engine)
 
 

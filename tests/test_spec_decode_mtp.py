@@ -47,8 +47,7 @@ def test_mtp_config_and_vllm_alias():
         parse_speculative_config({"method": "mtp", "num_speculative_tokens": 2, "model": "x"})
 
 
-@pytest.mark.parametrize("field, value", [("enable_lora", True),
-                                          ("preemption_mode", "swap"), ("async_scheduling", True)])
+@pytest.mark.parametrize("field, value", [("enable_lora", True), ("preemption_mode", "swap")])
 def test_mtp_combinations_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config"):
         EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **{field: value})

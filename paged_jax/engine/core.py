@@ -17,8 +17,13 @@ the scheduler's ``Request``, one per sequence; a request's sequences form a grou
 Async scheduling (``EngineArgs.async_scheduling``) is a batch queue of depth 2: step k+1 is scheduled with a
 placeholder for each token still on the device and dispatched before step k's tokens reach the host; each call returns
 the outputs of the step that completed. A step with grammar rows dispatches its forward first and its sampling once
-the grammars have seen step k's tokens (``ModelRunner.execute(defer_sampling=True)`` / ``dispatch_sampling``). Rows
-whose sampler reads previous tokens (penalties, bad words) make the next step wait for them.
+the grammars have seen step k's tokens (``ModelRunner.execute(defer_sampling=True)`` / ``dispatch_sampling``). Step
+k+1 is scheduled only once step k completed (``_needs_tokens_first``) when step k has a row whose sampler reads the
+previous tokens (penalties, bad words), or with speculative decoding when step k verifies drafts (each row's kept
+count is its result's; the scheduler advances then, with no placeholder) or some sampling row of step k will be
+proposed drafts from its token (``SpecDecoder.drafts_follow``: drafting on, not a held beam); the call that dispatches
+step k+1 still returns before it completes. So with drafts every step waits for the previous one; steps overlap
+while drafting is off (``disable_by_batch_size``) or step k's rows sample nothing to draft from (prompt chunks).
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from paged_jax.core.request import Request, RequestStatus, child_seed
 from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
-from paged_jax.engine.core_outputs import TokenOnlyRows, no_text, rows_of, token_output
-from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart
+from paged_jax.engine.core_outputs import (TokenOnlyRows, no_text, prompt_logprob_outputs, rows_of,
+                                           token_output)
+from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest
 from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.engine.routed_experts import ExpertLoad, RoutedExpertsRecorder
 from paged_jax.outputs import make_logprob_dict
@@ -67,11 +73,13 @@ class _Group:
 @dataclasses.dataclass
 class _InFlightStep:
     """A dispatched step of the batch queue: ``rows`` = (row, request, output index) of its placeholders;
-    ``scheduler_output`` kept when some row computes prompt logprobs or the step reports its routing."""
+    ``scheduler_output`` kept when some row computes prompt logprobs or the step reports its routing, or when it
+    ``verifies`` drafts (no placeholders then: the scheduler is advanced when it completes)."""
 
     handle: PendingStep
     rows: list[tuple[int, Request, int]]
     scheduler_output: SchedulerOutput | None = None
+    verifies: bool = False
 
 
 class EngineCore:
@@ -281,9 +289,15 @@ class EngineCore:
             return outputs, None
         if self.spec_decoder is not None:  # host work that needs no token of this step, while the device runs it
             self.spec_decoder.prepare(scheduler_output.requests, self.scheduler.num_running)
-        result = handle.result()
+        return self._finish_step(scheduler_output, handle.result(), outputs)
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, result: StepOutput, outputs: list[EngineCoreOutput]
+                     ) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
+        """A step whose scheduler update waited for its result (every step without async scheduling; a step that
+        verifies drafts with it): verify its drafts, advance the scheduler, append the outputs to ``outputs``,
+        propose the next drafts. Returns ``outputs`` and a steady decode's ``DecodeTokens`` (or None)."""
         self._record_routing(scheduler_output, result)
-        outputs += self._prompt_logprob_outputs(scheduler_output, result)
+        outputs += prompt_logprob_outputs(self._seq_of, scheduler_output, result)
         if result.pooled is not None:
             self.pooling.record(scheduler_output.requests, scheduler_output.row_num_computed_tokens(),
                                 scheduler_output.num_scheduled_tokens, result.pooled)
@@ -307,12 +321,18 @@ class EngineCore:
             else:
                 self._token_rows.forget()
         if self.spec_decoder is not None:
-            proposed = None  # a model drafter's drafts, computed in the step (host proposers draft in ``propose``)
-            if result.proposed_draft_ids is not None:
-                proposed = self.spec_decoder.model_drafts(progressed, rows_of(scheduler_output.requests, progressed),
-                                                          result)
-            self.spec_decoder.propose(progressed, self.scheduler.num_running, proposed)
+            self._propose(progressed, rows_of(scheduler_output.requests, progressed)
+                          if result.proposed_draft_ids is not None else (), result)
         return outputs, decode
+
+    def _propose(self, requests: list[Request], rows: Sequence[int], result: StepOutput,
+                 overlapped: bool = False) -> None:
+        """The next drafts of ``requests`` (step rows ``rows`` of ``result``), which just got their tokens; none
+        when ``overlapped`` (their next step is already scheduled): finished ones just leave the proposer."""
+        proposed = None  # a model drafter's drafts, computed in the step (host proposers draft in ``propose``)
+        if result.proposed_draft_ids is not None and not overlapped:
+            proposed = self.spec_decoder.model_drafts(requests, rows, result)
+        self.spec_decoder.propose(requests, self.scheduler.num_running, proposed, overlapped)
 
     def _step_async(self) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
         outputs, decode = [], None
@@ -320,19 +340,21 @@ class EngineCore:
             outputs, decode = self._with_oldest(outputs)
         scheduler_output = self.scheduler.schedule()
         handle = self._launch(scheduler_output, defer_sampling=bool(self._batch_queue))
-        if self._batch_queue:
-            outputs, decode = self._with_oldest(outputs, decode)  # waits for step k while step k+1 runs
+        if handle is not None and self.spec_decoder is not None and not self._batch_queue:  # (no placeholders)
+            self.spec_decoder.prepare(scheduler_output.requests, self.scheduler.num_running)
+        if self._batch_queue:  # waits for step k while step k+1 runs
+            outputs, decode = self._with_oldest(outputs, decode, overlapped=True)
         if handle is not None:
             self.runner.dispatch_sampling(handle)  # a no-op unless only the forward went (grammar rows)
             self._enqueue(scheduler_output, handle)
         return outputs, decode
 
-    def _with_oldest(self, outputs: list[EngineCoreOutput], decode: DecodeTokens | None = None
-                     ) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
+    def _with_oldest(self, outputs: list[EngineCoreOutput], decode: DecodeTokens | None = None,
+                     overlapped: bool = False) -> tuple[list[EngineCoreOutput], DecodeTokens | None]:
         """``outputs`` (then ``decode``'s) followed by the oldest in-flight step's (``_complete_oldest``)."""
         if decode is not None:
             outputs = outputs + decode.expand()
-        completed = self._complete_oldest()
+        completed = self._complete_oldest(overlapped)
         if isinstance(completed, DecodeTokens):
             return outputs, completed
         return outputs + completed, None
@@ -356,7 +378,11 @@ class EngineCore:
 
     def _enqueue(self, scheduler_output: SchedulerOutput, handle: PendingStep) -> None:
         """Right after dispatch: advance the scheduler as if the step were done, with a placeholder for each sampled
-        token, so the next step can be scheduled before the tokens are known."""
+        token, so the next step can be scheduled before the tokens are known; a step that verifies drafts (its rows'
+        token counts are its result's) advances it when it completes, before the next step is scheduled."""
+        if scheduler_output.spec_token_ids:
+            self._batch_queue.append(_InFlightStep(handle, [], scheduler_output, verifies=True))
+            return
         placeholders = [PLACEHOLDER_TOKEN if samples else None for samples in scheduler_output.samples]
         progressed = self.scheduler.update_from_output(scheduler_output, placeholders)
         rows = list(zip(rows_of(scheduler_output.requests, progressed), progressed,
@@ -368,20 +394,27 @@ class EngineCore:
         if rows or prompt_rows or routing:
             self._batch_queue.append(_InFlightStep(handle, rows, scheduler_output if prompt_rows or routing else None))
 
-    @staticmethod
-    def _needs_tokens_first(flight: _InFlightStep) -> bool:
-        """Penalties and bad words read every previous token in the sampler when the next step is built: no overlap
-        then (grammars only need them at sampling: ``_step_async``)."""
-        return any(request.reads_output_tokens for _, request, _ in flight.rows)
+    def _needs_tokens_first(self, flight: _InFlightStep) -> bool:
+        """Whether the next step waits for ``flight``'s tokens (no overlap): it verifies drafts (the scheduler needs
+        how many were kept), some row's sampler reads every previous token when the next step is built (penalties,
+        bad words), or some row will be proposed drafts from its new token (grammars only need the tokens at
+        sampling: ``_step_async``)."""
+        if flight.verifies or any(request.reads_output_tokens for _, request, _ in flight.rows):
+            return True
+        return self.spec_decoder is not None and self.spec_decoder.drafts_follow(
+            (request for _, request, _ in flight.rows), self.scheduler.num_running)
 
-    def _complete_oldest(self) -> list[EngineCoreOutput] | DecodeTokens:
+    def _complete_oldest(self, overlapped: bool = False) -> list[EngineCoreOutput] | DecodeTokens:
         """Fetch the oldest in-flight step's tokens, put them in place of its placeholders (applying the stop tokens
         the scheduler could not see then) and report them (a steady decode's as columns, when no other output
-        came)."""
+        came); a step that verifies drafts is finished as without async scheduling (``_finish_step``).
+        ``overlapped``: the next step is already scheduled (no drafts are proposed)."""
         flight = self._batch_queue.popleft()
         result = flight.handle.result()
+        if flight.verifies:  # (no steady decode's columns: the step has drafts)
+            return self._finish_step(flight.scheduler_output, result, [])[0]
         self._record_routing(flight.scheduler_output, result)
-        outputs = (self._prompt_logprob_outputs(flight.scheduler_output, result)
+        outputs = (prompt_logprob_outputs(self._seq_of, flight.scheduler_output, result)
                    if flight.scheduler_output is not None else [])
         tokens = result.sampled_token_ids.tolist()  # Python ints once, not a numpy scalar per row
         seq_of, resolve_placeholder = self._seq_of, self.scheduler.resolve_placeholder
@@ -399,11 +432,13 @@ class EngineCore:
         decode = self._token_rows.outputs(requests, row_tokens)
         if decode is not None:  # a steady decode's step: every row's output is its token
             self.generation_tokens_total += len(row_tokens)
-            return outputs + decode.expand() if outputs else decode
-        if rows and self._token_outputs(rows, result, outputs) == len(rows):  # (no rows: nothing to report)
+            outputs = outputs + decode.expand() if outputs else decode
+        elif rows and self._token_outputs(rows, result, outputs) == len(rows):  # (no rows: nothing to report)
             self._token_rows.remember(requests, outputs[-len(rows):])
         else:
             self._token_rows.forget()
+        if self.spec_decoder is not None:  # after the grammars accepted the tokens (drafts are cut to them)
+            self._propose(requests, [row for row, _, _ in rows], result, overlapped)
         return outputs
 
     # ------------------------------------------------------------------ outputs
@@ -470,24 +505,6 @@ class EngineCore:
             self.expert_load.record(result)
         if self.routed_experts is not None:  # of the sequences still running (async: some ended meanwhile)
             self.routed_experts.record(scheduler_output, result, self._seq_of)
-
-    def _prompt_logprob_outputs(self, scheduler_output: SchedulerOutput, result: StepOutput) -> list[EngineCoreOutput]:
-        """The prompt logprobs a finished step computed (``result.prompt_logprobs``, one chunk per row)."""
-        if result.prompt_logprobs is None:
-            return []
-        outputs = []
-        starts = scheduler_output.row_num_computed_tokens()
-        for request, start, chunk in zip(scheduler_output.requests, starts, result.prompt_logprobs):
-            entry = self._seq_of.get(request.request_id)
-            if chunk is None or entry is None or entry[0].seqs.get(entry[1]) is not request:
-                continue  # no prompt logprobs in this row, or aborted meanwhile
-            k = request.params.prompt_logprobs
-            part = PromptLogprobsPart(start, chunk.logprobs.tolist(), chunk.ranks.tolist(),
-                                      chunk.top_token_ids[:, :k].tolist(), chunk.top_logprobs[:, :k].tolist())
-            outputs.append(EngineCoreOutput(entry[0].request_id, entry[1], prompt_logprobs=part))
-            if start + len(part.logprobs) + 1 >= request.num_prompt_tokens:
-                request.skip_prefix_cache = False  # every position computed: a later recompute may take hits
-        return outputs
 
     # ------------------------------------------------------------------ utilities (also callable remotely)
     def stats(self) -> dict[str, float]:

@@ -13,7 +13,8 @@ import operator
 from collections.abc import Sequence
 
 from paged_jax.core.request import Request, RequestStatus
-from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, TokenLogprobs
+from paged_jax.core.sched_output import SchedulerOutput
+from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, PromptLogprobsPart, TokenLogprobs
 from paged_jax.worker.step_io import StepOutput
 
 _STATUS = operator.attrgetter("status")
@@ -107,3 +108,24 @@ def rows_of(requests_of_rows: list[Request], progressed: list[Request]) -> Seque
 def no_text(token_id: int) -> None:
     """Token text inside the core: none (the output processor decodes)."""
     return None
+
+
+def prompt_logprob_outputs(seq_of: dict, scheduler_output: SchedulerOutput, result: StepOutput
+                           ) -> list[EngineCoreOutput]:
+    """The prompt logprobs a finished step computed (``result.prompt_logprobs``, one chunk per row), for the rows
+    whose sequence is still in ``seq_of`` (the core's request id -> (group, sequence index))."""
+    if result.prompt_logprobs is None:
+        return []
+    outputs = []
+    starts = scheduler_output.row_num_computed_tokens()
+    for request, start, chunk in zip(scheduler_output.requests, starts, result.prompt_logprobs):
+        entry = seq_of.get(request.request_id)
+        if chunk is None or entry is None or entry[0].seqs.get(entry[1]) is not request:
+            continue  # no prompt logprobs in this row, or aborted meanwhile
+        k = request.params.prompt_logprobs
+        part = PromptLogprobsPart(start, chunk.logprobs.tolist(), chunk.ranks.tolist(),
+                                  chunk.top_token_ids[:, :k].tolist(), chunk.top_logprobs[:, :k].tolist())
+        outputs.append(EngineCoreOutput(entry[0].request_id, entry[1], prompt_logprobs=part))
+        if start + len(part.logprobs) + 1 >= request.num_prompt_tokens:
+            request.skip_prefix_cache = False  # every position computed: a later recompute may take hits
+    return outputs

@@ -43,8 +43,6 @@ def check_expert_parallel(config, ep_size: int) -> None:
     experts over ``ep_size`` devices."""
     if config.moe is None:
         raise ValueError(f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers")
-    if config.moe.swiglu_limit is not None:
-        raise ValueError(f"enable_expert_parallel: {config.architecture}'s experts do not split over devices")
     if config.moe.num_experts % ep_size != 0:
         raise ValueError(f"enable_expert_parallel: num_experts ({config.moe.num_experts}) must be divisible by the "
                          f"expert-parallel size ({ep_size} = tensor_parallel_size)")
@@ -57,7 +55,8 @@ class ExpertParallel:
 
     ``whole_experts``: each device holds ``E / ep`` whole experts (split over E); False: a slice of every expert's
     width (``I / tp``; Llama 4's fused gate/up columns, which XLA's partitioner would split between gate and up,
-    laid out per device by ``ShardingPlan.rewrite_param``), each device's partial sums then cover every expert.
+    laid out per device by ``ShardingPlan.rewrite_param``; gpt-oss's interleaved gate/up columns and MXFP4 blocks,
+    whose contiguous slices keep each gate next to its up), each device's partial sums then cover every expert.
 
     Call: ``(x dtype[T, H], w_gate / w_up [E, H, I], w_down [E, I, H], topk_weights float32[T, k], topk_ids
     int32[T, k], *, impl) -> dtype[T, H]``, the same as ``moe_experts``; ``impl`` picks each device's grouped
@@ -72,28 +71,26 @@ class ExpertParallel:
     def size(self) -> int:
         return self.mesh.shape[self.axis]
 
-    @property
-    def expert_spec(self) -> P:
-        """The PartitionSpec of a stacked expert weight ``[E, in, out]`` split whole."""
-        return P(self.axis, None, None)
-
-    def weight_spec(self, width_dim: int) -> P:
-        """The PartitionSpec of a stacked expert weight whose expert width ``I`` is dim ``width_dim`` (2 for the
-        ``[E, H, I]`` inputs' weights, 1 for ``[E, I, H]``)."""
+    def weight_spec(self, width_dim: int | None) -> P:
+        """The PartitionSpec of a stacked expert parameter (leading dim E) whose expert width ``I`` is dim
+        ``width_dim`` (e.g. 2 for ``[E, H, I]``, 1 for ``[E, I, H]``); ``width_dim`` None: a parameter without the
+        width (gpt-oss's down bias ``[E, H]``), whole on every device when the width is split."""
         if self.whole_experts:
-            return self.expert_spec
-        return P(*[self.axis if dim == width_dim else None for dim in range(3)])
+            return P(self.axis)
+        if width_dim is None:
+            return P()
+        return P(*[self.axis if dim == width_dim else None for dim in range(width_dim + 1)])
 
     def partial_sums(self, local_fn: Callable, replicated: tuple, weights: tuple, width_dims: tuple) -> jax.Array:
         """``psum`` over the axis of ``local_fn(*replicated, *local_weights, first_expert)`` (float32), the share of
-        the layer one device computes from its part of the stacked expert ``weights`` (``width_dims``: each one's
-        ``I`` dim, ``weight_spec``); ``first_expert`` (int32 scalar) is the global id of the device's expert 0 (0
-        when every device holds a slice of every expert)."""
+        the layer one device computes from its part of the stacked expert ``weights`` (arrays or pytrees of them,
+        e.g. ``Mxfp4Experts``; ``width_dims``: each one's ``I`` dim, ``weight_spec``); ``first_expert`` (int32
+        scalar) is the global id of the device's expert 0 (0 when every device holds a slice of every expert)."""
         axis, whole, count = self.axis, self.whole_experts, len(replicated)
 
         def per_device(*args):
             local_weights = args[count:]
-            first = jax.lax.axis_index(axis) * local_weights[0].shape[0] if whole else 0
+            first = jax.lax.axis_index(axis) * jax.tree.leaves(local_weights[0])[0].shape[0] if whole else 0
             return jax.lax.psum(local_fn(*args[:count], *local_weights, jnp.int32(first)), axis)
 
         specs = tuple(self.weight_spec(dim) for dim in width_dims)

@@ -116,8 +116,10 @@ class PipelinePlan:
     @classmethod
     def create(cls, config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int,
                devices: Sequence[jax.Device] | None = None) -> "PipelinePlan":
-        if config.mla is not None or (config.moe is not None and config.moe.router == "sigmoid_input"):
-            what = "latent attention" if config.mla is not None else "fused gate/up experts"
+        if config.mla is not None or config.attention_sinks or (config.moe is not None
+                                                                and config.moe.router == "sigmoid_input"):
+            what = ("latent attention" if config.mla is not None else "attention sinks and experts"
+                    if config.attention_sinks else "fused gate/up experts")
             raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: {config.architecture}'s {what} "
                              "have no pipeline-stage layout (tensor_parallel_size splits them)")
         mesh = make_pipeline_mesh(pipeline_parallel_size, tensor_parallel_size, devices)

@@ -70,6 +70,8 @@ def _param_kind(path: tuple) -> str:
         return f"experts.{leaf}"
     if names[-2:] == ["self_attn", "kv_scale"]:
         return "norm"  # per-layer FP8 KV-cache scales: replicated
+    if names[-2:] == ["self_attn", "sinks"]:
+        return "sinks"  # gpt-oss's attention-sink logits [Hq]: split with their q heads
     raise ValueError(f"no sharding rule for model parameter {'.'.join(names)}")
 
 
@@ -81,12 +83,16 @@ _BLOCKS = ("self_attn", "mlp", "shared_experts", "shared_expert")
 _ATTENTION_KINDS = {"q_proj.kernel": 1, "k_proj.kernel": 1, "v_proj.kernel": 1, "q_proj.bias": 0,
                     "k_proj.bias": 0, "v_proj.bias": 0, "o_proj.kernel": 0, "o_proj.bias": None,
                     "q_a_proj.kernel": None, "q_b_proj.kernel": 1, "kv_a_proj_with_mqa.kernel": None,
-                    "kv_b_proj.kernel": 1}
+                    "kv_b_proj.kernel": 1, "sinks": 0}
 _MLP_KINDS = {"gate_proj.kernel": 1, "up_proj.kernel": 1, "down_proj.kernel": 0,
-              # a sparse layer: its router (Llama 4's "router"), and its experts stacked [E, in, out] (models.moe;
-              # Llama 4's gate_up_proj [E, H, 2I], laid out per device by ShardingPlan.rewrite_param)
-              "gate.kernel": None, "router.kernel": None, "experts.gate_proj": 2, "experts.up_proj": 2,
-              "experts.down_proj": 1, "experts.gate_up_proj": 2}
+              # a sparse layer: its router (Llama 4's and gpt-oss's "router"), and its experts stacked [E, in, out]
+              # (models.moe; Llama 4's gate_up_proj [E, H, 2I], laid out per device by ShardingPlan.rewrite_param;
+              # gpt-oss's interleaved gate/up, its biases and MXFP4 blocks [E, out, in / 32, 16] / scales
+              # [E, out, in / 32], split by the expert width, the down bias added once: models.gpt_oss)
+              "gate.kernel": None, "router.kernel": None, "router.bias": None, "experts.gate_proj": 2,
+              "experts.up_proj": 2, "experts.down_proj": 1, "experts.gate_up_proj": 2,
+              "experts.gate_up_proj_bias": 1, "experts.down_proj_bias": None, "experts.gate_up_proj_blocks": 1,
+              "experts.gate_up_proj_scales": 1, "experts.down_proj_blocks": 2, "experts.down_proj_scales": 2}
 _OTHER_KINDS = {"embedding": 0, "lm_head": 1, "norm": None}
 # Block-FP8 experts' scales [E, out blocks, in blocks] (models.moe): split with their experts, under expert
 # parallelism only (ShardingPlan.create refuses the other layouts).
@@ -130,8 +136,8 @@ class ShardingPlan:
     def create(cls, config: ModelConfig, mesh: Mesh, *, kv_layout: str = "sharded",
                pad_heads: bool = True, expert_parallel: bool = False) -> "ShardingPlan":
         """ValueError for a mesh of other axes, an unknown ``kv_layout``, or a model the layout does not fit
-        (``_check_shardable``: attention sinks, block-FP8 experts split by width, ``expert_parallel`` on experts that
-        do not split over tp, latent attention's heads or Llama 4's expert width not divisible by tp)."""
+        (``_check_shardable``: block-FP8 experts split by width, ``expert_parallel`` on experts that do not split
+        over tp, latent attention's heads or Llama 4's / gpt-oss's expert width not divisible by tp)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
@@ -169,11 +175,12 @@ class ShardingPlan:
     @property
     def moe_experts(self) -> ExpertParallel | None:
         """What the sparse layers run their experts through (``SparseMoeBlock.expert_parallel``): an
-        ``ExpertParallel`` over tp with ``expert_parallel``; for Llama 4's fused gate/up experts one over their
-        width (``ExpertParallel.whole_experts`` False); else None (XLA partitions the width-split experts)."""
+        ``ExpertParallel`` over tp with ``expert_parallel``; for Llama 4's and gpt-oss's fused gate/up experts one
+        over their width (``ExpertParallel.whole_experts`` False); else None (XLA partitions the width-split
+        experts)."""
         if self.expert_parallel:
             return ExpertParallel(self.mesh)
-        if _fused_gate_up(self.config) and self.tensor_parallel_size > 1:
+        if (_fused_gate_up(self.config) or _gpt_oss_experts(self.config)) and self.tensor_parallel_size > 1:
             return ExpertParallel(self.mesh, whole_experts=False)
         return None
 
@@ -219,11 +226,13 @@ class ShardingPlan:
         """Apply the head rewrite to one parameter in model layout (``[in, out]`` kernels) of the ``config`` shape:
         host (``xp=np``) or traced (``xp=jnp``). Depends only on the parameter's kind, never on its layer."""
         kind = _param_kind(path)
-        if kind == "experts.gate_up_proj" and self.moe_experts is not None and not self.moe_experts.whole_experts:
+        if kind == "experts.gate_up_proj" and _fused_gate_up(self.config) and not self.expert_parallel:
             return _gate_up_per_device(value, self.tensor_parallel_size, xp)
         if self.head_layout.is_identity:
             return value
         head_dim = self.config.head_dim
+        if kind == "sinks":  # one logit per q head
+            return self.head_layout.expand_q_columns(value, 1, xp)
         if kind in ("q_proj.kernel", "q_proj.bias"):
             return self.head_layout.expand_q_columns(value, head_dim, xp)
         if kind in ("k_proj.kernel", "k_proj.bias", "v_proj.kernel", "v_proj.bias"):
@@ -323,7 +332,8 @@ class ShardingPlan:
             -> (out[T/dp, Hq'/tp, D], kv_layer_shard)``: the kernel or reference on one device's heads, tokens and
             KV shard (with the "replicated" layout, all heads). It sees ordinary local arrays. For a model whose
             layers attend differently it also gets the layer's ``sm_scale=, sliding_window=, logit_soft_cap=``
-            keywords (``models.attention_fn.LayerAttention``).
+            keywords (``models.attention_fn.LayerAttention``), and with attention sinks ``sinks=`` (``[Hq'/tp]``, its
+            q heads' logits).
           metadata: pytree of arrays passed to every call (block tables, lengths, slot mapping, segment ids, ...).
           metadata_specs: their PartitionSpecs; default ``P("dp")`` for every leaf (leading axis split over dp, i.e.
             each dp group gets its own sequences' metadata; with dp = 1 that is plain replication).
@@ -334,12 +344,14 @@ class ShardingPlan:
         """
         token_spec = P(DP_AXIS, TP_AXIS if self.kv_layout == "sharded" else None, None)
         kv_token_spec = P(DP_AXIS, TP_AXIS if self.splits_kv_heads else None, None)  # k, v [T, Hkv', D]
+        sinks_spec = P(token_spec[1])  # attention sinks [Hq']: with their q heads
         if metadata_specs is None:
             metadata_specs = jax.tree.map(lambda _: P(DP_AXIS), metadata)
         mesh = self.mesh
         kv_spec = self.kv_cache_spec
 
-        def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, **layer_attention):
+        def attention(layer_idx: int, q: jax.Array, k: jax.Array, v: jax.Array, kv_layer, sinks=None,
+                      **layer_attention):
             if kv_layer is not None and len(kv_layer) == 3:
                 # A KV-cache group's layer (paged_jax.worker.kv_group_pool): its group's block tables and slots
                 # travel with its pages, split over dp as the step's other metadata; the pages come back alone.
@@ -348,18 +360,19 @@ class ShardingPlan:
             else:
                 pages_specs = in_kv_specs = jax.tree.map(lambda _: kv_spec, kv_layer)
 
-            def per_device(q, k, v, kv_layer, metadata):
-                return local_attention(layer_idx, q, k, v, kv_layer, metadata, **layer_attention)
+            def per_device(q, k, v, kv_layer, metadata, sinks):
+                sink_option = {} if sinks is None else {"sinks": sinks}  # the device's q heads' sinks
+                return local_attention(layer_idx, q, k, v, kv_layer, metadata, **layer_attention, **sink_option)
 
             # check_vma off: kernels (Pallas/Triton) carry no varying-axis annotations; the specs are exact anyway.
             sharded = jax.shard_map(
-                per_device, mesh=mesh, in_specs=(token_spec, kv_token_spec, kv_token_spec, in_kv_specs, metadata_specs),
-                out_specs=(token_spec, pages_specs), check_vma=False,
+                per_device, mesh=mesh, out_specs=(token_spec, pages_specs), check_vma=False,
+                in_specs=(token_spec, kv_token_spec, kv_token_spec, in_kv_specs, metadata_specs, sinks_spec),
             )
-            return sharded(q, k, v, kv_layer, metadata)
+            return sharded(q, k, v, kv_layer, metadata, sinks)
 
         attention.runs_on_mesh = mesh  # wrap_attention passes it through unwrapped
-        attention.takes_layer_attention = True
+        attention.takes_layer_attention = attention.takes_attention_sinks = True
         return attention
 
     def wrap_attention(self, attention: AttentionFn) -> AttentionFn:
@@ -389,6 +402,7 @@ class ShardingPlan:
             layer_idx, q, k, v, kv_layer, **options))
         # The options reach ``attention`` as given: it takes them only if it declares so.
         wrapped.takes_layer_attention = getattr(attention, "takes_layer_attention", False)
+        wrapped.takes_attention_sinks = getattr(attention, "takes_attention_sinks", False)
         return wrapped
 
     def paged_attention(self, *, slot_mapping: jax.Array, kv_lens: jax.Array, block_tables: jax.Array,
@@ -424,11 +438,22 @@ def _gate_up_per_device(value, tp: int, xp):
     return xp.transpose(per_device, (0, 1, 3, 2, 4)).reshape(num_experts, hidden, width)
 
 
+def _gpt_oss_experts(config: ModelConfig) -> bool:
+    """Whether the model's experts are gpt-oss's (``models.gpt_oss``: biases, clamped SwiGLU, interleaved gate/up)."""
+    return config.moe is not None and config.moe.swiglu_limit is not None
+
+
 def _check_shardable(config: ModelConfig, tp: int, expert_parallel: bool) -> None:
     """ValueError, naming the field, for a model ``ShardingPlan`` cannot lay out over ``tp`` devices."""
-    if config.attention_sinks:
-        raise ValueError(f"{config.architecture} is not sharded: its attention sinks and experts have no "
-                         "sharding rules (tensor and pipeline parallelism are unsupported for it)")
+    if _gpt_oss_experts(config) and not expert_parallel:
+        width = config.moe.moe_intermediate_size
+        # MXFP4 experts split their down projection by whole 32-input scale blocks.
+        unit = 32 if config.moe.expert_format == "mxfp4" else 1
+        if width % (unit * tp):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the experts' intermediate_size ({width}) of "
+                             f"{config.architecture}" + (f" in whole {unit}-wide MXFP4 scale blocks ({width // unit})"
+                                                         if unit > 1 else "")
+                             + " (or enable_expert_parallel: whole experts per device)")
     if config.moe is not None and config.moe.expert_format == "fp8" and not expert_parallel:
         raise ValueError(f"{config.architecture} with block-FP8 experts (quantization_config weight_block_size "
                          f"{list(config.fp8_weight_block)}) splits its experts over devices only whole "

@@ -38,12 +38,14 @@ class SpecDecoder:
                         if config.method == "suffix" else None)
 
     def propose(self, requests: Iterable[Request], num_running: int,
-                proposed: dict[str, list[int]] | None = None) -> None:
+                proposed: dict[str, list[int]] | None = None, overlapped: bool = False) -> None:
         """Set the drafts (``Request.spec_token_ids``) of each request that just got tokens; finished ones leave
-        the proposer. None while ``num_running`` reaches ``disable_by_batch_size``. ``proposed``: a model drafter's
-        drafts by request id (``StepOutput.proposed_draft_ids``; ``model_drafts``), computed on the device."""
+        the proposer. None while ``num_running`` reaches ``disable_by_batch_size``, or when ``overlapped`` (async
+        scheduling already scheduled their next step, ``drafts_follow`` having said none would come).
+        ``proposed``: a model drafter's drafts by request id (``StepOutput.proposed_draft_ids``; ``model_drafts``),
+        computed on the device."""
         limit = self.config.disable_by_batch_size
-        disabled = limit is not None and num_running >= limit
+        disabled = overlapped or (limit is not None and num_running >= limit)
         ngram, model_method = self._ngram, self.config.method in MODEL_METHODS
         for request in requests:  # every running sequence, every step: kept lean
             if request.is_finished:
@@ -60,6 +62,15 @@ class SpecDecoder:
                 drafts = self._suffix.propose(request.request_id, request.all_token_ids, request.num_prompt_tokens)
             grammar = request.grammar  # constrained: the drafts before the first one its grammar forbids
             request.spec_token_ids = grammar.validate_tokens(drafts) if grammar is not None and drafts else drafts
+
+    def drafts_follow(self, requests: Iterable[Request], num_running: int) -> bool:
+        """Whether ``propose`` may give drafts to some of ``requests`` once their step's tokens are known, with
+        ``num_running`` sequences (async scheduling: counted before that step's stop tokens are known; a sequence
+        stopping there can bring the count under ``disable_by_batch_size`` one step later than without it)."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and num_running >= limit:
+            return False
+        return any(not request.hold_after_sample and not request.is_finished for request in requests)
 
     def prepare(self, requests: Iterable[Request], num_running: int) -> None:
         """While the device computes a step of ``requests``: the n-gram proposer's work that needs only the tokens

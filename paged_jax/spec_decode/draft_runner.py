@@ -143,12 +143,14 @@ class DraftRunner:
                            for _ in range(self.num_layers)])
         return self._pool
 
-    def propose(self, sampled: jax.Array, hidden: jax.Array, buf: jax.Array, num_tokens: int,
-                num_seqs: int) -> jax.Array:
+    def propose(self, sampled: jax.Array, hidden: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
+                num_tokens: int, num_seqs: int) -> jax.Array:
         """After a step's sampler: ``sampled`` int32[max sample rows] its tokens (sample-row order), ``hidden`` the
-        forward's hidden states [T, hidden] (eagle3: then the target's feature states), ``buf`` the step buffer
-        -> int32[S, k] each packed sequence's drafts for its next step (-1 rows: no proposal)."""
-        self._pool, drafts = self._propose(self._leaves, self.pool, buf, sampled,
+        forward's hidden states [T, hidden] (eagle3: then the target's feature states), ``buf`` the step buffer,
+        ``prev_tokens`` int32[max sample rows] the previous step's samples (the tokens async scheduling's
+        placeholders stand for: ``prev_rows``) -> int32[S, k] each packed sequence's drafts for its next step (-1
+        rows: no proposal)."""
+        self._pool, drafts = self._propose(self._leaves, self.pool, buf, prev_tokens, sampled,
                                            None if self.method == "draft_model" else hidden,
                                            num_tokens=num_tokens, num_seqs=num_seqs)
         return drafts
@@ -247,10 +249,12 @@ def _decode_meta(positions: jax.Array, ok: jax.Array, block_tables: jax.Array, s
     return positions, meta
 
 
-def _propose(drafter: DraftRunner, statics: _StepStatics, leaves, pool, buf, sampled, hidden, *, num_tokens,
-             num_seqs):
+def _propose(drafter: DraftRunner, statics: _StepStatics, leaves, pool, buf, prev_tokens, sampled, hidden, *,
+             num_tokens, num_seqs):
     """The jitted program (module docstring) -> (pool, drafts int32[S, k])."""
     fields = {name: buf[a:b] for name, (a, b) in statics.layout_for(num_tokens, num_seqs).fields.items()}
+    prev_rows = fields["prev_rows"]  # placeholders: the forward's input tokens, as ``step_forward`` feeds them
+    fields["input_ids"] = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], fields["input_ids"])
     model = nnx.merge(drafter._graphdef, jax.tree.unflatten(drafter._treedef, leaves))
     pool = apply_block_copies(list(pool), fields["copy_src"], fields["copy_dst"])
     n, accepted, x, proposes, capacity = _accepted(fields, sampled, drafter.k, num_seqs)

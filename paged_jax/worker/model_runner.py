@@ -449,7 +449,8 @@ class ModelRunner:
         self.kv_pool, logits, sampling_words, hidden, *moe = self._forward(
             self._param_leaves, self.kv_pool, buf, self._prev_tokens, self.lora_slots and self.lora_slots.arrays,
             num_tokens=num_tokens, num_seqs=num_seqs)
-        draft_inputs = (buf, num_tokens, num_seqs) if self.drafter is not None else None
+        # (the previous step's samples too: the drafter reads the tokens they fed, as the forward did)
+        draft_inputs = (buf, self._prev_tokens, num_tokens, num_seqs) if self.drafter is not None else None
         return logits, sampling_words, hidden, (moe[0] if moe else None), draft_inputs
 
     def run_sampling(self, forward_outputs: tuple, grammar_bitmask: np.ndarray | None,
