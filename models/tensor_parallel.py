@@ -81,8 +81,9 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
             set_moe_impl(self, "auto")  # grouped matmuls on local arrays: the kernel where it runs (GPU)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list | None,
-                 attention: AttentionFn, lora=None) -> tuple[jax.Array, list | None]:
-        return super().__call__(input_ids, positions, kv_caches, self.sharding_plan.wrap_attention(attention), lora)
+                 attention: AttentionFn, lora=None, *, aux_hidden_layers: tuple[int, ...] = ()) -> tuple:
+        return super().__call__(input_ids, positions, kv_caches, self.sharding_plan.wrap_attention(attention), lora,
+                                aux_hidden_layers=aux_hidden_layers)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         return self.sharding_plan.gather_logits(super().compute_logits(hidden))

@@ -264,12 +264,11 @@ class EngineArgs:
         for name, value in (("pipeline_parallel_size", self.pipeline_parallel_size > 1),
                             ("nnodes", self.nnodes > 1)):
             check(not value, name, "is not supported with speculative_config")
-        if self.speculative_config.method in MODEL_METHODS:  # the drafter runs on one device, its KV stays there
-            for name, value in (("tensor_parallel_size", self.tensor_parallel_size > 1),
-                                ("preemption_mode", self.preemption_mode == "swap"),
+        method = self.speculative_config.method
+        if method in MODEL_METHODS:  # the drafter's pool and weights are neither swapped nor put to sleep
+            for name, value in (("preemption_mode", self.preemption_mode == "swap"),
                                 ("enable_sleep_mode", self.enable_sleep_mode)):
-                check(not value, name, f"is not supported with speculative_config method "
-                                       f"{self.speculative_config.method!r}")
+                check(not value, name, f"is not supported with speculative_config method {method!r}")
         # Drafting LoRA rows with the MTP layers (with or without the row's adapter) is not built.
         check(not (self.enable_lora and self.speculative_config.method == "mtp"), "enable_lora",
               "is not supported with speculative_config method 'mtp'")

@@ -56,12 +56,13 @@ def test_bad_model_drafter_config_is_refused(value, message):
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
-@pytest.mark.parametrize("field, value", [("tensor_parallel_size", 2), ("preemption_mode", "swap"),
-                                          ("enable_sleep_mode", True)])
+@pytest.mark.parametrize("field, value", [("preemption_mode", "swap"), ("enable_sleep_mode", True)])
 def test_model_drafter_combinations_refused(method, field, value):
     with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config method '{method}'"):
         EngineArgs(speculative_config={"method": method, "model": "x", "num_speculative_tokens": 2},
                    **{field: value})
+    EngineArgs(speculative_config={"method": method, "model": "x", "num_speculative_tokens": 2},
+               tensor_parallel_size=2)  # tests/test_spec_decode_tp.py
 
 
 def test_missing_drafter_path_is_refused_at_start_up(smollm2_dir, tmp_path):

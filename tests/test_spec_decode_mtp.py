@@ -47,8 +47,7 @@ def test_mtp_config_and_vllm_alias():
         parse_speculative_config({"method": "mtp", "num_speculative_tokens": 2, "model": "x"})
 
 
-@pytest.mark.parametrize("field, value", [("tensor_parallel_size", 2), ("enable_lora", True),
-                                          ("preemption_mode", "swap")])
+@pytest.mark.parametrize("field, value", [("enable_lora", True), ("preemption_mode", "swap")])
 def test_mtp_combinations_refused(field, value):
     with pytest.raises(ValueError, match=f"{field} is not supported with speculative_config"):
         EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **{field: value})
@@ -197,14 +196,23 @@ def test_mtp_head_is_the_published_math(checkpoint):
     assert state is out and len(kv) == 1
 
 
-def test_proposals_are_the_mtp_layers_greedy_continuation(checkpoint, mtp_engine, prompts):
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_proposals_are_the_mtp_layers_greedy_continuation(tp, checkpoint, mtp_engine, prompts):
     """After every step, each running sequence's drafts are the MTP reference's from its tokens, through steps that
-    accepted all, some and none of their drafts (the drafter's latent KV is always the sequence's own)."""
+    accepted all, some and none of their drafts (the drafter's latent KV is always the sequence's own); at tp = 2
+    the MTP layer runs on the target's mesh (its q heads and experts split, its latent cache whole on each device)."""
+    engine = mtp_engine if tp == 1 else LLMEngine(EngineArgs(
+        model=str(checkpoint), speculative_config={"method": "mtp", "num_speculative_tokens": K},
+        tensor_parallel_size=tp, **SETTINGS), use_tqdm=False)
     requests = {f"p{i}": ({"prompt_token_ids": prompt}, params) for i, (prompt, params) in
                 enumerate(zip(prompts[:3], PARAMS[1:]))}
-    stats = assert_drafts_follow(mtp_engine, requests, _mtp_reference(checkpoint), K)
+    stats = assert_drafts_follow(engine, requests, _mtp_reference(checkpoint), K)
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-    assert_clean(mtp_engine)
+    if tp > 1:
+        drafter = engine.engine_core.runner.drafter
+        assert drafter.plan.mesh == engine.engine_core.runner.sharding_plan.mesh
+        assert drafter.pool[0][0].sharding.is_equivalent_to(drafter.plan.kv_cache_sharding, 4)
+    assert_clean(engine)
 
 
 def test_block_fp8_mtp_layer_keeps_fp8_experts_and_equals_the_dequantized_one(tmp_path):

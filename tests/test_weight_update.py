@@ -353,23 +353,31 @@ def test_pipeline_update_rebuilds_each_stages_leaves(tmp_path):
     _assert_same_leaves(runner.param_leaves, loaded[1])
 
 
-def test_an_eagle_drafter_follows_the_targets_new_weights(llm, checkpoints, tmp_path):
-    """An EAGLE head shares the target's embedding and LM head: after an update it drafts with the new ones (the old
-    buffers are gone), and the engine's greedy tokens are the new weights' (the one-device engine's without
-    drafts)."""
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_an_eagle_drafter_follows_the_targets_new_weights(tp, request, checkpoints, tmp_path):
+    """An EAGLE head shares the target's embedding and LM head (at tp = 2, their shards): after an update it drafts
+    with the new ones (the runner's new arrays, the old buffers gone), and the engine's greedy tokens are the new
+    weights' (the engine's without drafts at the same tp)."""
     import json
 
     from models.testing import save_random_eagle_head
 
+    plain = request.getfixturevalue("llm" if tp == 1 else "tp_llm")
     path_a, path_b = checkpoints
     head = save_random_eagle_head(json.loads((path_a / "config.json").read_text()), tmp_path / "eagle",
                                   intermediate_size=64)
     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
-    drafting = LLM(model=str(path_a), speculative_config=spec, **ENGINE)
-    assert _run(drafting)[0] == _run(llm)[0]
+    drafting = LLM(model=str(path_a), speculative_config=spec, tensor_parallel_size=tp, **ENGINE)
+    plain.update_weights_from_disk(str(path_a))
+    assert _run(drafting)[0] == _run(plain)[0]
+    runner = drafting.llm_engine.engine_core.runner
+    old = [runner.drafter._leaves[own] for own, _ in runner.drafter._target_leaves]
     drafting.update_weights_from_disk(str(path_b))
-    llm.update_weights_from_disk(str(path_b))
-    assert _run(drafting)[0] == _run(llm)[0]
-    llm.update_weights_from_disk(str(path_a))
+    plain.update_weights_from_disk(str(path_b))
+    assert len(old) == 2 and all(leaf.is_deleted() for leaf in old)
+    assert all(runner.drafter._leaves[own] is runner.param_leaves[target]
+               for own, target in runner.drafter._target_leaves)
+    assert _run(drafting)[0] == _run(plain)[0]
+    plain.update_weights_from_disk(str(path_a))
     assert drafting.llm_engine.stats()["spec_decode_num_drafts"] > 0
     assert drafting.llm_engine.engine_core.runner.num_compiles_since_warmup == 0

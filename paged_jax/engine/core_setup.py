@@ -198,7 +198,7 @@ def build_core_parts(args: EngineArgs, *, use_tqdm: bool = True, devices: Sequen
 
     kv_dtype = loaded.kv_cache_dtype or model.dtype  # --kv-cache-dtype fp8: 1 byte per element
     drafter = load_drafter(args.speculative_config, model, config, loaded.tokenizer, download_dir=args.download_dir,
-                           target_path=loaded.model_path, dummy=args.load_format == "dummy")
+                           target_path=loaded.model_path, dummy=args.load_format == "dummy", plan=plan)
     num_blocks, num_host_blocks, num_offload_blocks = _size_kv_pool(args, loaded, kv_dtype, device, max_model_len,
                                                                     max_num_seqs, max_num_batched_tokens, multi_node,
                                                                     drafter)

@@ -4,7 +4,8 @@ step's tokens (``StepOutput.proposed_draft_ids``); the core hands them to the sc
 
 The drafter's KV lives in its own donated pool indexed by the target's block ids (same block tables, same slot
 mapping; its shape is the drafter's: layers, KV heads, head size, a latent pool for MTP), so the scheduler and the KV-cache manager see one
-pool. Each step's program:
+pool. With mixed sliding-window layers (several KV-cache groups) it follows the full-attention group's tables and
+slots, whose blocks keep every position. Each step's program:
 
 1. applies the step's copy-on-write block copies to the drafter's pool too;
 2. finds, per sequence, how many of the drafts it verified the target accepted (the same rule as the host's
@@ -20,6 +21,10 @@ pool. Each step's program:
    feeds x, then each draft, k steps of one token per sequence; a head takes its first draft from step 3 at the
    last accepted position and feeds each draft with its own output (``eagle3``: pre-norm), k - 1 steps.
    Python-unrolled (no XLA loop), so every step bucket is one fixed-shape program, compiled at warm-up.
+
+Under a tensor-parallel target the drafter runs on the target's mesh (``paged_jax.spec_decode.sharding``: its weights
+in their shards, its pool split over its KV heads, its attention under ``shard_map``); the program takes and returns
+the arrays in those shardings, so nothing leaves the devices between the sampler and the drafts' fetch.
 
 KV written at rejected positions is harmless: the next step's catch-up writes those positions again with the
 sequence's real tokens before any drafter read. The draft positions after x need their blocks: the scheduler
@@ -40,8 +45,11 @@ from flax import nnx
 
 from models.attention_fn import ReusableAttention
 from models.config import ModelConfig
+from paged_jax.core.kv_groups import engine_kv_groups
 from paged_jax.ops import write_and_attend
 from paged_jax.spec_decode.config import MODEL_METHODS
+from paged_jax.spec_decode.sharding import buffer_key, bytes_per_device
+from paged_jax.worker.kv_group_pool import group_metadata, mixes_kv_groups
 from paged_jax.worker.step_io import SPEC_ROW_WORDS, apply_block_copies
 
 
@@ -58,10 +66,13 @@ class DraftRunner:
       aux_hidden_layers: eagle3: the target layers whose inputs feed ``fc`` (``ModelRunner.aux_hidden_layers``).
       shared: arrays of ``model`` that are the target's own (a head's embedding, LM head): not counted in
         ``weight_bytes``.
+      plan: under a tensor-parallel target, the drafter's ``ShardingPlan`` on the target's mesh
+        (``paged_jax.spec_decode.sharding.drafter_plan``; ``config`` is its ``model_config``, ``model``'s weights are
+        in their shards); None on one device.
     """
 
     def __init__(self, method: str, num_speculative_tokens: int, model, config: ModelConfig, *,
-                 aux_hidden_layers: tuple[int, ...] = (), shared: tuple = ()):
+                 aux_hidden_layers: tuple[int, ...] = (), shared: tuple = (), plan=None):
         if method not in MODEL_METHODS:
             raise ValueError(f"speculative_config.method {method!r} has no drafter network")
         self.method = method
@@ -72,7 +83,8 @@ class DraftRunner:
         graphdef, state = nnx.split(model)
         leaves, self._treedef = jax.tree.flatten(state)
         self._graphdef, self._leaves = graphdef, leaves
-        self._own_bytes = sum(x.size * x.dtype.itemsize for x in leaves if not any(x is a for a in shared))
+        self.plan = plan
+        self._own_bytes = sum(bytes_per_device(x) for x in leaves if not any(x is a for a in shared))
         self._pool: list | None = None
         self._propose = None
 
@@ -82,31 +94,37 @@ class DraftRunner:
         return self.config.num_hidden_layers
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block of the drafter's pool takes (for the KV pool's sizing)."""
-        c = self.config
+        """Bytes one block of the drafter's pool takes on one device (for the KV pool's sizing)."""
+        c = self.config if self.plan is None else self.plan.per_device_model_config
         return self.num_layers * block_size * c.num_key_value_heads * sum(c.kv_pool_head_dims) * self.dtype.itemsize
 
     def weight_bytes(self) -> int:
-        """Bytes of the drafter's own weights (not those it shares with the target)."""
+        """Bytes of the drafter's own weights on one device (not those it shares with the target)."""
         return self._own_bytes
 
     def bind(self, runner) -> None:
         """Attach to ``runner`` (a ``ModelRunner``, at the end of its construction): its device, buckets, block
-        tables and step layout. ValueError naming ``speculative_config`` for a runner this cannot serve."""
-        if runner.sharding_plan is not None or runner.kv_layout.num_groups > 1:
-            raise ValueError(f"speculative_config.method={self.method!r} runs on one device with one KV-cache group "
-                             "(no tensor parallelism, no mixed sliding-window layers)")
+        tables and step layout (and mesh). ValueError naming ``speculative_config`` for a runner this cannot
+        serve."""
+        plan = runner.sharding_plan
+        self._kv_group = _full_attention_group(runner, self.method)
+        if (plan is None) != (self.plan is None) or (plan is not None and plan.mesh != self.plan.mesh):
+            raise ValueError(f"speculative_config.method={self.method!r}: the drafter was laid out for "
+                             f"{'one device' if self.plan is None else 'another mesh'}, not the runner's")
         self.device = runner.device
-        self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
+        if self.plan is None:  # on a mesh the weights already are in their shards
+            self._leaves = [jax.device_put(x, runner.device) for x in self._leaves]
         # Which of its leaves are the target's (a head's embedding, LM head): (own index, the runner's leaf index).
-        target = {leaf.unsafe_buffer_pointer(): i for i, leaf in enumerate(runner.param_leaves)}
-        self._target_leaves = [(j, target[x.unsafe_buffer_pointer()]) for j, x in enumerate(self._leaves)
-                               if x.unsafe_buffer_pointer() in target]
+        target = {buffer_key(leaf): i for i, leaf in enumerate(runner.param_leaves)}
+        self._target_leaves = [(j, target[buffer_key(x)]) for j, x in enumerate(self._leaves)
+                               if buffer_key(x) in target]
         c = self.config
+        self._num_blocks, self._block_size = runner.num_blocks, runner.block_size
         self._pool_shapes = [(runner.num_blocks, runner.block_size, c.num_key_value_heads, dim)
                              for dim in c.kv_pool_head_dims]
-        self._propose = jax.jit(functools.partial(_propose, self, _StepStatics.of(runner)),
-                                static_argnames=("num_tokens", "num_seqs"), donate_argnums=(1,))
+        statics = _StepStatics.of(runner, self.plan, self._kv_group)
+        self._propose = jax.jit(functools.partial(_propose, self, statics), static_argnames=("num_tokens", "num_seqs"),
+                                donate_argnums=(1,))
 
     def target_params_replaced(self, runner) -> None:
         """Take the target's new parameter leaves where it shares them (a weight update,
@@ -119,8 +137,10 @@ class DraftRunner:
         """The drafter's KV pool: per layer ``(k_pages, v_pages)`` [num_blocks, block_size, Hkv, D] (a latent pool's
         V pages of width 0; zeros at first use)."""
         if self._pool is None:
-            self._pool = [tuple(jnp.zeros(shape, self.dtype, device=self.device) for shape in self._pool_shapes)
-                          for _ in range(self.num_layers)]
+            self._pool = (self.plan.make_kv_caches(self._num_blocks, self._block_size, self.dtype,
+                                                   num_layers=self.num_layers) if self.plan is not None else
+                          [tuple(jnp.zeros(shape, self.dtype, device=self.device) for shape in self._pool_shapes)
+                           for _ in range(self.num_layers)])
         return self._pool
 
     def propose(self, sampled: jax.Array, hidden: jax.Array, buf: jax.Array, prev_tokens: jax.Array,
@@ -149,19 +169,52 @@ class DraftRunner:
             jax.block_until_ready(self.propose(runner._prev_tokens, hidden, *inputs))
 
 
-class _StepStatics:
-    """What the program takes from the runner: step layouts, block size, block-table width, attention options."""
+def _full_attention_group(runner, method: str) -> tuple[int, int]:
+    """(the runner's KV-cache groups G, the full-attention group whose block tables and slots the drafter's pool
+    follows): with mixed sliding-window layers only that group's blocks keep every position's KV, as a drafter
+    reads. ValueError naming ``speculative_config`` where no group does, or for eagle3 (the target's feature states
+    are taken per layer, not through the groups' caches)."""
+    groups = runner.kv_layout.num_groups
+    if groups == 1:
+        return 1, 0
+    windows = [group.sliding_window for group in engine_kv_groups(
+        runner.model_config.layer_kv_spans, mixed_groups=mixes_kv_groups(runner.sharding_plan))]
+    if method == "eagle3" or None not in windows:
+        raise ValueError(f"speculative_config.method={method!r} is not supported with this model's mixed "
+                         f"sliding-window layers{' (EAGLE-3 feature states)' if method == 'eagle3' else ''}")
+    return groups, windows.index(None)
 
-    def __init__(self, layout_for, block_size: int, max_blocks: int, attention_impl: str, qk_prepare_impl: str):
-        self.layout_for, self.block_size, self.max_blocks = layout_for, block_size, max_blocks
-        self.attention_impl, self.qk_prepare_impl = attention_impl, qk_prepare_impl
+
+class _StepStatics:
+    """What the program takes from the runner: step layouts, block size, block-table width (all groups' entries),
+    attention options, the drafter's plan on the runner's mesh (None: one device) and its KV-cache group (G, g)."""
+
+    def __init__(self, layout_for, block_size: int, table_width: int, attention_impl: str, qk_prepare_impl: str,
+                 plan=None, kv_group: tuple[int, int] = (1, 0)):
+        self.layout_for, self.block_size, self.table_width = layout_for, block_size, table_width
+        self.attention_impl, self.qk_prepare_impl, self.plan = attention_impl, qk_prepare_impl, plan
+        self.kv_group, self.max_blocks = kv_group, table_width // kv_group[0]
 
     @classmethod
-    def of(cls, runner) -> "_StepStatics":
+    def of(cls, runner, plan=None, kv_group: tuple[int, int] = (1, 0)) -> "_StepStatics":
         return cls(runner.layout, runner.block_size, runner.max_blocks_per_seq, runner.attention_impl,
-                   runner.qk_prepare_impl)
+                   runner.qk_prepare_impl, plan, kv_group)
 
-    def attention(self, config: ModelConfig, meta: dict) -> ReusableAttention:
+    def step_tables(self, fields: dict, num_seqs: int) -> tuple[jax.Array, jax.Array]:
+        """The drafter's (block tables int32[S, B], slot mapping int32[T]): its KV-cache group's."""
+        block_tables = fields["block_tables"].reshape(num_seqs, self.table_width)
+        num_groups, group = self.kv_group
+        if num_groups == 1:
+            return block_tables, fields["slot_mapping"]
+        meta = group_metadata(num_groups, block_tables, fields["slot_mapping"])[group]
+        return meta["block_tables"], meta["slot_mapping"]
+
+    def attention(self, config: ModelConfig, meta: dict):
+        """The drafter's paged attention over ``meta`` (slot mapping, lengths, block tables, cu_q_lens): on a mesh,
+        each device's heads and KV shard under ``shard_map`` (the metadata as its explicit inputs)."""
+        if self.plan is not None:
+            return self.plan.paged_attention(**meta, sm_scale=config.softmax_scale,
+                                             sliding_window=config.sliding_window, impl=self.attention_impl)
         fn = functools.partial(write_and_attend, sm_scale=config.softmax_scale, sliding_window=config.sliding_window,
                                impl=self.attention_impl, qk_prepare_impl=self.qk_prepare_impl)
         return ReusableAttention(fn, meta, fuses_qk_transform=True)
@@ -205,8 +258,8 @@ def _propose(drafter: DraftRunner, statics: _StepStatics, leaves, pool, buf, pre
     model = nnx.merge(drafter._graphdef, jax.tree.unflatten(drafter._treedef, leaves))
     pool = apply_block_copies(list(pool), fields["copy_src"], fields["copy_dst"])
     n, accepted, x, proposes, capacity = _accepted(fields, sampled, drafter.k, num_seqs)
-    block_tables = fields["block_tables"].reshape(num_seqs, statics.max_blocks)
-    step_meta = dict(slot_mapping=fields["slot_mapping"], kv_lens=fields["kv_lens"], block_tables=block_tables,
+    block_tables, slot_mapping = statics.step_tables(fields, num_seqs)
+    step_meta = dict(slot_mapping=slot_mapping, kv_lens=fields["kv_lens"], block_tables=block_tables,
                      cu_q_lens=fields["cu_q_lens"])
     x_positions = fields["kv_lens"] - n + accepted
     step = (drafter, statics, model, fields, block_tables, step_meta, proposes, capacity)
