@@ -140,8 +140,11 @@ class SteadyDecode:
         cached for the rows that filled one. None (nothing done) for another step or tokens that are not all ints."""
         if scheduler_output is not self.scheduled:
             return None
-        sampled = np.asarray(tokens)
-        if sampled.dtype.kind not in "iu" or sampled.shape != (len(self.requests),):
+        if len(tokens) != len(self.requests):
+            return None
+        try:  # (a typed read of the list: several times faster than ``np.asarray``'s)
+            sampled = np.fromiter(tokens, np.int64, len(tokens))
+        except (TypeError, ValueError):  # a token that is no integer (None: missing)
             return None
         self.scheduled = None
         requests = self.requests
