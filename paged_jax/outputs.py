@@ -153,3 +153,23 @@ class RequestOutput:
         self.num_cached_tokens = next_output.num_cached_tokens
         if next_output.metrics is not None:
             self.metrics = next_output.metrics
+
+
+_new_object = object.__new__
+
+
+def running_delta(request_id: str, prompt: str | None, prompt_token_ids: list[int], token_ids: list[int],
+                  num_cached_tokens: int) -> RequestOutput:
+    """The delta of a running request with one sequence and token ids only (the output of every running request,
+    every step): ``RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(0, "", token_ids, None,
+    None)], False, num_cached_tokens)``, every field of both set here rather than by the dataclasses' ``__init__``
+    (a class call into a Python ``__init__`` costs about twice these slot stores)."""
+    completion = _new_object(CompletionOutput)
+    completion.index, completion.text, completion.token_ids = 0, "", token_ids
+    completion.cumulative_logprob = completion.logprobs = completion.finish_reason = completion.stop_reason = None
+    completion.routed_experts = None
+    output = _new_object(RequestOutput)
+    output.request_id, output.prompt, output.prompt_token_ids = request_id, prompt, prompt_token_ids
+    output.outputs, output.finished, output.num_cached_tokens = [completion], False, num_cached_tokens
+    output.metrics = output.prompt_logprobs = None
+    return output

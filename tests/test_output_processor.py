@@ -7,6 +7,7 @@ import pytest
 
 from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest
 from paged_jax.engine.output_processor import DecodeColumns, OutputProcessor
+from paged_jax.outputs import CompletionOutput, RequestOutput, running_delta
 from paged_jax.sampling_params import SamplingParams
 
 # Per step, the core's outputs: request "a" (n=2; sequence 0 ends first, by length) and "b" (n=1, ends by a stop
@@ -117,6 +118,15 @@ def test_plain_requests_fast_path_gives_the_general_outputs(seed, finished_only,
     plain_trace = run(True)
     assert plain_trace == run(False)
     assert sum(len(outputs) for outputs, _ in plain_trace[0]) > 0
+
+
+def test_running_delta_is_the_dataclasses_output():
+    """``running_delta`` sets every field of both dataclasses (a field added to either and not set there fails
+    here) to what their constructors give."""
+    delta = running_delta("r", "hi", [1, 2], [5], 16)
+    assert delta == RequestOutput("r", "hi", [1, 2], [CompletionOutput(0, "", [5], None, None)], False, 16)
+    for output in (delta, delta.outputs[0]):
+        assert all(hasattr(output, field.name) for field in dataclasses.fields(output))
 
 
 def _as_columns(call: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], DecodeTokens]:

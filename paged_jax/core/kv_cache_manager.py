@@ -343,6 +343,18 @@ class KVCacheManager(PrefixCaching):
             request.block_ids.append(self._pop_free_block())
         return True
 
+    def append_new_blocks(self, requests: Sequence[Request]) -> list[int]:
+        """One new block at the end of each of ``requests``' block tables, in order (``allocate_slots(request, 1)``
+        of a request of one KV-cache group, no sliding window, whose next token starts a block: a steady decode's
+        rows entering their next block); returns the blocks. RuntimeError, changing nothing, when fewer are free."""
+        if len(requests) > len(self._free_queue):
+            raise RuntimeError(f"{len(requests)} new blocks asked of a pool with {len(self._free_queue)} free")
+        pop = self._pop_free_block
+        new_blocks = [pop() for _ in requests]
+        for request, block_id in zip(requests, new_blocks):
+            request.block_ids.append(block_id)
+        return new_blocks
+
     def _pop_registered(self, block_hash: bytes) -> int:
         """A fresh block, registered in the prefix cache under ``block_hash`` (a host-tier hit: its KV is loaded
         before the step that reads it)."""

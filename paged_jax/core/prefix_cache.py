@@ -134,9 +134,10 @@ class PrefixCaching:
                     or len(request.block_ids) < num_full:
                 self.cache_full_blocks(request)
                 continue
-            digest = sha256(hashes[-1])  # ``hash_block_tokens``, inlined
-            digest.update(array.array("q", request.output_token_ids[start:start + block_size]).tobytes())
-            hashes.append(block_hash := digest.digest())
+            # ``hash_block_tokens``, inlined: one call over the same bytes
+            block_hash = sha256(hashes[-1] + array.array("q", request.output_token_ids[start:start + block_size])
+                                .tobytes()).digest()
+            hashes.append(block_hash)
             block = blocks[request.block_ids[num_full - 1]]
             if block.block_hash is None and block_hash not in by_hash:
                 block.block_hash = block_hash

@@ -99,7 +99,7 @@ class Request:
     # The seed of its sampling row (the engine's, per sequence; ``sampler.seed_to_u32`` folds it).
     seed: int = 0
     # What the model runner's persistent row holds of it (``paged_jax.core.sched_output``): its first tokens
-    # (-1: no row) and its first block ids; the scheduler sends the rest as a diff.
+    # (-1: no row; behind by ``SteadyDecode.runner_lag`` while that runs) and its first block ids; the rest: a diff.
     runner_num_tokens: int = -1
     runner_num_blocks: int = 0
     # Speculative decoding: draft tokens proposed to follow its tokens (``paged_jax.spec_decode``); the scheduler

@@ -82,9 +82,8 @@ class Scheduler:
         # One request of max_model_len tokens must fit alone, or it could never make progress.
         blocks_per_request = kv_cache_manager.max_blocks_per_request(max_model_len, max_num_batched_tokens)
         if blocks_per_request > kv_cache_manager.num_usable_blocks:
-            raise ValueError(
-                f"max_model_len={max_model_len} needs {blocks_per_request} blocks but the "
-                f"KV cache has only {kv_cache_manager.num_usable_blocks}; lower max_model_len or add blocks")
+            raise ValueError(f"max_model_len={max_model_len} needs {blocks_per_request} blocks but the KV cache has "
+                             f"only {kv_cache_manager.num_usable_blocks}; lower max_model_len or add blocks")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
                              f"({max_model_len}) when chunked prefill is disabled")
@@ -113,9 +112,7 @@ class Scheduler:
         self._finished_rows: list[str] = []  # finished since the last schedule(), with a row in the runner
         self._steady: SteadyDecode | None = None  # every running request decoding (dropped when running changes)
 
-        self.num_preemptions = 0
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
+        self.num_preemptions = self.num_swap_outs = self.num_swap_ins = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -154,8 +151,12 @@ class Scheduler:
     def abort_request(self, request_id: str) -> Request | None:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def _drop_steady(self) -> None:
+        """Leave the steady decode path, its rows' ``runner_num_tokens`` made current (``SteadyDecode.close``)."""
+        self._steady = self._steady and self._steady.close()  # (None either way)
+
     def _leave_running(self, request: Request) -> None:
-        self._steady = None
+        self._drop_steady()
         self.running.remove(request)
         self._reserving.discard(request)
 
@@ -210,7 +211,7 @@ class Scheduler:
         output = self._steady and self._steady.step(self, *self.ready_limits)
         if output:
             return output
-        self._steady = None
+        self._drop_steady()
         step = StepPlan(*self.ready_limits)
         self._schedule_running(step)
         if not step.preempted:  # the pool is tight after a preemption: admitting would thrash
@@ -507,7 +508,7 @@ class Scheduler:
         return changed
 
     def _join_running(self, request: Request) -> None:
-        self._steady = None
+        self._drop_steady()
         self.running.append(request)
 
     def _apply_drafts(self, request: Request, num_scheduled: int, drafts: list[int], accepted: list[int],
@@ -569,10 +570,10 @@ class Scheduler:
 
     def replace_last_token(self, request: Request, token: int) -> None:
         """Beam search: make ``token`` the request's last output token (its K/V is not computed yet)."""
+        self._drop_steady()
         if request.runner_num_tokens >= request.num_tokens:  # the runner appends tokens; it must not have it yet
             raise RuntimeError(f"replace_last_token: the last token of {request.request_id!r} was already sent")
         request.output_token_ids[-1] = int(token)
-        self._steady = None
         self.kv.invalidate_block_hashes(request, request.num_tokens - 1)
 
     def resume(self, request: Request) -> None:

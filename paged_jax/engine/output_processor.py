@@ -21,7 +21,8 @@ from paged_jax.engine.detokenizer import IncrementalDetokenizer
 from paged_jax.engine.messages import (DecodeTokens, EngineCoreOutput, EngineCoreRequest, PromptLogprobsPart,
                                       TokenLogprobs)
 from paged_jax.pooling.outputs import PoolingOutput, PoolingRequestOutput
-from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict
+from paged_jax.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput, make_logprob_dict,
+                                running_delta)
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -242,9 +243,8 @@ class OutputProcessor:
                     continue
                 start = seq.num_reported_tokens
                 seq.num_reported_tokens = len(token_ids)
-                state.delta_call, state.delta = call, RequestOutput(
-                    request_id, state.prompt, state.prompt_token_ids,
-                    [CompletionOutput(0, "", token_ids[start:], None, None)], False, state.num_cached_tokens)
+                state.delta_call, state.delta = call, running_delta(
+                    request_id, state.prompt, state.prompt_token_ids, token_ids[start:], state.num_cached_tokens)
                 report(state.delta)
                 continue
             if self._apply_decode_row(state, request_id, index, token, now):
@@ -479,10 +479,9 @@ class DecodeColumns:
             seq.num_reported_tokens = start_next = len(tokens)
             # Held by its state until the next one: the previous output, which the caller has dropped by now, is
             # freed as this one is made, so a step's outputs do not add up to garbage collections.
-            state.delta = output = RequestOutput(
+            state.delta = output = running_delta(
                 state.request_id, state.prompt, state.prompt_token_ids,
-                [CompletionOutput(0, "", [token] if start_next - start == 1 else tokens[start:], None, None)],
-                False, state.num_cached_tokens)
+                [token] if start_next - start == 1 else tokens[start:], state.num_cached_tokens)
             report(output)
         return outputs
 

@@ -525,8 +525,9 @@ class ModelRunner:
             fork_parents = [step_row_of[parent] for _, parent in scheduler_output.fork_rows]
         batch_rows = (np.concatenate([cached_rows, np.asarray(new_rows + fork_rows, np.int64)])
                       if new_rows or fork_rows else cached_rows)  # running rows only (a decode step): no copy
-        num_new = np.asarray(scheduler_output.num_scheduled_tokens + [0] * num_forks, np.int64)
-        starts = np.asarray(scheduler_output.row_num_computed_tokens(), np.int64)
+        num_rows = len(batch_rows)
+        num_new = np.fromiter(scheduler_output.num_scheduled_tokens + [0] * num_forks, np.int64, num_rows)
+        starts = np.fromiter(scheduler_output.row_num_computed_tokens(), np.int64, num_rows)
         if int((starts + num_new).max()) > self.max_model_len:
             raise ValueError(f"a step reaches {int((starts + num_new).max())} tokens, over max_model_len="
                              f"{self.max_model_len}")
