@@ -171,6 +171,8 @@ def test_signal_during_start_up_ends_every_child_process(smollm2_dir, sig, tmp_p
             server.wait()
 
 
+# CI time: signal handling stays in CI through test_serve_exit_status; this adds background compilation to it.
+@pytest.mark.slow
 def test_sigterm_while_executables_compile_in_the_background_ends_every_process(smollm2_dir, tmp_path):
     """``python -m serving`` with the built-in model and an empty compilation cache answers a completion while the
     rest of its step executables compile in the background; SIGTERM then ends the server and every process it

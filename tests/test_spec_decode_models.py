@@ -267,6 +267,8 @@ def test_model_drafter_outputs_equal_decoding_without_drafts(method, drafter_eng
     assert_clean(engine)
 
 
+# CI time: drafts cut to a grammar stay in CI through the ngram case (test_spec_decode); this is a model drafter's.
+@pytest.mark.slow
 def test_model_drafter_drafts_are_cut_to_the_grammar(drafter_engines, plain_engine, prompts, smollm2_tokenizer,
                                                      monkeypatch):
     """Constrained sequences (regex, choice, JSON schema; the target's favourite token one no grammar allows) on the

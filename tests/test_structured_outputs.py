@@ -127,6 +127,9 @@ def test_specs_that_cannot_compile_are_400_naming_the_field(server, client):
 
 
 # ------------------------------------------------------------------------------------------------ offline
+# CI time: grammars under async scheduling stay in CI (test_async_grammar_rows_overlap_the_forward), preemption
+# too (test_engine); this combines them.
+@pytest.mark.slow
 def test_offline_constrained_batch_same_under_preemption_and_async(serving_engine, smollm2_tokenizer):
     """A constrained batch (JSON schemas, regex, choice; n = 2) on a KV pool too small for it (recompute
     preemptions) with async scheduling gives the synchronous roomy run's outputs."""
