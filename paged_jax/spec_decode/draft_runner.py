@@ -48,8 +48,9 @@ from models.config import ModelConfig
 from paged_jax.core.kv_groups import engine_kv_groups
 from paged_jax.ops import write_and_attend
 from paged_jax.spec_decode.config import MODEL_METHODS
-from paged_jax.spec_decode.sharding import buffer_key, bytes_per_device
+from paged_jax.spec_decode.sharding import buffer_key
 from paged_jax.worker.kv_group_pool import group_metadata, mixes_kv_groups
+from paged_jax.worker.kv_pool_sizing import device_bytes
 from paged_jax.worker.step_io import SPEC_ROW_WORDS, apply_block_copies
 
 
@@ -84,7 +85,9 @@ class DraftRunner:
         leaves, self._treedef = jax.tree.flatten(state)
         self._graphdef, self._leaves = graphdef, leaves
         self.plan = plan
-        self._own_bytes = sum(bytes_per_device(x) for x in leaves if not any(x is a for a in shared))
+        own = [x for x in leaves if not any(x is a for a in shared)]
+        # (one device's share: shards are even over the mesh)
+        self._own_bytes = device_bytes(own, next(iter(own[0].devices()))) if own else 0
         self._pool: list | None = None
         self._propose = None
 

@@ -13,7 +13,6 @@ and LM head it shares kept as the target's own arrays (never copied).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
@@ -92,11 +91,6 @@ def _place(plan: ShardingPlan, path: tuple, value: jax.Array) -> jax.Array:
         path = ("lm_head", *path[2:])
     value = plan.rewrite_param(path, np.asarray(value), np)  # on the host: each device gets its shard only
     return jax.device_put(value, NamedSharding(plan.mesh, plan.param_spec(path, tuple(value.shape))))
-
-
-def bytes_per_device(array: jax.Array) -> int:
-    """Bytes one device holds of ``array`` (its shard; the whole of a replicated or one-device array)."""
-    return math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
 
 
 def buffer_key(array: jax.Array) -> tuple[int, ...]:

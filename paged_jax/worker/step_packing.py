@@ -153,10 +153,7 @@ def _repack_decode(batch: InputBatch, rows: StepRows, buckets, block_size: int) 
     _feed_placeholders(batch, input_ids, batch_rows, rows.num_new, identity, views["prev_rows"])
     steps = np.maximum(ends - batch.num_prompt_tokens[batch_rows], 0)
     views["sampling"][_STEPS_FIELD * layout.num_sample_rows:][:n] = steps
-    packed = object.__new__(PackedStep)  # ``dataclasses.replace(last, buf=buf)`` without its field-by-field rebuild
-    packed.__dict__.update(last.__dict__)
-    packed.buf = buf
-    return packed
+    return dataclasses.replace(last, buf=buf)
 
 
 def _pack_whole(batch: InputBatch, rows: StepRows, *, buckets, layout_for, block_size: int, num_blocks: int,
