@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from models.dense import dense_linear
 from models.llama import LlamaForCausalLM, matmul_precision
 
 
@@ -89,9 +90,8 @@ class DecoderForSequenceClassification(LlamaForCausalLM):
         if config.head != "score":
             raise ValueError(f"DecoderForSequenceClassification needs head='score', got {config.head!r}")
         super().__init__(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kwargs)
-        self.score = nnx.Linear(config.hidden_size, config.num_labels, use_bias=False, dtype=dtype,
-                                param_dtype=dtype if param_dtype is None else param_dtype,
-                                kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.score = dense_linear(config.hidden_size, config.num_labels, use_bias=False, dtype=dtype,
+                                  param_dtype=dtype if param_dtype is None else param_dtype, rngs=rngs)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, hidden_size] -> float32[N, num_labels] (matmul in the compute dtype, fp32 accumulation)."""

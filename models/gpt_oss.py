@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.dense import dense_linear
 from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, in_pair_order,
                         refuse_mlp_lora, resolve_moe_impl, sort_by_expert)
 from models.quantization import mxfp4
@@ -117,9 +118,8 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.impl = check_moe_impl(impl)
         self.capture_routing = False  # SparseMoeBlock's static hooks (models.moe_routing)
         self.expert_parallel = None  # or experts over devices: paged_jax.parallel.ExpertParallel
-        self.router = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=True, dtype=dtype,
-                                 param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
-                                 bias_init=nnx.initializers.zeros_init(), rngs=rngs)
+        self.router = dense_linear(config.hidden_size, moe.num_experts, use_bias=True, dtype=dtype,
+                                   param_dtype=param_dtype, init_std=init_std, rngs=rngs)
         self.experts = GptOssExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size,
                                      expert_format=moe.expert_format, param_dtype=param_dtype, rngs=rngs,
                                      init_std=init_std)

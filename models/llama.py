@@ -33,6 +33,7 @@ from models.attention_fn import (AttentionFn, LayerAttention, ReusableAttention,
                                  check_takes_attention_sinks, check_takes_layer_attention, needs_layer_attention)
 from models.config import ModelConfig
 from models.deepseek import DeepseekMoeBlock
+from models.dense import INIT_STD, dense_linear
 from models.gpt_oss import GptOssMoeBlock
 from models.mla import MlaAttention
 from models.llama4 import Llama4MoeBlock
@@ -42,18 +43,13 @@ from models.norm import RMSNorm, check_rms_norm_impl
 from models.qk_transform import (QKTransform, apply_qk_transform, apply_rope, rope_cos_sin,  # noqa: F401
                                  rope_inv_freq, rope_table_index, rope_tables)
 
-INIT_STD = 0.02
-
-
 def _normal_init(std: float = INIT_STD):
     return nnx.initializers.normal(stddev=std)
 
 
 def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs):
-    return nnx.Linear(
-        in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=_normal_init(), bias_init=nnx.initializers.zeros_init(), rngs=rngs,
-    )
+    return dense_linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                        rngs=rngs)
 
 
 def _concat_linear(layers: Sequence[nnx.Module]) -> nnx.Module | None:
@@ -70,9 +66,9 @@ def _concat_linear(layers: Sequence[nnx.Module]) -> nnx.Module | None:
     if any(has_bias) and not all(has_bias):
         raise ValueError("fused layers must all have a bias or none")
     bias = jnp.concatenate([layer.bias[...] for layer in layers]) if all(has_bias) else None
-    return nnx.Linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None, dtype=first.dtype,
-                      param_dtype=kernel.dtype, precision=first.precision,
-                      kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
+    return dense_linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None, dtype=first.dtype,
+                        param_dtype=kernel.dtype, precision=first.precision,
+                        kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
 
 
 class Attention(nnx.Module):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.dense import dense_linear
 from models.moe import (ROUTED_EXPERTS, SparseMoeBlock, check_moe_impl, grouped_matmul_for, in_pair_order,
                         refuse_mlp_lora, sort_by_expert)
 
@@ -63,9 +64,8 @@ class Llama4MoeBlock(SparseMoeBlock):
         self.impl = check_moe_impl(impl)
         self.capture_routing = False  # SparseMoeBlock's static hooks (models.moe_routing)
         self.expert_parallel = None  # or experts over devices: paged_jax.parallel.ExpertParallel
-        self.router = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
-                                 param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
-                                 rngs=rngs)
+        self.router = dense_linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
+                                   param_dtype=param_dtype, init_std=init_std, rngs=rngs)
         self.experts = Llama4Experts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size,
                                      param_dtype=param_dtype, rngs=rngs, init_std=init_std)
         self.shared_expert = shared_expert

@@ -29,6 +29,7 @@ from flax import nnx
 
 from models.attention_fn import AttentionFn, LayerAttention, needs_layer_attention
 from models.config import ModelConfig
+from models.dense import dense_linear
 from models.norm import RMSNorm
 from models.qk_transform import apply_rope
 
@@ -66,8 +67,7 @@ class MlaAttention(nnx.Module):
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.latent_dim = mla.kv_lora_rank
         self.rope_interleave = mla.rope_interleave
-        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                   kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+        linear = functools.partial(dense_linear, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         q_width = self.num_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:

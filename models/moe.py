@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
+from models.dense import dense_linear
 from models.impl_registry import ImplRegistry
 from models.quantization.block_fp8 import SCALE_SUFFIX, BlockFp8Experts
 from models.quantization.mxfp4 import Mxfp4Experts
@@ -281,9 +282,8 @@ class SparseMoeBlock(nnx.Module):
         self.impl = check_moe_impl(impl)
         self.capture_routing = False
         self.expert_parallel = None
-        self.gate = nnx.Linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
-                               param_dtype=param_dtype, kernel_init=nnx.initializers.normal(stddev=init_std),
-                               rngs=rngs)
+        self.gate = dense_linear(config.hidden_size, moe.num_experts, use_bias=False, dtype=dtype,
+                                 param_dtype=param_dtype, init_std=init_std, rngs=rngs)
         self.experts = MoeExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size,
                                   param_dtype=param_dtype, rngs=rngs, init_std=init_std,
                                   fp8_block=expert_fp8_block(config))

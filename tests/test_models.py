@@ -8,6 +8,7 @@ from flax import nnx
 
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
+from models.dense import MIN_DOT_ROWS, dense_linear
 from models.llama import fuse_projections, rope_inv_freq
 from models.loader import load_model
 from models.testing import save_random_hf_checkpoint, tiny_config
@@ -240,3 +241,18 @@ def test_llama3_inv_freq_matches_transformers():
     np.testing.assert_allclose(ours, reference.numpy(), rtol=1e-6)
     plain = rope_inv_freq(16, 500000.0, None)
     assert not np.allclose(ours, plain)  # scaling changed some frequencies
+
+
+def test_one_row_projection_stays_a_two_row_matmul():
+    """A batch-1 step's projections (models.dense): the one row is multiplied as two equal rows, so XLA keeps the
+    matmul instead of strength-reducing a matrix-vector dot, and the result is the one-row product."""
+    layer = dense_linear(64, 48, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                         bias_init=nnx.initializers.normal(1.0))
+    rows = jax.random.normal(jax.random.key(1), (3, 64), jnp.float32)
+    expected = np.asarray(rows, np.float64) @ np.asarray(layer.kernel[...], np.float64) + np.asarray(layer.bias[...])
+    with jax.default_matmul_precision("highest"):
+        for count in (1, 3):
+            np.testing.assert_allclose(np.asarray(layer(rows[:count])), expected[:count], rtol=1e-5, atol=1e-5)
+        hlo = jax.jit(lambda x: layer(x)).lower(rows[:1]).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert dots and all(f"f32[{MIN_DOT_ROWS},48]" in line for line in dots), dots

@@ -1,0 +1,45 @@
+"""Dense projections: ``nnx.Linear`` modules whose one-row matmul stays a matmul.
+
+A batch-1 decode step multiplies one row by every projection's weight. XLA's GPU compiler drops the size-1 row
+dimension and rewrites a matrix-vector dot below a size threshold into an elementwise multiply and a reduce ("dot
+strength reduction"). For a projection's ``[in, out]`` weight that reduce runs across the weight's major dimension
+and does not absorb the multiply: the whole product is written and read back, about three times the weight's bytes
+where the matmul reads them once. Two rows keep the dot a matmul (cuBLAS or XLA's Triton GEMM, by autotuning); the
+second row is the first one broadcast, so nothing new is computed. Every projection of the models (``dense_linear``)
+and their routers multiply through ``dense_dot_general``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02
+# The fewest rows a projection's matmul runs on: one row would be strength-reduced (see the module docstring).
+MIN_DOT_ROWS = 2
+
+
+def dense_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
+                      preferred_element_type=None, **kwargs) -> jax.Array:
+    """``jax.lax.dot_general``'s signature (``nnx.Linear.dot_general``): ``lhs [T, in]`` contracted with ``rhs [in,
+    out]`` -> ``[T, out]``. A one-row ``lhs`` is multiplied as ``MIN_DOT_ROWS`` equal rows and the product's first
+    row returned; other shapes go to ``jax.lax.dot_general`` unchanged."""
+    if lhs.ndim != 2 or lhs.shape[0] != 1:
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type, **kwargs)
+    rows = jnp.broadcast_to(lhs, (MIN_DOT_ROWS, lhs.shape[1]))
+    product = jax.lax.dot_general(rows, rhs, dimension_numbers, precision=precision,
+                                  preferred_element_type=preferred_element_type, **kwargs)
+    return product[:1]
+
+
+def dense_linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
+                 init_std: float = INIT_STD, kernel_init=None, bias_init=None, precision=None) -> nnx.Linear:
+    """An ``nnx.Linear`` (kernel ``[in_features, out_features]``, weights ~ N(0, ``init_std``) unless
+    ``kernel_init``, bias zeros unless ``bias_init``) multiplying through ``dense_dot_general``."""
+    return nnx.Linear(
+        in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+        kernel_init=nnx.initializers.normal(stddev=init_std) if kernel_init is None else kernel_init,
+        bias_init=nnx.initializers.zeros_init() if bias_init is None else bias_init,
+        dot_general=dense_dot_general, rngs=rngs)
