@@ -1,12 +1,14 @@
 """Dense projections: ``nnx.Linear`` modules whose one-row matmul stays a matmul.
 
 A batch-1 decode step multiplies one row by every projection's weight. XLA's GPU compiler drops the size-1 row
-dimension and rewrites a matrix-vector dot below a size threshold into an elementwise multiply and a reduce ("dot
-strength reduction"). For a projection's ``[in, out]`` weight that reduce runs across the weight's major dimension
-and does not absorb the multiply: the whole product is written and read back, about three times the weight's bytes
-where the matmul reads them once. Two rows keep the dot a matmul (cuBLAS or XLA's Triton GEMM, by autotuning); the
-second row is the first one broadcast, so nothing new is computed. Every projection of the models (``dense_linear``)
-and their routers multiply through ``dense_dot_general``.
+dimension and rewrites a matrix-vector dot whose ``(out + 1) * in`` is below a size threshold
+(``XLA_STRENGTH_REDUCTION_ELEMENTS``) into an elementwise multiply and a reduce ("dot strength reduction"). For a
+projection's ``[in, out]`` weight that reduce runs across the weight's major dimension, and where the reduce is long
+and the output wide it does not absorb the multiply: the whole product is written and read back, about three times
+the weight's bytes where a matmul reads them once. Two rows keep such a dot a matmul (cuBLAS or XLA's Triton GEMM,
+by autotuning); the second row is the first one broadcast, so nothing new is computed. Short reduces and narrow
+outputs (a router's) stay one row: there the rewrite costs less than the broadcast and the matmul's launch.
+Every projection of the models (``dense_linear``) and their routers multiply through ``dense_dot_general``.
 """
 
 from __future__ import annotations
@@ -16,16 +18,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 INIT_STD = 0.02
-# The fewest rows a projection's matmul runs on: one row would be strength-reduced (see the module docstring).
+# The rows a one-row product is multiplied as, and the shapes where that pays (see the module docstring).
 MIN_DOT_ROWS = 2
+MIN_REDUCE_LENGTH = 2048  # the weight's input features
+MIN_OUTPUT_WIDTH = 1024  # its output features
+# XLA's matrix-vector rewrite threshold on (out + 1) * in; above it the dot is a library GEMV already.
+XLA_STRENGTH_REDUCTION_ELEMENTS = 10_000_000
+
+
+def pads_one_row(in_features: int, out_features: int) -> bool:
+    """Whether a one-row product with an ``[in_features, out_features]`` weight is multiplied as two rows."""
+    return (in_features >= MIN_REDUCE_LENGTH and out_features >= MIN_OUTPUT_WIDTH
+            and (out_features + 1) * in_features < XLA_STRENGTH_REDUCTION_ELEMENTS)
 
 
 def dense_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
                       preferred_element_type=None, **kwargs) -> jax.Array:
     """``jax.lax.dot_general``'s signature (``nnx.Linear.dot_general``): ``lhs [T, in]`` contracted with ``rhs [in,
-    out]`` -> ``[T, out]``. A one-row ``lhs`` is multiplied as ``MIN_DOT_ROWS`` equal rows and the product's first
-    row returned; other shapes go to ``jax.lax.dot_general`` unchanged."""
-    if lhs.ndim != 2 or lhs.shape[0] != 1:
+    out]`` -> ``[T, out]``. A one-row ``lhs`` whose weight ``pads_one_row`` is multiplied as ``MIN_DOT_ROWS`` equal
+    rows and the product's first row returned; everything else goes to ``jax.lax.dot_general`` unchanged."""
+    if lhs.ndim != 2 or lhs.shape[0] != 1 or not pads_one_row(lhs.shape[1], rhs.size // lhs.shape[1]):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type, **kwargs)
     rows = jnp.broadcast_to(lhs, (MIN_DOT_ROWS, lhs.shape[1]))

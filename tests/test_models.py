@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.attention import dense_causal_attention
 from models.config import ModelConfig
-from models.dense import MIN_DOT_ROWS, dense_linear
+from models.dense import MIN_DOT_ROWS, dense_linear, pads_one_row
 from models.llama import fuse_projections, rope_inv_freq
 from models.loader import load_model
 from models.testing import save_random_hf_checkpoint, tiny_config
@@ -244,15 +244,20 @@ def test_llama3_inv_freq_matches_transformers():
 
 
 def test_one_row_projection_stays_a_two_row_matmul():
-    """A batch-1 step's projections (models.dense): the one row is multiplied as two equal rows, so XLA keeps the
-    matmul instead of strength-reducing a matrix-vector dot, and the result is the one-row product."""
-    layer = dense_linear(64, 48, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
-                         bias_init=nnx.initializers.normal(1.0))
-    rows = jax.random.normal(jax.random.key(1), (3, 64), jnp.float32)
-    expected = np.asarray(rows, np.float64) @ np.asarray(layer.kernel[...], np.float64) + np.asarray(layer.bias[...])
-    with jax.default_matmul_precision("highest"):
-        for count in (1, 3):
-            np.testing.assert_allclose(np.asarray(layer(rows[:count])), expected[:count], rtol=1e-5, atol=1e-5)
-        hlo = jax.jit(lambda x: layer(x)).lower(rows[:1]).compile().as_text()
-    dots = [line for line in hlo.splitlines() if " dot(" in line]
-    assert dots and all(f"f32[{MIN_DOT_ROWS},48]" in line for line in dots), dots
+    """A batch-1 step's projections (models.dense): a one-row product with a long, wide weight is multiplied as two
+    equal rows, so XLA keeps the matmul instead of strength-reducing a matrix-vector dot; a small weight's stays one
+    row. Either way the result is the one-row product."""
+    rows = jax.random.normal(jax.random.key(1), (3, 2048), jnp.float32)
+    for in_features, out_features, dot_rows in ((2048, 1024, MIN_DOT_ROWS), (64, 48, 1)):
+        assert pads_one_row(in_features, out_features) == (dot_rows == MIN_DOT_ROWS)
+        layer = dense_linear(in_features, out_features, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
+                             rngs=nnx.Rngs(0), bias_init=nnx.initializers.normal(1.0))
+        x = rows[:, :in_features]
+        expected = (np.asarray(x, np.float64) @ np.asarray(layer.kernel[...], np.float64)
+                    + np.asarray(layer.bias[...]))
+        with jax.default_matmul_precision("highest"):
+            for count in (1, 3):
+                np.testing.assert_allclose(np.asarray(layer(x[:count])), expected[:count], rtol=1e-4, atol=1e-4)
+            hlo = jax.jit(lambda v: layer(v)).lower(x[:1]).compile().as_text()
+        dots = [line for line in hlo.splitlines() if " dot(" in line]
+        assert dots and all(f"f32[{dot_rows},{out_features}]" in line for line in dots), dots
