@@ -317,6 +317,8 @@ async def _soak_stream(client: httpx.AsyncClient, index: int, disconnect: bool, 
     return "completed"
 
 
+# CI time: a soak; the disconnect and drain paths stay in CI through the shutdown and engine-death tests here.
+@pytest.mark.slow
 def test_soak_streams_with_disconnects_and_a_burst(server, serving_engine):
     """200 concurrent streams (the first 100 at once), 30% of the clients leaving early: every other stream
     completes, and the engine returns to idle with no block held (engine on a thread of the server)."""
