@@ -52,7 +52,8 @@ def _run(seed: int, steady: bool, monkeypatch, num_steps: int = 160) -> list:
             tokens = [rng.choice([EOS, 7, 8, rng.randrange(3, 50), rng.randrange(3, 50)]) for _ in out.samples]
             changed = scheduler.update_from_output(out, tokens)
             trace.append([(r.request_id, r.status, r.num_computed_tokens, list(r.output_token_ids), r.stop_reason,
-                           list(r.block_ids)) for r in changed])
+                           list(r.block_ids), list(r.block_hashes)) for r in changed])
+            trace.append(sorted(kv._cached_block_by_hash.items()))
         trace.append(steady_steps if steady else None)
         return trace
 

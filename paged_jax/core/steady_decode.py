@@ -17,7 +17,7 @@ import numpy as np
 
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus, check_stop
-from paged_jax.core.sched_output import CachedRequestData, SchedulerOutput
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, CachedRequestData, SchedulerOutput
 
 _SPEC_TOKEN_IDS = operator.attrgetter("spec_token_ids")
 _HELD = operator.attrgetter("held")
@@ -94,13 +94,22 @@ class SteadyDecode:
       scheduled: the ``SchedulerOutput`` of the last steady step (its update advances the arrays), or None.
     """
 
-    def __init__(self, requests: list[Request], num_computed: np.ndarray, max_model_len: int):
+    def __init__(self, requests: list[Request], num_computed: np.ndarray, max_model_len: int,
+                 block_size: int | None = None):
         self.requests = requests
         self.req_ids = [r.request_id for r in requests]
         self.outputs = [r.output_token_ids for r in requests]
         self.num_computed = num_computed
         self.num_blocks = np.fromiter((len(r.block_ids) for r in requests), np.int64, len(requests))
         self.scheduled: SchedulerOutput | None = None
+        # The tokens the last update appended (row order), when none is a placeholder: the next step's decode tokens,
+        # read without touching every row's output list.
+        self.last_tokens: list[int] | None = None
+        # With prefix caching (``block_size``): each row's tokens sampled here, at column position % block_size, and
+        # the first position they hold; a filled block is hashed from them rather than from the row's output list.
+        # None once a placeholder came (async scheduling puts the real token in the row's list later).
+        self.recent = None if block_size is None else np.zeros((len(requests), block_size), np.int64)
+        self.recent_from = num_computed + 1
         # Steps scheduled here whose token the rows' ``Request.runner_num_tokens`` do not count yet (``close``).
         self.runner_lag = 0
         # The stop rule's screen: outputs so far, the count at which a length limit ends each, the stop ids most
@@ -130,7 +139,8 @@ class SteadyDecode:
         if (not requests or lookahead or kv.num_groups != 1 or kv.has_sliding_window or requests != running
                 or any(map(_HELD, requests)) or any(r.grammar is not None for r in requests)):
             return None
-        return SteadyDecode(list(requests), np.asarray(starts, np.int64) + 1, max_model_len)
+        return SteadyDecode(list(requests), np.asarray(starts, np.int64) + 1, max_model_len,
+                            kv.block_size if kv.enable_prefix_caching else None)
 
     def update(self, scheduler_output: SchedulerOutput, tokens: Sequence, kv: KVCacheManager, max_model_len: int,
                finish: Callable[[Request, RequestStatus], None]) -> list[Request] | None:
@@ -149,14 +159,17 @@ class SteadyDecode:
         self.scheduled = None
         requests = self.requests
         tokens = sampled.tolist()
+        # (a placeholder, async scheduling, may be replaced in the row's list before the next step: read it there)
+        self.last_tokens = tokens if int(sampled.min()) != PLACEHOLDER_TOKEN else None
+        if self.last_tokens is None:
+            self.recent = None
         self.num_computed += 1
         for request, output_token_ids, token, num_computed in zip(requests, self.outputs, tokens,
                                                                   self.num_computed.tolist()):
             request.num_computed_tokens = num_computed
             output_token_ids.append(token)
         if kv.enable_prefix_caching:
-            filled = np.flatnonzero(self.num_computed % kv.block_size == 0).tolist()
-            kv.cache_filled_blocks([requests[i] for i in filled])
+            self._cache_filled_blocks(kv, sampled)
         self.num_output += 1
         may_stop = self.num_output >= self.output_limit
         if self.stop_ids:
@@ -169,6 +182,23 @@ class SteadyDecode:
             if status is not None:
                 finish(requests[i], status)  # drops this state (Scheduler._leave_running)
         return changed
+
+    def _cache_filled_blocks(self, kv: KVCacheManager, sampled: np.ndarray) -> None:
+        """Register the blocks the rows just filled (``KVCacheManager.cache_filled_blocks``), with their tokens from
+        ``recent`` where it holds the whole block; then put the rows' new tokens ``sampled`` int64[n] in it."""
+        requests, recent, block_size = self.requests, self.recent, kv.block_size
+        columns = self.num_computed % block_size  # (a new token's position is the row's computed count)
+        filled = np.flatnonzero(columns == 0)
+        if recent is not None and len(filled):
+            known = self.num_computed[filled] - block_size >= self.recent_from[filled]
+            rows = filled[known]
+            if len(rows):
+                kv.cache_filled_blocks([requests[i] for i in rows.tolist()], recent[rows])
+            filled = filled[~known]
+        if len(filled):
+            kv.cache_filled_blocks([requests[i] for i in filled.tolist()])
+        if recent is not None:
+            recent[np.arange(len(requests)), columns] = sampled
 
     def step(self, scheduler, budget: int, seats: int) -> SchedulerOutput | None:
         """``schedule()`` while steady: None when a waiting request could take a seat (admission is the general
@@ -208,8 +238,9 @@ class SteadyDecode:
                 new_block_ids[i] = [block_id]
                 request.runner_num_blocks = num_blocks
         self.runner_lag += 1  # each row gets its last sampled token (below)
+        last_tokens, self.last_tokens = self.last_tokens, None
         cached = CachedRequestData(list(self.req_ids), [], new_block_ids, block_starts, self.num_computed.tolist(),
-                                   decode_token_ids=list(map(_LAST, self.outputs)))
+                                   decode_token_ids=last_tokens or list(map(_LAST, self.outputs)))
         self.scheduled = SchedulerOutput(
             scheduled_cached_reqs=cached, scheduled_new_reqs=[], num_scheduled_tokens=[1] * n, fork_rows=[],
             finished_req_ids=[], preempted_req_ids=[], block_copies=[], swap_out=[], swap_in=[], grammars={},
