@@ -105,11 +105,11 @@ class SteadyDecode:
         # The tokens the last update appended (row order), when none is a placeholder: the next step's decode tokens,
         # read without touching every row's output list.
         self.last_tokens: list[int] | None = None
-        # With prefix caching (``block_size``): each row's tokens sampled here, at column position % block_size, and
-        # the first position they hold; a filled block is hashed from them rather than from the row's output list.
-        # None once a placeholder came (async scheduling puts the real token in the row's list later).
-        self.recent = None if block_size is None else np.zeros((len(requests), block_size), np.int64)
-        self.recent_from = num_computed + 1
+        # With prefix caching (``block_size``): the rows' tokens of the last ``block_size`` updates (update k's in
+        # row k % block_size) and the updates so far; a filled block is hashed from them rather than from the row's
+        # output list. None once a placeholder came (async scheduling puts the real token in the row's list later).
+        self.recent = None if block_size is None else np.zeros((block_size, len(requests)), np.int64)
+        self.num_updates = 0
         # Steps scheduled here whose token the rows' ``Request.runner_num_tokens`` do not count yet (``close``).
         self.runner_lag = 0
         # The stop rule's screen: outputs so far, the count at which a length limit ends each, the stop ids most
@@ -186,19 +186,18 @@ class SteadyDecode:
     def _cache_filled_blocks(self, kv: KVCacheManager, sampled: np.ndarray) -> None:
         """Register the blocks the rows just filled (``KVCacheManager.cache_filled_blocks``), with their tokens from
         ``recent`` where it holds the whole block; then put the rows' new tokens ``sampled`` int64[n] in it."""
-        requests, recent, block_size = self.requests, self.recent, kv.block_size
-        columns = self.num_computed % block_size  # (a new token's position is the row's computed count)
-        filled = np.flatnonzero(columns == 0)
-        if recent is not None and len(filled):
-            known = self.num_computed[filled] - block_size >= self.recent_from[filled]
-            rows = filled[known]
-            if len(rows):
-                kv.cache_filled_blocks([requests[i] for i in rows.tolist()], recent[rows])
-            filled = filled[~known]
+        recent, block_size, num_updates = self.recent, kv.block_size, self.num_updates
+        filled = np.flatnonzero(self.num_computed % block_size == 0)
         if len(filled):
-            kv.cache_filled_blocks([requests[i] for i in filled.tolist()])
+            requests = [self.requests[i] for i in filled.tolist()]
+            if recent is not None and num_updates >= block_size:  # each filled block's tokens came in the updates
+                oldest_first = (np.arange(block_size) + num_updates) % block_size  # (the last block_size ones)
+                kv.cache_filled_blocks(requests, recent[oldest_first[:, None], filled].T)
+            else:
+                kv.cache_filled_blocks(requests)
         if recent is not None:
-            recent[np.arange(len(requests)), columns] = sampled
+            recent[num_updates % block_size] = sampled
+            self.num_updates = num_updates + 1
 
     def step(self, scheduler, budget: int, seats: int) -> SchedulerOutput | None:
         """``schedule()`` while steady: None when a waiting request could take a seat (admission is the general
