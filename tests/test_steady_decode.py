@@ -20,7 +20,7 @@ EOS = 2
 def _params(rng: random.Random):
     return types.SimpleNamespace(max_tokens=rng.choice([None, 5, 30, 60]), min_tokens=rng.choice([0, 0, 3]),
                                  ignore_eos=rng.random() < 0.5,
-                                 stop_token_ids=rng.choice([None, None, [7], [8, 9]]))
+                                 stop_token_ids=rng.choice([None, None, [7], [8, 9], list(range(40, 50))]))
 
 
 def _run(seed: int, steady: bool, monkeypatch, num_steps: int = 160) -> list:
