@@ -106,10 +106,19 @@ class SteadyDecode:
         # read without touching every row's output list.
         self.last_tokens: list[int] | None = None
         # With prefix caching (``block_size``): the rows' tokens of the last ``block_size`` updates (update k's in
-        # row k % block_size) and the updates so far; a filled block is hashed from them rather than from the row's
-        # output list. None once a placeholder came (async scheduling puts the real token in the row's list later).
-        self.recent = None if block_size is None else np.zeros((block_size, len(requests)), np.int64)
+        # rows k % block_size and that + block_size: the last block_size updates are consecutive rows) and the
+        # updates so far; a filled block is hashed from them rather than from the row's output list. None once a
+        # placeholder came (async scheduling puts the real token in the row's list later).
+        self.recent = None if block_size is None else np.zeros((2 * block_size, len(requests)), np.int64)
         self.num_updates = 0
+        # The rows (int64[k] and their requests) whose block fills at update k for each phase k % block_size: every
+        # row advances one token an update, so each row fills its block every block_size updates, in turn.
+        self.fill_rows: list[tuple[np.ndarray, list[Request]]] = []
+        if block_size is not None:
+            phase = (-1 - num_computed) % block_size  # (the update after which the row's count is a multiple)
+            splits = np.cumsum(np.bincount(phase, minlength=block_size))[:-1]
+            for rows in np.split(np.argsort(phase, kind="stable"), splits):
+                self.fill_rows.append((rows, [requests[i] for i in rows.tolist()]))
         # Steps scheduled here whose token the rows' ``Request.runner_num_tokens`` do not count yet (``close``).
         self.runner_lag = 0
         # The stop rule's screen: outputs so far, the count at which a length limit ends each, the stop ids most
@@ -160,7 +169,7 @@ class SteadyDecode:
         requests = self.requests
         tokens = sampled.tolist()
         # (a placeholder, async scheduling, may be replaced in the row's list before the next step: read it there)
-        self.last_tokens = tokens if int(sampled.min()) != PLACEHOLDER_TOKEN else None
+        self.last_tokens = None if PLACEHOLDER_TOKEN in tokens else tokens  # (no numpy reduction: cheaper)
         if self.last_tokens is None:
             self.recent = None
         self.num_computed += 1
@@ -190,17 +199,17 @@ class SteadyDecode:
         """Register the blocks the rows just filled (``KVCacheManager.cache_filled_blocks``), with their tokens from
         ``recent`` where it holds the whole block; then put the rows' new tokens ``sampled`` int64[n] in it."""
         recent, block_size, num_updates = self.recent, kv.block_size, self.num_updates
-        filled = np.flatnonzero(self.num_computed % block_size == 0)
-        if len(filled):
-            requests = [self.requests[i] for i in filled.tolist()]
+        phase = num_updates % block_size
+        filled, requests = self.fill_rows[phase]
+        if requests:
             if recent is not None and num_updates >= block_size:  # each filled block's tokens came in the updates
-                oldest_first = (np.arange(block_size) + num_updates) % block_size  # (the last block_size ones)
-                kv.cache_filled_blocks(requests, recent[oldest_first[:, None], filled].T)
+                # (the last block_size updates' tokens: rows phase .. phase + block_size, oldest first)
+                kv.cache_filled_blocks(requests, recent[phase:phase + block_size, filled].T)
             else:
                 kv.cache_filled_blocks(requests)
         if recent is not None:
-            recent[num_updates % block_size] = sampled
-            self.num_updates = num_updates + 1
+            recent[phase] = recent[phase + block_size] = sampled
+        self.num_updates = num_updates + 1
 
     def step(self, scheduler, budget: int, seats: int) -> SchedulerOutput | None:
         """``schedule()`` while steady: None when a waiting request could take a seat (admission is the general
