@@ -31,8 +31,10 @@ def test_token_only_rows_serve_only_the_remembered_running_requests():
     assert rows.outputs(requests[:2], [4, 5]) is None  # other rows
     assert rows.outputs([requests[1], requests[0], requests[2]], [4, 5, 6]) is None  # another order
     assert rows.outputs(requests[:2] + [_running("b")], [4, 5, 6]) is None  # another request of the same id
+    assert rows.outputs(requests, [4, 5, 6], running=list(requests)) == columns  # all in the running list
     requests[2].status = RequestStatus.FINISHED_LENGTH  # its output must carry the finish
     assert rows.outputs(requests, [4, 5, 6]) is None
+    assert rows.outputs(requests, [4, 5, 6], running=requests[:2]) is None  # (it left the running list)
     requests[2].status = RequestStatus.RUNNING
     rows.forget()
     assert rows.outputs(requests, [4, 5, 6]) is None
@@ -51,8 +53,8 @@ def _trace(checkpoint, column_wise: bool, monkeypatch) -> tuple[list, int, float
     with monkeypatch.context() as patch:
         general = TokenOnlyRows.outputs
 
-        def outputs(self, requests, tokens):
-            found = general(self, requests, tokens) if column_wise else None
+        def outputs(self, requests, tokens, running=()):
+            found = general(self, requests, tokens, running) if column_wise else None
             answered.append(found is not None)
             return found
 

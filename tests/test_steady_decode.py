@@ -20,7 +20,7 @@ EOS = 2
 def _params(rng: random.Random):
     return types.SimpleNamespace(max_tokens=rng.choice([None, 5, 30, 60]), min_tokens=rng.choice([0, 0, 3]),
                                  ignore_eos=rng.random() < 0.5,
-                                 stop_token_ids=rng.choice([None, None, [7], [8, 9]]))
+                                 stop_token_ids=rng.choice([None, None, [7], [8, 9], list(range(40, 50))]))
 
 
 def _run(seed: int, steady: bool, monkeypatch, num_steps: int = 160) -> list:
@@ -52,7 +52,8 @@ def _run(seed: int, steady: bool, monkeypatch, num_steps: int = 160) -> list:
             tokens = [rng.choice([EOS, 7, 8, rng.randrange(3, 50), rng.randrange(3, 50)]) for _ in out.samples]
             changed = scheduler.update_from_output(out, tokens)
             trace.append([(r.request_id, r.status, r.num_computed_tokens, list(r.output_token_ids), r.stop_reason,
-                           list(r.block_ids)) for r in changed])
+                           list(r.block_ids), list(r.block_hashes)) for r in changed])
+            trace.append(sorted(kv._cached_block_by_hash.items()))
         trace.append(steady_steps if steady else None)
         return trace
 

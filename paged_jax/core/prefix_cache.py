@@ -12,6 +12,8 @@ import array
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
+
 from paged_jax.core.block_hash import hash_block_tokens, root_hash
 from paged_jax.core.kv_groups import NULL_BLOCK_ID, group_block_key, groups_prefix_hit, num_skipped_blocks
 from paged_jax.core.request import Request
@@ -118,15 +120,17 @@ class PrefixCaching:
                     self.offload.computed(block_hash, block.block_id)
         self.cached_block_counts[request.request_id] = num_full
 
-    def cache_filled_blocks(self, requests: Sequence[Request]) -> None:
+    def cache_filled_blocks(self, requests: Sequence[Request], block_tokens: np.ndarray | None = None) -> None:
         """``cache_full_blocks`` of running requests (one KV-cache group) each of whose last step filled its newest
         full block, every earlier one registered: that block's hash (from the previous one's) and its registration
-        only; a request in any other state takes the general path."""
+        only; a request in any other state takes the general path. ``block_tokens`` int64[len(requests),
+        block_size]: the filled blocks' tokens, when the caller has them (else read from the outputs)."""
         if not self.enable_prefix_caching:
             return
         block_size, counts, blocks = self.block_size, self.cached_block_counts, self.blocks
         by_hash, offload, sha256 = self._cached_block_by_hash, self.offload, hashlib.sha256
-        for request in requests:
+        data, width = (None, 0) if block_tokens is None else (block_tokens.tobytes(), 8 * block_size)
+        for k, request in enumerate(requests):
             num_full = request.num_computed_tokens // block_size
             hashes, request_id = request.block_hashes, request.request_id
             start = num_full * block_size - len(request.prompt_token_ids) - block_size  # the block's first output
@@ -134,9 +138,9 @@ class PrefixCaching:
                     or len(request.block_ids) < num_full:
                 self.cache_full_blocks(request)
                 continue
-            # ``hash_block_tokens``, inlined: one call over the same bytes
-            block_hash = sha256(hashes[-1] + array.array("q", request.output_token_ids[start:start + block_size])
-                                .tobytes()).digest()
+            # ``hash_block_tokens``, inlined: one call over the same bytes (int64, native order)
+            block_hash = sha256(hashes[-1] + (data[k * width:(k + 1) * width] if data is not None else array.array(
+                "q", request.output_token_ids[start:start + block_size]).tobytes())).digest()
             hashes.append(block_hash)
             block = blocks[request.block_ids[num_full - 1]]
             if block.block_hash is None and block_hash not in by_hash:

@@ -17,7 +17,7 @@ import numpy as np
 
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus, check_stop
-from paged_jax.core.sched_output import CachedRequestData, SchedulerOutput
+from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, CachedRequestData, SchedulerOutput
 
 _SPEC_TOKEN_IDS = operator.attrgetter("spec_token_ids")
 _HELD = operator.attrgetter("held")
@@ -94,13 +94,31 @@ class SteadyDecode:
       scheduled: the ``SchedulerOutput`` of the last steady step (its update advances the arrays), or None.
     """
 
-    def __init__(self, requests: list[Request], num_computed: np.ndarray, max_model_len: int):
+    def __init__(self, requests: list[Request], num_computed: np.ndarray, max_model_len: int,
+                 block_size: int | None = None):
         self.requests = requests
         self.req_ids = [r.request_id for r in requests]
         self.outputs = [r.output_token_ids for r in requests]
         self.num_computed = num_computed
         self.num_blocks = np.fromiter((len(r.block_ids) for r in requests), np.int64, len(requests))
         self.scheduled: SchedulerOutput | None = None
+        # The tokens the last update appended (row order), when none is a placeholder: the next step's decode tokens,
+        # read without touching every row's output list.
+        self.last_tokens: list[int] | None = None
+        # With prefix caching (``block_size``): the rows' tokens of the last ``block_size`` updates (update k's in
+        # rows k % block_size and that + block_size: the last block_size updates are consecutive rows) and the
+        # updates so far; a filled block is hashed from them rather than from the row's output list. None once a
+        # placeholder came (async scheduling puts the real token in the row's list later).
+        self.recent = None if block_size is None else np.zeros((2 * block_size, len(requests)), np.int64)
+        self.num_updates = 0
+        # The rows (int64[k] and their requests) whose block fills at update k for each phase k % block_size: every
+        # row advances one token an update, so each row fills its block every block_size updates, in turn.
+        self.fill_rows: list[tuple[np.ndarray, list[Request]]] = []
+        if block_size is not None:
+            phase = (-1 - num_computed) % block_size  # (the update after which the row's count is a multiple)
+            splits = np.cumsum(np.bincount(phase, minlength=block_size))[:-1]
+            for rows in np.split(np.argsort(phase, kind="stable"), splits):
+                self.fill_rows.append((rows, [requests[i] for i in rows.tolist()]))
         # Steps scheduled here whose token the rows' ``Request.runner_num_tokens`` do not count yet (``close``).
         self.runner_lag = 0
         # The stop rule's screen: outputs so far, the count at which a length limit ends each, the stop ids most
@@ -130,7 +148,8 @@ class SteadyDecode:
         if (not requests or lookahead or kv.num_groups != 1 or kv.has_sliding_window or requests != running
                 or any(map(_HELD, requests)) or any(r.grammar is not None for r in requests)):
             return None
-        return SteadyDecode(list(requests), np.asarray(starts, np.int64) + 1, max_model_len)
+        return SteadyDecode(list(requests), np.asarray(starts, np.int64) + 1, max_model_len,
+                            kv.block_size if kv.enable_prefix_caching else None)
 
     def update(self, scheduler_output: SchedulerOutput, tokens: Sequence, kv: KVCacheManager, max_model_len: int,
                finish: Callable[[Request, RequestStatus], None]) -> list[Request] | None:
@@ -149,18 +168,24 @@ class SteadyDecode:
         self.scheduled = None
         requests = self.requests
         tokens = sampled.tolist()
+        # (a placeholder, async scheduling, may be replaced in the row's list before the next step: read it there)
+        self.last_tokens = None if PLACEHOLDER_TOKEN in tokens else tokens  # (no numpy reduction: cheaper)
+        if self.last_tokens is None:
+            self.recent = None
         self.num_computed += 1
         for request, output_token_ids, token, num_computed in zip(requests, self.outputs, tokens,
                                                                   self.num_computed.tolist()):
             request.num_computed_tokens = num_computed
             output_token_ids.append(token)
         if kv.enable_prefix_caching:
-            filled = np.flatnonzero(self.num_computed % kv.block_size == 0).tolist()
-            kv.cache_filled_blocks([requests[i] for i in filled])
+            self._cache_filled_blocks(kv, sampled)
         self.num_output += 1
         may_stop = self.num_output >= self.output_limit
-        if self.stop_ids:
+        if len(self.stop_ids) > 8:
             may_stop |= np.isin(sampled, self.stop_ids)
+        else:  # (a compare per id: a few are several times cheaper than ``np.isin``)
+            for stop_id in self.stop_ids:
+                may_stop |= sampled == stop_id
         for i in self.own_stop_rows:
             may_stop[i] |= tokens[i] in requests[i].stop_ids
         changed = list(requests)
@@ -169,6 +194,22 @@ class SteadyDecode:
             if status is not None:
                 finish(requests[i], status)  # drops this state (Scheduler._leave_running)
         return changed
+
+    def _cache_filled_blocks(self, kv: KVCacheManager, sampled: np.ndarray) -> None:
+        """Register the blocks the rows just filled (``KVCacheManager.cache_filled_blocks``), with their tokens from
+        ``recent`` where it holds the whole block; then put the rows' new tokens ``sampled`` int64[n] in it."""
+        recent, block_size, num_updates = self.recent, kv.block_size, self.num_updates
+        phase = num_updates % block_size
+        filled, requests = self.fill_rows[phase]
+        if requests:
+            if recent is not None and num_updates >= block_size:  # each filled block's tokens came in the updates
+                # (the last block_size updates' tokens: rows phase .. phase + block_size, oldest first)
+                kv.cache_filled_blocks(requests, recent[phase:phase + block_size, filled].T)
+            else:
+                kv.cache_filled_blocks(requests)
+        if recent is not None:
+            recent[phase] = recent[phase + block_size] = sampled
+        self.num_updates = num_updates + 1
 
     def step(self, scheduler, budget: int, seats: int) -> SchedulerOutput | None:
         """``schedule()`` while steady: None when a waiting request could take a seat (admission is the general
@@ -208,8 +249,9 @@ class SteadyDecode:
                 new_block_ids[i] = [block_id]
                 request.runner_num_blocks = num_blocks
         self.runner_lag += 1  # each row gets its last sampled token (below)
+        last_tokens, self.last_tokens = self.last_tokens, None
         cached = CachedRequestData(list(self.req_ids), [], new_block_ids, block_starts, self.num_computed.tolist(),
-                                   decode_token_ids=list(map(_LAST, self.outputs)))
+                                   decode_token_ids=last_tokens or list(map(_LAST, self.outputs)))
         self.scheduled = SchedulerOutput(
             scheduled_cached_reqs=cached, scheduled_new_reqs=[], num_scheduled_tokens=[1] * n, fork_rows=[],
             finished_req_ids=[], preempted_req_ids=[], block_copies=[], swap_out=[], swap_in=[], grammars={},

@@ -40,8 +40,7 @@ from paged_jax.core.request import Request, RequestStatus, child_seed
 from paged_jax.core.sched_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from paged_jax.engine.beam_search import BeamSearchState
 from paged_jax.engine.core_setup import build_core_parts
-from paged_jax.engine.core_outputs import (TokenOnlyRows, no_text, prompt_logprob_outputs, rows_of,
-                                           token_output)
+from paged_jax.engine.core_outputs import TokenOnlyRows, no_text, prompt_logprob_outputs, rows_of, token_output
 from paged_jax.engine.messages import DecodeTokens, EngineCoreOutput, EngineCoreRequest
 from paged_jax.engine.rollout_control import RolloutControl
 from paged_jax.engine.routed_experts import ExpertLoad, RoutedExpertsRecorder
@@ -309,7 +308,8 @@ class EngineCore:
                             if r.request_id in accepted}
         progressed = self.scheduler.update_from_output(scheduler_output, tokens, accepted)
         # A step without drafts (every step of a batch whose sequences find none) is a plain decode's step.
-        decode = None if scheduler_output.spec_token_ids else self._token_rows.outputs(progressed, tokens)
+        decode = None if scheduler_output.spec_token_ids else self._token_rows.outputs(progressed, tokens,
+                                                                                       self.scheduler.running)
         if decode is not None:  # a steady decode's step: every row's output is its token
             self.generation_tokens_total += len(tokens)
         elif progressed:
@@ -429,7 +429,7 @@ class EngineCore:
             rows.append(flight_row)
             requests.append(request)
             row_tokens.append(token)
-        decode = self._token_rows.outputs(requests, row_tokens)
+        decode = self._token_rows.outputs(requests, row_tokens, self.scheduler.running)
         if decode is not None:  # a steady decode's step: every row's output is its token
             self.generation_tokens_total += len(row_tokens)
             outputs = outputs + decode.expand() if outputs else decode

@@ -40,13 +40,16 @@ class TokenOnlyRows:
     def forget(self) -> None:
         self.requests, self.request_ids, self.indices = [], [], []
 
-    def outputs(self, progressed: list[Request], tokens: Sequence[int]) -> DecodeTokens | None:
+    def outputs(self, progressed: list[Request], tokens: Sequence[int], running: Sequence[Request] = ()
+                ) -> DecodeTokens | None:
         """The outputs of a step whose rows all progressed (``progressed``, row order; ``tokens`` their sampled ids)
-        when those are the remembered requests, all still running; else None. What made a row token-only stays so
-        while it runs (its parameters, no grammar, its first output reported)."""
+        when those are the remembered requests, all still running (``running``: the scheduler's running list, which
+        holds running requests only: equal to ``progressed``, no status is read); else None. What made a row
+        token-only stays so while it runs (its parameters, no grammar, its first output reported)."""
         if progressed != self.requests or len(tokens) != len(progressed):
             return None
-        if any(status is not RequestStatus.RUNNING for status in set(map(_STATUS, progressed))):
+        if progressed != running and any(status is not RequestStatus.RUNNING
+                                         for status in set(map(_STATUS, progressed))):
             return None
         return DecodeTokens(self.request_ids, self.indices, tokens if type(tokens) is list else list(tokens))
 

@@ -161,6 +161,11 @@ class OutputProcessor:
         Returns ``(request outputs, sequences to abort in the core)``: the delta ``RequestOutput`` of every request
         that got something new (finished ones included, with ``finished=True``; only those with ``finished_only``,
         each then whole), and the ``(request_id, index)`` of the sequences a stop string just ended."""
+        columns = self._columns
+        if columns is not None and not (finished_only and type(outputs) is list and not outputs and decode is not None
+                                        and columns.request_ids is decode.request_ids
+                                        and columns.version == self._version):
+            columns.flush()  # anything but the same rows' next finished-only tokens reads their sequences
         now = time.time()
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
@@ -439,14 +444,17 @@ class DecodeColumns:
     logprobs or cumulative logprob to make (such a row is never a sequence's first output nor its last, so its
     metrics wait for the finishing output). ``states`` / ``seqs``: each row's request state and sequence; ``plain``:
     every state is ``RequestState.plain`` (its delta is one ``RequestOutput`` made here), else False (the rows are
-    reported by ``OutputProcessor._report_decode``; with ``finished_only`` they take their tokens here)."""
+    reported by ``OutputProcessor._report_decode``; with ``finished_only`` they take their tokens here).
+    ``pending``: the token lists (row order) of the steps taken with ``finished_only`` that are not in the sequences
+    yet: appended at ``flush`` (before anything else reads them), each row's at once rather than one per step."""
 
-    __slots__ = ("request_ids", "version", "states", "seqs", "plain")
+    __slots__ = ("request_ids", "version", "states", "seqs", "plain", "pending")
 
     def __init__(self, request_ids: list[str], version: int, states: list[RequestState], seqs: list[SequenceState],
                  plain: bool):
         self.request_ids, self.version, self.states, self.seqs, self.plain = (request_ids, version, states, seqs,
                                                                               plain)
+        self.pending: list[list[int]] = []
 
     @classmethod
     def of(cls, states: dict[str, RequestState], decode: DecodeTokens, version: int) -> "DecodeColumns | None":
@@ -465,11 +473,11 @@ class DecodeColumns:
         return cls(decode.request_ids, version, rows, seqs, plain)
 
     def apply(self, token_ids: list[int], finished_only: bool) -> list[RequestOutput]:
-        """Append each row's token; unless ``finished_only`` (then nothing is reported), each request's delta
-        ``RequestOutput`` in row order (every state must be plain)."""
+        """Append each row's token (``token_ids``: held, not copied); unless ``finished_only`` (then nothing is
+        reported and the tokens wait in ``pending``), each request's delta ``RequestOutput`` in row order (every
+        state must be plain)."""
         if finished_only:
-            for seq, token in zip(self.seqs, token_ids):
-                seq.token_ids.append(token)
+            self.pending.append(token_ids)
             return []
         outputs = []
         report = outputs.append
@@ -484,6 +492,16 @@ class DecodeColumns:
                 [token] if start_next - start == 1 else tokens[start:], state.num_cached_tokens)
             report(output)
         return outputs
+
+    def flush(self) -> None:
+        """Append the ``pending`` tokens to the rows' sequences."""
+        pending, self.pending = self.pending, []
+        if len(pending) == 1:
+            for seq, token in zip(self.seqs, pending[0]):
+                seq.token_ids.append(token)
+        elif pending:
+            for seq, tokens in zip(self.seqs, zip(*pending)):
+                seq.token_ids += tokens
 
 
 def _reported_sequences(state: RequestState) -> list[tuple[int, SequenceState]]:

@@ -391,6 +391,7 @@ class ModelRunner:
             raise RuntimeError("execute: the previous step's sampling was never dispatched (dispatch_sampling)")
         rows = self._update_batch(scheduler_output)
         batch = self.input_batch
+        previous = batch.last_packed
         packed = None if rows is None else pack_step(
             batch, rows, buckets=self.ready.buckets, layout_for=self.layout, block_size=self.block_size,
             num_blocks=self.num_blocks, max_logprobs=self.max_logprobs, block_copies=scheduler_output.block_copies,
@@ -400,11 +401,15 @@ class ModelRunner:
         self.swap(scheduler_output.swap_out, scheduler_output.swap_in, defer_saves=rows is not None)
         if rows is None:
             return None
-        batch.prev_sample[:batch.num_rows] = -1  # the next step feeds its placeholders from this step's samples
-        batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
+        # The next step feeds its placeholders from this step's samples (a step repacked from the last one, same
+        # rows in the same order, finds them as that one set them).
+        if previous is None or packed.packed_sampled is not previous.packed_sampled:
+            batch.prev_sample[:batch.num_rows] = -1
+            batch.prev_sample[packed.packed_batch_rows[packed.packed_sampled]] = np.flatnonzero(packed.packed_sampled)
         handle = PendingStep(None, packed.rows_to_packed, packed.sampled, packed.prompt_spans,
                              packed.draft_sample_rows, pooled=self.pools,
-                             token_spans=packed.token_spans() if self.moe_outputs.routed_experts else None)
+                             token_spans=packed.token_spans() if self.moe_outputs.routed_experts else None,
+                             in_order=packed.reusable)
         layout = packed.layout
         sampling = SamplingArgs(packed.history, packed.bias_table, packed.prompt_targets, packed.mode.value,
                                 packed.num_logprobs, packed.wants_logprobs)

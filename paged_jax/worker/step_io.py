@@ -123,13 +123,15 @@ class PendingStep:
     ``prompt_spans``: per input row, ``(first packed token, number of targets)`` or None. ``draft_sample_rows``:
     the rows that verify drafts and their draft positions' sample rows (speculative decoding), or None.
     ``pooled``: a pooling step (its one output is the pooled rows). ``token_spans`` (first packed token, count)
-    int64[n] per input row splits the routed experts by row.
+    int64[n] per input row splits the routed experts by row. ``in_order``: ``rows_to_packed`` is 0..n-1 and every
+    row samples (a decode step).
     """
 
     def __init__(self, device_outputs, rows_to_packed: np.ndarray, sampled_rows: np.ndarray,
                  prompt_spans: list[tuple[int, int] | None] | None = None,
                  draft_sample_rows: DraftSampleRows | None = None, pooled: bool = False,
-                 token_spans: tuple[np.ndarray, np.ndarray] | None = None):
+                 token_spans: tuple[np.ndarray, np.ndarray] | None = None, in_order: bool = False):
+        self._in_order = in_order
         self._token_spans = token_spans
         self._pooled = pooled
         self._device_outputs = device_outputs
@@ -173,8 +175,9 @@ class PendingStep:
                                           pooled=host[0][rows])
                 self._device_outputs = ()
                 return self._result
-            out = _sampler_rows(host, rows)
-            out.sampled_token_ids[~self._sampled_rows] = -1
+            out = _sampler_rows(host, slice(0, len(rows)) if self._in_order else rows)
+            if not self._in_order:
+                out.sampled_token_ids[~self._sampled_rows] = -1
             if self._draft_sample_rows is not None:
                 out.draft_rows = self._draft_sample_rows.ranges()
                 out.draft_outputs = _sampler_rows(host, self._draft_sample_rows.sample_rows)
