@@ -30,6 +30,8 @@ def test_throughput_random_workload_counts_every_token(smollm2_dir, tmp_path, nu
     assert result["engine_stats"]["num_compiles_since_warmup"] == 0
 
 
+# CI time: the speculative engines are tested in test_spec_decode*; this checks the benchmark's report of them.
+@pytest.mark.slow
 def test_throughput_with_speculative_config_reports_the_timed_run_drafts(smollm2_dir):
     """--speculative-config goes to the engine (vLLM's flag): the JSON has the timed run's draft counters and mean
     acceptance length, and the outputs count exactly as without drafts."""
