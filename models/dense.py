@@ -4,8 +4,8 @@ A batch-1 decode step multiplies one row by every projection's weight. XLA's GPU
 dimension and rewrites a matrix-vector dot whose ``(out + 1) * in`` is below a size threshold
 (``XLA_STRENGTH_REDUCTION_ELEMENTS``) into an elementwise multiply and a reduce ("dot strength reduction"). For a
 projection's ``[in, out]`` weight that reduce runs across the weight's major dimension, and where the reduce is long
-and the output wide it does not absorb the multiply: the whole product is written and read back, about three times
-the weight's bytes where a matmul reads them once. Two rows keep such a dot a matmul (cuBLAS or XLA's Triton GEMM,
+and the output wide it does not absorb the multiply: the whole product is written and read back on top of the
+weight, which a matmul reads once. Two rows keep such a dot a matmul (cuBLAS or XLA's Triton GEMM,
 by autotuning); the second row is the first one broadcast, so nothing new is computed. Short reduces and narrow
 outputs (a router's) stay one row: there the rewrite costs less than the broadcast and the matmul's launch.
 Every projection of the models (``dense_linear``) and their routers multiply through ``dense_dot_general``.
