@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig, MoeConfig
-from models.dense import dense_dot_general
 from models.moe import MoeExperts, SparseMoeBlock, check_moe_impl, expert_fp8_block
 
 # Router parameters stored under their own names (the loader reads them as is).
@@ -69,8 +68,8 @@ class DeepseekRouter(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [T, H]`` -> ``float32[T, E]`` logits."""
-        return dense_dot_general(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32),
-                                 (((1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+        return jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
 
 
 class DeepseekMoeBlock(SparseMoeBlock):

@@ -8,7 +8,7 @@ and the output wide it does not absorb the multiply: the whole product is writte
 weight, which a matmul reads once. Two rows keep such a dot a matmul (cuBLAS or XLA's Triton GEMM,
 by autotuning); the second row is the first one broadcast, so nothing new is computed. Short reduces and narrow
 outputs (a router's) stay one row: there the rewrite costs less than the broadcast and the matmul's launch.
-Every projection of the models (``dense_linear``) and their routers multiply through ``dense_dot_general``.
+Every ``nnx.Linear`` the models build (``dense_linear``) multiplies through ``dense_dot_general``.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ _HELD = operator.attrgetter("held")
 _STOP_IDS = operator.attrgetter("stop_ids")
 _LAST = operator.itemgetter(-1)
 _NO_BLOCKS: list[int] = []
+# Up to this many shared stop ids are screened one compare each: cheaper than ``np.isin``'s set-up.
+_COMPARED_STOP_IDS = 8
 
 
 def update_decodes(requests: Sequence[Request], tokens: Sequence, starts: Sequence[int], kv: KVCacheManager,
@@ -181,9 +183,9 @@ class SteadyDecode:
             self._cache_filled_blocks(kv, sampled)
         self.num_output += 1
         may_stop = self.num_output >= self.output_limit
-        if len(self.stop_ids) > 8:
+        if len(self.stop_ids) > _COMPARED_STOP_IDS:
             may_stop |= np.isin(sampled, self.stop_ids)
-        else:  # (a compare per id: a few are several times cheaper than ``np.isin``)
+        else:
             for stop_id in self.stop_ids:
                 may_stop |= sampled == stop_id
         for i in self.own_stop_rows:
