@@ -12,7 +12,10 @@ T). Per token count T, one JSON line:
   at the end; the median of 3 such rounds. Forms: ``pallas`` (the kernel, ``default_config``), ``ragged_dot`` (the
   reference: gate and up as two ragged_dots), ``ragged_dot_fused`` (one ragged_dot over the gate|up weights
   concatenated once, outside the timing: XLA's best sorted form), and for T <= ``--gather-max-tokens``
-  ``gather_dot`` / ``gather_reduce`` (``models.moe.moe_experts_gathered``: every pair's expert gathered, no sort);
+  ``gather_dot`` / ``gather_reduce`` (``models.moe.moe_experts_gathered``: every pair's expert gathered, no sort),
+  and for bf16 experts ``pallas_pairs`` (``models.moe.moe_experts_pairs`` on the pair kernel,
+  ``paged_jax.ops.fused_moe.pair_experts_pallas``: what ``moe_impl="pallas"`` runs up to
+  ``models.moe.PAIR_FORM_MAX_PAIRS`` pairs) with its launches of ``PAIR_SWEEP`` as ``pairs_<n>_<k>_<warps>``;
 * ``check``: each form's max abs difference against the reference (float32), and the reference's max; ``errors``:
   each form but the reference that failed to compile or run, with its error (it is then not timed);
 * ``configs``: per kernel launch config swept (``--configs``; "auto": ``sweep_configs(T)``), the op's time, its
@@ -65,12 +68,12 @@ import numpy as np
 from benchmarks.floors import H200_HBM_BYTES_PER_S, measure_ceilings
 from models.gpt_oss import combine_top_k, experts_gathered, experts_grouped
 from models.loader import MXFP4_DUMMY_SCALE
-from models.moe import (grouped_matmul_reference, in_pair_order, moe_experts_gathered, moe_experts_with,
-                        route_top_k, sort_by_expert)
+from models.moe import (grouped_matmul_reference, in_pair_order, moe_experts_gathered, moe_experts_pairs,
+                        moe_experts_with, route_top_k, sort_by_expert)
 from models.presets import PRESETS
 from models.quantization import mxfp4
 from models.quantization.block_fp8 import FP8_MAX, BlockFp8Experts
-from paged_jax.ops.fused_moe import KernelConfig, default_config, grouped_matmul_pallas
+from paged_jax.ops.fused_moe import KernelConfig, default_config, grouped_matmul_pallas, pair_experts_pallas
 
 DEFAULT_TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"  # benchmarks.expert_parallel's
 SWEEP_TOKENS = "1,2,4,8,16,64,256,1024,4096"  # this benchmark's: one GPU call
@@ -79,6 +82,8 @@ DECODE_SWEEP = ("16/128/64/auto/4/3", "16/64/64/1/4/2", "16/128/64/1/4/3", "16/3
                 "16/256/64/auto/4/3", "16/64/128/auto/4/4", "16/128/64/auto/8/4")
 PREFILL_SWEEP = ("64/64/64/1/4/2", "64/128/64/1/4/3", "128/128/64/1/8/3", "32/128/64/1/4/3", "64/256/32/1/8/3")
 # MXFP4 adds longer K steps (a K step of 64 reads only 32 bytes of each weight row).
+# The pair kernel's launches (block_n, block_k, num_warps) timed beside its default, as forms "pairs_<n>_<k>_<w>".
+PAIR_SWEEP = ((128, 128, 4), (64, 128, 4), (256, 64, 8), (128, 256, 4), (64, 64, 2))
 MXFP4_DECODE_SWEEP = ("16/128/256/auto/8/3", "16/64/256/auto/4/3")
 MXFP4_PREFILL_SWEEP = ("128/128/128/1/8/3", "64/128/128/1/4/3")
 ROUNDS = 3  # timing rounds per figure (the median is reported)
@@ -244,6 +249,13 @@ def _forms(experts: dict, num_tokens: int, args) -> dict:
         for reduce in (False, True):
             fns[f"gather_{'reduce' if reduce else 'dot'}"] = (
                 jax.jit(functools.partial(moe_experts_gathered, reduce=reduce)), stacks)
+        if args.weights == "bf16":
+            pairs = functools.partial(pair_experts_pallas, interpret=args.interpret)
+            fns["pallas_pairs"] = (jax.jit(functools.partial(moe_experts_pairs, pairs)), stacks)
+            for block_n, block_k, warps in PAIR_SWEEP if not args.interpret else ():
+                launch = functools.partial(pairs, block_n=block_n, block_k=block_k, num_warps=warps)
+                fns[f"pairs_{block_n}_{block_k}_{warps}"] = (jax.jit(functools.partial(moe_experts_pairs, launch)),
+                                                             stacks)
     if args.weights == "fp8":  # the bf16 forms on the same weights, dequantized once
         fns["pallas_bf16"] = (fns["pallas"][0], bf16)
     fns["ragged_dot_fused"] = (jax.jit(_fused_gate_up_ragged_dot), (experts["w_gate_up"], bf16[2]))

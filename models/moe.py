@@ -24,6 +24,7 @@ dequantizes each tile it reads. MXFP4 experts (gpt-oss, ``models.gpt_oss``) reac
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -49,11 +50,32 @@ _MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 #                        up_rhs [E, K, N] | None) -> dtype[M, N] (grouped_matmul_reference's contract); "auto" selector
 # fn(num_rows, hidden, dtype) -> implementation name
 _REGISTRY = ImplRegistry("moe_impl", MOE_IMPLS)
+# name -> pair_experts (pair_experts_reference's contract): the implementation's unsorted form for a few pairs.
+_PAIR_EXPERTS: dict[str, Callable] = {}
+# name -> route_top_k (route_top_k's contract): the implementation's router softmax and top-k.
+_ROUTERS: dict[str, Callable] = {}
+# (token, expert) pairs up to which an implementation with a pair form multiplies each pair by its expert unsorted
+# (moe_experts_pairs): a decode step of one or two tokens, whose pairs nearly all have an expert to themselves.
+PAIR_FORM_MAX_PAIRS = 16
 
 
 def register_grouped_matmul(name: str, fn: Callable) -> None:
     """Make ``fn`` (``grouped_matmul_reference``'s contract) the implementation ``name`` (one of ``MOE_IMPLS``)."""
     _REGISTRY.register(name, fn)
+
+
+def register_pair_experts(name: str, fn: Callable) -> None:
+    """Make ``fn`` (``pair_experts_reference``'s contract) the unsorted form of implementation ``name``, which
+    ``moe_experts`` runs for float experts up to ``PAIR_FORM_MAX_PAIRS`` pairs."""
+    check_moe_impl(name)
+    _PAIR_EXPERTS[name] = fn
+
+
+def register_route_top_k(name: str, fn: Callable) -> None:
+    """Make ``fn`` (``route_top_k``'s contract) the router softmax and top-k of implementation ``name``
+    (``SparseMoeBlock.route``; "xla": ``route_top_k``)."""
+    check_moe_impl(name)
+    _ROUTERS[name] = fn
 
 
 def register_moe_selector(fn: Callable[..., str]) -> None:
@@ -162,8 +184,12 @@ def moe_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Ar
     Returns:
       ``dtype[T, H]``: ``sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t])``, the sum in float32.
     """
-    grouped_matmul = grouped_matmul_for(impl, topk_ids.size, x.shape[1], x.dtype, w_gate)
-    return moe_experts_with(grouped_matmul, x, w_gate, w_up, w_down, topk_weights, topk_ids)
+    name = resolve_moe_impl(impl, topk_ids.size, x.shape[1], x.dtype, fp8_scale_block(w_gate))
+    pair_experts = _PAIR_EXPERTS.get(name)
+    if (pair_experts is not None and topk_ids.size <= PAIR_FORM_MAX_PAIRS
+            and not isinstance(w_gate, (BlockFp8Experts, Mxfp4Experts))):
+        return moe_experts_pairs(pair_experts, x, w_gate, w_up, w_down, topk_weights, topk_ids)
+    return moe_experts_with(_REGISTRY[name], x, w_gate, w_up, w_down, topk_weights, topk_ids)
 
 
 def moe_experts_with(grouped_matmul: Callable, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -190,32 +216,76 @@ def check_expert_shapes(hidden: int, w_gate, w_up, w_down) -> None:
                          f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
 
 
-def moe_experts_gathered(x: jax.Array, w_gate, w_up, w_down, topk_weights: jax.Array, topk_ids: jax.Array, *,
-                         reduce: bool = False) -> jax.Array:
-    """``moe_experts`` in XLA without sorting, for a few tokens: every (token, slot) pair's expert weights gathered
-    (``jnp.take`` over the experts) and one batched product per projection over the ``T * k`` pairs. It reads an
-    expert once per pair routed to it (twice when two tokens share it), so it suits steps whose pairs are nearly all
-    distinct experts (decode of one or two tokens); no sort, schedule or combine gather.
+def pair_matmul_reference(lhs: jax.Array, rhs, pair_expert: jax.Array, *, row_index: jax.Array | None = None,
+                          up_rhs=None, reduce: bool = False) -> jax.Array:
+    """Each (token, expert) pair's row times its expert, unsorted: the oracle of the pair kernels.
 
-    Same arguments and result as ``moe_experts``; ``reduce``: each product as a broadcast multiply and a float32 sum
-    (which XLA can fuse with the gather, reading the weights in place) instead of a batched dot (``jnp.einsum``).
+    Args:
+      lhs: ``dtype[R, K]``; pair ``p``'s row is ``lhs[row_index[p]]`` (``int32[P]``), or ``lhs[p]`` without it.
+      rhs: ``[E, K, N]`` (or ``BlockFp8Experts`` / ``Mxfp4Experts``); pair_expert: ``int32[P]`` in ``[0, E)``.
+      up_rhs: None or as ``rhs`` (then ``silu(row @ rhs) * (row @ up_rhs)`` in float32, rounded once).
+      reduce: each product as a broadcast multiply and a float32 sum (which XLA can fuse with the gather of the
+        experts, reading the weights in place) instead of a batched dot.
+    Returns:
+      ``dtype[P, N]``, accumulated in float32.
     """
+    rows = lhs if row_index is None else lhs[row_index]
+    if up_rhs is None:
+        return _pair_product(rows, rhs, pair_expert, reduce).astype(lhs.dtype)
+    gate, up = (_pair_product(rows, w, pair_expert, reduce) for w in (rhs, up_rhs))
+    return (jax.nn.silu(gate) * up).astype(lhs.dtype)
+
+
+def _pair_product(rows: jax.Array, w, pair_expert: jax.Array, reduce: bool) -> jax.Array:
+    """float32 ``[P, N]``: row ``p`` of ``rows [P, K]`` times expert ``pair_expert[p]`` of ``w`` (``[E, K, N]``,
+    gathered and dequantized to the rows' dtype)."""
+    taken = _take_experts(w, pair_expert, rows.dtype)
+    if reduce:
+        return jnp.sum(rows.astype(jnp.float32)[:, :, None] * taken.astype(jnp.float32), axis=1)
+    return jnp.einsum("pk,pkn->pn", rows, taken, preferred_element_type=jnp.float32)
+
+
+def pair_experts_reference(x: jax.Array, w_gate, w_up, w_down, topk_ids: jax.Array, *,
+                           reduce: bool = False) -> jax.Array:
+    """Every (token, slot) pair's expert SwiGLU, unsorted: the oracle of the pair kernels.
+
+    Args:
+      x: ``dtype[T, H]``; w_gate, w_up: ``[E, H, I]``; w_down: ``[E, I, H]`` (or ``BlockFp8Experts`` /
+        ``Mxfp4Experts``); topk_ids: ``int32[T, k]``: pair ``p`` is token ``p // k``'s slot ``p % k``.
+      reduce: ``pair_matmul_reference``'s.
+    Returns:
+      float32 ``[T * k, H]``: each pair's ``down(silu(gate(x)) * up(x))`` (the activation rounded to ``dtype``).
+    """
+    ids = topk_ids.reshape(-1)
+    tokens = jnp.arange(ids.shape[0], dtype=jnp.int32) // topk_ids.shape[1]
+    act = pair_matmul_reference(x, w_gate, ids, row_index=tokens, up_rhs=w_up, reduce=reduce)  # [T * k, I]
+    return _pair_product(act, w_down, ids, reduce)
+
+
+def moe_experts_pairs(pair_experts: Callable, x: jax.Array, w_gate, w_up, w_down, topk_weights: jax.Array,
+                      topk_ids: jax.Array) -> jax.Array:
+    """``moe_experts`` without sorting, for a few tokens: every (token, slot) pair through its own expert
+    (``pair_experts``, ``pair_experts_reference``'s contract), then the weighted top-k sum in pair order. It reads
+    an expert once per pair routed to it (twice when two tokens share it), so it suits steps whose pairs are nearly
+    all distinct experts (decode of one or two tokens); no sort, tile schedule or inverse permutation. Same
+    arguments and result as ``moe_experts``."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     check_expert_shapes(hidden, w_gate, w_up, w_down)
-    ids = topk_ids.reshape(-1)
     dtype = x.dtype
-    gate, up, down = (_take_experts(w, ids, dtype) for w in (w_gate, w_up, w_down))
-
-    def product(rows, w):  # [P, K] x [P, K, N] -> float32[P, N]
-        if reduce:
-            return jnp.sum(rows.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32), axis=1)
-        return jnp.einsum("pk,pkn->pn", rows, w, preferred_element_type=jnp.float32)
-
-    rows = jnp.repeat(x, top_k, axis=0)  # pair t * k + j is token t
-    act = (jax.nn.silu(product(rows, gate)) * product(rows, up)).astype(dtype)
-    out = product(act, down).astype(dtype).reshape(num_tokens, top_k, hidden).astype(jnp.float32)
+    w_gate, w_up, w_down = (expert_operand(w, dtype) for w in (w_gate, w_up, w_down))
+    out = pair_experts(x, w_gate, w_up, w_down, topk_ids)  # float32[T * k, H]
+    out = out.astype(dtype).reshape(num_tokens, top_k, hidden).astype(jnp.float32)
     return jnp.sum(out * topk_weights[:, :, None], axis=1).astype(dtype)
+
+
+def moe_experts_gathered(x: jax.Array, w_gate, w_up, w_down, topk_weights: jax.Array, topk_ids: jax.Array, *,
+                         reduce: bool = False) -> jax.Array:
+    """``moe_experts_pairs`` in XLA (``pair_experts_reference``: every pair's expert gathered with ``jnp.take``,
+    one batched product per projection, or with ``reduce`` a multiply and sum). Same arguments and result as
+    ``moe_experts``."""
+    return moe_experts_pairs(functools.partial(pair_experts_reference, reduce=reduce), x, w_gate, w_up, w_down,
+                             topk_weights, topk_ids)
 
 
 def _take_experts(w, ids: jax.Array, dtype) -> jax.Array:
@@ -289,8 +359,11 @@ class SparseMoeBlock(nnx.Module):
                                   fp8_block=expert_fp8_block(config))
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``x [T, H]`` -> ``(weights float32[T, k], ids int32[T, k])`` (``route_top_k`` of the router logits)."""
-        return route_top_k(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
+        """``x [T, H]`` -> ``(weights float32[T, k], ids int32[T, k])``: ``route_top_k`` of the router logits, as the
+        implementation ``impl`` resolves to for the step's pairs runs it (``register_route_top_k``)."""
+        name = resolve_moe_impl(self.impl, x.shape[0] * self.num_experts_per_tok, x.shape[1], x.dtype)
+        router = _ROUTERS.get(name, route_top_k)
+        return router(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
 
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:
         """``x: [T, H]`` -> ``[T, H]``. ``lora``: the layer's LoRA state (``models.llama.with_lora``); an adapter

@@ -9,7 +9,9 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
   the whole op on it;
 * ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
   as ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4
-  (``Mxfp4Experts``) experts;
+  (``Mxfp4Experts``) experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs of float experts,
+  ``pair_experts_pallas`` (``pair_kernel.py``) instead, each pair multiplied by its expert unsorted
+  (``models.moe.moe_experts_pairs``); the router's softmax and top-k as one kernel (``route_kernel.py``);
 * ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
@@ -25,9 +27,12 @@ import jax
 import jax.numpy as jnp
 
 from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
-                        register_grouped_matmul, register_moe_selector)
+                        pair_experts_reference, register_grouped_matmul, register_moe_selector, register_pair_experts,
+                        register_route_top_k)
 from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, KernelConfig, default_config, fp8_scale_block_supported,
                                              grouped_matmul_pallas, tile_schedule)
+from paged_jax.ops.fused_moe.pair_kernel import pair_experts_pallas
+from paged_jax.ops.fused_moe.route_kernel import route_top_k_pallas
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
@@ -55,6 +60,26 @@ def grouped_matmul_pallas_differentiable(lhs, rhs, group_sizes, *, row_index=Non
     return _differentiable(lhs, rhs, group_sizes, row_index, up_rhs, interpret)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _pairs_differentiable(x, w_gate, w_up, w_down, topk_ids, interpret):
+    return pair_experts_pallas(x, w_gate, w_up, w_down, topk_ids, interpret=interpret)
+
+
+@_pairs_differentiable.defjvp
+def _pairs_differentiable_jvp(interpret, primals, tangents):
+    # The reference's derivative, as for the grouped kernel.
+    x, w_gate, w_up, w_down, topk_ids = primals
+    out = _pairs_differentiable(*primals, interpret)
+    _, tangent_out = jax.jvp(lambda *ws: pair_experts_reference(*ws, topk_ids), (x, w_gate, w_up, w_down),
+                             tangents[:4])
+    return out, tangent_out
+
+
+def pair_experts_pallas_differentiable(x, w_gate, w_up, w_down, topk_ids, *, interpret: bool = False):
+    """``pair_experts_pallas`` with ``pair_experts_reference``'s derivatives: ``moe_impl="pallas"``'s pair form."""
+    return _pairs_differentiable(x, w_gate, w_up, w_down, topk_ids, interpret)
+
+
 def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | None = None) -> str:
     """``moe_impl="auto"`` for ``num_rows`` sorted rows: the kernel on a GPU for its dtypes and, for block-FP8
     experts, their ``scale_block`` (``fp8_scale_block_supported``), else "xla"."""
@@ -65,7 +90,10 @@ def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | 
 
 
 register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
+register_pair_experts("pallas", pair_experts_pallas_differentiable)
+register_route_top_k("pallas", route_top_k_pallas)
 register_moe_selector(auto_impl)
 
 __all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable",
-           "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "tile_schedule"]
+           "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "pair_experts_pallas",
+           "pair_experts_pallas_differentiable", "route_top_k_pallas", "tile_schedule"]

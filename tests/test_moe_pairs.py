@@ -1,0 +1,155 @@
+"""The MoE decode kernels: the pair form (``models.moe.moe_experts_pairs``: two Pallas kernels, interpret mode on
+CPU) against its reference (each pair's expert gathered) on fresh random inputs, the whole op against the sorted
+reference, its derivatives; the router kernel against ``route_top_k``; the Triton lowering of a sparse layer at
+Qwen3-30B-A3B's batch-1 shapes, and where the model takes them."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import ModelConfig
+from models.moe import (PAIR_FORM_MAX_PAIRS, SparseMoeBlock, moe_experts_gathered, moe_experts_pairs,
+                        pair_experts_reference, route_top_k)
+from models.quantization.block_fp8 import BlockFp8Experts
+from models.testing import tiny_config
+from paged_jax.ops import fused_moe
+from paged_jax.ops.fused_moe import (moe_experts_reference, pair_experts_pallas, pair_experts_pallas_differentiable,
+                                     route_top_k_pallas)
+from paged_jax.ops.fused_moe.pair_kernel import pair_launch
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _random(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def _experts(rng, num_experts, hidden, inter, dtype):
+    return [_random(rng, shape, dtype) * 0.2 for shape in
+            ((num_experts, hidden, inter), (num_experts, hidden, inter), (num_experts, inter, hidden))]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden, inter, block_n, block_k", [
+    (2, 3, 5, 96, 40, 32, 32),  # I not a multiple of the column block; pairs sharing experts
+    (1, 4, 4, 64, 64, 16, 16),  # K split over several programs, whole steps
+    (2, 8, 9, 70, 33, 16, 32),  # H and I not multiples of the K step: the last split partial
+    (1, 1, 3, 16, 16, 128, 64),  # one pair, blocks wider than the matrices
+    (0, 2, 3, 16, 16, 16, 16),  # no tokens
+])
+def test_pair_kernels_match_reference(dtype, num_tokens, top_k, num_experts, hidden, inter, block_n, block_k,
+                                      request):
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    x = _random(rng, (num_tokens, hidden), dtype)
+    stacks = _experts(rng, num_experts, hidden, inter, dtype)
+    ids = jnp.asarray(rng.integers(0, num_experts, (num_tokens, top_k)), jnp.int32)
+    got = pair_experts_pallas(x, *stacks, ids, interpret=True, block_n=block_n, block_k=block_k)
+    want = pair_experts_reference(x, *stacks, ids)
+    assert got.shape == (num_tokens * top_k, hidden) and got.dtype == jnp.float32
+    scale = max(float(jnp.abs(want).max()) if num_tokens else 0.0, 1.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def test_pair_kernels_refuse_mismatched_inputs():
+    x, ids = jnp.zeros((1, 16), jnp.float32), jnp.zeros((1, 2), jnp.int32)
+    stacks = [jnp.zeros(shape, jnp.float32) for shape in ((3, 16, 8), (3, 16, 8), (3, 8, 16))]
+    with pytest.raises(ValueError, match="gate/up"):
+        pair_experts_pallas(x, stacks[0], stacks[1][:, :, :4], stacks[2], ids, interpret=True)
+    with pytest.raises(ValueError, match="must share"):
+        pair_experts_pallas(x.astype(jnp.bfloat16), *stacks, ids, interpret=True)
+
+
+def test_pair_launch_splits_k_up_to_its_program_target():
+    # Qwen3-30B-A3B at batch 1: 8 pairs, gate|up [2048, 768] and down [768, 2048].
+    assert pair_launch(8, 2048, 768) == (128, 6, 16, 2)
+    assert pair_launch(8, 768, 2048) == (128, 16, 6, 2)
+    assert pair_launch(1, 16, 16) == (16, 1, 1, 1)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, dtype", [(1, 8, jnp.bfloat16), (2, 3, jnp.float32), (3, 1, jnp.float32)])
+def test_pair_form_matches_the_sorted_reference(num_tokens, top_k, dtype, request):
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    hidden, inter, num_experts = 32, 48, 16
+    x = _random(rng, (num_tokens, hidden), dtype)
+    stacks = _experts(rng, num_experts, hidden, inter, dtype)
+    weights, ids = route_top_k(_random(rng, (num_tokens, num_experts), jnp.float32), top_k, True)
+    kernel = functools.partial(pair_experts_pallas_differentiable, interpret=True)
+    got = jax.jit(functools.partial(moe_experts_pairs, kernel))(x, *stacks, weights, ids)
+    want = jax.jit(moe_experts_reference)(x, *stacks, weights, ids)
+    gathered = jax.jit(moe_experts_gathered)(x, *stacks, weights, ids)
+    scale = max(float(jnp.abs(want.astype(jnp.float32)).max()), 1.0)
+    for out in (got, gathered):
+        assert out.shape == x.shape and out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                                   atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def test_pair_kernel_derivatives_are_the_references():
+    rng = np.random.default_rng(0)
+    x = _random(rng, (2, 16), jnp.float32)
+    stacks = _experts(rng, 3, 16, 16, jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 3, (2, 3)), jnp.int32)
+
+    def loss(fn, *operands):
+        return jnp.sum(fn(*operands, ids) ** 2)
+
+    kernel = functools.partial(pair_experts_pallas_differentiable, interpret=True)
+    got = jax.grad(functools.partial(loss, kernel), argnums=(0, 1, 2, 3))(x, *stacks)
+    want = jax.grad(functools.partial(loss, pair_experts_reference), argnums=(0, 1, 2, 3))(x, *stacks)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, norm, dtype", [
+    (1, 128, 8, True, jnp.bfloat16),  # Qwen3-30B-A3B at batch 1
+    (37, 60, 2, False, jnp.float32),  # experts not a power of two; tokens over several programs
+    (5, 8, 8, True, jnp.float32),  # every expert picked
+])
+def test_route_kernel_matches_reference(num_tokens, num_experts, top_k, norm, dtype, request):
+    rng = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    logits = _random(rng, (num_tokens, num_experts), jnp.float32) * 3
+    logits = logits.at[0, : num_experts // 2].set(0.5).astype(dtype)  # ties: the lower expert id first
+    weights, ids = route_top_k_pallas(logits, top_k, norm, interpret=True)
+    want_weights, want_ids = route_top_k(logits, top_k, norm)
+    assert weights.dtype == jnp.float32 and ids.dtype == jnp.int32 and ids.shape == (num_tokens, top_k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="top_k"):
+        route_top_k_pallas(logits, num_experts + 1, norm, interpret=True)
+
+
+def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
+    """A Qwen3-MoE sparse block ("auto" on a GPU) lowers for CUDA on the CPU: at one token its router runs as the
+    route kernel and its experts as the two pair kernels (named by their launches), with no sort; at 16 tokens the
+    sorted grouped kernels; block-FP8 experts keep the grouped form. Nothing runs, only the module is read."""
+    monkeypatch.setattr(fused_moe.jax, "default_backend", lambda: "gpu")
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+    config = ModelConfig.from_hf_config(tiny_config("qwen3_moe", hidden_size=hidden, moe_intermediate_size=inter,
+                                                    num_experts=num_experts, num_experts_per_tok=top_k))
+    block = SparseMoeBlock(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), init_std=0.02)
+    graph, state = nnx.split(block)
+
+    def lowered(num_tokens, experts=None):
+        def run(state, x):
+            layer = nnx.merge(graph, state)
+            if experts is not None:
+                layer.experts.projections = lambda: experts
+            return layer(x)
+        return jax.jit(run).trace(state, jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    one = lowered(1)
+    assert one.count("__gpu$xla.gpu.triton") == 3 and "sort" not in one
+    for name in ("moe_route_top8", "moe_pair_gate_up_bn128_bk64_s16", "moe_pair_down_bn128_bk64_s6"):
+        assert f'name = "{name}"' in one
+    assert 8 * 2 <= PAIR_FORM_MAX_PAIRS < 16 * top_k
+    sixteen = lowered(16)
+    assert "moe_grouped_matmul" in sixteen and "moe_pair" not in sixteen and "moe_route_top8" in sixteen
+    fp8 = [BlockFp8Experts(jnp.zeros((num_experts, k, n), jnp.float8_e4m3fn),
+                           jnp.ones((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
+           for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
+    assert "moe_grouped_matmul" in lowered(1, fp8)
