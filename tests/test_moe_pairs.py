@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models import moe
 from models.config import ModelConfig
 from models.moe import (PAIR_FORM_MAX_PAIRS, SparseMoeBlock, moe_experts_gathered, moe_experts_pairs,
                         pair_experts_reference, route_top_k)
@@ -123,10 +124,14 @@ def test_route_kernel_matches_reference(num_tokens, num_experts, top_k, norm, dt
 
 
 def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
-    """A Qwen3-MoE sparse block ("auto" on a GPU) lowers for CUDA on the CPU: at one token its router runs as the
-    route kernel and its experts as the two pair kernels (named by their launches), with no sort; at 16 tokens the
-    sorted grouped kernels; block-FP8 experts keep the grouped form. Nothing runs, only the module is read."""
+    """A Qwen3-MoE sparse block ("auto" on a GPU) lowers for CUDA on the CPU. By default its one-token step sorts
+    and runs the grouped kernels; with the decode kernels registered (``PAGED_JAX_MOE_DECODE_KERNELS=1``) its router
+    runs as the route kernel and its experts as the two pair kernels (named by their launches), with no sort; at 16
+    tokens the sorted grouped kernels; block-FP8 experts keep the grouped form. Nothing runs, only the module is
+    read."""
     monkeypatch.setattr(fused_moe.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(moe, "_PAIR_EXPERTS", {})
+    monkeypatch.setattr(moe, "_ROUTERS", {})
     hidden, inter, num_experts, top_k = 2048, 768, 128, 8
     config = ModelConfig.from_hf_config(tiny_config("qwen3_moe", hidden_size=hidden, moe_intermediate_size=inter,
                                                     num_experts=num_experts, num_experts_per_tok=top_k))
@@ -142,6 +147,9 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
         return jax.jit(run).trace(state, jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
 
+    default = lowered(1)
+    assert "moe_grouped_matmul" in default and "sort" in default and "moe_pair" not in default
+    fused_moe.register_decode_kernels()
     one = lowered(1)
     assert one.count("__gpu$xla.gpu.triton") == 3 and "sort" not in one
     for name in ("moe_route_top8", "moe_pair_gate_up_bn128_bk64_s16", "moe_pair_down_bn128_bk64_s6"):

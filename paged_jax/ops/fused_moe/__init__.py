@@ -9,9 +9,10 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
   the whole op on it;
 * ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
   as ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4
-  (``Mxfp4Experts``) experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs of float experts,
-  ``pair_experts_pallas`` (``pair_kernel.py``) instead, each pair multiplied by its expert unsorted
-  (``models.moe.moe_experts_pairs``); the router's softmax and top-k as one kernel (``route_kernel.py``);
+  (``Mxfp4Experts``) experts; with ``PAGED_JAX_MOE_DECODE_KERNELS=1`` (``register_decode_kernels``), up to
+  ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs of float experts ``pair_experts_pallas``
+  (``pair_kernel.py``) instead, each pair multiplied by its expert unsorted (``models.moe.moe_experts_pairs``),
+  and the router's softmax and top-k as one kernel (``route_kernel.py``);
 * ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
@@ -22,6 +23,7 @@ selector, as ``paged_jax.ops`` does for every kernel.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -89,11 +91,24 @@ def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | 
     return "xla"
 
 
+# Opt-in (read at import): "1" makes the pair form and the route kernel moe_impl="pallas"'s
+# (``register_decode_kernels``); otherwise its steps run the sorted grouped kernels and XLA's softmax and top-k.
+DECODE_KERNELS_ENV = "PAGED_JAX_MOE_DECODE_KERNELS"
+
+
+def register_decode_kernels() -> None:
+    """Make ``moe_impl="pallas"`` run decode-sized steps (up to ``models.moe.PAIR_FORM_MAX_PAIRS`` pairs of float
+    experts) as the pair form and every step's router as the route kernel: what ``DECODE_KERNELS_ENV=1`` does."""
+    register_pair_experts("pallas", pair_experts_pallas_differentiable)
+    register_route_top_k("pallas", route_top_k_pallas)
+
+
 register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
-register_pair_experts("pallas", pair_experts_pallas_differentiable)
-register_route_top_k("pallas", route_top_k_pallas)
 register_moe_selector(auto_impl)
+if os.environ.get(DECODE_KERNELS_ENV, "0").strip() == "1":
+    register_decode_kernels()
 
 __all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable",
            "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "pair_experts_pallas",
-           "pair_experts_pallas_differentiable", "route_top_k_pallas", "tile_schedule"]
+           "pair_experts_pallas_differentiable", "register_decode_kernels", "route_top_k_pallas",
+           "tile_schedule"]
