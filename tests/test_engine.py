@@ -76,7 +76,7 @@ def workload(tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(workload, hf_greedy):
-    return [hf_greedy(p, MAX_NEW_TOKENS) for p in workload]
+    return hf_greedy.many(workload, MAX_NEW_TOKENS)
 
 
 def make_engine(**overrides) -> LLMEngine:
