@@ -139,6 +139,12 @@ def engine(request):
     assert_clean(eng)
 
 
+# Slow for the synchronous loop (CI time): SmolLM2's batched greedy tokens stay covered by the async case, the
+# synchronous loop's batched greedy with prefix-cache hits by
+# tests/test_moe.py::test_engine_greedy_equals_transformers_with_prefix_caching_and_preemption (and its other tests
+# here run on the synchronous engine too).
+@pytest.mark.parametrize("engine", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["async", "sync"],
+                         indirect=True)
 def test_batched_greedy_matches_transformers_then_hits_prefix_cache(engine, workload, reference):
     # The engine runs the fused-projection layout (one q/k/v matmul, one gate/up matmul per layer).
     param_paths = {"/".join(map(str, path)) for path, _ in
