@@ -185,7 +185,7 @@ def test_preemption_matches_transformers(workload, reference, mode, async_schedu
     engine = make_engine(num_gpu_blocks_override=TIGHT_BLOCKS, preemption_mode=mode, swap_space=0.05,
                          async_scheduling=async_scheduling, **chunked)
     # Half the workload (lengths 5..186, raw and chat) fills the 16 sequences' steps and preempts several times (CI
-    # time: the whole workload takes twice as long for no other case).
+    # time: the whole workload takes twice as long and checks nothing more here).
     outputs = run_to_completion(engine, workload[:16], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == reference[:16]
     stats = engine.stats()
