@@ -23,11 +23,11 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(SERVE_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[$(SERVE_EXTRAS)]'
+	$(PY) -m pip install -q --no-compile -e '.[$(SERVE_EXTRAS)]'
 	touch $@
 
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[$(TEST_EXTRAS)]'
+	$(PY) -m pip install -q --no-compile -e '.[$(TEST_EXTRAS)]'
 	touch $@
 
 venv: $(TEST_STAMP)

@@ -63,10 +63,22 @@ def numpy_oracle(batch, sm_scale, latent):
     return out
 
 
+# (impl, sm_scale, latent, kwargs) -> its jitted attention: a case's reference runs in two tests on batches of the
+# same shapes, and the second reuses the executable instead of tracing and compiling it again (CI time).
+_JITTED: dict = {}
+
+
 def attend(batch, impl, sm_scale, latent, **kwargs):
-    fn = jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
-        q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl=impl, v_head_dim=latent, interpret=impl == "triton",
-        **kwargs))
+    def jitted():
+        return jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+            q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl=impl, v_head_dim=latent, interpret=impl == "triton",
+            **kwargs))
+
+    key = (impl, sm_scale, latent, tuple(sorted(kwargs.items())))
+    try:
+        fn = _JITTED.get(key) or _JITTED.setdefault(key, jitted())
+    except TypeError:  # an array among kwargs (unhashable): a function of its own
+        fn = jitted()
     return fn(*(batch[name] for name in ("q", "k_pages", "v_pages", "kv_lens", "block_tables", "cu_q_lens")))
 
 

@@ -128,15 +128,11 @@ def our_outputs(smollm2_dir, prompt_ids):
     return greedy_generate(model, config, prompt_ids, MAX_NEW_TOKENS, set(config.eos_token_ids))
 
 
-def test_greedy_matches_transformers_token_for_token(hf_smollm2_model, smollm2_tokenizer, prompt_ids, our_outputs):
+def test_greedy_matches_transformers_token_for_token(hf_greedy, smollm2_tokenizer, prompt_ids, our_outputs):
     assert len(prompt_ids) >= 8
-    for prompt, ours in zip(prompt_ids, our_outputs):
-        with torch.no_grad():
-            output = hf_smollm2_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=smollm2_tokenizer.eos_token_id,
-            )
-        reference = output[0, len(prompt):].tolist()
+    # transformers' greedy continuations (stopping after EOS id 2, the checkpoint's EOS), generated batched.
+    for prompt, ours, reference in zip(prompt_ids, our_outputs, hf_greedy.many(prompt_ids, MAX_NEW_TOKENS),
+                                       strict=True):
         assert ours == reference, (
             f"prompt {smollm2_tokenizer.decode(prompt)!r}:\nours: {smollm2_tokenizer.decode(ours)!r}\n"
             f"hf:   {smollm2_tokenizer.decode(reference)!r}"
