@@ -135,16 +135,18 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
     hidden, inter, num_experts, top_k = 2048, 768, 128, 8
     config = ModelConfig.from_hf_config(tiny_config("qwen3_moe", hidden_size=hidden, moe_intermediate_size=inter,
                                                     num_experts=num_experts, num_experts_per_tok=top_k))
-    block = SparseMoeBlock(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), init_std=0.02)
+    # Abstract weights: the lowering needs their shapes only.
+    block = nnx.eval_shape(lambda: SparseMoeBlock(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                                  rngs=nnx.Rngs(0), init_std=0.02))
     graph, state = nnx.split(block)
 
     def lowered(num_tokens, experts=None):
-        def run(state, x):
+        def run(state, x, experts):
             layer = nnx.merge(graph, state)
             if experts is not None:
                 layer.experts.projections = lambda: experts
             return layer(x)
-        return jax.jit(run).trace(state, jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)).lower(
+        return jax.jit(run).trace(state, jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16), experts).lower(
             lowering_platforms=("cuda",)).as_text()
 
     default = lowered(1)
@@ -157,7 +159,7 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
     assert 8 * 2 <= PAIR_FORM_MAX_PAIRS < 16 * top_k
     sixteen = lowered(16)
     assert "moe_grouped_matmul" in sixteen and "moe_pair" not in sixteen and "moe_route_top8" in sixteen
-    fp8 = [BlockFp8Experts(jnp.zeros((num_experts, k, n), jnp.float8_e4m3fn),
-                           jnp.ones((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
+    fp8 = [BlockFp8Experts(jax.ShapeDtypeStruct((num_experts, k, n), jnp.float8_e4m3fn),
+                           jax.ShapeDtypeStruct((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
            for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
     assert "moe_grouped_matmul" in lowered(1, fp8)
