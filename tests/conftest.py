@@ -14,9 +14,10 @@ os.environ.setdefault("PAGED_JAX_BACKGROUND_COMPILATION", "0")
 
 import pytest  # noqa: E402
 
-# The files whose tests take longest on CI's two cores, longest first: `--dist loadfile` hands whole files to the
-# workers in collection order, so one of these collected last (alphabetically, the speculative-decoding files) would
-# run alone at the end while the other worker idles.
+# The files whose tests take longest on CI's two cores, longest first. `--dist loadfile` hands whole files to the
+# workers, most tests first (pytest-xdist's loadscope reorder), in collection order among files of equal counts: one
+# of these collected last (alphabetically, the speculative-decoding files) could run alone at the end while the
+# other worker idles.
 LONGEST_FILES = ("test_engine.py", "test_spec_decode_models.py", "test_spec_decode.py", "test_moe.py",
                  "test_benchmarks.py", "test_quantization.py", "test_quantized_kernels.py",
                  "test_structured_outputs.py", "test_routed_experts.py", "test_docs_examples.py")
