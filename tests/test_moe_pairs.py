@@ -34,13 +34,13 @@ def _experts(rng, num_experts, hidden, inter, dtype):
             ((num_experts, hidden, inter), (num_experts, hidden, inter), (num_experts, inter, hidden))]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden, inter, block_n, block_k", [
-    (2, 3, 5, 96, 40, 32, 32),  # I not a multiple of the column block; pairs sharing experts
-    (1, 4, 4, 64, 64, 16, 16),  # K split over several programs, whole steps
-    (2, 8, 9, 70, 33, 16, 32),  # H and I not multiples of the K step: the last split partial
-    (1, 1, 3, 16, 16, 128, 64),  # one pair, blocks wider than the matrices
-    (0, 2, 3, 16, 16, 16, 16),  # no tokens
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, hidden, inter, block_n, block_k, dtype", [
+    (2, 3, 5, 96, 40, 32, 32, jnp.float32),  # I not a multiple of the column block; pairs sharing experts
+    (2, 3, 5, 96, 40, 32, 32, jnp.bfloat16),
+    (1, 4, 4, 64, 64, 16, 16, jnp.bfloat16),  # K split over several programs, whole steps
+    (2, 8, 9, 70, 33, 16, 32, jnp.float32),  # H and I not multiples of the K step: the last split partial
+    (1, 1, 3, 16, 16, 128, 64, jnp.float32),  # one pair, blocks wider than the matrices
+    (0, 2, 3, 16, 16, 16, 16, jnp.bfloat16),  # no tokens
 ])
 def test_pair_kernels_match_reference(dtype, num_tokens, top_k, num_experts, hidden, inter, block_n, block_k,
                                       request):
