@@ -216,26 +216,6 @@ def check_expert_shapes(hidden: int, w_gate, w_up, w_down) -> None:
                          f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
 
 
-def pair_matmul_reference(lhs: jax.Array, rhs, pair_expert: jax.Array, *, row_index: jax.Array | None = None,
-                          up_rhs=None, reduce: bool = False) -> jax.Array:
-    """Each (token, expert) pair's row times its expert, unsorted: the oracle of the pair kernels.
-
-    Args:
-      lhs: ``dtype[R, K]``; pair ``p``'s row is ``lhs[row_index[p]]`` (``int32[P]``), or ``lhs[p]`` without it.
-      rhs: ``[E, K, N]`` (or ``BlockFp8Experts`` / ``Mxfp4Experts``); pair_expert: ``int32[P]`` in ``[0, E)``.
-      up_rhs: None or as ``rhs`` (then ``silu(row @ rhs) * (row @ up_rhs)`` in float32, rounded once).
-      reduce: each product as a broadcast multiply and a float32 sum (which XLA can fuse with the gather of the
-        experts, reading the weights in place) instead of a batched dot.
-    Returns:
-      ``dtype[P, N]``, accumulated in float32.
-    """
-    rows = lhs if row_index is None else lhs[row_index]
-    if up_rhs is None:
-        return _pair_product(rows, rhs, pair_expert, reduce).astype(lhs.dtype)
-    gate, up = (_pair_product(rows, w, pair_expert, reduce) for w in (rhs, up_rhs))
-    return (jax.nn.silu(gate) * up).astype(lhs.dtype)
-
-
 def _pair_product(rows: jax.Array, w, pair_expert: jax.Array, reduce: bool) -> jax.Array:
     """float32 ``[P, N]``: row ``p`` of ``rows [P, K]`` times expert ``pair_expert[p]`` of ``w`` (``[E, K, N]``,
     gathered and dequantized to the rows' dtype)."""
@@ -252,13 +232,15 @@ def pair_experts_reference(x: jax.Array, w_gate, w_up, w_down, topk_ids: jax.Arr
     Args:
       x: ``dtype[T, H]``; w_gate, w_up: ``[E, H, I]``; w_down: ``[E, I, H]`` (or ``BlockFp8Experts`` /
         ``Mxfp4Experts``); topk_ids: ``int32[T, k]``: pair ``p`` is token ``p // k``'s slot ``p % k``.
-      reduce: ``pair_matmul_reference``'s.
+      reduce: each product as a broadcast multiply and a float32 sum (which XLA can fuse with the gather of the
+        experts, reading the weights in place) instead of a batched dot.
     Returns:
       float32 ``[T * k, H]``: each pair's ``down(silu(gate(x)) * up(x))`` (the activation rounded to ``dtype``).
     """
     ids = topk_ids.reshape(-1)
-    tokens = jnp.arange(ids.shape[0], dtype=jnp.int32) // topk_ids.shape[1]
-    act = pair_matmul_reference(x, w_gate, ids, row_index=tokens, up_rhs=w_up, reduce=reduce)  # [T * k, I]
+    rows = jnp.repeat(x, topk_ids.shape[1], axis=0)  # pair t * k + j is token t
+    gate, up = (_pair_product(rows, w, ids, reduce) for w in (w_gate, w_up))
+    act = (jax.nn.silu(gate) * up).astype(x.dtype)  # [T * k, I]
     return _pair_product(act, w_down, ids, reduce)
 
 

@@ -158,14 +158,15 @@ def num_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
     return (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m
 
 
-def split_steps(k: int, block_k: int, split_k: int | None, base_programs: int) -> tuple[int, int]:
+def split_steps(k: int, block_k: int, split_k: int | None, base_programs: int,
+                target_programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
     """``(splits, steps)``: K's ``cdiv(k, block_k)`` steps cut into ``splits`` programs of ``steps`` each (the last
     maybe partial, none empty); ``split_k`` None picks the largest power of two keeping ``base_programs * splits``
-    within ``TARGET_PROGRAMS``."""
+    within ``target_programs``."""
     total = -(-k // block_k)
     if split_k is None:
         split_k = 1
-        while base_programs * split_k * 2 <= TARGET_PROGRAMS and split_k * 2 <= total:
+        while base_programs * split_k * 2 <= target_programs and split_k * 2 <= total:
             split_k *= 2
     steps = -(-total // max(1, min(split_k, total)))
     return -(-total // steps), steps

@@ -49,11 +49,7 @@ def pair_launch(num_pairs: int, k: int, n: int, block_n: int = PAIR_BLOCK_N,
     column block at most N's power of two, K split so the grid holds about ``PAIR_TARGET_PROGRAMS`` programs."""
     block_n = min(block_n, next_pow2(n))
     column_blocks = -(-n // block_n)
-    total = -(-k // block_k)
-    split_k = 1
-    while num_pairs * column_blocks * split_k * 2 <= PAIR_TARGET_PROGRAMS and split_k * 2 <= total:
-        split_k *= 2
-    splits, steps = split_steps(k, block_k, split_k, 1)
+    splits, steps = split_steps(k, block_k, None, num_pairs * column_blocks, PAIR_TARGET_PROGRAMS)
     return block_n, column_blocks, splits, steps
 
 
