@@ -7,6 +7,7 @@ block tables, large garbage in the pool slots no sequence owns, padded sequence 
 padding tokens after ``cu_q_lens[S]`` (whose outputs must be exactly zero).
 """
 
+import functools
 import zlib
 
 import jax
@@ -63,22 +64,21 @@ def numpy_oracle(batch, sm_scale, latent):
     return out
 
 
-# (impl, sm_scale, latent, kwargs) -> its jitted attention: a case's reference runs in two tests on batches of the
-# same shapes, and the second reuses the executable instead of tracing and compiling it again (CI time).
-_JITTED: dict = {}
+@functools.cache
+def _jitted(impl, sm_scale, latent, options: tuple):
+    """One jitted attention per static configuration: a case's reference runs in two tests on batches of the same
+    shapes, and the second reuses the executable instead of tracing and compiling it again (CI time)."""
+    return jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
+        q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl=impl, v_head_dim=latent, interpret=impl == "triton",
+        **dict(options)))
 
 
 def attend(batch, impl, sm_scale, latent, **kwargs):
-    def jitted():
-        return jax.jit(lambda q, kp, vp, kl, bt, cu: ragged_paged_attention(
-            q, kp, vp, kl, bt, cu, sm_scale=sm_scale, impl=impl, v_head_dim=latent, interpret=impl == "triton",
-            **kwargs))
-
-    key = (impl, sm_scale, latent, tuple(sorted(kwargs.items())))
+    options = tuple(sorted(kwargs.items()))
     try:
-        fn = _JITTED.get(key) or _JITTED.setdefault(key, jitted())
+        fn = _jitted(impl, sm_scale, latent, options)
     except TypeError:  # an array among kwargs (unhashable): a function of its own
-        fn = jitted()
+        fn = _jitted.__wrapped__(impl, sm_scale, latent, options)
     return fn(*(batch[name] for name in ("q", "k_pages", "v_pages", "kv_lens", "block_tables", "cu_q_lens")))
 
 
