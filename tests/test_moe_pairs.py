@@ -163,3 +163,13 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
                            jax.ShapeDtypeStruct((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
            for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
     assert "moe_grouped_matmul" in lowered(1, fp8)
+
+
+def test_decode_kernels_env_is_read_or_refused(monkeypatch):
+    monkeypatch.delenv(fused_moe.DECODE_KERNELS_ENV, raising=False)
+    assert not fused_moe.decode_kernels_requested()
+    monkeypatch.setenv(fused_moe.DECODE_KERNELS_ENV, "1")
+    assert fused_moe.decode_kernels_requested()
+    monkeypatch.setenv(fused_moe.DECODE_KERNELS_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGED_JAX_MOE_DECODE_KERNELS must be 0 or 1"):
+        fused_moe.decode_kernels_requested()

@@ -103,12 +103,21 @@ def register_decode_kernels() -> None:
     register_route_top_k("pallas", route_top_k_pallas)
 
 
+def decode_kernels_requested() -> bool:
+    """Whether ``DECODE_KERNELS_ENV`` asks for the decode kernels ("1"; unset or "0": no); ValueError naming the
+    variable for any other value."""
+    value = os.environ.get(DECODE_KERNELS_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{DECODE_KERNELS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 register_grouped_matmul("pallas", grouped_matmul_pallas_differentiable)
 register_moe_selector(auto_impl)
-if os.environ.get(DECODE_KERNELS_ENV, "0").strip() == "1":
+if decode_kernels_requested():
     register_decode_kernels()
 
 __all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable",
            "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "pair_experts_pallas",
-           "pair_experts_pallas_differentiable", "register_decode_kernels", "route_top_k_pallas",
+           "pair_experts_pallas_differentiable", "decode_kernels_requested", "register_decode_kernels", "route_top_k_pallas",
            "tile_schedule"]
