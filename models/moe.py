@@ -78,6 +78,14 @@ def register_route_top_k(name: str, fn: Callable) -> None:
     _ROUTERS[name] = fn
 
 
+def decode_forms() -> list[tuple[str, str, str]]:
+    """``(implementation, "pair_experts" | "route_top_k", function)`` for each form registered besides the grouped
+    matmul: what a traced step runs beyond its source (``paged_jax.worker.executable_cache`` keys executables by it)."""
+    return sorted((name, kind, f"{fn.__module__}.{fn.__qualname__}")
+                  for kind, table in (("pair_experts", _PAIR_EXPERTS), ("route_top_k", _ROUTERS))
+                  for name, fn in table.items())
+
+
 def register_moe_selector(fn: Callable[..., str]) -> None:
     """``fn(num_rows, hidden, dtype, scale_block) -> name`` decides ``impl="auto"`` from static shapes
     (``scale_block``: the block-FP8 experts' scale block, or None)."""

@@ -3,6 +3,7 @@ of tests/test_model_runner.py: concurrent compiles (each executable once, in low
 and a second runner loading what the first compiled."""
 
 import collections
+import os
 import types
 import unittest.mock
 
@@ -10,6 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+from models import moe
+from models.moe import route_top_k
 from paged_jax.core.hand_steps import HandScheduler
 from paged_jax.worker import warm_up as warm_up_lib
 from paged_jax.worker.model_runner import ModelRunner
@@ -188,6 +191,11 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
         plugin = types.SimpleNamespace(metadata={"Name": "jax_cuda13_plugin"}, version="0.0.1")
         with unittest.mock.patch.object(metadata, "distributions", lambda: [plugin]):
             assert executable_cache._versions()["jax-cuda13-plugin"] == "0.0.1"
+            assert runner_fingerprint(second) != cache_dir.name
+        # The MoE decode kernels' switch, or their registration, changes the traced step: another fingerprint.
+        with unittest.mock.patch.dict(os.environ, {"PAGED_JAX_MOE_DECODE_KERNELS": "1"}):
+            assert runner_fingerprint(second) != cache_dir.name
+        with unittest.mock.patch.dict(moe._ROUTERS, {"pallas": route_top_k}):
             assert runner_fingerprint(second) != cache_dir.name
     finally:
         compilation_cache.reset_cache()

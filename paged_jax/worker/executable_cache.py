@@ -12,10 +12,11 @@ program depends on, and a later start deserializes it without tracing at all:
   same C++ dispatch path, donation and shardings as ``jax.jit``), any other call goes to the jitted function, whose
   compiles ``num_compiles`` still counts, so a compile after warm-up shows in ``num_compiles_since_warmup``.
 * ``ExecutableCache``: one file per executable under ``<jax_compilation_cache_dir>/paged_jax_executables/<runner
-  fingerprint>/``. The fingerprint (``runner_fingerprint``) covers the source of ``paged_jax`` and ``models``
-  (every file), the versions of jax / jaxlib / flax / numpy / ml_dtypes and of the GPU plugin packages, the
-  devices (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` /
-  ``TPU_*`` environment variables, the model's modules and their static attributes, the parameter tree, and the runner's configuration; each file's name
+  fingerprint>/``. The fingerprint (``runner_fingerprint``) covers the source of ``paged_jax`` and ``models`` (every
+  file), the versions of jax / jaxlib / flax / numpy / ml_dtypes and of the GPU plugin packages, the devices
+  (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` / ``TPU_*`` /
+  ``PAGED_JAX_*`` environment variables, the MoE decode forms registered (``models.moe.decode_forms``), the model's
+  modules and their static attributes, the parameter tree, and the runner's configuration; each file's name
   adds the function, its static arguments and its abstract inputs (shapes, dtypes, shardings). A loaded executable
   whose input shapes, dtypes or shardings differ from those asked for, or an unreadable file, is ignored (compiled
   instead). Only fresh compiles are saved: an executable JAX itself loaded from its persistent cache is not (the
@@ -48,12 +49,14 @@ import jax
 import msgspec
 import numpy as np
 
+from models import moe
+
 logger = logging.getLogger(__name__)
 
 CACHE_SUBDIR = "paged_jax_executables"
 # Fingerprint directories kept (newest used first); each holds one engine configuration's executables.
 MAX_FINGERPRINTS = 8
-_ENV_PREFIXES = ("XLA_", "JAX_", "LIBTPU", "TPU_")
+_ENV_PREFIXES = ("XLA_", "JAX_", "LIBTPU", "TPU_", "PAGED_JAX_")
 # JAX options that only say where / whether JAX caches compiles: they do not change a compiled program.
 _IGNORED_JAX_OPTIONS = re.compile(r"compilation_cache|persistent_cache|log_compiles|explain_cache_misses")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -387,6 +390,7 @@ def runner_fingerprint(runner) -> str:
                              if not _IGNORED_JAX_OPTIONS.search(k)),
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)),
         "model": _model_description(runner),
+        "moe_forms": moe.decode_forms(),
         "runner": (type(runner).__qualname__, describe_attributes(runner)),
         "forward": (type(runner.forward_strategy).__qualname__, describe_attributes(runner.forward_strategy)),
         "lora": runner.lora_slots and describe_attributes(runner.lora_slots),
