@@ -109,6 +109,49 @@ def test_model_call_equals_one_device(checkpoints, arch, tp):
         np.testing.assert_allclose(_forward_logits(sharded, config, seqs), reference, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch, dp, tp", [("qwen3_moe", 2, 2), ("mixtral", 2, 4)])
+def test_expert_parallel_spans_dp_by_tp(checkpoints, arch, dp, tp):
+    """On a (dp, tp) mesh (data-parallel attention: each dp group its own sequences) EP spans dp x tp, as vLLM's EP
+    size = TP x DP: each device holds num_experts / (dp * tp) whole experts, a sparse layer all-gathers its tokens
+    over dp and reduce-scatters the float32 sums back, and each group's logits equal one device's. Without EP the
+    experts split by width over tp and each dp group runs its own tokens."""
+    from benchmarks.sharding import count_collectives
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+    from tests.test_sharding import _forward_fn
+
+    checkpoint = checkpoints[arch]
+    model, config = load_model(checkpoint, dtype="float32")
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(3, config.vocab_size, size=n).astype(np.int32) for n in SEQ_LENS]
+    reference = _forward_logits(model, config, seqs)
+    # dp group 0: the first two sequences and 4 padding tokens (segment -1); group 1: the third; positions and
+    # segment ids are each group's own.
+    tokens = np.concatenate([*seqs[:2], np.zeros(4, np.int32), seqs[2]])
+    positions = np.concatenate([np.arange(7), [0], np.zeros(4), np.arange(12)]).astype(np.int32)
+    segments = np.array([0] * 7 + [1] + [-1] * 4 + [0] * 12, np.int32)
+    real = np.r_[0:8, 12:24]  # the rows of the 20 real tokens, in the reference's order
+    for expert_parallel in (True, False):
+        plan = ShardingPlan.create(config, make_mesh(tp, dp), expert_parallel=expert_parallel)
+        sharded = load_sharded_model(checkpoint, plan, dtype="float32")
+        block = next(mlp for mlp in (getattr(layer, "feed_forward", None) or layer.mlp
+                                     for layer in sharded.model.layers) if hasattr(mlp, "experts"))
+        down = block.experts.down_proj.get_value()
+        split = block.expert_parallel
+        if expert_parallel:
+            assert down.sharding.spec == P(("dp", "tp"), None, None)
+            assert down.sharding.shard_shape(down.shape)[0] == config.moe.num_experts // (dp * tp)
+            assert split.axes == ("dp", "tp") and split.token_axis == "dp" and split.size == dp * tp
+            hlo = _forward_fn(plan).lower(sharded, tokens, positions, segments).compile().as_text()
+            counts = count_collectives(hlo)  # the dispatch and the combine
+            assert counts["all-gather"] >= 1 and counts["reduce-scatter"] >= 1, counts
+        else:
+            assert down.sharding.shard_shape(down.shape)[0] == config.moe.num_experts
+            assert split is None or (not split.whole_experts and split.token_axis == "dp")
+        logits = np.asarray(_forward_fn(plan)(sharded, tokens, positions, segments))
+        np.testing.assert_allclose(logits[real], reference, atol=2e-5, rtol=0)
+
+
 _ONE_DEVICE: dict = {}  # the one-device tokens of each checkpoint, computed once
 
 

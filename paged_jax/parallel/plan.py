@@ -11,8 +11,9 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * Norm scales and the o_proj bias are replicated.
 * Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
   (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
-  With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E) and the sparse layers
-  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too); so do Llama
+  With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E; ``E / (dp x tp)`` where
+  dp > 1, the tokens then gathered over dp and the sums reduce-scattered back) and the sparse layers run them under
+  ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too); so do Llama
   4's width-split experts, whose fused gate/up columns ``rewrite_param`` lays out per device. Shared experts split as
   a dense MLP.
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
@@ -22,7 +23,8 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * Heads that do not divide tp are rewritten into an equivalent layout (``head_layout.HeadLayout``); the rewritten
   shape is ``ShardingPlan.model_config``: build the model and the KV pool from it.
 
-Data parallelism (mesh axis ``"dp"``): weights are replicated over dp; the flat token batch, the attention metadata and
+Data parallelism (mesh axis ``"dp"``): weights are replicated over dp (but whole experts under ``expert_parallel``,
+split over dp x tp); the flat token batch, the attention metadata and
 the KV pool's block axis are split over dp, so each dp group owns ``num_blocks / dp`` blocks addressed by *local*
 block ids (local block 0 is that group's null block) and its own sequences. This is a model-level layout (used by
 ``benchmarks/sharding.py``); the engine runs dp = 1.
@@ -45,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.config import ModelConfig
 from models.llama import AttentionFn
 from models.moe import EXPERT_SCALES
-from paged_jax.parallel.expert_parallel import ExpertParallel, check_expert_parallel
+from paged_jax.parallel.expert_parallel import ExpertParallel, check_expert_parallel, expert_axes
 from paged_jax.parallel.head_layout import HeadLayout
 from paged_jax.parallel.mesh import DP_AXIS, TP_AXIS
 
@@ -143,7 +145,7 @@ class ShardingPlan:
         if tuple(mesh.axis_names) != (DP_AXIS, TP_AXIS):
             raise ValueError(f"mesh axes must be {(DP_AXIS, TP_AXIS)} (use make_mesh), got {mesh.axis_names}")
         tp = mesh.shape[TP_AXIS]
-        _check_shardable(config, tp, expert_parallel)
+        _check_shardable(config, tp, expert_parallel, mesh.shape[DP_AXIS])
         if config.mla is not None:  # one latent KV head, replicated: the q heads split as they are
             layout = HeadLayout(tp, config.num_attention_heads, 1, 1, config.num_attention_heads)
         elif kv_layout == "sharded":
@@ -175,13 +177,14 @@ class ShardingPlan:
     @property
     def moe_experts(self) -> ExpertParallel | None:
         """What the sparse layers run their experts through (``SparseMoeBlock.expert_parallel``): an
-        ``ExpertParallel`` over tp with ``expert_parallel``; for Llama 4's and gpt-oss's fused gate/up experts one
+        ``ExpertParallel`` over tp (dp x tp where dp > 1: ``expert_axes``) with ``expert_parallel``; for Llama 4's and gpt-oss's fused gate/up experts one
         over their width (``ExpertParallel.whole_experts`` False); else None (XLA partitions the width-split
         experts)."""
+        token_axis = DP_AXIS if self.data_parallel_size > 1 else None
         if self.expert_parallel:
-            return ExpertParallel(self.mesh)
+            return ExpertParallel(self.mesh, expert_axes(self.data_parallel_size), token_axis=token_axis)
         if (_fused_gate_up(self.config) or _gpt_oss_experts(self.config)) and self.tensor_parallel_size > 1:
-            return ExpertParallel(self.mesh, whole_experts=False)
+            return ExpertParallel(self.mesh, whole_experts=False, token_axis=token_axis)
         return None
 
     # -- parameters --------------------------------------------------------------------------------------------------
@@ -200,10 +203,12 @@ class ShardingPlan:
                 split_dim = None
         elif kind in _ATTENTION_KINDS:
             split_dim = _ATTENTION_KINDS[kind] if self.kv_layout == "sharded" else None
+        elif self.expert_parallel and (kind.startswith("experts.") and kind in _MLP_KINDS
+                                       or kind in _EXPERT_SCALE_KINDS):  # whole experts (block-FP8 scales too)
+            experts = self.moe_experts
+            return P(experts.axis, *[None] * (len(shape) - 1)) if shape[0] % experts.size == 0 else P()
         elif kind in _MLP_KINDS:
-            split_dim = 0 if self.expert_parallel and kind.startswith("experts.") else _MLP_KINDS[kind]
-        elif kind in _EXPERT_SCALE_KINDS and self.expert_parallel:  # block-FP8 experts' scales: whole experts
-            split_dim = 0
+            split_dim = _MLP_KINDS[kind]
         elif kind in _OTHER_KINDS:
             split_dim = _OTHER_KINDS[kind]
         else:
@@ -443,8 +448,9 @@ def _gpt_oss_experts(config: ModelConfig) -> bool:
     return config.moe is not None and config.moe.swiglu_limit is not None
 
 
-def _check_shardable(config: ModelConfig, tp: int, expert_parallel: bool) -> None:
-    """ValueError, naming the field, for a model ``ShardingPlan`` cannot lay out over ``tp`` devices."""
+def _check_shardable(config: ModelConfig, tp: int, expert_parallel: bool, dp: int = 1) -> None:
+    """ValueError, naming the field, for a model ``ShardingPlan`` cannot lay out over ``tp`` devices (its experts
+    over dp x tp with ``expert_parallel``)."""
     if _gpt_oss_experts(config) and not expert_parallel:
         width = config.moe.moe_intermediate_size
         # MXFP4 experts split their down projection by whole 32-input scale blocks.
@@ -461,7 +467,7 @@ def _check_shardable(config: ModelConfig, tp: int, expert_parallel: bool) -> Non
                          "(tensor parallelism without expert parallelism, and pipeline parallelism, are "
                          "unsupported for it)")
     if expert_parallel:
-        check_expert_parallel(config, tp)
+        check_expert_parallel(config, dp * tp, dp)
     if config.mla is not None and config.num_attention_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads ({config.num_attention_heads}) "
                          f"of {config.architecture}: latent attention splits whole q heads (no head padding)")
