@@ -443,6 +443,11 @@ def test_expert_parallel_benchmark_compares_both_layouts(tmp_path):
         assert r["tp_us"] > 0 and r["ep_us"] > 0 and r["reference_max_abs"] > 0
         assert r["ep_max_abs_diff"] <= 0.02 * r["reference_max_abs"]
         assert 0.25 <= r["max_device_share"] <= 1.0
+    # dp 2 x tp 2: the tokens split over dp (an odd count is skipped), EP over all four devices.
+    results = main(["--dp", "2", "--tp", "2", "--tokens", "1,8", "--hidden", "32", "--inter", "16", "--experts", "8",
+                    "--top-k", "2", "--repeats", "1"])
+    assert [(r["tokens"], r["dp"], r["tp"]) for r in results] == [(8, 2, 2)]
+    assert results[0]["ep_max_abs_diff"] <= 0.02 * results[0]["reference_max_abs"]
 
 
 def test_moe_kernel_benchmark_mxfp4_experts(tmp_path):
