@@ -72,8 +72,9 @@ def register_pair_experts(name: str, fn: Callable) -> None:
 
 
 def register_route_top_k(name: str, fn: Callable) -> None:
-    """Make ``fn`` (``route_top_k``'s contract) the router softmax and top-k of implementation ``name``
-    (``SparseMoeBlock.route``; "xla": ``route_top_k``)."""
+    """Make ``fn`` (``route_top_k``'s contract) the router softmax and top-k of implementation ``name`` for steps of
+    up to ``PAIR_FORM_MAX_PAIRS`` (token, expert) pairs (``SparseMoeBlock.route``; otherwise, and for "xla":
+    ``route_top_k``)."""
     check_moe_impl(name)
     _ROUTERS[name] = fn
 
@@ -350,9 +351,11 @@ class SparseMoeBlock(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [T, H]`` -> ``(weights float32[T, k], ids int32[T, k])``: ``route_top_k`` of the router logits, as the
-        implementation ``impl`` resolves to for the step's pairs runs it (``register_route_top_k``)."""
-        name = resolve_moe_impl(self.impl, x.shape[0] * self.num_experts_per_tok, x.shape[1], x.dtype)
-        router = _ROUTERS.get(name, route_top_k)
+        implementation ``impl`` resolves to for the step's pairs runs it on a decode-sized step
+        (``register_route_top_k``)."""
+        num_pairs = x.shape[0] * self.num_experts_per_tok
+        name = resolve_moe_impl(self.impl, num_pairs, x.shape[1], x.dtype)
+        router = _ROUTERS.get(name, route_top_k) if num_pairs <= PAIR_FORM_MAX_PAIRS else route_top_k
         return router(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
 
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:

@@ -124,11 +124,11 @@ def test_route_kernel_matches_reference(num_tokens, num_experts, top_k, norm, dt
 
 
 def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
-    """A Qwen3-MoE sparse block ("auto" on a GPU) lowers for CUDA on the CPU. By default its one-token step sorts
-    and runs the grouped kernels; with the decode kernels registered (``PAGED_JAX_MOE_DECODE_KERNELS=1``) its router
-    runs as the route kernel and its experts as the two pair kernels (named by their launches), with no sort; at 16
-    tokens the sorted grouped kernels; block-FP8 experts keep the grouped form. Nothing runs, only the module is
-    read."""
+    """A Qwen3-MoE sparse block ("auto" on a GPU) lowers for CUDA on the CPU. Without the decode kernels
+    (``PAGED_JAX_MOE_DECODE_KERNELS=0``: none registered) its one-token step sorts and runs the grouped kernels; with
+    them (the default) its router runs as the route kernel and its experts as the two pair kernels (named by their
+    launches), with no sort; at 16 tokens the sorted grouped kernels and XLA's top-k; block-FP8 experts keep the
+    grouped form. Nothing runs, only the module is read."""
     monkeypatch.setattr(fused_moe.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(moe, "_PAIR_EXPERTS", {})
     monkeypatch.setattr(moe, "_ROUTERS", {})
@@ -158,7 +158,7 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
         assert f'name = "{name}"' in one
     assert 8 * 2 <= PAIR_FORM_MAX_PAIRS < 16 * top_k
     sixteen = lowered(16)
-    assert "moe_grouped_matmul" in sixteen and "moe_pair" not in sixteen and "moe_route_top8" in sixteen
+    assert "moe_grouped_matmul" in sixteen and "moe_pair" not in sixteen and "moe_route_top8" not in sixteen
     fp8 = [BlockFp8Experts(jax.ShapeDtypeStruct((num_experts, k, n), jnp.float8_e4m3fn),
                            jax.ShapeDtypeStruct((num_experts, n // 128, k // 128), jnp.float32), (128, 128))
            for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))]
@@ -167,9 +167,9 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
 
 def test_decode_kernels_env_is_read_or_refused(monkeypatch):
     monkeypatch.delenv(fused_moe.DECODE_KERNELS_ENV, raising=False)
+    assert fused_moe.decode_kernels_requested()  # on by default
+    monkeypatch.setenv(fused_moe.DECODE_KERNELS_ENV, "0")
     assert not fused_moe.decode_kernels_requested()
-    monkeypatch.setenv(fused_moe.DECODE_KERNELS_ENV, "1")
-    assert fused_moe.decode_kernels_requested()
     monkeypatch.setenv(fused_moe.DECODE_KERNELS_ENV, "yes")
     with pytest.raises(ValueError, match="PAGED_JAX_MOE_DECODE_KERNELS must be 0 or 1"):
         fused_moe.decode_kernels_requested()

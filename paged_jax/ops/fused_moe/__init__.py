@@ -9,10 +9,11 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
   the whole op on it;
 * ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
   as ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4
-  (``Mxfp4Experts``) experts; with ``PAGED_JAX_MOE_DECODE_KERNELS=1`` (``register_decode_kernels``), up to
-  ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs of float experts ``pair_experts_pallas``
-  (``pair_kernel.py``) instead, each pair multiplied by its expert unsorted (``models.moe.moe_experts_pairs``),
-  and the router's softmax and top-k as one kernel (``route_kernel.py``);
+  (``Mxfp4Experts``) experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs (a decode step of one
+  or two tokens) the decode kernels instead (``register_decode_kernels``; ``PAGED_JAX_MOE_DECODE_KERNELS=0`` turns
+  them off): for float experts ``pair_experts_pallas`` (``pair_kernel.py``), each pair multiplied by its expert
+  unsorted (``models.moe.moe_experts_pairs``), and for every expert format the router's softmax and top-k as one
+  kernel (``route_kernel.py``);
 * ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
@@ -91,22 +92,23 @@ def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | 
     return "xla"
 
 
-# Opt-in (read at import): "1" makes the pair form and the route kernel moe_impl="pallas"'s
-# (``register_decode_kernels``); otherwise its steps run the sorted grouped kernels and XLA's softmax and top-k.
+# On by default (read at import): "0" leaves moe_impl="pallas"'s decode-sized steps on the sorted grouped kernels and
+# XLA's softmax and top-k (``register_decode_kernels`` is then not called).
 DECODE_KERNELS_ENV = "PAGED_JAX_MOE_DECODE_KERNELS"
 
 
 def register_decode_kernels() -> None:
-    """Make ``moe_impl="pallas"`` run decode-sized steps (up to ``models.moe.PAIR_FORM_MAX_PAIRS`` pairs of float
-    experts) as the pair form and every step's router as the route kernel: what ``DECODE_KERNELS_ENV=1`` does."""
+    """Make ``moe_impl="pallas"`` run decode-sized steps (up to ``models.moe.PAIR_FORM_MAX_PAIRS`` pairs) as the pair
+    form (float experts) and their router as the route kernel: what importing this package does unless
+    ``DECODE_KERNELS_ENV=0``."""
     register_pair_experts("pallas", pair_experts_pallas_differentiable)
     register_route_top_k("pallas", route_top_k_pallas)
 
 
 def decode_kernels_requested() -> bool:
-    """Whether ``DECODE_KERNELS_ENV`` asks for the decode kernels ("1"; unset or "0": no); ValueError naming the
-    variable for any other value."""
-    value = os.environ.get(DECODE_KERNELS_ENV, "0").strip()
+    """Whether ``DECODE_KERNELS_ENV`` asks for the decode kernels (unset or "1": yes; "0": no); ValueError naming
+    the variable for any other value."""
+    value = os.environ.get(DECODE_KERNELS_ENV, "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"{DECODE_KERNELS_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
