@@ -82,9 +82,16 @@ def register_route_top_k(name: str, fn: Callable) -> None:
 def decode_forms() -> list[tuple[str, str, str]]:
     """``(implementation, "pair_experts" | "route_top_k", function)`` for each form registered besides the grouped
     matmul: what a traced step runs beyond its source (``paged_jax.worker.executable_cache`` keys executables by it)."""
-    return sorted((name, kind, f"{fn.__module__}.{fn.__qualname__}")
+    return sorted((name, kind, _function_name(fn))
                   for kind, table in (("pair_experts", _PAIR_EXPERTS), ("route_top_k", _ROUTERS))
                   for name, fn in table.items())
+
+
+def _function_name(fn: Callable) -> str:
+    """``module.qualname`` of ``fn``; a ``functools.partial``: its function's, with its bound arguments."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_function_name(fn.func)}, {fn.args!r}, {sorted(fn.keywords.items())!r})"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def register_moe_selector(fn: Callable[..., str]) -> None:
@@ -351,11 +358,12 @@ class SparseMoeBlock(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [T, H]`` -> ``(weights float32[T, k], ids int32[T, k])``: ``route_top_k`` of the router logits, as the
-        implementation ``impl`` resolves to for the step's pairs runs it on a decode-sized step
-        (``register_route_top_k``)."""
+        implementation ``impl`` resolves to for the step's pairs runs it on a decode-sized step on one device
+        (``register_route_top_k``; experts over devices route with XLA's, which the mesh partitions)."""
         num_pairs = x.shape[0] * self.num_experts_per_tok
         name = resolve_moe_impl(self.impl, num_pairs, x.shape[1], x.dtype)
-        router = _ROUTERS.get(name, route_top_k) if num_pairs <= PAIR_FORM_MAX_PAIRS else route_top_k
+        decode_step = num_pairs <= PAIR_FORM_MAX_PAIRS and self.expert_parallel is None
+        router = _ROUTERS.get(name, route_top_k) if decode_step else route_top_k
         return router(self.gate(x), self.num_experts_per_tok, self.norm_topk_prob)
 
     def __call__(self, x: jax.Array, lora=None) -> jax.Array:

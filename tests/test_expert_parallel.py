@@ -5,6 +5,7 @@ layers) at tp = 4 through the model call and tp = 2 through the engine, EP on an
 with their q heads; float and MXFP4 experts split by width or whole) at tp = 2, 4 and 8, equal to one device (logits,
 greedy fp32 tokens); what is refused is named."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -134,8 +135,7 @@ def test_expert_parallel_spans_dp_by_tp(checkpoints, arch, dp, tp):
     for expert_parallel in (True, False):
         plan = ShardingPlan.create(config, make_mesh(tp, dp), expert_parallel=expert_parallel)
         sharded = load_sharded_model(checkpoint, plan, dtype="float32")
-        block = next(mlp for mlp in (getattr(layer, "feed_forward", None) or layer.mlp
-                                     for layer in sharded.model.layers) if hasattr(mlp, "experts"))
+        block = _sparse_block(sharded)
         down = block.experts.down_proj.get_value()
         split = block.expert_parallel
         if expert_parallel:
@@ -145,11 +145,48 @@ def test_expert_parallel_spans_dp_by_tp(checkpoints, arch, dp, tp):
             hlo = _forward_fn(plan).lower(sharded, tokens, positions, segments).compile().as_text()
             counts = count_collectives(hlo)  # the dispatch and the combine
             assert counts["all-gather"] >= 1 and counts["reduce-scatter"] >= 1, counts
-        else:
-            assert down.sharding.shard_shape(down.shape)[0] == config.moe.num_experts
-            assert split is None or (not split.whole_experts and split.token_axis == "dp")
+        else:  # XLA partitions these experts' width (Llama 4's and gpt-oss's: test_sparse_block_on_dp_by_tp_...)
+            assert down.sharding.shard_shape(down.shape)[0] == config.moe.num_experts and split is None
         logits = np.asarray(_forward_fn(plan)(sharded, tokens, positions, segments))
         np.testing.assert_allclose(logits[real], reference, atol=2e-5, rtol=0)
+
+
+def _sparse_block(model):
+    """The model's first sparse MoE block (Llama 4's ``feed_forward``, the others' ``mlp``)."""
+    return next(mlp for mlp in (getattr(layer, "feed_forward", None) or layer.mlp for layer in model.model.layers)
+                if hasattr(mlp, "experts"))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4", "qwen3_moe-fp8"])
+def test_sparse_block_on_dp_by_tp_equals_one_device(checkpoints, arch, tmp_path):
+    """One sparse block on a dp 2 x tp 2 mesh, its tokens split over dp, equal to one device's: gpt-oss (biases, the
+    clamped SwiGLU) and Llama 4 (each token's row per expert) with EP (whole experts over dp x tp) and without (their
+    width over tp, each dp group its own tokens), block-FP8 experts (EP only: their scales split whole too); with 8
+    tokens and with 7, which dp does not divide (taken whole on every device)."""
+    from jax.sharding import NamedSharding
+
+    from models.quantization.testing import save_block_fp8_checkpoint
+    from models.tensor_parallel import load_sharded_model
+    from paged_jax.parallel import ShardingPlan, make_mesh
+
+    checkpoint = checkpoints.get(arch)
+    if arch == "qwen3_moe-fp8":
+        checkpoint = save_block_fp8_checkpoint(checkpoints["qwen3_moe"], tmp_path / "fp8", tmp_path / "dequantized",
+                                               block=(16, 32))
+    model, config = load_model(checkpoint, dtype="float32")
+    run = nnx.jit(lambda block, x: block(x))
+    rng = np.random.default_rng(11)
+    inputs = [jnp.asarray(rng.standard_normal((n, config.hidden_size)), jnp.float32) for n in (8, 7)]
+    references = [np.asarray(run(_sparse_block(model), x)) for x in inputs]
+    for expert_parallel in (True, False) if arch != "qwen3_moe-fp8" else (True,):
+        plan = ShardingPlan.create(config, make_mesh(2, 2), expert_parallel=expert_parallel)
+        block = _sparse_block(load_sharded_model(checkpoint, plan, dtype="float32"))
+        assert block.expert_parallel.token_axis == "dp"
+        assert block.expert_parallel.whole_experts == expert_parallel
+        for x, reference in zip(inputs, references):
+            spec = P("dp") if x.shape[0] % 2 == 0 else P()
+            got = np.asarray(run(block, jax.device_put(x, NamedSharding(plan.mesh, spec))))
+            np.testing.assert_allclose(got, reference, atol=1e-5, rtol=0)
 
 
 _ONE_DEVICE: dict = {}  # the one-device tokens of each checkpoint, computed once

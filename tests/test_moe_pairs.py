@@ -19,7 +19,7 @@ from models.quantization.block_fp8 import BlockFp8Experts
 from models.testing import tiny_config
 from paged_jax.ops import fused_moe
 from paged_jax.ops.fused_moe import (moe_experts_reference, pair_experts_pallas, pair_experts_pallas_differentiable,
-                                     route_top_k_pallas)
+                                     route_top_k_pallas, route_top_k_pallas_differentiable)
 from paged_jax.ops.fused_moe.pair_kernel import pair_launch
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -121,6 +121,20 @@ def test_route_kernel_matches_reference(num_tokens, num_experts, top_k, norm, dt
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="top_k"):
         route_top_k_pallas(logits, num_experts + 1, norm, interpret=True)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_kernel_derivatives_are_the_references(norm):
+    """What ``moe_impl="pallas"`` registers (``route_top_k_pallas_differentiable``) differentiates as
+    ``route_top_k`` does: a model on the kernel stays differentiable."""
+    rng = np.random.default_rng(3)
+    logits = _random(rng, (2, 16), jnp.float32)
+    cotangent = _random(rng, (2, 4), jnp.float32)
+    kernel = functools.partial(route_top_k_pallas_differentiable, interpret=True)
+    got, want = (jax.grad(lambda l, fn=fn: jnp.sum(fn(l, 4, norm)[0] * cotangent))(logits)
+                 for fn in (kernel, route_top_k))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(want).max()) > 0
 
 
 def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):

@@ -193,7 +193,8 @@ def test_second_runner_loads_its_executables_from_the_executable_cache(tiny_mode
             assert executable_cache._versions()["jax-cuda13-plugin"] == "0.0.1"
             assert runner_fingerprint(second) != cache_dir.name
         # The MoE decode kernels' switch, or their registration, changes the traced step: another fingerprint.
-        with unittest.mock.patch.dict(os.environ, {"PAGED_JAX_MOE_DECODE_KERNELS": "0"}):
+        switched = "1" if os.environ.get("PAGED_JAX_MOE_DECODE_KERNELS", "1") == "0" else "0"
+        with unittest.mock.patch.dict(os.environ, {"PAGED_JAX_MOE_DECODE_KERNELS": switched}):
             assert runner_fingerprint(second) != cache_dir.name
         with unittest.mock.patch.dict(moe._ROUTERS, {"pallas": route_top_k}):
             assert runner_fingerprint(second) != cache_dir.name

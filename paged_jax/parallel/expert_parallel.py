@@ -72,8 +72,9 @@ class ExpertParallel:
     gate/up columns, which XLA's partitioner would split between gate and up, laid out per device by
     ``ShardingPlan.rewrite_param``; gpt-oss's interleaved gate/up columns and MXFP4 blocks, whose contiguous slices
     keep each gate next to its up), each device's partial sums then cover every expert. ``token_axis``: the mesh axis
-    the tokens are split over (dp under data-parallel attention), else None (every device has every token); where
-    the experts span it too, the tokens are all-gathered over it and the sums reduce-scattered back.
+    the tokens are split over (dp under data-parallel attention; a token count it does not divide is taken whole),
+    else None (every device has every token); where the experts span it too, the tokens are all-gathered over it and
+    the sums reduce-scattered back.
 
     Call: ``(x dtype[T, H], w_gate / w_up [E, H, I], w_down [E, I, H], topk_weights float32[T, k], topk_ids
     int32[T, k], *, impl) -> dtype[T, H]``, the same as ``moe_experts`` (T split over ``token_axis``); ``impl`` picks
@@ -104,13 +105,20 @@ class ExpertParallel:
             return P()
         return P(*[self.axis if dim == width_dim else None for dim in range(width_dim + 1)])
 
+    def split_axis(self, num_tokens: int) -> str | None:
+        """``token_axis`` where it divides ``num_tokens``, else None: the tokens are then taken whole on every device
+        (resharded by XLA), as without a token axis."""
+        token_axis = self.token_axis
+        return token_axis if token_axis is not None and num_tokens % self.mesh.shape[token_axis] == 0 else None
+
     def partial_sums(self, local_fn: Callable, per_token: tuple, weights: tuple, width_dims: tuple) -> jax.Array:
         """The sum over the EP group of ``local_fn(*per_token, *local_weights, first_expert)`` (float32 ``[T, ...]``),
         the share of the layer one device computes from its part of the stacked expert ``weights`` (arrays or pytrees
         of them, e.g. ``Mxfp4Experts``; ``width_dims``: each one's ``I`` dim, ``weight_spec``) for the ``per_token``
         arrays (leading dim T: the tokens, their top-k ids and weights); ``first_expert`` (int32 scalar) is the global
         id of the device's expert 0 (0 when every device holds a slice of every expert)."""
-        axes, whole, count, token_axis = self.axes, self.whole_experts, len(per_token), self.token_axis
+        axes, whole, count = self.axes, self.whole_experts, len(per_token)
+        token_axis = self.split_axis(per_token[0].shape[0])
         gathered = token_axis is not None and token_axis in axes
         summed = tuple(name for name in axes if not (gathered and name == token_axis))
 
@@ -133,8 +141,9 @@ class ExpertParallel:
 
     def __call__(self, x, w_gate, w_up, w_down, topk_weights, topk_ids, *, impl: str = "xla") -> jax.Array:
         local_pairs = topk_ids.size  # each device's: all of the EP group's (gathered over the token axis, or whole)
-        if self.token_axis is not None and self.token_axis not in self.axes:
-            local_pairs //= self.mesh.shape[self.token_axis]
+        token_axis = self.split_axis(x.shape[0])
+        if token_axis is not None and token_axis not in self.axes:
+            local_pairs //= self.mesh.shape[token_axis]
         grouped_matmul = grouped_matmul_for(impl, local_pairs, x.shape[1], x.dtype, w_gate)
 
         def local(x, topk_weights, topk_ids, w_gate, w_up, w_down, first):

@@ -11,11 +11,11 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
 * Norm scales and the o_proj bias are replicated.
 * Mixture-of-experts layers (``models.moe``): every device holds every expert, each expert split as a dense MLP is
   (gate/up ``[E, H, I]`` over I, down ``[E, I, H]`` over I: one all-reduce per layer); the router is replicated.
-  With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E; ``E / (dp x tp)`` where
-  dp > 1, the tokens then gathered over dp and the sums reduce-scattered back) and the sparse layers run them under
-  ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too); so do Llama
-  4's width-split experts, whose fused gate/up columns ``rewrite_param`` lays out per device. Shared experts split as
-  a dense MLP.
+  With ``expert_parallel`` each device holds ``E / tp`` whole experts instead (split over E) and the sparse layers
+  run them under ``shard_map`` (``paged_jax.parallel.expert_parallel``: one all-reduce per layer too; where dp > 1
+  ``E / (dp x tp)`` each, the tokens all-gathered over dp, the sums reduce-scattered over dp and all-reduced over
+  tp); so do Llama 4's width-split experts, whose fused gate/up columns ``rewrite_param`` lays out per device.
+  Shared experts split as a dense MLP.
 * The paged KV pool ``[num_blocks, block_size, Hkv, D]`` is sharded over its KV-head axis; attention runs under
   ``shard_map`` so each device runs the kernel (or the jnp reference) on its own q heads and its own KV shard.
   Latent attention (DeepSeek's MLA, ``models.mla``): the q heads split (q / q_b, kv_b and o projections), the
@@ -121,8 +121,9 @@ class ShardingPlan:
       kv_layout: "sharded" (attention weights and the KV pool split over kv heads; attention under shard_map) or
         "replicated" (the whole attention block and the KV pool replicated on every tp device; only the MLP,
         embedding and LM head are split).
-      expert_parallel: the experts of sparse layers split over tp along the expert axis (each device holds
-        ``num_experts / tp`` whole experts; ``moe_experts``) instead of along their width.
+      expert_parallel: the experts of sparse layers split over tp (dp x tp where dp > 1) along the expert axis
+        (each device holds ``num_experts / tp`` whole experts, ``num_experts / (dp x tp)``; ``moe_experts``) instead
+        of along their width.
     """
 
     mesh: Mesh
@@ -177,9 +178,9 @@ class ShardingPlan:
     @property
     def moe_experts(self) -> ExpertParallel | None:
         """What the sparse layers run their experts through (``SparseMoeBlock.expert_parallel``): an
-        ``ExpertParallel`` over tp (dp x tp where dp > 1: ``expert_axes``) with ``expert_parallel``; for Llama 4's and gpt-oss's fused gate/up experts one
-        over their width (``ExpertParallel.whole_experts`` False); else None (XLA partitions the width-split
-        experts)."""
+        ``ExpertParallel`` over tp (dp x tp where dp > 1: ``expert_axes``) with ``expert_parallel``; for Llama 4's
+        and gpt-oss's fused gate/up experts one over their width (``ExpertParallel.whole_experts`` False); else None
+        (XLA partitions the width-split experts). Where dp > 1 the tokens are split over dp (``token_axis``)."""
         token_axis = DP_AXIS if self.data_parallel_size > 1 else None
         if self.expert_parallel:
             return ExpertParallel(self.mesh, expert_axes(self.data_parallel_size), token_axis=token_axis)

@@ -15,8 +15,9 @@ program depends on, and a later start deserializes it without tracing at all:
   fingerprint>/``. The fingerprint (``runner_fingerprint``) covers the source of ``paged_jax`` and ``models`` (every
   file), the versions of jax / jaxlib / flax / numpy / ml_dtypes and of the GPU plugin packages, the devices
   (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` / ``TPU_*`` /
-  ``PAGED_JAX_*`` environment variables, the MoE decode forms registered (``models.moe.decode_forms``), the model's
-  modules and their static attributes, the parameter tree, and the runner's configuration; each file's name
+  ``PAGED_JAX_MOE_*`` / ``PAGED_JAX_BATCH_INVARIANT_*`` / ``VLLM_BATCH_INVARIANT`` environment variables, the MoE
+  decode forms registered (``models.moe.decode_forms``), the model's modules and their static attributes, the
+  parameter tree, and the runner's configuration; each file's name
   adds the function, its static arguments and its abstract inputs (shapes, dtypes, shardings). A loaded executable
   whose input shapes, dtypes or shardings differ from those asked for, or an unreadable file, is ignored (compiled
   instead). Only fresh compiles are saved: an executable JAX itself loaded from its persistent cache is not (the
@@ -56,7 +57,10 @@ logger = logging.getLogger(__name__)
 CACHE_SUBDIR = "paged_jax_executables"
 # Fingerprint directories kept (newest used first); each holds one engine configuration's executables.
 MAX_FINGERPRINTS = 8
-_ENV_PREFIXES = ("XLA_", "JAX_", "LIBTPU", "TPU_", "PAGED_JAX_")
+# Environment variables that change what a step traces or compiles (the engine's own: its MoE kernels and launches,
+# batch-invariant matmuls); others of the engine's (an API key, log intervals, paths) do not.
+_ENV_PREFIXES = ("XLA_", "JAX_", "LIBTPU", "TPU_", "PAGED_JAX_MOE_", "PAGED_JAX_BATCH_INVARIANT_",
+                 "VLLM_BATCH_INVARIANT")
 # JAX options that only say where / whether JAX caches compiles: they do not change a compiled program.
 _IGNORED_JAX_OPTIONS = re.compile(r"compilation_cache|persistent_cache|log_compiles|explain_cache_misses")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

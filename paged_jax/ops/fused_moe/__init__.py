@@ -9,8 +9,8 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
   the whole op on it;
 * ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
   as ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4
-  (``Mxfp4Experts``) experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs (a decode step of one
-  or two tokens) the decode kernels instead (``register_decode_kernels``; ``PAGED_JAX_MOE_DECODE_KERNELS=0`` turns
+  (``Mxfp4Experts``) experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs (16 / k tokens: a
+  decode step of one or two tokens for top-8 routing) the decode kernels instead (``register_decode_kernels``; ``PAGED_JAX_MOE_DECODE_KERNELS=0`` turns
   them off): for float experts ``pair_experts_pallas`` (``pair_kernel.py``), each pair multiplied by its expert
   unsorted (``models.moe.moe_experts_pairs``), and for every expert format the router's softmax and top-k as one
   kernel (``route_kernel.py``);
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
                         pair_experts_reference, register_grouped_matmul, register_moe_selector, register_pair_experts,
-                        register_route_top_k)
+                        register_route_top_k, route_top_k)
 from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, KernelConfig, default_config, fp8_scale_block_supported,
                                              grouped_matmul_pallas, tile_schedule)
 from paged_jax.ops.fused_moe.pair_kernel import pair_experts_pallas
@@ -83,6 +83,24 @@ def pair_experts_pallas_differentiable(x, w_gate, w_up, w_down, topk_ids, *, int
     return _pairs_differentiable(x, w_gate, w_up, w_down, topk_ids, interpret)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _route_differentiable(router_logits, top_k, norm_topk_prob, interpret):
+    return route_top_k_pallas(router_logits, top_k, norm_topk_prob, interpret=interpret)
+
+
+@_route_differentiable.defjvp
+def _route_differentiable_jvp(top_k, norm_topk_prob, interpret, primals, tangents):
+    # The reference's derivative, as for the grouped kernel (the ids' tangent: float0).
+    out = _route_differentiable(*primals, top_k, norm_topk_prob, interpret)
+    _, tangent_out = jax.jvp(lambda logits: route_top_k(logits, top_k, norm_topk_prob), primals, tangents)
+    return out, tangent_out
+
+
+def route_top_k_pallas_differentiable(router_logits, top_k: int, norm_topk_prob: bool, *, interpret: bool = False):
+    """``route_top_k_pallas`` with ``route_top_k``'s derivatives: ``moe_impl="pallas"``'s decode-step router."""
+    return _route_differentiable(router_logits, top_k, norm_topk_prob, interpret)
+
+
 def auto_impl(num_rows: int, hidden: int, dtype, scale_block: tuple[int, int] | None = None) -> str:
     """``moe_impl="auto"`` for ``num_rows`` sorted rows: the kernel on a GPU for its dtypes and, for block-FP8
     experts, their ``scale_block`` (``fp8_scale_block_supported``), else "xla"."""
@@ -102,7 +120,7 @@ def register_decode_kernels() -> None:
     form (float experts) and their router as the route kernel: what importing this package does unless
     ``DECODE_KERNELS_ENV=0``."""
     register_pair_experts("pallas", pair_experts_pallas_differentiable)
-    register_route_top_k("pallas", route_top_k_pallas)
+    register_route_top_k("pallas", route_top_k_pallas_differentiable)
 
 
 def decode_kernels_requested() -> bool:
@@ -122,4 +140,4 @@ if decode_kernels_requested():
 __all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable",
            "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "pair_experts_pallas",
            "pair_experts_pallas_differentiable", "decode_kernels_requested", "register_decode_kernels", "route_top_k_pallas",
-           "tile_schedule"]
+           "route_top_k_pallas_differentiable", "tile_schedule"]
