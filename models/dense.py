@@ -6,8 +6,10 @@ dimension and rewrites a matrix-vector dot whose ``(out + 1) * in`` is below a s
 projection's ``[in, out]`` weight that reduce runs across the weight's major dimension, and where the reduce is long
 and the output wide it does not absorb the multiply: the whole product is written and read back on top of the
 weight, which a matmul reads once. Two rows keep such a dot a matmul (cuBLAS or XLA's Triton GEMM,
-by autotuning); the second row is the first one broadcast, so nothing new is computed. Short reduces and narrow
-outputs (a router's) stay one row: there the rewrite costs less than the broadcast and the matmul's launch.
+by autotuning); the second row is the first one broadcast, so nothing new is computed. That covers a router's
+narrow output too (the rewrite writes and reads back a product wider than the weight: its float32 ``[in, out]``);
+short reduces and very narrow outputs stay one row, where the rewrite costs less than the broadcast and the matmul's
+launch.
 Every ``nnx.Linear`` the models build (``dense_linear``) multiplies through ``dense_dot_general``.
 """
 
@@ -21,7 +23,7 @@ INIT_STD = 0.02
 # The rows a one-row product is multiplied as, and the shapes where that pays (see the module docstring).
 MIN_DOT_ROWS = 2
 MIN_REDUCE_LENGTH = 2048  # the weight's input features
-MIN_OUTPUT_WIDTH = 1024  # its output features
+MIN_OUTPUT_WIDTH = 128  # its output features (a 128-expert router's)
 # XLA's matrix-vector rewrite threshold on (out + 1) * in; above it the dot is a library GEMV already.
 XLA_STRENGTH_REDUCTION_ELEMENTS = 10_000_000
 

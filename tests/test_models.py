@@ -245,10 +245,12 @@ def test_llama3_inv_freq_matches_transformers():
 
 def test_one_row_projection_stays_a_two_row_matmul():
     """A batch-1 step's projections (models.dense): a one-row product with a long, wide weight is multiplied as two
-    equal rows, so XLA keeps the matmul instead of strength-reducing a matrix-vector dot; a small weight's stays one
-    row. Either way the result is the one-row product."""
+    equal rows, so XLA keeps the matmul instead of strength-reducing a matrix-vector dot (a 128-expert router's
+    too); a small weight's stays one row (a short reduce, or an 8-expert router's output). Either way the result is
+    the one-row product."""
     rows = jax.random.normal(jax.random.key(1), (3, 2048), jnp.float32)
-    for in_features, out_features, dot_rows in ((2048, 1024, MIN_DOT_ROWS), (64, 48, 1)):
+    assert not pads_one_row(2048, 8)
+    for in_features, out_features, dot_rows in ((2048, 1024, MIN_DOT_ROWS), (2048, 128, MIN_DOT_ROWS), (64, 48, 1)):
         assert pads_one_row(in_features, out_features) == (dot_rows == MIN_DOT_ROWS)
         layer = dense_linear(in_features, out_features, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
                              rngs=nnx.Rngs(0), bias_init=nnx.initializers.normal(1.0))
