@@ -136,7 +136,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_start_up_ends_every_child_process(smollm2_dir, sig, tmp_path):
     """``python -m serving`` with the built-in model, signalled once its engine process is loading / compiling (before
-    /health answers): the server and every process it started are gone within 5 s."""
+    /health answers): the server and every process it started are gone within 20 s."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -160,7 +160,9 @@ def test_signal_during_start_up_ends_every_child_process(smollm2_dir, sig, tmp_p
         with pytest.raises(httpx.HTTPError):  # not ready: the socket is bound but nothing answers yet
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
         server.send_signal(sig)
-        deadline = time.monotonic() + 5
+        # Python runs the handler once the main thread holds the GIL, which the tokenizer thread's import of
+        # transformers (torch's C-level start: seconds on a loaded machine) can keep for a while.
+        deadline = time.monotonic() + 20
         while (server.poll() is None or any(_alive(pid) for pid in children)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.poll() == 0, log.read_text()[-3000:]
