@@ -24,10 +24,10 @@ Layout (Megatron-style, over the mesh axis ``"tp"``):
   shape is ``ShardingPlan.model_config``: build the model and the KV pool from it.
 
 Data parallelism (mesh axis ``"dp"``): weights are replicated over dp (but whole experts under ``expert_parallel``,
-split over dp x tp); the flat token batch, the attention metadata and
-the KV pool's block axis are split over dp, so each dp group owns ``num_blocks / dp`` blocks addressed by *local*
-block ids (local block 0 is that group's null block) and its own sequences. This is a model-level layout (used by
-``benchmarks/sharding.py``); the engine runs dp = 1.
+split over dp x tp); the flat token batch, the attention metadata and the KV pool's block axis are split over dp, so
+each dp group owns ``num_blocks / dp`` blocks addressed by *local* block ids (local block 0 is that group's null
+block) and its own sequences. This is a model-level layout (used by ``benchmarks/sharding.py``); the engine runs
+dp = 1.
 
 The plan implements ``models.tensor_parallel.TensorParallelPlan``: ``models.tensor_parallel`` builds, shards and
 loads the model that runs on it (``TensorParallelLlamaForCausalLM``, ``shard_model``, ``load_sharded_model``).

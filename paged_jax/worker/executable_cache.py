@@ -17,14 +17,14 @@ program depends on, and a later start deserializes it without tracing at all:
   (platform, kind, id, platform version), JAX's configuration and ``XLA_*`` / ``JAX_*`` / ``LIBTPU*`` / ``TPU_*`` /
   ``PAGED_JAX_MOE_*`` / ``PAGED_JAX_BATCH_INVARIANT_*`` / ``VLLM_BATCH_INVARIANT`` environment variables, the MoE
   decode forms registered (``models.moe.decode_forms``), the model's modules and their static attributes, the
-  parameter tree, and the runner's configuration; each file's name
-  adds the function, its static arguments and its abstract inputs (shapes, dtypes, shardings). A loaded executable
-  whose input shapes, dtypes or shardings differ from those asked for, or an unreadable file, is ignored (compiled
-  instead). Only fresh compiles are saved: an executable JAX itself loaded from its persistent cache is not (the
-  CPU client re-serializes such an executable without its code: it would fail when run), so after a change that
-  leaves the programs as they were (a new fingerprint, JAX's cache still hit) starts trace and lower as before until
-  JAX's entries go. Off when JAX's compilation cache is off (``compilation_cache_dir=""``) and in multi-process jobs; the
-  newest ``MAX_FINGERPRINTS`` fingerprint directories are kept.
+  parameter tree, and the runner's configuration; each file's name adds the function, its static arguments and its
+  abstract inputs (shapes, dtypes, shardings). A loaded executable whose input shapes, dtypes or shardings differ from
+  those asked for, or an unreadable file, is ignored (compiled instead). Only fresh compiles are saved: an executable
+  JAX itself loaded from its persistent cache is not (the CPU client re-serializes such an executable without its
+  code: it would fail when run), so after a change that leaves the programs as they were (a new fingerprint, JAX's
+  cache still hit) starts trace and lower as before until JAX's entries go. Off when JAX's compilation cache is off
+  (``compilation_cache_dir=""``) and in multi-process jobs; the newest ``MAX_FINGERPRINTS`` fingerprint directories
+  are kept.
 """
 
 from __future__ import annotations

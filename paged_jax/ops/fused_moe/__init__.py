@@ -7,13 +7,13 @@ model's sparse layers call it; ``moe_experts_with`` takes the grouped matmul its
 
 * ``"xla"``: ``grouped_matmul_reference`` (``lax.ragged_dot``), the jnp reference, and ``moe_experts_reference``
   the whole op on it;
-* ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched
-  as ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4
-  (``Mxfp4Experts``) experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs (16 / k tokens: a
-  decode step of one or two tokens for top-8 routing) the decode kernels instead (``register_decode_kernels``; ``PAGED_JAX_MOE_DECODE_KERNELS=0`` turns
-  them off): for float experts ``pair_experts_pallas`` (``pair_kernel.py``), each pair multiplied by its expert
-  unsorted (``models.moe.moe_experts_pairs``), and for every expert format the router's softmax and top-k as one
-  kernel (``route_kernel.py``);
+* ``"pallas"``: ``grouped_matmul_pallas`` (``kernel.py``), one Pallas Triton kernel per grouped matmul, launched as
+  ``default_config`` says (``KernelConfig``), on float, block-FP8 (``BlockFp8Experts``) or MXFP4 (``Mxfp4Experts``)
+  experts; up to ``models.moe.PAIR_FORM_MAX_PAIRS`` (token, expert) pairs (16 / k tokens: a decode step of one or two
+  tokens for top-8 routing) the decode kernels instead (``register_decode_kernels``;
+  ``PAGED_JAX_MOE_DECODE_KERNELS=0`` turns them off): for float experts ``pair_experts_pallas`` (``pair_kernel.py``),
+  each pair multiplied by its expert unsorted (``models.moe.moe_experts_pairs``), and for every expert format the
+  router's softmax and top-k as one kernel (``route_kernel.py``);
 * ``"auto"``: ``auto_impl``, the kernel on a GPU for its dtypes and FP8 scale blocks, else XLA.
 
 The reference lives in ``models.moe`` (as the RMSNorm's does in ``models.norm``) so that models run without
@@ -137,7 +137,7 @@ register_moe_selector(auto_impl)
 if decode_kernels_requested():
     register_decode_kernels()
 
-__all__ = ["KernelConfig", "auto_impl", "default_config", "grouped_matmul_pallas", "grouped_matmul_pallas_differentiable",
-           "grouped_matmul_reference", "moe_experts", "moe_experts_reference", "moe_experts_with", "pair_experts_pallas",
-           "pair_experts_pallas_differentiable", "decode_kernels_requested", "register_decode_kernels", "route_top_k_pallas",
-           "route_top_k_pallas_differentiable", "tile_schedule"]
+__all__ = ["KernelConfig", "auto_impl", "decode_kernels_requested", "default_config", "grouped_matmul_pallas",
+           "grouped_matmul_pallas_differentiable", "grouped_matmul_reference", "moe_experts", "moe_experts_reference",
+           "moe_experts_with", "pair_experts_pallas", "pair_experts_pallas_differentiable", "register_decode_kernels",
+           "route_top_k_pallas", "route_top_k_pallas_differentiable", "tile_schedule"]
