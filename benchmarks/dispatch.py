@@ -7,6 +7,9 @@ kernels per step; on a GPU both can cost host time per call. This measures, with
 * ``args_donated[N]``: the same with N/4 of them donated and returned (as the KV pool is).
 * ``kernels[K]``: a call on one small array running K dependent small matmuls (separate kernels), dispatch time and
   dispatch + wait.
+* ``input_read_by_every_kernel[K]``: K kernels that all read the call's input, dispatch time with the same input
+  array every call and with a different one each call (another device address: XLA's command buffer then updates
+  every command reading it, as the step's metadata does).
 
 Example: ``python -m benchmarks.dispatch --out $OUT/dispatch.json``; compare runs under different ``XLA_FLAGS``.
 """
@@ -81,6 +84,19 @@ def main(argv: list[str] | None = None) -> dict:
             jax.block_until_ready(fn(x0, w))
             times.append(time.perf_counter() - start)
         result[f"kernels[{2 * k}]_call_ms"] = round(float(np.median(times)) * 1e3, 4)
+
+    def every_kernel_reads_input(x, w, k=200):
+        h = x
+        for i in range(k):
+            h = jnp.tanh(h @ w + x * i)
+        return h
+
+    fn = jax.jit(every_kernel_reads_input)
+    inputs = [jax.random.normal(jax.random.fold_in(key, 2000 + i), (8, 64), jnp.bfloat16) for i in range(8)]
+    result["input_read_by_every_kernel[400]_same_input_dispatch_ms"] = dispatch_ms(fn, (inputs[0], w))
+    turn = iter(range(10**9))
+    result["input_read_by_every_kernel[400]_new_input_dispatch_ms"] = dispatch_ms(
+        fn, (inputs[0], w), carry=lambda out, a: (inputs[next(turn) % len(inputs)], a[1]))
     print(json.dumps(result), flush=True)
     write_json(args.out, result)
     return result

@@ -112,8 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace", type=int, metavar="TOP", default=0,
                    help="trace the timed run with jax.profiler and report GPU busy time and the TOP kernels by time "
                         "(the profiler slows the host: a diagnostic run, not a throughput figure)")
+    p.add_argument("--trace-dir", help="with --trace: keep the raw profile in this directory (TensorBoard / XProf) "
+                                       "rather than a temporary one")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args(argv)
+    if args.trace_dir and not args.trace:
+        p.error("--trace-dir keeps the profile of --trace TOP: give --trace too")
     if args.breakdown and args.data_parallel_size > 1:
         p.error("--breakdown times one engine's steps; it does not combine with --data-parallel-size > 1")
 
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from benchmarks.trace import kernel_trace
 
-    with kernel_trace(1, args.trace) if args.trace else contextlib.nullcontext() as trace:
+    with kernel_trace(1, args.trace, args.trace_dir) if args.trace else contextlib.nullcontext() as trace:
         t0 = time.perf_counter()
         if args.max_concurrency:
             out_tokens = _run_with_concurrency(llm.llm_engine, prompts, params, args.max_concurrency)

@@ -23,18 +23,19 @@ def trace_kernels(loop, steps_per_loop: int, top: int) -> dict:
 
 
 @contextlib.contextmanager
-def kernel_trace(steps: int, top: int):
+def kernel_trace(steps: int, top: int, keep_dir: str | None = None):
     """Trace the ``with`` body under ``jax.profiler``; on exit the yielded dict holds ``trace_kernels``' summary of
-    the device kernels it ran, per ``steps`` (1: totals over the body)."""
+    the device kernels it ran, per ``steps`` (1: totals over the body). ``keep_dir``: write the profile there and
+    keep it (host and device planes, for XProf); otherwise into a temporary directory."""
     import tempfile
 
     import jax
 
     summary: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
+    with contextlib.nullcontext(keep_dir) if keep_dir else tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
             yield summary
-        summary.update(_summarize(tmp, steps, top))
+        summary.update(_summarize(trace_dir, steps, top))
 
 
 def _summarize(trace_dir: str, steps: int, top: int) -> dict:
