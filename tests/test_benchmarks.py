@@ -475,3 +475,30 @@ def test_moe_kernel_benchmark_mxfp4_experts(tmp_path):
     assert PRESETS["gpt-oss-20b"]["quantization_config"]["quant_method"] == "mxfp4"
     with pytest.raises(SystemExit):
         main(["--weights", "mxfp4", "--split-tokens", "1", "--interpret"])
+
+
+def test_kernel_trace_keeps_the_profile_where_asked(tmp_path):
+    """benchmarks.trace.kernel_trace with a directory (throughput's --trace-dir): the raw profile stays there after the
+    summary is taken (on the CPU the summary has no GPU kernels)."""
+    import os
+
+    import jax.numpy as jnp
+
+    from benchmarks.trace import kernel_trace
+
+    with kernel_trace(1, 3, str(tmp_path)) as summary:
+        jnp.arange(8.0).sum().block_until_ready()
+    assert any(name.endswith(".xplane.pb") for _, _, names in os.walk(tmp_path) for name in names)
+    assert summary["kernels_per_step"] == 0
+
+
+@pytest.mark.slow  # CI time: it compiles chains of up to 800 kernels
+def test_dispatch_benchmark_times_every_case():
+    """benchmarks/dispatch.py runs each case and reports a positive time for it, the input read by every kernel with
+    the same array and with another one each call."""
+    from benchmarks.dispatch import main
+
+    result = main(["--repeats", "3"])
+    times = {key: value for key, value in result.items() if key.endswith("_ms")}
+    assert "input_read_by_every_kernel[400]_new_input_dispatch_ms" in times
+    assert all(value > 0 for value in times.values())
