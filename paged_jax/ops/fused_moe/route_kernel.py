@@ -40,7 +40,9 @@ def _route_kernel(logits_ref, weights_ref, ids_ref, *, top_k: int, norm_topk_pro
     logits = logits.astype(jnp.float32)
     shifted = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))  # padded experts: exp(-inf) = 0
     probs = shifted / jnp.sum(shifted, axis=1, keepdims=True)
-    remaining = jnp.where(mask, probs, -1.0)  # below every probability: a padded expert is never picked
+    # Below every probability: a padded expert is never picked before a real one. A NaN probability (a NaN or
+    # infinite logit) ranks there too, so every id stays a real expert's (the pair kernels index weights with it).
+    remaining = jnp.where(mask & ~jnp.isnan(probs), probs, -1.0)
     picked_weights, picked_ids = [], []
     for _ in range(top_k):
         best = jnp.max(remaining, axis=1)
