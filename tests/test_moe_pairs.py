@@ -184,6 +184,16 @@ def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
     for name in ("moe_route_top8", "moe_pair_gate_up_bn128_bk64_s16", "moe_pair_down_bn128_bk64_s6"):
         assert f'name = "{name}"' in one
     assert 8 * 2 <= PAIR_FORM_MAX_PAIRS < 16 * top_k
+
+    def routed(expert_parallel):  # the router alone: experts over devices route with XLA's (the mesh splits it)
+        def run(state, x):
+            layer = nnx.merge(graph, state)
+            layer.expert_parallel = expert_parallel
+            return layer.route(x)
+        return jax.jit(run).trace(state, jax.ShapeDtypeStruct((1, hidden), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    assert "moe_route_top8" in routed(None) and "moe_route_top8" not in routed(object())
     sixteen = lowered(16)
     assert "moe_grouped_matmul" in sixteen and "moe_pair" not in sixteen and "moe_route_top8" not in sixteen
     fp8 = [BlockFp8Experts(jax.ShapeDtypeStruct((num_experts, k, n), jnp.float8_e4m3fn),
