@@ -28,10 +28,11 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.moe import (grouped_matmul_reference, moe_experts, moe_experts_reference, moe_experts_with,
                         pair_experts_reference, register_grouped_matmul, register_moe_selector, register_pair_experts,
-                        register_route_top_k, route_top_k)
+                        register_route_top_k)
 from paged_jax.ops.fused_moe.kernel import (KERNEL_DTYPES, KernelConfig, default_config, fp8_scale_block_supported,
                                              grouped_matmul_pallas, tile_schedule)
 from paged_jax.ops.fused_moe.pair_kernel import pair_experts_pallas
@@ -90,14 +91,21 @@ def _route_differentiable(router_logits, top_k, norm_topk_prob, interpret):
 
 @_route_differentiable.defjvp
 def _route_differentiable_jvp(top_k, norm_topk_prob, interpret, primals, tangents):
-    # The reference's derivative, as for the grouped kernel (the ids' tangent: float0).
-    out = _route_differentiable(*primals, top_k, norm_topk_prob, interpret)
-    _, tangent_out = jax.jvp(lambda logits: route_top_k(logits, top_k, norm_topk_prob), primals, tangents)
-    return out, tangent_out
+    # The reference's derivative at the experts the kernel picked (a near-tie it breaks otherwise than XLA's top-k
+    # still gets its own experts' tangent); the ids' tangent: float0.
+    weights, ids = out = _route_differentiable(*primals, top_k, norm_topk_prob, interpret)
+
+    def picked_weights(logits):
+        picked = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), ids, axis=-1)
+        return picked / jnp.sum(picked, axis=-1, keepdims=True) if norm_topk_prob else picked
+
+    _, weights_tangent = jax.jvp(picked_weights, primals, tangents)
+    return out, (weights_tangent, np.zeros(ids.shape, jax.dtypes.float0))
 
 
 def route_top_k_pallas_differentiable(router_logits, top_k: int, norm_topk_prob: bool, *, interpret: bool = False):
-    """``route_top_k_pallas`` with ``route_top_k``'s derivatives: ``moe_impl="pallas"``'s decode-step router."""
+    """``route_top_k_pallas`` with ``models.moe.route_top_k``'s derivatives (at the experts the kernel picked):
+    ``moe_impl="pallas"``'s decode-step router."""
     return _route_differentiable(router_logits, top_k, norm_topk_prob, interpret)
 
 
