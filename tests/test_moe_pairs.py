@@ -126,14 +126,17 @@ def test_route_kernel_matches_reference(num_tokens, num_experts, top_k, norm, dt
 @pytest.mark.parametrize("bad_logit", [float("nan"), float("inf")])
 def test_route_kernel_picks_real_experts_for_a_non_finite_row(bad_logit):
     """A row whose softmax is NaN (a NaN or infinite router logit) still routes to real experts, the reference's ids
-    (the pair kernels index the expert weights with them: an id past the experts would read outside them); the
-    other rows are untouched."""
+    (the pair kernels index the expert weights with them: an id past the experts would read outside them) and NaN
+    weights, as the reference's (the blow-up shows); the other rows are untouched."""
     rng = np.random.default_rng(5)
     logits = _random(rng, (3, 60), jnp.float32).at[1, 7].set(bad_logit)
-    _, ids = route_top_k_pallas(logits, 4, True, interpret=True)
-    _, want_ids = route_top_k(logits, 4, True)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-    assert int(ids.max()) < 60
+    for norm in (True, False):
+        weights, ids = route_top_k_pallas(logits, 4, norm, interpret=True)
+        want_weights, want_ids = route_top_k(logits, 4, norm)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        assert int(ids.max()) < 60
+        assert np.isnan(np.asarray(weights[1])).all()  # the blow-up shows, as in the reference's weights
+        np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -47,7 +47,7 @@ def _route_kernel(logits_ref, weights_ref, ids_ref, *, top_k: int, norm_topk_pro
     for _ in range(top_k):
         best = jnp.max(remaining, axis=1)
         best_id = jnp.min(jnp.where(remaining == best[:, None], experts[None, :], padded_experts), axis=1)
-        picked_weights.append(best)
+        picked_weights.append(jnp.where(best < 0, jnp.nan, best))  # a NaN row's weights stay NaN, as the reference's
         picked_ids.append(best_id)
         remaining = jnp.where(experts[None, :] == best_id[:, None], -2.0, remaining)
     total = functools.reduce(jnp.add, picked_weights)
