@@ -17,6 +17,7 @@ Example: ``python -m benchmarks.dispatch --out $OUT/dispatch.json``; compare run
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     fn = jax.jit(every_kernel_reads_input)
     inputs = [jax.random.normal(jax.random.fold_in(key, 2000 + i), (8, 64), jnp.bfloat16) for i in range(8)]
     result["input_read_by_every_kernel[400]_same_input_dispatch_ms"] = dispatch_ms(fn, (inputs[0], w))
-    turn = iter(range(10**9))
+    turn = itertools.count()
     result["input_read_by_every_kernel[400]_new_input_dispatch_ms"] = dispatch_ms(
         fn, (inputs[0], w), carry=lambda out, a: (inputs[next(turn) % len(inputs)], a[1]))
     print(json.dumps(result), flush=True)

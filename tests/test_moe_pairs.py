@@ -153,6 +153,24 @@ def test_route_kernel_derivatives_are_the_references(norm):
     assert float(jnp.abs(want).max()) > 0
 
 
+def test_route_kernel_derivative_is_taken_at_the_experts_it_picked(monkeypatch):
+    """Where the kernel's ids differ from XLA's top-k (a near-tie broken otherwise), the weights' tangent is the
+    softmax's at the kernel's experts, not at XLA's: here a stand-in kernel picks the 2nd..5th largest."""
+    def second_to_fifth(logits, top_k, norm_topk_prob, interpret=False):
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        ids = jnp.argsort(-probs, axis=-1)[:, 1:1 + top_k].astype(jnp.int32)
+        picked = jnp.take_along_axis(probs, ids, axis=-1)
+        return (picked / picked.sum(-1, keepdims=True) if norm_topk_prob else picked), ids
+
+    monkeypatch.setattr(fused_moe, "route_top_k_pallas", second_to_fifth)
+    rng = np.random.default_rng(8)
+    logits, tangent = _random(rng, (2, 16), jnp.float32), _random(rng, (2, 16), jnp.float32)
+    for norm in (True, False):
+        _, got = jax.jvp(lambda l, norm=norm: route_top_k_pallas_differentiable(l, 4, norm)[0], (logits,), (tangent,))
+        _, want = jax.jvp(lambda l, norm=norm: second_to_fifth(l, 4, norm)[0], (logits,), (tangent,))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
 def test_batch_one_step_lowers_to_the_decode_kernels_for_the_gpu(monkeypatch):
     """A Qwen3-MoE sparse block ("auto" on a GPU) lowers for CUDA on the CPU. Without the decode kernels
     (``PAGED_JAX_MOE_DECODE_KERNELS=0``: none registered) its one-token step sorts and runs the grouped kernels; with
